@@ -21,8 +21,9 @@ socket (``TrajectoryPusher.send`` returned). Until then, the coordinator re-deal
 if this server dies.
 
 Three REQ sockets, each behind its own lock, so any thread may call any method: one for
-task requests and acks, one for registration and sync reports, and one for the heartbeat
-long-poll (so a long sync or a held task request never delays a heartbeat). A server that
+task requests (long-polled), one for registration, sync reports and acks (answered at
+once), and one for the heartbeat long-poll (so a long sync or a held task request never
+delays a heartbeat, an ack or a sync report). A server that
 the coordinator no longer knows (it was declared dead, or the coordinator restarted) is
 registered again automatically, once per stale session whichever thread notices first.
 """
@@ -307,7 +308,9 @@ class CoordinatorClient:
             if self.gone.is_set():
                 break
             try:
-                reply = self._call("tasks", msg)
+                # The control socket: the task socket may be held by a long-polled request,
+                # and an ack queued behind it would also hold a worker thread of the server.
+                reply = self._call("control", msg)
             except TimeoutError:
                 continue
             assert isinstance(reply, m.TaskAckReply), reply

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # longest poll: bounds how late a version, a sync start or a death is acted on
 REAP_EVERY_S = 0.1
-WAIT_REASONS = ("budget", "catchup", "exhausted")
+WAIT_REASONS = ("budget", "catchup", "exhausted", "starting")
 
 
 @dataclass
@@ -178,6 +178,8 @@ class ControlLoop:
         if isinstance(msg, m.SyncDone):
             st.sync_done(msg, now)
             return m.Ok()
+        if isinstance(msg, m.TaskAck):  # acks come here so a held task request cannot delay them
+            return st.ack(msg.server_id, msg.task_ids, now)
         if isinstance(msg, m.Leave):
             self.forget(msg.server_id)
             st.leave(msg.server_id)
