@@ -34,6 +34,25 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def demo_model(tmp_path_factory) -> Path:
+    """The demo's tiny model (trained, then flattened: it learns in a few dozen RL steps),
+    built by ``asyncrl-prepare model --name tiny --flatten`` as ``make demo`` does."""
+    out = tmp_path_factory.mktemp("models") / "tiny-demo"
+    run_cli("asyncrl-prepare", "model", "--name", "tiny", "--flatten", "--out", str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def arithmetic_data(tmp_path_factory) -> Path:
+    """The demo's prompt files (train and validation prompts disjoint)."""
+    from asyncrl.tasks import prepare_task_data
+
+    out = tmp_path_factory.mktemp("data")
+    prepare_task_data("arithmetic", out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def small_model(tmp_path_factory) -> Path:
     """The ~24M-parameter model (random weights), built by ``asyncrl-prepare model``."""
     out = tmp_path_factory.mktemp("models") / "small"

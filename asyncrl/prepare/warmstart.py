@@ -10,7 +10,8 @@ first trained on the training split. Two ways to leave room for RL to show:
   norm down (:func:`flatten`), which divides every logit by ``tau`` (a temperature baked
   into the weights). Greedy answers stay right; sampling at temperature 1 is mostly wrong.
   RL then has something it can learn in minutes: to sharpen the distribution again. This
-  is what ``asyncrl-prepare model --name tiny`` does.
+  is the demo's model (``asyncrl-prepare model --name tiny --flatten``, :func:`supervised`
+  then :func:`flatten`); the tests keep the early-stopped one.
 """
 
 from __future__ import annotations
@@ -96,10 +97,57 @@ def warm_start(
     return WarmStartReport(steps=step, val_accuracy=acc, history=history)
 
 
+def supervised(
+    model,
+    tok,
+    train: Sequence[Example],
+    *,
+    steps: int = 800,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    warmup_steps: int = 50,
+    seed: int = 0,
+) -> float:
+    """Train on ``train`` (loss on the answer tokens only) for a fixed number of steps, with
+    a linear warm-up and a linear decay to 5% of ``lr``; returns the last batch's loss.
+
+    The decay is what lets the tiny model settle: at a constant 3e-3 it kept oscillating
+    (greedy accuracy on held-out sums about 0.8 after 1000 steps); with the decay it
+    answers 0.85 to 1 of the held-out single-digit sums after 600 to 2000 steps (measured,
+    about 65 s for 800 steps on one core).
+    """
+    import torch
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) * max(0.05, 1.0 - step / steps)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    loss = torch.tensor(float("nan"))
+    model.train()
+    for step in range(1, steps + 1):
+        ids, labels = _supervised_batch(
+            tok, [train[rng.randrange(len(train))] for _ in range(batch_size)]
+        )
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 100 == 0:
+            log.info("supervised step %d/%d: loss %.4f", step, steps, loss.item())
+    model.eval()
+    return float(loss.item())
+
+
 def flatten(
     model,
     tok,
-    val: Sequence[Example],
+    examples: Sequence[Example],
     score: Scorer,
     *,
     target_accuracy: float = 0.25,
@@ -107,14 +155,14 @@ def flatten(
     seed: int = 0,
 ) -> tuple[float, float]:
     """Divide the model's logits by ``tau`` (by scaling its final norm) so that sampling
-    accuracy on ``val`` at temperature 1 is about ``target_accuracy`` and at most
+    accuracy on ``examples`` at temperature 1 is about ``target_accuracy`` and at most
     ``max_accuracy``. Returns ``(tau, accuracy)``; greedy answers do not change."""
     norm = model.model.norm.weight
     base = norm.data.clone()
 
     def accuracy_at(tau: float) -> float:
         norm.data.copy_(base / tau)
-        return sampling_accuracy(model, tok, val, score, seed=seed)
+        return sampling_accuracy(model, tok, examples, score, seed=seed)
 
     lo, hi = 1.0, 8.0  # accuracy falls as tau grows; bisect on the log scale
     best = (hi, accuracy_at(hi))
@@ -126,7 +174,7 @@ def flatten(
         lo, hi = (mid, hi) if acc > target_accuracy else (lo, mid)
     tau, acc = best
     norm.data.copy_(base / tau)
-    log.info("flattened: logits / %.2f, validation sampling accuracy %.3f", tau, acc)
+    log.info("flattened: logits / %.2f, sampling accuracy %.3f", tau, acc)
     return tau, acc
 
 
