@@ -50,7 +50,7 @@ def parse_role_args(
     extra: Callable[[argparse.ArgumentParser], None] | None = None,
 ) -> tuple[Config, argparse.Namespace]:
     """Parse argv, set up logging, load and validate the config; exit 2 on a bad config."""
-    args = role_parser(prog, description, groups, extra).parse_args(argv)
+    args = role_parser(prog, description, groups, extra).parse_intermixed_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = load_config(args.config, args.overrides)

@@ -234,6 +234,16 @@ def test_late_joiner_catches_up_before_its_first_task():
     assert st.begin_sync(PLAN).ranks == {"a": 1, "late": 2}
 
 
+def test_dealing_starts_once_enough_servers_registered():
+    st = _state(min_servers_to_start=2)
+    st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
+    assert st.grant("a", 4, 0.1).reason == "starting" and not st.grant("a", 4, 0.1).tasks
+    st.register(m.Register(server_id="b", engine_world_size=1), now=0.2)
+    assert len(st.grant("a", 4, 0.3).tasks) == 4
+    st.leave("b")  # once started, losing a server does not stop the run
+    assert len(st.grant("a", 4, 0.4).tasks) == 4
+
+
 def test_versions_never_go_back_and_a_restart_pushes_above_what_servers_hold():
     st = _state()
     st.register(m.Register(server_id="a", policy_version=5), now=0.0)

@@ -33,6 +33,16 @@ def test_help_lists_config_keys(command):
     assert "override any as group.key=value" in out
 
 
+def test_options_and_overrides_mix_in_any_order():
+    from asyncrl.cli import role_parser
+
+    parser = role_parser("asyncrl-rollout", "", None, lambda p: p.add_argument("--server-id"))
+    for argv in (["c.yaml", "--server-id", "r0", "a.b=1", "c=2"],
+                 ["c.yaml", "a.b=1", "--server-id", "r0", "c=2"]):  # fmt: skip
+        args = parser.parse_intermixed_args(argv)
+        assert (args.config, args.server_id, args.overrides) == ("c.yaml", "r0", ["a.b=1", "c=2"])
+
+
 @pytest.mark.parametrize("command", ROLES)
 def test_bad_config_fails_fast_with_the_fix(command):
     proc = subprocess.run(

@@ -197,6 +197,9 @@ class ControlConfig(Section):
         20.0, gt=0, description="Silence after which a server is declared dead."
     )
     tasks_per_request: int = Field(4, gt=0, description="Tasks a server asks for at once.")
+    min_servers_to_start: int = Field(
+        1, gt=0, description="Deal no task until this many rollout servers have registered."
+    )
 
 
 class BufferConfig(Section):

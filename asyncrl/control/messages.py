@@ -177,6 +177,7 @@ class ShutdownRequest(_Msg, tag="shutdown"):
 class TaskGrant(_Msg, tag="task_grant"):
     """Tasks (possibly none). With none, ``reason`` says why: ``budget`` (admission),
     ``catchup`` (weights must be caught up first), ``exhausted`` (no training data left),
+    ``starting`` (fewer than ``control.min_servers_to_start`` servers registered yet),
     ``unregistered`` (register again), ``shutdown``."""
 
     tasks: list[Task]

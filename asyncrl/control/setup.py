@@ -68,6 +68,7 @@ def state_from_config(
         store_port=cfg.endpoints.sync_store,
         test_freq=cfg.trainer.test_freq,
         val_before_train=cfg.trainer.val_before_train,
+        min_servers_to_start=cfg.control.min_servers_to_start,
     )
 
 

@@ -20,6 +20,7 @@ Registry rules:
 
 from __future__ import annotations
 
+import logging
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from asyncrl.control.messages import (
     TaskGrant,
 )
 from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
+
+log = logging.getLogger(__name__)
 
 STATE_SCHEMA = 1
 
@@ -74,6 +77,7 @@ class ControlState:
         store_port: int,
         test_freq: int = -1,
         val_before_train: bool = False,
+        min_servers_to_start: int = 1,
     ):
         self.ledger = ledger
         self.syncs = syncs
@@ -90,6 +94,10 @@ class ControlState:
         self.last_val_step = -1
         self.counts: Counter[str] = Counter()
         self._order = 0
+        # Dealing starts once this many servers are registered (then stays on, whatever
+        # later happens to them): hand-started servers all get work from the first step.
+        self.min_servers_to_start = min_servers_to_start
+        self.started = min_servers_to_start <= 1
 
     @property
     def version(self) -> int:
@@ -116,6 +124,12 @@ class ControlState:
         rec.trusted = msg.policy_version == 0 and self.version == 0
         self.servers[msg.server_id] = rec
         self.counts["registrations"] += 1
+        if not self.started:
+            self.started = len(self.servers) >= self.min_servers_to_start
+            log.info(
+                "%d of %d rollout servers registered%s", len(self.servers),
+                self.min_servers_to_start, ": dealing starts" if self.started else "",
+            )  # fmt: skip
         return Registered(
             server_id=msg.server_id,
             session=self.session,
@@ -211,6 +225,8 @@ class ControlState:
             reason = "unregistered"
         elif self.shutting_down:
             reason = "shutdown"
+        elif not self.started:
+            reason = "starting"
         elif self.needs_catchup(rec):
             reason = "catchup"
         if reason:
