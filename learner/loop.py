@@ -317,6 +317,11 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
     if not reports:
         return {}
     out = {"rollout/tokens_per_s": sum(m.get("rollout/tokens_per_s", 0.0) for m in reports)}
+    # Cumulative totals over the servers: rates and waits over any window come from their
+    # differences (the benchmarks' steady-state figures).
+    for key in ("rollout/tokens", "rollout/task_wait_s", "rollout/sync_pause_s"):
+        out[key] = sum(m.get(key, 0.0) for m in reports)
+    out["rollout/servers_reporting"] = len(reports)
     for key in ("rollout/wait_fraction", "rollout/reward_mean", "rollout/response_length_mean"):
         values = [m[key] for m in reports if key in m]
         if values:

@@ -58,6 +58,9 @@ class RolloutServer:
         self.rewards: list[float] = []
         self.lengths: list[int] = []
         self.started = time.monotonic()
+        # Task wait = time with nothing in flight (idle, waiting for a grant): set when the
+        # last sequence finishes, added to rollout/task_wait_s when tasks arrive.
+        self._idle_since: float | None = self.started
 
     # ----------------------------------------------------------------- main loop
     async def run(self) -> int:
@@ -104,11 +107,12 @@ class RolloutServer:
                 await asyncio.sleep(0.01)
                 continue
             want = max(1, min(self.client.tasks_per_request, free // n))
-            start = time.monotonic()
             grant = await asyncio.to_thread(self.client.request_tasks, want)
             if not grant.tasks:
-                self.metrics["rollout/task_wait_s"] += time.monotonic() - start
                 continue
+            if self._idle_since is not None:
+                self.metrics["rollout/task_wait_s"] += time.monotonic() - self._idle_since
+                self._idle_since = None
             for task in grant.tasks:
                 self.inflight += task.n
                 t = asyncio.create_task(self._run_task(task))
@@ -141,6 +145,8 @@ class RolloutServer:
             log.exception("task %s failed", task.task_id)
         finally:
             self.inflight -= task.n
+            if self.inflight == 0:
+                self._idle_since = time.monotonic()
 
     def _prompt_ids(self, task: Task) -> list[int]:
         from asyncrl.prepare.tokenizer import chat_prompt_ids
@@ -221,8 +227,11 @@ class RolloutServer:
         out.update(self.engine.metrics)
         out["rollout/tokens_per_s"] = self.metrics["rollout/tokens"] / elapsed
         out["rollout/inflight"] = self.inflight
-        waited = self.metrics["rollout/task_wait_s"] + self.engine.metrics["rollout/sync_pause_s"]
-        out["rollout/wait_fraction"] = waited / elapsed
+        if self._idle_since is not None:  # idle now: count the wait so far
+            out["rollout/task_wait_s"] += time.monotonic() - self._idle_since
+        # A sync while idle counts in both; the fraction is capped at 1.
+        waited = out["rollout/task_wait_s"] + self.engine.metrics["rollout/sync_pause_s"]
+        out["rollout/wait_fraction"] = min(1.0, waited / elapsed)
         if self.rewards:
             out["rollout/reward_mean"] = sum(self.rewards[-1000:]) / len(self.rewards[-1000:])
             out["rollout/response_length_mean"] = sum(self.lengths[-1000:]) / len(
