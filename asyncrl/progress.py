@@ -83,7 +83,10 @@ class ProgressView:
             self.stream.write(summary_table(records) + "\n")
             for path in write_plots(self.run_dir, records):
                 self.stream.write(f"plot: {path}\n")
-        self.stream.write(f"run {'finished' if ok else 'FAILED'}: {self.run_dir}\n")
+        elapsed = time.monotonic() - self.started  # start-ups included
+        self.stream.write(
+            f"run {'finished' if ok else 'FAILED'} in {elapsed:.0f}s: {self.run_dir}\n"
+        )
         self.stream.flush()
 
 
@@ -96,7 +99,7 @@ def summary_table(records: list[dict[str, float]]) -> str:
             rows.append((label, _fmt(fmt, values[0]), _fmt(fmt, values[-1])))
     t0, t1 = records[0].get("time"), records[-1].get("time")
     if t0 and t1:
-        rows.append(("wall time", "", f"{t1 - t0:.0f}s"))
+        rows.append(("step 1 to end", "", f"{t1 - t0:.0f}s"))
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
 
