@@ -4,7 +4,8 @@
 batches, hosts the coordinator and pushes weights):
 
 - :meth:`Trainer.train_step` consumes one *global* batch of :class:`~learner.batching.Rollout`
-  (the same list on every rank: :func:`broadcast_rollouts` when only rank 0 received it)
+  (the same list on every rank: the loop shares rank 0's batch with
+  :func:`learner.broadcast.share_batch`)
   and produces metrics. It waits for nothing but the other
   ranks (FSDP's collectives inside forward/backward, one all-reduce of metrics).
 - :meth:`Trainer.full_state_for_push` produces the full weights for the weight-sync module
@@ -352,20 +353,6 @@ class Trainer:
         meta = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
         self.step, self.policy_version = meta.step, meta.policy_version
         return meta.extra
-
-
-def broadcast_rollouts(rollouts: Sequence[Rollout] | None, src: int = 0) -> list[Rollout]:
-    """Give every rank the global batch that rank ``src`` received (others pass None).
-
-    :meth:`Trainer.train_step` expects the same global batch on every rank; a loop where
-    only rank 0 talks to the buffer calls this first. Pickles the rollouts (numpy arrays
-    or lists both travel); a no-op on one rank.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return list(rollouts or [])
-    box = [list(rollouts) if dist.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
 
 
 def _trainable(r: Rollout, max_len: int | None) -> bool:

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from asyncrl.config.schema import Config
 from learner.batching import Rollout
-from learner.trainer import Trainer, broadcast_rollouts
+from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 TEMPERATURE = 0.7
@@ -95,9 +95,9 @@ def _fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str)
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(1)
     trainer = Trainer(make_cfg(model_dir))
-    # As in the learner loop: only rank 0 holds the batch it received; broadcast it.
-    batches = [broadcast_rollouts(b if rank == 0 else None) for b in BATCHES]
-    losses = [trainer.train_step(b, TEMPERATURE)["loss/total"] for b in batches]
+    # Every rank builds the same seeded batches (the learner loop shares rank 0's batch
+    # with learner.broadcast.share_batch).
+    losses = [trainer.train_step(b, TEMPERATURE)["loss/total"] for b in BATCHES]
     pushed = trainer.full_state_for_push()
     assert_shards_are_slices_of(trainer.model, pushed)
     trainer.save(Path(out_dir) / "run")
