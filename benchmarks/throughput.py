@@ -199,8 +199,9 @@ def _plot(results: dict):
             ax.plot(xs, sim, "o", color="tab:orange", label="model (calibrated alone)")
             ax.set_xticks(list(xs), names, rotation=30)
             ax.set_ylabel("trained samples/s")
-            ax.set_title(f"{model}: pipeline throughput by max_policy_lag")
-            ax.legend()
+            ax.set_title(f"{model}: samples/s by max_policy_lag")
+            ax.set_ylim(0, 1.3 * max(max(real), *[x for x in sim if x == x]))
+            ax.legend(loc="upper left", fontsize="small")
 
     return draw
 
