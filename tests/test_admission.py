@@ -223,15 +223,39 @@ def test_late_joiner_catches_up_before_its_first_task():
     assert st.finish_sync(True).ok == ["a"] and st.version == 1
     reg = st.register(m.Register(server_id="late", engine_world_size=1), now=0.2)
     assert reg.catchup and st.grant("late", 4, 0.3).reason == "catchup"
-    assert st.pending_catchups() == ["late"]
+    assert st.pending_catchups(0.3) == ["late"]
     rnd = st.begin_catchup("late", PLAN)
     assert (rnd.generation, rnd.world_size, rnd.version) == ("catchup/late/2", 2, 1)
-    assert st.pending_catchups() == []  # busy in its catch-up
+    assert st.pending_catchups(0.3) == []  # busy in its catch-up
     st.sync_done(m.SyncDone(server_id="late", sync_id=rnd.sync_id, version=1, ok=True), 0.4)
     st.finish_sync(True)
     assert st.version == 1 and len(st.grant("late", 4, 0.5).tasks) == 4
     # Not a member of the main group yet: the next push re-forms it with both.
     assert st.begin_sync(PLAN).ranks == {"a": 1, "late": 2}
+
+
+def test_failed_catchups_back_off_exponentially_and_success_clears_them():
+    """Each catch-up blocks the learner until it ends: a server that keeps failing them is
+    retried after 5 s, then 10 s, ... up to the cap, not at every learner step."""
+    st = _state(catchup_backoff_s=5.0, catchup_backoff_max_s=12.0)
+    st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
+    st.announce_version(1)  # "a" holds version 0: it needs a catch-up
+    now, delays = 0.0, []
+    for _ in range(3):
+        assert st.pending_catchups(now) == ["a"]
+        rnd = st.begin_catchup("a", PLAN)
+        st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=False,
+                                error="engine gone"), now)  # fmt: skip
+        assert st.finish_sync(True, now=now).failed.keys() == {"a"}
+        retry = next(t for t in (now + k * 0.5 for k in range(1, 100)) if st.pending_catchups(t))
+        delays.append(retry - now)
+        now = retry
+    assert delays == [5.0, 10.0, 12.0] and st.counts["catchup_backoffs"] == 3
+    assert st.grant("a", 4, now).reason == "catchup"  # still no task while stale
+    rnd = st.begin_catchup("a", PLAN)
+    st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), now)
+    st.finish_sync(True, now=now)
+    assert st.servers["a"].catchup_failures == 0 and len(st.grant("a", 4, now).tasks) == 4
 
 
 def test_dealing_starts_once_enough_servers_registered():

@@ -189,6 +189,12 @@ class SyncConfig(Section):
         32.0, gt=0, description="Weight broadcast bucket size, MB (packing overlaps sending)."
     )
     timeout_s: float = Field(120.0, gt=0, description="Timeout of every sync collective.")
+    catchup_backoff_s: float = Field(
+        5.0, gt=0, description="Wait before retrying a failed catch-up; doubles per failure."
+    )
+    catchup_backoff_max_s: float = Field(
+        120.0, gt=0, description="Longest wait between catch-up retries to one server."
+    )
 
 
 class ControlConfig(Section):

@@ -179,7 +179,7 @@ class Coordinator:
     def pending_catchups(self) -> list[str]:
         """Servers that need the current weights before their next task."""
         with self._lock:
-            return self.state.pending_catchups()
+            return self.state.pending_catchups(time.monotonic())
 
     def begin_catchup(self, server_id: str, plan: list[dict[str, Any]]) -> SyncRound:
         """Start a one-off sync of the current version to ``server_id``."""
@@ -201,7 +201,7 @@ class Coordinator:
             self._cond.wait_for(
                 lambda: not self.state.syncs.waiting_for() or self._stop.is_set(), timeout_s
             )
-            result = self.state.finish_sync(sent_ok, error)
+            result = self.state.finish_sync(sent_ok, error, time.monotonic())
         waited = time.monotonic() - start
         level = logging.WARNING if result.failed else logging.INFO
         log.log(

@@ -69,6 +69,8 @@ def state_from_config(
         test_freq=cfg.trainer.test_freq,
         val_before_train=cfg.trainer.val_before_train,
         min_servers_to_start=cfg.control.min_servers_to_start,
+        catchup_backoff_s=cfg.sync.catchup_backoff_s,
+        catchup_backoff_max_s=cfg.sync.catchup_backoff_max_s,
     )
 
 

@@ -13,6 +13,9 @@ Registry rules:
   the same ids and it leaves the sync group.
 - A server with engine ranks *needs a catch-up* while the weights it holds are older than
   the current version: it gets no task until a catch-up or main sync brings it level.
+  A catch-up blocks the learner until it ends (up to ``sync.timeout_s``), so after a failed
+  one the server's next is held back: ``catchup_backoff_s``, doubling per consecutive
+  failure up to ``catchup_backoff_max_s``. A successful sync clears the count.
 - ``policy_version`` never goes backwards; a server registering with a version above the
   coordinator's (the learner restarted from an older checkpoint) raises it, so the next
   push is above anything a server holds.
@@ -61,6 +64,8 @@ class ServerRecord:
     # learner restart may hold weights the restored learner never had (a version from
     # after the checkpoint): it gets a catch-up whatever version it reports.
     trusted: bool = False
+    catchup_failures: int = 0  # consecutive failed catch-ups
+    catchup_after: float = 0.0  # no catch-up is started before this time (backoff)
 
 
 class ControlState:
@@ -78,6 +83,8 @@ class ControlState:
         test_freq: int = -1,
         val_before_train: bool = False,
         min_servers_to_start: int = 1,
+        catchup_backoff_s: float = 5.0,
+        catchup_backoff_max_s: float = 120.0,
     ):
         self.ledger = ledger
         self.syncs = syncs
@@ -98,6 +105,8 @@ class ControlState:
         # later happens to them): hand-started servers all get work from the first step.
         self.min_servers_to_start = min_servers_to_start
         self.started = min_servers_to_start <= 1
+        self.catchup_backoff_s = catchup_backoff_s
+        self.catchup_backoff_max_s = catchup_backoff_max_s
 
     @property
     def version(self) -> int:
@@ -261,12 +270,13 @@ class ControlState:
             r.syncing = rnd.sync_id
         return rnd
 
-    def pending_catchups(self) -> list[str]:
-        """Servers waiting for a catch-up that can start one now (not busy in a sync)."""
+    def pending_catchups(self, now: float) -> list[str]:
+        """Servers waiting for a catch-up that can start one now (not busy in a sync, not
+        backing off after a failed one)."""
         return [
             r.server_id
             for r in sorted(self.servers.values(), key=lambda r: r.order)
-            if self.needs_catchup(r) and not r.syncing
+            if self.needs_catchup(r) and not r.syncing and now >= r.catchup_after
         ]
 
     def begin_catchup(self, server_id: str, plan: list[dict[str, Any]]) -> SyncRound:
@@ -288,17 +298,37 @@ class ControlState:
         if msg.ok and rec is not None:
             rec.policy_version = max(rec.policy_version, msg.version)
             rec.trusted = True
+            rec.catchup_failures, rec.catchup_after = 0, 0.0
 
-    def finish_sync(self, sent_ok: bool, send_error: str = "") -> SyncResult:
+    def finish_sync(self, sent_ok: bool, send_error: str = "", now: float = 0.0) -> SyncResult:
         """Close the round; a main round makes its version current (the learner's weights
-        moved on whoever received them)."""
+        moved on whoever received them). A failed catch-up backs its server off."""
         catchup = self.syncs.active is not None and self.syncs.active.round.catchup
         result = self.syncs.finish(sent_ok, send_error)
         if not catchup and result.version > self.version:
             self.ledger.budget.advance(result.version)
+        for server_id in result.failed if catchup else ():
+            self._back_off(server_id, now)
         self.counts["syncs_catchup" if catchup else "syncs"] += 1
         self.counts["sync_failures"] += len(result.failed)
         return result
+
+    def _back_off(self, server_id: str, now: float) -> None:
+        rec = self.servers.get(server_id)
+        if rec is None:
+            return
+        rec.catchup_failures += 1
+        delay = min(
+            self.catchup_backoff_max_s,
+            self.catchup_backoff_s * 2 ** (rec.catchup_failures - 1),
+        )
+        rec.catchup_after = now + delay
+        self.counts["catchup_backoffs"] += 1
+        log.warning(
+            "catch-up to %s failed %d time(s) in a row: next try in %.0fs (check that server's "
+            "log; it gets no task until it holds the current weights)",
+            server_id, rec.catchup_failures, delay,
+        )  # fmt: skip
 
     # ------------------------------------------------------------------ validation, end
     def start_run(self) -> None:
