@@ -33,6 +33,7 @@ class MetricsLogger:
         experiment: str = "run",
         config: Mapping[str, Any] | None = None,
         console_keys: Iterable[str] = (),
+        fresh: bool = False,
     ):
         self.sinks = set(sinks)
         self.console_keys = list(console_keys)
@@ -40,6 +41,8 @@ class MetricsLogger:
         self._wandb = None
         if "jsonl" in self.sinks:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if fresh:  # a new run in an old directory: keep the old records, apart
+                _set_aside(run_dir / METRICS_FILE)
             self._file = open(run_dir / METRICS_FILE, "a", buffering=1)  # noqa: SIM115
         if "wandb" in self.sinks:
             import wandb  # only when asked for: it is slow to import
@@ -72,6 +75,18 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _set_aside(path: Path) -> None:
+    """Rename a non-empty ``path`` to the first free ``<stem>.<k><suffix>`` (nothing is
+    deleted; only the new run's records stay under the name the tools read)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    k = 1
+    while (old := path.with_name(f"{path.stem}.{k}{path.suffix}")).exists():
+        k += 1
+    path.rename(old)
+    log.info("%s held records of an earlier run (not resumed): moved to %s", path, old.name)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:

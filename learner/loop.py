@@ -178,7 +178,8 @@ class LearnerLoop:
                 self.trainer.policy_version,
             )
         if self.rank0:
-            self.control.start(extra.get("coordinator") if path else None, acked_through)
+            saved = extra.get("coordinator") if path else None
+            self.control.start(saved, acked_through, resumed=path is not None)
         if path is not None:
             self._push()  # servers may hold older weights than the checkpoint's
 
@@ -208,7 +209,7 @@ class _RankZero:
         self.logger = None
         self.started = time.monotonic()
 
-    def start(self, saved_state: dict | None, acked_through: int | None) -> None:
+    def start(self, saved_state: dict | None, acked_through: int | None, resumed: bool) -> None:
         from asyncrl.config import write_resolved
         from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
         from asyncrl.metrics import MetricsLogger
@@ -241,6 +242,7 @@ class _RankZero:
             experiment=c.trainer.experiment_name,
             config=c.model_dump(mode="json"),
             console_keys=CONSOLE_KEYS,
+            fresh=not resumed,
         )
 
     def wait_batch(self, version: int, loop: LearnerLoop):
