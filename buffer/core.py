@@ -210,7 +210,11 @@ class ReplayBuffer:
             for m in group.metas:
                 stats.trajectories += 1
                 stats.reward_sum += m.reward
+                stats.reward_sq_sum += m.reward * m.reward
                 stats.response_tokens += m.response_len
+            mean = sum(m.reward for m in group.metas) / len(group.metas)
+            stats.group_mean_sum += mean
+            stats.group_mean_sq_sum += mean * mean
             self.counts["val_groups_in"] += 1
             return
         s = self._s

@@ -276,11 +276,15 @@ class DroppedTask(msgspec.Struct, frozen=True):
 
 
 class ValidationStats(msgspec.Struct, kw_only=True):
-    """Validation results of one data source, summed over complete groups."""
+    """Validation results of one data source, summed over complete groups (squares too,
+    for standard errors over responses and over prompts)."""
 
     groups: int = 0
     trajectories: int = 0
     reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    group_mean_sum: float = 0.0  # sum over groups of the group's mean reward
+    group_mean_sq_sum: float = 0.0
     response_tokens: int = 0
 
     @property

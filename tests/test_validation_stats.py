@@ -1,0 +1,54 @@
+"""Validation rounds from the buffer's sums: score and its standard errors over responses
+and over prompts, checked against the same figures computed from the raw rewards."""
+
+import math
+import statistics
+from types import SimpleNamespace
+
+from asyncrl.wire.types import ValidationStats
+from learner.validation import ValidationTracker, mean_standard_error
+
+
+def _stats(groups: list[list[float]]) -> ValidationStats:
+    s = ValidationStats()
+    for rewards in groups:
+        s.groups += 1
+        s.trajectories += len(rewards)
+        s.reward_sum += sum(rewards)
+        s.reward_sq_sum += sum(r * r for r in rewards)
+        mean = sum(rewards) / len(rewards)
+        s.group_mean_sum += mean
+        s.group_mean_sq_sum += mean * mean
+    return s
+
+
+def _sem(xs: list[float]) -> float:
+    return statistics.stdev(xs) / math.sqrt(len(xs))
+
+
+def test_round_scores_and_standard_errors_match_the_raw_rewards():
+    a = [[1, 1, 1, 0], [0, 0, 0, 0], [1, 0.5, 1, 1]]  # prompts of different difficulty
+    b = [[0.25, 0.75, 1, 1], [0, 1, 0, 1]]
+    coordinator = SimpleNamespace(state=SimpleNamespace(ledger=SimpleNamespace(
+        source=SimpleNamespace(val_rows=[None] * 5, val_rounds=1))))  # fmt: skip
+    tracker = ValidationTracker()
+    assert tracker.pending(coordinator)
+    assert tracker.add({"a": _stats(a[:2])}, coordinator) is None  # 2 of 5 groups in
+    out = tracker.add({"a": _stats(a[2:]), "b": _stats(b)}, coordinator)
+    flat = [r for g in a + b for r in g]
+    means = [sum(g) / len(g) for g in a + b]
+    assert out is not None and not tracker.pending(coordinator)
+    assert math.isclose(out["val/score"], statistics.fmean(flat))
+    assert math.isclose(out["val/score_se"], _sem(flat))
+    assert math.isclose(out["val/score_se_prompt"], _sem(means))
+    assert out["val/score_se_prompt"] > out["val/score_se"]  # prompts differ in difficulty
+    assert math.isclose(out["val/a/score"], statistics.fmean([r for g in a for r in g]))
+    assert out["val/responses"] == len(flat)
+
+
+def test_binary_rewards_give_the_binomial_standard_error_up_to_n_over_n_minus_1():
+    n, k = 40, 10
+    se = mean_standard_error(n, k, k)  # 0/1 rewards: sum of squares == sum
+    p = k / n
+    assert math.isclose(se, math.sqrt(p * (1 - p) / n) * math.sqrt(n / (n - 1)))
+    assert mean_standard_error(3, 3.0, 3.0) == 0.0  # all equal: no spread
