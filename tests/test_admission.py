@@ -127,6 +127,31 @@ def test_buffer_drops_are_refunded_once():
     }
 
 
+def test_prompts_dropped_for_lag_are_dealt_again_under_new_ids_then_given_up():
+    """A long answer overtaken by the lag window is not lost for the epoch: its prompt is
+    dealt again (new id, same row, charged again) up to lag_retries times."""
+    source = TaskSource(_rows(20), seed=3, n=2)
+    ledger = TaskLedger(source, Budget(0, 2), lag_retries=2)
+    first, _ = ledger.deal("a", 2)
+    ledger.ack([t.task_id for t in first])
+    tid = first[0].task_id
+    assert ledger.dropped([DroppedTask(tid, "lag")]) == 1
+    ledger.budget.advance(1)  # the learner moved on
+    again, reason = ledger.deal("a", 1)  # the retry comes before new prompts
+    assert [t.task_id for t in again] == [f"{tid}/1"] and reason == ""
+    assert again[0].prompt == first[0].prompt and again[0].dealt_version == 1
+    assert source.task_for_id(f"{tid}/1").prompt == first[0].prompt  # restorable by id
+    ledger.ack([f"{tid}/1"])
+    ledger.dropped([DroppedTask(f"{tid}/1", "lag")])
+    assert [t.task_id for t in ledger.redeal] == [f"{tid}/2"]
+    ledger.redeal.clear()
+    ledger.dropped([DroppedTask(f"{tid}/2", "lag"), DroppedTask(first[1].task_id, "expired")])
+    assert not ledger.redeal  # retries used up; expiry is not a lag drop
+    assert (ledger.counts["lag_retried"], ledger.counts["lag_given_up"]) == (2, 1)
+    with pytest.raises(KeyError):
+        source.task_for_id(f"{tid}/0")
+
+
 def test_validation_is_dealt_first_and_outside_the_budget():
     ledger = _ledger(lag=0, per_version=2, n_val=3)
     assert len(_drain(ledger)) == 2

@@ -182,6 +182,11 @@ class StalenessConfig(Section):
         description="Oldest data the learner trains on, in policy versions (0 = synchronous).",
     )
     sync_every: int = Field(1, gt=0, description="Learner steps per weight push (version).")
+    lag_retries: int = Field(
+        1,
+        ge=0,
+        description="Times a training prompt dropped for lag is dealt again (0: drop it).",
+    )
 
 
 class SyncConfig(Section):

@@ -15,7 +15,10 @@ Life of a deal:
 
 Groups the buffer dropped unused (lag, expiry; :meth:`TaskLedger.dropped`) are refunded
 once per id; a dropped task still outstanding stops being outstanding (its group can no
-longer complete), so it is not re-dealt either.
+longer complete). A training prompt dropped for *lag* (its responses took longer than the
+lag window to generate: often the long, hard ones) is dealt again under a new id, up to
+``lag_retries`` times, so that lag drops do not quietly bias an epoch towards short
+answers; after that it is given up and counted (``lag_given_up``).
 
 Deal order for a request: re-dealt tasks first, then validation, then new training tasks.
 Validation tasks are never charged.
@@ -40,9 +43,10 @@ RECENT_REFUNDS = 65536
 class TaskLedger:
     """Outstanding deals per server, the re-deal queue and the budget; one owner calls it."""
 
-    def __init__(self, source: TaskSource, budget: Budget):
+    def __init__(self, source: TaskSource, budget: Budget, lag_retries: int = 0):
         self.source = source
         self.budget = budget
+        self.lag_retries = lag_retries
         self.outstanding: dict[str, tuple[Task, str]] = {}  # task id -> (task, server id)
         self.owned: dict[str, set[str]] = {}  # server id -> outstanding task ids
         self.redeal: deque[Task] = deque()
@@ -145,7 +149,23 @@ class TaskLedger:
             if self.budget.dealt > 0:  # 0 only after a restart lost track of the deal
                 self.budget.refund(1, "expired" if d.cause == "expired" else "lag")
                 refunded += 1
+            if d.cause == "lag":
+                self._retry(d.task_id)
         return refunded
+
+    def _retry(self, task_id: str) -> None:
+        """Queue a fresh deal of a prompt dropped for lag (at the back: it is new work),
+        unless it has had its ``lag_retries``."""
+        try:
+            retry_id, k = self.source.retry_id(task_id)
+            task = self.source.task_for_id(retry_id, self.budget.version)
+        except (KeyError, ValueError):  # not one of this source's training ids
+            return
+        if k > self.lag_retries:
+            self.counts["lag_given_up"] += 1
+            return
+        self.redeal.append(task)
+        self.counts["lag_retried"] += 1
 
     def _drop_from_redeal(self, task_id: str) -> bool:
         for i, task in enumerate(self.redeal):

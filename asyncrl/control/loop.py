@@ -271,8 +271,16 @@ def poll_buffer(
             silent = False
             if dropped:
                 with lock:
+                    before = state.ledger.counts["lag_given_up"]
                     n = state.ledger.dropped(dropped)
+                    given_up = state.ledger.counts["lag_given_up"] - before
                 log.info("buffer dropped %d groups; %d returned to the budget", len(dropped), n)
+                if given_up:
+                    log.warning(
+                        "%d training prompts given up after staleness.lag_retries retries: "
+                        "their responses take longer than staleness.max_policy_lag versions to "
+                        "generate (raise it, or lower data.max_response_length)", given_up,
+                    )  # fmt: skip
     finally:
         client.close()
 

@@ -57,7 +57,11 @@ def state_from_config(
         cfg.staleness.max_policy_lag,
         groups_per_version(cfg.data.train_batch_size, cfg.staleness.sync_every),
     )
-    ledger = TaskLedger(task_source_from_config(cfg, train_rows, val_rows), budget)
+    ledger = TaskLedger(
+        task_source_from_config(cfg, train_rows, val_rows),
+        budget,
+        lag_retries=cfg.staleness.lag_retries,
+    )
     syncs = SyncBook(backend=sync_backend(cfg.trainer.device), timeout_s=cfg.sync.timeout_s)
     return ControlState(
         ledger,

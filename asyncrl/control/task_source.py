@@ -3,7 +3,8 @@
 - Training: epoch ``e`` deals every row once, in the order of a permutation seeded by
   ``data.seed`` and ``e`` (identity when ``data.shuffle`` is off), for
   ``trainer.total_epochs`` epochs. The task at position ``p`` of epoch ``e`` has id
-  ``train/<e>/<p>``.
+  ``train/<e>/<p>``; its ``k``-th retry after the buffer dropped it for lag,
+  ``train/<e>/<p>/<k>`` (a new id: the buffer keeps the first copy of each id).
 - Validation: every round deals each validation row once, in file order; row ``r`` of
   round ``k`` has id ``val/<k>/<r>``. Rounds are dealt in the order they were started.
 
@@ -21,6 +22,8 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
+
+import msgspec
 
 from asyncrl.control.messages import Task
 
@@ -131,15 +134,25 @@ class TaskSource:
     def task_for_id(self, task_id: str, version: int = 0) -> Task:
         """Rebuild the task that ``task_id`` names (e.g. one outstanding at a restart)."""
         try:
-            kind, number, index = task_id.split("/")
+            kind, number, index, *retry = task_id.split("/")
             number_i, index_i = int(number), int(index)
+            if retry and (kind != _TRAIN or len(retry) > 1 or int(retry[0]) < 1):
+                raise ValueError
         except ValueError:
             raise KeyError(f"{task_id!r} is not a task id of this source") from None
         if kind == _TRAIN and 0 <= index_i < len(self.train_rows):
-            return self._train_task(number_i, index_i, version)
+            task = self._train_task(number_i, index_i, version)
+            return msgspec.structs.replace(task, task_id=task_id) if retry else task
         if kind == _VAL and 0 <= index_i < len(self.val_rows):
             return self._task(self.val_rows[index_i], task_id, self.val_n, True, version)
         raise KeyError(f"{task_id!r} is not a task id of this source")
+
+    @staticmethod
+    def retry_id(task_id: str) -> tuple[str, int]:
+        """The id of the next retry of training task ``task_id`` and its retry number."""
+        kind, number, index, *retry = task_id.split("/")
+        k = int(retry[0]) + 1 if retry else 1
+        return f"{kind}/{number}/{index}/{k}", k
 
     def _task(self, row: dict[str, Any], task_id: str, n: int, val: bool, version: int) -> Task:
         return Task(
