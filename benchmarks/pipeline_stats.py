@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.metrics import read_metrics
-from benchmarks.sim_model import ResponseLengths, SimParams, simulate
+from benchmarks.sim_model import simulate
+from benchmarks.sim_types import ResponseLengths, SimParams
 
 WARMUP_STEPS = 3  # the first steps include the engines' start-up and first allocations
 

@@ -31,11 +31,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import headline, parse_args, write_results  # noqa: E402
-from benchmarks.sim_model import (  # noqa: E402
+from benchmarks.sim_model import compare_lags  # noqa: E402
+from benchmarks.sim_types import (  # noqa: E402
     ResponseLengths,
     SimParams,
     SimResult,
-    compare_lags,
     generation_capacity,
     training_capacity,
     with_split,

@@ -12,12 +12,8 @@ import pytest
 import yaml
 
 from benchmarks import simulate as cli
-from benchmarks.sim_model import (
-    ResponseLengths,
-    SimParams,
-    compare_lags,
-    simulate,
-)
+from benchmarks.sim_model import compare_lags, simulate
+from benchmarks.sim_types import ResponseLengths, SimParams
 
 FIXED = ResponseLengths(median=100, sigma=0.0, max_length=1000)
 
