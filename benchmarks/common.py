@@ -2,7 +2,8 @@
 
 - ``--quick`` runs in under a minute (where no model engine must start); the default is the
   full measurement.
-- Results go to ``results/<bench name>/`` (gitignored; ``--out`` overrides): ``<name>.json``
+- Results go to ``results/<bench name>/`` (``results/<bench name>_quick/`` with ``--quick``;
+  gitignored; ``--out`` overrides): ``<name>.json``
   with the figures, the benchmark's config, the hardware and package versions, and
   ``<name>.png``, a plot drawn with matplotlib's Agg backend.
 - The last line printed is the headline ratio, measured in the same run against its
@@ -34,11 +35,15 @@ def parse_args(
     parser = argparse.ArgumentParser(prog=f"benchmarks/{name}.py", description=description)
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     parser.add_argument(
-        "--out", type=Path, default=RESULTS_ROOT / name, help="results folder (default %(default)s)"
-    )
+        "--out", type=Path, default=None,
+        help=f"results folder (default {RESULTS_ROOT / name}, or {name}_quick with --quick)",
+    )  # fmt: skip
     if extra is not None:
         extra(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.out is None:  # a quick check never overwrites a full run's results
+        args.out = RESULTS_ROOT / (f"{name}_quick" if args.quick else name)
+    return args
 
 
 def hardware() -> dict[str, Any]:

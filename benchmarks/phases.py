@@ -12,8 +12,9 @@ each measurement has its own process pinned to its cores before torch or vLLM st
 - ``train``: the learner's :class:`~learner.trainer.Trainer` (FSDP2, one rank) on synthetic
   batches shaped like the run's (prompt and response lengths from the config or given);
   reports trained tokens/s and seconds per step.
-- ``sync``: one weight push of the model to one engine through the real sync path (a
-  sender process, the engine's pause, receive, reload); reports its seconds.
+- ``sync``: one weight push of the model through the real sync path (a sender, the
+  engines' pause, receive, reload) into as many idle engines as the run has servers, all
+  on the given cores; reports its seconds.
 """
 
 from __future__ import annotations
@@ -152,9 +153,9 @@ def _train(cfg, steps: int, response_len: float) -> dict:
     }
 
 
-async def _sync(cfg, reps: int) -> dict:
-    """Seconds per weight push of the model into one idle engine (the first push, which
-    also forms the group, is not counted)."""
+async def _sync(cfg, reps: int, receivers: int) -> dict:
+    """Seconds per weight push of the model into ``receivers`` idle engines at once, as the
+    run's servers receive it (the first push, which also forms the group, is not counted)."""
     import socket
     import threading
 
@@ -170,7 +171,7 @@ async def _sync(cfg, reps: int) -> dict:
     )
     from rollout_servers.engine import RolloutEngine
 
-    engine = await RolloutEngine.start(_engine_args(cfg))
+    engines = [await RolloutEngine.start(_engine_args(cfg)) for _ in range(receivers)]
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype="float32")
     tensors = {n: p.detach() for n, p in model.named_parameters()}
     plan = plan_buckets(specs_of(tensors), int(cfg.sync.bucket_mb * (1 << 20)))
@@ -178,28 +179,35 @@ async def _sync(cfg, reps: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=60)
+    world = receivers + 1
     group: list = []
 
     def send() -> None:
         if not group:
-            group.append(form_group(store, "bench", 0, 2, timeout_s=60))
+            group.append(form_group(store, "bench", 0, world, timeout_s=60))
         send_weights(group[0], tensors, plan, timeout_s=60)
 
     times = []
     try:
         for version in range(1, reps + 2):
-            join = None if group else ("127.0.0.1", port, "bench", 1, 2, "gloo")
+            first = not group
             sender = threading.Thread(target=send)
             start = time.monotonic()
             sender.start()
-            await engine.sync_weights(version, plan_to_wire(plan), join=join, timeout_s=60)
+            await asyncio.gather(*[
+                e.sync_weights(version, plan_to_wire(plan), timeout_s=60,
+                               join=("127.0.0.1", port, "bench", i + 1, world, "gloo") if first else None)
+                for i, e in enumerate(engines)
+            ])  # fmt: skip
             sender.join(60)
-            if version > 1:
+            if not first:
                 times.append(time.monotonic() - start)
     finally:
-        engine.shutdown()
+        for e in engines:
+            e.shutdown()
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {"sync_s": sum(times) / len(times), "bytes": nbytes, "reps": len(times)}
+    return {"sync_s": sum(times) / len(times), "bytes": nbytes, "reps": len(times),
+            "receivers": receivers}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -214,6 +222,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--response-len", type=float, default=0.0,
                    help="train: mean response length (default: max_response_length / 2)")  # fmt: skip
     p.add_argument("--reps", type=int, default=3, help="sync: measured pushes")
+    p.add_argument("--receivers", type=int, default=0,
+                   help="sync: engines receiving at once (default: rollout.num_servers)")  # fmt: skip
     a = p.parse_args(argv)
     _pin([int(c) for c in a.cores.split(",")])
     logging.basicConfig(
@@ -232,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     elif a.phase == "train":
         result = _train(cfg, a.steps, a.response_len or cfg.data.max_response_length / 2)
     else:
-        result = asyncio.run(_sync(cfg, a.reps))
+        result = asyncio.run(_sync(cfg, a.reps, a.receivers or cfg.rollout.num_servers))
     result["cores"] = a.cores
     print(json.dumps(result), flush=True)
 

@@ -75,7 +75,7 @@ def _phase(phase: str, config: str, overrides: list[str], cores: str, *extra: st
 
 def measure_phases(config: str, overrides: list[str], quick: bool) -> dict:
     """Each phase alone: generation on core 1 and cores 0,1; training on core 0 and cores
-    0,1; one sync into an engine on core 1."""
+    0,1; one sync into the run's engines on core 1."""
     secs = "8" if quick else "20"
     out = {}
     for cores in ("1", "0,1"):
@@ -87,7 +87,7 @@ def measure_phases(config: str, overrides: list[str], quick: bool) -> dict:
                                        "3" if quick else "6", "--response-len", str(mean_len))  # fmt: skip
         log.info("training alone on cores %s: %s", cores, out[f"train@{cores}"])
     out["sync@1"] = _phase("sync", config, overrides, "1")
-    log.info("one sync alone: %s", out["sync@1"])
+    log.info("one sync alone into the run's engines: %s", out["sync@1"])
     return out
 
 
