@@ -12,7 +12,7 @@
   to 127.0.0.1, so nothing listens beyond the machine unless configured), or ipc when
   ``endpoints.host`` is ``ipc://<directory>``.
 
-No pickle: every payload is produced by :mod:`asyncrl.wire`.
+Every payload is produced by :mod:`asyncrl.wire` (typed msgpack and raw arrays only).
 """
 
 from __future__ import annotations

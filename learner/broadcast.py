@@ -1,7 +1,7 @@
 """Sharing a buffer batch from learner rank 0 with the other ranks.
 
 The batch travels in its wire encoding (msgpack header and raw arrays, as it came from the
-buffer; no pickle), concatenated into one byte tensor and broadcast over the learner's
+buffer; never Python objects), concatenated into one byte tensor and broadcast over the learner's
 process group: its length first, then the bytes.
 """
 

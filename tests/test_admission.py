@@ -245,7 +245,7 @@ def test_late_joiner_catches_up_before_its_first_task():
     st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
     rnd = st.begin_sync(PLAN)
     st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), 0.1)
-    assert st.finish_sync(True).ok == ["a"] and st.version == 1
+    assert st.finish_sync(True, now=0.1).ok == ["a"] and st.version == 1
     reg = st.register(m.Register(server_id="late", engine_world_size=1), now=0.2)
     assert reg.catchup and st.grant("late", 4, 0.3).reason == "catchup"
     assert st.pending_catchups(0.3) == ["late"]
@@ -253,7 +253,7 @@ def test_late_joiner_catches_up_before_its_first_task():
     assert (rnd.generation, rnd.world_size, rnd.version) == ("catchup/late/2", 2, 1)
     assert st.pending_catchups(0.3) == []  # busy in its catch-up
     st.sync_done(m.SyncDone(server_id="late", sync_id=rnd.sync_id, version=1, ok=True), 0.4)
-    st.finish_sync(True)
+    st.finish_sync(True, now=0.4)
     assert st.version == 1 and len(st.grant("late", 4, 0.5).tasks) == 4
     # Not a member of the main group yet: the next push re-forms it with both.
     assert st.begin_sync(PLAN).ranks == {"a": 1, "late": 2}

@@ -1,5 +1,5 @@
 """learner.broadcast.share_batch over a real 2-rank gloo group: rank 1 gets rank 0's batch,
-arrays and metadata equal, in its wire encoding (no pickle)."""
+arrays and metadata equal, in its wire encoding (msgpack and raw arrays)."""
 
 import socket
 from datetime import timedelta

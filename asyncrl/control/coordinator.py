@@ -201,7 +201,7 @@ class Coordinator:
             self._cond.wait_for(
                 lambda: not self.state.syncs.waiting_for() or self._stop.is_set(), timeout_s
             )
-            result = self.state.finish_sync(sent_ok, error, time.monotonic())
+            result = self.state.finish_sync(sent_ok, error, now=time.monotonic())
         waited = time.monotonic() - start
         level = logging.WARNING if result.failed else logging.INFO
         log.log(

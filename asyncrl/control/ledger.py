@@ -157,9 +157,8 @@ class TaskLedger:
         """Queue a fresh deal of a prompt dropped for lag (at the back: it is new work),
         unless it has had its ``lag_retries``."""
         try:
-            retry_id, k = self.source.retry_id(task_id)
-            task = self.source.task_for_id(retry_id, self.budget.version)
-        except (KeyError, ValueError):  # not one of this source's training ids
+            task, k = self.source.retry_of(task_id, self.budget.version)
+        except KeyError:  # not one of this source's training ids
             return
         if k > self.lag_retries:
             self.counts["lag_given_up"] += 1

@@ -1,4 +1,4 @@
-"""Control-plane messages: typed msgpack (msgspec structs), one frame each, no pickle.
+"""Control-plane messages: typed msgpack (msgspec structs), one frame each.
 
 Two sockets, both bound by the coordinator as ROUTER; every peer talks to them from REQ
 sockets (one request, one reply):

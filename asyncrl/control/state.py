@@ -300,7 +300,7 @@ class ControlState:
             rec.trusted = True
             rec.catchup_failures, rec.catchup_after = 0, 0.0
 
-    def finish_sync(self, sent_ok: bool, send_error: str = "", now: float = 0.0) -> SyncResult:
+    def finish_sync(self, sent_ok: bool, send_error: str = "", *, now: float) -> SyncResult:
         """Close the round; a main round makes its version current (the learner's weights
         moved on whoever received them). A failed catch-up backs its server off."""
         catchup = self.syncs.active is not None and self.syncs.active.round.catchup

@@ -49,6 +49,18 @@ def epoch_order(size: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     return order
 
 
+def _parse_id(task_id: str) -> tuple[str, int, int, int]:
+    """``(kind, epoch or round, position or row, retry)`` of a task id (retry 0: none)."""
+    try:
+        kind, number, index, *rest = task_id.split("/")
+        retry = int(rest[0]) if len(rest) == 1 else 0
+        if len(rest) > 1 or (rest and retry < 1):
+            raise ValueError
+        return kind, int(number), int(index), retry
+    except ValueError:
+        raise KeyError(f"{task_id!r} is not a task id of this source") from None
+
+
 class TaskSource:
     """Deals :class:`Task` objects from in-memory rows; not thread-safe (one owner)."""
 
@@ -133,26 +145,21 @@ class TaskSource:
     # ------------------------------------------------------------------ ids, state
     def task_for_id(self, task_id: str, version: int = 0) -> Task:
         """Rebuild the task that ``task_id`` names (e.g. one outstanding at a restart)."""
-        try:
-            kind, number, index, *retry = task_id.split("/")
-            number_i, index_i = int(number), int(index)
-            if retry and (kind != _TRAIN or len(retry) > 1 or int(retry[0]) < 1):
-                raise ValueError
-        except ValueError:
-            raise KeyError(f"{task_id!r} is not a task id of this source") from None
-        if kind == _TRAIN and 0 <= index_i < len(self.train_rows):
-            task = self._train_task(number_i, index_i, version)
+        kind, number, index, retry = _parse_id(task_id)
+        if kind == _TRAIN and 0 <= index < len(self.train_rows):
+            task = self._train_task(number, index, version)
             return msgspec.structs.replace(task, task_id=task_id) if retry else task
-        if kind == _VAL and 0 <= index_i < len(self.val_rows):
-            return self._task(self.val_rows[index_i], task_id, self.val_n, True, version)
+        if kind == _VAL and 0 <= index < len(self.val_rows) and not retry:
+            return self._task(self.val_rows[index], task_id, self.val_n, True, version)
         raise KeyError(f"{task_id!r} is not a task id of this source")
 
-    @staticmethod
-    def retry_id(task_id: str) -> tuple[str, int]:
-        """The id of the next retry of training task ``task_id`` and its retry number."""
-        kind, number, index, *retry = task_id.split("/")
-        k = int(retry[0]) + 1 if retry else 1
-        return f"{kind}/{number}/{index}/{k}", k
+    def retry_of(self, task_id: str, version: int) -> tuple[Task, int]:
+        """The next retry of training task ``task_id`` (a new id) and its retry number."""
+        kind, number, index, retry = _parse_id(task_id)
+        if kind != _TRAIN:
+            raise KeyError(f"{task_id!r} is not a training task id")
+        k = retry + 1
+        return self.task_for_id(f"{kind}/{number}/{index}/{k}", version), k
 
     def _task(self, row: dict[str, Any], task_id: str, n: int, val: bool, version: int) -> Task:
         return Task(

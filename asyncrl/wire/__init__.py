@@ -48,9 +48,10 @@ little-endian arrays) produces a valid message like this::
         np.array([-0.1, -2.3], dtype="<f4").tobytes(),
     ])
 
-Integers are accepted where floats are expected. No pickle anywhere: decoding uses msgspec's
-typed msgpack decoder, which checks every field, then the frames are checked against the
-header (:mod:`asyncrl.wire.codec`; :data:`REJECT_KINDS` lists what a receiver refuses).
+Integers are accepted where floats are expected. Only msgpack and raw arrays travel:
+decoding uses msgspec's typed msgpack decoder, which checks every field, then the frames
+are checked against the header (:mod:`asyncrl.wire.codec`; :data:`REJECT_KINDS` lists
+what a receiver refuses).
 
 Batch socket (consumer <-> buffer, REQ -> ROUTER)
 -------------------------------------------------
