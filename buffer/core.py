@@ -206,15 +206,7 @@ class ReplayBuffer:
     def _complete(self, group: Group) -> None:
         if group.validation:
             stats = self._validation.setdefault(group.data_source, ValidationStats())
-            rewards = [m.reward for m in group.metas]
-            mean = sum(rewards) / len(rewards)
-            stats.groups += 1
-            stats.trajectories += len(rewards)
-            stats.reward_sum += sum(rewards)
-            stats.reward_sq_sum += sum(r * r for r in rewards)
-            stats.group_mean_sum += mean
-            stats.group_mean_sq_sum += mean * mean
-            stats.response_tokens += sum(m.response_len for m in group.metas)
+            stats.add_group([m.reward for m in group.metas], int(group.response_lens.sum()))
             self.counts["val_groups_in"] += 1
             return
         s = self._s

@@ -5,20 +5,14 @@ import math
 import statistics
 from types import SimpleNamespace
 
-from asyncrl.wire.types import ValidationStats
+from asyncrl.wire import ValidationStats
 from learner.validation import ValidationTracker, mean_standard_error
 
 
 def _stats(groups: list[list[float]]) -> ValidationStats:
     s = ValidationStats()
     for rewards in groups:
-        s.groups += 1
-        s.trajectories += len(rewards)
-        s.reward_sum += sum(rewards)
-        s.reward_sq_sum += sum(r * r for r in rewards)
-        mean = sum(rewards) / len(rewards)
-        s.group_mean_sum += mean
-        s.group_mean_sq_sum += mean * mean
+        s.add_group(rewards, response_tokens=len(rewards))
     return s
 
 

@@ -79,36 +79,38 @@ from asyncrl.wire.codec import (
     encode_trajectories,
     nbytes,
 )
-from asyncrl.wire.types import (
-    LOGPROB_DTYPE,
-    SCHEMA_VERSION,
-    TOKEN_DTYPE,
+from asyncrl.wire.requests import (
     Ack,
     AckReply,
-    Batch,
     BatchHeader,
     BatchRequest,
     DroppedReply,
     DroppedRequest,
     DroppedTask,
     ErrorReply,
-    Group,
     Hello,
     NoBatch,
     Ok,
-    Packed,
     Reply,
     Request,
     Shutdown,
     StatsReply,
     StatsRequest,
-    TrajectoriesHeader,
-    Trajectory,
-    TrajectoryMeta,
     ValidationReply,
     ValidationRequest,
     ValidationStats,
     Welcome,
+)
+from asyncrl.wire.types import (
+    LOGPROB_DTYPE,
+    SCHEMA_VERSION,
+    TOKEN_DTYPE,
+    Batch,
+    Group,
+    Packed,
+    TrajectoriesHeader,
+    Trajectory,
+    TrajectoryMeta,
 )
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""Encoding and validating decoding of the multipart messages in :mod:`asyncrl.wire.types`.
+"""Encoding and validating decoding of the messages in :mod:`asyncrl.wire.types` and
+:mod:`asyncrl.wire.requests`.
 
 A decoder either returns well-formed objects or raises :class:`WireError` whose ``kind``
 says what was wrong (one of :data:`REJECT_KINDS`), so a service can count rejects by kind
@@ -17,16 +18,14 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from asyncrl.wire.requests import BatchHeader, Reply, Request
 from asyncrl.wire.types import (
     LOGPROB_DTYPE,
     SCHEMA_VERSION,
     TOKEN_DTYPE,
     Batch,
-    BatchHeader,
     Group,
     Packed,
-    Reply,
-    Request,
     TrajectoriesHeader,
     Trajectory,
     TrajectoryMeta,

@@ -1,0 +1,180 @@
+"""The buffer's request/reply socket (``endpoints.batches``): what a consumer (the learner,
+the coordinator) asks and what the buffer answers, as msgspec structs tagged by ``kind``
+(:data:`Request`, :data:`Reply`), and the summaries some replies carry. Frame layout and
+codec: :mod:`asyncrl.wire`, :mod:`asyncrl.wire.codec`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from asyncrl.wire.types import NonNegInt, ShortStr, TrajectoryMeta
+
+
+# ----------------------------------------------------------------------- reply payloads
+class DroppedTask(msgspec.Struct, frozen=True):
+    """A task whose group the buffer threw away without training on it.
+
+    ``cause`` is ``lag`` or ``expired``; the coordinator returns such tasks to the
+    admission budget (DESIGN.md section 4). Duplicates are not reported: their first copy
+    counted.
+    """
+
+    task_id: str
+    cause: str
+    validation: bool = False
+
+
+class ValidationStats(msgspec.Struct, kw_only=True):
+    """Validation results of one data source, summed over complete groups (squares too,
+    for standard errors over responses and over prompts)."""
+
+    groups: int = 0
+    trajectories: int = 0
+    reward_sum: float = 0.0
+    reward_sq_sum: float = 0.0
+    group_mean_sum: float = 0.0  # sum over groups of the group's mean reward
+    group_mean_sq_sum: float = 0.0
+    response_tokens: int = 0
+
+    def add_group(self, rewards: list[float], response_tokens: int) -> None:
+        """Count one complete group with these member rewards."""
+        mean = sum(rewards) / len(rewards)
+        self.groups += 1
+        self.trajectories += len(rewards)
+        self.reward_sum += sum(rewards)
+        self.reward_sq_sum += sum(r * r for r in rewards)
+        self.group_mean_sum += mean
+        self.group_mean_sq_sum += mean * mean
+        self.response_tokens += response_tokens
+
+    @property
+    def reward_mean(self) -> float:
+        return self.reward_sum / self.trajectories if self.trajectories else float("nan")
+
+    @property
+    def response_length_mean(self) -> float:
+        return self.response_tokens / self.trajectories if self.trajectories else float("nan")
+
+
+# ----------------------------------------------------------------------- batch socket
+class _Message(msgspec.Struct, tag_field="kind", kw_only=True, forbid_unknown_fields=True):
+    schema: int
+
+
+class Hello(_Message, tag="hello"):
+    """READY handshake and session start of a consumer.
+
+    It tells the buffer that the consumer holds nothing beyond ``acked_through``: batches
+    released to this ``consumer_id`` with a larger id and not acknowledged are released
+    again, in order (so a learner keeps its consumer id across restarts).
+    ``acked_through`` is the last batch id whose effect the consumer's restored checkpoint
+    contains (None: no checkpoint); the buffer acknowledges every batch up to it first, so a
+    crash between saving a checkpoint and acknowledging loses nothing and repeats nothing.
+    """
+
+    consumer_id: ShortStr
+    acked_through: int | None = None
+
+
+class BatchRequest(_Message, tag="batch_request"):
+    """Ask for the next training batch; the buffer waits up to ``wait_s`` for one."""
+
+    consumer_id: ShortStr
+    policy_version: NonNegInt  # the learner's current version: the lag filter uses it
+    wait_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
+
+
+class Ack(_Message, tag="ack"):
+    """The consumer's checkpoint contains these batches: the buffer may forget them."""
+
+    consumer_id: ShortStr
+    batch_ids: list[int]
+
+
+class StatsRequest(_Message, tag="stats"):
+    """Ask for the buffer's metrics (does not change anything)."""
+
+
+class DroppedRequest(_Message, tag="dropped"):
+    """Drain the list of tasks dropped for lag or expiry since the last such request."""
+
+
+class ValidationRequest(_Message, tag="validation"):
+    """Drain the validation results (per data source) since the last such request."""
+
+
+class Shutdown(_Message, tag="shutdown"):
+    """Stop the buffer service (it replies :class:`Ok` first)."""
+
+
+class Welcome(_Message, tag="welcome"):
+    redelivering: int  # unacknowledged batches that will be released again first
+    next_batch_id: int
+    acked: int  # batches acknowledged by ``acked_through``
+
+
+class BatchHeader(_Message, tag="batch"):
+    """First frame of a batch reply; 3 array frames follow, as in a trajectory message.
+
+    ``group_sizes`` splits ``trajectories`` into groups (consecutive, in order).
+    """
+
+    batch_id: int
+    policy_version: int
+    redelivered: bool
+    group_sizes: list[Annotated[int, msgspec.Meta(ge=1)]]
+    trajectories: list[TrajectoryMeta]
+    lag_histogram: dict[int, int]
+    metrics: dict[str, float]
+
+
+class NoBatch(_Message, tag="no_batch"):
+    """No batch within ``wait_s``: ``ready`` training groups, ``needed`` for one batch."""
+
+    ready: int
+    needed: int
+
+
+class AckReply(_Message, tag="ack_reply"):
+    acked: list[int]
+    unknown: list[int]  # not released or already acknowledged: ignored
+
+
+class StatsReply(_Message, tag="stats_reply"):
+    metrics: dict[str, float]
+
+
+class DroppedReply(_Message, tag="dropped_reply"):
+    dropped: list[DroppedTask]
+
+
+class ValidationReply(_Message, tag="validation_reply"):
+    by_data_source: dict[str, ValidationStats]
+
+
+class Ok(_Message, tag="ok"):
+    pass
+
+
+class ErrorReply(_Message, tag="error"):
+    """The request was rejected; ``error`` is one of :data:`asyncrl.wire.REJECT_KINDS`."""
+
+    error: str
+    detail: str
+
+
+Request = Hello | BatchRequest | Ack | StatsRequest | DroppedRequest | ValidationRequest | Shutdown
+Reply = (
+    Welcome
+    | BatchHeader
+    | NoBatch
+    | AckReply
+    | StatsReply
+    | DroppedReply
+    | ValidationReply
+    | Ok
+    | ErrorReply
+)
