@@ -28,7 +28,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -38,12 +37,12 @@ from asyncrl import wire
 from asyncrl.transport import bind, config_endpoint, make_socket
 from buffer.core import ReplayBuffer
 from buffer.rollout_log import RolloutLog
+from buffer.service_stats import ServiceStats, summary
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # longest poll: bounds how late a stop, a wait_s deadline or expiry can be
 EXPIRE_EVERY_S = 0.25
-RATE_WINDOW_S = 2.0
 READ_BURST = 16  # messages read per wakeup before requests are looked at again
 
 
@@ -69,19 +68,12 @@ class BufferService:
         self.log_every_s = log_every_s
         self.trajectories_endpoint = trajectories  # the bound address once started
         self.batches_endpoint = batches
-        self.rejects: Counter[str] = Counter()
+        self.stats = ServiceStats()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._pending: list[tuple[list[bytes], wire.BatchRequest, float]] = []
-        self._logged_kinds: set[str] = set()
-        self._io: Counter[str] = Counter()  # bytes_in, replies_undeliverable, ...
-        self._rates = {"buffer/trajectories_per_s": 0.0, "buffer/mb_per_s": 0.0}
-        self._paused_since: float | None = None
-        self._paused_s = 0.0
-        self._started = 0.0
-        self._window = (0.0, 0.0, 0.0)  # (time, trajectories, MB) at the last rate update
 
     @classmethod
     def from_config(cls, cfg: Any, run_directory: Path | None = None) -> BufferService:
@@ -189,15 +181,15 @@ class BufferService:
             ctx.term()
             if self.rollout_log is not None:
                 self.rollout_log.close()
-            log.info("buffer stopped: %s", _summary(self.metrics()))
+            log.info("buffer stopped: %s", summary(self.metrics()))
 
     # ------------------------------------------------------------------ loop
     def _loop(self, pull: zmq.Socket, router: zmq.Socket) -> None:
         poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         reading = False
-        self._started = last_tick = last_log = time.monotonic()
-        self._window = (self._started, 0.0, 0.0)
+        last_tick = last_log = time.monotonic()
+        self.stats.start(last_tick)
         while not self._stop.is_set():
             room = self.buffer.has_room()
             if room != reading:
@@ -206,7 +198,7 @@ class BufferService:
                     poller.register(pull, zmq.POLLIN)
                 else:
                     poller.unregister(pull)
-                self._set_paused(not room)
+                self.stats.set_paused(not room, time.monotonic())
             events = dict(poller.poll(self._poll_ms()))
             if events.get(router):
                 self._read_requests(router)
@@ -216,10 +208,12 @@ class BufferService:
             self._serve_pending(router, now)
             if now - last_tick >= EXPIRE_EVERY_S:
                 self.buffer.expire(now)
-                self._update_rates(now)
+                c = self.buffer.counts
+                dropped = c["drops/duplicate"] + c["drops/late"] + c["drops/inconsistent"]
+                self.stats.update_rates(now, c["trajectories_in"] + dropped)
                 last_tick = now
             if now - last_log >= self.log_every_s:
-                log.info("buffer: %s", _summary(self.metrics()))
+                log.info("buffer: %s", summary(self.metrics()))
                 last_log = now
 
     def _poll_ms(self) -> int:
@@ -243,26 +237,14 @@ class BufferService:
         try:
             packed = wire.decode_packed(frames, self.limits)
         except wire.WireError as e:
-            self._reject("trajectories", e)
+            self.stats.reject("trajectories", e)
             return
         outcomes = self.buffer.add_packed(packed, time.monotonic())
         if self.rollout_log is not None:
             for t, outcome in zip(packed.trajectories, outcomes, strict=True):
                 self.rollout_log.append(t, outcome, time.time())
-        self._io["bytes_in"] += sum(f.nbytes for f in frames)
-        self._io["messages_in"] += 1
-
-    def _reject(self, socket: str, err: wire.WireError) -> None:
-        key = f"{socket}/{err.kind}"
-        self.rejects[key] += 1
-        if key not in self._logged_kinds:
-            self._logged_kinds.add(key)
-            log.warning(
-                "rejected a %s message (%s); further ones are only counted in buffer/rejects/%s",
-                socket,
-                err,
-                key,
-            )
+        self.stats.io["bytes_in"] += sum(f.nbytes for f in frames)
+        self.stats.io["messages_in"] += 1
 
     # ------------------------------------------------------------------ requests
     def _read_requests(self, router: zmq.Socket) -> None:
@@ -285,7 +267,7 @@ class BufferService:
                 raise wire.WireError("malformed", "no empty delimiter frame: send from REQ")
             msg = wire.decode_request(body, self.limits)
         except wire.WireError as e:
-            self._reject("requests", e)
+            self.stats.reject("requests", e)
             reply = wire.ErrorReply(schema=wire.SCHEMA_VERSION, error=e.kind, detail=e.detail)
             self._send(router, envelope, wire.encode_reply(reply))
             return
@@ -360,56 +342,15 @@ class BufferService:
         try:
             router.send_multipart(envelope + frames, flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone; EAGAIN: not reading
-            self._io["replies_undeliverable"] += 1
+            self.stats.io["replies_undeliverable"] += 1
             log.warning("reply to a departed client dropped (%s)", e.strerror)
 
     # ------------------------------------------------------------------ metrics
-    def _set_paused(self, paused: bool) -> None:
-        now = time.monotonic()
-        if paused:
-            self._paused_since = now
-            # Debug only: under steady backpressure this flips at every batch; the periodic
-            # summary and buffer/paused_s say how long reading was paused.
-            log.debug("buffer full: not reading trajectories")
-        elif self._paused_since is not None:
-            self._paused_s += now - self._paused_since
-            self._paused_since = None
-
-    def _update_rates(self, now: float) -> None:
-        t0, b0, m0 = self._window
-        if now - t0 < RATE_WINDOW_S:
-            return
-        traj = self.buffer.counts["trajectories_in"] + self._dropped_trajectories()
-        mb = self._io["bytes_in"] / 1e6
-        self._rates["buffer/trajectories_per_s"] = (traj - b0) / (now - t0)
-        self._rates["buffer/mb_per_s"] = (mb - m0) / (now - t0)
-        self._window = (now, traj, mb)
-
-    def _dropped_trajectories(self) -> int:
-        c = self.buffer.counts
-        return c["drops/duplicate"] + c["drops/late"] + c["drops/inconsistent"]
-
     def metrics(self) -> dict[str, float]:
         """Buffer metrics plus the service's: rejects, throughput, time paused.
 
         Call it from the loop's thread (requests do) or after the service stopped.
         """
-        out = self.buffer.metrics()
-        out |= {f"buffer/rejects/{k}": float(v) for k, v in self.rejects.items()}
-        out["buffer/rejects/total"] = float(sum(self.rejects.values()))
-        out |= {f"buffer/{k}": float(v) for k, v in self._io.items()}
-        out |= self._rates
-        paused = self._paused_s
-        if self._paused_since is not None:
-            paused += time.monotonic() - self._paused_since
-        out["buffer/paused_s"] = paused
+        out = self.buffer.metrics() | self.stats.metrics(time.monotonic())
         out["buffer/pending_requests"] = float(len(self._pending))
-        out["buffer/uptime_s"] = time.monotonic() - self._started if self._started else 0.0
         return out
-
-
-def _summary(m: dict[str, float]) -> str:
-    keys = ("size", "ready", "incomplete", "unacked_batches", "groups_in", "groups_out")
-    drops = {k.split("/")[-1]: int(v) for k, v in m.items() if "/drops/" in k and v}
-    text = " ".join(f"{k}={int(m.get(f'buffer/{k}', 0))}" for k in keys)
-    return f"{text} drops={drops} rejects={int(m.get('buffer/rejects/total', 0))}"

@@ -1,0 +1,82 @@
+"""The buffer service's own bookkeeping, apart from its contents: rejected messages (each
+kind logged once, then only counted), bytes and messages in, trajectories/s and MB/s over
+a window, and how long reading was paused for backpressure. No sockets; callers pass
+``now`` (monotonic seconds)."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+from asyncrl.wire import WireError
+
+log = logging.getLogger(__name__)
+
+RATE_WINDOW_S = 2.0
+
+
+class ServiceStats:
+    def __init__(self) -> None:
+        self.rejects: Counter[str] = Counter()  # "<socket>/<kind>"
+        self.io: Counter[str] = Counter()  # bytes_in, messages_in, replies_undeliverable
+        self.rates = {"buffer/trajectories_per_s": 0.0, "buffer/mb_per_s": 0.0}
+        self.started = 0.0
+        self._logged: set[str] = set()
+        self._paused_since: float | None = None
+        self._paused_s = 0.0
+        self._window = (0.0, 0.0, 0.0)  # (time, trajectories, MB) at the last rate update
+
+    def start(self, now: float) -> None:
+        self.started = now
+        self._window = (now, 0.0, 0.0)
+
+    def reject(self, socket: str, err: WireError) -> None:
+        """Count a rejected message; the first of each kind is logged with its reason."""
+        key = f"{socket}/{err.kind}"
+        self.rejects[key] += 1
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning(
+                "rejected a %s message (%s); further ones are only counted in buffer/rejects/%s",
+                socket, err, key,
+            )  # fmt: skip
+
+    def set_paused(self, paused: bool, now: float) -> None:
+        if paused:
+            self._paused_since = now
+            # Debug only: under steady backpressure this flips at every batch; the periodic
+            # summary and buffer/paused_s say how long reading was paused.
+            log.debug("buffer full: not reading trajectories")
+        elif self._paused_since is not None:
+            self._paused_s += now - self._paused_since
+            self._paused_since = None
+
+    def update_rates(self, now: float, trajectories: float) -> None:
+        """Rates over the last :data:`RATE_WINDOW_S` or more; ``trajectories`` read so far."""
+        t0, b0, m0 = self._window
+        if now - t0 < RATE_WINDOW_S:
+            return
+        mb = self.io["bytes_in"] / 1e6
+        self.rates["buffer/trajectories_per_s"] = (trajectories - b0) / (now - t0)
+        self.rates["buffer/mb_per_s"] = (mb - m0) / (now - t0)
+        self._window = (now, trajectories, mb)
+
+    def metrics(self, now: float) -> dict[str, float]:
+        out = {f"buffer/rejects/{k}": float(v) for k, v in self.rejects.items()}
+        out["buffer/rejects/total"] = float(sum(self.rejects.values()))
+        out |= {f"buffer/{k}": float(v) for k, v in self.io.items()}
+        out |= self.rates
+        paused = self._paused_s
+        if self._paused_since is not None:
+            paused += now - self._paused_since
+        out["buffer/paused_s"] = paused
+        out["buffer/uptime_s"] = now - self.started if self.started else 0.0
+        return out
+
+
+def summary(m: dict[str, float]) -> str:
+    """One log line from the buffer's metrics."""
+    keys = ("size", "ready", "incomplete", "unacked_batches", "groups_in", "groups_out")
+    drops = {k.split("/")[-1]: int(v) for k, v in m.items() if "/drops/" in k and v}
+    text = " ".join(f"{k}={int(m.get(f'buffer/{k}', 0))}" for k in keys)
+    return f"{text} drops={drops} rejects={int(m.get('buffer/rejects/total', 0))}"
