@@ -1,0 +1,148 @@
+"""The ZeroMQ helpers of :mod:`asyncrl.transport` on real loopback sockets: endpoints, the
+trajectory pusher (delivery, backpressure at the high-water mark, async sends), the
+request client's timeout, and the import boundary of the wire and transport modules."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+from standins.trajgen import make_group, make_traj
+
+from asyncrl import wire
+from asyncrl.transport import ReqClient, TrajectoryPusher, endpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_endpoints() -> None:
+    assert endpoint("127.0.0.1", 5552, "trajectories") == "tcp://127.0.0.1:5552"
+    assert endpoint("10.0.0.2", 0, "batches") == "tcp://10.0.0.2:*"
+    assert endpoint("ipc:///tmp/run/", 1, "batches") == "ipc:///tmp/run/batches.sock"
+    with pytest.raises(ValueError):
+        endpoint("udp://x", 1, "batches")
+
+
+def _pull(hwm: int = 1000) -> tuple[zmq.Context, zmq.Socket, str]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.RCVHWM, hwm)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind("tcp://127.0.0.1:*")
+    return ctx, sock, sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def test_pusher_delivers_and_flushes_on_close() -> None:
+    ctx, pull, addr = _pull()
+    with TrajectoryPusher(addr) as pusher:
+        for i in range(50):
+            assert pusher.send(make_group(f"g{i}", 2)) >= 0.0
+    got = []
+    while pull.poll(2000):
+        got.append(wire.decode_packed(pull.recv_multipart()).metas[0].task_id)
+        if len(got) == 50:
+            break
+    assert got == [f"g{i}" for i in range(50)]
+    pull.close()
+    ctx.term()
+
+
+def test_pusher_blocks_at_the_high_water_mark_and_reports_the_wait() -> None:
+    ctx, pull, addr = _pull(hwm=1)
+    frames = wire.encode_trajectories([make_traj("big", response_len=200_000)])
+    pusher = TrajectoryPusher(addr, hwm=1, linger_s=0)
+    with pytest.raises(TimeoutError):
+        for _ in range(1000):  # nobody reads: queues and kernel buffers fill, then it blocks
+            pusher.send_frames(frames, timeout_s=0.3)
+    assert pusher.total_wait_s >= 0.3
+    # Reading unblocks it; the wait it reports covers the time until then.
+    sent_before = pusher.sent
+    start = time.monotonic()
+    drained = 0
+
+    def drain_later() -> None:
+        nonlocal drained
+        time.sleep(0.3)
+        while pull.poll(200):
+            pull.recv_multipart()
+            drained += 1
+
+    reader = threading.Thread(target=drain_later)
+    reader.start()
+    waited = pusher.send_frames(frames, timeout_s=10)
+    assert waited >= 0.2 and time.monotonic() - start >= 0.2
+    assert pusher.sent == sent_before + 1
+    reader.join()
+    pusher.close()
+    pull.close()
+    ctx.term()
+
+
+def test_pusher_send_async_keeps_the_event_loop_free() -> None:
+    ctx, pull, addr = _pull(hwm=1)
+    frames_sent = 0
+
+    async def main() -> float:
+        nonlocal frames_sent
+        pusher = TrajectoryPusher(addr, hwm=1, linger_s=0)
+        big = [make_traj("big", response_len=200_000)]
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        tick_task = asyncio.create_task(ticker())
+        try:
+            for _ in range(200):
+                await pusher.send_async(big, timeout_s=0.5)
+                frames_sent += 1
+        except TimeoutError:
+            pass
+        tick_task.cancel()
+        pusher.close()
+        return ticks
+
+    ticks = asyncio.run(main())
+    assert ticks >= 20  # the loop ran while the send was blocked for 0.5 s
+    pull.close()
+    ctx.term()
+
+
+def test_req_client_times_out_and_recovers() -> None:
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.bind("tcp://127.0.0.1:*")
+    client = ReqClient(server.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=0.2)
+    with pytest.raises(TimeoutError):
+        client.request_frames([b"first"])  # the server reads but does not answer in time
+    *envelope, body = server.recv_multipart()
+    assert body == b"first"
+    # A new request works after the timeout; the late answer to the first is discarded.
+    server.send_multipart([*envelope, b"late"])
+    answer = threading.Timer(
+        0.05, lambda: server.send_multipart([*server.recv_multipart()[:-1], b"second-reply"])
+    )
+    answer.start()
+    assert [bytes(f) for f in client.request_frames([b"second"], timeout_s=2)] == [b"second-reply"]
+    answer.join()
+    client.close()
+    server.close(0)
+    ctx.term()
+
+
+def test_wire_and_transport_import_no_torch_or_vllm() -> None:
+    code = (
+        "import sys, asyncrl, asyncrl.wire, asyncrl.transport; "
+        "bad = [m for m in ('torch', 'vllm', 'learner', 'rollout_servers') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
