@@ -211,6 +211,14 @@ class ControlConfig(Section):
     min_servers_to_start: int = Field(
         1, gt=0, description="Deal no task until this many rollout servers have registered."
     )
+    task_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="A task outstanding this long at a live server is reclaimed and dealt again.",
+    )
+    task_retries: int = Field(
+        3, ge=0, description="Times a failed or reclaimed task is dealt again before given up."
+    )
 
 
 class BufferConfig(Section):
@@ -283,6 +291,15 @@ class LaunchConfig(Section):
         None, description="GPUs per role, same shape as cpus."
     )
     start_timeout_s: float = Field(300.0, gt=0, description="How long roles wait for peers.")
+    max_restarts: int = Field(
+        3, ge=0, description="Restarts per role within restart_window_s before the run fails."
+    )
+    restart_window_s: float = Field(
+        600.0, gt=0, description="Window in which a role's restarts are counted."
+    )
+    restart_backoff_s: float = Field(
+        2.0, ge=0, description="First wait before a restart; doubles per recent restart."
+    )
 
 
 class Config(Section):
