@@ -315,8 +315,17 @@ class BufferClient(ReqClient):
 
     def dropped(self) -> list[wire.DroppedTask]:
         """Tasks dropped for lag or expiry since the last call (drained)."""
-        msg = wire.DroppedRequest(schema=wire.SCHEMA_VERSION)
-        return self._call(msg, wire.DroppedReply).dropped
+        return self.drain().dropped
+
+    def drain(self) -> wire.DroppedReply:
+        """Tasks dropped and validation tasks scored since the last call (drained), with
+        the buffer's session."""
+        return self._call(wire.DroppedRequest(schema=wire.SCHEMA_VERSION), wire.DroppedReply)
+
+    def inventory(self) -> wire.InventoryReply:
+        """Every task id the buffer holds, dropped or scored in its session."""
+        msg = wire.InventoryRequest(schema=wire.SCHEMA_VERSION)
+        return self._call(msg, wire.InventoryReply)
 
     def validation(self) -> dict[str, wire.ValidationStats]:
         """Validation results per data source since the last call (drained)."""

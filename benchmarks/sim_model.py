@@ -182,11 +182,11 @@ class _Sim:
         those left with room and no grant wait (and count the wait)."""
         pending = [self.servers[i] for i in ids if not self.servers[i].paused]
         pending = [s for s in pending if self.room(s) > 0]
-        while pending and self.budget.free > 0:
+        while pending and self.budget.free(self.charged) > 0:
             again = []
             for s in pending:
                 want = min(self.p.tasks_per_request, self.room(s))
-                got = self.budget.take(want)
+                got = min(want, self.budget.free(self.charged))
                 if got:
                     self.admit(s, got)
                 if self.room(s) > 0:
@@ -199,7 +199,7 @@ class _Sim:
 
     def admit(self, s: _Server, k: int) -> None:
         self.charged += k
-        limit = budget_limit(self.budget.version, self.lag, self.per_version)
+        limit = budget_limit(self.budget.consumed, self.lag, self.per_version)
         self.max_excess = max(self.max_excess, self.charged - limit)
         s.count_wait(self.now, still_waiting=False)
         self.waiting.pop(s.idx, None)
@@ -252,8 +252,7 @@ class _Sim:
         self.unchecked = 0
         dropped = len(tail) - len(keep)
         if dropped:
-            self.budget.refund(dropped, "lag")
-            self.charged -= dropped
+            self.charged -= dropped  # refunded: the learner never saw them
             self.c["drops"] += dropped
             self.deal(list(self.waiting))
 
@@ -272,6 +271,7 @@ class _Sim:
         self.push(self.now + self.p.sync_s, _SYNC_DONE)
 
     def on_sync_done(self) -> None:
+        self.budget.consume(self.budget.consumed + self.per_version)  # a version's worth
         self.budget.advance(self.budget.version + 1)
         self.unchecked = len(self.buffer)  # a new version: every pooled group is rechecked
         for s in self.servers:

@@ -118,7 +118,10 @@ class ReplayBuffer:
         self._s = _State()
         self._next_batch_id = 0
         self._learner_version: int | None = None
-        self._dropped: list[DroppedTask] = []
+        self._dropped: list[DroppedTask] = []  # drained by take_dropped
+        self._drop_log: list[DroppedTask] = []  # every drop, for the inventory
+        self._validated: list[str] = []  # drained by take_dropped
+        self._validated_all: list[str] = []
         self._validation: dict[str, ValidationStats] = {}
         self._lag_hist: Counter[int] = Counter()
         self._size_max = 0
@@ -199,7 +202,7 @@ class ReplayBuffer:
             part = s.partial.pop(tid)
             s.closed[tid] = "expired"
             member = next(t for t in part.members if t is not None)
-            self._dropped.append(DroppedTask(tid, "expired", member.validation))
+            self._drop(DroppedTask(tid, "expired", member.validation))
         self.counts["drops/expired"] += len(out)
         return out
 
@@ -208,6 +211,8 @@ class ReplayBuffer:
             stats = self._validation.setdefault(group.data_source, ValidationStats())
             stats.add_group([m.reward for m in group.metas], int(group.response_lens.sum()))
             self.counts["val_groups_in"] += 1
+            self._validated.append(group.task_id)
+            self._validated_all.append(group.task_id)
             return
         s = self._s
         oldest = group.oldest_version
@@ -313,10 +318,24 @@ class ReplayBuffer:
         """False when at capacity: the caller should stop reading new trajectories."""
         return len(self._s.held) < self.capacity and len(self._s.partial) < self.capacity
 
+    def _drop(self, d: DroppedTask) -> None:
+        self._dropped.append(d)
+        self._drop_log.append(d)
+
     def take_dropped(self) -> list[DroppedTask]:
         """Tasks dropped unused (lag, expiry) since the last call, for the coordinator."""
         out, self._dropped = self._dropped, []
         return out
+
+    def take_validated(self) -> list[str]:
+        """Validation task ids scored since the last call, for the coordinator."""
+        out, self._validated = self._validated, []
+        return out
+
+    def inventory(self) -> tuple[list[str], list[DroppedTask], list[str]]:
+        """Task ids held (complete or not), every drop, every validation id scored."""
+        held = [*self._s.held, *self._s.partial]
+        return held, list(self._drop_log), list(self._validated_all)
 
     def take_validation(self) -> dict[str, ValidationStats]:
         """Validation results per data source since the last call."""
@@ -368,7 +387,7 @@ class ReplayBuffer:
             h = s.held[tid]
             if h.uses == 0:
                 self.counts["drops/lag"] += 1
-                self._dropped.append(DroppedTask(tid, "lag", False))
+                self._drop(DroppedTask(tid, "lag", False))
             else:
                 self.counts["evicted"] += 1  # trained on already: not a loss
             self._leave_pool(tid)

@@ -26,6 +26,7 @@ once per kind; the service keeps running. Run it as ``asyncrl-buffer CONFIG`` (s
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -69,6 +70,9 @@ class BufferService:
         self.trajectories_endpoint = trajectories  # the bound address once started
         self.batches_endpoint = batches
         self.stats = ServiceStats()
+        # Names this process's contents: a coordinator that sees a new session knows the
+        # groups it acknowledged to the old one are gone.
+        self.session = secrets.token_hex(4)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -284,8 +288,21 @@ class BufferService:
         elif isinstance(msg, wire.StatsRequest):
             reply = wire.StatsReply(schema=wire.SCHEMA_VERSION, metrics=self.metrics())
         elif isinstance(msg, wire.DroppedRequest):
-            dropped = self.buffer.take_dropped()
-            reply = wire.DroppedReply(schema=wire.SCHEMA_VERSION, dropped=dropped)
+            reply = wire.DroppedReply(
+                schema=wire.SCHEMA_VERSION,
+                dropped=self.buffer.take_dropped(),
+                validated=self.buffer.take_validated(),
+                session=self.session,
+            )
+        elif isinstance(msg, wire.InventoryRequest):
+            held, dropped, validated = self.buffer.inventory()
+            reply = wire.InventoryReply(
+                schema=wire.SCHEMA_VERSION,
+                session=self.session,
+                held=held,
+                dropped=dropped,
+                validated=validated,
+            )
         elif isinstance(msg, wire.ValidationRequest):
             stats = self.buffer.take_validation()
             reply = wire.ValidationReply(schema=wire.SCHEMA_VERSION, by_data_source=stats)

@@ -85,6 +85,8 @@ class LearnerLoop:
         self.unacked.append(batch_id)
         self.last_batch_id = batch_id
         metrics.update(batch_metrics)
+        if self.rank0:  # before the push: the admission window moves by what it consumed
+            self.control.coordinator.trained(sorted({r.group_id for r in rollouts}))
         metrics["timing/wait_batch_s"] = waited
         metrics["timing/step_s"] = time.monotonic() - start
         metrics["timing/wait_fraction"] = waited / max(metrics["timing/step_s"], 1e-9)
@@ -303,6 +305,9 @@ class _RankZero:
         while self.validation.pending(self.coordinator) and time.monotonic() < deadline:
             self.poll_validation(loop.trainer.step, loop.trainer.policy_version)
             time.sleep(0.5)
+        accounting = self.coordinator.accounting()
+        self.logger.log(loop.trainer.step, accounting)
+        log.info("accounting: %s", accounting_line(accounting))
         self.coordinator.shutdown("training done")
         self.logger.close()
         self.buffer.close()
@@ -329,6 +334,24 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
         if values:
             out[key] = sum(values) / len(values)
     return out
+
+
+def accounting_line(acct: dict[str, float]) -> str:
+    """``train: dealt D = in flight + in buffer + trained + dropped + given up`` (and val)."""
+    parts = []
+    for kind, done in (("train", "trained"), ("val", "scored")):
+        g = {k.rsplit(f"accounting/{kind}/", 1)[-1]: int(v) for k, v in acct.items()
+             if k.startswith(f"accounting/{kind}/")}  # fmt: skip
+        if not g:
+            continue
+        drops = {k.split("/", 1)[1]: v for k, v in g.items() if k.startswith("dropped/")}
+        parts.append(
+            f"{kind}: dealt {g['dealt']} = in flight {g['in_flight']} + in buffer "
+            f"{g['in_buffer']} + {done} {g[done]} + dropped {sum(drops.values())} "
+            f"({', '.join(f'{k} {v}' for k, v in drops.items())}) + given up {g['given_up']}"
+            + (f" [unaccounted {g['unaccounted']}]" if g["unaccounted"] else "")
+        )
+    return "; ".join(parts)
 
 
 def _brief(metrics: dict[str, float]) -> str:

@@ -48,6 +48,8 @@ class RolloutServer:
         self.max_inflight = cfg.rollout.max_inflight
         self.inflight = 0  # sampled responses being generated now
         self.tasks: set[asyncio.Task] = set()
+        self.held: dict[str, Task] = {}  # tasks being generated, by id
+        client.held_tasks = lambda: list(self.held)  # said at (re-)registration
         self.generation = ""  # the sync group this engine's workers are in
         self.groups_done = 0
         self.tokens_by_version: Counter[int] = Counter()
@@ -120,8 +122,11 @@ class RolloutServer:
                 t.add_done_callback(self.tasks.discard)
 
     async def _run_task(self, task: Task) -> None:
-        """Generate ``task.n`` responses, score them, push the group, acknowledge it."""
+        """Generate ``task.n`` responses, score them, push the group, acknowledge it. A
+        task that fails before its group is pushed is reported back (dealt again)."""
         created = time.time()
+        pushed = False
+        self.held[task.task_id] = task
         try:
             prompt = self._prompt_ids(task)
             samples = await asyncio.gather(*[
@@ -136,14 +141,19 @@ class RolloutServer:
                 task, prompt, samples, scores, server_id=self.server_id, created_at=created
             )
             self.metrics["rollout/push_wait_s"] += await self.pusher.send_async(group)
+            pushed = True
             await asyncio.to_thread(self.client.ack, [task.task_id])
             self._count(samples, scores, task)
         except asyncio.CancelledError:
             raise
-        except Exception:  # one bad task must not stop the server; it is re-dealt if unacked
+        except Exception as e:  # one bad task must not stop the server
             self.metrics["rollout/task_errors"] += 1
             log.exception("task %s failed", task.task_id)
+            if not pushed:  # its group never left: the coordinator deals it again
+                reason = f"{type(e).__name__}: {e}"
+                await asyncio.to_thread(self.client.nack, [task.task_id], reason)
         finally:
+            self.held.pop(task.task_id, None)
             self.inflight -= task.n
             if self.inflight == 0:
                 self._idle_since = time.monotonic()

@@ -47,30 +47,43 @@ def test_budget_formula_hand_computed():
     assert groups_per_version(4, 2) == 8
     assert budget_limit(0, 0, 8) == 8  # synchronous: one version's worth
     assert budget_limit(0, 1, 8) == 16
-    assert budget_limit(3, 4, 8) == 64  # (4 + 3 + 1) * 8
+    assert budget_limit(24, 4, 8) == 64  # 24 consumed (3 versions' worth) + (4 + 1) * 8
     assert grantable(10, 0, 1, 8) == 6
     assert grantable(20, 0, 1, 8) == 0  # never negative
     with pytest.raises(ValueError):
         groups_per_version(0, 1)
 
 
-def test_budget_take_refund_advance():
+def test_budget_window_moves_with_consumption_not_versions():
     b = Budget(max_policy_lag=1, per_version=3)
-    assert (b.limit, b.free) == (6, 6)
-    assert b.take(4) == 4 and b.take(10) == 2 and b.take(1) == 0
-    b.advance(1)
-    assert b.free == 3
-    b.refund(2, "lag")
-    assert (b.dealt, b.free, b.refunded["lag"]) == (4, 5, 2)
+    assert (b.limit, b.free(4)) == (6, 2)
+    b.advance(5)  # a restart or a registration: the version moves, the window does not
+    assert b.limit == 6
+    b.consume(3)
+    assert (b.limit, b.free(4)) == (9, 5)
+    b.consume(2)  # consumption never goes back
+    assert b.consumed == 3
     with pytest.raises(ValueError, match="cannot go back"):
         b.advance(0)
-    with pytest.raises(ValueError, match="unknown refund cause"):
-        b.refund(1, "duplicate")  # duplicates never return to the budget
-    with pytest.raises(ValueError, match="cannot refund"):
-        b.refund(5, "lag")
     restored = Budget(1, 3)
     restored.load_state_dict(b.state_dict())
     assert restored == b
+    legacy = Budget(1, 3)  # a checkpoint of the version rule: consumed = version * G
+    legacy.load_state_dict({"version": 4, "dealt": 7})
+    assert legacy.consumed == 12
+
+
+def _consume(ledger: TaskLedger, versions: int = 1) -> None:
+    """A learner that consumed ``versions`` versions' worth and pushed."""
+    b = ledger.budget
+    b.consume(b.consumed + versions * b.per_version)
+    b.advance(b.version + versions)
+
+
+def _identity(ledger: TaskLedger, kind: str = "train") -> dict[str, float]:
+    acct = ledger.accounting()
+    assert acct[f"accounting/{kind}/unaccounted"] == 0
+    return {k.split("/", 2)[2]: v for k, v in acct.items() if k.startswith(f"accounting/{kind}")}
 
 
 @pytest.mark.parametrize("lag", [0, 1, 4])
@@ -79,7 +92,7 @@ def test_ledger_deals_exactly_the_budget_and_resumes_per_version(lag):
     first = _drain(ledger)
     assert len(first) == (lag + 1) * 8
     assert ledger.deal("a", 3) == ([], "budget")
-    ledger.budget.advance(1)
+    _consume(ledger)
     assert len(_drain(ledger)) == 8  # one more version's worth, no more
     ids = [t.task_id for t in first]
     assert len(set(ids)) == len(ids) and all(t.n == 2 and not t.validation for t in first)
@@ -90,18 +103,19 @@ def test_dead_server_tasks_are_redealt_under_their_ids_and_the_budget_corrected(
     ledger = _ledger(lag=0, per_version=6)
     to_a, _ = ledger.deal("a", 3)
     to_b, _ = ledger.deal("b", 3)
-    assert ledger.budget.free == 0
+    assert ledger.budget.free(ledger.committed) == 0
     ledger.ack([to_a[0].task_id])
     back = ledger.release("a", "dead")
     assert [t.task_id for t in back] == [t.task_id for t in to_a[1:]]
-    assert ledger.budget.dealt == 4 and ledger.budget.refunded["dead"] == 2
+    assert ledger.committed == 4 and ledger.counts["requeued/dead"] == 2
     again, reason = ledger.deal("b", 5)
     # Exactly the two unacknowledged tasks, same ids, next attempt; then the budget is full.
     assert [t.task_id for t in again] == [t.task_id for t in to_a[1:]]
     assert [t.attempt for t in again] == [1, 1] and reason == "budget"
-    assert ledger.budget.dealt == 6
+    assert ledger.committed == 6
     assert ledger.redeal_log == [(t.task_id, "a", "dead") for t in to_a[1:]]
     assert set(ledger.owned["b"]) == {t.task_id for t in to_b + again}
+    assert _identity(ledger)["dealt"] == 6  # a re-deal is the same task, counted once
 
 
 def test_buffer_drops_are_refunded_once():
@@ -109,22 +123,16 @@ def test_buffer_drops_are_refunded_once():
     tasks, _ = ledger.deal("a", 4)
     ids = [t.task_id for t in tasks]
     ledger.ack(ids[:2])
-    drops = [
-        DroppedTask(ids[0], "lag"),
-        DroppedTask(ids[0], "lag"),
-        DroppedTask("val/0/0", "lag", True),
-    ]
-    assert ledger.dropped(drops) == 1  # a repeat and a validation group: nothing
+    drops = [DroppedTask(ids[0], "lag"), DroppedTask(ids[0], "lag")]
+    assert ledger.dropped(drops) == 1  # a repeated report changes nothing
     assert ledger.dropped([DroppedTask(ids[2], "expired")]) == 1  # still outstanding
     assert ids[2] not in ledger.outstanding  # its group cannot complete: not owed any more
-    ledger.release("a", "dead")  # ids[3] goes to the re-deal queue, refunded once
+    ledger.release("a", "dead")  # ids[3] goes to the re-deal queue, no longer charged
     assert ledger.dropped([DroppedTask(ids[3], "expired")]) == 0  # leaves the queue only
     assert not ledger.redeal
-    assert ledger.budget.dealt == 1 and dict(ledger.budget.refunded) == {
-        "lag": 1,
-        "expired": 1,
-        "dead": 1,
-    }
+    assert ledger.committed == 1
+    acct = _identity(ledger)
+    assert (acct["dropped/lag"], acct["dropped/expired"], acct["in_buffer"]) == (1, 2, 1)
 
 
 def test_prompts_dropped_for_lag_are_dealt_again_under_new_ids_then_given_up():
@@ -136,18 +144,20 @@ def test_prompts_dropped_for_lag_are_dealt_again_under_new_ids_then_given_up():
     ledger.ack([t.task_id for t in first])
     tid = first[0].task_id
     assert ledger.dropped([DroppedTask(tid, "lag")]) == 1
-    ledger.budget.advance(1)  # the learner moved on
+    _consume(ledger)  # the learner moved on
     again, reason = ledger.deal("a", 1)  # the retry comes before new prompts
     assert [t.task_id for t in again] == [f"{tid}/1"] and reason == ""
     assert again[0].prompt == first[0].prompt and again[0].dealt_version == 1
     assert source.task_for_id(f"{tid}/1").prompt == first[0].prompt  # restorable by id
     ledger.ack([f"{tid}/1"])
     ledger.dropped([DroppedTask(f"{tid}/1", "lag")])
-    assert [t.task_id for t in ledger.redeal] == [f"{tid}/2"]
-    ledger.redeal.clear()
+    assert list(ledger.redeal) == [f"{tid}/2"]
+    retry, _ = ledger.deal("a", 1)
+    ledger.ack([retry[0].task_id])
     ledger.dropped([DroppedTask(f"{tid}/2", "lag"), DroppedTask(first[1].task_id, "expired")])
     assert not ledger.redeal  # retries used up; expiry is not a lag drop
     assert (ledger.counts["lag_retried"], ledger.counts["lag_given_up"]) == (2, 1)
+    assert _identity(ledger)["dropped/lag"] == 3
     with pytest.raises(KeyError):
         source.task_for_id(f"{tid}/0")
 
@@ -159,11 +169,12 @@ def test_validation_is_dealt_first_and_outside_the_budget():
     tasks, reason = ledger.deal("a", 5)
     assert [t.task_id for t in tasks] == [f"val/{number}/{i}" for i in range(3)]
     assert all(t.validation and t.n == 1 for t in tasks) and reason == "budget"
-    assert ledger.budget.dealt == 2
+    assert ledger.committed == 2
     ledger.release("a", "dead")  # everything it held comes back, in deal order
     again, _ = ledger.deal("b", 5)
     assert [t.validation for t in again] == [False, False, True, True, True]
-    assert ledger.budget.dealt == 2 and ledger.budget.refunded["dead"] == 2
+    assert ledger.committed == 2 and ledger.counts["requeued/dead"] == 5
+    assert _identity(ledger, "val")["in_flight"] == 3
 
 
 # ----------------------------------------------------------------------- the dataset cursor
@@ -365,27 +376,49 @@ def test_a_retried_request_gets_its_lost_grant_again():
     assert st.grant("a", 2, 0.2, request_id=1) == first  # the reply was lost: same tasks
     second = st.grant("a", 2, 0.3, request_id=2)
     assert {t.task_id for t in first.tasks}.isdisjoint(t.task_id for t in second.tasks)
-    assert st.ledger.budget.dealt == 4
+    assert st.ledger.committed == 4
 
 
-def test_a_restored_state_redeals_what_was_owed_under_the_same_ids():
+def test_a_restored_state_adopts_what_servers_and_buffer_hold_and_redeals_the_rest():
+    """A learner restart: the restored coordinator holds dealing until the servers it knew
+    registered again and the buffer's inventory came; what they hold is adopted (never dealt
+    twice), what nobody holds is dealt again under its id, and the window is not widened."""
     st = _state()
     st.register(m.Register(server_id="a", engine_world_size=0), now=0.0)
     tasks = st.grant("a", 3, 0.1).tasks
     st.ack("a", [tasks[0].task_id], 0.2)
+    saved = st.state_dict()
+    later = st.grant("a", 2, 0.3).tasks  # dealt after the checkpoint
     restarted = _state()
-    restarted.load_state_dict(st.state_dict())
-    assert restarted.ledger.budget.dealt == 1
-    assert restarted.ledger.budget.refunded["restore"] == 2
-    restarted.register(m.Register(server_id="b", engine_world_size=0), now=0.0)
-    again = restarted.grant("b", 4, 0.1).tasks
-    assert [t.task_id for t in again] == [
-        tasks[1].task_id,
-        tasks[2].task_id,
-        "train/0/3",
-        "train/0/4",
+    restarted.load_state_dict(saved)
+    assert restarted.ledger.committed == 1  # what was outstanding is queued, not charged
+    restarted.register(m.Register(server_id="b", engine_world_size=0), now=1.0)
+    assert restarted.grant("b", 4, 1.1).reason == "starting"  # "a" and the buffer first
+    held_by_a = [tasks[1].task_id, later[1].task_id]
+    restarted.register(
+        m.Register(server_id="a", engine_world_size=0, policy_version=5, task_ids=held_by_a),
+        now=1.2,
+    )
+    assert restarted.version == 5 and restarted.ledger.budget.limit == saved_limit(saved)
+    restarted.reconcile_buffer([tasks[0].task_id, later[0].task_id], [])  # the inventory
+    again = restarted.grant("b", 4, 1.3).tasks
+    # tasks[2] was owed and nobody holds it: same id, next attempt; then new prompts,
+    # skipping the ids dealt after the checkpoint that the buffer and "a" hold.
+    assert [(t.task_id, t.attempt) for t in again] == [
+        (tasks[2].task_id, 1),
+        ("train/0/5", 0),
+        ("train/0/6", 0),
+        ("train/0/7", 0),
     ]
-    assert [t.attempt for t in again] == [1, 1, 0, 0]
+    assert set(restarted.ledger.owned["a"]) == set(held_by_a)
+    assert restarted.ledger.accounting()["accounting/train/dealt"] == 8
+    assert restarted.ledger.accounting()["accounting/train/unaccounted"] == 0
+
+
+def saved_limit(state: dict) -> int:
+    budget = _state().ledger.budget
+    budget.load_state_dict(state["ledger"]["budget"])
+    return budget.limit
 
 
 @pytest.mark.parametrize("module", ["asyncrl.control", "asyncrl.standins.rollout"])

@@ -1,32 +1,30 @@
-"""The admission rule and its budget bookkeeping (DESIGN.md section 4). Pure: no I/O, no clock.
+"""The admission rule (DESIGN.md sections 4 and 10). Pure: no I/O, no clock.
 
-A training task may be dealt only while ``dealt < (max_policy_lag + v + 1) * G`` with
-``G = data.train_batch_size * staleness.sync_every`` (groups the learner consumes per
-version) and ``v`` the learner's current ``policy_version``. So at version ``v`` the servers
-may run at most ``max_policy_lag + 1`` versions' worth of groups ahead of what the learner
-has consumed, which bounds the lag of what they produce without throwing work away.
+A training task may be dealt only while ``committed < consumed + (max_policy_lag + 1) * G``:
 
-What ``dealt`` counts: training deals that are still *charged*, i.e. outstanding at a live
-server or handed to the buffer. It goes
+- ``G = data.train_batch_size * staleness.sync_every``: groups the learner consumes per
+  policy version;
+- ``committed``: training deals still charged, i.e. outstanding at a server, in the buffer,
+  or trained (the ledger counts them; a task taken back, dropped unused or given up is no
+  longer charged, so the budget never leaks);
+- ``consumed``: training groups the learner had trained on when it pushed the weights that
+  are current now.
 
-- up by one for every training task dealt (a re-deal included: it was refunded first);
-- down by one (a *refund*) for every task outstanding at a server declared dead or that
-  left (its task is re-dealt under the same id and charged again then);
-- down by one for every group the buffer dropped unused, for lag or expiry: the learner
-  never saw it, so it must not eat the budget (duplicates are not refunded: the first copy
-  of the task was counted and used).
+So the servers may run at most ``max_policy_lag + 1`` versions' worth of groups ahead of what
+the current weights have consumed, and a group dealt now is trained within
+``max_policy_lag`` versions: lag is bounded without throwing work away.
 
-Validation tasks are outside the budget. Versions never go backwards.
+The window is kept in groups consumed, not in version numbers, on purpose: a version can
+move without consumption (the push of restored weights after a learner restart, a server
+registering with a higher version than a restored coordinator), and none of those may widen
+the window. The original form, ``dealt < (max_policy_lag + v + 1) * G``, is the special case
+``consumed = v * G``. Validation tasks are outside the budget. Versions never go backwards.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-#: Causes of a refund, each counted in ``coordinator/budget/refunded/<cause>``.
-REFUND_CAUSES = ("dead", "left", "lag", "expired", "restore")
 
 
 def groups_per_version(train_batch_size: int, sync_every: int) -> int:
@@ -36,68 +34,58 @@ def groups_per_version(train_batch_size: int, sync_every: int) -> int:
     return train_batch_size * sync_every
 
 
-def budget_limit(version: int, max_policy_lag: int, per_version: int) -> int:
-    """How many training tasks may have been dealt in total at ``version``."""
-    return (max_policy_lag + version + 1) * per_version
+def budget_limit(consumed: int, max_policy_lag: int, per_version: int) -> int:
+    """How many training tasks may be committed in total once ``consumed`` were trained."""
+    return consumed + (max_policy_lag + 1) * per_version
 
 
-def grantable(dealt: int, version: int, max_policy_lag: int, per_version: int) -> int:
+def grantable(committed: int, consumed: int, max_policy_lag: int, per_version: int) -> int:
     """How many more training tasks the rule admits now (never negative)."""
-    return max(0, budget_limit(version, max_policy_lag, per_version) - dealt)
+    return max(0, budget_limit(consumed, max_policy_lag, per_version) - committed)
 
 
 @dataclass
 class Budget:
-    """The admission state of a run: current version, charged deals, refunds by cause."""
+    """The admission state of a run: the current version and the consumption it stands for.
+
+    ``committed`` is not kept here: the ledger derives it from the state of every task, so
+    a refund can never be forgotten or counted twice.
+    """
 
     max_policy_lag: int
     per_version: int
     version: int = 0
-    dealt: int = 0
-    refunded: Counter[str] = field(default_factory=Counter)
+    consumed: int = 0  # training groups trained on by the weights of ``version``
 
     @property
     def limit(self) -> int:
-        return budget_limit(self.version, self.max_policy_lag, self.per_version)
+        return budget_limit(self.consumed, self.max_policy_lag, self.per_version)
 
-    @property
-    def free(self) -> int:
-        return grantable(self.dealt, self.version, self.max_policy_lag, self.per_version)
-
-    def take(self, want: int) -> int:
-        """Charge up to ``want`` deals; returns how many were admitted."""
-        n = min(max(0, want), self.free)
-        self.dealt += n
-        return n
-
-    def refund(self, count: int, cause: str) -> None:
-        """Return ``count`` charged deals to the budget for ``cause``."""
-        if cause not in REFUND_CAUSES:
-            raise ValueError(f"unknown refund cause {cause!r}; one of {REFUND_CAUSES}")
-        if count < 0 or count > self.dealt:
-            raise ValueError(f"cannot refund {count} of {self.dealt} charged deals")
-        self.dealt -= count
-        self.refunded[cause] += count
+    def free(self, committed: int) -> int:
+        return grantable(committed, self.consumed, self.max_policy_lag, self.per_version)
 
     def advance(self, version: int) -> None:
-        """Move to ``version``; a version below the current one is a bug (ValueError)."""
+        """Move to ``version`` (no consumption implied); going back is a bug (ValueError)."""
         if version < self.version:
             raise ValueError(f"policy_version cannot go back from {self.version} to {version}")
         self.version = version
 
-    def metrics(self) -> dict[str, float]:
-        out = {
-            "coordinator/budget/dealt": float(self.dealt),
+    def consume(self, consumed: int) -> None:
+        """The current weights have trained on ``consumed`` groups in all (a push)."""
+        self.consumed = max(self.consumed, consumed)
+
+    def metrics(self, committed: int) -> dict[str, float]:
+        return {
+            "coordinator/budget/dealt": float(committed),
+            "coordinator/budget/consumed": float(self.consumed),
             "coordinator/budget/limit": float(self.limit),
-            "coordinator/budget/free": float(self.free),
+            "coordinator/budget/free": float(self.free(committed)),
         }
-        out |= {f"coordinator/budget/refunded/{c}": float(self.refunded[c]) for c in REFUND_CAUSES}
-        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "dealt": self.dealt, "refunded": dict(self.refunded)}
+        return {"version": self.version, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.version = int(state["version"])
-        self.dealt = int(state["dealt"])
-        self.refunded = Counter({str(k): int(v) for k, v in state.get("refunded", {}).items()})
+        # A checkpoint of the version-based rule: the consumption its version stood for.
+        self.consumed = int(state.get("consumed", self.version * self.per_version))

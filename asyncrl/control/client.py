@@ -34,6 +34,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -77,6 +78,9 @@ class CoordinatorClient:
         self.announced_version = policy_version  # the latest version announced to it
         self.registered: m.Registered | None = None
         self.metrics: dict[str, float] = {}  # sent with every heartbeat (the server sets it)
+        # The task ids this server is generating now (the server sets it): a registration
+        # says them, so a restarted coordinator lets it keep them.
+        self.held_tasks: Callable[[], list[str]] = list
         self.session = ""
         self.seen_sync = 0
         self._request_id = 1  # of the next task request; moves on after each reply
@@ -133,6 +137,7 @@ class CoordinatorClient:
             engine_world_size=self.engine_world_size,
             policy_version=self.policy_version,
             pid=_pid(),
+            task_ids=self.held_tasks(),
         )
         start = time.monotonic()
         while True:
@@ -317,6 +322,22 @@ class CoordinatorClient:
             return reply
         log.warning("acknowledgement of %d tasks was never answered", len(task_ids))
         return None
+
+    def nack(self, task_ids: list[str], reason: str, attempts: int = 3) -> bool:
+        """Report tasks that failed here before their group was pushed, so the coordinator
+        deals them again at once; retried on timeouts. False if never answered (then its
+        ``control.task_timeout_s`` takes them back)."""
+        msg = m.TaskNack(server_id=self.server_id, task_ids=list(task_ids), reason=reason[:4000])
+        for _ in range(attempts):
+            if self.gone.is_set():
+                break
+            try:
+                self._call("control", msg)
+                return True
+            except TimeoutError:
+                continue
+        log.warning("failure report of %d tasks was never answered", len(task_ids))
+        return False
 
     # ------------------------------------------------------------------ the end
     def leave(self, reason: str = "", timeout_s: float = 2.0) -> bool:

@@ -93,6 +93,8 @@ class Coordinator:
         """Bind and serve in background threads; returns once both sockets are bound."""
         with self._lock:
             self.state.start_run()
+            if self.buffer_addr is None:  # nobody to ask for an inventory
+                self.state.recovery.needs_inventory = False
         loop = threading.Thread(target=self._run_quietly, name="coordinator", daemon=True)
         self._threads.append(loop)
         loop.start()
@@ -214,6 +216,17 @@ class Coordinator:
             result.failed,
         )
         return result
+
+    def trained(self, task_ids: list[str]) -> None:
+        """The learner trained on the groups of these tasks (call before the push that
+        follows: the admission window moves by what the pushed weights consumed)."""
+        with self._lock:
+            self.state.trained(task_ids)
+
+    def accounting(self) -> dict[str, float]:
+        """``accounting/<kind>/...``: every task dealt, and where it is now."""
+        with self._lock:
+            return self.state.ledger.accounting()
 
     def on_step(self, step: int) -> None:
         """The learner finished ``step`` (starts validation rounds per ``test_freq``)."""

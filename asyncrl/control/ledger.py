@@ -1,33 +1,43 @@
-"""Who holds which task: deals, acknowledgements, re-deals and refunds. Pure: no I/O, no clock.
+"""Where every task is: deals, acks, failures, re-deals, drops, training. Pure: no I/O, no
+clock (callers pass ``now``).
 
-Life of a deal:
+Each task id the run ever dealt has exactly one *state*, per kind (train or val):
 
-1. *Dealt* to a server (:meth:`TaskLedger.deal`): it is *outstanding* at that server. A
-   training deal is charged to the admission budget (:class:`~asyncrl.control.admission.Budget`).
-2. *Acknowledged* (:meth:`TaskLedger.ack`): the server handed the whole group (``n``
-   trajectories) to its trajectory socket. From then on the coordinator never re-deals it;
-   a group lost after that point (say, with a crashed buffer) is not recovered here, but
-   if the buffer saw part of it, its expiry is reported and refunded.
-3. Or *released* (:meth:`TaskLedger.release`): its server was declared dead or left before
-   acknowledging. The task goes to the front of the re-deal queue under the same id
-   (``attempt + 1``) and, if training, is refunded; it is charged again when re-dealt, so
-   the budget neither leaks nor double-counts.
+``in_flight``
+    outstanding at a server (dealt, not yet acknowledged), or *queued* to be dealt again
+    under the same id (its server died, left, failed it or held it too long);
+``in_buffer``
+    acknowledged: its server handed the whole group to the buffer;
+``trained`` (validation: ``scored``)
+    the learner trained on a batch holding it (the buffer scored it into validation);
+``dropped/<reason>``
+    the buffer threw it away unused (``lag``, ``expired``);
+``given_up``
+    it failed (or timed out) more than ``task_retries`` times.
 
-Groups the buffer dropped unused (lag, expiry; :meth:`TaskLedger.dropped`) are refunded
-once per id; a dropped task still outstanding stops being outstanding (its group can no
-longer complete). A training prompt dropped for *lag* (its responses took longer than the
-lag window to generate: often the long, hard ones) is dealt again under a new id, up to
-``lag_retries`` times, so that lag drops do not quietly bias an epoch towards short
-answers; after that it is given up and counted (``lag_given_up``).
+So ``dealt = in flight + in buffer + trained + dropped + given up`` at every moment
+(:meth:`TaskLedger.accounting`; ``dealt`` is counted apart, so a lost transition shows as
+``unaccounted``). Transitions come from what the coordinator hears: its own deals, server
+acks and negative acks, server deaths, timeouts, the buffer's drop reports and inventory,
+and the task ids of trained batches. They are idempotent and order-tolerant: a late ack of a
+task already trained changes nothing, a task re-dealt after its first copy was delivered
+ends as one id, once.
 
-Deal order for a request: re-dealt tasks first, then validation, then new training tasks.
-Validation tasks are never charged.
+Admission (:mod:`asyncrl.control.admission`) charges a training task while it is in flight
+at a server, in the buffer or trained; queued, dropped and given-up ones are not charged.
+
+A training prompt dropped for *lag* (often the long, hard ones) is dealt again under a new
+id, up to ``lag_retries`` times, so that lag drops do not bias an epoch towards short
+answers; after that it is given up as a prompt (``coordinator/tasks/lag_given_up``).
+
+Deal order for a request: queued tasks first, then validation, then new training tasks.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -36,171 +46,361 @@ from asyncrl.control.admission import Budget
 from asyncrl.control.messages import Task
 from asyncrl.control.task_source import TaskSource
 
-#: Refunded ids remembered to ignore a second report of the same drop.
-RECENT_REFUNDS = 65536
+OUT, QUEUED, BUF, DONE, GIVEN_UP = "out", "queued", "in_buffer", "done", "given_up"
+DROP_REASONS = ("lag", "expired")
+STATES = (OUT, QUEUED, BUF, DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS))
+TERMINAL = frozenset({DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS)})
+CHARGED = frozenset({OUT, BUF, DONE})
+KINDS = ("train", "val")
+
+
+def kind_of(task_id: str) -> str:
+    return "val" if task_id.startswith("val/") else "train"
+
+
+@dataclass
+class _Entry:
+    state: str
+    task: Task | None  # None once terminal (nothing left to deal)
+    server: str = ""  # holder while OUT
+    since: float = 0.0  # when dealt (OUT) or acknowledged (BUF)
+    failures: int = 0  # failed or timed-out deals so far
+    serial: int = 0  # order of the last deal
 
 
 class TaskLedger:
-    """Outstanding deals per server, the re-deal queue and the budget; one owner calls it."""
+    """Every task id's state, the re-deal queue and the budget; one owner calls it."""
 
-    def __init__(self, source: TaskSource, budget: Budget, lag_retries: int = 0):
+    def __init__(
+        self,
+        source: TaskSource,
+        budget: Budget,
+        lag_retries: int = 0,
+        task_retries: int = 3,
+        task_timeout_s: float = float("inf"),
+    ):
         self.source = source
         self.budget = budget
         self.lag_retries = lag_retries
-        self.outstanding: dict[str, tuple[Task, str]] = {}  # task id -> (task, server id)
-        self.owned: dict[str, set[str]] = {}  # server id -> outstanding task ids
-        self.redeal: deque[Task] = deque()
+        self.task_retries = task_retries
+        self.task_timeout_s = task_timeout_s
+        self.entries: dict[str, _Entry] = {}
+        self.owned: dict[str, set[str]] = {}  # server id -> ids OUT there
+        self.redeal: deque[str] = deque()  # QUEUED ids, in deal order
         self.redeal_log: list[tuple[str, str, str]] = []  # (task id, from server, cause)
-        self.counts: Counter[str] = Counter()
-        self._refunded: OrderedDict[str, None] = OrderedDict()
+        self.counts: Counter[str] = Counter()  # events
+        self.dealt: Counter[str] = Counter()  # kind -> distinct ids dealt
+        self.tally: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
+        self._serial = 0
+        self.refunded: Counter[str] = Counter()  # training deals uncharged, by cause
+
+    # ------------------------------------------------------------------ state changes
+    def _set(self, tid: str, e: _Entry, state: str, cause: str = "") -> None:
+        kind = kind_of(tid)
+        if kind == "train" and e.state in CHARGED and state not in CHARGED:
+            self.refunded[cause or state] += 1  # it leaves the admission budget
+        self.tally[kind][e.state] -= 1
+        self.tally[kind][state] += 1
+        if e.state == OUT:
+            self.owned.get(e.server, set()).discard(tid)
+        elif e.state == QUEUED:
+            self.redeal.remove(tid)
+        e.state = state
+        if state in TERMINAL:
+            e.task = None
+
+    def _new(self, tid: str, state: str, task: Task | None) -> _Entry:
+        e = self.entries[tid] = _Entry(state, task)
+        kind = kind_of(tid)
+        self.dealt[kind] += 1
+        self.tally[kind][state] += 1
+        return e
+
+    def _queue(self, tid: str, e: _Entry, server: str, cause: str, front: bool) -> None:
+        """Back to the re-deal queue under the same id (``attempt + 1``)."""
+        self._set(tid, e, QUEUED, cause)
+        assert e.task is not None
+        e.task = msgspec.structs.replace(e.task, attempt=e.task.attempt + 1)
+        (self.redeal.appendleft if front else self.redeal.append)(tid)
+        self.counts[f"requeued/{cause}"] += 1
+        if not front:
+            self.redeal_log.append((tid, server, cause))
+
+    @property
+    def committed(self) -> int:
+        """Training tasks charged to the admission budget."""
+        t = self.tally["train"]
+        return t[OUT] + t[BUF] + t[DONE]
+
+    @property
+    def outstanding(self) -> dict[str, str]:
+        """Task id -> server, for every task outstanding at a server."""
+        return {tid: s for s, ids in self.owned.items() for tid in ids}
 
     # ------------------------------------------------------------------ dealing
-    def deal(self, server_id: str, max_tasks: int) -> tuple[list[Task], str]:
+    def deal(self, server_id: str, max_tasks: int, now: float = 0.0) -> tuple[list[Task], str]:
         """Up to ``max_tasks`` tasks for ``server_id`` and, when fewer, why: ``budget``
         (admission refused) or ``exhausted`` (no training data left); ``""`` when all were
         granted."""
         tasks: list[Task] = []
         reason = ""
         while len(tasks) < max_tasks:
-            task, reason = self._next()
-            if task is None:
+            tid, reason = self._next()
+            if tid is None:
                 break
-            tasks.append(self._hand_out(task, server_id))
+            e = self.entries[tid]
+            self._set(tid, e, OUT)
+            e.server, e.since = server_id, now
+            self._serial += 1
+            e.serial = self._serial
+            self.owned.setdefault(server_id, set()).add(tid)
+            assert e.task is not None
+            e.task = msgspec.structs.replace(e.task, dealt_version=self.budget.version)
+            tasks.append(e.task)
+            self.counts["val_dealt" if e.task.validation else "train_dealt"] += 1
+            if e.task.attempt:
+                self.counts["redealt"] += 1
         return tasks, ("" if len(tasks) == max_tasks else reason)
 
-    def _next(self) -> tuple[Task | None, str]:
-        for i, task in enumerate(self.redeal):
-            if task.validation or self.budget.take(1):
-                del self.redeal[i]
-                return task, ""
-        task = self.source.next_val(self.budget.version)
-        if task is not None:
-            return task, ""
-        if self.source.exhausted:
-            return None, "exhausted"
-        if not self.budget.take(1):
-            return None, "budget"
-        task = self.source.next_train(self.budget.version)
-        assert task is not None  # not exhausted
-        return task, ""
-
-    def _hand_out(self, task: Task, server_id: str) -> Task:
-        task = msgspec.structs.replace(task, dealt_version=self.budget.version)
-        self.outstanding[task.task_id] = (task, server_id)
-        self.owned.setdefault(server_id, set()).add(task.task_id)
-        self.counts["val_dealt" if task.validation else "train_dealt"] += 1
-        if task.attempt:
-            self.counts["redealt"] += 1
-        return task
+    def _next(self) -> tuple[str | None, str]:
+        for tid in self.redeal:
+            if kind_of(tid) == "val" or self.budget.free(self.committed):
+                return tid, ""
+        while True:  # ids adopted from an earlier session are skipped, not dealt twice
+            task = self.source.next_val(self.budget.version)
+            if task is None or task.task_id not in self.entries:
+                break
+        if task is None:
+            if self.source.exhausted:
+                return None, "exhausted"
+            if not self.budget.free(self.committed):
+                return None, "budget"
+            task = self.source.next_train(self.budget.version)
+            while task is not None and task.task_id in self.entries:
+                task = self.source.next_train(self.budget.version)
+            if task is None:
+                return None, "exhausted"
+        self._new(task.task_id, QUEUED, task)
+        self.redeal.append(task.task_id)  # _set moves it from the queue to OUT
+        return task.task_id, ""
 
     # ------------------------------------------------------------------ outcomes
-    def ack(self, task_ids: Iterable[str]) -> tuple[list[str], list[str]]:
+    def ack(self, task_ids: Iterable[str], now: float = 0.0) -> tuple[list[str], list[str]]:
         """Groups handed to the buffer; returns (acknowledged, unknown) ids.
 
         An ack counts whoever sends it: a server declared dead too early that still
-        finishes a task it lost has delivered it all the same.
+        finishes a task it lost has delivered it all the same. An id already in the buffer
+        or beyond is "unknown" (its first delivery counted).
         """
         acked, unknown = [], []
         for tid in task_ids:
-            entry = self.outstanding.pop(tid, None)
-            if entry is None:
+            e = self.entries.get(tid)
+            if e is None or e.state not in (OUT, QUEUED):
                 unknown.append(tid)
                 continue
-            self.owned.get(entry[1], set()).discard(tid)
+            self._set(tid, e, BUF)
+            e.since = now
             acked.append(tid)
-            self.counts["val_acked" if entry[0].validation else "train_acked"] += 1
+            self.counts[f"{kind_of(tid)}_acked"] += 1
         self.counts["acks_unknown"] += len(unknown)
         return acked, unknown
 
-    def release(self, server_id: str, cause: str) -> list[Task]:
-        """Take back every task outstanding at ``server_id`` for re-dealing (``cause``:
-        ``dead`` or ``left``), oldest deal first; training ones are refunded."""
-        ids = self.owned.pop(server_id, set())
-        back = [self.outstanding.pop(tid)[0] for tid in list(self.outstanding) if tid in ids]
-        charged = sum(not t.validation for t in back)
-        if charged:
-            self.budget.refund(charged, cause)
-        # Front of the queue, in their original order: they are the oldest work.
-        for task in reversed(back):
-            self.redeal.appendleft(msgspec.structs.replace(task, attempt=task.attempt + 1))
-        self.redeal_log += [(t.task_id, server_id, cause) for t in back]
+    def nack(self, server_id: str, task_ids: Iterable[str], cause: str = "failed") -> int:
+        """Tasks that failed at ``server_id`` (a negative ack): dealt again, or given up
+        after ``task_retries`` failures; returns how many go back to the queue."""
+        back = 0
+        for tid in task_ids:
+            e = self.entries.get(tid)
+            if e is None or e.state != OUT or e.server != server_id:
+                self.counts["nacks_unknown"] += 1
+                continue
+            back += self._fail(tid, e, cause)
         return back
 
-    def dropped(self, entries: Iterable[Any]) -> int:
-        """Refund training groups the buffer dropped unused (``task_id``, ``cause``,
-        ``validation`` like :class:`asyncrl.wire.DroppedTask`); returns how many.
+    def _fail(self, tid: str, e: _Entry, cause: str) -> int:
+        e.failures += 1
+        self.counts[f"failures/{cause}"] += 1
+        if e.failures > self.task_retries:
+            self._set(tid, e, GIVEN_UP, cause)
+            self.counts["given_up"] += 1
+            return 0
+        self._queue(tid, e, e.server, cause, front=False)
+        return 1
 
-        A dropped task still outstanding is no longer owed (its group cannot complete); one
-        waiting for a re-deal leaves the queue and is not refunded again (its release did).
-        """
+    def reclaim(self, now: float) -> list[str]:
+        """Take back tasks outstanding longer than ``task_timeout_s`` (a backstop for a
+        live server that lost them); they count as failures."""
+        late = [
+            tid
+            for ids in self.owned.values()
+            for tid in ids
+            if now - self.entries[tid].since > self.task_timeout_s
+        ]
+        for tid in late:
+            self._fail(tid, self.entries[tid], "timeout")
+        return late
+
+    def release(self, server_id: str, cause: str) -> list[Task]:
+        """Take back every task outstanding at ``server_id`` for re-dealing (``cause``:
+        ``dead`` or ``left``), oldest deal first, at the front of the queue."""
+        ids = sorted(self.owned.get(server_id, ()), key=lambda t: self.entries[t].serial)
+        for tid in reversed(ids):  # each to the front: the oldest ends up first
+            self._queue(tid, self.entries[tid], server_id, cause, front=True)
+        self.owned.pop(server_id, None)
+        self.redeal_log += [(tid, server_id, cause) for tid in ids]
+        return [self.entries[tid].task for tid in ids]
+
+    def trained(self, task_ids: Iterable[str]) -> None:
+        """Groups the learner trained on (validation: the buffer scored them)."""
+        for tid in task_ids:
+            e = self.entries.get(tid)
+            if e is None:  # dealt by an earlier session and never seen by this one
+                self._new(tid, DONE, None)
+            elif e.state != DONE:
+                self._set(tid, e, DONE)
+
+    def dropped(self, reports: Iterable[Any]) -> int:
+        """Groups the buffer dropped unused (``task_id``, ``cause``, ``validation`` like
+        :class:`asyncrl.wire.DroppedTask`); returns how many left the budget. A training
+        prompt dropped for lag is queued again under a new id (``lag_retries``)."""
         refunded = 0
-        for d in entries:
+        for d in reports:
+            reason = d.cause if d.cause in DROP_REASONS else "expired"
+            e = self.entries.get(d.task_id)
+            if e is not None and e.state in TERMINAL:
+                continue  # reported before (an inventory repeats every drop)
             self.counts[f"buffer_dropped/{d.cause}"] += 1
-            if d.validation or d.task_id in self._refunded:
-                continue
-            self._refunded[d.task_id] = None
-            if len(self._refunded) > RECENT_REFUNDS:
-                self._refunded.popitem(last=False)
-            entry = self.outstanding.pop(d.task_id, None)
-            if entry is not None:
-                self.owned.get(entry[1], set()).discard(d.task_id)
-            elif self._drop_from_redeal(d.task_id):
-                continue
-            if self.budget.dealt > 0:  # 0 only after a restart lost track of the deal
-                self.budget.refund(1, "expired" if d.cause == "expired" else "lag")
-                refunded += 1
-            if d.cause == "lag":
+            if e is None:
+                self._new(d.task_id, f"dropped/{reason}", None)
+            else:
+                refunded += e.state in CHARGED and kind_of(d.task_id) == "train"
+                self._set(d.task_id, e, f"dropped/{reason}", reason)
+            if reason == "lag" and kind_of(d.task_id) == "train":
                 self._retry(d.task_id)
         return refunded
 
     def _retry(self, task_id: str) -> None:
-        """Queue a fresh deal of a prompt dropped for lag (at the back: it is new work),
-        unless it has had its ``lag_retries``."""
         try:
             task, k = self.source.retry_of(task_id, self.budget.version)
         except KeyError:  # not one of this source's training ids
             return
         if k > self.lag_retries:
             self.counts["lag_given_up"] += 1
-            return
-        self.redeal.append(task)
-        self.counts["lag_retried"] += 1
+        elif task.task_id not in self.entries:
+            self._new(task.task_id, QUEUED, task)
+            self.redeal.append(task.task_id)
+            self.counts["lag_retried"] += 1
 
-    def _drop_from_redeal(self, task_id: str) -> bool:
-        for i, task in enumerate(self.redeal):
-            if task.task_id == task_id:
-                del self.redeal[i]
-                return True
-        return False
+    # ------------------------------------------------------------------ reconciling
+    def adopt(self, server_id: str, task_ids: Iterable[str], now: float) -> int:
+        """A (re-)registering server still works on these tasks (dealt by an earlier
+        coordinator session, or queued since): they are outstanding at it again."""
+        n = 0
+        for tid in task_ids:
+            e = self.entries.get(tid)
+            if e is None:
+                try:
+                    task = self.source.task_for_id(tid, self.budget.version)
+                except KeyError:
+                    continue
+                e = self._new(tid, OUT, task)
+            elif e.state == QUEUED:
+                self._set(tid, e, OUT)
+            else:
+                continue
+            e.server, e.since = server_id, now
+            self.owned.setdefault(server_id, set()).add(tid)
+            n += 1
+        self.counts["adopted"] += n
+        return n
+
+    def reconcile(self, held: Iterable[str], reports: Iterable[Any], cutoff: float) -> int:
+        """Match the buffer's inventory: ``held`` ids are in the buffer; ``reports`` list
+        what it dropped. A task acknowledged before ``cutoff`` that the buffer has not got
+        was lost with a buffer that died: it is dealt again. Returns how many."""
+        held = set(held)
+        for tid in held:
+            e = self.entries.get(tid)
+            if e is None:
+                try:
+                    task = self.source.task_for_id(tid, self.budget.version)
+                except KeyError:
+                    continue
+                self._new(tid, BUF, task)
+            elif e.state in (OUT, QUEUED):
+                self._set(tid, e, BUF)
+        self.dropped(reports)
+        lost = [
+            tid
+            for tid, e in self.entries.items()
+            if e.state == BUF and tid not in held and e.since < cutoff
+        ]
+        for tid in reversed(lost):
+            self._queue(tid, self.entries[tid], "buffer", "lost", front=True)
+        self.redeal_log += [(tid, "buffer", "lost") for tid in lost]
+        return len(lost)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """Budget, cursor and the ids still owed (outstanding or queued for re-deal)."""
+        """Budget, cursor and every id's state, failures and attempt (plain data)."""
         return {
             "budget": self.budget.state_dict(),
             "source": self.source.state_dict(),
-            "outstanding": list(self.outstanding),
-            "redeal": [t.task_id for t in self.redeal],
+            "entries": {
+                tid: [e.state, e.failures, e.task.attempt if e.task else 0]
+                for tid, e in self.entries.items()
+            },
+            "redeal": list(self.redeal),
+            "dealt": dict(self.dealt),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; every owed task is queued for re-deal under its id (outstanding training
-        ones refunded first: the servers that held them belong to the old session)."""
+        """Restore; tasks outstanding then are queued (their servers belong to the old
+        session; one that still holds its task takes it back when it registers)."""
         self.budget.load_state_dict(state["budget"])
         self.source.load_state_dict(state["source"])
-        self.outstanding.clear()
+        self.entries.clear()
         self.owned.clear()
-        tasks = [
-            self.source.task_for_id(tid, self.budget.version)
-            for tid in [*state["outstanding"], *state["redeal"]]
-        ]
-        charged = sum(not t.validation for t in tasks[: len(state["outstanding"])])
-        if charged:
-            self.budget.refund(charged, "restore")
-        self.redeal = deque(msgspec.structs.replace(t, attempt=1) for t in tasks)
+        self.redeal.clear()
+        self.tally = {k: Counter() for k in KINDS}
+        self.dealt = Counter()
+        saved = state.get("entries")
+        if saved is None:  # a checkpoint from before per-id states: what was still owed
+            saved = {t: [QUEUED, 0, 1] for t in [*state["outstanding"], *state["redeal"]]}
+        order = {tid: i for i, tid in enumerate(state.get("redeal", []))}
+        for tid, (st, failures, attempt) in saved.items():
+            task = None
+            if st not in TERMINAL:
+                task = self.source.task_for_id(tid, self.budget.version)
+                task = msgspec.structs.replace(task, attempt=attempt + (st == OUT))
+            e = self._new(tid, QUEUED if st == OUT else st, task)
+            e.failures = failures
+        queued = [t for t, e in self.entries.items() if e.state == QUEUED]
+        self.redeal.extend(sorted(queued, key=lambda t: order.get(t, -1)))
+        if "dealt" in state:  # restore the count kept apart from the states
+            self.dealt = Counter({k: int(v) for k, v in state["dealt"].items()})
+
+    def accounting(self) -> dict[str, float]:
+        """``accounting/<kind>/...``: dealt and where every dealt task is now."""
+        out: dict[str, float] = {}
+        for kind in KINDS:
+            t, p = self.tally[kind], f"accounting/{kind}"
+            parts = {
+                "in_flight": t[OUT] + t[QUEUED],
+                "in_buffer": t[BUF],
+                "trained" if kind == "train" else "scored": t[DONE],
+                **{f"dropped/{r}": t[f"dropped/{r}"] for r in DROP_REASONS},
+                "given_up": t[GIVEN_UP],
+            }
+            out[f"{p}/dealt"] = float(self.dealt[kind])
+            out |= {f"{p}/{k}": float(v) for k, v in parts.items()}
+            out[f"{p}/unaccounted"] = float(self.dealt[kind] - sum(parts.values()))
+        return out
 
     def metrics(self) -> dict[str, float]:
         out = {f"coordinator/tasks/{k}": float(v) for k, v in sorted(self.counts.items())}
-        out["coordinator/tasks/outstanding"] = float(len(self.outstanding))
+        out["coordinator/tasks/outstanding"] = float(sum(len(s) for s in self.owned.values()))
         out["coordinator/tasks/redeal_queue"] = float(len(self.redeal))
-        return out | self.budget.metrics() | self.source.metrics()
+        out |= self.budget.metrics(self.committed) | self.source.metrics()
+        out |= {f"coordinator/budget/refunded/{c}": float(n) for c, n in self.refunded.items()}
+        return out | self.accounting()

@@ -150,6 +150,9 @@ class ControlLoop:
             return None  # answered by _serve_requests, in arrival order
         if isinstance(msg, m.TaskAck):
             return self.state.ack(msg.server_id, msg.task_ids, now)
+        if isinstance(msg, m.TaskNack):
+            self.state.nack(msg.server_id, msg.task_ids, msg.reason, now)
+            return m.Ok()
         return m.ErrorReply(error="wrong_socket", detail=f"{msg.kind} goes to the control socket")
 
     def _on_control_message(
@@ -180,6 +183,9 @@ class ControlLoop:
             return m.Ok()
         if isinstance(msg, m.TaskAck):  # acks come here so a held task request cannot delay them
             return st.ack(msg.server_id, msg.task_ids, now)
+        if isinstance(msg, m.TaskNack):
+            st.nack(msg.server_id, msg.task_ids, msg.reason, now)
+            return m.Ok()
         if isinstance(msg, m.Leave):
             self.forget(msg.server_id)
             st.leave(msg.server_id)
@@ -249,11 +255,13 @@ class ControlLoop:
 def poll_buffer(
     addr: str, state: ControlState, lock: threading.RLock, stop: threading.Event, every_s: float
 ) -> None:
-    """Consumes the buffer's dropped-task lists (``endpoints.batches``); produces refunds.
+    """Consumes the buffer's reports (``endpoints.batches``): dropped groups, scored
+    validation groups, its session, and its inventory when due; produces task state changes
+    (refunds, re-deals, adoptions).
 
     Waits ``every_s`` between requests and at most ``max(2, every_s)`` seconds for a reply;
     a silent buffer is logged once per outage. Runs until ``stop``. It must be the only
-    caller of the buffer's ``dropped`` request, which drains the list.
+    caller of the buffer's ``dropped`` request, which drains the lists.
     """
     from asyncrl.transport import BufferClient
 
@@ -262,27 +270,39 @@ def poll_buffer(
     try:
         while not stop.wait(every_s):
             try:
-                dropped = client.dropped()
+                _poll_once(client, state, lock)
             except (TimeoutError, RuntimeError, ValueError) as e:  # silent, refused, garbled
                 if not silent:
                     log.warning("buffer at %s did not answer (%s); retrying", addr, e)
                 silent = True
                 continue
             silent = False
-            if dropped:
-                with lock:
-                    before = state.ledger.counts["lag_given_up"]
-                    n = state.ledger.dropped(dropped)
-                    given_up = state.ledger.counts["lag_given_up"] - before
-                log.info("buffer dropped %d groups; %d returned to the budget", len(dropped), n)
-                if given_up:
-                    log.warning(
-                        "%d training prompts given up after staleness.lag_retries retries: "
-                        "their responses take longer than staleness.max_policy_lag versions to "
-                        "generate (raise it, or lower data.max_response_length)", given_up,
-                    )  # fmt: skip
     finally:
         client.close()
+
+
+def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
+    """One drain of the buffer's reports, and its inventory when one is due."""
+    reply = client.drain()
+    with lock:
+        before = state.ledger.counts["lag_given_up"]
+        n = state.ledger.dropped(reply.dropped)
+        state.trained(list(reply.validated))
+        given_up = state.ledger.counts["lag_given_up"] - before
+        due = state.recovery.buffer_contact(reply.session, time.monotonic())
+    if reply.dropped:
+        log.info("buffer dropped %d groups; %d returned to the budget", len(reply.dropped), n)
+    if given_up:
+        log.warning(
+            "%d training prompts given up after staleness.lag_retries retries: their "
+            "responses take longer than staleness.max_policy_lag versions to generate "
+            "(raise it, or lower data.max_response_length)", given_up,
+        )  # fmt: skip
+    if due:
+        inventory = client.inventory()
+        with lock:
+            state.reconcile_buffer(list(inventory.held), list(inventory.dropped))
+            state.trained(list(inventory.validated))
 
 
 def _split(frames: list[bytes]) -> tuple[list[bytes], bytes | None]:

@@ -6,7 +6,8 @@ sockets (one request, one reply):
 ``tasks`` (``endpoints.tasks``)
     :class:`TaskRequest` -> :class:`TaskGrant` (held by the coordinator up to ``wait_s``
     while nothing can be granted: a long-poll, so dealing resumes the moment the budget
-    opens); :class:`TaskAck` -> :class:`TaskAckReply`.
+    opens); :class:`TaskAck` -> :class:`TaskAckReply` (also accepted on ``control``, as is
+    :class:`TaskNack` -> :class:`Ok`).
 
 ``control`` (``endpoints.control``)
     :class:`Register` -> :class:`Registered`; :class:`Heartbeat` -> :class:`Announcement`
@@ -121,6 +122,18 @@ class TaskAck(_Msg, tag="task_ack"):
     task_ids: list[str]
 
 
+class TaskNack(_Msg, tag="task_nack"):
+    """These tasks failed at this server (``reason`` says how): deal them again elsewhere.
+
+    Sent only for a task whose group was not handed to the trajectory socket; the
+    coordinator deals it again, or gives it up after ``control.task_retries`` failures.
+    """
+
+    server_id: ServerId
+    task_ids: list[str]
+    reason: Text = ""
+
+
 class Register(_Msg, tag="register"):
     """A rollout server announces itself (again after a restart or a "not registered").
 
@@ -134,6 +147,9 @@ class Register(_Msg, tag="register"):
     engine_world_size: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 1
     policy_version: NonNeg = 0  # the version of the weights it holds now
     pid: int = 0
+    # Tasks it is still generating (a registration after the coordinator restarted): they
+    # stay its own instead of being dealt a second time.
+    task_ids: list[str] = []
 
 
 class Heartbeat(_Msg, tag="heartbeat"):
@@ -177,7 +193,8 @@ class ShutdownRequest(_Msg, tag="shutdown"):
 class TaskGrant(_Msg, tag="task_grant"):
     """Tasks (possibly none). With none, ``reason`` says why: ``budget`` (admission),
     ``catchup`` (weights must be caught up first), ``exhausted`` (no training data left),
-    ``starting`` (fewer than ``control.min_servers_to_start`` servers registered yet),
+    ``starting`` (fewer than ``control.min_servers_to_start`` servers registered yet, or a
+    resumed coordinator still learning what the servers and the buffer hold),
     ``unregistered`` (register again), ``shutdown``."""
 
     tasks: list[Task]
@@ -222,7 +239,9 @@ class ErrorReply(_Msg, tag="error"):
     detail: Text
 
 
-Request = TaskRequest | TaskAck | Register | Heartbeat | SyncDone | Leave | ShutdownRequest
+Request = (
+    TaskRequest | TaskAck | TaskNack | Register | Heartbeat | SyncDone | Leave | ShutdownRequest
+)
 Reply = TaskGrant | TaskAckReply | Registered | Announcement | Ok | ErrorReply
 
 _encoder = msgspec.msgpack.Encoder()

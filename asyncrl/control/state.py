@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.ledger import DONE, TaskLedger
 from asyncrl.control.messages import (
     Announcement,
     Heartbeat,
@@ -39,11 +39,12 @@ from asyncrl.control.messages import (
     TaskAckReply,
     TaskGrant,
 )
+from asyncrl.control.recovery import Recovery
 from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
 
 log = logging.getLogger(__name__)
 
-STATE_SCHEMA = 1
+STATE_SCHEMA = 2  # 2: per-task states and consumption (1 still loads)
 
 
 @dataclass
@@ -107,6 +108,7 @@ class ControlState:
         self.started = min_servers_to_start <= 1
         self.catchup_backoff_s = catchup_backoff_s
         self.catchup_backoff_max_s = catchup_backoff_max_s
+        self.recovery = Recovery(dead_after_s)
 
     @property
     def version(self) -> int:
@@ -117,8 +119,9 @@ class ControlState:
         """(Re-)register a server; a known id is a restarted server: its old tasks go back."""
         if msg.server_id in self.servers:
             self._remove(msg.server_id, "dead", "re-registered (restarted)")
-        if msg.policy_version > self.version:
+        if msg.policy_version > self.version:  # the version only: the window stays as it is
             self.ledger.budget.advance(msg.policy_version)
+        self.recovery.registered(msg.server_id)
         self._order += 1
         rec = ServerRecord(
             msg.server_id,
@@ -133,6 +136,9 @@ class ControlState:
         rec.trusted = msg.policy_version == 0 and self.version == 0
         self.servers[msg.server_id] = rec
         self.counts["registrations"] += 1
+        if msg.task_ids:
+            n = self.ledger.adopt(msg.server_id, msg.task_ids, now)
+            log.info("%s still holds %d of its tasks: they stay its own", msg.server_id, n)
         if not self.started:
             self.started = len(self.servers) >= self.min_servers_to_start
             log.info(
@@ -167,6 +173,13 @@ class ControlState:
         dead = [s for s, r in self.servers.items() if now - r.last_seen > self.dead_after_s]
         for server_id in dead:
             self._remove(server_id, "dead", f"silent for more than {self.dead_after_s:g}s")
+        late = self.ledger.reclaim(now)
+        if late:
+            log.warning(
+                "%d tasks outstanding for more than %gs taken back and dealt again (raise "
+                "control.task_timeout_s if generations are that slow): %s",
+                len(late), self.ledger.task_timeout_s, late[:5],
+            )  # fmt: skip
         return dead
 
     def _remove(self, server_id: str, cause: str, why: str) -> None:
@@ -234,13 +247,13 @@ class ControlState:
             reason = "unregistered"
         elif self.shutting_down:
             reason = "shutdown"
-        elif not self.started:
+        elif not self.started or self.recovery.holding(now):
             reason = "starting"
         elif self.needs_catchup(rec):
             reason = "catchup"
         if reason:
             return TaskGrant(tasks=[], policy_version=self.version, reason=reason)
-        tasks, reason = self.ledger.deal(server_id, max_tasks)
+        tasks, reason = self.ledger.deal(server_id, max_tasks, now)
         grant = TaskGrant(tasks=tasks, policy_version=self.version, reason=reason)
         if tasks and request_id is not None:
             rec.last_grant = (request_id, grant)  # type: ignore[union-attr]
@@ -248,15 +261,41 @@ class ControlState:
 
     def ack(self, server_id: str, task_ids: list[str], now: float) -> TaskAckReply:
         self.touch(server_id, now)
-        acked, unknown = self.ledger.ack(task_ids)
+        acked, unknown = self.ledger.ack(task_ids, now)
         return TaskAckReply(acked=acked, unknown=unknown)
+
+    def nack(self, server_id: str, task_ids: list[str], reason: str, now: float) -> int:
+        """Tasks that failed at a live server: dealt again (or given up); how many."""
+        self.touch(server_id, now)
+        back = self.ledger.nack(server_id, task_ids)
+        log.warning(
+            "%s failed %d tasks (%s): %d dealt again, the rest given up after "
+            "control.task_retries failures",
+            server_id, len(task_ids), reason or "no reason given", back,
+        )  # fmt: skip
+        return back
+
+    def trained(self, task_ids: list[str]) -> None:
+        """The learner trained on these tasks' groups (validation: the buffer scored them)."""
+        self.ledger.trained(task_ids)
+
+    def reconcile_buffer(self, held: list[str], dropped: list[Any]) -> int:
+        """The buffer's inventory came: adopt what it holds, deal again what it lost."""
+        lost = self.ledger.reconcile(held, dropped, self.recovery.cutoff)
+        self.recovery.reconciled()
+        if lost:
+            log.warning("%d groups the buffer lost (it restarted) are dealt again", lost)
+        return lost
 
     # ------------------------------------------------------------------ versions, syncs
     def announce_version(self, version: int) -> None:
         """Make ``version`` current without a sync (a test harness advancing by hand)."""
         if self.syncs.active is not None:
             raise RuntimeError("a sync is in progress; finish it first")
-        self.ledger.budget.advance(version)
+        budget = self.ledger.budget
+        # As if the learner had consumed a version's worth per version.
+        budget.consume(budget.consumed + (version - budget.version) * budget.per_version)
+        budget.advance(version)
 
     def begin_sync(self, plan: list[dict[str, Any]]) -> SyncRound:
         """Start pushing version ``current + 1`` to every live server with engine ranks."""
@@ -306,6 +345,9 @@ class ControlState:
         catchup = self.syncs.active is not None and self.syncs.active.round.catchup
         result = self.syncs.finish(sent_ok, send_error)
         if not catchup and result.version > self.version:
+            # The pushed weights trained on every group reported so far: the window moves
+            # by what was consumed (a resume push consumed nothing new: it stays put).
+            self.ledger.budget.consume(self.ledger.tally["train"][DONE])
             self.ledger.budget.advance(result.version)
         for server_id in result.failed if catchup else ():
             self._back_off(server_id, now)
@@ -361,15 +403,17 @@ class ControlState:
             "sync_counter": self.syncs.counter,
             "step": self.step,
             "last_val_step": self.last_val_step,
+            "servers": sorted(self.servers),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("schema") != STATE_SCHEMA:
+        if state.get("schema") not in (1, STATE_SCHEMA):
             raise ValueError(f"coordinator state schema {state.get('schema')} != {STATE_SCHEMA}")
         self.ledger.load_state_dict(state["ledger"])
         self.syncs.counter = int(state["sync_counter"])
         self.step = int(state["step"])
         self.last_val_step = int(state["last_val_step"])
+        self.recovery.restored(list(state.get("servers", [])))
 
     def metrics(self) -> dict[str, float]:
         out = {f"coordinator/{k}": float(v) for k, v in sorted(self.counts.items())}

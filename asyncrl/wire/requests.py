@@ -99,7 +99,16 @@ class StatsRequest(_Message, tag="stats"):
 
 
 class DroppedRequest(_Message, tag="dropped"):
-    """Drain the list of tasks dropped for lag or expiry since the last such request."""
+    """Drain the list of tasks dropped for lag or expiry, and of validation tasks scored,
+    since the last such request (the coordinator's poll)."""
+
+
+class InventoryRequest(_Message, tag="inventory"):
+    """Which task ids the buffer holds and which it dropped (does not change anything).
+
+    The coordinator asks after its own restart and after the buffer's, to learn which
+    acknowledged groups were lost and which dealt tasks must not be dealt again.
+    """
 
 
 class ValidationRequest(_Message, tag="validation"):
@@ -149,6 +158,19 @@ class StatsReply(_Message, tag="stats_reply"):
 
 class DroppedReply(_Message, tag="dropped_reply"):
     dropped: list[DroppedTask]
+    validated: list[str] = []  # validation task ids scored into validation stats
+    session: str = ""  # the buffer process's session: a new one means it restarted
+
+
+class InventoryReply(_Message, tag="inventory_reply"):
+    """Training and validation task ids of every group held (complete, in the pool or in
+    unacknowledged batches, or still incomplete), every group dropped unused, and every
+    validation group scored, since this buffer ``session`` started."""
+
+    session: str
+    held: list[str]
+    dropped: list[DroppedTask]
+    validated: list[str]
 
 
 class ValidationReply(_Message, tag="validation_reply"):
@@ -166,7 +188,16 @@ class ErrorReply(_Message, tag="error"):
     detail: str
 
 
-Request = Hello | BatchRequest | Ack | StatsRequest | DroppedRequest | ValidationRequest | Shutdown
+Request = (
+    Hello
+    | BatchRequest
+    | Ack
+    | StatsRequest
+    | DroppedRequest
+    | InventoryRequest
+    | ValidationRequest
+    | Shutdown
+)
 Reply = (
     Welcome
     | BatchHeader
@@ -174,6 +205,7 @@ Reply = (
     | AckReply
     | StatsReply
     | DroppedReply
+    | InventoryReply
     | ValidationReply
     | Ok
     | ErrorReply

@@ -1,0 +1,85 @@
+"""What the coordinator must learn after a restart before it deals again. Pure: no I/O, no
+clock (callers pass ``now``).
+
+Two restarts change what the coordinator knows (DESIGN.md section 10: only the learner's
+checkpoints are durable):
+
+- **Its own** (the learner restarted from a checkpoint): the restored ledger does not know
+  the tasks dealt after that checkpoint. The servers say which ones they still generate when
+  they register again (:class:`~asyncrl.control.messages.Register` ``task_ids``) and the
+  buffer lists the groups it holds (its inventory); the ledger adopts both, so none is dealt
+  twice. Until every server of the saved registry has registered again and the inventory
+  came (or ``dead_after_s`` passed), no task is dealt (grant reason ``starting``).
+- **The buffer's** (a new buffer session): groups acknowledged to the old buffer and never
+  trained are gone. After a short settling time (pushes queued while it was down land
+  first), the inventory of the new buffer tells which acknowledged tasks must be dealt
+  again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+SETTLE_S = 2.0  # after a buffer restart: time for queued pushes to reach the new one
+
+
+class Recovery:
+    """Resume hold and buffer-session tracking for one :class:`ControlState`."""
+
+    def __init__(self, dead_after_s: float, settle_s: float = SETTLE_S):
+        self.dead_after_s = dead_after_s
+        self.settle_s = settle_s
+        self.resuming = False
+        self.awaiting: set[str] = set()  # servers of the saved registry not yet back
+        self.deadline: float | None = None
+        self.needs_inventory = False  # a restored ledger waits for the buffer's inventory
+        self.buffer_session = ""
+        self.inventory_due: float | None = None  # when to ask for the inventory
+        self.cutoff = 0.0  # acks before this and missing from the inventory: lost
+
+    def restored(self, server_ids: list[str], with_buffer: bool = True) -> None:
+        """The ledger was restored from a checkpoint that knew these servers."""
+        self.resuming = True
+        self.awaiting = set(server_ids)
+        self.needs_inventory = with_buffer
+
+    def registered(self, server_id: str) -> None:
+        self.awaiting.discard(server_id)
+
+    def holding(self, now: float) -> bool:
+        """True while a resumed coordinator must not deal yet."""
+        if not self.resuming:
+            return False
+        if self.deadline is None:
+            self.deadline = now + self.dead_after_s
+        if (self.awaiting or self.needs_inventory) and now < self.deadline:
+            return True
+        self.resuming = False
+        if self.awaiting or self.needs_inventory:
+            log.warning(
+                "resumed: dealing without %s after %.0fs (control.dead_after_s); their tasks "
+                "are dealt again",
+                sorted(self.awaiting) or "the buffer's inventory",
+                self.dead_after_s,
+            )
+        else:
+            log.info("resumed: every server registered again and the buffer's inventory came")
+        return False
+
+    def buffer_contact(self, session: str, now: float) -> bool:
+        """The buffer answered from ``session``; True when an inventory is due now."""
+        if session and session != self.buffer_session:
+            known = self.buffer_session
+            self.buffer_session = session
+            if self.needs_inventory:
+                self.inventory_due, self.cutoff = now, now
+            elif known:  # a new buffer: what the old one held is gone
+                log.warning("the buffer restarted (session %s -> %s)", known, session)
+                self.inventory_due, self.cutoff = now + self.settle_s, now
+        return self.inventory_due is not None and now >= self.inventory_due
+
+    def reconciled(self) -> None:
+        self.inventory_due = None
+        self.needs_inventory = False
