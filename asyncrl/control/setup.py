@@ -61,6 +61,8 @@ def state_from_config(
         task_source_from_config(cfg, train_rows, val_rows),
         budget,
         lag_retries=cfg.staleness.lag_retries,
+        task_retries=cfg.control.task_retries,
+        task_timeout_s=cfg.control.task_timeout_s,
     )
     syncs = SyncBook(backend=sync_backend(cfg.trainer.device), timeout_s=cfg.sync.timeout_s)
     return ControlState(
