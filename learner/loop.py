@@ -251,8 +251,13 @@ class _RankZero:
         """The next batch from the buffer. Waits as long as it takes (the rollout servers
         may be starting), logging every 30 s; serves catch-ups meanwhile."""
         start = last_log = time.monotonic()
+        silent_since = None
         while True:
-            batch = self.buffer.request_batch(version, wait_s=1.0)
+            try:
+                batch = self.buffer.request_batch(version, wait_s=1.0)
+                silent_since = None
+            except TimeoutError:  # the buffer died or restarts: keep asking, say so
+                batch, silent_since = None, silent_since or time.monotonic()
             if batch is not None:
                 return batch
             if loop.pushed is not None:
@@ -261,9 +266,12 @@ class _RankZero:
             if time.monotonic() - last_log > WAIT_LOG_S:
                 last_log = time.monotonic()
                 log.info(
-                    "waiting for a batch for %.0fs (%s)",
+                    "waiting for a batch for %.0fs (%s)%s",
                     last_log - start,
                     _brief(self.coordinator.metrics()),
+                    f"; the buffer at {self.buffer.addr} silent for {last_log - silent_since:.0f}s"
+                    if silent_since
+                    else "",
                 )
 
     def push(self, tensors: dict[str, Any]):
@@ -279,8 +287,12 @@ class _RankZero:
             self.pusher.serve_catchups(tensors, self.plan, self.plan_wire)
 
     def acknowledge(self, batch_ids: list[int]) -> None:
-        if batch_ids:
+        if not batch_ids:
+            return
+        try:
             self.buffer.ack(batch_ids)
+        except TimeoutError as e:  # a buffer that died took these batches with it anyway
+            log.warning("acknowledging batches %s: %s", batch_ids, e)
 
     def poll_validation(self, step: int, version: int) -> None:
         done = self.validation.add(self.buffer.validation(), self.coordinator)
