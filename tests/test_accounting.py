@@ -254,3 +254,33 @@ def test_a_learner_restart_loses_nothing_and_repeats_nothing():
     assert a["accounting/train/dealt"] == trained + sum(
         a[f"accounting/train/{k}"] for k in ("in_buffer", "in_flight", "dropped/lag")
     )
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_report_over_the_wire_gets_the_task_dealt_again(tmp_path):
+    """A real coordinator and client on loopback: the negative ack travels and the task
+    comes back under its id at the next request, the budget open for it again."""
+    from asyncrl.control.client import CoordinatorClient
+    from asyncrl.standins.learner import StandInLearner, loopback_config
+
+    cfg, _ = loopback_config(tmp_path, [
+        "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2",
+        "staleness.max_policy_lag=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
+        "control.heartbeat_s=0.2", "control.dead_after_s=3",
+    ])  # fmt: skip
+    learner = StandInLearner(cfg, train_rows=_rows(20), val_rows=[]).start()
+    client = CoordinatorClient.from_config(cfg, "s", engine_world_size=0)
+    try:
+        client.register()
+        first = client.request_tasks(2).tasks
+        assert len(first) == 2 and client.request_tasks(1, wait_s=0.2).reason == "budget"
+        assert client.nack([first[0].task_id], "RuntimeError: boom")
+        again = client.request_tasks(2).tasks
+        assert [(t.task_id, t.attempt) for t in again] == [(first[0].task_id, 1)]
+        metrics = learner.coordinator.metrics()
+        assert metrics["coordinator/tasks/failures/failed"] == 1
+        assert metrics["accounting/train/dealt"] == 2
+        assert metrics["accounting/train/in_flight"] == 2
+    finally:
+        client.close()
+        learner.close()
