@@ -7,7 +7,8 @@ the weight-sync store, and the buffer client. Every rank trains on the same glob
 Per step: request a batch for the current policy version (waiting, visibly, while the
 buffer has none) -> train -> every ``staleness.sync_every`` steps gather the full weights
 and push them as the next version -> every ``trainer.save_freq`` steps checkpoint, then
-acknowledge the batches the checkpoint contains. At the end: final checkpoint, an HF export
+acknowledge the batches the checkpoint contains (with ``save_freq <= 0``, no intermediate
+checkpoint: each batch is acknowledged once trained). At the end: final checkpoint, an HF export
 that vLLM loads, and the coordinator ends the run (servers and buffer exit).
 """
 
@@ -82,8 +83,14 @@ class LearnerLoop:
         batch_id, rollouts, batch_metrics = self._next_batch()
         waited = time.monotonic() - start
         metrics = t.train_step(rollouts, c.rollout.temperature)  # advances t.step
-        self.unacked.append(batch_id)
         self.last_batch_id = batch_id
+        if c.trainer.save_freq > 0:
+            self.unacked.append(batch_id)  # acknowledged by the checkpoint that holds it
+        elif self.rank0:
+            # No intermediate checkpoint: a restart could not resume to this batch, so the
+            # buffer has no reason to keep it. Held, it would count against the buffer's
+            # capacity until the buffer stopped releasing batches (the run hung).
+            self.control.acknowledge([batch_id])
         metrics.update(batch_metrics)
         if self.rank0:  # before the push: the admission window moves by what it consumed
             self.control.coordinator.trained(sorted({r.group_id for r in rollouts}))

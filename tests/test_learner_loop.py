@@ -94,3 +94,53 @@ def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_mode
         assert after and after[0] > before[sid], (sid, before[sid], after)
         assert after == sorted(after)  # versions keep counting up
     assert (run / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_without_intermediate_checkpoints_a_small_buffer_runs_to_the_end(tmp_path, tiny_model):
+    """Reproduces defect 1 of the dependable-runs issue: with ``trainer.save_freq=-1`` (veRL's
+    default) the learner acknowledged batches only at checkpoints, so the released batches
+    filled ``buffer.capacity_groups``, the buffer stopped reading and the run hung. Here the
+    buffer holds half of the groups the run trains on: the run must reach its last step."""
+    total, batch = 6, 4
+    prepare_task_data("arithmetic", tmp_path / "data", seed=0)
+    cfg, config = loopback_config(tmp_path, [
+        f"model.path={tiny_model}",
+        f"data.train_files={tmp_path}/data/train.parquet",
+        f"data.val_files={tmp_path}/data/val.parquet",
+        f"data.train_batch_size={batch}", f"actor.ppo_mini_batch_size={batch}", "rollout.n=2",
+        "data.max_prompt_length=64", "data.max_response_length=4",
+        "staleness.max_policy_lag=1", f"buffer.capacity_groups={3 * batch}",
+        f"trainer.total_training_steps={total}", "trainer.save_freq=-1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.logger=[jsonl]",
+        "control.heartbeat_s=0.3", "control.dead_after_s=3", "launch.start_timeout_s=120",
+        "sync.timeout_s=30",
+    ])  # fmt: skip
+    assert cfg.buffer.capacity_groups < total * batch
+    from asyncrl.config import run_dir
+
+    procs = {
+        "buffer": spawn_buffer(config, tmp_path / "buffer.log"),
+        "s0": rollout.spawn(config, "s0", weights=True, log_path=tmp_path / "s0.log"),
+    }
+    learner = _learner(config, tmp_path / "learner.log")
+    try:
+        try:
+            code = learner.wait(180)
+        except subprocess.TimeoutExpired:
+            steps = [r["step"] for r in read_metrics(run_dir(cfg)) if "loss/pg" in r]
+            pytest.fail(f"the learner hung after steps {steps} (want {total})")
+        assert code == 0, (tmp_path / "learner.log").read_text()[-3000:]
+        assert {name: p.wait(30) for name, p in procs.items()} == {"buffer": 0, "s0": 0}
+    finally:
+        for p in [learner, *procs.values()]:
+            if p.poll() is None:
+                p.kill()
+
+    rows = [r for r in read_metrics(run_dir(cfg)) if "loss/pg" in r]
+    assert [r["step"] for r in rows] == list(range(1, total + 1))
+    # Each batch was acknowledged right after training on it: when the learner asked for
+    # the batch of step k, the k - 1 batches before it were acknowledged already.
+    assert [r["buffer/batches_acked"] for r in rows] == list(range(total))
+    # With no intermediate checkpoint the only one is the final one.
+    assert [p.name for p in (run_dir(cfg) / "checkpoints").iterdir()] == [f"step_{total}"]

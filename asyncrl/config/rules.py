@@ -57,14 +57,22 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"control.dead_after_s={cfg.control.dead_after_s} must exceed "
             f"control.heartbeat_s={cfg.control.heartbeat_s}, or live servers are declared dead"
         )
-    # Released batches stay until a checkpoint acknowledges them (DESIGN.md section 4).
+    # Released batches stay until a checkpoint acknowledges them (DESIGN.md section 4), beside
+    # the max_policy_lag + 1 batches admission lets the servers produce meanwhile. With
+    # save_freq <= 0 (no intermediate checkpoint) the learner acknowledges each batch once
+    # trained: one batch is held, and a buffer smaller than that never releases one.
     steps_held = max(cfg.trainer.save_freq, 1) + cfg.staleness.max_policy_lag + 1
     needed = data.train_batch_size * steps_held
-    if cfg.trainer.save_freq > 0 and cfg.buffer.capacity_groups < needed:
+    if cfg.buffer.capacity_groups < needed:
+        if cfg.trainer.save_freq > 0:
+            held = "the unacknowledged batches between checkpoints"
+            fix = "(save_freq + max_policy_lag + 1)) or lower trainer.save_freq"
+        else:
+            held = "the batch in training and the groups admitted meanwhile"
+            fix = "(max_policy_lag + 2))"
         problems.append(
-            f"buffer.capacity_groups={cfg.buffer.capacity_groups} cannot hold the "
-            f"unacknowledged batches between checkpoints; raise it to >= {needed} "
-            "(train_batch_size * (save_freq + max_policy_lag + 1)) or lower trainer.save_freq"
+            f"buffer.capacity_groups={cfg.buffer.capacity_groups} cannot hold {held}; "
+            f"raise it to >= {needed} (train_batch_size * {fix}"
         )
     problems += _endpoint_problems(cfg)
     problems += _launch_problems(cfg)
