@@ -1,8 +1,9 @@
 """FSDP2 plumbing: process group and mesh, model loading and sharding, optimizer and
 learning-rate schedule, gathering full weights.
 
-On CPU: gloo and float32 everywhere. On GPU: NCCL, float32 master weights with a bf16
-mixed-precision policy (gradients reduced in float32).
+On CPU: gloo and float32 everywhere. On GPU: NCCL (with gloo beside it for the CPU tensors
+the learner shares), float32 master weights with a bf16 mixed-precision policy (gradients
+reduced in float32).
 """
 
 from __future__ import annotations
@@ -18,16 +19,29 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+def process_group_backend(device: str) -> str:
+    """The backend of the learner's process group when training on ``device``.
+
+    The learner sends CPU tensors over its group as well as device ones: rank 0 shares each
+    buffer batch (bytes) and each pushed version with the other ranks, and object
+    collectives and barriers travel on the CPU. A plain ``"nccl"`` group has no CPU backend
+    and fails those ("No backend type associated with device type cpu"), so on CUDA gloo
+    runs beside NCCL: CPU tensors take gloo, CUDA tensors (FSDP, reductions) NCCL.
+    """
+    return "cpu:gloo,cuda:nccl" if device == "cuda" else "gloo"
+
+
 def init_distributed(device: str = "cpu"):
     """The data-parallel :class:`DeviceMesh` of this learner (1-D, every rank).
 
-    Uses the default process group when one exists; otherwise starts one from torchrun's
-    environment (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``) or, with no such
-    environment, a single-rank group in this process.
+    Uses the default process group when one exists (it must have a CPU backend, see
+    :func:`process_group_backend`); otherwise starts one from torchrun's environment
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``PORT``) or, with no such environment, a
+    single-rank group in this process.
     """
     from torch.distributed.device_mesh import init_device_mesh
 
-    backend = "nccl" if device == "cuda" else "gloo"
+    backend = process_group_backend(device)
     if device == "cuda":
         # Before the group exists, so NCCL binds each rank to its own GPU.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -36,7 +50,18 @@ def init_distributed(device: str = "cpu"):
             dist.init_process_group(backend)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    elif "cpu" not in _device_backends(dist.get_backend_config()):
+        # Fail here, naming the fix, rather than at the first batch rank 0 shares.
+        raise RuntimeError(
+            f"the default process group ({dist.get_backend_config()}) has no CPU backend, "
+            f"which the learner needs; create it with backend={backend!r}"
+        )
     return init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("dp",))
+
+
+def _device_backends(backend: str) -> dict[str, str]:
+    """Device type -> backend of a backend string (``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
+    return dist.BackendConfig(dist.Backend(backend)).get_device_backend_map()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

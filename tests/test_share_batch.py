@@ -1,9 +1,13 @@
 """learner.broadcast.share_batch over a real 2-rank gloo group: rank 1 gets rank 0's batch,
-arrays and metadata equal, in its wire encoding (msgpack and raw arrays)."""
+arrays and metadata equal, in its wire encoding (msgpack and raw arrays). The learner's own
+process group (``learner.fsdp.init_distributed`` under torchrun's environment) carries it and
+the other CPU-side collectives the learner issues; on CUDA that group has a CPU backend."""
 
+import os
 import socket
 from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -13,6 +17,8 @@ from standins.trajgen import make_group
 
 from asyncrl import wire
 from learner.broadcast import share_batch
+from learner.fsdp import init_distributed, process_group_backend
+from learner.loop import _broadcast_int
 
 
 def _batch() -> wire.Batch:
@@ -51,11 +57,59 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_rank_one_receives_rank_zeros_batch(tmp_path):
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(_worker, args=(port, str(tmp_path)), nprocs=2, start_method="spawn")
+        return s.getsockname()[1]
+
+
+def test_rank_one_receives_rank_zeros_batch(tmp_path):
+    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     zero, one = (msgspec.json.decode((tmp_path / f"rank{r}.json").read_bytes()) for r in (0, 1))
     assert one == zero == msgspec.json.decode(msgspec.json.encode(_summary(_batch())))
     assert len(one["arrays"]) == 5 and np.asarray(one["arrays"][4][1]).size == 4
+
+
+def _learner_rank(rank: int, port: int, out: str) -> None:
+    """A learner rank as torchrun starts it: its group from the environment, then every
+    collective on CPU tensors the learner issues besides FSDP's own."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="2", LOCAL_RANK=str(rank))  # fmt: skip
+    mesh = init_distributed("cpu")
+    got = share_batch(_batch() if rank == 0 else None, rank, 2)  # each step's batch
+    version = _broadcast_int(7 if rank == 0 else -1, SimpleNamespace(world_size=2))  # pushes
+    parts: list = [None, None]
+    dist.all_gather_object(parts, {rank: rank * 10})  # compute_logprobs
+    dist.barrier()  # checkpoints
+    result = {"summary": _summary(got), "version": version, "parts": parts,
+              "mesh": mesh.size(), "default": dist.get_backend_config()}  # fmt: skip
+    Path(out, f"rank{rank}.json").write_bytes(msgspec.json.encode(result))
+    dist.destroy_process_group()
+
+
+def test_the_learners_own_group_carries_its_cpu_collectives(tmp_path):
+    """Reproduces defect 2 of the dependable-runs issue on the production init path (the
+    group a multi-GPU learner crashed on at its first batch had no CPU backend; here, on
+    CPU, gloo is that backend)."""
+    mp.start_processes(
+        _learner_rank, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    zero, one = (msgspec.json.decode((tmp_path / f"rank{r}.json").read_bytes()) for r in (0, 1))
+    assert (
+        one["summary"]
+        == zero["summary"]
+        == msgspec.json.decode(msgspec.json.encode(_summary(_batch())))
+    )
+    assert zero["version"] == one["version"] == 7
+    assert zero["parts"] == one["parts"] == [{"0": 0}, {"1": 10}]
+    assert zero["mesh"] == one["mesh"] == 2
+    assert "cpu:gloo" in zero["default"]
+
+
+def test_the_cuda_group_has_a_cpu_backend_beside_nccl():
+    """The learner shares batches and versions as CPU tensors: a plain "nccl" group cannot
+    carry them ("No backend type associated with device type cpu")."""
+    for device, expected in (("cuda", {"cpu": "gloo", "cuda": "nccl"}), ("cpu", {"cpu": "gloo"})):
+        backend = dist.Backend(process_group_backend(device))
+        devices = dist.BackendConfig(backend).get_device_backend_map()
+        assert {d: devices[d] for d in expected} == expected, (device, devices)
