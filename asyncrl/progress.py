@@ -1,12 +1,14 @@
 """Progress people can read: a live line while a job runs, a summary and plots at the end.
 
 Everything comes from the learner's ``<run dir>/metrics.jsonl`` (see
-:mod:`asyncrl.metrics`), so the view works for a job started by hand too
+:mod:`asyncrl.metrics`) and the launcher's ``<run dir>/launch.jsonl`` (restarts per role,
+see :mod:`asyncrl.supervise`), so the view works for a job started by hand too
 (``python -m asyncrl.progress RUN_DIR`` draws the summary and plots of any run).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -41,6 +43,63 @@ def last_value(records: list[dict[str, float]], key: str) -> float | None:
     return None
 
 
+def read_restarts(run_dir: Path) -> dict[str, int]:
+    """Restarts per role in the latest launch (``launch.jsonl``), every started role listed;
+    empty for a run started by hand."""
+    path = Path(run_dir) / "launch.jsonl"
+    if not path.exists():
+        return {}
+    counts: dict[str, int] = {}
+    for raw in path.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(raw)
+        except ValueError:  # a line being written
+            continue
+        kind, role = event.get("event"), event.get("role", "?")
+        if kind == "launch":  # a new launch in the same run directory starts over
+            counts = {}
+        elif kind == "start":
+            counts.setdefault(role, 0)
+        elif kind == "restart":
+            counts[role] = int(event.get(f"launch/restarts/{role}", counts.get(role, 0) + 1))
+    return counts
+
+
+def accounting_line(metrics: dict[str, float], kind: str = "train") -> str | None:
+    """One line saying where every task of ``kind`` (``train``, ``val``) dealt so far is,
+    from a record with ``accounting/<kind>/*`` keys; None without them. For example
+    ``accounting train: dealt 960 = in flight 0 + in buffer 12 + trained 940 + dropped 8
+    (lag 8) + given up 0``, with ``; unaccounted N`` appended when the parts do not add up."""
+    p = f"accounting/{kind}/"
+    if p + "dealt" not in metrics:
+        return None
+    done = "trained" if kind == "train" else "scored"
+    drops = {k[len(p + "dropped/") :]: v for k, v in metrics.items()
+             if k.startswith(p + "dropped/")}  # fmt: skip
+    reasons = ", ".join(f"{reason} {n:.0f}" for reason, n in sorted(drops.items()) if n)
+    line = (
+        f"accounting {kind}: dealt {metrics[p + 'dealt']:.0f} = "
+        f"in flight {metrics.get(p + 'in_flight', 0):.0f} + "
+        f"in buffer {metrics.get(p + 'in_buffer', 0):.0f} + "
+        f"{done} {metrics.get(p + done, 0):.0f} + "
+        f"dropped {sum(drops.values()):.0f}{f' ({reasons})' if reasons else ''} + "
+        f"given up {metrics.get(p + 'given_up', 0):.0f}"
+    )
+    if metrics.get(p + "unaccounted", 0):
+        line += f"; unaccounted {metrics[p + 'unaccounted']:.0f}"
+    return line
+
+
+def accounting_lines(records: list[dict[str, float]]) -> list[str]:
+    """The accounting line of each kind, from the last record that has its keys."""
+    lines = []
+    for kind in ("train", "val"):
+        record = next((r for r in reversed(records) if f"accounting/{kind}/dealt" in r), None)
+        if record is not None:
+            lines.append(accounting_line(record, kind))
+    return lines
+
+
 class ProgressView:
     """A live status line with a progress bar and ETA, redrawn on each :meth:`update`."""
 
@@ -53,7 +112,7 @@ class ProgressView:
         self._last_line = ""
         self._last_print = 0.0
 
-    def line(self, records: list[dict[str, float]]) -> str:
+    def line(self, records: list[dict[str, float]], restarts: dict[str, int] | None = None) -> str:
         step = last_value(records, "step") or 0
         frac = min(step / self.total, 1.0) if self.total else 0.0
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
@@ -61,11 +120,13 @@ class ProgressView:
         eta = elapsed / frac - elapsed if frac > 0 else float("nan")
         parts = [f"[{bar}] {step:.0f}/{self.total}"]
         parts += [f"{label} {_fmt(fmt, last_value(records, key))}" for label, key, fmt in LIVE[1:]]
+        if total := sum((restarts or {}).values()):
+            parts.append(f"restarts {total}")
         parts.append(f"ETA {_fmt('{:.0f}s', eta)}")
         return " | ".join(parts)
 
     def update(self) -> None:
-        line = self.line(read_metrics(self.run_dir))
+        line = self.line(read_metrics(self.run_dir), read_restarts(self.run_dir))
         now = time.monotonic()
         if self.tty:
             self.stream.write("\r" + line[:200].ljust(len(self._last_line)))
@@ -79,8 +140,12 @@ class ProgressView:
         if self.tty:
             self.stream.write("\n")
         records = read_metrics(self.run_dir)
+        restarts = read_restarts(self.run_dir)
+        if records or restarts:
+            self.stream.write(summary_table(records, restarts) + "\n")
+        for line in accounting_lines(records):
+            self.stream.write(line + "\n")
         if records:
-            self.stream.write(summary_table(records) + "\n")
             for path in write_plots(self.run_dir, records):
                 self.stream.write(f"plot: {path}\n")
         elapsed = time.monotonic() - self.started  # start-ups included
@@ -90,16 +155,18 @@ class ProgressView:
         self.stream.flush()
 
 
-def summary_table(records: list[dict[str, float]]) -> str:
-    """A small table: first and last value of the headline metrics."""
+def summary_table(records: list[dict[str, float]], restarts: dict[str, int] | None = None) -> str:
+    """A small table: first and last value of the headline metrics, and the restarts of
+    every role the launcher started."""
     rows = [("metric", "start", "end")]
     for label, key, fmt in LIVE[1:]:
         values = [r[key] for r in records if key in r]
         if values:
             rows.append((label, _fmt(fmt, values[0]), _fmt(fmt, values[-1])))
-    t0, t1 = records[0].get("time"), records[-1].get("time")
+    t0, t1 = (records[0].get("time"), records[-1].get("time")) if records else (None, None)
     if t0 and t1:
         rows.append(("step 1 to end", "", f"{t1 - t0:.0f}s"))
+    rows += [(f"restarts {role}", "", str(n)) for role, n in (restarts or {}).items()]
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width, strict=True)) for r in rows)
 
@@ -144,7 +211,9 @@ def write_plots(run_dir: Path, records: list[dict[str, float]]) -> list[Path]:
 
 if __name__ == "__main__":
     directory = Path(sys.argv[1])
-    recs = read_metrics(directory)
-    sys.stdout.write((summary_table(recs) if recs else "no metrics yet") + "\n")
+    recs, restarts_of = read_metrics(directory), read_restarts(directory)
+    sys.stdout.write((summary_table(recs, restarts_of) if recs else "no metrics yet") + "\n")
+    for text in accounting_lines(recs):
+        sys.stdout.write(text + "\n")
     if recs:
         sys.stdout.write(f"{write_plots(directory, recs)[0]}\n")

@@ -1,15 +1,34 @@
-"""The launcher stops only what it started, gently then firmly, on SIGTERM (twice, too)."""
+"""The launcher's supervision: the restart policy, the progress and summary lines, and on
+real process trees (stand-in roles, not vLLM) that a dead role's whole tree is killed before
+it restarts, that a run fails only when a role's restarts are used up, and that nothing
+outlives the launcher; the real launcher stops only what it started, gently then firmly, on
+SIGTERM (twice, too)."""
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
+
+from asyncrl.progress import (
+    ProgressView,
+    accounting_line,
+    accounting_lines,
+    read_restarts,
+    summary_table,
+)
 from asyncrl.standins.learner import free_port
+from asyncrl.supervise import RestartPolicy, Role, Supervisor, exit_status, restart_delay
+from asyncrl.supervise_procs import has_exited, marker_of, scan, signal_group
 
 
 def _alive(pid: int) -> bool:
@@ -46,8 +65,333 @@ def test_sigterm_stops_every_role_it_started(tmp_path):
         while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not [name for name, p in pids.items() if _alive(p)]
+        run = json.loads((tmp_path / "asyncrl" / "cpu_demo" / "pids.json").read_text())
+        assert run["roles"] == {name: None for name in pids}  # each reaped
+        assert not _run_processes(run["launch_id"])  # nor anything they started
         assert bystander.poll() is None  # nothing it did not start
     finally:
         bystander.kill()
         if proc.poll() is None:
             proc.kill()
+
+
+# ---------------------------------------------------------------- restart policy (pure)
+
+
+def test_restart_delay_doubles_and_runs_out_within_the_window():
+    policy = RestartPolicy(max_restarts=3, window_s=100.0, backoff_s=2.0)
+    assert restart_delay(policy, [], now=1000.0) == 2.0
+    assert restart_delay(policy, [950.0], now=1000.0) == 4.0
+    assert restart_delay(policy, [950.0, 990.0], now=1000.0) == 8.0
+    assert restart_delay(policy, [950.0, 960.0, 990.0], now=1000.0) is None  # used up
+    # Restarts older than the window no longer count.
+    assert restart_delay(policy, [800.0, 850.0, 990.0], now=1000.0) == 4.0
+    assert restart_delay(policy, [800.0, 850.0, 899.0], now=1000.0) == 2.0
+    # max_restarts 0: the first death ends the run (the launcher's old behaviour).
+    assert restart_delay(RestartPolicy(0, 100.0, 2.0), [], now=0.0) is None
+
+
+def test_exit_status_reads_like_a_shell():
+    assert exit_status(3) == 3
+    assert exit_status(-signal.SIGKILL) == 137
+    assert exit_status(-signal.SIGTERM) == 143
+
+
+def test_the_learner_restarts_from_its_last_checkpoint():
+    learner = Role("learner", ["learner", "config.yaml"], restart_args=["trainer.resume_mode=auto"])
+    assert learner.command() == ["learner", "config.yaml"]
+    learner.attempt = 1  # it was started once
+    assert learner.command() == ["learner", "config.yaml", "trainer.resume_mode=auto"]
+
+
+# ---------------------------------------------------------------- progress and summary (pure)
+
+
+def test_accounting_line_names_every_part():
+    metrics = {
+        "accounting/train/dealt": 960.0,
+        "accounting/train/in_flight": 0.0,
+        "accounting/train/in_buffer": 12.0,
+        "accounting/train/trained": 940.0,
+        "accounting/train/dropped/lag": 8.0,
+        "accounting/train/dropped/expired": 0.0,
+        "accounting/train/given_up": 0.0,
+        "accounting/train/unaccounted": 0.0,
+        "accounting/val/dealt": 40.0,
+        "accounting/val/in_flight": 2.0,
+        "accounting/val/in_buffer": 0.0,
+        "accounting/val/scored": 36.0,
+        "accounting/val/dropped/lag": 0.0,
+        "accounting/val/given_up": 0.0,
+        "accounting/val/unaccounted": 2.0,
+    }
+    assert accounting_line(metrics) == (
+        "accounting train: dealt 960 = in flight 0 + in buffer 12 + trained 940 + "
+        "dropped 8 (lag 8) + given up 0"
+    )
+    assert accounting_line(metrics, "val") == (
+        "accounting val: dealt 40 = in flight 2 + in buffer 0 + scored 36 + dropped 0 + "
+        "given up 0; unaccounted 2"
+    )
+    assert accounting_line({"step": 3.0}) is None
+    # From the last record that has the keys; nothing for a run without them.
+    records = [{"step": 1.0, **metrics}, {"step": 2.0, "loss/pg": 0.1}]
+    assert accounting_lines(records)[0].startswith("accounting train: dealt 960 ")
+    assert accounting_lines([{"step": 1.0}]) == []
+
+
+def test_restarts_in_the_live_line_and_the_summary(tmp_path):
+    events = [
+        {"role": "launcher", "event": "launch"},
+        {"role": "rollout-0", "event": "start"},
+        {"role": "rollout-0", "event": "restart", "launch/restarts/rollout-0": 1},
+        {"role": "launcher", "event": "launch"},  # a new launch in the same directory
+        {"role": "buffer", "event": "start"},
+        {"role": "rollout-0", "event": "start"},
+        {"role": "rollout-0", "event": "restart", "launch/restarts/rollout-0": 1},
+        {"role": "rollout-0", "event": "restart", "launch/restarts/rollout-0": 2},
+        {"role": "learner", "event": "start"},
+        {"role": "learner", "event": "restart", "launch/restarts/learner": 1},
+    ]
+    (tmp_path / "launch.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + "{")
+    restarts = read_restarts(tmp_path)
+    assert restarts == {"buffer": 0, "rollout-0": 2, "learner": 1}
+    cfg = SimpleNamespace(trainer=SimpleNamespace(total_training_steps=10))
+    view = ProgressView(tmp_path, cfg, stream=io.StringIO())
+    records = [{"step": 2.0, "reward/mean": 0.5}]
+    assert " | restarts 3 | " in view.line(records, restarts)
+    assert "restarts" not in view.line(records, {"buffer": 0})
+    table = summary_table(records, restarts).splitlines()
+    assert [line.split()[:3] for line in table[-3:]] == [
+        ["restarts", "buffer", "0"], ["restarts", "rollout-0", "2"], ["restarts", "learner", "1"]
+    ]  # fmt: skip
+    assert read_restarts(tmp_path / "nowhere") == {}
+
+
+# ---------------------------------------------------------------- real process trees
+
+# A stand-in role: it starts a child in its own session and a child in a new session (which
+# starts a child of its own), records the pids of the four, then follows its plan for this
+# attempt ("run": sleep; "exit:N": exit N; "kill": SIGKILL itself; "wait:NAME": exit 0 once
+# the file NAME exists). Plans are comma-separated, one per attempt, the last one repeated;
+# arguments after the plan (a restarted role's extra arguments) are recorded too, and so are
+# the processes of its previous attempt still alive when it started.
+TOY_ROLE = r"""
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+
+state, name, plans, extra = Path(sys.argv[1]), sys.argv[2], sys.argv[3].split(","), sys.argv[4:]
+count = state / f"{name}.attempts"
+attempt = int(count.read_text()) + 1 if count.exists() else 1
+count.write_text(str(attempt))
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+before = state / f"{name}.{attempt - 1}.json"
+old = json.loads(before.read_text()) if before.exists() else {"role": 0, "tree": []}
+left_over = [p for p in [old["role"], *old["tree"]] if p and alive(p)]
+sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+same = subprocess.Popen(sleeper)
+spawner = "import subprocess, sys, time; c = subprocess.Popen(sys.argv[1:]); print(c.pid, flush=True); time.sleep(600)"
+escaped = subprocess.Popen([sys.executable, "-c", spawner, *sleeper], start_new_session=True,
+                           stdout=subprocess.PIPE, text=True)
+nested = int(escaped.stdout.readline())
+record = {"role": os.getpid(), "tree": [same.pid, escaped.pid, nested], "extra": extra,
+          "left_over": left_over}
+(state / f"{name}.{attempt}.json").write_text(json.dumps(record))
+plan = plans[min(attempt, len(plans)) - 1]
+print(f"{name} attempt {attempt}: {plan}", flush=True)
+if plan.startswith("exit:"):
+    sys.exit(int(plan[5:]))
+if plan == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+while plan == "run" or not (state / plan[5:]).exists():
+    time.sleep(0.05)
+"""
+
+# Runs the supervisor (subreaper and watchdog included) over stand-in roles, as the launcher
+# does: argv is the run directory, the stand-in's path and a JSON spec.
+DRIVER = r"""
+import json, logging, sys
+from pathlib import Path
+from asyncrl import supervise
+from asyncrl.supervise import QuietView, RestartPolicy, Role, Supervisor
+
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
+run_dir, toy, spec = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
+supervise.STOP_GRACE_S, supervise.POLL_S = spec.get("grace_s", 2.0), 0.1
+supervise.AFTER_LEARNER_S = 0.5  # stand-ins are not told that the run is over
+roles = [Role(name, [sys.executable, toy, str(run_dir), name, plan], restart_args=extra)
+         for name, plan, extra in spec["roles"]]
+sup = Supervisor(roles, run_dir, RestartPolicy(**spec["policy"]))
+try:
+    sup.begin()
+    sup.start_all()
+    code = sup.run(QuietView())
+finally:
+    sup.close()
+sys.exit(code)
+"""
+
+
+def _wait_for(pred, what: str, timeout_s: float = 20.0):
+    deadline = time.monotonic() + timeout_s
+    while not (value := pred()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def _tree(state: Path, name: str, attempt: int) -> dict:
+    path = state / f"{name}.{attempt}.json"
+    _wait_for(path.exists, f"{name} attempt {attempt}")
+    return json.loads(path.read_text())
+
+
+def _run_processes(launch_id: str) -> list[int]:
+    """Live processes that carry the run's marker."""
+    procs = scan()
+    return [pid for pid in procs if procs[pid].state != "Z"
+            and (marker_of(pid) or "").startswith(f"{launch_id} ")]  # fmt: skip
+
+
+@pytest.fixture
+def toy(tmp_path) -> Path:
+    path = tmp_path / "toy_role.py"
+    path.write_text(TOY_ROLE)
+    return path
+
+
+def test_a_role_killed_with_sigkill_takes_its_whole_tree_and_runs_again(tmp_path, toy):
+    """In this process (no subreaper): what is left of a SIGKILLed role, its session and
+    the child that started a session of its own, is killed; the role starts again."""
+    role = Role("rollout-0", [sys.executable, str(toy), str(tmp_path), "rollout-0", "run"])
+    sup = Supervisor([role], tmp_path, RestartPolicy())
+    (tmp_path / "logs").mkdir()
+    sup.start(role)
+    first = _tree(tmp_path, "rollout-0", 1)
+    assert first["role"] == role.proc.pid and all(_alive(p) for p in first["tree"])
+    os.kill(role.proc.pid, signal.SIGKILL)
+    _wait_for(lambda: has_exited(role.proc.pid), "the role to die")
+    assert all(_alive(p) for p in first["tree"])  # killing the role alone leaves its tree
+    assert sup.reap(role) == -signal.SIGKILL and role.proc is None
+    assert not [p for p in [first["role"], *first["tree"]] if _alive(p)]
+
+    sup.start(role)  # a restart: a new process, running, with a tree of its own
+    second = _tree(tmp_path, "rollout-0", 2)
+    assert second["role"] == role.proc.pid != first["role"] and _alive(role.proc.pid)
+    assert json.loads((tmp_path / "pids.json").read_text())["roles"] == {"rollout-0": role.proc.pid}
+    signal_group(role.proc.pid, signal.SIGTERM)
+    _wait_for(lambda: has_exited(role.proc.pid), "the role to stop")
+    assert sup.reap(role) == -signal.SIGTERM
+    assert not [p for p in [second["role"], *second["tree"]] if _alive(p)]
+    assert not _run_processes(sup.launch_id)
+
+
+@pytest.fixture
+def drive(tmp_path, toy):
+    """Starts the supervisor over stand-in roles; one still running at the end is killed
+    (its watchdog then clears its roles)."""
+    started: list[subprocess.Popen] = []
+
+    def start(spec: dict) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, str(tmp_path), str(toy), json.dumps(spec)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _events(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(60)
+def test_the_supervisor_restarts_dead_roles_and_finishes_with_the_learner(tmp_path, drive):
+    """rollout-0 is killed (SIGKILL) at its first start, the learner crashes once; both are
+    restarted (the learner with its resume argument) after each's tree was killed;
+    rollout-1 leaves with exit 0 and is not restarted; the run ends when the learner
+    exits 0, and nothing of it is left."""
+    spec = {
+        "policy": {"max_restarts": 2, "window_s": 60.0, "backoff_s": 0.2},
+        "roles": [
+            ["buffer", "run", []],
+            ["rollout-0", "kill,run", []],
+            ["rollout-1", "exit:0", []],
+            ["learner", "exit:7,wait:rollout-0.2.json", ["--resume"]],
+        ],
+    }
+    proc = drive(spec)
+    out, _ = proc.communicate(timeout=45)
+    assert proc.returncode == 0, out
+    assert "restarting rollout-0 in 0.2s (it ended: killed by SIGKILL" in out
+    assert "restarting learner in 0.2s (it ended: exit code 7" in out
+    assert "rollout-1 exited 0 on its own" in out
+    # The first attempts' trees were gone before the second attempts started.
+    for name in ("rollout-0", "learner"):
+        assert (
+            _tree(tmp_path, name, 1)["extra"] == [] and _tree(tmp_path, name, 2)["left_over"] == []
+        )
+    assert _tree(tmp_path, "learner", 2)["extra"] == ["--resume"]
+    assert not (tmp_path / "rollout-1.2.json").exists()
+    events = _events(tmp_path)
+    restarts = [(e["role"], e["exit_code"], e[f"launch/restarts/{e['role']}"]) for e in events
+                if e["event"] == "restart"]  # fmt: skip
+    assert sorted(restarts) == [("learner", 7, 1), ("rollout-0", 137, 1)]
+    assert read_restarts(tmp_path) == {"buffer": 0, "rollout-0": 1, "rollout-1": 0, "learner": 1}
+    launch_id = events[0]["launch_id"]
+    every = [p for n in ("buffer", "rollout-0", "rollout-1", "learner") for a in (1, 2)
+             if (tmp_path / f"{n}.{a}.json").exists()
+             for p in [_tree(tmp_path, n, a)["role"], *_tree(tmp_path, n, a)["tree"]]]  # fmt: skip
+    assert len(every) == 4 * 6 and not [p for p in every if _alive(p)]
+    assert not _run_processes(launch_id)
+
+
+@pytest.mark.timeout(60)
+def test_a_role_out_of_restarts_fails_the_run_with_its_code_and_log(tmp_path, drive):
+    spec = {
+        "policy": {"max_restarts": 2, "window_s": 60.0, "backoff_s": 0.1},
+        "roles": [["buffer", "exit:4", []], ["learner", "run", []]],
+    }
+    start = time.monotonic()
+    proc = drive(spec)
+    out, _ = proc.communicate(timeout=45)
+    assert proc.returncode == 4, out
+    assert time.monotonic() - start > 0.1 + 0.2  # the backoff doubled
+    assert "buffer ended (exit code 4) after 2 restarts within 60s: giving up" in out
+    assert "buffer attempt 3: exit:4" in out  # its last log lines
+    events = _events(tmp_path)
+    assert [e["event"] for e in events if e["role"] == "buffer"] == [
+        "start", "restart", "start", "restart", "start", "gave_up"
+    ]  # fmt: skip
+    assert not _run_processes(events[0]["launch_id"])
+    assert not _alive(_tree(tmp_path, "learner", 1)["role"])
+
+
+@pytest.mark.timeout(60)
+def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path, drive):
+    """Roles get SIGTERM when the launcher dies; the watchdog kills what is left."""
+    spec = {
+        "policy": {"max_restarts": 2, "window_s": 60.0, "backoff_s": 0.1},
+        "grace_s": 1.0,
+        "roles": [["buffer", "run", []], ["learner", "run", []]],
+    }
+    proc = drive(spec)
+    trees = [_tree(tmp_path, name, 1) for name in ("buffer", "learner")]
+    launch_id = json.loads((tmp_path / "pids.json").read_text())["launch_id"]
+    assert len(_run_processes(launch_id)) == 2 * 4
+    proc.kill()
+    proc.wait(10)
+    roles = [t["role"] for t in trees]
+    _wait_for(lambda: not [p for p in roles if _alive(p)], "the roles to stop", 5)
+    _wait_for(lambda: not _run_processes(launch_id), "the watchdog", 15)

@@ -1,0 +1,347 @@
+"""Supervision of a run's roles on one machine: start them, restart the ones that die, stop
+them all at the end. Process-tree mechanics live in :mod:`asyncrl.supervise_procs`.
+
+Rules (DESIGN section 10, one set for every launcher):
+
+- A role that dies (any exit code but 0) is restarted after ``launch.restart_backoff_s``,
+  doubled for each of its restarts within ``launch.restart_window_s``; the learner gets
+  ``trainer.resume_mode=auto`` so it continues from its last checkpoint. A role that dies
+  when it has had ``launch.max_restarts`` restarts within the window fails the run, with its
+  last log lines, and the launcher exits with its code (128 + N for signal N).
+- A role that exits 0 on its own left for good (a rollout server scaled down with SIGTERM)
+  and is not restarted; the learner exiting 0 means the run is done.
+- Before a role is restarted, and whenever the launcher ends, what is left of its process
+  tree is killed and reaped; nothing the run started outlives it.
+
+What a test or an operator can read: ``<run dir>/pids.json`` (the launcher's pid, the run's
+marker and each role's current pid), ``<run dir>/launch.jsonl`` (one event per line:
+``launch``, ``start``, ``restart`` with ``launch/restarts/<role>``, ``exit``, ``gave_up``),
+and the launcher's log lines ``started <role> (pid N)`` and ``restarting <role> ...``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from asyncrl.supervise_procs import (
+    adopted,
+    become_subreaper,
+    has_exited,
+    kill_tree,
+    reap_adopted,
+    scan,
+    signal_group,
+    spawn,
+    start_watchdog,
+)
+
+log = logging.getLogger("asyncrl.launch")
+
+POLL_S = 1.0  # how often the supervisor looks at its roles
+STOP_GRACE_S = 15.0  # how long roles get to exit after SIGTERM before SIGKILL
+AFTER_LEARNER_S = 30.0  # how long the others get to exit once the learner is done
+EVENTS_FILE = "launch.jsonl"
+PIDS_FILE = "pids.json"
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """``launch.max_restarts`` per role within ``launch.restart_window_s``, the first after
+    ``launch.restart_backoff_s``, doubling per restart within the window."""
+
+    max_restarts: int = 3
+    window_s: float = 600.0
+    backoff_s: float = 2.0
+
+    @classmethod
+    def from_config(cls, launch: Any) -> RestartPolicy:
+        return cls(launch.max_restarts, launch.restart_window_s, launch.restart_backoff_s)
+
+
+def recent_restarts(policy: RestartPolicy, restarts: Sequence[float], now: float) -> int:
+    """How many of the restarts (their times) fall within the window before ``now``."""
+    return sum(1 for t in restarts if now - t < policy.window_s)
+
+
+def restart_delay(policy: RestartPolicy, restarts: Sequence[float], now: float) -> float | None:
+    """Seconds to wait before restarting a role that died at ``now``, given the times of its
+    earlier restarts; None when it has used up its restarts within the window."""
+    recent = recent_restarts(policy, restarts, now)
+    if recent >= policy.max_restarts:
+        return None
+    return policy.backoff_s * 2**recent
+
+
+def exit_status(returncode: int) -> int:
+    """A role's exit code as a shell reports it: 128 + N for a role killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+        return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+@dataclass
+class Role:
+    """One process of the run (with its tree) and its supervision state."""
+
+    name: str
+    cmd: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    cpus: list[int] | None = None
+    restart_args: list[str] = field(default_factory=list)  # appended when restarted
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+    attempt: int = 0  # how many times it was started
+    restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
+    restart_at: float | None = None  # a restart is due at this monotonic time
+    done: bool = False  # exited 0: not restarted
+
+    def command(self) -> list[str]:
+        return self.cmd + (self.restart_args if self.attempt > 0 else [])
+
+
+class View(Protocol):
+    def update(self) -> None: ...
+    def finish(self, ok: bool) -> None: ...
+
+
+class QuietView:
+    """A view that shows nothing (tests, or a launcher without a terminal)."""
+
+    def update(self) -> None:
+        pass
+
+    def finish(self, ok: bool) -> None:
+        pass
+
+
+def tail(path: Path | None, lines: int = 30) -> str:
+    if path is None or not path.exists():
+        return ""
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+class Supervisor:
+    """Starts, watches, restarts and stops the roles of one run; the last role is the
+    learner, whose exit 0 ends the run."""
+
+    def __init__(self, roles: list[Role], run_dir: Path, policy: RestartPolicy):
+        self.roles = roles
+        self.run_dir = Path(run_dir)
+        self.log_dir = self.run_dir / "logs"
+        self.policy = policy
+        self.launch_id = f"{os.getpid()}.{scan()[os.getpid()].start}"
+        self.watchdog: subprocess.Popen | None = None
+        self._watchdog_fd: int | None = None
+        self.subreaper = False  # orphans of the run are re-parented to this process
+
+    # ---------------------------------------------------------------- starting
+    def begin(self) -> None:
+        """Become the subreaper of the run's orphans, start the watchdog, log the launch."""
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.subreaper = become_subreaper()
+        self.watchdog, self._watchdog_fd = start_watchdog(f"{self.launch_id} ", STOP_GRACE_S)
+        self._event("launcher", "launch", pid=os.getpid(), launch_id=self.launch_id)
+
+    def start(self, role: Role) -> None:
+        """Start (or restart) ``role``; its output goes to ``logs/<name>.log``."""
+        cmd = role.command()
+        role.log_path = self.log_dir / f"{role.name}.log"
+        role.attempt += 1
+        role.restart_at = None
+        marker = f"{self.launch_id} {role.name} {role.attempt}"
+        with open(role.log_path, "a") as f:  # a restarted role appends to the same log
+            f.write(f"---- {role.name} start {role.attempt} at {time.ctime()}: {shlex.join(cmd)}\n")
+        role.proc = spawn(cmd, role.env, role.log_path, role.cpus, marker)
+        log.info("started %s (pid %d)", role.name, role.proc.pid)
+        self._event(role.name, "start", pid=role.proc.pid, attempt=role.attempt)
+        self._write_pids()
+
+    def start_all(self) -> None:
+        for role in self.roles:
+            self.start(role)
+
+    # ---------------------------------------------------------------- watching
+    def run(self, view: View) -> int:
+        """Watches every role until the run ends. Consumes the roles' exits (looked at
+        every ``POLL_S``); produces restarts, events in ``launch.jsonl`` and the live view.
+        Waits for nothing else; unblocked by the learner's exit 0 (the others are wound
+        down, returns 0), a role out of restarts (everything is stopped, returns that
+        role's exit code) or a signal (KeyboardInterrupt, for the caller to handle)."""
+        while True:
+            view.update()
+            for role in self.roles:
+                code = self._look_at(role)
+                if code is not None and (result := self._end(role, code, view)) is not None:
+                    return result
+            self._reap_orphans()
+            time.sleep(POLL_S)
+
+    def _look_at(self, role: Role) -> int | None:
+        """Starts a restart that is due; returns the exit code of a role that just exited
+        (its tree already killed), else None."""
+        if role.done:
+            return None
+        if role.proc is None:
+            if role.restart_at is not None and time.monotonic() >= role.restart_at:
+                self.start(role)
+            return None
+        if not has_exited(role.proc.pid):
+            return None
+        return self.reap(role)
+
+    def _end(self, role: Role, code: int, view: View) -> int | None:
+        """Decide what a role's exit means: the end of the run (an exit code for the
+        launcher) or a restart to schedule (None)."""
+        if code == 0:
+            role.done = True
+            self._event(role.name, "exit", exit_code=0)
+            if role is self.roles[-1]:
+                return self._wind_down(view)
+            log.info("%s exited 0 on its own (it left the run): not restarting it", role.name)
+            return None
+        now = time.monotonic()
+        delay = restart_delay(self.policy, role.restarts, now)
+        if delay is None:
+            self._event(role.name, "gave_up", exit_code=exit_status(code))
+            log.error(
+                "%s ended (%s) after %d restarts within %.0fs: giving up; "
+                "last lines of %s:\n%s",
+                role.name, describe_exit(code), recent_restarts(self.policy, role.restarts, now),
+                self.policy.window_s,
+                role.log_path, tail(role.log_path),
+            )  # fmt: skip
+            self.stop_all()
+            view.finish(ok=False)
+            return exit_status(code)
+        role.restarts.append(now)
+        role.restart_at = now + delay
+        log.warning(
+            "restarting %s in %.1fs (it ended: %s; restart %d of %d within %.0fs); "
+            "last lines of %s:\n%s",
+            role.name, delay, describe_exit(code),
+            recent_restarts(self.policy, role.restarts, now), self.policy.max_restarts, self.policy.window_s, role.log_path,
+            tail(role.log_path, 10),
+        )  # fmt: skip
+        self._event(role.name, "restart", exit_code=exit_status(code), delay_s=delay,
+                    **{f"launch/restarts/{role.name}": len(role.restarts)})  # fmt: skip
+        return None
+
+    # ---------------------------------------------------------------- stopping
+    def _wind_down(self, view: View) -> int:
+        """The learner is done and told the others to stop: give them time, then make sure."""
+        late = self._wait_exited(self._running(), AFTER_LEARNER_S)
+        for role in late:
+            log.warning("%s still running after the learner finished: stopping it", role.name)
+        self.stop_all(grace_s=5.0)
+        view.finish(ok=True)
+        return 0
+
+    def _running(self) -> list[Role]:
+        return [r for r in self.roles if r.proc is not None and not has_exited(r.proc.pid)]
+
+    @staticmethod
+    def _wait_exited(roles: list[Role], timeout_s: float) -> list[Role]:
+        """Wait up to ``timeout_s`` for ``roles`` to exit (leaving them unreaped); returns
+        the ones still running."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            roles = [r for r in roles if not has_exited(r.proc.pid)]
+            if not roles or time.monotonic() >= deadline:
+                return roles
+            time.sleep(0.1)
+
+    def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
+        """SIGTERM every running role's process group, wait up to ``grace_s``, then kill and
+        reap what is left of every role's tree, and every other process of the run."""
+        running = self._running()
+        for role in running:
+            signal_group(role.proc.pid, signal.SIGTERM)
+        for role in self._wait_exited(running, grace_s):
+            log.warning("%s did not stop within %.0fs: killing it", role.name, grace_s)
+        for role in self.roles:
+            if role.proc is not None:
+                self.reap(role)
+        self.sweep()
+
+    def reap(self, role: Role) -> int:
+        """Kill what is left of ``role``'s tree (the role itself included), reap the role
+        and return its exit code. Call it before the role is reaped: its zombie keeps its
+        pid, the id of its session and group, from being reused meanwhile."""
+        marker = f"{self.launch_id} {role.name} {role.attempt}"
+        killed = kill_tree(role.proc.pid, marker.__eq__, reap_keep=self._reap_keep())
+        code = role.proc.wait()
+        killed.discard(role.proc.pid)
+        if killed:
+            log.info("%s: killed %d processes left of its tree", role.name, len(killed))
+        role.proc = None
+        self._write_pids()
+        return code
+
+    def _reap_keep(self) -> set[int] | None:
+        """As a subreaper, the children that are not orphans (roles and the watchdog, which
+        their ``Popen`` reaps); None otherwise: then all children are someone else's."""
+        if not self.subreaper:
+            return None
+        keep = {r.proc.pid for r in self.roles if r.proc is not None}
+        return keep | ({self.watchdog.pid} if self.watchdog is not None else set())
+
+    def _reap_orphans(self) -> None:
+        """Reap orphans re-parented to the launcher that have exited."""
+        if (keep := self._reap_keep()) is not None:
+            reap_adopted(scan(), keep)
+
+    def sweep(self) -> None:
+        """Kill and reap every process of the run but the roles' own (call it once they are
+        reaped): anything that carries the run's marker, and (as a subreaper) orphans
+        re-parented to the launcher."""
+        prefix = f"{self.launch_id} "
+        keep = self._reap_keep()
+        orphans = adopted(scan(), keep) if keep is not None else set()
+        killed = kill_tree(None, lambda m: m.startswith(prefix), orphans, reap_keep=keep)
+        if killed:
+            log.info("killed %d leftover processes of the run", len(killed))
+
+    def close(self) -> None:
+        """The launcher ends: nothing of the run may outlive it (roles still running are
+        stopped as by :meth:`stop_all`); release the watchdog."""
+        self.stop_all()
+        if self._watchdog_fd is not None:
+            os.close(self._watchdog_fd)
+            self._watchdog_fd = None
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.watchdog.wait(5)
+
+    # ---------------------------------------------------------------- records
+    def _event(self, role: str, event: str, **fields: Any) -> None:
+        record = {"time": time.time(), "role": role, "event": event, **fields}
+        with open(self.run_dir / EVENTS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def _write_pids(self) -> None:
+        """``pids.json``: the launcher, the run's marker and each role's pid (null between
+        a death and its restart), replaced atomically."""
+        data = {
+            "launcher": os.getpid(),
+            "launch_id": self.launch_id,
+            "roles": {r.name: (r.proc.pid if r.proc else None) for r in self.roles},
+        }
+        tmp = self.run_dir / f".{PIDS_FILE}.tmp"
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.run_dir / PIDS_FILE)

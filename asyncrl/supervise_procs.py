@@ -1,0 +1,263 @@
+"""Process trees of the launcher's roles: start a role so that its whole tree can be found
+again, kill and reap that tree (also when the role itself got SIGKILL), and a watchdog that
+clears the run's processes when the launcher itself is killed.
+
+How a role's tree is found. Every role starts in a session of its own (its pid is its
+session and process group id) and with an environment marker, ``ASYNCRL_LAUNCH="<launch
+id> <role> <attempt>"``, that every descendant inherits. Its tree is every process in its
+session or process group, every process that carries its marker, and every descendant of
+those. vLLM's engine core and workers stay in the rollout server's session (multiprocessing
+spawns them without a new session), but they outlive a server killed with SIGKILL: nothing
+in vLLM watches the server process. torchrun starts the learner's ranks in sessions of
+their own; the marker still finds them after torchrun is gone and they were re-parented.
+
+The launcher is a child subreaper (``PR_SET_CHILD_SUBREAPER``): orphans of a dead role are
+re-parented to it rather than to init, and it reaps them. Each role gets
+``PR_SET_PDEATHSIG`` (SIGTERM) so that it stops when the launcher dies, and a watchdog in a
+session of its own kills whatever of the run is left once the launcher is gone.
+
+Linux only (``/proc``, ``prctl``), as the launcher always was (``sched_setaffinity``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("asyncrl.launch")
+
+MARKER = "ASYNCRL_LAUNCH"  # environment variable every process of a run inherits
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+_libc: ctypes.CDLL | None = None
+
+
+@dataclass(frozen=True)
+class Proc:
+    """One line of the process table (``/proc/<pid>/stat``)."""
+
+    pid: int
+    ppid: int
+    pgid: int
+    sid: int
+    state: str  # R, S, D, Z (zombie: exited, not yet reaped), ...
+    start: int  # clock ticks after boot
+
+
+def scan() -> dict[int, Proc]:
+    """The process table as this process sees it."""
+    out: dict[int, Proc] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:  # gone meanwhile
+            continue
+        # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses.
+        rest = data[data.rindex(b")") + 2 :].split()
+        out[int(name)] = Proc(
+            int(name), int(rest[1]), int(rest[2]), int(rest[3]), rest[0].decode(), int(rest[19])
+        )
+    return out
+
+
+def marker_of(pid: int) -> str | None:
+    """The run marker in ``pid``'s environment (as it was at exec), if it carries one."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            data = f.read()
+    except OSError:  # gone, or not ours
+        return None
+    prefix = MARKER.encode() + b"="
+    for item in data.split(b"\0"):
+        if item.startswith(prefix):
+            return item[len(prefix) :].decode(errors="replace")
+    return None
+
+
+def find_tree(
+    procs: dict[int, Proc],
+    root: int | None,
+    match: Callable[[str], bool] | None = None,
+    extra: Iterable[int] = (),
+) -> set[int]:
+    """Live (not zombie) processes of one tree: ``root``'s session and process group, the
+    processes whose marker ``match`` accepts, ``extra``, and every descendant of these.
+    Never this process."""
+    seeds = {p.pid for p in procs.values() if root is not None and root in (p.sid, p.pgid)}
+    if match is not None:
+        seeds |= {pid for pid in procs if (m := marker_of(pid)) is not None and match(m)}
+    seeds |= {pid for pid in extra if pid in procs}
+    children: dict[int, list[int]] = defaultdict(list)
+    for p in procs.values():
+        children[p.ppid].append(p.pid)
+    tree: set[int] = set()
+    stack = list(seeds)
+    while stack:
+        pid = stack.pop()
+        if pid not in tree:
+            tree.add(pid)
+            stack.extend(children[pid])
+    tree.discard(os.getpid())
+    return {pid for pid in tree if procs[pid].state not in ("Z", "X")}
+
+
+def adopted(procs: dict[int, Proc], keep: set[int]) -> set[int]:
+    """Children of this process it did not start itself (orphans re-parented to it)."""
+    me = os.getpid()
+    return {p.pid for p in procs.values() if p.ppid == me and p.pid not in keep}
+
+
+def reap_adopted(procs: dict[int, Proc], keep: set[int]) -> None:
+    """Reap adopted orphans that have exited; ``keep`` (what ``Popen`` reaps) is left alone."""
+    for pid in adopted(procs, keep):
+        if procs[pid].state == "Z":
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+
+
+def kill_tree(
+    root: int | None,
+    match: Callable[[str], bool] | None,
+    extra: Iterable[int] = (),
+    reap_keep: set[int] | None = None,
+    timeout_s: float = 10.0,
+) -> set[int]:
+    """SIGKILL every process of the tree (see :func:`find_tree`) until none is left.
+    Repeats, because a dying process may have just spawned another. With ``reap_keep`` (in
+    a subreaper) it also reaps the orphans re-parented to this process, all but those pids
+    (children that ``Popen`` reaps). Returns the pids it killed; logs what survived
+    ``timeout_s`` (a process stuck in the kernel)."""
+    extra = set(extra)
+    killed: set[int] = set()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = scan()
+        if reap_keep is not None:
+            reap_adopted(procs, reap_keep)
+        alive = find_tree(procs, root, match, extra)
+        if not alive:
+            return killed
+        if time.monotonic() > deadline:
+            log.error("processes still alive after SIGKILL: %s", sorted(alive))
+            return killed
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= alive
+        time.sleep(0.05)
+
+
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to a role's process group (the role and the children that stayed)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def has_exited(pid: int) -> bool:
+    """Whether child ``pid`` has exited, leaving it unreaped: while its zombie holds the
+    pid, the pid (its session and group id) cannot be reused, so its tree can be killed
+    without hitting a stranger. ``Popen`` reaps it afterwards."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # already reaped
+        return True
+
+
+def _prctl_fn() -> Callable[..., int]:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+    return _libc.prctl
+
+
+def _prctl(option: int, value: int) -> bool:
+    return _prctl_fn()(option, value, 0, 0, 0) == 0
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants re-parent to this process instead of init."""
+    ok = _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    if not ok:
+        log.warning("could not become a child subreaper: orphans of dead roles go to init")
+    return ok
+
+
+def spawn(cmd: list[str], env: dict[str, str], log_path: Path, cpus: list[int] | None,
+          marker: str) -> subprocess.Popen:  # fmt: skip
+    """Start ``cmd`` in a session of its own, output appended to ``log_path``, pinned to
+    ``cpus``, with the run ``marker`` in its environment; it gets SIGTERM when this thread
+    dies (``PR_SET_PDEATHSIG``), so call it from the main thread."""
+    prctl = _prctl_fn()  # loaded before the fork, not in the child
+    parent = os.getpid()
+
+    def setup() -> None:  # runs in the child before exec
+        os.setsid()
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    out = open(log_path, "a")  # noqa: SIM115 (the child keeps it)
+    try:
+        return subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **env, MARKER: marker},
+            preexec_fn=setup,
+        )
+    finally:
+        out.close()
+
+
+def start_watchdog(prefix: str, grace_s: float) -> tuple[subprocess.Popen, int]:
+    """Start the watchdog of a run whose markers start with ``prefix``. Returns it and the
+    write end of its pipe: the watchdog acts once every copy of that end is closed (this
+    process exited, however it ended)."""
+    read_end, write_end = os.pipe()  # not inherited by roles (PEP 446)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.supervise_procs", prefix, str(grace_s)],
+        stdin=read_end,
+        start_new_session=True,  # a signal to the launcher's group does not reach it
+    )
+    os.close(read_end)
+    return proc, write_end
+
+
+def watchdog(prefix: str, grace_s: float) -> None:
+    """Consumes nothing but its stdin; waits until the launcher is gone (EOF: it exited or
+    was killed). Then gives the run's processes ``grace_s`` to stop on their own (roles got
+    SIGTERM when the launcher died) and SIGKILLs what is left. After a normal exit of the
+    launcher nothing is left and it returns at once."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while sys.stdin.buffer.read(4096):
+        pass
+
+    def match(m: str) -> bool:
+        return m.startswith(prefix)
+
+    deadline = time.monotonic() + grace_s
+    while find_tree(scan(), None, match) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    killed = kill_tree(None, match)
+    if killed:
+        sys.stderr.write(f"launch watchdog: killed {len(killed)} processes left by the run\n")
+
+
+if __name__ == "__main__":
+    watchdog(sys.argv[1], float(sys.argv[2]))
