@@ -195,3 +195,29 @@ def test_assignment_is_validated():
     cfg = Config()
     with pytest.raises(ValueError):
         cfg.rollout.n = "many"  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        # vLLM raises any temperature in (0, 0.01) to 0.01 while the learner would divide
+        # the logits by the configured one: every importance weight would be wrong.
+        ("0.005", "set rollout.temperature>=0.01"),
+        ("0.00999", "set rollout.temperature>=0.01"),
+        # vLLM refuses temperatures above 2: every training request would fail.
+        ("2.5", "set rollout.temperature<=2"),
+        # Greedy is not a training temperature (the learner divides by it).
+        ("0", "rollout.temperature: input should be greater than 0"),
+    ],
+)
+def test_training_temperature_vllm_would_change_is_refused(value, expected):
+    problems = _problems("configs/cpu_demo.yaml", [f"rollout.temperature={value}"])
+    assert len(problems) == 1 and expected in problems[0], problems
+
+
+@pytest.mark.parametrize("value", [0.01, 0.7, 2.0])
+def test_training_temperature_vllm_samples_at_is_accepted(value):
+    assert (
+        load_config("configs/cpu_demo.yaml", [f"rollout.temperature={value}"]).rollout.temperature
+        == value
+    )

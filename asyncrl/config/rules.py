@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from asyncrl.config.schema import Config
 
+# The training temperatures vLLM samples at as asked (vllm.sampling_params: _MAX_TEMP is the
+# floor it raises lower values to; _verify_args refuses values above 2).
+MIN_TRAIN_TEMPERATURE = 0.01
+MAX_TRAIN_TEMPERATURE = 2.0
+
 
 def cross_field_problems(cfg: Config) -> list[str]:
     """Return one line per broken rule (empty when the config is consistent)."""
@@ -26,6 +31,22 @@ def cross_field_problems(cfg: Config) -> list[str]:
         problems.append(
             f"rollout.top_k={ro.top_k}: training rollouts must sample the full distribution; "
             "set rollout.top_k=-1 and use rollout.val_kwargs.top_k for validation sampling"
+        )
+    # vLLM's SamplingParams raises a temperature in (0, 0.01) to 0.01 with only a log line:
+    # the run would not sample at the temperature it names, and logprobs recomputed at the
+    # configured one would not match the behaviour policy. Above 2 vLLM refuses the request.
+    if ro.temperature < MIN_TRAIN_TEMPERATURE:
+        problems.append(
+            f"rollout.temperature={ro.temperature}: vLLM samples at no less than "
+            f"{MIN_TRAIN_TEMPERATURE} (it raises lower values silently), so logprobs "
+            f"recomputed at this temperature would not match the behaviour policy; set "
+            f"rollout.temperature>={MIN_TRAIN_TEMPERATURE}"
+        )
+    elif ro.temperature > MAX_TRAIN_TEMPERATURE:
+        problems.append(
+            f"rollout.temperature={ro.temperature}: vLLM refuses temperatures above "
+            f"{MAX_TRAIN_TEMPERATURE:g}, so every training request would fail; set "
+            f"rollout.temperature<={MAX_TRAIN_TEMPERATURE:g}"
         )
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo") and ro.n < 2:
         problems.append(
