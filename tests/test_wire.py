@@ -76,6 +76,27 @@ def test_round_trip_keeps_every_field_and_array() -> None:
     np.testing.assert_array_equal(got[0].token_versions(), [2, 2, 2, 3, 3])
 
 
+def test_nan_logprob_travels_as_not_reported() -> None:
+    """NaN marks a token whose logprob the engine did not report: the message is valid (the
+    learner drops and counts such tokens), and the NaN arrives where it was sent, through a
+    trajectory message and a batch reply alike."""
+    [t] = wire.decode_trajectories(_with(logprobs=np.array([np.nan, -2.3], "<f4").tobytes()))
+    assert math.isnan(t.logprobs[0]) and t.logprobs[1] == np.float32(-2.3)
+    sent = make_traj("g", 0, 2, response_len=3)
+    lp = sent.logprobs.copy()
+    lp[1] = np.nan
+    sent = wire.Trajectory(meta=sent.meta, prompt_ids=sent.prompt_ids,
+                           response_ids=sent.response_ids, logprobs=lp)  # fmt: skip
+    group = wire.Group.from_trajectories("g", [sent, make_traj("g", 1, 2, response_len=3)])
+    packed = wire.decode_packed(as_bytes(wire.encode_packed(group)))
+    batch = wire.Batch(batch_id=0, policy_version=0, groups=[group], lag_histogram={0: 1},
+                       metrics={})  # fmt: skip
+    replied = wire.decode_reply(as_bytes(wire.encode_batch(batch)))
+    for got in (packed.trajectories[0], replied.groups[0].trajectories[0]):
+        np.testing.assert_array_equal(np.isnan(got.logprobs), [False, True, False])
+        np.testing.assert_array_equal(got.logprobs[[0, 2]], lp[[0, 2]])
+
+
 def test_plain_msgpack_client_produces_a_valid_trajectory() -> None:
     [t] = wire.decode_trajectories(plain_frames())
     assert t.task_id == "t-1" and t.reward == 1.0 and t.meta.validation is False
@@ -214,8 +235,10 @@ BAD_TRAJECTORIES = {
     "response as int64": ("length", _with(response=np.array([8, 9], "<i8").tobytes())),
     "logprobs as float64": ("length", _with(logprobs=np.array([-1, -1], "<f8").tobytes())),
     "odd byte count": ("length", _with(response=b"\x00" * 7)),
-    "NaN logprob": ("nonfinite", _with(logprobs=np.array([-0.1, np.nan], "<f4").tobytes())),
     "-inf logprob": ("nonfinite", _with(logprobs=np.array([-np.inf, -1], "<f4").tobytes())),
+    "+inf logprob": ("nonfinite", _with(logprobs=np.array([-0.1, np.inf], "<f4").tobytes())),
+    "inf beside NaN": ("nonfinite", _with(logprobs=np.array([np.nan, -np.inf], "<f4").tobytes())),
+    "huge beside NaN": ("nonfinite", _with(logprobs=np.array([np.nan, -1e30], "<f4").tobytes())),
     "NaN reward": ("nonfinite", _with({"reward": math.nan})),
     "inf reward part": ("nonfinite", _with({"reward_parts": {"a": math.inf}})),
 }
@@ -248,7 +271,7 @@ def test_encode_checks_what_the_receiver_would() -> None:
         meta=t.meta,
         prompt_ids=t.prompt_ids,
         response_ids=t.response_ids,
-        logprobs=np.array([np.nan, 0], "<f4"),
+        logprobs=np.array([np.inf, 0], "<f4"),
     )
     with pytest.raises(wire.WireError, match="nonfinite"):
         wire.encode_trajectories([bad])

@@ -10,7 +10,8 @@ message's trajectories in the header's order::
     frame 0   {"kind": "trajectories", "schema": 1, "trajectories": [meta, ...]}
     frame 1   prompt token ids     int32 little-endian, sum of prompt_len
     frame 2   response token ids   int32 little-endian, sum of response_len
-    frame 3   behaviour logprobs   float32 little-endian, sum of response_len
+    frame 3   behaviour logprobs   float32 little-endian, sum of response_len; NaN where
+                                   the engine reported none (the learner drops the token)
 
 (Three frames per message rather than per trajectory: ZeroMQ's cost is per frame.)
 

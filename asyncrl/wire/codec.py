@@ -4,8 +4,8 @@
 A decoder either returns well-formed objects or raises :class:`WireError` whose ``kind``
 says what was wrong (one of :data:`REJECT_KINDS`), so a service can count rejects by kind
 and keep running. Array frames are checked for length (dtype width times the lengths the
-header declares) and logprobs for finiteness; decoded arrays are read-only views of the
-frames, never copies.
+header declares) and logprobs for infinities (NaN is allowed: a logprob the engine did not
+report); decoded arrays are read-only views of the frames, never copies.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from asyncrl.wire.types import (
 #: Why a message was rejected. ``malformed``: not msgpack, or wrong frame structure;
 #: ``schema``: another schema version; ``invalid``: a field of the wrong type, range or
 #: consistency; ``length``: an array frame whose size does not match the lengths in the
-#: header, or version spans that do not cover the response; ``nonfinite``: NaN/inf in
-#: logprobs or rewards; ``oversize``: beyond the receiver's :class:`Limits`.
+#: header, or version spans that do not cover the response; ``nonfinite``: inf (or an
+#: absurd magnitude) in logprobs, NaN or inf in rewards (a NaN logprob is valid: not
+#: reported); ``oversize``: beyond the receiver's :class:`Limits`.
 REJECT_KINDS = ("malformed", "schema", "invalid", "length", "nonfinite", "oversize")
 
 #: A frame: bytes, a memoryview, a zmq.Frame or a numpy array (anything with the buffer
@@ -231,10 +232,7 @@ def _packed(
         n_prompt += m.prompt_len
         n_response += m.response_len
     logprobs = _array(frames[3], sizes[3], LOGPROB_DTYPE, n_response, "logprobs")
-    # A dot product is NaN or inf when any term is, at a third of isfinite().all()'s cost;
-    # it also refuses absurd magnitudes (above ~1e19, whose squares overflow float32).
-    if not math.isfinite(logprobs.dot(logprobs)):
-        raise WireError("nonfinite", _nonfinite_detail(metas, logprobs))
+    _check_logprobs(metas, logprobs)
     return Packed(
         metas=metas,
         prompt_ids=_array(frames[1], sizes[1], TOKEN_DTYPE, n_prompt, "prompt ids"),
@@ -279,16 +277,29 @@ def _array(frame: Frame, size: int, dtype: np.dtype, count: int, what: str) -> n
     return np.frombuffer(frame, dtype=dtype)
 
 
-def _nonfinite_detail(metas: list[TrajectoryMeta], logprobs: np.ndarray) -> str:
-    bad = np.flatnonzero(~np.isfinite(logprobs))
+def _check_logprobs(metas: list[TrajectoryMeta], logprobs: np.ndarray) -> None:
+    """Refuse infinite or absurdly large behaviour logprobs; NaN is allowed: it marks a
+    token whose logprob the engine did not report, which the learner drops and counts
+    (one token lost rather than the whole group)."""
+    # A dot product is NaN or inf when any term is, at a third of isfinite().all()'s cost;
+    # it also refuses absurd magnitudes (above ~1e19, whose squares overflow float32).
+    with np.errstate(over="ignore", invalid="ignore"):
+        if math.isfinite(logprobs.dot(logprobs)):
+            return
+        reported = logprobs[~np.isnan(logprobs)]  # the rare path: some NaN, or worse
+        if math.isfinite(reported.dot(reported)):
+            return
+    bad = np.flatnonzero(np.isinf(logprobs))
     if not len(bad):
-        return "behaviour logprobs too large in magnitude"
+        raise WireError("nonfinite", "behaviour logprobs too large in magnitude")
     r = 0
     for m in metas:
         if r <= bad[0] < r + m.response_len:
-            return f"task {m.task_id}: NaN or inf behaviour logprob at token {bad[0] - r}"
+            raise WireError(
+                "nonfinite", f"task {m.task_id}: infinite behaviour logprob at token {bad[0] - r}"
+            )
         r += m.response_len
-    return "NaN or inf behaviour logprobs"  # pragma: no cover - lengths were checked
+    raise WireError("nonfinite", "infinite behaviour logprobs")  # pragma: no cover
 
 
 def _classify(frame: Frame, err: msgspec.DecodeError) -> WireError:
