@@ -115,14 +115,24 @@ def full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, 
     A collective: every rank must call it, in the same order. Tied weights appear once
     (``named_parameters`` de-duplicates), as in the HF checkpoint, which vLLM's loader
     expects. ``dtype`` casts (e.g. to the rollout's bf16).
+
+    The tensors never share memory with the parameters: the learner keeps the last pushed
+    weights for catch-ups, which must not move with later optimizer steps. A gather or a
+    cast already makes a copy; only on one rank without a cast (the full tensor is then the
+    parameter's own memory) is one made here.
     """
     from torch.distributed.tensor import DTensor
 
     out = {}
     for name, p in model.named_parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
         t = p.full_tensor() if isinstance(p, DTensor) else p
         t = t.detach()
-        out[name] = t.to(dtype) if dtype is not None and t.dtype != dtype else t
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        elif t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            t = t.clone()
+        out[name] = t
     return out
 
 

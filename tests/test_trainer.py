@@ -187,6 +187,39 @@ def test_non_finite_loss_skips_the_update(tiny_model, single_rank, monkeypatch):
     assert any(not torch.equal(before[k], v) for k, v in trainer.full_state_for_push().items())
 
 
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_pushed_weights_are_a_copy_that_later_steps_leave_alone(tiny_model, single_rank):
+    """Reproduces defect 3 of the dependable-runs issue: on one rank in float32 (no cast,
+    no gather) the full weights were the live parameters themselves, so the weights the
+    learner keeps for catch-ups changed with every later step, and a catch-up sent newer
+    weights under an older version."""
+    from torch.distributed.tensor import DTensor
+
+    from learner.fsdp import full_state
+
+    trainer = Trainer(make_cfg(tiny_model))
+    pushed = trainer.full_state_for_push()
+    kept = {k: v.clone() for k, v in pushed.items()}
+    for name, p in trainer.model.named_parameters():
+        # Sharded (DTensor) or, after a forward without backward, the root's unsharded ones.
+        local = p.to_local() if isinstance(p, DTensor) else p
+        assert not _shares_storage(pushed[name], local), name
+    trainer.train_step(BATCHES[0], TEMPERATURE)
+    assert all(torch.equal(pushed[k], kept[k]) for k in kept)
+    now = trainer.full_state_for_push()
+    assert any(not torch.equal(now[k], kept[k]) for k in kept)  # the step did move them
+
+    # A module that is not sharded at all: its parameters are plain tensors.
+    plain = torch.nn.Linear(3, 2)
+    for cast in (None, torch.float32, torch.bfloat16):
+        for name, t in full_state(plain, cast).items():
+            p = dict(plain.named_parameters())[name]
+            assert not _shares_storage(t, p) and torch.equal(t, p.detach().to(t.dtype)), name
+
+
 # ----------------------------------------------------------------- against real vLLM
 class LoopThread:
     """An asyncio loop in a thread for the engine."""
