@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from learner.advantages import outcome_advantages
+
 
 @dataclass
 class Rollout:
@@ -73,6 +75,32 @@ def clean_rollouts(
         else:
             dropped[reason] += 1
     return kept, dropped
+
+
+def baseline_advantages(
+    rollouts: Sequence[Rollout],
+    kept: Sequence[Rollout],
+    estimator: str,
+    *,
+    norm_by_std: bool = True,
+) -> torch.Tensor:
+    """Outcome advantages ``[len(kept)]`` of the ``kept`` rollouts (a sub-list of
+    ``rollouts``, as :func:`clean_rollouts` returns it).
+
+    Each group's statistics are taken over every member of ``rollouts`` with a finite
+    reward, trainable or not: a member cleaned away (an empty or too long response) was
+    still sampled and scored, so it stays in its group's baseline (veRL scores every
+    sampled response). Computed over the survivors only, a group that lost a member would
+    give its lone survivor its raw score as advantage.
+    """
+    scored = [r for r in rollouts if math.isfinite(float(r.reward))]
+    if not kept:
+        return torch.zeros(0, dtype=torch.float32)
+    rewards = torch.tensor([float(r.reward) for r in scored], dtype=torch.float32)
+    adv = outcome_advantages(estimator, rewards, group_indices(scored), norm_by_std=norm_by_std)
+    # Kept rollouts are the same objects as in ``rollouts``: find their rows by identity.
+    row = {id(r): i for i, r in enumerate(scored)}
+    return adv[[row[id(r)] for r in kept]]
 
 
 def group_indices(rollouts: Sequence[Rollout]) -> torch.Tensor:

@@ -12,7 +12,8 @@ batches, hosts the coordinator and pushes weights):
   (a collective: every rank calls it).
 - :meth:`Trainer.save` / :meth:`Trainer.load` wrap :mod:`learner.checkpoint`.
 
-One step: clean the batch (bad rollouts counted and dropped); advantages over whole groups;
+One step: clean the batch (bad rollouts counted and dropped); advantages over whole groups
+(dropped members included: they were sampled and scored);
 proximal logprobs with the step's starting weights (no grad, logits / rollout temperature);
 then ``actor.ppo_epochs`` x mini-batches of ``actor.ppo_mini_batch_size`` groups, each one
 optimizer step accumulated over micro-batches. A mini-batch whose loss or gradient is not
@@ -32,11 +33,12 @@ import torch
 import torch.distributed as dist
 
 from learner import fsdp
-from learner.advantages import OUTCOME_ESTIMATORS, outcome_advantages
+from learner.advantages import OUTCOME_ESTIMATORS
 from learner.batching import (
     DROP_REASONS,
     MicroBatch,
     Rollout,
+    baseline_advantages,
     clean_rollouts,
     collate,
     group_indices,
@@ -154,17 +156,11 @@ class Trainer:
         return ok
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, rollouts: list[Rollout]) -> _Plan:
-        """Advantages and this rank's micro-batches of every mini-batch."""
+    def _plan(self, rollouts: list[Rollout], adv: torch.Tensor) -> _Plan:
+        """This rank's micro-batches of every mini-batch of the cleaned ``rollouts``, whose
+        advantages ``adv`` ``[N]`` come from :func:`~learner.batching.baseline_advantages`."""
         actor = self.cfg.actor
         gidx = group_indices(rollouts)
-        rewards = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
-        adv = outcome_advantages(
-            self.cfg.algorithm.adv_estimator,
-            rewards,
-            gidx,
-            norm_by_std=self.cfg.algorithm.norm_adv_by_std_in_grpo,
-        )
         lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
         budget = (
             {"max_tokens": actor.ppo_max_token_len_per_gpu}
@@ -206,9 +202,17 @@ class Trainer:
         if not kept:
             log.warning("step %d: no trainable rollout in a batch of %d", self.step, len(rollouts))
             return self._finish_step(metrics, start, updates=0, skipped=0)
-        plan = self._plan(kept)
+        # Group baselines over every scored member, trainable or not (see baseline_advantages).
+        alg = self.cfg.algorithm
+        adv = baseline_advantages(
+            rollouts, kept, alg.adv_estimator, norm_by_std=alg.norm_adv_by_std_in_grpo
+        )
+        plan = self._plan(kept, adv)
+        scored = [r for r in rollouts if math.isfinite(float(r.reward))]
         metrics["batch/zero_variance_groups"] = float(
-            zero_variance_groups(torch.tensor([float(r.reward) for r in kept]), group_indices(kept))
+            zero_variance_groups(
+                torch.tensor([float(r.reward) for r in scored]), group_indices(scored)
+            )
         )
         t0 = time.monotonic()
         # One optimizer step per batch: the proximal policy *is* the current one before the
@@ -320,7 +324,7 @@ class Trainer:
         out: list[torch.Tensor | None] = [None] * len(rollouts)
         if not kept:
             return out
-        plan = self._plan(kept)
+        plan = self._plan(kept, torch.zeros(len(kept)))  # advantages play no part here
         local = self._fixed_logprobs(self.model, plan, temperature)
         parts: list[dict[int, torch.Tensor]] = [local]
         if self.world_size > 1:

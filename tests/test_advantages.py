@@ -106,3 +106,36 @@ def test_outcome_rewards_sit_on_the_last_response_token():
         outcome_token_rewards(torch.tensor([1.0, 2.0, 3.0]), mask),
         [[0, 0, 1.0], [2.0, 0, 0], [0, 0, 0]],
     )
+
+
+# --------------------------------------------------------------- cleaned members
+def test_cleaned_members_still_count_in_their_group_baseline():
+    """A member the learner cannot train on (an empty response, too long) still has a
+    reward: it stays in its group's statistics, as in veRL where every sampled response is
+    scored; only members without a finite reward leave the baseline."""
+    from learner.batching import Rollout, baseline_advantages, clean_rollouts
+
+    nan = float("nan")
+    batch = [
+        Rollout([1, 2], [3], [-0.1], 1.0, "g0"),
+        Rollout([1, 2], [], [], 0.0, "g0"),  # empty response: cleaned away
+        Rollout([1, 2], [3], [-0.1], 1.0, "g1"),
+        Rollout([1, 2], [4], [-0.2], 0.0, "g1"),
+        Rollout([1], [5], [-0.3], 2.0, "g2"),
+        Rollout([1], [5], [-0.3], nan, "g2"),  # no reward: in no baseline
+        Rollout([1], [6], [-0.3], 0.0, "g2"),
+        Rollout([1], [7] * 20, [-0.3] * 20, 4.0, "g2"),  # too long: cleaned away
+    ]
+    kept, dropped = clean_rollouts(batch, max_len=8)
+    assert [batch.index(r) for r in kept] == [0, 2, 3, 4, 6]
+    assert dropped["empty_response"] == dropped["nonfinite_reward"] == dropped["too_long"] == 1
+    eps, s2 = 1e-6, 2**-0.5
+    # g0: scores 1, 0 -> mean 0.5, unbiased std sqrt(2 * 0.25) = 1/sqrt(2): +0.5 * sqrt(2).
+    # g1: the same two scores, both kept. g2: scores 2, 0, 4 -> mean 2, unbiased std 2.
+    grpo = baseline_advantages(batch, kept, "grpo")
+    close(grpo, [0.5 / (s2 + eps), 0.5 / (s2 + eps), -0.5 / (s2 + eps), 0.0, -2 / (2 + eps)])
+    close(baseline_advantages(batch, kept, "grpo", norm_by_std=False), [0.5, 0.5, -0.5, 0, -2])
+    close(baseline_advantages(batch, kept, "dr_grpo"), [0.5, 0.5, -0.5, 0.0, -2.0])
+    # RLOO: minus the mean of the others: g0 1 - 0; g2 2 - (0 + 4) / 2, 0 - (2 + 4) / 2.
+    close(baseline_advantages(batch, kept, "rloo"), [1.0, 1.0, -1.0, 0.0, -3.0])
+    assert baseline_advantages(batch, [], "grpo").shape == (0,)
