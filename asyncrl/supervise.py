@@ -37,6 +37,7 @@ from typing import Any, Protocol
 from asyncrl.supervise_procs import (
     adopted,
     become_subreaper,
+    find_tree,
     has_exited,
     kill_tree,
     reap_adopted,
@@ -44,6 +45,7 @@ from asyncrl.supervise_procs import (
     signal_group,
     spawn,
     start_watchdog,
+    tell_watchdog,
 )
 
 log = logging.getLogger("asyncrl.launch")
@@ -111,6 +113,7 @@ class Role:
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
     restart_at: float | None = None  # a restart is due at this monotonic time
     done: bool = False  # exited 0: not restarted
+    known: dict[int, int] = field(default_factory=dict)  # descendants seen: pid -> start
 
     def command(self) -> list[str]:
         return self.cmd + (self.restart_args if self.attempt > 0 else [])
@@ -169,6 +172,9 @@ class Supervisor:
         with open(role.log_path, "a") as f:  # a restarted role appends to the same log
             f.write(f"---- {role.name} start {role.attempt} at {time.ctime()}: {shlex.join(cmd)}\n")
         role.proc = spawn(cmd, role.env, role.log_path, role.cpus, marker)
+        role.known = {}
+        if self._watchdog_fd is not None:
+            tell_watchdog(self._watchdog_fd, f"+{role.proc.pid}")
         log.info("started %s (pid %d)", role.name, role.proc.pid)
         self._event(role.name, "start", pid=role.proc.pid, attempt=role.attempt)
         self._write_pids()
@@ -186,12 +192,29 @@ class Supervisor:
         role's exit code) or a signal (KeyboardInterrupt, for the caller to handle)."""
         while True:
             view.update()
+            self._track()
             for role in self.roles:
                 code = self._look_at(role)
                 if code is not None and (result := self._end(role, code, view)) is not None:
                     return result
-            self._reap_orphans()
             time.sleep(POLL_S)
+
+    def _track(self) -> None:
+        """Note every running role's descendants (a process that leaves the role's session
+        and renames itself can be found by nothing else once its parent is gone) and reap
+        orphans re-parented to the launcher that have exited."""
+        procs = scan()
+        for role in self.roles:
+            if role.proc is None:
+                continue
+            role.known = {pid: start for pid, start in role.known.items()
+                          if pid in procs and procs[pid].start == start}  # fmt: skip
+            for pid in find_tree(procs, [role.proc.pid]) - role.known.keys():
+                role.known[pid] = procs[pid].start
+                if self._watchdog_fd is not None:
+                    tell_watchdog(self._watchdog_fd, f"={pid} {procs[pid].start}")
+        if (keep := self._reap_keep()) is not None:
+            reap_adopted(procs, keep)
 
     def _look_at(self, role: Role) -> int | None:
         """Starts a restart that is due; returns the exit code of a role that just exited
@@ -285,14 +308,27 @@ class Supervisor:
         and return its exit code. Call it before the role is reaped: its zombie keeps its
         pid, the id of its session and group, from being reused meanwhile."""
         marker = f"{self.launch_id} {role.name} {role.attempt}"
-        killed = kill_tree(role.proc.pid, marker.__eq__, reap_keep=self._reap_keep())
+        pid = role.proc.pid
+        keep = self._reap_keep()
+        killed = kill_tree([pid], marker.__eq__, role.known, self._orphans_of(role, keep), keep)
         code = role.proc.wait()
-        killed.discard(role.proc.pid)
+        killed.discard(pid)
+        if self._watchdog_fd is not None:
+            tell_watchdog(self._watchdog_fd, f"-{pid}")
         if killed:
             log.info("%s: killed %d processes left of its tree", role.name, len(killed))
         role.proc = None
         self._write_pids()
         return code
+
+    def _orphans_of(self, role: Role, keep: set[int] | None) -> set[int]:
+        """Orphans re-parented to the launcher (a subreaper) that no other running role is
+        known to own: what ``role`` started and left without a trace, such as a child in a
+        session of its own that it started just before it died."""
+        if keep is None:
+            return set()
+        others = {pid for r in self._running() if r is not role for pid in r.known}
+        return adopted(scan(), keep) - others
 
     def _reap_keep(self) -> set[int] | None:
         """As a subreaper, the children that are not orphans (roles and the watchdog, which
@@ -302,11 +338,6 @@ class Supervisor:
         keep = {r.proc.pid for r in self.roles if r.proc is not None}
         return keep | ({self.watchdog.pid} if self.watchdog is not None else set())
 
-    def _reap_orphans(self) -> None:
-        """Reap orphans re-parented to the launcher that have exited."""
-        if (keep := self._reap_keep()) is not None:
-            reap_adopted(scan(), keep)
-
     def sweep(self) -> None:
         """Kill and reap every process of the run but the roles' own (call it once they are
         reaped): anything that carries the run's marker, and (as a subreaper) orphans
@@ -314,7 +345,8 @@ class Supervisor:
         prefix = f"{self.launch_id} "
         keep = self._reap_keep()
         orphans = adopted(scan(), keep) if keep is not None else set()
-        killed = kill_tree(None, lambda m: m.startswith(prefix), orphans, reap_keep=keep)
+        known = {pid: start for role in self.roles for pid, start in role.known.items()}
+        killed = kill_tree([], lambda m: m.startswith(prefix), known, orphans, reap_keep=keep)
         if killed:
             log.info("killed %d leftover processes of the run", len(killed))
 

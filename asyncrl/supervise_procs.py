@@ -5,11 +5,18 @@ clears the run's processes when the launcher itself is killed.
 How a role's tree is found. Every role starts in a session of its own (its pid is its
 session and process group id) and with an environment marker, ``ASYNCRL_LAUNCH="<launch
 id> <role> <attempt>"``, that every descendant inherits. Its tree is every process in its
-session or process group, every process that carries its marker, and every descendant of
-those. vLLM's engine core and workers stay in the rollout server's session (multiprocessing
-spawns them without a new session), but they outlive a server killed with SIGKILL: nothing
-in vLLM watches the server process. torchrun starts the learner's ranks in sessions of
-their own; the marker still finds them after torchrun is gone and they were re-parented.
+session or process group, every process that carries its marker, every descendant the
+supervisor saw while the role ran (pid and start time), and every descendant of those.
+Each of these alone misses something:
+
+- vLLM's engine core (and its workers, with tensor parallelism) stays in the rollout
+  server's session: multiprocessing spawns it without a new one. It outlives a server
+  killed with SIGKILL (nothing in vLLM watches the server process), but its session finds
+  it. Its marker does not: it renames itself (``VLLM::EngineCore``, setproctitle), which
+  overwrites what ``/proc/<pid>/environ`` shows.
+- torchrun starts the learner's ranks in sessions of their own (``start_new_session``);
+  their marker finds them after torchrun is gone and they were re-parented.
+- A process that does both is known from the supervisor's earlier looks at the tree.
 
 The launcher is a child subreaper (``PR_SET_CHILD_SUBREAPER``): orphans of a dead role are
 re-parented to it rather than to init, and it reaps them. Each role gets
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -89,16 +97,21 @@ def marker_of(pid: int) -> str | None:
 
 def find_tree(
     procs: dict[int, Proc],
-    root: int | None,
+    roots: Iterable[int] = (),
     match: Callable[[str], bool] | None = None,
+    known: dict[int, int] | None = None,
     extra: Iterable[int] = (),
 ) -> set[int]:
-    """Live (not zombie) processes of one tree: ``root``'s session and process group, the
-    processes whose marker ``match`` accepts, ``extra``, and every descendant of these.
-    Never this process."""
-    seeds = {p.pid for p in procs.values() if root is not None and root in (p.sid, p.pgid)}
+    """Live (not zombie) processes of one tree: the sessions and process groups of
+    ``roots``, the processes whose marker ``match`` accepts, the ``known`` ones (pid: start
+    time, so a reused pid is not mistaken for one), ``extra``, and every descendant of
+    these. Never this process."""
+    roots = set(roots)
+    seeds = {p.pid for p in procs.values() if p.sid in roots or p.pgid in roots}
     if match is not None:
         seeds |= {pid for pid in procs if (m := marker_of(pid)) is not None and match(m)}
+    seeds |= {pid for pid, start in (known or {}).items() if pid in procs
+              and procs[pid].start == start}  # fmt: skip
     seeds |= {pid for pid in extra if pid in procs}
     children: dict[int, list[int]] = defaultdict(list)
     for p in procs.values():
@@ -112,6 +125,22 @@ def find_tree(
             stack.extend(children[pid])
     tree.discard(os.getpid())
     return {pid for pid in tree if procs[pid].state not in ("Z", "X")}
+
+
+def processes_of_run(run_dir: Path) -> list[int]:
+    """Live processes of the latest launch in ``run_dir`` (from ``launch.jsonl``): the
+    sessions of every role it started and whatever carries its marker. What a test checks
+    is empty once the launcher is gone."""
+    launch_id, roots = None, set()
+    for line in (Path(run_dir) / "launch.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "launch":
+            launch_id, roots = event["launch_id"], set()
+        elif event["event"] == "start":
+            roots.add(event["pid"])
+    prefix = f"{launch_id} "
+    match = (lambda m: m.startswith(prefix)) if launch_id is not None else None
+    return sorted(find_tree(scan(), roots, match))
 
 
 def adopted(procs: dict[int, Proc], keep: set[int]) -> set[int]:
@@ -129,8 +158,9 @@ def reap_adopted(procs: dict[int, Proc], keep: set[int]) -> None:
 
 
 def kill_tree(
-    root: int | None,
-    match: Callable[[str], bool] | None,
+    roots: Iterable[int] = (),
+    match: Callable[[str], bool] | None = None,
+    known: dict[int, int] | None = None,
     extra: Iterable[int] = (),
     reap_keep: set[int] | None = None,
     timeout_s: float = 10.0,
@@ -140,14 +170,14 @@ def kill_tree(
     a subreaper) it also reaps the orphans re-parented to this process, all but those pids
     (children that ``Popen`` reaps). Returns the pids it killed; logs what survived
     ``timeout_s`` (a process stuck in the kernel)."""
-    extra = set(extra)
+    roots, extra = set(roots), set(extra)
     killed: set[int] = set()
     deadline = time.monotonic() + timeout_s
     while True:
         procs = scan()
         if reap_keep is not None:
             reap_adopted(procs, reap_keep)
-        alive = find_tree(procs, root, match, extra)
+        alive = find_tree(procs, roots, match, known, extra)
         if not alive:
             return killed
         if time.monotonic() > deadline:
@@ -227,8 +257,8 @@ def spawn(cmd: list[str], env: dict[str, str], log_path: Path, cpus: list[int] |
 
 def start_watchdog(prefix: str, grace_s: float) -> tuple[subprocess.Popen, int]:
     """Start the watchdog of a run whose markers start with ``prefix``. Returns it and the
-    write end of its pipe: the watchdog acts once every copy of that end is closed (this
-    process exited, however it ended)."""
+    write end of its pipe, on which :func:`tell_watchdog` announces the roles; the watchdog
+    acts once every copy of that end is closed (this process exited, however it ended)."""
     read_end, write_end = os.pipe()  # not inherited by roles (PEP 446)
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.supervise_procs", prefix, str(grace_s)],
@@ -239,22 +269,39 @@ def start_watchdog(prefix: str, grace_s: float) -> tuple[subprocess.Popen, int]:
     return proc, write_end
 
 
+def tell_watchdog(fd: int, message: str) -> None:
+    """Tell the watchdog ``+PID`` (a role started: its session is the run's), ``-PID`` (a
+    role was reaped: its pid may be reused) or ``=PID START`` (a descendant of a role)."""
+    with contextlib.suppress(OSError):  # a watchdog that is gone cannot be told
+        os.write(fd, f"{message}\n".encode())
+
+
 def watchdog(prefix: str, grace_s: float) -> None:
-    """Consumes nothing but its stdin; waits until the launcher is gone (EOF: it exited or
-    was killed). Then gives the run's processes ``grace_s`` to stop on their own (roles got
-    SIGTERM when the launcher died) and SIGKILLs what is left. After a normal exit of the
-    launcher nothing is left and it returns at once."""
+    """Consumes the launcher's announcements of roles on stdin; waits for its end (EOF:
+    the launcher exited or was killed). Then gives the run's processes ``grace_s`` to stop
+    on their own (roles got SIGTERM when the launcher died) and SIGKILLs what is left: the
+    sessions of the roles still announced, the descendants announced and whatever carries
+    the run's marker. After a
+    normal exit of the launcher nothing is left and it returns at once."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    while sys.stdin.buffer.read(4096):
-        pass
+    roots: set[int] = set()
+    known: dict[int, int] = {}
+    for line in sys.stdin:
+        kind, *numbers = line[0], *map(int, line[1:].split())
+        if kind == "+":
+            roots.add(numbers[0])
+        elif kind == "-":
+            roots.discard(numbers[0])
+        else:
+            known[numbers[0]] = numbers[1]
 
     def match(m: str) -> bool:
         return m.startswith(prefix)
 
     deadline = time.monotonic() + grace_s
-    while find_tree(scan(), None, match) and time.monotonic() < deadline:
+    while find_tree(scan(), roots, match, known) and time.monotonic() < deadline:
         time.sleep(0.2)
-    killed = kill_tree(None, match)
+    killed = kill_tree(roots, match, known)
     if killed:
         sys.stderr.write(f"launch watchdog: killed {len(killed)} processes left by the run\n")
 

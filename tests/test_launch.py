@@ -28,7 +28,7 @@ from asyncrl.progress import (
 )
 from asyncrl.standins.learner import free_port
 from asyncrl.supervise import RestartPolicy, Role, Supervisor, exit_status, restart_delay
-from asyncrl.supervise_procs import has_exited, marker_of, scan, signal_group
+from asyncrl.supervise_procs import has_exited, processes_of_run, signal_group
 
 
 def _alive(pid: int) -> bool:
@@ -67,7 +67,7 @@ def test_sigterm_stops_every_role_it_started(tmp_path):
         assert not [name for name, p in pids.items() if _alive(p)]
         run = json.loads((tmp_path / "asyncrl" / "cpu_demo" / "pids.json").read_text())
         assert run["roles"] == {name: None for name in pids}  # each reaped
-        assert not _run_processes(run["launch_id"])  # nor anything they started
+        assert not processes_of_run(tmp_path / "asyncrl" / "cpu_demo")  # nor what they started
         assert bystander.poll() is None  # nothing it did not start
     finally:
         bystander.kill()
@@ -170,8 +170,10 @@ def test_restarts_in_the_live_line_and_the_summary(tmp_path):
 
 # ---------------------------------------------------------------- real process trees
 
-# A stand-in role: it starts a child in its own session and a child in a new session (which
-# starts a child of its own), records the pids of the four, then follows its plan for this
+# A stand-in role: it starts a child in its own session, a child in a new session (which
+# starts a child of its own) and a child in a new session without the run's marker in its
+# environment (as vLLM's renamed engine core shows it), records the pids of the five, then
+# follows its plan for this
 # attempt ("run": sleep; "exit:N": exit N; "kill": SIGKILL itself; "wait:NAME": exit 0 once
 # the file NAME exists). Plans are comma-separated, one per attempt, the last one repeated;
 # arguments after the plan (a restarted role's extra arguments) are recorded too, and so are
@@ -199,7 +201,8 @@ spawner = "import subprocess, sys, time; c = subprocess.Popen(sys.argv[1:]); pri
 escaped = subprocess.Popen([sys.executable, "-c", spawner, *sleeper], start_new_session=True,
                            stdout=subprocess.PIPE, text=True)
 nested = int(escaped.stdout.readline())
-record = {"role": os.getpid(), "tree": [same.pid, escaped.pid, nested], "extra": extra,
+hidden = subprocess.Popen(sleeper, start_new_session=True, env={})  # no session, no marker
+record = {"role": os.getpid(), "tree": [same.pid, escaped.pid, nested, hidden.pid], "extra": extra,
           "left_over": left_over}
 (state / f"{name}.{attempt}.json").write_text(json.dumps(record))
 plan = plans[min(attempt, len(plans)) - 1]
@@ -251,13 +254,6 @@ def _tree(state: Path, name: str, attempt: int) -> dict:
     return json.loads(path.read_text())
 
 
-def _run_processes(launch_id: str) -> list[int]:
-    """Live processes that carry the run's marker."""
-    procs = scan()
-    return [pid for pid in procs if procs[pid].state != "Z"
-            and (marker_of(pid) or "").startswith(f"{launch_id} ")]  # fmt: skip
-
-
 @pytest.fixture
 def toy(tmp_path) -> Path:
     path = tmp_path / "toy_role.py"
@@ -274,6 +270,7 @@ def test_a_role_killed_with_sigkill_takes_its_whole_tree_and_runs_again(tmp_path
     sup.start(role)
     first = _tree(tmp_path, "rollout-0", 1)
     assert first["role"] == role.proc.pid and all(_alive(p) for p in first["tree"])
+    sup._track()  # the supervisor's look at its roles' trees, once per second in a run
     os.kill(role.proc.pid, signal.SIGKILL)
     _wait_for(lambda: has_exited(role.proc.pid), "the role to die")
     assert all(_alive(p) for p in first["tree"])  # killing the role alone leaves its tree
@@ -284,11 +281,12 @@ def test_a_role_killed_with_sigkill_takes_its_whole_tree_and_runs_again(tmp_path
     second = _tree(tmp_path, "rollout-0", 2)
     assert second["role"] == role.proc.pid != first["role"] and _alive(role.proc.pid)
     assert json.loads((tmp_path / "pids.json").read_text())["roles"] == {"rollout-0": role.proc.pid}
+    sup._track()
     signal_group(role.proc.pid, signal.SIGTERM)
     _wait_for(lambda: has_exited(role.proc.pid), "the role to stop")
     assert sup.reap(role) == -signal.SIGTERM
     assert not [p for p in [second["role"], *second["tree"]] if _alive(p)]
-    assert not _run_processes(sup.launch_id)
+    assert not processes_of_run(tmp_path)
 
 
 @pytest.fixture
@@ -349,12 +347,11 @@ def test_the_supervisor_restarts_dead_roles_and_finishes_with_the_learner(tmp_pa
                 if e["event"] == "restart"]  # fmt: skip
     assert sorted(restarts) == [("learner", 7, 1), ("rollout-0", 137, 1)]
     assert read_restarts(tmp_path) == {"buffer": 0, "rollout-0": 1, "rollout-1": 0, "learner": 1}
-    launch_id = events[0]["launch_id"]
     every = [p for n in ("buffer", "rollout-0", "rollout-1", "learner") for a in (1, 2)
              if (tmp_path / f"{n}.{a}.json").exists()
              for p in [_tree(tmp_path, n, a)["role"], *_tree(tmp_path, n, a)["tree"]]]  # fmt: skip
-    assert len(every) == 4 * 6 and not [p for p in every if _alive(p)]
-    assert not _run_processes(launch_id)
+    assert len(every) == 6 * 5 and not [p for p in every if _alive(p)]
+    assert not processes_of_run(tmp_path)
 
 
 @pytest.mark.timeout(60)
@@ -374,7 +371,7 @@ def test_a_role_out_of_restarts_fails_the_run_with_its_code_and_log(tmp_path, dr
     assert [e["event"] for e in events if e["role"] == "buffer"] == [
         "start", "restart", "start", "restart", "start", "gave_up"
     ]  # fmt: skip
-    assert not _run_processes(events[0]["launch_id"])
+    assert not processes_of_run(tmp_path)
     assert not _alive(_tree(tmp_path, "learner", 1)["role"])
 
 
@@ -388,10 +385,12 @@ def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path, drive):
     }
     proc = drive(spec)
     trees = [_tree(tmp_path, name, 1) for name in ("buffer", "learner")]
-    launch_id = json.loads((tmp_path / "pids.json").read_text())["launch_id"]
-    assert len(_run_processes(launch_id)) == 2 * 4
+    assert len(processes_of_run(tmp_path)) == 2 * 5
+    time.sleep(0.5)  # the supervisor has looked at the trees (every 0.1 s here) meanwhile
     proc.kill()
     proc.wait(10)
     roles = [t["role"] for t in trees]
     _wait_for(lambda: not [p for p in roles if _alive(p)], "the roles to stop", 5)
-    _wait_for(lambda: not _run_processes(launch_id), "the watchdog", 15)
+    _wait_for(lambda: not processes_of_run(tmp_path), "the watchdog", 15)
+    hidden = [t["tree"][-1] for t in trees]  # the watchdog was told of them
+    _wait_for(lambda: not [p for p in hidden if _alive(p)], "the hidden children", 5)
