@@ -1,9 +1,14 @@
 """``asyncrl-rollout CONFIG [overrides] [--server-id ID]``: one vLLM rollout server.
 
 The config is parsed and validated before vLLM is imported, so ``--help`` is instant and a
-bad config fails at once. Exits 0 when the coordinator ends the run (or on SIGTERM, after
-leaving cleanly), 3 when the coordinator cannot be reached within
-``launch.start_timeout_s``.
+bad config fails at once. Exits 0 when the coordinator ends the run, 3 when the coordinator
+cannot be reached within ``launch.start_timeout_s``.
+
+SIGTERM (or Ctrl-C) is how a server leaves for good (scale-down): it stops taking tasks,
+tells the coordinator it leaves (its unacknowledged tasks are dealt to other servers at
+once), shuts its engine down and exits 0, so ``asyncrl-launch`` does not restart it. Before
+the engine is up there is nothing to leave: it stops the engine processes started so far
+and exits 0 at once.
 """
 
 from __future__ import annotations
@@ -40,7 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     server_id = args.server_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
     if cfg.trainer.device == "cpu":  # vLLM on CPU claims most of RAM unless told otherwise
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.rollout.cpu_kvcache_space_gb))
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until serve() installs its own
+        signal.signal(sig, _stop_while_starting)
     return asyncio.run(serve(cfg, server_id))
+
+
+def _stop_while_starting(signum: int, frame: object) -> None:
+    """SIGTERM/SIGINT while the engine starts (before serve() installs its own handler):
+    nothing to leave yet. The engine start is a blocking call, so stop the engine processes
+    started so far and exit 0 right here."""
+    import multiprocessing
+
+    log.info("stopped by signal %d while starting: exiting", signum)
+    for child in multiprocessing.active_children():  # vLLM's engine core
+        child.kill()
+    logging.shutdown()
+    os._exit(0)
 
 
 async def serve(cfg, server_id: str) -> int:

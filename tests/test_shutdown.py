@@ -1,10 +1,15 @@
 """Ending a run: every role (the buffer service process, stand-in rollout processes) exits 0
 within a few seconds of the coordinator's shutdown, whoever asks for it; a stand-in whose
-coordinator vanished gives up with its own exit code instead of hanging."""
+coordinator vanished gives up with its own exit code instead of hanging; a real rollout
+server stopped while its engine starts exits 0 and leaves no engine process behind."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,6 +19,7 @@ from asyncrl.control import CoordinatorClient
 from asyncrl.standins import rollout
 from asyncrl.standins.learner import StandInLearner, loopback_config, spawn_buffer
 from asyncrl.standins.rollout import read_journal
+from asyncrl.supervise_procs import scan
 from asyncrl.tasks import make_row
 from asyncrl.transport import BufferClient, config_endpoint
 from buffer.service import BufferService
@@ -155,3 +161,44 @@ def test_a_server_whose_coordinator_vanished_gives_up(tmp_path, procs):
         start = time.monotonic()
         assert proc.wait(15) == 3
         assert time.monotonic() - start < 2 + 4
+
+
+def _session(sid: int) -> list[int]:
+    """Live processes of the session ``sid``."""
+    procs = scan()
+    return [pid for pid, p in procs.items() if p.sid == sid and p.state != "Z"]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
+
+
+@pytest.mark.timeout(180)
+def test_a_rollout_server_stopped_while_starting_exits_0_and_takes_its_engine(tmp_path, tiny_model):
+    """SIGTERM while vLLM starts (a blocking call, before the server can leave): the real
+    server kills the engine processes started so far and exits 0, so a supervisor does not
+    restart it and nothing of it is left."""
+    _, config = loopback_config(tmp_path, [*BASE, f"model.path={tiny_model}"])
+    log = open(tmp_path / "s0.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollout_servers.main", str(config), "--server-id", "s0"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        # vLLM's engine core process (spawned by multiprocessing) is starting.
+        _wait(lambda: proc.poll() is not None or any(
+            b"spawn_main" in _cmdline(pid)
+            for pid in _session(proc.pid) if pid != proc.pid
+        ), "the engine core to start", 120)  # fmt: skip
+        assert proc.poll() is None, (tmp_path / "s0.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(EXIT_WITHIN_S) == 0, (tmp_path / "s0.log").read_text()[-3000:]
+        _wait(lambda: not _session(proc.pid), "the engine processes to go", EXIT_WITHIN_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
