@@ -176,7 +176,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(600)  # building the tiny model, when no test before needed it
 def test_a_rollout_server_stopped_while_starting_exits_0_and_takes_its_engine(tmp_path, tiny_model):
     """SIGTERM while vLLM starts (a blocking call, before the server can leave): the real
     server kills the engine processes started so far and exits 0, so a supervisor does not
