@@ -12,7 +12,8 @@ and workers in child processes). Two things make it more than a thin wrapper:
   under the new weights: the behaviour logprobs of later tokens are exactly the new
   policy's), loads the weights and resumes them; ``abort`` aborts them and
   :meth:`RolloutEngine.generate` re-submits each with its generated prefix appended to the
-  prompt, stitching the pieces into one response.
+  prompt and a seed of its own (:func:`piece_params`), stitching the pieces into one
+  response.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import asyncio
 import logging
 import math
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -137,13 +139,12 @@ class RolloutEngine:
         while True:
             await self._resumed.wait()
             aborts_before, version_before = self._aborts, self.version
-            piece_params = params.clone()
-            piece_params.max_tokens = max_tokens - len(sample.token_ids)
+            piece = piece_params(params, sample.resubmissions, max_tokens - len(sample.token_ids))
             self._serial += 1
             rid = f"{request_id}#{sample.resubmissions}" if sample.resubmissions else request_id
             final = None
             prompt = {"prompt_token_ids": prompt_ids + sample.token_ids}
-            async for out in self.llm.generate(prompt, piece_params, request_id=rid):
+            async for out in self.llm.generate(prompt, piece, request_id=rid):
                 final = out
             done = final.outputs[0]
             ids = list(done.token_ids)
@@ -192,6 +193,23 @@ class RolloutEngine:
             self.metrics["rollout/sync_pause_s"] += paused
         log.info("weights of version %d loaded in %.3fs (%s mode)", version, paused, self.sync_mode)
         return {"seconds": paused, **(stats[0] if stats else {})}
+
+
+def piece_params(params: Any, piece: int, max_tokens: int) -> Any:
+    """``SamplingParams`` of piece ``piece`` (0 = the first submission) of a request that a
+    sync in ``abort`` mode interrupted, allowed ``max_tokens`` more tokens.
+
+    vLLM seeds a fresh generator per request: a re-submitted piece with the request's seed
+    would replay the random draws of the first piece (with vLLM's exponential-race sampler,
+    token ``k + j`` tied to token ``j``), and the behaviour logprobs would no longer describe
+    how the tokens were drawn. Later pieces get their own seed, derived from the request's
+    seed and the piece number, so a seeded run stays reproducible; piece 0 keeps the seed.
+    """
+    out = params.clone()
+    out.max_tokens = max_tokens
+    if piece and params.seed is not None:
+        out.seed = zlib.crc32(f"{params.seed}#{piece}".encode()) & 0x7FFFFFFF
+    return out
 
 
 def _sampled_logprob(position: dict, token: int) -> float:

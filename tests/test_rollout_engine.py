@@ -171,3 +171,76 @@ def test_request_spanning_a_push_carries_both_versions(rig, mode):
         assert gaps[old] < 1e-4 and gaps[new] < 1e-4, gaps
     if mode == "abort":
         assert all(s.resubmissions == 1 for s in samples)
+
+
+def test_resubmitted_pieces_draw_fresh_deterministic_seeds():
+    """vLLM seeds a fresh generator per request: a piece re-submitted with the request's
+    seed would replay the first piece's random draws, so its tokens would not be sampled
+    the way their behaviour logprobs say. Each piece gets its own seed, derived from the
+    request's seed and the piece number (reproducible runs stay reproducible)."""
+    from vllm import SamplingParams
+
+    from rollout_servers.engine import piece_params
+
+    params = SamplingParams(temperature=TEMPERATURE, max_tokens=480, logprobs=0, seed=123)
+    pieces = [piece_params(params, piece, 480 - 10 * piece) for piece in range(4)]
+    assert pieces[0].seed == 123  # an uninterrupted request samples as it always did
+    assert len({p.seed for p in pieces}) == 4
+    assert [p.seed for p in pieces] == [piece_params(params, k, 1).seed for k in range(4)]
+    assert all(0 <= p.seed < 2**31 for p in pieces)
+    assert [p.max_tokens for p in pieces] == [480, 470, 460, 450]
+    assert all(p.temperature == TEMPERATURE and p.logprobs == 0 for p in pieces)
+    assert params.seed == 123 and params.max_tokens == 480  # the caller's are left alone
+    # Other requests' pieces differ too; unseeded requests stay unseeded.
+    other = SamplingParams(temperature=TEMPERATURE, max_tokens=480, logprobs=0, seed=124)
+    assert piece_params(other, 1, 470).seed not in {p.seed for p in pieces}
+    unseeded = SamplingParams(temperature=TEMPERATURE, max_tokens=480, logprobs=0)
+    assert piece_params(unseeded, 2, 460).seed is None
+
+
+def test_abort_resubmission_samples_with_the_piece_seed(rig):
+    """On the real engine: the piece re-submitted after an abort-mode push is exactly what a
+    fresh request for the prompt plus the first piece's tokens, under the new weights, gives
+    with the piece's derived seed, and not what the request's own seed gives (that stream
+    already drew the first piece's tokens)."""
+    from rollout_servers.engine import piece_params
+
+    loop, engine, learner, models, path = rig
+    engine.sync_mode = "abort"
+    old = engine.version
+    new = old + 1
+    models[new] = _perturbed(path, seed=10 + new)
+    seeds = (1000, 1001, 1002, 1003)
+
+    async def spanning():
+        tasks = [
+            asyncio.ensure_future(
+                engine.generate(PROMPT, _params(480, s, ignore_eos=True), f"piece-{s}")
+            )
+            for s in seeds
+        ]
+        await asyncio.sleep(0.5)  # long requests: each is mid-way when the push comes
+        return tasks
+
+    tasks = loop.run(spanning())
+    assert not any(t.done() for t in tasks), "requests finished before the push; lengthen them"
+    learner.push(loop, engine, models[new], version=new)
+
+    async def finish():
+        return await asyncio.gather(*tasks)
+
+    samples = loop.run(finish())
+
+    async def replay(seed, prefix, derived):
+        params = _params(480 - len(prefix), seed, ignore_eos=True)
+        if derived:
+            params = piece_params(params, 1, 480 - len(prefix))
+        return await engine.generate(PROMPT + prefix, params, f"replay-{seed}-{derived}")
+
+    for seed, s in zip(seeds, samples, strict=True):
+        assert s.resubmissions == 1 and s.version_spans[-1][0] == new, s.version_spans
+        first = s.version_spans[0][1] if s.version_spans[0][0] == old else 0
+        prefix, second = s.token_ids[:first], s.token_ids[first:]
+        # The whole second piece: one replayed stream shows wherever the model is unsure.
+        assert loop.run(replay(seed, prefix, derived=True)).token_ids == second
+        assert loop.run(replay(seed, prefix, derived=False)).token_ids != second
