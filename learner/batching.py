@@ -28,8 +28,10 @@ from learner.advantages import outcome_advantages
 class Rollout:
     """One sampled response, as the learner trains on it.
 
-    ``behaviour_logprobs[i]`` is vLLM's logprob of ``response_ids[i]`` after temperature;
-    ``version_spans`` lists ``(policy_version, n_tokens)`` runs over the response.
+    ``behaviour_logprobs[i]`` is vLLM's logprob of ``response_ids[i]`` after temperature
+    (NaN: not reported; the loss drops the token); ``version_spans`` lists
+    ``(policy_version, n_tokens)`` runs over the response. ``temperature`` is the one the
+    response was sampled at; None means the run's configured one (see :func:`collate`).
     """
 
     prompt_ids: Sequence[int]
@@ -38,6 +40,7 @@ class Rollout:
     reward: float
     group_id: Hashable
     version_spans: Sequence[tuple[int, int]] = ()
+    temperature: float | None = None
 
     @property
     def oldest_version(self) -> int | None:
@@ -201,7 +204,8 @@ def plan_minibatch(
 class MicroBatch:
     """Model inputs and per-token targets of a few sequences (see the module docstring).
 
-    ``seq_ids`` ``[B]`` are the sequences' indices in the cleaned batch; ``advantages`` is
+    ``seq_ids`` ``[B]`` are the sequences' indices in the cleaned batch; ``advantages`` and
+    ``temperature`` (each row's sampling temperature, which its logits are divided by) are
     ``[B]``; ``targets``/``behaviour``/``mask``/``gather_index`` are ``[B, T]``. A dummy
     micro-batch (``B == 1``, mask all False) keeps ranks in step when one has no data.
     """
@@ -214,6 +218,7 @@ class MicroBatch:
     mask: torch.Tensor
     behaviour: torch.Tensor
     advantages: torch.Tensor
+    temperature: torch.Tensor
     seq_ids: list[int] = field(default_factory=list)
     n_tokens: int = 0  # real (non-padding) tokens fed to the model
 
@@ -231,9 +236,11 @@ def collate(
     *,
     packed: bool = True,
     pad_id: int = 0,
+    temperature: float = 1.0,
 ) -> MicroBatch:
     """Build the :class:`MicroBatch` of ``rollouts[i] for i in seq_ids`` (``advantages``
-    ``[N]`` is indexed the same way). Empty ``seq_ids`` gives the dummy micro-batch."""
+    ``[N]`` is indexed the same way). Empty ``seq_ids`` gives the dummy micro-batch.
+    ``temperature`` stands in for rollouts that do not say what they were sampled at."""
     if not seq_ids:
         return _dummy(pad_id)
     seqs = [rollouts[i] for i in seq_ids]
@@ -266,9 +273,11 @@ def collate(
             input_ids[b, : len(ids)] = torch.as_tensor(ids)
             attention_mask[b, : len(ids)] = 1
         position_ids = None
+    temps = [temperature if r.temperature is None else float(r.temperature) for r in seqs]
     return MicroBatch(
         input_ids, position_ids, attention_mask, gather, targets, mask, behaviour,
-        advantages[list(seq_ids)].to(torch.float32), list(seq_ids), offset,
+        advantages[list(seq_ids)].to(torch.float32), torch.tensor(temps, dtype=torch.float32),
+        list(seq_ids), offset,
     )  # fmt: skip
 
 
@@ -282,6 +291,7 @@ def _dummy(pad_id: int) -> MicroBatch:
         mask=torch.zeros(1, 1, dtype=torch.bool),
         behaviour=torch.zeros(1, 1),
         advantages=torch.zeros(1),
+        temperature=torch.ones(1),
     )
 
 

@@ -28,7 +28,9 @@ WAIT_LOG_S = 30.0  # how often a long wait for a batch is reported
 
 
 def to_rollouts(batch: Any) -> list[Rollout]:
-    """Wire trajectories of a buffer batch -> the trainer's rollouts (grouped by task id)."""
+    """Wire trajectories of a buffer batch -> the trainer's rollouts (grouped by task id),
+    each with the temperature it was sampled at when its server said (NaN behaviour
+    logprobs, positions vLLM did not report, stay NaN: the loss drops and counts them)."""
     return [
         Rollout(
             prompt_ids=t.prompt_ids.tolist(),
@@ -37,6 +39,7 @@ def to_rollouts(batch: Any) -> list[Rollout]:
             reward=t.meta.reward,
             group_id=t.meta.task_id,
             version_spans=[tuple(s) for s in t.meta.version_spans],
+            temperature=t.meta.temperature,
         )
         for t in batch.trajectories
     ]

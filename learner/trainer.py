@@ -14,7 +14,8 @@ batches, hosts the coordinator and pushes weights):
 
 One step: clean the batch (bad rollouts counted and dropped); advantages over whole groups
 (dropped members included: they were sampled and scored);
-proximal logprobs with the step's starting weights (no grad, logits / rollout temperature);
+proximal logprobs with the step's starting weights (no grad, each row's logits divided by
+the temperature it was sampled at);
 then ``actor.ppo_epochs`` x mini-batches of ``actor.ppo_mini_batch_size`` groups, each one
 optimizer step accumulated over micro-batches. A mini-batch whose loss or gradient is not
 finite on any rank is skipped on all ranks (counted, never applied).
@@ -61,6 +62,7 @@ class _Plan:
 
     rollouts: list[Rollout]
     advantages: torch.Tensor  # [N]
+    temperature: float  # for rollouts that do not say what they were sampled at
     minibatches: list[list[list[int]]]  # mini-batch -> micro-batch -> sequence indices
     norms: list[AggNorm]  # one per mini-batch (global counts)
 
@@ -121,10 +123,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ forward
     def _forward(
-        self, model, mb: MicroBatch, temperature: float, *, entropy: bool = False
+        self, model, mb: MicroBatch, *, entropy: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs ``[B, T]`` of the response tokens (logits / temperature) and, if asked,
-        the entropy ``[B, T]`` of the same distribution."""
+        """Logprobs ``[B, T]`` of the response tokens and, if asked, the entropy ``[B, T]``
+        of the same distribution. Each row's logits are divided by the temperature it was
+        sampled at (``mb.temperature`` ``[B]``): rollout servers may differ from the config."""
         mb = mb.to(self.device)
         out = model(
             input_ids=mb.input_ids,
@@ -133,7 +136,8 @@ class Trainer:
             use_cache=False,
         )
         logits = out.logits.reshape(-1, out.logits.shape[-1])[mb.gather_index]
-        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+        # logits [B, T, V]: one temperature per row.
+        logp_all = torch.log_softmax(logits.float() / mb.temperature[:, None, None], dim=-1)
         logp = logp_all.gather(-1, mb.targets[..., None]).squeeze(-1)
         ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None
         return logp, ent
@@ -147,8 +151,8 @@ class Trainer:
         ]
         adv = torch.zeros(2)
         with torch.no_grad():
-            a, _ = self._forward(self.model, collate(probe, adv, [0, 1], packed=True), 1.0)
-            b, _ = self._forward(self.model, collate(probe, adv, [0, 1], packed=False), 1.0)
+            a, _ = self._forward(self.model, collate(probe, adv, [0, 1], packed=True))
+            b, _ = self._forward(self.model, collate(probe, adv, [0, 1], packed=False))
         mask = collate(probe, adv, [0, 1]).mask.to(self.device)
         ok = bool(torch.allclose(a[mask], b[mask], atol=1e-3))
         if not ok:
@@ -156,9 +160,10 @@ class Trainer:
         return ok
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, rollouts: list[Rollout], adv: torch.Tensor) -> _Plan:
+    def _plan(self, rollouts: list[Rollout], adv: torch.Tensor, temperature: float) -> _Plan:
         """This rank's micro-batches of every mini-batch of the cleaned ``rollouts``, whose
-        advantages ``adv`` ``[N]`` come from :func:`~learner.batching.baseline_advantages`."""
+        advantages ``adv`` ``[N]`` come from :func:`~learner.batching.baseline_advantages`;
+        ``temperature`` for rollouts that do not say what they were sampled at."""
         actor = self.cfg.actor
         gidx = group_indices(rollouts)
         lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
@@ -173,20 +178,21 @@ class Trainer:
             mbs.append(plan[self.rank])
             tokens, seqs = norm_counts(rollouts, idx)
             norms.append(AggNorm(num_tokens=max(tokens, 1), num_seqs=max(seqs, 1)))
-        return _Plan(rollouts, adv, mbs, norms)
+        return _Plan(rollouts, adv, temperature, mbs, norms)
 
     def _collate(self, plan: _Plan, seq_ids: list[int]) -> MicroBatch:
         return collate(
-            plan.rollouts, plan.advantages, seq_ids, packed=self.packed, pad_id=self.pad_id
-        )
+            plan.rollouts, plan.advantages, seq_ids, packed=self.packed, pad_id=self.pad_id,
+            temperature=plan.temperature,
+        )  # fmt: skip
 
     @torch.no_grad()
-    def _fixed_logprobs(self, model, plan: _Plan, temperature: float) -> dict[int, torch.Tensor]:
+    def _fixed_logprobs(self, model, plan: _Plan) -> dict[int, torch.Tensor]:
         """Per local sequence, logprobs ``[T_i]`` under ``model`` (proximal or reference)."""
         out: dict[int, torch.Tensor] = {}
         for micro in (m for mini in plan.minibatches for m in mini):
             mb = self._collate(plan, micro)
-            logp, _ = self._forward(model, mb, temperature)
+            logp, _ = self._forward(model, mb)
             for b, sid in enumerate(mb.seq_ids):
                 out[sid] = logp[b, : int(mb.mask[b].sum())].cpu()
         return out
@@ -194,7 +200,8 @@ class Trainer:
     # ------------------------------------------------------------------ training
     def train_step(self, rollouts: Sequence[Rollout], temperature: float) -> dict[str, float]:
         """Train on one global batch (identical on every rank); returns metrics (the same
-        on every rank). ``temperature`` is the one vLLM sampled the batch at."""
+        on every rank). ``temperature`` (``rollout.temperature``) stands in for rollouts
+        that do not say what they were sampled at; the others use their own."""
         start = time.monotonic()
         kept, dropped = clean_rollouts(rollouts, self.max_len)
         metrics: dict[str, float] = {f"batch/dropped_{k}": float(dropped[k]) for k in DROP_REASONS}
@@ -207,7 +214,7 @@ class Trainer:
         adv = baseline_advantages(
             rollouts, kept, alg.adv_estimator, norm_by_std=alg.norm_adv_by_std_in_grpo
         )
-        plan = self._plan(kept, adv)
+        plan = self._plan(kept, adv, temperature)
         scored = [r for r in rollouts if math.isfinite(float(r.reward))]
         metrics["batch/zero_variance_groups"] = float(
             zero_variance_groups(
@@ -218,17 +225,15 @@ class Trainer:
         # One optimizer step per batch: the proximal policy *is* the current one before the
         # update, so its logprobs come for free from the training forward (l.detach()).
         single = self.cfg.actor.ppo_epochs == 1 and len(plan.minibatches) == 1
-        proximal = None if single else self._fixed_logprobs(self.model, plan, temperature)
-        ref = self._fixed_logprobs(self.ref_model, plan, temperature) if self.ref_model else None
+        proximal = None if single else self._fixed_logprobs(self.model, plan)
+        ref = self._fixed_logprobs(self.ref_model, plan) if self.ref_model else None
         metrics["timing/proximal_s"] = time.monotonic() - t0
 
         t0 = time.monotonic()
         stats, norms, skipped, tokens = StatSum(), [], 0, 0
         for _ in range(self.cfg.actor.ppo_epochs):
             for micros, norm in zip(plan.minibatches, plan.norms, strict=True):
-                gnorm, ok, n_tok = self._minibatch(
-                    plan, micros, norm, temperature, proximal, ref, stats
-                )
+                gnorm, ok, n_tok = self._minibatch(plan, micros, norm, proximal, ref, stats)
                 norms.append(gnorm)
                 skipped += not ok
                 tokens += n_tok
@@ -238,10 +243,10 @@ class Trainer:
             metrics, start, updates=len(norms), skipped=skipped, stats=stats, norms=norms
         )
 
-    def _micro_loss(self, plan, micro, norm, temperature, proximal, ref):
+    def _micro_loss(self, plan, micro, norm, proximal, ref):
         """Loss and stats of one micro-batch (a dummy one when ``micro`` is empty)."""
         mb = self._collate(plan, micro)
-        logp, ent = self._forward(self.model, mb, temperature, entropy=True)
+        logp, ent = self._forward(self.model, mb, entropy=True)
         if self.loss_cfg.entropy_coeff == 0:
             ent = ent.detach()  # a metric only
 
@@ -259,7 +264,7 @@ class Trainer:
         )  # fmt: skip
         return loss, stats, mb
 
-    def _minibatch(self, plan, micros, norm, temperature, proximal, ref, stats):
+    def _minibatch(self, plan, micros, norm, proximal, ref, stats):
         """Forward/backward every micro-batch of one mini-batch, then one optimizer step
         unless the loss or gradient is not finite on some rank. Returns
         ``(grad norm, applied, tokens)``."""
@@ -268,7 +273,7 @@ class Trainer:
         for i, micro in enumerate(micros):
             # Reduce-scatter gradients only after the last micro-batch of the mini-batch.
             self.model.set_requires_gradient_sync(i == len(micros) - 1)
-            loss, st, mb = self._micro_loss(plan, micro, norm, temperature, proximal, ref)
+            loss, st, mb = self._micro_loss(plan, micro, norm, proximal, ref)
             finite &= bool(torch.isfinite(loss))
             # FSDP averages gradients over ranks; the normalisers are already global, so
             # scale back up to get the gradient of the global mini-batch loss.
@@ -318,14 +323,15 @@ class Trainer:
         self, rollouts: Sequence[Rollout], temperature: float
     ) -> list[torch.Tensor | None]:
         """Current-policy logprobs ``[T_i]`` of every rollout's response (None for those
-        :func:`~learner.batching.clean_rollouts` drops). A collective on every rank."""
+        :func:`~learner.batching.clean_rollouts` drops), at each rollout's own temperature
+        (``temperature`` for those that do not say). A collective on every rank."""
         kept_pos = [i for i, r in enumerate(rollouts) if _trainable(r, self.max_len)]
         kept = [rollouts[i] for i in kept_pos]
         out: list[torch.Tensor | None] = [None] * len(rollouts)
         if not kept:
             return out
-        plan = self._plan(kept, torch.zeros(len(kept)))  # advantages play no part here
-        local = self._fixed_logprobs(self.model, plan, temperature)
+        plan = self._plan(kept, torch.zeros(len(kept)), temperature)  # no advantages needed
+        local = self._fixed_logprobs(self.model, plan)
         parts: list[dict[int, torch.Tensor]] = [local]
         if self.world_size > 1:
             parts = [None] * self.world_size  # type: ignore[list-item]

@@ -37,6 +37,8 @@ class Sample:
 
     ``version_spans`` lists ``(policy_version, n_tokens)`` runs covering ``token_ids`` in
     order; ``logprobs[i]`` is the behaviour logprob of ``token_ids[i]`` (after temperature).
+    ``temperature`` is the one vLLM sampled at (its ``SamplingParams`` may have adjusted
+    the requested value): the learner divides this response's logits by it.
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -45,6 +47,7 @@ class Sample:
     finish_reason: str = "length"
     resubmissions: int = 0
     start_version: int = 0  # the version when the request started (empty responses)
+    temperature: float | None = None
 
     def extend(self, token_ids: list[int], logprobs: list[float], spans: list[tuple[int, int]]):
         self.token_ids += token_ids
@@ -134,7 +137,7 @@ class RolloutEngine:
         """Sample one response to ``prompt_ids`` (``params.n`` must be 1: groups are
         separate requests with their own seeds). Re-submits with the generated prefix when a
         sync in ``abort`` mode interrupts it."""
-        sample = Sample(start_version=self.version)
+        sample = Sample(start_version=self.version, temperature=float(params.temperature))
         max_tokens = params.max_tokens
         while True:
             await self._resumed.wait()

@@ -84,7 +84,9 @@ def build_group(
     created_at: float,
 ) -> list[Trajectory]:
     """Wire trajectories of one complete group: ``samples[i]`` (an engine ``Sample``)
-    scored ``scores[i]`` (a reward ``ScoreResult``)."""
+    scored ``scores[i]`` (a reward ``ScoreResult``). Each carries the temperature its
+    sample was drawn at, so a server whose rollout.temperature differs from the learner's
+    configured one still gets importance weights right."""
     finished = time.time()
     out = []
     for index, (sample, score) in enumerate(zip(samples, scores, strict=True)):
@@ -106,6 +108,7 @@ def build_group(
                 server_id=server_id,
                 created_at=created_at,
                 finished_at=finished,
+                temperature=getattr(sample, "temperature", None),
             )
         )
     return out

@@ -75,3 +75,23 @@ def test_unreported_logprob_costs_one_token_not_the_group():
     expected = torch.tensor([[-0.25, 0.0, -0.25], [0.125, 0.125, 0.0]])
     torch.testing.assert_close(logp.grad, expected, rtol=0, atol=0)
     np.testing.assert_array_equal(mb.mask.tolist(), [[True] * 3, [True, True, False]])
+
+
+def test_sampling_temperature_reaches_the_learner_with_each_trajectory():
+    """A server started with its own rollout.temperature says so in every trajectory; the
+    learner's rollouts carry it (the trainer divides each row's logits by it)."""
+    samples = [
+        Sample(token_ids=[5, 6], logprobs=[-0.5, -0.25], version_spans=[(0, 2)],
+               temperature=0.7),
+        Sample(token_ids=[7], logprobs=[-1.0], version_spans=[(0, 1)], temperature=0.7),
+    ]  # fmt: skip
+    group = build_group(_task(), PROMPT, samples, _scores(1.0, 0.0), server_id="s",
+                        created_at=0.0)  # fmt: skip
+    assert [t.meta.temperature for t in group] == [0.7, 0.7]
+    rollouts = to_rollouts(through_the_buffer(wire.encode_trajectories(group)))
+    assert [r.temperature for r in rollouts] == [0.7, 0.7]
+    # A producer that does not say leaves it to the learner's configured temperature.
+    silent = build_group(_task("train/1/0"), PROMPT, [Sample([5], [-0.5], [(0, 1)])],
+                         _scores(1.0), server_id="s", created_at=0.0)  # fmt: skip
+    batch = through_the_buffer(wire.encode_trajectories(silent))
+    assert [r.temperature for r in to_rollouts(batch)] == [None]

@@ -97,6 +97,20 @@ def test_nan_logprob_travels_as_not_reported() -> None:
         np.testing.assert_array_equal(got.logprobs[[0, 2]], lp[[0, 2]])
 
 
+def test_sampling_temperature_travels_with_the_trajectory() -> None:
+    """The temperature a response was sampled at (the learner divides that row's logits by
+    it); optional: a producer that does not say sends no key and the learner uses its
+    configured temperature."""
+    t = make_traj("a", response_len=2, temperature=0.7)
+    [got] = wire.decode_trajectories(as_bytes(wire.encode_trajectories([t])))
+    assert got.meta.temperature == 0.7
+    header = msgpack.unpackb(wire.encode_trajectories([make_traj("b")])[0])
+    assert "temperature" not in header["trajectories"][0]
+    assert wire.decode_trajectories(plain_frames())[0].meta.temperature is None
+    [greedy] = wire.decode_trajectories(plain_frames({**META, "temperature": 0}))
+    assert greedy.meta.temperature == 0.0  # greedy validation sampling
+
+
 def test_plain_msgpack_client_produces_a_valid_trajectory() -> None:
     [t] = wire.decode_trajectories(plain_frames())
     assert t.task_id == "t-1" and t.reward == 1.0 and t.meta.validation is False
@@ -240,6 +254,8 @@ BAD_TRAJECTORIES = {
     "inf beside NaN": ("nonfinite", _with(logprobs=np.array([np.nan, -np.inf], "<f4").tobytes())),
     "huge beside NaN": ("nonfinite", _with(logprobs=np.array([np.nan, -1e30], "<f4").tobytes())),
     "NaN reward": ("nonfinite", _with({"reward": math.nan})),
+    "negative temperature": ("invalid", _with({"temperature": -0.5})),
+    "inf temperature": ("nonfinite", _with({"temperature": math.inf})),
     "inf reward part": ("nonfinite", _with({"reward_parts": {"a": math.inf}})),
 }
 

@@ -20,8 +20,9 @@ Each ``meta`` is a map with the fields of :class:`TrajectoryMeta`: required ``ta
 ``version_spans`` (list of ``[policy_version, n_tokens]`` pairs covering the response in
 order; the oldest version sets the lag), ``reward`` (float); optional ``reward_parts`` (map
 str -> float), ``finish_reason`` (str), ``validation`` (bool), ``data_source`` and
-``server_id`` (str), ``created_at`` and ``finished_at`` (float seconds, wall clock).
-Unknown keys are rejected. ``version_spans`` are in generation order, so versions never
+``server_id`` (str), ``created_at`` and ``finished_at`` (float seconds, wall clock),
+``temperature`` (float >= 0: what the response was sampled at; without it the learner uses
+its configured temperature). Unknown keys are rejected. ``version_spans`` are in generation order, so versions never
 decrease along them; a trajectory's lag is the learner's version minus its first span's
 version. A message may carry one trajectory or a whole group (cheapest); the buffer
 assembles groups by ``task_id`` either way.

@@ -261,6 +261,8 @@ def _check_meta(m: TrajectoryMeta, limits: Limits) -> None:
         m.reward_parts and not all(math.isfinite(x) for x in m.reward_parts.values())
     ):
         raise WireError("nonfinite", f"task {m.task_id}: NaN or inf reward")
+    if m.temperature is not None and not math.isfinite(m.temperature):
+        raise WireError("nonfinite", f"task {m.task_id}: infinite sampling temperature")
     if limits.max_prompt_len is not None and m.prompt_len > limits.max_prompt_len:
         raise WireError("oversize", f"prompt of {m.prompt_len} tokens > {limits.max_prompt_len}")
     if limits.max_response_len is not None and m.response_len > limits.max_response_len:

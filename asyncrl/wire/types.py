@@ -20,7 +20,9 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 import numpy as np
 
-#: Version of every message layout in this module. Bump it on any incompatible change.
+#: Version of every message layout in this module. Bump it on any incompatible change (an
+#: optional field whose absence keeps its old meaning, like ``TrajectoryMeta.temperature``,
+#: is not one: every message an older producer sends stays valid).
 SCHEMA_VERSION = 1
 
 #: Raw frame dtypes: little-endian whatever the host (token ids, behaviour logprobs).
@@ -57,6 +59,10 @@ class TrajectoryMeta(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     server_id: ShortStr = ""  # the rollout server that generated it
     created_at: float = 0.0  # wall clock (time.time()) when the request started
     finished_at: float = 0.0  # wall clock when the response was complete
+    # The temperature the engine sampled at (after its own adjustments; 0 = greedy, as in
+    # validation). The learner divides this trajectory's logits by it; None (not stated, as
+    # from older producers) leaves it to the learner's configured rollout.temperature.
+    temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
 
     @property
     def oldest_version(self) -> int:
