@@ -9,6 +9,7 @@ the stand-in learner of the tests, so both run the same protocol.
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -42,6 +43,7 @@ class WeightPusher:
     def _run(self, rnd: Any, tensors: dict[str, Any], plan: list) -> Any:
         if not rnd.ranks:  # nobody to send to: the version still becomes current
             return self.coordinator.finish_sync(rnd)
+        error = ""
         try:
             if rnd.catchup:  # a one-off group: the main group stays as it is
                 group = self._form(rnd)
@@ -52,11 +54,18 @@ class WeightPusher:
                 group = self._group
             send_weights(group, tensors, plan, timeout_s=self.timeout_s)
         except WeightSyncError as e:
-            if not rnd.catchup:
-                self._group, self._generation = None, ""
-            log.warning("sync %d failed: %s", rnd.sync_id, e)
-            return self.coordinator.finish_sync(rnd, sent_ok=False, error=str(e))
-        return self.coordinator.finish_sync(rnd)
+            error = str(e)
+        if not error:
+            return self.coordinator.finish_sync(rnd)
+        # Let go of the failed group before waiting for the members' reports: closing its
+        # connections makes the members still waiting in the broadcast fail at once
+        # instead of after sync.timeout_s.
+        group = None
+        if not rnd.catchup:
+            self._group, self._generation = None, ""
+        gc.collect()
+        log.warning("sync %d failed: %s", rnd.sync_id, error)
+        return self.coordinator.finish_sync(rnd, sent_ok=False, error=error)
 
     def _form(self, rnd: Any) -> Any:
         return form_group(

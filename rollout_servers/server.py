@@ -19,6 +19,7 @@ from typing import Any
 from asyncrl.control.client import CoordinatorClient, CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
 from rollout_servers.groups import SamplingSettings, build_group, sampling_params
+from rollout_servers.worker_ext import PARTLY_LOADED
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class RolloutServer:
         self.held: dict[str, Task] = {}  # tasks being generated, by id
         client.held_tasks = lambda: list(self.held)  # said at (re-)registration
         self.generation = ""  # the sync group this engine's workers are in
+        self.fatal = ""  # why this server cannot go on (its engine died): exit, be restarted
         self.groups_done = 0
         self.tokens_by_version: Counter[int] = Counter()
         self.metrics: dict[str, float] = {
@@ -85,11 +87,19 @@ class RolloutServer:
             syncs.cancel()
             for t in list(self.tasks):
                 t.cancel()
+        if self.fatal:
+            log.error("%s stops: %s (its supervisor restarts it)", self.server_id, self.fatal)
+            return 4
         return 3 if self.client.gone.is_set() else 0
 
     def _stopping(self) -> bool:
         c = self.client
-        return c.shutdown.is_set() or c.gone.is_set()
+        return c.shutdown.is_set() or c.gone.is_set() or bool(self.fatal)
+
+    def _check_engine(self, error: BaseException) -> None:
+        """After a failure: is the engine itself dead (then nothing more can be done here)?"""
+        if getattr(self.engine.llm, "errored", False) or PARTLY_LOADED in str(error):
+            self.fatal = self.fatal or f"the vLLM engine died ({type(error).__name__}: {error})"
 
     async def _task_loop(self) -> None:
         """Keeps up to ``rollout.max_inflight`` responses generating: asks for tasks ahead
@@ -152,6 +162,7 @@ class RolloutServer:
             if not pushed:  # its group never left: the coordinator deals it again
                 reason = f"{type(e).__name__}: {e}"
                 await asyncio.to_thread(self.client.nack, [task.task_id], reason)
+            self._check_engine(e)
         finally:
             self.held.pop(task.task_id, None)
             self.inflight -= task.n
@@ -204,6 +215,7 @@ class RolloutServer:
         except Exception as e:  # the coordinator drops us from the group; we catch up later
             self.generation = ""
             log.warning("sync to version %d failed: %s", start.version, e)
+            self._check_engine(e)
             await asyncio.to_thread(self.client.sync_done, start, False, f"{type(e).__name__}: {e}")
             return
         self.generation = start.generation

@@ -10,10 +10,15 @@ the learner sends with; loading uses the model runner's in-place ``reload_weight
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
 from asyncrl.weight_sync import form_group, open_store, plan_from_wire, receive_weights
+
+#: Starts the error of a sync that failed after the engine's weights were partly replaced:
+#: the engine cannot generate any more and its server must be restarted.
+PARTLY_LOADED = "weights partly loaded"
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +67,15 @@ class WeightSyncExtension:
                 count += 1
                 yield name, tensor
 
-        self.model_runner.reload_weights(weights_iterator=weights())
+        stream = weights()
+        # The first bucket arrives before any weight is touched: a sync that fails at its
+        # start (a member died, the learner gave up) leaves the engine's weights intact.
+        first = next(stream, None)
+        try:
+            loaded = itertools.chain([first] if first is not None else [], stream)
+            self.model_runner.reload_weights(weights_iterator=loaded)
+        except Exception as e:  # half the layers may hold nothing now: unusable
+            raise RuntimeError(f"{PARTLY_LOADED}: {e}") from e
         self._wsync_retie_embeddings()
         return {"tensors": float(count), "seconds": time.monotonic() - start}
 
