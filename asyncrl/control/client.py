@@ -267,6 +267,11 @@ class CoordinatorClient:
             seconds=seconds,
             checksum=checksum,
         )
+        return self._send_retried(msg, attempts, f"the report of sync {start.sync_id}")
+
+    def _send_retried(self, msg: m.Request, attempts: int, what: str) -> bool:
+        """Send an idempotent report on the control socket, retried on timeouts; False
+        (and a warning naming ``what``) when it was never answered."""
         for _ in range(attempts):
             if self.gone.is_set():
                 break
@@ -275,7 +280,7 @@ class CoordinatorClient:
                 return True
             except TimeoutError:
                 continue
-        log.warning("the report of sync %d was never answered", start.sync_id)
+        log.warning("%s was never answered", what)
         return False
 
     # ------------------------------------------------------------------ tasks
@@ -328,16 +333,7 @@ class CoordinatorClient:
         deals them again at once; retried on timeouts. False if never answered (then its
         ``control.task_timeout_s`` takes them back)."""
         msg = m.TaskNack(server_id=self.server_id, task_ids=list(task_ids), reason=reason[:4000])
-        for _ in range(attempts):
-            if self.gone.is_set():
-                break
-            try:
-                self._call("control", msg)
-                return True
-            except TimeoutError:
-                continue
-        log.warning("failure report of %d tasks was never answered", len(task_ids))
-        return False
+        return self._send_retried(msg, attempts, f"the failure report of {len(task_ids)} tasks")
 
     # ------------------------------------------------------------------ the end
     def leave(self, reason: str = "", timeout_s: float = 2.0) -> bool:

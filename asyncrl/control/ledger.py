@@ -299,11 +299,9 @@ class TaskLedger:
         for tid in task_ids:
             e = self.entries.get(tid)
             if e is None:
-                try:
-                    task = self.source.task_for_id(tid, self.budget.version)
-                except KeyError:
+                e = self._rebuilt(tid, OUT)
+                if e is None:
                     continue
-                e = self._new(tid, OUT, task)
             elif e.state == QUEUED:
                 self._set(tid, e, OUT)
             else:
@@ -314,6 +312,14 @@ class TaskLedger:
         self.counts["adopted"] += n
         return n
 
+    def _rebuilt(self, tid: str, state: str) -> _Entry | None:
+        """A task dealt by an earlier session, known here from its id (None: not ours)."""
+        try:
+            task = self.source.task_for_id(tid, self.budget.version)
+        except KeyError:
+            return None
+        return self._new(tid, state, task)
+
     def reconcile(self, held: Iterable[str], reports: Iterable[Any], cutoff: float) -> int:
         """Match the buffer's inventory: ``held`` ids are in the buffer; ``reports`` list
         what it dropped. A task acknowledged before ``cutoff`` that the buffer has not got
@@ -322,11 +328,7 @@ class TaskLedger:
         for tid in held:
             e = self.entries.get(tid)
             if e is None:
-                try:
-                    task = self.source.task_for_id(tid, self.budget.version)
-                except KeyError:
-                    continue
-                self._new(tid, BUF, task)
+                self._rebuilt(tid, BUF)
             elif e.state in (OUT, QUEUED):
                 self._set(tid, e, BUF)
         self.dropped(reports)
