@@ -66,7 +66,8 @@ class MetricsLogger:
         if "console" in self.sinks:
             keys = self.console_keys or sorted(clean)
             shown = " ".join(f"{k}={clean[k]:.4g}" for k in keys if k in clean)
-            log.info("step %d: %s", step, shown)
+            if shown:  # a record of other keys only (say, the final accounting) stays quiet
+                log.info("step %d: %s", step, shown)
 
     def close(self) -> None:
         if self._file is not None:
