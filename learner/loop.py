@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from asyncrl.config import run_dir as run_dir_of
+from asyncrl.progress import accounting_lines
 from learner.batching import Rollout
 from learner.validation import ValidationTracker
 
@@ -329,7 +330,8 @@ class _RankZero:
             time.sleep(0.5)
         accounting = self.coordinator.accounting()
         self.logger.log(loop.trainer.step, accounting)
-        log.info("accounting: %s", accounting_line(accounting))
+        for line in accounting_lines([accounting]):
+            log.info("%s", line)
         self.coordinator.shutdown("training done")
         self.logger.close()
         self.buffer.close()
@@ -356,24 +358,6 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
         if values:
             out[key] = sum(values) / len(values)
     return out
-
-
-def accounting_line(acct: dict[str, float]) -> str:
-    """``train: dealt D = in flight + in buffer + trained + dropped + given up`` (and val)."""
-    parts = []
-    for kind, done in (("train", "trained"), ("val", "scored")):
-        g = {k.rsplit(f"accounting/{kind}/", 1)[-1]: int(v) for k, v in acct.items()
-             if k.startswith(f"accounting/{kind}/")}  # fmt: skip
-        if not g:
-            continue
-        drops = {k.split("/", 1)[1]: v for k, v in g.items() if k.startswith("dropped/")}
-        parts.append(
-            f"{kind}: dealt {g['dealt']} = in flight {g['in_flight']} + in buffer "
-            f"{g['in_buffer']} + {done} {g[done]} + dropped {sum(drops.values())} "
-            f"({', '.join(f'{k} {v}' for k, v in drops.items())}) + given up {g['given_up']}"
-            + (f" [unaccounted {g['unaccounted']}]" if g["unaccounted"] else "")
-        )
-    return "; ".join(parts)
 
 
 def _brief(metrics: dict[str, float]) -> str:

@@ -21,7 +21,7 @@ import pytest
 from e2e_helpers import RUN, launch_cmd, role_logs, run_overrides, trained_steps
 
 from asyncrl.metrics import read_metrics
-from learner.loop import accounting_line
+from asyncrl.progress import accounting_lines
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,7 @@ def test_a_run_survives_kill_9_of_a_role(tmp_path, demo_model, arithmetic_data, 
     assert set(steps) == set(range(1, STEPS + 1)), steps
 
     acct = [r for r in records if "accounting/train/dealt" in r][-1]
-    print(f"\n{role} killed after step {kill_after}: {accounting_line(acct)}")
+    print(f"\n{role} killed after step {kill_after}: " + "; ".join(accounting_lines([acct])))
     for kind in ("train", "val"):
         assert acct[f"accounting/{kind}/unaccounted"] == 0, acct
     # Trained, as the coordinator counts it, is what the learner consumed: each step's
