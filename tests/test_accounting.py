@@ -109,12 +109,13 @@ class Run:
         return a
 
 
-def _state(lag: int, **kw) -> ControlState:
+def _state(lag: int, min_servers_to_start: int = 1, **kw) -> ControlState:
     source = TaskSource(_rows(10_000), shuffle=False, n=N)
     ledger = TaskLedger(source, Budget(lag, B), lag_retries=1, **kw)
     return ControlState(
-        ledger, SyncBook(), heartbeat_s=0.5, dead_after_s=2.0, store_host="h", store_port=1
-    )
+        ledger, SyncBook(), heartbeat_s=0.5, dead_after_s=2.0, store_host="h", store_port=1,
+        min_servers_to_start=min_servers_to_start,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -284,3 +285,18 @@ def test_a_failure_report_over_the_wire_gets_the_task_dealt_again(tmp_path):
     finally:
         client.close()
         learner.close()
+
+
+def test_a_resumed_run_does_not_wait_for_min_servers_to_start_again():
+    """A run scaled down to one server, then its learner restarted: the start-up rule
+    (control.min_servers_to_start) is not applied again, or the run would never go on."""
+    st = _state(1, min_servers_to_start=2)
+    for sid in ("a", "b"):
+        st.register(m.Register(server_id=sid, engine_world_size=0), now=0.0)
+    assert st.grant("a", 1, 0.1).tasks
+    st.leave("b")  # scaled down
+    restarted = _state(1, min_servers_to_start=2)
+    restarted.load_state_dict(st.state_dict())
+    restarted.recovery.needs_inventory = False  # no buffer in this test
+    restarted.register(m.Register(server_id="a", engine_world_size=0), now=1.0)
+    assert restarted.grant("a", 1, 1.1).tasks

@@ -414,6 +414,9 @@ class ControlState:
         self.step = int(state["step"])
         self.last_val_step = int(state["last_val_step"])
         self.recovery.restored(list(state.get("servers", [])))
+        # Dealing had started in the saved session: min_servers_to_start is a start-up rule,
+        # and after a scale-down it may never be met again.
+        self.started = True
 
     def metrics(self) -> dict[str, float]:
         out = {f"coordinator/{k}": float(v) for k, v in sorted(self.counts.items())}
