@@ -48,12 +48,19 @@ def parse_role_args(
     groups: Iterable[str] | None = None,
     argv: Sequence[str] | None = None,
     extra: Callable[[argparse.ArgumentParser], None] | None = None,
+    needs: Iterable[str] = (),
 ) -> tuple[Config, argparse.Namespace]:
-    """Parse argv, set up logging, load and validate the config; exit 2 on a bad config."""
+    """Parse argv, set up logging, load and validate the config, check the files the role
+    ``needs`` (see :func:`asyncrl.config.inputs.input_problems`); exit 2 on a bad config or
+    a missing file (a supervisor does not restart a role that exited 2)."""
+    from asyncrl.config.inputs import input_problems
+
     args = role_parser(prog, description, groups, extra).parse_intermixed_args(argv)
     setup_logging(args.log_level)
     try:
         cfg = load_config(args.config, args.overrides)
+        if problems := input_problems(cfg, needs):
+            raise ConfigError(problems)
     except ConfigError as e:
         sys.stderr.write(f"{prog}: {e}\n")
         raise SystemExit(2) from None

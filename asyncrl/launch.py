@@ -30,6 +30,7 @@ from pathlib import Path
 
 from asyncrl.cli import parse_role_args
 from asyncrl.config import Config, write_resolved
+from asyncrl.config.inputs import DATA, MODEL, REWARD
 from asyncrl.supervise import RestartPolicy, Role, Supervisor
 
 log = logging.getLogger("asyncrl.launch")
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         "Start the buffer, the rollout servers and the learner of one run on this machine.",
         None,
         argv,
+        needs=(MODEL, DATA, REWARD),  # found missing here, before any role starts
     )
     from asyncrl.config import run_dir as run_dir_of
 

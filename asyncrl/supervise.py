@@ -8,6 +8,8 @@ Rules (DESIGN section 10, one set for every launcher):
   ``trainer.resume_mode=auto`` so it continues from its last checkpoint. A role that dies
   when it has had ``launch.max_restarts`` restarts within the window fails the run, with its
   last log lines, and the launcher exits with its code (128 + N for signal N).
+- A role that exits 2 (a bad config or a missing file, found before it started working)
+  fails the run at once: a restart would fail the same way.
 - A role that exits 0 on its own left for good (a rollout server scaled down with SIGTERM)
   and is not restarted; the learner exiting 0 means the run is done.
 - Before a role is restarted, and whenever the launcher ends, what is left of its process
@@ -53,6 +55,7 @@ log = logging.getLogger("asyncrl.launch")
 POLL_S = 1.0  # how often the supervisor looks at its roles
 STOP_GRACE_S = 15.0  # how long roles get to exit after SIGTERM before SIGKILL
 AFTER_LEARNER_S = 30.0  # how long the others get to exit once the learner is done
+CONFIG_ERROR = 2  # what a role exits with for a bad config or a missing file (never restarted)
 EVENTS_FILE = "launch.jsonl"
 PIDS_FILE = "pids.json"
 
@@ -240,19 +243,14 @@ class Supervisor:
             log.info("%s exited 0 on its own (it left the run): not restarting it", role.name)
             return None
         now = time.monotonic()
+        if code == CONFIG_ERROR:
+            return self._give_up(role, code, view, "a bad config or a missing file: a restart "
+                                 "would fail the same way")  # fmt: skip
         delay = restart_delay(self.policy, role.restarts, now)
         if delay is None:
-            self._event(role.name, "gave_up", exit_code=exit_status(code))
-            log.error(
-                "%s ended (%s) after %d restarts within %.0fs: giving up; "
-                "last lines of %s:\n%s",
-                role.name, describe_exit(code), recent_restarts(self.policy, role.restarts, now),
-                self.policy.window_s,
-                role.log_path, tail(role.log_path),
-            )  # fmt: skip
-            self.stop_all()
-            view.finish(ok=False)
-            return exit_status(code)
+            return self._give_up(role, code, view, (
+                f"after {recent_restarts(self.policy, role.restarts, now)} restarts within "
+                f"{self.policy.window_s:.0f}s"))  # fmt: skip
         role.restarts.append(now)
         role.restart_at = now + delay
         log.warning(
@@ -265,6 +263,17 @@ class Supervisor:
         self._event(role.name, "restart", exit_code=exit_status(code), delay_s=delay,
                     **{f"launch/restarts/{role.name}": len(role.restarts)})  # fmt: skip
         return None
+
+    def _give_up(self, role: Role, code: int, view: View, why: str) -> int:
+        """End the run for a role that will not be restarted; returns the launcher's code."""
+        self._event(role.name, "gave_up", exit_code=exit_status(code))
+        log.error(
+            "%s ended (%s, %s): giving up; last lines of %s:\n%s",
+            role.name, describe_exit(code), why, role.log_path, tail(role.log_path),
+        )  # fmt: skip
+        self.stop_all()
+        view.finish(ok=False)
+        return exit_status(code)
 
     # ---------------------------------------------------------------- stopping
     def _wind_down(self, view: View) -> int:

@@ -9,13 +9,18 @@ from __future__ import annotations
 import logging
 
 from asyncrl.cli import parse_role_args
+from asyncrl.config.inputs import DATA, MODEL
 
 log = logging.getLogger("learner")
 
 
 def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_role_args(
-        "asyncrl-learner", "Train on the buffer's batches and push weights.", None, argv
+        "asyncrl-learner",
+        "Train on the buffer's batches and push weights.",
+        None,
+        argv,
+        needs=(MODEL, DATA),
     )
     from learner.loop import LearnerLoop
 

@@ -20,6 +20,7 @@ import signal
 import socket
 
 from asyncrl.cli import parse_role_args
+from asyncrl.config.inputs import MODEL, REWARD
 
 GROUPS = ("model", "data", "rollout", "reward", "control", "sync", "endpoints", "trainer")
 log = logging.getLogger("rollout_servers")
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         GROUPS,
         argv,
         _options,
+        needs=(MODEL, REWARD),
     )
     server_id = args.server_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
     if cfg.trainer.device == "cpu":  # vLLM on CPU claims most of RAM unless told otherwise

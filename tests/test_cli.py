@@ -56,24 +56,53 @@ def test_bad_config_fails_fast_with_the_fix(command):
     assert "Traceback" not in proc.stderr
 
 
-def test_launch_fails_fast_with_the_failing_roles_log(tmp_path):
-    """A role that cannot start stops the whole launch, with its last log lines shown; the
-    resolved config and every role's command line are in the run directory."""
+def _ports() -> list[str]:
     from asyncrl.standins.learner import free_port
 
-    ports = [f"endpoints.{n}={free_port()}" for n in
-             ("tasks", "trajectories", "batches", "control", "sync_store")]  # fmt: skip
+    return [f"endpoints.{n}={free_port()}" for n in
+            ("tasks", "trajectories", "batches", "control", "sync_store")]  # fmt: skip
+
+
+def test_launch_refuses_missing_files_before_starting_any_role(tmp_path):
+    """A missing model or data file is a config error the launcher finds itself: exit 2 with
+    the fix, and no role started (no restart loop around a typo)."""
+    proc = subprocess.run(
+        [str(BIN / "asyncrl-launch"), "configs/cpu_demo.yaml",
+         f"trainer.default_local_dir={tmp_path}", f"model.path={tmp_path}/no-such-model",
+         f"data.train_files={tmp_path}/none.parquet", *_ports()],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert f"model.path={tmp_path}/no-such-model does not exist" in proc.stderr
+    assert "asyncrl-prepare model --name tiny --out" in proc.stderr
+    assert f"data.train_files: {tmp_path}/none.parquet does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr and "started" not in proc.stderr
+    assert not (tmp_path / "asyncrl").exists()
+
+
+def test_launch_fails_fast_with_the_failing_roles_log(tmp_path):
+    """A role that keeps failing at start ends the whole launch once its restarts are spent,
+    with its last log lines shown; the resolved config and every role's command line are in
+    the run directory."""
+    broken = tmp_path / "broken-model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # passes the file check, fails to load
+    rows = tmp_path / "rows.parquet"
+    rows.write_bytes(b"")
     start = time.monotonic()
     proc = subprocess.run(
         [str(BIN / "asyncrl-launch"), "configs/cpu_demo.yaml",
          f"trainer.default_local_dir={tmp_path}", "staleness.max_policy_lag=4",
-         f"model.path={tmp_path}/no-such-model", *ports],
+         f"model.path={broken}", f"data.train_files={rows}", f"data.val_files={rows}",
+         "launch.max_restarts=1", *_ports()],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode not in (0, None)
     assert time.monotonic() - start < 200
-    assert "exited with code" in proc.stderr and "last lines of" in proc.stderr
+    assert "giving up; last lines of" in proc.stderr, proc.stderr[-3000:]
     run = tmp_path / "asyncrl" / "cpu_demo"
+    events = [json.loads(line) for line in (run / "launch.jsonl").read_text().splitlines()]
+    assert [e for e in events if e["event"] == "gave_up"], events
     assert "max_policy_lag: 4" in (run / "config.yaml").read_text()
     commands = (run / "commands.txt").read_text()
     for role in ("buffer", "rollout-0", "rollout-1", "learner"):

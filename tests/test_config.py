@@ -221,3 +221,42 @@ def test_training_temperature_vllm_samples_at_is_accepted(value):
         load_config("configs/cpu_demo.yaml", [f"rollout.temperature={value}"]).rollout.temperature
         == value
     )
+
+
+def test_missing_inputs_are_named_with_the_fix(tmp_path):
+    from asyncrl.config.inputs import DATA, MODEL, REWARD, input_problems, looks_like_hub_id
+
+    assert looks_like_hub_id("Qwen/Qwen2.5-0.5B") and looks_like_hub_id("gpt2")
+    assert not looks_like_hub_id("artifacts/models/tiny")
+    assert not looks_like_hub_id("./tiny") and not looks_like_hub_id("/models/tiny")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "train.parquet"
+    data.write_bytes(b"")
+    base = [f"data.train_files={data}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+
+    def problems(*overrides: str, needs=(MODEL, DATA, REWARD)) -> list[str]:
+        return input_problems(load_config(None, [*base, *overrides]), needs)
+
+    assert problems(f"model.path={model}") == []
+    assert problems("model.path=Qwen/Qwen2.5-0.5B") == []  # a hub id: transformers decides
+    assert problems(f"model.path={tmp_path}/none")[0].startswith(
+        f"model.path={tmp_path}/none does not exist: build a model there with "
+        f"`asyncrl-prepare model --name tiny --out {tmp_path}/none`"
+    )
+    assert "a directory without config.json" in problems(f"model.path={empty}")[0]
+    assert problems(f"model.path={tmp_path}/none", needs=(DATA,)) == []
+    # Validation files only when validation runs; the scorer file only where it is loaded.
+    val = f"data.val_files={tmp_path}/val.parquet"
+    assert problems(f"model.path={model}", val) == []
+    assert problems(f"model.path={model}", val, "trainer.test_freq=5") == [
+        f"data.val_files: {tmp_path}/val.parquet does not exist: write a task's files with "
+        "`asyncrl-prepare data --task arithmetic --out DIR` (or convert your data to veRL's "
+        "parquet schema)"
+    ]
+    scorer = f"reward.custom_reward_function.path={tmp_path}/score.py"
+    assert "score.py does not exist" in problems(f"model.path={model}", scorer)[0]
+    assert problems(f"model.path={model}", scorer, needs=(MODEL, DATA)) == []

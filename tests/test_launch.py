@@ -43,10 +43,16 @@ def _alive(pid: int) -> bool:
 def test_sigterm_stops_every_role_it_started(tmp_path):
     ports = [f"endpoints.{n}={free_port()}" for n in
              ("tasks", "trajectories", "batches", "control", "sync_store")]  # fmt: skip
+    # Files that pass the launcher's check: the roles only need to start before the signal.
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "rows.parquet").write_bytes(b"")
+    inputs = [f"model.path={tmp_path}/model", f"data.train_files={tmp_path}/rows.parquet",
+              f"data.val_files={tmp_path}/rows.parquet"]  # fmt: skip
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml",
-         f"trainer.default_local_dir={tmp_path}", *ports],
+         f"trainer.default_local_dir={tmp_path}", *inputs, *ports],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     pids: dict[str, int] = {}
@@ -365,7 +371,7 @@ def test_a_role_out_of_restarts_fails_the_run_with_its_code_and_log(tmp_path, dr
     out, _ = proc.communicate(timeout=45)
     assert proc.returncode == 4, out
     assert time.monotonic() - start > 0.1 + 0.2  # the backoff doubled
-    assert "buffer ended (exit code 4) after 2 restarts within 60s: giving up" in out
+    assert "buffer ended (exit code 4, after 2 restarts within 60s): giving up" in out
     assert "buffer attempt 3: exit:4" in out  # its last log lines
     events = _events(tmp_path)
     assert [e["event"] for e in events if e["role"] == "buffer"] == [
@@ -373,6 +379,23 @@ def test_a_role_out_of_restarts_fails_the_run_with_its_code_and_log(tmp_path, dr
     ]  # fmt: skip
     assert not processes_of_run(tmp_path)
     assert not _alive(_tree(tmp_path, "learner", 1)["role"])
+
+
+@pytest.mark.timeout(60)
+def test_a_role_with_a_config_error_is_not_restarted(tmp_path, drive):
+    """Exit 2 (a bad config or a missing file) would fail again: the run ends at once."""
+    spec = {
+        "policy": {"max_restarts": 3, "window_s": 60.0, "backoff_s": 0.1},
+        "roles": [["buffer", "run", []], ["rollout-0", "exit:2", []], ["learner", "run", []]],
+    }
+    proc = drive(spec)
+    out, _ = proc.communicate(timeout=45)
+    assert proc.returncode == 2, out
+    assert "rollout-0 ended (exit code 2, a bad config or a missing file" in out
+    assert [e["event"] for e in _events(tmp_path) if e["role"] == "rollout-0"] == [
+        "start", "gave_up"
+    ]  # fmt: skip
+    assert not processes_of_run(tmp_path)
 
 
 @pytest.mark.timeout(60)

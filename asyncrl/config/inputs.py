@@ -1,0 +1,69 @@
+"""Files a run reads, checked before any role starts: a missing model or data file is a
+config error (exit 2, one line naming the fix), not a traceback and a restart loop.
+
+Only local paths are checked: a model path shaped like a hub id (``name`` or ``org/name``)
+that is not a local directory is left to ``transformers`` (a machine that reaches a hub).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from asyncrl.config.schema import Config
+
+# What a role reads before it can work: weights and tokenizer, the prompts (the learner's
+# coordinator), the user's scoring file (the rollout servers' reward workers).
+MODEL, DATA, REWARD = "model", "data", "reward"
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """``Qwen/Qwen2.5-0.5B`` or ``gpt2``: no leading ``/ . ~`` and at most one ``/``."""
+    return not path.startswith(("/", ".", "~")) and path.count("/") <= 1
+
+
+def model_problem(path: str) -> str | None:
+    """Why ``path`` cannot be loaded as a local HF model directory (None if it can, or if
+    it names a hub model)."""
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            return (
+                f"model.path={path} is a directory without config.json: point it at an HF "
+                "model directory (asyncrl-prepare model --out DIR builds a small one)"
+            )
+        return None
+    if looks_like_hub_id(path):
+        return None
+    return (
+        f"model.path={path} does not exist: build a model there with "
+        f"`asyncrl-prepare model --name tiny --out {path}`, or give an existing HF model "
+        "directory"
+    )
+
+
+def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
+    """One line per file a role needs (``needs``: :data:`MODEL`, :data:`DATA`,
+    :data:`REWARD`) that is not there; empty when everything is."""
+    needs = set(needs)
+    problems: list[str] = []
+    if MODEL in needs and (problem := model_problem(cfg.model.path)) is not None:
+        problems.append(problem)
+    if DATA in needs:
+        validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+        for key in ("train_files", "val_files") if validating else ("train_files",):
+            for f in getattr(cfg.data, key):
+                if not Path(f).expanduser().exists():
+                    problems.append(
+                        f"data.{key}: {f} does not exist: write a task's files with "
+                        "`asyncrl-prepare data --task arithmetic --out DIR` (or convert your "
+                        "data to veRL's parquet schema)"
+                    )
+    if REWARD in needs:
+        scorer = cfg.reward.custom_reward_function.path
+        if scorer and not Path(scorer).expanduser().is_file():
+            problems.append(
+                f"reward.custom_reward_function.path={scorer} does not exist: give the "
+                "Python file that defines your scoring function"
+            )
+    return problems
