@@ -18,7 +18,6 @@ import pytest
 import yaml
 from standins.harness import (
     finish,
-    free_port,
     group_spec,
     read_lines,
     spec_file,
@@ -30,6 +29,7 @@ from asyncrl import wire
 from asyncrl.transport import BufferClient, TrajectoryPusher, endpoint
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
+from tests.helpers import free_port, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -52,15 +52,15 @@ def service() -> Iterator:
         svc.stop()
 
 
-def stats_when(svc: BufferService, ready, timeout: float = 20) -> dict[str, float]:
-    """Poll the service's stats over its socket until ``ready(stats)`` holds."""
+def stats_when(svc: BufferService, ready, timeout_s: float = 20) -> dict[str, float]:
+    """The service's stats (over its socket) once ``ready(stats)`` holds."""
     with BufferClient(svc.batches_endpoint, "observer") as client:
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def ready_stats() -> dict[str, float] | None:
             stats = client.stats()
-            if ready(stats) or time.monotonic() > deadline:
-                return stats
-            time.sleep(0.05)
+            return stats if ready(stats) else None
+
+        return wait_until(ready_stats, "the buffer's stats", timeout_s, details=client.stats)
 
 
 def batches_of(lines: list[dict]) -> list[dict]:

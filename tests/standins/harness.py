@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -53,13 +52,6 @@ def read_lines(proc: subprocess.Popen, n: int, timeout: float = 60) -> list[dict
         assert line, f"stand-in ended early: {proc.stderr.read()[-3000:]}"
         lines.append(json.loads(line))
     return lines
-
-
-def free_port() -> int:
-    """A port free right now (for configs that need one before the service binds)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spec_file(tmp: Path, messages: list[list[dict[str, Any]]], name: str = "spec.json") -> str:

@@ -1,0 +1,56 @@
+"""Small helpers every test may use: free ports, waiting on a condition, process liveness."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+ENDPOINTS = ("tasks", "trajectories", "batches", "control", "sync_store")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on ``host`` (another process may take it before we bind)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def endpoint_overrides() -> list[str]:
+    """Config overrides that put every endpoint of a run on its own free port."""
+    return [f"endpoints.{name}={free_port()}" for name in ENDPOINTS]
+
+
+def wait_until(
+    pred: Callable[[], T],
+    what: str,
+    timeout_s: float = 30.0,
+    *,
+    every_s: float = 0.05,
+    details: Callable[[], object] | None = None,
+) -> T:
+    """Call ``pred`` every ``every_s`` seconds until it returns something true, and return
+    that. After ``timeout_s`` fail the test, naming ``what`` (and adding ``details()``, e.g.
+    the tails of the logs). ``pred`` may itself fail the test (a process that died)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := pred()):
+        if time.monotonic() > deadline:
+            extra = f"\n{details()}" if details is not None else ""
+            pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}{extra}")
+        time.sleep(every_s)
+    return value
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie has exited for our purpose)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
