@@ -10,7 +10,6 @@ oversize) and checked to fail decoding locally before they are sent over one soc
 from __future__ import annotations
 
 import math
-import time
 
 import msgpack
 import numpy as np
@@ -24,6 +23,7 @@ from asyncrl import wire
 from asyncrl.transport import BufferClient, TrajectoryPusher
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -216,13 +216,14 @@ def _request_decodes(body: list[bytes]) -> bool:
     return True
 
 
-def wait_for(client: BufferClient, key: str, value: float, timeout: float = 30) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
+def wait_for(client: BufferClient, key: str, value: float, timeout_s: float = 30) -> dict:
+    """The buffer's stats once ``key`` has reached ``value``."""
+
+    def reached() -> dict | None:
         stats = client.stats()
-        if stats.get(key, 0.0) >= value or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
+        return stats if stats.get(key, 0.0) >= value else None
+
+    return wait_until(reached, f"{key} >= {value}", timeout_s, details=client.stats)
 
 
 def test_fuzzed_sockets_reject_every_bad_message_and_keep_serving() -> None:
@@ -270,10 +271,12 @@ def test_fuzzed_sockets_reject_every_bad_message_and_keep_serving() -> None:
         total = sent["trajectories"] + sent["requests"]
         assert total >= 10_000
 
-        deadline = time.monotonic() + 60
-        while len(replies) < sent["requests"] and time.monotonic() < deadline:
-            if dealer.poll(100):
+        def all_answered() -> bool:
+            while dealer.poll(10):  # drain as they come: a full queue would drop replies
                 replies.append(dealer.recv_multipart())
+            return len(replies) >= sent["requests"]
+
+        wait_until(all_answered, "a reply to every request", 60, every_s=0)
         assert len(replies) == sent["requests"]
         decoded = [wire.decode_reply(r[-1:]) for r in replies]
         assert all(isinstance(r, wire.ErrorReply) for r in decoded)
