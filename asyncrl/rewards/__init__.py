@@ -16,13 +16,14 @@ from asyncrl.rewards.registry import (
     load_custom_scorer,
     normalize_score,
 )
-from asyncrl.rewards.sandbox import ERROR_KINDS, RewardPool, ScoreResult
+from asyncrl.rewards.sandbox import ERROR_KINDS, RewardPool, ScoreJob, ScoreResult
 
 __all__ = [
     "ERROR_KINDS",
     "KNOWN_DATA_SOURCES",
     "RewardPool",
     "ScoreFn",
+    "ScoreJob",
     "ScoreResult",
     "default_compute_score",
     "load_custom_scorer",

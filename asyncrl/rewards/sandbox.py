@@ -9,8 +9,8 @@ gets its worker killed and replaced; the caller gets score 0.0 at once.
 Protocol (parent <-> its own child, plain picklable tuples):
 
 - child -> parent at start: ``("ready", None)`` or ``("startup_error", message)``
-- parent -> child: ``(data_source, solution_str, ground_truth, extra_info)``, or ``None``
-  to stop
+- parent -> child: a :class:`ScoreJob` (``data_source, solution_str, ground_truth,
+  extra_info``), or ``None`` to stop
 - child -> parent: ``("ok", (score, parts))``, ``("exception", message)`` or
   ``("bad_return", message)``
 
@@ -27,10 +27,11 @@ import queue
 import signal
 import threading
 import weakref
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NamedTuple
 
 from asyncrl.rewards.registry import (
     check_custom_path,
@@ -73,10 +74,20 @@ class ScoreResult:
     error: str | None = None
 
 
+class ScoreJob(NamedTuple):
+    """One response to score, in the order of the scorer's arguments (a tuple, so plain
+    ``(data_source, solution_str, ground_truth[, extra_info])`` tuples work too)."""
+
+    data_source: str
+    solution_str: str
+    ground_truth: Any
+    extra_info: dict | None = None
+
+
 # ------------------------------------------------------------------------ worker process
 
 
-def _run_job(scorer: Any, job: tuple) -> tuple[str, Any]:
+def _run_job(scorer: Any, job: ScoreJob) -> tuple[str, Any]:
     data_source, solution_str, ground_truth, extra_info = job
     try:
         value = scorer(
@@ -146,7 +157,7 @@ class _Worker:
             self.kill()
             raise ValueError(message)
 
-    def run(self, job: tuple, timeout_s: float) -> tuple[str, Any]:
+    def run(self, job: ScoreJob, timeout_s: float) -> tuple[str, Any]:
         """Send one job and wait for its answer; ``("timeout"|"worker_died", detail)`` if none."""
         self.conn.send(job)
         ready = wait([self.conn, self.process.sentinel], timeout_s)
@@ -236,7 +247,7 @@ class RewardPool:
         self._startup_timeout_s = startup_timeout_s
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
-        self._counters = dict.fromkeys(ERROR_KINDS, 0)
+        self._counters: dict[str, int] = dict.fromkeys(ERROR_KINDS, 0)
         self._logged: set[str] = set()
         self._closed = False
         self._broken: str | None = None
@@ -278,7 +289,7 @@ class RewardPool:
             RuntimeError: The pool is closed or can no longer start workers.
         """
         worker = self._acquire()
-        job = (data_source, solution_str, ground_truth, extra_info)
+        job = ScoreJob(data_source, solution_str, ground_truth, extra_info)
         try:
             status, payload = worker.run(job, self.timeout_s)
         except BaseException:
@@ -296,8 +307,9 @@ class RewardPool:
             self._idle.put(worker)
         return self._failure(status, payload)
 
-    def score_many(self, items: list[tuple]) -> list[ScoreResult]:
-        """Score ``(data_source, solution_str, ground_truth[, extra_info])`` tuples concurrently.
+    def score_many(self, items: Sequence[tuple[Any, ...]]) -> list[ScoreResult]:
+        """Score jobs (:class:`ScoreJob`, or plain ``(data_source, solution_str, ground_truth[,
+        extra_info])`` tuples) concurrently.
 
         Results come back in the order of ``items``.
         """
