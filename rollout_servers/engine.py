@@ -24,7 +24,10 @@ import math
 import time
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +62,20 @@ class Sample:
                 self.version_spans.append((version, n))
 
 
+class SyncJoin(NamedTuple):
+    """Where and as whom to join a new weight-sync group before receiving into it: the
+    learner's sync store, the group's generation, this engine's first rank (the learner is
+    rank 0) and the group's size and backend. A tuple in the order the workers'
+    ``wsync_join`` takes its arguments."""
+
+    host: str
+    port: int
+    generation: str
+    rank_offset: int
+    world_size: int
+    backend: str
+
+
 # On CPU, vLLM cannot rewind a seeded request's generator after a partial (chunked)
 # prefill ("CPU Generator does not use offset"): a step budget that holds every sequence's
 # whole context avoids partial prefills, also when a sync makes requests recompute.
@@ -90,7 +107,7 @@ def engine_args(
 
     return AsyncEngineArgs(
         model=model_path,
-        dtype=dtype,
+        dtype=cast(Any, dtype),  # a config string; vLLM refuses an unknown one
         max_model_len=max_model_len,
         seed=seed,
         tensor_parallel_size=tensor_parallel_size,
@@ -133,12 +150,21 @@ class RolloutEngine:
     def shutdown(self) -> None:
         self.llm.shutdown()
 
-    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Sample:
+    @property
+    def errored(self) -> bool:
+        """Whether vLLM's engine has died (then no request or sync can succeed here)."""
+        return bool(getattr(self.llm, "errored", False))
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> Sample:
         """Sample one response to ``prompt_ids`` (``params.n`` must be 1: groups are
         separate requests with their own seeds). Re-submits with the generated prefix when a
         sync in ``abort`` mode interrupts it."""
         sample = Sample(start_version=self.version, temperature=float(params.temperature))
         max_tokens = params.max_tokens
+        if max_tokens is None:  # a resubmission needs to know what is left of the budget
+            raise ValueError("RolloutEngine.generate needs params.max_tokens")
         while True:
             await self._resumed.wait()
             aborts_before, version_before = self._aborts, self.version
@@ -149,6 +175,8 @@ class RolloutEngine:
             prompt = {"prompt_token_ids": prompt_ids + sample.token_ids}
             async for out in self.llm.generate(prompt, piece, request_id=rid):
                 final = out
+            if final is None:
+                raise RuntimeError(f"vLLM returned no output for request {rid}")
             done = final.outputs[0]
             ids = list(done.token_ids)
             positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
@@ -168,12 +196,11 @@ class RolloutEngine:
         version: int,
         plan_wire: list[dict],
         *,
-        join: tuple | None = None,
+        join: SyncJoin | None = None,
         timeout_s: float = 120.0,
     ) -> dict[str, float]:
         """Pause, receive the broadcast into every worker, label new tokens ``version``,
-        resume. ``join`` = ``(host, port, generation, rank_offset, world_size, backend)``
-        joins a new sync group first. Waits for the learner's broadcast (bounded by
+        resume. ``join`` joins a new sync group first. Waits for the learner's broadcast (bounded by
         ``timeout_s``); on failure generation resumes under the old weights and the error
         propagates (the caller re-registers and catches up)."""
         start = time.monotonic()
@@ -198,7 +225,7 @@ class RolloutEngine:
         return {"seconds": paused, **(stats[0] if stats else {})}
 
 
-def piece_params(params: Any, piece: int, max_tokens: int) -> Any:
+def piece_params(params: SamplingParams, piece: int, max_tokens: int) -> SamplingParams:
     """``SamplingParams`` of piece ``piece`` (0 = the first submission) of a request that a
     sync in ``abort`` mode interrupted, allowed ``max_tokens`` more tokens.
 
@@ -215,7 +242,7 @@ def piece_params(params: Any, piece: int, max_tokens: int) -> Any:
     return out
 
 
-def _sampled_logprob(position: dict, token: int) -> float:
+def _sampled_logprob(position: dict | None, token: int) -> float:
     """The sampled token's logprob at one position (NaN if vLLM did not report it, which
     the learner drops and counts)."""
     entry = position.get(token) if position else None

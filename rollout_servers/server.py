@@ -18,6 +18,7 @@ from typing import Any
 
 from asyncrl.control.client import CoordinatorClient, CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
+from rollout_servers.engine import SyncJoin
 from rollout_servers.groups import SamplingSettings, build_group, sampling_params
 from rollout_servers.worker_ext import PARTLY_LOADED
 
@@ -98,7 +99,7 @@ class RolloutServer:
 
     def _check_engine(self, error: BaseException) -> None:
         """After a failure: is the engine itself dead (then nothing more can be done here)?"""
-        if getattr(self.engine.llm, "errored", False) or PARTLY_LOADED in str(error):
+        if self.engine.errored or PARTLY_LOADED in str(error):
             self.fatal = self.fatal or f"the vLLM engine died ({type(error).__name__}: {error})"
 
     async def _task_loop(self) -> None:
@@ -196,18 +197,25 @@ class RolloutServer:
             if start is not None:
                 await self._sync(start)
 
-    async def _sync(self, start: SyncStart) -> None:
+    def _join(self, start: SyncStart) -> SyncJoin | None:
+        """The group to join before receiving ``start``'s weights: None when this engine's
+        workers are in its group already."""
+        if start.generation == self.generation:
+            return None
         reg = self.client.registered
-        join = None
-        if start.generation != self.generation:
-            join = (
-                reg.sync_store_host,
-                reg.sync_store_port,
-                start.generation,
-                start.rank,
-                start.world_size,
-                start.backend,
-            )
+        if reg is None:  # sync starts come in heartbeat answers, after registration
+            raise RuntimeError(f"sync {start.sync_id} started before registration")
+        return SyncJoin(
+            host=reg.sync_store_host,
+            port=reg.sync_store_port,
+            generation=start.generation,
+            rank_offset=start.rank,
+            world_size=start.world_size,
+            backend=start.backend,
+        )
+
+    async def _sync(self, start: SyncStart) -> None:
+        join = self._join(start)
         try:
             stats = await self.engine.sync_weights(
                 start.version, start.plan_dicts(), join=join, timeout_s=start.timeout_s

@@ -20,6 +20,7 @@ from asyncrl.weight_sync import (
     send_weights,
     specs_of,
 )
+from rollout_servers.engine import SyncJoin
 
 TEMPERATURE = 0.7
 PROMPT = [258, 84, 82, 68, 81, 198, 18, 10, 20, 28, 256, 198, 258, 64]  # a chat prompt
@@ -49,7 +50,7 @@ class Learner:
     def push(self, loop, engine, model, version):
         tensors = {n: p.detach() for n, p in model.named_parameters()}
         plan = plan_buckets(specs_of(tensors), 1 << 20)
-        join = None if self.group else ("127.0.0.1", self.port, "g1", 1, 2, "gloo")
+        join = None if self.group else SyncJoin("127.0.0.1", self.port, "g1", 1, 2, "gloo")
 
         def send():
             if self.group is None:
