@@ -4,7 +4,6 @@ process group (``learner.fsdp.init_distributed`` under torchrun's environment) c
 the other CPU-side collectives the learner issues; on CUDA that group has a CPU backend."""
 
 import os
-import socket
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,6 +18,7 @@ from asyncrl import wire
 from learner.broadcast import share_batch
 from learner.fsdp import init_distributed, process_group_backend
 from learner.loop import _broadcast_int
+from tests.helpers import free_port
 
 
 def _batch() -> wire.Batch:
@@ -57,14 +57,8 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_rank_one_receives_rank_zeros_batch(tmp_path):
-    mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     zero, one = (msgspec.json.decode((tmp_path / f"rank{r}.json").read_bytes()) for r in (0, 1))
     assert one == zero == msgspec.json.decode(msgspec.json.encode(_summary(_batch())))
     assert len(one["arrays"]) == 5 and np.asarray(one["arrays"][4][1]).size == 4
@@ -92,7 +86,7 @@ def test_the_learners_own_group_carries_its_cpu_collectives(tmp_path):
     group a multi-GPU learner crashed on at its first batch had no CPU backend; here, on
     CPU, gloo is that backend)."""
     mp.start_processes(
-        _learner_rank, args=(_free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+        _learner_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
     )
     zero, one = (msgspec.json.decode((tmp_path / f"rank{r}.json").read_bytes()) for r in (0, 1))
     assert (

@@ -9,7 +9,6 @@ import gc
 import logging
 import os
 import random
-import socket
 import threading
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import torch.multiprocessing as mp
 from asyncrl.config.schema import Config
 from learner.batching import Rollout
 from learner.trainer import Trainer
+from tests.helpers import free_port
 
 log = logging.getLogger(__name__)
 TEMPERATURE = 0.7
@@ -60,12 +60,6 @@ def synthetic_batch(seed: int, groups: int = 4, n: int = 4) -> list[Rollout]:
 
 
 BATCHES = [synthetic_batch(s) for s in range(3)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

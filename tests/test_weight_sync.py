@@ -3,7 +3,6 @@ processes, real gloo groups over a TCPStore on 127.0.0.1)."""
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
@@ -22,14 +21,9 @@ from asyncrl.weight_sync import (
     send_weights,
     specs_of,
 )
+from tests.helpers import free_port
 
 TIMEOUT = 5.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -84,7 +78,7 @@ def test_plan_buckets_is_dtype_grouped_and_bounded():
 
 
 def test_sync_lifecycle_failure_regroup_and_late_join():
-    port = _free_port()
+    port = free_port()
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=TIMEOUT)
     a = StandInReceiver("127.0.0.1", port, timeout_s=TIMEOUT)
     b = StandInReceiver("127.0.0.1", port, timeout_s=TIMEOUT)
@@ -131,7 +125,7 @@ def test_sync_lifecycle_failure_regroup_and_late_join():
 
 
 def test_forming_a_group_with_a_missing_member_times_out():
-    port = _free_port()
+    port = free_port()
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=2)
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match="could not connect"):
@@ -141,14 +135,14 @@ def test_forming_a_group_with_a_missing_member_times_out():
 
 def test_joining_a_store_nobody_hosts_fails_clearly():
     with pytest.raises(WeightSyncError, match="check endpoints.host"):
-        open_store("127.0.0.1", _free_port(), is_host=False, timeout_s=1)
+        open_store("127.0.0.1", free_port(), is_host=False, timeout_s=1)
 
 
 def test_hf_model_receiver_loads_pushed_weights(tiny_model):
     """The stand-in receiver holding an HF model ends with exactly the sender's weights."""
     from transformers import AutoModelForCausalLM
 
-    port = _free_port()
+    port = free_port()
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=30)
     sender = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
     with torch.no_grad():
