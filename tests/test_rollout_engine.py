@@ -5,7 +5,6 @@ logprobs of the weights that produced it (``keep`` and ``abort`` modes)."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 
 import pytest
@@ -21,6 +20,7 @@ from asyncrl.weight_sync import (
     specs_of,
 )
 from rollout_servers.engine import SyncJoin
+from tests.helpers import free_port
 
 TEMPERATURE = 0.7
 PROMPT = [258, 84, 82, 68, 81, 198, 18, 10, 20, 28, 256, 198, 258, 64]  # a chat prompt
@@ -41,9 +41,7 @@ class Learner:
     """Reference sender: hosts the sync store and pushes HF models' weights."""
 
     def __init__(self):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.store = open_store("127.0.0.1", self.port, is_host=True, timeout_s=60)
         self.group = None
 
