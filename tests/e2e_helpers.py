@@ -12,20 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.helpers import endpoint_overrides
+
 RUN = Path("asyncrl") / "cpu_demo"  # <default_local_dir>/<project>/<experiment>
 
 
 def run_overrides(tmp_path: Path, model: Path, data_dir: Path, steps: int) -> list[str]:
     """Overrides that put a demo run on fresh ports, in ``tmp_path``, for ``steps`` steps."""
-    from asyncrl.standins.learner import free_port
-
-    ports = [f"endpoints.{n}={free_port()}" for n in
-             ("tasks", "trajectories", "batches", "control", "sync_store")]  # fmt: skip
     return [
         f"model.path={model}",
         f"data.train_files={data_dir}/train.parquet", f"data.val_files={data_dir}/val.parquet",
         f"trainer.default_local_dir={tmp_path}", f"trainer.total_training_steps={steps}",
-        "launch.start_timeout_s=240", *ports,
+        "launch.start_timeout_s=240", *endpoint_overrides(),
     ]  # fmt: skip
 
 

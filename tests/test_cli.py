@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from tests.conftest import BIN, run_cli
+from tests.helpers import endpoint_overrides
 
 ROLES = ["asyncrl-launch", "asyncrl-rollout", "asyncrl-buffer", "asyncrl-learner"]
 
@@ -56,20 +57,13 @@ def test_bad_config_fails_fast_with_the_fix(command):
     assert "Traceback" not in proc.stderr
 
 
-def _ports() -> list[str]:
-    from asyncrl.standins.learner import free_port
-
-    return [f"endpoints.{n}={free_port()}" for n in
-            ("tasks", "trajectories", "batches", "control", "sync_store")]  # fmt: skip
-
-
 def test_launch_refuses_missing_files_before_starting_any_role(tmp_path):
     """A missing model or data file is a config error the launcher finds itself: exit 2 with
     the fix, and no role started (no restart loop around a typo)."""
     proc = subprocess.run(
         [str(BIN / "asyncrl-launch"), "configs/cpu_demo.yaml",
          f"trainer.default_local_dir={tmp_path}", f"model.path={tmp_path}/no-such-model",
-         f"data.train_files={tmp_path}/none.parquet", *_ports()],
+         f"data.train_files={tmp_path}/none.parquet", *endpoint_overrides()],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
@@ -94,7 +88,7 @@ def test_launch_fails_fast_with_the_failing_roles_log(tmp_path):
         [str(BIN / "asyncrl-launch"), "configs/cpu_demo.yaml",
          f"trainer.default_local_dir={tmp_path}", "staleness.max_policy_lag=4",
          f"model.path={broken}", f"data.train_files={rows}", f"data.val_files={rows}",
-         "launch.max_restarts=1", *_ports()],
+         "launch.max_restarts=1", *endpoint_overrides()],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode not in (0, None)

@@ -26,23 +26,12 @@ from asyncrl.progress import (
     read_restarts,
     summary_table,
 )
-from asyncrl.standins.learner import free_port
 from asyncrl.supervise import RestartPolicy, Role, Supervisor, exit_status, restart_delay
 from asyncrl.supervise_procs import has_exited, processes_of_run, signal_group
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
-        return f.read().split()[2] != "Z"
+from tests.helpers import alive, endpoint_overrides, wait_until
 
 
 def test_sigterm_stops_every_role_it_started(tmp_path):
-    ports = [f"endpoints.{n}={free_port()}" for n in
-             ("tasks", "trajectories", "batches", "control", "sync_store")]  # fmt: skip
     # Files that pass the launcher's check: the roles only need to start before the signal.
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
@@ -52,7 +41,7 @@ def test_sigterm_stops_every_role_it_started(tmp_path):
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml",
-         f"trainer.default_local_dir={tmp_path}", *inputs, *ports],
+         f"trainer.default_local_dir={tmp_path}", *inputs, *endpoint_overrides()],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     pids: dict[str, int] = {}
@@ -67,10 +56,7 @@ def test_sigterm_stops_every_role_it_started(tmp_path):
         time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)  # impatience must not leave roles behind
         assert proc.wait(60) == 130
-        deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [name for name, p in pids.items() if _alive(p)]
+        wait_until(lambda: not [n for n, p in pids.items() if alive(p)], "the roles to stop", 10)
         run = json.loads((tmp_path / "asyncrl" / "cpu_demo" / "pids.json").read_text())
         assert run["roles"] == {name: None for name in pids}  # each reaped
         assert not processes_of_run(tmp_path / "asyncrl" / "cpu_demo")  # nor what they started
@@ -246,17 +232,9 @@ sys.exit(code)
 """
 
 
-def _wait_for(pred, what: str, timeout_s: float = 20.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := pred()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
-
-
 def _tree(state: Path, name: str, attempt: int) -> dict:
     path = state / f"{name}.{attempt}.json"
-    _wait_for(path.exists, f"{name} attempt {attempt}")
+    wait_until(path.exists, f"{name} attempt {attempt}")
     return json.loads(path.read_text())
 
 
@@ -275,23 +253,23 @@ def test_a_role_killed_with_sigkill_takes_its_whole_tree_and_runs_again(tmp_path
     (tmp_path / "logs").mkdir()
     sup.start(role)
     first = _tree(tmp_path, "rollout-0", 1)
-    assert first["role"] == role.proc.pid and all(_alive(p) for p in first["tree"])
+    assert first["role"] == role.proc.pid and all(alive(p) for p in first["tree"])
     sup._track()  # the supervisor's look at its roles' trees, once per second in a run
     os.kill(role.proc.pid, signal.SIGKILL)
-    _wait_for(lambda: has_exited(role.proc.pid), "the role to die")
-    assert all(_alive(p) for p in first["tree"])  # killing the role alone leaves its tree
+    wait_until(lambda: has_exited(role.proc.pid), "the role to die")
+    assert all(alive(p) for p in first["tree"])  # killing the role alone leaves its tree
     assert sup.reap(role) == -signal.SIGKILL and role.proc is None
-    assert not [p for p in [first["role"], *first["tree"]] if _alive(p)]
+    assert not [p for p in [first["role"], *first["tree"]] if alive(p)]
 
     sup.start(role)  # a restart: a new process, running, with a tree of its own
     second = _tree(tmp_path, "rollout-0", 2)
-    assert second["role"] == role.proc.pid != first["role"] and _alive(role.proc.pid)
+    assert second["role"] == role.proc.pid != first["role"] and alive(role.proc.pid)
     assert json.loads((tmp_path / "pids.json").read_text())["roles"] == {"rollout-0": role.proc.pid}
     sup._track()
     signal_group(role.proc.pid, signal.SIGTERM)
-    _wait_for(lambda: has_exited(role.proc.pid), "the role to stop")
+    wait_until(lambda: has_exited(role.proc.pid), "the role to stop")
     assert sup.reap(role) == -signal.SIGTERM
-    assert not [p for p in [second["role"], *second["tree"]] if _alive(p)]
+    assert not [p for p in [second["role"], *second["tree"]] if alive(p)]
     assert not processes_of_run(tmp_path)
 
 
@@ -356,7 +334,7 @@ def test_the_supervisor_restarts_dead_roles_and_finishes_with_the_learner(tmp_pa
     every = [p for n in ("buffer", "rollout-0", "rollout-1", "learner") for a in (1, 2)
              if (tmp_path / f"{n}.{a}.json").exists()
              for p in [_tree(tmp_path, n, a)["role"], *_tree(tmp_path, n, a)["tree"]]]  # fmt: skip
-    assert len(every) == 6 * 5 and not [p for p in every if _alive(p)]
+    assert len(every) == 6 * 5 and not [p for p in every if alive(p)]
     assert not processes_of_run(tmp_path)
 
 
@@ -378,7 +356,7 @@ def test_a_role_out_of_restarts_fails_the_run_with_its_code_and_log(tmp_path, dr
         "start", "restart", "start", "restart", "start", "gave_up"
     ]  # fmt: skip
     assert not processes_of_run(tmp_path)
-    assert not _alive(_tree(tmp_path, "learner", 1)["role"])
+    assert not alive(_tree(tmp_path, "learner", 1)["role"])
 
 
 @pytest.mark.timeout(60)
@@ -413,7 +391,7 @@ def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path, drive):
     proc.kill()
     proc.wait(10)
     roles = [t["role"] for t in trees]
-    _wait_for(lambda: not [p for p in roles if _alive(p)], "the roles to stop", 5)
-    _wait_for(lambda: not processes_of_run(tmp_path), "the watchdog", 15)
+    wait_until(lambda: not [p for p in roles if alive(p)], "the roles to stop", 5)
+    wait_until(lambda: not processes_of_run(tmp_path), "the watchdog", 15)
     hidden = [t["tree"][-1] for t in trees]  # the watchdog was told of them
-    _wait_for(lambda: not [p for p in hidden if _alive(p)], "the hidden children", 5)
+    wait_until(lambda: not [p for p in hidden if alive(p)], "the hidden children", 5)
