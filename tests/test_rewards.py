@@ -24,6 +24,7 @@ from asyncrl.rewards import (
     normalize_score,
 )
 from asyncrl.tasks import arithmetic, countdown, gsm8k
+from tests.helpers import alive, wait_until
 
 GT = {"target": 24, "numbers": [2, 3, 4]}
 
@@ -314,14 +315,6 @@ def test_pool_close_stops_workers() -> None:
         pool.score("arithmetic", "8", "8")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in status  # a zombie has exited
-
-
 def test_workers_do_not_outlive_a_parent_that_never_closes() -> None:
     script = (
         "from asyncrl.rewards import RewardPool\n"
@@ -340,10 +333,7 @@ def test_workers_do_not_outlive_a_parent_that_never_closes() -> None:
     assert done.returncode == 0, done.stderr
     pids = [int(pid) for pid in done.stdout.split()]
     assert len(pids) == 2
-    deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(_alive(pid) for pid in pids)
+    wait_until(lambda: not any(alive(pid) for pid in pids), "the workers to exit", 5)
 
 
 def test_imports_stay_light() -> None:
