@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.inputs import total_training_steps
 from asyncrl.metrics import read_metrics
 
 # (label, metric, format) of the live line and the summary.
@@ -105,7 +106,7 @@ class ProgressView:
 
     def __init__(self, run_dir: Path, cfg: Any, stream=None):
         self.run_dir = Path(run_dir)
-        self.total = cfg.trainer.total_training_steps or 0
+        self.total = total_training_steps(cfg)
         self.stream = stream or sys.stderr
         self.started = time.monotonic()
         self.tty = self.stream.isatty()

@@ -13,7 +13,8 @@ import numpy as np
 
 
 def share_batch(batch: Any, rank: int, world_size: int) -> Any:
-    """Rank 0 passes its ``wire.Batch``; every rank returns an equal one."""
+    """Rank 0 passes its ``wire.Batch`` (or None: training ends); every rank returns an
+    equal one (or None)."""
     if world_size == 1:
         return batch
     import torch
@@ -21,13 +22,17 @@ def share_batch(batch: Any, rank: int, world_size: int) -> Any:
 
     from asyncrl import wire
 
-    if rank == 0:
+    if rank == 0 and batch is None:
+        n = torch.zeros(1, dtype=torch.long)  # no frames: the end of training
+    elif rank == 0:
         frames = [bytes(memoryview(f)) for f in wire.encode_batch(batch)]
         sizes = torch.tensor([len(frames), *map(len, frames)], dtype=torch.long)
         n = torch.tensor([sizes.numel()], dtype=torch.long)
     else:
         n = torch.zeros(1, dtype=torch.long)
     dist.broadcast(n, 0)
+    if int(n.item()) == 0:
+        return None
     if rank != 0:
         sizes = torch.zeros(int(n.item()), dtype=torch.long)
     dist.broadcast(sizes, 0)

@@ -313,9 +313,8 @@ class Trainer:
             for key, name in names.items():
                 # Each update's terms sum exactly over its micro-batches and ranks.
                 metrics[f"loss/{name}"] = total[key] / max(updates, 1)
-        metrics["timing/step_s"] = time.monotonic() - start
+        metrics["timing/train_s"] = time.monotonic() - start
         metrics["learner/step"] = float(self.step)
-        metrics["learner/policy_version"] = float(self.policy_version)
         return metrics
 
     # ------------------------------------------------------------------ outputs

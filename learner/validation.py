@@ -28,16 +28,14 @@ class ValidationTracker:
         self.prompt = [0.0, 0.0, 0.0]
         self.by_source: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
 
-    @staticmethod
-    def _source(coordinator: Any) -> Any:
-        return coordinator.state.ledger.source
+    def pending(self, rounds_started: int) -> bool:
+        """Whether a started round (``rounds_started``: the coordinator's count) is not
+        complete yet."""
+        return rounds_started > self.rounds_done
 
-    def pending(self, coordinator: Any) -> bool:
-        """Whether a started round is not complete yet."""
-        return self._source(coordinator).val_rounds > self.rounds_done
-
-    def add(self, stats: dict[str, Any], coordinator: Any) -> dict[str, float] | None:
-        """Add one poll of the buffer's validation sums; the round's metrics when complete:
+    def add(self, stats: dict[str, Any], round_groups: int) -> dict[str, float] | None:
+        """Add one poll of the buffer's validation sums (a round is ``round_groups`` groups,
+        one per validation row); the round's metrics when complete:
         ``val/score`` (mean reward over responses), ``val/score_se`` (its standard error
         over responses), ``val/score_se_prompt`` (over prompts' mean rewards: larger when
         prompts differ in difficulty, since a prompt's samples are not independent),
@@ -49,7 +47,6 @@ class ValidationTracker:
             acc = self.by_source[source]
             acc[0] += s.reward_sum
             acc[1] += s.trajectories
-        round_groups = len(self._source(coordinator).val_rows)
         if round_groups == 0 or self.groups < round_groups:
             return None
         n, total, _ = self.resp

@@ -3,7 +3,6 @@ and over prompts, checked against the same figures computed from the raw rewards
 
 import math
 import statistics
-from types import SimpleNamespace
 
 from asyncrl.wire import ValidationStats
 from learner.validation import ValidationTracker, mean_standard_error
@@ -23,15 +22,14 @@ def _sem(xs: list[float]) -> float:
 def test_round_scores_and_standard_errors_match_the_raw_rewards():
     a = [[1, 1, 1, 0], [0, 0, 0, 0], [1, 0.5, 1, 1]]  # prompts of different difficulty
     b = [[0.25, 0.75, 1, 1], [0, 1, 0, 1]]
-    coordinator = SimpleNamespace(state=SimpleNamespace(ledger=SimpleNamespace(
-        source=SimpleNamespace(val_rows=[None] * 5, val_rounds=1))))  # fmt: skip
+    rounds_started, round_groups = 1, 5
     tracker = ValidationTracker()
-    assert tracker.pending(coordinator)
-    assert tracker.add({"a": _stats(a[:2])}, coordinator) is None  # 2 of 5 groups in
-    out = tracker.add({"a": _stats(a[2:]), "b": _stats(b)}, coordinator)
+    assert tracker.pending(rounds_started)
+    assert tracker.add({"a": _stats(a[:2])}, round_groups) is None  # 2 of 5 groups in
+    out = tracker.add({"a": _stats(a[2:]), "b": _stats(b)}, round_groups)
     flat = [r for g in a + b for r in g]
     means = [sum(g) / len(g) for g in a + b]
-    assert out is not None and not tracker.pending(coordinator)
+    assert out is not None and not tracker.pending(rounds_started)
     assert math.isclose(out["val/score"], statistics.fmean(flat))
     assert math.isclose(out["val/score_se"], _sem(flat))
     assert math.isclose(out["val/score_se_prompt"], _sem(means))

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
+from asyncrl.config.load import ConfigError
 from asyncrl.config.schema import Config
 
 # What a role reads before it can work: weights and tokenizer, the prompts (the learner's
@@ -59,6 +60,11 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                         "`asyncrl-prepare data --task arithmetic --out DIR` (or convert your "
                         "data to veRL's parquet schema)"
                     )
+        if not problems:
+            try:
+                total_training_steps(cfg)
+            except ConfigError as e:
+                problems.extend(e.problems)
     if REWARD in needs:
         scorer = cfg.reward.custom_reward_function.path
         if scorer and not Path(scorer).expanduser().is_file():
@@ -67,3 +73,33 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                 "Python file that defines your scoring function"
             )
     return problems
+
+
+def training_rows(cfg: Config) -> int:
+    """Rows in ``data.train_files``, from the parquet footers (no row is read)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 0
+    for f in cfg.data.train_files:
+        try:
+            rows += pq.ParquetFile(f).metadata.num_rows
+        except (OSError, pa.ArrowException) as e:
+            raise ConfigError([f"data.train_files: {f} is not a parquet file ({e})"]) from None
+    return rows
+
+
+def total_training_steps(cfg: Config) -> int:
+    """``trainer.total_training_steps``, or when it is null, as veRL counts them: the whole
+    batches in the training rows, times ``trainer.total_epochs``. Raises
+    :class:`ConfigError` when the rows make no batch."""
+    if cfg.trainer.total_training_steps is not None:
+        return cfg.trainer.total_training_steps
+    rows = training_rows(cfg)
+    steps = rows // cfg.data.train_batch_size * cfg.trainer.total_epochs
+    if steps == 0:
+        raise ConfigError([
+            f"trainer.total_training_steps=null: the {rows} rows of data.train_files make no "
+            f"batch of data.train_batch_size={cfg.data.train_batch_size}; lower it, or add rows"
+        ])  # fmt: skip
+    return steps

@@ -25,7 +25,7 @@ from asyncrl.control.client import CoordinatorClient, CoordinatorGone
 from asyncrl.control.coordinator import Coordinator
 from asyncrl.control.messages import SCHEMA_VERSION, Announcement, Registered, SyncStart, Task
 from asyncrl.control.setup import coordinator_from_config, state_from_config
-from asyncrl.control.state import ControlState
+from asyncrl.control.state import ControlState, ValidationProgress
 from asyncrl.control.syncs import SyncResult, SyncRound
 from asyncrl.control.task_source import TaskSource
 
@@ -43,6 +43,7 @@ __all__ = [
     "SyncStart",
     "Task",
     "TaskSource",
+    "ValidationProgress",
     "budget_limit",
     "coordinator_from_config",
     "grantable",

@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from asyncrl.control.loop import ControlLoop, poll_buffer
-from asyncrl.control.state import ControlState
+from asyncrl.control.state import ControlState, ValidationProgress
 from asyncrl.control.syncs import SyncResult, SyncRound
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ class Coordinator:
         max_grant: int = 4,
         drop_poll_s: float = 1.0,
     ):
-        self.state = state
+        self._state = state
         self.buffer_addr = buffer_addr
         self.max_grant = max_grant
         self.drop_poll_s = drop_poll_s
@@ -92,9 +92,9 @@ class Coordinator:
     def start(self, timeout_s: float = 10.0) -> Coordinator:
         """Bind and serve in background threads; returns once both sockets are bound."""
         with self._lock:
-            self.state.start_run()
+            self._state.start_run()
             if self.buffer_addr is None:  # nobody to ask for an inventory
-                self.state.recovery.needs_inventory = False
+                self._state.recovery.needs_inventory = False
         loop = threading.Thread(target=self._run_quietly, name="coordinator", daemon=True)
         self._threads.append(loop)
         loop.start()
@@ -103,7 +103,7 @@ class Coordinator:
         if self._error is not None:
             raise RuntimeError(f"coordinator failed to start: {self._error}") from self._error
         if self.buffer_addr is not None:
-            args = (self.buffer_addr, self.state, self._lock, self._stop_polling, self.drop_poll_s)
+            args = (self.buffer_addr, self._state, self._lock, self._stop_polling, self.drop_poll_s)
             poller = threading.Thread(target=poll_buffer, args=args, name="coordinator-drops")
             poller.daemon = True
             self._threads.append(poller)
@@ -157,17 +157,17 @@ class Coordinator:
     @property
     def version(self) -> int:
         with self._lock:
-            return self.state.version
+            return self._state.version
 
     def announce_version(self, version: int) -> None:
         """Make ``version`` current without a weight push (a harness advancing by hand)."""
         with self._lock:
-            self.state.announce_version(version)
+            self._state.announce_version(version)
 
     def begin_sync(self, plan: list[dict[str, Any]]) -> SyncRound:
         """Start pushing the next version (``version + 1``) with bucket plan ``plan``."""
         with self._lock:
-            rnd = self.state.begin_sync(plan)
+            rnd = self._state.begin_sync(plan)
         log.info(
             "sync %d: version %d to %s (generation %s%s)",
             rnd.sync_id,
@@ -181,12 +181,12 @@ class Coordinator:
     def pending_catchups(self) -> list[str]:
         """Servers that need the current weights before their next task."""
         with self._lock:
-            return self.state.pending_catchups(time.monotonic())
+            return self._state.pending_catchups(time.monotonic())
 
     def begin_catchup(self, server_id: str, plan: list[dict[str, Any]]) -> SyncRound:
         """Start a one-off sync of the current version to ``server_id``."""
         with self._lock:
-            rnd = self.state.begin_catchup(server_id, plan)
+            rnd = self._state.begin_catchup(server_id, plan)
         log.info("catch-up %d: version %d to %s", rnd.sync_id, rnd.version, server_id)
         return rnd
 
@@ -197,13 +197,13 @@ class Coordinator:
         ``sync.timeout_s``), then close the round: members that failed or stayed silent are
         dropped from the group and will need a catch-up; a main round's version is current.
         """
-        timeout_s = self.state.syncs.timeout_s if timeout_s is None else timeout_s
+        timeout_s = self._state.syncs.timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         with self._cond:
             self._cond.wait_for(
-                lambda: not self.state.syncs.waiting_for() or self._stop.is_set(), timeout_s
+                lambda: not self._state.syncs.waiting_for() or self._stop.is_set(), timeout_s
             )
-            result = self.state.finish_sync(sent_ok, error, now=time.monotonic())
+            result = self._state.finish_sync(sent_ok, error, now=time.monotonic())
         waited = time.monotonic() - start
         level = logging.WARNING if result.failed else logging.INFO
         log.log(
@@ -221,24 +221,23 @@ class Coordinator:
         """The learner trained on the groups of these tasks (call before the push that
         follows: the admission window moves by what the pushed weights consumed)."""
         with self._lock:
-            self.state.trained(task_ids)
+            self._state.trained(task_ids)
 
     def accounting(self) -> dict[str, float]:
         """``accounting/<kind>/...``: every task dealt, and where it is now."""
         with self._lock:
-            return self.state.ledger.accounting()
+            return self._state.ledger.accounting()
 
     def on_step(self, step: int) -> None:
         """The learner finished ``step`` (starts validation rounds per ``test_freq``)."""
         with self._lock:
-            if self.state.on_step(step):
-                log.info("validation round started at step %d", step)
+            self._state.on_step(step)
 
     def servers(self) -> dict[str, dict[str, Any]]:
         """A snapshot of the registry: per server its version, engine size, tasks held and
         the metrics of its last heartbeat."""
         with self._lock:
-            owned = self.state.ledger.owned
+            owned = self._state.ledger.owned
             return {
                 sid: {
                     "policy_version": r.policy_version,
@@ -247,46 +246,51 @@ class Coordinator:
                     "address": r.address,
                     "metrics": dict(r.metrics),
                 }
-                for sid, r in self.state.servers.items()
+                for sid, r in self._state.servers.items()
             }
 
     def start_validation(self, step: int) -> bool:
         """Start a validation round now (the end of training), unless one started at this
         step already. True when a round was started."""
         with self._lock:
-            st = self.state
-            if not st.ledger.source.val_rows or (st.last_val_step == step and step > 0):
-                return False
-            st.ledger.source.start_validation()
-            st.last_val_step = step
-            log.info("validation round started at step %d", step)
-            return True
+            return self._state.start_validation(step)
+
+    def training_left(self) -> int | None:
+        """None while the dataset has training tasks to deal; then how many training groups
+        may still reach the learner (fewer than a batch: training cannot go on)."""
+        with self._lock:
+            return self._state.training_left()
+
+    def validation_progress(self) -> ValidationProgress:
+        """How many validation rounds were started, and how many groups make a round."""
+        with self._lock:
+            return self._state.validation_progress()
 
     def server_metrics(self) -> dict[str, dict[str, float]]:
         """Each registered server's metrics from its last heartbeat (``rollout/...``)."""
         with self._lock:
-            return {sid: dict(r.metrics) for sid, r in self.state.servers.items()}
+            return {sid: dict(r.metrics) for sid, r in self._state.servers.items()}
 
     def redeal_log(self) -> list[tuple[str, str, str]]:
         """(task id, server it was taken from, cause) for every task taken back."""
         with self._lock:
-            return list(self.state.ledger.redeal_log)
+            return list(self._state.ledger.redeal_log)
 
     def state_dict(self) -> dict[str, Any]:
         """Cursor, budget, owed tasks, sync counter: save it with the learner's checkpoint."""
         with self._lock:
-            return self.state.state_dict()
+            return self._state.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved state; call before :meth:`start`."""
         if self._threads:
             raise RuntimeError("load_state_dict must come before start()")
-        self.state.load_state_dict(state)
+        self._state.load_state_dict(state)
 
     def metrics(self) -> dict[str, float]:
         """Every ``coordinator/...`` metric: budget, tasks, servers, syncs, waits."""
         with self._lock:
-            return self.state.metrics() | self._loop.metrics()
+            return self._state.metrics() | self._loop.metrics()
 
     def shutdown(self, reason: str = "training done", wait_s: float = 10.0) -> bool:
         """End the run: tell every registered server, then the buffer, then stop serving.
@@ -301,13 +305,13 @@ class Coordinator:
             self.shutdown_requested.set()
             deadline = time.monotonic() + wait_s
             with self._cond:
-                self.state.begin_shutdown(reason)
-                log.info("shutdown (%s): telling %d servers", reason, len(self.state.servers))
-                self._all_told = self._cond.wait_for(self.state.all_told, wait_s)
+                self._state.begin_shutdown(reason)
+                log.info("shutdown (%s): telling %d servers", reason, len(self._state.servers))
+                self._all_told = self._cond.wait_for(self._state.all_told, wait_s)
                 # Told servers leave at once; their Leave should still get its reply.
                 grace = min(LEAVE_GRACE_S, max(0.0, deadline - time.monotonic()))
-                self._cond.wait_for(lambda: not self.state.servers, grace)
-                untold = [s for s, r in self.state.servers.items() if not r.told_shutdown]
+                self._cond.wait_for(lambda: not self._state.servers, grace)
+                untold = [s for s, r in self._state.servers.items() if not r.told_shutdown]
             if untold:
                 log.warning("shutdown: %s could not be told within %gs", untold, wait_s)
             self._stop_polling.set()  # it would only find the buffer gone

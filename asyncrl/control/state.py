@@ -27,7 +27,7 @@ import logging
 import secrets
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from asyncrl.control.ledger import DONE, TaskLedger
 from asyncrl.control.messages import (
@@ -43,6 +43,12 @@ from asyncrl.control.recovery import Recovery
 from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
 
 log = logging.getLogger(__name__)
+
+
+class ValidationProgress(NamedTuple):
+    rounds_started: int  # validation rounds started so far (this run, resumes included)
+    round_groups: int  # groups in one round: one per validation row
+
 
 STATE_SCHEMA = 2  # 2: per-task states and consumption (1 still loads)
 
@@ -376,17 +382,37 @@ class ControlState:
     def start_run(self) -> None:
         """Before the first training task: the validation round of ``val_before_train``."""
         if self.val_before_train and self.step == 0 and self.ledger.source.val_rounds == 0:
-            self.ledger.source.start_validation()
-            self.last_val_step = 0
+            self.start_validation(0)
 
     def on_step(self, step: int) -> bool:
         """The learner finished ``step``; True when a validation round was started."""
         self.step = max(self.step, step)
         due = self.test_freq > 0 and step % self.test_freq == 0 and step > self.last_val_step
-        if due:
-            self.ledger.source.start_validation()
-            self.last_val_step = step
-        return due
+        return due and self.start_validation(step)
+
+    def start_validation(self, step: int) -> bool:
+        """The one place a validation round starts (before training, every ``test_freq``
+        steps, at the end): not when there are no validation rows, nor twice at one step
+        after the first. True when a round was started."""
+        source = self.ledger.source
+        if not source.val_rows or (self.last_val_step == step and step > 0):
+            return False
+        number = source.start_validation()
+        self.last_val_step = step
+        log.info("validation round %d started at step %d", number, step)
+        return True
+
+    def training_left(self) -> int | None:
+        """None while the dataset has training tasks to deal; once every epoch is dealt, the
+        training groups that may still reach a batch (in flight, queued or in the buffer)."""
+        if not self.ledger.source.exhausted:
+            return None
+        a = self.ledger.accounting()
+        return int(a["accounting/train/in_flight"] + a["accounting/train/in_buffer"])
+
+    def validation_progress(self) -> ValidationProgress:
+        source = self.ledger.source
+        return ValidationProgress(source.val_rounds, len(source.val_rows))
 
     def begin_shutdown(self, reason: str) -> None:
         self.shutting_down = self.shutting_down or reason or "requested"

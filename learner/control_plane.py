@@ -1,0 +1,277 @@
+"""What the learner loop asks of the run's control plane, and who answers.
+
+Rank 0 hosts the control plane (:class:`RankZero`): the coordinator (tasks, admission,
+registration, syncs), the weight pusher and its store, the buffer client, the validation
+tracker and the metrics logger. The other ranks get :class:`NoControl`, which answers every
+call with nothing, so the loop reads the same on every rank and never asks "am I rank 0?".
+
+The coordinator owns the policy version; :meth:`ControlPeer.version` reports it and the
+loop copies it into the trainer (for its checkpoints and lag metrics) in one place.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+from asyncrl.config import Config
+from asyncrl.progress import accounting_lines
+from learner.validation import ValidationTracker
+
+log = logging.getLogger(__name__)
+
+WAIT_LOG_S = 30.0  # how often a long wait for a batch is reported
+
+CONSOLE_KEYS = ("reward/mean", "val/score", "loss/pg", "importance/w_mean",
+                "lag/mean", "actor/policy_version", "timing/step_s",
+                "timing/wait_fraction")  # fmt: skip
+
+
+class Restored(NamedTuple):
+    """What a checkpoint brought back for the control plane (all None on a fresh start)."""
+
+    path: Path | None
+    last_batch_id: int | None  # the buffer resends what came after it
+    coordinator: dict[str, Any] | None  # the coordinator's saved state
+
+
+class ControlPeer(Protocol):
+    """The loop's view of the control plane; every method is a no-op off rank 0."""
+
+    def wait_batch(self, version: int, step: int) -> Any: ...
+    def trained(self, task_ids: list[str]) -> None: ...
+    def acknowledge(self, batch_ids: list[int]) -> None: ...
+    def push(self, tensors: dict[str, Any]) -> dict[str, float]: ...
+    def version(self, current: int) -> int: ...
+    def checkpoint_extra(self) -> dict[str, Any]: ...
+    def export(self, tensors: dict[str, Any], out: Path) -> None: ...
+    def after_step(self, step: int, metrics: dict[str, float], version: int) -> None: ...
+    def finish(self, step: int, validate: bool) -> None: ...
+
+
+class NoControl:
+    """The control plane as ranks other than 0 see it: nothing to do, nothing to report."""
+
+    def wait_batch(self, version: int, step: int) -> Any:
+        return None  # the batch arrives by broadcast from rank 0
+
+    def trained(self, task_ids: list[str]) -> None:
+        pass
+
+    def acknowledge(self, batch_ids: list[int]) -> None:
+        pass
+
+    def push(self, tensors: dict[str, Any]) -> dict[str, float]:
+        return {}
+
+    def version(self, current: int) -> int:
+        return current  # replaced by rank 0's in the broadcast that follows
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {}
+
+    def export(self, tensors: dict[str, Any], out: Path) -> None:
+        pass
+
+    def after_step(self, step: int, metrics: dict[str, float], version: int) -> None:
+        pass
+
+    def finish(self, step: int, validate: bool) -> None:
+        pass
+
+
+class RankZero:
+    """Rank 0's control plane, started at construction (from a checkpoint's state when
+    ``restored`` holds one): the coordinator serves servers from here on, and the buffer
+    has answered (it resends the batches after ``restored.last_batch_id``)."""
+
+    def __init__(self, cfg: Config, run_dir: Path, restored: Restored):
+        from asyncrl.config import write_resolved
+        from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
+        from asyncrl.metrics import MetricsLogger
+        from asyncrl.sync_sender import WeightPusher
+        from asyncrl.transport import BufferClient, config_endpoint
+        from asyncrl.weight_sync import open_store
+
+        self.cfg = cfg
+        self.train_batch_size = cfg.data.train_batch_size
+        self.bucket_bytes = int(cfg.sync.bucket_mb * 2**20)
+        self.validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+        self.final_wait_s = cfg.launch.start_timeout_s
+        self.plan: Any = None  # built from the first weights pushed (their names and sizes)
+        self.plan_wire: Any = None
+        self.pushed: dict[str, Any] = {}  # the last pushed weights, for catch-ups
+        self.validation = ValidationTracker()
+        write_resolved(cfg, run_dir)
+        store = open_store(
+            store_host(cfg.endpoints.host),
+            cfg.endpoints.sync_store,
+            is_host=True,
+            timeout_s=cfg.sync.timeout_s,
+        )
+        self.coordinator = coordinator_from_config(cfg, saved_state=restored.coordinator)
+        self.coordinator.start()
+        self.pusher = WeightPusher(
+            self.coordinator, store, backend=sync_backend(cfg.trainer.device),
+            timeout_s=cfg.sync.timeout_s,
+        )  # fmt: skip
+        self.buffer = BufferClient(config_endpoint(cfg.endpoints, "batches"), "learner")
+        welcome = self.buffer.hello(restored.last_batch_id, wait_s=cfg.launch.start_timeout_s)
+        log.info("buffer ready: %d unacknowledged batches come again first", welcome.redelivering)
+        self.logger = MetricsLogger(
+            run_dir,
+            cfg.trainer.logger,
+            project=cfg.trainer.project_name,
+            experiment=cfg.trainer.experiment_name,
+            config=cfg.model_dump(mode="json"),
+            console_keys=CONSOLE_KEYS,
+            fresh=restored.path is None,
+        )
+
+    # ------------------------------------------------------------------ batches
+    def wait_batch(self, version: int, step: int) -> Any:
+        """The next batch from the buffer, or None when the data is spent (every epoch dealt
+        and fewer than a batch of groups left anywhere). Consumes the buffer's releases;
+        waits as long as it takes (the rollout servers may be starting), logging every 30 s
+        while it lasts; serves catch-ups and validation polls meanwhile. Unblocked by the
+        buffer releasing a batch."""
+        start = last_log = time.monotonic()
+        silent_since = None
+        while True:
+            try:
+                batch = self.buffer.request_batch(version, wait_s=1.0)
+                silent_since = None
+            except TimeoutError:  # the buffer died or restarts: keep asking, say so
+                batch, silent_since = None, silent_since or time.monotonic()
+            if batch is not None:
+                return batch
+            left = self.coordinator.training_left()
+            if left is not None and left < self.train_batch_size:
+                log.warning(
+                    "the training data is spent after step %d: %d groups left, fewer than "
+                    "data.train_batch_size=%d (raise trainer.total_epochs, or set "
+                    "trainer.total_training_steps: null to stop where the data ends)",
+                    step, left, self.train_batch_size,
+                )  # fmt: skip
+                return None
+            self._serve_catchups()
+            self._poll_validation(step)
+            if time.monotonic() - last_log > WAIT_LOG_S:
+                last_log = time.monotonic()
+                silent = (
+                    f"; the buffer at {self.buffer.addr} silent for {last_log - silent_since:.0f}s"
+                    if silent_since
+                    else ""
+                )
+                log.info(
+                    "waiting for a batch for %.0fs (%s)%s",
+                    last_log - start, _brief(self.coordinator.metrics()), silent,
+                )  # fmt: skip
+
+    def trained(self, task_ids: list[str]) -> None:
+        """Before the push: the admission window moves by what the pushed weights consumed."""
+        self.coordinator.trained(task_ids)
+
+    def acknowledge(self, batch_ids: list[int]) -> None:
+        if not batch_ids:
+            return
+        try:
+            self.buffer.ack(batch_ids)
+        except TimeoutError as e:  # a buffer that died took these batches with it anyway
+            log.warning("acknowledging batches %s: %s", batch_ids, e)
+
+    # ------------------------------------------------------------------ weights, versions
+    def push(self, tensors: dict[str, Any]) -> dict[str, float]:
+        """Push ``tensors`` as the next version; waits for the members' reports (bounded by
+        ``sync.timeout_s``)."""
+        from asyncrl.weight_sync import plan_buckets, plan_to_wire, specs_of
+
+        start = time.monotonic()
+        if self.plan is None:
+            self.plan = plan_buckets(specs_of(tensors), self.bucket_bytes)
+            self.plan_wire = plan_to_wire(self.plan)
+        self.pushed = tensors
+        result = self.pusher.push(tensors, self.plan, self.plan_wire)
+        return {
+            "timing/weight_sync_s": time.monotonic() - start,
+            "sync/failed_members": float(len(result.failed)),
+        }
+
+    def _serve_catchups(self) -> None:
+        """Late or restarted servers get the current weights."""
+        if self.pushed and self.coordinator.pending_catchups():
+            self.pusher.serve_catchups(self.pushed, self.plan, self.plan_wire)
+
+    def version(self, current: int) -> int:
+        """The coordinator's version: the last push, or higher when a server registered with
+        a higher one (its catch-up labelled these same weights with it)."""
+        return self.coordinator.version
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {"coordinator": self.coordinator.state_dict()}
+
+    def export(self, tensors: dict[str, Any], out: Path) -> None:
+        from learner.checkpoint import export_hf
+
+        export_hf(out, tensors, self.cfg.model.path)
+        log.info("final policy exported to %s (HF format)", out)
+
+    # ------------------------------------------------------------------ steps, the end
+    def _poll_validation(self, step: int) -> None:
+        progress = self.coordinator.validation_progress()
+        done = self.validation.add(self.buffer.validation(), progress.round_groups)
+        if done:
+            self.logger.log(step, done)
+
+    def after_step(self, step: int, metrics: dict[str, float], version: int) -> None:
+        self._serve_catchups()
+        self.coordinator.on_step(step)
+        self._poll_validation(step)
+        metrics["actor/policy_version"] = version
+        metrics.update(self.coordinator.metrics())
+        metrics.update(_rollout_summary(self.coordinator.server_metrics()))
+        self.logger.log(step, metrics)
+
+    def finish(self, step: int, validate: bool) -> None:
+        """Validate the final policy (when training completed and validation is on), then
+        end the run for everyone. Waits for the round up to ``launch.start_timeout_s``."""
+        if validate and self.validating:
+            self.coordinator.start_validation(step)
+        deadline = time.monotonic() + self.final_wait_s
+        while time.monotonic() < deadline and self.validation.pending(
+            self.coordinator.validation_progress().rounds_started
+        ):
+            self._poll_validation(step)
+            time.sleep(0.5)
+        accounting = self.coordinator.accounting()
+        self.logger.log(step, accounting)
+        for line in accounting_lines([accounting]):
+            log.info("%s", line)
+        self.coordinator.shutdown("training done")
+        self.logger.close()
+        self.buffer.close()
+
+
+def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The rollout servers' heartbeat metrics, summed (rates) or averaged (fractions)."""
+    reports = [m for m in servers.values() if m]
+    if not reports:
+        return {}
+    out = {"rollout/tokens_per_s": sum(m.get("rollout/tokens_per_s", 0.0) for m in reports)}
+    # Cumulative totals over the servers: rates and waits over any window come from their
+    # differences (the benchmarks' steady-state figures).
+    for key in ("rollout/tokens", "rollout/task_wait_s", "rollout/sync_pause_s"):
+        out[key] = sum(m.get(key, 0.0) for m in reports)
+    out["rollout/servers_reporting"] = len(reports)
+    for key in ("rollout/wait_fraction", "rollout/reward_mean", "rollout/response_length_mean"):
+        values = [m[key] for m in reports if key in m]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out
+
+
+def _brief(metrics: dict[str, float]) -> str:
+    keys = ("coordinator/budget/dealt", "coordinator/budget/limit", "coordinator/servers/alive")
+    return ", ".join(f"{k.rsplit('/', 1)[-1]}={metrics[k]:.0f}" for k in keys if k in metrics)
