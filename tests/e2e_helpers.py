@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import endpoint_overrides
+from tests.helpers import endpoint_overrides, log_tails
 
 RUN = Path("asyncrl") / "cpu_demo"  # <default_local_dir>/<project>/<experiment>
 
@@ -33,7 +33,7 @@ def launch_cmd(overrides: list[str]) -> list[str]:
 
 def role_logs(run: Path) -> str:
     """The last lines of every role's log, for assertion messages."""
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in (run / "logs").glob("*.log"))
+    return log_tails(run / "logs")
 
 
 def trained_steps(records: list[dict]) -> list[dict]:

@@ -47,6 +47,12 @@ def wait_until(
     return value
 
 
+def log_tails(directory: Path, chars: int = 2000) -> str:
+    """The last ``chars`` characters of every ``*.log`` in ``directory``, for messages."""
+    logs = sorted(Path(directory).glob("*.log"))
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in logs)
+
+
 def alive(pid: int) -> bool:
     """Whether process ``pid`` runs (a zombie has exited for our purpose)."""
     try:
