@@ -9,9 +9,17 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from asyncrl.wire import Trajectory
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+    from asyncrl.config import Config
+    from asyncrl.control.messages import Task
+    from asyncrl.rewards import ScoreResult
+    from rollout_servers.engine import Sample
 
 
 @dataclass(frozen=True)
@@ -28,7 +36,7 @@ class SamplingSettings:
     seeded: bool = True  # per-request seeds (see rollout_servers.engine.cpu_token_budget)
 
     @classmethod
-    def from_config(cls, cfg: Any, seeded: bool = True) -> SamplingSettings:
+    def from_config(cls, cfg: Config, seeded: bool = True) -> SamplingSettings:
         val = cfg.rollout.val_kwargs
         return cls(
             seeded=seeded,
@@ -47,7 +55,7 @@ def request_seed(base: int, task_id: str, attempt: int, index: int) -> int:
     return zlib.crc32(f"{base}/{task_id}/{attempt}/{index}".encode()) & 0x7FFFFFFF
 
 
-def sampling_params(settings: SamplingSettings, task: Any, index: int):
+def sampling_params(settings: SamplingSettings, task: Task, index: int) -> SamplingParams:
     """vLLM ``SamplingParams`` for sample ``index`` of ``task`` (logprob of the sampled
     token at each position, ``n`` = 1: every sample is its own request)."""
     from vllm import SamplingParams
@@ -75,10 +83,10 @@ def sampling_params(settings: SamplingSettings, task: Any, index: int):
 
 
 def build_group(
-    task: Any,
+    task: Task,
     prompt_ids: list[int],
-    samples: list[Any],
-    scores: list[Any],
+    samples: list[Sample],
+    scores: list[ScoreResult],
     *,
     server_id: str,
     created_at: float,
@@ -90,7 +98,7 @@ def build_group(
     finished = time.time()
     out = []
     for index, (sample, score) in enumerate(zip(samples, scores, strict=True)):
-        spans = sample.version_spans or [(_first_version(sample), 0)]
+        spans = sample.version_spans or [(sample.start_version, 0)]
         out.append(
             Trajectory.build(
                 task_id=task.task_id,
@@ -108,11 +116,7 @@ def build_group(
                 server_id=server_id,
                 created_at=created_at,
                 finished_at=finished,
-                temperature=getattr(sample, "temperature", None),
+                temperature=sample.temperature,
             )
         )
     return out
-
-
-def _first_version(sample: Any) -> int:
-    return getattr(sample, "start_version", 0)

@@ -186,7 +186,7 @@ def test_resubmitted_pieces_draw_fresh_deterministic_seeds():
     assert pieces[0].seed == 123  # an uninterrupted request samples as it always did
     assert len({p.seed for p in pieces}) == 4
     assert [p.seed for p in pieces] == [piece_params(params, k, 1).seed for k in range(4)]
-    assert all(0 <= p.seed < 2**31 for p in pieces)
+    assert all(p.seed is not None and 0 <= p.seed < 2**31 for p in pieces)
     assert [p.max_tokens for p in pieces] == [480, 470, 460, 450]
     assert all(p.temperature == TEMPERATURE and p.logprobs == 0 for p in pieces)
     assert params.seed == 123 and params.max_tokens == 480  # the caller's are left alone

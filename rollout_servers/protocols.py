@@ -1,0 +1,143 @@
+"""What the rollout server needs from the collaborators it is handed.
+
+:class:`~rollout_servers.server.RolloutServer` is given an engine, a tokenizer, a reward
+scorer, a trajectory pusher and a coordinator client. Each protocol below lists exactly
+what the server calls on that collaborator, so a reader sees the seam without opening the
+implementation, and a test can hand the server stand-ins (no vLLM, no sockets) that a type
+checker holds to the same contract. The production implementations:
+
+- :class:`GenerationEngine`: :class:`rollout_servers.engine.RolloutEngine` (vLLM);
+- :class:`Tokenizer`: a Hugging Face tokenizer;
+- :class:`Scorer`: :class:`asyncrl.rewards.RewardPool`;
+- :class:`GroupPusher`: :class:`asyncrl.transport.TrajectoryPusher`;
+- :class:`ControlClient`: :class:`asyncrl.control.client.CoordinatorClient`.
+
+Importing this module loads no vLLM, torch or transformers.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from asyncrl.control.messages import Registered, SyncStart, TaskGrant
+from asyncrl.rewards import ScoreJob, ScoreResult
+from asyncrl.wire import Trajectory
+from rollout_servers.engine import Sample, SyncJoin
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """Generates responses and loads pushed weights, on the server's event loop."""
+
+    #: Cumulative engine metrics (``rollout/sync_pause_s``, ``rollout/resubmitted``).
+    metrics: dict[str, float]
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine has died (then the server exits to be restarted)."""
+        ...
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> Sample:
+        """One sampled response, with the policy version of each token."""
+        ...
+
+    async def sync_weights(
+        self,
+        version: int,
+        plan_wire: list[dict[str, Any]],
+        *,
+        join: SyncJoin | None = None,
+        timeout_s: float = 120.0,
+    ) -> dict[str, float]:
+        """Receive the learner's broadcast of ``version``; returns at least ``seconds``."""
+        ...
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """Chat formatting of prompts without token ids, and decoding of responses for scoring."""
+
+    def apply_chat_template(
+        self, conversation: Any, *, add_generation_prompt: bool = ..., tokenize: bool = ...
+    ) -> Any:
+        """The chat-formatted prompt (a string when ``tokenize=False``)."""
+        ...
+
+    def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]:
+        """Token ids of ``text``."""
+        ...
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = ...) -> Any:
+        """The text of ``token_ids`` (a string; Hugging Face types it ``str | list[str]``,
+        the list being for batches)."""
+        ...
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Scores a group's responses; never raises for a bad scorer (it scores 0.0)."""
+
+    def score_many(self, items: Sequence[ScoreJob]) -> list[ScoreResult]:
+        """One result per job, in order (blocking: the server calls it in a thread)."""
+        ...
+
+
+@runtime_checkable
+class GroupPusher(Protocol):
+    """Streams complete groups to the buffer."""
+
+    async def send_async(
+        self, trajectories: Sequence[Trajectory], timeout_s: float | None = None
+    ) -> float:
+        """Push one group without blocking the event loop; returns the seconds blocked."""
+        ...
+
+
+@runtime_checkable
+class ControlClient(Protocol):
+    """The server's side of the coordinator: registration, tasks, acknowledgements, syncs.
+    Its heartbeat thread sets :attr:`shutdown` or :attr:`gone` and queues sync starts."""
+
+    registered: Registered | None
+    metrics: dict[str, float]  # sent with every heartbeat
+    held_tasks: Callable[[], list[str]]  # said at (re-)registration
+    tasks_per_request: int
+    shutdown: threading.Event
+    gone: threading.Event
+
+    def register(self) -> Registered:
+        """Register, waiting for the coordinator; raises ``CoordinatorGone`` if it stays away."""
+        ...
+
+    def start_watching(self) -> object:
+        """Start heartbeating in a thread."""
+        ...
+
+    def request_tasks(self, max_tasks: int | None = None) -> TaskGrant:
+        """Up to ``max_tasks`` tasks, long-polled while none can be granted."""
+        ...
+
+    def ack(self, task_ids: list[str]) -> object:
+        """Report tasks whose groups were pushed whole."""
+        ...
+
+    def nack(self, task_ids: list[str], reason: str) -> object:
+        """Report tasks that failed before their group was pushed (dealt again)."""
+        ...
+
+    def next_sync(self, timeout_s: float = 0.0) -> SyncStart | None:
+        """The next sync start to join, waiting up to ``timeout_s`` for one."""
+        ...
+
+    def sync_done(
+        self, start: SyncStart, ok: bool, error: str = "", seconds: float = 0.0
+    ) -> object:
+        """Report the outcome of a sync."""
+        ...
