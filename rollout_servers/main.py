@@ -13,20 +13,25 @@ and exits 0 at once.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
 import signal
 import socket
+from typing import TYPE_CHECKING
 
 from asyncrl.cli import parse_role_args
 from asyncrl.config.inputs import MODEL, REWARD
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 GROUPS = ("model", "data", "rollout", "reward", "control", "sync", "endpoints", "trainer")
 log = logging.getLogger("rollout_servers")
 
 
-def _options(parser) -> None:
+def _options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server-id",
         default=None,
@@ -65,7 +70,7 @@ def _stop_while_starting(signum: int, frame: object) -> None:
     os._exit(0)
 
 
-async def serve(cfg, server_id: str) -> int:
+async def serve(cfg: Config, server_id: str) -> int:
     """Start the engine and the server's helpers, run until the run ends, clean up."""
     from transformers import AutoTokenizer
 
@@ -114,7 +119,7 @@ async def serve(cfg, server_id: str) -> int:
     server = RolloutServer(cfg, server_id, engine, tok, pool, pusher, client, seeded=seeded)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop taking tasks, leave, exit 0
-        loop.add_signal_handler(sig, client.shutdown.set)
+        loop.add_signal_handler(sig, server.stop)
     try:
         code = await server.run()
     finally:

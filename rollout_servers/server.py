@@ -11,34 +11,52 @@ coordinator's eyes and delivers sync starts and the shutdown.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections import Counter
-from typing import Any
+from collections import Counter, deque
 
-from asyncrl.control.client import CoordinatorClient, CoordinatorGone
+from asyncrl.config import Config
+from asyncrl.control.client import CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
-from rollout_servers.engine import SyncJoin
+from asyncrl.rewards import ScoreJob, ScoreResult
+from rollout_servers.engine import Sample, SyncJoin
 from rollout_servers.groups import SamplingSettings, build_group, sampling_params
+from rollout_servers.protocols import (
+    ControlClient,
+    GenerationEngine,
+    GroupPusher,
+    Scorer,
+    Tokenizer,
+)
 from rollout_servers.worker_ext import PARTLY_LOADED
 
 log = logging.getLogger(__name__)
 
+#: Responses the recent reward and length means are taken over.
+RECENT = 1000
+#: How often the task loop reports metrics (they ride on the next heartbeat) and, while
+#: its slots are full, looks at the stop flags the heartbeat thread sets.
+REPORT_EVERY_S = 1.0
+#: How often the task loop logs a progress line.
+LOG_EVERY_S = 30.0
+
 
 class RolloutServer:
-    """One rollout server: an engine, a coordinator client, a reward pool, a pusher."""
+    """One rollout server: an engine, a coordinator client, a reward pool, a pusher (what
+    it needs of each: :mod:`rollout_servers.protocols`)."""
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
         server_id: str,
-        engine: Any,
-        tokenizer: Any,
-        pool: Any,
-        pusher: Any,
-        client: CoordinatorClient,
+        engine: GenerationEngine,
+        tokenizer: Tokenizer,
+        pool: Scorer,
+        pusher: GroupPusher,
+        client: ControlClient,
         seeded: bool = True,
-    ):
+    ) -> None:
         self.cfg = cfg
         self.server_id = server_id
         self.engine = engine
@@ -49,6 +67,8 @@ class RolloutServer:
         self.settings = SamplingSettings.from_config(cfg, seeded=seeded)
         self.max_inflight = cfg.rollout.max_inflight
         self.inflight = 0  # sampled responses being generated now
+        # Set when responses finish (their slots are free again) or stop() is called.
+        self._slots_freed = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.held: dict[str, Task] = {}  # tasks being generated, by id
         client.held_tasks = lambda: list(self.held)  # said at (re-)registration
@@ -60,8 +80,8 @@ class RolloutServer:
             "rollout/task_wait_s": 0.0, "rollout/groups": 0, "rollout/tokens": 0,
             "rollout/prompts_truncated": 0, "rollout/task_errors": 0, "rollout/push_wait_s": 0.0,
         }  # fmt: skip
-        self.rewards: list[float] = []
-        self.lengths: list[int] = []
+        self.rewards: deque[float] = deque(maxlen=RECENT)  # of the latest responses
+        self.lengths: deque[int] = deque(maxlen=RECENT)
         self.started = time.monotonic()
         # Task wait = time with nothing in flight (idle, waiting for a grant): set when the
         # last sequence finishes, added to rollout/task_wait_s when tasks arrive.
@@ -72,7 +92,8 @@ class RolloutServer:
         """Consumes task grants and sync starts; produces pushed groups and
         acknowledgements. Waits in the coordinator's task long-poll (at most
         ``control.heartbeat_s``) when the admission budget is closed, and for free
-        in-flight slots. Unblocked by grants, syncs, shutdown or the coordinator going away.
+        in-flight slots. Unblocked by grants, finished groups, syncs, :meth:`stop`, shutdown
+        or the coordinator going away.
         Returns 0 at shutdown, 3 if the coordinator is gone."""
         try:
             reg = await asyncio.to_thread(self.client.register)
@@ -104,22 +125,30 @@ class RolloutServer:
 
     async def _task_loop(self) -> None:
         """Keeps up to ``rollout.max_inflight`` responses generating: asks for tasks ahead
-        of need, never more than the free slots hold."""
+        of need, never more than the free slots hold.
+
+        Consumes task grants; produces generation tasks (:meth:`_run_task`), metrics
+        snapshots for the heartbeat (every ``REPORT_EVERY_S``) and progress lines. Waits in
+        the coordinator's task long-poll (at most ``control.heartbeat_s``) while slots are
+        free, and on :attr:`_slots_freed` while fewer than a group's ``rollout.n`` are
+        free. Unblocked by a grant, a group finishing (or failing), :meth:`stop`, or the
+        next report; ends at shutdown, when the coordinator is gone, or when the engine
+        died."""
         last_log = time.monotonic()
         last_report = 0.0
+        n = max(self.cfg.rollout.n, 1)
         while not self._stopping():
-            if time.monotonic() - last_report > 1.0:  # rides on the next heartbeat
+            if time.monotonic() - last_report >= REPORT_EVERY_S:
                 self.client.metrics = self.snapshot()
                 last_report = time.monotonic()
-            if time.monotonic() - last_log > 30:
+            if time.monotonic() - last_log > LOG_EVERY_S:
                 self._log_progress()
                 last_log = time.monotonic()
-            free = self.max_inflight - self.inflight
-            n = max(self.cfg.rollout.n, 1)
-            if free < n:  # wait for a group to finish
-                await asyncio.sleep(0.01)
+            if self._free() < n:
+                next_report = last_report + REPORT_EVERY_S - time.monotonic()
+                await self._wait_for_slots(max(next_report, 0.0))
                 continue
-            want = max(1, min(self.client.tasks_per_request, free // n))
+            want = max(1, min(self.client.tasks_per_request, self._free() // n))
             grant = await asyncio.to_thread(self.client.request_tasks, want)
             if not grant.tasks:
                 continue
@@ -132,9 +161,35 @@ class RolloutServer:
                 self.tasks.add(t)
                 t.add_done_callback(self.tasks.discard)
 
+    def _free(self) -> int:
+        return self.max_inflight - self.inflight
+
+    async def _wait_for_slots(self, timeout_s: float) -> None:
+        """Wait until responses finish or :meth:`stop` is called, at most ``timeout_s``: a
+        shutdown or a lost coordinator, flagged by the heartbeat thread, wakes no one."""
+        self._slots_freed.clear()
+        with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11 on
+            await asyncio.wait_for(self._slots_freed.wait(), timeout_s)
+
+    def _free_slots(self, n: int) -> None:
+        """Give back ``n`` slots and wake the task loop if it waits for them."""
+        self.inflight -= n
+        if self.inflight == 0:
+            self._idle_since = time.monotonic()
+        self._slots_freed.set()
+
+    def stop(self) -> None:
+        """Stop taking tasks and end :meth:`run` (SIGTERM): the task loop wakes at once,
+        even with its slots full. Call it on the server's event loop."""
+        self.client.shutdown.set()
+        self._slots_freed.set()
+
     async def _run_task(self, task: Task) -> None:
         """Generate ``task.n`` responses, score them, push the group, acknowledge it. A
-        task that fails before its group is pushed is reported back (dealt again)."""
+        task that fails before its group is pushed is reported back (dealt again).
+
+        Waits for the engine, the reward workers and the pusher (which blocks while the
+        buffer does not read); its slots are given back however it ends."""
         created = time.time()
         pushed = False
         self.held[task.task_id] = task
@@ -146,8 +201,10 @@ class RolloutServer:
                 for i in range(task.n)
             ])  # fmt: skip
             texts = [self.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-            items = [(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]
-            scores = await asyncio.to_thread(self.pool.score_many, items)
+            jobs = [
+                ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts
+            ]
+            scores = await asyncio.to_thread(self.pool.score_many, jobs)
             group = build_group(
                 task, prompt, samples, scores, server_id=self.server_id, created_at=created
             )
@@ -166,9 +223,7 @@ class RolloutServer:
             self._check_engine(e)
         finally:
             self.held.pop(task.task_id, None)
-            self.inflight -= task.n
-            if self.inflight == 0:
-                self._idle_since = time.monotonic()
+            self._free_slots(task.n)
 
     def _prompt_ids(self, task: Task) -> list[int]:
         from asyncrl.prepare.tokenizer import chat_prompt_ids
@@ -230,7 +285,7 @@ class RolloutServer:
         await asyncio.to_thread(self.client.sync_done, start, True, "", stats["seconds"])
 
     # ----------------------------------------------------------------- metrics
-    def _count(self, samples: list[Any], scores: list[Any], task: Task) -> None:
+    def _count(self, samples: list[Sample], scores: list[ScoreResult], task: Task) -> None:
         self.groups_done += 1
         self.metrics["rollout/groups"] += 1
         for s, score in zip(samples, scores, strict=True):
@@ -263,10 +318,8 @@ class RolloutServer:
         waited = out["rollout/task_wait_s"] + self.engine.metrics["rollout/sync_pause_s"]
         out["rollout/wait_fraction"] = min(1.0, waited / elapsed)
         if self.rewards:
-            out["rollout/reward_mean"] = sum(self.rewards[-1000:]) / len(self.rewards[-1000:])
-            out["rollout/response_length_mean"] = sum(self.lengths[-1000:]) / len(
-                self.lengths[-1000:]
-            )
+            out["rollout/reward_mean"] = sum(self.rewards) / len(self.rewards)
+            out["rollout/response_length_mean"] = sum(self.lengths) / len(self.lengths)
         for version, n in self.tokens_by_version.items():
             out[f"rollout/tokens_by_version/{version}"] = n
         return out

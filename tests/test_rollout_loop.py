@@ -1,0 +1,255 @@
+"""The rollout server's loop with stand-ins for its collaborators (no vLLM, no sockets): it
+sleeps while its slots are full instead of polling, takes the next tasks as soon as a group
+finishes, stops at once when told, and keeps bounded windows of recent rewards and lengths.
+The stand-ins satisfy the protocols in :mod:`rollout_servers.protocols`, which a type
+checker holds them to (see the typed assignments in :func:`_server`)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from asyncrl.config import load_config
+from asyncrl.control.messages import Registered, SyncStart, Task, TaskGrant
+from asyncrl.rewards import ScoreJob, ScoreResult
+from asyncrl.wire import Trajectory
+from rollout_servers import protocols, server
+from rollout_servers.engine import Sample, SyncJoin
+from rollout_servers.server import RECENT, RolloutServer
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+N = 2  # responses per task
+RESPONSE = [7, 8, 9]
+
+
+class StandInEngine:
+    """Answers every request with :data:`RESPONSE` once :attr:`gate` opens."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
+        self.gate = asyncio.Event()
+        self.requests = 0
+
+    @property
+    def errored(self) -> bool:
+        return False
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> Sample:
+        self.requests += 1
+        await self.gate.wait()
+        return Sample(list(RESPONSE), [-0.5] * len(RESPONSE), [(0, len(RESPONSE))], "stop")
+
+    async def sync_weights(
+        self,
+        version: int,
+        plan_wire: list[dict[str, Any]],
+        *,
+        join: SyncJoin | None = None,
+        timeout_s: float = 120.0,
+    ) -> dict[str, float]:
+        return {"seconds": 0.0}
+
+
+class StandInTokenizer:
+    """Token ids as space-separated numbers."""
+
+    def apply_chat_template(
+        self, conversation: Any, *, add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> Any:
+        return " ".join(m["content"] for m in conversation)
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> Any:
+        return " ".join(map(str, token_ids))
+
+
+class StandInScorer:
+    def score_many(self, items: Sequence[ScoreJob]) -> list[ScoreResult]:
+        return [ScoreResult(1.0) for _ in items]
+
+
+class StandInPusher:
+    def __init__(self) -> None:
+        self.groups: list[Sequence[Trajectory]] = []
+
+    async def send_async(
+        self, trajectories: Sequence[Trajectory], timeout_s: float | None = None
+    ) -> float:
+        self.groups.append(trajectories)
+        return 0.0
+
+
+class StandInClient:
+    """Grants tasks from a counter; with none to give, holds the request briefly, as the
+    coordinator's long-poll does."""
+
+    def __init__(self, tasks: int) -> None:
+        self.registered: Registered | None = None
+        self.metrics: dict[str, float] = {}
+        self.held_tasks: Callable[[], list[str]] = list
+        self.tasks_per_request = 4
+        self.shutdown = threading.Event()
+        self.gone = threading.Event()
+        self.left = tasks
+        self.requests: list[float] = []  # when each task request was made
+        self.acked: list[str] = []
+
+    def register(self) -> Registered:
+        self.registered = Registered(
+            server_id="s",
+            session="1",
+            policy_version=0,
+            sync_store_host="127.0.0.1",
+            sync_store_port=1,
+            generation="",
+            heartbeat_s=0.2,
+            dead_after_s=2.0,
+            catchup=False,
+        )
+        return self.registered
+
+    def start_watching(self) -> object:
+        return None
+
+    def request_tasks(self, max_tasks: int | None = None) -> TaskGrant:
+        self.requests.append(time.monotonic())
+        take = min(max_tasks or self.tasks_per_request, self.left)
+        if not take:
+            time.sleep(0.05)
+        self.left -= take
+        first = len(self.acked) + self.left
+        tasks = [_task(f"train/0/{first + i}") for i in range(take)]
+        return TaskGrant(tasks=tasks, policy_version=0)
+
+    def ack(self, task_ids: list[str]) -> object:
+        self.acked += task_ids
+        return None
+
+    def nack(self, task_ids: list[str], reason: str) -> object:
+        raise AssertionError(f"no task should fail here: {reason}")
+
+    def next_sync(self, timeout_s: float = 0.0) -> SyncStart | None:
+        time.sleep(timeout_s)
+        return None
+
+    def sync_done(
+        self, start: SyncStart, ok: bool, error: str = "", seconds: float = 0.0
+    ) -> object:
+        return None
+
+
+def _task(task_id: str) -> Task:
+    return Task(
+        task_id=task_id,
+        data_source="arithmetic",
+        prompt=[{"role": "user", "content": "1+1="}],
+        ground_truth="2",
+        n=N,
+        prompt_token_ids=[1, 2, 3],
+    )
+
+
+def _server(client: StandInClient, max_inflight: int) -> tuple[RolloutServer, StandInEngine]:
+    cfg = load_config(None, [f"rollout.n={N}", f"rollout.max_inflight={max_inflight}"])
+    engine = StandInEngine()
+    parts: tuple[
+        protocols.GenerationEngine,
+        protocols.Tokenizer,
+        protocols.Scorer,
+        protocols.GroupPusher,
+        protocols.ControlClient,
+    ] = (engine, StandInTokenizer(), StandInScorer(), StandInPusher(), client)
+    kinds = (
+        protocols.GenerationEngine,
+        protocols.Tokenizer,
+        protocols.Scorer,
+        protocols.GroupPusher,
+        protocols.ControlClient,
+    )
+    for part, protocol in zip(parts, kinds, strict=True):
+        assert isinstance(part, protocol), f"{type(part).__name__} is no {protocol.__name__}"
+    return RolloutServer(cfg, "s", *parts), engine
+
+
+@pytest.fixture(autouse=True)
+def _no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampling parameters are the engine's business; importing vLLM for them takes seconds."""
+    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+
+
+async def _until(pred: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def test_full_slots_wait_without_polling_and_wake_when_a_group_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        client = StandInClient(tasks=2)
+        srv, engine = _server(client, max_inflight=N)  # one group fills every slot
+        checks = 0  # of the free slots: once or twice per turn of the task loop
+        free = srv._free
+
+        def counted() -> int:
+            nonlocal checks
+            checks += 1
+            return free()
+
+        monkeypatch.setattr(srv, "_free", counted)
+        run = asyncio.create_task(srv.run())
+        await _until(lambda: engine.requests == N, "the first group to start")
+        assert len(client.requests) == 1 and srv.inflight == N
+        checks = 0
+        await asyncio.sleep(0.5)
+        # Polling every 10 ms made ~50 checks; waiting wakes only for the 1 s report.
+        assert checks <= 2, checks
+        assert len(client.requests) == 1  # no task asked for while no slot is free
+        engine.gate.set()
+        finished = time.monotonic()
+        await _until(lambda: len(client.acked) == 2, "both groups")
+        assert client.requests[1] - finished < 0.2  # the freed slots were taken at once
+        srv.stop()
+        assert await asyncio.wait_for(run, 2.0) == 0
+
+    asyncio.run(scenario())
+
+
+def test_stop_wakes_a_loop_whose_slots_are_full() -> None:
+    async def scenario() -> None:
+        client = StandInClient(tasks=1)
+        srv, engine = _server(client, max_inflight=N)
+        run = asyncio.create_task(srv.run())
+        await _until(lambda: engine.requests == N, "the group to start")
+        stopped = time.monotonic()
+        srv.stop()
+        assert await asyncio.wait_for(run, 2.0) == 0
+        assert time.monotonic() - stopped < 0.2
+        assert client.acked == []  # the unfinished group was cancelled, not pushed
+
+    asyncio.run(scenario())
+
+
+def test_recent_windows_are_bounded() -> None:
+    srv, _ = _server(StandInClient(tasks=0), max_inflight=N)
+    sample = Sample(list(RESPONSE), [-0.5] * 3, [(0, 3)], "stop")
+    for i in range(RECENT):  # 2 * RECENT responses: the first half scored 0, then 1
+        score = ScoreResult(float(i >= RECENT // 2))
+        srv._count([sample, sample], [score, score], _task(f"train/0/{i}"))
+    assert len(srv.rewards) == len(srv.lengths) == RECENT
+    assert srv.snapshot()["rollout/reward_mean"] == 1.0  # only the latest RECENT responses
+    assert srv.snapshot()["rollout/response_length_mean"] == len(RESPONSE)
