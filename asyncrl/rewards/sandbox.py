@@ -105,7 +105,11 @@ def _run_job(scorer: Any, job: ScoreJob) -> tuple[str, Any]:
 
 
 def _worker_main(conn: Connection, custom_path: str | None, custom_name: str) -> None:
-    """Entry point of a worker process: load the scorer, then serve jobs until told to stop."""
+    """Entry point of a worker process: load the scorer, then serve jobs until told to stop.
+
+    Consumes :class:`ScoreJob` s from its pipe; produces one answer per job. Waits on the
+    pipe for the next job; unblocked by a job, by ``None`` (stop) or by the parent going
+    away (end of file). A job that hangs is not its business: the parent kills it."""
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
