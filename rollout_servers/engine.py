@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,10 @@ class Sample:
     start_version: int = 0  # the version when the request started (empty responses)
     temperature: float | None = None
 
-    def extend(self, token_ids: list[int], logprobs: list[float], spans: list[tuple[int, int]]):
+    def extend(
+        self, token_ids: list[int], logprobs: list[float], spans: list[tuple[int, int]]
+    ) -> None:
+        """Append one piece of the response (a re-submission continues the same sample)."""
         self.token_ids += token_ids
         self.logprobs += logprobs
         for version, n in spans:
@@ -100,7 +104,7 @@ def engine_args(
     enforce_eager: bool = True,
     max_num_seqs: int = 128,
     max_num_batched_tokens: int | None = None,
-):
+) -> AsyncEngineArgs:
     """vLLM engine arguments for a rollout server: logprobs after temperature (what was
     actually sampled from) and the weight-sync worker extension."""
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -125,7 +129,7 @@ class RolloutEngine:
     """Generation and weight loading on one vLLM engine. All methods run on the event loop
     that created the engine."""
 
-    def __init__(self, llm: Any, sync_mode: str = "keep", version: int = 0):
+    def __init__(self, llm: Any, sync_mode: str = "keep", version: int = 0) -> None:
         if sync_mode not in ("keep", "abort"):
             raise ValueError(f"sync_mode must be keep or abort, got {sync_mode!r}")
         self.llm = llm
@@ -138,7 +142,9 @@ class RolloutEngine:
         self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
 
     @classmethod
-    async def start(cls, args, sync_mode: str = "keep", version: int = 0) -> RolloutEngine:
+    async def start(
+        cls, args: AsyncEngineArgs, sync_mode: str = "keep", version: int = 0
+    ) -> RolloutEngine:
         """Start vLLM from :func:`engine_args` (~20-30 s on 2 CPU cores)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -148,6 +154,7 @@ class RolloutEngine:
         return engine
 
     def shutdown(self) -> None:
+        """Stop vLLM's engine core and workers."""
         self.llm.shutdown()
 
     @property

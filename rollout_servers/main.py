@@ -26,6 +26,7 @@ from asyncrl.config.inputs import MODEL, REWARD
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from rollout_servers.engine import RolloutEngine
 
 GROUPS = ("model", "data", "rollout", "reward", "control", "sync", "endpoints", "trainer")
 log = logging.getLogger("rollout_servers")
@@ -70,15 +71,10 @@ def _stop_while_starting(signum: int, frame: object) -> None:
     os._exit(0)
 
 
-async def serve(cfg: Config, server_id: str) -> int:
-    """Start the engine and the server's helpers, run until the run ends, clean up."""
-    from transformers import AutoTokenizer
-
-    from asyncrl.control.client import CoordinatorClient
-    from asyncrl.rewards import RewardPool
-    from asyncrl.transport import TrajectoryPusher, config_endpoint
+async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
+    """Start vLLM; returns the engine and whether requests may be seeded (on CPU only when
+    a step's token budget holds every sequence whole)."""
     from rollout_servers.engine import RolloutEngine, cpu_token_budget, engine_args
-    from rollout_servers.server import RolloutServer
 
     ro = cfg.rollout
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -94,13 +90,29 @@ async def serve(cfg: Config, server_id: str) -> int:
                 max_len,
             )
     args = engine_args(
-        cfg.model.path, dtype=cfg.model.dtype,
-        max_model_len=max_len, max_num_batched_tokens=budget,
-        seed=cfg.trainer.seed, tensor_parallel_size=ro.tensor_model_parallel_size,
-        gpu_memory_utilization=ro.gpu_memory_utilization, enforce_eager=ro.enforce_eager,
+        cfg.model.path,
+        dtype=cfg.model.dtype,
+        max_model_len=max_len,
+        max_num_batched_tokens=budget,
+        seed=cfg.trainer.seed,
+        tensor_parallel_size=ro.tensor_model_parallel_size,
+        gpu_memory_utilization=ro.gpu_memory_utilization,
+        enforce_eager=ro.enforce_eager,
         max_num_seqs=ro.max_inflight,
-    )  # fmt: skip
-    engine = await RolloutEngine.start(args, sync_mode=ro.sync_mode)
+    )
+    return await RolloutEngine.start(args, sync_mode=ro.sync_mode), seeded
+
+
+async def serve(cfg: Config, server_id: str) -> int:
+    """Start the engine and the server's helpers, run until the run ends, clean up."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.control.client import CoordinatorClient
+    from asyncrl.rewards import RewardPool
+    from asyncrl.transport import TrajectoryPusher, config_endpoint
+    from rollout_servers.server import RolloutServer
+
+    engine, seeded = await _start_engine(cfg)
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     custom = cfg.reward.custom_reward_function
     pool = RewardPool(
@@ -113,7 +125,7 @@ async def serve(cfg: Config, server_id: str) -> int:
     client = CoordinatorClient.from_config(
         cfg,
         server_id,
-        engine_world_size=ro.tensor_model_parallel_size,
+        engine_world_size=cfg.rollout.tensor_model_parallel_size,
         address=f"{socket.gethostname()} pid {os.getpid()}",
     )
     server = RolloutServer(cfg, server_id, engine, tok, pool, pusher, client, seeded=seeded)

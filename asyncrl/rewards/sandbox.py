@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, NamedTuple
 
 from asyncrl.rewards.registry import (
+    ScoreFn,
     check_custom_path,
     default_compute_score,
     load_custom_scorer,
@@ -87,7 +88,7 @@ class ScoreJob(NamedTuple):
 # ------------------------------------------------------------------------ worker process
 
 
-def _run_job(scorer: Any, job: ScoreJob) -> tuple[str, Any]:
+def _run_job(scorer: ScoreFn, job: ScoreJob) -> tuple[str, Any]:
     data_source, solution_str, ground_truth, extra_info = job
     try:
         value = scorer(
