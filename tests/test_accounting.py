@@ -51,9 +51,11 @@ class Run:
     trained_ids: list[str] = field(default_factory=list)
     lags: list[int] = field(default_factory=list)
     ack: bool = True  # acknowledge each batch (a checkpoint every step)
+    rows: int = 10_000  # training rows, dealt for ``epochs`` epochs (None: without end)
+    epochs: int | None = None
 
     def __post_init__(self) -> None:
-        self.st = _state(self.lag)
+        self.st = _state(self.lag, rows=self.rows, epochs=self.epochs)
         self.buf = ReplayBuffer(batch_size=B, capacity_groups=10**6, max_policy_lag=self.lag)
         self.st.register(m.Register(server_id="s", engine_world_size=0), now=0.0)
 
@@ -109,8 +111,10 @@ class Run:
         return a
 
 
-def _state(lag: int, min_servers_to_start: int = 1, **kw) -> ControlState:
-    source = TaskSource(_rows(10_000), shuffle=False, n=N)
+def _state(
+    lag: int, min_servers_to_start: int = 1, rows: int = 10_000, epochs: int | None = None, **kw
+) -> ControlState:
+    source = TaskSource(_rows(rows), shuffle=False, n=N, total_epochs=epochs)
     ledger = TaskLedger(source, Budget(lag, B), lag_retries=1, **kw)
     return ControlState(
         ledger, SyncBook(), heartbeat_s=0.5, dead_after_s=2.0, store_host="h", store_port=1,
@@ -142,6 +146,19 @@ def test_a_task_failing_every_time_is_given_up_and_counted():
     a = run.acct()
     assert a["accounting/train/given_up"] == 1 and "train/0/0" not in run.trained_ids
     assert st.ledger.counts["failures/failed"] == 3
+
+
+def test_when_the_data_is_spent_the_learner_is_told_no_batch_will_come():
+    """One epoch of 9 prompts, one given up: after two batches 0 groups are left anywhere,
+    fewer than a batch, so the learner stops instead of waiting for a third forever."""
+    run = Run(1, rows=9, epochs=1)
+    assert run.st.training_left() is None  # the dataset still has tasks to deal
+    run.generate(fail={"train/0/4"}, always=True)
+    while run.step():
+        run.generate(fail={"train/0/4"}, always=True)
+    a = run.acct()
+    assert run.steps == 2 and a["accounting/train/given_up"] == 1
+    assert run.st.training_left() == 0 < B
 
 
 def test_an_outstanding_task_older_than_task_timeout_is_reclaimed():

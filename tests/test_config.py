@@ -260,3 +260,21 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path):
     scorer = f"reward.custom_reward_function.path={tmp_path}/score.py"
     assert "score.py does not exist" in problems(f"model.path={model}", scorer)[0]
     assert problems(f"model.path={model}", scorer, needs=(MODEL, DATA)) == []
+
+
+def test_null_total_training_steps_counts_whole_batches_times_epochs(tmp_path):
+    """veRL's count: len(dataloader) (whole batches, the last partial one dropped) times
+    total_epochs; rows that make no batch are a config error with the fix."""
+    from asyncrl.config.inputs import DATA, input_problems, total_training_steps
+    from asyncrl.tasks import prepare_task_data
+
+    prepare_task_data("arithmetic", tmp_path, seed=0, n_train=50, n_val=4)
+    base = [f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/val.parquet",
+            "trainer.total_training_steps=null"]  # fmt: skip
+    cfg = load_config(None, [*base, "data.train_batch_size=16", "trainer.total_epochs=3"])
+    assert total_training_steps(cfg) == 50 // 16 * 3 == 9
+    assert total_training_steps(load_config(None, ["trainer.total_training_steps=7"])) == 7
+    too_big = load_config(None, [*base, "data.train_batch_size=64", "trainer.save_freq=-1"])
+    with pytest.raises(ConfigError, match="make no batch of data.train_batch_size=64"):
+        total_training_steps(too_big)
+    assert "make no batch" in input_problems(too_big, [DATA])[0]
