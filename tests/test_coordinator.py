@@ -4,6 +4,7 @@ rank 0), inside the stand-in learner; the buffer service runs in a thread of it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from asyncrl.standins.rollout import read_journal
 from asyncrl.tasks import make_row, write_rows
 from asyncrl.transport import BufferClient, config_endpoint
 from buffer.service import BufferService
+from tests.helpers import log_tails, wait_until
 
 BASE = [
     "control.heartbeat_s=0.2",
@@ -36,15 +38,11 @@ def _rows(n: int, split: str = "train") -> list[dict]:
     return [make_row("arithmetic", f"{i}+2=", str(i + 2), split=split, index=i) for i in range(n)]
 
 
-def wait_until(pred: Callable[[], bool], what: str, logs: Path, timeout_s: float = 40.0) -> None:
-    """Poll ``pred`` until true; on timeout fail with the stand-ins' logs."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    tails = {p.name: p.read_text()[-1500:] for p in logs.glob("*.log")}
-    pytest.fail(f"timed out after {timeout_s}s waiting for {what}; logs: {tails}")
+@pytest.fixture
+def until(tmp_path) -> Callable[..., object]:
+    """``until(pred, what)``: :func:`wait_until` for up to 40 s, failing with the stand-ins'
+    logs (they write them to ``tmp_path``)."""
+    return functools.partial(wait_until, timeout_s=40, details=lambda: log_tails(tmp_path))
 
 
 def events(path: Path, kind: str) -> list[dict]:
@@ -80,7 +78,9 @@ def _metric(coord: Coordinator, key: str) -> float:
 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("lag", [0, 1, 4])
-def test_admission_deals_exactly_the_budget_and_resumes_per_version(tmp_path, start_standin, lag):
+def test_admission_deals_exactly_the_budget_and_resumes_per_version(
+    tmp_path, start_standin, until, lag
+):
     overrides = [*BASE, f"staleness.max_policy_lag={lag}", "staleness.sync_every=2"]
     cfg, config = loopback_config(tmp_path, overrides)
     per_version = 4 * 2  # train_batch_size * sync_every
@@ -93,10 +93,9 @@ def test_admission_deals_exactly_the_budget_and_resumes_per_version(tmp_path, st
         try:
             proc, journal = start_standin(config, "s0")
             coord = learner.coordinator
-            wait_until(
+            until(
                 lambda: len(acked(journal)) == limit and _metric(coord, "coordinator/waits/budget"),
                 f"{limit} tasks acknowledged and a refused request",
-                tmp_path,
             )
             time.sleep(0.5)  # the server keeps asking; the budget must hold
             assert len(events(journal, "task")) == limit
@@ -104,16 +103,15 @@ def test_admission_deals_exactly_the_budget_and_resumes_per_version(tmp_path, st
             assert buf.stats()["buffer/groups_in"] == limit  # every group reached the buffer
 
             learner.advance()  # version 1: one more version's worth, no more
-            wait_until(lambda: len(acked(journal)) == limit + per_version, "dealing", tmp_path)
+            until(lambda: len(acked(journal)) == limit + per_version, "dealing")
             time.sleep(0.3)
             assert len(events(journal, "task")) == limit + per_version
-            wait_until(  # servers report their own metrics with their heartbeats
+            until(  # servers report their own metrics with their heartbeats
                 lambda: (
                     coord.servers()["s0"]["metrics"].get("rollout/groups_pushed")
                     == limit + per_version
                 ),
                 "the server's metrics",
-                tmp_path,
             )
             assert learner.shutdown(wait_s=5)
             assert proc.wait(10) == 0
@@ -134,7 +132,7 @@ def _train_on_everything(buf: BufferClient, batches: int) -> list[str]:
 
 @pytest.mark.timeout(90)
 def test_killed_client_tasks_are_redealt_to_the_other_and_the_epoch_arrives_once(
-    tmp_path, start_standin
+    tmp_path, start_standin, until
 ):
     n_rows = 24
     data = write_rows(_rows(n_rows), tmp_path / "train.parquet")
@@ -154,19 +152,18 @@ def test_killed_client_tasks_are_redealt_to_the_other_and_the_epoch_arrives_once
         coord = learner.coordinator
         try:
             a, ja = start_standin(config, "a", hold_after=4)
-            wait_until(lambda: events(ja, "hold"), "a to hold a grant", tmp_path)
+            until(lambda: events(ja, "hold"), "a to hold a grant")
             b, jb = start_standin(config, "b", task_delay_s=0.02)
-            wait_until(lambda: len(acked(jb)) >= 2, "b to work", tmp_path)
+            until(lambda: len(acked(jb)) >= 2, "b to work")
             a.kill()  # SIGKILL, mid-run: a holds a grant it never pushed
             a.wait(10)
             held = events(ja, "hold")[0]["task_ids"]
             received_a = [e["task_id"] for e in events(ja, "task")]
             assert set(received_a) - set(acked(ja)) == set(held) and len(held) == 2
 
-            wait_until(
+            until(
                 lambda: _metric(coord, "coordinator/tasks/train_acked") == n_rows,
                 "every task acknowledged",
-                tmp_path,
             )
             # Exactly a's unacknowledged tasks, and no others, were re-dealt; b got them.
             assert coord.redeal_log() == [(tid, "a", "dead") for tid in held]
@@ -187,15 +184,15 @@ def test_killed_client_tasks_are_redealt_to_the_other_and_the_epoch_arrives_once
 
 
 @pytest.mark.timeout(90)
-def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin):
+def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin, until):
     cfg, config = loopback_config(tmp_path, [*BASE, "staleness.max_policy_lag=1"])
     rows = _rows(40)
     with BufferService.from_config(cfg):
         first = Coordinator.from_config(cfg, train_rows=rows, val_rows=[]).start()
         _, journal = start_standin(config, "s0")
         try:
-            wait_until(lambda: len(acked(journal)) == 8, "the first 8 tasks", tmp_path)
-            wait_until(lambda: _metric(first, "coordinator/waits/budget"), "a refusal", tmp_path)
+            until(lambda: len(acked(journal)) == 8, "the first 8 tasks")
+            until(lambda: _metric(first, "coordinator/waits/budget"), "a refusal")
             saved = first.state_dict()
         finally:
             first.stop()  # a crash, as the server sees it
@@ -204,12 +201,12 @@ def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin):
         second = Coordinator.from_config(cfg, train_rows=rows, val_rows=[], saved_state=saved)
         second.start()
         try:
-            wait_until(lambda: "s0" in second.servers(), "s0 to register again", tmp_path)
+            until(lambda: "s0" in second.servers(), "s0 to register again")
             time.sleep(0.5)
             assert _metric(second, "coordinator/budget/dealt") == 8  # the budget came back too
             assert len(acked(journal)) == 8
             second.announce_version(1)
-            wait_until(lambda: len(acked(journal)) == 12, "4 more tasks", tmp_path)
+            until(lambda: len(acked(journal)) == 12, "4 more tasks")
             after = acked(journal)[8:]
             assert after == [f"train/0/{p}" for p in range(8, 12)]  # where the cursor was
             assert not set(after) & set(before)
@@ -219,7 +216,7 @@ def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin):
 
 
 @pytest.mark.timeout(120)
-def test_sync_through_the_coordinator_and_a_late_joiner_catches_up(tmp_path, start_standin):
+def test_sync_through_the_coordinator_and_a_late_joiner_catches_up(tmp_path, start_standin, until):
     cfg, config = loopback_config(tmp_path, [*BASE, "staleness.max_policy_lag=3"])
     with BufferService.from_config(cfg):
         learner = StandInLearner(cfg, tensors=random_weights(1), train_rows=_rows(60), val_rows=[])
@@ -230,25 +227,24 @@ def test_sync_through_the_coordinator_and_a_late_joiner_catches_up(tmp_path, sta
             (_, ja), (_, jb) = (
                 start_standin(config, s, weights=True, hold_after=2) for s in ("a", "b")
             )
-            wait_until(lambda: events(ja, "hold") and events(jb, "hold"), "a and b", tmp_path)
+            until(lambda: events(ja, "hold") and events(jb, "hold"), "a and b")
 
             learner.set_weights(random_weights(2))
             result = learner.push()  # version announcement -> sync -> reports
             assert (result.version, sorted(result.ok), result.failed) == (1, ["a", "b"], {})
             assert result.checksums == {"a": learner.digest(), "b": learner.digest()}
-            wait_until(
+            until(
                 lambda: all(s["policy_version"] == 1 for s in coord.servers().values()),
                 "both servers to report version 1",
-                tmp_path,
             )
 
             _, jl = start_standin(config, "late", weights=True)
-            wait_until(lambda: coord.pending_catchups() == ["late"], "a catch-up", tmp_path)
+            until(lambda: coord.pending_catchups() == ["late"], "a catch-up")
             time.sleep(0.3)
             assert not events(jl, "task")  # no task before its weights
             (caught_up,) = learner.serve_catchups()
             assert caught_up.ok == ["late"] and caught_up.checksums["late"] == learner.digest()
-            wait_until(lambda: acked(jl), "the late joiner's first task", tmp_path)
+            until(lambda: acked(jl), "the late joiner's first task")
             journal = read_journal(str(jl))
             kinds = [e["event"] for e in journal]
             assert kinds.index("sync") < kinds.index("task")
@@ -266,7 +262,7 @@ def test_sync_through_the_coordinator_and_a_late_joiner_catches_up(tmp_path, sta
 
 
 @pytest.mark.timeout(60)
-def test_groups_dropped_by_the_buffer_return_to_the_budget(tmp_path, start_standin):
+def test_groups_dropped_by_the_buffer_return_to_the_budget(tmp_path, start_standin, until):
     cfg, config = loopback_config(tmp_path, [*BASE, "staleness.max_policy_lag=0"])
     with (
         BufferService.from_config(cfg),
@@ -276,11 +272,11 @@ def test_groups_dropped_by_the_buffer_return_to_the_budget(tmp_path, start_stand
         coord = learner.coordinator
         try:
             _, journal = start_standin(config, "s0")
-            wait_until(lambda: len(acked(journal)) == 4, "the first 4 tasks", tmp_path)
+            until(lambda: len(acked(journal)) == 4, "the first 4 tasks")
             buf.hello()
             # A learner one version ahead: the 4 groups (version 0) are beyond lag 0.
             assert buf.request_batch(policy_version=1, wait_s=0) is None
-            wait_until(lambda: len(acked(journal)) == 8, "4 refunded tasks dealt", tmp_path)
+            until(lambda: len(acked(journal)) == 8, "4 refunded tasks dealt")
             assert _metric(coord, "coordinator/budget/refunded/lag") == 4
             assert _metric(coord, "coordinator/budget/dealt") == 4
             assert learner.shutdown(wait_s=5)
@@ -289,7 +285,7 @@ def test_groups_dropped_by_the_buffer_return_to_the_budget(tmp_path, start_stand
 
 
 @pytest.mark.timeout(60)
-def test_validation_rounds_are_flagged_and_outside_the_budget(tmp_path, start_standin):
+def test_validation_rounds_are_flagged_and_outside_the_budget(tmp_path, start_standin, until):
     overrides = [*BASE, "staleness.max_policy_lag=0", "trainer.val_before_train=true"]
     cfg, config = loopback_config(tmp_path, [*overrides, "trainer.test_freq=5"])
     with (
@@ -299,11 +295,11 @@ def test_validation_rounds_are_flagged_and_outside_the_budget(tmp_path, start_st
         learner = StandInLearner(cfg, train_rows=_rows(20), val_rows=_rows(3, "test")).start()
         try:
             _, journal = start_standin(config, "s0")
-            wait_until(lambda: len(acked(journal)) == 3 + 4, "validation and training", tmp_path)
+            until(lambda: len(acked(journal)) == 3 + 4, "validation and training")
             tasks = events(journal, "task")
             assert [e["val"] for e in tasks] == [True] * 3 + [False] * 4  # validation first
             learner.coordinator.on_step(5)  # test_freq: a new round, budget or not
-            wait_until(lambda: len(acked(journal)) == 10, "the second round", tmp_path)
+            until(lambda: len(acked(journal)) == 10, "the second round")
             assert [e["task_id"] for e in events(journal, "task")[7:]] == [
                 f"val/1/{i}" for i in range(3)
             ]
