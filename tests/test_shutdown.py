@@ -23,6 +23,7 @@ from asyncrl.supervise_procs import scan
 from asyncrl.tasks import make_row
 from asyncrl.transport import BufferClient, config_endpoint
 from buffer.service import BufferService
+from tests.helpers import wait_until
 
 BASE = [
     "control.heartbeat_s=0.2",
@@ -38,14 +39,6 @@ BASE = [
 ]
 EXIT_WITHIN_S = 5.0
 ROWS = [make_row("arithmetic", f"{i}+3=", str(i + 3), split="train", index=i) for i in range(40)]
-
-
-def _wait(pred, what: str, timeout_s: float = 40.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _acks(journal: Path) -> int:
@@ -93,10 +86,10 @@ def test_every_role_exits_zero_after_the_coordinators_shutdown(tmp_path, procs):
         a, ja = _standin(procs, tmp_path, config, "a", weights=True)
         # b is slow, so the budget still has room when a (importing torch) starts asking.
         b, jb = _standin(procs, tmp_path, config, "b", task_delay_s=0.2)
-        _wait(lambda: len(learner.coordinator.servers()) == 2, "two servers")
+        wait_until(lambda: len(learner.coordinator.servers()) == 2, "two servers", 40)
         result = learner.push()  # a holds a live sync group when the run ends
         assert result.ok == ["a"]
-        _wait(lambda: _acks(ja) and _acks(jb), "both servers to push groups")
+        wait_until(lambda: _acks(ja) and _acks(jb), "both servers to push groups", 40)
 
         start = time.monotonic()
         assert learner.shutdown("training done", wait_s=EXIT_WITHIN_S)
@@ -118,14 +111,14 @@ def test_a_peer_can_ask_for_the_shutdown(tmp_path, procs):
         learner = StandInLearner(cfg, train_rows=ROWS, val_rows=[]).start()
         try:
             proc, _ = _standin(procs, tmp_path, config, "s0")
-            _wait(lambda: learner.coordinator.servers(), "the server")
+            wait_until(lambda: learner.coordinator.servers(), "the server", 40)
             with CoordinatorClient.from_config(cfg, "operator", engine_world_size=0) as op:
                 op.request_shutdown("operator says stop")
             start = time.monotonic()
             assert learner.coordinator.shutdown_requested.wait(5)
             assert proc.wait(EXIT_WITHIN_S) == 0
             assert service.wait(EXIT_WITHIN_S)  # the buffer was told too
-            _wait(lambda: not learner.coordinator.running, "the coordinator to stop", 5)
+            wait_until(lambda: not learner.coordinator.running, "the coordinator to stop", 5)
             assert time.monotonic() - start < EXIT_WITHIN_S
         finally:
             learner.close()
@@ -139,7 +132,9 @@ def test_a_stopped_server_leaves_and_its_tasks_are_redealt_at_once(tmp_path, pro
         coord = learner.coordinator
         try:
             proc, journal = _standin(procs, tmp_path, config, "s0", hold_after=2)
-            _wait(lambda: any(e["event"] == "hold" for e in read_journal(str(journal))), "hold")
+            wait_until(
+                lambda: any(e["event"] == "hold" for e in read_journal(str(journal))), "hold", 40
+            )
             held = [e for e in read_journal(str(journal)) if e["event"] == "hold"][0]["task_ids"]
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(EXIT_WITHIN_S) == 0
@@ -156,7 +151,7 @@ def test_a_server_whose_coordinator_vanished_gives_up(tmp_path, procs):
     with BufferService.from_config(cfg):
         learner = StandInLearner(cfg, train_rows=ROWS, val_rows=[]).start()
         proc, _ = _standin(procs, tmp_path, config, "s0")
-        _wait(lambda: learner.coordinator.servers(), "the server")
+        wait_until(lambda: learner.coordinator.servers(), "the server", 40)
         learner.close()  # the learner crashed: nobody answers any more
         start = time.monotonic()
         assert proc.wait(15) == 3
@@ -189,14 +184,14 @@ def test_a_rollout_server_stopped_while_starting_exits_0_and_takes_its_engine(tm
     )  # fmt: skip
     try:
         # vLLM's engine core process (spawned by multiprocessing) is starting.
-        _wait(lambda: proc.poll() is not None or any(
+        wait_until(lambda: proc.poll() is not None or any(
             b"spawn_main" in _cmdline(pid)
             for pid in _session(proc.pid) if pid != proc.pid
         ), "the engine core to start", 120)  # fmt: skip
         assert proc.poll() is None, (tmp_path / "s0.log").read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(EXIT_WITHIN_S) == 0, (tmp_path / "s0.log").read_text()[-3000:]
-        _wait(lambda: not _session(proc.pid), "the engine processes to go", EXIT_WITHIN_S)
+        wait_until(lambda: not _session(proc.pid), "the engine processes to go", EXIT_WITHIN_S)
     finally:
         if proc.poll() is None:
             proc.kill()
