@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,19 +17,11 @@ from asyncrl.standins import rollout
 from asyncrl.standins.learner import loopback_config, spawn_buffer
 from asyncrl.standins.rollout import read_journal
 from asyncrl.tasks import prepare_task_data
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
 TOTAL = 6
-
-
-def _wait(pred, what: str, timeout_s: float = 240.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := pred()):
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)
-    return value
 
 
 def _learner(config: Path, log: Path) -> subprocess.Popen:
@@ -69,8 +60,10 @@ def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_mode
     learner = _learner(config, tmp_path / "learner.log")
     try:
         # Stop the learner hard once a checkpoint exists and it has trained past it.
-        _wait(lambda: (run / "checkpoints" / "step_2").is_dir(), "the step-2 checkpoint")
-        _wait(lambda: max((r["step"] for r in read_metrics(run)), default=0) >= 3, "step 3")
+        wait_until(lambda: (run / "checkpoints" / "step_2").is_dir(), "the step-2 checkpoint", 240)
+        wait_until(
+            lambda: max((r["step"] for r in read_metrics(run)), default=0) >= 3, "step 3", 240
+        )
         learner.kill()
         learner.wait(30)
         before = {sid: max(e["version"] for e in _syncs(j)) for sid, j in journals.items()}

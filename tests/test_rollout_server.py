@@ -9,6 +9,7 @@ One rig serves the tests of this module in order (starting vLLM costs ~30 s per 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import signal
@@ -23,21 +24,15 @@ import torch
 from asyncrl.standins.learner import StandInLearner, loopback_config, model_weights, spawn_buffer
 from asyncrl.tasks import prepare_task_data
 from asyncrl.transport import BufferClient, config_endpoint
+from tests.helpers import log_tails, wait_until
 
 pytestmark = pytest.mark.slow
 
 BATCH, N, LAG = 4, 4, 1
 
 
-def _wait(pred, what: str, timeout_s: float = 180.0, every_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
-        time.sleep(every_s)
+# Real vLLM servers on a loaded CPU: waits take minutes, not seconds.
+_wait = functools.partial(wait_until, timeout_s=180.0, every_s=0.2)
 
 
 class Rig:
@@ -96,9 +91,7 @@ class Rig:
         return result.version
 
     def logs(self) -> str:
-        return "\n".join(
-            f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log"))
-        )
+        return log_tails(self.tmp, 3000)
 
     def close(self):
         for proc in [*self.servers.values(), self.buffer]:
