@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.config import load_config
-from asyncrl.config.rules import cross_field_problems
-from asyncrl.config.schema import Config
+from asyncrl.config import ConfigError, load_config
 
 
 def _capacity_problems(save_freq: int, capacity: int) -> list[str]:
-    cfg = Config()
-    cfg.data.train_batch_size = 4
-    cfg.actor.ppo_mini_batch_size = 4
-    cfg.staleness.max_policy_lag = 1
-    cfg.trainer.save_freq = save_freq
-    cfg.buffer.capacity_groups = capacity
-    return [p for p in cross_field_problems(cfg) if p.startswith("buffer.capacity_groups")]
+    try:  # through load_config, as a user's config goes: every rule applies
+        load_config(None, [
+            "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
+            "staleness.max_policy_lag=1", f"trainer.save_freq={save_freq}",
+            f"buffer.capacity_groups={capacity}",
+        ])  # fmt: skip
+    except ConfigError as e:
+        return [p for p in e.problems if p.startswith("buffer.capacity_groups")]
+    return []
 
 
 @pytest.mark.parametrize("save_freq", [-1, 0])

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.config.schema import Config
+from asyncrl.config import Config, load_config
 from learner.batching import Rollout
 from learner.checkpoint import STATE_FILE, export_hf, latest_checkpoint
 from learner.trainer import Trainer
@@ -32,13 +32,11 @@ def single_rank():
 def make_cfg(model_dir) -> Config:
     """Two mini-batches per step (Adam's state matters) and warmup + cosine decay (the
     schedule's position matters)."""
-    cfg = Config()
-    cfg.model.path = str(model_dir)
-    cfg.actor.ppo_mini_batch_size = 1
-    cfg.actor.optim.lr_warmup_steps = 2
-    cfg.actor.optim.lr_scheduler_type = "cosine"
-    cfg.trainer.total_training_steps = 6
-    return cfg
+    return load_config(None, [
+        f"model.path={model_dir}", "actor.ppo_mini_batch_size=1",
+        "actor.optim.lr_warmup_steps=2", "actor.optim.lr_scheduler_type=cosine",
+        "trainer.total_training_steps=6",
+    ])  # fmt: skip
 
 
 def batch(seed: int) -> list[Rollout]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.config.schema import Config
+from asyncrl.config import Config, load_config
 from learner.batching import Rollout
 from learner.trainer import Trainer
 
@@ -29,13 +29,11 @@ def single_rank():
 
 
 def make_cfg(model_dir, **importance) -> Config:
-    cfg = Config()
-    cfg.model.path = str(model_dir)
-    cfg.data.max_response_length = 12
-    cfg.actor.ppo_mini_batch_size = 2  # the test batches' two groups: one optimizer step
-    for k, v in importance.items():
-        setattr(cfg.algorithm.importance, k, v)
-    return cfg
+    return load_config(None, [
+        f"model.path={model_dir}", "data.max_response_length=12",
+        "actor.ppo_mini_batch_size=2",  # the test batches' two groups: one optimizer step
+        *(f"algorithm.importance.{k}={v}" for k, v in importance.items()),
+    ])  # fmt: skip
 
 
 def test_group_baseline_counts_members_the_learner_drops(tiny_model, single_rank):

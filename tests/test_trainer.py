@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from asyncrl.config.schema import Config
+from asyncrl.config import Config, load_config
 from learner.batching import Rollout
 from learner.trainer import Trainer
 from tests.helpers import free_port
@@ -29,17 +29,12 @@ TEMPERATURE = 0.7
 def make_cfg(model_dir, **actor) -> Config:
     """Small batches: 4 groups of 4 per step, 2 groups per mini-batch, micro-batches of at
     most 48 tokens, KL to the reference and an entropy bonus on (every path in play)."""
-    cfg = Config()
-    cfg.model.path = str(model_dir)
-    cfg.data.max_response_length = 12
-    cfg.actor.ppo_mini_batch_size = 2
-    cfg.actor.ppo_max_token_len_per_gpu = 48
-    cfg.actor.use_kl_loss = True
-    cfg.actor.kl_loss_coef = 0.01
-    cfg.actor.entropy_coeff = 0.001
-    for k, v in actor.items():
-        setattr(cfg.actor, k, v)
-    return cfg
+    return load_config(None, [
+        f"model.path={model_dir}", "data.max_response_length=12",
+        "actor.ppo_mini_batch_size=2", "actor.ppo_max_token_len_per_gpu=48",
+        "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01", "actor.entropy_coeff=0.001",
+        *(f"actor.{k}={v}" for k, v in actor.items()),
+    ])  # fmt: skip
 
 
 def synthetic_batch(seed: int, groups: int = 4, n: int = 4) -> list[Rollout]:
@@ -366,7 +361,7 @@ def test_padded_input_and_checkpointing_match_packed(tiny_model, single_rank):
     packed = Trainer(make_cfg(tiny_model, ppo_mini_batch_size=4))
     assert packed.packed  # Qwen2 on transformers takes packed sequences
     cfg = make_cfg(tiny_model, ppo_mini_batch_size=4)
-    cfg.model.enable_gradient_checkpointing = True
+    cfg.model.enable_gradient_checkpointing = True  # no cross-field rule involves it
     padded = Trainer(cfg)
     padded.packed = False
     ga, gb = record_gradients(packed), record_gradients(padded)
