@@ -278,3 +278,9 @@ def test_null_total_training_steps_counts_whole_batches_times_epochs(tmp_path):
     with pytest.raises(ConfigError, match="make no batch of data.train_batch_size=64"):
         total_training_steps(too_big)
     assert "make no batch" in input_problems(too_big, [DATA])[0]
+
+
+def test_a_validation_temperature_vllm_refuses_is_refused_here():
+    problems = _problems("configs/cpu_demo.yaml", ["rollout.val_kwargs.temperature=2.5"])
+    assert any("set it to 0 (greedy) or at most 2" in p for p in problems), problems
+    assert load_config("configs/cpu_demo.yaml", ["rollout.val_kwargs.temperature=0"])

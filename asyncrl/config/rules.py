@@ -48,6 +48,12 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"{MAX_TRAIN_TEMPERATURE:g}, so every training request would fail; set "
             f"rollout.temperature<={MAX_TRAIN_TEMPERATURE:g}"
         )
+    if ro.val_kwargs.temperature > MAX_TRAIN_TEMPERATURE:
+        problems.append(
+            f"rollout.val_kwargs.temperature={ro.val_kwargs.temperature}: vLLM refuses "
+            f"temperatures above {MAX_TRAIN_TEMPERATURE:g}, so every validation request would "
+            f"fail; set it to 0 (greedy) or at most {MAX_TRAIN_TEMPERATURE:g}"
+        )
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo") and ro.n < 2:
         problems.append(
             f"rollout.n={ro.n}: {cfg.algorithm.adv_estimator} compares samples of the same "
