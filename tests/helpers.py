@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from collections.abc import Callable
@@ -15,16 +16,25 @@ T = TypeVar("T")
 ENDPOINTS = ("tasks", "trajectories", "batches", "control", "sync_store")
 
 
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` different ports free right now on ``host`` (another process may take one before
+    we bind it). Held open together while chosen, so no two are the same."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on ``host`` (another process may take it before we bind)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free right now on ``host``."""
+    return free_ports(1, host)[0]
 
 
 def endpoint_overrides() -> list[str]:
     """Config overrides that put every endpoint of a run on its own free port."""
-    return [f"endpoints.{name}={free_port()}" for name in ENDPOINTS]
+    ports = free_ports(len(ENDPOINTS))
+    return [f"endpoints.{name}={port}" for name, port in zip(ENDPOINTS, ports, strict=True)]
 
 
 def wait_until(
