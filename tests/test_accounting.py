@@ -279,7 +279,7 @@ def test_a_failure_report_over_the_wire_gets_the_task_dealt_again(tmp_path):
     """A real coordinator and client on loopback: the negative ack travels and the task
     comes back under its id at the next request, the budget open for it again."""
     from asyncrl.control.client import CoordinatorClient
-    from asyncrl.standins.learner import StandInLearner, loopback_config
+    from tests.standins.learner import StandInLearner, loopback_config
 
     cfg, _ = loopback_config(tmp_path, [
         "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2",

@@ -421,7 +421,7 @@ def saved_limit(state: dict) -> int:
     return budget.limit
 
 
-@pytest.mark.parametrize("module", ["asyncrl.control", "asyncrl.standins.rollout"])
+@pytest.mark.parametrize("module", ["asyncrl.control", "tests.standins.rollout"])
 def test_the_control_plane_does_not_import_torch(module):
     """Checked in a fresh interpreter: a grep cannot see lazy or indirect imports."""
     code = (

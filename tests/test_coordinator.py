@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 
 from asyncrl.control import Coordinator
-from asyncrl.standins import rollout
-from asyncrl.standins.learner import StandInLearner, loopback_config, random_weights
-from asyncrl.standins.rollout import read_journal
 from asyncrl.tasks import make_row, write_rows
 from asyncrl.transport import BufferClient, config_endpoint
 from buffer.service import BufferService
 from tests.helpers import log_tails, wait_until
+from tests.standins import rollout
+from tests.standins.learner import StandInLearner, loopback_config, random_weights
+from tests.standins.rollout import read_journal
 
 BASE = [
     "control.heartbeat_s=0.2",

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from asyncrl.metrics import read_metrics
-from asyncrl.standins import rollout
-from asyncrl.standins.learner import loopback_config, spawn_buffer
-from asyncrl.standins.rollout import read_journal
 from asyncrl.tasks import prepare_task_data
 from tests.helpers import wait_until
+from tests.standins import rollout
+from tests.standins.learner import loopback_config, spawn_buffer
+from tests.standins.rollout import read_journal
 
 pytestmark = pytest.mark.slow
 

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.standins.learner import StandInLearner, loopback_config, model_weights, spawn_buffer
 from asyncrl.tasks import prepare_task_data
 from asyncrl.transport import BufferClient, config_endpoint
 from tests.helpers import log_tails, wait_until
+from tests.standins.learner import StandInLearner, loopback_config, model_weights, spawn_buffer
 
 pytestmark = pytest.mark.slow
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 
 from asyncrl.control import CoordinatorClient
-from asyncrl.standins import rollout
-from asyncrl.standins.learner import StandInLearner, loopback_config, spawn_buffer
-from asyncrl.standins.rollout import read_journal
 from asyncrl.supervise_procs import scan
 from asyncrl.tasks import make_row
 from asyncrl.transport import BufferClient, config_endpoint
 from buffer.service import BufferService
 from tests.helpers import wait_until
+from tests.standins import rollout
+from tests.standins.learner import StandInLearner, loopback_config, spawn_buffer
+from tests.standins.rollout import read_journal
 
 BASE = [
     "control.heartbeat_s=0.2",

@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-from asyncrl.standins.weights import StandInReceiver
 from asyncrl.weight_sync import (
     Bucket,
     TensorSpec,
@@ -22,6 +21,7 @@ from asyncrl.weight_sync import (
     specs_of,
 )
 from tests.helpers import free_port
+from tests.standins.weights import StandInReceiver
 
 TIMEOUT = 5.0
 

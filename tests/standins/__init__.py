@@ -1,3 +1,14 @@
-"""Stand-ins for roles that later issues build (rollout servers, learner), small enough to
-start as real processes in tests: ``python -m standins.producer`` / ``standins.consumer``
-with ``tests/`` on ``PYTHONPATH`` (see :mod:`standins.harness`)."""
+"""Stand-in peers for tests and benchmarks: small, real processes that play a role without
+its heavy engine (no vLLM, no training loop), so a protocol can be tested alone.
+
+- :mod:`.learner`: learner rank 0 without training (the coordinator, the sync store, the
+  learner's own weight sender), a run config on free loopback ports, the buffer as a process;
+- :mod:`.rollout`: a rollout server process that answers every task with a fixed response;
+- :mod:`.weights`: a weight receiver process holding an HF model (no vLLM);
+- :mod:`.producer` / :mod:`.consumer`: a trajectory producer and a batch consumer for the
+  buffer, started by :mod:`.harness`; :mod:`.trajgen` makes their trajectories.
+
+Each process runs as ``python -m tests.standins.<module>`` from the repository root (or
+with it on ``PYTHONPATH``); the producer and consumer still run as ``standins.<module>``
+with ``tests/`` on ``PYTHONPATH`` (see :mod:`.harness`).
+"""

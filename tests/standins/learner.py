@@ -1,7 +1,7 @@
 """Stand-in learner: hosts the coordinator and the sync store as learner rank 0 does, and
 pushes weights through the real sync protocol, without training. Also the small test
-harness around it: free loopback ports and a config for them (:func:`loopback_config`), and
-the buffer service as a real process (:func:`spawn_buffer`).
+harness around it: a config on free loopback ports (:func:`loopback_config`), and the buffer
+service as a real process (:func:`spawn_buffer`).
 
 A test harness drives it by hand::
 
@@ -12,7 +12,7 @@ A test harness drives it by hand::
     learner.shutdown()                # tells every server and the buffer to stop
 
 It sends random tensors (:func:`random_weights`) or an HF model's state dict
-(``model_dir``). ``python -m asyncrl.standins.learner CONFIG [overrides]`` runs it alone:
+(``model_dir``). ``python -m tests.standins.learner CONFIG [overrides]`` runs it alone:
 it pushes ``--versions`` versions ``--every-s`` seconds apart, then shuts the run down.
 """
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,18 +31,9 @@ from asyncrl.control.setup import coordinator_from_config, store_host, sync_back
 from asyncrl.control.syncs import SyncResult
 from asyncrl.sync_sender import WeightPusher
 from asyncrl.weight_sync import open_store, plan_buckets, plan_to_wire, specs_of
+from tests.helpers import endpoint_overrides
 
-log = logging.getLogger("asyncrl.standins.learner")
-
-
-ENDPOINTS = ("tasks", "trajectories", "batches", "control", "sync_store")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free right now on ``host`` (another process may take it before we bind)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+log = logging.getLogger("tests.standins.learner")
 
 
 def loopback_config(directory: Path, overrides: Sequence[str] = ()) -> tuple[Any, Path]:
@@ -51,9 +41,8 @@ def loopback_config(directory: Path, overrides: Sequence[str] = ()) -> tuple[Any
     ``directory``, written as ``directory/config.yaml`` for processes to read."""
     from asyncrl.config import load_config, write_resolved
 
-    ports = [f"endpoints.{name}={free_port()}" for name in ENDPOINTS]
     base = ["endpoints.host=127.0.0.1", f"trainer.default_local_dir={directory}/runs"]
-    cfg = load_config(None, [*base, *ports, *overrides])
+    cfg = load_config(None, [*base, *endpoint_overrides(), *overrides])
     return cfg, write_resolved(cfg, Path(directory))
 
 
@@ -146,7 +135,7 @@ class StandInLearner:
 
     def digest(self) -> str:
         """The digest receivers report when they hold exactly these weights."""
-        from asyncrl.standins.weights import digest
+        from tests.standins.weights import digest
 
         return digest(self.tensors)
 
@@ -164,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from asyncrl.cli import role_parser, setup_logging
     from asyncrl.config import ConfigError, load_config
 
-    parser = role_parser("asyncrl.standins.learner", "Stand-in learner: pushes weights.", None)
+    parser = role_parser("tests.standins.learner", "Stand-in learner: pushes weights.", None)
     parser.add_argument("--versions", type=int, default=3, help="versions to push")
     parser.add_argument("--every-s", type=float, default=5.0, help="seconds between pushes")
     parser.add_argument("--model-dir", help="push this HF model's weights (else random)")

@@ -11,7 +11,7 @@ sync, exit), flushed at once, so a test can read what a killed process had done;
 ``--hold-after K`` makes it hold the first grant that arrives after K acknowledged tasks
 without pushing it (still heartbeating), so a kill leaves known tasks unacknowledged.
 
-Run it as ``python -m asyncrl.standins.rollout CONFIG [overrides] --server-id ID``. It exits
+Run it as ``python -m tests.standins.rollout CONFIG [overrides] --server-id ID``. It exits
 0 when the coordinator announces shutdown or on SIGTERM/SIGINT (after leaving), 3 when
 the coordinator stays silent past ``launch.start_timeout_s``.
 """
@@ -34,7 +34,7 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.control.client import CoordinatorClient, CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
 
-log = logging.getLogger("asyncrl.standins.rollout")
+log = logging.getLogger("tests.standins.rollout")
 
 FIXED_RESPONSE = (7, 8, 9)  # token ids of every response
 FIXED_LOGPROB = -0.5
@@ -199,8 +199,8 @@ class StandInRollout:
 
     def _sync(self, start: SyncStart) -> None:
         """Join the sync group (reused while the generation is unchanged) and receive."""
-        from asyncrl.standins.weights import digest
         from asyncrl.weight_sync import form_group, open_store, plan_from_wire, receive_weights
+        from tests.standins.weights import digest
 
         t0 = time.monotonic()
         try:
@@ -261,7 +261,7 @@ def spawn(
     log_path: Path | None = None,
 ) -> subprocess.Popen:
     """Start a stand-in rollout process (its log to ``log_path``)."""
-    cmd = [sys.executable, "-m", "asyncrl.standins.rollout", str(config_path)]
+    cmd = [sys.executable, "-m", "tests.standins.rollout", str(config_path)]
     cmd += ["--server-id", server_id, "--task-delay-s", str(task_delay_s)]
     if journal is not None:
         cmd += ["--journal", str(journal)]
@@ -275,7 +275,7 @@ def spawn(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = role_parser(
-        "asyncrl.standins.rollout", "Stand-in rollout server (fixed responses, no vLLM).", None
+        "tests.standins.rollout", "Stand-in rollout server (fixed responses, no vLLM).", None
     )
     parser.add_argument("--server-id", required=True)
     parser.add_argument("--weights", action="store_true", help="take part in weight syncs")
