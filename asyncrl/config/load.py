@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from asyncrl.config.rules import cross_field_problems
 from asyncrl.config.schema import Config
@@ -144,7 +145,7 @@ def _verl_key(key: str) -> str:
     return key
 
 
-def _explain(err: dict[str, Any]) -> str:
+def _explain(err: ErrorDetails) -> str:
     """One line per pydantic error: the dotted key, what is wrong, the nearest valid key."""
     loc = [str(p) for p in err["loc"]]
     key = ".".join(loc)

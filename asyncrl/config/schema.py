@@ -22,15 +22,15 @@ class Section(BaseModel):
 # --------------------------------------------------------------------------- model
 class ModelConfig(Section):
     path: str = Field(
-        "artifacts/models/tiny",
+        default="artifacts/models/tiny",
         description="HF model directory (or hub id on machines that can reach one). "
         "The default is the tiny model built by `asyncrl-prepare model`.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="Parameter dtype for vLLM and the learner (bf16 on GPU)."
+        default="float32", description="Parameter dtype for vLLM and the learner (bf16 on GPU)."
     )
     enable_gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward to save memory."
+        default=False, description="Recompute activations in backward to save memory."
     )
 
 
@@ -44,14 +44,18 @@ class DataConfig(Section):
         default_factory=lambda: ["artifacts/data/arithmetic/val.parquet"],
         description="Validation prompts: parquet files in veRL's schema.",
     )
-    prompt_key: str = Field("prompt", description="Column holding the chat messages.")
-    max_prompt_length: int = Field(64, gt=0, description="Prompt token limit; longer are dropped.")
-    max_response_length: int = Field(8, gt=0, description="Generated tokens per response, at most.")
-    train_batch_size: int = Field(
-        16, gt=0, description="Prompts (GRPO groups) per learner step, as in veRL."
+    prompt_key: str = Field(default="prompt", description="Column holding the chat messages.")
+    max_prompt_length: int = Field(
+        default=64, gt=0, description="Prompt token limit; longer are dropped."
     )
-    shuffle: bool = Field(True, description="Shuffle the training prompts each epoch.")
-    seed: int = Field(1, description="Seed of the prompt order.")
+    max_response_length: int = Field(
+        default=8, gt=0, description="Generated tokens per response, at most."
+    )
+    train_batch_size: int = Field(
+        default=16, gt=0, description="Prompts (GRPO groups) per learner step, as in veRL."
+    )
+    shuffle: bool = Field(default=True, description="Shuffle the training prompts each epoch.")
+    seed: int = Field(default=1, description="Seed of the prompt order.")
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
@@ -62,31 +66,39 @@ class DataConfig(Section):
 
 # --------------------------------------------------------------------------- rollout
 class ValKwargs(Section):
-    temperature: float = Field(0.0, ge=0, description="Validation temperature (0 = greedy).")
-    top_p: float = Field(1.0, gt=0, le=1, description="Validation nucleus sampling.")
-    top_k: int = Field(-1, description="Validation top-k (-1 = off).")
-    n: int = Field(1, gt=0, description="Validation samples per prompt.")
+    temperature: float = Field(
+        default=0.0, ge=0, description="Validation temperature (0 = greedy)."
+    )
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Validation nucleus sampling.")
+    top_k: int = Field(default=-1, description="Validation top-k (-1 = off).")
+    n: int = Field(default=1, gt=0, description="Validation samples per prompt.")
 
 
 class RolloutConfig(Section):
-    num_servers: int = Field(2, gt=0, description="Rollout servers (one vLLM engine each).")
-    n: int = Field(8, gt=0, description="Samples per prompt (the GRPO group size).")
+    num_servers: int = Field(default=2, gt=0, description="Rollout servers (one vLLM engine each).")
+    n: int = Field(default=8, gt=0, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(
-        1.0, gt=0, description="Training sampling temperature; the learner uses the same."
+        default=1.0, gt=0, description="Training sampling temperature; the learner uses the same."
     )
-    top_p: float = Field(1.0, gt=0, le=1, description="Must stay 1 for training (see rules).")
-    top_k: int = Field(-1, description="Must stay -1 for training (see rules).")
-    max_inflight: int = Field(128, gt=0, description="Concurrent sequences per rollout server.")
-    tensor_model_parallel_size: int = Field(1, gt=0, description="vLLM tensor parallelism.")
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, description="Must stay 1 for training (see rules)."
+    )
+    top_k: int = Field(default=-1, description="Must stay -1 for training (see rules).")
+    max_inflight: int = Field(
+        default=128, gt=0, description="Concurrent sequences per rollout server."
+    )
+    tensor_model_parallel_size: int = Field(default=1, gt=0, description="vLLM tensor parallelism.")
     gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="vLLM memory share on GPU (ignored on CPU)."
+        default=0.5, gt=0, le=1, description="vLLM memory share on GPU (ignored on CPU)."
     )
     cpu_kvcache_space_gb: int = Field(
-        1, ge=1, description="vLLM KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE)."
+        default=1,
+        ge=1,
+        description="vLLM KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE).",
     )
-    enforce_eager: bool = Field(True, description="Skip graph capture/compilation in vLLM.")
+    enforce_eager: bool = Field(default=True, description="Skip graph capture/compilation in vLLM.")
     sync_mode: Literal["keep", "abort"] = Field(
-        "keep",
+        default="keep",
         description="At a weight push: keep in-flight requests running under the new "
         "weights, or abort and re-submit them with their generated prefix.",
     )
@@ -95,41 +107,43 @@ class RolloutConfig(Section):
 
 # --------------------------------------------------------------------------- actor
 class OptimConfig(Section):
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
-    lr_warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    lr_warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
     lr_scheduler_type: Literal["constant", "cosine", "linear"] = Field(
-        "constant", description="Schedule after warmup."
+        default="constant", description="Schedule after warmup."
     )
-    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Floor of cosine/linear decay.")
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="Floor of cosine/linear decay."
+    )
 
 
 class ActorConfig(Section):
     optim: OptimConfig = Field(default_factory=OptimConfig)
-    ppo_epochs: int = Field(1, gt=0, description="Passes over each batch.")
+    ppo_epochs: int = Field(default=1, gt=0, description="Passes over each batch.")
     ppo_mini_batch_size: int = Field(
-        16, gt=0, description="Prompts per optimizer step (divides data.train_batch_size)."
+        default=16, gt=0, description="Prompts per optimizer step (divides data.train_batch_size)."
     )
     ppo_micro_batch_size_per_gpu: int = Field(
-        16, gt=0, description="Sequences per forward/backward when use_dynamic_bsz is off."
+        default=16, gt=0, description="Sequences per forward/backward when use_dynamic_bsz is off."
     )
-    use_dynamic_bsz: bool = Field(True, description="Pack micro-batches by token count.")
+    use_dynamic_bsz: bool = Field(default=True, description="Pack micro-batches by token count.")
     ppo_max_token_len_per_gpu: int = Field(
-        16384, gt=0, description="Tokens per micro-batch with use_dynamic_bsz."
+        default=16384, gt=0, description="Tokens per micro-batch with use_dynamic_bsz."
     )
-    clip_ratio_low: float = Field(0.2, gt=0, lt=1, description="PPO clip: 1 - eps_low.")
-    clip_ratio_high: float = Field(0.28, gt=0, description="PPO clip: 1 + eps_high.")
+    clip_ratio_low: float = Field(default=0.2, gt=0, lt=1, description="PPO clip: 1 - eps_low.")
+    clip_ratio_high: float = Field(default=0.28, gt=0, description="PPO clip: 1 + eps_high.")
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
-    ] = Field("token-mean", description="How token losses are averaged (veRL's names).")
-    use_kl_loss: bool = Field(False, description="Add a KL penalty to a frozen reference.")
-    kl_loss_coef: float = Field(0.001, ge=0, description="Weight of the KL penalty.")
+    ] = Field(default="token-mean", description="How token losses are averaged (veRL's names).")
+    use_kl_loss: bool = Field(default=False, description="Add a KL penalty to a frozen reference.")
+    kl_loss_coef: float = Field(default=0.001, ge=0, description="Weight of the KL penalty.")
     kl_loss_type: Literal["k1", "k2", "k3"] = Field(
-        "k3", description="KL estimator (veRL: kl=k1, mse=k2, low_var_kl=k3)."
+        default="k3", description="KL estimator (veRL: kl=k1, mse=k2, low_var_kl=k3)."
     )
-    entropy_coeff: float = Field(0.0, ge=0, description="Entropy bonus weight.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    entropy_coeff: float = Field(default=0.0, ge=0, description="Entropy bonus weight.")
+    grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
 
     @field_validator("kl_loss_type", mode="before")
     @classmethod
@@ -138,52 +152,54 @@ class ActorConfig(Section):
 
 
 class CriticModelConfig(Section):
-    path: str | None = Field(None, description="Critic HF model (defaults to model.path).")
+    path: str | None = Field(default=None, description="Critic HF model (defaults to model.path).")
 
 
 class CriticOptimConfig(Section):
-    lr: float = Field(1e-5, gt=0, description="Critic learning rate.")
+    lr: float = Field(default=1e-5, gt=0, description="Critic learning rate.")
 
 
 class CriticConfig(Section):
     model: CriticModelConfig = Field(default_factory=CriticModelConfig)
     optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
-    ppo_epochs: int = Field(1, gt=0, description="Critic passes over each batch.")
+    ppo_epochs: int = Field(default=1, gt=0, description="Critic passes over each batch.")
 
 
 # --------------------------------------------------------------------------- algorithm
 class ImportanceConfig(Section):
     mode: Literal["tis", "mis", "none"] = Field(
-        "tis",
+        default="tis",
         description="Behaviour-policy correction: truncate the weight (tis), mask the "
         "token (mis) or none.",
     )
-    cap: float = Field(2.0, ge=1, description="Truncation/mask threshold of the weight.")
+    cap: float = Field(default=2.0, ge=1, description="Truncation/mask threshold of the weight.")
     level: Literal["token", "sequence"] = Field(
-        "token", description="Per-token weights or their per-sequence geometric mean."
+        default="token", description="Per-token weights or their per-sequence geometric mean."
     )
 
 
 class AlgorithmConfig(Section):
     adv_estimator: Literal["grpo", "rloo", "dr_grpo", "gae"] = Field(
-        "grpo", description="Advantage estimator."
+        default="grpo", description="Advantage estimator."
     )
-    norm_adv_by_std_in_grpo: bool = Field(True, description="Divide GRPO advantages by std.")
-    gamma: float = Field(1.0, ge=0, le=1, description="Discount (GAE).")
-    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    norm_adv_by_std_in_grpo: bool = Field(
+        default=True, description="Divide GRPO advantages by std."
+    )
+    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount (GAE).")
+    lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
     importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
 
 
 # --------------------------------------------------------------------------- ours
 class StalenessConfig(Section):
     max_policy_lag: int = Field(
-        1,
+        default=1,
         ge=0,
         description="Oldest data the learner trains on, in policy versions (0 = synchronous).",
     )
-    sync_every: int = Field(1, gt=0, description="Learner steps per weight push (version).")
+    sync_every: int = Field(default=1, gt=0, description="Learner steps per weight push (version).")
     lag_retries: int = Field(
-        1,
+        default=1,
         ge=0,
         description="Times a training prompt dropped for lag is dealt again (0: drop it).",
     )
@@ -191,91 +207,101 @@ class StalenessConfig(Section):
 
 class SyncConfig(Section):
     bucket_mb: float = Field(
-        32.0, gt=0, description="Weight broadcast bucket size, MB (packing overlaps sending)."
+        default=32.0,
+        gt=0,
+        description="Weight broadcast bucket size, MB (packing overlaps sending).",
     )
-    timeout_s: float = Field(120.0, gt=0, description="Timeout of every sync collective.")
+    timeout_s: float = Field(default=120.0, gt=0, description="Timeout of every sync collective.")
     catchup_backoff_s: float = Field(
-        5.0, gt=0, description="Wait before retrying a failed catch-up; doubles per failure."
+        default=5.0,
+        gt=0,
+        description="Wait before retrying a failed catch-up; doubles per failure.",
     )
     catchup_backoff_max_s: float = Field(
-        120.0, gt=0, description="Longest wait between catch-up retries to one server."
+        default=120.0, gt=0, description="Longest wait between catch-up retries to one server."
     )
 
 
 class ControlConfig(Section):
-    heartbeat_s: float = Field(2.0, gt=0, description="Rollout server heartbeat period.")
+    heartbeat_s: float = Field(default=2.0, gt=0, description="Rollout server heartbeat period.")
     dead_after_s: float = Field(
-        20.0, gt=0, description="Silence after which a server is declared dead."
+        default=20.0, gt=0, description="Silence after which a server is declared dead."
     )
-    tasks_per_request: int = Field(4, gt=0, description="Tasks a server asks for at once.")
+    tasks_per_request: int = Field(default=4, gt=0, description="Tasks a server asks for at once.")
     min_servers_to_start: int = Field(
-        1, gt=0, description="Deal no task until this many rollout servers have registered."
+        default=1, gt=0, description="Deal no task until this many rollout servers have registered."
     )
     task_timeout_s: float = Field(
-        1800.0,
+        default=1800.0,
         gt=0,
         description="A task outstanding this long at a live server is reclaimed and dealt again.",
     )
     task_retries: int = Field(
-        3, ge=0, description="Times a failed or reclaimed task is dealt again before given up."
+        default=3,
+        ge=0,
+        description="Times a failed or reclaimed task is dealt again before given up.",
     )
 
 
 class BufferConfig(Section):
-    capacity_groups: int = Field(1024, gt=0, description="Groups held at most.")
+    capacity_groups: int = Field(default=1024, gt=0, description="Groups held at most.")
     policy: Literal["fifo", "uniform"] = Field(
-        "fifo", description="fifo: oldest first, once; uniform: replay up to max_reuse."
+        default="fifo", description="fifo: oldest first, once; uniform: replay up to max_reuse."
     )
-    max_reuse: int = Field(1, gt=0, description="Times a group may be trained on.")
-    log_rollouts: bool = Field(False, description="Write every trajectory to parquet.")
-    group_timeout_s: float = Field(600.0, gt=0, description="Incomplete groups expire after.")
+    max_reuse: int = Field(default=1, gt=0, description="Times a group may be trained on.")
+    log_rollouts: bool = Field(default=False, description="Write every trajectory to parquet.")
+    group_timeout_s: float = Field(
+        default=600.0, gt=0, description="Incomplete groups expire after."
+    )
 
 
 class CustomRewardConfig(Section):
-    path: str | None = Field(None, description="Python file with the scorer (veRL's).")
-    name: str = Field("compute_score", description="Function name in that file.")
+    path: str | None = Field(default=None, description="Python file with the scorer (veRL's).")
+    name: str = Field(default="compute_score", description="Function name in that file.")
 
 
 class RewardConfig(Section):
     custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig)
-    timeout_s: float = Field(5.0, gt=0, description="A scorer running longer scores 0.")
-    num_workers: int = Field(2, gt=0, description="Scorer processes per rollout server.")
+    timeout_s: float = Field(default=5.0, gt=0, description="A scorer running longer scores 0.")
+    num_workers: int = Field(default=2, gt=0, description="Scorer processes per rollout server.")
 
 
 class EndpointsConfig(Section):
     host: str = Field(
-        "127.0.0.1", description="Address the coordinator and buffer bind and peers dial."
+        default="127.0.0.1", description="Address the coordinator and buffer bind and peers dial."
     )
-    tasks: int = Field(5551, gt=0, lt=65536, description="Coordinator task port.")
-    trajectories: int = Field(5552, gt=0, lt=65536, description="Buffer trajectory port.")
-    batches: int = Field(5553, gt=0, lt=65536, description="Buffer batch port.")
-    control: int = Field(5554, gt=0, lt=65536, description="Coordinator control port.")
-    sync_store: int = Field(5555, gt=0, lt=65536, description="Weight-sync TCPStore port.")
+    tasks: int = Field(default=5551, gt=0, lt=65536, description="Coordinator task port.")
+    trajectories: int = Field(default=5552, gt=0, lt=65536, description="Buffer trajectory port.")
+    batches: int = Field(default=5553, gt=0, lt=65536, description="Buffer batch port.")
+    control: int = Field(default=5554, gt=0, lt=65536, description="Coordinator control port.")
+    sync_store: int = Field(default=5555, gt=0, lt=65536, description="Weight-sync TCPStore port.")
 
 
 class TrainerConfig(Section):
     total_training_steps: int | None = Field(
-        60, description="Learner steps; null = total_epochs over the data."
+        default=60, description="Learner steps; null = total_epochs over the data."
     )
-    total_epochs: int = Field(1000, gt=0, description="Epochs cap over the training data.")
-    save_freq: int = Field(20, description="Checkpoint every N steps (-1: only at the end).")
-    test_freq: int = Field(10, description="Validate every N learner steps (-1: never).")
-    val_before_train: bool = Field(True, description="Validate before the first step.")
+    total_epochs: int = Field(default=1000, gt=0, description="Epochs cap over the training data.")
+    save_freq: int = Field(
+        default=20, description="Checkpoint every N steps (-1: only at the end)."
+    )
+    test_freq: int = Field(default=10, description="Validate every N learner steps (-1: never).")
+    val_before_train: bool = Field(default=True, description="Validate before the first step.")
     logger: list[Literal["console", "jsonl", "wandb"]] = Field(
         default_factory=lambda: ["console", "jsonl"], description="Metric sinks."
     )
-    project_name: str = Field("asyncrl", description="wandb project; run dir component.")
-    experiment_name: str = Field("demo", description="wandb run name; run dir component.")
+    project_name: str = Field(default="asyncrl", description="wandb project; run dir component.")
+    experiment_name: str = Field(default="demo", description="wandb run name; run dir component.")
     default_local_dir: str = Field(
-        "runs", description="Run directory root: <this>/<project_name>/<experiment_name>."
+        default="runs", description="Run directory root: <this>/<project_name>/<experiment_name>."
     )
     resume_mode: Literal["auto", "disable", "resume_path"] = Field(
-        "auto", description="auto: continue from the latest checkpoint if any."
+        default="auto", description="auto: continue from the latest checkpoint if any."
     )
-    resume_from_path: str | None = Field(None, description="Checkpoint for resume_path.")
-    seed: int = Field(1, description="Seed of the learner and the sampling seeds.")
-    device: Literal["cpu", "cuda"] = Field("cpu", description="Where the roles compute.")
-    nproc: int = Field(1, gt=0, description="Learner ranks (torchrun).")
+    resume_from_path: str | None = Field(default=None, description="Checkpoint for resume_path.")
+    seed: int = Field(default=1, description="Seed of the learner and the sampling seeds.")
+    device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where the roles compute.")
+    nproc: int = Field(default=1, gt=0, description="Learner ranks (torchrun).")
 
     @field_validator("logger", mode="before")
     @classmethod
@@ -285,20 +311,24 @@ class TrainerConfig(Section):
 
 class LaunchConfig(Section):
     cpus: dict[str, list[int] | list[list[int]]] | None = Field(
-        None, description="Cores per role, e.g. {learner: [0], rollout: [[1]]}."
+        default=None, description="Cores per role, e.g. {learner: [0], rollout: [[1]]}."
     )
     gpus: dict[str, list[int] | list[list[int]]] | None = Field(
-        None, description="GPUs per role, same shape as cpus."
+        default=None, description="GPUs per role, same shape as cpus."
     )
-    start_timeout_s: float = Field(300.0, gt=0, description="How long roles wait for peers.")
+    start_timeout_s: float = Field(
+        default=300.0, gt=0, description="How long roles wait for peers."
+    )
     max_restarts: int = Field(
-        3, ge=0, description="Restarts per role within restart_window_s before the run fails."
+        default=3,
+        ge=0,
+        description="Restarts per role within restart_window_s before the run fails.",
     )
     restart_window_s: float = Field(
-        600.0, gt=0, description="Window in which a role's restarts are counted."
+        default=600.0, gt=0, description="Window in which a role's restarts are counted."
     )
     restart_backoff_s: float = Field(
-        2.0, ge=0, description="First wait before a restart; doubles per recent restart."
+        default=2.0, ge=0, description="First wait before a restart; doubles per recent restart."
     )
 
 
