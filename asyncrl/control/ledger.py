@@ -248,7 +248,12 @@ class TaskLedger:
             self._queue(tid, self.entries[tid], server_id, cause, front=True)
         self.owned.pop(server_id, None)
         self.redeal_log += [(tid, server_id, cause) for tid in ids]
-        return [self.entries[tid].task for tid in ids]
+        return [self._queued_task(tid) for tid in ids]
+
+    def _queued_task(self, tid: str) -> Task:
+        task = self.entries[tid].task
+        assert task is not None  # only terminal entries drop their task
+        return task
 
     def trained(self, task_ids: Iterable[str]) -> None:
         """Groups the learner trained on (validation: the buffer scored them)."""
