@@ -27,6 +27,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import TypeGuard
 
 from asyncrl.cli import parse_role_args
 from asyncrl.config import Config, write_resolved
@@ -41,14 +42,15 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
     py = sys.executable
     cpus = cfg.launch.cpus or {}
     gpus = cfg.launch.gpus or {}
-    roles = [Role("buffer", [py, "-m", "buffer.main", str(config_path)], cpus=cpus.get("buffer"))]
+    roles = [Role("buffer", [py, "-m", "buffer.main", str(config_path)], cpus=_ids(cpus, "buffer"))]
     for i in range(cfg.rollout.num_servers):
         env: dict[str, str] = {}
-        server_cpus = cpus["rollout"][i] if "rollout" in cpus else None
+        server_cpus = _ids(cpus, "rollout", i)
         if server_cpus is not None:  # vLLM's OpenMP threads on exactly these cores
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, server_cpus))
-        if "rollout" in gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus["rollout"][i]))
+        server_gpus = _ids(gpus, "rollout", i)
+        if server_gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, server_gpus))
         roles.append(Role(
             f"rollout-{i}",
             [py, "-m", "rollout_servers.main", str(config_path), "--server-id", f"rollout-{i}"],
@@ -59,10 +61,31 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
         learner = [py, "-m", "torch.distributed.run", "--standalone",
                    f"--nproc-per-node={cfg.trainer.nproc}", "-m", "learner.main",
                    str(config_path)]  # fmt: skip
-    env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus["learner"]))} if "learner" in gpus else {}
-    roles.append(Role("learner", learner, env=env, cpus=cpus.get("learner"),
+    learner_gpus = _ids(gpus, "learner")
+    env = (
+        {"CUDA_VISIBLE_DEVICES": ",".join(map(str, learner_gpus))}
+        if learner_gpus is not None
+        else {}
+    )
+    roles.append(Role("learner", learner, env=env, cpus=_ids(cpus, "learner"),
                       restart_args=["trainer.resume_mode=auto"]))  # fmt: skip
     return roles
+
+
+def _ids(
+    table: dict[str, list[int] | list[list[int]]], role: str, server: int = -1
+) -> list[int] | None:
+    """One process's core or GPU ids: ``table[role]``, or rollout ``server``'s list in it
+    (the config rules refuse any other shape); None when the table leaves the role out."""
+    if role not in table:
+        return None
+    ids = table[role] if server < 0 else table[role][server]
+    assert _flat(ids), f"launch: {role} ids {ids!r} are not one list"
+    return ids
+
+
+def _flat(ids: object) -> TypeGuard[list[int]]:
+    return isinstance(ids, list) and all(isinstance(x, int) for x in ids)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -134,6 +134,8 @@ def test_bad_keys_and_types_name_the_key(override, expected):
         (["endpoints.batches=5551"], "endpoints.batches=5551 is also endpoints.tasks"),
         (["launch.cpus={rollout: [[1]]}"], "give one list per server"),
         (["launch.cpus={critic: [0]}"], "unknown roles ['critic']"),
+        (["launch.cpus={learner: [[0]]}"], "launch.cpus.learner=[[0]] has the wrong shape"),
+        (["launch.gpus={rollout: [0, 1]}"], "write e.g. [[1], [2]], one list per server"),
         (["model.dtype=bfloat16"], "set model.dtype=float32"),
     ],
 )

@@ -128,6 +128,11 @@ def _launch_problems(cfg: Config) -> list[str]:
             out.append(
                 f"launch.{kind} has unknown roles {sorted(unknown)}; use learner, rollout, buffer"
             )
+        for role, ids in table.items():  # rollout: one list per server; others: one list
+            nested = role == "rollout"
+            if not all(isinstance(x, list) == nested for x in ids):
+                example = "[[1], [2]], one list per server" if nested else "[0]"
+                out.append(f"launch.{kind}.{role}={ids} has the wrong shape; write e.g. {example}")
         per_server = table.get("rollout")
         if per_server is not None and len(per_server) != cfg.rollout.num_servers:
             out.append(
