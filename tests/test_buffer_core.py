@@ -7,10 +7,10 @@ from collections import Counter
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from standins.trajgen import make_group, make_traj
 
 from asyncrl.wire import DroppedTask, Group, Packed
 from buffer.core import ReplayBuffer
+from tests.standins.trajgen import make_group, make_traj
 
 pytestmark = pytest.mark.timeout(60)
 

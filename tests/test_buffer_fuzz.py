@@ -17,13 +17,13 @@ import pytest
 import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from standins.trajgen import make_group, make_traj
 
 from asyncrl import wire
 from asyncrl.transport import BufferClient, TrajectoryPusher
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
 from tests.helpers import wait_until
+from tests.standins.trajgen import make_group, make_traj
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -16,20 +16,20 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from standins.harness import (
-    finish,
-    group_spec,
-    read_lines,
-    spec_file,
-    start_standin,
-)
-from standins.trajgen import make_group
 
 from asyncrl import wire
 from asyncrl.transport import BufferClient, TrajectoryPusher, endpoint
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
 from tests.helpers import free_port, wait_until
+from tests.standins.harness import (
+    finish,
+    group_spec,
+    read_lines,
+    spec_file,
+    start_standin,
+)
+from tests.standins.trajgen import make_group
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -12,13 +12,13 @@ import msgspec
 import numpy as np
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from standins.trajgen import make_group
 
 from asyncrl import wire
 from learner.broadcast import share_batch
 from learner.fsdp import init_distributed, process_group_backend
 from learner.loop import _broadcast_int
 from tests.helpers import free_port
+from tests.standins.trajgen import make_group
 
 
 def _batch() -> wire.Batch:

@@ -12,10 +12,10 @@ import time
 
 import pytest
 import zmq
-from standins.trajgen import make_group, make_traj
 
 from asyncrl import wire
 from asyncrl.transport import ReqClient, TrajectoryPusher, endpoint
+from tests.standins.trajgen import make_group, make_traj
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,7 +8,6 @@ its heavy engine (no vLLM, no training loop), so a protocol can be tested alone.
 - :mod:`.producer` / :mod:`.consumer`: a trajectory producer and a batch consumer for the
   buffer, started by :mod:`.harness`; :mod:`.trajgen` makes their trajectories.
 
-Each process runs as ``python -m tests.standins.<module>`` from the repository root (or
-with it on ``PYTHONPATH``); the producer and consumer still run as ``standins.<module>``
-with ``tests/`` on ``PYTHONPATH`` (see :mod:`.harness`).
+Each process runs as ``python -m tests.standins.<module>`` with the repository root on
+``PYTHONPATH`` (:func:`.harness.standin_env`); benchmarks import them the same way.
 """

@@ -1,11 +1,11 @@
 """Stand-in learner: says hello, takes batches, acknowledges some, reports each on stdout.
 
-``python -m standins.consumer ENDPOINT [--consumer-id ID] [--version V] [--batches N]
+``python -m tests.standins.consumer ENDPOINT [--consumer-id ID] [--version V] [--batches N]
 [--ack K] [--acked-through B] [--delay-s S] [--idle-s S] [--hang]``
 
 Prints ``{"welcome": {...}}``, then one line per batch (``batch_id``, ``task_ids``,
 ``redelivered``, ``lag_histogram``, ``validation``, ``sizes``, ``acked``, ``data_ok``: every
-array matches what :func:`standins.trajgen.make_traj` generated), then ``{"done": n}``.
+array matches what :func:`tests.standins.trajgen.make_traj` generated), then ``{"done": n}``.
 Acknowledges the first K batches it gets (-1: all) right away. With ``--hang`` it then waits
 to be killed, holding the rest unacknowledged.
 """
@@ -21,7 +21,7 @@ import numpy as np
 
 from asyncrl import wire
 from asyncrl.transport import BufferClient
-from standins.trajgen import make_traj
+from tests.standins.trajgen import make_traj
 
 
 def data_ok(batch: wire.Batch) -> bool:

@@ -10,19 +10,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-TESTS_DIR = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def standin_env() -> dict[str, str]:
+    """This environment with the repository root on ``PYTHONPATH`` (for ``tests.standins``)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
 
 def start_standin(module: str, *args: str) -> subprocess.Popen:
-    """``python -m standins.<module> args`` with its stdout piped (one JSON object a line)."""
+    """``python -m tests.standins.<module> args`` with its stdout piped (one JSON object a
+    line)."""
     return subprocess.Popen(
-        [sys.executable, "-m", f"standins.{module}", *args],
+        [sys.executable, "-m", f"tests.standins.{module}", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

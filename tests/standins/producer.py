@@ -1,8 +1,8 @@
 """Stand-in rollout server: pushes trajectory messages from a spec, then reports.
 
-``python -m standins.producer ENDPOINT SPEC.json [--hwm N] [--delay-s S]``. The spec is
+``python -m tests.standins.producer ENDPOINT SPEC.json [--hwm N] [--delay-s S]``. The spec is
 ``{"messages": [[traj, ...], ...]}``, each ``traj`` the keyword arguments of
-:func:`standins.trajgen.make_traj` (``task_id``, ``index``, ``size``, ``version``, ``spans``,
+:func:`tests.standins.trajgen.make_traj` (``task_id``, ``index``, ``size``, ``version``, ``spans``,
 ``response_len``, ``validation``, ``data_source``, ...). Prints one JSON line at the end:
 ``{"sent": messages, "blocked_s": seconds spent blocked at the high-water mark}``.
 """
@@ -14,7 +14,7 @@ import json
 import time
 
 from asyncrl.transport import TrajectoryPusher
-from standins.trajgen import make_traj
+from tests.standins.trajgen import make_traj
 
 
 def main() -> None:

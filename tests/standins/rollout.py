@@ -33,6 +33,7 @@ from asyncrl.cli import role_parser, setup_logging
 from asyncrl.config import ConfigError, load_config
 from asyncrl.control.client import CoordinatorClient, CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
+from tests.standins.harness import standin_env
 
 log = logging.getLogger("tests.standins.rollout")
 
@@ -270,7 +271,7 @@ def spawn(
     if hold_after is not None:
         cmd += ["--hold-after", str(hold_after)]
     out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=standin_env())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
