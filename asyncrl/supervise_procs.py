@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import json
 import logging
 import os
 import signal
@@ -125,22 +124,6 @@ def find_tree(
             stack.extend(children[pid])
     tree.discard(os.getpid())
     return {pid for pid in tree if procs[pid].state not in ("Z", "X")}
-
-
-def processes_of_run(run_dir: Path) -> list[int]:
-    """Live processes of the latest launch in ``run_dir`` (from ``launch.jsonl``): the
-    sessions of every role it started and whatever carries its marker. What a test checks
-    is empty once the launcher is gone."""
-    launch_id, roots = None, set()
-    for line in (Path(run_dir) / "launch.jsonl").read_text().splitlines():
-        event = json.loads(line)
-        if event["event"] == "launch":
-            launch_id, roots = event["launch_id"], set()
-        elif event["event"] == "start":
-            roots.add(event["pid"])
-    prefix = f"{launch_id} "
-    match = (lambda m: m.startswith(prefix)) if launch_id is not None else None
-    return sorted(find_tree(scan(), roots, match))
 
 
 def adopted(procs: dict[int, Proc], keep: set[int]) -> set[int]:

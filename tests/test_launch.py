@@ -27,8 +27,24 @@ from asyncrl.progress import (
     summary_table,
 )
 from asyncrl.supervise import RestartPolicy, Role, Supervisor, exit_status, restart_delay
-from asyncrl.supervise_procs import has_exited, processes_of_run, signal_group
+from asyncrl.supervise_procs import find_tree, has_exited, scan, signal_group
 from tests.helpers import alive, endpoint_overrides, wait_until
+
+
+def processes_of_run(run_dir: Path) -> list[int]:
+    """Live processes of the latest launch in ``run_dir`` (from ``launch.jsonl``): the
+    sessions of every role it started and whatever carries its marker; empty once the
+    launcher is gone and left nothing behind."""
+    launch_id, roots = None, set()
+    for line in (Path(run_dir) / "launch.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if event["event"] == "launch":
+            launch_id, roots = event["launch_id"], set()
+        elif event["event"] == "start":
+            roots.add(event["pid"])
+    prefix = f"{launch_id} "
+    match = (lambda m: m.startswith(prefix)) if launch_id is not None else None
+    return sorted(find_tree(scan(), roots, match))
 
 
 def test_sigterm_stops_every_role_it_started(tmp_path):
