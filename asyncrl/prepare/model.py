@@ -52,6 +52,8 @@ def build_model(name: str, out_dir: Path, seed: int = 0):  # -> (model, tokenize
         raise ValueError(f"unknown model {name!r}; choose one of {sorted(SIZES)}")
     size = SIZES[name]
     tok = build_tokenizer(out_dir)
+    pad_id, eos_id = tok.pad_token_id, tok.eos_token_id  # looked up by name at run time
+    assert isinstance(pad_id, int) and isinstance(eos_id, int), (pad_id, eos_id)
     config = Qwen2Config(
         vocab_size=len(tok),
         hidden_size=size.hidden,
@@ -61,10 +63,10 @@ def build_model(name: str, out_dir: Path, seed: int = 0):  # -> (model, tokenize
         intermediate_size=size.intermediate,
         max_position_embeddings=size.max_positions,
         tie_word_embeddings=True,
-        rope_theta=10000.0,
-        bos_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        bos_token_id=pad_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
         dtype="float32",
     )
     torch.manual_seed(seed)
@@ -73,8 +75,8 @@ def build_model(name: str, out_dir: Path, seed: int = 0):  # -> (model, tokenize
     # that a plain `generate(do_sample=True)` samples the full distribution.
     model.generation_config = GenerationConfig(
         do_sample=True,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
         top_k=0,
         top_p=1.0,
         temperature=1.0,
