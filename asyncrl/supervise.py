@@ -294,7 +294,7 @@ class Supervisor:
         the ones still running."""
         deadline = time.monotonic() + timeout_s
         while True:
-            roles = [r for r in roles if not has_exited(r.proc.pid)]
+            roles = [r for r in roles if r.proc is not None and not has_exited(r.proc.pid)]
             if not roles or time.monotonic() >= deadline:
                 return roles
             time.sleep(0.1)
@@ -304,6 +304,7 @@ class Supervisor:
         reap what is left of every role's tree, and every other process of the run."""
         running = self._running()
         for role in running:
+            assert role.proc is not None  # _running lists started roles only
             signal_group(role.proc.pid, signal.SIGTERM)
         for role in self._wait_exited(running, grace_s):
             log.warning("%s did not stop within %.0fs: killing it", role.name, grace_s)
@@ -316,6 +317,7 @@ class Supervisor:
         """Kill what is left of ``role``'s tree (the role itself included), reap the role
         and return its exit code. Call it before the role is reaped: its zombie keeps its
         pid, the id of its session and group, from being reused meanwhile."""
+        assert role.proc is not None, f"{role.name} is not started"
         marker = f"{self.launch_id} {role.name} {role.attempt}"
         pid = role.proc.pid
         keep = self._reap_keep()
@@ -366,6 +368,7 @@ class Supervisor:
         if self._watchdog_fd is not None:
             os.close(self._watchdog_fd)
             self._watchdog_fd = None
+            assert self.watchdog is not None  # started together with its pipe
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.watchdog.wait(5)
 
