@@ -113,7 +113,6 @@ def test_dead_server_tasks_are_redealt_under_their_ids_and_the_budget_corrected(
     assert [t.task_id for t in again] == [t.task_id for t in to_a[1:]]
     assert [t.attempt for t in again] == [1, 1] and reason == "budget"
     assert ledger.committed == 6
-    assert ledger.redeal_log == [(t.task_id, "a", "dead") for t in to_a[1:]]
     assert set(ledger.owned["b"]) == {t.task_id for t in to_b + again}
     assert _identity(ledger)["dealt"] == 6  # a re-deal is the same task, counted once
 

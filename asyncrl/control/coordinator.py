@@ -271,11 +271,6 @@ class Coordinator:
         with self._lock:
             return {sid: dict(r.metrics) for sid, r in self._state.servers.items()}
 
-    def redeal_log(self) -> list[tuple[str, str, str]]:
-        """(task id, server it was taken from, cause) for every task taken back."""
-        with self._lock:
-            return list(self._state.ledger.redeal_log)
-
     def state_dict(self) -> dict[str, Any]:
         """Cursor, budget, owed tasks, sync counter: save it with the learner's checkpoint."""
         with self._lock:

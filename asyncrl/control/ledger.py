@@ -87,7 +87,6 @@ class TaskLedger:
         self.entries: dict[str, _Entry] = {}
         self.owned: dict[str, set[str]] = {}  # server id -> ids OUT there
         self.redeal: deque[str] = deque()  # QUEUED ids, in deal order
-        self.redeal_log: list[tuple[str, str, str]] = []  # (task id, from server, cause)
         self.counts: Counter[str] = Counter()  # events
         self.dealt: Counter[str] = Counter()  # kind -> distinct ids dealt
         self.tally: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
@@ -116,15 +115,13 @@ class TaskLedger:
         self.tally[kind][state] += 1
         return e
 
-    def _queue(self, tid: str, e: _Entry, server: str, cause: str, front: bool) -> None:
+    def _queue(self, tid: str, e: _Entry, cause: str, front: bool) -> None:
         """Back to the re-deal queue under the same id (``attempt + 1``)."""
         self._set(tid, e, QUEUED, cause)
         assert e.task is not None
         e.task = msgspec.structs.replace(e.task, attempt=e.task.attempt + 1)
         (self.redeal.appendleft if front else self.redeal.append)(tid)
         self.counts[f"requeued/{cause}"] += 1
-        if not front:
-            self.redeal_log.append((tid, server, cause))
 
     @property
     def committed(self) -> int:
@@ -224,7 +221,7 @@ class TaskLedger:
             self._set(tid, e, GIVEN_UP, cause)
             self.counts["given_up"] += 1
             return 0
-        self._queue(tid, e, e.server, cause, front=False)
+        self._queue(tid, e, cause, front=False)
         return 1
 
     def reclaim(self, now: float) -> list[str]:
@@ -245,9 +242,8 @@ class TaskLedger:
         ``dead`` or ``left``), oldest deal first, at the front of the queue."""
         ids = sorted(self.owned.get(server_id, ()), key=lambda t: self.entries[t].serial)
         for tid in reversed(ids):  # each to the front: the oldest ends up first
-            self._queue(tid, self.entries[tid], server_id, cause, front=True)
+            self._queue(tid, self.entries[tid], cause, front=True)
         self.owned.pop(server_id, None)
-        self.redeal_log += [(tid, server_id, cause) for tid in ids]
         return [self._queued_task(tid) for tid in ids]
 
     def _queued_task(self, tid: str) -> Task:
@@ -343,8 +339,7 @@ class TaskLedger:
             if e.state == BUF and tid not in held and e.since < cutoff
         ]
         for tid in reversed(lost):
-            self._queue(tid, self.entries[tid], "buffer", "lost", front=True)
-        self.redeal_log += [(tid, "buffer", "lost") for tid in lost]
+            self._queue(tid, self.entries[tid], "lost", front=True)
         return len(lost)
 
     # ------------------------------------------------------------------ state
