@@ -15,10 +15,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.tasks import arithmetic, countdown, gsm8k
 from asyncrl.tasks.schema import TRAIN_SPLIT, VAL_SPLIT, make_row, prompt_text
+
+if TYPE_CHECKING:  # at run time __getattr__ loads them (and pyarrow) on first use
+    from asyncrl.tasks.parquet import read_rows, write_rows
 
 logger = logging.getLogger(__name__)
 

@@ -251,14 +251,14 @@ def parse_equation(equation: str) -> ast.Expression | None:
 
 
 def _literals(tree: ast.Expression) -> list[int]:
-    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)]
+    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and type(n.value) is int]
 
 
 def _evaluate(node: ast.AST) -> Fraction:
     """Evaluate a tree accepted by :func:`parse_equation` exactly; may raise ZeroDivisionError."""
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
-    if isinstance(node, ast.Constant):
+    if isinstance(node, ast.Constant) and type(node.value) is int:
         return Fraction(node.value)
     if isinstance(node, ast.UnaryOp):
         value = _evaluate(node.operand)
