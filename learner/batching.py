@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -47,7 +47,13 @@ class Rollout:
         return min((v for v, _ in self.version_spans), default=None)
 
 
-DROP_REASONS = ("length_mismatch", "empty_response", "empty_prompt", "nonfinite_reward", "too_long")
+DROP_REASONS: tuple[str, ...] = (
+    "length_mismatch",
+    "empty_response",
+    "empty_prompt",
+    "nonfinite_reward",
+    "too_long",
+)
 
 
 def drop_reason(r: Rollout, max_len: int | None = None) -> str | None:
@@ -223,10 +229,8 @@ class MicroBatch:
     n_tokens: int = 0  # real (non-padding) tokens fed to the model
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        def move(t):
-            return t.to(device) if isinstance(t, torch.Tensor) else t
-
-        return MicroBatch(**{k: move(v) for k, v in self.__dict__.items()})
+        moved = {k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        return replace(self, **moved)
 
 
 def collate(
