@@ -250,6 +250,12 @@ def _state(**kw) -> ControlState:
     )
 
 
+def _push(st: ControlState) -> None:
+    """The learner pushes the next version (a member that does not report it fails it)."""
+    st.begin_sync(PLAN)
+    st.finish_sync(True, now=0.0)
+
+
 def test_late_joiner_catches_up_before_its_first_task():
     st = _state()
     st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
@@ -273,8 +279,8 @@ def test_failed_catchups_back_off_exponentially_and_success_clears_them():
     """Each catch-up blocks the learner until it ends: a server that keeps failing them is
     retried after 5 s, then 10 s, ... up to the cap, not at every learner step."""
     st = _state(catchup_backoff_s=5.0, catchup_backoff_max_s=12.0)
+    _push(st)  # version 1, before "a" joins holding version 0: it needs a catch-up
     st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
-    st.announce_version(1)  # "a" holds version 0: it needs a catch-up
     now, delays = 0.0, []
     for _ in range(3):
         assert st.pending_catchups(now) == ["a"]
@@ -307,8 +313,6 @@ def test_versions_never_go_back_and_a_restart_pushes_above_what_servers_hold():
     st = _state()
     st.register(m.Register(server_id="a", policy_version=5), now=0.0)
     assert st.version == 5 and st.begin_sync(PLAN).version == 6
-    with pytest.raises(RuntimeError, match="in progress"):
-        st.announce_version(9)
 
 
 def test_silent_servers_are_declared_dead():
@@ -337,7 +341,7 @@ def test_heartbeat_news_is_level_triggered():
         server_id="a", session=reg.session, policy_version=0, seen_version=0, seen_sync=0
     )
     assert st.news(hb) is None  # nothing new: held
-    st.announce_version(1)
+    _push(st)
     assert st.news(hb).policy_version == 1  # repeated until a heartbeat has seen it
     assert st.news(msgspec.structs.replace(hb, seen_version=1)) is None
     assert st.news(msgspec.structs.replace(hb, session="old")).registered is False

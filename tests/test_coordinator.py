@@ -102,7 +102,10 @@ def test_admission_deals_exactly_the_budget_and_resumes_per_version(
             assert _metric(coord, "coordinator/budget/dealt") == limit
             assert buf.stats()["buffer/groups_in"] == limit  # every group reached the buffer
 
-            learner.advance()  # version 1: one more version's worth, no more
+            # The learner trains on a version's worth and pushes version 1 (no stand-in takes
+            # weights): one more version's worth is dealt, no more.
+            learner.coordinator.trained(acked(journal)[:per_version])
+            assert learner.push().version == 1
             until(lambda: len(acked(journal)) == limit + per_version, "dealing")
             time.sleep(0.3)
             assert len(events(journal, "task")) == limit + per_version
@@ -206,7 +209,8 @@ def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin, un
             time.sleep(0.5)
             assert _metric(second, "coordinator/budget/dealt") == 8  # the budget came back too
             assert len(acked(journal)) == 8
-            second.announce_version(1)
+            second.trained(before[:4])  # a version's worth, then a push nobody receives
+            second.finish_sync(second.begin_sync([]))
             until(lambda: len(acked(journal)) == 12, "4 more tasks")
             after = acked(journal)[8:]
             assert after == [f"train/0/{p}" for p in range(8, 12)]  # where the cursor was

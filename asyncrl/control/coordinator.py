@@ -159,11 +159,6 @@ class Coordinator:
         with self._lock:
             return self._state.version
 
-    def announce_version(self, version: int) -> None:
-        """Make ``version`` current without a weight push (a harness advancing by hand)."""
-        with self._lock:
-            self._state.announce_version(version)
-
     def begin_sync(self, plan: list[dict[str, Any]]) -> SyncRound:
         """Start pushing the next version (``version + 1``) with bucket plan ``plan``."""
         with self._lock:

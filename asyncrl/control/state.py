@@ -294,15 +294,6 @@ class ControlState:
         return lost
 
     # ------------------------------------------------------------------ versions, syncs
-    def announce_version(self, version: int) -> None:
-        """Make ``version`` current without a sync (a test harness advancing by hand)."""
-        if self.syncs.active is not None:
-            raise RuntimeError("a sync is in progress; finish it first")
-        budget = self.ledger.budget
-        # As if the learner had consumed a version's worth per version.
-        budget.consume(budget.consumed + (version - budget.version) * budget.per_version)
-        budget.advance(version)
-
     def begin_sync(self, plan: list[dict[str, Any]]) -> SyncRound:
         """Start pushing version ``current + 1`` to every live server with engine ranks."""
         members = sorted(

@@ -6,8 +6,8 @@ service as a real process (:func:`spawn_buffer`).
 A test harness drives it by hand::
 
     learner = StandInLearner(cfg, tensors=random_weights(0)).start()
-    learner.advance()                 # a new version without weights (admission tests)
-    result = learner.push()           # a new version, broadcast to every member
+    learner.coordinator.trained(ids)  # what the learner trained on moves the window...
+    result = learner.push()           # ...at the next version, broadcast to every member
     learner.serve_catchups()          # late joiners and failed members get the weights
     learner.shutdown()                # tells every server and the buffer to stop
 
@@ -112,12 +112,6 @@ class StandInLearner:
     def start(self) -> StandInLearner:
         self.coordinator.start()
         return self
-
-    def advance(self, version: int | None = None) -> int:
-        """Make the next (or the given) version current without sending weights."""
-        version = self.coordinator.version + 1 if version is None else version
-        self.coordinator.announce_version(version)
-        return version
 
     def set_weights(self, tensors: dict[str, Any]) -> None:
         """Replace the weights the next push sends (same names, shapes and dtypes)."""
