@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from asyncrl.config.schema import OptimConfig
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +52,9 @@ def init_distributed(device: str = "cpu"):
         if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
             dist.init_process_group(backend)
         else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            # torch documents dist.HashStore but re-exports it without marking it public
+            store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+            dist.init_process_group(backend, store=store, rank=0, world_size=1)
     elif "cpu" not in _device_backends(dist.get_backend_config()):
         # Fail here, naming the fix, rather than at the first batch rank 0 shares.
         raise RuntimeError(
@@ -59,9 +64,11 @@ def init_distributed(device: str = "cpu"):
     return init_device_mesh(device, (dist.get_world_size(),), mesh_dim_names=("dp",))
 
 
-def _device_backends(backend: str) -> dict[str, str]:
+def _device_backends(backend: str) -> dict[str, dist.Backend]:
     """Device type -> backend of a backend string (``"nccl"``, ``"cpu:gloo,cuda:nccl"``)."""
-    return dist.BackendConfig(dist.Backend(backend)).get_device_backend_map()
+    # Backend(...) returns a plain (lower-case) str, which BackendConfig takes, though
+    # torch annotates the parameter as Backend.
+    return dist.BackendConfig(cast(dist.Backend, dist.Backend(backend))).get_device_backend_map()
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -136,12 +143,12 @@ def full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, 
     return out
 
 
-def build_optimizer(model: nn.Module, optim_cfg) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, optim_cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW over the (sharded) parameters from ``actor.optim``."""
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=optim_cfg.lr,
-        betas=tuple(optim_cfg.betas),
+        betas=optim_cfg.betas,
         weight_decay=optim_cfg.weight_decay,
     )
 
@@ -168,7 +175,9 @@ def lr_factor(
     raise ValueError(f"unknown lr_scheduler_type {kind!r}")
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int | None):
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig, total_steps: int | None
+) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` stepped once per learner step (:func:`lr_factor`)."""
     lr_factor(0, warmup=0, total=total_steps, kind=optim_cfg.lr_scheduler_type)  # validate now
 
