@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import time
@@ -54,6 +55,19 @@ def wait_until(
             extra = f"\n{details()}" if details is not None else ""
             pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}{extra}")
         time.sleep(every_s)
+    return value
+
+
+async def wait_until_async(
+    pred: Callable[[], T], what: str, timeout_s: float = 30.0, *, every_s: float = 0.005
+) -> T:
+    """:func:`wait_until` inside an event loop: awaits between the calls of ``pred``, so the
+    tasks it waits for keep running."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := pred()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
+        await asyncio.sleep(every_s)
     return value
 
 

@@ -21,6 +21,7 @@ from asyncrl.wire import Trajectory
 from rollout_servers import protocols, server
 from rollout_servers.engine import Sample, SyncJoin
 from rollout_servers.server import RECENT, RolloutServer
+from tests.helpers import wait_until_async
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -188,14 +189,6 @@ def _no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
 
 
-async def _until(pred: Callable[[], bool], what: str, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not pred():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        await asyncio.sleep(0.005)
-
-
 def test_full_slots_wait_without_polling_and_wake_when_a_group_ends(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -212,7 +205,7 @@ def test_full_slots_wait_without_polling_and_wake_when_a_group_ends(
 
         monkeypatch.setattr(srv, "_free", counted)
         run = asyncio.create_task(srv.run())
-        await _until(lambda: engine.requests == N, "the first group to start")
+        await wait_until_async(lambda: engine.requests == N, "the first group to start", 5)
         assert len(client.requests) == 1 and srv.inflight == N
         checks = 0
         await asyncio.sleep(0.5)
@@ -221,7 +214,7 @@ def test_full_slots_wait_without_polling_and_wake_when_a_group_ends(
         assert len(client.requests) == 1  # no task asked for while no slot is free
         engine.gate.set()
         finished = time.monotonic()
-        await _until(lambda: len(client.acked) == 2, "both groups")
+        await wait_until_async(lambda: len(client.acked) == 2, "both groups", 5)
         assert client.requests[1] - finished < 0.2  # the freed slots were taken at once
         srv.stop()
         assert await asyncio.wait_for(run, 2.0) == 0
@@ -234,7 +227,7 @@ def test_stop_wakes_a_loop_whose_slots_are_full() -> None:
         client = StandInClient(tasks=1)
         srv, engine = _server(client, max_inflight=N)
         run = asyncio.create_task(srv.run())
-        await _until(lambda: engine.requests == N, "the group to start")
+        await wait_until_async(lambda: engine.requests == N, "the group to start", 5)
         stopped = time.monotonic()
         srv.stop()
         assert await asyncio.wait_for(run, 2.0) == 0
