@@ -91,7 +91,8 @@ def save_checkpoint(
 
     Re-saving a step replaces the old directory only once the new one is complete.
     """
-    import torch.distributed.checkpoint as dcp
+    # dcp.save, from the module that defines it (torch does not mark the re-export public)
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     final = checkpoint_dir(run_dir) / f"step_{step}"
     tmp = final.with_name(final.name + ".tmp")
@@ -108,7 +109,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
+    dcp_save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
     if _rank() == 0:
         (tmp / STATE_FILE).write_text(state_json)
         if final.exists():
@@ -127,13 +128,13 @@ def save_checkpoint(
 def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> CheckpointMeta:
     """Restore model, optimizer and scheduler in place from a checkpoint directory (any
     world size); every rank calls it. Returns step, policy version and ``extra``."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load  # dcp.load
 
     path = Path(path)
     meta = json.loads((path / STATE_FILE).read_text())
     state = _dcp_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
+    dcp_load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
