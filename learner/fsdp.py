@@ -11,13 +11,22 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from asyncrl.config.schema import OptimConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    class ShardedModel(FSDPModule, PreTrainedModel):
+        """What ``fully_shard`` makes of an HF model: an instance of a new class derived
+        from FSDPModule and the model's own class (a type for the checker only)."""
+
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +97,7 @@ def load_sharded_model(
     device: str = "cpu",
     gradient_checkpointing: bool = False,
     trainable: bool = True,
-) -> nn.Module:
+) -> ShardedModel:
     """Load an HF causal LM in float32 and shard it: ``fully_shard`` per decoder layer,
     then the root (embeddings, final norm, head; tied weights stay one parameter).
 
@@ -113,7 +122,7 @@ def load_sharded_model(
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)
-    return model
+    return cast("ShardedModel", model)  # fully_shard swapped its class: see ShardedModel
 
 
 def full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

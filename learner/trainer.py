@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from asyncrl.config import Config
 from learner import fsdp
 from learner.advantages import OUTCOME_ESTIMATORS
 from learner.batching import (
@@ -71,7 +72,7 @@ class Trainer:
     """The policy model under FSDP2, its optimizer and schedule (see the module docstring).
 
     Args:
-        cfg: the run config (:class:`asyncrl.config.schema.Config`); reads ``model``,
+        cfg: the run config; reads ``model``,
             ``actor``, ``algorithm``, ``data.max_response_length``, ``trainer.device``.
         model_path: overrides ``model.path``.
         total_steps: learner steps for the decay schedules (default
@@ -81,7 +82,9 @@ class Trainer:
     (stored in checkpoints; the loop owns it), ``rank``, ``world_size``.
     """
 
-    def __init__(self, cfg, *, model_path: str | None = None, total_steps: int | None = None):
+    def __init__(
+        self, cfg: Config, *, model_path: str | None = None, total_steps: int | None = None
+    ):
         if cfg.algorithm.adv_estimator not in OUTCOME_ESTIMATORS:
             raise NotImplementedError(
                 f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: the critic is not "
@@ -93,17 +96,17 @@ class Trainer:
         self.mesh = fsdp.init_distributed(cfg.trainer.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_path = model_path or cfg.model.path
-        load = {"device": cfg.trainer.device}
+        device = cfg.trainer.device
         self.model = fsdp.load_sharded_model(
             self.model_path,
             self.mesh,
+            device=device,
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-            **load,
         )
         self.loss_cfg = LossConfig.from_config(cfg)
         # The frozen reference for the KL penalty: the initial weights, sharded the same way.
         self.ref_model = (
-            fsdp.load_sharded_model(self.model_path, self.mesh, trainable=False, **load)
+            fsdp.load_sharded_model(self.model_path, self.mesh, device=device, trainable=False)
             if self.loss_cfg.kl_coef > 0
             else None
         )
@@ -247,6 +250,7 @@ class Trainer:
         """Loss and stats of one micro-batch (a dummy one when ``micro`` is empty)."""
         mb = self._collate(plan, micro)
         logp, ent = self._forward(self.model, mb, entropy=True)
+        assert ent is not None  # asked for
         if self.loss_cfg.entropy_coeff == 0:
             ent = ent.detach()  # a metric only
 
