@@ -121,7 +121,7 @@ class LearnerLoop:
         """Tell the coordinator what was trained (before the push: the admission window
         moves by what the pushed weights consumed), and the buffer what it may forget."""
         self.last_batch_id = batch_id
-        self.control.trained(sorted({r.group_id for r in rollouts}))
+        self.control.trained(sorted({str(r.group_id) for r in rollouts}))  # the task ids
         if self.cfg.trainer.save_freq > 0:
             self.unacked.append(batch_id)  # acknowledged by the checkpoint that holds it
         else:
