@@ -30,8 +30,12 @@ and ranks; :func:`summarize_stats` turns them into metric values.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # this module stays pure torch at run time
+    from asyncrl.config import Config
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 # The log-ratio is clamped before exp so one wild token cannot make the loss infinite.
@@ -66,7 +70,7 @@ class LossConfig:
             raise ValueError(f"kl_type {self.kl_type!r} not k1/k2/k3")
 
     @classmethod
-    def from_config(cls, cfg) -> LossConfig:  # cfg: asyncrl.config.schema.Config
+    def from_config(cls, cfg: Config) -> LossConfig:
         """Read ``actor``, ``algorithm`` and ``data.max_response_length``; Dr.GRPO forces
         the constant-normalised aggregation it is defined with."""
         from learner.advantages import loss_agg_mode_for
@@ -189,13 +193,13 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
 
 
 # Keys of the stats dict returned by policy_loss: summed across micro-batches and ranks...
-STAT_SUMS = (
+STAT_SUMS: tuple[str, ...] = (
     "tokens", "seqs", "nonfinite", "clipped_low", "clipped_high", "ppo_kl", "w_units",
     "w_sum", "w_sq_sum", "w_over_cap", "mismatch", "abs_log_w", "entropy", "ref_kl",
     "pg_loss", "kl_loss", "entropy_loss", "loss",
 )  # fmt: skip
 # ...and maxed.
-STAT_MAXES = ("w_max", "abs_log_w_max")
+STAT_MAXES: tuple[str, ...] = ("w_max", "abs_log_w_max")
 
 
 def _pg_terms(
@@ -281,7 +285,18 @@ def policy_loss(
     return loss, stats
 
 
-def _stats(valid, keep, raw_w, log_ratio, clip_low, clip_high, proximal, behaviour, mask, cfg):
+def _stats(
+    valid: torch.Tensor,
+    keep: torch.Tensor,
+    raw_w: torch.Tensor,
+    log_ratio: torch.Tensor,
+    clip_low: torch.Tensor,
+    clip_high: torch.Tensor,
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+) -> dict[str, torch.Tensor]:
     """Sums and maxima of one batch (see :data:`STAT_SUMS`); all ``[B, T]`` inputs."""
     f = valid.to(proximal.dtype)
     if cfg.importance_level == "sequence":
