@@ -13,8 +13,9 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
+from asyncrl.config import Config
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.metrics import read_metrics
 
@@ -104,7 +105,7 @@ def accounting_lines(records: list[dict[str, float]]) -> list[str]:
 class ProgressView:
     """A live status line with a progress bar and ETA, redrawn on each :meth:`update`."""
 
-    def __init__(self, run_dir: Path, cfg: Any, stream=None):
+    def __init__(self, run_dir: Path, cfg: Config, stream: TextIO | None = None):
         self.run_dir = Path(run_dir)
         self.total = total_training_steps(cfg)
         self.stream = stream or sys.stderr
