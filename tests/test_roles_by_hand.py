@@ -5,15 +5,16 @@ completes, and every process exits 0."""
 
 from __future__ import annotations
 
+import functools
 import random
 import subprocess
 import sys
-import time
 
 import pytest
-from e2e_helpers import RUN, run_overrides, trained_steps
 
 from asyncrl.metrics import read_metrics
+from tests.e2e_helpers import RUN, run_overrides, trained_steps
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -39,28 +40,22 @@ def _expected_line(name: str, started: set[str]) -> str | None:
     return UP.get(name)
 
 
-def _wait_for_line(path, line: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while line not in path.read_text():
-        assert proc.poll() is None, (
-            f"{path.name} exited {proc.returncode}:\n{path.read_text()[-2000:]}"
-        )
-        assert time.monotonic() < deadline, f"{path.name} never logged {line!r}"
-        time.sleep(0.5)
+def _logged(path, line: str, proc: subprocess.Popen) -> bool:
+    """Whether the role logged ``line``; fails at once when it has exited."""
+    if line in path.read_text():
+        return True
+    assert proc.poll() is None, f"{path.name} exited {proc.returncode}:\n{path.read_text()[-2000:]}"
+    return False
 
 
-def _wait_all(procs: dict, logs: dict, timeout_s: float) -> dict[str, int]:
-    """Exit codes of every role; fails at once when one exits non-zero (the others would
+def _all_exited(procs: dict, logs: dict) -> bool:
+    """Whether every role has exited; fails at once when one exits non-zero (the others would
     wait for it until their own timeouts)."""
-    deadline = time.monotonic() + timeout_s
-    while any(p.poll() is None for p in procs.values()):
-        for name, p in procs.items():
-            assert p.poll() in (None, 0), (
-                f"{name} exited {p.returncode}:\n{logs[name].read_text()[-2000:]}"
-            )
-        assert time.monotonic() < deadline, "the run did not finish"
-        time.sleep(0.5)
-    return {name: p.returncode for name, p in procs.items()}
+    for name, p in procs.items():
+        assert p.poll() in (None, 0), (
+            f"{name} exited {p.returncode}:\n{logs[name].read_text()[-2000:]}"
+        )
+    return all(p.poll() is not None for p in procs.values())
 
 
 @pytest.mark.timeout(600)
@@ -81,8 +76,10 @@ def test_roles_started_by_hand_in_any_order(tmp_path, demo_model, arithmetic_dat
             with logs[name].open("w") as f:
                 procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
             if expected:  # it is up, or visibly waiting for the peer it needs
-                _wait_for_line(logs[name], expected, procs[name])
-        codes = _wait_all(procs, logs, timeout_s=420)
+                logged = functools.partial(_logged, logs[name], expected, procs[name])
+                wait_until(logged, f"{name} to log {expected!r}", 180, every_s=0.5)
+        wait_until(lambda: _all_exited(procs, logs), "the run to finish", 420, every_s=0.5)
+        codes = {name: p.returncode for name, p in procs.items()}
     finally:
         for p in procs.values():
             if p.poll() is None:
