@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+from asyncrl.config import Config
 from asyncrl.control.loop import ControlLoop, poll_buffer
 from asyncrl.control.state import ControlState, ValidationProgress
 from asyncrl.control.syncs import SyncResult, SyncRound
@@ -81,7 +82,7 @@ class Coordinator:
         self._all_told = False
 
     @classmethod
-    def from_config(cls, cfg: Any, **kwargs: Any) -> Coordinator:
+    def from_config(cls, cfg: Config, **kwargs: Any) -> Coordinator:
         """A coordinator for run config ``cfg``; ``kwargs`` go to
         :func:`asyncrl.control.setup.coordinator_from_config` (rows, ``buffer=False``)."""
         from asyncrl.control.setup import coordinator_from_config

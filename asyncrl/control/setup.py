@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from asyncrl.config import Config
 from asyncrl.control.admission import Budget, groups_per_version
 from asyncrl.control.coordinator import Coordinator
 from asyncrl.control.ledger import TaskLedger
@@ -27,7 +28,7 @@ def sync_backend(device: str) -> str:
 
 
 def task_source_from_config(
-    cfg: Any, train_rows: Rows | None = None, val_rows: Rows | None = None
+    cfg: Config, train_rows: Rows | None = None, val_rows: Rows | None = None
 ) -> TaskSource:
     """The dataset cursor; rows are read from ``data.train_files``/``data.val_files`` unless
     given (validation files only when validation is scheduled)."""
@@ -50,7 +51,7 @@ def task_source_from_config(
 
 
 def state_from_config(
-    cfg: Any, train_rows: Rows | None = None, val_rows: Rows | None = None
+    cfg: Config, train_rows: Rows | None = None, val_rows: Rows | None = None
 ) -> ControlState:
     """A fresh :class:`ControlState` for the run (no server registered, version 0)."""
     budget = Budget(
@@ -81,7 +82,7 @@ def state_from_config(
 
 
 def coordinator_from_config(
-    cfg: Any,
+    cfg: Config,
     *,
     train_rows: Rows | None = None,
     val_rows: Rows | None = None,
