@@ -27,6 +27,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -40,7 +44,7 @@ def _pin(cores: list[int]) -> None:
     os.environ["OMP_NUM_THREADS"] = str(len(cores))
 
 
-def _prompts(cfg, tok, limit: int) -> list[list[int]]:
+def _prompts(cfg: Config, tok, limit: int) -> list[list[int]]:
     import pyarrow.parquet as pq
 
     from asyncrl.prepare.tokenizer import chat_prompt_ids
@@ -49,7 +53,7 @@ def _prompts(cfg, tok, limit: int) -> list[list[int]]:
     return [chat_prompt_ids(tok, list(r["prompt"])) for r in rows]
 
 
-def _engine_args(cfg):
+def _engine_args(cfg: Config):
     from rollout_servers.engine import cpu_token_budget, engine_args
 
     ro = cfg.rollout
@@ -61,7 +65,7 @@ def _engine_args(cfg):
     )  # fmt: skip
 
 
-async def _generate(cfg, concurrencies: list[int], seconds: float) -> dict:
+async def _generate(cfg: Config, concurrencies: list[int], seconds: float) -> dict:
     """Tokens/s at each concurrency (sequences in flight), after one warm-up round."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams
@@ -106,7 +110,7 @@ async def _round(engine, prompts, params, concurrency: int, seconds: float, tag:
     return lengths, time.monotonic() - start
 
 
-def _train(cfg, steps: int, response_len: float) -> dict:
+def _train(cfg: Config, steps: int, response_len: float) -> dict:
     """Seconds per step and trained tokens/s of the learner on synthetic batches."""
     import random
 
@@ -153,7 +157,7 @@ def _train(cfg, steps: int, response_len: float) -> dict:
     }
 
 
-async def _sync(cfg, reps: int, receivers: int) -> dict:
+async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
     """Seconds per weight push of the model into ``receivers`` idle engines at once, as the
     run's servers receive it (the first push, which also forms the group, is not counted)."""
     import socket

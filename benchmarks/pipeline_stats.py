@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config import Config
 from asyncrl.metrics import read_metrics
 from benchmarks.sim_model import simulate
 from benchmarks.sim_types import ResponseLengths, SimParams
@@ -81,7 +82,7 @@ def decode_costs(gen: dict[str, Any]) -> tuple[float, float]:
     return max(0.0, t1 - per_seq * c1), per_seq
 
 
-def calibrate(cfg, phases: dict[str, Any], *, servers_per_core: int) -> SimParams:
+def calibrate(cfg: Config, phases: dict[str, Any], *, servers_per_core: int) -> SimParams:
     """Scheduler-model parameters from the phases measured alone, for the run's layout:
     ``rollout.num_servers`` engines sharing ``num_servers / servers_per_core`` cores (each
     engine's step cost scales by ``servers_per_core``: they take turns on the core),
