@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config import Config
 from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
 from asyncrl.control.syncs import SyncResult
 from asyncrl.sync_sender import WeightPusher
@@ -81,7 +82,7 @@ class StandInLearner:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
         *,
         tensors: dict[str, Any] | None = None,
         model_dir: str | None = None,

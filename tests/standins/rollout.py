@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.cli import role_parser, setup_logging
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.control.client import CoordinatorClient, CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
 from tests.standins.harness import standin_env
@@ -73,7 +73,7 @@ def read_journal(path: str) -> list[dict[str, Any]]:
     return out
 
 
-def fixed_group(task: Task, server_id: str, version: int, cfg: Any) -> list[Any]:
+def fixed_group(task: Task, server_id: str, version: int, cfg: Config) -> list[Any]:
     """The ``task.n`` trajectories of a task, all with the fixed response."""
     from asyncrl.wire import Trajectory
 
@@ -106,7 +106,7 @@ class StandInRollout:
 
     def __init__(
         self,
-        cfg: Any,
+        cfg: Config,
         server_id: str,
         *,
         weights: bool = False,
