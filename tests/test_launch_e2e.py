@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 
 import pytest
-from e2e_helpers import (
+
+from asyncrl.metrics import read_metrics
+from learner.checkpoint import latest_checkpoint
+from tests.e2e_helpers import (
     RUN,
     assert_learned,
     assert_vllm_loads,
@@ -26,9 +28,7 @@ from e2e_helpers import (
     run_overrides,
     trained_steps,
 )
-
-from asyncrl.metrics import read_metrics
-from learner.checkpoint import latest_checkpoint
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -93,12 +93,12 @@ def test_stop_halfway_and_resume(tmp_path, demo_model, arithmetic_data):
     first = subprocess.Popen(launch_cmd(overrides), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        deadline = time.monotonic() + 420
-        while time.monotonic() < deadline and first.poll() is None:
+
+        def halfway_or_ended() -> bool:
             done = [r["step"] for r in trained_steps(read_metrics(run))] if run.exists() else []
-            if done and max(done) >= steps_n // 2 + 1:
-                break
-            time.sleep(0.5)
+            return first.poll() is not None or max(done, default=0) >= steps_n // 2 + 1
+
+        wait_until(halfway_or_ended, f"step {steps_n // 2 + 1}", 420, every_s=0.5)
         assert first.poll() is None, "the run ended before it could be stopped"
         first.send_signal(signal.SIGTERM)
         out, _ = first.communicate(timeout=120)
