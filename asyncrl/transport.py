@@ -7,7 +7,9 @@
 - Batches and control go over request/reply: :class:`ReqClient` (REQ, ``linger=0``,
   receive timeouts, usable again after a timeout) and :class:`BufferClient`, the
   consumer's side of the buffer protocol, whose :meth:`BufferClient.hello` is the READY
-  handshake.
+  handshake. Both services (the buffer, the coordinator) serve theirs with
+  :class:`RouterService` (envelopes, refusals, non-blocking replies) and hold long-polls in
+  :class:`HeldRequests` (answered when they can be, or when their wait ends).
 - Endpoints come from the ``endpoints`` config group: ``tcp://host:port`` (host defaults
   to 127.0.0.1, so nothing listens beyond the machine unless configured), or ipc when
   ``endpoints.host`` is ``ipc://<directory>``.
@@ -21,12 +23,15 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, TypeVar
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import zmq
 
 from asyncrl import wire
+from asyncrl.wire.base import encode
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,7 @@ WARN_BLOCKED_S = 10.0
 
 C = TypeVar("C", bound="ReqClient")
 R = TypeVar("R")
+M = TypeVar("M", bound=wire.Message)
 
 
 # ----------------------------------------------------------------------- endpoints
@@ -179,6 +185,10 @@ class TrajectoryPusher:
 
 
 # ----------------------------------------------------------------------- request/reply
+class RequestRefused(RuntimeError):
+    """A service answered a request with an :class:`asyncrl.wire.ErrorReply`."""
+
+
 class ReqClient:
     """A REQ socket with receive timeouts that stays usable after one.
 
@@ -208,6 +218,19 @@ class ReqClient:
             raise TimeoutError(f"no reply from {self.addr} within {timeout_s:.1f}s")
         return self._sock.recv_multipart(copy=False)
 
+    def call(
+        self,
+        msg: wire.Message,
+        decode: Callable[[list[zmq.Frame]], R],
+        timeout_s: float | None = None,
+    ) -> R:
+        """One request, its reply decoded by ``decode``; an :class:`~asyncrl.wire.ErrorReply`
+        raises :class:`RequestRefused`, silence ``TimeoutError``."""
+        reply = decode(self.request_frames([encode(msg)], timeout_s))
+        if isinstance(reply, wire.ErrorReply):
+            raise RequestRefused(f"{self.addr} refused {msg.kind}: {reply.error}: {reply.detail}")
+        return reply
+
     def close(self) -> None:
         self._sock.close()
 
@@ -218,15 +241,150 @@ class ReqClient:
         self.close()
 
 
-class BufferReplyError(RuntimeError):
-    """The buffer answered with an :class:`asyncrl.wire.ErrorReply`."""
+def split_envelope(frames: list[bytes]) -> tuple[list[bytes], list[bytes] | None]:
+    """A ROUTER's message as the routing envelope (up to and including the empty delimiter
+    a REQ socket adds) and the body; None for the body when there is no delimiter."""
+    try:
+        cut = frames.index(b"", 1)
+    except ValueError:
+        return [frames[0], b""], None
+    return frames[: cut + 1], frames[cut + 1 :]
+
+
+class RouterService(Generic[M]):
+    """The bound side of a request/reply socket: a ROUTER that serves REQ clients.
+
+    :meth:`receive` splits each request from its envelope and decodes it with ``decode``
+    (which raises :class:`~asyncrl.wire.WireError`); a request that cannot be accepted is
+    answered here with an :class:`~asyncrl.wire.ErrorReply` and passed to ``on_reject``.
+    Replies never block: one to a client that is gone (``ROUTER_MANDATORY`` makes zmq say
+    so) or not reading is dropped and counted in ``counts["replies_undeliverable"]``.
+    Used from one thread, the one that created it.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        addr: str,
+        decode: Callable[[list[bytes]], M],
+        *,
+        on_reject: Callable[[wire.WireError], None],
+        counts: Counter[str],
+    ):
+        self.decode = decode
+        self.on_reject = on_reject
+        self.counts = counts
+        self.sock = make_socket(ctx, zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a departed peer raises
+        self.endpoint = bind(self.sock, addr)
+
+    def receive(self, most: int | None = None) -> Iterator[tuple[list[bytes], M]]:
+        """``(envelope, request)`` for each valid request waiting, up to ``most``; never
+        waits."""
+        n = 0
+        while most is None or n < most:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            n += 1
+            envelope, body = split_envelope(frames)
+            try:
+                if body is None:
+                    raise wire.WireError("malformed", "no empty delimiter frame: send from REQ")
+                msg = self.decode(body)
+            except wire.WireError as e:
+                self.on_reject(e)
+                self.reply(envelope, wire.ErrorReply.of(e))
+                continue
+            yield envelope, msg
+
+    def reply(self, envelope: list[bytes], msg: wire.Message) -> bool:
+        """Send a one-frame reply; False when it could not be delivered."""
+        return self.send(envelope, [encode(msg)])
+
+    def send(self, envelope: list[bytes], frames: Sequence[wire.Frame]) -> bool:
+        """Send a reply of any frames (zero-copy); False when it could not be delivered."""
+        try:
+            self.sock.send_multipart([*envelope, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone; EAGAIN: not reading
+            self.counts["replies_undeliverable"] += 1
+            log.warning("reply to a departed client of %s dropped (%s)", self.endpoint, e.strerror)
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@dataclass
+class Held(Generic[M]):
+    """A request answered later (a long-poll): who asked, what, since and until when."""
+
+    envelope: list[bytes]
+    msg: M
+    since: float
+    deadline: float
+    reason: str = ""  # why it still waits, as the service says; "" before it first did
+
+    def expired(self, now: float) -> bool:
+        """Whether its wait has ended: answer it now, whatever the answer."""
+        return now >= self.deadline
+
+
+class HeldRequests(Generic[M]):
+    """Requests a service holds until it can answer them or their wait ends, oldest
+    first, at most one per ``key`` (a client asking again gave up on its held request)."""
+
+    def __init__(self, key: Callable[[M], str]):
+        self.key = key
+        self._held: list[Held[M]] = []
+
+    def hold(self, envelope: list[bytes], msg: M, now: float, wait_s: float) -> Held[M]:
+        """Hold ``msg`` until ``now + wait_s``, replacing its client's earlier request."""
+        self.drop(self.key(msg))
+        held = Held(envelope, msg, now, now + wait_s)
+        self._held.append(held)
+        return held
+
+    def drop(self, key: str) -> None:
+        """Forget what ``key`` left waiting (it restarted, left or died)."""
+        self._held = [h for h in self._held if self.key(h.msg) != key]
+
+    def serve(
+        self,
+        service: RouterService[Any],
+        now: float,
+        answer: Callable[[Held[M], float], wire.Message | list[wire.Frame] | None],
+    ) -> None:
+        """Ask ``answer(held, now)`` for each held request, oldest first, and send what it
+        returns (a message, or the frames of one); None keeps the request held (``answer``
+        must not return None once :meth:`Held.expired`)."""
+        still: list[Held[M]] = []
+        for held in self._held:
+            reply = answer(held, now)
+            if reply is None:
+                still.append(held)
+            elif isinstance(reply, wire.Message):
+                service.reply(held.envelope, reply)
+            else:
+                service.send(held.envelope, reply)
+        self._held = still
+
+    def next_deadline(self) -> float | None:
+        """When the first held wait ends (None: nothing held)."""
+        return min((h.deadline for h in self._held), default=None)
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 class BufferClient(ReqClient):
     """The consumer's (learner's) side of the buffer's batch socket.
 
     Start with :meth:`hello`, then loop: :meth:`request_batch` with the current policy
-    version, train, and :meth:`ack` batch ids once a checkpoint contains them.
+    version, train, and :meth:`ack` batch ids once a checkpoint contains them. A refused
+    request raises :class:`RequestRefused`, a silent buffer ``TimeoutError``.
     """
 
     def __init__(
@@ -241,77 +399,53 @@ class BufferClient(ReqClient):
         self.consumer_id = consumer_id
         self.last_wait_s = 0.0  # how long the last request_batch waited
 
-    def call(self, msg: wire.Request, timeout_s: float | None = None) -> wire.Reply | wire.Batch:
-        """One request, its decoded reply; an error reply raises :class:`BufferReplyError`."""
-        reply = wire.decode_reply(self.request_frames([wire.encode_request(msg)], timeout_s))
-        if isinstance(reply, wire.ErrorReply):
-            raise BufferReplyError(
-                f"buffer rejected {type(msg).__name__}: {reply.error}: {reply.detail}"
-            )
+    def _ask(self, msg: wire.Request, expect: type[R], timeout_s: float | None = None) -> R:
+        reply = self.call(msg, wire.decode_reply, timeout_s)
+        if not isinstance(reply, expect):
+            raise RequestRefused(f"{msg.kind} answered by {type(reply).__name__}")
         return reply
 
-    def _call(self, msg: wire.Request, expect: type[R], timeout_s: float | None = None) -> R:
-        reply = self.call(msg, timeout_s)
-        if not isinstance(reply, expect):
-            raise BufferReplyError(f"{type(msg).__name__} answered by {type(reply).__name__}")
-        return reply
+    def _until_up(self, msg: wire.Request, expect: type[R], wait_s: float) -> R:
+        """Ask until the buffer answers, up to ``wait_s``, logging while it does not."""
+        start = time.monotonic()
+        while True:
+            try:
+                return self._ask(msg, expect, timeout_s=min(self.timeout_s, wait_s))
+            except TimeoutError:
+                waited = time.monotonic() - start
+                if waited >= wait_s:
+                    raise TimeoutError(f"buffer at {self.addr} silent for {waited:.0f}s") from None
+                log.info("waiting for the buffer at %s (%.0fs so far)", self.addr, waited)
 
     def hello(self, acked_through: int | None = None, wait_s: float = 60.0) -> wire.Welcome:
         """READY handshake: wait up to ``wait_s`` for the buffer (logging while it is not
         up), start a session; unacknowledged batches after ``acked_through`` come again."""
-        msg = wire.Hello(
-            schema=wire.SCHEMA_VERSION, consumer_id=self.consumer_id, acked_through=acked_through
-        )
-        start = time.monotonic()
-        while True:
-            try:
-                return self._call(msg, wire.Welcome, timeout_s=min(self.timeout_s, wait_s))
-            except TimeoutError:
-                waited = time.monotonic() - start
-                if waited >= wait_s:
-                    raise TimeoutError(f"buffer at {self.addr} silent for {waited:.0f}s") from None
-                log.info("waiting for the buffer at %s (%.0fs so far)", self.addr, waited)
+        msg = wire.Hello(consumer_id=self.consumer_id, acked_through=acked_through)
+        return self._until_up(msg, wire.Welcome, wait_s)
 
     def wait_ready(self, wait_s: float = 60.0) -> dict[str, float]:
         """Wait up to ``wait_s`` for the buffer to answer (its stats), without starting a
         session: what clients other than the learner use to know it is up."""
-        start = time.monotonic()
-        while True:
-            try:
-                return self._call(
-                    wire.StatsRequest(schema=wire.SCHEMA_VERSION),
-                    wire.StatsReply,
-                    timeout_s=min(self.timeout_s, wait_s),
-                ).metrics
-            except TimeoutError:
-                waited = time.monotonic() - start
-                if waited >= wait_s:
-                    raise TimeoutError(f"buffer at {self.addr} silent for {waited:.0f}s") from None
-                log.info("waiting for the buffer at %s (%.0fs so far)", self.addr, waited)
+        return self._until_up(wire.StatsRequest(), wire.StatsReply, wait_s).metrics
 
     def request_batch(self, policy_version: int, wait_s: float = 1.0) -> wire.Batch | None:
         """The next training batch, or None when the buffer has none within ``wait_s``."""
         msg = wire.BatchRequest(
-            schema=wire.SCHEMA_VERSION,
-            consumer_id=self.consumer_id,
-            policy_version=policy_version,
-            wait_s=wait_s,
+            consumer_id=self.consumer_id, policy_version=policy_version, wait_s=wait_s
         )
         start = time.monotonic()
-        reply = self.call(msg, timeout_s=wait_s + self.timeout_s)
+        reply = self.call(msg, wire.decode_reply, timeout_s=wait_s + self.timeout_s)
         self.last_wait_s = time.monotonic() - start
         return reply if isinstance(reply, wire.Batch) else None
 
     def ack(self, batch_ids: Sequence[int]) -> wire.AckReply:
         """Tell the buffer these batches are in a saved checkpoint."""
-        msg = wire.Ack(
-            schema=wire.SCHEMA_VERSION, consumer_id=self.consumer_id, batch_ids=list(batch_ids)
-        )
-        return self._call(msg, wire.AckReply)
+        msg = wire.Ack(consumer_id=self.consumer_id, batch_ids=list(batch_ids))
+        return self._ask(msg, wire.AckReply)
 
     def stats(self) -> dict[str, float]:
         """The buffer's metrics (``buffer/...``)."""
-        return self._call(wire.StatsRequest(schema=wire.SCHEMA_VERSION), wire.StatsReply).metrics
+        return self._ask(wire.StatsRequest(), wire.StatsReply).metrics
 
     def dropped(self) -> list[wire.DroppedTask]:
         """Tasks dropped for lag or expiry since the last call (drained)."""
@@ -320,18 +454,16 @@ class BufferClient(ReqClient):
     def drain(self) -> wire.DroppedReply:
         """Tasks dropped and validation tasks scored since the last call (drained), with
         the buffer's session."""
-        return self._call(wire.DroppedRequest(schema=wire.SCHEMA_VERSION), wire.DroppedReply)
+        return self._ask(wire.DroppedRequest(), wire.DroppedReply)
 
     def inventory(self) -> wire.InventoryReply:
         """Every task id the buffer holds, dropped or scored in its session."""
-        msg = wire.InventoryRequest(schema=wire.SCHEMA_VERSION)
-        return self._call(msg, wire.InventoryReply)
+        return self._ask(wire.InventoryRequest(), wire.InventoryReply)
 
     def validation(self) -> dict[str, wire.ValidationStats]:
         """Validation results per data source since the last call (drained)."""
-        msg = wire.ValidationRequest(schema=wire.SCHEMA_VERSION)
-        return self._call(msg, wire.ValidationReply).by_data_source
+        return self._ask(wire.ValidationRequest(), wire.ValidationReply).by_data_source
 
     def shutdown(self) -> None:
         """Ask the buffer service to stop (it answers before it does)."""
-        self._call(wire.Shutdown(schema=wire.SCHEMA_VERSION), wire.Ok)
+        self._ask(wire.Shutdown(), wire.Ok)

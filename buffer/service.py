@@ -35,7 +35,7 @@ from typing import Any
 import zmq
 
 from asyncrl import wire
-from asyncrl.transport import bind, config_endpoint, make_socket
+from asyncrl.transport import Held, HeldRequests, RouterService, bind, config_endpoint, make_socket
 from buffer.core import ReplayBuffer
 from buffer.rollout_log import RolloutLog
 from buffer.service_stats import ServiceStats, summary
@@ -62,22 +62,18 @@ class BufferService:
         rcvhwm: int = 1000,
         log_every_s: float = 30.0,
     ):
-        self.buffer = buffer
-        self.limits = limits
-        self.rollout_log = rollout_log
-        self.rcvhwm = rcvhwm
-        self.log_every_s = log_every_s
+        self.buffer, self.limits, self.rollout_log = buffer, limits, rollout_log
+        self.rcvhwm, self.log_every_s = rcvhwm, log_every_s
         self.trajectories_endpoint = trajectories  # the bound address once started
         self.batches_endpoint = batches
         self.stats = ServiceStats()
         # Names this process's contents: a coordinator that sees a new session knows the
         # groups it acknowledged to the old one are gone.
         self.session = secrets.token_hex(4)
-        self._stop = threading.Event()
-        self._ready = threading.Event()
+        self._stop, self._ready = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._pending: list[tuple[list[bytes], wire.BatchRequest, float]] = []
+        self._held: HeldRequests[wire.BatchRequest] = HeldRequests(_consumer)
 
     @classmethod
     def from_config(cls, cfg: Any, run_directory: Path | None = None) -> BufferService:
@@ -165,13 +161,19 @@ class BufferService:
         """
         ctx = zmq.Context()
         pull = make_socket(ctx, zmq.PULL, rcvhwm=self.rcvhwm)
-        router = make_socket(ctx, zmq.ROUTER)
-        # Unroutable replies (the consumer died meanwhile) raise instead of vanishing, so
-        # they are counted; the batch stays unacknowledged and comes again after a restart.
-        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router = None
         try:
             self.trajectories_endpoint = bind(pull, self.trajectories_endpoint)
-            self.batches_endpoint = bind(router, self.batches_endpoint)
+            # A reply the consumer cannot receive (it died meanwhile) is counted; its batch
+            # stays unacknowledged and comes again after the consumer's restart.
+            router = RouterService(
+                ctx,
+                self.batches_endpoint,
+                self._decode,
+                on_reject=self._reject,
+                counts=self.stats.io,
+            )
+            self.batches_endpoint = router.endpoint
             log.info(
                 "buffer: trajectories on %s, batches on %s",
                 self.trajectories_endpoint,
@@ -181,16 +183,17 @@ class BufferService:
             self._loop(pull, router)
         finally:
             pull.close(0)
-            router.close(0)
+            if router is not None:
+                router.close()
             ctx.term()
             if self.rollout_log is not None:
                 self.rollout_log.close()
             log.info("buffer stopped: %s", summary(self.metrics()))
 
     # ------------------------------------------------------------------ loop
-    def _loop(self, pull: zmq.Socket, router: zmq.Socket) -> None:
+    def _loop(self, pull: zmq.Socket, router: RouterService[wire.Request]) -> None:
         poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
+        poller.register(router.sock, zmq.POLLIN)
         reading = False
         last_tick = last_log = time.monotonic()
         self.stats.start(last_tick)
@@ -204,12 +207,13 @@ class BufferService:
                     poller.unregister(pull)
                 self.stats.set_paused(not room, time.monotonic())
             events = dict(poller.poll(self._poll_ms()))
-            if events.get(router):
-                self._read_requests(router)
+            if events.get(router.sock):
+                for envelope, msg in router.receive(READ_BURST):
+                    self._on_request(router, envelope, msg)
             if reading and events.get(pull):
                 self._read_trajectories(pull)
             now = time.monotonic()
-            self._serve_pending(router, now)
+            self._held.serve(router, now, self._answer_held)
             if now - last_tick >= EXPIRE_EVERY_S:
                 self.buffer.expire(now)
                 c = self.buffer.counts
@@ -222,8 +226,9 @@ class BufferService:
 
     def _poll_ms(self) -> int:
         timeout = POLL_S
-        if self._pending:
-            timeout = min(timeout, max(0.0, self._pending[0][2] - time.monotonic()))
+        deadline = self._held.next_deadline()
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         return int(timeout * 1000)
 
     def _read_trajectories(self, pull: zmq.Socket) -> None:
@@ -251,71 +256,53 @@ class BufferService:
         self.stats.io["messages_in"] += 1
 
     # ------------------------------------------------------------------ requests
-    def _read_requests(self, router: zmq.Socket) -> None:
-        for _ in range(READ_BURST):
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._on_request(router, frames)
+    def _decode(self, body: list[bytes]) -> wire.Request:
+        return wire.decode_request(body, self.limits)
 
-    def _on_request(self, router: zmq.Socket, frames: list[bytes]) -> None:
-        try:
-            cut = frames.index(b"", 1)  # end of the routing envelope REQ sockets add
-        except ValueError:
-            envelope, body = [frames[0], b""], None
-        else:
-            envelope, body = frames[: cut + 1], frames[cut + 1 :]
-        try:
-            if body is None:
-                raise wire.WireError("malformed", "no empty delimiter frame: send from REQ")
-            msg = wire.decode_request(body, self.limits)
-        except wire.WireError as e:
-            self.stats.reject("requests", e)
-            reply = wire.ErrorReply(schema=wire.SCHEMA_VERSION, error=e.kind, detail=e.detail)
-            self._send(router, envelope, wire.encode_reply(reply))
-            return
+    def _reject(self, err: wire.WireError) -> None:
+        self.stats.reject("requests", err)
+
+    def _on_request(
+        self, router: RouterService[wire.Request], envelope: list[bytes], msg: wire.Request
+    ) -> None:
         if isinstance(msg, wire.BatchRequest):
-            self._pending.append((envelope, msg, time.monotonic() + msg.wait_s))
+            now = time.monotonic()
+            self._held.hold(envelope, msg, now, msg.wait_s)
             # Apply the lag filter for this version now, even if no batch can be released.
-            self._try_release(router, force=True)
-            return
+            self._held.serve(router, now, lambda held, now: self._answer_held(held, now, True))
+        else:
+            router.reply(envelope, self._answer(msg))
+
+    def _answer(self, msg: wire.Request) -> wire.Reply:
+        """The reply to any request but a batch request (those are held)."""
         if isinstance(msg, wire.Hello):
-            reply = self._hello(msg)
-        elif isinstance(msg, wire.Ack):
+            return self._hello(msg)
+        if isinstance(msg, wire.Ack):
             acked, unknown = self.buffer.ack(msg.batch_ids)
-            reply = wire.AckReply(schema=wire.SCHEMA_VERSION, acked=acked, unknown=unknown)
-        elif isinstance(msg, wire.StatsRequest):
-            reply = wire.StatsReply(schema=wire.SCHEMA_VERSION, metrics=self.metrics())
-        elif isinstance(msg, wire.DroppedRequest):
-            reply = wire.DroppedReply(
-                schema=wire.SCHEMA_VERSION,
+            return wire.AckReply(acked=acked, unknown=unknown)
+        if isinstance(msg, wire.StatsRequest):
+            return wire.StatsReply(metrics=self.metrics())
+        if isinstance(msg, wire.DroppedRequest):
+            return wire.DroppedReply(
                 dropped=self.buffer.take_dropped(),
                 validated=self.buffer.take_validated(),
                 session=self.session,
             )
-        elif isinstance(msg, wire.InventoryRequest):
+        if isinstance(msg, wire.InventoryRequest):
             held, dropped, validated = self.buffer.inventory()
-            reply = wire.InventoryReply(
-                schema=wire.SCHEMA_VERSION,
-                session=self.session,
-                held=held,
-                dropped=dropped,
-                validated=validated,
+            return wire.InventoryReply(
+                session=self.session, held=held, dropped=dropped, validated=validated
             )
-        elif isinstance(msg, wire.ValidationRequest):
-            stats = self.buffer.take_validation()
-            reply = wire.ValidationReply(schema=wire.SCHEMA_VERSION, by_data_source=stats)
-        else:  # Shutdown
-            log.info("shutdown requested on the batch socket")
-            reply = wire.Ok(schema=wire.SCHEMA_VERSION)
-            self._stop.set()
-        self._send(router, envelope, wire.encode_reply(reply))
+        if isinstance(msg, wire.ValidationRequest):
+            return wire.ValidationReply(by_data_source=self.buffer.take_validation())
+        log.info("shutdown requested on the batch socket")  # the only request left
+        self._stop.set()
+        return wire.Ok()
 
     def _hello(self, msg: wire.Hello) -> wire.Welcome:
         # Requests this consumer left held before it restarted must not take batches now:
         # nobody would receive them until its next restart.
-        self._pending = [p for p in self._pending if p[1].consumer_id != msg.consumer_id]
+        self._held.drop(msg.consumer_id)
         redelivering, acked = self.buffer.restart(msg.acked_through, msg.consumer_id)
         log.info(
             "consumer %s started (acked through %s): %d batches acknowledged, %d to release again",
@@ -325,42 +312,22 @@ class BufferService:
             redelivering,
         )
         return wire.Welcome(
-            schema=wire.SCHEMA_VERSION,
-            redelivering=redelivering,
-            next_batch_id=self.buffer.next_batch_id,
-            acked=acked,
+            redelivering=redelivering, next_batch_id=self.buffer.next_batch_id, acked=acked
         )
 
-    def _serve_pending(self, router: zmq.Socket, now: float) -> None:
-        self._try_release(router, force=False)
-        expired = [p for p in self._pending if p[2] <= now]
-        if not expired:
-            return
-        self._pending = [p for p in self._pending if p[2] > now]
-        ready = self.buffer.ready
-        for envelope, _, _ in expired:
-            reply = wire.NoBatch(
-                schema=wire.SCHEMA_VERSION, ready=ready, needed=self.buffer.batch_size
-            )
-            self._send(router, envelope, wire.encode_reply(reply))
-
-    def _try_release(self, router: zmq.Socket, force: bool) -> None:
-        """Answer held requests, oldest first, while batches can be released."""
-        while self._pending and (force or self.buffer.can_release()):
-            force = False
-            envelope, req, _ = self._pending[0]
-            batch = self.buffer.release(req.policy_version, req.consumer_id)
-            if batch is None:
-                return
-            self._pending.pop(0)
-            self._send(router, envelope, wire.encode_batch(batch))
-
-    def _send(self, router: zmq.Socket, envelope: list[bytes], frames: list[Any]) -> None:
-        try:
-            router.send_multipart(envelope + frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone; EAGAIN: not reading
-            self.stats.io["replies_undeliverable"] += 1
-            log.warning("reply to a departed client dropped (%s)", e.strerror)
+    def _answer_held(
+        self, held: Held[wire.BatchRequest], now: float, force: bool = False
+    ) -> list[wire.Frame] | wire.NoBatch | None:
+        """A batch for a held request when one can be released (``force``: try even when
+        none seems ready, which applies the lag filter for the request's version), else
+        :class:`~asyncrl.wire.NoBatch` once its wait ended, else None (it waits on)."""
+        if force or self.buffer.can_release():
+            batch = self.buffer.release(held.msg.policy_version, held.msg.consumer_id)
+            if batch is not None:
+                return wire.encode_batch(batch)
+        if held.expired(now):
+            return wire.NoBatch(ready=self.buffer.ready, needed=self.buffer.batch_size)
+        return None
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
@@ -369,5 +336,9 @@ class BufferService:
         Call it from the loop's thread (requests do) or after the service stopped.
         """
         out = self.buffer.metrics() | self.stats.metrics(time.monotonic())
-        out["buffer/pending_requests"] = float(len(self._pending))
+        out["buffer/pending_requests"] = float(len(self._held))
         return out
+
+
+def _consumer(msg: wire.BatchRequest) -> str:
+    return msg.consumer_id

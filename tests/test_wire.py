@@ -299,7 +299,7 @@ def test_encode_checks_what_the_receiver_would() -> None:
     [
         ([msgpack.packb([1, 2])], "invalid"),  # msgpack, but an array
         ([b"\xc1"], "malformed"),
-        ([msgpack.packb({"kind": "stats"})], "invalid"),  # no schema
+        ([msgpack.packb({"kind": "stats", "schema": 1, "x": 0})], "invalid"),  # unknown field
         ([msgpack.packb({"kind": "stats", "schema": 9})], "schema"),
         ([msgpack.packb({"kind": "launch", "schema": 1})], "invalid"),
         (
@@ -314,6 +314,12 @@ def test_bad_requests_are_rejected_by_kind(frames: list[bytes], kind: str) -> No
     with pytest.raises(wire.WireError) as err:
         wire.decode_request(frames)
     assert err.value.kind == kind
+
+
+def test_a_request_without_schema_is_of_the_current_version() -> None:
+    # Every request/reply message shares one base whose schema defaults to this side's.
+    assert wire.decode_request([msgpack.packb({"kind": "stats"})]) == wire.StatsRequest()
+    assert wire.StatsRequest().schema == wire.SCHEMA_VERSION
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))

@@ -41,6 +41,7 @@ import zmq
 
 from asyncrl.control import messages as m
 from asyncrl.transport import ReqClient
+from asyncrl.wire.base import single
 
 log = logging.getLogger(__name__)
 
@@ -116,15 +117,16 @@ class CoordinatorClient:
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, sock: str, msg: m.Request, timeout_s: float | None = None) -> m.Reply:
-        """One request/reply on socket ``sock``; raises TimeoutError when unanswered."""
+        """One request/reply on socket ``sock``; raises TimeoutError when unanswered,
+        :class:`~asyncrl.transport.RequestRefused` when refused."""
         client = {"tasks": self._tasks, "control": self._control, "watch": self._watch}[sock]
         with self._locks[sock]:
-            frames = client.request_frames([m.encode(msg)], timeout_s)
+            return client.call(msg, self._heard, timeout_s)
+
+    def _heard(self, frames: list[zmq.Frame]) -> m.Reply:
+        """A reply came (even a refusal): the coordinator is alive."""
         self.last_heard = time.monotonic()
-        reply = m.decode_reply(frames[0])
-        if isinstance(reply, m.ErrorReply):
-            raise RuntimeError(f"coordinator refused {msg.kind}: {reply.error}: {reply.detail}")
-        return reply
+        return m.decode_reply(single(frames))
 
     # ------------------------------------------------------------------ registration
     def register(self, wait_s: float | None = None) -> m.Registered:

@@ -22,12 +22,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import zmq
 
 from asyncrl.control import messages as m
 from asyncrl.control.state import ControlState
+from asyncrl.transport import Held, HeldRequests, RouterService
+from asyncrl.wire.base import WireError, single
 
 log = logging.getLogger(__name__)
 
@@ -36,20 +37,12 @@ REAP_EVERY_S = 0.1
 WAIT_REASONS = ("budget", "catchup", "exhausted", "starting")
 
 
-@dataclass
-class _HeldRequest:
-    envelope: list[bytes]
-    msg: m.TaskRequest
-    deadline: float
-    since: float
-    reason: str = ""  # why it waits; "" before it was first refused
+def _server(msg: m.TaskRequest | m.Heartbeat) -> str:
+    return msg.server_id
 
 
-@dataclass
-class _HeldWatch:
-    envelope: list[bytes]
-    msg: m.Heartbeat
-    deadline: float
+def _decode(body: list[bytes]) -> m.Request:
+    return m.decode_request(single(body))
 
 
 class ControlLoop:
@@ -71,83 +64,69 @@ class ControlLoop:
         self.control_addr = control_addr
         self.max_grant = max_grant
         self.on_shutdown_request = on_shutdown_request
-        self.requests: list[_HeldRequest] = []
-        self.watches: dict[str, _HeldWatch] = {}
+        self.requests: HeldRequests[m.TaskRequest] = HeldRequests(_server)
+        self.watches: HeldRequests[m.Heartbeat] = HeldRequests(_server)
         self.io: Counter[str] = Counter()
 
     def run(self, stop: threading.Event, ready: threading.Event) -> None:
         """Bind, set ``ready``, serve until ``stop`` is set, close."""
         ctx = zmq.Context()
-        tasks, control = ctx.socket(zmq.ROUTER), ctx.socket(zmq.ROUTER)
+        services: list[RouterService[m.Request]] = []
         try:
-            for sock in (tasks, control):
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a departed peer raises
-            tasks.bind(self.tasks_addr)
-            control.bind(self.control_addr)
-            self.tasks_addr = tasks.getsockopt_string(zmq.LAST_ENDPOINT)
-            self.control_addr = control.getsockopt_string(zmq.LAST_ENDPOINT)
+            for addr in (self.tasks_addr, self.control_addr):
+                services.append(
+                    RouterService(ctx, addr, _decode, on_reject=self._reject, counts=self.io)
+                )
+            tasks, control = services
+            self.tasks_addr, self.control_addr = tasks.endpoint, control.endpoint
             log.info("coordinator: tasks on %s, control on %s", self.tasks_addr, self.control_addr)
             ready.set()
             self._loop(tasks, control, stop)
         finally:
-            tasks.close(0)
-            control.close(0)
+            for service in services:
+                service.close()
             ctx.term()
             log.info("coordinator stopped")
 
-    def _loop(self, tasks: zmq.Socket, control: zmq.Socket, stop: threading.Event) -> None:
+    def _reject(self, err: WireError) -> None:
+        self.io["rejects"] += 1
+        log.warning("rejected a control-plane message: %s", err)
+
+    def _loop(self, tasks: RouterService, control: RouterService, stop: threading.Event) -> None:
         """Consumes task requests/acks and control messages; produces replies, grants and
         announcements. Waits in a poll of at most :data:`POLL_S`, unblocked by a message on
         either socket; after each poll it re-tries held requests (a version, a refund or a
         re-deal may have opened the budget), answers held heartbeats that now have news or
         whose wait ended, and declares silent servers dead. Runs until ``stop``."""
         poller = zmq.Poller()
-        poller.register(tasks, zmq.POLLIN)
-        poller.register(control, zmq.POLLIN)
+        poller.register(tasks.sock, zmq.POLLIN)
+        poller.register(control.sock, zmq.POLLIN)
         last_reap = 0.0
         while not stop.is_set():
             events = dict(poller.poll(int(POLL_S * 1000)))
             with self.cond:
                 now = time.monotonic()
-                if events.get(tasks):
-                    self._drain(tasks, now, self._on_task_message)
-                if events.get(control):
-                    self._drain(control, now, self._on_control_message)
+                for service, handler in (
+                    (tasks, self._on_task_message),
+                    (control, self._on_control_message),
+                ):
+                    if events.get(service.sock):
+                        for envelope, msg in service.receive():
+                            reply = handler(msg, envelope, now)
+                            if reply is not None:
+                                service.reply(envelope, reply)
                 if now - last_reap >= REAP_EVERY_S:
                     self._reap(now)
                     last_reap = now
-                self._serve_requests(tasks, now)
-                self._serve_watches(control, now)
+                self.requests.serve(tasks, now, self._grant)
+                self.watches.serve(control, now, self._news)
                 self.cond.notify_all()  # finish_sync and shutdown wait on this state
-
-    def _drain(self, sock: zmq.Socket, now: float, handler: Callable) -> None:
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            envelope, body = _split(frames)
-            try:
-                if body is None:
-                    raise m.ControlError("expected one frame after the envelope of a REQ socket")
-                msg = m.decode_request(body)
-            except m.ControlError as e:
-                self.io["rejects"] += 1
-                log.warning("rejected a control-plane message: %s", e)
-                self._send(sock, envelope, m.ErrorReply(error="invalid", detail=str(e)))
-                continue
-            reply = handler(msg, envelope, now)
-            if reply is not None:
-                self._send(sock, envelope, reply)
 
     def _on_task_message(self, msg: m.Request, envelope: list[bytes], now: float) -> m.Reply | None:
         if isinstance(msg, m.TaskRequest):
             # One task socket per server: a new request means it gave up on a held one.
-            self.requests = [h for h in self.requests if h.msg.server_id != msg.server_id]
-            wait = min(msg.wait_s, self.state.dead_after_s / 2)
-            self.requests.append(_HeldRequest(envelope, msg, now + wait, now))
-            return None  # answered by _serve_requests, in arrival order
+            self.requests.hold(envelope, msg, now, min(msg.wait_s, self.state.dead_after_s / 2))
+            return None  # answered by _grant, in arrival order
         if isinstance(msg, m.TaskAck):
             return self.state.ack(msg.server_id, msg.task_ids, now)
         if isinstance(msg, m.TaskNack):
@@ -163,8 +142,7 @@ class ControlLoop:
             st.beat(msg, now)
             news = st.news(msg)
             if news is None:
-                wait = min(msg.wait_s, st.heartbeat_s)
-                self.watches[msg.server_id] = _HeldWatch(envelope, msg, now + wait)
+                self.watches.hold(envelope, msg, now, min(msg.wait_s, st.heartbeat_s))
             return news
         if isinstance(msg, m.Register):
             self.forget(msg.server_id)
@@ -196,31 +174,28 @@ class ControlLoop:
             return m.Ok()
         return m.ErrorReply(error="wrong_socket", detail=f"{msg.kind} goes to the tasks socket")
 
-    def _serve_requests(self, sock: zmq.Socket, now: float) -> None:
-        """Grant held task requests, oldest first; answer those whose wait ended."""
-        still: list[_HeldRequest] = []
-        for held in self.requests:
-            want = min(held.msg.max_tasks, self.max_grant)
-            grant = self.state.grant(held.msg.server_id, want, now, held.msg.request_id)
-            if not grant.tasks and grant.reason in WAIT_REASONS and now < held.deadline:
-                if not held.reason:
-                    self.io[f"waits/{grant.reason}"] += 1
-                held.reason = grant.reason
-                still.append(held)
-                continue
-            if held.reason:
-                self.io[f"wait_s/{held.reason}"] += now - held.since
-            self._send(sock, held.envelope, grant)
-        self.requests = still
+    def _grant(self, held: Held[m.TaskRequest], now: float) -> m.TaskGrant | None:
+        """A held task request's grant, or None while it waits for one (counted and timed
+        by why it waits)."""
+        msg = held.msg
+        want = min(msg.max_tasks, self.max_grant)
+        grant = self.state.grant(msg.server_id, want, now, msg.request_id)
+        if not grant.tasks and grant.reason in WAIT_REASONS and not held.expired(now):
+            if not held.reason:
+                self.io[f"waits/{grant.reason}"] += 1
+            held.reason = grant.reason
+            return None
+        if held.reason:
+            self.io[f"wait_s/{held.reason}"] += now - held.since
+        return grant
 
-    def _serve_watches(self, sock: zmq.Socket, now: float) -> None:
-        for server_id, held in list(self.watches.items()):
-            news = self.state.news(held.msg)
-            if news is None and now >= held.deadline:
-                news = self.state.idle_announcement(server_id)
-            if news is not None:
-                del self.watches[server_id]
-                self._send(sock, held.envelope, news)
+    def _news(self, held: Held[m.Heartbeat], now: float) -> m.Announcement | None:
+        """What a held heartbeat is answered with: news for its server, or at the end of
+        its wait the current state."""
+        news = self.state.news(held.msg)
+        if news is None and held.expired(now):
+            news = self.state.idle_announcement(held.msg.server_id)
+        return news
 
     def _reap(self, now: float) -> None:
         for server_id in self.state.reap(now):
@@ -234,15 +209,8 @@ class ControlLoop:
 
     def forget(self, server_id: str) -> None:
         """Drop what ``server_id`` left waiting (it restarted, left or died)."""
-        self.watches.pop(server_id, None)
-        self.requests = [h for h in self.requests if h.msg.server_id != server_id]
-
-    def _send(self, sock: zmq.Socket, envelope: list[bytes], msg: m.Reply) -> None:
-        try:
-            sock.send_multipart([*envelope, m.encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the peer is gone; EAGAIN: not reading
-            self.io["replies_undeliverable"] += 1
-            log.debug("reply to a departed peer dropped (%s)", e.strerror)
+        self.watches.drop(server_id)
+        self.requests.drop(server_id)
 
     def metrics(self) -> dict[str, float]:
         """Call under the lock."""
@@ -303,13 +271,3 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
         with lock:
             state.reconcile_buffer(list(inventory.held), list(inventory.dropped))
             state.trained(list(inventory.validated))
-
-
-def _split(frames: list[bytes]) -> tuple[list[bytes], bytes | None]:
-    """Routing envelope (up to and including the empty delimiter) and the one body frame."""
-    try:
-        cut = frames.index(b"", 1)
-    except ValueError:
-        return [frames[0], b""], None
-    body = frames[cut + 1 :]
-    return frames[: cut + 1], (body[0] if len(body) == 1 else None)

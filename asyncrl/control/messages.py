@@ -20,7 +20,9 @@ sync the server has already seen (``seen_version``, ``seen_sync``), and the coor
 answers with its current state. A reply lost to a timeout is therefore repeated by the
 next heartbeat instead of being lost (PUB/SUB would drop it silently).
 
-Every message carries ``schema`` (:data:`SCHEMA_VERSION`); decoders refuse other values.
+Every message is an :class:`asyncrl.wire.base.Message` (it carries ``schema``, and decoders
+refuse other versions), :class:`Ok` and :class:`ErrorReply` are the buffer's too, and a
+message that cannot be accepted raises :class:`~asyncrl.wire.base.WireError`.
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ from typing import Annotated, Any
 
 import msgspec
 
-#: Version of every layout in this module. Bump it on any incompatible change.
-SCHEMA_VERSION = 1
+from asyncrl.wire.base import SCHEMA_VERSION as SCHEMA_VERSION  # re-exported
+from asyncrl.wire.base import ErrorReply, Message, Ok, decode
+from asyncrl.wire.base import encode as encode  # re-exported
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ServerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -38,10 +41,6 @@ Text = Annotated[str, msgspec.Meta(max_length=4096)]
 
 # A request is small: a task ack of a few thousand ids at most.
 MAX_REQUEST_BYTES = 4 << 20
-
-
-class ControlError(ValueError):
-    """A control message that cannot be accepted (bad msgpack, schema, field)."""
 
 
 # ----------------------------------------------------------------------- payloads
@@ -97,11 +96,7 @@ class SyncStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 # ----------------------------------------------------------------------- requests
-class _Msg(msgspec.Struct, tag_field="kind", kw_only=True, forbid_unknown_fields=True):
-    schema: int = SCHEMA_VERSION
-
-
-class TaskRequest(_Msg, tag="task_request"):
+class TaskRequest(Message, tag="task_request"):
     """Ask for up to ``max_tasks`` tasks; the coordinator may hold it up to ``wait_s``.
 
     ``request_id`` makes a retry idempotent: a client whose reply timed out asks again
@@ -115,14 +110,14 @@ class TaskRequest(_Msg, tag="task_request"):
     request_id: NonNeg = 0
 
 
-class TaskAck(_Msg, tag="task_ack"):
+class TaskAck(Message, tag="task_ack"):
     """These tasks' groups were handed whole to the trajectory socket: never re-deal them."""
 
     server_id: ServerId
     task_ids: list[str]
 
 
-class TaskNack(_Msg, tag="task_nack"):
+class TaskNack(Message, tag="task_nack"):
     """These tasks failed at this server (``reason`` says how): deal them again elsewhere.
 
     Sent only for a task whose group was not handed to the trajectory socket; the
@@ -134,7 +129,7 @@ class TaskNack(_Msg, tag="task_nack"):
     reason: Text = ""
 
 
-class Register(_Msg, tag="register"):
+class Register(Message, tag="register"):
     """A rollout server announces itself (again after a restart or a "not registered").
 
     ``engine_world_size`` is how many sync ranks the server's engine occupies; 0 means it
@@ -152,7 +147,7 @@ class Register(_Msg, tag="register"):
     task_ids: list[str] = []
 
 
-class Heartbeat(_Msg, tag="heartbeat"):
+class Heartbeat(Message, tag="heartbeat"):
     """Liveness plus a watch: answered when there is news newer than ``seen_*``."""
 
     server_id: ServerId
@@ -164,7 +159,7 @@ class Heartbeat(_Msg, tag="heartbeat"):
     metrics: dict[str, float] = {}  # the server's own (e.g. rollout/tokens_per_s), for logs
 
 
-class SyncDone(_Msg, tag="sync_done"):
+class SyncDone(Message, tag="sync_done"):
     """A member finished sync ``sync_id``: loaded ``version`` (``ok``) or failed."""
 
     server_id: ServerId
@@ -176,21 +171,21 @@ class SyncDone(_Msg, tag="sync_done"):
     checksum: str = ""  # optional digest of what was loaded (tests, debugging)
 
 
-class Leave(_Msg, tag="leave"):
+class Leave(Message, tag="leave"):
     """A server stops cleanly; its unacknowledged tasks are re-dealt at once."""
 
     server_id: ServerId
     reason: Text = ""
 
 
-class ShutdownRequest(_Msg, tag="shutdown"):
+class ShutdownRequest(Message, tag="shutdown"):
     """Ask the coordinator to end the run: it tells every peer and the buffer to stop."""
 
     reason: Text = ""
 
 
 # ----------------------------------------------------------------------- replies
-class TaskGrant(_Msg, tag="task_grant"):
+class TaskGrant(Message, tag="task_grant"):
     """Tasks (possibly none). With none, ``reason`` says why: ``budget`` (admission),
     ``catchup`` (weights must be caught up first), ``exhausted`` (no training data left),
     ``starting`` (fewer than ``control.min_servers_to_start`` servers registered yet, or a
@@ -202,12 +197,12 @@ class TaskGrant(_Msg, tag="task_grant"):
     reason: str = ""
 
 
-class TaskAckReply(_Msg, tag="task_ack_reply"):
+class TaskAckReply(Message, tag="task_ack_reply"):
     acked: list[str]
     unknown: list[str]  # not outstanding (already acknowledged, or from an old session)
 
 
-class Registered(_Msg, tag="registered"):
+class Registered(Message, tag="registered"):
     """Welcome: the current version, where to sync, and how often to heartbeat."""
 
     server_id: ServerId
@@ -221,7 +216,7 @@ class Registered(_Msg, tag="registered"):
     catchup: bool  # a catch-up sync comes before the first task
 
 
-class Announcement(_Msg, tag="announcement"):
+class Announcement(Message, tag="announcement"):
     """Answer to a heartbeat: the version announcement, a sync to join, or shutdown."""
 
     registered: bool  # False: unknown here (declared dead, or a new session): register
@@ -230,51 +225,23 @@ class Announcement(_Msg, tag="announcement"):
     shutdown: bool = False
 
 
-class Ok(_Msg, tag="ok"):
-    pass
-
-
-class ErrorReply(_Msg, tag="error"):
-    error: str
-    detail: Text
-
-
 Request = (
     TaskRequest | TaskAck | TaskNack | Register | Heartbeat | SyncDone | Leave | ShutdownRequest
 )
 Reply = TaskGrant | TaskAckReply | Registered | Announcement | Ok | ErrorReply
 
-_encoder = msgspec.msgpack.Encoder()
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def encode(msg: Request | Reply) -> bytes:
-    """One frame: the msgpack map of the message, its ``kind`` tag and ``schema`` included."""
-    return _encoder.encode(msg)
-
-
-def _decode(decoder: msgspec.msgpack.Decoder, frame: Any) -> Any:
-    size = len(frame) if isinstance(frame, bytes) else memoryview(frame).nbytes
-    if size > MAX_REQUEST_BYTES:
-        raise ControlError(f"message of {size} bytes > {MAX_REQUEST_BYTES}")
-    try:
-        msg = decoder.decode(frame)
-    except msgspec.DecodeError as e:
-        raise ControlError(str(e)) from None
-    if msg.schema != SCHEMA_VERSION:
-        raise ControlError(f"schema version {msg.schema}, this side speaks {SCHEMA_VERSION}")
-    return msg
-
-
 def decode_request(frame: Any) -> Request:
-    """A validated request of any kind (raises :class:`ControlError`)."""
-    return _decode(_request_decoder, frame)
+    """A validated request of any kind (raises :class:`~asyncrl.wire.base.WireError`)."""
+    return decode(_request_decoder, frame, MAX_REQUEST_BYTES)
 
 
 def decode_reply(frame: Any) -> Reply:
-    """A validated reply of any kind (raises :class:`ControlError`)."""
-    return _decode(_reply_decoder, frame)
+    """A validated reply of any kind (raises :class:`~asyncrl.wire.base.WireError`)."""
+    return decode(_reply_decoder, frame, MAX_REQUEST_BYTES)
 
 
 def plan_buckets_to_msg(plan_wire: list[dict[str, Any]]) -> list[PlanBucket]:

@@ -64,12 +64,19 @@ Requests are single-frame msgpack maps tagged by ``kind`` (:data:`Request`): ``h
 :class:`BatchHeader` followed by the three concatenated array frames, laid out as above.
 """
 
+from asyncrl.wire.base import (
+    REJECT_KINDS,
+    SCHEMA_VERSION,
+    ErrorReply,
+    Frame,
+    Message,
+    Ok,
+    WireError,
+    nbytes,
+)
 from asyncrl.wire.codec import (
     DEFAULT_LIMITS,
-    REJECT_KINDS,
-    Frame,
     Limits,
-    WireError,
     decode_packed,
     decode_reply,
     decode_request,
@@ -79,7 +86,6 @@ from asyncrl.wire.codec import (
     encode_reply,
     encode_request,
     encode_trajectories,
-    nbytes,
 )
 from asyncrl.wire.requests import (
     Ack,
@@ -89,12 +95,10 @@ from asyncrl.wire.requests import (
     DroppedReply,
     DroppedRequest,
     DroppedTask,
-    ErrorReply,
     Hello,
     InventoryReply,
     InventoryRequest,
     NoBatch,
-    Ok,
     Reply,
     Request,
     Shutdown,
@@ -107,7 +111,6 @@ from asyncrl.wire.requests import (
 )
 from asyncrl.wire.types import (
     LOGPROB_DTYPE,
-    SCHEMA_VERSION,
     TOKEN_DTYPE,
     Batch,
     Group,
@@ -138,6 +141,7 @@ __all__ = [
     "InventoryReply",
     "InventoryRequest",
     "Limits",
+    "Message",
     "NoBatch",
     "Ok",
     "Packed",

@@ -2,7 +2,7 @@
 :mod:`asyncrl.wire.requests`.
 
 A decoder either returns well-formed objects or raises :class:`WireError` whose ``kind``
-says what was wrong (one of :data:`REJECT_KINDS`), so a service can count rejects by kind
+says what was wrong (one of :data:`asyncrl.wire.base.REJECT_KINDS`), so a service can count rejects by kind
 and keep running. Array frames are checked for length (dtype width times the lengths the
 header declares) and logprobs for infinities (NaN is allowed: a logprob the engine did not
 report); decoded arrays are read-only views of the frames, never copies.
@@ -13,15 +13,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 import numpy as np
 
+from asyncrl.wire.base import SCHEMA_VERSION, Frame, WireError, decode, encode, nbytes, single
 from asyncrl.wire.requests import BatchHeader, Reply, Request
 from asyncrl.wire.types import (
     LOGPROB_DTYPE,
-    SCHEMA_VERSION,
     TOKEN_DTYPE,
     Batch,
     Group,
@@ -31,32 +30,9 @@ from asyncrl.wire.types import (
     TrajectoryMeta,
 )
 
-#: Why a message was rejected. ``malformed``: not msgpack, or wrong frame structure;
-#: ``schema``: another schema version; ``invalid``: a field of the wrong type, range or
-#: consistency; ``length``: an array frame whose size does not match the lengths in the
-#: header, or version spans that do not cover the response; ``nonfinite``: inf (or an
-#: absurd magnitude) in logprobs, NaN or inf in rewards (a NaN logprob is valid: not
-#: reported); ``oversize``: beyond the receiver's :class:`Limits`.
-REJECT_KINDS = ("malformed", "schema", "invalid", "length", "nonfinite", "oversize")
-
-#: A frame: bytes, a memoryview, a zmq.Frame or a numpy array (anything with the buffer
-#: protocol).
-Frame = Any
-
 _traj_decoder = msgspec.msgpack.Decoder(TrajectoriesHeader)
 _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
-_encoder = msgspec.msgpack.Encoder()
-
-
-class WireError(ValueError):
-    """A message that cannot be accepted; ``kind`` is one of :data:`REJECT_KINDS`."""
-
-    def __init__(self, kind: str, detail: str):
-        assert kind in REJECT_KINDS, kind
-        self.kind = kind
-        self.detail = detail
-        super().__init__(f"{kind}: {detail}")
 
 
 @dataclass(frozen=True)
@@ -71,15 +47,6 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
-
-
-def nbytes(frame: Frame) -> int:
-    """Size in bytes of any buffer-protocol frame."""
-    if isinstance(frame, (bytes, bytearray)):
-        return len(frame)
-    if isinstance(frame, (np.ndarray, memoryview)):
-        return frame.nbytes
-    return memoryview(frame).nbytes  # zmq.Frame and other buffer-protocol objects
 
 
 # ----------------------------------------------------------------------- trajectories
@@ -97,7 +64,7 @@ def encode_trajectories(trajectories: Sequence[Trajectory], *, check: bool = Tru
 def encode_packed(packed: Packed, *, check: bool = True) -> list[Frame]:
     """Frames of a trajectory message whose arrays are already concatenated (zero-copy)."""
     header = TrajectoriesHeader(schema=SCHEMA_VERSION, trajectories=packed.metas)
-    frames = [_encoder.encode(header), packed.prompt_ids, packed.response_ids, packed.logprobs]
+    frames = [encode(header), packed.prompt_ids, packed.response_ids, packed.logprobs]
     if check:
         decode_packed(frames)
     return frames
@@ -110,7 +77,7 @@ def decode_packed(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> P
     sizes = [nbytes(f) for f in frames]
     if sum(sizes) > limits.max_message_bytes:
         raise WireError("oversize", f"{sum(sizes)} bytes > {limits.max_message_bytes}")
-    header = _decode(_traj_decoder, frames[0])
+    header = decode(_traj_decoder, frames[0])
     metas = header.trajectories
     if not metas:
         raise WireError("invalid", "no trajectories in the message")
@@ -129,22 +96,17 @@ def decode_trajectories(
 # ----------------------------------------------------------------------- requests, replies
 def encode_request(msg: Request) -> bytes:
     """One frame: the msgpack map of the request (its ``kind`` tag included)."""
-    return _encoder.encode(msg)
+    return encode(msg)
 
 
 def decode_request(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Request:
     """Validate a request (exactly one frame) of any kind in :data:`Request`."""
-    if len(frames) != 1:
-        raise WireError("malformed", f"a request is one frame, got {len(frames)}")
-    size = nbytes(frames[0])
-    if size > limits.max_request_bytes:
-        raise WireError("oversize", f"request of {size} bytes > {limits.max_request_bytes}")
-    return _decode(_request_decoder, frames[0])
+    return decode(_request_decoder, single(frames), limits.max_request_bytes)
 
 
 def encode_reply(msg: Reply) -> list[Frame]:
     """Frames of a reply other than a batch (see :func:`encode_batch`)."""
-    return [_encoder.encode(msg)]
+    return [encode(msg)]
 
 
 def encode_batch(batch: Batch) -> list[Frame]:
@@ -163,7 +125,7 @@ def encode_batch(batch: Batch) -> list[Frame]:
     )
     # bytes.join has less per-array overhead than np.concatenate.
     return [
-        _encoder.encode(header),
+        encode(header),
         b"".join([g.prompt_ids for g in groups]),
         b"".join([g.response_ids for g in groups]),
         b"".join([g.logprobs for g in groups]),
@@ -174,7 +136,7 @@ def decode_reply(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Re
     """A reply of any kind; a batch reply comes back as a :class:`Batch` with its arrays."""
     if not frames:
         raise WireError("malformed", "empty reply")
-    msg = _decode(_reply_decoder, frames[0])
+    msg = decode(_reply_decoder, frames[0])
     if not isinstance(msg, BatchHeader):
         if len(frames) != 1:
             raise WireError("malformed", f"a {type(msg).__name__} reply is one frame")
@@ -208,18 +170,6 @@ def decode_reply(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Re
 
 
 # ----------------------------------------------------------------------- helpers
-def _decode(decoder: msgspec.msgpack.Decoder, frame: Frame) -> Any:
-    try:
-        msg = decoder.decode(frame)
-    except msgspec.DecodeError as e:
-        raise _classify(frame, e) from None
-    except Exception as e:  # e.g. invalid UTF-8 in a string: bad input all the same
-        raise WireError("malformed", f"undecodable header ({type(e).__name__}: {e})") from None
-    if msg.schema != SCHEMA_VERSION:
-        raise WireError("schema", f"schema version {msg.schema}, this side speaks {SCHEMA_VERSION}")
-    return msg
-
-
 def _packed(
     metas: list[TrajectoryMeta], frames: Sequence[Frame], sizes: list[int], limits: Limits
 ) -> Packed:
@@ -302,17 +252,3 @@ def _check_logprobs(metas: list[TrajectoryMeta], logprobs: np.ndarray) -> None:
             )
         r += m.response_len
     raise WireError("nonfinite", "infinite behaviour logprobs")  # pragma: no cover
-
-
-def _classify(frame: Frame, err: msgspec.DecodeError) -> WireError:
-    """Why a header failed typed decoding: not msgpack, another schema, or a bad field."""
-    if not isinstance(err, msgspec.ValidationError):
-        return WireError("malformed", f"not a msgpack header ({err})")
-    try:
-        raw = msgspec.msgpack.decode(frame)
-    except Exception:  # e.g. invalid UTF-8 in a key the typed decoder never reached
-        return WireError("malformed", f"not a valid msgpack header ({err})")
-    # A message of another schema version usually differs in shape too: say which it is.
-    if isinstance(raw, dict) and "schema" in raw and raw["schema"] != SCHEMA_VERSION:
-        return WireError("schema", f"schema version {raw['schema']!r} ({err})")
-    return WireError("invalid", str(err))

@@ -1,7 +1,9 @@
 """The buffer's request/reply socket (``endpoints.batches``): what a consumer (the learner,
 the coordinator) asks and what the buffer answers, as msgspec structs tagged by ``kind``
-(:data:`Request`, :data:`Reply`), and the summaries some replies carry. Frame layout and
-codec: :mod:`asyncrl.wire`, :mod:`asyncrl.wire.codec`.
+(:data:`Request`, :data:`Reply`), and the summaries some replies carry. Every message is a
+:class:`asyncrl.wire.base.Message`; :class:`Ok` and :class:`ErrorReply` are the ones the
+coordinator's sockets answer with too. Frame layout and codec: :mod:`asyncrl.wire`,
+:mod:`asyncrl.wire.codec`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Annotated
 
 import msgspec
 
+from asyncrl.wire.base import ErrorReply, Message, Ok
 from asyncrl.wire.types import NonNegInt, ShortStr, TrajectoryMeta
 
 
@@ -60,11 +63,7 @@ class ValidationStats(msgspec.Struct, kw_only=True):
 
 
 # ----------------------------------------------------------------------- batch socket
-class _Message(msgspec.Struct, tag_field="kind", kw_only=True, forbid_unknown_fields=True):
-    schema: int
-
-
-class Hello(_Message, tag="hello"):
+class Hello(Message, tag="hello"):
     """READY handshake and session start of a consumer.
 
     It tells the buffer that the consumer holds nothing beyond ``acked_through``: batches
@@ -79,7 +78,7 @@ class Hello(_Message, tag="hello"):
     acked_through: int | None = None
 
 
-class BatchRequest(_Message, tag="batch_request"):
+class BatchRequest(Message, tag="batch_request"):
     """Ask for the next training batch; the buffer waits up to ``wait_s`` for one."""
 
     consumer_id: ShortStr
@@ -87,23 +86,23 @@ class BatchRequest(_Message, tag="batch_request"):
     wait_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
 
 
-class Ack(_Message, tag="ack"):
+class Ack(Message, tag="ack"):
     """The consumer's checkpoint contains these batches: the buffer may forget them."""
 
     consumer_id: ShortStr
     batch_ids: list[int]
 
 
-class StatsRequest(_Message, tag="stats"):
+class StatsRequest(Message, tag="stats"):
     """Ask for the buffer's metrics (does not change anything)."""
 
 
-class DroppedRequest(_Message, tag="dropped"):
+class DroppedRequest(Message, tag="dropped"):
     """Drain the list of tasks dropped for lag or expiry, and of validation tasks scored,
     since the last such request (the coordinator's poll)."""
 
 
-class InventoryRequest(_Message, tag="inventory"):
+class InventoryRequest(Message, tag="inventory"):
     """Which task ids the buffer holds and which it dropped (does not change anything).
 
     The coordinator asks after its own restart and after the buffer's, to learn which
@@ -111,21 +110,21 @@ class InventoryRequest(_Message, tag="inventory"):
     """
 
 
-class ValidationRequest(_Message, tag="validation"):
+class ValidationRequest(Message, tag="validation"):
     """Drain the validation results (per data source) since the last such request."""
 
 
-class Shutdown(_Message, tag="shutdown"):
+class Shutdown(Message, tag="shutdown"):
     """Stop the buffer service (it replies :class:`Ok` first)."""
 
 
-class Welcome(_Message, tag="welcome"):
+class Welcome(Message, tag="welcome"):
     redelivering: int  # unacknowledged batches that will be released again first
     next_batch_id: int
     acked: int  # batches acknowledged by ``acked_through``
 
 
-class BatchHeader(_Message, tag="batch"):
+class BatchHeader(Message, tag="batch"):
     """First frame of a batch reply; 3 array frames follow, as in a trajectory message.
 
     ``group_sizes`` splits ``trajectories`` into groups (consecutive, in order).
@@ -140,29 +139,29 @@ class BatchHeader(_Message, tag="batch"):
     metrics: dict[str, float]
 
 
-class NoBatch(_Message, tag="no_batch"):
+class NoBatch(Message, tag="no_batch"):
     """No batch within ``wait_s``: ``ready`` training groups, ``needed`` for one batch."""
 
     ready: int
     needed: int
 
 
-class AckReply(_Message, tag="ack_reply"):
+class AckReply(Message, tag="ack_reply"):
     acked: list[int]
     unknown: list[int]  # not released or already acknowledged: ignored
 
 
-class StatsReply(_Message, tag="stats_reply"):
+class StatsReply(Message, tag="stats_reply"):
     metrics: dict[str, float]
 
 
-class DroppedReply(_Message, tag="dropped_reply"):
+class DroppedReply(Message, tag="dropped_reply"):
     dropped: list[DroppedTask]
     validated: list[str] = []  # validation task ids scored into validation stats
     session: str = ""  # the buffer process's session: a new one means it restarted
 
 
-class InventoryReply(_Message, tag="inventory_reply"):
+class InventoryReply(Message, tag="inventory_reply"):
     """Training and validation task ids of every group held (complete, in the pool or in
     unacknowledged batches, or still incomplete), every group dropped unused, and every
     validation group scored, since this buffer ``session`` started."""
@@ -173,19 +172,8 @@ class InventoryReply(_Message, tag="inventory_reply"):
     validated: list[str]
 
 
-class ValidationReply(_Message, tag="validation_reply"):
+class ValidationReply(Message, tag="validation_reply"):
     by_data_source: dict[str, ValidationStats]
-
-
-class Ok(_Message, tag="ok"):
-    pass
-
-
-class ErrorReply(_Message, tag="error"):
-    """The request was rejected; ``error`` is one of :data:`asyncrl.wire.REJECT_KINDS`."""
-
-    error: str
-    detail: str
 
 
 Request = (

@@ -5,7 +5,7 @@ What rollout servers push to the buffer: :class:`TrajectoriesHeader` (a list of
 logprobs of all its trajectories, each concatenated in header order). What a consumer
 exchanges with the buffer on its request/reply socket is in :mod:`asyncrl.wire.requests`.
 
-Every message that is sent on its own carries ``schema`` (:data:`SCHEMA_VERSION`); the
+Every message that is sent on its own carries ``schema`` (:data:`asyncrl.wire.base.SCHEMA_VERSION`); the
 decoder refuses any other value. Python-side objects that the codec builds from messages
 (:class:`Trajectory`, :class:`Group`, :class:`Batch`) hold numpy arrays and are never
 msgpack-encoded themselves. See :mod:`asyncrl.wire` for the frame layout.
@@ -19,11 +19,6 @@ from typing import Annotated, Any, TypeVar
 
 import msgspec
 import numpy as np
-
-#: Version of every message layout in this module. Bump it on any incompatible change (an
-#: optional field whose absence keeps its old meaning, like ``TrajectoryMeta.temperature``,
-#: is not one: every message an older producer sends stays valid).
-SCHEMA_VERSION = 1
 
 #: Raw frame dtypes: little-endian whatever the host (token ids, behaviour logprobs).
 TOKEN_DTYPE = np.dtype("<i4")
