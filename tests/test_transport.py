@@ -1,6 +1,7 @@
 """The ZeroMQ helpers of :mod:`asyncrl.transport` on real loopback sockets: endpoints, the
 trajectory pusher (delivery, backpressure at the high-water mark, async sends), the
-request client's timeout, and the import boundary of the wire and transport modules."""
+request client's timeout, the service side of request/reply (refusals, held requests), and
+the import boundary of the wire and transport modules."""
 
 from __future__ import annotations
 
@@ -9,12 +10,20 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
 import zmq
 
 from asyncrl import wire
-from asyncrl.transport import ReqClient, TrajectoryPusher, endpoint
+from asyncrl.transport import (
+    HeldRequests,
+    ReqClient,
+    RequestRefused,
+    RouterService,
+    TrajectoryPusher,
+    endpoint,
+)
 from tests.standins.trajgen import make_group, make_traj
 
 pytestmark = pytest.mark.timeout(60)
@@ -136,6 +145,70 @@ def test_req_client_times_out_and_recovers() -> None:
     client.close()
     server.close(0)
     ctx.term()
+
+
+def _serve_until(service: RouterService, done: threading.Event) -> None:
+    """Answer every valid request with empty stats until ``done``."""
+    while not done.is_set():
+        if service.sock.poll(10):
+            for envelope, _ in service.receive():
+                service.reply(envelope, wire.StatsReply(metrics={}))
+
+
+def test_router_service_refuses_bad_requests_and_answers_good_ones() -> None:
+    ctx, rejects, counts = zmq.Context(), [], Counter()
+    decode = wire.decode_request
+    service = RouterService(
+        ctx, "tcp://127.0.0.1:*", decode, on_reject=rejects.append, counts=counts
+    )
+    done = threading.Event()
+    server = threading.Thread(target=_serve_until, args=(service, done))
+    server.start()
+    try:
+        with ReqClient(service.endpoint, timeout_s=5) as client:
+            assert client.call(wire.StatsRequest(), wire.decode_reply) == wire.StatsReply(
+                metrics={}
+            )
+            refusal = wire.decode_reply(client.request_frames([b"a", b"b"]))  # not one frame
+            assert isinstance(refusal, wire.ErrorReply) and refusal.error == "malformed"
+            with pytest.raises(RequestRefused, match="schema"):
+                client.call(wire.StatsRequest(schema=2), wire.decode_reply)
+        assert [e.kind for e in rejects] == ["malformed", "schema"]
+        assert counts["replies_undeliverable"] == 0
+    finally:
+        done.set()
+        server.join()
+        service.close()
+        ctx.term()
+
+
+class _Sent(list):
+    """Stands in for a RouterService: records the replies held requests get."""
+
+    def reply(self, envelope: list[bytes], msg: wire.Message) -> bool:
+        self.append((envelope, msg))
+        return True
+
+
+def test_held_requests_are_answered_when_their_wait_ends_one_per_client() -> None:
+    def ask(who: str) -> wire.BatchRequest:
+        return wire.BatchRequest(consumer_id=who, policy_version=0)
+
+    def answer(held, now: float) -> wire.Ok | None:
+        return wire.Ok() if held.expired(now) else None
+
+    held = HeldRequests(lambda msg: msg.consumer_id)
+    held.hold([b"a"], ask("a"), now=0.0, wait_s=1.0)
+    held.hold([b"b"], ask("b"), now=0.0, wait_s=5.0)
+    held.hold([b"a2"], ask("a"), now=0.5, wait_s=2.0)  # a asks again: its first is dropped
+    assert len(held) == 2 and held.next_deadline() == 2.5
+    sent = _Sent()
+    held.serve(sent, 2.0, answer)  # type: ignore[arg-type]
+    assert sent == []
+    held.serve(sent, 3.0, answer)  # type: ignore[arg-type]
+    assert sent == [([b"a2"], wire.Ok())] and len(held) == 1
+    held.drop("b")
+    assert len(held) == 0 and held.next_deadline() is None
 
 
 def test_wire_and_transport_import_no_torch_or_vllm() -> None:
