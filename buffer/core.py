@@ -108,12 +108,9 @@ class ReplayBuffer:
             raise ValueError(f"policy must be fifo or uniform, not {policy!r}")
         if policy == "fifo" and max_reuse != 1:
             raise ValueError("fifo uses each group once: max_reuse must be 1")
-        self.batch_size = batch_size
-        self.capacity = capacity_groups
-        self.max_policy_lag = max_policy_lag
-        self.policy = policy
-        self.max_reuse = max_reuse
-        self.group_timeout_s = group_timeout_s
+        self.batch_size, self.capacity = batch_size, capacity_groups
+        self.policy, self.max_reuse = policy, max_reuse
+        self.max_policy_lag, self.group_timeout_s = max_policy_lag, group_timeout_s
         self._rng = random.Random(seed)
         self._s = _State()
         self._next_batch_id = 0
