@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from standins.trajgen import make_group, make_traj
 
 from asyncrl import wire
+from tests.standins.trajgen import make_group, make_traj
 
 pytestmark = pytest.mark.timeout(60)
 
