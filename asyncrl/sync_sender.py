@@ -5,15 +5,30 @@ group of the round's generation as rank 0 and broadcasts the tensors; the coordi
 collects every member's report. Catch-up rounds (a server that joined late or failed a
 sync) get a one-off group and leave the main group as it is. Used by the learner and by
 the stand-in learner of the tests, so both run the same protocol.
+
+The pusher owns the :class:`~asyncrl.weight_sync.WeightPlan`: it builds it from the first
+tensors it pushes (their names, shapes and dtypes never change within a run) and hands the
+same plan to every round, so its callers only pass tensors.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from asyncrl.weight_sync import WeightSyncError, form_group, send_weights
+from asyncrl.weight_sync import (
+    WeightPlan,
+    WeightSyncError,
+    form_group,
+    plan_buckets,
+    send_weights,
+    specs_of,
+)
+
+if TYPE_CHECKING:
+    from asyncrl.control.coordinator import Coordinator
+    from asyncrl.control.syncs import SyncResult, SyncRound
 
 log = logging.getLogger(__name__)
 
@@ -21,26 +36,44 @@ log = logging.getLogger(__name__)
 class WeightPusher:
     """Rank 0 of every sync group: forms groups, broadcasts, closes rounds."""
 
-    def __init__(self, coordinator: Any, store: Any, *, backend: str, timeout_s: float):
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        store: Any,
+        *,
+        backend: str,
+        timeout_s: float,
+        bucket_bytes: int,
+    ):
         self.coordinator = coordinator
         self.store = store
         self.backend = backend
         self.timeout_s = timeout_s
+        self.bucket_bytes = bucket_bytes
+        self.plan: WeightPlan | None = None  # built from the first tensors pushed
         self._group = None
         self._generation = ""
 
-    def push(self, tensors: dict[str, Any], plan: list, plan_wire: list[dict]) -> Any:
-        """A new version to every member; failures drop members, never raise."""
-        return self._run(self.coordinator.begin_sync(plan_wire), tensors, plan)
+    def plan_for(self, tensors: dict[str, Any]) -> WeightPlan:
+        """The plan of these tensors: built the first time, the same one afterwards."""
+        if self.plan is None:
+            self.plan = plan_buckets(specs_of(tensors), self.bucket_bytes)
+        return self.plan
 
-    def serve_catchups(self, tensors: dict[str, Any], plan: list, plan_wire: list[dict]) -> list:
+    def push(self, tensors: dict[str, Any]) -> SyncResult:
+        """A new version to every member; failures drop members, never raise."""
+        plan = self.plan_for(tensors)
+        return self._run(self.coordinator.begin_sync(plan), tensors, plan)
+
+    def serve_catchups(self, tensors: dict[str, Any]) -> list[SyncResult]:
         """The current weights to every server waiting for a catch-up, one at a time."""
+        plan = self.plan_for(tensors)
         return [
-            self._run(self.coordinator.begin_catchup(server_id, plan_wire), tensors, plan)
+            self._run(self.coordinator.begin_catchup(server_id, plan), tensors, plan)
             for server_id in self.coordinator.pending_catchups()
         ]
 
-    def _run(self, rnd: Any, tensors: dict[str, Any], plan: list) -> Any:
+    def _run(self, rnd: SyncRound, tensors: dict[str, Any], plan: WeightPlan) -> SyncResult:
         if not rnd.ranks:  # nobody to send to: the version still becomes current
             return self.coordinator.finish_sync(rnd)
         error = ""
@@ -67,11 +100,15 @@ class WeightPusher:
         log.warning("sync %d failed: %s", rnd.sync_id, error)
         return self.coordinator.finish_sync(rnd, sent_ok=False, error=error)
 
-    def _form(self, rnd: Any) -> Any:
+    def _form(self, rnd: SyncRound) -> Any:
         return form_group(
-            self.store, rnd.generation, 0, rnd.world_size, backend=self.backend,
+            self.store,
+            rnd.generation,
+            0,
+            rnd.world_size,
+            backend=self.backend,
             timeout_s=self.timeout_s,
-        )  # fmt: skip
+        )
 
     def forget(self) -> None:
         self._group, self._generation = None, ""

@@ -9,8 +9,9 @@ which the coordinator sends over the wire, stays importable without torch.
 
 Protocol of one sync (the coordinator drives it):
 
-1. The sender computes a plan with :func:`plan_buckets` from its tensor specs and the
-   coordinator announces ``(version, plan, generation, ranks)``.
+1. The sender computes a :class:`WeightPlan` with :func:`plan_buckets` from its tensor
+   specs (once: :class:`asyncrl.sync_sender.WeightPusher` keeps it) and the coordinator
+   announces ``(version, plan, generation, ranks)``, the plan inside the message as it is.
 2. Every member calls :func:`form_group` with the same generation (rank 0: the learner);
    the group is reused while its membership is unchanged.
 3. The sender calls :func:`send_weights`; each receiver iterates :func:`receive_weights`,
@@ -30,9 +31,13 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 log = logging.getLogger(__name__)
+
+NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 
 _ITEMSIZE = {
     "float32": 4,
@@ -60,22 +65,21 @@ class TensorSpec:
     dtype: str
 
 
-@dataclass(frozen=True)
-class BucketEntry:
-    """A tensor's place in its bucket: elements ``[offset, offset + numel)``."""
+class BucketEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
+    """A tensor's place in its bucket: elements ``[offset, offset + numel)``. Travels as
+    ``[name, shape, offset, numel]``."""
 
     name: str
-    shape: tuple[int, ...]
-    offset: int
-    numel: int
+    shape: tuple[NonNeg, ...]
+    offset: NonNeg
+    numel: NonNeg
 
 
-@dataclass(frozen=True)
-class Bucket:
+class Bucket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One flat buffer of a single dtype, broadcast in one collective."""
 
     dtype: str
-    numel: int
+    numel: NonNeg
     entries: tuple[BucketEntry, ...]
 
     @property
@@ -83,12 +87,26 @@ class Bucket:
         return self.numel * _ITEMSIZE[self.dtype]
 
 
-def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+class WeightPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Where every tensor of a sync travels: its buckets, in broadcast order.
+
+    One type from end to end: the sender builds it (:func:`plan_buckets`), the coordinator
+    sends it inside :class:`asyncrl.control.messages.SyncStart` as it is (msgspec encodes
+    it), and every receiver hands it to :func:`receive_weights`.
+    """
+
+    buckets: tuple[Bucket, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> WeightPlan:
     """Pack tensors into dtype-grouped buckets of at most ``bucket_bytes`` each.
 
     Order is kept within a dtype (so receivers can load as they go); a tensor larger than
-    ``bucket_bytes`` travels alone in its own bucket. Pure: sender and receivers can each
-    compute it, and the coordinator can send it as plain data (:func:`plan_to_wire`).
+    ``bucket_bytes`` travels alone in its own bucket. Pure: the same specs give the same plan.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -112,31 +130,7 @@ def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> list[Bucket]
             used += numel
         if entries:
             buckets.append(Bucket(dtype, used, tuple(entries)))
-    return buckets
-
-
-def plan_to_wire(plan: list[Bucket]) -> list[dict[str, Any]]:
-    """The plan as msgpack-able plain data."""
-    return [
-        {
-            "dtype": b.dtype,
-            "numel": b.numel,
-            "entries": [[e.name, list(e.shape), e.offset, e.numel] for e in b.entries],
-        }
-        for b in plan
-    ]
-
-
-def plan_from_wire(data: list[dict[str, Any]]) -> list[Bucket]:
-    """Inverse of :func:`plan_to_wire`."""
-    return [
-        Bucket(
-            d["dtype"],
-            int(d["numel"]),
-            tuple(BucketEntry(n, tuple(s), int(o), int(k)) for n, s, o, k in d["entries"]),
-        )
-        for d in data
-    ]
+    return WeightPlan(tuple(buckets))
 
 
 def specs_of(tensors: Mapping[str, Any]) -> list[TensorSpec]:
@@ -230,7 +224,7 @@ def _wait(work, timeout_s: float, what: str) -> None:
 def send_weights(
     pg,
     tensors: Mapping[str, Any],
-    plan: list[Bucket],
+    plan: WeightPlan,
     *,
     timeout_s: float = 120.0,
     device: str = "cpu",
@@ -245,7 +239,7 @@ def send_weights(
     start, sent = time.monotonic(), 0
     timeout = timedelta(seconds=timeout_s)
     in_flight = None  # (work, bucket index, flat buffer kept alive until done)
-    for i, bucket in enumerate(plan):
+    for i, bucket in enumerate(plan.buckets):
         flat = _pack(bucket, tensors, device)
         if in_flight is not None:
             _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}")
@@ -254,7 +248,7 @@ def send_weights(
     if in_flight is not None:
         _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}")
     seconds = time.monotonic() - start
-    return {"bytes": float(sent), "seconds": seconds, "buckets": float(len(plan))}
+    return {"bytes": float(sent), "seconds": seconds, "buckets": float(len(plan.buckets))}
 
 
 def _pack(bucket: Bucket, tensors: Mapping[str, Any], device: str):
@@ -271,7 +265,7 @@ def _pack(bucket: Bucket, tensors: Mapping[str, Any], device: str):
 
 
 def receive_weights(
-    pg, plan: list[Bucket], *, timeout_s: float = 120.0, device: str = "cpu"
+    pg, plan: WeightPlan, *, timeout_s: float = 120.0, device: str = "cpu"
 ) -> Iterator[tuple[str, Any]]:
     """Receive the broadcast of :func:`send_weights`; yield ``(name, tensor)`` per tensor.
 
@@ -282,15 +276,16 @@ def receive_weights(
     import torch
 
     timeout = timedelta(seconds=timeout_s)
+    buckets = plan.buckets
 
     def post(i: int):
-        flat = torch.empty(plan[i].numel, dtype=getattr(torch, plan[i].dtype), device=device)
+        flat = torch.empty(buckets[i].numel, dtype=getattr(torch, buckets[i].dtype), device=device)
         return pg.broadcast(flat, 0, timeout), flat
 
-    pending = post(0) if plan else None
-    for i, bucket in enumerate(plan):
+    pending = post(0) if buckets else None
+    for i, bucket in enumerate(buckets):
         work, flat = pending
         _wait(work, timeout_s, f"weight receive of bucket {i}")
-        pending = post(i + 1) if i + 1 < len(plan) else None
+        pending = post(i + 1) if i + 1 < len(buckets) else None
         for e in bucket.entries:
             yield e.name, flat[e.offset : e.offset + e.numel].view(e.shape)

@@ -57,11 +57,11 @@ def small_model_shapes() -> dict[str, tuple[int, ...]]:
 
 
 def _receiver(conn, port: int, rank: int, world: int) -> None:
-    """Receiver process: consumes ``("plan", plan_wire)`` / ``("raw", numel)`` commands,
+    """Receiver process: consumes ``("plan", WeightPlan)`` / ``("raw", numel)`` commands,
     receives one broadcast each and answers ``"done"``; ``None`` ends it."""
     import torch
 
-    from asyncrl.weight_sync import form_group, open_store, plan_from_wire, receive_weights
+    from asyncrl.weight_sync import form_group, open_store, receive_weights
 
     store = open_store("127.0.0.1", port, is_host=False, timeout_s=TIMEOUT_S)
     pg = form_group(store, "bench", rank, world, timeout_s=TIMEOUT_S)
@@ -69,7 +69,7 @@ def _receiver(conn, port: int, rank: int, world: int) -> None:
     while (cmd := conn.recv()) is not None:
         kind, arg = cmd
         if kind == "plan":
-            for _name, _tensor in receive_weights(pg, plan_from_wire(arg), timeout_s=TIMEOUT_S):
+            for _name, _tensor in receive_weights(pg, arg, timeout_s=TIMEOUT_S):
                 pass
         else:
             flat = torch.empty(arg, dtype=torch.float32)
@@ -97,7 +97,6 @@ def run(bucket_mbs: list[float], reps: int, receivers: int, default_mb: float) -
         form_group,
         open_store,
         plan_buckets,
-        plan_to_wire,
         send_weights,
         specs_of,
     )
@@ -132,7 +131,6 @@ def run(bucket_mbs: list[float], reps: int, receivers: int, default_mb: float) -
     rows = []
     for mb in bucket_mbs:
         plan = plan_buckets(specs_of(tensors), int(mb * 2**20))
-        wire = plan_to_wire(plan)
         real, raw = [], []
         for _ in range(reps):  # interleave, so machine noise hits both alike
             raw.append(raw_once())
@@ -140,7 +138,7 @@ def run(bucket_mbs: list[float], reps: int, receivers: int, default_mb: float) -
                 _timed(
                     pg,
                     conns,
-                    ("plan", wire),
+                    ("plan", plan),
                     lambda plan=plan: send_weights(pg, tensors, plan, timeout_s=TIMEOUT_S),
                 )
             )
@@ -148,7 +146,7 @@ def run(bucket_mbs: list[float], reps: int, receivers: int, default_mb: float) -
         rows.append(
             {
                 "bucket_mb": mb,
-                "buckets": len(plan),
+                "buckets": len(plan.buckets),
                 "real_s": real_s,
                 "raw_s": raw_s,
                 "real_gb_s": nbytes / real_s / 1e9,
@@ -157,7 +155,7 @@ def run(bucket_mbs: list[float], reps: int, receivers: int, default_mb: float) -
             }
         )
         print(
-            f"bucket {mb:>6g} MB ({len(plan):>3} buckets): real {rows[-1]['real_gb_s']:.2f} "
+            f"bucket {mb:>6g} MB ({len(plan.buckets):>3} buckets): real {rows[-1]['real_gb_s']:.2f} "
             f"GB/s, raw {rows[-1]['raw_gb_s']:.2f} GB/s, ratio {rows[-1]['ratio']:.2f}",
             flush=True,
         )

@@ -169,7 +169,6 @@ async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
         form_group,
         open_store,
         plan_buckets,
-        plan_to_wire,
         send_weights,
         specs_of,
     )
@@ -199,7 +198,7 @@ async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
             start = time.monotonic()
             sender.start()
             await asyncio.gather(*[
-                e.sync_weights(version, plan_to_wire(plan), timeout_s=60,
+                e.sync_weights(version, plan, timeout_s=60,
                                join=("127.0.0.1", port, "bench", i + 1, world, "gloo") if first else None)
                 for i, e in enumerate(engines)
             ])  # fmt: skip

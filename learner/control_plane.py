@@ -97,11 +97,8 @@ class RankZero:
 
         self.cfg = cfg
         self.train_batch_size = cfg.data.train_batch_size
-        self.bucket_bytes = int(cfg.sync.bucket_mb * 2**20)
         self.validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
         self.final_wait_s = cfg.launch.start_timeout_s
-        self.plan: Any = None  # built from the first weights pushed (their names and sizes)
-        self.plan_wire: Any = None
         self.pushed: dict[str, Any] = {}  # the last pushed weights, for catch-ups
         self.validation = ValidationTracker()
         write_resolved(cfg, run_dir)
@@ -114,9 +111,12 @@ class RankZero:
         self.coordinator = coordinator_from_config(cfg, saved_state=restored.coordinator)
         self.coordinator.start()
         self.pusher = WeightPusher(
-            self.coordinator, store, backend=sync_backend(cfg.trainer.device),
+            self.coordinator,
+            store,
+            backend=sync_backend(cfg.trainer.device),
             timeout_s=cfg.sync.timeout_s,
-        )  # fmt: skip
+            bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
+        )
         self.buffer = BufferClient(config_endpoint(cfg.endpoints, "batches"), "learner")
         welcome = self.buffer.hello(restored.last_batch_id, wait_s=cfg.launch.start_timeout_s)
         log.info("buffer ready: %d unacknowledged batches come again first", welcome.redelivering)
@@ -186,14 +186,9 @@ class RankZero:
     def push(self, tensors: dict[str, Any]) -> dict[str, float]:
         """Push ``tensors`` as the next version; waits for the members' reports (bounded by
         ``sync.timeout_s``)."""
-        from asyncrl.weight_sync import plan_buckets, plan_to_wire, specs_of
-
         start = time.monotonic()
-        if self.plan is None:
-            self.plan = plan_buckets(specs_of(tensors), self.bucket_bytes)
-            self.plan_wire = plan_to_wire(self.plan)
         self.pushed = tensors
-        result = self.pusher.push(tensors, self.plan, self.plan_wire)
+        result = self.pusher.push(tensors)
         return {
             "timing/weight_sync_s": time.monotonic() - start,
             "sync/failed_members": float(len(result.failed)),
@@ -202,7 +197,7 @@ class RankZero:
     def _serve_catchups(self) -> None:
         """Late or restarted servers get the current weights."""
         if self.pushed and self.coordinator.pending_catchups():
-            self.pusher.serve_catchups(self.pushed, self.plan, self.plan_wire)
+            self.pusher.serve_catchups(self.pushed)
 
     def version(self, current: int) -> int:
         """The coordinator's version: the last push, or higher when a server registered with

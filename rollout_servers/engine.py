@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from asyncrl.weight_sync import WeightPlan
+
 log = logging.getLogger(__name__)
 
 EXTENSION = "rollout_servers.worker_ext.WeightSyncExtension"
@@ -201,7 +203,7 @@ class RolloutEngine:
     async def sync_weights(
         self,
         version: int,
-        plan_wire: list[dict],
+        plan: WeightPlan,
         *,
         join: SyncJoin | None = None,
         timeout_s: float = 120.0,
@@ -219,7 +221,7 @@ class RolloutEngine:
         try:
             if join is not None:
                 await self.llm.collective_rpc("wsync_join", args=(*join, timeout_s))
-            stats = await self.llm.collective_rpc("wsync_receive", args=(plan_wire, timeout_s))
+            stats = await self.llm.collective_rpc("wsync_receive", args=(plan, timeout_s))
             await self.llm.reset_prefix_cache()
             await self.llm.update_weight_version(str(version))
             self.version = version

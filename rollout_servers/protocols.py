@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from asyncrl.control.messages import Registered, SyncStart, TaskGrant
 from asyncrl.rewards import ScoreJob, ScoreResult
+from asyncrl.weight_sync import WeightPlan
 from asyncrl.wire import Trajectory
 from rollout_servers.engine import Sample, SyncJoin
 
@@ -51,7 +52,7 @@ class GenerationEngine(Protocol):
     async def sync_weights(
         self,
         version: int,
-        plan_wire: list[dict[str, Any]],
+        plan: WeightPlan,
         *,
         join: SyncJoin | None = None,
         timeout_s: float = 120.0,

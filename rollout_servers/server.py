@@ -273,7 +273,7 @@ class RolloutServer:
         join = self._join(start)
         try:
             stats = await self.engine.sync_weights(
-                start.version, start.plan_dicts(), join=join, timeout_s=start.timeout_s
+                start.version, start.plan, join=join, timeout_s=start.timeout_s
             )
         except Exception as e:  # the coordinator drops us from the group; we catch up later
             self.generation = ""

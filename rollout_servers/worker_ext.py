@@ -13,8 +13,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Any
 
-from asyncrl.weight_sync import form_group, open_store, plan_from_wire, receive_weights
+import msgspec
+
+from asyncrl.weight_sync import WeightPlan, form_group, open_store, receive_weights
 
 #: Starts the error of a sync that failed after the engine's weights were partly replaced:
 #: the engine cannot generate any more and its server must be restarted.
@@ -49,21 +52,27 @@ class WeightSyncExtension:
         self._wsync_generation = generation
         return rank
 
-    def wsync_receive(self, plan_wire: list[dict], timeout_s: float) -> dict[str, float]:
+    def wsync_receive(
+        self, plan: WeightPlan | dict[str, Any], timeout_s: float
+    ) -> dict[str, float]:
         """Receive one broadcast into the model's weights, in place. Returns
-        ``{"tensors", "seconds"}``."""
+        ``{"tensors", "seconds"}``.
+
+        ``plan`` arrives as plain data when vLLM's engine runs in a process of its own (its
+        RPC encodes msgpack and decodes it untyped): it is read back into a
+        :class:`WeightPlan`, validated."""
         group = getattr(self, "_wsync_group", None)
         if group is None:
             raise RuntimeError("wsync_receive before wsync_join: join a sync group first")
+        if not isinstance(plan, WeightPlan):
+            plan = msgspec.convert(plan, WeightPlan)
         start = time.monotonic()
         count = 0
 
         def weights():
             nonlocal count
             device = "cpu" if str(self.device) == "cpu" else self.device
-            for name, tensor in receive_weights(
-                group, plan_from_wire(plan_wire), timeout_s=timeout_s, device=device
-            ):
+            for name, tensor in receive_weights(group, plan, timeout_s=timeout_s, device=device):
                 count += 1
                 yield name, tensor
 

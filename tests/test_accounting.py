@@ -20,6 +20,7 @@ from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
 from asyncrl.tasks import make_row
+from asyncrl.weight_sync import WeightPlan
 from asyncrl.wire import Packed, Trajectory
 from buffer.core import ReplayBuffer
 
@@ -101,7 +102,7 @@ class Run:
         return True
 
     def push(self) -> None:
-        self.st.begin_sync([])
+        self.st.begin_sync(WeightPlan())
         self.st.finish_sync(True, now=0.0)
 
     def acct(self) -> dict[str, float]:

@@ -18,9 +18,10 @@ from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource, epoch_order
 from asyncrl.tasks import make_row
+from asyncrl.weight_sync import TensorSpec, WeightPlan, plan_buckets
 from asyncrl.wire import DroppedTask, WireError
 
-PLAN = [{"dtype": "float32", "numel": 6, "entries": [["w", [2, 3], 0, 6]]}]
+PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
 
 
 def _rows(n: int, split: str = "train") -> list[dict]:
@@ -357,11 +358,18 @@ def test_messages_round_trip_and_reject_other_schemas():
         generation="main/3",
         rank=1,
         world_size=2,
-        plan=m.plan_buckets_to_msg(PLAN),
+        plan=PLAN,
     )
     ann = m.Announcement(registered=True, policy_version=2, sync=start)
-    assert m.decode_reply(m.encode(ann)) == ann
-    assert start.plan_dicts() == [{**PLAN[0], "entries": [("w", [2, 3], 0, 6)]}]
+    assert m.decode_reply(m.encode(ann)) == ann  # the plan travels as it is
+    raw = msgspec.msgpack.decode(m.encode(start))  # untyped, as vLLM's RPC hands it on
+    bucket = {"dtype": "float32", "numel": 6, "entries": [["w", [2, 3], 0, 6]]}
+    assert raw["plan"] == {"buckets": [bucket]}
+    assert msgspec.convert(raw["plan"], WeightPlan) == PLAN
+    raw["plan"]["buckets"][0]["numel"] = -1  # a plan is validated like any other field
+    bad = {"kind": "announcement", "registered": True, "policy_version": 2, "sync": raw}
+    with pytest.raises(WireError, match="numel"):
+        m.decode_reply(msgspec.msgpack.encode(bad))
     task = TaskSource(_rows(1), n=3).next_train()
     grant = m.TaskGrant(tasks=[task], policy_version=0)
     assert m.decode_reply(m.encode(grant)) == grant

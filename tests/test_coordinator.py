@@ -23,6 +23,7 @@ from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
 from asyncrl.tasks import make_row, write_rows
 from asyncrl.transport import BufferClient, ReqClient, RequestRefused, config_endpoint
+from asyncrl.weight_sync import WeightPlan
 from buffer.service import BufferService
 from tests.helpers import log_tails, wait_until
 from tests.standins import rollout
@@ -219,7 +220,7 @@ def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin, un
             assert _metric(second, "coordinator/budget/dealt") == 8  # the budget came back too
             assert len(acked(journal)) == 8
             second.trained(before[:4])  # a version's worth, then a push nobody receives
-            second.finish_sync(second.begin_sync([]))
+            second.finish_sync(second.begin_sync(WeightPlan()))
             until(lambda: len(acked(journal)) == 12, "4 more tasks")
             after = acked(journal)[8:]
             assert after == [f"train/0/{p}" for p in range(8, 12)]  # where the cursor was

@@ -15,7 +15,6 @@ from asyncrl.weight_sync import (
     form_group,
     open_store,
     plan_buckets,
-    plan_to_wire,
     send_weights,
     specs_of,
 )
@@ -57,7 +56,7 @@ class Learner:
 
         sender = threading.Thread(target=send)
         sender.start()
-        stats = loop.run(engine.sync_weights(version, plan_to_wire(plan), join=join, timeout_s=60))
+        stats = loop.run(engine.sync_weights(version, plan, join=join, timeout_s=60))
         sender.join(60)
         return stats
 

@@ -17,6 +17,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.messages import Registered, SyncStart, Task, TaskGrant
 from asyncrl.rewards import ScoreJob, ScoreResult
+from asyncrl.weight_sync import WeightPlan
 from asyncrl.wire import Trajectory
 from rollout_servers import protocols, server
 from rollout_servers.engine import Sample, SyncJoin
@@ -52,7 +53,7 @@ class StandInEngine:
     async def sync_weights(
         self,
         version: int,
-        plan_wire: list[dict[str, Any]],
+        plan: WeightPlan,
         *,
         join: SyncJoin | None = None,
         timeout_s: float = 120.0,

@@ -15,8 +15,6 @@ from asyncrl.weight_sync import (
     form_group,
     open_store,
     plan_buckets,
-    plan_from_wire,
-    plan_to_wire,
     send_weights,
     specs_of,
 )
@@ -41,7 +39,7 @@ def _sync(store, receivers, generation, tensors, bucket_bytes=16 * 1024, group=N
     """Run one sync: receivers join ``generation`` as ranks 1..n; returns (group, results)."""
     plan = plan_buckets(specs_of(tensors), bucket_bytes)
     for rank, r in enumerate(receivers, start=1):
-        r.start_sync(generation, rank, len(receivers) + 1, plan_to_wire(plan))
+        r.start_sync(generation, rank, len(receivers) + 1, plan)
     if group is None:
         group = form_group(store, generation, 0, len(receivers) + 1, timeout_s=TIMEOUT)
     send_weights(group, tensors, plan, timeout_s=TIMEOUT)
@@ -67,12 +65,13 @@ def test_plan_buckets_is_dtype_grouped_and_bounded():
         TensorSpec("d", (2,), "float32"),
     ]
     plan = plan_buckets(specs, bucket_bytes=120)  # 30 float32 elements per bucket
-    assert [b.dtype for b in plan] == ["float32", "float32", "float32", "bfloat16"]
-    assert [[e.name for e in b.entries] for b in plan] == [["a", "c"], ["big"], ["d"], ["b"]]
-    assert [(e.offset, e.numel) for e in plan[0].entries] == [(0, 10), (10, 20)]
-    assert all(b.nbytes <= 120 or len(b.entries) == 1 for b in plan)
-    assert plan_from_wire(plan_to_wire(plan)) == plan
-    assert isinstance(plan[0], Bucket)
+    buckets = plan.buckets
+    assert [b.dtype for b in buckets] == ["float32", "float32", "float32", "bfloat16"]
+    assert [[e.name for e in b.entries] for b in buckets] == [["a", "c"], ["big"], ["d"], ["b"]]
+    assert [(e.offset, e.numel) for e in buckets[0].entries] == [(0, 10), (10, 20)]
+    assert all(b.nbytes <= 120 or len(b.entries) == 1 for b in buckets)
+    assert plan.nbytes == 4 * (10 + 20 + 100 + 2) + 2 * 4
+    assert isinstance(buckets[0], Bucket)
     with pytest.raises(ValueError, match="cannot be synced"):
         plan_buckets([TensorSpec("x", (1,), "complex64")], 100)
 
@@ -97,7 +96,7 @@ def test_sync_lifecycle_failure_regroup_and_late_join():
         # 2. A receiver dies: the sender raises within the timeout instead of hanging.
         b.kill()
         plan = plan_buckets(specs_of(v2), 16 * 1024)
-        a.start_sync("gen1", 1, 3, plan_to_wire(plan))
+        a.start_sync("gen1", 1, 3, plan)
         start = time.monotonic()
         with pytest.raises(WeightSyncError, match="drop it and form a new group"):
             send_weights(group, _weights(3), plan, timeout_s=TIMEOUT)

@@ -15,14 +15,14 @@ Threads:
 
 The learner's side of a sync::
 
-    rnd = coord.begin_sync(plan_to_wire(plan))      # announces SyncStart to the members
+    rnd = coord.begin_sync(plan)                    # announces SyncStart to the members
     if rnd.ranks:
         if rnd.new_group:
             group = form_group(store, rnd.generation, 0, rnd.world_size, ...)
         send_weights(group, tensors, plan, ...)      # on error: finish_sync(rnd, False, ...)
     result = coord.finish_sync(rnd)                  # waits for every member's sync_done
     for server_id in coord.pending_catchups():       # late joiners, failed members
-        rnd = coord.begin_catchup(server_id, plan_to_wire(plan)) ...
+        rnd = coord.begin_catchup(server_id, plan) ...
 
 Catch-ups send the learner's current weights labelled with the current version: service
 them right after a push (before the next optimizer step), or push a new version instead.
@@ -39,6 +39,7 @@ from asyncrl.config import Config
 from asyncrl.control.loop import ControlLoop, poll_buffer
 from asyncrl.control.state import ControlState, ValidationProgress
 from asyncrl.control.syncs import SyncResult, SyncRound
+from asyncrl.weight_sync import WeightPlan
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class Coordinator:
         with self._lock:
             return self._state.version
 
-    def begin_sync(self, plan: list[dict[str, Any]]) -> SyncRound:
+    def begin_sync(self, plan: WeightPlan) -> SyncRound:
         """Start pushing the next version (``version + 1``) with bucket plan ``plan``."""
         with self._lock:
             rnd = self._state.begin_sync(plan)
@@ -179,7 +180,7 @@ class Coordinator:
         with self._lock:
             return self._state.pending_catchups(time.monotonic())
 
-    def begin_catchup(self, server_id: str, plan: list[dict[str, Any]]) -> SyncRound:
+    def begin_catchup(self, server_id: str, plan: WeightPlan) -> SyncRound:
         """Start a one-off sync of the current version to ``server_id``."""
         with self._lock:
             rnd = self._state.begin_catchup(server_id, plan)

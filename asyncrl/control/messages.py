@@ -31,6 +31,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from asyncrl.weight_sync import WeightPlan
 from asyncrl.wire.base import SCHEMA_VERSION as SCHEMA_VERSION  # re-exported
 from asyncrl.wire.base import ErrorReply, Message, Ok, decode
 from asyncrl.wire.base import encode as encode  # re-exported
@@ -64,14 +65,6 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dealt_version: NonNeg = 0  # the policy version when it was (last) dealt
 
 
-class PlanBucket(msgspec.Struct, forbid_unknown_fields=True):
-    """One bucket of the weight-sync plan (:func:`asyncrl.weight_sync.plan_to_wire`)."""
-
-    dtype: str
-    numel: NonNeg
-    entries: list[tuple[str, list[int], int, int]]  # name, shape, offset, numel
-
-
 class SyncStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Join group ``generation`` at ``rank`` (learner rank 0) and receive ``version``.
 
@@ -85,14 +78,10 @@ class SyncStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     generation: str
     rank: Annotated[int, msgspec.Meta(ge=1)]
     world_size: Annotated[int, msgspec.Meta(ge=2)]
-    plan: list[PlanBucket]
+    plan: WeightPlan  # where each tensor travels (the learner's, as it built it)
     backend: str = "gloo"
     timeout_s: float = 120.0
     catchup: bool = False
-
-    def plan_dicts(self) -> list[dict[str, Any]]:
-        """The plan as :func:`asyncrl.weight_sync.plan_from_wire` takes it."""
-        return [msgspec.structs.asdict(b) for b in self.plan]
 
 
 # ----------------------------------------------------------------------- requests
@@ -242,15 +231,3 @@ def decode_request(frame: Any) -> Request:
 def decode_reply(frame: Any) -> Reply:
     """A validated reply of any kind (raises :class:`~asyncrl.wire.base.WireError`)."""
     return decode(_reply_decoder, frame, MAX_REQUEST_BYTES)
-
-
-def plan_buckets_to_msg(plan_wire: list[dict[str, Any]]) -> list[PlanBucket]:
-    """:func:`asyncrl.weight_sync.plan_to_wire` output as typed buckets."""
-    return [
-        PlanBucket(
-            dtype=b["dtype"],
-            numel=int(b["numel"]),
-            entries=[(n, list(s), int(o), int(k)) for n, s, o, k in b["entries"]],
-        )
-        for b in plan_wire
-    ]

@@ -41,6 +41,7 @@ from asyncrl.control.messages import (
 )
 from asyncrl.control.recovery import Recovery
 from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
+from asyncrl.weight_sync import WeightPlan
 
 log = logging.getLogger(__name__)
 
@@ -294,7 +295,7 @@ class ControlState:
         return lost
 
     # ------------------------------------------------------------------ versions, syncs
-    def begin_sync(self, plan: list[dict[str, Any]]) -> SyncRound:
+    def begin_sync(self, plan: WeightPlan) -> SyncRound:
         """Start pushing version ``current + 1`` to every live server with engine ranks."""
         members = sorted(
             (r for r in self.servers.values() if r.engine_world_size > 0), key=lambda r: r.order
@@ -315,7 +316,7 @@ class ControlState:
             if self.needs_catchup(r) and not r.syncing and now >= r.catchup_after
         ]
 
-    def begin_catchup(self, server_id: str, plan: list[dict[str, Any]]) -> SyncRound:
+    def begin_catchup(self, server_id: str, plan: WeightPlan) -> SyncRound:
         """A one-off group between the learner and ``server_id`` for the current weights."""
         rec = self.servers[server_id]
         rnd = self.syncs.begin(

@@ -20,9 +20,9 @@ saved), so a generation name is never reused within one sync store.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from asyncrl.control.messages import SyncDone, SyncStart, plan_buckets_to_msg
+from asyncrl.control.messages import SyncDone, SyncStart
+from asyncrl.weight_sync import WeightPlan
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,6 @@ class SyncRound:
     ranks: dict[str, int]  # server id -> its first rank
     new_group: bool
     catchup: bool
-    plan: list[dict[str, Any]] = field(repr=False)  # asyncrl.weight_sync.plan_to_wire
 
     @property
     def members(self) -> list[str]:
@@ -85,11 +84,12 @@ class SyncBook:
         self,
         members: list[tuple[str, int]],
         version: int,
-        plan: list[dict[str, Any]],
+        plan: WeightPlan,
         *,
         catchup: bool = False,
     ) -> SyncRound:
-        """Start a round with ``members`` (server id, engine world size), in rank order."""
+        """Start a round with ``members`` (server id, engine world size), in rank order; each
+        member's :class:`SyncStart` carries ``plan``."""
         if self.active is not None:
             raise RuntimeError(f"sync {self.active.round.sync_id} is still in progress")
         self.counter += 1
@@ -105,8 +105,7 @@ class SyncBook:
         for server_id, size in members:
             ranks[server_id] = next_rank
             next_rank += size
-        rnd = SyncRound(sid, version, generation, next_rank, ranks, new_group, catchup, plan)
-        buckets = plan_buckets_to_msg(plan)
+        rnd = SyncRound(sid, version, generation, next_rank, ranks, new_group, catchup)
         starts = {
             server_id: SyncStart(
                 sync_id=sid,
@@ -114,7 +113,7 @@ class SyncBook:
                 generation=generation,
                 rank=rank,
                 world_size=next_rank,
-                plan=buckets,
+                plan=plan,
                 backend=self.backend,
                 timeout_s=self.timeout_s,
                 catchup=catchup,

@@ -31,7 +31,7 @@ from asyncrl.config import Config
 from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
 from asyncrl.control.syncs import SyncResult
 from asyncrl.sync_sender import WeightPusher
-from asyncrl.weight_sync import open_store, plan_buckets, plan_to_wire, specs_of
+from asyncrl.weight_sync import open_store, specs_of
 from tests.helpers import endpoint_overrides
 
 log = logging.getLogger("tests.standins.learner")
@@ -92,8 +92,6 @@ class StandInLearner:
         if tensors is None:
             tensors = model_weights(model_dir) if model_dir else random_weights(0)
         self.tensors = tensors
-        self.plan = plan_buckets(specs_of(self.tensors), int(cfg.sync.bucket_mb * (1 << 20)))
-        self.plan_wire = plan_to_wire(self.plan)
         self.timeout_s = cfg.sync.timeout_s
         self.store = open_store(
             store_host(cfg.endpoints.host),
@@ -108,6 +106,7 @@ class StandInLearner:
             self.store,
             backend=sync_backend(cfg.trainer.device),
             timeout_s=self.timeout_s,
+            bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
         )
 
     def start(self) -> StandInLearner:
@@ -122,11 +121,11 @@ class StandInLearner:
 
     def push(self) -> SyncResult:
         """Push a new version to every member; a failure drops members, never raises."""
-        return self.pusher.push(self.tensors, self.plan, self.plan_wire)
+        return self.pusher.push(self.tensors)
 
     def serve_catchups(self) -> list[SyncResult]:
         """Give every server waiting for a catch-up the current weights, one at a time."""
-        return self.pusher.serve_catchups(self.tensors, self.plan, self.plan_wire)
+        return self.pusher.serve_catchups(self.tensors)
 
     def digest(self) -> str:
         """The digest receivers report when they hold exactly these weights."""

@@ -200,7 +200,7 @@ class StandInRollout:
 
     def _sync(self, start: SyncStart) -> None:
         """Join the sync group (reused while the generation is unchanged) and receive."""
-        from asyncrl.weight_sync import form_group, open_store, plan_from_wire, receive_weights
+        from asyncrl.weight_sync import form_group, open_store, receive_weights
         from tests.standins.weights import digest
 
         t0 = time.monotonic()
@@ -228,8 +228,7 @@ class StandInRollout:
                     timeout_s=start.timeout_s,
                 )
                 self._generation = start.generation
-            plan = plan_from_wire(start.plan_dicts())
-            for name, t in receive_weights(self._group, plan, timeout_s=start.timeout_s):
+            for name, t in receive_weights(self._group, start.plan, timeout_s=start.timeout_s):
                 self.received[name] = t.clone()
         except Exception as e:  # reported to the coordinator, which drops us from the group
             self._group, self._generation = None, ""

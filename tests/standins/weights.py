@@ -12,7 +12,7 @@ import multiprocessing as mp
 import os
 from typing import Any
 
-from asyncrl.weight_sync import form_group, open_store, plan_from_wire, receive_weights
+from asyncrl.weight_sync import WeightPlan, form_group, open_store, receive_weights
 
 
 def _receiver_loop(conn, host: str, port: int, model_dir: str | None, timeout_s: float) -> None:
@@ -37,15 +37,12 @@ def _receiver_loop(conn, host: str, port: int, model_dir: str | None, timeout_s:
             return
         if cmd[0] == "die":
             os._exit(17)
-        _, generation, rank, world, plan_wire, keep = cmd
+        _, generation, rank, world, plan, keep = cmd
         try:
             if generation != current:
                 group = form_group(store, generation, rank, world, timeout_s=timeout_s)
                 current = generation
-            received = {
-                n: t.clone()
-                for n, t in receive_weights(group, plan_from_wire(plan_wire), timeout_s=timeout_s)
-            }
+            received = {n: t.clone() for n, t in receive_weights(group, plan, timeout_s=timeout_s)}
             if model is not None:
                 model.load_state_dict(received, strict=False)
                 received = {
@@ -84,10 +81,10 @@ class StandInReceiver:
         generation: str | int,
         rank: int,
         world: int,
-        plan_wire: list[dict[str, Any]],
+        plan: WeightPlan,
         keep: bool = True,
     ) -> None:
-        self.conn.send(("sync", generation, rank, world, plan_wire, keep))
+        self.conn.send(("sync", generation, rank, world, plan, keep))
 
     def result(self, timeout_s: float) -> tuple[str, Any]:
         if not self.conn.poll(timeout_s):
