@@ -147,7 +147,8 @@ def open_store(host: str, port: int, *, is_host: bool, timeout_s: float):
 
     Joining waits up to ``timeout_s`` for the host; the host does not wait for anyone.
     """
-    from torch.distributed import TCPStore
+    # torch documents these store classes but re-exports them without marking them public
+    from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
     try:
         return TCPStore(
@@ -175,7 +176,7 @@ def form_group(
     Every generation gets its own key space (a ``PrefixStore``), so a re-formed group never
     sees the keys of a broken one. ``backend`` is ``gloo`` (CPU tensors) or ``nccl``.
     """
-    from torch.distributed import PrefixStore
+    from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
     prefixed = PrefixStore(f"wsync/{generation}", store)
     timeout = timedelta(seconds=timeout_s)
@@ -282,10 +283,13 @@ def receive_weights(
         flat = torch.empty(buckets[i].numel, dtype=getattr(torch, buckets[i].dtype), device=device)
         return pg.broadcast(flat, 0, timeout), flat
 
-    pending = post(0) if buckets else None
+    if not buckets:
+        return
+    pending = post(0)
     for i, bucket in enumerate(buckets):
         work, flat = pending
         _wait(work, timeout_s, f"weight receive of bucket {i}")
-        pending = post(i + 1) if i + 1 < len(buckets) else None
+        if i + 1 < len(buckets):
+            pending = post(i + 1)
         for e in bucket.entries:
             yield e.name, flat[e.offset : e.offset + e.numel].view(e.shape)

@@ -30,6 +30,11 @@ class WeightSyncExtension:
     """Mixed into vLLM's worker class: ``self`` is the worker (``self.rank``,
     ``self.model_runner``, ``self.device``)."""
 
+    # What the worker class this is mixed into provides (declared for type checkers).
+    rank: int
+    device: Any
+    model_runner: Any
+
     def wsync_join(
         self,
         host: str,

@@ -67,6 +67,7 @@ class ControlLoop:
         self.requests: HeldRequests[m.TaskRequest] = HeldRequests(_server)
         self.watches: HeldRequests[m.Heartbeat] = HeldRequests(_server)
         self.io: Counter[str] = Counter()
+        self.wait_s: dict[str, float] = {}  # seconds held task requests waited, by reason
 
     def run(self, stop: threading.Event, ready: threading.Event) -> None:
         """Bind, set ``ready``, serve until ``stop`` is set, close."""
@@ -186,7 +187,7 @@ class ControlLoop:
             held.reason = grant.reason
             return None
         if held.reason:
-            self.io[f"wait_s/{held.reason}"] += now - held.since
+            self.wait_s[held.reason] = self.wait_s.get(held.reason, 0.0) + now - held.since
         return grant
 
     def _news(self, held: Held[m.Heartbeat], now: float) -> m.Announcement | None:
@@ -215,6 +216,7 @@ class ControlLoop:
     def metrics(self) -> dict[str, float]:
         """Call under the lock."""
         out = {f"coordinator/{k}": float(v) for k, v in sorted(self.io.items())}
+        out |= {f"coordinator/wait_s/{k}": v for k, v in sorted(self.wait_s.items())}
         out["coordinator/held_requests"] = float(len(self.requests))
         out["coordinator/held_watches"] = float(len(self.watches))
         return out
