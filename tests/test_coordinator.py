@@ -5,7 +5,6 @@ rank 0), inside the stand-in learner; the buffer service runs in a thread of it.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,12 +14,6 @@ import pytest
 from asyncrl import wire
 from asyncrl.control import Coordinator
 from asyncrl.control import messages as m
-from asyncrl.control.admission import Budget
-from asyncrl.control.ledger import TaskLedger
-from asyncrl.control.loop import ControlLoop
-from asyncrl.control.state import ControlState
-from asyncrl.control.syncs import SyncBook
-from asyncrl.control.task_source import TaskSource
 from asyncrl.tasks import make_row, write_rows
 from asyncrl.transport import BufferClient, ReqClient, RequestRefused, config_endpoint
 from asyncrl.weight_sync import WeightPlan
@@ -326,30 +319,11 @@ def test_validation_rounds_are_flagged_and_outside_the_budget(tmp_path, start_st
 
 
 @pytest.mark.timeout(30)
-def test_the_control_loop_refuses_what_it_cannot_serve_and_keeps_serving() -> None:
-    source = TaskSource(_rows(4), [], seed=1, n=2)
-    state = ControlState(
-        TaskLedger(source, Budget(1, 4)),
-        SyncBook(),
-        heartbeat_s=0.5,
-        dead_after_s=2.0,
-        store_host="127.0.0.1",
-        store_port=1,
-    )
-    loop = ControlLoop(
-        state,
-        threading.Condition(),
-        tasks_addr="tcp://127.0.0.1:*",
-        control_addr="tcp://127.0.0.1:*",
-        max_grant=4,
-        on_shutdown_request=lambda why: None,
-    )
-    stop, ready = threading.Event(), threading.Event()
-    thread = threading.Thread(target=loop.run, args=(stop, ready))
-    thread.start()
-    try:
-        assert ready.wait(10)
-        with ReqClient(loop.tasks_addr, timeout_s=5) as tasks:
+def test_the_coordinator_refuses_what_it_cannot_serve_and_keeps_serving(tmp_path):
+    cfg, _ = loopback_config(tmp_path, BASE)
+    with Coordinator.from_config(cfg, train_rows=_rows(4), val_rows=[]) as coord:
+        addr = config_endpoint(cfg.endpoints, "tasks")
+        with ReqClient(addr, timeout_s=5) as tasks:
 
             def ask(msg: wire.Message) -> m.Reply:
                 return tasks.call(msg, lambda frames: m.decode_reply(frames[0]))
@@ -360,7 +334,4 @@ def test_the_control_loop_refuses_what_it_cannot_serve_and_keeps_serving() -> No
                 ask(wire.StatsRequest())  # the buffer's
             grant = ask(m.TaskRequest(server_id="s", max_tasks=1))
             assert isinstance(grant, m.TaskGrant) and grant.reason == "unregistered"
-        assert loop.io["rejects"] == 1
-    finally:
-        stop.set()
-        thread.join(10)
+        assert _metric(coord, "coordinator/rejects") == 1
