@@ -124,11 +124,11 @@ def test_buffer_drops_are_refunded_once():
     ids = [t.task_id for t in tasks]
     ledger.ack(ids[:2])
     drops = [DroppedTask(ids[0], "lag"), DroppedTask(ids[0], "lag")]
-    assert ledger.dropped(drops) == 1  # a repeated report changes nothing
-    assert ledger.dropped([DroppedTask(ids[2], "expired")]) == 1  # still outstanding
+    assert ledger.dropped(drops).refunded == 1  # a repeated report changes nothing
+    assert ledger.dropped([DroppedTask(ids[2], "expired")]).refunded == 1  # still outstanding
     assert ids[2] not in ledger.outstanding  # its group cannot complete: not owed any more
     ledger.release("a", "dead")  # ids[3] goes to the re-deal queue, no longer charged
-    assert ledger.dropped([DroppedTask(ids[3], "expired")]) == 0  # leaves the queue only
+    assert ledger.dropped([DroppedTask(ids[3], "expired")]).refunded == 0  # leaves the queue only
     assert not ledger.redeal
     assert ledger.committed == 1
     acct = _identity(ledger)
@@ -143,7 +143,7 @@ def test_prompts_dropped_for_lag_are_dealt_again_under_new_ids_then_given_up():
     first, _ = ledger.deal("a", 2)
     ledger.ack([t.task_id for t in first])
     tid = first[0].task_id
-    assert ledger.dropped([DroppedTask(tid, "lag")]) == 1
+    assert ledger.dropped([DroppedTask(tid, "lag")]) == (1, 0)  # refunded, queued again
     _consume(ledger)  # the learner moved on
     again, reason = ledger.deal("a", 1)  # the retry comes before new prompts
     assert [t.task_id for t in again] == [f"{tid}/1"] and reason == ""
@@ -154,7 +154,10 @@ def test_prompts_dropped_for_lag_are_dealt_again_under_new_ids_then_given_up():
     assert list(ledger.redeal) == [f"{tid}/2"]
     retry, _ = ledger.deal("a", 1)
     ledger.ack([retry[0].task_id])
-    ledger.dropped([DroppedTask(f"{tid}/2", "lag"), DroppedTask(first[1].task_id, "expired")])
+    drops = ledger.dropped(
+        [DroppedTask(f"{tid}/2", "lag"), DroppedTask(first[1].task_id, "expired")]
+    )
+    assert drops.given_up == 1  # the ledger says so itself: no counter diffing
     assert not ledger.redeal  # retries used up; expiry is not a lag drop
     assert (ledger.counts["lag_retried"], ledger.counts["lag_given_up"]) == (2, 1)
     assert _identity(ledger)["dropped/lag"] == 3

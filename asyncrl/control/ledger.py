@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -56,6 +56,13 @@ KINDS = ("train", "val")
 
 def kind_of(task_id: str) -> str:
     return "val" if task_id.startswith("val/") else "train"
+
+
+class Drops(NamedTuple):
+    """What one report of dropped groups did."""
+
+    refunded: int  # training tasks that left the admission budget
+    given_up: int  # training prompts out of lag retries (never dealt again)
 
 
 @dataclass
@@ -260,11 +267,12 @@ class TaskLedger:
             elif e.state != DONE:
                 self._set(tid, e, DONE)
 
-    def dropped(self, reports: Iterable[Any]) -> int:
+    def dropped(self, reports: Iterable[Any]) -> Drops:
         """Groups the buffer dropped unused (``task_id``, ``cause``, ``validation`` like
-        :class:`asyncrl.wire.DroppedTask`); returns how many left the budget. A training
-        prompt dropped for lag is queued again under a new id (``lag_retries``)."""
-        refunded = 0
+        :class:`asyncrl.wire.DroppedTask`); returns how many left the budget and how many
+        prompts were given up. A training prompt dropped for lag is queued again under a
+        new id, ``lag_retries`` times at most."""
+        refunded = given_up = 0
         for d in reports:
             reason = d.cause if d.cause in DROP_REASONS else "expired"
             e = self.entries.get(d.task_id)
@@ -277,20 +285,23 @@ class TaskLedger:
                 refunded += e.state in CHARGED and kind_of(d.task_id) == "train"
                 self._set(d.task_id, e, f"dropped/{reason}", reason)
             if reason == "lag" and kind_of(d.task_id) == "train":
-                self._retry(d.task_id)
-        return refunded
+                given_up += self._retry(d.task_id)
+        return Drops(refunded, given_up)
 
-    def _retry(self, task_id: str) -> None:
+    def _retry(self, task_id: str) -> bool:
+        """Queue a lag-dropped prompt again; True when it ran out of retries instead."""
         try:
             task, k = self.source.retry_of(task_id, self.budget.version)
         except KeyError:  # not one of this source's training ids
-            return
+            return False
         if k > self.lag_retries:
             self.counts["lag_given_up"] += 1
-        elif task.task_id not in self.entries:
+            return True
+        if task.task_id not in self.entries:
             self._new(task.task_id, QUEUED, task)
             self.redeal.append(task.task_id)
             self.counts["lag_retried"] += 1
+        return False
 
     # ------------------------------------------------------------------ reconciling
     def adopt(self, server_id: str, task_ids: Iterable[str], now: float) -> int:

@@ -255,18 +255,19 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
     """One drain of the buffer's reports, and its inventory when one is due."""
     reply = client.drain()
     with lock:
-        before = state.ledger.counts["lag_given_up"]
-        n = state.ledger.dropped(reply.dropped)
+        drops = state.ledger.dropped(reply.dropped)
         state.trained(list(reply.validated))
-        given_up = state.ledger.counts["lag_given_up"] - before
         due = state.recovery.buffer_contact(reply.session, time.monotonic())
     if reply.dropped:
-        log.info("buffer dropped %d groups; %d returned to the budget", len(reply.dropped), n)
-    if given_up:
+        log.info(
+            "buffer dropped %d groups; %d returned to the budget", len(reply.dropped),
+            drops.refunded,
+        )  # fmt: skip
+    if drops.given_up:
         log.warning(
             "%d training prompts given up after staleness.lag_retries retries: their "
             "responses take longer than staleness.max_policy_lag versions to generate "
-            "(raise it, or lower data.max_response_length)", given_up,
+            "(raise it, or lower data.max_response_length)", drops.given_up,
         )  # fmt: skip
     if due:
         inventory = client.inventory()
