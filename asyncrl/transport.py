@@ -258,7 +258,8 @@ class RouterService(Generic[M]):
     (which raises :class:`~asyncrl.wire.WireError`); a request that cannot be accepted is
     answered here with an :class:`~asyncrl.wire.ErrorReply` and passed to ``on_reject``.
     Replies never block: one to a client that is gone (``ROUTER_MANDATORY`` makes zmq say
-    so) or not reading is dropped and counted in ``counts["replies_undeliverable"]``.
+    so) or not reading is dropped and counted in ``counts["replies_undeliverable"]`` (the
+    first one logged).
     Used from one thread, the one that created it.
     """
 
@@ -309,7 +310,11 @@ class RouterService(Generic[M]):
             self.sock.send_multipart([*envelope, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone; EAGAIN: not reading
             self.counts["replies_undeliverable"] += 1
-            log.warning("reply to a departed client of %s dropped (%s)", self.endpoint, e.strerror)
+            # A client that died or restarted leaves one behind: say so once, then count.
+            level = logging.WARNING if self.counts["replies_undeliverable"] == 1 else logging.DEBUG
+            log.log(
+                level, "reply to a departed client of %s dropped (%s)", self.endpoint, e.strerror
+            )
             return False
         return True
 
