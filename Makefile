@@ -29,6 +29,7 @@ artifacts: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/pyright
 	$(BIN)/python -m pytest -v -rs --durations=15
 
 demo: $(STAMP)
@@ -41,6 +42,7 @@ demo: $(STAMP)
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/pyright
 
 format:
 	$(BIN)/ruff check --fix .
