@@ -51,24 +51,41 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
         server_gpus = _ids(gpus, "rollout", i)
         if server_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, server_gpus))
-        roles.append(Role(
-            f"rollout-{i}",
-            [py, "-m", "rollout_servers.main", str(config_path), "--server-id", f"rollout-{i}"],
-            env=env, cpus=server_cpus,
-        ))  # fmt: skip
+        roles.append(
+            Role(
+                f"rollout-{i}",
+                [py, "-m", "rollout_servers.main", str(config_path), "--server-id", f"rollout-{i}"],
+                env=env,
+                cpus=server_cpus,
+            )
+        )
     learner = [py, "-m", "learner.main", str(config_path)]
     if cfg.trainer.nproc > 1:
-        learner = [py, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={cfg.trainer.nproc}", "-m", "learner.main",
-                   str(config_path)]  # fmt: skip
+        learner = [
+            py,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={cfg.trainer.nproc}",
+            "-m",
+            "learner.main",
+            str(config_path),
+        ]
     learner_gpus = _ids(gpus, "learner")
     env = (
         {"CUDA_VISIBLE_DEVICES": ",".join(map(str, learner_gpus))}
         if learner_gpus is not None
         else {}
     )
-    roles.append(Role("learner", learner, env=env, cpus=_ids(cpus, "learner"),
-                      restart_args=["trainer.resume_mode=auto"]))  # fmt: skip
+    roles.append(
+        Role(
+            "learner",
+            learner,
+            env=env,
+            cpus=_ids(cpus, "learner"),
+            restart_args=["trainer.resume_mode=auto"],
+        )
+    )
     return roles
 
 
@@ -104,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     roles = plan_roles(cfg, config_path)
     (run_dir / "commands.txt").write_text(
-        "".join(f"{r.name}: {' '.join(f'{k}={v}' for k, v in r.env.items())} "
-                f"{shlex.join(r.cmd)}\n" for r in roles))  # fmt: skip
+        "".join(
+            f"{r.name}: {' '.join(f'{k}={v}' for k, v in r.env.items())} {shlex.join(r.cmd)}\n"
+            for r in roles
+        )
+    )
     log.info("run directory %s; logs in %s", run_dir, log_dir)
 
     def on_term(signum, frame):  # SIGTERM behaves like Ctrl-C

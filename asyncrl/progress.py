@@ -76,8 +76,9 @@ def accounting_line(metrics: dict[str, float], kind: str = "train") -> str | Non
     if p + "dealt" not in metrics:
         return None
     done = "trained" if kind == "train" else "scored"
-    drops = {k[len(p + "dropped/") :]: v for k, v in metrics.items()
-             if k.startswith(p + "dropped/")}  # fmt: skip
+    drops = {
+        k[len(p + "dropped/") :]: v for k, v in metrics.items() if k.startswith(p + "dropped/")
+    }
     reasons = ", ".join(f"{reason} {n:.0f}" for reason, n in sorted(drops.items()) if n)
     line = (
         f"accounting {kind}: dealt {metrics[p + 'dealt']:.0f} = "

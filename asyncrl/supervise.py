@@ -210,8 +210,11 @@ class Supervisor:
         for role in self.roles:
             if role.proc is None:
                 continue
-            role.known = {pid: start for pid, start in role.known.items()
-                          if pid in procs and procs[pid].start == start}  # fmt: skip
+            role.known = {
+                pid: start
+                for pid, start in role.known.items()
+                if pid in procs and procs[pid].start == start
+            }
             for pid in find_tree(procs, [role.proc.pid]) - role.known.keys():
                 role.known[pid] = procs[pid].start
                 if self._watchdog_fd is not None:
@@ -244,24 +247,44 @@ class Supervisor:
             return None
         now = time.monotonic()
         if code == CONFIG_ERROR:
-            return self._give_up(role, code, view, "a bad config or a missing file: a restart "
-                                 "would fail the same way")  # fmt: skip
+            return self._give_up(
+                role,
+                code,
+                view,
+                "a bad config or a missing file: a restart would fail the same way",
+            )
         delay = restart_delay(self.policy, role.restarts, now)
         if delay is None:
-            return self._give_up(role, code, view, (
-                f"after {recent_restarts(self.policy, role.restarts, now)} restarts within "
-                f"{self.policy.window_s:.0f}s"))  # fmt: skip
+            return self._give_up(
+                role,
+                code,
+                view,
+                (
+                    f"after {recent_restarts(self.policy, role.restarts, now)} restarts within "
+                    f"{self.policy.window_s:.0f}s"
+                ),
+            )
         role.restarts.append(now)
         role.restart_at = now + delay
         log.warning(
             "restarting %s in %.1fs (it ended: %s; restart %d of %d within %.0fs); "
             "last lines of %s:\n%s",
-            role.name, delay, describe_exit(code),
-            recent_restarts(self.policy, role.restarts, now), self.policy.max_restarts, self.policy.window_s, role.log_path,
+            role.name,
+            delay,
+            describe_exit(code),
+            recent_restarts(self.policy, role.restarts, now),
+            self.policy.max_restarts,
+            self.policy.window_s,
+            role.log_path,
             tail(role.log_path, 10),
-        )  # fmt: skip
-        self._event(role.name, "restart", exit_code=exit_status(code), delay_s=delay,
-                    **{f"launch/restarts/{role.name}": len(role.restarts)})  # fmt: skip
+        )
+        self._event(
+            role.name,
+            "restart",
+            exit_code=exit_status(code),
+            delay_s=delay,
+            **{f"launch/restarts/{role.name}": len(role.restarts)},
+        )
         return None
 
     def _give_up(self, role: Role, code: int, view: View, why: str) -> int:
@@ -269,8 +292,12 @@ class Supervisor:
         self._event(role.name, "gave_up", exit_code=exit_status(code))
         log.error(
             "%s ended (%s, %s): giving up; last lines of %s:\n%s",
-            role.name, describe_exit(code), why, role.log_path, tail(role.log_path),
-        )  # fmt: skip
+            role.name,
+            describe_exit(code),
+            why,
+            role.log_path,
+            tail(role.log_path),
+        )
         self.stop_all()
         view.finish(ok=False)
         return exit_status(code)

@@ -109,8 +109,9 @@ def find_tree(
     seeds = {p.pid for p in procs.values() if p.sid in roots or p.pgid in roots}
     if match is not None:
         seeds |= {pid for pid in procs if (m := marker_of(pid)) is not None and match(m)}
-    seeds |= {pid for pid, start in (known or {}).items() if pid in procs
-              and procs[pid].start == start}  # fmt: skip
+    seeds |= {
+        pid for pid, start in (known or {}).items() if pid in procs and procs[pid].start == start
+    }
     seeds |= {pid for pid in extra if pid in procs}
     children: dict[int, list[int]] = defaultdict(list)
     for p in procs.values():
@@ -208,8 +209,9 @@ def become_subreaper() -> bool:
     return ok
 
 
-def spawn(cmd: list[str], env: dict[str, str], log_path: Path, cpus: list[int] | None,
-          marker: str) -> subprocess.Popen:  # fmt: skip
+def spawn(
+    cmd: list[str], env: dict[str, str], log_path: Path, cpus: list[int] | None, marker: str
+) -> subprocess.Popen:
     """Start ``cmd`` in a session of its own, output appended to ``log_path``, pinned to
     ``cpus``, with the run ``marker`` in its environment; it gets SIGTERM when this thread
     dies (``PR_SET_PDEATHSIG``), so call it from the main thread."""

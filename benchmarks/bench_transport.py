@@ -223,8 +223,13 @@ def plot(fig: Any, figures: dict[str, Any]) -> None:
     width = 0.38
     for i, path in enumerate(paths):
         xs = [j + (i - 0.5) * width for j in range(len(ROLES))]
-        ax.bar(xs, [figures[f"{path}_cpu_us_per_traj"][r] for r in ROLES], width, color=colors[i],
-               label=path)  # fmt: skip
+        ax.bar(
+            xs,
+            [figures[f"{path}_cpu_us_per_traj"][r] for r in ROLES],
+            width,
+            color=colors[i],
+            label=path,
+        )
     ax.set_xticks(range(len(ROLES)), ["producer", "buffer/relay", "consumer"], fontsize=8)
     ax.set_title("CPU us per trajectory\n(buffer service or relay in the middle)", fontsize=9)
     ax.legend(fontsize=8)

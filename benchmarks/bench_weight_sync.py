@@ -41,17 +41,22 @@ def small_model_shapes() -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (259, s.hidden)}
     for i in range(s.layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "q_proj.weight": (s.hidden, s.hidden), p + "q_proj.bias": (s.hidden,),
-            p + "k_proj.weight": (kv, s.hidden), p + "k_proj.bias": (kv,),
-            p + "v_proj.weight": (kv, s.hidden), p + "v_proj.bias": (kv,),
-            p + "o_proj.weight": (s.hidden, s.hidden),
-            p + "gate_proj.weight": (s.intermediate, s.hidden),
-            p + "up_proj.weight": (s.intermediate, s.hidden),
-            p + "down_proj.weight": (s.hidden, s.intermediate),
-            p + "input_layernorm.weight": (s.hidden,),
-            p + "post_attention_layernorm.weight": (s.hidden,),
-        })  # fmt: skip
+        shapes.update(
+            {
+                p + "q_proj.weight": (s.hidden, s.hidden),
+                p + "q_proj.bias": (s.hidden,),
+                p + "k_proj.weight": (kv, s.hidden),
+                p + "k_proj.bias": (kv,),
+                p + "v_proj.weight": (kv, s.hidden),
+                p + "v_proj.bias": (kv,),
+                p + "o_proj.weight": (s.hidden, s.hidden),
+                p + "gate_proj.weight": (s.intermediate, s.hidden),
+                p + "up_proj.weight": (s.intermediate, s.hidden),
+                p + "down_proj.weight": (s.hidden, s.intermediate),
+                p + "input_layernorm.weight": (s.hidden,),
+                p + "post_attention_layernorm.weight": (s.hidden,),
+            }
+        )
     shapes["norm.weight"] = (s.hidden,)
     return shapes
 

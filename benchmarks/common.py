@@ -35,9 +35,11 @@ def parse_args(
     parser = argparse.ArgumentParser(prog=f"benchmarks/{name}.py", description=description)
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
     parser.add_argument(
-        "--out", type=Path, default=None,
+        "--out",
+        type=Path,
+        default=None,
         help=f"results folder (default {RESULTS_ROOT / name}, or {name}_quick with --quick)",
-    )  # fmt: skip
+    )
     if extra is not None:
         extra(parser)
     args = parser.parse_args(argv)

@@ -59,10 +59,14 @@ def _engine_args(cfg: Config):
     ro = cfg.rollout
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     return engine_args(
-        cfg.model.path, dtype=cfg.model.dtype, max_model_len=max_len,
-        max_num_batched_tokens=cpu_token_budget(ro.max_inflight, max_len), seed=cfg.trainer.seed,
-        max_num_seqs=ro.max_inflight, enforce_eager=ro.enforce_eager,
-    )  # fmt: skip
+        cfg.model.path,
+        dtype=cfg.model.dtype,
+        max_model_len=max_len,
+        max_num_batched_tokens=cpu_token_budget(ro.max_inflight, max_len),
+        seed=cfg.trainer.seed,
+        max_num_seqs=ro.max_inflight,
+        enforce_eager=ro.enforce_eager,
+    )
 
 
 async def _generate(cfg: Config, concurrencies: list[int], seconds: float) -> dict:
@@ -75,8 +79,9 @@ async def _generate(cfg: Config, concurrencies: list[int], seconds: float) -> di
     engine = await RolloutEngine.start(_engine_args(cfg))
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
     prompts = _prompts(cfg, tok, 512)
-    params = SamplingParams(temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length,
-                            logprobs=0)  # fmt: skip
+    params = SamplingParams(
+        temperature=cfg.rollout.temperature, max_tokens=cfg.data.max_response_length, logprobs=0
+    )
     out: dict = {"concurrency": {}, "response_lengths": []}
     try:
         rounds = [concurrencies[0], *concurrencies]  # the first round warms up
@@ -134,9 +139,16 @@ def _train(cfg: Config, steps: int, response_len: float) -> dict:
                 length = max(
                     1, min(cfg.data.max_response_length, round(rng.expovariate(1 / response_len)))
                 )
-                out.append(Rollout(prompt, [rng.randrange(3, vocab) for _ in range(length)],
-                                   [-1.0] * length, float(rng.random() < 0.5), (step, g),
-                                   [(trainer.policy_version, length)]))  # fmt: skip
+                out.append(
+                    Rollout(
+                        prompt,
+                        [rng.randrange(3, vocab) for _ in range(length)],
+                        [-1.0] * length,
+                        float(rng.random() < 0.5),
+                        (step, g),
+                        [(trainer.policy_version, length)],
+                    )
+                )
         return out
 
     times, tokens, prompt_lens = [], [], []
@@ -197,11 +209,17 @@ async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
             sender = threading.Thread(target=send)
             start = time.monotonic()
             sender.start()
-            await asyncio.gather(*[
-                e.sync_weights(version, plan, timeout_s=60,
-                               join=("127.0.0.1", port, "bench", i + 1, world, "gloo") if first else None)
-                for i, e in enumerate(engines)
-            ])  # fmt: skip
+            await asyncio.gather(
+                *[
+                    e.sync_weights(
+                        version,
+                        plan,
+                        timeout_s=60,
+                        join=("127.0.0.1", port, "bench", i + 1, world, "gloo") if first else None,
+                    )
+                    for i, e in enumerate(engines)
+                ]
+            )
             sender.join(60)
             if not first:
                 times.append(time.monotonic() - start)
@@ -209,8 +227,12 @@ async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
         for e in engines:
             e.shutdown()
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    return {"sync_s": sum(times) / len(times), "bytes": nbytes, "reps": len(times),
-            "receivers": receivers}  # fmt: skip
+    return {
+        "sync_s": sum(times) / len(times),
+        "bytes": nbytes,
+        "reps": len(times),
+        "receivers": receivers,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -222,11 +244,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=20.0, help="generate: seconds per round")
     p.add_argument("--concurrency", default="16,128", help="generate: sequences in flight")
     p.add_argument("--steps", type=int, default=5, help="train: measured steps")
-    p.add_argument("--response-len", type=float, default=0.0,
-                   help="train: mean response length (default: max_response_length / 2)")  # fmt: skip
+    p.add_argument(
+        "--response-len",
+        type=float,
+        default=0.0,
+        help="train: mean response length (default: max_response_length / 2)",
+    )
     p.add_argument("--reps", type=int, default=3, help="sync: measured pushes")
-    p.add_argument("--receivers", type=int, default=0,
-                   help="sync: engines receiving at once (default: rollout.num_servers)")  # fmt: skip
+    p.add_argument(
+        "--receivers",
+        type=int,
+        default=0,
+        help="sync: engines receiving at once (default: rollout.num_servers)",
+    )
     a = p.parse_args(argv)
     _pin([int(c) for c in a.cores.split(",")])
     logging.basicConfig(

@@ -47,8 +47,12 @@ def run_stats(run: Path, *, target: float | None = None) -> dict[str, float]:
     a, b = first, window[-1]
     if "rollout/tokens" in a and "rollout/tokens" in b:
         servers = max(1.0, b.get("rollout/servers_reporting", 1.0))
-        waited = (b["rollout/task_wait_s"] + b["rollout/sync_pause_s"]
-                  - a["rollout/task_wait_s"] - a["rollout/sync_pause_s"])  # fmt: skip
+        waited = (
+            b["rollout/task_wait_s"]
+            + b["rollout/sync_pause_s"]
+            - a["rollout/task_wait_s"]
+            - a["rollout/sync_pause_s"]
+        )
         out["generated_tokens_per_s"] = (b["rollout/tokens"] - a["rollout/tokens"]) / span
         out["rollout_wait_frac"] = waited / (servers * span)
     if target is not None:

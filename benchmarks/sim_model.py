@@ -59,8 +59,18 @@ _SERVER, _TRAIN_DONE, _SYNC_DONE = 0, 1, 2
 
 
 class _Server:
-    __slots__ = ("idx", "step", "t_last", "heap", "paused", "stall", "version", "token",
-                 "wait_since", "wait_s")  # fmt: skip
+    __slots__ = (
+        "idx",
+        "step",
+        "t_last",
+        "heap",
+        "paused",
+        "stall",
+        "version",
+        "token",
+        "wait_since",
+        "wait_s",
+    )
 
     def __init__(self, idx: int) -> None:
         self.idx, self.step, self.t_last, self.heap = idx, 0.0, 0.0, []
@@ -377,6 +387,10 @@ def compare_lags(
     base = results[0].trained_tokens_per_s
     for r in results:
         r.ratio_to_sync = r.trained_tokens_per_s / base
-        log.debug("lag %d: %.0f trained tokens/s, %.2fx sync", r.max_policy_lag,
-                  r.trained_tokens_per_s, r.ratio_to_sync)  # fmt: skip
+        log.debug(
+            "lag %d: %.0f trained tokens/s, %.2fx sync",
+            r.max_policy_lag,
+            r.trained_tokens_per_s,
+            r.ratio_to_sync,
+        )
     return results

@@ -137,11 +137,16 @@ def splits(
     best = min(range(1, total), key=gap)
     out = []
     for learner in sorted(learners | {best}):
-        out.append({
-            "gpus": total, "rollout": total - learner, "learner": learner,
-            "capacity_gap": gap(learner), "balanced": gap(learner) <= tol,
-            "best_balance": learner == best,
-        })  # fmt: skip
+        out.append(
+            {
+                "gpus": total,
+                "rollout": total - learner,
+                "learner": learner,
+                "capacity_gap": gap(learner),
+                "balanced": gap(learner) <= tol,
+                "best_balance": learner == best,
+            }
+        )
     return out
 
 
@@ -176,14 +181,25 @@ def run_sweep(spec: dict[str, Any], quick: bool) -> tuple[list[dict[str, Any]], 
             params, spec["cluster"]["lags"], steps=steps, seed=spec["run"]["seed"]
         )
         wall = time.perf_counter() - t0
-        log.info("%s %d GPUs %d:%d done in %.1f s", scaling, cfg["gpus"], cfg["rollout"],
-                 cfg["learner"], wall)  # fmt: skip
+        log.info(
+            "%s %d GPUs %d:%d done in %.1f s",
+            scaling,
+            cfg["gpus"],
+            cfg["rollout"],
+            cfg["learner"],
+            wall,
+        )
         for r in results:
-            rows.append({
-                **cfg, "batch": scaling, "prompts_per_step": params.train_batch_size,
-                **_figures(r), "budget_fill": _budget_fill(params, r.max_policy_lag + 1),
-                "sim_wall_s": wall,
-            })  # fmt: skip
+            rows.append(
+                {
+                    **cfg,
+                    "batch": scaling,
+                    "prompts_per_step": params.train_batch_size,
+                    **_figures(r),
+                    "budget_fill": _budget_fill(params, r.max_policy_lag + 1),
+                    "sim_wall_s": wall,
+                }
+            )
     return rows, derived
 
 
@@ -227,9 +243,10 @@ def summarise(rows: list[dict[str, Any]], lags: list[int]) -> dict[str, Any]:
     for scaling in ("fixed", "weak"):
         for lag in lags:
             sel = [
-                r for r in rows
+                r
+                for r in rows
                 if r["batch"] == scaling and r["best_balance"] and r["balanced"] and r["lag"] == lag
-            ]  # fmt: skip
+            ]
             if sel:
                 out.setdefault(scaling, {})[str(lag)] = {
                     "speedup_vs_sync": {r["gpus"]: round(r["ratio_to_sync"], 3) for r in sel},
@@ -307,15 +324,20 @@ def main(argv: list[str] | None = None) -> None:
         NAME,
         args.out,
         figures={"rows": rows, "summary": summary, "derived": derived},
-        config={"params_file": str(args.params), "spec": spec, "quick": args.quick,
-                "wall_s": time.perf_counter() - t0},
+        config={
+            "params_file": str(args.params),
+            "spec": spec,
+            "quick": args.quick,
+            "wall_s": time.perf_counter() - t0,
+        },
         plot=lambda fig: plot(fig, rows, lags),
-    )  # fmt: skip
+    )
     gpus, lag = spec["cluster"]["headline_gpus"], spec["cluster"]["headline_lag"]
     pick = [
-        r for r in rows
+        r
+        for r in rows
         if r["batch"] == "fixed" and r["gpus"] == gpus and r["best_balance"] and r["lag"] == lag
-    ]  # fmt: skip
+    ]
     headline(
         f"simulate async(lag {lag})/sync speedup, balanced {gpus} GPUs", pick[0]["ratio_to_sync"]
     )

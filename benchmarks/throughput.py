@@ -65,8 +65,16 @@ def _ensure_model(name: str) -> str:
 
 
 def _phase(phase: str, config: str, overrides: list[str], cores: str, *extra: str) -> dict:
-    cmd = [sys.executable, "benchmarks/phases.py", phase, config, *overrides, "--cores", cores,
-           *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "benchmarks/phases.py",
+        phase,
+        config,
+        *overrides,
+        "--cores",
+        cores,
+        *extra,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{phase} on cores {cores} failed:\n{proc.stderr[-3000:]}")
@@ -84,8 +92,16 @@ def measure_phases(config: str, overrides: list[str], quick: bool) -> dict:
         log.info("generation alone on cores %s: %s", cores, out[f"generate@{cores}"]["concurrency"])
     mean_len = _mean(out["generate@1"]["response_lengths"])
     for cores in ("0",) if quick else ("0", "0,1"):
-        out[f"train@{cores}"] = _phase("train", config, overrides, cores, "--steps",
-                                       "3" if quick else "6", "--response-len", str(mean_len))  # fmt: skip
+        out[f"train@{cores}"] = _phase(
+            "train",
+            config,
+            overrides,
+            cores,
+            "--steps",
+            "3" if quick else "6",
+            "--response-len",
+            str(mean_len),
+        )
         log.info("training alone on cores %s: %s", cores, out[f"train@{cores}"])
     out["sync@1"] = _phase("sync", config, overrides, "1")
     log.info("one sync alone into the run's engines: %s", out["sync@1"])
@@ -98,9 +114,17 @@ def _mean(xs) -> float:
 
 def run_pipeline(config: str, overrides: list[str], out_dir: Path) -> dict:
     """One launch; its figures from the run's metrics."""
-    cmd = [sys.executable, "-m", "asyncrl.launch", config, *overrides,
-           f"trainer.default_local_dir={out_dir}", "trainer.resume_mode=disable",
-           "trainer.save_freq=-1", "trainer.logger=[jsonl]"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch",
+        config,
+        *overrides,
+        f"trainer.default_local_dir={out_dir}",
+        "trainer.resume_mode=disable",
+        "trainer.save_freq=-1",
+        "trainer.logger=[jsonl]",
+    ]
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     wall = time.monotonic() - start
@@ -118,8 +142,12 @@ def sweep(config: str, model: str, lags: list[int], steps: int, quick: bool, out
     from asyncrl.config import load_config
 
     path = _ensure_model(model)
-    base = [f"model.path={path}", f"trainer.total_training_steps={steps}",
-            "trainer.project_name=throughput", "trainer.experiment_name=run"]  # fmt: skip
+    base = [
+        f"model.path={path}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.project_name=throughput",
+        "trainer.experiment_name=run",
+    ]
     if model == "tiny":  # time to a validation score: a round every 10 steps
         base += ["trainer.test_freq=10", "trainer.val_before_train=true", "rollout.val_kwargs.n=4"]
     else:
@@ -147,8 +175,12 @@ def sweep(config: str, model: str, lags: list[int], steps: int, quick: bool, out
     best_sync = max(sync_names, key=lambda n: modes[n]["samples_per_s"])
     for stats in modes.values():
         stats["ratio_to_sync"] = stats["samples_per_s"] / modes[best_sync]["samples_per_s"]
-    return {"phases": phases, "modes": modes, "best_sync": best_sync,
-            "calibration": {k: v for k, v in vars(params).items() if k != "lengths"}}  # fmt: skip
+    return {
+        "phases": phases,
+        "modes": modes,
+        "best_sync": best_sync,
+        "calibration": {k: v for k, v in vars(params).items() if k != "lengths"},
+    }
 
 
 COLUMNS = [  # (header, key, format)
@@ -176,8 +208,10 @@ def table(model: str, result: dict) -> str:
             cells.append(f"{'-' if v is None or v != v else fmt.format(v):>14}")
         lines.append(f"{name:<14}" + "".join(cells))
     ph = result["phases"]
-    for label, gen_key, train_key in (("1 core", "generate@1", "train@0"),
-                                      ("2 cores", "generate@0,1", "train@0,1")):  # fmt: skip
+    for label, gen_key, train_key in (
+        ("1 core", "generate@1", "train@0"),
+        ("2 cores", "generate@0,1", "train@0,1"),
+    ):
         if gen_key not in ph:
             continue
         best = max(f["tokens_per_s"] for f in ph[gen_key]["concurrency"].values())
@@ -195,8 +229,10 @@ def _plot(results: dict):
         for ax, (model, res) in zip(axes, results.items(), strict=True):
             names = list(res["modes"])
             real = [res["modes"][n]["samples_per_s"] for n in names]
-            sim = [res["modes"][n].get("predicted", {}).get("samples_per_s", float("nan"))
-                   for n in names]  # fmt: skip
+            sim = [
+                res["modes"][n].get("predicted", {}).get("samples_per_s", float("nan"))
+                for n in names
+            ]
             xs = range(len(names))
             ax.bar(xs, real, color="tab:blue", label="measured")
             ax.plot(xs, sim, "o", color="tab:orange", label="model (calibrated alone)")
@@ -223,9 +259,13 @@ def main(argv: list[str] | None = None) -> None:
         args.out.mkdir(parents=True, exist_ok=True)  # kept if a later model fails
         (args.out / f"partial_{model}.json").write_text(json.dumps(results[model], indent=1))
         print(table(model, results[model]), flush=True)
-    json_path, png = write_results(NAME, args.out, figures=results, plot=_plot(results),
-                                   config={"config": args.config, "models": models, "lags": lags,
-                                           "quick": args.quick})  # fmt: skip
+    json_path, png = write_results(
+        NAME,
+        args.out,
+        figures=results,
+        plot=_plot(results),
+        config={"config": args.config, "models": models, "lags": lags, "quick": args.quick},
+    )
     print(f"results: {json_path}, {png}")
     first = results[models[0]]["modes"]
     best = max(

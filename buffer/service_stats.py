@@ -38,8 +38,10 @@ class ServiceStats:
             self._logged.add(key)
             log.warning(
                 "rejected a %s message (%s); further ones are only counted in buffer/rejects/%s",
-                socket, err, key,
-            )  # fmt: skip
+                socket,
+                err,
+                key,
+            )
 
     def set_paused(self, paused: bool, now: float) -> None:
         if paused:

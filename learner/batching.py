@@ -279,10 +279,18 @@ def collate(
         position_ids = None
     temps = [temperature if r.temperature is None else float(r.temperature) for r in seqs]
     return MicroBatch(
-        input_ids, position_ids, attention_mask, gather, targets, mask, behaviour,
-        advantages[list(seq_ids)].to(torch.float32), torch.tensor(temps, dtype=torch.float32),
-        list(seq_ids), offset,
-    )  # fmt: skip
+        input_ids,
+        position_ids,
+        attention_mask,
+        gather,
+        targets,
+        mask,
+        behaviour,
+        advantages[list(seq_ids)].to(torch.float32),
+        torch.tensor(temps, dtype=torch.float32),
+        list(seq_ids),
+        offset,
+    )
 
 
 def _dummy(pad_id: int) -> MicroBatch:

@@ -24,9 +24,16 @@ log = logging.getLogger(__name__)
 
 WAIT_LOG_S = 30.0  # how often a long wait for a batch is reported
 
-CONSOLE_KEYS = ("reward/mean", "val/score", "loss/pg", "importance/w_mean",
-                "lag/mean", "actor/policy_version", "timing/step_s",
-                "timing/wait_fraction")  # fmt: skip
+CONSOLE_KEYS = (
+    "reward/mean",
+    "val/score",
+    "loss/pg",
+    "importance/w_mean",
+    "lag/mean",
+    "actor/policy_version",
+    "timing/step_s",
+    "timing/wait_fraction",
+)
 
 
 class Restored(NamedTuple):
@@ -153,8 +160,10 @@ class RankZero:
                     "the training data is spent after step %d: %d groups left, fewer than "
                     "data.train_batch_size=%d (raise trainer.total_epochs, or set "
                     "trainer.total_training_steps: null to stop where the data ends)",
-                    step, left, self.train_batch_size,
-                )  # fmt: skip
+                    step,
+                    left,
+                    self.train_batch_size,
+                )
                 return None
             self._serve_catchups()
             self._poll_validation(step)
@@ -167,8 +176,10 @@ class RankZero:
                 )
                 log.info(
                     "waiting for a batch for %.0fs (%s)%s",
-                    last_log - start, _brief(self.coordinator.metrics()), silent,
-                )  # fmt: skip
+                    last_log - start,
+                    _brief(self.coordinator.metrics()),
+                    silent,
+                )
 
     def trained(self, task_ids: list[str]) -> None:
         """Before the push: the admission window moves by what the pushed weights consumed."""

@@ -165,8 +165,10 @@ class LearnerLoop:
         extra = self.trainer.load(path)
         log.info(
             "resumed from %s at step %d, version %d",
-            path, self.trainer.step, self.trainer.policy_version,
-        )  # fmt: skip
+            path,
+            self.trainer.step,
+            self.trainer.policy_version,
+        )
         return Restored(Path(path), extra.get("last_batch_id"), extra.get("coordinator"))
 
 

@@ -194,10 +194,25 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) ->
 
 # Keys of the stats dict returned by policy_loss: summed across micro-batches and ranks...
 STAT_SUMS: tuple[str, ...] = (
-    "tokens", "seqs", "nonfinite", "clipped_low", "clipped_high", "ppo_kl", "w_units",
-    "w_sum", "w_sq_sum", "w_over_cap", "mismatch", "abs_log_w", "entropy", "ref_kl",
-    "pg_loss", "kl_loss", "entropy_loss", "loss",
-)  # fmt: skip
+    "tokens",
+    "seqs",
+    "nonfinite",
+    "clipped_low",
+    "clipped_high",
+    "ppo_kl",
+    "w_units",
+    "w_sum",
+    "w_sq_sum",
+    "w_over_cap",
+    "mismatch",
+    "abs_log_w",
+    "entropy",
+    "ref_kl",
+    "pg_loss",
+    "kl_loss",
+    "entropy_loss",
+    "loss",
+)
 # ...and maxed.
 STAT_MAXES: tuple[str, ...] = ("w_max", "abs_log_w_max")
 
@@ -252,9 +267,13 @@ def policy_loss(
     lp = torch.where(valid, logprobs, proximal)
 
     w, keep, raw_w = importance_weights(
-        proximal, behaviour, valid, mode=cfg.importance_mode, cap=cfg.importance_cap,
+        proximal,
+        behaviour,
+        valid,
+        mode=cfg.importance_mode,
+        cap=cfg.importance_cap,
         level=cfg.importance_level,
-    )  # fmt: skip
+    )
     pg_t, log_ratio, clip_low, clip_high = _pg_terms(lp, proximal, adv, cfg)
     agg = {"mode": cfg.agg_mode, "norm_const": cfg.norm_const, "norm": norm}
     pg_loss = aggregate(w * pg_t, valid, **agg)
@@ -279,9 +298,13 @@ def policy_loss(
     )
     ent = torch.where(valid, entropy, 0).sum() if entropy is not None else zero
     stats.update(
-        entropy=ent.detach(), ref_kl=ref_kl.detach(), pg_loss=pg_loss.detach(),
-        kl_loss=kl_loss.detach(), entropy_loss=ent_loss.detach(), loss=loss.detach(),
-    )  # fmt: skip
+        entropy=ent.detach(),
+        ref_kl=ref_kl.detach(),
+        pg_loss=pg_loss.detach(),
+        kl_loss=kl_loss.detach(),
+        entropy_loss=ent_loss.detach(),
+        loss=loss.detach(),
+    )
     return loss, stats
 
 

@@ -120,9 +120,12 @@ class Trainer:
         self.policy_version = 0
         log.info(
             "learner rank %d/%d: %s, %s input, loss %s",
-            self.rank, self.world_size, self.model_path,
-            "packed" if self.packed else "padded", self.loss_cfg,
-        )  # fmt: skip
+            self.rank,
+            self.world_size,
+            self.model_path,
+            "packed" if self.packed else "padded",
+            self.loss_cfg,
+        )
 
     # ------------------------------------------------------------------ forward
     def _forward(
@@ -185,9 +188,13 @@ class Trainer:
 
     def _collate(self, plan: _Plan, seq_ids: list[int]) -> MicroBatch:
         return collate(
-            plan.rollouts, plan.advantages, seq_ids, packed=self.packed, pad_id=self.pad_id,
+            plan.rollouts,
+            plan.advantages,
+            seq_ids,
+            packed=self.packed,
+            pad_id=self.pad_id,
             temperature=plan.temperature,
-        )  # fmt: skip
+        )
 
     @torch.no_grad()
     def _fixed_logprobs(self, model, plan: _Plan) -> dict[int, torch.Tensor]:
@@ -263,9 +270,16 @@ class Trainer:
 
         dev = logp.device
         loss, stats = policy_loss(
-            logp, stored(proximal), mb.behaviour.to(dev), mb.advantages.to(dev),
-            mb.mask.to(dev), self.loss_cfg, entropy=ent, ref_logprobs=stored(ref), norm=norm,
-        )  # fmt: skip
+            logp,
+            stored(proximal),
+            mb.behaviour.to(dev),
+            mb.advantages.to(dev),
+            mb.mask.to(dev),
+            self.loss_cfg,
+            entropy=ent,
+            ref_logprobs=stored(ref),
+            norm=norm,
+        )
         return loss, stats, mb
 
     def _minibatch(self, plan, micros, norm, proximal, ref, stats):
@@ -293,8 +307,9 @@ class Trainer:
         if ok:
             self.optimizer.step()
         else:
-            log.warning("step %d: non-finite loss or gradient (norm %s); update skipped",
-                        self.step, gnorm)  # fmt: skip
+            log.warning(
+                "step %d: non-finite loss or gradient (norm %s); update skipped", self.step, gnorm
+            )
         self.optimizer.zero_grad(set_to_none=True)
         return gnorm, ok, tokens
 
@@ -354,9 +369,14 @@ class Trainer:
         from learner.checkpoint import save_checkpoint
 
         return save_checkpoint(
-            run_dir, self.model, self.optimizer, self.scheduler,
-            step=self.step, policy_version=self.policy_version, extra=extra,
-        )  # fmt: skip
+            run_dir,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            step=self.step,
+            policy_version=self.policy_version,
+            extra=extra,
+        )
 
     def load(self, path) -> dict:
         """Restore a checkpoint directory; sets ``step`` and ``policy_version``; returns the

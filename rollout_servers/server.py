@@ -77,9 +77,13 @@ class RolloutServer:
         self.groups_done = 0
         self.tokens_by_version: Counter[int] = Counter()
         self.metrics: dict[str, float] = {
-            "rollout/task_wait_s": 0.0, "rollout/groups": 0, "rollout/tokens": 0,
-            "rollout/prompts_truncated": 0, "rollout/task_errors": 0, "rollout/push_wait_s": 0.0,
-        }  # fmt: skip
+            "rollout/task_wait_s": 0.0,
+            "rollout/groups": 0,
+            "rollout/tokens": 0,
+            "rollout/prompts_truncated": 0,
+            "rollout/task_errors": 0,
+            "rollout/push_wait_s": 0.0,
+        }
         self.rewards: deque[float] = deque(maxlen=RECENT)  # of the latest responses
         self.lengths: deque[int] = deque(maxlen=RECENT)
         self.started = time.monotonic()
@@ -195,11 +199,16 @@ class RolloutServer:
         self.held[task.task_id] = task
         try:
             prompt = self._prompt_ids(task)
-            samples = await asyncio.gather(*[
-                self.engine.generate(prompt, sampling_params(self.settings, task, i),
-                                     f"{task.task_id}/{task.attempt}/{i}")
-                for i in range(task.n)
-            ])  # fmt: skip
+            samples = await asyncio.gather(
+                *[
+                    self.engine.generate(
+                        prompt,
+                        sampling_params(self.settings, task, i),
+                        f"{task.task_id}/{task.attempt}/{i}",
+                    )
+                    for i in range(task.n)
+                ]
+            )
             texts = [self.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
             jobs = [
                 ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts

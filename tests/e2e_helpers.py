@@ -21,10 +21,13 @@ def run_overrides(tmp_path: Path, model: Path, data_dir: Path, steps: int) -> li
     """Overrides that put a demo run on fresh ports, in ``tmp_path``, for ``steps`` steps."""
     return [
         f"model.path={model}",
-        f"data.train_files={data_dir}/train.parquet", f"data.val_files={data_dir}/val.parquet",
-        f"trainer.default_local_dir={tmp_path}", f"trainer.total_training_steps={steps}",
-        "launch.start_timeout_s=240", *endpoint_overrides(),
-    ]  # fmt: skip
+        f"data.train_files={data_dir}/train.parquet",
+        f"data.val_files={data_dir}/val.parquet",
+        f"trainer.default_local_dir={tmp_path}",
+        f"trainer.total_training_steps={steps}",
+        "launch.start_timeout_s=240",
+        *endpoint_overrides(),
+    ]
 
 
 def launch_cmd(overrides: list[str]) -> list[str]:
@@ -53,8 +56,11 @@ def rollout_wait_fraction(records: list[dict], skip: int = 1) -> float:
 
 def validation(records: list[dict]) -> list[tuple[int, float, float]]:
     """``(step, score, standard error)`` of every validation round, in order."""
-    return [(r["step"], r["val/score"], r.get("val/score_se", math.nan))
-            for r in records if "val/score" in r]  # fmt: skip
+    return [
+        (r["step"], r["val/score"], r.get("val/score_se", math.nan))
+        for r in records
+        if "val/score" in r
+    ]
 
 
 def assert_learned(records: list[dict]) -> None:
@@ -75,6 +81,5 @@ def assert_vllm_loads(path: Path) -> None:
         "out = llm.generate(['1+2='], SamplingParams(max_tokens=2, temperature=0))\n"
         "print('generated', len(out[0].outputs[0].token_ids))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "generated" in proc.stdout, proc.stderr[-2000:]

@@ -33,11 +33,18 @@ def _rows(n: int) -> list[dict]:
 
 def _group(task: m.Task, version: int) -> Packed:
     trajs = [
-        Trajectory.build(task_id=task.task_id, prompt_ids=[1], response_ids=[2], logprobs=[-1.0],
-                         version_spans=[(version, 1)], reward=float(i), group_index=i,
-                         group_size=task.n)
+        Trajectory.build(
+            task_id=task.task_id,
+            prompt_ids=[1],
+            response_ids=[2],
+            logprobs=[-1.0],
+            version_spans=[(version, 1)],
+            reward=float(i),
+            group_index=i,
+            group_size=task.n,
+        )
         for i in range(task.n)
-    ]  # fmt: skip
+    ]
     return Packed.pack(trajs)
 
 
@@ -118,9 +125,14 @@ def _state(
     source = TaskSource(_rows(rows), shuffle=False, n=N, total_epochs=epochs)
     ledger = TaskLedger(source, Budget(lag, B), lag_retries=1, **kw)
     return ControlState(
-        ledger, SyncBook(), heartbeat_s=0.5, dead_after_s=2.0, store_host="h", store_port=1,
+        ledger,
+        SyncBook(),
+        heartbeat_s=0.5,
+        dead_after_s=2.0,
+        store_host="h",
+        store_port=1,
         min_servers_to_start=min_servers_to_start,
-    )  # fmt: skip
+    )
 
 
 @pytest.mark.parametrize("lag", [0, 1])
@@ -282,11 +294,19 @@ def test_a_failure_report_over_the_wire_gets_the_task_dealt_again(tmp_path):
     from asyncrl.control.client import CoordinatorClient
     from tests.standins.learner import StandInLearner, loopback_config
 
-    cfg, _ = loopback_config(tmp_path, [
-        "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2",
-        "staleness.max_policy_lag=0", "trainer.val_before_train=false", "trainer.test_freq=-1",
-        "control.heartbeat_s=0.2", "control.dead_after_s=3",
-    ])  # fmt: skip
+    cfg, _ = loopback_config(
+        tmp_path,
+        [
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.n=2",
+            "staleness.max_policy_lag=0",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "control.heartbeat_s=0.2",
+            "control.dead_after_s=3",
+        ],
+    )
     learner = StandInLearner(cfg, train_rows=_rows(20), val_rows=[]).start()
     client = CoordinatorClient.from_config(cfg, "s", engine_world_size=0)
     try:

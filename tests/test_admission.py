@@ -289,8 +289,12 @@ def test_failed_catchups_back_off_exponentially_and_success_clears_them():
     for _ in range(3):
         assert st.pending_catchups(now) == ["a"]
         rnd = st.begin_catchup("a", PLAN)
-        st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=False,
-                                error="engine gone"), now)  # fmt: skip
+        st.sync_done(
+            m.SyncDone(
+                server_id="a", sync_id=rnd.sync_id, version=1, ok=False, error="engine gone"
+            ),
+            now,
+        )
         assert st.finish_sync(True, now=now).failed.keys() == {"a"}
         retry = next(t for t in (now + k * 0.5 for k in range(1, 100)) if st.pending_catchups(t))
         delays.append(retry - now)

@@ -111,8 +111,14 @@ def test_collate_points_each_response_token_at_the_logit_that_predicts_it(packed
 
 def test_numpy_arrays_as_from_the_wire():
     """Wire trajectories carry int32/float32 numpy arrays; they collate like lists."""
-    a = Rollout(np.array([1, 2], np.int32), np.array([3, 4], np.int32),
-                np.array([-1.0, np.nan], np.float32), 1.0, "g", [(0, 2)])  # fmt: skip
+    a = Rollout(
+        np.array([1, 2], np.int32),
+        np.array([3, 4], np.int32),
+        np.array([-1.0, np.nan], np.float32),
+        1.0,
+        "g",
+        [(0, 2)],
+    )
     kept, _ = clean_rollouts([a])
     mb = collate(kept, torch.zeros(1), [0])
     assert mb.targets.tolist() == [[3, 4]] and mb.input_ids.tolist() == [[1, 2, 3, 4]]

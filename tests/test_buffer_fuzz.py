@@ -114,7 +114,7 @@ def bad_trajectory_message(draw: st.DrawFn) -> list[bytes]:
                 "frames",
                 "fields",
                 "oversize",
-            ]  # fmt: skip
+            ]
         )
     )
     base = draw(st.sampled_from(BASES))
@@ -198,7 +198,7 @@ def bad_request(draw: st.DrawFn) -> list[bytes]:
                     {"wait_s": 1e9},
                     {"unknown": 1},
                 ]
-            )  # fmt: skip
+            )
         )
         body = [msgpack.packb({**msgpack.unpackb(base), **change})]
         while _request_decodes(body):  # a change that happens to be harmless: cut it short
@@ -247,8 +247,11 @@ def test_fuzzed_sockets_reject_every_bad_message_and_keep_serving() -> None:
                 sent["trajectories"] += 1
 
         @fuzz(N_BATCH_MESSAGES // PER_EXAMPLE)
-        @given(st.lists(st.tuples(bad_request(), st.booleans()), min_size=PER_EXAMPLE,
-                        max_size=PER_EXAMPLE))  # fmt: skip
+        @given(
+            st.lists(
+                st.tuples(bad_request(), st.booleans()), min_size=PER_EXAMPLE, max_size=PER_EXAMPLE
+            )
+        )
         def throw_requests(requests: list[tuple[list[bytes], bool]]) -> None:
             for body, delimited in requests:
                 assert not _request_decodes(body)

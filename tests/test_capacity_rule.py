@@ -12,11 +12,16 @@ from asyncrl.config import ConfigError, load_config
 
 def _capacity_problems(save_freq: int, capacity: int) -> list[str]:
     try:  # through load_config, as a user's config goes: every rule applies
-        load_config(None, [
-            "data.train_batch_size=4", "actor.ppo_mini_batch_size=4",
-            "staleness.max_policy_lag=1", f"trainer.save_freq={save_freq}",
-            f"buffer.capacity_groups={capacity}",
-        ])  # fmt: skip
+        load_config(
+            None,
+            [
+                "data.train_batch_size=4",
+                "actor.ppo_mini_batch_size=4",
+                "staleness.max_policy_lag=1",
+                f"trainer.save_freq={save_freq}",
+                f"buffer.capacity_groups={capacity}",
+            ],
+        )
     except ConfigError as e:
         return [p for p in e.problems if p.startswith("buffer.capacity_groups")]
     return []

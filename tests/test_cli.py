@@ -38,8 +38,10 @@ def test_options_and_overrides_mix_in_any_order():
     from asyncrl.cli import role_parser
 
     parser = role_parser("asyncrl-rollout", "", None, lambda p: p.add_argument("--server-id"))
-    for argv in (["c.yaml", "--server-id", "r0", "a.b=1", "c=2"],
-                 ["c.yaml", "a.b=1", "--server-id", "r0", "c=2"]):  # fmt: skip
+    for argv in (
+        ["c.yaml", "--server-id", "r0", "a.b=1", "c=2"],
+        ["c.yaml", "a.b=1", "--server-id", "r0", "c=2"],
+    ):
         args = parser.parse_intermixed_args(argv)
         assert (args.config, args.server_id, args.overrides) == ("c.yaml", "r0", ["a.b=1", "c=2"])
 
@@ -61,11 +63,18 @@ def test_launch_refuses_missing_files_before_starting_any_role(tmp_path):
     """A missing model or data file is a config error the launcher finds itself: exit 2 with
     the fix, and no role started (no restart loop around a typo)."""
     proc = subprocess.run(
-        [str(BIN / "asyncrl-launch"), "configs/cpu_demo.yaml",
-         f"trainer.default_local_dir={tmp_path}", f"model.path={tmp_path}/no-such-model",
-         f"data.train_files={tmp_path}/none.parquet", *endpoint_overrides()],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            str(BIN / "asyncrl-launch"),
+            "configs/cpu_demo.yaml",
+            f"trainer.default_local_dir={tmp_path}",
+            f"model.path={tmp_path}/no-such-model",
+            f"data.train_files={tmp_path}/none.parquet",
+            *endpoint_overrides(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2, proc.stderr
     assert f"model.path={tmp_path}/no-such-model does not exist" in proc.stderr
     assert "asyncrl-prepare model --name tiny --out" in proc.stderr
@@ -85,12 +94,21 @@ def test_launch_fails_fast_with_the_failing_roles_log(tmp_path):
     rows.write_bytes(b"")
     start = time.monotonic()
     proc = subprocess.run(
-        [str(BIN / "asyncrl-launch"), "configs/cpu_demo.yaml",
-         f"trainer.default_local_dir={tmp_path}", "staleness.max_policy_lag=4",
-         f"model.path={broken}", f"data.train_files={rows}", f"data.val_files={rows}",
-         "launch.max_restarts=1", *endpoint_overrides()],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            str(BIN / "asyncrl-launch"),
+            "configs/cpu_demo.yaml",
+            f"trainer.default_local_dir={tmp_path}",
+            "staleness.max_policy_lag=4",
+            f"model.path={broken}",
+            f"data.train_files={rows}",
+            f"data.val_files={rows}",
+            "launch.max_restarts=1",
+            *endpoint_overrides(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode not in (0, None)
     assert time.monotonic() - start < 200
     assert "giving up; last lines of" in proc.stderr, proc.stderr[-3000:]
@@ -147,10 +165,21 @@ def test_prepare_data_filters_long_prompts(tiny_model, tmp_path):
     # Countdown prompts are 272-279 tokens with this tokenizer and chat template: a limit of 274
     # keeps some and drops others, and the report counts what it dropped.
     proc = run_cli(
-        "asyncrl-prepare", "data", "--task", "countdown", "--out", str(tmp_path),
-        "--n-train", "200", "--n-val", "50", "--tokenizer", str(tiny_model),
-        "--max-prompt-length", "274",
-    )  # fmt: skip
+        "asyncrl-prepare",
+        "data",
+        "--task",
+        "countdown",
+        "--out",
+        str(tmp_path),
+        "--n-train",
+        "200",
+        "--n-val",
+        "50",
+        "--tokenizer",
+        str(tiny_model),
+        "--max-prompt-length",
+        "274",
+    )
     report = json.loads(proc.stdout)
     for split in ("train", "val"):
         rows = pd.read_parquet(tmp_path / f"{split}.parquet")

@@ -271,8 +271,11 @@ def test_null_total_training_steps_counts_whole_batches_times_epochs(tmp_path):
     from asyncrl.tasks import prepare_task_data
 
     prepare_task_data("arithmetic", tmp_path, seed=0, n_train=50, n_val=4)
-    base = [f"data.train_files={tmp_path}/train.parquet", f"data.val_files={tmp_path}/val.parquet",
-            "trainer.total_training_steps=null"]  # fmt: skip
+    base = [
+        f"data.train_files={tmp_path}/train.parquet",
+        f"data.val_files={tmp_path}/val.parquet",
+        "trainer.total_training_steps=null",
+    ]
     cfg = load_config(None, [*base, "data.train_batch_size=16", "trainer.total_epochs=3"])
     assert total_training_steps(cfg) == 50 // 16 * 3 == 9
     assert total_training_steps(load_config(None, ["trainer.total_training_steps=7"])) == 7

@@ -52,14 +52,26 @@ def test_sigterm_stops_every_role_it_started(tmp_path):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "rows.parquet").write_bytes(b"")
-    inputs = [f"model.path={tmp_path}/model", f"data.train_files={tmp_path}/rows.parquet",
-              f"data.val_files={tmp_path}/rows.parquet"]  # fmt: skip
+    inputs = [
+        f"model.path={tmp_path}/model",
+        f"data.train_files={tmp_path}/rows.parquet",
+        f"data.val_files={tmp_path}/rows.parquet",
+    ]
     bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml",
-         f"trainer.default_local_dir={tmp_path}", *inputs, *endpoint_overrides()],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.launch",
+            "configs/cpu_demo.yaml",
+            f"trainer.default_local_dir={tmp_path}",
+            *inputs,
+            *endpoint_overrides(),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     pids: dict[str, int] = {}
     try:
         while len(pids) < 4:  # buffer, two rollout servers, learner
@@ -171,8 +183,10 @@ def test_restarts_in_the_live_line_and_the_summary(tmp_path):
     assert "restarts" not in view.line(records, {"buffer": 0})
     table = summary_table(records, restarts).splitlines()
     assert [line.split()[:3] for line in table[-3:]] == [
-        ["restarts", "buffer", "0"], ["restarts", "rollout-0", "2"], ["restarts", "learner", "1"]
-    ]  # fmt: skip
+        ["restarts", "buffer", "0"],
+        ["restarts", "rollout-0", "2"],
+        ["restarts", "learner", "1"],
+    ]
     assert read_restarts(tmp_path / "nowhere") == {}
 
 
@@ -298,8 +312,10 @@ def drive(tmp_path, toy):
     def start(spec: dict) -> subprocess.Popen:
         proc = subprocess.Popen(
             [sys.executable, "-c", DRIVER, str(tmp_path), str(toy), json.dumps(spec)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         started.append(proc)
         return proc
 
@@ -343,13 +359,20 @@ def test_the_supervisor_restarts_dead_roles_and_finishes_with_the_learner(tmp_pa
     assert _tree(tmp_path, "learner", 2)["extra"] == ["--resume"]
     assert not (tmp_path / "rollout-1.2.json").exists()
     events = _events(tmp_path)
-    restarts = [(e["role"], e["exit_code"], e[f"launch/restarts/{e['role']}"]) for e in events
-                if e["event"] == "restart"]  # fmt: skip
+    restarts = [
+        (e["role"], e["exit_code"], e[f"launch/restarts/{e['role']}"])
+        for e in events
+        if e["event"] == "restart"
+    ]
     assert sorted(restarts) == [("learner", 7, 1), ("rollout-0", 137, 1)]
     assert read_restarts(tmp_path) == {"buffer": 0, "rollout-0": 1, "rollout-1": 0, "learner": 1}
-    every = [p for n in ("buffer", "rollout-0", "rollout-1", "learner") for a in (1, 2)
-             if (tmp_path / f"{n}.{a}.json").exists()
-             for p in [_tree(tmp_path, n, a)["role"], *_tree(tmp_path, n, a)["tree"]]]  # fmt: skip
+    every = [
+        p
+        for n in ("buffer", "rollout-0", "rollout-1", "learner")
+        for a in (1, 2)
+        if (tmp_path / f"{n}.{a}.json").exists()
+        for p in [_tree(tmp_path, n, a)["role"], *_tree(tmp_path, n, a)["tree"]]
+    ]
     assert len(every) == 6 * 5 and not [p for p in every if alive(p)]
     assert not processes_of_run(tmp_path)
 
@@ -369,8 +392,13 @@ def test_a_role_out_of_restarts_fails_the_run_with_its_code_and_log(tmp_path, dr
     assert "buffer attempt 3: exit:4" in out  # its last log lines
     events = _events(tmp_path)
     assert [e["event"] for e in events if e["role"] == "buffer"] == [
-        "start", "restart", "start", "restart", "start", "gave_up"
-    ]  # fmt: skip
+        "start",
+        "restart",
+        "start",
+        "restart",
+        "start",
+        "gave_up",
+    ]
     assert not processes_of_run(tmp_path)
     assert not alive(_tree(tmp_path, "learner", 1)["role"])
 
@@ -387,8 +415,9 @@ def test_a_role_with_a_config_error_is_not_restarted(tmp_path, drive):
     assert proc.returncode == 2, out
     assert "rollout-0 ended (exit code 2, a bad config or a missing file" in out
     assert [e["event"] for e in _events(tmp_path) if e["role"] == "rollout-0"] == [
-        "start", "gave_up"
-    ]  # fmt: skip
+        "start",
+        "gave_up",
+    ]
     assert not processes_of_run(tmp_path)
 
 

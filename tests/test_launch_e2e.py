@@ -46,8 +46,15 @@ def _launch(overrides: list[str]) -> tuple[int, str]:
 @pytest.mark.timeout(660)
 def test_async_run_learns(tmp_path, demo_model, arithmetic_data):
     overrides = run_overrides(tmp_path, demo_model, arithmetic_data, STEPS)
-    code, out = _launch([*overrides, *LEARN, "staleness.max_policy_lag=2", "trainer.test_freq=-1",
-                         "trainer.save_freq=-1"])  # fmt: skip
+    code, out = _launch(
+        [
+            *overrides,
+            *LEARN,
+            "staleness.max_policy_lag=2",
+            "trainer.test_freq=-1",
+            "trainer.save_freq=-1",
+        ]
+    )
     run = tmp_path / RUN
     assert code == 0, out[-3000:] + role_logs(run)
     records = read_metrics(run)
@@ -70,8 +77,9 @@ def test_async_run_learns(tmp_path, demo_model, arithmetic_data):
 def test_synchronous_run_is_on_policy(tmp_path, demo_model, arithmetic_data):
     steps_n = 12
     overrides = run_overrides(tmp_path, demo_model, arithmetic_data, steps_n)
-    code, out = _launch([*overrides, "staleness.max_policy_lag=0", "trainer.test_freq=-1",
-                         "trainer.save_freq=-1"])  # fmt: skip
+    code, out = _launch(
+        [*overrides, "staleness.max_policy_lag=0", "trainer.test_freq=-1", "trainer.save_freq=-1"]
+    )
     run = tmp_path / RUN
     assert code == 0, out[-3000:] + role_logs(run)
     records = read_metrics(run)
@@ -86,12 +94,16 @@ def test_synchronous_run_is_on_policy(tmp_path, demo_model, arithmetic_data):
 @pytest.mark.timeout(900)
 def test_stop_halfway_and_resume(tmp_path, demo_model, arithmetic_data):
     steps_n, every = 16, 4
-    overrides = [*run_overrides(tmp_path, demo_model, arithmetic_data, steps_n),
-                 f"trainer.save_freq={every}", "trainer.test_freq=-1",
-                 "trainer.val_before_train=false"]  # fmt: skip
+    overrides = [
+        *run_overrides(tmp_path, demo_model, arithmetic_data, steps_n),
+        f"trainer.save_freq={every}",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+    ]
     run = tmp_path / RUN
-    first = subprocess.Popen(launch_cmd(overrides), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    first = subprocess.Popen(
+        launch_cmd(overrides), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
 
         def halfway_or_ended() -> bool:

@@ -26,8 +26,9 @@ TOTAL = 6
 
 def _learner(config: Path, log: Path) -> subprocess.Popen:
     out = open(log, "a")  # noqa: SIM115
-    return subprocess.Popen([sys.executable, "-m", "learner.main", str(config)],
-                            stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "learner.main", str(config)], stdout=out, stderr=subprocess.STDOUT
+    )
 
 
 def _syncs(journal: Path) -> list[dict]:
@@ -37,17 +38,28 @@ def _syncs(journal: Path) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_model):
     prepare_task_data("arithmetic", tmp_path / "data", seed=0)
-    cfg, config = loopback_config(tmp_path, [
-        f"model.path={tiny_model}",
-        f"data.train_files={tmp_path}/data/train.parquet",
-        f"data.val_files={tmp_path}/data/val.parquet",
-        "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "rollout.n=2",
-        "data.max_prompt_length=64", "data.max_response_length=4",
-        f"trainer.total_training_steps={TOTAL}", "trainer.save_freq=2", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.logger=[jsonl]",
-        "control.heartbeat_s=0.3", "control.dead_after_s=3", "launch.start_timeout_s=120",
-        "sync.timeout_s=30",
-    ])  # fmt: skip
+    cfg, config = loopback_config(
+        tmp_path,
+        [
+            f"model.path={tiny_model}",
+            f"data.train_files={tmp_path}/data/train.parquet",
+            f"data.val_files={tmp_path}/data/val.parquet",
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4",
+            "rollout.n=2",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            f"trainer.total_training_steps={TOTAL}",
+            "trainer.save_freq=2",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]",
+            "control.heartbeat_s=0.3",
+            "control.dead_after_s=3",
+            "launch.start_timeout_s=120",
+            "sync.timeout_s=30",
+        ],
+    )
     from asyncrl.config import run_dir
 
     run = run_dir(cfg)
@@ -55,8 +67,9 @@ def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_mode
     journals = {}
     for sid in ("s0", "s1"):
         journals[sid] = tmp_path / f"{sid}.jsonl"
-        procs[sid] = rollout.spawn(config, sid, journal=journals[sid], weights=True,
-                                   log_path=tmp_path / f"{sid}.log")  # fmt: skip
+        procs[sid] = rollout.spawn(
+            config, sid, journal=journals[sid], weights=True, log_path=tmp_path / f"{sid}.log"
+        )
     learner = _learner(config, tmp_path / "learner.log")
     try:
         # Stop the learner hard once a checkpoint exists and it has trained past it.
@@ -97,18 +110,30 @@ def test_without_intermediate_checkpoints_a_small_buffer_runs_to_the_end(tmp_pat
     buffer holds half of the groups the run trains on: the run must reach its last step."""
     total, batch = 6, 4
     prepare_task_data("arithmetic", tmp_path / "data", seed=0)
-    cfg, config = loopback_config(tmp_path, [
-        f"model.path={tiny_model}",
-        f"data.train_files={tmp_path}/data/train.parquet",
-        f"data.val_files={tmp_path}/data/val.parquet",
-        f"data.train_batch_size={batch}", f"actor.ppo_mini_batch_size={batch}", "rollout.n=2",
-        "data.max_prompt_length=64", "data.max_response_length=4",
-        "staleness.max_policy_lag=1", f"buffer.capacity_groups={3 * batch}",
-        f"trainer.total_training_steps={total}", "trainer.save_freq=-1", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.logger=[jsonl]",
-        "control.heartbeat_s=0.3", "control.dead_after_s=3", "launch.start_timeout_s=120",
-        "sync.timeout_s=30",
-    ])  # fmt: skip
+    cfg, config = loopback_config(
+        tmp_path,
+        [
+            f"model.path={tiny_model}",
+            f"data.train_files={tmp_path}/data/train.parquet",
+            f"data.val_files={tmp_path}/data/val.parquet",
+            f"data.train_batch_size={batch}",
+            f"actor.ppo_mini_batch_size={batch}",
+            "rollout.n=2",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            "staleness.max_policy_lag=1",
+            f"buffer.capacity_groups={3 * batch}",
+            f"trainer.total_training_steps={total}",
+            "trainer.save_freq=-1",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]",
+            "control.heartbeat_s=0.3",
+            "control.dead_after_s=3",
+            "launch.start_timeout_s=120",
+            "sync.timeout_s=30",
+        ],
+    )
     assert cfg.buffer.capacity_groups < total * batch
     from asyncrl.config import run_dir
 

@@ -21,8 +21,12 @@ LN = math.log
 
 
 def close(a, b, tol=1e-5):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=torch.float32),
-                               torch.as_tensor(b, dtype=torch.float32), atol=tol, rtol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.as_tensor(a, dtype=torch.float32),
+        torch.as_tensor(b, dtype=torch.float32),
+        atol=tol,
+        rtol=0,
+    )
 
 
 # --------------------------------------------------------------- PPO clipping, w = 1
@@ -142,8 +146,9 @@ def test_non_finite_behaviour_tokens_are_dropped_and_counted():
     p = torch.full((1, 4), -1.0)
     b = torch.tensor([[-1.0, float("nan"), float("-inf"), -1.0]])
     lp = p.clone().requires_grad_(True)
-    loss, stats = policy_loss(lp, p, b, torch.tensor([2.0]), torch.ones(1, 4, dtype=torch.bool),
-                              LossConfig())  # fmt: skip
+    loss, stats = policy_loss(
+        lp, p, b, torch.tensor([2.0]), torch.ones(1, 4, dtype=torch.bool), LossConfig()
+    )
     close(loss, -2.0)  # mean over the two valid tokens of -(w=1)*(r=1)*(A=2)
     loss.backward()
     assert torch.isfinite(lp.grad).all()
@@ -165,8 +170,9 @@ def test_kl_and_entropy_terms_enter_the_loss():
     ref = torch.tensor([[-1.5, -1.0]])  # k3 = [0.1065307, 0]
     ent = torch.tensor([[2.0, 4.0]])
     cfg = LossConfig(kl_coef=0.1, kl_type="k3", entropy_coeff=0.01)
-    loss, stats = policy_loss(p.clone(), p, p, torch.tensor([0.0]), mask, cfg, entropy=ent,
-                              ref_logprobs=ref)  # fmt: skip
+    loss, stats = policy_loss(
+        p.clone(), p, p, torch.tensor([0.0]), mask, cfg, entropy=ent, ref_logprobs=ref
+    )
     close(loss, 0.1 * (0.1065307 / 2) - 0.01 * 3.0)
     close(stats["kl_loss"], 0.1065307 / 2)
     close(stats["entropy_loss"], 3.0)

@@ -26,11 +26,17 @@ ROLES = {
     "learner": ["-m", "learner.main"],
 }
 # The line a role logs once it is up, or, while the peer it needs is missing, that it waits.
-UP = {"buffer": "buffer: trajectories on", "learner": "coordinator: tasks on",
-      "rollout-0": "rollout-0 registered", "rollout-1": "rollout-1 registered"}  # fmt: skip
-WAITS = {"learner": ("buffer", "waiting for the buffer"),
-         "rollout-0": ("learner", "waiting for the coordinator"),
-         "rollout-1": ("learner", "waiting for the coordinator")}  # fmt: skip
+UP = {
+    "buffer": "buffer: trajectories on",
+    "learner": "coordinator: tasks on",
+    "rollout-0": "rollout-0 registered",
+    "rollout-1": "rollout-1 registered",
+}
+WAITS = {
+    "learner": ("buffer", "waiting for the buffer"),
+    "rollout-0": ("learner", "waiting for the coordinator"),
+    "rollout-1": ("learner", "waiting for the coordinator"),
+}
 
 
 def _expected_line(name: str, started: set[str]) -> str | None:
@@ -63,9 +69,13 @@ def test_roles_started_by_hand_in_any_order(tmp_path, demo_model, arithmetic_dat
     seed = random.randrange(1000)
     order = list(ROLES)
     random.Random(seed).shuffle(order)
-    overrides = [*run_overrides(tmp_path, demo_model, arithmetic_data, STEPS),
-                 "trainer.test_freq=-1", "trainer.save_freq=-1",
-                 "trainer.val_before_train=false", "control.min_servers_to_start=2"]  # fmt: skip
+    overrides = [
+        *run_overrides(tmp_path, demo_model, arithmetic_data, STEPS),
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.val_before_train=false",
+        "control.min_servers_to_start=2",
+    ]
     procs: dict[str, subprocess.Popen] = {}
     logs = {name: tmp_path / f"{name}.log" for name in ROLES}
     try:

@@ -104,16 +104,25 @@ def rig(tiny_model):
 def _params(max_tokens, seed, ignore_eos=False):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=TEMPERATURE, top_p=1.0, top_k=-1, max_tokens=max_tokens,
-                          logprobs=0, seed=seed, ignore_eos=ignore_eos)  # fmt: skip
+    return SamplingParams(
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=max_tokens,
+        logprobs=0,
+        seed=seed,
+        ignore_eos=ignore_eos,
+    )
 
 
 def _generate_many(loop, engine, n, max_tokens, ignore_eos=False, tag="r"):
     async def run():
-        return await asyncio.gather(*[
-            engine.generate(PROMPT, _params(max_tokens, seed, ignore_eos), f"{tag}-{seed}")
-            for seed in range(n)
-        ])  # fmt: skip
+        return await asyncio.gather(
+            *[
+                engine.generate(PROMPT, _params(max_tokens, seed, ignore_eos), f"{tag}-{seed}")
+                for seed in range(n)
+            ]
+        )
 
     return loop.run(run())
 

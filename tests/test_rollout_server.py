@@ -38,18 +38,30 @@ _wait = functools.partial(wait_until, timeout_s=180.0, every_s=0.2)
 class Rig:
     def __init__(self, tmp, tiny_model):
         prepare_task_data("arithmetic", tmp / "data", seed=0)
-        self.cfg, self.config = loopback_config(tmp, [
-            f"model.path={tiny_model}",
-            f"data.train_files={tmp}/data/train.parquet",
-            f"data.val_files={tmp}/data/val.parquet",
-            f"data.train_batch_size={BATCH}", f"actor.ppo_mini_batch_size={BATCH}",
-            f"rollout.n={N}", "rollout.max_inflight=32", f"staleness.max_policy_lag={LAG}",
-            "data.max_response_length=6", "data.max_prompt_length=32",
-            "rollout.temperature=0.7",
-            "trainer.val_before_train=false", "trainer.test_freq=-1",
-            "control.heartbeat_s=0.5", "control.dead_after_s=6", "control.tasks_per_request=2",
-            "launch.start_timeout_s=120", "sync.timeout_s=60", "reward.num_workers=1",
-        ])  # fmt: skip
+        self.cfg, self.config = loopback_config(
+            tmp,
+            [
+                f"model.path={tiny_model}",
+                f"data.train_files={tmp}/data/train.parquet",
+                f"data.val_files={tmp}/data/val.parquet",
+                f"data.train_batch_size={BATCH}",
+                f"actor.ppo_mini_batch_size={BATCH}",
+                f"rollout.n={N}",
+                "rollout.max_inflight=32",
+                f"staleness.max_policy_lag={LAG}",
+                "data.max_response_length=6",
+                "data.max_prompt_length=32",
+                "rollout.temperature=0.7",
+                "trainer.val_before_train=false",
+                "trainer.test_freq=-1",
+                "control.heartbeat_s=0.5",
+                "control.dead_after_s=6",
+                "control.tasks_per_request=2",
+                "launch.start_timeout_s=120",
+                "sync.timeout_s=60",
+                "reward.num_workers=1",
+            ],
+        )
         self.tmp = tmp
         self.dead: set[str] = set()  # servers a test killed (their syncs may fail)
         self.weights = model_weights(str(tiny_model))
@@ -62,8 +74,14 @@ class Rig:
     def spawn(self, server_id: str, core: str) -> subprocess.Popen:
         env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=core)
         log = open(self.tmp / f"{server_id}.log", "a")  # noqa: SIM115
-        cmd = [sys.executable, "-m", "rollout_servers.main", str(self.config),
-               "--server-id", server_id]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "rollout_servers.main",
+            str(self.config),
+            "--server-id",
+            server_id,
+        ]
         # Its own session: a kill takes vLLM's engine and worker processes down with it,
         # as a crashed machine would.
         return subprocess.Popen(

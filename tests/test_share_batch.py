@@ -26,8 +26,14 @@ def _batch() -> wire.Batch:
         wire.Group.from_trajectories(tid, make_group(tid, size, response_len=size + 1))
         for tid, size in (("train/0/0", 2), ("train/0/1/1", 3))
     ]
-    return wire.Batch(batch_id=11, policy_version=4, groups=groups, lag_histogram={0: 1, 1: 1},
-                      metrics={"buffer/size": 5.0}, redelivered=True)  # fmt: skip
+    return wire.Batch(
+        batch_id=11,
+        policy_version=4,
+        groups=groups,
+        lag_histogram={0: 1, 1: 1},
+        metrics={"buffer/size": 5.0},
+        redelivered=True,
+    )
 
 
 def _summary(batch: wire.Batch) -> dict:
@@ -40,12 +46,12 @@ def _summary(batch: wire.Batch) -> dict:
             batch.task_ids,
             sorted(batch.lag_histogram.items()),
             sorted(batch.metrics.items()),
-        ],  # fmt: skip
+        ],
         "metas": [msgspec.to_builtins(g.metas) for g in batch.groups],
         "arrays": [
             [t.prompt_ids.tolist(), t.response_ids.tolist(), t.logprobs.tolist()]
             for t in batch.trajectories
-        ],  # fmt: skip
+        ],
     }
 
 
@@ -67,16 +73,26 @@ def test_rank_one_receives_rank_zeros_batch(tmp_path):
 def _learner_rank(rank: int, port: int, out: str) -> None:
     """A learner rank as torchrun starts it: its group from the environment, then every
     collective on CPU tensors the learner issues besides FSDP's own."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+    )
     mesh = init_distributed("cpu")
     got = share_batch(_batch() if rank == 0 else None, rank, 2)  # each step's batch
     version = _broadcast_int(7 if rank == 0 else -1, SimpleNamespace(world_size=2))  # pushes
     parts: list = [None, None]
     dist.all_gather_object(parts, {rank: rank * 10})  # compute_logprobs
     dist.barrier()  # checkpoints
-    result = {"summary": _summary(got), "version": version, "parts": parts,
-              "mesh": mesh.size(), "default": dist.get_backend_config()}  # fmt: skip
+    result = {
+        "summary": _summary(got),
+        "version": version,
+        "parts": parts,
+        "mesh": mesh.size(),
+        "default": dist.get_backend_config(),
+    }
     Path(out, f"rank{rank}.json").write_bytes(msgspec.json.encode(result))
     dist.destroy_process_group()
 

@@ -182,14 +182,22 @@ def test_a_rollout_server_stopped_while_starting_exits_0_and_takes_its_engine(tm
     log = open(tmp_path / "s0.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "rollout_servers.main", str(config), "--server-id", "s0"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         # vLLM's engine core process (spawned by multiprocessing) is starting.
-        wait_until(lambda: proc.poll() is not None or any(
-            b"spawn_main" in _cmdline(pid)
-            for pid in _session(proc.pid) if pid != proc.pid
-        ), "the engine core to start", 120)  # fmt: skip
+        wait_until(
+            lambda: (
+                proc.poll() is not None
+                or any(
+                    b"spawn_main" in _cmdline(pid) for pid in _session(proc.pid) if pid != proc.pid
+                )
+            ),
+            "the engine core to start",
+            120,
+        )
         assert proc.poll() is None, (tmp_path / "s0.log").read_text()[-3000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(EXIT_WITHIN_S) == 0, (tmp_path / "s0.log").read_text()[-3000:]

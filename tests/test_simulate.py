@@ -168,8 +168,7 @@ def test_cli_on_a_tiny_spec_reports_and_ends_with_the_headline(tmp_path, capsys,
 
     monkeypatch.setattr(cli, "write_results", fake_write)
     spec = cli.load_spec(cli.DEFAULT_PARAMS)
-    spec["workload"].update(train_batch_size=8, n=4, max_response_length=2000,
-                            response_median=400)  # fmt: skip
+    spec["workload"].update(train_batch_size=8, n=4, max_response_length=2000, response_median=400)
     spec["cluster"].update(gpus=[4], headline_gpus=4, headline_lag=1, lags=[0, 1])
     spec["run"]["quick"].update(gpus=[4], steps=3)
     path = tmp_path / "p.yaml"

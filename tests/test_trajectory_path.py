@@ -48,11 +48,14 @@ def test_unreported_logprob_costs_one_token_not_the_group():
     the learner, which drops that one token from the loss and counts it."""
     unreported = _sampled_logprob({}, 5)  # vLLM gave no entry for the sampled token
     assert math.isnan(unreported)
-    a = Sample(token_ids=[5, 6, 7], logprobs=[-0.5, unreported, -1.5], version_spans=[(0, 3)],
-               finish_reason="stop")  # fmt: skip
+    a = Sample(
+        token_ids=[5, 6, 7],
+        logprobs=[-0.5, unreported, -1.5],
+        version_spans=[(0, 3)],
+        finish_reason="stop",
+    )
     b = Sample(token_ids=[8, 9], logprobs=[-0.25, -0.75], version_spans=[(0, 2)])
-    group = build_group(_task(), PROMPT, [a, b], _scores(1.0, 0.0), server_id="s",
-                        created_at=0.0)  # fmt: skip
+    group = build_group(_task(), PROMPT, [a, b], _scores(1.0, 0.0), server_id="s", created_at=0.0)
 
     rollouts = to_rollouts(through_the_buffer(wire.encode_trajectories(group)))
     kept, dropped = clean_rollouts(rollouts)
@@ -66,8 +69,15 @@ def test_unreported_logprob_costs_one_token_not_the_group():
     mb = collate(kept, torch.tensor([1.0, -0.5]), [0, 1])
     assert torch.isnan(mb.behaviour[0, 1])
     logp = torch.where(mb.mask, mb.behaviour.nan_to_num(-1.0), 0.0).requires_grad_(True)
-    loss, stats = policy_loss(logp, logp.detach(), mb.behaviour, mb.advantages, mb.mask,
-                              LossConfig(), norm=AggNorm(*norm_counts(kept, [0, 1])))  # fmt: skip
+    loss, stats = policy_loss(
+        logp,
+        logp.detach(),
+        mb.behaviour,
+        mb.advantages,
+        mb.mask,
+        LossConfig(),
+        norm=AggNorm(*norm_counts(kept, [0, 1])),
+    )
     loss.backward()
     assert float(stats["nonfinite"]) == 1 and float(stats["tokens"]) == 4
     assert loss.item() == -0.25
@@ -81,17 +91,21 @@ def test_sampling_temperature_reaches_the_learner_with_each_trajectory():
     """A server started with its own rollout.temperature says so in every trajectory; the
     learner's rollouts carry it (the trainer divides each row's logits by it)."""
     samples = [
-        Sample(token_ids=[5, 6], logprobs=[-0.5, -0.25], version_spans=[(0, 2)],
-               temperature=0.7),
+        Sample(token_ids=[5, 6], logprobs=[-0.5, -0.25], version_spans=[(0, 2)], temperature=0.7),
         Sample(token_ids=[7], logprobs=[-1.0], version_spans=[(0, 1)], temperature=0.7),
-    ]  # fmt: skip
-    group = build_group(_task(), PROMPT, samples, _scores(1.0, 0.0), server_id="s",
-                        created_at=0.0)  # fmt: skip
+    ]
+    group = build_group(_task(), PROMPT, samples, _scores(1.0, 0.0), server_id="s", created_at=0.0)
     assert [t.meta.temperature for t in group] == [0.7, 0.7]
     rollouts = to_rollouts(through_the_buffer(wire.encode_trajectories(group)))
     assert [r.temperature for r in rollouts] == [0.7, 0.7]
     # A producer that does not say leaves it to the learner's configured temperature.
-    silent = build_group(_task("train/1/0"), PROMPT, [Sample([5], [-0.5], [(0, 1)])],
-                         _scores(1.0), server_id="s", created_at=0.0)  # fmt: skip
+    silent = build_group(
+        _task("train/1/0"),
+        PROMPT,
+        [Sample([5], [-0.5], [(0, 1)])],
+        _scores(1.0),
+        server_id="s",
+        created_at=0.0,
+    )
     batch = through_the_buffer(wire.encode_trajectories(silent))
     assert [r.temperature for r in to_rollouts(batch)] == [None]

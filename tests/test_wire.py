@@ -85,12 +85,14 @@ def test_nan_logprob_travels_as_not_reported() -> None:
     sent = make_traj("g", 0, 2, response_len=3)
     lp = sent.logprobs.copy()
     lp[1] = np.nan
-    sent = wire.Trajectory(meta=sent.meta, prompt_ids=sent.prompt_ids,
-                           response_ids=sent.response_ids, logprobs=lp)  # fmt: skip
+    sent = wire.Trajectory(
+        meta=sent.meta, prompt_ids=sent.prompt_ids, response_ids=sent.response_ids, logprobs=lp
+    )
     group = wire.Group.from_trajectories("g", [sent, make_traj("g", 1, 2, response_len=3)])
     packed = wire.decode_packed(as_bytes(wire.encode_packed(group)))
-    batch = wire.Batch(batch_id=0, policy_version=0, groups=[group], lag_histogram={0: 1},
-                       metrics={})  # fmt: skip
+    batch = wire.Batch(
+        batch_id=0, policy_version=0, groups=[group], lag_histogram={0: 1}, metrics={}
+    )
     replied = wire.decode_reply(as_bytes(wire.encode_batch(batch)))
     for got in (packed.trajectories[0], replied.groups[0].trajectories[0]):
         np.testing.assert_array_equal(np.isnan(got.logprobs), [False, True, False])

@@ -98,8 +98,10 @@ def total_training_steps(cfg: Config) -> int:
     rows = training_rows(cfg)
     steps = rows // cfg.data.train_batch_size * cfg.trainer.total_epochs
     if steps == 0:
-        raise ConfigError([
-            f"trainer.total_training_steps=null: the {rows} rows of data.train_files make no "
-            f"batch of data.train_batch_size={cfg.data.train_batch_size}; lower it, or add rows"
-        ])  # fmt: skip
+        raise ConfigError(
+            [
+                f"trainer.total_training_steps=null: the {rows} rows of data.train_files make no "
+                f"batch of data.train_batch_size={cfg.data.train_batch_size}; lower it, or add rows"
+            ]
+        )
     return steps

@@ -260,15 +260,17 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
         due = state.recovery.buffer_contact(reply.session, time.monotonic())
     if reply.dropped:
         log.info(
-            "buffer dropped %d groups; %d returned to the budget", len(reply.dropped),
+            "buffer dropped %d groups; %d returned to the budget",
+            len(reply.dropped),
             drops.refunded,
-        )  # fmt: skip
+        )
     if drops.given_up:
         log.warning(
             "%d training prompts given up after staleness.lag_retries retries: their "
             "responses take longer than staleness.max_policy_lag versions to generate "
-            "(raise it, or lower data.max_response_length)", drops.given_up,
-        )  # fmt: skip
+            "(raise it, or lower data.max_response_length)",
+            drops.given_up,
+        )
     if due:
         inventory = client.inventory()
         with lock:

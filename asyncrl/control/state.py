@@ -149,9 +149,11 @@ class ControlState:
         if not self.started:
             self.started = len(self.servers) >= self.min_servers_to_start
             log.info(
-                "%d of %d rollout servers registered%s", len(self.servers),
-                self.min_servers_to_start, ": dealing starts" if self.started else "",
-            )  # fmt: skip
+                "%d of %d rollout servers registered%s",
+                len(self.servers),
+                self.min_servers_to_start,
+                ": dealing starts" if self.started else "",
+            )
         return Registered(
             server_id=msg.server_id,
             session=self.session,
@@ -185,8 +187,10 @@ class ControlState:
             log.warning(
                 "%d tasks outstanding for more than %gs taken back and dealt again (raise "
                 "control.task_timeout_s if generations are that slow): %s",
-                len(late), self.ledger.task_timeout_s, late[:5],
-            )  # fmt: skip
+                len(late),
+                self.ledger.task_timeout_s,
+                late[:5],
+            )
         return dead
 
     def _remove(self, server_id: str, cause: str, why: str) -> None:
@@ -278,8 +282,11 @@ class ControlState:
         log.warning(
             "%s failed %d tasks (%s): %d dealt again, the rest given up after "
             "control.task_retries failures",
-            server_id, len(task_ids), reason or "no reason given", back,
-        )  # fmt: skip
+            server_id,
+            len(task_ids),
+            reason or "no reason given",
+            back,
+        )
         return back
 
     def trained(self, task_ids: list[str]) -> None:
@@ -367,8 +374,10 @@ class ControlState:
         log.warning(
             "catch-up to %s failed %d time(s) in a row: next try in %.0fs (check that server's "
             "log; it gets no task until it holds the current weights)",
-            server_id, rec.catchup_failures, delay,
-        )  # fmt: skip
+            server_id,
+            rec.catchup_failures,
+            delay,
+        )
 
     # ------------------------------------------------------------------ validation, end
     def start_run(self) -> None:

@@ -139,26 +139,52 @@ def _warm_start(model, tok, args: argparse.Namespace) -> dict:
     tr, va, score = examples(train), examples(val), arithmetic.compute_score
     if not args.flatten:  # stop the supervised run as soon as the target is reached
         target = 0.2 if args.target_accuracy is None else args.target_accuracy
-        result = warm_start(model, tok, tr, va, score, target_accuracy=target,
-                            max_accuracy=args.max_accuracy, seed=args.seed)  # fmt: skip
-        log.info("warm start: %d steps, validation sampling accuracy %.3f (temperature 1)",
-                 result.steps, result.val_accuracy)  # fmt: skip
-        return {"task": "arithmetic", "data_seed": args.data_seed, "steps": result.steps,
-                "val_sampling_accuracy": result.val_accuracy, "history": result.history}  # fmt: skip
+        result = warm_start(
+            model,
+            tok,
+            tr,
+            va,
+            score,
+            target_accuracy=target,
+            max_accuracy=args.max_accuracy,
+            seed=args.seed,
+        )
+        log.info(
+            "warm start: %d steps, validation sampling accuracy %.3f (temperature 1)",
+            result.steps,
+            result.val_accuracy,
+        )
+        return {
+            "task": "arithmetic",
+            "data_seed": args.data_seed,
+            "steps": result.steps,
+            "val_sampling_accuracy": result.val_accuracy,
+            "history": result.history,
+        }
     # Fixed budget, then the logit divisor is calibrated on training prompts: the
     # validation prompts are only measured, so the demo's validation stays held out.
     loss = supervised(model, tok, tr, steps=args.sft_steps, seed=args.seed)
     greedy = sampling_accuracy(model, tok, va, score, temperature=0)
     tau, train_accuracy = flatten(
-        model, tok, tr, score, target_accuracy=args.target_accuracy or 0.25,
-        max_accuracy=args.max_accuracy, seed=args.seed,
-    )  # fmt: skip
+        model,
+        tok,
+        tr,
+        score,
+        target_accuracy=args.target_accuracy or 0.25,
+        max_accuracy=args.max_accuracy,
+        seed=args.seed,
+    )
     accuracy = sampling_accuracy(model, tok, va, score, seed=args.seed + 1)
     log.info(
         "warm start: %d supervised steps (loss %.4f, validation greedy accuracy %.3f), "
         "logits / %.2f: sampling accuracy %.3f on training prompts, %.3f on validation",
-        args.sft_steps, loss, greedy, tau, train_accuracy, accuracy,
-    )  # fmt: skip
+        args.sft_steps,
+        loss,
+        greedy,
+        tau,
+        train_accuracy,
+        accuracy,
+    )
     return {
         "task": "arithmetic",
         "data_seed": args.data_seed,
