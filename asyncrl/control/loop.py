@@ -4,6 +4,8 @@
 under the coordinator's lock (a ``threading.Condition``, notified after every pass so that
 the learner's waits in :mod:`asyncrl.control.coordinator` wake up). Nothing blocks while
 holding it: sends are non-blocking, and a reply to a departed peer is dropped and counted.
+Each socket is an :class:`asyncrl.transport.RouterService` and each kind of held request a
+:class:`asyncrl.transport.HeldRequests`, as in the buffer's service.
 
 Two kinds of requests are *held* (long-polls) rather than answered at once:
 
