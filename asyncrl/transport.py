@@ -26,12 +26,15 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import zmq
 
 from asyncrl import wire
 from asyncrl.wire.base import encode
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import EndpointsConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +59,7 @@ def endpoint(host: str, port: int, name: str) -> str:
     return f"tcp://{host}:{port if port else '*'}"
 
 
-def config_endpoint(endpoints_cfg: Any, name: str) -> str:
+def config_endpoint(endpoints_cfg: EndpointsConfig, name: str) -> str:
     """The endpoint of socket ``name`` (``trajectories``, ``batches``, ...) of the config's
     ``endpoints`` group."""
     return endpoint(endpoints_cfg.host, getattr(endpoints_cfg, name), name)

@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -39,6 +39,9 @@ from asyncrl.transport import Held, HeldRequests, RouterService, bind, config_en
 from buffer.core import ReplayBuffer
 from buffer.rollout_log import RolloutLog
 from buffer.service_stats import ServiceStats, summary
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ class BufferService:
         self._held: HeldRequests[wire.BatchRequest] = HeldRequests(_consumer)
 
     @classmethod
-    def from_config(cls, cfg: Any, run_directory: Path | None = None) -> BufferService:
+    def from_config(cls, cfg: Config, run_directory: Path | None = None) -> BufferService:
         """A service configured by the ``data``, ``staleness``, ``buffer``, ``endpoints``
         and ``trainer`` groups (the rollout log goes to ``<run dir>/rollouts``)."""
         from asyncrl.config import run_dir

@@ -35,13 +35,16 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from asyncrl.control import messages as m
 from asyncrl.transport import ReqClient
 from asyncrl.wire.base import single
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +103,7 @@ class CoordinatorClient:
         self._watch_margin_s = max(1.0, heartbeat_s)
 
     @classmethod
-    def from_config(cls, cfg: Any, server_id: str, **kwargs: Any) -> CoordinatorClient:
+    def from_config(cls, cfg: Config, server_id: str, **kwargs: Any) -> CoordinatorClient:
         """A client dialing ``endpoints.tasks``/``endpoints.control`` with the ``control``
         group's heartbeat and request size; patience ``launch.start_timeout_s``."""
         from asyncrl.transport import config_endpoint
