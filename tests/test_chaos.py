@@ -14,14 +14,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from e2e_helpers import RUN, launch_cmd, role_logs, run_overrides, trained_steps
 
 from asyncrl.metrics import read_metrics
 from asyncrl.progress import accounting_lines
+from tests.e2e_helpers import RUN, launch_cmd, role_logs, run_overrides, trained_steps
+from tests.helpers import alive, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -62,14 +62,6 @@ def _descendants(root: int) -> dict[int, tuple[int, str]]:
     return found
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
 def _run_and_kill(tmp_path: Path, overrides: list[str], marker: str, kill_after: int):
     """Launch, kill -9 the role matching ``marker`` after step ``kill_after``, wait for the
     end; returns (exit code, launcher output, every pid the run ever had, the killed pid)."""
@@ -79,18 +71,22 @@ def _run_and_kill(tmp_path: Path, overrides: list[str], marker: str, kill_after:
         proc = subprocess.Popen(launch_cmd(overrides), stdout=out, stderr=subprocess.STDOUT)
     seen: set[int] = set()
     killed = None
-    deadline = time.monotonic() + 780
+
+    def watch() -> bool:
+        """Note the run's processes, kill the target once; true when the run has ended."""
+        nonlocal killed
+        tree = _descendants(proc.pid)
+        seen.update(tree)
+        steps = [r["step"] for r in trained_steps(read_metrics(run))] if run.exists() else []
+        if killed is None and steps and max(steps) >= kill_after:
+            targets = [p for p, (pp, cmd) in tree.items() if pp == proc.pid and marker in cmd]
+            assert len(targets) == 1, tree
+            killed = targets[0]
+            os.kill(killed, signal.SIGKILL)
+        return proc.poll() is not None
+
     try:
-        while proc.poll() is None and time.monotonic() < deadline:
-            tree = _descendants(proc.pid)
-            seen |= set(tree)
-            steps = [r["step"] for r in trained_steps(read_metrics(run))] if run.exists() else []
-            if killed is None and steps and max(steps) >= kill_after:
-                targets = [p for p, (pp, cmd) in tree.items() if pp == proc.pid and marker in cmd]
-                assert len(targets) == 1, tree
-                killed = targets[0]
-                os.kill(killed, signal.SIGKILL)
-            time.sleep(0.5)
+        wait_until(watch, "the run to end", 780, every_s=0.5)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -129,6 +125,7 @@ def test_a_run_survives_kill_9_of_a_role(tmp_path, demo_model, arithmetic_data, 
     assert trained == STEPS * BATCH, acct
     assert acct["accounting/train/dropped/lag"] < 0.05 * trained, acct
 
-    time.sleep(1.0)  # what is still being reaped
-    left = {pid: cmd for pid, cmd in _procs().items() if pid in seen and _alive(pid)}
-    assert not left, f"processes of the run still running: {left}"
+    def left() -> dict[int, str]:
+        return {pid: cmd for pid, (_, cmd) in _procs().items() if pid in seen and alive(pid)}
+
+    wait_until(lambda: not left(), "the run's processes to be reaped", 5, details=left)
