@@ -1,4 +1,5 @@
-"""Shared fixtures: locally built models (built once per session with the real CLI)."""
+"""Shared fixtures: locally built models and data (built once per session with the real
+CLI), a one-rank process group; and running the console scripts."""
 
 from __future__ import annotations
 
@@ -58,6 +59,19 @@ def small_model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("models") / "small"
     run_cli("asyncrl-prepare", "model", "--name", "small", "--out", str(out))
     return out
+
+
+@pytest.fixture(scope="module")
+def single_rank():
+    """A one-rank default process group in this process (removed after the module)."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    if created:
+        dist.destroy_process_group()
 
 
 def prepare_report(model_dir: Path) -> dict:

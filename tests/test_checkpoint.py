@@ -9,7 +9,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from asyncrl.config import Config, load_config
 from learner.batching import Rollout
@@ -17,16 +16,6 @@ from learner.checkpoint import STATE_FILE, export_hf, latest_checkpoint
 from learner.trainer import Trainer
 
 TEMPERATURE = 0.8
-
-
-@pytest.fixture(scope="module")
-def single_rank():
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def make_cfg(model_dir) -> Config:

@@ -8,24 +8,12 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from asyncrl.config import Config, load_config
 from learner.batching import Rollout
 from learner.trainer import Trainer
 
 PROMPT = [258, 84, 82, 68, 81, 198, 18, 10, 20, 28, 256, 198, 258, 64]  # a chat prompt
-
-
-@pytest.fixture(scope="module")
-def single_rank():
-    """A one-rank default process group in this process (removed after the module)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
 
 
 def make_cfg(model_dir, **importance) -> Config:

@@ -57,17 +57,6 @@ def synthetic_batch(seed: int, groups: int = 4, n: int = 4) -> list[Rollout]:
 BATCHES = [synthetic_batch(s) for s in range(3)]
 
 
-@pytest.fixture(scope="module")
-def single_rank():
-    """A one-rank default process group in this process (removed after the module)."""
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
-
-
 def assert_shards_are_slices_of(model, full: dict[str, torch.Tensor]) -> None:
     """Each rank's shard equals its chunk of the gathered full tensor (FSDP2: Shard(0))."""
     rank, world = dist.get_rank(), dist.get_world_size()
