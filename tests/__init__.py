@@ -1,0 +1,1 @@
+"""The tests, and what they share: helpers, fixtures, stand-ins (importable as ``tests.*``)."""
