@@ -7,7 +7,13 @@
   with the figures, the benchmark's config, the hardware and package versions, and
   ``<name>.png``, a plot drawn with matplotlib's Agg backend.
 - The last line printed is the headline ratio, measured in the same run against its
-  baseline: ``<what>: <ratio>`` (e.g. ``transport buffer/raw trajectories per s: 0.83``).
+  baseline: ``<what>: <median> (min <min>, max <max>, <n> reps)`` (e.g. ``transport
+  buffer/raw trajectories per s: 0.83 (min 0.71, max 0.90, 3 reps)``).
+- A ratio is never one sample: on a shared machine a single pair measures the machine's
+  noise (the same ratio printed 0.35, 1.16 and 0.49 in three runs). The two sides run
+  interleaved (A, B, B, A, ...) an odd number of times, at least 3 with ``--quick``, through
+  :func:`interleaved_ratio`; the headline is the median of the per-repetition ratios with
+  their min and max, and the JSON keeps every repetition (:meth:`RatioStats.to_json`).
 - Benchmarks never fail on an absolute time; goals are reported next to the measurement.
 """
 
@@ -17,10 +23,13 @@ import argparse
 import datetime as _dt
 import importlib.metadata
 import json
+import math
 import os
 import platform
+import statistics
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +127,101 @@ def write_results(
     return json_path, png_path
 
 
-def headline(what: str, ratio: float) -> None:
-    """Print the headline ratio; call it last."""
-    print(f"{what}: {ratio:.3f}", flush=True)
+@dataclass(frozen=True)
+class RatioStats:
+    """The repetitions of one real/baseline comparison and the summary of their ratios.
+
+    ``real[i]`` and ``baseline[i]`` are repetition ``i``'s measurements, ``ratios[i]`` is
+    ``real[i] / baseline[i]``; ``median``, ``min`` and ``max`` are over ``ratios``. Pairing
+    by repetition (rather than dividing the two sides' medians) keeps the noise that hit
+    both sides of one repetition out of its ratio.
+    """
+
+    real: list[float]
+    baseline: list[float]
+    ratios: list[float]
+    median: float
+    min: float
+    max: float
+
+    @property
+    def reps(self) -> int:
+        return len(self.ratios)
+
+    def to_json(self) -> dict[str, Any]:
+        """Every repetition and the summary, for a benchmark's JSON figures."""
+        return {
+            "reps": self.reps,
+            "real": list(self.real),
+            "baseline": list(self.baseline),
+            "ratios": list(self.ratios),
+            "median": self.median,
+            "min": self.min,
+            "max": self.max,
+        }
+
+
+def check_reps(reps: int) -> int:
+    """``reps`` if it is a valid repetition count (odd, at least 1), else ValueError.
+
+    Odd, so that the median is the ratio of one real repetition rather than the mean of two.
+    """
+    if reps < 1 or reps % 2 == 0:
+        raise ValueError(
+            f"reps must be an odd count of at least 1, got {reps}: use {max(1, reps + 1)}"
+        )
+    return reps
+
+
+def interleaved_ratio(
+    real: Callable[[], float], baseline: Callable[[], float], reps: int
+) -> RatioStats:
+    """Run ``real`` and ``baseline`` ``reps`` times, interleaved; summarise real/baseline.
+
+    Each callable takes no argument and returns one measurement as a *rate* (higher is
+    better: bytes/s, items/s), so a ratio above 1 means the real path is faster. A
+    benchmark that measures times passes ``1 / seconds`` (or documents its own direction).
+    Repetition ``i`` runs both sides back to back, real first on even ``i`` and baseline
+    first on odd ``i``, so drift in the machine's load and order effects (a warm cache,
+    the previous side's memory still being freed) fall on both sides alike. ``reps`` must
+    be odd (see :func:`check_reps`). Raises ValueError on a measurement that is not a
+    positive finite number.
+    """
+    check_reps(reps)
+    sides = {"real": real, "baseline": baseline}
+    got: dict[str, list[float]] = {"real": [], "baseline": []}
+    for i in range(reps):
+        for side in ("real", "baseline") if i % 2 == 0 else ("baseline", "real"):
+            value = float(sides[side]())
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"{side} measurement {value!r} of repetition {i} is not a positive rate; "
+                    "return items per second (1 / seconds for a time)"
+                )
+            got[side].append(value)
+    ratios = [r / b for r, b in zip(got["real"], got["baseline"], strict=True)]
+    return RatioStats(
+        real=got["real"],
+        baseline=got["baseline"],
+        ratios=ratios,
+        median=statistics.median(ratios),
+        min=min(ratios),
+        max=max(ratios),
+    )
+
+
+def format_ratio(stats: RatioStats) -> str:
+    """``"<median> (min <min>, max <max>, <n> reps)"``, two decimals each."""
+    reps = f"{stats.reps} rep{'' if stats.reps == 1 else 's'}"
+    return f"{stats.median:.2f} (min {stats.min:.2f}, max {stats.max:.2f}, {reps})"
+
+
+def headline(what: str, ratio: float | RatioStats) -> None:
+    """Print the headline ratio; call it last.
+
+    A :class:`RatioStats` prints as :func:`format_ratio` (median and spread); a bare float
+    (a single figure, such as a simulation's deterministic output) prints with three
+    decimals.
+    """
+    text = format_ratio(ratio) if isinstance(ratio, RatioStats) else f"{ratio:.3f}"
+    print(f"{what}: {text}", flush=True)
