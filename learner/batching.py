@@ -7,8 +7,8 @@ share, so no extra collective is needed and the same global batch gives the same
 
 Layout of one micro-batch (:class:`MicroBatch`): sequences (prompt + response) are packed
 into one row ``[1, S]`` with per-sequence ``position_ids`` (padding removed; the model sees
-where each sequence starts from its positions) or, for models that cannot take packed
-input, right-padded ``[B, L]`` with an attention mask. Either way ``gather_index`` ``[B, T]``
+where each sequence starts from its positions) or right-padded ``[B, L]`` with an attention
+mask, rows of similar length together (:mod:`learner.layout` says which layout is used). Either way ``gather_index`` ``[B, T]``
 points into the flattened logits at the position that predicts each response token, so the
 per-token tensors downstream are ``[B, T]`` (T = the longest response in the micro-batch).
 """
@@ -158,18 +158,28 @@ def micro_batches(
     *,
     max_tokens: int | None = None,
     max_seqs: int | None = None,
+    padded: bool = False,
 ) -> list[list[int]]:
-    """Group ``indices`` into micro-batches of at most ``max_tokens`` tokens (dynamic batch
-    size: first-fit decreasing; a sequence longer than the budget goes alone) or else of
-    ``max_seqs`` sequences, in order. ``lengths[k]`` belongs to ``indices[k]``."""
+    """Group ``indices`` into micro-batches; ``lengths[k]`` belongs to ``indices[k]``.
+
+    With ``max_tokens`` (dynamic batch size) the budget counts what the model is fed: for
+    packed rows the real tokens (first-fit decreasing), for ``padded`` ones ``rows x
+    longest row`` (longest first, so each micro-batch holds sequences of similar length and
+    padding stays small). A sequence longer than the budget goes alone. Without it, runs of
+    ``max_seqs`` sequences; ``padded`` sorts them by length first, for the same reason.
+    """
     if max_tokens is None:
         if not max_seqs or max_seqs <= 0:
             raise ValueError("give max_tokens or a positive max_seqs")
         idx = list(indices)
+        if padded:
+            idx = [indices[k] for k in _longest_first(lengths)]
         return [idx[i : i + max_seqs] for i in range(0, len(idx), max_seqs)]
+    if padded:
+        return _padded_bins(indices, lengths, max_tokens)
     bins: list[list[int]] = []
     loads: list[int] = []
-    for k in sorted(range(len(indices)), key=lambda k: (-lengths[k], k)):
+    for k in _longest_first(lengths):
         for b, load in enumerate(loads):
             if load + lengths[k] <= max_tokens:
                 bins[b].append(indices[k])
@@ -181,6 +191,26 @@ def micro_batches(
     return bins
 
 
+def _longest_first(lengths: Sequence[int]) -> list[int]:
+    return sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+
+
+def _padded_bins(
+    indices: Sequence[int], lengths: Sequence[int], max_tokens: int
+) -> list[list[int]]:
+    """Consecutive runs of the length-sorted sequences whose padded size (rows x the first,
+    longest, row) fits ``max_tokens``."""
+    bins: list[list[int]] = []
+    width = 0
+    for k in _longest_first(lengths):
+        if bins and (len(bins[-1]) + 1) * width <= max_tokens:
+            bins[-1].append(indices[k])
+        else:
+            bins.append([indices[k]])
+            width = lengths[k]
+    return bins
+
+
 def plan_minibatch(
     indices: Sequence[int],
     lengths: Sequence[int],
@@ -188,8 +218,10 @@ def plan_minibatch(
     *,
     max_tokens: int | None = None,
     max_seqs: int | None = None,
+    padded: bool = False,
 ) -> list[list[list[int]]]:
-    """Per rank, the micro-batches of one mini-batch, every rank with the same count.
+    """Per rank, the micro-batches of one mini-batch, every rank with the same count
+    (``padded``: the micro-batches are padded rows, see :func:`micro_batches`).
 
     Ranks must run the same number of forward/backward passes (FSDP's collectives happen
     inside them), so shorter plans are padded with empty micro-batches, which the trainer
@@ -199,7 +231,11 @@ def plan_minibatch(
     for part in shard(indices, [lengths[i] for i in indices], world_size):
         plans.append(
             micro_batches(
-                part, [lengths[i] for i in part], max_tokens=max_tokens, max_seqs=max_seqs
+                part,
+                [lengths[i] for i in part],
+                max_tokens=max_tokens,
+                max_seqs=max_seqs,
+                padded=padded,
             )
         )
     n = max(1, max(len(p) for p in plans))

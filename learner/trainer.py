@@ -49,6 +49,7 @@ from learner.batching import (
     pad_rows,
     plan_minibatch,
 )
+from learner.layout import choose_layout, packing_works
 from learner.losses import AggNorm, LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
 
@@ -115,15 +116,14 @@ class Trainer:
         self.scheduler = fsdp.build_scheduler(self.optimizer, cfg.actor.optim, steps)
         self.pad_id = self.model.config.pad_token_id or 0
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
-        self.packed = self._packing_works()
+        self.packed = self._choose_layout() == "packed"
         self.step = 0
         self.policy_version = 0
         log.info(
-            "learner rank %d/%d: %s, %s input, loss %s",
+            "learner rank %d/%d: %s, loss %s",
             self.rank,
             self.world_size,
             self.model_path,
-            "packed" if self.packed else "padded",
             self.loss_cfg,
         )
 
@@ -148,22 +148,16 @@ class Trainer:
         ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None
         return logp, ent
 
-    def _packing_works(self) -> bool:
-        """Whether the model takes packed sequences (attention kept within each sequence
-        via position ids): compare packed and padded logprobs of two short sequences."""
-        probe = [
-            Rollout([1, 2, 3], [4, 5], [0.0, 0.0], 0.0, 0),
-            Rollout([6, 7], [8, 9, 10], [0.0, 0.0, 0.0], 0.0, 0),
-        ]
-        adv = torch.zeros(2)
-        with torch.no_grad():
-            a, _ = self._forward(self.model, collate(probe, adv, [0, 1], packed=True))
-            b, _ = self._forward(self.model, collate(probe, adv, [0, 1], packed=False))
-        mask = collate(probe, adv, [0, 1]).mask.to(self.device)
-        ok = bool(torch.allclose(a[mask], b[mask], atol=1e-3))
-        if not ok:
+    def _choose_layout(self) -> str:
+        """``actor.sequence_layout`` resolved for this model and device (logged once; see
+        :mod:`learner.layout`); a model that cannot take packed rows is padded."""
+        attn = getattr(self.model.config, "_attn_implementation", None)
+        layout, why = choose_layout(self.cfg.actor.sequence_layout, attn, self.cfg.trainer.device)
+        if layout == "packed" and not packing_works(lambda mb: self._forward(self.model, mb)[0]):
+            layout, why = "padded", "the model does not support packed sequences"
             log.warning("model does not support packed sequences; using padded micro-batches")
-        return ok
+        log.info("sequence layout: %s (%s)", layout, why)
+        return layout
 
     # ------------------------------------------------------------------ planning
     def _plan(self, rollouts: list[Rollout], adv: torch.Tensor, temperature: float) -> _Plan:
@@ -180,7 +174,7 @@ class Trainer:
         )
         mbs, norms = [], []
         for idx in minibatches(gidx, actor.ppo_mini_batch_size):
-            plan = plan_minibatch(idx, lengths, self.world_size, **budget)
+            plan = plan_minibatch(idx, lengths, self.world_size, padded=not self.packed, **budget)
             mbs.append(plan[self.rank])
             tokens, seqs = norm_counts(rollouts, idx)
             norms.append(AggNorm(num_tokens=max(tokens, 1), num_seqs=max(seqs, 1)))
@@ -240,15 +234,19 @@ class Trainer:
         metrics["timing/proximal_s"] = time.monotonic() - t0
 
         t0 = time.monotonic()
-        stats, norms, skipped, tokens = StatSum(), [], 0, 0
+        stats, norms, skipped, tokens, fed = StatSum(), [], 0, 0, 0
         for _ in range(self.cfg.actor.ppo_epochs):
             for micros, norm in zip(plan.minibatches, plan.norms, strict=True):
-                gnorm, ok, n_tok = self._minibatch(plan, micros, norm, proximal, ref, stats)
+                gnorm, ok, n_tok, n_fed = self._minibatch(plan, micros, norm, proximal, ref, stats)
                 norms.append(gnorm)
                 skipped += not ok
                 tokens += n_tok
+                fed += n_fed
         metrics["timing/update_s"] = time.monotonic() - t0
         metrics["perf/tokens_per_s"] = tokens / max(metrics["timing/update_s"], 1e-9)
+        # Token slots the model computed per real token (1 when packed): padding's cost.
+        metrics["batch/pad_ratio"] = fed / max(tokens, 1)
+        metrics["learner/packed"] = float(self.packed)
         return self._finish_step(
             metrics, start, updates=len(norms), skipped=skipped, stats=stats, norms=norms
         )
@@ -285,9 +283,9 @@ class Trainer:
     def _minibatch(self, plan, micros, norm, proximal, ref, stats):
         """Forward/backward every micro-batch of one mini-batch, then one optimizer step
         unless the loss or gradient is not finite on some rank. Returns
-        ``(grad norm, applied, tokens)``."""
+        ``(grad norm, applied, real tokens, token slots fed to the model)``."""
         self.optimizer.zero_grad(set_to_none=True)
-        finite, tokens = True, 0
+        finite, tokens, fed = True, 0, 0
         for i, micro in enumerate(micros):
             # Reduce-scatter gradients only after the last micro-batch of the mini-batch.
             self.model.set_requires_gradient_sync(i == len(micros) - 1)
@@ -298,6 +296,7 @@ class Trainer:
             (loss * self.world_size).backward()
             stats.add(st, real=bool(mb.seq_ids))
             tokens += mb.n_tokens
+            fed += mb.input_ids.numel() if mb.seq_ids else 0
         gnorm = fsdp.grad_norm_and_clip(self.model, self.cfg.actor.grad_clip)
         # Every rank must take the same decision, or the shards would diverge.
         flag = torch.tensor([0.0 if finite and math.isfinite(gnorm) else 1.0], device=self.device)
@@ -311,7 +310,7 @@ class Trainer:
                 "step %d: non-finite loss or gradient (norm %s); update skipped", self.step, gnorm
             )
         self.optimizer.zero_grad(set_to_none=True)
-        return gnorm, ok, tokens
+        return gnorm, ok, tokens, fed
 
     def _finish_step(self, metrics, start, *, updates, skipped, stats=None, norms=()):
         """Step the schedule, count the step, reduce stats across ranks into metrics."""

@@ -1,5 +1,5 @@
 """Batching: bad rollouts dropped and counted, mini-batches of whole groups, equal rank
-shares, token-bounded micro-batches, and tensors whose indices point at the right logits."""
+shares, token-bounded micro-batches (packed or padded rows, and which layout is chosen), and tensors whose indices point at the right logits."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from learner.batching import (
     plan_minibatch,
     shard,
 )
+from learner.layout import choose_layout
 
 
 def ro(prompt, response, group="g", reward=1.0, logprobs=None):
@@ -132,3 +133,59 @@ def test_dummy_micro_batch_and_helpers():
     assert rows.tolist() == [[1.0, 2.0, 0.0], [3.0, 0.0, 0.0]]
     batch = [ro([1], [2, 3], logprobs=[-1.0, math.nan]), ro([1], [2], logprobs=[math.inf])]
     assert norm_counts(batch, [0, 1]) == (1, 1)
+
+
+def test_padded_micro_batches_budget_rows_times_the_longest_row():
+    lengths = [5, 3, 9, 2, 4, 20]
+    mbs = micro_batches(list(range(6)), lengths, max_tokens=10, padded=True)
+    # Longest first: 20 alone (over budget), 9 alone (2 x 9 > 10), then 5+4, 3+2.
+    assert mbs == [[5], [2], [0, 4], [1, 3]]
+    for mb in mbs:
+        assert len(mb) * max(lengths[i] for i in mb) <= 10 or len(mb) == 1
+    # By sequence count, padded rows are sorted by length first.
+    assert micro_batches([4, 5, 6], [2, 7, 3], max_seqs=2, padded=True) == [[5, 6], [4]]
+
+
+def test_padded_micro_batches_keep_padding_small():
+    """Rows of similar length go together, so the padded slots stay close to the real
+    tokens even when lengths vary a lot across the mini-batch."""
+    rng = torch.Generator().manual_seed(0)
+    lengths = torch.randint(5, 200, (256,), generator=rng).tolist()
+    mbs = micro_batches(list(range(256)), lengths, max_tokens=2048, padded=True)
+    assert sorted(i for mb in mbs for i in mb) == list(range(256))
+    slots = sum(len(mb) * max(lengths[i] for i in mb) for mb in mbs)
+    assert slots / sum(lengths) < 1.15
+    # In arrival order instead, each micro-batch pads to its longest row: about 2x here.
+    unsorted = [list(range(i, min(i + 16, 256))) for i in range(0, 256, 16)]
+    assert sum(len(mb) * max(lengths[i] for i in mb) for mb in unsorted) / sum(lengths) > 1.5
+
+
+def test_plan_passes_the_layout_to_every_rank():
+    lengths = [8, 2, 7, 3]
+    plan = plan_minibatch([0, 1, 2, 3], lengths, 1, max_tokens=16, padded=True)
+    assert plan == [[[0, 2], [3, 1]]]
+    assert plan_minibatch([0, 1, 2, 3], lengths, 1, max_tokens=16) == [[[0, 2], [3, 1]]]
+
+
+@pytest.mark.parametrize(
+    ("requested", "attn", "device", "layout"),
+    [
+        ("auto", "sdpa", "cpu", "padded"),
+        ("auto", "sdpa", "cuda", "padded"),  # a dense mask over the packed row on GPU too
+        ("auto", "eager", "cuda", "padded"),
+        ("auto", None, "cpu", "padded"),
+        ("auto", "flash_attention_2", "cuda", "packed"),
+        ("auto", "flash_attention_3", "cuda", "packed"),
+        ("auto", "flash_attention_2", "cpu", "padded"),
+        ("packed", "sdpa", "cpu", "packed"),
+        ("padded", "flash_attention_2", "cuda", "padded"),
+    ],
+)
+def test_choose_layout(requested, attn, device, layout):
+    got, why = choose_layout(requested, attn, device)
+    assert got == layout and why
+
+
+def test_choose_layout_refuses_an_unknown_layout():
+    with pytest.raises(ValueError, match="sequence_layout='pad'.*auto"):
+        choose_layout("pad", "sdpa", "cpu")

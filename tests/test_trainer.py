@@ -342,21 +342,23 @@ def test_importance_weights_against_vllm(vllm_rig):
 
 
 def test_padded_input_and_checkpointing_match_packed(tiny_model, single_rank):
-    """The padded fallback (models without packed-sequence support) and gradient
-    checkpointing give the same step as the default packed path: the same loss and the same
-    gradients, within float32 rounding (compared after an Adam step, the weights of one
-    element differed by 1.9e-6 on an AMD EPYC machine, see record_gradients)."""
+    """Both sequence layouts (padded rows, the CPU's choice, with gradient checkpointing;
+    packed rows) give the same step: the same loss and the same gradients, within float32
+    rounding (compared after an Adam step, the weights of one element differed by 1.9e-6 on
+    an AMD EPYC machine, see record_gradients)."""
     # One mini-batch per step: the loss and the gradients are both taken at the same weights.
-    packed = Trainer(make_cfg(tiny_model, ppo_mini_batch_size=4))
+    assert not Trainer(make_cfg(tiny_model)).packed  # auto on CPU: SDPA, so padded rows
+    packed = Trainer(make_cfg(tiny_model, ppo_mini_batch_size=4, sequence_layout="packed"))
     assert packed.packed  # Qwen2 on transformers takes packed sequences
-    cfg = make_cfg(tiny_model, ppo_mini_batch_size=4)
+    cfg = make_cfg(tiny_model, ppo_mini_batch_size=4, sequence_layout="padded")
     cfg.model.enable_gradient_checkpointing = True  # no cross-field rule involves it
     padded = Trainer(cfg)
-    padded.packed = False
     ga, gb = record_gradients(packed), record_gradients(padded)
     a = packed.train_step(BATCHES[0], TEMPERATURE)
     b = padded.train_step(BATCHES[0], TEMPERATURE)
     assert a["actor/updates"] == b["actor/updates"] == 1
+    assert a["batch/pad_ratio"] == 1.0 and a["learner/packed"] == 1.0
+    assert 1.0 < b["batch/pad_ratio"] < 2.0 and b["learner/packed"] == 0.0
     rel = float32_tolerance(packed, BATCHES[0])
     assert b["loss/total"] == pytest.approx(a["loss/total"], rel=rel)
     assert_gradients_match(gb[0], ga[0], rel)

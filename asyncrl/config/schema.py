@@ -128,9 +128,20 @@ class ActorConfig(Section):
     ppo_micro_batch_size_per_gpu: int = Field(
         default=16, gt=0, description="Sequences per forward/backward when use_dynamic_bsz is off."
     )
-    use_dynamic_bsz: bool = Field(default=True, description="Pack micro-batches by token count.")
+    use_dynamic_bsz: bool = Field(
+        default=True, description="Size micro-batches by token count, not sequence count."
+    )
     ppo_max_token_len_per_gpu: int = Field(
-        default=16384, gt=0, description="Tokens per micro-batch with use_dynamic_bsz."
+        default=16384,
+        gt=0,
+        description="Tokens per micro-batch with use_dynamic_bsz (padded layout: rows x "
+        "longest row).",
+    )
+    sequence_layout: Literal["auto", "packed", "padded"] = Field(
+        default="auto",
+        description="Micro-batch rows: packed (one row, no padding; fast only with a "
+        "varlen attention kernel), padded (rows sorted by length), or auto (packed only "
+        "with flash attention on CUDA).",
     )
     clip_ratio_low: float = Field(default=0.2, gt=0, lt=1, description="PPO clip: 1 - eps_low.")
     clip_ratio_high: float = Field(default=0.28, gt=0, description="PPO clip: 1 + eps_high.")
