@@ -1,0 +1,36 @@
+"""The learner benchmark's quick mode runs and follows the benchmark conventions (the
+ratio itself is a measurement, not a test: it is only printed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+
+def test_quick_mode_prints_the_ratio_and_writes_results(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/bench_learner.py", "--quick", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    pattern = (
+        r"learner trainer/bare step time, auto layout, worst case \(goal <= 1.3\): "
+        r"([\d.]+) \(min ([\d.]+), max ([\d.]+), 3 reps\)"
+    )
+    match = re.fullmatch(pattern, last)
+    assert match, last
+    record = json.loads((tmp_path / "bench_learner.json").read_text())
+    rows = record["figures"]["rows"]
+    assert {r["layout"] for r in rows} == {"padded", "packed"}
+    assert all(r["trainer_s"] > 0 and r["bare_s"] > 0 for r in rows)
+    auto = [r for r in rows if r["auto"]]
+    assert [r["layout"] for r in auto] == ["padded"]  # SDPA on CPU
+    assert auto[0]["pad_ratio"] > 1.0
+    assert [r["pad_ratio"] for r in rows if r["layout"] == "packed"] == [1.0]
+    assert float(match.group(1)) == round(auto[0]["stats"]["median"], 2)
+    assert (tmp_path / "bench_learner.png").stat().st_size > 1000
