@@ -27,6 +27,7 @@ and the next sync forms a new generation without the members that failed.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -222,6 +223,41 @@ def _wait(work, timeout_s: float, what: str) -> None:
         ) from e
 
 
+class _SendBuffers:
+    """Two flat byte buffers per device, kept from one push to the next, that buckets are
+    packed into (bucket ``i`` into slot ``i % 2``: one packs while the other is in flight).
+
+    Why: a fresh CPU tensor of more than 32 MB is a fresh ``mmap`` (glibc), so packing a
+    256 MB bucket into a new tensor faulted in and then unmapped every page of it on every
+    push, and with a single bucket nothing overlaps that cost. Each slot grows to the
+    largest bucket packed into it and stays allocated for the life of the process (at most
+    2 x ``sync.bucket_mb`` per device: a tensor larger than a bucket travels alone, as
+    itself, see :func:`_pack`).
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # held by the one send_weights using these buffers
+        self._bytes: dict[tuple[str, int], Any] = {}
+
+    def get(self, slot: int, bucket: Bucket, device: str):
+        """A ``[bucket.numel]`` tensor of the bucket's dtype in ``slot``'s buffer."""
+        import torch
+
+        key = (device, slot)
+        buf = self._bytes.get(key)
+        if buf is None or buf.numel() < bucket.nbytes:
+            self._bytes.pop(key, None)  # free the smaller buffer before allocating
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+            self._bytes[key] = buf
+        return buf[: bucket.nbytes].view(getattr(torch, bucket.dtype))
+
+    def clear(self) -> None:
+        self._bytes.clear()
+
+
+_SEND_BUFFERS = _SendBuffers()
+
+
 def send_weights(
     pg,
     tensors: Mapping[str, Any],
@@ -233,35 +269,71 @@ def send_weights(
     """Broadcast ``tensors`` (name -> full tensor) from rank 0 bucket by bucket.
 
     Packing bucket ``i + 1`` overlaps the broadcast of bucket ``i`` (two buckets in memory
-    at most), so the copy into flat buffers costs little beyond the raw broadcast.
+    at most), so the copy into flat buffers costs little beyond the raw broadcast. The flat
+    buffers are reused from push to push (:class:`_SendBuffers`); a second send running
+    at the same time in this process packs into buffers of its own.
     Returns ``{"bytes", "seconds", "buckets"}``. Raises :class:`WeightSyncError` when a
     collective fails or times out.
     """
     start, sent = time.monotonic(), 0
     timeout = timedelta(seconds=timeout_s)
+    shared = _SEND_BUFFERS.lock.acquire(blocking=False)
+    buffers = _SEND_BUFFERS if shared else _SendBuffers()
     in_flight = None  # (work, bucket index, flat buffer kept alive until done)
-    for i, bucket in enumerate(plan.buckets):
-        flat = _pack(bucket, tensors, device)
+    try:
+        for i, bucket in enumerate(plan.buckets):
+            flat = _pack(bucket, tensors, buffers, i % 2, device)
+            if in_flight is not None:
+                _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}")
+            in_flight = (pg.broadcast(flat, 0, timeout), i, flat)
+            sent += bucket.nbytes
         if in_flight is not None:
             _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}")
-        in_flight = (pg.broadcast(flat, 0, timeout), i, flat)
-        sent += bucket.nbytes
-    if in_flight is not None:
-        _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}")
+    except BaseException:
+        buffers.clear()  # a failed broadcast may still be reading its buffer: never reuse it
+        raise
+    finally:
+        if shared:
+            _SEND_BUFFERS.lock.release()
     seconds = time.monotonic() - start
     return {"bytes": float(sent), "seconds": seconds, "buckets": float(len(plan.buckets))}
 
 
-def _pack(bucket: Bucket, tensors: Mapping[str, Any], device: str):
-    """One flat tensor ``[bucket.numel]`` holding the bucket's tensors in plan order."""
+def _pack(
+    bucket: Bucket, tensors: Mapping[str, Any], buffers: _SendBuffers, slot: int, device: str
+):
+    """One flat tensor ``[bucket.numel]`` holding the bucket's tensors in plan order.
+
+    A bucket of one contiguous tensor already of its dtype and device is that tensor (a
+    broadcast only reads the root's buffer), so a tensor larger than a bucket is neither
+    copied nor kept in a send buffer; any other bucket is packed into ``buffers``' slot.
+    """
     import torch
 
-    flat = torch.empty(bucket.numel, dtype=getattr(torch, bucket.dtype), device=device)
     for e in bucket.entries:
-        src = tensors[e.name]
-        if tuple(src.shape) != e.shape:
-            raise ValueError(f"{e.name}: shape {tuple(src.shape)} != planned {e.shape}")
-        flat[e.offset : e.offset + e.numel].copy_(src.reshape(-1))
+        shape = tuple(tensors[e.name].shape)
+        if shape != e.shape:
+            raise ValueError(f"{e.name}: shape {shape} != planned {e.shape}")
+    dtype = getattr(torch, bucket.dtype)
+    if len(bucket.entries) == 1:
+        src = tensors[bucket.entries[0].name]
+        if src.dtype == dtype and src.device == torch.device(device) and src.is_contiguous():
+            return src.detach().reshape(-1)
+    flat = buffers.get(slot, bucket, device)
+    flat_bytes = flat.view(torch.uint8).numpy() if flat.device.type == "cpu" else None
+    for e in bucket.entries:
+        src = tensors[e.name].detach().reshape(-1)
+        if flat_bytes is not None and src.device.type == "cpu" and src.dtype == dtype:
+            # One memcpy on this thread. ATen's copy_ splits every copy over its OpenMP
+            # threads, which on a busy machine (the learner's other threads, gloo's, the
+            # receivers on the same host) wait for each other: on 2 shared cores packing
+            # one 96 MB bucket that way took ~3x the whole raw broadcast.
+            start = e.offset * flat.element_size()
+            flat_bytes[start : start + src.numel() * flat.element_size()] = src.view(
+                torch.uint8
+            ).numpy()
+        else:
+            flat[e.offset : e.offset + e.numel].copy_(src)
     return flat
 
 
