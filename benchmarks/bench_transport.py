@@ -8,10 +8,12 @@ two hops:
   batch) -> consumer (BufferClient: request, decode, acknowledge each batch);
 - raw: producer (PUSH) -> relay process (PULL, forward zero-copy, PUSH) -> consumer (PULL).
 
-Rounds alternate between the paths in the same run; each round's clock starts when the
-producer is released (after a warm-up, connections up) and stops when the consumer holds
-every trajectory. The headline is median(buffer) / median(raw) trajectories per second
-(goal: at least 0.7). Encoding is excluded from both: the producer sends pre-built frames.
+Each round's clock starts when the producer is released (after a warm-up, connections up)
+and stops when the consumer holds every trajectory. The two paths run interleaved for an
+odd number of repetitions (buffer, raw, raw, buffer, ...; ``interleaved_ratio`` of
+``benchmarks/common.py``); a repetition's ratio is its buffer over its raw trajectories per
+second. The headline is the median of those ratios with their min and max (goal: at least
+0.7). Encoding is excluded from both: the producer sends pre-built frames.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,14 @@ import zmq
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from asyncrl import wire  # noqa: E402
 from asyncrl.transport import BufferClient, TrajectoryPusher  # noqa: E402
-from benchmarks.common import headline, parse_args, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RatioStats,
+    format_ratio,
+    headline,
+    interleaved_ratio,
+    parse_args,
+    write_results,
+)
 
 NAME = "bench_transport"
 GOAL = 0.7
@@ -209,16 +219,28 @@ def timed(go: Any, done: Any, consume: Any) -> dict[str, float]:
 ROLES = ("producer", "middle", "consumer")
 
 
-def plot(fig: Any, figures: dict[str, Any]) -> None:
+def plot(fig: Any, figures: dict[str, Any], stats: RatioStats) -> None:
     paths = ("buffer", "raw")
     colors = ["tab:blue", "tab:gray"]
-    for k, (unit, key) in enumerate((("trajectories/s", "traj_per_s"), ("MB/s", "mb_per_s"))):
-        ax = fig.add_subplot(1, 3, k + 1)
-        ax.bar(paths, [figures[f"{path}_{key}"] for path in paths], color=colors)
-        for i, path in enumerate(paths):
-            rounds = [r[key] for r in figures["rounds"] if r["path"] == path]
-            ax.plot([i] * len(rounds), rounds, "k.")
-        ax.set_title(f"{unit}\n(median, dots: rounds)", fontsize=9)
+    ax = fig.add_subplot(1, 3, 1)
+    ax.bar(paths, [figures[f"{path}_traj_per_s"] for path in paths], color=colors)
+    for i, path in enumerate(paths):
+        rounds = [r["traj_per_s"] for r in figures["rounds"] if r["path"] == path]
+        ax.plot([i] * len(rounds), rounds, "k.")
+    ax.set_title("trajectories/s\n(median, dots: rounds)", fontsize=9)
+    ax = fig.add_subplot(1, 3, 2)
+    med = stats.median
+    ax.bar(
+        ["buffer/raw"],
+        [med],
+        yerr=[[med - stats.min], [stats.max - med]],
+        capsize=6,
+        color="tab:blue",
+    )
+    ax.plot([0] * stats.reps, stats.ratios, "k.")
+    ax.axhline(GOAL, color="tab:gray", linestyle=":", label=f"goal {GOAL}")
+    ax.set_title("ratio per repetition\n(median, min-max, dots: reps)", fontsize=9)
+    ax.legend(fontsize=8)
     ax = fig.add_subplot(1, 3, 3)
     width = 0.38
     for i, path in enumerate(paths):
@@ -233,7 +255,49 @@ def plot(fig: Any, figures: dict[str, Any]) -> None:
     ax.set_xticks(range(len(ROLES)), ["producer", "buffer/relay", "consumer"], fontsize=8)
     ax.set_title("CPU us per trajectory\n(buffer service or relay in the middle)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.suptitle(f"buffer service vs raw zmq, 2 hops: ratio {figures['ratio']:.2f} (goal {GOAL})")
+    fig.suptitle(f"buffer service vs raw zmq, 2 hops: ratio {format_ratio(stats)} (goal {GOAL})")
+
+
+def side(
+    path: str, run: Callable[..., dict[str, float]], p: dict[str, int], mpc: Any, rounds: list
+) -> Callable[[], float]:
+    """One path as a rate for :func:`interleaved_ratio`: each call runs a round, appends its
+    figures to ``rounds``, prints them and returns its trajectories per second."""
+    traj_bytes = 4 * p["prompt_len"] + 8 * p["response_len"]  # payload frames only
+
+    def measure() -> float:
+        r = sum(1 for x in rounds if x["path"] == path)
+        out = run(p, f"r{r}-{path}", mpc)
+        tps = p["groups"] * p["group_size"] / out["seconds"]
+        rounds.append(
+            {"path": path, "round": r, **out, "traj_per_s": tps, "mb_per_s": tps * traj_bytes / 1e6}
+        )
+        cpu = " ".join(f"{k[:-6]}={v:.2f}" for k, v in out.items() if k.endswith("_cpu_s"))
+        print(
+            f"round {r} {path:6s}: {tps:8.0f} trajectories/s {tps * traj_bytes / 1e6:7.1f} "
+            f"MB/s in {out['seconds']:.2f}s; CPU s: {cpu}",
+            flush=True,
+        )
+        return tps
+
+    return measure
+
+
+def summary(rounds: list[dict[str, Any]], stats: RatioStats, n_traj: int) -> dict[str, Any]:
+    """The JSON figures: every round, per-path medians, and the ratio's repetitions."""
+    figures: dict[str, Any] = {"rounds": rounds}
+    for path in ("buffer", "raw"):
+        mine = [r for r in rounds if r["path"] == path]
+        for key in ("traj_per_s", "mb_per_s"):
+            figures[f"{path}_{key}"] = statistics.median(r[key] for r in mine)
+        figures[f"{path}_cpu_us_per_traj"] = {
+            role: statistics.median(r[f"{role}_cpu_s"] for r in mine) / n_traj * 1e6
+            for role in ROLES
+        }
+    figures |= {"ratio": stats.median, "ratio_min": stats.min, "ratio_max": stats.max}
+    figures["ratio_stats"] = stats.to_json()
+    figures["goal"] = GOAL
+    return figures
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -245,52 +309,28 @@ def main(argv: list[str] | None = None) -> None:
         "batch_groups": 16,
         "groups": 2048 if args.quick else 8192,
         "warmup": 64,
-        "rounds": 2 if args.quick else 4,
+        "rounds": 5 if args.quick else 9,  # per path; odd: the median is one repetition's
         "hwm": 1000,
         "capacity": 4096,
     }
-    traj_bytes = 4 * p["prompt_len"] + 8 * p["response_len"]  # payload frames only
     mpc = mp.get_context("spawn")
-    rounds = []
-    for r in range(p["rounds"]):
-        for path, run in (("buffer", run_buffer), ("raw", run_raw)):
-            out = run(p, f"r{r}-{path}", mpc)
-            tps = p["groups"] * p["group_size"] / out["seconds"]
-            rounds.append(
-                {
-                    "path": path,
-                    "round": r,
-                    **out,
-                    "traj_per_s": tps,
-                    "mb_per_s": tps * traj_bytes / 1e6,
-                }
-            )
-            cpu = " ".join(f"{k[:-6]}={v:.2f}" for k, v in out.items() if k.endswith("_cpu_s"))
-            print(
-                f"round {r} {path:6s}: {tps:8.0f} trajectories/s {tps * traj_bytes / 1e6:7.1f} "
-                f"MB/s in {out['seconds']:.2f}s; CPU s: {cpu}"
-            )
-    figures: dict[str, Any] = {"rounds": rounds}
-    n_traj = p["groups"] * p["group_size"]
-    for path in ("buffer", "raw"):
-        mine = [r for r in rounds if r["path"] == path]
-        for key in ("traj_per_s", "mb_per_s"):
-            figures[f"{path}_{key}"] = statistics.median(r[key] for r in mine)
-        figures[f"{path}_cpu_us_per_traj"] = {
-            role: statistics.median(r[f"{role}_cpu_s"] for r in mine) / n_traj * 1e6
-            for role in ROLES
-        }
-    figures["ratio"] = figures["buffer_traj_per_s"] / figures["raw_traj_per_s"]
-    figures["goal"] = GOAL
+    rounds: list[dict[str, Any]] = []
+    stats = interleaved_ratio(
+        side("buffer", run_buffer, p, mpc, rounds),
+        side("raw", run_raw, p, mpc, rounds),
+        p["rounds"],
+    )
+    figures = summary(rounds, stats, p["groups"] * p["group_size"])
+    traj_bytes = 4 * p["prompt_len"] + 8 * p["response_len"]
     json_path, png_path = write_results(
         NAME,
         args.out,
         figures=figures,
         config={**p, "trajectory_payload_bytes": traj_bytes, "quick": args.quick},
-        plot=lambda fig: plot(fig, figures),
+        plot=lambda fig: plot(fig, figures, stats),
     )
     print(f"wrote {json_path} and {png_path}")
-    headline("transport buffer/raw trajectories per s", figures["ratio"])
+    headline("transport buffer/raw trajectories per s", stats)
 
 
 if __name__ == "__main__":
