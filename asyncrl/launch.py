@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import TypeGuard
 
+from asyncrl import startup
 from asyncrl.cli import parse_role_args
 from asyncrl.config import Config, write_resolved
 from asyncrl.config.inputs import DATA, MODEL, REWARD
@@ -48,6 +49,10 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
         server_cpus = _ids(cpus, "rollout", i)
         if server_cpus is not None:  # vLLM's OpenMP threads on exactly these cores
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, server_cpus))
+            # The rest of the server starts on every core and pins itself once its engine
+            # is up: its start-up is imports that one shared core would serialise (see
+            # rollout_servers.affinity).
+            env["ASYNCRL_PIN_CPUS"] = ",".join(map(str, server_cpus))
         server_gpus = _ids(gpus, "rollout", i)
         if server_gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, server_gpus))
@@ -56,7 +61,6 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
                 f"rollout-{i}",
                 [py, "-m", "rollout_servers.main", str(config_path), "--server-id", f"rollout-{i}"],
                 env=env,
-                cpus=server_cpus,
             )
         )
     learner = [py, "-m", "learner.main", str(config_path)]
@@ -134,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_term)
     sup = Supervisor(roles, run_dir, RestartPolicy.from_config(cfg.launch))
     try:
+        startup.begin(run_dir)
         sup.begin()
         sup.start_all()
         from asyncrl.progress import ProgressView

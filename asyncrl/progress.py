@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from asyncrl import startup
 from asyncrl.config import Config
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.metrics import read_metrics
@@ -144,6 +145,9 @@ class ProgressView:
             self.stream.write("\n")
         records = read_metrics(self.run_dir)
         restarts = read_restarts(self.run_dir)
+        table = startup.startup_table(startup.read(self.run_dir))
+        if table:
+            self.stream.write(table + "\n")
         if records or restarts:
             self.stream.write(summary_table(records, restarts) + "\n")
         for line in accounting_lines(records):

@@ -55,6 +55,7 @@ def _prompts(cfg: Config, tok, limit: int) -> list[list[int]]:
 
 def _engine_args(cfg: Config):
     from rollout_servers.engine import cpu_token_budget, engine_args
+    from rollout_servers.main import eager_engine
 
     ro = cfg.rollout
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -65,7 +66,7 @@ def _engine_args(cfg: Config):
         max_num_batched_tokens=cpu_token_budget(ro.max_inflight, max_len),
         seed=cfg.trainer.seed,
         max_num_seqs=ro.max_inflight,
-        enforce_eager=ro.enforce_eager,
+        enforce_eager=eager_engine(cfg),
     )
 
 

@@ -18,9 +18,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_role_args(
         "asyncrl-buffer", "Hold complete groups and release training batches.", GROUPS, argv
     )
+    from asyncrl import startup
+    from asyncrl.config import run_dir
     from buffer.service import BufferService  # after the config is known to be good
 
+    startup.mark(run_dir(cfg), "buffer", "started")
     service = BufferService.from_config(cfg)
+    startup.mark(run_dir(cfg), "buffer", "ready")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.request_stop())
     service.run()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl import startup
 from asyncrl.config import Config
 from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.inputs import total_training_steps
@@ -58,13 +59,16 @@ class LearnerLoop:
         from learner.trainer import Trainer
 
         self.cfg = cfg
+        self._marked: set[str] = set()  # start-up phases already marked
         self.run_dir = run_dir_of(cfg)
         self.total = total_training_steps(cfg)
         self.trainer = Trainer(cfg, total_steps=self.total)
         self.restored = self._restore()
+        self._mark("model_ready")
         self.control: ControlPeer = (
             RankZero(cfg, self.run_dir, self.restored) if self.trainer.rank == 0 else NoControl()
         )
+        self._mark("coordinator_up")
         self.last_batch_id = self.restored.last_batch_id
         self.unacked: list[int] = []  # batch ids trained on since the last checkpoint
 
@@ -93,8 +97,10 @@ class LearnerLoop:
         if batch is None:
             return False
         waited = time.monotonic() - start
+        self._mark("first_batch")
         rollouts = to_rollouts(batch)
         metrics = t.train_step(rollouts, c.rollout.temperature)  # advances t.step
+        self._mark("first_step")
         metrics.update(batch.metrics)  # the buffer's own counters (buffer/...)
         self._account(batch.batch_id, rollouts)
         metrics["timing/wait_batch_s"] = waited
@@ -106,6 +112,12 @@ class LearnerLoop:
             self._save()
         self.control.after_step(t.step, metrics, t.policy_version)
         return True
+
+    def _mark(self, event: str) -> None:
+        """The start-up timeline (:mod:`asyncrl.startup`): rank 0, each phase once."""
+        if self.trainer.rank == 0 and event not in self._marked:
+            self._marked.add(event)
+            startup.mark(self.run_dir, "learner", event)
 
     # ------------------------------------------------------------------ batches
     def _next_batch(self) -> Any:

@@ -22,6 +22,13 @@ def main(argv: list[str] | None = None) -> int:
         argv,
         needs=(MODEL, DATA),
     )
+    import os
+
+    from asyncrl import startup
+    from asyncrl.config import run_dir
+
+    if os.environ.get("RANK", "0") == "0":
+        startup.mark(run_dir(cfg), "learner", "started")
     from learner.loop import LearnerLoop
 
     return LearnerLoop(cfg).run()

@@ -16,7 +16,8 @@ import logging
 import time
 from collections import Counter, deque
 
-from asyncrl.config import Config
+from asyncrl import startup
+from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
 from asyncrl.rewards import ScoreJob, ScoreResult
@@ -105,6 +106,7 @@ class RolloutServer:
             log.error("%s; check endpoints.host/endpoints.control and that the learner is up", e)
             return 3
         self.client.start_watching()
+        startup.mark(run_dir(self.cfg), self.server_id, "registered")
         log.info("%s registered at version %d", self.server_id, reg.policy_version)
         syncs = asyncio.create_task(self._sync_loop())
         try:

@@ -96,7 +96,12 @@ class RolloutConfig(Section):
         ge=1,
         description="vLLM KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE).",
     )
-    enforce_eager: bool = Field(default=True, description="Skip graph capture/compilation in vLLM.")
+    enforce_eager: bool | Literal["auto"] = Field(
+        default="auto",
+        description="Skip vLLM's compilation and CUDA graph capture: auto skips them on CPU "
+        "(no graphs there, and compiling a small model costs more start-up than it saves) "
+        "and for runs under 100 learner steps; false always compiles.",
+    )
     sync_mode: Literal["keep", "abort"] = Field(
         default="keep",
         description="At a weight push: keep in-flight requests running under the new "

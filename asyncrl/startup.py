@@ -1,0 +1,104 @@
+"""A run's start-up timeline: when each role reached each phase, from launch to first step.
+
+Every role marks its phases (:func:`mark`) by appending one JSON line ``{"role", "event",
+"t"}`` (wall-clock seconds) to ``<run dir>/startup.jsonl``; one small ``O_APPEND`` write per
+line, so lines from several processes never interleave. ``asyncrl-launch`` starts the file
+with a ``launch`` line and prints :func:`startup_table` at the top of the run's summary. A
+role restarted later marks its phases again; the table keeps each phase's first time.
+
+The phases, in the order a run reaches them:
+
+- every role: ``started`` (its config parsed, before the heavy imports);
+- buffer: ``ready`` (sockets bound);
+- rollout server: ``engine_ready`` (vLLM built: imports, engine processes, model load, KV
+  cache), ``registered`` (with the coordinator);
+- learner: ``model_ready`` (model loaded and sharded, optimizer built), ``coordinator_up``,
+  ``first_batch`` (the buffer's first batch received), ``first_step`` (trained on it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+STARTUP_FILE = "startup.jsonl"
+
+
+def begin(run_dir: Path) -> float:
+    """Start a new timeline (the launcher, before any role starts); returns its zero."""
+    t0 = time.time()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / STARTUP_FILE).write_text(
+        json.dumps({"role": "launch", "event": "launch", "t": t0}) + "\n"
+    )
+    return t0
+
+
+def mark(run_dir: Path, role: str, event: str) -> None:
+    """Record that ``role`` reached ``event`` now. Never raises: a timeline is not worth a
+    role's life (an unwritable run directory is logged once per call)."""
+    line = json.dumps({"role": role, "event": event, "t": time.time()}) + "\n"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / STARTUP_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("start-up timeline not written (%s): %s", run_dir / STARTUP_FILE, e)
+
+
+def read(run_dir: Path) -> list[dict]:
+    """The timeline's events, in file order (unreadable lines skipped)."""
+    path = run_dir / STARTUP_FILE
+    if not path.is_file():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            e = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(e, dict) and {"role", "event", "t"} <= e.keys():
+            events.append(e)
+    return events
+
+
+def first_times(events: list[dict]) -> dict[tuple[str, str], float]:
+    """``(role, event) -> seconds since launch`` of each phase's first time (since the
+    first event when there is no ``launch`` line: roles started by hand)."""
+    if not events:
+        return {}
+    launch = [e["t"] for e in events if e["event"] == "launch"]
+    t0 = launch[0] if launch else min(e["t"] for e in events)
+    out: dict[tuple[str, str], float] = {}
+    for e in events:
+        out.setdefault((e["role"], e["event"]), float(e["t"]) - t0)
+    return out
+
+
+def startup_table(events: list[dict]) -> str:
+    """One line per role with its phases (seconds since launch), then launch to first
+    step; empty when there is no timeline."""
+    times = first_times(events)
+    roles: dict[str, list[str]] = {}
+    for (role, event), t in sorted(times.items(), key=lambda kv: kv[1]):
+        if role != "launch":
+            roles.setdefault(role, []).append(f"{event.replace('_', ' ')} {t:.1f}")
+    if not roles:
+        return ""
+    width = max(len(r) for r in roles)
+    lines = ["start-up, seconds since launch:"]
+    lines += [
+        f"  {role.ljust(width)}  {', '.join(phases)}" for role, phases in sorted(roles.items())
+    ]
+    first = times.get(("learner", "first_step"))
+    if first is not None:
+        lines.append(f"  launch to first learner step: {first:.1f}s")
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""The start-up timeline: roles mark phases into one file, the launcher's summary shows
+seconds since launch; a rollout server pins itself and its children once its engine is up;
+``rollout.enforce_eager: auto`` skips compilation where it cannot pay back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from asyncrl import startup
+from asyncrl.config import load_config
+from rollout_servers.affinity import cpus_from_env, pin_tree
+from rollout_servers.main import eager_engine
+
+
+def test_marks_from_several_processes_make_one_table(tmp_path):
+    t0 = startup.begin(tmp_path)
+    code = (
+        "import sys; from pathlib import Path; from asyncrl import startup; "
+        "[startup.mark(Path(sys.argv[1]), sys.argv[2], e) for e in ('started', 'engine_ready')]"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"rollout-{i}"])
+        for i in range(4)
+    ]
+    assert all(p.wait(timeout=60) == 0 for p in procs)
+    startup.mark(tmp_path, "learner", "first_step")
+    startup.mark(tmp_path, "learner", "first_step")  # a restarted learner: the first counts
+    events = startup.read(tmp_path)
+    assert len(events) == 1 + 4 * 2 + 2  # every line whole: appends did not interleave
+    times = startup.first_times(events)
+    assert all(0 <= t < time.time() - t0 + 1 for t in times.values())
+    assert times[("learner", "first_step")] == min(
+        e["t"] - t0 for e in events if e["role"] == "learner"
+    )
+    table = startup.startup_table(events)
+    assert table.startswith("start-up, seconds since launch:")
+    assert "rollout-3  started" in table and "engine ready" in table
+    assert table.splitlines()[-1].startswith("  launch to first learner step: ")
+
+
+def test_a_timeline_without_launch_counts_from_its_first_event(tmp_path):
+    path = tmp_path / startup.STARTUP_FILE
+    lines = [
+        {"role": "learner", "event": "started", "t": 100.0},
+        {"role": "learner", "event": "first_step", "t": 112.5},
+    ]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines) + "not json\n")
+    table = startup.startup_table(startup.read(tmp_path))
+    assert "learner  started 0.0, first step 12.5" in table
+    assert "launch to first learner step: 12.5s" in table
+    assert startup.startup_table([]) == ""
+
+
+def test_pin_tree_pins_this_process_and_its_children():
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two usable cores")
+    before = os.sched_getaffinity(0)
+    core = min(before)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert pin_tree({core}) >= 2  # this process's threads and the child's
+        assert os.sched_getaffinity(child.pid) == {core}
+        assert os.sched_getaffinity(0) == {core}
+    finally:
+        child.kill()
+        child.wait()
+        for tid in os.listdir("/proc/self/task"):  # every thread back, not only this one
+            os.sched_setaffinity(int(tid), before)
+
+
+def test_cpus_from_env(monkeypatch):
+    monkeypatch.delenv("ASYNCRL_PIN_CPUS", raising=False)
+    assert cpus_from_env() is None
+    monkeypatch.setenv("ASYNCRL_PIN_CPUS", "1,3")
+    assert cpus_from_env() == {1, 3}
+    monkeypatch.setenv("ASYNCRL_PIN_CPUS", "1|3")
+    with pytest.raises(ValueError, match="ASYNCRL_PIN_CPUS='1|3'.*commas"):
+        cpus_from_env()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "eager"),
+    [
+        ([], True),  # CPU
+        (["trainer.device=cuda", "trainer.total_training_steps=1000"], False),
+        (["trainer.device=cuda", "trainer.total_training_steps=50"], True),
+        (["trainer.device=cuda", "rollout.enforce_eager=true"], True),
+        (["rollout.enforce_eager=false"], False),
+    ],
+)
+def test_enforce_eager_auto(overrides, eager):
+    assert eager_engine(load_config(None, overrides)) is eager
