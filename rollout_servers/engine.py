@@ -218,19 +218,30 @@ class RolloutEngine:
             self._aborts += 1
         # keep: freeze requests and drop their KV cache so they recompute under new weights.
         await self.llm.pause_generation(mode=self.sync_mode, clear_cache=True)
+        marks = [time.monotonic()]  # paused, received, labelled, resumed
         try:
             if join is not None:
                 await self.llm.collective_rpc("wsync_join", args=(*join, timeout_s))
             stats = await self.llm.collective_rpc("wsync_receive", args=(plan, timeout_s))
+            marks.append(time.monotonic())
             await self.llm.reset_prefix_cache()
             await self.llm.update_weight_version(str(version))
             self.version = version
+            marks.append(time.monotonic())
         finally:
             await self.llm.resume_generation()
             self._resumed.set()
-            paused = time.monotonic() - start
+            marks.append(time.monotonic())
+            paused = marks[-1] - start
             self.metrics["rollout/sync_pause_s"] += paused
-        log.info("weights of version %d loaded in %.3fs (%s mode)", version, paused, self.sync_mode)
+        steps = " ".join(f"{b - a:.3f}" for a, b in zip([start, *marks], marks, strict=False))
+        log.info(
+            "weights of version %d loaded in %.3fs (%s mode; pause/receive/label/resume %s)",
+            version,
+            paused,
+            self.sync_mode,
+            steps,
+        )
         return {"seconds": paused, **(stats[0] if stats else {})}
 
 
