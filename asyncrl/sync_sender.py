@@ -62,8 +62,17 @@ class WeightPusher:
 
     def push(self, tensors: dict[str, Any]) -> SyncResult:
         """A new version to every member; failures drop members, never raise."""
-        plan = self.plan_for(tensors)
-        return self._run(self.coordinator.begin_sync(plan), tensors, plan)
+        return self.complete(self.begin(tensors), tensors)
+
+    def begin(self, tensors: dict[str, Any]) -> SyncRound:
+        """Announce the next version of ``tensors`` (the coordinator numbers it and tells
+        the members); :meth:`complete` sends it."""
+        return self.coordinator.begin_sync(self.plan_for(tensors))
+
+    def complete(self, rnd: SyncRound, tensors: dict[str, Any]) -> SyncResult:
+        """Broadcast round ``rnd`` and wait for its members' reports (bounded by the
+        timeout). It may run on another thread than :meth:`begin`, one round at a time."""
+        return self._run(rnd, tensors, self.plan_for(tensors))
 
     def serve_catchups(self, tensors: dict[str, Any]) -> list[SyncResult]:
         """The current weights to every server waiting for a catch-up, one at a time."""

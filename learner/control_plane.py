@@ -12,6 +12,7 @@ loop copies it into the trainer (for its checkpoints and lag metrics) in one pla
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -107,6 +108,12 @@ class RankZero:
         self.validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
         self.final_wait_s = cfg.launch.start_timeout_s
         self.pushed: dict[str, Any] = {}  # the last pushed weights, for catch-ups
+        # The push in flight (see push): its thread, its version, and what it left.
+        self.overlap_push = cfg.sync.overlap_push
+        self._push_thread: threading.Thread | None = None
+        self._pushing_version = 0
+        self._push_done: dict[str, float] = {}
+        self._push_error: BaseException | None = None
         self.validation = ValidationTracker()
         write_resolved(cfg, run_dir)
         store = open_store(
@@ -195,27 +202,70 @@ class RankZero:
 
     # ------------------------------------------------------------------ weights, versions
     def push(self, tensors: dict[str, Any]) -> dict[str, float]:
-        """Push ``tensors`` as the next version; waits for the members' reports (bounded by
-        ``sync.timeout_s``)."""
+        """Push ``tensors`` (a copy: training may go on) as the next version.
+
+        The version is announced here; the broadcast and the wait for the members' reports
+        (bounded by ``sync.timeout_s``) run on a thread while the next step trains
+        (``sync.overlap_push``), so this call waits only for the previous push to end, and
+        returns that push's metrics. Without overlap it waits for this one. On the CPU
+        demo a push kept the learner 0.09 s a step (the servers pause, load, report), a
+        third of the step, for nothing it needed."""
         start = time.monotonic()
+        self._wait_push()
+        done, self._push_done = self._push_done, {}
         self.pushed = tensors
-        result = self.pusher.push(tensors)
-        return {
+        rnd = self.pusher.begin(tensors)
+        self._pushing_version = rnd.version
+        self._push_thread = threading.Thread(
+            target=self._complete_push, args=(rnd, tensors), name="weight-push", daemon=True
+        )
+        self._push_thread.start()
+        if not self.overlap_push:
+            self._wait_push()
+            done, self._push_done = self._push_done, {}
+        return {**done, "timing/push_wait_s": time.monotonic() - start}
+
+    def _complete_push(self, rnd: Any, tensors: dict[str, Any]) -> None:
+        """The push thread: consumes one announced round; produces its metrics. Waits for
+        the broadcast and the reports, each bounded by ``sync.timeout_s``."""
+        start = time.monotonic()
+        try:
+            result = self.pusher.complete(rnd, tensors)
+        except BaseException as e:  # handed to the loop's thread by _wait_push
+            self._push_error = e
+            return
+        self._push_done = {
             "timing/weight_sync_s": time.monotonic() - start,
             "sync/failed_members": float(len(result.failed)),
         }
 
+    def _wait_push(self) -> None:
+        """Wait for the push in flight, if any; its failure (not a member's: those drop the
+        member) is raised here, in the loop's thread."""
+        if self._push_thread is not None:
+            self._push_thread.join()
+            self._push_thread = None
+        if self._push_error is not None:
+            error, self._push_error = self._push_error, None
+            raise RuntimeError(f"weight push failed: {error}") from error
+
     def _serve_catchups(self) -> None:
-        """Late or restarted servers get the current weights."""
+        """Late or restarted servers get the current weights (not while a push is in
+        flight: the coordinator's version is not yet the pushed weights')."""
+        if self._push_thread is not None and self._push_thread.is_alive():
+            return
         if self.pushed and self.coordinator.pending_catchups():
+            self._wait_push()
             self.pusher.serve_catchups(self.pushed)
 
     def version(self, current: int) -> int:
-        """The coordinator's version: the last push, or higher when a server registered with
-        a higher one (its catch-up labelled these same weights with it)."""
-        return self.coordinator.version
+        """The coordinator's version: the last push (announced: it may still be in
+        flight), or higher when a server registered with a higher one (its catch-up
+        labelled these same weights with it)."""
+        return max(self.coordinator.version, self._pushing_version)
 
     def checkpoint_extra(self) -> dict[str, Any]:
+        self._wait_push()  # the coordinator's state with the pushed version current
         return {"coordinator": self.coordinator.state_dict()}
 
     def export(self, tensors: dict[str, Any], out: Path) -> None:
@@ -242,7 +292,12 @@ class RankZero:
 
     def finish(self, step: int, validate: bool) -> None:
         """Validate the final policy (when training completed and validation is on), then
-        end the run for everyone. Waits for the round up to ``launch.start_timeout_s``."""
+        end the run for everyone. Waits for the push in flight, then for the round up to
+        ``launch.start_timeout_s``."""
+        try:
+            self._wait_push()
+        except RuntimeError as e:  # the run ends all the same: tell everyone
+            log.error("%s", e)
         if validate and self.validating:
             self.coordinator.start_validation(step)
         deadline = time.monotonic() + self.final_wait_s

@@ -57,28 +57,35 @@ def request_seed(base: int, task_id: str, attempt: int, index: int) -> int:
 
 def sampling_params(settings: SamplingSettings, task: Task, index: int) -> SamplingParams:
     """vLLM ``SamplingParams`` for sample ``index`` of ``task`` (logprob of the sampled
-    token at each position, ``n`` = 1: every sample is its own request)."""
+    token at each position, ``n`` = 1: every sample is its own request).
+
+    The server reads only a request's final output, as token ids (it decodes the text it
+    scores itself), so vLLM is asked for nothing else: no output per engine step, no
+    incremental detokenization. On 2 CPU cores that made 256 short requests 35% faster
+    (0.34 s -> 0.22 s): per-step outputs cost the server's Python more than the tiny
+    model's forward passes.
+    """
     from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
 
     seed = (
         request_seed(settings.seed, task.task_id, task.attempt, index) if settings.seeded else None
     )
     if task.validation:
-        return SamplingParams(
-            temperature=settings.val_temperature,
-            top_p=settings.val_top_p,
-            top_k=settings.val_top_k,
-            max_tokens=settings.max_tokens,
-            logprobs=0,
-            seed=seed,
-        )
+        sampling = {
+            "temperature": settings.val_temperature,
+            "top_p": settings.val_top_p,
+            "top_k": settings.val_top_k,
+        }
+    else:  # the full distribution after temperature (see SamplingSettings)
+        sampling = {"temperature": settings.temperature, "top_p": 1.0, "top_k": -1}
     return SamplingParams(
-        temperature=settings.temperature,
-        top_p=1.0,
-        top_k=-1,
+        **sampling,
         max_tokens=settings.max_tokens,
         logprobs=0,
         seed=seed,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        detokenize=False,
     )
 
 

@@ -236,6 +236,11 @@ class SyncConfig(Section):
     catchup_backoff_max_s: float = Field(
         default=120.0, gt=0, description="Longest wait between catch-up retries to one server."
     )
+    overlap_push: bool = Field(
+        default=True,
+        description="Send each new version while the learner trains the next step (it "
+        "waits only for the previous push); false waits for every push.",
+    )
 
 
 class ControlConfig(Section):
