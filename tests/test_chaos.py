@@ -100,11 +100,14 @@ def test_a_run_survives_kill_9_of_a_role(tmp_path, demo_model, arithmetic_data, 
     marker, kill_after = TARGETS[role]
     overrides = [
         *run_overrides(tmp_path, demo_model, arithmetic_data, STEPS),
-        "trainer.save_freq=5", "trainer.test_freq=-1",
+        "trainer.save_freq=5",
+        "trainer.test_freq=-1",
         f"trainer.val_before_train={'true' if role == 'rollout-0' else 'false'}",
-        "staleness.max_policy_lag=1", "control.heartbeat_s=0.5", "control.dead_after_s=8",
+        "staleness.max_policy_lag=1",
+        "control.heartbeat_s=0.5",
+        "control.dead_after_s=8",
         "launch.restart_backoff_s=1",
-    ]  # fmt: skip
+    ]
     code, out, seen, killed = _run_and_kill(tmp_path, overrides, marker, kill_after)
     run = tmp_path / RUN
     assert killed is not None, "the run ended before the kill: " + out[-3000:]

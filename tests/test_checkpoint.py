@@ -21,11 +21,16 @@ TEMPERATURE = 0.8
 def make_cfg(model_dir) -> Config:
     """Two mini-batches per step (Adam's state matters) and warmup + cosine decay (the
     schedule's position matters)."""
-    return load_config(None, [
-        f"model.path={model_dir}", "actor.ppo_mini_batch_size=1",
-        "actor.optim.lr_warmup_steps=2", "actor.optim.lr_scheduler_type=cosine",
-        "trainer.total_training_steps=6",
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "actor.ppo_mini_batch_size=1",
+            "actor.optim.lr_warmup_steps=2",
+            "actor.optim.lr_scheduler_type=cosine",
+            "trainer.total_training_steps=6",
+        ],
+    )
 
 
 def batch(seed: int) -> list[Rollout]:
@@ -35,9 +40,16 @@ def batch(seed: int) -> list[Rollout]:
         prompt = [rng.randrange(256) for _ in range(5)]
         for _ in range(3):
             k = rng.randint(2, 8)
-            out.append(Rollout(prompt, [rng.randrange(256) for _ in range(k)],
-                               [rng.uniform(-6.0, -4.0) for _ in range(k)],
-                               float(rng.random()), f"{seed}-{g}", [(seed, k)]))  # fmt: skip
+            out.append(
+                Rollout(
+                    prompt,
+                    [rng.randrange(256) for _ in range(k)],
+                    [rng.uniform(-6.0, -4.0) for _ in range(k)],
+                    float(rng.random()),
+                    f"{seed}-{g}",
+                    [(seed, k)],
+                )
+            )
     return out
 
 

@@ -17,11 +17,15 @@ PROMPT = [258, 84, 82, 68, 81, 198, 18, 10, 20, 28, 256, 198, 258, 64]  # a chat
 
 
 def make_cfg(model_dir, **importance) -> Config:
-    return load_config(None, [
-        f"model.path={model_dir}", "data.max_response_length=12",
-        "actor.ppo_mini_batch_size=2",  # the test batches' two groups: one optimizer step
-        *(f"algorithm.importance.{k}={v}" for k, v in importance.items()),
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "data.max_response_length=12",
+            "actor.ppo_mini_batch_size=2",  # the test batches' two groups: one optimizer step
+            *(f"algorithm.importance.{k}={v}" for k, v in importance.items()),
+        ],
+    )
 
 
 def test_group_baseline_counts_members_the_learner_drops(tiny_model, single_rank):

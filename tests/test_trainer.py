@@ -29,12 +29,19 @@ TEMPERATURE = 0.7
 def make_cfg(model_dir, **actor) -> Config:
     """Small batches: 4 groups of 4 per step, 2 groups per mini-batch, micro-batches of at
     most 48 tokens, KL to the reference and an entropy bonus on (every path in play)."""
-    return load_config(None, [
-        f"model.path={model_dir}", "data.max_response_length=12",
-        "actor.ppo_mini_batch_size=2", "actor.ppo_max_token_len_per_gpu=48",
-        "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01", "actor.entropy_coeff=0.001",
-        *(f"actor.{k}={v}" for k, v in actor.items()),
-    ])  # fmt: skip
+    return load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "data.max_response_length=12",
+            "actor.ppo_mini_batch_size=2",
+            "actor.ppo_max_token_len_per_gpu=48",
+            "actor.use_kl_loss=true",
+            "actor.kl_loss_coef=0.01",
+            "actor.entropy_coeff=0.001",
+            *(f"actor.{k}={v}" for k, v in actor.items()),
+        ],
+    )
 
 
 def synthetic_batch(seed: int, groups: int = 4, n: int = 4) -> list[Rollout]:
@@ -46,9 +53,16 @@ def synthetic_batch(seed: int, groups: int = 4, n: int = 4) -> list[Rollout]:
         prompt = [rng.randrange(256) for _ in range(rng.randint(3, 8))]
         for _ in range(n):
             k = rng.randint(2, 10)
-            out.append(Rollout(prompt, [rng.randrange(256) for _ in range(k)],
-                               [rng.uniform(-6.0, -4.0) for _ in range(k)],
-                               float(rng.random() < 0.5), f"{seed}-{g}", [(0, k)]))  # fmt: skip
+            out.append(
+                Rollout(
+                    prompt,
+                    [rng.randrange(256) for _ in range(k)],
+                    [rng.uniform(-6.0, -4.0) for _ in range(k)],
+                    float(rng.random() < 0.5),
+                    f"{seed}-{g}",
+                    [(0, k)],
+                )
+            )
     out[1].behaviour_logprobs[0] = float("nan")
     out.append(Rollout([1, 2], [3, 4], [-1.0], 1.0, f"{seed}-0"))  # lengths disagree
     return out
@@ -117,8 +131,13 @@ def assert_gradients_match(got: dict, expected: dict, rel: float) -> None:
 
 
 def _fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     trainer = Trainer(make_cfg(model_dir))
     grads = record_gradients(trainer)
@@ -136,9 +155,12 @@ def _fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str)
 
 def test_two_ranks_match_one_rank(tiny_model, single_rank, tmp_path):
     ctx = mp.start_processes(
-        _fsdp_worker, args=(2, free_port(), str(tiny_model), str(tmp_path)), nprocs=2,
-        join=False, start_method="spawn",
-    )  # fmt: skip
+        _fsdp_worker,
+        args=(2, free_port(), str(tiny_model), str(tmp_path)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
     # Meanwhile, the same global batches on one rank in this process.
     one = Trainer(make_cfg(tiny_model))
     grads = record_gradients(one)
@@ -293,27 +315,44 @@ def vllm_batch(loop, engine, export, seed: int) -> list[Rollout]:
 
     tok = AutoTokenizer.from_pretrained(str(export))
     prompts = [
-        tok.encode(tok.apply_chat_template([{"role": "user", "content": f"{a}+{b}="}],
-                                           add_generation_prompt=True, tokenize=False))
+        tok.encode(
+            tok.apply_chat_template(
+                [{"role": "user", "content": f"{a}+{b}="}],
+                add_generation_prompt=True,
+                tokenize=False,
+            )
+        )
         for a, b in [(3, 4), (1, 5), (6, 2), (8, 1)]
-    ]  # fmt: skip
+    ]
 
     async def run():
         jobs = []
         for p, prompt in enumerate(prompts):
             for k in range(4):
-                params = SamplingParams(temperature=TEMPERATURE, top_p=1.0, top_k=-1,
-                                        max_tokens=12, logprobs=0, ignore_eos=True,
-                                        seed=seed * 100 + p * 10 + k)  # fmt: skip
+                params = SamplingParams(
+                    temperature=TEMPERATURE,
+                    top_p=1.0,
+                    top_k=-1,
+                    max_tokens=12,
+                    logprobs=0,
+                    ignore_eos=True,
+                    seed=seed * 100 + p * 10 + k,
+                )
                 jobs.append(engine.generate(prompt, params, f"s{seed}-{p}-{k}"))
         return await asyncio.gather(*jobs)
 
     samples = loop.run(run())
     return [
-        Rollout(prompts[i // 4], s.token_ids, s.logprobs, float(sum(s.token_ids) % 3) / 2,
-                f"{seed}-{i // 4}", s.version_spans)
+        Rollout(
+            prompts[i // 4],
+            s.token_ids,
+            s.logprobs,
+            float(sum(s.token_ids) % 3) / 2,
+            f"{seed}-{i // 4}",
+            s.version_spans,
+        )
         for i, s in enumerate(samples)
-    ]  # fmt: skip
+    ]
 
 
 def test_importance_weights_against_vllm(vllm_rig):
@@ -323,11 +362,17 @@ def test_importance_weights_against_vllm(vllm_rig):
 
     # Lag 0: the trainer's logprobs of vLLM's tokens are vLLM's, temperature included.
     ours = trainer.compute_logprobs(batch_a, TEMPERATURE)
-    err = max((lp - torch.tensor(r.behaviour_logprobs)).abs().max().item()
-              for r, lp in zip(batch_a, ours, strict=True))  # fmt: skip
+    err = max(
+        (lp - torch.tensor(r.behaviour_logprobs)).abs().max().item()
+        for r, lp in zip(batch_a, ours, strict=True)
+    )
     m0 = trainer.train_step(batch_a, TEMPERATURE)  # the weights inside training agree too
-    log.info("lag 0: max |p - b| %.3g (in training %.3g), w max %.6f",
-             err, m0["importance/log_w_abs_max"], m0["importance/w_max"])  # fmt: skip
+    log.info(
+        "lag 0: max |p - b| %.3g (in training %.3g), w max %.6f",
+        err,
+        m0["importance/log_w_abs_max"],
+        m0["importance/w_max"],
+    )
     assert err < 1e-4
     assert m0["importance/log_w_abs_max"] < 1e-4 and abs(m0["importance/w_max"] - 1) < 1e-4
     assert m0["lag/mean"] == 0 and m0["actor/updates"] == 1
@@ -335,8 +380,11 @@ def test_importance_weights_against_vllm(vllm_rig):
     # Lag 1: one update later, the proximal logprobs are recomputed and differ from vLLM's.
     trainer.policy_version = 1
     m1 = trainer.train_step(batch_b, TEMPERATURE)
-    log.info("lag 1: mean |log w| %.3g, max %.3g", m1["importance/log_w_abs_mean"],
-             m1["importance/log_w_abs_max"])  # fmt: skip
+    log.info(
+        "lag 1: mean |log w| %.3g, max %.3g",
+        m1["importance/log_w_abs_mean"],
+        m1["importance/log_w_abs_max"],
+    )
     assert m1["lag/mean"] == 1
     assert m1["importance/log_w_abs_mean"] > 1e-3
 
