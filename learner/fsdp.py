@@ -97,6 +97,7 @@ def load_sharded_model(
     device: str = "cpu",
     gradient_checkpointing: bool = False,
     trainable: bool = True,
+    attn_implementation: str | None = None,
 ) -> ShardedModel:
     """Load an HF causal LM in float32 and shard it: ``fully_shard`` per decoder layer,
     then the root (embeddings, final norm, head; tied weights stay one parameter).
@@ -107,7 +108,8 @@ def load_sharded_model(
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
     # Packed sequences need the plain causal mask path; no KV cache in training.
     model.config.use_cache = False
     if gradient_checkpointing and trainable:

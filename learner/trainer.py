@@ -103,11 +103,18 @@ class Trainer:
             self.mesh,
             device=device,
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
+            attn_implementation=cfg.model.attn_implementation,
         )
         self.loss_cfg = LossConfig.from_config(cfg)
         # The frozen reference for the KL penalty: the initial weights, sharded the same way.
         self.ref_model = (
-            fsdp.load_sharded_model(self.model_path, self.mesh, device=device, trainable=False)
+            fsdp.load_sharded_model(
+                self.model_path,
+                self.mesh,
+                device=device,
+                trainable=False,
+                attn_implementation=cfg.model.attn_implementation,
+            )
             if self.loss_cfg.kl_coef > 0
             else None
         )

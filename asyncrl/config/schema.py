@@ -32,6 +32,12 @@ class ModelConfig(Section):
     enable_gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in backward to save memory."
     )
+    attn_implementation: str | None = Field(
+        default=None,
+        description="The learner's attention (transformers' attn_implementation: sdpa, "
+        "eager, flash_attention_2, ...); default: transformers' choice. With a flash kernel "
+        "on CUDA, actor.sequence_layout: auto packs sequences.",
+    )
 
 
 # --------------------------------------------------------------------------- data
