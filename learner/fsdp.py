@@ -155,12 +155,18 @@ def full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, 
 
 
 def build_optimizer(model: nn.Module, optim_cfg: OptimConfig) -> torch.optim.Optimizer:
-    """AdamW over the (sharded) parameters from ``actor.optim``."""
+    """AdamW over the (sharded) parameters from ``actor.optim``.
+
+    ``foreach``: one multi-tensor kernel per update term instead of a loop over parameters
+    (torch picks it by default only for CUDA tensors). Over FSDP's DTensor parameters the
+    per-parameter loop paid DTensor's dispatch a dozen times per parameter: on the CPU
+    demo's model it took 8.5 ms of a 0.13 s step."""
     return torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad],
         lr=optim_cfg.lr,
         betas=optim_cfg.betas,
         weight_decay=optim_cfg.weight_decay,
+        foreach=True,
     )
 
 
