@@ -39,7 +39,11 @@ def run_stats(run: Path, *, target: float | None = None) -> dict[str, float]:
         "trained_tokens_per_s": (prompt + response) / span,
         "trained_response_tokens_per_s": response / span,
         "learner_wait_frac": sum(r["timing/wait_batch_s"] for r in window) / span,
-        "sync_s_per_version": _mean([r["timing/weight_sync_s"] for r in window]),
+        # A push reports in the record of the step it ended in (pushes overlap the next
+        # step), and only steps that push have one (staleness.sync_every).
+        "sync_s_per_version": _mean(
+            [r["timing/weight_sync_s"] for r in window if "timing/weight_sync_s" in r]
+        ),
         "mean_lag": _mean([r["lag/mean"] for r in window]),
         "response_len_mean": response / samples,
         "lag_drops": max((r.get("buffer/drops/lag", 0.0) for r in records), default=0.0),
