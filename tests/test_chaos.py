@@ -104,6 +104,13 @@ def test_a_run_survives_kill_9_of_a_role(tmp_path, demo_model, arithmetic_data, 
         "trainer.test_freq=-1",
         f"trainer.val_before_train={'true' if role == 'rollout-0' else 'false'}",
         "staleness.max_policy_lag=1",
+        # A push every step that the learner waits for, as the issue's measurements were
+        # taken. With the demo's overlapped pushes (sync.overlap_push, sync_every=2) the
+        # learner's version runs ahead of the servers' while a push is in flight, and after
+        # a learner restart 34 of 480 groups (7%) were dropped for lag: admission does not
+        # yet count the push in flight (a known shortfall, see the README).
+        "staleness.sync_every=1",
+        "sync.overlap_push=false",
         "control.heartbeat_s=0.5",
         "control.dead_after_s=8",
         "launch.restart_backoff_s=1",

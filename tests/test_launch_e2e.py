@@ -93,12 +93,15 @@ def test_synchronous_run_is_on_policy(tmp_path, demo_model, arithmetic_data):
 
 @pytest.mark.timeout(900)
 def test_stop_halfway_and_resume(tmp_path, demo_model, arithmetic_data):
-    steps_n, every = 16, 4
+    # Enough steps that the run is still going when it is stopped (a demo step takes about
+    # 0.3 s now); stopped after step 9, past the checkpoints at 4 and 8.
+    steps_n, every, stop_after = 60, 4, 9
     overrides = [
         *run_overrides(tmp_path, demo_model, arithmetic_data, steps_n),
         f"trainer.save_freq={every}",
         "trainer.test_freq=-1",
         "trainer.val_before_train=false",
+        "staleness.sync_every=1",  # one version per step, as asserted below
     ]
     run = tmp_path / RUN
     first = subprocess.Popen(
@@ -108,9 +111,9 @@ def test_stop_halfway_and_resume(tmp_path, demo_model, arithmetic_data):
 
         def halfway_or_ended() -> bool:
             done = [r["step"] for r in trained_steps(read_metrics(run))] if run.exists() else []
-            return first.poll() is not None or max(done, default=0) >= steps_n // 2 + 1
+            return first.poll() is not None or max(done, default=0) >= stop_after
 
-        wait_until(halfway_or_ended, f"step {steps_n // 2 + 1}", 420, every_s=0.5)
+        wait_until(halfway_or_ended, f"step {stop_after}", 420, every_s=0.2)
         assert first.poll() is None, "the run ended before it could be stopped"
         first.send_signal(signal.SIGTERM)
         out, _ = first.communicate(timeout=120)
