@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
 from asyncrl.config import Config
+from asyncrl.config.inputs import total_training_steps
+from asyncrl.control.admission import replayed_version
 from asyncrl.progress import accounting_lines
 from learner.validation import ValidationTracker
 
@@ -43,6 +45,8 @@ class Restored(NamedTuple):
     path: Path | None
     last_batch_id: int | None  # the buffer resends what came after it
     coordinator: dict[str, Any] | None  # the coordinator's saved state
+    step: int = 0  # the checkpoint's step and policy version
+    version: int = 0
 
 
 class ControlPeer(Protocol):
@@ -51,7 +55,8 @@ class ControlPeer(Protocol):
     def wait_batch(self, version: int, step: int) -> Any: ...
     def trained(self, task_ids: list[str]) -> None: ...
     def acknowledge(self, batch_ids: list[int]) -> None: ...
-    def push(self, tensors: dict[str, Any]) -> dict[str, float]: ...
+    def resume(self, tensors: dict[str, Any]) -> None: ...
+    def push(self, tensors: dict[str, Any], target: int) -> dict[str, float]: ...
     def version(self, current: int) -> int: ...
     def checkpoint_extra(self) -> dict[str, Any]: ...
     def export(self, tensors: dict[str, Any], out: Path) -> None: ...
@@ -71,7 +76,10 @@ class NoControl:
     def acknowledge(self, batch_ids: list[int]) -> None:
         pass
 
-    def push(self, tensors: dict[str, Any]) -> dict[str, float]:
+    def resume(self, tensors: dict[str, Any]) -> None:
+        pass
+
+    def push(self, tensors: dict[str, Any], target: int) -> dict[str, float]:
         return {}
 
     def version(self, current: int) -> int:
@@ -134,6 +142,16 @@ class RankZero:
         self.buffer = BufferClient(config_endpoint(cfg.endpoints, "batches"), "learner")
         welcome = self.buffer.hello(restored.last_batch_id, wait_s=cfg.launch.start_timeout_s)
         log.info("buffer ready: %d unacknowledged batches come again first", welcome.redelivering)
+        if restored.path is not None:  # the replay of those batches reproduces versions
+            self.coordinator.set_replay(
+                replayed_version(
+                    restored.version,
+                    restored.step,
+                    welcome.redelivering,
+                    cfg.staleness.sync_every,
+                    total_training_steps(cfg),
+                )
+            )
         self.logger = MetricsLogger(
             run_dir,
             cfg.trainer.logger,
@@ -201,8 +219,14 @@ class RankZero:
             log.warning("acknowledging batches %s: %s", batch_ids, e)
 
     # ------------------------------------------------------------------ weights, versions
-    def push(self, tensors: dict[str, Any]) -> dict[str, float]:
-        """Push ``tensors`` (a copy: training may go on) as the next version.
+    def resume(self, tensors: dict[str, Any]) -> None:
+        """Restored weights: what servers older than the checkpoint catch up to. Not pushed:
+        servers that hold newer versions hold what the replay reproduces (recovery.py)."""
+        self.pushed = tensors
+
+    def push(self, tensors: dict[str, Any], target: int) -> dict[str, float]:
+        """Push ``tensors`` (a copy: training may go on) as the next version, ``target`` by
+        the learner's schedule; skipped when a replay reached a version the servers hold.
 
         The version is announced here; the broadcast and the wait for the members' reports
         (bounded by ``sync.timeout_s``) run on a thread while the next step trains
@@ -214,6 +238,9 @@ class RankZero:
         self._wait_push()
         done, self._push_done = self._push_done, {}
         self.pushed = tensors
+        if self.coordinator.adopt(target):
+            log.info("version %d replayed: the servers that hold it keep it (no push)", target)
+            return {**done, "sync/replayed": 1.0, "timing/push_wait_s": time.monotonic() - start}
         rnd = self.pusher.begin(tensors)
         self._pushing_version = rnd.version
         self._push_thread = threading.Thread(

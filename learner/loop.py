@@ -7,7 +7,8 @@ it, so this loop reads the same on every rank. Every rank trains on the same glo
 
 Per step: request a batch for the current policy version (waiting, visibly, while the
 buffer has none) -> train -> every ``staleness.sync_every`` steps gather the full weights
-and push them as the next version -> every ``trainer.save_freq`` steps checkpoint, then
+and push them as the next version (after a restart, not the versions its replay of the
+redelivered batches reproduces: the servers hold them) -> every ``trainer.save_freq`` steps checkpoint, then
 acknowledge the batches the checkpoint contains (with ``save_freq <= 0``, no intermediate
 checkpoint: each batch is acknowledged once trained). At the end: final checkpoint, an HF export
 that vLLM loads, and the coordinator ends the run (servers and buffer exit). When the data
@@ -25,6 +26,7 @@ from asyncrl import startup
 from asyncrl.config import Config
 from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.inputs import total_training_steps
+from asyncrl.control.admission import push_due
 from learner.batching import Rollout
 from learner.control_plane import ControlPeer, NoControl, RankZero, Restored
 
@@ -79,8 +81,8 @@ class LearnerLoop:
         ``sync.timeout_s``). Unblocked by the buffer releasing a batch."""
         done = False
         try:
-            if self.restored.path is not None:
-                self._push()  # servers may hold older weights than the checkpoint's
+            if self.restored.path is not None:  # for servers older than the checkpoint
+                self.control.resume(self.trainer.full_state_for_push())
             while self.trainer.step < self.total and self._one_step():
                 pass
             self._save(final=True)
@@ -106,7 +108,7 @@ class LearnerLoop:
         metrics["timing/wait_batch_s"] = waited
         metrics["timing/step_s"] = time.monotonic() - start
         metrics["timing/wait_fraction"] = waited / max(metrics["timing/step_s"], 1e-9)
-        if t.step % c.staleness.sync_every == 0 or t.step == self.total:
+        if push_due(t.step, c.staleness.sync_every, self.total):
             metrics.update(self._push())
         if c.trainer.save_freq > 0 and t.step % c.trainer.save_freq == 0 and t.step < self.total:
             self._save()
@@ -148,7 +150,8 @@ class LearnerLoop:
         and take the coordinator's version on every rank."""
         start = time.monotonic()
         tensors = self.trainer.full_state_for_push()
-        out = {"timing/gather_s": time.monotonic() - start, **self.control.push(tensors)}
+        target = self.trainer.policy_version + 1
+        out = {"timing/gather_s": time.monotonic() - start, **self.control.push(tensors, target)}
         version = self.control.version(self.trainer.policy_version)
         self.trainer.policy_version = _broadcast_int(version, self.trainer)
         return out
@@ -181,7 +184,13 @@ class LearnerLoop:
             self.trainer.step,
             self.trainer.policy_version,
         )
-        return Restored(Path(path), extra.get("last_batch_id"), extra.get("coordinator"))
+        return Restored(
+            Path(path),
+            extra.get("last_batch_id"),
+            extra.get("coordinator"),
+            self.trainer.step,
+            self.trainer.policy_version,
+        )
 
 
 def _broadcast_int(value: int, trainer: Any) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from asyncrl.control import messages as m
-from asyncrl.control.admission import Budget
+from asyncrl.control.admission import Budget, replayed_version
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
@@ -243,11 +243,16 @@ def test_after_a_buffer_restart_its_untrained_groups_are_dealt_again():
     assert a["accounting/train/trained"] == 24 and run.st.ledger.counts["requeued/lost"] == 4
 
 
-def test_a_learner_restart_loses_nothing_and_repeats_nothing():
+@pytest.mark.parametrize("replay", [True, False])
+def test_a_learner_restart_loses_nothing_and_repeats_nothing(replay):
     """Restore a checkpoint taken 3 steps before the crash: the buffer's unacknowledged
     batches come again, the groups dealt after the checkpoint are adopted from the buffer's
-    inventory instead of dealt twice, and at most what was generated before the crash is
-    dropped for lag (the old window widened and dropped a third of all groups)."""
+    inventory instead of dealt twice. With the replay (the learner retrains the redelivered
+    batches and so reaches the versions the server holds, without pushing them) nothing is
+    dropped for lag; without it (the redelivered batches were lost with the buffer, say),
+    the restored weights go out as a version above the server's, and at most what was
+    generated before the crash is dropped for lag (the old window widened and dropped a
+    third of all groups)."""
     run = Run(1)
     for _ in range(5):
         run.generate()
@@ -263,23 +268,35 @@ def test_a_learner_restart_loses_nothing_and_repeats_nothing():
     run.st, run.ack = _state(1), True
     run.st.load_state_dict(saved)
     assert run.buf.restart(acked_through, "learner") == (3, 0)
-    run.st.register(m.Register(server_id="s", engine_world_size=0, policy_version=8), 1.0)
+    run.st.register(m.Register(server_id="s", engine_world_size=1, policy_version=8), 1.0)
+    through = replayed_version(5, 5, 3 if replay else 0, sync_every=1, total=100)
+    run.st.set_replay(through)
+    assert run.st.servers["s"].trusted == replay
+    assert run.st.version == (5 if replay else 8)  # without a replay: above the server's
     held, dropped, _ = run.buf.inventory()
     run.st.reconcile_buffer(held, dropped)
-    run.push()  # the restored weights, as a version above every server's
+    if not replay:
+        run.push()  # the restored weights, as a version above every server's
     while run.buf._s.redeliver:  # the batches after the checkpoint, trained again
         batch = run.buf.release(run.st.version, "learner")
         ids = [g.task_id for g in batch.groups]
         run.trained_ids += ids
         run.buf.ack([batch.batch_id])
         run.st.trained(ids)
-        run.push()
+        if not run.st.adopt(run.st.version + 1):
+            run.push()
+    assert run.st.version == (8 if replay else 12)
+    assert not run.st.adopt(run.st.version + 1)  # past the replay: pushes again
+    run.st.servers["s"].engine_world_size = 0  # from here the server follows every push
     for _ in range(12):
         run.generate()
         assert run.step()
     a = run.acct()
     assert run.buf.counts["drops/duplicate"] == 0  # nothing dealt twice
-    assert run.buf.counts["drops/lag"] <= 2 * B  # at most the window generated pre-crash
+    if replay:
+        assert run.buf.counts["drops/lag"] == 0 and max(run.lags) <= 1
+    else:
+        assert run.buf.counts["drops/lag"] <= 2 * B  # at most the window generated pre-crash
     trained = len(set(run.trained_ids))
     assert trained == 20 * B
     assert a["accounting/train/dealt"] == trained + sum(

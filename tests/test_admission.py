@@ -12,7 +12,14 @@ import msgspec
 import pytest
 
 from asyncrl.control import messages as m
-from asyncrl.control.admission import Budget, budget_limit, grantable, groups_per_version
+from asyncrl.control.admission import (
+    Budget,
+    budget_limit,
+    grantable,
+    groups_per_version,
+    push_due,
+    replayed_version,
+)
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
@@ -409,6 +416,7 @@ def test_a_restored_state_adopts_what_servers_and_buffer_hold_and_redeals_the_re
     later = st.grant("a", 2, 0.3).tasks  # dealt after the checkpoint
     restarted = _state()
     restarted.load_state_dict(saved)
+    restarted.set_replay(0)  # the learner replays nothing: a higher version is a new one
     assert restarted.ledger.committed == 1  # what was outstanding is queued, not charged
     restarted.register(m.Register(server_id="b", engine_world_size=0), now=1.0)
     assert restarted.grant("b", 4, 1.1).reason == "starting"  # "a" and the buffer first
@@ -448,3 +456,14 @@ def test_the_control_plane_does_not_import_torch(module):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"import {module} pulled in {out.stdout.strip()}"
+
+
+def test_a_replay_reaches_the_versions_its_previous_life_pushed():
+    """Pushes every ``sync_every`` steps and after the last: a learner restored at step 4,
+    version 2 (sync_every=2) that trains 5 redelivered batches again (steps 5-9) pushes after
+    steps 6 and 8 as its previous life did; the last step (10 of 10) always pushes."""
+    assert [push_due(s, 2, 10) for s in range(1, 11)] == [False, True] * 5
+    assert push_due(7, 2, 7)
+    assert replayed_version(2, 4, 5, sync_every=2, total=10) == 4
+    assert replayed_version(2, 4, 0, sync_every=2, total=10) == 2
+    assert replayed_version(2, 4, 9, sync_every=2, total=9) == 5  # steps 5-9, 9 the last

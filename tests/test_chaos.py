@@ -104,13 +104,6 @@ def test_a_run_survives_kill_9_of_a_role(tmp_path, demo_model, arithmetic_data, 
         "trainer.test_freq=-1",
         f"trainer.val_before_train={'true' if role == 'rollout-0' else 'false'}",
         "staleness.max_policy_lag=1",
-        # A push every step that the learner waits for, as the issue's measurements were
-        # taken. With the demo's overlapped pushes (sync.overlap_push, sync_every=2) the
-        # learner's version runs ahead of the servers' while a push is in flight, and after
-        # a learner restart 34 of 480 groups (7%) were dropped for lag: admission does not
-        # yet count the push in flight (a known shortfall, see the README).
-        "staleness.sync_every=1",
-        "sync.overlap_push=false",
         "control.heartbeat_s=0.5",
         "control.dead_after_s=8",
         "launch.restart_backoff_s=1",
@@ -133,11 +126,12 @@ def test_a_run_survives_kill_9_of_a_role(tmp_path, demo_model, arithmetic_data, 
     # batch of fresh groups, once (the steps retrained after a learner restart included).
     trained = acct["accounting/train/trained"]
     assert trained == STEPS * BATCH, acct
-    # The issue's bound is 5%. Since the learner got 4x faster, a restart drops more: 29 of
-    # 480 (6%) in a fresh-clone run with the settings above, 34 (7%) with overlapped pushes,
-    # 16 in a run alone. Held at 10% until admission accounts for the groups in flight at a
-    # restart (issue 13 stays open for it).
-    assert acct["accounting/train/dropped/lag"] < 0.10 * trained, acct
+    # After a learner restart the servers keep the weights they hold (the replay reproduces
+    # them) and what they generated meanwhile is trained, not dropped for lag: 0 of 480 in
+    # the README's run, against the issue's bound of 5%. A buffer restart ages what was
+    # generated while it was down (15 of 480 in the same runs): held under 10%.
+    bound = 0.05 if role == "learner" else 0.10
+    assert acct["accounting/train/dropped/lag"] < bound * trained, acct
 
     def left() -> dict[int, str]:
         return {pid: cmd for pid, (_, cmd) in _procs().items() if pid in seen and alive(pid)}

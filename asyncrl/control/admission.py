@@ -34,6 +34,21 @@ def groups_per_version(train_batch_size: int, sync_every: int) -> int:
     return train_batch_size * sync_every
 
 
+def push_due(step: int, sync_every: int, total: int) -> bool:
+    """Whether the learner pushes its weights after ``step``: every ``sync_every`` steps
+    and after the last one."""
+    return step % sync_every == 0 or step == total
+
+
+def replayed_version(version: int, step: int, redelivered: int, sync_every: int, total: int) -> int:
+    """The version a learner restored at ``step``/``version`` reaches by training the
+    ``redelivered`` batches again (the ones its previous life trained after the checkpoint):
+    versions follow the push schedule, so the replay reaches the versions that life pushed.
+    """
+    last = min(step + redelivered, total)
+    return version + sum(push_due(s, sync_every, total) for s in range(step + 1, last + 1))
+
+
 def budget_limit(consumed: int, max_policy_lag: int, per_version: int) -> int:
     """How many training tasks may be committed in total once ``consumed`` were trained."""
     return consumed + (max_policy_lag + 1) * per_version

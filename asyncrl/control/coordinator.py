@@ -214,6 +214,18 @@ class Coordinator:
         )
         return result
 
+    def set_replay(self, through: int) -> None:
+        """After a learner restart: its replay of the redelivered batches reaches version
+        ``through`` (servers holding versions up to it keep their weights)."""
+        with self._lock:
+            self._state.set_replay(through)
+
+    def adopt(self, version: int) -> bool:
+        """The learner replayed its way to ``version``: make it current without a push.
+        False when no replay reproduces it (push it instead)."""
+        with self._lock:
+            return self._state.adopt(version)
+
     def trained(self, task_ids: list[str]) -> None:
         """The learner trained on the groups of these tasks (call before the push that
         follows: the admission window moves by what the pushed weights consumed)."""

@@ -10,6 +10,13 @@ checkpoints are durable):
   buffer lists the groups it holds (its inventory); the ledger adopts both, so none is dealt
   twice. Until every server of the saved registry has registered again and the inventory
   came (or ``dead_after_s`` passed), no task is dealt (grant reason ``starting``).
+  The restored learner then trains the batches its previous life trained after the
+  checkpoint again (the buffer redelivers them, in order), so it reaches the versions that
+  life pushed, by the same schedule, to rounding: a server holding one of those versions
+  (up to ``replay_through``) holds weights the replay reproduces. It is trusted and keeps
+  generating; the learner skips the pushes of those versions (:meth:`ControlState.adopt`).
+  Without this, every version pushed after the checkpoint counted twice, and the groups the
+  servers generated meanwhile came out stale (7% of a 30-step run dropped for lag).
 - **The buffer's** (a new buffer session): groups acknowledged to the old buffer and never
   trained are gone. After a short settling time (pushes queued while it was down land
   first), the inventory of the new buffer tells which acknowledged tasks must be dealt
@@ -38,12 +45,16 @@ class Recovery:
         self.buffer_session = ""
         self.inventory_due: float | None = None  # when to ask for the inventory
         self.cutoff = 0.0  # acks before this and missing from the inventory: lost
+        # Versions a replay reproduces (see the module docstring): -1 on a fresh start (none
+        # after version 0), None while a restored coordinator waits for the learner to say.
+        self.replay_through: int | None = -1
 
     def restored(self, server_ids: list[str], with_buffer: bool = True) -> None:
         """The ledger was restored from a checkpoint that knew these servers."""
         self.resuming = True
         self.awaiting = set(server_ids)
         self.needs_inventory = with_buffer
+        self.replay_through = None
 
     def registered(self, server_id: str) -> None:
         self.awaiting.discard(server_id)

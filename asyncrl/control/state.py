@@ -126,8 +126,9 @@ class ControlState:
         """(Re-)register a server; a known id is a restarted server: its old tasks go back."""
         if msg.server_id in self.servers:
             self._remove(msg.server_id, "dead", "re-registered (restarted)")
-        if msg.policy_version > self.version:  # the version only: the window stays as it is
-            self.ledger.budget.advance(msg.policy_version)
+        replay = self.recovery.replay_through
+        if replay is not None and msg.policy_version > max(self.version, replay):
+            self.ledger.budget.advance(msg.policy_version)  # the version only: not the window
         self.recovery.registered(msg.server_id)
         self._order += 1
         rec = ServerRecord(
@@ -139,8 +140,11 @@ class ControlState:
             now,
             msg.pid,
         )
-        # Version 0 is the initial checkpoint, the same on every role of a fresh run.
-        rec.trusted = msg.policy_version == 0 and self.version == 0
+        # Version 0 is the initial checkpoint, the same on every role of a fresh run; after a
+        # learner restart, the versions its replay reproduces (recovery.py).
+        rec.trusted = (msg.policy_version == 0 and self.version == 0) or (
+            replay is not None and msg.policy_version <= replay
+        )
         self.servers[msg.server_id] = rec
         self.counts["registrations"] += 1
         if msg.task_ids:
@@ -331,6 +335,29 @@ class ControlState:
         )
         rec.syncing = rnd.sync_id
         return rnd
+
+    def set_replay(self, through: int) -> None:
+        """The restored learner will reach version ``through`` by replaying (recovery.py):
+        servers registered up to it are trusted; one above holds weights no replay makes
+        (the version moves past it, and it gets a catch-up)."""
+        self.recovery.replay_through = through
+        for rec in self.servers.values():
+            rec.trusted = rec.policy_version <= through
+            if rec.policy_version > self.version and not rec.trusted:
+                self.ledger.budget.advance(rec.policy_version)
+        log.info("resumed: the learner's replay reaches version %d", through)
+
+    def adopt(self, version: int) -> bool:
+        """The learner reached ``version`` by replaying: the servers that hold it keep it
+        (no push); the version and the window move as a push would move them. False when
+        ``version`` is not one a replay reproduces (the learner pushes it)."""
+        replay = self.recovery.replay_through
+        if replay is None or not self.version < version <= replay:
+            return False
+        self.ledger.budget.consume(self.ledger.tally["train"][DONE])
+        self.ledger.budget.advance(version)
+        self.counts["versions_replayed"] += 1
+        return True
 
     def sync_done(self, msg: SyncDone, now: float) -> None:
         rec = self.touch(msg.server_id, now)
