@@ -15,9 +15,9 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e ".[$(EXTRA),dev]"
+	$(BIN)/pip install -e ".[$(EXTRA),ray,dev]"
 	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
-	$(BIN)/python -c "import torch, transformers, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__)"
+	$(BIN)/python -c "import torch, transformers, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
 	touch $(STAMP)
 
 # Local model and data for the demo and the tests (nothing is downloaded).

@@ -22,6 +22,7 @@ ends, no process the run started outlives it.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import shlex
 import signal
@@ -113,34 +114,24 @@ def _flat(ids: object) -> TypeGuard[list[int]]:
     return isinstance(ids, list) and all(isinstance(x, int) for x in ids)
 
 
-def main(argv: list[str] | None = None) -> int:
-    cfg, _ = parse_role_args(
-        "asyncrl-launch",
-        "Start the buffer, the rollout servers and the learner of one run on this machine.",
-        None,
-        argv,
-        needs=(MODEL, DATA, REWARD),  # found missing here, before any role starts
+def commands_text(roles: list[Role], bundles: dict[str, int] | None = None) -> str:
+    """``commands.txt``: each role's environment and command line (and its Ray bundle)."""
+    return "".join(
+        f"{r.name}: {' '.join(f'{k}={v}' for k, v in r.env.items())} {shlex.join(r.cmd)}"
+        + (f"  # bundle {bundles[r.name]}" if bundles else "")
+        + "\n"
+        for r in roles
     )
-    from asyncrl.config import run_dir as run_dir_of
 
-    run_dir = run_dir_of(cfg)
-    config_path = write_resolved(cfg)
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    roles = plan_roles(cfg, config_path)
-    (run_dir / "commands.txt").write_text(
-        "".join(
-            f"{r.name}: {' '.join(f'{k}={v}' for k, v in r.env.items())} {shlex.join(r.cmd)}\n"
-            for r in roles
-        )
-    )
-    log.info("run directory %s; logs in %s", run_dir, log_dir)
+
+def drive(sup: Supervisor, run_dir: Path, cfg: Config) -> int:
+    """Start every role and supervise the run to its end; the launcher's exit code.
+    Ctrl-C and SIGTERM stop only the processes the run started (130)."""
 
     def on_term(signum, frame):  # SIGTERM behaves like Ctrl-C
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
-    sup = Supervisor(roles, run_dir, RestartPolicy.from_config(cfg.launch))
     try:
         startup.begin(run_dir)
         sup.begin()
@@ -157,6 +148,40 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         sup.close()  # nothing the run started outlives it, however the launcher ends
+
+
+def _launch_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="place the roles on a Ray cluster (launch.backend=ray; see launch.ray.*)",
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg, args = parse_role_args(
+        "asyncrl-launch",
+        "Start the buffer, the rollout servers and the learner of one run on this machine "
+        "(or, with --ray, on a Ray cluster).",
+        None,
+        argv,
+        extra=_launch_options,
+        needs=(MODEL, DATA, REWARD),  # found missing here, before any role starts
+    )
+    if args.ray or cfg.launch.backend == "ray":
+        from asyncrl.launch_ray import main_ray
+
+        return main_ray(cfg)
+    from asyncrl.config import run_dir as run_dir_of
+
+    run_dir = run_dir_of(cfg)
+    config_path = write_resolved(cfg)
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    roles = plan_roles(cfg, config_path)
+    (run_dir / "commands.txt").write_text(commands_text(roles))
+    log.info("run directory %s; logs in %s", run_dir, log_dir)
+    return drive(Supervisor(roles, run_dir, RestartPolicy.from_config(cfg.launch)), run_dir, cfg)
 
 
 if __name__ == "__main__":

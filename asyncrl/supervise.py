@@ -110,6 +110,7 @@ class Role:
     env: dict[str, str] = field(default_factory=dict)
     cpus: list[int] | None = None
     restart_args: list[str] = field(default_factory=list)  # appended when restarted
+    unset: tuple[str, ...] = ()  # prefixes of variables it must not inherit
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     attempt: int = 0  # how many times it was started
@@ -174,7 +175,7 @@ class Supervisor:
         marker = f"{self.launch_id} {role.name} {role.attempt}"
         with open(role.log_path, "a") as f:  # a restarted role appends to the same log
             f.write(f"---- {role.name} start {role.attempt} at {time.ctime()}: {shlex.join(cmd)}\n")
-        role.proc = spawn(cmd, role.env, role.log_path, role.cpus, marker)
+        role.proc = spawn(cmd, role.env, role.log_path, role.cpus, marker, role.unset)
         role.known = {}
         if self._watchdog_fd is not None:
             tell_watchdog(self._watchdog_fd, f"+{role.proc.pid}")
@@ -312,16 +313,19 @@ class Supervisor:
         view.finish(ok=True)
         return 0
 
-    def _running(self) -> list[Role]:
-        return [r for r in self.roles if r.proc is not None and not has_exited(r.proc.pid)]
+    def _alive(self, role: Role) -> bool:
+        """Started and not exited (an exited role is left unreaped)."""
+        return role.proc is not None and not has_exited(role.proc.pid)
 
-    @staticmethod
-    def _wait_exited(roles: list[Role], timeout_s: float) -> list[Role]:
+    def _running(self) -> list[Role]:
+        return [r for r in self.roles if self._alive(r)]
+
+    def _wait_exited(self, roles: list[Role], timeout_s: float) -> list[Role]:
         """Wait up to ``timeout_s`` for ``roles`` to exit (leaving them unreaped); returns
         the ones still running."""
         deadline = time.monotonic() + timeout_s
         while True:
-            roles = [r for r in roles if r.proc is not None and not has_exited(r.proc.pid)]
+            roles = [r for r in roles if self._alive(r)]
             if not roles or time.monotonic() >= deadline:
                 return roles
             time.sleep(0.1)

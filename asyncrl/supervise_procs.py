@@ -210,11 +210,17 @@ def become_subreaper() -> bool:
 
 
 def spawn(
-    cmd: list[str], env: dict[str, str], log_path: Path, cpus: list[int] | None, marker: str
+    cmd: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    cpus: list[int] | None,
+    marker: str,
+    unset: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """Start ``cmd`` in a session of its own, output appended to ``log_path``, pinned to
-    ``cpus``, with the run ``marker`` in its environment; it gets SIGTERM when this thread
-    dies (``PR_SET_PDEATHSIG``), so call it from the main thread."""
+    ``cpus``, with this process's environment less the variables starting with one of
+    ``unset``, plus ``env`` and the run ``marker``; it gets SIGTERM when this thread dies
+    (``PR_SET_PDEATHSIG``), so call it from the main thread."""
     prctl = _prctl_fn()  # loaded before the fork, not in the child
     parent = os.getpid()
 
@@ -233,7 +239,11 @@ def spawn(
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **env, MARKER: marker},
+            env={
+                **{k: v for k, v in os.environ.items() if not (unset and k.startswith(unset))},
+                **env,
+                MARKER: marker,
+            },
             preexec_fn=setup,
         )
     finally:

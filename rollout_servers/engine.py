@@ -117,6 +117,9 @@ def engine_args(
         max_model_len=max_model_len,
         seed=seed,
         tensor_parallel_size=tensor_parallel_size,
+        # Its own worker processes, never Ray's executor: under `asyncrl-launch --ray` a
+        # server must not join (or start) a Ray instance of its own.
+        distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
         gpu_memory_utilization=gpu_memory_utilization,
         enforce_eager=enforce_eager,
         max_num_seqs=max_num_seqs,

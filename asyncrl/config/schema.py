@@ -336,7 +336,50 @@ class TrainerConfig(Section):
         return [v] if isinstance(v, str) else v
 
 
+class RayLaunchConfig(Section):
+    address: str = Field(
+        default="auto",
+        description="Ray cluster to join (ray.init address); auto: the running cluster, "
+        "else a local Ray instance started for the run.",
+    )
+    strategy: Literal["PACK", "SPREAD"] = Field(
+        default="PACK", description="Placement group strategy for the run's bundles."
+    )
+    learner_cpus: float = Field(
+        default=1.0, gt=0, description="Ray CPUs of bundle 0 (the learner ranks and the buffer)."
+    )
+    rollout_cpus: float = Field(
+        default=1.0, gt=0, description="Ray CPUs of each rollout server's bundle."
+    )
+    resources: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per bundle kind, e.g. {learner: {trainer_node: 1}, "
+        "rollout: {gen_node: 1}}: ties roles to the nodes that offer them.",
+    )
+    learner_nodes: int = Field(
+        default=1,
+        ge=1,
+        description="Learner nodes: one torchrun per node (trainer.nproc ranks each), meeting "
+        "at bundle 0's node on rdzv_port.",
+    )
+    rdzv_port: int = Field(
+        default=29400, gt=0, lt=65536, description="torchrun rendezvous port (learner_nodes > 1)."
+    )
+    start_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="How long a role's bundle may wait for a node with room (a lost node's "
+        "bundles wait for a new one).",
+    )
+
+
 class LaunchConfig(Section):
+    backend: Literal["local", "ray"] = Field(
+        default="local",
+        description="local: every role a child of asyncrl-launch on this machine; ray: "
+        "placed on a Ray cluster (asyncrl-launch --ray).",
+    )
+    ray: RayLaunchConfig = Field(default_factory=RayLaunchConfig)
     cpus: dict[str, list[int] | list[list[int]]] | None = Field(
         default=None, description="Cores per role, e.g. {learner: [0], rollout: [[1]]}."
     )

@@ -1,0 +1,135 @@
+"""The node side of ``asyncrl-launch --ray``: one small agent per role, on the role's node.
+
+An agent is a Ray actor placed in the role's placement-group bundle. It does not run the
+role in its own process (our roles stay separate processes, as under the local launcher);
+it starts the role's real command line as a child and supervises that child's process tree
+with the local launcher's own machinery (:class:`asyncrl.supervise.Supervisor`: a session
+per role, the tree killed and reaped when the role ends, a watchdog that kills the tree if
+the agent itself dies, say with its node). The launcher drives it with short calls:
+``start``, ``poll``, ``terminate``, ``reap``; the restart rules stay in the launcher.
+
+The role's resolved config and its log live on the agent's node, at the paths the config
+names (``<run dir>/config.yaml``, ``<run dir>/logs/<role>.log``); the launcher reads them
+through :meth:`RoleAgent.tail` and :meth:`RoleAgent.read`. This module never imports
+``ray`` itself: the launcher wraps the class with ``ray.remote``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from asyncrl.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, tail
+from asyncrl.supervise_procs import has_exited, signal_group
+
+# Not inherited by a role: a role (vLLM above all) must not join the Ray instance its agent
+# runs in, nor start one of its own (vLLM picks its Ray executor where it finds Ray).
+RAY_ENV_PREFIXES = ("RAY_",)
+
+
+class _NodeSupervisor(Supervisor):
+    """The local supervisor for one role on this node: its records (``launch.jsonl``,
+    ``pids.json``) are the launcher's to write, not this node's."""
+
+    def _event(self, role: str, event: str, **fields: Any) -> None:
+        pass
+
+    def _write_pids(self) -> None:
+        pass
+
+
+class RoleAgent:
+    """Starts and watches one role's process tree on this node (see the module docstring).
+
+    Every method returns at once; ``poll`` is called about once a second by the launcher.
+    """
+
+    def __init__(self, run_dir: str, name: str, launch_id: str, cwd: str):
+        # Relative paths of the config resolve as at the launcher (same layout per node).
+        if Path(cwd).is_dir():
+            os.chdir(cwd)
+        self.run_dir = Path(run_dir)
+        self.name = name
+        self.launch_id = launch_id
+        self.sup = _NodeSupervisor([], self.run_dir, RestartPolicy())
+        self.sup.begin()
+        self.role: Role | None = None
+
+    def where(self) -> dict[str, Any]:
+        """Where this agent runs: node IP (Ray's view), host name, pid, and whether it
+        shares the launcher's run directory (the launcher wrote its id there)."""
+        import ray
+
+        marker = self.run_dir / ".launch_id"
+        shared = marker.exists() and marker.read_text() == self.launch_id
+        return {
+            "ip": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "hostname": socket.gethostname(),
+            "pid": os.getpid(),
+            "shared_run_dir": shared,
+        }
+
+    def write(self, files: dict[str, str]) -> None:
+        """Write ``files`` (paths relative to the run directory -> text) on this node."""
+        for rel, text in files.items():
+            path = self.run_dir / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
+
+    def start(
+        self, cmd: list[str], env: dict[str, str], attempt: int, cpus: list[int] | None = None
+    ) -> int:
+        """Start the role (attempt ``attempt``, 1 for the first; pinned to ``cpus`` of this
+        node if given); returns its pid."""
+        self.role = Role(self.name, cmd, env=env, cpus=cpus, unset=RAY_ENV_PREFIXES)
+        self.role.attempt = attempt - 1  # Supervisor.start counts this start
+        self.sup.roles = [self.role]
+        self.sup.start(self.role)
+        assert self.role.proc is not None
+        return self.role.proc.pid
+
+    def poll(self) -> int | None:
+        """The role's exit code once it exited (its tree then killed and reaped), else None."""
+        role = self.role
+        if role is None or role.proc is None:
+            return None
+        self.sup._track()
+        if not has_exited(role.proc.pid):
+            return None
+        return self.sup.reap(role)
+
+    def terminate(self) -> None:
+        """SIGTERM the role's process group (a gentle stop; :meth:`reap` makes sure)."""
+        if self.role is not None and self.role.proc is not None:
+            signal_group(self.role.proc.pid, 15)
+
+    def reap(self) -> int | None:
+        """Kill what is left of the role's tree and return its exit code (None: not running)."""
+        if self.role is None or self.role.proc is None:
+            return None
+        return self.sup.reap(self.role)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop the role gently, then firmly; kill whatever of the run is left on this node."""
+        self.sup.stop_all(grace_s)
+
+    def tail(self, lines: int = 30) -> str:
+        """The last lines of the role's log on this node."""
+        return tail(self.run_dir / "logs" / f"{self.name}.log", lines)
+
+    def read(self, rel: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
+        """Up to ``limit`` bytes of ``<run dir>/<rel>`` from ``offset`` (b"" if absent)."""
+        path = self.run_dir / rel
+        if not path.exists():
+            return b""
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(limit)
+
+    def close(self) -> None:
+        self.sup.close()

@@ -1,0 +1,108 @@
+"""The Ray launcher's pure parts and its node agent, without a cluster: bundles and roles
+planned from a config, the copying of files that grow on a node, and the agent driving a
+real process tree (start, poll, stop) with Ray's variables kept out of the role."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from asyncrl.config import load_config
+from asyncrl.launch import commands_text, plan_roles
+from asyncrl.launch_ray import Mirror, learner_roles, plan_placement
+from asyncrl.ray_agent import RoleAgent
+from tests.helpers import wait_until
+
+
+def _cfg(*overrides: str):
+    return load_config("configs/cpu_demo.yaml", list(overrides))
+
+
+def test_bundle_zero_holds_the_learner_and_the_buffer_then_one_bundle_per_server():
+    cfg = _cfg(
+        "launch.ray.resources={learner: {trainer_node: 1}, rollout: {gen_node: 0.5}}",
+        "launch.ray.rollout_cpus=2",
+    )
+    roles = plan_roles(cfg, Path("run/config.yaml"))
+    p = plan_placement(cfg, roles)
+    assert p.bundles == [
+        {"CPU": 1.0, "trainer_node": 1.0},
+        {"CPU": 2.0, "gen_node": 0.5},
+        {"CPU": 2.0, "gen_node": 0.5},
+    ]
+    assert p.bundle_of == {"buffer": 0, "rollout-0": 1, "rollout-1": 2, "learner": 0}
+    assert set(p.gpus_of.values()) == {0.0}  # a CPU run: no GPUs asked for
+    text = commands_text(roles, p.bundle_of)
+    assert "rollout-1: " in text and "--server-id rollout-1" in text and "# bundle 2" in text
+
+
+def test_on_cuda_bundles_carry_the_learner_ranks_and_each_servers_tensor_parallel_gpus():
+    cfg = _cfg(
+        "trainer.device=cuda",
+        "trainer.nproc=4",
+        "rollout.tensor_model_parallel_size=2",
+        "launch.ray.learner_nodes=2",
+        "launch.cpus=null",
+    )
+    roles = learner_roles(cfg, plan_roles(cfg, Path("run/config.yaml")), "10.0.0.7")
+    assert [r.name for r in roles] == ["buffer", "rollout-0", "rollout-1", "learner-1", "learner"]
+    p = plan_placement(cfg, roles)
+    assert [b.get("GPU") for b in p.bundles] == [4.0, 4.0, 2.0, 2.0]
+    assert p.bundle_of["learner-1"] == 1 and p.bundle_of["rollout-0"] == 2
+    assert (p.gpus_of["buffer"], p.gpus_of["learner"], p.gpus_of["rollout-1"]) == (0.0, 4.0, 2.0)
+    learner, other = roles[-1], roles[-2]
+    for role, rank in ((learner, 0), (other, 1)):
+        assert f"--node-rank={rank}" in role.cmd and "--nnodes=2" in role.cmd
+        assert "--master-addr=10.0.0.7" in role.cmd and "--nproc-per-node=4" in role.cmd
+        assert role.restart_args == ["trainer.resume_mode=auto"]
+
+
+def test_a_mirror_appends_only_what_grew(tmp_path):
+    node = tmp_path / "node"
+    (node / "logs").mkdir(parents=True)
+    here = tmp_path / "here"
+
+    def read(rel: str, offset: int) -> bytes:
+        path = node / rel
+        return path.read_bytes()[offset:] if path.exists() else b""
+
+    mirror = Mirror(here, ("metrics.jsonl", "logs/learner.log"))
+    mirror.pull(read)  # nothing there yet
+    (node / "metrics.jsonl").write_text('{"step": 1}\n')
+    mirror.pull(read)
+    with open(node / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2}\n')
+    (node / "logs/learner.log").write_text("hello\n")
+    mirror.pull(read)
+    mirror.pull(read)
+    assert (here / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (here / "logs/learner.log").read_text() == "hello\n"
+
+
+def test_the_agent_runs_a_role_tree_without_rays_variables_and_stops_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")  # as inside a Ray worker
+    agent = RoleAgent(str(tmp_path), "rollout-0", "launch-1", os.getcwd())
+    agent.write({"config.yaml": "a: 1\n"})
+    assert (tmp_path / "config.yaml").read_text() == "a: 1\n"
+    # The role starts a grandchild in a session of its own, then waits.
+    code = (
+        "import os, subprocess, sys, time\n"
+        "print('ray vars:', sorted(k for k in os.environ if k.startswith('RAY_')), flush=True)\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "start_new_session=True)\n"
+        "time.sleep(60)\n"
+    )
+    pid = agent.start([sys.executable, "-c", code], {"X": "1"}, attempt=1)
+    assert pid > 0 and agent.poll() is None
+    wait_until(lambda: "ray vars: []" in agent.tail(), "the role's first line", 20)
+    time.sleep(0.5)  # the grandchild starts
+    agent.sup._track()
+    tree = set(agent.role.known) if agent.role else set()
+    assert len(tree) >= 1, tree
+    agent.stop(grace_s=2.0)
+    assert agent.poll() is None and agent.role is not None and agent.role.proc is None
+    for p in tree | {pid}:
+        assert not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text()
+    agent.close()
