@@ -6,14 +6,18 @@ bundle to the first and the rollout servers' bundles to the second.
 - the demo runs to its last step, each role on its node (from the launcher's records of
   where each process ran), and validation rises as in the local demo;
 - the rollout servers' node is removed mid-run and a new one added: the servers restart on
-  it under their ids, the run finishes, and every task is accounted for.
+  it under their ids, the run finishes, and every task is accounted for;
+- the learner split over two "nodes" (``launch.ray.learner_nodes=2``: two torchruns of one
+  rank each, meeting at bundle 0's node) trains to the end.
 """
 
 from __future__ import annotations
 
 import json
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -26,12 +30,26 @@ from tests.e2e_helpers import (
     run_overrides,
     trained_steps,
 )
-from tests.helpers import wait_until
+from tests.helpers import free_ports, wait_until
 
 pytestmark = pytest.mark.slow
 
-TRAINER = {"trainer_node": 1.0}
+TRAINER = {"trainer_node": 2.0}  # room for two learner bundles
 GEN = {"gen_node": 2.0}
+
+
+@dataclass
+class TwoNodes:
+    cluster: Any  # ray.cluster_utils.Cluster
+    gen: Any  # the rollout servers' node
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    @property
+    def head_id(self) -> str:
+        return self.cluster.head_node.node_id
 
 
 @pytest.fixture
@@ -50,9 +68,9 @@ def cluster(monkeypatch):
             "include_dashboard": False,
         },
     )
-    c.gen = c.add_node(num_cpus=2, resources=GEN, node_ip_address="127.0.0.1")
+    nodes = TwoNodes(c, c.add_node(num_cpus=2, resources=GEN, node_ip_address="127.0.0.1"))
     try:
-        yield c
+        yield nodes
     finally:
         c.shutdown()
 
@@ -82,7 +100,7 @@ def test_the_demo_runs_under_ray_with_each_role_on_its_node(
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:] + role_logs(run)
     nodes = {e["role"]: e["node_id"] for e in _starts(run)}
-    head = cluster.head_node.node_id
+    head = cluster.head_id
     assert nodes == {
         "buffer": head,
         "learner": head,
@@ -125,8 +143,8 @@ def test_the_rollout_node_is_lost_and_replaced_mid_run(
 
         wait_until(lambda: at_step(8), "step 8", 400, every_s=0.5)
         lost = cluster.gen.node_id
-        cluster.remove_node(cluster.gen)
-        new = cluster.add_node(num_cpus=2, resources=GEN, node_ip_address="127.0.0.1")
+        cluster.cluster.remove_node(cluster.gen)
+        new = cluster.cluster.add_node(num_cpus=2, resources=GEN, node_ip_address="127.0.0.1")
         proc.wait(600)
     finally:
         if proc.poll() is None:
@@ -143,3 +161,34 @@ def test_the_rollout_node_is_lost_and_replaced_mid_run(
     acct = [r for r in records if "accounting/train/dealt" in r][-1]
     assert acct["accounting/train/unaccounted"] == 0, acct
     assert acct["accounting/train/trained"] == steps * 16, acct
+
+
+@pytest.mark.timeout(600)
+def test_a_learner_on_two_nodes_meets_at_bundle_zero(
+    tmp_path, demo_model, arithmetic_data, cluster
+):
+    steps = 6
+    overrides = run_overrides(tmp_path, demo_model, arithmetic_data, steps)
+    cmd = [
+        *launch_cmd(overrides),
+        *_ray_overrides(cluster),
+        "launch.ray.learner_nodes=2",
+        f"launch.ray.rdzv_port={free_ports(1)[0]}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "--ray",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=540)
+    run = tmp_path / RUN
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:] + role_logs(run)
+    starts = {e["role"]: e for e in _starts(run)}
+    assert {"learner", "learner-1"} <= starts.keys(), starts
+    for name in ("learner", "learner-1"):
+        assert starts[name]["node_id"] == cluster.head_id
+    commands = (run / "commands.txt").read_text()
+    assert "--nnodes=2" in commands and "--node-rank=1" in commands
+    records = read_metrics(run)
+    assert [r["step"] for r in trained_steps(records)] == list(range(1, steps + 1))
+    # Both ranks took part, one under each torchrun.
+    assert "learner rank 0/2" in (run / "logs" / "learner.log").read_text()
+    assert "learner rank 1/2" in (run / "logs" / "learner-1.log").read_text()

@@ -11,8 +11,9 @@ from pathlib import Path
 
 from asyncrl.config import load_config
 from asyncrl.launch import commands_text, plan_roles
-from asyncrl.launch_ray import Mirror, learner_roles, plan_placement
+from asyncrl.launch_ray import Mirror
 from asyncrl.ray_agent import RoleAgent
+from asyncrl.ray_plan import learner_roles, plan_placement
 from tests.helpers import wait_until
 
 
