@@ -328,6 +328,7 @@ def main_ray(cfg: Config) -> int:
     from asyncrl.config import run_dir as run_dir_of
     from asyncrl.config import write_resolved
     from asyncrl.launch import commands_text, drive, plan_roles
+    from asyncrl.security import exposure_problem
 
     # Absolute, so that every node resolves the run directory alike.
     cfg.trainer.default_local_dir = str(Path(cfg.trainer.default_local_dir).resolve())
@@ -355,6 +356,9 @@ def main_ray(cfg: Config) -> int:
         # Bundle 0's node is where the coordinator and the buffer listen.
         host = sup._call(sup.agent(names[0]), "where", timeout_s=ray_cfg.start_timeout_s)["ip"]
         cfg.endpoints.host = host
+        if (why := exposure_problem(cfg.endpoints)) is not None:  # now a network address
+            log.error("%s", why)
+            return 2
         config_path = write_resolved(cfg)
         sup.roles = learner_roles(cfg, plan_roles(cfg, config_path), host)
         sup.files = {str(config_path.relative_to(run_dir)): config_path.read_text()}

@@ -24,6 +24,7 @@ from asyncrl.weight_sync import (
     plan_buckets,
     send_weights,
     specs_of,
+    store_prefix,
 )
 
 if TYPE_CHECKING:
@@ -112,7 +113,7 @@ class WeightPusher:
     def _form(self, rnd: SyncRound) -> Any:
         return form_group(
             self.store,
-            rnd.generation,
+            store_prefix(self.coordinator.sync_secret, rnd.generation),
             0,
             rnd.world_size,
             backend=self.backend,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import zmq
 
-from asyncrl import wire
+from asyncrl import security, wire
 from asyncrl.wire.base import encode
 
 if TYPE_CHECKING:
@@ -66,9 +66,18 @@ def config_endpoint(endpoints_cfg: EndpointsConfig, name: str) -> str:
 
 
 def bind(sock: zmq.Socket, addr: str) -> str:
-    """Bind and return the actual endpoint (the chosen port when ``addr`` ends in ``*``)."""
+    """Bind (as a CURVE server when the process is configured so, see
+    :mod:`asyncrl.security`) and return the actual endpoint (the chosen port when ``addr``
+    ends in ``*``)."""
+    security.secure_server(sock)
     sock.bind(addr)
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+
+def connect(sock: zmq.Socket, addr: str) -> None:
+    """Connect (with this role's CURVE key when the process is configured so)."""
+    security.secure_client(sock)
+    sock.connect(addr)
 
 
 def make_socket(
@@ -109,7 +118,7 @@ class TrajectoryPusher:
         self._own_ctx = context is None
         self._ctx = context or zmq.Context()
         self._sock = make_socket(self._ctx, zmq.PUSH, linger_s=linger_s, sndhwm=hwm)
-        self._sock.connect(addr)
+        connect(self._sock, addr)
         self._lock = threading.Lock()
         self.total_wait_s = 0.0
         self.sent = 0
@@ -208,7 +217,7 @@ class ReqClient:
         self._sock = make_socket(self._ctx, zmq.REQ)
         self._sock.setsockopt(zmq.REQ_RELAXED, 1)
         self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
-        self._sock.connect(addr)
+        connect(self._sock, addr)
 
     def request_frames(
         self, frames: Sequence[wire.Frame], timeout_s: float | None = None
@@ -216,6 +225,10 @@ class ReqClient:
         """Send a request and wait up to ``timeout_s`` (default: the client's) for the
         reply; raises ``TimeoutError`` when none comes."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        # The send can block too: with no usable connection (a handshake refused, say for
+        # a wrong key) a REQ socket has nowhere to queue the request.
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
+            raise TimeoutError(f"cannot send to {self.addr} within {timeout_s:.1f}s")
         self._sock.send_multipart(frames, copy=False)
         if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise TimeoutError(f"no reply from {self.addr} within {timeout_s:.1f}s")

@@ -163,6 +163,13 @@ def open_store(host: str, port: int, *, is_host: bool, timeout_s: float):
         ) from e
 
 
+def store_prefix(secret: str, generation: str) -> str:
+    """The key space of sync group ``generation``: behind the coordinator's session secret,
+    which only registered servers learn, so a client of the store that does not know it
+    cannot find a group by its generation's name or join one."""
+    return f"{secret}/{generation}" if secret else generation
+
+
 def form_group(
     store,
     generation: str | int,

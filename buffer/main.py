@@ -18,9 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_role_args(
         "asyncrl-buffer", "Hold complete groups and release training batches.", GROUPS, argv
     )
-    from asyncrl import startup
+    from asyncrl import security, startup
     from asyncrl.config import run_dir
     from buffer.service import BufferService  # after the config is known to be good
+
+    security.configure(cfg.endpoints, "buffer")
 
     startup.mark(run_dir(cfg), "buffer", "started")
     service = BufferService.from_config(cfg)

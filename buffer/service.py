@@ -32,9 +32,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
 import zmq
 
-from asyncrl import wire
+from asyncrl import security, wire
 from asyncrl.transport import Held, HeldRequests, RouterService, bind, config_endpoint, make_socket
 from buffer.core import ReplayBuffer
 from buffer.rollout_log import RolloutLog
@@ -326,7 +327,8 @@ class BufferService:
         :class:`~asyncrl.wire.NoBatch` once its wait ended, else None (it waits on)."""
         if force or self.buffer.can_release():
             batch = self.buffer.release(held.msg.policy_version, held.msg.consumer_id)
-            if batch is not None:
+            if batch is not None:  # with the service's counters (rejects, refusals, rates)
+                batch = msgspec.structs.replace(batch, metrics=self.metrics())
                 return wire.encode_batch(batch)
         if held.expired(now):
             return wire.NoBatch(ready=self.buffer.ready, needed=self.buffer.batch_size)
@@ -340,6 +342,9 @@ class BufferService:
         """
         out = self.buffer.metrics() | self.stats.metrics(time.monotonic())
         out["buffer/pending_requests"] = float(len(self._held))
+        out |= {
+            k.replace("security/", "buffer/security/"): v for k, v in security.metrics().items()
+        }
         return out
 
 

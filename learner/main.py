@@ -24,8 +24,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     import os
 
-    from asyncrl import startup
+    from asyncrl import security, startup
     from asyncrl.config import run_dir
+
+    security.configure(cfg.endpoints, "learner")
 
     if os.environ.get("RANK", "0") == "0":
         startup.mark(run_dir(cfg), "learner", "started")

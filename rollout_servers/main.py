@@ -21,7 +21,7 @@ import signal
 import socket
 from typing import TYPE_CHECKING
 
-from asyncrl import startup
+from asyncrl import security, startup
 from asyncrl.cli import parse_role_args
 from asyncrl.config import run_dir
 from asyncrl.config.inputs import MODEL, REWARD
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         needs=(MODEL, REWARD),
     )
     server_id = args.server_id or f"rollout-{socket.gethostname()}-{os.getpid()}"
+    security.configure(cfg.endpoints, "rollout")
     startup.mark(run_dir(cfg), server_id, "started")
     if cfg.trainer.device == "cpu":  # vLLM on CPU claims most of RAM unless told otherwise
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.rollout.cpu_kvcache_space_gb))

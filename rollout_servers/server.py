@@ -21,6 +21,7 @@ from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
 from asyncrl.rewards import ScoreJob, ScoreResult
+from asyncrl.weight_sync import store_prefix
 from rollout_servers.engine import Sample, SyncJoin
 from rollout_servers.groups import SamplingSettings, build_group, sampling_params
 from rollout_servers.protocols import (
@@ -274,7 +275,7 @@ class RolloutServer:
         return SyncJoin(
             host=reg.sync_store_host,
             port=reg.sync_store_port,
-            generation=start.generation,
+            generation=store_prefix(reg.sync_secret, start.generation),
             rank_offset=start.rank,
             world_size=start.world_size,
             backend=start.backend,

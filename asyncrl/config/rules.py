@@ -107,9 +107,19 @@ def cross_field_problems(cfg: Config) -> list[str]:
 
 
 def _endpoint_problems(cfg: Config) -> list[str]:
-    ports = cfg.endpoints.model_dump(exclude={"host"})
+    from asyncrl.security import exposure_problem
+
+    ports = cfg.endpoints.model_dump(include={"tasks", "trajectories", "batches", "control"})
+    ports["sync_store"] = cfg.endpoints.sync_store
     seen: dict[int, str] = {}
     out = []
+    if (why := exposure_problem(cfg.endpoints)) is not None:
+        out.append(why)
+    if cfg.endpoints.auth == "curve" and not cfg.endpoints.keys_dir:
+        out.append(
+            "endpoints.auth=curve needs endpoints.keys_dir: create the keys with "
+            "asyncrl-prepare keys --out DIR and set endpoints.keys_dir=DIR"
+        )
     for name, port in ports.items():
         if port in seen:
             out.append(f"endpoints.{name}={port} is also endpoints.{seen[port]}; give each its own")

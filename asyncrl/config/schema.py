@@ -302,6 +302,19 @@ class EndpointsConfig(Section):
     batches: int = Field(default=5553, gt=0, lt=65536, description="Buffer batch port.")
     control: int = Field(default=5554, gt=0, lt=65536, description="Coordinator control port.")
     sync_store: int = Field(default=5555, gt=0, lt=65536, description="Weight-sync TCPStore port.")
+    auth: Literal["none", "curve"] = Field(
+        default="none",
+        description="curve: every socket authenticated with the run's keys (ZeroMQ CURVE); "
+        "required to listen on a network address unless endpoints.insecure.",
+    )
+    keys_dir: str | None = Field(
+        default=None, description="The run's keys (asyncrl-prepare keys --out DIR), on every node."
+    )
+    insecure: bool = Field(
+        default=False,
+        description="Listen on a network address without authentication (a private network "
+        "you trust).",
+    )
 
 
 class TrainerConfig(Section):

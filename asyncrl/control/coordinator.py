@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+from asyncrl import security
 from asyncrl.config import Config
 from asyncrl.control.loop import ControlLoop, poll_buffer
 from asyncrl.control.state import ControlState, ValidationProgress
@@ -156,6 +157,11 @@ class Coordinator:
         return self._loop.control_addr
 
     # ------------------------------------------------------------------ learner API
+    @property
+    def sync_secret(self) -> str:
+        """This session's secret part of the sync groups' store prefix (fixed per session)."""
+        return self._state.sync_secret
+
     @property
     def version(self) -> int:
         with self._lock:
@@ -294,7 +300,7 @@ class Coordinator:
     def metrics(self) -> dict[str, float]:
         """Every ``coordinator/...`` metric: budget, tasks, servers, syncs, waits."""
         with self._lock:
-            return self._state.metrics() | self._loop.metrics()
+            return self._state.metrics() | self._loop.metrics() | security.metrics()
 
     def shutdown(self, reason: str = "training done", wait_s: float = 10.0) -> bool:
         """End the run: tell every registered server, then the buffer, then stop serving.

@@ -203,6 +203,9 @@ class Registered(Message, tag="registered"):
     heartbeat_s: float
     dead_after_s: float
     catchup: bool  # a catch-up sync comes before the first task
+    # The session's secret part of every sync group's store prefix: only registered servers
+    # learn it (over the control channel, authenticated with endpoints.auth: curve).
+    sync_secret: str = ""
 
 
 class Announcement(Message, tag="announcement"):

@@ -103,6 +103,7 @@ class ControlState:
         self.test_freq = test_freq
         self.val_before_train = val_before_train
         self.session = secrets.token_hex(4)
+        self.sync_secret = secrets.token_hex(16)  # in every sync group's store prefix
         self.servers: dict[str, ServerRecord] = {}
         self.shutting_down = ""  # the reason, once shutdown has begun
         self.step = 0  # the learner's last reported step
@@ -168,6 +169,7 @@ class ControlState:
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
             catchup=self.needs_catchup(rec),
+            sync_secret=self.sync_secret,
         )
 
     def touch(self, server_id: str, now: float) -> ServerRecord | None:

@@ -92,14 +92,30 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--max-operand", type=int, default=9, help="arithmetic: largest operand")
     d.add_argument("--ops", default="+", help="arithmetic: operators, e.g. '+-*'")
     p.add_argument("--log-level", default="INFO")
+    k = sub.add_parser(
+        "keys", help="write the run's CURVE keys: a server pair and one pair per role"
+    )
+    k.add_argument("--out", required=True, help="directory (give it to every node of the run)")
     return p
+
+
+def prepare_keys(args: argparse.Namespace) -> dict:
+    from asyncrl.security import write_keys
+
+    files = write_keys(Path(args.out))
+    return {
+        "keys_dir": str(args.out),
+        "files": sorted(f.name for f in files),
+        "use": f"endpoints.auth=curve endpoints.keys_dir={args.out}",
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     setup_logging(args.log_level)
     try:
-        report = prepare_model(args) if args.command == "model" else prepare_data(args)
+        run = {"model": prepare_model, "data": prepare_data, "keys": prepare_keys}[args.command]
+        report = run(args)
     except (ValueError, KeyError) as e:
         sys.stderr.write(f"asyncrl-prepare {args.command}: {e}\n")
         return 2

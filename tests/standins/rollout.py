@@ -200,7 +200,7 @@ class StandInRollout:
 
     def _sync(self, start: SyncStart) -> None:
         """Join the sync group (reused while the generation is unchanged) and receive."""
-        from asyncrl.weight_sync import form_group, open_store, receive_weights
+        from asyncrl.weight_sync import form_group, open_store, receive_weights, store_prefix
         from tests.standins.weights import digest
 
         t0 = time.monotonic()
@@ -221,7 +221,7 @@ class StandInRollout:
                 self._group, self._generation = None, ""
                 self._group = form_group(
                     self._store,
-                    start.generation,
+                    store_prefix(reg.sync_secret, start.generation),
                     start.rank,
                     start.world_size,
                     backend=start.backend,

@@ -1,0 +1,272 @@
+"""Who may connect: ZeroMQ CURVE on every asyncrl socket, and the rule that keeps a run
+from listening on a network unauthenticated.
+
+With ``endpoints.auth: curve`` every socket a role binds (the coordinator's task and
+control sockets, the buffer's trajectory and batch sockets) is a CURVE server with the
+run's server key, and every socket a role connects presents its role's client key. A ZAP
+handler in each serving process accepts only the client keys found in
+``endpoints.keys_dir`` (written by ``asyncrl-prepare keys``); any other peer (no key, a
+key of another run) is refused before a single message of it is read, counted
+(``security/rejected_connections``) and logged once per peer address with the fix.
+
+The setting is per process: each role's ``main`` calls :func:`configure` once, and
+:func:`asyncrl.transport.bind` / :func:`asyncrl.transport.connect` apply it to every
+socket. A process that never calls it (a test, a tool) uses plain TCP.
+
+Key files are ZeroMQ's own certificates: ``server.key`` / ``server.key_secret`` and one
+pair per role (``learner``, ``buffer``, ``rollout``). Every node of a run needs the
+directory; the secret files are the credentials (keep them mode 600).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import sys
+import threading
+import weakref
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import zmq
+from zmq.utils import z85
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import EndpointsConfig
+
+log = logging.getLogger(__name__)
+
+KEY_ROLES = ("learner", "buffer", "rollout")  # client key pairs: one per role
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+ZAP_DOMAIN = b"asyncrl"
+
+
+def write_keys(out: Path) -> list[Path]:
+    """Create the run's key pairs in ``out`` (the server's and one per role); returns the
+    files written. Existing keys are replaced."""
+    import zmq.auth
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name in ("server", *KEY_ROLES):
+        public, secret = zmq.auth.create_certificates(str(out), name)
+        Path(secret).chmod(0o600)
+        written += [Path(public), Path(secret)]
+    return written
+
+
+@dataclass
+class Keys:
+    """The keys one process uses (z85 bytes): the server pair (a serving role holds its
+    secret), its own client pair, and the client public keys the run accepts."""
+
+    server_public: bytes
+    server_secret: bytes | None
+    client_public: bytes
+    client_secret: bytes
+    allowed: dict[bytes, str]  # client public key -> role name
+
+    @classmethod
+    def load(cls, keys_dir: str | Path, role: str) -> Keys:
+        import zmq.auth
+
+        d = Path(keys_dir)
+        missing = [
+            p
+            for p in [d / "server.key", d / f"{role}.key_secret"]
+            + [d / f"{r}.key" for r in KEY_ROLES]
+            if not p.is_file()
+        ]
+        if missing:
+            raise FileNotFoundError(
+                f"endpoints.keys_dir={keys_dir}: missing {', '.join(map(str, missing))} "
+                f"(create them with: asyncrl-prepare keys --out {keys_dir})"
+            )
+        server_public, _ = zmq.auth.load_certificate(str(d / "server.key"))
+        server_secret = None
+        if (d / "server.key_secret").is_file():
+            _, server_secret = zmq.auth.load_certificate(str(d / "server.key_secret"))
+        client_public, client_secret = zmq.auth.load_certificate(str(d / f"{role}.key_secret"))
+        assert client_secret is not None  # a .key_secret file holds both halves
+        allowed = {zmq.auth.load_certificate(str(d / f"{r}.key"))[0]: r for r in KEY_ROLES}
+        return cls(server_public, server_secret, client_public, client_secret, allowed)
+
+
+@dataclass
+class _Settings:
+    keys: Keys | None = None  # None: plain TCP
+    counts: Counter[str] = field(default_factory=Counter)
+    # One ZAP handler per context, gone with it (a new context gets its own).
+    handlers: weakref.WeakKeyDictionary[zmq.Context, ZapHandler] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_SETTINGS = _Settings()
+
+
+def configure(endpoints: EndpointsConfig, role: str) -> None:
+    """This process is ``role``; with ``endpoints.auth: curve`` its sockets use CURVE."""
+    if endpoints.auth == "curve":
+        assert endpoints.keys_dir is not None  # the config rules require it
+        try:
+            _SETTINGS.keys = Keys.load(endpoints.keys_dir, role)
+        except FileNotFoundError as e:  # a config problem: exit 2, never restarted
+            sys.stderr.write(f"{e}\n")
+            raise SystemExit(2) from None
+        log.info("transport: CURVE, %s's key, accepting %d role keys", role, len(KEY_ROLES))
+    else:
+        _SETTINGS.keys = None
+
+
+def reset() -> None:
+    """Back to plain TCP (tests)."""
+    _SETTINGS.keys = None
+
+
+def metrics() -> dict[str, float]:
+    """``security/...`` counters of this process."""
+    return {f"security/{k}": float(v) for k, v in sorted(_SETTINGS.counts.items())}
+
+
+def secure_server(sock: zmq.Socket) -> None:
+    """Before ``bind``: make ``sock`` a CURVE server checked by this context's ZAP handler."""
+    keys = _SETTINGS.keys
+    if keys is None:
+        return
+    if keys.server_secret is None:
+        raise FileNotFoundError("server.key_secret is missing: this role cannot serve")
+    with _SETTINGS.lock:
+        ctx = sock.context
+        if ctx not in _SETTINGS.handlers:
+            _SETTINGS.handlers[ctx] = ZapHandler(ctx, keys.allowed, _SETTINGS.counts)
+    sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
+    sock.curve_secretkey = keys.server_secret
+    sock.curve_publickey = keys.server_public
+    sock.curve_server = True
+    _watch_handshakes(sock)
+
+
+HANDSHAKE_FAILURES = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
+def _watch_handshakes(sock: zmq.Socket) -> None:
+    """Count the peers whose handshake failed before any key was checked (a plain-TCP
+    client, a garbled greeting): libzmq refuses them without asking the ZAP handler."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
+
+    def watch() -> None:
+        """Consumes the socket's handshake-failure events until the socket closes."""
+        warned = False
+        while True:
+            try:
+                event = recv_monitor_message(monitor)
+            except zmq.ZMQError:  # the context is terminated
+                monitor.close(0)
+                return
+            if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                monitor.close(0)
+                return
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                continue  # the ZAP handler counted and explained it
+            _SETTINGS.counts["rejected_connections"] += 1
+            if not warned:
+                warned = True
+                log.warning(
+                    "refused a connection to %s: no CURVE handshake from the peer (a "
+                    "client without the run's keys, or not an asyncrl role); "
+                    "give it the run's keys (endpoints.auth=curve, endpoints.keys_dir)",
+                    event.get("endpoint", b"?").decode(errors="replace"),
+                )
+
+    threading.Thread(target=watch, name="handshakes", daemon=True).start()
+
+
+def secure_client(sock: zmq.Socket) -> None:
+    """Before ``connect``: present this role's client key and expect the run's server."""
+    keys = _SETTINGS.keys
+    if keys is None:
+        return
+    sock.curve_serverkey = keys.server_public
+    sock.curve_publickey = keys.client_public
+    sock.curve_secretkey = keys.client_secret
+
+
+class ZapHandler:
+    """ZeroMQ's authentication hook for one context (RFC 27): a thread answering the
+    library's questions on ``inproc://zeromq.zap.01``. Accepts a CURVE peer whose public
+    key is one of the run's; refuses anything else, counted and logged once per address."""
+
+    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str], counts: Counter[str]):
+        self.allowed = allowed
+        self.counts = counts
+        self.warned: set[str] = set()
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(ZAP_ENDPOINT)
+        self.thread = threading.Thread(target=self._serve, name="zap", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        """Consumes ZAP requests; produces one reply each. Waits on its socket; unblocked
+        by each connection attempt, ended by the context's termination."""
+        while True:
+            try:
+                frames = self.sock.recv_multipart()
+            except zmq.ZMQError:  # the context is terminated: let its term() finish
+                self.sock.close(0)
+                return
+            self.sock.send_multipart(self._answer(frames))
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        version, request_id = frames[0], frames[1]
+        address = frames[3].decode(errors="replace") if len(frames) > 3 else "?"
+        mechanism = frames[5] if len(frames) > 5 else b""
+        role = None
+        if mechanism == b"CURVE" and len(frames) > 6:
+            role = self.allowed.get(z85.encode(frames[6]))
+        if role is not None:
+            self.counts["accepted_connections"] += 1
+            return [version, request_id, b"200", b"OK", role.encode(), b""]
+        self.counts["rejected_connections"] += 1
+        if address not in self.warned:
+            self.warned.add(address)
+            log.warning(
+                "refused a connection from %s (%s): its key is not one of this run's; give "
+                "it the run's keys (endpoints.keys_dir, from asyncrl-prepare keys)",
+                address,
+                "no CURVE key" if mechanism != b"CURVE" else "unknown CURVE key",
+            )
+        return [version, request_id, b"400", b"unknown key", b"", b""]
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` (``endpoints.host``) reaches this machine only."""
+    if host.startswith("ipc://") or host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(endpoints: EndpointsConfig) -> str | None:
+    """Why these endpoints may not be used as configured (None: fine): a network address
+    without authentication needs one of two explicit choices."""
+    if endpoints.auth == "curve" or endpoints.insecure or loopback(endpoints.host):
+        return None
+    return (
+        f"endpoints.host={endpoints.host} listens on a network without authentication: "
+        "anyone who reaches it could push training data or take tasks. Either create keys "
+        "(asyncrl-prepare keys --out DIR) and set endpoints.auth=curve endpoints.keys_dir=DIR, "
+        "or, on a private network you trust, set endpoints.insecure=true"
+    )

@@ -1,0 +1,101 @@
+"""Authenticated transport: CURVE on real sockets on 127.0.0.1, keys from
+``asyncrl-prepare keys``; the run's own roles get through, a stranger's key or no key does
+not (refused, counted), and a network address without authentication is refused at start."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from asyncrl import security
+from asyncrl.config import ConfigError, load_config
+from asyncrl.transport import bind, connect
+from tests.helpers import wait_until
+
+
+@pytest.fixture
+def keys(tmp_path):
+    security.write_keys(tmp_path / "keys")
+    yield tmp_path / "keys"
+    security.reset()
+
+
+def _cfg(*overrides: str):
+    return load_config("configs/cpu_demo.yaml", list(overrides))
+
+
+def _received(pull: zmq.Socket, within_s: float) -> list[bytes]:
+    out, deadline = [], time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if pull.poll(50):
+            out.append(pull.recv())
+    return out
+
+
+def test_only_the_runs_keys_get_through(keys):
+    security.configure(
+        _cfg("endpoints.auth=curve", f"endpoints.keys_dir={keys}").endpoints, "buffer"
+    )
+    ctx = zmq.Context()
+    socks = []
+    try:
+        pull = ctx.socket(zmq.PULL)
+        socks.append(pull)
+        addr = bind(pull, "tcp://127.0.0.1:*")
+        before = security.metrics().get("security/rejected_connections", 0.0)
+        # A role of the run: its key is one of the run's.
+        good = ctx.socket(zmq.PUSH)
+        socks.append(good)
+        connect(good, addr)
+        good.send(b"from the run")
+        # A stranger with a CURVE key of its own, and a plain-TCP peer.
+        rogue = ctx.socket(zmq.PUSH)
+        socks.append(rogue)
+        public, secret = zmq.curve_keypair()
+        rogue.curve_serverkey = security._SETTINGS.keys.server_public  # type: ignore[union-attr]
+        rogue.curve_publickey, rogue.curve_secretkey = public, secret
+        rogue.connect(addr)
+        plain = ctx.socket(zmq.PUSH)
+        socks.append(plain)
+        plain.connect(addr)
+        for sock in (rogue, plain):  # queued on their side: the handshake never completes
+            sock.send(b"poison", flags=zmq.NOBLOCK)
+        got = _received(pull, 1.5)
+        assert got == [b"from the run"]
+        wait_until(
+            lambda: security.metrics()["security/rejected_connections"] >= before + 2,
+            "both strangers to be refused and counted",
+            10,
+        )
+        assert security.metrics()["security/accepted_connections"] >= 1
+    finally:
+        # Each socket closed by its owner, then term(): the ZAP handler and the handshake
+        # watcher close theirs when the context ends (destroy() would close them under
+        # their threads' feet).
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+
+
+def test_a_network_address_without_authentication_is_refused_with_both_fixes():
+    with pytest.raises(ConfigError) as e:
+        _cfg("endpoints.host=10.1.2.3")
+    text = str(e.value)
+    assert "endpoints.host=10.1.2.3" in text
+    assert "asyncrl-prepare keys" in text and "endpoints.auth=curve" in text
+    assert "endpoints.insecure=true" in text
+    # Either way out is accepted; loopback needs neither.
+    assert _cfg("endpoints.host=10.1.2.3", "endpoints.insecure=true").endpoints.insecure
+    _cfg("endpoints.host=10.1.2.3", "endpoints.auth=curve", "endpoints.keys_dir=k")
+    _cfg("endpoints.host=127.0.0.1")
+    with pytest.raises(ConfigError, match="needs endpoints.keys_dir"):
+        _cfg("endpoints.auth=curve")
+
+
+def test_missing_keys_name_the_command_that_makes_them(tmp_path):
+    endpoints = _cfg("endpoints.auth=curve", f"endpoints.keys_dir={tmp_path}").endpoints
+    with pytest.raises(SystemExit) as e:
+        security.configure(endpoints, "rollout")
+    assert e.value.code == 2
