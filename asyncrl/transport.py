@@ -81,10 +81,20 @@ def connect(sock: zmq.Socket, addr: str) -> None:
 
 
 def make_socket(
-    ctx: zmq.Context, kind: int, *, linger_s: float = 0.0, sndhwm: int = 0, rcvhwm: int = 0
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    linger_s: float = 0.0,
+    sndhwm: int = 0,
+    rcvhwm: int = 0,
+    max_message_bytes: int = 0,
 ) -> zmq.Socket:
-    """A socket with linger and high-water marks set (0 leaves zmq's default HWM, 1000)."""
+    """A socket with linger and high-water marks set (0 leaves zmq's default HWM, 1000).
+    ``max_message_bytes`` > 0: a peer that sends a larger frame is disconnected by zmq
+    before the frame is read (what one hostile message can cost is bounded)."""
     sock = ctx.socket(kind)
+    if max_message_bytes:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
     if sndhwm:
         sock.setsockopt(zmq.SNDHWM, sndhwm)
@@ -287,11 +297,13 @@ class RouterService(Generic[M]):
         *,
         on_reject: Callable[[wire.WireError], None],
         counts: Counter[str],
+        max_message_bytes: int = 0,
+        rcvhwm: int = 1000,
     ):
         self.decode = decode
         self.on_reject = on_reject
         self.counts = counts
-        self.sock = make_socket(ctx, zmq.ROUTER)
+        self.sock = make_socket(ctx, zmq.ROUTER, rcvhwm=rcvhwm, max_message_bytes=max_message_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a departed peer raises
         self.endpoint = bind(self.sock, addr)
 

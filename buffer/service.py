@@ -96,6 +96,7 @@ class BufferService:
             seed=cfg.trainer.seed,
         )
         limits = wire.Limits(
+            max_message_bytes=int(b.max_message_mb * 2**20),
             max_prompt_len=cfg.data.max_prompt_length,
             max_response_len=cfg.data.max_response_length,
         )
@@ -164,7 +165,8 @@ class BufferService:
         or their ``wait_s`` runs out; incomplete groups are expired on the way.
         """
         ctx = zmq.Context()
-        pull = make_socket(ctx, zmq.PULL, rcvhwm=self.rcvhwm)
+        limit = self.limits.max_message_bytes
+        pull = make_socket(ctx, zmq.PULL, rcvhwm=self.rcvhwm, max_message_bytes=limit)
         router = None
         try:
             self.trajectories_endpoint = bind(pull, self.trajectories_endpoint)
@@ -176,6 +178,8 @@ class BufferService:
                 self._decode,
                 on_reject=self._reject,
                 counts=self.stats.io,
+                max_message_bytes=limit,
+                rcvhwm=self.rcvhwm,
             )
             self.batches_endpoint = router.endpoint
             log.info(

@@ -99,3 +99,55 @@ def test_missing_keys_name_the_command_that_makes_them(tmp_path):
     with pytest.raises(SystemExit) as e:
         security.configure(endpoints, "rollout")
     assert e.value.code == 2
+
+
+def test_a_frame_over_the_limit_is_never_read_and_the_service_goes_on():
+    """``max_message_bytes`` on a served socket: zmq drops a peer that sends a larger frame
+    before reading it; the next client is served as usual."""
+    from collections import Counter
+
+    from asyncrl import wire
+    from asyncrl.transport import ReqClient, RouterService
+    from asyncrl.wire.base import encode
+
+    ctx = zmq.Context()
+    counts: Counter[str] = Counter()
+    rejected: list[wire.WireError] = []
+    service = RouterService(
+        ctx,
+        "tcp://127.0.0.1:*",
+        wire.decode_request,
+        on_reject=rejected.append,
+        counts=counts,
+        max_message_bytes=4096,
+    )
+    big, small = (
+        ReqClient(service.endpoint, timeout_s=1.0),
+        ReqClient(service.endpoint, timeout_s=5.0),
+    )
+    try:
+        with pytest.raises(TimeoutError):
+            big.request_frames([b"x" * 100_000])
+        assert list(service.receive()) == [] and not rejected  # never read, never decoded
+        small._sock.send_multipart([encode(wire.StatsRequest())])
+        wait_until(lambda: service.sock.poll(0), "the small request to arrive", 5)
+        [(envelope, request)] = list(service.receive())
+        assert isinstance(request, wire.StatsRequest)
+    finally:
+        big.close()
+        small.close()
+        service.close()
+        ctx.term()
+
+
+def test_a_control_message_holds_a_bounded_number_of_items():
+    import msgspec
+
+    from asyncrl.control import messages as m
+
+    ok = m.Register(server_id="s", task_ids=["t"] * 10)
+    back = m.decode_request(msgspec.msgpack.encode(ok))
+    assert isinstance(back, m.Register) and back.task_ids == ["t"] * 10
+    huge = msgspec.msgpack.encode(m.Register(server_id="s", task_ids=["t"] * 70_000))
+    with pytest.raises(Exception, match="65536"):
+        m.decode_request(huge)

@@ -39,6 +39,10 @@ from asyncrl.wire.base import encode as encode  # re-exported
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ServerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
+TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
+# Bounds on what one message from a server may hold: a hostile or broken peer costs at most
+# one message's worth of memory and time (a server holds far fewer tasks than this).
+TaskIds = Annotated[list[TaskId], msgspec.Meta(max_length=65536)]
 
 # A request is small: a task ack of a few thousand ids at most.
 MAX_REQUEST_BYTES = 4 << 20
@@ -103,7 +107,7 @@ class TaskAck(Message, tag="task_ack"):
     """These tasks' groups were handed whole to the trajectory socket: never re-deal them."""
 
     server_id: ServerId
-    task_ids: list[str]
+    task_ids: TaskIds
 
 
 class TaskNack(Message, tag="task_nack"):
@@ -114,7 +118,7 @@ class TaskNack(Message, tag="task_nack"):
     """
 
     server_id: ServerId
-    task_ids: list[str]
+    task_ids: TaskIds
     reason: Text = ""
 
 
@@ -133,19 +137,22 @@ class Register(Message, tag="register"):
     pid: int = 0
     # Tasks it is still generating (a registration after the coordinator restarted): they
     # stay its own instead of being dealt a second time.
-    task_ids: list[str] = []
+    task_ids: TaskIds = []
 
 
 class Heartbeat(Message, tag="heartbeat"):
     """Liveness plus a watch: answered when there is news newer than ``seen_*``."""
 
     server_id: ServerId
-    session: str  # the coordinator session the server registered with
+    session: Annotated[str, msgspec.Meta(max_length=64)]  # the session it registered with
     policy_version: NonNeg  # weights it holds
     seen_version: NonNeg  # latest announced version it has seen
     seen_sync: NonNeg  # latest sync_id it has seen (0: none)
     wait_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0
-    metrics: dict[str, float] = {}  # the server's own (e.g. rollout/tokens_per_s), for logs
+    # The server's own (e.g. rollout/tokens_per_s), for logs.
+    metrics: Annotated[
+        dict[Annotated[str, msgspec.Meta(max_length=256)], float], msgspec.Meta(max_length=1024)
+    ] = {}
 
 
 class SyncDone(Message, tag="sync_done"):
