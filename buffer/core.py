@@ -12,7 +12,8 @@ Life of a task id (DESIGN.md section 4):
 4. :meth:`release` takes the learner's current version ``v`` (the highest any request
    reported: versions never go backwards), drops pooled groups whose lag, ``v`` minus the
    oldest version among their tokens, exceeds ``max_policy_lag`` (such a group could never be
-   used), then returns a batch of ``batch_size`` groups: oldest first, each once (``fifo``),
+   used), then returns a batch of ``batch_size`` groups: oldest first (by policy version, then
+   arrival), each once (``fifo``),
    or sampled uniformly, each at most ``max_reuse`` times (``uniform``).
 5. A released batch stays *unacknowledged* until :meth:`ack`. :meth:`restart` (a consumer
    restarted) queues the unacknowledged batches released to it for release again, in batch
@@ -241,7 +242,11 @@ class ReplayBuffer:
         if len(s.pool) < self.batch_size:
             return None
         if self.policy == "fifo":
-            picked = list(s.pool)[: self.batch_size]
+            # Oldest policy version first, then arrival: a group that finished late (a long
+            # generation, a slow server) is trained before it goes stale instead of being
+            # overtaken by fresher ones and dropped for lag.
+            by_age = sorted(s.pool, key=lambda t: s.held[t].oldest_version)  # stable
+            picked = by_age[: self.batch_size]
         else:
             picked = self._rng.sample(list(s.pool), self.batch_size)
         groups, lags = [], Counter()

@@ -96,7 +96,6 @@ class BufferService:
             seed=cfg.trainer.seed,
         )
         limits = wire.Limits(
-            max_message_bytes=int(b.max_message_mb * 2**20),
             max_prompt_len=cfg.data.max_prompt_length,
             max_response_len=cfg.data.max_response_length,
         )
@@ -165,8 +164,7 @@ class BufferService:
         or their ``wait_s`` runs out; incomplete groups are expired on the way.
         """
         ctx = zmq.Context()
-        limit = self.limits.max_message_bytes
-        pull = make_socket(ctx, zmq.PULL, rcvhwm=self.rcvhwm, max_message_bytes=limit)
+        pull = make_socket(ctx, zmq.PULL, rcvhwm=self.rcvhwm)
         router = None
         try:
             self.trajectories_endpoint = bind(pull, self.trajectories_endpoint)
@@ -178,7 +176,6 @@ class BufferService:
                 self._decode,
                 on_reject=self._reject,
                 counts=self.stats.io,
-                max_message_bytes=limit,
                 rcvhwm=self.rcvhwm,
             )
             self.batches_endpoint = router.endpoint

@@ -250,12 +250,6 @@ class SyncConfig(Section):
 
 
 class ControlConfig(Section):
-    max_message_mb: float = Field(
-        default=4.0,
-        gt=0,
-        description="Largest request the coordinator's sockets accept from a server; a peer "
-        "sending more is disconnected before it is read.",
-    )
     heartbeat_s: float = Field(default=2.0, gt=0, description="Rollout server heartbeat period.")
     dead_after_s: float = Field(
         default=20.0, gt=0, description="Silence after which a server is declared dead."
@@ -278,12 +272,6 @@ class ControlConfig(Section):
 
 class BufferConfig(Section):
     capacity_groups: int = Field(default=1024, gt=0, description="Groups held at most.")
-    max_message_mb: float = Field(
-        default=512.0,
-        gt=0,
-        description="Largest message the buffer's sockets accept; a peer sending more is "
-        "disconnected before it is read.",
-    )
     policy: Literal["fifo", "uniform"] = Field(
         default="fifo", description="fifo: oldest first, once; uniform: replay up to max_reuse."
     )

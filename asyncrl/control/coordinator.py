@@ -59,7 +59,7 @@ class Coordinator:
         buffer_addr: str | None = None,
         max_grant: int = 4,
         drop_poll_s: float = 1.0,
-        max_message_bytes: int = 4 << 20,
+        max_message_bytes: int = 0,
     ):
         self._state = state
         self.buffer_addr = buffer_addr

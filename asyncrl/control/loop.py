@@ -59,7 +59,7 @@ class ControlLoop:
         control_addr: str,
         max_grant: int,
         on_shutdown_request: Callable[[str], None],
-        max_message_bytes: int = 4 << 20,
+        max_message_bytes: int = 0,
     ):
         self.max_message_bytes = max_message_bytes  # per frame, on both sockets
         self.state = state

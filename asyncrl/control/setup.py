@@ -101,7 +101,6 @@ def coordinator_from_config(
         buffer_addr=config_endpoint(cfg.endpoints, "batches") if buffer else None,
         max_grant=cfg.control.tasks_per_request,
         drop_poll_s=cfg.control.heartbeat_s,
-        max_message_bytes=int(cfg.control.max_message_mb * 2**20),
     )
     if saved_state is not None:
         coord.load_state_dict(saved_state)
