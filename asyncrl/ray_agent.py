@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, tail
-from asyncrl.supervise_procs import has_exited, signal_group
+from asyncrl.supervise_procs import has_exited
 
 # Not inherited by a role: a role (vLLM above all) must not join the Ray instance its agent
 # runs in, nor start one of its own (vLLM picks its Ray executor where it finds Ray).
@@ -102,11 +102,6 @@ class RoleAgent:
         if not has_exited(role.proc.pid):
             return None
         return self.sup.reap(role)
-
-    def terminate(self) -> None:
-        """SIGTERM the role's process group (a gentle stop; :meth:`reap` makes sure)."""
-        if self.role is not None and self.role.proc is not None:
-            signal_group(self.role.proc.pid, 15)
 
     def reap(self) -> int | None:
         """Kill what is left of the role's tree and return its exit code (None: not running)."""

@@ -223,6 +223,20 @@ def ask_all(
     return replies
 
 
+def _answered(n: int, families: Counter[str], replies: list[Any]) -> dict[str, Any]:
+    """What ``n`` requests of these families got: replies, processed, rejected by reason."""
+    errors = Counter(r.error for r in replies if isinstance(r, wire.ErrorReply))
+    return {
+        "sent": n,
+        "sent_by_family": dict(families),
+        "replies": len(replies),
+        "processed": len(replies) - sum(errors.values()),
+        "rejected": sum(errors.values()),
+        "rejected_by_reason": dict(errors),
+        "hostile": n - families["valid"],
+    }
+
+
 def fuzz_buffer(n: int, rng: random.Random, rss: list[float]) -> dict[str, Any]:
     from asyncrl.transport import BufferClient
     from buffer.core import ReplayBuffer
@@ -273,16 +287,7 @@ def fuzz_buffer(n: int, rng: random.Random, rss: list[float]) -> dict[str, Any]:
             replies = ask_all(svc.batches_endpoint, _counted(batch_request, rng, fams), n)
             rss.append(_rss_mb())
             decoded = [wire.decode_reply(r[-1:]) for r in replies]
-            errors = Counter(r.error for r in decoded if isinstance(r, wire.ErrorReply))
-            out["batches"] = {
-                "sent": n,
-                "sent_by_family": dict(fams),
-                "replies": len(replies),
-                "processed": len(replies) - sum(errors.values()),
-                "rejected": sum(errors.values()),
-                "rejected_by_reason": dict(errors),
-                "hostile": n - fams["valid"],
-            }
+            out["batches"] = _answered(n, fams, decoded)
             out["buffer_alive"] = svc._thread is not None and svc._thread.is_alive()
             out["buffer_serves_after"] = isinstance(client.stats(), dict)
     return out
@@ -324,16 +329,8 @@ def fuzz_coordinator(n: int, rng: random.Random, rss: list[float]) -> dict[str, 
             replies = ask_all(addr, _counted(make, rng, fams), n)
             rss.append(_rss_mb())
             decoded = [m.decode_reply(r[-1]) for r in replies]
-            errors = Counter(r.error for r in decoded if isinstance(r, wire.ErrorReply))
-            out[f"coordinator_{sock_name}"] = {
-                "sent": n,
-                "sent_by_family": dict(fams),
-                "replies": len(replies),
-                "processed": len(replies) - sum(errors.values()),
-                "rejected": sum(errors.values()),
-                "rejected_by_reason": dict(errors),
-                "counted_by_service": int(coord.metrics().get("coordinator/rejects", 0) - before),
-                "hostile": n - fams["valid"],
+            out[f"coordinator_{sock_name}"] = _answered(n, fams, decoded) | {
+                "counted_by_service": int(coord.metrics().get("coordinator/rejects", 0) - before)
             }
         out["coordinator_alive"] = coord.running
     finally:

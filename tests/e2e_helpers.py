@@ -30,6 +30,20 @@ def run_overrides(tmp_path: Path, model: Path, data_dir: Path, steps: int) -> li
     ]
 
 
+def wait_for_step(proc: subprocess.Popen, run: Path, log: Path, n: int, timeout_s: float) -> None:
+    """Wait until the launched run has trained step ``n``; fail at once, with the
+    launcher's output and the roles' logs, if the launcher ended before."""
+    from asyncrl.metrics import read_metrics
+    from tests.helpers import wait_until
+
+    def reached() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError(log.read_text()[-3000:] + role_logs(run))
+        return run.exists() and any(r["step"] >= n for r in trained_steps(read_metrics(run)))
+
+    wait_until(reached, f"step {n}", timeout_s, every_s=0.5)
+
+
 def launch_cmd(overrides: list[str]) -> list[str]:
     return [sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml", *overrides]
 

@@ -19,8 +19,14 @@ from asyncrl.config import load_config
 from asyncrl.control.client import CoordinatorClient, CoordinatorGone
 from asyncrl.metrics import read_metrics
 from asyncrl.transport import config_endpoint
-from tests.e2e_helpers import RUN, launch_cmd, role_logs, run_overrides, trained_steps
-from tests.helpers import wait_until
+from tests.e2e_helpers import (
+    RUN,
+    launch_cmd,
+    role_logs,
+    run_overrides,
+    trained_steps,
+    wait_for_step,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -67,13 +73,7 @@ def test_a_curve_run_ends_and_keeps_strangers_out(tmp_path, demo_model, arithmet
     with open(out_path, "w") as out:
         proc = subprocess.Popen(launch_cmd(overrides), stdout=out, stderr=subprocess.STDOUT)
     try:
-
-        def at_step(n: int) -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(out_path.read_text()[-3000:] + role_logs(run))
-            return run.exists() and any(r["step"] >= n for r in trained_steps(read_metrics(run)))
-
-        wait_until(lambda: at_step(3), "step 3", 300, every_s=0.5)
+        wait_for_step(proc, run, out_path, 3, 300)
         _strangers_push(config_endpoint(cfg.endpoints, "trajectories"), keys)
         rogue = CoordinatorClient(
             config_endpoint(cfg.endpoints, "tasks"),

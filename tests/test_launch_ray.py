@@ -29,8 +29,9 @@ from tests.e2e_helpers import (
     role_logs,
     run_overrides,
     trained_steps,
+    wait_for_step,
 )
-from tests.helpers import free_ports, wait_until
+from tests.helpers import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -135,13 +136,7 @@ def test_the_rollout_node_is_lost_and_replaced_mid_run(
     with open(out_path, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
-
-        def at_step(n: int) -> bool:
-            if proc.poll() is not None:
-                raise AssertionError(out_path.read_text()[-3000:] + role_logs(run))
-            return run.exists() and any(r["step"] >= n for r in trained_steps(read_metrics(run)))
-
-        wait_until(lambda: at_step(8), "step 8", 400, every_s=0.5)
+        wait_for_step(proc, run, out_path, 8, 400)
         lost = cluster.gen.node_id
         cluster.cluster.remove_node(cluster.gen)
         new = cluster.cluster.add_node(num_cpus=2, resources=GEN, node_ip_address="127.0.0.1")

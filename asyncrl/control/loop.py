@@ -59,9 +59,7 @@ class ControlLoop:
         control_addr: str,
         max_grant: int,
         on_shutdown_request: Callable[[str], None],
-        max_message_bytes: int = 0,
     ):
-        self.max_message_bytes = max_message_bytes  # per frame, on both sockets
         self.state = state
         self.cond = cond
         self.tasks_addr = tasks_addr  # the bound endpoints once running
@@ -80,14 +78,7 @@ class ControlLoop:
         try:
             for addr in (self.tasks_addr, self.control_addr):
                 services.append(
-                    RouterService(
-                        ctx,
-                        addr,
-                        _decode,
-                        on_reject=self._reject,
-                        counts=self.io,
-                        max_message_bytes=self.max_message_bytes,
-                    )
+                    RouterService(ctx, addr, _decode, on_reject=self._reject, counts=self.io)
                 )
             tasks, control = services
             self.tasks_addr, self.control_addr = tasks.endpoint, control.endpoint
