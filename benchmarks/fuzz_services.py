@@ -293,32 +293,17 @@ def fuzz_buffer(n: int, rng: random.Random, rss: list[float]) -> dict[str, Any]:
     return out
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` ports free on 127.0.0.1 right now (held together while chosen)."""
-    import socket
-
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def fuzz_coordinator(n: int, rng: random.Random, rss: list[float]) -> dict[str, Any]:
     from asyncrl.config import load_config
-    from asyncrl.control.setup import coordinator_from_config
+    from asyncrl.control.coordinator import Coordinator
+    from asyncrl.control.setup import state_from_config
     from asyncrl.tasks import make_row
 
     rows = [
         make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(64)
     ]
-    ports = free_ports(2)
-    cfg = load_config(
-        "configs/cpu_demo.yaml", [f"endpoints.tasks={ports[0]}", f"endpoints.control={ports[1]}"]
-    )
-    coord = coordinator_from_config(cfg, train_rows=rows, val_rows=[], buffer=False)
+    state = state_from_config(load_config("configs/cpu_demo.yaml"), rows, [])
+    coord = Coordinator(state, tasks_addr="tcp://127.0.0.1:*", control_addr="tcp://127.0.0.1:*")
     coord.start()
     out: dict[str, Any] = {}
     try:
