@@ -8,8 +8,7 @@
   receive timeouts, usable again after a timeout) and :class:`BufferClient`, the
   consumer's side of the buffer protocol, whose :meth:`BufferClient.hello` is the READY
   handshake. Both services (the buffer, the coordinator) serve theirs with
-  :class:`RouterService` (envelopes, refusals, non-blocking replies) and hold long-polls in
-  :class:`HeldRequests` (answered when they can be, or when their wait ends).
+  :mod:`asyncrl.serving`.
 - Endpoints come from the ``endpoints`` config group: ``tcp://host:port`` (host defaults
   to 127.0.0.1, so nothing listens beyond the machine unless configured), or ipc when
   ``endpoints.host`` is ``ipc://<directory>``.
@@ -23,10 +22,8 @@ import asyncio
 import logging
 import threading
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 import zmq
 
@@ -43,7 +40,6 @@ WARN_BLOCKED_S = 10.0
 
 C = TypeVar("C", bound="ReqClient")
 R = TypeVar("R")
-M = TypeVar("M", bound=wire.Message)
 
 
 # ----------------------------------------------------------------------- endpoints
@@ -63,6 +59,24 @@ def config_endpoint(endpoints_cfg: EndpointsConfig, name: str) -> str:
     """The endpoint of socket ``name`` (``trajectories``, ``batches``, ...) of the config's
     ``endpoints`` group."""
     return endpoint(endpoints_cfg.host, getattr(endpoints_cfg, name), name)
+
+
+def mebibytes(mb: float) -> int:
+    """Bytes of a ``*_mb`` config value."""
+    return int(mb * (1 << 20))
+
+
+def check_size(frames: Sequence[wire.Frame], limit: int, key: str) -> None:
+    """Raise ``WireError("oversize")`` naming config ``key`` when ``frames`` add up to more
+    than ``limit`` bytes (0: no limit). Senders check before sending: the receiver's socket
+    drops a larger frame without a word, so this is where the error can be explained."""
+    size = sum(wire.nbytes(f) for f in frames)
+    if limit and size > limit:
+        raise wire.WireError(
+            "oversize",
+            f"a message of {size / (1 << 20):.2f} MiB is over {key}={limit / (1 << 20):g}: "
+            f"raise {key} in the config every role reads",
+        )
 
 
 def bind(sock: zmq.Socket, addr: str) -> str:
@@ -120,9 +134,11 @@ class TrajectoryPusher:
         hwm: int = 1000,
         linger_s: float = 10.0,
         context: zmq.Context | None = None,
+        max_message_bytes: int = 0,
     ):
         self.addr = addr
         self.linger_s = linger_s
+        self.max_message_bytes = max_message_bytes  # the buffer's buffer.max_message_mb
         # An own context by default: terminating it at close is what waits for queued
         # messages to leave (a process exiting with the global context loses them).
         self._own_ctx = context is None
@@ -151,8 +167,10 @@ class TrajectoryPusher:
 
         Waits for room as long as the buffer is not reading, up to ``timeout_s`` (None:
         forever, warning after :data:`WARN_BLOCKED_S` and at each doubling); raises
-        ``TimeoutError`` past it. Unblocked by the buffer reading again.
+        ``TimeoutError`` past it. Unblocked by the buffer reading again. A message over
+        ``max_message_bytes`` raises ``WireError("oversize")`` unsent.
         """
+        check_size(frames, self.max_message_bytes, "buffer.max_message_mb")
         start = time.monotonic()
         warn_at = WARN_BLOCKED_S
         with self._lock:
@@ -220,9 +238,17 @@ class ReqClient:
     left to send when a client closes.
     """
 
-    def __init__(self, addr: str, *, timeout_s: float = 10.0, context: zmq.Context | None = None):
+    def __init__(
+        self,
+        addr: str,
+        *,
+        timeout_s: float = 10.0,
+        context: zmq.Context | None = None,
+        max_message_bytes: int = 0,
+    ):
         self.addr = addr
         self.timeout_s = timeout_s
+        self.max_message_bytes = max_message_bytes  # the server's control.max_message_mb
         self._ctx = context or zmq.Context.instance()
         self._sock = make_socket(self._ctx, zmq.REQ)
         self._sock.setsockopt(zmq.REQ_RELAXED, 1)
@@ -233,7 +259,9 @@ class ReqClient:
         self, frames: Sequence[wire.Frame], timeout_s: float | None = None
     ) -> list[zmq.Frame]:
         """Send a request and wait up to ``timeout_s`` (default: the client's) for the
-        reply; raises ``TimeoutError`` when none comes."""
+        reply; raises ``TimeoutError`` when none comes, ``WireError("oversize")`` (unsent)
+        for a request over ``max_message_bytes``."""
+        check_size(frames, self.max_message_bytes, "control.max_message_mb")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         # The send can block too: with no usable connection (a handshake refused, say for
         # a wrong key) a REQ socket has nowhere to queue the request.
@@ -267,151 +295,6 @@ class ReqClient:
         self.close()
 
 
-def split_envelope(frames: list[bytes]) -> tuple[list[bytes], list[bytes] | None]:
-    """A ROUTER's message as the routing envelope (up to and including the empty delimiter
-    a REQ socket adds) and the body; None for the body when there is no delimiter."""
-    try:
-        cut = frames.index(b"", 1)
-    except ValueError:
-        return [frames[0], b""], None
-    return frames[: cut + 1], frames[cut + 1 :]
-
-
-class RouterService(Generic[M]):
-    """The bound side of a request/reply socket: a ROUTER that serves REQ clients.
-
-    :meth:`receive` splits each request from its envelope and decodes it with ``decode``
-    (which raises :class:`~asyncrl.wire.WireError`); a request that cannot be accepted is
-    answered here with an :class:`~asyncrl.wire.ErrorReply` and passed to ``on_reject``.
-    Replies never block: one to a client that is gone (``ROUTER_MANDATORY`` makes zmq say
-    so) or not reading is dropped and counted in ``counts["replies_undeliverable"]`` (the
-    first one logged).
-    Used from one thread, the one that created it.
-    """
-
-    def __init__(
-        self,
-        ctx: zmq.Context,
-        addr: str,
-        decode: Callable[[list[bytes]], M],
-        *,
-        on_reject: Callable[[wire.WireError], None],
-        counts: Counter[str],
-        max_message_bytes: int = 0,
-        rcvhwm: int = 1000,
-    ):
-        self.decode = decode
-        self.on_reject = on_reject
-        self.counts = counts
-        self.sock = make_socket(ctx, zmq.ROUTER, rcvhwm=rcvhwm, max_message_bytes=max_message_bytes)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a departed peer raises
-        self.endpoint = bind(self.sock, addr)
-
-    def receive(self, most: int | None = None) -> Iterator[tuple[list[bytes], M]]:
-        """``(envelope, request)`` for each valid request waiting, up to ``most``; never
-        waits."""
-        n = 0
-        while most is None or n < most:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            n += 1
-            envelope, body = split_envelope(frames)
-            try:
-                if body is None:
-                    raise wire.WireError("malformed", "no empty delimiter frame: send from REQ")
-                msg = self.decode(body)
-            except wire.WireError as e:
-                self.on_reject(e)
-                self.reply(envelope, wire.ErrorReply.of(e))
-                continue
-            yield envelope, msg
-
-    def reply(self, envelope: list[bytes], msg: wire.Message) -> bool:
-        """Send a one-frame reply; False when it could not be delivered."""
-        return self.send(envelope, [encode(msg)])
-
-    def send(self, envelope: list[bytes], frames: Sequence[wire.Frame]) -> bool:
-        """Send a reply of any frames (zero-copy); False when it could not be delivered."""
-        try:
-            self.sock.send_multipart([*envelope, *frames], flags=zmq.NOBLOCK, copy=False)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone; EAGAIN: not reading
-            self.counts["replies_undeliverable"] += 1
-            # A client that died or restarted leaves one behind: say so once, then count.
-            level = logging.WARNING if self.counts["replies_undeliverable"] == 1 else logging.DEBUG
-            log.log(
-                level, "reply to a departed client of %s dropped (%s)", self.endpoint, e.strerror
-            )
-            return False
-        return True
-
-    def close(self) -> None:
-        self.sock.close(0)
-
-
-@dataclass
-class Held(Generic[M]):
-    """A request answered later (a long-poll): who asked, what, since and until when."""
-
-    envelope: list[bytes]
-    msg: M
-    since: float
-    deadline: float
-    reason: str = ""  # why it still waits, as the service says; "" before it first did
-
-    def expired(self, now: float) -> bool:
-        """Whether its wait has ended: answer it now, whatever the answer."""
-        return now >= self.deadline
-
-
-class HeldRequests(Generic[M]):
-    """Requests a service holds until it can answer them or their wait ends, oldest
-    first, at most one per ``key`` (a client asking again gave up on its held request)."""
-
-    def __init__(self, key: Callable[[M], str]):
-        self.key = key
-        self._held: list[Held[M]] = []
-
-    def hold(self, envelope: list[bytes], msg: M, now: float, wait_s: float) -> Held[M]:
-        """Hold ``msg`` until ``now + wait_s``, replacing its client's earlier request."""
-        self.drop(self.key(msg))
-        held = Held(envelope, msg, now, now + wait_s)
-        self._held.append(held)
-        return held
-
-    def drop(self, key: str) -> None:
-        """Forget what ``key`` left waiting (it restarted, left or died)."""
-        self._held = [h for h in self._held if self.key(h.msg) != key]
-
-    def serve(
-        self,
-        service: RouterService[Any],
-        now: float,
-        answer: Callable[[Held[M], float], wire.Message | list[wire.Frame] | None],
-    ) -> None:
-        """Ask ``answer(held, now)`` for each held request, oldest first, and send what it
-        returns (a message, or the frames of one); None keeps the request held (``answer``
-        must not return None once :meth:`Held.expired`)."""
-        still: list[Held[M]] = []
-        for held in self._held:
-            reply = answer(held, now)
-            if reply is None:
-                still.append(held)
-            elif isinstance(reply, wire.Message):
-                service.reply(held.envelope, reply)
-            else:
-                service.send(held.envelope, reply)
-        self._held = still
-
-    def next_deadline(self) -> float | None:
-        """When the first held wait ends (None: nothing held)."""
-        return min((h.deadline for h in self._held), default=None)
-
-    def __len__(self) -> int:
-        return len(self._held)
-
-
 class BufferClient(ReqClient):
     """The consumer's (learner's) side of the buffer's batch socket.
 
@@ -427,8 +310,11 @@ class BufferClient(ReqClient):
         *,
         timeout_s: float = 10.0,
         context: zmq.Context | None = None,
+        max_message_bytes: int = 0,
     ):
-        super().__init__(addr, timeout_s=timeout_s, context=context)
+        super().__init__(
+            addr, timeout_s=timeout_s, context=context, max_message_bytes=max_message_bytes
+        )
         self.consumer_id = consumer_id
         self.last_wait_s = 0.0  # how long the last request_batch waited
 

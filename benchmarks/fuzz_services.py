@@ -303,7 +303,12 @@ def fuzz_coordinator(n: int, rng: random.Random, rss: list[float]) -> dict[str, 
         make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(64)
     ]
     state = state_from_config(load_config("configs/cpu_demo.yaml"), rows, [])
-    coord = Coordinator(state, tasks_addr="tcp://127.0.0.1:*", control_addr="tcp://127.0.0.1:*")
+    coord = Coordinator(
+        state,
+        tasks_addr="tcp://127.0.0.1:*",
+        control_addr="tcp://127.0.0.1:*",
+        max_message_bytes=LIMITS.max_request_bytes,  # as control.max_message_mb sets it
+    )
     coord.start()
     out: dict[str, Any] = {}
     try:

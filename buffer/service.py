@@ -36,7 +36,8 @@ import msgspec
 import zmq
 
 from asyncrl import security, wire
-from asyncrl.transport import Held, HeldRequests, RouterService, bind, config_endpoint, make_socket
+from asyncrl.serving import Held, HeldRequests, RouterService
+from asyncrl.transport import bind, config_endpoint, make_socket, mebibytes
 from buffer.core import ReplayBuffer
 from buffer.rollout_log import RolloutLog
 from buffer.service_stats import ServiceStats, summary
@@ -96,8 +97,10 @@ class BufferService:
             seed=cfg.trainer.seed,
         )
         limits = wire.Limits(
+            max_message_bytes=mebibytes(b.max_message_mb),
             max_prompt_len=cfg.data.max_prompt_length,
             max_response_len=cfg.data.max_response_length,
+            max_request_bytes=mebibytes(cfg.control.max_message_mb),
         )
         directory = run_directory or run_dir(cfg)
         return cls(
@@ -164,7 +167,11 @@ class BufferService:
         or their ``wait_s`` runs out; incomplete groups are expired on the way.
         """
         ctx = zmq.Context()
-        pull = make_socket(ctx, zmq.PULL, rcvhwm=self.rcvhwm)
+        # A frame over the limits is never read: zmq drops its sender's connection. Larger
+        # messages of smaller frames are read, refused (``oversize``) and counted.
+        pull = make_socket(
+            ctx, zmq.PULL, rcvhwm=self.rcvhwm, max_message_bytes=self.limits.max_message_bytes
+        )
         router = None
         try:
             self.trajectories_endpoint = bind(pull, self.trajectories_endpoint)
@@ -177,6 +184,7 @@ class BufferService:
                 on_reject=self._reject,
                 counts=self.stats.io,
                 rcvhwm=self.rcvhwm,
+                max_message_bytes=self.limits.max_request_bytes,
             )
             self.batches_endpoint = router.endpoint
             log.info(

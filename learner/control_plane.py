@@ -108,7 +108,7 @@ class RankZero:
         from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
         from asyncrl.metrics import MetricsLogger
         from asyncrl.sync_sender import WeightPusher
-        from asyncrl.transport import BufferClient, config_endpoint
+        from asyncrl.transport import BufferClient, config_endpoint, mebibytes
         from asyncrl.weight_sync import open_store
 
         self.cfg = cfg
@@ -139,7 +139,11 @@ class RankZero:
             timeout_s=cfg.sync.timeout_s,
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
         )
-        self.buffer = BufferClient(config_endpoint(cfg.endpoints, "batches"), "learner")
+        self.buffer = BufferClient(
+            config_endpoint(cfg.endpoints, "batches"),
+            "learner",
+            max_message_bytes=mebibytes(cfg.control.max_message_mb),
+        )
         welcome = self.buffer.hello(restored.last_batch_id, wait_s=cfg.launch.start_timeout_s)
         log.info("buffer ready: %d unacknowledged batches come again first", welcome.redelivering)
         if restored.path is not None:  # the replay of those batches reproduces versions

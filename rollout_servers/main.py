@@ -129,7 +129,7 @@ async def serve(cfg: Config, server_id: str) -> int:
 
     from asyncrl.control.client import CoordinatorClient
     from asyncrl.rewards import RewardPool
-    from asyncrl.transport import TrajectoryPusher, config_endpoint
+    from asyncrl.transport import TrajectoryPusher, config_endpoint, mebibytes
     from rollout_servers.affinity import cpus_from_env, pin_tree
     from rollout_servers.server import RolloutServer
 
@@ -146,7 +146,10 @@ async def serve(cfg: Config, server_id: str) -> int:
         custom_path=custom.path,
         custom_name=custom.name,
     )
-    pusher = TrajectoryPusher(config_endpoint(cfg.endpoints, "trajectories"))
+    pusher = TrajectoryPusher(
+        config_endpoint(cfg.endpoints, "trajectories"),
+        max_message_bytes=mebibytes(cfg.buffer.max_message_mb),
+    )
     client = CoordinatorClient.from_config(
         cfg,
         server_id,

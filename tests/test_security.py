@@ -107,7 +107,8 @@ def test_a_frame_over_the_limit_is_never_read_and_the_service_goes_on():
     from collections import Counter
 
     from asyncrl import wire
-    from asyncrl.transport import ReqClient, RouterService
+    from asyncrl.serving import RouterService
+    from asyncrl.transport import ReqClient
     from asyncrl.wire.base import encode
 
     ctx = zmq.Context()
@@ -151,3 +152,38 @@ def test_a_control_message_holds_a_bounded_number_of_items():
     huge = msgspec.msgpack.encode(m.Register(server_id="s", task_ids=["t"] * 70_000))
     with pytest.raises(Exception, match="65536"):
         m.decode_request(huge)
+
+
+def test_message_limits_come_from_the_config_and_senders_check_their_own(tmp_path):
+    """``buffer.max_message_mb`` and ``control.max_message_mb`` reach the buffer's limits
+    (and its sockets' cut-off); a role's own message over them is refused before it is sent,
+    with the key to raise, since the receiving socket would drop it without a word."""
+    from asyncrl import wire
+    from asyncrl.transport import ReqClient, TrajectoryPusher, mebibytes
+    from buffer.service import BufferService
+    from tests.standins.trajgen import make_traj
+
+    cfg = _cfg("buffer.max_message_mb=0.01", "control.max_message_mb=0.001")
+    limits = BufferService.from_config(cfg, tmp_path).limits
+    assert limits.max_message_bytes == 10485 and limits.max_request_bytes == 1048
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    addr = bind(pull, "tcp://127.0.0.1:*")
+    pusher = TrajectoryPusher(addr, max_message_bytes=mebibytes(cfg.buffer.max_message_mb))
+    client = ReqClient(addr, timeout_s=1.0, max_message_bytes=limits.max_request_bytes)
+    try:
+        with pytest.raises(wire.WireError, match="buffer.max_message_mb") as e:
+            pusher.send([make_traj("big", response_len=2000)])  # 2000 x 8 bytes and more
+        assert e.value.kind == "oversize"
+        with pytest.raises(wire.WireError, match="raise control.max_message_mb"):
+            client.request_frames([b"x" * 2000])
+        pusher.send([make_traj("small")])
+        frames = pull.recv_multipart()  # the small one, and nothing of the two refused
+        assert wire.decode_trajectories(frames)[0].task_id == "small"
+        assert not pull.poll(200)
+    finally:
+        pusher.close()
+        client.close()
+        pull.close(0)
+        ctx.term()

@@ -16,14 +16,8 @@ import pytest
 import zmq
 
 from asyncrl import wire
-from asyncrl.transport import (
-    HeldRequests,
-    ReqClient,
-    RequestRefused,
-    RouterService,
-    TrajectoryPusher,
-    endpoint,
-)
+from asyncrl.serving import HeldRequests, RouterService
+from asyncrl.transport import ReqClient, RequestRefused, TrajectoryPusher, endpoint
 from tests.standins.trajgen import make_group, make_traj
 
 pytestmark = pytest.mark.timeout(60)

@@ -268,6 +268,12 @@ class ControlConfig(Section):
         ge=0,
         description="Times a failed or reclaimed task is dealt again before given up.",
     )
+    max_message_mb: float = Field(
+        default=4.0,
+        gt=0,
+        description="Largest request the coordinator and the buffer's batch socket read; a "
+        "larger frame is never read (zmq drops the sender's connection).",
+    )
 
 
 class BufferConfig(Section):
@@ -279,6 +285,12 @@ class BufferConfig(Section):
     log_rollouts: bool = Field(default=False, description="Write every trajectory to parquet.")
     group_timeout_s: float = Field(
         default=600.0, gt=0, description="Incomplete groups expire after."
+    )
+    max_message_mb: float = Field(
+        default=64.0,
+        gt=0,
+        description="Largest trajectory message (one group) the buffer reads; a larger frame "
+        "is never read (zmq drops the sender's connection).",
     )
 
 

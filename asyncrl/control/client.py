@@ -70,6 +70,7 @@ class CoordinatorClient:
         timeout_s: float = 5.0,
         patience_s: float = 300.0,
         context: zmq.Context | None = None,
+        max_message_bytes: int = 0,
     ):
         self.server_id = server_id
         self.engine_world_size = engine_world_size
@@ -93,9 +94,10 @@ class CoordinatorClient:
         self.gone = threading.Event()  # the coordinator was silent past patience_s
         self.last_heard = time.monotonic()
         ctx = context or zmq.Context.instance()
-        self._tasks = ReqClient(tasks_addr, timeout_s=timeout_s, context=ctx)
-        self._control = ReqClient(control_addr, timeout_s=timeout_s, context=ctx)
-        self._watch = ReqClient(control_addr, timeout_s=timeout_s, context=ctx)
+        self._tasks, self._control, self._watch = (
+            ReqClient(addr, timeout_s=timeout_s, context=ctx, max_message_bytes=max_message_bytes)
+            for addr in (tasks_addr, control_addr, control_addr)
+        )
         self._locks = {name: threading.Lock() for name in ("tasks", "control", "watch")}
         self._register_lock = threading.Lock()
         self._closed = threading.Event()
@@ -106,11 +108,12 @@ class CoordinatorClient:
     def from_config(cls, cfg: Config, server_id: str, **kwargs: Any) -> CoordinatorClient:
         """A client dialing ``endpoints.tasks``/``endpoints.control`` with the ``control``
         group's heartbeat and request size; patience ``launch.start_timeout_s``."""
-        from asyncrl.transport import config_endpoint
+        from asyncrl.transport import config_endpoint, mebibytes
 
         kwargs.setdefault("heartbeat_s", cfg.control.heartbeat_s)
         kwargs.setdefault("tasks_per_request", cfg.control.tasks_per_request)
         kwargs.setdefault("patience_s", cfg.launch.start_timeout_s)
+        kwargs.setdefault("max_message_bytes", mebibytes(cfg.control.max_message_mb))
         return cls(
             config_endpoint(cfg.endpoints, "tasks"),
             config_endpoint(cfg.endpoints, "control"),

@@ -59,6 +59,7 @@ class Coordinator:
         buffer_addr: str | None = None,
         max_grant: int = 4,
         drop_poll_s: float = 1.0,
+        max_message_bytes: int = 0,
     ):
         self._state = state
         self.buffer_addr = buffer_addr
@@ -79,6 +80,7 @@ class Coordinator:
             control_addr=control_addr,
             max_grant=max_grant,
             on_shutdown_request=self._on_shutdown_request,
+            max_message_bytes=max_message_bytes,
         )
         self._shutdown_lock = threading.Lock()
         self._all_told = False

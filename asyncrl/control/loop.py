@@ -4,8 +4,8 @@
 under the coordinator's lock (a ``threading.Condition``, notified after every pass so that
 the learner's waits in :mod:`asyncrl.control.coordinator` wake up). Nothing blocks while
 holding it: sends are non-blocking, and a reply to a departed peer is dropped and counted.
-Each socket is an :class:`asyncrl.transport.RouterService` and each kind of held request a
-:class:`asyncrl.transport.HeldRequests`, as in the buffer's service.
+Each socket is an :class:`asyncrl.serving.RouterService` and each kind of held request a
+:class:`asyncrl.serving.HeldRequests`, as in the buffer's service.
 
 Two kinds of requests are *held* (long-polls) rather than answered at once:
 
@@ -29,7 +29,7 @@ import zmq
 
 from asyncrl.control import messages as m
 from asyncrl.control.state import ControlState
-from asyncrl.transport import Held, HeldRequests, RouterService
+from asyncrl.serving import Held, HeldRequests, RouterService
 from asyncrl.wire.base import WireError, single
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class ControlLoop:
         control_addr: str,
         max_grant: int,
         on_shutdown_request: Callable[[str], None],
+        max_message_bytes: int = 0,
     ):
         self.state = state
         self.cond = cond
@@ -66,6 +67,7 @@ class ControlLoop:
         self.control_addr = control_addr
         self.max_grant = max_grant
         self.on_shutdown_request = on_shutdown_request
+        self.max_message_bytes = max_message_bytes  # per frame, at the socket (0: zmq's none)
         self.requests: HeldRequests[m.TaskRequest] = HeldRequests(_server)
         self.watches: HeldRequests[m.Heartbeat] = HeldRequests(_server)
         self.io: Counter[str] = Counter()
@@ -78,7 +80,14 @@ class ControlLoop:
         try:
             for addr in (self.tasks_addr, self.control_addr):
                 services.append(
-                    RouterService(ctx, addr, _decode, on_reject=self._reject, counts=self.io)
+                    RouterService(
+                        ctx,
+                        addr,
+                        _decode,
+                        on_reject=self._reject,
+                        counts=self.io,
+                        max_message_bytes=self.max_message_bytes,
+                    )
                 )
             tasks, control = services
             self.tasks_addr, self.control_addr = tasks.endpoint, control.endpoint

@@ -92,7 +92,7 @@ def coordinator_from_config(
     """A coordinator bound to ``endpoints.tasks``/``endpoints.control``; with ``buffer`` it
     polls ``endpoints.batches`` for dropped groups and shuts that buffer down at the end.
     ``saved_state`` is a :meth:`Coordinator.state_dict` to resume from."""
-    from asyncrl.transport import config_endpoint
+    from asyncrl.transport import config_endpoint, mebibytes
 
     coord = Coordinator(
         state_from_config(cfg, train_rows, val_rows),
@@ -101,6 +101,7 @@ def coordinator_from_config(
         buffer_addr=config_endpoint(cfg.endpoints, "batches") if buffer else None,
         max_grant=cfg.control.tasks_per_request,
         drop_poll_s=cfg.control.heartbeat_s,
+        max_message_bytes=mebibytes(cfg.control.max_message_mb),
     )
     if saved_state is not None:
         coord.load_state_dict(saved_state)

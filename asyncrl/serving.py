@@ -1,0 +1,170 @@
+"""The bound side of request/reply, shared by the two services (the buffer, the coordinator).
+
+:class:`RouterService` serves REQ clients on a ROUTER socket: it splits envelopes, decodes
+and refuses bad requests (answered with an error reply, counted), and never blocks on a
+reply. :class:`HeldRequests` holds long-polls until they can be answered or their wait
+ends. The client side is :class:`asyncrl.transport.ReqClient`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import zmq
+
+from asyncrl import wire
+from asyncrl.transport import bind, make_socket
+from asyncrl.wire.base import encode
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=wire.Message)
+
+
+def split_envelope(frames: list[bytes]) -> tuple[list[bytes], list[bytes] | None]:
+    """A ROUTER's message as the routing envelope (up to and including the empty delimiter
+    a REQ socket adds) and the body; None for the body when there is no delimiter."""
+    try:
+        cut = frames.index(b"", 1)
+    except ValueError:
+        return [frames[0], b""], None
+    return frames[: cut + 1], frames[cut + 1 :]
+
+
+class RouterService(Generic[M]):
+    """The bound side of a request/reply socket: a ROUTER that serves REQ clients.
+
+    :meth:`receive` splits each request from its envelope and decodes it with ``decode``
+    (which raises :class:`~asyncrl.wire.WireError`); a request that cannot be accepted is
+    answered here with an :class:`~asyncrl.wire.ErrorReply` and passed to ``on_reject``.
+    Replies never block: one to a client that is gone (``ROUTER_MANDATORY`` makes zmq say
+    so) or not reading is dropped and counted in ``counts["replies_undeliverable"]`` (the
+    first one logged).
+    Used from one thread, the one that created it.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        addr: str,
+        decode: Callable[[list[bytes]], M],
+        *,
+        on_reject: Callable[[wire.WireError], None],
+        counts: Counter[str],
+        max_message_bytes: int = 0,
+        rcvhwm: int = 1000,
+    ):
+        self.decode = decode
+        self.on_reject = on_reject
+        self.counts = counts
+        self.sock = make_socket(ctx, zmq.ROUTER, rcvhwm=rcvhwm, max_message_bytes=max_message_bytes)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a departed peer raises
+        self.endpoint = bind(self.sock, addr)
+
+    def receive(self, most: int | None = None) -> Iterator[tuple[list[bytes], M]]:
+        """``(envelope, request)`` for each valid request waiting, up to ``most``; never
+        waits."""
+        n = 0
+        while most is None or n < most:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            n += 1
+            envelope, body = split_envelope(frames)
+            try:
+                if body is None:
+                    raise wire.WireError("malformed", "no empty delimiter frame: send from REQ")
+                msg = self.decode(body)
+            except wire.WireError as e:
+                self.on_reject(e)
+                self.reply(envelope, wire.ErrorReply.of(e))
+                continue
+            yield envelope, msg
+
+    def reply(self, envelope: list[bytes], msg: wire.Message) -> bool:
+        """Send a one-frame reply; False when it could not be delivered."""
+        return self.send(envelope, [encode(msg)])
+
+    def send(self, envelope: list[bytes], frames: Sequence[wire.Frame]) -> bool:
+        """Send a reply of any frames (zero-copy); False when it could not be delivered."""
+        try:
+            self.sock.send_multipart([*envelope, *frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the client is gone; EAGAIN: not reading
+            self.counts["replies_undeliverable"] += 1
+            # A client that died or restarted leaves one behind: say so once, then count.
+            level = logging.WARNING if self.counts["replies_undeliverable"] == 1 else logging.DEBUG
+            log.log(
+                level, "reply to a departed client of %s dropped (%s)", self.endpoint, e.strerror
+            )
+            return False
+        return True
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@dataclass
+class Held(Generic[M]):
+    """A request answered later (a long-poll): who asked, what, since and until when."""
+
+    envelope: list[bytes]
+    msg: M
+    since: float
+    deadline: float
+    reason: str = ""  # why it still waits, as the service says; "" before it first did
+
+    def expired(self, now: float) -> bool:
+        """Whether its wait has ended: answer it now, whatever the answer."""
+        return now >= self.deadline
+
+
+class HeldRequests(Generic[M]):
+    """Requests a service holds until it can answer them or their wait ends, oldest
+    first, at most one per ``key`` (a client asking again gave up on its held request)."""
+
+    def __init__(self, key: Callable[[M], str]):
+        self.key = key
+        self._held: list[Held[M]] = []
+
+    def hold(self, envelope: list[bytes], msg: M, now: float, wait_s: float) -> Held[M]:
+        """Hold ``msg`` until ``now + wait_s``, replacing its client's earlier request."""
+        self.drop(self.key(msg))
+        held = Held(envelope, msg, now, now + wait_s)
+        self._held.append(held)
+        return held
+
+    def drop(self, key: str) -> None:
+        """Forget what ``key`` left waiting (it restarted, left or died)."""
+        self._held = [h for h in self._held if self.key(h.msg) != key]
+
+    def serve(
+        self,
+        service: RouterService[Any],
+        now: float,
+        answer: Callable[[Held[M], float], wire.Message | list[wire.Frame] | None],
+    ) -> None:
+        """Ask ``answer(held, now)`` for each held request, oldest first, and send what it
+        returns (a message, or the frames of one); None keeps the request held (``answer``
+        must not return None once :meth:`Held.expired`)."""
+        still: list[Held[M]] = []
+        for held in self._held:
+            reply = answer(held, now)
+            if reply is None:
+                still.append(held)
+            elif isinstance(reply, wire.Message):
+                service.reply(held.envelope, reply)
+            else:
+                service.send(held.envelope, reply)
+        self._held = still
+
+    def next_deadline(self) -> float | None:
+        """When the first held wait ends (None: nothing held)."""
+        return min((h.deadline for h in self._held), default=None)
+
+    def __len__(self) -> int:
+        return len(self._held)
