@@ -207,7 +207,9 @@ class ReplayBuffer:
     def _complete(self, group: Group) -> None:
         if group.validation:
             stats = self._validation.setdefault(group.data_source, ValidationStats())
-            stats.add_group([m.reward for m in group.metas], int(group.response_lens.sum()))
+            # Count episodes: the samples of a split episode share its reward.
+            rewards = {m.episode_index: m.reward for m in group.metas}
+            stats.add_group(list(rewards.values()), int(group.response_lens.sum()))
             self.counts["val_groups_in"] += 1
             self._validated.append(group.task_id)
             self._validated_all.append(group.task_id)

@@ -32,6 +32,11 @@ class Rollout:
     (NaN: not reported; the loss drops the token); ``version_spans`` lists
     ``(policy_version, n_tokens)`` runs over the response. ``temperature`` is the one the
     response was sampled at; None means the run's configured one (see :func:`collate`).
+    ``loss_mask`` (multi-turn) is 1 on the response tokens the policy sampled, 0 on tool
+    output and other inserted tokens (None: all 1); only masked-in tokens count in the loss,
+    the importance weights, KL and entropy. ``episode`` names the episode within the group
+    when one episode became several samples; group statistics count each episode once
+    (None: the rollout is an episode of its own).
     """
 
     prompt_ids: Sequence[int]
@@ -41,6 +46,8 @@ class Rollout:
     group_id: Hashable
     version_spans: Sequence[tuple[int, int]] = ()
     temperature: float | None = None
+    loss_mask: Sequence[int] | None = None
+    episode: Hashable | None = None
 
     @property
     def oldest_version(self) -> int | None:
@@ -58,7 +65,9 @@ DROP_REASONS: tuple[str, ...] = (
 
 def drop_reason(r: Rollout, max_len: int | None = None) -> str | None:
     """Why a rollout cannot be trained on (one of :data:`DROP_REASONS`), or None."""
-    if len(r.response_ids) != len(r.behaviour_logprobs):
+    if len(r.response_ids) != len(r.behaviour_logprobs) or (
+        r.loss_mask is not None and len(r.loss_mask) != len(r.response_ids)
+    ):
         return "length_mismatch"
     if len(r.response_ids) == 0:
         return "empty_response"
@@ -100,16 +109,26 @@ def baseline_advantages(
     reward, trainable or not: a member cleaned away (an empty or too long response) was
     still sampled and scored, so it stays in its group's baseline (veRL scores every
     sampled response). Computed over the survivors only, a group that lost a member would
-    give its lone survivor its raw score as advantage.
+    give its lone survivor its raw score as advantage. The samples of one episode (see
+    :attr:`Rollout.episode`) share its reward and count once; each gets its advantage.
     """
-    scored = [r for r in rollouts if math.isfinite(float(r.reward))]
     if not kept:
         return torch.zeros(0, dtype=torch.float32)
-    rewards = torch.tensor([float(r.reward) for r in scored], dtype=torch.float32)
-    adv = outcome_advantages(estimator, rewards, group_indices(scored), norm_by_std=norm_by_std)
-    # Kept rollouts are the same objects as in ``rollouts``: find their rows by identity.
-    row = {id(r): i for i, r in enumerate(scored)}
-    return adv[[row[id(r)] for r in kept]]
+    episodes: dict[Hashable, int] = {}  # episode key -> row among the episodes
+    firsts: list[Rollout] = []
+    for r in rollouts:
+        if not math.isfinite(float(r.reward)):
+            continue
+        if episodes.setdefault(_episode(r), len(firsts)) == len(firsts):
+            firsts.append(r)
+    rewards = torch.tensor([float(r.reward) for r in firsts], dtype=torch.float32)
+    adv = outcome_advantages(estimator, rewards, group_indices(firsts), norm_by_std=norm_by_std)
+    return adv[[episodes[_episode(r)] for r in kept]]
+
+
+def _episode(r: Rollout) -> Hashable:
+    # Kept rollouts are the same objects as in ``rollouts``: a lone one is keyed by identity.
+    return id(r) if r.episode is None else (r.group_id, r.episode)
 
 
 def group_indices(rollouts: Sequence[Rollout]) -> torch.Tensor:
@@ -299,7 +318,7 @@ def collate(
         start = offset if packed else b * row_len
         gather[b, :n_r] = start + n_p - 1 + torch.arange(n_r)
         targets[b, :n_r] = torch.as_tensor(list(r.response_ids), dtype=torch.long)
-        mask[b, :n_r] = True
+        mask[b, :n_r] = True if r.loss_mask is None else torch.as_tensor(r.loss_mask) != 0
         behaviour[b, :n_r] = torch.as_tensor(list(r.behaviour_logprobs), dtype=torch.float32)
         offset += len(ids)
     if packed:
@@ -353,10 +372,14 @@ def pad_rows(values: Sequence[torch.Tensor], width: int, fill: float = 0.0) -> t
 
 def norm_counts(rollouts: Sequence[Rollout], indices: Sequence[int]) -> tuple[int, int]:
     """``(valid tokens, sequences with a valid token)`` of a mini-batch: the global loss
-    normalisers. Valid = a finite behaviour logprob (the rule of the loss)."""
+    normalisers. Valid = masked in, with a finite behaviour logprob (the rule of the loss)."""
     tokens = seqs = 0
     for i in indices:
-        n = sum(1 for x in rollouts[i].behaviour_logprobs if math.isfinite(float(x)))
+        r = rollouts[i]
+        mask = r.loss_mask if r.loss_mask is not None else [1] * len(r.behaviour_logprobs)
+        n = sum(
+            1 for x, m in zip(r.behaviour_logprobs, mask, strict=True) if m and math.isfinite(x)
+        )
         tokens += n
         seqs += n > 0
     return tokens, seqs

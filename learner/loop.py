@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 def to_rollouts(batch: Any) -> list[Rollout]:
     """Wire trajectories of a buffer batch -> the trainer's rollouts (grouped by task id),
     each with the temperature it was sampled at when its server said (NaN behaviour
-    logprobs, positions vLLM did not report, stay NaN: the loss drops and counts them)."""
+    logprobs, positions vLLM did not report, stay NaN: the loss drops and counts them;
+    multi-turn samples bring their loss mask and episode)."""
     return [
         Rollout(
             prompt_ids=t.prompt_ids.tolist(),
@@ -46,6 +47,8 @@ def to_rollouts(batch: Any) -> list[Rollout]:
             group_id=t.meta.task_id,
             version_spans=[tuple(s) for s in t.meta.version_spans],
             temperature=t.meta.temperature,
+            loss_mask=t.loss_mask().tolist() if t.meta.masked_spans else None,
+            episode=t.meta.episode,
         )
         for t in batch.trajectories
     ]

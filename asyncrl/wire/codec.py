@@ -188,6 +188,7 @@ def _packed(
         n_response += m.response_len
     logprobs = _array(frames[3], sizes[3], LOGPROB_DTYPE, n_response, "logprobs")
     _check_logprobs(metas, logprobs)
+    _check_masked_logprobs(metas, logprobs)
     return Packed(
         metas=metas,
         prompt_ids=_array(frames[1], sizes[1], TOKEN_DTYPE, n_prompt, "prompt ids"),
@@ -212,6 +213,15 @@ def _check_meta(m: TrajectoryMeta, limits: Limits) -> None:
         raise WireError(
             "length", f"task {m.task_id}: version spans do not cover {m.response_len} tokens"
         )
+    end = 0
+    for start, n in m.masked_spans:
+        if start < end or start + n > m.response_len:
+            raise WireError(
+                "invalid", f"task {m.task_id}: masked spans overlap, go back or pass the response"
+            )
+        end = start + n
+    if m.episode is not None and m.episode >= m.group_size:
+        raise WireError("invalid", f"task {m.task_id}: episode {m.episode} >= {m.group_size}")
     if not math.isfinite(m.reward) or (
         m.reward_parts and not all(math.isfinite(x) for x in m.reward_parts.values())
     ):
@@ -232,6 +242,19 @@ def _array(frame: Frame, size: int, dtype: np.dtype, count: int, what: str) -> n
             "length", f"{what} frame has {size} bytes, the header says {count} x {dtype.itemsize}"
         )
     return np.frombuffer(frame, dtype=dtype)
+
+
+def _check_masked_logprobs(metas: list[TrajectoryMeta], logprobs: np.ndarray) -> None:
+    """Tokens the policy did not sample carry behaviour logprob 0 (a producer that put a
+    real one there would be training on tool output)."""
+    r = 0
+    for m in metas:
+        for start, n in m.masked_spans:
+            if np.any(logprobs[r + start : r + start + n]):
+                raise WireError(
+                    "invalid", f"task {m.task_id}: a masked token has a behaviour logprob"
+                )
+        r += m.response_len
 
 
 def _check_logprobs(metas: list[TrajectoryMeta], logprobs: np.ndarray) -> None:

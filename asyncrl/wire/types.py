@@ -28,6 +28,9 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 # A task id is printed in logs and written to parquet: keep it a short, non-empty string.
 TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+#: Most masked runs one response may carry (a turn adds one: far more than any episode has).
+MAX_MASKED_SPANS = 4096
 
 
 class TrajectoryMeta(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -58,6 +61,21 @@ class TrajectoryMeta(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     # validation). The learner divides this trajectory's logits by it; None (not stated, as
     # from older producers) leaves it to the learner's configured rollout.temperature.
     temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    # Multi-turn only: the response tokens the policy did not sample (tool output, user
+    # turns, the chat template's tokens between turns) as ``(start, length)`` runs, sorted
+    # and apart. They have loss mask 0 and behaviour logprob 0. Empty: all were sampled.
+    masked_spans: Annotated[
+        list[tuple[NonNegInt, PosInt]], msgspec.Meta(max_length=MAX_MASKED_SPANS)
+    ] = []
+    # Multi-turn only: the episode (0 .. n - 1) this sample is part of, when an episode
+    # became several samples (a chat template rewrote the history); group statistics count
+    # episodes. None: the sample is its own episode, ``group_index``.
+    episode: NonNegInt | None = None
+
+    @property
+    def episode_index(self) -> int:
+        """The episode this sample belongs to (its ``group_index`` unless split)."""
+        return self.group_index if self.episode is None else self.episode
 
     @property
     def oldest_version(self) -> int:
@@ -141,6 +159,13 @@ class Trajectory(msgspec.Struct, eq=False):
     @property
     def oldest_version(self) -> int:
         return self.meta.oldest_version
+
+    def loss_mask(self) -> np.ndarray:
+        """Per response token, 1 where the policy sampled it, else 0 (bool)."""
+        mask = np.ones(self.meta.response_len, dtype=bool)
+        for start, n in self.meta.masked_spans:
+            mask[start : start + n] = False
+        return mask
 
     def token_versions(self) -> np.ndarray:
         """Per response token, the policy version that produced it (int64)."""
