@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 import socket
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncrl import security, startup
 from asyncrl.cli import parse_role_args
@@ -156,7 +156,10 @@ async def serve(cfg: Config, server_id: str) -> int:
         engine_world_size=cfg.rollout.tensor_model_parallel_size,
         address=f"{socket.gethostname()} pid {os.getpid()}",
     )
-    server = RolloutServer(cfg, server_id, engine, tok, pool, pusher, client, seeded=seeded)
+    tools, agent = _agent(cfg, engine, tok, seeded)
+    server = RolloutServer(
+        cfg, server_id, engine, tok, pool, pusher, client, seeded=seeded, agent=agent
+    )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop taking tasks, leave, exit 0
         loop.add_signal_handler(sig, server.stop)
@@ -168,9 +171,34 @@ async def serve(cfg: Config, server_id: str) -> int:
         client.close()
         pusher.close()
         pool.close()
+        if tools is not None:
+            tools.close()
         engine.shutdown()
     log.info("%s exits %d: %s", server_id, code, server.snapshot())
     return code
+
+
+def _agent(cfg: Config, engine: Any, tok: Any, seeded: bool) -> tuple[Any, Any]:
+    """The tool workers and the episode runner when ``rollout.multi_turn.enable`` (else
+    ``(None, None)``); a tool config that does not load stops the server here."""
+    from asyncrl.tools import ToolPool
+    from rollout_servers.agent import AgentRunner, AgentSettings
+    from rollout_servers.groups import SamplingSettings
+
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None, None
+    tools = None
+    if mt.tool_config_path:
+        tools = ToolPool(
+            mt.tool_config_path,
+            num_workers=mt.tool_workers,
+            timeout_s=mt.tool_timeout_s,
+            max_response_length=mt.max_tool_response_length,
+            truncate_side=mt.tool_response_truncate_side,
+        )
+    settings = SamplingSettings.from_config(cfg, seeded=seeded)
+    return tools, AgentRunner(AgentSettings.from_config(cfg), settings, engine, tok, tools)
 
 
 if __name__ == "__main__":

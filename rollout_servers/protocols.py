@@ -37,6 +37,8 @@ class GenerationEngine(Protocol):
 
     #: Cumulative engine metrics (``rollout/sync_pause_s``, ``rollout/resubmitted``).
     metrics: dict[str, float]
+    #: The policy version of the weights loaded now.
+    version: int
 
     @property
     def errored(self) -> bool:
@@ -63,12 +65,19 @@ class GenerationEngine(Protocol):
 
 @runtime_checkable
 class Tokenizer(Protocol):
-    """Chat formatting of prompts without token ids, and decoding of responses for scoring."""
+    """Chat formatting of prompts without token ids, and decoding of responses for scoring.
+    ``eos_token_id`` (optional) ends an assistant turn."""
 
     def apply_chat_template(
-        self, conversation: Any, *, add_generation_prompt: bool = ..., tokenize: bool = ...
+        self,
+        conversation: Any,
+        *,
+        tools: Any = ...,
+        add_generation_prompt: bool = ...,
+        tokenize: bool = ...,
     ) -> Any:
-        """The chat-formatted prompt (a string when ``tokenize=False``)."""
+        """The chat-formatted prompt (a string when ``tokenize=False``); ``tools``: the
+        tool schemas the template names (multi-turn episodes)."""
         ...
 
     def encode(self, text: str, *, add_special_tokens: bool = ...) -> list[int]:

@@ -22,6 +22,8 @@ from asyncrl.control.client import CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
 from asyncrl.rewards import ScoreJob, ScoreResult
 from asyncrl.weight_sync import store_prefix
+from asyncrl.wire import Trajectory
+from rollout_servers.agent import AgentRunner, episode_trajectories
 from rollout_servers.engine import Sample, SyncJoin
 from rollout_servers.groups import SamplingSettings, build_group, sampling_params
 from rollout_servers.protocols import (
@@ -58,6 +60,7 @@ class RolloutServer:
         pusher: GroupPusher,
         client: ControlClient,
         seeded: bool = True,
+        agent: AgentRunner | None = None,
     ) -> None:
         self.cfg = cfg
         self.server_id = server_id
@@ -67,6 +70,7 @@ class RolloutServer:
         self.pusher = pusher
         self.client = client
         self.settings = SamplingSettings.from_config(cfg, seeded=seeded)
+        self.agent = agent  # runs tool_agent tasks as multi-turn episodes (None: single turn)
         self.max_inflight = cfg.rollout.max_inflight
         self.inflight = 0  # sampled responses being generated now
         # Set when responses finish (their slots are free again) or stop() is called.
@@ -201,25 +205,10 @@ class RolloutServer:
         pushed = False
         self.held[task.task_id] = task
         try:
-            prompt = self._prompt_ids(task)
-            samples = await asyncio.gather(
-                *[
-                    self.engine.generate(
-                        prompt,
-                        sampling_params(self.settings, task, i),
-                        f"{task.task_id}/{task.attempt}/{i}",
-                    )
-                    for i in range(task.n)
-                ]
-            )
-            texts = [self.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-            jobs = [
-                ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts
-            ]
-            scores = await asyncio.to_thread(self.pool.score_many, jobs)
-            group = build_group(
-                task, prompt, samples, scores, server_id=self.server_id, created_at=created
-            )
+            if self.agent is not None and task.agent_name == "tool_agent":
+                group, samples, scores = await self._episodes(task, self.agent, created)
+            else:
+                group, samples, scores = await self._single_turn(task, created)
             self.metrics["rollout/push_wait_s"] += await self.pusher.send_async(group)
             pushed = True
             await asyncio.to_thread(self.client.ack, [task.task_id])
@@ -236,6 +225,51 @@ class RolloutServer:
         finally:
             self.held.pop(task.task_id, None)
             self._free_slots(task.n)
+
+    async def _single_turn(
+        self, task: Task, created: float
+    ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
+        """Generate and score ``task.n`` responses; the group and what to count."""
+        prompt = self._prompt_ids(task)
+        samples = await asyncio.gather(
+            *[
+                self.engine.generate(
+                    prompt,
+                    sampling_params(self.settings, task, i),
+                    f"{task.task_id}/{task.attempt}/{i}",
+                )
+                for i in range(task.n)
+            ]
+        )
+        texts = [self.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        scores = await self._score(task, texts)
+        group = build_group(
+            task, prompt, samples, scores, server_id=self.server_id, created_at=created
+        )
+        return group, list(samples), scores
+
+    async def _episodes(
+        self, task: Task, agent: AgentRunner, created: float
+    ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
+        """Run and score ``task.n`` episodes; the group (one trajectory per sample) and,
+        to count, each episode as one sample of its tokens."""
+        episodes = await asyncio.gather(*[agent.episode(task, i) for i in range(task.n)])
+        scores = await self._score(task, [ep.text(self.tok) for ep in episodes])
+        group = episode_trajectories(
+            task, episodes, scores, server_id=self.server_id, created_at=created
+        )
+        counted = [
+            Sample(
+                token_ids=[t for p in ep.pieces for t in p.token_ids],
+                version_spans=[s for p in ep.pieces for s in p.version_spans],
+            )
+            for ep in episodes
+        ]
+        return group, counted, scores
+
+    async def _score(self, task: Task, texts: list[str]) -> list[ScoreResult]:
+        jobs = [ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]
+        return await asyncio.to_thread(self.pool.score_many, jobs)
 
     def _prompt_ids(self, task: Task) -> list[int]:
         from asyncrl.prepare.tokenizer import chat_prompt_ids
@@ -322,6 +356,8 @@ class RolloutServer:
         elapsed = max(time.monotonic() - self.started, 1e-9)
         out = dict(self.metrics)
         out.update(self.engine.metrics)
+        if self.agent is not None:
+            out.update(self.agent.metrics)
         out["rollout/tokens_per_s"] = self.metrics["rollout/tokens"] / elapsed
         out["rollout/inflight"] = self.inflight
         if self._idle_since is not None:  # idle now: count the wait so far

@@ -38,6 +38,7 @@ class StandInEngine:
         self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
         self.gate = asyncio.Event()
         self.requests = 0
+        self.version = 0
 
     @property
     def errored(self) -> bool:

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-
-class Section(BaseModel):
-    """Base for every group: unknown keys are errors, assignments are re-validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from asyncrl.config.rollout import RolloutConfig
+from asyncrl.config.section import Section
 
 
 # --------------------------------------------------------------------------- model
@@ -68,52 +65,6 @@ class DataConfig(Section):
     def _one_or_many(cls, v: object) -> object:
         # veRL users write a single path as often as a list.
         return [v] if isinstance(v, str) else v
-
-
-# --------------------------------------------------------------------------- rollout
-class ValKwargs(Section):
-    temperature: float = Field(
-        default=0.0, ge=0, description="Validation temperature (0 = greedy)."
-    )
-    top_p: float = Field(default=1.0, gt=0, le=1, description="Validation nucleus sampling.")
-    top_k: int = Field(default=-1, description="Validation top-k (-1 = off).")
-    n: int = Field(default=1, gt=0, description="Validation samples per prompt.")
-
-
-class RolloutConfig(Section):
-    num_servers: int = Field(default=2, gt=0, description="Rollout servers (one vLLM engine each).")
-    n: int = Field(default=8, gt=0, description="Samples per prompt (the GRPO group size).")
-    temperature: float = Field(
-        default=1.0, gt=0, description="Training sampling temperature; the learner uses the same."
-    )
-    top_p: float = Field(
-        default=1.0, gt=0, le=1, description="Must stay 1 for training (see rules)."
-    )
-    top_k: int = Field(default=-1, description="Must stay -1 for training (see rules).")
-    max_inflight: int = Field(
-        default=128, gt=0, description="Concurrent sequences per rollout server."
-    )
-    tensor_model_parallel_size: int = Field(default=1, gt=0, description="vLLM tensor parallelism.")
-    gpu_memory_utilization: float = Field(
-        default=0.5, gt=0, le=1, description="vLLM memory share on GPU (ignored on CPU)."
-    )
-    cpu_kvcache_space_gb: int = Field(
-        default=1,
-        ge=1,
-        description="vLLM KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE).",
-    )
-    enforce_eager: bool | Literal["auto"] = Field(
-        default="auto",
-        description="Skip vLLM's compilation and CUDA graph capture: auto skips them on CPU "
-        "(no graphs there, and compiling a small model costs more start-up than it saves) "
-        "and for runs under 100 learner steps; false always compiles.",
-    )
-    sync_mode: Literal["keep", "abort"] = Field(
-        default="keep",
-        description="At a weight push: keep in-flight requests running under the new "
-        "weights, or abort and re-submit them with their generated prefix.",
-    )
-    val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
 
 
 # --------------------------------------------------------------------------- actor

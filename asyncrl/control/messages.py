@@ -67,6 +67,9 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_token_ids: list[int] | None = None  # set when the dealer tokenizes
     attempt: NonNeg = 0  # 0: first deal; k: re-dealt k times
     dealt_version: NonNeg = 0  # the policy version when it was (last) dealt
+    # veRL's per-row agent: single_turn, or tool_agent (a multi-turn episode with tools
+    # when rollout.multi_turn.enable; tools_kwargs and interaction_kwargs in extra_info).
+    agent_name: Annotated[str, msgspec.Meta(max_length=64)] = "single_turn"
 
 
 class SyncStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

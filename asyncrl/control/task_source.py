@@ -168,6 +168,7 @@ class TaskSource:
             prompt=list(row[self.prompt_key]),
             ground_truth=row["reward_model"]["ground_truth"],
             extra_info=dict(row.get("extra_info") or {}),
+            agent_name=str(row.get("agent_name") or "single_turn"),
             n=n,
             validation=val,
             dealt_version=version,

@@ -15,7 +15,13 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 
+# Tools (a chat template's ``tools`` argument) are named in one short system line: a
+# tiny model learns the call format in its warm start, not from a schema in every prompt.
+# Tool answers are messages of role ``tool``, like any other.
 CHAT_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\\nTools: ' }}"
+    "{{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}"

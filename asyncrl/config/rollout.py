@@ -1,0 +1,91 @@
+"""The ``rollout`` group: the rollout servers' engines, sampling and multi-turn episodes."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from asyncrl.config.section import Section
+
+
+class MultiTurnConfig(Section):
+    """Multi-turn, tool-using episodes (veRL's ``actor_rollout_ref.rollout.multi_turn``
+    names). Rows whose ``agent_name`` is ``tool_agent`` run as episodes; others stay single
+    turn."""
+
+    enable: bool = Field(default=False, description="Run tool_agent rows as multi-turn episodes.")
+    max_assistant_turns: int | None = Field(
+        default=None, gt=0, description="Assistant turns per episode at most (None: until done)."
+    )
+    max_user_turns: int | None = Field(
+        default=None, gt=0, description="Tool/user turns per episode at most (None: no limit)."
+    )
+    max_parallel_calls: int = Field(
+        default=1, gt=0, description="Tool calls of one assistant turn that are run."
+    )
+    max_tool_response_length: int = Field(
+        default=256, gt=0, description="Characters of a tool's answer kept."
+    )
+    tool_response_truncate_side: Literal["left", "middle", "right"] = Field(
+        default="middle", description="Which part of a long tool answer is kept."
+    )
+    tool_config_path: str | None = Field(
+        default=None, description="YAML naming the tools (veRL's tool config format)."
+    )
+    format: Literal["hermes"] = Field(
+        default="hermes", description="How tool calls are written: <tool_call>{json}</tool_call>."
+    )
+    tool_timeout_s: float = Field(
+        default=10.0, gt=0, description="A tool call running longer is killed (an env error)."
+    )
+    tool_workers: int = Field(default=2, gt=0, description="Tool processes per rollout server.")
+    episode_timeout_s: float = Field(
+        default=600.0, gt=0, description="An episode running longer ends where it is."
+    )
+
+
+class ValKwargs(Section):
+    temperature: float = Field(
+        default=0.0, ge=0, description="Validation temperature (0 = greedy)."
+    )
+    top_p: float = Field(default=1.0, gt=0, le=1, description="Validation nucleus sampling.")
+    top_k: int = Field(default=-1, description="Validation top-k (-1 = off).")
+    n: int = Field(default=1, gt=0, description="Validation samples per prompt.")
+
+
+class RolloutConfig(Section):
+    num_servers: int = Field(default=2, gt=0, description="Rollout servers (one vLLM engine each).")
+    n: int = Field(default=8, gt=0, description="Samples per prompt (the GRPO group size).")
+    temperature: float = Field(
+        default=1.0, gt=0, description="Training sampling temperature; the learner uses the same."
+    )
+    top_p: float = Field(
+        default=1.0, gt=0, le=1, description="Must stay 1 for training (see rules)."
+    )
+    top_k: int = Field(default=-1, description="Must stay -1 for training (see rules).")
+    max_inflight: int = Field(
+        default=128, gt=0, description="Concurrent sequences per rollout server."
+    )
+    tensor_model_parallel_size: int = Field(default=1, gt=0, description="vLLM tensor parallelism.")
+    gpu_memory_utilization: float = Field(
+        default=0.5, gt=0, le=1, description="vLLM memory share on GPU (ignored on CPU)."
+    )
+    cpu_kvcache_space_gb: int = Field(
+        default=1,
+        ge=1,
+        description="vLLM KV cache size in whole GiB on CPU (VLLM_CPU_KVCACHE_SPACE).",
+    )
+    enforce_eager: bool | Literal["auto"] = Field(
+        default="auto",
+        description="Skip vLLM's compilation and CUDA graph capture: auto skips them on CPU "
+        "(no graphs there, and compiling a small model costs more start-up than it saves) "
+        "and for runs under 100 learner steps; false always compiles.",
+    )
+    sync_mode: Literal["keep", "abort"] = Field(
+        default="keep",
+        description="At a weight push: keep in-flight requests running under the new "
+        "weights, or abort and re-submit them with their generated prefix.",
+    )
+    val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)

@@ -1,0 +1,362 @@
+"""Killable worker processes with a per-job timeout, so untrusted code never stalls its caller.
+
+Threads are not enough: code stuck in C (``pow(10, 10**8)``, a catastrophic regex) holds
+the GIL and cannot be interrupted. Each :class:`WorkerPool` worker is a ``spawn``-ed
+process (safe while the caller runs threads or an event loop) that runs a *setup*
+function once, then answers jobs sent over its own pipe with the handler that setup
+returned. A job that overruns ``timeout_s`` gets its worker killed and replaced in the
+background; the caller gets ``("timeout", None)`` at once.
+
+The reward pool (scorers) and the tool pool (agent tools) are both thin layers on this one.
+
+Protocol (parent <-> its own child, plain picklable tuples):
+
+- child -> parent at start: ``("ready", None)`` or ``("startup_error", message)``
+- parent -> child: a job (anything picklable), or ``None`` to stop
+- child -> parent: the handler's ``(status, payload)``; ``("exception", message)`` if the
+  handler raised
+
+Code that creates a pool from a script needs the usual ``if __name__ == "__main__":`` guard,
+because ``spawn`` imports the main module in each worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import queue
+import signal
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection, wait
+from typing import Any, TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: What a worker does with one job: returns ``(status, payload)``, both picklable.
+Handler = Callable[[Any], tuple[str, Any]]
+#: Runs once in each worker and returns its handler; must be a module-level function.
+Setup = Callable[..., Handler]
+
+#: Statuses the pool itself produces, whatever the handler: the job overran its time,
+#: the worker process died under it, or the handler raised.
+POOL_STATUSES = ("timeout", "worker_died", "exception")
+
+MAX_MESSAGE_CHARS = 300  # an error message's longest form, so a huge repr cannot flood logs
+_STOP_GRACE_S = 1.0  # how long a worker may take to exit before it is killed
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"Type: message"``, cut to :data:`MAX_MESSAGE_CHARS`; what the caller hears of a raise."""
+    return f"{type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]
+
+
+def check_pool_args(num_workers: int, timeout_s: float) -> None:
+    """Raise ValueError for a pool size or timeout that could never serve a job."""
+    if num_workers < 1:
+        raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+
+
+# ------------------------------------------------------------------------ worker process
+
+
+def _worker_main(conn: Connection, setup: Setup, setup_args: tuple[Any, ...]) -> None:
+    """Entry point of a worker process: run ``setup``, then serve jobs until told to stop.
+
+    Consumes jobs from its pipe; produces one answer per job. Waits on the pipe for the
+    next job; unblocked by a job, by ``None`` (stop) or by the parent going away (end of
+    file). A job that hangs is not its business: the parent kills it."""
+    # Ctrl-C reaches the whole process group; the parent decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        handler = setup(*setup_args)
+    except Exception as exc:
+        conn.send(("startup_error", str(exc)))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone: do not outlive it
+        if job is None:
+            return
+        try:
+            answer = handler(job)
+        except Exception as exc:
+            answer = ("exception", describe_exception(exc))
+        conn.send(answer)
+
+
+class Worker:
+    """The parent's handle on one worker process (:attr:`process`) and its pipe."""
+
+    def __init__(self, ctx: Any, setup: Setup, setup_args: tuple[Any, ...], role: str) -> None:
+        self.role = role
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=_worker_main,
+            args=(child_conn, setup, setup_args),
+            name=f"asyncrl-{role}-worker",
+            daemon=True,  # multiprocessing terminates daemon children when the parent exits
+        )
+        self.process.start()
+        # Without closing our copy of the child's end, its death would never read as EOF.
+        child_conn.close()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Block until the worker's setup has run; raise ValueError if it cannot."""
+        if not self.conn.poll(timeout_s):
+            self.kill()
+            raise ValueError(f"{self.role} worker did not start within {timeout_s}s")
+        try:
+            status, message = self.conn.recv()
+        except (EOFError, OSError):
+            self.kill()
+            raise ValueError(
+                f"{self.role} worker exited during start (exit code {self.process.exitcode})"
+            ) from None
+        if status != "ready":
+            self.kill()
+            raise ValueError(message)
+
+    def run(self, job: Any, timeout_s: float) -> tuple[str, Any]:
+        """Send one job and wait for its answer; ``("timeout"|"worker_died", detail)`` if none."""
+        self.conn.send(job)
+        ready = wait([self.conn, self.process.sentinel], timeout_s)
+        if not ready:
+            return "timeout", None
+        if self.conn in ready:
+            try:
+                return self.conn.recv()
+            except (EOFError, OSError):
+                pass
+        self.process.join(_STOP_GRACE_S)
+        return "worker_died", self.process.exitcode
+
+    def kill(self) -> None:
+        """Terminate the process (SIGKILL if it lingers) and close the pipe."""
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(0.2)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(_STOP_GRACE_S)
+        self.conn.close()
+
+    def stop(self) -> None:
+        """Ask the worker to exit, and kill it if it does not do so promptly."""
+        with contextlib.suppress(OSError, ValueError):  # already gone or closed
+            self.conn.send(None)
+        self.process.join(_STOP_GRACE_S)
+        self.kill()
+
+
+def _stop_all(workers: set[Worker]) -> None:
+    """Stop every worker; shared by close() and the exit-time finalizer."""
+    for worker in list(workers):
+        worker.stop()
+    workers.clear()
+
+
+# --------------------------------------------------------------------------------- pool
+
+
+class WorkerPool:
+    """A fixed number of killable worker processes serving jobs with a timeout; thread-safe.
+
+    :meth:`run` waits for an idle worker, sends it the job and waits at most ``timeout_s``
+    for the answer. A worker that times out or dies is killed and replaced in the
+    background, so the pool keeps its size. :meth:`record` counts a failure by kind and
+    logs it once with its fix, so the layers on top report failures the same way.
+    """
+
+    def __init__(
+        self,
+        setup: Setup,
+        setup_args: tuple[Any, ...] = (),
+        *,
+        name: str,
+        role: str,
+        explanations: Mapping[str, str],
+        num_workers: int = 2,
+        timeout_s: float = 5.0,
+        startup_timeout_s: float = 60.0,
+        log: logging.Logger = logger,
+    ) -> None:
+        """Start the workers and wait until each has run ``setup``.
+
+        Args:
+            setup: A module-level function (picklable by reference), called once in each
+                worker with ``setup_args``; returns the worker's :data:`Handler`.
+            setup_args: Picklable arguments for ``setup``.
+            name: The owning class's name, used in errors and logs (``"RewardPool"``).
+            role: A short word for process and thread names (``"reward"``).
+            explanations: Failure kinds counted by :meth:`record`, in order, each with a
+                message template (``{timeout}`` and ``{detail}`` are filled in).
+            num_workers: Worker processes (jobs run at once).
+            timeout_s: Longest a single job may take.
+            startup_timeout_s: Longest a worker may take to start and run ``setup``.
+            log: Where failures are reported: the owner's logger, so its users can filter.
+
+        Raises:
+            ValueError: Bad arguments, or ``setup`` failed in a worker (its message).
+        """
+        check_pool_args(num_workers, timeout_s)
+        self.name = name
+        self.num_workers = num_workers
+        self.timeout_s = float(timeout_s)
+        self._setup = setup
+        self._setup_args = setup_args
+        self._role = role
+        self._log = log
+        self._explanations = dict(explanations)
+        self._startup_timeout_s = startup_timeout_s
+        self._ctx = mp.get_context("spawn")
+        self._lock = threading.Lock()
+        self._counters: dict[str, int] = dict.fromkeys(self._explanations, 0)
+        self._logged: set[str] = set()
+        self._closed = False
+        self._broken: str | None = None
+        self._respawns: list[threading.Thread] = []
+        # None in this queue means "the pool cannot serve": closed, or a respawn failed.
+        self._idle: queue.Queue[Worker | None] = queue.Queue()
+        self._workers: set[Worker] = set()
+        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+        # Start all workers before waiting on any, so their start-up overlaps.
+        started = [self._start_worker() for _ in range(num_workers)]
+        try:
+            for worker in started:
+                worker.wait_ready(startup_timeout_s)
+        except BaseException:
+            self._finalizer()
+            raise
+        for worker in started:
+            self._idle.put(worker)
+        self._executor = ThreadPoolExecutor(num_workers, thread_name_prefix=f"{role}-pool")
+
+    # ---------------------------------------------------------------- public API
+
+    @property
+    def workers(self) -> list[Worker]:
+        """The live workers right now (busy or idle); for inspection, not for jobs."""
+        with self._lock:
+            return list(self._workers)
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """A snapshot of failures so far, by kind (the keys of ``explanations``)."""
+        with self._lock:
+            return dict(self._counters)
+
+    def run(self, job: Any) -> tuple[str, Any]:
+        """Run one job on an idle worker; returns within ``timeout_s`` once one is free.
+
+        Returns:
+            The handler's ``(status, payload)``, or one of :data:`POOL_STATUSES` with its
+            detail (``None``, the exit code, or the exception's message).
+
+        Raises:
+            RuntimeError: The pool is closed or can no longer start workers.
+        """
+        worker = self._acquire()
+        try:
+            status, payload = worker.run(job, self.timeout_s)
+        except BaseException:
+            # E.g. an unpicklable job, or KeyboardInterrupt mid-wait: the worker's state
+            # is unknown, so replace it rather than reuse it.
+            self._replace(worker)
+            raise
+        if status in ("timeout", "worker_died"):
+            self._replace(worker)
+        else:
+            self._idle.put(worker)
+        return status, payload
+
+    def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
+        """``[fn(item) for item in items]``, run on up to ``num_workers`` threads, in order.
+
+        ``fn`` is expected to call :meth:`run`; the threads keep every worker busy.
+        """
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+        return list(self._executor.map(fn, items))
+
+    def record(self, kind: str, detail: Any) -> None:
+        """Count a failure of ``kind``; log its explanation the first time that kind occurs."""
+        with self._lock:
+            self._counters[kind] += 1
+            first = kind not in self._logged
+            self._logged.add(kind)
+        if first:
+            message = self._explanations[kind].format(timeout=self.timeout_s, detail=detail)
+            self._log.warning(
+                "%s (logged once; %s.counters[%r] counts every case)", message, self.name, kind
+            )
+
+    def close(self) -> None:
+        """Stop all workers; idempotent. Calls waiting for a worker raise RuntimeError."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            respawns = list(self._respawns)
+        self._idle.put(None)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        for thread in respawns:
+            thread.join(self._startup_timeout_s)
+        self._finalizer()
+
+    # ----------------------------------------------------------------- internals
+
+    def _start_worker(self) -> Worker:
+        worker = Worker(self._ctx, self._setup, self._setup_args, self._role)
+        with self._lock:
+            self._workers.add(worker)
+        return worker
+
+    def _acquire(self) -> Worker:
+        if self._closed:
+            raise RuntimeError(f"{self.name} is closed")
+        worker = self._idle.get()
+        if worker is None:
+            self._idle.put(None)  # wake the next waiter too
+            raise RuntimeError(self._broken or f"{self.name} is closed")
+        return worker
+
+    def _replace(self, worker: Worker) -> None:
+        """Kill ``worker`` now and start its successor in the background."""
+        worker.kill()
+        with self._lock:
+            self._workers.discard(worker)
+            if self._closed:
+                return
+            thread = threading.Thread(
+                target=self._respawn, name=f"{self._role}-respawn", daemon=True
+            )
+            # Started under the lock so close() never sees (and joins) an unstarted thread.
+            thread.start()
+            self._respawns = [t for t in self._respawns if t.is_alive()] + [thread]
+
+    def _respawn(self) -> None:
+        try:
+            worker = self._start_worker()
+            worker.wait_ready(self._startup_timeout_s)
+        except Exception as exc:
+            self._broken = f"{self.name} could not replace a worker: {exc}"
+            self._log.error(self._broken)
+            self._idle.put(None)
+            return
+        with self._lock:
+            closed = self._closed
+        if closed:
+            worker.stop()
+        else:
+            self._idle.put(worker)

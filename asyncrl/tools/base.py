@@ -1,0 +1,62 @@
+"""The base class of a tool, with veRL's method names and signatures.
+
+A veRL tool ports by changing its import to ``from asyncrl.tools import BaseTool``. Two
+differences: ``tool_schema`` is the plain dict from the config (veRL wraps it in a pydantic
+model), and :meth:`BaseTool.execute` has no useful default, since a tool that does nothing
+is a config mistake.
+
+A tool lives in a tool worker process (see :class:`asyncrl.tools.ToolPool`): it is built
+once per worker, and each call is ``create`` -> ``execute`` -> ``release`` on a fresh
+instance id, so per-trajectory state belongs in a dict keyed by that id, as in veRL.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+
+class BaseTool:
+    """A tool the model can call.
+
+    Attributes:
+        config: The ``config`` mapping of the tool's config entry.
+        tool_schema: The OpenAI function-calling schema (``{"type": "function", ...}``).
+        name: ``tool_schema["function"]["name"]``: what the model calls.
+    """
+
+    def __init__(self, config: dict, tool_schema: dict) -> None:
+        self.config = config
+        self.tool_schema = tool_schema
+        self.name: str = tool_schema["function"]["name"]
+
+    def get_openai_tool_schema(self) -> dict:
+        """The schema shown to the model (veRL's name for it)."""
+        return self.tool_schema
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
+        """Start an instance of the tool for one trajectory; return its id.
+
+        ``kwargs`` are the trajectory's ``create_kwargs`` (veRL's
+        ``extra_info.tools_kwargs[name]["create_kwargs"]``), e.g. a ground truth.
+        """
+        return instance_id if instance_id is not None else uuid.uuid4().hex
+
+    async def execute(
+        self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
+    ) -> tuple[str | dict, float, dict]:
+        """Run the tool on the model's arguments.
+
+        Returns:
+            ``(response, step_reward, metrics)``: the response is the text the model sees
+            (or a dict with a ``"text"`` key); errors the model should fix are best
+            returned as text too, so it can learn from them.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must override BaseTool.execute")
+
+    async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
+        """The instance's reward from its state (0.0 unless a tool keeps score)."""
+        return 0.0
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        """Drop the instance's state; called after every execute, even one that raised."""

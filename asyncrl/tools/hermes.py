@@ -1,0 +1,99 @@
+"""Parse hermes-style tool calls out of an assistant's text (Qwen2.5/Qwen3, NousHermes).
+
+A call is a block::
+
+    <tool_call>
+    {"name": "add", "arguments": {"a": 1, "b": 2}}
+    </tool_call>
+
+``arguments`` may also be a JSON string holding the object. Pure functions: the caller
+decides what a malformed block costs the model (usually an error message in the next turn).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+OPEN_TAG = "<tool_call>"
+CLOSE_TAG = "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: a tool name and its arguments."""
+
+    name: str
+    arguments: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ParsedToolCalls:
+    """What :func:`parse_tool_calls` found in one assistant message.
+
+    Attributes:
+        content: The text before the first ``<tool_call>`` (all of it when there is none).
+        calls: The well-formed calls, in order.
+        errors: One line per malformed block, naming the block (``"tool call 2: ..."``).
+    """
+
+    content: str
+    calls: list[ToolCall] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+
+def _decode_arguments(raw: Any) -> dict[str, Any] | str:
+    """The arguments as a dict, or a description of what is wrong with them."""
+    if raw is None:
+        return {}  # a tool without parameters
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            return f"'arguments' is a string but not valid JSON ({exc.msg})"
+    if not isinstance(raw, dict):
+        return f"'arguments' must be a JSON object, got {type(raw).__name__}"
+    return raw
+
+
+def parse_block(body: str) -> ToolCall | str:
+    """Parse the inside of one ``<tool_call>`` block: a call, or what is wrong with it."""
+    try:
+        data = json.loads(body)
+    except json.JSONDecodeError as exc:
+        return f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+    if not isinstance(data, dict):
+        return f"expected a JSON object with 'name' and 'arguments', got {type(data).__name__}"
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip():
+        return "missing 'name' (a non-empty string)"
+    arguments = _decode_arguments(data.get("arguments"))
+    if isinstance(arguments, str):
+        return arguments
+    return ToolCall(name.strip(), arguments)
+
+
+def parse_tool_calls(text: str) -> ParsedToolCalls:
+    """Find every ``<tool_call>`` block in ``text``, in order.
+
+    A ``<tool_call>`` left open at the end (the response was cut off) counts as a malformed
+    block, so the caller can tell "no call" from "a call that never finished".
+    """
+    calls: list[ToolCall] = []
+    errors: list[str] = []
+    end = 0
+    for number, match in enumerate(_BLOCK.finditer(text), start=1):
+        parsed = parse_block(match.group(1))
+        if isinstance(parsed, ToolCall):
+            calls.append(parsed)
+        else:
+            errors.append(f"tool call {number}: {parsed}")
+        end = match.end()
+    if OPEN_TAG in text[end:]:
+        errors.append(f"tool call {len(calls) + len(errors) + 1}: {OPEN_TAG} without {CLOSE_TAG}")
+    first = text.find(OPEN_TAG)
+    content = text if first < 0 else text[:first]
+    return ParsedToolCalls(content, calls, errors)

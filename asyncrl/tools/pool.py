@@ -1,0 +1,295 @@
+"""Run agent tools in killable worker processes, so a stuck tool never stalls generation.
+
+:class:`ToolPool` sits on the generic killable pool (:mod:`asyncrl.sandbox`). Each worker
+builds every tool of the config once at start; one job is one call: ``create`` an
+instance (with the trajectory's ``create_kwargs``), ``execute`` it with the model's
+arguments, ``release`` it. A call never raises for a tool's or the model's mistakes: it
+returns a :class:`ToolResult` whose text tells the model what went wrong, and whose
+``error`` says whose fault it was (:data:`ENVIRONMENT_ERRORS` are not the model's).
+
+Worker protocol: job ``(name, arguments, create_kwargs)``; answer ``("ok", (text,
+reward))`` or ``("bad_return", message)`` (plus the pool's own statuses).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from asyncrl.sandbox import MAX_MESSAGE_CHARS, Handler, WorkerPool
+from asyncrl.tools.config import ToolSpec, instantiate_tools, load_tool_config, schemas
+from asyncrl.tools.hermes import ToolCall
+
+__all__ = ["ENVIRONMENT_ERRORS", "TOOL_ERROR_KINDS", "ToolCall", "ToolPool", "ToolResult"]
+
+logger = logging.getLogger(__name__)
+
+#: Why a call's text is an error message rather than the tool's answer.
+TOOL_ERROR_KINDS = (
+    "timeout",
+    "exception",
+    "unknown_tool",
+    "bad_arguments",
+    "worker_died",
+    "bad_return",
+)
+#: Failures that are not the model's fault: training should not punish the model for them.
+ENVIRONMENT_ERRORS = ("timeout", "worker_died")
+
+TruncateSide = Literal["left", "middle", "right"]
+
+_EXPLANATIONS = {
+    "timeout": "a tool call timed out after {timeout}s and its worker was replaced (an "
+    "environment error, not the model's); make the tool faster or raise "
+    "rollout.multi_turn.tool_timeout_s",
+    "exception": "a tool raised {detail}; the model sees the error; fix the tool if the "
+    "arguments were valid",
+    "unknown_tool": "the model called an unknown tool ({detail}); expected early in training, "
+    "but check the tool config and the prompt's tool list if it persists",
+    "bad_arguments": "the model called a tool with bad arguments ({detail}); expected early "
+    "in training, but check the schema's required list if it persists",
+    "worker_died": "a tool worker process died during a call (exit code {detail}; an "
+    "environment error, not the model's); check the tool for crashes, os._exit or running "
+    "out of memory",
+    "bad_return": "a tool returned {detail}; execute must return (text or {{'text': ...}}, "
+    "reward, metrics)",
+}
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """The outcome of one call.
+
+    Attributes:
+        text: The tool message content for the model (already truncated).
+        error: None, or one of :data:`TOOL_ERROR_KINDS`.
+        reward: The tool's step reward (0.0 on error).
+    """
+
+    text: str
+    error: str | None = None
+    reward: float = 0.0
+
+
+def truncate_response(text: str, max_length: int, side: TruncateSide = "middle") -> str:
+    """Cut ``text`` to ``max_length`` characters, marking the cut as veRL's tool agent does.
+
+    ``"left"`` keeps the start (``...(truncated)`` appended), ``"right"`` keeps the end
+    (``(truncated)...`` prepended), ``"middle"`` keeps half of each around
+    ``...(truncated)...``. The marker is not counted in ``max_length``.
+    """
+    if len(text) <= max_length:
+        return text
+    if side == "left":
+        return text[:max_length] + "...(truncated)"
+    if side == "right":
+        return "(truncated)..." + text[len(text) - max_length :]
+    half = max_length // 2
+    return text[:half] + "...(truncated)..." + text[len(text) - half :]
+
+
+# ------------------------------------------------------------------------ worker process
+
+
+def _response_text(response: Any) -> str | None:
+    """The text of a tool response (a str, a dict's ``"text"``, or veRL's ``ToolResponse``
+    object's ``.text``); None when it has none to give."""
+    if isinstance(response, str):
+        return response
+    fields = response if isinstance(response, dict) else getattr(response, "__dict__", {})
+    text = fields.get("text")
+    if text is None and (fields.get("image") or fields.get("video")):
+        return ""  # an image-only veRL response: this text-only pool passes on no text
+    return text if isinstance(text, str) else None
+
+
+async def _call_once(tool: Any, arguments: dict[str, Any], create_kwargs: dict) -> Any:
+    created = await tool.create(**create_kwargs)
+    # Newer veRL tools return (instance_id, response) from create.
+    instance_id = created[0] if isinstance(created, tuple) else created
+    try:
+        return await tool.execute(instance_id, arguments)
+    finally:
+        await tool.release(instance_id)
+
+
+def _run_call(
+    tools: dict[str, Any], loop: asyncio.AbstractEventLoop, job: tuple
+) -> tuple[str, Any]:
+    """Run one call on its tool; a tool that raises is reported by the pool as exception."""
+    name, arguments, create_kwargs = job
+    result = loop.run_until_complete(_call_once(tools[name], arguments, create_kwargs))
+    if not isinstance(result, tuple | list) or len(result) != 3:
+        return "bad_return", f"{type(result).__name__} {result!r:.80}, not a 3-tuple"
+    text = _response_text(result[0])
+    if text is None:
+        return "bad_return", f"a response of type {type(result[0]).__name__} without text"
+    reward = result[1]
+    if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
+        return "bad_return", f"step reward {reward!r:.80}, not a finite number"
+    return "ok", (text, float(reward))
+
+
+def _load_tools(specs: tuple[ToolSpec, ...]) -> Handler:
+    """Worker setup: build every tool once; calls share one event loop for the worker's life,
+    so a tool may keep loop-bound state (a client session, a semaphore) between calls."""
+    # The loop exists before the tools, so one that looks up the loop in __init__ gets it.
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    tools = instantiate_tools(list(specs))
+    return functools.partial(_run_call, tools, loop)
+
+
+# --------------------------------------------------------------------------------- pool
+
+
+class ToolPool:
+    """Call tools from a veRL tool config in killable worker processes; thread-safe.
+
+    Calls block until their answer (at most ``timeout_s`` once a worker is free); from an
+    event loop, run them in a thread (``asyncio.to_thread``) so the loop stays responsive.
+
+    Example::
+
+        with ToolPool("configs/tools/calculator.yaml", timeout_s=5.0) as pool:
+            result = pool.call(ToolCall("add", {"a": 2, "b": 3}))  # ToolResult("5")
+    """
+
+    def __init__(
+        self,
+        config_path: str | Path,
+        *,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        max_response_length: int = 256,
+        truncate_side: TruncateSide = "middle",
+        startup_timeout_s: float = 60.0,
+    ) -> None:
+        """Read the config, start the workers and wait until each has built its tools.
+
+        Args:
+            config_path: The tool config (``rollout.multi_turn.tool_config_path``).
+            num_workers: Worker processes (calls run at once).
+            timeout_s: Longest one call may take (``rollout.multi_turn.tool_timeout_s``).
+            max_response_length: Characters of a response the model sees
+                (``rollout.multi_turn.max_tool_response_length``).
+            truncate_side: Which part of a long response to cut (see
+                :func:`truncate_response`).
+            startup_timeout_s: Longest a worker may take to start and build the tools.
+
+        Raises:
+            ValueError: A bad config or argument, or a tool that fails to import or to
+                construct: raised here, before any call.
+        """
+        if max_response_length < 1:
+            raise ValueError(f"max_response_length must be >= 1, got {max_response_length}")
+        if truncate_side not in ("left", "middle", "right"):
+            raise ValueError(f"truncate_side must be left, middle or right, not {truncate_side!r}")
+        specs = load_tool_config(config_path)
+        self.names: list[str] = [spec.name for spec in specs]
+        self.schemas: list[dict[str, Any]] = schemas(specs)
+        self._required = {spec.name: _required(spec) for spec in specs}
+        self.max_response_length = max_response_length
+        self.truncate_side: TruncateSide = truncate_side
+        self._pool = WorkerPool(
+            _load_tools,
+            (tuple(specs),),
+            name="ToolPool",
+            role="tool",
+            explanations=_EXPLANATIONS,
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            startup_timeout_s=startup_timeout_s,
+            log=logger,
+        )
+        self.timeout_s = self._pool.timeout_s
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """A snapshot of failed calls so far, by kind (see :data:`TOOL_ERROR_KINDS`)."""
+        return self._pool.counters
+
+    def call(self, call: ToolCall, create_kwargs: dict | None = None) -> ToolResult:
+        """Run one call; returns within about ``timeout_s`` once a worker is free.
+
+        Raises:
+            RuntimeError: The pool is closed or can no longer start workers.
+        """
+        refusal = self._check(call)
+        if refusal is not None:
+            return refusal
+        status, payload = self._pool.run((call.name, call.arguments, dict(create_kwargs or {})))
+        if status == "ok":
+            text, reward = payload
+            return ToolResult(self._truncate(text), None, reward)
+        self._pool.record(status, payload)
+        return ToolResult(self._truncate(self._error_text(call.name, status, payload)), status)
+
+    def call_many(
+        self, calls: Sequence[ToolCall], create_kwargs: dict[str, dict] | None = None
+    ) -> list[ToolResult]:
+        """Run calls concurrently; results in the order of ``calls``.
+
+        Args:
+            calls: The calls of one assistant turn.
+            create_kwargs: Per tool name, the ``create_kwargs`` for its instances (veRL's
+                ``extra_info.tools_kwargs[name]["create_kwargs"]``).
+        """
+        by_name = create_kwargs or {}
+        return self._pool.map(lambda call: self.call(call, by_name.get(call.name)), calls)
+
+    def close(self) -> None:
+        """Stop all workers; idempotent. Calls waiting for a worker raise RuntimeError."""
+        self._pool.close()
+
+    def __enter__(self) -> ToolPool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- internals
+
+    def _check(self, call: ToolCall) -> ToolResult | None:
+        """The model's own mistakes, caught before a worker is used: None if the call is fine."""
+        if call.name not in self._required:
+            text = f"Error: unknown tool {call.name!r}; available: {', '.join(self.names)}"
+            return self._refuse("unknown_tool", repr(call.name), text)
+        if not isinstance(call.arguments, dict):
+            kind = type(call.arguments).__name__
+            text = f"Error: the arguments of tool {call.name!r} must be a JSON object, not {kind}"
+            return self._refuse("bad_arguments", f"{call.name}: arguments of type {kind}", text)
+        missing = [key for key in self._required[call.name] if key not in call.arguments]
+        if missing:
+            listed = ", ".join(missing)
+            text = f"Error: tool {call.name!r} is missing required argument(s): {listed}"
+            return self._refuse("bad_arguments", f"{call.name}: missing {listed}", text)
+        return None
+
+    def _refuse(self, kind: str, detail: str, text: str) -> ToolResult:
+        self._pool.record(kind, detail)
+        return ToolResult(self._truncate(text), kind)
+
+    def _error_text(self, name: str, kind: str, detail: Any) -> str:
+        if kind == "timeout":
+            return f"Error: tool {name!r} timed out after {self.timeout_s:g}s"
+        if kind == "worker_died":
+            return f"Error: tool {name!r} crashed"
+        if kind == "exception":
+            return f"Error: tool {name!r} failed: {str(detail)[:MAX_MESSAGE_CHARS]}"
+        return f"Error: tool {name!r} returned an invalid response"
+
+    def _truncate(self, text: str) -> str:
+        return truncate_response(text, self.max_response_length, self.truncate_side)
+
+
+def _required(spec: ToolSpec) -> list[str]:
+    """The argument names the schema requires."""
+    return list(spec.schema["function"].get("parameters", {}).get("required", []))

@@ -1,0 +1,299 @@
+"""Multi-turn, tool-using episodes on a rollout server: token ids in, token ids out.
+
+An episode keeps the exact token ids the engine sampled, with their behaviour logprobs and
+versions, and never re-tokenizes them. After an assistant turn that calls tools, the calls
+run in the tool workers (:class:`asyncrl.tools.ToolPool`), and only the new messages are
+turned into tokens: the history is rendered with the chat template without and with them,
+and the difference is appended (loss mask 0, behaviour logprob 0). When the template does
+not keep the held tokens as a prefix (a template that rewrites history, e.g. one that drops
+past ``<think>`` blocks), the sample is closed and a new sample of the same episode starts
+from the re-rendered history. One episode thus becomes one or more samples that share its
+reward; group statistics count episodes (see :func:`episode_trajectories`).
+
+The loop of one episode (:meth:`AgentRunner.episode`) consumes engine samples and tool
+results; it waits for the engine (bounded by ``episode_timeout_s``) and for tools (bounded by
+``tool_timeout_s`` per call, in killable processes), and ends on a turn without tool calls,
+the turn limits, the response budget, or the episode's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.tools.hermes import parse_tool_calls
+from asyncrl.tools.tokens import continuation, render
+from asyncrl.wire import Trajectory
+from rollout_servers.groups import SamplingSettings, sampling_params
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+    from asyncrl.config import Config
+    from asyncrl.control.messages import Task
+    from asyncrl.rewards import ScoreResult
+    from asyncrl.tools import ToolPool
+    from rollout_servers.engine import Sample
+    from rollout_servers.protocols import GenerationEngine, Tokenizer
+
+log = logging.getLogger(__name__)
+
+#: Why an episode ended (counted as ``rollout/episodes_ended/<why>``).
+END_REASONS = ("done", "max_turns", "length", "timeout", "prompt_too_long")
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """What an episode needs from ``rollout.multi_turn`` and ``data``."""
+
+    max_assistant_turns: int | None
+    max_user_turns: int | None
+    max_parallel_calls: int
+    max_prompt_len: int
+    max_response_len: int
+    episode_timeout_s: float
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> AgentSettings:
+        mt = cfg.rollout.multi_turn
+        return cls(
+            max_assistant_turns=mt.max_assistant_turns,
+            max_user_turns=mt.max_user_turns,
+            max_parallel_calls=mt.max_parallel_calls,
+            max_prompt_len=cfg.data.max_prompt_length,
+            max_response_len=cfg.data.max_response_length,
+            episode_timeout_s=mt.episode_timeout_s,
+        )
+
+
+@dataclass
+class Piece:
+    """One training sample of an episode: a prompt, then sampled and inserted tokens.
+
+    ``masked_spans`` are the ``(start, length)`` runs of inserted tokens (tool answers and
+    the template's markup around them); they carry logprob 0 and the version of the last
+    sampled token before them, so versions never go backwards.
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+    masked_spans: list[tuple[int, int]] = field(default_factory=list)
+    finish_reason: str = "stop"
+    temperature: float | None = None
+    start_version: int = 0
+
+    def add_sampled(self, sample: Sample) -> None:
+        self.token_ids += sample.token_ids
+        self.logprobs += sample.logprobs
+        for version, n in sample.version_spans:
+            self._span(version, n)
+        self.finish_reason = sample.finish_reason
+        self.temperature = sample.temperature
+        if len(self.token_ids) == len(sample.token_ids):
+            self.start_version = sample.start_version
+
+    def add_inserted(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        self.masked_spans.append((len(self.token_ids), len(ids)))
+        self.token_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        last = self.version_spans[-1][0] if self.version_spans else self.start_version
+        self._span(last, len(ids))
+
+    def _span(self, version: int, n: int) -> None:
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1] = (version, self.version_spans[-1][1] + n)
+        elif n:
+            self.version_spans.append((version, n))
+
+
+@dataclass
+class Episode:
+    """One episode: its samples (pieces), the conversation, and what happened."""
+
+    pieces: list[Piece]
+    messages: list[dict[str, Any]]
+    turns: int = 0  # assistant turns
+    tool_turns: int = 0
+    tool_calls: int = 0
+    splits: int = 0
+    ended: str = "done"
+
+    def text(self, tok: Tokenizer) -> str:
+        """The response as the scorer sees it: every sample's response tokens decoded
+        (tool answers included, as veRL's agent loop scores them)."""
+        return "".join(tok.decode(p.token_ids, skip_special_tokens=True) for p in self.pieces)
+
+
+def turn_params(
+    settings: SamplingSettings, task: Task, index: int, turn: int, max_tokens: int
+) -> SamplingParams:
+    """Sampling parameters of assistant turn ``turn`` of episode ``index``: the task's,
+    with the response budget left and a seed of the turn's own (a reused seed would replay
+    the first turn's random draws)."""
+    params = sampling_params(settings, task, index).clone()
+    params.max_tokens = max_tokens
+    if turn and params.seed is not None:
+        params.seed = zlib.crc32(f"{params.seed}/turn/{turn}".encode()) & 0x7FFFFFFF
+    return params
+
+
+class AgentRunner:
+    """Runs the episodes of ``tool_agent`` tasks on one server's engine; counts what
+    happened in :attr:`metrics` (``rollout/agent/...``)."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        sampling: SamplingSettings,
+        engine: GenerationEngine,
+        tok: Tokenizer,
+        tools: ToolPool | None,
+    ) -> None:
+        self.settings, self.sampling = settings, sampling
+        self.engine, self.tok, self.tools = engine, tok, tools
+        self.metrics: Counter[str] = Counter()
+        self._eos = getattr(tok, "eos_token_id", None)
+
+    async def episode(self, task: Task, index: int) -> Episode:
+        """Run episode ``index`` of ``task`` to its end (see the module docstring)."""
+        s = self.settings
+        schemas = self.tools.schemas if self.tools is not None else None
+        messages = list(task.prompt)
+        prompt = render(self.tok, messages, schemas, gen=True)
+        ep = Episode(pieces=[Piece(prompt_ids=prompt[-s.max_prompt_len :])], messages=messages)
+        deadline = time.monotonic() + s.episode_timeout_s
+        while True:
+            piece = ep.pieces[-1]
+            budget = s.max_response_len - len(piece.token_ids)
+            params = turn_params(self.sampling, task, index, ep.turns, budget)
+            rid = f"{task.task_id}/{task.attempt}/{index}/t{ep.turns}"
+            try:
+                sample = await asyncio.wait_for(
+                    self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+            except TimeoutError:
+                ep.ended = "timeout"
+                break
+            piece.add_sampled(sample)
+            ep.turns += 1
+            content = self._content(sample.token_ids)
+            messages.append({"role": "assistant", "content": content})
+            ep.ended = await self._after_turn(ep, task, content, sample.finish_reason, schemas)
+            if ep.ended:
+                break
+        self.metrics["rollout/agent/episodes"] += 1
+        self.metrics[f"rollout/agent/episodes_ended/{ep.ended}"] += 1
+        self.metrics["rollout/agent/turns"] += ep.turns
+        self.metrics["rollout/agent/tool_calls"] += ep.tool_calls
+        self.metrics["rollout/agent/splits"] += ep.splits
+        return ep
+
+    async def _after_turn(
+        self, ep: Episode, task: Task, content: str, finish: str, schemas: list[dict] | None
+    ) -> str:
+        """Run the turn's tool calls and append their answers; the reason the episode
+        ends, or "" to go on."""
+        s = self.settings
+        if finish == "length":
+            return "length"
+        parsed = parse_tool_calls(content)
+        if not parsed.calls and not parsed.errors:
+            return "done"
+        if (s.max_assistant_turns and ep.turns >= s.max_assistant_turns) or (
+            s.max_user_turns and ep.tool_turns >= s.max_user_turns
+        ):
+            return "max_turns"
+        answers = [{"role": "tool", "content": f"Error: {e}"} for e in parsed.errors]
+        self.metrics["rollout/agent/tool_errors/bad_call"] += len(parsed.errors)
+        calls = parsed.calls[: s.max_parallel_calls]
+        if calls and self.tools is None:
+            answers += [{"role": "tool", "content": "Error: no tools here"} for _ in calls]
+        elif calls:
+            assert self.tools is not None
+            kwargs = {
+                name: dict(v.get("create_kwargs") or {})
+                for name, v in (task.extra_info.get("tools_kwargs") or {}).items()
+                if isinstance(v, dict)
+            }
+            results = await asyncio.to_thread(self.tools.call_many, calls, kwargs)
+            for r in results:
+                if r.error:
+                    self.metrics[f"rollout/agent/tool_errors/{r.error}"] += 1
+            answers += [{"role": "tool", "content": r.text} for r in results]
+        ep.tool_calls += len(calls)
+        ep.tool_turns += 1
+        return self._append(ep, answers, schemas)
+
+    def _append(self, ep: Episode, new: list[dict[str, Any]], schemas: list[dict] | None) -> str:
+        """Append the new messages' tokens to the current sample, or split: close it and
+        start a new sample from the re-rendered history."""
+        s, piece = self.settings, ep.pieces[-1]
+        before = render(self.tok, ep.messages, schemas, gen=False)
+        ep.messages.extend(new)
+        after = render(self.tok, ep.messages, schemas, gen=True)
+        tail = continuation(piece.prompt_ids + piece.token_ids, before, after)
+        if tail is not None:
+            if len(piece.token_ids) + len(tail) >= s.max_response_len:
+                return "length"  # no room left to answer: end here, as veRL does
+            piece.add_inserted(tail)
+            return ""
+        if len(after) > s.max_prompt_len:
+            return "prompt_too_long"
+        ep.splits += 1
+        ep.pieces.append(Piece(prompt_ids=after, start_version=self.engine.version))
+        return ""
+
+    def _content(self, ids: list[int]) -> str:
+        """The assistant message's text: the sampled tokens without the end-of-turn token
+        (the template adds its own)."""
+        if ids and ids[-1] == self._eos:
+            ids = ids[:-1]
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def episode_trajectories(
+    task: Task,
+    episodes: list[Episode],
+    scores: list[ScoreResult],
+    *,
+    server_id: str,
+    created_at: float,
+) -> list[Trajectory]:
+    """Wire trajectories of a group of episodes: one per sample, numbered in order
+    (``group_size`` is the number of samples); every sample carries its episode's index and
+    reward, its loss mask as masked spans."""
+    finished = time.time()
+    pieces = [(i, p) for i, ep in enumerate(episodes) for p in ep.pieces]
+    return [
+        Trajectory.build(
+            task_id=task.task_id,
+            prompt_ids=p.prompt_ids,
+            response_ids=p.token_ids,
+            logprobs=p.logprobs,
+            version_spans=p.version_spans or [(p.start_version, 0)],
+            masked_spans=p.masked_spans,
+            episode=i,
+            reward=float(scores[i].score),
+            reward_parts={k: float(v) for k, v in scores[i].parts.items()},
+            group_index=j,
+            group_size=len(pieces),
+            finish_reason=p.finish_reason,
+            validation=task.validation,
+            data_source=task.data_source,
+            server_id=server_id,
+            created_at=created_at,
+            finished_at=finished,
+            temperature=p.temperature,
+        )
+        for j, (i, p) in enumerate(pieces)
+    ]
