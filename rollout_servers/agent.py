@@ -231,26 +231,27 @@ class AgentRunner:
                     self.metrics[f"rollout/agent/tool_errors/{r.error}"] += 1
             answers += [{"role": "tool", "content": r.text} for r in results]
         ep.tool_calls += len(calls)
-        ep.tool_turns += 1
         return self._append(ep, answers, schemas)
 
     def _append(self, ep: Episode, new: list[dict[str, Any]], schemas: list[dict] | None) -> str:
         """Append the new messages' tokens to the current sample, or split: close it and
-        start a new sample from the re-rendered history."""
+        start a new sample from the re-rendered history. The messages join the episode's
+        conversation only when their tokens do."""
         s, piece = self.settings, ep.pieces[-1]
         before = render(self.tok, ep.messages, schemas, gen=False)
-        ep.messages.extend(new)
-        after = render(self.tok, ep.messages, schemas, gen=True)
+        after = render(self.tok, ep.messages + new, schemas, gen=True)
         tail = continuation(piece.prompt_ids + piece.token_ids, before, after)
         if tail is not None:
             if len(piece.token_ids) + len(tail) >= s.max_response_len:
                 return "length"  # no room left to answer: end here, as veRL does
             piece.add_inserted(tail)
-            return ""
-        if len(after) > s.max_prompt_len:
+        elif len(after) > s.max_prompt_len:
             return "prompt_too_long"
-        ep.splits += 1
-        ep.pieces.append(Piece(prompt_ids=after, start_version=self.engine.version))
+        else:
+            ep.splits += 1
+            ep.pieces.append(Piece(prompt_ids=after, start_version=self.engine.version))
+        ep.messages.extend(new)
+        ep.tool_turns += 1
         return ""
 
     def _content(self, ids: list[int]) -> str:

@@ -44,6 +44,18 @@ def demo_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def agent_model(tmp_path_factory) -> Path:
+    """The tiny model with a short warm start on calculator episodes (it writes tool
+    calls, not always right ones), built by ``asyncrl-prepare model --task calculator``."""
+    out = tmp_path_factory.mktemp("models") / "tiny-agent"
+    run_cli(
+        "asyncrl-prepare", "model", "--name", "tiny", "--task", "calculator",
+        "--sft-steps", "150", "--out", str(out),
+    )  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="session")
 def arithmetic_data(tmp_path_factory) -> Path:
     """The demo's prompt files (train and validation prompts disjoint)."""
     from asyncrl.tasks import prepare_task_data

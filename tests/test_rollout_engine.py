@@ -19,21 +19,10 @@ from asyncrl.weight_sync import (
     specs_of,
 )
 from rollout_servers.engine import SyncJoin
-from tests.helpers import free_port
+from tests.helpers import LoopThread, free_port
 
 TEMPERATURE = 0.7
 PROMPT = [258, 84, 82, 68, 81, 198, 18, 10, 20, 28, 256, 198, 258, 64]  # a chat prompt
-
-
-class LoopThread:
-    """An asyncio loop in a thread: the engine lives on it, the test drives it."""
-
-    def __init__(self):
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-
-    def run(self, coro, timeout: float = 300):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
 
 class Learner:

@@ -57,7 +57,20 @@ def _parser() -> argparse.ArgumentParser:
         help="the demo's warm start: train until the model mostly knows the answers, then "
         "flatten its logits to --target-accuracy (default: stop training early there)",
     )
-    m.add_argument("--sft-steps", type=int, default=800, help="supervised steps (with --flatten)")
+    m.add_argument(
+        "--task",
+        choices=["arithmetic", "calculator"],
+        default="arithmetic",
+        help="what the warm start teaches: arithmetic answers, or calculator episodes "
+        "(a tool call, then the answer: the agent demo's model)",
+    )
+    m.add_argument(
+        "--sft-steps",
+        type=int,
+        default=None,
+        help="supervised steps (with --flatten, or --task calculator); default 800, "
+        "300 for calculator",
+    )
     m.add_argument(
         "--target-accuracy",
         type=float,
@@ -72,7 +85,9 @@ def _parser() -> argparse.ArgumentParser:
         help="never keep a warm start above this accuracy",
     )
     d = sub.add_parser("data", help="write train/val parquet in veRL's schema")
-    d.add_argument("--task", choices=["arithmetic", "countdown"], default="arithmetic")
+    d.add_argument(
+        "--task", choices=["arithmetic", "calculator", "countdown"], default="arithmetic"
+    )
     d.add_argument("--out", type=Path, required=True, help="output directory")
     d.add_argument("--seed", type=int, default=0, help="generation seed")
     d.add_argument("--n-train", type=int, default=None, help="training rows (task default)")
@@ -134,7 +149,8 @@ def prepare_model(args: argparse.Namespace) -> dict:
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     if args.warm_start == "on" or (args.warm_start == "auto" and args.name == "tiny"):
-        report["warm_start"] = _warm_start(model, tok, args)
+        warm = _agent_warm_start if args.task == "calculator" else _warm_start
+        report["warm_start"] = warm(model, tok, args)
         save_model(model, tok, args.out)
     (args.out / "prepare_report.json").write_text(json.dumps(report, indent=2))
     return report
@@ -179,16 +195,13 @@ def _warm_start(model, tok, args: argparse.Namespace) -> dict:
         }
     # Fixed budget, then the logit divisor is calibrated on training prompts: the
     # validation prompts are only measured, so the demo's validation stays held out.
-    loss = supervised(model, tok, tr, steps=args.sft_steps, seed=args.seed)
+    loss = supervised(model, tok, tr, steps=args.sft_steps or 800, seed=args.seed)
     greedy = sampling_accuracy(model, tok, va, score, temperature=0)
     tau, train_accuracy = flatten(
         model,
-        tok,
-        tr,
-        score,
+        lambda: sampling_accuracy(model, tok, tr, score, seed=args.seed),
         target_accuracy=args.target_accuracy or 0.25,
         max_accuracy=args.max_accuracy,
-        seed=args.seed,
     )
     accuracy = sampling_accuracy(model, tok, va, score, seed=args.seed + 1)
     log.info(
@@ -204,13 +217,45 @@ def _warm_start(model, tok, args: argparse.Namespace) -> dict:
     return {
         "task": "arithmetic",
         "data_seed": args.data_seed,
-        "steps": args.sft_steps,
+        "steps": args.sft_steps or 800,
         "sft_loss": loss,
         "val_greedy_accuracy": greedy,
         "logit_divisor": tau,
         "train_sampling_accuracy": train_accuracy,
         "val_sampling_accuracy": accuracy,
     }
+
+
+def _agent_warm_start(model, tok, args: argparse.Namespace) -> dict:
+    """Train on ideal calculator episodes (a call, then the answer); with ``--flatten``,
+    flatten the logits so that sampled episodes succeed about ``--target-accuracy`` of the
+    time (default 0.25), measured on training problems."""
+    from asyncrl.prepare.agent_warmstart import episode_accuracy, episode_batch
+    from asyncrl.prepare.warmstart import flatten, supervised
+    from asyncrl.tasks import calculator
+
+    train, val = calculator.generate(seed=args.data_seed)
+    tr, va = (
+        [calculator.problem_of(r["prompt"][0]["content"]) for r in rows] for rows in (train, val)
+    )
+    steps = args.sft_steps or 300
+    loss = supervised(
+        model, tok, tr, steps=steps, batch_size=32, make_batch=episode_batch, seed=args.seed
+    )
+    greedy = episode_accuracy(model, tok, va, temperature=0)
+    report = {"task": "calculator", "data_seed": args.data_seed, "steps": steps, "sft_loss": loss}
+    report["val_greedy_accuracy"] = greedy
+    if args.flatten:
+        probe = tr[:64]
+        report["logit_divisor"], report["train_sampling_accuracy"] = flatten(
+            model,
+            lambda: episode_accuracy(model, tok, probe, samples_per_prompt=4, seed=args.seed),
+            target_accuracy=args.target_accuracy or 0.25,
+            max_accuracy=args.max_accuracy,
+        )
+    report["val_sampling_accuracy"] = episode_accuracy(model, tok, va, seed=args.seed + 1)
+    log.info("agent warm start: %s", report)
+    return report
 
 
 def prepare_data(args: argparse.Namespace) -> dict:

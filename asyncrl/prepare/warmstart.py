@@ -20,6 +20,7 @@ import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from asyncrl.prepare.tokenizer import chat_prompt_ids
 
@@ -107,6 +108,7 @@ def supervised(
     lr: float = 3e-3,
     warmup_steps: int = 50,
     seed: int = 0,
+    make_batch: Callable[[Any, Sequence[Any]], tuple[Any, Any]] | None = None,
 ) -> float:
     """Train on ``train`` (loss on the answer tokens only) for a fixed number of steps, with
     a linear warm-up and a linear decay to 5% of ``lr``; returns the last batch's loss.
@@ -114,7 +116,8 @@ def supervised(
     The decay is what lets the tiny model settle: at a constant 3e-3 it kept oscillating
     (greedy accuracy on held-out sums about 0.8 after 1000 steps); with the decay it
     answers 0.85 to 1 of the held-out single-digit sums after 600 to 2000 steps (measured,
-    about 65 s for 800 steps on one core).
+    about 65 s for 800 steps on one core). ``make_batch(tok, examples)`` builds
+    ``(input_ids, labels)`` (default: single-turn :data:`Example` s).
     """
     import torch
 
@@ -129,7 +132,7 @@ def supervised(
     loss = torch.tensor(float("nan"))
     model.train()
     for step in range(1, steps + 1):
-        ids, labels = _supervised_batch(
+        ids, labels = (make_batch or _supervised_batch)(
             tok, [train[rng.randrange(len(train))] for _ in range(batch_size)]
         )
         loss = model(input_ids=ids, labels=labels).loss
@@ -146,23 +149,21 @@ def supervised(
 
 def flatten(
     model,
-    tok,
-    examples: Sequence[Example],
-    score: Scorer,
+    accuracy: Callable[[], float],
     *,
     target_accuracy: float = 0.25,
     max_accuracy: float = 0.35,
-    seed: int = 0,
 ) -> tuple[float, float]:
-    """Divide the model's logits by ``tau`` (by scaling its final norm) so that sampling
-    accuracy on ``examples`` at temperature 1 is about ``target_accuracy`` and at most
-    ``max_accuracy``. Returns ``(tau, accuracy)``; greedy answers do not change."""
+    """Divide the model's logits by ``tau`` (by scaling its final norm) so that the
+    sampling accuracy at temperature 1 that ``accuracy()`` measures is about
+    ``target_accuracy`` and at most ``max_accuracy``. Returns ``(tau, accuracy)``; greedy
+    answers do not change."""
     norm = model.model.norm.weight
     base = norm.data.clone()
 
     def accuracy_at(tau: float) -> float:
         norm.data.copy_(base / tau)
-        return sampling_accuracy(model, tok, examples, score, seed=seed)
+        return accuracy()
 
     lo, hi = 1.0, 8.0  # accuracy falls as tau grows; bisect on the log scale
     best = (hi, accuracy_at(hi))
@@ -240,10 +241,21 @@ def generate(
 
     torch.manual_seed(seed)
     ids = [chat_prompt_ids(tok, m) for m in prompts for _ in range(samples_per_prompt)]
-    width = max(len(r) for r in ids)
-    batch = torch.full((len(ids), width), tok.pad_token_id, dtype=torch.long)
+    out = generate_ids(model, tok, ids, temperature=temperature, max_new_tokens=max_new_tokens)
+    return tok.batch_decode(out, skip_special_tokens=True)
+
+
+def generate_ids(
+    model, tok, rows: Sequence[list[int]], *, temperature: float, max_new_tokens: int
+) -> list[list[int]]:
+    """The new token ids after each row of prompt ids (padding removed; greedy when
+    ``temperature == 0``)."""
+    import torch
+
+    width = max(len(r) for r in rows)
+    batch = torch.full((len(rows), width), tok.pad_token_id, dtype=torch.long)
     mask = torch.zeros_like(batch)
-    for i, r in enumerate(ids):  # left padding, so every row continues at the same column
+    for i, r in enumerate(rows):  # left padding, so every row continues at the same column
         batch[i, width - len(r) :] = torch.tensor(r)
         mask[i, width - len(r) :] = 1
     sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
@@ -256,4 +268,4 @@ def generate(
             eos_token_id=tok.eos_token_id,
             **(sampling if temperature > 0 else {"do_sample": False}),
         )
-    return tok.batch_decode(out[:, width:], skip_special_tokens=True)
+    return [[t for t in row if t != tok.pad_token_id] for row in out[:, width:].tolist()]

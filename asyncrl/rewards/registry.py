@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.tasks import arithmetic, countdown, gsm8k
+from asyncrl.tasks import arithmetic, calculator, countdown, gsm8k
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ ScoreFn = Callable[..., Any]
 
 _BUILTIN: dict[str, Callable[[str, Any], float]] = {
     arithmetic.DATA_SOURCE: arithmetic.compute_score,
+    calculator.DATA_SOURCE: calculator.compute_score,
     countdown.DATA_SOURCE: countdown.compute_score,
     **{name: gsm8k.compute_score for name in gsm8k.DATA_SOURCES},
 }

@@ -3,6 +3,7 @@
 Built-in generators (see :data:`TASKS`):
 
 - ``arithmetic``: ``"3+5="`` -> ``"8"``, for the CPU demo model.
+- ``calculator``: ``"47*29="``, played with tools (``add``/``mul``) by the agent demo.
 - ``countdown``: TinyZero's countdown prompts, each solvable by construction.
 
 gsm8k is read, not generated (:mod:`asyncrl.tasks.gsm8k`). This package imports only the
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.tasks import arithmetic, countdown, gsm8k
+from asyncrl.tasks import arithmetic, calculator, countdown, gsm8k
 from asyncrl.tasks.schema import TRAIN_SPLIT, VAL_SPLIT, make_row, prompt_text
 
 if TYPE_CHECKING:  # at run time __getattr__ loads them (and pyarrow) on first use
@@ -31,6 +32,7 @@ TaskGenerator = Callable[..., tuple[list[dict[str, Any]], list[dict[str, Any]]]]
 
 TASKS: dict[str, TaskGenerator] = {
     "arithmetic": arithmetic.generate,
+    "calculator": calculator.generate,
     "countdown": countdown.generate,
 }
 
@@ -40,6 +42,7 @@ __all__ = [
     "VAL_SPLIT",
     "TaskGenerator",
     "arithmetic",
+    "calculator",
     "countdown",
     "gsm8k",
     "make_row",
