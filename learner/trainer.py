@@ -205,7 +205,8 @@ class Trainer:
             mb = self._collate(plan, micro)
             logp, _ = self._forward(model, mb)
             for b, sid in enumerate(mb.seq_ids):
-                out[sid] = logp[b, : int(mb.mask[b].sum())].cpu()
+                # The whole response: the loss mask may have holes (tool output).
+                out[sid] = logp[b, : len(plan.rollouts[sid].response_ids)].cpu()
         return out
 
     # ------------------------------------------------------------------ training
