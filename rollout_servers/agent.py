@@ -169,6 +169,15 @@ class AgentRunner:
         schemas = self.tools.schemas if self.tools is not None else None
         messages = list(task.prompt)
         prompt = render(self.tok, messages, schemas, gen=True)
+        if len(prompt) > s.max_prompt_len:  # keep the end, as single-turn prompts do
+            if not self.metrics["rollout/agent/prompts_truncated"]:
+                log.warning(
+                    "episode prompt of %d tokens (tool names included) cut to "
+                    "data.max_prompt_length=%d; raise it, or filter long prompts",
+                    len(prompt),
+                    s.max_prompt_len,
+                )
+            self.metrics["rollout/agent/prompts_truncated"] += 1
         ep = Episode(pieces=[Piece(prompt_ids=prompt[-s.max_prompt_len :])], messages=messages)
         deadline = time.monotonic() + s.episode_timeout_s
         while True:

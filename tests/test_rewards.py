@@ -157,7 +157,16 @@ def test_arithmetic_score(response: str, expected: float) -> None:
 
 
 def test_default_compute_score_dispatch() -> None:
-    assert set(KNOWN_DATA_SOURCES) == {"arithmetic", "countdown", "gsm8k", "openai/gsm8k"}
+    assert set(KNOWN_DATA_SOURCES) == {
+        "arithmetic",
+        "calculator",
+        "countdown",
+        "gsm8k",
+        "openai/gsm8k",
+    }
+    assert (
+        default_compute_score("calculator", "<tool_call>..</tool_call>\ntool\n12\n12", "12") == 1.0
+    )
     assert default_compute_score("arithmetic", "8", "8") == 1.0
     assert default_compute_score("openai/gsm8k", "#### 72", "72") == 1.0
     assert default_compute_score("gsm8k", "#### 7", "72") == 0.0

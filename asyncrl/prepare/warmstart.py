@@ -101,7 +101,7 @@ def warm_start(
 def supervised(
     model,
     tok,
-    train: Sequence[Example],
+    train: Sequence[Any],
     *,
     steps: int = 800,
     batch_size: int = 64,

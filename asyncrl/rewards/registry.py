@@ -10,16 +10,14 @@ reward parts (veRL logs them as ``reward_extra_info``).
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
 import math
 import numbers
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from asyncrl.pyfile import import_file
 from asyncrl.tasks import arithmetic, calculator, countdown, gsm8k
 
 logger = logging.getLogger(__name__)
@@ -78,19 +76,11 @@ def load_custom_scorer(path: str | Path, name: str = "compute_score") -> ScoreFn
         ValueError: When the file is missing, fails to import, or has no callable ``name``.
     """
     file = check_custom_path(path).resolve()
-    # A stable, unique module name: two files named reward.py must not shadow each other.
-    digest = hashlib.sha1(str(file).encode()).hexdigest()[:12]
-    module_name = f"asyncrl_custom_reward_{file.stem}_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import {file} as a Python module; give it a .py suffix")
-    module = importlib.util.module_from_spec(spec)
-    # Registered before running so pickling and dataclasses inside the file work.
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        module = import_file(file, "asyncrl_custom_reward")
+    except ValueError:
+        raise
     except Exception as exc:
-        sys.modules.pop(module_name, None)
         raise ValueError(
             f"importing reward file {file} failed: {type(exc).__name__}: {exc}; "
             "fix the file (run `python <file>` to see the full traceback)"

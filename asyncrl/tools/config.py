@@ -17,15 +17,15 @@ process that runs the model never executes a tool's module. The tool workers cal
 from __future__ import annotations
 
 import copy
-import hashlib
 import importlib
 import importlib.util
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from asyncrl.pyfile import import_file
 
 _CONFIG_KEY = "rollout.multi_turn.tool_config_path"
 
@@ -171,31 +171,10 @@ def schemas(specs: list[ToolSpec]) -> list[dict[str, Any]]:
     return [copy.deepcopy(spec.schema) for spec in specs]
 
 
-def _import_file(file: str) -> Any:
-    """Import a Python file by path under a name unique to that path, once per process."""
-    path = Path(file)
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    module_name = f"asyncrl_tool_{path.stem}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"cannot import {path} as a Python module; give it a .py suffix")
-    module = importlib.util.module_from_spec(spec)
-    # Registered before running so pickling and dataclasses inside the file work.
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(module_name, None)
-        raise
-    return module
-
-
 def _import_module(class_name: str) -> tuple[Any, str]:
     if ":" in class_name:
         file, _, attr = class_name.rpartition(":")
-        return _import_file(file), attr
+        return import_file(file, "asyncrl_tool"), attr
     module_name, _, attr = class_name.rpartition(".")
     return importlib.import_module(module_name), attr
 
