@@ -33,6 +33,8 @@ SCHEMA = pa.schema(
         ("reward_parts", pa.map_(pa.string(), pa.float64())),
         ("version_spans", pa.list_(pa.list_(pa.int64(), 2))),
         ("oldest_version", pa.int64()),
+        ("masked_spans", pa.list_(pa.list_(pa.int64(), 2))),  # tool output: (start, length)
+        ("episode", pa.int32()),  # the episode of a multi-turn sample
         ("prompt_ids", pa.list_(pa.int32())),
         ("response_ids", pa.list_(pa.int32())),
         ("logprobs", pa.list_(pa.float32())),
@@ -71,6 +73,8 @@ class RolloutLog:
                 "reward_parts": list(m.reward_parts.items()),
                 "version_spans": [list(s) for s in m.version_spans],
                 "oldest_version": m.oldest_version,
+                "masked_spans": [list(s) for s in m.masked_spans],
+                "episode": m.episode_index,
                 "prompt_ids": traj.prompt_ids,
                 "response_ids": traj.response_ids,
                 "logprobs": traj.logprobs,

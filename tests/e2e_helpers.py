@@ -44,8 +44,8 @@ def wait_for_step(proc: subprocess.Popen, run: Path, log: Path, n: int, timeout_
     wait_until(reached, f"step {n}", timeout_s, every_s=0.5)
 
 
-def launch_cmd(overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml", *overrides]
+def launch_cmd(overrides: list[str], config: str = "configs/cpu_demo.yaml") -> list[str]:
+    return [sys.executable, "-m", "asyncrl.launch", config, *overrides]
 
 
 def role_logs(run: Path) -> str:
