@@ -68,8 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         "--sft-steps",
         type=int,
         default=None,
-        help="supervised steps (with --flatten, or --task calculator); default 800, "
-        "300 for calculator",
+        help="supervised steps (with --flatten, or --task calculator); default 800",
     )
     m.add_argument(
         "--target-accuracy",
@@ -238,9 +237,9 @@ def _agent_warm_start(model, tok, args: argparse.Namespace) -> dict:
     tr, va = (
         [calculator.problem_of(r["prompt"][0]["content"]) for r in rows] for rows in (train, val)
     )
-    steps = args.sft_steps or 300
+    steps = args.sft_steps or 800
     loss = supervised(
-        model, tok, tr, steps=steps, batch_size=32, make_batch=episode_batch, seed=args.seed
+        model, tok, tr, steps=steps, batch_size=64, make_batch=episode_batch, seed=args.seed
     )
     greedy = episode_accuracy(model, tok, va, temperature=0)
     report = {"task": "calculator", "data_seed": args.data_seed, "steps": steps, "sft_loss": loss}
