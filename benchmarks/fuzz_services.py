@@ -256,7 +256,7 @@ def fuzz_buffer(n: int, rng: random.Random, rss: list[float]) -> dict[str, Any]:
             sent[family] += 1
             if i % max(1, n // 10) == 0:
                 rss.append(_rss_mb())
-        push.close(0)
+        push.close(30_000)  # every frame leaves before the context ends (0 would drop the rest)
         ctx.term()
         with BufferClient(svc.batches_endpoint, "fuzz-check", timeout_s=30) as client:
             hostile = n - sent["valid"]

@@ -190,7 +190,7 @@ class AgentRunner:
                     self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid),
                     timeout=max(0.0, deadline - time.monotonic()),
                 )
-            except TimeoutError:
+            except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
                 ep.ended = "timeout"
                 break
             piece.add_sampled(sample)
