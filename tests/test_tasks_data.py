@@ -17,7 +17,13 @@ from asyncrl.tasks import TASKS, arithmetic, countdown, gsm8k, prepare_task_data
 from asyncrl.tasks.parquet import read_rows, write_rows
 from asyncrl.tasks.schema import VERL_COLUMNS
 
-SMALL = {"arithmetic": {}, "countdown": {"n_train": 300, "n_val": 50}}
+SMALL = {
+    "arithmetic": {},
+    "calculator": {"n_train": 200, "n_val": 20},
+    "countdown": {"n_train": 300, "n_val": 50},
+}
+# veRL's optional per-row agent column, written by tasks played as multi-turn episodes.
+EXTRA = {"calculator": ["agent_name"]}
 
 
 def prompts(rows: list[dict[str, Any]]) -> set[str]:
@@ -38,13 +44,14 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, An
 def test_plain_readers_see_verl_columns(prepared: dict, task: str) -> None:
     path = prepared[task]["train"]["path"]
     schema = pq.read_table(path).schema
-    assert schema.names == list(VERL_COLUMNS)
+    columns = list(VERL_COLUMNS) + EXTRA.get(task, [])
+    assert schema.names == columns
     assert schema.field("prompt").type == pa.list_(
         pa.struct([("role", pa.string()), ("content", pa.string())])
     )
     truth_type = schema.field("reward_model").type.field("ground_truth").type
     frame = pd.read_parquet(path)
-    assert list(frame.columns) == list(VERL_COLUMNS)
+    assert list(frame.columns) == columns
     first = frame.iloc[0]
     assert first["data_source"] == task
     assert first["ability"] == "math"
