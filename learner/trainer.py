@@ -204,8 +204,7 @@ class Trainer:
         for micro in (m for mini in plan.minibatches for m in mini):
             mb = self._collate(plan, micro)
             logp, _ = self._forward(model, mb)
-            for b, sid in enumerate(mb.seq_ids):
-                # The whole response: the loss mask may have holes (tool output).
+            for b, sid in enumerate(mb.seq_ids):  # the whole response (the mask may have holes)
                 out[sid] = logp[b, : len(plan.rollouts[sid].response_ids)].cpu()
         return out
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.tools.hermes import parse_tool_calls
 from asyncrl.tools.tokens import continuation, render
 from asyncrl.wire import Trajectory
-from rollout_servers.groups import SamplingSettings, sampling_params
+from rollout_servers.groups import SamplingSettings, group_fields, sampling_params, scored
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -282,28 +282,22 @@ def episode_trajectories(
     """Wire trajectories of a group of episodes: one per sample, numbered in order
     (``group_size`` is the number of samples); every sample carries its episode's index and
     reward, its loss mask as masked spans."""
-    finished = time.time()
+    common = group_fields(task, server_id=server_id, created_at=created_at)
     pieces = [(i, p) for i, ep in enumerate(episodes) for p in ep.pieces]
     return [
         Trajectory.build(
-            task_id=task.task_id,
             prompt_ids=p.prompt_ids,
             response_ids=p.token_ids,
             logprobs=p.logprobs,
             version_spans=p.version_spans or [(p.start_version, 0)],
             masked_spans=p.masked_spans,
             episode=i,
-            reward=float(scores[i].score),
-            reward_parts={k: float(v) for k, v in scores[i].parts.items()},
+            **scored(scores[i]),
             group_index=j,
             group_size=len(pieces),
             finish_reason=p.finish_reason,
-            validation=task.validation,
-            data_source=task.data_source,
-            server_id=server_id,
-            created_at=created_at,
-            finished_at=finished,
             temperature=p.temperature,
+            **common,
         )
         for j, (i, p) in enumerate(pieces)
     ]

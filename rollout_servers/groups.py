@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.wire import Trajectory
 
@@ -102,28 +102,39 @@ def build_group(
     scored ``scores[i]`` (a reward ``ScoreResult``). Each carries the temperature its
     sample was drawn at, so a server whose rollout.temperature differs from the learner's
     configured one still gets importance weights right."""
-    finished = time.time()
-    out = []
-    for index, (sample, score) in enumerate(zip(samples, scores, strict=True)):
-        spans = sample.version_spans or [(sample.start_version, 0)]
-        out.append(
-            Trajectory.build(
-                task_id=task.task_id,
-                prompt_ids=prompt_ids,
-                response_ids=sample.token_ids,
-                logprobs=sample.logprobs,
-                version_spans=spans,
-                reward=float(score.score),
-                reward_parts={k: float(v) for k, v in score.parts.items()},
-                group_index=index,
-                group_size=len(samples),
-                finish_reason=sample.finish_reason,
-                validation=task.validation,
-                data_source=task.data_source,
-                server_id=server_id,
-                created_at=created_at,
-                finished_at=finished,
-                temperature=sample.temperature,
-            )
+    common = group_fields(task, server_id=server_id, created_at=created_at)
+    return [
+        Trajectory.build(
+            prompt_ids=prompt_ids,
+            response_ids=sample.token_ids,
+            logprobs=sample.logprobs,
+            version_spans=sample.version_spans or [(sample.start_version, 0)],
+            **scored(score),
+            group_index=index,
+            group_size=len(samples),
+            finish_reason=sample.finish_reason,
+            temperature=sample.temperature,
+            **common,
         )
-    return out
+        for index, (sample, score) in enumerate(zip(samples, scores, strict=True))
+    ]
+
+
+def group_fields(task: Task, *, server_id: str, created_at: float) -> dict[str, Any]:
+    """The trajectory fields every member of ``task``'s group shares."""
+    return {
+        "task_id": task.task_id,
+        "validation": task.validation,
+        "data_source": task.data_source,
+        "server_id": server_id,
+        "created_at": created_at,
+        "finished_at": time.time(),
+    }
+
+
+def scored(score: ScoreResult) -> dict[str, Any]:
+    """A member's reward fields from its score."""
+    return {
+        "reward": float(score.score),
+        "reward_parts": {k: float(v) for k, v in score.parts.items()},
+    }
