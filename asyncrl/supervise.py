@@ -1,19 +1,8 @@
 """Supervision of a run's roles on one machine: start them, restart the ones that die, stop
-them all at the end. Process-tree mechanics live in :mod:`asyncrl.supervise_procs`.
-
-Rules (DESIGN section 10, one set for every launcher):
-
-- A role that dies (any exit code but 0) is restarted after ``launch.restart_backoff_s``,
-  doubled for each of its restarts within ``launch.restart_window_s``; the learner gets
-  ``trainer.resume_mode=auto`` so it continues from its last checkpoint. A role that dies
-  when it has had ``launch.max_restarts`` restarts within the window fails the run, with its
-  last log lines, and the launcher exits with its code (128 + N for signal N).
-- A role that exits 2 (a bad config or a missing file, found before it started working)
-  fails the run at once: a restart would fail the same way.
-- A role that exits 0 on its own left for good (a rollout server scaled down with SIGTERM)
-  and is not restarted; the learner exiting 0 means the run is done.
-- Before a role is restarted, and whenever the launcher ends, what is left of its process
-  tree is killed and reaped; nothing the run started outlives it.
+them all at the end. The restart rules (DESIGN section 10, one set for every launcher) live
+in :mod:`asyncrl.supervise_policy`, process-tree mechanics in :mod:`asyncrl.supervise_procs`.
+Before a role is restarted, and whenever the launcher ends, what is left of its process
+tree is killed and reaped; nothing the run started outlives it.
 
 What a test or an operator can read: ``<run dir>/pids.json`` (the launcher's pid, the run's
 marker and each role's current pid), ``<run dir>/launch.jsonl`` (one event per line:
@@ -31,11 +20,18 @@ import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from asyncrl.supervise_policy import (
+    CONFIG_ERROR,
+    RestartPolicy,
+    describe_exit,
+    exit_status,
+    recent_restarts,
+    restart_delay,
+)
 from asyncrl.supervise_procs import (
     adopted,
     become_subreaper,
@@ -55,50 +51,8 @@ log = logging.getLogger("asyncrl.launch")
 POLL_S = 1.0  # how often the supervisor looks at its roles
 STOP_GRACE_S = 15.0  # how long roles get to exit after SIGTERM before SIGKILL
 AFTER_LEARNER_S = 30.0  # how long the others get to exit once the learner is done
-CONFIG_ERROR = 2  # what a role exits with for a bad config or a missing file (never restarted)
 EVENTS_FILE = "launch.jsonl"
 PIDS_FILE = "pids.json"
-
-
-@dataclass(frozen=True)
-class RestartPolicy:
-    """``launch.max_restarts`` per role within ``launch.restart_window_s``, the first after
-    ``launch.restart_backoff_s``, doubling per restart within the window."""
-
-    max_restarts: int = 3
-    window_s: float = 600.0
-    backoff_s: float = 2.0
-
-    @classmethod
-    def from_config(cls, launch: Any) -> RestartPolicy:
-        return cls(launch.max_restarts, launch.restart_window_s, launch.restart_backoff_s)
-
-
-def recent_restarts(policy: RestartPolicy, restarts: Sequence[float], now: float) -> int:
-    """How many of the restarts (their times) fall within the window before ``now``."""
-    return sum(1 for t in restarts if now - t < policy.window_s)
-
-
-def restart_delay(policy: RestartPolicy, restarts: Sequence[float], now: float) -> float | None:
-    """Seconds to wait before restarting a role that died at ``now``, given the times of its
-    earlier restarts; None when it has used up its restarts within the window."""
-    recent = recent_restarts(policy, restarts, now)
-    if recent >= policy.max_restarts:
-        return None
-    return policy.backoff_s * 2**recent
-
-
-def exit_status(returncode: int) -> int:
-    """A role's exit code as a shell reports it: 128 + N for a role killed by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def describe_exit(returncode: int) -> str:
-    if returncode < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-returncode).name}"
-        return f"killed by signal {-returncode}"
-    return f"exit code {returncode}"
 
 
 @dataclass

@@ -1,0 +1,66 @@
+"""The launcher's restart rules (DESIGN section 10, one set for every launcher): when a
+role that ended is started again, when it fails the run, and how its exit reads.
+
+- A role that dies (any exit code but 0) is restarted after ``launch.restart_backoff_s``,
+  doubled for each of its restarts within ``launch.restart_window_s``; the learner gets
+  ``trainer.resume_mode=auto`` so it continues from its last checkpoint. A role that dies
+  when it has had ``launch.max_restarts`` restarts within the window fails the run, with its
+  last log lines, and the launcher exits with its code (128 + N for signal N).
+- A role that exits 2 (a bad config or a missing file, found before it started working)
+  fails the run at once: a restart would fail the same way.
+- A role that exits 0 on its own left for good (a rollout server scaled down with SIGTERM)
+  and is not restarted; the learner exiting 0 means the run is done.
+
+:class:`asyncrl.supervise.Supervisor` applies them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+CONFIG_ERROR = 2  # what a role exits with for a bad config or a missing file (never restarted)
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """``launch.max_restarts`` per role within ``launch.restart_window_s``, the first after
+    ``launch.restart_backoff_s``, doubling per restart within the window."""
+
+    max_restarts: int = 3
+    window_s: float = 600.0
+    backoff_s: float = 2.0
+
+    @classmethod
+    def from_config(cls, launch: Any) -> RestartPolicy:
+        return cls(launch.max_restarts, launch.restart_window_s, launch.restart_backoff_s)
+
+
+def recent_restarts(policy: RestartPolicy, restarts: Sequence[float], now: float) -> int:
+    """How many of the restarts (their times) fall within the window before ``now``."""
+    return sum(1 for t in restarts if now - t < policy.window_s)
+
+
+def restart_delay(policy: RestartPolicy, restarts: Sequence[float], now: float) -> float | None:
+    """Seconds to wait before restarting a role that died at ``now``, given the times of its
+    earlier restarts; None when it has used up its restarts within the window."""
+    recent = recent_restarts(policy, restarts, now)
+    if recent >= policy.max_restarts:
+        return None
+    return policy.backoff_s * 2**recent
+
+
+def exit_status(returncode: int) -> int:
+    """A role's exit code as a shell reports it: 128 + N for a role killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-returncode).name}"
+        return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
