@@ -139,3 +139,45 @@ def test_cleaned_members_still_count_in_their_group_baseline():
     # RLOO: minus the mean of the others: g0 1 - 0; g2 2 - (0 + 4) / 2, 0 - (2 + 4) / 2.
     close(baseline_advantages(batch, kept, "rloo"), [1.0, 1.0, -1.0, 0.0, -3.0])
     assert baseline_advantages(batch, [], "grpo").shape == (0,)
+
+
+# --------------------------------------------------------------- GAE against veRL
+def verl_gae(rewards, values, mask, gamma, lam):
+    """veRL's ``compute_gae_advantage_return`` written out from its definition: the
+    recursion multiplies by the mask (a masked token carries the state across), returns are
+    advantages + values before whitening, and the whitening is over the mask with the
+    unbiased variance and ``rsqrt(var + 1e-8)``."""
+    m = mask.to(rewards.dtype)
+    next_v = torch.zeros(rewards.shape[0], dtype=rewards.dtype)
+    last = torch.zeros_like(next_v)
+    out = []
+    for t in reversed(range(rewards.shape[1])):
+        delta = rewards[:, t] + gamma * next_v - values[:, t]
+        step = delta + gamma * lam * last
+        next_v = values[:, t] * m[:, t] + (1 - m[:, t]) * next_v
+        last = step * m[:, t] + (1 - m[:, t]) * last
+        out.append(last)
+    adv = torch.stack(out[::-1], dim=1)
+    returns = adv + values
+    mean = (adv * m).sum() / m.sum()
+    var = (((adv - mean) ** 2) * m).sum() / (m.sum() - 1)
+    return (adv - mean) * torch.rsqrt(var + 1e-8), returns
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.9, 0.5)])
+def test_gae_matches_verl_on_random_tensors(gamma, lam):
+    """Random rewards and values, responses of random length (right padding) with holes
+    inside (multi-turn tool output): equal on every response token."""
+    g = torch.Generator().manual_seed(int(gamma * 100 + lam * 10))
+    B, T = 16, 12
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+    values = torch.randn(B, T, generator=g, dtype=torch.float64)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None] < lengths[:, None]
+    mask &= torch.rand(B, T, generator=g) > 0.2
+    mask[:, 0] = True
+    adv, ret = gae_advantages(rewards, values, mask, gamma=gamma, lam=lam)
+    ref_adv, ref_ret = verl_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(adv[mask], ref_adv[mask], atol=1e-6, rtol=0)
+    torch.testing.assert_close(ret[mask], ref_ret[mask], atol=1e-6, rtol=0)
+    assert not adv[~mask].any() and not ret[~mask].any()
