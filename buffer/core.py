@@ -28,7 +28,8 @@ request, incomplete ones at their timeout.
 
 Groups dropped unused (lag, expiry) are listed for the coordinator by :meth:`take_dropped`.
 Task ids stay known after their group left (to recognise duplicates and late members): a few
-dozen bytes per task for the life of the process.
+dozen bytes per task for the life of the process. The records behind all this (incomplete
+groups, held groups, the pool, unacknowledged batches) live in :mod:`buffer.state`.
 """
 
 from __future__ import annotations
@@ -36,59 +37,14 @@ from __future__ import annotations
 import random
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
 
 from asyncrl.wire import Batch, DroppedTask, Group, Packed, Trajectory, ValidationStats
+from buffer.state import COUNTERS, Held, Partial, State
 
 Outcome = Literal["added", "completed", "duplicate", "late", "inconsistent"]
-
-COUNTERS = (
-    "trajectories_in",
-    "groups_in",
-    "val_groups_in",
-    "batches_out",
-    "groups_out",
-    "batches_redelivered",
-    "batches_acked",
-    "groups_acked",
-    "drops/duplicate",  # trajectories
-    "drops/late",  # trajectories
-    "drops/inconsistent",  # trajectories whose group_size disagrees with their group's
-    "drops/lag",  # groups
-    "drops/expired",  # groups
-    "evicted",  # groups already trained on, removed to make room or because stale
-)
-
-
-@dataclass
-class _Partial:
-    members: list[Trajectory | None]
-    first_seen: float
-    filled: int = 0
-
-
-@dataclass
-class _Held:
-    group: Group
-    oldest_version: int
-    uses: int = 0  # batches it was released in
-    refs: int = 0  # unacknowledged batches holding it
-    in_pool: bool = True
-
-
-@dataclass
-class _State:
-    partial: dict[str, _Partial] = field(default_factory=dict)  # insertion = arrival order
-    closed: dict[str, str] = field(default_factory=dict)  # task id -> complete | expired
-    held: dict[str, _Held] = field(default_factory=dict)
-    pool: dict[str, None] = field(default_factory=dict)  # ordered set: completion order
-    pool_versions: Counter[int] = field(default_factory=Counter)  # oldest versions in pool
-    unacked: dict[int, Batch] = field(default_factory=dict)  # batch id order
-    owner: dict[int, str] = field(default_factory=dict)  # unacked batch id -> consumer id
-    redeliver: deque[int] = field(default_factory=deque)
 
 
 class ReplayBuffer:
@@ -113,7 +69,7 @@ class ReplayBuffer:
         self.policy, self.max_reuse = policy, max_reuse
         self.max_policy_lag, self.group_timeout_s = max_policy_lag, group_timeout_s
         self._rng = random.Random(seed)
-        self._s = _State()
+        self._s = State()
         self._next_batch_id = 0
         self._learner_version: int | None = None
         self._dropped: list[DroppedTask] = []  # drained by take_dropped
@@ -139,7 +95,7 @@ class ReplayBuffer:
             return kind  # type: ignore[return-value]
         part = s.partial.get(tid)
         if part is None:
-            part = s.partial[tid] = _Partial([None] * traj.group_size, now)
+            part = s.partial[tid] = Partial([None] * traj.group_size, now)
         elif len(part.members) != traj.group_size:
             self.counts["drops/inconsistent"] += 1
             return "inconsistent"
@@ -216,7 +172,7 @@ class ReplayBuffer:
             return
         s = self._s
         oldest = group.oldest_version
-        s.held[group.task_id] = _Held(group, oldest)
+        s.held[group.task_id] = Held(group, oldest)
         s.pool[group.task_id] = None
         s.pool_versions[oldest] += 1
         self.counts["groups_in"] += 1
@@ -257,7 +213,7 @@ class ReplayBuffer:
             h.uses += 1
             h.refs += 1
             if h.uses >= self.max_reuse:
-                self._leave_pool(tid)
+                s.leave_pool(tid)
             groups.append(h.group)
             lags[version - h.oldest_version] += 1
         self._lag_hist.update(lags)
@@ -394,7 +350,7 @@ class ReplayBuffer:
                 self._drop(DroppedTask(tid, "lag", False))
             else:
                 self.counts["evicted"] += 1  # trained on already: not a loss
-            self._leave_pool(tid)
+            s.leave_pool(tid)
 
     def _evict_used(self) -> None:
         """At capacity, make room by evicting groups already trained on, oldest first.
@@ -406,18 +362,6 @@ class ReplayBuffer:
             return
         for tid in [t for t in s.pool if s.held[t].uses > 0 and s.held[t].refs == 0]:
             self.counts["evicted"] += 1
-            self._leave_pool(tid)
+            s.leave_pool(tid)
             if len(s.held) < self.capacity:
                 return
-
-    def _leave_pool(self, tid: str) -> None:
-        """Out of the pool; forgotten too unless an unacknowledged batch holds it."""
-        s = self._s
-        del s.pool[tid]
-        h = s.held[tid]
-        h.in_pool = False
-        s.pool_versions[h.oldest_version] -= 1
-        if not s.pool_versions[h.oldest_version]:
-            del s.pool_versions[h.oldest_version]
-        if h.refs == 0:
-            del s.held[tid]

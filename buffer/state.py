@@ -1,0 +1,75 @@
+"""What :class:`buffer.core.ReplayBuffer` holds, as plain records: the incomplete groups,
+the complete training groups it holds (in the pool or in unacknowledged batches), the pool
+in completion order, the unacknowledged batches and their consumers; and the names of the
+counters it keeps. Which groups are released, dropped or evicted is decided in
+:mod:`buffer.core`; here a group only leaves the pool (:meth:`State.leave_pool`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from asyncrl.wire import Batch, Group, Trajectory
+
+COUNTERS = (
+    "trajectories_in",
+    "groups_in",
+    "val_groups_in",
+    "batches_out",
+    "groups_out",
+    "batches_redelivered",
+    "batches_acked",
+    "groups_acked",
+    "drops/duplicate",  # trajectories
+    "drops/late",  # trajectories
+    "drops/inconsistent",  # trajectories whose group_size disagrees with their group's
+    "drops/lag",  # groups
+    "drops/expired",  # groups
+    "evicted",  # groups already trained on, removed to make room or because stale
+)
+
+
+@dataclass
+class Partial:
+    """An incomplete group: its members so far (None where one is missing)."""
+
+    members: list[Trajectory | None]
+    first_seen: float
+    filled: int = 0
+
+
+@dataclass
+class Held:
+    """A complete training group the buffer holds."""
+
+    group: Group
+    oldest_version: int
+    uses: int = 0  # batches it was released in
+    refs: int = 0  # unacknowledged batches holding it
+    in_pool: bool = True
+
+
+@dataclass
+class State:
+    """Everything the buffer holds, by task id and by batch id."""
+
+    partial: dict[str, Partial] = field(default_factory=dict)  # insertion = arrival order
+    closed: dict[str, str] = field(default_factory=dict)  # task id -> complete | expired
+    held: dict[str, Held] = field(default_factory=dict)
+    pool: dict[str, None] = field(default_factory=dict)  # ordered set: completion order
+    pool_versions: Counter[int] = field(default_factory=Counter)  # oldest versions in pool
+    unacked: dict[int, Batch] = field(default_factory=dict)  # batch id order
+    owner: dict[int, str] = field(default_factory=dict)  # unacked batch id -> consumer id
+    redeliver: deque[int] = field(default_factory=deque)
+
+    def leave_pool(self, tid: str) -> None:
+        """Out of the pool; forgotten too unless an unacknowledged batch holds it."""
+        del self.pool[tid]
+        h = self.held[tid]
+        h.in_pool = False
+        self.pool_versions[h.oldest_version] -= 1
+        if not self.pool_versions[h.oldest_version]:
+            del self.pool_versions[h.oldest_version]
+        if h.refs == 0:
+            del self.held[tid]
