@@ -1,0 +1,192 @@
+"""The coordinator's registry rules (:class:`asyncrl.control.state.ControlState`) with small
+hand-computed inputs: late joiners and their catch-ups, the start of dealing, versions,
+dead servers, the validation schedule, heartbeat news, retried requests and a restored
+state after a learner restart. No sockets."""
+
+from __future__ import annotations
+
+import msgspec
+
+from asyncrl.control import messages as m
+from asyncrl.control.admission import Budget
+from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.state import ControlState
+from asyncrl.control.syncs import SyncBook
+from asyncrl.control.task_source import TaskSource
+from asyncrl.tasks import make_row
+from asyncrl.weight_sync import TensorSpec, plan_buckets
+
+PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
+
+
+def _rows(n: int, split: str = "train") -> list[dict]:
+    return [make_row("arithmetic", f"{i}+1=", str(i + 1), split=split, index=i) for i in range(n)]
+
+
+def _state(**kw) -> ControlState:
+    source = TaskSource(_rows(50), _rows(2, "test"), seed=1, n=2)
+    return ControlState(
+        TaskLedger(source, Budget(1, 4)),
+        SyncBook(),
+        heartbeat_s=0.5,
+        dead_after_s=2.0,
+        store_host="127.0.0.1",
+        store_port=1,
+        **kw,
+    )
+
+
+def _push(st: ControlState) -> None:
+    """The learner pushes the next version (a member that does not report it fails it)."""
+    st.begin_sync(PLAN)
+    st.finish_sync(True, now=0.0)
+
+
+def test_late_joiner_catches_up_before_its_first_task():
+    st = _state()
+    st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
+    rnd = st.begin_sync(PLAN)
+    st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), 0.1)
+    assert st.finish_sync(True, now=0.1).ok == ["a"] and st.version == 1
+    reg = st.register(m.Register(server_id="late", engine_world_size=1), now=0.2)
+    assert reg.catchup and st.grant("late", 4, 0.3).reason == "catchup"
+    assert st.pending_catchups(0.3) == ["late"]
+    rnd = st.begin_catchup("late", PLAN)
+    assert (rnd.generation, rnd.world_size, rnd.version) == ("catchup/late/2", 2, 1)
+    assert st.pending_catchups(0.3) == []  # busy in its catch-up
+    st.sync_done(m.SyncDone(server_id="late", sync_id=rnd.sync_id, version=1, ok=True), 0.4)
+    st.finish_sync(True, now=0.4)
+    assert st.version == 1 and len(st.grant("late", 4, 0.5).tasks) == 4
+    # Not a member of the main group yet: the next push re-forms it with both.
+    assert st.begin_sync(PLAN).ranks == {"a": 1, "late": 2}
+
+
+def test_failed_catchups_back_off_exponentially_and_success_clears_them():
+    """Each catch-up blocks the learner until it ends: a server that keeps failing them is
+    retried after 5 s, then 10 s, ... up to the cap, not at every learner step."""
+    st = _state(catchup_backoff_s=5.0, catchup_backoff_max_s=12.0)
+    _push(st)  # version 1, before "a" joins holding version 0: it needs a catch-up
+    st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
+    now, delays = 0.0, []
+    for _ in range(3):
+        assert st.pending_catchups(now) == ["a"]
+        rnd = st.begin_catchup("a", PLAN)
+        st.sync_done(
+            m.SyncDone(
+                server_id="a", sync_id=rnd.sync_id, version=1, ok=False, error="engine gone"
+            ),
+            now,
+        )
+        assert st.finish_sync(True, now=now).failed.keys() == {"a"}
+        retry = next(t for t in (now + k * 0.5 for k in range(1, 100)) if st.pending_catchups(t))
+        delays.append(retry - now)
+        now = retry
+    assert delays == [5.0, 10.0, 12.0] and st.counts["catchup_backoffs"] == 3
+    assert st.grant("a", 4, now).reason == "catchup"  # still no task while stale
+    rnd = st.begin_catchup("a", PLAN)
+    st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), now)
+    st.finish_sync(True, now=now)
+    assert st.servers["a"].catchup_failures == 0 and len(st.grant("a", 4, now).tasks) == 4
+
+
+def test_dealing_starts_once_enough_servers_registered():
+    st = _state(min_servers_to_start=2)
+    st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
+    assert st.grant("a", 4, 0.1).reason == "starting" and not st.grant("a", 4, 0.1).tasks
+    st.register(m.Register(server_id="b", engine_world_size=1), now=0.2)
+    assert len(st.grant("a", 4, 0.3).tasks) == 4
+    st.leave("b")  # once started, losing a server does not stop the run
+    assert len(st.grant("a", 4, 0.4).tasks) == 4
+
+
+def test_versions_never_go_back_and_a_restart_pushes_above_what_servers_hold():
+    st = _state()
+    st.register(m.Register(server_id="a", policy_version=5), now=0.0)
+    assert st.version == 5 and st.begin_sync(PLAN).version == 6
+
+
+def test_silent_servers_are_declared_dead():
+    st = _state()
+    st.register(m.Register(server_id="a", engine_world_size=0), now=0.0)
+    st.register(m.Register(server_id="b", engine_world_size=0), now=0.0)
+    held = [t.task_id for t in st.grant("a", 3, 0.5).tasks]
+    st.touch("b", 2.0)
+    assert st.reap(2.4) == []  # a asked for tasks at 0.5: alive for 2 s more
+    assert st.reap(2.6) == ["a"] and list(st.servers) == ["b"]
+    assert [t.task_id for t in st.grant("b", 3, 2.5).tasks] == held
+
+
+def test_validation_schedule():
+    st = _state(test_freq=2, val_before_train=True)
+    st.start_run()
+    assert st.ledger.source.val_rounds == 1
+    assert [st.on_step(s) for s in (1, 2, 3, 4, 4)] == [False, True, False, True, False]
+    assert st.ledger.source.val_rounds == 3
+
+
+def test_heartbeat_news_is_level_triggered():
+    st = _state()
+    reg = st.register(m.Register(server_id="a", engine_world_size=0), now=0.0)
+    hb = m.Heartbeat(
+        server_id="a", session=reg.session, policy_version=0, seen_version=0, seen_sync=0
+    )
+    assert st.news(hb) is None  # nothing new: held
+    _push(st)
+    assert st.news(hb).policy_version == 1  # repeated until a heartbeat has seen it
+    assert st.news(msgspec.structs.replace(hb, seen_version=1)) is None
+    assert st.news(msgspec.structs.replace(hb, session="old")).registered is False
+    st.begin_shutdown("done")
+    assert st.news(hb).shutdown and st.all_told()
+
+
+def test_a_retried_request_gets_its_lost_grant_again():
+    st = _state()
+    st.register(m.Register(server_id="a", engine_world_size=0), now=0.0)
+    first = st.grant("a", 2, 0.1, request_id=1)
+    assert st.grant("a", 2, 0.2, request_id=1) == first  # the reply was lost: same tasks
+    second = st.grant("a", 2, 0.3, request_id=2)
+    assert {t.task_id for t in first.tasks}.isdisjoint(t.task_id for t in second.tasks)
+    assert st.ledger.committed == 4
+
+
+def test_a_restored_state_adopts_what_servers_and_buffer_hold_and_redeals_the_rest():
+    """A learner restart: the restored coordinator holds dealing until the servers it knew
+    registered again and the buffer's inventory came; what they hold is adopted (never dealt
+    twice), what nobody holds is dealt again under its id, and the window is not widened."""
+    st = _state()
+    st.register(m.Register(server_id="a", engine_world_size=0), now=0.0)
+    tasks = st.grant("a", 3, 0.1).tasks
+    st.ack("a", [tasks[0].task_id], 0.2)
+    saved = st.state_dict()
+    later = st.grant("a", 2, 0.3).tasks  # dealt after the checkpoint
+    restarted = _state()
+    restarted.load_state_dict(saved)
+    restarted.set_replay(0)  # the learner replays nothing: a higher version is a new one
+    assert restarted.ledger.committed == 1  # what was outstanding is queued, not charged
+    restarted.register(m.Register(server_id="b", engine_world_size=0), now=1.0)
+    assert restarted.grant("b", 4, 1.1).reason == "starting"  # "a" and the buffer first
+    held_by_a = [tasks[1].task_id, later[1].task_id]
+    restarted.register(
+        m.Register(server_id="a", engine_world_size=0, policy_version=5, task_ids=held_by_a),
+        now=1.2,
+    )
+    assert restarted.version == 5 and restarted.ledger.budget.limit == saved_limit(saved)
+    restarted.reconcile_buffer([tasks[0].task_id, later[0].task_id], [])  # the inventory
+    again = restarted.grant("b", 4, 1.3).tasks
+    # tasks[2] was owed and nobody holds it: same id, next attempt; then new prompts,
+    # skipping the ids dealt after the checkpoint that the buffer and "a" hold.
+    assert [(t.task_id, t.attempt) for t in again] == [
+        (tasks[2].task_id, 1),
+        ("train/0/5", 0),
+        ("train/0/6", 0),
+        ("train/0/7", 0),
+    ]
+    assert set(restarted.ledger.owned["a"]) == set(held_by_a)
+    assert restarted.ledger.accounting()["accounting/train/dealt"] == 8
+    assert restarted.ledger.accounting()["accounting/train/unaccounted"] == 0
+
+
+def saved_limit(state: dict) -> int:
+    budget = _state().ledger.budget
+    budget.load_state_dict(state["ledger"]["budget"])
+    return budget.limit
