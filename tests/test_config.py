@@ -57,6 +57,8 @@ def test_presets_load(preset):
         ("model.path=/models/a:b", "model.path", "/models/a:b"),
         ("actor_rollout_ref.actor.optim.lr=2e-6", "actor.optim.lr", 2e-6),
         ("actor_rollout_ref.rollout.n=4", "rollout.n", 4),
+        ("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.type", "adaptive"),
+        ("critic.cliprange_value=0.2", "critic.cliprange_value", 0.2),
         ("custom_reward_function.path=r.py", "reward.custom_reward_function.path", "r.py"),
     ],
 )
@@ -119,6 +121,9 @@ def test_bad_keys_and_types_name_the_key(override, expected):
     assert any(expected in p for p in problems), problems
 
 
+GAE = ["algorithm.adv_estimator=gae"]
+
+
 @pytest.mark.parametrize(
     ("overrides", "expected"),
     [
@@ -137,6 +142,14 @@ def test_bad_keys_and_types_name_the_key(override, expected):
         (["launch.cpus={learner: [[0]]}"], "launch.cpus.learner=[[0]] has the wrong shape"),
         (["launch.gpus={rollout: [0, 1]}"], "write e.g. [[1], [2]], one list per server"),
         (["model.dtype=bfloat16"], "set model.dtype=float32"),
+        (["trainer.critic_warmup=2"], "set trainer.critic_warmup=0"),
+        (["algorithm.use_kl_in_reward=true"], "use actor.use_kl_loss=true"),
+        (GAE + ["critic.ppo_mini_batch_size=5"], "critic.ppo_mini_batch_size=5 must divide"),
+        (GAE + ["trainer.critic_warmup=180"], "lower trainer.critic_warmup"),
+        (
+            GAE + ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0"],
+            "set algorithm.kl_ctrl.kl_coef>0",
+        ),
     ],
 )
 def test_cross_field_rules_name_the_fix(overrides, expected):

@@ -101,9 +101,45 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"buffer.capacity_groups={cfg.buffer.capacity_groups} cannot hold {held}; "
             f"raise it to >= {needed} (train_batch_size * {fix}"
         )
+    problems += _critic_problems(cfg)
     problems += _endpoint_problems(cfg)
     problems += _launch_problems(cfg)
     return problems
+
+
+def _critic_problems(cfg: Config) -> list[str]:
+    """PPO with a critic: its keys only mean something with ``adv_estimator: gae``."""
+    alg, out = cfg.algorithm, []
+    warmup, total = cfg.trainer.critic_warmup, cfg.trainer.total_training_steps
+    if alg.adv_estimator != "gae":
+        if warmup > 0:
+            out.append(
+                f"trainer.critic_warmup={warmup} needs a critic, which only "
+                "algorithm.adv_estimator=gae has; set trainer.critic_warmup=0"
+            )
+        if alg.use_kl_in_reward:
+            out.append(
+                f"algorithm.use_kl_in_reward=true works with algorithm.adv_estimator=gae here "
+                f"(not {alg.adv_estimator}); for a KL penalty with it use actor.use_kl_loss=true"
+            )
+        return out
+    mini = cfg.critic.ppo_mini_batch_size
+    if mini is not None and cfg.data.train_batch_size % mini != 0:
+        out.append(
+            f"critic.ppo_mini_batch_size={mini} must divide "
+            f"data.train_batch_size={cfg.data.train_batch_size} (both count prompts)"
+        )
+    if total is not None and warmup >= total:
+        out.append(
+            f"trainer.critic_warmup={warmup} is not below trainer.total_training_steps={total}: "
+            "the actor would never train; lower trainer.critic_warmup"
+        )
+    if alg.use_kl_in_reward and alg.kl_ctrl.kl_coef == 0:
+        out.append(
+            "algorithm.use_kl_in_reward=true with algorithm.kl_ctrl.kl_coef=0 penalises "
+            "nothing; set algorithm.kl_ctrl.kl_coef>0 or algorithm.use_kl_in_reward=false"
+        )
+    return out
 
 
 def _endpoint_problems(cfg: Config) -> list[str]:

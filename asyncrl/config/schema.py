@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from asyncrl.config.critic import CriticConfig, KLControlConfig, OptimConfig
 from asyncrl.config.rollout import RolloutConfig
 from asyncrl.config.section import Section
 
@@ -68,17 +69,8 @@ class DataConfig(Section):
 
 
 # --------------------------------------------------------------------------- actor
-class OptimConfig(Section):
-    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
-    lr_warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
-    lr_scheduler_type: Literal["constant", "cosine", "linear"] = Field(
-        default="constant", description="Schedule after warmup."
-    )
-    min_lr_ratio: float = Field(
-        default=0.0, ge=0, le=1, description="Floor of cosine/linear decay."
-    )
+# veRL's names of the KL estimators.
+_VERL_KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
 class ActorConfig(Section):
@@ -121,21 +113,7 @@ class ActorConfig(Section):
     @field_validator("kl_loss_type", mode="before")
     @classmethod
     def _verl_kl_names(cls, v: object) -> object:
-        return {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}.get(v, v)  # type: ignore[arg-type]
-
-
-class CriticModelConfig(Section):
-    path: str | None = Field(default=None, description="Critic HF model (defaults to model.path).")
-
-
-class CriticOptimConfig(Section):
-    lr: float = Field(default=1e-5, gt=0, description="Critic learning rate.")
-
-
-class CriticConfig(Section):
-    model: CriticModelConfig = Field(default_factory=CriticModelConfig)
-    optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
-    ppo_epochs: int = Field(default=1, gt=0, description="Critic passes over each batch.")
+        return _VERL_KL_NAMES.get(v, v)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- algorithm
@@ -160,6 +138,19 @@ class AlgorithmConfig(Section):
     )
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount (GAE).")
     lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
+    use_kl_in_reward: bool = Field(
+        default=False, description="Subtract a KL-to-reference penalty from token rewards (gae)."
+    )
+    kl_penalty: Literal["k1", "k2", "k3"] = Field(
+        default="k1", description="KL-in-reward estimator (veRL: kl=k1, mse=k2, low_var_kl=k3)."
+    )
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+
+    @field_validator("kl_penalty", mode="before")
+    @classmethod
+    def _verl_kl_names(cls, v: object) -> object:
+        return _VERL_KL_NAMES.get(v, v)  # type: ignore[arg-type]
+
     importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
 
 
@@ -305,6 +296,9 @@ class TrainerConfig(Section):
     seed: int = Field(default=1, description="Seed of the learner and the sampling seeds.")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where the roles compute.")
     nproc: int = Field(default=1, gt=0, description="Learner ranks (torchrun).")
+    critic_warmup: int = Field(
+        default=0, ge=0, description="First learner steps that train only the critic (gae)."
+    )
 
     @field_validator("logger", mode="before")
     @classmethod

@@ -1,0 +1,73 @@
+"""The critic's config group (PPO with GAE, ``algorithm.adv_estimator: gae``) and the
+optimizer group it shares with the actor. Keys follow veRL's ``critic.*``; unset batch
+sizes fall back to the actor's, as veRL's defaults interpolate them."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from asyncrl.config.section import Section
+
+
+class OptimConfig(Section):
+    lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
+    lr_warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
+    lr_scheduler_type: Literal["constant", "cosine", "linear"] = Field(
+        default="constant", description="Schedule after warmup."
+    )
+    min_lr_ratio: float = Field(
+        default=0.0, ge=0, le=1, description="Floor of cosine/linear decay."
+    )
+
+
+class CriticOptimConfig(OptimConfig):
+    lr: float = Field(default=1e-5, gt=0, description="Critic AdamW learning rate.")
+
+
+class CriticModelConfig(Section):
+    path: str | None = Field(
+        default=None,
+        description="Critic HF model: a causal LM (its backbone gets a fresh value head) or "
+        "a saved critic; default model.path.",
+    )
+    enable_gradient_checkpointing: bool = Field(
+        default=False, description="Recompute the critic's activations in backward."
+    )
+
+
+class CriticConfig(Section):
+    model: CriticModelConfig = Field(default_factory=CriticModelConfig)
+    optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
+    ppo_epochs: int = Field(default=1, gt=0, description="Critic passes over each batch.")
+    ppo_mini_batch_size: int | None = Field(
+        default=None, gt=0, description="Prompts per critic update; default the actor's."
+    )
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        default=None, gt=0, description="Sequences per critic micro-batch; default the actor's."
+    )
+    use_dynamic_bsz: bool | None = Field(
+        default=None, description="Size critic micro-batches by tokens; default the actor's."
+    )
+    ppo_max_token_len_per_gpu: int | None = Field(
+        default=None, gt=0, description="Tokens per critic micro-batch; default the actor's."
+    )
+    cliprange_value: float = Field(
+        default=0.5, gt=0, description="How far a value may move from the batch's own."
+    )
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        default="token-mean", description="How token value losses are averaged (veRL's names)."
+    )
+    grad_clip: float = Field(default=1.0, gt=0, description="Max critic gradient norm.")
+
+
+class KLControlConfig(Section):
+    type: Literal["fixed", "adaptive"] = Field(
+        default="fixed", description="KL-in-reward coefficient: fixed, or adaptive to target_kl."
+    )
+    kl_coef: float = Field(default=0.001, ge=0, description="(Initial) KL-in-reward coefficient.")
+    horizon: int = Field(default=10000, gt=0, description="Adaptive: sequences per full move.")
+    target_kl: float = Field(default=0.1, gt=0, description="Adaptive: the KL it steers to.")
