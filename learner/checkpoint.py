@@ -3,8 +3,10 @@
 Layout of a run directory::
 
     <run_dir>/checkpoints/step_<n>/        one complete checkpoint
-        .metadata, __*_*.distcp            model + optimizer shards (DCP; any world size)
-        trainer_state.json                 step, policy_version, scheduler, extra
+        .metadata, __*_*.distcp            model + optimizer shards (DCP; any world size),
+                                           and the critic's beside them (PPO with GAE)
+        trainer_state.json                 step, policy_version, scheduler, extra, and
+                                           the critic's schedule and KL coefficient
     <run_dir>/checkpoints/step_<n>.tmp/    a checkpoint being written (ignored)
 
 A checkpoint is written under a temporary name and renamed when complete, so a crash
@@ -69,11 +71,16 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def _dcp_state(model, optimizer) -> dict[str, Any]:
+def _dcp_state(model, optimizer, critic=None) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    state = {"model": model_sd, "optim": optim_sd}
+    if critic is not None:
+        state["critic_model"], state["critic_optim"] = get_state_dict(
+            critic.model, critic.optimizer
+        )
+    return state
 
 
 def save_checkpoint(
@@ -85,9 +92,12 @@ def save_checkpoint(
     step: int,
     policy_version: int,
     extra: dict[str, Any] | None = None,
+    critic=None,
 ) -> Path:
     """Save model, optimizer, scheduler, step, policy version and ``extra`` as
     ``<run_dir>/checkpoints/step_<step>/``; every rank calls it. Returns the directory.
+    ``critic`` (a :class:`learner.critic.Critic`): its model and optimizer are saved with
+    the actor's, its ``state_dict()`` in the state file.
 
     Re-saving a step replaces the old directory only once the new one is complete.
     """
@@ -102,6 +112,7 @@ def save_checkpoint(
             "policy_version": policy_version,
             "scheduler": scheduler.state_dict(),
             "extra": extra or {},
+            **({"critic": critic.state_dict()} if critic is not None else {}),
         },
         indent=1,
     )  # serialise first: a bad ``extra`` fails before anything is written
@@ -109,7 +120,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
         tmp.mkdir(parents=True)
     _barrier()
-    dcp_save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
+    dcp_save(_dcp_state(model, optimizer, critic), checkpoint_id=str(tmp))
     if _rank() == 0:
         (tmp / STATE_FILE).write_text(state_json)
         if final.exists():
@@ -125,20 +136,34 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: str | Path, model, optimizer, scheduler) -> CheckpointMeta:
-    """Restore model, optimizer and scheduler in place from a checkpoint directory (any
-    world size); every rank calls it. Returns step, policy version and ``extra``."""
+def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) -> CheckpointMeta:
+    """Restore model, optimizer and scheduler (and ``critic``'s) in place from a checkpoint
+    directory (any world size); every rank calls it. Returns step, policy version and
+    ``extra``."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load  # dcp.load
 
     path = Path(path)
     meta = json.loads((path / STATE_FILE).read_text())
-    state = _dcp_state(model, optimizer)
+    if critic is not None and "critic" not in meta:
+        raise ValueError(
+            f"{path} holds no critic (saved by a run without algorithm.adv_estimator=gae); "
+            "start this run from the model instead (trainer.resume_mode=disable)"
+        )
+    state = _dcp_state(model, optimizer, critic)
     dcp_load(state, checkpoint_id=str(path))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
     scheduler.load_state_dict(meta["scheduler"])
+    if critic is not None:
+        set_state_dict(
+            critic.model,
+            critic.optimizer,
+            model_state_dict=state["critic_model"],
+            optim_state_dict=state["critic_optim"],
+        )
+        critic.load_state_dict(meta["critic"])
     log.info("checkpoint loaded: %s (step %d)", path, meta["step"])
     return CheckpointMeta(meta["step"], meta["policy_version"], meta.get("extra", {}))
 

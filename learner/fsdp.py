@@ -105,11 +105,30 @@ def load_sharded_model(
     Every rank reads the whole checkpoint on CPU first; ``fully_shard`` then keeps each
     rank's shard and moves it to ``device``.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    return shard_model(
+        model,
+        mesh,
+        device=device,
+        gradient_checkpointing=gradient_checkpointing,
+        trainable=trainable,
+    )
+
+
+def shard_model(
+    model: PreTrainedModel,
+    mesh,
+    *,
+    device: str = "cpu",
+    gradient_checkpointing: bool = False,
+    trainable: bool = True,
+) -> ShardedModel:
+    """Shard a loaded HF model (any head) as :func:`load_sharded_model` does."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     # Packed sequences need the plain causal mask path; no KV cache in training.
     model.config.use_cache = False
     if gradient_checkpointing and trainable:

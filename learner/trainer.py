@@ -49,6 +49,7 @@ from learner.batching import (
     pad_rows,
     plan_minibatch,
 )
+from learner.critic import Critic
 from learner.layout import choose_layout, packing_works
 from learner.losses import AggNorm, LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
@@ -67,6 +68,7 @@ class _Plan:
     temperature: float  # for rollouts that do not say what they were sampled at
     minibatches: list[list[list[int]]]  # mini-batch -> micro-batch -> sequence indices
     norms: list[AggNorm]  # one per mini-batch (global counts)
+    token_advantages: dict[int, torch.Tensor] | None = None  # GAE: [T_i] per sequence
 
 
 class Trainer:
@@ -86,11 +88,6 @@ class Trainer:
     def __init__(
         self, cfg: Config, *, model_path: str | None = None, total_steps: int | None = None
     ):
-        if cfg.algorithm.adv_estimator not in OUTCOME_ESTIMATORS:
-            raise NotImplementedError(
-                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: the critic is not "
-                f"built yet; use one of {OUTCOME_ESTIMATORS}"
-            )
         self.cfg = cfg
         self.device = torch.device(cfg.trainer.device)
         torch.manual_seed(cfg.trainer.seed)
@@ -115,7 +112,7 @@ class Trainer:
                 trainable=False,
                 attn_implementation=cfg.model.attn_implementation,
             )
-            if self.loss_cfg.kl_coef > 0
+            if self.loss_cfg.kl_coef > 0 or cfg.algorithm.use_kl_in_reward
             else None
         )
         self.optimizer = fsdp.build_optimizer(self.model, cfg.actor.optim)
@@ -124,6 +121,14 @@ class Trainer:
         self.pad_id = self.model.config.pad_token_id or 0
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
         self.packed = self._choose_layout() == "packed"
+        # PPO with GAE: the value model beside the policy (learner.critic).
+        self.critic = (
+            Critic(
+                cfg, self.mesh, model_path=self.model_path, total_steps=steps, packed=self.packed
+            )
+            if cfg.algorithm.adv_estimator not in OUTCOME_ESTIMATORS
+            else None
+        )
         self.step = 0
         self.policy_version = 0
         log.info(
@@ -222,8 +227,12 @@ class Trainer:
             return self._finish_step(metrics, start, updates=0, skipped=0)
         # Group baselines over every scored member, trainable or not (see baseline_advantages).
         alg = self.cfg.algorithm
-        adv = baseline_advantages(
-            rollouts, kept, alg.adv_estimator, norm_by_std=alg.norm_adv_by_std_in_grpo
+        adv = (  # GAE's per-token advantages come from the critic below
+            baseline_advantages(
+                rollouts, kept, alg.adv_estimator, norm_by_std=alg.norm_adv_by_std_in_grpo
+            )
+            if self.critic is None
+            else torch.zeros(len(kept))
         )
         plan = self._plan(kept, adv, temperature)
         scored = [r for r in rollouts if math.isfinite(float(r.reward))]
@@ -235,10 +244,14 @@ class Trainer:
         t0 = time.monotonic()
         # One optimizer step per batch: the proximal policy *is* the current one before the
         # update, so its logprobs come for free from the training forward (l.detach()).
+        # (The KL in the reward needs them before any update.)
         single = self.cfg.actor.ppo_epochs == 1 and len(plan.minibatches) == 1
+        single &= not alg.use_kl_in_reward
         proximal = None if single else self._fixed_logprobs(self.model, plan)
         ref = self._fixed_logprobs(self.ref_model, plan) if self.ref_model else None
         metrics["timing/proximal_s"] = time.monotonic() - t0
+        if self.critic is not None and self._critic_step(plan, proximal, ref, metrics):
+            return self._finish_step(metrics, start, updates=0, skipped=0, actor_schedule=False)
 
         t0 = time.monotonic()
         stats, norms, skipped, tokens, fed = StatSum(), [], 0, 0, 0
@@ -258,6 +271,18 @@ class Trainer:
             metrics, start, updates=len(norms), skipped=skipped, stats=stats, norms=norms
         )
 
+    def _critic_step(self, plan: _Plan, proximal, ref, metrics: dict[str, float]) -> bool:
+        """Values, GAE advantages (into ``plan``) and the critic's update; True while
+        ``trainer.critic_warmup`` holds the actor back (veRL: the critic trains alone)."""
+        assert self.critic is not None
+        t0 = time.monotonic()
+        targets, batch_metrics = self.critic.targets(plan.rollouts, proximal, ref)
+        plan.token_advantages = targets.advantages
+        metrics.update(batch_metrics)
+        metrics.update(self.critic.update(plan.rollouts, targets))
+        metrics["timing/critic_s"] = time.monotonic() - t0
+        return self.step < self.cfg.trainer.critic_warmup
+
     def _micro_loss(self, plan, micro, norm, proximal, ref):
         """Loss and stats of one micro-batch (a dummy one when ``micro`` is empty)."""
         mb = self._collate(plan, micro)
@@ -274,11 +299,14 @@ class Trainer:
             return pad_rows([per_seq[s] for s in mb.seq_ids], logp.shape[1]).to(logp.device)
 
         dev = logp.device
+        adv = mb.advantages
+        if plan.token_advantages is not None and mb.seq_ids:
+            adv = pad_rows([plan.token_advantages[s] for s in mb.seq_ids], logp.shape[1])
         loss, stats = policy_loss(
             logp,
             stored(proximal),
             mb.behaviour.to(dev),
-            mb.advantages.to(dev),
+            adv.to(dev),
             mb.mask.to(dev),
             self.loss_cfg,
             entropy=ent,
@@ -319,14 +347,18 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return gnorm, ok, tokens, fed
 
-    def _finish_step(self, metrics, start, *, updates, skipped, stats=None, norms=()):
-        """Step the schedule, count the step, reduce stats across ranks into metrics."""
+    def _finish_step(
+        self, metrics, start, *, updates, skipped, stats=None, norms=(), actor_schedule=True
+    ):
+        """Step the schedule (not during critic warmup, where the actor has not started),
+        count the step, reduce stats across ranks into metrics."""
         metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
         with warnings.catch_warnings():
             # After a skipped update torch warns that the optimizer has not stepped; the
             # schedule counts learner steps, skipped or not, so that warning does not apply.
             warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            self.scheduler.step()
+            if actor_schedule:
+                self.scheduler.step()
         self.step += 1
         metrics["actor/updates"] = float(updates)
         metrics["actor/skipped_updates"] = float(skipped)
@@ -382,6 +414,7 @@ class Trainer:
             step=self.step,
             policy_version=self.policy_version,
             extra=extra,
+            critic=self.critic,
         )
 
     def load(self, path) -> dict:
@@ -389,7 +422,7 @@ class Trainer:
         ``extra`` dict saved with it."""
         from learner.checkpoint import load_checkpoint
 
-        meta = load_checkpoint(path, self.model, self.optimizer, self.scheduler)
+        meta = load_checkpoint(path, self.model, self.optimizer, self.scheduler, critic=self.critic)
         self.step, self.policy_version = meta.step, meta.policy_version
         return meta.extra
 

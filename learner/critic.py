@@ -1,0 +1,312 @@
+"""The critic of PPO with GAE (``algorithm.adv_estimator: gae``): a value model under FSDP2
+beside the actor, with its own optimizer and schedule. Only the actor is ever pushed to the
+rollout servers; the critic lives and is checkpointed on the learner alone.
+
+Off-policy by construction: values are computed here, at train time, on the trajectories
+of the batch (never by the rollout servers), so they always come from the critic's latest
+weights, whatever policy version sampled the tokens.
+
+One learner step, as :class:`learner.trainer.Trainer` drives it:
+
+- :meth:`Critic.targets` consumes the cleaned global batch (and, for
+  ``algorithm.use_kl_in_reward``, this rank's proximal and reference logprobs) and produces
+  per-token advantages, returns and the values they came from for *every* sequence, the
+  same on every rank (the values of each rank's share are gathered, so GAE's whitening is
+  over the whole batch as in veRL). A collective.
+- :meth:`Critic.update` trains on those returns: ``critic.ppo_epochs`` x mini-batches, one
+  optimizer step each, the clipped value loss of :mod:`learner.values`. A collective.
+
+The value model: the HF checkpoint at ``critic.model.path`` (default: the actor's) loaded
+as a token classifier with one label, i.e. the backbone's last hidden state through a
+linear head. A causal-LM checkpoint has no such head: it starts at zero (every value 0,
+the same on every rank without drawing random numbers); a saved critic keeps its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.config import Config
+from learner import fsdp
+from learner.advantages import gae_advantages, outcome_token_rewards
+from learner.batching import (
+    MicroBatch,
+    Rollout,
+    collate,
+    group_indices,
+    minibatches,
+    norm_counts,
+    pad_rows,
+    plan_minibatch,
+)
+from learner.losses import AggNorm, valid_token_mask
+from learner.values import (
+    VALUE_STAT_SUMS,
+    KLController,
+    explained_variance,
+    kl_in_reward,
+    value_loss,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Targets:
+    """One step's GAE outputs, per cleaned sequence index, each ``[T_i]`` (global)."""
+
+    advantages: dict[int, torch.Tensor]
+    returns: dict[int, torch.Tensor]
+    values: dict[int, torch.Tensor]
+
+
+def load_value_model(path: str, mesh, *, device: str, gradient_checkpointing: bool = False):
+    """The value model of ``path`` (any HF causal LM, or a saved critic) under FSDP2:
+    logits ``[B, L, 1]`` are the values. A missing head starts at zero."""
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    config = AutoConfig.from_pretrained(path, num_labels=1)
+    config.classifier_dropout = 0.0  # values must not be noisy (and ranks must agree)
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        path, config=config, dtype=torch.float32, output_loading_info=True
+    )
+    head = model.score
+    if any(k.startswith("score.") for k in info["missing_keys"]):
+        with torch.no_grad():
+            head.weight.zero_()
+            if head.bias is not None:
+                head.bias.zero_()
+        log.info("critic: fresh value head (zero) on the backbone of %s", path)
+    return fsdp.shard_model(
+        model, mesh, device=device, gradient_checkpointing=gradient_checkpointing
+    )
+
+
+class Critic:
+    """The value model, its optimizer, schedule and KL-in-reward coefficient (see the
+    module docstring). ``packed``/``pad_id``: the actor's micro-batch layout, reused."""
+
+    def __init__(
+        self, cfg: Config, mesh, *, model_path: str, total_steps: int | None, packed: bool
+    ):
+        self.cfg, c = cfg, cfg.critic
+        self.device = torch.device(cfg.trainer.device)
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.model = load_value_model(
+            c.model.path or model_path,
+            mesh,
+            device=cfg.trainer.device,
+            gradient_checkpointing=c.model.enable_gradient_checkpointing,
+        )
+        self.optimizer = fsdp.build_optimizer(self.model, c.optim)
+        self.scheduler = fsdp.build_scheduler(self.optimizer, c.optim, total_steps)
+        kl = cfg.algorithm.kl_ctrl
+        self.kl_ctrl = KLController(kl.kl_coef, kl.type, kl.target_kl, kl.horizon)
+        self.packed = packed
+        self.pad_id = self.model.config.pad_token_id or 0
+
+    # ------------------------------------------------------------------ planning
+    def _plan(self, rollouts: Sequence[Rollout]) -> tuple[list[list[list[int]]], list[AggNorm]]:
+        """This rank's micro-batches of every critic mini-batch, and their global norms;
+        unset critic batch sizes are the actor's."""
+        c, a = self.cfg.critic, self.cfg.actor
+        dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
+        budget = (
+            {"max_tokens": c.ppo_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu}
+            if dynamic
+            else {"max_seqs": c.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu}
+        )
+        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
+        mbs, norms = [], []
+        groups = c.ppo_mini_batch_size or a.ppo_mini_batch_size
+        for idx in minibatches(group_indices(rollouts), groups):
+            plan = plan_minibatch(idx, lengths, self.world_size, padded=not self.packed, **budget)
+            mbs.append(plan[self.rank])
+            tokens, seqs = norm_counts(rollouts, idx)
+            norms.append(AggNorm(num_tokens=max(tokens, 1), num_seqs=max(seqs, 1)))
+        return mbs, norms
+
+    def _collate(self, rollouts: Sequence[Rollout], micro: list[int]) -> MicroBatch:
+        zeros = torch.zeros(len(rollouts))  # collate wants advantages; the critic has none
+        return collate(rollouts, zeros, micro, packed=self.packed, pad_id=self.pad_id)
+
+    def _forward(self, mb: MicroBatch) -> torch.Tensor:
+        """Values ``[B, T]`` of the states that produce each response token (the same
+        positions as the actor's logits for that token)."""
+        mb = mb.to(self.device)
+        with warnings.catch_warnings():
+            # FSDP2 warns that the classifier's output is a view (in-place ops on it would
+            # skip a hook); the values are only read through a gather, never modified.
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+            out = self.model(
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                attention_mask=mb.attention_mask,
+                use_cache=False,
+            )
+        return out.logits.reshape(-1)[mb.gather_index].float()
+
+    # ------------------------------------------------------------------ targets
+    @torch.no_grad()
+    def values(self, rollouts: Sequence[Rollout]) -> dict[int, torch.Tensor]:
+        """Current values ``[T_i]`` of every sequence (global; a collective)."""
+        mbs, _ = self._plan(rollouts)
+        local: dict[int, torch.Tensor] = {}
+        for micro in (m for mini in mbs for m in mini):  # dummies too: FSDP's collectives
+            mb = self._collate(rollouts, micro)
+            v = self._forward(mb)
+            for b, sid in enumerate(mb.seq_ids):
+                local[sid] = v[b, : len(rollouts[sid].response_ids)].cpu()
+        return self._gather(local)
+
+    def _gather(self, local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        if self.world_size == 1:
+            return local
+        parts: list[dict[int, torch.Tensor]] = [{} for _ in range(self.world_size)]
+        dist.all_gather_object(parts, local)
+        return {k: v for part in parts for k, v in part.items()}
+
+    def targets(
+        self,
+        rollouts: Sequence[Rollout],
+        proximal: dict[int, torch.Tensor] | None = None,
+        ref: dict[int, torch.Tensor] | None = None,
+    ) -> tuple[Targets, dict[str, float]]:
+        """GAE advantages and returns of the cleaned batch (see the module docstring).
+        ``proximal``/``ref``: this rank's logprobs ``[T_i]``, needed for the KL in the
+        reward. Returns the targets and veRL's ``critic/*`` batch metrics."""
+        alg = self.cfg.algorithm
+        values = self.values(rollouts)
+        lengths = [len(r.response_ids) for r in rollouts]
+        width = max(lengths)
+        mask = torch.zeros(len(rollouts), width, dtype=torch.bool)
+        for i, r in enumerate(rollouts):
+            lm = r.loss_mask
+            mask[i, : lengths[i]] = True if lm is None else torch.as_tensor(lm) != 0
+        v = pad_rows([values[i] for i in range(len(rollouts))], width)
+        scores = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
+        rewards = outcome_token_rewards(scores, mask)
+        metrics: dict[str, float] = {}
+        if alg.use_kl_in_reward:
+            if proximal is None or ref is None:
+                raise ValueError("use_kl_in_reward needs proximal and reference logprobs")
+            p, q = self._gather(proximal), self._gather(ref)
+            logp = pad_rows([p[i] for i in range(len(rollouts))], width)
+            ref_lp = pad_rows([q[i] for i in range(len(rollouts))], width)
+            beta = self.kl_ctrl.value
+            rewards, kl = kl_in_reward(rewards, logp, ref_lp, mask, coef=beta, kind=alg.kl_penalty)
+            self.kl_ctrl.update(kl, len(rollouts))
+            metrics["actor/reward_kl_penalty"] = kl
+            metrics["actor/reward_kl_penalty_coeff"] = beta
+        adv, ret = gae_advantages(rewards, v, mask, gamma=alg.gamma, lam=alg.lam)
+        metrics.update(_batch_metrics(adv, ret, v, mask))
+        rows = range(len(rollouts))
+        out = Targets(
+            advantages={i: adv[i, : lengths[i]] for i in rows},
+            returns={i: ret[i, : lengths[i]] for i in rows},
+            values={i: v[i, : lengths[i]] for i in rows},
+        )
+        return out, metrics
+
+    # ------------------------------------------------------------------ training
+    def update(self, rollouts: Sequence[Rollout], targets: Targets) -> dict[str, float]:
+        """Train the critic on the batch's returns; ``critic/*`` metrics (every rank the
+        same). The schedule steps once per call (one learner step)."""
+        mbs, norms = self._plan(rollouts)
+        sums = dict.fromkeys(VALUE_STAT_SUMS, 0.0)
+        grad_norms: list[float] = []
+        updates = 0
+        for _ in range(self.cfg.critic.ppo_epochs):
+            for micros, norm in zip(mbs, norms, strict=True):
+                gnorm, applied = self._minibatch(rollouts, targets, micros, norm, sums)
+                updates += 1
+                if applied:
+                    grad_norms.append(gnorm)
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.scheduler.step()
+        total = torch.tensor([sums[k] for k in VALUE_STAT_SUMS], dtype=torch.float64)
+        if self.world_size > 1:
+            total = total.to(self.device)
+            dist.all_reduce(total)
+        s: dict[str, float] = dict(zip(VALUE_STAT_SUMS, total.tolist(), strict=True))
+        tokens = max(s["vf_tokens"], 1.0)
+        return {
+            "critic/vf_loss": s["vf_loss"] / max(updates, 1),
+            "critic/vf_clipfrac": s["vf_clipped"] / tokens,
+            "critic/vpred_mean": s["vpred_sum"] / tokens,
+            "critic/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
+            "critic/lr": lr,
+            "critic/skipped_updates": float(updates - len(grad_norms)),
+        }
+
+    def _minibatch(self, rollouts, targets: Targets, micros, norm, sums) -> tuple[float, bool]:
+        """Forward/backward each micro-batch, then one optimizer step unless the loss or
+        gradient is not finite on some rank (every rank decides the same)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        finite = True
+        for i, micro in enumerate(micros):
+            self.model.set_requires_gradient_sync(i == len(micros) - 1)
+            mb = self._collate(rollouts, micro)
+            vpred = self._forward(mb)
+            loss, st = value_loss(
+                vpred,
+                _rows(targets.values, mb.seq_ids, vpred),
+                _rows(targets.returns, mb.seq_ids, vpred),
+                valid_token_mask(mb.mask, mb.behaviour).to(vpred.device),
+                cliprange=self.cfg.critic.cliprange_value,
+                agg_mode=self.cfg.critic.loss_agg_mode,
+                norm=norm,
+            )
+            finite &= bool(torch.isfinite(loss))
+            # FSDP averages over ranks; the norms are global: scale back to the sum.
+            (loss * self.world_size).backward()
+            if mb.seq_ids:
+                for k in VALUE_STAT_SUMS:
+                    sums[k] += float(st[k])
+        gnorm = fsdp.grad_norm_and_clip(self.model, self.cfg.critic.grad_clip)
+        flag = torch.tensor([0.0 if finite and math.isfinite(gnorm) else 1.0], device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(flag)
+        ok = flag.item() == 0
+        if ok:
+            self.optimizer.step()
+        else:
+            log.warning("critic: non-finite loss or gradient (norm %s); update skipped", gnorm)
+        self.optimizer.zero_grad(set_to_none=True)
+        return gnorm, ok
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps besides the critic's tensors (JSON-serialisable)."""
+        return {"scheduler": self.scheduler.state_dict(), "kl_coef": self.kl_ctrl.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_ctrl.value = float(state["kl_coef"])
+
+
+def _rows(per_seq: dict[int, torch.Tensor], seq_ids: list[int], like: torch.Tensor):
+    """``[B, T]`` like ``like`` from per-sequence ``[T_i]`` (zeros for a dummy batch)."""
+    if not seq_ids:
+        return torch.zeros_like(like)
+    return pad_rows([per_seq[s] for s in seq_ids], like.shape[1]).to(like.device)
+
+
+def _batch_metrics(
+    adv: torch.Tensor, ret: torch.Tensor, values: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
+    """veRL's batch metrics of the critic, all ``[N, T]`` over ``mask``."""
+    n = max(int(mask.sum()), 1)
+    return {
+        "critic/vf_explained_var": explained_variance(ret, values, mask),
+        "critic/values/mean": float(values[mask].sum()) / n,
+        "critic/returns/mean": float(ret[mask].sum()) / n,
+        "critic/advantages/mean": float(adv[mask].sum()) / n,
+    }

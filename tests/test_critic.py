@@ -1,0 +1,165 @@
+"""PPO with a critic on the tiny model: 2 learner ranks equal 1, a resume restores the
+critic exactly, only the actor is pushed, and critic warmup holds the actor back."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from asyncrl.config import Config, load_config
+from learner import fsdp
+from learner.trainer import Trainer
+from tests.helpers import free_port
+from tests.test_trainer import (
+    assert_gradients_match,
+    float32_tolerance,
+    record_gradients,
+    synthetic_batch,
+)
+
+log = logging.getLogger(__name__)
+TEMPERATURE = 0.7
+BATCHES = [synthetic_batch(s) for s in range(3)]
+# Per-step metrics that depend on the critic: compared between runs.
+CRITIC_KEYS = ("critic/vf_loss", "critic/vf_explained_var", "critic/vpred_mean", "loss/total")
+
+
+def make_cfg(model_dir, *extra: str) -> Config:
+    """GAE with discounting, two mini-batches per step for actor and critic, the KL penalty
+    in the reward (an adaptive coefficient: state a resume must restore) and a critic
+    learning rate high enough that its values move in a few steps."""
+    return load_config(
+        None,
+        [
+            f"model.path={model_dir}",
+            "algorithm.adv_estimator=gae",
+            "algorithm.gamma=0.99",
+            "algorithm.lam=0.95",
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl.type=adaptive",
+            "algorithm.kl_ctrl.kl_coef=0.05",
+            "algorithm.kl_ctrl.horizon=50",
+            "data.max_response_length=12",
+            "actor.ppo_mini_batch_size=2",
+            "actor.ppo_max_token_len_per_gpu=48",
+            "critic.optim.lr=3e-3",
+            "critic.ppo_max_token_len_per_gpu=64",
+            "critic.cliprange_value=0.2",
+            *extra,
+        ],
+    )
+
+
+def critic_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
+    """record_gradients for the critic's optimizer."""
+    assert trainer.critic is not None
+    proxy = type("P", (), {"model": trainer.critic.model, "optimizer": trainer.critic.optimizer})
+    return record_gradients(proxy)  # type: ignore[arg-type]
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+    torch.set_num_threads(1)
+    trainer = Trainer(make_cfg(model_dir))
+    grads, cgrads = record_gradients(trainer), critic_gradients(trainer)
+    metrics = [trainer.train_step(b, TEMPERATURE) for b in BATCHES]
+    assert trainer.critic is not None
+    critic_state = fsdp.full_state(trainer.critic.model)
+    if rank == 0:
+        result = {
+            "metrics": metrics,
+            "critic": critic_state,
+            "grads": grads[0],
+            "critic_grads": cgrads[1],
+        }
+        torch.save(result, Path(out_dir) / "result.pt")
+    dist.destroy_process_group()
+
+
+def test_two_ranks_match_one_rank(tiny_model, single_rank, tmp_path):
+    ctx = mp.start_processes(
+        _worker,
+        args=(2, free_port(), str(tiny_model), str(tmp_path)),
+        nprocs=2,
+        join=False,
+        start_method="spawn",
+    )
+    one = Trainer(make_cfg(tiny_model))
+    assert one.critic is not None
+    grads, cgrads = record_gradients(one), critic_gradients(one)
+    metrics = [one.train_step(b, TEMPERATURE) for b in BATCHES]
+    critic_state = fsdp.full_state(one.critic.model)
+    while not ctx.join(timeout=1):
+        pass
+    two = torch.load(tmp_path / "result.pt")
+
+    for m in metrics:
+        assert m["actor/updates"] == 2 and m["critic/skipped_updates"] == 0
+    assert metrics[-1]["critic/vpred_mean"] != 0  # the values moved off the zero head
+    tol = float32_tolerance(one, BATCHES[0])
+    # The first actor update sees the same per-token advantages on both (GAE over the
+    # gathered values); the critic's second update starts from weights one update apart,
+    # where rounding has not yet been amplified by more than Adam's first step.
+    assert_gradients_match(two["grads"], grads[0], tol)
+    assert_gradients_match(two["critic_grads"], cgrads[1], 1e-3)
+    for key in CRITIC_KEYS:
+        got, expected = [m[key] for m in two["metrics"]], [m[key] for m in metrics]
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5, msg=key)
+    diff = max((critic_state[k] - two["critic"][k]).abs().max().item() for k in critic_state)
+    log.info("critic 1 vs 2 ranks: max weight diff %.3g", diff)
+    assert diff < 1e-4
+
+
+def test_resume_restores_the_critic_exactly(tiny_model, single_rank, tmp_path):
+    straight = Trainer(make_cfg(tiny_model))
+    expected = [straight.train_step(b, TEMPERATURE) for b in BATCHES]
+    assert straight.critic is not None
+    expected_critic = fsdp.full_state(straight.critic.model)
+
+    first = Trainer(make_cfg(tiny_model))
+    for b in BATCHES[:2]:
+        first.train_step(b, TEMPERATURE)
+    assert first.critic is not None
+    saved_critic = fsdp.full_state(first.critic.model)
+    saved_kl = first.critic.kl_ctrl.value
+    assert saved_kl != 0.05  # the adaptive coefficient moved
+    path = first.save(tmp_path)
+
+    resumed = Trainer(make_cfg(tiny_model))
+    resumed.load(path)
+    critic = resumed.critic
+    assert critic is not None
+    for k, v in fsdp.full_state(critic.model).items():
+        assert torch.equal(v, saved_critic[k]), k
+    assert critic.kl_ctrl.value == saved_kl
+    assert critic.scheduler.state_dict() == first.critic.scheduler.state_dict()
+    got = resumed.train_step(BATCHES[2], TEMPERATURE)
+    for key in (*CRITIC_KEYS, "critic/grad_norm", "critic/lr"):
+        assert got[key] == pytest.approx(expected[2][key], rel=1e-6, abs=1e-9), key
+    for k, v in fsdp.full_state(critic.model).items():
+        torch.testing.assert_close(v, expected_critic[k], rtol=0, atol=1e-7)
+
+
+def test_only_the_actor_is_pushed_and_warmup_holds_it(tiny_model, single_rank):
+    trainer = Trainer(make_cfg(tiny_model, "trainer.critic_warmup=1"))
+    before = trainer.full_state_for_push()
+    assert not any("score" in k for k in before)  # the causal LM's names only
+    m = trainer.train_step(BATCHES[0], TEMPERATURE)
+    assert m["actor/updates"] == 0 and m["critic/grad_norm"] > 0
+    after = trainer.full_state_for_push()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert trainer.scheduler.last_epoch == 0  # the actor's schedule waits for the actor
+    m = trainer.train_step(BATCHES[1], TEMPERATURE)
+    assert m["actor/updates"] == 2
