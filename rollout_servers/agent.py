@@ -243,25 +243,15 @@ class AgentRunner:
         return self._append(ep, answers, schemas)
 
     def _append(self, ep: Episode, new: list[dict[str, Any]], schemas: list[dict] | None) -> str:
-        """Append the new messages' tokens to the current sample, or split: close it and
-        start a new sample from the re-rendered history. The messages join the episode's
-        conversation only when their tokens do."""
-        s, piece = self.settings, ep.pieces[-1]
-        before = render(self.tok, ep.messages, schemas, gen=False)
-        after = render(self.tok, ep.messages + new, schemas, gen=True)
-        tail = continuation(piece.prompt_ids + piece.token_ids, before, after)
-        if tail is not None:
-            if len(piece.token_ids) + len(tail) >= s.max_response_len:
-                return "length"  # no room left to answer: end here, as veRL does
-            piece.add_inserted(tail)
-        elif len(after) > s.max_prompt_len:
-            return "prompt_too_long"
-        else:
-            ep.splits += 1
-            ep.pieces.append(Piece(prompt_ids=after, start_version=self.engine.version))
-        ep.messages.extend(new)
-        ep.tool_turns += 1
-        return ""
+        """Append the tool answers to the episode (see :func:`extend`); why it ends, or ""."""
+        s = self.settings
+        ended = extend(ep, new, self.tok, schemas, s.max_prompt_len, s.max_response_len)
+        if not ended:
+            ep.tool_turns += 1
+        if ended == "split":
+            ep.pieces[-1].start_version = self.engine.version
+            return ""
+        return ended
 
     def _content(self, ids: list[int]) -> str:
         """The assistant message's text: the sampled tokens without the end-of-turn token
@@ -269,6 +259,41 @@ class AgentRunner:
         if ids and ids[-1] == self._eos:
             ids = ids[:-1]
         return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def extend(
+    ep: Episode,
+    new: list[dict[str, Any]],
+    tok: Tokenizer,
+    schemas: list[dict] | None,
+    max_prompt_len: int,
+    max_response_len: int,
+) -> str:
+    """Append the tokens of the ``new`` messages (tool or user turns) to the episode's
+    current sample, or split: close it and start a new sample from the re-rendered history.
+    The messages join the episode's conversation only when their tokens do.
+
+    Returns "" when appended, ``split`` when a new sample started (its ``start_version`` is
+    the caller's to set), or why the episode cannot go on: ``length`` (no room left to
+    answer, as veRL ends it) or ``prompt_too_long`` (the re-rendered history does not fit).
+    """
+    piece = ep.pieces[-1]
+    before = render(tok, ep.messages, schemas, gen=False)
+    after = render(tok, ep.messages + new, schemas, gen=True)
+    tail = continuation(piece.prompt_ids + piece.token_ids, before, after)
+    if tail is not None:
+        if len(piece.token_ids) + len(tail) >= max_response_len:
+            return "length"
+        piece.add_inserted(tail)
+        ended = ""
+    elif len(after) > max_prompt_len:
+        return "prompt_too_long"
+    else:
+        ep.splits += 1
+        ep.pieces.append(Piece(prompt_ids=after))
+        ended = "split"
+    ep.messages.extend(new)
+    return ended
 
 
 def episode_trajectories(

@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 from typing import TYPE_CHECKING, Any
 
 from asyncrl import security, startup
@@ -157,8 +158,18 @@ async def serve(cfg: Config, server_id: str) -> int:
         address=f"{socket.gethostname()} pid {os.getpid()}",
     )
     tools, agent = _agent(cfg, engine, tok, seeded)
+    endpoint = _endpoint(cfg, server_id, engine, tok, client, pusher, seeded)
     server = RolloutServer(
-        cfg, server_id, engine, tok, pool, pusher, client, seeded=seeded, agent=agent
+        cfg,
+        server_id,
+        engine,
+        tok,
+        pool,
+        pusher,
+        client,
+        seeded=seeded,
+        agent=agent,
+        endpoint=endpoint,
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop taking tasks, leave, exit 0
@@ -176,6 +187,27 @@ async def serve(cfg: Config, server_id: str) -> int:
         engine.shutdown()
     log.info("%s exits %d: %s", server_id, code, server.snapshot())
     return code
+
+
+def _endpoint(
+    cfg: Config, server_id: str, engine: Any, tok: Any, client: Any, pusher: Any, seeded: bool
+) -> Any:
+    """The OpenAI-compatible endpoint when ``rollout.openai_endpoint.enable`` (else None)."""
+    from rollout_servers.groups import SamplingSettings
+    from rollout_servers.openai_api import OpenAIEndpoint
+
+    oe = cfg.rollout.openai_endpoint
+    if not oe.enable:
+        return None
+    if not (security.loopback(oe.host) or cfg.endpoints.insecure):  # a config problem: exit 2
+        sys.stderr.write(
+            f"rollout.openai_endpoint.host={oe.host} serves a network without authentication: "
+            "anyone who reaches it adds training data. Keep it on 127.0.0.1 behind an "
+            "authenticating proxy, or on a private network you trust set endpoints.insecure=true\n"
+        )
+        raise SystemExit(2)
+    settings = SamplingSettings.from_config(cfg, seeded=seeded)
+    return OpenAIEndpoint(cfg, server_id, engine, tok, client, pusher, settings)
 
 
 def _agent(cfg: Config, engine: Any, tok: Any, seeded: bool) -> tuple[Any, Any]:

@@ -134,6 +134,10 @@ class ControlClient(Protocol):
         """Up to ``max_tasks`` tasks, long-polled while none can be granted."""
         ...
 
+    def request_slot(self) -> TaskGrant:
+        """One external training slot (the OpenAI endpoint's groups), answered at once."""
+        ...
+
     def ack(self, task_ids: list[str]) -> object:
         """Report tasks whose groups were pushed whole."""
         ...

@@ -5,7 +5,9 @@ One asyncio loop owns the vLLM engine. Everything that blocks runs off the loop:
 coordinator client's calls (``asyncio.to_thread``), scoring (worker processes of a
 :class:`~asyncrl.rewards.RewardPool`, waited on in a thread) and pushing (the pusher's
 blocking send, in a thread). The client's heartbeat thread keeps the server alive in the
-coordinator's eyes and delivers sync starts and the shutdown.
+coordinator's eyes and delivers sync starts and the shutdown. With
+``rollout.openai_endpoint.enable`` the same loop also serves outside agents
+(:mod:`rollout_servers.openai_api`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from asyncrl.wire import Trajectory
 from rollout_servers.agent import AgentRunner, episode_trajectories
 from rollout_servers.engine import Sample, SyncJoin
 from rollout_servers.groups import SamplingSettings, build_group, sampling_params
+from rollout_servers.openai_api import OpenAIEndpoint
 from rollout_servers.protocols import (
     ControlClient,
     GenerationEngine,
@@ -61,6 +64,7 @@ class RolloutServer:
         client: ControlClient,
         seeded: bool = True,
         agent: AgentRunner | None = None,
+        endpoint: OpenAIEndpoint | None = None,
     ) -> None:
         self.cfg = cfg
         self.server_id = server_id
@@ -72,12 +76,17 @@ class RolloutServer:
         self.settings = SamplingSettings.from_config(cfg, seeded=seeded)
         self.agent = agent  # runs tool_agent tasks as multi-turn episodes (None: single turn)
         self.max_inflight = cfg.rollout.max_inflight
+        # False: only the OpenAI endpoint's agents generate here (no dataset tasks).
+        self.take_tasks = endpoint is None or cfg.rollout.openai_endpoint.take_tasks
         self.inflight = 0  # sampled responses being generated now
         # Set when responses finish (their slots are free again) or stop() is called.
         self._slots_freed = asyncio.Event()
         self.tasks: set[asyncio.Task] = set()
         self.held: dict[str, Task] = {}  # tasks being generated, by id
-        client.held_tasks = lambda: list(self.held)  # said at (re-)registration
+        self.endpoint = endpoint  # serves outside agents (None: rollout.openai_endpoint off)
+        if endpoint is not None:
+            endpoint.on_pushed = self.count_group
+        client.held_tasks = self._held_ids  # said at (re-)registration
         self.generation = ""  # the sync group this engine's workers are in
         self.fatal = ""  # why this server cannot go on (its engine died): exit, be restarted
         self.groups_done = 0
@@ -115,15 +124,23 @@ class RolloutServer:
         log.info("%s registered at version %d", self.server_id, reg.policy_version)
         syncs = asyncio.create_task(self._sync_loop())
         try:
+            if self.endpoint is not None:
+                await self.endpoint.start()
             await self._task_loop()
         finally:
             syncs.cancel()
+            if self.endpoint is not None:
+                await self.endpoint.stop()
             for t in list(self.tasks):
                 t.cancel()
         if self.fatal:
             log.error("%s stops: %s (its supervisor restarts it)", self.server_id, self.fatal)
             return 4
         return 3 if self.client.gone.is_set() else 0
+
+    def _held_ids(self) -> list[str]:
+        ext = self.endpoint.task_ids() if self.endpoint is not None else []
+        return list(self.held) + ext
 
     def _stopping(self) -> bool:
         c = self.client
@@ -155,7 +172,7 @@ class RolloutServer:
             if time.monotonic() - last_log > LOG_EVERY_S:
                 self._log_progress()
                 last_log = time.monotonic()
-            if self._free() < n:
+            if self._free() < n or not self.take_tasks:
                 next_report = last_report + REPORT_EVERY_S - time.monotonic()
                 await self._wait_for_slots(max(next_report, 0.0))
                 continue
@@ -212,7 +229,7 @@ class RolloutServer:
             self.metrics["rollout/push_wait_s"] += await self.pusher.send_async(group)
             pushed = True
             await asyncio.to_thread(self.client.ack, [task.task_id])
-            self._count(samples, scores, task)
+            self.count_group(samples, scores, task)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # one bad task must not stop the server
@@ -331,7 +348,8 @@ class RolloutServer:
         await asyncio.to_thread(self.client.sync_done, start, True, "", stats["seconds"])
 
     # ----------------------------------------------------------------- metrics
-    def _count(self, samples: list[Sample], scores: list[ScoreResult], task: Task) -> None:
+    def count_group(self, samples: list[Sample], scores: list[ScoreResult], task: Task) -> None:
+        """Count a pushed group in the server's metrics (its own, or an endpoint's)."""
         self.groups_done += 1
         self.metrics["rollout/groups"] += 1
         for s, score in zip(samples, scores, strict=True):
@@ -346,7 +364,7 @@ class RolloutServer:
             log.info(
                 "sample [%s] %r -> %r reward %.2f",
                 task.task_id,
-                task.prompt[-1]["content"][:200],
+                task.prompt[-1]["content"][:200] if task.prompt else "(an outside agent's)",
                 text[:200],
                 scores[0].score,
             )
@@ -358,6 +376,8 @@ class RolloutServer:
         out.update(self.engine.metrics)
         if self.agent is not None:
             out.update(self.agent.metrics)
+        if self.endpoint is not None:
+            out.update(self.endpoint.metrics)
         out["rollout/tokens_per_s"] = self.metrics["rollout/tokens"] / elapsed
         out["rollout/inflight"] = self.inflight
         if self._idle_since is not None:  # idle now: count the wait so far

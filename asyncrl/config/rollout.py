@@ -45,6 +45,42 @@ class MultiTurnConfig(Section):
     )
 
 
+class OpenAIEndpointConfig(Section):
+    """An OpenAI-compatible ``/v1/chat/completions`` on every rollout server, for agents
+    that run outside the run: each session's tokens, logprobs and versions are recorded, and
+    a group of sessions trains once each has its reward (``POST /rl/reward``)."""
+
+    enable: bool = Field(default=False, description="Serve /v1/chat/completions and /rl/reward.")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Bind address; a non-loopback one also needs endpoints.insecure=true "
+        "(anyone who reaches it adds training data).",
+    )
+    port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Port (0: a free one); each server writes its base URL to "
+        "<run dir>/openai_endpoints/<server id>.json.",
+    )
+    group_size: int | None = Field(
+        default=None, gt=0, description="Sessions per group (None: rollout.n)."
+    )
+    session_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="A group idle this long is closed: its rewarded sessions train, the "
+        "rest are dropped.",
+    )
+    max_groups: int = Field(
+        default=64, gt=0, description="Open groups per server at once (429 beyond)."
+    )
+    take_tasks: bool = Field(
+        default=True,
+        description="Also generate the dataset's tasks (false: serve only the endpoint).",
+    )
+
+
 class ValKwargs(Section):
     temperature: float = Field(
         default=0.0, ge=0, description="Validation temperature (0 = greedy)."
@@ -89,3 +125,4 @@ class RolloutConfig(Section):
     )
     val_kwargs: ValKwargs = Field(default_factory=ValKwargs)
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
+    openai_endpoint: OpenAIEndpointConfig = Field(default_factory=OpenAIEndpointConfig)

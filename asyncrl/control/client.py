@@ -89,6 +89,7 @@ class CoordinatorClient:
         self.session = ""
         self.seen_sync = 0
         self._request_id = 1  # of the next task request; moves on after each reply
+        self._slot_request_id = 1  # the same for slot requests
         self.syncs: queue.Queue[m.SyncStart] = queue.Queue()
         self.shutdown = threading.Event()  # the coordinator said the run is over
         self.gone = threading.Event()  # the coordinator was silent past patience_s
@@ -317,6 +318,26 @@ class CoordinatorClient:
         elif grant.reason == "shutdown":
             self.shutdown.set()
         return grant
+
+    def request_slot(self, attempts: int = 2) -> m.TaskGrant:
+        """Ask for one external training slot (see :class:`~asyncrl.control.messages.
+        SlotRequest`); answered at once. An empty grant says why (``timeout``: never
+        answered). A retry repeats the request id, so a lost reply costs no second slot."""
+        msg = m.SlotRequest(server_id=self.server_id, request_id=self._slot_request_id)
+        session = self.session
+        for _ in range(attempts):
+            if self.gone.is_set():
+                break
+            try:
+                grant = self._call("control", msg)
+            except TimeoutError:
+                continue
+            assert isinstance(grant, m.TaskGrant), grant
+            self._slot_request_id += 1
+            if grant.reason == "unregistered":
+                self._reregister(session)
+            return grant
+        return m.TaskGrant(tasks=[], policy_version=self.announced_version, reason="timeout")
 
     def ack(self, task_ids: list[str], attempts: int = 3) -> m.TaskAckReply | None:
         """Acknowledge tasks whose groups were pushed whole; retried on timeouts (an ack is

@@ -1,19 +1,7 @@
 """Where every task is: deals, acks, failures, re-deals, drops, training. Pure: no I/O, no
 clock (callers pass ``now``).
 
-Each task id the run ever dealt has exactly one *state*, per kind (train or val):
-
-``in_flight``
-    outstanding at a server (dealt, not yet acknowledged), or *queued* to be dealt again
-    under the same id (its server died, left, failed it or held it too long);
-``in_buffer``
-    acknowledged: its server handed the whole group to the buffer;
-``trained`` (validation: ``scored``)
-    the learner trained on a batch holding it (the buffer scored it into validation);
-``dropped/<reason>``
-    the buffer threw it away unused (``lag``, ``expired``);
-``given_up``
-    it failed (or timed out) more than ``task_retries`` times.
+Each task id has one *state* (:mod:`asyncrl.control.task_states`).
 
 So ``dealt = in flight + in buffer + trained + dropped + given up`` at every moment
 (:meth:`TaskLedger.accounting`; ``dealt`` is counted apart, so a lost transition shows as
@@ -37,42 +25,34 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
 from asyncrl.control.admission import Budget
 from asyncrl.control.messages import Task
 from asyncrl.control.task_source import TaskSource
+from asyncrl.control.task_states import (
+    BUF,
+    CHARGED,
+    DONE,
+    DROP_REASONS,
+    EXTERNAL,
+    GIVEN_UP,
+    KINDS,
+    OUT,
+    QUEUED,
+    TERMINAL,
+    Drops,
+    Entry,
+    accounting,
+    external_task,
+    is_external,
+    kind_of,
+    restored,
+)
 
-OUT, QUEUED, BUF, DONE, GIVEN_UP = "out", "queued", "in_buffer", "done", "given_up"
-DROP_REASONS = ("lag", "expired")
-STATES = (OUT, QUEUED, BUF, DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS))
-TERMINAL = frozenset({DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS)})
-CHARGED = frozenset({OUT, BUF, DONE})
-KINDS = ("train", "val")
-
-
-def kind_of(task_id: str) -> str:
-    return "val" if task_id.startswith("val/") else "train"
-
-
-class Drops(NamedTuple):
-    """What one report of dropped groups did."""
-
-    refunded: int  # training tasks that left the admission budget
-    given_up: int  # training prompts out of lag retries (never dealt again)
-
-
-@dataclass
-class _Entry:
-    state: str
-    task: Task | None  # None once terminal (nothing left to deal)
-    server: str = ""  # holder while OUT
-    since: float = 0.0  # when dealt (OUT) or acknowledged (BUF)
-    failures: int = 0  # failed or timed-out deals so far
-    serial: int = 0  # order of the last deal
+__all__ = ["DONE", "TaskLedger", "kind_of"]
 
 
 class TaskLedger:
@@ -91,17 +71,18 @@ class TaskLedger:
         self.lag_retries = lag_retries
         self.task_retries = task_retries
         self.task_timeout_s = task_timeout_s
-        self.entries: dict[str, _Entry] = {}
+        self.entries: dict[str, Entry] = {}
         self.owned: dict[str, set[str]] = {}  # server id -> ids OUT there
         self.redeal: deque[str] = deque()  # QUEUED ids, in deal order
         self.counts: Counter[str] = Counter()  # events
         self.dealt: Counter[str] = Counter()  # kind -> distinct ids dealt
         self.tally: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
         self._serial = 0
+        self.external_serial = 0  # external slots dealt, ever (kept in checkpoints)
         self.refunded: Counter[str] = Counter()  # training deals uncharged, by cause
 
     # ------------------------------------------------------------------ state changes
-    def _set(self, tid: str, e: _Entry, state: str, cause: str = "") -> None:
+    def _set(self, tid: str, e: Entry, state: str, cause: str = "") -> None:
         kind = kind_of(tid)
         if kind == "train" and e.state in CHARGED and state not in CHARGED:
             self.refunded[cause or state] += 1  # it leaves the admission budget
@@ -115,15 +96,20 @@ class TaskLedger:
         if state in TERMINAL:
             e.task = None
 
-    def _new(self, tid: str, state: str, task: Task | None) -> _Entry:
-        e = self.entries[tid] = _Entry(state, task)
+    def _new(self, tid: str, state: str, task: Task | None) -> Entry:
+        e = self.entries[tid] = Entry(state, task)
         kind = kind_of(tid)
         self.dealt[kind] += 1
         self.tally[kind][state] += 1
         return e
 
-    def _queue(self, tid: str, e: _Entry, cause: str, front: bool) -> None:
-        """Back to the re-deal queue under the same id (``attempt + 1``)."""
+    def _queue(self, tid: str, e: Entry, cause: str, front: bool) -> None:
+        """Back to the re-deal queue under the same id (``attempt + 1``); an external slot
+        is given up instead (its agent talked to the server that lost it)."""
+        if is_external(tid):
+            self._set(tid, e, GIVEN_UP, cause)
+            self.counts[f"external_given_up/{cause}"] += 1
+            return
         self._set(tid, e, QUEUED, cause)
         assert e.task is not None
         e.task = msgspec.structs.replace(e.task, attempt=e.task.attempt + 1)
@@ -152,19 +138,36 @@ class TaskLedger:
             tid, reason = self._next()
             if tid is None:
                 break
-            e = self.entries[tid]
-            self._set(tid, e, OUT)
-            e.server, e.since = server_id, now
-            self._serial += 1
-            e.serial = self._serial
-            self.owned.setdefault(server_id, set()).add(tid)
-            assert e.task is not None
-            e.task = msgspec.structs.replace(e.task, dealt_version=self.budget.version)
-            tasks.append(e.task)
-            self.counts["val_dealt" if e.task.validation else "train_dealt"] += 1
-            if e.task.attempt:
+            task = self._hand(tid, server_id, now)
+            tasks.append(task)
+            self.counts["val_dealt" if task.validation else "train_dealt"] += 1
+            if task.attempt:
                 self.counts["redealt"] += 1
         return tasks, ("" if len(tasks) == max_tasks else reason)
+
+    def deal_external(self, server_id: str, now: float = 0.0) -> tuple[Task | None, str]:
+        """One external slot for ``server_id``, or None and ``budget`` when admission
+        refuses (queued re-deals do not go first: the agent waits on this answer)."""
+        if not self.budget.free(self.committed):
+            return None, "budget"
+        self.external_serial += 1
+        tid = f"{EXTERNAL}{self.external_serial}"
+        self._new(tid, QUEUED, external_task(tid, self.budget.version))
+        self.redeal.append(tid)  # _set moves it from the queue to OUT
+        self.counts["external_dealt"] += 1
+        return self._hand(tid, server_id, now), ""
+
+    def _hand(self, tid: str, server_id: str, now: float) -> Task:
+        """Mark queued ``tid`` outstanding at ``server_id``; its task as dealt now."""
+        e = self.entries[tid]
+        self._set(tid, e, OUT)
+        e.server, e.since = server_id, now
+        self._serial += 1
+        e.serial = self._serial
+        self.owned.setdefault(server_id, set()).add(tid)
+        assert e.task is not None
+        e.task = msgspec.structs.replace(e.task, dealt_version=self.budget.version)
+        return e.task
 
     def _next(self) -> tuple[str | None, str]:
         for tid in self.redeal:
@@ -221,7 +224,7 @@ class TaskLedger:
             back += self._fail(tid, e, cause)
         return back
 
-    def _fail(self, tid: str, e: _Entry, cause: str) -> int:
+    def _fail(self, tid: str, e: Entry, cause: str) -> int:
         e.failures += 1
         self.counts[f"failures/{cause}"] += 1
         if e.failures > self.task_retries:
@@ -251,7 +254,7 @@ class TaskLedger:
         for tid in reversed(ids):  # each to the front: the oldest ends up first
             self._queue(tid, self.entries[tid], cause, front=True)
         self.owned.pop(server_id, None)
-        return [self._queued_task(tid) for tid in ids]
+        return [self._queued_task(tid) for tid in ids if not is_external(tid)]
 
     def _queued_task(self, tid: str) -> Task:
         task = self.entries[tid].task
@@ -324,8 +327,10 @@ class TaskLedger:
         self.counts["adopted"] += n
         return n
 
-    def _rebuilt(self, tid: str, state: str) -> _Entry | None:
+    def _rebuilt(self, tid: str, state: str) -> Entry | None:
         """A task dealt by an earlier session, known here from its id (None: not ours)."""
+        if is_external(tid):
+            return self._new(tid, state, external_task(tid, self.budget.version))
         try:
             task = self.source.task_for_id(tid, self.budget.version)
         except KeyError:
@@ -365,6 +370,7 @@ class TaskLedger:
             },
             "redeal": list(self.redeal),
             "dealt": dict(self.dealt),
+            "external_serial": self.external_serial,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -381,13 +387,10 @@ class TaskLedger:
         if saved is None:  # a checkpoint from before per-id states: what was still owed
             saved = {t: [QUEUED, 0, 1] for t in [*state["outstanding"], *state["redeal"]]}
         order = {tid: i for i, tid in enumerate(state.get("redeal", []))}
+        self.external_serial = int(state.get("external_serial", 0))
         for tid, (st, failures, attempt) in saved.items():
-            task = None
-            if st not in TERMINAL:
-                task = self.source.task_for_id(tid, self.budget.version)
-                task = msgspec.structs.replace(task, attempt=attempt + (st == OUT))
-            e = self._new(tid, QUEUED if st == OUT else st, task)
-            e.failures = failures
+            st, task = restored(tid, st, attempt, self.source, self.budget.version)
+            self._new(tid, st, task).failures = failures
         queued = [t for t, e in self.entries.items() if e.state == QUEUED]
         self.redeal.extend(sorted(queued, key=lambda t: order.get(t, -1)))
         if "dealt" in state:  # restore the count kept apart from the states
@@ -395,20 +398,7 @@ class TaskLedger:
 
     def accounting(self) -> dict[str, float]:
         """``accounting/<kind>/...``: dealt and where every dealt task is now."""
-        out: dict[str, float] = {}
-        for kind in KINDS:
-            t, p = self.tally[kind], f"accounting/{kind}"
-            parts = {
-                "in_flight": t[OUT] + t[QUEUED],
-                "in_buffer": t[BUF],
-                "trained" if kind == "train" else "scored": t[DONE],
-                **{f"dropped/{r}": t[f"dropped/{r}"] for r in DROP_REASONS},
-                "given_up": t[GIVEN_UP],
-            }
-            out[f"{p}/dealt"] = float(self.dealt[kind])
-            out |= {f"{p}/{k}": float(v) for k, v in parts.items()}
-            out[f"{p}/unaccounted"] = float(self.dealt[kind] - sum(parts.values()))
-        return out
+        return accounting(self.tally, self.dealt)
 
     def metrics(self) -> dict[str, float]:
         out = {f"coordinator/tasks/{k}": float(v) for k, v in sorted(self.counts.items())}

@@ -168,6 +168,8 @@ class ControlLoop:
                 ", catch-up first" if reply.catchup else "",
             )
             return reply
+        if isinstance(msg, m.SlotRequest):
+            return st.grant_slot(msg.server_id, now, msg.request_id)
         if isinstance(msg, m.SyncDone):
             st.sync_done(msg, now)
             return m.Ok()

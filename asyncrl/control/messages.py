@@ -12,8 +12,8 @@ sockets (one request, one reply):
 ``control`` (``endpoints.control``)
     :class:`Register` -> :class:`Registered`; :class:`Heartbeat` -> :class:`Announcement`
     (a long-poll too: answered at once when there is news for that server, otherwise after
-    ``wait_s``); :class:`SyncDone`, :class:`Leave` and :class:`ShutdownRequest` ->
-    :class:`Ok`. Anything refused gets :class:`ErrorReply`.
+    ``wait_s``); :class:`SlotRequest` -> :class:`TaskGrant` (at once); :class:`SyncDone`,
+    :class:`Leave` and :class:`ShutdownRequest` -> :class:`Ok`. Anything refused gets :class:`ErrorReply`.
 
 Announcements are level-triggered, not a queue: a heartbeat says which version and which
 sync the server has already seen (``seen_version``, ``seen_sync``), and the coordinator
@@ -103,6 +103,20 @@ class TaskRequest(Message, tag="task_request"):
     server_id: ServerId
     max_tasks: Annotated[int, msgspec.Meta(ge=1, le=4096)]
     wait_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0
+    request_id: NonNeg = 0
+
+
+class SlotRequest(Message, tag="slot_request"):
+    """Ask for one *external* training slot: a task id charged to the admission budget like
+    any training task, for a group whose prompt comes from outside the run (a rollout
+    server's OpenAI-compatible endpoint). Answered at once with a :class:`TaskGrant` of
+    one task (``data_source`` ``external``, no prompt) or none, with the reason.
+
+    ``request_id`` makes a retry idempotent, as for :class:`TaskRequest`. Sent on the
+    control socket, so it never waits behind a held task request.
+    """
+
+    server_id: ServerId
     request_id: NonNeg = 0
 
 
@@ -228,7 +242,15 @@ class Announcement(Message, tag="announcement"):
 
 
 Request = (
-    TaskRequest | TaskAck | TaskNack | Register | Heartbeat | SyncDone | Leave | ShutdownRequest
+    TaskRequest
+    | SlotRequest
+    | TaskAck
+    | TaskNack
+    | Register
+    | Heartbeat
+    | SyncDone
+    | Leave
+    | ShutdownRequest
 )
 Reply = TaskGrant | TaskAckReply | Registered | Announcement | Ok | ErrorReply
 

@@ -66,6 +66,7 @@ class ServerRecord:
     told_shutdown: bool = False
     syncing: int = 0  # sync id it was asked to join and has not reported on (0: none)
     last_grant: tuple[int, TaskGrant] | None = None  # (request id, grant with tasks)
+    last_slot: tuple[int, TaskGrant] | None = None  # the same for external slots
     metrics: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
     # Its weights are known to be this learner's: it started from the initial checkpoint
     # of a fresh run, or received a sync in this session. A server that registers after a
@@ -259,15 +260,7 @@ class ControlState:
         if last is not None and request_id is not None and last[0] == request_id:
             self.counts["grants_resent"] += 1
             return last[1]
-        reason = ""
-        if rec is None:
-            reason = "unregistered"
-        elif self.shutting_down:
-            reason = "shutdown"
-        elif not self.started or self.recovery.holding(now):
-            reason = "starting"
-        elif self.needs_catchup(rec):
-            reason = "catchup"
+        reason = self._refusal(rec, now)
         if reason:
             return TaskGrant(tasks=[], policy_version=self.version, reason=reason)
         tasks, reason = self.ledger.deal(server_id, max_tasks, now)
@@ -275,6 +268,34 @@ class ControlState:
         if tasks and request_id is not None:
             rec.last_grant = (request_id, grant)  # type: ignore[union-attr]
         return grant
+
+    def grant_slot(self, server_id: str, now: float, request_id: int | None = None) -> TaskGrant:
+        """One external slot for ``server_id`` (its OpenAI endpoint opens a group), or
+        none with the reason; a retry of the last slot request gets the same slot."""
+        rec = self.touch(server_id, now)
+        last = rec.last_slot if rec is not None else None
+        if last is not None and request_id is not None and last[0] == request_id:
+            return last[1]
+        reason = self._refusal(rec, now)
+        task = None
+        if not reason:
+            task, reason = self.ledger.deal_external(server_id, now)
+        grant = TaskGrant(tasks=[task] if task else [], policy_version=self.version, reason=reason)
+        if task is not None and request_id is not None:
+            rec.last_slot = (request_id, grant)  # type: ignore[union-attr]
+        return grant
+
+    def _refusal(self, rec: ServerRecord | None, now: float) -> str:
+        """Why nothing may be dealt to this server now ("" when something may)."""
+        if rec is None:
+            return "unregistered"
+        if self.shutting_down:
+            return "shutdown"
+        if not self.started or self.recovery.holding(now):
+            return "starting"
+        if self.needs_catchup(rec):
+            return "catchup"
+        return ""
 
     def ack(self, server_id: str, task_ids: list[str], now: float) -> TaskAckReply:
         self.touch(server_id, now)

@@ -1,0 +1,119 @@
+"""The states a task id moves through in the coordinator's ledger, and its entry.
+
+Each task id the run ever dealt has exactly one *state*, per kind (train or val):
+
+``in_flight``
+    outstanding at a server (dealt, not yet acknowledged), or *queued* to be dealt again
+    under the same id (its server died, left, failed it or held it too long);
+``in_buffer``
+    acknowledged: its server handed the whole group to the buffer;
+``trained`` (validation: ``scored``)
+    the learner trained on a batch holding it (the buffer scored it into validation);
+``dropped/<reason>``
+    the buffer threw it away unused (``lag``, ``expired``);
+``given_up``
+    it failed (or timed out) more than ``task_retries`` times.
+
+An *external* slot (``ext/<n>``, dealt by
+:meth:`asyncrl.control.ledger.TaskLedger.deal_external`) is a training task whose
+prompt comes from outside the run (an agent behind a server's OpenAI-compatible endpoint).
+It is charged like any training task, but it cannot be dealt again: what would fail it
+(its server died, it timed out, the buffer lost it) gives it up instead.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import msgspec
+
+from asyncrl.control.messages import Task
+
+if TYPE_CHECKING:
+    from asyncrl.control.task_source import TaskSource
+
+OUT, QUEUED, BUF, DONE, GIVEN_UP = "out", "queued", "in_buffer", "done", "given_up"
+DROP_REASONS = ("lag", "expired")
+STATES = (OUT, QUEUED, BUF, DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS))
+TERMINAL = frozenset({DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS)})
+CHARGED = frozenset({OUT, BUF, DONE})
+KINDS = ("train", "val")
+
+
+EXTERNAL = "ext/"
+
+
+def kind_of(task_id: str) -> str:
+    return "val" if task_id.startswith("val/") else "train"
+
+
+def is_external(task_id: str) -> bool:
+    return task_id.startswith(EXTERNAL)
+
+
+def external_task(task_id: str, version: int) -> Task:
+    """The task of an external slot: no prompt, no ground truth (the agent brings both)."""
+    return Task(
+        task_id=task_id,
+        data_source="external",
+        prompt=[],
+        ground_truth=None,
+        n=1,
+        agent_name="external",
+        dealt_version=version,
+    )
+
+
+class Drops(NamedTuple):
+    """What one report of dropped groups did."""
+
+    refunded: int  # training tasks that left the admission budget
+    given_up: int  # training prompts out of lag retries (never dealt again)
+
+
+@dataclass
+class Entry:
+    state: str
+    task: Task | None  # None once terminal (nothing left to deal)
+    server: str = ""  # holder while OUT
+    since: float = 0.0  # when dealt (OUT) or acknowledged (BUF)
+    failures: int = 0  # failed or timed-out deals so far
+    serial: int = 0  # order of the last deal
+
+
+def restored(
+    tid: str, state: str, attempt: int, source: TaskSource, version: int
+) -> tuple[str, Task | None]:
+    """The state and task of ``tid`` restored from a checkpoint that saw it ``state``: a
+    task outstanding then is queued (its server belonged to the old session; one that
+    still holds it takes it back when it registers), an external one given up (its agent's
+    session ended with that server's)."""
+    if state in TERMINAL:
+        return state, None
+    if is_external(tid):
+        if state in (OUT, QUEUED):
+            return GIVEN_UP, None
+        return state, external_task(tid, version)
+    task = source.task_for_id(tid, version)
+    task = msgspec.structs.replace(task, attempt=attempt + (state == OUT))
+    return (QUEUED if state == OUT else state), task
+
+
+def accounting(tally: dict[str, Counter[str]], dealt: Counter[str]) -> dict[str, float]:
+    """``accounting/<kind>/...``: how many ids were dealt and in which state each is now."""
+    out: dict[str, float] = {}
+    for kind in KINDS:
+        t, p = tally[kind], f"accounting/{kind}"
+        parts = {
+            "in_flight": t[OUT] + t[QUEUED],
+            "in_buffer": t[BUF],
+            "trained" if kind == "train" else "scored": t[DONE],
+            **{f"dropped/{r}": t[f"dropped/{r}"] for r in DROP_REASONS},
+            "given_up": t[GIVEN_UP],
+        }
+        out[f"{p}/dealt"] = float(dealt[kind])
+        out |= {f"{p}/{k}": float(v) for k, v in parts.items()}
+        out[f"{p}/unaccounted"] = float(dealt[kind] - sum(parts.values()))
+    return out

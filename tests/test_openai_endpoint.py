@@ -1,0 +1,203 @@
+"""An outside agent drives a real rollout server (CPU vLLM) through the ``openai`` client:
+a group of two-turn episodes with tool calls is recorded token for token, is held to the
+staleness budget (429 while it is spent), reaches the buffer when both episodes have their
+reward, and trains the learner with on-policy logprobs on the sampled tokens."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from asyncrl.config import load_config, run_dir
+from asyncrl.tasks import prepare_task_data
+from asyncrl.tools import load_tool_config, schemas
+from asyncrl.transport import BufferClient, config_endpoint
+from tests.helpers import log_tails, wait_until
+from tests.standins.learner import StandInLearner, loopback_config, model_weights, spawn_buffer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+_wait = functools.partial(wait_until, timeout_s=180.0, every_s=0.2)
+TOOLS = schemas(load_tool_config("configs/tools/calculator.yaml"))
+MAX_RESPONSE = 200
+
+
+class Rig:
+    """A stand-in learner's coordinator, the buffer, and one rollout server that serves only
+    the endpoint: one slot per version (train_batch_size 1, max_policy_lag 0)."""
+
+    def __init__(self, tmp: Path, model: Path):
+        prepare_task_data("arithmetic", tmp / "data", seed=0)
+        self.cfg, config = loopback_config(
+            tmp,
+            [
+                f"model.path={model}",
+                f"data.train_files={tmp}/data/train.parquet",
+                f"data.val_files={tmp}/data/val.parquet",
+                "data.train_batch_size=1",
+                "actor.ppo_mini_batch_size=1",
+                "rollout.n=2",
+                "staleness.max_policy_lag=0",
+                "data.max_prompt_length=256",
+                f"data.max_response_length={MAX_RESPONSE}",
+                "rollout.max_inflight=8",
+                "rollout.openai_endpoint.enable=true",
+                "rollout.openai_endpoint.take_tasks=false",
+                "trainer.val_before_train=false",
+                "trainer.test_freq=-1",
+                "control.heartbeat_s=0.5",
+                "launch.start_timeout_s=120",
+                "sync.timeout_s=60",
+                "reward.num_workers=1",
+            ],
+        )
+        self.tmp = tmp
+        self.learner = StandInLearner(self.cfg, tensors=model_weights(str(model))).start()
+        self.buffer = spawn_buffer(config, tmp / "buffer.log")
+        log = open(tmp / "r0.log", "a")  # noqa: SIM115
+        cmd = [sys.executable, "-m", "rollout_servers.main", str(config), "--server-id", "r0"]
+        self.server = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.consumer = BufferClient(config_endpoint(self.cfg.endpoints, "batches"), "test")
+        self.consumer.hello(wait_s=60)
+        url_file = Path(run_dir(self.cfg)) / "openai_endpoints" / "r0.json"
+        _wait(url_file.exists, "the server's endpoint URL", details=self.logs)
+        self.url = json.loads(url_file.read_text())["base_url"]
+
+    def logs(self) -> str:
+        return log_tails(self.tmp, 3000)
+
+    def chat(self, key: str, messages: list[dict]):
+        client = openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
+        return client.chat.completions.create(
+            model="tiny", messages=messages, tools=TOOLS, max_tokens=60
+        )
+
+    def reward(self, key: str, value: float) -> httpx.Response:
+        root = self.url.removesuffix("/v1")
+        headers = {"Authorization": f"Bearer {key}"}
+        return httpx.post(f"{root}/rl/reward", json={"reward": value}, headers=headers)
+
+    def close(self) -> None:
+        for proc in (self.server, self.buffer):
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
+                proc.wait(30)
+        self.consumer.close()
+        self.learner.close()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory, agent_model):
+    rig = Rig(tmp_path_factory.mktemp("openai"), agent_model)
+    yield rig
+    rig.close()
+
+
+def _tool_answer(call) -> str:
+    """What the agent's own tool says (the agent runs its tools, not the server)."""
+    try:
+        args = json.loads(call.function.arguments)
+        a, b = int(args["a"]), int(args["b"])
+    except (ValueError, KeyError, TypeError) as e:
+        return f"Error: {e}"
+    return str(a * b if call.function.name == "mul" else a + b)
+
+
+def _episode(rig: Rig, key: str) -> list:
+    """Two assistant turns: the agent answers a tool call with its result, anything else
+    with a nudge; returns both replies."""
+    messages: list[dict] = [{"role": "user", "content": "47*29="}]
+    first = rig.chat(key, messages).choices[0].message
+    messages.append(first.model_dump(exclude_none=True))
+    for call in first.tool_calls or []:
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": _tool_answer(call)})
+    if not first.tool_calls:
+        messages.append({"role": "user", "content": "Use the calculator."})
+    second = rig.chat(key, messages).choices[0].message
+    return [first, second]
+
+
+def test_an_outside_agent_trains_through_the_endpoint(rig, agent_model, single_rank):
+    from learner.loop import to_rollouts
+    from learner.trainer import Trainer
+
+    replies = {key: _episode(rig, key) for key in ("g0/a", "g0/b")}
+    # The group holds the only slot of this version: a new group waits (429, retried by
+    # clients that are allowed to retry).
+    with pytest.raises(openai.RateLimitError) as refused:
+        rig.chat("g1/a", [{"role": "user", "content": "3+4="}])
+    assert refused.value.response.headers.get("Retry-After")
+    assert "staleness budget" in refused.value.message
+    assert rig.reward("g0/a", 1.0).json()["group_complete"] is False
+    done = rig.reward("g0/b", 0.0).json()
+    assert done["group_complete"] and done["rewarded"] == 2
+    assert rig.reward("g0/b", 1.0).status_code == 404  # the group has left
+
+    batch = _wait(
+        lambda: rig.consumer.request_batch(0, wait_s=1.0), "the external group", details=rig.logs
+    )
+    trajs = batch.trajectories
+    assert {t.meta.task_id for t in trajs} == {"ext/1"}
+    assert {t.meta.data_source for t in trajs} == {"external"}
+    assert sorted({(t.meta.episode_index, t.meta.reward) for t in trajs}) == [(0, 1.0), (1, 0.0)]
+    tok = AutoTokenizer.from_pretrained(str(agent_model))
+    first_samples = {}
+    for t in trajs:  # the first sample of each episode starts with the first reply
+        first_samples.setdefault(t.meta.episode_index, t)
+    for t, key in zip((first_samples[0], first_samples[1]), ("g0/a", "g0/b"), strict=True):
+        spans = t.meta.masked_spans or [(len(t.response_ids), 0)]
+        sampled_first = tok.decode(list(t.response_ids[: spans[0][0]]))
+        assert (replies[key][0].content or "") in sampled_first
+        # The agent's message and the template's markup around it, inserted, then turn 2.
+        assert t.meta.masked_spans, "the second turn should follow in the same sample"
+        start, length = spans[0]
+        assert all(lp == 0 for lp in t.logprobs[start : start + length])
+        assert "<|im_start|>" in tok.decode(list(t.response_ids[start : start + length]))
+
+    rollouts = to_rollouts(type("Batch", (), {"trajectories": trajs})())
+    cfg = load_config(
+        None,
+        [
+            f"model.path={agent_model}",
+            "data.max_prompt_length=256",
+            f"data.max_response_length={MAX_RESPONSE}",
+        ],
+    )
+    trainer = Trainer(cfg)
+    for r, lp in zip(rollouts, trainer.compute_logprobs(rollouts, 1.0), strict=True):
+        assert lp is not None
+        mask = torch.tensor(r.loss_mask if r.loss_mask is not None else [1] * len(lp)).bool()
+        gap = (lp[mask] - torch.tensor(r.behaviour_logprobs)[mask]).abs().max()
+        assert gap < 1e-4, gap
+    metrics = trainer.train_step(rollouts, 1.0)
+    assert metrics["batch/dropped_length_mismatch"] == 0
+    assert math.isfinite(metrics["loss/total"]) and metrics["actor/grad_norm"] > 0
+
+    # Trained and pushed: the next version's slot opens for the waiting group.
+    rig.learner.coordinator.trained(batch.task_ids)
+    assert not rig.learner.push().failed
+    reply = _wait(lambda: _try_chat(rig, "g1/a"), "a slot after the push", details=rig.logs)
+    assert reply.choices[0].message.role == "assistant"
+
+
+def _try_chat(rig: Rig, key: str):
+    with contextlib.suppress(openai.RateLimitError):
+        return rig.chat(key, [{"role": "user", "content": "3+4="}])
+    return None
