@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install test demo agent-demo artifacts lint format clean
+.PHONY: install test demo ppo-demo agent-demo artifacts lint format clean
 
 install: $(STAMP)
 
@@ -38,6 +38,14 @@ demo: $(STAMP)
 	test -f artifacts/data/arithmetic/train.parquet || $(BIN)/asyncrl-prepare data --task arithmetic \
 		--out artifacts/data/arithmetic --tokenizer artifacts/models/tiny-demo
 	$(BIN)/asyncrl-launch configs/cpu_demo.yaml
+
+# The same demo with PPO and a critic (GAE) instead of GRPO.
+ppo-demo: $(STAMP)
+	test -f artifacts/models/tiny-demo/config.json || $(BIN)/asyncrl-prepare model --name tiny \
+		--flatten --out artifacts/models/tiny-demo
+	test -f artifacts/data/arithmetic/train.parquet || $(BIN)/asyncrl-prepare data --task arithmetic \
+		--out artifacts/data/arithmetic --tokenizer artifacts/models/tiny-demo
+	$(BIN)/asyncrl-launch configs/cpu_demo_ppo.yaml
 
 # The multi-turn demo: the tiny model learns to use a calculator tool better (add, mul).
 agent-demo: $(STAMP)

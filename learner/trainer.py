@@ -13,7 +13,8 @@ batches, hosts the coordinator and pushes weights):
 - :meth:`Trainer.save` / :meth:`Trainer.load` wrap :mod:`learner.checkpoint`.
 
 One step: clean the batch (bad rollouts counted and dropped); advantages over whole groups
-(dropped members included: they were sampled and scored);
+(dropped members included: they were sampled and scored), or with ``adv_estimator: gae``
+per-token advantages from :class:`learner.critic.Critic`, which then trains on the batch;
 proximal logprobs with the step's starting weights (no grad, each row's logits divided by
 the temperature it was sampled at);
 then ``actor.ppo_epochs`` x mini-batches of ``actor.ppo_mini_batch_size`` groups, each one
