@@ -1,9 +1,10 @@
 """The coordinator's state and rules, without sockets or threads (callers pass ``now``).
 
 :class:`ControlState` ties together the registry of rollout servers, the task ledger
-(:mod:`asyncrl.control.ledger`), the sync rounds (:mod:`asyncrl.control.syncs`), the
-policy version, validation scheduling and shutdown. The service
-(:mod:`asyncrl.control.coordinator`) calls it under one lock; tests call it directly.
+(:mod:`asyncrl.control.ledger`), the policy version and weight syncs
+(:mod:`asyncrl.control.versions`, over the rounds of :mod:`asyncrl.control.syncs`),
+validation scheduling and shutdown. The service (:mod:`asyncrl.control.coordinator`) calls
+it under one lock; tests call it directly.
 
 Registry rules:
 
@@ -11,14 +12,8 @@ Registry rules:
   the old incarnation counts as dead) or is silent for ``dead_after_s`` (any message counts
   as a sign of life). A dead or departed server's unacknowledged tasks are re-dealt under
   the same ids and it leaves the sync group.
-- A server with engine ranks *needs a catch-up* while the weights it holds are older than
-  the current version: it gets no task until a catch-up or main sync brings it level.
-  A catch-up blocks the learner until it ends (up to ``sync.timeout_s``), so after a failed
-  one the server's next is held back: ``catchup_backoff_s``, doubling per consecutive
-  failure up to ``catchup_backoff_max_s``. A successful sync clears the count.
-- ``policy_version`` never goes backwards; a server registering with a version above the
-  coordinator's (the learner restarted from an older checkpoint) raises it, so the next
-  push is above anything a server holds.
+- A server with engine ranks that holds weights older than the current version gets no
+  task until a catch-up brings it level (:mod:`asyncrl.control.versions`).
 """
 
 from __future__ import annotations
@@ -29,19 +24,18 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from asyncrl.control.ledger import DONE, TaskLedger
+from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.messages import (
     Announcement,
     Heartbeat,
     Register,
     Registered,
-    SyncDone,
     TaskAckReply,
     TaskGrant,
 )
 from asyncrl.control.recovery import Recovery
-from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
-from asyncrl.weight_sync import WeightPlan
+from asyncrl.control.syncs import SyncBook
+from asyncrl.control.versions import VersionsAndSyncs
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +71,7 @@ class ServerRecord:
     catchup_after: float = 0.0  # no catch-up is started before this time (backoff)
 
 
-class ControlState:
+class ControlState(VersionsAndSyncs):
     """Registry, tasks, versions, syncs; not thread-safe (the service holds a lock)."""
 
     def __init__(
@@ -118,10 +112,6 @@ class ControlState:
         self.catchup_backoff_s = catchup_backoff_s
         self.catchup_backoff_max_s = catchup_backoff_max_s
         self.recovery = Recovery(dead_after_s)
-
-    @property
-    def version(self) -> int:
-        return self.ledger.budget.version
 
     # ------------------------------------------------------------------ registry
     def register(self, msg: Register, now: float) -> Registered:
@@ -205,10 +195,6 @@ class ControlState:
         self.ledger.release(server_id, cause)
         self.syncs.lose(server_id, why)
         self.counts[f"servers_{cause}"] += 1
-
-    def needs_catchup(self, rec: ServerRecord) -> bool:
-        stale = rec.policy_version < self.version or not rec.trusted
-        return rec.engine_world_size > 0 and stale
 
     # ------------------------------------------------------------------ announcements
     def beat(self, msg: Heartbeat, now: float) -> ServerRecord | None:
@@ -327,107 +313,6 @@ class ControlState:
         if lost:
             log.warning("%d groups the buffer lost (it restarted) are dealt again", lost)
         return lost
-
-    # ------------------------------------------------------------------ versions, syncs
-    def begin_sync(self, plan: WeightPlan) -> SyncRound:
-        """Start pushing version ``current + 1`` to every live server with engine ranks."""
-        members = sorted(
-            (r for r in self.servers.values() if r.engine_world_size > 0), key=lambda r: r.order
-        )
-        rnd = self.syncs.begin(
-            [(r.server_id, r.engine_world_size) for r in members], self.version + 1, plan
-        )
-        for r in members:
-            r.syncing = rnd.sync_id
-        return rnd
-
-    def pending_catchups(self, now: float) -> list[str]:
-        """Servers waiting for a catch-up that can start one now (not busy in a sync, not
-        backing off after a failed one)."""
-        return [
-            r.server_id
-            for r in sorted(self.servers.values(), key=lambda r: r.order)
-            if self.needs_catchup(r) and not r.syncing and now >= r.catchup_after
-        ]
-
-    def begin_catchup(self, server_id: str, plan: WeightPlan) -> SyncRound:
-        """A one-off group between the learner and ``server_id`` for the current weights."""
-        rec = self.servers[server_id]
-        rnd = self.syncs.begin(
-            [(server_id, rec.engine_world_size)], self.version, plan, catchup=True
-        )
-        rec.syncing = rnd.sync_id
-        return rnd
-
-    def set_replay(self, through: int) -> None:
-        """The restored learner will reach version ``through`` by replaying (recovery.py):
-        servers registered up to it are trusted; one above holds weights no replay makes
-        (the version moves past it, and it gets a catch-up)."""
-        self.recovery.replay_through = through
-        for rec in self.servers.values():
-            rec.trusted = rec.policy_version <= through
-            if rec.policy_version > self.version and not rec.trusted:
-                self.ledger.budget.advance(rec.policy_version)
-        log.info("resumed: the learner's replay reaches version %d", through)
-
-    def adopt(self, version: int) -> bool:
-        """The learner reached ``version`` by replaying: the servers that hold it keep it
-        (no push); the version and the window move as a push would move them. False when
-        ``version`` is not one a replay reproduces (the learner pushes it)."""
-        replay = self.recovery.replay_through
-        if replay is None or not self.version < version <= replay:
-            return False
-        self.ledger.budget.consume(self.ledger.tally["train"][DONE])
-        self.ledger.budget.advance(version)
-        self.counts["versions_replayed"] += 1
-        return True
-
-    def sync_done(self, msg: SyncDone, now: float) -> None:
-        rec = self.touch(msg.server_id, now)
-        if rec is not None and rec.syncing and msg.sync_id >= rec.syncing:
-            rec.syncing = 0
-        if not self.syncs.report(msg):
-            self.counts["sync_reports_stale"] += 1
-            return
-        if msg.ok and rec is not None:
-            rec.policy_version = max(rec.policy_version, msg.version)
-            rec.trusted = True
-            rec.catchup_failures, rec.catchup_after = 0, 0.0
-
-    def finish_sync(self, sent_ok: bool, send_error: str = "", *, now: float) -> SyncResult:
-        """Close the round; a main round makes its version current (the learner's weights
-        moved on whoever received them). A failed catch-up backs its server off."""
-        catchup = self.syncs.active is not None and self.syncs.active.round.catchup
-        result = self.syncs.finish(sent_ok, send_error)
-        if not catchup and result.version > self.version:
-            # The pushed weights trained on every group reported so far: the window moves
-            # by what was consumed (a resume push consumed nothing new: it stays put).
-            self.ledger.budget.consume(self.ledger.tally["train"][DONE])
-            self.ledger.budget.advance(result.version)
-        for server_id in result.failed if catchup else ():
-            self._back_off(server_id, now)
-        self.counts["syncs_catchup" if catchup else "syncs"] += 1
-        self.counts["sync_failures"] += len(result.failed)
-        return result
-
-    def _back_off(self, server_id: str, now: float) -> None:
-        rec = self.servers.get(server_id)
-        if rec is None:
-            return
-        rec.catchup_failures += 1
-        delay = min(
-            self.catchup_backoff_max_s,
-            self.catchup_backoff_s * 2 ** (rec.catchup_failures - 1),
-        )
-        rec.catchup_after = now + delay
-        self.counts["catchup_backoffs"] += 1
-        log.warning(
-            "catch-up to %s failed %d time(s) in a row: next try in %.0fs (check that server's "
-            "log; it gets no task until it holds the current weights)",
-            server_id,
-            rec.catchup_failures,
-            delay,
-        )
 
     # ------------------------------------------------------------------ validation, end
     def start_run(self) -> None:

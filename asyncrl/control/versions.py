@@ -1,0 +1,158 @@
+"""Policy versions and weight syncs: which servers get weights, when, and at which version.
+
+:class:`VersionsAndSyncs` holds these rules of :class:`~asyncrl.control.state.ControlState`
+(mixed into it, using its registry, ledger and sync book); :mod:`asyncrl.control.syncs`
+keeps the rounds themselves (members, ranks, generations, outcomes).
+
+- A server with engine ranks *needs a catch-up* while the weights it holds are older than
+  the current version: it gets no task until a catch-up or main sync brings it level.
+  A catch-up blocks the learner until it ends (up to ``sync.timeout_s``), so after a failed
+  one the server's next is held back: ``catchup_backoff_s``, doubling per consecutive
+  failure up to ``catchup_backoff_max_s``. A successful sync clears the count.
+- ``policy_version`` never goes backwards; a server registering with a version above the
+  coordinator's (the learner restarted from an older checkpoint) raises it, so the next
+  push is above anything a server holds.
+- After a learner restart, versions the replay reproduces are adopted, not pushed: the
+  servers that hold them keep them (:mod:`asyncrl.control.recovery`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from asyncrl.control.ledger import DONE, TaskLedger
+from asyncrl.control.messages import SyncDone
+from asyncrl.control.recovery import Recovery
+from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
+from asyncrl.weight_sync import WeightPlan
+
+if TYPE_CHECKING:
+    from asyncrl.control.state import ServerRecord
+
+log = logging.getLogger(__name__)
+
+
+class VersionsAndSyncs:
+    """The version, main syncs, catch-ups and their backoff, replayed versions."""
+
+    # Provided by ControlState:
+    servers: dict[str, ServerRecord]
+    ledger: TaskLedger
+    syncs: SyncBook
+    recovery: Recovery
+    counts: Counter[str]
+    catchup_backoff_s: float
+    catchup_backoff_max_s: float
+
+    def touch(self, server_id: str, now: float) -> ServerRecord | None:
+        raise NotImplementedError  # the registry's (ControlState)
+
+    @property
+    def version(self) -> int:
+        return self.ledger.budget.version
+
+    def needs_catchup(self, rec: ServerRecord) -> bool:
+        stale = rec.policy_version < self.version or not rec.trusted
+        return rec.engine_world_size > 0 and stale
+
+    def begin_sync(self, plan: WeightPlan) -> SyncRound:
+        """Start pushing version ``current + 1`` to every live server with engine ranks."""
+        members = sorted(
+            (r for r in self.servers.values() if r.engine_world_size > 0), key=lambda r: r.order
+        )
+        rnd = self.syncs.begin(
+            [(r.server_id, r.engine_world_size) for r in members], self.version + 1, plan
+        )
+        for r in members:
+            r.syncing = rnd.sync_id
+        return rnd
+
+    def pending_catchups(self, now: float) -> list[str]:
+        """Servers waiting for a catch-up that can start one now (not busy in a sync, not
+        backing off after a failed one)."""
+        return [
+            r.server_id
+            for r in sorted(self.servers.values(), key=lambda r: r.order)
+            if self.needs_catchup(r) and not r.syncing and now >= r.catchup_after
+        ]
+
+    def begin_catchup(self, server_id: str, plan: WeightPlan) -> SyncRound:
+        """A one-off group between the learner and ``server_id`` for the current weights."""
+        rec = self.servers[server_id]
+        rnd = self.syncs.begin(
+            [(server_id, rec.engine_world_size)], self.version, plan, catchup=True
+        )
+        rec.syncing = rnd.sync_id
+        return rnd
+
+    def set_replay(self, through: int) -> None:
+        """The restored learner will reach version ``through`` by replaying (recovery.py):
+        servers registered up to it are trusted; one above holds weights no replay makes
+        (the version moves past it, and it gets a catch-up)."""
+        self.recovery.replay_through = through
+        for rec in self.servers.values():
+            rec.trusted = rec.policy_version <= through
+            if rec.policy_version > self.version and not rec.trusted:
+                self.ledger.budget.advance(rec.policy_version)
+        log.info("resumed: the learner's replay reaches version %d", through)
+
+    def adopt(self, version: int) -> bool:
+        """The learner reached ``version`` by replaying: the servers that hold it keep it
+        (no push); the version and the window move as a push would move them. False when
+        ``version`` is not one a replay reproduces (the learner pushes it)."""
+        replay = self.recovery.replay_through
+        if replay is None or not self.version < version <= replay:
+            return False
+        self.ledger.budget.consume(self.ledger.tally["train"][DONE])
+        self.ledger.budget.advance(version)
+        self.counts["versions_replayed"] += 1
+        return True
+
+    def sync_done(self, msg: SyncDone, now: float) -> None:
+        rec = self.touch(msg.server_id, now)
+        if rec is not None and rec.syncing and msg.sync_id >= rec.syncing:
+            rec.syncing = 0
+        if not self.syncs.report(msg):
+            self.counts["sync_reports_stale"] += 1
+            return
+        if msg.ok and rec is not None:
+            rec.policy_version = max(rec.policy_version, msg.version)
+            rec.trusted = True
+            rec.catchup_failures, rec.catchup_after = 0, 0.0
+
+    def finish_sync(self, sent_ok: bool, send_error: str = "", *, now: float) -> SyncResult:
+        """Close the round; a main round makes its version current (the learner's weights
+        moved on whoever received them). A failed catch-up backs its server off."""
+        catchup = self.syncs.active is not None and self.syncs.active.round.catchup
+        result = self.syncs.finish(sent_ok, send_error)
+        if not catchup and result.version > self.version:
+            # The pushed weights trained on every group reported so far: the window moves
+            # by what was consumed (a resume push consumed nothing new: it stays put).
+            self.ledger.budget.consume(self.ledger.tally["train"][DONE])
+            self.ledger.budget.advance(result.version)
+        for server_id in result.failed if catchup else ():
+            self._back_off(server_id, now)
+        self.counts["syncs_catchup" if catchup else "syncs"] += 1
+        self.counts["sync_failures"] += len(result.failed)
+        return result
+
+    def _back_off(self, server_id: str, now: float) -> None:
+        rec = self.servers.get(server_id)
+        if rec is None:
+            return
+        rec.catchup_failures += 1
+        delay = min(
+            self.catchup_backoff_max_s,
+            self.catchup_backoff_s * 2 ** (rec.catchup_failures - 1),
+        )
+        rec.catchup_after = now + delay
+        self.counts["catchup_backoffs"] += 1
+        log.warning(
+            "catch-up to %s failed %d time(s) in a row: next try in %.0fs (check that server's "
+            "log; it gets no task until it holds the current weights)",
+            server_id,
+            rec.catchup_failures,
+            delay,
+        )
