@@ -158,18 +158,18 @@ def test_an_outside_agent_trains_through_the_endpoint(rig, agent_model, single_r
     assert {t.meta.data_source for t in trajs} == {"external"}
     assert sorted({(t.meta.episode_index, t.meta.reward) for t in trajs}) == [(0, 1.0), (1, 0.0)]
     tok = AutoTokenizer.from_pretrained(str(agent_model))
-    first_samples = {}
-    for t in trajs:  # the first sample of each episode starts with the first reply
-        first_samples.setdefault(t.meta.episode_index, t)
-    for t, key in zip((first_samples[0], first_samples[1]), ("g0/a", "g0/b"), strict=True):
-        spans = t.meta.masked_spans or [(len(t.response_ids), 0)]
-        sampled_first = tok.decode(list(t.response_ids[: spans[0][0]]))
-        assert (replies[key][0].content or "") in sampled_first
-        # The agent's message and the template's markup around it, inserted, then turn 2.
-        assert t.meta.masked_spans, "the second turn should follow in the same sample"
-        start, length = spans[0]
-        assert all(lp == 0 for lp in t.logprobs[start : start + length])
-        assert "<|im_start|>" in tok.decode(list(t.response_ids[start : start + length]))
+    for episode, key in enumerate(("g0/a", "g0/b")):
+        samples = [t for t in trajs if t.meta.episode_index == episode]
+        first = samples[0]
+        end = first.meta.masked_spans[0][0] if first.meta.masked_spans else len(first.response_ids)
+        assert (replies[key][0].content or "") in tok.decode(list(first.response_ids[:end]))
+        if len(samples) == 1:  # the agent's message (and the template's markup) inserted
+            start, length = first.meta.masked_spans[0]
+            assert all(lp == 0 for lp in first.logprobs[start : start + length])
+            assert "<|im_start|>" in tok.decode(list(first.response_ids[start : start + length]))
+        else:  # the re-rendered history did not keep the sampled tokens: a new sample
+            assert len(samples) == 2 and not first.meta.masked_spans
+            assert "<|im_start|>assistant" in tok.decode(list(samples[1].prompt_ids))
 
     rollouts = to_rollouts(type("Batch", (), {"trajectories": trajs})())
     cfg = load_config(
@@ -201,3 +201,43 @@ def _try_chat(rig: Rig, key: str):
     with contextlib.suppress(openai.RateLimitError):
         return rig.chat(key, [{"role": "user", "content": "3+4="}])
     return None
+
+
+def test_bad_requests_get_one_line_errors_and_the_server_serves_on(rig):
+    url, auth = rig.url, {"Authorization": "Bearer g9/a"}
+    cases = [
+        (httpx.post(f"{url}/chat/completions", content=b"{not json", headers=auth), 400, "JSON"),
+        (httpx.post(f"{url}/chat/completions", json={"messages": []}, headers=auth), 400, "list"),
+        (
+            httpx.post(
+                f"{url}/chat/completions",
+                json={"messages": [{"role": "user", "content": "1+1="}], "stream": True},
+                headers=auth,
+            ),
+            400,
+            "stream",
+        ),
+        (
+            httpx.post(
+                f"{url}/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+            ),
+            401,
+            "API key",
+        ),
+        (
+            httpx.post(
+                f"{url}/chat/completions",
+                json={"messages": [{"role": "user", "content": "x"}]},
+                headers={"Authorization": "Bearer solo"},
+            ),
+            400,
+            "GROUP/MEMBER",
+        ),
+        (httpx.post(f"{url.removesuffix('/v1')}/rl/reward", json={}, headers=auth), 404, "g9/a"),
+    ]
+    for response, status, words in cases:
+        assert response.status_code == status, response.text
+        assert words in response.json()["error"]["message"]
+    models = httpx.get(f"{url}/models").json()
+    assert models["data"][0]["id"] == str(rig.cfg.model.path)
+    assert rig.server.poll() is None

@@ -1,0 +1,143 @@
+"""The OpenAI endpoint's pure parts: session keys, which messages a request adds, how a
+sampled turn is shown to the agent, and the external slots the coordinator's ledger deals
+(charged to the budget, never dealt again, accounted for through a restart)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncrl.control.admission import Budget
+from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.task_source import TaskSource
+from asyncrl.tasks import make_row
+from rollout_servers.agent import Episode
+from rollout_servers.sessions import (
+    RequestError,
+    Session,
+    assistant_reply,
+    max_tokens_of,
+    model_message,
+    new_messages,
+    reward_of,
+    split_key,
+)
+
+
+def test_session_keys_name_group_and_member():
+    assert split_key("g7/3", 4) == ("g7", "3")
+    assert split_key("a/b/c", 2) == ("a/b", "c")  # the member is after the last slash
+    assert split_key("solo", 1) == ("solo", "")
+    with pytest.raises(RequestError, match="GROUP/MEMBER") as e:
+        split_key("solo", 4)
+    assert e.value.status == 400
+    with pytest.raises(RequestError) as e:
+        split_key("", 1)
+    assert e.value.status == 401
+    with pytest.raises(RequestError, match="must not be empty"):
+        split_key("g/", 2)
+
+
+def _session(shown: list[dict]) -> Session:
+    return Session("g/0", 0, None, Episode(pieces=[], messages=[]), shown=shown)  # type: ignore[arg-type]
+
+
+def test_new_messages_are_what_the_agent_added_after_the_shown_conversation():
+    shown = [
+        {"role": "user", "content": "47*29="},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1"}]},
+    ]
+    sent = [
+        {"role": "user", "content": [{"type": "text", "text": "47*29="}]},  # parts are text
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1363", "name": "mul"},
+    ]
+    assert new_messages(_session(shown), sent) == [
+        {"role": "tool", "content": "1363", "name": "mul"}
+    ]
+    assert new_messages(_session(shown), sent[:2]) is None  # nothing new: a re-ask
+    rewritten = [{"role": "user", "content": "48*29="}, *sent[1:]]
+    assert new_messages(_session(shown), rewritten) is None  # history changed: new sample
+    with pytest.raises(RequestError, match="cannot be added"):
+        new_messages(_session(shown), [*sent[:2], {"role": "assistant", "content": "x"}])
+    with pytest.raises(RequestError, match="text content"):
+        new_messages(_session(shown), [*sent[:2], {"role": "user", "content": [{"type": "x"}]}])
+
+
+def test_a_sampled_tool_call_is_shown_as_openai_tool_calls_and_read_back_inline():
+    raw = (
+        'Let me compute.<tool_call>\n{"name": "mul", "arguments": {"a": 47, "b": 29}}\n</tool_call>'
+    )
+    message, finish = assistant_reply(raw)
+    assert finish == "tool_calls" and message["content"] == "Let me compute."
+    (call,) = message["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "mul"
+    assert json.loads(call["function"]["arguments"]) == {"a": 47, "b": 29}
+    back = model_message(message)  # a rewritten history renders the call as the model wrote it
+    assert back["content"].startswith("Let me compute.<tool_call>\n")
+    assert json.loads(back["content"].split("\n")[1]) == {
+        "name": "mul",
+        "arguments": {"a": 47, "b": 29},
+    }
+    assert assistant_reply("1363") == ({"role": "assistant", "content": "1363"}, "stop")
+
+
+def test_token_budget_and_reward_are_checked():
+    assert max_tokens_of({}, 50) == 50
+    assert max_tokens_of({"max_tokens": 10}, 50) == 10
+    assert max_tokens_of({"max_completion_tokens": 99}, 50) == 50
+    with pytest.raises(RequestError, match="POST /rl/reward"):
+        max_tokens_of({}, 0)
+    with pytest.raises(RequestError, match="positive integer"):
+        max_tokens_of({"max_tokens": -1}, 50)
+    assert reward_of({"reward": 1}) == 1.0
+    for bad in ({"reward": float("nan")}, {"reward": True}, {"reward": "1"}, {}, []):
+        with pytest.raises(RequestError, match="finite number"):
+            reward_of(bad)
+
+
+def _ledger() -> TaskLedger:
+    rows = [make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(8)]
+    # One training group per version (batch 1, sync every step), lag 0: one charged task.
+    return TaskLedger(TaskSource(rows, seed=0, n=2), Budget(max_policy_lag=0, per_version=1))
+
+
+def test_external_slots_are_charged_and_given_up_rather_than_dealt_again():
+    ledger = _ledger()
+    task, reason = ledger.deal_external("s1", now=0.0)
+    assert task is not None and reason == ""
+    assert task.task_id == "ext/1" and task.prompt == [] and task.data_source == "external"
+    assert ledger.deal_external("s1") == (None, "budget")  # the slot is the budget's
+    assert ledger.deal("s2", 4) == ([], "budget")  # dataset tasks wait for it too
+    assert ledger.release("s1", "dead") == []  # its server died: nothing to deal again
+    acc = ledger.accounting()
+    assert acc["accounting/train/given_up"] == 1 and acc["accounting/train/unaccounted"] == 0
+    assert ledger.metrics()["coordinator/tasks/external_given_up/dead"] == 1
+
+    task, _ = ledger.deal_external("s1")  # the refund opened the budget again
+    assert task is not None and task.task_id == "ext/2"
+    assert ledger.ack(["ext/2"]) == (["ext/2"], [])
+    ledger.trained(["ext/2"])
+    assert ledger.accounting()["accounting/train/trained"] == 1
+
+
+def test_external_slots_survive_a_coordinator_restart_without_reuse_or_re_deal():
+    ledger = _ledger()
+    ledger.budget.per_version = 3
+    for _ in range(3):
+        ledger.deal_external("s1")
+    ledger.ack(["ext/1"])
+    ledger.trained(["ext/1"])
+    ledger.ack(["ext/2"])
+    saved = ledger.state_dict()
+
+    restored = _ledger()
+    restored.budget.per_version = 3
+    restored.load_state_dict(saved)
+    states = {tid: e.state for tid, e in restored.entries.items()}
+    assert states == {"ext/1": "done", "ext/2": "in_buffer", "ext/3": "given_up"}
+    assert not restored.redeal  # an external slot is never dealt again
+    task, _ = restored.deal_external("s1")
+    assert task is not None and task.task_id == "ext/4"  # ids are never reused
+    assert restored.accounting()["accounting/train/unaccounted"] == 0
