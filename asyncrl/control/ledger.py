@@ -19,6 +19,8 @@ id, up to ``lag_retries`` times, so that lag drops do not bias an epoch towards 
 answers; after that it is given up as a prompt (``coordinator/tasks/lag_given_up``).
 
 Deal order for a request: queued tasks first, then validation, then new training tasks.
+
+What a checkpoint holds, and how it loads: :mod:`asyncrl.control.ledger_checkpoint`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.control.admission import Budget
+from asyncrl.control.ledger_checkpoint import LedgerCheckpoint
 from asyncrl.control.messages import Task
 from asyncrl.control.task_source import TaskSource
 from asyncrl.control.task_states import (
@@ -49,13 +52,12 @@ from asyncrl.control.task_states import (
     external_task,
     is_external,
     kind_of,
-    restored,
 )
 
 __all__ = ["DONE", "TaskLedger", "kind_of"]
 
 
-class TaskLedger:
+class TaskLedger(LedgerCheckpoint):
     """Every task id's state, the re-deal queue and the budget; one owner calls it."""
 
     def __init__(
@@ -358,44 +360,7 @@ class TaskLedger:
             self._queue(tid, self.entries[tid], "lost", front=True)
         return len(lost)
 
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        """Budget, cursor and every id's state, failures and attempt (plain data)."""
-        return {
-            "budget": self.budget.state_dict(),
-            "source": self.source.state_dict(),
-            "entries": {
-                tid: [e.state, e.failures, e.task.attempt if e.task else 0]
-                for tid, e in self.entries.items()
-            },
-            "redeal": list(self.redeal),
-            "dealt": dict(self.dealt),
-            "external_serial": self.external_serial,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; tasks outstanding then are queued (their servers belong to the old
-        session; one that still holds its task takes it back when it registers)."""
-        self.budget.load_state_dict(state["budget"])
-        self.source.load_state_dict(state["source"])
-        self.entries.clear()
-        self.owned.clear()
-        self.redeal.clear()
-        self.tally = {k: Counter() for k in KINDS}
-        self.dealt = Counter()
-        saved = state.get("entries")
-        if saved is None:  # a checkpoint from before per-id states: what was still owed
-            saved = {t: [QUEUED, 0, 1] for t in [*state["outstanding"], *state["redeal"]]}
-        order = {tid: i for i, tid in enumerate(state.get("redeal", []))}
-        self.external_serial = int(state.get("external_serial", 0))
-        for tid, (st, failures, attempt) in saved.items():
-            st, task = restored(tid, st, attempt, self.source, self.budget.version)
-            self._new(tid, st, task).failures = failures
-        queued = [t for t, e in self.entries.items() if e.state == QUEUED]
-        self.redeal.extend(sorted(queued, key=lambda t: order.get(t, -1)))
-        if "dealt" in state:  # restore the count kept apart from the states
-            self.dealt = Counter({k: int(v) for k, v in state["dealt"].items()})
-
+    # ------------------------------------------------------------------ metrics
     def accounting(self) -> dict[str, float]:
         """``accounting/<kind>/...``: dealt and where every dealt task is now."""
         return accounting(self.tally, self.dealt)
