@@ -40,13 +40,10 @@ from learner.batching import (
     MicroBatch,
     Rollout,
     collate,
-    group_indices,
-    minibatches,
-    norm_counts,
     pad_rows,
-    plan_minibatch,
 )
 from learner.losses import AggNorm, valid_token_mask
+from learner.plan import plan_step
 from learner.values import (
     VALUE_STAT_SUMS,
     KLController,
@@ -118,20 +115,17 @@ class Critic:
         unset critic batch sizes are the actor's."""
         c, a = self.cfg.critic, self.cfg.actor
         dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
-        budget = (
-            {"max_tokens": c.ppo_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu}
+        return plan_step(
+            rollouts,
+            c.ppo_mini_batch_size or a.ppo_mini_batch_size,
+            world_size=self.world_size,
+            rank=self.rank,
+            padded=not self.packed,
+            max_seqs=c.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu,
+            max_tokens=(c.ppo_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
             if dynamic
-            else {"max_seqs": c.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu}
+            else None,
         )
-        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
-        mbs, norms = [], []
-        groups = c.ppo_mini_batch_size or a.ppo_mini_batch_size
-        for idx in minibatches(group_indices(rollouts), groups):
-            plan = plan_minibatch(idx, lengths, self.world_size, padded=not self.packed, **budget)
-            mbs.append(plan[self.rank])
-            tokens, seqs = norm_counts(rollouts, idx)
-            norms.append(AggNorm(num_tokens=max(tokens, 1), num_seqs=max(seqs, 1)))
-        return mbs, norms
 
     def _collate(self, rollouts: Sequence[Rollout], micro: list[int]) -> MicroBatch:
         zeros = torch.zeros(len(rollouts))  # collate wants advantages; the critic has none

@@ -29,7 +29,6 @@ import math
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -45,31 +44,18 @@ from learner.batching import (
     clean_rollouts,
     collate,
     group_indices,
-    minibatches,
-    norm_counts,
     pad_rows,
-    plan_minibatch,
 )
 from learner.critic import Critic
+from learner.forward import response_logprobs
 from learner.layout import choose_layout, packing_works
-from learner.losses import AggNorm, LossConfig, policy_loss, summarize_stats
+from learner.losses import LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
+from learner.plan import StepPlan, plan_step
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class _Plan:
-    """One step's work: the cleaned batch and, per mini-batch, this rank's micro-batches."""
-
-    rollouts: list[Rollout]
-    advantages: torch.Tensor  # [N]
-    temperature: float  # for rollouts that do not say what they were sampled at
-    minibatches: list[list[list[int]]]  # mini-batch -> micro-batch -> sequence indices
-    norms: list[AggNorm]  # one per mini-batch (global counts)
-    token_advantages: dict[int, torch.Tensor] | None = None  # GAE: [T_i] per sequence
 
 
 class Trainer:
@@ -141,25 +127,8 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ forward
-    def _forward(
-        self, model, mb: MicroBatch, *, entropy: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs ``[B, T]`` of the response tokens and, if asked, the entropy ``[B, T]``
-        of the same distribution. Each row's logits are divided by the temperature it was
-        sampled at (``mb.temperature`` ``[B]``): rollout servers may differ from the config."""
-        mb = mb.to(self.device)
-        out = model(
-            input_ids=mb.input_ids,
-            position_ids=mb.position_ids,
-            attention_mask=mb.attention_mask,
-            use_cache=False,
-        )
-        logits = out.logits.reshape(-1, out.logits.shape[-1])[mb.gather_index]
-        # logits [B, T, V]: one temperature per row.
-        logp_all = torch.log_softmax(logits.float() / mb.temperature[:, None, None], dim=-1)
-        logp = logp_all.gather(-1, mb.targets[..., None]).squeeze(-1)
-        ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None
-        return logp, ent
+    def _forward(self, model, mb: MicroBatch, *, entropy: bool = False):
+        return response_logprobs(model, mb.to(self.device), entropy=entropy)
 
     def _choose_layout(self) -> str:
         """``actor.sequence_layout`` resolved for this model and device (logged once; see
@@ -173,27 +142,23 @@ class Trainer:
         return layout
 
     # ------------------------------------------------------------------ planning
-    def _plan(self, rollouts: list[Rollout], adv: torch.Tensor, temperature: float) -> _Plan:
+    def _plan(self, rollouts: list[Rollout], adv: torch.Tensor, temperature: float) -> StepPlan:
         """This rank's micro-batches of every mini-batch of the cleaned ``rollouts``, whose
         advantages ``adv`` ``[N]`` come from :func:`~learner.batching.baseline_advantages`;
         ``temperature`` for rollouts that do not say what they were sampled at."""
-        actor = self.cfg.actor
-        gidx = group_indices(rollouts)
-        lengths = [len(r.prompt_ids) + len(r.response_ids) for r in rollouts]
-        budget = (
-            {"max_tokens": actor.ppo_max_token_len_per_gpu}
-            if actor.use_dynamic_bsz
-            else {"max_seqs": actor.ppo_micro_batch_size_per_gpu}
+        a = self.cfg.actor
+        mbs, norms = plan_step(
+            rollouts,
+            a.ppo_mini_batch_size,
+            world_size=self.world_size,
+            rank=self.rank,
+            padded=not self.packed,
+            max_seqs=a.ppo_micro_batch_size_per_gpu,
+            max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
         )
-        mbs, norms = [], []
-        for idx in minibatches(gidx, actor.ppo_mini_batch_size):
-            plan = plan_minibatch(idx, lengths, self.world_size, padded=not self.packed, **budget)
-            mbs.append(plan[self.rank])
-            tokens, seqs = norm_counts(rollouts, idx)
-            norms.append(AggNorm(num_tokens=max(tokens, 1), num_seqs=max(seqs, 1)))
-        return _Plan(rollouts, adv, temperature, mbs, norms)
+        return StepPlan(rollouts, adv, temperature, mbs, norms)
 
-    def _collate(self, plan: _Plan, seq_ids: list[int]) -> MicroBatch:
+    def _collate(self, plan: StepPlan, seq_ids: list[int]) -> MicroBatch:
         return collate(
             plan.rollouts,
             plan.advantages,
@@ -204,7 +169,7 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def _fixed_logprobs(self, model, plan: _Plan) -> dict[int, torch.Tensor]:
+    def _fixed_logprobs(self, model, plan: StepPlan) -> dict[int, torch.Tensor]:
         """Per local sequence, logprobs ``[T_i]`` under ``model`` (proximal or reference)."""
         out: dict[int, torch.Tensor] = {}
         for micro in (m for mini in plan.minibatches for m in mini):
@@ -272,7 +237,7 @@ class Trainer:
             metrics, start, updates=len(norms), skipped=skipped, stats=stats, norms=norms
         )
 
-    def _critic_step(self, plan: _Plan, proximal, ref, metrics: dict[str, float]) -> bool:
+    def _critic_step(self, plan: StepPlan, proximal, ref, metrics: dict[str, float]) -> bool:
         """Values, GAE advantages (into ``plan``) and the critic's update; True while
         ``trainer.critic_warmup`` holds the actor back (veRL: the critic trains alone)."""
         assert self.critic is not None
