@@ -9,8 +9,12 @@ Modules, from pure rules to I/O:
 - :mod:`~asyncrl.control.messages`: the typed msgpack messages of both sockets;
 - :mod:`~asyncrl.control.admission`: the admission rule and the budget;
 - :mod:`~asyncrl.control.task_source`: the dataset cursor (epochs, validation rounds);
-- :mod:`~asyncrl.control.ledger`: deals, acknowledgements, re-deals, refunds;
+- :mod:`~asyncrl.control.task_states`: the states a task id moves through (and external
+  slots, the OpenAI endpoint's groups);
+- :mod:`~asyncrl.control.ledger`: deals, acknowledgements, re-deals, refunds (its
+  checkpoint in :mod:`~asyncrl.control.ledger_checkpoint`);
 - :mod:`~asyncrl.control.syncs`: sync rounds, group generations, catch-ups;
+- :mod:`~asyncrl.control.versions`: policy versions, who needs a catch-up, backoff;
 - :mod:`~asyncrl.control.state`: the registry and everything above, without sockets;
 - :mod:`~asyncrl.control.loop` and :mod:`~asyncrl.control.coordinator`: the service;
 - :mod:`~asyncrl.control.client`: :class:`CoordinatorClient`, a rollout server's side;
