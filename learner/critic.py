@@ -25,7 +25,6 @@ the same on every rank without drawing random numbers); a saved critic keeps its
 from __future__ import annotations
 
 import logging
-import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -264,16 +263,16 @@ class Critic:
             if mb.seq_ids:
                 for k in VALUE_STAT_SUMS:
                     sums[k] += float(st[k])
-        gnorm = fsdp.grad_norm_and_clip(self.model, self.cfg.critic.grad_clip)
-        flag = torch.tensor([0.0 if finite and math.isfinite(gnorm) else 1.0], device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(flag)
-        ok = flag.item() == 0
-        if ok:
-            self.optimizer.step()
-        else:
+        gnorm, ok = fsdp.step_if_finite(
+            self.model,
+            self.optimizer,
+            self.cfg.critic.grad_clip,
+            finite,
+            world_size=self.world_size,
+            device=self.device,
+        )
+        if not ok:
             log.warning("critic: non-finite loss or gradient (norm %s); update skipped", gnorm)
-        self.optimizer.zero_grad(set_to_none=True)
         return gnorm, ok
 
     # ------------------------------------------------------------------ checkpoint

@@ -241,3 +241,27 @@ def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return float(norm)
+
+
+def step_if_finite(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_norm: float,
+    finite: bool,
+    *,
+    world_size: int,
+    device: torch.device,
+) -> tuple[float, bool]:
+    """Clip the gradient and step ``optimizer`` unless the loss (``finite`` False) or the
+    gradient norm is not finite on some rank; zero the gradients either way. Every rank
+    takes the same decision (one all-reduce), or the shards would diverge. Returns the
+    gradient norm and whether the step was taken."""
+    gnorm = grad_norm_and_clip(model, max_norm)
+    flag = torch.tensor([0.0 if finite and math.isfinite(gnorm) else 1.0], device=device)
+    if world_size > 1:
+        dist.all_reduce(flag)
+    ok = flag.item() == 0
+    if ok:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return gnorm, ok

@@ -298,19 +298,18 @@ class Trainer:
             stats.add(st, real=bool(mb.seq_ids))
             tokens += mb.n_tokens
             fed += mb.input_ids.numel() if mb.seq_ids else 0
-        gnorm = fsdp.grad_norm_and_clip(self.model, self.cfg.actor.grad_clip)
-        # Every rank must take the same decision, or the shards would diverge.
-        flag = torch.tensor([0.0 if finite and math.isfinite(gnorm) else 1.0], device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(flag)
-        ok = flag.item() == 0
-        if ok:
-            self.optimizer.step()
-        else:
+        gnorm, ok = fsdp.step_if_finite(
+            self.model,
+            self.optimizer,
+            self.cfg.actor.grad_clip,
+            finite,
+            world_size=self.world_size,
+            device=self.device,
+        )
+        if not ok:
             log.warning(
                 "step %d: non-finite loss or gradient (norm %s); update skipped", self.step, gnorm
             )
-        self.optimizer.zero_grad(set_to_none=True)
         return gnorm, ok, tokens, fed
 
     def _finish_step(
