@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install test demo ppo-demo agent-demo artifacts lint format clean
+.PHONY: install test demo ppo-demo agent-demo artifacts gpu-check lint format clean
 
 install: $(STAMP)
 
@@ -54,6 +54,12 @@ agent-demo: $(STAMP)
 	test -f artifacts/data/calculator/train.parquet || $(BIN)/asyncrl-prepare data \
 		--task calculator --out artifacts/data/calculator --tokenizer artifacts/models/tiny-agent
 	$(BIN)/asyncrl-launch configs/cpu_agent_demo.yaml
+
+# What of the GPU path runs on the GPUs visible here (tests marked gpu, the learner on CUDA
+# with NCCL, an end-to-end run with vLLM on CUDA), as a table; every item skipped without a
+# GPU. Install with EXTRA=gpu on a GPU machine (make install EXTRA=gpu).
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
 
 lint:
 	$(BIN)/ruff check .

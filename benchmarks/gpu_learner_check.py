@@ -1,0 +1,332 @@
+"""The learner-only part of ``make gpu-check``: the learner's production code on CUDA.
+
+Run as every rank of a learner (``torchrun --nproc-per-node N benchmarks/gpu_learner_check.py
+--device cuda --model DIR --out DIR``; :mod:`benchmarks.gpu_check` starts it), or with
+``--device cpu`` as its CPU twin (gloo, float32), which the tests run. It uses the learner's
+own classes, not copies of them:
+
+1. ``train``: :class:`learner.trainer.Trainer` (FSDP2; on CUDA bf16 mixed precision over
+   float32 master weights, on the process group ``cpu:gloo,cuda:nccl`` of
+   :func:`learner.fsdp.init_distributed`) takes two steps on batches that rank 0 shares with
+   :func:`learner.broadcast.share_batch` and :func:`learner.loop.to_rollouts` reads.
+2. ``collectives``: the learner's group carries a device all-reduce (NCCL on CUDA), a CPU
+   all-reduce (gloo beside it) and the loop's version broadcast; every rank trained on the
+   same batch.
+3. ``checkpoint``: :meth:`Trainer.save`, one more step, :meth:`Trainer.load`: the weights
+   and the step are back exactly.
+4. ``push``: :meth:`Trainer.full_state_for_push` (the model's dtype), then rank 0 sends it
+   the way :class:`asyncrl.sync_sender.WeightPusher` does (a sync store, a group of
+   :func:`asyncrl.control.setup.sync_backend`, :func:`asyncrl.weight_sync.send_weights`) to a
+   stand-in receiver process: an HF model on its own device that receives with
+   :func:`asyncrl.weight_sync.receive_weights`, as the vLLM worker extension does, and loads
+   the weights. NCCL cannot put two ranks of one group on one GPU: the receiver takes the
+   last visible GPU, so on CUDA this needs two GPUs (skipped with one).
+
+Rank 0 writes ``<out>/learner_check.json``: one ``{"item", "status", "detail"}`` per item,
+``status`` one of ``passed``, ``failed``, ``skipped``. Exits 1 when an item failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script (torchrun): the repository root on the path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+ITEMS = ("train", "collectives", "checkpoint", "push")
+TITLES = {
+    "train": "learner: FSDP2 steps ({dtype} on {device}, group {backend})",
+    "collectives": "learner: collectives on its production group ({backend})",
+    "checkpoint": "learner: checkpoint save and load",
+    "push": "learner: weight push to a stand-in receiver ({sync})",
+}
+
+
+def learner_config(model: Path, device: str, run_root: Path) -> Any:
+    """A small learner config: the tiny model, bf16 rollout dtype on CUDA (float32 on CPU),
+    two groups of four per step, one mini-batch."""
+    from asyncrl.config import load_config
+
+    return load_config(
+        None,
+        [
+            f"model.path={model}",
+            f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}",
+            f"trainer.device={device}",
+            f"trainer.default_local_dir={run_root}",
+            "trainer.total_training_steps=4",
+            "data.max_response_length=8",
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "actor.ppo_max_token_len_per_gpu=128",
+            "actor.optim.lr=1e-3",
+        ],
+    )
+
+
+def wire_batch(seed: int, vocab: int, groups: int = 2, n: int = 4) -> Any:
+    """A buffer batch as the learner receives it (wire types), deterministic in ``seed``."""
+    import numpy as np
+
+    from asyncrl import wire
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        task_id = f"gpu-check/{seed}/{g}"
+        prompt = rng.integers(0, vocab, int(rng.integers(3, 8)))
+        members = []
+        for i in range(n):
+            k = int(rng.integers(2, 8))
+            members.append(
+                wire.Trajectory.build(
+                    task_id=task_id,
+                    group_index=i,
+                    group_size=n,
+                    prompt_ids=prompt,
+                    response_ids=rng.integers(0, vocab, k),
+                    logprobs=-rng.uniform(4.0, 6.0, k),
+                    policy_version=0,
+                    reward=float(rng.random() < 0.5),
+                )
+            )
+        out.append(wire.Group.from_trajectories(task_id, members))
+    return wire.Batch(
+        batch_id=seed, policy_version=0, groups=out, lag_histogram={0: groups}, metrics={}
+    )
+
+
+class Checks:
+    """Per-item results (rank 0 reports them); an item that raises fails, the rest go on
+    (every rank runs the same items, so the collectives stay matched)."""
+
+    def __init__(self, names: dict[str, str]):
+        self.names = names
+        self.results: list[dict[str, str]] = []
+
+    def run(self, item: str, fn: Callable[[], str]) -> bool:
+        start = time.monotonic()
+        try:
+            detail = fn()
+            status = "skipped" if detail.startswith("skipped: ") else "passed"
+            detail = detail.removeprefix("skipped: ")
+        except Exception as e:
+            traceback.print_exc()
+            status, detail = "failed", f"{type(e).__name__}: {e}"[:300]
+        took = f" ({time.monotonic() - start:.1f}s)" if status != "skipped" else ""
+        self.results.append({"item": self.names[item], "status": status, "detail": detail + took})
+        return status == "passed"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--model", type=Path, required=True, help="an HF model directory (tiny)")
+    p.add_argument(
+        "--out", type=Path, required=True, help="a fresh directory: learner_check.json, the run"
+    )
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    from asyncrl.control.setup import sync_backend
+    from learner.fsdp import process_group_backend
+    from learner.trainer import Trainer
+
+    device = args.device
+    names = {
+        k: v.format(
+            dtype="bf16" if device == "cuda" else "float32",
+            device=device,
+            backend=process_group_backend(device),
+            sync=sync_backend(device),
+        )
+        for k, v in TITLES.items()
+    }
+    checks = Checks(names)
+    args.out.mkdir(parents=True, exist_ok=True)
+    run_root = args.out / "learner_run"  # the same on every rank: checkpoints go there
+    cfg = learner_config(args.model, device, run_root)
+    vocab = int(json.loads((args.model / "config.json").read_text())["vocab_size"])
+    state: dict[str, Any] = {}
+
+    def train() -> str:
+        trainer = state["trainer"] = Trainer(cfg, total_steps=4)
+        param = next(trainer.model.parameters())
+        if param.device.type != device:
+            raise AssertionError(f"parameters on {param.device}, not {device}")
+        losses = [_step(trainer, seed, vocab) for seed in (1, 2)]
+        if not all(math.isfinite(x) for x in losses):
+            raise AssertionError(f"non-finite loss: {losses}")
+        return (
+            f"{trainer.world_size} rank(s), group {dist.get_backend_config()}, "
+            f"losses {', '.join(f'{x:.3f}' for x in losses)}"
+        )
+
+    def collectives() -> str:
+        from learner.loop import _broadcast_int
+
+        trainer = _need(state, "trainer")
+        world = trainer.world_size
+        on_device = torch.ones(1, device=trainer.device)
+        dist.all_reduce(on_device)  # NCCL on CUDA
+        on_cpu = torch.ones(1)
+        dist.all_reduce(on_cpu)  # gloo beside it
+        version = _broadcast_int(7 if trainer.rank == 0 else -1, trainer)
+        if (on_device.item(), on_cpu.item(), version) != (world, world, 7):
+            raise AssertionError(f"got {on_device.item()}, {on_cpu.item()}, {version}")
+        return f"all-reduce of a {device} and a cpu tensor, version broadcast, {world} rank(s)"
+
+    def checkpoint() -> str:
+        trainer = _need(state, "trainer")
+        path = trainer.save(run_root)
+        saved = {k: v.float().cpu() for k, v in _full(trainer).items()}
+        step = trainer.step
+        _step(trainer, 3, vocab)
+        trainer.load(path)
+        back = {k: v.float().cpu() for k, v in _full(trainer).items()}
+        if trainer.step != step or any(not torch.equal(saved[k], back[k]) for k in saved):
+            raise AssertionError("weights or step differ after load")
+        return f"{Path(path).name}: {len(saved)} tensors back exactly"
+
+    def push() -> str:
+        trainer = _need(state, "trainer")
+        receiver_device = _receiver_device(device)
+        tensors = trainer.full_state_for_push()  # every rank: a collective
+        if receiver_device is None:
+            return "skipped: one GPU: NCCL cannot place the receiver beside the learner"
+        if trainer.rank != 0:
+            return ""
+        return _push(tensors, args.model, receiver_device, sync_backend(device), args.out)
+
+    ok = checks.run("train", train)
+    for item, fn in (("collectives", collectives), ("checkpoint", checkpoint), ("push", push)):
+        if ok:
+            checks.run(item, fn)
+        else:
+            checks.results.append(
+                {"item": names[item], "status": "skipped", "detail": "no trainer"}
+            )
+    if dist.is_initialized():
+        dist.barrier()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        (args.out / "learner_check.json").write_text(json.dumps(checks.results, indent=1))
+    failed = any(r["status"] == "failed" for r in checks.results)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def _need(state: dict[str, Any], key: str) -> Any:
+    return state[key]
+
+
+def _step(trainer: Any, seed: int, vocab: int) -> float:
+    """One learner step as the loop takes it: rank 0's batch shared, read, trained on."""
+    from learner.broadcast import share_batch
+    from learner.loop import to_rollouts
+
+    batch = wire_batch(seed, vocab) if trainer.rank == 0 else None
+    shared = share_batch(batch, trainer.rank, trainer.world_size)
+    metrics = trainer.train_step(to_rollouts(shared), 1.0)
+    return float(metrics.get("loss/total", float("nan")))
+
+
+def _full(trainer: Any) -> dict[str, Any]:
+    from learner import fsdp
+
+    return fsdp.full_state(trainer.model)
+
+
+def _receiver_device(device: str) -> str | None:
+    """Where the stand-in receiver runs: the CPU twin on the CPU; on CUDA the last visible
+    GPU, when there are two or more (None: one GPU)."""
+    if device == "cpu":
+        return "cpu"
+    import torch
+
+    n = torch.cuda.device_count()
+    return f"cuda:{n - 1}" if n >= 2 else None
+
+
+def _push(tensors: dict[str, Any], model: Path, receiver_device: str, backend: str, out: Path):
+    """Rank 0's side of one push, as WeightPusher runs it, to a receiver process."""
+    import torch
+
+    from asyncrl.weight_sync import (
+        form_group,
+        open_store,
+        plan_buckets,
+        send_weights,
+        specs_of,
+        store_prefix,
+    )
+
+    with socket.socket() as s:  # a free port for the sync store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = open_store("127.0.0.1", port, is_host=True, timeout_s=120)
+    plan = plan_buckets(specs_of(tensors), 1 << 20)  # 1 MiB buckets: several of them
+    result = out / "receiver.pt"
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(
+        target=_receiver,
+        args=(port, "gpu-check", plan, str(model), receiver_device, backend, str(result)),
+    )
+    proc.start()
+    try:
+        group = form_group(store, store_prefix("", "gpu-check"), 0, 2, backend=backend)
+        stats = send_weights(group, tensors, plan, timeout_s=120)  # as WeightPusher calls it
+        proc.join(180)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+    if proc.exitcode != 0:
+        raise RuntimeError(f"the receiver exited {proc.exitcode}")
+    got = torch.load(result)
+    wrong = [n for n, t in tensors.items() if not torch.equal(got[n], t.cpu())]
+    if wrong or set(got) != set(tensors):
+        raise AssertionError(f"received weights differ: {wrong[:3]}")
+    return (
+        f"{len(tensors)} tensors ({stats['bytes'] / 2**20:.1f} MiB, {int(stats['buckets'])} "
+        f"buckets, {next(iter(tensors.values())).dtype}) to {receiver_device}, loaded equal"
+    )
+
+
+def _receiver(
+    port: int, generation: str, plan: Any, model: str, device: str, backend: str, result: str
+) -> None:
+    """The stand-in receiver: an HF model on ``device`` that joins the group as rank 1,
+    receives as the vLLM worker extension does, loads the weights and saves what it holds."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.weight_sync import form_group, open_store, receive_weights, store_prefix
+
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    hf.to(device)
+    store = open_store("127.0.0.1", port, is_host=False, timeout_s=120)
+    group = form_group(store, store_prefix("", generation), 1, 2, backend=backend)
+    received = {n: t.clone() for n, t in receive_weights(group, plan, device=device)}
+    hf.to(next(iter(received.values())).dtype)
+    hf.load_state_dict(received, strict=False)
+    held = hf.state_dict()
+    torch.save({n: held[n].detach().cpu() for n in received}, result)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
