@@ -106,7 +106,12 @@ def learner_part(env: dict[str, Any], device: str, model: Path, out: Path) -> li
     from benchmarks.gpu_learner_check import ITEMS, TITLES
 
     def all_skipped(reason: str) -> list[dict[str, str]]:
-        titles = {"dtype": "bf16", "device": "cuda", "backend": "nccl", "sync": "nccl"}
+        titles = {
+            "dtype": "bf16",
+            "device": "cuda",
+            "backend": "cpu:gloo,cuda:nccl",
+            "sync": "nccl",
+        }
         return [item(TITLES[k].format(**titles), "skipped", reason) for k in ITEMS]
 
     if device == "cuda" and not env["gpus"]:
