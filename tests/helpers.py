@@ -96,3 +96,45 @@ class LoopThread:
 
     def run(self, coro, timeout: float = 300):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
+def kill_session(proc) -> None:
+    """SIGKILL a process started with ``start_new_session=True`` and everything in its
+    session (a rollout server's vLLM engine processes), then reap it."""
+    import os
+    import signal
+
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait(30)
+
+
+def check_on_policy_and_trains(rollouts, model_path, max_prompt: int, max_response: int) -> None:
+    """A fresh learner on ``model_path`` (the weights that sampled ``rollouts``) gives the
+    behaviour logprobs back on every sampled token (1e-4), and one step on them trains."""
+    import math
+
+    import torch
+
+    from asyncrl.config import load_config
+    from learner.trainer import Trainer
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={model_path}",
+            f"data.max_prompt_length={max_prompt}",
+            f"data.max_response_length={max_response}",
+        ],
+    )
+    trainer = Trainer(cfg)
+    for r, lp in zip(rollouts, trainer.compute_logprobs(rollouts, 1.0), strict=True):
+        assert lp is not None
+        mask = torch.tensor(r.loss_mask if r.loss_mask is not None else [1] * len(lp)).bool()
+        gap = (lp[mask] - torch.tensor(r.behaviour_logprobs)[mask]).abs().max()
+        assert gap < 1e-4, gap
+    metrics = trainer.train_step(rollouts, 1.0)
+    assert metrics["batch/dropped_length_mismatch"] == 0
+    assert math.isfinite(metrics["loss/total"]) and metrics["actor/grad_norm"] > 0

@@ -5,7 +5,6 @@ killed and the episode goes on."""
 
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from asyncrl.tools import ToolPool
 from asyncrl.tools.tokens import render
 from rollout_servers.agent import AgentRunner, AgentSettings, episode_trajectories
 from rollout_servers.groups import SamplingSettings
-from tests.helpers import LoopThread
+from tests.helpers import LoopThread, check_on_policy_and_trains
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -234,7 +233,6 @@ def test_episodes_reach_the_learner_on_policy_and_train(rig, agent_model, single
     engine's (same weights), and a step on the group trains."""
     from asyncrl import wire
     from learner.loop import to_rollouts
-    from learner.trainer import Trainer
 
     loop, engine, tok = rig
     with ToolPool(CALCULATOR, num_workers=2, timeout_s=10) as tools:
@@ -245,16 +243,4 @@ def test_episodes_reach_the_learner_on_policy_and_train(rig, agent_model, single
     )
     back = wire.decode_trajectories(wire.encode_trajectories(group))
     rollouts = to_rollouts(type("Batch", (), {"trajectories": back})())
-    cfg = load_config(
-        None,
-        [f"model.path={agent_model}", "data.max_prompt_length=256", "data.max_response_length=200"],
-    )
-    trainer = Trainer(cfg)
-    for r, lp in zip(rollouts, trainer.compute_logprobs(rollouts, 1.0), strict=True):
-        assert lp is not None
-        mask = torch.tensor(r.loss_mask if r.loss_mask is not None else [1] * len(lp)).bool()
-        gap = (lp[mask] - torch.tensor(r.behaviour_logprobs)[mask]).abs().max()
-        assert gap < 1e-4, gap
-    metrics = trainer.train_step(rollouts, 1.0)
-    assert metrics["batch/dropped_length_mismatch"] == 0
-    assert math.isfinite(metrics["loss/total"]) and metrics["actor/grad_norm"] > 0
+    check_on_policy_and_trains(rollouts, agent_model, 256, 200)

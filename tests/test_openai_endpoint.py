@@ -8,9 +8,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,14 +15,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
 from transformers import AutoTokenizer
 
-from asyncrl.config import load_config, run_dir
+from asyncrl.config import run_dir
 from asyncrl.tasks import prepare_task_data
 from asyncrl.tools import load_tool_config, schemas
 from asyncrl.transport import BufferClient, config_endpoint
-from tests.helpers import log_tails, wait_until
+from tests.helpers import check_on_policy_and_trains, kill_session, log_tails, wait_until
 from tests.standins.learner import StandInLearner, loopback_config, model_weights, spawn_buffer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -94,11 +90,7 @@ class Rig:
 
     def close(self) -> None:
         for proc in (self.server, self.buffer):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.kill()
-                proc.wait(30)
+            kill_session(proc)
         self.consumer.close()
         self.learner.close()
 
@@ -136,7 +128,6 @@ def _episode(rig: Rig, key: str) -> list:
 
 def test_an_outside_agent_trains_through_the_endpoint(rig, agent_model, single_rank):
     from learner.loop import to_rollouts
-    from learner.trainer import Trainer
 
     replies = {key: _episode(rig, key) for key in ("g0/a", "g0/b")}
     # The group holds the only slot of this version: a new group waits (429, retried by
@@ -172,23 +163,7 @@ def test_an_outside_agent_trains_through_the_endpoint(rig, agent_model, single_r
             assert "<|im_start|>assistant" in tok.decode(list(samples[1].prompt_ids))
 
     rollouts = to_rollouts(type("Batch", (), {"trajectories": trajs})())
-    cfg = load_config(
-        None,
-        [
-            f"model.path={agent_model}",
-            "data.max_prompt_length=256",
-            f"data.max_response_length={MAX_RESPONSE}",
-        ],
-    )
-    trainer = Trainer(cfg)
-    for r, lp in zip(rollouts, trainer.compute_logprobs(rollouts, 1.0), strict=True):
-        assert lp is not None
-        mask = torch.tensor(r.loss_mask if r.loss_mask is not None else [1] * len(lp)).bool()
-        gap = (lp[mask] - torch.tensor(r.behaviour_logprobs)[mask]).abs().max()
-        assert gap < 1e-4, gap
-    metrics = trainer.train_step(rollouts, 1.0)
-    assert metrics["batch/dropped_length_mismatch"] == 0
-    assert math.isfinite(metrics["loss/total"]) and metrics["actor/grad_norm"] > 0
+    check_on_policy_and_trains(rollouts, agent_model, 256, MAX_RESPONSE)
 
     # Trained and pushed: the next version's slot opens for the waiting group.
     rig.learner.coordinator.trained(batch.task_ids)

@@ -8,7 +8,6 @@ One rig serves the tests of this module in order (starting vLLM costs ~30 s per 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -23,7 +22,7 @@ import torch
 
 from asyncrl.tasks import prepare_task_data
 from asyncrl.transport import BufferClient, config_endpoint
-from tests.helpers import log_tails, wait_until
+from tests.helpers import kill_session, log_tails, wait_until
 from tests.standins.learner import StandInLearner, loopback_config, model_weights, spawn_buffer
 
 pytestmark = pytest.mark.slow
@@ -113,11 +112,7 @@ class Rig:
 
     def close(self):
         for proc in [*self.servers.values(), self.buffer]:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.kill()
-                proc.wait(30)
+            kill_session(proc)
         self.consumer.close()
         self.learner.close()
 
