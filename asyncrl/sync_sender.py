@@ -34,6 +34,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def pack_device(backend: str) -> str:
+    """Where a push packs its flat buffers: NCCL broadcasts only CUDA tensors (the current
+    CUDA device, which the learner sets to its own), gloo only CPU ones."""
+    return "cuda" if backend == "nccl" else "cpu"
+
+
 class WeightPusher:
     """Rank 0 of every sync group: forms groups, broadcasts, closes rounds."""
 
@@ -45,10 +51,12 @@ class WeightPusher:
         backend: str,
         timeout_s: float,
         bucket_bytes: int,
+        device: str | None = None,
     ):
         self.coordinator = coordinator
         self.store = store
         self.backend = backend
+        self.device = device or pack_device(backend)
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
         self.plan: WeightPlan | None = None  # built from the first tensors pushed
@@ -95,7 +103,7 @@ class WeightPusher:
                     self._group, self._generation = None, ""
                     self._group, self._generation = self._form(rnd), rnd.generation
                 group = self._group
-            send_weights(group, tensors, plan, timeout_s=self.timeout_s)
+            send_weights(group, tensors, plan, timeout_s=self.timeout_s, device=self.device)
         except WeightSyncError as e:
             error = str(e)
         if not error:

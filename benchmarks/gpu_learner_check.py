@@ -265,6 +265,7 @@ def _push(tensors: dict[str, Any], model: Path, receiver_device: str, backend: s
     """Rank 0's side of one push, as WeightPusher runs it, to a receiver process."""
     import torch
 
+    from asyncrl.sync_sender import pack_device
     from asyncrl.weight_sync import (
         form_group,
         open_store,
@@ -288,7 +289,8 @@ def _push(tensors: dict[str, Any], model: Path, receiver_device: str, backend: s
     proc.start()
     try:
         group = form_group(store, store_prefix("", "gpu-check"), 0, 2, backend=backend)
-        stats = send_weights(group, tensors, plan, timeout_s=120)  # as WeightPusher calls it
+        # As WeightPusher calls it (packing where the backend can broadcast from).
+        stats = send_weights(group, tensors, plan, timeout_s=120, device=pack_device(backend))
         proc.join(180)
     finally:
         if proc.is_alive():
