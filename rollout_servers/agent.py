@@ -326,3 +326,16 @@ def episode_trajectories(
         )
         for j, (i, p) in enumerate(pieces)
     ]
+
+
+def episode_samples(episodes: list[Episode]) -> list[Sample]:
+    """Each episode as one sample of all its tokens (what a server counts in its metrics)."""
+    from rollout_servers.engine import Sample
+
+    return [
+        Sample(
+            token_ids=[t for p in ep.pieces for t in p.token_ids],
+            version_spans=[s for p in ep.pieces for s in p.version_spans],
+        )
+        for ep in episodes
+    ]

@@ -37,8 +37,15 @@ from aiohttp import web
 
 from asyncrl.rewards import ScoreResult
 from asyncrl.tools.tokens import render
-from rollout_servers.agent import Episode, episode_trajectories, extend, turn_params
+from rollout_servers.agent import (
+    Episode,
+    episode_samples,
+    episode_trajectories,
+    extend,
+    turn_params,
+)
 from rollout_servers.sessions import (
+    ENDED,
     Group,
     RequestError,
     Session,
@@ -304,7 +311,7 @@ class OpenAIEndpoint:
                 ep.pieces[-1].start_version = self.engine.version
                 self.metrics["rollout/openai/splits"] += 1
             elif why:
-                raise RequestError(400, _ENDED[why])
+                raise RequestError(400, ENDED[why])
             session.shown.extend(messages[len(session.shown) :])
             return
         if ep.pieces:
@@ -344,7 +351,7 @@ class OpenAIEndpoint:
         await asyncio.to_thread(self.client.ack, [task.task_id])
         self.metrics["rollout/openai/groups_pushed"] += 1
         if self.on_pushed is not None:
-            self.on_pushed(_counted(episodes), scores, task)
+            self.on_pushed(episode_samples(episodes), scores, task)
 
     async def _reap_loop(self) -> None:
         """Consumes nothing; closes groups idle past ``session_timeout_s``. Wakes every
@@ -366,27 +373,6 @@ class OpenAIEndpoint:
                         group.size,
                     )
                     self._close(group)
-
-
-_ENDED = {
-    "length": "the session has no room left in data.max_response_length for another "
-    "turn: end the episode with POST /rl/reward",
-    "prompt_too_long": "the conversation no longer fits data.max_prompt_length: end the "
-    "episode with POST /rl/reward",
-}
-
-
-def _counted(episodes: list[Episode]) -> list[Sample]:
-    """Each episode as one sample of all its tokens, as the server counts its own."""
-    from rollout_servers.engine import Sample
-
-    return [
-        Sample(
-            token_ids=[t for p in ep.pieces for t in p.token_ids],
-            version_spans=[s for p in ep.pieces for s in p.version_spans],
-        )
-        for ep in episodes
-    ]
 
 
 def _key(request: web.Request, body: dict[str, Any]) -> str:

@@ -25,7 +25,7 @@ from asyncrl.control.messages import SyncStart, Task
 from asyncrl.rewards import ScoreJob, ScoreResult
 from asyncrl.weight_sync import store_prefix
 from asyncrl.wire import Trajectory
-from rollout_servers.agent import AgentRunner, episode_trajectories
+from rollout_servers.agent import AgentRunner, episode_samples, episode_trajectories
 from rollout_servers.engine import Sample, SyncJoin
 from rollout_servers.groups import SamplingSettings, build_group, sampling_params
 from rollout_servers.openai_api import OpenAIEndpoint
@@ -275,14 +275,7 @@ class RolloutServer:
         group = episode_trajectories(
             task, episodes, scores, server_id=self.server_id, created_at=created
         )
-        counted = [
-            Sample(
-                token_ids=[t for p in ep.pieces for t in p.token_ids],
-                version_spans=[s for p in ep.pieces for s in p.version_spans],
-            )
-            for ep in episodes
-        ]
-        return group, counted, scores
+        return group, episode_samples(episodes), scores
 
     async def _score(self, task: Task, texts: list[str]) -> list[ScoreResult]:
         jobs = [ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]

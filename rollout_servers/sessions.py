@@ -226,3 +226,11 @@ def reward_of(body: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise RequestError(400, f'/rl/reward needs {{"reward": <finite number>}}, got {value!r}')
     return float(value)
+
+
+ENDED = {
+    "length": "the session has no room left in data.max_response_length for another "
+    "turn: end the episode with POST /rl/reward",
+    "prompt_too_long": "the conversation no longer fits data.max_prompt_length: end the "
+    "episode with POST /rl/reward",
+}
