@@ -246,7 +246,7 @@ class AgentRunner:
         """Append the tool answers to the episode (see :func:`extend`); why it ends, or ""."""
         s = self.settings
         ended = extend(ep, new, self.tok, schemas, s.max_prompt_len, s.max_response_len)
-        if not ended:
+        if ended in ("", "split"):  # the answers joined the episode
             ep.tool_turns += 1
         if ended == "split":
             ep.pieces[-1].start_version = self.engine.version

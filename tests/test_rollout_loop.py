@@ -135,6 +135,9 @@ class StandInClient:
         tasks = [_task(f"train/0/{first + i}") for i in range(take)]
         return TaskGrant(tasks=tasks, policy_version=0)
 
+    def request_slot(self) -> TaskGrant:  # no endpoint in these tests
+        return TaskGrant(tasks=[], policy_version=0, reason="budget")
+
     def ack(self, task_ids: list[str]) -> object:
         self.acked += task_ids
         return None
@@ -244,7 +247,7 @@ def test_recent_windows_are_bounded() -> None:
     sample = Sample(list(RESPONSE), [-0.5] * 3, [(0, 3)], "stop")
     for i in range(RECENT):  # 2 * RECENT responses: the first half scored 0, then 1
         score = ScoreResult(float(i >= RECENT // 2))
-        srv._count([sample, sample], [score, score], _task(f"train/0/{i}"))
+        srv.count_group([sample, sample], [score, score], _task(f"train/0/{i}"))
     assert len(srv.rewards) == len(srv.lengths) == RECENT
     assert srv.snapshot()["rollout/reward_mean"] == 1.0  # only the latest RECENT responses
     assert srv.snapshot()["rollout/response_length_mean"] == len(RESPONSE)
