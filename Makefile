@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install test demo ppo-demo agent-demo artifacts gpu-check lint format clean
+.PHONY: install test demo ppo-demo agent-demo artifacts gpu-check lint format clean demo-artifacts
 
 install: $(STAMP)
 
@@ -34,19 +34,18 @@ test: $(STAMP)
 	$(BIN)/pyright
 	$(BIN)/python -m pytest -v -rs --durations=15
 
-demo: $(STAMP)
+# The demo's model and data (built once; both demos below use them).
+demo-artifacts: $(STAMP)
 	test -f artifacts/models/tiny-demo/config.json || $(BIN)/asyncrl-prepare model --name tiny \
 		--flatten --out artifacts/models/tiny-demo
 	test -f artifacts/data/arithmetic/train.parquet || $(BIN)/asyncrl-prepare data --task arithmetic \
 		--out artifacts/data/arithmetic --tokenizer artifacts/models/tiny-demo
+
+demo: demo-artifacts
 	$(BIN)/asyncrl-launch configs/cpu_demo.yaml
 
 # The same demo with PPO and a critic (GAE) instead of GRPO.
-ppo-demo: $(STAMP)
-	test -f artifacts/models/tiny-demo/config.json || $(BIN)/asyncrl-prepare model --name tiny \
-		--flatten --out artifacts/models/tiny-demo
-	test -f artifacts/data/arithmetic/train.parquet || $(BIN)/asyncrl-prepare data --task arithmetic \
-		--out artifacts/data/arithmetic --tokenizer artifacts/models/tiny-demo
+ppo-demo: demo-artifacts
 	$(BIN)/asyncrl-launch configs/cpu_demo_ppo.yaml
 
 # The multi-turn demo: the tiny model learns to use a calculator tool better (add, mul).
