@@ -278,17 +278,24 @@ class CoordinatorClient:
         )
         return self._send_retried(msg, attempts, f"the report of sync {start.sync_id}")
 
-    def _send_retried(self, msg: m.Request, attempts: int, what: str) -> bool:
-        """Send an idempotent report on the control socket, retried on timeouts; False
-        (and a warning naming ``what``) when it was never answered."""
+    def _control_retried(self, msg: m.Request, attempts: int) -> m.Reply | None:
+        """An idempotent request on the control socket, retried on timeouts (the task
+        socket may be held by a long-polled request, and a request queued behind it would
+        also hold a worker thread of the server); None when it was never answered."""
         for _ in range(attempts):
             if self.gone.is_set():
                 break
             try:
-                self._call("control", msg)
-                return True
+                return self._call("control", msg)
             except TimeoutError:
                 continue
+        return None
+
+    def _send_retried(self, msg: m.Request, attempts: int, what: str) -> bool:
+        """Send a report with :meth:`_control_retried`; False (and a warning naming
+        ``what``) when it was never answered."""
+        if self._control_retried(msg, attempts) is not None:
+            return True
         log.warning("%s was never answered", what)
         return False
 
@@ -325,37 +332,25 @@ class CoordinatorClient:
         answered). A retry repeats the request id, so a lost reply costs no second slot."""
         msg = m.SlotRequest(server_id=self.server_id, request_id=self._slot_request_id)
         session = self.session
-        for _ in range(attempts):
-            if self.gone.is_set():
-                break
-            try:
-                grant = self._call("control", msg)
-            except TimeoutError:
-                continue
-            assert isinstance(grant, m.TaskGrant), grant
-            self._slot_request_id += 1
-            if grant.reason == "unregistered":
-                self._reregister(session)
-            return grant
-        return m.TaskGrant(tasks=[], policy_version=self.announced_version, reason="timeout")
+        grant = self._control_retried(msg, attempts)
+        if grant is None:
+            return m.TaskGrant(tasks=[], policy_version=self.announced_version, reason="timeout")
+        assert isinstance(grant, m.TaskGrant), grant
+        self._slot_request_id += 1
+        if grant.reason == "unregistered":
+            self._reregister(session)
+        return grant
 
     def ack(self, task_ids: list[str], attempts: int = 3) -> m.TaskAckReply | None:
         """Acknowledge tasks whose groups were pushed whole; retried on timeouts (an ack is
         idempotent). None if the coordinator never answered."""
         msg = m.TaskAck(server_id=self.server_id, task_ids=list(task_ids))
-        for _ in range(attempts):
-            if self.gone.is_set():
-                break
-            try:
-                # The control socket: the task socket may be held by a long-polled request,
-                # and an ack queued behind it would also hold a worker thread of the server.
-                reply = self._call("control", msg)
-            except TimeoutError:
-                continue
-            assert isinstance(reply, m.TaskAckReply), reply
-            return reply
-        log.warning("acknowledgement of %d tasks was never answered", len(task_ids))
-        return None
+        reply = self._control_retried(msg, attempts)
+        if reply is None:
+            log.warning("acknowledgement of %d tasks was never answered", len(task_ids))
+            return None
+        assert isinstance(reply, m.TaskAckReply), reply
+        return reply
 
     def nack(self, task_ids: list[str], reason: str, attempts: int = 3) -> bool:
         """Report tasks that failed here before their group was pushed, so the coordinator
