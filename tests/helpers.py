@@ -1,15 +1,17 @@
-"""Small helpers every test may use: free ports, waiting on a condition, process liveness."""
+"""Small helpers every test may use: free ports, waiting on a condition, process liveness,
+learner ranks started as torchrun starts them, and a learner check of sampled rollouts."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -138,3 +140,31 @@ def check_on_policy_and_trains(rollouts, model_path, max_prompt: int, max_respon
     metrics = trainer.train_step(rollouts, 1.0)
     assert metrics["batch/dropped_length_mismatch"] == 0
     assert math.isfinite(metrics["loss/total"]) and metrics["actor/grad_norm"] > 0
+
+
+def rank_env(rank: int, world: int, port: int) -> None:
+    """This process is ``rank`` of ``world`` learner ranks meeting on 127.0.0.1:``port``,
+    as torchrun would say it in the environment."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
+
+
+def start_ranks(worker: Callable[..., None], world: int, *args: Any):
+    """Start ``worker(rank, world, *args)`` in ``world`` spawned processes without waiting
+    (the test computes the one-rank side meanwhile); :func:`join_ranks` waits for them."""
+    import torch.multiprocessing as mp
+
+    return mp.start_processes(
+        worker, args=(world, *args), nprocs=world, join=False, start_method="spawn"
+    )
+
+
+def join_ranks(ctx) -> None:
+    """Wait for ranks started by :func:`start_ranks` (raises if one failed)."""
+    while not ctx.join(timeout=1):
+        pass

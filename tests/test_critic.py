@@ -4,19 +4,17 @@ critic exactly, only the actor is pushed, and critic warmup holds the actor back
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from asyncrl.config import Config, load_config
 from learner import fsdp
 from learner.trainer import Trainer
-from tests.helpers import free_port
-from tests.test_trainer import (
+from tests.helpers import free_port, join_ranks, rank_env, start_ranks
+from tests.trainer_helpers import (
     assert_gradients_match,
     float32_tolerance,
     record_gradients,
@@ -64,13 +62,7 @@ def critic_gradients(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, world, port)
     torch.set_num_threads(1)
     trainer = Trainer(make_cfg(model_dir))
     grads, cgrads = record_gradients(trainer), critic_gradients(trainer)
@@ -89,20 +81,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
 
 
 def test_two_ranks_match_one_rank(tiny_model, single_rank, tmp_path):
-    ctx = mp.start_processes(
-        _worker,
-        args=(2, free_port(), str(tiny_model), str(tmp_path)),
-        nprocs=2,
-        join=False,
-        start_method="spawn",
-    )
+    ctx = start_ranks(_worker, 2, free_port(), str(tiny_model), str(tmp_path))
     one = Trainer(make_cfg(tiny_model))
     assert one.critic is not None
     grads, cgrads = record_gradients(one), critic_gradients(one)
     metrics = [one.train_step(b, TEMPERATURE) for b in BATCHES]
     critic_state = fsdp.full_state(one.critic.model)
-    while not ctx.join(timeout=1):
-        pass
+    join_ranks(ctx)
     two = torch.load(tmp_path / "result.pt")
 
     for m in metrics:

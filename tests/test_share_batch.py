@@ -3,7 +3,6 @@ arrays and metadata equal, in its wire encoding (msgpack and raw arrays). The le
 process group (``learner.fsdp.init_distributed`` under torchrun's environment) carries it and
 the other CPU-side collectives the learner issues; on CUDA that group has a CPU backend."""
 
-import os
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -17,7 +16,7 @@ from asyncrl import wire
 from learner.broadcast import share_batch
 from learner.fsdp import init_distributed, process_group_backend
 from learner.loop import _broadcast_int
-from tests.helpers import free_port
+from tests.helpers import free_port, rank_env
 from tests.standins.trajgen import make_group
 
 
@@ -73,13 +72,7 @@ def test_rank_one_receives_rank_zeros_batch(tmp_path):
 def _learner_rank(rank: int, port: int, out: str) -> None:
     """A learner rank as torchrun starts it: its group from the environment, then every
     collective on CPU tensors the learner issues besides FSDP's own."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-    )
+    rank_env(rank, 2, port)
     mesh = init_distributed("cpu")
     got = share_batch(_batch() if rank == 0 else None, rank, 2)  # each step's batch
     version = _broadcast_int(7 if rank == 0 else -1, SimpleNamespace(world_size=2))  # pushes
