@@ -70,8 +70,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Why a slot was refused -> the HTTP status the agent gets (both are retried by clients).
-REFUSAL_STATUS = {"budget": 429}
+#: Seconds a refused agent is told to wait (429 and 503 are retried by OpenAI clients).
 RETRY_AFTER_S = 1
 
 
@@ -185,6 +184,9 @@ class OpenAIEndpoint:
                 session.busy = False
         except RequestError as e:
             return self._refused(e)
+        except Exception as e:  # the engine failed: say so in the API's shape, serve on
+            log.exception("OpenAI endpoint: a completion failed")
+            return self._refused(RequestError(500, f"{type(e).__name__}: {e}", "server_error"))
 
     async def _reward(self, request: web.Request) -> web.Response:
         try:
@@ -201,11 +203,12 @@ class OpenAIEndpoint:
                 raise RequestError(409, f"session {key!r} is sampling: reward it after")
             session.reward = reward_of(body)
             group.last_active = time.monotonic()
-            done = len(group.rewarded()) >= group.size
-            if done:
+            rewarded = len(group.rewarded())
+            if rewarded >= group.size:
                 self._close(group)
-            reply = {"session": key, "group": group.name, "rewarded": len(group.rewarded())}
-            return web.json_response(reply | {"size": group.size, "group_complete": done})
+            reply = {"session": key, "group": group.name, "rewarded": rewarded}
+            done = {"size": group.size, "group_complete": rewarded >= group.size}
+            return web.json_response(reply | done)
         except RequestError as e:
             return self._refused(e)
 
@@ -251,11 +254,15 @@ class OpenAIEndpoint:
             grant = await asyncio.to_thread(self.client.request_slot)
             if not grant.tasks:
                 self.metrics[f"rollout/openai/slots_refused/{grant.reason}"] += 1
+                if grant.reason == "budget":
+                    raise RequestError(
+                        429,
+                        "no training slot now: the staleness budget "
+                        "(staleness.max_policy_lag) waits for the learner; retry shortly",
+                        "rate_limit",
+                    )
                 raise RequestError(
-                    REFUSAL_STATUS.get(grant.reason, 503),
-                    f"no training slot now ({grant.reason}): the staleness budget "
-                    "(algorithm.max_policy_lag) waits for the learner; retry shortly",
-                    "rate_limit",
+                    503, f"no training slot now ({grant.reason}); retry shortly", "unavailable"
                 )
             group = self.groups[name] = Group(name, grant.tasks[0], self.group_size)
             self.metrics["rollout/openai/groups_opened"] += 1
