@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from asyncrl.control import messages as m
+from asyncrl.control.request_ids import RequestIds
 from asyncrl.transport import ReqClient
 from asyncrl.wire.base import single
 
@@ -88,8 +89,9 @@ class CoordinatorClient:
         self.held_tasks: Callable[[], list[str]] = list
         self.session = ""
         self.seen_sync = 0
-        self._request_id = 1  # of the next task request; moves on after each reply
-        self._slot_request_id = 1  # the same for slot requests
+        # Each call takes its own id (concurrent calls never share a grant); an unanswered
+        # one is asked again by the next call, which gets the grant whose reply was lost.
+        self._task_ids, self._slot_ids = RequestIds(), RequestIds()
         self.syncs: queue.Queue[m.SyncStart] = queue.Queue()
         self.shutdown = threading.Event()  # the coordinator said the run is over
         self.gone = threading.Event()  # the coordinator was silent past patience_s
@@ -312,14 +314,14 @@ class CoordinatorClient:
             server_id=self.server_id,
             max_tasks=max_tasks or self.tasks_per_request,
             wait_s=wait_s,
-            request_id=self._request_id,
+            request_id=self._task_ids.take(),
         )
         try:
             grant = self._call("tasks", msg, wait_s + self.timeout_s)
         except TimeoutError:  # the next request repeats this id: a lost grant comes again
+            self._task_ids.unanswered(msg.request_id)
             return m.TaskGrant(tasks=[], policy_version=self.announced_version, reason="timeout")
         assert isinstance(grant, m.TaskGrant), grant
-        self._request_id += 1
         if grant.reason == "unregistered":
             self._reregister(session)
         elif grant.reason == "shutdown":
@@ -329,14 +331,15 @@ class CoordinatorClient:
     def request_slot(self, attempts: int = 2) -> m.TaskGrant:
         """Ask for one external training slot (see :class:`~asyncrl.control.messages.
         SlotRequest`); answered at once. An empty grant says why (``timeout``: never
-        answered). A retry repeats the request id, so a lost reply costs no second slot."""
-        msg = m.SlotRequest(server_id=self.server_id, request_id=self._slot_request_id)
+        answered). Its retries repeat its request id, so a lost reply costs no second
+        slot; concurrent calls never share one."""
+        msg = m.SlotRequest(server_id=self.server_id, request_id=self._slot_ids.take())
         session = self.session
         grant = self._control_retried(msg, attempts)
         if grant is None:
+            self._slot_ids.unanswered(msg.request_id)
             return m.TaskGrant(tasks=[], policy_version=self.announced_version, reason="timeout")
         assert isinstance(grant, m.TaskGrant), grant
-        self._slot_request_id += 1
         if grant.reason == "unregistered":
             self._reregister(session)
         return grant

@@ -1,0 +1,133 @@
+"""The coordinator client's request ids under concurrency: a real Coordinator and a real
+CoordinatorClient on 127.0.0.1 sockets, many threads asking at once.
+
+A request id makes a retry idempotent: the coordinator answers a repeated id with the grant
+it gave that id. Two concurrent calls that share an id therefore share one grant (two agent
+groups carrying one external slot, two tasks loops generating the same task).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from asyncrl.control import messages as m
+from asyncrl.control.admission import Budget
+from asyncrl.control.client import CoordinatorClient
+from asyncrl.control.coordinator import Coordinator
+from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.state import ControlState
+from asyncrl.control.syncs import SyncBook
+from asyncrl.control.task_source import TaskSource
+from asyncrl.tasks import make_row
+
+THREADS = 16
+CALLS = 5  # per thread
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[ControlState, CoordinatorClient]]:
+    """A coordinator with a wide admission window and one registered client."""
+    rows = [
+        make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(500)
+    ]
+    state = ControlState(
+        TaskLedger(TaskSource(rows, n=2), Budget(1, 1000)),
+        SyncBook(),
+        heartbeat_s=1.0,
+        dead_after_s=60.0,
+        store_host="127.0.0.1",
+        store_port=0,
+    )
+    coord = Coordinator(state, tasks_addr="tcp://127.0.0.1:*", control_addr="tcp://127.0.0.1:*")
+    coord.start()
+    client = CoordinatorClient(
+        coord.tasks_addr, coord.control_addr, "rollout-0", engine_world_size=0, timeout_s=10.0
+    )
+    try:
+        client.register()
+        yield state, client
+    finally:
+        client.close()
+        coord.stop()
+
+
+def _at_once(call: Callable[[], m.TaskGrant]) -> list[m.TaskGrant]:
+    """``CALLS`` calls from each of ``THREADS`` threads, all released together."""
+    gate = threading.Barrier(THREADS)
+    grants: list[m.TaskGrant] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        gate.wait(30)
+        for _ in range(CALLS):
+            grant = call()
+            with lock:
+                grants.append(grant)
+
+    threads = [threading.Thread(target=worker) for _ in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a request never returned"
+    return grants
+
+
+def test_concurrent_slot_requests_each_get_their_own_slot(served):
+    """Agent groups opened at once (each asks in its own thread) never share a slot."""
+    state, client = served
+    grants = _at_once(client.request_slot)
+    ids = [t.task_id for g in grants for t in g.tasks]
+    assert len(ids) == THREADS * CALLS, [g.reason for g in grants if not g.tasks]
+    assert len(set(ids)) == len(ids), "two slot requests were answered with one slot"
+    assert state.ledger.counts["external_dealt"] == len(ids)
+
+
+def test_concurrent_task_requests_never_get_the_same_task(served):
+    """Task requests from several threads: every dealt task reaches exactly one caller."""
+    state, client = served
+    grants = _at_once(lambda: client.request_tasks(1, wait_s=0.0))
+    ids = [t.task_id for g in grants for t in g.tasks]
+    assert ids, [g.reason for g in grants]
+    assert len(set(ids)) == len(ids), "two task requests were answered with one grant"
+    assert state.counts["grants_resent"] == 0
+
+
+def _lose_replies(client: CoordinatorClient, lost: list[int]) -> None:
+    """The control socket's next ``lost[0]`` replies reach the coordinator's answer and are
+    then lost on the way back (the caller sees a timeout)."""
+    real = client._control.request_frames
+
+    def request_frames(frames, timeout_s=None):
+        reply = real(frames, timeout_s)
+        if lost[0] > 0:
+            lost[0] -= 1
+            raise TimeoutError("reply lost")
+        return reply
+
+    client._control.request_frames = request_frames  # type: ignore[method-assign]
+
+
+def test_a_retried_slot_request_gets_the_slot_its_lost_reply_carried(served):
+    """A retry within one call repeats its id: one slot dealt, the caller gets it."""
+    state, client = served
+    _lose_replies(client, [1])
+    grant = client.request_slot(attempts=2)
+    assert [t.task_id for t in grant.tasks] and state.ledger.counts["external_dealt"] == 1
+
+
+def test_an_unanswered_slot_request_is_asked_again_by_the_next_call(served):
+    """A call whose every reply was lost gives its id back: the next call gets that slot
+    instead of a second one (the first would be charged until the task timeout)."""
+    state, client = served
+    _lose_replies(client, [2])
+    assert client.request_slot(attempts=2).reason == "timeout"
+    assert state.ledger.counts["external_dealt"] == 1
+    again = client.request_slot(attempts=2)
+    assert len(again.tasks) == 1 and state.ledger.counts["external_dealt"] == 1
+    fresh = client.request_slot(attempts=2)
+    assert fresh.tasks[0].task_id != again.tasks[0].task_id
+    assert state.ledger.counts["external_dealt"] == 2
