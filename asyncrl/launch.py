@@ -35,6 +35,7 @@ from asyncrl.cli import parse_role_args
 from asyncrl.config import Config, write_resolved
 from asyncrl.config.inputs import DATA, MODEL, REWARD
 from asyncrl.supervise import RestartPolicy, Role, Supervisor
+from asyncrl.supervise_leave import Departures
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -66,6 +67,7 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
                 f"rollout-{i}",
                 [py, "-m", "rollout_servers.main", str(config_path), "--server-id", f"rollout-{i}"],
                 env=env,
+                server_id=f"rollout-{i}",
             )
         )
     learner = [py, "-m", "learner.main", str(config_path)]
@@ -181,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     roles = plan_roles(cfg, config_path)
     (run_dir / "commands.txt").write_text(commands_text(roles))
     log.info("run directory %s; logs in %s", run_dir, log_dir)
-    return drive(Supervisor(roles, run_dir, RestartPolicy.from_config(cfg.launch)), run_dir, cfg)
+    sup = Supervisor(roles, run_dir, RestartPolicy.from_config(cfg.launch))
+    sup.departures = Departures.from_config(cfg)
+    return drive(sup, run_dir, cfg)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from typing import Any
 from asyncrl.config import Config
 from asyncrl.ray_plan import Placement, learner_roles, plan_placement
 from asyncrl.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor
+from asyncrl.supervise_leave import Departures
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -144,7 +145,9 @@ class RaySupervisor(Supervisor):
     def _lose(self, role: Role, why: str) -> int:
         """The role's agent is gone (its node, most likely): forget it, report SIGKILL."""
         log.warning("%s: its agent is gone (%s): counted as killed", role.name, why)
-        self.agents.pop(role.name, None)
+        lost = self.agents.pop(role.name, None)
+        if lost is not None and lost.pid is not None:
+            role.last_pid = lost.pid
         self._write_pids()
         return NODE_LOST
 
@@ -246,7 +249,7 @@ class RaySupervisor(Supervisor):
             return self._lose(role, type(e).__name__)
         if code is not None:
             self._track()  # the end of its log
-            ag.pid = None
+            role.last_pid, ag.pid = ag.pid or 0, None
             self._write_pids()
         return code
 
@@ -283,7 +286,7 @@ class RaySupervisor(Supervisor):
             code = self._call(ag, "reap")
         except Exception as e:
             return self._lose(role, type(e).__name__)
-        ag.pid = None
+        role.last_pid, ag.pid = ag.pid or role.last_pid, None
         return NODE_LOST if code is None else code
 
     def close(self) -> None:
@@ -292,6 +295,9 @@ class RaySupervisor(Supervisor):
         from ray.util.placement_group import remove_placement_group
 
         self.stop_all()
+        if self.departures is not None:
+            self.departures.close()
+            self.departures = None
         for ag in self.agents.values():
             try:
                 self._call(ag, "close", timeout_s=STOP_GRACE_S)
@@ -361,6 +367,7 @@ def main_ray(cfg: Config) -> int:
             return 2
         config_path = write_resolved(cfg)
         sup.roles = learner_roles(cfg, plan_roles(cfg, config_path), host)
+        sup.departures = Departures.from_config(cfg)  # dials the coordinator at ``host``
         sup.files = {str(config_path.relative_to(run_dir)): config_path.read_text()}
         (run_dir / "commands.txt").write_text(commands_text(sup.roles, placement.bundle_of))
         log.info("run directory %s; roles meet at %s; bundles %s", run_dir, host, placement.bundles)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from asyncrl.supervise_leave import Departures
 from asyncrl.supervise_policy import (
     CONFIG_ERROR,
     RestartPolicy,
@@ -72,6 +73,9 @@ class Role:
     restart_at: float | None = None  # a restart is due at this monotonic time
     done: bool = False  # exited 0: not restarted
     known: dict[int, int] = field(default_factory=dict)  # descendants seen: pid -> start
+    # The coordinator's id for it (a rollout server): told the coordinator when it dies.
+    server_id: str | None = None
+    last_pid: int = 0  # the pid of its process that exited last
 
     def command(self) -> list[str]:
         return self.cmd + (self.restart_args if self.attempt > 0 else [])
@@ -111,6 +115,9 @@ class Supervisor:
         self.watchdog: subprocess.Popen | None = None
         self._watchdog_fd: int | None = None
         self.subreaper = False  # orphans of the run are re-parented to this process
+        # Tells the coordinator at once about a rollout server that died (None: it finds
+        # out from the missing heartbeats).
+        self.departures: Departures | None = None
 
     # ---------------------------------------------------------------- starting
     def begin(self) -> None:
@@ -151,6 +158,7 @@ class Supervisor:
         while True:
             view.update()
             self._track()
+            self._collect_departures()
             for role in self.roles:
                 code = self._look_at(role)
                 if code is not None and (result := self._end(role, code, view)) is not None:
@@ -193,6 +201,8 @@ class Supervisor:
     def _end(self, role: Role, code: int, view: View) -> int | None:
         """Decide what a role's exit means: the end of the run (an exit code for the
         launcher) or a restart to schedule (None)."""
+        if code != 0 and code != CONFIG_ERROR:
+            self._tell_gone(role, code)
         if code == 0:
             role.done = True
             self._event(role.name, "exit", exit_code=0)
@@ -241,6 +251,20 @@ class Supervisor:
             **{f"launch/restarts/{role.name}": len(role.restarts)},
         )
         return None
+
+    def _tell_gone(self, role: Role, code: int) -> None:
+        """A rollout server died: tell the coordinator now (without waiting for its answer)
+        so that its tasks are dealt again at once, not after ``control.dead_after_s``."""
+        if self.departures is None or role.server_id is None:
+            return
+        reason = f"its process {role.last_pid} ended ({describe_exit(code)})"
+        self.departures.send(role.server_id, role.last_pid, reason)
+
+    def _collect_departures(self) -> None:
+        """Record the coordinator's answers to the departures told (``leave`` events)."""
+        if self.departures is not None:
+            for fields in self.departures.poll():
+                self._event(fields.pop("server_id"), "leave", **fields)
 
     def _give_up(self, role: Role, code: int, view: View, why: str) -> int:
         """End the run for a role that will not be restarted; returns the launcher's code."""
@@ -308,6 +332,7 @@ class Supervisor:
         keep = self._reap_keep()
         killed = kill_tree([pid], marker.__eq__, role.known, self._orphans_of(role, keep), keep)
         code = role.proc.wait()
+        role.last_pid = pid
         killed.discard(pid)
         if self._watchdog_fd is not None:
             tell_watchdog(self._watchdog_fd, f"-{pid}")
@@ -350,6 +375,9 @@ class Supervisor:
         """The launcher ends: nothing of the run may outlive it (roles still running are
         stopped as by :meth:`stop_all`); release the watchdog."""
         self.stop_all()
+        if self.departures is not None:
+            self.departures.close()
+            self.departures = None
         if self._watchdog_fd is not None:
             os.close(self._watchdog_fd)
             self._watchdog_fd = None
