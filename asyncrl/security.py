@@ -13,15 +13,23 @@ The setting is per process: each role's ``main`` calls :func:`configure` once, a
 :func:`asyncrl.transport.bind` / :func:`asyncrl.transport.connect` apply it to every
 socket. A process that never calls it (a test, a tool) uses plain TCP.
 
+The handler records the key's role as the connection's ``User-Id``; what each role may
+ask of each service is :mod:`asyncrl.authority`'s, checked by
+:class:`asyncrl.serving.RouterService` (refusals counted as ``security/refused/<role>``).
+
 Key files are ZeroMQ's own certificates: ``server.key`` / ``server.key_secret`` and one
-pair per role (``learner``, ``buffer``, ``rollout``). Every node of a run needs the
-directory; the secret files are the credentials (keep them mode 600).
+pair per role (``learner``, ``buffer``, ``rollout``); ``*.key`` files hold only public
+keys. A node needs the public keys and its own role's secret; the serving roles (learner,
+buffer) also ``server.key_secret``. :func:`write_keys` writes the full set and, under one
+folder per role, exactly what a node of that role needs: a rollout node, which runs
+model-driven tools and user reward code, never holds another role's secret.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import shutil
 import sys
 import threading
 import weakref
@@ -39,12 +47,23 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KEY_ROLES = ("learner", "buffer", "rollout")  # client key pairs: one per role
+SERVING_ROLES = ("learner", "buffer")  # they bind sockets: they hold the server's secret
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"asyncrl"
 
 
+def node_files(role: str) -> list[str]:
+    """The key files a node running ``role`` needs: every public key, its own secret, and
+    the server's secret when the role serves."""
+    files = ["server.key", *(f"{r}.key" for r in KEY_ROLES), f"{role}.key_secret"]
+    if role in SERVING_ROLES:
+        files.append("server.key_secret")
+    return files
+
+
 def write_keys(out: Path) -> list[Path]:
-    """Create the run's key pairs in ``out`` (the server's and one per role); returns the
+    """Create the run's key pairs in ``out`` (the server's and one per role), and in
+    ``out/<role>/`` the files a node of that role needs (:func:`node_files`); returns the
     files written. Existing keys are replaced."""
     import zmq.auth
 
@@ -54,6 +73,12 @@ def write_keys(out: Path) -> list[Path]:
         public, secret = zmq.auth.create_certificates(str(out), name)
         Path(secret).chmod(0o600)
         written += [Path(public), Path(secret)]
+    for role in KEY_ROLES:
+        node = out / role
+        node.mkdir(exist_ok=True)
+        node.chmod(0o700)
+        for name in node_files(role):
+            written.append(Path(shutil.copy2(out / name, node / name)))
     return written
 
 
@@ -70,19 +95,20 @@ class Keys:
 
     @classmethod
     def load(cls, keys_dir: str | Path, role: str) -> Keys:
+        """Read ``role``'s keys from ``keys_dir``: the full set or a node's folder. Needs
+        the server's public key and the role's own pair; a serving role also the server's
+        secret and every role's public key (whom to let in)."""
         import zmq.auth
 
         d = Path(keys_dir)
-        missing = [
-            p
-            for p in [d / "server.key", d / f"{role}.key_secret"]
-            + [d / f"{r}.key" for r in KEY_ROLES]
-            if not p.is_file()
-        ]
+        needed = ["server.key", f"{role}.key_secret"]
+        if role in SERVING_ROLES:
+            needed = node_files(role)
+        missing = [str(d / name) for name in needed if not (d / name).is_file()]
         if missing:
             raise FileNotFoundError(
-                f"endpoints.keys_dir={keys_dir}: missing {', '.join(map(str, missing))} "
-                f"(create them with: asyncrl-prepare keys --out {keys_dir})"
+                f"endpoints.keys_dir={keys_dir}: missing {', '.join(missing)} (create them "
+                f"with: asyncrl-prepare keys --out DIR, then give this node DIR/{role}/)"
             )
         server_public, _ = zmq.auth.load_certificate(str(d / "server.key"))
         server_secret = None
@@ -90,7 +116,11 @@ class Keys:
             _, server_secret = zmq.auth.load_certificate(str(d / "server.key_secret"))
         client_public, client_secret = zmq.auth.load_certificate(str(d / f"{role}.key_secret"))
         assert client_secret is not None  # a .key_secret file holds both halves
-        allowed = {zmq.auth.load_certificate(str(d / f"{r}.key"))[0]: r for r in KEY_ROLES}
+        allowed = {
+            zmq.auth.load_certificate(str(d / f"{r}.key"))[0]: r
+            for r in KEY_ROLES
+            if (d / f"{r}.key").is_file()
+        }
         return cls(server_public, server_secret, client_public, client_secret, allowed)
 
 
@@ -113,11 +143,12 @@ def configure(endpoints: EndpointsConfig, role: str) -> None:
     if endpoints.auth == "curve":
         assert endpoints.keys_dir is not None  # the config rules require it
         try:
-            _SETTINGS.keys = Keys.load(endpoints.keys_dir, role)
+            keys = Keys.load(endpoints.keys_dir, role)
         except FileNotFoundError as e:  # a config problem: exit 2, never restarted
             sys.stderr.write(f"{e}\n")
             raise SystemExit(2) from None
-        log.info("transport: CURVE, %s's key, accepting %d role keys", role, len(KEY_ROLES))
+        _SETTINGS.keys = keys
+        log.info("transport: CURVE, %s's key, accepting %d role keys", role, len(keys.allowed))
     else:
         _SETTINGS.keys = None
 
@@ -127,9 +158,16 @@ def reset() -> None:
     _SETTINGS.keys = None
 
 
+def count(name: str) -> None:
+    """Add one to this process's ``security/<name>`` counter (a refusal, say)."""
+    with _SETTINGS.lock:
+        _SETTINGS.counts[name] += 1
+
+
 def metrics() -> dict[str, float]:
     """``security/...`` counters of this process."""
-    return {f"security/{k}": float(v) for k, v in sorted(_SETTINGS.counts.items())}
+    counts = dict(_SETTINGS.counts)  # one copy: other threads count while we read
+    return {f"security/{k}": float(v) for k, v in sorted(counts.items())}
 
 
 def secure_server(sock: zmq.Socket) -> None:

@@ -4,6 +4,11 @@
 and refuses bad requests (answered with an error reply, counted), and never blocks on a
 reply. :class:`HeldRequests` holds long-polls until they can be answered or their wait
 ends. The client side is :class:`asyncrl.transport.ReqClient`.
+
+Under CURVE each request's connection carries the role of the key it presented (the
+``User-Id`` :mod:`asyncrl.security` gives it); a service built with an
+:class:`asyncrl.authority.Policy` serves only the requests that role may send, and answers
+the rest with an ``ErrorReply("forbidden")`` (counted as ``security/refused/<role>``).
 """
 
 from __future__ import annotations
@@ -16,7 +21,8 @@ from typing import Any, Generic, TypeVar
 
 import zmq
 
-from asyncrl import wire
+from asyncrl import security, wire
+from asyncrl.authority import Policy
 from asyncrl.transport import bind, make_socket
 from asyncrl.wire.base import encode
 
@@ -41,6 +47,9 @@ class RouterService(Generic[M]):
     :meth:`receive` splits each request from its envelope and decodes it with ``decode``
     (which raises :class:`~asyncrl.wire.WireError`); a request that cannot be accepted is
     answered here with an :class:`~asyncrl.wire.ErrorReply` and passed to ``on_reject``.
+    With a ``policy`` and CURVE on, a request its connection's role may not send is answered
+    ``forbidden`` and counted per role (``security/refused/<role>``, logged once per role
+    and kind); without CURVE there is no role and everything is served.
     Replies never block: one to a client that is gone (``ROUTER_MANDATORY`` makes zmq say
     so) or not reading is dropped and counted in ``counts["replies_undeliverable"]`` (the
     first one logged).
@@ -57,13 +66,18 @@ class RouterService(Generic[M]):
         counts: Counter[str],
         max_message_bytes: int = 0,
         rcvhwm: int = 1000,
+        policy: Policy | None = None,
     ):
         self.decode = decode
         self.on_reject = on_reject
         self.counts = counts
+        self.policy = policy
         self.sock = make_socket(ctx, zmq.ROUTER, rcvhwm=rcvhwm, max_message_bytes=max_message_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a departed peer raises
         self.endpoint = bind(self.sock, addr)
+        # Roles exist only where CURVE authenticated the peer (the ZAP handler named them).
+        self.authenticated = bool(self.sock.getsockopt(zmq.CURVE_SERVER))
+        self._warned: set[tuple[str, str]] = set()
 
     def receive(self, most: int | None = None) -> Iterator[tuple[list[bytes], M]]:
         """``(envelope, request)`` for each valid request waiting, up to ``most``; never
@@ -71,7 +85,7 @@ class RouterService(Generic[M]):
         n = 0
         while most is None or n < most:
             try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+                frames, role = self._recv()
             except zmq.Again:
                 return
             n += 1
@@ -84,7 +98,32 @@ class RouterService(Generic[M]):
                 self.on_reject(e)
                 self.reply(envelope, wire.ErrorReply.of(e))
                 continue
+            if self.policy is not None and not self.policy.permits(role, msg.kind):
+                self._refuse(envelope, role or "", msg.kind)
+                continue
             yield envelope, msg
+
+    def _recv(self) -> tuple[list[bytes], str | None]:
+        """The next message's frames and the role of the connection it came on (None
+        without CURVE); raises ``zmq.Again`` when none waits."""
+        if not self.authenticated:
+            return self.sock.recv_multipart(zmq.NOBLOCK), None
+        parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        try:
+            role = parts[0].get("User-Id")
+        except zmq.ZMQError:  # no ZAP answer recorded one: a role nobody was granted
+            role = ""
+        return [p.bytes for p in parts], str(role)
+
+    def _refuse(self, envelope: list[bytes], role: str, kind: str) -> None:
+        """Answer a request its sender's role may not send, count it, say so once."""
+        assert self.policy is not None
+        detail = self.policy.refusal(role, kind)
+        security.count(f"refused/{role or 'unknown'}")
+        if (role, kind) not in self._warned:
+            self._warned.add((role, kind))
+            log.warning("refused a request on %s: %s", self.endpoint, detail)
+        self.reply(envelope, wire.ErrorReply(error="forbidden", detail=detail))
 
     def reply(self, envelope: list[bytes], msg: wire.Message) -> bool:
         """Send a one-frame reply; False when it could not be delivered."""
