@@ -19,6 +19,7 @@ the turn limits, the response budget, or the episode's deadline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import zlib
@@ -126,6 +127,22 @@ class Episode:
     tool_calls: int = 0
     splits: int = 0
     ended: str = "done"
+
+    def draft(self) -> Episode:
+        """A copy to prepare a turn on, kept only if the turn succeeds (the OpenAI endpoint
+        prepares a turn before it knows the engine will answer). A turn changes only the
+        last sample and the conversation, so only those are copied."""
+        pieces = list(self.pieces)
+        if pieces:
+            last = pieces[-1]
+            pieces[-1] = dataclasses.replace(
+                last,
+                token_ids=list(last.token_ids),
+                logprobs=list(last.logprobs),
+                version_spans=list(last.version_spans),
+                masked_spans=list(last.masked_spans),
+            )
+        return dataclasses.replace(self, pieces=pieces, messages=list(self.messages))
 
     def text(self, tok: Tokenizer) -> str:
         """The response as the scorer sees it: every sample's response tokens decoded

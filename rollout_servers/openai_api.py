@@ -36,25 +36,16 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from asyncrl.rewards import ScoreResult
-from asyncrl.tools.tokens import render
-from rollout_servers.agent import (
-    Episode,
-    episode_samples,
-    episode_trajectories,
-    extend,
-    turn_params,
-)
+from rollout_servers.agent import Episode, episode_samples, episode_trajectories, turn_params
 from rollout_servers.sessions import (
-    ENDED,
     Group,
     RequestError,
     Session,
+    asked_tokens,
     assistant_reply,
     completion_body,
-    first_piece,
     max_tokens_of,
-    model_message,
-    new_messages,
+    prepare,
     reward_of,
     split_key,
 )
@@ -278,14 +269,22 @@ class OpenAIEndpoint:
     async def _turn(
         self, session: Session, messages: list[Any], body: dict[str, Any]
     ) -> dict[str, Any]:
-        """Append the new messages' tokens, sample one assistant turn, record it."""
-        ep, task = session.episode, session.task
-        self._prepare(session, messages, body.get("tools"))
-        piece = ep.pieces[-1]
-        budget = self.max_response_len - len(piece.token_ids)
-        params = turn_params(
-            self.sampling, task, session.index, ep.turns, max_tokens_of(body, budget)
+        """Sample one assistant turn and record it. The turn is prepared on a draft and
+        committed only once the engine answered (see :class:`Draft`)."""
+        asked_tokens(body)  # a bad request is refused before any work
+        draft = prepare(
+            session,
+            messages,
+            body.get("tools"),
+            self.tok,
+            max_prompt_len=self.max_prompt_len,
+            max_response_len=self.max_response_len,
+            version=self.engine.version,
         )
+        ep, task = draft.episode, session.task
+        piece = ep.pieces[-1]
+        budget = max_tokens_of(body, self.max_response_len - len(piece.token_ids))
+        params = turn_params(self.sampling, task, session.index, ep.turns, budget)
         rid = f"{task.task_id}/{session.index}/t{ep.turns}"
         sample = await self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid)
         piece.add_sampled(sample)
@@ -295,39 +294,16 @@ class OpenAIEndpoint:
         raw = self.tok.decode(ids[:-1] if ids and ids[-1] == eos else ids)
         ep.messages.append({"role": "assistant", "content": raw})
         reply, finish = assistant_reply(raw)
-        session.shown.append(reply)
+        draft.shown.append(reply)
+        draft.commit(session)
+        if draft.counted:
+            self.metrics[f"rollout/openai/{draft.counted}"] += 1
         if sample.finish_reason == "length":
             finish = "length"
         self.metrics["rollout/openai/completions"] += 1
         self.metrics["rollout/openai/tokens"] += len(ids)
         prompt_len = len(piece.prompt_ids) + len(piece.token_ids) - len(ids)
         return completion_body(reply, finish, self.model, prompt_len, len(ids))
-
-    def _prepare(self, session: Session, messages: list[Any], tools: Any) -> None:
-        """Make the session's current sample end where the next turn starts: its first
-        prompt, the new messages appended, or a new sample (history rewritten)."""
-        ep = session.episode
-        if not ep.pieces:
-            session.tools = tools if isinstance(tools, list) else None
-        added = new_messages(session, messages) if ep.pieces else None
-        if added is not None:
-            why = extend(
-                ep, added, self.tok, session.tools, self.max_prompt_len, self.max_response_len
-            )
-            if why == "split":
-                ep.pieces[-1].start_version = self.engine.version
-                self.metrics["rollout/openai/splits"] += 1
-            elif why:
-                raise RequestError(400, ENDED[why])
-            session.shown.extend(messages[len(session.shown) :])
-            return
-        if ep.pieces:
-            self.metrics["rollout/openai/rewritten"] += 1
-        history = [model_message(m) for m in messages]
-        prompt = render(self.tok, history, session.tools, gen=True)
-        ep.pieces.append(first_piece(prompt, self.max_prompt_len, self.engine.version))
-        ep.messages[:] = history
-        session.shown[:] = list(messages)
 
     # ----------------------------------------------------------------- groups
     def _close(self, group: Group) -> None:

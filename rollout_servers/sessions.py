@@ -12,6 +12,12 @@ sampled, tool calls written inline, as the chat template renders them) in its
 OpenAI ``tool_calls``). A request whose messages extend the shown view by new messages
 appends only their tokens (:func:`rollout_servers.agent.extend`); a request that rewrites
 earlier messages starts a new sample from its own rendering.
+
+A turn is prepared on a :class:`Draft` (copies of what it changes) and committed only once
+the engine answered: a refused or failed completion leaves the session exactly as it was,
+so the agent's retry (OpenAI clients retry a 500 by themselves) continues the same sample.
+What the agent got wrong (a malformed ``tools`` list or ``tool_calls``, a conversation the
+chat template refuses) is a 400 naming the fix, never a 500 that clients would retry.
 """
 
 from __future__ import annotations
@@ -22,11 +28,17 @@ import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
 
 from asyncrl.control.messages import Task
 from asyncrl.tools.hermes import parse_tool_calls
-from rollout_servers.agent import Episode, Piece
+from asyncrl.tools.tokens import render
+from rollout_servers.agent import Episode, Piece, extend
+
+if TYPE_CHECKING:
+    from rollout_servers.protocols import Tokenizer
 
 #: Roles an agent may add between assistant turns.
 INPUT_ROLES = ("system", "user", "tool")
@@ -133,14 +145,51 @@ def model_message(msg: Any) -> dict[str, Any]:
     if not isinstance(msg, dict) or msg.get("role") != "assistant":
         return input_message(msg)
     text = text_of(msg.get("content"))
-    for call in msg.get("tool_calls") or []:
-        fn = call.get("function", {}) if isinstance(call, dict) else {}
+    for call in tool_calls_of(msg):
+        fn = call["function"]
         args = fn.get("arguments", "{}")
         with contextlib.suppress(json.JSONDecodeError):  # else written as sent
             args = json.loads(args) if isinstance(args, str) else args
         block = json.dumps({"name": fn.get("name", ""), "arguments": args})
         text += f"<tool_call>\n{block}\n</tool_call>"
     return {"role": "assistant", "content": text}
+
+
+def tool_calls_of(msg: dict[str, Any]) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``: a list of ``{"function": {"name": ...}}``
+    objects (or none), else a 400."""
+    calls = msg.get("tool_calls") or []
+    ok = isinstance(calls, list) and all(
+        isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls
+    )
+    if not ok or not all(isinstance(c["function"].get("name", ""), str) for c in calls):
+        raise RequestError(
+            400,
+            "an assistant message's tool_calls must be a list of "
+            '{"type": "function", "function": {"name": ..., "arguments": ...}} objects, '
+            "as this endpoint returned them",
+        )
+    return calls
+
+
+def tools_of(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's ``tools``: None, or a list of ``{"type": "function", "function":
+    {"name": ...}}`` schemas, else a 400."""
+    if tools is None:
+        return None
+    ok = isinstance(tools, list) and all(
+        isinstance(t, dict)
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+        for t in tools
+    )
+    if not ok:
+        raise RequestError(
+            400,
+            'tools must be a list of {"type": "function", "function": {"name": ..., '
+            '"parameters": {...}}} objects',
+        )
+    return tools or None
 
 
 def _same(shown: dict[str, Any], sent: Any) -> bool:
@@ -205,12 +254,19 @@ def completion_body(
     }
 
 
+def asked_tokens(body: dict[str, Any]) -> int | None:
+    """The request's ``max_completion_tokens`` or ``max_tokens`` (None: not asked), else a
+    400; checked before a turn is prepared."""
+    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
+        raise RequestError(400, f"max_tokens must be a positive integer, not {asked!r}")
+    return asked
+
+
 def max_tokens_of(body: dict[str, Any], budget: int) -> int:
     """Tokens this turn may sample: the request's ``max_completion_tokens`` or
     ``max_tokens``, within what is left of ``data.max_response_length``."""
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
-    if asked is not None and (not isinstance(asked, int) or asked < 1):
-        raise RequestError(400, f"max_tokens must be a positive integer, not {asked!r}")
+    asked = asked_tokens(body)
     if budget < 1:
         raise RequestError(
             400,
@@ -234,3 +290,58 @@ ENDED = {
     "prompt_too_long": "the conversation no longer fits data.max_prompt_length: end the "
     "episode with POST /rl/reward",
 }
+
+
+@dataclass
+class Draft:
+    """A turn prepared on copies of what it changes (see the module docstring)."""
+
+    episode: Episode
+    shown: list[dict[str, Any]]
+    tools: list[dict] | None
+    counted: str = ""  # ``splits`` or ``rewritten``: counted by the endpoint on commit
+
+    def commit(self, session: Session) -> None:
+        """The engine answered: the session takes the turn."""
+        session.episode, session.shown, session.tools = self.episode, self.shown, self.tools
+
+
+def prepare(
+    session: Session,
+    messages: list[Any],
+    tools: Any,
+    tok: Tokenizer,
+    *,
+    max_prompt_len: int,
+    max_response_len: int,
+    version: int,
+) -> Draft:
+    """A draft whose current sample ends where the next turn starts: the session's first
+    prompt, the new messages appended, or a new sample (history rewritten, or a template
+    that rewrites it). ``version`` is the engine's, for a new sample's start. The session
+    itself is not touched."""
+    ep = session.episode
+    draft = Draft(ep.draft(), list(session.shown), session.tools if ep.pieces else None)
+    try:
+        if not ep.pieces:
+            draft.tools = tools_of(tools)
+        added = new_messages(session, messages) if ep.pieces else None
+        if added is not None:
+            new = draft.episode
+            why = extend(new, added, tok, draft.tools, max_prompt_len, max_response_len)
+            if why == "split":
+                new.pieces[-1].start_version = version
+                draft.counted = "splits"
+            elif why:
+                raise RequestError(400, ENDED[why])
+            draft.shown.extend(messages[len(draft.shown) :])
+            return draft
+        draft.counted = "rewritten" if ep.pieces else ""
+        history = [model_message(m) for m in messages]
+        prompt = render(tok, history, draft.tools, gen=True)
+    except TemplateError as e:
+        raise RequestError(400, f"the chat template refused the conversation: {e}") from e
+    draft.episode.pieces.append(first_piece(prompt, max_prompt_len, version))
+    draft.episode.messages[:] = history
+    draft.shown[:] = list(messages)
+    return draft

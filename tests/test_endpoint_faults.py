@@ -1,0 +1,186 @@
+"""The OpenAI endpoint when a completion does not happen: the real endpoint served over HTTP
+on 127.0.0.1, with a character-level stand-in tokenizer and a stand-in engine (no vLLM).
+
+A refused (400) or failed (500) completion must leave the session exactly as it was, so the
+agent's retry of the same conversation continues the same sample: no second sample from a
+re-rendered prompt, no first sample ending in tokens no turn answered. What the agent got
+wrong is a 400 with one line naming the fix (OpenAI clients retry a 500 by themselves).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from asyncrl.config import load_config
+from asyncrl.control.messages import TaskGrant
+from asyncrl.control.task_states import external_task
+from rollout_servers import openai_api
+from rollout_servers.engine import Sample
+from rollout_servers.groups import SamplingSettings
+from rollout_servers.openai_api import OpenAIEndpoint
+from rollout_servers.sessions import Session
+
+EOT = "\x03"
+REPLY = "ok" + EOT
+USER = {"role": "user", "content": "hi"}
+
+
+class CharTokenizer:
+    """One token per character; a chat template that wraps each message in role markup."""
+
+    eos_token_id = ord(EOT)
+
+    def apply_chat_template(
+        self,
+        conversation: Any,
+        *,
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+    ) -> Any:
+        names = "".join(t["function"]["name"] for t in tools or [])
+        text = "".join(f"<{m['role']}>{m['content']}{EOT}" for m in conversation)
+        return f"[{names}]" + text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> Any:
+        return "".join(map(chr, token_ids))
+
+
+class FlakyEngine:
+    """Answers :data:`REPLY`; raises once when :attr:`fail_next` is set."""
+
+    version = 0
+
+    def __init__(self) -> None:
+        self.fail_next = False
+        self.calls = 0
+
+    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Sample:
+        self.calls += 1
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the engine hiccuped")
+        ids = [ord(c) for c in REPLY]
+        return Sample(ids, [-0.1] * len(ids), [(0, len(ids))], "stop")
+
+
+class OneSlotClient:
+    def request_slot(self) -> TaskGrant:
+        return TaskGrant(tasks=[external_task("ext/1", 0)], policy_version=0)
+
+
+class Rig:
+    """The endpoint served on 127.0.0.1, and a way to post to it as session ``g/0``."""
+
+    def __init__(self, endpoint: OpenAIEndpoint, engine: FlakyEngine, base: str) -> None:
+        self.endpoint, self.engine, self.base = endpoint, engine, base
+
+    async def chat(self, messages: list[Any], **extra: Any) -> tuple[int, dict[str, Any]]:
+        body = {"model": "m", "messages": messages, **extra}
+        headers = {"Authorization": "Bearer g/0"}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{self.base}/v1/chat/completions", json=body, headers=headers) as response,
+        ):
+            return response.status, await response.json()
+
+    def session(self) -> Session:
+        return self.endpoint.groups["g"].sessions["g/0"]
+
+
+def _state(s: Session) -> tuple:
+    """Everything a turn may change, by value."""
+    ep = s.episode
+    pieces = [
+        (p.prompt_ids, p.token_ids, p.logprobs, p.version_spans, p.masked_spans) for p in ep.pieces
+    ]
+    return repr(pieces), repr(ep.messages), ep.turns, ep.splits, repr(s.shown), repr(s.tools)
+
+
+def _serve(monkeypatch: pytest.MonkeyPatch, scenario: Callable[[Rig], Awaitable[None]]) -> None:
+    """Run ``scenario`` against a fresh endpoint (group size 2) served on 127.0.0.1."""
+    # Sampling parameters are the engine's business; importing vLLM for them takes seconds.
+    monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=2",
+            "rollout.openai_endpoint.group_size=2",
+            "data.max_prompt_length=512",
+            "data.max_response_length=512",
+        ],
+    )
+    engine = FlakyEngine()
+    settings = SamplingSettings.from_config(cfg)
+    parts = (engine, CharTokenizer(), OneSlotClient(), None, settings)
+    endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        server = TestServer(endpoint.app(), host="127.0.0.1")
+        await server.start_server()
+        try:
+            await scenario(Rig(endpoint, engine, str(server.make_url("")).rstrip("/")))
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+async def _first_turn(rig: Rig) -> list[dict[str, Any]]:
+    """One answered turn, and the conversation the agent sends next (a tool's answer)."""
+    status, body = await rig.chat([USER])
+    assert status == 200, body
+    return [USER, body["choices"][0]["message"], {"role": "tool", "content": "42"}]
+
+
+@pytest.mark.parametrize("fault", ["max_tokens", "engine"])
+def test_a_refused_or_failed_turn_leaves_the_session_as_it_was(monkeypatch, fault: str):
+    async def scenario(rig: Rig) -> None:
+        convo = await _first_turn(rig)
+        before = _state(rig.session())
+        extra: dict[str, Any] = {"max_tokens": 0} if fault == "max_tokens" else {}
+        rig.engine.fail_next = fault == "engine"
+        status, body = await rig.chat(convo, **extra)
+        assert status == (400 if fault == "max_tokens" else 500), body
+        assert _state(rig.session()) == before
+
+        status, body = await rig.chat(convo)  # the agent's retry, corrected
+        assert status == 200, body
+        ep = rig.session().episode
+        assert len(ep.pieces) == 1 and ep.turns == 2
+        assert rig.endpoint.metrics["rollout/openai/rewritten"] == 0
+        piece = ep.pieces[0]
+        ((start, length),) = piece.masked_spans  # the tool answer, inserted once
+        text = "".join(map(chr, piece.token_ids))
+        assert text == REPLY + text[start : start + length] + REPLY
+        assert text.count("<tool>42") == 1
+
+    _serve(monkeypatch, scenario)
+
+
+def test_client_mistakes_are_400s_that_change_nothing(monkeypatch):
+    async def scenario(rig: Rig) -> None:
+        status, body = await rig.chat([USER], tools="calculator")
+        assert status == 400 and "tools must be a list" in body["error"]["message"]
+        status, body = await rig.chat([USER], tools=[{"type": "function", "function": "add"}])
+        assert status == 400, body
+        convo = await _first_turn(rig)
+        before = _state(rig.session())
+        bad = {"role": "assistant", "content": "", "tool_calls": 7}
+        status, body = await rig.chat([USER, bad, convo[2]])  # a rewritten history, malformed
+        assert status == 400 and "tool_calls must be a list" in body["error"]["message"]
+        status, body = await rig.chat([USER, {**bad, "tool_calls": ["add"]}, convo[2]])
+        assert status == 400, body
+        assert _state(rig.session()) == before
+        assert rig.endpoint.metrics["rollout/openai/refused/500"] == 0
+
+    _serve(monkeypatch, scenario)
