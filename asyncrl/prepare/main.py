@@ -107,20 +107,26 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--ops", default="+", help="arithmetic: operators, e.g. '+-*'")
     p.add_argument("--log-level", default="INFO")
     k = sub.add_parser(
-        "keys", help="write the run's CURVE keys: a server pair and one pair per role"
+        "keys",
+        help="write the run's CURVE keys: a server pair, one pair per role, and one folder "
+        "per role with what a node of that role needs",
     )
-    k.add_argument("--out", required=True, help="directory (give it to every node of the run)")
+    k.add_argument(
+        "--out", required=True, help="directory (give each node only its role's DIR/<role>/)"
+    )
     return p
 
 
 def prepare_keys(args: argparse.Namespace) -> dict:
-    from asyncrl.security import write_keys
+    from asyncrl.security import KEY_ROLES, write_keys
 
-    files = write_keys(Path(args.out))
+    out = Path(args.out)
+    files = write_keys(out)
     return {
-        "keys_dir": str(args.out),
-        "files": sorted(f.name for f in files),
-        "use": f"endpoints.auth=curve endpoints.keys_dir={args.out}",
+        "keys_dir": str(out),
+        "files": sorted(str(f.relative_to(out)) for f in files),
+        "nodes": {role: str(out / role) for role in KEY_ROLES},
+        "use": f"endpoints.auth=curve endpoints.keys_dir={out} (on a node: its role's folder)",
     }
 
 
