@@ -317,6 +317,12 @@ class BufferClient(ReqClient):
         )
         self.consumer_id = consumer_id
         self.last_wait_s = 0.0  # how long the last request_batch waited
+        # The last batch received, as (buffer session, batch id): sent with every batch
+        # request, so a batch whose reply came after this client stopped waiting is sent
+        # again instead of being lost. None until hello: no tracking.
+        self.received: tuple[str, int | None] | None = None
+        # Where the next drop/validation report starts: (buffer session, drops, validated).
+        self._reports_at: tuple[str, int, int] = ("", 0, 0)
 
     def _ask(self, msg: wire.Request, expect: type[R], timeout_s: float | None = None) -> R:
         reply = self.call(msg, wire.decode_reply, timeout_s)
@@ -336,11 +342,16 @@ class BufferClient(ReqClient):
                     raise TimeoutError(f"buffer at {self.addr} silent for {waited:.0f}s") from None
                 log.info("waiting for the buffer at %s (%.0fs so far)", self.addr, waited)
 
-    def hello(self, acked_through: int | None = None, wait_s: float = 60.0) -> wire.Welcome:
+    def hello(
+        self, acked_through: int | None = None, wait_s: float = 60.0, session: str = ""
+    ) -> wire.Welcome:
         """READY handshake: wait up to ``wait_s`` for the buffer (logging while it is not
-        up), start a session; unacknowledged batches after ``acked_through`` come again."""
-        msg = wire.Hello(consumer_id=self.consumer_id, acked_through=acked_through)
-        return self._until_up(msg, wire.Welcome, wait_s)
+        up), start a session; unacknowledged batches after ``acked_through`` (a batch id of
+        buffer ``session``) come again."""
+        msg = wire.Hello(consumer_id=self.consumer_id, acked_through=acked_through, session=session)
+        welcome = self._until_up(msg, wire.Welcome, wait_s)
+        self.received = (session, acked_through)
+        return welcome
 
     def wait_ready(self, wait_s: float = 60.0) -> dict[str, float]:
         """Wait up to ``wait_s`` for the buffer to answer (its stats), without starting a
@@ -349,13 +360,22 @@ class BufferClient(ReqClient):
 
     def request_batch(self, policy_version: int, wait_s: float = 1.0) -> wire.Batch | None:
         """The next training batch, or None when the buffer has none within ``wait_s``."""
+        session, through = self.received if self.received is not None else (None, None)
         msg = wire.BatchRequest(
-            consumer_id=self.consumer_id, policy_version=policy_version, wait_s=wait_s
+            consumer_id=self.consumer_id,
+            policy_version=policy_version,
+            wait_s=wait_s,
+            received_session=session,
+            received_through=through,
         )
         start = time.monotonic()
         reply = self.call(msg, wire.decode_reply, timeout_s=wait_s + self.timeout_s)
         self.last_wait_s = time.monotonic() - start
-        return reply if isinstance(reply, wire.Batch) else None
+        if not isinstance(reply, wire.Batch):
+            return None
+        if self.received is not None:
+            self.received = (reply.session, reply.batch_id)
+        return reply
 
     def ack(self, batch_ids: Sequence[int]) -> wire.AckReply:
         """Tell the buffer these batches are in a saved checkpoint."""
@@ -367,13 +387,22 @@ class BufferClient(ReqClient):
         return self._ask(wire.StatsRequest(), wire.StatsReply).metrics
 
     def dropped(self) -> list[wire.DroppedTask]:
-        """Tasks dropped for lag or expiry since the last call (drained)."""
+        """Tasks dropped unused since the last call."""
         return self.drain().dropped
 
     def drain(self) -> wire.DroppedReply:
-        """Tasks dropped and validation tasks scored since the last call (drained), with
-        the buffer's session."""
-        return self._ask(wire.DroppedRequest(), wire.DroppedReply)
+        """Tasks dropped and validation tasks scored since the last call, with the buffer's
+        session. Read by cursor: the cursor moves only when a reply came, so a reply lost
+        to a timeout is read again by the next call (a buffer restart starts over)."""
+        session, drops, validated = self._reports_at
+        msg = wire.DroppedRequest(session=session, drops_from=drops, validated_from=validated)
+        reply = self._ask(msg, wire.DroppedReply)
+        self._reports_at = (
+            reply.session,
+            reply.drops_from + len(reply.dropped),
+            reply.validated_from + len(reply.validated),
+        )
+        return reply
 
     def inventory(self) -> wire.InventoryReply:
         """Every task id the buffer holds, dropped or scored in its session."""

@@ -26,7 +26,14 @@ evicted, oldest first; fresh groups are never evicted: :meth:`has_room` turns Fa
 service stops reading, so producers block (backpressure). Stale groups leave at the next
 request, incomplete ones at their timeout.
 
-Groups dropped unused (lag, expiry) are listed for the coordinator by :meth:`take_dropped`.
+Groups dropped unused (lag, expiry, a duplicate of a forgotten group, overflow) and
+validation groups scored are logged for the coordinator, which reads the logs by cursor
+(:meth:`reports_since`): a reply lost on the way is read again, never lost.
+
+Batches carry the buffer's ``session`` (a new one per process), so a consumer's "I hold
+everything up to batch ``k``" is never applied to another session's batch ``k``; a batch
+released to a consumer that says it never received it (its reply came after the consumer
+stopped waiting) is sent again before anything else.
 Task ids stay known after their group left (to recognise duplicates and late members): a few
 dozen bytes per task for the life of the process. The records behind all this (incomplete
 groups, held groups, the pool, unacknowledged batches) live in :mod:`buffer.state`.
@@ -35,6 +42,7 @@ groups, held groups, the pool, unacknowledged batches) live in :mod:`buffer.stat
 from __future__ import annotations
 
 import random
+import secrets
 from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Literal
@@ -44,7 +52,7 @@ import msgspec
 from asyncrl.wire import Batch, DroppedTask, Group, Packed, Trajectory, ValidationStats
 from buffer.state import COUNTERS, Held, Partial, State
 
-Outcome = Literal["added", "completed", "duplicate", "late", "inconsistent"]
+Outcome = Literal["added", "completed", "duplicate", "late", "inconsistent", "overflow"]
 
 
 class ReplayBuffer:
@@ -60,6 +68,7 @@ class ReplayBuffer:
         max_reuse: int = 1,
         group_timeout_s: float = 600.0,
         seed: int = 0,
+        session: str = "",
     ):
         if policy not in ("fifo", "uniform"):
             raise ValueError(f"policy must be fifo or uniform, not {policy!r}")
@@ -72,10 +81,11 @@ class ReplayBuffer:
         self._s = State()
         self._next_batch_id = 0
         self._learner_version: int | None = None
-        self._dropped: list[DroppedTask] = []  # drained by take_dropped
-        self._drop_log: list[DroppedTask] = []  # every drop, for the inventory
-        self._validated: list[str] = []  # drained by take_dropped
-        self._validated_all: list[str] = []
+        # Names this buffer's contents and batch ids: a new session means it restarted.
+        self.session = session or secrets.token_hex(4)
+        self._drop_log: list[DroppedTask] = []  # every drop, read by cursor
+        self._validated_all: list[str] = []  # every validation id scored, read by cursor
+        self._taken = (0, 0)  # take_dropped/take_validated's own cursors
         self._validation: dict[str, ValidationStats] = {}
         self._lag_hist: Counter[int] = Counter()
         self._size_max = 0
@@ -86,31 +96,52 @@ class ReplayBuffer:
         """Take one trajectory that arrived at ``now``; say what became of it.
 
         Trajectories come validated by :mod:`asyncrl.wire` (``group_index < group_size``).
+        A new group is refused (``overflow``, reported as a drop) while ``capacity_groups``
+        incomplete groups are open, even inside one message.
         """
         s, tid = self._s, traj.task_id
         closed = s.closed.get(tid)
         if closed is not None:
-            kind = "duplicate" if closed == "complete" else "late"
-            self.counts[f"drops/{kind}"] += 1
-            return kind  # type: ignore[return-value]
+            return self._closed(traj, closed)
         part = s.partial.get(tid)
         if part is None:
-            part = s.partial[tid] = Partial([None] * traj.group_size, now)
-        elif len(part.members) != traj.group_size:
+            if len(s.partial) >= self.capacity:
+                self.counts["drops/overflow"] += 1
+                s.closed[tid] = "expired"  # its other members are late
+                self._drop(DroppedTask(tid, "overflow", traj.validation))
+                return "overflow"
+            part = s.partial[tid] = Partial(traj.group_size, now)
+        elif part.size != traj.group_size:
             self.counts["drops/inconsistent"] += 1
             return "inconsistent"
-        if part.members[traj.group_index] is not None:
+        if traj.group_index in part.members:
             self.counts["drops/duplicate"] += 1
             return "duplicate"
         part.members[traj.group_index] = traj
-        part.filled += 1
         self.counts["trajectories_in"] += 1
-        if part.filled < len(part.members):
+        if len(part.members) < part.size:
             return "added"
         del s.partial[tid]
         s.closed[tid] = "complete"
-        self._complete(Group.from_trajectories(tid, part.members))  # type: ignore[arg-type]
+        self._complete(Group.from_trajectories(tid, part.ordered()))
         return "completed"
+
+    def _closed(self, traj: Trajectory, closed: str) -> Outcome:
+        """A member of a group already complete (a duplicate) or expired (late).
+
+        A training group that comes again after the buffer used and forgot its first copy
+        is reported as dropped (``duplicate``), once: the coordinator may have charged it
+        to the budget (a task re-dealt by a coordinator that did not know the first copy),
+        and only a report returns it. While the first copy is held, its charge stands.
+        """
+        s, tid = self._s, traj.task_id
+        kind = "late" if closed == "expired" else "duplicate"
+        self.counts[f"drops/{kind}"] += 1
+        if closed == "complete" and tid not in s.held and not traj.validation:
+            s.closed[tid] = "duplicate"
+            self.counts["drops/duplicate_groups"] += 1
+            self._drop(DroppedTask(tid, "duplicate", False))
+        return kind  # type: ignore[return-value]
 
     def add_packed(self, packed: Packed, now: float) -> list[Outcome]:
         """Take the trajectories of one message; what became of each, in order.
@@ -155,7 +186,7 @@ class ReplayBuffer:
         for tid in out:
             part = s.partial.pop(tid)
             s.closed[tid] = "expired"
-            member = next(t for t in part.members if t is not None)
+            member = next(iter(part.members.values()))
             self._drop(DroppedTask(tid, "expired", member.validation))
         self.counts["drops/expired"] += len(out)
         return out
@@ -167,7 +198,6 @@ class ReplayBuffer:
             rewards = {m.episode_index: m.reward for m in group.metas}
             stats.add_group(list(rewards.values()), int(group.response_lens.sum()))
             self.counts["val_groups_in"] += 1
-            self._validated.append(group.task_id)
             self._validated_all.append(group.task_id)
             return
         s = self._s
@@ -180,18 +210,31 @@ class ReplayBuffer:
         self._evict_used()
 
     # ------------------------------------------------------------------ out
-    def release(self, policy_version: int, consumer: str = "") -> Batch | None:
+    def release(
+        self,
+        policy_version: int,
+        consumer: str = "",
+        received: tuple[str, int | None] | None = None,
+    ) -> Batch | None:
         """The next batch for ``consumer``, a learner at ``policy_version``, or None if too
         few groups.
 
-        A batch queued by :meth:`restart` comes first, unchanged but marked redelivered.
-        A new batch's ``policy_version`` is the version its lag is measured against.
+        ``received`` is the last batch the consumer received, as ``(session, batch id)``
+        (``None`` id: none yet; ``received`` None: the consumer does not say). A batch
+        released to it after that one and never received (the reply came after it stopped
+        waiting) is sent again first, unchanged: a late reply loses nothing. Then a batch
+        queued by :meth:`restart`, unchanged but marked redelivered. A new batch's
+        ``policy_version`` is the version its lag is measured against.
         """
         s = self._s
         if self._learner_version is None or policy_version > self._learner_version:
             self._learner_version = policy_version
         version = self._learner_version
         self._drop_stale(version)
+        lost = self._not_received(consumer, received)
+        if lost is not None:
+            self.counts["batches_resent"] += 1
+            return s.unacked[lost]
         if s.redeliver:
             self.counts["batches_redelivered"] += 1
             bid = s.redeliver.popleft()
@@ -218,6 +261,7 @@ class ReplayBuffer:
             lags[version - h.oldest_version] += 1
         self._lag_hist.update(lags)
         batch = Batch(
+            session=self.session,
             batch_id=self._next_batch_id,
             policy_version=version,
             groups=groups,
@@ -231,6 +275,19 @@ class ReplayBuffer:
         self.counts["groups_out"] += len(groups)
         self._evict_used()
         return batch
+
+    def _not_received(self, consumer: str, received: tuple[str, int | None] | None) -> int | None:
+        """The oldest batch released to ``consumer`` after what it ``received`` (not one
+        waiting in the redelivery queue: that one was not released again yet)."""
+        if received is None:
+            return None
+        session, last = received
+        mine = (b for b in self._s.unacked if self._s.owner.get(b) == consumer)
+        for bid in mine:  # batch id order
+            new_here = session != self.session or last is None or bid > last
+            if new_here and bid not in self._s.redeliver:
+                return bid
+        return None
 
     def ack(self, batch_ids: Iterable[int]) -> tuple[list[int], list[int]]:
         """Forget acknowledged batches; returns (acknowledged, unknown) ids."""
@@ -255,19 +312,24 @@ class ReplayBuffer:
         return acked, unknown
 
     def restart(
-        self, acked_through: int | None = None, consumer: str | None = None
+        self, acked_through: int | None = None, consumer: str | None = None, session: str = ""
     ) -> tuple[int, int]:
-        """A consumer (re)started holding batches up to ``acked_through``: acknowledge
-        those, queue its other unacknowledged ones for release again, in order.
+        """A consumer (re)started holding batches up to ``acked_through`` of ``session``:
+        acknowledge those, queue its other unacknowledged ones for release again, in order.
 
         ``consumer`` limits this to the batches released to that consumer id (None: all),
-        so another client saying hello cannot make the learner's batches come twice.
+        so another client saying hello cannot make the learner's batches come twice. An
+        ``acked_through`` of another session (the buffer restarted since that checkpoint)
+        acknowledges nothing here: this session's batch ids name other batches. ``""``:
+        the caller does not say (this session assumed).
         Returns (batches queued again, batches acknowledged).
         """
         s = self._s
         mine = [b for b in s.unacked if consumer is None or s.owner.get(b) == consumer]
         acked: list[int] = []
-        if acked_through is not None:
+        if session and session != self.session:
+            self.counts["hello_other_session"] += 1
+        elif acked_through is not None:
             acked, _ = self.ack([b for b in mine if b <= acked_through])
         queued = set(s.redeliver) | {b for b in mine if b in s.unacked}
         s.redeliver = deque(sorted(queued))
@@ -279,17 +341,27 @@ class ReplayBuffer:
         return len(self._s.held) < self.capacity and len(self._s.partial) < self.capacity
 
     def _drop(self, d: DroppedTask) -> None:
-        self._dropped.append(d)
         self._drop_log.append(d)
 
+    def reports_since(
+        self, drops_from: int, validated_from: int
+    ) -> tuple[list[DroppedTask], list[str]]:
+        """Drops and scored validation ids logged since these positions of the two logs
+        (a reader keeps its own cursors and moves them only once it has the reply)."""
+        return self._drop_log[drops_from:], self._validated_all[validated_from:]
+
     def take_dropped(self) -> list[DroppedTask]:
-        """Tasks dropped unused (lag, expiry) since the last call, for the coordinator."""
-        out, self._dropped = self._dropped, []
+        """Tasks dropped unused since the last call (an in-process reader's cursor)."""
+        d, v = self._taken
+        out, _ = self.reports_since(d, v)
+        self._taken = (len(self._drop_log), v)
         return out
 
     def take_validated(self) -> list[str]:
-        """Validation task ids scored since the last call, for the coordinator."""
-        out, self._validated = self._validated, []
+        """Validation task ids scored since the last call (an in-process reader's cursor)."""
+        d, v = self._taken
+        _, out = self.reports_since(d, v)
+        self._taken = (d, len(self._validated_all))
         return out
 
     def inventory(self) -> tuple[list[str], list[DroppedTask], list[str]]:

@@ -26,7 +26,6 @@ once per kind; the service keeps running. Run it as ``asyncrl-buffer CONFIG`` (s
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from pathlib import Path
@@ -74,7 +73,7 @@ class BufferService:
         self.stats = ServiceStats()
         # Names this process's contents: a coordinator that sees a new session knows the
         # groups it acknowledged to the old one are gone.
-        self.session = secrets.token_hex(4)
+        self.session = buffer.session
         self._stop, self._ready = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -296,10 +295,17 @@ class BufferService:
         if isinstance(msg, wire.StatsRequest):
             return wire.StatsReply(metrics=self.metrics())
         if isinstance(msg, wire.DroppedRequest):
+            # Cursors of another session (the buffer restarted) read from the start.
+            mine = msg.session == self.session
+            drops_from = msg.drops_from if mine else 0
+            validated_from = msg.validated_from if mine else 0
+            dropped, validated = self.buffer.reports_since(drops_from, validated_from)
             return wire.DroppedReply(
-                dropped=self.buffer.take_dropped(),
-                validated=self.buffer.take_validated(),
+                dropped=dropped,
+                validated=validated,
                 session=self.session,
+                drops_from=drops_from,
+                validated_from=validated_from,
             )
         if isinstance(msg, wire.InventoryRequest):
             held, dropped, validated = self.buffer.inventory()
@@ -316,7 +322,7 @@ class BufferService:
         # Requests this consumer left held before it restarted must not take batches now:
         # nobody would receive them until its next restart.
         self._held.drop(msg.consumer_id)
-        redelivering, acked = self.buffer.restart(msg.acked_through, msg.consumer_id)
+        redelivering, acked = self.buffer.restart(msg.acked_through, msg.consumer_id, msg.session)
         log.info(
             "consumer %s started (acked through %s): %d batches acknowledged, %d to release again",
             msg.consumer_id,
@@ -335,7 +341,11 @@ class BufferService:
         none seems ready, which applies the lag filter for the request's version), else
         :class:`~asyncrl.wire.NoBatch` once its wait ended, else None (it waits on)."""
         if force or self.buffer.can_release():
-            batch = self.buffer.release(held.msg.policy_version, held.msg.consumer_id)
+            m = held.msg
+            received = (
+                None if m.received_session is None else (m.received_session, m.received_through)
+            )
+            batch = self.buffer.release(m.policy_version, m.consumer_id, received)
             if batch is not None:  # with the service's counters (rejects, refusals, rates)
                 batch = msgspec.structs.replace(batch, metrics=self.metrics())
                 return wire.encode_batch(batch)

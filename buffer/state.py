@@ -19,11 +19,15 @@ COUNTERS = (
     "batches_out",
     "groups_out",
     "batches_redelivered",
+    "batches_resent",  # released, never received (the reply came late): sent again
     "batches_acked",
+    "hello_other_session",  # a restarted consumer's checkpoint predates this session
     "groups_acked",
     "drops/duplicate",  # trajectories
     "drops/late",  # trajectories
     "drops/inconsistent",  # trajectories whose group_size disagrees with their group's
+    "drops/overflow",  # trajectories of new groups refused: incomplete groups at capacity
+    "drops/duplicate_groups",  # groups that came again after their first copy was forgotten
     "drops/lag",  # groups
     "drops/expired",  # groups
     "evicted",  # groups already trained on, removed to make room or because stale
@@ -32,11 +36,15 @@ COUNTERS = (
 
 @dataclass
 class Partial:
-    """An incomplete group: its members so far (None where one is missing)."""
+    """An incomplete group: its members so far, by ``group_index`` (a dict, so that a
+    group announced with a huge ``group_size`` costs what arrived, not what it claims)."""
 
-    members: list[Trajectory | None]
+    size: int
     first_seen: float
-    filled: int = 0
+    members: dict[int, Trajectory] = field(default_factory=dict)
+
+    def ordered(self) -> list[Trajectory]:
+        return [self.members[i] for i in range(self.size)]
 
 
 @dataclass
@@ -55,7 +63,8 @@ class State:
     """Everything the buffer holds, by task id and by batch id."""
 
     partial: dict[str, Partial] = field(default_factory=dict)  # insertion = arrival order
-    closed: dict[str, str] = field(default_factory=dict)  # task id -> complete | expired
+    # task id -> complete | expired | duplicate (complete, and a second copy was reported)
+    closed: dict[str, str] = field(default_factory=dict)
     held: dict[str, Held] = field(default_factory=dict)
     pool: dict[str, None] = field(default_factory=dict)  # ordered set: completion order
     pool_versions: Counter[int] = field(default_factory=Counter)  # oldest versions in pool

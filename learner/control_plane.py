@@ -47,6 +47,7 @@ class Restored(NamedTuple):
     coordinator: dict[str, Any] | None  # the coordinator's saved state
     step: int = 0  # the checkpoint's step and policy version
     version: int = 0
+    last_batch_session: str = ""  # the buffer session that numbered last_batch_id
 
 
 class ControlPeer(Protocol):
@@ -144,7 +145,11 @@ class RankZero:
             "learner",
             max_message_bytes=mebibytes(cfg.control.max_message_mb),
         )
-        welcome = self.buffer.hello(restored.last_batch_id, wait_s=cfg.launch.start_timeout_s)
+        welcome = self.buffer.hello(
+            restored.last_batch_id,
+            wait_s=cfg.launch.start_timeout_s,
+            session=restored.last_batch_session,
+        )
         log.info("buffer ready: %d unacknowledged batches come again first", welcome.redelivering)
         if restored.path is not None:  # the replay of those batches reproduces versions
             self.coordinator.set_replay(

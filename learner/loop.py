@@ -75,6 +75,7 @@ class LearnerLoop:
         )
         self._mark("coordinator_up")
         self.last_batch_id = self.restored.last_batch_id
+        self.last_batch_session = self.restored.last_batch_session
         self.unacked: list[int] = []  # batch ids trained on since the last checkpoint
 
     # ------------------------------------------------------------------ main loop
@@ -107,7 +108,7 @@ class LearnerLoop:
         metrics = t.train_step(rollouts, c.rollout.temperature)  # advances t.step
         self._mark("first_step")
         metrics.update(batch.metrics)  # the buffer's own counters (buffer/...)
-        self._account(batch.batch_id, rollouts)
+        self._account(batch, rollouts)
         metrics["timing/wait_batch_s"] = waited
         metrics["timing/step_s"] = time.monotonic() - start
         metrics["timing/wait_fraction"] = waited / max(metrics["timing/step_s"], 1e-9)
@@ -134,10 +135,11 @@ class LearnerLoop:
         payload = self.control.wait_batch(t.policy_version, t.step)
         return share_batch(payload, t.rank, t.world_size)
 
-    def _account(self, batch_id: int, rollouts: list[Rollout]) -> None:
+    def _account(self, batch: Any, rollouts: list[Rollout]) -> None:
         """Tell the coordinator what was trained (before the push: the admission window
         moves by what the pushed weights consumed), and the buffer what it may forget."""
-        self.last_batch_id = batch_id
+        batch_id = batch.batch_id
+        self.last_batch_id, self.last_batch_session = batch_id, batch.session
         self.control.trained(sorted({str(r.group_id) for r in rollouts}))  # the task ids
         if self.cfg.trainer.save_freq > 0:
             self.unacked.append(batch_id)  # acknowledged by the checkpoint that holds it
@@ -161,7 +163,11 @@ class LearnerLoop:
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, final: bool = False) -> None:
-        extra = {"last_batch_id": self.last_batch_id, **self.control.checkpoint_extra()}
+        extra = {
+            "last_batch_id": self.last_batch_id,
+            "last_batch_session": self.last_batch_session,
+            **self.control.checkpoint_extra(),
+        }
         self.trainer.save(self.run_dir, extra=extra)
         self.control.acknowledge(self.unacked)
         self.unacked = []
@@ -186,6 +192,7 @@ class LearnerLoop:
             path,
             self.trainer.step,
             self.trainer.policy_version,
+            str(extra.get("last_batch_session") or ""),
         )
         return Restored(
             Path(path),
@@ -193,6 +200,7 @@ class LearnerLoop:
             extra.get("coordinator"),
             self.trainer.step,
             self.trainer.policy_version,
+            str(extra.get("last_batch_session") or ""),
         )
 
 

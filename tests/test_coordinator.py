@@ -75,6 +75,12 @@ def start_standin(tmp_path):
             proc.wait(10)
 
 
+def _head(coord: Coordinator, kind: str) -> str:
+    """``train.<lineage>`` or ``val.<lineage>``: a coordinator from a config draws its own
+    lineage, so its ids never repeat an earlier coordinator's."""
+    return f"{kind}.{coord.state_dict()['ledger']['source']['lineage']}"
+
+
 def _metric(coord: Coordinator, key: str) -> float:
     return coord.metrics().get(key, 0.0)
 
@@ -182,7 +188,7 @@ def test_killed_client_tasks_are_redealt_to_the_other_and_the_epoch_arrives_once
 
             # Every task of the epoch reaches the buffer exactly once.
             ids = _train_on_everything(buf, batches=n_rows // 4)
-            assert sorted(ids) == sorted(f"train/0/{i}" for i in range(n_rows))
+            assert sorted(ids) == sorted(f"{_head(coord, 'train')}/0/{i}" for i in range(n_rows))
             assert buf.stats()["buffer/drops/duplicate"] == 0
             assert learner.shutdown(wait_s=5)
             assert b.wait(10) == 0
@@ -216,7 +222,9 @@ def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin, un
             second.finish_sync(second.begin_sync(WeightPlan()))
             until(lambda: len(acked(journal)) == 12, "4 more tasks")
             after = acked(journal)[8:]
-            assert after == [f"train/0/{p}" for p in range(8, 12)]  # where the cursor was
+            head = _head(first, "train")
+            assert _head(second, "train") == head  # a restored coordinator keeps its lineage
+            assert after == [f"{head}/0/{p}" for p in range(8, 12)]  # where the cursor was
             assert not set(after) & set(before)
             assert second.shutdown(wait_s=5)
         finally:
@@ -309,7 +317,7 @@ def test_validation_rounds_are_flagged_and_outside_the_budget(tmp_path, start_st
             learner.coordinator.on_step(5)  # test_freq: a new round, budget or not
             until(lambda: len(acked(journal)) == 10, "the second round")
             assert [e["task_id"] for e in events(journal, "task")[7:]] == [
-                f"val/1/{i}" for i in range(3)
+                f"{_head(learner.coordinator, 'val')}/1/{i}" for i in range(3)
             ]
             stats = buf.validation()
             assert stats["arithmetic"].groups == 6 and stats["arithmetic"].trajectories == 6

@@ -40,7 +40,6 @@ from asyncrl.control.task_states import (
     CHARGED,
     DONE,
     DROP_REASONS,
-    EXTERNAL,
     GIVEN_UP,
     KINDS,
     OUT,
@@ -49,9 +48,11 @@ from asyncrl.control.task_states import (
     Drops,
     Entry,
     accounting,
+    external_id,
     external_task,
     is_external,
     kind_of,
+    well_formed_external,
 )
 
 __all__ = ["DONE", "TaskLedger", "kind_of"]
@@ -67,8 +68,12 @@ class TaskLedger(LedgerCheckpoint):
         lag_retries: int = 0,
         task_retries: int = 3,
         task_timeout_s: float = float("inf"),
+        session: str = "",
     ):
         self.source = source
+        # Names this incarnation's external slots (``ext/<session>/<n>``): slots are never
+        # dealt again, so their ids need not survive a restart, only never repeat.
+        self.session = session
         self.budget = budget
         self.lag_retries = lag_retries
         self.task_retries = task_retries
@@ -80,7 +85,7 @@ class TaskLedger(LedgerCheckpoint):
         self.dealt: Counter[str] = Counter()  # kind -> distinct ids dealt
         self.tally: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
         self._serial = 0
-        self.external_serial = 0  # external slots dealt, ever (kept in checkpoints)
+        self.external_serial = 0  # external slots this incarnation dealt
         self.refunded: Counter[str] = Counter()  # training deals uncharged, by cause
 
     # ------------------------------------------------------------------ state changes
@@ -153,7 +158,10 @@ class TaskLedger(LedgerCheckpoint):
         if not self.budget.free(self.committed):
             return None, "budget"
         self.external_serial += 1
-        tid = f"{EXTERNAL}{self.external_serial}"
+        tid = external_id(self.session, self.external_serial)
+        while tid in self.entries:  # an old checkpoint's plain ids share no session
+            self.external_serial += 1
+            tid = external_id(self.session, self.external_serial)
         self._new(tid, QUEUED, external_task(tid, self.budget.version))
         self.redeal.append(tid)  # _set moves it from the queue to OUT
         self.counts["external_dealt"] += 1
@@ -276,13 +284,21 @@ class TaskLedger(LedgerCheckpoint):
         """Groups the buffer dropped unused (``task_id``, ``cause``, ``validation`` like
         :class:`asyncrl.wire.DroppedTask`); returns how many left the budget and how many
         prompts were given up. A training prompt dropped for lag is queued again under a
-        new id, ``lag_retries`` times at most."""
+        new id, ``lag_retries`` times at most.
+
+        An id this ledger never dealt is recorded only when it is one of its own (dealt by
+        an earlier life of this lineage after the checkpoint, so that it is not dealt
+        again); anything else (another lineage's, or a made-up id) is counted and ignored.
+        """
         refunded = given_up = 0
         for d in reports:
             reason = d.cause if d.cause in DROP_REASONS else "expired"
             e = self.entries.get(d.task_id)
             if e is not None and e.state in TERMINAL:
                 continue  # reported before (an inventory repeats every drop)
+            if e is None and not self._ours(d.task_id):
+                self.counts["drops_foreign"] += 1
+                continue
             self.counts[f"buffer_dropped/{d.cause}"] += 1
             if e is None:
                 self._new(d.task_id, f"dropped/{reason}", None)
@@ -329,9 +345,23 @@ class TaskLedger(LedgerCheckpoint):
         self.counts["adopted"] += n
         return n
 
+    def _ours(self, tid: str) -> bool:
+        """Whether ``tid`` could have been dealt by this lineage (its source's id, or a
+        well-formed external slot id)."""
+        if is_external(tid):
+            return well_formed_external(tid)
+        try:
+            self.source.task_for_id(tid)
+        except KeyError:
+            return False
+        return True
+
     def _rebuilt(self, tid: str, state: str) -> Entry | None:
         """A task dealt by an earlier session, known here from its id (None: not ours)."""
         if is_external(tid):
+            if not well_formed_external(tid):
+                self.counts["adopt_refused"] += 1
+                return None
             return self._new(tid, state, external_task(tid, self.budget.version))
         try:
             task = self.source.task_for_id(tid, self.budget.version)

@@ -185,10 +185,13 @@ class SyncDone(Message, tag="sync_done"):
 
 
 class Leave(Message, tag="leave"):
-    """A server stops cleanly; its unacknowledged tasks are re-dealt at once."""
+    """A server stops cleanly, or the launcher reaped it; its unacknowledged tasks are
+    re-dealt at once. ``pid`` (0: any) names the process that left: a Leave for an earlier
+    incarnation than the registered one is ignored."""
 
     server_id: ServerId
     reason: Text = ""
+    pid: int = 0
 
 
 class ShutdownRequest(Message, tag="shutdown"):

@@ -98,6 +98,7 @@ class ControlState(VersionsAndSyncs):
         self.test_freq = test_freq
         self.val_before_train = val_before_train
         self.session = secrets.token_hex(4)
+        ledger.session = ledger.session or self.session  # names its external slots
         self.sync_secret = secrets.token_hex(16)  # in every sync group's store prefix
         self.servers: dict[str, ServerRecord] = {}
         self.shutting_down = ""  # the reason, once shutdown has begun
@@ -170,9 +171,16 @@ class ControlState(VersionsAndSyncs):
             rec.last_seen = now
         return rec
 
-    def leave(self, server_id: str) -> None:
-        if server_id in self.servers:
+    def leave(self, server_id: str, pid: int = 0) -> bool:
+        """A server left (or its launcher reaped it). A Leave naming another ``pid`` than
+        the registered one is about an earlier incarnation (the restarted server registered
+        first): ignored, and False says so."""
+        rec = self.servers.get(server_id)
+        if rec is not None and pid and rec.pid != pid:
+            return False
+        if rec is not None:
             self._remove(server_id, "left", "left")
+        return True
 
     def reap(self, now: float) -> list[str]:
         """Declare dead every server silent for more than ``dead_after_s``."""

@@ -8,9 +8,13 @@
 - Validation: every round deals each validation row once, in file order; row ``r`` of
   round ``k`` has id ``val/<k>/<r>``. Rounds are dealt in the order they were started.
 
-Ids are a pure function of the cursor, so a task can be rebuilt from its id alone
-(:meth:`TaskSource.task_for_id`) and a restored cursor deals the same tasks under the same
-ids again; the buffer keeps the first copy of an id, so a restart repeats no group.
+Ids are a pure function of the cursor and the source's *lineage*, so a task can be rebuilt
+from its id alone (:meth:`TaskSource.task_for_id`) and a cursor restored from a checkpoint
+deals the same tasks under the same ids again; the buffer keeps the first copy of an id, so
+a restart repeats no group. The lineage (``train.<lineage>/<e>/<p>``, ``val.<lineage>/...``)
+is drawn anew by a coordinator that starts without a checkpoint and kept in checkpoints: a
+fresh start after a crash never deals an id that a surviving buffer already saw for other
+work (it would drop the group as a duplicate). An empty lineage gives the plain ids above.
 
 The state (:meth:`TaskSource.state_dict`) is a few integers, saved with the learner's
 checkpoint; the rows themselves are read from ``data.train_files``/``data.val_files``.
@@ -49,10 +53,14 @@ def epoch_order(size: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     return order
 
 
-def _parse_id(task_id: str) -> tuple[str, int, int, int]:
-    """``(kind, epoch or round, position or row, retry)`` of a task id (retry 0: none)."""
+def _parse_id(task_id: str, lineage: str) -> tuple[str, int, int, int]:
+    """``(kind, epoch or round, position or row, retry)`` of a task id of ``lineage``
+    (retry 0: none); KeyError for any other id."""
     try:
-        kind, number, index, *rest = task_id.split("/")
+        head, number, index, *rest = task_id.split("/")
+        kind, _, its_lineage = head.partition(".")
+        if its_lineage != lineage:
+            raise ValueError
         retry = int(rest[0]) if len(rest) == 1 else 0
         if len(rest) > 1 or (rest and retry < 1):
             raise ValueError
@@ -75,8 +83,10 @@ class TaskSource:
         n: int = 1,
         val_n: int = 1,
         prompt_key: str = "prompt",
+        lineage: str = "",
     ):
         self.train_rows = list(train_rows)
+        self.lineage = lineage
         self.val_rows = list(val_rows)
         self.seed = seed
         self.shuffle = shuffle
@@ -118,7 +128,10 @@ class TaskSource:
 
     def _train_task(self, epoch: int, position: int, version: int) -> Task:
         row = self.train_rows[self._order_of(epoch)[position]]
-        return self._task(row, f"{_TRAIN}/{epoch}/{position}", self.n, False, version)
+        return self._task(row, f"{self._head(_TRAIN)}/{epoch}/{position}", self.n, False, version)
+
+    def _head(self, kind: str) -> str:
+        return f"{kind}.{self.lineage}" if self.lineage else kind
 
     # ------------------------------------------------------------------ validation
     def start_validation(self) -> int:
@@ -134,7 +147,7 @@ class TaskSource:
         if not self.val_queue:
             return None
         number = self.val_queue[0]
-        task_id = f"{_VAL}/{number}/{self.val_position}"
+        task_id = f"{self._head(_VAL)}/{number}/{self.val_position}"
         task = self._task(self.val_rows[self.val_position], task_id, self.val_n, True, version)
         self.val_position += 1
         if self.val_position >= len(self.val_rows):
@@ -145,7 +158,7 @@ class TaskSource:
     # ------------------------------------------------------------------ ids, state
     def task_for_id(self, task_id: str, version: int = 0) -> Task:
         """Rebuild the task that ``task_id`` names (e.g. one outstanding at a restart)."""
-        kind, number, index, retry = _parse_id(task_id)
+        kind, number, index, retry = _parse_id(task_id, self.lineage)
         if kind == _TRAIN and 0 <= index < len(self.train_rows):
             task = self._train_task(number, index, version)
             return msgspec.structs.replace(task, task_id=task_id) if retry else task
@@ -155,11 +168,11 @@ class TaskSource:
 
     def retry_of(self, task_id: str, version: int) -> tuple[Task, int]:
         """The next retry of training task ``task_id`` (a new id) and its retry number."""
-        kind, number, index, retry = _parse_id(task_id)
+        kind, number, index, retry = _parse_id(task_id, self.lineage)
         if kind != _TRAIN:
             raise KeyError(f"{task_id!r} is not a training task id")
         k = retry + 1
-        return self.task_for_id(f"{kind}/{number}/{index}/{k}", version), k
+        return self.task_for_id(f"{self._head(kind)}/{number}/{index}/{k}", version), k
 
     def _task(self, row: dict[str, Any], task_id: str, n: int, val: bool, version: int) -> Task:
         return Task(
@@ -185,6 +198,7 @@ class TaskSource:
             "train_rows": len(self.train_rows),
             "seed": self.seed,
             "shuffle": self.shuffle,
+            "lineage": self.lineage,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -195,6 +209,7 @@ class TaskSource:
                 f"saved cursor is for {saved[0]} training rows, seed {saved[1]}, shuffle "
                 f"{saved[2]}; this run has {len(self.train_rows)}, {self.seed}, {self.shuffle}"
             )
+        self.lineage = str(state.get("lineage", ""))  # "": saved before lineages
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.val_rounds = int(state["val_rounds"])

@@ -10,11 +10,12 @@ Each task id the run ever dealt has exactly one *state*, per kind (train or val)
 ``trained`` (validation: ``scored``)
     the learner trained on a batch holding it (the buffer scored it into validation);
 ``dropped/<reason>``
-    the buffer threw it away unused (``lag``, ``expired``);
+    the buffer threw it away unused (``lag``, ``expired``; ``duplicate``: its group came
+    when the buffer had already used and forgotten a group of that id);
 ``given_up``
     it failed (or timed out) more than ``task_retries`` times.
 
-An *external* slot (``ext/<n>``, dealt by
+An *external* slot (``ext/<session>/<n>``, dealt by
 :meth:`asyncrl.control.ledger.TaskLedger.deal_external`) is a training task whose
 prompt comes from outside the run (an agent behind a server's OpenAI-compatible endpoint).
 It is charged like any training task, but it cannot be dealt again: what would fail it
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from asyncrl.control.task_source import TaskSource
 
 OUT, QUEUED, BUF, DONE, GIVEN_UP = "out", "queued", "in_buffer", "done", "given_up"
-DROP_REASONS = ("lag", "expired")
+DROP_REASONS = ("lag", "expired", "duplicate")
 STATES = (OUT, QUEUED, BUF, DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS))
 TERMINAL = frozenset({DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS)})
 CHARGED = frozenset({OUT, BUF, DONE})
@@ -46,11 +47,30 @@ EXTERNAL = "ext/"
 
 
 def kind_of(task_id: str) -> str:
-    return "val" if task_id.startswith("val/") else "train"
+    """``val`` for a validation task id (``val/...`` or ``val.<lineage>/...``), else
+    ``train``."""
+    return "val" if task_id.startswith(("val/", "val.")) else "train"
 
 
 def is_external(task_id: str) -> bool:
     return task_id.startswith(EXTERNAL)
+
+
+def external_id(session: str, serial: int) -> str:
+    """The id of the ``serial``-th external slot a coordinator incarnation (``session``)
+    dealt: unique across restarts, since every incarnation has its own session."""
+    return f"{EXTERNAL}{session}/{serial}" if session else f"{EXTERNAL}{serial}"
+
+
+def well_formed_external(task_id: str) -> bool:
+    """Whether ``task_id`` has the shape of an external slot id (``ext/<n>`` or
+    ``ext/<session>/<n>``): a registering server cannot make the ledger adopt anything
+    else as a slot."""
+    parts = task_id.split("/")
+    if parts[0] != EXTERNAL.rstrip("/") or len(parts) not in (2, 3):
+        return False
+    session_ok = len(parts) == 2 or (0 < len(parts[1]) <= 16 and parts[1].isalnum())
+    return session_ok and parts[-1].isdigit() and len(parts[-1]) <= 12
 
 
 def external_task(task_id: str, version: int) -> Task:

@@ -101,9 +101,16 @@ class VersionsAndSyncs:
     def adopt(self, version: int) -> bool:
         """The learner reached ``version`` by replaying: the servers that hold it keep it
         (no push); the version and the window move as a push would move them. False when
-        ``version`` is not one a replay reproduces (the learner pushes it)."""
+        ``version`` is not one a replay reproduces, or no registered server holds it (the
+        learner pushes it)."""
         replay = self.recovery.replay_through
         if replay is None or not self.version < version <= replay:
+            return False
+        # The replay's count of redelivered batches may include one the previous life
+        # never trained (it died training it, or it was released to a request nobody was
+        # waiting on any more): a version no server holds was never pushed, so push it.
+        if not any(r.trusted and r.policy_version >= version for r in self.servers.values()):
+            self.counts["replay_not_held"] += 1
             return False
         self.ledger.budget.consume(self.ledger.tally["train"][DONE])
         self.ledger.budget.advance(version)

@@ -122,6 +122,7 @@ def encode_batch(batch: Batch) -> list[Frame]:
         trajectories=[m for g in groups for m in g.metas],
         lag_histogram=batch.lag_histogram,
         metrics=batch.metrics,
+        session=batch.session,
     )
     return [
         encode(header),
@@ -171,6 +172,7 @@ def decode_reply(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> Re
         lag_histogram=msg.lag_histogram,
         metrics=msg.metrics,
         redelivered=msg.redelivered,
+        session=msg.session,
     )
 
 

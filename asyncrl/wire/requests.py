@@ -20,9 +20,11 @@ from asyncrl.wire.types import NonNegInt, ShortStr, TrajectoryMeta
 class DroppedTask(msgspec.Struct, frozen=True):
     """A task whose group the buffer threw away without training on it.
 
-    ``cause`` is ``lag`` or ``expired``; the coordinator returns such tasks to the
-    admission budget (DESIGN.md section 4). Duplicates are not reported: their first copy
-    counted.
+    ``cause`` is ``lag``, ``expired``, ``overflow`` (a new group while the buffer held
+    ``capacity_groups`` incomplete ones) or ``duplicate`` (a training group that came
+    again after the buffer used and forgot its first copy; a duplicate of a group still
+    held is not reported: its first copy counts). The coordinator returns such tasks to
+    the admission budget (DESIGN.md section 4).
     """
 
     task_id: str
@@ -76,14 +78,24 @@ class Hello(Message, tag="hello"):
 
     consumer_id: ShortStr
     acked_through: int | None = None
+    # The buffer session ``acked_through`` belongs to ("" : not said, this one assumed):
+    # after a buffer restart, the same number names another batch.
+    session: ShortStr = ""
 
 
 class BatchRequest(Message, tag="batch_request"):
-    """Ask for the next training batch; the buffer waits up to ``wait_s`` for one."""
+    """Ask for the next training batch; the buffer waits up to ``wait_s`` for one.
+
+    ``received_session``/``received_through`` name the last batch the consumer received
+    (through None: none yet); a batch released to it after that one, whose reply it never
+    got, is sent again first. ``received_session`` None: the consumer does not track.
+    """
 
     consumer_id: ShortStr
     policy_version: NonNegInt  # the learner's current version: the lag filter uses it
     wait_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
+    received_session: ShortStr | None = None
+    received_through: int | None = None
 
 
 class Ack(Message, tag="ack"):
@@ -98,8 +110,13 @@ class StatsRequest(Message, tag="stats"):
 
 
 class DroppedRequest(Message, tag="dropped"):
-    """Drain the list of tasks dropped for lag or expiry, and of validation tasks scored,
-    since the last such request (the coordinator's poll)."""
+    """Tasks dropped unused and validation tasks scored, from these positions of the two
+    logs of buffer ``session`` (the coordinator's poll; it moves its cursors only when the
+    reply came, so a lost reply is read again). Another session's cursors read from 0."""
+
+    session: ShortStr = ""
+    drops_from: NonNegInt = 0
+    validated_from: NonNegInt = 0
 
 
 class InventoryRequest(Message, tag="inventory"):
@@ -137,6 +154,7 @@ class BatchHeader(Message, tag="batch"):
     trajectories: list[TrajectoryMeta]
     lag_histogram: dict[int, int]
     metrics: dict[str, float]
+    session: str = ""  # the buffer session that numbered it
 
 
 class NoBatch(Message, tag="no_batch"):
@@ -159,6 +177,8 @@ class DroppedReply(Message, tag="dropped_reply"):
     dropped: list[DroppedTask]
     validated: list[str] = []  # validation task ids scored into validation stats
     session: str = ""  # the buffer process's session: a new one means it restarted
+    drops_from: int = 0  # where ``dropped`` starts in the session's drop log
+    validated_from: int = 0  # where ``validated`` starts in its validation log
 
 
 class InventoryReply(Message, tag="inventory_reply"):

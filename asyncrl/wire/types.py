@@ -263,12 +263,13 @@ class Batch(msgspec.Struct, eq=False, kw_only=True):
     Each group's arrays are views of the three frames of the reply.
     """
 
-    batch_id: int
+    batch_id: int  # unique within the buffer's session
     policy_version: int  # the learner version it was released against (lag reference)
     groups: list[Group]
     lag_histogram: dict[int, int]  # lag -> number of groups in this batch
     metrics: dict[str, float]
     redelivered: bool = False  # released again after a consumer restart
+    session: str = ""  # the buffer session that numbered it
 
     @property
     def task_ids(self) -> list[str]:
