@@ -12,8 +12,9 @@ reward; group statistics count episodes (see :func:`episode_trajectories`).
 
 The loop of one episode (:meth:`AgentRunner.episode`) consumes engine samples and tool
 results; it waits for the engine (bounded by ``episode_timeout_s``) and for tools (bounded by
-``tool_timeout_s`` per call, in killable processes), and ends on a turn without tool calls,
-the turn limits, the response budget, or the episode's deadline.
+``tool_timeout_s`` per call, in killable processes, and by the episode's deadline while queued
+for a worker, in the tool pool's own threads), and ends on a turn without tool calls, the turn
+limits, the response budget, or the episode's deadline.
 """
 
 from __future__ import annotations
@@ -214,7 +215,8 @@ class AgentRunner:
             ep.turns += 1
             content = self._content(sample.token_ids)
             messages.append({"role": "assistant", "content": content})
-            ep.ended = await self._after_turn(ep, task, content, sample.finish_reason, schemas)
+            ended = self._after_turn(ep, task, content, sample.finish_reason, schemas, deadline)
+            ep.ended = await ended
             if ep.ended:
                 break
         self.metrics["rollout/agent/episodes"] += 1
@@ -225,10 +227,16 @@ class AgentRunner:
         return ep
 
     async def _after_turn(
-        self, ep: Episode, task: Task, content: str, finish: str, schemas: list[dict] | None
+        self,
+        ep: Episode,
+        task: Task,
+        content: str,
+        finish: str,
+        schemas: list[dict] | None,
+        deadline: float,
     ) -> str:
         """Run the turn's tool calls and append their answers; the reason the episode
-        ends, or "" to go on."""
+        ends, or "" to go on. Waiting for a tool worker ends at the episode's deadline."""
         s = self.settings
         if finish == "length":
             return "length"
@@ -251,7 +259,11 @@ class AgentRunner:
                 for name, v in (task.extra_info.get("tools_kwargs") or {}).items()
                 if isinstance(v, dict)
             }
-            results = await asyncio.to_thread(self.tools.call_many, calls, kwargs)
+            wait_s = max(0.0, deadline - time.monotonic())
+            try:
+                results = await self.tools.call_many_async(calls, kwargs, wait_s)
+            except TimeoutError:
+                return "timeout"
             for r in results:
                 if r.error:
                     self.metrics[f"rollout/agent/tool_errors/{r.error}"] += 1

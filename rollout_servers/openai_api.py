@@ -37,6 +37,7 @@ from aiohttp import web
 
 from asyncrl.rewards import ScoreResult
 from rollout_servers.agent import Episode, episode_samples, episode_trajectories, turn_params
+from rollout_servers.lanes import Lanes
 from rollout_servers.sessions import (
     Group,
     RequestError,
@@ -95,6 +96,8 @@ class OpenAIEndpoint:
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task | None = None
         self._pushes: set[asyncio.Task] = set()
+        # Threads for the coordinator client's calls (the server gives its own).
+        self.lanes = Lanes(scoring_threads=1)
 
     # ----------------------------------------------------------------- serving
     def app(self) -> web.Application:
@@ -142,7 +145,7 @@ class OpenAIEndpoint:
         open_ids = [g.task.task_id for g in self.groups.values()]
         self.groups.clear()
         if open_ids:
-            await asyncio.to_thread(self.client.nack, open_ids, "server stopped")
+            await self.lanes.control(self.client.nack, open_ids, "server stopped")
 
     def task_ids(self) -> list[str]:
         """The external slots this server holds (said at re-registration)."""
@@ -242,7 +245,7 @@ class OpenAIEndpoint:
         future: asyncio.Future[Group] = asyncio.get_running_loop().create_future()
         self._opening[name] = future
         try:
-            grant = await asyncio.to_thread(self.client.request_slot)
+            grant = await self.lanes.control(self.client.request_slot)
             if not grant.tasks:
                 self.metrics[f"rollout/openai/slots_refused/{grant.reason}"] += 1
                 if grant.reason == "budget":
@@ -318,7 +321,7 @@ class OpenAIEndpoint:
     async def _push(self, group: Group, members: list[Session]) -> None:
         task = group.task
         if not members:
-            await asyncio.to_thread(self.client.nack, [task.task_id], "no session was rewarded")
+            await self.lanes.control(self.client.nack, [task.task_id], "no session was rewarded")
             return
         scores = [ScoreResult(score=float(s.reward or 0.0)) for s in members]
         episodes = [s.episode for s in members]
@@ -329,9 +332,9 @@ class OpenAIEndpoint:
             await self.pusher.send_async(trajectories)
         except Exception as e:
             log.warning("external group %s was not pushed: %s", task.task_id, e)
-            await asyncio.to_thread(self.client.nack, [task.task_id], f"push failed: {e}")
+            await self.lanes.control(self.client.nack, [task.task_id], f"push failed: {e}")
             return
-        await asyncio.to_thread(self.client.ack, [task.task_id])
+        await self.lanes.control(self.client.ack, [task.task_id])
         self.metrics["rollout/openai/groups_pushed"] += 1
         if self.on_pushed is not None:
             self.on_pushed(episode_samples(episodes), scores, task)

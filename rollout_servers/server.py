@@ -1,11 +1,11 @@
 """The rollout server: asks the coordinator for tasks, generates without pause, scores, and
 streams each group to the buffer the moment it is complete.
 
-One asyncio loop owns the vLLM engine. Everything that blocks runs off the loop: the
-coordinator client's calls (``asyncio.to_thread``), scoring (worker processes of a
-:class:`~asyncrl.rewards.RewardPool`, waited on in a thread) and pushing (the pusher's
-blocking send, in a thread). The client's heartbeat thread keeps the server alive in the
-coordinator's eyes and delivers sync starts and the shutdown. With
+One asyncio loop owns the vLLM engine. Everything that blocks runs off the loop, each kind
+in its own threads (:mod:`rollout_servers.lanes`: a sync start never queues behind tool
+calls or scoring): the coordinator client's calls, scoring (in worker processes of a
+:class:`~asyncrl.rewards.RewardPool`) and pushing. The client's heartbeat thread keeps the
+server alive in the coordinator's eyes and delivers sync starts and the shutdown. With
 ``rollout.openai_endpoint.enable`` the same loop also serves outside agents
 (:mod:`rollout_servers.openai_api`).
 """
@@ -28,6 +28,7 @@ from asyncrl.wire import Trajectory
 from rollout_servers.agent import AgentRunner, episode_samples, episode_trajectories
 from rollout_servers.engine import Sample, SyncJoin
 from rollout_servers.groups import SamplingSettings, build_group, sampling_params
+from rollout_servers.lanes import Lanes
 from rollout_servers.openai_api import OpenAIEndpoint
 from rollout_servers.protocols import (
     ControlClient,
@@ -74,6 +75,7 @@ class RolloutServer:
         self.pusher = pusher
         self.client = client
         self.settings = SamplingSettings.from_config(cfg, seeded=seeded)
+        self.lanes = Lanes(scoring_threads=cfg.reward.num_workers)
         self.agent = agent  # runs tool_agent tasks as multi-turn episodes (None: single turn)
         self.max_inflight = cfg.rollout.max_inflight
         # False: only the OpenAI endpoint's agents generate here (no dataset tasks).
@@ -85,7 +87,7 @@ class RolloutServer:
         self.held: dict[str, Task] = {}  # tasks being generated, by id
         self.endpoint = endpoint  # serves outside agents (None: rollout.openai_endpoint off)
         if endpoint is not None:
-            endpoint.on_pushed = self.count_group
+            endpoint.on_pushed, endpoint.lanes = self.count_group, self.lanes
         client.held_tasks = self._held_ids  # said at (re-)registration
         self.generation = ""  # the sync group this engine's workers are in
         self.fatal = ""  # why this server cannot go on (its engine died): exit, be restarted
@@ -115,7 +117,7 @@ class RolloutServer:
         or the coordinator going away.
         Returns 0 at shutdown, 3 if the coordinator is gone."""
         try:
-            reg = await asyncio.to_thread(self.client.register)
+            reg = await self.lanes.control(self.client.register)
         except CoordinatorGone as e:
             log.error("%s; check endpoints.host/endpoints.control and that the learner is up", e)
             return 3
@@ -133,6 +135,7 @@ class RolloutServer:
                 await self.endpoint.stop()
             for t in list(self.tasks):
                 t.cancel()
+            self.lanes.close()
         if self.fatal:
             log.error("%s stops: %s (its supervisor restarts it)", self.server_id, self.fatal)
             return 4
@@ -177,7 +180,7 @@ class RolloutServer:
                 await self._wait_for_slots(max(next_report, 0.0))
                 continue
             want = max(1, min(self.client.tasks_per_request, self._free() // n))
-            grant = await asyncio.to_thread(self.client.request_tasks, want)
+            grant = await self.lanes.control(self.client.request_tasks, want)
             if not grant.tasks:
                 continue
             if self._idle_since is not None:
@@ -228,7 +231,7 @@ class RolloutServer:
                 group, samples, scores = await self._single_turn(task, created)
             self.metrics["rollout/push_wait_s"] += await self.pusher.send_async(group)
             pushed = True
-            await asyncio.to_thread(self.client.ack, [task.task_id])
+            await self.lanes.control(self.client.ack, [task.task_id])
             self.count_group(samples, scores, task)
         except asyncio.CancelledError:
             raise
@@ -237,7 +240,7 @@ class RolloutServer:
             log.exception("task %s failed", task.task_id)
             if not pushed:  # its group never left: the coordinator deals it again
                 reason = f"{type(e).__name__}: {e}"
-                await asyncio.to_thread(self.client.nack, [task.task_id], reason)
+                await self.lanes.control(self.client.nack, [task.task_id], reason)
             self._check_engine(e)
         finally:
             self.held.pop(task.task_id, None)
@@ -279,7 +282,7 @@ class RolloutServer:
 
     async def _score(self, task: Task, texts: list[str]) -> list[ScoreResult]:
         jobs = [ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]
-        return await asyncio.to_thread(self.pool.score_many, jobs)
+        return await self.lanes.scoring(self.pool.score_many, jobs)
 
     def _prompt_ids(self, task: Task) -> list[int]:
         from asyncrl.prepare.tokenizer import chat_prompt_ids
@@ -304,7 +307,7 @@ class RolloutServer:
         Waits for a sync start (polling the client's queue every 0.2 s); a sync waits for
         the learner's broadcast, bounded by the sync's timeout."""
         while not self._stopping():
-            start = await asyncio.to_thread(self.client.next_sync, 0.2)
+            start = await self.lanes.sync(self.client.next_sync, 0.2)
             if start is not None:
                 await self._sync(start)
 
@@ -335,10 +338,10 @@ class RolloutServer:
             self.generation = ""
             log.warning("sync to version %d failed: %s", start.version, e)
             self._check_engine(e)
-            await asyncio.to_thread(self.client.sync_done, start, False, f"{type(e).__name__}: {e}")
+            await self.lanes.sync(self.client.sync_done, start, False, f"{type(e).__name__}: {e}")
             return
         self.generation = start.generation
-        await asyncio.to_thread(self.client.sync_done, start, True, "", stats["seconds"])
+        await self.lanes.sync(self.client.sync_done, start, True, "", stats["seconds"])
 
     # ----------------------------------------------------------------- metrics
     def count_group(self, samples: list[Sample], scores: list[ScoreResult], task: Task) -> None:
@@ -351,8 +354,7 @@ class RolloutServer:
                 self.tokens_by_version[version] += n
             self.rewards.append(score.score)
             self.lengths.append(len(s.token_ids))
-        every = 50
-        if self.groups_done % every == 1:  # a sample generation, now and then
+        if self.groups_done % 50 == 1:  # a sample generation, now and then
             text = self.tok.decode(samples[0].token_ids, skip_special_tokens=True)
             log.info(
                 "sample [%s] %r -> %r reward %.2f",

@@ -25,34 +25,10 @@ from rollout_servers.engine import Sample
 from rollout_servers.groups import SamplingSettings
 from rollout_servers.openai_api import OpenAIEndpoint
 from rollout_servers.sessions import Session
+from tests.standins.chat import EOT, CharTokenizer
 
-EOT = "\x03"
 REPLY = "ok" + EOT
 USER = {"role": "user", "content": "hi"}
-
-
-class CharTokenizer:
-    """One token per character; a chat template that wraps each message in role markup."""
-
-    eos_token_id = ord(EOT)
-
-    def apply_chat_template(
-        self,
-        conversation: Any,
-        *,
-        tools: Any = None,
-        add_generation_prompt: bool = True,
-        tokenize: bool = False,
-    ) -> Any:
-        names = "".join(t["function"]["name"] for t in tools or [])
-        text = "".join(f"<{m['role']}>{m['content']}{EOT}" for m in conversation)
-        return f"[{names}]" + text + ("<assistant>" if add_generation_prompt else "")
-
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> Any:
-        return "".join(map(chr, token_ids))
 
 
 class FlakyEngine:

@@ -7,22 +7,31 @@ checker holds them to (see the typed assignments in :func:`_server`)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 import pytest
 
 from asyncrl.config import load_config
 from asyncrl.control.messages import Registered, SyncStart, Task, TaskGrant
 from asyncrl.rewards import ScoreJob, ScoreResult
+from asyncrl.tools import ToolPool
 from asyncrl.weight_sync import WeightPlan
 from asyncrl.wire import Trajectory
+from rollout_servers import agent as agent_module
 from rollout_servers import protocols, server
+from rollout_servers.agent import AgentRunner, AgentSettings
 from rollout_servers.engine import Sample, SyncJoin
+from rollout_servers.groups import SamplingSettings
 from rollout_servers.server import RECENT, RolloutServer
 from tests.helpers import wait_until_async
+from tests.standins.chat import EOT, CharTokenizer
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -66,7 +75,12 @@ class StandInTokenizer:
     """Token ids as space-separated numbers."""
 
     def apply_chat_template(
-        self, conversation: Any, *, add_generation_prompt: bool = True, tokenize: bool = False
+        self,
+        conversation: Any,
+        *,
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
     ) -> Any:
         return " ".join(m["content"] for m in conversation)
 
@@ -251,3 +265,157 @@ def test_recent_windows_are_bounded() -> None:
     assert len(srv.rewards) == len(srv.lengths) == RECENT
     assert srv.snapshot()["rollout/reward_mean"] == 1.0  # only the latest RECENT responses
     assert srv.snapshot()["rollout/response_length_mean"] == len(RESPONSE)
+
+
+# ------------------------------------------------------------------ tools and control calls
+NAP_S = 0.5  # how long the slow tool takes
+NAP_TOOL = """
+import time
+
+from asyncrl.tools import BaseTool
+
+
+class NapTool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        time.sleep(NAP_S)
+        return "rested", 0.0, {}
+""".replace("NAP_S", str(NAP_S))
+CALL = '<tool_call>\n{"name": "nap", "arguments": {}}\n</tool_call>' + EOT
+
+
+@pytest.fixture
+def nap_tools(tmp_path: Path) -> Iterator[ToolPool]:
+    """Two tool workers whose only tool takes :data:`NAP_S` seconds."""
+    (tmp_path / "nap.py").write_text(NAP_TOOL)
+    schema = {"type": "function", "function": {"name": "nap", "parameters": {}}}
+    tool = {"class_name": "nap.py:NapTool", "config": {}, "tool_schema": schema}
+    (tmp_path / "tools.yaml").write_text(json.dumps({"tools": [tool]}))
+    with ToolPool(tmp_path / "tools.yaml", num_workers=2, timeout_s=10.0) as pool:
+        yield pool
+
+
+class ToolCallingEngine(StandInEngine):
+    """Every turn calls the slow tool; records when a weight sync reached it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate.set()
+        self.synced_at = 0.0
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> Sample:
+        self.requests += 1
+        ids = [ord(c) for c in CALL]
+        return Sample(ids, [-0.5] * len(ids), [(0, len(ids))], "stop")
+
+    async def sync_weights(
+        self,
+        version: int,
+        plan: WeightPlan,
+        *,
+        join: SyncJoin | None = None,
+        timeout_s: float = 120.0,
+    ) -> dict[str, float]:
+        self.synced_at = time.monotonic()
+        return {"seconds": 0.0}
+
+
+class SyncingClient(StandInClient):
+    """Deals ``tool_agent`` tasks; delivers one sync start when :attr:`sync` is set."""
+
+    def __init__(self, tasks: int) -> None:
+        super().__init__(tasks)
+        self.sync = threading.Event()
+        self.sync_reported = threading.Event()
+        self.polls_ended: list[float] = []  # when each next_sync call returned
+
+    def request_tasks(self, max_tasks: int | None = None) -> TaskGrant:
+        grant = super().request_tasks(max_tasks)
+        tasks = [msgspec.structs.replace(t, agent_name="tool_agent") for t in grant.tasks]
+        return TaskGrant(tasks=tasks, policy_version=0)
+
+    def next_sync(self, timeout_s: float = 0.0) -> SyncStart | None:
+        synced = self.sync.wait(timeout_s)
+        self.polls_ended.append(time.monotonic())
+        if not synced or self.sync_reported.is_set():
+            return None
+        return SyncStart(
+            sync_id=1, version=1, generation="g1", rank=1, world_size=2, plan=WeightPlan()
+        )
+
+    def sync_done(
+        self, start: SyncStart, ok: bool, error: str = "", seconds: float = 0.0
+    ) -> object:
+        self.sync_reported.set()
+        return None
+
+
+def _agent(engine: ToolCallingEngine, tools: ToolPool, timeout_s: float = 60.0) -> AgentRunner:
+    cfg = load_config(None, [f"rollout.n={N}"])
+    settings = AgentSettings(
+        max_assistant_turns=2,  # one tool turn per episode
+        max_user_turns=None,
+        max_parallel_calls=1,
+        max_prompt_len=512,
+        max_response_len=512,
+        episode_timeout_s=timeout_s,
+    )
+    return AgentRunner(settings, SamplingSettings.from_config(cfg), engine, CharTokenizer(), tools)
+
+
+def test_a_weight_sync_is_not_delayed_by_queued_tool_calls(monkeypatch, nap_tools) -> None:
+    """Episodes waiting for a tool worker must not hold the threads the server's control
+    calls need: a sync start is picked up within its 0.2 s poll, not after the tool queue
+    (16 tool calls of 0.5 s on 2 workers: 4 s) drains."""
+    monkeypatch.setattr(agent_module, "turn_params", lambda *args: None)
+
+    async def scenario() -> None:
+        # The default executor of a small machine (min(32, cores + 4) threads).
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(4))
+        client = SyncingClient(tasks=8)
+        engine = ToolCallingEngine()
+        cfg = load_config(None, [f"rollout.n={N}", "rollout.max_inflight=16"])
+        srv = RolloutServer(
+            cfg,
+            "s",
+            engine,
+            CharTokenizer(),
+            StandInScorer(),
+            StandInPusher(),
+            client,
+            agent=_agent(engine, nap_tools),
+        )
+        run = asyncio.create_task(srv.run())
+        # Every episode's first turn is sampled: all 16 wait for a tool worker now.
+        await wait_until_async(lambda: engine.requests >= 16, "every episode's first turn", 10)
+        queued = time.monotonic()  # the sync loop's next poll starts after this
+        polled = lambda: client.polls_ended and client.polls_ended[-1] > queued  # noqa: E731
+        await wait_until_async(polled, "the sync loop's poll under way to end", 10)
+        asked = time.monotonic()
+        client.sync.set()
+        await wait_until_async(lambda: engine.synced_at, "the sync to reach the engine", 10)
+        await wait_until_async(client.sync_reported.is_set, "the sync report", 10)
+        assert engine.synced_at - asked < 1.0, f"waited {engine.synced_at - asked:.1f} s"
+        await wait_until_async(lambda: len(client.acked) == 8, "every group", 20)
+        srv.stop()
+        assert await asyncio.wait_for(run, 5.0) == 0
+
+    asyncio.run(scenario())
+
+
+def test_waiting_for_a_tool_worker_ends_at_the_episode_deadline(monkeypatch, nap_tools) -> None:
+    """16 episodes of one tool call each on 2 workers would take 4 s; with a 1 s deadline
+    the episodes still queued end at their deadline (``timeout``), not after the queue."""
+    monkeypatch.setattr(agent_module, "turn_params", lambda *args: None)
+    runner = _agent(ToolCallingEngine(), nap_tools, timeout_s=1.0)
+    task = msgspec.structs.replace(_task("calc-0"), n=16, agent_name="tool_agent")
+
+    async def scenario() -> float:
+        start = time.monotonic()
+        await asyncio.gather(*[runner.episode(task, i) for i in range(task.n)])
+        return time.monotonic() - start
+
+    took = asyncio.run(scenario())
+    assert took < 1.0 + 2 * NAP_S, f"{took:.1f} s"
+    assert runner.metrics["rollout/agent/episodes_ended/timeout"] >= 8

@@ -19,6 +19,7 @@ import logging
 import math
 import numbers
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -154,7 +155,7 @@ class ToolPool:
     """Call tools from a veRL tool config in killable worker processes; thread-safe.
 
     Calls block until their answer (at most ``timeout_s`` once a worker is free); from an
-    event loop, run them in a thread (``asyncio.to_thread``) so the loop stays responsive.
+    event loop, await :meth:`call_many_async`, which waits in the pool's own threads.
 
     Example::
 
@@ -210,6 +211,9 @@ class ToolPool:
             log=logger,
         )
         self.timeout_s = self._pool.timeout_s
+        # One thread per worker runs the turns of call_many_async: turns waiting for a
+        # worker queue here, holding no thread of the event loop's default executor.
+        self._turns = ThreadPoolExecutor(num_workers, thread_name_prefix="tool-turn")
 
     @property
     def counters(self) -> dict[str, int]:
@@ -245,8 +249,28 @@ class ToolPool:
         by_name = create_kwargs or {}
         return self._pool.map(lambda call: self.call(call, by_name.get(call.name)), calls)
 
+    async def call_many_async(
+        self,
+        calls: Sequence[ToolCall],
+        create_kwargs: dict[str, dict] | None = None,
+        wait_s: float | None = None,
+    ) -> list[ToolResult]:
+        """:meth:`call_many` from an event loop, run in this pool's own threads (one per
+        worker), so turns queued for a worker never hold the threads that the loop's other
+        blocking calls need (a rollout server's sync reports and acknowledgements).
+
+        Raises:
+            TimeoutError: No answer within ``wait_s`` (an episode's deadline). A turn still
+                queued is dropped; one already running finishes in its worker (within
+                ``timeout_s`` a call) and its answer is discarded.
+        """
+        turn = functools.partial(self.call_many, calls, create_kwargs)
+        future = asyncio.get_running_loop().run_in_executor(self._turns, turn)
+        return await asyncio.wait_for(future, wait_s)
+
     def close(self) -> None:
         """Stop all workers; idempotent. Calls waiting for a worker raise RuntimeError."""
+        self._turns.shutdown(wait=False, cancel_futures=True)
         self._pool.close()
 
     def __enter__(self) -> ToolPool:

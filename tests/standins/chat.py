@@ -1,0 +1,34 @@
+"""A stand-in tokenizer for chat-level tests (no transformers): one token per character,
+and a chat template that wraps each message in role markup and lists the tool names, so
+multi-turn code (rendering, continuations, tool calls) runs on exact, readable tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: The end-of-turn character (and token): what a sampled turn ends with.
+EOT = "\x03"
+
+
+class CharTokenizer:
+    """Token id = the character's code point; decoding is exact."""
+
+    eos_token_id = ord(EOT)
+
+    def apply_chat_template(
+        self,
+        conversation: Any,
+        *,
+        tools: Any = None,
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+    ) -> Any:
+        names = ",".join(t["function"]["name"] for t in tools or [])
+        text = "".join(f"<{m['role']}>{m['content']}{EOT}" for m in conversation)
+        return f"[{names}]" + text + ("<assistant>" if add_generation_prompt else "")
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> Any:
+        return "".join(map(chr, token_ids))
