@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import random
 import secrets
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable
 from typing import Literal
 
-import msgspec
-
 from asyncrl.wire import Batch, DroppedTask, Group, Packed, Trajectory, ValidationStats
+from buffer.deliveries import Deliveries, Received
 from buffer.state import COUNTERS, Held, Partial, State
 
 Outcome = Literal["added", "completed", "duplicate", "late", "inconsistent", "overflow"]
@@ -83,6 +82,7 @@ class ReplayBuffer:
         self._learner_version: int | None = None
         # Names this buffer's contents and batch ids: a new session means it restarted.
         self.session = session or secrets.token_hex(4)
+        self.deliveries = Deliveries(self.session)  # released, unacknowledged batches
         self._drop_log: list[DroppedTask] = []  # every drop, read by cursor
         self._validated_all: list[str] = []  # every validation id scored, read by cursor
         self._taken = (0, 0)  # take_dropped/take_validated's own cursors
@@ -214,7 +214,7 @@ class ReplayBuffer:
         self,
         policy_version: int,
         consumer: str = "",
-        received: tuple[str, int | None] | None = None,
+        received: Received | None = None,
     ) -> Batch | None:
         """The next batch for ``consumer``, a learner at ``policy_version``, or None if too
         few groups.
@@ -231,15 +231,14 @@ class ReplayBuffer:
             self._learner_version = policy_version
         version = self._learner_version
         self._drop_stale(version)
-        lost = self._not_received(consumer, received)
-        if lost is not None:
+        again = self.deliveries.resend(consumer, received)
+        if again is not None:
             self.counts["batches_resent"] += 1
-            return s.unacked[lost]
-        if s.redeliver:
+            return again
+        again = self.deliveries.redelivery(consumer)
+        if again is not None:
             self.counts["batches_redelivered"] += 1
-            bid = s.redeliver.popleft()
-            s.owner[bid] = consumer
-            return msgspec.structs.replace(s.unacked[bid], redelivered=True)
+            return again
         if len(s.pool) < self.batch_size:
             return None
         if self.policy == "fifo":
@@ -269,70 +268,38 @@ class ReplayBuffer:
             metrics=self.metrics(),
         )
         self._next_batch_id += 1
-        s.unacked[batch.batch_id] = batch
-        s.owner[batch.batch_id] = consumer
+        self.deliveries.record(batch, consumer)
         self.counts["batches_out"] += 1
         self.counts["groups_out"] += len(groups)
         self._evict_used()
         return batch
 
-    def _not_received(self, consumer: str, received: tuple[str, int | None] | None) -> int | None:
-        """The oldest batch released to ``consumer`` after what it ``received`` (not one
-        waiting in the redelivery queue: that one was not released again yet)."""
-        if received is None:
-            return None
-        session, last = received
-        mine = (b for b in self._s.unacked if self._s.owner.get(b) == consumer)
-        for bid in mine:  # batch id order
-            new_here = session != self.session or last is None or bid > last
-            if new_here and bid not in self._s.redeliver:
-                return bid
-        return None
-
     def ack(self, batch_ids: Iterable[int]) -> tuple[list[int], list[int]]:
         """Forget acknowledged batches; returns (acknowledged, unknown) ids."""
-        s, acked, unknown = self._s, [], []
-        for bid in batch_ids:
-            batch = s.unacked.pop(bid, None)
-            if batch is None:
-                unknown.append(bid)
-                continue
-            s.owner.pop(bid, None)
-            if bid in s.redeliver:
-                s.redeliver.remove(bid)
+        s = self._s
+        batches, unknown = self.deliveries.ack(batch_ids)
+        for batch in batches:
             for g in batch.groups:
                 h = s.held[g.task_id]
                 h.refs -= 1
                 if h.refs == 0 and not h.in_pool:
                     del s.held[g.task_id]
-            acked.append(bid)
             self.counts["groups_acked"] += len(batch.groups)
-        self.counts["batches_acked"] += len(acked)
+        self.counts["batches_acked"] += len(batches)
         self._evict_used()
-        return acked, unknown
+        return [b.batch_id for b in batches], unknown
 
     def restart(
         self, acked_through: int | None = None, consumer: str | None = None, session: str = ""
     ) -> tuple[int, int]:
         """A consumer (re)started holding batches up to ``acked_through`` of ``session``:
-        acknowledge those, queue its other unacknowledged ones for release again, in order.
-
-        ``consumer`` limits this to the batches released to that consumer id (None: all),
-        so another client saying hello cannot make the learner's batches come twice. An
-        ``acked_through`` of another session (the buffer restarted since that checkpoint)
-        acknowledges nothing here: this session's batch ids name other batches. ``""``:
-        the caller does not say (this session assumed).
-        Returns (batches queued again, batches acknowledged).
-        """
-        s = self._s
-        mine = [b for b in s.unacked if consumer is None or s.owner.get(b) == consumer]
-        acked: list[int] = []
+        acknowledge those, queue its other unacknowledged ones for release again, in order
+        (:class:`~buffer.deliveries.Deliveries`; ``consumer`` None: every consumer's).
+        Returns (batches queued again, batches acknowledged)."""
         if session and session != self.session:
-            self.counts["hello_other_session"] += 1
-        elif acked_through is not None:
-            acked, _ = self.ack([b for b in mine if b <= acked_through])
-        queued = set(s.redeliver) | {b for b in mine if b in s.unacked}
-        s.redeliver = deque(sorted(queued))
+            self.counts["hello_other_session"] += 1  # its ids name other batches here
+        held, queued = self.deliveries.restart(acked_through, consumer, session)
+        acked, _ = self.ack(held)
         return len(queued), len(acked)
 
     # ------------------------------------------------------------------ housekeeping
@@ -376,7 +343,7 @@ class ReplayBuffer:
 
     def can_release(self) -> bool:
         """Whether :meth:`release` could return a batch (before the lag filter)."""
-        return bool(self._s.redeliver) or len(self._s.pool) >= self.batch_size
+        return bool(self.deliveries.redeliver) or len(self._s.pool) >= self.batch_size
 
     @property
     def ready(self) -> int:
@@ -397,8 +364,8 @@ class ReplayBuffer:
             "buffer/capacity": self.capacity,
             "buffer/ready": len(s.pool),
             "buffer/incomplete": len(s.partial),
-            "buffer/unacked_batches": len(s.unacked),
-            "buffer/redeliver_pending": len(s.redeliver),
+            "buffer/unacked_batches": len(self.deliveries.unacked),
+            "buffer/redeliver_pending": len(self.deliveries.redeliver),
         }
         if self._learner_version is not None:
             out["buffer/learner_version"] = self._learner_version

@@ -1,16 +1,16 @@
 """What :class:`buffer.core.ReplayBuffer` holds, as plain records: the incomplete groups,
 the complete training groups it holds (in the pool or in unacknowledged batches), the pool
-in completion order, the unacknowledged batches and their consumers; and the names of the
-counters it keeps. Which groups are released, dropped or evicted is decided in
+in completion order; and the names of the counters it keeps (the unacknowledged batches
+themselves: :mod:`buffer.deliveries`). Which groups are released, dropped or evicted is decided in
 :mod:`buffer.core`; here a group only leaves the pool (:meth:`State.leave_pool`).
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field
 
-from asyncrl.wire import Batch, Group, Trajectory
+from asyncrl.wire import Group, Trajectory
 
 COUNTERS = (
     "trajectories_in",
@@ -60,7 +60,7 @@ class Held:
 
 @dataclass
 class State:
-    """Everything the buffer holds, by task id and by batch id."""
+    """Every group the buffer holds or has seen, by task id."""
 
     partial: dict[str, Partial] = field(default_factory=dict)  # insertion = arrival order
     # task id -> complete | expired | duplicate (complete, and a second copy was reported)
@@ -68,9 +68,6 @@ class State:
     held: dict[str, Held] = field(default_factory=dict)
     pool: dict[str, None] = field(default_factory=dict)  # ordered set: completion order
     pool_versions: Counter[int] = field(default_factory=Counter)  # oldest versions in pool
-    unacked: dict[int, Batch] = field(default_factory=dict)  # batch id order
-    owner: dict[int, str] = field(default_factory=dict)  # unacked batch id -> consumer id
-    redeliver: deque[int] = field(default_factory=deque)
 
     def leave_pool(self, tid: str) -> None:
         """Out of the pool; forgotten too unless an unacknowledged batch holds it."""

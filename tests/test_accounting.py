@@ -277,7 +277,7 @@ def test_a_learner_restart_loses_nothing_and_repeats_nothing(replay):
     run.st.reconcile_buffer(held, dropped)
     if not replay:
         run.push()  # the restored weights, as a version above every server's
-    while run.buf._s.redeliver:  # the batches after the checkpoint, trained again
+    while run.buf.deliveries.redeliver:  # the batches after the checkpoint, trained again
         batch = run.buf.release(run.st.version, "learner")
         ids = [g.task_id for g in batch.groups]
         run.trained_ids += ids
