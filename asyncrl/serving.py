@@ -110,7 +110,7 @@ class RouterService(Generic[M]):
             return self.sock.recv_multipart(zmq.NOBLOCK), None
         parts = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         try:
-            role = parts[0].get("User-Id")
+            role = parts[-1].get("User-Id")
         except zmq.ZMQError:  # no ZAP answer recorded one: a role nobody was granted
             role = ""
         return [p.bytes for p in parts], str(role)
