@@ -128,14 +128,20 @@ def restart(buf: ReplayBuffer, acked_through: int | None, consumer: str, session
 
 
 def reports(
-    buf: ReplayBuffer, cursor: tuple[int, int]
+    buf: ReplayBuffer, session: str, cursor: tuple[int, int]
 ) -> tuple[list[DroppedTask], list[str], tuple[int, int]]:
-    """Drops and scored validation ids for the coordinator's poll, and the cursor its
-    next poll sends (drained lists when the buffer has no cursor: the cursor is unused)."""
+    """Drops and scored validation ids for the coordinator's poll, read from ``cursor`` of
+    buffer ``session`` (another session's cursor reads from the start, as the service
+    does), and the cursor after them; drained lists when the buffer has no cursor."""
     if CURSOR:
-        dropped, validated = buf.reports_since(*cursor)  # type: ignore[attr-defined]
-        return dropped, validated, (cursor[0] + len(dropped), cursor[1] + len(validated))
-    return buf.take_dropped(), buf.take_validated(), cursor
+        start = cursor if session == buffer_session(buf) else (0, 0)
+        dropped, validated = buf.reports_since(*start)  # type: ignore[attr-defined]
+        return dropped, validated, (start[0] + len(dropped), start[1] + len(validated))
+    return buf.take_dropped(), buf.take_validated(), (0, 0)
+
+
+def buffer_session(buf: ReplayBuffer) -> str:
+    return str(getattr(buf, "session", ""))
 
 
 def batch_session(batch: Batch, buffer_session: str) -> str:
@@ -143,17 +149,23 @@ def batch_session(batch: Batch, buffer_session: str) -> str:
     return str(getattr(batch, "session", "") or buffer_session)
 
 
+def _deliveries(buf: ReplayBuffer) -> Any:
+    """Where the buffer keeps released, unacknowledged batches (its own record, or the
+    state it shared with the pool before they had one)."""
+    return getattr(buf, "deliveries", None) or buf._s  # noqa: SLF001
+
+
 def unacked(buf: ReplayBuffer) -> dict[int, Batch]:
     """Released batches the buffer still holds for their consumer (inspection only)."""
-    return buf._s.unacked  # noqa: SLF001
+    return _deliveries(buf).unacked
 
 
 def owner(buf: ReplayBuffer, batch_id: int) -> str:
-    return buf._s.owner.get(batch_id, "")  # noqa: SLF001
+    return _deliveries(buf).owner.get(batch_id, "")
 
 
 def redelivery_queue(buf: ReplayBuffer) -> set[int]:
-    return set(buf._s.redeliver)  # noqa: SLF001
+    return set(_deliveries(buf).redeliver)
 
 
 def held_ids(buf: ReplayBuffer) -> set[str]:

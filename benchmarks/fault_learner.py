@@ -158,7 +158,7 @@ class LearnerProc(Endpoint):
             return
         cfg = self.world.cfg
         self.request(
-            "poll", "B", ReportsReq(self.cursor), now=self.world.now,
+            "poll", "B", ReportsReq(self.cursor_session, self.cursor), now=self.world.now,
             timeout=cfg.poll_timeout_s, on_reply=self._reports,
         )  # fmt: skip
 
@@ -166,12 +166,7 @@ class LearnerProc(Endpoint):
         st = self.state
         if st is None or not isinstance(rep, ReportsRep):
             return
-        if api.CURSOR and rep.session != self.cursor_session:
-            # A cursor into another session's logs: read this one's from the start.
-            self.cursor, self.cursor_session = (0, 0), rep.session
-            if rep.cursor != (len(rep.dropped), len(rep.validated)):
-                return
-        self.cursor = rep.cursor
+        self.cursor_session, self.cursor = rep.session, rep.cursor  # moved: a reply came
         st.ledger.dropped(rep.dropped)
         st.trained(list(rep.validated))
         if st.recovery.buffer_contact(rep.session, self.world.now):

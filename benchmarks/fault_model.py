@@ -36,12 +36,13 @@ log = logging.getLogger(__name__)
 
 Event = tuple[Any, ...]
 SERVER_OPS = ("register", "beat", "ask", "slot", "finish", "sync")
-DRAIN_ROUNDS = 1500  # liveness bound: rounds of 0.2 virtual seconds once faults stop
+DRAIN_ROUNDS = 600  # liveness bound: rounds of 0.2 virtual seconds once faults stop
 QUIET_ROUNDS = 45  # then 1 s rounds without new work (past control.task_timeout_s)
 DUPABLE = ("TaskAck", "TaskNack", "SyncDone", "SlotRequest", "TaskRequest", "AckReq", "Packed")
 
 # (weight, event maker) of the schedule's draws; faults are the rarer ones.
 _PROGRESS: list[tuple[float, Any]] = [
+    (45, lambda r: ("r", r.choice((100, 200, 300, 500)))),
     (30, lambda r: ("d", 0)),
     (8, lambda r: ("d", r.randrange(8))),
     (15, lambda r: ("t", r.choice((50, 100, 200, 400)))),
@@ -69,11 +70,11 @@ _FAULT_SHARE = 0.05
 
 
 def schedule_for(seed: int) -> list[Event]:
-    """The schedule of ``seed``: 60 to 300 events, about 5% of them faults."""
+    """The schedule of ``seed``: 100 to 400 events, about 5% of them faults."""
     r = random.Random(seed)
     pools = [_PROGRESS, _FAULTS]
     out: list[Event] = []
-    for _ in range(r.randint(60, 300)):
+    for _ in range(r.randint(100, 400)):
         pool = pools[r.random() < _FAULT_SHARE]
         make = r.choices([f for _, f in pool], weights=[w for w, _ in pool])[0]
         out.append(make(r))
@@ -117,7 +118,9 @@ def apply(world: World, ev: Event) -> None:
     kind, args = ev[0], ev[1:]
     servers = list(world.servers.values())
     server = servers[args[0] % len(servers)] if kind in _SERVER_EVENTS else None
-    if kind == "d":
+    if kind == "r":
+        _round(world, args[0] / 1000)
+    elif kind == "d":
         world.deliver(args[0])
     elif kind == "t":
         world.tick(args[0] / 1000)
@@ -176,7 +179,6 @@ def _round(world: World, dt: float) -> None:
     for _ in range(3):
         world.learner.advance()
     world.tick(dt)
-    world.events += 1
 
 
 def _heal(world: World) -> None:
@@ -207,6 +209,7 @@ def run(seed: int, keep: Sequence[int] | None = None, cfg: SimConfig | None = No
     finished = False
     for _ in range(DRAIN_ROUNDS):
         _round(world, 0.2)
+        world.events += 1
         checker.after_event(world)
         if world.learner.phase == "done":
             finished = True
@@ -215,6 +218,7 @@ def run(seed: int, keep: Sequence[int] | None = None, cfg: SimConfig | None = No
         s.asking = False
     for _ in range(QUIET_ROUNDS):
         _round(world, 1.0)
+        world.events += 1
         checker.after_event(world)
     checker.final(world, finished)
     return Outcome(seed, world.events, world.now, checker.violations, world.learner.step)

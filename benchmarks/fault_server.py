@@ -171,8 +171,8 @@ class Server(Endpoint):
             self._start(task)
 
     def _slot(self, now: float) -> None:
-        if self.world.chance("slot", self.name, self.slot_request_id) > 0.3:
-            return
+        if self.world.chance("slot", self.name, self.slot_request_id, int(now * 10)) > 0.2:
+            return  # agents open groups now and then
         msg = m.SlotRequest(server_id=self.name, request_id=self.slot_request_id)
         self.request(
             "control", "L", msg, now=now, timeout=self.world.cfg.control_timeout_s,

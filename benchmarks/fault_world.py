@@ -115,6 +115,7 @@ class AckReq:
 
 @dataclass
 class ReportsReq:
+    session: str  # the buffer session the cursor reads (another: from the start)
     cursor: tuple[int, int]
 
 
@@ -205,7 +206,7 @@ class BufferProc(Endpoint):
             self._forgetting(body.line, lambda: self.buf.ack(body.batch_ids))
             return "ok"
         if isinstance(body, ReportsReq):
-            dropped, validated, cursor = api.reports(self.buf, body.cursor)
+            dropped, validated, cursor = api.reports(self.buf, body.session, body.cursor)
             return ReportsRep(dropped, validated, self.session, cursor)
         if isinstance(body, InventoryReq):
             held, dropped, validated = self.buf.inventory()
