@@ -102,11 +102,17 @@ def test_admission_deals_exactly_the_budget_and_resumes_per_version(
         try:
             proc, journal = start_standin(config, "s0")
             coord = learner.coordinator
+            # The server is asking right now (its request is held) and is refused: the
+            # budget holds while asked, which is what a sleep-then-look cannot show.
             until(
-                lambda: len(acked(journal)) == limit and _metric(coord, "coordinator/waits/budget"),
-                f"{limit} tasks acknowledged and a refused request",
+                lambda: (
+                    len(acked(journal)) == limit
+                    and _metric(coord, "coordinator/waits/budget")
+                    and _metric(coord, "coordinator/held_requests") == 1
+                ),
+                f"{limit} tasks acknowledged and a request held by the budget",
             )
-            time.sleep(0.5)  # the server keeps asking; the budget must hold
+            assert _metric(coord, "coordinator/budget/free") == 0
             assert len(events(journal, "task")) == limit
             assert _metric(coord, "coordinator/budget/dealt") == limit
             assert buf.stats()["buffer/groups_in"] == limit  # every group reached the buffer
@@ -116,7 +122,14 @@ def test_admission_deals_exactly_the_budget_and_resumes_per_version(
             learner.coordinator.trained(acked(journal)[:per_version])
             assert learner.push().version == 1
             until(lambda: len(acked(journal)) == limit + per_version, "dealing")
-            time.sleep(0.3)
+            held = _metric(coord, "coordinator/waits/budget")
+            until(  # asked again and held by the budget: nothing more was dealt
+                lambda: (
+                    _metric(coord, "coordinator/waits/budget") > held
+                    and _metric(coord, "coordinator/held_requests") == 1
+                ),
+                "the next request held by the budget",
+            )
             assert len(events(journal, "task")) == limit + per_version
             until(  # servers report their own metrics with their heartbeats
                 lambda: (
@@ -256,7 +269,9 @@ def test_sync_through_the_coordinator_and_a_late_joiner_catches_up(tmp_path, sta
 
             _, jl = start_standin(config, "late", weights=True)
             until(lambda: coord.pending_catchups() == ["late"], "a catch-up")
-            time.sleep(0.3)
+            until(  # it asks for tasks and is held back until it holds the weights
+                lambda: _metric(coord, "coordinator/waits/catchup") >= 1, "a catch-up wait"
+            )
             assert not events(jl, "task")  # no task before its weights
             (caught_up,) = learner.serve_catchups()
             assert caught_up.ok == ["late"] and caught_up.checksums["late"] == learner.digest()

@@ -54,6 +54,7 @@ def built(request, tiny_model, small_model):
     gc.collect()
 
 
+@pytest.mark.slow  # starts a vLLM engine
 def test_sampled_logprobs_match_transformers(built):
     from vllm import SamplingParams
 
@@ -79,6 +80,7 @@ def test_sampled_logprobs_match_transformers(built):
     assert worst < 1e-4, f"{name}: vLLM vs transformers logprob gap {worst:.2e}"
 
 
+@pytest.mark.slow  # starts a vLLM engine
 def test_greedy_answers_agree(built):
     from vllm import SamplingParams
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
@@ -116,6 +117,7 @@ def _generate_many(loop, engine, n, max_tokens, ignore_eos=False, tag="r"):
     return loop.run(run())
 
 
+@pytest.mark.slow  # starts a vLLM engine
 def test_pushed_weights_are_sampled_from(rig):
     loop, engine, learner, models, path = rig
     models[1] = _perturbed(path, seed=1)
@@ -134,6 +136,7 @@ def test_pushed_weights_are_sampled_from(rig):
         assert _gap_per_version(s, models)[1] < 1e-4
 
 
+@pytest.mark.slow  # starts a vLLM engine
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_request_spanning_a_push_carries_both_versions(rig, mode):
     loop, engine, learner, models, path = rig
@@ -142,6 +145,17 @@ def test_request_spanning_a_push_carries_both_versions(rig, mode):
     new = old + 1
     models[new] = _perturbed(path, seed=10 + new)
 
+    sampling: set[str] = set()  # requests vLLM has produced a first output for
+    real_generate = engine.llm.generate
+
+    def spied_generate(prompt, params, request_id):
+        async def outputs():
+            async for out in real_generate(prompt, params, request_id=request_id):
+                sampling.add(request_id)
+                yield out
+
+        return outputs()
+
     async def spanning():
         tasks = [
             asyncio.ensure_future(
@@ -149,10 +163,19 @@ def test_request_spanning_a_push_carries_both_versions(rig, mode):
             )
             for seed in range(6)
         ]
-        await asyncio.sleep(0.5)  # long requests: each is mid-way when the push comes
+        # Long requests: push once every one of them has sampled (no fixed sleep: a slow
+        # machine would push before they start, a fast one after they end).
+        deadline = time.monotonic() + 60
+        while len(sampling) < len(tasks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
         return tasks
 
-    tasks = loop.run(spanning())
+    engine.llm.generate = spied_generate
+    try:
+        tasks = loop.run(spanning())
+    finally:
+        engine.llm.generate = real_generate
+    assert len(sampling) == 6, f"only {sorted(sampling)} sampled within 60 s"
     assert not any(t.done() for t in tasks), "requests finished before the push; lengthen them"
     learner.push(loop, engine, models[new], version=new)
 
@@ -194,6 +217,7 @@ def test_resubmitted_pieces_draw_fresh_deterministic_seeds():
     assert piece_params(unseeded, 2, 460).seed is None
 
 
+@pytest.mark.slow  # starts a vLLM engine
 def test_abort_resubmission_samples_with_the_piece_seed(rig):
     """On the real engine: the piece re-submitted after an abort-mode push is exactly what a
     fresh request for the prompt plus the first piece's tokens, under the new weights, gives

@@ -37,7 +37,10 @@ BASE = [
     "sync.timeout_s=15",
     "launch.start_timeout_s=30",
 ]
-EXIT_WITHIN_S = 5.0
+# What these tests check is that every role exits by itself once told (no role waits for
+# a timeout): on a quiet machine each exits within 1-2 s. The bound leaves room for a loaded
+# 2-core machine; a role that waited for one of its timeouts instead (30 s here) still fails.
+EXIT_WITHIN_S = 12.0
 ROWS = [make_row("arithmetic", f"{i}+3=", str(i + 3), split="train", index=i) for i in range(40)]
 
 
@@ -156,8 +159,10 @@ def test_a_server_whose_coordinator_vanished_gives_up(tmp_path, procs):
         wait_until(lambda: learner.coordinator.servers(), "the server", 40)
         learner.close()  # the learner crashed: nobody answers any more
         start = time.monotonic()
-        assert proc.wait(15) == 3
-        assert time.monotonic() - start < 2 + 4
+        assert proc.wait(20) == 3
+        # It gives up after launch.start_timeout_s (2 s) without an answer; the margin is
+        # for a loaded machine (its heartbeat timeouts are 30 s, far beyond it).
+        assert time.monotonic() - start < 2 + 10
 
 
 def _session(sid: int) -> list[int]:
@@ -174,6 +179,7 @@ def _cmdline(pid: int) -> bytes:
 
 
 @pytest.mark.timeout(600)  # building the tiny model, when no test before needed it
+@pytest.mark.slow  # starts a vLLM engine
 def test_a_rollout_server_stopped_while_starting_exits_0_and_takes_its_engine(tmp_path, tiny_model):
     """SIGTERM while vLLM starts (a blocking call, before the server can leave): the real
     server kills the engine processes started so far and exits 0, so a supervisor does not

@@ -273,6 +273,7 @@ def vllm_batch(loop, engine, export, seed: int) -> list[Rollout]:
     ]
 
 
+@pytest.mark.slow  # starts a vLLM engine
 def test_importance_weights_against_vllm(vllm_rig):
     trainer, loop, engine, export = vllm_rig
     batch_a = vllm_batch(loop, engine, export, seed=1)

@@ -100,7 +100,8 @@ def test_sync_lifecycle_failure_regroup_and_late_join():
         start = time.monotonic()
         with pytest.raises(WeightSyncError, match="drop it and form a new group"):
             send_weights(group, _weights(3), plan, timeout_s=TIMEOUT)
-        assert time.monotonic() - start < TIMEOUT + 1
+        # Within the collective's timeout, not hanging: the margin is for a loaded machine.
+        assert time.monotonic() - start < TIMEOUT + 5
         assert a.result(TIMEOUT * 3)[0] == "error"  # the survivor's collective fails too
 
         # 3. The next sync re-forms the group (new generation) without the dead member.
@@ -129,7 +130,7 @@ def test_forming_a_group_with_a_missing_member_times_out():
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match="could not connect"):
         form_group(store, "lonely", 0, 2, timeout_s=2)
-    assert time.monotonic() - start < 2 + 3
+    assert time.monotonic() - start < 2 + 6  # the 2 s timeout, with a loaded machine's margin
 
 
 def test_joining_a_store_nobody_hosts_fails_clearly():
