@@ -106,5 +106,8 @@ def test_a_curve_run_ends_and_keeps_strangers_out(tmp_path, demo_model, arithmet
     assert most("buffer/security/rejected_connections") >= 2
     assert most("security/rejected_connections") >= 1  # the coordinator's
     assert most("coordinator/registrations") == 2  # the run's two servers, no rogue
+    # Every role's own requests were within its key's authority: nothing was refused.
+    refused = {k for r in records for k in r if "security/refused/" in k}
+    assert not refused, refused
     buffer_log = (run / "logs" / "buffer.log").read_text()
     assert "unknown CURVE key" in buffer_log and "no CURVE handshake" in buffer_log, buffer_log
