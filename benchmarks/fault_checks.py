@@ -142,8 +142,9 @@ class Checker:
 
     def after_event(self, world: World) -> None:
         st = world.learner.state
-        if st is None:
+        if st is None or not world.dirty:
             return
+        world.dirty = False
         ledger = st.ledger
         acct = ledger.accounting()
         for kind in ("train", "val"):

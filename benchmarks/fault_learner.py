@@ -84,6 +84,7 @@ class LearnerProc(Endpoint):
             self.step = self.version = 0
             self.last = ("", None)
         self.state.start_run()
+        w.dirty = True
         self.pushed = ck is not None  # resume(): the restored weights serve catch-ups
         self.pushed_weights = self.line.weights
         self.pushing_version = 0
@@ -112,6 +113,7 @@ class LearnerProc(Endpoint):
         """A server's request to the coordinator; the reply (as the control loop's)."""
         st, now, body = self.state, self.world.now, msg.body
         assert st is not None
+        self.world.dirty = True
         if isinstance(body, m.TaskRequest):
             return self._dealing(
                 body.server_id,
@@ -166,6 +168,7 @@ class LearnerProc(Endpoint):
         st = self.state
         if st is None or not isinstance(rep, ReportsRep):
             return
+        self.world.dirty = True
         self.cursor_session, self.cursor = rep.session, rep.cursor  # moved: a reply came
         st.ledger.dropped(rep.dropped)
         st.trained(list(rep.validated))
@@ -178,11 +181,13 @@ class LearnerProc(Endpoint):
     def _inventory(self, rep: Any) -> None:
         st = self.state
         if st is not None and isinstance(rep, InventoryRep):
+            self.world.dirty = True
             st.reconcile_buffer(rep.held, rep.dropped)
             st.trained(rep.validated)
 
     def reap(self) -> None:
         if self.state is not None:
+            self.world.dirty = True
             self.state.reap(self.world.now)
 
     # ------------------------------------------------------------------ learner loop
@@ -190,6 +195,7 @@ class LearnerProc(Endpoint):
         """One move of the learner loop, when it can make one."""
         if self.state is None:
             return
+        self.world.dirty = True
         self._send_acks()
         phase = self.phase
         if phase == "hello":
@@ -308,9 +314,9 @@ class LearnerProc(Endpoint):
         """Checkpoint when due, serve catch-ups, then the step is over (loop._one_step)."""
         cfg, st = self.world.cfg, self.state
         assert st is not None
-        if not saved and cfg.save_freq > 0 and self.step % cfg.save_freq == 0:
-            if self.step < cfg.total_steps:
-                self._save()
+        due = cfg.save_freq > 0 and self.step % cfg.save_freq == 0
+        if not saved and due and self.step < cfg.total_steps:
+            self._save()
         if self._catchup("after_step"):
             return
         st.on_step(self.step)

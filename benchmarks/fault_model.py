@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.wire import Packed
 from benchmarks import fault_api as api
 from benchmarks.fault_checks import Checker, Violation
 from benchmarks.fault_learner import LearnerProc
@@ -142,8 +143,8 @@ _SERVER_EVENTS = ("s", "crash_s", "start_s", "mute", "unmute")
 
 def _fault(world: World, kind: str, args: tuple[Any, ...], server: Server | None) -> None:
     net = world.net
-    if kind == "lose":
-        net.lose(args[0])
+    if kind == "lose":  # a group pushed is never lost while both ends live (PUSH/PULL)
+        net.lose(args[0], lambda m: not isinstance(m.body, Packed))
     elif kind == "dup":
         net.duplicate(args[0], lambda m: type(m.body).__name__ in DUPABLE and not m.reply)
     elif kind == "delay":

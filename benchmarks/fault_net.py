@@ -73,8 +73,9 @@ class Net:
             return None
         return self.queue.pop(ready[k % len(ready)])
 
-    def lose(self, k: int) -> Msg | None:
-        if not self.queue:
+    def lose(self, k: int, losable: Callable[[Msg], bool]) -> Msg | None:
+        """Lose the ``k``-th message if it is of a kind the network may lose."""
+        if not self.queue or not losable(self.queue[k % len(self.queue)]):
             return None
         self._count("lost")
         return self.queue.pop(k % len(self.queue))

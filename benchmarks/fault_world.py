@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import random
+import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -269,11 +270,13 @@ class World:
     checkpoint: Checkpoint | None = None
     train_rows: list[dict[str, Any]] = field(default_factory=list)
     val_rows: list[dict[str, Any]] = field(default_factory=list)
-    events: int = 0
+    events: int = 0  # schedule events played, messages delivered, drain rounds
+    dirty: bool = False  # the coordinator's state may have changed since the last check
 
     def chance(self, *parts: Any) -> float:
         """A uniform number fixed by the seed and ``parts`` (what is being decided)."""
-        return random.Random(f"{self.cfg.seed}/" + "/".join(map(str, parts))).random()
+        key = f"{self.cfg.seed}/" + "/".join(map(str, parts))
+        return zlib.crc32(key.encode()) / 2**32
 
     def delay(self, kind: str, *parts: Any) -> float:
         """A virtual duration: a generation (0.1-3 s) or a weight load (0.05-0.5 s)."""
@@ -298,7 +301,9 @@ class World:
             return False
         self.events += 1
         if self.cut_off(msg.src) or self.cut_off(msg.dst):
-            return True  # a partition: lost
+            if isinstance(msg.body, Packed):  # held in the sender's queue until it heals
+                self.net.queue.append(msg)
+            return True  # a request or reply across a partition: lost
         target = self.proc(msg.dst)
         if msg.reply:
             if target is not None:
