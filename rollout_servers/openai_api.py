@@ -273,7 +273,8 @@ class OpenAIEndpoint:
         self, session: Session, messages: list[Any], body: dict[str, Any]
     ) -> dict[str, Any]:
         """Sample one assistant turn and record it. The turn is prepared on a draft and
-        committed only once the engine answered (see :class:`Draft`)."""
+        committed only once the engine answered (see
+        :class:`~rollout_servers.sessions.Draft`)."""
         asked_tokens(body)  # a bad request is refused before any work
         draft = prepare(
             session,
