@@ -1,139 +1,289 @@
-"""Chaos: ``kill -9`` one role of a real run under ``asyncrl-launch`` mid-training (a rollout
-server, the buffer, the learner: each in its own run) and check that the run survives it.
+"""Chaos: ``kill -9`` roles of a real run under ``asyncrl-launch`` mid-training and check that
+the run survives it.
 
-Each run (the demo's config and model, two CPU vLLM rollout servers, checkpoints every 5
-steps) must reach its last step with exit 0, every step trained exactly once by the final
-weights' lineage, the accounting identity holding exactly at the end (``dealt = in flight +
-in buffer + trained + dropped + given up``, with ``trained`` equal to what the learner
-consumed), few groups dropped for lag after the restart, and no process of the run left
-once the launcher is gone.
+Every run uses the demo's config and model, two CPU vLLM rollout servers and (but one)
+checkpoints every 5 steps. Each must reach its last step with exit 0, every step trained by
+the final weights' lineage, the accounting identity holding exactly at the end (``dealt = in
+flight + in buffer + trained + dropped + given up``, with ``trained`` equal to what the
+learner consumed, so no group was trained twice), few groups dropped for lag after the
+restart, the recovery itself seen (the killed role's restart in ``launch.jsonl``, the
+servers registered again, the replayed versions after a learner restart), and no process of
+the run left once the launcher is gone.
+
+Scenarios: one role killed (a rollout server, the buffer, the learner); the learner killed
+in a run without checkpoints (``trainer.save_freq=-1``); the buffer, then the learner; the
+learner killed while it pushes weights; two groups of the OpenAI endpoint opened at once,
+then the learner killed.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
+import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from asyncrl.metrics import read_metrics
 from asyncrl.progress import accounting_lines
-from tests.e2e_helpers import RUN, launch_cmd, role_logs, run_overrides, trained_steps
-from tests.helpers import alive, wait_until
+from tests.e2e_helpers import AgentGroups, ChaosRun, run_overrides, trained_steps
 
 pytestmark = pytest.mark.slow
 
 STEPS, BATCH = 30, 16  # the demo's data.train_batch_size
-# role -> (command-line marker of its process, step after which it is killed)
-TARGETS = {
-    "rollout-0": ("--server-id rollout-0", 8),
-    "buffer": ("buffer.main", 8),
-    "learner": ("learner.main", 13),  # checkpoint at 10: steps 11-13 are trained again
+Action = Callable[[ChaosRun], bool]
+
+
+def kill_after(role: str, step: int) -> Action:
+    """Kill ``role`` once the learner's latest step is ``step`` or later."""
+
+    def act(run: ChaosRun) -> bool:
+        if run.last_step() < step or run.pid(role) is None:
+            return False
+        run.kill(role)
+        return True
+
+    return act
+
+
+def overrides(tmp_path: Path, demo_model, data, steps: int = STEPS, *extra: str) -> list[str]:
+    return [
+        *run_overrides(tmp_path, demo_model, data, steps),
+        "trainer.save_freq=5",
+        "trainer.test_freq=-1",
+        "trainer.val_before_train=false",
+        "staleness.max_policy_lag=1",
+        "control.heartbeat_s=0.5",
+        "control.dead_after_s=8",
+        "launch.restart_backoff_s=1",
+        *extra,
+    ]
+
+
+# ----------------------------------------------------------------------- checks
+def events(run: Path) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run / "launch.jsonl").read_text().splitlines()]
+
+
+def final_accounting(records: list[dict], steps: int = STEPS) -> dict:
+    """The accounting at the end: exact, and ``trained`` what the learner consumed (each
+    step's batch of distinct groups, once: a group trained twice would leave it short)."""
+    acct = [r for r in records if "accounting/train/dealt" in r][-1]
+    print("\n" + "; ".join(accounting_lines([acct])))
+    for kind in ("train", "val"):
+        assert acct[f"accounting/{kind}/unaccounted"] == 0, acct
+    assert acct["accounting/train/trained"] == steps * BATCH, acct
+    return acct
+
+
+def learner_lives(run: Path) -> list[str]:
+    """The learner's log, one text per start."""
+    text = (run / "logs" / "learner.log").read_text(errors="replace")
+    return [part for part in re.split(r"^---- learner start \d+ at .*$", text, flags=re.M)][1:]
+
+
+def check_end(chaos: ChaosRun, code: int, steps: int = STEPS) -> list[dict]:
+    """What every scenario ends with; returns the metrics records."""
+    from tests.helpers import wait_until
+
+    assert code == 0, chaos.logs()
+    records = read_metrics(chaos.run)
+    done = {r["step"] for r in trained_steps(records)}
+    assert done == set(range(1, steps + 1)), sorted(done)
+    wait_until(lambda: not chaos.left(), "the run's processes to be reaped", 5, details=chaos.left)
+    return records
+
+
+def check_restarted(run: Path, role: str, times: int = 1) -> None:
+    """``role`` was restarted ``times`` times after dying of SIGKILL, and started again."""
+    ev = [e for e in events(run) if e["role"] == role]
+    restarts = [e for e in ev if e["event"] == "restart"]
+    assert [e["exit_code"] for e in restarts] == [137] * times, ev
+    assert [e["attempt"] for e in ev if e["event"] == "start"] == list(range(1, times + 2)), ev
+
+
+def check_servers_back(run: Path) -> None:
+    """Both servers registered with the restarted learner's coordinator."""
+    last = learner_lives(run)[-1]
+    for server in ("rollout-0", "rollout-1"):
+        assert f"server {server} registered" in last, last[-3000:]
+
+
+def check_replayed(records: list[dict], kill_time: float) -> None:
+    """After a learner restart from a checkpoint the servers kept the versions the replay
+    reproduces: pushes skipped (``sync/replayed``), counted by the coordinator."""
+    after = [r for r in records if r["time"] > kill_time]
+    assert sum(r.get("sync/replayed", 0) for r in after) >= 1, "no push was replayed"
+    assert max(r.get("coordinator/versions_replayed", 0) for r in after) >= 1
+
+
+def check_lag(acct: dict, bound: int) -> None:
+    assert acct["accounting/train/dropped/lag"] <= bound, acct
+
+
+# ----------------------------------------------------------------------- one role
+# Lag-drop bounds, in groups of the 480 trained, from the runs measured on the shared 2-core
+# machine (README, Failures and restarts) plus a margin of one batch (16 groups) for
+# scheduling noise: a rollout server's kill dropped 0; the buffer's 15 (what was generated
+# while it was down aged); the learner's 0 (the replay keeps the servers' weights).
+TARGETS = {  # role -> (step after which it is killed, lag-drop bound)
+    "rollout-0": (3, 0 + 16),
+    "buffer": (8, 15 + 16),
+    "learner": (13, 0 + 16),  # checkpoint at 10: steps 11-13 are trained again
 }
-
-
-def _procs() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process on the machine."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        out[int(entry.name)] = (ppid, cmd)
-    return out
-
-
-def _descendants(root: int) -> dict[int, tuple[int, str]]:
-    procs = _procs()
-    found, frontier = {}, [root]
-    while frontier:
-        parent = frontier.pop()
-        for pid, (ppid, cmd) in procs.items():
-            if ppid == parent and pid not in found:
-                found[pid] = (ppid, cmd)
-                frontier.append(pid)
-    return found
-
-
-def _run_and_kill(tmp_path: Path, overrides: list[str], marker: str, kill_after: int):
-    """Launch, kill -9 the role matching ``marker`` after step ``kill_after``, wait for the
-    end; returns (exit code, launcher output, every pid the run ever had, the killed pid)."""
-    run = tmp_path / RUN
-    out_path = tmp_path / "launch.out"
-    with open(out_path, "w") as out:
-        proc = subprocess.Popen(launch_cmd(overrides), stdout=out, stderr=subprocess.STDOUT)
-    seen: set[int] = set()
-    killed = None
-
-    def watch() -> bool:
-        """Note the run's processes, kill the target once; true when the run has ended."""
-        nonlocal killed
-        tree = _descendants(proc.pid)
-        seen.update(tree)
-        steps = [r["step"] for r in trained_steps(read_metrics(run))] if run.exists() else []
-        if killed is None and steps and max(steps) >= kill_after:
-            targets = [p for p, (pp, cmd) in tree.items() if pp == proc.pid and marker in cmd]
-            assert len(targets) == 1, tree
-            killed = targets[0]
-            os.kill(killed, signal.SIGKILL)
-        return proc.poll() is not None
-
-    try:
-        wait_until(watch, "the run to end", 780, every_s=0.5)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-    return proc.returncode, out_path.read_text(), seen, killed
+# A rollout server's run is longer: its restarted server (~50 s to start its engine beside
+# the run on the shared core) must register again before the learner ends.
+ROLLOUT_STEPS = 90
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("role", list(TARGETS))
 def test_a_run_survives_kill_9_of_a_role(tmp_path, demo_model, arithmetic_data, role):
-    marker, kill_after = TARGETS[role]
-    overrides = [
-        *run_overrides(tmp_path, demo_model, arithmetic_data, STEPS),
-        "trainer.save_freq=5",
-        "trainer.test_freq=-1",
-        f"trainer.val_before_train={'true' if role == 'rollout-0' else 'false'}",
-        "staleness.max_policy_lag=1",
-        "control.heartbeat_s=0.5",
-        "control.dead_after_s=8",
-        "launch.restart_backoff_s=1",
-    ]
-    code, out, seen, killed = _run_and_kill(tmp_path, overrides, marker, kill_after)
-    run = tmp_path / RUN
-    assert killed is not None, "the run ended before the kill: " + out[-3000:]
-    assert code == 0, out[-4000:] + role_logs(run)
-    assert "restart" in out and role in out, out[-3000:]
+    step, bound = TARGETS[role]
+    steps = ROLLOUT_STEPS if role == "rollout-0" else STEPS
+    chaos = ChaosRun(tmp_path, overrides(tmp_path, demo_model, arithmetic_data, steps))
+    code = chaos.drive([kill_after(role, step)], timeout_s=780)
+    records = check_end(chaos, code, steps)
+    acct = final_accounting(records, steps)
+    check_lag(acct, bound)
+    check_restarted(chaos.run, role)
+    _, _, killed_at = chaos.kills[0]
+    if role == "learner":
+        check_servers_back(chaos.run)
+        check_replayed(records, killed_at)
+        # The buffer lived on: it got no second copy of a group (nothing dealt twice).
+        assert records[-1]["buffer/drops/duplicate"] == 0, records[-1]
+    if role == "rollout-0":
+        _check_server_kill(chaos, records, killed_at)
 
-    records = read_metrics(run)
-    steps = [r["step"] for r in trained_steps(records)]
-    assert set(steps) == set(range(1, STEPS + 1)), steps
 
-    acct = [r for r in records if "accounting/train/dealt" in r][-1]
-    print(f"\n{role} killed after step {kill_after}: " + "; ".join(accounting_lines([acct])))
-    for kind in ("train", "val"):
-        assert acct[f"accounting/{kind}/unaccounted"] == 0, acct
-    # Trained, as the coordinator counts it, is what the learner consumed: each step's
-    # batch of fresh groups, once (the steps retrained after a learner restart included).
-    trained = acct["accounting/train/trained"]
-    assert trained == STEPS * BATCH, acct
-    # After a learner restart the servers keep the weights they hold (the replay reproduces
-    # them) and what they generated meanwhile is trained, not dropped for lag: 0 of 480 in
-    # the README's run, against the issue's bound of 5%. A buffer restart ages what was
-    # generated while it was down (15 of 480 in the same runs): held under 10%.
-    bound = 0.05 if role == "learner" else 0.10
-    assert acct["accounting/train/dropped/lag"] < bound * trained, acct
+def _check_server_kill(chaos: ChaosRun, records: list[dict], killed_at: float) -> None:
+    """The launcher told the coordinator at once (a Leave naming the dead process), so the
+    learner never waited long for a batch (it waited ``control.dead_after_s`` and more
+    before); the restarted server registered again."""
+    _, pid, _ = chaos.kills[0]
+    leaves = [e for e in events(chaos.run) if e["event"] == "leave"]
+    assert [(e["role"], e["pid"], e["ok"]) for e in leaves] == [("rollout-0", pid, True)]
+    waits = [r["timing/wait_batch_s"] for r in trained_steps(records) if r["time"] > killed_at]
+    assert max(waits) < 5.0, waits
+    log = learner_lives(chaos.run)[-1]
+    assert log.count("server rollout-0 registered") == 2, log[-3000:]
 
-    def left() -> dict[int, str]:
-        return {pid: cmd for pid, (_, cmd) in _procs().items() if pid in seen and alive(pid)}
 
-    wait_until(lambda: not left(), "the run's processes to be reaped", 5, details=left)
+# ----------------------------------------------------------------------- the learner
+@pytest.mark.timeout(900)
+def test_a_learner_without_checkpoints_starts_over(tmp_path, demo_model, arithmetic_data):
+    """``trainer.save_freq=-1`` (veRL's default): nothing to resume to, so the restarted
+    learner starts over from step 1, and the run still ends with every task accounted."""
+    args = overrides(tmp_path, demo_model, arithmetic_data, STEPS, "trainer.save_freq=-1")
+    chaos = ChaosRun(tmp_path, args)
+    code = chaos.drive([kill_after("learner", 8)], timeout_s=780)
+    records = check_end(chaos, code)
+    acct = final_accounting(records)
+    # A fresh start has nothing stale to train: measured 0 (see TARGETS for the margin).
+    check_lag(acct, 0 + 16)
+    check_restarted(chaos.run, "learner")
+    check_servers_back(chaos.run)
+    _, _, killed_at = chaos.kills[0]
+    again = [r["step"] for r in trained_steps(records) if r["time"] > killed_at]
+    assert again == list(range(1, STEPS + 1)), again
+
+
+@pytest.mark.timeout(900)
+def test_a_run_survives_the_buffer_then_the_learner(tmp_path, demo_model, arithmetic_data):
+    """The buffer dies (a new buffer session), then the learner (checkpoint at 10): the
+    batches after the checkpoint come from the new buffer session."""
+    chaos = ChaosRun(tmp_path, overrides(tmp_path, demo_model, arithmetic_data))
+    code = chaos.drive([kill_after("buffer", 5), kill_after("learner", 13)], timeout_s=780)
+    records = check_end(chaos, code)
+    acct = final_accounting(records)
+    check_lag(acct, 15 + 16)  # the buffer's bound (TARGETS): the learner's adds nothing
+    check_restarted(chaos.run, "buffer")
+    check_restarted(chaos.run, "learner")
+    check_servers_back(chaos.run)
+    check_replayed(records, chaos.kills[1][2])
+
+
+SYNC_START = re.compile(r"sync (\d+): version (\d+) to ")
+
+
+def kill_mid_push(first_version: int) -> Action:
+    """Kill the learner between a push's start (version ``first_version`` or later) and
+    its end, as its log shows them; looks every 10 ms while armed. Fires once the kill
+    landed mid-push (the dead learner's log has no end of that push); a kill that came too
+    late (the push ended first) is retried at the restarted learner's next push."""
+    state: dict[str, tuple[int, int] | None] = {"pending": None}
+
+    def act(run: ChaosRun) -> bool:
+        run.every_s = 0.01
+        lives = learner_lives(run.run) if run.grown("logs/learner.log") else []
+        if state["pending"] is not None:  # a kill made: did it land mid-push?
+            sync_id, version = state["pending"]
+            if len(lives) < len(run.kills) + 1:
+                return False  # the learner has not started again yet
+            died = lives[len(run.kills) - 1]
+            if f"sync {sync_id} (version {version}) done" not in died:
+                run.every_s = 0.5
+                return True
+            state["pending"] = None
+            assert len(run.kills) < 3, "three kills missed a push"
+        if not lives or run.pid("learner") is None:
+            return False
+        starts = [tuple(map(int, m.groups())) for m in SYNC_START.finditer(lives[-1])]
+        if not starts or starts[-1][1] < first_version:
+            return False
+        sync_id, version = starts[-1]
+        if f"sync {sync_id} (version {version}) done" in lives[-1]:
+            return False
+        run.kill("learner")
+        state["pending"] = (sync_id, version)
+        return False
+
+    return act
+
+
+@pytest.mark.timeout(900)
+def test_a_learner_killed_mid_push(tmp_path, demo_model, arithmetic_data):
+    """The learner dies while the servers receive a push (after the checkpoint at step
+    10): the servers give the broken push up, register with the restarted learner, and the
+    run ends with every task accounted."""
+    chaos = ChaosRun(tmp_path, overrides(tmp_path, demo_model, arithmetic_data))
+    code = chaos.drive([kill_mid_push(first_version=6)], timeout_s=780)
+    records = check_end(chaos, code)
+    acct = final_accounting(records)
+    check_lag(acct, 0 + 16)  # as a learner kill (TARGETS)
+    check_restarted(chaos.run, "learner", times=len(chaos.kills))
+    check_servers_back(chaos.run)
+
+
+@pytest.mark.timeout(900)
+def test_endpoint_groups_then_a_learner_kill(tmp_path, demo_model, arithmetic_data):
+    """Two groups of the OpenAI endpoint opened at once on one server (each takes its own
+    external slot), both rewarded, then the learner killed: the external slots are
+    accounted like dataset tasks through the restart."""
+    args = overrides(
+        tmp_path,
+        demo_model,
+        arithmetic_data,
+        STEPS,
+        "rollout.openai_endpoint.enable=true",
+        "rollout.openai_endpoint.group_size=2",
+    )
+    chaos = ChaosRun(tmp_path, args)
+    agents = AgentGroups(chaos.run, "rollout-0", groups=("g0", "g1"), members=("a", "b"))
+    try:
+        code = chaos.drive(
+            [agents.open_after(2), agents.rewarded, kill_after("learner", 13)], timeout_s=780
+        )
+    finally:
+        agents.close()
+    records = check_end(chaos, code)
+    acct = final_accounting(records)
+    check_lag(acct, 0 + 16)  # as a learner kill (TARGETS)
+    check_restarted(chaos.run, "learner")
+    check_servers_back(chaos.run)
+    assert agents.complete() == {"g0": True, "g1": True}, agents.results
+    dealt = max(r.get("coordinator/tasks/external_dealt", 0) for r in records)
+    assert dealt == 2, dealt  # one slot per group, none shared, none dealt twice
