@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from asyncrl import security, wire
+from asyncrl import authority, security, wire
 from asyncrl.serving import Held, HeldRequests, RouterService
 from asyncrl.transport import bind, config_endpoint, make_socket, mebibytes
 from buffer.core import ReplayBuffer
@@ -184,6 +184,7 @@ class BufferService:
                 counts=self.stats.io,
                 rcvhwm=self.rcvhwm,
                 max_message_bytes=self.limits.max_request_bytes,
+                policy=authority.BUFFER,
             )
             self.batches_endpoint = router.endpoint
             log.info(

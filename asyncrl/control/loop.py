@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import zmq
 
+from asyncrl import authority
 from asyncrl.control import messages as m
 from asyncrl.control.state import ControlState
 from asyncrl.serving import Held, HeldRequests, RouterService
@@ -87,6 +88,7 @@ class ControlLoop:
                         on_reject=self._reject,
                         counts=self.io,
                         max_message_bytes=self.max_message_bytes,
+                        policy=authority.COORDINATOR,
                     )
                 )
             tasks, control = services
@@ -179,8 +181,10 @@ class ControlLoop:
             st.nack(msg.server_id, msg.task_ids, msg.reason, now)
             return m.Ok()
         if isinstance(msg, m.Leave):
+            if not st.leave(msg.server_id, msg.pid):
+                log.info("leave of %s pid %d ignored: it restarted", msg.server_id, msg.pid)
+                return m.Ok()
             self.forget(msg.server_id)
-            st.leave(msg.server_id)
             log.info("server %s left (%s)", msg.server_id, msg.reason or "no reason given")
             return m.Ok()
         if isinstance(msg, m.ShutdownRequest):
