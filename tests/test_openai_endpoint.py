@@ -20,7 +20,9 @@ from transformers import AutoTokenizer
 from asyncrl.config import run_dir
 from asyncrl.tasks import prepare_task_data
 from asyncrl.tools import load_tool_config, schemas
+from asyncrl.tools.tokens import render
 from asyncrl.transport import BufferClient, config_endpoint
+from rollout_servers.sessions import assistant_reply, model_message
 from tests.helpers import check_on_policy_and_trains, kill_session, log_tails, wait_until
 from tests.standins.learner import StandInLearner, loopback_config, model_weights, spawn_buffer
 
@@ -145,7 +147,8 @@ def test_an_outside_agent_trains_through_the_endpoint(rig, agent_model, single_r
         lambda: rig.consumer.request_batch(0, wait_s=1.0), "the external group", details=rig.logs
     )
     trajs = batch.trajectories
-    assert {t.meta.task_id for t in trajs} == {"ext/1"}
+    (slot,) = {t.meta.task_id for t in trajs}  # one group: the coordinator's first slot
+    assert slot.startswith("ext/") and slot.endswith("/1")
     assert {t.meta.data_source for t in trajs} == {"external"}
     assert sorted({(t.meta.episode_index, t.meta.reward) for t in trajs}) == [(0, 1.0), (1, 0.0)]
     tok = AutoTokenizer.from_pretrained(str(agent_model))
@@ -153,12 +156,29 @@ def test_an_outside_agent_trains_through_the_endpoint(rig, agent_model, single_r
         samples = [t for t in trajs if t.meta.episode_index == episode]
         first = samples[0]
         end = first.meta.masked_spans[0][0] if first.meta.masked_spans else len(first.response_ids)
-        assert (replies[key][0].content or "") in tok.decode(list(first.response_ids[:end]))
-        if len(samples) == 1:  # the agent's message (and the template's markup) inserted
+        sampled = list(first.response_ids[:end])
+        # The reply the agent got is the one the recorded tokens say (tool calls included).
+        shown, _ = assistant_reply(
+            tok.decode(_without_eos(sampled, tok), skip_special_tokens=False)
+        )
+        got = replies[key][0]
+        assert (got.content or "") == shown["content"]
+        calls = [(c.function.name, json.loads(c.function.arguments)) for c in got.tool_calls or []]
+        assert calls == [
+            (c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in shown.get("tool_calls", [])
+        ]
+        # Token in, token out: the next turn extends the sample unless the chat template
+        # itself does not keep the sampled tokens as a prefix of the history re-rendered.
+        history = [{"role": "user", "content": "47*29="}, model_message(shown)]
+        before = render(tok, history, TOOLS, gen=False)
+        held = list(first.prompt_ids) + sampled
+        if before[: len(held)] == held:  # the agent's message (and markup) inserted
+            assert len(samples) == 1, "a turn the template keeps was re-rendered"
             start, length = first.meta.masked_spans[0]
             assert all(lp == 0 for lp in first.logprobs[start : start + length])
             assert "<|im_start|>" in tok.decode(list(first.response_ids[start : start + length]))
-        else:  # the re-rendered history did not keep the sampled tokens: a new sample
+        else:  # the template rewrote the sampled tokens: a new sample, by necessity
             assert len(samples) == 2 and not first.meta.masked_spans
             assert "<|im_start|>assistant" in tok.decode(list(samples[1].prompt_ids))
 
@@ -170,6 +190,10 @@ def test_an_outside_agent_trains_through_the_endpoint(rig, agent_model, single_r
     assert not rig.learner.push().failed
     reply = _wait(lambda: _try_chat(rig, "g1/a"), "a slot after the push", details=rig.logs)
     assert reply.choices[0].message.role == "assistant"
+
+
+def _without_eos(ids: list[int], tok) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == tok.eos_token_id else ids
 
 
 def _try_chat(rig: Rig, key: str):
