@@ -229,8 +229,10 @@ class RankZero:
 
     # ------------------------------------------------------------------ weights, versions
     def resume(self, tensors: dict[str, Any]) -> None:
-        """Restored weights: what servers older than the checkpoint catch up to. Not pushed:
-        servers that hold newer versions hold what the replay reproduces (recovery.py)."""
+        """The weights at start (restored, or initial): what a server that does not hold
+        them catches up to before the first push (one older than the checkpoint, or one
+        that outlived a learner restarted without a checkpoint). Not pushed: servers that
+        hold newer versions hold what the replay reproduces (recovery.py)."""
         self.pushed = tensors
 
     def push(self, tensors: dict[str, Any], target: int) -> dict[str, float]:

@@ -85,8 +85,10 @@ class LearnerLoop:
         ``sync.timeout_s``). Unblocked by the buffer releasing a batch."""
         done = False
         try:
-            if self.restored.path is not None:  # for servers older than the checkpoint
-                self.control.resume(self.trainer.full_state_for_push())
+            # What a server that does not hold these weights catches up to before the first
+            # push: one older than the checkpoint, or, after a restart without one, a
+            # server that outlived the previous learner with weights nobody has any more.
+            self.control.resume(self.trainer.full_state_for_push())
             while self.trainer.step < self.total and self._one_step():
                 pass
             self._save(final=True)

@@ -1,0 +1,226 @@
+"""Does a test fail when the feature it claims breaks? Each mutation below breaks one
+recovery or correctness feature in a scratch worktree of ``HEAD`` (one line replaced) and
+runs the tests named for it; the feature counts as caught when at least one of them fails.
+
+Run from the repository root (prints the table ``tests/README.md`` records; a few minutes)::
+
+    .venv/bin/python -m tests.mutation_check            # every mutation
+    .venv/bin/python -m tests.mutation_check lag dedup  # those whose name contains a word
+
+Exit status 1 when a mutation was not caught (or its line is gone: update the list), so a
+new feature's row can be added here and checked the same way. Not collected by pytest.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Mutation:
+    feature: str
+    broken: str  # what the mutation does, in words
+    path: str
+    old: str  # must occur exactly once in the file
+    new: str
+    tests: tuple[str, ...]
+
+
+T_RECOVERY = "tests/test_recovery_faults.py"
+MUTATIONS = (
+    Mutation(
+        "replay after a learner restart",
+        "a replayed version is never adopted (always pushed again)",
+        "asyncrl/control/versions.py",
+        "        if replay is None or not self.version < version <= replay:",
+        "        if True:",
+        ("tests/test_accounting.py::test_a_learner_restart_loses_nothing_and_repeats_nothing",),
+    ),
+    Mutation(
+        "re-deal after a NACK",
+        "a failed task is neither dealt again nor given up",
+        "asyncrl/control/ledger.py",
+        "            back += self._fail(tid, e, cause)",
+        "            pass",
+        ("tests/test_accounting.py",),
+    ),
+    Mutation(
+        "lag filter",
+        "the buffer never drops stale groups",
+        "buffer/core.py",
+        "        self._drop_stale(version)",
+        "        pass",
+        ("tests/test_buffer_core.py",),
+    ),
+    Mutation(
+        "dedup of a task's groups",
+        "a group of a closed task id is taken again",
+        "buffer/core.py",
+        "        if closed is not None:",
+        "        if False:",
+        ("tests/test_buffer_core.py",),
+    ),
+    Mutation(
+        "admission budget",
+        "admission grants without limit",
+        "asyncrl/control/admission.py",
+        "    return max(0, budget_limit(consumed, max_policy_lag, per_version) - committed)",
+        "    return 10**9",
+        ("tests/test_admission.py",),
+    ),
+    Mutation(
+        "importance weights",
+        "the weights are not truncated at the cap (tis)",
+        "learner/losses.py",
+        "        applied = raw.clamp(max=cap)",
+        "        applied = raw",
+        ("tests/test_losses.py",),
+    ),
+    Mutation(
+        "masked spans of multi-turn samples",
+        "tool and user tokens enter the loss",
+        "learner/batching.py",
+        "        mask[b, :n_r] = True if r.loss_mask is None else torch.as_tensor(r.loss_mask) != 0",
+        "        mask[b, :n_r] = True",
+        ("tests/test_loss_mask.py",),
+    ),
+    Mutation(
+        "token-in/token-out turns",
+        "every turn is re-rendered (a new sample)",
+        "rollout_servers/agent.py",
+        "    tail = continuation(piece.prompt_ids + piece.token_ids, before, after)",
+        "    tail = None",
+        ("tests/test_agent_episodes.py", "tests/test_openai_sessions.py"),
+    ),
+    Mutation(
+        "ids of a fresh coordinator (F1)",
+        "a coordinator without a checkpoint deals the ids of the one before",
+        "asyncrl/control/setup.py",
+        "        lineage=secrets.token_hex(3),",
+        '        lineage="",',
+        (T_RECOVERY,),
+    ),
+    Mutation(
+        "duplicate of a forgotten group reported (F1)",
+        "the buffer drops it silently (its charge stays)",
+        "buffer/core.py",
+        '        if closed == "complete" and tid not in s.held and not traj.validation:',
+        "        if False:",
+        (T_RECOVERY,),
+    ),
+    Mutation(
+        "batch ids per buffer session (F1b)",
+        "an acked_through of another session acknowledges this one's batches",
+        "buffer/deliveries.py",
+        '        if acked_through is not None and session in ("", self.session):',
+        "        if acked_through is not None:",
+        (T_RECOVERY,),
+    ),
+    Mutation(
+        "external slot ids per incarnation (F2)",
+        "slot ids are plain serials again",
+        "asyncrl/control/task_states.py",
+        '    return f"{EXTERNAL}{session}/{serial}" if session else f"{EXTERNAL}{serial}"',
+        '    return f"{EXTERNAL}{serial}"',
+        (T_RECOVERY,),
+    ),
+    Mutation(
+        "replay pushes a version nobody holds (F4)",
+        "a replayed version is adopted whether or not a server holds it",
+        "asyncrl/control/versions.py",
+        "        if not any(r.trusted and r.policy_version >= version for r in self.servers.values()):",
+        "        if False:",
+        (T_RECOVERY,),
+    ),
+    Mutation(
+        "late batch reply (F5)",
+        "a batch whose reply was lost is not sent again",
+        "buffer/deliveries.py",
+        "        if received is None:\n            return None",
+        "        if True:\n            return None",
+        (T_RECOVERY,),
+    ),
+    Mutation(
+        "late drop report (F5)",
+        "drop reports are drained (a lost reply loses them)",
+        "buffer/core.py",
+        "        return self._drop_log[drops_from:], self._validated_all[validated_from:]",
+        "        out = self._drop_log[drops_from:], self._validated_all[validated_from:]\n"
+        "        self._drop_log, self._validated_all = [], []\n"
+        "        return out",
+        (T_RECOVERY,),
+    ),
+    Mutation(
+        "incomplete groups beyond capacity (F6)",
+        "new groups are taken without limit inside a message",
+        "buffer/core.py",
+        "            if len(s.partial) >= self.capacity:",
+        "            if False:",
+        (T_RECOVERY,),
+    ),
+    Mutation(
+        "one request id per call (F3)",
+        "concurrent calls share a request id",
+        "asyncrl/control/request_ids.py",
+        "            self._next += 1",
+        "            pass",
+        ("tests/test_client_requests.py",),
+    ),
+    Mutation(
+        "per-role authority (S1)",
+        "every role may send every request",
+        "asyncrl/serving.py",
+        "            if self.policy is not None and not self.policy.permits(role, msg.kind):",
+        "            if False:",
+        ("tests/test_authority.py",),
+    ),
+)
+
+
+def _run(m: Mutation) -> tuple[str, float]:
+    """Apply ``m`` in a scratch worktree and run its tests: (the outcome, seconds)."""
+    with tempfile.TemporaryDirectory(prefix="mutant-") as scratch:
+        tree = Path(scratch) / "tree"
+        git = ["git", "-C", str(ROOT)]
+        subprocess.run([*git, "worktree", "add", "--detach", "-q", str(tree), "HEAD"], check=True)
+        try:
+            target = tree / m.path
+            text = target.read_text()
+            if text.count(m.old) != 1:
+                return "line not found (update the mutation)", 0.0
+            target.write_text(text.replace(m.old, m.new))
+            env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
+            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests]
+            start = time.monotonic()
+            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+            took = time.monotonic() - start
+            failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+            if proc.returncode == 0:
+                return "NOT CAUGHT", took
+            return (failed[0].split(" - ")[0] if failed else f"exit {proc.returncode}"), took
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", str(tree)], check=False)
+
+
+def main(argv: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not argv or any(w in m.feature for w in argv)]
+    print("| feature | what was broken | test that failed | seconds |")
+    print("|---|---|---|---|")
+    missed = 0
+    for m in chosen:
+        outcome, took = _run(m)
+        missed += outcome.startswith(("NOT CAUGHT", "line not found"))
+        print(f"| {m.feature} | {m.broken} | {outcome} | {took:.0f} |", flush=True)
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
