@@ -343,12 +343,22 @@ class BufferClient(ReqClient):
                 log.info("waiting for the buffer at %s (%.0fs so far)", self.addr, waited)
 
     def hello(
-        self, acked_through: int | None = None, wait_s: float = 60.0, session: str = ""
+        self,
+        acked_through: int | None = None,
+        wait_s: float = 60.0,
+        session: str = "",
+        resumed: bool = True,
     ) -> wire.Welcome:
         """READY handshake: wait up to ``wait_s`` for the buffer (logging while it is not
         up), start a session; unacknowledged batches after ``acked_through`` (a batch id of
-        buffer ``session``) come again."""
-        msg = wire.Hello(consumer_id=self.consumer_id, acked_through=acked_through, session=session)
+        buffer ``session``) come again (``resumed`` False: no checkpoint, nothing replays:
+        their groups go back to the pool)."""
+        msg = wire.Hello(
+            consumer_id=self.consumer_id,
+            acked_through=acked_through,
+            session=session,
+            resumed=resumed,
+        )
         welcome = self._until_up(msg, wire.Welcome, wait_s)
         self.received = (session, acked_through)
         return welcome

@@ -28,7 +28,7 @@ request, incomplete ones at their timeout.
 
 Groups dropped unused (lag, expiry, a duplicate of a forgotten group, overflow) and
 validation groups scored are logged for the coordinator, which reads the logs by cursor
-(:meth:`reports_since`): a reply lost on the way is read again, never lost.
+(:mod:`buffer.reports`): a reply lost on the way is read again, never lost.
 
 Batches carry the buffer's ``session`` (a new one per process), so a consumer's "I hold
 everything up to batch ``k``" is never applied to another session's batch ``k``; a batch
@@ -47,8 +47,9 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Literal
 
-from asyncrl.wire import Batch, DroppedTask, Group, Packed, Trajectory, ValidationStats
+from asyncrl.wire import Batch, DroppedTask, Group, Packed, Trajectory
 from buffer.deliveries import Deliveries, Received
+from buffer.reports import Reports
 from buffer.state import COUNTERS, Held, Partial, State
 
 Outcome = Literal["added", "completed", "duplicate", "late", "inconsistent", "overflow"]
@@ -83,10 +84,7 @@ class ReplayBuffer:
         # Names this buffer's contents and batch ids: a new session means it restarted.
         self.session = session or secrets.token_hex(4)
         self.deliveries = Deliveries(self.session)  # released, unacknowledged batches
-        self._drop_log: list[DroppedTask] = []  # every drop, read by cursor
-        self._validated_all: list[str] = []  # every validation id scored, read by cursor
-        self._taken = (0, 0)  # take_dropped/take_validated's own cursors
-        self._validation: dict[str, ValidationStats] = {}
+        self.reports = Reports()  # drops and validation, for the coordinator and learner
         self._lag_hist: Counter[int] = Counter()
         self._size_max = 0
         self.counts: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
@@ -193,12 +191,8 @@ class ReplayBuffer:
 
     def _complete(self, group: Group) -> None:
         if group.validation:
-            stats = self._validation.setdefault(group.data_source, ValidationStats())
-            # Count episodes: the samples of a split episode share its reward.
-            rewards = {m.episode_index: m.reward for m in group.metas}
-            stats.add_group(list(rewards.values()), int(group.response_lens.sum()))
+            self.reports.scored(group)
             self.counts["val_groups_in"] += 1
-            self._validated_all.append(group.task_id)
             return
         s = self._s
         oldest = group.oldest_version
@@ -290,17 +284,43 @@ class ReplayBuffer:
         return [b.batch_id for b in batches], unknown
 
     def restart(
-        self, acked_through: int | None = None, consumer: str | None = None, session: str = ""
+        self,
+        acked_through: int | None = None,
+        consumer: str | None = None,
+        session: str = "",
+        resumed: bool = True,
     ) -> tuple[int, int]:
         """A consumer (re)started holding batches up to ``acked_through`` of ``session``:
         acknowledge those, queue its other unacknowledged ones for release again, in order
         (:class:`~buffer.deliveries.Deliveries`; ``consumer`` None: every consumer's).
-        Returns (batches queued again, batches acknowledged)."""
+        Returns (batches queued again, batches acknowledged).
+
+        A consumer that did not resume from a checkpoint (``resumed`` False) replays
+        nothing: its unacknowledged batches' groups go back to the pool, to be released
+        afresh under the lag filter (a stale one is dropped and reported, not trained by
+        weights that never saw the versions it was measured against)."""
+        if not resumed:
+            self._take_back(self.deliveries.forget(consumer))
+            return 0, 0
         if session and session != self.session:
             self.counts["hello_other_session"] += 1  # its ids name other batches here
         held, queued = self.deliveries.restart(acked_through, consumer, session)
         acked, _ = self.ack(held)
         return len(queued), len(acked)
+
+    def _take_back(self, batches: list[Batch]) -> None:
+        """The groups of batches nobody will train: back to the pool, as if never used."""
+        s = self._s
+        for batch in batches:
+            for g in batch.groups:
+                h = s.held[g.task_id]
+                h.refs -= 1
+                h.uses -= 1
+                if not h.in_pool:
+                    h.in_pool = True
+                    s.pool[g.task_id] = None
+                    s.pool_versions[h.oldest_version] += 1
+            self.counts["batches_returned"] += 1
 
     # ------------------------------------------------------------------ housekeeping
     def has_room(self) -> bool:
@@ -308,38 +328,23 @@ class ReplayBuffer:
         return len(self._s.held) < self.capacity and len(self._s.partial) < self.capacity
 
     def _drop(self, d: DroppedTask) -> None:
-        self._drop_log.append(d)
+        self.reports.drop(d)
 
     def reports_since(
         self, drops_from: int, validated_from: int
     ) -> tuple[list[DroppedTask], list[str]]:
-        """Drops and scored validation ids logged since these positions of the two logs
-        (a reader keeps its own cursors and moves them only once it has the reply)."""
-        return self._drop_log[drops_from:], self._validated_all[validated_from:]
+        """Drops and scored validation ids since these positions of the two logs
+        (:class:`~buffer.reports.Reports`)."""
+        return self.reports.since(drops_from, validated_from)
 
     def take_dropped(self) -> list[DroppedTask]:
-        """Tasks dropped unused since the last call (an in-process reader's cursor)."""
-        d, v = self._taken
-        out, _ = self.reports_since(d, v)
-        self._taken = (len(self._drop_log), v)
-        return out
-
-    def take_validated(self) -> list[str]:
-        """Validation task ids scored since the last call (an in-process reader's cursor)."""
-        d, v = self._taken
-        _, out = self.reports_since(d, v)
-        self._taken = (d, len(self._validated_all))
-        return out
+        """Tasks dropped unused since the last call (an in-process reader)."""
+        return self.reports.take_dropped()
 
     def inventory(self) -> tuple[list[str], list[DroppedTask], list[str]]:
         """Task ids held (complete or not), every drop, every validation id scored."""
         held = [*self._s.held, *self._s.partial]
-        return held, list(self._drop_log), list(self._validated_all)
-
-    def take_validation(self) -> dict[str, ValidationStats]:
-        """Validation results per data source since the last call."""
-        out, self._validation = self._validation, {}
-        return out
+        return held, list(self.reports.drops), list(self.reports.validated)
 
     def can_release(self) -> bool:
         """Whether :meth:`release` could return a batch (before the lag filter)."""

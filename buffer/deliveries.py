@@ -75,6 +75,12 @@ class Deliveries:
             acked.append(batch)
         return acked, unknown
 
+    def forget(self, consumer: str | None) -> list[Batch]:
+        """Every unacknowledged batch of ``consumer`` (None: every consumer's), forgotten:
+        its consumer started over without them."""
+        mine = [b for b in self.unacked if consumer is None or self.owner.get(b) == consumer]
+        return self.ack(mine)[0]
+
     def restart(
         self, acked_through: int | None, consumer: str | None, session: str
     ) -> tuple[list[int], list[int]]:

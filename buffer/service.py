@@ -314,7 +314,7 @@ class BufferService:
                 session=self.session, held=held, dropped=dropped, validated=validated
             )
         if isinstance(msg, wire.ValidationRequest):
-            return wire.ValidationReply(by_data_source=self.buffer.take_validation())
+            return wire.ValidationReply(by_data_source=self.buffer.reports.take_results())
         log.info("shutdown requested on the batch socket")  # the only request left
         self._stop.set()
         return wire.Ok()
@@ -323,7 +323,9 @@ class BufferService:
         # Requests this consumer left held before it restarted must not take batches now:
         # nobody would receive them until its next restart.
         self._held.drop(msg.consumer_id)
-        redelivering, acked = self.buffer.restart(msg.acked_through, msg.consumer_id, msg.session)
+        redelivering, acked = self.buffer.restart(
+            msg.acked_through, msg.consumer_id, msg.session, msg.resumed
+        )
         log.info(
             "consumer %s started (acked through %s): %d batches acknowledged, %d to release again",
             msg.consumer_id,

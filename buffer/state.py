@@ -20,6 +20,7 @@ COUNTERS = (
     "groups_out",
     "batches_redelivered",
     "batches_resent",  # released, never received (the reply came late): sent again
+    "batches_returned",  # of a consumer that started without a checkpoint: groups to the pool
     "batches_acked",
     "hello_other_session",  # a restarted consumer's checkpoint predates this session
     "groups_acked",

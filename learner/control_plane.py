@@ -149,6 +149,7 @@ class RankZero:
             restored.last_batch_id,
             wait_s=cfg.launch.start_timeout_s,
             session=restored.last_batch_session,
+            resumed=restored.path is not None,
         )
         log.info("buffer ready: %d unacknowledged batches come again first", welcome.redelivering)
         if restored.path is not None:  # the replay of those batches reproduces versions

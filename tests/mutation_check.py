@@ -151,10 +151,10 @@ MUTATIONS = (
     Mutation(
         "late drop report (F5)",
         "drop reports are drained (a lost reply loses them)",
-        "buffer/core.py",
-        "        return self._drop_log[drops_from:], self._validated_all[validated_from:]",
-        "        out = self._drop_log[drops_from:], self._validated_all[validated_from:]\n"
-        "        self._drop_log, self._validated_all = [], []\n"
+        "buffer/reports.py",
+        "        return self.drops[drops_from:], self.validated[validated_from:]",
+        "        out = self.drops[drops_from:], self.validated[validated_from:]\n"
+        "        self.drops, self.validated = [], []\n"
         "        return out",
         (T_RECOVERY,),
     ),

@@ -183,6 +183,22 @@ def test_an_acked_through_of_another_buffer_session_acknowledges_nothing() -> No
     assert new.counts["hello_other_session"] == 1
 
 
+def test_a_consumer_without_a_checkpoint_replays_nothing_and_its_groups_face_the_lag_filter():
+    """A learner restarted without a checkpoint trains from its initial weights: the batch
+    its previous life was training is no replay for it. Its groups go back to the pool,
+    where the lag filter judges them against today's version."""
+    b = ReplayBuffer(batch_size=2, capacity_groups=100, max_policy_lag=1)
+    for tid, version in (("old0", 0), ("old1", 0), ("new0", 3), ("new1", 3)):
+        b.add_packed(Packed.pack(make_group(tid, 2, version=version)), 0.0)
+    first = b.release(0, "learner")
+    assert first is not None and first.task_ids == ["old0", "old1"]
+    assert b.restart(None, "learner", resumed=False) == (0, 0)  # nothing redelivered
+    batch = b.release(3, "learner")
+    assert batch is not None and batch.task_ids == ["new0", "new1"] and not batch.redelivered
+    assert [d.task_id for d in b.take_dropped()] == ["old0", "old1"]  # lag 3 > 1: reported
+    assert b.counts["batches_returned"] == 1
+
+
 # ----------------------------------------------------------------------- F2
 def test_external_slots_dealt_after_a_checkpoint_are_never_dealt_again() -> None:
     first = _state("aaaaaa", session="s1")

@@ -81,6 +81,9 @@ class Hello(Message, tag="hello"):
     # The buffer session ``acked_through`` belongs to ("" : not said, this one assumed):
     # after a buffer restart, the same number names another batch.
     session: ShortStr = ""
+    # False: the consumer starts without a checkpoint and replays nothing; the groups of
+    # its unacknowledged batches go back to the pool (under the lag filter).
+    resumed: bool = True
 
 
 class BatchRequest(Message, tag="batch_request"):

@@ -1,0 +1,55 @@
+"""What the buffer tells the coordinator and the learner about groups it did not train on:
+groups dropped unused, validation groups scored, and the validation results themselves.
+
+Drops and scored validation ids are append-only logs for the life of the buffer's session,
+read by cursor (:meth:`Reports.since`): a reader moves its cursor only once it has the
+reply, so a reply lost on the way is read again, never lost (the coordinator's poll; the
+logs are also the inventory a restarted coordinator reconciles with). A few dozen bytes per
+group, like the task ids the buffer keeps to recognise duplicates.
+"""
+
+from __future__ import annotations
+
+from asyncrl.wire import DroppedTask, Group, ValidationStats
+
+
+class Reports:
+    """The drop log, the validation log and the validation results since last taken."""
+
+    def __init__(self) -> None:
+        self.drops: list[DroppedTask] = []  # every drop, read by cursor
+        self.validated: list[str] = []  # every validation id scored, read by cursor
+        self._taken = (0, 0)  # take_dropped/take_validated's own cursors
+        self._results: dict[str, ValidationStats] = {}
+
+    def drop(self, d: DroppedTask) -> None:
+        self.drops.append(d)
+
+    def scored(self, group: Group) -> None:
+        """A complete validation group: into its data source's results, and the log."""
+        stats = self._results.setdefault(group.data_source, ValidationStats())
+        # Count episodes: the samples of a split episode share its reward.
+        rewards = {m.episode_index: m.reward for m in group.metas}
+        stats.add_group(list(rewards.values()), int(group.response_lens.sum()))
+        self.validated.append(group.task_id)
+
+    def since(self, drops_from: int, validated_from: int) -> tuple[list[DroppedTask], list[str]]:
+        """Drops and scored validation ids logged since these positions of the two logs."""
+        return self.drops[drops_from:], self.validated[validated_from:]
+
+    def take_dropped(self) -> list[DroppedTask]:
+        """Drops since the last call (an in-process reader's own cursor)."""
+        d, v = self._taken
+        self._taken = (len(self.drops), v)
+        return self.drops[d:]
+
+    def take_validated(self) -> list[str]:
+        """Validation ids scored since the last call (an in-process reader's own cursor)."""
+        d, v = self._taken
+        self._taken = (d, len(self.validated))
+        return self.validated[v:]
+
+    def take_results(self) -> dict[str, ValidationStats]:
+        """Validation results per data source since the last call."""
+        out, self._results = self._results, {}
+        return out
