@@ -414,9 +414,10 @@ class BufferClient(ReqClient):
         )
         return reply
 
-    def inventory(self) -> wire.InventoryReply:
-        """Every task id the buffer holds, dropped or scored in its session."""
-        return self._ask(wire.InventoryRequest(), wire.InventoryReply)
+    def inventory(self, ids: list[str] | None = None) -> wire.InventoryReply:
+        """Every task id the buffer holds, dropped or scored in its session; with ``ids``,
+        which of those it never received (``unknown``)."""
+        return self._ask(wire.InventoryRequest(ids=ids), wire.InventoryReply)
 
     def validation(self) -> dict[str, wire.ValidationStats]:
         """Validation results per data source since the last call (drained)."""

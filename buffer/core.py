@@ -341,6 +341,12 @@ class ReplayBuffer:
         """Tasks dropped unused since the last call (an in-process reader)."""
         return self.reports.take_dropped()
 
+    def unknown(self, task_ids: list[str]) -> list[str]:
+        """Those of ``task_ids`` this buffer never received a member of (ids stay known
+        for the life of the process)."""
+        s = self._s
+        return [t for t in task_ids if t not in s.closed and t not in s.partial]
+
     def inventory(self) -> tuple[list[str], list[DroppedTask], list[str]]:
         """Task ids held (complete or not), every drop, every validation id scored."""
         held = [*self._s.held, *self._s.partial]

@@ -308,6 +308,15 @@ class BufferService:
                 drops_from=drops_from,
                 validated_from=validated_from,
             )
+        if isinstance(msg, wire.InventoryRequest) and msg.ids is not None:
+            return wire.InventoryReply(
+                session=self.session,
+                held=[],
+                dropped=[],
+                validated=[],
+                unknown=self.buffer.unknown(msg.ids),
+                paused=not self.buffer.has_room(),
+            )
         if isinstance(msg, wire.InventoryRequest):
             held, dropped, validated = self.buffer.inventory()
             return wire.InventoryReply(

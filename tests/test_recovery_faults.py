@@ -199,6 +199,46 @@ def test_a_consumer_without_a_checkpoint_replays_nothing_and_its_groups_face_the
     assert b.counts["batches_returned"] == 1
 
 
+def test_an_ack_that_comes_after_the_buffer_restarted_is_audited_and_dealt_again() -> None:
+    """The group went to the old buffer, which died; its ack reached the coordinator only
+    after the coordinator had met the new buffer and taken its inventory. The one-off
+    reconciliation cannot see it; the periodic audit finds the new buffer never got it."""
+    st = _state()
+    old = ReplayBuffer(batch_size=B, capacity_groups=100, max_policy_lag=LAG)
+    (task,) = st.grant("s", 1, 0.0).tasks
+    old.add_packed(_packed(task, 0), 0.0)  # then the old buffer dies with it
+    new = ReplayBuffer(batch_size=B, capacity_groups=100, max_policy_lag=LAG)
+    st.recovery.buffer_contact(old.session, 1.0)
+    assert st.recovery.buffer_contact(new.session, 5.0) is False  # settling first
+    assert st.recovery.buffer_contact(new.session, 8.0)  # the inventory is due
+    st.reconcile_buffer(*new.inventory()[:2])
+    st.touch("s", 9.0)
+    st.ack("s", [task.task_id], 9.0)  # the delayed ack
+    assert st.audit_request(9.5) is None or task.task_id not in st.audit_request(9.5)[0]
+    audit = None
+    for now in (12.0, 20.0, 30.0):  # audits come every few seconds; this one is old enough
+        st.touch("s", now)
+        audit = st.audit_request(now)
+        if audit is not None and task.task_id in audit[0]:
+            break
+    assert audit is not None and audit[0] == [task.task_id]
+    assert st.audited(new.unknown(audit[0]), paused=False, before=audit[1]) == 1
+    again = st.grant("s", 1, 30.0).tasks
+    assert [(t.task_id, t.attempt) for t in again] == [(task.task_id, 1)]
+    assert st.ledger.accounting()["accounting/train/unaccounted"] == 0
+
+
+def test_an_audit_while_the_buffer_is_full_judges_nothing() -> None:
+    st = _state()
+    (task,) = st.grant("s", 1, 0.0).tasks
+    st.ack("s", [task.task_id], 0.0)
+    st.touch("s", 30.0)
+    audit = st.audit_request(30.0)
+    assert audit is not None and audit[0] == [task.task_id]
+    assert st.audited([task.task_id], paused=True, before=audit[1]) == 0  # maybe queued
+    assert st.ledger.entries[task.task_id].state == "in_buffer"
+
+
 # ----------------------------------------------------------------------- F2
 def test_external_slots_dealt_after_a_checkpoint_are_never_dealt_again() -> None:
     first = _state("aaaaaa", session="s1")
@@ -290,6 +330,15 @@ def test_drop_reports_whose_reply_came_too_late_are_read_again() -> None:
         again = client.drain()
     assert [d.task_id for d in first.dropped] == ["g0", "g1", "g2", "g3"]
     assert again.dropped == []  # read once the reply came, not twice
+
+
+def test_the_buffer_answers_an_audit_over_its_socket() -> None:
+    rb = ReplayBuffer(batch_size=2, capacity_groups=64, max_policy_lag=5)
+    rb.add_packed(Packed.pack(make_group("g0", 2)), 0.0)
+    rb.add(make_group("g1", 2)[0], 0.0)  # incomplete: received all the same
+    with BufferService(rb) as svc, BufferClient(svc.batches_endpoint, timeout_s=5) as client:
+        reply = client.inventory(["g0", "g1", "never"])
+    assert reply.unknown == ["never"] and not reply.paused and reply.session == rb.session
 
 
 # ----------------------------------------------------------------------- F6

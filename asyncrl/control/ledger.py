@@ -81,6 +81,7 @@ class TaskLedger(LedgerCheckpoint):
         self.entries: dict[str, Entry] = {}
         self.owned: dict[str, set[str]] = {}  # server id -> ids OUT there
         self.redeal: deque[str] = deque()  # QUEUED ids, in deal order
+        self.buffered: set[str] = set()  # BUF ids: acknowledged, not yet trained
         self.counts: Counter[str] = Counter()  # events
         self.dealt: Counter[str] = Counter()  # kind -> distinct ids dealt
         self.tally: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
@@ -95,6 +96,10 @@ class TaskLedger(LedgerCheckpoint):
             self.refunded[cause or state] += 1  # it leaves the admission budget
         self.tally[kind][e.state] -= 1
         self.tally[kind][state] += 1
+        if e.state == BUF:
+            self.buffered.discard(tid)
+        elif state == BUF:
+            self.buffered.add(tid)
         if e.state == OUT:
             self.owned.get(e.server, set()).discard(tid)
         elif e.state == QUEUED:
@@ -108,6 +113,8 @@ class TaskLedger(LedgerCheckpoint):
         kind = kind_of(tid)
         self.dealt[kind] += 1
         self.tally[kind][state] += 1
+        if state == BUF:
+            self.buffered.add(tid)
         return e
 
     def _queue(self, tid: str, e: Entry, cause: str, front: bool) -> None:
@@ -389,6 +396,22 @@ class TaskLedger(LedgerCheckpoint):
         for tid in reversed(lost):
             self._queue(tid, self.entries[tid], "lost", front=True)
         return len(lost)
+
+    def acked_before(self, before: float) -> list[str]:
+        """Ids acknowledged before ``before`` and not trained yet: what an audit of the
+        buffer asks about."""
+        return sorted(t for t in self.buffered if self.entries[t].since < before)
+
+    def lost(self, task_ids: Iterable[str], before: float) -> int:
+        """Acknowledged groups the buffer says it never received (they went to a buffer
+        that died, whatever the order the news came in): dealt again. Returns how many."""
+        n = 0
+        for tid in task_ids:
+            e = self.entries.get(tid)
+            if e is not None and e.state == BUF and e.since < before:
+                self._queue(tid, e, "lost", front=True)
+                n += 1
+        return n
 
     # ------------------------------------------------------------------ metrics
     def accounting(self) -> dict[str, float]:

@@ -29,6 +29,7 @@ class LedgerCheckpoint:
     entries: dict[str, Entry]
     owned: dict[str, set[str]]
     redeal: deque[str]
+    buffered: set[str]
     dealt: Counter[str]
     tally: dict[str, Counter[str]]
     external_serial: int
@@ -58,6 +59,7 @@ class LedgerCheckpoint:
         self.entries.clear()
         self.owned.clear()
         self.redeal.clear()
+        self.buffered.clear()
         self.tally = {k: Counter() for k in KINDS}
         self.dealt = Counter()
         saved = state.get("entries")

@@ -293,3 +293,10 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
         with lock:
             state.reconcile_buffer(list(inventory.held), list(inventory.dropped))
             state.trained(list(inventory.validated))
+    with lock:
+        audit = state.audit_request(time.monotonic())
+    if audit is not None:
+        ids, before = audit
+        answer = client.inventory(ids)
+        with lock:
+            state.audited(list(answer.unknown), answer.paused, before)

@@ -20,7 +20,10 @@ checkpoints are durable):
 - **The buffer's** (a new buffer session): groups acknowledged to the old buffer and never
   trained are gone. After a short settling time (pushes queued while it was down land
   first), the inventory of the new buffer tells which acknowledged tasks must be dealt
-  again.
+  again. An ack may come after that (delayed) for a group that died with the old buffer:
+  every :data:`AUDIT_EVERY_S` the coordinator asks the buffer which acknowledged groups
+  (older than ``dead_after_s``) it never received, and deals those again; not while the
+  buffer is full and not reading (then a group may still wait in a socket queue).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import logging
 log = logging.getLogger(__name__)
 
 SETTLE_S = 2.0  # after a buffer restart: time for queued pushes to reach the new one
+AUDIT_EVERY_S = 10.0  # how often acknowledged groups are checked against the buffer
 
 
 class Recovery:
@@ -48,6 +52,18 @@ class Recovery:
         # Versions a replay reproduces (see the module docstring): -1 on a fresh start (none
         # after version 0), None while a restored coordinator waits for the learner to say.
         self.replay_through: int | None = -1
+        self.next_audit = 0.0
+
+    def audit_due(self, now: float) -> float | None:
+        """When an audit of acknowledged groups is due now: the cutoff (groups acknowledged
+        before it and unknown to the buffer were lost), else None. An ack can reach the
+        coordinator after it saw a restarted buffer while its group went to the old one
+        (a delayed ack): the one-off inventory cannot catch that, a periodic audit does.
+        A group is judged once its ack is ``dead_after_s`` old (its push had that long)."""
+        if self.resuming or self.inventory_due is not None or now < self.next_audit:
+            return None
+        self.next_audit = now + AUDIT_EVERY_S
+        return now - self.dead_after_s
 
     def restored(self, server_ids: list[str], with_buffer: bool = True) -> None:
         """The ledger was restored from a checkpoint that knew these servers."""

@@ -322,6 +322,22 @@ class ControlState(VersionsAndSyncs):
             log.warning("%d groups the buffer lost (it restarted) are dealt again", lost)
         return lost
 
+    def audit_request(self, now: float) -> tuple[list[str], float] | None:
+        """Acknowledged groups to check against the buffer now, with their cutoff, or None
+        when no audit is due (:meth:`Recovery.audit_due`)."""
+        before = self.recovery.audit_due(now)
+        ids = self.ledger.acked_before(before) if before is not None else []
+        return (ids, before) if ids and before is not None else None
+
+    def audited(self, unknown: list[str], paused: bool, before: float) -> int:
+        """The buffer never received ``unknown``: dealt again, unless it is not reading."""
+        if paused:  # they may still wait in a socket queue
+            return 0
+        lost = self.ledger.lost(unknown, before)
+        if lost:
+            log.warning("%d acknowledged groups never reached the buffer: dealt again", lost)
+        return lost
+
     # ------------------------------------------------------------------ validation, end
     def start_run(self) -> None:
         """Before the first training task: the validation round of ``val_before_train``."""

@@ -126,8 +126,12 @@ class InventoryRequest(Message, tag="inventory"):
     """Which task ids the buffer holds and which it dropped (does not change anything).
 
     The coordinator asks after its own restart and after the buffer's, to learn which
-    acknowledged groups were lost and which dealt tasks must not be dealt again.
+    acknowledged groups were lost and which dealt tasks must not be dealt again. With
+    ``ids`` it asks only about those (its audit of acknowledged groups): the reply's
+    ``unknown`` lists the ones this buffer session never received.
     """
+
+    ids: list[str] | None = None
 
 
 class ValidationRequest(Message, tag="validation"):
@@ -193,6 +197,8 @@ class InventoryReply(Message, tag="inventory_reply"):
     held: list[str]
     dropped: list[DroppedTask]
     validated: list[str]
+    unknown: list[str] = []  # of the ids asked about: never received in this session
+    paused: bool = False  # not reading trajectories (full): "unknown" may be in a queue
 
 
 class ValidationReply(Message, tag="validation_reply"):
