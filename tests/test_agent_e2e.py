@@ -37,7 +37,10 @@ def test_agent_demo_config_runs_and_trains(tmp_path, agent_model):
     records = read_metrics(run)
     steps = trained_steps(records)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    assert records[-1]["accounting/train/trained"] == STEPS * 16  # groups (of 8 episodes)
+    acct = records[-1]
+    assert acct["accounting/train/trained"] == STEPS * 16  # groups (of 8 episodes)
+    for kind in ("train", "val"):  # every dealt task is somewhere, exactly once
+        assert acct[f"accounting/{kind}/unaccounted"] == 0, acct
     assert all(r["batch/dropped_length_mismatch"] == 0 for r in steps)
     rows = pq.read_table(run / "rollouts").to_pylist()
     assert rows and all(r["data_source"] == "calculator" for r in rows)
