@@ -20,7 +20,7 @@ from rollout_servers.agent import AgentRunner, AgentSettings, episode_trajectori
 from rollout_servers.groups import SamplingSettings
 from tests.helpers import LoopThread, check_on_policy_and_trains
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]  # starts vLLM engines
 
 CALCULATOR = "configs/tools/calculator.yaml"
 # Qwen3's way with thinking switched off: the generation prompt holds an empty think
