@@ -38,6 +38,8 @@ BUFFER_SESSION = _accepts(ReplayBuffer, "session")  # batches carry the buffer s
 RESEND = _accepts(ReplayBuffer.release, "received")  # a batch never received comes again
 HELLO_SESSION = _accepts(ReplayBuffer.restart, "session")  # acked_through names its session
 CURSOR = hasattr(ReplayBuffer, "reports_since")  # drop reports read by cursor, not drained
+RESUMED = _accepts(ReplayBuffer.restart, "resumed")  # a fresh consumer replays nothing
+AUDIT = hasattr(ControlState, "audit_request")  # acked groups audited against the buffer
 
 
 def features() -> dict[str, bool]:
@@ -49,6 +51,8 @@ def features() -> dict[str, bool]:
         "resend": RESEND,
         "hello_session": HELLO_SESSION,
         "cursor": CURSOR,
+        "resumed": RESUMED,
+        "audit": AUDIT,
     }
 
 
@@ -118,13 +122,30 @@ def release(
     return buf.release(version, consumer)
 
 
-def restart(buf: ReplayBuffer, acked_through: int | None, consumer: str, session: str) -> int:
-    """A consumer's hello; how many batches come again."""
-    if HELLO_SESSION:
-        queued, _ = buf.restart(acked_through, consumer, session=session)  # type: ignore[call-arg]
-    else:
-        queued, _ = buf.restart(acked_through, consumer)
+def restart(
+    buf: ReplayBuffer, acked_through: int | None, consumer: str, session: str, resumed: bool
+) -> int:
+    """A consumer's hello (``resumed``: from a checkpoint); how many batches come again."""
+    kw: dict[str, Any] = {"session": session} if HELLO_SESSION else {}
+    if RESUMED:
+        kw["resumed"] = resumed
+    queued, _ = buf.restart(acked_through, consumer, **kw)
     return queued
+
+
+def audit_request(state: ControlState, now: float) -> tuple[list[str], float] | None:
+    """Acknowledged groups the coordinator checks against the buffer now (and their
+    cutoff), or None (none due, or a coordinator without audits)."""
+    return state.audit_request(now) if AUDIT else None  # type: ignore[attr-defined]
+
+
+def audited(state: ControlState, unknown: list[str], paused: bool, before: float) -> None:
+    state.audited(unknown, paused, before)  # type: ignore[attr-defined]
+
+
+def unknown(buf: ReplayBuffer, task_ids: list[str]) -> list[str]:
+    """Those of ``task_ids`` the buffer never received a member of."""
+    return buf.unknown(task_ids)  # type: ignore[attr-defined]
 
 
 def reports(

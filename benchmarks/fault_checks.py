@@ -127,8 +127,8 @@ class Checker:
             if lag > self.max_policy_lag:
                 self.violate("lag", f"{g.task_id} trained at lag {lag} (batch {batch.batch_id})")
 
-    def forgotten(self, session: str, batch: Any, line: Line) -> None:
-        missing = [g.task_id for g in batch.groups if g.task_id not in line.trained]
+    def forgotten(self, session: str, batch: Any, line: Line, held: set[str]) -> None:
+        missing = [g.task_id for g in batch.groups if g.task_id not in line.trained | held]
         if missing:
             self.violate(
                 "batch_confusion",

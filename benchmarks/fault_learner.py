@@ -35,6 +35,8 @@ from benchmarks.fault_checks import Line
 from benchmarks.fault_net import Endpoint, Msg
 from benchmarks.fault_world import (
     AckReq,
+    AuditRep,
+    AuditReq,
     BatchRep,
     BatchReq,
     Checkpoint,
@@ -53,6 +55,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_GRANT = 4  # control.tasks_per_request's cap at the coordinator
+# A learner started without a checkpoint offers its initial weights to catch-ups (the loop
+# calls control.resume on every start); before that fix only a restored one did.
+RESUME_FRESH = True
 PLAN = WeightPlan()
 
 
@@ -85,7 +90,8 @@ class LearnerProc(Endpoint):
             self.last = ("", None)
         self.state.start_run()
         w.dirty = True
-        self.pushed = ck is not None  # resume(): the restored weights serve catch-ups
+        # resume(): the weights at start (restored or initial) serve catch-ups.
+        self.pushed = ck is not None or RESUME_FRESH
         self.pushed_weights = self.line.weights
         self.pushing_version = 0
         self.unacked: list[int] = []
@@ -177,6 +183,8 @@ class LearnerProc(Endpoint):
                 "poll", "B", InventoryReq(), now=self.world.now,
                 timeout=self.world.cfg.poll_timeout_s, on_reply=self._inventory,
             )  # fmt: skip
+        else:
+            self._audit()
 
     def _inventory(self, rep: Any) -> None:
         st = self.state
@@ -184,6 +192,24 @@ class LearnerProc(Endpoint):
             self.world.dirty = True
             st.reconcile_buffer(rep.held, rep.dropped)
             st.trained(rep.validated)
+
+    def _audit(self) -> None:
+        """Acknowledged groups checked against the buffer, when an audit is due."""
+        st = self.state
+        audit = api.audit_request(st, self.world.now) if st is not None else None
+        if audit is None:
+            return
+        ids, before = audit
+
+        def answered(rep: Any) -> None:
+            if self.state is st and st is not None and isinstance(rep, AuditRep):
+                self.world.dirty = True
+                api.audited(st, rep.unknown, rep.paused, before)
+
+        self.request(
+            "poll", "B", AuditReq(ids), now=self.world.now,
+            timeout=self.world.cfg.poll_timeout_s, on_reply=answered,
+        )  # fmt: skip
 
     def reap(self) -> None:
         if self.state is not None:
@@ -214,6 +240,7 @@ class LearnerProc(Endpoint):
             session=ck.last_batch_session if ck is not None else "",
             consumer="learner",
             line=self.line.copy(),
+            resumed=ck is not None,
         )
         self.request(
             "buf", "B", req, now=self.world.now, timeout=self.world.cfg.control_timeout_s,

@@ -40,6 +40,11 @@ class Msg:
     reply: bool = False
     ready_at: float = 0.0  # held back until then (a delay)
 
+    @property
+    def channel(self) -> tuple[str, str, str, int, bool]:
+        """The connection it travels on: a requester socket's requests, or its replies."""
+        return (self.src, self.dst, self.sock, self.inc, self.reply)
+
 
 @dataclass
 class Pending:
@@ -63,8 +68,18 @@ class Net:
         self.queue.append(msg)
 
     def deliverable(self, now: float) -> list[int]:
-        """Positions of the messages that may be delivered now (not held back)."""
-        return [i for i, m in enumerate(self.queue) if m.ready_at <= now]
+        """Positions of the messages that may be delivered now: not held back, and first in
+        their connection (one socket's messages arrive in order, as over TCP; a delayed one
+        holds back those behind it, and only messages of different connections reorder)."""
+        out, seen = [], set()
+        for i, m in enumerate(self.queue):
+            key = m.channel
+            if key in seen:
+                continue
+            seen.add(key)
+            if m.ready_at <= now:
+                out.append(i)
+        return out
 
     def take(self, k: int, now: float) -> Msg | None:
         """Remove and return the ``k``-th deliverable message (modulo their number)."""

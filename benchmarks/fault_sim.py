@@ -71,11 +71,17 @@ def run_many(start: int, count: int, workers: int) -> dict[str, Any]:
     step = 250
     chunks = [(a, min(a + step, start + count)) for a in range(start, start + count, step)]
     t0 = time.perf_counter()
-    if workers > 1:
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            parts = pool.map(_chunk, chunks, chunksize=1)
-    else:
-        parts = [_chunk(c) for c in chunks]
+    parts: list[dict[str, Any]] = []
+    with multiprocessing.get_context("fork").Pool(workers) as pool:
+        for part in pool.imap_unordered(_chunk, chunks):
+            parts.append(part)
+            if len(parts) % 40 == 0:  # every 10000 schedules: how far, what so far
+                failed = Counter()
+                for p in parts:
+                    failed.update(p["by_invariant"])
+                done = sum(p["n"] for p in parts)
+                print(f"  {done} schedules, {time.perf_counter() - t0:.0f} s: {dict(failed)}")
+                sys.stdout.flush()
     total: dict[str, Any] = {"schedules": count, "events": 0, "by_invariant": Counter()}
     seeds: dict[str, list[int]] = {}
     for p in parts:

@@ -106,6 +106,7 @@ class HelloReq:
     session: str
     consumer: str
     line: Line  # what the restored learner's weights contain
+    resumed: bool  # from a checkpoint (a fresh start replays nothing)
 
 
 @dataclass
@@ -123,6 +124,17 @@ class ReportsReq:
 @dataclass
 class InventoryReq:
     pass
+
+
+@dataclass
+class AuditReq:
+    task_ids: list[str]
+
+
+@dataclass
+class AuditRep:
+    unknown: list[str]
+    paused: bool  # the buffer is full and not reading: a group may still be on its way
 
 
 @dataclass
@@ -200,7 +212,9 @@ class BufferProc(Endpoint):
             self.held = [h for h in self.held if h.msg.body.consumer != body.consumer]
             queued = self._forgetting(
                 body.line,
-                lambda: api.restart(self.buf, body.acked_through, body.consumer, body.session),
+                lambda: api.restart(
+                    self.buf, body.acked_through, body.consumer, body.session, body.resumed
+                ),
             )
             return Welcome(queued, self.session)
         if isinstance(body, AckReq):
@@ -209,6 +223,8 @@ class BufferProc(Endpoint):
         if isinstance(body, ReportsReq):
             dropped, validated, cursor = api.reports(self.buf, body.session, body.cursor)
             return ReportsRep(dropped, validated, self.session, cursor)
+        if isinstance(body, AuditReq):
+            return AuditRep(api.unknown(self.buf, body.task_ids), not self.buf.has_room())
         if isinstance(body, InventoryReq):
             held, dropped, validated = self.buf.inventory()
             return InventoryRep(list(held), list(dropped), list(validated), self.session)
@@ -219,9 +235,11 @@ class BufferProc(Endpoint):
         before = dict(api.unacked(self.buf))
         out = op()
         after = api.unacked(self.buf)
-        for bid, batch in before.items():
-            if bid not in after:
-                self.world.checker.forgotten(self.session, batch, line)
+        gone = [b for bid, b in before.items() if bid not in after]
+        if gone:  # groups taken back into the pool are not forgotten
+            held = api.held_ids(self.buf)
+            for batch in gone:
+                self.world.checker.forgotten(self.session, batch, line, held)
         return out
 
     def serve(self, force: bool = False) -> None:
