@@ -193,13 +193,18 @@ class Checker:
             self.violate("lost", f"{len(lost)}: {lost[:4]}")
 
     def _stranded(self, world: World) -> None:
-        """Batches released to the learner, never received by it, never to come again."""
+        """Batches released to the learner and passed over: it trained later batches of
+        that buffer session, and this one it never got (nor will: it is not queued to come
+        again). One released after the last step is not passed over: the run was done."""
         from benchmarks import fault_api as api
 
         buf, line = world.buffer.buf, world.learner.line
+        session = world.buffer.session
         queued = api.redelivery_queue(buf)
         for bid, batch in api.unacked(buf).items():
             if bid in queued or api.owner(buf, bid) != "learner":
+                continue
+            if not any(s == session and b > bid for s, b in line.batches):
                 continue
             untrained = [g.task_id for g in batch.groups if g.task_id not in line.trained]
             if untrained:
