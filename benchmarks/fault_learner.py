@@ -14,8 +14,12 @@ three (DESIGN.md section 10: only the learner's checkpoints are durable):
   checkpoint every ``save_freq`` steps followed by the acks of the batches it holds (each
   batch acked once trained when ``save_freq <= 0``), catch-ups after a step and while no
   batch comes (only once it holds weights to send: restored or pushed);
-- the coordinator's poller of the buffer: drop reports and scored validation ids, and the
-  inventory when :class:`~asyncrl.control.recovery.Recovery` says one is due.
+- the coordinator's poller of the buffer: drop reports and scored validation ids read by
+  (session, cursor), the inventory when :class:`~asyncrl.control.recovery.Recovery` says
+  one is due, and otherwise the audit of acknowledged groups the buffer never received.
+
+A learner started without a checkpoint says so in its hello (``resumed`` False: it replays
+nothing) and offers its initial weights to catch-ups, as the real loop does.
 
 It is a state machine stepped by the schedule (``phase``); what it decides is the real
 classes' decision.
