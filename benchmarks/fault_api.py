@@ -158,7 +158,7 @@ def reports(
         start = cursor if session == buffer_session(buf) else (0, 0)
         dropped, validated = buf.reports_since(*start)  # type: ignore[attr-defined]
         return dropped, validated, (start[0] + len(dropped), start[1] + len(validated))
-    return buf.take_dropped(), buf.take_validated(), (0, 0)
+    return buf.take_dropped(), buf.take_validated(), (0, 0)  # type: ignore[attr-defined]
 
 
 def buffer_session(buf: ReplayBuffer) -> str:
