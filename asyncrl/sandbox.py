@@ -128,8 +128,13 @@ class Worker:
             raise ValueError(message)
 
     def run(self, job: Any, timeout_s: float) -> tuple[str, Any]:
-        """Send one job and wait for its answer; ``("timeout"|"worker_died", detail)`` if none."""
-        self.conn.send(job)
+        """Send one job and wait for its answer; ``("timeout"|"worker_died", detail)`` if none,
+        ``("unsent", exit code)`` when the worker had died while idle (the job never ran)."""
+        try:
+            self.conn.send(job)
+        except (BrokenPipeError, ConnectionResetError):  # killed while idle (an OOM kill)
+            self.process.join(_STOP_GRACE_S)
+            return "unsent", self.process.exitcode
         ready = wait([self.conn, self.process.sentinel], timeout_s)
         if not ready:
             return "timeout", None
@@ -266,19 +271,31 @@ class WorkerPool:
         Raises:
             RuntimeError: The pool is closed or can no longer start workers.
         """
-        worker = self._acquire()
-        try:
-            status, payload = worker.run(job, self.timeout_s)
-        except BaseException:
-            # E.g. an unpicklable job, or KeyboardInterrupt mid-wait: the worker's state
-            # is unknown, so replace it rather than reuse it.
-            self._replace(worker)
-            raise
-        if status in ("timeout", "worker_died"):
-            self._replace(worker)
-        else:
-            self._idle.put(worker)
-        return status, payload
+        for _ in range(self.num_workers + 1):  # every worker may have died while idle
+            worker = self._acquire()
+            try:
+                status, payload = worker.run(job, self.timeout_s)
+            except BaseException:
+                # E.g. an unpicklable job, or KeyboardInterrupt mid-wait: the worker's state
+                # is unknown, so replace it rather than reuse it.
+                self._replace(worker)
+                raise
+            if status == "unsent":  # the job never started: another worker takes it
+                self._replace(worker)
+                self._log.warning(
+                    "%s: a %s worker had died while idle (exit code %s): replaced, and its "
+                    "job given to another",
+                    self.name,
+                    self._role,
+                    payload,
+                )
+                continue
+            if status in ("timeout", "worker_died"):
+                self._replace(worker)
+            else:
+                self._idle.put(worker)
+            return status, payload
+        return "worker_died", None
 
     def map(self, fn: Callable[[Any], T], items: Iterable[Any]) -> list[T]:
         """``[fn(item) for item in items]``, run on up to ``num_workers`` threads, in order.

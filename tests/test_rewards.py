@@ -280,6 +280,18 @@ def test_pool_times_out_and_recovers(pool: RewardPool, data_source: str) -> None
         assert pool.score("arithmetic", "8", "8").score == 1.0
 
 
+def test_a_worker_killed_while_idle_is_replaced_and_the_job_still_scored() -> None:
+    """An idle reward worker killed from outside (the OOM killer, an operator): the next job
+    sent to it never started, so another worker scores it instead of the group failing."""
+    with RewardPool(num_workers=2, timeout_s=5.0) as pool:
+        for worker in pool._pool.workers:
+            worker.process.kill()
+            worker.process.join(5)
+        results = pool.score_many([("arithmetic", "8", "8")] * 4)
+        assert [r.score for r in results] == [1.0] * 4 and all(r.error is None for r in results)
+        assert pool.counters["worker_died"] == 0  # no job was lost to it
+
+
 def test_pool_dict_return_and_order(pool: RewardPool) -> None:
     assert pool.score("parts", "x", "y") == ScoreResult(0.5, {"format": 1.0}, None)
     items = [("arithmetic", str(i), str(i if i % 3 else i + 1)) for i in range(20)]
