@@ -362,6 +362,11 @@ class ReplayBuffer:
         return len(self._s.pool)
 
     @property
+    def learner_version(self) -> int:
+        """The highest version a batch request reported (the lag reference), 0 before any."""
+        return self._learner_version or 0
+
+    @property
     def next_batch_id(self) -> int:
         return self._next_batch_id
 

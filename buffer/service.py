@@ -343,7 +343,10 @@ class BufferService:
             redelivering,
         )
         return wire.Welcome(
-            redelivering=redelivering, next_batch_id=self.buffer.next_batch_id, acked=acked
+            redelivering=redelivering,
+            next_batch_id=self.buffer.next_batch_id,
+            acked=acked,
+            policy_version=self.buffer.learner_version,
         )
 
     def _answer_held(

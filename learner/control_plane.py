@@ -152,7 +152,9 @@ class RankZero:
             resumed=restored.path is not None,
         )
         log.info("buffer ready: %d unacknowledged batches come again first", welcome.redelivering)
-        if restored.path is not None:  # the replay of those batches reproduces versions
+        if restored.path is None:  # versions go on above what the buffer has seen
+            self.coordinator.at_least(welcome.policy_version)
+        else:  # the replay of those batches reproduces versions
             self.coordinator.set_replay(
                 replayed_version(
                     restored.version,

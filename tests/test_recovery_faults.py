@@ -239,6 +239,39 @@ def test_an_audit_while_the_buffer_is_full_judges_nothing() -> None:
     assert st.ledger.entries[task.task_id].state == "in_buffer"
 
 
+def test_a_push_moves_the_window_even_when_a_registration_raised_the_version_meanwhile():
+    """A server registered with a higher version while a push was in flight: the pushed
+    weights consumed what was trained all the same; without it the window stalled."""
+    st = _state()
+    buf = ReplayBuffer(batch_size=B, capacity_groups=10_000, max_policy_lag=LAG)
+    _generate(st, buf)
+    batch = buf.release(st.version, "learner")
+    assert batch is not None
+    st.trained(batch.task_ids)
+    rnd = st.begin_sync(WeightPlan())
+    st.register(m.Register(server_id="late", engine_world_size=0, policy_version=5), 0.0)
+    st.finish_sync(True, now=0.0)
+    assert rnd.version == 1 and st.version == 5
+    assert st.ledger.budget.consumed == B  # the window moved by the batch trained
+    assert _generate(st, buf)  # and more is dealt
+
+
+def test_a_learner_without_a_checkpoint_numbers_its_versions_above_the_buffers() -> None:
+    """Everything but the buffer restarted: the buffer measured lag against version 7, a
+    fresh coordinator would deal at version 0 and every group would read as 7 behind."""
+    rb = ReplayBuffer(batch_size=1, capacity_groups=64, max_policy_lag=1)
+    rb.release(7, "learner")
+    with BufferService(rb) as svc, BufferClient(svc.batches_endpoint, timeout_s=5) as client:
+        welcome = client.hello(None, wait_s=5, resumed=False)
+    assert welcome.policy_version == 7
+    st = _state()
+    st.at_least(welcome.policy_version)
+    (task,) = st.grant("s", 1, 0.0).tasks
+    assert task.dealt_version == 7 and st.version == 7
+    st.at_least(3)  # never back
+    assert st.version == 7
+
+
 # ----------------------------------------------------------------------- F2
 def test_external_slots_dealt_after_a_checkpoint_are_never_dealt_again() -> None:
     first = _state("aaaaaa", session="s1")

@@ -222,6 +222,11 @@ class Coordinator:
         )
         return result
 
+    def at_least(self, version: int) -> None:
+        """A learner without a checkpoint: its versions go on above ``version``."""
+        with self._lock:
+            self._state.at_least(version)
+
     def set_replay(self, through: int) -> None:
         """After a learner restart: its replay of the redelivered batches reaches version
         ``through`` (servers holding versions up to it keep their weights)."""

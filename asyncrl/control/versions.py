@@ -87,6 +87,14 @@ class VersionsAndSyncs:
         rec.syncing = rnd.sync_id
         return rnd
 
+    def at_least(self, version: int) -> None:
+        """Versions never go back: a learner that starts without a checkpoint numbers its
+        pushes above ``version``, the highest the buffer that outlived its predecessor has
+        seen (the version only, not the window)."""
+        if version > self.version:
+            self.ledger.budget.advance(version)
+            log.info("version raised to %d: the buffer has seen it", version)
+
     def set_replay(self, through: int) -> None:
         """The restored learner will reach version ``through`` by replaying (recovery.py):
         servers registered up to it are trusted; one above holds weights no replay makes
@@ -134,11 +142,13 @@ class VersionsAndSyncs:
         moved on whoever received them). A failed catch-up backs its server off."""
         catchup = self.syncs.active is not None and self.syncs.active.round.catchup
         result = self.syncs.finish(sent_ok, send_error)
-        if not catchup and result.version > self.version:
+        if not catchup:
             # The pushed weights trained on every group reported so far: the window moves
-            # by what was consumed (a resume push consumed nothing new: it stays put).
+            # by what was consumed (a resume push consumed nothing new: it stays put), even
+            # when a registration raised the version past this round's meanwhile.
             self.ledger.budget.consume(self.ledger.tally["train"][DONE])
-            self.ledger.budget.advance(result.version)
+            if result.version > self.version:
+                self.ledger.budget.advance(result.version)
         for server_id in result.failed if catchup else ():
             self._back_off(server_id, now)
         self.counts["syncs_catchup" if catchup else "syncs"] += 1

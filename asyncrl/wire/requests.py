@@ -146,6 +146,9 @@ class Welcome(Message, tag="welcome"):
     redelivering: int  # unacknowledged batches that will be released again first
     next_batch_id: int
     acked: int  # batches acknowledged by ``acked_through``
+    # The highest learner version the buffer has measured lag against: a learner that
+    # starts without a checkpoint numbers its versions above it (they never go back).
+    policy_version: int = 0
 
 
 class BatchHeader(Message, tag="batch"):
