@@ -98,7 +98,7 @@ MUTATIONS = (
         "rollout_servers/agent.py",
         "    tail = continuation(piece.prompt_ids + piece.token_ids, before, after)",
         "    tail = None",
-        ("tests/test_agent_episodes.py", "tests/test_openai_sessions.py"),
+        ("tests/test_endpoint_faults.py",),
     ),
     Mutation(
         "ids of a fresh coordinator (F1)",
