@@ -147,6 +147,8 @@ class RolloutServer:
 
     def _stopping(self) -> bool:
         c = self.client
+        if not self.fatal and self.engine.errored:  # died while idle (a server held back
+            self.fatal = "the vLLM engine died"  # for a catch-up would never notice)
         return c.shutdown.is_set() or c.gone.is_set() or bool(self.fatal)
 
     def _check_engine(self, error: BaseException) -> None:

@@ -286,6 +286,8 @@ def test_a_learner_restart_loses_nothing_and_repeats_nothing(replay):
         if not run.st.adopt(run.st.version + 1):
             run.push()
     assert run.st.version == (8 if replay else 12)
+    # The replay itself: versions 6-8 adopted (the server holds 8), none pushed.
+    assert run.st.counts["versions_replayed"] == (3 if replay else 0)
     assert not run.st.adopt(run.st.version + 1)  # past the replay: pushes again
     run.st.servers["s"].engine_world_size = 0  # from here the server follows every push
     for _ in range(12):

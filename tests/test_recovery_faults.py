@@ -274,6 +274,8 @@ def test_a_learner_without_a_checkpoint_numbers_its_versions_above_the_buffers()
 
 # ----------------------------------------------------------------------- F2
 def test_external_slots_dealt_after_a_checkpoint_are_never_dealt_again() -> None:
+    """Slots the first incarnation dealt after its checkpoint are unknown to the second
+    until their servers register again; a slot it deals before then must not reuse one."""
     first = _state("aaaaaa", session="s1")
     saved = first.state_dict()
     after = [first.grant_slot("s", 0.0, request_id=i).tasks[0].task_id for i in range(3)]
@@ -281,10 +283,13 @@ def test_external_slots_dealt_after_a_checkpoint_are_never_dealt_again() -> None
 
     second = _state("unused", session="s2")
     second.load_state_dict(saved)
-    second.register(m.Register(server_id="s", engine_world_size=0, task_ids=after[1:]), 0.0)
+    second.register(m.Register(server_id="t", engine_world_size=0), 10.0)
+    second.recovery.holding(10.0)  # the saved registry's "s" is not back: deals resume
+    early = second.grant_slot("t", 20.0, request_id=1).tasks[0].task_id
+    second.register(m.Register(server_id="s", engine_world_size=0, task_ids=after[1:]), 21.0)
     second.reconcile_buffer([after[0]], [])
-    new = [second.grant_slot("s", 0.0, request_id=10 + i).tasks[0].task_id for i in range(3)]
-    assert not set(new) & set(after), (new, after)
+    late = [second.grant_slot("s", 22.0, request_id=10 + i).tasks[0].task_id for i in range(3)]
+    assert not {early, *late} & set(after), (early, late, after)
     ledger = second.ledger
     assert _states_recounted(ledger) == +(ledger.tally["train"] + ledger.tally["val"])
 
