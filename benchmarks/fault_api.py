@@ -40,6 +40,7 @@ HELLO_SESSION = _accepts(ReplayBuffer.restart, "session")  # acked_through names
 CURSOR = hasattr(ReplayBuffer, "reports_since")  # drop reports read by cursor, not drained
 RESUMED = _accepts(ReplayBuffer.restart, "resumed")  # a fresh consumer replays nothing
 AUDIT = hasattr(ControlState, "audit_request")  # acked groups audited against the buffer
+AT_LEAST = hasattr(ControlState, "at_least")  # a fresh learner's versions go on above the buffer's
 
 
 def features() -> dict[str, bool]:
@@ -53,6 +54,7 @@ def features() -> dict[str, bool]:
         "cursor": CURSOR,
         "resumed": RESUMED,
         "audit": AUDIT,
+        "at_least": AT_LEAST,
     }
 
 
@@ -141,6 +143,17 @@ def audit_request(state: ControlState, now: float) -> tuple[list[str], float] | 
 
 def audited(state: ControlState, unknown: list[str], paused: bool, before: float) -> None:
     state.audited(unknown, paused, before)  # type: ignore[attr-defined]
+
+
+def buffer_version(buf: ReplayBuffer) -> int:
+    """The highest version the buffer measured lag against (0 before any, or unknown)."""
+    return int(getattr(buf, "learner_version", 0) or 0)
+
+
+def at_least(state: ControlState, version: int) -> None:
+    """A learner started without a checkpoint: its versions go on above ``version``."""
+    if AT_LEAST:
+        state.at_least(version)  # type: ignore[attr-defined]
 
 
 def unknown(buf: ReplayBuffer, task_ids: list[str]) -> list[str]:

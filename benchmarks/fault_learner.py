@@ -255,7 +255,9 @@ class LearnerProc(Endpoint):
         st, ck, cfg = self.state, self.restored, self.world.cfg
         if st is None or not isinstance(rep, Welcome):
             return
-        if ck is not None:  # the replay of the redelivered batches reproduces versions
+        if ck is None:  # versions go on above what the surviving buffer has seen
+            api.at_least(st, rep.policy_version)
+        else:  # the replay of the redelivered batches reproduces versions
             st.set_replay(
                 replayed_version(
                     ck.version, ck.step, rep.redelivering, cfg.sync_every, cfg.total_steps

@@ -147,6 +147,7 @@ class BatchRep:
 class Welcome:
     redelivering: int
     session: str
+    policy_version: int  # the highest version the buffer measured lag against
 
 
 @dataclass
@@ -216,7 +217,7 @@ class BufferProc(Endpoint):
                     self.buf, body.acked_through, body.consumer, body.session, body.resumed
                 ),
             )
-            return Welcome(queued, self.session)
+            return Welcome(queued, self.session, api.buffer_version(self.buf))
         if isinstance(body, AckReq):
             self._forgetting(body.line, lambda: self.buf.ack(body.batch_ids))
             return "ok"
