@@ -196,8 +196,9 @@ def test_killed_server_restarts_catches_up_and_generates_with_current_version(ri
 
 def test_a_server_whose_engine_dies_exits_4_and_its_tasks_are_dealt_again(rig):
     """vLLM's engine process dies under a live server (an OOM kill, a crash): the server
-    cannot generate any more, so it exits 4 for its supervisor to restart it, and what it
-    held is dealt again to the other; nothing is lost from the accounting."""
+    cannot generate any more, so it exits 4 for its supervisor to restart it (also when it
+    was idle, held back for a catch-up that cannot succeed), leaves, and the run goes on
+    with the other; nothing is lost from the accounting."""
     import psutil
 
     server = rig.servers["r0"]
@@ -208,18 +209,17 @@ def test_a_server_whose_engine_dies_exits_4_and_its_tasks_are_dealt_again(rig):
         if "EngineCor" in p.name() or "EngineCore" in " ".join(p.cmdline())
     ]
     assert engine, [p.cmdline() for p in psutil.Process(server.pid).children(recursive=True)]
-    requeued = sum(
-        v for k, v in rig.learner.coordinator.metrics().items() if "tasks/requeued/" in k
-    )
+    left = rig.metric("coordinator/servers_left")
     for p in engine:
         p.kill()
     rig.dead.add("r0")
     rig.push(seed=4)  # new tasks for both: r0's next generation meets the dead engine
     assert server.wait(180) == 4, rig.logs()
     _wait(lambda: "r0" not in rig.learner.coordinator.servers(), "r0 to leave")
-    metrics = rig.learner.coordinator.metrics()
-    assert sum(v for k, v in metrics.items() if "tasks/requeued/" in k) > requeued, metrics
-    assert metrics["accounting/train/unaccounted"] == 0
+    # It left (taking nothing with it: what it held is dealt again), and the run goes on.
+    assert rig.metric("coordinator/servers_left") == left + 1
+    assert rig.metric("accounting/train/unaccounted") == 0
+    _wait(lambda: rig.batch(rig.learner.coordinator.version), "a batch from r1 alone")
     # Its supervisor would restart it: so does the rig, for the last test.
     rig.servers["r0"] = rig.spawn("r0", "0")
 
