@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+import msgspec
+
 from asyncrl.config import Config
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import replayed_version
@@ -189,6 +191,7 @@ class RankZero:
                 silent_since = None
             except TimeoutError:  # the buffer died or restarts: keep asking, say so
                 batch, silent_since = None, silent_since or time.monotonic()
+            batch = self._untrained(batch)
             if batch is not None:
                 return batch
             left = self.coordinator.training_left()
@@ -217,6 +220,24 @@ class RankZero:
                     _brief(self.coordinator.metrics()),
                     silent,
                 )
+
+    def _untrained(self, batch: Any) -> Any:
+        """``batch`` without the groups these weights already trained on (None if nothing is
+        left; then it is acknowledged at once). Such a group is a late copy that reached a
+        buffer restarted since its first copy was trained: that buffer could not know it."""
+        if batch is None or self.cfg.buffer.max_reuse > 1:  # reuse trains a group again
+            return batch
+        seen = self.coordinator.already_trained(batch.task_ids)
+        if not seen:
+            return batch
+        log.warning(
+            "%d groups of batch %d were trained before: left out", len(seen), batch.batch_id
+        )
+        groups = [g for g in batch.groups if g.task_id not in seen]
+        if groups:
+            return msgspec.structs.replace(batch, groups=groups)
+        self.acknowledge([batch.batch_id])  # nothing in it to train, nothing to resume to
+        return None
 
     def trained(self, task_ids: list[str]) -> None:
         """Before the push: the admission window moves by what the pushed weights consumed."""

@@ -272,6 +272,35 @@ def test_a_learner_without_a_checkpoint_numbers_its_versions_above_the_buffers()
     assert st.version == 7
 
 
+def test_a_late_copy_of_a_trained_group_is_left_out_of_the_learners_batch(tmp_path) -> None:
+    """The buffer restarted after a group was trained; a late copy of it (dealt again to a
+    server wrongly declared dead) reaches the new buffer, which cannot know it: the learner
+    leaves it out rather than train it twice."""
+    from asyncrl.control.setup import coordinator_from_config
+    from asyncrl.wire import Batch, Group
+    from learner.control_plane import RankZero
+    from tests.standins.learner import loopback_config
+
+    cfg, _ = loopback_config(tmp_path)
+    rows = [make_row("arithmetic", "1+1=", "2", split="train", index=0)]
+    coord = coordinator_from_config(cfg, train_rows=rows, val_rows=[], buffer=False)
+    coord.trained(["late"])
+    acked: list[int] = []
+    rank0 = object.__new__(RankZero)  # only what the filter uses
+    rank0.cfg, rank0.coordinator = cfg, coord
+    rank0.acknowledge = acked.extend  # type: ignore[method-assign]
+
+    def batch(batch_id: int, *tids: str) -> Batch:
+        groups = [Group.from_trajectories(t, make_group(t, 2)) for t in tids]
+        return Batch(
+            batch_id=batch_id, policy_version=0, groups=groups, lag_histogram={}, metrics={}
+        )
+
+    kept = rank0._untrained(batch(1, "late", "fresh"))
+    assert kept is not None and kept.task_ids == ["fresh"] and kept.batch_id == 1
+    assert rank0._untrained(batch(2, "late")) is None and acked == [2]  # nothing to train
+
+
 # ----------------------------------------------------------------------- F2
 def test_external_slots_dealt_after_a_checkpoint_are_never_dealt_again() -> None:
     """Slots the first incarnation dealt after its checkpoint are unknown to the second

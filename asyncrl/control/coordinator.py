@@ -239,6 +239,11 @@ class Coordinator:
         with self._lock:
             return self._state.adopt(version)
 
+    def already_trained(self, task_ids: list[str]) -> set[str]:
+        """Those of ``task_ids`` this learner line has trained on already."""
+        with self._lock:
+            return self._state.ledger.already_trained(task_ids)
+
     def trained(self, task_ids: list[str]) -> None:
         """The learner trained on the groups of these tasks (call before the push that
         follows: the admission window moves by what the pushed weights consumed)."""

@@ -287,6 +287,11 @@ class TaskLedger(LedgerCheckpoint):
             elif e.state != DONE:
                 self._set(tid, e, DONE)
 
+    def already_trained(self, task_ids: Iterable[str]) -> set[str]:
+        """Those of ``task_ids`` whose groups were trained on (since the checkpoint this
+        ledger was restored from, or ever): a second copy must not be trained again."""
+        return {t for t in task_ids if (e := self.entries.get(t)) is not None and e.state == DONE}
+
     def dropped(self, reports: Iterable[Any]) -> Drops:
         """Groups the buffer dropped unused (``task_id``, ``cause``, ``validation`` like
         :class:`asyncrl.wire.DroppedTask`); returns how many left the budget and how many
