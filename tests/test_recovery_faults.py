@@ -49,21 +49,8 @@ def _state(lineage: str = "", session: str = "") -> ControlState:
 
 
 def _packed(task: m.Task, version: int) -> Packed:
-    return Packed.pack(
-        [
-            Trajectory.build(
-                task_id=task.task_id,
-                prompt_ids=[1],
-                response_ids=[2],
-                logprobs=[-1.0],
-                version_spans=[(version, 1)],
-                reward=float(i),
-                group_index=i,
-                group_size=task.n,
-            )
-            for i in range(task.n)
-        ]
-    )
+    """The whole group of ``task``, sampled at ``version``."""
+    return Packed.pack(make_group(task.task_id, task.n, version=version))
 
 
 def _generate(st: ControlState, buf: ReplayBuffer) -> list[str]:
