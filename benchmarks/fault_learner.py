@@ -31,9 +31,12 @@ import json
 import logging
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from asyncrl.control import messages as m
 from asyncrl.control.admission import push_due, replayed_version
 from asyncrl.weight_sync import WeightPlan
+from asyncrl.wire import Batch
 from benchmarks import fault_api as api
 from benchmarks.fault_checks import Line
 from benchmarks.fault_net import Endpoint, Msg
@@ -287,9 +290,27 @@ class LearnerProc(Endpoint):
         if rep.batch is None:
             self.phase = "ready"
             return
-        self.batch, self.phase = rep.batch, "training"
         self.last = (api.batch_session(rep.batch, rep.session), rep.batch.batch_id)
+        batch = self._untrained(rep.batch)
+        if batch is None:
+            self.phase = "ready"
+            return
+        self.batch, self.phase = batch, "training"
         self.train_due = self.world.now + self.world.cfg.train_s
+
+    def _untrained(self, batch: Batch) -> Batch | None:
+        """As the learner's rank 0 does (learner/control_plane.py): groups these weights
+        trained already are left out; a batch with nothing left is acknowledged at once."""
+        st = self.state
+        assert st is not None
+        seen = st.ledger.already_trained(batch.task_ids)
+        if not seen:
+            return batch
+        groups = [g for g in batch.groups if g.task_id not in seen]
+        if groups:
+            return msgspec.structs.replace(batch, groups=groups)
+        self.acks.append([batch.batch_id])
+        return None
 
     def _trained(self) -> None:
         st, cfg, batch = self.state, self.world.cfg, self.batch

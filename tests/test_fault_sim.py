@@ -189,11 +189,10 @@ def test_reverting_the_audit_leaves_late_acks_charged(monkeypatch: pytest.Monkey
     assert _first_with(range(200, 220), "budget_leak") is not None
 
 
-@pytest.mark.xfail(strict=True, reason="open: a restarted buffer trains a late copy again")
 def test_a_late_copy_after_a_buffer_restart_is_not_trained_again() -> None:
-    """Open defect: a server cut off with a pushed group is declared dead, its task is
-    dealt again and trained from the first buffer; that buffer restarts; the partition heals
-    and the stale copy reaches the new buffer, which never saw the id, and trains it again
-    (buffer/core.py accepts any id its own session has not closed)."""
+    """Found by the simulation: a server cut off with a pushed group is declared dead, its
+    task is dealt again and trained from the first buffer; that buffer restarts; the
+    partition heals and the stale copy reaches the new buffer, which never saw the id. The
+    learner leaves it out of the batch (its weights trained it already)."""
     out = run(3633)
     assert "trained_twice" not in out.invariants(), out.violations
