@@ -32,7 +32,8 @@ def _accepts(fn: Any, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
-LINEAGE = _accepts(TaskSource, "lineage")  # task ids carry the dealing lineage
+HAS_LINEAGE = _accepts(TaskSource, "lineage")
+LINEAGE = HAS_LINEAGE  # task ids carry the dealing lineage
 LEDGER_SESSION = _accepts(TaskLedger, "session")  # external slot ids carry a session
 BUFFER_SESSION = _accepts(ReplayBuffer, "session")  # batches carry the buffer session
 RESEND = _accepts(ReplayBuffer.release, "received")  # a batch never received comes again
@@ -66,7 +67,8 @@ def rows(n: int, split: str) -> list[dict[str, Any]]:
 def new_state(cfg: Any, train: Sequence[dict], val: Sequence[dict], tag: str) -> ControlState:
     """A fresh coordinator state for ``cfg`` (a :class:`benchmarks.fault_world.SimConfig`);
     ``tag`` names this incarnation (lineage of a fresh source, session of the state)."""
-    kw: dict[str, Any] = {"lineage": tag} if LINEAGE else {}
+    # Plain ids when lineages are off (a mutation test), never the source's random default.
+    kw: dict[str, Any] = {"lineage": tag if LINEAGE else ""} if HAS_LINEAGE else {}
     source = TaskSource(train, val, seed=cfg.seed, shuffle=True, n=cfg.n, val_n=1, **kw)
     budget = Budget(cfg.max_policy_lag, groups_per_version(cfg.batch, cfg.sync_every))
     lkw: dict[str, Any] = {"session": tag} if LEDGER_SESSION else {}

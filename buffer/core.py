@@ -302,7 +302,7 @@ class ReplayBuffer:
         if not resumed:
             self._take_back(self.deliveries.forget(consumer))
             return 0, 0
-        if session and session != self.session:
+        if acked_through is not None and session != self.session:
             self.counts["hello_other_session"] += 1  # its ids name other batches here
         held, queued = self.deliveries.restart(acked_through, consumer, session)
         acked, _ = self.ack(held)

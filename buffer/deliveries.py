@@ -85,11 +85,11 @@ class Deliveries:
         self, acked_through: int | None, consumer: str | None, session: str
     ) -> tuple[list[int], list[int]]:
         """A consumer (re)started holding batches up to ``acked_through`` of ``session``
-        (``""``: not said, this one assumed). Returns (the ids it holds, which the caller
+        (another session's, or none said, acknowledges nothing here). Returns (the ids it holds, which the caller
         acknowledges; the ids queued again). ``consumer`` None: every consumer's."""
         mine = [b for b in self.unacked if consumer is None or self.owner.get(b) == consumer]
         held: list[int] = []
-        if acked_through is not None and session in ("", self.session):
+        if acked_through is not None and session == self.session:
             held = [b for b in mine if b <= acked_through]
         queued = (set(self.redeliver) | set(mine)) - set(held)
         self.redeliver = deque(sorted(queued))

@@ -120,7 +120,7 @@ MUTATIONS = (
         "batch ids per buffer session (F1b)",
         "an acked_through of another session acknowledges this one's batches",
         "buffer/deliveries.py",
-        '        if acked_through is not None and session in ("", self.session):',
+        "        if acked_through is not None and session == self.session:",
         "        if acked_through is not None:",
         (T_RECOVERY,),
     ),

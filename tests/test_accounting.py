@@ -122,7 +122,7 @@ class Run:
 def _state(
     lag: int, min_servers_to_start: int = 1, rows: int = 10_000, epochs: int | None = None, **kw
 ) -> ControlState:
-    source = TaskSource(_rows(rows), shuffle=False, n=N, total_epochs=epochs)
+    source = TaskSource(_rows(rows), shuffle=False, n=N, total_epochs=epochs, lineage="")
     ledger = TaskLedger(source, Budget(lag, B), lag_retries=1, **kw)
     return ControlState(
         ledger,
@@ -267,7 +267,7 @@ def test_a_learner_restart_loses_nothing_and_repeats_nothing(replay):
     run.trained_ids = run.trained_ids[: 5 * B]
     run.st, run.ack = _state(1), True
     run.st.load_state_dict(saved)
-    assert run.buf.restart(acked_through, "learner") == (3, 0)
+    assert run.buf.restart(acked_through, "learner", run.buf.session) == (3, 0)
     run.st.register(m.Register(server_id="s", engine_world_size=1, policy_version=8), 1.0)
     through = replayed_version(5, 5, 3 if replay else 0, sync_every=1, total=100)
     run.st.set_replay(through)

@@ -35,7 +35,7 @@ def _rows(n: int, split: str = "train") -> list[dict]:
 
 
 def _ledger(lag: int, per_version: int, n_train: int = 100, n_val: int = 0) -> TaskLedger:
-    source = TaskSource(_rows(n_train), _rows(n_val, "test"), seed=3, n=2, val_n=1)
+    source = TaskSource(_rows(n_train), _rows(n_val, "test"), seed=3, n=2, val_n=1, lineage="")
     return TaskLedger(source, Budget(lag, per_version))
 
 
@@ -144,7 +144,7 @@ def test_buffer_drops_are_refunded_once():
 def test_prompts_dropped_for_lag_are_dealt_again_under_new_ids_then_given_up():
     """A long answer overtaken by the lag window is not lost for the epoch: its prompt is
     dealt again (new id, same row, charged again) up to lag_retries times."""
-    source = TaskSource(_rows(20), seed=3, n=2)
+    source = TaskSource(_rows(20), seed=3, n=2, lineage="")
     ledger = TaskLedger(source, Budget(0, 2), lag_retries=2)
     first, _ = ledger.deal("a", 2)
     ledger.ack([t.task_id for t in first])
@@ -188,7 +188,7 @@ def test_validation_is_dealt_first_and_outside_the_budget():
 
 # ----------------------------------------------------------------------- the dataset cursor
 def test_epochs_are_seeded_permutations_with_deterministic_ids():
-    source = TaskSource(_rows(5), seed=7, total_epochs=2)
+    source = TaskSource(_rows(5), seed=7, total_epochs=2, lineage="")
     tasks = [source.next_train() for _ in range(10)]
     assert source.next_train() is None and source.exhausted
     rows = [[t.extra_info["index"] for t in tasks[:5]], [t.extra_info["index"] for t in tasks[5:]]]
@@ -196,22 +196,22 @@ def test_epochs_are_seeded_permutations_with_deterministic_ids():
     assert rows == [epoch_order(5, 0, 7, True), epoch_order(5, 1, 7, True)]
     assert rows[0] != rows[1]  # a new order per epoch (true for this seed)
     assert [t.task_id for t in tasks[4:6]] == ["train/0/4", "train/1/0"]
-    assert TaskSource(_rows(5), shuffle=False).next_train().extra_info["index"] == 0
+    assert TaskSource(_rows(5), shuffle=False, lineage="").next_train().extra_info["index"] == 0
     assert source.task_for_id("train/1/2") == msgspec.structs.replace(tasks[7], dealt_version=0)
 
 
 def test_cursor_state_round_trip():
-    source = TaskSource(_rows(6), _rows(2, "test"), seed=2)
+    source = TaskSource(_rows(6), _rows(2, "test"), seed=2, lineage="")
     for _ in range(8):
         source.next_train()
     source.start_validation()
     source.next_val()
-    fresh = TaskSource(_rows(6), _rows(2, "test"), seed=2)
+    fresh = TaskSource(_rows(6), _rows(2, "test"), seed=2, lineage="")
     fresh.load_state_dict(source.state_dict())
     assert fresh.next_val() == source.next_val()
     assert [fresh.next_train() for _ in range(5)] == [source.next_train() for _ in range(5)]
     with pytest.raises(ValueError, match="saved cursor"):
-        TaskSource(_rows(7), seed=2).load_state_dict(source.state_dict())
+        TaskSource(_rows(7), seed=2, lineage="").load_state_dict(source.state_dict())
 
 
 # ----------------------------------------------------------------------- sync rounds
@@ -266,7 +266,7 @@ def test_messages_round_trip_and_reject_other_schemas():
     bad = {"kind": "announcement", "registered": True, "policy_version": 2, "sync": raw}
     with pytest.raises(WireError, match="numel"):
         m.decode_reply(msgspec.msgpack.encode(bad))
-    task = TaskSource(_rows(1), n=3).next_train()
+    task = TaskSource(_rows(1), n=3, lineage="").next_train()
     grant = m.TaskGrant(tasks=[task], policy_version=0)
     assert m.decode_reply(m.encode(grant)) == grant
     raw = msgspec.msgpack.encode({"kind": "leave", "schema": 99, "server_id": "a"})

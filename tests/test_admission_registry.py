@@ -24,7 +24,7 @@ def _rows(n: int, split: str = "train") -> list[dict]:
 
 
 def _state(**kw) -> ControlState:
-    source = TaskSource(_rows(50), _rows(2, "test"), seed=1, n=2)
+    source = TaskSource(_rows(50), _rows(2, "test"), seed=1, n=2, lineage="")
     return ControlState(
         TaskLedger(source, Budget(1, 4)),
         SyncBook(),

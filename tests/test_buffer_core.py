@@ -250,7 +250,7 @@ def test_restart_acknowledges_what_the_checkpoint_contains() -> None:
     for _ in range(3):
         b.release(0)
     # The consumer saved a checkpoint after batch 1 but crashed before acknowledging.
-    assert b.restart(acked_through=1) == (1, 2)
+    assert b.restart(acked_through=1, session=b.session) == (1, 2)
     assert b.release(0).task_ids == ["c"]
     assert b.release(0) is None
     # A second restart queues the same batch again; acknowledging it empties the queue.

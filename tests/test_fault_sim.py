@@ -90,7 +90,8 @@ def test_reverting_f1b_batch_sessions_confuses_batches(monkeypatch: pytest.Monke
     restart = ReplayBuffer.restart
 
     def old(self: ReplayBuffer, acked_through: Any = None, consumer: Any = None, session="", **kw):
-        return restart(self, acked_through, consumer, **kw)  # the session is not looked at
+        # The session is not looked at: every acked_through taken as this session's.
+        return restart(self, acked_through, consumer, session=self.session, **kw)
 
     monkeypatch.setattr(ReplayBuffer, "restart", old)
     out = _first_with(range(70, 90), "batch_confusion")

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,10 +47,7 @@ def task_source_from_config(
         n=cfg.rollout.n,
         val_n=cfg.rollout.val_kwargs.n,
         prompt_key=d.prompt_key,
-        # A fresh lineage: ids never seen by a buffer that outlived an earlier learner (a
-        # coordinator restored from a checkpoint takes the checkpoint's lineage back).
-        lineage=secrets.token_hex(3),
-    )
+    )  # with a lineage of its own (a restored coordinator takes the checkpoint's back)
 
 
 def state_from_config(

@@ -12,9 +12,10 @@ Ids are a pure function of the cursor and the source's *lineage*, so a task can 
 from its id alone (:meth:`TaskSource.task_for_id`) and a cursor restored from a checkpoint
 deals the same tasks under the same ids again; the buffer keeps the first copy of an id, so
 a restart repeats no group. The lineage (``train.<lineage>/<e>/<p>``, ``val.<lineage>/...``)
-is drawn anew by a coordinator that starts without a checkpoint and kept in checkpoints: a
-fresh start after a crash never deals an id that a surviving buffer already saw for other
-work (it would drop the group as a duplicate). An empty lineage gives the plain ids above.
+is drawn anew by every new source (a coordinator that starts without a checkpoint) and kept
+in checkpoints: a fresh start after a crash never deals an id that a surviving buffer
+already saw for other work (it would drop the group as a duplicate). An empty lineage gives
+the plain ids above.
 
 The state (:meth:`TaskSource.state_dict`) is a few integers, saved with the learner's
 checkpoint; the rows themselves are read from ``data.train_files``/``data.val_files``.
@@ -23,6 +24,7 @@ checkpoint; the rows themselves are read from ``data.train_files``/``data.val_fi
 from __future__ import annotations
 
 import random
+import secrets
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -83,10 +85,12 @@ class TaskSource:
         n: int = 1,
         val_n: int = 1,
         prompt_key: str = "prompt",
-        lineage: str = "",
+        lineage: str | None = None,
     ):
         self.train_rows = list(train_rows)
-        self.lineage = lineage
+        # None: a lineage of its own, so a new cursor never deals an id an earlier one
+        # dealt; "" gives plain ids (tests that name them).
+        self.lineage = secrets.token_hex(3) if lineage is None else lineage
         self.val_rows = list(val_rows)
         self.seed = seed
         self.shuffle = shuffle
