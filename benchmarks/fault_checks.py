@@ -15,7 +15,8 @@ After every event:
   after a restore is not twice: the restored weights never saw it);
 - ``lag``: a trained group older than ``max_policy_lag`` versions at the learner;
 - ``adopt_unheld``: a replayed version made current without a push while no live server
-  holds it (or a newer one).
+  holds it (or a newer one), nor one that died too recently for anyone to know
+  (``control.dead_after_s``).
 
 At the end of a schedule (faults stopped, the run drained and then quiet):
 
@@ -123,7 +124,12 @@ class Checker:
         for g in batch.groups:
             if g.task_id in learner.line.trained:
                 self.violate("trained_twice", f"{g.task_id} again (batch {batch.batch_id})")
-            lag = learner.version - g.oldest_version
+            # A replayed batch trains the weights its first training did, whatever number
+            # the versions carry now (a push the dying learner left half done moves them):
+            # its lag is the one it was released with.
+            replay = batch.redelivered and learner.restored is not None
+            ref = batch.policy_version if replay else learner.version
+            lag = ref - g.oldest_version
             if lag > self.max_policy_lag:
                 self.violate("lag", f"{g.task_id} trained at lag {lag} (batch {batch.batch_id})")
 
@@ -136,7 +142,10 @@ class Checker:
             )
 
     def adopted(self, world: World, version: int) -> None:
+        # A server that died less than dead_after_s ago still counts: nobody can know yet.
+        recent = world.now - world.cfg.dead_after_s
         held = [s.version for s in world.servers.values() if s.alive]
+        held += [v for s in world.servers.values() for at, v in [s.died] if at >= recent]
         if not any(v >= version for v in held):
             self.violate("adopt_unheld", f"version {version} adopted; servers hold {held}")
 

@@ -62,10 +62,15 @@ class Server(Endpoint):
         self.sync_due = 0.0
         self.muted = False  # cut off from everyone (a partition)
         self.asking = True  # the drain's quiet phase stops new work
+        # When it last died and the version it held then: the coordinator cannot know of a
+        # death before control.dead_after_s of silence (the adoption check allows for it).
+        self.died: tuple[float, int] = (float("-inf"), 0)
 
     # ------------------------------------------------------------------ lifecycle
     def crash(self) -> None:
         """The process dies: what it generated and held is gone."""
+        if self.alive:
+            self.died = (self.world.now, self.version)
         self.die()
         self.held.clear()
         self.outbox.clear()

@@ -60,7 +60,8 @@ class Recovery:
         coordinator after it saw a restarted buffer while its group went to the old one
         (a delayed ack): the one-off inventory cannot catch that, a periodic audit does.
         A group is judged once its ack is ``dead_after_s`` old (its push had that long)."""
-        if self.resuming or self.inventory_due is not None or now < self.next_audit:
+        # The resume hold ends by time too, not only when a server asks for tasks.
+        if self.holding(now) or self.inventory_due is not None or now < self.next_audit:
             return None
         self.next_audit = now + AUDIT_EVERY_S
         return now - self.dead_after_s

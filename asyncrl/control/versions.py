@@ -142,6 +142,9 @@ class VersionsAndSyncs:
         moved on whoever received them). A failed catch-up backs its server off."""
         catchup = self.syncs.active is not None and self.syncs.active.round.catchup
         result = self.syncs.finish(sent_ok, send_error)
+        for rec in self.servers.values():  # the round is over, reported or not: a member
+            if rec.syncing == result.sync_id:  # whose report was lost may catch up now
+                rec.syncing = 0
         if not catchup:
             # The pushed weights trained on every group reported so far: the window moves
             # by what was consumed (a resume push consumed nothing new: it stays put), even
