@@ -168,3 +168,26 @@ def join_ranks(ctx) -> None:
     """Wait for ranks started by :func:`start_ranks` (raises if one failed)."""
     while not ctx.join(timeout=1):
         pass
+
+
+def start_coordinator(n_rows: int, per_version: int) -> Any:
+    """A started coordinator on OS-chosen loopback ports over ``n_rows`` arithmetic rows
+    (groups of 2, policy lag 1, ``per_version`` groups per version); stop it when done."""
+    from asyncrl.control import Budget, ControlState, Coordinator, TaskSource
+    from asyncrl.control.ledger import TaskLedger
+    from asyncrl.control.syncs import SyncBook
+    from asyncrl.tasks import make_row
+
+    rows = [
+        make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(n_rows)
+    ]
+    state = ControlState(
+        TaskLedger(TaskSource(rows, n=2), Budget(1, per_version)),
+        SyncBook(),
+        heartbeat_s=1.0,
+        dead_after_s=60.0,
+        store_host="127.0.0.1",
+        store_port=0,
+    )
+    coord = Coordinator(state, tasks_addr="tcp://127.0.0.1:*", control_addr="tcp://127.0.0.1:*")
+    return coord.start()

@@ -16,20 +16,14 @@ import zmq
 from asyncrl import authority, security, wire
 from asyncrl.config import load_config
 from asyncrl.control import messages as m
-from asyncrl.control.admission import Budget
 from asyncrl.control.client import CoordinatorClient
 from asyncrl.control.coordinator import Coordinator
-from asyncrl.control.ledger import TaskLedger
-from asyncrl.control.state import ControlState
-from asyncrl.control.syncs import SyncBook
-from asyncrl.control.task_source import TaskSource
 from asyncrl.serving import RouterService
-from asyncrl.tasks import make_row
 from asyncrl.transport import BufferClient, ReqClient, RequestRefused, TrajectoryPusher
 from asyncrl.wire.base import encode
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
-from tests.helpers import wait_until
+from tests.helpers import start_coordinator, wait_until
 from tests.standins.trajgen import make_traj
 
 
@@ -118,17 +112,7 @@ def test_a_rollout_key_pushes_trajectories_but_is_refused_on_the_batch_socket(ke
 def coordinator(keys) -> Iterator[Coordinator]:
     """A coordinator in a learner process (learner key, server secret) under CURVE."""
     _as(keys / "learner", "learner")
-    rows = [make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(8)]
-    state = ControlState(
-        TaskLedger(TaskSource(rows, n=2), Budget(1, 100)),
-        SyncBook(),
-        heartbeat_s=1.0,
-        dead_after_s=60.0,
-        store_host="127.0.0.1",
-        store_port=0,
-    )
-    coord = Coordinator(state, tasks_addr="tcp://127.0.0.1:*", control_addr="tcp://127.0.0.1:*")
-    coord.start()
+    coord = start_coordinator(8, per_version=100)
     try:
         yield coord
     finally:

@@ -14,14 +14,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from asyncrl.control import messages as m
-from asyncrl.control.admission import Budget
 from asyncrl.control.client import CoordinatorClient
-from asyncrl.control.coordinator import Coordinator
-from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
-from asyncrl.control.syncs import SyncBook
-from asyncrl.control.task_source import TaskSource
-from asyncrl.tasks import make_row
+from tests.helpers import start_coordinator
 
 THREADS = 16
 CALLS = 5  # per thread
@@ -30,25 +25,13 @@ CALLS = 5  # per thread
 @pytest.fixture
 def served() -> Iterator[tuple[ControlState, CoordinatorClient]]:
     """A coordinator with a wide admission window and one registered client."""
-    rows = [
-        make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(500)
-    ]
-    state = ControlState(
-        TaskLedger(TaskSource(rows, n=2), Budget(1, 1000)),
-        SyncBook(),
-        heartbeat_s=1.0,
-        dead_after_s=60.0,
-        store_host="127.0.0.1",
-        store_port=0,
-    )
-    coord = Coordinator(state, tasks_addr="tcp://127.0.0.1:*", control_addr="tcp://127.0.0.1:*")
-    coord.start()
+    coord = start_coordinator(500, per_version=1000)
     client = CoordinatorClient(
         coord.tasks_addr, coord.control_addr, "rollout-0", engine_world_size=0, timeout_s=10.0
     )
     try:
         client.register()
-        yield state, client
+        yield coord._state, client  # the state it serves, read between requests
     finally:
         client.close()
         coord.stop()
