@@ -261,11 +261,12 @@ class LearnerProc(Endpoint):
         if ck is None:  # versions go on above what the surviving buffer has seen
             api.at_least(st, rep.policy_version)
         else:  # the replay of the redelivered batches reproduces versions
-            st.set_replay(
-                replayed_version(
-                    ck.version, ck.step, rep.redelivering, cfg.sync_every, cfg.total_steps
-                )
+            through = replayed_version(
+                ck.version, ck.step, rep.redelivering, cfg.sync_every, cfg.total_steps
             )
+            st.set_replay(through)
+            if rep.policy_version > through:  # as rank 0 does (learner/control_plane.py)
+                api.at_least(st, rep.policy_version)
         self.phase = "done" if self.step >= cfg.total_steps else "ready"
 
     def _want_batch(self) -> None:

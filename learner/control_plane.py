@@ -157,15 +157,18 @@ class RankZero:
         if restored.path is None:  # versions go on above what the buffer has seen
             self.coordinator.at_least(welcome.policy_version)
         else:  # the replay of those batches reproduces versions
-            self.coordinator.set_replay(
-                replayed_version(
-                    restored.version,
-                    restored.step,
-                    welcome.redelivering,
-                    cfg.staleness.sync_every,
-                    total_training_steps(cfg),
-                )
+            through = replayed_version(
+                restored.version,
+                restored.step,
+                welcome.redelivering,
+                cfg.staleness.sync_every,
+                total_training_steps(cfg),
             )
+            self.coordinator.set_replay(through)
+            # A version the buffer measured lag against that the replay never reaches (the
+            # previous life died pushing it): go on above it, or every new group is stale.
+            if welcome.policy_version > through:
+                self.coordinator.at_least(welcome.policy_version)
         self.logger = MetricsLogger(
             run_dir,
             cfg.trainer.logger,

@@ -197,3 +197,11 @@ def test_a_late_copy_after_a_buffer_restart_is_not_trained_again() -> None:
     learner leaves it out of the batch (its weights trained it already)."""
     out = run(3633)
     assert "trained_twice" not in out.invariants(), out.violations
+
+
+def test_a_learner_killed_mid_push_resumes_above_the_version_the_buffer_saw() -> None:
+    """Found by the simulation: the previous life asked for a batch at the version it was
+    pushing and died before any server had it; the restored learner's replay stops below
+    that version, and at policy lag 0 the buffer dropped every new group as stale."""
+    out = run(11730)
+    assert "liveness" not in out.invariants(), out.violations
