@@ -146,7 +146,7 @@ MUTATIONS = (
         "buffer/deliveries.py",
         "        if received is None:\n            return None",
         "        if True:\n            return None",
-        (T_RECOVERY,),
+        ("tests/test_buffer_replies.py",),
     ),
     Mutation(
         "late drop report (F5)",
@@ -156,7 +156,7 @@ MUTATIONS = (
         "        out = self.drops[drops_from:], self.validated[validated_from:]\n"
         "        self.drops, self.validated = [], []\n"
         "        return out",
-        (T_RECOVERY,),
+        ("tests/test_buffer_replies.py",),
     ),
     Mutation(
         "incomplete groups beyond capacity (F6)",
@@ -164,7 +164,7 @@ MUTATIONS = (
         "buffer/core.py",
         "            if len(s.partial) >= self.capacity:",
         "            if False:",
-        (T_RECOVERY,),
+        ("tests/test_buffer_replies.py",),
     ),
     Mutation(
         "one request id per call (F3)",
