@@ -10,20 +10,31 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
 from asyncrl.control import messages as m
 from asyncrl.control.client import CoordinatorClient
-from asyncrl.control.state import ControlState
 from tests.helpers import start_coordinator
 
 THREADS = 16
 CALLS = 5  # per thread
 
 
+class Counts:
+    """The coordinator's counters read through its public metrics:
+    ``counts["tasks/external_dealt"]`` is ``coordinator/tasks/external_dealt`` now."""
+
+    def __init__(self, coord: Any) -> None:
+        self._coord = coord
+
+    def __getitem__(self, name: str) -> float:
+        return self._coord.metrics().get(f"coordinator/{name}", 0.0)
+
+
 @pytest.fixture
-def served() -> Iterator[tuple[ControlState, CoordinatorClient]]:
+def served() -> Iterator[tuple[Counts, CoordinatorClient]]:
     """A coordinator with a wide admission window and one registered client."""
     coord = start_coordinator(500, per_version=1000)
     client = CoordinatorClient(
@@ -31,7 +42,7 @@ def served() -> Iterator[tuple[ControlState, CoordinatorClient]]:
     )
     try:
         client.register()
-        yield coord._state, client  # the state it serves, read between requests
+        yield Counts(coord), client
     finally:
         client.close()
         coord.stop()
@@ -66,7 +77,7 @@ def test_concurrent_slot_requests_each_get_their_own_slot(served):
     ids = [t.task_id for g in grants for t in g.tasks]
     assert len(ids) == THREADS * CALLS, [g.reason for g in grants if not g.tasks]
     assert len(set(ids)) == len(ids), "two slot requests were answered with one slot"
-    assert state.ledger.counts["external_dealt"] == len(ids)
+    assert state["tasks/external_dealt"] == len(ids)
 
 
 def test_concurrent_task_requests_never_get_the_same_task(served):
@@ -76,7 +87,7 @@ def test_concurrent_task_requests_never_get_the_same_task(served):
     ids = [t.task_id for g in grants for t in g.tasks]
     assert ids, [g.reason for g in grants]
     assert len(set(ids)) == len(ids), "two task requests were answered with one grant"
-    assert state.counts["grants_resent"] == 0
+    assert state["grants_resent"] == 0
 
 
 def _lose_replies(client: CoordinatorClient, lost: list[int]) -> None:
@@ -99,7 +110,7 @@ def test_a_retried_slot_request_gets_the_slot_its_lost_reply_carried(served):
     state, client = served
     _lose_replies(client, [1])
     grant = client.request_slot(attempts=2)
-    assert [t.task_id for t in grant.tasks] and state.ledger.counts["external_dealt"] == 1
+    assert [t.task_id for t in grant.tasks] and state["tasks/external_dealt"] == 1
 
 
 def test_an_unanswered_slot_request_is_asked_again_by_the_next_call(served):
@@ -108,9 +119,9 @@ def test_an_unanswered_slot_request_is_asked_again_by_the_next_call(served):
     state, client = served
     _lose_replies(client, [2])
     assert client.request_slot(attempts=2).reason == "timeout"
-    assert state.ledger.counts["external_dealt"] == 1
+    assert state["tasks/external_dealt"] == 1
     again = client.request_slot(attempts=2)
-    assert len(again.tasks) == 1 and state.ledger.counts["external_dealt"] == 1
+    assert len(again.tasks) == 1 and state["tasks/external_dealt"] == 1
     fresh = client.request_slot(attempts=2)
     assert fresh.tasks[0].task_id != again.tasks[0].task_id
-    assert state.ledger.counts["external_dealt"] == 2
+    assert state["tasks/external_dealt"] == 2
