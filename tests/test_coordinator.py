@@ -5,7 +5,6 @@ rank 0), inside the stand-in learner; the buffer service runs in a thread of it.
 from __future__ import annotations
 
 import functools
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -228,7 +227,8 @@ def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin, un
         second.start()
         try:
             until(lambda: "s0" in second.servers(), "s0 to register again")
-            time.sleep(0.5)
+            # s0 asked again and was refused: only then does "nothing more dealt" say anything.
+            until(lambda: _metric(second, "coordinator/waits/budget"), "a refusal after restart")
             assert _metric(second, "coordinator/budget/dealt") == 8  # the budget came back too
             assert len(acked(journal)) == 8
             second.trained(before[:4])  # a version's worth, then a push nobody receives

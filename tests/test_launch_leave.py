@@ -115,11 +115,13 @@ def test_an_absent_coordinator_costs_a_counted_failure_and_no_wait():
         probe = ctx.socket(zmq.REP)
         port = probe.bind_to_random_port("tcp://127.0.0.1")
         probe.close(0)
-    dep = Departures(f"tcp://127.0.0.1:{port}", timeout_s=0.5)
+    dep = Departures(f"tcp://127.0.0.1:{port}", timeout_s=2.0)
     try:
         start = time.monotonic()
         dep.send("rollout-1", 7, "exit code 4")
-        assert time.monotonic() - start < 0.2  # the supervisor is not held up
+        # The supervisor is not held up: a send that waited for its reply would take the
+        # whole 2 s timeout; half of it leaves a loaded machine room and tells them apart.
+        assert time.monotonic() - start < 1.0
         outcome = _wait_outcome(dep)
     finally:
         dep.close()

@@ -137,14 +137,11 @@ def test_pushed_weights_are_sampled_from(rig):
 
 
 @pytest.mark.slow  # starts a vLLM engine
-@pytest.mark.parametrize("mode", ["keep", "abort"])
-def test_request_spanning_a_push_carries_both_versions(rig, mode):
-    loop, engine, learner, models, path = rig
-    engine.sync_mode = mode
-    old = engine.version
-    new = old + 1
-    models[new] = _perturbed(path, seed=10 + new)
-
+def _start_sampling(loop, engine, requests: dict[int, str]) -> list[asyncio.Future]:
+    """Start one 480-token request per ``{seed: request_id}`` and return once vLLM has
+    produced a first output for every one of them, none finished: a push now lands mid-way.
+    (No fixed sleep: a slow machine would push before they start, a fast one after they end.)
+    """
     sampling: set[str] = set()  # requests vLLM has produced a first output for
     real_generate = engine.llm.generate
 
@@ -159,12 +156,10 @@ def test_request_spanning_a_push_carries_both_versions(rig, mode):
     async def spanning():
         tasks = [
             asyncio.ensure_future(
-                engine.generate(PROMPT, _params(480, seed, ignore_eos=True), f"{mode}-{seed}")
+                engine.generate(PROMPT, _params(480, seed, ignore_eos=True), request_id)
             )
-            for seed in range(6)
+            for seed, request_id in requests.items()
         ]
-        # Long requests: push once every one of them has sampled (no fixed sleep: a slow
-        # machine would push before they start, a fast one after they end).
         deadline = time.monotonic() + 60
         while len(sampling) < len(tasks) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)
@@ -175,8 +170,20 @@ def test_request_spanning_a_push_carries_both_versions(rig, mode):
         tasks = loop.run(spanning())
     finally:
         engine.llm.generate = real_generate
-    assert len(sampling) == 6, f"only {sorted(sampling)} sampled within 60 s"
+    assert len(sampling) == len(requests), f"only {sorted(sampling)} sampled within 60 s"
     assert not any(t.done() for t in tasks), "requests finished before the push; lengthen them"
+    return tasks
+
+
+@pytest.mark.parametrize("mode", ["keep", "abort"])
+def test_request_spanning_a_push_carries_both_versions(rig, mode):
+    loop, engine, learner, models, path = rig
+    engine.sync_mode = mode
+    old = engine.version
+    new = old + 1
+    models[new] = _perturbed(path, seed=10 + new)
+
+    tasks = _start_sampling(loop, engine, {seed: f"{mode}-{seed}" for seed in range(6)})
     learner.push(loop, engine, models[new], version=new)
 
     async def finish():
@@ -232,18 +239,7 @@ def test_abort_resubmission_samples_with_the_piece_seed(rig):
     models[new] = _perturbed(path, seed=10 + new)
     seeds = (1000, 1001, 1002, 1003)
 
-    async def spanning():
-        tasks = [
-            asyncio.ensure_future(
-                engine.generate(PROMPT, _params(480, s, ignore_eos=True), f"piece-{s}")
-            )
-            for s in seeds
-        ]
-        await asyncio.sleep(0.5)  # long requests: each is mid-way when the push comes
-        return tasks
-
-    tasks = loop.run(spanning())
-    assert not any(t.done() for t in tasks), "requests finished before the push; lengthen them"
+    tasks = _start_sampling(loop, engine, {s: f"piece-{s}" for s in seeds})
     learner.push(loop, engine, models[new], version=new)
 
     async def finish():
