@@ -2,7 +2,7 @@
 
 The sender (this process, rank 0) pushes the tensors of the ``small`` model's shapes
 (~24M float32 parameters, random values; no model build needed) to receiver processes over
-a gloo group on 127.0.0.1, through :func:`asyncrl.weight_sync.send_weights` (pack into
+a gloo group on 127.0.0.1, through :func:`asyncrl.sync.weights.send_weights` (pack into
 dtype-grouped buckets, one broadcast per bucket) for each bucket size of a sweep. The
 baseline is one broadcast of one pre-allocated flat buffer of the same total size, with no
 packing. Both end with a barrier, so each time covers delivery to every receiver.
@@ -79,7 +79,7 @@ def _receiver(conn, port: int, rank: int, world: int) -> None:
     receives one broadcast each and answers ``"done"``; ``None`` ends it."""
     import torch
 
-    from asyncrl.weight_sync import form_group, open_store, receive_weights
+    from asyncrl.sync.weights import form_group, open_store, receive_weights
 
     store = open_store("127.0.0.1", port, is_host=False, timeout_s=TIMEOUT_S)
     pg = form_group(store, "bench", rank, world, timeout_s=TIMEOUT_S)
@@ -110,7 +110,7 @@ def _timed(pg, conns, command, send) -> float:
 
 def _start(receivers: int) -> tuple[Any, list[Any], list[Any]]:
     """Spawn the receivers and form the group with them: (group, pipes, processes)."""
-    from asyncrl.weight_sync import form_group, open_store
+    from asyncrl.sync.weights import form_group, open_store
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -135,7 +135,7 @@ def run(
     """The sweep: JSON figures, and each bucket size's :class:`RatioStats`."""
     import torch
 
-    from asyncrl.weight_sync import plan_buckets, send_weights, specs_of
+    from asyncrl.sync.weights import plan_buckets, send_weights, specs_of
 
     pg, conns, procs = _start(receivers)
     tensors = {n: torch.randn(shape) for n, shape in small_model_shapes().items()}

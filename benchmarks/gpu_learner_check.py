@@ -15,10 +15,10 @@ own classes, not copies of them:
 3. ``checkpoint``: :meth:`Trainer.save`, one more step, :meth:`Trainer.load`: the weights
    and the step are back exactly.
 4. ``push``: :meth:`Trainer.full_state_for_push` (the model's dtype), then rank 0 sends it
-   the way :class:`asyncrl.sync_sender.WeightPusher` does (a sync store, a group of
-   :func:`asyncrl.control.setup.sync_backend`, :func:`asyncrl.weight_sync.send_weights`) to a
+   the way :class:`asyncrl.sync.sender.WeightPusher` does (a sync store, a group of
+   :func:`asyncrl.control.setup.sync_backend`, :func:`asyncrl.sync.weights.send_weights`) to a
    stand-in receiver process: an HF model on its own device that receives with
-   :func:`asyncrl.weight_sync.receive_weights`, as the vLLM worker extension does, and loads
+   :func:`asyncrl.sync.weights.receive_weights`, as the vLLM worker extension does, and loads
    the weights. NCCL cannot put two ranks of one group on one GPU: the receiver takes the
    last visible GPU, so on CUDA this needs two GPUs (skipped with one).
 
@@ -265,8 +265,8 @@ def _push(tensors: dict[str, Any], model: Path, receiver_device: str, backend: s
     """Rank 0's side of one push, as WeightPusher runs it, to a receiver process."""
     import torch
 
-    from asyncrl.sync_sender import pack_device
-    from asyncrl.weight_sync import (
+    from asyncrl.sync.sender import pack_device
+    from asyncrl.sync.weights import (
         form_group,
         open_store,
         plan_buckets,
@@ -315,7 +315,7 @@ def _receiver(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.weight_sync import form_group, open_store, receive_weights, store_prefix
+    from asyncrl.sync.weights import form_group, open_store, receive_weights, store_prefix
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))

@@ -178,7 +178,7 @@ async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
 
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.weight_sync import (
+    from asyncrl.sync.weights import (
         form_group,
         open_store,
         plan_buckets,

@@ -18,8 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     cfg, _ = parse_role_args(
         "asyncrl-buffer", "Hold complete groups and release training batches.", GROUPS, argv
     )
-    from asyncrl import security, startup
     from asyncrl.config import run_dir
+    from asyncrl.launch import startup
+    from asyncrl.net import security
     from buffer.service import BufferService  # after the config is known to be good
 
     security.configure(cfg.endpoints, "buffer")

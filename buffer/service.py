@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from asyncrl import authority, security, wire
-from asyncrl.serving import Held, HeldRequests, RouterService
-from asyncrl.transport import bind, config_endpoint, make_socket, mebibytes
+from asyncrl import wire
+from asyncrl.net import authority, security
+from asyncrl.net.serving import Held, HeldRequests, RouterService
+from asyncrl.net.transport import bind, config_endpoint, make_socket, mebibytes
 from buffer.core import ReplayBuffer
 from buffer.rollout_log import RolloutLog
 from buffer.service_stats import ServiceStats, summary

@@ -22,7 +22,7 @@ import msgspec
 from asyncrl.config import Config
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import replayed_version
-from asyncrl.progress import accounting_lines
+from asyncrl.launch.progress import accounting_lines
 from learner.validation import ValidationTracker
 
 log = logging.getLogger(__name__)
@@ -110,9 +110,9 @@ class RankZero:
         from asyncrl.config import write_resolved
         from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
         from asyncrl.metrics import MetricsLogger
-        from asyncrl.sync_sender import WeightPusher
-        from asyncrl.transport import BufferClient, config_endpoint, mebibytes
-        from asyncrl.weight_sync import open_store
+        from asyncrl.net.transport import BufferClient, config_endpoint, mebibytes
+        from asyncrl.sync.sender import WeightPusher
+        from asyncrl.sync.weights import open_store
 
         self.cfg = cfg
         self.train_batch_size = cfg.data.train_batch_size

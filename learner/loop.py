@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl import startup
 from asyncrl.config import Config
 from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import push_due
+from asyncrl.launch import startup
 from learner.batching import Rollout
 from learner.control_plane import ControlPeer, NoControl, RankZero, Restored
 
@@ -122,7 +122,7 @@ class LearnerLoop:
         return True
 
     def _mark(self, event: str) -> None:
-        """The start-up timeline (:mod:`asyncrl.startup`): rank 0, each phase once."""
+        """The start-up timeline (:mod:`asyncrl.launch.startup`): rank 0, each phase once."""
         if self.trainer.rank == 0 and event not in self._marked:
             self._marked.add(event)
             startup.mark(self.run_dir, "learner", event)

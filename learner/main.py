@@ -24,8 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     import os
 
-    from asyncrl import security, startup
     from asyncrl.config import run_dir
+    from asyncrl.launch import startup
+    from asyncrl.net import security
 
     security.configure(cfg.endpoints, "learner")
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from asyncrl.weight_sync import WeightPlan
+    from asyncrl.sync.weights import WeightPlan
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ for them: the learner's broadcast times out and drops this server. So:
   (more would only wait).
 
 Tool calls wait in the tool pool's own threads (:meth:`asyncrl.tools.ToolPool.
-call_many_async`); pushes keep the default executor (:meth:`asyncrl.transport.
+call_many_async`); pushes keep the default executor (:meth:`asyncrl.net.transport.
 TrajectoryPusher.send_async`), which nothing else of the server's waits in now.
 """
 

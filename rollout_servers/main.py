@@ -22,10 +22,11 @@ import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
-from asyncrl import security, startup
 from asyncrl.cli import parse_role_args
 from asyncrl.config import run_dir
 from asyncrl.config.inputs import MODEL, REWARD
+from asyncrl.launch import startup
+from asyncrl.net import security
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -131,8 +132,8 @@ async def serve(cfg: Config, server_id: str) -> int:
     from transformers import AutoTokenizer
 
     from asyncrl.control.client import CoordinatorClient
+    from asyncrl.net.transport import TrajectoryPusher, config_endpoint, mebibytes
     from asyncrl.rewards import RewardPool
-    from asyncrl.transport import TrajectoryPusher, config_endpoint, mebibytes
     from rollout_servers.affinity import cpus_from_env, pin_tree
     from rollout_servers.server import RolloutServer
 

@@ -9,7 +9,7 @@ checker holds to the same contract. The production implementations:
 - :class:`GenerationEngine`: :class:`rollout_servers.engine.RolloutEngine` (vLLM);
 - :class:`Tokenizer`: a Hugging Face tokenizer;
 - :class:`Scorer`: :class:`asyncrl.rewards.RewardPool`;
-- :class:`GroupPusher`: :class:`asyncrl.transport.TrajectoryPusher`;
+- :class:`GroupPusher`: :class:`asyncrl.net.transport.TrajectoryPusher`;
 - :class:`ControlClient`: :class:`asyncrl.control.client.CoordinatorClient`.
 
 Importing this module loads no vLLM, torch or transformers.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from asyncrl.control.messages import Registered, SyncStart, TaskGrant
 from asyncrl.rewards import ScoreJob, ScoreResult
-from asyncrl.weight_sync import WeightPlan
+from asyncrl.sync.weights import WeightPlan
 from asyncrl.wire import Trajectory
 from rollout_servers.engine import Sample, SyncJoin
 

@@ -18,12 +18,12 @@ import logging
 import time
 from collections import Counter, deque
 
-from asyncrl import startup
 from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
+from asyncrl.launch import startup
 from asyncrl.rewards import ScoreJob, ScoreResult
-from asyncrl.weight_sync import store_prefix
+from asyncrl.sync.weights import store_prefix
 from asyncrl.wire import Trajectory
 from rollout_servers.agent import AgentRunner, episode_samples, episode_trajectories
 from rollout_servers.engine import Sample, SyncJoin

@@ -22,7 +22,7 @@ import typing
 from types import ModuleType
 from typing import Any
 
-from asyncrl.supervise_policy import CONFIG_ERROR  # the launcher does not restart it
+from asyncrl.launch.restart_policy import CONFIG_ERROR  # the launcher does not restart it
 
 log = logging.getLogger(__name__)
 

@@ -177,7 +177,7 @@ MUTATIONS = (
     Mutation(
         "per-role authority (S1)",
         "every role may send every request",
-        "asyncrl/serving.py",
+        "asyncrl/net/serving.py",
         "            if self.policy is not None and not self.policy.permits(role, msg.kind):",
         "            if False:",
         ("tests/test_authority.py",),

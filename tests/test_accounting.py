@@ -19,8 +19,8 @@ from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
+from asyncrl.sync.weights import WeightPlan
 from asyncrl.tasks import make_row
-from asyncrl.weight_sync import WeightPlan
 from asyncrl.wire import Packed, Trajectory
 from buffer.core import ReplayBuffer
 

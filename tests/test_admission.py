@@ -23,8 +23,8 @@ from asyncrl.control.admission import (
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource, epoch_order
+from asyncrl.sync.weights import TensorSpec, WeightPlan, plan_buckets
 from asyncrl.tasks import make_row
-from asyncrl.weight_sync import TensorSpec, WeightPlan, plan_buckets
 from asyncrl.wire import DroppedTask, WireError
 
 PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)

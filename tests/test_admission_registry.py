@@ -13,8 +13,8 @@ from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
+from asyncrl.sync.weights import TensorSpec, plan_buckets
 from asyncrl.tasks import make_row
-from asyncrl.weight_sync import TensorSpec, plan_buckets
 
 PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
 

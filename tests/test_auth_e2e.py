@@ -14,11 +14,11 @@ import pytest
 import zmq
 import zmq.auth
 
-from asyncrl import security
 from asyncrl.config import load_config
 from asyncrl.control.client import CoordinatorClient, CoordinatorGone
 from asyncrl.metrics import read_metrics
-from asyncrl.transport import config_endpoint
+from asyncrl.net import security
+from asyncrl.net.transport import config_endpoint
 from tests.e2e_helpers import (
     RUN,
     launch_cmd,

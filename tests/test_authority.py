@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import zmq
 
-from asyncrl import authority, security, wire
+from asyncrl import wire
 from asyncrl.config import load_config
 from asyncrl.control import messages as m
 from asyncrl.control.client import CoordinatorClient
 from asyncrl.control.coordinator import Coordinator
-from asyncrl.serving import RouterService
-from asyncrl.transport import BufferClient, ReqClient, RequestRefused, TrajectoryPusher
+from asyncrl.net import authority, security
+from asyncrl.net.serving import RouterService
+from asyncrl.net.transport import BufferClient, ReqClient, RequestRefused, TrajectoryPusher
 from asyncrl.wire.base import encode
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService

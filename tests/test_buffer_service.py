@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from asyncrl import wire
-from asyncrl.transport import BufferClient, TrajectoryPusher, endpoint
+from asyncrl.net.transport import BufferClient, TrajectoryPusher, endpoint
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
 from tests.helpers import free_port, wait_until

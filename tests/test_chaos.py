@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from asyncrl.launch.progress import accounting_lines
 from asyncrl.metrics import read_metrics
-from asyncrl.progress import accounting_lines
 from tests.e2e_helpers import AgentGroups, ChaosRun, run_overrides, trained_steps
 
 pytestmark = pytest.mark.slow

@@ -130,7 +130,7 @@ LIGHT = [
     "asyncrl.tasks",
     "asyncrl.rewards",
     "asyncrl.wire",
-    "asyncrl.transport",
+    "asyncrl.net.transport",
     "asyncrl.control",
     "asyncrl.launch",
     "buffer.service",

@@ -13,9 +13,9 @@ import pytest
 from asyncrl import wire
 from asyncrl.control import Coordinator
 from asyncrl.control import messages as m
+from asyncrl.net.transport import BufferClient, ReqClient, RequestRefused, config_endpoint
+from asyncrl.sync.weights import WeightPlan
 from asyncrl.tasks import make_row, write_rows
-from asyncrl.transport import BufferClient, ReqClient, RequestRefused, config_endpoint
-from asyncrl.weight_sync import WeightPlan
 from buffer.service import BufferService
 from tests.helpers import log_tails, wait_until
 from tests.standins import rollout

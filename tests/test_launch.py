@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.progress import read_restarts
-from asyncrl.supervise import RestartPolicy, Role, Supervisor, exit_status, restart_delay
-from asyncrl.supervise_procs import find_tree, has_exited, scan, signal_group
+from asyncrl.launch.process_tree import find_tree, has_exited, scan, signal_group
+from asyncrl.launch.progress import read_restarts
+from asyncrl.launch.supervise import RestartPolicy, Role, Supervisor, exit_status, restart_delay
 from tests.helpers import alive, endpoint_overrides, wait_until
 
 
@@ -168,8 +168,8 @@ while plan == "run" or not (state / plan[5:]).exists():
 DRIVER = r"""
 import json, logging, sys
 from pathlib import Path
-from asyncrl import supervise
-from asyncrl.supervise import QuietView, RestartPolicy, Role, Supervisor
+from asyncrl.launch import supervise
+from asyncrl.launch.supervise import QuietView, RestartPolicy, Role, Supervisor
 
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 run_dir, toy, spec = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])

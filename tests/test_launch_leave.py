@@ -22,9 +22,9 @@ from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
-from asyncrl.supervise import QuietView, RestartPolicy, Role, Supervisor
-from asyncrl.supervise_leave import Departures
-from asyncrl.supervise_procs import has_exited
+from asyncrl.launch.departures import Departures
+from asyncrl.launch.process_tree import has_exited
+from asyncrl.launch.supervise import QuietView, RestartPolicy, Role, Supervisor
 from asyncrl.tasks import make_row
 from asyncrl.wire.base import encode
 from tests.helpers import wait_until

@@ -8,7 +8,7 @@ import io
 import json
 from types import SimpleNamespace
 
-from asyncrl.progress import (
+from asyncrl.launch.progress import (
     ProgressView,
     accounting_line,
     accounting_lines,

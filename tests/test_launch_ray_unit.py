@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.launch import commands_text, plan_roles
-from asyncrl.launch_ray import Mirror
-from asyncrl.ray_agent import RoleAgent
-from asyncrl.ray_plan import learner_roles, plan_placement
+from asyncrl.launch.ray_agent import RoleAgent
+from asyncrl.launch.ray_launcher import Mirror
+from asyncrl.launch.ray_plan import learner_roles, plan_placement
+from asyncrl.launch.roles import commands_text, plan_roles
 from tests.helpers import wait_until
 
 

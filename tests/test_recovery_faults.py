@@ -18,9 +18,9 @@ from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
+from asyncrl.net.transport import BufferClient
+from asyncrl.sync.weights import WeightPlan
 from asyncrl.tasks import make_row
-from asyncrl.transport import BufferClient
-from asyncrl.weight_sync import WeightPlan
 from asyncrl.wire import DroppedTask, Packed
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.weight_sync import (
+from asyncrl.sync.weights import (
     form_group,
     open_store,
     plan_buckets,

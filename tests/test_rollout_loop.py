@@ -21,8 +21,8 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.messages import Registered, SyncStart, Task, TaskGrant
 from asyncrl.rewards import ScoreJob, ScoreResult
+from asyncrl.sync.weights import WeightPlan
 from asyncrl.tools import ToolPool
-from asyncrl.weight_sync import WeightPlan
 from asyncrl.wire import Trajectory
 from rollout_servers import agent as agent_module
 from rollout_servers import protocols, server

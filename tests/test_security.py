@@ -9,9 +9,9 @@ import time
 import pytest
 import zmq
 
-from asyncrl import security
 from asyncrl.config import ConfigError, load_config
-from asyncrl.transport import bind, connect
+from asyncrl.net import security
+from asyncrl.net.transport import bind, connect
 from tests.helpers import wait_until
 
 
@@ -107,8 +107,8 @@ def test_a_frame_over_the_limit_is_never_read_and_the_service_goes_on():
     from collections import Counter
 
     from asyncrl import wire
-    from asyncrl.serving import RouterService
-    from asyncrl.transport import ReqClient
+    from asyncrl.net.serving import RouterService
+    from asyncrl.net.transport import ReqClient
     from asyncrl.wire.base import encode
 
     ctx = zmq.Context()
@@ -159,7 +159,7 @@ def test_message_limits_come_from_the_config_and_senders_check_their_own(tmp_pat
     (and its sockets' cut-off); a role's own message over them is refused before it is sent,
     with the key to raise, since the receiving socket would drop it without a word."""
     from asyncrl import wire
-    from asyncrl.transport import ReqClient, TrajectoryPusher, mebibytes
+    from asyncrl.net.transport import ReqClient, TrajectoryPusher, mebibytes
     from buffer.service import BufferService
     from tests.standins.trajgen import make_traj
 

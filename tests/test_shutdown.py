@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.control import CoordinatorClient
-from asyncrl.supervise_procs import scan
+from asyncrl.launch.process_tree import scan
+from asyncrl.net.transport import BufferClient, config_endpoint
 from asyncrl.tasks import make_row
-from asyncrl.transport import BufferClient, config_endpoint
 from buffer.service import BufferService
 from tests.helpers import wait_until
 from tests.standins import rollout

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from asyncrl import startup
 from asyncrl.config import load_config
+from asyncrl.launch import startup
 from rollout_servers.affinity import cpus_from_env, pin_tree
 from rollout_servers.main import eager_engine
 
@@ -21,7 +21,7 @@ from rollout_servers.main import eager_engine
 def test_marks_from_several_processes_make_one_table(tmp_path):
     t0 = startup.begin(tmp_path)
     code = (
-        "import sys; from pathlib import Path; from asyncrl import startup; "
+        "import sys; from pathlib import Path; from asyncrl.launch import startup; "
         "[startup.mark(Path(sys.argv[1]), sys.argv[2], e) for e in ('started', 'engine_ready')]"
     )
     procs = [

@@ -1,4 +1,4 @@
-"""The ZeroMQ helpers of :mod:`asyncrl.transport` on real loopback sockets: endpoints, the
+"""The ZeroMQ helpers of :mod:`asyncrl.net.transport` on real loopback sockets: endpoints, the
 trajectory pusher (delivery, backpressure at the high-water mark, async sends), the
 request client's timeout, the service side of request/reply (refusals, held requests), and
 the import boundary of the wire and transport modules."""
@@ -16,8 +16,8 @@ import pytest
 import zmq
 
 from asyncrl import wire
-from asyncrl.serving import HeldRequests, RouterService
-from asyncrl.transport import ReqClient, RequestRefused, TrajectoryPusher, endpoint
+from asyncrl.net.serving import HeldRequests, RouterService
+from asyncrl.net.transport import ReqClient, RequestRefused, TrajectoryPusher, endpoint
 from tests.standins.trajgen import make_group, make_traj
 
 pytestmark = pytest.mark.timeout(60)
@@ -207,7 +207,7 @@ def test_held_requests_are_answered_when_their_wait_ends_one_per_client() -> Non
 
 def test_wire_and_transport_import_no_torch_or_vllm() -> None:
     code = (
-        "import sys, asyncrl, asyncrl.wire, asyncrl.transport; "
+        "import sys, asyncrl, asyncrl.wire, asyncrl.net.transport; "
         "bad = [m for m in ('torch', 'vllm', 'learner', 'rollout_servers') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

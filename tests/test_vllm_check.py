@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import pytest
 
-from asyncrl.supervise_policy import CONFIG_ERROR
+from asyncrl.launch.restart_policy import CONFIG_ERROR
 from rollout_servers import vllm_check
 
 

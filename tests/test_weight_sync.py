@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from asyncrl.weight_sync import (
+from asyncrl.sync.weights import (
     Bucket,
     TensorSpec,
     WeightSyncError,
@@ -160,7 +160,7 @@ def test_hf_model_receiver_loads_pushed_weights(tiny_model):
 def test_a_push_packs_where_its_backend_broadcasts_from():
     """NCCL broadcasts only CUDA tensors: a learner pushing over NCCL packs on its CUDA
     device (this was missed once: CPU buffers would fail the first GPU push)."""
-    from asyncrl.sync_sender import WeightPusher, pack_device
+    from asyncrl.sync.sender import WeightPusher, pack_device
 
     assert pack_device("nccl") == "cuda" and pack_device("gloo") == "cpu"
     pusher = WeightPusher(None, None, backend="nccl", timeout_s=1, bucket_bytes=1)  # type: ignore[arg-type]

@@ -143,7 +143,7 @@ def _critic_problems(cfg: Config) -> list[str]:
 
 
 def _endpoint_problems(cfg: Config) -> list[str]:
-    from asyncrl.security import exposure_problem
+    from asyncrl.net.security import exposure_problem
 
     ports = cfg.endpoints.model_dump(include={"tasks", "trajectories", "batches", "control"})
     ports["sync_store"] = cfg.endpoints.sync_store

@@ -21,7 +21,7 @@ Modules, from pure rules to I/O:
 - :mod:`~asyncrl.control.setup`: building it all from a run config.
 
 Importing this package loads zmq, msgspec and numpy, never torch or vLLM (the weight
-transfer itself lives in :mod:`asyncrl.weight_sync`, which imports torch lazily).
+transfer itself lives in :mod:`asyncrl.sync.weights`, which imports torch lazily).
 """
 
 from asyncrl.control.admission import Budget, budget_limit, grantable, groups_per_version

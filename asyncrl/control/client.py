@@ -41,7 +41,7 @@ import zmq
 
 from asyncrl.control import messages as m
 from asyncrl.control.request_ids import RequestIds
-from asyncrl.transport import ReqClient
+from asyncrl.net.transport import ReqClient
 from asyncrl.wire.base import single
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ class CoordinatorClient:
     def from_config(cls, cfg: Config, server_id: str, **kwargs: Any) -> CoordinatorClient:
         """A client dialing ``endpoints.tasks``/``endpoints.control`` with the ``control``
         group's heartbeat and request size; patience ``launch.start_timeout_s``."""
-        from asyncrl.transport import config_endpoint, mebibytes
+        from asyncrl.net.transport import config_endpoint, mebibytes
 
         kwargs.setdefault("heartbeat_s", cfg.control.heartbeat_s)
         kwargs.setdefault("tasks_per_request", cfg.control.tasks_per_request)
@@ -127,7 +127,7 @@ class CoordinatorClient:
     # ------------------------------------------------------------------ plumbing
     def _call(self, sock: str, msg: m.Request, timeout_s: float | None = None) -> m.Reply:
         """One request/reply on socket ``sock``; raises TimeoutError when unanswered,
-        :class:`~asyncrl.transport.RequestRefused` when refused."""
+        :class:`~asyncrl.net.transport.RequestRefused` when refused."""
         client = {"tasks": self._tasks, "control": self._control, "watch": self._watch}[sock]
         with self._locks[sock]:
             return client.call(msg, self._heard, timeout_s)

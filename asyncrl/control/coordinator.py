@@ -35,12 +35,12 @@ import threading
 import time
 from typing import Any
 
-from asyncrl import security
 from asyncrl.config import Config
 from asyncrl.control.loop import ControlLoop, poll_buffer
 from asyncrl.control.state import ControlState, ValidationProgress
 from asyncrl.control.syncs import SyncResult, SyncRound
-from asyncrl.weight_sync import WeightPlan
+from asyncrl.net import security
+from asyncrl.sync.weights import WeightPlan
 
 log = logging.getLogger(__name__)
 
@@ -344,7 +344,7 @@ class Coordinator:
     def _shutdown_buffer(self, timeout_s: float) -> None:
         if self.buffer_addr is None:
             return
-        from asyncrl.transport import BufferClient
+        from asyncrl.net.transport import BufferClient
 
         client = BufferClient(self.buffer_addr, "coordinator", timeout_s=min(timeout_s, 5.0))
         try:

@@ -4,8 +4,8 @@
 under the coordinator's lock (a ``threading.Condition``, notified after every pass so that
 the learner's waits in :mod:`asyncrl.control.coordinator` wake up). Nothing blocks while
 holding it: sends are non-blocking, and a reply to a departed peer is dropped and counted.
-Each socket is an :class:`asyncrl.serving.RouterService` and each kind of held request a
-:class:`asyncrl.serving.HeldRequests`, as in the buffer's service.
+Each socket is an :class:`asyncrl.net.serving.RouterService` and each kind of held request a
+:class:`asyncrl.net.serving.HeldRequests`, as in the buffer's service.
 
 Two kinds of requests are *held* (long-polls) rather than answered at once:
 
@@ -27,10 +27,10 @@ from collections.abc import Callable
 
 import zmq
 
-from asyncrl import authority
 from asyncrl.control import messages as m
 from asyncrl.control.state import ControlState
-from asyncrl.serving import Held, HeldRequests, RouterService
+from asyncrl.net import authority
+from asyncrl.net.serving import Held, HeldRequests, RouterService
 from asyncrl.wire.base import WireError, single
 
 log = logging.getLogger(__name__)
@@ -250,7 +250,7 @@ def poll_buffer(
     a silent buffer is logged once per outage. Runs until ``stop``. It must be the only
     caller of the buffer's ``dropped`` request, which drains the lists.
     """
-    from asyncrl.transport import BufferClient
+    from asyncrl.net.transport import BufferClient
 
     client = BufferClient(addr, "coordinator", timeout_s=max(2.0, every_s))
     silent = False

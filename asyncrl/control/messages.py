@@ -31,7 +31,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from asyncrl.weight_sync import WeightPlan
+from asyncrl.sync.weights import WeightPlan
 from asyncrl.wire.base import SCHEMA_VERSION as SCHEMA_VERSION  # re-exported
 from asyncrl.wire.base import ErrorReply, Message, Ok, decode
 from asyncrl.wire.base import encode as encode  # re-exported

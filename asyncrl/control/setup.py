@@ -92,7 +92,7 @@ def coordinator_from_config(
     """A coordinator bound to ``endpoints.tasks``/``endpoints.control``; with ``buffer`` it
     polls ``endpoints.batches`` for dropped groups and shuts that buffer down at the end.
     ``saved_state`` is a :meth:`Coordinator.state_dict` to resume from."""
-    from asyncrl.transport import config_endpoint, mebibytes
+    from asyncrl.net.transport import config_endpoint, mebibytes
 
     coord = Coordinator(
         state_from_config(cfg, train_rows, val_rows),

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncrl.control.messages import SyncDone, SyncStart
-from asyncrl.weight_sync import WeightPlan
+from asyncrl.sync.weights import WeightPlan
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from asyncrl.control.ledger import DONE, TaskLedger
 from asyncrl.control.messages import SyncDone
 from asyncrl.control.recovery import Recovery
 from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
-from asyncrl.weight_sync import WeightPlan
+from asyncrl.sync.weights import WeightPlan
 
 if TYPE_CHECKING:
     from asyncrl.control.state import ServerRecord

@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def prepare_keys(args: argparse.Namespace) -> dict:
-    from asyncrl.security import KEY_ROLES, write_keys
+    from asyncrl.net.security import KEY_ROLES, write_keys
 
     out = Path(args.out)
     files = write_keys(out)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.pyfile import import_file
+from asyncrl.sandbox.pyfile import import_file
 from asyncrl.tasks import arithmetic, calculator, countdown, gsm8k
 
 logger = logging.getLogger(__name__)

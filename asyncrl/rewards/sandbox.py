@@ -2,7 +2,7 @@
 
 Threads are not enough: a scorer stuck in C code (``pow(10, 10**8)``, a catastrophic
 regex) holds the GIL and cannot be interrupted. :class:`RewardPool` runs scorers on the
-generic killable pool (:mod:`asyncrl.sandbox`): each worker is a ``spawn``-ed process that
+generic killable pool (:mod:`asyncrl.sandbox.workers`): each worker is a ``spawn``-ed process that
 loads the scorer once, then answers :class:`ScoreJob` s with ``("ok", (score, parts))``,
 ``("exception", message)`` or ``("bad_return", message)``. A job that overruns
 ``timeout_s`` gets its worker killed and replaced; the caller gets score 0.0 at once.
@@ -26,7 +26,7 @@ from asyncrl.rewards.registry import (
     load_custom_scorer,
     normalize_score,
 )
-from asyncrl.sandbox import MAX_MESSAGE_CHARS, Handler, Worker, WorkerPool, check_pool_args
+from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, Worker, WorkerPool, check_pool_args
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from asyncrl.pyfile import import_file
+from asyncrl.sandbox.pyfile import import_file
 
 _CONFIG_KEY = "rollout.multi_turn.tool_config_path"
 

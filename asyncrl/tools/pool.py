@@ -1,6 +1,6 @@
 """Run agent tools in killable worker processes, so a stuck tool never stalls generation.
 
-:class:`ToolPool` sits on the generic killable pool (:mod:`asyncrl.sandbox`). Each worker
+:class:`ToolPool` sits on the generic killable pool (:mod:`asyncrl.sandbox.workers`). Each worker
 builds every tool of the config once at start; one job is one call: ``create`` an
 instance (with the trajectory's ``create_kwargs``), ``execute`` it with the model's
 arguments, ``release`` it. A call never raises for a tool's or the model's mistakes: it
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncrl.sandbox import MAX_MESSAGE_CHARS, Handler, WorkerPool
+from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, WorkerPool
 from asyncrl.tools.config import ToolSpec, instantiate_tools, load_tool_config, schemas
 from asyncrl.tools.hermes import ToolCall
 

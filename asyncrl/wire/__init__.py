@@ -29,7 +29,7 @@ assembles groups by ``task_id`` either way.
 
 In Python, :func:`encode_trajectories` builds these frames from :class:`Trajectory` objects
 (:meth:`Trajectory.build` makes one from lists or arrays) and
-:class:`asyncrl.transport.TrajectoryPusher` sends them. Decoding yields a :class:`Packed`
+:class:`asyncrl.net.transport.TrajectoryPusher` sends them. Decoding yields a :class:`Packed`
 (the metas and the three arrays, as views of the frames) whose ``trajectories`` are
 per-trajectory views; a :class:`Group` and a :class:`Batch`'s groups are packed the same
 way, so a learner can build padded or packed tensors from whole arrays.

@@ -8,7 +8,7 @@ messages differ; how they travel does not: one msgpack map per frame, tagged by 
 carrying ``schema`` (:data:`SCHEMA_VERSION`), decoded by msgspec's typed decoder into a
 struct or refused with a :class:`WireError` whose ``kind`` says why. A service answers a
 refused request with an :class:`ErrorReply` carrying that kind
-(:class:`asyncrl.serving.RouterService` does it for both).
+(:class:`asyncrl.net.serving.RouterService` does it for both).
 
 Imports msgspec only.
 """

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from asyncrl import wire
-from asyncrl.transport import BufferClient
+from asyncrl.net.transport import BufferClient
 from tests.standins.trajgen import make_traj
 
 

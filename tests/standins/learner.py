@@ -30,8 +30,8 @@ from typing import Any
 from asyncrl.config import Config
 from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
 from asyncrl.control.syncs import SyncResult
-from asyncrl.sync_sender import WeightPusher
-from asyncrl.weight_sync import open_store, specs_of
+from asyncrl.sync.sender import WeightPusher
+from asyncrl.sync.weights import open_store, specs_of
 from tests.helpers import endpoint_overrides
 
 log = logging.getLogger("tests.standins.learner")

@@ -13,7 +13,7 @@ import argparse
 import json
 import time
 
-from asyncrl.transport import TrajectoryPusher
+from asyncrl.net.transport import TrajectoryPusher
 from tests.standins.trajgen import make_traj
 
 

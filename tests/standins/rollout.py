@@ -2,7 +2,7 @@
 
 It registers with the coordinator, heartbeats, takes tasks, answers every task with the
 same fixed response (``n`` times), pushes each group whole to the buffer with a
-:class:`~asyncrl.transport.TrajectoryPusher` and then acknowledges the task. With
+:class:`~asyncrl.net.transport.TrajectoryPusher` and then acknowledges the task. With
 ``--weights`` it also takes part in weight syncs (one engine rank) and keeps the received
 tensors; without, it takes no part in syncs and adopts announced versions.
 
@@ -139,7 +139,7 @@ class StandInRollout:
         the coordinator's long-polls (task request, at most ``heartbeat_s``) and in sync
         collectives (each bounded by the sync timeout). Ends at shutdown (0), SIGTERM (0)
         or when the coordinator is gone (3)."""
-        from asyncrl.transport import TrajectoryPusher, config_endpoint
+        from asyncrl.net.transport import TrajectoryPusher, config_endpoint
 
         if self.weights:
             # Load torch before registering, as a real server has its engine up first:
@@ -200,7 +200,7 @@ class StandInRollout:
 
     def _sync(self, start: SyncStart) -> None:
         """Join the sync group (reused while the generation is unchanged) and receive."""
-        from asyncrl.weight_sync import form_group, open_store, receive_weights, store_prefix
+        from asyncrl.sync.weights import form_group, open_store, receive_weights, store_prefix
         from tests.standins.weights import digest
 
         t0 = time.monotonic()

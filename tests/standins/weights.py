@@ -2,7 +2,7 @@
 and loads what the learner broadcasts, driven over a pipe by its parent.
 
 The real receiver is the rollout server's vLLM worker extension; this one runs the same
-:mod:`asyncrl.weight_sync` calls, so the sync protocol is tested without an engine.
+:mod:`asyncrl.sync.weights` calls, so the sync protocol is tested without an engine.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import multiprocessing as mp
 import os
 from typing import Any
 
-from asyncrl.weight_sync import WeightPlan, form_group, open_store, receive_weights
+from asyncrl.sync.weights import WeightPlan, form_group, open_store, receive_weights
 
 
 def _receiver_loop(conn, host: str, port: int, model_dir: str | None, timeout_s: float) -> None:

@@ -2,8 +2,8 @@
 
 Everything comes from the learner's ``<run dir>/metrics.jsonl`` (see
 :mod:`asyncrl.metrics`) and the launcher's ``<run dir>/launch.jsonl`` (restarts per role,
-see :mod:`asyncrl.supervise`), so the view works for a job started by hand too
-(``python -m asyncrl.progress RUN_DIR`` draws the summary and plots of any run).
+see :mod:`asyncrl.launch.supervise`), so the view works for a job started by hand too
+(``python -m asyncrl.launch.progress RUN_DIR`` draws the summary and plots of any run).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from asyncrl import startup
 from asyncrl.config import Config
 from asyncrl.config.inputs import total_training_steps
+from asyncrl.launch import startup
 from asyncrl.metrics import read_metrics
 
 # (label, metric, format) of the live line and the summary.

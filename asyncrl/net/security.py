@@ -10,12 +10,12 @@ key of another run) is refused before a single message of it is read, counted
 (``security/rejected_connections``) and logged once per peer address with the fix.
 
 The setting is per process: each role's ``main`` calls :func:`configure` once, and
-:func:`asyncrl.transport.bind` / :func:`asyncrl.transport.connect` apply it to every
+:func:`asyncrl.net.transport.bind` / :func:`asyncrl.net.transport.connect` apply it to every
 socket. A process that never calls it (a test, a tool) uses plain TCP.
 
 The handler records the key's role as the connection's ``User-Id``; what each role may
-ask of each service is :mod:`asyncrl.authority`'s, checked by
-:class:`asyncrl.serving.RouterService` (refusals counted as ``security/refused/<role>``).
+ask of each service is :mod:`asyncrl.net.authority`'s, checked by
+:class:`asyncrl.net.serving.RouterService` (refusals counted as ``security/refused/<role>``).
 
 Key files are ZeroMQ's own certificates: ``server.key`` / ``server.key_secret`` and one
 pair per role (``learner``, ``buffer``, ``rollout``); ``*.key`` files hold only public

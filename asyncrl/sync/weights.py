@@ -10,7 +10,7 @@ which the coordinator sends over the wire, stays importable without torch.
 Protocol of one sync (the coordinator drives it):
 
 1. The sender computes a :class:`WeightPlan` with :func:`plan_buckets` from its tensor
-   specs (once: :class:`asyncrl.sync_sender.WeightPusher` keeps it) and the coordinator
+   specs (once: :class:`asyncrl.sync.sender.WeightPusher` keeps it) and the coordinator
    announces ``(version, plan, generation, ranks)``, the plan inside the message as it is.
 2. Every member calls :func:`form_group` with the same generation (rank 0: the learner);
    the group is reused while its membership is unchanged.

@@ -3,11 +3,11 @@
 :class:`RouterService` serves REQ clients on a ROUTER socket: it splits envelopes, decodes
 and refuses bad requests (answered with an error reply, counted), and never blocks on a
 reply. :class:`HeldRequests` holds long-polls until they can be answered or their wait
-ends. The client side is :class:`asyncrl.transport.ReqClient`.
+ends. The client side is :class:`asyncrl.net.transport.ReqClient`.
 
 Under CURVE each request's connection carries the role of the key it presented (the
-``User-Id`` :mod:`asyncrl.security` gives it); a service built with an
-:class:`asyncrl.authority.Policy` serves only the requests that role may send, and answers
+``User-Id`` :mod:`asyncrl.net.security` gives it); a service built with an
+:class:`asyncrl.net.authority.Policy` serves only the requests that role may send, and answers
 the rest with an ``ErrorReply("forbidden")`` (counted as ``security/refused/<role>``).
 """
 
@@ -21,9 +21,10 @@ from typing import Any, Generic, TypeVar
 
 import zmq
 
-from asyncrl import security, wire
-from asyncrl.authority import Policy
-from asyncrl.transport import bind, make_socket
+from asyncrl import wire
+from asyncrl.net import security
+from asyncrl.net.authority import Policy
+from asyncrl.net.transport import bind, make_socket
 from asyncrl.wire.base import encode
 
 log = logging.getLogger(__name__)

@@ -8,7 +8,7 @@
   receive timeouts, usable again after a timeout) and :class:`BufferClient`, the
   consumer's side of the buffer protocol, whose :meth:`BufferClient.hello` is the READY
   handshake. Both services (the buffer, the coordinator) serve theirs with
-  :mod:`asyncrl.serving`.
+  :mod:`asyncrl.net.serving`.
 - Endpoints come from the ``endpoints`` config group: ``tcp://host:port`` (host defaults
   to 127.0.0.1, so nothing listens beyond the machine unless configured), or ipc when
   ``endpoints.host`` is ``ipc://<directory>``.
@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import zmq
 
-from asyncrl import security, wire
+from asyncrl import wire
+from asyncrl.net import security
 from asyncrl.wire.base import encode
 
 if TYPE_CHECKING:
@@ -81,7 +82,7 @@ def check_size(frames: Sequence[wire.Frame], limit: int, key: str) -> None:
 
 def bind(sock: zmq.Socket, addr: str) -> str:
     """Bind (as a CURVE server when the process is configured so, see
-    :mod:`asyncrl.security`) and return the actual endpoint (the chosen port when ``addr``
+    :mod:`asyncrl.net.security`) and return the actual endpoint (the chosen port when ``addr``
     ends in ``*``)."""
     security.secure_server(sock)
     sock.bind(addr)

@@ -3,7 +3,7 @@
 An agent is a Ray actor placed in the role's placement-group bundle. It does not run the
 role in its own process (our roles stay separate processes, as under the local launcher);
 it starts the role's real command line as a child and supervises that child's process tree
-with the local launcher's own machinery (:class:`asyncrl.supervise.Supervisor`: a session
+with the local launcher's own machinery (:class:`asyncrl.launch.supervise.Supervisor`: a session
 per role, the tree killed and reaped when the role ends, a watchdog that kills the tree if
 the agent itself dies, say with its node). The launcher drives it with short calls:
 ``start``, ``poll``, ``terminate``, ``reap``; the restart rules stay in the launcher.
@@ -21,8 +21,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from asyncrl.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, tail
-from asyncrl.supervise_procs import has_exited
+from asyncrl.launch.process_tree import has_exited
+from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, tail
 
 # Not inherited by a role: a role (vLLM above all) must not join the Ray instance its agent
 # runs in, nor start one of its own (vLLM picks its Ray executor where it finds Ray).

@@ -8,12 +8,12 @@ and command lines as the local launcher, placed on a Ray cluster.
   further learner node (``launch.ray.learner_nodes``), then one per rollout server (GPUs =
   its tensor-parallel size). Custom resources (``launch.ray.resources``) tie bundles to the
   nodes that offer them. Each role gets a small agent actor in its bundle that starts the
-  role's real command as a child process (:mod:`asyncrl.ray_agent`): roles stay processes.
+  role's real command as a child process (:mod:`asyncrl.launch.ray_agent`): roles stay processes.
 - **Addresses**: bundle 0's node IP becomes ``endpoints.host`` for every role; ports stay the
   configured ones. The resolved config is written on every role's node; relative paths in it
   (model, data, run directory) resolve against the launcher's working directory on each
   node, so every node needs them at the same place (a shared file system, or copies).
-- **Supervision**: :class:`asyncrl.supervise.Supervisor`'s rules (restarts with backoff
+- **Supervision**: :class:`asyncrl.launch.supervise.Supervisor`'s rules (restarts with backoff
   within ``launch.max_restarts``, the learner resuming from its checkpoint, the run ending
   with the learner's exit 0). A role whose agent dies with its node counts as killed
   (SIGKILL) and is restarted in the same bundle, which Ray places again on a node with room
@@ -36,9 +36,9 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
-from asyncrl.ray_plan import Placement, learner_roles, plan_placement
-from asyncrl.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor
-from asyncrl.supervise_leave import Departures
+from asyncrl.launch.departures import Departures
+from asyncrl.launch.ray_plan import Placement, learner_roles, plan_placement
+from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -121,7 +121,7 @@ class RaySupervisor(Supervisor):
             import ray
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-            from asyncrl.ray_agent import RoleAgent
+            from asyncrl.launch.ray_agent import RoleAgent
 
             strategy = PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=self.placement.bundle_of[role.name]
@@ -333,8 +333,8 @@ def main_ray(cfg: Config) -> int:
 
     from asyncrl.config import run_dir as run_dir_of
     from asyncrl.config import write_resolved
-    from asyncrl.launch import commands_text, drive, plan_roles
-    from asyncrl.security import exposure_problem
+    from asyncrl.launch.roles import commands_text, drive, plan_roles
+    from asyncrl.net.security import exposure_problem
 
     # Absolute, so that every node resolves the run directory alike.
     cfg.trainer.default_local_dir = str(Path(cfg.trainer.default_local_dir).resolve())

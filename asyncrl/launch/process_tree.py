@@ -256,7 +256,7 @@ def start_watchdog(prefix: str, grace_s: float) -> tuple[subprocess.Popen, int]:
     acts once every copy of that end is closed (this process exited, however it ended)."""
     read_end, write_end = os.pipe()  # not inherited by roles (PEP 446)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.supervise_procs", prefix, str(grace_s)],
+        [sys.executable, "-m", "asyncrl.launch.process_tree", prefix, str(grace_s)],
         stdin=read_end,
         start_new_session=True,  # a signal to the launcher's group does not reach it
     )

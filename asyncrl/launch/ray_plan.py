@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from asyncrl.config import Config
-from asyncrl.supervise import Role
+from asyncrl.launch.supervise import Role
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ role that ended is started again, when it fails the run, and how its exit reads.
 - A role that exits 0 on its own left for good (a rollout server scaled down with SIGTERM)
   and is not restarted; the learner exiting 0 means the run is done.
 
-:class:`asyncrl.supervise.Supervisor` applies them.
+:class:`asyncrl.launch.supervise.Supervisor` applies them.
 """
 
 from __future__ import annotations

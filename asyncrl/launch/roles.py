@@ -1,28 +1,10 @@
-"""``asyncrl-launch CONFIG [overrides]``: run every role of a job on this machine.
-
-Starts the buffer, ``rollout.num_servers`` rollout servers and the learner (under
-``torchrun`` when ``trainer.nproc`` > 1) as child processes, each with its log in
-``<run dir>/logs/``, pinned to the cores (or GPUs) ``launch.cpus`` / ``launch.gpus`` give
-it. The resolved config and each role's command line are written to the run directory, so
-any role can be restarted by hand. While the job runs, a live line shows its progress
-(from ``<run dir>/metrics.jsonl`` and ``launch.jsonl``); at the end a summary table and
-plots.
-
-A role that dies is restarted (the learner from its last checkpoint) within the limits of
-``launch.max_restarts``, ``launch.restart_window_s`` and ``launch.restart_backoff_s``, its
-whole process tree killed first; a role that exits 0 on its own (a rollout server sent
-SIGTERM to scale down: it leaves the run) is not. See :mod:`asyncrl.supervise`.
-
-Exit: 0 when the learner finishes (the coordinator then ends the run and the other roles
-exit on their own); a role's exit code (128 + N for signal N), with its last log lines,
-when it dies once more after its restarts are used up; 130 on Ctrl-C / SIGTERM after
-stopping only the processes it started, gently (SIGTERM) then firmly (SIGKILL). However it
-ends, no process the run started outlives it.
+"""The roles of a run, shared by both launchers: which processes it has, in what order, on
+which cores or GPUs, with what command lines (``commands.txt``), and :func:`drive`, which
+starts them under a supervisor and runs it to the end.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import shlex
 import signal
@@ -30,12 +12,9 @@ import sys
 from pathlib import Path
 from typing import TypeGuard
 
-from asyncrl import startup
-from asyncrl.cli import parse_role_args
-from asyncrl.config import Config, write_resolved
-from asyncrl.config.inputs import DATA, MODEL, REWARD
-from asyncrl.supervise import RestartPolicy, Role, Supervisor
-from asyncrl.supervise_leave import Departures
+from asyncrl.config import Config
+from asyncrl.launch import startup
+from asyncrl.launch.supervise import Role, Supervisor
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -138,7 +117,7 @@ def drive(sup: Supervisor, run_dir: Path, cfg: Config) -> int:
         startup.begin(run_dir)
         sup.begin()
         sup.start_all()
-        from asyncrl.progress import ProgressView
+        from asyncrl.launch.progress import ProgressView
 
         return sup.run(ProgressView(run_dir, cfg))
     except KeyboardInterrupt:
@@ -150,43 +129,3 @@ def drive(sup: Supervisor, run_dir: Path, cfg: Config) -> int:
         return 130
     finally:
         sup.close()  # nothing the run started outlives it, however the launcher ends
-
-
-def _launch_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--ray",
-        action="store_true",
-        help="place the roles on a Ray cluster (launch.backend=ray; see launch.ray.*)",
-    )
-
-
-def main(argv: list[str] | None = None) -> int:
-    cfg, args = parse_role_args(
-        "asyncrl-launch",
-        "Start the buffer, the rollout servers and the learner of one run on this machine "
-        "(or, with --ray, on a Ray cluster).",
-        None,
-        argv,
-        extra=_launch_options,
-        needs=(MODEL, DATA, REWARD),  # found missing here, before any role starts
-    )
-    if args.ray or cfg.launch.backend == "ray":
-        from asyncrl.launch_ray import main_ray
-
-        return main_ray(cfg)
-    from asyncrl.config import run_dir as run_dir_of
-
-    run_dir = run_dir_of(cfg)
-    config_path = write_resolved(cfg)
-    log_dir = run_dir / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    roles = plan_roles(cfg, config_path)
-    (run_dir / "commands.txt").write_text(commands_text(roles))
-    log.info("run directory %s; logs in %s", run_dir, log_dir)
-    sup = Supervisor(roles, run_dir, RestartPolicy.from_config(cfg.launch))
-    sup.departures = Departures.from_config(cfg)
-    return drive(sup, run_dir, cfg)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

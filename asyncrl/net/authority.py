@@ -1,8 +1,8 @@
 """Who may ask what: the requests each role's key may send to each service.
 
 With ``endpoints.auth: curve`` every connection to a served socket carries the role of the
-key it presented (:mod:`asyncrl.security` records it); a service checks each request
-against its :class:`Policy` before acting on it (:class:`asyncrl.serving.RouterService`).
+key it presented (:mod:`asyncrl.net.security` records it); a service checks each request
+against its :class:`Policy` before acting on it (:class:`asyncrl.net.serving.RouterService`).
 Authority follows what each role does in a run (DESIGN.md section 11):
 
 - the **learner** key is the run's own: learner rank 0 consumes batches, and the

@@ -65,8 +65,8 @@ class Departures:
     def from_config(cls, cfg: Config) -> Departures | None:
         """Dial ``endpoints.control`` with the learner's key when the run uses CURVE; None
         (with a warning) when that key cannot be read here."""
-        from asyncrl import security
-        from asyncrl.transport import config_endpoint
+        from asyncrl.net import security
+        from asyncrl.net.transport import config_endpoint
 
         try:
             security.configure(cfg.endpoints, KEY_ROLE)
@@ -84,7 +84,7 @@ class Departures:
         import zmq
 
         from asyncrl.control import messages as m
-        from asyncrl.transport import connect, make_socket
+        from asyncrl.net.transport import connect, make_socket
         from asyncrl.wire.base import encode
 
         msg = m.Leave(server_id=server_id, reason=reason, pid=pid)

@@ -6,7 +6,7 @@ collects every member's report. Catch-up rounds (a server that joined late or fa
 sync) get a one-off group and leave the main group as it is. Used by the learner and by
 the stand-in learner of the tests, so both run the same protocol.
 
-The pusher owns the :class:`~asyncrl.weight_sync.WeightPlan`: it builds it from the first
+The pusher owns the :class:`~asyncrl.sync.weights.WeightPlan`: it builds it from the first
 tensors it pushes (their names, shapes and dtypes never change within a run) and hands the
 same plan to every round, so its callers only pass tensors.
 """
@@ -17,7 +17,7 @@ import gc
 import logging
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.weight_sync import (
+from asyncrl.sync.weights import (
     WeightPlan,
     WeightSyncError,
     form_group,

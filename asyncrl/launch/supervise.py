@@ -1,6 +1,6 @@
 """Supervision of a run's roles on one machine: start them, restart the ones that die, stop
 them all at the end. The restart rules (DESIGN section 10, one set for every launcher) live
-in :mod:`asyncrl.supervise_policy`, process-tree mechanics in :mod:`asyncrl.supervise_procs`.
+in :mod:`asyncrl.launch.restart_policy`, process-tree mechanics in :mod:`asyncrl.launch.process_tree`.
 Before a role is restarted, and whenever the launcher ends, what is left of its process
 tree is killed and reaped; nothing the run started outlives it.
 
@@ -24,16 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.supervise_leave import Departures
-from asyncrl.supervise_policy import (
-    CONFIG_ERROR,
-    RestartPolicy,
-    describe_exit,
-    exit_status,
-    recent_restarts,
-    restart_delay,
-)
-from asyncrl.supervise_procs import (
+from asyncrl.launch.departures import Departures
+from asyncrl.launch.process_tree import (
     adopted,
     become_subreaper,
     find_tree,
@@ -45,6 +37,14 @@ from asyncrl.supervise_procs import (
     spawn,
     start_watchdog,
     tell_watchdog,
+)
+from asyncrl.launch.restart_policy import (
+    CONFIG_ERROR,
+    RestartPolicy,
+    describe_exit,
+    exit_status,
+    recent_restarts,
+    restart_delay,
 )
 
 log = logging.getLogger("asyncrl.launch")

@@ -1,0 +1,24 @@
+"""Starting a run and keeping it alive: launchers, supervision, process trees, progress.
+
+Owns how roles are started, watched, restarted and stopped, on one machine or on a Ray
+cluster, and what the user sees meanwhile:
+
+- :mod:`~asyncrl.launch.local`: ``asyncrl-launch CONFIG``, every role on this machine
+  (``python -m asyncrl.launch`` runs it too); the role plan and command lines both
+  launchers share are in :mod:`~asyncrl.launch.roles`;
+- :mod:`~asyncrl.launch.ray_launcher`, :mod:`~asyncrl.launch.ray_plan`,
+  :mod:`~asyncrl.launch.ray_agent`: ``asyncrl-launch --ray``, the same roles on Ray nodes;
+- :mod:`~asyncrl.launch.supervise`: the supervisor loop both launchers drive (what happens
+  when a role dies), with its rules in :mod:`~asyncrl.launch.restart_policy`;
+- :mod:`~asyncrl.launch.process_tree`: finding and killing a role's whole process tree,
+  and the watchdog that clears the run if the launcher itself is killed;
+- :mod:`~asyncrl.launch.departures`: telling the coordinator at once that a reaped server
+  left (``Leave``);
+- :mod:`~asyncrl.launch.progress`: the live line, the end-of-run summary and plots;
+- :mod:`~asyncrl.launch.startup`: the start-up timeline every role writes and the
+  launcher reads.
+
+May import :mod:`asyncrl.config`, :mod:`asyncrl.net`, :mod:`asyncrl.control` (messages
+only) and :mod:`asyncrl.metrics`; never a role package (``learner``, ``buffer``,
+``rollout_servers``), and no torch or vLLM: the launcher stays a light process.
+"""

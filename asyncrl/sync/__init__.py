@@ -1,0 +1,13 @@
+"""How a weight push travels from the learner to the rollout servers.
+
+- :mod:`~asyncrl.sync.weights`: the bucket plan (sent over the wire by the coordinator),
+  the process group built beside vLLM's and FSDP's own, and the send and receive of one
+  push (gloo on CPU, NCCL on GPU);
+- :mod:`~asyncrl.sync.sender`: the learner's side of a sync round: pack the state dict,
+  ask the coordinator to begin, broadcast, report the result.
+
+The rollout server's receiving side (a vLLM worker extension) lives in
+``rollout_servers.worker_ext`` and calls :func:`~asyncrl.sync.weights.receive_weights`.
+May import :mod:`asyncrl.control` (types only); torch is imported lazily, so the plan stays
+importable without it.
+"""
