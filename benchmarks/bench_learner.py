@@ -3,7 +3,7 @@
 Both sides train the same model on the same tokens with the same loss shape and optimizer:
 - **trainer**: :class:`learner.trainer.Trainer` (FSDP2 on a one-rank gloo group, cleaning,
   advantages, planning, collation, importance-weighted PPO loss, metrics) on a batch of
-  :class:`~learner.batching.Rollout`, with ``actor.sequence_layout`` forced to each layout;
+  :class:`~learner.rollouts.Rollout`, with ``actor.sequence_layout`` forced to each layout;
 - **bare**: the same HF model without FSDP, the batch's tensors built once beforehand, one
   forward, the clipped PPO loss with truncated importance weights (token mean), backward,
   gradient clipping and AdamW: what a hand-written loop would do, nothing more.
@@ -53,7 +53,7 @@ LR, CLIP_LOW, CLIP_HIGH, IS_CAP = 4e-4, 0.2, 0.28, 2.0
 
 def synthetic_batch(model: str, vocab: int, seed: int = 0) -> list[Any]:
     """The batch of one learner step: ``PROMPTS`` groups of ``SAMPLES`` rollouts."""
-    from learner.batching import Rollout
+    from learner.rollouts import Rollout
 
     rng = random.Random(seed)
     out = []
@@ -97,7 +97,8 @@ class BareLoop:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from learner.batching import baseline_advantages, collate
+        from learner.collate import collate
+        from learner.rollouts import baseline_advantages
 
         torch.manual_seed(0)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -122,7 +122,7 @@ def _train(cfg: Config, steps: int, response_len: float) -> dict:
 
     from transformers import AutoTokenizer
 
-    from learner.batching import Rollout
+    from learner.rollouts import Rollout
     from learner.trainer import Trainer
 
     trainer = Trainer(cfg, total_steps=steps + 1)

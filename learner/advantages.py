@@ -2,7 +2,7 @@
 
 Outcome estimators (GRPO, Dr.GRPO, RLOO) give one advantage per response, shape ``[N]``,
 which the loss broadcasts over the response's tokens. Group membership comes as a dense
-index ``group_index[i] in [0, G)`` (see :func:`learner.batching.group_indices`).
+index ``group_index[i] in [0, G)`` (see :func:`learner.rollouts.group_indices`).
 
 Conventions follow veRL (DESIGN.md section 9) so that numbers match what its users know:
 

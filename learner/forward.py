@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from learner.batching import MicroBatch
+from learner.collate import MicroBatch
 
 
 def response_logprobs(

@@ -7,7 +7,7 @@ transformers builds a dense ``S x S`` block-diagonal mask and attends over all o
 packed row costs as much as one sequence of the total length: on the CPU demo's batch (128
 sequences of ~26 tokens) a packed step took 0.68 s against 0.156 s padded. Padded rows
 ``[B, L]`` cost ``B x L``, which stays close to the real token count when the rows of a
-micro-batch have similar lengths (:func:`learner.batching.micro_batches` sorts them).
+micro-batch have similar lengths (:func:`learner.plan.micro_batches` sorts them).
 
 ``actor.sequence_layout: auto`` therefore picks packed only for a varlen kernel on CUDA,
 padded otherwise; ``packed`` and ``padded`` force one. Pure, except :func:`packing_works`,
@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import torch
 
-from learner.batching import MicroBatch, Rollout, collate
+from learner.collate import MicroBatch, collate
+from learner.rollouts import Rollout
 
 log = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
-from learner.batching import Rollout
 from learner.control_plane import ControlPeer, NoControl, RankZero, Restored
+from learner.rollouts import Rollout
 
 log = logging.getLogger(__name__)
 

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from learner.batching import Rollout
 from learner.losses import STAT_MAXES, STAT_SUMS
+from learner.rollouts import Rollout
 
 # Lags at or above this share the last histogram bin (``lag/hist_ge8``).
 LAG_BINS = 8

@@ -1,16 +1,28 @@
 """How one step's batch is cut for this rank: mini-batches of whole groups, each split into
-micro-batches across the ranks, with the global loss normalisers of each mini-batch. Pure:
-the actor and the critic cut their batches with the same rule (their own batch sizes)."""
+micro-batches across the ranks, with the global loss normalisers of each mini-batch.
+
+:func:`plan_step` is the entry (the actor and the critic cut their batches with the same
+rule, their own batch sizes) and :class:`StepPlan` what the trainer keeps of it; below them
+the rules it applies: :func:`minibatches` (runs of whole groups), :func:`plan_minibatch`
+(:func:`shard` across the ranks, then :func:`micro_batches` per rank) and
+:func:`norm_counts` (the normalisers).
+
+Pure (torch tensors, no model, no process group). The learner receives the *global* batch
+on every rank; every rank computes the same plan and keeps its own share, so no extra
+collective is needed and the same global batch gives the same result on 1 or N ranks (the
+loss normalisers are global, see :class:`learner.losses.AggNorm`).
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from learner.batching import Rollout, group_indices, minibatches, norm_counts, plan_minibatch
 from learner.losses import AggNorm
+from learner.rollouts import Rollout, group_indices
 
 
 def plan_step(
@@ -50,3 +62,142 @@ class StepPlan:
     minibatches: list[list[list[int]]]  # mini-batch -> micro-batch -> sequence indices
     norms: list[AggNorm]  # one per mini-batch (global counts)
     token_advantages: dict[int, torch.Tensor] | None = None  # GAE: [T_i] per sequence
+
+
+def minibatches(group_index: torch.Tensor, groups_per_minibatch: int) -> list[list[int]]:
+    """Sequence indices of each mini-batch: consecutive runs of ``groups_per_minibatch``
+    groups (``actor.ppo_mini_batch_size`` counts prompts, as in veRL). The last may be
+    smaller when the batch lost groups."""
+    if groups_per_minibatch <= 0:
+        raise ValueError("groups_per_minibatch must be positive")
+    n_groups = int(group_index.max().item()) + 1 if group_index.numel() else 0
+    out = []
+    for start in range(0, n_groups, groups_per_minibatch):
+        sel = (group_index >= start) & (group_index < start + groups_per_minibatch)
+        out.append(torch.nonzero(sel).flatten().tolist())
+    return out
+
+
+def shard(indices: Sequence[int], lengths: Sequence[int], world_size: int) -> list[list[int]]:
+    """Split ``indices`` across ranks: counts differ by at most one, tokens balanced.
+
+    Longest first, each to the least-loaded rank that still has room (a deterministic
+    greedy, so every rank computes the same split). Returns one list per rank, in the
+    original order of ``indices``.
+    """
+    cap = math.ceil(len(indices) / world_size) if indices else 0
+    order = sorted(range(len(indices)), key=lambda k: (-lengths[k], k))
+    loads = [0] * world_size
+    owned: list[list[int]] = [[] for _ in range(world_size)]
+    for k in order:
+        rank = min(
+            (r for r in range(world_size) if len(owned[r]) < cap), key=lambda r: (loads[r], r)
+        )
+        owned[rank].append(k)
+        loads[rank] += lengths[k]
+    return [[indices[k] for k in sorted(ks)] for ks in owned]
+
+
+def micro_batches(
+    indices: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    max_tokens: int | None = None,
+    max_seqs: int | None = None,
+    padded: bool = False,
+) -> list[list[int]]:
+    """Group ``indices`` into micro-batches; ``lengths[k]`` belongs to ``indices[k]``.
+
+    With ``max_tokens`` (dynamic batch size) the budget counts what the model is fed: for
+    packed rows the real tokens (first-fit decreasing), for ``padded`` ones ``rows x
+    longest row`` (longest first, so each micro-batch holds sequences of similar length and
+    padding stays small). A sequence longer than the budget goes alone. Without it, runs of
+    ``max_seqs`` sequences; ``padded`` sorts them by length first, for the same reason.
+    """
+    if max_tokens is None:
+        if not max_seqs or max_seqs <= 0:
+            raise ValueError("give max_tokens or a positive max_seqs")
+        idx = list(indices)
+        if padded:
+            idx = [indices[k] for k in _longest_first(lengths)]
+        return [idx[i : i + max_seqs] for i in range(0, len(idx), max_seqs)]
+    if padded:
+        return _padded_bins(indices, lengths, max_tokens)
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for k in _longest_first(lengths):
+        for b, load in enumerate(loads):
+            if load + lengths[k] <= max_tokens:
+                bins[b].append(indices[k])
+                loads[b] += lengths[k]
+                break
+        else:
+            bins.append([indices[k]])
+            loads.append(lengths[k])
+    return bins
+
+
+def _longest_first(lengths: Sequence[int]) -> list[int]:
+    return sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+
+
+def _padded_bins(
+    indices: Sequence[int], lengths: Sequence[int], max_tokens: int
+) -> list[list[int]]:
+    """Consecutive runs of the length-sorted sequences whose padded size (rows x the first,
+    longest, row) fits ``max_tokens``."""
+    bins: list[list[int]] = []
+    width = 0
+    for k in _longest_first(lengths):
+        if bins and (len(bins[-1]) + 1) * width <= max_tokens:
+            bins[-1].append(indices[k])
+        else:
+            bins.append([indices[k]])
+            width = lengths[k]
+    return bins
+
+
+def plan_minibatch(
+    indices: Sequence[int],
+    lengths: Sequence[int],
+    world_size: int,
+    *,
+    max_tokens: int | None = None,
+    max_seqs: int | None = None,
+    padded: bool = False,
+) -> list[list[list[int]]]:
+    """Per rank, the micro-batches of one mini-batch, every rank with the same count
+    (``padded``: the micro-batches are padded rows, see :func:`micro_batches`).
+
+    Ranks must run the same number of forward/backward passes (FSDP's collectives happen
+    inside them), so shorter plans are padded with empty micro-batches, which the trainer
+    runs as a zero-weight dummy. ``lengths`` is indexed by sequence index (global).
+    """
+    plans = []
+    for part in shard(indices, [lengths[i] for i in indices], world_size):
+        plans.append(
+            micro_batches(
+                part,
+                [lengths[i] for i in part],
+                max_tokens=max_tokens,
+                max_seqs=max_seqs,
+                padded=padded,
+            )
+        )
+    n = max(1, max(len(p) for p in plans))
+    return [p + [[] for _ in range(n - len(p))] for p in plans]
+
+
+def norm_counts(rollouts: Sequence[Rollout], indices: Sequence[int]) -> tuple[int, int]:
+    """``(valid tokens, sequences with a valid token)`` of a mini-batch: the global loss
+    normalisers. Valid = masked in, with a finite behaviour logprob (the rule of the loss)."""
+    tokens = seqs = 0
+    for i in indices:
+        r = rollouts[i]
+        mask = r.loss_mask if r.loss_mask is not None else [1] * len(r.behaviour_logprobs)
+        n = sum(
+            1 for x, m in zip(r.behaviour_logprobs, mask, strict=True) if m and math.isfinite(x)
+        )
+        tokens += n
+        seqs += n > 0
+    return tokens, seqs

@@ -3,7 +3,7 @@
 :class:`Trainer` is what the learner's service loop calls (the loop itself requests
 batches, hosts the coordinator and pushes weights):
 
-- :meth:`Trainer.train_step` consumes one *global* batch of :class:`~learner.batching.Rollout`
+- :meth:`Trainer.train_step` consumes one *global* batch of :class:`~learner.rollouts.Rollout`
   (the same list on every rank: the loop shares rank 0's batch with
   :func:`learner.broadcast.share_batch`)
   and produces metrics. It waits for nothing but the other
@@ -13,13 +13,15 @@ batches, hosts the coordinator and pushes weights):
 - :meth:`Trainer.save` / :meth:`Trainer.load` wrap :mod:`learner.checkpoint`.
 
 One step: clean the batch (bad rollouts counted and dropped); advantages over whole groups
-(dropped members included: they were sampled and scored), or with ``adv_estimator: gae``
-per-token advantages from :class:`learner.critic.Critic`, which then trains on the batch;
+(dropped members included: they were sampled and scored) (both :mod:`learner.rollouts`),
+or with ``adv_estimator: gae`` per-token advantages from :class:`learner.critic.Critic`,
+which then trains on the batch; this rank's mini- and micro-batches (:mod:`learner.plan`);
 proximal logprobs with the step's starting weights (no grad, each row's logits divided by
 the temperature it was sampled at);
 then ``actor.ppo_epochs`` x mini-batches of ``actor.ppo_mini_batch_size`` groups, each one
-optimizer step accumulated over micro-batches. A mini-batch whose loss or gradient is not
-finite on any rank is skipped on all ranks (counted, never applied).
+optimizer step accumulated over micro-batches, each micro-batch's model inputs built by
+:mod:`learner.collate`. A mini-batch whose loss or gradient is not finite on any rank is
+skipped on all ranks (counted, never applied).
 """
 
 from __future__ import annotations
@@ -36,22 +38,21 @@ import torch.distributed as dist
 from asyncrl.config import Config
 from learner import fsdp
 from learner.advantages import OUTCOME_ESTIMATORS
-from learner.batching import (
-    DROP_REASONS,
-    MicroBatch,
-    Rollout,
-    baseline_advantages,
-    clean_rollouts,
-    collate,
-    group_indices,
-    pad_rows,
-)
+from learner.collate import MicroBatch, collate, pad_rows
 from learner.critic import Critic
 from learner.forward import response_logprobs
 from learner.layout import choose_layout, packing_works
 from learner.losses import LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
 from learner.plan import StepPlan, plan_step
+from learner.rollouts import (
+    DROP_REASONS,
+    Rollout,
+    baseline_advantages,
+    clean_rollouts,
+    drop_reason,
+    group_indices,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class Trainer:
     # ------------------------------------------------------------------ planning
     def _plan(self, rollouts: list[Rollout], adv: torch.Tensor, temperature: float) -> StepPlan:
         """This rank's micro-batches of every mini-batch of the cleaned ``rollouts``, whose
-        advantages ``adv`` ``[N]`` come from :func:`~learner.batching.baseline_advantages`;
+        advantages ``adv`` ``[N]`` come from :func:`~learner.rollouts.baseline_advantages`;
         ``temperature`` for rollouts that do not say what they were sampled at."""
         a = self.cfg.actor
         mbs, norms = plan_step(
@@ -344,7 +345,7 @@ class Trainer:
         self, rollouts: Sequence[Rollout], temperature: float
     ) -> list[torch.Tensor | None]:
         """Current-policy logprobs ``[T_i]`` of every rollout's response (None for those
-        :func:`~learner.batching.clean_rollouts` drops), at each rollout's own temperature
+        :func:`~learner.rollouts.clean_rollouts` drops), at each rollout's own temperature
         (``temperature`` for those that do not say). A collective on every rank."""
         kept_pos = [i for i, r in enumerate(rollouts) if _trainable(r, self.max_len)]
         kept = [rollouts[i] for i in kept_pos]
@@ -393,6 +394,4 @@ class Trainer:
 
 
 def _trainable(r: Rollout, max_len: int | None) -> bool:
-    from learner.batching import drop_reason
-
     return drop_reason(r, max_len) is None

@@ -87,7 +87,7 @@ MUTATIONS = (
     Mutation(
         "masked spans of multi-turn samples",
         "tool and user tokens enter the loss",
-        "learner/batching.py",
+        "learner/collate.py",
         "        mask[b, :n_r] = True if r.loss_mask is None else torch.as_tensor(r.loss_mask) != 0",
         "        mask[b, :n_r] = True",
         ("tests/test_loss_mask.py",),

@@ -113,7 +113,7 @@ def test_cleaned_members_still_count_in_their_group_baseline():
     """A member the learner cannot train on (an empty response, too long) still has a
     reward: it stays in its group's statistics, as in veRL where every sampled response is
     scored; only members without a finite reward leave the baseline."""
-    from learner.batching import Rollout, baseline_advantages, clean_rollouts
+    from learner.rollouts import Rollout, baseline_advantages, clean_rollouts
 
     nan = float("nan")
     batch = [

@@ -9,19 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from learner.batching import (
-    Rollout,
-    clean_rollouts,
-    collate,
-    group_indices,
-    micro_batches,
-    minibatches,
-    norm_counts,
-    pad_rows,
-    plan_minibatch,
-    shard,
-)
+from learner.collate import collate, pad_rows
 from learner.layout import choose_layout
+from learner.plan import micro_batches, minibatches, norm_counts, plan_minibatch, shard
+from learner.rollouts import Rollout, clean_rollouts, group_indices
 
 
 def ro(prompt, response, group="g", reward=1.0, logprobs=None):

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from asyncrl.config import Config, load_config
-from learner.batching import Rollout
 from learner.checkpoint import STATE_FILE, export_hf, latest_checkpoint
+from learner.rollouts import Rollout
 from learner.trainer import Trainer
 
 TEMPERATURE = 0.8

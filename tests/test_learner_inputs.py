@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.config import Config, load_config
-from learner.batching import Rollout
+from learner.rollouts import Rollout
 from learner.trainer import Trainer
 
 PROMPT = [258, 84, 82, 68, 81, 198, 18, 10, 20, 28, 256, 198, 258, 64]  # a chat prompt

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from asyncrl import wire
-from learner.batching import Rollout, baseline_advantages, clean_rollouts, collate, norm_counts
+from learner.collate import collate
 from learner.loop import to_rollouts
 from learner.losses import LossConfig, policy_loss
+from learner.plan import norm_counts
+from learner.rollouts import Rollout, baseline_advantages, clean_rollouts
 
 
 def turns(task_id: str = "t", *, group_index: int = 0, group_size: int = 1, **meta):

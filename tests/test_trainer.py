@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import Config, load_config
-from learner.batching import Rollout
+from learner.rollouts import Rollout
 from learner.trainer import Trainer
 from tests.helpers import free_port, join_ranks, rank_env, start_ranks
 from tests.trainer_helpers import (

@@ -13,9 +13,11 @@ import torch
 
 from asyncrl import wire
 from buffer.core import ReplayBuffer
-from learner.batching import clean_rollouts, collate, norm_counts
+from learner.collate import collate
 from learner.loop import to_rollouts
 from learner.losses import AggNorm, LossConfig, policy_loss
+from learner.plan import norm_counts
+from learner.rollouts import clean_rollouts
 from rollout_servers.engine import Sample, _sampled_logprob
 from rollout_servers.groups import build_group
 

@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from learner.batching import Rollout
+from learner.rollouts import Rollout
 from learner.trainer import Trainer
 
 

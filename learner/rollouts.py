@@ -1,0 +1,132 @@
+"""The learner's view of a batch before it is cut: :class:`Rollout` (one sampled response
+as the learner trains on it), the cleaning rule (which rollouts cannot be trained on, and
+why: :func:`drop_reason`, :func:`clean_rollouts`), the groups (:func:`group_indices`) and
+the outcome advantages over whole groups (:func:`baseline_advantages`).
+
+Pure (torch tensors, no model, no process group). What comes next: :mod:`learner.plan`
+cuts the cleaned batch into mini-batches and micro-batches, :mod:`learner.collate` turns a
+micro-batch into model inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from learner.advantages import outcome_advantages
+
+
+@dataclass
+class Rollout:
+    """One sampled response, as the learner trains on it.
+
+    ``behaviour_logprobs[i]`` is vLLM's logprob of ``response_ids[i]`` after temperature
+    (NaN: not reported; the loss drops the token); ``version_spans`` lists
+    ``(policy_version, n_tokens)`` runs over the response. ``temperature`` is the one the
+    response was sampled at; None means the run's configured one (see :func:`learner.collate.collate`).
+    ``loss_mask`` (multi-turn) is 1 on the response tokens the policy sampled, 0 on tool
+    output and other inserted tokens (None: all 1); only masked-in tokens count in the loss,
+    the importance weights, KL and entropy. ``episode`` names the episode within the group
+    when one episode became several samples; group statistics count each episode once
+    (None: the rollout is an episode of its own).
+    """
+
+    prompt_ids: Sequence[int]
+    response_ids: Sequence[int]
+    behaviour_logprobs: Sequence[float]
+    reward: float
+    group_id: Hashable
+    version_spans: Sequence[tuple[int, int]] = ()
+    temperature: float | None = None
+    loss_mask: Sequence[int] | None = None
+    episode: Hashable | None = None
+
+    @property
+    def oldest_version(self) -> int | None:
+        return min((v for v, _ in self.version_spans), default=None)
+
+
+DROP_REASONS: tuple[str, ...] = (
+    "length_mismatch",
+    "empty_response",
+    "empty_prompt",
+    "nonfinite_reward",
+    "too_long",
+)
+
+
+def drop_reason(r: Rollout, max_len: int | None = None) -> str | None:
+    """Why a rollout cannot be trained on (one of :data:`DROP_REASONS`), or None."""
+    if len(r.response_ids) != len(r.behaviour_logprobs) or (
+        r.loss_mask is not None and len(r.loss_mask) != len(r.response_ids)
+    ):
+        return "length_mismatch"
+    if len(r.response_ids) == 0:
+        return "empty_response"
+    if len(r.prompt_ids) == 0:
+        return "empty_prompt"  # the first response token would have no context
+    if not math.isfinite(float(r.reward)):
+        return "nonfinite_reward"
+    if max_len is not None and len(r.prompt_ids) + len(r.response_ids) > max_len:
+        return "too_long"
+    return None
+
+
+def clean_rollouts(
+    rollouts: Sequence[Rollout], max_len: int | None = None
+) -> tuple[list[Rollout], dict[str, int]]:
+    """Keep the trainable rollouts; count the others by reason (never raises)."""
+    kept: list[Rollout] = []
+    dropped = dict.fromkeys(DROP_REASONS, 0)
+    for r in rollouts:
+        reason = drop_reason(r, max_len)
+        if reason is None:
+            kept.append(r)
+        else:
+            dropped[reason] += 1
+    return kept, dropped
+
+
+def baseline_advantages(
+    rollouts: Sequence[Rollout],
+    kept: Sequence[Rollout],
+    estimator: str,
+    *,
+    norm_by_std: bool = True,
+) -> torch.Tensor:
+    """Outcome advantages ``[len(kept)]`` of the ``kept`` rollouts (a sub-list of
+    ``rollouts``, as :func:`clean_rollouts` returns it).
+
+    Each group's statistics are taken over every member of ``rollouts`` with a finite
+    reward, trainable or not: a member cleaned away (an empty or too long response) was
+    still sampled and scored, so it stays in its group's baseline (veRL scores every
+    sampled response). Computed over the survivors only, a group that lost a member would
+    give its lone survivor its raw score as advantage. The samples of one episode (see
+    :attr:`Rollout.episode`) share its reward and count once; each gets its advantage.
+    """
+    if not kept:
+        return torch.zeros(0, dtype=torch.float32)
+    episodes: dict[Hashable, int] = {}  # episode key -> row among the episodes
+    firsts: list[Rollout] = []
+    for r in rollouts:
+        if not math.isfinite(float(r.reward)):
+            continue
+        if episodes.setdefault(_episode(r), len(firsts)) == len(firsts):
+            firsts.append(r)
+    rewards = torch.tensor([float(r.reward) for r in firsts], dtype=torch.float32)
+    adv = outcome_advantages(estimator, rewards, group_indices(firsts), norm_by_std=norm_by_std)
+    return adv[[episodes[_episode(r)] for r in kept]]
+
+
+def _episode(r: Rollout) -> Hashable:
+    # Kept rollouts are the same objects as in ``rollouts``: a lone one is keyed by identity.
+    return id(r) if r.episode is None else (r.group_id, r.episode)
+
+
+def group_indices(rollouts: Sequence[Rollout]) -> torch.Tensor:
+    """Dense group index ``[N]`` (long), groups numbered in order of first appearance."""
+    ids: dict[Hashable, int] = {}
+    return torch.tensor([ids.setdefault(r.group_id, len(ids)) for r in rollouts], dtype=torch.long)
