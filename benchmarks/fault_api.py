@@ -23,6 +23,7 @@ from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
+from asyncrl.control.versions import Versions
 from asyncrl.tasks import make_row
 from asyncrl.wire import Batch, DroppedTask
 from buffer.core import ReplayBuffer
@@ -41,7 +42,7 @@ HELLO_SESSION = _accepts(ReplayBuffer.restart, "session")  # acked_through names
 CURSOR = hasattr(ReplayBuffer, "reports_since")  # drop reports read by cursor, not drained
 RESUMED = _accepts(ReplayBuffer.restart, "resumed")  # a fresh consumer replays nothing
 AUDIT = hasattr(ControlState, "audit_request")  # acked groups audited against the buffer
-AT_LEAST = hasattr(ControlState, "at_least")  # a fresh learner's versions go on above the buffer's
+AT_LEAST = hasattr(Versions, "at_least")  # a fresh learner's versions go on above the buffer's
 
 
 def features() -> dict[str, bool]:
@@ -155,7 +156,7 @@ def buffer_version(buf: ReplayBuffer) -> int:
 def at_least(state: ControlState, version: int) -> None:
     """A learner started without a checkpoint: its versions go on above ``version``."""
     if AT_LEAST:
-        state.at_least(version)  # type: ignore[attr-defined]
+        state.versions.at_least(version)  # type: ignore[attr-defined]
 
 
 def unknown(buf: ReplayBuffer, task_ids: list[str]) -> list[str]:

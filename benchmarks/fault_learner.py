@@ -264,7 +264,7 @@ class LearnerProc(Endpoint):
             through = replayed_version(
                 ck.version, ck.step, rep.redelivering, cfg.sync_every, cfg.total_steps
             )
-            st.set_replay(through)
+            st.versions.set_replay(through)
             if rep.policy_version > through:  # as rank 0 does (learner/control_plane.py)
                 api.at_least(st, rep.policy_version)
         self.phase = "done" if self.step >= cfg.total_steps else "ready"
@@ -336,12 +336,12 @@ class LearnerProc(Endpoint):
         assert st is not None
         target = self.version + 1
         self.pushed, self.pushed_weights = True, self.line.weights
-        if st.adopt(target):
+        if st.versions.adopt(target):
             self.world.checker.adopted(self.world, target)
             self.version = max(st.version, self.pushing_version)
             self._after_push()
             return
-        rnd = st.begin_sync(PLAN)
+        rnd = st.versions.begin_sync(PLAN)
         self.pushing_version = rnd.version
         self._begin_round(rnd.sync_id, "main")
 
@@ -355,7 +355,7 @@ class LearnerProc(Endpoint):
         assert st is not None and self.round is not None
         if st.syncs.waiting_for() and now < self.round[1]:
             return
-        st.finish_sync(True, now=now)
+        st.versions.finish_sync(True, now=now)
         self.round = None
         if self.next_phase == "main":
             self.version = max(st.version, self.pushing_version)
@@ -386,10 +386,10 @@ class LearnerProc(Endpoint):
         (or this process has no weights to send yet)."""
         st = self.state
         assert st is not None
-        waiting = st.pending_catchups(self.world.now) if self.pushed else []
+        waiting = st.versions.pending_catchups(self.world.now) if self.pushed else []
         if not waiting:
             return False
-        rnd = st.begin_catchup(waiting[0], PLAN)
+        rnd = st.versions.begin_catchup(waiting[0], PLAN)
         self._begin_round(rnd.sync_id, then)
         return True
 

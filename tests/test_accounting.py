@@ -109,8 +109,8 @@ class Run:
         return True
 
     def push(self) -> None:
-        self.st.begin_sync(WeightPlan())
-        self.st.finish_sync(True, now=0.0)
+        self.st.versions.begin_sync(WeightPlan())
+        self.st.versions.finish_sync(True, now=0.0)
 
     def acct(self) -> dict[str, float]:
         a = self.st.ledger.accounting()
@@ -270,7 +270,7 @@ def test_a_learner_restart_loses_nothing_and_repeats_nothing(replay):
     assert run.buf.restart(acked_through, "learner", run.buf.session) == (3, 0)
     run.st.register(m.Register(server_id="s", engine_world_size=1, policy_version=8), 1.0)
     through = replayed_version(5, 5, 3 if replay else 0, sync_every=1, total=100)
-    run.st.set_replay(through)
+    run.st.versions.set_replay(through)
     assert run.st.servers["s"].trusted == replay
     assert run.st.version == (5 if replay else 8)  # without a replay: above the server's
     held, dropped, _ = run.buf.inventory()
@@ -283,12 +283,12 @@ def test_a_learner_restart_loses_nothing_and_repeats_nothing(replay):
         run.trained_ids += ids
         run.buf.ack([batch.batch_id])
         run.st.trained(ids)
-        if not run.st.adopt(run.st.version + 1):
+        if not run.st.versions.adopt(run.st.version + 1):
             run.push()
     assert run.st.version == (8 if replay else 12)
     # The replay itself: versions 6-8 adopted (the server holds 8), none pushed.
     assert run.st.counts["versions_replayed"] == (3 if replay else 0)
-    assert not run.st.adopt(run.st.version + 1)  # past the replay: pushes again
+    assert not run.st.versions.adopt(run.st.version + 1)  # past the replay: pushes again
     run.st.servers["s"].engine_world_size = 0  # from here the server follows every push
     for _ in range(12):
         run.generate()

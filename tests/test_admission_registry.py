@@ -38,27 +38,27 @@ def _state(**kw) -> ControlState:
 
 def _push(st: ControlState) -> None:
     """The learner pushes the next version (a member that does not report it fails it)."""
-    st.begin_sync(PLAN)
-    st.finish_sync(True, now=0.0)
+    st.versions.begin_sync(PLAN)
+    st.versions.finish_sync(True, now=0.0)
 
 
 def test_late_joiner_catches_up_before_its_first_task():
     st = _state()
     st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
-    rnd = st.begin_sync(PLAN)
+    rnd = st.versions.begin_sync(PLAN)
     st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), 0.1)
-    assert st.finish_sync(True, now=0.1).ok == ["a"] and st.version == 1
+    assert st.versions.finish_sync(True, now=0.1).ok == ["a"] and st.version == 1
     reg = st.register(m.Register(server_id="late", engine_world_size=1), now=0.2)
     assert reg.catchup and st.grant("late", 4, 0.3).reason == "catchup"
-    assert st.pending_catchups(0.3) == ["late"]
-    rnd = st.begin_catchup("late", PLAN)
+    assert st.versions.pending_catchups(0.3) == ["late"]
+    rnd = st.versions.begin_catchup("late", PLAN)
     assert (rnd.generation, rnd.world_size, rnd.version) == ("catchup/late/2", 2, 1)
-    assert st.pending_catchups(0.3) == []  # busy in its catch-up
+    assert st.versions.pending_catchups(0.3) == []  # busy in its catch-up
     st.sync_done(m.SyncDone(server_id="late", sync_id=rnd.sync_id, version=1, ok=True), 0.4)
-    st.finish_sync(True, now=0.4)
+    st.versions.finish_sync(True, now=0.4)
     assert st.version == 1 and len(st.grant("late", 4, 0.5).tasks) == 4
     # Not a member of the main group yet: the next push re-forms it with both.
-    assert st.begin_sync(PLAN).ranks == {"a": 1, "late": 2}
+    assert st.versions.begin_sync(PLAN).ranks == {"a": 1, "late": 2}
 
 
 def test_failed_catchups_back_off_exponentially_and_success_clears_them():
@@ -69,23 +69,25 @@ def test_failed_catchups_back_off_exponentially_and_success_clears_them():
     st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
     now, delays = 0.0, []
     for _ in range(3):
-        assert st.pending_catchups(now) == ["a"]
-        rnd = st.begin_catchup("a", PLAN)
+        assert st.versions.pending_catchups(now) == ["a"]
+        rnd = st.versions.begin_catchup("a", PLAN)
         st.sync_done(
             m.SyncDone(
                 server_id="a", sync_id=rnd.sync_id, version=1, ok=False, error="engine gone"
             ),
             now,
         )
-        assert st.finish_sync(True, now=now).failed.keys() == {"a"}
-        retry = next(t for t in (now + k * 0.5 for k in range(1, 100)) if st.pending_catchups(t))
+        assert st.versions.finish_sync(True, now=now).failed.keys() == {"a"}
+        retry = next(
+            t for t in (now + k * 0.5 for k in range(1, 100)) if st.versions.pending_catchups(t)
+        )
         delays.append(retry - now)
         now = retry
     assert delays == [5.0, 10.0, 12.0] and st.counts["catchup_backoffs"] == 3
     assert st.grant("a", 4, now).reason == "catchup"  # still no task while stale
-    rnd = st.begin_catchup("a", PLAN)
+    rnd = st.versions.begin_catchup("a", PLAN)
     st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), now)
-    st.finish_sync(True, now=now)
+    st.versions.finish_sync(True, now=now)
     assert st.servers["a"].catchup_failures == 0 and len(st.grant("a", 4, now).tasks) == 4
 
 
@@ -102,7 +104,7 @@ def test_dealing_starts_once_enough_servers_registered():
 def test_versions_never_go_back_and_a_restart_pushes_above_what_servers_hold():
     st = _state()
     st.register(m.Register(server_id="a", policy_version=5), now=0.0)
-    assert st.version == 5 and st.begin_sync(PLAN).version == 6
+    assert st.version == 5 and st.versions.begin_sync(PLAN).version == 6
 
 
 def test_silent_servers_are_declared_dead():
@@ -161,7 +163,7 @@ def test_a_restored_state_adopts_what_servers_and_buffer_hold_and_redeals_the_re
     later = st.grant("a", 2, 0.3).tasks  # dealt after the checkpoint
     restarted = _state()
     restarted.load_state_dict(saved)
-    restarted.set_replay(0)  # the learner replays nothing: a higher version is a new one
+    restarted.versions.set_replay(0)  # the learner replays nothing: a higher version is a new one
     assert restarted.ledger.committed == 1  # what was outstanding is queued, not charged
     restarted.register(m.Register(server_id="b", engine_world_size=0), now=1.0)
     assert restarted.grant("b", 4, 1.1).reason == "starting"  # "a" and the buffer first

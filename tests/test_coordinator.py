@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl import wire
-from asyncrl.control import Coordinator
+from asyncrl.control import Coordinator, coordinator_from_config
 from asyncrl.control import messages as m
 from asyncrl.net.transport import BufferClient, ReqClient, RequestRefused, config_endpoint
 from asyncrl.sync.weights import WeightPlan
@@ -213,7 +213,7 @@ def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin, un
     cfg, config = loopback_config(tmp_path, [*BASE, "staleness.max_policy_lag=1"])
     rows = _rows(40)
     with BufferService.from_config(cfg):
-        first = Coordinator.from_config(cfg, train_rows=rows, val_rows=[]).start()
+        first = coordinator_from_config(cfg, train_rows=rows, val_rows=[]).start()
         _, journal = start_standin(config, "s0")
         try:
             until(lambda: len(acked(journal)) == 8, "the first 8 tasks")
@@ -223,7 +223,7 @@ def test_dealt_cursor_survives_a_coordinator_restart(tmp_path, start_standin, un
             first.stop()  # a crash, as the server sees it
         before = acked(journal)
 
-        second = Coordinator.from_config(cfg, train_rows=rows, val_rows=[], saved_state=saved)
+        second = coordinator_from_config(cfg, train_rows=rows, val_rows=[], saved_state=saved)
         second.start()
         try:
             until(lambda: "s0" in second.servers(), "s0 to register again")
@@ -344,7 +344,7 @@ def test_validation_rounds_are_flagged_and_outside_the_budget(tmp_path, start_st
 @pytest.mark.timeout(30)
 def test_the_coordinator_refuses_what_it_cannot_serve_and_keeps_serving(tmp_path):
     cfg, _ = loopback_config(tmp_path, BASE)
-    with Coordinator.from_config(cfg, train_rows=_rows(4), val_rows=[]) as coord:
+    with coordinator_from_config(cfg, train_rows=_rows(4), val_rows=[]) as coord:
         addr = config_endpoint(cfg.endpoints, "tasks")
         with ReqClient(addr, timeout_s=5) as tasks:
 

@@ -20,7 +20,7 @@ import pytest
 
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.task_states import DONE, EXTERNAL, QUEUED, external_task
-from asyncrl.control.versions import VersionsAndSyncs
+from asyncrl.control.versions import Versions
 from benchmarks import fault_api, fault_learner
 from benchmarks.fault_model import Outcome, run
 from buffer.core import ReplayBuffer
@@ -107,7 +107,7 @@ def test_reverting_f2_deals_a_slot_over_a_live_entry(monkeypatch: pytest.MonkeyP
             return None, "budget"
         self.external_serial += 1
         tid = f"{EXTERNAL}{self.external_serial}"
-        self._new(tid, QUEUED, external_task(tid, self.budget.version))
+        self.track(tid, QUEUED, external_task(tid, self.budget.version))
         self.redeal.append(tid)
         return self._hand(tid, server_id, now), ""
 
@@ -121,7 +121,7 @@ def test_reverting_f4_adopts_a_version_nobody_holds(monkeypatch: pytest.MonkeyPa
     """F4: adopt() made current any version up to the replay's count, which included a
     batch the previous life never trained."""
 
-    def old(self: VersionsAndSyncs, version: int) -> bool:
+    def old(self: Versions, version: int) -> bool:
         replay = self.recovery.replay_through
         if replay is None or not self.version < version <= replay:
             return False
@@ -129,7 +129,7 @@ def test_reverting_f4_adopts_a_version_nobody_holds(monkeypatch: pytest.MonkeyPa
         self.ledger.budget.advance(version)
         return True
 
-    monkeypatch.setattr(VersionsAndSyncs, "adopt", old)
+    monkeypatch.setattr(Versions, "adopt", old)
     out = _first_with(range(50, 70), "adopt_unheld")
     assert out is not None
 

@@ -10,6 +10,7 @@ import pytest
 
 from asyncrl.control.admission import Budget
 from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
 from asyncrl.control.task_source import TaskSource
 from asyncrl.tasks import make_row
 from rollout_servers.agent import Episode
@@ -130,11 +131,11 @@ def test_external_slots_survive_a_coordinator_restart_without_reuse_or_re_deal()
     ledger.ack(["ext/1"])
     ledger.trained(["ext/1"])
     ledger.ack(["ext/2"])
-    saved = ledger.state_dict()
+    saved = save_ledger(ledger)
 
     restored = _ledger()
     restored.budget.per_version = 3
-    restored.load_state_dict(saved)
+    load_ledger(restored, saved)
     states = {tid: e.state for tid, e in restored.entries.items()}
     assert states == {"ext/1": "done", "ext/2": "in_buffer", "ext/3": "given_up"}
     assert not restored.redeal  # an external slot is never dealt again

@@ -73,8 +73,8 @@ def _train(st: ControlState, buf: ReplayBuffer, steps: int, ack: bool = True) ->
         st.trained(batch.task_ids)
         if ack:
             buf.ack([batch.batch_id])
-        st.begin_sync(WeightPlan())
-        st.finish_sync(True, now=0.0)
+        st.versions.begin_sync(WeightPlan())
+        st.versions.finish_sync(True, now=0.0)
     return trained
 
 
@@ -231,9 +231,9 @@ def test_a_push_moves_the_window_even_when_a_registration_raised_the_version_mea
     batch = buf.release(st.version, "learner")
     assert batch is not None
     st.trained(batch.task_ids)
-    rnd = st.begin_sync(WeightPlan())
+    rnd = st.versions.begin_sync(WeightPlan())
     st.register(m.Register(server_id="late", engine_world_size=0, policy_version=5), 0.0)
-    st.finish_sync(True, now=0.0)
+    st.versions.finish_sync(True, now=0.0)
     assert rnd.version == 1 and st.version == 5
     assert st.ledger.budget.consumed == B  # the window moved by the batch trained
     assert _generate(st, buf)  # and more is dealt
@@ -248,10 +248,10 @@ def test_a_learner_without_a_checkpoint_numbers_its_versions_above_the_buffers()
         welcome = client.hello(None, wait_s=5, resumed=False)
     assert welcome.policy_version == 7
     st = _state()
-    st.at_least(welcome.policy_version)
+    st.versions.at_least(welcome.policy_version)
     (task,) = st.grant("s", 1, 0.0).tasks
     assert task.dealt_version == 7 and st.version == 7
-    st.at_least(3)  # never back
+    st.versions.at_least(3)  # never back
     assert st.version == 7
 
 
@@ -323,8 +323,8 @@ def test_a_replayed_version_no_server_holds_is_pushed_not_adopted() -> None:
     st.recovery.restored(["s0", "s1"])
     for sid in ("s0", "s1"):
         st.register(m.Register(server_id=sid, engine_world_size=1, policy_version=8), 0.0)
-    st.set_replay(9)
-    assert [st.adopt(v) for v in (6, 7, 8)] == [True] * 3
-    assert not st.adopt(9)
-    assert st.begin_sync(WeightPlan()).version == 9
+    st.versions.set_replay(9)
+    assert [st.versions.adopt(v) for v in (6, 7, 8)] == [True] * 3
+    assert not st.versions.adopt(9)
+    assert st.versions.begin_sync(WeightPlan()).version == 9
     assert st.counts["replay_not_held"] == 1

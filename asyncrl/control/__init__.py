@@ -12,15 +12,18 @@ Modules, from pure rules to I/O:
 - :mod:`~asyncrl.control.task_states`: the states a task id moves through (and external
   slots, the OpenAI endpoint's groups);
 - :mod:`~asyncrl.control.ledger`: deals, acknowledgements, re-deals, refunds (its
-  checkpoint in :mod:`~asyncrl.control.ledger_checkpoint`);
+  checkpoint format, functions over it, in :mod:`~asyncrl.control.ledger_checkpoint`);
+- :mod:`~asyncrl.control.registry`: what is known of each registered server;
 - :mod:`~asyncrl.control.syncs`: sync rounds, group generations, catch-ups;
-- :mod:`~asyncrl.control.versions`: policy versions, who needs a catch-up, backoff;
+- :mod:`~asyncrl.control.versions`: policy versions, who needs a catch-up, backoff
+  (:class:`~asyncrl.control.versions.Versions`, an object the state holds);
 - :mod:`~asyncrl.control.state`: the registry and everything above, without sockets;
 - :mod:`~asyncrl.control.loop` and :mod:`~asyncrl.control.coordinator`: the service;
 - :mod:`~asyncrl.control.client`: :class:`CoordinatorClient`, a rollout server's side;
 - :mod:`~asyncrl.control.setup`: building it all from a run config.
 
-Importing this package loads zmq, msgspec and numpy, never torch or vLLM (the weight
+May import :mod:`asyncrl.config`, :mod:`asyncrl.wire`, :mod:`asyncrl.net` and the plan of
+:mod:`asyncrl.sync.weights`; never a role package or the launcher. Importing this package loads zmq, msgspec and numpy, never torch or vLLM (the weight
 transfer itself lives in :mod:`asyncrl.sync.weights`, which imports torch lazily).
 """
 

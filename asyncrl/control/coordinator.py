@@ -35,7 +35,6 @@ import threading
 import time
 from typing import Any
 
-from asyncrl.config import Config
 from asyncrl.control.loop import ControlLoop, poll_buffer
 from asyncrl.control.state import ControlState, ValidationProgress
 from asyncrl.control.syncs import SyncResult, SyncRound
@@ -84,14 +83,6 @@ class Coordinator:
         )
         self._shutdown_lock = threading.Lock()
         self._all_told = False
-
-    @classmethod
-    def from_config(cls, cfg: Config, **kwargs: Any) -> Coordinator:
-        """A coordinator for run config ``cfg``; ``kwargs`` go to
-        :func:`asyncrl.control.setup.coordinator_from_config` (rows, ``buffer=False``)."""
-        from asyncrl.control.setup import coordinator_from_config
-
-        return coordinator_from_config(cfg, **kwargs)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout_s: float = 10.0) -> Coordinator:
@@ -172,7 +163,7 @@ class Coordinator:
     def begin_sync(self, plan: WeightPlan) -> SyncRound:
         """Start pushing the next version (``version + 1``) with bucket plan ``plan``."""
         with self._lock:
-            rnd = self._state.begin_sync(plan)
+            rnd = self._state.versions.begin_sync(plan)
         log.info(
             "sync %d: version %d to %s (generation %s%s)",
             rnd.sync_id,
@@ -186,12 +177,12 @@ class Coordinator:
     def pending_catchups(self) -> list[str]:
         """Servers that need the current weights before their next task."""
         with self._lock:
-            return self._state.pending_catchups(time.monotonic())
+            return self._state.versions.pending_catchups(time.monotonic())
 
     def begin_catchup(self, server_id: str, plan: WeightPlan) -> SyncRound:
         """Start a one-off sync of the current version to ``server_id``."""
         with self._lock:
-            rnd = self._state.begin_catchup(server_id, plan)
+            rnd = self._state.versions.begin_catchup(server_id, plan)
         log.info("catch-up %d: version %d to %s", rnd.sync_id, rnd.version, server_id)
         return rnd
 
@@ -208,7 +199,7 @@ class Coordinator:
             self._cond.wait_for(
                 lambda: not self._state.syncs.waiting_for() or self._stop.is_set(), timeout_s
             )
-            result = self._state.finish_sync(sent_ok, error, now=time.monotonic())
+            result = self._state.versions.finish_sync(sent_ok, error, now=time.monotonic())
         waited = time.monotonic() - start
         level = logging.WARNING if result.failed else logging.INFO
         log.log(
@@ -225,19 +216,19 @@ class Coordinator:
     def at_least(self, version: int) -> None:
         """A learner without a checkpoint: its versions go on above ``version``."""
         with self._lock:
-            self._state.at_least(version)
+            self._state.versions.at_least(version)
 
     def set_replay(self, through: int) -> None:
         """After a learner restart: its replay of the redelivered batches reaches version
         ``through`` (servers holding versions up to it keep their weights)."""
         with self._lock:
-            self._state.set_replay(through)
+            self._state.versions.set_replay(through)
 
     def adopt(self, version: int) -> bool:
         """The learner replayed its way to ``version``: make it current without a push.
         False when no replay reproduces it (push it instead)."""
         with self._lock:
-            return self._state.adopt(version)
+            return self._state.versions.adopt(version)
 
     def already_trained(self, task_ids: list[str]) -> set[str]:
         """Those of ``task_ids`` this learner line has trained on already."""

@@ -32,7 +32,6 @@ from typing import Any
 import msgspec
 
 from asyncrl.control.admission import Budget
-from asyncrl.control.ledger_checkpoint import LedgerCheckpoint
 from asyncrl.control.messages import Task
 from asyncrl.control.task_source import TaskSource
 from asyncrl.control.task_states import (
@@ -58,7 +57,7 @@ from asyncrl.control.task_states import (
 __all__ = ["DONE", "TaskLedger", "kind_of"]
 
 
-class TaskLedger(LedgerCheckpoint):
+class TaskLedger:
     """Every task id's state, the re-deal queue and the budget; one owner calls it."""
 
     def __init__(
@@ -108,7 +107,17 @@ class TaskLedger(LedgerCheckpoint):
         if state in TERMINAL:
             e.task = None
 
-    def _new(self, tid: str, state: str, task: Task | None) -> Entry:
+    def reset(self) -> None:
+        """Forget every id (a checkpoint is about to be loaded)."""
+        self.entries.clear()
+        self.owned.clear()
+        self.redeal.clear()
+        self.buffered.clear()
+        self.tally = {k: Counter() for k in KINDS}
+        self.dealt = Counter()
+
+    def track(self, tid: str, state: str, task: Task | None) -> Entry:
+        """Start tracking ``tid`` in ``state`` (a new deal, or one read from a checkpoint)."""
         e = self.entries[tid] = Entry(state, task)
         kind = kind_of(tid)
         self.dealt[kind] += 1
@@ -169,7 +178,7 @@ class TaskLedger(LedgerCheckpoint):
         while tid in self.entries:  # an old checkpoint's plain ids share no session
             self.external_serial += 1
             tid = external_id(self.session, self.external_serial)
-        self._new(tid, QUEUED, external_task(tid, self.budget.version))
+        self.track(tid, QUEUED, external_task(tid, self.budget.version))
         self.redeal.append(tid)  # _set moves it from the queue to OUT
         self.counts["external_dealt"] += 1
         return self._hand(tid, server_id, now), ""
@@ -204,7 +213,7 @@ class TaskLedger(LedgerCheckpoint):
                 task = self.source.next_train(self.budget.version)
             if task is None:
                 return None, "exhausted"
-        self._new(task.task_id, QUEUED, task)
+        self.track(task.task_id, QUEUED, task)
         self.redeal.append(task.task_id)  # _set moves it from the queue to OUT
         return task.task_id, ""
 
@@ -283,7 +292,7 @@ class TaskLedger(LedgerCheckpoint):
         for tid in task_ids:
             e = self.entries.get(tid)
             if e is None:  # dealt by an earlier session and never seen by this one
-                self._new(tid, DONE, None)
+                self.track(tid, DONE, None)
             elif e.state != DONE:
                 self._set(tid, e, DONE)
 
@@ -313,7 +322,7 @@ class TaskLedger(LedgerCheckpoint):
                 continue
             self.counts[f"buffer_dropped/{d.cause}"] += 1
             if e is None:
-                self._new(d.task_id, f"dropped/{reason}", None)
+                self.track(d.task_id, f"dropped/{reason}", None)
             else:
                 refunded += e.state in CHARGED and kind_of(d.task_id) == "train"
                 self._set(d.task_id, e, f"dropped/{reason}", reason)
@@ -331,7 +340,7 @@ class TaskLedger(LedgerCheckpoint):
             self.counts["lag_given_up"] += 1
             return True
         if task.task_id not in self.entries:
-            self._new(task.task_id, QUEUED, task)
+            self.track(task.task_id, QUEUED, task)
             self.redeal.append(task.task_id)
             self.counts["lag_retried"] += 1
         return False
@@ -374,12 +383,12 @@ class TaskLedger(LedgerCheckpoint):
             if not well_formed_external(tid):
                 self.counts["adopt_refused"] += 1
                 return None
-            return self._new(tid, state, external_task(tid, self.budget.version))
+            return self.track(tid, state, external_task(tid, self.budget.version))
         try:
             task = self.source.task_for_id(tid, self.budget.version)
         except KeyError:
             return None
-        return self._new(tid, state, task)
+        return self.track(tid, state, task)
 
     def reconcile(self, held: Iterable[str], reports: Iterable[Any], cutoff: float) -> int:
         """Match the buffer's inventory: ``held`` ids are in the buffer; ``reports`` list

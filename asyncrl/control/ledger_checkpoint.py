@@ -1,5 +1,7 @@
-"""The task ledger's checkpoint: what :class:`~asyncrl.control.ledger.TaskLedger` saves of
-every task id, and how it loads it again (checkpoints from before per-id states included).
+"""The task ledger's checkpoint format: what :func:`save_ledger` keeps of every task id of a
+:class:`~asyncrl.control.ledger.TaskLedger`, and how :func:`load_ledger` reads it back
+(checkpoints from before per-id states included). Functions over the ledger's public state:
+the ledger itself knows nothing of checkpoints.
 
 The coordinator's state goes into the learner's checkpoints. A restored ledger queues the
 tasks that were outstanding (an external slot is given up): their servers belonged to the
@@ -11,66 +13,44 @@ deals again.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from typing import Any
 
-from asyncrl.control.admission import Budget
-from asyncrl.control.messages import Task
-from asyncrl.control.task_source import TaskSource
-from asyncrl.control.task_states import KINDS, QUEUED, Entry, restored
+from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.task_states import QUEUED, restored
 
 
-class LedgerCheckpoint:
-    """``state_dict`` and ``load_state_dict`` of :class:`~asyncrl.control.ledger.TaskLedger`
-    (mixed into it: these are its attributes)."""
+def save_ledger(ledger: TaskLedger) -> dict[str, Any]:
+    """Budget, cursor and every id's state, failures and attempt (plain data)."""
+    return {
+        "budget": ledger.budget.state_dict(),
+        "source": ledger.source.state_dict(),
+        "entries": {
+            tid: [e.state, e.failures, e.task.attempt if e.task else 0]
+            for tid, e in ledger.entries.items()
+        },
+        "redeal": list(ledger.redeal),
+        "dealt": dict(ledger.dealt),
+        "external_serial": ledger.external_serial,
+    }
 
-    source: TaskSource
-    budget: Budget
-    entries: dict[str, Entry]
-    owned: dict[str, set[str]]
-    redeal: deque[str]
-    buffered: set[str]
-    dealt: Counter[str]
-    tally: dict[str, Counter[str]]
-    external_serial: int
 
-    def _new(self, tid: str, state: str, task: Task | None) -> Entry:
-        raise NotImplementedError  # the ledger's
-
-    def state_dict(self) -> dict[str, Any]:
-        """Budget, cursor and every id's state, failures and attempt (plain data)."""
-        return {
-            "budget": self.budget.state_dict(),
-            "source": self.source.state_dict(),
-            "entries": {
-                tid: [e.state, e.failures, e.task.attempt if e.task else 0]
-                for tid, e in self.entries.items()
-            },
-            "redeal": list(self.redeal),
-            "dealt": dict(self.dealt),
-            "external_serial": self.external_serial,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore; tasks outstanding then are queued (their servers belong to the old
-        session; one that still holds its task takes it back when it registers)."""
-        self.budget.load_state_dict(state["budget"])
-        self.source.load_state_dict(state["source"])
-        self.entries.clear()
-        self.owned.clear()
-        self.redeal.clear()
-        self.buffered.clear()
-        self.tally = {k: Counter() for k in KINDS}
-        self.dealt = Counter()
-        saved = state.get("entries")
-        if saved is None:  # a checkpoint from before per-id states: what was still owed
-            saved = {t: [QUEUED, 0, 1] for t in [*state["outstanding"], *state["redeal"]]}
-        order = {tid: i for i, tid in enumerate(state.get("redeal", []))}
-        self.external_serial = int(state.get("external_serial", 0))
-        for tid, (st, failures, attempt) in saved.items():
-            st, task = restored(tid, st, attempt, self.source, self.budget.version)
-            self._new(tid, st, task).failures = failures
-        queued = [t for t, e in self.entries.items() if e.state == QUEUED]
-        self.redeal.extend(sorted(queued, key=lambda t: order.get(t, -1)))
-        if "dealt" in state:  # restore the count kept apart from the states
-            self.dealt = Counter({k: int(v) for k, v in state["dealt"].items()})
+def load_ledger(ledger: TaskLedger, state: dict[str, Any]) -> None:
+    """Restore ``ledger`` from :func:`save_ledger`'s data; tasks outstanding then are queued
+    (their servers belong to the old session; one that still holds its task takes it back
+    when it registers)."""
+    ledger.budget.load_state_dict(state["budget"])
+    ledger.source.load_state_dict(state["source"])
+    ledger.reset()
+    saved = state.get("entries")
+    if saved is None:  # a checkpoint from before per-id states: what was still owed
+        saved = {t: [QUEUED, 0, 1] for t in [*state["outstanding"], *state["redeal"]]}
+    order = {tid: i for i, tid in enumerate(state.get("redeal", []))}
+    ledger.external_serial = int(state.get("external_serial", 0))
+    for tid, (st, failures, attempt) in saved.items():
+        st, task = restored(tid, st, attempt, ledger.source, ledger.budget.version)
+        ledger.track(tid, st, task).failures = failures
+    queued = [t for t, e in ledger.entries.items() if e.state == QUEUED]
+    ledger.redeal.extend(sorted(queued, key=lambda t: order.get(t, -1)))
+    if "dealt" in state:  # restore the count kept apart from the states
+        ledger.dealt = Counter({k: int(v) for k, v in state["dealt"].items()})

@@ -21,21 +21,23 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
 from asyncrl.control.messages import (
     Announcement,
     Heartbeat,
     Register,
     Registered,
+    SyncDone,
     TaskAckReply,
     TaskGrant,
 )
 from asyncrl.control.recovery import Recovery
+from asyncrl.control.registry import ServerRecord
 from asyncrl.control.syncs import SyncBook
-from asyncrl.control.versions import VersionsAndSyncs
+from asyncrl.control.versions import Versions
 
 log = logging.getLogger(__name__)
 
@@ -48,30 +50,7 @@ class ValidationProgress(NamedTuple):
 STATE_SCHEMA = 2  # 2: per-task states and consumption (1 still loads)
 
 
-@dataclass
-class ServerRecord:
-    server_id: str
-    address: str
-    engine_world_size: int
-    policy_version: int  # the weights it holds (its reports and its syncs)
-    order: int  # registration order: rank order in the main group
-    last_seen: float
-    pid: int = 0
-    told_shutdown: bool = False
-    syncing: int = 0  # sync id it was asked to join and has not reported on (0: none)
-    last_grant: tuple[int, TaskGrant] | None = None  # (request id, grant with tasks)
-    last_slot: tuple[int, TaskGrant] | None = None  # the same for external slots
-    metrics: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
-    # Its weights are known to be this learner's: it started from the initial checkpoint
-    # of a fresh run, or received a sync in this session. A server that registers after a
-    # learner restart may hold weights the restored learner never had (a version from
-    # after the checkpoint): it gets a catch-up whatever version it reports.
-    trusted: bool = False
-    catchup_failures: int = 0  # consecutive failed catch-ups
-    catchup_after: float = 0.0  # no catch-up is started before this time (backoff)
-
-
-class ControlState(VersionsAndSyncs):
+class ControlState:
     """Registry, tasks, versions, syncs; not thread-safe (the service holds a lock)."""
 
     def __init__(
@@ -110,9 +89,22 @@ class ControlState(VersionsAndSyncs):
         # later happens to them): hand-started servers all get work from the first step.
         self.min_servers_to_start = min_servers_to_start
         self.started = min_servers_to_start <= 1
-        self.catchup_backoff_s = catchup_backoff_s
-        self.catchup_backoff_max_s = catchup_backoff_max_s
         self.recovery = Recovery(dead_after_s)
+        # The version, the syncs and the catch-ups: their own rules over the same records.
+        self.versions = Versions(
+            self.servers,
+            ledger,
+            syncs,
+            self.recovery,
+            self.counts,
+            catchup_backoff_s=catchup_backoff_s,
+            catchup_backoff_max_s=catchup_backoff_max_s,
+        )
+
+    @property
+    def version(self) -> int:
+        """The current policy version (the last one pushed or adopted)."""
+        return self.ledger.budget.version
 
     # ------------------------------------------------------------------ registry
     def register(self, msg: Register, now: float) -> Registered:
@@ -160,7 +152,7 @@ class ControlState(VersionsAndSyncs):
             generation=self.syncs.generation,
             heartbeat_s=self.heartbeat_s,
             dead_after_s=self.dead_after_s,
-            catchup=self.needs_catchup(rec),
+            catchup=self.versions.needs_catchup(rec),
             sync_secret=self.sync_secret,
         )
 
@@ -170,6 +162,10 @@ class ControlState(VersionsAndSyncs):
         if rec is not None:
             rec.last_seen = now
         return rec
+
+    def sync_done(self, msg: SyncDone, now: float) -> None:
+        """A member reported on a sync round: a sign of life, then the versions' rules."""
+        self.versions.sync_done(msg, self.touch(msg.server_id, now))
 
     def leave(self, server_id: str, pid: int = 0) -> bool:
         """A server left (or its launcher reaped it). A Leave naming another ``pid`` than
@@ -287,7 +283,7 @@ class ControlState(VersionsAndSyncs):
             return "shutdown"
         if not self.started or self.recovery.holding(now):
             return "starting"
-        if self.needs_catchup(rec):
+        if self.versions.needs_catchup(rec):
             return "catchup"
         return ""
 
@@ -385,7 +381,7 @@ class ControlState(VersionsAndSyncs):
     def state_dict(self) -> dict[str, Any]:
         return {
             "schema": STATE_SCHEMA,
-            "ledger": self.ledger.state_dict(),
+            "ledger": save_ledger(self.ledger),
             "sync_counter": self.syncs.counter,
             "step": self.step,
             "last_val_step": self.last_val_step,
@@ -395,7 +391,7 @@ class ControlState(VersionsAndSyncs):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("schema") not in (1, STATE_SCHEMA):
             raise ValueError(f"coordinator state schema {state.get('schema')} != {STATE_SCHEMA}")
-        self.ledger.load_state_dict(state["ledger"])
+        load_ledger(self.ledger, state["ledger"])
         self.syncs.counter = int(state["sync_counter"])
         self.step = int(state["step"])
         self.last_val_step = int(state["last_val_step"])
@@ -409,6 +405,6 @@ class ControlState(VersionsAndSyncs):
         out["coordinator/version"] = float(self.version)
         out["coordinator/servers"] = float(len(self.servers))
         out["coordinator/servers_catching_up"] = float(
-            sum(self.needs_catchup(r) for r in self.servers.values())
+            sum(self.versions.needs_catchup(r) for r in self.servers.values())
         )
         return out | self.ledger.metrics()

@@ -1,8 +1,9 @@
 """Policy versions and weight syncs: which servers get weights, when, and at which version.
 
-:class:`VersionsAndSyncs` holds these rules of :class:`~asyncrl.control.state.ControlState`
-(mixed into it, using its registry, ledger and sync book); :mod:`asyncrl.control.syncs`
-keeps the rounds themselves (members, ranks, generations, outcomes).
+:class:`Versions` holds these rules; :class:`~asyncrl.control.state.ControlState` owns one
+and shares with it the server records, the ledger (whose budget carries the version) and
+the counters. :mod:`asyncrl.control.syncs` keeps the rounds themselves (members, ranks,
+generations, outcomes).
 
 - A server with engine ranks *needs a catch-up* while the weights it holds are older than
   the current version: it gets no task until a catch-up or main sync brings it level.
@@ -20,34 +21,42 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from asyncrl.control.ledger import DONE, TaskLedger
 from asyncrl.control.messages import SyncDone
 from asyncrl.control.recovery import Recovery
+from asyncrl.control.registry import ServerRecord
 from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
 from asyncrl.sync.weights import WeightPlan
-
-if TYPE_CHECKING:
-    from asyncrl.control.state import ServerRecord
 
 log = logging.getLogger(__name__)
 
 
-class VersionsAndSyncs:
-    """The version, main syncs, catch-ups and their backoff, replayed versions."""
+class Versions:
+    """The version, main syncs, catch-ups and their backoff, replayed versions.
 
-    # Provided by ControlState:
-    servers: dict[str, ServerRecord]
-    ledger: TaskLedger
-    syncs: SyncBook
-    recovery: Recovery
-    counts: Counter[str]
-    catchup_backoff_s: float
-    catchup_backoff_max_s: float
+    ``servers`` is the registry's own dict (the control state adds and removes records;
+    this object reads them and marks what each holds); ``counts`` is the control state's.
+    """
 
-    def touch(self, server_id: str, now: float) -> ServerRecord | None:
-        raise NotImplementedError  # the registry's (ControlState)
+    def __init__(
+        self,
+        servers: dict[str, ServerRecord],
+        ledger: TaskLedger,
+        syncs: SyncBook,
+        recovery: Recovery,
+        counts: Counter[str],
+        *,
+        catchup_backoff_s: float,
+        catchup_backoff_max_s: float,
+    ) -> None:
+        self.servers = servers
+        self.ledger = ledger
+        self.syncs = syncs
+        self.recovery = recovery
+        self.counts = counts
+        self.catchup_backoff_s = catchup_backoff_s
+        self.catchup_backoff_max_s = catchup_backoff_max_s
 
     @property
     def version(self) -> int:
@@ -125,8 +134,9 @@ class VersionsAndSyncs:
         self.counts["versions_replayed"] += 1
         return True
 
-    def sync_done(self, msg: SyncDone, now: float) -> None:
-        rec = self.touch(msg.server_id, now)
+    def sync_done(self, msg: SyncDone, rec: ServerRecord | None) -> None:
+        """A member's report on its part of a round (``rec``: its record, None if it is no
+        longer registered)."""
         if rec is not None and rec.syncing and msg.sync_id >= rec.syncing:
             rec.syncing = 0
         if not self.syncs.report(msg):

@@ -1,0 +1,35 @@
+"""What the coordinator knows of each registered rollout server.
+
+One :class:`ServerRecord` per live server, kept by :class:`~asyncrl.control.state.ControlState`
+(which adds, touches and removes them) and read by
+:class:`~asyncrl.control.versions.Versions` (which decides who needs weights).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncrl.control.messages import TaskGrant
+
+
+@dataclass
+class ServerRecord:
+    server_id: str
+    address: str
+    engine_world_size: int
+    policy_version: int  # the weights it holds (its reports and its syncs)
+    order: int  # registration order: rank order in the main group
+    last_seen: float
+    pid: int = 0
+    told_shutdown: bool = False
+    syncing: int = 0  # sync id it was asked to join and has not reported on (0: none)
+    last_grant: tuple[int, TaskGrant] | None = None  # (request id, grant with tasks)
+    last_slot: tuple[int, TaskGrant] | None = None  # the same for external slots
+    metrics: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
+    # Its weights are known to be this learner's: it started from the initial checkpoint
+    # of a fresh run, or received a sync in this session. A server that registers after a
+    # learner restart may hold weights the restored learner never had (a version from
+    # after the checkpoint): it gets a catch-up whatever version it reports.
+    trusted: bool = False
+    catchup_failures: int = 0  # consecutive failed catch-ups
+    catchup_after: float = 0.0  # no catch-up is started before this time (backoff)
