@@ -32,7 +32,8 @@ import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from asyncrl import wire  # noqa: E402
-from asyncrl.net.transport import BufferClient, TrajectoryPusher  # noqa: E402
+from asyncrl.net.buffer_client import BufferClient  # noqa: E402
+from asyncrl.net.transport import TrajectoryPusher  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     RatioStats,
     format_ratio,

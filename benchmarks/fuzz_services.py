@@ -238,7 +238,7 @@ def _answered(n: int, families: Counter[str], replies: list[Any]) -> dict[str, A
 
 
 def fuzz_buffer(n: int, rng: random.Random, rss: list[float]) -> dict[str, Any]:
-    from asyncrl.net.transport import BufferClient
+    from asyncrl.net.buffer_client import BufferClient
     from buffer.core import ReplayBuffer
     from buffer.service import BufferService
 

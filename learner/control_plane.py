@@ -110,7 +110,8 @@ class RankZero:
         from asyncrl.config import write_resolved
         from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
         from asyncrl.metrics import MetricsLogger
-        from asyncrl.net.transport import BufferClient, config_endpoint, mebibytes
+        from asyncrl.net.buffer_client import BufferClient
+        from asyncrl.net.transport import config_endpoint, mebibytes
         from asyncrl.sync.sender import WeightPusher
         from asyncrl.sync.weights import open_store
 

@@ -19,8 +19,9 @@ from asyncrl.control import messages as m
 from asyncrl.control.client import CoordinatorClient
 from asyncrl.control.coordinator import Coordinator
 from asyncrl.net import authority, security
+from asyncrl.net.buffer_client import BufferClient
 from asyncrl.net.serving import RouterService
-from asyncrl.net.transport import BufferClient, ReqClient, RequestRefused, TrajectoryPusher
+from asyncrl.net.transport import ReqClient, RequestRefused, TrajectoryPusher
 from asyncrl.wire.base import encode
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService

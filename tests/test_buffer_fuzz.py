@@ -19,7 +19,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from asyncrl import wire
-from asyncrl.net.transport import BufferClient, TrajectoryPusher
+from asyncrl.net.buffer_client import BufferClient
+from asyncrl.net.transport import TrajectoryPusher
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
 from tests.helpers import wait_until

@@ -13,7 +13,7 @@ import tracemalloc
 import pytest
 
 from asyncrl import wire
-from asyncrl.net.transport import BufferClient
+from asyncrl.net.buffer_client import BufferClient
 from asyncrl.wire import Packed, Trajectory
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService

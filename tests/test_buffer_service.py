@@ -18,7 +18,8 @@ import pytest
 import yaml
 
 from asyncrl import wire
-from asyncrl.net.transport import BufferClient, TrajectoryPusher, endpoint
+from asyncrl.net.buffer_client import BufferClient
+from asyncrl.net.transport import TrajectoryPusher, endpoint
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
 from tests.helpers import free_port, wait_until

@@ -18,7 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from asyncrl.config import run_dir
-from asyncrl.net.transport import BufferClient, config_endpoint
+from asyncrl.net.buffer_client import BufferClient
+from asyncrl.net.transport import config_endpoint
 from asyncrl.tasks import prepare_task_data
 from asyncrl.tools import load_tool_config, schemas
 from asyncrl.tools.tokens import render

@@ -18,7 +18,7 @@ from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
-from asyncrl.net.transport import BufferClient
+from asyncrl.net.buffer_client import BufferClient
 from asyncrl.sync.weights import WeightPlan
 from asyncrl.tasks import make_row
 from asyncrl.wire import DroppedTask, Packed

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncrl.net.transport import BufferClient, config_endpoint
+from asyncrl.net.buffer_client import BufferClient
+from asyncrl.net.transport import config_endpoint
 from asyncrl.tasks import prepare_task_data
 from tests.helpers import kill_session, log_tails, wait_until
 from tests.standins.learner import StandInLearner, loopback_config, model_weights, spawn_buffer

@@ -17,7 +17,8 @@ import pytest
 
 from asyncrl.control import CoordinatorClient
 from asyncrl.launch.process_tree import scan
-from asyncrl.net.transport import BufferClient, config_endpoint
+from asyncrl.net.buffer_client import BufferClient
+from asyncrl.net.transport import config_endpoint
 from asyncrl.tasks import make_row
 from buffer.service import BufferService
 from tests.helpers import wait_until

@@ -335,7 +335,7 @@ class Coordinator:
     def _shutdown_buffer(self, timeout_s: float) -> None:
         if self.buffer_addr is None:
             return
-        from asyncrl.net.transport import BufferClient
+        from asyncrl.net.buffer_client import BufferClient
 
         client = BufferClient(self.buffer_addr, "coordinator", timeout_s=min(timeout_s, 5.0))
         try:

@@ -250,7 +250,7 @@ def poll_buffer(
     a silent buffer is logged once per outage. Runs until ``stop``. It must be the only
     caller of the buffer's ``dropped`` request, which drains the lists.
     """
-    from asyncrl.net.transport import BufferClient
+    from asyncrl.net.buffer_client import BufferClient
 
     client = BufferClient(addr, "coordinator", timeout_s=max(2.0, every_s))
     silent = False

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from asyncrl import wire
-from asyncrl.net.transport import BufferClient
+from asyncrl.net.buffer_client import BufferClient
 from tests.standins.trajgen import make_traj
 
 

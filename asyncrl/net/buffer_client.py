@@ -1,0 +1,158 @@
+"""The consumer's side of the buffer protocol (the learner's, and the coordinator's drop
+polls): :class:`BufferClient` over :class:`~asyncrl.net.transport.ReqClient`.
+
+:meth:`BufferClient.hello` is the READY handshake (it names the batches already received,
+so a restarted buffer or learner replays or acknowledges the right ones); then
+:meth:`BufferClient.request_batch` long-polls for a batch and :meth:`BufferClient.ack`
+acknowledges it. The messages are :mod:`asyncrl.wire`'s; the serving side is
+``buffer.service``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TypeVar
+
+import zmq
+
+from asyncrl import wire
+from asyncrl.net.transport import ReqClient, RequestRefused
+
+log = logging.getLogger(__name__)
+
+R = TypeVar("R")
+
+
+class BufferClient(ReqClient):
+    """The consumer's (learner's) side of the buffer's batch socket.
+
+    Start with :meth:`hello`, then loop: :meth:`request_batch` with the current policy
+    version, train, and :meth:`ack` batch ids once a checkpoint contains them. A refused
+    request raises :class:`RequestRefused`, a silent buffer ``TimeoutError``.
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        consumer_id: str = "learner",
+        *,
+        timeout_s: float = 10.0,
+        context: zmq.Context | None = None,
+        max_message_bytes: int = 0,
+    ):
+        super().__init__(
+            addr, timeout_s=timeout_s, context=context, max_message_bytes=max_message_bytes
+        )
+        self.consumer_id = consumer_id
+        self.last_wait_s = 0.0  # how long the last request_batch waited
+        # The last batch received, as (buffer session, batch id): sent with every batch
+        # request, so a batch whose reply came after this client stopped waiting is sent
+        # again instead of being lost. None until hello: no tracking.
+        self.received: tuple[str, int | None] | None = None
+        # Where the next drop/validation report starts: (buffer session, drops, validated).
+        self._reports_at: tuple[str, int, int] = ("", 0, 0)
+
+    def _ask(self, msg: wire.Request, expect: type[R], timeout_s: float | None = None) -> R:
+        reply = self.call(msg, wire.decode_reply, timeout_s)
+        if not isinstance(reply, expect):
+            raise RequestRefused(f"{msg.kind} answered by {type(reply).__name__}")
+        return reply
+
+    def _until_up(self, msg: wire.Request, expect: type[R], wait_s: float) -> R:
+        """Ask until the buffer answers, up to ``wait_s``, logging while it does not."""
+        start = time.monotonic()
+        while True:
+            try:
+                return self._ask(msg, expect, timeout_s=min(self.timeout_s, wait_s))
+            except TimeoutError:
+                waited = time.monotonic() - start
+                if waited >= wait_s:
+                    raise TimeoutError(f"buffer at {self.addr} silent for {waited:.0f}s") from None
+                log.info("waiting for the buffer at %s (%.0fs so far)", self.addr, waited)
+
+    def hello(
+        self,
+        acked_through: int | None = None,
+        wait_s: float = 60.0,
+        session: str = "",
+        resumed: bool = True,
+    ) -> wire.Welcome:
+        """READY handshake: wait up to ``wait_s`` for the buffer (logging while it is not
+        up), start a session; unacknowledged batches after ``acked_through`` (a batch id of
+        buffer ``session``) come again (``resumed`` False: no checkpoint, nothing replays:
+        their groups go back to the pool)."""
+        msg = wire.Hello(
+            consumer_id=self.consumer_id,
+            acked_through=acked_through,
+            session=session,
+            resumed=resumed,
+        )
+        welcome = self._until_up(msg, wire.Welcome, wait_s)
+        self.received = (session, acked_through)
+        return welcome
+
+    def wait_ready(self, wait_s: float = 60.0) -> dict[str, float]:
+        """Wait up to ``wait_s`` for the buffer to answer (its stats), without starting a
+        session: what clients other than the learner use to know it is up."""
+        return self._until_up(wire.StatsRequest(), wire.StatsReply, wait_s).metrics
+
+    def request_batch(self, policy_version: int, wait_s: float = 1.0) -> wire.Batch | None:
+        """The next training batch, or None when the buffer has none within ``wait_s``."""
+        session, through = self.received if self.received is not None else (None, None)
+        msg = wire.BatchRequest(
+            consumer_id=self.consumer_id,
+            policy_version=policy_version,
+            wait_s=wait_s,
+            received_session=session,
+            received_through=through,
+        )
+        start = time.monotonic()
+        reply = self.call(msg, wire.decode_reply, timeout_s=wait_s + self.timeout_s)
+        self.last_wait_s = time.monotonic() - start
+        if not isinstance(reply, wire.Batch):
+            return None
+        if self.received is not None:
+            self.received = (reply.session, reply.batch_id)
+        return reply
+
+    def ack(self, batch_ids: Sequence[int]) -> wire.AckReply:
+        """Tell the buffer these batches are in a saved checkpoint."""
+        msg = wire.Ack(consumer_id=self.consumer_id, batch_ids=list(batch_ids))
+        return self._ask(msg, wire.AckReply)
+
+    def stats(self) -> dict[str, float]:
+        """The buffer's metrics (``buffer/...``)."""
+        return self._ask(wire.StatsRequest(), wire.StatsReply).metrics
+
+    def dropped(self) -> list[wire.DroppedTask]:
+        """Tasks dropped unused since the last call."""
+        return self.drain().dropped
+
+    def drain(self) -> wire.DroppedReply:
+        """Tasks dropped and validation tasks scored since the last call, with the buffer's
+        session. Read by cursor: the cursor moves only when a reply came, so a reply lost
+        to a timeout is read again by the next call (a buffer restart starts over)."""
+        session, drops, validated = self._reports_at
+        msg = wire.DroppedRequest(session=session, drops_from=drops, validated_from=validated)
+        reply = self._ask(msg, wire.DroppedReply)
+        self._reports_at = (
+            reply.session,
+            reply.drops_from + len(reply.dropped),
+            reply.validated_from + len(reply.validated),
+        )
+        return reply
+
+    def inventory(self, ids: list[str] | None = None) -> wire.InventoryReply:
+        """Every task id the buffer holds, dropped or scored in its session; with ``ids``,
+        which of those it never received (``unknown``)."""
+        return self._ask(wire.InventoryRequest(ids=ids), wire.InventoryReply)
+
+    def validation(self) -> dict[str, wire.ValidationStats]:
+        """Validation results per data source since the last call (drained)."""
+        return self._ask(wire.ValidationRequest(), wire.ValidationReply).by_data_source
+
+    def shutdown(self) -> None:
+        """Ask the buffer service to stop (it answers before it does)."""
+        self._ask(wire.Shutdown(), wire.Ok)
