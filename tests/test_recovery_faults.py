@@ -313,6 +313,31 @@ def test_only_well_formed_external_ids_are_adopted() -> None:
     assert st.ledger.committed == 0 and st.ledger.counts["adopt_refused"] == len(bogus)
 
 
+def test_external_slots_of_another_line_are_not_taken_back() -> None:
+    """A learner restarted without a checkpoint starts a new line: a server that still holds
+    a slot of the old one (its ack was lost with the old coordinator, and the group may be
+    trained already by the dead learner) hands it back to nobody: charging it would hold
+    budget for a group the buffer never gives again (fault simulation, seed 56302). A line
+    restored from its checkpoint takes its own sessions' slots back."""
+    old = _state("aaaaaa", session="s1")
+    saved = old.state_dict()  # the slots below are dealt after this checkpoint
+    held = [old.grant_slot("s", 0.0, request_id=i).tasks[0].task_id for i in range(2)]
+
+    fresh = _state("bbbbbb", session="s2")
+    fresh.register(m.Register(server_id="s", engine_world_size=0, task_ids=held), 1.0)
+    assert fresh.ledger.committed == 0 and fresh.ledger.counts["adopt_foreign"] == 2
+    assert not set(held) & set(fresh.ledger.entries)
+
+    restored = _state("unused", session="s3")
+    restored.load_state_dict(saved)
+    restored.register(m.Register(server_id="s", engine_world_size=0, task_ids=held), 1.0)
+    assert {restored.ledger.entries[t].state for t in held} == {"out"}
+    assert restored.ledger.counts["adopt_foreign"] == 0
+    again = _state("cccccc", session="s4")  # restored once more: both sessions are its own
+    again.load_state_dict(restored.state_dict())
+    assert again.ledger.earlier_sessions == {"s1", "s3"}
+
+
 # ----------------------------------------------------------------------- F4
 def test_a_replayed_version_no_server_holds_is_pushed_not_adopted() -> None:
     """The replay counted 4 redelivered batches, but the previous life died training the

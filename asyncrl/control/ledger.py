@@ -73,6 +73,12 @@ class TaskLedger:
         # Names this incarnation's external slots (``ext/<session>/<n>``): slots are never
         # dealt again, so their ids need not survive a restart, only never repeat.
         self.session = session
+        # The earlier sessions of this line (the checkpoints it descends from): a server
+        # may hand back their external slots. A fresh ledger has none: a slot dealt by a
+        # coordinator whose line ended (a restart without a checkpoint) is not taken back,
+        # as a training id of another lineage is not. None: any session (a checkpoint
+        # from before sessions were recorded).
+        self.earlier_sessions: set[str] | None = set()
         self.budget = budget
         self.lag_retries = lag_retries
         self.task_retries = task_retries
@@ -368,9 +374,9 @@ class TaskLedger:
 
     def _ours(self, tid: str) -> bool:
         """Whether ``tid`` could have been dealt by this lineage (its source's id, or a
-        well-formed external slot id)."""
+        well-formed external slot id of one of its sessions)."""
         if is_external(tid):
-            return well_formed_external(tid)
+            return well_formed_external(tid) and self._our_session(tid)
         try:
             self.source.task_for_id(tid)
         except KeyError:
@@ -383,12 +389,24 @@ class TaskLedger:
             if not well_formed_external(tid):
                 self.counts["adopt_refused"] += 1
                 return None
+            if not self._our_session(tid):
+                self.counts["adopt_foreign"] += 1
+                return None
             return self.track(tid, state, external_task(tid, self.budget.version))
         try:
             task = self.source.task_for_id(tid, self.budget.version)
         except KeyError:
+            self.counts["adopt_foreign"] += 1
             return None
         return self.track(tid, state, task)
+
+    def _our_session(self, tid: str) -> bool:
+        """Whether external slot ``tid`` was dealt by this line (this session or one it
+        was restored from); a plain ``ext/<n>`` names no session and is taken as ours."""
+        parts = tid.split("/")
+        if len(parts) == 2 or self.earlier_sessions is None:
+            return True
+        return parts[1] == self.session or parts[1] in self.earlier_sessions
 
     def reconcile(self, held: Iterable[str], reports: Iterable[Any], cutoff: float) -> int:
         """Match the buffer's inventory: ``held`` ids are in the buffer; ``reports`` list

@@ -32,6 +32,12 @@ def save_ledger(ledger: TaskLedger) -> dict[str, Any]:
         "redeal": list(ledger.redeal),
         "dealt": dict(ledger.dealt),
         "external_serial": ledger.external_serial,
+        # The sessions of this line, whose external slots a restored ledger takes back.
+        "sessions": (
+            None
+            if ledger.earlier_sessions is None
+            else sorted(ledger.earlier_sessions | {ledger.session} - {""})
+        ),
     }
 
 
@@ -47,6 +53,8 @@ def load_ledger(ledger: TaskLedger, state: dict[str, Any]) -> None:
         saved = {t: [QUEUED, 0, 1] for t in [*state["outstanding"], *state["redeal"]]}
     order = {tid: i for i, tid in enumerate(state.get("redeal", []))}
     ledger.external_serial = int(state.get("external_serial", 0))
+    sessions = state.get("sessions")  # absent or None: a checkpoint that did not record them
+    ledger.earlier_sessions = None if sessions is None else set(sessions)
     for tid, (st, failures, attempt) in saved.items():
         st, task = restored(tid, st, attempt, ledger.source, ledger.budget.version)
         ledger.track(tid, st, task).failures = failures
