@@ -7,3 +7,7 @@
 
 Standard library only: it may import nothing else from the project.
 """
+
+from asyncrl.sandbox.workers import WorkerPool
+
+__all__ = ["WorkerPool"]
