@@ -103,9 +103,9 @@ MUTATIONS = (
     Mutation(
         "ids of a fresh coordinator (F1)",
         "a coordinator without a checkpoint deals the ids of the one before",
-        "asyncrl/control/setup.py",
-        "        lineage=secrets.token_hex(3),",
-        '        lineage="",',
+        "asyncrl/control/task_source.py",
+        "        self.lineage = secrets.token_hex(3) if lineage is None else lineage",
+        '        self.lineage = "" if lineage is None else lineage',
         (T_RECOVERY,),
     ),
     Mutation(
