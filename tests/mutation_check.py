@@ -117,6 +117,14 @@ MUTATIONS = (
         (T_RECOVERY,),
     ),
     Mutation(
+        "endpoint slots of a dead line (fault simulation)",
+        "a fresh ledger takes back any session's external slot",
+        "asyncrl/control/ledger.py",
+        "        return parts[1] == self.session or parts[1] in self.earlier_sessions",
+        "        return True",
+        (T_RECOVERY,),
+    ),
+    Mutation(
         "batch ids per buffer session (F1b)",
         "an acked_through of another session acknowledges this one's batches",
         "buffer/deliveries.py",
