@@ -86,6 +86,11 @@ class OpenAIEndpoint:
         self.sampling, self.on_pushed = sampling, on_pushed
         self.group_size = oe.group_size or cfg.rollout.n
         self.timeout_s, self.max_groups = oe.session_timeout_s, oe.max_groups
+        self.reward_range = oe.reward_range
+        # Group-relative estimators need two rewards for a baseline: one alone would train
+        # on its raw reward as its advantage.
+        relative = cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo")
+        self.min_rewarded = 2 if relative and self.group_size >= 2 else 1
         self.max_prompt_len = cfg.data.max_prompt_length
         self.max_response_len = cfg.data.max_response_length
         self.model = cfg.model.path
@@ -169,6 +174,12 @@ class OpenAIEndpoint:
             if not isinstance(messages, list) or not messages:
                 raise RequestError(400, "messages must be a non-empty list")
             session = await self._session(_key(request, body))
+            if session.reward is not None:
+                raise RequestError(
+                    409,
+                    f"session {session.key!r} ended with its reward ({session.reward:g}): "
+                    "start the next episode with another GROUP/MEMBER key",
+                )
             if session.busy:
                 raise RequestError(409, "a completion of this session is running already")
             session.busy = True
@@ -195,7 +206,14 @@ class OpenAIEndpoint:
                 raise RequestError(400, f"session {key!r} has no completion to reward")
             if session.busy:
                 raise RequestError(409, f"session {key!r} is sampling: reward it after")
-            session.reward = reward_of(body)
+            if session.reward is not None:
+                raise RequestError(
+                    409,
+                    f"session {key!r} has its reward already ({session.reward:g}; "
+                    f"{len(group.rewarded())} of {group.size} in group {group.name!r} "
+                    "rewarded): a reward is final",
+                )
+            session.reward = reward_of(body, self.reward_range)
             group.last_active = time.monotonic()
             rewarded = len(group.rewarded())
             if rewarded >= group.size:
@@ -323,6 +341,19 @@ class OpenAIEndpoint:
         task = group.task
         if not members:
             await self.lanes.control(self.client.nack, [task.task_id], "no session was rewarded")
+            return
+        if len(members) < self.min_rewarded:
+            self.metrics["rollout/openai/groups_too_few_rewarded"] += 1
+            log.warning(
+                "external group %r closed with %d rewarded session(s): %s needs %d for a "
+                "baseline, so it is dropped rather than trained on raw rewards",
+                group.name,
+                len(members),
+                self.cfg.algorithm.adv_estimator,
+                self.min_rewarded,
+            )
+            why = f"{len(members)} of {group.size} sessions rewarded"
+            await self.lanes.control(self.client.nack, [task.task_id], why)
             return
         scores = [ScoreResult(score=float(s.reward or 0.0)) for s in members]
         episodes = [s.episode for s in members]

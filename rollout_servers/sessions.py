@@ -276,11 +276,20 @@ def max_tokens_of(body: dict[str, Any], budget: int) -> int:
     return min(asked or budget, budget)
 
 
-def reward_of(body: Any) -> float:
-    """The reward of a ``/rl/reward`` body: a finite number."""
+def reward_of(body: Any, reward_range: tuple[float, float] | None = None) -> float:
+    """The reward of a ``/rl/reward`` body: a finite number, within ``reward_range`` when
+    one is set (``rollout.openai_endpoint.reward_range``): one stray value would otherwise
+    dominate its group's advantages."""
     value = body.get("reward") if isinstance(body, dict) else None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise RequestError(400, f'/rl/reward needs {{"reward": <finite number>}}, got {value!r}')
+    if reward_range is not None and not reward_range[0] <= value <= reward_range[1]:
+        low, high = reward_range
+        raise RequestError(
+            400,
+            f"reward {value!r} is outside rollout.openai_endpoint.reward_range [{low:g}, "
+            f"{high:g}]: send a reward in that range (or widen the range in the run's config)",
+        )
     return float(value)
 
 

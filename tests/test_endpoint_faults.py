@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from asyncrl.config import load_config
+from asyncrl.config import ConfigError, load_config
 from asyncrl.control.messages import TaskGrant
 from asyncrl.control.task_states import external_task
 from rollout_servers import openai_api
@@ -50,8 +50,16 @@ class FlakyEngine:
 
 
 class OneSlotClient:
+    """Grants slot ``ext/1``; records what the endpoint gives back."""
+
+    def __init__(self) -> None:
+        self.nacked: list[tuple[list[str], str]] = []
+
     def request_slot(self) -> TaskGrant:
         return TaskGrant(tasks=[external_task("ext/1", 0)], policy_version=0)
+
+    def nack(self, task_ids: list[str], reason: str) -> None:
+        self.nacked.append((task_ids, reason))
 
 
 class Rig:
@@ -69,6 +77,14 @@ class Rig:
         ):
             return response.status, await response.json()
 
+    async def reward(self, body: Any) -> tuple[int, dict[str, Any]]:
+        headers = {"Authorization": "Bearer g/0"}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{self.base}/rl/reward", json=body, headers=headers) as response,
+        ):
+            return response.status, await response.json()
+
     def session(self) -> Session:
         return self.endpoint.groups["g"].sessions["g/0"]
 
@@ -82,7 +98,11 @@ def _state(s: Session) -> tuple:
     return repr(pieces), repr(ep.messages), ep.turns, ep.splits, repr(s.shown), repr(s.tools)
 
 
-def _serve(monkeypatch: pytest.MonkeyPatch, scenario: Callable[[Rig], Awaitable[None]]) -> None:
+def _serve(
+    monkeypatch: pytest.MonkeyPatch,
+    scenario: Callable[[Rig], Awaitable[None]],
+    overrides: tuple[str, ...] = (),
+) -> None:
     """Run ``scenario`` against a fresh endpoint (group size 2) served on 127.0.0.1."""
     # Sampling parameters are the engine's business; importing vLLM for them takes seconds.
     monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)
@@ -93,6 +113,7 @@ def _serve(monkeypatch: pytest.MonkeyPatch, scenario: Callable[[Rig], Awaitable[
             "rollout.openai_endpoint.group_size=2",
             "data.max_prompt_length=512",
             "data.max_response_length=512",
+            *overrides,
         ],
     )
     engine = FlakyEngine()
@@ -160,3 +181,37 @@ def test_client_mistakes_are_400s_that_change_nothing(monkeypatch):
         assert rig.endpoint.metrics["rollout/openai/refused/500"] == 0
 
     _serve(monkeypatch, scenario)
+
+
+def test_rewards_are_checked_final_and_never_alone_in_a_baseline(monkeypatch):
+    """A reward outside the range is refused; a reward is final (a second one, or a chat
+    after it, is a 409 that changes nothing); a group closed with one rewarded member of
+    two is given back, not trained on that member's raw reward as its advantage."""
+
+    async def scenario(rig: Rig) -> None:
+        await _first_turn(rig)
+        status, body = await rig.reward({"reward": 5000})
+        assert status == 400 and "reward_range [-1, 1]" in body["error"]["message"]
+        assert rig.session().reward is None
+        status, body = await rig.reward({"reward": 1})
+        assert status == 200 and body["rewarded"] == 1, body
+        status, body = await rig.reward({"reward": 0.5})
+        assert status == 409 and "reward already (1;" in body["error"]["message"]
+        status, body = await rig.chat([USER])
+        assert status == 409 and "ended with its reward" in body["error"]["message"]
+        assert rig.session().reward == 1.0 and rig.engine.calls == 1
+
+        group = rig.endpoint.groups["g"]
+        rig.endpoint._close(group)  # as the idle reaper closes it: 1 of 2 rewarded
+        await asyncio.gather(*rig.endpoint._pushes)
+        client = rig.endpoint.client
+        assert client.nacked == [(["ext/1"], "1 of 2 sessions rewarded")]  # type: ignore[attr-defined]
+        assert rig.endpoint.metrics["rollout/openai/groups_too_few_rewarded"] == 1
+        assert rig.endpoint.metrics["rollout/openai/groups_pushed"] == 0
+
+    _serve(monkeypatch, scenario, ("rollout.openai_endpoint.reward_range=[-1,1]",))
+
+
+def test_a_reward_range_upside_down_is_refused():
+    with pytest.raises(ConfigError, match=r"reward_range=\[1.0, -1.0\]: its low end is above"):
+        load_config(None, ["rollout.openai_endpoint.reward_range=[1,-1]"])

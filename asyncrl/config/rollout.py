@@ -79,6 +79,11 @@ class OpenAIEndpointConfig(Section):
         default=True,
         description="Also generate the dataset's tasks (false: serve only the endpoint).",
     )
+    reward_range: tuple[float, float] | None = Field(
+        default=None,
+        description="[low, high]: a /rl/reward outside it is refused with 400 (None: any "
+        "finite reward).",
+    )
 
 
 class ValKwargs(Section):

@@ -54,6 +54,12 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"temperatures above {MAX_TRAIN_TEMPERATURE:g}, so every validation request would "
             f"fail; set it to 0 (greedy) or at most {MAX_TRAIN_TEMPERATURE:g}"
         )
+    reward_range = ro.openai_endpoint.reward_range
+    if reward_range is not None and not reward_range[0] <= reward_range[1]:
+        problems.append(
+            f"rollout.openai_endpoint.reward_range={list(reward_range)}: its low end is above "
+            "its high end; write it as [low, high]"
+        )
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo") and ro.n < 2:
         problems.append(
             f"rollout.n={ro.n}: {cfg.algorithm.adv_estimator} compares samples of the same "
