@@ -164,6 +164,7 @@ class OpenAIEndpoint:
 
     async def _chat(self, request: web.Request) -> web.Response:
         self.metrics["rollout/openai/requests"] += 1
+        key = ""
         try:
             body = await _json(request)
             if body.get("stream"):
@@ -173,7 +174,8 @@ class OpenAIEndpoint:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise RequestError(400, "messages must be a non-empty list")
-            session = await self._session(_key(request, body))
+            key = _key(request, body)
+            session = await self._session(key)
             if session.reward is not None:
                 raise RequestError(
                     409,
@@ -188,10 +190,26 @@ class OpenAIEndpoint:
             finally:
                 session.busy = False
         except RequestError as e:
+            self._give_back_if_unused(key)
             return self._refused(e)
         except Exception as e:  # the engine failed: say so in the API's shape, serve on
             log.exception("OpenAI endpoint: a completion failed")
+            self._give_back_if_unused(key)
             return self._refused(RequestError(500, f"{type(e).__name__}: {e}", "server_error"))
+
+    def _give_back_if_unused(self, key: str) -> None:
+        """A group takes its slot for good with its first answered request: when no session
+        of ``key``'s group has a turn yet (its first request was refused or failed), the
+        slot goes back at once instead of waiting for the idle timeout."""
+        try:
+            name, _ = split_key(key, self.group_size)
+        except RequestError:
+            return  # no group was opened for it
+        group = self.groups.get(name)
+        if group is None or any(s.episode.turns or s.busy for s in group.sessions.values()):
+            return
+        self.metrics["rollout/openai/groups_unused"] += 1
+        self._close(group)  # nothing rewarded: the slot is given back
 
     async def _reward(self, request: web.Request) -> web.Response:
         try:
@@ -233,7 +251,13 @@ class OpenAIEndpoint:
     async def _session(self, key: str) -> Session:
         """The session of ``key``, opening its group (and taking a slot) when new."""
         name, _ = split_key(key, self.group_size)
-        group = self.groups.get(name) or await self._open(name)
+        group = self.groups.get(name)
+        while group is None:
+            opened = await self._open(name)
+            # A member that waited on the opening may find the group given back meanwhile
+            # (its first request refused): it opens the group again.
+            current = self.groups.get(name)
+            group = opened if current is opened else current
         session = group.sessions.get(key)
         if session is None:
             if len(group.sessions) >= group.size:

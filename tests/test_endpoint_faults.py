@@ -215,3 +215,21 @@ def test_rewards_are_checked_final_and_never_alone_in_a_baseline(monkeypatch):
 def test_a_reward_range_upside_down_is_refused():
     with pytest.raises(ConfigError, match=r"reward_range=\[1.0, -1.0\]: its low end is above"):
         load_config(None, ["rollout.openai_endpoint.reward_range=[1,-1]"])
+
+
+def test_a_refused_first_request_holds_no_slot(monkeypatch):
+    """A group whose first request is refused (here: a prompt past data.max_prompt_length)
+    gives its slot back at once, not after session_timeout_s; a later group gets one."""
+
+    async def scenario(rig: Rig) -> None:
+        status, body = await rig.chat([{"role": "user", "content": "x" * 2000}])
+        assert status == 400 and "max_prompt_length" in body["error"]["message"], body
+        assert "g" not in rig.endpoint.groups
+        await asyncio.gather(*rig.endpoint._pushes)
+        client = rig.endpoint.client
+        assert [ids for ids, _ in client.nacked] == [["ext/1"]]  # type: ignore[attr-defined]
+        assert rig.endpoint.metrics["rollout/openai/groups_unused"] == 1
+        await _first_turn(rig)  # the agent, corrected: a group again
+        assert rig.session().episode.turns == 1 and len(client.nacked) == 1  # type: ignore[attr-defined]
+
+    _serve(monkeypatch, scenario)
