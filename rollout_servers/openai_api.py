@@ -9,9 +9,11 @@ An agent framework that runs outside the run points its OpenAI client at the ser
     the server records the sampled tokens, their behaviour logprobs and policy versions.
     A group's first request takes an *external slot* from the coordinator (charged to the
     staleness budget like a dataset task); when the budget is exhausted the answer is 429
-    with ``Retry-After`` (OpenAI clients retry it by themselves).
+    with ``Retry-After`` (OpenAI clients retry it by themselves). A group whose first
+    request is refused or fails gives its slot back at once.
 ``POST /rl/reward`` (``{"reward": r}``, same key)
-    Ends the session with its reward. When ``group_size`` members have one, the group goes
+    Ends the session with its reward (finite, within ``reward_range`` when set; final: a
+    second reward or a later chat is a 409). When ``group_size`` members have one, the group goes
     to the buffer as one group of episodes (each may have several samples), exactly as the
     server's own multi-turn episodes do, and the slot is acknowledged.
 ``GET /v1/models``
