@@ -111,6 +111,9 @@ def test_external_slots_are_charged_and_given_up_rather_than_dealt_again():
     assert task.task_id == "ext/1" and task.prompt == [] and task.data_source == "external"
     assert ledger.deal_external("s1") == (None, "budget")  # the slot is the budget's
     assert ledger.deal("s2", 4) == ([], "budget")  # dataset tasks wait for it too
+    held = ledger.budget_holders("s1")  # what a refused agent is told
+    assert held.startswith("1 of the 1 groups admitted so far are charged"), held
+    assert "1 generating (1 of them endpoint groups, 1 at this server)" in held, held
     assert ledger.release("s1", "dead") == []  # its server died: nothing to deal again
     acc = ledger.accounting()
     assert acc["accounting/train/given_up"] == 1 and acc["accounting/train/unaccounted"] == 0
@@ -120,7 +123,15 @@ def test_external_slots_are_charged_and_given_up_rather_than_dealt_again():
     assert task is not None and task.task_id == "ext/2"
     assert ledger.ack(["ext/2"]) == (["ext/2"], [])
     ledger.trained(["ext/2"])
-    assert ledger.accounting()["accounting/train/trained"] == 1
+    acc = ledger.accounting()
+    assert acc["accounting/train/trained"] == 1
+    # External slots are also tallied apart: dealt 2 = trained 1 + given up 1.
+    assert acc["accounting/external/dealt"] == 2 and acc["accounting/external/trained"] == 1
+    assert acc["accounting/external/given_up"] == 1
+    assert acc["accounting/external/unaccounted"] == 0
+    from asyncrl.launch.progress import accounting_lines
+
+    assert any(line.startswith("accounting external: dealt 2") for line in accounting_lines([acc]))
 
 
 def test_external_slots_survive_a_coordinator_restart_without_reuse_or_re_deal():

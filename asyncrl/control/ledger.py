@@ -40,9 +40,9 @@ from asyncrl.control.task_states import (
     DONE,
     DROP_REASONS,
     GIVEN_UP,
-    KINDS,
     OUT,
     QUEUED,
+    TALLIES,
     TERMINAL,
     Drops,
     Entry,
@@ -89,7 +89,7 @@ class TaskLedger:
         self.buffered: set[str] = set()  # BUF ids: acknowledged, not yet trained
         self.counts: Counter[str] = Counter()  # events
         self.dealt: Counter[str] = Counter()  # kind -> distinct ids dealt
-        self.tally: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
+        self.tally: dict[str, Counter[str]] = {k: Counter() for k in TALLIES}
         self._serial = 0
         self.external_serial = 0  # external slots this incarnation dealt
         self.refunded: Counter[str] = Counter()  # training deals uncharged, by cause
@@ -101,6 +101,9 @@ class TaskLedger:
             self.refunded[cause or state] += 1  # it leaves the admission budget
         self.tally[kind][e.state] -= 1
         self.tally[kind][state] += 1
+        if is_external(tid):
+            self.tally["external"][e.state] -= 1
+            self.tally["external"][state] += 1
         if e.state == BUF:
             self.buffered.discard(tid)
         elif state == BUF:
@@ -119,7 +122,7 @@ class TaskLedger:
         self.owned.clear()
         self.redeal.clear()
         self.buffered.clear()
-        self.tally = {k: Counter() for k in KINDS}
+        self.tally = {k: Counter() for k in TALLIES}
         self.dealt = Counter()
 
     def track(self, tid: str, state: str, task: Task | None) -> Entry:
@@ -128,6 +131,9 @@ class TaskLedger:
         kind = kind_of(tid)
         self.dealt[kind] += 1
         self.tally[kind][state] += 1
+        if is_external(tid):
+            self.dealt["external"] += 1
+            self.tally["external"][state] += 1
         if state == BUF:
             self.buffered.add(tid)
         return e
@@ -188,6 +194,16 @@ class TaskLedger:
         self.redeal.append(tid)  # _set moves it from the queue to OUT
         self.counts["external_dealt"] += 1
         return self._hand(tid, server_id, now), ""
+
+    def budget_holders(self, server_id: str) -> str:
+        """Who holds the admission budget, in one line (for a refused external slot)."""
+        t = self.tally["train"]
+        mine = sum(is_external(tid) for tid in self.owned.get(server_id, ()))
+        return (
+            f"{self.committed} of the {self.budget.limit} groups admitted so far are charged: "
+            f"{t[DONE]} trained, {t[OUT]} generating ({self.tally['external'][OUT]} of them "
+            f"endpoint groups, {mine} at this server), {t[BUF]} waiting in the buffer"
+        )
 
     def _hand(self, tid: str, server_id: str, now: float) -> Task:
         """Mark queued ``tid`` outstanding at ``server_id``; its task as dealt now."""
@@ -448,7 +464,10 @@ class TaskLedger:
     # ------------------------------------------------------------------ metrics
     def accounting(self) -> dict[str, float]:
         """``accounting/<kind>/...``: dealt and where every dealt task is now."""
-        return accounting(self.tally, self.dealt)
+        out = accounting(self.tally, self.dealt)
+        # Prompts out of lag retries: ids already among the lag drops, named apart.
+        out["accounting/train/prompts_out_of_lag_retries"] = float(self.counts["lag_given_up"])
+        return out
 
     def metrics(self) -> dict[str, float]:
         out = {f"coordinator/tasks/{k}": float(v) for k, v in sorted(self.counts.items())}

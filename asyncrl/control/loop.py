@@ -283,9 +283,10 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
         )
     if drops.given_up:
         log.warning(
-            "%d training prompts given up after staleness.lag_retries retries: their "
-            "responses take longer than staleness.max_policy_lag versions to generate "
-            "(raise it, or lower data.max_response_length)",
+            "%d training prompts given up after staleness.lag_retries retries (the "
+            "accounting line counts them among its lag drops): their responses take longer "
+            "than staleness.max_policy_lag versions to generate (raise it, or lower "
+            "data.max_response_length)",
             drops.given_up,
         )
     if due:

@@ -211,6 +211,7 @@ class TaskGrant(Message, tag="task_grant"):
     tasks: list[Task]
     policy_version: NonNeg
     reason: str = ""
+    detail: Text = ""  # a refused slot request: who holds the budget (one line)
 
 
 class TaskAckReply(Message, tag="task_ack_reply"):

@@ -37,6 +37,7 @@ from asyncrl.control.messages import (
 from asyncrl.control.recovery import Recovery
 from asyncrl.control.registry import ServerRecord
 from asyncrl.control.syncs import SyncBook
+from asyncrl.control.task_states import is_external
 from asyncrl.control.versions import Versions
 
 log = logging.getLogger(__name__)
@@ -270,7 +271,10 @@ class ControlState:
         task = None
         if not reason:
             task, reason = self.ledger.deal_external(server_id, now)
-        grant = TaskGrant(tasks=[task] if task else [], policy_version=self.version, reason=reason)
+        detail = self.ledger.budget_holders(server_id) if reason == "budget" else ""
+        grant = TaskGrant(
+            tasks=[task] if task else [], policy_version=self.version, reason=reason, detail=detail
+        )
         if task is not None and request_id is not None:
             rec.last_slot = (request_id, grant)  # type: ignore[union-attr]
         return grant
@@ -296,6 +300,11 @@ class ControlState:
         """Tasks that failed at a live server: dealt again (or given up); how many."""
         self.touch(server_id, now)
         back = self.ledger.nack(server_id, task_ids)
+        given = [t for t in task_ids if is_external(t)]
+        if given:  # an endpoint group that will not train: routine, its slot frees
+            log.info("%s gave back endpoint slots %s (%s)", server_id, given, reason)
+            if len(given) == len(task_ids):
+                return back
         log.warning(
             "%s failed %d tasks (%s): %d dealt again, the rest given up after "
             "control.task_retries failures",

@@ -41,6 +41,8 @@ STATES = (OUT, QUEUED, BUF, DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASO
 TERMINAL = frozenset({DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS)})
 CHARGED = frozenset({OUT, BUF, DONE})
 KINDS = ("train", "val")
+#: Tallied apart as well: external slots (the OpenAI endpoint's groups), a part of ``train``.
+TALLIES = (*KINDS, "external")
 
 
 EXTERNAL = "ext/"
@@ -124,12 +126,14 @@ def restored(
 def accounting(tally: dict[str, Counter[str]], dealt: Counter[str]) -> dict[str, float]:
     """``accounting/<kind>/...``: how many ids were dealt and in which state each is now."""
     out: dict[str, float] = {}
-    for kind in KINDS:
+    for kind in TALLIES:
+        if kind == "external" and not dealt[kind]:
+            continue  # a run without the endpoint says nothing of it
         t, p = tally[kind], f"accounting/{kind}"
         parts = {
             "in_flight": t[OUT] + t[QUEUED],
             "in_buffer": t[BUF],
-            "trained" if kind == "train" else "scored": t[DONE],
+            "scored" if kind == "val" else "trained": t[DONE],
             **{f"dropped/{r}": t[f"dropped/{r}"] for r in DROP_REASONS},
             "given_up": t[GIVEN_UP],
         }

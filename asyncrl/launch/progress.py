@@ -76,7 +76,7 @@ def accounting_line(metrics: dict[str, float], kind: str = "train") -> str | Non
     p = f"accounting/{kind}/"
     if p + "dealt" not in metrics:
         return None
-    done = "trained" if kind == "train" else "scored"
+    done = "scored" if kind == "val" else "trained"
     drops = {
         k[len(p + "dropped/") :]: v for k, v in metrics.items() if k.startswith(p + "dropped/")
     }
@@ -89,6 +89,12 @@ def accounting_line(metrics: dict[str, float], kind: str = "train") -> str | Non
         f"dropped {sum(drops.values()):.0f}{f' ({reasons})' if reasons else ''} + "
         f"given up {metrics.get(p + 'given_up', 0):.0f}"
     )
+    if metrics.get(p + "prompts_out_of_lag_retries", 0):
+        # Each lag retry is a new id: a prompt out of retries is among the lag drops.
+        n = metrics[p + "prompts_out_of_lag_retries"]
+        line += f" ({n:.0f} prompts out of staleness.lag_retries, among the lag drops)"
+    if kind == "external":
+        line += " (the OpenAI endpoint's groups; part of train)"
     if metrics.get(p + "unaccounted", 0):
         line += f"; unaccounted {metrics[p + 'unaccounted']:.0f}"
     return line
@@ -97,7 +103,7 @@ def accounting_line(metrics: dict[str, float], kind: str = "train") -> str | Non
 def accounting_lines(records: list[dict[str, float]]) -> list[str]:
     """The accounting line of each kind, from the last record that has its keys."""
     lines = []
-    for kind in ("train", "val"):
+    for kind in ("train", "val", "external"):
         record = next((r for r in reversed(records) if f"accounting/{kind}/dealt" in r), None)
         if record is not None:
             lines.append(accounting_line(record, kind))
