@@ -87,7 +87,7 @@ class RolloutServer:
         self.held: dict[str, Task] = {}  # tasks being generated, by id
         self.endpoint = endpoint  # serves outside agents (None: rollout.openai_endpoint off)
         if endpoint is not None:
-            endpoint.on_pushed, endpoint.lanes = self.count_group, self.lanes
+            endpoint.groups.on_pushed, endpoint.groups.lanes = self.count_group, self.lanes
         client.held_tasks = self._held_ids  # said at (re-)registration
         self.generation = ""  # the sync group this engine's workers are in
         self.fatal = ""  # why this server cannot go on (its engine died): exit, be restarted

@@ -21,32 +21,12 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.control.messages import TaskGrant
 from asyncrl.control.task_states import external_task
 from rollout_servers import openai_api
-from rollout_servers.engine import Sample
 from rollout_servers.groups import SamplingSettings
 from rollout_servers.openai_api import OpenAIEndpoint
 from rollout_servers.sessions import Session
-from tests.standins.chat import EOT, CharTokenizer
+from tests.standins.chat import REPLY, CharTokenizer, ReplyEngine
 
-REPLY = "ok" + EOT
 USER = {"role": "user", "content": "hi"}
-
-
-class FlakyEngine:
-    """Answers :data:`REPLY`; raises once when :attr:`fail_next` is set."""
-
-    version = 0
-
-    def __init__(self) -> None:
-        self.fail_next = False
-        self.calls = 0
-
-    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Sample:
-        self.calls += 1
-        if self.fail_next:
-            self.fail_next = False
-            raise RuntimeError("the engine hiccuped")
-        ids = [ord(c) for c in REPLY]
-        return Sample(ids, [-0.1] * len(ids), [(0, len(ids))], "stop")
 
 
 class OneSlotClient:
@@ -65,7 +45,7 @@ class OneSlotClient:
 class Rig:
     """The endpoint served on 127.0.0.1, and a way to post to it as session ``g/0``."""
 
-    def __init__(self, endpoint: OpenAIEndpoint, engine: FlakyEngine, base: str) -> None:
+    def __init__(self, endpoint: OpenAIEndpoint, engine: ReplyEngine, base: str) -> None:
         self.endpoint, self.engine, self.base = endpoint, engine, base
 
     async def chat(self, messages: list[Any], **extra: Any) -> tuple[int, dict[str, Any]]:
@@ -86,7 +66,7 @@ class Rig:
             return response.status, await response.json()
 
     def session(self) -> Session:
-        return self.endpoint.groups["g"].sessions["g/0"]
+        return self.endpoint.groups.by_name["g"].sessions["g/0"]
 
 
 def _state(s: Session) -> tuple:
@@ -116,7 +96,7 @@ def _serve(
             *overrides,
         ],
     )
-    engine = FlakyEngine()
+    engine = ReplyEngine()
     settings = SamplingSettings.from_config(cfg)
     parts = (engine, CharTokenizer(), OneSlotClient(), None, settings)
     endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
@@ -201,11 +181,11 @@ def test_rewards_are_checked_final_and_never_alone_in_a_baseline(monkeypatch):
         assert status == 409 and "ended with its reward" in body["error"]["message"]
         assert rig.session().reward == 1.0 and rig.engine.calls == 1
 
-        group = rig.endpoint.groups["g"]
-        rig.endpoint._close(group)  # as the idle reaper closes it: 1 of 2 rewarded
-        await asyncio.gather(*rig.endpoint._pushes)
-        client = rig.endpoint.client
-        assert client.nacked == [(["ext/1"], "1 of 2 sessions rewarded")]  # type: ignore[attr-defined]
+        groups = rig.endpoint.groups
+        groups.close(groups.by_name["g"], "idle")  # as the reaper closes it: 1 of 2 rewarded
+        await asyncio.gather(*groups._pushes)
+        client = groups.client
+        assert client.nacked == [(["ext/1"], "dropped: 1 of 2 sessions rewarded")]  # type: ignore[attr-defined]
         assert rig.endpoint.metrics["rollout/openai/groups_too_few_rewarded"] == 1
         assert rig.endpoint.metrics["rollout/openai/groups_pushed"] == 0
 
@@ -219,14 +199,14 @@ def test_a_reward_range_upside_down_is_refused():
 
 def test_a_refused_first_request_holds_no_slot(monkeypatch):
     """A group whose first request is refused (here: a prompt past data.max_prompt_length)
-    gives its slot back at once, not after session_timeout_s; a later group gets one."""
+    gives its slot back at once, not after group_idle_s; a later group gets one."""
 
     async def scenario(rig: Rig) -> None:
         status, body = await rig.chat([{"role": "user", "content": "x" * 2000}])
         assert status == 400 and "max_prompt_length" in body["error"]["message"], body
-        assert "g" not in rig.endpoint.groups
-        await asyncio.gather(*rig.endpoint._pushes)
-        client = rig.endpoint.client
+        assert "g" not in rig.endpoint.groups.by_name
+        await asyncio.gather(*rig.endpoint.groups._pushes)
+        client = rig.endpoint.groups.client
         assert [ids for ids, _ in client.nacked] == [["ext/1"]]  # type: ignore[attr-defined]
         assert rig.endpoint.metrics["rollout/openai/groups_unused"] == 1
         await _first_turn(rig)  # the agent, corrected: a group again

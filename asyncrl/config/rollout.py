@@ -66,11 +66,12 @@ class OpenAIEndpointConfig(Section):
     group_size: int | None = Field(
         default=None, gt=0, description="Sessions per group (None: rollout.n)."
     )
-    session_timeout_s: float = Field(
-        default=600.0,
+    group_idle_s: float = Field(
+        default=60.0,
         gt=0,
-        description="A group idle this long is closed: its rewarded sessions train, the "
-        "rest are dropped.",
+        description="A group with no request or reward this long is closed: its rewarded "
+        "sessions train when they form a baseline, else its budget slot is given back "
+        "(raise it for agents whose tools think longer).",
     )
     max_groups: int = Field(
         default=64, gt=0, description="Open groups per server at once (429 beyond)."

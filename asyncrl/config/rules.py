@@ -60,6 +60,14 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"rollout.openai_endpoint.reward_range={list(reward_range)}: its low end is above "
             "its high end; write it as [low, high]"
         )
+    validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+    if ro.openai_endpoint.enable and not ro.openai_endpoint.take_tasks and validating:
+        # Validation rounds are dataset tasks: with no server taking tasks, none would end.
+        problems.append(
+            "rollout.openai_endpoint.take_tasks=false: no rollout server runs the dataset's "
+            "validation tasks, so a validation round would never end; set "
+            "trainer.val_before_train=false trainer.test_freq=-1 (or take_tasks=true)"
+        )
     if cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo") and ro.n < 2:
         problems.append(
             f"rollout.n={ro.n}: {cfg.algorithm.adv_estimator} compares samples of the same "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from rollout_servers.engine import Sample
+
 #: The end-of-turn character (and token): what a sampled turn ends with.
 EOT = "\x03"
 
@@ -32,3 +34,26 @@ class CharTokenizer:
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> Any:
         return "".join(map(chr, token_ids))
+
+
+#: What :class:`ReplyEngine` answers: a short reply and the end of the turn.
+REPLY = "ok" + EOT
+
+
+class ReplyEngine:
+    """A generation engine that answers :data:`REPLY` (character tokens, logprob -0.1);
+    raises once when :attr:`fail_next` is set."""
+
+    version = 0
+
+    def __init__(self) -> None:
+        self.fail_next = False
+        self.calls = 0
+
+    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Sample:
+        self.calls += 1
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the engine hiccuped")
+        ids = [ord(c) for c in REPLY]
+        return Sample(ids, [-0.1] * len(ids), [(0, len(ids))], "stop")

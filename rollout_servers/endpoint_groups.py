@@ -1,0 +1,316 @@
+"""The OpenAI endpoint's groups and the external slots they hold.
+
+A group is one slot of the admission budget (an *external slot* the coordinator deals, see
+:class:`asyncrl.control.messages.SlotRequest`), so a group that is not alive must never
+keep one. Its life:
+
+=============  ==================================================  ======================
+state          how it gets there                                   the slot
+=============  ==================================================  ======================
+opening        the first request of a new ``GROUP`` (its members   asked of the
+               arriving at once share one request)                 coordinator
+open           the slot was granted and the request answered       held
+pushed         every member posted its reward                      acknowledged: trains
+idle-closed    no request or reward for ``group_idle_s``           trains its rewarded
+                                                                   members when they form
+                                                                   a baseline, else given
+                                                                   back
+given back     its first request was refused or failed; ``POST     given back at once
+               /rl/abandon``; the server stops
+=============  ==================================================  ======================
+
+A group closed with fewer rewarded members than a group-relative estimator needs for a
+baseline (2 for GRPO/RLOO/Dr. GRPO) is dropped and counted, never trained on raw rewards.
+The last closed groups are kept for ``GET /rl/status`` (:meth:`EndpointGroups.status`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from typing import TYPE_CHECKING, Any
+
+from asyncrl.rewards import ScoreResult
+from rollout_servers.agent import Episode, episode_samples, episode_trajectories
+from rollout_servers.lanes import Lanes
+from rollout_servers.sessions import Group, RequestError, Session, split_key
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from asyncrl.config import Config
+    from asyncrl.control.messages import Task, TaskGrant
+    from rollout_servers.engine import Sample
+    from rollout_servers.protocols import ControlClient, GroupPusher
+
+log = logging.getLogger(__name__)
+
+#: Closed groups kept for ``GET /rl/status``.
+RECENT = 32
+#: Open groups named one by one in a refusal (the rest are counted).
+NAMED = 5
+
+
+class EndpointGroups:
+    """The open groups of one server's endpoint (see the module docstring).
+
+    ``on_pushed`` (set by the server) counts a pushed group in the server's metrics;
+    ``lanes`` are the threads the coordinator client's calls run in.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        server_id: str,
+        client: ControlClient,
+        pusher: GroupPusher,
+        metrics: Counter[str],
+    ) -> None:
+        oe = cfg.rollout.openai_endpoint
+        self.cfg, self.server_id, self.client, self.pusher = cfg, server_id, client, pusher
+        self.metrics = metrics
+        self.size = oe.group_size or cfg.rollout.n
+        self.idle_s, self.max_groups = oe.group_idle_s, oe.max_groups
+        # Group-relative estimators need two rewards for a baseline: one alone would train
+        # on its raw reward as its advantage.
+        relative = cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo")
+        self.min_rewarded = 2 if relative and self.size >= 2 else 1
+        self.by_name: dict[str, Group] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        self.on_pushed: Callable[[list[Sample], list[ScoreResult], Task], None] | None = None
+        self.lanes = Lanes(scoring_threads=1)
+        self._opening: dict[str, asyncio.Future[Group]] = {}
+        self._pushes: set[asyncio.Task] = set()
+        self._reaper: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap_loop())
+
+    async def stop(self) -> None:
+        """Open groups are given back (the coordinator gives their slots up)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        open_ids = self.task_ids()
+        self.by_name.clear()
+        if open_ids:
+            await self.lanes.control(self.client.nack, open_ids, "server stopped")
+
+    def task_ids(self) -> list[str]:
+        """The external slots this server holds (said at re-registration)."""
+        return [g.task.task_id for g in self.by_name.values()]
+
+    # ----------------------------------------------------------------- opening
+    async def session(self, key: str) -> Session:
+        """The session of ``key``, opening its group (and taking a slot) when new."""
+        name, _ = split_key(key, self.size)
+        group = self.by_name.get(name)
+        while group is None:
+            opened = await self._open(name)
+            # A member that waited on the opening may find the group given back meanwhile
+            # (its first request refused): it opens the group again.
+            current = self.by_name.get(name)
+            group = opened if current is opened else current
+        session = group.sessions.get(key)
+        if session is None:
+            if len(group.sessions) >= group.size:
+                raise RequestError(
+                    409,
+                    f"group {name!r} has its {group.size} members already: use another GROUP",
+                )
+            episode = Episode(pieces=[], messages=[])
+            session = Session(key, len(group.sessions), group.task, episode)
+            group.sessions[key] = session
+        group.last_active = time.monotonic()
+        return session
+
+    async def _open(self, name: str) -> Group:
+        """Take an external slot for group ``name`` (one request even when its members
+        arrive at once); refused with 429 (budget, or too many groups) or 503."""
+        pending = self._opening.get(name)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        if len(self.by_name) >= self.max_groups:
+            raise RequestError(
+                429,
+                f"{self.max_groups} groups are open on this server "
+                f"(rollout.openai_endpoint.max_groups): {self.holders()}",
+                "rate_limit",
+            )
+        future: asyncio.Future[Group] = asyncio.get_running_loop().create_future()
+        self._opening[name] = future
+        try:
+            grant = await self.lanes.control(self.client.request_slot)
+            if not grant.tasks:
+                raise self._refusal(grant)
+            group = self.by_name[name] = Group(name, grant.tasks[0], self.size)
+            self.metrics["rollout/openai/groups_opened"] += 1
+            future.set_result(group)
+            return group
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # retrieved: members waiting on it re-raise it themselves
+            raise
+        finally:
+            self._opening.pop(name, None)
+
+    def _refusal(self, grant: TaskGrant) -> RequestError:
+        """The answer to a refused slot: what holds the budget and what frees it."""
+        self.metrics[f"rollout/openai/slots_refused/{grant.reason}"] += 1
+        if grant.reason != "budget":
+            return RequestError(
+                503, f"no training slot now ({grant.reason}); retry shortly", "unavailable"
+            )
+        lag = self.cfg.staleness.max_policy_lag
+        return RequestError(
+            429,
+            f"no training slot now: the staleness budget (staleness.max_policy_lag={lag}) is "
+            f"full; {grant.detail or 'the learner has not trained the groups dealt yet'}. "
+            f"{self.holders()} A slot frees when the learner trains its next step; retry.",
+            "rate_limit",
+        )
+
+    def holders(self) -> str:
+        """This server's open groups, their idle times, and when the first is given back."""
+        if not self.by_name:
+            return "No endpoint group is open at this server."
+        now = time.monotonic()
+        groups = sorted(self.by_name.values(), key=lambda g: g.last_active)
+        named = ", ".join(f"{g.name!r} idle {now - g.last_active:.0f} s" for g in groups[:NAMED])
+        more = f" and {len(groups) - NAMED} more" if len(groups) > NAMED else ""
+        due = max(0.0, self.idle_s - (now - groups[0].last_active))
+        return (
+            f"Open here: {named}{more}; the idlest is given back in {due:.0f} s "
+            f"(rollout.openai_endpoint.group_idle_s={self.idle_s:g}), or at once with "
+            "POST /rl/abandon."
+        )
+
+    def give_back_if_unused(self, key: str) -> None:
+        """A group takes its slot for good with its first answered request: when no session
+        of ``key``'s group has a turn yet (its first request was refused or failed), the
+        slot goes back at once instead of waiting for the idle timeout."""
+        try:
+            name, _ = split_key(key, self.size)
+        except RequestError:
+            return  # no group was opened for it
+        group = self.by_name.get(name)
+        if group is None or any(s.episode.turns or s.busy for s in group.sessions.values()):
+            return
+        self.metrics["rollout/openai/groups_unused"] += 1
+        self.close(group, "given back: its first request was refused or failed")
+
+    # ----------------------------------------------------------------- closing
+    def abandon(self, name: str) -> dict[str, Any]:
+        """``POST /rl/abandon``: give group ``name`` up now (nothing of it trains)."""
+        group = self.by_name.get(name)
+        if group is None:
+            raise RequestError(404, f"no open group {name!r} (closed, or never opened)")
+        self.metrics["rollout/openai/groups_abandoned"] += 1
+        self.close(group, "abandoned by its agent", train=False)
+        return {"group": name, "slot": group.task.task_id, "abandoned": True}
+
+    def close(self, group: Group, why: str, train: bool = True) -> None:
+        """Hand the group to the buffer (its rewarded sessions, when ``train`` and they
+        form a baseline), or give its slot back."""
+        self.by_name.pop(group.name, None)
+        members = group.rewarded() if train else []
+        self.metrics["rollout/openai/sessions_dropped"] += len(group.sessions) - len(members)
+        if members and len(members) < self.min_rewarded:
+            self.metrics["rollout/openai/groups_too_few_rewarded"] += 1
+            log.warning(
+                "external group %r closed with %d rewarded session(s): %s needs %d for a "
+                "baseline, so it is dropped rather than trained on raw rewards",
+                group.name,
+                len(members),
+                self.cfg.algorithm.adv_estimator,
+                self.min_rewarded,
+            )
+            why = f"dropped: {len(members)} of {group.size} sessions rewarded"
+            members = []
+        elif train and not members and not why.startswith("given back"):
+            why = f"{why}: no session was rewarded"
+        t = asyncio.create_task(self._push(group, members, why))
+        self._pushes.add(t)  # held until done: the loop keeps only weak references
+        t.add_done_callback(self._pushes.discard)
+
+    def _record(self, group: Group, outcome: str, why: str, rewarded: int) -> None:
+        self.recent.append(
+            {
+                "group": group.name,
+                "slot": group.task.task_id,
+                "outcome": outcome,
+                "why": why,
+                "rewarded": rewarded,
+                "closed_at": time.time(),
+            }
+        )
+
+    async def _push(self, group: Group, members: list[Session], why: str) -> None:
+        task = group.task
+        if not members:
+            self._record(group, "given back", why, 0)
+            await self.lanes.control(self.client.nack, [task.task_id], why)
+            return
+        scores = [ScoreResult(score=float(s.reward or 0.0)) for s in members]
+        episodes = [s.episode for s in members]
+        trajectories = episode_trajectories(
+            task, episodes, scores, server_id=self.server_id, created_at=group.created
+        )
+        try:
+            await self.pusher.send_async(trajectories)
+        except Exception as e:
+            log.warning("external group %s was not pushed: %s", task.task_id, e)
+            self._record(group, "given back", f"push failed: {e}", len(members))
+            await self.lanes.control(self.client.nack, [task.task_id], f"push failed: {e}")
+            return
+        await self.lanes.control(self.client.ack, [task.task_id])
+        self.metrics["rollout/openai/groups_pushed"] += 1
+        self._record(group, "pushed", f"{why}: trains in a coming step", len(members))
+        if self.on_pushed is not None:
+            self.on_pushed(episode_samples(episodes), scores, task)
+
+    async def _reap_loop(self) -> None:
+        """Consumes nothing; closes groups idle past ``group_idle_s``. Wakes every quarter
+        of it (at most 5 s); ends when :meth:`stop` cancels it."""
+        every = min(5.0, self.idle_s / 4)
+        while True:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for group in list(self.by_name.values()):
+                busy = any(s.busy for s in group.sessions.values())
+                if not busy and now - group.last_active > self.idle_s:
+                    self.metrics["rollout/openai/groups_timed_out"] += 1
+                    log.warning(
+                        "external group %r idle for %.0f s: closed with %d of %d sessions "
+                        "rewarded (rollout.openai_endpoint.group_idle_s)",
+                        group.name,
+                        now - group.last_active,
+                        len(group.rewarded()),
+                        group.size,
+                    )
+                    self.close(group, f"idle for {now - group.last_active:.0f} s")
+
+    # ----------------------------------------------------------------- status
+    def status(self) -> dict[str, Any]:
+        """``GET /rl/status``: the open groups and their members, the last closed ones."""
+        now = time.monotonic()
+        return {
+            "group_size": self.size,
+            "group_idle_s": self.idle_s,
+            "max_groups": self.max_groups,
+            "open_groups": [
+                {
+                    "group": g.name,
+                    "slot": g.task.task_id,
+                    "idle_s": round(now - g.last_active, 1),
+                    "given_back_in_s": round(max(0.0, self.idle_s - (now - g.last_active)), 1),
+                    "members": [
+                        {"session": s.key, "turns": s.episode.turns, "reward": s.reward}
+                        for s in g.sessions.values()
+                    ],
+                }
+                for g in self.by_name.values()
+            ],
+            "recent_groups": list(self.recent),
+        }

@@ -1,0 +1,202 @@
+"""Endpoint slots as agent frameworks use them: the real endpoint served on 127.0.0.1, driven
+by the ``openai`` client, holding slots of a real coordinator over its sockets (a stand-in
+engine and tokenizer stand for vLLM: the slow test in ``test_openai_endpoint.py`` runs it).
+
+A slot is the staleness budget's: a group that is not alive must give it back (its first
+request refused, idle past ``group_idle_s``, abandoned), and an agent refused a slot is told
+what holds the budget and when the next slot frees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.control.client import CoordinatorClient
+from asyncrl.launch.progress import accounting_lines
+from rollout_servers import openai_api
+from rollout_servers.groups import SamplingSettings
+from rollout_servers.openai_api import OpenAIEndpoint
+from tests.helpers import start_coordinator
+from tests.standins.chat import CharTokenizer, ReplyEngine
+
+IDLE_S = 2.0  # rollout.openai_endpoint.group_idle_s
+LIMIT = 8  # the budget: policy lag 1, 4 groups per version
+USER = [{"role": "user", "content": "hi"}]
+
+
+class RecordingPusher:
+    """Takes pushed groups as the buffer would (the trajectories are kept)."""
+
+    def __init__(self) -> None:
+        self.groups: list[Sequence[Any]] = []
+
+    async def send_async(self, trajectories: Sequence[Any], timeout_s: float | None = None):
+        self.groups.append(trajectories)
+        return 0.0
+
+
+@pytest.fixture
+def coordinator() -> Iterator[Any]:
+    coord = start_coordinator(100, per_version=LIMIT // 2)
+    try:
+        yield coord
+    finally:
+        coord.stop()
+
+
+def _agent(url: str, key: str, retries: int = 0) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=retries, timeout=30)
+
+
+async def _chat(url: str, key: str, messages: list[dict] = USER, retries: int = 0) -> Any:
+    async with _agent(url, key, retries) as agent:
+        return await agent.chat.completions.create(model="tiny", messages=messages)
+
+
+async def _post(url: str, path: str, key: str, body: dict) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {key}"}
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url.removesuffix("/v1") + path, json=body, headers=headers) as response,
+    ):
+        return response.status, await response.json()
+
+
+async def _status(url: str) -> dict:
+    async with aiohttp.ClientSession() as http, http.get(url[:-3] + "/rl/status") as response:
+        return await response.json()
+
+
+def _external(coord: Any) -> dict[str, float]:
+    acct = coord.accounting()
+    return {k.split("/", 2)[2]: v for k, v in acct.items() if k.startswith("accounting/external")}
+
+
+def test_slots_are_held_only_by_live_groups(coordinator, tmp_path, monkeypatch):
+    """Eight groups opened and forgotten, a refused request, a bad and a second reward, an
+    abandoned group: the budget is never wedged, and every slot is accounted for."""
+    monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)  # no vLLM import
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=2",
+            "data.max_prompt_length=512",
+            "data.max_response_length=512",
+            "rollout.openai_endpoint.host=127.0.0.1",
+            f"rollout.openai_endpoint.group_idle_s={IDLE_S}",
+            "rollout.openai_endpoint.reward_range=[-1,1]",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+    )
+    client = CoordinatorClient(
+        coordinator.tasks_addr, coordinator.control_addr, "r0", engine_world_size=0
+    )
+    client.register()
+    pusher = RecordingPusher()
+    parts = (ReplyEngine(), CharTokenizer(), client, pusher, SamplingSettings.from_config(cfg))
+    endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        url = await endpoint.start()
+        try:
+            await _refused_and_forgotten(url, endpoint, coordinator)
+            await _rewarded_and_abandoned(url, endpoint, coordinator)
+            async with _agent(url, "x/a") as agent:  # legacy completions: the API's 404
+                with pytest.raises(openai.NotFoundError, match="not served here"):
+                    await agent.completions.create(model="tiny", prompt="1+1=")
+        finally:
+            await endpoint.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        client.close()
+    assert len(pusher.groups) == 1 and len(pusher.groups[0]) == 2
+    ext = _external(coordinator)
+    assert ext == {
+        "dealt": 11.0,
+        "in_flight": 0.0,
+        "in_buffer": 1.0,
+        "trained": 0.0,
+        "dropped/lag": 0.0,
+        "dropped/expired": 0.0,
+        "dropped/duplicate": 0.0,
+        "given_up": 10.0,
+        "unaccounted": 0.0,
+    }, ext
+    line = accounting_lines([coordinator.accounting()])[-1]
+    assert line.startswith("accounting external: dealt 11 = in flight 0 + in buffer 1"), line
+
+
+async def _refused_and_forgotten(url: str, endpoint: OpenAIEndpoint, coord: Any) -> None:
+    # A refused first request holds no slot.
+    with pytest.raises(openai.BadRequestError, match="max_prompt_length"):
+        await _chat(url, "bad/a", [{"role": "user", "content": "x" * 2000}])
+    await asyncio.gather(*endpoint.groups._pushes)  # the slot went back to the coordinator
+    assert _external(coord)["in_flight"] == 0 and _external(coord)["given_up"] == 1
+
+    # Eight groups take a turn each and are forgotten: the budget is theirs.
+    for i in range(LIMIT):
+        assert (await _chat(url, f"dead{i}/a")).choices[0].message.content == "ok"
+    with pytest.raises(openai.RateLimitError) as refused:
+        await _chat(url, "agent/a")
+    said = refused.value.message
+    assert "staleness budget (staleness.max_policy_lag=1) is full" in said, said
+    assert "8 of the 8 groups admitted so far are charged" in said, said
+    assert "8 of them endpoint groups, 8 at this server" in said, said
+    assert "'dead0' idle" in said and "POST /rl/abandon" in said, said
+    status = await _status(url)
+    assert sorted(g["group"] for g in status["open_groups"]) == [f"dead{i}" for i in range(8)]
+    assert all(g["members"][0]["turns"] == 1 for g in status["open_groups"])
+
+    # The agent retries as OpenAI clients do (429 with Retry-After): it gets a slot once
+    # the forgotten groups are idle for group_idle_s, with no learner step in between.
+    asked = time.monotonic()
+    reply = await _chat(url, "agent/a", retries=30)
+    waited = time.monotonic() - asked
+    assert reply.choices[0].message.content == "ok"
+    assert waited < IDLE_S + 10, f"a slot came {waited:.1f} s after the agent asked"
+    status = await _status(url)
+    assert [g["group"] for g in status["open_groups"]] == ["agent"]
+    forgotten = [g for g in status["recent_groups"] if g["group"].startswith("dead")]
+    assert len(forgotten) == 8 and {g["outcome"] for g in forgotten} == {"given back"}
+    assert "no session was rewarded" in forgotten[0]["why"]
+
+
+async def _rewarded_and_abandoned(url: str, endpoint: OpenAIEndpoint, coord: Any) -> None:
+    await _chat(url, "agent/b")
+    status, body = await _post(url, "/rl/reward", "agent/a", {"reward": 5000})
+    assert status == 400 and "reward_range [-1, 1]" in body["error"]["message"], body
+    assert (await _post(url, "/rl/reward", "agent/a", {"reward": 1}))[0] == 200
+    status, body = await _post(url, "/rl/reward", "agent/a", {"reward": 0.5})
+    assert status == 409 and "a reward is final" in body["error"]["message"], body
+    status, body = await _post(url, "/rl/reward", "agent/b", {"reward": 0})
+    assert status == 200 and body["group_complete"], body
+
+    await _chat(url, "quit/a")
+    await asyncio.gather(*endpoint.groups._pushes)
+    ext = _external(coord)
+    assert ext["in_flight"] == 1 and ext["in_buffer"] == 1, ext  # "quit"; "agent" pushed
+    status, body = await _post(url, "/rl/abandon", "quit/a", {})
+    assert status == 200 and body["abandoned"], body
+    status, body = await _post(url, "/rl/abandon", "quit/a", {})
+    assert status == 404 and "no open group 'quit'" in body["error"]["message"], body
+    await asyncio.gather(*endpoint.groups._pushes)
+    outcomes = {g["group"]: g["outcome"] for g in (await _status(url))["recent_groups"]}
+    assert outcomes["agent"] == "pushed" and outcomes["quit"] == "given back"
+
+
+def test_an_endpoint_only_run_refuses_validation_it_could_never_finish():
+    only = ["rollout.openai_endpoint.enable=true", "rollout.openai_endpoint.take_tasks=false"]
+    with pytest.raises(ConfigError, match="trainer.val_before_train=false trainer.test_freq=-1"):
+        load_config(None, only)
+    off = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
+    assert not load_config(None, [*only, *off]).rollout.openai_endpoint.take_tasks
