@@ -16,19 +16,23 @@ SIGTERM to scale down: it leaves the run) is not. See :mod:`asyncrl.launch.super
 Exit: 0 when the learner finishes (the coordinator then ends the run and the other roles
 exit on their own); a role's exit code (128 + N for signal N), with its last log lines,
 when it dies once more after its restarts are used up; 130 on Ctrl-C / SIGTERM after
-stopping only the processes it started, gently (SIGTERM) then firmly (SIGKILL). However it
-ends, no process the run started outlives it.
+stopping only the processes it started, gently (SIGTERM) then firmly (SIGKILL); 2 before
+anything starts when the config cannot run, or another live launch holds this run's
+directory or a port the user chose (:mod:`asyncrl.launch.ports`: a default port that is
+taken moves to a free one instead). However it ends, no process the run started outlives it.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from asyncrl.cli import parse_role_args
-from asyncrl.config import write_resolved
+from asyncrl.config import ConfigError, write_resolved
 from asyncrl.config.inputs import DATA, MODEL, REWARD
 from asyncrl.launch.departures import Departures
+from asyncrl.launch.ports import claim, hold_run_dir
 from asyncrl.launch.roles import commands_text, drive, plan_roles
 from asyncrl.launch.supervise import RestartPolicy, Supervisor
 
@@ -60,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config import run_dir as run_dir_of
 
     run_dir = run_dir_of(cfg)
+    try:  # before anything starts: another run on this machine may hold them
+        held = hold_run_dir(run_dir)  # noqa: F841 - locked while this launcher lives
+        cfg = claim(cfg)
+    except ConfigError as e:
+        sys.stderr.write(f"asyncrl-launch: {e}\n")
+        return 2
     config_path = write_resolved(cfg)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,160 @@
+"""The ports and the run directory of a run launched on one machine, claimed before any role
+starts: a second run must neither crash-loop on the first one's ports nor write into its
+run directory.
+
+The coordinator's and the buffer's ports (``endpoints.*``) have fixed defaults, so that
+roles started by hand on several machines find each other. ``asyncrl-launch`` runs every
+role on this machine, so it claims them first (:func:`claim`):
+
+- a port left at its default that is taken (bound by another process, or claimed by
+  another live launch that has not bound it yet) moves, with every other default port, to
+  free ones; the resolved config in the run directory, which every role reads, says which;
+- a taken port the user chose is refused in one line naming its key;
+- a run directory in use by another live launch is refused in one line naming
+  ``trainer.experiment_name``.
+
+Claims live in a small file in the system's temporary directory, changed under a file lock
+(launches started at the same instant are served one after the other) and pruned of
+launches that are gone; the run directory is held with a lock on ``launch.lock`` that the
+kernel lets go when the launcher exits, however it exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO
+
+from asyncrl.config import Config, ConfigError
+from asyncrl.config.schema import EndpointsConfig
+
+log = logging.getLogger(__name__)
+
+#: The ``endpoints.*`` keys that are ports.
+PORT_KEYS = ("tasks", "trajectories", "batches", "control", "sync_store")
+
+
+def claims_file() -> Path:
+    return Path(tempfile.gettempdir()) / f"asyncrl-launch-ports-{os.getuid()}.json"
+
+
+def bindable(host: str, port: int) -> bool:
+    """Whether ``port`` can be bound on ``host`` now (as the roles' sockets bind it)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_ports(host: str, n: int, avoid: set[int]) -> list[int]:
+    """``n`` different ports the OS offers free on ``host``, none in ``avoid``."""
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = stack.enter_context(socket.socket())
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+        return ports
+
+
+@contextlib.contextmanager
+def _locked_claims() -> Iterator[dict[str, list[int]]]:
+    """The live launches' claimed ports (pid -> ports), read and written under a lock."""
+    path = claims_file()
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        try:
+            claims = json.loads(f.read() or "{}")
+        except json.JSONDecodeError:
+            claims = {}
+        live = {pid: ports for pid, ports in claims.items() if _alive(int(pid))}
+        yield live
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(live))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def claim(cfg: Config) -> Config:
+    """Claim the run's ports for this process (see the module docstring); returns the
+    config with the ports it will use. Raises :class:`ConfigError` naming the key to change
+    when a port the user chose is taken."""
+    ep = cfg.endpoints
+    defaults = EndpointsConfig()
+    with _locked_claims() as claims:
+        others = {p for ports in claims.values() for p in ports}
+        taken = [
+            k
+            for k in PORT_KEYS
+            if getattr(ep, k) in others or not bindable(ep.host, getattr(ep, k))
+        ]
+        chosen = [k for k in taken if getattr(ep, k) != getattr(defaults, k)]
+        if chosen:
+            raise ConfigError(
+                [
+                    f"endpoints.{k}={getattr(ep, k)} is taken on {ep.host} (another run?): "
+                    "choose a free port, or leave it at its default to have one chosen"
+                    for k in chosen
+                ]
+            )
+        if taken:
+            movable = [k for k in PORT_KEYS if getattr(ep, k) == getattr(defaults, k)]
+            keep = {getattr(ep, k) for k in PORT_KEYS if k not in movable}
+            ports = _free_ports(ep.host, len(movable), others | keep)
+            moved = dict(zip(movable, ports, strict=True))
+            log.warning(
+                "endpoints %s taken on %s (another run on this machine?): this run uses %s",
+                ", ".join(f"{k}={getattr(ep, k)}" for k in taken),
+                ep.host,
+                " ".join(f"endpoints.{k}={p}" for k, p in moved.items()),
+            )
+            ep = ep.model_copy(update=moved)
+            cfg = cfg.model_copy(update={"endpoints": ep})
+        claims[str(os.getpid())] = [getattr(ep, k) for k in PORT_KEYS]
+    return cfg
+
+
+def hold_run_dir(run_dir: Path) -> IO[str]:
+    """Lock ``run_dir`` for this launch (keep the returned file open while the run lasts);
+    raises :class:`ConfigError` when another live launch holds it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    f = open(run_dir / "launch.lock", "a+")  # noqa: SIM115 - held for the run's life
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "?"
+        f.close()
+        raise ConfigError(
+            [
+                f"run directory {run_dir} is in use by another asyncrl-launch (pid {holder}): "
+                "give this run its own trainer.experiment_name (or stop that run)"
+            ]
+        ) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f

@@ -1,0 +1,91 @@
+"""What a launch claims before anything starts (:mod:`asyncrl.launch.ports`), on real
+sockets on 127.0.0.1: a default port that is taken moves to a free one, a port the user
+chose that is taken is refused naming its key, and a run directory is one launch's."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.launch import ports
+from tests.helpers import free_ports
+
+HOST = ["endpoints.host=127.0.0.1"]
+
+
+@pytest.fixture(autouse=True)
+def own_claims(tmp_path, monkeypatch):
+    """Claims of this test only (the real file is shared by every launch of this user)."""
+    path = tmp_path / "claims.json"
+    monkeypatch.setattr(ports, "claims_file", lambda: path)
+    return path
+
+
+def _ports(cfg) -> list[int]:
+    return [getattr(cfg.endpoints, k) for k in ports.PORT_KEYS]
+
+
+def test_a_taken_default_port_moves_every_default_port_to_a_free_one():
+    cfg = load_config(None, HOST)
+    with socket.socket() as squatter:  # another run's buffer, say
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            squatter.bind(("127.0.0.1", cfg.endpoints.trajectories))
+            squatter.listen()
+        except OSError:
+            pass  # taken already: by another run indeed
+        moved = ports.claim(cfg)
+        assert not ports.bindable("127.0.0.1", cfg.endpoints.trajectories)
+    new = _ports(moved)
+    assert len(set(new)) == len(new) and not set(new) & set(_ports(cfg)), new
+    assert all(ports.bindable("127.0.0.1", p) for p in new)
+
+
+def test_a_taken_port_the_user_chose_is_refused_naming_its_key():
+    (port,) = free_ports(1)
+    cfg = load_config(None, [*HOST, f"endpoints.batches={port}"])
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        with pytest.raises(ConfigError, match=rf"endpoints.batches={port} is taken on 127.0.0.1"):
+            ports.claim(cfg)
+
+
+def test_ports_claimed_by_a_live_launch_are_not_taken_again(own_claims):
+    """Two launches at the same instant: the first has claimed the defaults but bound
+    nothing yet; the second must still move. A gone launch's claims are pruned."""
+    cfg = load_config(None, HOST)
+    own_claims.write_text(json.dumps({str(os.getppid()): _ports(cfg)}))
+    second = ports.claim(cfg)
+    assert not set(_ports(second)) & set(_ports(cfg))
+    claims = json.loads(own_claims.read_text())
+    assert claims[str(os.getpid())] == _ports(second)
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    chosen = free_ports(5)
+    own_claims.write_text(json.dumps({gone.stdout.strip(): chosen}))
+    mine = load_config(
+        None, [*HOST, *(f"endpoints.{k}={p}" for k, p in zip(ports.PORT_KEYS, chosen, strict=True))]
+    )
+    assert _ports(ports.claim(mine)) == chosen  # the gone launch's claim did not count
+    assert list(json.loads(own_claims.read_text())) == [str(os.getpid())]
+
+
+def test_a_run_directory_is_held_by_one_launch(tmp_path):
+    held = ports.hold_run_dir(tmp_path / "run")
+    try:
+        with pytest.raises(
+            ConfigError, match=rf"in use by another asyncrl-launch \(pid {os.getpid()}\)"
+        ):
+            ports.hold_run_dir(tmp_path / "run")
+    finally:
+        held.close()
+    ports.hold_run_dir(tmp_path / "run").close()  # let go with its launcher
