@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install test demo ppo-demo agent-demo artifacts gpu-check lint format clean demo-artifacts
+.PHONY: install test demo ppo-demo agent-demo agent-artifacts endpoint-demo artifacts gpu-check lint format clean demo-artifacts
 
 install: $(STAMP)
 
@@ -48,13 +48,21 @@ demo: demo-artifacts
 ppo-demo: demo-artifacts
 	$(BIN)/asyncrl-launch configs/cpu_demo_ppo.yaml
 
-# The multi-turn demo: the tiny model learns to use a calculator tool better (add, mul).
-agent-demo: $(STAMP)
+# The calculator demo's model and data (built once; both agent demos use them).
+agent-artifacts: $(STAMP)
 	test -f artifacts/models/tiny-agent/config.json || $(BIN)/asyncrl-prepare model --name tiny \
 		--task calculator --flatten --out artifacts/models/tiny-agent
 	test -f artifacts/data/calculator/train.parquet || $(BIN)/asyncrl-prepare data \
 		--task calculator --out artifacts/data/calculator --tokenizer artifacts/models/tiny-agent
+
+# The multi-turn demo: the tiny model learns to use a calculator tool better (add, mul).
+agent-demo: agent-artifacts
 	$(BIN)/asyncrl-launch configs/cpu_agent_demo.yaml
+
+# The same model trained by an agent outside the run, through the OpenAI endpoint: run
+# the README's agent.py in a second terminal.
+endpoint-demo: agent-artifacts
+	$(BIN)/asyncrl-launch configs/cpu_agent_endpoint.yaml
 
 # What of the GPU path runs on the GPUs visible here (tests marked gpu, the learner on CUDA
 # with NCCL, an end-to-end run with vLLM on CUDA), as a table; every item skipped without a

@@ -158,6 +158,13 @@ class EndpointGroups:
     def _refusal(self, grant: TaskGrant) -> RequestError:
         """The answer to a refused slot: what holds the budget and what frees it."""
         self.metrics[f"rollout/openai/slots_refused/{grant.reason}"] += 1
+        if grant.reason == "shutdown":
+            return RequestError(
+                503,
+                "the run is ending (its learner finished): no new groups",
+                "unavailable",
+                retry=False,
+            )
         if grant.reason != "budget":
             return RequestError(
                 503, f"no training slot now ({grant.reason}); retry shortly", "unavailable"

@@ -122,18 +122,25 @@ class OpenAIEndpoint:
         log.info("%s serves the OpenAI API at %s", self.server_id, self.url)
         return self.url
 
-    def _write_url(self) -> None:
+    def _url_file(self) -> Path:
         from asyncrl.config import run_dir
 
-        folder = Path(run_dir(self.cfg)) / "openai_endpoints"
-        folder.mkdir(parents=True, exist_ok=True)
+        return Path(run_dir(self.cfg)) / "openai_endpoints" / f"{self.server_id}.json"
+
+    def _write_url(self) -> None:
+        path = self._url_file()
+        path.parent.mkdir(parents=True, exist_ok=True)
         doc = {"server_id": self.server_id, "base_url": self.url}
-        (folder / f"{self.server_id}.json").write_text(json.dumps(doc) + "\n")
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc) + "\n")
+        tmp.replace(path)  # an agent polling for the file never reads half of it
 
     async def stop(self) -> None:
-        """Stop serving; open groups are given back (the coordinator gives them up)."""
+        """Stop serving (the URL file goes: agents waiting for one wait for the next
+        server's); open groups are given back (the coordinator gives them up)."""
         if self._runner is not None:
             await self._runner.cleanup()
+            self._url_file().unlink(missing_ok=True)
         await self.groups.stop()
 
     def task_ids(self) -> list[str]:
@@ -176,7 +183,9 @@ class OpenAIEndpoint:
                     "start the next episode with another GROUP/MEMBER key",
                 )
             if session.busy:
-                raise RequestError(409, "a completion of this session is running already")
+                raise RequestError(
+                    409, "a completion of this session is running already", retry=True
+                )
             session.busy = True
             try:
                 return web.json_response(await self._turn(session, messages, body))
@@ -188,7 +197,7 @@ class OpenAIEndpoint:
         except Exception as e:  # the engine failed: say so in the API's shape, serve on
             log.exception("OpenAI endpoint: a completion failed")
             self.groups.give_back_if_unused(key)
-            error = RequestError(500, f"{type(e).__name__}: {e}", "server_error")
+            error = RequestError(500, f"{type(e).__name__}: {e}", "server_error", retry=True)
             return _refused(self.metrics, error)
 
     async def _reward(self, request: web.Request) -> web.Response:
@@ -281,7 +290,9 @@ class OpenAIEndpoint:
 
 def _refused(metrics: Counter[str], e: RequestError) -> web.Response:
     metrics[f"rollout/openai/refused/{e.status}"] += 1
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
+    headers = {"x-should-retry": "true" if e.retry else "false"}
+    if e.retry:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
     return web.json_response(e.body(), status=e.status, headers=headers)
 
 

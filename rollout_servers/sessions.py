@@ -45,11 +45,21 @@ INPUT_ROLES = ("system", "user", "tool")
 
 
 class RequestError(Exception):
-    """A request the endpoint refuses: HTTP ``status`` and one line naming the fix."""
+    """A request the endpoint refuses: HTTP ``status`` and one line naming the fix.
+    ``retry`` says whether the same request may succeed later (429, 503 and a busy session
+    may; a refused request as such, or a run that is ending, may not): OpenAI clients obey
+    it (the ``x-should-retry`` header) before their own rule, which retries every 409."""
 
-    def __init__(self, status: int, message: str, code: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        code: str = "invalid_request_error",
+        retry: bool | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
+        self.retry = status in (429, 503) if retry is None else retry
 
     def body(self) -> dict[str, Any]:
         """The error body, shaped as the OpenAI API shapes its errors."""

@@ -149,6 +149,7 @@ async def _refused_and_forgotten(url: str, endpoint: OpenAIEndpoint, coord: Any)
     with pytest.raises(openai.RateLimitError) as refused:
         await _chat(url, "agent/a")
     said = refused.value.message
+    assert refused.value.response.headers["x-should-retry"] == "true"
     assert "staleness budget (staleness.max_policy_lag=1) is full" in said, said
     assert "8 of the 8 groups admitted so far are charged" in said, said
     assert "8 of them endpoint groups, 8 at this server" in said, said

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import shutil
 import sys
 
 from asyncrl.cli import parse_role_args
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         sys.stderr.write(f"asyncrl-launch: {e}\n")
         return 2
+    # Endpoint URLs of an earlier launch of this run point at servers that are gone.
+    shutil.rmtree(run_dir / "openai_endpoints", ignore_errors=True)
     config_path = write_resolved(cfg)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
