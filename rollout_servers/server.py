@@ -239,7 +239,12 @@ class RolloutServer:
             raise
         except Exception as e:  # one bad task must not stop the server
             self.metrics["rollout/task_errors"] += 1
-            log.exception("task %s failed", task.task_id)
+            if type(e).__name__ == "EngineDeadError" or self.client.shutdown.is_set():
+                # The engine's own log has the cause (or the server is stopping, and the
+                # engine went first): a traceback of the await adds nothing.
+                log.error("task %s failed: %s: %s", task.task_id, type(e).__name__, e)
+            else:
+                log.exception("task %s failed", task.task_id)
             if not pushed:  # its group never left: the coordinator deals it again
                 reason = f"{type(e).__name__}: {e}"
                 await self.lanes.control(self.client.nack, [task.task_id], reason)

@@ -80,6 +80,13 @@ def test_sigterm_stops_every_role_it_started(tmp_path):
         run = json.loads((tmp_path / "asyncrl" / "cpu_demo" / "pids.json").read_text())
         assert run["roles"] == {name: None for name in pids}  # each reaped
         assert not processes_of_run(tmp_path / "asyncrl" / "cpu_demo")  # nor what they started
+        events = (tmp_path / "asyncrl" / "cpu_demo" / "launch.jsonl").read_text().splitlines()
+        stopped = {
+            e["role"]
+            for e in map(json.loads, events)
+            if e["event"] == "exit" and e.get("stopped_by") == "launcher"
+        }
+        assert stopped == set(pids), events  # every exit recorded, a stop's too
         assert bystander.poll() is None  # nothing it did not start
     finally:
         bystander.kill()
@@ -276,7 +283,7 @@ def test_the_supervisor_restarts_dead_roles_and_finishes_with_the_learner(tmp_pa
     assert proc.returncode == 0, out
     assert "restarting rollout-0 in 0.2s (it ended: killed by SIGKILL" in out
     assert "restarting learner in 0.2s (it ended: exit code 7" in out
-    assert "rollout-1 exited 0 on its own" in out
+    assert "rollout-1 exited 0: its part is done" in out
     # The first attempts' trees were gone before the second attempts started.
     for name in ("rollout-0", "learner"):
         assert (

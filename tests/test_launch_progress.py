@@ -12,8 +12,12 @@ from asyncrl.launch.progress import (
     ProgressView,
     accounting_line,
     accounting_lines,
+    eta_s,
+    lag_counts,
+    main,
     read_restarts,
     summary_table,
+    write_plots,
 )
 
 
@@ -78,3 +82,37 @@ def test_restarts_in_the_live_line_and_the_summary(tmp_path):
         ["restarts", "learner", "1"],
     ]
     assert read_restarts(tmp_path / "nowhere") == {}
+
+
+def test_the_progress_command_explains_itself_and_bad_directories(tmp_path, capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as asked:
+        main(["--help"])
+    assert asked.value.code == 0 and "RUN_DIR" in capsys.readouterr().out.upper()
+    assert main([str(tmp_path / "nowhere")]) == 2
+    assert "no run directory" in capsys.readouterr().err
+    assert main([str(tmp_path)]) == 1
+    assert "no metrics in" in capsys.readouterr().err
+
+
+def test_plots_name_the_run_show_only_lags_seen_and_a_critic(tmp_path):
+    records = [
+        {"step": s, "time": float(s), "reward/mean": 0.1 * s, "perf/tokens_per_s": 100.0}
+        | {f"lag/hist_{k}": float(k < 2) for k in range(8)}  # lags 0 and 1 only
+        | {"critic/vf_loss": 1.0 / s, "critic/vf_explained_var": 0.1 * s}
+        for s in range(1, 4)
+    ]
+    assert lag_counts(records) == {0: 3.0, 1: 3.0}
+    (run := tmp_path / "proj" / "exp").mkdir(parents=True)
+    (path,) = write_plots(run, records)
+    assert path.stat().st_size > 0
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main([str(run)]) == 0
+
+
+def test_the_eta_goes_by_the_pace_of_steps_not_start_up():
+    records = [{"step": 0, "time": 0.0}]  # the launch; engines load for 100 s
+    records += [{"step": s, "time": 100.0 + 2.0 * s, "loss/pg": 0.0} for s in (1, 2, 3)]
+    assert eta_s(records[:2], 10) != eta_s(records[:2], 10)  # NaN: one step says no pace
+    assert eta_s(records, 10) == 14.0  # 7 steps left at 2 s each

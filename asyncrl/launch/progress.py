@@ -110,6 +110,19 @@ def accounting_lines(records: list[dict[str, float]]) -> list[str]:
     return lines
 
 
+def eta_s(records: list[dict[str, float]], total: int | None) -> float:
+    """Seconds to step ``total`` at the pace of the steps trained so far (NaN before two
+    steps): start-up (engines loading, a first validation) is not a step's pace."""
+    steps = {}
+    for r in records:
+        if "loss/pg" in r and "time" in r:
+            steps.setdefault(r["step"], r["time"])
+    if len(steps) < 2 or not total:
+        return float("nan")
+    (s0, t0), (s1, t1) = min(steps.items()), max(steps.items())
+    return max(0.0, (total - s1) * (t1 - t0) / max(s1 - s0, 1e-9))
+
+
 class ProgressView:
     """A live status line with a progress bar and ETA, redrawn on each :meth:`update`."""
 
@@ -126,8 +139,7 @@ class ProgressView:
         step = last_value(records, "step") or 0
         frac = min(step / self.total, 1.0) if self.total else 0.0
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
-        elapsed = time.monotonic() - self.started
-        eta = elapsed / frac - elapsed if frac > 0 else float("nan")
+        eta = eta_s(records, self.total)
         parts = [f"[{bar}] {step:.0f}/{self.total}"]
         parts += [f"{label} {_fmt(fmt, last_value(records, key))}" for label, key, fmt in LIVE[1:]]
         if total := sum((restarts or {}).values()):
@@ -185,15 +197,19 @@ def summary_table(records: list[dict[str, float]], restarts: dict[str, int] | No
 
 
 def write_plots(run_dir: Path, records: list[dict[str, float]]) -> list[Path]:
-    """``progress.png``: reward and validation score vs step and vs time, throughput, and
-    the lag of what was trained on."""
+    """``progress.png``, titled with the run: reward and validation score vs step and vs
+    time, throughput, the lag of what was trained on (the lags that occurred), and for a
+    run with a critic its value loss and explained variance."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t0 = records[0].get("time", 0.0)
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    critic = any("critic/vf_loss" in r for r in records)
+    fig, axes = plt.subplots(2, 3 if critic else 2, figsize=(16 if critic else 11, 7))
+    run = Path(run_dir).resolve()
+    fig.suptitle(f"{run.parent.name}/{run.name}")
     for key, label in (("reward/mean", "reward"), ("val/score", "validation score")):
         pts = [(r["step"], r.get("time", t0) - t0, r[key]) for r in records if key in r]
         if pts:
@@ -201,20 +217,23 @@ def write_plots(run_dir: Path, records: list[dict[str, float]]) -> list[Path]:
             axes[0][1].plot([p[1] for p in pts], [p[2] for p in pts], "o-", ms=3, label=label)
     axes[0][0].set(xlabel="learner step", title="score vs step")
     axes[0][1].set(xlabel="seconds", title="score vs time")
-    for ax in axes[0]:
+    for ax in axes[0][:2]:
         ax.legend()
     tput = [(r["step"], r["perf/tokens_per_s"]) for r in records if "perf/tokens_per_s" in r]
     axes[1][0].plot([p[0] for p in tput], [p[1] for p in tput])
     axes[1][0].set(xlabel="learner step", ylabel="tokens/s", title="training throughput")
-    lags: dict[int, float] = {}
-    for r in records:
-        for k, v in r.items():
-            if k.startswith("lag/hist_") and k[len("lag/hist_") :].isdigit():
-                lag = int(k[len("lag/hist_") :])
-                lags[lag] = lags.get(lag, 0) + v
+    lags = lag_counts(records)
     axes[1][1].bar(list(lags), list(lags.values()))
     axes[1][1].set(xlabel="policy lag (versions)", ylabel="responses", title="lag of trained data")
     axes[1][1].set_xticks(sorted(lags))
+    if critic:
+        for ax, key, title in (
+            (axes[0][2], "critic/vf_loss", "critic value loss"),
+            (axes[1][2], "critic/vf_explained_var", "critic explained variance"),
+        ):
+            pts = [(r["step"], r[key]) for r in records if key in r]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts])
+            ax.set(xlabel="learner step", title=title)
     fig.tight_layout()
     path = Path(run_dir) / "progress.png"
     fig.savefig(path, dpi=110)
@@ -222,11 +241,52 @@ def write_plots(run_dir: Path, records: list[dict[str, float]]) -> list[Path]:
     return [path]
 
 
-if __name__ == "__main__":
-    directory = Path(sys.argv[1])
+def lag_counts(records: list[dict[str, float]]) -> dict[int, float]:
+    """Responses trained on, by policy lag, over the run (``lag/hist_<k>``); only the lags
+    that occurred, so the axis ends at the largest lag seen, not at the histogram's width."""
+    lags: dict[int, float] = {}
+    for r in records:
+        for k, v in r.items():
+            if k.startswith("lag/hist_") and k[len("lag/hist_") :].isdigit():
+                lag = int(k[len("lag/hist_") :])
+                lags[lag] = lags.get(lag, 0) + v
+    return {lag: n for lag, n in sorted(lags.items()) if n} or {0: 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m asyncrl.launch.progress RUN_DIR``: a run's summary, accounting and
+    plots, from its files (while it runs, or after)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m asyncrl.launch.progress",
+        description="Print a run's summary table and accounting, and write its "
+        "progress.png, from the files in its run directory.",
+    )
+    parser.add_argument(
+        "run_dir", type=Path, help="the run directory: <default_local_dir>/<project>/<experiment>"
+    )
+    args = parser.parse_args(argv)
+    directory: Path = args.run_dir
+    if not directory.is_dir():
+        sys.stderr.write(
+            f"{parser.prog}: no run directory {directory}: give "
+            "<trainer.default_local_dir>/<trainer.project_name>/<trainer.experiment_name>\n"
+        )
+        return 2
     recs, restarts_of = read_metrics(directory), read_restarts(directory)
-    sys.stdout.write((summary_table(recs, restarts_of) if recs else "no metrics yet") + "\n")
+    if not recs:
+        sys.stderr.write(
+            f"{parser.prog}: no metrics in {directory} yet (the learner writes "
+            "metrics.jsonl from its first step on)\n"
+        )
+        return 1
+    sys.stdout.write(summary_table(recs, restarts_of) + "\n")
     for text in accounting_lines(recs):
         sys.stdout.write(text + "\n")
-    if recs:
-        sys.stdout.write(f"{write_plots(directory, recs)[0]}\n")
+    sys.stdout.write(f"{write_plots(directory, recs)[0]}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

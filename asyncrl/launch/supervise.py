@@ -208,7 +208,10 @@ class Supervisor:
             self._event(role.name, "exit", exit_code=0)
             if role is self.roles[-1]:
                 return self._wind_down(view)
-            log.info("%s exited 0 on its own (it left the run): not restarting it", role.name)
+            log.info(
+                "%s exited 0: its part is done (the run is ending, or it was told to leave)",
+                role.name,
+            )
             return None
         now = time.monotonic()
         if code == CONFIG_ERROR:
@@ -319,7 +322,8 @@ class Supervisor:
             log.warning("%s did not stop within %.0fs: killing it", role.name, grace_s)
         for role in self.roles:
             if role.proc is not None:
-                self.reap(role)
+                code = self.reap(role)
+                self._event(role.name, "exit", exit_code=code, stopped_by="launcher")
         self.sweep()
 
     def reap(self, role: Role) -> int:
