@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import Counter, deque
 
 from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
@@ -37,12 +36,11 @@ from rollout_servers.protocols import (
     Scorer,
     Tokenizer,
 )
+from rollout_servers.server_stats import ServerStats
 from rollout_servers.worker_ext import PARTLY_LOADED
 
 log = logging.getLogger(__name__)
 
-#: Responses the recent reward and length means are taken over.
-RECENT = 1000
 #: How often the task loop reports metrics (they ride on the next heartbeat) and, while
 #: its slots are full, looks at the stop flags the heartbeat thread sets.
 REPORT_EVERY_S = 1.0
@@ -75,6 +73,8 @@ class RolloutServer:
         self.pusher = pusher
         self.client = client
         self.settings = SamplingSettings.from_config(cfg, seeded=seeded)
+        self.stats = ServerStats(tokenizer)
+        self.metrics = self.stats.metrics  # the counters the loops below add to
         self.lanes = Lanes(scoring_threads=cfg.reward.num_workers)
         self.agent = agent  # runs tool_agent tasks as multi-turn episodes (None: single turn)
         self.max_inflight = cfg.rollout.max_inflight
@@ -87,26 +87,10 @@ class RolloutServer:
         self.held: dict[str, Task] = {}  # tasks being generated, by id
         self.endpoint = endpoint  # serves outside agents (None: rollout.openai_endpoint off)
         if endpoint is not None:
-            endpoint.groups.on_pushed, endpoint.groups.lanes = self.count_group, self.lanes
+            endpoint.groups.on_pushed, endpoint.groups.lanes = self.stats.count_group, self.lanes
         client.held_tasks = self._held_ids  # said at (re-)registration
         self.generation = ""  # the sync group this engine's workers are in
         self.fatal = ""  # why this server cannot go on (its engine died): exit, be restarted
-        self.groups_done = 0
-        self.tokens_by_version: Counter[int] = Counter()
-        self.metrics: dict[str, float] = {
-            "rollout/task_wait_s": 0.0,
-            "rollout/groups": 0,
-            "rollout/tokens": 0,
-            "rollout/prompts_truncated": 0,
-            "rollout/task_errors": 0,
-            "rollout/push_wait_s": 0.0,
-        }
-        self.rewards: deque[float] = deque(maxlen=RECENT)  # of the latest responses
-        self.lengths: deque[int] = deque(maxlen=RECENT)
-        self.started = time.monotonic()
-        # Task wait = time with nothing in flight (idle, waiting for a grant): set when the
-        # last sequence finishes, added to rollout/task_wait_s when tasks arrive.
-        self._idle_since: float | None = self.started
 
     # ----------------------------------------------------------------- main loop
     async def run(self) -> int:
@@ -185,9 +169,7 @@ class RolloutServer:
             grant = await self.lanes.control(self.client.request_tasks, want)
             if not grant.tasks:
                 continue
-            if self._idle_since is not None:
-                self.metrics["rollout/task_wait_s"] += time.monotonic() - self._idle_since
-                self._idle_since = None
+            self.stats.busy()
             for task in grant.tasks:
                 self.inflight += task.n
                 t = asyncio.create_task(self._run_task(task))
@@ -208,7 +190,7 @@ class RolloutServer:
         """Give back ``n`` slots and wake the task loop if it waits for them."""
         self.inflight -= n
         if self.inflight == 0:
-            self._idle_since = time.monotonic()
+            self.stats.idle()
         self._slots_freed.set()
 
     def stop(self) -> None:
@@ -234,7 +216,7 @@ class RolloutServer:
             self.metrics["rollout/push_wait_s"] += await self.pusher.send_async(group)
             pushed = True
             await self.lanes.control(self.client.ack, [task.task_id])
-            self.count_group(samples, scores, task)
+            self.stats.count_group(samples, scores, task)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # one bad task must not stop the server
@@ -351,48 +333,11 @@ class RolloutServer:
         await self.lanes.sync(self.client.sync_done, start, True, "", stats["seconds"])
 
     # ----------------------------------------------------------------- metrics
-    def count_group(self, samples: list[Sample], scores: list[ScoreResult], task: Task) -> None:
-        """Count a pushed group in the server's metrics (its own, or an endpoint's)."""
-        self.groups_done += 1
-        self.metrics["rollout/groups"] += 1
-        for s, score in zip(samples, scores, strict=True):
-            self.metrics["rollout/tokens"] += len(s.token_ids)
-            for version, n in s.version_spans:
-                self.tokens_by_version[version] += n
-            self.rewards.append(score.score)
-            self.lengths.append(len(s.token_ids))
-        if self.groups_done % 50 == 1:  # a sample generation, now and then
-            text = self.tok.decode(samples[0].token_ids, skip_special_tokens=True)
-            log.info(
-                "sample [%s] %r -> %r reward %.2f",
-                task.task_id,
-                task.prompt[-1]["content"][:200] if task.prompt else "(an outside agent's)",
-                text[:200],
-                scores[0].score,
-            )
-
     def snapshot(self) -> dict[str, float]:
         """Current metrics (cumulative counters and recent means)."""
-        elapsed = max(time.monotonic() - self.started, 1e-9)
-        out = dict(self.metrics)
-        out.update(self.engine.metrics)
-        if self.agent is not None:
-            out.update(self.agent.metrics)
-        if self.endpoint is not None:
-            out.update(self.endpoint.metrics)
-        out["rollout/tokens_per_s"] = self.metrics["rollout/tokens"] / elapsed
-        out["rollout/inflight"] = self.inflight
-        if self._idle_since is not None:  # idle now: count the wait so far
-            out["rollout/task_wait_s"] += time.monotonic() - self._idle_since
-        # A sync while idle counts in both; the fraction is capped at 1.
-        waited = out["rollout/task_wait_s"] + self.engine.metrics["rollout/sync_pause_s"]
-        out["rollout/wait_fraction"] = min(1.0, waited / elapsed)
-        if self.rewards:
-            out["rollout/reward_mean"] = sum(self.rewards) / len(self.rewards)
-            out["rollout/response_length_mean"] = sum(self.lengths) / len(self.lengths)
-        for version, n in self.tokens_by_version.items():
-            out[f"rollout/tokens_by_version/{version}"] = n
-        return out
+        parts = [self.engine.metrics]
+        parts += [p.metrics for p in (self.agent, self.endpoint) if p is not None]
+        return self.stats.snapshot(parts, self.inflight)
 
     def _log_progress(self) -> None:
         m = self.snapshot()

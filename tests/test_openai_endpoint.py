@@ -138,7 +138,8 @@ def test_an_outside_agent_trains_through_the_endpoint(rig, agent_model, single_r
     with pytest.raises(openai.RateLimitError) as refused:
         rig.chat("g1/a", [{"role": "user", "content": "3+4="}])
     assert refused.value.response.headers.get("Retry-After")
-    assert "staleness budget (staleness.max_policy_lag)" in refused.value.message
+    assert "staleness budget (staleness.max_policy_lag=0) is full" in refused.value.message
+    assert "g0' idle" in refused.value.message  # what holds it
     assert rig.reward("g0/a", 1.0).json()["group_complete"] is False
     done = rig.reward("g0/b", 0.0).json()
     assert done["group_complete"] and done["rewarded"] == 2

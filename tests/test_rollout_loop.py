@@ -29,7 +29,8 @@ from rollout_servers import protocols, server
 from rollout_servers.agent import AgentRunner, AgentSettings
 from rollout_servers.engine import Sample, SyncJoin
 from rollout_servers.groups import SamplingSettings
-from rollout_servers.server import RECENT, RolloutServer
+from rollout_servers.server import RolloutServer
+from rollout_servers.server_stats import RECENT
 from tests.helpers import wait_until_async
 from tests.standins.chat import EOT, CharTokenizer
 
@@ -265,8 +266,8 @@ def test_recent_windows_are_bounded() -> None:
     sample = Sample(list(RESPONSE), [-0.5] * 3, [(0, 3)], "stop")
     for i in range(RECENT):  # 2 * RECENT responses: the first half scored 0, then 1
         score = ScoreResult(float(i >= RECENT // 2))
-        srv.count_group([sample, sample], [score, score], _task(f"train/0/{i}"))
-    assert len(srv.rewards) == len(srv.lengths) == RECENT
+        srv.stats.count_group([sample, sample], [score, score], _task(f"train/0/{i}"))
+    assert len(srv.stats.rewards) == len(srv.stats.lengths) == RECENT
     assert srv.snapshot()["rollout/reward_mean"] == 1.0  # only the latest RECENT responses
     assert srv.snapshot()["rollout/response_length_mean"] == len(RESPONSE)
 
