@@ -13,6 +13,9 @@ acknowledge the batches the checkpoint contains (with ``save_freq <= 0``, no int
 checkpoint: each batch is acknowledged once trained). At the end: final checkpoint, an HF export
 that vLLM loads, and the coordinator ends the run (servers and buffer exit). When the data
 is spent (every epoch dealt, fewer than a batch of groups left) training ends early there.
+Each step's metrics pass the health alarms (:mod:`learner.health`); with
+``trainer.health.action: stop`` the first alarm ends the run the same way, with a
+checkpoint, and the learner exits 5 (the launcher does not restart it).
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
+from asyncrl.launch.restart_policy import HEALTH_STOP
 from learner.control_plane import ControlPeer, NoControl, RankZero, Restored
+from learner.health import Alarm, HealthMonitor
 from learner.rollouts import Rollout
 
 log = logging.getLogger(__name__)
@@ -77,6 +82,8 @@ class LearnerLoop:
         self.last_batch_id = self.restored.last_batch_id
         self.last_batch_session = self.restored.last_batch_session
         self.unacked: list[int] = []  # batch ids trained on since the last checkpoint
+        self.health = HealthMonitor(cfg.trainer.health)
+        self.stopped_by: Alarm | None = None  # the alarm that ended the run (action: stop)
 
     # ------------------------------------------------------------------ main loop
     def run(self) -> int:
@@ -92,9 +99,17 @@ class LearnerLoop:
             while self.trainer.step < self.total and self._one_step():
                 pass
             self._save(final=True)
-            done = True
+            done = self.stopped_by is None
         finally:
             self.control.finish(self.trainer.step, validate=done)
+        if self.stopped_by is not None:
+            log.error(
+                "the run stopped at step %d on %s (trainer.health.action=stop); its "
+                "checkpoint is saved: fix the cause, then launch again to resume",
+                self.trainer.step,
+                self.stopped_by.metric,
+            )
+            return HEALTH_STOP
         return 0
 
     def _one_step(self) -> bool:
@@ -118,7 +133,15 @@ class LearnerLoop:
             metrics.update(self._push())
         if c.trainer.save_freq > 0 and t.step % c.trainer.save_freq == 0 and t.step < self.total:
             self._save()
+        alarms = self.health.check(metrics)
+        metrics.update(self.health.metrics())
+        if t.rank == 0:
+            for alarm in alarms:
+                log.warning("%s", alarm.line(t.step))
         self.control.after_step(t.step, metrics, t.policy_version)
+        if alarms and c.trainer.health.action == "stop":
+            self.stopped_by = alarms[0]  # every rank sees the same metrics: all stop here
+            return False
         return True
 
     def _mark(self, event: str) -> None:

@@ -370,6 +370,8 @@ def summarize_stats(stats: dict[str, float], importance_mode: str) -> dict[str, 
         "importance/w_max": stats["w_max"],
         # Normalised effective sample size (sum w)^2 / (n * sum w^2), in (0, 1].
         "importance/ess": stats["w_sum"] ** 2 / (stats["w_units"] * w_sq) if w_sq > 0 else 1.0,
+        # E[w^2] - 1: 0 when every weight is 1 (on-policy).
+        "importance/chi2": w_sq / stats["w_units"] - 1.0 if stats["w_units"] > 0 else 0.0,
         "importance/truncated_frac": over_cap if importance_mode == "tis" else 0.0,
         "importance/masked_frac": over_cap if importance_mode == "mis" else 0.0,
         "importance/mismatch_kl": ratio("mismatch", "tokens"),

@@ -355,6 +355,24 @@ def test_a_role_with_a_config_error_is_not_restarted(tmp_path, drive):
 
 
 @pytest.mark.timeout(60)
+def test_a_learner_stopped_by_its_health_alarms_is_not_restarted(tmp_path, drive):
+    """Exit 5 (trainer.health.action=stop, a checkpoint saved): a restart would resume
+    into the same trouble, so the run ends with that code."""
+    spec = {
+        "policy": {"max_restarts": 3, "window_s": 60.0, "backoff_s": 0.1},
+        "roles": [["buffer", "run", []], ["learner", "exit:5", []]],
+    }
+    proc = drive(spec)
+    out, _ = proc.communicate(timeout=45)
+    assert proc.returncode == 5, out
+    assert "learner ended (exit code 5, stopped by its health alarms" in out
+    assert [e["event"] for e in _events(tmp_path) if e["role"] == "learner"] == [
+        "start",
+        "gave_up",
+    ]
+
+
+@pytest.mark.timeout(60)
 def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path, drive):
     """Roles get SIGTERM when the launcher dies; the watchdog kills what is left."""
     spec = {

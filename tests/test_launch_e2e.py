@@ -68,6 +68,10 @@ def test_async_run_learns(tmp_path, demo_model, arithmetic_data):
     lag_drops = max(r.get("buffer/drops/lag", 0) for r in records)
     assert groups_in > 0 and lag_drops <= 0.01 * groups_in, (lag_drops, groups_in)
     assert_learned(records)
+    # The health alarms stay silent on the demo (each fires on a constructed batch in
+    # test_health.py).
+    fired = {k: v for k, v in steps[-1].items() if k.startswith("health/") and v}
+    assert "health/min_ess" in steps[-1] and not fired, fired
     assert (run / "progress.png").stat().st_size > 1000
     assert (run / "config.yaml").is_file() and (run / "commands.txt").is_file()
     assert_vllm_loads(run / "final")

@@ -162,3 +162,54 @@ def test_without_intermediate_checkpoints_a_small_buffer_runs_to_the_end(tmp_pat
     assert [r["buffer/batches_acked"] for r in rows] == list(range(total))
     # With no intermediate checkpoint the only one is the final one.
     assert [p.name for p in (run_dir(cfg) / "checkpoints").iterdir()] == [f"step_{total}"]
+
+
+@pytest.mark.timeout(600)
+def test_a_health_alarm_with_action_stop_ends_the_run_with_a_checkpoint(tmp_path, tiny_model):
+    """A threshold every step crosses (the mean importance weight, about 1, required in
+    [5, 10]): the first step alarms, the learner saves, ends the run (the servers and the
+    buffer exit 0) and exits 5, which the launcher does not restart."""
+    prepare_task_data("arithmetic", tmp_path / "data", seed=0)
+    cfg, config = loopback_config(
+        tmp_path,
+        [
+            f"model.path={tiny_model}",
+            f"data.train_files={tmp_path}/data/train.parquet",
+            f"data.val_files={tmp_path}/data/val.parquet",
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4",
+            "rollout.n=2",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            f"trainer.total_training_steps={TOTAL}",
+            "trainer.save_freq=-1",
+            "trainer.test_freq=5",
+            "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]",
+            "trainer.health.action=stop",
+            "trainer.health.w_mean_range=[5,10]",
+            "control.heartbeat_s=0.3",
+            "launch.start_timeout_s=120",
+            "sync.timeout_s=30",
+        ],
+    )
+    from asyncrl.config import run_dir
+
+    run = run_dir(cfg)
+    procs = {"buffer": spawn_buffer(config, tmp_path / "buffer.log")}
+    procs["s0"] = rollout.spawn(config, "s0", weights=True, log_path=tmp_path / "s0.log")
+    learner = _learner(config, tmp_path / "learner.log")
+    try:
+        log = tmp_path / "learner.log"
+        assert learner.wait(300) == 5, log.read_text()[-3000:]
+        assert {name: p.wait(30) for name, p in procs.items()} == {"buffer": 0, "s0": 0}
+    finally:
+        for p in [learner, *procs.values()]:
+            if p.poll() is None:
+                p.kill()
+    text = log.read_text()
+    assert "health: step 1: importance/w_mean=" in text and "outside [5, 10]" in text, text
+    assert "the run stopped at step 1 on importance/w_mean" in text
+    steps = [r for r in read_metrics(run) if "loss/pg" in r]
+    assert [r["step"] for r in steps] == [1] and steps[0]["health/w_mean"] == 1
+    assert (run / "checkpoints" / "step_1").is_dir()

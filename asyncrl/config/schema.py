@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from asyncrl.config.critic import CriticConfig, KLControlConfig, OptimConfig
+from asyncrl.config.health import HealthConfig
 from asyncrl.config.rollout import RolloutConfig
 from asyncrl.config.section import Section
 
@@ -296,6 +297,7 @@ class TrainerConfig(Section):
     seed: int = Field(default=1, description="Seed of the learner and the sampling seeds.")
     device: Literal["cpu", "cuda"] = Field(default="cpu", description="Where the roles compute.")
     nproc: int = Field(default=1, gt=0, description="Learner ranks (torchrun).")
+    health: HealthConfig = Field(default_factory=HealthConfig)
     critic_warmup: int = Field(
         default=0, ge=0, description="First learner steps that train only the critic (gae)."
     )

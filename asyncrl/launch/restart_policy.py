@@ -7,7 +7,8 @@ role that ended is started again, when it fails the run, and how its exit reads.
   when it has had ``launch.max_restarts`` restarts within the window fails the run, with its
   last log lines, and the launcher exits with its code (128 + N for signal N).
 - A role that exits 2 (a bad config or a missing file, found before it started working)
-  fails the run at once: a restart would fail the same way.
+  fails the run at once: a restart would fail the same way; so does a learner that exits 5
+  (stopped by its health alarms, ``trainer.health.action: stop``).
 - A role that exits 0 on its own left for good (a rollout server scaled down with SIGTERM)
   and is not restarted; the learner exiting 0 means the run is done.
 
@@ -23,6 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 CONFIG_ERROR = 2  # what a role exits with for a bad config or a missing file (never restarted)
+HEALTH_STOP = 5  # the learner stopped by its health alarms (trainer.health.action=stop)
+#: Exits that fail the run at once (a restart would end the same way), and why.
+FINAL_EXITS = {
+    CONFIG_ERROR: "a bad config or a missing file: a restart would fail the same way",
+    HEALTH_STOP: "stopped by its health alarms (trainer.health.action=stop), with a "
+    "checkpoint: see its log for the alarm and the fix",
+}
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from asyncrl.launch.process_tree import (
     tell_watchdog,
 )
 from asyncrl.launch.restart_policy import (
-    CONFIG_ERROR,
+    FINAL_EXITS,
     RestartPolicy,
     describe_exit,
     exit_status,
@@ -201,7 +201,7 @@ class Supervisor:
     def _end(self, role: Role, code: int, view: View) -> int | None:
         """Decide what a role's exit means: the end of the run (an exit code for the
         launcher) or a restart to schedule (None)."""
-        if code != 0 and code != CONFIG_ERROR:
+        if code != 0 and code not in FINAL_EXITS:
             self._tell_gone(role, code)
         if code == 0:
             role.done = True
@@ -214,13 +214,8 @@ class Supervisor:
             )
             return None
         now = time.monotonic()
-        if code == CONFIG_ERROR:
-            return self._give_up(
-                role,
-                code,
-                view,
-                "a bad config or a missing file: a restart would fail the same way",
-            )
+        if code in FINAL_EXITS:
+            return self._give_up(role, code, view, FINAL_EXITS[code])
         delay = restart_delay(self.policy, role.restarts, now)
         if delay is None:
             return self._give_up(

@@ -1,0 +1,47 @@
+"""``trainer.health.*``: the thresholds of the learner's health alarms (:mod:`learner.health`).
+
+The importance-weight levels are veRL's documented ones for its rollout-correction
+metrics; the others are far outside what a healthy run shows, so that an alarm means
+something is wrong rather than noise."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from asyncrl.config.section import Section
+
+
+class HealthConfig(Section):
+    enable: bool = Field(default=True, description="Check every learner step.")
+    action: Literal["warn", "stop"] = Field(
+        default="warn",
+        description="warn: log and count (health/<rule>); stop: also end the run, with a "
+        "checkpoint, at the first alarm (the launcher does not restart it).",
+    )
+    w_mean_range: tuple[float, float] = Field(
+        default=(0.5, 2.0), description="Mean importance weight (behaviour to learner) range."
+    )
+    min_ess: float = Field(
+        default=0.3, ge=0, le=1, description="Normalised effective sample size of the weights."
+    )
+    max_chi2: float = Field(default=1.0, ge=0, description="chi^2 of the weights, E[w^2] - 1.")
+    max_truncated_frac: float = Field(
+        default=0.1, ge=0, le=1, description="Share of weights above the TIS cap."
+    )
+    max_mismatch_kl: float = Field(
+        default=0.1, ge=0, description="|KL(behaviour || learner)| per token."
+    )
+    max_ppo_kl: float = Field(
+        default=0.1, ge=0, description="Approximate KL of one step's updates."
+    )
+    entropy_collapse_frac: float = Field(
+        default=0.1, ge=0, le=1, description="Entropy below this share of the first step's."
+    )
+    grad_norm_spike: float = Field(
+        default=10.0, gt=1, description="Grad norm above this many times its recent median."
+    )
+    nonfinite: bool = Field(
+        default=True, description="Alarm on skipped non-finite updates or dropped logprobs."
+    )

@@ -1,0 +1,211 @@
+"""Health alarms: the learner's per-step metrics checked against ``trainer.health.*``.
+
+Staleness and a train/inference mismatch hurt a run quietly: the loss still goes down while
+the importance weights degenerate. Each rule below watches one metric the learner already
+computes; crossing it gives one :class:`Alarm` whose line names the metric, its value, the
+threshold, the likely cause and the fix. The defaults for the importance weights follow
+veRL's documented levels for its rollout-correction metrics (mean weight within [0.5, 2],
+ESS >= 0.3, |mismatch KL| <= 0.1, chi^2 <= 1).
+
+Pure apart from the little history two rules need (the first entropy, recent grad norms):
+:class:`HealthMonitor` takes a step's metrics and returns its alarms; the learner logs them,
+counts them (``health/<rule>``) and, with ``trainer.health.action: stop``, ends the run
+with a checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config.schema import HealthConfig
+
+#: Steps of grad-norm history a spike is measured against.
+GRAD_WINDOW = 20
+#: Steps before the grad-norm rule speaks (a median of fewer says little).
+GRAD_WARMUP = 5
+
+STALE = (
+    "the data is too stale (or off-policy) for the correction: lower "
+    "staleness.max_policy_lag, or set algorithm.importance.mode=tis if it is none"
+)
+MISMATCH = (
+    "the servers sample from other weights or numerics than the learner scores with: check "
+    "rollout.temperature and model.dtype match, and the sync (sync/* metrics)"
+)
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """One crossed threshold of one step."""
+
+    rule: str  # counted as health/<rule>
+    metric: str
+    value: float
+    threshold: str  # as configured, e.g. ">= 0.3"
+    advice: str  # the likely cause and the fix
+
+    def line(self, step: int) -> str:
+        return (
+            f"health: step {step}: {self.metric}={self.value:.4g} outside {self.threshold} "
+            f"(trainer.health.{self.rule}): {self.advice}"
+        )
+
+
+class HealthMonitor:
+    """Checks each step's metrics (see the module docstring)."""
+
+    def __init__(self, cfg: HealthConfig) -> None:
+        self.cfg = cfg
+        self.first_entropy: float | None = None
+        self.norms: deque[float] = deque(maxlen=GRAD_WINDOW)
+        self.counts: dict[str, int] = {}
+
+    def check(self, metrics: dict[str, float]) -> list[Alarm]:
+        """The alarms of one step's ``metrics`` (missing metrics are not checked)."""
+        if not self.cfg.enable:
+            return []
+        alarms = [a for a in self._importance(metrics) + self._updates(metrics) if a]
+        for a in alarms:
+            self.counts[a.rule] = self.counts.get(a.rule, 0) + 1
+        return alarms
+
+    def metrics(self) -> dict[str, float]:
+        """``health/<rule>``: alarms so far, every rule (0 when it never fired)."""
+        return {f"health/{rule}": float(self.counts.get(rule, 0)) for rule in RULES}
+
+    def _importance(self, m: dict[str, float]) -> list[Alarm | None]:
+        c = self.cfg
+        low, high = c.w_mean_range
+        return [
+            _outside(m, "w_mean", "importance/w_mean", low, high, STALE),
+            _outside(m, "min_ess", "importance/ess", c.min_ess, None, STALE),
+            _outside(m, "max_chi2", "importance/chi2", None, c.max_chi2, STALE),
+            _outside(
+                m,
+                "max_truncated_frac",
+                "importance/truncated_frac",
+                None,
+                c.max_truncated_frac,
+                f"many weights exceed algorithm.importance.cap: {STALE}",
+            ),
+            _outside(
+                m,
+                "max_mismatch_kl",
+                "importance/mismatch_kl",
+                None,
+                c.max_mismatch_kl,
+                MISMATCH,
+                absolute=True,
+            ),  # fmt: skip
+        ]
+
+    def _updates(self, m: dict[str, float]) -> list[Alarm | None]:
+        c = self.cfg
+        out = [
+            _outside(
+                m,
+                "max_ppo_kl",
+                "actor/ppo_kl",
+                None,
+                c.max_ppo_kl,
+                "the policy moves far within one batch: lower actor.optim.lr or actor.ppo_epochs",
+            ),
+            self._entropy(m),
+            self._grad_spike(m),
+        ]
+        bad = m.get("actor/skipped_updates", 0.0) + m.get("importance/nonfinite_dropped", 0.0)
+        if bad > 0 and c.nonfinite:
+            out.append(
+                Alarm(
+                    "nonfinite",
+                    "actor/skipped_updates+importance/nonfinite_dropped",
+                    bad,
+                    "== 0",
+                    "non-finite losses, gradients or logprobs: lower actor.optim.lr, check "
+                    "model.dtype (bf16 overflow) and the behaviour logprobs",
+                )
+            )
+        return out
+
+    def _entropy(self, m: dict[str, float]) -> Alarm | None:
+        value = m.get("actor/entropy")
+        if value is None or not math.isfinite(value):
+            return None
+        if self.first_entropy is None:
+            self.first_entropy = value
+            return None
+        floor = self.cfg.entropy_collapse_frac * self.first_entropy
+        if value >= floor:
+            return None
+        return Alarm(
+            "entropy_collapse_frac",
+            "actor/entropy",
+            value,
+            f">= {self.cfg.entropy_collapse_frac:g} x the first step's ({self.first_entropy:.3g})",
+            "the policy is collapsing onto few tokens: lower actor.optim.lr, raise "
+            "actor.clip_ratio_high (clip-higher) or add actor.entropy_coeff",
+        )
+
+    def _grad_spike(self, m: dict[str, float]) -> Alarm | None:
+        value = m.get("actor/grad_norm")
+        if value is None or not math.isfinite(value) or value <= 0:
+            return None
+        history = list(self.norms)
+        self.norms.append(value)
+        if len(history) < GRAD_WARMUP:
+            return None
+        median = statistics.median(history)
+        limit = self.cfg.grad_norm_spike * median
+        if value <= limit:
+            return None
+        return Alarm(
+            "grad_norm_spike",
+            "actor/grad_norm",
+            value,
+            f"<= {self.cfg.grad_norm_spike:g} x the recent median ({median:.3g})",
+            "one batch pulls hard (an outlier reward or stale data): check reward/* and "
+            "lag/*; actor.grad_clip bounds the step",
+        )
+
+
+RULES = (
+    "w_mean",
+    "min_ess",
+    "max_chi2",
+    "max_truncated_frac",
+    "max_mismatch_kl",
+    "max_ppo_kl",
+    "entropy_collapse_frac",
+    "grad_norm_spike",
+    "nonfinite",
+)
+
+
+def _outside(
+    m: dict[str, float],
+    rule: str,
+    metric: str,
+    low: float | None,
+    high: float | None,
+    advice: str,
+    absolute: bool = False,
+) -> Alarm | None:
+    """An alarm when ``metric`` is present and below ``low`` or above ``high``."""
+    value = m.get(metric)
+    if value is None or not math.isfinite(value):
+        return None
+    seen = abs(value) if absolute else value
+    if (low is None or seen >= low) and (high is None or seen <= high):
+        return None
+    if low is not None and high is not None:
+        threshold = f"[{low:g}, {high:g}]"
+    elif low is not None:
+        threshold = f">= {low:g}"
+    else:
+        threshold = f"{'|x| ' if absolute else ''}<= {high:g}"
+    return Alarm(rule, metric, value, threshold, advice)

@@ -1,0 +1,92 @@
+"""Health alarms (``trainer.health.*``): each fires on a constructed batch, with one line
+naming the metric, its value and the threshold, and none fires on a healthy batch.
+
+The importance rules read the metrics the real loss computes (:func:`learner.losses.
+policy_loss` on constructed logprobs); the update rules read a step's metrics as the
+trainer reports them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from asyncrl.config import load_config
+from learner.health import RULES, HealthMonitor
+from learner.losses import LossConfig, policy_loss, summarize_stats
+
+B, T = 8, 16
+
+
+def _health(*overrides: str) -> HealthMonitor:
+    return HealthMonitor(load_config(None, list(overrides)).trainer.health)
+
+
+def _step_metrics(gap: torch.Tensor, entropy: float = 1.0) -> dict[str, float]:
+    """The loss's metrics for learner logprobs ``p`` and behaviour ``b = p - gap`` (so
+    ``w = exp(gap)``), and a step's update metrics as a healthy run shows them."""
+    torch.manual_seed(0)
+    p = -torch.rand(B, T) - 0.5
+    b = p - gap
+    mask = torch.ones(B, T, dtype=torch.bool)
+    adv = torch.randn(B)
+    cfg = LossConfig(importance_mode="tis", importance_cap=2.0)
+    _, stats = policy_loss(p.clone(), p, b, adv, mask, cfg, entropy=torch.full((B, T), entropy))
+    metrics = summarize_stats({k: float(v) for k, v in stats.items()}, "tis")
+    return metrics | {"actor/grad_norm": 0.3, "actor/skipped_updates": 0.0}
+
+
+def test_a_healthy_batch_fires_nothing():
+    health = _health()
+    small = 0.01 * torch.randn(B, T)  # lag 0: the two stacks' rounding
+    for _ in range(10):
+        assert health.check(_step_metrics(small)) == []
+    assert set(health.metrics()) == {f"health/{r}" for r in RULES}
+    assert sum(health.metrics().values()) == 0
+
+
+def test_stale_weights_fire_the_importance_rules():
+    health = _health()
+    # Behaviour far from the learner: one token in 8 weighs e^3, the others e^-1.
+    gap = torch.where(torch.arange(T) % 8 == 0, 3.0, -1.0).expand(B, T)
+    alarms = {a.rule: a for a in health.check(_step_metrics(gap))}
+    assert {"w_mean", "min_ess", "max_chi2", "max_truncated_frac"} <= set(alarms), alarms
+    line = alarms["min_ess"].line(7)
+    assert line.startswith("health: step 7: importance/ess=") and ">= 0.3" in line, line
+    assert "trainer.health.min_ess" in line and "staleness.max_policy_lag" in line, line
+    assert health.metrics()["health/min_ess"] == 1
+
+
+def test_a_systematic_mismatch_fires_the_mismatch_rule():
+    health = _health()
+    alarms = health.check(_step_metrics(torch.full((B, T), -0.3)))  # b above p everywhere
+    (mismatch,) = [a for a in alarms if a.rule == "max_mismatch_kl"]
+    assert math.isclose(mismatch.value, 0.3, rel_tol=1e-5)
+    assert "|x| <= 0.1" in mismatch.line(1) and "rollout.temperature" in mismatch.line(1)
+    assert not [a for a in _health("trainer.health.max_mismatch_kl=0.5").check(
+        _step_metrics(torch.full((B, T), -0.3))
+    ) if a.rule == "max_mismatch_kl"]  # fmt: skip
+
+
+def test_update_rules_fire_on_a_collapse_a_spike_and_a_skipped_update():
+    health = _health()
+    calm = _step_metrics(0.01 * torch.randn(B, T), entropy=2.0)
+    for _ in range(6):
+        assert health.check(calm) == []
+    collapsed = calm | {"actor/entropy": 0.1}  # under 0.1 x the first step's 2.0
+    spiked = calm | {"actor/grad_norm": 30.0}  # 100 x the median 0.3
+    skipped = calm | {"actor/skipped_updates": 1.0}
+    moved = calm | {"actor/ppo_kl": 0.5}
+    fired = [{a.rule for a in health.check(m)} for m in (collapsed, spiked, skipped, moved)]
+    assert fired == [
+        {"entropy_collapse_frac"},
+        {"grad_norm_spike"},
+        {"nonfinite"},
+        {"max_ppo_kl"},
+    ], fired
+    assert health.metrics()["health/grad_norm_spike"] == 1
+
+
+def test_health_off_checks_nothing():
+    gap = torch.full((B, T), 3.0)
+    assert _health("trainer.health.enable=false").check(_step_metrics(gap)) == []
