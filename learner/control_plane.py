@@ -22,6 +22,7 @@ import msgspec
 from asyncrl.config import Config
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import replayed_version
+from asyncrl.control.lag_controller import LagController
 from asyncrl.launch.progress import accounting_lines
 from learner.validation import ValidationTracker
 
@@ -135,6 +136,13 @@ class RankZero:
             timeout_s=cfg.sync.timeout_s,
         )
         self.coordinator = coordinator_from_config(cfg, saved_state=restored.coordinator)
+        self.lag: LagController | None = None  # staleness.controller: adaptive
+        if cfg.staleness.controller == "adaptive":
+            st, health = cfg.staleness, cfg.trainer.health
+            self.lag = LagController(
+                st.min_policy_lag, st.max_policy_lag, health.min_ess, health.max_mismatch_kl
+            )
+            self.coordinator.set_admission_lag(self.lag.lag)
         self.coordinator.start()
         self.pusher = WeightPusher(
             self.coordinator,
@@ -352,9 +360,21 @@ class RankZero:
         self.coordinator.on_step(step)
         self._poll_validation(step)
         metrics["actor/policy_version"] = version
+        self._steer_lag(step, metrics)
         metrics.update(self.coordinator.metrics())
         metrics.update(_rollout_summary(self.coordinator.server_metrics()))
         self.logger.log(step, metrics)
+
+    def _steer_lag(self, step: int, metrics: dict[str, float]) -> None:
+        """The adaptive controller's next admission lag (``staleness/lag_limit``)."""
+        if self.lag is None:
+            metrics["staleness/lag_limit"] = float(self.cfg.staleness.max_policy_lag)
+            return
+        new = self.lag.step(step, metrics)
+        if new is not None:
+            self.coordinator.set_admission_lag(new)
+            log.info("admission lag %d (%s)", new, self.lag.last_reason)
+        metrics["staleness/lag_limit"] = float(self.lag.lag)
 
     def finish(self, step: int, validate: bool) -> None:
         """Validate the final policy (when training completed and validation is on), then

@@ -60,6 +60,12 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"rollout.openai_endpoint.reward_range={list(reward_range)}: its low end is above "
             "its high end; write it as [low, high]"
         )
+    st = cfg.staleness
+    if st.min_policy_lag > st.max_policy_lag:
+        problems.append(
+            f"staleness.min_policy_lag={st.min_policy_lag} is above staleness.max_policy_lag="
+            f"{st.max_policy_lag}: the adaptive controller's range is [min, max]"
+        )
     validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
     if ro.openai_endpoint.enable and not ro.openai_endpoint.take_tasks and validating:
         # Validation rounds are dataset tasks: with no server taking tasks, none would end.

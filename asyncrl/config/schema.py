@@ -168,6 +168,15 @@ class StalenessConfig(Section):
         ge=0,
         description="Times a training prompt dropped for lag is dealt again (0: drop it).",
     )
+    controller: Literal["fixed", "adaptive"] = Field(
+        default="fixed",
+        description="fixed: admit up to max_policy_lag; adaptive: set the admission lag "
+        "each step within [min_policy_lag, max_policy_lag] from the measured ESS, mismatch "
+        "KL, lag drops and learner wait (staleness/lag_limit).",
+    )
+    min_policy_lag: int = Field(
+        default=0, ge=0, description="adaptive: the narrowest admission lag (its start)."
+    )
 
 
 class SyncConfig(Section):

@@ -300,6 +300,13 @@ class Coordinator:
             raise RuntimeError("load_state_dict must come before start()")
         self._state.load_state_dict(state)
 
+    def set_admission_lag(self, lag: int) -> None:
+        """Admit training tasks up to ``lag`` versions ahead of what the learner consumed
+        from now on (the adaptive staleness controller); a narrower lag deals nothing new
+        until consumption catches up, and nothing dealt is taken back."""
+        with self._lock:
+            self._state.ledger.budget.max_policy_lag = lag
+
     def metrics(self) -> dict[str, float]:
         """Every ``coordinator/...`` metric: budget, tasks, servers, syncs, waits."""
         with self._lock:

@@ -1,0 +1,76 @@
+"""The adaptive staleness controller: its rule on constructed measurements, its memory over
+steps, and the coordinator admitting by the lag it sets (real sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.control.client import CoordinatorClient
+from asyncrl.control.lag_controller import HOLD_STEPS, LagController, Signals, decide
+from tests.helpers import start_coordinator
+
+HEALTHY = Signals(ess=0.9, mismatch_kl=0.001, lag_drop_frac=0.0, learner_wait=0.5)
+
+
+def _decide(lag: int, **changes: float) -> tuple[int, str]:
+    signals = Signals(**{**HEALTHY.__dict__, **changes})
+    return decide(lag, 0, 4, signals, min_ess=0.3, max_kl=0.1)
+
+
+def test_the_rule_narrows_on_degraded_correction_and_widens_when_healthy_and_waiting():
+    assert _decide(2) == (3, "widen: healthy, the learner waited 50%")
+    assert _decide(2, learner_wait=0.05) == (2, "hold")  # the learner is not starved
+    assert _decide(2, ess=0.5) == (2, "hold")  # healthy, not comfortably so
+    assert _decide(2, ess=0.2)[0] == 1
+    assert _decide(2, mismatch_kl=-0.2)[0] == 1
+    assert _decide(2, lag_drop_frac=0.1)[0] == 1
+    assert _decide(0, ess=0.1)[0] == 0 and _decide(4)[0] == 4  # within [low, high]
+
+
+def _metrics(ess: float, wait: float, groups_in: float, lag_drops: float = 0.0) -> dict:
+    return {
+        "importance/ess": ess,
+        "importance/mismatch_kl": 0.0,
+        "timing/wait_fraction": wait,
+        "buffer/groups_in": groups_in,
+        "buffer/drops/lag": lag_drops,
+    }
+
+
+def test_the_controller_widens_once_per_hold_and_narrows_at_once():
+    lag = LagController(0, 3, min_ess=0.3, max_kl=0.1)
+    assert lag.lag == 0  # it starts at the narrow end
+    changes = [lag.step(s, _metrics(0.95, 0.6, 8.0 * s)) for s in range(1, 8)]
+    assert changes == [1, None, None, 2, None, None, 3]  # every HOLD_STEPS steps
+    assert HOLD_STEPS == 3
+    assert lag.step(8, _metrics(0.1, 0.6, 64.0)) == 2  # degraded: at once
+    # Lag drops since the last step, not since the start: 2 of 8 new groups (25%).
+    assert lag.step(9, _metrics(0.95, 0.0, 72.0, lag_drops=2.0)) == 1
+    assert lag.step(10, _metrics(0.95, 0.0, 80.0, lag_drops=2.0)) is None
+    assert lag.step(11, {"timing/wait_fraction": 0.9}) is None  # nothing measured
+
+
+def test_the_coordinator_admits_by_the_lag_it_is_given():
+    coord = start_coordinator(100, per_version=2)  # lag 1: 4 groups admitted
+    client = CoordinatorClient(
+        coord.tasks_addr, coord.control_addr, "r0", engine_world_size=0, timeout_s=10.0
+    )
+    try:
+        client.register()
+        assert len(client.request_tasks(8).tasks) == 4
+        coord.set_admission_lag(0)  # narrower than what is in flight: nothing new, nothing lost
+        assert client.request_tasks(8).tasks == []
+        assert coord.metrics()["coordinator/budget/dealt"] == 4
+        coord.set_admission_lag(3)  # (3 + 1) * 2 = 8
+        assert len(client.request_tasks(8).tasks) == 4
+    finally:
+        client.close()
+        coord.stop()
+
+
+def test_the_lag_range_must_be_a_range():
+    with pytest.raises(ConfigError, match="staleness.min_policy_lag=3 is above"):
+        load_config(None, ["staleness.min_policy_lag=3", "staleness.max_policy_lag=1"])
+    cfg = load_config(None, ["staleness.controller=adaptive", "staleness.max_policy_lag=4"])
+    assert (cfg.staleness.min_policy_lag, cfg.staleness.max_policy_lag) == (0, 4)
