@@ -190,6 +190,46 @@ MUTATIONS = (
         "            if False:",
         ("tests/test_authority.py",),
     ),
+    Mutation(
+        "idle endpoint groups give their slot back",
+        "an idle group is never closed (its slot is held forever)",
+        "rollout_servers/endpoint_groups.py",
+        "                if not busy and now - group.last_active > self.idle_s:",
+        "                if False:",
+        ("tests/test_endpoint_slots.py",),
+    ),
+    Mutation(
+        "a refused first request holds no slot",
+        "a group whose first request was refused keeps its slot",
+        "rollout_servers/endpoint_groups.py",
+        '        self.close(group, "given back: its first request was refused or failed")',
+        "        pass",
+        ("tests/test_endpoint_slots.py",),
+    ),
+    Mutation(
+        "a launch claims its ports",
+        "a taken default port is used anyway",
+        "asyncrl/launch/ports.py",
+        "        if taken:",
+        "        if False:",
+        ("tests/test_launch_ports.py",),
+    ),
+    Mutation(
+        "health alarms",
+        "the effective sample size is never checked",
+        "learner/health.py",
+        '            _outside(m, "min_ess", "importance/ess", c.min_ess, None, STALE),',
+        "",
+        ("tests/test_health.py",),
+    ),
+    Mutation(
+        "adaptive staleness narrows at once",
+        "a degraded correction waits out the hold like a widening",
+        "asyncrl/control/lag_controller.py",
+        "        if lag > self.lag and step - self.widened_at < HOLD_STEPS:",
+        "        if step - self.widened_at < HOLD_STEPS:",
+        ("tests/test_lag_controller.py",),
+    ),
 )
 
 
