@@ -101,11 +101,13 @@ def accounting_line(metrics: dict[str, float], kind: str = "train") -> str | Non
 
 
 def accounting_lines(records: list[dict[str, float]]) -> list[str]:
-    """The accounting line of each kind, from the last record that has its keys."""
+    """The accounting line of each kind, from the last record that has its keys (a run
+    that dealt no validation task has no validation line)."""
     lines = []
     for kind in ("train", "val", "external"):
-        record = next((r for r in reversed(records) if f"accounting/{kind}/dealt" in r), None)
-        if record is not None:
+        key = f"accounting/{kind}/dealt"
+        record = next((r for r in reversed(records) if key in r), None)
+        if record is not None and (kind == "train" or record[key]):
             lines.append(accounting_line(record, kind))
     return lines
 
