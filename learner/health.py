@@ -15,6 +15,7 @@ with a checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections import deque
@@ -49,10 +50,13 @@ class Alarm:
     threshold: str  # as configured, e.g. ">= 0.3"
     advice: str  # the likely cause and the fix
 
+    steps: int = 1  # steps in a row it has been crossed
+
     def line(self, step: int) -> str:
+        run = f" for {self.steps} steps" if self.steps > 1 else ""
         return (
-            f"health: step {step}: {self.metric}={self.value:.4g} outside {self.threshold} "
-            f"(trainer.health.{self.rule}): {self.advice}"
+            f"health: step {step}: {self.metric}={self.value:.4g} outside {self.threshold}"
+            f"{run} (trainer.health.{self.rule}): {self.advice}"
         )
 
 
@@ -64,14 +68,23 @@ class HealthMonitor:
         self.first_entropy: float | None = None
         self.norms: deque[float] = deque(maxlen=GRAD_WINDOW)
         self.counts: dict[str, int] = {}
+        self.streaks: dict[str, int] = {}  # consecutive steps each rule has been crossed
 
     def check(self, metrics: dict[str, float]) -> list[Alarm]:
-        """The alarms of one step's ``metrics`` (missing metrics are not checked)."""
+        """The alarms of one step's ``metrics`` (missing metrics are not checked). A rule
+        alarms once it has been crossed ``patience`` steps in a row (and again every
+        ``patience`` steps while it stays crossed): one step's excursion, such as a single
+        large weight early in a run, is noise. Non-finite values alarm at once."""
         if not self.cfg.enable:
             return []
-        alarms = [a for a in self._importance(metrics) + self._updates(metrics) if a]
-        for a in alarms:
-            self.counts[a.rule] = self.counts.get(a.rule, 0) + 1
+        crossed = {a.rule: a for a in self._importance(metrics) + self._updates(metrics) if a}
+        alarms = []
+        for rule in RULES:
+            self.streaks[rule] = self.streaks.get(rule, 0) + 1 if rule in crossed else 0
+            patience = 1 if rule == "nonfinite" else self.cfg.patience
+            if self.streaks[rule] and self.streaks[rule] % patience == 0:
+                alarms.append(dataclasses.replace(crossed[rule], steps=self.streaks[rule]))
+                self.counts[rule] = self.counts.get(rule, 0) + 1
         return alarms
 
     def metrics(self) -> dict[str, float]:

@@ -19,7 +19,9 @@ B, T = 8, 16
 
 
 def _health(*overrides: str) -> HealthMonitor:
-    return HealthMonitor(load_config(None, list(overrides)).trainer.health)
+    """A monitor that alarms on the first step a threshold is crossed (patience 1)."""
+    cfg = load_config(None, ["trainer.health.patience=1", *overrides])
+    return HealthMonitor(cfg.trainer.health)
 
 
 def _step_metrics(gap: torch.Tensor, entropy: float = 1.0) -> dict[str, float]:
@@ -90,3 +92,16 @@ def test_update_rules_fire_on_a_collapse_a_spike_and_a_skipped_update():
 def test_health_off_checks_nothing():
     gap = torch.full((B, T), 3.0)
     assert _health("trainer.health.enable=false").check(_step_metrics(gap)) == []
+
+
+def test_one_steps_excursion_is_noise_a_sustained_one_alarms():
+    """With the default patience (3), a single step past a threshold (the demo at lag 2
+    shows one weight of 29 at step 7) alarms nothing; three in a row do."""
+    health = HealthMonitor(load_config(None, []).trainer.health)
+    stale = _step_metrics(torch.where(torch.arange(T) % 8 == 0, 3.0, -1.0).expand(B, T))
+    calm = _step_metrics(0.01 * torch.randn(B, T))
+    assert [health.check(m) for m in (stale, calm, stale, stale)] == [[], [], [], []]
+    (ess,) = [a for a in health.check(stale) if a.rule == "min_ess"]  # the third in a row
+    assert ess.steps == 3 and " for 3 steps (trainer.health.min_ess)" in ess.line(5)
+    skipped = calm | {"actor/skipped_updates": 1.0}
+    assert [a.rule for a in health.check(skipped)] == ["nonfinite"]  # at once

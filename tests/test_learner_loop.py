@@ -187,6 +187,7 @@ def test_a_health_alarm_with_action_stop_ends_the_run_with_a_checkpoint(tmp_path
             "trainer.val_before_train=false",
             "trainer.logger=[jsonl]",
             "trainer.health.action=stop",
+            "trainer.health.patience=1",
             "trainer.health.w_mean_range=[5,10]",
             "control.heartbeat_s=0.3",
             "launch.start_timeout_s=120",

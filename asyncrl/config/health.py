@@ -20,6 +20,12 @@ class HealthConfig(Section):
         description="warn: log and count (health/<rule>); stop: also end the run, with a "
         "checkpoint, at the first alarm (the launcher does not restart it).",
     )
+    patience: int = Field(
+        default=3,
+        gt=0,
+        description="Steps in a row a threshold must be crossed before it alarms (one "
+        "step's excursion is noise); non-finite values alarm at once.",
+    )
     w_mean_range: tuple[float, float] = Field(
         default=(0.5, 2.0), description="Mean importance weight (behaviour to learner) range."
     )
