@@ -24,6 +24,7 @@ from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import replayed_version
 from asyncrl.control.lag_controller import LagController
 from asyncrl.launch.progress import accounting_lines
+from learner.health import check_probe
 from learner.validation import ValidationTracker
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ class ControlPeer(Protocol):
     def trained(self, task_ids: list[str]) -> None: ...
     def acknowledge(self, batch_ids: list[int]) -> None: ...
     def resume(self, tensors: dict[str, Any]) -> None: ...
-    def push(self, tensors: dict[str, Any], target: int) -> dict[str, float]: ...
+    def push(
+        self, tensors: dict[str, Any], target: int, probe: list[float] | None = None
+    ) -> dict[str, float]: ...
     def version(self, current: int) -> int: ...
     def checkpoint_extra(self) -> dict[str, Any]: ...
     def export(self, tensors: dict[str, Any], out: Path) -> None: ...
@@ -83,7 +86,9 @@ class NoControl:
     def resume(self, tensors: dict[str, Any]) -> None:
         pass
 
-    def push(self, tensors: dict[str, Any], target: int) -> dict[str, float]:
+    def push(
+        self, tensors: dict[str, Any], target: int, probe: list[float] | None = None
+    ) -> dict[str, float]:
         return {}
 
     def version(self, current: int) -> int:
@@ -271,9 +276,13 @@ class RankZero:
         hold newer versions hold what the replay reproduces (recovery.py)."""
         self.pushed = tensors
 
-    def push(self, tensors: dict[str, Any], target: int) -> dict[str, float]:
+    def push(
+        self, tensors: dict[str, Any], target: int, probe: list[float] | None = None
+    ) -> dict[str, float]:
         """Push ``tensors`` (a copy: training may go on) as the next version, ``target`` by
         the learner's schedule; skipped when a replay reached a version the servers hold.
+        ``probe``: the learner's logprobs of the post-sync probe under these weights, which
+        each server's report is compared with (:func:`~asyncrl.sync.probe.probe_metrics`).
 
         The version is announced here; the broadcast and the wait for the members' reports
         (bounded by ``sync.timeout_s``) run on a thread while the next step trains
@@ -291,7 +300,10 @@ class RankZero:
         rnd = self.pusher.begin(tensors)
         self._pushing_version = rnd.version
         self._push_thread = threading.Thread(
-            target=self._complete_push, args=(rnd, tensors), name="weight-push", daemon=True
+            target=self._complete_push,
+            args=(rnd, tensors, probe or []),
+            name="weight-push",
+            daemon=True,
         )
         self._push_thread.start()
         if not self.overlap_push:
@@ -299,9 +311,10 @@ class RankZero:
             done, self._push_done = self._push_done, {}
         return {**done, "timing/push_wait_s": time.monotonic() - start}
 
-    def _complete_push(self, rnd: Any, tensors: dict[str, Any]) -> None:
-        """The push thread: consumes one announced round; produces its metrics. Waits for
-        the broadcast and the reports, each bounded by ``sync.timeout_s``."""
+    def _complete_push(self, rnd: Any, tensors: dict[str, Any], probe: list[float]) -> None:
+        """The push thread: consumes one announced round; produces its metrics (with the
+        post-sync probe's). Waits for the broadcast and the reports, each bounded by
+        ``sync.timeout_s``."""
         start = time.monotonic()
         try:
             result = self.pusher.complete(rnd, tensors)
@@ -311,6 +324,7 @@ class RankZero:
         self._push_done = {
             "timing/weight_sync_s": time.monotonic() - start,
             "sync/failed_members": float(len(result.failed)),
+            **check_probe(probe, result.probes, result.version, self.cfg.trainer.health),
         }
 
     def _wait_push(self) -> None:

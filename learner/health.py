@@ -16,6 +16,7 @@ with a checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import statistics
 from collections import deque
@@ -24,6 +25,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import HealthConfig
+
+log = logging.getLogger(__name__)
 
 #: Steps of grad-norm history a spike is measured against.
 GRAD_WINDOW = 20
@@ -81,7 +84,7 @@ class HealthMonitor:
         alarms = []
         for rule in RULES:
             self.streaks[rule] = self.streaks.get(rule, 0) + 1 if rule in crossed else 0
-            patience = 1 if rule == "nonfinite" else self.cfg.patience
+            patience = 1 if rule in AT_ONCE else self.cfg.patience
             if self.streaks[rule] and self.streaks[rule] % patience == 0:
                 alarms.append(dataclasses.replace(crossed[rule], steps=self.streaks[rule]))
                 self.counts[rule] = self.counts.get(rule, 0) + 1
@@ -131,6 +134,16 @@ class HealthMonitor:
             self._entropy(m),
             self._grad_spike(m),
         ]
+        out.append(
+            _outside(
+                m,
+                "max_probe_diff",
+                "sync/probe_mean_abs_diff",
+                None,
+                c.max_probe_diff,
+                f"a server holds other weights than the learner pushed: {PROBE_LOG}",
+            )
+        )
         bad = m.get("actor/skipped_updates", 0.0) + m.get("importance/nonfinite_dropped", 0.0)
         if bad > 0 and c.nonfinite:
             out.append(
@@ -186,6 +199,11 @@ class HealthMonitor:
         )
 
 
+#: Rules that alarm on the first step: no excursion of theirs is noise.
+AT_ONCE = ("nonfinite", "max_probe_diff")
+#: Where the probe's server-by-server verdict is logged.
+PROBE_LOG = "the 'probe after version' line before this one names it"
+
 RULES = (
     "w_mean",
     "min_ess",
@@ -196,7 +214,31 @@ RULES = (
     "entropy_collapse_frac",
     "grad_norm_spike",
     "nonfinite",
+    "max_probe_diff",
 )
+
+
+def check_probe(
+    mine: list[float], theirs: dict[str, list[float]], version: int, cfg: HealthConfig
+) -> dict[str, float]:
+    """The post-sync probe of one push: its ``sync/probe_*`` metrics, and one log line per
+    server whose probe is further than ``max_probe_diff`` from the learner's (named)."""
+    from asyncrl.sync.probe import compare, probe_metrics
+
+    if not mine or not cfg.enable:
+        return {}
+    for server, diff in sorted(compare(mine, theirs).items()):
+        if diff > cfg.max_probe_diff:
+            log.warning(
+                "health: probe after version %d: %s scores it %.3g nats per token from the "
+                "learner (trainer.health.max_probe_diff=%g): its weights arrived corrupted, "
+                "out of order or under the wrong version label",
+                version,
+                server,
+                diff,
+                cfg.max_probe_diff,
+            )
+    return probe_metrics(mine, theirs)
 
 
 def _outside(
@@ -210,7 +252,7 @@ def _outside(
 ) -> Alarm | None:
     """An alarm when ``metric`` is present and below ``low`` or above ``high``."""
     value = m.get(metric)
-    if value is None or not math.isfinite(value):
+    if value is None or math.isnan(value):
         return None
     seen = abs(value) if absolute else value
     if (low is None or seen >= low) and (high is None or seen <= high):

@@ -180,8 +180,11 @@ class LearnerLoop:
         and take the coordinator's version on every rank."""
         start = time.monotonic()
         tensors = self.trainer.full_state_for_push()
+        # What the servers must score after loading these weights (the post-sync probe).
+        probe = self.trainer.probe_logprobs() if self.cfg.trainer.health.probe else []
         target = self.trainer.policy_version + 1
-        out = {"timing/gather_s": time.monotonic() - start, **self.control.push(tensors, target)}
+        pushed = self.control.push(tensors, target, probe)
+        out = {"timing/gather_s": time.monotonic() - start, **pushed}
         version = self.control.version(self.trainer.policy_version)
         self.trainer.policy_version = _broadcast_int(version, self.trainer)
         return out

@@ -203,6 +203,28 @@ class RolloutEngine:
             sample.resubmissions += 1
             self.metrics["rollout/resubmitted"] += 1
 
+    async def score(self, sequences: list[list[int]]) -> list[float]:
+        """Teacher-forced logprobs of each sequence's tokens after its first, under the
+        weights loaded now, at temperature 1 (vLLM's prompt logprobs), concatenated: the
+        post-sync probe (:mod:`asyncrl.sync.probe`)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out: list[float] = []
+        for i, ids in enumerate(sequences):
+            self._serial += 1
+            final = None
+            rid = f"probe-{self.version}-{i}-{self._serial}"
+            async for result in self.llm.generate(
+                {"prompt_token_ids": ids}, params, request_id=rid
+            ):
+                final = result
+            if final is None or final.prompt_logprobs is None:
+                raise RuntimeError(f"vLLM returned no prompt logprobs for probe {rid}")
+            positions = final.prompt_logprobs[1:]  # the first token has none
+            out += [_sampled_logprob(d, t) for d, t in zip(positions, ids[1:], strict=True)]
+        return out
+
     async def sync_weights(
         self,
         version: int,

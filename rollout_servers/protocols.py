@@ -62,6 +62,11 @@ class GenerationEngine(Protocol):
         """Receive the learner's broadcast of ``version``; returns at least ``seconds``."""
         ...
 
+    async def score(self, sequences: list[list[int]]) -> list[float]:
+        """Teacher-forced logprobs of each sequence's tokens after its first, under the
+        loaded weights at temperature 1, concatenated (the post-sync probe)."""
+        ...
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -151,7 +156,13 @@ class ControlClient(Protocol):
         ...
 
     def sync_done(
-        self, start: SyncStart, ok: bool, error: str = "", seconds: float = 0.0
+        self,
+        start: SyncStart,
+        ok: bool,
+        error: str = "",
+        seconds: float = 0.0,
+        *,
+        probe: list[float] | None = None,
     ) -> object:
-        """Report the outcome of a sync."""
+        """Report the outcome of a sync (and the post-sync probe under its weights)."""
         ...

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+import math
 import time
 
 from asyncrl.config import Config, run_dir
@@ -22,6 +24,7 @@ from asyncrl.control.client import CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
 from asyncrl.launch import startup
 from asyncrl.rewards import ScoreJob, ScoreResult
+from asyncrl.sync.probe import probe_ids
 from asyncrl.sync.weights import store_prefix
 from asyncrl.wire import Trajectory
 from rollout_servers.agent import AgentRunner, episode_samples, episode_trajectories
@@ -330,7 +333,21 @@ class RolloutServer:
             await self.lanes.sync(self.client.sync_done, start, False, f"{type(e).__name__}: {e}")
             return
         self.generation = start.generation
-        await self.lanes.sync(self.client.sync_done, start, True, "", stats["seconds"])
+        probe = await self._probe()
+        report = functools.partial(self.client.sync_done, probe=probe)
+        await self.lanes.sync(report, start, True, "", stats["seconds"])
+
+    async def _probe(self) -> list[float]:
+        """The post-sync probe under the weights just loaded (empty when it fails: the
+        learner then has nothing to compare, and the sync itself stands)."""
+        if not self.cfg.trainer.health.probe:
+            return []
+        try:
+            probe = await self.engine.score(probe_ids())
+        except Exception as e:
+            log.warning("post-sync probe not scored: %s: %s", type(e).__name__, e)
+            return []
+        return probe if all(math.isfinite(x) for x in probe) else []
 
     # ----------------------------------------------------------------- metrics
     def snapshot(self) -> dict[str, float]:

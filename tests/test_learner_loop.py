@@ -214,3 +214,60 @@ def test_a_health_alarm_with_action_stop_ends_the_run_with_a_checkpoint(tmp_path
     steps = [r for r in read_metrics(run) if "loss/pg" in r]
     assert [r["step"] for r in steps] == [1] and steps[0]["health/w_mean"] == 1
     assert (run / "checkpoints" / "step_1").is_dir()
+
+
+@pytest.mark.timeout(600)
+def test_the_post_sync_probe_names_a_server_whose_weights_arrived_corrupted(tmp_path, tiny_model):
+    """Two stand-in servers score the post-sync probe with the weights they received; from
+    version 2 on, s1 flips a received tensor (as a corrupt bucket would). s0's probe agrees
+    with the learner's; s1's is caught at version 2's push, named, within one step."""
+    prepare_task_data("arithmetic", tmp_path / "data", seed=0)
+    cfg, config = loopback_config(
+        tmp_path,
+        [
+            f"model.path={tiny_model}",
+            f"data.train_files={tmp_path}/data/train.parquet",
+            f"data.val_files={tmp_path}/data/val.parquet",
+            "data.train_batch_size=4",
+            "actor.ppo_mini_batch_size=4",
+            "rollout.n=2",
+            "data.max_prompt_length=64",
+            "data.max_response_length=4",
+            "trainer.total_training_steps=4",
+            "trainer.save_freq=-1",
+            "trainer.test_freq=-1",
+            "trainer.val_before_train=false",
+            "trainer.logger=[jsonl]",
+            "control.heartbeat_s=0.3",
+            "launch.start_timeout_s=120",
+            "sync.timeout_s=30",
+        ],
+    )
+    from asyncrl.config import run_dir
+
+    procs = {"buffer": spawn_buffer(config, tmp_path / "buffer.log")}
+    for sid, corrupt in (("s0", None), ("s1", 2)):
+        procs[sid] = rollout.spawn(
+            config, sid, weights=True, probe=True, corrupt_from=corrupt,
+            log_path=tmp_path / f"{sid}.log",
+        )  # fmt: skip
+    log = tmp_path / "learner.log"
+    learner = _learner(config, log)
+    try:
+        assert learner.wait(300) == 0, log.read_text()[-3000:]
+    finally:
+        for p in [learner, *procs.values()]:
+            if p.poll() is None:
+                p.kill()
+    text = log.read_text()
+    named = [line for line in text.splitlines() if " scores it " in line]
+    assert named and all(": s1 scores it" in n for n in named), named  # never s0
+    assert "probe after version 2: s1" in named[0], named
+    steps = [r for r in read_metrics(run_dir(cfg)) if "loss/pg" in r]
+    probed = [
+        (r["step"], r["sync/probe_mean_abs_diff"]) for r in steps if "sync/probe_servers" in r
+    ]
+    assert probed[0][0] == 2 and probed[0][1] < 0.05, probed  # version 1: both agree
+    assert probed[1][0] == 3 and probed[1][1] > 0.1, probed  # version 2's, the next step
+    assert steps[-1]["health/max_probe_diff"] >= 1
+    assert "trainer.health.max_probe_diff" in text

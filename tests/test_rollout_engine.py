@@ -260,3 +260,29 @@ def test_abort_resubmission_samples_with_the_piece_seed(rig):
         # The whole second piece: one replayed stream shows wherever the model is unsure.
         assert loop.run(replay(seed, prefix, derived=True)).token_ids == second
         assert loop.run(replay(seed, prefix, derived=False)).token_ids != second
+
+
+@pytest.mark.slow  # starts a vLLM engine
+def test_the_post_sync_probe_scores_the_weights_loaded_last(rig):
+    """``score`` (what a server reports after a sync) is the teacher-forced logprobs of the
+    probe under the weights pushed last, as the learner computes them (1e-4), and far from
+    those of the weights before: a push that did not arrive would show."""
+    from asyncrl.sync.probe import probe_ids
+
+    loop, engine, learner, models, path = rig
+    new = max(models) + 1
+    models[new] = _perturbed(path, seed=new)
+    learner.push(loop, engine, models[new], version=new)
+    got = torch.tensor(loop.run(engine.score(probe_ids())))
+
+    def hf(model) -> torch.Tensor:
+        out = []
+        for ids in probe_ids():
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+            logp = torch.log_softmax(logits, dim=-1)
+            out.append(logp.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0])
+        return torch.cat(out)
+
+    assert (got - hf(models[new])).abs().max() < 1e-4
+    assert (got - hf(models[new - 1])).abs().mean() > 0.01

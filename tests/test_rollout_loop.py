@@ -71,6 +71,9 @@ class StandInEngine:
     ) -> dict[str, float]:
         return {"seconds": 0.0}
 
+    async def score(self, sequences: list[list[int]]) -> list[float]:
+        return [-1.0] * sum(len(ids) - 1 for ids in sequences)
+
 
 class StandInTokenizer:
     """Token ids as space-separated numbers."""
@@ -165,7 +168,13 @@ class StandInClient:
         return None
 
     def sync_done(
-        self, start: SyncStart, ok: bool, error: str = "", seconds: float = 0.0
+        self,
+        start: SyncStart,
+        ok: bool,
+        error: str = "",
+        seconds: float = 0.0,
+        *,
+        probe: list[float] | None = None,
     ) -> object:
         return None
 
@@ -325,6 +334,9 @@ class ToolCallingEngine(StandInEngine):
         self.synced_at = time.monotonic()
         return {"seconds": 0.0}
 
+    async def score(self, sequences: list[list[int]]) -> list[float]:
+        return [-1.0] * sum(len(ids) - 1 for ids in sequences)
+
 
 class SyncingClient(StandInClient):
     """Deals ``tool_agent`` tasks; delivers one sync start when :attr:`sync` is set."""
@@ -350,7 +362,13 @@ class SyncingClient(StandInClient):
         )
 
     def sync_done(
-        self, start: SyncStart, ok: bool, error: str = "", seconds: float = 0.0
+        self,
+        start: SyncStart,
+        ok: bool,
+        error: str = "",
+        seconds: float = 0.0,
+        *,
+        probe: list[float] | None = None,
     ) -> object:
         self.sync_reported.set()
         return None

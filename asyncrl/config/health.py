@@ -48,6 +48,13 @@ class HealthConfig(Section):
     grad_norm_spike: float = Field(
         default=10.0, gt=1, description="Grad norm above this many times its recent median."
     )
+    max_probe_diff: float = Field(
+        default=0.1,
+        ge=0,
+        description="Post-sync probe: mean |learner - server| logprob per token on fixed "
+        "tokens after a push (a server off by more holds other weights; alarms at once).",
+    )
+    probe: bool = Field(default=True, description="Score the post-sync probe at every push.")
     nonfinite: bool = Field(
         default=True, description="Alarm on skipped non-finite updates or dropped logprobs."
     )

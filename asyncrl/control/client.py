@@ -261,6 +261,7 @@ class CoordinatorClient:
         seconds: float = 0.0,
         checksum: str = "",
         attempts: int = 3,
+        probe: list[float] | None = None,
     ) -> bool:
         """Report the outcome of ``start``; on success this server now holds its version.
 
@@ -277,6 +278,7 @@ class CoordinatorClient:
             error=error[:4000],
             seconds=seconds,
             checksum=checksum,
+            probe=probe or [],
         )
         return self._send_retried(msg, attempts, f"the report of sync {start.sync_id}")
 

@@ -182,6 +182,8 @@ class SyncDone(Message, tag="sync_done"):
     error: Text = ""
     seconds: float = 0.0
     checksum: str = ""  # optional digest of what was loaded (tests, debugging)
+    # The post-sync probe scored with the loaded weights (asyncrl.sync.probe); empty: none.
+    probe: Annotated[list[float], msgspec.Meta(max_length=1024)] = []
 
 
 class Leave(Message, tag="leave"):

@@ -57,6 +57,7 @@ class SyncResult:
     failed: dict[str, str]
     checksums: dict[str, str]
     seconds: dict[str, float]  # per member, as it reported
+    probes: dict[str, list[float]] = field(default_factory=dict)  # per member that scored one
 
 
 @dataclass
@@ -187,4 +188,5 @@ class SyncBook:
             failed,
             {m: rep.checksum for m, rep in a.reports.items()},
             {m: rep.seconds for m, rep in a.reports.items()},
+            {m: list(rep.probe) for m, rep in a.reports.items() if rep.ok and rep.probe},
         )

@@ -113,7 +113,13 @@ class StandInRollout:
         journal: str | None = None,
         hold_after: int | None = None,
         task_delay_s: float = 0.0,
+        probe: bool = False,
+        corrupt_from: int | None = None,
     ):
+        from tests.standins.weights import ProbeScorer
+
+        self.scorer = ProbeScorer(cfg.model.path) if probe else None
+        self.corrupt_from = corrupt_from  # from this version on, a received tensor is flipped
         self.cfg = cfg
         self.server_id = server_id
         self.weights = weights
@@ -230,6 +236,9 @@ class StandInRollout:
                 self._generation = start.generation
             for name, t in receive_weights(self._group, start.plan, timeout_s=start.timeout_s):
                 self.received[name] = t.clone()
+            if self.corrupt_from is not None and start.version >= self.corrupt_from:
+                first = sorted(self.received)[0]  # as if its bucket arrived with bits flipped
+                self.received[first] = -self.received[first]
         except Exception as e:  # reported to the coordinator, which drops us from the group
             self._group, self._generation = None, ""
             log.warning("sync %d failed: %s", start.sync_id, e)
@@ -238,7 +247,8 @@ class StandInRollout:
             return
         seconds = time.monotonic() - t0
         checksum = digest(self.received)
-        self.client.sync_done(start, ok=True, seconds=seconds, checksum=checksum)
+        probe = self.scorer.score(self.received) if self.scorer is not None else None
+        self.client.sync_done(start, ok=True, seconds=seconds, checksum=checksum, probe=probe)
         self.journal.write(
             "sync",
             sync_id=start.sync_id,
@@ -259,6 +269,8 @@ def spawn(
     hold_after: int | None = None,
     task_delay_s: float = 0.0,
     log_path: Path | None = None,
+    probe: bool = False,
+    corrupt_from: int | None = None,
 ) -> subprocess.Popen:
     """Start a stand-in rollout process (its log to ``log_path``)."""
     cmd = [sys.executable, "-m", "tests.standins.rollout", str(config_path)]
@@ -269,6 +281,10 @@ def spawn(
         cmd.append("--weights")
     if hold_after is not None:
         cmd += ["--hold-after", str(hold_after)]
+    if probe:
+        cmd.append("--probe")
+    if corrupt_from is not None:
+        cmd += ["--corrupt-from", str(corrupt_from)]
     out = open(log_path, "w") if log_path else subprocess.DEVNULL  # noqa: SIM115
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=standin_env())
 
@@ -282,6 +298,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--journal", help="append one JSON line per event to this file")
     parser.add_argument("--hold-after", type=int, help="hold the grant after K acked tasks")
     parser.add_argument("--task-delay-s", type=float, default=0.0, help="time per task")
+    parser.add_argument("--probe", action="store_true", help="score the post-sync probe")
+    parser.add_argument("--corrupt-from", type=int, help="flip a received tensor from version V")
     args = parser.parse_args(argv)
     setup_logging(args.log_level)
     try:
@@ -296,6 +314,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         journal=args.journal,
         hold_after=args.hold_after,
         task_delay_s=args.task_delay_s,
+        probe=args.probe,
+        corrupt_from=args.corrupt_from,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: standin.stop.set())

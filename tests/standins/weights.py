@@ -118,3 +118,30 @@ def digest(tensors: dict[str, Any]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+class ProbeScorer:
+    """Scores the post-sync probe (:mod:`asyncrl.sync.probe`) as a server's engine would:
+    teacher-forced logprobs at temperature 1 of an HF model of ``model_dir``'s architecture
+    holding the received tensors."""
+
+    def __init__(self, model_dir: str) -> None:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+    def score(self, tensors: dict[str, Any]) -> list[float]:
+        import torch
+
+        from asyncrl.sync.probe import probe_ids
+
+        self.model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+        out: list[float] = []
+        with torch.no_grad():
+            for ids in probe_ids():
+                x = torch.tensor([ids])
+                logp = torch.log_softmax(self.model(x).logits[0, :-1].float(), dim=-1)
+                out += logp.gather(1, x[0, 1:, None]).squeeze(1).tolist()
+        return out
