@@ -43,7 +43,11 @@ class HealthConfig(Section):
         default=0.1, ge=0, description="Approximate KL of one step's updates."
     )
     entropy_collapse_frac: float = Field(
-        default=0.1, ge=0, le=1, description="Entropy below this share of the first step's."
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Entropy below this share of its value 10 steps before (a collapse; a "
+        "slow fall over a run is learning).",
     )
     grad_norm_spike: float = Field(
         default=10.0, gt=1, description="Grad norm above this many times its recent median."
