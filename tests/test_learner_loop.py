@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,14 +32,11 @@ def _learner(config: Path, log: Path) -> subprocess.Popen:
     )
 
 
-def _syncs(journal: Path) -> list[dict]:
-    return [e for e in read_journal(str(journal)) if e["event"] == "sync" and e["ok"]]
-
-
-@pytest.mark.timeout(600)
-def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_model):
+def _config(tmp_path: Path, tiny_model: Path, *overrides: str) -> tuple[Any, Path]:
+    """A loopback run of the tiny model on arithmetic data in ``tmp_path`` (4 groups of 2
+    per step, 4-token responses, no validation), with ``overrides`` on top."""
     prepare_task_data("arithmetic", tmp_path / "data", seed=0)
-    cfg, config = loopback_config(
+    return loopback_config(
         tmp_path,
         [
             f"model.path={tiny_model}",
@@ -49,16 +47,29 @@ def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_mode
             "rollout.n=2",
             "data.max_prompt_length=64",
             "data.max_response_length=4",
-            f"trainer.total_training_steps={TOTAL}",
-            "trainer.save_freq=2",
             "trainer.test_freq=-1",
             "trainer.val_before_train=false",
             "trainer.logger=[jsonl]",
             "control.heartbeat_s=0.3",
-            "control.dead_after_s=3",
             "launch.start_timeout_s=120",
             "sync.timeout_s=30",
+            *overrides,
         ],
+    )
+
+
+def _syncs(journal: Path) -> list[dict]:
+    return [e for e in read_journal(str(journal)) if e["event"] == "sync" and e["ok"]]
+
+
+@pytest.mark.timeout(600)
+def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_model):
+    cfg, config = _config(
+        tmp_path,
+        tiny_model,
+        f"trainer.total_training_steps={TOTAL}",
+        "trainer.save_freq=2",
+        "control.dead_after_s=3",
     )
     from asyncrl.config import run_dir
 
@@ -109,30 +120,16 @@ def test_without_intermediate_checkpoints_a_small_buffer_runs_to_the_end(tmp_pat
     filled ``buffer.capacity_groups``, the buffer stopped reading and the run hung. Here the
     buffer holds half of the groups the run trains on: the run must reach its last step."""
     total, batch = 6, 4
-    prepare_task_data("arithmetic", tmp_path / "data", seed=0)
-    cfg, config = loopback_config(
+    cfg, config = _config(
         tmp_path,
-        [
-            f"model.path={tiny_model}",
-            f"data.train_files={tmp_path}/data/train.parquet",
-            f"data.val_files={tmp_path}/data/val.parquet",
-            f"data.train_batch_size={batch}",
-            f"actor.ppo_mini_batch_size={batch}",
-            "rollout.n=2",
-            "data.max_prompt_length=64",
-            "data.max_response_length=4",
-            "staleness.max_policy_lag=1",
-            f"buffer.capacity_groups={3 * batch}",
-            f"trainer.total_training_steps={total}",
-            "trainer.save_freq=-1",
-            "trainer.test_freq=-1",
-            "trainer.val_before_train=false",
-            "trainer.logger=[jsonl]",
-            "control.heartbeat_s=0.3",
-            "control.dead_after_s=3",
-            "launch.start_timeout_s=120",
-            "sync.timeout_s=30",
-        ],
+        tiny_model,
+        f"data.train_batch_size={batch}",
+        f"actor.ppo_mini_batch_size={batch}",
+        "staleness.max_policy_lag=1",
+        f"buffer.capacity_groups={3 * batch}",
+        f"trainer.total_training_steps={total}",
+        "trainer.save_freq=-1",
+        "control.dead_after_s=3",
     )
     assert cfg.buffer.capacity_groups < total * batch
     from asyncrl.config import run_dir
@@ -169,30 +166,15 @@ def test_a_health_alarm_with_action_stop_ends_the_run_with_a_checkpoint(tmp_path
     """A threshold every step crosses (the mean importance weight, about 1, required in
     [5, 10]): the first step alarms, the learner saves, ends the run (the servers and the
     buffer exit 0) and exits 5, which the launcher does not restart."""
-    prepare_task_data("arithmetic", tmp_path / "data", seed=0)
-    cfg, config = loopback_config(
+    cfg, config = _config(
         tmp_path,
-        [
-            f"model.path={tiny_model}",
-            f"data.train_files={tmp_path}/data/train.parquet",
-            f"data.val_files={tmp_path}/data/val.parquet",
-            "data.train_batch_size=4",
-            "actor.ppo_mini_batch_size=4",
-            "rollout.n=2",
-            "data.max_prompt_length=64",
-            "data.max_response_length=4",
-            f"trainer.total_training_steps={TOTAL}",
-            "trainer.save_freq=-1",
-            "trainer.test_freq=5",
-            "trainer.val_before_train=false",
-            "trainer.logger=[jsonl]",
-            "trainer.health.action=stop",
-            "trainer.health.patience=1",
-            "trainer.health.w_mean_range=[5,10]",
-            "control.heartbeat_s=0.3",
-            "launch.start_timeout_s=120",
-            "sync.timeout_s=30",
-        ],
+        tiny_model,
+        f"trainer.total_training_steps={TOTAL}",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=5",
+        "trainer.health.action=stop",
+        "trainer.health.patience=1",
+        "trainer.health.w_mean_range=[5,10]",
     )
     from asyncrl.config import run_dir
 
@@ -221,27 +203,11 @@ def test_the_post_sync_probe_names_a_server_whose_weights_arrived_corrupted(tmp_
     """Two stand-in servers score the post-sync probe with the weights they received; from
     version 2 on, s1 flips a received tensor (as a corrupt bucket would). s0's probe agrees
     with the learner's; s1's is caught at version 2's push, named, within one step."""
-    prepare_task_data("arithmetic", tmp_path / "data", seed=0)
-    cfg, config = loopback_config(
+    cfg, config = _config(
         tmp_path,
-        [
-            f"model.path={tiny_model}",
-            f"data.train_files={tmp_path}/data/train.parquet",
-            f"data.val_files={tmp_path}/data/val.parquet",
-            "data.train_batch_size=4",
-            "actor.ppo_mini_batch_size=4",
-            "rollout.n=2",
-            "data.max_prompt_length=64",
-            "data.max_response_length=4",
-            "trainer.total_training_steps=4",
-            "trainer.save_freq=-1",
-            "trainer.test_freq=-1",
-            "trainer.val_before_train=false",
-            "trainer.logger=[jsonl]",
-            "control.heartbeat_s=0.3",
-            "launch.start_timeout_s=120",
-            "sync.timeout_s=30",
-        ],
+        tiny_model,
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=-1",
     )
     from asyncrl.config import run_dir
 
