@@ -139,8 +139,10 @@ class LearnerLoop:
             for alarm in alarms:
                 log.warning("%s", alarm.line(t.step))
         self.control.after_step(t.step, metrics, t.policy_version)
-        if alarms and c.trainer.health.action == "stop":
-            self.stopped_by = alarms[0]  # every rank sees the same metrics: all stop here
+        stop = bool(alarms) and c.trainer.health.action == "stop"
+        # Rank 0 alone sees a push's probe metrics: its decision holds for every rank.
+        if _broadcast_int(int(stop), t):
+            self.stopped_by = alarms[0] if alarms else Alarm("rank 0", "an alarm", 0.0, "", "")
             return False
         return True
 
