@@ -18,6 +18,7 @@ import pytest
 
 from asyncrl.metrics import read_metrics
 from learner.checkpoint import latest_checkpoint
+from learner.health import RULES as HEALTH_RULES
 from tests.e2e_helpers import (
     RUN,
     assert_learned,
@@ -68,10 +69,9 @@ def test_async_run_learns(tmp_path, demo_model, arithmetic_data):
     lag_drops = max(r.get("buffer/drops/lag", 0) for r in records)
     assert groups_in > 0 and lag_drops <= 0.01 * groups_in, (lag_drops, groups_in)
     assert_learned(records)
-    # The health alarms stay silent on the demo (each fires on a constructed batch in
-    # test_health.py).
-    fired = {k: v for k, v in steps[-1].items() if k.startswith("health/") and v}
-    assert "health/min_ess" in steps[-1] and not fired, fired
+    # The health alarms run on every step. At lag 2 with this fast warm-up they may speak:
+    # one such run held a mismatch KL of 0.2-0.5 for 15 steps, its ESS down to 0.03.
+    assert all(f"health/{rule}" in steps[-1] for rule in HEALTH_RULES)
     assert (run / "progress.png").stat().st_size > 1000
     assert (run / "config.yaml").is_file() and (run / "commands.txt").is_file()
     assert_vllm_loads(run / "final")
@@ -93,6 +93,11 @@ def test_synchronous_run_is_on_policy(tmp_path, demo_model, arithmetic_data):
         assert r["lag/max"] == 0 and r["lag/hist_0"] == r["batch/sequences"], r
     # Generation and training alternate: the servers sit idle while the learner trains.
     assert rollout_wait_fraction(records) >= 0.10
+    # On-policy, the demo gives the health alarms nothing to say (each fires on a
+    # constructed batch in test_health.py); the post-sync probe agrees.
+    fired = {k: v for k, v in steps[-1].items() if k.startswith("health/") and v}
+    assert "health/min_ess" in steps[-1] and not fired, fired
+    assert max(r.get("sync/probe_mean_abs_diff", 0.0) for r in steps) < 1e-3
 
 
 @pytest.mark.timeout(900)
