@@ -104,6 +104,28 @@ def _ledger() -> TaskLedger:
     return TaskLedger(TaskSource(rows, seed=0, n=2), Budget(max_policy_lag=0, per_version=1))
 
 
+def test_an_agent_refused_a_slot_is_served_before_the_datasets_next_task():
+    """The servers' own task loops ask again the moment a slot frees: an agent refused a
+    slot would wait behind them for ever. So a refused agent holds a claim on the next free
+    slot for AGENT_HOLD_S; after that the dataset takes it again."""
+    from asyncrl.control.ledger import AGENT_HOLD_S
+
+    ledger = _ledger()
+    (task,), _ = ledger.deal("s1", 1, now=0.0)  # the dataset holds the only slot
+    assert ledger.deal_external("s2", now=1.0) == (None, "budget")
+    ledger.nack("s1", [task.task_id])  # the slot frees (the task waits to be dealt again)
+    assert ledger.deal("s1", 1, now=1.5) == ([], "budget")  # kept for the agent
+    slot, _ = ledger.deal_external("s2", now=2.0)
+    assert slot is not None and slot.task_id.startswith("ext/")
+    ledger.nack("s2", [slot.task_id])  # the agent gives it back
+    (again,), _ = ledger.deal("s1", 1, now=2.5)  # no agent waits: the dataset's again
+
+    assert ledger.deal_external("s2", now=10.0) == (None, "budget")  # an agent that left
+    ledger.nack("s1", [again.task_id])
+    assert ledger.deal("s1", 1, now=10.0 + AGENT_HOLD_S / 2) == ([], "budget")
+    assert len(ledger.deal("s1", 1, now=10.0 + AGENT_HOLD_S + 0.1)[0]) == 1  # claim lapsed
+
+
 def test_external_slots_are_charged_and_given_up_rather_than_dealt_again():
     ledger = _ledger()
     task, reason = ledger.deal_external("s1", now=0.0)

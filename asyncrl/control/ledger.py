@@ -56,6 +56,10 @@ from asyncrl.control.task_states import (
 
 __all__ = ["DONE", "TaskLedger", "kind_of"]
 
+#: Seconds a refused agent's claim on the next free slot lasts (OpenAI clients retry a 429
+#: after its Retry-After, 1 s).
+AGENT_HOLD_S = 3.0
+
 
 class TaskLedger:
     """Every task id's state, the re-deal queue and the budget; one owner calls it."""
@@ -92,6 +96,9 @@ class TaskLedger:
         self.tally: dict[str, Counter[str]] = {k: Counter() for k in TALLIES}
         self._serial = 0
         self.external_serial = 0  # external slots this incarnation dealt
+        # Until then one free slot is kept for an agent refused a slot: the servers' own
+        # task loops ask again the moment a slot frees, and would take every one first.
+        self.agent_waiting_until = float("-inf")
         self.refunded: Counter[str] = Counter()  # training deals uncharged, by cause
 
     # ------------------------------------------------------------------ state changes
@@ -170,7 +177,7 @@ class TaskLedger:
         tasks: list[Task] = []
         reason = ""
         while len(tasks) < max_tasks:
-            tid, reason = self._next()
+            tid, reason = self._next(now)
             if tid is None:
                 break
             task = self._hand(tid, server_id, now)
@@ -184,7 +191,9 @@ class TaskLedger:
         """One external slot for ``server_id``, or None and ``budget`` when admission
         refuses (queued re-deals do not go first: the agent waits on this answer)."""
         if not self.budget.free(self.committed):
+            self.agent_waiting_until = now + AGENT_HOLD_S
             return None, "budget"
+        self.agent_waiting_until = float("-inf")  # served (another refusal sets it again)
         self.external_serial += 1
         tid = external_id(self.session, self.external_serial)
         while tid in self.entries:  # an old checkpoint's plain ids share no session
@@ -217,9 +226,14 @@ class TaskLedger:
         e.task = msgspec.structs.replace(e.task, dealt_version=self.budget.version)
         return e.task
 
-    def _next(self) -> tuple[str | None, str]:
+    def _free_for_dataset(self, now: float) -> int:
+        """Training slots the dataset may take now: the budget's, less one while an agent
+        waits for one (see ``agent_waiting_until``)."""
+        return self.budget.free(self.committed) - (now < self.agent_waiting_until)
+
+    def _next(self, now: float) -> tuple[str | None, str]:
         for tid in self.redeal:
-            if kind_of(tid) == "val" or self.budget.free(self.committed):
+            if kind_of(tid) == "val" or self._free_for_dataset(now) > 0:
                 return tid, ""
         while True:  # ids adopted from an earlier session are skipped, not dealt twice
             task = self.source.next_val(self.budget.version)
@@ -228,7 +242,7 @@ class TaskLedger:
         if task is None:
             if self.source.exhausted:
                 return None, "exhausted"
-            if not self.budget.free(self.committed):
+            if self._free_for_dataset(now) <= 0:
                 return None, "budget"
             task = self.source.next_train(self.budget.version)
             while task is not None and task.task_id in self.entries:
