@@ -21,7 +21,7 @@ import math
 import statistics
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import HealthConfig
@@ -223,6 +223,23 @@ RULES = (
     "nonfinite",
     "max_probe_diff",
 )
+
+
+def learner_probe(trainer: Any) -> list[float]:
+    """The learner's logprobs of the post-sync probe (:mod:`asyncrl.sync.probe`) under its
+    current weights, at temperature 1, concatenated over the probe's sequences; empty when
+    the model is too short for it. A collective on every rank (``Trainer.compute_logprobs``)."""
+    from asyncrl.sync.probe import probe_ids
+    from learner.rollouts import Rollout
+
+    rollouts = [
+        Rollout(ids[:1], ids[1:], [0.0] * (len(ids) - 1), 0.0, f"probe/{i}")
+        for i, ids in enumerate(probe_ids())
+    ]
+    out = trainer.compute_logprobs(rollouts, 1.0)
+    if any(lp is None for lp in out):
+        return []
+    return [float(x) for lp in out for x in lp.tolist()]
 
 
 def check_probe(

@@ -32,7 +32,7 @@ from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
 from learner.control_plane import ControlPeer, NoControl, RankZero, Restored
-from learner.health import Alarm, HealthMonitor
+from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.rollouts import Rollout
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class LearnerLoop:
         start = time.monotonic()
         tensors = self.trainer.full_state_for_push()
         # What the servers must score after loading these weights (the post-sync probe).
-        probe = self.trainer.probe_logprobs() if self.cfg.trainer.health.probe else []
+        probe = learner_probe(self.trainer) if self.cfg.trainer.health.probe else []
         target = self.trainer.policy_version + 1
         pushed = self.control.push(tensors, target, probe)
         out = {"timing/gather_s": time.monotonic() - start, **pushed}

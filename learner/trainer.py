@@ -363,20 +363,6 @@ class Trainer:
                 out[kept_pos[sid]] = lp
         return out
 
-    def probe_logprobs(self) -> list[float]:
-        """The current weights' logprobs of the post-sync probe (:mod:`asyncrl.sync.probe`)
-        at temperature 1, concatenated over its sequences. A collective on every rank."""
-        from asyncrl.sync.probe import probe_ids
-
-        rollouts = [
-            Rollout(ids[:1], ids[1:], [0.0] * (len(ids) - 1), 0.0, f"probe/{i}")
-            for i, ids in enumerate(probe_ids())
-        ]
-        out = self.compute_logprobs(rollouts, 1.0)
-        if any(lp is None for lp in out):
-            return []  # a model too short for the probe: nothing to compare
-        return [float(x) for lp in out if lp is not None for x in lp.tolist()]
-
     def full_state_for_push(self) -> dict[str, torch.Tensor]:
         """Full weights named as in the HF checkpoint, cast to ``model.dtype`` (what the
         rollout's vLLM runs). A collective: call it on every rank."""

@@ -61,6 +61,11 @@ __all__ = ["DONE", "TaskLedger", "kind_of"]
 AGENT_HOLD_S = 3.0
 
 
+def _tallies(tid: str, kind: str) -> tuple[str, ...]:
+    """The tallies ``tid`` counts in: its kind, and ``external`` for an endpoint slot."""
+    return (kind, "external") if is_external(tid) else (kind,)
+
+
 class TaskLedger:
     """Every task id's state, the re-deal queue and the budget; one owner calls it."""
 
@@ -106,11 +111,9 @@ class TaskLedger:
         kind = kind_of(tid)
         if kind == "train" and e.state in CHARGED and state not in CHARGED:
             self.refunded[cause or state] += 1  # it leaves the admission budget
-        self.tally[kind][e.state] -= 1
-        self.tally[kind][state] += 1
-        if is_external(tid):
-            self.tally["external"][e.state] -= 1
-            self.tally["external"][state] += 1
+        for k in _tallies(tid, kind):
+            self.tally[k][e.state] -= 1
+            self.tally[k][state] += 1
         if e.state == BUF:
             self.buffered.discard(tid)
         elif state == BUF:
@@ -135,12 +138,9 @@ class TaskLedger:
     def track(self, tid: str, state: str, task: Task | None) -> Entry:
         """Start tracking ``tid`` in ``state`` (a new deal, or one read from a checkpoint)."""
         e = self.entries[tid] = Entry(state, task)
-        kind = kind_of(tid)
-        self.dealt[kind] += 1
-        self.tally[kind][state] += 1
-        if is_external(tid):
-            self.dealt["external"] += 1
-            self.tally["external"][state] += 1
+        for k in _tallies(tid, kind_of(tid)):
+            self.dealt[k] += 1
+            self.tally[k][state] += 1
         if state == BUF:
             self.buffered.add(tid)
         return e
