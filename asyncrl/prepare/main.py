@@ -83,6 +83,21 @@ def _parser() -> argparse.ArgumentParser:
         default=0.35,
         help="never keep a warm start above this accuracy",
     )
+    m.add_argument(
+        "--max-operand",
+        type=int,
+        default=9,
+        help="arithmetic warm start: largest operand (match `data --max-operand`)",
+    )
+    m.add_argument(
+        "--ops", default="+", help="arithmetic warm start: operators (match `data --ops`)"
+    )
+    m.add_argument(
+        "--n-val",
+        type=int,
+        default=None,
+        help="arithmetic warm start: held-out rows (match `data --n-val`)",
+    )
     d = sub.add_parser("data", help="write train/val parquet in veRL's schema")
     d.add_argument(
         "--task", choices=["arithmetic", "calculator", "countdown"], default="arithmetic"
@@ -167,7 +182,9 @@ def _warm_start(model, tok, args: argparse.Namespace) -> dict:
     from asyncrl.prepare.warmstart import flatten, sampling_accuracy, supervised, warm_start
     from asyncrl.tasks import arithmetic
 
-    train, val = arithmetic.generate(seed=args.data_seed)
+    train, val = arithmetic.generate(
+        seed=args.data_seed, max_operand=args.max_operand, ops=tuple(args.ops), n_val=args.n_val
+    )
 
     def examples(rows: list[dict]) -> list:
         gt = [r["reward_model"]["ground_truth"] for r in rows]
@@ -194,6 +211,8 @@ def _warm_start(model, tok, args: argparse.Namespace) -> dict:
         return {
             "task": "arithmetic",
             "data_seed": args.data_seed,
+            "max_operand": args.max_operand,
+            "ops": args.ops,
             "steps": result.steps,
             "val_sampling_accuracy": result.val_accuracy,
             "history": result.history,
@@ -222,6 +241,8 @@ def _warm_start(model, tok, args: argparse.Namespace) -> dict:
     return {
         "task": "arithmetic",
         "data_seed": args.data_seed,
+        "max_operand": args.max_operand,
+        "ops": args.ops,
         "steps": args.sft_steps or 800,
         "sft_loss": loss,
         "val_greedy_accuracy": greedy,
