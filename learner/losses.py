@@ -8,6 +8,15 @@ logprob ``p`` (learner weights at the start of the step, no gradient), current l
     w = exp(p - b)                  # importance weight: proximal vs behaviour (no grad)
     loss_t = -w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)
 
+With dual clip (veRL's ``clip_ratio_c``, default 3), a token with ``A < 0`` loses at most
+``-w * c * A``: a ratio far above 1 on a token the policy should leave (off-policy data is
+where such ratios occur) cannot push the loss without bound.
+
+GSPO (``loss_mode="gspo"``) replaces the per-token ratio by the sequence's length-normalised
+one, ``s = exp(mean_t(l - p))``, written per token as ``exp(l - sg(l) + sg(log s))`` so each
+token's gradient is its own; it has no dual clip, and its clip range is the narrow one
+GSPO is run with (3e-4 / 4e-4 when the config leaves it unset).
+
 ``w`` is truncated at ``cap`` (``tis``), or the unit with ``w > cap`` is masked (``mis``),
 or left out entirely (``none``: ``w = 1``). ``level="sequence"`` replaces the per-token
 ``w`` by the geometric mean over the response, ``exp(mean_t(p - b))``. A masked unit (MIS)
@@ -30,7 +39,7 @@ and ranks; :func:`summarize_stats` turns them into metric values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -42,6 +51,9 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 _LOG_RATIO_CLAMP = 20.0
 # veRL clamps the k3 estimator to this range for the same reason.
 _K3_CLAMP = 10.0
+# ...and GSPO's sequence log-ratio from above at this value.
+_GSPO_LOG_RATIO_MAX = 10.0
+LOSS_MODES = ("vanilla", "gspo")
 
 
 @dataclass(frozen=True)
@@ -50,6 +62,8 @@ class LossConfig:
 
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
+    clip_ratio_c: float = 3.0  # dual clip of negative-advantage tokens (vanilla only)
+    loss_mode: str = "vanilla"  # vanilla | gspo
     importance_mode: str = "tis"  # tis | mis | none
     importance_cap: float = 2.0
     importance_level: str = "token"  # token | sequence
@@ -68,6 +82,10 @@ class LossConfig:
             raise ValueError(f"importance_level {self.importance_level!r} not token/sequence")
         if self.kl_type not in ("k1", "k2", "k3"):
             raise ValueError(f"kl_type {self.kl_type!r} not k1/k2/k3")
+        if self.loss_mode not in LOSS_MODES:
+            raise ValueError(f"loss_mode {self.loss_mode!r} not in {LOSS_MODES}")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c must be > 1 (dual clip), got {self.clip_ratio_c}")
 
     @classmethod
     def from_config(cls, cfg: Config) -> LossConfig:
@@ -79,6 +97,8 @@ class LossConfig:
         return cls(
             clip_ratio_low=actor.clip_ratio_low,
             clip_ratio_high=actor.clip_ratio_high,
+            clip_ratio_c=actor.clip_ratio_c,
+            loss_mode=actor.policy_loss.loss_mode,
             importance_mode=imp.mode,
             importance_cap=imp.cap,
             importance_level=imp.level,
@@ -199,6 +219,7 @@ STAT_SUMS: tuple[str, ...] = (
     "nonfinite",
     "clipped_low",
     "clipped_high",
+    "clipped_dual",
     "ppo_kl",
     "w_units",
     "w_sum",
@@ -217,17 +238,41 @@ STAT_SUMS: tuple[str, ...] = (
 STAT_MAXES: tuple[str, ...] = ("w_max", "abs_log_w_max")
 
 
+class PgTerms(NamedTuple):
+    """The policy-gradient part of the loss per token, ``[B, T]`` each."""
+
+    loss: torch.Tensor  # before the importance weight
+    log_ratio: torch.Tensor  # l - p, per token (what ppo_kl averages)
+    clipped_low: torch.Tensor  # bool: the clip at 1 - eps_low is active
+    clipped_high: torch.Tensor  # bool: the clip at 1 + eps_high is active
+    clipped_dual: torch.Tensor  # bool: the dual clip bounded the loss (A < 0)
+
+
 def _pg_terms(
-    logprobs: torch.Tensor, proximal: torch.Tensor, adv: torch.Tensor, cfg: LossConfig
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(loss_t before w, log ratio, clipped-low, clipped-high)``, each ``[B, T]``."""
+    logprobs: torch.Tensor,
+    proximal: torch.Tensor,
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    cfg: LossConfig,
+) -> PgTerms:
+    """Clipped PPO with dual clip (``vanilla``), or GSPO's sequence ratio (``gspo``)."""
     log_ratio = (logprobs - proximal).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = log_ratio.exp()
+    if cfg.loss_mode == "gspo":
+        n = valid.sum(dim=1, keepdim=True).clamp(min=1)
+        seq = (torch.where(valid, logprobs - proximal, 0).sum(dim=1, keepdim=True) / n).detach()
+        ratio = (logprobs - logprobs.detach() + seq).clamp(max=_GSPO_LOG_RATIO_MAX).exp()
+    else:
+        ratio = log_ratio.exp()
     clipped = ratio.clamp(1 - cfg.clip_ratio_low, 1 + cfg.clip_ratio_high)
     # max of the negated objectives == -min(r*A, clip(r)*A)
     loss_t = torch.maximum(-adv * ratio, -adv * clipped)
     active = (-adv * clipped) > (-adv * ratio)
-    return loss_t, log_ratio, active & (ratio < 1), active & (ratio > 1)
+    dual = torch.zeros_like(active)
+    if cfg.loss_mode == "vanilla":
+        bound = -adv * cfg.clip_ratio_c
+        dual = (adv < 0) & (loss_t > bound)
+        loss_t = torch.where(adv < 0, torch.minimum(loss_t, bound), loss_t)
+    return PgTerms(loss_t, log_ratio, active & (ratio < 1), active & (ratio > 1), dual)
 
 
 def policy_loss(
@@ -274,9 +319,9 @@ def policy_loss(
         cap=cfg.importance_cap,
         level=cfg.importance_level,
     )
-    pg_t, log_ratio, clip_low, clip_high = _pg_terms(lp, proximal, adv, cfg)
+    pg = _pg_terms(lp, proximal, adv, valid, cfg)
     agg = {"mode": cfg.agg_mode, "norm_const": cfg.norm_const, "norm": norm}
-    pg_loss = aggregate(w * pg_t, valid, **agg)
+    pg_loss = aggregate(w * pg.loss, valid, **agg)
     loss = pg_loss
     zero = pg_loss.new_zeros(())
     kl_loss, ent_loss, ref_kl = zero, zero, zero
@@ -293,9 +338,7 @@ def policy_loss(
         ent_loss = aggregate(entropy, valid, **agg)
         loss = loss - cfg.entropy_coeff * ent_loss
 
-    stats = _stats(
-        valid, keep, raw_w, log_ratio, clip_low, clip_high, proximal, behaviour, mask, cfg
-    )
+    stats = _stats(valid, keep, raw_w, pg, proximal, behaviour, mask, cfg)
     ent = torch.where(valid, entropy, 0).sum() if entropy is not None else zero
     stats.update(
         entropy=ent.detach(),
@@ -312,9 +355,7 @@ def _stats(
     valid: torch.Tensor,
     keep: torch.Tensor,
     raw_w: torch.Tensor,
-    log_ratio: torch.Tensor,
-    clip_low: torch.Tensor,
-    clip_high: torch.Tensor,
+    pg: PgTerms,
     proximal: torch.Tensor,
     behaviour: torch.Tensor,
     mask: torch.Tensor,
@@ -333,10 +374,11 @@ def _stats(
         "tokens": f.sum(),
         "seqs": valid.any(dim=1).to(f.dtype).sum(),
         "nonfinite": (mask & ~valid).to(f.dtype).sum(),
-        "clipped_low": (clip_low & valid).to(f.dtype).sum(),
-        "clipped_high": (clip_high & valid).to(f.dtype).sum(),
+        "clipped_low": (pg.clipped_low & valid).to(f.dtype).sum(),
+        "clipped_high": (pg.clipped_high & valid).to(f.dtype).sum(),
+        "clipped_dual": (pg.clipped_dual & valid).to(f.dtype).sum(),
         # veRL's ppo_kl: mean(p - l), the k1 estimate of KL(proximal || current).
-        "ppo_kl": torch.where(valid, -log_ratio, 0).sum().detach(),
+        "ppo_kl": torch.where(valid, -pg.log_ratio, 0).sum().detach(),
         "w_units": torch.tensor(float(units_w.numel()), dtype=f.dtype),
         "w_sum": units_w.sum(),
         "w_sq_sum": units_w.square().sum(),
@@ -363,6 +405,7 @@ def summarize_stats(stats: dict[str, float], importance_mode: str) -> dict[str, 
         / max(stats["tokens"], 1.0),
         "actor/pg_clipfrac_lower": ratio("clipped_low", "tokens"),
         "actor/pg_clipfrac_upper": ratio("clipped_high", "tokens"),
+        "actor/pg_clipfrac_dual": ratio("clipped_dual", "tokens"),
         "actor/ppo_kl": ratio("ppo_kl", "tokens"),
         "actor/entropy": ratio("entropy", "tokens"),
         "actor/ref_kl": ratio("ref_kl", "tokens"),

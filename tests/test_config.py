@@ -302,3 +302,43 @@ def test_a_validation_temperature_vllm_refuses_is_refused_here():
     problems = _problems("configs/cpu_demo.yaml", ["rollout.val_kwargs.temperature=2.5"])
     assert any("set it to 0 (greedy) or at most 2" in p for p in problems), problems
     assert load_config("configs/cpu_demo.yaml", ["rollout.val_kwargs.temperature=0"])
+
+
+def test_verl_recipe_keys_load_in_yaml_and_overrides(tmp_path):
+    """DAPO/GSPO keys as veRL spells them: dual clip, GSPO, filter_groups, overlong."""
+    path = tmp_path / "verl_dapo.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "actor_rollout_ref": {
+                    "actor": {"clip_ratio_c": 10.0, "policy_loss": {"loss_mode": "gspo"}}
+                },
+                "algorithm": {
+                    "filter_groups": {"enable": True, "metric": "acc", "max_num_gen_batches": 10}
+                },
+                "reward_model": {
+                    "overlong_buffer": {"enable": True, "len": 4, "penalty_factor": 1.0}
+                },
+            }
+        )
+    )
+    cfg = load_config(path)
+    assert cfg.actor.clip_ratio_c == 10.0 and cfg.actor.policy_loss.loss_mode == "gspo"
+    # GSPO's own clip range and aggregation when the config leaves them unset
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (3e-4, 4e-4)
+    assert cfg.actor.loss_agg_mode == "seq-mean-token-mean"
+    assert cfg.algorithm.filter_groups.max_num_gen_batches == 10
+    assert cfg.reward.overlong_buffer.len == 4
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+            "actor_rollout_ref.actor.clip_ratio_low=0.001",
+            "reward_model.overlong_buffer.penalty_factor=0.5",
+        ],
+    )
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.001, 4e-4)
+    assert cfg.reward.overlong_buffer.penalty_factor == 0.5
+    assert load_config(None).actor.clip_ratio_c == 3.0  # veRL's default: dual clip is on
+    with pytest.raises(ConfigError, match="clip_ratio_c"):
+        load_config(None, ["actor.clip_ratio_c=1.0"])

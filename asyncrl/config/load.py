@@ -32,6 +32,7 @@ VERL_PREFIXES = {
     "actor_rollout_ref.rollout.": "rollout.",
     "actor_rollout_ref.model.": "model.",
     "custom_reward_function.": "reward.custom_reward_function.",
+    "reward_model.overlong_buffer.": "reward.overlong_buffer.",
 }
 
 
@@ -135,6 +136,14 @@ def _flatten_verl_groups(loaded: dict[str, Any]) -> dict[str, Any]:
         out.setdefault(name, {}).update(sub or {})
     if "custom_reward_function" in loaded:
         out.setdefault("reward", {})["custom_reward_function"] = loaded["custom_reward_function"]
+    verl_reward = out.get("reward_model")
+    if isinstance(verl_reward, dict) and "overlong_buffer" in verl_reward:
+        rest = {k: v for k, v in verl_reward.items() if k != "overlong_buffer"}
+        out.setdefault("reward", {})["overlong_buffer"] = verl_reward["overlong_buffer"]
+        if rest:
+            out["reward_model"] = rest
+        else:
+            del out["reward_model"]
     return out
 
 

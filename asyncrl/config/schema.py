@@ -10,10 +10,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.critic import CriticConfig, KLControlConfig, OptimConfig
 from asyncrl.config.health import HealthConfig
+from asyncrl.config.recipes import (
+    FilterGroupsConfig,
+    OverlongBufferConfig,
+    PolicyLossConfig,
+    gspo_defaults,
+)
 from asyncrl.config.rollout import RolloutConfig
 from asyncrl.config.section import Section
 
@@ -100,6 +106,13 @@ class ActorConfig(Section):
     )
     clip_ratio_low: float = Field(default=0.2, gt=0, lt=1, description="PPO clip: 1 - eps_low.")
     clip_ratio_high: float = Field(default=0.28, gt=0, description="PPO clip: 1 + eps_high.")
+    clip_ratio_c: float = Field(
+        default=3.0,
+        gt=1,
+        description="Dual clip: a negative-advantage token loses at most clip_ratio_c * |A| "
+        "(vanilla loss; veRL's default).",
+    )
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
     ] = Field(default="token-mean", description="How token losses are averaged (veRL's names).")
@@ -110,6 +123,11 @@ class ActorConfig(Section):
     )
     entropy_coeff: float = Field(default=0.0, ge=0, description="Entropy bonus weight.")
     grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _gspo_defaults(cls, data: object) -> object:
+        return gspo_defaults(data)
 
     @field_validator("kl_loss_type", mode="before")
     @classmethod
@@ -146,6 +164,7 @@ class AlgorithmConfig(Section):
         default="k1", description="KL-in-reward estimator (veRL: kl=k1, mse=k2, low_var_kl=k3)."
     )
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
 
     @field_validator("kl_penalty", mode="before")
     @classmethod
@@ -255,6 +274,7 @@ class RewardConfig(Section):
     custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig)
     timeout_s: float = Field(default=5.0, gt=0, description="A scorer running longer scores 0.")
     num_workers: int = Field(default=2, gt=0, description="Scorer processes per rollout server.")
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 
 class EndpointsConfig(Section):
