@@ -27,6 +27,7 @@ The last closed groups are kept for ``GET /rl/status`` (:meth:`EndpointGroups.st
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter, deque
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.rewards import ScoreResult
 from rollout_servers.agent import Episode, episode_samples, episode_trajectories
+from rollout_servers.groups import filtered_out
 from rollout_servers.lanes import Lanes
 from rollout_servers.sessions import Group, RequestError, Session, split_key
 
@@ -77,6 +79,7 @@ class EndpointGroups:
         # on its raw reward as its advantage.
         relative = cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo")
         self.min_rewarded = 2 if relative and self.size >= 2 else 1
+        self.filter_metric = cfg.algorithm.filter_groups.metric
         self.by_name: dict[str, Group] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self.on_pushed: Callable[[list[Sample], list[ScoreResult], Task], None] | None = None
@@ -260,6 +263,13 @@ class EndpointGroups:
             await self.lanes.control(self.client.nack, [task.task_id], why)
             return
         scores = [ScoreResult(score=float(s.reward or 0.0)) for s in members]
+        if filtered_out(task, scores, self.filter_metric):  # alike rewards: no signal
+            self._record(group, "filtered", f"{why}: every member scored alike", len(members))
+            await self.lanes.control(
+                functools.partial(self.client.ack, filtered=True), [task.task_id]
+            )
+            self.metrics["rollout/openai/groups_filtered"] += 1
+            return
         episodes = [s.episode for s in members]
         trajectories = episode_trajectories(
             task, episodes, scores, server_id=self.server_id, created_at=group.created

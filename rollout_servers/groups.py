@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
 
     from asyncrl.config import Config
+    from asyncrl.config.recipes import OverlongBufferConfig
     from asyncrl.control.messages import Task
     from asyncrl.rewards import ScoreResult
     from rollout_servers.engine import Sample
@@ -138,3 +139,36 @@ def scored(score: ScoreResult) -> dict[str, Any]:
         "reward": float(score.score),
         "reward_parts": {k: float(v) for k, v in score.parts.items()},
     }
+
+
+def shape_overlong(
+    scores: list[ScoreResult], lengths: list[int], max_len: int, cfg: OverlongBufferConfig
+) -> list[ScoreResult]:
+    """Each member's score plus DAPO's soft overlong penalty for its ``lengths[i]``
+    generated tokens (``reward.overlong_buffer``); the penalty is kept as the part
+    ``overlong_penalty`` so the unshaped score stays known. Unchanged when it is off."""
+    from asyncrl.rewards import ScoreResult
+    from asyncrl.rewards.shaping import OVERLONG_PART, overlong_penalty
+
+    if not cfg.enable:
+        return scores
+    out = []
+    for score, n in zip(scores, lengths, strict=True):
+        penalty = overlong_penalty(n, max_len, cfg.len, cfg.penalty_factor)
+        parts = {**score.parts, OVERLONG_PART: penalty}
+        out.append(ScoreResult(score=score.score + penalty, parts=parts, error=score.error))
+    return out
+
+
+def filtered_out(task: Task, scores: list[ScoreResult], metric: str) -> bool:
+    """Whether the group filter drops this group: its task was dealt with the filter on
+    and every member's ``metric`` (``algorithm.filter_groups.metric``) is the same."""
+    from asyncrl.rewards.shaping import OVERLONG_PART, has_signal, metric_value
+
+    if not task.filter or task.validation:
+        return False
+    values = [
+        metric_value(metric, s.score - s.parts.get(OVERLONG_PART, 0.0), s.score, s.parts)
+        for s in scores
+    ]
+    return not has_signal(values)

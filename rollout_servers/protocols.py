@@ -143,8 +143,9 @@ class ControlClient(Protocol):
         """One external training slot (the OpenAI endpoint's groups), answered at once."""
         ...
 
-    def ack(self, task_ids: list[str]) -> object:
-        """Report tasks whose groups were pushed whole."""
+    def ack(self, task_ids: list[str], attempts: int = 3, filtered: bool = False) -> object:
+        """Report tasks whose groups were pushed whole (``filtered``: dropped here by the
+        group filter)."""
         ...
 
     def nack(self, task_ids: list[str], reason: str) -> object:

@@ -29,7 +29,13 @@ from asyncrl.sync.weights import store_prefix
 from asyncrl.wire import Trajectory
 from rollout_servers.agent import AgentRunner, episode_samples, episode_trajectories
 from rollout_servers.engine import Sample, SyncJoin
-from rollout_servers.groups import SamplingSettings, build_group, sampling_params
+from rollout_servers.groups import (
+    SamplingSettings,
+    build_group,
+    filtered_out,
+    sampling_params,
+    shape_overlong,
+)
 from rollout_servers.lanes import Lanes
 from rollout_servers.openai_api import OpenAIEndpoint
 from rollout_servers.protocols import (
@@ -216,6 +222,14 @@ class RolloutServer:
                 group, samples, scores = await self._episodes(task, self.agent, created)
             else:
                 group, samples, scores = await self._single_turn(task, created)
+            if filtered_out(task, scores, self.cfg.algorithm.filter_groups.metric):
+                # never pushed: the coordinator frees its budget and deals a fresh prompt
+                await self.lanes.control(
+                    functools.partial(self.client.ack, filtered=True), [task.task_id]
+                )
+                self.metrics["rollout/groups_filtered"] += 1
+                pushed = True  # reported: not a failure to deal again
+                return
             self.metrics["rollout/push_wait_s"] += await self.pusher.send_async(group)
             pushed = True
             await self.lanes.control(self.client.ack, [task.task_id])
@@ -254,7 +268,7 @@ class RolloutServer:
             ]
         )
         texts = [self.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        scores = await self._score(task, texts)
+        scores = await self._score(task, texts, [len(s.token_ids) for s in samples])
         group = build_group(
             task, prompt, samples, scores, server_id=self.server_id, created_at=created
         )
@@ -266,15 +280,23 @@ class RolloutServer:
         """Run and score ``task.n`` episodes; the group (one trajectory per sample) and,
         to count, each episode as one sample of its tokens."""
         episodes = await asyncio.gather(*[agent.episode(task, i) for i in range(task.n)])
-        scores = await self._score(task, [ep.text(self.tok) for ep in episodes])
+        texts = [ep.text(self.tok) for ep in episodes]
+        samples = episode_samples(episodes)
+        scores = await self._score(task, texts, [len(s.token_ids) for s in samples])
         group = episode_trajectories(
             task, episodes, scores, server_id=self.server_id, created_at=created
         )
-        return group, episode_samples(episodes), scores
+        return group, samples, scores
 
-    async def _score(self, task: Task, texts: list[str]) -> list[ScoreResult]:
+    async def _score(self, task: Task, texts: list[str], lengths: list[int]) -> list[ScoreResult]:
+        """The scorer's rewards; for training, with the overlong penalty of each
+        response's ``lengths[i]`` tokens (``reward.overlong_buffer``)."""
         jobs = [ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]
-        return await self.lanes.scoring(self.pool.score_many, jobs)
+        scores = await self.lanes.scoring(self.pool.score_many, jobs)
+        if task.validation:  # validation reports the task's own score
+            return scores
+        limit = self.cfg.data.max_response_length
+        return shape_overlong(scores, lengths, limit, self.cfg.reward.overlong_buffer)
 
     def _prompt_ids(self, task: Task) -> list[int]:
         from asyncrl.prepare.tokenizer import chat_prompt_ids

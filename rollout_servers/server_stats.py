@@ -37,6 +37,7 @@ class ServerStats:
             "rollout/prompts_truncated": 0,
             "rollout/task_errors": 0,
             "rollout/push_wait_s": 0.0,
+            "rollout/groups_filtered": 0,  # algorithm.filter_groups: dropped here, unpushed
         }
         self.groups_done = 0
         self.tokens_by_version: Counter[int] = Counter()

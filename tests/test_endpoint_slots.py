@@ -20,6 +20,7 @@ import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.control.client import CoordinatorClient
+from asyncrl.control.group_filter import GroupFilter
 from asyncrl.launch.progress import accounting_lines
 from rollout_servers import openai_api
 from rollout_servers.groups import SamplingSettings
@@ -129,6 +130,7 @@ def test_slots_are_held_only_by_live_groups(coordinator, tmp_path, monkeypatch):
         "dropped/lag": 0.0,
         "dropped/expired": 0.0,
         "dropped/duplicate": 0.0,
+        "dropped/filtered": 0.0,
         "given_up": 10.0,
         "unaccounted": 0.0,
     }, ext
@@ -193,6 +195,59 @@ async def _rewarded_and_abandoned(url: str, endpoint: OpenAIEndpoint, coord: Any
     await asyncio.gather(*endpoint.groups._pushes)
     outcomes = {g["group"]: g["outcome"] for g in (await _status(url))["recent_groups"]}
     assert outcomes["agent"] == "pushed" and outcomes["quit"] == "given back"
+
+
+def test_a_group_whose_rewards_are_alike_is_filtered_and_its_slot_frees(tmp_path, monkeypatch):
+    """algorithm.filter_groups with agents: a group rewarded 1 and 1 carries no signal and
+    is never pushed (accounted dropped/filtered, its slot free at once); 1 and 0 is."""
+    monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)  # no vLLM import
+    on = GroupFilter(enable=True, max_num_gen_batches=0, batch_size=4)
+    coordinator = start_coordinator(100, per_version=LIMIT // 2, group_filter=on)
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=2",
+            "algorithm.filter_groups.enable=true",
+            "rollout.openai_endpoint.host=127.0.0.1",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+    )
+    client = CoordinatorClient(
+        coordinator.tasks_addr, coordinator.control_addr, "r0", engine_world_size=0
+    )
+    client.register()
+    pusher = RecordingPusher()
+    parts = (ReplyEngine(), CharTokenizer(), client, pusher, SamplingSettings.from_config(cfg))
+    endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
+
+    async def group(url: str, name: str, rewards: tuple[float, float]) -> None:
+        for member, reward in zip("ab", rewards, strict=True):
+            await _chat(url, f"{name}/{member}")
+            assert (await _post(url, "/rl/reward", f"{name}/{member}", {"reward": reward}))[
+                0
+            ] == 200
+        await asyncio.gather(*endpoint.groups._pushes)
+
+    async def scenario() -> dict:
+        url = await endpoint.start()
+        try:
+            await group(url, "same", (1.0, 1.0))
+            await group(url, "apart", (1.0, 0.0))
+            return await _status(url)
+        finally:
+            await endpoint.stop()
+
+    try:
+        status = asyncio.run(scenario())
+        ext = _external(coordinator)
+    finally:
+        client.close()
+        coordinator.stop()
+    outcomes = {g["group"]: g["outcome"] for g in status["recent_groups"]}
+    assert outcomes == {"same": "filtered", "apart": "pushed"}, status["recent_groups"]
+    assert len(pusher.groups) == 1 and [t.reward for t in pusher.groups[0]] == [1.0, 0.0]
+    assert (ext["dropped/filtered"], ext["in_buffer"], ext["in_flight"]) == (1, 1, 0), ext
+    assert ext["unaccounted"] == 0
 
 
 def test_an_endpoint_only_run_refuses_validation_it_could_never_finish():

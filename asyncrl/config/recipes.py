@@ -76,4 +76,3 @@ class OverlongBufferConfig(Section):
         default=0.0, ge=0, description="Penalty at the limit (linear from 0 over len tokens)."
     )
     log: bool = Field(default=False, description="veRL's flag; the penalty is always a metric.")
-

@@ -346,10 +346,13 @@ class CoordinatorClient:
             self._reregister(session)
         return grant
 
-    def ack(self, task_ids: list[str], attempts: int = 3) -> m.TaskAckReply | None:
-        """Acknowledge tasks whose groups were pushed whole; retried on timeouts (an ack is
-        idempotent). None if the coordinator never answered."""
-        msg = m.TaskAck(server_id=self.server_id, task_ids=list(task_ids))
+    def ack(
+        self, task_ids: list[str], attempts: int = 3, filtered: bool = False
+    ) -> m.TaskAckReply | None:
+        """Acknowledge tasks whose groups were pushed whole (``filtered``: whose groups the
+        group filter dropped here); retried on timeouts (an ack is idempotent). None if the
+        coordinator never answered."""
+        msg = m.TaskAck(server_id=self.server_id, task_ids=list(task_ids), filtered=filtered)
         reply = self._control_retried(msg, attempts)
         if reply is None:
             log.warning("acknowledgement of %d tasks was never answered", len(task_ids))

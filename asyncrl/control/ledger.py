@@ -274,6 +274,19 @@ class TaskLedger:
         self.counts["acks_unknown"] += len(unknown)
         return acked, unknown
 
+    def filtered(self, task_ids: Iterable[str]) -> list[str]:
+        """Training groups their server dropped by the group filter: terminal
+        (``dropped/filtered``), out of the budget at once; returns the ids it knew."""
+        done = []
+        for tid in task_ids:
+            e = self.entries.get(tid)
+            if e is None or e.state not in (OUT, QUEUED) or kind_of(tid) != "train":
+                self.counts["filtered_unknown"] += 1
+                continue
+            self._set(tid, e, "dropped/filtered", "filtered")
+            done.append(tid)
+        return done
+
     def nack(self, server_id: str, task_ids: Iterable[str], cause: str = "failed") -> int:
         """Tasks that failed at ``server_id`` (a negative ack): dealt again, or given up
         after ``task_retries`` failures; returns how many go back to the queue."""

@@ -142,7 +142,7 @@ class ControlLoop:
             self.requests.hold(envelope, msg, now, min(msg.wait_s, self.state.dead_after_s / 2))
             return None  # answered by _grant, in arrival order
         if isinstance(msg, m.TaskAck):
-            return self.state.ack(msg.server_id, msg.task_ids, now)
+            return self.state.ack(msg.server_id, msg.task_ids, now, msg.filtered)
         if isinstance(msg, m.TaskNack):
             self.state.nack(msg.server_id, msg.task_ids, msg.reason, now)
             return m.Ok()
@@ -176,7 +176,7 @@ class ControlLoop:
             st.sync_done(msg, now)
             return m.Ok()
         if isinstance(msg, m.TaskAck):  # acks come here so a held task request cannot delay them
-            return st.ack(msg.server_id, msg.task_ids, now)
+            return st.ack(msg.server_id, msg.task_ids, now, msg.filtered)
         if isinstance(msg, m.TaskNack):
             st.nack(msg.server_id, msg.task_ids, msg.reason, now)
             return m.Ok()

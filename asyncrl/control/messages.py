@@ -70,6 +70,8 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     # veRL's per-row agent: single_turn, or tool_agent (a multi-turn episode with tools
     # when rollout.multi_turn.enable; tools_kwargs and interaction_kwargs in extra_info).
     agent_name: Annotated[str, msgspec.Meta(max_length=64)] = "single_turn"
+    # algorithm.filter_groups: drop the group at the server if its members score alike.
+    filter: bool = False
 
 
 class SyncStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -121,10 +123,15 @@ class SlotRequest(Message, tag="slot_request"):
 
 
 class TaskAck(Message, tag="task_ack"):
-    """These tasks' groups were handed whole to the trajectory socket: never re-deal them."""
+    """These tasks' groups were handed whole to the trajectory socket: never re-deal them.
+
+    ``filtered``: instead, their groups were dropped at the server by the group filter
+    (every member scored alike): never re-deal them either; their budget frees at once.
+    """
 
     server_id: ServerId
     task_ids: TaskIds
+    filtered: bool = False
 
 
 class TaskNack(Message, tag="task_nack"):

@@ -9,6 +9,7 @@ from typing import Any
 from asyncrl.config import Config
 from asyncrl.control.admission import Budget, groups_per_version
 from asyncrl.control.coordinator import Coordinator
+from asyncrl.control.group_filter import GroupFilter
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
@@ -78,6 +79,11 @@ def state_from_config(
         min_servers_to_start=cfg.control.min_servers_to_start,
         catchup_backoff_s=cfg.sync.catchup_backoff_s,
         catchup_backoff_max_s=cfg.sync.catchup_backoff_max_s,
+        group_filter=GroupFilter(
+            enable=cfg.algorithm.filter_groups.enable,
+            max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
+            batch_size=cfg.data.train_batch_size,
+        ),
     )
 
 

@@ -23,6 +23,9 @@ import secrets
 from collections import Counter
 from typing import Any, NamedTuple
 
+import msgspec
+
+from asyncrl.control.group_filter import GroupFilter
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
 from asyncrl.control.messages import (
@@ -37,7 +40,7 @@ from asyncrl.control.messages import (
 from asyncrl.control.recovery import Recovery
 from asyncrl.control.registry import ServerRecord
 from asyncrl.control.syncs import SyncBook
-from asyncrl.control.task_states import is_external
+from asyncrl.control.task_states import is_external, kind_of
 from asyncrl.control.versions import Versions
 
 log = logging.getLogger(__name__)
@@ -68,6 +71,7 @@ class ControlState:
         min_servers_to_start: int = 1,
         catchup_backoff_s: float = 5.0,
         catchup_backoff_max_s: float = 120.0,
+        group_filter: GroupFilter | None = None,
     ):
         self.ledger = ledger
         self.syncs = syncs
@@ -91,6 +95,9 @@ class ControlState:
         self.min_servers_to_start = min_servers_to_start
         self.started = min_servers_to_start <= 1
         self.recovery = Recovery(dead_after_s)
+        self.group_filter = group_filter or GroupFilter(
+            enable=False, max_num_gen_batches=0, batch_size=1
+        )
         # The version, the syncs and the catch-ups: their own rules over the same records.
         self.versions = Versions(
             self.servers,
@@ -255,6 +262,8 @@ class ControlState:
         if reason:
             return TaskGrant(tasks=[], policy_version=self.version, reason=reason)
         tasks, reason = self.ledger.deal(server_id, max_tasks, now)
+        if self.group_filter.active:
+            tasks = [t if t.validation else msgspec.structs.replace(t, filter=True) for t in tasks]
         grant = TaskGrant(tasks=tasks, policy_version=self.version, reason=reason)
         if tasks and request_id is not None:
             rec.last_grant = (request_id, grant)  # type: ignore[union-attr]
@@ -271,6 +280,8 @@ class ControlState:
         task = None
         if not reason:
             task, reason = self.ledger.deal_external(server_id, now)
+        if task is not None and self.group_filter.active:
+            task = msgspec.structs.replace(task, filter=True)
         detail = self.ledger.budget_holders(server_id) if reason == "budget" else ""
         grant = TaskGrant(
             tasks=[task] if task else [], policy_version=self.version, reason=reason, detail=detail
@@ -291,8 +302,14 @@ class ControlState:
             return "catchup"
         return ""
 
-    def ack(self, server_id: str, task_ids: list[str], now: float) -> TaskAckReply:
+    def ack(
+        self, server_id: str, task_ids: list[str], now: float, filtered: bool = False
+    ) -> TaskAckReply:
         self.touch(server_id, now)
+        if filtered:  # dropped at the server by algorithm.filter_groups
+            done = self.ledger.filtered(task_ids)
+            self.group_filter.filtered(len(done), self.step)
+            return TaskAckReply(acked=done, unknown=[t for t in task_ids if t not in done])
         acked, unknown = self.ledger.ack(task_ids, now)
         return TaskAckReply(acked=acked, unknown=unknown)
 
@@ -318,6 +335,7 @@ class ControlState:
     def trained(self, task_ids: list[str]) -> None:
         """The learner trained on these tasks' groups (validation: the buffer scored them)."""
         self.ledger.trained(task_ids)
+        self.group_filter.trained(sum(kind_of(t) == "train" for t in task_ids))
 
     def reconcile_buffer(self, held: list[str], dropped: list[Any]) -> int:
         """The buffer's inventory came: adopt what it holds, deal again what it lost."""
@@ -416,4 +434,4 @@ class ControlState:
         out["coordinator/servers_catching_up"] = float(
             sum(self.versions.needs_catchup(r) for r in self.servers.values())
         )
-        return out | self.ledger.metrics()
+        return out | self.ledger.metrics() | self.group_filter.metrics()

@@ -11,7 +11,8 @@ Each task id the run ever dealt has exactly one *state*, per kind (train or val)
     the learner trained on a batch holding it (the buffer scored it into validation);
 ``dropped/<reason>``
     the buffer threw it away unused (``lag``, ``expired``; ``duplicate``: its group came
-    when the buffer had already used and forgotten a group of that id);
+    when the buffer had already used and forgotten a group of that id), or its server
+    did (``filtered``: its members all scored alike, ``algorithm.filter_groups``);
 ``given_up``
     it failed (or timed out) more than ``task_retries`` times.
 
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
     from asyncrl.control.task_source import TaskSource
 
 OUT, QUEUED, BUF, DONE, GIVEN_UP = "out", "queued", "in_buffer", "done", "given_up"
-DROP_REASONS = ("lag", "expired", "duplicate")
+DROP_REASONS = ("lag", "expired", "duplicate", "filtered")
 STATES = (OUT, QUEUED, BUF, DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS))
 TERMINAL = frozenset({DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS)})
 CHARGED = frozenset({OUT, BUF, DONE})

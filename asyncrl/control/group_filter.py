@@ -1,0 +1,93 @@
+"""DAPO's dynamic sampling, the coordinator's half (``algorithm.filter_groups.*``).
+
+The rollout servers filter: a training task dealt with ``filter=True`` whose group's
+members all score alike (:func:`asyncrl.rewards.shaping.has_signal`) is never pushed; its
+server acknowledges it as filtered, the ledger records it ``dropped/filtered`` and its
+admission budget is free at once, so the next task request gets a fresh prompt and the
+learner's batch fills with groups that carry a signal.
+
+This object decides whether a task is dealt with the filter on, and keeps the counts.
+``max_num_gen_batches`` bounds the filtered groups per trained batch (veRL counts
+generation batches of ``data.train_batch_size`` prompts): past ``max_num_gen_batches *
+train_batch_size`` filtered groups since the last trained step, tasks are dealt unfiltered
+until the learner trains again, and the run says so in one line. Without a bound (0, veRL's
+default) a run where nearly everything is filtered keeps dealing, and says so every
+``NOTE_EVERY_BATCHES`` batches' worth of filtered groups.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+NOTE_EVERY_BATCHES = 20
+
+
+class GroupFilter:
+    """Whether to deal tasks filtered, and what the filter did (``filter/*`` metrics)."""
+
+    def __init__(self, *, enable: bool, max_num_gen_batches: int, batch_size: int):
+        self.enable = enable
+        self.batch_size = max(1, batch_size)
+        self.bound = max_num_gen_batches * self.batch_size if max_num_gen_batches > 0 else 0
+        self.max_num_gen_batches = max_num_gen_batches
+        self.since_step = 0  # groups filtered since the learner last trained
+        self.total = 0
+        self.bound_hits = 0
+        self.last_frac = 0.0
+        self.last_per_trained = 1.0
+
+    @property
+    def active(self) -> bool:
+        """Deal the next training task with the filter on."""
+        return self.enable and not (self.bound and self.since_step >= self.bound)
+
+    def filtered(self, n: int, step: int) -> None:
+        """A server filtered ``n`` groups."""
+        if n <= 0:
+            return
+        before = self.since_step
+        self.since_step += n
+        self.total += n
+        if self.bound and before < self.bound <= self.since_step:
+            self.bound_hits += 1
+            log.warning(
+                "filter_groups: %d groups in a row filtered since step %d (every member "
+                "scored alike), the bound of algorithm.filter_groups.max_num_gen_batches=%d "
+                "batches of %d: dealing unfiltered until the next step, which trains what "
+                "comes; the prompts may be too easy or too hard for the model",
+                self.since_step,
+                step,
+                self.max_num_gen_batches,
+                self.batch_size,
+            )
+        elif not self.bound:
+            note = NOTE_EVERY_BATCHES * self.batch_size
+            if before // note < self.since_step // note:
+                log.warning(
+                    "filter_groups: %d groups filtered since step %d and none trained; "
+                    "set algorithm.filter_groups.max_num_gen_batches to bound the search",
+                    self.since_step,
+                    step,
+                )
+
+    def trained(self, groups: int) -> None:
+        """The learner trained a batch of ``groups`` groups: the count starts again."""
+        if groups <= 0 or not self.enable:
+            return
+        self.last_frac = self.since_step / (self.since_step + groups)
+        self.last_per_trained = (self.since_step + groups) / groups
+        self.since_step = 0
+
+    def metrics(self) -> dict[str, float]:
+        if not self.enable:
+            return {}
+        return {
+            "filter/filtered_frac": self.last_frac,
+            "filter/prompts_per_trained_group": self.last_per_trained,
+            "filter/groups_filtered": float(self.total),
+            "filter/since_step": float(self.since_step),
+            "filter/bound_hits": float(self.bound_hits),
+            "filter/active": float(self.active),
+        }

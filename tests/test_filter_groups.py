@@ -1,0 +1,191 @@
+"""DAPO's dynamic sampling and overlong shaping: the pure rules, the coordinator's half
+(budget, accounting, the bound) driven by hand with the real ledger and buffer, and a
+launched run in which every group is filtered."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.config.recipes import OverlongBufferConfig
+from asyncrl.control import messages as m
+from asyncrl.control.group_filter import GroupFilter
+from asyncrl.rewards import ScoreResult
+from asyncrl.rewards.shaping import has_signal, metric_value, overlong_penalty
+from rollout_servers.groups import filtered_out, shape_overlong
+from tests.test_accounting import B, Run, _group
+
+# ------------------------------------------------------------------ the pure rules
+
+
+def dapo_penalty(valid_response_length: int, max_resp_len: int, buffer_len: int, factor: float):
+    """DAPO's reward manager, as its paper and veRL write it."""
+    expected_len = max_resp_len - buffer_len
+    exceed_len = valid_response_length - expected_len
+    return min(-exceed_len / buffer_len * factor, 0)
+
+
+@pytest.mark.parametrize("length", [0, 1, 12, 15, 16, 17, 19, 20])
+@pytest.mark.parametrize(("buffer_len", "factor"), [(4, 1.0), (8, 0.5), (20, 2.0)])
+def test_overlong_penalty_equals_dapos_on_a_table_of_lengths(length, buffer_len, factor):
+    got = overlong_penalty(length, 20, buffer_len, factor)
+    assert got == pytest.approx(dapo_penalty(length, 20, buffer_len, factor), abs=1e-12)
+    assert -factor <= got <= 0.0
+
+
+def test_overlong_penalty_at_the_limit_and_before_the_buffer():
+    assert overlong_penalty(20, 20, 4, 1.0) == -1.0  # truncated at the limit: full penalty
+    assert overlong_penalty(16, 20, 4, 1.0) == 0.0  # the buffer starts after 16 tokens
+    assert overlong_penalty(18, 20, 4, 1.0) == -0.5
+    assert overlong_penalty(20, 20, 0, 1.0) == 0.0  # len 0: off
+
+
+def test_shaping_keeps_the_unshaped_score_as_a_part():
+    cfg = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)
+    shaped = shape_overlong([ScoreResult(1.0), ScoreResult(0.0, {"acc": 0.0})], [20, 10], 20, cfg)
+    assert [s.score for s in shaped] == [0.0, 0.0]
+    assert shaped[0].parts["overlong_penalty"] == -1.0 and shaped[1].parts["acc"] == 0.0
+    off = OverlongBufferConfig(enable=False, len=4, penalty_factor=1.0)
+    assert shape_overlong([ScoreResult(1.0)], [20], 20, off)[0].score == 1.0
+
+
+def test_signal_and_metrics():
+    assert not has_signal([1.0, 1.0, 1.0]) and has_signal([1.0, 0.0]) and has_signal([0.5])
+    assert has_signal([1.0, math.nan])  # an unknown metric keeps the group
+    assert metric_value("acc", 1.0, 0.5, {}) == 1.0  # no acc part: the score
+    assert metric_value("acc", 1.0, 0.5, {"acc": 0.0}) == 0.0
+    assert metric_value("score", 1.0, 0.5, {}) == 1.0
+    assert metric_value("seq_reward", 1.0, 0.5, {}) == 0.5
+    assert math.isnan(metric_value("format", 1.0, 1.0, {}))
+
+
+def test_the_filter_compares_the_chosen_metric():
+    """Two members right, one overlong: the shaped rewards differ (seq_reward keeps the
+    group), the scores do not (acc/score drop it); validation is never filtered."""
+    task = m.Task(task_id="train/0/0", data_source="a", prompt=[], ground_truth="1", n=2)
+    cfg = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)
+    scores = shape_overlong([ScoreResult(1.0), ScoreResult(1.0)], [3, 20], 20, cfg)
+    on = m.Task(**{**_fields(task), "filter": True})
+    assert filtered_out(on, scores, "acc") and filtered_out(on, scores, "score")
+    assert not filtered_out(on, scores, "seq_reward")
+    assert not filtered_out(task, scores, "acc")  # dealt without the filter
+    val = m.Task(**{**_fields(task), "filter": True, "validation": True, "task_id": "val/0/0"})
+    assert not filtered_out(val, scores, "acc")
+
+
+def _fields(task: m.Task) -> dict:
+    return {f: getattr(task, f) for f in task.__struct_fields__}
+
+
+# ------------------------------------------------------------------ the coordinator
+
+
+def _filtering_run(max_num_gen_batches: int) -> Run:
+    run = Run(0)
+    run.st.group_filter = GroupFilter(
+        enable=True, max_num_gen_batches=max_num_gen_batches, batch_size=B
+    )
+    return run
+
+
+def _serve(run: Run, alike: set[int]) -> tuple[int, int]:
+    """The server takes what is granted; a task whose position is in ``alike`` has a
+    group that scores alike and is filtered (if dealt with the filter on). Returns
+    (filtered, pushed)."""
+    filtered = pushed = 0
+    while True:
+        grant = run.st.grant("s", 64, 0.0)
+        if not grant.tasks:
+            return filtered, pushed
+        for t in grant.tasks:
+            if t.filter and int(t.task_id.rsplit("/", 1)[1]) in alike:
+                reply = run.st.ack("s", [t.task_id], 0.0, filtered=True)
+                assert reply.acked == [t.task_id]
+                filtered += 1
+            else:
+                run.buf.add_packed(_group(t, run.st.version), 0.0)
+                run.st.ack("s", [t.task_id], 0.0)
+                pushed += 1
+
+
+def test_filtered_groups_free_their_budget_at_once_and_are_accounted():
+    run = _filtering_run(0)
+    filtered, pushed = _serve(run, alike=set(range(0, 40, 2)))  # every other prompt
+    # lag 0: the budget is one batch of B; each filtered group made room for another
+    assert pushed == B and filtered == B
+    assert run.step()
+    a = run.acct()
+    assert a["accounting/train/dropped/filtered"] == filtered
+    assert a["accounting/train/dealt"] == filtered + pushed
+    m_ = run.st.metrics()
+    assert m_["filter/filtered_frac"] == pytest.approx(0.5)
+    assert m_["filter/prompts_per_trained_group"] == pytest.approx(2.0)
+    assert run.st.ledger.refunded["filtered"] == filtered
+
+
+def test_past_the_bound_tasks_are_dealt_unfiltered_and_it_says_so_once(caplog):
+    """Every group scores alike: after max_num_gen_batches batches' worth are filtered the
+    tasks come unfiltered, the learner trains them, and the filter is on again."""
+    run = _filtering_run(2)
+    with caplog.at_level("WARNING", logger="asyncrl.control.group_filter"):
+        filtered, pushed = _serve(run, alike=set(range(1000)))
+    assert filtered == 2 * B and pushed == B
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "max_num_gen_batches=2" in lines[0], lines
+    assert not run.st.group_filter.active
+    assert run.step()  # trains what came
+    assert run.st.group_filter.active
+    assert run.st.metrics()["filter/bound_hits"] == 1
+    run.acct()
+
+
+def test_validation_tasks_are_never_dealt_filtered():
+    run = _filtering_run(0)
+    run.st.test_freq = 1
+    run.st.val_before_train = True
+    tasks = [t for t in run.st.grant("s", 64, 0.0).tasks]
+    assert tasks and all(t.filter for t in tasks if not t.validation)
+    assert all(not t.filter for t in tasks if t.validation)
+
+
+# ------------------------------------------------------------------ a launched run
+
+SCORER = (
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
+)
+
+
+@pytest.mark.slow
+def test_a_run_where_every_group_is_filtered_ends_with_the_line(
+    tmp_path, demo_model, arithmetic_data
+):
+    """Every response scores 0: every group is filtered until the bound (one batch), then
+    the run trains what comes and ends; the accounting identity holds with the reason."""
+    scorer = tmp_path / "zero.py"
+    scorer.write_text(SCORER)
+    cmd = [
+        sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml",
+        f"model.path={demo_model}",
+        f"data.train_files={arithmetic_data / 'train.parquet'}",
+        f"data.val_files={arithmetic_data / 'val.parquet'}",
+        f"trainer.default_local_dir={tmp_path / 'runs'}", "trainer.experiment_name=f",
+        "trainer.total_training_steps=3", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
+        "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1",
+        f"reward.custom_reward_function.path={scorer}",
+        "trainer.health.enable=false",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "runs" / "asyncrl" / "f"
+    learner_log = (run / "logs" / "learner.log").read_text()
+    assert "filter_groups:" in learner_log and "max_num_gen_batches=1" in learner_log
+    last = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["learner/step"] == 3
+    assert last["accounting/train/dropped/filtered"] >= 16
+    assert last["accounting/train/unaccounted"] == 0
+    assert "dropped" in proc.stdout + proc.stderr and "filtered" in proc.stdout + proc.stderr
