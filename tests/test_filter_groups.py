@@ -4,20 +4,38 @@ launched run in which every group is filtered."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import subprocess
 import sys
 
+import msgspec
 import pytest
 
+from asyncrl.config import load_config
 from asyncrl.config.recipes import OverlongBufferConfig
 from asyncrl.control import messages as m
 from asyncrl.control.group_filter import GroupFilter
 from asyncrl.rewards import ScoreResult
 from asyncrl.rewards.shaping import has_signal, metric_value, overlong_penalty
+from rollout_servers import agent as agent_module
+from rollout_servers import server
 from rollout_servers.groups import filtered_out, shape_overlong
+from rollout_servers.server import RolloutServer
+from tests.helpers import wait_until_async
+from tests.standins.chat import CharTokenizer
 from tests.test_accounting import B, Run, _group
+from tests.test_rollout_loop import (  # noqa: F401 (nap_tools: a fixture)
+    N,
+    StandInClient,
+    StandInEngine,
+    StandInPusher,
+    StandInScorer,
+    ToolCallingEngine,
+    _agent,
+    nap_tools,
+)
 
 # ------------------------------------------------------------------ the pure rules
 
@@ -189,3 +207,76 @@ def test_a_run_where_every_group_is_filtered_ends_with_the_line(
     assert last["accounting/train/dropped/filtered"] >= 16
     assert last["accounting/train/unaccounted"] == 0
     assert "dropped" in proc.stdout + proc.stderr and "filtered" in proc.stdout + proc.stderr
+
+
+# ------------------------------------------------------------------ the rollout server
+
+
+class FilteringClient(StandInClient):
+    """Deals every task with the filter on (``agent``: as multi-turn tool episodes) and
+    records which ones the server reported filtered."""
+
+    def __init__(self, tasks: int, agent: bool) -> None:
+        super().__init__(tasks)
+        self.agent = agent
+        self.filtered: list[str] = []
+
+    def request_tasks(self, max_tasks: int | None = None) -> m.TaskGrant:
+        grant = super().request_tasks(max_tasks)
+        name = "tool_agent" if self.agent else "single_turn"
+        tasks = [msgspec.structs.replace(t, filter=True, agent_name=name) for t in grant.tasks]
+        return m.TaskGrant(tasks=tasks, policy_version=0)
+
+    def ack(self, task_ids: list[str], attempts: int = 3, filtered: bool = False) -> object:
+        if filtered:
+            self.filtered += task_ids
+        return super().ack(task_ids)
+
+
+def _run_server(client: StandInClient, overrides: list[str], agent=None) -> StandInPusher:
+    cfg = load_config(None, [f"rollout.n={N}", "rollout.max_inflight=8", *overrides])
+    engine = ToolCallingEngine() if agent is not None else StandInEngine()
+    engine.gate.set()
+    pusher = StandInPusher()
+    srv = RolloutServer(
+        cfg, "s", engine, CharTokenizer(), StandInScorer(), pusher, client, agent=agent
+    )
+
+    async def scenario() -> None:
+        run = asyncio.create_task(srv.run())
+        await wait_until_async(lambda: len(client.acked) == 4, "every group reported", 20)
+        srv.stop()
+        assert await asyncio.wait_for(run, 5.0) == 0
+
+    asyncio.run(scenario())
+    return pusher
+
+
+@pytest.mark.parametrize("episodes", [False, True], ids=["single_turn", "tool_agent"])
+def test_the_server_filters_alike_groups_without_pushing(monkeypatch, nap_tools, episodes):  # noqa: F811
+    """Every member scores 1.0: each group is reported filtered and none crosses the wire,
+    for single-turn groups and multi-turn tool episodes alike."""
+    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+    monkeypatch.setattr(agent_module, "turn_params", lambda *args: None)
+    client = FilteringClient(tasks=4, agent=episodes)
+    agent = _agent(ToolCallingEngine(), nap_tools) if episodes else None
+    pusher = _run_server(client, ["algorithm.filter_groups.enable=true"], agent)
+    assert len(client.filtered) == 4 and pusher.groups == []
+
+
+def test_overlong_shaping_penalises_responses_at_the_limit(monkeypatch):
+    """Responses of 3 tokens with max_response_length 4 and a buffer of 2: each reward
+    1.0 loses 0.5, recorded as its overlong_penalty part; the group is pushed."""
+    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+    client = StandInClient(tasks=4)
+    shaping = [
+        "data.max_response_length=4",
+        "reward.overlong_buffer.enable=true",
+        "reward.overlong_buffer.len=2",
+        "reward.overlong_buffer.penalty_factor=1.0",
+    ]
+    pusher = _run_server(client, shaping)
+    trajs = [t for group in pusher.groups for t in group]
+    assert len(trajs) == 4 * N
+    assert {t.reward for t in trajs} == {0.5}
+    assert {t.meta.reward_parts["overlong_penalty"] for t in trajs} == {-0.5}
