@@ -225,3 +225,30 @@ def headline(what: str, ratio: float | RatioStats) -> None:
     """
     text = format_ratio(ratio) if isinstance(ratio, RatioStats) else f"{ratio:.3f}"
     print(f"{what}: {text}", flush=True)
+
+
+def launch_run(config: str, overrides: Sequence[str], root: Path, name: str) -> Path:
+    """One run of ``asyncrl-launch config overrides`` under ``root`` (project ``bench``,
+    experiment ``name``: no checkpoint resumed, metrics to jsonl only); its run directory.
+    RuntimeError with the launcher's last output when it fails."""
+    import subprocess
+    import time
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch",
+        config,
+        *overrides,
+        f"trainer.default_local_dir={root}",
+        "trainer.project_name=bench",
+        f"trainer.experiment_name={name}",
+        "trainer.resume_mode=disable",
+        "trainer.logger=[jsonl]",
+    ]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"run {name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    print(f"run {name} finished in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+    return root / "bench" / name

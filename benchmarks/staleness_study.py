@@ -17,7 +17,7 @@ drops, mean importance-weight ESS and mismatch KL, and the mean admission lag. T
 ``--quick``: one seed, lags 0 and 4 with the correction on, 20 steps (``make test`` runs
 it). Results in ``results/staleness_study/``: JSON, a plot (score against samples and
 against seconds, one line per cell) and ``table.md`` (the README's table); each run's
-directory under ``runs/``. The last line is lag 4 (tis) against lag 0 in final score.
+directory under ``runs/bench/``. The last line is lag 4 (tis) against lag 0 in final score.
 """
 
 from __future__ import annotations
@@ -26,13 +26,12 @@ import json
 import logging
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import headline, parse_args, write_results  # noqa: E402
+from benchmarks.common import headline, launch_run, parse_args, write_results  # noqa: E402
 from benchmarks.staleness_stats import (  # noqa: E402
     cell_summary,
     markdown_table,
@@ -99,28 +98,6 @@ def cells(lags: list[int], modes: list[str], adaptive: bool) -> dict[str, list[s
     return out
 
 
-def launch(name: str, overrides: list[str], out: Path) -> Path:
-    """One run of the study's config; its run directory."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "asyncrl.launch",
-        CONFIG,
-        *overrides,
-        f"trainer.default_local_dir={out / 'runs'}",
-        "trainer.project_name=study",
-        f"trainer.experiment_name={name}",
-        "trainer.resume_mode=disable",
-        "trainer.logger=[jsonl]",
-    ]
-    start = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise RuntimeError(f"run {name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    log.info("run %s finished in %.0f s", name, time.monotonic() - start)
-    return out / "runs" / "study" / name
-
-
 def run_all(args, plan: dict[str, list[str]], task: list[str], seeds: list[int]) -> dict:
     """Every (seed, cell) run, seed by seed so that a cut-short study stays balanced;
     each run's figures are kept in ``<out>/figures/`` (``--resume`` reuses them)."""
@@ -136,7 +113,7 @@ def run_all(args, plan: dict[str, list[str]], task: list[str], seeds: list[int])
             else:
                 extra = [f"data.seed={seed}", f"trainer.seed={seed}"]
                 extra.append(f"trainer.total_training_steps={args.steps}")
-                run = launch(run_name, [*task, *overrides, *extra], args.out)
+                run = launch_run(CONFIG, [*task, *overrides, *extra], args.out / "runs", run_name)
                 figures = run_figures(
                     run, samples_per_step=SAMPLES_PER_STEP, threshold=args.threshold
                 )
@@ -167,9 +144,9 @@ def _plot(runs: dict[str, list[dict]], threshold: float):
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    args = parse_args(NAME, __doc__.split("\n")[0], argv, _extra)
+    args = parse_args(NAME, (__doc__ or "").split("\n")[0], argv, _extra)
     lags = [int(x) for x in (args.lags or ("0,4" if args.quick else "0,1,2,4,8")).split(",")]
-    modes = (args.modes or ("tis" if args.quick else "tis,none")).split(",")
+    modes: list[str] = str(args.modes or ("tis" if args.quick else "tis,none")).split(",")
     seeds = list(range(1, 1 + (args.seeds or (1 if args.quick else 3))))
     args.steps = args.steps or (20 if args.quick else 120)
     plan = cells(lags, modes, adaptive=not (args.quick or args.no_adaptive))
