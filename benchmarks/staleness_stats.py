@@ -15,6 +15,7 @@ from asyncrl.metrics import read_metrics
 # Two-sided 95% quantiles of Student's t by degrees of freedom (scipy is not a dependency).
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306}
 _T95_LARGE = 1.96
+LATE_ROUNDS = 3
 
 
 def t95(df: int) -> float:
@@ -40,6 +41,11 @@ def _mean_of(records: list[dict], key: str) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
+def late_score(curve: Sequence[Sequence[float]]) -> float:
+    """The mean score of a curve's last :data:`LATE_ROUNDS` rounds."""
+    return statistics.fmean(c[3] for c in curve[-LATE_ROUNDS:])
+
+
 def run_figures(run: Path, *, samples_per_step: int, threshold: float) -> dict[str, Any]:
     """One run's figures from its ``metrics.jsonl``.
 
@@ -47,7 +53,9 @@ def run_figures(run: Path, *, samples_per_step: int, threshold: float) -> dict[s
     (samples trained so far, seconds since the validation before training). ``final`` is
     the last round's score (the study validates at the last step), with its binomial
     standard error over the sampled answers (``final_se``) and the one over prompts
-    (``final_se_prompt``). Samples/s is over the training steps' span.
+    (``final_se_prompt``); ``late`` is the mean of the last :data:`LATE_ROUNDS` rounds
+    (the policy itself moves by several standard errors from round to round, so this is
+    the steadier figure of where a run ended). Samples/s is over the training steps' span.
     """
     records = read_metrics(run)
     steps = [r for r in records if "loss/pg" in r]
@@ -68,6 +76,7 @@ def run_figures(run: Path, *, samples_per_step: int, threshold: float) -> dict[s
         "start": vals[0]["val/score"],
         "final": vals[-1]["val/score"],
         "final_step": int(vals[-1]["step"]),
+        "late": late_score(curve),
         "final_se": vals[-1].get("val/score_se"),
         "final_se_prompt": vals[-1].get("val/score_se_prompt"),
         "samples_to_threshold": reached[1] if reached else None,
@@ -86,6 +95,7 @@ def run_figures(run: Path, *, samples_per_step: int, threshold: float) -> dict[s
 
 SUMMED = (
     "final",
+    "late",
     "samples_to_threshold",
     "seconds_to_threshold",
     "samples_per_s",
@@ -108,11 +118,13 @@ def cell_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def paired_difference(cell: Sequence[dict], base: Sequence[dict]) -> dict[str, Any]:
-    """Mean and 95% CI of ``final(cell) - final(base)`` paired by seed (same prompt order
+def paired_difference(
+    cell: Sequence[dict], base: Sequence[dict], key: str = "final"
+) -> dict[str, Any]:
+    """Mean and 95% CI of ``key(cell) - key(base)`` paired by seed (same prompt order
     and sampling seeds), which removes what the seeds share."""
-    by_seed = {r["seed"]: r["final"] for r in base}
-    diffs = [r["final"] - by_seed[r["seed"]] for r in cell if r["seed"] in by_seed]
+    by_seed = {r["seed"]: r[key] for r in base}
+    diffs = [r[key] - by_seed[r["seed"]] for r in cell if r["seed"] in by_seed]
     return mean_ci(diffs)
 
 
@@ -134,17 +146,23 @@ def _fmt(stat: dict[str, Any], spec: str, scale: float = 1.0) -> str:
     return f"{text} ± {format(stat['ci95'] * scale, spec.lstrip('+'))}"
 
 
-def markdown_table(cells: dict[str, dict[str, Any]], diffs: dict[str, dict[str, Any]]) -> str:
+def markdown_table(
+    cells: dict[str, dict[str, Any]],
+    diffs: dict[str, dict[str, Any]],
+    late_diffs: dict[str, dict[str, Any]],
+) -> str:
     """The README's table: one row per cell, means ± 95% CI half-widths over seeds."""
     head = (
-        "| cell | final score | vs lag 0 (paired) | samples to threshold (reached) "
+        "| cell | final score | vs lag 0 (paired) | last 3 rounds | vs lag 0 (paired) "
+        "| samples to threshold (reached) "
         "| seconds to threshold | samples/s | lag drops | ESS | mismatch KL | lag limit |"
     )
-    lines = [head, "|" + "---|" * 10]
+    lines = [head, "|" + "---|" * 12]
     for name, c in cells.items():
-        d = diffs.get(name)
+        d, dl = diffs.get(name), late_diffs.get(name)
         lines.append(
             f"| {name} | {_fmt(c['final'], '.3f')} | {_fmt(d, '+.3f') if d else '-'} "
+            f"| {_fmt(c['late'], '.3f')} | {_fmt(dl, '+.3f') if dl else '-'} "
             f"| {_fmt(c['samples_to_threshold'], '.0f')} ({c['reached']}/{c['seeds']}) "
             f"| {_fmt(c['seconds_to_threshold'], '.0f')} | {_fmt(c['samples_per_s'], '.0f')} "
             f"| {_fmt(c['lag_drops'], '.1f')} | {_fmt(c['mean_ess'], '.3f')} "
