@@ -46,6 +46,11 @@ def late_score(curve: Sequence[Sequence[float]]) -> float:
     return statistics.fmean(c[3] for c in curve[-LATE_ROUNDS:])
 
 
+def peak_drop(curve: Sequence[Sequence[float]]) -> float:
+    """How far the last round lies below the best one (0 when it is the best)."""
+    return max(c[3] for c in curve) - curve[-1][3]
+
+
 def run_figures(run: Path, *, samples_per_step: int, threshold: float) -> dict[str, Any]:
     """One run's figures from its ``metrics.jsonl``.
 
@@ -77,6 +82,7 @@ def run_figures(run: Path, *, samples_per_step: int, threshold: float) -> dict[s
         "final": vals[-1]["val/score"],
         "final_step": int(vals[-1]["step"]),
         "late": late_score(curve),
+        "peak_drop": peak_drop(curve),
         "final_se": vals[-1].get("val/score_se"),
         "final_se_prompt": vals[-1].get("val/score_se_prompt"),
         "samples_to_threshold": reached[1] if reached else None,
@@ -96,6 +102,7 @@ def run_figures(run: Path, *, samples_per_step: int, threshold: float) -> dict[s
 SUMMED = (
     "final",
     "late",
+    "peak_drop",
     "samples_to_threshold",
     "seconds_to_threshold",
     "samples_per_s",
@@ -154,15 +161,16 @@ def markdown_table(
     """The README's table: one row per cell, means ± 95% CI half-widths over seeds."""
     head = (
         "| cell | final score | vs lag 0 (paired) | last 3 rounds | vs lag 0 (paired) "
-        "| samples to threshold (reached) "
+        "| best − final | samples to threshold (reached) "
         "| seconds to threshold | samples/s | lag drops | ESS | mismatch KL | lag limit |"
     )
-    lines = [head, "|" + "---|" * 12]
+    lines = [head, "|" + "---|" * 13]
     for name, c in cells.items():
         d, dl = diffs.get(name), late_diffs.get(name)
         lines.append(
             f"| {name} | {_fmt(c['final'], '.3f')} | {_fmt(d, '+.3f') if d else '-'} "
             f"| {_fmt(c['late'], '.3f')} | {_fmt(dl, '+.3f') if dl else '-'} "
+            f"| {_fmt(c['peak_drop'], '.3f')} "
             f"| {_fmt(c['samples_to_threshold'], '.0f')} ({c['reached']}/{c['seeds']}) "
             f"| {_fmt(c['seconds_to_threshold'], '.0f')} | {_fmt(c['samples_per_s'], '.0f')} "
             f"| {_fmt(c['lag_drops'], '.1f')} | {_fmt(c['mean_ess'], '.3f')} "

@@ -38,6 +38,7 @@ from benchmarks.staleness_stats import (  # noqa: E402
     markdown_table,
     mean_curve,
     paired_difference,
+    peak_drop,
     run_figures,
 )
 
@@ -113,6 +114,7 @@ def run_all(args, plan: dict[str, list[str]], task: list[str], seeds: list[int])
                 figures = json.loads(saved.read_text())
                 # kept by an older version of this study: the figure it did not have yet
                 figures.setdefault("late", late_score(figures["curve"]))
+                figures.setdefault("peak_drop", peak_drop(figures["curve"]))
             else:
                 extra = [f"data.seed={seed}", f"trainer.seed={seed}"]
                 extra.append(f"trainer.total_training_steps={args.steps}")

@@ -44,7 +44,7 @@ def test_run_figures_read_the_curve_threshold_and_rates(tmp_path):
     run = _write_run(tmp_path / "r", [0.2, 0.35, 0.45, 0.5], lag_drops=10)
     f = run_figures(run, samples_per_step=128, threshold=0.4)
     assert f["start"] == 0.2 and f["final"] == 0.5 and f["final_step"] == 30
-    assert f["late"] == pytest.approx((0.35 + 0.45 + 0.5) / 3)
+    assert f["late"] == pytest.approx((0.35 + 0.45 + 0.5) / 3) and f["peak_drop"] == 0.0
     assert [c[0] for c in f["curve"]] == [0, 10, 20, 30]
     # first at or above 0.4: the round at step 20 (2,560 samples, 40 s after the first round)
     assert f["samples_to_threshold"] == 20 * 128
@@ -83,6 +83,7 @@ def test_paired_difference_matches_seeds_and_the_table_shows_it():
         {
             "final": f,
             "late": f - 0.1,
+            "peak_drop": 0.05,
             "samples_to_threshold": None,
             "seconds_to_threshold": None,
             "final_se": 0.01,
@@ -92,7 +93,10 @@ def test_paired_difference_matches_seeds_and_the_table_shows_it():
     summary = cell_summary(runs)
     assert summary["reached"] == 0 and summary["final"]["mean"] == pytest.approx(0.52)
     table = markdown_table({"lag4_tis": summary}, {"lag4_tis": d}, {})
-    assert "| lag4_tis | 0.520 ± 0.248 | +0.020 ± 0.000 | 0.420 ± 0.248 | - | - (0/3) |" in table
+    assert (
+        "| lag4_tis | 0.520 ± 0.248 | +0.020 ± 0.000 | 0.420 ± 0.248 | - | 0.050 ± 0.000 | - (0/3) |"
+        in table
+    )
 
 
 @pytest.mark.slow
