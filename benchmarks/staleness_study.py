@@ -133,10 +133,13 @@ def _plot(runs: dict[str, list[dict]], threshold: float):
     def draw(fig) -> None:
         axes = fig.subplots(1, 2)
         for ax, axis, label in ((axes[0], 1, "trained samples"), (axes[1], 2, "seconds")):
-            for name, cell in runs.items():
+            for i, (name, cell) in enumerate(runs.items()):
                 if cell:
                     xs, ys = mean_curve(cell, axis)
-                    ax.plot(xs, ys, marker=".", label=name, linestyle="--" * ("none" in name))
+                    style = {"linestyle": "--" if name.endswith("none") else "-"}
+                    # one colour per lag, tis solid and none dashed; adaptive in black
+                    style["color"] = "black" if name.startswith("adaptive") else f"C{i // 2}"
+                    ax.plot(xs, ys, marker=".", label=name, **style)
             ax.axhline(threshold, color="grey", linewidth=0.5)
             ax.set_xlabel(label)
             ax.set_ylabel("held-out score (mean over seeds)")
