@@ -230,6 +230,46 @@ MUTATIONS = (
         "        if step - self.widened_at < HOLD_STEPS:",
         ("tests/test_lag_controller.py",),
     ),
+    Mutation(
+        "dual clip",
+        "negative-advantage tokens are not bounded at clip_ratio_c",
+        "learner/losses.py",
+        "        loss_t = torch.where(adv < 0, torch.minimum(loss_t, bound), loss_t)",
+        "        pass",
+        ("tests/test_losses_recipes.py",),
+    ),
+    Mutation(
+        "GSPO's sequence ratio",
+        "GSPO uses each token's own ratio",
+        "learner/losses.py",
+        "        ratio = (logprobs - logprobs.detach() + seq).clamp(max=_GSPO_LOG_RATIO_MAX).exp()",
+        "        ratio = log_ratio.exp()",
+        ("tests/test_losses_recipes.py",),
+    ),
+    Mutation(
+        "group filter at the server",
+        "a group whose members score alike is pushed anyway",
+        "rollout_servers/groups.py",
+        "    return not has_signal(values)",
+        "    return False",
+        ("tests/test_filter_groups.py",),
+    ),
+    Mutation(
+        "filtered groups leave the budget",
+        "a filtered group stays charged (in the buffer, as if pushed)",
+        "asyncrl/control/ledger.py",
+        '            self._set(tid, e, "dropped/filtered", "filtered")',
+        "            self._set(tid, e, BUF)",
+        ("tests/test_filter_groups.py",),
+    ),
+    Mutation(
+        "max_num_gen_batches",
+        "the filter never stops (tasks are dealt filtered past the bound)",
+        "asyncrl/control/group_filter.py",
+        "        return self.enable and not (self.bound and self.since_step >= self.bound)",
+        "        return self.enable",
+        ("tests/test_filter_groups.py",),
+    ),
 )
 
 
