@@ -43,23 +43,25 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script (torchrun): the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ITEMS = ("train", "collectives", "checkpoint", "push")
+ITEMS = ("train", "collectives", "checkpoint", "push", "offload")
 TITLES = {
     "train": "learner: FSDP2 steps ({dtype} on {device}, group {backend})",
     "collectives": "learner: collectives on its production group ({backend})",
     "checkpoint": "learner: checkpoint save and load",
     "push": "learner: weight push to a stand-in receiver ({sync})",
+    "offload": "learner: FSDP2 CPU offload of actor and reference (actor.fsdp_config)",
 }
 
 
-def learner_config(model: Path, device: str, run_root: Path) -> Any:
+def learner_config(model: Path, device: str, run_root: Path, *extra: str) -> Any:
     """A small learner config: the tiny model, bf16 rollout dtype on CUDA (float32 on CPU),
-    two groups of four per step, one mini-batch."""
+    two groups of four per step, one mini-batch; ``extra`` overrides."""
     from asyncrl.config import load_config
 
     return load_config(
         None,
         [
+            *extra,
             f"model.path={model}",
             f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}",
             f"trainer.device={device}",
@@ -210,8 +212,27 @@ def main(argv: list[str] | None = None) -> int:
             return ""
         return _push(tensors, args.model, receiver_device, sync_backend(device), args.out)
 
+    def offload() -> str:
+        offloaded = learner_config(
+            args.model,
+            device,
+            run_root / "offload",
+            "actor.fsdp_config.param_offload=true",
+            "actor.use_kl_loss=true",
+        )
+        trainer = Trainer(offloaded, total_steps=4)
+        where = {p.device.type for p in trainer.model.parameters()}
+        if trainer.ref_model is not None:
+            where |= {p.device.type for p in trainer.ref_model.parameters()}
+        losses = [_step(trainer, seed, vocab) for seed in (1, 2)]
+        if where != {"cpu"} or not all(math.isfinite(x) for x in losses):
+            raise AssertionError(f"shards on {where}, losses {losses}")
+        note = "" if device == "cuda" else " (no effect on the CPU)"
+        return f"shards in CPU memory{note}, losses {', '.join(f'{x:.3f}' for x in losses)}"
+
     ok = checks.run("train", train)
-    for item, fn in (("collectives", collectives), ("checkpoint", checkpoint), ("push", push)):
+    steps = (("collectives", collectives), ("checkpoint", checkpoint), ("push", push))
+    for item, fn in (*steps, ("offload", offload)):
         if ok:
             checks.run(item, fn)
         else:

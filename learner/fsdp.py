@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from asyncrl.config.schema import OptimConfig
+from asyncrl.config.schema import Config, OptimConfig
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -90,6 +90,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
+def offload_wanted(cfg: Config) -> bool:
+    """``actor.fsdp_config.param_offload`` (or ``optimizer_offload``) on a CUDA learner; on
+    the CPU everything is in CPU memory already, which is said once."""
+    wanted = cfg.actor.fsdp_config.offload
+    if wanted and cfg.trainer.device != "cuda":
+        log.info("actor.fsdp_config offload has no effect on the CPU: the weights are there")
+    return wanted and cfg.trainer.device == "cuda"
+
+
 def load_sharded_model(
     path: str,
     mesh,
@@ -98,6 +107,7 @@ def load_sharded_model(
     gradient_checkpointing: bool = False,
     trainable: bool = True,
     attn_implementation: str | None = None,
+    offload: bool = False,
 ) -> ShardedModel:
     """Load an HF causal LM in float32 and shard it: ``fully_shard`` per decoder layer,
     then the root (embeddings, final norm, head; tied weights stay one parameter).
@@ -115,6 +125,7 @@ def load_sharded_model(
         device=device,
         gradient_checkpointing=gradient_checkpointing,
         trainable=trainable,
+        offload=offload,
     )
 
 
@@ -125,9 +136,18 @@ def shard_model(
     device: str = "cpu",
     gradient_checkpointing: bool = False,
     trainable: bool = True,
+    offload: bool = False,
 ) -> ShardedModel:
-    """Shard a loaded HF model (any head) as :func:`load_sharded_model` does."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    """Shard a loaded HF model (any head) as :func:`load_sharded_model` does. ``offload``
+    (CUDA only; ``actor.fsdp_config.param_offload``): the shards, their gradients and the
+    optimizer step stay in CPU memory, and each layer is gathered onto the GPU for its
+    forward and backward only."""
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     # Packed sequences need the plain causal mask path; no KV cache in training.
     model.config.use_cache = False
@@ -137,9 +157,10 @@ def shard_model(
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     else:
         mp = MixedPrecisionPolicy()
+    policy = CPUOffloadPolicy() if offload and device == "cuda" else OffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=policy)
     model.train(trainable)
     if not trainable:
         model.requires_grad_(False)

@@ -89,6 +89,7 @@ class Trainer:
             device=device,
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
             attn_implementation=cfg.model.attn_implementation,
+            offload=fsdp.offload_wanted(cfg),
         )
         self.loss_cfg = LossConfig.from_config(cfg)
         # The frozen reference for the KL penalty: the initial weights, sharded the same way.
@@ -99,6 +100,7 @@ class Trainer:
                 device=device,
                 trainable=False,
                 attn_implementation=cfg.model.attn_implementation,
+                offload=fsdp.offload_wanted(cfg),
             )
             if self.loss_cfg.kl_coef > 0 or cfg.algorithm.use_kl_in_reward
             else None

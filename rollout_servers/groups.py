@@ -172,3 +172,27 @@ def filtered_out(task: Task, scores: list[ScoreResult], metric: str) -> bool:
         for s in scores
     ]
     return not has_signal(values)
+
+
+class PromptTooLong(ValueError):
+    """A prompt over ``data.max_prompt_length`` with ``data.truncation: error``."""
+
+
+def fit_prompt(ids: list[int], limit: int, truncation: str) -> list[int]:
+    """``ids`` cut to ``limit`` tokens as ``data.truncation`` says (veRL's modes): ``left``
+    keeps the end (the chat header the model answers after), ``right`` the start,
+    ``middle`` both halves; ``error`` raises :class:`PromptTooLong` naming the fix."""
+    if len(ids) <= limit:
+        return ids
+    if truncation == "left":
+        return ids[-limit:]
+    if truncation == "right":
+        return ids[:limit]
+    if truncation == "middle":
+        head = limit // 2
+        return ids[:head] + ids[len(ids) - (limit - head) :]
+    raise PromptTooLong(
+        f"prompt of {len(ids)} tokens is over data.max_prompt_length={limit} with "
+        "data.truncation=error: set data.filter_overlong_prompts=True to drop such prompts, "
+        "or data.truncation=left to cut them"
+    )

@@ -30,9 +30,11 @@ from asyncrl.wire import Trajectory
 from rollout_servers.agent import AgentRunner, episode_samples, episode_trajectories
 from rollout_servers.engine import Sample, SyncJoin
 from rollout_servers.groups import (
+    PromptTooLong,
     SamplingSettings,
     build_group,
     filtered_out,
+    fit_prompt,
     sampling_params,
     shape_overlong,
 )
@@ -222,12 +224,12 @@ class RolloutServer:
                 group, samples, scores = await self._episodes(task, self.agent, created)
             else:
                 group, samples, scores = await self._single_turn(task, created)
-            if filtered_out(task, scores, self.cfg.algorithm.filter_groups.metric):
+            if not group or filtered_out(task, scores, self.cfg.algorithm.filter_groups.metric):
                 # never pushed: the coordinator frees its budget and deals a fresh prompt
                 await self.lanes.control(
                     functools.partial(self.client.ack, filtered=True), [task.task_id]
                 )
-                self.metrics["rollout/groups_filtered"] += 1
+                self.metrics["rollout/groups_filtered"] += bool(group)
                 pushed = True  # reported: not a failure to deal again
                 return
             self.metrics["rollout/push_wait_s"] += await self.pusher.send_async(group)
@@ -238,7 +240,9 @@ class RolloutServer:
             raise
         except Exception as e:  # one bad task must not stop the server
             self.metrics["rollout/task_errors"] += 1
-            if type(e).__name__ == "EngineDeadError" or self.client.shutdown.is_set():
+            if isinstance(e, PromptTooLong):  # the message names the fix; no traceback
+                log.error("task %s: %s", task.task_id, e)
+            elif type(e).__name__ == "EngineDeadError" or self.client.shutdown.is_set():
                 # The engine's own log has the cause (or the server is stopping, and the
                 # engine went first): a traceback of the await adds nothing.
                 log.error("task %s failed: %s: %s", task.task_id, type(e).__name__, e)
@@ -257,6 +261,8 @@ class RolloutServer:
     ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
         """Generate and score ``task.n`` responses; the group and what to count."""
         prompt = self._prompt_ids(task)
+        if prompt is None:  # too long, filtered: nothing to generate
+            return [], [], []
         samples = await asyncio.gather(
             *[
                 self.engine.generate(
@@ -298,22 +304,30 @@ class RolloutServer:
         limit = self.cfg.data.max_response_length
         return shape_overlong(scores, lengths, limit, self.cfg.reward.overlong_buffer)
 
-    def _prompt_ids(self, task: Task) -> list[int]:
+    def _prompt_ids(self, task: Task) -> list[int] | None:
+        """The prompt's tokens, cut as ``data.truncation`` says; None when it is too long
+        and ``data.filter_overlong_prompts`` drops it (training tasks only: a validation
+        round waits for all of its prompts, so theirs are cut)."""
         from asyncrl.prepare.tokenizer import chat_prompt_ids
 
         ids = task.prompt_token_ids or chat_prompt_ids(self.tok, task.prompt)
-        limit = self.cfg.data.max_prompt_length
-        if len(ids) > limit:  # keep the end: the chat header the model answers after
-            if not self.metrics["rollout/prompts_truncated"]:
-                log.warning(
-                    "prompt of %d tokens cut to data.max_prompt_length=%d (left); "
-                    "filter long prompts with asyncrl-prepare data --max-prompt-length",
-                    len(ids),
-                    limit,
-                )
-            self.metrics["rollout/prompts_truncated"] += 1
-            ids = ids[-limit:]
-        return ids
+        d = self.cfg.data
+        if len(ids) <= d.max_prompt_length:
+            return ids
+        if d.filter_overlong_prompts and not task.validation:
+            self.metrics["rollout/prompts_filtered_too_long"] += 1
+            return None
+        mode = "left" if d.filter_overlong_prompts else d.truncation
+        if not self.metrics["rollout/prompts_truncated"] and mode != "error":
+            log.warning(
+                "prompt of %d tokens cut to data.max_prompt_length=%d (data.truncation=%s); "
+                "drop long prompts with data.filter_overlong_prompts=True",
+                len(ids),
+                d.max_prompt_length,
+                mode,
+            )
+        self.metrics["rollout/prompts_truncated"] += mode != "error"
+        return fit_prompt(ids, d.max_prompt_length, mode)
 
     # ----------------------------------------------------------------- weight syncs
     async def _sync_loop(self) -> None:

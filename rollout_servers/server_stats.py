@@ -38,6 +38,7 @@ class ServerStats:
             "rollout/task_errors": 0,
             "rollout/push_wait_s": 0.0,
             "rollout/groups_filtered": 0,  # algorithm.filter_groups: dropped here, unpushed
+            "rollout/prompts_filtered_too_long": 0,  # data.filter_overlong_prompts
         }
         self.groups_done = 0
         self.tokens_by_version: Counter[int] = Counter()

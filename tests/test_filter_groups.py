@@ -316,3 +316,13 @@ def test_verl_recipe_keys_run_the_demo(tmp_path, demo_model, arithmetic_data):
     assert records[-1]["accounting/train/unaccounted"] == 0
     resolved = (run / "config.yaml").read_text()
     assert "loss_mode: gspo" in resolved and "clip_ratio_c: 10.0" in resolved
+
+
+def test_a_prompt_over_the_limit_is_dropped_at_the_server(monkeypatch):
+    """data.filter_overlong_prompts: a training prompt of 3 tokens over a limit of 2 is
+    reported filtered, never generated, never pushed."""
+    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+    client = FilteringClient(tasks=4, agent=False)
+    limits = ["data.max_prompt_length=2", "data.filter_overlong_prompts=true"]
+    pusher = _run_server(client, limits)
+    assert len(client.filtered) == 4 and pusher.groups == []

@@ -20,6 +20,7 @@ from pydantic_core import ErrorDetails
 
 from asyncrl.config.rules import cross_field_problems
 from asyncrl.config.schema import Config
+from asyncrl.config.verl_compat import apply_verl_keys
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,7 @@ VERL_PREFIXES = {
     "actor_rollout_ref.actor.": "actor.",
     "actor_rollout_ref.rollout.": "rollout.",
     "actor_rollout_ref.model.": "model.",
+    "actor_rollout_ref.ref.": "ref.",
     "custom_reward_function.": "reward.custom_reward_function.",
     "reward_model.overlong_buffer.": "reward.overlong_buffer.",
 }
@@ -61,9 +63,27 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             )
         raw = _flatten_verl_groups(loaded or {})
     for item in overrides:
+        if item.strip().startswith("~"):  # Hydra's "~key": remove it
+            delete_dotted(raw, _verl_key(item.strip()[1:].split("=", 1)[0]))
+            continue
         key, value = parse_override(item)
         set_dotted(raw, key, value)
+    notes, problems = apply_verl_keys(raw)
+    if problems:
+        raise ConfigError(problems)
+    for note in notes:
+        log.info("%s", note)
     return validate(raw)
+
+
+def delete_dotted(raw: dict[str, Any], key: str) -> None:
+    """Remove ``raw[a][b][c]`` for ``key == "a.b.c"`` (nothing if it is not there)."""
+    node: Any = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.get(part) if isinstance(node, dict) else None
+    if isinstance(node, dict):
+        node.pop(parts[-1], None)
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -71,7 +91,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if "=" not in item:
         raise ConfigError([f"override {item!r} is not key=value (e.g. rollout.n=8)"])
     key, text = item.split("=", 1)
-    key = key.strip().lstrip("+")  # Hydra's "+key=" (add) is the same as "key=" here
+    key = key.strip().lstrip("+")  # Hydra's "+key=" / "++key=" (add, force) mean "key=" here
     if not key:
         raise ConfigError([f"override {item!r} has an empty key"])
     try:

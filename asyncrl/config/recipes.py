@@ -5,7 +5,8 @@
 - ``algorithm.filter_groups.*``: DAPO's dynamic sampling, done at the rollout servers (a
   group whose members all score alike is never pushed, and more prompts are dealt);
 - ``reward.overlong_buffer.*`` (veRL: ``reward_model.overlong_buffer.*``): DAPO's soft
-  penalty on responses that end in the last ``len`` tokens before the length limit.
+  penalty on responses that end in the last ``len`` tokens before the length limit;
+- ``actor.fsdp_config.*``: veRL's offload switches.
 """
 
 from __future__ import annotations
@@ -76,3 +77,21 @@ class OverlongBufferConfig(Section):
         default=0.0, ge=0, description="Penalty at the limit (linear from 0 over len tokens)."
     )
     log: bool = Field(default=False, description="veRL's flag; the penalty is always a metric.")
+
+
+class FsdpConfig(Section):
+    param_offload: bool = Field(
+        default=False,
+        description="Keep the sharded parameters, gradients and optimizer state of the actor "
+        "(and reference) in CPU memory between uses (FSDP2's CPU offload; CUDA only, no "
+        "effect on the CPU).",
+    )
+    optimizer_offload: bool = Field(
+        default=False,
+        description="Same as param_offload here: FSDP2 offloads the optimizer state with "
+        "the parameters it updates.",
+    )
+
+    @property
+    def offload(self) -> bool:
+        return self.param_offload or self.optimizer_offload

@@ -16,6 +16,7 @@ from asyncrl.config.critic import CriticConfig, KLControlConfig, OptimConfig
 from asyncrl.config.health import HealthConfig
 from asyncrl.config.recipes import (
     FilterGroupsConfig,
+    FsdpConfig,
     OverlongBufferConfig,
     PolicyLossConfig,
     gspo_defaults,
@@ -67,6 +68,17 @@ class DataConfig(Section):
     )
     shuffle: bool = Field(default=True, description="Shuffle the training prompts each epoch.")
     seed: int = Field(default=1, description="Seed of the prompt order.")
+    filter_overlong_prompts: bool = Field(
+        default=False,
+        description="Drop a prompt longer than max_prompt_length at its rollout server "
+        "(counted as dropped/filtered) instead of applying data.truncation.",
+    )
+    truncation: Literal["left", "right", "middle", "error"] = Field(
+        default="left",
+        description="A prompt over max_prompt_length: keep its end (left, the chat header "
+        "the model answers after), its start (right), both ends (middle), or fail the task "
+        "with an error naming the fix (error, veRL's default).",
+    )
 
     @field_validator("train_files", "val_files", mode="before")
     @classmethod
@@ -113,6 +125,7 @@ class ActorConfig(Section):
         "(vanilla loss; veRL's default).",
     )
     policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig)
+    fsdp_config: FsdpConfig = Field(default_factory=FsdpConfig)
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
     ] = Field(default="token-mean", description="How token losses are averaged (veRL's names).")

@@ -1,0 +1,137 @@
+"""A veRL user's command line as written: the overrides of veRL's GRPO example
+(``examples/grpo_trainer/run_qwen2-7b.sh``, paths and sizes swapped for the demo's) load,
+every key takes effect or is said to have none, and the demo runs with them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from rollout_servers.groups import PromptTooLong, fit_prompt
+
+# run_qwen2-7b.sh's 36 overrides, in its order; model, data, sizes and GPU counts swapped
+# for the CPU demo's (the shell strips the quotes of 'error' and ['console','wandb']).
+VERL_GRPO = [
+    "algorithm.adv_estimator=grpo",
+    "data.train_files=DATA/train.parquet",
+    "data.val_files=DATA/val.parquet",
+    "data.train_batch_size=16",
+    "data.max_prompt_length=32",
+    "data.max_response_length=4",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "actor_rollout_ref.model.path=MODEL",
+    "actor_rollout_ref.actor.optim.lr=6e-4",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.kl_loss_coef=0.001",
+    "actor_rollout_ref.actor.kl_loss_type=low_var_kl",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.6",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=40",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+    "algorithm.kl_ctrl.kl_coef=0.001",
+    "trainer.critic_warmup=0",
+    "trainer.logger=[console,jsonl]",
+    "trainer.project_name=verl_grpo_example_gsm8k",
+    "trainer.experiment_name=qwen2_7b_function_rm",
+    "trainer.n_gpus_per_node=1",
+    "trainer.nnodes=1",
+    "trainer.save_freq=-1",
+    "trainer.test_freq=5",
+    "trainer.total_epochs=15",
+]
+
+
+def _verl_grpo(model: str = "MODEL", data: str = "DATA") -> list[str]:
+    return [o.replace("MODEL", model).replace("DATA", data) for o in VERL_GRPO]
+
+
+def test_verl_grpo_example_loads_and_says_what_has_no_effect(caplog, tmp_path):
+    (tmp_path / "DATA").mkdir()
+    with caplog.at_level(logging.INFO, logger="asyncrl.config.load"):
+        cfg = load_config("configs/cpu_demo.yaml", _verl_grpo())
+    notes = [r.getMessage() for r in caplog.records]
+    assert cfg.data.filter_overlong_prompts and cfg.data.truncation == "error"
+    assert cfg.actor.sequence_layout == "auto"  # use_remove_padding=True
+    assert cfg.actor.use_kl_loss and cfg.actor.kl_loss_type == "k3"
+    assert cfg.trainer.project_name == "verl_grpo_example_gsm8k"
+    no_effect = [
+        "rollout.log_prob_micro_batch_size_per_gpu",
+        "ref.log_prob_micro_batch_size_per_gpu",
+        "ref.fsdp_config.param_offload",
+        "trainer.n_gpus_per_node",
+        "trainer.nnodes",
+    ]
+    for key in no_effect:
+        (line,) = [n for n in notes if f"veRL's {key}=" in n]
+        assert "has no effect here: " in line, line
+    assert any("rollout.name='vllm' is accepted" in n for n in notes), notes
+    assert any("use_remove_padding=True -> actor.sequence_layout" in n for n in notes), notes
+
+
+@pytest.mark.parametrize(
+    ("override", "says"),
+    [
+        ("actor_rollout_ref.rollout.name=sglang", "the rollout servers run vLLM only"),
+        ("actor_rollout_ref.model.lora_rank=8", "LoRA is not built yet"),
+    ],
+)
+def test_what_would_change_results_silently_is_refused(override, says):
+    with pytest.raises(ConfigError, match=says):
+        load_config(None, [override])
+
+
+def test_hydra_grammar_add_force_and_delete(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("rollout:\n  n: 4\n  temperature: 0.7\n")
+    cfg = load_config(path, ["~rollout.temperature", "++rollout.n=6", "+data.seed=3"])
+    assert cfg.rollout.temperature == 1.0 and cfg.rollout.n == 6 and cfg.data.seed == 3
+    assert load_config(None, ["actor_rollout_ref.model.lora_rank=0"]).model.path  # 0: no LoRA
+
+
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [("left", [3, 4, 5, 6]), ("right", [1, 2, 3, 4]), ("middle", [1, 2, 5, 6])],
+)
+def test_truncation_modes(mode, expected):
+    assert fit_prompt([1, 2, 3, 4, 5, 6], 4, mode) == expected
+    assert fit_prompt([1, 2], 4, mode) == [1, 2]
+
+
+def test_truncation_error_names_the_fix():
+    with pytest.raises(PromptTooLong, match="data.filter_overlong_prompts=True"):
+        fit_prompt([1, 2, 3], 2, "error")
+
+
+@pytest.mark.slow
+def test_verl_grpo_example_runs_the_demo(tmp_path, demo_model, arithmetic_data):
+    cmd = [
+        sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml",
+        *_verl_grpo(str(demo_model), str(arithmetic_data)),
+        f"trainer.default_local_dir={tmp_path}", "trainer.total_training_steps=10",
+        "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.logger=[jsonl]",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "verl_grpo_example_gsm8k" / "qwen2_7b_function_rm"
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss/pg" in r]
+    assert len(steps) == 10
+    assert all(r["loss/kl"] >= 0.0 for r in steps)  # use_kl_loss: the reference is there
+    assert records[-1]["accounting/train/unaccounted"] == 0
+    learner_log = (run / "logs" / "learner.log").read_text()
+    assert "trainer.n_gpus_per_node=1 has no effect here" in learner_log
