@@ -53,6 +53,16 @@ def coordinator() -> Iterator[Any]:
         coord.stop()
 
 
+def _endpoint(cfg: Any, coord: Any) -> tuple[OpenAIEndpoint, CoordinatorClient, RecordingPusher]:
+    """The real endpoint of server ``r0``, registered with ``coord``, pushing to a
+    recording pusher (a stand-in engine and tokenizer stand for vLLM)."""
+    client = CoordinatorClient(coord.tasks_addr, coord.control_addr, "r0", engine_world_size=0)
+    client.register()
+    pusher = RecordingPusher()
+    parts = (ReplyEngine(), CharTokenizer(), client, pusher, SamplingSettings.from_config(cfg))
+    return OpenAIEndpoint(cfg, "r0", *parts), client, pusher  # type: ignore[arg-type]
+
+
 def _agent(url: str, key: str, retries: int = 0) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url, api_key=key, max_retries=retries, timeout=30)
 
@@ -97,13 +107,7 @@ def test_slots_are_held_only_by_live_groups(coordinator, tmp_path, monkeypatch):
             f"trainer.default_local_dir={tmp_path}",
         ],
     )
-    client = CoordinatorClient(
-        coordinator.tasks_addr, coordinator.control_addr, "r0", engine_world_size=0
-    )
-    client.register()
-    pusher = RecordingPusher()
-    parts = (ReplyEngine(), CharTokenizer(), client, pusher, SamplingSettings.from_config(cfg))
-    endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
+    endpoint, client, pusher = _endpoint(cfg, coordinator)
 
     async def scenario() -> None:
         url = await endpoint.start()
@@ -212,13 +216,7 @@ def test_a_group_whose_rewards_are_alike_is_filtered_and_its_slot_frees(tmp_path
             f"trainer.default_local_dir={tmp_path}",
         ],
     )
-    client = CoordinatorClient(
-        coordinator.tasks_addr, coordinator.control_addr, "r0", engine_world_size=0
-    )
-    client.register()
-    pusher = RecordingPusher()
-    parts = (ReplyEngine(), CharTokenizer(), client, pusher, SamplingSettings.from_config(cfg))
-    endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
+    endpoint, client, pusher = _endpoint(cfg, coordinator)
 
     async def group(url: str, name: str, rewards: tuple[float, float]) -> None:
         for member, reward in zip("ab", rewards, strict=True):

@@ -172,6 +172,20 @@ def test_validation_tasks_are_never_dealt_filtered():
 
 # ------------------------------------------------------------------ a launched run
 
+
+def _demo_launch(tmp_path, model, data, name: str, steps: int) -> list[str]:
+    """``asyncrl-launch`` of the demo on the test's model and data, without validation or
+    checkpoints, its run under ``tmp_path/runs/asyncrl/<name>``."""
+    return [
+        sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml",
+        f"model.path={model}",
+        f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'val.parquet'}",
+        f"trainer.default_local_dir={tmp_path / 'runs'}", f"trainer.experiment_name={name}",
+        f"trainer.total_training_steps={steps}", "trainer.val_before_train=false",
+        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
+    ]  # fmt: skip
+
+
 SCORER = (
     "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n"
 )
@@ -186,13 +200,7 @@ def test_a_run_where_every_group_is_filtered_ends_with_the_line(
     scorer = tmp_path / "zero.py"
     scorer.write_text(SCORER)
     cmd = [
-        sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml",
-        f"model.path={demo_model}",
-        f"data.train_files={arithmetic_data / 'train.parquet'}",
-        f"data.val_files={arithmetic_data / 'val.parquet'}",
-        f"trainer.default_local_dir={tmp_path / 'runs'}", "trainer.experiment_name=f",
-        "trainer.total_training_steps=3", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
+        *_demo_launch(tmp_path, demo_model, arithmetic_data, "f", steps=3),
         "algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=1",
         f"reward.custom_reward_function.path={scorer}",
         "trainer.health.enable=false",
@@ -288,13 +296,7 @@ def test_overlong_shaping_penalises_responses_at_the_limit(monkeypatch):
 def test_verl_recipe_keys_run_the_demo(tmp_path, demo_model, arithmetic_data):
     """DAPO/GSPO keys as a veRL command line spells them load and run the demo."""
     cmd = [
-        sys.executable, "-m", "asyncrl.launch", "configs/cpu_demo.yaml",
-        f"actor_rollout_ref.model.path={demo_model}",
-        f"data.train_files={arithmetic_data / 'train.parquet'}",
-        f"data.val_files={arithmetic_data / 'val.parquet'}",
-        f"trainer.default_local_dir={tmp_path / 'runs'}", "trainer.experiment_name=v",
-        "trainer.total_training_steps=4", "trainer.val_before_train=false",
-        "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]",
+        *_demo_launch(tmp_path, demo_model, arithmetic_data, "v", steps=4),
         "actor_rollout_ref.actor.clip_ratio_c=10.0",
         "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
         "actor_rollout_ref.actor.clip_ratio_low=0.0003",
