@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncrl.control.admission import Budget, groups_per_version
+from asyncrl.control.group_filter import GroupFilter
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
@@ -91,6 +92,11 @@ def new_state(cfg: Any, train: Sequence[dict], val: Sequence[dict], tag: str) ->
         test_freq=cfg.test_freq,
         catchup_backoff_s=cfg.catchup_backoff_s,
         catchup_backoff_max_s=cfg.catchup_backoff_max_s,
+        group_filter=GroupFilter(
+            enable=cfg.filter_groups,
+            max_num_gen_batches=cfg.max_num_gen_batches,
+            batch_size=cfg.batch,
+        ),
     )
     state.session = tag  # deterministic (the real one is random)
     return state

@@ -139,7 +139,7 @@ class LearnerProc(Endpoint):
                 body.server_id, lambda: st.grant_slot(body.server_id, now, body.request_id)
             )
         if isinstance(body, m.TaskAck):
-            return st.ack(body.server_id, body.task_ids, now)
+            return st.ack(body.server_id, body.task_ids, now, body.filtered)
         if isinstance(body, m.TaskNack):
             st.nack(body.server_id, body.task_ids, body.reason, now)
             return "ok"

@@ -209,6 +209,11 @@ class Server(Endpoint):
             self.outbox.append((m.TaskNack(server_id=self.name, task_ids=[tid]), ACK_ATTEMPTS))
             return
         h.pushed = True
+        if h.task.filter and self.world.chance("alike", tid, h.task.attempt, self.name) < 0.4:
+            # every member scored alike: never pushed, reported filtered
+            msg = m.TaskAck(server_id=self.name, task_ids=[tid], filtered=True)
+            self.outbox.append((msg, ACK_ATTEMPTS))
+            return
         for part in _group(h, self.world.chance("split", tid, self.name) < 0.15, self.name):
             self.push("B", part)
         self.outbox.append((m.TaskAck(server_id=self.name, task_ids=[tid]), ACK_ATTEMPTS))

@@ -51,6 +51,8 @@ class SimConfig:
     tasks_per_request: int = 2
     max_inflight: int = 3  # tasks a server works on at once
     slots: bool = False  # servers also open external slots
+    filter_groups: bool = False  # algorithm.filter_groups: servers drop alike groups
+    max_num_gen_batches: int = 0
     lag_retries: int = 1
     task_retries: int = 3
     task_timeout_s: float = 30.0
@@ -88,6 +90,8 @@ def config_for(seed: int) -> SimConfig:
         tasks_per_request=r.randint(1, 3),
         max_inflight=r.randint(1, 4),
         slots=r.random() < 0.3,
+        filter_groups=r.random() < 0.3,
+        max_num_gen_batches=r.choice((0, 1, 2)),
     )
 
 

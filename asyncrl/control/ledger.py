@@ -274,13 +274,17 @@ class TaskLedger:
         self.counts["acks_unknown"] += len(unknown)
         return acked, unknown
 
-    def filtered(self, task_ids: Iterable[str]) -> list[str]:
-        """Training groups their server dropped by the group filter: terminal
-        (``dropped/filtered``), out of the budget at once; returns the ids it knew."""
+    def filtered(self, server_id: str, task_ids: Iterable[str]) -> list[str]:
+        """Training groups ``server_id`` dropped by the group filter: terminal
+        (``dropped/filtered``), out of the budget at once; returns the ids taken. A report
+        of a task dealt again to another server since is ignored (that one's group counts)."""
         done = []
         for tid in task_ids:
             e = self.entries.get(tid)
-            if e is None or e.state not in (OUT, QUEUED) or kind_of(tid) != "train":
+            holder = e is not None and (
+                e.state == QUEUED or (e.state == OUT and e.server == server_id)
+            )
+            if e is None or not holder or kind_of(tid) != "train":
                 self.counts["filtered_unknown"] += 1
                 continue
             self._set(tid, e, "dropped/filtered", "filtered")

@@ -307,7 +307,7 @@ class ControlState:
     ) -> TaskAckReply:
         self.touch(server_id, now)
         if filtered:  # dropped at the server by algorithm.filter_groups
-            done = self.ledger.filtered(task_ids)
+            done = self.ledger.filtered(server_id, task_ids)
             self.group_filter.filtered(len(done), self.step)
             return TaskAckReply(acked=done, unknown=[t for t in task_ids if t not in done])
         acked, unknown = self.ledger.ack(task_ids, now)
