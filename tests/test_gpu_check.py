@@ -34,7 +34,7 @@ def test_without_a_gpu_every_item_is_skipped_and_it_exits_0(tmp_path):
     proc, report = _run("--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = report["items"]
-    assert [r["status"] for r in rows] == ["skipped"] * 6
+    assert [r["status"] for r in rows] == ["skipped"] * 7
     assert all(r["detail"] == "no CUDA GPU visible" for r in rows)
     assert report["gpus"] == [] and report["date"]
     lines = proc.stdout.splitlines()
@@ -44,6 +44,7 @@ def test_without_a_gpu_every_item_is_skipped_and_it_exits_0(tmp_path):
         "learner: FSDP2 steps (bf16 on cuda, group cpu:gloo,cuda:nccl)",
         "weight push",
         "checkpoint save and load",
+        "CPU offload of actor and reference",
         "end to end: configs/gpu_smoke.yaml",
     )
     for name in names:
