@@ -80,7 +80,7 @@ def test_the_learner_part_runs_as_its_cpu_twin(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     status = {r["item"]: r["status"] for r in report["items"]}
     learner = {k: v for k, v in status.items() if k.startswith("learner:")}
-    assert list(learner.values()) == ["passed"] * 4, proc.stdout
+    assert list(learner.values()) == ["passed"] * 5, proc.stdout
     assert "learner: FSDP2 steps (float32 on cpu, group gloo)" in learner
     assert "2 rank(s)" in proc.stdout
     assert status["pytest -m gpu"] == "skipped"
