@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     common = [f"trainer.total_training_steps={steps}", "trainer.save_freq=-1"]
     on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=4"]
     results = {}
-    for name, extra in (("off", []), ("on", on)):
+    for name, extra in (("filter_off", []), ("filter_on", on)):  # not "off": YAML's false
         run = launch_run(CONFIG, [*common, *extra], args.out / "runs", name)
         results[name] = figures(run)
         log.info("%s: %s", name, {k: v for k, v in results[name].items() if k != "val_curve"})
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
         config={"config": CONFIG, "steps": steps, "on": on},
     )
     print(f"results: {json_path}, {png}")
-    ratio = results["on"]["samples_per_s"] / results["off"]["samples_per_s"]
+    ratio = results["filter_on"]["samples_per_s"] / results["filter_off"]["samples_per_s"]
     headline("filter_groups on/off trained samples per s", ratio)
 
 
