@@ -65,7 +65,10 @@ def figures(run: Path) -> dict[str, Any]:
         "zero_variance_groups_per_step": mean("batch/zero_variance_groups"),
         "filtered_frac_mean": mean("filter/filtered_frac"),
         "prompts_per_trained_group_mean": mean("filter/prompts_per_trained_group"),
-        "groups_filtered": last.get("filter/groups_filtered", 0.0),
+        "groups_filtered": steps[-1].get("filter/groups_filtered", 0.0),
+        # the trained groups that carried a signal (zero-variance ones train nothing)
+        "signal_samples_per_s": stats["samples_per_s"]
+        * (1 - mean("batch/zero_variance_groups") / steps[0]["batch/groups"]),
         "dropped_filtered": last.get("accounting/train/dropped/filtered", 0.0),
         "unaccounted": last.get("accounting/train/unaccounted", 0.0),
         "val_curve": [
