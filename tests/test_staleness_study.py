@@ -118,6 +118,6 @@ def test_quick_study_learns_at_both_lags_and_writes_its_table(tmp_path):
         # 20 steps lift the held-out score well past its sampling error (~0.009)
         assert run["final"] > run["start"] + 0.05, (name, run["curve"])
         assert run["final_se"] < 0.01, run
-    assert runs["lag0_tis"]["mean_lag"] == 0.0 and runs["lag4_tis"]["mean_lag"] > 1.0
+    assert runs["lag0_tis"][0]["mean_lag"] == 0.0 and runs["lag4_tis"][0]["mean_lag"] > 1.0
     assert (out / "table.md").read_text().startswith("| cell | final score")
     assert (out / "staleness_study.png").stat().st_size > 0
