@@ -20,7 +20,7 @@ from pydantic_core import ErrorDetails
 
 from asyncrl.config.rules import cross_field_problems
 from asyncrl.config.schema import Config
-from asyncrl.config.verl_compat import apply_verl_keys
+from asyncrl.config.verl_compat import apply_verl_keys, pop_dotted
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raw = _flatten_verl_groups(loaded or {})
     for item in overrides:
         if item.strip().startswith("~"):  # Hydra's "~key": remove it
-            delete_dotted(raw, _verl_key(item.strip()[1:].split("=", 1)[0]))
+            pop_dotted(raw, _verl_key(item.strip()[1:].split("=", 1)[0]))
             continue
         key, value = parse_override(item)
         set_dotted(raw, key, value)
@@ -74,16 +74,6 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     for note in notes:
         log.info("%s", note)
     return validate(raw)
-
-
-def delete_dotted(raw: dict[str, Any], key: str) -> None:
-    """Remove ``raw[a][b][c]`` for ``key == "a.b.c"`` (nothing if it is not there)."""
-    node: Any = raw
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.get(part) if isinstance(node, dict) else None
-    if isinstance(node, dict):
-        node.pop(parts[-1], None)
 
 
 def parse_override(item: str) -> tuple[str, Any]:

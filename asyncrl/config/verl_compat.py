@@ -98,7 +98,7 @@ VERL_KEYS: dict[str, VerlKey] = {
 }
 
 
-def _pop(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+def pop_dotted(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
     """Remove ``raw[a][b]...`` for ``dotted`` (and the groups it empties); (found, value)."""
     parts = dotted.split(".")
     nodes = [raw]
@@ -140,7 +140,7 @@ def apply_verl_keys(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
     notes: list[str] = []
     problems: list[str] = []
     for key, rule in VERL_KEYS.items():
-        found, value = _pop(raw, key)
+        found, value = pop_dotted(raw, key)
         if not found:
             continue
         if rule.kind == "refused":
