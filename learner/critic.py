@@ -36,8 +36,9 @@ from asyncrl.config import Config
 from learner import fsdp
 from learner.advantages import gae_advantages, outcome_token_rewards
 from learner.collate import MicroBatch, collate, pad_rows
-from learner.losses import AggNorm, valid_token_mask
+from learner.losses import valid_token_mask
 from learner.plan import plan_step
+from learner.reductions import AggNorm
 from learner.rollouts import Rollout
 from learner.values import (
     VALUE_STAT_SUMS,

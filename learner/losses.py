@@ -27,9 +27,8 @@ else.
 All per-token tensors are ``[B, T]``: B sequences, T = the longest response in the batch,
 left-aligned, with a bool ``mask`` marking real response tokens.
 
-Aggregation (veRL's names) over a mini-batch that may be split into micro-batches and
-data-parallel ranks: pass the *global* counts (:class:`AggNorm`) so that the micro-batch
-losses sum exactly to the mini-batch loss whatever the split.
+Token losses are reduced with :mod:`learner.reductions` (veRL's aggregation modes, with the
+global counts of a split mini-batch; the KL estimators), which the value loss shares.
 
 ``policy_loss`` returns the loss and a dict of *sums and maxima* (:data:`STAT_SUMS`,
 :data:`STAT_MAXES`) rather than means, so metrics can be combined exactly over micro-batches
@@ -43,14 +42,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from learner.reductions import AGG_MODES, LOG_RATIO_CLAMP, AggNorm, aggregate, kl_penalty
+
 if TYPE_CHECKING:  # this module stays pure torch at run time
     from asyncrl.config import Config
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-# The log-ratio is clamped before exp so one wild token cannot make the loss infinite.
-_LOG_RATIO_CLAMP = 20.0
-# veRL clamps the k3 estimator to this range for the same reason.
-_K3_CLAMP = 10.0
 # ...and GSPO's sequence log-ratio from above at this value.
 _GSPO_LOG_RATIO_MAX = 10.0
 LOSS_MODES = ("vanilla", "gspo")
@@ -110,54 +106,9 @@ class LossConfig:
         )
 
 
-@dataclass(frozen=True)
-class AggNorm:
-    """Global normalisers of one mini-batch (over all its micro-batches and ranks).
-
-    ``num_tokens``: valid response tokens; ``num_seqs``: sequences with at least one valid
-    token. ``None`` means "this call's own count" (a single, unsplit batch).
-    """
-
-    num_tokens: float | None = None
-    num_seqs: float | None = None
-
-
 def valid_token_mask(mask: torch.Tensor, behaviour: torch.Tensor) -> torch.Tensor:
     """``[B, T]`` bool: response tokens whose behaviour logprob is finite."""
     return mask & torch.isfinite(behaviour)
-
-
-def aggregate(
-    loss_mat: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    *,
-    norm_const: float = 1.0,
-    norm: AggNorm | None = None,
-) -> torch.Tensor:
-    """Reduce ``[B, T]`` token losses over ``mask`` to a scalar (veRL's modes).
-
-    - ``token-mean``: sum over tokens / number of tokens
-    - ``seq-mean-token-mean``: mean over sequences of each sequence's token mean
-    - ``seq-mean-token-sum``: mean over sequences of each sequence's token sum
-    - ``seq-mean-token-sum-norm``: sum over tokens / (number of sequences * ``norm_const``)
-      (Dr.GRPO: a constant instead of each response's length)
-    """
-    norm = norm or AggNorm()
-    m = mask.to(loss_mat.dtype)
-    masked = torch.where(mask, loss_mat, torch.zeros_like(loss_mat))
-    if mode == "token-mean":
-        denom = norm.num_tokens if norm.num_tokens is not None else m.sum().clamp(min=1)
-        return masked.sum() / denom
-    seq_tokens = m.sum(dim=1)
-    n_seqs = norm.num_seqs if norm.num_seqs is not None else (seq_tokens > 0).sum().clamp(min=1)
-    if mode == "seq-mean-token-mean":
-        return (masked.sum(dim=1) / seq_tokens.clamp(min=1)).sum() / n_seqs
-    if mode == "seq-mean-token-sum":
-        return masked.sum() / n_seqs
-    if mode == "seq-mean-token-sum-norm":
-        return masked.sum() / (n_seqs * norm_const)
-    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {AGG_MODES}")
 
 
 def importance_weights(
@@ -184,7 +135,7 @@ def importance_weights(
     if level == "sequence":
         n = valid.sum(dim=1, keepdim=True).clamp(min=1)
         log_w = (log_w.sum(dim=1, keepdim=True) / n).expand_as(log_w)
-    raw = torch.where(valid, log_w.clamp(max=_LOG_RATIO_CLAMP).exp(), torch.ones_like(log_w))
+    raw = torch.where(valid, log_w.clamp(max=LOG_RATIO_CLAMP).exp(), torch.ones_like(log_w))
     keep = valid.clone()
     if mode == "tis":
         applied = raw.clamp(max=cap)
@@ -196,20 +147,6 @@ def importance_weights(
     else:
         raise ValueError(f"importance mode {mode!r} not tis/mis/none")
     return applied, keep, raw
-
-
-def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token KL estimate to the reference, ``[B, T]``: k1 ``l - ref``, k2
-    ``(l - ref)^2 / 2``, k3 ``exp(ref - l) - (ref - l) - 1`` (clamped like veRL)."""
-    diff = logprobs - ref_logprobs
-    if kind == "k1":
-        return diff
-    if kind == "k2":
-        return 0.5 * diff.square()
-    if kind == "k3":
-        d = (-diff).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-        return (d.exp() - d - 1).clamp(-_K3_CLAMP, _K3_CLAMP)
-    raise ValueError(f"kl type {kind!r} not k1/k2/k3")
 
 
 # Keys of the stats dict returned by policy_loss: summed across micro-batches and ranks...
@@ -256,7 +193,7 @@ def _pg_terms(
     cfg: LossConfig,
 ) -> PgTerms:
     """Clipped PPO with dual clip (``vanilla``), or GSPO's sequence ratio (``gspo``)."""
-    log_ratio = (logprobs - proximal).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = (logprobs - proximal).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if cfg.loss_mode == "gspo":
         n = valid.sum(dim=1, keepdim=True).clamp(min=1)
         seq = (torch.where(valid, logprobs - proximal, 0).sum(dim=1, keepdim=True) / n).detach()

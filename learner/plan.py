@@ -10,7 +10,7 @@ the rules it applies: :func:`minibatches` (runs of whole groups), :func:`plan_mi
 Pure (torch tensors, no model, no process group). The learner receives the *global* batch
 on every rank; every rank computes the same plan and keeps its own share, so no extra
 collective is needed and the same global batch gives the same result on 1 or N ranks (the
-loss normalisers are global, see :class:`learner.losses.AggNorm`).
+loss normalisers are global, see :class:`learner.reductions.AggNorm`).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.losses import AggNorm
+from learner.reductions import AggNorm
 from learner.rollouts import Rollout, group_indices
 
 

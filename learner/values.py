@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.losses import AggNorm, aggregate, kl_penalty
+from learner.reductions import AggNorm, aggregate, kl_penalty
 
 EXPLAINED_VAR_EPS = 1e-5
 # Keys of the stats dict value_loss returns: sums over tokens, combined exactly over

@@ -1,0 +1,79 @@
+"""Reductions of per-token losses shared by the policy loss (:mod:`learner.losses`) and the
+value loss (:mod:`learner.values`): veRL's aggregation modes and KL estimators, pure torch.
+
+Aggregation over a mini-batch that may be split into micro-batches and data-parallel
+ranks: pass the *global* counts (:class:`AggNorm`) so that the micro-batch losses sum
+exactly to the mini-batch loss whatever the split. Tensors are ``[B, T]`` with a bool
+``mask`` of real response tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+# A log-ratio is clamped before exp so one wild token cannot make a loss infinite.
+LOG_RATIO_CLAMP = 20.0
+# veRL clamps the k3 estimator to this range for the same reason.
+_K3_CLAMP = 10.0
+
+
+@dataclass(frozen=True)
+class AggNorm:
+    """Global normalisers of one mini-batch (over all its micro-batches and ranks).
+
+    ``num_tokens``: valid response tokens; ``num_seqs``: sequences with at least one valid
+    token. ``None`` means "this call's own count" (a single, unsplit batch).
+    """
+
+    num_tokens: float | None = None
+    num_seqs: float | None = None
+
+
+def aggregate(
+    loss_mat: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    norm_const: float = 1.0,
+    norm: AggNorm | None = None,
+) -> torch.Tensor:
+    """Reduce ``[B, T]`` token losses over ``mask`` to a scalar (veRL's modes).
+
+    - ``token-mean``: sum over tokens / number of tokens
+    - ``seq-mean-token-mean``: mean over sequences of each sequence's token mean
+    - ``seq-mean-token-sum``: mean over sequences of each sequence's token sum
+    - ``seq-mean-token-sum-norm``: sum over tokens / (number of sequences * ``norm_const``)
+      (Dr.GRPO: a constant instead of each response's length)
+    """
+    norm = norm or AggNorm()
+    m = mask.to(loss_mat.dtype)
+    masked = torch.where(mask, loss_mat, torch.zeros_like(loss_mat))
+    if mode == "token-mean":
+        denom = norm.num_tokens if norm.num_tokens is not None else m.sum().clamp(min=1)
+        return masked.sum() / denom
+    seq_tokens = m.sum(dim=1)
+    n_seqs = norm.num_seqs if norm.num_seqs is not None else (seq_tokens > 0).sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(dim=1) / seq_tokens.clamp(min=1)).sum() / n_seqs
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / n_seqs
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (n_seqs * norm_const)
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {AGG_MODES}")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate to the reference, ``[B, T]``: k1 ``l - ref``, k2
+    ``(l - ref)^2 / 2``, k3 ``exp(ref - l) - (ref - l) - 1`` (clamped like veRL)."""
+    diff = logprobs - ref_logprobs
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff.square()
+    if kind == "k3":
+        d = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        return (d.exp() - d - 1).clamp(-_K3_CLAMP, _K3_CLAMP)
+    raise ValueError(f"kl type {kind!r} not k1/k2/k3")
