@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from asyncrl.config import Config
     from asyncrl.config.recipes import OverlongBufferConfig
+    from asyncrl.config.schema import DataConfig
     from asyncrl.control.messages import Task
     from asyncrl.rewards import ScoreResult
     from rollout_servers.engine import Sample
@@ -196,3 +197,15 @@ def fit_prompt(ids: list[int], limit: int, truncation: str) -> list[int]:
         "data.truncation=error: set data.filter_overlong_prompts=True to drop such prompts, "
         "or data.truncation=left to cut them"
     )
+
+
+def fit_task_prompt(ids: list[int], data: DataConfig, validation: bool) -> list[int] | None:
+    """A task's prompt tokens within ``data.max_prompt_length``: None when it is longer and
+    ``data.filter_overlong_prompts`` drops it (training tasks only: a validation round
+    waits for all of its prompts, so theirs are cut at the left), else cut as
+    ``data.truncation`` says (:func:`fit_prompt`)."""
+    if len(ids) <= data.max_prompt_length:
+        return ids
+    if data.filter_overlong_prompts:
+        return ids[-data.max_prompt_length :] if validation else None
+    return fit_prompt(ids, data.max_prompt_length, data.truncation)

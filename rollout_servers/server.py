@@ -34,7 +34,7 @@ from rollout_servers.groups import (
     SamplingSettings,
     build_group,
     filtered_out,
-    fit_prompt,
+    fit_task_prompt,
     sampling_params,
     shape_overlong,
 )
@@ -305,29 +305,24 @@ class RolloutServer:
         return shape_overlong(scores, lengths, limit, self.cfg.reward.overlong_buffer)
 
     def _prompt_ids(self, task: Task) -> list[int] | None:
-        """The prompt's tokens, cut as ``data.truncation`` says; None when it is too long
-        and ``data.filter_overlong_prompts`` drops it (training tasks only: a validation
-        round waits for all of its prompts, so theirs are cut)."""
+        """The prompt's tokens as ``data.*`` says (:func:`fit_task_prompt`); None when it
+        is too long and dropped."""
         from asyncrl.prepare.tokenizer import chat_prompt_ids
 
         ids = task.prompt_token_ids or chat_prompt_ids(self.tok, task.prompt)
-        d = self.cfg.data
-        if len(ids) <= d.max_prompt_length:
-            return ids
-        if d.filter_overlong_prompts and not task.validation:
+        out = fit_task_prompt(ids, self.cfg.data, task.validation)
+        if out is None:
             self.metrics["rollout/prompts_filtered_too_long"] += 1
-            return None
-        mode = "left" if d.filter_overlong_prompts else d.truncation
-        if not self.metrics["rollout/prompts_truncated"] and mode != "error":
-            log.warning(
-                "prompt of %d tokens cut to data.max_prompt_length=%d (data.truncation=%s); "
-                "drop long prompts with data.filter_overlong_prompts=True",
-                len(ids),
-                d.max_prompt_length,
-                mode,
-            )
-        self.metrics["rollout/prompts_truncated"] += mode != "error"
-        return fit_prompt(ids, d.max_prompt_length, mode)
+        elif len(out) < len(ids):
+            if not self.metrics["rollout/prompts_truncated"]:
+                log.warning(
+                    "prompt of %d tokens cut to data.max_prompt_length=%d; drop long "
+                    "prompts with data.filter_overlong_prompts=True",
+                    len(ids),
+                    len(out),
+                )
+            self.metrics["rollout/prompts_truncated"] += 1
+        return out
 
     # ----------------------------------------------------------------- weight syncs
     async def _sync_loop(self) -> None:
