@@ -237,11 +237,12 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LambdaLR:
     """A ``LambdaLR`` stepped once per learner step (:func:`lr_factor`)."""
     lr_factor(0, warmup=0, total=total_steps, kind=optim_cfg.lr_scheduler_type)  # validate now
+    warmup = optim_cfg.warmup_steps(total_steps)
 
     def factor(step: int) -> float:
         return lr_factor(
             step,
-            warmup=optim_cfg.lr_warmup_steps,
+            warmup=warmup,
             total=total_steps,
             kind=optim_cfg.lr_scheduler_type,
             min_ratio=optim_cfg.min_lr_ratio,

@@ -54,7 +54,8 @@ def plan_step(
 
 @dataclass
 class StepPlan:
-    """One step's work: the cleaned batch and, per mini-batch, this rank's micro-batches."""
+    """One step's work: the cleaned batch and, per mini-batch, this rank's micro-batches;
+    the no-grad passes' own micro-batches where their budget differs from training's."""
 
     rollouts: list[Rollout]
     advantages: torch.Tensor  # [N]
@@ -62,6 +63,13 @@ class StepPlan:
     minibatches: list[list[list[int]]]  # mini-batch -> micro-batch -> sequence indices
     norms: list[AggNorm]  # one per mini-batch (global counts)
     token_advantages: dict[int, torch.Tensor] | None = None  # GAE: [T_i] per sequence
+    pass_micros: dict[str, list[list[int]]] | None = None  # "proximal"/"ref" -> micro-batches
+
+    def micros_for(self, which: str) -> list[list[int]]:
+        """The micro-batches of the no-grad pass ``which`` (the training ones by default)."""
+        if self.pass_micros and which in self.pass_micros:
+            return self.pass_micros[which]
+        return [micro for mini in self.minibatches for micro in mini]
 
 
 def minibatches(group_index: torch.Tensor, groups_per_minibatch: int) -> list[list[int]]:

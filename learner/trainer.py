@@ -150,16 +150,29 @@ class Trainer:
         advantages ``adv`` ``[N]`` come from :func:`~learner.rollouts.baseline_advantages`;
         ``temperature`` for rollouts that do not say what they were sampled at."""
         a = self.cfg.actor
-        mbs, norms = plan_step(
-            rollouts,
-            a.ppo_mini_batch_size,
-            world_size=self.world_size,
-            rank=self.rank,
-            padded=not self.packed,
-            max_seqs=a.ppo_micro_batch_size_per_gpu,
-            max_tokens=a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-        )
-        return StepPlan(rollouts, adv, temperature, mbs, norms)
+        train = (a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
+        train_budget = (None, train[1]) if a.use_dynamic_bsz else (train[0], None)
+
+        def plan(budget: tuple[int | None, int | None]):
+            return plan_step(
+                rollouts,
+                a.ppo_mini_batch_size,
+                world_size=self.world_size,
+                rank=self.rank,
+                padded=not self.packed,
+                max_seqs=budget[0],
+                max_tokens=budget[1],
+            )
+
+        mbs, norms = plan(train_budget)
+        # rollout/ref.log_prob_*: a no-grad pass with its own budget covers this rank's
+        # training shard (plan_step's shards do not depend on the budget).
+        passes = {}
+        for which, lp in (("proximal", self.cfg.rollout), ("ref", self.cfg.ref)):
+            budget = lp.budget(train[0], a.use_dynamic_bsz, train[1])
+            if budget != train_budget:
+                passes[which] = [micro for mini in plan(budget)[0] for micro in mini]
+        return StepPlan(rollouts, adv, temperature, mbs, norms, pass_micros=passes)
 
     def _collate(self, plan: StepPlan, seq_ids: list[int]) -> MicroBatch:
         return collate(
@@ -172,10 +185,11 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def _fixed_logprobs(self, model, plan: StepPlan) -> dict[int, torch.Tensor]:
-        """Per local sequence, logprobs ``[T_i]`` under ``model`` (proximal or reference)."""
+    def _fixed_logprobs(self, model, plan: StepPlan, which: str) -> dict[int, torch.Tensor]:
+        """Per local sequence, logprobs ``[T_i]`` under ``model``, in the micro-batches of
+        the no-grad pass ``which`` (proximal or ref)."""
         out: dict[int, torch.Tensor] = {}
-        for micro in (m for mini in plan.minibatches for m in mini):
+        for micro in plan.micros_for(which):
             mb = self._collate(plan, micro)
             logp, _ = self._forward(model, mb)
             for b, sid in enumerate(mb.seq_ids):  # the whole response (the mask may have holes)
@@ -216,8 +230,8 @@ class Trainer:
         # (The KL in the reward needs them before any update.)
         single = self.cfg.actor.ppo_epochs == 1 and len(plan.minibatches) == 1
         single &= not alg.use_kl_in_reward
-        proximal = None if single else self._fixed_logprobs(self.model, plan)
-        ref = self._fixed_logprobs(self.ref_model, plan) if self.ref_model else None
+        proximal = None if single else self._fixed_logprobs(self.model, plan, "proximal")
+        ref = self._fixed_logprobs(self.ref_model, plan, "ref") if self.ref_model else None
         metrics["timing/proximal_s"] = time.monotonic() - t0
         if self.critic is not None and self._critic_step(plan, proximal, ref, metrics):
             return self._finish_step(metrics, start, updates=0, skipped=0, actor_schedule=False)
@@ -355,7 +369,7 @@ class Trainer:
         if not kept:
             return out
         plan = self._plan(kept, torch.zeros(len(kept)), temperature)  # no advantages needed
-        local = self._fixed_logprobs(self.model, plan)
+        local = self._fixed_logprobs(self.model, plan, "proximal")
         parts: list[dict[int, torch.Tensor]] = [local]
         if self.world_size > 1:
             parts = [None] * self.world_size  # type: ignore[list-item]

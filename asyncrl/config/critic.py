@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from asyncrl.config.section import Section
 
@@ -15,13 +15,41 @@ class OptimConfig(Section):
     lr: float = Field(default=1e-3, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field(default=(0.9, 0.999), description="AdamW betas.")
-    lr_warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
+    lr_warmup_steps: int = Field(
+        default=-1,
+        ge=-1,
+        description="Linear warmup steps; -1 (veRL's default): lr_warmup_steps_ratio of the "
+        "run's steps.",
+    )
+    lr_warmup_steps_ratio: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Warmup as a share of trainer.total_training_steps, when lr_warmup_steps "
+        "is -1.",
+    )
     lr_scheduler_type: Literal["constant", "cosine", "linear"] = Field(
         default="constant", description="Schedule after warmup."
     )
     min_lr_ratio: float = Field(
-        default=0.0, ge=0, le=1, description="Floor of cosine/linear decay."
+        default=0.0, ge=0, le=1, description="Floor of cosine/linear decay (null: 0)."
     )
+
+    @field_validator("min_lr_ratio", mode="before")
+    @classmethod
+    def _null_is_zero(cls, v: object) -> object:
+        return 0.0 if v is None else v  # veRL's critic leaves it null
+
+    def warmup_steps(self, total_steps: int | None) -> int:
+        """Warmup steps: ``lr_warmup_steps``, or (-1) ``lr_warmup_steps_ratio`` of
+        ``total_steps``, as veRL counts them."""
+        if self.lr_warmup_steps >= 0:
+            return self.lr_warmup_steps
+        if self.lr_warmup_steps_ratio == 0:
+            return 0
+        if total_steps is None:
+            raise ValueError("lr_warmup_steps_ratio needs trainer.total_training_steps")
+        return int(self.lr_warmup_steps_ratio * total_steps)
 
 
 class CriticOptimConfig(OptimConfig):

@@ -21,21 +21,11 @@ from pydantic_core import ErrorDetails
 from asyncrl.config.rules import cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import apply_verl_keys, pop_dotted
+from asyncrl.config.verl_table import our_key
 
 log = logging.getLogger(__name__)
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-# veRL nests actor, rollout and model under ``actor_rollout_ref`` and puts the custom
-# reward at top level; accept those spellings so a veRL command line works after a rename.
-VERL_PREFIXES = {
-    "actor_rollout_ref.actor.": "actor.",
-    "actor_rollout_ref.rollout.": "rollout.",
-    "actor_rollout_ref.model.": "model.",
-    "actor_rollout_ref.ref.": "ref.",
-    "custom_reward_function.": "reward.custom_reward_function.",
-    "reward_model.overlong_buffer.": "reward.overlong_buffer.",
-}
 
 
 class ConfigError(ValueError):
@@ -64,7 +54,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raw = _flatten_verl_groups(loaded or {})
     for item in overrides:
         if item.strip().startswith("~"):  # Hydra's "~key": remove it
-            pop_dotted(raw, _verl_key(item.strip()[1:].split("=", 1)[0]))
+            pop_dotted(raw, our_key(item.strip()[1:].split("=", 1)[0]))
             continue
         key, value = parse_override(item)
         set_dotted(raw, key, value)
@@ -90,7 +80,7 @@ def parse_override(item: str) -> tuple[str, Any]:
         value = text  # a plain string such as a path with a colon
     if isinstance(value, str) and _FLOAT.fullmatch(value):
         value = float(value)  # YAML 1.1 reads "1e-5" (no dot) as a string
-    return _verl_key(key), value
+    return our_key(key), value
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -143,7 +133,10 @@ def _flatten_verl_groups(loaded: dict[str, Any]) -> dict[str, Any]:
         k: v for k, v in loaded.items() if k not in ("actor_rollout_ref", "custom_reward_function")
     }
     for name, sub in (loaded.get("actor_rollout_ref") or {}).items():
-        out.setdefault(name, {}).update(sub or {})
+        if isinstance(sub, dict):
+            out.setdefault(name, {}).update(sub)
+        else:  # hybrid_engine, nccl_timeout: veRL keys of the group itself
+            out.setdefault("actor_rollout_ref", {})[name] = sub
     if "custom_reward_function" in loaded:
         out.setdefault("reward", {})["custom_reward_function"] = loaded["custom_reward_function"]
     verl_reward = out.get("reward_model")
@@ -155,13 +148,6 @@ def _flatten_verl_groups(loaded: dict[str, Any]) -> dict[str, Any]:
         else:
             del out["reward_model"]
     return out
-
-
-def _verl_key(key: str) -> str:
-    for old, new in VERL_PREFIXES.items():
-        if key.startswith(old):
-            return new + key[len(old) :]
-    return key
 
 
 def _explain(err: ErrorDetails) -> str:

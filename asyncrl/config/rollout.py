@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from asyncrl.config.logprob import LogProbPass
 from asyncrl.config.section import Section
 
 
@@ -96,7 +97,10 @@ class ValKwargs(Section):
     n: int = Field(default=1, gt=0, description="Validation samples per prompt.")
 
 
-class RolloutConfig(Section):
+class RolloutConfig(LogProbPass):
+    """The rollout servers; the ``log_prob_*`` keys (veRL's) size the learner's proximal
+    logprob pass."""
+
     num_servers: int = Field(default=2, gt=0, description="Rollout servers (one vLLM engine each).")
     n: int = Field(default=8, gt=0, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(

@@ -121,6 +121,11 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"buffer.capacity_groups={cfg.buffer.capacity_groups} cannot hold {held}; "
             f"raise it to >= {needed} (train_batch_size * {fix}"
         )
+    if actor.ppo_micro_batch_size_per_gpu is None and not actor.use_dynamic_bsz:
+        problems.append(
+            "actor.ppo_micro_batch_size_per_gpu is null and actor.use_dynamic_bsz is off: "
+            "give one (sequences per micro-batch, or tokens with use_dynamic_bsz=true)"
+        )
     problems += _critic_problems(cfg)
     problems += _endpoint_problems(cfg)
     problems += _launch_problems(cfg)
@@ -148,6 +153,13 @@ def _critic_problems(cfg: Config) -> list[str]:
         out.append(
             f"critic.ppo_mini_batch_size={mini} must divide "
             f"data.train_batch_size={cfg.data.train_batch_size} (both count prompts)"
+        )
+    c, a = cfg.critic, cfg.actor
+    dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
+    if not dynamic and (c.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu) is None:
+        out.append(
+            "critic.ppo_micro_batch_size_per_gpu (and the actor's) is null with dynamic batch "
+            "size off: give critic.ppo_micro_batch_size_per_gpu or critic.use_dynamic_bsz=true"
         )
     if total is not None and warmup >= total:
         out.append(
@@ -205,6 +217,12 @@ def _launch_problems(cfg: Config) -> list[str]:
                 f"launch.{kind}.rollout lists {len(per_server)} servers but "
                 f"rollout.num_servers={cfg.rollout.num_servers}; give one list per server"
             )
+    if cfg.launch.ray.learner_nodes > 1 and cfg.launch.backend != "ray":
+        out.append(
+            f"launch.ray.learner_nodes={cfg.launch.ray.learner_nodes} (veRL's trainer.nnodes): "
+            "a learner over several nodes needs launch.backend=ray; the local launcher runs "
+            "one node"
+        )
     if cfg.trainer.device == "cpu" and cfg.model.dtype != "float32":
         out.append(
             f"model.dtype={cfg.model.dtype} on trainer.device=cpu: the CPU stack is checked in "

@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncrl.config.critic import CriticConfig, KLControlConfig, OptimConfig
 from asyncrl.config.health import HealthConfig
+from asyncrl.config.logprob import RefConfig
 from asyncrl.config.recipes import (
     FilterGroupsConfig,
     FsdpConfig,
@@ -89,7 +90,7 @@ class DataConfig(Section):
 
 # --------------------------------------------------------------------------- actor
 # veRL's names of the KL estimators.
-_VERL_KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+VERL_KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
 
 
 class ActorConfig(Section):
@@ -98,8 +99,11 @@ class ActorConfig(Section):
     ppo_mini_batch_size: int = Field(
         default=16, gt=0, description="Prompts per optimizer step (divides data.train_batch_size)."
     )
-    ppo_micro_batch_size_per_gpu: int = Field(
-        default=16, gt=0, description="Sequences per forward/backward when use_dynamic_bsz is off."
+    ppo_micro_batch_size_per_gpu: int | None = Field(
+        default=16,
+        gt=0,
+        description="Sequences per forward/backward when use_dynamic_bsz is off (null needs "
+        "use_dynamic_bsz).",
     )
     use_dynamic_bsz: bool = Field(
         default=True, description="Size micro-batches by token count, not sequence count."
@@ -145,7 +149,7 @@ class ActorConfig(Section):
     @field_validator("kl_loss_type", mode="before")
     @classmethod
     def _verl_kl_names(cls, v: object) -> object:
-        return _VERL_KL_NAMES.get(v, v)  # type: ignore[arg-type]
+        return VERL_KL_NAMES.get(v, v)  # type: ignore[arg-type]
 
 
 # --------------------------------------------------------------------------- algorithm
@@ -182,7 +186,7 @@ class AlgorithmConfig(Section):
     @field_validator("kl_penalty", mode="before")
     @classmethod
     def _verl_kl_names(cls, v: object) -> object:
-        return _VERL_KL_NAMES.get(v, v)  # type: ignore[arg-type]
+        return VERL_KL_NAMES.get(v, v)  # type: ignore[arg-type]
 
     importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
 
@@ -423,6 +427,7 @@ class Config(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
+    ref: RefConfig = Field(default_factory=RefConfig)
     critic: CriticConfig = Field(default_factory=CriticConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     staleness: StalenessConfig = Field(default_factory=StalenessConfig)

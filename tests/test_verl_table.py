@@ -1,0 +1,229 @@
+"""veRL's trainer config, key by key: the table (asyncrl/config/verl_table.py) covers every
+leaf of the veRL version it names, and each row does through the loader what it says."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from asyncrl.config import Config, ConfigError, load_config
+from asyncrl.config.verl_doc import leaves_of, markdown, verl_leaves
+from asyncrl.config.verl_table import VERL_KEYS, our_key
+from learner.plan import plan_step
+from learner.trainer import Trainer
+from tests.trainer_helpers import synthetic_batch
+
+LEAVES = verl_leaves()
+# Keys veRL keeps outside ppo_trainer.yaml that the table also holds: DAPO's recipe keys
+# and the older names its example scripts still pass.
+OUTSIDE = {
+    "algorithm.filter_groups.enable",
+    "algorithm.filter_groups.metric",
+    "algorithm.filter_groups.max_num_gen_batches",
+    "reward_model.overlong_buffer.enable",
+    "reward_model.overlong_buffer.len",
+    "reward_model.overlong_buffer.penalty_factor",
+    "reward_model.overlong_buffer.log",
+    "actor_rollout_ref.actor.fsdp_config.grad_offload",
+}
+BASE = load_config(None).model_dump(mode="json")
+
+
+def test_the_table_covers_every_leaf_of_verl_ppo_trainer_yaml():
+    assert len(LEAVES) == 334  # the leaves of the veRL version the file names
+    missing = sorted(set(LEAVES) - set(VERL_KEYS))
+    assert not missing, f"veRL keys with no row: {missing}"
+    assert set(VERL_KEYS) - set(LEAVES) == OUTSIDE
+
+
+def test_the_markdown_table_is_generated_from_the_code():
+    path = Path("asyncrl/config/VERL_KEYS.md")
+    assert path.read_text() == markdown(), "regenerate: python -m asyncrl.config.verl_doc markdown"
+
+
+def _value(key: str) -> Any:
+    rule = VERL_KEYS[key]
+    if rule.example is not ...:
+        return rule.example
+    return LEAVES.get(key)
+
+
+def _override(key: str, value: Any) -> str:
+    return f"{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}"
+
+
+def _at(cfg: Config, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = getattr(node, part)
+    return node
+
+
+def _same(ours: Any, verl: Any) -> bool:
+    if isinstance(ours, (list, tuple)) and isinstance(verl, str):
+        return list(ours) == [verl]
+    if isinstance(ours, (list, tuple)):
+        return list(ours) == list(verl)
+    if ours is None or verl is None:
+        return ours == verl
+    return ours == verl or (isinstance(ours, float) and float(verl) == ours)
+
+
+def _changed(cfg: Config) -> dict[str, Any]:
+    """Top-level groups that differ from the built-in defaults."""
+    now = cfg.model_dump(mode="json")
+    return {k: v for k, v in now.items() if v != BASE[k]}
+
+
+@pytest.mark.parametrize("key", sorted(VERL_KEYS))
+def test_each_row_does_what_the_table_says(key, caplog):
+    rule, value = VERL_KEYS[key], _value(key)
+    with caplog.at_level(logging.INFO, logger="asyncrl.config.load"):
+        cfg = load_config(None, [_override(key, value)])
+    notes = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    if rule.kind == "implemented":
+        expected = rule.convert(value) if rule.convert else value
+        assert _same(_at(cfg, our_key(key)), expected), (key, _at(cfg, our_key(key)), value)
+        assert not notes
+    elif rule.kind == "mapped":
+        assert rule.convert is not None
+        for target in rule.target:
+            assert _same(_at(cfg, target), rule.convert(value)), (key, target)
+        assert len(notes) == len(rule.target)
+    else:  # no effect, or a refused key at a value it allows: nothing changes, one note
+        assert _changed(cfg) == {}, key
+        assert len(notes) == 1
+        assert (rule.reason if rule.kind == "no_effect" else "is accepted") in notes[0]
+    if rule.kind == "refused":
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [_override(key, rule.bad), *rule.bad_with])
+        (line,) = err.value.problems
+        assert line.startswith(f"{key}=") and rule.reason in line
+
+
+def test_a_mapped_key_gives_way_to_ours():
+    cfg = load_config(
+        None, ["actor_rollout_ref.actor.clip_ratio=0.3", "actor.clip_ratio_high=0.28"]
+    )
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.3, 0.28)
+
+
+def test_refusals_that_read_the_rest_of_the_config():
+    load_config(None, ["actor_rollout_ref.rollout.dtype=float32"])  # model.dtype's default
+    with pytest.raises(ConfigError, match="set model.dtype instead"):
+        load_config(None, ["actor_rollout_ref.rollout.dtype=bfloat16"])
+    # veRL validates greedily with do_sample=false; here the temperature decides
+    load_config(None, ["actor_rollout_ref.rollout.val_kwargs.do_sample=false"])
+    with pytest.raises(ConfigError, match="val_kwargs.temperature decides"):
+        load_config(
+            None,
+            [
+                "actor_rollout_ref.rollout.val_kwargs.do_sample=false",
+                "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
+            ],
+        )
+
+
+def test_a_yaml_file_in_verl_layout_loads(tmp_path):
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "actor_rollout_ref": {
+                    "hybrid_engine": True,
+                    "nccl_timeout": 300,
+                    "actor": {"clip_ratio": 0.25, "strategy": "fsdp2"},
+                    "rollout": {"name": "vllm", "n": 4},
+                },
+                "trainer": {"nnodes": 1, "n_gpus_per_node": 2},
+            }
+        )
+    )
+    cfg = load_config(path)
+    assert cfg.sync.timeout_s == 300 and cfg.rollout.n == 4 and cfg.trainer.nproc == 2
+    assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.25
+
+
+def test_nnodes_over_one_needs_the_ray_launcher():
+    with pytest.raises(ConfigError, match="needs launch.backend=ray"):
+        load_config(None, ["trainer.nnodes=2"])
+    cfg = load_config(None, ["trainer.nnodes=2", "launch.backend=ray"])
+    assert cfg.launch.ray.learner_nodes == 2
+
+
+def test_warmup_ratio_counts_the_runs_steps():
+    cfg = load_config(
+        None, ["actor.optim.lr_warmup_steps_ratio=0.1", "trainer.total_training_steps=50"]
+    )
+    assert cfg.actor.optim.warmup_steps(50) == 5
+    assert load_config(None, ["actor.optim.lr_warmup_steps=3"]).actor.optim.warmup_steps(50) == 3
+    with pytest.raises(ValueError, match="needs trainer.total_training_steps"):
+        cfg.actor.optim.warmup_steps(None)
+
+
+def test_leaves_of_resolves_verl_interpolations():
+    tree = {
+        "actor": {"_target_": "x", "use_dynamic_bsz": True, "ppo_max_token_len": 100},
+        "ref": {
+            "dyn": "${oc.select:actor.use_dynamic_bsz,false}",
+            "missing": "${oc.select:nowhere.key,7}",
+            "max_len": "${actor.ppo_max_token_len}",
+            "save": ["model"],
+            "load": "${.save}",
+            "empty": {},
+        },
+    }
+    assert leaves_of(tree) == {
+        "actor.use_dynamic_bsz": True,
+        "actor.ppo_max_token_len": 100,
+        "ref.dyn": True,
+        "ref.missing": 7,
+        "ref.max_len": 100,
+        "ref.save": ["model"],
+        "ref.load": ["model"],
+        "ref.empty": {},
+    }
+
+
+# ---------------------------------------------------------------- the no-grad passes' budget
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_no_grad_pass_covers_the_training_shard_with_its_own_budget(world):
+    batch = synthetic_batch(0, groups=4, n=4)[:-1]
+
+    def ids(plan: list[list[list[int]]]) -> list[int]:
+        return sorted(s for mini in plan for micro in mini for s in micro)
+
+    for rank in range(world):
+        train, _ = plan_step(batch, 2, world_size=world, rank=rank, padded=True, max_seqs=2)
+        big, _ = plan_step(batch, 2, world_size=world, rank=rank, padded=True, max_tokens=400)
+        assert ids(big) == ids(train)
+        assert sum(len(mini) for mini in big) < sum(len(mini) for mini in train)
+
+
+def test_no_grad_pass_budgets_give_the_same_logprobs(tiny_model, single_rank):
+    base = [
+        f"model.path={tiny_model}",
+        "actor.ppo_mini_batch_size=2",
+        "actor.use_dynamic_bsz=false",
+        "actor.ppo_micro_batch_size_per_gpu=2",
+    ]
+    passes = ["rollout.log_prob_micro_batch_size_per_gpu=16", "ref.log_prob_use_dynamic_bsz=true"]
+    batch = synthetic_batch(1, groups=4, n=4)[:-1]
+    got = {}
+    for extra in ([], passes):
+        trainer = Trainer(load_config(None, base + extra))
+        plan = trainer._plan(batch, torch.zeros(len(batch)), 1.0)
+        got[bool(extra)] = (plan, trainer._fixed_logprobs(trainer.model, plan, "proximal"))
+        got[bool(extra)] += (trainer._fixed_logprobs(trainer.model, plan, "ref"),)
+    (plain, prox, ref), (own, prox2, ref2) = got[False], got[True]
+    assert not plain.pass_micros and set(own.pass_micros or {}) == {"proximal", "ref"}
+    assert len(own.micros_for("proximal")) < len(plain.micros_for("proximal"))
+    assert prox.keys() == prox2.keys() == ref2.keys()
+    for sid in prox:  # other batch shapes sum in another order: float32 rounding only
+        torch.testing.assert_close(prox2[sid], prox[sid], rtol=0, atol=1e-5)
+        torch.testing.assert_close(ref2[sid], ref[sid], rtol=0, atol=1e-5)
