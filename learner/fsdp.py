@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -108,16 +108,27 @@ def load_sharded_model(
     trainable: bool = True,
     attn_implementation: str | None = None,
     offload: bool = False,
+    config_overrides: dict[str, Any] | None = None,
 ) -> ShardedModel:
     """Load an HF causal LM in float32 and shard it: ``fully_shard`` per decoder layer,
     then the root (embeddings, final norm, head; tied weights stay one parameter).
 
     Every rank reads the whole checkpoint on CPU first; ``fully_shard`` then keeps each
-    rank's shard and moves it to ``device``.
+    rank's shard and moves it to ``device``. ``config_overrides`` (``model.override_config``)
+    set HF config attributes as the model loads (the engine gets the same ones).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    kwargs: dict[str, Any] = {}
+    if config_overrides:
+        # Set as attributes, so a key the config class lacks is kept too, as vLLM's
+        # hf_overrides does on the engine's side.
+        config = AutoConfig.from_pretrained(path)
+        for key, value in config_overrides.items():
+            setattr(config, key, value)
+        kwargs["config"] = config
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
     return shard_model(
         model,

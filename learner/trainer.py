@@ -90,6 +90,7 @@ class Trainer:
             gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
             attn_implementation=cfg.model.attn_implementation,
             offload=fsdp.offload_wanted(cfg),
+            config_overrides=cfg.model.override_config,
         )
         self.loss_cfg = LossConfig.from_config(cfg)
         # The frozen reference for the KL penalty: the initial weights, sharded the same way.
@@ -101,6 +102,7 @@ class Trainer:
                 trainable=False,
                 attn_implementation=cfg.model.attn_implementation,
                 offload=fsdp.offload_wanted(cfg),
+                config_overrides=cfg.model.override_config,
             )
             if self.loss_cfg.kl_coef > 0 or cfg.algorithm.use_kl_in_reward
             else None

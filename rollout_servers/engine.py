@@ -106,6 +106,7 @@ def engine_args(
     enforce_eager: bool = True,
     max_num_seqs: int = 128,
     max_num_batched_tokens: int | None = None,
+    hf_overrides: dict[str, Any] | None = None,
 ) -> AsyncEngineArgs:
     """vLLM engine arguments for a rollout server: logprobs after temperature (what was
     actually sampled from) and the weight-sync worker extension."""
@@ -125,6 +126,8 @@ def engine_args(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         logprobs_mode="processed_logprobs",
+        # model.override_config: the HF config attributes the learner loads the model with
+        hf_overrides=cast(Any, dict(hf_overrides or {})),
         worker_extension_cls=EXTENSION,
         disable_log_stats=True,
     )

@@ -123,6 +123,7 @@ async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
         gpu_memory_utilization=ro.gpu_memory_utilization,
         enforce_eager=eager_engine(cfg),
         max_num_seqs=ro.max_inflight,
+        hf_overrides=cfg.model.override_config,
     )
     return await RolloutEngine.start(args, sync_mode=ro.sync_mode), seeded
 

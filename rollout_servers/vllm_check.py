@@ -56,6 +56,7 @@ _ENGINE_METHODS: dict[str, tuple[str, ...]] = {
 # AsyncEngineArgs fields engine_args() sets.
 _ENGINE_ARGS = (
     "logprobs_mode",
+    "hf_overrides",
     "worker_extension_cls",
     "distributed_executor_backend",
     "max_num_batched_tokens",

@@ -85,6 +85,147 @@ def test_verl_grpo_example_loads_and_says_what_has_no_effect(caplog, tmp_path):
     assert any("use_remove_padding=True -> actor.sequence_layout" in n for n in notes), notes
 
 
+# examples/ppo_trainer/run_deepseek7b_llm.sh (PPO with a critic), sizes swapped the same way.
+VERL_PPO = [
+    "algorithm.adv_estimator=gae",
+    "data.train_files=DATA/train.parquet",
+    "data.val_files=DATA/val.parquet",
+    "data.train_batch_size=16",
+    "data.max_prompt_length=32",
+    "data.max_response_length=4",
+    "data.filter_overlong_prompts=True",
+    "data.truncation=error",
+    "actor_rollout_ref.model.path=MODEL",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=16",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.actor.use_kl_loss=False",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=32",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.name=vllm",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.4",
+    "critic.optim.lr=1e-5",
+    "critic.model.use_remove_padding=False",
+    "critic.model.path=MODEL",
+    "critic.model.enable_gradient_checkpointing=True",
+    "critic.ppo_micro_batch_size_per_gpu=32",
+    "critic.model.fsdp_config.param_offload=False",
+    "critic.model.fsdp_config.optimizer_offload=False",
+    "algorithm.use_kl_in_reward=False",
+    "trainer.critic_warmup=0",
+    "trainer.logger=['console']",
+    "trainer.project_name='verl_example_gsm8k'",
+    "trainer.experiment_name='deepseek_llm_7b_function_rm'",
+    "trainer.n_gpus_per_node=1",
+    "trainer.nnodes=1",
+    "trainer.total_training_steps=2",
+    "trainer.use_legacy_worker_impl=False",
+    "trainer.total_epochs=15",
+]
+
+# recipe/dapo/test_dapo_7b.sh with its shell variables expanded, sizes swapped (its 512
+# prompts per batch, 3x generation batch, 16 samples, 2k+2k tokens and 4 nodes).
+VERL_DAPO = [
+    "data.train_files=DATA/train.parquet",
+    "data.val_files=DATA/val.parquet",
+    "data.prompt_key=prompt",
+    "data.truncation='left'",
+    "data.max_prompt_length=32",
+    "data.max_response_length=4",
+    "data.gen_batch_size=48",
+    "data.train_batch_size=16",
+    "data.truncation='left'",
+    "actor_rollout_ref.rollout.n=8",
+    "actor_rollout_ref.actor.kl_loss_coef=0.0",
+    "actor_rollout_ref.actor.clip_ratio_low=0.2",
+    "actor_rollout_ref.actor.clip_ratio_high=0.28",
+    "algorithm.adv_estimator=grpo",
+    "algorithm.kl_ctrl.kl_coef=0.0",
+    "algorithm.filter_groups.enable=True",
+    "algorithm.filter_groups.metric=acc",
+    "algorithm.filter_groups.max_num_gen_batches=10",
+    "actor_rollout_ref.model.use_remove_padding=True",
+    "actor_rollout_ref.actor.use_dynamic_bsz=True",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=36",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=36",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=36",
+    "actor_rollout_ref.model.path=MODEL",
+    "+actor_rollout_ref.model.override_config.attention_dropout=0.",
+    "+actor_rollout_ref.model.override_config.embd_pdrop=0.",
+    "+actor_rollout_ref.model.override_config.resid_pdrop=0.",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=True",
+    "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.optim.lr_warmup_steps=10",
+    "actor_rollout_ref.actor.optim.weight_decay=0.1",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size=null",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=False",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=False",
+    "actor_rollout_ref.actor.entropy_coeff=0",
+    "actor_rollout_ref.actor.grad_clip=1.0",
+    "actor_rollout_ref.actor.use_token_level_loss=True",
+    "actor_rollout_ref.actor.use_token_level_loss=True",
+    "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size=null",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.enable_chunked_prefill=True",
+    "actor_rollout_ref.rollout.max_num_batched_tokens=36",
+    "actor_rollout_ref.rollout.temperature=1.0",
+    "actor_rollout_ref.rollout.top_p=1.0",
+    "actor_rollout_ref.rollout.top_k=-1",
+    "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+    "actor_rollout_ref.rollout.val_kwargs.top_p=1.0",
+    "actor_rollout_ref.rollout.val_kwargs.top_k=-1",
+    "actor_rollout_ref.rollout.val_kwargs.do_sample=True",
+    "actor_rollout_ref.rollout.val_kwargs.n=1",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size=null",
+    "actor_rollout_ref.ref.fsdp_config.param_offload=False",
+    "actor_rollout_ref.ref.ulysses_sequence_parallel_size=1",
+    "actor_rollout_ref.actor.fsdp_config.fsdp_size=-1",
+    "reward_model.reward_manager=dapo",
+    "custom_reward_function.overlong_buffer.enable=True",
+    "custom_reward_function.overlong_buffer.len=2",
+    "custom_reward_function.overlong_buffer.penalty_factor=1.0",
+    "trainer.logger=['console','wandb']",
+    "trainer.project_name=DAPO",
+    "trainer.experiment_name=DAPO-Qwen2.5-7B-Math-Test",
+    "trainer.n_gpus_per_node=1",
+    "trainer.nnodes=1",
+    "+trainer.val_before_train=True",
+    "trainer.test_freq=2",
+    "trainer.save_freq=2",
+    "trainer.total_epochs=1",
+    "trainer.default_local_dir=CKPTS",
+    "trainer.resume_mode=disable",
+]
+
+
+def test_verl_ppo_and_dapo_examples_load(tmp_path):
+    ppo = load_config("configs/cpu_demo.yaml", [o.replace("MODEL", "m") for o in VERL_PPO])
+    assert ppo.algorithm.adv_estimator == "gae" and ppo.critic.model.path == "m"
+    assert ppo.critic.ppo_micro_batch_size_per_gpu == 32
+    assert ppo.rollout.log_prob_micro_batch_size_per_gpu == 32
+    assert ppo.trainer.project_name == "verl_example_gsm8k"  # the shell's quotes, kept
+    dapo = load_config("configs/cpu_demo.yaml", [o.replace("MODEL", "m") for o in VERL_DAPO])
+    assert dapo.algorithm.filter_groups.enable and dapo.reward.overlong_buffer.len == 2
+    assert dapo.model.override_config == {
+        "attention_dropout": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+    }
+    assert dapo.actor.loss_agg_mode == "token-mean" and dapo.actor.optim.lr_warmup_steps == 10
+    assert dapo.actor.ppo_micro_batch_size_per_gpu is None and dapo.actor.use_dynamic_bsz
+    assert dapo.ref.log_prob_max_token_len_per_gpu == 36
+    assert dapo.rollout.val_kwargs.temperature == 1.0 and dapo.trainer.resume_mode == "disable"
+
+
 @pytest.mark.parametrize(
     ("override", "says"),
     [
@@ -102,6 +243,8 @@ def test_hydra_grammar_add_force_and_delete(tmp_path):
     path.write_text("rollout:\n  n: 4\n  temperature: 0.7\n")
     cfg = load_config(path, ["~rollout.temperature", "++rollout.n=6", "+data.seed=3"])
     assert cfg.rollout.temperature == 1.0 and cfg.rollout.n == 6 and cfg.data.seed == 3
+    quoted = load_config(None, ["data.truncation='error'", 'trainer.logger=["console","jsonl"]'])
+    assert quoted.data.truncation == "error" and quoted.trainer.logger == ["console", "jsonl"]
     assert load_config(None, ["actor_rollout_ref.model.lora_rank=0"]).model.path  # 0: no LoRA
 
 

@@ -30,6 +30,12 @@ OUTSIDE = {
     "reward_model.overlong_buffer.penalty_factor",
     "reward_model.overlong_buffer.log",
     "actor_rollout_ref.actor.fsdp_config.grad_offload",
+    "actor_rollout_ref.actor.use_token_level_loss",
+    "data.gen_batch_size",
+    "custom_reward_function.overlong_buffer.enable",
+    "custom_reward_function.overlong_buffer.len",
+    "custom_reward_function.overlong_buffer.penalty_factor",
+    "custom_reward_function.overlong_buffer.log",
 }
 BASE = load_config(None).model_dump(mode="json")
 
@@ -227,3 +233,17 @@ def test_no_grad_pass_budgets_give_the_same_logprobs(tiny_model, single_rank):
     for sid in prox:  # other batch shapes sum in another order: float32 rounding only
         torch.testing.assert_close(prox2[sid], prox[sid], rtol=0, atol=1e-5)
         torch.testing.assert_close(ref2[sid], ref[sid], rtol=0, atol=1e-5)
+
+
+def test_override_config_reaches_the_learner_and_the_engine(tiny_model, single_rank):
+    from learner import fsdp
+    from rollout_servers.engine import engine_args
+
+    overrides = {"attention_dropout": 0.25, "resid_pdrop": 0.0}  # Qwen2 has no resid_pdrop
+    cfg = load_config(None, [f"model.path={tiny_model}", "+model.override_config.resid_pdrop=0."])
+    assert cfg.model.override_config == {"resid_pdrop": 0.0}
+    mesh = fsdp.init_distributed("cpu")
+    model = fsdp.load_sharded_model(str(tiny_model), mesh, config_overrides=overrides)
+    assert model.config.attention_dropout == 0.25 and model.config.resid_pdrop == 0.0
+    assert engine_args(str(tiny_model), hf_overrides=overrides).hf_overrides == overrides
+    assert engine_args(str(tiny_model)).hf_overrides == {}

@@ -138,7 +138,10 @@ def _flatten_verl_groups(loaded: dict[str, Any]) -> dict[str, Any]:
         else:  # hybrid_engine, nccl_timeout: veRL keys of the group itself
             out.setdefault("actor_rollout_ref", {})[name] = sub
     if "custom_reward_function" in loaded:
-        out.setdefault("reward", {})["custom_reward_function"] = loaded["custom_reward_function"]
+        crf = dict(loaded["custom_reward_function"] or {})
+        if "overlong_buffer" in crf:  # DAPO's scripts put the overlong penalty here
+            out.setdefault("reward", {})["overlong_buffer"] = crf.pop("overlong_buffer")
+        out.setdefault("reward", {})["custom_reward_function"] = crf
     verl_reward = out.get("reward_model")
     if isinstance(verl_reward, dict) and "overlong_buffer" in verl_reward:
         rest = {k: v for k, v in verl_reward.items() if k != "overlong_buffer"}

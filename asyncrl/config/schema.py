@@ -8,7 +8,7 @@ their own groups. Cross-field rules live in :mod:`asyncrl.config.rules`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -38,6 +38,11 @@ class ModelConfig(Section):
     )
     enable_gradient_checkpointing: bool = Field(
         default=False, description="Recompute activations in backward to save memory."
+    )
+    override_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="HF config attributes set when the model loads, in the learner and the "
+        "engine alike (veRL's; e.g. attention_dropout: 0.0).",
     )
     attn_implementation: str | None = Field(
         default=None,

@@ -34,6 +34,7 @@ VERL_PREFIXES = {
     "actor_rollout_ref.rollout.": "rollout.",
     "actor_rollout_ref.model.": "model.",
     "actor_rollout_ref.ref.": "ref.",
+    "custom_reward_function.overlong_buffer.": "reward.overlong_buffer.",  # DAPO's scripts
     "custom_reward_function.": "reward.custom_reward_function.",
     "reward_model.overlong_buffer.": "reward.overlong_buffer.",
 }
@@ -190,12 +191,6 @@ def _optim(prefix: str, scheduler: str) -> dict[str, VerlKey]:
 def _shared_model(prefix: str) -> dict[str, VerlKey]:
     """Model keys the actor's and the critic's model share."""
     return {
-        prefix + "override_config": _only(
-            "HF config overrides are not applied: the model is used as saved; edit its "
-            "config.json (or save a copy) instead",
-            _falsy,
-            bad={"attention_dropout": 0.1},
-        ),
         prefix + "external_lib": _only(
             "no module is imported before loading the model: register custom architectures "
             "in an installed package transformers finds",
@@ -224,6 +219,12 @@ VERL_KEYS: dict[str, VerlKey] = {
         "actor.ppo_micro_batch_size_per_gpu",
         "veRL's older global micro-batch: per rank here",
         example=8,
+    ),
+    _ACTOR + "use_token_level_loss": _map(  # veRL's older switch, still in DAPO's scripts
+        "actor.loss_agg_mode",
+        "token-level loss: token-mean; otherwise seq-mean-token-mean",
+        lambda v: "token-mean" if v else "seq-mean-token-mean",
+        example=True,
     ),
     _ACTOR + "clip_ratio": _map(
         ("actor.clip_ratio_low", "actor.clip_ratio_high"),
@@ -423,6 +424,9 @@ VERL_KEYS: dict[str, VerlKey] = {
     **_implemented(_MODEL, "path enable_gradient_checkpointing"),
     _MODEL + "path": _impl(example="artifacts/models/tiny"),
     **_shared_model(_MODEL),
+    _MODEL + "override_config": _impl(
+        "the learner and the engine load the model with them", example={"attention_dropout": 0.0}
+    ),
     _MODEL + "custom_chat_template": _only(TEMPLATE, lambda v: v is None, bad="{{ x }}"),
     _MODEL + "use_remove_padding": _map(
         "actor.sequence_layout",
@@ -451,6 +455,11 @@ VERL_KEYS: dict[str, VerlKey] = {
     "data.train_files": _impl(example="artifacts/data/arithmetic/train.parquet"),
     "data.val_files": _impl(example="artifacts/data/arithmetic/val.parquet"),
     "data.train_batch_size": _impl(example=16),
+    "data.gen_batch_size": _none(  # DAPO's recipe key
+        "prompts are dealt continuously (within the staleness budget) and a filtered group's "
+        "budget is refunded at once, so no generation batch is sized in advance",
+        example=48,
+    ),
     "data.tokenizer": _only(
         "the tokenizer is model.path's (the engine's and the learner's must agree)",
         lambda v: v is None,
@@ -499,6 +508,11 @@ VERL_KEYS: dict[str, VerlKey] = {
     "critic.model.path": _impl(example="artifacts/models/tiny"),
     "critic.model.tokenizer_path": _none("the critic reads the actor's tokens"),
     **_shared_model("critic.model."),
+    "critic.model.override_config": _only(
+        "the critic loads as saved (its value head is new): edit a copy of its config.json",
+        _falsy,
+        bad={"attention_dropout": 0.1},
+    ),
     "critic.model.use_remove_padding": _none(
         "the critic's sequence layout is the actor's (actor.sequence_layout)"
     ),
@@ -574,11 +588,13 @@ VERL_KEYS: dict[str, VerlKey] = {
     "reward_model.sandbox_fusion.memory_limit_mb": _none(
         "reward_model.sandbox_fusion.url is unset"
     ),
-    # DAPO's recipe keys (veRL keeps them outside ppo_trainer.yaml)
-    "reward_model.overlong_buffer.enable": _impl(example=False),
-    "reward_model.overlong_buffer.len": _impl(example=4),
-    "reward_model.overlong_buffer.penalty_factor": _impl(example=1.0),
-    "reward_model.overlong_buffer.log": _impl(example=True),
+    # DAPO's recipe keys (veRL keeps them outside ppo_trainer.yaml; its scripts spell them
+    # under reward_model or custom_reward_function)
+    **{
+        f"{where}.overlong_buffer.{k}": _impl(example=v)
+        for where in ("custom_reward_function", "reward_model")
+        for k, v in (("enable", False), ("len", 4), ("penalty_factor", 1.0), ("log", True))
+    },
     **_implemented("custom_reward_function.", "path name"),
     # ---------------------------------------------------------------- algorithm
     **_implemented(
