@@ -50,6 +50,10 @@ def test_the_table_covers_every_leaf_of_verl_ppo_trainer_yaml():
 def test_the_markdown_table_is_generated_from_the_code():
     path = Path("asyncrl/config/VERL_KEYS.md")
     assert path.read_text() == markdown(), "regenerate: python -m asyncrl.config.verl_doc markdown"
+    readme = Path("README.md").read_text()
+    for kind in ("implemented", "mapped", "no_effect", "refused"):
+        n = sum(rule.kind == kind for rule in VERL_KEYS.values())
+        assert f"| {kind} | {n} |" in readme, f"README's count of {kind} keys"
 
 
 def _value(key: str) -> Any:
@@ -155,11 +159,15 @@ def test_a_yaml_file_in_verl_layout_loads(tmp_path):
     assert cfg.actor.clip_ratio_low == cfg.actor.clip_ratio_high == 0.25
 
 
-def test_nnodes_over_one_needs_the_ray_launcher():
-    with pytest.raises(ConfigError, match="needs launch.backend=ray"):
-        load_config(None, ["trainer.nnodes=2"])
-    cfg = load_config(None, ["trainer.nnodes=2", "launch.backend=ray"])
-    assert cfg.launch.ray.learner_nodes == 2
+def test_nnodes_over_one_needs_the_ray_launcher(tmp_path, tiny_model, arithmetic_data, capsys):
+    from asyncrl.launch.local import main
+
+    assert load_config(None, ["trainer.nnodes=2"]).launch.ray.learner_nodes == 2
+    argv = ["configs/cpu_demo.yaml", "trainer.nnodes=2", f"trainer.default_local_dir={tmp_path}"]
+    argv += [f"model.path={tiny_model}", f"data.train_files={arithmetic_data}/train.parquet"]
+    argv += [f"data.val_files={arithmetic_data}/val.parquet"]
+    assert main(argv) == 2
+    assert "a learner over several nodes needs --ray" in capsys.readouterr().err
 
 
 def test_warmup_ratio_counts_the_runs_steps():

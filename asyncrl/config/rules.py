@@ -217,12 +217,6 @@ def _launch_problems(cfg: Config) -> list[str]:
                 f"launch.{kind}.rollout lists {len(per_server)} servers but "
                 f"rollout.num_servers={cfg.rollout.num_servers}; give one list per server"
             )
-    if cfg.launch.ray.learner_nodes > 1 and cfg.launch.backend != "ray":
-        out.append(
-            f"launch.ray.learner_nodes={cfg.launch.ray.learner_nodes} (veRL's trainer.nnodes): "
-            "a learner over several nodes needs launch.backend=ray; the local launcher runs "
-            "one node"
-        )
     if cfg.trainer.device == "cpu" and cfg.model.dtype != "float32":
         out.append(
             f"model.dtype={cfg.model.dtype} on trainer.device=cpu: the CPU stack is checked in "

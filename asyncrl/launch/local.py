@@ -62,6 +62,13 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.launch.ray_launcher import main_ray
 
         return main_ray(cfg)
+    if cfg.launch.ray.learner_nodes > 1:
+        sys.stderr.write(
+            f"asyncrl-launch: launch.ray.learner_nodes={cfg.launch.ray.learner_nodes} (veRL's "
+            "trainer.nnodes): a learner over several nodes needs --ray (or "
+            "launch.backend=ray); this launcher runs one machine\n"
+        )
+        return 2
     from asyncrl.config import run_dir as run_dir_of
 
     run_dir = run_dir_of(cfg)
