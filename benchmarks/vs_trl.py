@@ -1,0 +1,210 @@
+"""asyncrl against a single-process GRPO loop (TRL's ``GRPOTrainer``) on this machine.
+
+Both sides train the same model on the same prompts with the same reward, batch (16
+prompts x 8 samples), learning rate, warmup, clip range (0.2 / 0.28), token-mean loss and
+steps, on every core of the machine: TRL in one process (torch threads = cores), asyncrl
+as ``asyncrl-launch`` lays it out (the demo's pinning). Two shapes:
+
+- ``demo``: the demo (``configs/cpu_demo.yaml``): the warm-started tiny model, 4-token
+  answers to sums, 180 steps;
+- ``long``: an untrained tiny model writing 128-token answers, rewarded densely (the share
+  of digits it writes, ``benchmarks/long_reward.py``), 30 steps.
+
+Each repetition runs both sides of a shape back to back, alternating which goes first;
+ratios are asyncrl / TRL within a repetition (this machine is shared and noisy), reported as
+median with min-max. Timed span: from the end of step 1 to the end of the last step, on
+both sides (start-up is timed by ``benchmarks/throughput.py`` and the launch summary).
+"Score" is the mean training reward over the last 20 steps (TRL has no validation rounds;
+asyncrl's are off here). TRL is the optional ``bench`` extra: ``pip install -e .[bench]``.
+
+    python benchmarks/vs_trl.py [--quick] [--reps 3] [--shapes demo,long] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import (  # noqa: E402
+    check_reps,
+    headline,
+    launch_run,
+    parse_args,
+    write_results,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS, N = 16, 8
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    model: str
+    steps: int
+    max_new_tokens: int
+    reward_file: str | None = None
+
+
+def shapes(quick: bool) -> dict[str, Shape]:
+    return {
+        "demo": Shape("demo", "artifacts/models/tiny-demo", 20 if quick else 180, 4),
+        "long": Shape(
+            "long",
+            "artifacts/models/tiny-untrained",
+            4 if quick else 30,
+            128,
+            str(ROOT / "benchmarks" / "long_reward.py"),
+        ),
+    }
+
+
+def build_artifacts() -> None:
+    """The models and prompts both sides use, built once as ``make demo`` builds them."""
+    prep = [sys.executable, "-m", "asyncrl.prepare.main"]
+    if not (ROOT / "artifacts/models/tiny-demo/config.json").is_file():
+        out = "artifacts/models/tiny-demo"
+        subprocess.run([*prep, "model", "--name", "tiny", "--flatten", "--out", out], check=True)
+    if not (ROOT / "artifacts/models/tiny-untrained/config.json").is_file():
+        out = "artifacts/models/tiny-untrained"
+        cmd = [*prep, "model", "--name", "tiny", "--warm-start", "off", "--out", out]
+        subprocess.run(cmd, check=True)
+    if not (ROOT / "artifacts/data/arithmetic/train.parquet").is_file():
+        cmd = [*prep, "data", "--task", "arithmetic", "--out", "artifacts/data/arithmetic"]
+        subprocess.run([*cmd, "--tokenizer", "artifacts/models/tiny-demo"], check=True)
+
+
+def _span(ends: list[float], steps: int, rewards: list[float]) -> dict[str, Any]:
+    """Figures of one run from its step-end times (seconds) and per-step mean rewards."""
+    span = ends[-1] - ends[0]
+    return {
+        "steps": float(len(ends)),
+        "step1_to_end_s": span,
+        "samples_per_s": (len(ends) - 1) * PROMPTS * N / span,
+        "score": statistics.fmean(rewards[-20:]),
+        "first_reward": statistics.fmean(rewards[:5]),
+        "rewards": rewards,  # per step: the learning curve
+    }
+
+
+def run_trl(shape: Shape, out: Path) -> dict[str, Any]:
+    cores = os.cpu_count() or 1
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "trl_side.py"),
+        "--model", shape.model, "--data", "artifacts/data/arithmetic/train.parquet",
+        "--steps", str(shape.steps), "--max-new-tokens", str(shape.max_new_tokens),
+        "--threads", str(cores), "--out", str(out),
+    ]  # fmt: skip
+    if shape.reward_file:
+        cmd += ["--reward-file", shape.reward_file]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"TRL side failed:\n{proc.stderr[-3000:]}")
+    got = json.loads(out.read_text())
+    figures = _span(got["step_ends"], shape.steps, got["reward_mean"])
+    figures["response_tokens_per_s"] = sum(got["response_tokens"][1:]) / figures["step1_to_end_s"]
+    return figures
+
+
+def run_asyncrl(shape: Shape, root: Path, name: str) -> dict[str, Any]:
+    overrides = [
+        f"model.path={shape.model}",
+        f"trainer.total_training_steps={shape.steps}",
+        f"data.max_response_length={shape.max_new_tokens}",
+        "trainer.val_before_train=false",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+    ]
+    if shape.reward_file:
+        overrides.append(f"reward.custom_reward_function.path={shape.reward_file}")
+    run = launch_run("configs/cpu_demo.yaml", overrides, root, name)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "timing/step_s" in r]
+    figures = _span([r["time"] for r in steps], shape.steps, [r["reward/mean"] for r in steps])
+    figures["response_tokens_per_s"] = (
+        sum(r["batch/response_tokens"] for r in steps[1:]) / figures["step1_to_end_s"]
+    )
+    return figures
+
+
+def ratios(reps: list[dict[str, Any]], key: str) -> dict[str, float]:
+    values = [r["asyncrl"][key] / r["trl"][key] for r in reps]
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def main() -> None:
+    args = parse_args(
+        "vs_trl",
+        "asyncrl against a single-process GRPO loop (TRL's GRPOTrainer) on this machine",
+        extra=lambda p: (
+            p.add_argument("--reps", type=int, default=3),
+            p.add_argument("--shapes", default="demo,long"),
+        ),
+    )
+    reps = check_reps(1 if args.quick else args.reps)
+    build_artifacts()
+    chosen = [shapes(args.quick)[s] for s in args.shapes.split(",")]
+    results: dict[str, Any] = {"shapes": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in chosen:
+            runs = []
+            for rep in range(reps):
+                sides = ["trl", "asyncrl"] if rep % 2 == 0 else ["asyncrl", "trl"]
+                got: dict[str, Any] = {}
+                for side in sides:
+                    if side == "trl":
+                        got["trl"] = run_trl(shape, Path(tmp) / f"trl-{shape.name}-{rep}.json")
+                    else:
+                        got["asyncrl"] = run_asyncrl(shape, Path(tmp), f"{shape.name}-{rep}")
+                    shown = {k: v for k, v in got[side].items() if k != "rewards"}
+                    print(shape.name, rep, side, json.dumps(shown), flush=True)
+                runs.append(got)
+            results["shapes"][shape.name] = {
+                "steps": shape.steps,
+                "max_new_tokens": shape.max_new_tokens,
+                "runs": runs,
+                "samples_per_s_ratio": ratios(runs, "samples_per_s"),
+                "score": {
+                    side: statistics.fmean(r[side]["score"] for r in runs)
+                    for side in ("trl", "asyncrl")
+                },
+            }
+    config = {"reps": reps, "prompts": PROMPTS, "n": N, "cores": os.cpu_count()}
+    write_results(
+        "vs_trl", args.out, figures=results, config=config, plot=lambda fig: _plot(fig, results)
+    )
+    for name, shape in results["shapes"].items():
+        r = shape["samples_per_s_ratio"]
+        print(
+            f"{name}: asyncrl/TRL samples/s {r['median']:.2f} (min {r['min']:.2f}, max "
+            f"{r['max']:.2f}); score TRL {shape['score']['trl']:.3f}, asyncrl "
+            f"{shape['score']['asyncrl']:.3f}"
+        )
+    worst = min(s["samples_per_s_ratio"]["median"] for s in results["shapes"].values())
+    headline("asyncrl / TRL samples/s, worst shape (goal >= 1.0)", worst)
+
+
+def _plot(fig: Any, results: dict[str, Any]) -> None:
+    ax = fig.add_subplot(1, 1, 1)
+    names = list(results["shapes"])
+    for i, name in enumerate(names):
+        runs = results["shapes"][name]["runs"]
+        for side, dx in (("trl", -0.15), ("asyncrl", 0.15)):
+            ys = [r[side]["samples_per_s"] for r in runs]
+            ax.scatter([i + dx] * len(ys), ys, label=side if i == 0 else None)
+    ax.set_xticks(range(len(names)), names)
+    ax.set_ylabel("trained samples/s (step 1 to end)")
+    ax.legend()
+
+
+if __name__ == "__main__":
+    main()
