@@ -116,3 +116,36 @@ def test_the_eta_goes_by_the_pace_of_steps_not_start_up():
     records += [{"step": s, "time": 100.0 + 2.0 * s, "loss/pg": 0.0} for s in (1, 2, 3)]
     assert eta_s(records[:2], 10) != eta_s(records[:2], 10)  # NaN: one step says no pace
     assert eta_s(records, 10) == 14.0  # 7 steps left at 2 s each
+
+
+def _records(train_s: float, wait_s: float, task_wait_rate: float, pause_rate: float):
+    """Ten steps a second apart, two servers whose waits grow at the given rates."""
+    return [
+        {
+            "time": float(t),
+            "timing/step_s": train_s + wait_s,
+            "timing/train_s": train_s,
+            "timing/wait_batch_s": wait_s,
+            "timing/gather_s": 0.01,
+            "timing/push_wait_s": 0.0,
+            "rollout/task_wait_s": 2 * task_wait_rate * t,
+            "rollout/sync_pause_s": 2 * pause_rate * t,
+            "rollout/servers_reporting": 2.0,
+        }
+        for t in range(10)
+    ]
+
+
+def test_the_time_split_names_the_side_that_holds_the_run_back():
+    from asyncrl.launch.time_split import time_split
+
+    learner_bound = time_split(_records(0.9, 0.0, task_wait_rate=0.3, pause_rate=0.05))
+    assert learner_bound[0].startswith("learner: training 90%, waiting for batches 0%")
+    assert learner_bound[1] == (
+        "rollout servers (mean): generating 65%, waiting for tasks 30%, paused for weight syncs 5%"
+    )
+    assert learner_bound[2].startswith("bottleneck: the learner")
+    generation_bound = time_split(_records(0.5, 0.45, task_wait_rate=0.0, pause_rate=0.1))
+    assert "waiting for batches 45%" in generation_bound[0]
+    assert generation_bound[2].startswith("bottleneck: generation")
+    assert time_split(_records(0.5, 0.45, 0.0, 0.1)[:1]) == []  # one step: no window

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 from asyncrl.config import Config
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.launch import startup
+from asyncrl.launch.time_split import time_split
 from asyncrl.metrics import read_metrics
 
 # (label, metric, format) of the live line and the summary.
@@ -170,7 +171,7 @@ class ProgressView:
             self.stream.write(table + "\n")
         if records or restarts:
             self.stream.write(summary_table(records, restarts) + "\n")
-        for line in accounting_lines(records):
+        for line in accounting_lines(records) + time_split(records):
             self.stream.write(line + "\n")
         if records:
             for path in write_plots(self.run_dir, records):
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     sys.stdout.write(summary_table(recs, restarts_of) + "\n")
-    for text in accounting_lines(recs):
+    for text in accounting_lines(recs) + time_split(recs):
         sys.stdout.write(text + "\n")
     sys.stdout.write(f"{write_plots(directory, recs)[0]}\n")
     return 0

@@ -1,0 +1,87 @@
+"""Where a run's time went, per role: what the learner and the rollout servers were busy
+with and what they waited on, and so which side more hardware would speed up.
+
+Read from the learner's step records (``timing/*``, and the servers' cumulative
+``rollout/task_wait_s`` and ``rollout/sync_pause_s``), over the window from the end of the
+first step to the end of the last (start-up is the start-up table's business).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# A side is the bottleneck when it is busy at least this share of the time while the other
+# waits at least WAITING of its own.
+BUSY, WAITING = 0.7, 0.1
+
+
+def _total(records: list[dict[str, Any]], key: str) -> float:
+    return sum(float(r.get(key, 0.0)) for r in records)
+
+
+def time_split(records: list[dict[str, Any]]) -> list[str]:
+    """Up to three lines: the learner's time, the servers' time, and the verdict."""
+    steps = [r for r in records if "timing/step_s" in r and "time" in r]
+    if len(steps) < 2:
+        return []
+    wall = steps[-1]["time"] - steps[0]["time"]
+    if wall <= 0:
+        return []
+    window = steps[1:]
+    learner = {
+        "training": _total(window, "timing/train_s"),
+        "waiting for batches": _total(window, "timing/wait_batch_s"),
+        "gathering and pushing weights": _total(window, "timing/gather_s")
+        + _total(window, "timing/push_wait_s"),
+    }
+    learner["other (validation, checkpoints, control)"] = max(0.0, wall - sum(learner.values()))
+    lines = ["learner: " + _shares(learner, wall)]
+    rollout = _rollout_split(steps)
+    if rollout is not None:
+        lines.append("rollout servers (mean): " + _shares(rollout, 1.0))
+    lines.append(
+        _verdict(learner["training"] / wall, learner["waiting for batches"] / wall, rollout)
+    )
+    return lines
+
+
+def _rollout_split(steps: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Shares of the servers' time between the first and last records that carry their
+    cumulative waits."""
+    reported = [r for r in steps if "rollout/task_wait_s" in r and "rollout/sync_pause_s" in r]
+    if len(reported) < 2:
+        return None
+    first, last = reported[0], reported[-1]
+    span = (last["time"] - first["time"]) * max(
+        1.0, float(last.get("rollout/servers_reporting", 1))
+    )
+    if span <= 0:
+        return None
+    waiting = (last["rollout/task_wait_s"] - first["rollout/task_wait_s"]) / span
+    paused = (last["rollout/sync_pause_s"] - first["rollout/sync_pause_s"]) / span
+    waiting, paused = min(max(waiting, 0.0), 1.0), min(max(paused, 0.0), 1.0)
+    return {
+        "generating": max(0.0, 1.0 - waiting - paused),
+        "waiting for tasks": waiting,
+        "paused for weight syncs": paused,
+    }
+
+
+def _shares(parts: dict[str, float], total: float) -> str:
+    return ", ".join(f"{name} {value / total:.0%}" for name, value in parts.items())
+
+
+def _verdict(training: float, learner_waits: float, rollout: dict[str, float] | None) -> str:
+    servers_wait = rollout["waiting for tasks"] if rollout else 0.0
+    if training >= BUSY and servers_wait >= WAITING:
+        return (
+            "bottleneck: the learner (the servers wait for tasks): more learner hardware "
+            "(trainer.nproc, launch.cpus/gpus.learner) or a larger staleness.max_policy_lag "
+            "would speed the run"
+        )
+    if learner_waits >= WAITING and (rollout is None or rollout["generating"] >= BUSY):
+        return (
+            "bottleneck: generation (the learner waits for batches): more rollout servers or "
+            "hardware (rollout.num_servers, launch.cpus/gpus.rollout) would speed the run"
+        )
+    return "bottleneck: none clear (both sides are busy, or both wait)"
