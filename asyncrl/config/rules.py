@@ -99,6 +99,12 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"buffer.max_reuse={cfg.buffer.max_reuse} needs buffer.policy=uniform "
             "(fifo uses each group once)"
         )
+    if cfg.control.min_servers_to_start > ro.num_servers:
+        problems.append(
+            f"control.min_servers_to_start={cfg.control.min_servers_to_start} exceeds "
+            f"rollout.num_servers={ro.num_servers}: no task would ever be dealt; lower it to "
+            f"<= {ro.num_servers}"
+        )
     if cfg.control.dead_after_s <= cfg.control.heartbeat_s:
         problems.append(
             f"control.dead_after_s={cfg.control.dead_after_s} must exceed "
