@@ -10,8 +10,10 @@ sequences of ~26 tokens) a packed step took 0.68 s against 0.156 s padded. Padde
 micro-batch have similar lengths (:func:`learner.plan.micro_batches` sorts them).
 
 ``actor.sequence_layout: auto`` therefore picks packed only for a varlen kernel on CUDA,
-padded otherwise; ``packed`` and ``padded`` force one. Pure, except :func:`packing_works`,
-which runs the model.
+and otherwise ``shared``: padded rows, except that a repeated prompt (a GRPO group's) is
+computed once for all its samples where that pays (:mod:`learner.shared_prefix`).
+``packed``, ``padded`` and ``shared`` force one. Pure, except :func:`resolve_layout`,
+which checks the model.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import torch
 
 from learner.collate import MicroBatch, collate
 from learner.rollouts import Rollout
+from learner.shared_prefix import sharing_works
 
 log = logging.getLogger(__name__)
 
-SEQUENCE_LAYOUTS = ("auto", "packed", "padded")
+SEQUENCE_LAYOUTS = ("auto", "packed", "padded", "shared")
 
 
 def varlen_attention(attn_implementation: str | None) -> bool:
@@ -36,19 +39,25 @@ def varlen_attention(attn_implementation: str | None) -> bool:
     return attn_implementation is not None and "flash" in attn_implementation
 
 
-def choose_layout(requested: str, attn_implementation: str | None, device: str) -> tuple[str, str]:
-    """``(layout, reason)``: ``"packed"`` or ``"padded"`` for ``actor.sequence_layout``
-    ``requested`` on a model whose attention is ``attn_implementation``, on ``device``."""
+def choose_layout(
+    requested: str,
+    attn_implementation: str | None,
+    device: str,
+) -> tuple[str, str]:
+    """``(layout, reason)``: ``"packed"``, ``"padded"`` or ``"shared"`` for
+    ``actor.sequence_layout`` ``requested`` on a model whose attention is
+    ``attn_implementation``, on ``device``."""
     if requested not in SEQUENCE_LAYOUTS:
         raise ValueError(f"actor.sequence_layout={requested!r}: use one of {SEQUENCE_LAYOUTS}")
     if requested != "auto":
         return requested, "set by actor.sequence_layout"
     if device == "cuda" and varlen_attention(attn_implementation):
         return "packed", f"auto: {attn_implementation} attends within each packed sequence"
-    return "padded", (
+    why = (
         f"auto: {attn_implementation or 'default'} attention on {device} would attend over "
         "a packed row as one long sequence"
     )
+    return "shared", why + "; a repeated prompt runs once for its samples"
 
 
 def packing_works(forward: Callable[[MicroBatch], torch.Tensor]) -> bool:
@@ -65,3 +74,22 @@ def packing_works(forward: Callable[[MicroBatch], torch.Tensor]) -> bool:
         padded = forward(collate(probe, adv, [0, 1], packed=False))
     mask = collate(probe, adv, [0, 1]).mask.to(packed.device)
     return bool(torch.allclose(packed[mask], padded[mask], atol=1e-3))
+
+
+def resolve_layout(
+    requested: str,
+    attn_implementation: str | None,
+    device: str,
+    *,
+    forward: Callable[[MicroBatch], torch.Tensor],
+) -> str:
+    """:func:`choose_layout`, checked on the model (``forward``: micro-batch -> logprobs
+    ``[B, T]``): a model that cannot take packed rows, or shared rows (a 4D mask), gets
+    padded rows. Logged once."""
+    layout, why = choose_layout(requested, attn_implementation, device)
+    works = {"packed": packing_works, "shared": sharing_works}.get(layout)
+    if works is not None and not works(forward):
+        layout, why = "padded", f"the model does not support the {layout} layout"
+        log.warning("%s; using padded micro-batches", why)
+    log.info("sequence layout: %s (%s)", layout, why)
+    return layout

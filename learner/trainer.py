@@ -41,7 +41,7 @@ from learner.advantages import OUTCOME_ESTIMATORS
 from learner.collate import MicroBatch, collate, pad_rows
 from learner.critic import Critic
 from learner.forward import response_logprobs
-from learner.layout import choose_layout, packing_works
+from learner.layout import resolve_layout
 from learner.losses import LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
 from learner.plan import StepPlan, plan_step
@@ -53,6 +53,7 @@ from learner.rollouts import (
     drop_reason,
     group_indices,
 )
+from learner.shared_prefix import collate_shared
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,8 @@ class Trainer:
         self.scheduler = fsdp.build_scheduler(self.optimizer, cfg.actor.optim, steps)
         self.pad_id = self.model.config.pad_token_id or 0
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
-        self.packed = self._choose_layout() == "packed"
+        self.layout = self._choose_layout()
+        self.packed = self.layout == "packed"
         # PPO with GAE: the value model beside the policy (learner.critic).
         self.critic = (
             Critic(
@@ -136,15 +138,14 @@ class Trainer:
         return response_logprobs(model, mb.to(self.device), entropy=entropy)
 
     def _choose_layout(self) -> str:
-        """``actor.sequence_layout`` resolved for this model and device (logged once; see
-        :mod:`learner.layout`); a model that cannot take packed rows is padded."""
-        attn = getattr(self.model.config, "_attn_implementation", None)
-        layout, why = choose_layout(self.cfg.actor.sequence_layout, attn, self.cfg.trainer.device)
-        if layout == "packed" and not packing_works(lambda mb: self._forward(self.model, mb)[0]):
-            layout, why = "padded", "the model does not support packed sequences"
-            log.warning("model does not support packed sequences; using padded micro-batches")
-        log.info("sequence layout: %s (%s)", layout, why)
-        return layout
+        """``actor.sequence_layout`` resolved for this model and device (see
+        :func:`learner.layout.resolve_layout`)."""
+        return resolve_layout(
+            self.cfg.actor.sequence_layout,
+            getattr(self.model.config, "_attn_implementation", None),
+            self.cfg.trainer.device,
+            forward=lambda mb: self._forward(self.model, mb)[0],
+        )
 
     # ------------------------------------------------------------------ planning
     def _plan(self, rollouts: list[Rollout], adv: torch.Tensor, temperature: float) -> StepPlan:
@@ -177,6 +178,14 @@ class Trainer:
         return StepPlan(rollouts, adv, temperature, mbs, norms, pass_micros=passes)
 
     def _collate(self, plan: StepPlan, seq_ids: list[int]) -> MicroBatch:
+        if self.layout == "shared":
+            return collate_shared(
+                plan.rollouts,
+                plan.advantages,
+                seq_ids,
+                pad_id=self.pad_id,
+                temperature=plan.temperature,
+            )
         return collate(
             plan.rollouts,
             plan.advantages,
@@ -252,6 +261,7 @@ class Trainer:
         # Token slots the model computed per real token (1 when packed): padding's cost.
         metrics["batch/pad_ratio"] = fed / max(tokens, 1)
         metrics["learner/packed"] = float(self.packed)
+        metrics["learner/shared_prompts"] = float(self.layout == "shared")
         return self._finish_step(
             metrics, start, updates=len(norms), skipped=skipped, stats=stats, norms=norms
         )

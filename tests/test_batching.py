@@ -161,15 +161,16 @@ def test_plan_passes_the_layout_to_every_rank():
 @pytest.mark.parametrize(
     ("requested", "attn", "device", "layout"),
     [
-        ("auto", "sdpa", "cpu", "padded"),
-        ("auto", "sdpa", "cuda", "padded"),  # a dense mask over the packed row on GPU too
-        ("auto", "eager", "cuda", "padded"),
-        ("auto", None, "cpu", "padded"),
+        ("auto", "sdpa", "cpu", "shared"),
+        ("auto", "sdpa", "cuda", "shared"),  # a dense mask over the packed row on GPU too
+        ("auto", "eager", "cuda", "shared"),
+        ("auto", None, "cpu", "shared"),
         ("auto", "flash_attention_2", "cuda", "packed"),
         ("auto", "flash_attention_3", "cuda", "packed"),
-        ("auto", "flash_attention_2", "cpu", "padded"),
+        ("auto", "flash_attention_2", "cpu", "shared"),
         ("packed", "sdpa", "cpu", "packed"),
         ("padded", "flash_attention_2", "cuda", "padded"),
+        ("shared", "flash_attention_2", "cuda", "shared"),
     ],
 )
 def test_choose_layout(requested, attn, device, layout):

@@ -119,11 +119,12 @@ class ActorConfig(Section):
         description="Tokens per micro-batch with use_dynamic_bsz (padded layout: rows x "
         "longest row).",
     )
-    sequence_layout: Literal["auto", "packed", "padded"] = Field(
+    sequence_layout: Literal["auto", "packed", "padded", "shared"] = Field(
         default="auto",
         description="Micro-batch rows: packed (one row, no padding; fast only with a "
-        "varlen attention kernel), padded (rows sorted by length), or auto (packed only "
-        "with flash attention on CUDA).",
+        "varlen attention kernel), padded (rows sorted by length), shared (padded rows whose "
+        "repeated prompts run once, where that pays), or auto (packed with flash attention "
+        "on CUDA, else shared).",
     )
     clip_ratio_low: float = Field(default=0.2, gt=0, lt=1, description="PPO clip: 1 - eps_low.")
     clip_ratio_high: float = Field(default=0.28, gt=0, description="PPO clip: 1 + eps_high.")
