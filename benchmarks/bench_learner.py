@@ -12,8 +12,10 @@ Batch shapes (128 sequences = 16 prompts x 8 samples, one mini-batch, one update
 ``tiny`` (the demo's 0.33M model) with ~23-token prompts and 1-4-token responses, as in the
 demo; ``small`` (24M) with the same prompts and 4-token responses (an untrained model runs
 to ``max_response_length``). Each case runs on 1 and 2 cores (process affinity and torch
-threads), both layouts; ``auto`` resolves to padded here (SDPA on CPU, see
-:mod:`learner.layout`).
+threads), in each layout: padded, packed, and shared (one row per prompt, its samples'
+responses after it, :mod:`learner.shared_prefix`), which ``auto`` picks here (SDPA on CPU,
+see :mod:`learner.layout`). The bare loop pads its rows for the padded and shared cases (a
+hand-written loop computes each sample's prompt) and packs them for the packed case.
 
 The two sides are timed interleaved (``benchmarks.common.interleaved_ratio``); a sample is
 the mean of a few steps after a warm-up. The ratio is trainer time / bare time (lower is
@@ -156,7 +158,7 @@ def run_case(model: str, model_dir: str, cores: int, reps: int, steps: int) -> l
     vocab = AutoConfig.from_pretrained(model_dir).vocab_size
     batch = synthetic_batch(model, vocab)
     rows = []
-    for layout in ("padded", "packed"):
+    for layout in ("padded", "packed", "shared"):
         trainer = Trainer(trainer_cfg(model_dir, layout))
         bare = BareLoop(model_dir, batch, packed=layout == "packed")
         metrics = trainer.train_step(batch, TEMPERATURE)  # warm-up, both sides
@@ -171,7 +173,7 @@ def run_case(model: str, model_dir: str, cores: int, reps: int, steps: int) -> l
                 "model": model,
                 "cores": cores,
                 "layout": layout,
-                "auto": layout == "padded",  # what auto picks on this CPU
+                "auto": layout == "shared",  # what auto picks on this CPU
                 "trainer_s": sorted(stats.real)[len(stats.real) // 2],
                 "bare_s": sorted(stats.baseline)[len(stats.baseline) // 2],
                 "pad_ratio": metrics["batch/pad_ratio"],
