@@ -31,8 +31,8 @@ def time_split(records: list[dict[str, Any]]) -> list[str]:
     learner = {
         "training": _total(window, "timing/train_s"),
         "waiting for batches": _total(window, "timing/wait_batch_s"),
-        "gathering and pushing weights": _total(window, "timing/gather_s")
-        + _total(window, "timing/push_wait_s"),
+        # timing/gather_s spans the whole push section (timing/push_wait_s is inside it)
+        "gathering and pushing weights": _total(window, "timing/gather_s"),
     }
     learner["other (validation, checkpoints, control)"] = max(0.0, wall - sum(learner.values()))
     lines = ["learner: " + _shares(learner, wall)]
