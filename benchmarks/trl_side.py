@@ -60,15 +60,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokens: list[int] = []
     tok = AutoTokenizer.from_pretrained(args.model)
 
-    def reward(prompts, completions, data_source, ground_truth, **_: Any) -> list[float]:
+    def reward(
+        prompts, completions, data_source, ground_truth, completion_ids=None, **_: Any
+    ) -> list[float]:
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
         out = [
             float(score(src, text, gt))
             for text, src, gt in zip(texts, data_source, ground_truth, strict=True)
         ]
         rewards.append(sum(out) / len(out))
-        # Response tokens, re-counted from the text (EOS not counted, as asyncrl counts).
-        tokens.append(sum(len(tok(t, add_special_tokens=False).input_ids) for t in texts))
+        # Response tokens as generated (EOS included, as asyncrl counts them); re-encoding
+        # the decoded text of random tokens would count others.
+        tokens.append(sum(len(ids) for ids in completion_ids or []))
         return out
 
     ends: list[float] = []
