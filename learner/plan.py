@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.config.logprob import LogProbPass
+from asyncrl.config.schema import ActorConfig
 from learner.reductions import AggNorm
 from learner.rollouts import Rollout, group_indices
 
@@ -50,6 +52,42 @@ def plan_step(
         tokens, seqs = norm_counts(rollouts, idx)
         norms.append(AggNorm(num_tokens=max(tokens, 1), num_seqs=max(seqs, 1)))
     return mbs, norms
+
+
+def plan_passes(
+    rollouts: Sequence[Rollout],
+    actor: ActorConfig,
+    passes: dict[str, LogProbPass],
+    *,
+    world_size: int,
+    rank: int,
+    padded: bool,
+) -> tuple[list[list[list[int]]], list[AggNorm], dict[str, list[list[int]]]]:
+    """:func:`plan_step` under the actor's training budget (``actor.ppo_*``), and the
+    micro-batches of each no-grad pass (``rollout.log_prob_*``, ``ref.log_prob_*``) whose
+    own budget differs. A pass covers this rank's training shard: :func:`plan_step`'s shards
+    do not depend on the budget."""
+    seqs, tokens = actor.ppo_micro_batch_size_per_gpu, actor.ppo_max_token_len_per_gpu
+    train = (None, tokens) if actor.use_dynamic_bsz else (seqs, None)
+
+    def plan(budget: tuple[int | None, int | None]):
+        return plan_step(
+            rollouts,
+            actor.ppo_mini_batch_size,
+            world_size=world_size,
+            rank=rank,
+            padded=padded,
+            max_seqs=budget[0],
+            max_tokens=budget[1],
+        )
+
+    mbs, norms = plan(train)
+    own = {}
+    for which, lp in passes.items():
+        budget = lp.budget(seqs, actor.use_dynamic_bsz, tokens)
+        if budget != train:
+            own[which] = [micro for mini in plan(budget)[0] for micro in mini]
+    return mbs, norms, own
 
 
 @dataclass

@@ -44,7 +44,7 @@ from learner.forward import response_logprobs
 from learner.layout import resolve_layout
 from learner.losses import LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
-from learner.plan import StepPlan, plan_step
+from learner.plan import StepPlan, plan_passes
 from learner.rollouts import (
     DROP_REASONS,
     Rollout,
@@ -152,29 +152,14 @@ class Trainer:
         """This rank's micro-batches of every mini-batch of the cleaned ``rollouts``, whose
         advantages ``adv`` ``[N]`` come from :func:`~learner.rollouts.baseline_advantages`;
         ``temperature`` for rollouts that do not say what they were sampled at."""
-        a = self.cfg.actor
-        train = (a.ppo_micro_batch_size_per_gpu, a.ppo_max_token_len_per_gpu)
-        train_budget = (None, train[1]) if a.use_dynamic_bsz else (train[0], None)
-
-        def plan(budget: tuple[int | None, int | None]):
-            return plan_step(
-                rollouts,
-                a.ppo_mini_batch_size,
-                world_size=self.world_size,
-                rank=self.rank,
-                padded=not self.packed,
-                max_seqs=budget[0],
-                max_tokens=budget[1],
-            )
-
-        mbs, norms = plan(train_budget)
-        # rollout/ref.log_prob_*: a no-grad pass with its own budget covers this rank's
-        # training shard (plan_step's shards do not depend on the budget).
-        passes = {}
-        for which, lp in (("proximal", self.cfg.rollout), ("ref", self.cfg.ref)):
-            budget = lp.budget(train[0], a.use_dynamic_bsz, train[1])
-            if budget != train_budget:
-                passes[which] = [micro for mini in plan(budget)[0] for micro in mini]
+        mbs, norms, passes = plan_passes(
+            rollouts,
+            self.cfg.actor,
+            {"proximal": self.cfg.rollout, "ref": self.cfg.ref},
+            world_size=self.world_size,
+            rank=self.rank,
+            padded=not self.packed,
+        )
         return StepPlan(rollouts, adv, temperature, mbs, norms, pass_micros=passes)
 
     def _collate(self, plan: StepPlan, seq_ids: list[int]) -> MicroBatch:

@@ -26,11 +26,13 @@ def test_quick_mode_prints_the_ratio_and_writes_results(tmp_path):
     assert match, last
     record = json.loads((tmp_path / "bench_learner.json").read_text())
     rows = record["figures"]["rows"]
-    assert {r["layout"] for r in rows} == {"padded", "packed"}
+    assert {r["layout"] for r in rows} == {"padded", "packed", "shared"}
     assert all(r["trainer_s"] > 0 and r["bare_s"] > 0 for r in rows)
     auto = [r for r in rows if r["auto"]]
-    assert [r["layout"] for r in auto] == ["padded"]  # SDPA on CPU
-    assert auto[0]["pad_ratio"] > 1.0
+    assert [r["layout"] for r in auto] == ["shared"]  # SDPA on CPU
+    # shared rows compute each prompt once: fewer token slots than the batch's tokens
+    assert auto[0]["pad_ratio"] < 1.0
+    assert [r["pad_ratio"] > 1.0 for r in rows if r["layout"] == "padded"] == [True]
     assert [r["pad_ratio"] for r in rows if r["layout"] == "packed"] == [1.0]
     assert float(match.group(1)) == round(auto[0]["stats"]["median"], 2)
     assert (tmp_path / "bench_learner.png").stat().st_size > 1000
