@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.config.verl_table import VERL_KEYS, our_key, refused_value
+from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key, refused_value
 
 
 def pop_dotted(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
@@ -30,15 +30,6 @@ def pop_dotted(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
         if not nodes[depth]:
             del nodes[depth - 1][parts[depth - 1]]
     return True, value
-
-
-def _has(raw: dict[str, Any], dotted: str) -> bool:
-    node: Any = raw
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
 
 
 def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
@@ -73,7 +64,7 @@ def apply_verl_keys(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
         elif rule.kind == "mapped":
             assert rule.convert is not None
             for target in rule.target:
-                if _has(raw, target):
+                if lookup(raw, target)[0]:
                     notes.append(f"veRL's {key}={value!r} not applied: {target} is given too")
                 else:
                     _set(raw, target, rule.convert(value))

@@ -85,13 +85,19 @@ def _falsy(v: Any) -> bool:
     return not v
 
 
-def _get(raw: dict[str, Any], dotted: str, default: Any = None) -> Any:
+def lookup(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
+    """``(found, value)`` of ``raw[a][b]...`` for ``dotted``."""
     node: Any = raw
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            return default
+            return False, None
         node = node[part]
-    return node
+    return True, node
+
+
+def _get(raw: dict[str, Any], dotted: str, default: Any = None) -> Any:
+    found, value = lookup(raw, dotted)
+    return value if found else default
 
 
 # ------------------------------------------------------------------ the reasons, once
