@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from asyncrl.config.schema import Config, OptimConfig
+from asyncrl.config.critic import OptimConfig
+from asyncrl.config.schema import Config
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from asyncrl.config.logprob import LogProbPass
-from asyncrl.config.schema import ActorConfig
+from asyncrl.config.policy import ActorConfig
 from learner.reductions import AggNorm
 from learner.rollouts import Rollout, group_indices
 

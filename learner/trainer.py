@@ -163,22 +163,10 @@ class Trainer:
         return StepPlan(rollouts, adv, temperature, mbs, norms, pass_micros=passes)
 
     def _collate(self, plan: StepPlan, seq_ids: list[int]) -> MicroBatch:
+        r, adv, pad, temp = plan.rollouts, plan.advantages, self.pad_id, plan.temperature
         if self.layout == "shared":
-            return collate_shared(
-                plan.rollouts,
-                plan.advantages,
-                seq_ids,
-                pad_id=self.pad_id,
-                temperature=plan.temperature,
-            )
-        return collate(
-            plan.rollouts,
-            plan.advantages,
-            seq_ids,
-            packed=self.packed,
-            pad_id=self.pad_id,
-            temperature=plan.temperature,
-        )
+            return collate_shared(r, adv, seq_ids, pad_id=pad, temperature=temp)
+        return collate(r, adv, seq_ids, packed=self.packed, pad_id=pad, temperature=temp)
 
     @torch.no_grad()
     def _fixed_logprobs(self, model, plan: StepPlan, which: str) -> dict[int, torch.Tensor]:

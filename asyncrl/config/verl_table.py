@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncrl.config.schema import VERL_KL_NAMES
+from asyncrl.config.policy import VERL_KL_NAMES
 
 Kind = Literal["implemented", "mapped", "no_effect", "refused"]
 
