@@ -43,14 +43,29 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script (torchrun): the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ITEMS = ("train", "collectives", "checkpoint", "push", "offload")
+ITEMS = ("train", "layouts", "collectives", "checkpoint", "push", "offload")
 TITLES = {
     "train": "learner: FSDP2 steps ({dtype} on {device}, group {backend})",
+    "layouts": "learner: shared-prompt rows give the padded rows' logprobs ({dtype})",
     "collectives": "learner: collectives on its production group ({backend})",
     "checkpoint": "learner: checkpoint save and load",
     "push": "learner: weight push to a stand-in receiver ({sync})",
     "offload": "learner: FSDP2 CPU offload of actor and reference (actor.fsdp_config)",
 }
+
+
+def _params_off_cpu(models: dict[str, Any]) -> list[str]:
+    """``model/name:device`` of each parameter whose local shard is not in CPU memory (the
+    first eight), for the offload check's message."""
+    from torch.distributed.tensor import DTensor
+
+    off = []
+    for label, model in models.items():
+        for name, p in model.named_parameters() if model is not None else ():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if local.device.type != "cpu":
+                off.append(f"{label}/{name}:{local.device}")
+    return off[:8] + ([f"... {len(off) - 8} more"] if len(off) > 8 else [])
 
 
 def learner_config(model: Path, device: str, run_root: Path, *extra: str) -> Any:
@@ -173,8 +188,42 @@ def main(argv: list[str] | None = None) -> int:
             raise AssertionError(f"non-finite loss: {losses}")
         return (
             f"{trainer.world_size} rank(s), group {dist.get_backend_config()}, "
-            f"losses {', '.join(f'{x:.3f}' for x in losses)}"
+            f"layout {trainer.layout}, losses {', '.join(f'{x:.3f}' for x in losses)}"
         )
+
+    def layouts() -> str:
+        # The layout the model chose (shared on sdpa) against padded rows, on one batch.
+        from learner.layout import choose_layout
+        from learner.loop import to_rollouts
+
+        trainer = _need(state, "trainer")
+        rollouts = to_rollouts(wire_batch(7, vocab))
+        chosen = trainer.layout
+        attn = getattr(trainer.model.config, "_attn_implementation", None)
+        intended, _ = choose_layout(cfg.actor.sequence_layout, attn, device)
+        if chosen != intended:  # the model's probe refused the layout auto picks
+            raise AssertionError(f"the model refused the {intended} layout (probe)")
+        if chosen == "shared":  # the batch is one the shared layout takes (not padded)
+            from learner.shared_prefix import collate_shared
+
+            ids = list(range(len(rollouts)))
+            mask = collate_shared(rollouts, torch.zeros(len(ids)), ids).attention_mask
+            if mask is None or mask.ndim != 4:
+                raise AssertionError("the check's batch fell back to padded rows")
+        got = {chosen: trainer.compute_logprobs(rollouts, 1.0)}
+        trainer.layout, trainer.packed = "padded", False
+        try:
+            got["padded"] = trainer.compute_logprobs(rollouts, 1.0)
+        finally:
+            trainer.layout, trainer.packed = chosen, chosen == "packed"
+        pairs = [(a, b) for a, b in zip(got[chosen], got["padded"], strict=True) if a is not None]
+        diff = max(float((a - b).abs().max()) for a, b in pairs if b is not None)
+        # bf16 logits: a different reduction order moves a logprob by a few bf16 ulps of
+        # the logits' scale; float32 agrees to rounding.
+        tol = 0.1 if device == "cuda" else 1e-4
+        if diff > tol:
+            raise AssertionError(f"{chosen} vs padded: max |diff| {diff:.2e} > {tol}")
+        return f"{chosen} vs padded on {len(pairs)} sequences: max |diff| {diff:.2e}"
 
     def collectives() -> str:
         from learner.loop import _broadcast_int
@@ -221,17 +270,25 @@ def main(argv: list[str] | None = None) -> int:
             "actor.use_kl_loss=true",
         )
         trainer = Trainer(offloaded, total_steps=4)
-        where = {p.device.type for p in trainer.model.parameters()}
-        if trainer.ref_model is not None:
-            where |= {p.device.type for p in trainer.ref_model.parameters()}
+        models = {"actor": trainer.model, "ref": trainer.ref_model}
+        on_device = _params_off_cpu(models)
         losses = [_step(trainer, seed, vocab) for seed in (1, 2)]
-        if where != {"cpu"} or not all(math.isfinite(x) for x in losses):
-            raise AssertionError(f"shards on {where}, losses {losses}")
+        after = _params_off_cpu(models)
+        if on_device or after or not all(math.isfinite(x) for x in losses):
+            raise AssertionError(
+                f"shards off the CPU at start: {on_device}; after two steps: {after}; "
+                f"losses {losses}"
+            )
         note = "" if device == "cuda" else " (no effect on the CPU)"
         return f"shards in CPU memory{note}, losses {', '.join(f'{x:.3f}' for x in losses)}"
 
     ok = checks.run("train", train)
-    steps = (("collectives", collectives), ("checkpoint", checkpoint), ("push", push))
+    steps = (
+        ("layouts", layouts),
+        ("collectives", collectives),
+        ("checkpoint", checkpoint),
+        ("push", push),
+    )
     for item, fn in (*steps, ("offload", offload)):
         if ok:
             checks.run(item, fn)

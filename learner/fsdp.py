@@ -179,6 +179,18 @@ def shard_model(
     return cast("ShardedModel", model)  # fully_shard swapped its class: see ShardedModel
 
 
+def reshard(model: nn.Module) -> None:
+    """Free the full parameters a no-grad forward leaves gathered. FSDP2 keeps the root's
+    (embeddings, final norm, head) gathered after a forward, for the backward that usually
+    follows; after a pass with no backward (the reference's logprobs, the proximal pass,
+    the layout probe) they would stay on the device until the next backward, which for the
+    reference never comes, and in device memory even with CPU offload."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.reshard()
+
+
 def full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors of every parameter, named as the HF checkpoint names them.
 

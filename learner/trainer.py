@@ -140,12 +140,14 @@ class Trainer:
     def _choose_layout(self) -> str:
         """``actor.sequence_layout`` resolved for this model and device (see
         :func:`learner.layout.resolve_layout`)."""
-        return resolve_layout(
+        layout = resolve_layout(
             self.cfg.actor.sequence_layout,
             getattr(self.model.config, "_attn_implementation", None),
             self.cfg.trainer.device,
             forward=lambda mb: self._forward(self.model, mb)[0],
         )
+        fsdp.reshard(self.model)  # the probe's forwards had no backward
+        return layout
 
     # ------------------------------------------------------------------ planning
     def _plan(self, rollouts: list[Rollout], adv: torch.Tensor, temperature: float) -> StepPlan:
@@ -178,6 +180,7 @@ class Trainer:
             logp, _ = self._forward(model, mb)
             for b, sid in enumerate(mb.seq_ids):  # the whole response (the mask may have holes)
                 out[sid] = logp[b, : len(plan.rollouts[sid].response_ids)].cpu()
+        fsdp.reshard(model)
         return out
 
     # ------------------------------------------------------------------ training
