@@ -239,8 +239,7 @@ class ReplayBuffer:
             # Oldest policy version first, then arrival: a group that finished late (a long
             # generation, a slow server) is trained before it goes stale instead of being
             # overtaken by fresher ones and dropped for lag.
-            by_age = sorted(s.pool, key=lambda t: s.held[t].oldest_version)  # stable
-            picked = by_age[: self.batch_size]
+            picked = oldest_first(s, self.batch_size)
         else:
             picked = self._rng.sample(list(s.pool), self.batch_size)
         groups, lags = [], Counter()
@@ -420,3 +419,33 @@ class ReplayBuffer:
             s.leave_pool(tid)
             if len(s.held) < self.capacity:
                 return
+
+
+def oldest_first(s: State, k: int) -> list[str]:
+    """The ``k`` pooled groups with the oldest policy versions, ties in arrival order: the
+    first ``k`` of the pool sorted stably by version, without sorting the pool.
+
+    The version counts say how many of the oldest versions fill ``k`` (all groups of
+    versions below a threshold, the first ones of the threshold version), so the scan stops
+    once both are found: after about ``k`` groups when older groups arrived first, as they
+    usually do, instead of keying every group of a pool that can hold thousands.
+    """
+    need: dict[int, int] = {}
+    left = k
+    for version in sorted(s.pool_versions):
+        take = min(left, s.pool_versions[version])
+        need[version] = take
+        left -= take
+        if not left:
+            break
+    picked: list[str] = []
+    missing = k - left  # k, or the whole pool when it holds fewer
+    for tid in s.pool:
+        version = s.held[tid].oldest_version
+        if need.get(version, 0) > 0:
+            need[version] -= 1
+            picked.append(tid)
+            missing -= 1
+            if not missing:
+                break
+    return sorted(picked, key=lambda t: s.held[t].oldest_version)  # stable: arrival order

@@ -344,3 +344,26 @@ def test_groups_keep_their_members_arrays() -> None:
         assert (t.response_ids == want.response_ids).all()
         assert (t.logprobs == want.logprobs).all()
         assert t.meta == want.meta
+
+
+def test_oldest_first_equals_a_stable_sort_of_the_pool() -> None:
+    """The scan that stops early picks what sorting the whole pool by version picked."""
+    import random as _random
+    from types import SimpleNamespace
+    from typing import cast
+
+    from buffer.core import oldest_first
+    from buffer.state import Held, State
+
+    rng = _random.Random(3)
+    for trial in range(200):
+        s = State()
+        for i in range(rng.randint(0, 60)):
+            tid = f"t{trial}-{i}"
+            version = rng.randint(0, 5)
+            s.held[tid] = cast(Held, SimpleNamespace(oldest_version=version))
+            s.pool[tid] = None
+            s.pool_versions[version] += 1
+        k = rng.randint(1, 20)
+        expected = sorted(s.pool, key=lambda t: s.held[t].oldest_version)[:k]
+        assert oldest_first(s, k) == expected
