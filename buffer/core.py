@@ -412,13 +412,17 @@ class ReplayBuffer:
         Only groups no unacknowledged batch holds: evicting the others would free nothing.
         """
         s = self._s
-        if len(s.held) < self.capacity:
+        # With max_reuse 1 (always under fifo) a released group leaves the pool at once, so
+        # the pool holds no used group: no scan of a full pool on every arrival.
+        if len(s.held) < self.capacity or self.max_reuse <= 1:
             return
-        for tid in [t for t in s.pool if s.held[t].uses > 0 and s.held[t].refs == 0]:
-            self.counts["evicted"] += 1
-            s.leave_pool(tid)
-            if len(s.held) < self.capacity:
-                return
+        for tid in list(s.pool):  # a copy: leave_pool changes the pool
+            h = s.held[tid]
+            if h.uses > 0 and h.refs == 0:
+                self.counts["evicted"] += 1
+                s.leave_pool(tid)
+                if len(s.held) < self.capacity:
+                    return
 
 
 def oldest_first(s: State, k: int) -> list[str]:

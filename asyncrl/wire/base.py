@@ -93,6 +93,8 @@ def nbytes(frame: Frame) -> int:
     """Size in bytes of any buffer-protocol frame."""
     if isinstance(frame, (bytes, bytearray)):
         return len(frame)
+    if isinstance(frame, memoryview):  # what the buffer service reads: no second view
+        return frame.nbytes
     return memoryview(frame).nbytes  # numpy arrays, zmq.Frame and other buffer objects
 
 
