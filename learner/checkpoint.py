@@ -71,10 +71,23 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
-def _dcp_state(model, optimizer, critic=None) -> dict[str, Any]:
+def _state_dict_options(trained_only: bool = True):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=trained_only)
+
+
+def _dcp_state(model, optimizer, critic=None, trained_only: bool = True) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    # Frozen parameters (the base under LoRA) are reloaded from model.path: a LoRA
+    # checkpoint holds the adapter and its optimizer state only.
+    options = _state_dict_options(trained_only)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    if frozen and trained_only:  # a tied head is no parameter of its own: the option keeps it
+        trained = {n for n, p in model.named_parameters() if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trained}
     state = {"model": model_sd, "optim": optim_sd}
     if critic is not None:
         state["critic_model"], state["critic_optim"] = get_state_dict(
@@ -152,8 +165,14 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) 
         )
     state = _dcp_state(model, optimizer, critic)
     dcp_load(state, checkpoint_id=str(path))
+    # What the checkpoint leaves out (a tied head under LoRA) keeps its loaded value.
+    model_sd = _dcp_state(model, optimizer, trained_only=False)["model"] | state["model"]
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        model,
+        optimizer,
+        model_state_dict=model_sd,
+        optim_state_dict=state["optim"],
+        options=_state_dict_options(trained_only=False),
     )
     scheduler.load_state_dict(meta["scheduler"])
     if critic is not None:

@@ -110,13 +110,16 @@ def load_sharded_model(
     attn_implementation: str | None = None,
     offload: bool = False,
     config_overrides: dict[str, Any] | None = None,
+    lora: tuple[int, float, str | list[str]] | None = None,
 ) -> ShardedModel:
     """Load an HF causal LM in float32 and shard it: ``fully_shard`` per decoder layer,
     then the root (embeddings, final norm, head; tied weights stay one parameter).
 
     Every rank reads the whole checkpoint on CPU first; ``fully_shard`` then keeps each
     rank's shard and moves it to ``device``. ``config_overrides`` (``model.override_config``)
-    set HF config attributes as the model loads (the engine gets the same ones).
+    set HF config attributes as the model loads (the engine gets the same ones). ``lora``
+    (rank, alpha, target modules): freeze the model and add adapters before sharding (every
+    rank draws the same initial adapters from the seeded generator).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -131,6 +134,10 @@ def load_sharded_model(
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    if lora is not None:
+        from learner.lora import inject
+
+        inject(model, *lora)
     return shard_model(
         model,
         mesh,

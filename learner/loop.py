@@ -201,8 +201,10 @@ class LearnerLoop:
         self.trainer.save(self.run_dir, extra=extra)
         self.control.acknowledge(self.unacked)
         self.unacked = []
-        if final:  # an HF export that vLLM loads
+        if final:  # an HF export that vLLM loads (with LoRA: merged, and the adapter)
             self.control.export(self.trainer.full_state_for_push(), self.run_dir / "final")
+            if self.cfg.model.lora_rank:
+                self.trainer.export_adapter(self.run_dir / "final_adapter")
 
     def _restore(self) -> Restored:
         """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any."""

@@ -31,12 +31,13 @@ import math
 import time
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.config import Config
-from learner import fsdp
+from learner import fsdp, lora
 from learner.advantages import OUTCOME_ESTIMATORS
 from learner.collate import MicroBatch, collate, pad_rows
 from learner.critic import Critic
@@ -92,6 +93,7 @@ class Trainer:
             attn_implementation=cfg.model.attn_implementation,
             offload=fsdp.offload_wanted(cfg),
             config_overrides=cfg.model.override_config,
+            lora=lora_spec(cfg),
         )
         self.loss_cfg = LossConfig.from_config(cfg)
         # The frozen reference for the KL penalty: the initial weights, sharded the same way.
@@ -369,8 +371,24 @@ class Trainer:
 
     def full_state_for_push(self) -> dict[str, torch.Tensor]:
         """Full weights named as in the HF checkpoint, cast to ``model.dtype`` (what the
-        rollout's vLLM runs). A collective: call it on every rank."""
-        return fsdp.full_state(self.model, _DTYPES[self.cfg.model.dtype])
+        rollout's vLLM runs); with LoRA, the adapters merged into them in float32. A
+        collective: call it on every rank."""
+        dtype = _DTYPES[self.cfg.model.dtype]
+        if self.cfg.model.lora_rank:
+            scaling = self.cfg.model.lora_alpha / self.cfg.model.lora_rank
+            return lora.merged(fsdp.full_state(self.model), scaling, dtype)
+        return fsdp.full_state(self.model, dtype)
+
+    def export_adapter(self, out: Path) -> Path | None:
+        """With LoRA, write the adapter in peft's format to ``out`` (rank 0; a collective:
+        every rank calls it). Returns ``out`` on rank 0, else None."""
+        m = self.cfg.model
+        state = fsdp.full_state(self.model)
+        if not m.lora_rank or self.rank != 0:
+            return None
+        return lora.save_adapter(
+            out, state, rank=m.lora_rank, alpha=m.lora_alpha, base_model=self.model_path
+        )
 
     def save(self, run_dir, extra: dict | None = None):
         """Checkpoint into ``<run_dir>/checkpoints/step_<step>/`` (every rank calls it)."""
@@ -395,6 +413,12 @@ class Trainer:
         meta = load_checkpoint(path, self.model, self.optimizer, self.scheduler, critic=self.critic)
         self.step, self.policy_version = meta.step, meta.policy_version
         return meta.extra
+
+
+def lora_spec(cfg: Config) -> tuple[int, float, str | list[str]] | None:
+    """``(rank, alpha, target modules)`` when ``model.lora_rank`` is on, else None."""
+    m = cfg.model
+    return (m.lora_rank, m.lora_alpha, m.target_modules) if m.lora_rank else None
 
 
 def _trainable(r: Rollout, max_len: int | None) -> bool:

@@ -133,9 +133,23 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "give one (sequences per micro-batch, or tokens with use_dynamic_bsz=true)"
         )
     problems += _critic_problems(cfg)
+    problems += _lora_problems(cfg)
     problems += _endpoint_problems(cfg)
     problems += _launch_problems(cfg)
     return problems
+
+
+def _lora_problems(cfg: Config) -> list[str]:
+    """LoRA keys: targets are ``all-linear`` or a list of layer names."""
+    m = cfg.model
+    if isinstance(m.target_modules, str) and m.target_modules != "all-linear":
+        return [
+            f"model.target_modules={m.target_modules!r}: use all-linear or a list of layer "
+            f"names, e.g. [{m.target_modules}]"
+        ]
+    if isinstance(m.target_modules, list) and not m.target_modules:
+        return ["model.target_modules is an empty list: name layers or use all-linear"]
+    return []
 
 
 def _critic_problems(cfg: Config) -> list[str]:

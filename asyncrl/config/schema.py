@@ -47,6 +47,20 @@ class ModelConfig(Section):
         "eager, flash_attention_2, ...); default: transformers' choice. With a flash kernel "
         "on CUDA, actor.sequence_layout: auto packs sequences.",
     )
+    lora_rank: int = Field(
+        default=0,
+        ge=0,
+        description="LoRA rank (veRL's name): 0 trains every weight; above 0 freezes the "
+        "model and trains low-rank adapters on model.target_modules.",
+    )
+    lora_alpha: float = Field(
+        default=16, gt=0, description="LoRA scale numerator: the update is (alpha / rank) B A."
+    )
+    target_modules: str | list[str] = Field(
+        default="all-linear",
+        description="Linear layers LoRA adapts: all-linear (every one but the output head) "
+        "or names such as [q_proj, v_proj].",
+    )
 
 
 # --------------------------------------------------------------------------- data

@@ -440,15 +440,17 @@ VERL_KEYS: dict[str, VerlKey] = {
         "fast (flash attention on CUDA), padded otherwise",
         lambda v: "auto" if v else "padded",
     ),
-    _MODEL + "lora_rank": _only(
-        "LoRA is not built yet: remove actor_rollout_ref.model.lora_rank (or set it to 0) "
-        "to train every weight",
-        _falsy,
-        bad=32,
+    _MODEL + "lora_rank": _impl(
+        "adapters trained on the learner; the servers get the weights merged", example=8
     ),
-    _MODEL + "lora_alpha": _none(LORA_OFF),
-    _MODEL + "target_modules": _none(LORA_OFF),
-    _MODEL + "exclude_modules": _none(LORA_OFF),
+    _MODEL + "lora_alpha": _impl(example=32),
+    _MODEL + "target_modules": _impl(example=["q_proj", "v_proj"]),
+    _MODEL + "exclude_modules": _only(
+        "excluding layers is not built: list the layers to adapt in "
+        "actor_rollout_ref.model.target_modules instead",
+        lambda v: v is None,
+        bad=["o_proj"],
+    ),
     _MODEL + "use_liger": _none(KERNELS),
     _MODEL + "use_fused_kernels": _none(KERNELS),
     _MODEL + "fused_kernel_options.impl_backend": _none(KERNELS),

@@ -1,0 +1,162 @@
+"""LoRA on the learner: low-rank adapters beside frozen linear layers (``model.lora_rank``).
+
+A module of our own rather than peft's: the adapted layer stays an ``nn.Linear`` that keeps
+its ``weight`` and ``bias`` under their HF names and gains two children, ``lora_A`` and
+``lora_B``, so
+
+- FSDP2 shards it like any layer (``fully_shard`` per decoder layer takes the frozen base
+  and the trainable adapter in one group; only the adapter gets gradients and optimizer
+  state);
+- DCP checkpoints name the adapter ``<layer>.lora_A.weight``, and ``ignore_frozen_params``
+  leaves the base out (it is reloaded from ``model.path``);
+- the peft adapter file is the same names under ``base_model.model.``, which vLLM and peft
+  load.
+
+The adapted layer computes ``W x + b + (alpha / r) * B (A x)`` with ``A`` ``[r, in]``
+(Kaiming-uniform, as peft) and ``B`` ``[out, r]`` (zeros): the model starts exactly as the
+base. Merging (:func:`merged`) adds ``(alpha / r) * B @ A`` to ``W`` in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ALL_LINEAR = "all-linear"
+PEFT_PREFIX = "base_model.model."
+LORA_KEYS = (".lora_A.weight", ".lora_B.weight")
+
+
+class LoRALinear(nn.Linear):
+    """An ``nn.Linear`` with a frozen weight (and bias) and a trainable low-rank update."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        nn.Module.__init__(self)  # not nn.Linear's: the weight is the base's own
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
+        self.scaling = alpha / rank
+        dev, dtype = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=dev, dtype=dtype)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=dev, dtype=dtype)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in]`` -> ``[..., out]``."""
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+def targets(model: nn.Module, target_modules: str | list[str]) -> list[str]:
+    """Names of the linear layers to adapt: ``all-linear`` is every ``nn.Linear`` but the
+    output head (as peft reads it); a list names layers by their last name part
+    (``q_proj``) or a longer suffix (``self_attn.q_proj``)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or module is head:
+            continue
+        if target_modules == ALL_LINEAR or any(
+            name == t or name.endswith("." + t) for t in target_modules
+        ):
+            found.append(name)
+    return found
+
+
+def inject(model: nn.Module, rank: int, alpha: float, target_modules: str | list[str]) -> int:
+    """Freeze every parameter of ``model`` and put a :class:`LoRALinear` in place of each
+    target layer (before sharding). Returns the number of layers adapted; a list of
+    targets that matches nothing is an error naming the layers there are."""
+    names = targets(model, target_modules)
+    if not names:
+        linear = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        )
+        raise ValueError(
+            f"model.target_modules={target_modules!r} matches no linear layer of the model; "
+            f"its linear layers are named {linear} (or use {ALL_LINEAR!r})"
+        )
+    model.requires_grad_(False)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LoRALinear(getattr(parent, child), rank, alpha))
+    log.info("LoRA rank %d, alpha %g on %d linear layers", rank, alpha, len(names))
+    return len(names)
+
+
+def is_adapter_key(name: str) -> bool:
+    return name.endswith(LORA_KEYS)
+
+
+def merged(
+    state: dict[str, torch.Tensor], scaling: float, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """The base model's tensors from a full state with adapters: each adapted ``W`` plus
+    ``scaling * B @ A``, computed in float32, then cast to ``dtype`` (default: ``W``'s);
+    the adapter tensors themselves left out. Names are the HF checkpoint's."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if is_adapter_key(name):
+            continue
+        prefix = name.removesuffix(".weight")
+        a, b = state.get(prefix + ".lora_A.weight"), state.get(prefix + ".lora_B.weight")
+        if a is not None and b is not None:
+            w = t.float() + scaling * (b.float() @ a.float())
+            t = w.to(dtype or t.dtype)
+        elif dtype is not None:
+            t = t.to(dtype)
+        out[name] = t
+    return out
+
+
+def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a full state, named as peft saves them."""
+    return {PEFT_PREFIX + k: v for k, v in state.items() if is_adapter_key(k)}
+
+
+def save_adapter(
+    out_dir: str | Path,
+    state: dict[str, torch.Tensor],
+    *,
+    rank: int,
+    alpha: float,
+    base_model: str,
+) -> Path:
+    """Write ``out_dir`` as a peft LoRA adapter (``adapter_config.json`` and
+    ``adapter_model.safetensors``) from a full state: what peft's ``PeftModel`` and vLLM's
+    ``LoRARequest`` load."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_state(state).items()}
+    modules = sorted(
+        {k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in tensors}
+    )
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "target_modules": modules,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "base_model_name_or_path": base_model,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    return out

@@ -1,0 +1,186 @@
+"""LoRA on the learner (``model.lora_rank``): the adapted model starts as the base, only the
+adapters train, pushed weights are the merged model, a checkpoint holds the adapter and its
+optimizer only and resumes exactly, and vLLM serves the exported peft adapter with the
+merged model's logprobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from asyncrl.config import ConfigError, load_config
+from learner import lora
+from learner.trainer import Trainer
+from tests.test_checkpoint import BATCHES, run
+
+
+def lora_cfg(model_dir, *extra: str):
+    """The resume test's config (two mini-batches a step, warmup and cosine decay) with
+    rank-4 adapters on every linear layer, at a LoRA learning rate."""
+    overrides = [
+        f"model.path={model_dir}",
+        "actor.ppo_mini_batch_size=1",
+        "actor.optim.lr_warmup_steps=2",
+        "actor.optim.lr_scheduler_type=cosine",
+        "trainer.total_training_steps=6",
+        "actor.optim.lr=1e-2",
+        "model.lora_rank=4",
+        "model.lora_alpha=8",
+        *extra,
+    ]
+    return load_config(None, overrides)
+
+
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def test_the_adapted_model_starts_as_the_base_and_only_adapters_train(tiny_model):
+    base, adapted = hf_model(tiny_model), hf_model(tiny_model)
+    n = lora.inject(adapted, rank=4, alpha=8, target_modules="all-linear")
+    layers = adapted.config.num_hidden_layers
+    assert n == 7 * layers  # q k v o gate up down; not the output head
+    assert not isinstance(adapted.get_output_embeddings(), lora.LoRALinear)
+    ids = torch.tensor([[1, 5, 9, 200, 3]])
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, base(ids).logits, rtol=0, atol=0)
+    trainable = {k for k, p in adapted.named_parameters() if p.requires_grad}
+    assert trainable and all(lora.is_adapter_key(k) for k in trainable)
+    assert len(trainable) == 2 * n
+    # The base keeps its HF names.
+    assert set(dict(base.named_parameters())) <= set(dict(adapted.named_parameters()))
+
+
+def test_targets_by_name_and_a_clear_error_when_none_match(tiny_model):
+    model = hf_model(tiny_model)
+    assert lora.targets(model, ["q_proj", "self_attn.v_proj"]) == [
+        f"model.layers.{i}.self_attn.{p}"
+        for i in range(model.config.num_hidden_layers)
+        for p in ("q_proj", "v_proj")
+    ]
+    with pytest.raises(ValueError, match=r"matches no linear layer.*q_proj"):
+        lora.inject(model, 4, 8, ["query"])
+
+
+def test_merged_weights_give_the_adapted_model_s_logits(tiny_model):
+    adapted = hf_model(tiny_model)
+    lora.inject(adapted, rank=4, alpha=8, target_modules="all-linear")
+    g = torch.Generator().manual_seed(1)
+    for m in adapted.modules():
+        if isinstance(m, lora.LoRALinear):
+            m.lora_B.weight.data = torch.randn(m.lora_B.weight.shape, generator=g) * 0.1
+    state = {k: p.detach() for k, p in adapted.named_parameters()}
+    merged = lora.merged(state, scaling=2.0)
+    assert not any(lora.is_adapter_key(k) for k in merged)
+    plain = hf_model(tiny_model)
+    plain.load_state_dict(merged, strict=False)
+    ids = torch.tensor([[1, 5, 9, 200, 3, 7, 7]])
+    with torch.no_grad():
+        expected, got = adapted(ids).logits, plain(ids).logits
+    assert not torch.allclose(expected, hf_model(tiny_model)(ids).logits, atol=1e-3)
+    # Two float32 orders of the same sum (W x + s B A x against (W + s B A) x).
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_lora_step_moves_adapters_only_and_pushes_merged_weights(tiny_model, single_rank):
+    from learner.fsdp import full_state
+
+    trainer = Trainer(lora_cfg(tiny_model))
+    before = full_state(trainer.model)
+    run(trainer, BATCHES[:2])
+    after = full_state(trainer.model)
+    for k, p in after.items():
+        if not lora.is_adapter_key(k):
+            assert torch.equal(p, before[k]), k
+    assert any(not torch.equal(after[k], before[k]) for k in after if ".lora_B." in k)
+    pushed = trainer.full_state_for_push()
+    assert set(pushed) == {k for k in before if not lora.is_adapter_key(k)}
+    w = "model.layers.0.self_attn.q_proj.weight"
+    a = after[w.replace(".weight", ".lora_A.weight")]
+    b = after[w.replace(".weight", ".lora_B.weight")]
+    torch.testing.assert_close(pushed[w], before[w] + 2.0 * (b @ a))
+
+
+def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model, single_rank, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    straight = Trainer(lora_cfg(tiny_model))
+    expected = run(straight, BATCHES)
+    expected_state = straight.full_state_for_push()
+
+    first = Trainer(lora_cfg(tiny_model))
+    run(first, BATCHES[:2])
+    saved = first.save(tmp_path)
+    keys = FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
+    assert model_keys and all(lora.is_adapter_key(k) for k in model_keys), sorted(model_keys)[:4]
+
+    resumed = Trainer(lora_cfg(tiny_model))
+    resumed.load(saved)
+    got = run(resumed, BATCHES[2:])
+    for key in ("loss/total", "actor/lr", "actor/grad_norm"):
+        assert [m[key] for m in got] == pytest.approx([m[key] for m in expected[2:]], rel=1e-6)
+    for k, v in resumed.full_state_for_push().items():
+        torch.testing.assert_close(v, expected_state[k], rtol=0, atol=1e-7)
+
+
+def test_target_modules_must_be_all_linear_or_a_list(tiny_model):
+    with pytest.raises(ConfigError, match="all-linear or a list"):
+        load_config(
+            None, [f"model.path={tiny_model}", "model.lora_rank=8", "model.target_modules=q_proj"]
+        )
+
+
+def test_vllm_serves_the_exported_adapter_as_the_merged_model(tiny_model, single_rank, tmp_path):
+    """The adapter written in peft's format loads in vLLM's CPU build (0.32) through
+    ``LoRARequest``, and its logprobs equal those of the merged weights in transformers."""
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    trainer = Trainer(lora_cfg(tiny_model))
+    run(trainer, BATCHES[:3])
+    adapter = trainer.export_adapter(tmp_path / "adapter")
+    assert adapter is not None
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and "q_proj" in config["target_modules"]
+    merged = trainer.full_state_for_push()
+    plain = hf_model(tiny_model)
+    plain.load_state_dict(merged, strict=False)
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    llm = LLM(
+        str(tiny_model),
+        dtype="float32",
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=1,
+        max_model_len=128,
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+    )
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(6)] for _ in range(3)]
+    params = SamplingParams(max_tokens=6, temperature=1.0, logprobs=0, seed=3)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        params,
+        lora_request=LoRARequest("policy", 1, str(adapter)),
+    )
+    worst = 0.0
+    for p, out in zip(prompts, outs, strict=True):
+        o = out.outputs[0]
+        got = torch.tensor([next(iter(d.values())).logprob for d in o.logprobs])
+        ids = torch.tensor([p + list(o.token_ids)])
+        with torch.no_grad():
+            logp = plain(ids).logits[0, len(p) - 1 : -1].log_softmax(-1)
+        ref = logp.gather(-1, torch.tensor(o.token_ids)[:, None])[:, 0]
+        worst = max(worst, (got - ref).abs().max().item())
+    assert worst < 1e-4, worst
+    del llm
