@@ -43,7 +43,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script (torchrun): the repository root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ITEMS = ("train", "layouts", "collectives", "checkpoint", "push", "offload")
+ITEMS = ("train", "layouts", "collectives", "checkpoint", "push", "offload", "lora")
 TITLES = {
     "train": "learner: FSDP2 steps ({dtype} on {device}, group {backend})",
     "layouts": "learner: shared-prompt rows give the padded rows' logprobs ({dtype})",
@@ -51,6 +51,7 @@ TITLES = {
     "checkpoint": "learner: checkpoint save and load",
     "push": "learner: weight push to a stand-in receiver ({sync})",
     "offload": "learner: FSDP2 CPU offload of actor and reference (actor.fsdp_config)",
+    "lora": "learner: LoRA adapters under FSDP2 ({dtype}; adapter-only checkpoint)",
 }
 
 
@@ -282,6 +283,40 @@ def main(argv: list[str] | None = None) -> int:
         note = "" if device == "cuda" else " (no effect on the CPU)"
         return f"shards in CPU memory{note}, losses {', '.join(f'{x:.3f}' for x in losses)}"
 
+    def lora_item() -> str:
+        from learner import lora
+        from learner.fsdp import full_state
+
+        cfg_lora = learner_config(
+            args.model, device, run_root / "lora", "model.lora_rank=8", "actor.optim.lr=1e-2"
+        )
+        trainer = Trainer(cfg_lora, total_steps=4)
+        before = full_state(trainer.model)
+        losses = [_step(trainer, seed, vocab) for seed in (1, 2)]
+        after = full_state(trainer.model)
+        base_moved = [
+            k for k in after if not lora.is_adapter_key(k) and not torch.equal(after[k], before[k])
+        ]
+        b_moved = sum(not torch.equal(after[k], before[k]) for k in after if ".lora_B." in k)
+        if base_moved or not b_moved or not all(math.isfinite(x) for x in losses):
+            raise AssertionError(
+                f"base moved: {base_moved[:3]}; adapters B moved: {b_moved}; losses {losses}"
+            )
+        pushed = trainer.full_state_for_push()
+        if any(lora.is_adapter_key(k) for k in pushed) or not all(
+            t.isfinite().all() for t in pushed.values()
+        ):
+            raise AssertionError("the pushed weights hold adapters or non-finite values")
+        path = trainer.save(run_root / "lora")
+        trainer.load(path)
+        back = full_state(trainer.model)
+        if any(not torch.equal(back[k], after[k]) for k in after):
+            raise AssertionError("weights differ after an adapter checkpoint's load")
+        return (
+            f"{b_moved} adapters moved, base unchanged, merged push of {len(pushed)} tensors, "
+            f"losses {', '.join(f'{x:.3f}' for x in losses)}"
+        )
+
     ok = checks.run("train", train)
     steps = (
         ("layouts", layouts),
@@ -289,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         ("checkpoint", checkpoint),
         ("push", push),
     )
-    for item, fn in (*steps, ("offload", offload)):
+    for item, fn in (*steps, ("offload", offload), ("lora", lora_item)):
         if ok:
             checks.run(item, fn)
         else:

@@ -34,7 +34,7 @@ def test_without_a_gpu_every_item_is_skipped_and_it_exits_0(tmp_path):
     proc, report = _run("--out", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = report["items"]
-    assert [r["status"] for r in rows] == ["skipped"] * 8
+    assert [r["status"] for r in rows] == ["skipped"] * 9
     assert all(r["detail"] == "no CUDA GPU visible" for r in rows)
     assert report["gpus"] == [] and report["date"]
     lines = proc.stdout.splitlines()
@@ -80,7 +80,7 @@ def test_the_learner_part_runs_as_its_cpu_twin(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     status = {r["item"]: r["status"] for r in report["items"]}
     learner = {k: v for k, v in status.items() if k.startswith("learner:")}
-    assert list(learner.values()) == ["passed"] * 6, proc.stdout
+    assert list(learner.values()) == ["passed"] * 7, proc.stdout
     assert "learner: FSDP2 steps (float32 on cpu, group gloo)" in learner
     assert "2 rank(s)" in proc.stdout
     assert status["pytest -m gpu"] == "skipped"
