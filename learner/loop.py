@@ -202,7 +202,7 @@ class LearnerLoop:
         self.control.acknowledge(self.unacked)
         self.unacked = []
         if final:  # an HF export that vLLM loads (with LoRA: merged, and the adapter)
-            self.control.export(self.trainer.full_state_for_push(), self.run_dir / "final")
+            self.control.export(self.trainer.export_state(), self.run_dir / "final")
             if self.cfg.model.lora_rank:
                 self.trainer.export_adapter(self.run_dir / "final_adapter")
 

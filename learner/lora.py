@@ -9,8 +9,8 @@ its ``weight`` and ``bias`` under their HF names and gains two children, ``lora_
   state);
 - DCP checkpoints name the adapter ``<layer>.lora_A.weight``, and ``ignore_frozen_params``
   leaves the base out (it is reloaded from ``model.path``);
-- the peft adapter file is the same names under ``base_model.model.``, which vLLM and peft
-  load.
+- the peft adapter file (:mod:`asyncrl.sync.adapter`) is the same names under
+  ``base_model.model.``, which vLLM and peft load.
 
 The adapted layer computes ``W x + b + (alpha / r) * B (A x)`` with ``A`` ``[r, in]``
 (Kaiming-uniform, as peft) and ``B`` ``[out, r]`` (zeros): the model starts exactly as the
@@ -19,20 +19,18 @@ base. Merging (:func:`merged`) adds ``(alpha / r) * B @ A`` to ``W`` in float32.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncrl.sync.adapter import is_adapter_key
+
 log = logging.getLogger(__name__)
 
 ALL_LINEAR = "all-linear"
-PEFT_PREFIX = "base_model.model."
-LORA_KEYS = (".lora_A.weight", ".lora_B.weight")
 
 
 class LoRALinear(nn.Linear):
@@ -62,7 +60,8 @@ def targets(model: nn.Module, target_modules: str | list[str]) -> list[str]:
     """Names of the linear layers to adapt: ``all-linear`` is every ``nn.Linear`` but the
     output head (as peft reads it); a list names layers by their last name part
     (``q_proj``) or a longer suffix (``self_attn.q_proj``)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or module is head:
@@ -96,10 +95,6 @@ def inject(model: nn.Module, rank: int, alpha: float, target_modules: str | list
     return len(names)
 
 
-def is_adapter_key(name: str) -> bool:
-    return name.endswith(LORA_KEYS)
-
-
 def merged(
     state: dict[str, torch.Tensor], scaling: float, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
@@ -121,42 +116,15 @@ def merged(
     return out
 
 
-def adapter_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The adapter tensors of a full state, named as peft saves them."""
-    return {PEFT_PREFIX + k: v for k, v in state.items() if is_adapter_key(k)}
-
-
-def save_adapter(
-    out_dir: str | Path,
+def for_push(
     state: dict[str, torch.Tensor],
-    *,
-    rank: int,
-    alpha: float,
-    base_model: str,
-) -> Path:
-    """Write ``out_dir`` as a peft LoRA adapter (``adapter_config.json`` and
-    ``adapter_model.safetensors``) from a full state: what peft's ``PeftModel`` and vLLM's
-    ``LoRARequest`` load."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in adapter_state(state).items()}
-    modules = sorted(
-        {k.removeprefix(PEFT_PREFIX).rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in tensors}
-    )
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": alpha,
-        "target_modules": modules,
-        "lora_dropout": 0.0,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "modules_to_save": None,
-        "base_model_name_or_path": base_model,
-    }
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
-    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
-    return out
+    scaling: float,
+    dtype: torch.dtype | None,
+    adapter_only: bool,
+) -> dict[str, torch.Tensor]:
+    """What the rollout servers get of a full state with adapters: the adapter tensors
+    alone (``sync.lora: adapter``; vLLM serves them beside its base weights), or the
+    weights with the adapters merged (``merged``). Cast to ``dtype``."""
+    if not adapter_only:
+        return merged(state, scaling, dtype)
+    return {k: v if dtype is None else v.to(dtype) for k, v in state.items() if is_adapter_key(k)}

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import Config
+from asyncrl.sync.adapter import save_peft_adapter
 from learner import fsdp, lora
 from learner.advantages import OUTCOME_ESTIMATORS
 from learner.collate import MicroBatch, collate, pad_rows
@@ -373,11 +374,20 @@ class Trainer:
         """Full weights named as in the HF checkpoint, cast to ``model.dtype`` (what the
         rollout's vLLM runs); with LoRA, the adapters merged into them in float32. A
         collective: call it on every rank."""
-        dtype = _DTYPES[self.cfg.model.dtype]
-        if self.cfg.model.lora_rank:
-            scaling = self.cfg.model.lora_alpha / self.cfg.model.lora_rank
-            return lora.merged(fsdp.full_state(self.model), scaling, dtype)
-        return fsdp.full_state(self.model, dtype)
+        return self._state_for(adapter_only=self.cfg.sync.lora == "adapter")
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The whole model for the final HF export (with LoRA: merged in float32), cast to
+        ``model.dtype``. A collective."""
+        return self._state_for(adapter_only=False)
+
+    def _state_for(self, adapter_only: bool) -> dict[str, torch.Tensor]:
+        m, dtype = self.cfg.model, _DTYPES[self.cfg.model.dtype]
+        if not m.lora_rank:
+            return fsdp.full_state(self.model, dtype)
+        return lora.for_push(
+            fsdp.full_state(self.model), m.lora_alpha / m.lora_rank, dtype, adapter_only
+        )
 
     def export_adapter(self, out: Path) -> Path | None:
         """With LoRA, write the adapter in peft's format to ``out`` (rank 0; a collective:
@@ -386,7 +396,7 @@ class Trainer:
         state = fsdp.full_state(self.model)
         if not m.lora_rank or self.rank != 0:
             return None
-        return lora.save_adapter(
+        return save_peft_adapter(
             out, state, rank=m.lora_rank, alpha=m.lora_alpha, base_model=self.model_path
         )
 

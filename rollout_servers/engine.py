@@ -14,6 +14,9 @@ and workers in child processes). Two things make it more than a thin wrapper:
   :meth:`RolloutEngine.generate` re-submits each with its generated prefix appended to the
   prompt and a seed of its own (:func:`piece_params`), stitching the pieces into one
   response.
+- With pushed LoRA adapters (``sync.lora: adapter``) a sync does not pause at all: the
+  adapter loads as a new vLLM adapter (:mod:`rollout_servers.adapters`), new requests take
+  it, and a request in flight finishes on the adapter it started with.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     from asyncrl.sync.weights import WeightPlan
+    from rollout_servers.adapters import AdapterVersions
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +111,21 @@ def engine_args(
     max_num_seqs: int = 128,
     max_num_batched_tokens: int | None = None,
     hf_overrides: dict[str, Any] | None = None,
+    max_lora_rank: int = 0,
+    max_loras: int = 1,
 ) -> AsyncEngineArgs:
     """vLLM engine arguments for a rollout server: logprobs after temperature (what was
-    actually sampled from) and the weight-sync worker extension."""
+    actually sampled from) and the weight-sync worker extension. ``max_lora_rank`` > 0
+    turns on vLLM's LoRA support, ``max_loras`` adapters in one batch (pushed adapters,
+    ``sync.lora: adapter``)."""
+    lora: dict[str, Any] = {}
+    if max_lora_rank:
+        lora = {
+            "enable_lora": True,
+            "max_lora_rank": max_lora_rank,
+            "max_loras": max_loras,
+            "max_cpu_loras": max_loras,
+        }
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
@@ -130,6 +146,7 @@ def engine_args(
         hf_overrides=cast(Any, dict(hf_overrides or {})),
         worker_extension_cls=EXTENSION,
         disable_log_stats=True,
+        **lora,
     )
 
 
@@ -137,10 +154,18 @@ class RolloutEngine:
     """Generation and weight loading on one vLLM engine. All methods run on the event loop
     that created the engine."""
 
-    def __init__(self, llm: Any, sync_mode: str = "keep", version: int = 0) -> None:
+    def __init__(
+        self,
+        llm: Any,
+        sync_mode: str = "keep",
+        version: int = 0,
+        adapters: AdapterVersions | None = None,
+    ) -> None:
         if sync_mode not in ("keep", "abort"):
             raise ValueError(f"sync_mode must be keep or abort, got {sync_mode!r}")
         self.llm = llm
+        # sync.lora: adapter: pushes are LoRA adapters served beside the base weights
+        self.adapters = adapters
         self.sync_mode = sync_mode
         self.version = version
         self._serial = 0
@@ -151,13 +176,17 @@ class RolloutEngine:
 
     @classmethod
     async def start(
-        cls, args: AsyncEngineArgs, sync_mode: str = "keep", version: int = 0
+        cls,
+        args: AsyncEngineArgs,
+        sync_mode: str = "keep",
+        version: int = 0,
+        adapters: AdapterVersions | None = None,
     ) -> RolloutEngine:
         """Start vLLM from :func:`engine_args` (~20-30 s on 2 CPU cores)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         llm = AsyncLLM.from_engine_args(args)
-        engine = cls(llm, sync_mode, version)
+        engine = cls(llm, sync_mode, version, adapters)
         await llm.update_weight_version(str(version))
         return engine
 
@@ -176,6 +205,8 @@ class RolloutEngine:
         """Sample one response to ``prompt_ids`` (``params.n`` must be 1: groups are
         separate requests with their own seeds). Re-submits with the generated prefix when a
         sync in ``abort`` mode interrupts it."""
+        if self.adapters is not None:
+            return await self._generate_on_adapter(prompt_ids, params, request_id)
         sample = Sample(start_version=self.version, temperature=float(params.temperature))
         max_tokens = params.max_tokens
         if max_tokens is None:  # a resubmission needs to know what is left of the budget
@@ -206,6 +237,36 @@ class RolloutEngine:
             sample.resubmissions += 1
             self.metrics["rollout/resubmitted"] += 1
 
+    async def _generate_on_adapter(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str
+    ) -> Sample:
+        """:meth:`generate` with pushed adapters: the request runs start to end on the
+        current adapter (no pause, no re-submission), so every token has its version."""
+        assert self.adapters is not None
+        held = self.adapters.acquire()
+        key, version, lora = held if held is not None else (None, self.version, None)
+        sample = Sample(start_version=version, temperature=float(params.temperature))
+        self._serial += 1
+        final = None
+        try:
+            prompt = {"prompt_token_ids": prompt_ids}
+            async for out in self.llm.generate(
+                prompt, params, request_id=request_id, lora_request=lora
+            ):
+                final = out
+        finally:
+            if key is not None:
+                self.adapters.release(key)
+        if final is None:
+            raise RuntimeError(f"vLLM returned no output for request {request_id}")
+        done = final.outputs[0]
+        ids = list(done.token_ids)
+        positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
+        logprobs = [_sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
+        sample.extend(ids, logprobs, [(version, len(ids))])
+        sample.finish_reason = done.finish_reason or "length"
+        return sample
+
     async def score(self, sequences: list[list[int]]) -> list[float]:
         """Teacher-forced logprobs of each sequence's tokens after its first, under the
         weights loaded now, at temperature 1 (vLLM's prompt logprobs), concatenated: the
@@ -218,8 +279,9 @@ class RolloutEngine:
             self._serial += 1
             final = None
             rid = f"probe-{self.version}-{i}-{self._serial}"
+            lora = self.adapters.current_request() if self.adapters is not None else None
             async for result in self.llm.generate(
-                {"prompt_token_ids": ids}, params, request_id=rid
+                {"prompt_token_ids": ids}, params, request_id=rid, lora_request=lora
             ):
                 final = result
             if final is None or final.prompt_logprobs is None:
@@ -240,6 +302,8 @@ class RolloutEngine:
         resume. ``join`` joins a new sync group first. Waits for the learner's broadcast (bounded by
         ``timeout_s``); on failure generation resumes under the old weights and the error
         propagates (the caller re-registers and catches up)."""
+        if self.adapters is not None:
+            return await self._sync_adapter(version, plan, join=join, timeout_s=timeout_s)
         start = time.monotonic()
         if self.sync_mode == "abort":
             self._resumed.clear()
@@ -271,6 +335,37 @@ class RolloutEngine:
             steps,
         )
         return {"seconds": paused, **(stats[0] if stats else {})}
+
+    async def _sync_adapter(
+        self, version: int, plan: WeightPlan, *, join: SyncJoin | None, timeout_s: float
+    ) -> dict[str, float]:
+        """:meth:`sync_weights` of a pushed LoRA adapter: no pause. The workers receive the
+        broadcast and write the adapter's files, vLLM loads it, new requests take it;
+        requests in flight finish on the adapter they started with."""
+        assert self.adapters is not None
+        start = time.monotonic()
+        if join is not None:
+            await self.llm.collective_rpc("wsync_join", args=(*join, timeout_s))
+        path = str(self.adapters.path_for(version))
+        rank, alpha = self.adapters.rank, self.adapters.alpha
+        stats = await self.llm.collective_rpc(
+            "wsync_receive_adapter", args=(plan, timeout_s, path, rank, alpha)
+        )
+        received = time.monotonic()
+        await self.adapters.activate(self.llm, version)
+        await self.llm.update_weight_version(str(version))
+        self.version = version
+        took = time.monotonic() - start
+        log.info(
+            "adapter of version %d loaded in %.3fs (receive %.3f, load %.3f; adapters held: "
+            "versions %s)",
+            version,
+            took,
+            received - start,
+            took - (received - start),
+            self.adapters.versions,
+        )
+        return {"seconds": took, **(stats[0] if stats else {})}
 
 
 def piece_params(params: SamplingParams, piece: int, max_tokens: int) -> SamplingParams:

@@ -17,9 +17,11 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.cli import parse_role_args
@@ -124,8 +126,39 @@ async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
         enforce_eager=eager_engine(cfg),
         max_num_seqs=ro.max_inflight,
         hf_overrides=cfg.model.override_config,
+        **_lora_args(cfg),
     )
-    return await RolloutEngine.start(args, sync_mode=ro.sync_mode), seeded
+    adapters = _adapters(cfg)
+    engine = await RolloutEngine.start(args, sync_mode=ro.sync_mode, adapters=adapters)
+    return engine, seeded
+
+
+def _lora_args(cfg: Config) -> dict[str, int]:
+    """Engine arguments for pushed adapters (``sync.lora: adapter``): vLLM's rank that
+    holds ``model.lora_rank``, and room in a batch for every version a request may still
+    run on (``max_policy_lag + 1``) plus the newest."""
+    from rollout_servers.adapters import engine_lora_rank
+
+    if not (cfg.model.lora_rank and cfg.sync.lora == "adapter"):
+        return {}
+    return {
+        "max_lora_rank": engine_lora_rank(cfg.model.lora_rank),
+        "max_loras": cfg.staleness.max_policy_lag + 2,
+    }
+
+
+def _adapters(cfg: Config) -> Any:
+    """The adapter versions of a server with pushed adapters (None otherwise); their files
+    in a temporary directory of this process."""
+    from rollout_servers.adapters import AdapterVersions
+
+    if not (cfg.model.lora_rank and cfg.sync.lora == "adapter"):
+        return None
+    root = tempfile.mkdtemp(prefix="asyncrl-adapters-")
+    m = cfg.model
+    return AdapterVersions(
+        root, keep=cfg.staleness.max_policy_lag + 1, rank=m.lora_rank, alpha=m.lora_alpha
+    )
 
 
 async def serve(cfg: Config, server_id: str) -> int:
@@ -189,6 +222,8 @@ async def serve(cfg: Config, server_id: str) -> int:
         if tools is not None:
             tools.close()
         engine.shutdown()
+        if engine.adapters is not None:
+            shutil.rmtree(engine.adapters.root, ignore_errors=True)
     log.info("%s exits %d: %s", server_id, code, server.snapshot())
     return code
 

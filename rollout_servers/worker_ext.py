@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.sync.adapter import save_peft_adapter
 from asyncrl.sync.weights import WeightPlan, form_group, open_store, receive_weights
 
 #: Starts the error of a sync that failed after the engine's weights were partly replaced:
@@ -92,6 +93,32 @@ class WeightSyncExtension:
             raise RuntimeError(f"{PARTLY_LOADED}: {e}") from e
         self._wsync_retie_embeddings()
         return {"tensors": float(count), "seconds": time.monotonic() - start}
+
+    def wsync_receive_adapter(
+        self,
+        plan: WeightPlan | dict[str, Any],
+        timeout_s: float,
+        out_dir: str,
+        rank: int,
+        alpha: float,
+    ) -> dict[str, float]:
+        """Receive one broadcast of LoRA adapter tensors and write them to ``out_dir`` in
+        peft's format (the first worker writes; every worker takes part in the broadcast),
+        for the server to load with ``add_lora``. The engine's own weights are untouched.
+        Returns ``{"tensors", "seconds"}``."""
+        group = getattr(self, "_wsync_group", None)
+        if group is None:
+            raise RuntimeError("wsync_receive_adapter before wsync_join: join a sync group first")
+        if not isinstance(plan, WeightPlan):
+            plan = msgspec.convert(plan, WeightPlan)
+        start = time.monotonic()
+        device = "cpu" if str(self.device) == "cpu" else self.device  # NCCL: the worker's GPU
+        stream = receive_weights(group, plan, timeout_s=timeout_s, device=device)
+        # Copies: the received tensors are views of a bucket the next receive reuses.
+        tensors = {name: tensor.to("cpu", copy=True) for name, tensor in stream}
+        if self.rank == 0:
+            save_peft_adapter(out_dir, tensors, rank=rank, alpha=alpha)
+        return {"tensors": float(len(tensors)), "seconds": time.monotonic() - start}
 
     def _wsync_retie_embeddings(self) -> None:
         """Re-tie the output head to the input embedding of a tied-embedding model.

@@ -148,6 +148,12 @@ class SyncConfig(Section):
         description="Send each new version while the learner trains the next step (it "
         "waits only for the previous push); false waits for every push.",
     )
+    lora: Literal["adapter", "merged"] = Field(
+        default="adapter",
+        description="With model.lora_rank > 0: adapter pushes the adapters only and the "
+        "servers serve each version with vLLM's LoRA support (a request finishes on the "
+        "adapter it started with); merged pushes the whole model with the adapters merged.",
+    )
 
 
 class ControlConfig(Section):

@@ -1,0 +1,122 @@
+"""The LoRA adapter versions a rollout server holds in vLLM (``sync.lora: adapter``).
+
+Each push of the learner's adapters becomes a vLLM LoRA adapter of its own, named after
+the policy version (``policy-v<version>-<n>``, vLLM id ``n``, the count of adapters loaded), read
+from a peft directory the engine's worker wrote. New requests take the current version; a
+request keeps the adapter it started with until it finishes, so its tokens all carry that
+version and its behaviour logprobs describe one policy. A version is released (unloaded
+from vLLM, its files deleted) once it is neither current nor among the ``keep`` newest and
+no request uses it any more; ``keep`` is ``max_policy_lag + 1`` by default, the versions a
+request may still be sampling from while it is fresh enough to train.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: vLLM's allowed ``max_lora_rank`` values (``vllm.config.lora.MaxLoRARanks``, 0.32).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM allows that holds adapters of ``rank`` (a smaller adapter is
+    padded by vLLM); an error naming the limit above the largest."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ValueError(
+        f"model.lora_rank={rank} is above vLLM's largest LoRA rank {VLLM_LORA_RANKS[-1]}: "
+        "lower model.lora_rank or push merged weights (sync.lora=merged)"
+    )
+
+
+@dataclass
+class _Loaded:
+    version: int
+    request: Any  # vllm.lora.request.LoRARequest
+    path: Path
+    users: int = 0
+
+
+class AdapterVersions:
+    """Which adapters are loaded, which is current, and how many requests use each. Runs
+    on the engine's event loop (not thread-safe).
+
+    Adapters are keyed by a load counter, not by version: a learner that restarted from an
+    older checkpoint pushes a version number again with other weights, and the requests
+    still on the first copy must keep it.
+    """
+
+    def __init__(self, root: str | Path, *, keep: int, rank: int, alpha: float):
+        self.root = Path(root)
+        self.keep = max(1, keep)
+        self.rank, self.alpha = rank, alpha  # written into each adapter's config
+        self.current: int | None = None  # a key of _loaded
+        self._loaded: dict[int, _Loaded] = {}
+        self._next_id = 1  # vLLM's LoRA ids start at 1
+
+    def path_for(self, version: int) -> Path:
+        """Where the next adapter's files go (the worker writes them there)."""
+        return self.root / f"v{version}-{self._next_id}"
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy versions of the adapters loaded now, oldest first."""
+        return [self._loaded[k].version for k in sorted(self._loaded)]
+
+    @property
+    def version(self) -> int | None:
+        """The current adapter's policy version (None before the first)."""
+        return None if self.current is None else self._loaded[self.current].version
+
+    async def activate(self, llm: Any, version: int) -> None:
+        """Load the adapter written to :meth:`path_for` ``(version)`` into vLLM and make it
+        current for new requests; release adapters nobody needs any more."""
+        from vllm.lora.request import LoRARequest
+
+        key, path = self._next_id, self.path_for(version)
+        request = LoRARequest(f"policy-v{version}-{key}", key, str(path))
+        await llm.add_lora(request)
+        self._next_id += 1
+        self._loaded[key] = _Loaded(version, request, path)
+        self.current = key
+        await self.prune(llm)
+
+    def acquire(self) -> tuple[int, int, Any] | None:
+        """``(key, version, LoRARequest)`` for a new request, counted as a user until
+        :meth:`release` ``(key)``; None before the first adapter (the base model serves)."""
+        if self.current is None:
+            return None
+        a = self._loaded[self.current]
+        a.users += 1
+        return self.current, a.version, a.request
+
+    def release(self, key: int) -> None:
+        """A request on adapter ``key`` finished (unloading waits for the next activation)."""
+        a = self._loaded.get(key)
+        if a is not None:
+            a.users -= 1
+
+    def current_request(self) -> Any | None:
+        """The current adapter's ``LoRARequest`` (None before the first adapter)."""
+        return None if self.current is None else self._loaded[self.current].request
+
+    async def prune(self, llm: Any) -> None:
+        """Unload adapters older than the ``keep`` newest that no request uses."""
+        newest = sorted(self._loaded, reverse=True)[: self.keep]
+        for key in sorted(self._loaded):
+            a = self._loaded[key]
+            if key in newest or key == self.current or a.users > 0:
+                continue
+            del self._loaded[key]
+            try:
+                await llm.remove_lora(key)
+            except Exception as e:  # evicted by vLLM already: nothing to unload
+                log.debug("adapter %s not unloaded: %s", a.request.lora_name, e)
+            shutil.rmtree(a.path, ignore_errors=True)
