@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install test demo ppo-demo agent-demo agent-artifacts endpoint-demo artifacts gpu-check lint format clean demo-artifacts
+.PHONY: install test demo lora-demo ppo-demo agent-demo agent-artifacts endpoint-demo artifacts gpu-check lint format clean demo-artifacts
 
 install: $(STAMP)
 
@@ -43,6 +43,10 @@ demo-artifacts: $(STAMP)
 
 demo: demo-artifacts
 	$(BIN)/asyncrl-launch configs/cpu_demo.yaml
+
+# The same demo training LoRA adapters on the frozen model.
+lora-demo: demo-artifacts
+	$(BIN)/asyncrl-launch configs/cpu_demo_lora.yaml
 
 # The same demo with PPO and a critic (GAE) instead of GRPO.
 ppo-demo: demo-artifacts

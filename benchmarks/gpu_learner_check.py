@@ -302,18 +302,21 @@ def main(argv: list[str] | None = None) -> int:
             raise AssertionError(
                 f"base moved: {base_moved[:3]}; adapters B moved: {b_moved}; losses {losses}"
             )
-        pushed = trainer.full_state_for_push()
-        if any(lora.is_adapter_key(k) for k in pushed) or not all(
-            t.isfinite().all() for t in pushed.values()
+        pushed = trainer.full_state_for_push()  # sync.lora: adapter
+        merged = trainer.export_state()
+        if not all(lora.is_adapter_key(k) for k in pushed) or any(
+            lora.is_adapter_key(k) for k in merged
         ):
-            raise AssertionError("the pushed weights hold adapters or non-finite values")
+            raise AssertionError("the push is not the adapter alone, or the export not merged")
+        if not all(t.isfinite().all() for t in (*pushed.values(), *merged.values())):
+            raise AssertionError("non-finite pushed or merged weights")
         path = trainer.save(run_root / "lora")
         trainer.load(path)
         back = full_state(trainer.model)
         if any(not torch.equal(back[k], after[k]) for k in after):
             raise AssertionError("weights differ after an adapter checkpoint's load")
         return (
-            f"{b_moved} adapters moved, base unchanged, merged push of {len(pushed)} tensors, "
+            f"{b_moved} adapters moved, base unchanged, push of {len(pushed)} adapter tensors, "
             f"losses {', '.join(f'{x:.3f}' for x in losses)}"
         )
 

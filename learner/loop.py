@@ -31,6 +31,7 @@ from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
+from learner import lora
 from learner.control_plane import ControlPeer, NoControl, RankZero, Restored
 from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.rollouts import Rollout
@@ -203,8 +204,9 @@ class LearnerLoop:
         self.unacked = []
         if final:  # an HF export that vLLM loads (with LoRA: merged, and the adapter)
             self.control.export(self.trainer.export_state(), self.run_dir / "final")
-            if self.cfg.model.lora_rank:
-                self.trainer.export_adapter(self.run_dir / "final_adapter")
+            if self.cfg.model.lora_rank:  # the adapter alone too, in peft's format
+                out = self.run_dir / "final_adapter"
+                lora.export_adapter(self.trainer.model, self.cfg.model, out, self.trainer.rank)
 
     def _restore(self) -> Restored:
         """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any."""

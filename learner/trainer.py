@@ -31,13 +31,11 @@ import math
 import time
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.config import Config
-from asyncrl.sync.adapter import save_peft_adapter
 from learner import fsdp, lora
 from learner.advantages import OUTCOME_ESTIMATORS
 from learner.collate import MicroBatch, collate, pad_rows
@@ -94,7 +92,7 @@ class Trainer:
             attn_implementation=cfg.model.attn_implementation,
             offload=fsdp.offload_wanted(cfg),
             config_overrides=cfg.model.override_config,
-            lora=lora_spec(cfg),
+            lora=lora.spec(cfg.model),
         )
         self.loss_cfg = LossConfig.from_config(cfg)
         # The frozen reference for the KL penalty: the initial weights, sharded the same way.
@@ -371,34 +369,19 @@ class Trainer:
         return out
 
     def full_state_for_push(self) -> dict[str, torch.Tensor]:
-        """Full weights named as in the HF checkpoint, cast to ``model.dtype`` (what the
-        rollout's vLLM runs); with LoRA, the adapters merged into them in float32. A
-        collective: call it on every rank."""
-        return self._state_for(adapter_only=self.cfg.sync.lora == "adapter")
+        """What the rollout servers load, named as in the HF checkpoint and cast to
+        ``model.dtype``: the full weights, or with LoRA the adapters alone
+        (``sync.lora: adapter``) or merged into the weights. A collective: call it on every
+        rank."""
+        adapter_only = self.cfg.sync.lora == "adapter"
+        return lora.state_for(
+            self.model, self.cfg.model, _DTYPES[self.cfg.model.dtype], adapter_only
+        )
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The whole model for the final HF export (with LoRA: merged in float32), cast to
         ``model.dtype``. A collective."""
-        return self._state_for(adapter_only=False)
-
-    def _state_for(self, adapter_only: bool) -> dict[str, torch.Tensor]:
-        m, dtype = self.cfg.model, _DTYPES[self.cfg.model.dtype]
-        if not m.lora_rank:
-            return fsdp.full_state(self.model, dtype)
-        return lora.for_push(
-            fsdp.full_state(self.model), m.lora_alpha / m.lora_rank, dtype, adapter_only
-        )
-
-    def export_adapter(self, out: Path) -> Path | None:
-        """With LoRA, write the adapter in peft's format to ``out`` (rank 0; a collective:
-        every rank calls it). Returns ``out`` on rank 0, else None."""
-        m = self.cfg.model
-        state = fsdp.full_state(self.model)
-        if not m.lora_rank or self.rank != 0:
-            return None
-        return save_peft_adapter(
-            out, state, rank=m.lora_rank, alpha=m.lora_alpha, base_model=self.model_path
-        )
+        return lora.state_for(self.model, self.cfg.model, _DTYPES[self.cfg.model.dtype], False)
 
     def save(self, run_dir, extra: dict | None = None):
         """Checkpoint into ``<run_dir>/checkpoints/step_<step>/`` (every rank calls it)."""
@@ -423,12 +406,6 @@ class Trainer:
         meta = load_checkpoint(path, self.model, self.optimizer, self.scheduler, critic=self.critic)
         self.step, self.policy_version = meta.step, meta.policy_version
         return meta.extra
-
-
-def lora_spec(cfg: Config) -> tuple[int, float, str | list[str]] | None:
-    """``(rank, alpha, target modules)`` when ``model.lora_rank`` is on, else None."""
-    m = cfg.model
-    return (m.lora_rank, m.lora_alpha, m.target_modules) if m.lora_rank else None
 
 
 def _trainable(r: Rollout, max_len: int | None) -> bool:

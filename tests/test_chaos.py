@@ -298,3 +298,46 @@ def test_endpoint_groups_then_a_learner_kill(tmp_path, demo_model, arithmetic_da
     assert agents.complete() == {"g0": True, "g1": True}, agents.results
     dealt = max(r.get("coordinator/tasks/external_dealt", 0) for r in records)
     assert dealt == 2, dealt  # one slot per group, none shared, none dealt twice
+
+
+# ----------------------------------------------------------------------- LoRA adapters
+@pytest.mark.timeout(900)
+def test_pushed_adapters_survive_a_server_then_a_learner_kill(
+    tmp_path, demo_model, arithmetic_data
+):
+    """LoRA with pushed adapters (``sync.lora: adapter``): a rollout server dies, then the
+    learner (it resumes from an adapter-only checkpoint and pushes adapters again to the
+    servers that join its new group); every step is trained, the accounting holds, and
+    after every sync the engines scored the probe as the learner does (the adapter path,
+    not the base weights)."""
+    args = overrides(
+        tmp_path,
+        demo_model,
+        arithmetic_data,
+        STEPS,
+        "model.lora_rank=8",
+        "model.lora_alpha=16",
+        "actor.optim.lr=2e-3",
+        "sync.lora=adapter",
+    )
+    chaos = ChaosRun(tmp_path, args)
+    code = chaos.drive([kill_after("rollout-0", 3), kill_after("learner", 13)], timeout_s=780)
+    records = check_end(chaos, code)
+    final_accounting(records)
+    check_restarted(chaos.run, "rollout-0")
+    check_restarted(chaos.run, "learner")
+    # rollout-1 joined the restarted learner's sync group and took adapters from it (the
+    # restarted rollout-0 may start its engine after the run ended: _check_server_kill).
+    assert "server rollout-1 registered" in learner_lives(chaos.run)[-1]
+    probes = [r["sync/probe_kl"] for r in records if "sync/probe_kl" in r]
+    assert probes and max(abs(p) for p in probes) < 1e-3, probes
+    logs = "".join(
+        (chaos.run / "logs" / f"rollout-{i}.log").read_text(errors="replace") for i in (0, 1)
+    )
+    assert "adapter of version" in logs and "weights of version" not in logs
+    checkpoint = max((chaos.run / "checkpoints").glob("step_*"))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    weights = [k for k in saved if k.startswith("model.")]
+    assert weights and all(".lora_" in k for k in weights), weights[:4]

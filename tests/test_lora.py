@@ -88,7 +88,7 @@ def test_merged_weights_give_the_adapted_model_s_logits(tiny_model):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_a_lora_step_moves_adapters_only_and_pushes_merged_weights(tiny_model, single_rank):
+def test_a_lora_step_moves_adapters_only_and_exports_merged_weights(tiny_model, single_rank):
     from learner.fsdp import full_state
 
     trainer = Trainer(lora_cfg(tiny_model))
@@ -99,7 +99,9 @@ def test_a_lora_step_moves_adapters_only_and_pushes_merged_weights(tiny_model, s
         if not lora.is_adapter_key(k):
             assert torch.equal(p, before[k]), k
     assert any(not torch.equal(after[k], before[k]) for k in after if ".lora_B." in k)
-    pushed = trainer.full_state_for_push()
+    # sync.lora: adapter (the default) pushes the adapters; the export merges them.
+    assert set(trainer.full_state_for_push()) == {k for k in before if lora.is_adapter_key(k)}
+    pushed = trainer.export_state()
     assert set(pushed) == {k for k in before if not lora.is_adapter_key(k)}
     w = "model.layers.0.self_attn.q_proj.weight"
     a = after[w.replace(".weight", ".lora_A.weight")]
@@ -112,7 +114,7 @@ def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model, singl
 
     straight = Trainer(lora_cfg(tiny_model))
     expected = run(straight, BATCHES)
-    expected_state = straight.full_state_for_push()
+    expected_state = straight.export_state()
 
     first = Trainer(lora_cfg(tiny_model))
     run(first, BATCHES[:2])
@@ -126,7 +128,7 @@ def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model, singl
     got = run(resumed, BATCHES[2:])
     for key in ("loss/total", "actor/lr", "actor/grad_norm"):
         assert [m[key] for m in got] == pytest.approx([m[key] for m in expected[2:]], rel=1e-6)
-    for k, v in resumed.full_state_for_push().items():
+    for k, v in resumed.export_state().items():
         torch.testing.assert_close(v, expected_state[k], rtol=0, atol=1e-7)
 
 
@@ -145,11 +147,11 @@ def test_vllm_serves_the_exported_adapter_as_the_merged_model(tiny_model, single
 
     trainer = Trainer(lora_cfg(tiny_model))
     run(trainer, BATCHES[:3])
-    adapter = trainer.export_adapter(tmp_path / "adapter")
+    adapter = lora.export_adapter(trainer.model, trainer.cfg.model, tmp_path / "adapter", 0)
     assert adapter is not None
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and "q_proj" in config["target_modules"]
-    merged = trainer.full_state_for_push()
+    merged = trainer.export_state()
     plain = hf_model(tiny_model)
     plain.load_state_dict(merged, strict=False)
 
