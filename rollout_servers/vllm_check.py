@@ -41,16 +41,19 @@ _OBJECTS: list[tuple[str, str]] = [
     ("sampling", "SamplingParams"),
     ("final-only outputs", "sampling_params.RequestOutputKind.FINAL_ONLY"),
     ("weight reload", "v1.worker.gpu_model_runner.GPUModelRunner.reload_weights"),
+    ("pushed LoRA adapters", "lora.request.LoRARequest"),
 ]
 # Methods of AsyncLLM the server calls, and the keyword arguments it passes them.
 _ENGINE_METHODS: dict[str, tuple[str, ...]] = {
     "from_engine_args": (),
-    "generate": ("request_id",),
+    "generate": ("request_id", "lora_request"),
     "collective_rpc": ("args",),  # the worker extension's wsync_* methods
     "pause_generation": ("mode", "clear_cache"),
     "resume_generation": (),
     "reset_prefix_cache": (),
     "update_weight_version": (),  # per-token policy versions
+    "add_lora": (),  # sync.lora: adapter
+    "remove_lora": (),
     "shutdown": (),
 }
 # AsyncEngineArgs fields engine_args() sets.
@@ -64,6 +67,10 @@ _ENGINE_ARGS = (
     "gpu_memory_utilization",
     "enforce_eager",
     "disable_log_stats",
+    "enable_lora",
+    "max_lora_rank",
+    "max_loras",
+    "max_cpu_loras",
 )
 _SAMPLING_FIELDS = ("logprobs", "seed", "output_kind", "detokenize", "max_tokens", "top_k")
 

@@ -132,7 +132,11 @@ def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model, singl
         torch.testing.assert_close(v, expected_state[k], rtol=0, atol=1e-7)
 
 
-def test_target_modules_must_be_all_linear_or_a_list(tiny_model):
+def test_lora_keys_that_cannot_work_are_refused_naming_the_fix(tiny_model):
+    base = [f"model.path={tiny_model}", "model.lora_rank=1024"]
+    with pytest.raises(ConfigError, match="largest rank vLLM serves.*sync.lora=merged"):
+        load_config(None, base)
+    assert load_config(None, [*base, "sync.lora=merged"]).model.lora_rank == 1024
     with pytest.raises(ConfigError, match="all-linear or a list"):
         load_config(
             None, [f"model.path={tiny_model}", "model.lora_rank=8", "model.target_modules=q_proj"]

@@ -6,7 +6,6 @@ started on an older adapter finishes on it, and old adapters are released."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
@@ -14,42 +13,17 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import load_config
-from asyncrl.sync.weights import form_group, open_store, plan_buckets, send_weights, specs_of
 from learner import lora
 from learner.fsdp import full_state
 from learner.trainer import Trainer
 from rollout_servers.adapters import AdapterVersions, engine_lora_rank
-from rollout_servers.engine import SyncJoin
-from tests.helpers import LoopThread, free_port
+from tests.helpers import LoopThread
+from tests.standins.weights import EngineSender
 from tests.test_checkpoint import BATCHES
 
 TEMPERATURE = 0.7
 PROMPT = [258, 84, 82, 68, 81, 198, 18, 10, 20, 28, 256, 198, 258, 64]
 RANK, ALPHA = 4, 8
-
-
-class Pusher:
-    """The learner's side of the sync: hosts the store, broadcasts the adapter tensors."""
-
-    def __init__(self):
-        self.port = free_port()
-        self.store = open_store("127.0.0.1", self.port, is_host=True, timeout_s=60)
-        self.group = None
-
-    def push(self, loop, engine, tensors, version):
-        plan = plan_buckets(specs_of(tensors), 1 << 20)
-        join = None if self.group else SyncJoin("127.0.0.1", self.port, "g1", 1, 2, "gloo")
-
-        def send():
-            if self.group is None:
-                self.group = form_group(self.store, "g1", 0, 2, timeout_s=60)
-            send_weights(self.group, tensors, plan, timeout_s=60)
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        stats = loop.run(engine.sync_weights(version, plan, join=join, timeout_s=60))
-        sender.join(60)
-        return stats
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +47,7 @@ def rig(tiny_model, single_rank, tmp_path_factory):
     )
     loop = LoopThread()
     engine = loop.run(RolloutEngine.start(args, adapters=adapters))
-    yield loop, engine, trainer, Pusher(), tiny_model
+    yield loop, engine, trainer, EngineSender(), tiny_model
     engine.shutdown()
 
 

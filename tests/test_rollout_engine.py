@@ -5,50 +5,25 @@ logprobs of the weights that produced it (``keep`` and ``abort`` modes)."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.sync.weights import (
-    form_group,
-    open_store,
-    plan_buckets,
-    send_weights,
-    specs_of,
-)
-from rollout_servers.engine import SyncJoin
-from tests.helpers import LoopThread, free_port
+from tests.helpers import LoopThread
+from tests.standins.weights import EngineSender
 
 TEMPERATURE = 0.7
 PROMPT = [258, 84, 82, 68, 81, 198, 18, 10, 20, 28, 256, 198, 258, 64]  # a chat prompt
 
 
-class Learner:
-    """Reference sender: hosts the sync store and pushes HF models' weights."""
+class Learner(EngineSender):
+    """Reference sender of HF models' weights."""
 
-    def __init__(self):
-        self.port = free_port()
-        self.store = open_store("127.0.0.1", self.port, is_host=True, timeout_s=60)
-        self.group = None
-
-    def push(self, loop, engine, model, version):
+    def push(self, loop, engine, model, version):  # type: ignore[override]
         tensors = {n: p.detach() for n, p in model.named_parameters()}
-        plan = plan_buckets(specs_of(tensors), 1 << 20)
-        join = None if self.group else SyncJoin("127.0.0.1", self.port, "g1", 1, 2, "gloo")
-
-        def send():
-            if self.group is None:
-                self.group = form_group(self.store, "g1", 0, 2, timeout_s=60)
-            send_weights(self.group, tensors, plan, timeout_s=60)
-
-        sender = threading.Thread(target=send)
-        sender.start()
-        stats = loop.run(engine.sync_weights(version, plan, join=join, timeout_s=60))
-        sender.join(60)
-        return stats
+        return super().push(loop, engine, tensors, version)
 
 
 def _perturbed(path, seed, scale=0.05):

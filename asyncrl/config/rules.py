@@ -149,6 +149,11 @@ def _lora_problems(cfg: Config) -> list[str]:
         ]
     if isinstance(m.target_modules, list) and not m.target_modules:
         return ["model.target_modules is an empty list: name layers or use all-linear"]
+    if m.lora_rank > 512 and cfg.sync.lora == "adapter":  # vLLM 0.32's largest LoRA rank
+        return [
+            f"model.lora_rank={m.lora_rank} is above the largest rank vLLM serves (512): "
+            "lower it, or push merged weights (sync.lora=merged)"
+        ]
     return []
 
 

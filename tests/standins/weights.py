@@ -145,3 +145,38 @@ class ProbeScorer:
                 logp = torch.log_softmax(self.model(x).logits[0, :-1].float(), dim=-1)
                 out += logp.gather(1, x[0, 1:, None]).squeeze(1).tolist()
         return out
+
+
+class EngineSender:
+    """The learner's side of a sync with a real :class:`~rollout_servers.engine.RolloutEngine`
+    in this process: hosts the sync store, forms group ``g1`` with the engine's worker on the
+    first push, and broadcasts tensors while the engine receives them."""
+
+    def __init__(self):
+        from asyncrl.sync.weights import open_store
+        from tests.helpers import free_port
+
+        self.port = free_port()
+        self.store = open_store("127.0.0.1", self.port, is_host=True, timeout_s=60)
+        self.group = None
+
+    def push(self, loop, engine, tensors: dict, version: int) -> dict:
+        """Push ``tensors`` as ``version``; returns the engine's sync stats."""
+        import threading
+
+        from asyncrl.sync.weights import form_group, plan_buckets, send_weights, specs_of
+        from rollout_servers.engine import SyncJoin
+
+        plan = plan_buckets(specs_of(tensors), 1 << 20)
+        join = None if self.group else SyncJoin("127.0.0.1", self.port, "g1", 1, 2, "gloo")
+
+        def send():
+            if self.group is None:
+                self.group = form_group(self.store, "g1", 0, 2, timeout_s=60)
+            send_weights(self.group, tensors, plan, timeout_s=60)
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        stats = loop.run(engine.sync_weights(version, plan, join=join, timeout_s=60))
+        sender.join(60)
+        return stats
