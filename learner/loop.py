@@ -31,7 +31,7 @@ from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
-from learner import lora
+from learner import fsdp, lora
 from learner.control_plane import ControlPeer, NoControl, RankZero, Restored
 from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.rollouts import Rollout
@@ -205,8 +205,9 @@ class LearnerLoop:
         if final:  # an HF export that vLLM loads (with LoRA: merged, and the adapter)
             self.control.export(self.trainer.export_state(), self.run_dir / "final")
             if self.cfg.model.lora_rank:  # the adapter alone too, in peft's format
-                out = self.run_dir / "final_adapter"
-                lora.export_adapter(self.trainer.model, self.cfg.model, out, self.trainer.rank)
+                state = fsdp.full_state(self.trainer.model)  # a collective
+                if self.trainer.rank == 0:
+                    lora.export_adapter(state, self.cfg.model, self.run_dir / "final_adapter")
 
     def _restore(self) -> Restored:
         """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any."""

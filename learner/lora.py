@@ -125,19 +125,6 @@ def spec(model_cfg: Any) -> tuple[int, float, str | list[str]] | None:
     return (m.lora_rank, m.lora_alpha, m.target_modules) if m.lora_rank else None
 
 
-def state_for(
-    model: nn.Module, model_cfg: Any, dtype: torch.dtype, adapter_only: bool
-) -> dict[str, torch.Tensor]:
-    """Full tensors of the sharded ``model`` for the servers or an export (a collective):
-    the weights cast to ``dtype``, or under LoRA :func:`for_push` of them."""
-    from learner import fsdp
-
-    m = model_cfg
-    if not m.lora_rank:
-        return fsdp.full_state(model, dtype)
-    return for_push(fsdp.full_state(model), m.lora_alpha / m.lora_rank, dtype, adapter_only)
-
-
 def for_push(
     state: dict[str, torch.Tensor],
     scaling: float,
@@ -152,13 +139,8 @@ def for_push(
     return {k: v if dtype is None else v.to(dtype) for k, v in state.items() if is_adapter_key(k)}
 
 
-def export_adapter(model: nn.Module, model_cfg: Any, out: str | Path, rank: int) -> Path | None:
-    """Write the adapter of the sharded ``model`` in peft's format to ``out`` (a collective:
-    every rank calls it; rank ``0`` writes). Returns ``out`` on rank 0, else None."""
-    from learner import fsdp
-
-    state = fsdp.full_state(model)
+def export_adapter(state: dict[str, torch.Tensor], model_cfg: Any, out: str | Path) -> Path:
+    """Write the adapter of a gathered full ``state`` in peft's format to ``out`` (call it
+    on one rank)."""
     m = model_cfg
-    if rank != 0:
-        return None
     return save_peft_adapter(out, state, rank=m.lora_rank, alpha=m.lora_alpha, base_model=m.path)

@@ -373,15 +373,19 @@ class Trainer:
         ``model.dtype``: the full weights, or with LoRA the adapters alone
         (``sync.lora: adapter``) or merged into the weights. A collective: call it on every
         rank."""
-        adapter_only = self.cfg.sync.lora == "adapter"
-        return lora.state_for(
-            self.model, self.cfg.model, _DTYPES[self.cfg.model.dtype], adapter_only
-        )
+        return self._state_for(adapter_only=self.cfg.sync.lora == "adapter")
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The whole model for the final HF export (with LoRA: merged in float32), cast to
         ``model.dtype``. A collective."""
-        return lora.state_for(self.model, self.cfg.model, _DTYPES[self.cfg.model.dtype], False)
+        return self._state_for(adapter_only=False)
+
+    def _state_for(self, adapter_only: bool) -> dict[str, torch.Tensor]:
+        m, dtype = self.cfg.model, _DTYPES[self.cfg.model.dtype]
+        if not m.lora_rank:
+            return fsdp.full_state(self.model, dtype)
+        scaling = m.lora_alpha / m.lora_rank
+        return lora.for_push(fsdp.full_state(self.model), scaling, dtype, adapter_only)
 
     def save(self, run_dir, extra: dict | None = None):
         """Checkpoint into ``<run_dir>/checkpoints/step_<step>/`` (every rank calls it)."""

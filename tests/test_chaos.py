@@ -341,3 +341,6 @@ def test_pushed_adapters_survive_a_server_then_a_learner_kill(
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     weights = [k for k in saved if k.startswith("model.")]
     assert weights and all(".lora_" in k for k in weights), weights[:4]
+    # The end: the merged model and the adapter in peft's format.
+    assert (chaos.run / "final" / "model.safetensors").exists()
+    assert (chaos.run / "final_adapter" / "adapter_config.json").exists()

@@ -14,6 +14,7 @@ import torch
 
 from asyncrl.config import ConfigError, load_config
 from learner import lora
+from learner.fsdp import full_state
 from learner.trainer import Trainer
 from tests.test_checkpoint import BATCHES, run
 
@@ -89,7 +90,6 @@ def test_merged_weights_give_the_adapted_model_s_logits(tiny_model):
 
 
 def test_a_lora_step_moves_adapters_only_and_exports_merged_weights(tiny_model, single_rank):
-    from learner.fsdp import full_state
 
     trainer = Trainer(lora_cfg(tiny_model))
     before = full_state(trainer.model)
@@ -151,8 +151,7 @@ def test_vllm_serves_the_exported_adapter_as_the_merged_model(tiny_model, single
 
     trainer = Trainer(lora_cfg(tiny_model))
     run(trainer, BATCHES[:3])
-    adapter = lora.export_adapter(trainer.model, trainer.cfg.model, tmp_path / "adapter", 0)
-    assert adapter is not None
+    adapter = lora.export_adapter(full_state(trainer.model), trainer.cfg.model, tmp_path / "ad")
     config = json.loads((adapter / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 8 and "q_proj" in config["target_modules"]
     merged = trainer.export_state()
