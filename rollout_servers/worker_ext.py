@@ -77,8 +77,8 @@ class WeightSyncExtension:
 
         def weights():
             nonlocal count
-            device = "cpu" if str(self.device) == "cpu" else self.device
-            for name, tensor in receive_weights(group, plan, timeout_s=timeout_s, device=device):
+            stream = receive_weights(group, plan, timeout_s=timeout_s, device=self._wsync_device())
+            for name, tensor in stream:
                 count += 1
                 yield name, tensor
 
@@ -112,13 +112,16 @@ class WeightSyncExtension:
         if not isinstance(plan, WeightPlan):
             plan = msgspec.convert(plan, WeightPlan)
         start = time.monotonic()
-        device = "cpu" if str(self.device) == "cpu" else self.device  # NCCL: the worker's GPU
-        stream = receive_weights(group, plan, timeout_s=timeout_s, device=device)
+        stream = receive_weights(group, plan, timeout_s=timeout_s, device=self._wsync_device())
         # Copies: the received tensors are views of a bucket the next receive reuses.
         tensors = {name: tensor.to("cpu", copy=True) for name, tensor in stream}
         if self.rank == 0:
             save_peft_adapter(out_dir, tensors, rank=rank, alpha=alpha)
         return {"tensors": float(len(tensors)), "seconds": time.monotonic() - start}
+
+    def _wsync_device(self) -> Any:
+        """Where a broadcast lands: the worker's GPU under NCCL, else the CPU."""
+        return "cpu" if str(self.device) == "cpu" else self.device
 
     def _wsync_retie_embeddings(self) -> None:
         """Re-tie the output head to the input embedding of a tied-embedding model.

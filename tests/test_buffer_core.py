@@ -352,7 +352,7 @@ def test_oldest_first_equals_a_stable_sort_of_the_pool() -> None:
     from types import SimpleNamespace
     from typing import cast
 
-    from buffer.core import oldest_first
+    from buffer.release_order import oldest_first
     from buffer.state import Held, State
 
     rng = _random.Random(3)
