@@ -119,25 +119,32 @@ def check_replayed(records: list[dict], kill_time: float) -> None:
     assert max(r.get("coordinator/versions_replayed", 0) for r in after) >= 1
 
 
-def check_lag(acct: dict, bound: int) -> None:
-    assert acct["accounting/train/dropped/lag"] <= bound, acct
+def check_lag(acct: dict, records: list[dict]) -> None:
+    """Few groups dropped for lag: at most ``LAG_BOUND``. A failure shows when the drops
+    came (seconds into the run, the step, the coordinator's version), to tell a recovery
+    that threw work away from a slow machine's ordinary drops."""
+    dropped = acct["accounting/train/dropped/lag"]
+    if dropped <= LAG_BOUND:
+        return
+    t0, seen, when = records[0]["time"], 0.0, []
+    for r in records:
+        n = r.get("accounting/train/dropped/lag", seen)
+        if n != seen:
+            when.append(f"t={r['time'] - t0:.1f}s step {r.get('step')}: {seen:g} -> {n:g}")
+            when[-1] += f" (version {r.get('coordinator/version')})"
+            seen = n
+    raise AssertionError(f"{dropped:g} groups dropped for lag > {LAG_BOUND}: " + "; ".join(when))
 
 
-# Groups dropped for lag at most, per scenario: the most measured in its runs on the shared
-# 2-core machine (the README's table, and one run of each scenario here with a load average
-# of 7-10 from other work), plus one batch (16 groups) of margin for scheduling noise (a
-# kill lands at a different moment of a push each time). A kill ages at most what was
-# generated around it; more means a recovery that throws work away.
-MARGIN = BATCH
-LAG_BOUNDS = {
-    "rollout-0": 16 + MARGIN,  # measured 0 (README), 16 of 1440 in a 90-step run, 0 of 1440
-    "buffer": 15 + MARGIN,  # measured 15 (README: generated while it was down), 0 here
-    "learner": 0 + MARGIN,  # measured 0 twice: the replay keeps the servers' weights
-    "no_checkpoint": 12 + MARGIN,  # measured 12
-    "buffer_then_learner": 15 + MARGIN,  # measured 0; the buffer's kill alone reached 15
-    "mid_push": 16 + MARGIN,  # measured 16: the interrupted version is pushed again
-    "endpoint": 0 + MARGIN,  # measured 0, as a learner kill
-}
+# Groups dropped for lag at most, in every scenario: a tenth of the 480 trained. At
+# max_policy_lag=1 drops come without any fault too (a long answer overtaken by shorter
+# ones), a batch or two at a time, and how many depends on the machine's timing: the same
+# scenarios dropped 0 to 16 in runs here (README table) and 33 (the buffer killed) and 36
+# (the learner killed) in one CI run on a machine like this one, where per-scenario bounds
+# of the measured count plus one batch failed. A recovery that throws its outstanding work
+# away drops the whole window, in flight and buffered (64 groups), at once; what a replay or
+# a re-deal must do is checked directly (check_replayed, the restart events).
+LAG_BOUND = STEPS * BATCH // 10
 
 
 # ----------------------------------------------------------------------- one role
@@ -157,7 +164,7 @@ def test_a_run_survives_kill_9_of_a_role(tmp_path, demo_model, arithmetic_data, 
     code = chaos.drive([kill_after(role, step)], timeout_s=780)
     records = check_end(chaos, code, steps)
     acct = final_accounting(records, steps)
-    check_lag(acct, LAG_BOUNDS[role])
+    check_lag(acct, records)
     check_restarted(chaos.run, role)
     _, _, killed_at = chaos.kills[0]
     if role == "learner":
@@ -194,7 +201,7 @@ def test_a_learner_without_checkpoints_starts_over(tmp_path, demo_model, arithme
     code = chaos.drive([kill_after("learner", 8)], timeout_s=780)
     records = check_end(chaos, code)
     acct = final_accounting(records)
-    check_lag(acct, LAG_BOUNDS["no_checkpoint"])
+    check_lag(acct, records)
     check_restarted(chaos.run, "learner")
     check_servers_back(chaos.run)
     _, _, killed_at = chaos.kills[0]
@@ -210,7 +217,7 @@ def test_a_run_survives_the_buffer_then_the_learner(tmp_path, demo_model, arithm
     code = chaos.drive([kill_after("buffer", 5), kill_after("learner", 13)], timeout_s=780)
     records = check_end(chaos, code)
     acct = final_accounting(records)
-    check_lag(acct, LAG_BOUNDS["buffer_then_learner"])
+    check_lag(acct, records)
     check_restarted(chaos.run, "buffer")
     check_restarted(chaos.run, "learner")
     check_servers_back(chaos.run)
@@ -264,7 +271,7 @@ def test_a_learner_killed_mid_push(tmp_path, demo_model, arithmetic_data):
     code = chaos.drive([kill_mid_push(first_version=6)], timeout_s=780)
     records = check_end(chaos, code)
     acct = final_accounting(records)
-    check_lag(acct, LAG_BOUNDS["mid_push"])
+    check_lag(acct, records)
     check_restarted(chaos.run, "learner", times=len(chaos.kills))
     check_servers_back(chaos.run)
 
@@ -292,7 +299,7 @@ def test_endpoint_groups_then_a_learner_kill(tmp_path, demo_model, arithmetic_da
         agents.close()
     records = check_end(chaos, code)
     acct = final_accounting(records)
-    check_lag(acct, LAG_BOUNDS["endpoint"])
+    check_lag(acct, records)
     check_restarted(chaos.run, "learner")
     check_servers_back(chaos.run)
     assert agents.complete() == {"g0": True, "g1": True}, agents.results
@@ -336,7 +343,7 @@ def test_pushed_adapters_survive_a_server_then_a_learner_kill(
     )
     assert "adapter of version" in logs and "weights of version" not in logs
     checkpoint = max((chaos.run / "checkpoints").glob("step_*"))
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     saved = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     weights = [k for k in saved if k.startswith("model.")]
