@@ -26,6 +26,10 @@ def run_overrides(tmp_path: Path, model: Path, data_dir: Path, steps: int) -> li
         f"trainer.default_local_dir={tmp_path}",
         f"trainer.total_training_steps={steps}",
         "launch.start_timeout_s=240",
+        # Both servers on core 1, as the demo was until it gave each server a core: the
+        # bounds these runs assert (lag drops, batch waits) were measured in this layout,
+        # where the learner's core does not slow one server down. Pinning is speed only.
+        "launch.cpus.rollout=[[1],[1]]",
         *endpoint_overrides(),
     ]
 
