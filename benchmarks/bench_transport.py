@@ -109,10 +109,12 @@ def cpu_between(go: Any, done: Any, result: Any) -> None:
 
 
 def buffer_process(p: dict[str, int], endpoints: Any, events: tuple[Any, Any, Any]) -> None:
-    """The real service, in its own process, until the consumer asks it to shut down."""
+    """The real service, in its own process (set up as ``buffer/main.py`` sets up its
+    process), until the consumer asks it to shut down."""
     from buffer.core import ReplayBuffer
-    from buffer.service import BufferService
+    from buffer.service import BufferService, reuse_freed_memory
 
+    reuse_freed_memory()
     core = ReplayBuffer(
         batch_size=p["batch_groups"], capacity_groups=p["capacity"], max_policy_lag=10**6
     )
