@@ -406,13 +406,26 @@ class RankZero:
         ):
             self._poll_validation(step)
             time.sleep(0.5)
-        accounting = self.coordinator.accounting()
+        accounting = self._settled_accounting(deadline)
         self.logger.log(step, accounting)
         for line in accounting_lines([accounting]):
             log.info("%s", line)
         self.coordinator.shutdown("training done")
         self.logger.close()
         self.buffer.close()
+
+    def _settled_accounting(self, deadline: float) -> dict[str, float]:
+        """The final accounting, once the last validation round shows as scored: the learner
+        reads a round's scores from the buffer's sums, and the coordinator marks its groups
+        scored on its own poll of the buffer, up to one ``drop_poll_s`` later. Waits at most
+        two polls (and never past ``deadline``); a round still missing then is reported as
+        it stands."""
+        end = min(deadline, time.monotonic() + 2 * self.coordinator.drop_poll_s + 0.5)
+        while True:
+            accounting = self.coordinator.accounting()
+            if not accounting.get("accounting/val/in_buffer") or time.monotonic() >= end:
+                return accounting
+            time.sleep(0.1)
 
 
 def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
