@@ -112,7 +112,8 @@ def buffer_process(p: dict[str, int], endpoints: Any, events: tuple[Any, Any, An
     """The real service, in its own process (set up as ``buffer/main.py`` sets up its
     process), until the consumer asks it to shut down."""
     from buffer.core import ReplayBuffer
-    from buffer.service import BufferService, reuse_freed_memory
+    from buffer.memory import reuse_freed_memory
+    from buffer.service import BufferService
 
     reuse_freed_memory()
     core = ReplayBuffer(

@@ -10,8 +10,7 @@ For each model it
 2. runs the whole pipeline (``asyncrl-launch``) for a fixed number of learner steps at each
    ``staleness.max_policy_lag`` of the sweep (0 = synchronous), with learner and buffer on
    core 0 and both rollout servers on core 1 (``split``, the layout the scheduler model
-   knows). The
-   synchronous baseline also runs with every role on both cores (``shared``: its phases
+   knows). The synchronous baseline also runs with every role on both cores (``shared``: its phases
    alternate, so each can use both), and the better of the two is its figure; the largest
    lag gets the shared layout too;
 3. predicts each mode with the scheduler model (``benchmarks/sim_model.py``), calibrated

@@ -21,7 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config import run_dir
     from asyncrl.launch import startup
     from asyncrl.net import security
-    from buffer.service import BufferService, reuse_freed_memory  # after the config is good
+    from buffer.memory import reuse_freed_memory
+    from buffer.service import BufferService  # after the config is known to be good
 
     reuse_freed_memory()
     security.configure(cfg.endpoints, "buffer")

@@ -25,9 +25,7 @@ once per kind; the service keeps running. Run it as ``asyncrl-buffer CONFIG`` (s
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import sys
 import threading
 import time
 from pathlib import Path
@@ -52,35 +50,6 @@ log = logging.getLogger(__name__)
 POLL_S = 0.05  # longest poll: bounds how late a stop, a wait_s deadline or expiry can be
 EXPIRE_EVERY_S = 0.25
 READ_BURST = 16  # messages read per wakeup before requests are looked at again
-# glibc's malloc thresholds (mallopt parameters) of the buffer's process, see reuse_freed_memory
-MMAP_THRESHOLD = 32 << 20
-TRIM_THRESHOLD = 128 << 20
-
-
-def reuse_freed_memory() -> bool:
-    """Let glibc's malloc serve batch-sized blocks from memory this process freed.
-
-    Each batch reply joins its groups' arrays into fresh bytes (about 1 MB for 16 groups of
-    8 x 1024 tokens). Past glibc's default thresholds every such block is mapped fresh and
-    returned on free, so each batch page-faults its whole size in again: 0.58 ms a batch
-    against 0.04 ms into reused memory (bench_transport --quick: the service's CPU per
-    round 0.36-0.38 s against 0.40-0.45 s, transport ratio 0.64-0.69 against 0.54-0.56).
-    Raising the thresholds keeps up to ``TRIM_THRESHOLD`` of freed memory for reuse. It is
-    process-wide, so the buffer's own process sets it (``buffer/main.py``), not a service
-    started inside another program. True when set; elsewhere than glibc Linux nothing
-    changes.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-        return bool(
-            libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD)
-            and libc.mallopt(m_trim_threshold, TRIM_THRESHOLD)
-        )
-    except (OSError, AttributeError):  # musl and others: no mallopt
-        return False
 
 
 class BufferService:

@@ -1,5 +1,5 @@
 """The buffer's process reuses the memory of freed batch replies instead of faulting fresh
-pages in for every batch (``buffer.service.reuse_freed_memory``)."""
+pages in for every batch (``buffer.memory.reuse_freed_memory``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ CHILD = """
 import resource, sys
 import numpy as np
 from asyncrl.wire.codec import _joined
-from buffer.service import reuse_freed_memory
+from buffer.memory import reuse_freed_memory
 
 # A batch of 16 groups of 8 x (128 prompt + 1024 response tokens): three frames, each
 # joined from 16 arrays and alive together until zmq has sent them (bench_transport's shape).
