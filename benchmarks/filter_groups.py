@@ -1,14 +1,16 @@
 """DAPO's dynamic sampling on the demo: the same run with ``algorithm.filter_groups`` off
-and on, one after the other on this machine.
+and on, interleaved and repeated on this machine.
 
-``python benchmarks/filter_groups.py [--quick] [--steps 120]``
+``python benchmarks/filter_groups.py [--quick] [--steps 120] [--reps 3]``
 
 Per run: trained samples/s, the learner's batch wait (mean ``timing/wait_batch_s`` and
 the waiting share of the step), groups trained with zero variance (``batch/
 zero_variance_groups``), the share of groups filtered and prompts dealt per trained group,
-and the validation curve. Results in ``results/filter_groups/`` (JSON, a plot of the two
-validation curves against trained samples and seconds); the last line is on/off in
-trained samples/s. ``--quick``: 15 steps.
+and the validation curve. Each arm's figures are summarised as median, min and max over
+its repetitions; the on/off ratios (trained samples/s, batch wait per step) are paired by
+repetition, as ``interleaved_ratio`` pairs them. Results in ``results/filter_groups/``
+(JSON, a plot of every run's validation curve against trained samples and seconds); the
+last line is on/off in trained samples/s. ``--quick``: one repetition of 15 steps.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from asyncrl.metrics import read_metrics  # noqa: E402
-from benchmarks.common import headline, launch_run, parse_args, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    check_reps,
+    headline,
+    interleaved_ratio,
+    launch_run,
+    parse_args,
+    write_results,
+)
 from benchmarks.pipeline_stats import run_stats  # noqa: E402
 
 NAME = "filter_groups"
@@ -35,6 +44,7 @@ log = logging.getLogger("benchmarks.filter_groups")
 
 def _extra(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="learner steps per run (120)")
+    p.add_argument("--reps", type=int, default=3, help="interleaved repetitions of each arm (odd)")
 
 
 def ensure_demo() -> None:
@@ -79,43 +89,76 @@ def figures(run: Path) -> dict[str, Any]:
     }
 
 
-def _plot(results: dict[str, dict]):
+def _plot(runs: dict[str, list[dict]]):
     def draw(fig) -> None:
         axes = fig.subplots(1, 2)
         for ax, axis, label in ((axes[0], 1, "trained samples"), (axes[1], 2, "seconds")):
-            for name, res in results.items():
-                curve = res["val_curve"]
-                ax.plot([c[axis] for c in curve], [c[3] for c in curve], marker=".", label=name)
+            for (name, reps), color in zip(runs.items(), ("C0", "C1"), strict=False):
+                for i, res in enumerate(reps):
+                    curve = res["val_curve"]
+                    xs, ys = [c[axis] for c in curve], [c[3] for c in curve]
+                    ax.plot(xs, ys, marker=".", color=color, label=name if i == 0 else None)
             ax.set_xlabel(label)
             ax.set_ylabel("validation score")
         axes[0].legend()
-        axes[0].set_title("demo: filter_groups off / on")
+        axes[0].set_title("demo: filter_groups off / on (every repetition)")
 
     return draw
+
+
+def summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median, min and max over one arm's repetitions of each scalar figure."""
+    out: dict[str, Any] = {}
+    for key, value in reps[0].items():
+        if isinstance(value, (int, float)):
+            values = [r[key] for r in reps]
+            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(NAME, (__doc__ or "").split("\n")[0], argv, _extra)
     steps = args.steps or (15 if args.quick else 120)
+    reps = check_reps(1 if args.quick else args.reps)
     ensure_demo()
     common = [f"trainer.total_training_steps={steps}", "trainer.save_freq=-1"]
     on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=4"]
-    results = {}
-    for name, extra in (("filter_off", []), ("filter_on", on)):  # not "off": YAML's false
-        run = launch_run(CONFIG, [*common, *extra], args.out / "runs", name)
-        results[name] = figures(run)
-        log.info("%s: %s", name, {k: v for k, v in results[name].items() if k != "val_curve"})
+    runs: dict[str, list[dict]] = {"filter_on": [], "filter_off": []}  # "off": YAML's false
+
+    def arm(name: str, extra: list[str]) -> float:
+        run = launch_run(CONFIG, [*common, *extra], args.out / "runs", f"{name}_{len(runs[name])}")
+        res = figures(run)
+        runs[name].append(res)
+        log.info("%s: %s", name, {k: v for k, v in res.items() if k != "val_curve"})
+        return res["samples_per_s"]
+
+    stats = interleaved_ratio(lambda: arm("filter_on", on), lambda: arm("filter_off", []), reps)
+    # the learner's batch wait, paired by repetition as the throughput ratio is
+    waits = [
+        a["wait_batch_s_mean"] / b["wait_batch_s_mean"]
+        for a, b in zip(runs["filter_on"], runs["filter_off"], strict=True)
+    ]
     json_path, png = write_results(
         NAME,
         args.out,
-        figures=results,
-        plot=_plot(results),
-        config={"config": CONFIG, "steps": steps, "on": on},
+        figures={
+            "samples_per_s_ratio": stats.to_json(),
+            "wait_batch_ratio": {"ratios": waits, "median": statistics.median(waits)},
+            **{name: summary(r) for name, r in runs.items()},
+            "runs": runs,
+        },
+        plot=_plot(runs),
+        config={"config": CONFIG, "steps": steps, "on": on, "reps": reps},
     )
     print(f"results: {json_path}, {png}")
-    ratio = results["filter_on"]["samples_per_s"] / results["filter_off"]["samples_per_s"]
-    headline("filter_groups on/off trained samples per s", ratio)
+    for name, r in runs.items():
+        w = summary(r)["wait_batch_s_mean"]
+        print(
+            f"{name}: batch wait per step {w['median']:.3f} s (min {w['min']:.3f}, max {w['max']:.3f})"
+        )
+    print("filter_groups on/off batch wait per step: " + ", ".join(f"{w:.2f}" for w in waits))
+    headline("filter_groups on/off trained samples per s", stats)
 
 
 if __name__ == "__main__":
