@@ -32,7 +32,8 @@ from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
 from learner import fsdp, lora
-from learner.control_plane import ControlPeer, NoControl, RankZero, Restored
+from learner.control_peer import ControlPeer, NoControl, Restored
+from learner.control_plane import RankZero
 from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.rollouts import Rollout
 

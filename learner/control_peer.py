@@ -1,0 +1,75 @@
+"""The learner loop's view of the run's control plane (:class:`ControlPeer`), what a
+checkpoint brings back for it (:class:`Restored`), and the peer of ranks other than 0
+(:class:`NoControl`), which answers every call with nothing, so the loop reads the same on
+every rank and never asks "am I rank 0?". Rank 0's peer is
+:class:`learner.control_plane.RankZero`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
+
+class Restored(NamedTuple):
+    """What a checkpoint brought back for the control plane (all None on a fresh start)."""
+
+    path: Path | None
+    last_batch_id: int | None  # the buffer resends what came after it
+    coordinator: dict[str, Any] | None  # the coordinator's saved state
+    step: int = 0  # the checkpoint's step and policy version
+    version: int = 0
+    last_batch_session: str = ""  # the buffer session that numbered last_batch_id
+
+
+class ControlPeer(Protocol):
+    """The loop's view of the control plane; every method is a no-op off rank 0."""
+
+    def wait_batch(self, version: int, step: int) -> Any: ...
+    def trained(self, task_ids: list[str]) -> None: ...
+    def acknowledge(self, batch_ids: list[int]) -> None: ...
+    def resume(self, tensors: dict[str, Any]) -> None: ...
+    def push(
+        self, tensors: dict[str, Any], target: int, probe: list[float] | None = None
+    ) -> dict[str, float]: ...
+    def version(self, current: int) -> int: ...
+    def checkpoint_extra(self) -> dict[str, Any]: ...
+    def export(self, tensors: dict[str, Any], out: Path) -> None: ...
+    def after_step(self, step: int, metrics: dict[str, float], version: int) -> None: ...
+    def finish(self, step: int, validate: bool) -> None: ...
+
+
+class NoControl:
+    """The control plane as ranks other than 0 see it: nothing to do, nothing to report."""
+
+    def wait_batch(self, version: int, step: int) -> Any:
+        return None  # the batch arrives by broadcast from rank 0
+
+    def trained(self, task_ids: list[str]) -> None:
+        pass
+
+    def acknowledge(self, batch_ids: list[int]) -> None:
+        pass
+
+    def resume(self, tensors: dict[str, Any]) -> None:
+        pass
+
+    def push(
+        self, tensors: dict[str, Any], target: int, probe: list[float] | None = None
+    ) -> dict[str, float]:
+        return {}
+
+    def version(self, current: int) -> int:
+        return current  # replaced by rank 0's in the broadcast that follows
+
+    def checkpoint_extra(self) -> dict[str, Any]:
+        return {}
+
+    def export(self, tensors: dict[str, Any], out: Path) -> None:
+        pass
+
+    def after_step(self, step: int, metrics: dict[str, float], version: int) -> None:
+        pass
+
+    def finish(self, step: int, validate: bool) -> None:
+        pass
