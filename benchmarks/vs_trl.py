@@ -3,8 +3,9 @@
 Both sides train the same model on the same prompts with the same reward, batch (16
 prompts x 8 samples), learning rate, warmup, clip range (0.2 / 0.28), token-mean loss and
 steps, on every core of the machine: TRL in one process (torch threads = cores), asyncrl
-with one rollout server per core and the learner beside server 0 (the demo) or on both
-cores (long responses, where the learner is the bottleneck). Two shapes:
+with one rollout server per core and the learner beside server 0, where server 0 runs at
+the lowest CPU priority for long responses (the learner is the bottleneck there). Two
+shapes:
 
 - ``demo``: the demo (``configs/cpu_demo.yaml``): the warm-started tiny model, 4-token
   answers to sums, 180 steps;
@@ -54,10 +55,12 @@ class Shape:
     steps: int
     max_new_tokens: int
     reward_file: str | None = None
-    # The learner's cores: one beside server 0 for the demo's short answers (on both cores
-    # its threads only contend: 44 s against 39 s, one run each), both for 128-token
-    # answers, where the learner is the bottleneck (44 s against 59 s, one run each).
-    learner_cpus: str = "[0]"
+    # The learner beside server 0 on core 0. For 128-token answers the learner is the
+    # bottleneck, and server 0 runs at the lowest CPU priority (launch.nice): the learner's
+    # update takes 0.86 s as on a core of its own, against 1.9 s sharing it evenly and 1.7 s
+    # on both cores beside both servers (step 1 to end 46 s against 57 s and 50 s, one run
+    # each). On the demo's short answers generation is the bottleneck: no priority there.
+    rollout_nice: str = "[0, 0]"
 
 
 def shapes(quick: bool) -> dict[str, Shape]:
@@ -69,7 +72,7 @@ def shapes(quick: bool) -> dict[str, Shape]:
             4 if quick else 30,
             128,
             str(ROOT / "benchmarks" / "long_reward.py"),
-            learner_cpus="[0, 1]",
+            rollout_nice="[19, 0]",
         ),
     }
 
@@ -129,8 +132,10 @@ def run_asyncrl(shape: Shape, root: Path, name: str) -> dict[str, Any]:
         "trainer.val_before_train=false",
         "trainer.test_freq=-1",
         "trainer.save_freq=-1",
-        # One server per core (the demo config's layout), the learner sized to the shape.
-        f"launch.cpus={{learner: {shape.learner_cpus}, rollout: [[0], [1]], buffer: [0]}}",
+        # One server per core, the learner beside server 0 (the demo config's layout),
+        # server 0's priority sized to the shape.
+        "launch.cpus={learner: [0], rollout: [[0], [1]], buffer: [0]}",
+        f"launch.nice={{rollout: {shape.rollout_nice}}}",
     ]
     if shape.reward_file:
         overrides.append(f"reward.custom_reward_function.path={shape.reward_file}")

@@ -220,6 +220,29 @@ def _endpoint_problems(cfg: Config) -> list[str]:
     return out
 
 
+def _nice_problems(cfg: Config) -> list[str]:
+    table = cfg.launch.nice or {}
+    out = []
+    unknown = set(table) - {"learner", "rollout", "buffer"}
+    if unknown:
+        out.append(f"launch.nice has unknown roles {sorted(unknown)}; use learner, rollout, buffer")
+    for role, value in table.items():
+        values = value if isinstance(value, list) else [value]
+        if isinstance(value, list) and role != "rollout":
+            out.append(f"launch.nice.{role}={value} is a list; give one number, e.g. 10")
+        if role == "rollout" and isinstance(value, list) and len(value) != cfg.rollout.num_servers:
+            out.append(
+                f"launch.nice.rollout lists {len(value)} servers but rollout.num_servers="
+                f"{cfg.rollout.num_servers}; give one value per server, or one number for all"
+            )
+        if any(not 0 <= v <= 19 for v in values):
+            out.append(
+                f"launch.nice.{role}={value} is outside 0-19 (a negative niceness needs "
+                "privileges); lower the others instead"
+            )
+    return out
+
+
 def _launch_problems(cfg: Config) -> list[str]:
     out = []
     for kind in ("cpus", "gpus"):
@@ -242,6 +265,7 @@ def _launch_problems(cfg: Config) -> list[str]:
                 f"launch.{kind}.rollout lists {len(per_server)} servers but "
                 f"rollout.num_servers={cfg.rollout.num_servers}; give one list per server"
             )
+    out += _nice_problems(cfg)
     if cfg.trainer.device == "cpu" and cfg.model.dtype != "float32":
         out.append(
             f"model.dtype={cfg.model.dtype} on trainer.device=cpu: the CPU stack is checked in "

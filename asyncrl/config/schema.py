@@ -323,6 +323,13 @@ class LaunchConfig(Section):
     gpus: dict[str, list[int] | list[list[int]]] | None = Field(
         default=None, description="GPUs per role, same shape as cpus."
     )
+    nice: dict[str, int | list[int]] | None = Field(
+        default=None,
+        description="CPU priority per role as Linux niceness, 0 (default) to 19 (lowest), "
+        "e.g. {rollout: [19, 0]}: rollout takes one value per server or one for all. "
+        "Lower a rollout server that shares a core with the learner, so the learner's step "
+        "runs at full speed and the server takes the cycles it leaves. Local launcher only.",
+    )
     start_timeout_s: float = Field(
         default=300.0, gt=0, description="How long roles wait for peers."
     )

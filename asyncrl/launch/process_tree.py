@@ -216,11 +216,16 @@ def spawn(
     cpus: list[int] | None,
     marker: str,
     unset: tuple[str, ...] = (),
+    nice: int = 0,
 ) -> subprocess.Popen:
     """Start ``cmd`` in a session of its own, output appended to ``log_path``, pinned to
-    ``cpus``, with this process's environment less the variables starting with one of
-    ``unset``, plus ``env`` and the run ``marker``; it gets SIGTERM when this thread dies
-    (``PR_SET_PDEATHSIG``), so call it from the main thread."""
+    ``cpus``, at niceness ``nice``, with this process's environment less the variables
+    starting with one of ``unset``, plus ``env`` and the run ``marker``; it gets SIGTERM
+    when this thread dies (``PR_SET_PDEATHSIG``), so call it from the main thread.
+
+    The niceness is set on the process and on its session's scheduling group: where the
+    kernel groups each session (autogroup), CPU time is first shared between groups, and a
+    process's own niceness only orders it within its group."""
     prctl = _prctl_fn()  # loaded before the fork, not in the child
     parent = os.getpid()
 
@@ -231,6 +236,14 @@ def spawn(
             os.kill(os.getpid(), signal.SIGTERM)
         if cpus:
             os.sched_setaffinity(0, cpus)
+        if nice:
+            os.nice(nice)
+            with contextlib.suppress(OSError):  # no autogroups here: the niceness above does
+                fd = os.open("/proc/self/autogroup", os.O_WRONLY)
+                try:
+                    os.write(fd, str(nice).encode())
+                finally:
+                    os.close(fd)
 
     out = open(log_path, "a")  # noqa: SIM115 (the child keeps it)
     try:

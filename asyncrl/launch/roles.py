@@ -24,7 +24,8 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
     py = sys.executable
     cpus = cfg.launch.cpus or {}
     gpus = cfg.launch.gpus or {}
-    roles = [Role("buffer", [py, "-m", "buffer.main", str(config_path)], cpus=_ids(cpus, "buffer"))]
+    buffer = [py, "-m", "buffer.main", str(config_path)]
+    roles = [Role("buffer", buffer, cpus=_ids(cpus, "buffer"), nice=_nice(cfg, "buffer"))]
     for i in range(cfg.rollout.num_servers):
         env: dict[str, str] = {}
         server_cpus = _ids(cpus, "rollout", i)
@@ -47,6 +48,7 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
                 [py, "-m", "rollout_servers.main", str(config_path), "--server-id", f"rollout-{i}"],
                 env=env,
                 server_id=f"rollout-{i}",
+                nice=_nice(cfg, "rollout", i),
             )
         )
     learner = [py, "-m", "learner.main", str(config_path)]
@@ -74,6 +76,7 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
             env=env,
             cpus=_ids(cpus, "learner"),
             restart_args=["trainer.resume_mode=auto"],
+            nice=_nice(cfg, "learner"),
         )
     )
     return roles
@@ -91,6 +94,12 @@ def _ids(
     return ids
 
 
+def _nice(cfg: Config, role: str, server: int = 0) -> int:
+    """A role's niceness from ``launch.nice`` (rollout: its server's, or the one for all)."""
+    value = (cfg.launch.nice or {}).get(role, 0)
+    return value[server] if isinstance(value, list) else value
+
+
 def _flat(ids: object) -> TypeGuard[list[int]]:
     return isinstance(ids, list) and all(isinstance(x, int) for x in ids)
 
@@ -99,6 +108,7 @@ def commands_text(roles: list[Role], bundles: dict[str, int] | None = None) -> s
     """``commands.txt``: each role's environment and command line (and its Ray bundle)."""
     return "".join(
         f"{r.name}: {' '.join(f'{k}={v}' for k, v in r.env.items())} {shlex.join(r.cmd)}"
+        + (f"  # nice {r.nice}" if r.nice else "")
         + (f"  # bundle {bundles[r.name]}" if bundles else "")
         + "\n"
         for r in roles

@@ -76,6 +76,7 @@ class Role:
     # The coordinator's id for it (a rollout server): told the coordinator when it dies.
     server_id: str | None = None
     last_pid: int = 0  # the pid of its process that exited last
+    nice: int = 0  # its CPU priority (launch.nice)
 
     def command(self) -> list[str]:
         return self.cmd + (self.restart_args if self.attempt > 0 else [])
@@ -136,7 +137,9 @@ class Supervisor:
         marker = f"{self.launch_id} {role.name} {role.attempt}"
         with open(role.log_path, "a") as f:  # a restarted role appends to the same log
             f.write(f"---- {role.name} start {role.attempt} at {time.ctime()}: {shlex.join(cmd)}\n")
-        role.proc = spawn(cmd, role.env, role.log_path, role.cpus, marker, role.unset)
+        role.proc = spawn(
+            cmd, role.env, role.log_path, role.cpus, marker, role.unset, nice=role.nice
+        )
         role.known = {}
         if self._watchdog_fd is not None:
             tell_watchdog(self._watchdog_fd, f"+{role.proc.pid}")
