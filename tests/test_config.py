@@ -146,6 +146,7 @@ GAE = ["algorithm.adv_estimator=gae"]
         (["launch.nice={learner: -5}"], "launch.nice.learner=-5 is outside 0-19"),
         (["launch.nice={learner: [1]}"], "launch.nice.learner=[1] is a list"),
         (["launch.nice={critic: 3}"], "launch.nice has unknown roles ['critic']"),
+        (["launch.nice={rollout: 19}", "launch.backend=ray"], "launch.nice applies to the local"),
         (["model.dtype=bfloat16"], "set model.dtype=float32"),
         (["trainer.critic_warmup=2"], "set trainer.critic_warmup=0"),
         (["algorithm.use_kl_in_reward=true"], "use actor.use_kl_loss=true"),

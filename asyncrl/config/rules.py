@@ -223,6 +223,11 @@ def _endpoint_problems(cfg: Config) -> list[str]:
 def _nice_problems(cfg: Config) -> list[str]:
     table = cfg.launch.nice or {}
     out = []
+    if table and cfg.launch.backend == "ray":
+        out.append(
+            "launch.nice applies to the local launcher; under Ray, give the roles cores of "
+            "their own (launch.ray.learner_cpus, rollout_cpus) or drop launch.nice"
+        )
     unknown = set(table) - {"learner", "rollout", "buffer"}
     if unknown:
         out.append(f"launch.nice has unknown roles {sorted(unknown)}; use learner, rollout, buffer")
