@@ -59,7 +59,8 @@ class Shape:
     # bottleneck, and server 0 runs at the lowest CPU priority (launch.nice): the learner's
     # update takes 0.86 s as on a core of its own, against 1.9 s sharing it evenly and 1.7 s
     # on both cores beside both servers (step 1 to end 46 s against 57 s and 50 s, one run
-    # each). On the demo's short answers generation is the bottleneck: no priority there.
+    # each; niceness 5, 10 and 19: 51.1, 49.5 and 47.0 s). On the demo's short answers
+    # generation is the bottleneck: no priority there.
     rollout_nice: str = "[0, 0]"
 
 
