@@ -161,6 +161,11 @@ class RatioStats:
         }
 
 
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """``{"median", "min", "max"}`` of one figure's repetitions."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def check_reps(reps: int) -> int:
     """``reps`` if it is a valid repetition count (odd, at least 1), else ValueError.
 

@@ -31,6 +31,7 @@ from benchmarks.common import (  # noqa: E402
     interleaved_ratio,
     launch_run,
     parse_args,
+    spread,
     write_results,
 )
 from benchmarks.pipeline_stats import run_stats  # noqa: E402
@@ -108,12 +109,11 @@ def _plot(runs: dict[str, list[dict]]):
 
 def summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Median, min and max over one arm's repetitions of each scalar figure."""
-    out: dict[str, Any] = {}
-    for key, value in reps[0].items():
-        if isinstance(value, (int, float)):
-            values = [r[key] for r in reps]
-            out[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-    return out
+    return {
+        key: spread([r[key] for r in reps])
+        for key, value in reps[0].items()
+        if isinstance(value, (int, float))
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,7 @@ from benchmarks.common import (  # noqa: E402
     headline,
     launch_run,
     parse_args,
+    spread,
     write_results,
 )
 
@@ -151,8 +152,7 @@ def run_asyncrl(shape: Shape, root: Path, name: str) -> dict[str, Any]:
 
 
 def ratios(reps: list[dict[str, Any]], key: str) -> dict[str, float]:
-    values = [r["asyncrl"][key] / r["trl"][key] for r in reps]
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return spread([r["asyncrl"][key] / r["trl"][key] for r in reps])
 
 
 def main() -> None:

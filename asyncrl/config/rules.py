@@ -220,6 +220,13 @@ def _endpoint_problems(cfg: Config) -> list[str]:
     return out
 
 
+def _unknown_roles(key: str, table: dict) -> list[str]:
+    unknown = set(table) - {"learner", "rollout", "buffer"}
+    if not unknown:
+        return []
+    return [f"launch.{key} has unknown roles {sorted(unknown)}; use learner, rollout, buffer"]
+
+
 def _nice_problems(cfg: Config) -> list[str]:
     table = cfg.launch.nice or {}
     out = []
@@ -228,9 +235,7 @@ def _nice_problems(cfg: Config) -> list[str]:
             "launch.nice applies to the local launcher; under Ray, give the roles cores of "
             "their own (launch.ray.learner_cpus, rollout_cpus) or drop launch.nice"
         )
-    unknown = set(table) - {"learner", "rollout", "buffer"}
-    if unknown:
-        out.append(f"launch.nice has unknown roles {sorted(unknown)}; use learner, rollout, buffer")
+    out += _unknown_roles("nice", table)
     for role, value in table.items():
         values = value if isinstance(value, list) else [value]
         if isinstance(value, list) and role != "rollout":
@@ -254,11 +259,7 @@ def _launch_problems(cfg: Config) -> list[str]:
         table = getattr(cfg.launch, kind)
         if not table:
             continue
-        unknown = set(table) - {"learner", "rollout", "buffer"}
-        if unknown:
-            out.append(
-                f"launch.{kind} has unknown roles {sorted(unknown)}; use learner, rollout, buffer"
-            )
+        out += _unknown_roles(kind, table)
         for role, ids in table.items():  # rollout: one list per server; others: one list
             nested = role == "rollout"
             if not all(isinstance(x, list) == nested for x in ids):

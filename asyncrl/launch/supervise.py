@@ -137,9 +137,7 @@ class Supervisor:
         marker = f"{self.launch_id} {role.name} {role.attempt}"
         with open(role.log_path, "a") as f:  # a restarted role appends to the same log
             f.write(f"---- {role.name} start {role.attempt} at {time.ctime()}: {shlex.join(cmd)}\n")
-        role.proc = spawn(
-            cmd, role.env, role.log_path, role.cpus, marker, role.unset, nice=role.nice
-        )
+        role.proc = spawn(cmd, role.env, role.log_path, role.cpus, marker, role.unset, role.nice)
         role.known = {}
         if self._watchdog_fd is not None:
             tell_watchdog(self._watchdog_fd, f"+{role.proc.pid}")
