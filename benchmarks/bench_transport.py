@@ -112,14 +112,17 @@ def buffer_process(p: dict[str, int], endpoints: Any, events: tuple[Any, Any, An
     """The real service, in its own process (set up as ``buffer/main.py`` sets up its
     process), until the consumer asks it to shut down."""
     from buffer.core import ReplayBuffer
-    from buffer.memory import reuse_freed_memory
+    from buffer.memory import collect_on_schedule, reuse_freed_memory
     from buffer.service import BufferService
 
     reuse_freed_memory()
+    collect_every_s = collect_on_schedule()
     core = ReplayBuffer(
         batch_size=p["batch_groups"], capacity_groups=p["capacity"], max_policy_lag=10**6
     )
-    service = BufferService(core, rcvhwm=p["hwm"], log_every_s=1e9).start()
+    service = BufferService(
+        core, rcvhwm=p["hwm"], log_every_s=1e9, collect_every_s=collect_every_s
+    ).start()
     endpoints.put((service.trajectories_endpoint, service.batches_endpoint))
     cpu_between(*events)
     service.wait()

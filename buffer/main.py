@@ -21,14 +21,15 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config import run_dir
     from asyncrl.launch import startup
     from asyncrl.net import security
-    from buffer.memory import reuse_freed_memory
+    from buffer.memory import collect_on_schedule, reuse_freed_memory
     from buffer.service import BufferService  # after the config is known to be good
 
     reuse_freed_memory()
+    collect_every_s = collect_on_schedule()
     security.configure(cfg.endpoints, "buffer")
 
     startup.mark(run_dir(cfg), "buffer", "started")
-    service = BufferService.from_config(cfg)
+    service = BufferService.from_config(cfg, collect_every_s=collect_every_s)
     startup.mark(run_dir(cfg), "buffer", "ready")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.request_stop())

@@ -66,9 +66,13 @@ class BufferService:
         rollout_log: RolloutLog | None = None,
         rcvhwm: int = 1000,
         log_every_s: float = 30.0,
+        collect_every_s: float | None = None,
     ):
         self.buffer, self.limits, self.rollout_log = buffer, limits, rollout_log
         self.rcvhwm, self.log_every_s = rcvhwm, log_every_s
+        # Run the cyclic garbage collector every so often (when its process turned the
+        # automatic runs off: buffer/memory.py collect_on_schedule); None: leave it to Python.
+        self.collect_every_s = collect_every_s
         self.trajectories_endpoint = trajectories  # the bound address once started
         self.batches_endpoint = batches
         self.stats = ServiceStats()
@@ -81,7 +85,9 @@ class BufferService:
         self._held: HeldRequests[wire.BatchRequest] = HeldRequests(_consumer)
 
     @classmethod
-    def from_config(cls, cfg: Config, run_directory: Path | None = None) -> BufferService:
+    def from_config(
+        cls, cfg: Config, run_directory: Path | None = None, collect_every_s: float | None = None
+    ) -> BufferService:
         """A service configured by the ``data``, ``staleness``, ``buffer``, ``endpoints``
         and ``trainer`` groups (the rollout log goes to ``<run dir>/rollouts``)."""
         from asyncrl.config import run_dir
@@ -109,6 +115,7 @@ class BufferService:
             batches=config_endpoint(cfg.endpoints, "batches"),
             limits=limits,
             rollout_log=RolloutLog(directory / "rollouts") if b.log_rollouts else None,
+            collect_every_s=collect_every_s,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -209,7 +216,7 @@ class BufferService:
         poller = zmq.Poller()
         poller.register(router.sock, zmq.POLLIN)
         reading = False
-        last_tick = last_log = time.monotonic()
+        last_tick = last_log = last_collect = time.monotonic()
         self.stats.start(last_tick)
         while not self._stop.is_set():
             room = self.buffer.has_room()
@@ -234,6 +241,9 @@ class BufferService:
                 dropped = c["drops/duplicate"] + c["drops/late"] + c["drops/inconsistent"]
                 self.stats.update_rates(now, c["trajectories_in"] + dropped)
                 last_tick = now
+            if self.collect_every_s is not None and now - last_collect >= self.collect_every_s:
+                self.stats.collect(now)
+                last_collect = now
             if now - last_log >= self.log_every_s:
                 log.info("buffer: %s", summary(self.metrics()))
                 last_log = now

@@ -5,7 +5,9 @@ a window, and how long reading was paused for backpressure. No sockets; callers 
 
 from __future__ import annotations
 
+import gc
 import logging
+import time
 from collections import Counter
 
 from asyncrl.wire import WireError
@@ -18,12 +20,13 @@ RATE_WINDOW_S = 2.0
 class ServiceStats:
     def __init__(self) -> None:
         self.rejects: Counter[str] = Counter()  # "<socket>/<kind>"
-        self.io: Counter[str] = Counter()  # bytes_in, messages_in, replies_undeliverable
+        self.io: Counter[str] = Counter()  # bytes_in, messages_in, replies_undeliverable, gc_runs
         self.rates = {"buffer/trajectories_per_s": 0.0, "buffer/mb_per_s": 0.0}
         self.started = 0.0
         self._logged: set[str] = set()
         self._paused_since: float | None = None
         self._paused_s = 0.0
+        self.gc_s = 0.0  # seconds spent in scheduled garbage collections
         self._window = (0.0, 0.0, 0.0)  # (time, trajectories, MB) at the last rate update
 
     def start(self, now: float) -> None:
@@ -42,6 +45,13 @@ class ServiceStats:
                 err,
                 key,
             )
+
+    def collect(self, now: float) -> None:
+        """Run a full garbage collection; count it and its seconds (``buffer/gc_runs``,
+        ``buffer/gc_s``)."""
+        gc.collect()
+        self.io["gc_runs"] += 1
+        self.gc_s += time.monotonic() - now
 
     def set_paused(self, paused: bool, now: float) -> None:
         if paused:
@@ -72,6 +82,8 @@ class ServiceStats:
         if self._paused_since is not None:
             paused += now - self._paused_since
         out["buffer/paused_s"] = paused
+        if self.gc_s:
+            out["buffer/gc_s"] = self.gc_s
         out["buffer/uptime_s"] = now - self.started if self.started else 0.0
         return out
 
