@@ -98,8 +98,9 @@ class LearnerLoop:
             # push: one older than the checkpoint, or, after a restart without one, a
             # server that outlived the previous learner with weights nobody has any more.
             self.control.resume(self.trainer.full_state_for_push())
-            while self.trainer.step < self.total and self._one_step():
-                pass
+            with startup.startup_heap_frozen():
+                while self.trainer.step < self.total and self._one_step():
+                    pass
             self._save(final=True)
             done = self.stopped_by is None
         finally:

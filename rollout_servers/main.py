@@ -212,7 +212,8 @@ async def serve(cfg: Config, server_id: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):  # stop taking tasks, leave, exit 0
         loop.add_signal_handler(sig, server.stop)
     try:
-        code = await server.run()
+        with startup.startup_heap_frozen():
+            code = await server.run()
     finally:
         if not client.gone.is_set():
             await asyncio.to_thread(client.leave, "stopped")

@@ -14,14 +14,19 @@ The phases, in the order a run reaches them:
   cache), ``registered`` (with the coordinator);
 - learner: ``model_ready`` (model loaded and sharded, optimizer built), ``coordinator_up``,
   ``first_batch`` (the buffer's first batch received), ``first_step`` (trained on it).
+
+A role set up runs its loop inside :func:`startup_heap_frozen`.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -102,3 +107,31 @@ def startup_table(events: list[dict]) -> str:
     if first is not None:
         lines.append(f"  launch to first learner step: {first:.1f}s")
     return "\n".join(lines)
+
+
+@contextmanager
+def startup_heap_frozen() -> Iterator[None]:
+    """While inside, everything alive on entry (imports, the model, the engine's front end)
+    is out of the cyclic garbage collector's scans: a role's loop runs inside, once the role
+    is set up.
+
+    Python runs a full collection whenever a quarter as many objects as the last full one
+    left have survived since, and each scans every tracked object: torch, transformers and
+    vLLM leave a role with hundreds of thousands. In a demo run each rollout server's own
+    process paused 0.4-0.5 s for such a collection every 15-20 s (1.3-1.5 s of CPU per
+    server over the 37 s of training), and the learner 0.3 s once. With the start-up heap
+    frozen those collections took 1-8 ms and the servers' collector time fell to 0.4-0.5 s.
+    On ``benchmarks/vs_trl.py``'s long shape (128-token answers, three interleaved pairs)
+    step 1 to end went from 53.2, 51.9 and 48.5 s to 47.5, 46.3 and 45.1 s; the demo's
+    35-39 s did not move. vLLM's engine core freezes its own heap the same way.
+
+    Frozen objects are still freed when their last reference goes; reference cycles among
+    them wait for the exit, which gives them back to the collector (for a loop run inside a
+    longer program, such as a test).
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
