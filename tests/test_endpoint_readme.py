@@ -76,9 +76,12 @@ def test_the_readme_agent_trains_two_runs_started_at_once(tmp_path, agent_model)
         steps = trained_steps(records)
         assert len(steps) == STEPS, details
         # The model's tool calls reach the agent as tool_calls, and their results go back.
+        # The tiny model calls a tool in about half its episodes, how many depends on
+        # sampling (20 of 32 and 21 of 33 alone; 16 of 32 once, under the whole suite's
+        # load); calls that did not get through would leave none.
         sent, episodes, with_tools = _counts(said[name])
         assert sent >= STEPS * GROUPS and episodes >= sent * 4, said[name]
-        assert with_tools > episodes // 2, said[name]
+        assert with_tools >= episodes // 4, said[name]
         acct = [r for r in records if "accounting/external/dealt" in r][-1]
         assert acct["accounting/external/trained"] == STEPS * GROUPS, acct
         assert acct["accounting/external/unaccounted"] == 0, acct
