@@ -25,6 +25,7 @@ once per kind; the service keeps running. Run it as ``asyncrl-buffer CONFIG`` (s
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -242,8 +243,9 @@ class BufferService:
                 self.stats.update_rates(now, c["trajectories_in"] + dropped)
                 last_tick = now
             if self.collect_every_s is not None and now - last_collect >= self.collect_every_s:
-                self.stats.collect(now)
-                last_collect = now
+                gc.collect()
+                last_collect = time.monotonic()
+                self.stats.collected(last_collect - now)
             if now - last_log >= self.log_every_s:
                 log.info("buffer: %s", summary(self.metrics()))
                 last_log = now

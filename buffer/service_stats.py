@@ -5,9 +5,7 @@ a window, and how long reading was paused for backpressure. No sockets; callers 
 
 from __future__ import annotations
 
-import gc
 import logging
-import time
 from collections import Counter
 
 from asyncrl.wire import WireError
@@ -20,13 +18,13 @@ RATE_WINDOW_S = 2.0
 class ServiceStats:
     def __init__(self) -> None:
         self.rejects: Counter[str] = Counter()  # "<socket>/<kind>"
-        self.io: Counter[str] = Counter()  # bytes_in, messages_in, replies_undeliverable, gc_runs
+        self.io: Counter[str] = Counter()  # bytes_in, messages_in, replies_undeliverable
         self.rates = {"buffer/trajectories_per_s": 0.0, "buffer/mb_per_s": 0.0}
         self.started = 0.0
         self._logged: set[str] = set()
         self._paused_since: float | None = None
         self._paused_s = 0.0
-        self.gc_s = 0.0  # seconds spent in scheduled garbage collections
+        self.gc_runs, self.gc_s = 0, 0.0  # scheduled garbage collections, their seconds
         self._window = (0.0, 0.0, 0.0)  # (time, trajectories, MB) at the last rate update
 
     def start(self, now: float) -> None:
@@ -46,12 +44,11 @@ class ServiceStats:
                 key,
             )
 
-    def collect(self, now: float) -> None:
-        """Run a full garbage collection; count it and its seconds (``buffer/gc_runs``,
+    def collected(self, seconds: float) -> None:
+        """Count a scheduled garbage collection and its seconds (``buffer/gc_runs``,
         ``buffer/gc_s``)."""
-        gc.collect()
-        self.io["gc_runs"] += 1
-        self.gc_s += time.monotonic() - now
+        self.gc_runs += 1
+        self.gc_s += seconds
 
     def set_paused(self, paused: bool, now: float) -> None:
         if paused:
@@ -82,8 +79,8 @@ class ServiceStats:
         if self._paused_since is not None:
             paused += now - self._paused_since
         out["buffer/paused_s"] = paused
-        if self.gc_s:
-            out["buffer/gc_s"] = self.gc_s
+        if self.gc_runs:
+            out["buffer/gc_runs"], out["buffer/gc_s"] = float(self.gc_runs), self.gc_s
         out["buffer/uptime_s"] = now - self.started if self.started else 0.0
         return out
 
