@@ -5,7 +5,8 @@ msgpack header plus raw token/logprob frames) from a producer process to a consu
 two hops:
 
 - buffer: producer (TrajectoryPusher) -> buffer service process (decode, validate, group,
-  batch) -> consumer (BufferClient: request, decode, acknowledge each batch);
+  batch) -> consumer (BufferClient: request, decode, acknowledge each batch with the next
+  request);
 - raw: producer (PUSH) -> relay process (PULL, forward zero-copy, PUSH) -> consumer (PULL).
 
 Each round's clock starts when the producer is released (after a warm-up, connections up)
@@ -160,9 +161,11 @@ def run_buffer(p: dict[str, int], tag: str, mpc: Any) -> dict[str, float]:
     client.hello()
 
     def take(groups: int) -> None:
-        got = 0
+        got, trained = 0, []
         while got < groups:
-            batch = client.request_batch(0, wait_s=5.0)
+            # Each batch acknowledged with the next request, as the learner does without
+            # intermediate checkpoints (save_freq <= 0).
+            batch = client.request_batch(0, wait_s=5.0, ack=trained)
             if batch is None:
                 raise RuntimeError(
                     f"buffer stalled after {got} of {groups} groups (producer exit code "
@@ -170,7 +173,8 @@ def run_buffer(p: dict[str, int], tag: str, mpc: Any) -> dict[str, float]:
                 )
             got += len(batch.groups)
             assert all(len(g) == p["group_size"] for g in batch.groups)
-            client.ack([batch.batch_id])
+            trained = [batch.batch_id]
+        client.ack(trained)
 
     take(p["warmup"])
     out = timed(go, done, lambda: take(p["groups"]))

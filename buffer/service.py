@@ -292,6 +292,8 @@ class BufferService:
         self, router: RouterService[wire.Request], envelope: list[bytes], msg: wire.Request
     ) -> None:
         if isinstance(msg, wire.BatchRequest):
+            if msg.ack:  # acknowledgements carried on the request, applied before it
+                self.buffer.ack(msg.ack)
             now = time.monotonic()
             self._held.hold(envelope, msg, now, msg.wait_s)
             # Apply the lag filter for this version now, even if no batch can be released.

@@ -28,6 +28,7 @@ class ControlPeer(Protocol):
     def wait_batch(self, version: int, step: int) -> Any: ...
     def trained(self, task_ids: list[str]) -> None: ...
     def acknowledge(self, batch_ids: list[int]) -> None: ...
+    def acknowledge_on_next_request(self, batch_ids: list[int]) -> None: ...
     def resume(self, tensors: dict[str, Any]) -> None: ...
     def push(
         self, tensors: dict[str, Any], target: int, probe: list[float] | None = None
@@ -49,6 +50,9 @@ class NoControl:
         pass
 
     def acknowledge(self, batch_ids: list[int]) -> None:
+        pass
+
+    def acknowledge_on_next_request(self, batch_ids: list[int]) -> None:
         pass
 
     def resume(self, tensors: dict[str, Any]) -> None:

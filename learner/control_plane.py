@@ -69,6 +69,7 @@ class RankZero:
         self._push_done: dict[str, float] = {}
         self._push_error: BaseException | None = None
         self.validation = ValidationTracker()
+        self._ack_next: list[int] = []  # see acknowledge_on_next_request
         write_resolved(cfg, run_dir)
         store = open_store(
             store_host(cfg.endpoints.host),
@@ -140,8 +141,8 @@ class RankZero:
         silent_since = None
         while True:
             try:
-                batch = self.buffer.request_batch(version, wait_s=1.0)
-                silent_since = None
+                batch = self.buffer.request_batch(version, wait_s=1.0, ack=self._ack_next)
+                silent_since, self._ack_next = None, []
             except TimeoutError:  # the buffer died or restarts: keep asking, say so
                 batch, silent_since = None, silent_since or time.monotonic()
             batch = self._untrained(batch)
@@ -197,12 +198,19 @@ class RankZero:
         self.coordinator.trained(task_ids)
 
     def acknowledge(self, batch_ids: list[int]) -> None:
+        """Acknowledge these batches now, with any waiting for the next request."""
+        batch_ids, self._ack_next = self._ack_next + batch_ids, []
         if not batch_ids:
             return
         try:
             self.buffer.ack(batch_ids)
         except TimeoutError as e:  # a buffer that died took these batches with it anyway
             log.warning("acknowledging batches %s: %s", batch_ids, e)
+
+    def acknowledge_on_next_request(self, batch_ids: list[int]) -> None:
+        """Acknowledge these batches with the next batch request (one round trip a step
+        fewer), or with :meth:`acknowledge` or :meth:`finish`, whichever comes first."""
+        self._ack_next += batch_ids
 
     # ------------------------------------------------------------------ weights, versions
     def resume(self, tensors: dict[str, Any]) -> None:
@@ -346,6 +354,7 @@ class RankZero:
         self.logger.log(step, accounting)
         for line in accounting_lines([accounting]):
             log.info("%s", line)
+        self.acknowledge([])  # what waited for a next request that will not come
         self.coordinator.shutdown("training done")
         self.logger.close()
         self.buffer.close()

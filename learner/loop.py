@@ -176,8 +176,10 @@ class LearnerLoop:
         else:
             # No intermediate checkpoint: a restart could not resume to this batch, so the
             # buffer has no reason to keep it. Held, it would count against the buffer's
-            # capacity until the buffer stopped releasing batches (the run hung).
-            self.control.acknowledge([batch_id])
+            # capacity until the buffer stopped releasing batches (the run hung). It goes
+            # with the next batch request; a learner that dies first restarts without a
+            # checkpoint, and the buffer takes the batch's groups back into its pool.
+            self.control.acknowledge_on_next_request([batch_id])
 
     # ------------------------------------------------------------------ pushes
     def _push(self) -> dict[str, float]:

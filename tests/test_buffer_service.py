@@ -241,6 +241,36 @@ def test_a_restarted_consumer_does_not_lose_a_held_request(service) -> None:
     old.close()
 
 
+def test_an_acknowledgement_carried_on_the_next_request_frees_room_before_it_is_served(
+    service,
+) -> None:
+    """The learner without intermediate checkpoints acknowledges each batch with its next
+    request (``BatchRequest.ack``). A full buffer must apply it first: with released,
+    unacknowledged batches holding all its room it reads nothing new, so ignoring the
+    carried acknowledgement leaves the third request without a batch."""
+    svc = service(capacity_groups=4)
+    with (
+        BufferClient(svc.batches_endpoint, "learner") as client,
+        TrajectoryPusher(svc.trajectories_endpoint) as pusher,
+    ):
+        client.hello()
+        for tid in "abcd":
+            pusher.send(make_group(tid, 2))
+        first = client.request_batch(0, wait_s=5)
+        assert first is not None and first.task_ids == ["a", "b"]
+        second = client.request_batch(0, wait_s=5, ack=[first.batch_id])
+        assert second is not None and second.task_ids == ["c", "d"]
+        for tid in "ef":  # room for these only once a carried acknowledgement is applied
+            pusher.send(make_group(tid, 2))
+        third = client.request_batch(0, wait_s=5, ack=[second.batch_id])
+        assert third is not None and third.task_ids == ["e", "f"]
+        # Carried again (as after a lost reply): harmless.
+        assert client.request_batch(0, wait_s=0.1, ack=[second.batch_id]) is None
+        client.ack([third.batch_id])
+        stats = client.stats()
+    assert stats["buffer/batches_acked"] == 3 and stats["buffer/unacked_batches"] == 0
+
+
 def test_ipc_endpoints(tmp_path: Path) -> None:
     core = ReplayBuffer(batch_size=1, capacity_groups=10, max_policy_lag=0)
     host = f"ipc://{tmp_path}"

@@ -98,8 +98,14 @@ class BufferClient(ReqClient):
         session: what clients other than the learner use to know it is up."""
         return self._until_up(wire.StatsRequest(), wire.StatsReply, wait_s).metrics
 
-    def request_batch(self, policy_version: int, wait_s: float = 1.0) -> wire.Batch | None:
-        """The next training batch, or None when the buffer has none within ``wait_s``."""
+    def request_batch(
+        self, policy_version: int, wait_s: float = 1.0, ack: Sequence[int] = ()
+    ) -> wire.Batch | None:
+        """The next training batch, or None when the buffer has none within ``wait_s``.
+
+        ``ack``: batches to acknowledge first, as :meth:`ack` would, in the same round trip
+        (on a TimeoutError it is unknown whether they were: acknowledging again is harmless).
+        """
         session, through = self.received if self.received is not None else (None, None)
         msg = wire.BatchRequest(
             consumer_id=self.consumer_id,
@@ -107,6 +113,7 @@ class BufferClient(ReqClient):
             wait_s=wait_s,
             received_session=session,
             received_through=through,
+            ack=list(ack),
         )
         start = time.monotonic()
         reply = self.call(msg, wire.decode_reply, timeout_s=wait_s + self.timeout_s)
