@@ -132,6 +132,7 @@ class LearnerLoop:
         metrics["timing/wait_batch_s"] = waited
         metrics["timing/step_s"] = time.monotonic() - start
         metrics["timing/wait_fraction"] = waited / max(metrics["timing/step_s"], 1e-9)
+        metrics.update(startup.collector_metrics("learner"))
         if push_due(t.step, c.staleness.sync_every, self.total):
             metrics.update(self._push())
         if c.trainer.save_freq > 0 and t.step % c.trainer.save_freq == 0 and t.step < self.total:

@@ -9,6 +9,8 @@ import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING
 
+from asyncrl.launch.startup import collector_metrics
+
 if TYPE_CHECKING:
     from collections.abc import Mapping, Sequence
 
@@ -97,4 +99,4 @@ class ServerStats:
             out["rollout/response_length_mean"] = sum(self.lengths) / len(self.lengths)
         for version, n in self.tokens_by_version.items():
             out[f"rollout/tokens_by_version/{version}"] = n
-        return out
+        return out | collector_metrics("rollout")

@@ -79,6 +79,10 @@ def test_async_run_learns(tmp_path, demo_model, arithmetic_data):
     # The health alarms run on every step. At lag 2 with this fast warm-up they may speak:
     # one such run held a mismatch KL of 0.2-0.5 for 15 steps, its ESS down to 0.03.
     assert all(f"health/{rule}" in steps[-1] for rule in HEALTH_RULES)
+    # The learner's and every server's loop run with their start-up heaps out of the
+    # collector's scans (torch alone leaves far more than 10,000 objects).
+    assert steps[-1]["learner/gc_frozen_objects"] > 10_000, steps[-1]
+    assert steps[-1]["rollout/gc_frozen_objects_min"] > 10_000, steps[-1]
     assert (run / "progress.png").stat().st_size > 1000
     assert (run / "config.yaml").is_file() and (run / "commands.txt").is_file()
     assert_vllm_loads(run / "final")

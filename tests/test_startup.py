@@ -120,3 +120,16 @@ def test_a_roles_loop_runs_with_its_start_up_heap_out_of_the_collectors_scans():
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert sum(r() is not None for r in refs) == 0
+
+
+def test_a_roles_collector_metrics_count_its_frozen_heap_and_its_collection_time():
+    """``<role>/gc_frozen_objects`` is what the loop's freeze keeps out of the scans (0
+    outside it), and ``<role>/gc_s`` grows with every collection once a loop has run."""
+    with startup.startup_heap_frozen():
+        inside = startup.collector_metrics("learner")
+        for _ in range(3):
+            gc.collect()
+        after = startup.collector_metrics("learner")
+    assert inside["learner/gc_frozen_objects"] > 1000
+    assert after["learner/gc_s"] > inside["learner/gc_s"]
+    assert startup.collector_metrics("rollout")["rollout/gc_frozen_objects"] == 0
