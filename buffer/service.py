@@ -292,7 +292,9 @@ class BufferService:
         self, router: RouterService[wire.Request], envelope: list[bytes], msg: wire.Request
     ) -> None:
         if isinstance(msg, wire.BatchRequest):
-            if msg.ack:  # acknowledgements carried on the request, applied before it
+            # Acknowledgements carried on the request, applied first, unless they are of
+            # another buffer session (whose batch ids name other batches here).
+            if msg.ack and msg.received_session in (None, self.session):
                 self.buffer.ack(msg.ack)
             now = time.monotonic()
             self._held.hold(envelope, msg, now, msg.wait_s)

@@ -271,6 +271,26 @@ def test_an_acknowledgement_carried_on_the_next_request_frees_room_before_it_is_
     assert stats["buffer/batches_acked"] == 3 and stats["buffer/unacked_batches"] == 0
 
 
+def test_an_acknowledgement_carried_from_another_buffer_session_is_ignored(service) -> None:
+    """A learner whose last batch came from a buffer that has since restarted carries that
+    batch's id, which in the new session names another batch: it must not be applied."""
+    svc = service()
+    with (
+        BufferClient(svc.batches_endpoint, "learner") as client,
+        TrajectoryPusher(svc.trajectories_endpoint) as pusher,
+    ):
+        client.hello()
+        for tid in "abcd":
+            pusher.send(make_group(tid, 2))
+        first = client.request_batch(0, wait_s=5)
+        assert first is not None and first.session == svc.session
+        client.received = ("an-earlier-buffer", 7)  # its last batch came from there
+        client.request_batch(0, wait_s=5, ack=[first.batch_id])
+        assert client.stats()["buffer/batches_acked"] == 0
+        client.request_batch(0, wait_s=5, ack=[first.batch_id])  # this session's: applied
+        assert client.stats()["buffer/batches_acked"] == 1
+
+
 def test_ipc_endpoints(tmp_path: Path) -> None:
     core = ReplayBuffer(batch_size=1, capacity_groups=10, max_policy_lag=0)
     host = f"ipc://{tmp_path}"

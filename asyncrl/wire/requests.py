@@ -94,7 +94,8 @@ class BatchRequest(Message, tag="batch_request"):
     got, is sent again first. ``received_session`` None: the consumer does not track.
 
     ``ack`` acknowledges batches as an :class:`Ack` would, before the request is served: a
-    consumer that acknowledges every batch once trained saves one round trip a batch.
+    consumer that acknowledges every batch once trained saves one round trip a batch. They
+    are batches of ``received_session``: the buffer ignores them if that is not its own.
     """
 
     consumer_id: ShortStr
