@@ -11,6 +11,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -241,6 +242,22 @@ def test_a_restarted_consumer_does_not_lose_a_held_request(service) -> None:
     old.close()
 
 
+@contextmanager
+def learner_fed(
+    svc: BufferService, task_ids: str
+) -> Iterator[tuple[BufferClient, TrajectoryPusher]]:
+    """A consumer "learner" that said hello, and a producer that pushed a group of 2 for
+    each of ``task_ids``."""
+    with (
+        BufferClient(svc.batches_endpoint, "learner") as client,
+        TrajectoryPusher(svc.trajectories_endpoint) as pusher,
+    ):
+        client.hello()
+        for tid in task_ids:
+            pusher.send(make_group(tid, 2))
+        yield client, pusher
+
+
 def test_an_acknowledgement_carried_on_the_next_request_frees_room_before_it_is_served(
     service,
 ) -> None:
@@ -249,13 +266,7 @@ def test_an_acknowledgement_carried_on_the_next_request_frees_room_before_it_is_
     unacknowledged batches holding all its room it reads nothing new, so ignoring the
     carried acknowledgement leaves the third request without a batch."""
     svc = service(capacity_groups=4)
-    with (
-        BufferClient(svc.batches_endpoint, "learner") as client,
-        TrajectoryPusher(svc.trajectories_endpoint) as pusher,
-    ):
-        client.hello()
-        for tid in "abcd":
-            pusher.send(make_group(tid, 2))
+    with learner_fed(svc, "abcd") as (client, pusher):
         first = client.request_batch(0, wait_s=5)
         assert first is not None and first.task_ids == ["a", "b"]
         second = client.request_batch(0, wait_s=5, ack=[first.batch_id])
@@ -275,13 +286,7 @@ def test_an_acknowledgement_carried_from_another_buffer_session_is_ignored(servi
     """A learner whose last batch came from a buffer that has since restarted carries that
     batch's id, which in the new session names another batch: it must not be applied."""
     svc = service()
-    with (
-        BufferClient(svc.batches_endpoint, "learner") as client,
-        TrajectoryPusher(svc.trajectories_endpoint) as pusher,
-    ):
-        client.hello()
-        for tid in "abcd":
-            pusher.send(make_group(tid, 2))
+    with learner_fed(svc, "abcd") as (client, _):
         first = client.request_batch(0, wait_s=5)
         assert first is not None and first.session == svc.session
         client.received = ("an-earlier-buffer", 7)  # its last batch came from there
