@@ -147,7 +147,6 @@ class _CollectorClock:
 
     def __init__(self) -> None:
         self.seconds = 0.0
-        self.collections = 0
         self.frozen = 0  # objects frozen on entry to startup_heap_frozen
         self._started: float | None = None
 
@@ -160,7 +159,6 @@ class _CollectorClock:
             self._started = time.perf_counter()
         elif self._started is not None:
             self.seconds += time.perf_counter() - self._started
-            self.collections += 1
             self._started = None
 
 
