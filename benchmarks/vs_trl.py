@@ -4,8 +4,9 @@ Both sides train the same model on the same prompts with the same reward, batch 
 prompts x 8 samples), learning rate, warmup, clip range (0.2 / 0.28), token-mean loss and
 steps, on every core of the machine: TRL in one process (torch threads = cores), asyncrl
 with one rollout server per core and the learner beside server 0, where server 0 runs at
-the lowest CPU priority for long responses (the learner is the bottleneck there) and the
-learner waits for each weight push there. Two shapes:
+the lowest CPU priority for long responses (the learner is the bottleneck there), the
+learner waits for each weight push there, and the servers' model is compiled there. Two
+shapes:
 
 - ``demo``: the demo (``configs/cpu_demo.yaml``): the warm-started tiny model, 4-token
   answers to sums, 180 steps;
@@ -15,7 +16,8 @@ learner waits for each weight push there. Two shapes:
 Each repetition runs both sides of a shape back to back, alternating which goes first;
 ratios are asyncrl / TRL within a repetition (this machine is shared and noisy), reported as
 median with min-max. Timed span: from the end of step 1 to the end of the last step, on
-both sides (start-up is timed by ``benchmarks/throughput.py`` and the launch summary).
+both sides; start-up, from launch to the end of step 1, is reported beside it
+(``to_step1_s``).
 "Score" is the mean training reward over the last 20 steps (TRL has no validation rounds;
 asyncrl's are off here). TRL is the optional ``bench`` extra: ``pip install -e .[bench]``.
 
@@ -214,6 +216,10 @@ def main() -> None:
                     side: statistics.fmean(r[side]["score"] for r in runs)
                     for side in ("trl", "asyncrl")
                 },
+                "to_step1_s": {
+                    side: statistics.median(r[side]["to_step1_s"] for r in runs)
+                    for side in ("trl", "asyncrl")
+                },
             }
     config = {"reps": reps, "prompts": PROMPTS, "n": N, "cores": os.cpu_count()}
     write_results(
@@ -224,7 +230,8 @@ def main() -> None:
         print(
             f"{name}: asyncrl/TRL samples/s {r['median']:.2f} (min {r['min']:.2f}, max "
             f"{r['max']:.2f}); score TRL {shape['score']['trl']:.3f}, asyncrl "
-            f"{shape['score']['asyncrl']:.3f}"
+            f"{shape['score']['asyncrl']:.3f}; launch to step 1 (median) TRL "
+            f"{shape['to_step1_s']['trl']:.1f} s, asyncrl {shape['to_step1_s']['asyncrl']:.1f} s"
         )
     worst = min(s["samples_per_s_ratio"]["median"] for s in results["shapes"].values())
     headline("asyncrl / TRL samples/s, worst shape (goal >= 1.0)", worst)
