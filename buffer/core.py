@@ -268,8 +268,15 @@ class ReplayBuffer:
         self._evict_used()
         return batch
 
-    def ack(self, batch_ids: Iterable[int]) -> tuple[list[int], list[int]]:
-        """Forget acknowledged batches; returns (acknowledged, unknown) ids."""
+    def ack(
+        self, batch_ids: Iterable[int], session: str | None = None
+    ) -> tuple[list[int], list[int]]:
+        """Forget acknowledged batches, numbered by ``session`` (None: this one); returns
+        (acknowledged, unknown) ids. Another session's are all unknown: its ids name other
+        batches here."""
+        if session is not None and session != self.session:
+            self.counts["acks_other_session"] += 1
+            return [], list(batch_ids)
         s = self._s
         batches, unknown = self.deliveries.ack(batch_ids)
         for batch in batches:

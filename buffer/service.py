@@ -292,10 +292,10 @@ class BufferService:
         self, router: RouterService[wire.Request], envelope: list[bytes], msg: wire.Request
     ) -> None:
         if isinstance(msg, wire.BatchRequest):
-            # Acknowledgements carried on the request, applied first, unless they are of
-            # another buffer session (whose batch ids name other batches here).
-            if msg.ack and msg.received_session in (None, self.session):
-                self.buffer.ack(msg.ack)
+            # Acknowledgements carried on the request, applied first (those of another
+            # buffer session are not: their ids name other batches here).
+            if msg.ack:
+                self.buffer.ack(msg.ack, msg.received_session)
             now = time.monotonic()
             self._held.hold(envelope, msg, now, msg.wait_s)
             # Apply the lag filter for this version now, even if no batch can be released.
@@ -308,7 +308,7 @@ class BufferService:
         if isinstance(msg, wire.Hello):
             return self._hello(msg)
         if isinstance(msg, wire.Ack):
-            acked, unknown = self.buffer.ack(msg.batch_ids)
+            acked, unknown = self.buffer.ack(msg.batch_ids, msg.session)
             return wire.AckReply(acked=acked, unknown=unknown)
         if isinstance(msg, wire.StatsRequest):
             return wire.StatsReply(metrics=self.metrics())

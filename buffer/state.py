@@ -23,6 +23,7 @@ COUNTERS = (
     "batches_returned",  # of a consumer that started without a checkpoint: groups to the pool
     "batches_acked",
     "hello_other_session",  # a restarted consumer's checkpoint predates this session
+    "acks_other_session",  # acknowledgements of batches an earlier session numbered
     "groups_acked",
     "drops/duplicate",  # trajectories
     "drops/late",  # trajectories

@@ -10,6 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
+# A batch as the buffer numbers it: (buffer session, batch id). An id alone is ambiguous
+# across a buffer restart, where the new session numbers its batches from 0 again.
+BatchRef = tuple[str, int]
+
 
 class Restored(NamedTuple):
     """What a checkpoint brought back for the control plane (all None on a fresh start)."""
@@ -27,8 +31,8 @@ class ControlPeer(Protocol):
 
     def wait_batch(self, version: int, step: int) -> Any: ...
     def trained(self, task_ids: list[str]) -> None: ...
-    def acknowledge(self, batch_ids: list[int]) -> None: ...
-    def acknowledge_on_next_request(self, batch_ids: list[int]) -> None: ...
+    def acknowledge(self, batches: list[BatchRef]) -> None: ...
+    def acknowledge_on_next_request(self, batches: list[BatchRef]) -> None: ...
     def resume(self, tensors: dict[str, Any]) -> None: ...
     def push(
         self, tensors: dict[str, Any], target: int, probe: list[float] | None = None
@@ -49,10 +53,10 @@ class NoControl:
     def trained(self, task_ids: list[str]) -> None:
         pass
 
-    def acknowledge(self, batch_ids: list[int]) -> None:
+    def acknowledge(self, batches: list[BatchRef]) -> None:
         pass
 
-    def acknowledge_on_next_request(self, batch_ids: list[int]) -> None:
+    def acknowledge_on_next_request(self, batches: list[BatchRef]) -> None:
         pass
 
     def resume(self, tensors: dict[str, Any]) -> None:

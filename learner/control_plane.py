@@ -23,7 +23,7 @@ from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import replayed_version
 from asyncrl.control.lag_controller import LagController
 from asyncrl.launch.progress import accounting_lines
-from learner.control_peer import Restored
+from learner.control_peer import BatchRef, Restored
 from learner.health import check_probe
 from learner.validation import ValidationTracker
 
@@ -69,7 +69,7 @@ class RankZero:
         self._push_done: dict[str, float] = {}
         self._push_error: BaseException | None = None
         self.validation = ValidationTracker()
-        self._ack_next: list[int] = []  # see acknowledge_on_next_request
+        self._ack_next: list[BatchRef] = []  # see acknowledge_on_next_request
         write_resolved(cfg, run_dir)
         store = open_store(
             store_host(cfg.endpoints.host),
@@ -141,7 +141,10 @@ class RankZero:
         silent_since = None
         while True:
             try:
-                batch = self.buffer.request_batch(version, wait_s=1.0, ack=self._ack_next)
+                # Carried acknowledgements name batches of the session of the last batch
+                # received, which the request names too: the buffer checks it.
+                ack = [batch_id for _, batch_id in self._ack_next]
+                batch = self.buffer.request_batch(version, wait_s=1.0, ack=ack)
                 silent_since, self._ack_next = None, []
             except TimeoutError:  # the buffer died or restarts: keep asking, say so
                 batch, silent_since = None, silent_since or time.monotonic()
@@ -190,27 +193,31 @@ class RankZero:
         groups = [g for g in batch.groups if g.task_id not in seen]
         if groups:
             return msgspec.structs.replace(batch, groups=groups)
-        self.acknowledge([batch.batch_id])  # nothing in it to train, nothing to resume to
+        self.acknowledge([(batch.session, batch.batch_id)])  # nothing to train or resume to
         return None
 
     def trained(self, task_ids: list[str]) -> None:
         """Before the push: the admission window moves by what the pushed weights consumed."""
         self.coordinator.trained(task_ids)
 
-    def acknowledge(self, batch_ids: list[int]) -> None:
-        """Acknowledge these batches now, with any waiting for the next request."""
-        batch_ids, self._ack_next = self._ack_next + batch_ids, []
-        if not batch_ids:
-            return
-        try:
-            self.buffer.ack(batch_ids)
-        except TimeoutError as e:  # a buffer that died took these batches with it anyway
-            log.warning("acknowledging batches %s: %s", batch_ids, e)
+    def acknowledge(self, batches: list[BatchRef]) -> None:
+        """Acknowledge these batches now, with any waiting for the next request: one
+        :class:`~asyncrl.wire.Ack` per buffer session (a buffer that restarted since
+        ignores the earlier session's, whose ids name other batches there)."""
+        by_session: dict[str, list[int]] = {}
+        for session, batch_id in self._ack_next + batches:
+            by_session.setdefault(session, []).append(batch_id)
+        self._ack_next = []
+        for session, batch_ids in by_session.items():
+            try:
+                self.buffer.ack(batch_ids, session=session or None)
+            except TimeoutError as e:  # a buffer that died took these batches with it anyway
+                log.warning("acknowledging batches %s: %s", batch_ids, e)
 
-    def acknowledge_on_next_request(self, batch_ids: list[int]) -> None:
+    def acknowledge_on_next_request(self, batches: list[BatchRef]) -> None:
         """Acknowledge these batches with the next batch request (one round trip a step
         fewer), or with :meth:`acknowledge` or :meth:`finish`, whichever comes first."""
-        self._ack_next += batch_ids
+        self._ack_next += batches
 
     # ------------------------------------------------------------------ weights, versions
     def resume(self, tensors: dict[str, Any]) -> None:

@@ -32,7 +32,7 @@ from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
 from learner import fsdp, lora
-from learner.control_peer import ControlPeer, NoControl, Restored
+from learner.control_peer import BatchRef, ControlPeer, NoControl, Restored
 from learner.control_plane import RankZero
 from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.rollouts import Rollout
@@ -83,7 +83,7 @@ class LearnerLoop:
         self._mark("coordinator_up")
         self.last_batch_id = self.restored.last_batch_id
         self.last_batch_session = self.restored.last_batch_session
-        self.unacked: list[int] = []  # batch ids trained on since the last checkpoint
+        self.unacked: list[BatchRef] = []  # batches trained on since the last checkpoint
         self.health = HealthMonitor(cfg.trainer.health)
         self.stopped_by: Alarm | None = None  # the alarm that ended the run (action: stop)
 
@@ -173,14 +173,14 @@ class LearnerLoop:
         self.last_batch_id, self.last_batch_session = batch_id, batch.session
         self.control.trained(sorted({str(r.group_id) for r in rollouts}))  # the task ids
         if self.cfg.trainer.save_freq > 0:
-            self.unacked.append(batch_id)  # acknowledged by the checkpoint that holds it
+            self.unacked.append((batch.session, batch_id))  # acked by the checkpoint
         else:
             # No intermediate checkpoint: a restart could not resume to this batch, so the
             # buffer has no reason to keep it. Held, it would count against the buffer's
             # capacity until the buffer stopped releasing batches (the run hung). It goes
             # with the next batch request; a learner that dies first restarts without a
             # checkpoint, and the buffer takes the batch's groups back into its pool.
-            self.control.acknowledge_on_next_request([batch_id])
+            self.control.acknowledge_on_next_request([(batch.session, batch_id)])
 
     # ------------------------------------------------------------------ pushes
     def _push(self) -> dict[str, float]:

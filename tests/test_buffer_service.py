@@ -293,7 +293,24 @@ def test_an_acknowledgement_carried_from_another_buffer_session_is_ignored(servi
         client.request_batch(0, wait_s=5, ack=[first.batch_id])
         assert client.stats()["buffer/batches_acked"] == 0
         client.request_batch(0, wait_s=5, ack=[first.batch_id])  # this session's: applied
-        assert client.stats()["buffer/batches_acked"] == 1
+        stats = client.stats()
+    assert stats["buffer/batches_acked"] == 1 and stats["buffer/acks_other_session"] == 1
+
+
+def test_an_acknowledgement_of_another_buffer_session_is_ignored(service) -> None:
+    """The checkpoint's acknowledgement (``Ack``) names the session of its batches: sent
+    to a buffer that restarted since, whose batch ids start at 0 again, it must not make
+    that buffer forget its own batch of the same id, released and not yet trained."""
+    svc = service()
+    with learner_fed(svc, "ab") as (client, _):
+        first = client.request_batch(0, wait_s=5)
+        assert first is not None and first.batch_id == 0
+        reply = client.ack([0], session="an-earlier-buffer")
+        assert reply.acked == [] and reply.unknown == [0]
+        stats = client.stats()
+        assert stats["buffer/unacked_batches"] == 1 and stats["buffer/acks_other_session"] == 1
+        assert client.ack([0], session=svc.session).acked == [0]
+        assert client.stats()["buffer/unacked_batches"] == 0
 
 
 def test_ipc_endpoints(tmp_path: Path) -> None:

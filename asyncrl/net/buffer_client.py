@@ -124,9 +124,10 @@ class BufferClient(ReqClient):
             self.received = (reply.session, reply.batch_id)
         return reply
 
-    def ack(self, batch_ids: Sequence[int]) -> wire.AckReply:
-        """Tell the buffer these batches are in a saved checkpoint."""
-        msg = wire.Ack(consumer_id=self.consumer_id, batch_ids=list(batch_ids))
+    def ack(self, batch_ids: Sequence[int], session: str | None = None) -> wire.AckReply:
+        """Tell the buffer these batches, numbered by buffer ``session`` (None: not said),
+        are in a saved checkpoint."""
+        msg = wire.Ack(consumer_id=self.consumer_id, batch_ids=list(batch_ids), session=session)
         return self._ask(msg, wire.AckReply)
 
     def stats(self) -> dict[str, float]:

@@ -107,10 +107,16 @@ class BatchRequest(Message, tag="batch_request"):
 
 
 class Ack(Message, tag="ack"):
-    """The consumer's checkpoint contains these batches: the buffer may forget them."""
+    """The consumer's checkpoint contains these batches: the buffer may forget them.
+
+    ``session``: the buffer session that numbered them; a buffer of another session (it
+    restarted since) ignores them, since its batch ids name other batches. None: not said
+    (the buffer takes them as its own).
+    """
 
     consumer_id: ShortStr
     batch_ids: list[int]
+    session: ShortStr | None = None
 
 
 class StatsRequest(Message, tag="stats"):
