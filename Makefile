@@ -13,10 +13,11 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
-	$(BIN)/pip install -e ".[$(EXTRA),ray,dev]"
+	# bench: TRL, for benchmarks/vs_trl.py (its quick mode is a test).
+	$(BIN)/pip install -e ".[$(EXTRA),ray,dev,bench]"
 	# Only beside the CPU torch: CUDA vLLM needs the torchvision built for its torch.
 	if [ "$(EXTRA)" = "cpu" ]; then $(BIN)/pip uninstall -y torchvision torchaudio torchcodec || true; fi
 	$(BIN)/python -c "import torch, transformers, vllm, ray; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__)"

@@ -19,7 +19,7 @@ median with min-max. Timed span: from the end of step 1 to the end of the last s
 both sides; start-up, from launch to the end of step 1, is reported beside it
 (``to_step1_s``).
 "Score" is the mean training reward over the last 20 steps (TRL has no validation rounds;
-asyncrl's are off here). TRL is the optional ``bench`` extra: ``pip install -e .[bench]``.
+asyncrl's are off here). TRL is the ``bench`` extra (``make install`` adds it).
 
     python benchmarks/vs_trl.py [--quick] [--reps 3] [--shapes demo,long] [--out DIR]
 """
