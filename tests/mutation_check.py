@@ -133,6 +133,14 @@ MUTATIONS = (
         (T_RECOVERY,),
     ),
     Mutation(
+        "acknowledgements per buffer session",
+        "an acknowledgement of another session's batch ids forgets this one's",
+        "buffer/core.py",
+        "        if session is not None and session != self.session:",
+        "        if False:",
+        ("tests/test_buffer_service.py",),
+    ),
+    Mutation(
         "external slot ids per incarnation (F2)",
         "slot ids are plain serials again",
         "asyncrl/control/task_states.py",
