@@ -268,7 +268,7 @@ def test_a_late_copy_of_a_trained_group_is_left_out_of_the_learners_batch(tmp_pa
     rows = [make_row("arithmetic", "1+1=", "2", split="train", index=0)]
     coord = coordinator_from_config(cfg, train_rows=rows, val_rows=[], buffer=False)
     coord.trained(["late"])
-    acked: list[int] = []
+    acked: list[tuple[str, int]] = []
     rank0 = object.__new__(RankZero)  # only what the filter uses
     rank0.cfg, rank0.coordinator = cfg, coord
     rank0.acknowledge = acked.extend  # type: ignore[method-assign]
@@ -276,12 +276,18 @@ def test_a_late_copy_of_a_trained_group_is_left_out_of_the_learners_batch(tmp_pa
     def batch(batch_id: int, *tids: str) -> Batch:
         groups = [Group.from_trajectories(t, make_group(t, 2)) for t in tids]
         return Batch(
-            batch_id=batch_id, policy_version=0, groups=groups, lag_histogram={}, metrics={}
+            batch_id=batch_id,
+            policy_version=0,
+            groups=groups,
+            lag_histogram={},
+            metrics={},
+            session="b2",
         )
 
     kept = rank0._untrained(batch(1, "late", "fresh"))
     assert kept is not None and kept.task_ids == ["fresh"] and kept.batch_id == 1
-    assert rank0._untrained(batch(2, "late")) is None and acked == [2]  # nothing to train
+    # Nothing to train: acknowledged at once, with the session that numbered it.
+    assert rank0._untrained(batch(2, "late")) is None and acked == [("b2", 2)]
 
 
 # ----------------------------------------------------------------------- F2
