@@ -141,6 +141,14 @@ MUTATIONS = (
         ("tests/test_buffer_service.py",),
     ),
     Mutation(
+        "per-server pacing",
+        "a server whose groups go stale keeps being dealt as many",
+        "asyncrl/control/pacing.py",
+        "        if cap > 1 and self.outlier(server_id):",
+        "        if False:",
+        ("tests/test_pacing.py",),
+    ),
+    Mutation(
         "external slot ids per incarnation (F2)",
         "slot ids are plain serials again",
         "asyncrl/control/task_states.py",

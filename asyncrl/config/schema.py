@@ -123,6 +123,11 @@ class StalenessConfig(Section):
         "each step within [min_policy_lag, max_policy_lag] from the measured ESS, mismatch "
         "KL, lag drops and learner wait (staleness/lag_limit).",
     )
+    pace_servers: bool = Field(
+        default=True,
+        description="Deal fewer groups at once to a server whose groups go stale before "
+        "they are trained (asyncrl.control.pacing): a slow server's work is not wasted.",
+    )
     min_policy_lag: int = Field(
         default=0, ge=0, description="adaptive: the narrowest admission lag (its start)."
     )

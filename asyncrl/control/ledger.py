@@ -33,6 +33,7 @@ import msgspec
 
 from asyncrl.control.admission import Budget
 from asyncrl.control.messages import Task
+from asyncrl.control.pacing import Pacer
 from asyncrl.control.task_source import TaskSource
 from asyncrl.control.task_states import (
     BUF,
@@ -77,8 +78,10 @@ class TaskLedger:
         task_retries: int = 3,
         task_timeout_s: float = float("inf"),
         session: str = "",
+        pacer: Pacer | None = None,
     ):
         self.source = source
+        self.pacer = pacer  # per-server caps (staleness.pace_servers); None: none
         # Names this incarnation's external slots (``ext/<session>/<n>``): slots are never
         # dealt again, so their ids need not survive a restart, only never repeat.
         self.session = session
@@ -172,16 +175,19 @@ class TaskLedger:
     # ------------------------------------------------------------------ dealing
     def deal(self, server_id: str, max_tasks: int, now: float = 0.0) -> tuple[list[Task], str]:
         """Up to ``max_tasks`` tasks for ``server_id`` and, when fewer, why: ``budget``
-        (admission refused) or ``exhausted`` (no training data left); ``""`` when all were
-        granted."""
+        (admission refused), ``pace`` (the server holds its cap of training groups, see
+        :mod:`asyncrl.control.pacing`) or ``exhausted`` (no training data left); ``""``
+        when all were granted."""
         tasks: list[Task] = []
         reason = ""
+        room = self._pace_room(server_id)
         while len(tasks) < max_tasks:
-            tid, reason = self._next(now)
+            tid, reason = self._next(now, train=room > 0)
             if tid is None:
                 break
             task = self._hand(tid, server_id, now)
             tasks.append(task)
+            room -= kind_of(tid) == "train"
             self.counts["val_dealt" if task.validation else "train_dealt"] += 1
             if task.attempt:
                 self.counts["redealt"] += 1
@@ -226,20 +232,33 @@ class TaskLedger:
         e.task = msgspec.structs.replace(e.task, dealt_version=self.budget.version)
         return e.task
 
+    def _pace_room(self, server_id: str) -> int:
+        """Training groups ``server_id`` may still be dealt under its pace (endpoint slots
+        are not paced: their agents ask for them)."""
+        if self.pacer is None:
+            return 1 << 30
+        ids = self.owned.get(server_id, ())
+        holding = sum(kind_of(t) == "train" and not is_external(t) for t in ids)
+        return self.pacer.room(server_id, holding)
+
     def _free_for_dataset(self, now: float) -> int:
         """Training slots the dataset may take now: the budget's, less one while an agent
         waits for one (see ``agent_waiting_until``)."""
         return self.budget.free(self.committed) - (now < self.agent_waiting_until)
 
-    def _next(self, now: float) -> tuple[str | None, str]:
+    def _next(self, now: float, train: bool = True) -> tuple[str | None, str]:
+        """The next task to deal (queued first, then validation, then new training), or
+        None and why; ``train=False``: validation only (the server holds its pace)."""
         for tid in self.redeal:
-            if kind_of(tid) == "val" or self._free_for_dataset(now) > 0:
+            if kind_of(tid) == "val" or (train and self._free_for_dataset(now) > 0):
                 return tid, ""
         while True:  # ids adopted from an earlier session are skipped, not dealt twice
             task = self.source.next_val(self.budget.version)
             if task is None or task.task_id not in self.entries:
                 break
         if task is None:
+            if not train:
+                return None, "pace"
             if self.source.exhausted:
                 return None, "exhausted"
             if self._free_for_dataset(now) <= 0:
@@ -330,6 +349,8 @@ class TaskLedger:
         """Take back every task outstanding at ``server_id`` for re-dealing (``cause``:
         ``dead`` or ``left``), oldest deal first, at the front of the queue."""
         ids = sorted(self.owned.get(server_id, ()), key=lambda t: self.entries[t].serial)
+        if self.pacer is not None:
+            self.pacer.forget(server_id)
         for tid in reversed(ids):  # each to the front: the oldest ends up first
             self._queue(tid, self.entries[tid], cause, front=True)
         self.owned.pop(server_id, None)
@@ -347,6 +368,8 @@ class TaskLedger:
             if e is None:  # dealt by an earlier session and never seen by this one
                 self.track(tid, DONE, None)
             elif e.state != DONE:
+                if self.pacer is not None and e.server and kind_of(tid) == "train":
+                    self.pacer.fresh(e.server)
                 self._set(tid, e, DONE)
 
     def already_trained(self, task_ids: Iterable[str]) -> set[str]:
@@ -381,6 +404,8 @@ class TaskLedger:
                 self._set(d.task_id, e, f"dropped/{reason}", reason)
             if reason == "lag" and kind_of(d.task_id) == "train":
                 given_up += self._retry(d.task_id)
+                if self.pacer is not None and e is not None and e.server:
+                    self.pacer.stale(e.server)
         return Drops(refunded, given_up)
 
     def _retry(self, task_id: str) -> bool:
@@ -506,4 +531,6 @@ class TaskLedger:
         out["coordinator/tasks/redeal_queue"] = float(len(self.redeal))
         out |= self.budget.metrics(self.committed) | self.source.metrics()
         out |= {f"coordinator/budget/refunded/{c}": float(n) for c, n in self.refunded.items()}
+        if self.pacer is not None:
+            out |= {f"coordinator/{k}": v for k, v in self.pacer.metrics().items()}
         return out | self.accounting()

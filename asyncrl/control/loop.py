@@ -9,8 +9,8 @@ Each socket is an :class:`asyncrl.net.serving.RouterService` and each kind of he
 
 Two kinds of requests are *held* (long-polls) rather than answered at once:
 
-- a task request that gets nothing because of the budget, a pending catch-up or an
-  exhausted dataset waits up to its ``wait_s`` (at most ``dead_after_s / 2``) and is
+- a task request that gets nothing because of the budget, the server's pace
+  (:mod:`asyncrl.control.pacing`), a pending catch-up or an exhausted dataset waits up to its ``wait_s`` (at most ``dead_after_s / 2``) and is
   granted the moment tasks can be dealt; held requests are served oldest first. Each wait
   is counted and timed (``coordinator/waits/<reason>``, ``coordinator/wait_s/<reason>``);
 - a heartbeat without news waits up to ``min(wait_s, heartbeat_s)`` and is answered at
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # longest poll: bounds how late a version, a sync start or a death is acted on
 REAP_EVERY_S = 0.1
-WAIT_REASONS = ("budget", "catchup", "exhausted", "starting")
+WAIT_REASONS = ("budget", "catchup", "exhausted", "pace", "starting")
 
 
 def _server(msg: m.TaskRequest | m.Heartbeat) -> str:

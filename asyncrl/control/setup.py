@@ -11,6 +11,7 @@ from asyncrl.control.admission import Budget, groups_per_version
 from asyncrl.control.coordinator import Coordinator
 from asyncrl.control.group_filter import GroupFilter
 from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.pacing import Pacer
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource, load_rows
@@ -59,12 +60,16 @@ def state_from_config(
         cfg.staleness.max_policy_lag,
         groups_per_version(cfg.data.train_batch_size, cfg.staleness.sync_every),
     )
+    # A server holds at most rollout.max_inflight responses: that many groups unpaced.
+    ceiling = max(1, cfg.rollout.max_inflight // cfg.rollout.n)
+    pacer = Pacer(ceiling) if cfg.staleness.pace_servers else None
     ledger = TaskLedger(
         task_source_from_config(cfg, train_rows, val_rows),
         budget,
         lag_retries=cfg.staleness.lag_retries,
         task_retries=cfg.control.task_retries,
         task_timeout_s=cfg.control.task_timeout_s,
+        pacer=pacer,
     )
     syncs = SyncBook(backend=sync_backend(cfg.trainer.device), timeout_s=cfg.sync.timeout_s)
     return ControlState(

@@ -100,7 +100,7 @@ class Drops(NamedTuple):
 class Entry:
     state: str
     task: Task | None  # None once terminal (nothing left to deal)
-    server: str = ""  # holder while OUT
+    server: str = ""  # holder while OUT; after, the server that delivered it
     since: float = 0.0  # when dealt (OUT) or acknowledged (BUF)
     failures: int = 0  # failed or timed-out deals so far
     serial: int = 0  # order of the last deal
