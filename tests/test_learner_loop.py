@@ -199,15 +199,21 @@ def test_a_health_alarm_with_action_stop_ends_the_run_with_a_checkpoint(tmp_path
 
 
 @pytest.mark.timeout(600)
-def test_the_post_sync_probe_names_a_server_whose_weights_arrived_corrupted(tmp_path, tiny_model):
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "waits_for_the_send"])
+def test_the_post_sync_probe_names_a_server_whose_weights_arrived_corrupted(
+    tmp_path, tiny_model, overlap
+):
     """Two stand-in servers score the post-sync probe with the weights they received; from
     version 2 on, s1 flips a received tensor (as a corrupt bucket would). s0's probe agrees
-    with the learner's; s1's is caught at version 2's push, named, within one step."""
+    with the learner's; s1's is caught at version 2's push, named, within one step. A
+    learner that waits for each push (``sync.overlap_push=false``) waits for the send only:
+    the servers' reports, with their probes, reach it at the next push all the same."""
     cfg, config = _config(
         tmp_path,
         tiny_model,
         "trainer.total_training_steps=4",
         "trainer.save_freq=-1",
+        f"sync.overlap_push={str(overlap).lower()}",
     )
     from asyncrl.config import run_dir
 

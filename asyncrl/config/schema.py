@@ -151,7 +151,8 @@ class SyncConfig(Section):
     overlap_push: bool = Field(
         default=True,
         description="Send each new version while the learner trains the next step (it "
-        "waits only for the previous push); false waits for every push.",
+        "waits only for the previous push); false waits until every push is sent (the "
+        "servers' reports still come while it trains).",
     )
     lora: Literal["adapter", "merged"] = Field(
         default="adapter",

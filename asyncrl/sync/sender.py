@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.sync.weights import (
@@ -78,10 +79,13 @@ class WeightPusher:
         the members); :meth:`complete` sends it."""
         return self.coordinator.begin_sync(self.plan_for(tensors))
 
-    def complete(self, rnd: SyncRound, tensors: dict[str, Any]) -> SyncResult:
+    def complete(
+        self, rnd: SyncRound, tensors: dict[str, Any], on_sent: Callable[[], None] | None = None
+    ) -> SyncResult:
         """Broadcast round ``rnd`` and wait for its members' reports (bounded by the
-        timeout). It may run on another thread than :meth:`begin`, one round at a time."""
-        return self._run(rnd, tensors, self.plan_for(tensors))
+        timeout); ``on_sent`` is called once the broadcast ended (sent or failed), before
+        the reports. It may run on another thread than :meth:`begin`, one round at a time."""
+        return self._run(rnd, tensors, self.plan_for(tensors), on_sent)
 
     def serve_catchups(self, tensors: dict[str, Any]) -> list[SyncResult]:
         """The current weights to every server waiting for a catch-up, one at a time."""
@@ -91,7 +95,13 @@ class WeightPusher:
             for server_id in self.coordinator.pending_catchups()
         ]
 
-    def _run(self, rnd: SyncRound, tensors: dict[str, Any], plan: WeightPlan) -> SyncResult:
+    def _run(
+        self,
+        rnd: SyncRound,
+        tensors: dict[str, Any],
+        plan: WeightPlan,
+        on_sent: Callable[[], None] | None = None,
+    ) -> SyncResult:
         if not rnd.ranks:  # nobody to send to: the version still becomes current
             return self.coordinator.finish_sync(rnd)
         error = ""
@@ -106,6 +116,8 @@ class WeightPusher:
             send_weights(group, tensors, plan, timeout_s=self.timeout_s, device=self.device)
         except WeightSyncError as e:
             error = str(e)
+        if on_sent is not None:
+            on_sent()
         if not error:
             return self.coordinator.finish_sync(rnd)
         # Let go of the failed group before waiting for the members' reports: closing its
