@@ -180,7 +180,7 @@ class TaskLedger:
         when all were granted."""
         tasks: list[Task] = []
         reason = ""
-        room = self._pace_room(server_id)
+        room = self._pace_room(server_id, max_tasks)
         while len(tasks) < max_tasks:
             tid, reason = self._next(now, train=room > 0)
             if tid is None:
@@ -232,11 +232,11 @@ class TaskLedger:
         e.task = msgspec.structs.replace(e.task, dealt_version=self.budget.version)
         return e.task
 
-    def _pace_room(self, server_id: str) -> int:
-        """Training groups ``server_id`` may still be dealt under its pace (endpoint slots
-        are not paced: their agents ask for them)."""
+    def _pace_room(self, server_id: str, wanted: int) -> int:
+        """Training groups ``server_id`` may still be dealt under its pace, ``wanted``
+        without pacing (endpoint slots are not paced: their agents ask for them)."""
         if self.pacer is None:
-            return 1 << 30
+            return wanted
         ids = self.owned.get(server_id, ())
         holding = sum(kind_of(t) == "train" and not is_external(t) for t in ids)
         return self.pacer.room(server_id, holding)

@@ -10,9 +10,10 @@ Each socket is an :class:`asyncrl.net.serving.RouterService` and each kind of he
 Two kinds of requests are *held* (long-polls) rather than answered at once:
 
 - a task request that gets nothing because of the budget, the server's pace
-  (:mod:`asyncrl.control.pacing`), a pending catch-up or an exhausted dataset waits up to its ``wait_s`` (at most ``dead_after_s / 2``) and is
-  granted the moment tasks can be dealt; held requests are served oldest first. Each wait
-  is counted and timed (``coordinator/waits/<reason>``, ``coordinator/wait_s/<reason>``);
+  (:mod:`asyncrl.control.pacing`), a pending catch-up or an exhausted dataset waits up to
+  its ``wait_s`` (at most ``dead_after_s / 2``) and is granted the moment tasks can be
+  dealt; held requests are served oldest first. Each wait is counted and timed
+  (``coordinator/waits/<reason>``, ``coordinator/wait_s/<reason>``);
 - a heartbeat without news waits up to ``min(wait_s, heartbeat_s)`` and is answered at
   once when there is news for its server (a sync to join, a new version, shutdown).
 """

@@ -10,7 +10,7 @@ groups arrive too old and are dropped for lag. Their generation is wasted, and w
 generate they hold admission budget the fast server waits for. On the CPU benchmark's long
 responses (``benchmarks/vs_trl.py``: one of two servers at the lowest CPU priority) about
 11% of the groups dealt were dropped so; capping the slow server at 4 groups by hand left
-1-3 drops in a run, against 58-68.
+1-3 drops in a run, against 58-75 uncapped.
 
 The rule, per server, in groups (additive increase, multiplicative-like decrease):
 
