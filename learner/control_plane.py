@@ -397,7 +397,8 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
     out = {"rollout/tokens_per_s": sum(m.get("rollout/tokens_per_s", 0.0) for m in reports)}
     # Cumulative totals over the servers: rates and waits over any window come from their
     # differences (the benchmarks' steady-state figures).
-    for key in ("rollout/tokens", "rollout/task_wait_s", "rollout/sync_pause_s", "rollout/gc_s"):
+    totals = ("tokens", "task_wait_s", "sync_pause_s", "version_wait_s", "gc_s")
+    for key in (f"rollout/{k}" for k in totals):
         out[key] = sum(m.get(key, 0.0) for m in reports)
     out["rollout/servers_reporting"] = len(reports)
     # 0 when any server's loop does not run with its start-up heap frozen.

@@ -22,6 +22,7 @@ and workers in child processes). Two things make it more than a thin wrapper:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -172,6 +173,8 @@ class RolloutEngine:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._aborts = 0  # syncs in abort mode so far: a request aborted by one re-submits
+        self._synced = asyncio.Condition()  # notified when a sync ends, loaded or failed
+        self._syncs_ended = 0
         self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
 
     @classmethod
@@ -301,9 +304,43 @@ class RolloutEngine:
         """Pause, receive the broadcast into every worker, label new tokens ``version``,
         resume. ``join`` joins a new sync group first. Waits for the learner's broadcast (bounded by
         ``timeout_s``); on failure generation resumes under the old weights and the error
-        propagates (the caller re-registers and catches up)."""
-        if self.adapters is not None:
-            return await self._sync_adapter(version, plan, join=join, timeout_s=timeout_s)
+        propagates (the caller re-registers and catches up). Either way it wakes
+        :meth:`reach`."""
+        try:
+            if self.adapters is not None:
+                return await self._sync_adapter(version, plan, join=join, timeout_s=timeout_s)
+            return await self._sync_full(version, plan, join=join, timeout_s=timeout_s)
+        finally:
+            self._syncs_ended += 1
+            async with self._synced:
+                self._synced.notify_all()
+
+    async def reach(self, version: int, timeout_s: float) -> float:
+        """Wait until this engine has loaded ``version``, a sync ends without it, or
+        ``timeout_s`` passes; the seconds waited (0 when it holds ``version`` already).
+
+        A task dealt after the learner sent new weights carries their version
+        (``Task.dealt_version``): the coordinator opened the admission window at the send,
+        before this engine loaded them, so the task waits here rather than start its group
+        under the weights before. A sync that fails ends the wait: the group is then
+        generated under the old weights, and the buffer's lag rule judges it."""
+        if self.version >= version:
+            return 0.0
+        start, ended = time.monotonic(), self._syncs_ended
+        async with self._synced:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._synced.wait_for(
+                        lambda: self.version >= version or self._syncs_ended > ended
+                    ),
+                    timeout_s,
+                )
+        return time.monotonic() - start
+
+    async def _sync_full(
+        self, version: int, plan: WeightPlan, *, join: SyncJoin | None, timeout_s: float
+    ) -> dict[str, float]:
+        """:meth:`sync_weights` of the full weights: the engines pause."""
         start = time.monotonic()
         if self.sync_mode == "abort":
             self._resumed.clear()

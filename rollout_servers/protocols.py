@@ -67,6 +67,11 @@ class GenerationEngine(Protocol):
         loaded weights at temperature 1, concatenated (the post-sync probe)."""
         ...
 
+    async def reach(self, version: int, timeout_s: float) -> float:
+        """Wait (at most ``timeout_s``) until ``version`` is loaded or a sync ends without
+        it; the seconds waited."""
+        ...
+
 
 @runtime_checkable
 class Tokenizer(Protocol):

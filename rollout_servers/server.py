@@ -57,6 +57,9 @@ log = logging.getLogger(__name__)
 REPORT_EVERY_S = 1.0
 #: How often the task loop logs a progress line.
 LOG_EVERY_S = 30.0
+#: Longest wait of a task for the weights it was dealt under (RolloutEngine.reach): the
+#: wait normally ends within a sync's load (under 0.1 s on the CPU demo) or its failure.
+REACH_S = 5.0
 
 
 class RolloutServer:
@@ -220,6 +223,9 @@ class RolloutServer:
         pushed = False
         self.held[task.task_id] = task
         try:
+            self.metrics["rollout/version_wait_s"] += await self.engine.reach(
+                task.dealt_version, REACH_S
+            )
             if self.agent is not None and task.agent_name == "tool_agent":
                 group, samples, scores = await self._episodes(task, self.agent, created)
             else:

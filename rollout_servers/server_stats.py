@@ -41,6 +41,7 @@ class ServerStats:
             "rollout/push_wait_s": 0.0,
             "rollout/groups_filtered": 0,  # algorithm.filter_groups: dropped here, unpushed
             "rollout/prompts_filtered_too_long": 0,  # data.filter_overlong_prompts
+            "rollout/version_wait_s": 0.0,  # tasks waiting for the version they were dealt at
         }
         self.groups_done = 0
         self.tokens_by_version: Counter[int] = Counter()

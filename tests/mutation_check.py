@@ -149,6 +149,22 @@ MUTATIONS = (
         ("tests/test_pacing.py",),
     ),
     Mutation(
+        "the window opens at the send",
+        "deals wait for the members' reports again",
+        "asyncrl/control/versions.py",
+        '        self.ledger.budget.sent(active.round.version, self.ledger.tally["train"][DONE])',
+        "        return",
+        ("tests/test_admission_registry.py",),
+    ),
+    Mutation(
+        "a task waits for the version it was dealt at",
+        "a task dealt at the send starts under the weights before",
+        "rollout_servers/engine.py",
+        "        if self.version >= version:",
+        "        if True:",
+        ("tests/test_engine_versions.py",),
+    ),
+    Mutation(
         "external slot ids per incarnation (F2)",
         "slot ids are plain serials again",
         "asyncrl/control/task_states.py",

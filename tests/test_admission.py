@@ -80,6 +80,17 @@ def test_budget_window_moves_with_consumption_not_versions():
     assert legacy.consumed == 12
 
 
+def test_the_window_moves_when_weights_are_sent_and_deals_carry_the_version_being_loaded():
+    b = Budget(max_policy_lag=1, per_version=3)
+    assert (b.limit, b.deal_version) == (6, 0)
+    b.sent(1, 3)  # version 1, trained on 3 groups, reached every member: loading now
+    assert (b.limit, b.version, b.deal_version) == (9, 0, 1)
+    b.consume(3)  # the members' reports close the round: nothing more opens
+    b.advance(1)
+    assert (b.limit, b.version, b.deal_version) == (9, 1, 1)
+    assert "sent_version" not in b.state_dict()  # a restored run pushes again
+
+
 def _consume(ledger: TaskLedger, versions: int = 1) -> None:
     """A learner that consumed ``versions`` versions' worth and pushed."""
     b = ledger.budget

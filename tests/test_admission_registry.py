@@ -91,6 +91,32 @@ def test_failed_catchups_back_off_exponentially_and_success_clears_them():
     assert st.servers["a"].catchup_failures == 0 and len(st.grant("a", 4, now).tasks) == 4
 
 
+def test_the_window_opens_at_the_send_and_its_deals_carry_the_version_being_loaded():
+    """The learner's broadcast ended: the admission window moves then, not when the
+    members' reports close the round, and a task dealt in between carries the version its
+    server is loading (the server waits for it before generating)."""
+    st = _state()  # Budget(1, 4): two versions' worth, 8 groups, before anything is trained
+    st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
+    first = st.grant("a", 8, 0.1).tasks
+    assert len(first) == 8 and {t.dealt_version for t in first} == {0}
+    assert st.grant("a", 4, 0.1).reason == "budget"
+    st.ack("a", [t.task_id for t in first], 0.2)
+    st.trained([t.task_id for t in first[:4]])  # one version's worth, then the push
+    rnd = st.versions.begin_sync(PLAN)
+    assert st.grant("a", 4, 0.3).reason == "budget"  # announced, not yet sent
+    st.versions.weights_sent()
+    sent = st.grant("a", 8, 0.4).tasks
+    assert len(sent) == 4 and {t.dealt_version for t in sent} == {1} and st.version == 0
+    st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), 0.5)
+    st.versions.finish_sync(True, now=0.5)
+    assert st.version == 1 and st.grant("a", 4, 0.6).reason == "budget"  # no second opening
+    catchup_state = _state()  # a catch-up's send moves nothing: it pushes no new version
+    catchup_state.register(m.Register(server_id="b", engine_world_size=1), now=0.0)
+    catchup_state.versions.begin_catchup("b", PLAN)
+    catchup_state.versions.weights_sent()
+    assert catchup_state.ledger.budget.deal_version == 0
+
+
 def test_dealing_starts_once_enough_servers_registered():
     st = _state(min_servers_to_start=2)
     st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)

@@ -74,6 +74,9 @@ class StandInEngine:
     async def score(self, sequences: list[list[int]]) -> list[float]:
         return [-1.0] * sum(len(ids) - 1 for ids in sequences)
 
+    async def reach(self, version: int, timeout_s: float) -> float:
+        return 0.0  # no weights to wait for: every version counts as loaded
+
 
 class StandInTokenizer:
     """Token ids as space-separated numbers."""

@@ -7,8 +7,11 @@ A training task may be dealt only while ``committed < consumed + (max_policy_lag
 - ``committed``: training deals still charged, i.e. outstanding at a server, in the buffer,
   or trained (the ledger counts them; a task taken back, dropped unused or given up is no
   longer charged, so the budget never leaks);
-- ``consumed``: training groups the learner had trained on when it pushed the weights that
-  are current now.
+- ``consumed``: training groups the learner had trained on when it sent the weights that
+  are current now, or being loaded. The window moves when the broadcast ends, not when the
+  members report: a task dealt from then on carries the new version
+  (:attr:`Budget.deal_version`), and its server waits until it has loaded that version
+  before generating it, so the group is generated under the weights its window assumed.
 
 So the servers may run at most ``max_policy_lag + 1`` versions' worth of groups ahead of what
 the current weights have consumed, and a group dealt now is trained within
@@ -71,6 +74,10 @@ class Budget:
     per_version: int
     version: int = 0
     consumed: int = 0  # training groups trained on by the weights of ``version``
+    # The version whose weights were sent and are being loaded (not checkpointed: a
+    # restored run pushes again). Tasks dealt from the send on carry it, and their server
+    # waits until it has loaded it (rollout_servers.engine.RolloutEngine.reach).
+    sent_version: int = 0
 
     @property
     def limit(self) -> int:
@@ -88,6 +95,20 @@ class Budget:
     def consume(self, consumed: int) -> None:
         """The current weights have trained on ``consumed`` groups in all (a push)."""
         self.consumed = max(self.consumed, consumed)
+
+    def sent(self, version: int, consumed: int) -> None:
+        """The weights of ``version``, trained on ``consumed`` groups, were sent to every
+        member of the push: the window moves now rather than when the members' reports
+        close the round (after each has loaded them and scored the post-sync probe, 0.1-0.3
+        s later on the CPU demo, a second or more of every version's generation)."""
+        self.consume(consumed)
+        self.sent_version = max(self.sent_version, version)
+
+    @property
+    def deal_version(self) -> int:
+        """The version a task dealt now is stamped with (``Task.dealt_version``): the one
+        being loaded once its weights were sent, else the current one."""
+        return max(self.version, self.sent_version)
 
     def metrics(self, committed: int) -> dict[str, float]:
         return {

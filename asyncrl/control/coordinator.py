@@ -20,6 +20,7 @@ The learner's side of a sync::
         if rnd.new_group:
             group = form_group(store, rnd.generation, 0, rnd.world_size, ...)
         send_weights(group, tensors, plan, ...)      # on error: finish_sync(rnd, False, ...)
+        coord.weights_sent(rnd)                      # the admission window moves now
     result = coord.finish_sync(rnd)                  # waits for every member's sync_done
     for server_id in coord.pending_catchups():       # late joiners, failed members
         rnd = coord.begin_catchup(server_id, plan) ...
@@ -185,6 +186,14 @@ class Coordinator:
             rnd = self._state.versions.begin_catchup(server_id, plan)
         log.info("catch-up %d: version %d to %s", rnd.sync_id, rnd.version, server_id)
         return rnd
+
+    def weights_sent(self, rnd: SyncRound) -> None:
+        """``rnd``'s weights were broadcast without error: a main round opens the admission
+        window now, before the members' reports (held task requests are granted at the
+        loop's next pass; their servers wait for the new weights before generating)."""
+        with self._cond:
+            if self._state.syncs.active is not None and self._state.syncs.active.round is rnd:
+                self._state.versions.weights_sent()
 
     def finish_sync(
         self, rnd: SyncRound, sent_ok: bool = True, error: str = "", timeout_s: float | None = None

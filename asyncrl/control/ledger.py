@@ -229,7 +229,7 @@ class TaskLedger:
         e.serial = self._serial
         self.owned.setdefault(server_id, set()).add(tid)
         assert e.task is not None
-        e.task = msgspec.structs.replace(e.task, dealt_version=self.budget.version)
+        e.task = msgspec.structs.replace(e.task, dealt_version=self.budget.deal_version)
         return e.task
 
     def _pace_room(self, server_id: str, wanted: int) -> int:

@@ -147,6 +147,14 @@ class Versions:
             rec.trusted = True
             rec.catchup_failures, rec.catchup_after = 0, 0.0
 
+    def weights_sent(self) -> None:
+        """The learner's broadcast of the active round ended without error. A main round
+        opens the admission window now (:meth:`Budget.sent`); a catch-up changes nothing."""
+        active = self.syncs.active
+        if active is None or active.round.catchup:
+            return
+        self.ledger.budget.sent(active.round.version, self.ledger.tally["train"][DONE])
+
     def finish_sync(self, sent_ok: bool, send_error: str = "", *, now: float) -> SyncResult:
         """Close the round; a main round makes its version current (the learner's weights
         moved on whoever received them). A failed catch-up backs its server off."""

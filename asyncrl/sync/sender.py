@@ -116,6 +116,8 @@ class WeightPusher:
             send_weights(group, tensors, plan, timeout_s=self.timeout_s, device=self.device)
         except WeightSyncError as e:
             error = str(e)
+        if not error:
+            self.coordinator.weights_sent(rnd)
         if on_sent is not None:
             on_sent()
         if not error:

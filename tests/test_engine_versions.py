@@ -1,0 +1,79 @@
+"""A task dealt while its server loads new weights waits for them
+(:meth:`rollout_servers.engine.RolloutEngine.reach`): the coordinator opens the admission
+window when the learner's broadcast ends, before the servers have loaded what it sent.
+
+The engine here wraps a stand-in for vLLM's ``AsyncLLM`` whose weight receive waits on a
+gate, so the test decides when a sync ends and whether it fails. The real engine's syncs
+are tested in ``tests/test_rollout_engine.py``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncrl.sync.weights import TensorSpec, plan_buckets
+from rollout_servers.engine import RolloutEngine
+
+PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
+
+
+class GatedLLM:
+    """The ``AsyncLLM`` calls a full-weight sync makes; the receive waits for :attr:`gate`
+    and then fails when :attr:`fail` is set."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.fail = False
+        self.calls: list[str] = []
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        self.calls.append("pause")
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list[dict]:
+        await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("the broadcast broke off")
+        return [{}]
+
+    async def reset_prefix_cache(self) -> None:
+        pass
+
+    async def update_weight_version(self, version: str) -> None:
+        self.calls.append(f"label {version}")
+
+    async def resume_generation(self) -> None:
+        self.calls.append("resume")
+
+
+def test_a_task_waits_for_the_version_it_was_dealt_at_until_loaded_failed_or_bounded():
+    async def run() -> None:
+        llm = GatedLLM()
+        engine = RolloutEngine(llm)  # holds version 0
+        assert await engine.reach(0, 5.0) == 0.0  # held already: no wait
+
+        sync = asyncio.create_task(engine.sync_weights(1, PLAN, timeout_s=5.0))
+        waiter = asyncio.create_task(engine.reach(1, 5.0))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()  # version 1 is still being received
+        llm.gate.set()
+        await sync
+        waited = await asyncio.wait_for(waiter, 1.0)
+        assert engine.version == 1 and 0.2 <= waited < 1.0
+        assert llm.calls == ["pause", "label 1", "resume"]
+
+        # The sync of version 2 fails: the wait ends with it, under version 1.
+        llm.gate.clear()
+        llm.fail = True
+        sync = asyncio.create_task(engine.sync_weights(2, PLAN, timeout_s=5.0))
+        waiter = asyncio.create_task(engine.reach(2, 5.0))
+        await asyncio.sleep(0.05)
+        llm.gate.set()
+        with pytest.raises(RuntimeError, match="broke off"):
+            await sync
+        assert await asyncio.wait_for(waiter, 1.0) < 1.0 and engine.version == 1
+
+        # No sync of version 3 comes (a server left out of a push): the bound ends it.
+        assert 0.3 <= await engine.reach(3, 0.3) < 1.0 and engine.version == 1
+
+    asyncio.run(run())
