@@ -54,7 +54,7 @@ def _prompts(cfg: Config, tok, limit: int) -> list[list[int]]:
 
 
 def _engine_args(cfg: Config):
-    from rollout_servers.engine import cpu_token_budget, engine_args
+    from rollout_servers.engine_config import cpu_token_budget, engine_args
     from rollout_servers.main import eager_engine
 
     ro = cfg.rollout

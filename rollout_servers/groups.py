@@ -35,7 +35,7 @@ class SamplingSettings:
     val_temperature: float
     val_top_p: float
     val_top_k: int
-    seeded: bool = True  # per-request seeds (see rollout_servers.engine.cpu_token_budget)
+    seeded: bool = True  # per-request seeds (see rollout_servers.engine_config.cpu_token_budget)
 
     @classmethod
     def from_config(cls, cfg: Config, seeded: bool = True) -> SamplingSettings:

@@ -98,7 +98,8 @@ def eager_engine(cfg: Config) -> bool:
 async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
     """Start vLLM; returns the engine and whether requests may be seeded (on CPU only when
     a step's token budget holds every sequence whole)."""
-    from rollout_servers.engine import RolloutEngine, cpu_token_budget, engine_args
+    from rollout_servers.engine import RolloutEngine
+    from rollout_servers.engine_config import cpu_token_budget, engine_args
     from rollout_servers.vllm_check import require
 
     require()  # an untested vLLM without the APIs used here: exit 2 now, naming the fix

@@ -40,7 +40,8 @@ QWEN3_STYLE = (
 
 @pytest.fixture(scope="module")
 def rig(agent_model):
-    from rollout_servers.engine import RolloutEngine, engine_args
+    from rollout_servers.engine import RolloutEngine
+    from rollout_servers.engine_config import engine_args
 
     loop = LoopThread()
     engine = loop.run(RolloutEngine.start(engine_args(str(agent_model), max_model_len=512)))
@@ -156,7 +157,8 @@ def qwen3_model(agent_model, tmp_path_factory):
 
 
 def test_a_template_that_rewrites_history_splits_the_sample(qwen3_model):
-    from rollout_servers.engine import RolloutEngine, engine_args
+    from rollout_servers.engine import RolloutEngine
+    from rollout_servers.engine_config import engine_args
 
     loop = LoopThread()
     engine = loop.run(RolloutEngine.start(engine_args(str(qwen3_model), max_model_len=512)))

@@ -28,7 +28,8 @@ RANK, ALPHA = 4, 8
 
 @pytest.fixture(scope="module")
 def rig(tiny_model, single_rank, tmp_path_factory):
-    from rollout_servers.engine import RolloutEngine, engine_args
+    from rollout_servers.engine import RolloutEngine
+    from rollout_servers.engine_config import engine_args
 
     cfg = load_config(
         None,

@@ -57,7 +57,8 @@ def _gap_per_version(sample, models):
 
 @pytest.fixture(scope="module")
 def rig(tiny_model):
-    from rollout_servers.engine import RolloutEngine, engine_args
+    from rollout_servers.engine import RolloutEngine
+    from rollout_servers.engine_config import engine_args
 
     loop = LoopThread()
     engine = loop.run(RolloutEngine.start(engine_args(str(tiny_model), max_model_len=512)))

@@ -220,7 +220,8 @@ def vllm_rig(tiny_model, single_rank, tmp_path_factory):
     """A trainer at version 0 and a vLLM engine started from the trainer's HF export (which
     is thereby checked to load in vLLM)."""
     from learner.checkpoint import export_hf
-    from rollout_servers.engine import RolloutEngine, engine_args
+    from rollout_servers.engine import RolloutEngine
+    from rollout_servers.engine_config import engine_args
 
     trainer = Trainer(make_cfg(tiny_model, ppo_mini_batch_size=4, use_kl_loss=False))
     export = tmp_path_factory.mktemp("export") / "policy"

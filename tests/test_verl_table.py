@@ -245,7 +245,7 @@ def test_no_grad_pass_budgets_give_the_same_logprobs(tiny_model, single_rank):
 
 def test_override_config_reaches_the_learner_and_the_engine(tiny_model, single_rank):
     from learner import fsdp
-    from rollout_servers.engine import engine_args
+    from rollout_servers.engine_config import engine_args
 
     overrides = {"attention_dropout": 0.25, "resid_pdrop": 0.0}  # Qwen2 has no resid_pdrop
     cfg = load_config(None, [f"model.path={tiny_model}", "+model.override_config.resid_pdrop=0."])
