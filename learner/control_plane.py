@@ -92,6 +92,7 @@ class RankZero:
             backend=sync_backend(cfg.trainer.device),
             timeout_s=cfg.sync.timeout_s,
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
+            deal_at_send=cfg.staleness.deal_at_send,
         )
         self.buffer = BufferClient(
             config_endpoint(cfg.endpoints, "batches"),

@@ -53,8 +53,11 @@ class WeightPusher:
         timeout_s: float,
         bucket_bytes: int,
         device: str | None = None,
+        deal_at_send: bool = False,
     ):
         self.coordinator = coordinator
+        # staleness.deal_at_send: the admission window moves when the broadcast ends
+        self.deal_at_send = deal_at_send
         self.store = store
         self.backend = backend
         self.device = device or pack_device(backend)
@@ -116,7 +119,7 @@ class WeightPusher:
             send_weights(group, tensors, plan, timeout_s=self.timeout_s, device=self.device)
         except WeightSyncError as e:
             error = str(e)
-        if not error:
+        if not error and self.deal_at_send:
             self.coordinator.weights_sent(rnd)
         if on_sent is not None:
             on_sent()

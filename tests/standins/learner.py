@@ -107,6 +107,7 @@ class StandInLearner:
             backend=sync_backend(cfg.trainer.device),
             timeout_s=self.timeout_s,
             bucket_bytes=int(cfg.sync.bucket_mb * (1 << 20)),
+            deal_at_send=cfg.staleness.deal_at_send,
         )
 
     def start(self) -> StandInLearner:
