@@ -133,7 +133,8 @@ class StalenessConfig(Section):
         description="Open the next version's admission window when a push is sent, not "
         "when every server has reported it loaded; tasks dealt meanwhile wait at their "
         "server for the new weights. Faster when generation waits on the window (CPU demo "
-        "5-12%), at the price of more lag drops where one server is much slower.",
+        "2-13% in three pairs), at the price of more lag drops where one server is much "
+        "slower.",
     )
     min_policy_lag: int = Field(
         default=0, ge=0, description="adaptive: the narrowest admission lag (its start)."
