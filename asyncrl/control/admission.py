@@ -7,11 +7,12 @@ A training task may be dealt only while ``committed < consumed + (max_policy_lag
 - ``committed``: training deals still charged, i.e. outstanding at a server, in the buffer,
   or trained (the ledger counts them; a task taken back, dropped unused or given up is no
   longer charged, so the budget never leaks);
-- ``consumed``: training groups the learner had trained on when it sent the weights that
-  are current now, or being loaded. The window moves when the broadcast ends, not when the
-  members report: a task dealt from then on carries the new version
-  (:attr:`Budget.deal_version`), and its server waits until it has loaded that version
-  before generating it, so the group is generated under the weights its window assumed.
+- ``consumed``: training groups the learner had trained on when it pushed the weights that
+  are current now. With ``staleness.deal_at_send`` it moves when the broadcast of the next
+  weights ends, before the members report (:meth:`Budget.sent`): a task dealt from then on
+  carries the version being loaded (:attr:`Budget.deal_version`), and its server waits
+  until it has loaded that version before generating it, so the group is generated under
+  the weights its window assumed.
 
 So the servers may run at most ``max_policy_lag + 1`` versions' worth of groups ahead of what
 the current weights have consumed, and a group dealt now is trained within

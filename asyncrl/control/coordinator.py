@@ -20,7 +20,7 @@ The learner's side of a sync::
         if rnd.new_group:
             group = form_group(store, rnd.generation, 0, rnd.world_size, ...)
         send_weights(group, tensors, plan, ...)      # on error: finish_sync(rnd, False, ...)
-        coord.weights_sent(rnd)                      # the admission window moves now
+        coord.weights_sent(rnd)                      # staleness.deal_at_send: the window moves
     result = coord.finish_sync(rnd)                  # waits for every member's sync_done
     for server_id in coord.pending_catchups():       # late joiners, failed members
         rnd = coord.begin_catchup(server_id, plan) ...
