@@ -119,7 +119,8 @@ class RolloutEngine:
         version: int = 0,
         adapters: AdapterVersions | None = None,
     ) -> RolloutEngine:
-        """Start vLLM from :func:`~rollout_servers.engine_config.engine_args` (~20-30 s on 2 CPU cores)."""
+        """Start vLLM from :func:`~rollout_servers.engine_config.engine_args` (~20-30 s on
+        2 CPU cores)."""
         from vllm.v1.engine.async_llm import AsyncLLM
 
         llm = AsyncLLM.from_engine_args(args)

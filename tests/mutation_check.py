@@ -157,6 +157,14 @@ MUTATIONS = (
         ("tests/test_admission_registry.py",),
     ),
     Mutation(
+        "staleness.deal_at_send reaches the coordinator",
+        "the pusher never opens the window at the send",
+        "asyncrl/sync/sender.py",
+        "        if not error and self.deal_at_send:",
+        "        if False:",
+        ("tests/test_weight_sync.py",),
+    ),
+    Mutation(
         "a task waits for the version it was dealt at",
         "a task dealt at the send starts under the weights before",
         "rollout_servers/engine.py",

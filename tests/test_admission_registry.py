@@ -104,16 +104,17 @@ def test_the_window_opens_at_the_send_and_its_deals_carry_the_version_being_load
     st.trained([t.task_id for t in first[:4]])  # one version's worth, then the push
     rnd = st.versions.begin_sync(PLAN)
     assert st.grant("a", 4, 0.3).reason == "budget"  # announced, not yet sent
-    st.versions.weights_sent()
+    st.versions.weights_sent(rnd)
     sent = st.grant("a", 8, 0.4).tasks
     assert len(sent) == 4 and {t.dealt_version for t in sent} == {1} and st.version == 0
     st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), 0.5)
     st.versions.finish_sync(True, now=0.5)
+    st.versions.weights_sent(rnd)  # late, for a closed round: moves nothing
     assert st.version == 1 and st.grant("a", 4, 0.6).reason == "budget"  # no second opening
     catchup_state = _state()  # a catch-up's send moves nothing: it pushes no new version
     catchup_state.register(m.Register(server_id="b", engine_world_size=1), now=0.0)
-    catchup_state.versions.begin_catchup("b", PLAN)
-    catchup_state.versions.weights_sent()
+    catchup = catchup_state.versions.begin_catchup("b", PLAN)
+    catchup_state.versions.weights_sent(catchup)
     assert catchup_state.ledger.budget.deal_version == 0
 
 

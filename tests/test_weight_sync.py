@@ -165,3 +165,50 @@ def test_a_push_packs_where_its_backend_broadcasts_from():
     assert pack_device("nccl") == "cuda" and pack_device("gloo") == "cpu"
     pusher = WeightPusher(None, None, backend="nccl", timeout_s=1, bucket_bytes=1)  # type: ignore[arg-type]
     assert pusher.device == "cuda"
+
+
+class _Rounds:
+    """The coordinator's side of a round, recorded: what the pusher told it, in order."""
+
+    sync_secret = ""  # the group's store keys are its generation's name
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def weights_sent(self, rnd) -> None:
+        self.calls.append("weights_sent")
+
+    def finish_sync(self, rnd, sent_ok: bool = True, error: str = "") -> None:
+        self.calls.append(f"finish_sync ok={sent_ok}")
+
+
+@pytest.mark.parametrize("deal_at_send", [True, False])
+def test_the_window_moves_at_the_send_only_with_deal_at_send(deal_at_send):
+    """``staleness.deal_at_send``: once the broadcast has ended, and before the round is
+    closed, the pusher tells the coordinator (which opens the admission window then);
+    without it the window waits for the round's close, as it always did."""
+    from asyncrl.control.syncs import SyncRound
+    from asyncrl.sync.sender import WeightPusher
+
+    port = free_port()
+    store = open_store("127.0.0.1", port, is_host=True, timeout_s=TIMEOUT)
+    a = StandInReceiver("127.0.0.1", port, timeout_s=TIMEOUT)
+    try:
+        rounds = _Rounds()
+        pusher = WeightPusher(
+            rounds,  # type: ignore[arg-type]
+            store,
+            backend="gloo",
+            timeout_s=TIMEOUT,
+            bucket_bytes=16 * 1024,
+            deal_at_send=deal_at_send,
+        )
+        v1 = _weights(1)
+        a.start_sync("gen1", 1, 2, pusher.plan_for(v1))
+        rnd = SyncRound(1, 1, "gen1", 2, {"a": 1}, new_group=True, catchup=False)
+        pusher.complete(rnd, v1)
+        _assert_bit_exact(v1, a.result(TIMEOUT * 3))
+        sent = ["weights_sent"] if deal_at_send else []
+        assert rounds.calls == [*sent, "finish_sync ok=True"]
+    finally:
+        a.close()

@@ -101,7 +101,7 @@ class Budget:
         """The weights of ``version``, trained on ``consumed`` groups, were sent to every
         member of the push: the window moves now rather than when the members' reports
         close the round (after each has loaded them and scored the post-sync probe, 0.1-0.3
-        s later on the CPU demo, a second or more of every version's generation)."""
+        s later on the CPU demo)."""
         self.consume(consumed)
         self.sent_version = max(self.sent_version, version)
 

@@ -192,8 +192,7 @@ class Coordinator:
         window now, before the members' reports (held task requests are granted at the
         loop's next pass; their servers wait for the new weights before generating)."""
         with self._cond:
-            if self._state.syncs.active is not None and self._state.syncs.active.round is rnd:
-                self._state.versions.weights_sent()
+            self._state.versions.weights_sent(rnd)
 
     def finish_sync(
         self, rnd: SyncRound, sent_ok: bool = True, error: str = "", timeout_s: float | None = None

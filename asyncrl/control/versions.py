@@ -147,11 +147,12 @@ class Versions:
             rec.trusted = True
             rec.catchup_failures, rec.catchup_after = 0, 0.0
 
-    def weights_sent(self) -> None:
-        """The learner's broadcast of the active round ended without error. A main round
-        opens the admission window now (:meth:`Budget.sent`); a catch-up changes nothing."""
+    def weights_sent(self, rnd: SyncRound) -> None:
+        """The learner's broadcast of ``rnd`` ended without error. A main round that is
+        still the active one opens the admission window now (:meth:`Budget.sent`); a
+        catch-up changes nothing."""
         active = self.syncs.active
-        if active is None or active.round.catchup:
+        if active is None or active.round is not rnd or rnd.catchup:
             return
         self.ledger.budget.sent(active.round.version, self.ledger.tally["train"][DONE])
 
