@@ -25,17 +25,17 @@ from rollout_servers.groups import filtered_out, shape_overlong
 from rollout_servers.server import RolloutServer
 from tests.helpers import wait_until_async
 from tests.standins.chat import CharTokenizer
-from tests.test_accounting import B, Run, _group
-from tests.test_rollout_loop import (  # noqa: F401 (nap_tools: a fixture)
+from tests.standins.server_parts import (  # noqa: F401 (nap_tools: a fixture)
     N,
     StandInClient,
     StandInEngine,
     StandInPusher,
     StandInScorer,
     ToolCallingEngine,
-    _agent,
+    agent_runner,
     nap_tools,
 )
+from tests.test_accounting import B, Run, _group
 
 # ------------------------------------------------------------------ the pure rules
 
@@ -269,7 +269,7 @@ def test_the_server_filters_alike_groups_without_pushing(monkeypatch, nap_tools,
     monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
     monkeypatch.setattr(agent_module, "turn_params", lambda *args: None)
     client = FilteringClient(tasks=4, agent=episodes)
-    agent = _agent(ToolCallingEngine(), nap_tools) if episodes else None
+    agent = agent_runner(ToolCallingEngine(), nap_tools) if episodes else None
     pusher = _run_server(client, ["algorithm.filter_groups.enable=true"], agent)
     assert len(client.filtered) == 4 and pusher.groups == []
 

@@ -10,4 +10,8 @@ its heavy engine (no vLLM, no training loop), so a protocol can be tested alone.
 
 Each process runs as ``python -m tests.standins.<module>`` with the repository root on
 ``PYTHONPATH`` (:func:`.harness.standin_env`); benchmarks import them the same way.
+
+Two modules hold in-process stand-ins instead: :mod:`.chat` (a character tokenizer with a
+chat template) and :mod:`.server_parts` (a rollout server's collaborators: engine,
+tokenizer, scorer, pusher and control client, and a slow tool for episodes).
 """
