@@ -31,7 +31,6 @@ from tests.standins.server_parts import (  # noqa: F401 (nap_tools: a fixture)
     StandInEngine,
     StandInPusher,
     StandInScorer,
-    StandInTokenizer,
     SyncingClient,
     ToolCallingEngine,
     agent_runner,
@@ -49,7 +48,7 @@ def _server(client: StandInClient, max_inflight: int) -> tuple[RolloutServer, St
         protocols.Scorer,
         protocols.GroupPusher,
         protocols.ControlClient,
-    ] = (engine, StandInTokenizer(), StandInScorer(), StandInPusher(), client)
+    ] = (engine, CharTokenizer(), StandInScorer(), StandInPusher(), client)
     kinds = (
         protocols.GenerationEngine,
         protocols.Tokenizer,

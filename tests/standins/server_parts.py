@@ -1,10 +1,11 @@
 """In-process stand-ins for a rollout server's collaborators (no vLLM, no sockets): an
-engine that answers every request with :data:`RESPONSE` once its gate opens, a tokenizer,
-a scorer, a pusher that keeps what it is given, a control client that grants tasks from a
-counter, and, for episodes with tools, an engine whose every turn calls a slow tool
-(:data:`NAP_S` seconds) with the ``nap_tools`` fixture that serves it. They satisfy the
-protocols in :mod:`rollout_servers.protocols`; ``tests/test_rollout_loop.py`` checks that
-with a type checker and at run time."""
+engine that answers every request with :data:`RESPONSE` once its gate opens, a scorer, a
+pusher that keeps what it is given, a control client that grants tasks from a counter,
+and, for episodes with tools, an engine whose every turn calls a slow tool (:data:`NAP_S`
+seconds) with the ``nap_tools`` fixture that serves it. The tokenizer is
+:class:`tests.standins.chat.CharTokenizer`. They satisfy the protocols in
+:mod:`rollout_servers.protocols`; ``tests/test_rollout_loop.py`` checks that with a type
+checker and at run time."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
@@ -72,26 +73,6 @@ class StandInEngine:
 
     async def reach(self, version: int, timeout_s: float) -> float:
         return 0.0  # no weights to wait for: every version counts as loaded
-
-
-class StandInTokenizer:
-    """Token ids as space-separated numbers."""
-
-    def apply_chat_template(
-        self,
-        conversation: Any,
-        *,
-        tools: Any = None,
-        add_generation_prompt: bool = True,
-        tokenize: bool = False,
-    ) -> Any:
-        return " ".join(m["content"] for m in conversation)
-
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, token_ids: list[int], *, skip_special_tokens: bool = False) -> Any:
-        return " ".join(map(str, token_ids))
 
 
 class StandInScorer:
@@ -241,9 +222,6 @@ class ToolCallingEngine(StandInEngine):
     ) -> dict[str, float]:
         self.synced_at = time.monotonic()
         return {"seconds": 0.0}
-
-    async def score(self, sequences: list[list[int]]) -> list[float]:
-        return [-1.0] * sum(len(ids) - 1 for ids in sequences)
 
 
 class SyncingClient(StandInClient):
