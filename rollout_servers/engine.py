@@ -2,7 +2,8 @@
 updates while requests are in flight.
 
 :class:`RolloutEngine` wraps one ``AsyncLLM`` (in-process client; vLLM runs its engine core
-and workers in child processes). Two things make it more than a thin wrapper:
+and workers in child processes), or on CPU an :class:`~rollout_servers.inline_llm.InlineLLM`
+(the engine core stepped by a thread of this process). Two things make it more than a thin wrapper:
 
 - Every response knows which policy version produced each token (``version_spans``).
   vLLM labels output tokens with the weight version set by ``update_weight_version``; we
@@ -118,12 +119,21 @@ class RolloutEngine:
         sync_mode: str = "keep",
         version: int = 0,
         adapters: AdapterVersions | None = None,
+        inline: bool = False,
     ) -> RolloutEngine:
         """Start vLLM from :func:`~rollout_servers.engine_config.engine_args` (~20-30 s on
-        2 CPU cores)."""
-        from vllm.v1.engine.async_llm import AsyncLLM
+        2 CPU cores): ``AsyncLLM``, or with ``inline`` its engine core in this process
+        (:mod:`rollout_servers.inline_llm`)."""
+        if inline:
+            if sync_mode != "keep":
+                raise ValueError("the inline engine needs sync_mode keep (abort needs AsyncLLM)")
+            from rollout_servers.inline_llm import InlineLLM
 
-        llm = AsyncLLM.from_engine_args(args)
+            llm: Any = InlineLLM.from_engine_args(args)
+        else:
+            from vllm.v1.engine.async_llm import AsyncLLM
+
+            llm = AsyncLLM.from_engine_args(args)
         engine = cls(llm, sync_mode, version, adapters)
         await llm.update_weight_version(str(version))
         return engine

@@ -95,6 +95,21 @@ def eager_engine(cfg: Config) -> bool:
     return cfg.trainer.device == "cpu" or (steps is not None and steps < 100)
 
 
+def inline_engine(cfg: Config) -> bool:
+    """``rollout.inline_engine`` resolved: ``auto`` runs vLLM's engine core in the server's
+    process on CPU with one worker (there the two processes share a core, and handing
+    every step's outputs between them costs more than it frees) and in keep mode, the only
+    one the inline engine has."""
+    ro = cfg.rollout
+    if ro.inline_engine != "auto":
+        return bool(ro.inline_engine)
+    return (
+        cfg.trainer.device == "cpu"
+        and ro.tensor_model_parallel_size == 1
+        and ro.sync_mode == "keep"
+    )
+
+
 async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
     """Start vLLM; returns the engine and whether requests may be seeded (on CPU only when
     a step's token budget holds every sequence whole)."""
@@ -102,7 +117,8 @@ async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
     from rollout_servers.engine_config import cpu_token_budget, engine_args
     from rollout_servers.vllm_check import require
 
-    require()  # an untested vLLM without the APIs used here: exit 2 now, naming the fix
+    inline = inline_engine(cfg)
+    require(inline=inline)  # an untested vLLM without the APIs used here: exit 2, naming the fix
     ro = cfg.rollout
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     budget, seeded = None, True
@@ -130,7 +146,9 @@ async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
         **_lora_args(cfg),
     )
     adapters = _adapters(cfg)
-    engine = await RolloutEngine.start(args, sync_mode=ro.sync_mode, adapters=adapters)
+    engine = await RolloutEngine.start(
+        args, sync_mode=ro.sync_mode, adapters=adapters, inline=inline
+    )
     return engine, seeded
 
 

@@ -56,6 +56,27 @@ _ENGINE_METHODS: dict[str, tuple[str, ...]] = {
     "remove_lora": (),
     "shutdown": (),
 }
+# What the inline engine (rollout.inline_engine, rollout_servers/inline_llm.py) calls: the
+# synchronous engine's methods, the engine core's scheduler pause, and the executor class.
+_INLINE_METHODS: dict[str, dict[str, tuple[str, ...]]] = {
+    "v1.engine.llm_engine.LLMEngine": {
+        "__init__": ("vllm_config", "executor_class", "log_stats", "multiprocess_mode"),
+        "add_request": ("lora_request",),
+        "step": (),
+        "abort_request": (),
+        "has_unfinished_requests": (),
+        "collective_rpc": ("args",),
+        "reset_prefix_cache": (),
+        "set_weight_version": (),
+        "add_lora": (),
+        "remove_lora": (),
+    },
+    "v1.engine.core.EngineCore": {
+        "pause_scheduler": ("mode", "clear_cache"),
+        "resume_scheduler": (),
+    },
+    "v1.executor.Executor": {"get_class": ()},
+}
 # AsyncEngineArgs fields engine_args() sets.
 _ENGINE_ARGS = (
     "logprobs_mode",
@@ -109,13 +130,40 @@ def _fields(cls: Any) -> set[str]:
     return set(_params(cls) or ()) | set(getattr(cls, "__annotations__", {}))
 
 
-def missing_apis(vllm: ModuleType) -> list[str]:
+def _missing_methods(cls: Any, name: str, methods: dict[str, tuple[str, ...]]) -> list[str]:
+    """``name.method`` for each of ``methods`` that ``cls`` lacks, or whose signature lacks
+    a keyword the server passes."""
+    missing: list[str] = []
+    for method, kwargs in methods.items():
+        fn = getattr(cls, method, None)
+        params = _params(fn) if fn is not None else set()
+        if fn is None:
+            missing.append(f"{name}.{method}")
+        elif params is not None and (absent := [k for k in kwargs if k not in params]):
+            missing.append(f"{name}.{method}({', '.join(absent)}=...)")
+    return missing
+
+
+def missing_inline_apis(vllm: ModuleType) -> list[str]:
+    """What the inline engine (``rollout.inline_engine``) uses that ``vllm`` lacks."""
+    missing: list[str] = []
+    for dotted, methods in _INLINE_METHODS.items():
+        cls = _resolve(vllm, dotted)
+        if cls is None:
+            missing.append(f"vllm.{dotted} (the inline engine)")
+        else:
+            missing += _missing_methods(cls, dotted.rsplit(".", 1)[-1], methods)
+    return missing
+
+
+def missing_apis(vllm: ModuleType, *, inline: bool = False) -> list[str]:
     """What the rollout server uses that ``vllm`` lacks (empty when all is there): the
     AsyncLLM methods (generation, collective RPC to the worker extension, pause/resume,
     prefix-cache reset, weight version labels), the engine arguments (worker extension
     hook, ``logprobs_mode``), the ``processed_logprobs`` mode, the sampling fields and the
-    model runner's in-place ``reload_weights(weights_iterator=...)``."""
-    missing: list[str] = []
+    model runner's in-place ``reload_weights(weights_iterator=...)``; with ``inline``, also
+    what the inline engine calls (:func:`missing_inline_apis`)."""
+    missing: list[str] = missing_inline_apis(vllm) if inline else []
     found: dict[str, Any] = {}
     for what, dotted in _OBJECTS:
         obj = _resolve(vllm, dotted)
@@ -124,13 +172,7 @@ def missing_apis(vllm: ModuleType) -> list[str]:
         found[dotted] = obj
     engine = found["v1.engine.async_llm.AsyncLLM"]
     if engine is not None:
-        for method, kwargs in _ENGINE_METHODS.items():
-            fn = getattr(engine, method, None)
-            params = _params(fn) if fn is not None else set()
-            if fn is None:
-                missing.append(f"AsyncLLM.{method}")
-            elif params is not None and (absent := [k for k in kwargs if k not in params]):
-                missing.append(f"AsyncLLM.{method}({', '.join(absent)}=...)")
+        missing += _missing_methods(engine, "AsyncLLM", _ENGINE_METHODS)
         if not hasattr(engine, "errored"):
             missing.append("AsyncLLM.errored")
     args = found["engine.arg_utils.AsyncEngineArgs"]
@@ -165,16 +207,16 @@ def message(version: str, missing: list[str]) -> str:
     )
 
 
-def require(vllm: ModuleType | None = None) -> None:
+def require(vllm: ModuleType | None = None, *, inline: bool = False) -> None:
     """Stop the server (exit :data:`CONFIG_ERROR`, not restarted) when the imported vLLM
-    lacks an API the server uses; log a warning for a version other than :data:`TESTED`
-    that has them all."""
+    lacks an API the server uses (``inline``: the inline engine's too); log a warning for a
+    version other than :data:`TESTED` that has them all."""
     if vllm is None:
         import vllm as imported
 
         vllm = imported
     version = str(getattr(vllm, "__version__", "(unknown version)"))
-    missing = missing_apis(vllm)
+    missing = missing_apis(vllm, inline=inline)
     if missing:
         line = message(version, missing)
         log.error("%s", line)

@@ -148,6 +148,7 @@ GAE = ["algorithm.adv_estimator=gae"]
         (["launch.nice={critic: 3}"], "launch.nice has unknown roles ['critic']"),
         (["launch.nice={rollout: 19}", "launch.backend=ray"], "launch.nice applies to the local"),
         (["model.dtype=bfloat16"], "set model.dtype=float32"),
+        (["rollout.inline_engine=true", "rollout.sync_mode=abort"], "set rollout.sync_mode=keep"),
         (["trainer.critic_warmup=2"], "set trainer.critic_warmup=0"),
         (["algorithm.use_kl_in_reward=true"], "use actor.use_kl_loss=true"),
         (GAE + ["critic.ppo_mini_batch_size=5"], "critic.ppo_mini_batch_size=5 must divide"),

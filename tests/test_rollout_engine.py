@@ -55,13 +55,16 @@ def _gap_per_version(sample, models):
     return gaps
 
 
-@pytest.fixture(scope="module")
-def rig(tiny_model):
+@pytest.fixture(scope="module", params=["async", "inline"])
+def rig(request, tiny_model):
+    """The engine as ``AsyncLLM`` (engine core in a child process) and inline (the engine
+    core stepped by a thread of this process, :mod:`rollout_servers.inline_llm`)."""
     from rollout_servers.engine import RolloutEngine
     from rollout_servers.engine_config import engine_args
 
     loop = LoopThread()
-    engine = loop.run(RolloutEngine.start(engine_args(str(tiny_model), max_model_len=512)))
+    args = engine_args(str(tiny_model), max_model_len=512)
+    engine = loop.run(RolloutEngine.start(args, inline=request.param == "inline"))
     models = {0: AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)}
     yield loop, engine, Learner(), models, tiny_model
     engine.shutdown()
@@ -118,6 +121,8 @@ def _start_sampling(loop, engine, requests: dict[int, str]) -> list[asyncio.Futu
     produced a first output for every one of them, none finished: a push now lands mid-way.
     (No fixed sleep: a slow machine would push before they start, a fast one after they end.)
     """
+    if hasattr(engine.llm, "steps"):  # inline: only final outputs; count engine steps
+        return _start_sampling_inline(loop, engine, requests)
     sampling: set[str] = set()  # requests vLLM has produced a first output for
     real_generate = engine.llm.generate
 
@@ -151,9 +156,42 @@ def _start_sampling(loop, engine, requests: dict[int, str]) -> list[asyncio.Futu
     return tasks
 
 
+def _start_sampling_inline(loop, engine, requests: dict[int, str]) -> list[asyncio.Future]:
+    """:func:`_start_sampling` on the inline engine: it yields final outputs only, so wait
+    until every request is in flight and the engine has stepped twice since (its commands,
+    the requests' admission among them, run before each step)."""
+
+    async def spanning():
+        tasks = [
+            asyncio.ensure_future(
+                engine.generate(PROMPT, _params(480, seed, ignore_eos=True), request_id)
+            )
+            for seed, request_id in requests.items()
+        ]
+        deadline = time.monotonic() + 60
+        while engine.llm.in_flight < len(tasks) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        steps = engine.llm.steps
+        while engine.llm.steps < steps + 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        return tasks
+
+    tasks = loop.run(spanning())
+    assert engine.llm.in_flight == len(requests), "requests did not start within 60 s"
+    assert not any(t.done() for t in tasks), "requests finished before the push; lengthen them"
+    return tasks
+
+
+def _skip_abort_inline(engine) -> None:
+    if hasattr(engine.llm, "steps"):
+        pytest.skip("the inline engine pauses in keep mode only (config refuses abort)")
+
+
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_request_spanning_a_push_carries_both_versions(rig, mode):
     loop, engine, learner, models, path = rig
+    if mode == "abort":
+        _skip_abort_inline(engine)
     engine.sync_mode = mode
     old = engine.version
     new = old + 1
@@ -209,6 +247,7 @@ def test_abort_resubmission_samples_with_the_piece_seed(rig):
     from rollout_servers.engine import piece_params
 
     loop, engine, learner, models, path = rig
+    _skip_abort_inline(engine)
     engine.sync_mode = "abort"
     old = engine.version
     new = old + 1

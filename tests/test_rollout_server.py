@@ -4,6 +4,9 @@ servers to the budget, a push moves them on, a killed server comes back and catc
 and every role exits 0 at shutdown.
 
 One rig serves the tests of this module in order (starting vLLM costs ~30 s per server).
+Its servers run vLLM's engine core as a child process (``rollout.inline_engine=false``, the
+default off CPU), so that one test can kill that process under a live server; the launcher
+tests run the CPU default, the engine core inside the server.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Rig:
                 "launch.start_timeout_s=120",
                 "sync.timeout_s=60",
                 "reward.num_workers=1",
+                "rollout.inline_engine=false",  # an engine process to kill (see above)
             ],
         )
         self.tmp = tmp

@@ -17,7 +17,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.launch import startup
 from rollout_servers.affinity import cpus_from_env, pin_tree
-from rollout_servers.main import eager_engine
+from rollout_servers.main import eager_engine, inline_engine
 
 
 def test_marks_from_several_processes_make_one_table(tmp_path):
@@ -98,6 +98,21 @@ def test_cpus_from_env(monkeypatch):
 )
 def test_enforce_eager_auto(overrides, eager):
     assert eager_engine(load_config(None, overrides)) is eager
+
+
+@pytest.mark.parametrize(
+    ("overrides", "inline"),
+    [
+        ([], True),  # CPU, one worker, keep mode
+        (["rollout.sync_mode=abort"], False),
+        (["rollout.tensor_model_parallel_size=2"], False),
+        (["trainer.device=cuda"], False),
+        (["trainer.device=cuda", "rollout.inline_engine=true"], True),
+        (["rollout.inline_engine=false"], False),
+    ],
+)
+def test_inline_engine_auto(overrides, inline):
+    assert inline_engine(load_config(None, overrides)) is inline
 
 
 class _Cycle:

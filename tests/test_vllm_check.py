@@ -18,6 +18,7 @@ def test_the_installed_vllm_has_every_api_the_server_uses():
     import vllm
 
     assert vllm_check.missing_apis(vllm) == []
+    assert vllm_check.missing_apis(vllm, inline=True) == []
     assert vllm.__version__.startswith(vllm_check.TESTED + ".")
     vllm_check.require(vllm)  # passes silently
 
@@ -81,6 +82,56 @@ def fake_vllm(version: str = "0.99.0", **drop: str) -> types.ModuleType:
             worker=_module("x", gpu_model_runner=_module("x", GPUModelRunner=GPUModelRunner)),
         ),
     )
+
+
+def _inline_module() -> types.ModuleType:
+    """``vllm.v1`` parts the inline engine calls, with the signatures it relies on."""
+
+    class LLMEngine:
+        def __init__(self, vllm_config, executor_class, log_stats, multiprocess_mode=False): ...
+        def add_request(self, request_id, prompt, params, lora_request=None): ...
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None): ...
+
+    for name in ("step", "abort_request", "has_unfinished_requests", "reset_prefix_cache"):
+        setattr(LLMEngine, name, lambda self, *a: None)
+    for name in ("set_weight_version", "add_lora", "remove_lora"):
+        setattr(LLMEngine, name, lambda self, x: None)
+
+    class EngineCore:
+        def pause_scheduler(self, mode="abort", clear_cache=True): ...
+        def resume_scheduler(self): ...
+
+    class Executor:
+        @staticmethod
+        def get_class(vllm_config): ...
+
+    return _module(
+        "x",
+        llm_engine=_module("x", LLMEngine=LLMEngine),
+        core=_module("x", EngineCore=EngineCore),
+        executor=_module("x", Executor=Executor),
+    )
+
+
+def test_the_inline_engines_apis_are_checked_only_when_it_runs():
+    fake = fake_vllm()
+    assert vllm_check.missing_apis(fake) == []  # no inline parts, none needed
+    assert vllm_check.missing_apis(fake, inline=True) == [
+        "vllm.v1.engine.llm_engine.LLMEngine (the inline engine)",
+        "vllm.v1.engine.core.EngineCore (the inline engine)",
+        "vllm.v1.executor.Executor (the inline engine)",
+    ]
+    inline = _inline_module()
+    fake.v1.engine.llm_engine, fake.v1.engine.core = inline.llm_engine, inline.core
+    fake.v1.executor = inline.executor
+    assert vllm_check.missing_apis(fake, inline=True) == []
+    # a pause without the keep mode's keywords, and no step: each named
+    inline.core.EngineCore.pause_scheduler = lambda self: None
+    del inline.llm_engine.LLMEngine.step
+    assert vllm_check.missing_apis(fake, inline=True) == [
+        "LLMEngine.step",
+        "EngineCore.pause_scheduler(mode, clear_cache=...)",
+    ]
 
 
 def test_a_complete_fake_passes_and_an_untested_version_only_warns(caplog):

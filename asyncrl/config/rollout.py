@@ -128,6 +128,12 @@ class RolloutConfig(LogProbPass):
         "(no graphs there, and compiling a small model costs more start-up than it saves) "
         "and for runs under 100 learner steps; false always compiles.",
     )
+    inline_engine: bool | Literal["auto"] = Field(
+        default="auto",
+        description="Run vLLM's engine core inside the rollout server's process, stepped by "
+        "a thread, instead of a child process: no per-step hand-over of outputs between "
+        "processes. auto: on CPU with one worker and sync_mode keep; needs sync_mode keep.",
+    )
     sync_mode: Literal["keep", "abort"] = Field(
         default="keep",
         description="At a weight push: keep in-flight requests running under the new "

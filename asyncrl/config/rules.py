@@ -60,6 +60,12 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"rollout.openai_endpoint.reward_range={list(reward_range)}: its low end is above "
             "its high end; write it as [low, high]"
         )
+    if ro.inline_engine is True and ro.sync_mode != "keep":
+        problems.append(
+            f"rollout.inline_engine=true with rollout.sync_mode={ro.sync_mode}: the inline "
+            "engine keeps requests in flight at a push; set rollout.sync_mode=keep or "
+            "rollout.inline_engine=false"
+        )
     st = cfg.staleness
     if st.min_policy_lag > st.max_policy_lag:
         problems.append(
