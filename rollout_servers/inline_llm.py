@@ -4,8 +4,8 @@
 serialises its outputs (one sampled logprob per request among them) and sends them over a
 socket, and the server's process decodes them. On one CPU core, where both processes take
 turns, that hand-over is pure overhead: 128 requests of 128 tokens on the tiny model made
-10.2-12.3k tokens/s stepped in-process against 8.0-9.2k through ``AsyncLLM`` (two rounds of
-seven each).
+10.2k and 12.3k tokens/s stepped in-process against 9.2k and 8.0k through ``AsyncLLM``
+(medians of seven rounds, two runs each, alternating, on one core).
 
 :class:`InlineLLM` keeps the engine core in this process: vLLM's synchronous ``LLMEngine``
 (in-process client), stepped by one thread of its own. It offers the part of ``AsyncLLM``'s
@@ -46,8 +46,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-class EngineDead(RuntimeError):
-    """The inline engine's thread has ended (an engine step raised, or it was shut down)."""
+class EngineDeadError(RuntimeError):
+    """The inline engine's thread has ended (an engine step raised, or it was shut down).
+    Named as vLLM's own error for a dead engine core, which the server logs without a
+    traceback (the engine thread has logged the cause)."""
 
 
 class InlineLLM:
@@ -117,7 +119,7 @@ class InlineLLM:
         return not self._paused and self._engine.has_unfinished_requests()
 
     def _fail_all(self) -> None:
-        error = EngineDead(f"inline vLLM engine stopped: {self._error or 'shut down'}")
+        error = EngineDeadError(f"inline vLLM engine stopped: {self._error or 'shut down'}")
         with self._wake:
             commands, self._commands = self._commands, []
             self._stopping = True
@@ -148,7 +150,7 @@ class InlineLLM:
         done: Future[T] = Future()
         with self._wake:
             if self._stopping:
-                done.set_exception(EngineDead(f"inline vLLM engine stopped: {self._error}"))
+                done.set_exception(EngineDeadError(f"inline vLLM engine stopped: {self._error}"))
             else:
                 self._commands.append((call, done))
                 self._wake.notify()

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rollout_servers.inline_llm import EngineDead, InlineLLM
+from rollout_servers.inline_llm import EngineDeadError, InlineLLM
 
 
 class StandInEngine:
@@ -118,12 +118,12 @@ def test_an_engine_that_dies_fails_every_waiter_with_one_error():
         llm = InlineLLM(engine)
         tasks = [asyncio.ensure_future(_final(llm, f"r{i}")) for i in range(3)]
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        assert all(isinstance(r, EngineDead) for r in results), results
+        assert all(isinstance(r, EngineDeadError) for r in results), results
         assert "engine core died" in str(results[0])
         assert llm.errored
-        with pytest.raises(EngineDead):  # later commands fail at once, not hang
+        with pytest.raises(EngineDeadError):  # later commands fail at once, not hang
             await llm.update_weight_version("1")
-        with pytest.raises(EngineDead):
+        with pytest.raises(EngineDeadError):
             await _final(llm, "late")
         llm.shutdown()
 
@@ -138,7 +138,7 @@ def test_shutdown_ends_waiting_requests():
         while llm.steps < 2:
             await asyncio.sleep(0.01)
         llm.shutdown()
-        with pytest.raises(EngineDead, match="shut down"):
+        with pytest.raises(EngineDeadError, match="shut down"):
             await task
         assert not llm.errored  # a shutdown is not an error
 
