@@ -61,6 +61,14 @@ class StandInEngine:
         self.version = version
 
 
+async def _endless(llm: InlineLLM, rid: str) -> asyncio.Future:
+    """A request that never finishes, once the engine has stepped it twice."""
+    task = asyncio.ensure_future(_final(llm, rid))
+    while llm.steps < 2:
+        await asyncio.sleep(0.01)
+    return task
+
+
 async def _final(llm: InlineLLM, rid: str) -> Any:
     params: Any = None  # the stand-in engine reads no sampling parameters
     outs = [out async for out in llm.generate({"prompt_token_ids": [1]}, params, request_id=rid)]
@@ -96,9 +104,7 @@ def test_a_cancelled_request_is_aborted_in_the_engine():
     async def run() -> None:
         engine = StandInEngine(steps_needed=10**9)
         llm = InlineLLM(engine)
-        task = asyncio.ensure_future(_final(llm, "gone"))
-        while llm.steps < 2:
-            await asyncio.sleep(0.01)
+        task = await _endless(llm, "gone")
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
@@ -132,11 +138,8 @@ def test_an_engine_that_dies_fails_every_waiter_with_one_error():
 
 def test_shutdown_ends_waiting_requests():
     async def run() -> None:
-        engine = StandInEngine(steps_needed=10**9)
-        llm = InlineLLM(engine)
-        task = asyncio.ensure_future(_final(llm, "long"))
-        while llm.steps < 2:
-            await asyncio.sleep(0.01)
+        llm = InlineLLM(StandInEngine(steps_needed=10**9))
+        task = await _endless(llm, "long")
         llm.shutdown()
         with pytest.raises(EngineDeadError, match="shut down"):
             await task

@@ -115,7 +115,22 @@ def test_pushed_weights_are_sampled_from(rig):
         assert _gap_per_version(s, models)[1] < 1e-4
 
 
-@pytest.mark.slow  # starts a vLLM engine
+def _long_requests(engine, requests: dict[int, str]) -> list[asyncio.Future]:
+    """One 480-token request per ``{seed: request_id}``, started."""
+    return [
+        asyncio.ensure_future(
+            engine.generate(PROMPT, _params(480, seed, ignore_eos=True), request_id)
+        )
+        for seed, request_id in requests.items()
+    ]
+
+
+async def _until(done, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.005)
+
+
 def _start_sampling(loop, engine, requests: dict[int, str]) -> list[asyncio.Future]:
     """Start one 480-token request per ``{seed: request_id}`` and return once vLLM has
     produced a first output for every one of them, none finished: a push now lands mid-way.
@@ -135,15 +150,8 @@ def _start_sampling(loop, engine, requests: dict[int, str]) -> list[asyncio.Futu
         return outputs()
 
     async def spanning():
-        tasks = [
-            asyncio.ensure_future(
-                engine.generate(PROMPT, _params(480, seed, ignore_eos=True), request_id)
-            )
-            for seed, request_id in requests.items()
-        ]
-        deadline = time.monotonic() + 60
-        while len(sampling) < len(tasks) and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        tasks = _long_requests(engine, requests)
+        await _until(lambda: len(sampling) >= len(tasks))
         return tasks
 
     engine.llm.generate = spied_generate
@@ -162,18 +170,10 @@ def _start_sampling_inline(loop, engine, requests: dict[int, str]) -> list[async
     the requests' admission among them, run before each step)."""
 
     async def spanning():
-        tasks = [
-            asyncio.ensure_future(
-                engine.generate(PROMPT, _params(480, seed, ignore_eos=True), request_id)
-            )
-            for seed, request_id in requests.items()
-        ]
-        deadline = time.monotonic() + 60
-        while engine.llm.in_flight < len(tasks) and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        tasks = _long_requests(engine, requests)
+        await _until(lambda: engine.llm.in_flight >= len(tasks))
         steps = engine.llm.steps
-        while engine.llm.steps < steps + 2 and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
+        await _until(lambda: engine.llm.steps >= steps + 2)
         return tasks
 
     tasks = loop.run(spanning())
@@ -187,6 +187,7 @@ def _skip_abort_inline(engine) -> None:
         pytest.skip("the inline engine pauses in keep mode only (config refuses abort)")
 
 
+@pytest.mark.slow  # starts a vLLM engine
 @pytest.mark.parametrize("mode", ["keep", "abort"])
 def test_request_spanning_a_push_carries_both_versions(rig, mode):
     loop, engine, learner, models, path = rig
