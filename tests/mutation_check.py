@@ -310,6 +310,22 @@ MUTATIONS = (
         "        return self.enable",
         ("tests/test_filter_groups.py",),
     ),
+    Mutation(
+        "the inline engine's pause",
+        "the engine thread steps requests while paused for a weight load",
+        "rollout_servers/inline_llm.py",
+        "        return not self._paused and self._engine.has_unfinished_requests()",
+        "        return self._engine.has_unfinished_requests()",
+        ("tests/test_inline_llm.py",),
+    ),
+    Mutation(
+        "a dead inline engine fails its waiters",
+        "requests waiting on an engine whose step raised are left waiting",
+        "rollout_servers/inline_llm.py",
+        "        self._to_loop(self._fail_waiting, error)",
+        "        pass",
+        ("tests/test_inline_llm.py",),
+    ),
 )
 
 
