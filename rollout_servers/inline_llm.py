@@ -110,7 +110,9 @@ class InlineLLM:
                         if out.finished:
                             self._to_loop(self._deliver, out.request_id, out)
         except BaseException as exc:  # the engine died: nothing here can go on
-            log.exception("inline vLLM engine failed; the server re-registers or exits")
+            log.exception(
+                "inline vLLM engine failed; the server exits 4 for its supervisor to restart it"
+            )
             self._error = exc
         finally:
             self._fail_all()

@@ -346,7 +346,11 @@ def _run(m: Mutation) -> tuple[str, float]:
             start = time.monotonic()
             proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
             took = time.monotonic() - start
-            failed = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
+            failed = [
+                ln
+                for ln in proc.stdout.splitlines()
+                if ln.startswith(("FAILED tests/", "ERROR tests/"))
+            ]
             if proc.returncode == 0:
                 return "NOT CAUGHT", took
             return (failed[0].split(" - ")[0] if failed else f"exit {proc.returncode}"), took
