@@ -189,8 +189,10 @@ class InlineLLM:
             )
             out = await waiter
         except asyncio.CancelledError:
-            if not self._stopping:
-                self._submit(lambda: self._engine.abort_request([request_id]))
+            # Nobody awaits the abort: read its outcome so that a dead engine's error is
+            # not reported as never retrieved.
+            abort = self._submit(lambda: self._engine.abort_request([request_id]))
+            abort.add_done_callback(lambda f: f.cancelled() or f.exception())
             raise
         finally:
             self._waiting.pop(request_id, None)
