@@ -19,7 +19,10 @@ median with min-max. Timed span: from the end of step 1 to the end of the last s
 both sides; start-up, from launch to the end of step 1, is reported beside it
 (``to_step1_s``).
 "Score" is the mean training reward over the last 20 steps (TRL has no validation rounds;
-asyncrl's are off here). TRL is the ``bench`` extra (``make install`` adds it).
+asyncrl's are off here); "late mean" is the mean over the second half of the steps, a
+steadier reading of the same curve. Repetition ``i`` seeds both sides with ``i + 1`` (TRL's
+``seed``, asyncrl's ``data.seed``), so the scores' spread includes TRL's own across seeds.
+TRL is the ``bench`` extra (``make install`` adds it).
 
     python benchmarks/vs_trl.py [--quick] [--reps 3] [--shapes demo,long] [--out DIR]
 """
@@ -80,11 +83,22 @@ class Shape:
     # 41.8, 42.9, 52.6 and 49.2 s eager. The demo's short answers gained nothing (30.9 and
     # 33.9 s against 29.4 and 37.0 s): it stays eager.
     enforce_eager: bool = True
+    # staleness.max_policy_lag, in pushes (a push every second step, as configs/cpu_demo.yaml).
+    # The demo at lag 1 learned less: mean training reward over steps 90-180 0.81 (16 runs)
+    # against 0.85 at lag 0 (6 runs) and TRL's 0.86 (5 seeds), and lag 0 was not slower
+    # (three interleaved triples, step 1 to end: 25.2, 24.4, 24.7 s at lag 0; 29.4, 29.5,
+    # 29.3 s at lag 0 pushing every step; 30.0, 30.3, 28.4 s at lag 1 pushing every step).
+    # With a push every second step, lag 0 still overlaps: the second step's groups are
+    # generated while the first trains, one step old at most. The long shape's learner is
+    # its bottleneck, and its scores at lag 1 lie within TRL's: it keeps the config's lag.
+    max_policy_lag: int = 1
 
 
 def shapes(quick: bool) -> dict[str, Shape]:
     return {
-        "demo": Shape("demo", "artifacts/models/tiny-demo", 20 if quick else 180, 4),
+        "demo": Shape(
+            "demo", "artifacts/models/tiny-demo", 20 if quick else 180, 4, max_policy_lag=0
+        ),
         "long": Shape(
             "long",
             "artifacts/models/tiny-untrained",
@@ -121,18 +135,19 @@ def _span(ends: list[float], steps: int, rewards: list[float]) -> dict[str, Any]
         "step1_to_end_s": span,
         "samples_per_s": (len(ends) - 1) * PROMPTS * N / span,
         "score": statistics.fmean(rewards[-20:]),
+        "late_mean": statistics.fmean(rewards[len(rewards) // 2 :]),
         "first_reward": statistics.fmean(rewards[:5]),
         "rewards": rewards,  # per step: the learning curve
     }
 
 
-def run_trl(shape: Shape, out: Path) -> dict[str, Any]:
+def run_trl(shape: Shape, out: Path, seed: int) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "trl_side.py"),
         "--model", shape.model, "--data", "artifacts/data/arithmetic/train.parquet",
         "--steps", str(shape.steps), "--max-new-tokens", str(shape.max_new_tokens),
-        "--threads", str(cores), "--out", str(out),
+        "--threads", str(cores), "--seed", str(seed), "--out", str(out),
     ]  # fmt: skip
     if shape.reward_file:
         cmd += ["--reward-file", shape.reward_file]
@@ -147,7 +162,7 @@ def run_trl(shape: Shape, out: Path) -> dict[str, Any]:
     return figures
 
 
-def run_asyncrl(shape: Shape, root: Path, name: str) -> dict[str, Any]:
+def run_asyncrl(shape: Shape, root: Path, name: str, seed: int) -> dict[str, Any]:
     overrides = [
         f"model.path={shape.model}",
         f"trainer.total_training_steps={shape.steps}",
@@ -165,6 +180,8 @@ def run_asyncrl(shape: Shape, root: Path, name: str) -> dict[str, Any]:
         # interleaved pairs each, step 1 to end, demo 30.6, 31.0, 29.5 s against 35.2,
         # 31.8, 31.3 s; long 42.2, 40.7, 39.3 s against 43.4, 44.0, 41.6 s (README).
         "staleness.deal_at_send=true",
+        f"staleness.max_policy_lag={shape.max_policy_lag}",
+        f"data.seed={seed}",
     ]
     if shape.reward_file:
         overrides.append(f"reward.custom_reward_function.path={shape.reward_file}")
@@ -206,9 +223,11 @@ def main() -> None:
                 got: dict[str, Any] = {}
                 for side in sides:
                     if side == "trl":
-                        got["trl"] = run_trl(shape, Path(tmp) / f"trl-{shape.name}-{rep}.json")
+                        out = Path(tmp) / f"trl-{shape.name}-{rep}.json"
+                        got["trl"] = run_trl(shape, out, seed=rep + 1)
                     else:
-                        got["asyncrl"] = run_asyncrl(shape, Path(tmp), f"{shape.name}-{rep}")
+                        name = f"{shape.name}-{rep}"
+                        got["asyncrl"] = run_asyncrl(shape, Path(tmp), name, seed=rep + 1)
                     shown = {k: v for k, v in got[side].items() if k != "rewards"}
                     print(shape.name, rep, side, json.dumps(shown), flush=True)
                 runs.append(got)
@@ -219,6 +238,10 @@ def main() -> None:
                 "samples_per_s_ratio": ratios(runs, "samples_per_s"),
                 "score": {
                     side: statistics.fmean(r[side]["score"] for r in runs)
+                    for side in ("trl", "asyncrl")
+                },
+                "late_mean": {
+                    side: statistics.fmean(r[side]["late_mean"] for r in runs)
                     for side in ("trl", "asyncrl")
                 },
                 "to_step1_s": {
@@ -235,7 +258,8 @@ def main() -> None:
         print(
             f"{name}: asyncrl/TRL samples/s {r['median']:.2f} (min {r['min']:.2f}, max "
             f"{r['max']:.2f}); score TRL {shape['score']['trl']:.3f}, asyncrl "
-            f"{shape['score']['asyncrl']:.3f}; launch to step 1 (median) TRL "
+            f"{shape['score']['asyncrl']:.3f} (late mean TRL {shape['late_mean']['trl']:.3f}, "
+            f"asyncrl {shape['late_mean']['asyncrl']:.3f}); launch to step 1 (median) TRL "
             f"{shape['to_step1_s']['trl']:.1f} s, asyncrl {shape['to_step1_s']['asyncrl']:.1f} s"
         )
     worst = min(s["samples_per_s_ratio"]["median"] for s in results["shapes"].values())

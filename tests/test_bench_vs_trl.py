@@ -36,6 +36,7 @@ def test_quick_mode_runs_both_sides_of_both_shapes(tmp_path):
             assert got["steps"] == steps, (name, side)
             assert len(got["rewards"]) == steps and all(map(math.isfinite, got["rewards"]))
             assert got["samples_per_s"] > 0 and got["to_step1_s"] > 0
+            assert 0 <= got["late_mean"] <= 1 and 0 <= got["score"] <= 1, (name, side)
             assert 0 < tokens_per_sample(got) <= new_tokens, (name, side)
         assert run["asyncrl"]["samples_per_s"] / run["trl"]["samples_per_s"] == pytest.approx(
             shape["samples_per_s_ratio"]["median"]
