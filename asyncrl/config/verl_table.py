@@ -122,7 +122,9 @@ ENTROPY_MEMORY = "a memory saver of the entropy; the learner computes it once pe
 MEMORY = "a memory saver of the learner (activations or loading), not of results"
 SHM = "models and data load from their paths; shared-memory staging only speeds loading"
 STRATEGY = "the learner is FSDP2 (fsdp and fsdp2 mean it); megatron is not built"
-LORA_OFF = "LoRA is not built yet (model.lora_rank must be 0)"
+LORA_OFF = (
+    "the critic has no LoRA (critic.model.lora_rank must be 0); the actor's is model.lora_rank"
+)
 REMOTE_CODE = (
     "models and tokenizers load without remote code; a model that needs it fails to load "
     "with transformers' own message"
@@ -533,7 +535,9 @@ VERL_KEYS: dict[str, VerlKey] = {
         _none(CRITIC_AS_ACTOR),
     ),
     "critic.model.lora_rank": _only(
-        "LoRA is not built yet: remove critic.model.lora_rank", _falsy, bad=32
+        "the critic has no LoRA (the actor's is actor_rollout_ref.model.lora_rank): remove critic.model.lora_rank",
+        _falsy,
+        bad=32,
     ),
     "critic.model.lora_alpha": _none(LORA_OFF),
     "critic.model.target_modules": _none(LORA_OFF),
