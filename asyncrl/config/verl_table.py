@@ -535,7 +535,8 @@ VERL_KEYS: dict[str, VerlKey] = {
         _none(CRITIC_AS_ACTOR),
     ),
     "critic.model.lora_rank": _only(
-        "the critic has no LoRA (the actor's is actor_rollout_ref.model.lora_rank): remove critic.model.lora_rank",
+        "the critic has no LoRA (the actor's is actor_rollout_ref.model.lora_rank): "
+        "remove critic.model.lora_rank",
         _falsy,
         bad=32,
     ),
