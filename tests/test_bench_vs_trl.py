@@ -38,6 +38,9 @@ def test_quick_mode_runs_both_sides_of_both_shapes(tmp_path):
             assert got["samples_per_s"] > 0 and got["to_step1_s"] > 0
             assert 0 <= got["late_mean"] <= 1 and 0 <= got["score"] <= 1, (name, side)
             assert 0 < tokens_per_sample(got) <= new_tokens, (name, side)
+        # The demo shape trains on-policy up to one step (lag 0 in pushes); the long shape
+        # keeps the config's lag 1.
+        assert run["asyncrl"]["lag_max"] <= (0 if name == "demo" else 1), name
         assert run["asyncrl"]["samples_per_s"] / run["trl"]["samples_per_s"] == pytest.approx(
             shape["samples_per_s_ratio"]["median"]
         )
