@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import math
 import time
@@ -99,7 +100,7 @@ class RolloutEngine:
     ) -> None:
         if sync_mode not in ("keep", "abort"):
             raise ValueError(f"sync_mode must be keep or abort, got {sync_mode!r}")
-        self.llm = llm
+        self.llm: Any = llm  # AsyncLLM or InlineLLM; None once shut down
         # sync.lora: adapter: pushes are LoRA adapters served beside the base weights
         self.adapters = adapters
         self.sync_mode = sync_mode
@@ -139,8 +140,16 @@ class RolloutEngine:
         return engine
 
     def shutdown(self) -> None:
-        """Stop vLLM's engine core and workers."""
-        self.llm.shutdown()
+        """Stop vLLM's engine core and workers, and free the engine now.
+
+        ``AsyncLLM`` shuts itself down again when it is freed. Left to the interpreter's
+        exit, that second call finds vLLM's module globals already gone and prints a
+        ``TypeError`` traceback as the server exits; freed here, it finds nothing left to do.
+        """
+        llm, self.llm = self.llm, None
+        llm.shutdown()
+        del llm
+        gc.collect()  # the engine sits in reference cycles (its output handler, its loop)
 
     @property
     def errored(self) -> bool:

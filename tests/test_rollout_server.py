@@ -237,6 +237,8 @@ def test_a_server_whose_engine_dies_exits_4_and_its_tasks_are_dealt_again(rig):
 
 
 def test_every_role_exits_zero_at_shutdown(rig):
+    logs = {sid: rig.tmp / f"{sid}.log" for sid in rig.servers}
+    offsets = {sid: path.stat().st_size for sid, path in logs.items()}
     assert rig.learner.shutdown("test done")
     start = time.monotonic()
     codes = {name: proc.wait(30) for name, proc in [*rig.servers.items(), ("buffer", rig.buffer)]}
@@ -244,3 +246,10 @@ def test_every_role_exits_zero_at_shutdown(rig):
     assert codes == {"r0": 0, "r1": 0, "buffer": 0}, rig.logs()
     assert elapsed < 20, f"roles took {elapsed:.1f}s to exit"
     assert not math.isnan(elapsed)
+    for sid, path in logs.items():  # what each server wrote from the shutdown on
+        with open(path, errors="replace") as f:
+            f.seek(offsets[sid])
+            tail = f.read()
+        # AsyncLLM shuts itself down again when freed; left to the interpreter's exit, that
+        # printed a TypeError traceback (rollout_servers.engine.RolloutEngine.shutdown)
+        assert "Exception ignored" not in tail and "Traceback" not in tail, tail[-3000:]

@@ -5,7 +5,6 @@ are 1 at lag 0 and not 1 at lag 1."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import threading
 from pathlib import Path
@@ -229,11 +228,7 @@ def vllm_rig(tiny_model, single_rank, tmp_path_factory):
     loop = LoopThread()
     engine = loop.run(RolloutEngine.start(engine_args(str(export), max_model_len=256)))
     yield trainer, loop, engine, export
-    engine.shutdown()
-    # Let the engine client be collected now rather than at interpreter exit, when its
-    # finaliser finds the modules it needs already torn down.
-    engine.llm = None
-    gc.collect()
+    engine.shutdown()  # frees the engine client too (RolloutEngine.shutdown)
 
 
 def vllm_batch(loop, engine, export, seed: int) -> list[Rollout]:
