@@ -26,6 +26,37 @@ PARTLY_LOADED = "weights partly loaded"
 
 log = logging.getLogger(__name__)
 
+#: vLLM's in-place reload names each layer that received no weights in this logger.
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+
+
+class ExpectedReloadGaps(logging.Filter):
+    """Drops vLLM's "<layer>: Failed to load weights" for the layers a push never carries by
+    design; every other layer's warning passes, since a push that misses real weights must
+    be heard.
+
+    - ``RotaryEmbedding``: its cos/sin cache is computed from the config, not loaded; the
+      reload puts the same values back.
+    - ``ParallelLMHead`` of a tied-embedding model (``tied``): the checkpoint has no head of
+      its own, and :meth:`WeightSyncExtension._wsync_retie_embeddings` ties it to the new
+      embedding right after.
+
+    Without it each push printed both warnings once per worker: 120 lines in a demo run.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tied = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not isinstance(record.args, tuple):
+            return True
+        layer = record.args[0] if record.args else None
+        return not (layer == "RotaryEmbedding" or (layer == "ParallelLMHead" and self.tied))
+
+
+_RELOAD_GAPS = ExpectedReloadGaps()
+
 
 class WeightSyncExtension:
     """Mixed into vLLM's worker class: ``self`` is the worker (``self.rank``,
@@ -86,6 +117,11 @@ class WeightSyncExtension:
         # The first bucket arrives before any weight is touched: a sync that fails at its
         # start (a member died, the learner gave up) leaves the engine's weights intact.
         first = next(stream, None)
+        hf_config = self.model_runner.model_config.hf_config
+        _RELOAD_GAPS.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        reload_log = logging.getLogger(RELOAD_LOGGER)
+        if _RELOAD_GAPS not in reload_log.filters:
+            reload_log.addFilter(_RELOAD_GAPS)
         try:
             loaded = itertools.chain([first] if first is not None else [], stream)
             self.model_runner.reload_weights(weights_iterator=loaded)

@@ -3,6 +3,7 @@ processes, real gloo groups over a TCPStore on 127.0.0.1)."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from asyncrl.sync.weights import (
     send_weights,
     specs_of,
 )
+from rollout_servers.worker_ext import RELOAD_LOGGER, ExpectedReloadGaps
 from tests.helpers import free_port
 from tests.standins.weights import StandInReceiver
 
@@ -212,3 +214,28 @@ def test_the_window_moves_at_the_send_only_with_deal_at_send(deal_at_send):
         assert rounds.calls == [*sent, "finish_sync ok=True"]
     finally:
         a.close()
+
+
+def _reload_record(layer: str) -> logging.LogRecord:
+    return logging.LogRecord(
+        RELOAD_LOGGER, logging.WARNING, __file__, 1, "%s: Failed to load weights", (layer,), None
+    )
+
+
+@pytest.mark.parametrize(
+    ("layer", "tied", "heard"),
+    [
+        ("RotaryEmbedding", False, False),  # its cache is computed, never pushed
+        ("ParallelLMHead", True, False),  # re-tied to the new embedding after the load
+        ("ParallelLMHead", False, True),  # an untied head that missed its weights
+        ("QKVParallelLinear", True, True),  # any other layer
+    ],
+)
+def test_only_the_reload_gaps_a_push_has_by_design_are_silenced(layer, tied, heard):
+    gaps = ExpectedReloadGaps()
+    gaps.tied = tied
+    assert gaps.filter(_reload_record(layer)) is heard
+    other = logging.LogRecord(
+        RELOAD_LOGGER, logging.WARNING, __file__, 1, "%s: other", (layer,), None
+    )
+    assert gaps.filter(other)
