@@ -43,6 +43,13 @@ MISMATCH = (
     "the servers sample from other weights or numerics than the learner scores with: check "
     "rollout.temperature and model.dtype match, and the sync (sync/* metrics)"
 )
+#: The same rule on a batch with lag: behaviour against learner then also counts how far
+#: the policy moved since the data was generated (early in a run, at a high learning rate).
+MISMATCH_STALE = (
+    "the batch is {lag:.3g} versions old on average, and the policy moved since: lower "
+    "staleness.max_policy_lag or actor.optim.lr; if it persists at lag 0, the servers "
+    "sample from other numerics (rollout.temperature, model.dtype, sync/* metrics)"
+)
 
 
 @dataclass(frozen=True)
@@ -117,7 +124,7 @@ class HealthMonitor:
                 "importance/mismatch_kl",
                 None,
                 c.max_mismatch_kl,
-                MISMATCH,
+                MISMATCH_STALE.format(lag=m["lag/mean"]) if m.get("lag/mean") else MISMATCH,
                 absolute=True,
             ),  # fmt: skip
         ]

@@ -70,6 +70,18 @@ def test_a_systematic_mismatch_fires_the_mismatch_rule():
     ) if a.rule == "max_mismatch_kl"]  # fmt: skip
 
 
+def test_the_mismatch_line_blames_staleness_when_the_batch_has_lag():
+    """Behaviour against learner counts the policy's moves since a stale batch was generated:
+    the line says so, rather than sending the user after temperatures and dtypes."""
+    metrics = _step_metrics(torch.full((B, T), -0.3)) | {"lag/mean": 1.5}
+    (mismatch,) = [a for a in _health().check(metrics) if a.rule == "max_mismatch_kl"]
+    line = mismatch.line(1)
+    assert "1.5 versions old" in line and "staleness.max_policy_lag" in line
+    metrics["lag/mean"] = 0.0  # all from the current weights: the numerics' line
+    (mismatch,) = [a for a in _health().check(metrics) if a.rule == "max_mismatch_kl"]
+    assert "versions old" not in mismatch.line(1) and "model.dtype" in mismatch.line(1)
+
+
 def test_update_rules_fire_on_a_collapse_a_spike_and_a_skipped_update():
     health = _health()
     calm = _step_metrics(0.01 * torch.randn(B, T), entropy=2.0)
