@@ -285,9 +285,10 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
     if drops.given_up:
         log.warning(
             "%d training prompts given up after staleness.lag_retries retries (the "
-            "accounting line counts them among its lag drops): their responses take longer "
-            "than staleness.max_policy_lag versions to generate (raise it, or lower "
-            "data.max_response_length)",
+            "accounting line counts them among its lag drops): each came back more than "
+            "staleness.max_policy_lag versions old every time it was dealt. Long responses do "
+            "that (raise the lag, or lower data.max_response_length), and so does a server "
+            "slower than the rest (compare the servers' rollout/tokens_per_s)",
             drops.given_up,
         )
     if due:
