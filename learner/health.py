@@ -46,7 +46,7 @@ MISMATCH = (
 #: The same rule on a batch with lag: behaviour against learner then also counts how far
 #: the policy moved since the data was generated (early in a run, at a high learning rate).
 MISMATCH_STALE = (
-    "the batch is {lag:.3g} versions old on average, and the policy moved since: lower "
+    "the batch's mean lag is {lag:.3g}, and the policy moved since it was generated: lower "
     "staleness.max_policy_lag or actor.optim.lr; if it persists at lag 0, the servers "
     "sample from other numerics (rollout.temperature, model.dtype, sync/* metrics)"
 )
