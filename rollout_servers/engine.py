@@ -147,6 +147,8 @@ class RolloutEngine:
         ``TypeError`` traceback as the server exits; freed here, it finds nothing left to do.
         """
         llm, self.llm = self.llm, None
+        if llm is None:  # shut down before
+            return
         llm.shutdown()
         del llm
         gc.collect()  # the engine sits in reference cycles (its output handler, its loop)
