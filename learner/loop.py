@@ -228,7 +228,7 @@ class LearnerLoop:
             return Restored(None, None, None)
         extra = self.trainer.load(path)
         log.info(
-            "resumed from %s at step %d, version %d",
+            "resumed from %s at step %d, version %d (buffer session %r)",
             path,
             self.trainer.step,
             self.trainer.policy_version,
