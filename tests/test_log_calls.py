@@ -75,6 +75,6 @@ def test_each_logging_call_has_as_many_arguments_as_placeholders(path):
 def test_placeholders_are_counted_as_logging_formats_them(msg, count):
     assert _placeholders(msg) == count
     args = (1.0,) * count
-    msg % args  # as many arguments as counted: formats
+    assert isinstance(msg % args, str)  # as many arguments as counted: it formats
     with pytest.raises(TypeError):  # one more: what logging reports as a logging error
-        msg % (*args, 1.0)
+        _ = msg % (*args, 1.0)
