@@ -57,6 +57,7 @@ class ExpectedReloadGaps(logging.Filter):
 
 
 _RELOAD_GAPS = ExpectedReloadGaps()
+logging.getLogger(RELOAD_LOGGER).addFilter(_RELOAD_GAPS)  # this module loads in each worker
 
 
 class WeightSyncExtension:
@@ -118,11 +119,7 @@ class WeightSyncExtension:
         # The first bucket arrives before any weight is touched: a sync that fails at its
         # start (a member died, the learner gave up) leaves the engine's weights intact.
         first = next(stream, None)
-        hf_config = self.model_runner.model_config.hf_config
-        _RELOAD_GAPS.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-        reload_log = logging.getLogger(RELOAD_LOGGER)
-        if _RELOAD_GAPS not in reload_log.filters:
-            reload_log.addFilter(_RELOAD_GAPS)
+        _RELOAD_GAPS.tied = self._wsync_tied()
         try:
             loaded = itertools.chain([first] if first is not None else [], stream)
             self.model_runner.reload_weights(weights_iterator=loaded)
@@ -160,6 +157,11 @@ class WeightSyncExtension:
         """Where a broadcast lands: the worker's GPU under NCCL, else the CPU."""
         return "cpu" if str(self.device) == "cpu" else self.device
 
+    def _wsync_tied(self) -> bool:
+        """Whether the model ties its output head to its input embedding."""
+        hf_config = self.model_runner.model_config.hf_config
+        return bool(getattr(hf_config, "tie_word_embeddings", False))
+
     def _wsync_retie_embeddings(self) -> None:
         """Re-tie the output head to the input embedding of a tied-embedding model.
 
@@ -170,8 +172,7 @@ class WeightSyncExtension:
         (on CPU it pre-packs the matrix for the GEMM kernel). Both are sharded alike under
         tensor parallelism, so this is exact shard by shard.
         """
-        hf_config = self.model_runner.model_config.hf_config
-        if not getattr(hf_config, "tie_word_embeddings", False):
+        if not self._wsync_tied():
             return
         modules = dict(self.model_runner.get_model().named_modules())
         head, embed = modules.get("lm_head"), modules.get("model.embed_tokens")
