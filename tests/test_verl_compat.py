@@ -249,6 +249,39 @@ def test_hydra_grammar_add_force_and_delete(tmp_path):
     assert load_config(None, ["actor_rollout_ref.model.lora_rank=0"]).model.path  # 0: no LoRA
 
 
+def test_a_mapped_key_on_the_command_line_wins_over_the_file(tmp_path):
+    """veRL's spelling of a key this config file sets under our name: the command line
+    wins, as any override does; from the same place, our name wins."""
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data:\n  max_response_length: 4\nactor:\n  clip_ratio_low: 0.2\n"
+        "  clip_ratio_high: 0.28\ntrainer:\n  nproc: 1\n"
+    )
+    cfg = load_config(
+        path,
+        [
+            "actor_rollout_ref.rollout.response_length=16",
+            "actor_rollout_ref.actor.clip_ratio=0.1",
+            "trainer.n_gpus_per_node=2",
+        ],
+    )
+    assert cfg.data.max_response_length == 16 and cfg.trainer.nproc == 2
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.1, 0.1)
+    # Both on the command line, in either order: ours wins.
+    for order in ((0, 1), (1, 0)):
+        both = ["actor_rollout_ref.rollout.response_length=16", "data.max_response_length=8"]
+        assert load_config(path, [both[i] for i in order]).data.max_response_length == 8
+    # In the file under veRL's name, and ours on the command line: the command line's.
+    verl_file = tmp_path / "v.yaml"
+    verl_file.write_text("actor_rollout_ref:\n  rollout:\n    response_length: 16\n")
+    assert load_config(verl_file, ["data.max_response_length=8"]).data.max_response_length == 8
+    # Both in one file: ours wins.
+    verl_file.write_text(
+        "data:\n  max_response_length: 8\nactor_rollout_ref:\n  rollout:\n    response_length: 16\n"
+    )
+    assert load_config(verl_file).data.max_response_length == 8
+
+
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [("left", [3, 4, 5, 6]), ("right", [1, 2, 3, 4]), ("middle", [1, 2, 5, 6])],

@@ -52,13 +52,17 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 [f"{path} must hold a mapping of groups, not {type(loaded).__name__}"]
             )
         raw = _flatten_verl_groups(loaded or {})
+    given: set[str] = set()  # keys set on the command line: they win over the file's
     for item in overrides:
         if item.strip().startswith("~"):  # Hydra's "~key": remove it
-            pop_dotted(raw, our_key(item.strip()[1:].split("=", 1)[0]))
+            key = our_key(item.strip()[1:].split("=", 1)[0])
+            pop_dotted(raw, key)
+            given.discard(key)
             continue
         key, value = parse_override(item)
         set_dotted(raw, key, value)
-    notes, problems = apply_verl_keys(raw)
+        given.add(key)
+    notes, problems = apply_verl_keys(raw, frozenset(given))
     if problems:
         raise ConfigError(problems)
     for note in notes:

@@ -40,10 +40,23 @@ def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def apply_verl_keys(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
-    """Take every veRL key that is not ours out of ``raw``: set what a mapped one maps to
-    (unless our own key is given too: ours wins), and return ``(notes, problems)``: one
-    line per key mapped or accepted with no effect, one per value refused."""
+def _given(dotted: str, given: frozenset[str]) -> bool:
+    """Whether ``dotted``, or a group holding it, was set on the command line."""
+    parts = dotted.split(".")
+    return any(".".join(parts[:i]) in given for i in range(1, len(parts) + 1))
+
+
+def apply_verl_keys(
+    raw: dict[str, Any], given: frozenset[str] = frozenset()
+) -> tuple[list[str], list[str]]:
+    """Take every veRL key that is not ours out of ``raw``: set what a mapped one maps to,
+    and return ``(notes, problems)``: one line per key mapped or accepted with no effect,
+    one per value refused.
+
+    ``given``: the dotted keys set on the command line (our spelling). When a mapped key and
+    its target are both in ``raw``, the command line wins over the config file, as any
+    override does (``actor_rollout_ref.rollout.response_length=16`` on the command line
+    replaces the file's ``data.max_response_length``); from the same source, ours wins."""
     notes: list[str] = []
     problems: list[str] = []
     popped: list[tuple[str, Any]] = []
@@ -63,12 +76,15 @@ def apply_verl_keys(raw: dict[str, Any]) -> tuple[list[str], list[str]]:
                 notes.append(f"veRL's {key}={value!r} is accepted: it is what happens here")
         elif rule.kind == "mapped":
             assert rule.convert is not None
+            from_cli = _given(our_key(key), given)
             for target in rule.target:
-                if lookup(raw, target)[0]:
+                found, old = lookup(raw, target)
+                if found and (_given(target, given) or not from_cli):
                     notes.append(f"veRL's {key}={value!r} not applied: {target} is given too")
-                else:
-                    _set(raw, target, rule.convert(value))
-                    notes.append(f"veRL's {key}={value!r} -> {target} ({rule.reason})")
+                    continue
+                _set(raw, target, rule.convert(value))
+                over = f"; from the command line, over the config file's {old!r}" if found else ""
+                notes.append(f"veRL's {key}={value!r} -> {target} ({rule.reason}){over}")
         else:
             notes.append(f"veRL's {key}={value!r} has no effect here: {rule.reason}")
     return notes, problems
