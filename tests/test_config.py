@@ -303,6 +303,12 @@ def test_null_total_training_steps_counts_whole_batches_times_epochs(tmp_path):
     with pytest.raises(ConfigError, match="make no batch of data.train_batch_size=64"):
         total_training_steps(too_big)
     assert "make no batch" in input_problems(too_big, [DATA])[0]
+    # A critic warm-up as long as the counted run would leave the actor untrained.
+    gae = ["algorithm.adv_estimator=gae", "critic.enable=true", "data.train_batch_size=16"]
+    warm = load_config(None, [*base, *gae, "trainer.total_epochs=3", "trainer.critic_warmup=9"])
+    assert "critic_warmup=9 is not below the 9 steps" in input_problems(warm, [DATA])[0]
+    fine = load_config(None, [*base, *gae, "trainer.total_epochs=3", "trainer.critic_warmup=8"])
+    assert input_problems(fine, [DATA]) == []
 
 
 def test_a_validation_temperature_vllm_refuses_is_refused_here():
@@ -364,3 +370,45 @@ def test_the_group_filter_refuses_groups_of_one():
     # Off, the same layouts are the user's business; on, groups of two are accepted.
     assert load_config("configs/cpu_demo.yaml", endpoint)
     assert load_config("configs/cpu_demo.yaml", [on, "rollout.n=2"])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["reward.overlong_buffer.penalty_factor=1"], "overlong_buffer.len=0 with"),
+        (
+            ["reward.overlong_buffer.len=100", "reward.overlong_buffer.penalty_factor=1"],
+            "overlong_buffer.len=100 with data.max_response_length=4",
+        ),
+        (["reward.overlong_buffer.len=2"], "penalty_factor=0 penalises nothing"),
+    ],
+)
+def test_an_overlong_buffer_that_would_shape_nothing_or_everything_is_refused(overrides, says):
+    """veRL divides by a buffer of 0 and asserts one within the limit; a factor of 0 would
+    switch the penalty on and apply none."""
+    problems = _problems(
+        "configs/cpu_demo.yaml", ["reward.overlong_buffer.enable=true", *overrides]
+    )
+    assert any(says in p for p in problems), problems
+    ok = ["reward.overlong_buffer.len=4", "reward.overlong_buffer.penalty_factor=1"]
+    assert load_config("configs/cpu_demo.yaml", ["reward.overlong_buffer.enable=true", *ok])
+
+
+def test_each_gpu_rank_needs_a_listed_gpu():
+    gpu = ["trainer.device=cuda", "model.dtype=bfloat16", "launch.cpus=null"]
+    two = "launch.gpus={learner:[0,1],rollout:[[2],[3]]}"
+    problems = _problems(
+        "configs/cpu_demo.yaml",
+        [*gpu, "trainer.nproc=2", "launch.gpus={learner:[0],rollout:[[1],[2]]}"],
+    )
+    assert any("rank 1 would find no device" in p for p in problems), problems
+    problems = _problems(
+        "configs/cpu_demo.yaml", [*gpu, two, "rollout.tensor_model_parallel_size=2"]
+    )
+    assert any("launch.gpus.rollout[0]=[2] lists 1 GPU(s); list 2" in p for p in problems)
+    assert load_config("configs/cpu_demo.yaml", [*gpu, two, "trainer.nproc=2"]).trainer.nproc == 2
+
+
+def test_zero_training_steps_are_refused():
+    problems = _problems("configs/cpu_demo.yaml", ["trainer.total_training_steps=0"])
+    assert any("trainer.total_training_steps" in p for p in problems), problems

@@ -62,9 +62,17 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                     )
         if not problems:
             try:
-                total_training_steps(cfg)
+                steps = total_training_steps(cfg)
             except ConfigError as e:
                 problems.extend(e.problems)
+            else:
+                warmup = cfg.trainer.critic_warmup
+                if cfg.trainer.total_training_steps is None and warmup >= steps:
+                    problems.append(
+                        f"trainer.critic_warmup={warmup} is not below the {steps} steps "
+                        "trainer.total_training_steps=null counts from the data: the actor "
+                        "would never train; lower trainer.critic_warmup"
+                    )
     if REWARD in needs:
         scorer = cfg.reward.custom_reward_function.path
         if scorer and not Path(scorer).expanduser().is_file():

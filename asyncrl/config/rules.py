@@ -86,7 +86,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "prompt, so every advantage would be 0; set rollout.n>=2 (or "
             "algorithm.adv_estimator=gae)"
         )
-    problems += _filter_problems(cfg)
+    problems += _filter_problems(cfg) + _overlong_problems(cfg)
     if ro.max_inflight < ro.n:
         problems.append(
             f"rollout.max_inflight={ro.max_inflight} is below rollout.n={ro.n}: a group could "
@@ -143,6 +143,28 @@ def cross_field_problems(cfg: Config) -> list[str]:
     problems += _lora_problems(cfg)
     problems += _endpoint_problems(cfg)
     problems += _launch_problems(cfg)
+    return problems
+
+
+def _overlong_problems(cfg: Config) -> list[str]:
+    """DAPO's overlong penalty falls over the last ``len`` tokens before the limit: a buffer
+    of 0 or no factor penalises nothing (veRL divides by the 0), and one longer than the
+    limit penalises every response (veRL asserts against it)."""
+    ob, limit = cfg.reward.overlong_buffer, cfg.data.max_response_length
+    if not ob.enable:
+        return []
+    problems = []
+    if not 0 < ob.len <= limit:
+        problems.append(
+            f"reward.overlong_buffer.len={ob.len} with data.max_response_length={limit}: the "
+            "penalty falls over the last len tokens before the limit; set it between 1 and "
+            f"{limit} (or reward.overlong_buffer.enable=false)"
+        )
+    if ob.penalty_factor <= 0:
+        problems.append(
+            "reward.overlong_buffer.penalty_factor=0 penalises nothing; set it above 0 (DAPO "
+            "uses 1.0) or reward.overlong_buffer.enable=false"
+        )
     return problems
 
 
@@ -282,6 +304,28 @@ def _nice_problems(cfg: Config) -> list[str]:
     return out
 
 
+def _gpu_count_problems(cfg: Config) -> list[str]:
+    """A role sees only the GPUs ``launch.gpus`` lists for it: the learner needs one per
+    rank (``trainer.nproc``), a rollout server one per tensor-parallel rank."""
+    gpus = cfg.launch.gpus or {}
+    out = []
+    learner = gpus.get("learner")
+    nproc = cfg.trainer.nproc
+    if learner is not None and cfg.trainer.device == "cuda" and len(learner) < nproc:
+        out.append(
+            f"trainer.nproc={nproc} but launch.gpus.learner={learner} lists {len(learner)} "
+            f"GPU(s): rank {len(learner)} would find no device; list one GPU per rank"
+        )
+    tp = cfg.rollout.tensor_model_parallel_size
+    for i, ids in enumerate(gpus.get("rollout") or []):
+        if isinstance(ids, list) and len(ids) < tp:
+            out.append(
+                f"rollout.tensor_model_parallel_size={tp} but launch.gpus.rollout[{i}]={ids} "
+                f"lists {len(ids)} GPU(s); list {tp} per server"
+            )
+    return out
+
+
 def _launch_problems(cfg: Config) -> list[str]:
     out = []
     for kind in ("cpus", "gpus"):
@@ -300,6 +344,7 @@ def _launch_problems(cfg: Config) -> list[str]:
                 f"launch.{kind}.rollout lists {len(per_server)} servers but "
                 f"rollout.num_servers={cfg.rollout.num_servers}; give one list per server"
             )
+    out += _gpu_count_problems(cfg)
     out += _nice_problems(cfg)
     if cfg.trainer.device == "cpu" and cfg.model.dtype != "float32":
         out.append(

@@ -253,7 +253,7 @@ class EndpointsConfig(Section):
 
 class TrainerConfig(Section):
     total_training_steps: int | None = Field(
-        default=60, description="Learner steps; null = total_epochs over the data."
+        default=60, gt=0, description="Learner steps; null = total_epochs over the data."
     )
     total_epochs: int = Field(default=1000, gt=0, description="Epochs cap over the training data.")
     save_freq: int = Field(
