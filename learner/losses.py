@@ -66,6 +66,9 @@ class LossConfig:
     agg_mode: str = "token-mean"
     norm_const: float = 1.0  # seq-mean-token-sum-norm divisor (max response length)
     kl_coef: float = 0.0  # 0: no KL term (and no reference logprobs needed)
+    # actor.use_kl_loss: the KL to the reference is computed and logged (actor/ref_kl) even
+    # at kl_coef 0, as veRL does, so a run can watch its drift without a penalty.
+    kl_track: bool = False
     kl_type: str = "k3"  # k1 | k2 | k3
     entropy_coeff: float = 0.0
 
@@ -101,6 +104,7 @@ class LossConfig:
             agg_mode=loss_agg_mode_for(cfg.algorithm.adv_estimator, actor.loss_agg_mode),
             norm_const=float(cfg.data.max_response_length),
             kl_coef=actor.kl_loss_coef if actor.use_kl_loss else 0.0,
+            kl_track=actor.use_kl_loss,
             kl_type=actor.kl_loss_type,
             entropy_coeff=actor.entropy_coeff,
         )
@@ -262,13 +266,14 @@ def policy_loss(
     loss = pg_loss
     zero = pg_loss.new_zeros(())
     kl_loss, ent_loss, ref_kl = zero, zero, zero
-    if cfg.kl_coef > 0:
+    if cfg.kl_coef > 0 or cfg.kl_track:
         if ref_logprobs is None:
-            raise ValueError("kl_coef > 0 needs ref_logprobs")
+            raise ValueError("kl_coef > 0 (or kl_track) needs ref_logprobs")
         kl_t = kl_penalty(lp, torch.where(valid, ref_logprobs, proximal), cfg.kl_type)
         kl_loss = aggregate(kl_t, valid, **agg)
         ref_kl = torch.where(valid, kl_t, 0).sum()
-        loss = loss + cfg.kl_coef * kl_loss
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * kl_loss
     if cfg.entropy_coeff > 0:
         if entropy is None:
             raise ValueError("entropy_coeff > 0 needs entropy")

@@ -106,7 +106,7 @@ class Trainer:
                 offload=fsdp.offload_wanted(cfg),
                 config_overrides=cfg.model.override_config,
             )
-            if self.loss_cfg.kl_coef > 0 or cfg.algorithm.use_kl_in_reward
+            if self.loss_cfg.kl_coef > 0 or self.loss_cfg.kl_track or cfg.algorithm.use_kl_in_reward
             else None
         )
         self.optimizer = fsdp.build_optimizer(self.model, cfg.actor.optim)

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from asyncrl.config import load_config
 from learner.losses import (
     AggNorm,
     LossConfig,
@@ -178,6 +179,23 @@ def test_kl_and_entropy_terms_enter_the_loss():
     close(stats["entropy_loss"], 3.0)
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(p, p, p, torch.tensor([0.0]), mask, cfg, entropy=ent)
+
+
+def test_use_kl_loss_at_coefficient_0_measures_the_kl_and_adds_none():
+    """veRL's use_kl_loss with kl_loss_coef=0: the KL to the reference is computed and
+    logged (a run watching its drift), and the loss is the plain policy loss."""
+    p = torch.full((1, 2), -1.0)
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    ref = torch.tensor([[-1.5, -1.0]])  # k3 = [0.1065307, 0]
+    track = LossConfig(kl_coef=0.0, kl_type="k3", kl_track=True)
+    loss, stats = policy_loss(p.clone(), p, p, torch.tensor([0.5]), mask, track, ref_logprobs=ref)
+    plain, plain_stats = policy_loss(p.clone(), p, p, torch.tensor([0.5]), mask, LossConfig())
+    close(loss, plain)
+    close(stats["kl_loss"], 0.1065307 / 2)
+    close(stats["ref_kl"], 0.1065307)
+    close(plain_stats["ref_kl"], 0.0)
+    cfg = load_config("configs/cpu_demo.yaml", ["actor.use_kl_loss=true", "actor.kl_loss_coef=0"])
+    assert LossConfig.from_config(cfg).kl_track
 
 
 # --------------------------------------------------------------- global normalisers

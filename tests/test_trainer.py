@@ -169,6 +169,23 @@ def test_non_finite_loss_skips_the_update(tiny_model, single_rank, monkeypatch):
     assert any(not torch.equal(before[k], v) for k, v in trainer.full_state_for_push().items())
 
 
+def test_use_kl_loss_at_coefficient_0_logs_the_drift(tiny_model, single_rank):
+    """As in veRL, actor.use_kl_loss with kl_loss_coef=0 loads the reference and logs the
+    KL to it (actor/ref_kl), which grows once the policy moves; it was a flat 0."""
+    seen = {}
+    for coef in (0.0, 0.01):  # one mini-batch a step: step 1 runs at the initial weights
+        trainer = Trainer(make_cfg(tiny_model, kl_loss_coef=coef, ppo_mini_batch_size=4))
+        assert trainer.ref_model is not None
+        first = trainer.train_step(BATCHES[0], TEMPERATURE)
+        seen[coef] = trainer.train_step(BATCHES[1], TEMPERATURE)["actor/ref_kl"]
+        assert first["actor/ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert seen[0.0] > 1e-3, seen
+    # The same quantity as with a penalty: k3's gradient is 0 where policy = reference, so
+    # step 1 moves both runs alike (up to the reference pass's rounding, which Adam can turn
+    # into +-lr on a parameter whose gradient is near 0).
+    assert seen[0.0] == pytest.approx(seen[0.01], rel=1e-2), seen
+
+
 def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
