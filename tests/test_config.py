@@ -357,21 +357,6 @@ def test_verl_recipe_keys_load_in_yaml_and_overrides(tmp_path):
         load_config(None, ["actor.clip_ratio_c=1.0"])
 
 
-def test_the_group_filter_refuses_groups_of_one():
-    """A group of one always scores alike: with the filter on, every group would be
-    filtered and the run would search forever (veRL's default bound is none)."""
-    on = "algorithm.filter_groups.enable=true"
-    gae = ["algorithm.adv_estimator=gae", "critic.enable=true"]
-    problems = _problems("configs/cpu_demo.yaml", [on, "rollout.n=1", *gae])
-    assert any("rollout.n=1: a group of one" in p for p in problems), problems
-    endpoint = ["rollout.openai_endpoint.enable=true", "rollout.openai_endpoint.group_size=1"]
-    problems = _problems("configs/cpu_demo.yaml", [on, *endpoint])
-    assert any("openai_endpoint.group_size=1" in p for p in problems), problems
-    # Off, the same layouts are the user's business; on, groups of two are accepted.
-    assert load_config("configs/cpu_demo.yaml", endpoint)
-    assert load_config("configs/cpu_demo.yaml", [on, "rollout.n=2"])
-
-
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [

@@ -86,7 +86,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "prompt, so every advantage would be 0; set rollout.n>=2 (or "
             "algorithm.adv_estimator=gae)"
         )
-    problems += _filter_problems(cfg) + _overlong_problems(cfg)
+    problems += _overlong_problems(cfg)
     if ro.max_inflight < ro.n:
         problems.append(
             f"rollout.max_inflight={ro.max_inflight} is below rollout.n={ro.n}: a group could "
@@ -164,28 +164,6 @@ def _overlong_problems(cfg: Config) -> list[str]:
         problems.append(
             "reward.overlong_buffer.penalty_factor=0 penalises nothing; set it above 0 (DAPO "
             "uses 1.0) or reward.overlong_buffer.enable=false"
-        )
-    return problems
-
-
-def _filter_problems(cfg: Config) -> list[str]:
-    """DAPO's filter drops a group whose members all score alike: a group of one always
-    does, so every group would be filtered and the run would never train a step."""
-    if not cfg.algorithm.filter_groups.enable:
-        return []
-    ro, problems = cfg.rollout, []
-    if ro.n < 2:
-        problems.append(
-            f"algorithm.filter_groups.enable=true with rollout.n={ro.n}: a group of one "
-            "always scores alike, so every group would be filtered and no step trained; set "
-            "rollout.n>=2 or algorithm.filter_groups.enable=false"
-        )
-    size = ro.openai_endpoint.group_size
-    if ro.openai_endpoint.enable and size is not None and size < 2:
-        problems.append(
-            f"algorithm.filter_groups.enable=true with rollout.openai_endpoint.group_size="
-            f"{size}: an endpoint group of one always scores alike, so every one would be "
-            "filtered; set group_size>=2 or algorithm.filter_groups.enable=false"
         )
     return problems
 
