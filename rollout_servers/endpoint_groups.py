@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.rewards import ScoreResult
 from rollout_servers.agent import Episode, episode_samples, episode_trajectories
-from rollout_servers.groups import filtered_out
+from rollout_servers.groups import filtered_out, unknown_filter_metric
 from rollout_servers.lanes import Lanes
 from rollout_servers.sessions import Group, RequestError, Session, split_key
 
@@ -263,6 +263,10 @@ class EndpointGroups:
             await self.lanes.control(self.client.nack, [task.task_id], why)
             return
         scores = [ScoreResult(score=float(s.reward or 0.0)) for s in members]
+        if (note := unknown_filter_metric(task, scores, self.filter_metric)) is not None:
+            self.metrics["rollout/filter_metric_unknown"] += 1  # an agent's reward has no parts
+            if self.metrics["rollout/filter_metric_unknown"] == 1:
+                log.warning("endpoint groups: %s", note)
         if filtered_out(task, scores, self.filter_metric):  # alike rewards: no signal
             self._record(group, "filtered", f"{why}: every member scored alike", len(members))
             await self.lanes.control(

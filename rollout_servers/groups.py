@@ -175,6 +175,25 @@ def filtered_out(task: Task, scores: list[ScoreResult], metric: str) -> bool:
     return not has_signal(values)
 
 
+def unknown_filter_metric(task: Task, scores: list[ScoreResult], metric: str) -> str | None:
+    """The one-line warning when ``algorithm.filter_groups.metric`` names nothing the group's
+    scores carry (not a score name, and no member returns it as a part), else None. Such a
+    group is kept, as every group would be: the filter would do nothing, unnoticed (veRL
+    raises a KeyError here)."""
+    from asyncrl.rewards.shaping import SCORE_METRICS
+
+    if not task.filter or task.validation or metric in SCORE_METRICS or metric == "acc":
+        return None
+    if any(metric in s.parts for s in scores):
+        return None
+    returned = sorted({k for s in scores for k in s.parts}) or ["no parts, only a score"]
+    return (
+        f"algorithm.filter_groups.metric={metric!r} is not among what the scorer returns "
+        f"({', '.join(returned)}): no group is filtered; use acc, score, seq_reward, "
+        "seq_final_reward or one of the scorer's keys"
+    )
+
+
 class PromptTooLong(ValueError):
     """A prompt over ``data.max_prompt_length`` with ``data.truncation: error``."""
 

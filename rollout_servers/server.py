@@ -37,6 +37,7 @@ from rollout_servers.groups import (
     fit_task_prompt,
     sampling_params,
     shape_overlong,
+    unknown_filter_metric,
 )
 from rollout_servers.lanes import Lanes
 from rollout_servers.openai_api import OpenAIEndpoint
@@ -230,7 +231,12 @@ class RolloutServer:
                 group, samples, scores = await self._episodes(task, self.agent, created)
             else:
                 group, samples, scores = await self._single_turn(task, created)
-            if not group or filtered_out(task, scores, self.cfg.algorithm.filter_groups.metric):
+            metric = self.cfg.algorithm.filter_groups.metric
+            if (note := unknown_filter_metric(task, scores, metric)) is not None:
+                self.metrics["rollout/filter_metric_unknown"] += 1  # warned once: a config slip
+                if self.metrics["rollout/filter_metric_unknown"] == 1:
+                    log.warning("%s", note)
+            if not group or filtered_out(task, scores, metric):
                 # never pushed: the coordinator frees its budget and deals a fresh prompt
                 await self.lanes.control(
                     functools.partial(self.client.ack, filtered=True), [task.task_id]

@@ -21,7 +21,7 @@ from asyncrl.rewards import ScoreResult
 from asyncrl.rewards.shaping import has_signal, metric_value, overlong_penalty
 from rollout_servers import agent as agent_module
 from rollout_servers import server
-from rollout_servers.groups import filtered_out, shape_overlong
+from rollout_servers.groups import filtered_out, shape_overlong, unknown_filter_metric
 from rollout_servers.server import RolloutServer
 from tests.helpers import wait_until_async
 from tests.standins.chat import CharTokenizer
@@ -243,7 +243,9 @@ class FilteringClient(StandInClient):
         return super().ack(task_ids)
 
 
-def _run_server(client: StandInClient, overrides: list[str], agent=None) -> StandInPusher:
+def _run_server(
+    client: StandInClient, overrides: list[str], agent=None, counters: dict | None = None
+) -> StandInPusher:
     cfg = load_config(None, [f"rollout.n={N}", "rollout.max_inflight=8", *overrides])
     engine = ToolCallingEngine() if agent is not None else StandInEngine()
     engine.gate.set()
@@ -259,6 +261,8 @@ def _run_server(client: StandInClient, overrides: list[str], agent=None) -> Stan
         assert await asyncio.wait_for(run, 5.0) == 0
 
     asyncio.run(scenario())
+    if counters is not None:
+        counters.update(srv.metrics)
     return pusher
 
 
@@ -272,6 +276,30 @@ def test_the_server_filters_alike_groups_without_pushing(monkeypatch, nap_tools,
     agent = agent_runner(ToolCallingEngine(), nap_tools) if episodes else None
     pusher = _run_server(client, ["algorithm.filter_groups.enable=true"], agent)
     assert len(client.filtered) == 4 and pusher.groups == []
+
+
+def test_a_filter_metric_the_scorer_does_not_return_is_counted_and_named(monkeypatch, caplog):
+    """veRL raises a KeyError on a metric no member carries; here the groups are kept (no
+    batch empties on a typo), the server counts them and says once what to use."""
+    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+    client = FilteringClient(tasks=4, agent=False)
+    counters: dict = {}
+    on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=accuracy"]
+    with caplog.at_level("WARNING", logger="rollout_servers.server"):
+        pusher = _run_server(client, on, counters=counters)
+    assert client.filtered == [] and len(pusher.groups) == 4
+    assert counters["rollout/filter_metric_unknown"] == 4
+    lines = [r.getMessage() for r in caplog.records if "filter_groups.metric" in r.getMessage()]
+    assert len(lines) == 1 and "'accuracy' is not among what the scorer returns" in lines[0]
+    assert "use acc, score, seq_reward" in lines[0]
+    # The names that always exist, and a part one member returns, are known.
+    task = m.Task(task_id="train/0/0", data_source="a", prompt=[], ground_truth="1", n=2)
+    on_task = m.Task(**{**_fields(task), "filter": True})
+    plain = [ScoreResult(1.0), ScoreResult(0.0)]
+    assert all(unknown_filter_metric(on_task, plain, k) is None for k in ("acc", "score"))
+    with_part = [ScoreResult(1.0, parts={"pass": 1.0}), ScoreResult(0.0)]
+    assert unknown_filter_metric(on_task, with_part, "pass") is None
+    assert unknown_filter_metric(task, plain, "accuracy") is None  # dealt unfiltered
 
 
 def test_overlong_shaping_penalises_responses_at_the_limit(monkeypatch):
