@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from asyncrl.config import run_dir
+    from asyncrl.config.rules import config_advisories
     from asyncrl.launch import startup
     from asyncrl.net import security
 
@@ -32,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if os.environ.get("RANK", "0") == "0":
         startup.mark(run_dir(cfg), "learner", "started")
+        for line in config_advisories(cfg):
+            log.warning("%s", line)
     from learner.loop import LearnerLoop
 
     return LearnerLoop(cfg).run()

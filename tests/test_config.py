@@ -397,3 +397,15 @@ def test_each_gpu_rank_needs_a_listed_gpu():
 def test_zero_training_steps_are_refused():
     problems = _problems("configs/cpu_demo.yaml", ["trainer.total_training_steps=0"])
     assert any("trainer.total_training_steps" in p for p in problems), problems
+
+
+def test_gspo_with_a_token_level_clip_range_is_warned_about():
+    """The demo config sets clip 0.2 / 0.28: switching GSPO on there keeps them (the config
+    says so), and the launcher and learner warn; with the range unset, GSPO's own is used."""
+    from asyncrl.config.rules import config_advisories
+
+    gspo = "actor.policy_loss.loss_mode=gspo"
+    lines = config_advisories(load_config("configs/cpu_demo.yaml", [gspo]))
+    assert len(lines) == 1 and "clip_ratio_low=0.2 / clip_ratio_high=0.28" in lines[0]
+    assert config_advisories(load_config(None, [gspo])) == []
+    assert config_advisories(load_config("configs/cpu_demo.yaml")) == []

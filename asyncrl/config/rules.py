@@ -146,6 +146,29 @@ def cross_field_problems(cfg: Config) -> list[str]:
     return problems
 
 
+#: A clip range wider than this is a token-level one: GSPO's sequence ratio (a geometric
+#: mean over the response) seldom leaves it.
+GSPO_WIDE_CLIP = 0.01
+
+
+def config_advisories(cfg: Config) -> list[str]:
+    """Settings that run but likely not as meant: one line each, for the launcher and the
+    learner to log as warnings (the config is valid; these are judgement calls)."""
+    out = []
+    actor = cfg.actor
+    if (
+        actor.policy_loss.loss_mode == "gspo"
+        and max(actor.clip_ratio_low, actor.clip_ratio_high) > GSPO_WIDE_CLIP
+    ):
+        out.append(
+            f"actor.policy_loss.loss_mode=gspo with actor.clip_ratio_low={actor.clip_ratio_low}"
+            f" / clip_ratio_high={actor.clip_ratio_high}: a token-level range, which GSPO's "
+            "sequence ratio seldom leaves; GSPO clips at 3e-4 / 4e-4 (used when the config "
+            "leaves both unset)"
+        )
+    return out
+
+
 def _overlong_problems(cfg: Config) -> list[str]:
     """DAPO's overlong penalty falls over the last ``len`` tokens before the limit: a buffer
     of 0 or no factor penalises nothing (veRL divides by the 0), and one longer than the
