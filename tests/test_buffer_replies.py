@@ -48,6 +48,7 @@ def test_a_batch_whose_reply_came_too_late_is_sent_again() -> None:
         client.hello(None, wait_s=5)
         with pytest.raises(TimeoutError):
             client.request_batch(0, wait_s=0.1)  # the buffer answers after the client gave up
+        client.timeout_s = 5.0  # only the stalled call is meant to time out
         got = client.request_batch(0, wait_s=2.0)
         assert got is not None and got.batch_id == 0 and got.task_ids == ["g0", "g1"]
         nxt = client.request_batch(0, wait_s=2.0)
@@ -67,6 +68,7 @@ def test_drop_reports_whose_reply_came_too_late_are_read_again() -> None:
     with BufferService(rb) as svc, BufferClient(svc.batches_endpoint, timeout_s=0.3) as client:
         with pytest.raises(TimeoutError):
             client.drain()
+        client.timeout_s = 5.0  # only the stalled call is meant to time out
         assert stall.over.wait(5)
         first = client.drain()
         again = client.drain()

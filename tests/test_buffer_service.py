@@ -71,7 +71,8 @@ def batches_of(lines: list[dict]) -> list[dict]:
 
 # ----------------------------------------------------------------------- groups
 def test_groups_assembled_from_two_producers_and_incomplete_ones_expire(service, tmp_path) -> None:
-    svc = service(group_timeout_s=1.0)
+    # Long enough for the second producer's process to start after the first's halves.
+    svc = service(group_timeout_s=4.0)
     tids = [f"g{i}" for i in range(6)]
     # Each producer sends half the members of every group, one trajectory per message.
     halves = [

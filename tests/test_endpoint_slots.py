@@ -28,7 +28,7 @@ from rollout_servers.openai_api import OpenAIEndpoint
 from tests.helpers import start_coordinator
 from tests.standins.chat import CharTokenizer, ReplyEngine
 
-IDLE_S = 2.0  # rollout.openai_endpoint.group_idle_s
+IDLE_S = 4.0  # rollout.openai_endpoint.group_idle_s: longer than the 9 chats before the sweep
 LIMIT = 8  # the budget: policy lag 1, 4 groups per version
 USER = [{"role": "user", "content": "hi"}]
 

