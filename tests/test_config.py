@@ -401,7 +401,7 @@ def test_zero_training_steps_are_refused():
 
 def test_gspo_with_a_token_level_clip_range_is_warned_about():
     """The demo config sets clip 0.2 / 0.28: switching GSPO on there keeps them (the config
-    says so), and the launcher and learner warn; with the range unset, GSPO's own is used."""
+    says so), and the learner warns; with the range unset, GSPO's own is used."""
     from asyncrl.config.rules import config_advisories
 
     gspo = "actor.policy_loss.loss_mode=gspo"

@@ -152,8 +152,8 @@ GSPO_WIDE_CLIP = 0.01
 
 
 def config_advisories(cfg: Config) -> list[str]:
-    """Settings that run but likely not as meant: one line each, for the launcher and the
-    learner to log as warnings (the config is valid; these are judgement calls)."""
+    """Settings that run but likely not as meant: one line each, which the learner logs as
+    warnings (a launcher shows them on its console); the config is valid."""
     out = []
     actor = cfg.actor
     if (

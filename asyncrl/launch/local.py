@@ -32,7 +32,6 @@ import sys
 from asyncrl.cli import parse_role_args
 from asyncrl.config import ConfigError, write_resolved
 from asyncrl.config.inputs import DATA, MODEL, REWARD
-from asyncrl.config.rules import config_advisories
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import claim, hold_run_dir
 from asyncrl.launch.roles import commands_text, drive, plan_roles
@@ -59,8 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         extra=_launch_options,
         needs=(MODEL, DATA, REWARD),  # found missing here, before any role starts
     )
-    for line in config_advisories(cfg):
-        log.warning("%s", line)
     if args.ray or cfg.launch.backend == "ray":
         from asyncrl.launch.ray_launcher import main_ray
 
