@@ -26,12 +26,15 @@ An agent framework that runs outside the run points its OpenAI client at the ser
 
 Sampling follows the run, not the request: training needs the full distribution at
 ``rollout.temperature`` (the learner recomputes exactly it), so only ``max_tokens`` is taken
-from a request. A group's slot is held only while the group is alive: the slot lifecycle is
+from a request, and what would constrain sampling (a forced ``tool_choice``, a JSON
+``response_format``) is refused. A resent request gets the turn it asked for once
+(:meth:`OpenAIEndpoint._once`). A group's slot is held only while the group is alive: the slot lifecycle is
 :mod:`rollout_servers.endpoint_groups`'s.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -49,10 +52,12 @@ from rollout_servers.sessions import (
     asked_tokens,
     assistant_reply,
     completion_body,
+    fingerprint,
     max_tokens_of,
     prepare,
     reward_of,
     split_key,
+    unconstrained,
 )
 
 if TYPE_CHECKING:
@@ -64,6 +69,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds a refused agent is told to wait (429 and 503 are retried by OpenAI clients).
 RETRY_AFTER_S = 1
+#: Bytes a request body may have.
+MAX_BODY = 4 << 20
 
 
 class OpenAIEndpoint:
@@ -90,10 +97,12 @@ class OpenAIEndpoint:
         self.groups = EndpointGroups(cfg, server_id, client, pusher, self.metrics)
         self.url = ""
         self._runner: web.AppRunner | None = None
+        # session key -> (request fingerprint, its running turn): a resent request joins it
+        self._running: dict[str, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
 
     # ----------------------------------------------------------------- serving
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=4 << 20, middlewares=[_api_errors])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[_api_errors])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/rl/reward", self._reward)
         app.router.add_post("/rl/abandon", self._abandon)
@@ -171,6 +180,7 @@ class OpenAIEndpoint:
                 raise RequestError(400, "stream=true is not supported: ask without streaming")
             if (body.get("n") or 1) != 1:
                 raise RequestError(400, "n must be 1: open one session per sample")
+            unconstrained(body)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise RequestError(400, "messages must be a non-empty list")
@@ -182,15 +192,7 @@ class OpenAIEndpoint:
                     f"session {session.key!r} ended with its reward ({session.reward:g}): "
                     "start the next episode with another GROUP/MEMBER key",
                 )
-            if session.busy:
-                raise RequestError(
-                    409, "a completion of this session is running already", retry=True
-                )
-            session.busy = True
-            try:
-                return web.json_response(await self._turn(session, messages, body))
-            finally:
-                session.busy = False
+            return web.json_response(await self._once(request, session, messages, body))
         except RequestError as e:
             self.groups.give_back_if_unused(key)
             return _refused(self.metrics, e)
@@ -247,6 +249,41 @@ class OpenAIEndpoint:
             return _refused(self.metrics, e)
 
     # ----------------------------------------------------------------- turns
+    async def _once(
+        self, request: web.Request, session: Session, messages: list[Any], body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The reply to one chat request, sampled once however often the client sends it.
+
+        OpenAI clients resend a request whose reply did not come in time (openai-python:
+        twice, by default). Sampled again, the retry would add a turn the agent never saw
+        to the episode, trained with its reward. So the same request (same messages, tools
+        and limits) sent while its turn runs waits for that turn, and one sent again after
+        it, marked as a retry (``x-stainless-retry-count``), gets the same reply. A new
+        request to a busy session is a 409 the client retries."""
+        fp = fingerprint(body)
+        running = self._running.get(session.key)
+        if session.busy:
+            if running is None or running[0] != fp:
+                raise RequestError(
+                    409, "a completion of this session is running already", retry=True
+                )
+            self.metrics["rollout/openai/retries_joined"] += 1
+            return await asyncio.shield(running[1])
+        retry = request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")
+        if retry and session.last is not None and session.last[0] == fp:
+            self.metrics["rollout/openai/retries_replayed"] += 1
+            return session.last[1]
+        session.busy = True
+        turn = asyncio.ensure_future(self._turn(session, messages, body))
+        self._running[session.key] = (fp, turn)
+        try:
+            reply = await asyncio.shield(turn)
+        finally:
+            session.busy = False
+            self._running.pop(session.key, None)
+        session.last = (fp, reply)
+        return reply
+
     async def _turn(
         self, session: Session, messages: list[Any], body: dict[str, Any]
     ) -> dict[str, Any]:
@@ -314,11 +351,16 @@ async def _api_errors(request: web.Request, handler: Any) -> web.StreamResponse:
 
 
 def _key(request: web.Request, body: dict[str, Any]) -> str:
-    """The session key: the bearer token (the OpenAI client's API key), or ``session``."""
+    """The session key: an ``X-Session-Id`` header, else the body's ``session`` (the
+    OpenAI client's ``extra_body``), else the bearer token (its API key). A framework that
+    shares one client across episodes names each episode with the first two."""
+    named = request.headers.get("X-Session-Id", "").strip() or body.get("session")
+    if named:
+        return str(named)
     auth = request.headers.get("Authorization", "")
     if auth.lower().startswith("bearer "):
         return auth[7:].strip()
-    return str(body.get("session") or "")
+    return ""
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
@@ -326,6 +368,8 @@ async def _json(request: web.Request) -> dict[str, Any]:
         body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RequestError(400, f"the body is not JSON ({e})") from e
+    except web.HTTPRequestEntityTooLarge as e:  # not a 500 that clients would resend
+        raise RequestError(413, f"the body is over {MAX_BODY >> 20} MiB ({e.text})") from e
     if not isinstance(body, dict):
         raise RequestError(400, "the body must be a JSON object")
     return body

@@ -23,6 +23,7 @@ chat template refuses) is a 400 naming the fix, never a 500 that clients would r
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import time
@@ -40,8 +41,9 @@ from rollout_servers.agent import Episode, Piece, extend
 if TYPE_CHECKING:
     from rollout_servers.protocols import Tokenizer
 
-#: Roles an agent may add between assistant turns.
-INPUT_ROLES = ("system", "user", "tool")
+#: Roles an agent may add between assistant turns (``developer``: OpenAI's newer
+#: ``system``, rendered as one).
+INPUT_ROLES = ("system", "developer", "user", "tool")
 
 
 class RequestError(Exception):
@@ -79,6 +81,8 @@ class Session:
     tools: list[dict] | None = None  # the tool schemas of its first request
     reward: float | None = None
     busy: bool = False  # a completion is running (a session is sequential)
+    # (fingerprint, reply) of its last turn: a client's retry of it gets the same reply
+    last: tuple[str, dict[str, Any]] | None = None
 
 
 @dataclass
@@ -142,7 +146,8 @@ def input_message(msg: Any) -> dict[str, Any]:
             f"so far (assistant turns as this endpoint returned them) plus new "
             f"{'/'.join(INPUT_ROLES)} messages",
         )
-    out: dict[str, Any] = {"role": msg["role"], "content": text_of(msg.get("content"))}
+    role = "system" if msg["role"] == "developer" else msg["role"]  # OpenAI's newer name
+    out: dict[str, Any] = {"role": role, "content": text_of(msg.get("content"))}
     if isinstance(msg.get("name"), str):
         out["name"] = msg["name"]
     return out
@@ -215,6 +220,8 @@ def new_messages(session: Session, messages: list[Any]) -> list[dict[str, Any]] 
     if len(messages) <= len(shown) or not all(map(_same, shown, messages)):
         return None
     added = messages[len(shown) :]
+    if any(isinstance(m, dict) and m.get("role") == "assistant" for m in added):
+        return None  # an assistant turn the model did not sample (a prefill, a handoff)
     return [input_message(m) for m in added]
 
 
@@ -262,6 +269,35 @@ def completion_body(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
+
+
+def unconstrained(body: dict[str, Any]) -> None:
+    """Refuse what would constrain sampling (a forced tool call, a JSON format): the turn
+    must come from the policy's full distribution for the learner's logprobs to match the
+    behaviour's. ``tool_choice: auto``/``none`` and a text format are what happens."""
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(
+            400,
+            f"tool_choice={json.dumps(choice)} is not supported: a forced call constrains "
+            "sampling, and training needs the policy's own distribution; send auto",
+        )
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise RequestError(
+            400,
+            f"response_format {kind!r} is not supported: constrained decoding would change "
+            "the distribution training needs; ask for the format in the prompt and parse it",
+        )
+
+
+def fingerprint(body: dict[str, Any]) -> str:
+    """What makes two chat requests the same one (a client resending it): the messages,
+    tools and limits."""
+    keys = ("messages", "tools", "max_tokens", "max_completion_tokens", "stop")
+    same = json.dumps({k: body.get(k) for k in keys}, sort_keys=True, default=str)
+    return hashlib.sha256(same.encode()).hexdigest()
 
 
 def asked_tokens(body: dict[str, Any]) -> int | None:

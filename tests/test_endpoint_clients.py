@@ -1,0 +1,144 @@
+"""The OpenAI endpoint as agent frameworks call it: the real endpoint served over HTTP on
+127.0.0.1 (a character tokenizer and a stand-in engine, no vLLM), asked as openai-python,
+LangChain, smolagents and shared-client pools ask.
+
+- A client resends a request whose reply did not come in time: the resend must get the
+  same turn, never a second sample (the episode would train on a turn the agent never saw).
+- A session may be named per request (``X-Session-Id``, or ``session`` in the body: the
+  client's ``extra_body``) when one client serves many episodes with one API key.
+- What would constrain sampling (a forced tool call, a JSON format) is refused: the
+  learner's logprobs must be the behaviour's.
+- An assistant message the model did not sample (a prefill, a handoff) starts a new sample
+  rather than being refused; OpenAI's ``developer`` role is a system message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.standins.chat import ReplyEngine
+from tests.test_endpoint_faults import USER, Rig, _serve
+
+
+async def _post(
+    rig: Rig, body: dict[str, Any], headers: dict[str, str] | None = None, path: str = "chat"
+) -> tuple[int, dict[str, Any]]:
+    url = f"{rig.base}/v1/chat/completions" if path == "chat" else f"{rig.base}{path}"
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url, json=body, headers=headers or {"Authorization": "Bearer g/0"}) as r,
+    ):
+        return r.status, await r.json()
+
+
+def _chat(messages: list[Any], **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": messages, **extra}
+
+
+class GatedEngine(ReplyEngine):
+    """Answers once :attr:`gate` is set: a turn that outlasts the client's timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
+        await self.gate.wait()
+        return await super().generate(prompt_ids, params, request_id)
+
+
+def test_a_resent_request_gets_the_same_turn_not_a_second_sample(monkeypatch):
+    async def scenario(rig: Rig) -> None:
+        engine = GatedEngine()
+        rig.endpoint.engine = engine
+        # The client gives up on the first request and sends it again while it runs.
+        first = asyncio.create_task(_post(rig, _chat([USER])))
+        await asyncio.sleep(0.2)
+        retry = {"Authorization": "Bearer g/0", "x-stainless-retry-count": "1"}
+        second = asyncio.create_task(_post(rig, _chat([USER]), retry))
+        await asyncio.sleep(0.2)
+        # A different request to the busy session is still a retryable 409.
+        status, body = await _post(rig, _chat([USER, USER]))
+        assert status == 409 and "running already" in body["error"]["message"], body
+        engine.gate.set()
+        (s1, b1), (s2, b2) = await asyncio.gather(first, second)
+        assert s1 == s2 == 200 and b1 == b2, (b1, b2)
+        # Sent once more after the reply, marked as a retry: the same reply again.
+        assert await _post(rig, _chat([USER]), retry) == (200, b1)
+        ep = rig.session().episode
+        assert engine.calls == 1 and ep.turns == 1 and len(ep.pieces) == 1
+        metrics = rig.endpoint.metrics
+        assert metrics["rollout/openai/retries_joined"] == 1
+        assert metrics["rollout/openai/retries_replayed"] == 1
+        assert metrics["rollout/openai/rewritten"] == 0
+        # Not marked as a retry, the same messages ask for a new sample (a re-ask).
+        status, _ = await _post(rig, _chat([USER]))
+        assert status == 200 and engine.calls == 2
+        assert len(rig.session().episode.pieces) == 2
+
+    _serve(monkeypatch, scenario)
+
+
+def test_a_session_is_named_by_header_or_body_before_the_api_key(monkeypatch):
+    async def scenario(rig: Rig) -> None:
+        shared = {"Authorization": "Bearer EMPTY"}  # one client, one key, many episodes
+        assert (await _post(rig, _chat([USER], session="g/0"), shared))[0] == 200
+        assert (await _post(rig, _chat([USER]), {**shared, "X-Session-Id": "g/1"}))[0] == 200
+        sessions = rig.endpoint.groups.by_name["g"].sessions
+        assert sorted(sessions) == ["g/0", "g/1"] and "EMPTY" not in rig.endpoint.groups.by_name
+        status, body = await _post(rig, {"reward": 1.0, "session": "g/1"}, shared, "/rl/reward")
+        assert status == 200 and body["session"] == "g/1", body
+
+    _serve(monkeypatch, scenario)
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"tool_choice": "required"}, 'tool_choice="required" is not supported'),
+        (
+            {"tool_choice": {"type": "function", "function": {"name": "add"}}},
+            "a forced call constrains sampling",
+        ),
+        ({"response_format": {"type": "json_object"}}, "response_format 'json_object'"),
+    ],
+)
+def test_what_would_constrain_sampling_is_refused(monkeypatch, extra, says):
+    async def scenario(rig: Rig) -> None:
+        status, body = await _post(rig, _chat([USER], **extra))
+        assert status == 400 and says in body["error"]["message"], body
+        assert rig.engine.calls == 0
+        fine = {"tool_choice": "auto", "response_format": {"type": "text"}}
+        assert (await _post(rig, _chat([USER], **fine)))[0] == 200
+
+    _serve(monkeypatch, scenario)
+
+
+def test_an_added_assistant_message_starts_a_new_sample_and_developer_is_system(monkeypatch):
+    async def scenario(rig: Rig) -> None:
+        status, body = await _post(rig, _chat([{"role": "developer", "content": "be brief"}, USER]))
+        assert status == 200, body
+        shown = body["choices"][0]["message"]
+        assert rig.session().episode.messages[0]["role"] == "system"
+        handoff = {"role": "assistant", "content": "Calling tools: add"}
+        convo = [{"role": "developer", "content": "be brief"}, USER, shown, handoff, USER]
+        status, body = await _post(rig, _chat(convo))
+        assert status == 200, body
+        assert len(rig.session().episode.pieces) == 2
+        assert rig.endpoint.metrics["rollout/openai/rewritten"] == 1
+
+    _serve(monkeypatch, scenario)
+
+
+def test_a_body_over_the_limit_is_a_413_not_a_retried_500(monkeypatch):
+    async def scenario(rig: Rig) -> None:
+        big = [{"role": "user", "content": "x" * (5 << 20)}]
+        status, body = await _post(rig, _chat(big))
+        assert status == 413 and "MiB" in body["error"]["message"], body
+        assert rig.endpoint.metrics["rollout/openai/refused/500"] == 0
+
+    _serve(monkeypatch, scenario)
