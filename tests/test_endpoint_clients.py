@@ -54,7 +54,7 @@ class GatedEngine(ReplyEngine):
 def test_a_resent_request_gets_the_same_turn_not_a_second_sample(monkeypatch):
     async def scenario(rig: Rig) -> None:
         engine = GatedEngine()
-        rig.endpoint.engine = engine
+        rig.endpoint.engine = engine  # type: ignore[assignment]
         # The client gives up on the first request and sends it again while it runs.
         first = asyncio.create_task(_post(rig, _chat([USER])))
         await asyncio.sleep(0.2)
