@@ -14,20 +14,23 @@ from asyncrl.wire import DroppedTask, Group, ValidationStats
 
 
 class Reports:
-    """The drop log, the validation log and the validation results since last taken."""
+    """The drop log, the validation log and the validation results per round."""
 
     def __init__(self) -> None:
         self.drops: list[DroppedTask] = []  # every drop, read by cursor
         self.validated: list[str] = []  # every validation id scored, read by cursor
         self._taken = (0, 0)  # take_dropped/take_validated's own cursors
-        self._results: dict[str, ValidationStats] = {}
+        # round key -> data source -> sums; a few numbers per round, kept for the session
+        self.results: dict[str, dict[str, ValidationStats]] = {}
 
     def drop(self, d: DroppedTask) -> None:
         self.drops.append(d)
 
     def scored(self, group: Group) -> None:
-        """A complete validation group: into its data source's results, and the log."""
-        stats = self._results.setdefault(group.data_source, ValidationStats())
+        """A complete validation group: into its round's and data source's results (the
+        round: its id up to the row, ``val.<lineage>/<round>``), and the log."""
+        by_source = self.results.setdefault(round_key(group.task_id), {})
+        stats = by_source.setdefault(group.data_source, ValidationStats())
         # Count episodes: the samples of a split episode share its reward.
         rewards = {m.episode_index: m.reward for m in group.metas}
         stats.add_group(list(rewards.values()), int(group.response_lens.sum()))
@@ -49,7 +52,7 @@ class Reports:
         self._taken = (d, len(self.validated))
         return self.validated[v:]
 
-    def take_results(self) -> dict[str, ValidationStats]:
-        """Validation results per data source since the last call."""
-        out, self._results = self._results, {}
-        return out
+
+def round_key(task_id: str) -> str:
+    """A validation group's round: its id without the row (and retry)."""
+    return "/".join(task_id.split("/")[:2])

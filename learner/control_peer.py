@@ -24,6 +24,7 @@ class Restored(NamedTuple):
     step: int = 0  # the checkpoint's step and policy version
     version: int = 0
     last_batch_session: str = ""  # the buffer session that numbered last_batch_id
+    validation: dict[str, Any] | None = None  # the validation rounds reported
 
 
 class ControlPeer(Protocol):
@@ -38,7 +39,7 @@ class ControlPeer(Protocol):
         self, tensors: dict[str, Any], target: int, probe: list[float] | None = None
     ) -> dict[str, float]: ...
     def version(self, current: int) -> int: ...
-    def checkpoint_extra(self) -> dict[str, Any]: ...
+    def checkpoint_extra(self, step: int) -> dict[str, Any]: ...
     def export(self, tensors: dict[str, Any], out: Path) -> None: ...
     def after_step(self, step: int, metrics: dict[str, float], version: int) -> None: ...
     def finish(self, step: int, validate: bool) -> None: ...
@@ -70,7 +71,7 @@ class NoControl:
     def version(self, current: int) -> int:
         return current  # replaced by rank 0's in the broadcast that follows
 
-    def checkpoint_extra(self) -> dict[str, Any]:
+    def checkpoint_extra(self, step: int) -> dict[str, Any]:
         return {}
 
     def export(self, tensors: dict[str, Any], out: Path) -> None:

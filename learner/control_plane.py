@@ -69,6 +69,8 @@ class RankZero:
         self._push_done: dict[str, float] = {}
         self._push_error: BaseException | None = None
         self.validation = ValidationTracker()
+        if restored.validation is not None:
+            self.validation.load_state_dict(restored.validation)
         self._ack_next: list[BatchRef] = []  # see acknowledge_on_next_request
         write_resolved(cfg, run_dir)
         store = open_store(
@@ -313,9 +315,16 @@ class RankZero:
         labelled these same weights with it)."""
         return max(self.coordinator.version, self._pushing_version)
 
-    def checkpoint_extra(self) -> dict[str, Any]:
+    def checkpoint_extra(self, step: int) -> dict[str, Any]:
         self._wait_push()  # the coordinator's state with the pushed version current
-        return {"coordinator": self.coordinator.state_dict()}
+        # A validation round due at this step starts before the state is taken: a resume
+        # from this checkpoint then deals it, rather than never validating this step and
+        # starting a later round under this one's ids (after_step will not start it twice).
+        self.coordinator.on_step(step)
+        return {
+            "coordinator": self.coordinator.state_dict(),
+            "validation": self.validation.state_dict(),  # the rounds reported
+        }
 
     def export(self, tensors: dict[str, Any], out: Path) -> None:
         from learner.checkpoint import export_hf
@@ -326,8 +335,7 @@ class RankZero:
     # ------------------------------------------------------------------ steps, the end
     def _poll_validation(self, step: int) -> None:
         progress = self.coordinator.validation_progress()
-        done = self.validation.add(self.buffer.validation(), progress.round_groups)
-        if done:
+        for done in self.validation.add(self.buffer.validation(), progress):
             self.logger.log(step, done)
 
     def after_step(self, step: int, metrics: dict[str, float], version: int) -> None:
@@ -363,10 +371,17 @@ class RankZero:
             self.coordinator.start_validation(step)
         deadline = time.monotonic() + self.final_wait_s
         while time.monotonic() < deadline and self.validation.pending(
-            self.coordinator.validation_progress().rounds_started
+            self.coordinator.validation_progress()
         ):
             self._poll_validation(step)
             time.sleep(0.5)
+        if missing := self.validation.missing(self.coordinator.validation_progress()):
+            log.warning(
+                "validation rounds %s incomplete after launch.start_timeout_s=%gs: ending "
+                "without their scores (a server or the buffer lost their groups)",
+                ", ".join(missing),
+                self.final_wait_s,
+            )
         accounting = self._settled_accounting(deadline)
         self.logger.log(step, accounting)
         for line in accounting_lines([accounting]):

@@ -202,7 +202,7 @@ class LearnerLoop:
         extra = {
             "last_batch_id": self.last_batch_id,
             "last_batch_session": self.last_batch_session,
-            **self.control.checkpoint_extra(),
+            **self.control.checkpoint_extra(self.trainer.step),
         }
         self.trainer.save(self.run_dir, extra=extra)
         self.control.acknowledge(self.unacked)
@@ -241,6 +241,7 @@ class LearnerLoop:
             self.trainer.step,
             self.trainer.policy_version,
             str(extra.get("last_batch_session") or ""),
+            extra.get("validation"),
         )
 
 

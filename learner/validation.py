@@ -1,65 +1,85 @@
-"""Validation scores from the buffer's per-data-source sums, one record per round.
+"""Validation scores from the buffer's sums per round and data source, one record per
+round.
 
 The coordinator deals a validation round (every validation prompt once, ``val_kwargs.n``
 samples each) every ``trainer.test_freq`` steps; the buffer sums each complete validation
-group per data source. This tracker adds those sums up until a round's groups are all in,
-then reports ``val/score`` (mean reward over the round's responses), its standard errors
-over responses and over prompts, and ``val/<data_source>/score``.
+group by its round and data source. This tracker reports a round once its groups are all
+in: ``val/score`` (mean reward over the round's responses), its standard errors over
+responses and over prompts, and ``val/<data_source>/score``.
 """
 
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncrl.control.state import ValidationProgress
+    from asyncrl.wire import ValidationStats
 
 
 class ValidationTracker:
-    """Accumulates validation sums into rounds of ``round_groups`` groups."""
+    """Reports each validation round once, when the buffer's sums for it are complete.
+
+    The buffer keeps each round's sums for its session (never drained), so a reply lost on
+    the way, or a learner restarted from a checkpoint taken before it read them, reads them
+    again; the rounds reported are saved in checkpoints (:meth:`state_dict`). A round
+    reported after the checkpoint by a learner that then died is reported again."""
 
     def __init__(self) -> None:
-        self.groups = 0
-        self._reset()
-        self.rounds_done = 0
+        self.reported: set[str] = set()  # round keys (``val.<lineage>/<k>``)
 
-    def _reset(self) -> None:
-        # n, sum, sum of squares over responses; the same over the groups' mean rewards
-        self.resp = [0.0, 0.0, 0.0]
-        self.prompt = [0.0, 0.0, 0.0]
-        self.by_source: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    def missing(self, progress: ValidationProgress) -> list[str]:
+        """The keys of the started rounds not reported yet."""
+        keys = map(progress.round_key, range(progress.rounds_started))
+        return [key for key in keys if key not in self.reported]
 
-    def pending(self, rounds_started: int) -> bool:
-        """Whether a started round (``rounds_started``: the coordinator's count) is not
-        complete yet."""
-        return rounds_started > self.rounds_done
+    def pending(self, progress: ValidationProgress) -> bool:
+        """Whether a started round is not reported yet."""
+        return bool(self.missing(progress))
 
-    def add(self, stats: dict[str, Any], round_groups: int) -> dict[str, float] | None:
-        """Add one poll of the buffer's validation sums (a round is ``round_groups`` groups,
-        one per validation row); the round's metrics when complete:
-        ``val/score`` (mean reward over responses), ``val/score_se`` (its standard error
-        over responses), ``val/score_se_prompt`` (over prompts' mean rewards: larger when
-        prompts differ in difficulty, since a prompt's samples are not independent),
-        ``val/responses`` and ``val/<data_source>/score``."""
-        for source, s in stats.items():
-            self.groups += s.groups
-            _add(self.resp, s.trajectories, s.reward_sum, s.reward_sq_sum)
-            _add(self.prompt, s.groups, s.group_mean_sum, s.group_mean_sq_sum)
-            acc = self.by_source[source]
-            acc[0] += s.reward_sum
-            acc[1] += s.trajectories
-        if round_groups == 0 or self.groups < round_groups:
-            return None
-        n, total, _ = self.resp
-        out = {"val/score": total / max(n, 1), "val/responses": n}
-        for key, acc in (("val/score_se", self.resp), ("val/score_se_prompt", self.prompt)):
-            if acc[0] >= 2:
-                out[key] = mean_standard_error(*acc)
-        for source, (total, count) in self.by_source.items():
-            out[f"val/{source}/score"] = total / max(count, 1)
-        self.rounds_done += 1
-        self.groups -= round_groups
-        self._reset()
+    def add(
+        self, by_round: dict[str, dict[str, ValidationStats]], progress: ValidationProgress
+    ) -> list[dict[str, float]]:
+        """The metrics of every started round whose groups (one per validation row) are all
+        in ``by_round`` (the buffer's sums: round key -> data source -> sums) and that was
+        not reported yet, oldest first (see :func:`round_metrics`)."""
+        out = []
+        for number in range(progress.rounds_started):
+            key = progress.round_key(number)
+            stats = by_round.get(key)
+            if key in self.reported or not stats or progress.round_groups == 0:
+                continue
+            if sum(s.groups for s in stats.values()) >= progress.round_groups:
+                out.append(round_metrics(stats))
+                self.reported.add(key)
         return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reported": sorted(self.reported)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.reported = set(state.get("reported", []))
+
+
+def round_metrics(stats: dict[str, ValidationStats]) -> dict[str, float]:
+    """One round's record from its sums per data source: ``val/score`` (mean reward over
+    responses), ``val/score_se`` (its standard error over responses),
+    ``val/score_se_prompt`` (over prompts' mean rewards: larger when prompts differ in
+    difficulty, since a prompt's samples are not independent), ``val/responses`` and
+    ``val/<data_source>/score``."""
+    resp, prompt = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
+    for s in stats.values():
+        _add(resp, s.trajectories, s.reward_sum, s.reward_sq_sum)
+        _add(prompt, s.groups, s.group_mean_sum, s.group_mean_sq_sum)
+    n, total, _ = resp
+    out = {"val/score": total / max(n, 1), "val/responses": n}
+    for key, acc in (("val/score_se", resp), ("val/score_se_prompt", prompt)):
+        if acc[0] >= 2:
+            out[key] = mean_standard_error(*acc)
+    for source, s in stats.items():
+        out[f"val/{source}/score"] = s.reward_sum / max(s.trajectories, 1)
+    return out
 
 
 def _add(acc: list[float], n: float, total: float, sq: float) -> None:

@@ -180,7 +180,15 @@ def test_validation_groups_never_reach_a_training_batch(service, tmp_path) -> No
     assert stats["buffer/val_groups_in"] == 6 and stats["buffer/ready"] == 0
     assert not any(v for b in got for v in b["validation"])
     with BufferClient(svc.batches_endpoint, "learner") as client:
-        stats = client.validation()
+        by_round = client.validation()
+    assert sorted(by_round) == [f"val{i}" for i in range(6)]  # no round in these ids
+    stats: dict[str, wire.ValidationStats] = {}
+    for sources in by_round.values():
+        for source, s in sources.items():
+            total = stats.setdefault(source, wire.ValidationStats())
+            total.groups += s.groups
+            total.trajectories += s.trajectories
+            total.reward_sum += s.reward_sum
     assert set(stats) == {"gsm8k", "countdown"}
     assert stats["gsm8k"].groups == 3 and stats["gsm8k"].trajectories == 9
     assert stats["countdown"].reward_mean == 1.0

@@ -335,8 +335,11 @@ def test_validation_rounds_are_flagged_and_outside_the_budget(tmp_path, start_st
             assert [e["task_id"] for e in events(journal, "task")[7:]] == [
                 f"{_head(learner.coordinator, 'val')}/1/{i}" for i in range(3)
             ]
-            stats = buf.validation()
-            assert stats["arithmetic"].groups == 6 and stats["arithmetic"].trajectories == 6
+            by_round = buf.validation()
+            head = _head(learner.coordinator, "val")
+            assert sorted(by_round) == [f"{head}/0", f"{head}/1"]  # per round, kept
+            assert all(r["arithmetic"].groups == 3 for r in by_round.values())
+            assert sum(r["arithmetic"].trajectories for r in by_round.values()) == 6
             assert learner.shutdown(wait_s=5)
         finally:
             learner.close()

@@ -2,7 +2,8 @@
 service and stand-in rollout servers that receive its weights: it trains, pushes a version
 per step, checkpoints, and ends the run. Killed after a checkpoint and started again with
 ``trainer.resume_mode=auto``, it continues at the checkpointed step + 1, its first push
-carries a version above any the servers hold, and versions keep counting up."""
+carries a version above any the servers hold, versions keep counting up, and every
+validation round is reported whole."""
 
 from __future__ import annotations
 
@@ -69,6 +70,7 @@ def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_mode
         tiny_model,
         f"trainer.total_training_steps={TOTAL}",
         "trainer.save_freq=2",
+        "trainer.test_freq=2",  # a round due at each checkpoint: the resume must deal it
         "control.dead_after_s=3",
     )
     from asyncrl.config import run_dir
@@ -111,6 +113,16 @@ def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_mode
         assert after and after[0] > before[sid], (sid, before[sid], after)
         assert after == sorted(after)  # versions keep counting up
     assert (run / "final" / "model.safetensors").is_file()
+    # Validation across the restart: each round (steps 2, 4, 6) reported whole, never two
+    # rounds' sums mixed, and the run's end waited for none that could not complete. A
+    # round the killed learner reported after its checkpoint is reported again.
+    import pyarrow.parquet as pq
+
+    round_size = pq.read_metadata(tmp_path / "data" / "val.parquet").num_rows
+    vals = [r for r in read_metrics(run) if "val/score" in r]
+    assert vals and all(r["val/responses"] == round_size for r in vals), vals
+    assert {r["step"] for r in vals} >= {4, TOTAL}, vals
+    assert "incomplete after" not in (tmp_path / "learner.log").read_text()
 
 
 @pytest.mark.timeout(600)

@@ -4,6 +4,7 @@ and over prompts, checked against the same figures computed from the raw rewards
 import math
 import statistics
 
+from asyncrl.control.state import ValidationProgress
 from asyncrl.wire import ValidationStats
 from learner.validation import ValidationTracker, mean_standard_error
 
@@ -22,14 +23,15 @@ def _sem(xs: list[float]) -> float:
 def test_round_scores_and_standard_errors_match_the_raw_rewards():
     a = [[1, 1, 1, 0], [0, 0, 0, 0], [1, 0.5, 1, 1]]  # prompts of different difficulty
     b = [[0.25, 0.75, 1, 1], [0, 1, 0, 1]]
-    rounds_started, round_groups = 1, 5
+    progress = ValidationProgress(rounds_started=1, round_groups=5, head="val.x")
     tracker = ValidationTracker()
-    assert tracker.pending(rounds_started)
-    assert tracker.add({"a": _stats(a[:2])}, round_groups) is None  # 2 of 5 groups in
-    out = tracker.add({"a": _stats(a[2:]), "b": _stats(b)}, round_groups)
+    assert tracker.pending(progress)
+    assert tracker.add({"val.x/0": {"a": _stats(a[:2])}}, progress) == []  # 2 of 5 groups in
+    # The buffer's sums are cumulative: the next poll has the whole round.
+    [out] = tracker.add({"val.x/0": {"a": _stats(a), "b": _stats(b)}}, progress)
     flat = [r for g in a + b for r in g]
     means = [sum(g) / len(g) for g in a + b]
-    assert out is not None and not tracker.pending(rounds_started)
+    assert not tracker.pending(progress)
     assert math.isclose(out["val/score"], statistics.fmean(flat))
     assert math.isclose(out["val/score_se"], _sem(flat))
     assert math.isclose(out["val/score_se_prompt"], _sem(means))
@@ -44,3 +46,25 @@ def test_binary_rewards_give_the_binomial_standard_error_up_to_n_over_n_minus_1(
     p = k / n
     assert math.isclose(se, math.sqrt(p * (1 - p) / n) * math.sqrt(n / (n - 1)))
     assert mean_standard_error(3, 3.0, 3.0) == 0.0  # all equal: no spread
+
+
+def test_each_round_is_reported_once_and_a_restored_tracker_reads_the_rest_again():
+    """Rounds are read from the buffer's cumulative sums by key: a round is reported once,
+    rounds complete together are reported in order, and a tracker restored from a
+    checkpoint taken before a round was read reports it (nothing is drained)."""
+    one = {"s": _stats([[1.0, 0.0]])}
+    two = {"s": _stats([[1.0, 1.0]])}
+    progress = ValidationProgress(rounds_started=2, round_groups=1, head="val.x")
+    tracker = ValidationTracker()
+    saved = tracker.state_dict()  # a checkpoint before any round was read
+    by_round = {"val.x/0": one, "val.x/1": two, "val.other/0": two}  # another lineage's too
+    got = tracker.add(by_round, progress)
+    assert [r["val/score"] for r in got] == [0.5, 1.0]
+    assert tracker.add(by_round, progress) == [] and not tracker.pending(progress)
+    restored = ValidationTracker()
+    restored.load_state_dict(saved)
+    assert restored.pending(progress)
+    assert [r["val/score"] for r in restored.add(by_round, progress)] == [0.5, 1.0]
+    later = ValidationTracker()
+    later.load_state_dict(tracker.state_dict())
+    assert later.add(by_round, progress) == [] and not later.pending(progress)

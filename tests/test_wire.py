@@ -199,7 +199,8 @@ def test_replies_round_trip() -> None:
         wire.StatsReply(schema=1, metrics={"buffer/size": 1.0}),
         wire.DroppedReply(schema=1, dropped=[wire.DroppedTask("t", "lag", False)]),
         wire.ValidationReply(
-            schema=1, by_data_source={"gsm8k": wire.ValidationStats(groups=1, trajectories=2)}
+            schema=1,
+            by_round={"val.x/0": {"gsm8k": wire.ValidationStats(groups=1, trajectories=2)}},
         ),
         wire.Ok(schema=1),
         wire.ErrorReply(schema=1, error="invalid", detail="x"),

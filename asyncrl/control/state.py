@@ -49,6 +49,10 @@ log = logging.getLogger(__name__)
 class ValidationProgress(NamedTuple):
     rounds_started: int  # validation rounds started so far (this run, resumes included)
     round_groups: int  # groups in one round: one per validation row
+    head: str = "val"  # round k's groups have ids ``<head>/<k>/<row>`` (its round key)
+
+    def round_key(self, number: int) -> str:
+        return f"{self.head}/{number}"
 
 
 STATE_SCHEMA = 2  # 2: per-task states and consumption (1 still loads)
@@ -395,7 +399,7 @@ class ControlState:
 
     def validation_progress(self) -> ValidationProgress:
         source = self.ledger.source
-        return ValidationProgress(source.val_rounds, len(source.val_rows))
+        return ValidationProgress(source.val_rounds, len(source.val_rows), source.val_head)
 
     def begin_shutdown(self, reason: str) -> None:
         self.shutting_down = self.shutting_down or reason or "requested"

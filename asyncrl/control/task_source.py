@@ -137,6 +137,11 @@ class TaskSource:
     def _head(self, kind: str) -> str:
         return f"{kind}.{self.lineage}" if self.lineage else kind
 
+    @property
+    def val_head(self) -> str:
+        """What validation ids start with: round k's are ``<val_head>/<k>/<row>``."""
+        return self._head(_VAL)
+
     # ------------------------------------------------------------------ validation
     def start_validation(self) -> int:
         """Start a validation round (dealt before any later training task); its number."""

@@ -146,7 +146,9 @@ class InventoryRequest(Message, tag="inventory"):
 
 
 class ValidationRequest(Message, tag="validation"):
-    """Drain the validation results (per data source) since the last such request."""
+    """The validation results of this buffer session, per round and data source. Never
+    drained: a reply lost on the way, or a learner restarted from a checkpoint taken before
+    it read them, reads them again."""
 
 
 class Shutdown(Message, tag="shutdown"):
@@ -216,7 +218,8 @@ class InventoryReply(Message, tag="inventory_reply"):
 
 
 class ValidationReply(Message, tag="validation_reply"):
-    by_data_source: dict[str, ValidationStats]
+    # round key (a validation id's ``val.<lineage>/<round>``) -> data source -> sums
+    by_round: dict[str, dict[str, ValidationStats]]
 
 
 Request = (
