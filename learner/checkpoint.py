@@ -71,6 +71,19 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return max(found)[1] if found else None
 
 
+def set_aside_checkpoints(run_dir: str | Path) -> Path | None:
+    """Rename ``run_dir``'s checkpoints (of an earlier run) to the first free
+    ``checkpoints.<k>``; the new name, or None when there were none. Nothing is deleted."""
+    root = checkpoint_dir(run_dir)
+    if latest_checkpoint(run_dir) is None:
+        return None
+    k = 1
+    while (old := root.with_name(f"{root.name}.{k}")).exists():
+        k += 1
+    root.rename(old)
+    return old
+
+
 def _state_dict_options(trained_only: bool = True):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 

@@ -215,15 +215,26 @@ class LearnerLoop:
                     lora.export_adapter(state, self.cfg.model, self.run_dir / "final_adapter")
 
     def _restore(self) -> Restored:
-        """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any."""
-        from learner.checkpoint import latest_checkpoint
+        """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any.
 
-        mode = self.cfg.trainer.resume_mode
+        A launcher restarts a learner with ``resume_mode=auto``, so what ``auto`` finds must
+        be this run's: a start that does not resume from the run directory's checkpoints
+        (``disable``, or ``resume_path`` elsewhere) moves them aside first, and ``auto``
+        with none of this run's yet falls back to ``resume_from_path`` (the first start's
+        weights, not the base model's)."""
+        from learner.checkpoint import checkpoint_dir, latest_checkpoint, set_aside_checkpoints
+
+        t, mode = self.cfg.trainer, self.cfg.trainer.resume_mode
         path = None
         if mode == "auto":
-            path = latest_checkpoint(self.run_dir)
+            path = latest_checkpoint(self.run_dir) or t.resume_from_path
         elif mode == "resume_path":
-            path = self.cfg.trainer.resume_from_path
+            path = t.resume_from_path
+        ours = checkpoint_dir(self.run_dir).resolve()
+        elsewhere = path is None or ours not in Path(path).resolve().parents
+        aside = mode != "auto" and elsewhere and self.trainer.rank == 0
+        if aside and (old := set_aside_checkpoints(self.run_dir)) is not None:
+            log.info("checkpoints of an earlier run (not resumed) moved to %s", old.name)
         if path is None:
             return Restored(None, None, None)
         extra = self.trainer.load(path)
