@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import secrets
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
+WANDB_ID_FILE = "wandb_run_id"  # the W&B run a resumed learner logs into again
 
 
 class MetricsLogger:
@@ -47,12 +49,15 @@ class MetricsLogger:
         if "wandb" in self.sinks:
             import wandb  # only when asked for: it is slow to import
 
-            # WANDB_MODE (online, offline, disabled) and WANDB_DIR work as usual.
+            # WANDB_MODE (online, offline, disabled) and WANDB_DIR work as usual. The run
+            # id is kept in the run directory: a resumed learner logs into the same W&B
+            # run (resume="allow" alone would open a new one at every restart).
             self._wandb = wandb.init(
                 project=project,
                 name=experiment,
                 dir=str(run_dir),
                 config=dict(config or {}),
+                id=_wandb_id(run_dir, fresh),
                 resume="allow",
             )
 
@@ -76,6 +81,18 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _wandb_id(run_dir: Path, fresh: bool) -> str:
+    """The W&B run id of this run directory (``wandb_run_id``): a new one for a fresh run,
+    the saved one for a resumed run."""
+    path = run_dir / WANDB_ID_FILE
+    if not fresh and path.is_file() and (saved := path.read_text().strip()):
+        return saved
+    new = secrets.token_hex(4)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(new + "\n")
+    return new
 
 
 def _set_aside(path: Path) -> None:

@@ -23,3 +23,23 @@ def test_resumed_run_appends_and_new_run_sets_old_records_aside(tmp_path):
     assert old == ["metrics.1.jsonl", "metrics.2.jsonl"]
     assert len((run / "metrics.1.jsonl").read_text().splitlines()) == 2
     assert len((run / "metrics.2.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+    """W&B offline (no network): a restart of the learner continues its W&B run (the id is
+    kept in the run directory); a new run in the directory gets a run of its own."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+
+    def run_id(fresh: bool) -> str:
+        logger = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=fresh)
+        assert logger._wandb is not None
+        rid = logger._wandb.id
+        logger.log(1, {"loss/pg": 1.0})
+        logger.close()
+        return rid
+
+    first = run_id(fresh=True)
+    assert run_id(fresh=False) == first
+    assert run_id(fresh=True) != first
