@@ -25,6 +25,7 @@ class Restored(NamedTuple):
     version: int = 0
     last_batch_session: str = ""  # the buffer session that numbered last_batch_id
     validation: dict[str, Any] | None = None  # the validation rounds reported
+    lag_controller: dict[str, Any] | None = None  # the adaptive lag reached
 
 
 class ControlPeer(Protocol):

@@ -86,6 +86,8 @@ class RankZero:
             self.lag = LagController(
                 st.min_policy_lag, st.max_policy_lag, health.min_ess, health.max_mismatch_kl
             )
+            if restored.lag_controller is not None:
+                self.lag.load_state_dict(restored.lag_controller)
             self.coordinator.set_admission_lag(self.lag.lag)
         self.coordinator.start()
         self.pusher = WeightPusher(
@@ -324,6 +326,7 @@ class RankZero:
         return {
             "coordinator": self.coordinator.state_dict(),
             "validation": self.validation.state_dict(),  # the rounds reported
+            "lag_controller": self.lag.state_dict() if self.lag is not None else None,
         }
 
     def export(self, tensors: dict[str, Any], out: Path) -> None:

@@ -253,6 +253,7 @@ class LearnerLoop:
             self.trainer.policy_version,
             str(extra.get("last_batch_session") or ""),
             extra.get("validation"),
+            extra.get("lag_controller"),
         )
 
 

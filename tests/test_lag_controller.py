@@ -51,6 +51,23 @@ def test_the_controller_widens_once_per_hold_and_narrows_at_once():
     assert lag.step(11, {"timing/wait_fraction": 0.9}) is None  # nothing measured
 
 
+def test_a_restored_controller_goes_on_at_the_lag_it_had_earned():
+    """Saved in learner checkpoints: a resumed run does not fall back to the narrow end
+    (and widen one step per hold again); a restore into narrower bounds is clamped."""
+    lag = LagController(0, 3, min_ess=0.3, max_kl=0.1)
+    for s in range(1, 5):
+        lag.step(s, _metrics(0.95, 0.6, 8.0 * s))
+    assert lag.lag == 2 and lag.widened_at == 4
+    again = LagController(0, 3, min_ess=0.3, max_kl=0.1)
+    again.load_state_dict(lag.state_dict())
+    assert (again.lag, again.widened_at) == (2, 4)
+    assert again.step(5, _metrics(0.95, 0.6, 40.0)) is None  # still within the hold
+    assert again.step(7, _metrics(0.95, 0.6, 56.0)) == 3
+    narrow = LagController(0, 1, min_ess=0.3, max_kl=0.1)
+    narrow.load_state_dict(lag.state_dict())
+    assert narrow.lag == 1
+
+
 def test_the_coordinator_admits_by_the_lag_it_is_given():
     coord = start_coordinator(100, per_version=2)  # lag 1: 4 groups admitted
     client = CoordinatorClient(

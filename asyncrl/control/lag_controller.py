@@ -72,6 +72,16 @@ class LagController:
         self.groups_in = self.lag_drops = 0.0
         self.last_reason = "start"
 
+    def state_dict(self) -> dict[str, int]:
+        """The lag reached and when it last widened (saved in learner checkpoints: a
+        resumed run goes on at the lag it had earned, not back at ``low``)."""
+        return {"lag": self.lag, "widened_at": self.widened_at}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.lag = min(max(int(state["lag"]), self.low), self.high)  # the bounds may change
+        self.widened_at = int(state["widened_at"])
+        self.last_reason = "restored"
+
     def step(self, step: int, metrics: dict[str, float]) -> int | None:
         """Take one step's metrics; the new lag when it changes, else None."""
         groups_in = metrics.get("buffer/groups_in", self.groups_in)
