@@ -25,8 +25,9 @@ An agent framework that runs outside the run points its OpenAI client at the ser
     The served model.
 
 Sampling follows the run, not the request: training needs the full distribution at
-``rollout.temperature`` (the learner recomputes exactly it), so only ``max_tokens`` is taken
-from a request, and what would constrain sampling (a forced ``tool_choice``, a JSON
+``rollout.temperature`` (the learner recomputes exactly it), so only ``max_tokens`` and
+``stop`` (applied after sampling: :mod:`rollout_servers.stops`) are taken from a request,
+and what would constrain sampling (a forced ``tool_choice``, a JSON
 ``response_format``) is refused. A resent request gets the turn it asked for once
 (:meth:`OpenAIEndpoint._once`). A group's slot is held only while the group is alive: the slot lifecycle is
 :mod:`rollout_servers.endpoint_groups`'s.
@@ -59,6 +60,7 @@ from rollout_servers.sessions import (
     split_key,
     unconstrained,
 )
+from rollout_servers.stops import before_stop, cut, first_stop, stop_strings
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -291,6 +293,7 @@ class OpenAIEndpoint:
         committed only once the engine answered (see
         :class:`~rollout_servers.sessions.Draft`)."""
         asked_tokens(body)  # a bad request is refused before any work
+        stops = stop_strings(body)
         draft = prepare(
             session,
             messages,
@@ -306,13 +309,16 @@ class OpenAIEndpoint:
         params = turn_params(self.sampling, task, session.index, ep.turns, budget)
         rid = f"{task.task_id}/{session.index}/t{ep.turns}"
         sample = await self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid)
+        if n := first_stop(sample.token_ids, self.tok.decode, stops):
+            sample = cut(sample, n)  # the draw a stop would have ended (see stops.py)
+            self.metrics["rollout/openai/stopped"] += 1
         piece.add_sampled(sample)
         ep.turns += 1
         ids = sample.token_ids
         eos = getattr(self.tok, "eos_token_id", None)
         raw = self.tok.decode(ids[:-1] if ids and ids[-1] == eos else ids)
-        ep.messages.append({"role": "assistant", "content": raw})
-        reply, finish = assistant_reply(raw)
+        ep.messages.append({"role": "assistant", "content": raw})  # as the model wrote it
+        reply, finish = assistant_reply(before_stop(raw, stops) if n else raw)
         draft.shown.append(reply)
         draft.commit(session)
         if draft.counted:

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from rollout_servers.engine import Sample
 from tests.standins.chat import ReplyEngine
 from tests.test_endpoint_faults import USER, Rig, _serve
 
@@ -140,5 +141,46 @@ def test_a_body_over_the_limit_is_a_413_not_a_retried_500(monkeypatch):
         status, body = await _post(rig, _chat(big))
         assert status == 413 and "MiB" in body["error"]["message"], body
         assert rig.endpoint.metrics["rollout/openai/refused/500"] == 0
+
+    _serve(monkeypatch, scenario)
+
+
+class ReActEngine(ReplyEngine):
+    """Writes past its action into an observation it made up, as a model asked with stop
+    sequences does when they are ignored."""
+
+    TEXT = "Thought: add\nCode: 1+1<end_code>\nObservation: 3"
+
+    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
+        self.calls += 1
+        ids = [ord(c) for c in self.TEXT]
+        return Sample(ids, [-0.5] * len(ids), [(0, 30), (1, len(ids) - 30)], "length")
+
+
+def test_stop_sequences_end_the_turn_at_the_first_one(monkeypatch):
+    """smolagents and ReAct agents send ``stop``: the turn keeps the tokens up to the one
+    that completes the first stop string, with their logprobs and versions; the agent is
+    shown the text before it; the next request continues the same sample."""
+
+    async def scenario(rig: Rig) -> None:
+        rig.endpoint.engine = ReActEngine()  # type: ignore[assignment]
+        stops = {"stop": ["Observation:", "<end_code>"]}
+        status, body = await _post(rig, _chat([USER], **stops))
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert choice["message"]["content"] == "Thought: add\nCode: 1+1"
+        assert choice["finish_reason"] == "stop"
+        piece = rig.session().episode.pieces[0]
+        kept = "Thought: add\nCode: 1+1<end_code>"
+        assert "".join(map(chr, piece.token_ids)) == kept
+        assert piece.logprobs == [-0.5] * len(kept)
+        assert piece.version_spans == [(0, 30), (1, len(kept) - 30)]
+        assert body["usage"]["completion_tokens"] == len(kept)
+        observed = [USER, choice["message"], {"role": "user", "content": "Observation: 2"}]
+        status, body = await _post(rig, _chat(observed, stop="Observation:"))
+        assert status == 200 and len(rig.session().episode.pieces) == 1, body
+        assert rig.endpoint.metrics["rollout/openai/stopped"] == 2
+        status, body = await _post(rig, _chat(observed, stop=[""]))
+        assert status == 400 and "stop must be" in body["error"]["message"], body
 
     _serve(monkeypatch, scenario)
