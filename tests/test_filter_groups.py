@@ -161,6 +161,20 @@ def test_past_the_bound_tasks_are_dealt_unfiltered_and_it_says_so_once(caplog):
     run.acct()
 
 
+def test_the_filters_counts_survive_a_coordinator_restore():
+    """Saved with the coordinator's state: a resumed run's filter/* go on, and the bound
+    keeps counting the groups filtered since the last trained step."""
+    run = _filtering_run(2)
+    _serve(run, alike=set(range(1000)))  # past the bound: 2 batches filtered, then dealt
+    saved = run.st.state_dict()
+    again = _filtering_run(2)
+    again.st.load_state_dict(saved)
+    gf = again.st.group_filter
+    assert (gf.since_step, gf.total, gf.bound_hits) == (2 * B, 2 * B, 1)
+    assert not gf.active  # still past the bound: the next step's batch comes unfiltered
+    assert again.st.metrics()["filter/groups_filtered"] == 2 * B
+
+
 def test_validation_tasks_are_never_dealt_filtered():
     run = _filtering_run(0)
     run.st.test_freq = 1

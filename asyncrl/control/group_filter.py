@@ -38,6 +38,16 @@ class GroupFilter:
         self.last_frac = 0.0
         self.last_per_trained = 1.0
 
+    def state_dict(self) -> dict[str, int]:
+        """Its counts (saved with the coordinator: a resumed run's ``filter/*`` go on, and
+        the ``max_num_gen_batches`` bound keeps counting from where it was)."""
+        return {"since_step": self.since_step, "total": self.total, "bound_hits": self.bound_hits}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.since_step = int(state["since_step"])
+        self.total = int(state["total"])
+        self.bound_hits = int(state["bound_hits"])
+
     @property
     def active(self) -> bool:
         """Deal the next training task with the filter on."""

@@ -417,6 +417,7 @@ class ControlState:
             "step": self.step,
             "last_val_step": self.last_val_step,
             "servers": sorted(self.servers),
+            "group_filter": self.group_filter.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -427,6 +428,8 @@ class ControlState:
         self.step = int(state["step"])
         self.last_val_step = int(state["last_val_step"])
         self.recovery.restored(list(state.get("servers", [])))
+        if "group_filter" in state:  # saved before it: counts start again
+            self.group_filter.load_state_dict(state["group_filter"])
         # Dealing had started in the saved session: min_servers_to_start is a start-up rule,
         # and after a scale-down it may never be met again.
         self.started = True
