@@ -47,20 +47,23 @@ from aiohttp import web
 
 from rollout_servers.agent import turn_params
 from rollout_servers.endpoint_groups import EndpointGroups
+from rollout_servers.request_fields import (
+    asked_tokens,
+    fingerprint,
+    max_tokens_of,
+    reward_of,
+    stop_strings,
+    unconstrained,
+)
 from rollout_servers.sessions import (
     RequestError,
     Session,
-    asked_tokens,
     assistant_reply,
     completion_body,
-    fingerprint,
-    max_tokens_of,
     prepare,
-    reward_of,
     split_key,
-    unconstrained,
 )
-from rollout_servers.stops import before_stop, cut, first_stop, stop_strings
+from rollout_servers.stops import before_stop, cut, first_stop
 
 if TYPE_CHECKING:
     from asyncrl.config import Config

@@ -23,9 +23,7 @@ chat template refuses) is a 400 naming the fix, never a 500 that clients would r
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -269,74 +267,6 @@ def completion_body(
             "total_tokens": prompt_tokens + completion_tokens,
         },
     }
-
-
-def unconstrained(body: dict[str, Any]) -> None:
-    """Refuse what would constrain sampling (a forced tool call, a JSON format): the turn
-    must come from the policy's full distribution for the learner's logprobs to match the
-    behaviour's. ``tool_choice: auto``/``none`` and a text format are what happens."""
-    choice = body.get("tool_choice")
-    if choice not in (None, "auto", "none"):
-        raise RequestError(
-            400,
-            f"tool_choice={json.dumps(choice)} is not supported: a forced call constrains "
-            "sampling, and training needs the policy's own distribution; send auto",
-        )
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise RequestError(
-            400,
-            f"response_format {kind!r} is not supported: constrained decoding would change "
-            "the distribution training needs; ask for the format in the prompt and parse it",
-        )
-
-
-def fingerprint(body: dict[str, Any]) -> str:
-    """What makes two chat requests the same one (a client resending it): the messages,
-    tools and limits."""
-    keys = ("messages", "tools", "max_tokens", "max_completion_tokens", "stop")
-    same = json.dumps({k: body.get(k) for k in keys}, sort_keys=True, default=str)
-    return hashlib.sha256(same.encode()).hexdigest()
-
-
-def asked_tokens(body: dict[str, Any]) -> int | None:
-    """The request's ``max_completion_tokens`` or ``max_tokens`` (None: not asked), else a
-    400; checked before a turn is prepared."""
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
-    if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
-        raise RequestError(400, f"max_tokens must be a positive integer, not {asked!r}")
-    return asked
-
-
-def max_tokens_of(body: dict[str, Any], budget: int) -> int:
-    """Tokens this turn may sample: the request's ``max_completion_tokens`` or
-    ``max_tokens``, within what is left of ``data.max_response_length``."""
-    asked = asked_tokens(body)
-    if budget < 1:
-        raise RequestError(
-            400,
-            "the session has used its data.max_response_length tokens: end the episode "
-            "with POST /rl/reward",
-        )
-    return min(asked or budget, budget)
-
-
-def reward_of(body: Any, reward_range: tuple[float, float] | None = None) -> float:
-    """The reward of a ``/rl/reward`` body: a finite number, within ``reward_range`` when
-    one is set (``rollout.openai_endpoint.reward_range``): one stray value would otherwise
-    dominate its group's advantages."""
-    value = body.get("reward") if isinstance(body, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestError(400, f'/rl/reward needs {{"reward": <finite number>}}, got {value!r}')
-    if reward_range is not None and not reward_range[0] <= value <= reward_range[1]:
-        low, high = reward_range
-        raise RequestError(
-            400,
-            f"reward {value!r} is outside rollout.openai_endpoint.reward_range [{low:g}, "
-            f"{high:g}]: send a reward in that range (or widen the range in the run's config)",
-        )
-    return float(value)
 
 
 ENDED = {

@@ -12,21 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 from rollout_servers.engine import Sample
-from rollout_servers.sessions import RequestError
-
-
-def stop_strings(body: dict[str, Any]) -> list[str]:
-    """The request's ``stop``: none, a string, or a list of strings; else a 400."""
-    stop = body.get("stop")
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(400, f"stop must be a non-empty string or a list of them, not {stop!r}")
-    return stops
 
 
 def first_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[str]) -> int:
