@@ -29,7 +29,8 @@ Sampling follows the run, not the request: training needs the full distribution 
 ``stop`` (applied after sampling: :mod:`rollout_servers.stops`) are taken from a request,
 and what would constrain sampling (a forced ``tool_choice``, a JSON
 ``response_format``) is refused. A resent request gets the turn it asked for once
-(:meth:`OpenAIEndpoint._once`). A group's slot is held only while the group is alive: the slot lifecycle is
+(:meth:`OpenAIEndpoint._once`). ``stream=true`` gets the finished turn as chunks. A
+group's slot is held only while the group is alive: the slot lifecycle is
 :mod:`rollout_servers.endpoint_groups`'s.
 """
 
@@ -60,6 +61,7 @@ from rollout_servers.sessions import (
     Session,
     assistant_reply,
     completion_body,
+    completion_chunks,
     prepare,
     split_key,
 )
@@ -176,13 +178,11 @@ class OpenAIEndpoint:
         }
         return web.json_response(head | self.groups.status() | {"counts": counts})
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.metrics["rollout/openai/requests"] += 1
         key = ""
         try:
             body = await _json(request)
-            if body.get("stream"):
-                raise RequestError(400, "stream=true is not supported: ask without streaming")
             if (body.get("n") or 1) != 1:
                 raise RequestError(400, "n must be 1: open one session per sample")
             unconstrained(body)
@@ -197,7 +197,10 @@ class OpenAIEndpoint:
                     f"session {session.key!r} ended with its reward ({session.reward:g}): "
                     "start the next episode with another GROUP/MEMBER key",
                 )
-            return web.json_response(await self._once(request, session, messages, body))
+            reply = await self._once(request, session, messages, body)
+            if body.get("stream"):
+                return await _stream(request, reply, body)
+            return web.json_response(reply)
         except RequestError as e:
             self.groups.give_back_if_unused(key)
             return _refused(self.metrics, e)
@@ -332,6 +335,21 @@ class OpenAIEndpoint:
         self.metrics["rollout/openai/tokens"] += len(ids)
         prompt_len = len(piece.prompt_ids) + len(piece.token_ids) - len(ids)
         return completion_body(reply, finish, self.model, prompt_len, len(ids))
+
+
+async def _stream(
+    request: web.Request, reply: dict[str, Any], body: dict[str, Any]
+) -> web.StreamResponse:
+    """``stream=true``: the finished turn as server-sent events, then ``[DONE]``."""
+    options = body.get("stream_options")
+    usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for chunk in completion_chunks(reply, usage):
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 def _refused(metrics: Counter[str], e: RequestError) -> web.Response:

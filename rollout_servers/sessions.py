@@ -269,6 +269,26 @@ def completion_body(
     }
 
 
+def completion_chunks(body: dict[str, Any], usage: bool) -> list[dict[str, Any]]:
+    """A finished ``chat.completion`` as the ``chat.completion.chunk`` objects a streaming
+    client reads: the whole message in one delta (tool calls with their ``index``), the
+    finish reason, and the usage when the request's ``stream_options.include_usage`` asks.
+    The turn is sampled whole first: a stream here only carries it."""
+    choice = body["choices"][0]
+    message = choice["message"]
+    delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
+    head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    chunks = [
+        head | {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]},
+    ]
+    if usage:
+        chunks.append(head | {"choices": [], "usage": body["usage"]})
+    return chunks
+
+
 ENDED = {
     "length": "the session has no room left in data.max_response_length for another "
     "turn: end the episode with POST /rl/reward",

@@ -184,3 +184,44 @@ def test_stop_sequences_end_the_turn_at_the_first_one(monkeypatch):
         assert status == 400 and "stop must be" in body["error"]["message"], body
 
     _serve(monkeypatch, scenario)
+
+
+def test_a_streaming_client_gets_the_turn_as_chunks(monkeypatch):
+    """LangGraph's message streaming and the Agents SDK's streamed runs ask with
+    ``stream=true``: openai-python reads the turn as chunks, the usage last when asked."""
+    import openai
+
+    async def scenario(rig: Rig) -> None:
+        client = openai.AsyncOpenAI(base_url=f"{rig.base}/v1", api_key="g/0", max_retries=0)
+        stream = await client.chat.completions.create(
+            model="m",
+            messages=[USER],  # type: ignore[list-item]
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        await client.close()
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == body_text(rig)
+        assert [c.choices[0].finish_reason for c in chunks if c.choices] == [None, "stop"]
+        assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+        assert rig.session().episode.turns == 1
+
+    _serve(monkeypatch, scenario)
+
+
+def body_text(rig: Rig) -> str:
+    """What the session was shown as its last assistant message."""
+    return rig.session().shown[-1]["content"]
+
+
+def test_streamed_tool_calls_carry_their_index():
+    from rollout_servers.sessions import completion_body, completion_chunks
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    message = {"role": "assistant", "content": "", "tool_calls": [call]}
+    body = completion_body(message, "tool_calls", "m", 3, 4)
+    first, last = completion_chunks(body, usage=False)
+    assert first["choices"][0]["delta"]["tool_calls"] == [{"index": 0, **call}]
+    assert last["choices"][0]["finish_reason"] == "tool_calls"
+    assert all(c["id"] == body["id"] for c in (first, last))

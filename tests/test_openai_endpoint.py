@@ -212,11 +212,11 @@ def test_bad_requests_get_one_line_errors_and_the_server_serves_on(rig):
         (
             httpx.post(
                 f"{url}/chat/completions",
-                json={"messages": [{"role": "user", "content": "1+1="}], "stream": True},
+                json={"messages": [{"role": "user", "content": "1+1="}], "tool_choice": "required"},
                 headers=auth,
             ),
             400,
-            "stream",
+            "tool_choice",
         ),
         (
             httpx.post(
