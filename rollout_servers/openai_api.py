@@ -55,6 +55,7 @@ from rollout_servers.request_fields import (
     reward_of,
     stop_strings,
     unconstrained,
+    wants_logprobs,
 )
 from rollout_servers.sessions import (
     RequestError,
@@ -64,6 +65,7 @@ from rollout_servers.sessions import (
     completion_chunks,
     prepare,
     split_key,
+    token_logprobs,
 )
 from rollout_servers.stops import before_stop, cut, first_stop
 
@@ -300,6 +302,7 @@ class OpenAIEndpoint:
         :class:`~rollout_servers.sessions.Draft`)."""
         asked_tokens(body)  # a bad request is refused before any work
         stops = stop_strings(body)
+        wants_logprobs(body)
         draft = prepare(
             session,
             messages,
@@ -334,7 +337,10 @@ class OpenAIEndpoint:
         self.metrics["rollout/openai/completions"] += 1
         self.metrics["rollout/openai/tokens"] += len(ids)
         prompt_len = len(piece.prompt_ids) + len(piece.token_ids) - len(ids)
-        return completion_body(reply, finish, self.model, prompt_len, len(ids))
+        out = completion_body(reply, finish, self.model, prompt_len, len(ids))
+        if wants_logprobs(body):  # the behaviour logprobs the turn is trained with
+            out["choices"][0]["logprobs"] = token_logprobs(ids, sample.logprobs, self.tok)
+        return out
 
 
 async def _stream(

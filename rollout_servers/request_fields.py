@@ -47,6 +47,19 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
     return stops
 
 
+def wants_logprobs(body: dict[str, Any]) -> bool:
+    """The request's ``logprobs`` flag; ``top_logprobs`` above 0 is a 400 (the engine keeps
+    only the sampled token's logprob)."""
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise RequestError(
+            400,
+            f"top_logprobs={top!r} is not supported: only the sampled tokens' logprobs are "
+            "kept; ask with logprobs=true alone",
+        )
+    return bool(body.get("logprobs"))
+
+
 def unconstrained(body: dict[str, Any]) -> None:
     """Refuse what would constrain sampling (a forced tool call, a JSON format): the turn
     must come from the policy's full distribution for the learner's logprobs to match the

@@ -269,6 +269,18 @@ def completion_body(
     }
 
 
+def token_logprobs(ids: list[int], logprobs: list[float], tok: Tokenizer) -> dict[str, Any]:
+    """A choice's ``logprobs`` as the API returns them: one entry per sampled token (its
+    text, behaviour logprob and UTF-8 bytes); no alternatives (``top_logprobs`` empty)."""
+    content = []
+    for token, lp in zip(ids, logprobs, strict=True):
+        text = tok.decode([token])
+        content.append(
+            {"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []}
+        )
+    return {"content": content, "refusal": None}
+
+
 def completion_chunks(body: dict[str, Any], usage: bool) -> list[dict[str, Any]]:
     """A finished ``chat.completion`` as the ``chat.completion.chunk`` objects a streaming
     client reads: the whole message in one delta (tool calls with their ``index``), the
@@ -281,7 +293,12 @@ def completion_chunks(body: dict[str, Any], usage: bool) -> list[dict[str, Any]]
         delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]
     head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     chunks = [
-        head | {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]},
+        head
+        | {
+            "choices": [
+                {"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice["logprobs"]}
+            ]
+        },
         head | {"choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"]}]},
     ]
     if usage:

@@ -225,3 +225,22 @@ def test_streamed_tool_calls_carry_their_index():
     assert first["choices"][0]["delta"]["tool_calls"] == [{"index": 0, **call}]
     assert last["choices"][0]["finish_reason"] == "tool_calls"
     assert all(c["id"] == body["id"] for c in (first, last))
+
+
+def test_logprobs_are_the_behaviour_logprobs_the_turn_trains_with(monkeypatch):
+    async def scenario(rig: Rig) -> None:
+        status, body = await _post(rig, _chat([USER], logprobs=True))
+        assert status == 200, body
+        content = body["choices"][0]["logprobs"]["content"]
+        piece = rig.session().episode.pieces[0]
+        assert [c["logprob"] for c in content] == piece.logprobs
+        assert "".join(c["token"] for c in content) == "".join(map(chr, piece.token_ids))
+        assert all(c["top_logprobs"] == [] for c in content)
+        status, body = await _post(rig, {"reward": 1.0}, path="/rl/reward")
+        assert status == 200, body
+        status, body = await _post(
+            rig, _chat([USER], logprobs=True, top_logprobs=5), {"Authorization": "Bearer g/1"}
+        )
+        assert status == 400 and "top_logprobs=5 is not supported" in body["error"]["message"]
+
+    _serve(monkeypatch, scenario)
