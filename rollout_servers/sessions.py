@@ -345,9 +345,11 @@ def prepare(
     ep = session.episode
     draft = Draft(ep.draft(), list(session.shown), session.tools if ep.pieces else None)
     try:
-        if not ep.pieces:
-            draft.tools = tools_of(tools)
-        added = new_messages(session, messages) if ep.pieces else None
+        asked = tools_of(tools)
+        # New tool schemas change the prompt the model reads: a new sample renders them.
+        same_tools = bool(ep.pieces) and asked == session.tools
+        added = new_messages(session, messages) if same_tools else None
+        draft.tools = draft.tools if same_tools else asked
         if added is not None:
             new = draft.episode
             why = extend(new, added, tok, draft.tools, max_prompt_len, max_response_len)

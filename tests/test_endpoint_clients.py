@@ -244,3 +244,26 @@ def test_logprobs_are_the_behaviour_logprobs_the_turn_trains_with(monkeypatch):
         assert status == 400 and "top_logprobs=5 is not supported" in body["error"]["message"]
 
     _serve(monkeypatch, scenario)
+
+
+def test_new_tool_schemas_start_a_sample_that_shows_them(monkeypatch):
+    """A planning call without tools, then calls with them: the model must read the
+    schemas the agent sent, so the first request with new tools starts a new sample
+    rendered with them; the next request with the same tools continues it."""
+    add = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+
+    async def scenario(rig: Rig) -> None:
+        status, body = await _post(rig, _chat([USER]))
+        assert status == 200 and rig.session().tools is None
+        convo = [USER, body["choices"][0]["message"], {"role": "user", "content": "now add"}]
+        status, body = await _post(rig, _chat(convo, tools=[add]))
+        assert status == 200, body
+        session = rig.session()
+        assert session.tools == [add] and len(session.episode.pieces) == 2
+        assert "".join(map(chr, session.episode.pieces[1].prompt_ids)).startswith("[add]")
+        convo += [body["choices"][0]["message"], {"role": "tool", "content": "4"}]
+        status, body = await _post(rig, _chat(convo, tools=[add]))
+        assert status == 200 and len(rig.session().episode.pieces) == 2, body
+        assert rig.endpoint.metrics["rollout/openai/rewritten"] == 1
+
+    _serve(monkeypatch, scenario)
