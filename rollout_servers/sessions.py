@@ -56,14 +56,17 @@ class RequestError(Exception):
         message: str,
         code: str = "invalid_request_error",
         retry: bool | None = None,
+        api_code: str | None = None,
     ):
         super().__init__(message)
         self.status, self.message, self.code = status, message, code
         self.retry = status in (429, 503) if retry is None else retry
+        self.api_code = api_code or str(status)  # the API's error.code is a string
 
     def body(self) -> dict[str, Any]:
-        """The error body, shaped as the OpenAI API shapes its errors."""
-        return {"error": {"message": self.message, "type": self.code, "code": self.status}}
+        """The error body, shaped as the OpenAI API shapes its errors (``type``, and a
+        string ``code`` such as ``context_length_exceeded`` that clients match on)."""
+        return {"error": {"message": self.message, "type": self.code, "code": self.api_code}}
 
 
 @dataclass
@@ -229,7 +232,9 @@ def first_piece(prompt_ids: list[int], max_prompt_len: int, version: int) -> Pie
         raise RequestError(
             400,
             f"prompt of {len(prompt_ids)} tokens exceeds data.max_prompt_length="
-            f"{max_prompt_len}: shorten the conversation or raise it",
+            f"{max_prompt_len}, this endpoint's maximum context length for a prompt: "
+            "shorten the conversation or raise it",
+            api_code="context_length_exceeded",  # what clients' context handling matches
         )
     return Piece(prompt_ids=prompt_ids, start_version=version)
 

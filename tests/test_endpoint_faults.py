@@ -204,6 +204,7 @@ def test_a_refused_first_request_holds_no_slot(monkeypatch):
     async def scenario(rig: Rig) -> None:
         status, body = await rig.chat([{"role": "user", "content": "x" * 2000}])
         assert status == 400 and "max_prompt_length" in body["error"]["message"], body
+        assert body["error"]["code"] == "context_length_exceeded"  # what clients match on
         assert "g" not in rig.endpoint.groups.by_name
         await asyncio.gather(*rig.endpoint.groups._pushes)
         client = rig.endpoint.groups.client
