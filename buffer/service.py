@@ -340,7 +340,7 @@ class BufferService:
                 session=self.session, held=held, dropped=dropped, validated=validated
             )
         if isinstance(msg, wire.ValidationRequest):
-            return wire.ValidationReply(by_round=self.buffer.reports.results)
+            return wire.ValidationReply(by_round=self.buffer.reports.results, session=self.session)
         log.info("shutdown requested on the batch socket")  # the only request left
         self._stop.set()
         return wire.Ok()

@@ -338,7 +338,8 @@ class RankZero:
     # ------------------------------------------------------------------ steps, the end
     def _poll_validation(self, step: int) -> None:
         progress = self.coordinator.validation_progress()
-        for done in self.validation.add(self.buffer.validation(), progress):
+        reply = self.buffer.validation()
+        for done in self.validation.add(reply.by_round, progress, reply.session):
             self.logger.log(step, done)
 
     def after_step(self, step: int, metrics: dict[str, float], version: int) -> None:

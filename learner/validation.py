@@ -28,6 +28,11 @@ class ValidationTracker:
 
     def __init__(self) -> None:
         self.reported: set[str] = set()  # round keys (``val.<lineage>/<k>``)
+        # A restarted buffer sums from 0: what its earlier sessions had summed is carried
+        # (their scored groups are not dealt again), the current session's is the latest.
+        self.session: str | None = None
+        self.carried: dict[str, dict[str, ValidationStats]] = {}
+        self.seen: dict[str, dict[str, ValidationStats]] = {}
 
     def missing(self, progress: ValidationProgress) -> list[str]:
         """The keys of the started rounds not reported yet."""
@@ -39,15 +44,25 @@ class ValidationTracker:
         return bool(self.missing(progress))
 
     def add(
-        self, by_round: dict[str, dict[str, ValidationStats]], progress: ValidationProgress
+        self,
+        by_round: dict[str, dict[str, ValidationStats]],
+        progress: ValidationProgress,
+        session: str = "",
     ) -> list[dict[str, float]]:
         """The metrics of every started round whose groups (one per validation row) are all
-        in ``by_round`` (the buffer's sums: round key -> data source -> sums) and that was
-        not reported yet, oldest first (see :func:`round_metrics`)."""
+        in (``by_round``: buffer ``session``'s sums, round key -> data source -> sums, plus
+        what earlier buffer sessions summed) and that was not reported yet, oldest first
+        (see :func:`round_metrics`)."""
+        if session != self.session:
+            if self.session is not None:
+                for key, sources in self.seen.items():
+                    self.carried[key] = _merged(self.carried.get(key, {}), sources)
+            self.session = session
+        self.seen = by_round
         out = []
         for number in range(progress.rounds_started):
             key = progress.round_key(number)
-            stats = by_round.get(key)
+            stats = _merged(self.carried.get(key, {}), by_round.get(key, {}))
             if key in self.reported or not stats or progress.round_groups == 0:
                 continue
             if sum(s.groups for s in stats.values()) >= progress.round_groups:
@@ -60,6 +75,23 @@ class ValidationTracker:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reported = set(state.get("reported", []))
+
+
+def _merged(
+    a: dict[str, ValidationStats], b: dict[str, ValidationStats]
+) -> dict[str, ValidationStats]:
+    """Two sets of sums per data source, added."""
+    if not a or not b:
+        return a or b
+    out = dict(a)
+    for source, s in b.items():
+        if source in out:
+            t = out[source]
+            fields = {f: getattr(t, f) + getattr(s, f) for f in s.__struct_fields__}
+            out[source] = type(s)(**fields)
+        else:
+            out[source] = s
+    return out
 
 
 def round_metrics(stats: dict[str, ValidationStats]) -> dict[str, float]:

@@ -180,7 +180,7 @@ def test_validation_groups_never_reach_a_training_batch(service, tmp_path) -> No
     assert stats["buffer/val_groups_in"] == 6 and stats["buffer/ready"] == 0
     assert not any(v for b in got for v in b["validation"])
     with BufferClient(svc.batches_endpoint, "learner") as client:
-        by_round = client.validation()
+        by_round = client.validation().by_round
     assert sorted(by_round) == [f"val{i}" for i in range(6)]  # no round in these ids
     stats: dict[str, wire.ValidationStats] = {}
     for sources in by_round.values():

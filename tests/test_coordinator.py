@@ -335,7 +335,7 @@ def test_validation_rounds_are_flagged_and_outside_the_budget(tmp_path, start_st
             assert [e["task_id"] for e in events(journal, "task")[7:]] == [
                 f"{_head(learner.coordinator, 'val')}/1/{i}" for i in range(3)
             ]
-            by_round = buf.validation()
+            by_round = buf.validation().by_round
             head = _head(learner.coordinator, "val")
             assert sorted(by_round) == [f"{head}/0", f"{head}/1"]  # per round, kept
             assert all(r["arithmetic"].groups == 3 for r in by_round.values())

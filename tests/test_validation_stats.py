@@ -68,3 +68,15 @@ def test_each_round_is_reported_once_and_a_restored_tracker_reads_the_rest_again
     later = ValidationTracker()
     later.load_state_dict(tracker.state_dict())
     assert later.add(by_round, progress) == [] and not later.pending(progress)
+
+
+def test_a_round_split_across_a_buffer_restart_adds_both_sessions_sums():
+    """The buffer restarts in the middle of a round: its new session sums from 0, and the
+    groups the old one scored are not dealt again. The round is the two sessions' sums."""
+    progress = ValidationProgress(rounds_started=1, round_groups=3, head="val.x")
+    tracker = ValidationTracker()
+    assert tracker.add({"val.x/0": {"s": _stats([[1.0, 1.0]])}}, progress, "old") == []
+    assert tracker.add({}, progress, "new") == []  # the new buffer has nothing yet
+    both = {"s": _stats([[0.0, 0.0], [1.0, 0.0]])}
+    [out] = tracker.add({"val.x/0": both}, progress, "new")
+    assert math.isclose(out["val/score"], 3 / 6) and out["val/responses"] == 6

@@ -157,10 +157,10 @@ class BufferClient(ReqClient):
         which of those it never received (``unknown``)."""
         return self._ask(wire.InventoryRequest(ids=ids), wire.InventoryReply)
 
-    def validation(self) -> dict[str, dict[str, wire.ValidationStats]]:
-        """Validation results of the buffer's session: round key -> data source -> sums
-        (all rounds so far, not drained)."""
-        return self._ask(wire.ValidationRequest(), wire.ValidationReply).by_round
+    def validation(self) -> wire.ValidationReply:
+        """Validation results of the buffer's session (``by_round``: round key -> data
+        source -> sums, all rounds so far, not drained) and that ``session``."""
+        return self._ask(wire.ValidationRequest(), wire.ValidationReply)
 
     def shutdown(self) -> None:
         """Ask the buffer service to stop (it answers before it does)."""

@@ -220,6 +220,7 @@ class InventoryReply(Message, tag="inventory_reply"):
 class ValidationReply(Message, tag="validation_reply"):
     # round key (a validation id's ``val.<lineage>/<round>``) -> data source -> sums
     by_round: dict[str, dict[str, ValidationStats]]
+    session: str = ""  # the buffer session that summed them (a restarted buffer starts at 0)
 
 
 Request = (
