@@ -14,14 +14,13 @@ from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
 from asyncrl.control.task_source import TaskSource
 from asyncrl.tasks import make_row
 from rollout_servers.agent import Episode
+from rollout_servers.request_fields import max_tokens_of, reward_of
 from rollout_servers.sessions import (
     RequestError,
     Session,
     assistant_reply,
-    max_tokens_of,
     model_message,
     new_messages,
-    reward_of,
     split_key,
 )
 
@@ -60,8 +59,10 @@ def test_new_messages_are_what_the_agent_added_after_the_shown_conversation():
     assert new_messages(_session(shown), sent[:2]) is None  # nothing new: a re-ask
     rewritten = [{"role": "user", "content": "48*29="}, *sent[1:]]
     assert new_messages(_session(shown), rewritten) is None  # history changed: new sample
+    # An assistant message the model did not sample (a prefill, a handoff): a new sample.
+    assert new_messages(_session(shown), [*sent[:2], {"role": "assistant", "content": "x"}]) is None
     with pytest.raises(RequestError, match="cannot be added"):
-        new_messages(_session(shown), [*sent[:2], {"role": "assistant", "content": "x"}])
+        new_messages(_session(shown), [*sent[:2], {"role": "critic", "content": "x"}])
     with pytest.raises(RequestError, match="text content"):
         new_messages(_session(shown), [*sent[:2], {"role": "user", "content": [{"type": "x"}]}])
 
