@@ -338,6 +338,8 @@ class RankZero:
     # ------------------------------------------------------------------ steps, the end
     def _poll_validation(self, step: int) -> None:
         progress = self.coordinator.validation_progress()
+        if not self.validation.pending(progress):
+            return  # no round in flight: nothing to ask the buffer this step
         reply = self.buffer.validation()
         for done in self.validation.add(reply.by_round, progress, reply.session):
             self.logger.log(step, done)

@@ -48,6 +48,14 @@ from aiohttp import web
 
 from rollout_servers.agent import turn_params
 from rollout_servers.endpoint_groups import EndpointGroups
+from rollout_servers.openai_http import (
+    MAX_BODY,
+    api_errors,
+    read_json,
+    refused,
+    session_key,
+    stream_reply,
+)
 from rollout_servers.request_fields import (
     asked_tokens,
     fingerprint,
@@ -62,7 +70,6 @@ from rollout_servers.sessions import (
     Session,
     assistant_reply,
     completion_body,
-    completion_chunks,
     prepare,
     split_key,
     token_logprobs,
@@ -75,11 +82,6 @@ if TYPE_CHECKING:
     from rollout_servers.protocols import ControlClient, GenerationEngine, GroupPusher, Tokenizer
 
 log = logging.getLogger(__name__)
-
-#: Seconds a refused agent is told to wait (429 and 503 are retried by OpenAI clients).
-RETRY_AFTER_S = 1
-#: Bytes a request body may have.
-MAX_BODY = 4 << 20
 
 
 class OpenAIEndpoint:
@@ -111,7 +113,7 @@ class OpenAIEndpoint:
 
     # ----------------------------------------------------------------- serving
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[_api_errors])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[api_errors])
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/rl/reward", self._reward)
         app.router.add_post("/rl/abandon", self._abandon)
@@ -184,14 +186,14 @@ class OpenAIEndpoint:
         self.metrics["rollout/openai/requests"] += 1
         key = ""
         try:
-            body = await _json(request)
+            body = await read_json(request)
             if (body.get("n") or 1) != 1:
                 raise RequestError(400, "n must be 1: open one session per sample")
             unconstrained(body)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise RequestError(400, "messages must be a non-empty list")
-            key = _key(request, body)
+            key = session_key(request, body)
             session = await self.groups.session(key)
             if session.reward is not None:
                 raise RequestError(
@@ -201,21 +203,21 @@ class OpenAIEndpoint:
                 )
             reply = await self._once(request, session, messages, body)
             if body.get("stream"):
-                return await _stream(request, reply, body)
+                return await stream_reply(request, reply, body)
             return web.json_response(reply)
         except RequestError as e:
             self.groups.give_back_if_unused(key)
-            return _refused(self.metrics, e)
+            return refused(self.metrics, e)
         except Exception as e:  # the engine failed: say so in the API's shape, serve on
             log.exception("OpenAI endpoint: a completion failed")
             self.groups.give_back_if_unused(key)
             error = RequestError(500, f"{type(e).__name__}: {e}", "server_error", retry=True)
-            return _refused(self.metrics, error)
+            return refused(self.metrics, error)
 
     async def _reward(self, request: web.Request) -> web.Response:
         try:
-            body = await _json(request)
-            key = _key(request, body)
+            body = await read_json(request)
+            key = session_key(request, body)
             group_name, _ = split_key(key, self.groups.size)
             group = self.groups.by_name.get(group_name)
             session = group.sessions.get(key) if group is not None else None
@@ -241,14 +243,14 @@ class OpenAIEndpoint:
             done = {"size": group.size, "group_complete": rewarded >= group.size}
             return web.json_response(reply | done)
         except RequestError as e:
-            return _refused(self.metrics, e)
+            return refused(self.metrics, e)
 
     async def _abandon(self, request: web.Request) -> web.Response:
         try:
-            body = await _json(request) if request.can_read_body else {}
+            body = await read_json(request) if request.can_read_body else {}
             name = body.get("group")
             if not isinstance(name, str) or not name:
-                key = _key(request, body)
+                key = session_key(request, body)
                 if not key:
                     raise RequestError(
                         400, 'name the group: {"group": NAME}, or a GROUP/MEMBER API key'
@@ -256,7 +258,7 @@ class OpenAIEndpoint:
                 name = key.rpartition("/")[0] or key
             return web.json_response(self.groups.abandon(name))
         except RequestError as e:
-            return _refused(self.metrics, e)
+            return refused(self.metrics, e)
 
     # ----------------------------------------------------------------- turns
     async def _once(
@@ -301,8 +303,7 @@ class OpenAIEndpoint:
         committed only once the engine answered (see
         :class:`~rollout_servers.sessions.Draft`)."""
         asked_tokens(body)  # a bad request is refused before any work
-        stops = stop_strings(body)
-        wants_logprobs(body)
+        stops, logprobs = stop_strings(body), wants_logprobs(body)
         draft = prepare(
             session,
             messages,
@@ -338,71 +339,6 @@ class OpenAIEndpoint:
         self.metrics["rollout/openai/tokens"] += len(ids)
         prompt_len = len(piece.prompt_ids) + len(piece.token_ids) - len(ids)
         out = completion_body(reply, finish, self.model, prompt_len, len(ids))
-        if wants_logprobs(body):  # the behaviour logprobs the turn is trained with
+        if logprobs:  # the behaviour logprobs the turn is trained with
             out["choices"][0]["logprobs"] = token_logprobs(ids, sample.logprobs, self.tok)
         return out
-
-
-async def _stream(
-    request: web.Request, reply: dict[str, Any], body: dict[str, Any]
-) -> web.StreamResponse:
-    """``stream=true``: the finished turn as server-sent events, then ``[DONE]``."""
-    options = body.get("stream_options")
-    usage = isinstance(options, dict) and bool(options.get("include_usage"))
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
-    for chunk in completion_chunks(reply, usage):
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
-
-
-def _refused(metrics: Counter[str], e: RequestError) -> web.Response:
-    metrics[f"rollout/openai/refused/{e.status}"] += 1
-    headers = {"x-should-retry": "true" if e.retry else "false"}
-    if e.retry:
-        headers["Retry-After"] = str(RETRY_AFTER_S)
-    return web.json_response(e.body(), status=e.status, headers=headers)
-
-
-@web.middleware
-async def _api_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """A path or method the endpoint does not serve answers in the API's error shape
-    (OpenAI clients read ``error.message``), naming what it does serve."""
-    try:
-        return await handler(request)
-    except web.HTTPException as e:
-        if e.status not in (404, 405):
-            raise
-        served = "POST /v1/chat/completions, GET /v1/models, POST /rl/reward, " + (
-            "POST /rl/abandon, GET /rl/status"
-        )
-        message = f"{request.method} {request.path} is not served here (served: {served})"
-        body = RequestError(e.status, message, "not_found").body()
-        return web.json_response(body, status=e.status)
-
-
-def _key(request: web.Request, body: dict[str, Any]) -> str:
-    """The session key: an ``X-Session-Id`` header, else the body's ``session`` (the
-    OpenAI client's ``extra_body``), else the bearer token (its API key). A framework that
-    shares one client across episodes names each episode with the first two."""
-    named = request.headers.get("X-Session-Id", "").strip() or body.get("session")
-    if named:
-        return str(named)
-    auth = request.headers.get("Authorization", "")
-    if auth.lower().startswith("bearer "):
-        return auth[7:].strip()
-    return ""
-
-
-async def _json(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise RequestError(400, f"the body is not JSON ({e})") from e
-    except web.HTTPRequestEntityTooLarge as e:  # not a 500 that clients would resend
-        raise RequestError(413, f"the body is over {MAX_BODY >> 20} MiB ({e.text})") from e
-    if not isinstance(body, dict):
-        raise RequestError(400, "the body must be a JSON object")
-    return body

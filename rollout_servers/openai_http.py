@@ -1,0 +1,85 @@
+"""How the OpenAI endpoint reads a request and writes its answer over HTTP: the JSON body,
+the session key, a refusal in the API's error shape (with the retry headers OpenAI clients
+obey), the answer to an unserved route, and a finished turn as a stream. The endpoint's
+handlers (:mod:`rollout_servers.openai_api`) decide; these only carry.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+from aiohttp import web
+
+from rollout_servers.sessions import RequestError, completion_chunks
+
+#: Seconds a refused agent is told to wait (429 and 503 are retried by OpenAI clients).
+RETRY_AFTER_S = 1
+#: Bytes a request body may have.
+MAX_BODY = 4 << 20
+
+
+async def stream_reply(
+    request: web.Request, reply: dict[str, Any], body: dict[str, Any]
+) -> web.StreamResponse:
+    """``stream=true``: the finished turn as server-sent events, then ``[DONE]``."""
+    options = body.get("stream_options")
+    usage = isinstance(options, dict) and bool(options.get("include_usage"))
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for chunk in completion_chunks(reply, usage):
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+def refused(metrics: Counter[str], e: RequestError) -> web.Response:
+    metrics[f"rollout/openai/refused/{e.status}"] += 1
+    headers = {"x-should-retry": "true" if e.retry else "false"}
+    if e.retry:
+        headers["Retry-After"] = str(RETRY_AFTER_S)
+    return web.json_response(e.body(), status=e.status, headers=headers)
+
+
+@web.middleware
+async def api_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A path or method the endpoint does not serve answers in the API's error shape
+    (OpenAI clients read ``error.message``), naming what it does serve."""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status not in (404, 405):
+            raise
+        served = "POST /v1/chat/completions, GET /v1/models, POST /rl/reward, " + (
+            "POST /rl/abandon, GET /rl/status"
+        )
+        message = f"{request.method} {request.path} is not served here (served: {served})"
+        body = RequestError(e.status, message, "not_found").body()
+        return web.json_response(body, status=e.status)
+
+
+def session_key(request: web.Request, body: dict[str, Any]) -> str:
+    """The session key: an ``X-Session-Id`` header, else the body's ``session`` (the
+    OpenAI client's ``extra_body``), else the bearer token (its API key). A framework that
+    shares one client across episodes names each episode with the first two."""
+    named = request.headers.get("X-Session-Id", "").strip() or body.get("session")
+    if named:
+        return str(named)
+    auth = request.headers.get("Authorization", "")
+    if auth.lower().startswith("bearer "):
+        return auth[7:].strip()
+    return ""
+
+
+async def read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise RequestError(400, f"the body is not JSON ({e})") from e
+    except web.HTTPRequestEntityTooLarge as e:  # not a 500 that clients would resend
+        raise RequestError(413, f"the body is over {MAX_BODY >> 20} MiB ({e.text})") from e
+    if not isinstance(body, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    return body
