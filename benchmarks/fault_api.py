@@ -44,6 +44,7 @@ CURSOR = hasattr(ReplayBuffer, "reports_since")  # drop reports read by cursor, 
 RESUMED = _accepts(ReplayBuffer.restart, "resumed")  # a fresh consumer replays nothing
 AUDIT = hasattr(ControlState, "audit_request")  # acked groups audited against the buffer
 AT_LEAST = hasattr(Versions, "at_least")  # a fresh learner's versions go on above the buffer's
+SKIP = _accepts(GroupFilter, "skip")  # rows the filter keeps dropping are passed over
 
 
 def features() -> dict[str, bool]:
@@ -58,6 +59,7 @@ def features() -> dict[str, bool]:
         "resumed": RESUMED,
         "audit": AUDIT,
         "at_least": AT_LEAST,
+        "skip": SKIP,
     }
 
 
@@ -96,10 +98,20 @@ def new_state(cfg: Any, train: Sequence[dict], val: Sequence[dict], tag: str) ->
             enable=cfg.filter_groups,
             max_num_gen_batches=cfg.max_num_gen_batches,
             batch_size=cfg.batch,
+            **_skip(cfg),
         ),
     )
     state.session = tag  # deterministic (the real one is random)
     return state
+
+
+def _skip(cfg: Any) -> dict[str, Any]:
+    """The group filter's prompt skipping, where the classes have it and the run asks."""
+    if not (SKIP and cfg.skip_uninformative):
+        return {}
+    from asyncrl.control.prompt_skip import PromptSkip
+
+    return {"skip": PromptSkip(explore=0.5, explore_min=0.1, seed=cfg.seed)}
 
 
 def restored_state(

@@ -53,6 +53,7 @@ class SimConfig:
     slots: bool = False  # servers also open external slots
     filter_groups: bool = False  # algorithm.filter_groups: servers drop alike groups
     max_num_gen_batches: int = 0
+    skip_uninformative: bool = False  # ... and pass over rows they keep dropping
     lag_retries: int = 1
     task_retries: int = 3
     task_timeout_s: float = 30.0
@@ -92,6 +93,8 @@ def config_for(seed: int) -> SimConfig:
         slots=r.random() < 0.3,
         filter_groups=r.random() < 0.3,
         max_num_gen_batches=r.choice((0, 1, 2)),
+        # drawn last: the earlier draws (and so every schedule before it) are unchanged
+        skip_uninformative=r.random() < 0.5,
     )
 
 

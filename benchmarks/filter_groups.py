@@ -47,6 +47,12 @@ log = logging.getLogger("benchmarks.filter_groups")
 def _extra(p) -> None:
     p.add_argument("--steps", type=int, default=None, help="learner steps per run (120)")
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions of each arm (odd)")
+    p.add_argument(
+        "--skip",
+        action="store_true",
+        help="the filter-on arm also skips prompts it keeps dropping "
+        "(algorithm.filter_groups.skip_uninformative)",
+    )
 
 
 def ensure_demo() -> None:
@@ -81,6 +87,7 @@ def figures(run: Path) -> dict[str, Any]:
         "filtered_frac_mean": mean("filter/filtered_frac"),
         "prompts_per_trained_group_mean": mean("filter/prompts_per_trained_group"),
         "groups_filtered": steps[-1].get("filter/groups_filtered", 0.0),
+        "prompts_skipped": steps[-1].get("filter/prompts_skipped", 0.0),
         # the trained groups that carried a signal (zero-variance ones train nothing)
         "signal_samples_per_s": stats["samples_per_s"]
         * (1 - mean("batch/zero_variance_groups") / steps[0]["batch/groups"]),
@@ -128,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     ensure_demo()
     common = [f"trainer.total_training_steps={steps}", "trainer.save_freq=-1"]
     on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=4"]
+    if args.skip:
+        on.append("algorithm.filter_groups.skip_uninformative=true")
     runs: dict[str, list[dict]] = {"filter_on": [], "filter_off": []}  # "off": YAML's false
 
     def arm(name: str, extra: list[str]) -> float:

@@ -311,6 +311,14 @@ MUTATIONS = (
         ("tests/test_filter_groups.py",),
     ),
     Mutation(
+        "skipped prompts come back",
+        "a prompt's filtered streak is never reset when its group trains",
+        "asyncrl/control/prompt_skip.py",
+        "            self.streak.pop(row, None)",
+        "            pass",
+        ("tests/test_prompt_skip.py",),
+    ),
+    Mutation(
         "the inline engine's pause",
         "the engine thread steps requests while paused for a weight load",
         "rollout_servers/inline_llm.py",

@@ -66,6 +66,24 @@ class FilterGroupsConfig(Section):
         "data.train_batch_size; past it, tasks are dealt unfiltered until the next step "
         "(0: no bound).",
     )
+    skip_uninformative: bool = Field(
+        default=False,
+        description="Before dealing a training prompt whose last k groups were all "
+        "filtered, pass it over with probability 1 - max(skip_explore**k, "
+        "skip_explore_min) (GRESO's pre-rollout filter): less generation thrown away.",
+    )
+    skip_explore: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="Chance a prompt filtered once is still dealt (squared after two...).",
+    )
+    skip_explore_min: float = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="The least chance a prompt is dealt, however often it was filtered.",
+    )
 
 
 class OverlongBufferConfig(Section):

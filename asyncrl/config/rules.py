@@ -87,6 +87,13 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "algorithm.adv_estimator=gae)"
         )
     problems += _overlong_problems(cfg)
+    fg = cfg.algorithm.filter_groups
+    if fg.skip_uninformative and not fg.enable:
+        problems.append(
+            "algorithm.filter_groups.skip_uninformative=true skips prompts the group filter "
+            "dropped, but the filter is off; set algorithm.filter_groups.enable=true (or "
+            "skip_uninformative=false)"
+        )
     if ro.max_inflight < ro.n:
         problems.append(
             f"rollout.max_inflight={ro.max_inflight} is below rollout.n={ro.n}: a group could "

@@ -13,11 +13,19 @@ train_batch_size`` filtered groups since the last trained step, tasks are dealt 
 until the learner trains again, and the run says so in one line. Without a bound (0, veRL's
 default) a run where nearly everything is filtered keeps dealing, and says so every
 ``NOTE_EVERY_BATCHES`` batches' worth of filtered groups.
+
+With ``skip_uninformative`` it also keeps each training row's filtered streak
+(:class:`~asyncrl.control.prompt_skip.PromptSkip`), and the task source asks it whether to
+pass a row over before dealing it: the filter's cost is then paid for fewer groups.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from typing import Any
+
+from asyncrl.control.prompt_skip import PromptSkip
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +35,16 @@ NOTE_EVERY_BATCHES = 20
 class GroupFilter:
     """Whether to deal tasks filtered, and what the filter did (``filter/*`` metrics)."""
 
-    def __init__(self, *, enable: bool, max_num_gen_batches: int, batch_size: int):
+    def __init__(
+        self,
+        *,
+        enable: bool,
+        max_num_gen_batches: int,
+        batch_size: int,
+        skip: PromptSkip | None = None,
+    ):
         self.enable = enable
+        self.skip = skip if enable else None
         self.batch_size = max(1, batch_size)
         self.bound = max_num_gen_batches * self.batch_size if max_num_gen_batches > 0 else 0
         self.max_num_gen_batches = max_num_gen_batches
@@ -41,17 +57,40 @@ class GroupFilter:
     def state_dict(self) -> dict[str, int]:
         """Its counts (saved with the coordinator: a resumed run's ``filter/*`` go on, and
         the ``max_num_gen_batches`` bound keeps counting from where it was)."""
-        return {"since_step": self.since_step, "total": self.total, "bound_hits": self.bound_hits}
+        out: dict[str, Any] = {
+            "since_step": self.since_step,
+            "total": self.total,
+            "bound_hits": self.bound_hits,
+        }
+        if self.skip is not None:
+            out["skip"] = self.skip.state_dict()
+        return out
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.since_step = int(state["since_step"])
         self.total = int(state["total"])
         self.bound_hits = int(state["bound_hits"])
+        if self.skip is not None and "skip" in state:  # saved without it: streaks start again
+            self.skip.load_state_dict(state["skip"])
 
     @property
     def active(self) -> bool:
         """Deal the next training task with the filter on."""
         return self.enable and not (self.bound and self.since_step >= self.bound)
+
+    def skip_row(self, row: int, epoch: int, position: int) -> bool:
+        """Pass training row ``row`` over at ``position`` of ``epoch`` (never while the
+        filter is off or past its bound: then every group trains, whatever it scores)."""
+        return self.skip is not None and self.active and self.skip.skip(row, epoch, position)
+
+    def verdicts(self, filtered_rows: Iterable[int], kept_rows: Iterable[int]) -> None:
+        """Rows whose groups were filtered, or pushed to be trained (their streaks)."""
+        if self.skip is None:
+            return
+        for row in filtered_rows:
+            self.skip.record(row, informative=False)
+        for row in kept_rows:
+            self.skip.record(row, informative=True)
 
     def filtered(self, n: int, step: int) -> None:
         """A server filtered ``n`` groups."""
@@ -89,6 +128,8 @@ class GroupFilter:
         self.last_frac = self.since_step / (self.since_step + groups)
         self.last_per_trained = (self.since_step + groups) / groups
         self.since_step = 0
+        if self.skip is not None:
+            self.skip.stepped()
 
     def metrics(self) -> dict[str, float]:
         if not self.enable:
@@ -100,4 +141,4 @@ class GroupFilter:
             "filter/since_step": float(self.since_step),
             "filter/bound_hits": float(self.bound_hits),
             "filter/active": float(self.active),
-        }
+        } | (self.skip.metrics() if self.skip is not None else {})

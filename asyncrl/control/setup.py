@@ -12,6 +12,7 @@ from asyncrl.control.coordinator import Coordinator
 from asyncrl.control.group_filter import GroupFilter
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.pacing import Pacer
+from asyncrl.control.prompt_skip import PromptSkip
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource, load_rows
@@ -63,6 +64,7 @@ def state_from_config(
     # A server holds at most rollout.max_inflight responses: that many groups unpaced.
     ceiling = max(1, cfg.rollout.max_inflight // cfg.rollout.n)
     pacer = Pacer(ceiling) if cfg.staleness.pace_servers else None
+    fg = cfg.algorithm.filter_groups
     ledger = TaskLedger(
         task_source_from_config(cfg, train_rows, val_rows),
         budget,
@@ -85,9 +87,14 @@ def state_from_config(
         catchup_backoff_s=cfg.sync.catchup_backoff_s,
         catchup_backoff_max_s=cfg.sync.catchup_backoff_max_s,
         group_filter=GroupFilter(
-            enable=cfg.algorithm.filter_groups.enable,
-            max_num_gen_batches=cfg.algorithm.filter_groups.max_num_gen_batches,
+            enable=fg.enable,
+            max_num_gen_batches=fg.max_num_gen_batches,
             batch_size=cfg.data.train_batch_size,
+            skip=PromptSkip(
+                explore=fg.skip_explore, explore_min=fg.skip_explore_min, seed=cfg.data.seed
+            )
+            if fg.skip_uninformative
+            else None,
         ),
     )
 

@@ -102,6 +102,8 @@ class ControlState:
         self.group_filter = group_filter or GroupFilter(
             enable=False, max_num_gen_batches=0, batch_size=1
         )
+        if self.group_filter.skip is not None:
+            ledger.source.skip = self.group_filter.skip_row
         # The version, the syncs and the catch-ups: their own rules over the same records.
         self.versions = Versions(
             self.servers,
@@ -313,9 +315,18 @@ class ControlState:
         if filtered:  # dropped at the server by algorithm.filter_groups
             done = self.ledger.filtered(server_id, task_ids)
             self.group_filter.filtered(len(done), self.step)
+            self.group_filter.verdicts(self._rows(done), ())
             return TaskAckReply(acked=done, unknown=[t for t in task_ids if t not in done])
         acked, unknown = self.ledger.ack(task_ids, now)
+        self.group_filter.verdicts((), self._rows(acked))
         return TaskAckReply(acked=acked, unknown=unknown)
+
+    def _rows(self, task_ids: list[str]) -> list[int]:
+        """The training rows these tasks were dealt from (others have none)."""
+        if self.group_filter.skip is None:
+            return []
+        rows = (self.ledger.source.row_of(t) for t in task_ids)
+        return [r for r in rows if r is not None]
 
     def nack(self, server_id: str, task_ids: list[str], reason: str, now: float) -> int:
         """Tasks that failed at a live server: dealt again (or given up); how many."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 import random
 import secrets
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -103,8 +103,10 @@ class TaskSource:
         self.val_rounds = 0  # rounds started so far
         self.val_queue: deque[int] = deque()  # rounds started and not fully dealt
         self.val_position = 0  # next row of val_queue[0]
-        self._order_epoch = -1
-        self._order: list[int] = []
+        self._orders: dict[int, list[int]] = {}  # epoch -> its order (two at most)
+        # Asked before dealing each training row (its index, epoch, position): True passes
+        # it over (algorithm.filter_groups.skip_uninformative; see GroupFilter.skip_row).
+        self.skip: Callable[[int, int, int], bool] | None = None
 
     # ------------------------------------------------------------------ training
     @property
@@ -115,20 +117,42 @@ class TaskSource:
         return self.total_epochs is not None and self.epoch >= self.total_epochs
 
     def next_train(self, version: int = 0) -> Task | None:
-        """The next training task (None when exhausted); advances the cursor."""
-        if self.exhausted:
+        """The next training task (None when exhausted); advances the cursor past it and
+        past the rows ``skip`` passes over (at most one epoch's worth per call)."""
+        passed = 0
+        while not self.exhausted:
+            epoch, position = self.epoch, self.position
+            self.position += 1
+            if self.position >= len(self.train_rows):
+                self.epoch, self.position = self.epoch + 1, 0
+            row = self._order_of(epoch)[position]
+            skip = self.skip if passed < len(self.train_rows) else None
+            if skip is not None and skip(row, epoch, position):
+                passed += 1
+                continue
+            return self._train_task(epoch, position, version)
+        return None
+
+    def row_of(self, task_id: str) -> int | None:
+        """The training row a training task id of this source names (None for any other
+        id: validation, an endpoint slot, another lineage's)."""
+        try:
+            kind, epoch, position, _ = _parse_id(task_id, self.lineage)
+        except KeyError:
             return None
-        task = self._train_task(self.epoch, self.position, version)
-        self.position += 1
-        if self.position >= len(self.train_rows):
-            self.epoch, self.position = self.epoch + 1, 0
-        return task
+        if kind != _TRAIN or not 0 <= position < len(self.train_rows):
+            return None
+        return self._order_of(epoch)[position]
 
     def _order_of(self, epoch: int) -> list[int]:
-        if epoch != self._order_epoch:  # one epoch at a time: keep the current order
-            self._order = epoch_order(len(self.train_rows), epoch, self.seed, self.shuffle)
-            self._order_epoch = epoch
-        return self._order
+        order = self._orders.get(epoch)
+        if order is None:
+            order = epoch_order(len(self.train_rows), epoch, self.seed, self.shuffle)
+            # Keep the cursor's epoch and this one: acks of the epoch before trail the
+            # cursor across an epoch's end.
+            kept = {e: o for e, o in self._orders.items() if e == self.epoch}
+            self._orders = kept | {epoch: order}
+        return order
 
     def _train_task(self, epoch: int, position: int, version: int) -> Task:
         row = self.train_rows[self._order_of(epoch)[position]]

@@ -1,0 +1,159 @@
+"""Skipping prompts the group filter keeps dropping (``algorithm.filter_groups.
+skip_uninformative``, :mod:`asyncrl.control.prompt_skip`): the rule with hand-computed
+chances, the coordinator dealing under it (fewer groups thrown away, the accounting identity
+intact, a prompt that starts to carry a signal again comes back), its state across a
+restore, and the config that switches it."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.control.group_filter import GroupFilter
+from asyncrl.control.prompt_skip import PromptSkip
+from asyncrl.control.setup import state_from_config
+from asyncrl.control.task_source import TaskSource
+from tests.test_accounting import B, Run, _group
+from tests.test_pacing import _rows
+
+ROWS = 8
+
+
+def test_the_chance_to_deal_a_row_halves_per_filtered_group_down_to_the_floor():
+    skip = PromptSkip(explore=0.5, explore_min=0.1, seed=1)
+    chances = []
+    for _ in range(5):
+        skip.record(3, informative=False)
+        chances.append(skip.keep_probability(3))
+    assert chances == [0.5, 0.25, 0.125, 0.1, 0.1]
+    assert skip.keep_probability(4) == 1.0 and not skip.skip(4, 0, 0)  # never filtered
+    skip.record(3, informative=True)  # trained once: dealt every time again
+    assert skip.keep_probability(3) == 1.0 and skip.streak == {}
+    with pytest.raises(ValueError, match="must be in"):
+        PromptSkip(explore=0.0, explore_min=0.1, seed=1)
+
+
+def test_the_draw_is_a_function_of_the_position_and_the_streak():
+    a, b = (PromptSkip(explore=0.5, explore_min=0.1, seed=7) for _ in range(2))
+    for s in (a, b):
+        s.record(0, informative=False)
+    draws = [a.skip(0, e, p) for e in range(4) for p in range(50)]
+    assert draws == [b.skip(0, e, p) for e in range(4) for p in range(50)]
+    assert 60 < sum(draws) < 140  # about half of 200 passed over at streak 1
+    assert a.skipped == sum(draws)
+
+
+def test_row_of_names_the_training_row_of_an_id():
+    source = TaskSource(_rows(5), _rows(2, "test"), seed=3, lineage="ab")
+    first = [source.next_train() for _ in range(7)]  # into the second epoch
+    for t in first:
+        assert source.row_of(t.task_id) == t.extra_info["index"]
+    retry, _ = source.retry_of(first[1].task_id, 0)
+    assert source.row_of(retry.task_id) == first[1].extra_info["index"]
+    source.start_validation()
+    val = source.next_val()
+    assert val is not None and source.row_of(val.task_id) is None
+    assert source.row_of("train.zz/0/1") is None and source.row_of("ext/s/1") is None
+
+
+def _run(skip: bool) -> Run:
+    """The accounting tests' stepped run over ``ROWS`` rows, filter on (and skipping)."""
+    run = Run(0, rows=ROWS)
+    gf = GroupFilter(
+        enable=True,
+        max_num_gen_batches=0,
+        batch_size=B,
+        skip=PromptSkip(explore=0.5, explore_min=0.1, seed=1) if skip else None,
+    )
+    run.st.group_filter = gf
+    if gf.skip is not None:  # what ControlState does with a filter it is built with
+        run.st.ledger.source.skip = gf.skip_row
+    return run
+
+
+def _serve(run: Run, alike: set[int], steps: int) -> Counter[int]:
+    """``steps`` learner steps; the server filters the groups of rows in ``alike``.
+    Returns the deals per row."""
+    deals: Counter[int] = Counter()
+    for _ in range(steps):
+        while grant := run.st.grant("s", 64, 0.0).tasks:
+            for t in grant:
+                row = int(t.extra_info["index"])
+                deals[row] += 1
+                if t.filter and row in alike:
+                    assert run.st.ack("s", [t.task_id], 0.0, filtered=True).acked
+                else:
+                    run.buf.add_packed(_group(t, run.st.version), 0.0)
+                    run.st.ack("s", [t.task_id], 0.0)
+        assert run.step()
+    return deals
+
+
+def test_rows_the_filter_keeps_dropping_are_dealt_less_and_come_back():
+    alike = {0, 1, 2, 3}  # half the rows score alike every time
+    plain, skipping = _run(skip=False), _run(skip=True)
+    without, with_skip = _serve(plain, alike, 40), _serve(skipping, alike, 40)
+    thrown = lambda deals: sum(deals[r] for r in alike)  # noqa: E731
+    kept = lambda deals: sum(deals[r] for r in range(ROWS) if r not in alike)  # noqa: E731
+    assert kept(without) == kept(with_skip) == 40 * B  # the same batches trained
+    assert thrown(without) == 40 * B  # every epoch deals each row once
+    # streaks of k keep a row with chance 0.5**k, at least 0.1: about 0.1 * 160 + 6
+    assert 4 <= thrown(with_skip) < 0.3 * thrown(without)
+    assert all(with_skip[r] >= 2 for r in alike)  # still tried now and then
+    a = skipping.acct()  # the identity holds: a skipped row was never a task
+    assert a["accounting/train/dropped/filtered"] == thrown(with_skip)
+    m = skipping.st.metrics()
+    assert m["filter/prompts_skipped"] == skipping.st.group_filter.skip.skipped > 0  # type: ignore[union-attr]
+    # The model un-learns them: their groups carry a signal again, and once a row's next
+    # (explored) group trains, it is dealt every epoch again.
+    _serve(skipping, set(), 60)
+    after = _serve(skipping, set(), 10)
+    assert all(after[r] == after[ROWS - 1] for r in alike), after
+    assert skipping.st.group_filter.skip.streak == {}  # type: ignore[union-attr]
+
+
+def test_past_the_filters_bound_nothing_is_skipped():
+    gf = GroupFilter(
+        enable=True,
+        max_num_gen_batches=1,
+        batch_size=2,
+        skip=PromptSkip(explore=0.5, explore_min=0.1, seed=1),
+    )
+    gf.verdicts(filtered_rows=[5] * 10, kept_rows=())
+    assert any(gf.skip_row(5, 0, p) for p in range(20))
+    gf.filtered(2, step=0)  # the bound: dealt unfiltered, so every group trains
+    assert not gf.active and not any(gf.skip_row(5, 0, p) for p in range(20))
+
+
+def test_a_restored_coordinator_skips_the_same_rows():
+    alike = {1, 4, 6}
+    first = _run(skip=True)
+    _serve(first, alike, 12)
+    saved = first.st.state_dict()
+    second = _run(skip=True)
+    second.st.load_state_dict(saved)
+    assert second.st.group_filter.skip.streak == first.st.group_filter.skip.streak  # type: ignore[union-attr]
+    ids = []
+    for run in (first, second):
+        run.st.ledger.source.skip = run.st.group_filter.skip_row
+        tasks = [run.st.ledger.source.next_train() for _ in range(30)]
+        ids.append([t.task_id for t in tasks if t is not None])
+    assert ids[0] == ids[1] and len(ids[0]) == 30
+
+
+def test_the_config_switches_it_on_with_the_filter_only():
+    on = [
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.skip_uninformative=true",
+        "algorithm.filter_groups.skip_explore=0.25",
+    ]
+    st = state_from_config(load_config("configs/cpu_demo.yaml", on), _rows(8), _rows(2, "test"))
+    skip = st.group_filter.skip
+    assert skip is not None and skip.explore == 0.25 and skip.explore_min == 0.1
+    assert st.ledger.source.skip == st.group_filter.skip_row
+    plain = load_config("configs/cpu_demo.yaml", on[:1])
+    assert state_from_config(plain, _rows(8), _rows(2, "test")).ledger.source.skip is None
+    with pytest.raises(ConfigError, match="filter_groups.enable=true"):
+        load_config("configs/cpu_demo.yaml", on[1:2])
