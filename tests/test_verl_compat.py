@@ -339,3 +339,21 @@ def test_verl_grpo_example_with_dapo_and_gspo_keys_runs_the_demo(
     said = proc.stdout + proc.stderr  # the launcher reads the command line, once
     assert said.count("veRL's trainer.n_gpus_per_node=1 ") == 1, said[-3000:]
     assert said.count("ref.fsdp_config.param_offload=True has no effect here") == 1
+
+
+def test_a_micro_batch_size_that_dynamic_batching_ignores_is_warned_about(tmp_path):
+    """veRL sizes micro-batches by sequences unless use_dynamic_bsz is set; here dynamic
+    batching is the default, so a veRL config's micro-batch size alone would do nothing."""
+    from asyncrl.config import write_resolved
+    from asyncrl.config.rules import config_advisories
+
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"
+    [line] = config_advisories(load_config("configs/cpu_demo.yaml", [micro]))
+    assert "ppo_micro_batch_size_per_gpu=4 is unused" in line
+    assert "actor.use_dynamic_bsz=false" in line
+    for chosen in ("false", "true"):  # either way the user chose
+        bsz = f"actor_rollout_ref.actor.use_dynamic_bsz={chosen}"
+        assert config_advisories(load_config("configs/cpu_demo.yaml", [micro, bsz])) == []
+    # a role reading the launcher's resolved config.yaml (every key set) stays quiet
+    cfg = load_config("configs/cpu_demo.yaml", [micro, f"trainer.default_local_dir={tmp_path}"])
+    assert config_advisories(load_config(str(write_resolved(cfg)))) == []

@@ -173,6 +173,21 @@ def config_advisories(cfg: Config) -> list[str]:
             "sequence ratio seldom leaves; GSPO clips at 3e-4 / 4e-4 (used when the config "
             "leaves both unset)"
         )
+    # Only a config the user wrote says which keys were given (a resolved config.yaml sets
+    # them all): veRL's use_dynamic_bsz is off by default, ours is on.
+    given = actor.model_fields_set
+    if (
+        "ppo_micro_batch_size_per_gpu" in given
+        and "use_dynamic_bsz" not in given
+        and actor.use_dynamic_bsz
+    ):
+        out.append(
+            f"actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} is "
+            "unused: actor.use_dynamic_bsz is on by default here (off in veRL), so "
+            f"micro-batches hold up to actor.ppo_max_token_len_per_gpu="
+            f"{actor.ppo_max_token_len_per_gpu} tokens; set actor.use_dynamic_bsz=false to "
+            "use the sequence count"
+        )
     return out
 
 

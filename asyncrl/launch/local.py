@@ -32,6 +32,7 @@ import sys
 from asyncrl.cli import parse_role_args
 from asyncrl.config import ConfigError, write_resolved
 from asyncrl.config.inputs import DATA, MODEL, REWARD
+from asyncrl.config.rules import config_advisories
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import claim, hold_run_dir
 from asyncrl.launch.roles import commands_text, drive, plan_roles
@@ -80,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Endpoint URLs of an earlier launch of this run point at servers that are gone.
     shutil.rmtree(run_dir / "openai_endpoints", ignore_errors=True)
+    for line in config_advisories(cfg):  # the learner logs them too, in its own log
+        log.warning("%s", line)
     config_path = write_resolved(cfg)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
