@@ -58,18 +58,17 @@ def test_row_of_names_the_training_row_of_an_id():
     assert source.row_of("train.zz/0/1") is None and source.row_of("ext/s/1") is None
 
 
-def _run(skip: bool) -> Run:
+def _run(skip: bool, bound: int = 0) -> Run:
     """The accounting tests' stepped run over ``ROWS`` rows, filter on (and skipping)."""
     run = Run(0, rows=ROWS)
     gf = GroupFilter(
         enable=True,
-        max_num_gen_batches=0,
+        max_num_gen_batches=bound,
         batch_size=B,
         skip=PromptSkip(explore=0.5, explore_min=0.1, seed=1) if skip else None,
     )
     run.st.group_filter = gf
-    if gf.skip is not None:  # what ControlState does with a filter it is built with
-        run.st.ledger.source.skip = gf.skip_row
+    gf.attach(run.st.ledger.source)  # what ControlState does with a filter it is built with
     return run
 
 
@@ -121,10 +120,24 @@ def test_past_the_filters_bound_nothing_is_skipped():
         batch_size=2,
         skip=PromptSkip(explore=0.5, explore_min=0.1, seed=1),
     )
-    gf.verdicts(filtered_rows=[5] * 10, kept_rows=())
+    for _ in range(10):
+        gf.skip.record(5, informative=False)  # type: ignore[union-attr]
     assert any(gf.skip_row(5, 0, p) for p in range(20))
     gf.filtered(2, step=0)  # the bound: dealt unfiltered, so every group trains
     assert not gf.active and not any(gf.skip_row(5, 0, p) for p in range(20))
+
+
+def test_groups_dealt_unfiltered_past_the_bound_leave_the_streaks():
+    """Past max_num_gen_batches the groups are dealt unfiltered and pushed whatever they
+    score: their acks say nothing about the prompt, and must not clear its streak."""
+    run = _run(skip=True, bound=1)
+    deals = _serve(run, set(range(ROWS)), 1)  # every group alike: B filtered, then the bound
+    skip = run.st.group_filter.skip
+    assert skip is not None and run.st.metrics()["filter/bound_hits"] == 1
+    assert sum(deals.values()) == 2 * B  # B filtered, then B dealt unfiltered and trained
+    assert len(skip.streak) == B and set(skip.streak.values()) == {1}, skip.streak
+    _serve(run, set(range(ROWS)), 3)
+    assert sum(skip.streak.values()) == run.st.metrics()["filter/groups_filtered"]
 
 
 def test_a_restored_coordinator_skips_the_same_rows():
@@ -137,7 +150,6 @@ def test_a_restored_coordinator_skips_the_same_rows():
     assert second.st.group_filter.skip.streak == first.st.group_filter.skip.streak  # type: ignore[union-attr]
     ids = []
     for run in (first, second):
-        run.st.ledger.source.skip = run.st.group_filter.skip_row
         tasks = [run.st.ledger.source.next_train() for _ in range(30)]
         ids.append([t.task_id for t in tasks if t is not None])
     assert ids[0] == ids[1] and len(ids[0]) == 30

@@ -22,10 +22,13 @@ pass a row over before dealing it: the filter's cost is then paid for fewer grou
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from asyncrl.control.prompt_skip import PromptSkip
+
+if TYPE_CHECKING:
+    from asyncrl.control.task_source import TaskSource
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,8 @@ class GroupFilter:
     ):
         self.enable = enable
         self.skip = skip if enable else None
+        self._judging: set[str] = set()  # dealt with the filter on, not yet acked
+        self.row_of: Callable[[str], int | None] | None = None  # set with the task source
         self.batch_size = max(1, batch_size)
         self.bound = max_num_gen_batches * self.batch_size if max_num_gen_batches > 0 else 0
         self.max_num_gen_batches = max_num_gen_batches
@@ -83,14 +88,36 @@ class GroupFilter:
         filter is off or past its bound: then every group trains, whatever it scores)."""
         return self.skip is not None and self.active and self.skip.skip(row, epoch, position)
 
-    def verdicts(self, filtered_rows: Iterable[int], kept_rows: Iterable[int]) -> None:
-        """Rows whose groups were filtered, or pushed to be trained (their streaks)."""
-        if self.skip is None:
+    def attach(self, source: TaskSource) -> None:
+        """Skip rows of ``source`` (when skipping is on): it asks before dealing a row, and
+        names the row of an acked task."""
+        if self.skip is not None:
+            source.skip = self.skip_row
+            self.row_of = source.row_of
+
+    def dealt_filtered(self, task_ids: Iterable[str]) -> None:
+        """Training tasks dealt with the filter on: their acks are verdicts (a group dealt
+        unfiltered, past the bound, is pushed whatever it scores)."""
+        if self.skip is not None:
+            self._judging.update(task_ids)
+
+    def forget(self, task_ids: Iterable[str]) -> list[str]:
+        """Those of ``task_ids`` dealt with the filter on, forgotten (acked, or failed and
+        dealt again)."""
+        out = [t for t in task_ids if t in self._judging]
+        self._judging.difference_update(out)
+        return out
+
+    def verdicts(self, task_ids: list[str], filtered: bool) -> None:
+        """Acked tasks' groups were filtered, or pushed to be trained: their rows'
+        streaks (only for groups the filter judged; ``row_of`` names a task's row)."""
+        judged = self.forget(task_ids)
+        if self.skip is None or self.row_of is None:
             return
-        for row in filtered_rows:
-            self.skip.record(row, informative=False)
-        for row in kept_rows:
-            self.skip.record(row, informative=True)
+        for tid in task_ids if filtered else judged:
+            row = self.row_of(tid)
+            if row is not None:
+                self.skip.record(row, informative=not filtered)
 
     def filtered(self, n: int, step: int) -> None:
         """A server filtered ``n`` groups."""

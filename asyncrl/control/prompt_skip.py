@@ -11,9 +11,12 @@ max(explore ** k, explore_min)``: a prompt still gets tried now and then, so one
 has un-learned (or grown into) comes back. A skipped row is never dealt, so it is no task
 and not in the accounting identity; it is counted in ``filter/prompts_skipped``.
 
-The decision for one row at one position of one epoch is a pure function of the seed, that
-position and the row's streak, so a cursor restored from a checkpoint (with this state)
-skips the same rows again.
+Only groups dealt with the filter on are verdicts (past ``max_num_gen_batches`` groups are
+dealt unfiltered and pushed whatever they score). The decision for one row at one position
+of one epoch is a pure function of the seed, that position and the row's streak: the
+streaks are saved with the coordinator, and a restored one draws as the saved one would
+have (the groups outstanding at the checkpoint, dealt again, may then move the streaks at
+other moments than in the lost run).
 """
 
 from __future__ import annotations

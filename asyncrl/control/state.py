@@ -102,8 +102,7 @@ class ControlState:
         self.group_filter = group_filter or GroupFilter(
             enable=False, max_num_gen_batches=0, batch_size=1
         )
-        if self.group_filter.skip is not None:
-            ledger.source.skip = self.group_filter.skip_row
+        self.group_filter.attach(ledger.source)
         # The version, the syncs and the catch-ups: their own rules over the same records.
         self.versions = Versions(
             self.servers,
@@ -270,6 +269,7 @@ class ControlState:
         tasks, reason = self.ledger.deal(server_id, max_tasks, now)
         if self.group_filter.active:
             tasks = [t if t.validation else msgspec.structs.replace(t, filter=True) for t in tasks]
+            self.group_filter.dealt_filtered(t.task_id for t in tasks if t.filter)
         grant = TaskGrant(tasks=tasks, policy_version=self.version, reason=reason)
         if tasks and request_id is not None:
             rec.last_grant = (request_id, grant)  # type: ignore[union-attr]
@@ -315,22 +315,18 @@ class ControlState:
         if filtered:  # dropped at the server by algorithm.filter_groups
             done = self.ledger.filtered(server_id, task_ids)
             self.group_filter.filtered(len(done), self.step)
-            self.group_filter.verdicts(self._rows(done), ())
+            self.group_filter.verdicts(done, filtered=True)
             return TaskAckReply(acked=done, unknown=[t for t in task_ids if t not in done])
         acked, unknown = self.ledger.ack(task_ids, now)
-        self.group_filter.verdicts((), self._rows(acked))
+        # Only a group dealt with the filter on was judged: one dealt past the bound is
+        # pushed whatever it scored, and says nothing about its prompt.
+        self.group_filter.verdicts(acked, filtered=False)
         return TaskAckReply(acked=acked, unknown=unknown)
-
-    def _rows(self, task_ids: list[str]) -> list[int]:
-        """The training rows these tasks were dealt from (others have none)."""
-        if self.group_filter.skip is None:
-            return []
-        rows = (self.ledger.source.row_of(t) for t in task_ids)
-        return [r for r in rows if r is not None]
 
     def nack(self, server_id: str, task_ids: list[str], reason: str, now: float) -> int:
         """Tasks that failed at a live server: dealt again (or given up); how many."""
         self.touch(server_id, now)
+        self.group_filter.forget(task_ids)  # dealt again (maybe unfiltered) or given up
         back = self.ledger.nack(server_id, task_ids)
         given = [t for t in task_ids if is_external(t)]
         if given:  # an endpoint group that will not train: routine, its slot frees
