@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 RECENT = 32
 #: Open groups named one by one in a refusal (the rest are counted).
 NAMED = 5
+#: A wait for a slot this long is logged.
+LONG_WAIT_S = 5.0
 
 
 class EndpointGroups:
@@ -75,6 +77,7 @@ class EndpointGroups:
         self.metrics = metrics
         self.size = oe.group_size or cfg.rollout.n
         self.idle_s, self.max_groups = oe.group_idle_s, oe.max_groups
+        self.slot_wait_s = oe.slot_wait_s
         # Group-relative estimators need two rewards for a baseline: one alone would train
         # on its raw reward as its advantage.
         relative = cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo")
@@ -134,20 +137,10 @@ class EndpointGroups:
         pending = self._opening.get(name)
         if pending is not None:
             return await asyncio.shield(pending)
-        if len(self.by_name) >= self.max_groups:
-            raise RequestError(
-                429,
-                f"{self.max_groups} groups are open on this server "
-                f"(rollout.openai_endpoint.max_groups): {self.holders()}",
-                "rate_limit",
-            )
         future: asyncio.Future[Group] = asyncio.get_running_loop().create_future()
         self._opening[name] = future
         try:
-            grant = await self.lanes.control(self.client.request_slot)
-            if not grant.tasks:
-                raise self._refusal(grant)
-            group = self.by_name[name] = Group(name, grant.tasks[0], self.size)
+            group = self.by_name[name] = Group(name, await self._slot(), self.size)
             self.metrics["rollout/openai/groups_opened"] += 1
             future.set_result(group)
             return group
@@ -158,9 +151,57 @@ class EndpointGroups:
         finally:
             self._opening.pop(name, None)
 
-    def _refusal(self, grant: TaskGrant) -> RequestError:
+    async def _slot(self) -> Task:
+        """A slot of the admission budget. While none is free (the budget is spent, the
+        weights catch up, this server's ``max_groups`` are open) the request is held up to
+        ``slot_wait_s``, asking again with a growing pause (at most 1 s): backpressure,
+        so that a client with the default two retries is not failed by one learner step.
+        Past the wait, or when waiting cannot help (the run is ending), the refusal."""
+        start = time.monotonic()
+        pause = 0.1
+        while True:
+            if len(self.by_name) >= self.max_groups:
+                reason, grant = "max_groups", None
+            else:
+                grant = await self.lanes.control(self.client.request_slot)
+                if grant.tasks:
+                    self._waited(start, "")
+                    return grant.tasks[0]
+                reason = grant.reason
+            waited = time.monotonic() - start
+            if reason == "shutdown" or waited >= self.slot_wait_s:
+                self._waited(start, reason)
+                raise self._refusal(grant, waited)
+            await asyncio.sleep(min(pause, self.slot_wait_s - waited))
+            pause = min(1.0, 2 * pause)
+
+    def _waited(self, start: float, refused: str) -> None:
+        """Count a held request's wait (and say so when it was long)."""
+        waited = time.monotonic() - start
+        if waited < 0.05:
+            return
+        self.metrics["rollout/openai/slot_waits"] += 1
+        self.metrics["rollout/openai/slot_wait_ms"] += round(1000 * waited)
+        if waited >= LONG_WAIT_S:
+            outcome = f"refused ({refused})" if refused else "granted"
+            log.info("a new endpoint group waited %.0f s for a training slot: %s", waited, outcome)
+
+    def _refusal(self, grant: TaskGrant | None, waited: float) -> RequestError:
         """The answer to a refused slot: what holds the budget and what frees it."""
-        self.metrics[f"rollout/openai/slots_refused/{grant.reason}"] += 1
+        reason = grant.reason if grant is not None else "max_groups"
+        self.metrics[f"rollout/openai/slots_refused/{reason}"] += 1
+        held = (
+            f" (held {waited:.0f} s, rollout.openai_endpoint.slot_wait_s={self.slot_wait_s:g})"
+            if waited >= 0.5
+            else ""
+        )
+        if grant is None:
+            return RequestError(
+                429,
+                f"{self.max_groups} groups are open on this server "
+                f"(rollout.openai_endpoint.max_groups){held}: {self.holders()}",
+                "rate_limit",
+            )
         if grant.reason == "shutdown":
             return RequestError(
                 503,
@@ -170,14 +211,17 @@ class EndpointGroups:
             )
         if grant.reason != "budget":
             return RequestError(
-                503, f"no training slot now ({grant.reason}); retry shortly", "unavailable"
+                503,
+                f"no training slot now ({grant.reason}){held}; retry shortly",
+                "unavailable",
             )
         lag = self.cfg.staleness.max_policy_lag
+        detail = grant.detail or "the learner has not trained the groups dealt yet"
         return RequestError(
             429,
-            f"no training slot now: the staleness budget (staleness.max_policy_lag={lag}) is "
-            f"full; {grant.detail or 'the learner has not trained the groups dealt yet'}. "
-            f"{self.holders()} A slot frees when the learner trains its next step; retry.",
+            f"no training slot now{held}: the staleness budget (staleness.max_policy_lag="
+            f"{lag}) is full; {detail}. {self.holders()} A slot frees when the learner "
+            "trains its next step; retry.",
             "rate_limit",
         )
 

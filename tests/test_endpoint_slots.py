@@ -104,6 +104,7 @@ def test_slots_are_held_only_by_live_groups(coordinator, tmp_path, monkeypatch):
             "rollout.openai_endpoint.host=127.0.0.1",
             f"rollout.openai_endpoint.group_idle_s={IDLE_S}",
             "rollout.openai_endpoint.reward_range=[-1,1]",
+            "rollout.openai_endpoint.slot_wait_s=0",  # refused at once: the client retries
             f"trainer.default_local_dir={tmp_path}",
         ],
     )
@@ -199,6 +200,57 @@ async def _rewarded_and_abandoned(url: str, endpoint: OpenAIEndpoint, coord: Any
     await asyncio.gather(*endpoint.groups._pushes)
     outcomes = {g["group"]: g["outcome"] for g in (await _status(url))["recent_groups"]}
     assert outcomes["agent"] == "pushed" and outcomes["quit"] == "given back"
+
+
+def test_a_request_is_held_while_the_budget_is_full_then_answered_or_refused(
+    coordinator, tmp_path, monkeypatch
+):
+    """Backpressure for clients that retry twice (openai-python's default): a new group's
+    first request waits for a slot up to slot_wait_s, answered as soon as one frees (here
+    the forgotten groups idle out) or refused once the wait is over, saying how long."""
+    monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)  # no vLLM import
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=2",
+            "rollout.openai_endpoint.host=127.0.0.1",
+            f"rollout.openai_endpoint.group_idle_s={IDLE_S}",
+            f"rollout.openai_endpoint.slot_wait_s={3 * IDLE_S}",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+    )
+    endpoint, client, _ = _endpoint(cfg, coordinator)
+
+    async def scenario() -> tuple[float, str]:
+        url = await endpoint.start()
+        try:
+            for i in range(LIMIT):  # the budget is theirs, and they are forgotten
+                await _chat(url, f"dead{i}/a")
+            asked = time.monotonic()
+            reply = await _chat(url, "agent/a")  # no client retry
+            assert reply.choices[0].message.content == "ok"
+            waited = time.monotonic() - asked
+            for i in range(LIMIT - 1):  # the budget is spent again, by live groups
+                await _chat(url, f"live{i}/a")
+            endpoint.groups.slot_wait_s = 2.0
+            asked = time.monotonic()
+            with pytest.raises(openai.RateLimitError) as refused:
+                await _chat(url, "late/a")
+            assert time.monotonic() - asked >= 2.0
+            return waited, refused.value.message
+        finally:
+            await endpoint.stop()
+
+    try:
+        waited, said = asyncio.run(scenario())
+    finally:
+        client.close()
+    assert IDLE_S - 2 < waited < IDLE_S + 5, f"answered {waited:.1f} s after it was sent"
+    assert "(held 2 s, rollout.openai_endpoint.slot_wait_s=2)" in said, said
+    assert "staleness budget (staleness.max_policy_lag=1) is full" in said, said
+    # the two above (a live group may also have waited for the sweep to give slots back)
+    assert endpoint.groups.metrics["rollout/openai/slot_waits"] >= 2
+    assert endpoint.groups.metrics["rollout/openai/slots_refused/budget"] == 1
 
 
 def test_a_group_whose_rewards_are_alike_is_filtered_and_its_slot_frees(tmp_path, monkeypatch):

@@ -55,6 +55,7 @@ class Rig:
                 "rollout.max_inflight=8",
                 "rollout.openai_endpoint.enable=true",
                 "rollout.openai_endpoint.take_tasks=false",
+                "rollout.openai_endpoint.slot_wait_s=0",  # the 429 below comes at once
                 "trainer.val_before_train=false",
                 "trainer.test_freq=-1",
                 "control.heartbeat_s=0.5",

@@ -77,6 +77,13 @@ class OpenAIEndpointConfig(Section):
     max_groups: int = Field(
         default=64, gt=0, description="Open groups per server at once (429 beyond)."
     )
+    slot_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A new group's first request is held this long while no training slot "
+        "is free (the staleness budget is full, or max_groups are open) before its 429: "
+        "OpenAI clients retry only twice by default (0: refuse at once).",
+    )
     take_tasks: bool = Field(
         default=True,
         description="Also generate the dataset's tasks (false: serve only the endpoint).",
