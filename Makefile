@@ -33,7 +33,7 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pyright
-	$(BIN)/python -m pytest -v -rs --durations=15
+	$(BIN)/python -m pytest -v -rs --durations=40
 
 # The demo's model and data (built once; both demos below use them).
 demo-artifacts: $(STAMP)
