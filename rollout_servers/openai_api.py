@@ -8,9 +8,12 @@ An agent framework that runs outside the run points its OpenAI client at the ser
     One assistant turn of the session, sampled by the server's engine from token ids:
     the server records the sampled tokens, their behaviour logprobs and policy versions.
     A group's first request takes an *external slot* from the coordinator (charged to the
-    staleness budget like a dataset task); when the budget is exhausted the answer is 429
-    with ``Retry-After`` (OpenAI clients retry it by themselves). A group whose first
+    staleness budget like a dataset task); while the budget is spent the request is held
+    (``slot_wait_s``), then refused with a 429 and ``Retry-After``. A group whose first
     request is refused or fails gives its slot back at once.
+``POST /v1/completions``
+    A raw prompt, no chat template: a new sample of the session
+    (:mod:`rollout_servers.openai_completions`).
 ``POST /rl/reward`` (``{"reward": r}``, same key)
     Ends the session with its reward (finite, within ``reward_range`` when set; final: a
     second reward or a later chat is a 409). When ``group_size`` members have one, the group goes
@@ -37,7 +40,7 @@ group's slot is held only while the group is alive: the slot lifecycle is
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import logging
 import time
 from collections import Counter
@@ -48,6 +51,13 @@ from aiohttp import web
 
 from rollout_servers.agent import turn_params
 from rollout_servers.endpoint_groups import EndpointGroups
+from rollout_servers.openai_completions import (
+    raw_draft,
+    raw_max_tokens,
+    raw_prompt_ids,
+    text_completion_body,
+    text_logprobs,
+)
 from rollout_servers.openai_http import (
     MAX_BODY,
     api_errors,
@@ -55,14 +65,15 @@ from rollout_servers.openai_http import (
     refused,
     session_key,
     stream_reply,
+    write_url,
 )
 from rollout_servers.request_fields import (
     asked_tokens,
+    chat_messages,
     fingerprint,
     max_tokens_of,
     reward_of,
     stop_strings,
-    unconstrained,
     wants_logprobs,
 )
 from rollout_servers.sessions import (
@@ -77,6 +88,8 @@ from rollout_servers.sessions import (
 from rollout_servers.stops import before_stop, cut, first_stop
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
     from asyncrl.config import Config
     from rollout_servers.groups import SamplingSettings
     from rollout_servers.protocols import ControlClient, GenerationEngine, GroupPusher, Tokenizer
@@ -115,6 +128,7 @@ class OpenAIEndpoint:
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY, middlewares=[api_errors])
         app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/rl/reward", self._reward)
         app.router.add_post("/rl/abandon", self._abandon)
         app.router.add_get("/rl/status", self._status)
@@ -137,7 +151,7 @@ class OpenAIEndpoint:
             ) from e
         port = self._runner.addresses[0][1]
         self.url = f"http://{oe.host}:{port}/v1"
-        self._write_url()
+        write_url(self._url_file(), self.server_id, self.url)
         self.groups.start()
         log.info("%s serves the OpenAI API at %s", self.server_id, self.url)
         return self.url
@@ -146,14 +160,6 @@ class OpenAIEndpoint:
         from asyncrl.config import run_dir
 
         return Path(run_dir(self.cfg)) / "openai_endpoints" / f"{self.server_id}.json"
-
-    def _write_url(self) -> None:
-        path = self._url_file()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        doc = {"server_id": self.server_id, "base_url": self.url}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc) + "\n")
-        tmp.replace(path)  # an agent polling for the file never reads half of it
 
     async def stop(self) -> None:
         """Stop serving (the URL file goes: agents waiting for one wait for the next
@@ -183,16 +189,25 @@ class OpenAIEndpoint:
         return web.json_response(head | self.groups.status() | {"counts": counts})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, raw=False)
+
+    async def _complete(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/completions`` (see :mod:`rollout_servers.openai_completions`)."""
+        return await self._serve(request, raw=True)
+
+    async def _serve(self, request: web.Request, raw: bool) -> web.StreamResponse:
+        """One request of a session: its turn (chat) or its new sample (``raw``)."""
         self.metrics["rollout/openai/requests"] += 1
         key = ""
         try:
             body = await read_json(request)
             if (body.get("n") or 1) != 1:
                 raise RequestError(400, "n must be 1: open one session per sample")
-            unconstrained(body)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise RequestError(400, "messages must be a non-empty list")
+            if raw:
+                inputs: list[Any] = raw_prompt_ids(body, self.tok)
+                body, make = raw_max_tokens(body), self._raw_turn
+            else:
+                inputs, make = chat_messages(body), self._turn
             key = session_key(request, body)
             session = await self.groups.session(key)
             if session.reward is not None:
@@ -201,7 +216,8 @@ class OpenAIEndpoint:
                     f"session {session.key!r} ended with its reward ({session.reward:g}): "
                     "start the next episode with another GROUP/MEMBER key",
                 )
-            reply = await self._once(request, session, messages, body)
+            turn = functools.partial(make, session, inputs, body)
+            reply = await self._once(request, session, body, turn)
             if body.get("stream"):
                 return await stream_reply(request, reply, body)
             return web.json_response(reply)
@@ -262,7 +278,11 @@ class OpenAIEndpoint:
 
     # ----------------------------------------------------------------- turns
     async def _once(
-        self, request: web.Request, session: Session, messages: list[Any], body: dict[str, Any]
+        self,
+        request: web.Request,
+        session: Session,
+        body: dict[str, Any],
+        turn: Callable[[], Awaitable[dict[str, Any]]],
     ) -> dict[str, Any]:
         """The reply to one chat request, sampled once however often the client sends it.
 
@@ -286,10 +306,10 @@ class OpenAIEndpoint:
             self.metrics["rollout/openai/retries_replayed"] += 1
             return session.last[1]
         session.busy = True
-        turn = asyncio.ensure_future(self._turn(session, messages, body))
-        self._running[session.key] = (fp, turn)
+        running = asyncio.ensure_future(turn())
+        self._running[session.key] = (fp, running)
         try:
-            reply = await asyncio.shield(turn)
+            reply = await asyncio.shield(running)
         finally:
             session.busy = False
             self._running.pop(session.key, None)
@@ -341,4 +361,37 @@ class OpenAIEndpoint:
         out = completion_body(reply, finish, self.model, prompt_len, len(ids))
         if logprobs:  # the behaviour logprobs the turn is trained with
             out["choices"][0]["logprobs"] = token_logprobs(ids, sample.logprobs, self.tok)
+        return out
+
+    async def _raw_turn(
+        self, session: Session, prompt_ids: list[int], body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Sample a new piece of the session from a raw prompt and record it (committed
+        only once the engine answered, as a chat turn)."""
+        stops = stop_strings(body)
+        draft = raw_draft(session, prompt_ids, self.max_prompt_len, self.engine.version)
+        ep, task = draft.episode, session.task
+        piece = ep.pieces[-1]
+        budget = max_tokens_of(body, self.max_response_len)
+        params = turn_params(self.sampling, task, session.index, ep.turns, budget)
+        rid = f"{task.task_id}/{session.index}/t{ep.turns}"
+        sample = await self.engine.generate(prompt_ids, params, rid)
+        if n := first_stop(sample.token_ids, self.tok.decode, stops):
+            sample = cut(sample, n)
+            self.metrics["rollout/openai/stopped"] += 1
+        piece.add_sampled(sample)
+        ep.turns += 1
+        ids = sample.token_ids
+        eos = getattr(self.tok, "eos_token_id", None)
+        raw = str(self.tok.decode(ids[:-1] if ids and ids[-1] == eos else ids))
+        ep.messages.append({"role": "completion", "content": raw})
+        draft.commit(session)
+        self.metrics[f"rollout/openai/{draft.counted}"] += 1
+        self.metrics["rollout/openai/completions"] += 1
+        self.metrics["rollout/openai/tokens"] += len(ids)
+        finish = "length" if sample.finish_reason == "length" else "stop"
+        text = before_stop(raw, stops) if n else raw
+        out = text_completion_body(text, finish, self.model, len(prompt_ids), len(ids))
+        if body.get("logprobs") is not None:  # 0: the behaviour logprobs of the sample
+            out["choices"][0]["logprobs"] = text_logprobs(ids, sample.logprobs, self.tok)
         return out

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
+from rollout_servers.openai_completions import text_chunks
 from rollout_servers.sessions import RequestError, completion_chunks
 
 #: Seconds a refused agent is told to wait (429 and 503 are retried by OpenAI clients).
@@ -28,7 +30,8 @@ async def stream_reply(
     usage = isinstance(options, dict) and bool(options.get("include_usage"))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
-    for chunk in completion_chunks(reply, usage):
+    chunks = text_chunks if reply["object"] == "text_completion" else completion_chunks
+    for chunk in chunks(reply, usage):
         await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
@@ -52,8 +55,8 @@ async def api_errors(request: web.Request, handler: Any) -> web.StreamResponse:
     except web.HTTPException as e:
         if e.status not in (404, 405):
             raise
-        served = "POST /v1/chat/completions, GET /v1/models, POST /rl/reward, " + (
-            "POST /rl/abandon, GET /rl/status"
+        served = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, " + (
+            "POST /rl/reward, POST /rl/abandon, GET /rl/status"
         )
         message = f"{request.method} {request.path} is not served here (served: {served})"
         body = RequestError(e.status, message, "not_found").body()
@@ -83,3 +86,11 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError(400, "the body must be a JSON object")
     return body
+
+
+def write_url(path: Path, server_id: str, url: str) -> None:
+    """The served base URL, in the file agents poll for it (written whole, atomically)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"server_id": server_id, "base_url": url}) + "\n")
+    tmp.replace(path)  # an agent polling for the file never reads half of it

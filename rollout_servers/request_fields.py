@@ -81,10 +81,19 @@ def unconstrained(body: dict[str, Any]) -> None:
         )
 
 
+def chat_messages(body: dict[str, Any]) -> list[Any]:
+    """A chat request's messages, once its sampling fields are checked; else a 400."""
+    unconstrained(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages must be a non-empty list")
+    return messages
+
+
 def fingerprint(body: dict[str, Any]) -> str:
-    """What makes two chat requests the same one (a client resending it): the messages,
-    tools and limits."""
-    keys = ("messages", "tools", "max_tokens", "max_completion_tokens", "stop")
+    """What makes two requests the same one (a client resending it): the messages (or a
+    completion's prompt), tools and limits."""
+    keys = ("messages", "prompt", "tools", "max_tokens", "max_completion_tokens", "stop")
     same = json.dumps({k: body.get(k) for k in keys}, sort_keys=True, default=str)
     return hashlib.sha256(same.encode()).hexdigest()
 

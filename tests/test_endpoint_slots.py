@@ -115,9 +115,9 @@ def test_slots_are_held_only_by_live_groups(coordinator, tmp_path, monkeypatch):
         try:
             await _refused_and_forgotten(url, endpoint, coordinator)
             await _rewarded_and_abandoned(url, endpoint, coordinator)
-            async with _agent(url, "x/a") as agent:  # legacy completions: the API's 404
+            async with _agent(url, "x/a") as agent:  # an unserved route: the API's 404
                 with pytest.raises(openai.NotFoundError, match="not served here"):
-                    await agent.completions.create(model="tiny", prompt="1+1=")
+                    await agent.embeddings.create(model="tiny", input="1+1=")
         finally:
             await endpoint.stop()
 
