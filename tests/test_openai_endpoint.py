@@ -193,6 +193,14 @@ def test_an_outside_agent_trains_through_the_endpoint(rig, agent_model, single_r
     assert not rig.learner.push().failed
     reply = _wait(lambda: _try_chat(rig, "g1/a"), "a slot after the push", details=rig.logs)
     assert reply.choices[0].message.role == "assistant"
+    # The same session asks with a raw prompt (/v1/completions, no chat template): a new
+    # sample from the real tokenizer and engine, with its behaviour logprobs.
+    client = openai.OpenAI(base_url=rig.url, api_key="g1/a", max_retries=0, timeout=120)
+    raw = client.completions.create(model="tiny", prompt="3+4=", max_tokens=8, logprobs=0)
+    lp = raw.choices[0].logprobs
+    assert raw.usage is not None and 0 < raw.usage.completion_tokens <= 8
+    assert lp is not None and len(lp.token_logprobs or []) == raw.usage.completion_tokens
+    assert all(x <= 0 for x in lp.token_logprobs or [])
 
 
 def _without_eos(ids: list[int], tok) -> list[int]:
