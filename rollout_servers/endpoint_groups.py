@@ -8,7 +8,8 @@ keep one. Its life:
 state          how it gets there                                   the slot
 =============  ==================================================  ======================
 opening        the first request of a new ``GROUP`` (its members   asked of the
-               arriving at once share one request)                 coordinator
+               arriving at once share one request), held while     coordinator
+               no slot is free (:mod:`rollout_servers.slot_wait`)
 open           the slot was granted and the request answered       held
 pushed         every member posted its reward                      acknowledged: trains
 idle-closed    no request or reward for ``group_idle_s``           trains its rewarded
@@ -38,12 +39,13 @@ from rollout_servers.agent import Episode, episode_samples, episode_trajectories
 from rollout_servers.groups import filtered_out, unknown_filter_metric
 from rollout_servers.lanes import Lanes
 from rollout_servers.sessions import Group, RequestError, Session, split_key
+from rollout_servers.slot_wait import LEFT, SlotWaiter
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from asyncrl.config import Config
-    from asyncrl.control.messages import Task, TaskGrant
+    from asyncrl.control.messages import Task
     from rollout_servers.engine import Sample
     from rollout_servers.protocols import ControlClient, GroupPusher
 
@@ -53,8 +55,6 @@ log = logging.getLogger(__name__)
 RECENT = 32
 #: Open groups named one by one in a refusal (the rest are counted).
 NAMED = 5
-#: A wait for a slot this long is logged.
-LONG_WAIT_S = 5.0
 
 
 class EndpointGroups:
@@ -77,7 +77,6 @@ class EndpointGroups:
         self.metrics = metrics
         self.size = oe.group_size or cfg.rollout.n
         self.idle_s, self.max_groups = oe.group_idle_s, oe.max_groups
-        self.slot_wait_s = oe.slot_wait_s
         # Group-relative estimators need two rewards for a baseline: one alone would train
         # on its raw reward as its advantage.
         relative = cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo")
@@ -88,14 +87,22 @@ class EndpointGroups:
         self.on_pushed: Callable[[list[Sample], list[ScoreResult], Task], None] | None = None
         self.lanes = Lanes(scoring_threads=1)
         self._opening: dict[str, asyncio.Future[Group]] = {}
+        self.slots = SlotWaiter(
+            cfg, client, self.lanes, metrics, lambda: len(self.by_name), self.holders
+        )
         self._pushes: set[asyncio.Task] = set()
         self._reaper: asyncio.Task | None = None
 
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_loop())
 
+    def begin_stop(self) -> None:
+        """Held requests are refused from now on (the server stops: see :meth:`stop`)."""
+        self.slots.stopping = True
+
     async def stop(self) -> None:
         """Open groups are given back (the coordinator gives their slots up)."""
+        self.slots.stopping = True
         if self._reaper is not None:
             self._reaper.cancel()
         open_ids = self.task_ids()
@@ -108,12 +115,18 @@ class EndpointGroups:
         return [g.task.task_id for g in self.by_name.values()]
 
     # ----------------------------------------------------------------- opening
-    async def session(self, key: str) -> Session:
-        """The session of ``key``, opening its group (and taking a slot) when new."""
+    async def session(self, key: str, gone: Callable[[], bool] = lambda: False) -> Session:
+        """The session of ``key``, opening its group (and taking a slot) when new;
+        ``gone`` says the asking client has disconnected (a held request stops)."""
         name, _ = split_key(key, self.size)
         group = self.by_name.get(name)
         while group is None:
-            opened = await self._open(name)
+            try:
+                opened = await self._open(name, gone)
+            except RequestError as e:
+                if e.status != LEFT or gone():
+                    raise
+                continue  # the member that was opening the group left: this one opens it
             # A member that waited on the opening may find the group given back meanwhile
             # (its first request refused): it opens the group again.
             current = self.by_name.get(name)
@@ -131,7 +144,7 @@ class EndpointGroups:
         group.last_active = time.monotonic()
         return session
 
-    async def _open(self, name: str) -> Group:
+    async def _open(self, name: str, gone: Callable[[], bool]) -> Group:
         """Take an external slot for group ``name`` (one request even when its members
         arrive at once); refused with 429 (budget, or too many groups) or 503."""
         pending = self._opening.get(name)
@@ -140,90 +153,20 @@ class EndpointGroups:
         future: asyncio.Future[Group] = asyncio.get_running_loop().create_future()
         self._opening[name] = future
         try:
-            group = self.by_name[name] = Group(name, await self._slot(), self.size)
+            group = self.by_name[name] = Group(name, await self.slots.take(name, gone), self.size)
             self.metrics["rollout/openai/groups_opened"] += 1
             future.set_result(group)
             return group
         except BaseException as e:
-            future.set_exception(e)
-            future.exception()  # retrieved: members waiting on it re-raise it themselves
+            # Members waiting on the opening re-raise it; a cancelled opener is one that
+            # left, so a member still connected opens the group itself (see session()).
+            left = RequestError(LEFT, "the request opening the group was cancelled")
+            future.set_exception(left if isinstance(e, asyncio.CancelledError) else e)
+            future.exception()  # retrieved
             raise
         finally:
             self._opening.pop(name, None)
-
-    async def _slot(self) -> Task:
-        """A slot of the admission budget. While none is free (the budget is spent, the
-        weights catch up, this server's ``max_groups`` are open) the request is held up to
-        ``slot_wait_s``, asking again with a growing pause (at most 1 s): backpressure,
-        so that a client with the default two retries is not failed by one learner step.
-        Past the wait, or when waiting cannot help (the run is ending), the refusal."""
-        start = time.monotonic()
-        pause = 0.1
-        while True:
-            if len(self.by_name) >= self.max_groups:
-                reason, grant = "max_groups", None
-            else:
-                grant = await self.lanes.control(self.client.request_slot)
-                if grant.tasks:
-                    self._waited(start, "")
-                    return grant.tasks[0]
-                reason = grant.reason
-            waited = time.monotonic() - start
-            if reason == "shutdown" or waited >= self.slot_wait_s:
-                self._waited(start, reason)
-                raise self._refusal(grant, waited)
-            await asyncio.sleep(min(pause, self.slot_wait_s - waited))
-            pause = min(1.0, 2 * pause)
-
-    def _waited(self, start: float, refused: str) -> None:
-        """Count a held request's wait (and say so when it was long)."""
-        waited = time.monotonic() - start
-        if waited < 0.05:
-            return
-        self.metrics["rollout/openai/slot_waits"] += 1
-        self.metrics["rollout/openai/slot_wait_ms"] += round(1000 * waited)
-        if waited >= LONG_WAIT_S:
-            outcome = f"refused ({refused})" if refused else "granted"
-            log.info("a new endpoint group waited %.0f s for a training slot: %s", waited, outcome)
-
-    def _refusal(self, grant: TaskGrant | None, waited: float) -> RequestError:
-        """The answer to a refused slot: what holds the budget and what frees it."""
-        reason = grant.reason if grant is not None else "max_groups"
-        self.metrics[f"rollout/openai/slots_refused/{reason}"] += 1
-        held = (
-            f" (held {waited:.0f} s, rollout.openai_endpoint.slot_wait_s={self.slot_wait_s:g})"
-            if waited >= 0.5
-            else ""
-        )
-        if grant is None:
-            return RequestError(
-                429,
-                f"{self.max_groups} groups are open on this server "
-                f"(rollout.openai_endpoint.max_groups){held}: {self.holders()}",
-                "rate_limit",
-            )
-        if grant.reason == "shutdown":
-            return RequestError(
-                503,
-                "the run is ending (its learner finished): no new groups",
-                "unavailable",
-                retry=False,
-            )
-        if grant.reason != "budget":
-            return RequestError(
-                503,
-                f"no training slot now ({grant.reason}){held}; retry shortly",
-                "unavailable",
-            )
-        lag = self.cfg.staleness.max_policy_lag
-        detail = grant.detail or "the learner has not trained the groups dealt yet"
-        return RequestError(
-            429,
-            f"no training slot now{held}: the staleness budget (staleness.max_policy_lag="
-            f"{lag}) is full; {detail}. {self.holders()} A slot frees when the learner "
-            "trains its next step; retry.",
-            "rate_limit",
-        )
+            self.slots.abandoned.discard(name)
 
     def holders(self) -> str:
         """This server's open groups, their idle times, and when the first is given back."""
@@ -258,6 +201,10 @@ class EndpointGroups:
     def abandon(self, name: str) -> dict[str, Any]:
         """``POST /rl/abandon``: give group ``name`` up now (nothing of it trains)."""
         group = self.by_name.get(name)
+        if group is None and name in self._opening:  # still waiting for its slot
+            self.slots.abandoned.add(name)
+            self.metrics["rollout/openai/groups_abandoned"] += 1
+            return {"group": name, "slot": None, "abandoned": True}
         if group is None:
             raise RequestError(404, f"no open group {name!r} (closed, or never opened)")
         self.metrics["rollout/openai/groups_abandoned"] += 1

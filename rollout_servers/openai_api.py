@@ -164,6 +164,7 @@ class OpenAIEndpoint:
     async def stop(self) -> None:
         """Stop serving (the URL file goes: agents waiting for one wait for the next
         server's); open groups are given back (the coordinator gives them up)."""
+        self.groups.begin_stop()  # held requests answer now, not after their wait
         if self._runner is not None:
             await self._runner.cleanup()
             self._url_file().unlink(missing_ok=True)
@@ -209,7 +210,7 @@ class OpenAIEndpoint:
             else:
                 inputs, make = chat_messages(body), self._turn
             key = session_key(request, body)
-            session = await self.groups.session(key)
+            session = await self.groups.session(key, lambda: _left(request))
             if session.reward is not None:
                 raise RequestError(
                     409,
@@ -395,3 +396,9 @@ class OpenAIEndpoint:
         if body.get("logprobs") is not None:  # 0: the behaviour logprobs of the sample
             out["choices"][0]["logprobs"] = text_logprobs(ids, sample.logprobs, self.tok)
         return out
+
+
+def _left(request: web.Request) -> bool:
+    """The client of ``request`` has disconnected."""
+    transport = request.transport
+    return transport is None or transport.is_closing()

@@ -232,7 +232,7 @@ def test_a_request_is_held_while_the_budget_is_full_then_answered_or_refused(
             waited = time.monotonic() - asked
             for i in range(LIMIT - 1):  # the budget is spent again, by live groups
                 await _chat(url, f"live{i}/a")
-            endpoint.groups.slot_wait_s = 2.0
+            endpoint.groups.slots.slot_wait_s = 2.0
             asked = time.monotonic()
             with pytest.raises(openai.RateLimitError) as refused:
                 await _chat(url, "late/a")
