@@ -319,6 +319,14 @@ MUTATIONS = (
         ("tests/test_prompt_skip.py",),
     ),
     Mutation(
+        "held endpoint requests keep max_groups",
+        "slot requests in flight do not count against max_groups",
+        "rollout_servers/slot_wait.py",
+        "            if self.open_groups() + self._reserved < self.max_groups:",
+        "            if self.open_groups() < self.max_groups:",
+        ("tests/test_endpoint_hold.py",),
+    ),
+    Mutation(
         "the inline engine's pause",
         "the engine thread steps requests while paused for a weight load",
         "rollout_servers/inline_llm.py",
