@@ -56,10 +56,25 @@ def raw_prompt_ids(body: dict[str, Any], tok: Tokenizer) -> list[int]:
     if isinstance(prompt, str) and prompt:
         return list(tok.encode(prompt, add_special_tokens=True))
     if isinstance(prompt, list) and prompt and all(_token_id(t) for t in prompt):
+        size = _vocab_size(tok)
+        if size is not None and max(prompt) >= size:
+            raise RequestError(
+                400,
+                f"prompt token id {max(prompt)} is not in the tokenizer's vocabulary of {size}",
+            )
         return [int(t) for t in prompt]
     raise RequestError(
         400, "prompt must be a non-empty string (or a list of one) or a list of token ids"
     )
+
+
+def _vocab_size(tok: Any) -> int | None:
+    """How many token ids the tokenizer knows (None when it cannot say)."""
+    sizes = [getattr(tok, "vocab_size", None)]
+    if hasattr(tok, "__len__"):
+        sizes.append(len(tok))
+    known = [n for n in sizes if isinstance(n, int)]
+    return max(known) if known else None
 
 
 def _token_id(t: Any) -> bool:

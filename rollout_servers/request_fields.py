@@ -94,6 +94,7 @@ def fingerprint(body: dict[str, Any]) -> str:
     """What makes two requests the same one (a client resending it): the messages (or a
     completion's prompt), tools and limits."""
     keys = ("messages", "prompt", "tools", "max_tokens", "max_completion_tokens", "stop")
+    keys += ("logprobs", "top_logprobs")  # a reply without them would not do
     same = json.dumps({k: body.get(k) for k in keys}, sort_keys=True, default=str)
     return hashlib.sha256(same.encode()).hexdigest()
 

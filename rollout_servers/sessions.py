@@ -218,6 +218,10 @@ def new_messages(session: Session, messages: list[Any]) -> list[dict[str, Any]] 
     """The messages the agent added since the session's last turn; None when it rewrote
     the conversation instead (then the request is a new sample of the episode)."""
     shown = session.shown
+    if shown and isinstance(shown[0], dict) and shown[0].get("role") == "completion":
+        # the last sample came from a raw completion (openai_completions.RAW): no chat
+        # message continues it
+        return None
     if len(messages) <= len(shown) or not all(map(_same, shown, messages)):
         return None
     added = messages[len(shown) :]

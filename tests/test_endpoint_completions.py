@@ -98,6 +98,7 @@ def test_a_resent_completion_gets_the_same_reply_and_a_stream_carries_it(monkeyp
         ({"prompt": [1, -2]}, "prompt must be a non-empty string"),
         ({"prompt": ["a", "b"]}, "prompt must be a non-empty string"),
         ({"prompt": "x" * 600}, "exceeds data.max_prompt_length=512"),
+        ({"prompt": [1, 10**9]}, "not in the tokenizer's vocabulary of 1114112"),
     ],
 )
 def test_what_a_completion_cannot_serve_is_a_400_naming_why(monkeypatch, extra, says):

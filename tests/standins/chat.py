@@ -16,6 +16,7 @@ class CharTokenizer:
     """Token id = the character's code point; decoding is exact."""
 
     eos_token_id = ord(EOT)
+    vocab_size = 0x110000  # every code point
 
     def apply_chat_template(
         self,
