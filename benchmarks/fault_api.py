@@ -109,9 +109,13 @@ def _skip(cfg: Any) -> dict[str, Any]:
     """The group filter's prompt skipping, where the classes have it and the run asks."""
     if not (SKIP and cfg.skip_uninformative):
         return {}
+    from asyncrl.config.recipes import FilterGroupsConfig
     from asyncrl.control.prompt_skip import PromptSkip
 
-    return {"skip": PromptSkip(explore=0.5, explore_min=0.1, seed=cfg.seed)}
+    fg = FilterGroupsConfig()  # the default chances
+    return {
+        "skip": PromptSkip(explore=fg.skip_explore, explore_min=fg.skip_explore_min, seed=cfg.seed)
+    }
 
 
 def restored_state(

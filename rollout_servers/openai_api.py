@@ -77,6 +77,7 @@ from rollout_servers.request_fields import (
     wants_logprobs,
 )
 from rollout_servers.sessions import (
+    Draft,
     RequestError,
     Session,
     assistant_reply,
@@ -91,6 +92,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from asyncrl.config import Config
+    from rollout_servers.engine import Sample
     from rollout_servers.groups import SamplingSettings
     from rollout_servers.protocols import ControlClient, GenerationEngine, GroupPusher, Tokenizer
 
@@ -334,30 +336,15 @@ class OpenAIEndpoint:
             max_response_len=self.max_response_len,
             version=self.engine.version,
         )
-        ep, task = draft.episode, session.task
-        piece = ep.pieces[-1]
+        piece = draft.episode.pieces[-1]
         budget = max_tokens_of(body, self.max_response_len - len(piece.token_ids))
-        params = turn_params(self.sampling, task, session.index, ep.turns, budget)
-        rid = f"{task.task_id}/{session.index}/t{ep.turns}"
-        sample = await self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid)
-        if n := first_stop(sample.token_ids, self.tok.decode, stops):
-            sample = cut(sample, n)  # the draw a stop would have ended (see stops.py)
-            self.metrics["rollout/openai/stopped"] += 1
-        piece.add_sampled(sample)
-        ep.turns += 1
-        ids = sample.token_ids
-        eos = getattr(self.tok, "eos_token_id", None)
-        raw = self.tok.decode(ids[:-1] if ids and ids[-1] == eos else ids)
-        ep.messages.append({"role": "assistant", "content": raw})  # as the model wrote it
+        sample, raw, n = await self._sample(session, draft, budget, stops)
+        draft.episode.messages.append({"role": "assistant", "content": raw})  # as written
         reply, finish = assistant_reply(before_stop(raw, stops) if n else raw)
         draft.shown.append(reply)
-        draft.commit(session)
-        if draft.counted:
-            self.metrics[f"rollout/openai/{draft.counted}"] += 1
+        ids = self._commit(session, draft, sample)
         if sample.finish_reason == "length":
             finish = "length"
-        self.metrics["rollout/openai/completions"] += 1
-        self.metrics["rollout/openai/tokens"] += len(ids)
         prompt_len = len(piece.prompt_ids) + len(piece.token_ids) - len(ids)
         out = completion_body(reply, finish, self.model, prompt_len, len(ids))
         if logprobs:  # the behaviour logprobs the turn is trained with
@@ -371,31 +358,46 @@ class OpenAIEndpoint:
         only once the engine answered, as a chat turn)."""
         stops = stop_strings(body)
         draft = raw_draft(session, prompt_ids, self.max_prompt_len, self.engine.version)
-        ep, task = draft.episode, session.task
-        piece = ep.pieces[-1]
         budget = max_tokens_of(body, self.max_response_len)
-        params = turn_params(self.sampling, task, session.index, ep.turns, budget)
-        rid = f"{task.task_id}/{session.index}/t{ep.turns}"
-        sample = await self.engine.generate(prompt_ids, params, rid)
-        if n := first_stop(sample.token_ids, self.tok.decode, stops):
-            sample = cut(sample, n)
-            self.metrics["rollout/openai/stopped"] += 1
-        piece.add_sampled(sample)
-        ep.turns += 1
-        ids = sample.token_ids
-        eos = getattr(self.tok, "eos_token_id", None)
-        raw = str(self.tok.decode(ids[:-1] if ids and ids[-1] == eos else ids))
-        ep.messages.append({"role": "completion", "content": raw})
-        draft.commit(session)
-        self.metrics[f"rollout/openai/{draft.counted}"] += 1
-        self.metrics["rollout/openai/completions"] += 1
-        self.metrics["rollout/openai/tokens"] += len(ids)
+        sample, raw, n = await self._sample(session, draft, budget, stops)
+        draft.episode.messages.append({"role": "completion", "content": raw})
+        ids = self._commit(session, draft, sample)
         finish = "length" if sample.finish_reason == "length" else "stop"
         text = before_stop(raw, stops) if n else raw
         out = text_completion_body(text, finish, self.model, len(prompt_ids), len(ids))
         if body.get("logprobs") is not None:  # 0: the behaviour logprobs of the sample
             out["choices"][0]["logprobs"] = text_logprobs(ids, sample.logprobs, self.tok)
         return out
+
+    async def _sample(
+        self, session: Session, draft: Draft, budget: int, stops: list[str]
+    ) -> tuple[Sample, str, int]:
+        """Sample the draft's current piece on (from its prompt and the tokens it holds),
+        cut after the token that completes the first stop string, and add it to the piece.
+        Returns the sample, its text as the model wrote it (without the end-of-turn
+        token), and how many tokens a stop kept (0: no stop)."""
+        ep, task = draft.episode, session.task
+        piece = ep.pieces[-1]
+        params = turn_params(self.sampling, task, session.index, ep.turns, budget)
+        rid = f"{task.task_id}/{session.index}/t{ep.turns}"
+        sample = await self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid)
+        if n := first_stop(sample.token_ids, self.tok.decode, stops):
+            sample = cut(sample, n)  # the draw a stop would have ended (see stops.py)
+            self.metrics["rollout/openai/stopped"] += 1
+        piece.add_sampled(sample)
+        ep.turns += 1
+        ids = sample.token_ids
+        eos = getattr(self.tok, "eos_token_id", None)
+        return sample, str(self.tok.decode(ids[:-1] if ids and ids[-1] == eos else ids)), n
+
+    def _commit(self, session: Session, draft: Draft, sample: Sample) -> list[int]:
+        """The session takes the drafted turn, counted; the sampled ids."""
+        draft.commit(session)
+        if draft.counted:
+            self.metrics[f"rollout/openai/{draft.counted}"] += 1
+        self.metrics["rollout/openai/completions"] += 1
+        self.metrics["rollout/openai/tokens"] += len(sample.token_ids)
+        return sample.token_ids
 
 
 def _left(request: web.Request) -> bool:

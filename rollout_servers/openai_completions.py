@@ -21,7 +21,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from rollout_servers.sessions import Draft, RequestError, Session, first_piece
+from rollout_servers.sessions import Draft, RequestError, Session, first_piece, usage
 
 if TYPE_CHECKING:
     from rollout_servers.protocols import Tokenizer
@@ -124,11 +124,7 @@ def text_completion_body(
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}],
-        "usage": {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        },
+        "usage": usage(prompt_tokens, completion_tokens),
     }
 
 

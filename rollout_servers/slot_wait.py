@@ -43,6 +43,16 @@ LEFT = 499
 LONG_WAIT_S = 5.0
 
 
+def _run_ending() -> RequestError:
+    """The answer once the run is over: final, not retried."""
+    return RequestError(
+        503,
+        "the run is ending (its learner finished): no new groups",
+        "unavailable",
+        retry=False,
+    )
+
+
 class SlotWaiter:
     """Takes slots for one server's endpoint groups (see the module docstring).
 
@@ -140,12 +150,7 @@ class SlotWaiter:
         """Refuse a held request that waiting cannot help any more."""
         ending = getattr(self.client, "shutdown", None)
         if ending is not None and ending.is_set():
-            raise RequestError(
-                503,
-                "the run is ending (its learner finished): no new groups",
-                "unavailable",
-                retry=False,
-            )
+            raise _run_ending()
         if self.stopping:
             raise RequestError(503, "this rollout server is stopping: retry", "unavailable")
         if name in self.abandoned:
@@ -183,12 +188,7 @@ class SlotWaiter:
                 "rate_limit",
             )
         if grant.reason == "shutdown":
-            return RequestError(
-                503,
-                "the run is ending (its learner finished): no new groups",
-                "unavailable",
-                retry=False,
-            )
+            return _run_ending()
         if grant.reason != "budget":
             return RequestError(
                 503,
