@@ -140,6 +140,31 @@ def test_groups_dealt_unfiltered_past_the_bound_leave_the_streaks():
     assert sum(skip.streak.values()) == run.st.metrics()["filter/groups_filtered"]
 
 
+def test_a_task_dealt_again_unfiltered_is_no_verdict():
+    """A task dealt with the filter on, then again without it (its server died, and the
+    bound was reached meanwhile): its ack is no verdict on its prompt."""
+    from asyncrl.control import messages as m
+
+    gf = GroupFilter(
+        enable=True,
+        max_num_gen_batches=0,
+        batch_size=2,
+        skip=PromptSkip(explore=0.5, explore_min=0.1, seed=1),
+    )
+    gf.row_of = lambda tid: 3
+    gf.skip.record(3, informative=False)  # type: ignore[union-attr]
+    task = m.Task(
+        task_id="train/0/3", data_source="a", prompt=[], ground_truth="1", n=2, filter=True
+    )
+    gf.dealt([task])
+    gf.dealt([m.Task(**{f: getattr(task, f) for f in task.__struct_fields__} | {"filter": False})])
+    gf.verdicts([task.task_id], filtered=False)
+    assert gf.skip.streak == {3: 1}  # type: ignore[union-attr]
+    gf.dealt([task])  # dealt filtered once more: now its ack counts
+    gf.verdicts([task.task_id], filtered=False)
+    assert gf.skip.streak == {}  # type: ignore[union-attr]
+
+
 def test_a_restored_coordinator_skips_the_same_rows():
     alike = {1, 4, 6}
     first = _run(skip=True)

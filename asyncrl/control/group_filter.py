@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from asyncrl.control.prompt_skip import PromptSkip
 
 if TYPE_CHECKING:
+    from asyncrl.control.messages import Task
     from asyncrl.control.task_source import TaskSource
 
 log = logging.getLogger(__name__)
@@ -95,11 +96,17 @@ class GroupFilter:
             source.skip = self.skip_row
             self.row_of = source.row_of
 
-    def dealt_filtered(self, task_ids: Iterable[str]) -> None:
-        """Training tasks dealt with the filter on: their acks are verdicts (a group dealt
-        unfiltered, past the bound, is pushed whatever it scores)."""
-        if self.skip is not None:
-            self._judging.update(task_ids)
+    def dealt(self, tasks: Iterable[Task]) -> None:
+        """Tasks just dealt: the acks of those dealt with the filter on are verdicts. A
+        group dealt unfiltered (past the bound) is pushed whatever it scores, also when an
+        earlier deal of the same task (before its server died) was filtered."""
+        if self.skip is None:
+            return
+        for t in tasks:
+            if t.filter:
+                self._judging.add(t.task_id)
+            else:
+                self._judging.discard(t.task_id)
 
     def forget(self, task_ids: Iterable[str]) -> list[str]:
         """Those of ``task_ids`` dealt with the filter on, forgotten (acked, or failed and

@@ -269,7 +269,7 @@ class ControlState:
         tasks, reason = self.ledger.deal(server_id, max_tasks, now)
         if self.group_filter.active:
             tasks = [t if t.validation else msgspec.structs.replace(t, filter=True) for t in tasks]
-            self.group_filter.dealt_filtered(t.task_id for t in tasks if t.filter)
+        self.group_filter.dealt(tasks)
         grant = TaskGrant(tasks=tasks, policy_version=self.version, reason=reason)
         if tasks and request_id is not None:
             rec.last_grant = (request_id, grant)  # type: ignore[union-attr]
