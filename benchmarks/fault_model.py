@@ -91,6 +91,7 @@ class Outcome:
     virtual_s: float
     violations: list[Violation] = field(default_factory=list)
     steps: int = 0
+    skipped: int = 0  # prompts the last coordinator passed over (its restored count included)
 
     @property
     def failed(self) -> bool:
@@ -222,7 +223,11 @@ def run(seed: int, keep: Sequence[int] | None = None, cfg: SimConfig | None = No
         world.events += 1
         checker.after_event(world)
     checker.final(world, finished)
-    return Outcome(seed, world.events, world.now, checker.violations, world.learner.step)
+    out = Outcome(seed, world.events, world.now, checker.violations, world.learner.step)
+    st = world.learner.state
+    if st is not None and getattr(st.group_filter, "skip", None) is not None:
+        out.skipped = st.group_filter.skip.skipped
+    return out
 
 
 def shrink(seed: int, invariant: str, budget: int = 400) -> list[int]:

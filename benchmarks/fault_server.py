@@ -209,7 +209,9 @@ class Server(Endpoint):
             self.outbox.append((m.TaskNack(server_id=self.name, task_ids=[tid]), ACK_ATTEMPTS))
             return
         h.pushed = True
-        if h.task.filter and self.world.chance("alike", tid, h.task.attempt, self.name) < 0.4:
+        if h.task.filter and self.world.chance("alike", tid, h.task.attempt, self.name) < (
+            self._alike_chance(h.task)
+        ):
             # every member scored alike: never pushed, reported filtered
             msg = m.TaskAck(server_id=self.name, task_ids=[tid], filtered=True)
             self.outbox.append((msg, ACK_ATTEMPTS))
@@ -217,6 +219,14 @@ class Server(Endpoint):
         for part in _group(h, self.world.chance("split", tid, self.name) < 0.15, self.name):
             self.push("B", part)
         self.outbox.append((m.TaskAck(server_id=self.name, task_ids=[tid]), ACK_ATTEMPTS))
+
+    def _alike_chance(self, task: m.Task) -> float:
+        """The chance a group of ``task`` scores alike (is filtered). With prompt skipping,
+        half the prompts are "learned" (alike 85% of the time) and the rest 25%, so
+        streaks build and rows get passed over; otherwise 40% for every group."""
+        if not self.world.cfg.skip_uninformative:
+            return 0.4
+        return 0.85 if self.world.chance("learned", task.ground_truth) < 0.5 else 0.25
 
     def _load(self, now: float) -> None:
         """Finish loading the sync in progress: ok when the learner incarnation that

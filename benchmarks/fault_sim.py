@@ -54,16 +54,23 @@ def _chunk(bounds: tuple[int, int]) -> dict[str, Any]:
     """Run seeds ``[a, b)`` in a worker; their totals and failing seeds."""
     logging.disable(logging.CRITICAL)  # the classes under test log every fault they see
     a, b = bounds
-    events, by_inv, seeds = 0, Counter(), {}
+    events, by_inv, seeds, skipping = 0, Counter(), {}, 0
     for seed in range(a, b):
         out = run(seed)
         events += out.events
+        skipping += out.skipped > 0
         for inv in out.invariants():
             by_inv[inv] += 1
             seeds.setdefault(inv, [])
             if len(seeds[inv]) < EXAMPLES:
                 seeds[inv].append(seed)
-    return {"events": events, "by_invariant": dict(by_inv), "seeds": seeds, "n": b - a}
+    return {
+        "events": events,
+        "by_invariant": dict(by_inv),
+        "seeds": seeds,
+        "n": b - a,
+        "skipping": skipping,
+    }
 
 
 def run_many(start: int, count: int, workers: int) -> dict[str, Any]:
@@ -82,10 +89,16 @@ def run_many(start: int, count: int, workers: int) -> dict[str, Any]:
                 done = sum(p["n"] for p in parts)
                 print(f"  {done} schedules, {time.perf_counter() - t0:.0f} s: {dict(failed)}")
                 sys.stdout.flush()
-    total: dict[str, Any] = {"schedules": count, "events": 0, "by_invariant": Counter()}
+    total: dict[str, Any] = {
+        "schedules": count,
+        "events": 0,
+        "by_invariant": Counter(),
+        "schedules_skipping_prompts": 0,
+    }
     seeds: dict[str, list[int]] = {}
     for p in parts:
         total["events"] += p["events"]
+        total["schedules_skipping_prompts"] += p["skipping"]
         total["by_invariant"].update(p["by_invariant"])
         for inv, s in p["seeds"].items():
             seeds.setdefault(inv, []).extend(s)
@@ -146,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['schedules']} schedules, {result['events']} events, "
         f"{result['seconds']} s; violations by invariant: {failing or 'none'}"
     )
+    print(f"schedules where prompts were skipped: {result['schedules_skipping_prompts']}")
     shown = 0
     for inv, seeds in result["failing_seeds"].items():
         if shown < SHRUNK:

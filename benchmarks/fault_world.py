@@ -91,10 +91,13 @@ def config_for(seed: int) -> SimConfig:
         tasks_per_request=r.randint(1, 3),
         max_inflight=r.randint(1, 4),
         slots=r.random() < 0.3,
-        filter_groups=r.random() < 0.3,
+        filter_groups=(filtering := r.random() < 0.3),
         max_num_gen_batches=r.choice((0, 1, 2)),
         # drawn last: the earlier draws (and so every schedule before it) are unchanged
-        skip_uninformative=r.random() < 0.5,
+        skip_uninformative=(skip := r.random() < 0.5),
+        # With skipping, few rows: an epoch turns over within a run, so rows come back
+        # with their streaks (24 rows outlast the 3-7 steps of a schedule).
+        train_rows=r.choice((3, 4, 6)) if skip and filtering else 24,
     )
 
 

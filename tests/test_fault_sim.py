@@ -48,11 +48,16 @@ def first_failure(seeds: range) -> Outcome | None:
 
 def test_a_few_hundred_schedules_keep_every_invariant() -> None:
     failures = {}
+    skipping = 0
     for seed in SEEDS:
         out = run(seed)
+        skipping += out.skipped > 0
         if out.failed:
             failures[seed] = [f"{v.invariant}: {v.detail}" for v in out.violations[:2]]
     assert not failures, failures
+    # Prompt skipping is drawn in about one schedule of seven (with the filter): the faults
+    # must meet it, with rows coming back within a run, not only in its own tests.
+    assert skipping >= 20, f"only {skipping} of {len(SEEDS)} schedules passed over a prompt"
 
 
 def test_a_version_raised_during_a_push_still_moves_the_window() -> None:
