@@ -131,7 +131,7 @@ GAE = ["algorithm.adv_estimator=gae"]
         (["rollout.top_k=50"], "set rollout.top_k=-1"),
         (["rollout.n=1"], "set rollout.n>=2"),
         (["rollout.max_inflight=4"], "raise rollout.max_inflight"),
-        (["actor.ppo_mini_batch_size=5"], "must divide data.train_batch_size"),
+        (["actor.ppo_mini_batch_size=64"], "exceeds data.train_batch_size"),
         (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
         (["buffer.max_reuse=3"], "needs buffer.policy=uniform"),
         (["control.dead_after_s=1", "control.heartbeat_s=2"], "must exceed control.heartbeat_s"),
@@ -151,7 +151,7 @@ GAE = ["algorithm.adv_estimator=gae"]
         (["rollout.inline_engine=true", "rollout.sync_mode=abort"], "set rollout.sync_mode=keep"),
         (["trainer.critic_warmup=2"], "set trainer.critic_warmup=0"),
         (["algorithm.use_kl_in_reward=true"], "use actor.use_kl_loss=true"),
-        (GAE + ["critic.ppo_mini_batch_size=5"], "critic.ppo_mini_batch_size=5 must divide"),
+        (GAE + ["critic.ppo_mini_batch_size=64"], "critic.ppo_mini_batch_size=64 exceeds"),
         (GAE + ["trainer.critic_warmup=180"], "lower trainer.critic_warmup"),
         (
             GAE + ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0"],
@@ -409,3 +409,21 @@ def test_gspo_with_a_token_level_clip_range_is_warned_about():
     assert len(lines) == 1 and "clip_ratio_low=0.2 / clip_ratio_high=0.28" in lines[0]
     assert config_advisories(load_config(None, [gspo])) == []
     assert config_advisories(load_config("configs/cpu_demo.yaml")) == []
+
+
+def test_a_short_last_mini_batch_and_unused_critic_keys_are_warned_about(tmp_path):
+    """veRL splits a batch its mini-batch size does not divide (a short last one), so the
+    config loads and says so; critic keys under GRPO train nothing and are named. A
+    resolved config.yaml (every key set, at its value) stays quiet."""
+    from asyncrl.config.rules import config_advisories
+
+    [line] = config_advisories(
+        load_config("configs/cpu_demo.yaml", ["actor.ppo_mini_batch_size=6"])
+    )
+    assert "each step's last mini-batch has 4 prompts" in line
+    critic = ["critic.optim.lr=3e-5", "critic.ppo_epochs=2"]
+    [line] = config_advisories(load_config("configs/cpu_demo.yaml", critic))
+    assert "critic.optim, critic.ppo_epochs set" in line and "adv_estimator=gae" in line
+    cfg = load_config("configs/cpu_demo.yaml", [*GAE, *critic])
+    assert config_advisories(cfg) == []
+    assert config_advisories(load_config(str(write_resolved(cfg, tmp_path)))) == []

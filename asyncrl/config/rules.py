@@ -99,10 +99,10 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"rollout.max_inflight={ro.max_inflight} is below rollout.n={ro.n}: a group could "
             "never run at once; raise rollout.max_inflight"
         )
-    if data.train_batch_size % actor.ppo_mini_batch_size != 0:
+    if actor.ppo_mini_batch_size > data.train_batch_size:  # veRL's own check
         problems.append(
-            f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} must divide "
-            f"data.train_batch_size={data.train_batch_size} (both count prompts)"
+            f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} exceeds "
+            f"data.train_batch_size={data.train_batch_size} (both count prompts); lower it"
         )
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         problems.append(
@@ -188,6 +188,35 @@ def config_advisories(cfg: Config) -> list[str]:
             f"{actor.ppo_max_token_len_per_gpu} tokens; set actor.use_dynamic_bsz=false to "
             "use the sequence count"
         )
+    return out + _batch_advisories(cfg)
+
+
+def _batch_advisories(cfg: Config) -> list[str]:
+    """A mini-batch size that leaves a short last mini-batch (veRL splits the same way),
+    and critic keys a run without a critic ignores."""
+    out = []
+    batch = cfg.data.train_batch_size
+    minis = [("actor", cfg.actor.ppo_mini_batch_size)]
+    if cfg.algorithm.adv_estimator == "gae":
+        minis.append(("critic", cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size))
+    for role, mini in minis:
+        if batch % mini:
+            out.append(
+                f"{role}.ppo_mini_batch_size={mini} does not divide data.train_batch_size="
+                f"{batch}: each step's last mini-batch has {batch % mini} prompts (an "
+                "optimizer step on fewer samples)"
+            )
+    # Keys set away from their defaults (a resolved config.yaml sets every key, unchanged).
+    plain = type(cfg.critic)()
+    given = sorted(
+        k for k in cfg.critic.model_fields_set if getattr(cfg.critic, k) != getattr(plain, k)
+    )
+    if cfg.algorithm.adv_estimator != "gae" and given:
+        out.append(
+            f"critic.{', critic.'.join(given)} set, but algorithm.adv_estimator="
+            f"{cfg.algorithm.adv_estimator} trains no critic: they are unused; set "
+            "algorithm.adv_estimator=gae for PPO with a critic"
+        )
     return out
 
 
@@ -248,10 +277,10 @@ def _critic_problems(cfg: Config) -> list[str]:
             )
         return out
     mini = cfg.critic.ppo_mini_batch_size
-    if mini is not None and cfg.data.train_batch_size % mini != 0:
+    if mini is not None and mini > cfg.data.train_batch_size:
         out.append(
-            f"critic.ppo_mini_batch_size={mini} must divide "
-            f"data.train_batch_size={cfg.data.train_batch_size} (both count prompts)"
+            f"critic.ppo_mini_batch_size={mini} exceeds "
+            f"data.train_batch_size={cfg.data.train_batch_size} (both count prompts); lower it"
         )
     c, a = cfg.critic, cfg.actor
     dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
