@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import subprocess
 import sys
 
@@ -357,3 +358,90 @@ def test_a_micro_batch_size_that_dynamic_batching_ignores_is_warned_about(tmp_pa
     # a role reading the launcher's resolved config.yaml (every key set) stays quiet
     cfg = load_config("configs/cpu_demo.yaml", [micro, f"trainer.default_local_dir={tmp_path}"])
     assert config_advisories(load_config(str(write_resolved(cfg)))) == []
+
+
+def test_override_values_read_as_hydra_reads_them():
+    """``off``/``yes`` stay text and a date is text (YAML 1.1 reads them as a bool and a
+    date); a number given for a text key is that text."""
+    cfg = load_config(
+        "configs/cpu_demo.yaml",
+        ["trainer.project_name=off", "trainer.experiment_name=2025-01-20", "rollout.n=4"],
+    )
+    assert (cfg.trainer.project_name, cfg.trainer.experiment_name) == ("off", "2025-01-20")
+    assert load_config(None, ["trainer.experiment_name=20250120"]).trainer.experiment_name == (
+        "20250120"
+    )
+    assert load_config(None, ["data.shuffle=False"]).data.shuffle is False
+
+
+def test_omegaconf_references_resolve(tmp_path, monkeypatch):
+    """veRL's files and scripts write ``${...}``: a reference in veRL's spelling or ours, a
+    sibling, ``oc.select`` and ``oc.env`` resolve; a key left out reads as its default."""
+    monkeypatch.setenv("ASYNCRL_TEST_RUN", "night")
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n  actor:\n    ppo_epochs: 3\n"
+        "critic:\n  ppo_epochs: ${actor_rollout_ref.actor.ppo_epochs}\n"
+        "  ppo_mini_batch_size: ${oc.select:critic.nowhere,8}\n"
+        "algorithm:\n  adv_estimator: gae\n"
+        "trainer:\n  experiment_name: ${oc.env:ASYNCRL_TEST_RUN}\n"
+        "  default_local_dir: ck/${trainer.project_name}/${.experiment_name}\n"
+    )
+    cfg = load_config(path)
+    assert (cfg.critic.ppo_epochs, cfg.critic.ppo_mini_batch_size) == (3, 8)
+    assert cfg.trainer.default_local_dir == "ck/asyncrl/night"  # project_name: its default
+    for value, says in [
+        ("${nowhere.key}", "refers to a key this config does not have"),
+        ("${eval:1+1}", "resolver 'eval' is not supported"),
+        ("${oc.env:ASYNCRL_TEST_UNSET_VAR}", "which is not set"),
+        ("${trainer.experiment_name}-x", "refers to itself"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            load_config(path, [f"trainer.experiment_name={value}"])
+    cfg = load_config(path, ["trainer.experiment_name=${trainer.project_name}-x"])
+    assert cfg.trainer.experiment_name == "asyncrl-x"
+
+
+def test_home_in_path_keys_is_expanded(monkeypatch, tmp_path):
+    """veRL's defaults write ``~/data/...``; no shell expands it inside a file."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["data.train_files=[~/d/a.parquet,~/d/b.parquet]", "model.path=~/m"])
+    assert cfg.data.train_files == [f"{tmp_path}/d/a.parquet", f"{tmp_path}/d/b.parquet"]
+    assert cfg.model.path == f"{tmp_path}/m"
+    assert load_config(None, ["trainer.project_name=~x"]).trainer.project_name == "~x"
+
+
+def test_dapo_recipes_reward_kwargs_spelling_of_the_overlong_buffer(tmp_path):
+    """veRL's DAPO/GSPO recipes pass the overlong penalty as reward_kwargs; max_resp_len
+    must agree with data.max_response_length, from which the penalty counts here."""
+    base = [
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+    ]
+    cfg = load_config(
+        "configs/cpu_demo.yaml",
+        [*base, "data.max_response_length=8", "+reward_model.reward_kwargs.max_resp_len=8"],
+    )
+    ob = cfg.reward.overlong_buffer
+    assert (ob.enable, ob.len, ob.penalty_factor) == (True, 4, 0.5)
+    with pytest.raises(ConfigError, match="give data.max_response_length the same value"):
+        load_config(
+            "configs/cpu_demo.yaml",
+            [*base, "data.max_response_length=8", "+reward_model.reward_kwargs.max_resp_len=9"],
+        )
+    path = tmp_path / "dapo.yaml"
+    path.write_text(
+        "reward_model:\n  reward_kwargs:\n    overlong_buffer_cfg:\n      enable: true\n"
+        "      len: 4\n      penalty_factor: 1.0\n"
+    )
+    assert load_config(path).reward.overlong_buffer.enable
+
+
+def test_an_unknown_group_names_the_keys_given_under_it():
+    with pytest.raises(ConfigError, match=re.escape("(given: my_group.a.b)")):
+        load_config(None, ["my_group.a.b=1"])
+    # Ray's own settings (veRL's ray_init / ray_kwargs) load, with no effect
+    cfg = load_config(None, ["ray_init.num_cpus=8", "+ray_kwargs.ray_init.num_cpus=8"])
+    assert cfg == load_config(None)

@@ -36,6 +36,16 @@ OUTSIDE = {
     "custom_reward_function.overlong_buffer.len",
     "custom_reward_function.overlong_buffer.penalty_factor",
     "custom_reward_function.overlong_buffer.log",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.enable",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.len",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.log",
+    "reward_model.reward_kwargs.max_resp_len",
+    "critic.model.fsdp_config.grad_offload",
+    "ray_init.num_cpus",
+    "ray_init.timeline_json_file",
+    "ray_kwargs.ray_init.num_cpus",
+    "ray_kwargs.timeline_json_file",
 }
 BASE = load_config(None).model_dump(mode="json")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from asyncrl.config.interpolate import InterpolationError, resolve_references
 from asyncrl.config.rules import cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import apply_verl_keys, pop_dotted
@@ -26,6 +28,24 @@ from asyncrl.config.verl_table import our_key
 log = logging.getLogger(__name__)
 
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+#: Keys holding paths: a leading ``~`` is the user's home (veRL's defaults write
+#: ``~/data/...``, and no shell expands it inside a YAML file).
+_PATH_KEY = re.compile(r"(path|paths|files?|dir)$")
+
+
+class _OverrideLoader(yaml.SafeLoader):
+    """YAML for one override value, read as Hydra reads it: ``true``/``false`` are the
+    only booleans (``on``, ``off``, ``yes``, ``no`` stay text) and nothing is a date
+    (``experiment_name=2025-01-20`` is text)."""
+
+
+_OverrideLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if not tag.endswith((":bool", ":timestamp"))]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_OverrideLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|false)$", re.IGNORECASE), list("tTfF")
+)
 
 
 class ConfigError(ValueError):
@@ -62,6 +82,11 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         key, value = parse_override(item)
         set_dotted(raw, key, value)
         given.add(key)
+    try:
+        resolve_references(raw, _defaults())
+    except InterpolationError as e:
+        raise ConfigError([str(e)]) from None
+    _expand_home(raw)
     notes, problems = apply_verl_keys(raw, frozenset(given))
     if problems:
         raise ConfigError(problems)
@@ -79,12 +104,32 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError([f"override {item!r} has an empty key"])
     try:
-        value = yaml.safe_load(text) if text.strip() else ""
+        value = yaml.load(text, Loader=_OverrideLoader) if text.strip() else ""
     except yaml.YAMLError:
         value = text  # a plain string such as a path with a colon
     if isinstance(value, str) and _FLOAT.fullmatch(value):
         value = float(value)  # YAML 1.1 reads "1e-5" (no dot) as a string
     return our_key(key), value
+
+
+def _defaults() -> dict[str, Any]:
+    """Every key at its default (what a ``${...}`` to a key left out reads)."""
+    return Config().model_dump(mode="json")
+
+
+def _expand_home(node: dict[str, Any]) -> None:
+    """``~/x`` -> the home folder's ``x``, in the values of path keys (lists too)."""
+    for k, v in node.items():
+        if isinstance(v, dict):
+            _expand_home(v)
+        elif isinstance(k, str) and _PATH_KEY.search(k):
+            if isinstance(v, str) and v.startswith("~"):
+                node[k] = os.path.expanduser(v)
+            elif isinstance(v, list):
+                node[k] = [
+                    os.path.expanduser(x) if isinstance(x, str) and x.startswith("~") else x
+                    for x in v
+                ]
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
@@ -147,6 +192,17 @@ def _flatten_verl_groups(loaded: dict[str, Any]) -> dict[str, Any]:
             out.setdefault("reward", {})["overlong_buffer"] = crf.pop("overlong_buffer")
         out.setdefault("reward", {})["custom_reward_function"] = crf
     verl_reward = out.get("reward_model")
+    kwargs = verl_reward.get("reward_kwargs") if isinstance(verl_reward, dict) else None
+    if (
+        isinstance(verl_reward, dict)
+        and isinstance(kwargs, dict)
+        and "overlong_buffer_cfg" in kwargs
+    ):
+        out.setdefault("reward", {})["overlong_buffer"] = kwargs.pop("overlong_buffer_cfg")
+        if not kwargs:
+            del verl_reward["reward_kwargs"]
+        if not verl_reward:
+            del out["reward_model"]
     if isinstance(verl_reward, dict) and "overlong_buffer" in verl_reward:
         rest = {k: v for k, v in verl_reward.items() if k != "overlong_buffer"}
         out.setdefault("reward", {})["overlong_buffer"] = verl_reward["overlong_buffer"]
@@ -166,10 +222,22 @@ def _explain(err: ErrorDetails) -> str:
         close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
         hint = f"did you mean {'.'.join(loc[:-1] + close)}?" if close else ""
         group = ".".join(loc[:-1]) or "the top level"
-        return f"unknown key {key}; {hint or 'valid keys in ' + group + ': ' + ', '.join(valid)}"
+        given = err.get("input")
+        under = ""
+        if isinstance(given, dict):  # a whole unknown group: say which keys were under it
+            under = f" (given: {', '.join(key + '.' + k for k in _leaf_keys(given)[:4])})"
+        fix = hint or f"valid keys in {group}: {', '.join(valid)}"
+        return f"unknown key {key}; {fix}{under}"
     got = err.get("input")
     shown = repr(got) if not isinstance(got, dict) else "a mapping"
     return f"{key}: {err['msg'].lower()} (got {shown})"
+
+
+def _leaf_keys(node: dict[str, Any]) -> list[str]:
+    out = []
+    for k, v in node.items():
+        out += [f"{k}.{leaf}" for leaf in _leaf_keys(v)] if isinstance(v, dict) and v else [str(k)]
+    return out
 
 
 def _valid_keys(loc: list[str]) -> list[str]:

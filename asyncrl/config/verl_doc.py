@@ -7,13 +7,14 @@ veRL version's keys (:func:`leaves_of`, written to ``verl_ppo_trainer_keys.yaml`
 
 from __future__ import annotations
 
-import re
+import copy
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from asyncrl.config.interpolate import resolve_references
 from asyncrl.config.verl_table import VERL_KEYS, VerlKey, our_key
 
 KEYS_FILE = Path(__file__).with_name("verl_ppo_trainer_keys.yaml")
@@ -61,12 +62,11 @@ def verl_leaves(path: Path = KEYS_FILE) -> dict[str, Any]:
     return yaml.safe_load(path.read_text())
 
 
-_INTERP = re.compile(r"^\$\{(?:oc\.select:)?([^,}]+)(?:,(.*))?\}$")
-
-
 def leaves_of(tree: dict[str, Any]) -> dict[str, Any]:
     """The leaves of a veRL config tree (``_target_`` left out) as ``{dotted: default}``,
     each ``${key}`` / ``${oc.select:key,default}`` interpolation resolved."""
+    tree = copy.deepcopy(tree)
+    resolve_references(tree, {})
     flat: dict[str, Any] = {}
 
     def walk(node: dict[str, Any], prefix: str) -> None:
@@ -79,16 +79,6 @@ def leaves_of(tree: dict[str, Any]) -> dict[str, Any]:
                 flat[prefix + k] = v
 
     walk(tree, "")
-    for key, value in flat.items():
-        for _ in range(8):  # an interpolation may point at another one
-            m = _INTERP.match(value) if isinstance(value, str) else None
-            if m is None:
-                break
-            ref, default = m.group(1), m.group(2)
-            if ref.startswith("."):  # relative: a sibling
-                ref = key.rsplit(".", 1)[0] + ref
-            value = flat.get(ref, yaml.safe_load(default.strip('"')) if default else None)
-        flat[key] = value
     return flat
 
 

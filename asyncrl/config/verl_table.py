@@ -37,6 +37,8 @@ VERL_PREFIXES = {
     "custom_reward_function.overlong_buffer.": "reward.overlong_buffer.",  # DAPO's scripts
     "custom_reward_function.": "reward.custom_reward_function.",
     "reward_model.overlong_buffer.": "reward.overlong_buffer.",
+    # veRL's DAPO and GSPO recipes now pass it to the reward manager this way
+    "reward_model.reward_kwargs.overlong_buffer_cfg.": "reward.overlong_buffer.",
 }
 
 
@@ -530,7 +532,7 @@ VERL_KEYS: dict[str, VerlKey] = {
         "critic.model.fsdp_config.",
         (
             "param_offload optimizer_offload offload_policy reshard_after_forward "
-            "wrap_policy.min_num_params fsdp_size forward_prefetch"
+            "wrap_policy.min_num_params fsdp_size forward_prefetch grad_offload"
         ),
         _none(CRITIC_AS_ACTOR),
     ),
@@ -604,10 +606,21 @@ VERL_KEYS: dict[str, VerlKey] = {
     # DAPO's recipe keys (veRL keeps them outside ppo_trainer.yaml; its scripts spell them
     # under reward_model or custom_reward_function)
     **{
-        f"{where}.overlong_buffer.{k}": _impl(example=v)
-        for where in ("custom_reward_function", "reward_model")
+        f"{where}.{k}": _impl(example=v)
+        for where in (
+            "custom_reward_function.overlong_buffer",
+            "reward_model.overlong_buffer",
+            "reward_model.reward_kwargs.overlong_buffer_cfg",
+        )
         for k, v in (("enable", False), ("len", 4), ("penalty_factor", 1.0), ("log", True))
     },
+    "reward_model.reward_kwargs.max_resp_len": VerlKey(
+        "refused",
+        "DAPO's overlong penalty counts from data.max_response_length here: give "
+        "data.max_response_length the same value (or remove max_resp_len)",
+        allowed=lambda v, raw: v is None or v == _get(raw, "data.max_response_length"),
+        bad=12345,
+    ),
     **_implemented("custom_reward_function.", "path name"),
     # ---------------------------------------------------------------- algorithm
     **_implemented(
@@ -661,6 +674,19 @@ VERL_KEYS: dict[str, VerlKey] = {
         "roles start under launch.start_timeout_s (launch.ray.start_timeout_s on Ray)"
     ),
     "trainer.use_legacy_worker_impl": _none("there is one worker implementation"),
+    **{
+        key: _none(
+            "Ray is started by the launcher (launch.backend=ray; launch.ray.address joins a "
+            "running cluster), which sizes it from the cluster's resources",
+            example=example,
+        )
+        for key, example in (
+            ("ray_init.num_cpus", 8),
+            ("ray_init.timeline_json_file", "timeline.json"),
+            ("ray_kwargs.ray_init.num_cpus", 8),
+            ("ray_kwargs.timeline_json_file", "timeline.json"),
+        )
+    },
     "trainer.n_gpus_per_node": _map(
         "trainer.nproc",
         "the learner's ranks per node; rollout servers are sized apart (rollout.num_servers "
