@@ -49,3 +49,16 @@ def test_with_checkpoints_the_batches_between_two_of_them():
 def test_verl_default_save_freq_loads_with_a_buffer_smaller_than_the_run():
     cfg = load_config(None, ["trainer.save_freq=-1", "buffer.capacity_groups=64"])
     assert cfg.buffer.capacity_groups < cfg.trainer.total_training_steps * cfg.data.train_batch_size
+
+
+def test_a_capacity_left_at_its_default_is_sized_for_the_run():
+    """veRL's scripts train 1024 prompts a step and checkpoint every 20 or 100 steps: the
+    buffer left at its default holds what that needs; one given by the user is checked."""
+    cfg = load_config(None, ["data.train_batch_size=1024", "trainer.save_freq=20"])
+    assert cfg.buffer.capacity_groups == 1024 * (20 + 1 + 1)
+    assert load_config(None, ["trainer.save_freq=-1"]).buffer.capacity_groups == 1024
+    with pytest.raises(ConfigError, match="raise it to >= 22528"):
+        load_config(
+            None,
+            ["data.train_batch_size=1024", "trainer.save_freq=20", "buffer.capacity_groups=2048"],
+        )

@@ -445,3 +445,21 @@ def test_an_unknown_group_names_the_keys_given_under_it():
     # Ray's own settings (veRL's ray_init / ray_kwargs) load, with no effect
     cfg = load_config(None, ["ray_init.num_cpus=8", "+ray_kwargs.ray_init.num_cpus=8"])
     assert cfg == load_config(None)
+
+
+def test_a_verl_script_relying_on_verl_defaults_is_told_which_differ(caplog):
+    """TinyZero's PPO script never sets algorithm.adv_estimator (veRL's default: gae):
+    written for veRL from the ground up (no file of ours), the keys it leaves out whose
+    default differs here are named in one warning; a config built on our file is not."""
+    script = ["actor_rollout_ref.actor.optim.lr=1e-6", "data.train_batch_size=16"]
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config.load"):
+        load_config(None, script)
+    (line,) = [r.getMessage() for r in caplog.records if "written for veRL" in r.getMessage()]
+    assert "algorithm.adv_estimator='grpo' (veRL: 'gae')" in line and "rollout.n=8" in line
+    assert "actor.optim.lr" not in line and "train_batch_size" not in line  # given
+    assert line.endswith("(e.g. algorithm.adv_estimator=gae)")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config.load"):
+        load_config("configs/cpu_demo.yaml", script)
+        load_config(None, ["actor.optim.lr=1e-6"])  # our spelling: our defaults, no warning
+    assert not [r for r in caplog.records if "written for veRL" in r.getMessage()]

@@ -20,9 +20,10 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from asyncrl.config.interpolate import InterpolationError, resolve_references
-from asyncrl.config.rules import cross_field_problems
+from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
-from asyncrl.config.verl_compat import apply_verl_keys, pop_dotted
+from asyncrl.config.verl_compat import apply_verl_keys, default_gaps, pop_dotted, speaks_verl
+from asyncrl.config.verl_doc import verl_leaves
 from asyncrl.config.verl_table import our_key
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,7 @@ class ConfigError(ValueError):
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read ``path`` (or the built-in defaults when None), apply overrides, validate."""
     raw: dict[str, Any] = {}
+    loaded: dict[str, Any] | None = None
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -92,6 +94,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError(problems)
     for note in notes:
         log.info("%s", note)
+    if speaks_verl(loaded if path is not None else None, overrides):
+        _warn_default_gaps(raw)
     return validate(raw)
 
 
@@ -110,6 +114,21 @@ def parse_override(item: str) -> tuple[str, Any]:
     if isinstance(value, str) and _FLOAT.fullmatch(value):
         value = float(value)  # YAML 1.1 reads "1e-5" (no dot) as a string
     return our_key(key), value
+
+
+def _warn_default_gaps(raw: dict[str, Any]) -> None:
+    """A config written for veRL that leaves out a key whose default differs here gets
+    this project's default: say so, once, naming veRL's."""
+    gaps = default_gaps(raw, _defaults(), verl_leaves())
+    if gaps:
+        key, _, theirs = gaps[0]
+        log.warning(
+            "this config is written for veRL but leaves out keys whose default differs here: "
+            "%s; set them to run as veRL would (e.g. %s=%s)",
+            ", ".join(f"{k}={ours!r} (veRL: {v!r})" for k, ours, v in gaps),
+            key,
+            "null" if theirs is None else theirs,
+        )
 
 
 def _defaults() -> dict[str, Any]:
@@ -151,6 +170,17 @@ def validate(raw: dict[str, Any]) -> Config:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError([_explain(err) for err in e.errors()]) from None
+    needed = capacity_needed(cfg)
+    if "capacity_groups" not in cfg.buffer.model_fields_set and cfg.buffer.capacity_groups < needed:
+        # Left at its default, the buffer is sized for the run (a veRL script with
+        # train_batch_size=1024 and save_freq=20 needs 23552 groups); given, it is checked.
+        log.info(
+            "buffer.capacity_groups raised from its default %d to %d: the batches between "
+            "checkpoints and the admission window (set it to choose)",
+            cfg.buffer.capacity_groups,
+            needed,
+        )
+        cfg.buffer.capacity_groups = needed
     problems = cross_field_problems(cfg)
     if problems:
         raise ConfigError(problems)

@@ -124,12 +124,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"control.dead_after_s={cfg.control.dead_after_s} must exceed "
             f"control.heartbeat_s={cfg.control.heartbeat_s}, or live servers are declared dead"
         )
-    # Released batches stay until a checkpoint acknowledges them (DESIGN.md section 4), beside
-    # the max_policy_lag + 1 batches admission lets the servers produce meanwhile. With
-    # save_freq <= 0 (no intermediate checkpoint) the learner acknowledges each batch once
-    # trained: one batch is held, and a buffer smaller than that never releases one.
-    steps_held = max(cfg.trainer.save_freq, 1) + cfg.staleness.max_policy_lag + 1
-    needed = data.train_batch_size * steps_held
+    needed = capacity_needed(cfg)
     if cfg.buffer.capacity_groups < needed:
         if cfg.trainer.save_freq > 0:
             held = "the unacknowledged batches between checkpoints"
@@ -156,6 +151,17 @@ def cross_field_problems(cfg: Config) -> list[str]:
 #: A clip range wider than this is a token-level one: GSPO's sequence ratio (a geometric
 #: mean over the response) seldom leaves it.
 GSPO_WIDE_CLIP = 0.01
+
+
+def capacity_needed(cfg: Config) -> int:
+    """The fewest groups ``buffer.capacity_groups`` may hold.
+
+    Released batches stay until a checkpoint acknowledges them (DESIGN.md section 4), beside
+    the max_policy_lag + 1 batches admission lets the servers produce meanwhile. With
+    save_freq <= 0 (no intermediate checkpoint) the learner acknowledges each batch once
+    trained: one batch is held, and a buffer smaller than that never releases one."""
+    steps_held = max(cfg.trainer.save_freq, 1) + cfg.staleness.max_policy_lag + 1
+    return cfg.data.train_batch_size * steps_held
 
 
 def config_advisories(cfg: Config) -> list[str]:

@@ -13,6 +13,27 @@ from typing import Any
 
 from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key, refused_value
 
+#: Keys whose default here differs from veRL's and changes what a run trains, or for how
+#: long: a veRL script that leaves one out relied on veRL's (TinyZero's PPO script never
+#: sets algorithm.adv_estimator, veRL's default being gae). veRL spelling; its defaults
+#: are read from ``verl_ppo_trainer_keys.yaml``.
+RESULT_DEFAULTS = (
+    "algorithm.adv_estimator",
+    "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.actor.clip_ratio_high",
+    "actor_rollout_ref.actor.optim.lr",
+    "actor_rollout_ref.actor.optim.weight_decay",
+    "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "data.train_batch_size",
+    "data.max_prompt_length",
+    "data.max_response_length",
+    "data.truncation",
+    "trainer.total_epochs",
+    "trainer.total_training_steps",
+    "trainer.save_freq",
+    "trainer.test_freq",
+)
+
 
 def pop_dotted(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
     """Remove ``raw[a][b]...`` for ``dotted`` (and the groups it empties); (found, value)."""
@@ -88,3 +109,28 @@ def apply_verl_keys(
         else:
             notes.append(f"veRL's {key}={value!r} has no effect here: {rule.reason}")
     return notes, problems
+
+
+def speaks_verl(loaded: dict[str, Any] | None, overrides: list[str] | tuple[str, ...]) -> bool:
+    """Whether a config is written for veRL from the ground up: a file in veRL's layout
+    (an ``actor_rollout_ref`` group), or no file and veRL's spelling on the command line."""
+    if loaded is not None:
+        return "actor_rollout_ref" in loaded
+    return any(o.lstrip("+~").startswith("actor_rollout_ref.") for o in overrides)
+
+
+def default_gaps(
+    raw: dict[str, Any], ours: dict[str, Any], verl: dict[str, Any]
+) -> list[tuple[str, Any, Any]]:
+    """``(our key, our default, veRL's default)`` for each of :data:`RESULT_DEFAULTS` that
+    ``raw`` (after the veRL keys were applied) leaves out and whose default here (``ours``:
+    every key at its default) differs from veRL's (``verl``: veRL's leaves and defaults)."""
+    out = []
+    for key in RESULT_DEFAULTS:
+        mine = our_key(key)
+        if lookup(raw, mine)[0] or key not in verl:
+            continue
+        found, here = lookup(ours, mine)
+        if found and here != verl[key]:
+            out.append((mine, here, verl[key]))
+    return out
