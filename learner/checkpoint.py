@@ -8,6 +8,11 @@ Layout of a run directory::
         trainer_state.json                 step, policy_version, scheduler, extra, and
                                            the critic's schedule and KL coefficient
     <run_dir>/checkpoints/step_<n>.tmp/    a checkpoint being written (ignored)
+    <run_dir>/checkpoints/step_<n>.old/    the one a re-save of step n replaces (used only
+                                           while step_<n> is missing: a save cut short)
+    <run_dir>/checkpoints/abandoned_after_step_<k>/
+                                           the steps after k of a run rewound to step k
+                                           (ignored)
 
 A checkpoint is written under a temporary name and renamed when complete, so a crash
 mid-save never leaves a directory that :func:`latest_checkpoint` would pick. Sharded
@@ -20,17 +25,23 @@ import json
 import logging
 import re
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import count
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+# Defined beside the launcher's check of trainer.resume_from_path (no torch there); the
+# loop and the tests read it from here.
+from asyncrl.config.inputs import STATE_FILE as STATE_FILE
+
 log = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+# step_<n>, and what a save leaves beside it: .tmp (being written), .old (being replaced).
+_STEP_ENTRY = re.compile(r"^step_(\d+)(\.tmp|\.old)?$")
 # Files of an HF model directory that are weights (replaced by the export), not metadata.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json")
 
@@ -58,30 +69,91 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def step_of(path: str | Path) -> int | None:
+    """The step of a checkpoint directory by its name (``step_<n>``, ``step_<n>.old``)."""
+    m = _STEP_ENTRY.match(Path(path).name)
+    return int(m.group(1)) if m and m.group(2) != ".tmp" else None
+
+
+def _scan(root: Path) -> tuple[dict[int, Path], list[Path]]:
+    """The complete checkpoints under ``root`` by step, and the folders skipped as
+    incomplete (a ``.tmp``, or no state file: a save cut short). A ``step_<n>.old`` counts
+    only while ``step_<n>`` is missing: a re-save of step n killed between its renames."""
+    complete: dict[int, Path] = {}
+    olds: dict[int, Path] = {}
+    skipped: list[Path] = []
+    for p in sorted(root.iterdir()):
+        if not (m := _STEP_ENTRY.match(p.name)) or not p.is_dir():
+            continue
+        whole = (p / STATE_FILE).is_file()
+        if m.group(2) is None and whole:
+            complete[int(m.group(1))] = p
+        elif m.group(2) == ".old" and whole:
+            olds[int(m.group(1))] = p
+        elif m.group(2) != ".old":
+            skipped.append(p)
+    return {**olds, **complete}, skipped
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step under ``run_dir``, or None."""
+    """The complete checkpoint with the highest step under ``run_dir``, or None. Says
+    (rank 0) which folders it skipped as incomplete, and when it falls back to a
+    ``step_<n>.old`` (see :func:`_scan`)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return None
-    found = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP_DIR.match(p.name)) and (p / STATE_FILE).is_file()
-    ]
-    return max(found)[1] if found else None
+    found, skipped = _scan(root)
+    if _rank() == 0:
+        for p in skipped:
+            log.warning("skipped %s: an incomplete checkpoint (a save cut short)", p)
+    if not found:
+        return None
+    latest = found[max(found)]
+    if latest.suffix == ".old" and _rank() == 0:
+        log.warning(
+            "%s is missing (a re-save of it was cut short): resuming from %s, the complete "
+            "copy it was replacing",
+            latest.with_suffix(""),
+            latest,
+        )
+    return latest
+
+
+def _first_free(candidates: Iterable[Path]) -> Path:
+    return next(p for p in candidates if not p.exists())
 
 
 def set_aside_checkpoints(run_dir: str | Path) -> Path | None:
     """Rename ``run_dir``'s checkpoints (of an earlier run) to the first free
     ``checkpoints.<k>``; the new name, or None when there were none. Nothing is deleted."""
     root = checkpoint_dir(run_dir)
-    if latest_checkpoint(run_dir) is None:
+    if not root.is_dir() or not _scan(root)[0]:
         return None
-    k = 1
-    while (old := root.with_name(f"{root.name}.{k}")).exists():
-        k += 1
+    old = _first_free(root.with_name(f"{root.name}.{k}") for k in count(1))
     root.rename(old)
     return old
+
+
+def set_aside_later_checkpoints(run_dir: str | Path, step: int) -> Path | None:
+    """Move ``run_dir``'s checkpoints after ``step`` (with their ``.old`` and ``.tmp``) to
+    ``checkpoints/abandoned_after_step_<step>`` (``.2``, ... if taken), which
+    :func:`latest_checkpoint` does not read: a run rewound to ``step`` must not be resumed
+    by a restart (``resume_mode=auto``) on the branch it abandoned. The folder, or None when
+    nothing came after ``step``. Nothing is deleted."""
+    root = checkpoint_dir(run_dir)
+    later = [
+        p
+        for p in sorted(root.iterdir())
+        if (m := _STEP_ENTRY.match(p.name)) and int(m.group(1)) > step
+    ]
+    if not later:
+        return None
+    name = f"abandoned_after_step_{step}"
+    dest = _first_free(root / (f"{name}.{k}" if k > 1 else name) for k in count(1))
+    dest.mkdir()
+    for p in later:
+        p.rename(dest / p.name)
+    return dest
 
 
 def _state_dict_options(trained_only: bool = True):
@@ -157,6 +229,9 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
+            # A re-save cut short between its renames left step N's previous copy, which
+            # latest_checkpoint used while step N was missing: this one replaces it.
+            shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
         log.info("checkpoint saved: %s (policy version %d)", final, policy_version)
     _barrier()
     return final

@@ -23,6 +23,7 @@ from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import replayed_version
 from asyncrl.control.lag_controller import LagController
 from asyncrl.launch.progress import accounting_lines
+from asyncrl.metrics import MetricsLogger
 from learner.control_peer import BatchRef, Restored
 from learner.health import check_probe
 from learner.validation import ValidationTracker
@@ -46,12 +47,12 @@ CONSOLE_KEYS = (
 class RankZero:
     """Rank 0's control plane, started at construction (from a checkpoint's state when
     ``restored`` holds one): the coordinator serves servers from here on, and the buffer
-    has answered (it resends the batches after ``restored.last_batch_id``)."""
+    has answered (it resends the batches after ``restored.last_batch_id``). ``new_run``:
+    this start begins a new run in ``run_dir`` (see :func:`open_metrics`)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, restored: Restored):
+    def __init__(self, cfg: Config, run_dir: Path, restored: Restored, *, new_run: bool):
         from asyncrl.config import write_resolved
         from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
-        from asyncrl.metrics import MetricsLogger
         from asyncrl.net.buffer_client import BufferClient
         from asyncrl.net.transport import config_endpoint, mebibytes
         from asyncrl.sync.sender import WeightPusher
@@ -125,15 +126,7 @@ class RankZero:
             # previous life died pushing it): go on above it, or every new group is stale.
             if welcome.policy_version > through:
                 self.coordinator.at_least(welcome.policy_version)
-        self.logger = MetricsLogger(
-            run_dir,
-            cfg.trainer.logger,
-            project=cfg.trainer.project_name,
-            experiment=cfg.trainer.experiment_name,
-            config=cfg.model_dump(mode="json"),
-            console_keys=CONSOLE_KEYS,
-            fresh=restored.path is None,
-        )
+        self.logger = open_metrics(cfg, run_dir, new_run)
 
     # ------------------------------------------------------------------ batches
     def wait_batch(self, version: int, step: int) -> Any:
@@ -409,6 +402,22 @@ class RankZero:
             if not accounting.get("accounting/val/in_buffer") or time.monotonic() >= end:
                 return accounting
             time.sleep(0.1)
+
+
+def open_metrics(cfg: Config, run_dir: Path, new_run: bool) -> MetricsLogger:
+    """The run's metrics logger. A new run in ``run_dir`` (no checkpoint resumed, or one
+    from elsewhere: the run directory's own were moved aside) sets an earlier run's
+    ``metrics.jsonl`` aside and opens a new W&B run, so its steps are not appended to the
+    earlier run's records (which W&B would drop as going back in time)."""
+    return MetricsLogger(
+        run_dir,
+        cfg.trainer.logger,
+        project=cfg.trainer.project_name,
+        experiment=cfg.trainer.experiment_name,
+        config=cfg.model_dump(mode="json"),
+        console_keys=CONSOLE_KEYS,
+        fresh=new_run,
+    )
 
 
 def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:

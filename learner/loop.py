@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.config import run_dir as run_dir_of
-from asyncrl.config.inputs import total_training_steps
+from asyncrl.config.inputs import resume_problem, total_training_steps
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
@@ -75,10 +75,13 @@ class LearnerLoop:
         self.run_dir = run_dir_of(cfg)
         self.total = total_training_steps(cfg)
         self.trainer = Trainer(cfg, total_steps=self.total)
+        self.new_run = True  # set by _restore: whether this start begins a new run here
         self.restored = self._restore()
         self._mark("model_ready")
         self.control: ControlPeer = (
-            RankZero(cfg, self.run_dir, self.restored) if self.trainer.rank == 0 else NoControl()
+            RankZero(cfg, self.run_dir, self.restored, new_run=self.new_run)
+            if self.trainer.rank == 0
+            else NoControl()
         )
         self._mark("coordinator_up")
         self.last_batch_id = self.restored.last_batch_id
@@ -221,7 +224,10 @@ class LearnerLoop:
         be this run's: a start that does not resume from the run directory's checkpoints
         (``disable``, or ``resume_path`` elsewhere) moves them aside first, and ``auto``
         with none of this run's yet falls back to ``resume_from_path`` (the first start's
-        weights, not the base model's)."""
+        weights, not the base model's). A ``resume_path`` to an earlier step of this run
+        (a rewind) moves the steps after it aside, out of ``auto``'s reach. Sets
+        :attr:`new_run`: this start begins a new run here (its metrics start afresh).
+        Raises :class:`ConfigError` for a path that is no checkpoint, before anything moves."""
         from learner.checkpoint import checkpoint_dir, latest_checkpoint, set_aside_checkpoints
 
         t, mode = self.cfg.trainer, self.cfg.trainer.resume_mode
@@ -230,14 +236,19 @@ class LearnerLoop:
             path = latest_checkpoint(self.run_dir) or t.resume_from_path
         elif mode == "resume_path":
             path = t.resume_from_path
+        if path is not None and (problem := resume_problem(str(path))) is not None:
+            raise ConfigError([problem])
         ours = checkpoint_dir(self.run_dir).resolve()
-        elsewhere = path is None or ours not in Path(path).resolve().parents
-        aside = mode != "auto" and elsewhere and self.trainer.rank == 0
+        inside = path is not None and ours in Path(path).resolve().parents
+        self.new_run = path is None or (mode != "auto" and not inside)
+        aside = self.new_run and mode != "auto" and self.trainer.rank == 0
         if aside and (old := set_aside_checkpoints(self.run_dir)) is not None:
             log.info("checkpoints of an earlier run (not resumed) moved to %s", old.name)
         if path is None:
             return Restored(None, None, None)
         extra = self.trainer.load(path)
+        if mode == "resume_path" and inside and self.trainer.rank == 0:
+            self._abandon_later(Path(path))
         log.info(
             "resumed from %s at step %d, version %d (buffer session %r)",
             path,
@@ -255,6 +266,21 @@ class LearnerLoop:
             extra.get("validation"),
             extra.get("lag_controller"),
         )
+
+    def _abandon_later(self, path: Path) -> None:
+        """A rewind to ``path``, a checkpoint of this run: its later steps (the branch left
+        behind) go where ``auto`` does not look, or a restart would resume there."""
+        from learner.checkpoint import set_aside_later_checkpoints, step_of
+
+        step = step_of(path)
+        step = self.trainer.step if step is None else step  # a folder named otherwise
+        if (moved := set_aside_later_checkpoints(self.run_dir, step)) is not None:
+            log.info(
+                "rewound to step %d: the later checkpoints (the branch left behind) moved to "
+                "%s, where a restart does not look",
+                step,
+                moved,
+            )
 
 
 def _broadcast_int(value: int, trainer: Any) -> int:

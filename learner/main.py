@@ -9,7 +9,9 @@ from __future__ import annotations
 import logging
 
 from asyncrl.cli import parse_role_args
-from asyncrl.config.inputs import DATA, MODEL
+from asyncrl.config import ConfigError
+from asyncrl.config.inputs import DATA, MODEL, RESUME
+from asyncrl.launch.restart_policy import CONFIG_ERROR
 
 log = logging.getLogger("learner")
 
@@ -20,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         "Train on the buffer's batches and push weights.",
         None,
         argv,
-        needs=(MODEL, DATA),
+        needs=(MODEL, DATA, RESUME),
     )
     import os
 
@@ -37,7 +39,12 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("%s", line)
     from learner.loop import LearnerLoop
 
-    return LearnerLoop(cfg).run()
+    try:
+        loop = LearnerLoop(cfg)
+    except ConfigError as e:  # found at start-up (a resume path that is no checkpoint)
+        log.error("cannot start: %s", "; ".join(e.problems))
+        return CONFIG_ERROR  # the launcher does not restart it: it would fail the same way
+    return loop.run()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,6 +103,42 @@ def test_latest_ignores_incomplete_and_resave_replaces(tiny_model, single_rank, 
     with pytest.raises(TypeError):
         trainer.save(tmp_path, extra={"not json": object()})
     assert latest_checkpoint(tmp_path).name == "step_3"
+
+
+def test_a_resave_killed_between_its_renames_keeps_the_checkpoint(
+    tiny_model, single_rank, tmp_path, monkeypatch, caplog
+):
+    """Re-saving step 4 (a finished run relaunched saves its last step again) renames
+    step_4 to step_4.old, then step_4.tmp to step_4: killed between the two, the run
+    resumes from step_4.old, not from step 2 (and says so), and the next save of step 4
+    replaces it."""
+    trainer = Trainer(make_cfg(tiny_model))
+    for step, version in ((2, 1), (4, 2)):
+        trainer.step, trainer.policy_version = step, version
+        trainer.save(tmp_path)
+    rename = Path.rename
+
+    def killed(self: Path, target):
+        if self.name == "step_4.tmp":
+            raise KeyboardInterrupt("killed between the renames")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.save(tmp_path)
+    monkeypatch.setattr(Path, "rename", rename)
+    root = tmp_path / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.old", "step_4.tmp"]
+    with caplog.at_level("WARNING", logger="learner.checkpoint"):
+        found = latest_checkpoint(tmp_path)
+    assert found == root / "step_4.old"
+    assert "resuming from" in caplog.text and f"skipped {root / 'step_4.tmp'}" in caplog.text
+    resumed = Trainer(make_cfg(tiny_model))
+    resumed.load(found)
+    assert (resumed.step, resumed.policy_version) == (4, 2)
+    resumed.save(tmp_path)  # the final save of the relaunched run
+    assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
+    assert latest_checkpoint(tmp_path) == root / "step_4"
 
 
 def test_export_loads_in_transformers(tiny_model, single_rank, tmp_path):

@@ -3,6 +3,8 @@ steps, and the coordinator admitting by the lag it sets (real sockets on 127.0.0
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from asyncrl.config import ConfigError, load_config
@@ -66,6 +68,28 @@ def test_a_restored_controller_goes_on_at_the_lag_it_had_earned():
     narrow = LagController(0, 1, min_ess=0.3, max_kl=0.1)
     narrow.load_state_dict(lag.state_dict())
     assert narrow.lag == 1
+
+
+def test_a_restored_controller_judges_lag_drops_since_the_checkpoint():
+    """Early lag drops (100 of the first 500 groups) that have stopped by the checkpoint: a
+    resumed run does not narrow on the buffer's whole-run ratio (the buffer outlives the
+    learner), as the uninterrupted one does not. A checkpoint saved without the counters
+    (an older one) makes the first step after the restore a baseline only."""
+    live = LagController(0, 2, min_ess=0.3, max_kl=0.1)
+    assert live.step(1, _metrics(0.95, 0.0, 500.0, lag_drops=100.0)) is None  # at low already
+    assert live.step(2, _metrics(0.95, 0.6, 564.0, lag_drops=100.0)) == 1  # healthy, waiting
+    assert live.step(3, _metrics(0.95, 0.0, 628.0, lag_drops=100.0)) is None
+    saved = json.loads(json.dumps(live.state_dict()))  # as a checkpoint holds it
+    after = [_metrics(0.95, 0.0, 692.0, lag_drops=100.0), _metrics(0.95, 0.0, 700.0, 102.0)]
+    assert [live.step(s, m) for s, m in zip((4, 5), after, strict=True)] == [None, 0]
+    resumed = LagController(0, 2, min_ess=0.3, max_kl=0.1)
+    resumed.load_state_dict(saved)
+    assert resumed.step(4, after[0]) is None and resumed.lag == 1
+    assert resumed.step(5, after[1]) == 0  # 2 of 8 new groups dropped: narrowed at once
+    older = LagController(0, 2, min_ess=0.3, max_kl=0.1)
+    older.load_state_dict({"lag": 1, "widened_at": 2})
+    assert older.step(4, after[0]) is None and older.lag == 1  # the baseline only
+    assert older.step(5, after[1]) == 0
 
 
 def test_the_coordinator_admits_by_the_lag_it_is_given():

@@ -2,19 +2,24 @@
 with ``resume_mode=auto``: the checkpoints ``auto`` finds must be this run's. A start that
 does not resume from the run directory's checkpoints moves them aside (an earlier run's
 step 60 must not be picked over this run's step 20), and ``auto`` before this run's first
-checkpoint falls back to ``resume_from_path`` (not the base model).
+checkpoint falls back to ``resume_from_path`` (not the base model). A rewind to an earlier
+step of the run moves the later steps out of ``auto``'s reach; a resume path that is no
+checkpoint fails before anything moves; a new run here starts its metrics afresh.
 
 The decision is :meth:`LearnerLoop._restore` on a real run directory; the trainer is a
 stand-in that records what it was asked to load."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from asyncrl.config import load_config
-from learner.checkpoint import STATE_FILE
+from asyncrl.config import ConfigError, load_config
+from asyncrl.metrics import METRICS_FILE, read_metrics
+from learner.checkpoint import STATE_FILE, latest_checkpoint
+from learner.control_plane import open_metrics
 from learner.loop import LearnerLoop
 
 
@@ -36,11 +41,16 @@ def _checkpoint(root: Path, step: int) -> Path:
     return d
 
 
-def _restore(run: Path, *overrides: str) -> tuple[LoadRecorder, object]:
+def _loop(run: Path, *overrides: str) -> LearnerLoop:
     loop = object.__new__(LearnerLoop)  # the decision only: no model, no control plane
     loop.cfg = load_config(None, list(overrides))
     loop.run_dir = run
     loop.trainer = LoadRecorder()  # type: ignore[assignment]
+    return loop
+
+
+def _restore(run: Path, *overrides: str) -> tuple[LoadRecorder, object]:
+    loop = _loop(run, *overrides)
     return loop.trainer, loop._restore()  # type: ignore[return-value]
 
 
@@ -76,3 +86,85 @@ def test_resuming_from_the_run_directory_moves_nothing(tmp_path, mode):
     trainer, _ = _restore(run, f"trainer.resume_mode={mode}", *extra)
     assert trainer.loaded == [old if mode == "resume_path" else new]
     assert not (run / "checkpoints.1").exists()
+
+
+def test_a_rewind_moves_the_later_steps_out_of_autos_reach(tmp_path, caplog):
+    """Resumed from step 10 while step 20 exists, the run writes step 15 and crashes: the
+    launcher's restart (auto) resumes step 15, not the abandoned step 20."""
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    ten = _checkpoint(root, 10)
+    _checkpoint(root, 20)
+    (root / "step_25.tmp").mkdir()  # a save of the abandoned branch, cut short
+    rewind = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={ten}"]
+    with caplog.at_level("INFO", logger="learner.loop"):
+        trainer, _ = _restore(run, *rewind)
+    assert trainer.loaded == [ten]
+    abandoned = root / "abandoned_after_step_10"
+    assert (abandoned / "step_20" / STATE_FILE).is_file() and (abandoned / "step_25.tmp").is_dir()
+    assert (
+        f"rewound to step 10: the later checkpoints (the branch left behind) moved to {abandoned}"
+        in caplog.text
+    )
+    assert sorted(p.name for p in root.iterdir()) == ["abandoned_after_step_10", "step_10"]
+    fifteen = _checkpoint(root, 15)  # the new branch checkpoints, then crashes
+    trainer, _ = _restore(run, *rewind, "trainer.resume_mode=auto")
+    assert trainer.loaded == [fifteen]
+    # Rewound to step 10 once more: the second abandoned branch is kept apart too.
+    _restore(run, *rewind)
+    assert (root / "abandoned_after_step_10.2" / "step_15" / STATE_FILE).is_file()
+    assert latest_checkpoint(run) == ten
+
+
+@pytest.mark.parametrize("given", ["checkpoints", "checkpoints/step_20/model", "nowhere"])
+def test_a_resume_path_that_is_no_checkpoint_fails_before_anything_moves(tmp_path, given):
+    run = tmp_path / "run"
+    twenty = _checkpoint(run / "checkpoints", 20)
+    (twenty / "model").mkdir()
+    bad = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={run / given}"]
+    with pytest.raises(ConfigError, match="point it at") as e:
+        _restore(run, *bad)
+    assert len(e.value.problems) == 1
+    if given == "checkpoints":  # the folder of checkpoints: the message names the latest
+        assert f"e.g. {twenty}" in e.value.problems[0]
+    assert (twenty / STATE_FILE).is_file() and not (run / "checkpoints.1").exists()
+    # The launcher's restart (auto) with none of this run's: the same error, not a load.
+    empty = tmp_path / "empty_run"
+    with pytest.raises(ConfigError, match="point it at"):
+        _restore(empty, *bad, "trainer.resume_mode=auto")
+
+
+def _old_records(run: Path) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"step": s, "reward/mean": 0.5}) for s in range(1, 61)]
+    (run / METRICS_FILE).write_text("\n".join(lines) + "\n")
+
+
+def test_a_new_run_over_an_earlier_one_starts_its_metrics_afresh(tmp_path):
+    """Resumed from another directory's checkpoint, in a directory holding an earlier run's
+    step 60 and metrics: the new run's steps do not follow the earlier run's 60; its
+    launcher restart (auto) and a rewind within it append to its own."""
+    run, given = tmp_path / "run", _checkpoint(tmp_path / "elsewhere", 7)
+    _checkpoint(run / "checkpoints", 60)
+    _old_records(run)
+    first = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={given}"]
+    rewind = [
+        "trainer.resume_mode=resume_path",
+        f"trainer.resume_from_path={run}/checkpoints/step_8",
+    ]
+
+    def start(step: int, *overrides: str) -> bool:
+        loop = _loop(run, *overrides, "trainer.logger=[jsonl]")
+        loop._restore()
+        logger = open_metrics(loop.cfg, run, loop.new_run)
+        logger.log(step, {"reward/mean": 1.0})
+        logger.close()
+        return loop.new_run
+
+    assert start(8, *first)  # a new run here: the earlier one's records set aside
+    _checkpoint(run / "checkpoints", 8)
+    assert not start(9, *first, "trainer.resume_mode=auto")  # the launcher's restart
+    assert not start(9, *rewind)  # a rewind within this run: its own records go on
+    assert [r["step"] for r in read_metrics(run)] == [8, 9, 9]
+    earlier = (run / "metrics.1.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in earlier] == list(range(1, 61))

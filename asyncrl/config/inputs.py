@@ -1,5 +1,6 @@
-"""Files a run reads, checked before any role starts: a missing model or data file is a
-config error (exit 2, one line naming the fix), not a traceback and a restart loop.
+"""Files a run reads, checked before any role starts: a missing model or data file, or a
+``trainer.resume_from_path`` that is no checkpoint, is a config error (exit 2, one line
+naming the fix), not a traceback and a restart loop.
 
 Only local paths are checked: a model path shaped like a hub id (``name`` or ``org/name``)
 that is not a local directory is left to ``transformers`` (a machine that reaches a hub).
@@ -7,6 +8,7 @@ that is not a local directory is left to ``transformers`` (a machine that reache
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -14,8 +16,13 @@ from asyncrl.config.load import ConfigError
 from asyncrl.config.schema import Config
 
 # What a role reads before it can work: weights and tokenizer, the prompts (the learner's
-# coordinator), the user's scoring file (the rollout servers' reward workers).
-MODEL, DATA, REWARD = "model", "data", "reward"
+# coordinator), the user's scoring file (the rollout servers' reward workers), the
+# checkpoint trainer.resume_mode=resume_path starts from (the learner).
+MODEL, DATA, REWARD, RESUME = "model", "data", "reward", "resume"
+#: The file every complete learner checkpoint holds (``checkpoints/step_<n>/``); here, not in
+#: ``learner.checkpoint``, so the launcher checks a resume path without importing torch.
+STATE_FILE = "trainer_state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -43,9 +50,31 @@ def model_problem(path: str) -> str | None:
     )
 
 
+def resume_problem(path: str) -> str | None:
+    """Why ``path`` is not a checkpoint a learner can resume from (None if it is): it must
+    be one ``checkpoints/step_<n>`` directory, the one holding :data:`STATE_FILE`."""
+    local = Path(path).expanduser()
+    if (local / STATE_FILE).is_file():
+        return None
+    fix = f"point it at checkpoints/step_N, which holds {STATE_FILE}"
+    if not local.exists():
+        return f"trainer.resume_from_path={path} does not exist: {fix}"
+    # A checkpoints folder (or a run directory) given for one of its checkpoints: name it.
+    folders = [f for f in (local, local / "checkpoints") if f.is_dir()]
+    steps = {
+        int(m.group(1)): s
+        for f in folders
+        for s in f.iterdir()
+        if (m := _STEP_DIR.match(s.name)) and (s / STATE_FILE).is_file()
+    }
+    if steps:
+        fix = f"point it at one of the checkpoints it holds, e.g. {steps[max(steps)]}"
+    return f"trainer.resume_from_path={path} is not a checkpoint (no {STATE_FILE}): {fix}"
+
+
 def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
     """One line per file a role needs (``needs``: :data:`MODEL`, :data:`DATA`,
-    :data:`REWARD`) that is not there; empty when everything is."""
+    :data:`REWARD`, :data:`RESUME`) that is not there; empty when everything is."""
     needs = set(needs)
     problems: list[str] = []
     if MODEL in needs and (problem := model_problem(cfg.model.path)) is not None:
@@ -80,6 +109,12 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                 f"reward.custom_reward_function.path={scorer} does not exist: give the "
                 "Python file that defines your scoring function"
             )
+    # Only resume_path starts from it for sure (auto falls back to it when the run has no
+    # checkpoint yet; the learner checks that case itself, before it moves anything).
+    resume = cfg.trainer.resume_from_path
+    wanted = RESUME in needs and cfg.trainer.resume_mode == "resume_path"
+    if wanted and resume and (problem := resume_problem(resume)) is not None:
+        problems.append(problem)
     return problems
 
 

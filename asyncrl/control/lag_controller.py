@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 #: Share of a step the learner must have waited for data before the lag widens.
 WIDEN_WAIT = 0.2
@@ -69,24 +70,36 @@ class LagController:
         self.low, self.high, self.min_ess, self.max_kl = low, high, min_ess, max_kl
         self.lag = low  # start synchronous-ish: widen only on evidence
         self.widened_at = -HOLD_STEPS
-        self.groups_in = self.lag_drops = 0.0
+        # The buffer's counters (cumulative) at the last step: lag drops are judged on what
+        # came in since. None after restoring a checkpoint that lacks them (saved before
+        # they were): the first step then only takes them, judging no drops.
+        self.groups_in: float | None = 0.0
+        self.lag_drops: float | None = 0.0
         self.last_reason = "start"
 
-    def state_dict(self) -> dict[str, int]:
-        """The lag reached and when it last widened (saved in learner checkpoints: a
-        resumed run goes on at the lag it had earned, not back at ``low``)."""
-        return {"lag": self.lag, "widened_at": self.widened_at}
+    def state_dict(self) -> dict[str, float | None]:
+        """The lag reached, when it last widened, and the buffer counters last seen (saved
+        in learner checkpoints: a resumed run goes on at the lag it had earned, not back at
+        ``low``, and judges its first step's drops on the groups since the checkpoint, not
+        on the buffer's whole run)."""
+        return {
+            "lag": self.lag,
+            "widened_at": self.widened_at,
+            "groups_in": self.groups_in,
+            "lag_drops": self.lag_drops,
+        }
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lag = min(max(int(state["lag"]), self.low), self.high)  # the bounds may change
         self.widened_at = int(state["widened_at"])
+        self.groups_in, self.lag_drops = state.get("groups_in"), state.get("lag_drops")
         self.last_reason = "restored"
 
     def step(self, step: int, metrics: dict[str, float]) -> int | None:
         """Take one step's metrics; the new lag when it changes, else None."""
         groups_in = metrics.get("buffer/groups_in", self.groups_in)
         drops = metrics.get("buffer/drops/lag", self.lag_drops)
-        new_in, new_drops = groups_in - self.groups_in, drops - self.lag_drops
+        new_in, new_drops = _since(groups_in, self.groups_in), _since(drops, self.lag_drops)
         self.groups_in, self.lag_drops = groups_in, drops
         ess, kl = metrics.get("importance/ess"), metrics.get("importance/mismatch_kl")
         if ess is None or kl is None or not (math.isfinite(ess) and math.isfinite(kl)):
@@ -106,3 +119,8 @@ class LagController:
             self.widened_at = step
         self.lag, self.last_reason = lag, reason
         return lag
+
+
+def _since(now: float | None, before: float | None) -> float:
+    """How much a cumulative counter rose since ``before``; 0 while either is unknown."""
+    return now - before if now is not None and before is not None else 0.0

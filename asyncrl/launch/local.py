@@ -31,7 +31,7 @@ import sys
 
 from asyncrl.cli import parse_role_args
 from asyncrl.config import ConfigError, write_resolved
-from asyncrl.config.inputs import DATA, MODEL, REWARD
+from asyncrl.config.inputs import DATA, MODEL, RESUME, REWARD
 from asyncrl.config.rules import config_advisories
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import claim, hold_run_dir
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         None,
         argv,
         extra=_launch_options,
-        needs=(MODEL, DATA, REWARD),  # found missing here, before any role starts
+        needs=(MODEL, DATA, REWARD, RESUME),  # found missing here, before any role starts
     )
     if args.ray or cfg.launch.backend == "ray":
         from asyncrl.launch.ray_launcher import main_ray
