@@ -181,6 +181,25 @@ def _dcp_state(model, optimizer, critic=None, trained_only: bool = True) -> dict
     return state
 
 
+def _pristine(optimizer, critic=None) -> list[str]:
+    """The optimizers that never stepped (``actor``; ``critic``): no state yet."""
+    out = ["actor"] if not optimizer.state else []
+    return out + (["critic"] if critic is not None and not critic.optimizer.state else [])
+
+
+def _forget(names: list[str], optimizer, critic=None) -> None:
+    """Give the optimizers ``names`` back their never-stepped (empty) state.
+
+    torch's ``get_state_dict`` builds a never-stepped optimizer's state by a zero step
+    (the actor's during ``trainer.critic_warmup``): Adam's step count then starts at 1 and
+    the first real update is smaller than a run that did not save there would take, so
+    results would depend on ``save_freq``. Dropped after the save, and after a load of
+    such a checkpoint."""
+    for name in names:
+        opt = optimizer if name == "actor" else critic.optimizer
+        opt.state.clear()
+
+
 def save_checkpoint(
     run_dir: str | Path,
     model,
@@ -204,6 +223,7 @@ def save_checkpoint(
 
     final = checkpoint_dir(run_dir) / f"step_{step}"
     tmp = final.with_name(final.name + ".tmp")
+    pristine = _pristine(optimizer, critic)
     state_json = json.dumps(
         {
             "step": step,
@@ -211,6 +231,7 @@ def save_checkpoint(
             "scheduler": scheduler.state_dict(),
             "extra": extra or {},
             **({"critic": critic.state_dict()} if critic is not None else {}),
+            "never_stepped": pristine,
         },
         indent=1,
     )  # serialise first: a bad ``extra`` fails before anything is written
@@ -219,6 +240,7 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     dcp_save(_dcp_state(model, optimizer, critic), checkpoint_id=str(tmp))
+    _forget(pristine, optimizer, critic)
     if _rank() == 0:
         (tmp / STATE_FILE).write_text(state_json)
         if final.exists():
@@ -271,6 +293,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) 
             optim_state_dict=state["critic_optim"],
         )
         critic.load_state_dict(meta["critic"])
+    _forget(meta.get("never_stepped", []), optimizer, critic)
     log.info("checkpoint loaded: %s (step %d)", path, meta["step"])
     return CheckpointMeta(meta["step"], meta["policy_version"], meta.get("extra", {}))
 

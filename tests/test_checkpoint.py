@@ -88,6 +88,26 @@ def test_resume_replays_exactly(tiny_model, single_rank, tmp_path):
     assert [m["actor/lr"] for m in expected] == pytest.approx(lrs, rel=1e-9)
 
 
+def test_a_checkpoint_before_the_first_update_leaves_it_unchanged(
+    tiny_model, single_rank, tmp_path
+):
+    """Saving builds a never-stepped optimizer's state by a zero step (Adam's count would
+    start at 1): the first update must be the same with and without that checkpoint, and
+    after loading it (the actor during trainer.critic_warmup is saved so)."""
+    straight = Trainer(make_cfg(tiny_model))
+    run(straight, BATCHES[:1])
+    expected = straight.full_state_for_push()
+    saved = Trainer(make_cfg(tiny_model))
+    path = saved.save(tmp_path)
+    assert json.loads((path / STATE_FILE).read_text())["never_stepped"] == ["actor"]
+    resumed = Trainer(make_cfg(tiny_model))
+    resumed.load(path)
+    for trainer in (saved, resumed):
+        run(trainer, BATCHES[:1])
+        for k, v in trainer.full_state_for_push().items():
+            torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-7)
+
+
 def test_latest_ignores_incomplete_and_resave_replaces(tiny_model, single_rank, tmp_path):
     assert latest_checkpoint(tmp_path) is None
     trainer = Trainer(make_cfg(tiny_model))
