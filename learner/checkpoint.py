@@ -196,8 +196,10 @@ def _forget(names: list[str], optimizer, critic=None) -> None:
     results would depend on ``save_freq``. Dropped after the save, and after a load of
     such a checkpoint."""
     for name in names:
-        opt = optimizer if name == "actor" else critic.optimizer
-        opt.state.clear()
+        if name == "actor":
+            optimizer.state.clear()
+        elif critic is not None:
+            critic.optimizer.state.clear()
 
 
 def save_checkpoint(

@@ -42,7 +42,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from learner.reductions import AGG_MODES, LOG_RATIO_CLAMP, AggNorm, aggregate, kl_penalty
+from learner.reductions import (
+    AGG_MODES,
+    KL_KINDS,
+    LOG_RATIO_CLAMP,
+    AggNorm,
+    aggregate,
+    kl_penalty,
+)
 
 if TYPE_CHECKING:  # this module stays pure torch at run time
     from asyncrl.config import Config
@@ -69,7 +76,7 @@ class LossConfig:
     # actor.use_kl_loss: the KL to the reference is computed and logged (actor/ref_kl) even
     # at kl_coef 0, as veRL does, so a run can watch its drift without a penalty.
     kl_track: bool = False
-    kl_type: str = "k3"  # k1 | k2 | k3
+    kl_type: str = "k3"  # one of learner.reductions.KL_KINDS
     entropy_coeff: float = 0.0
 
     def __post_init__(self) -> None:
@@ -79,8 +86,8 @@ class LossConfig:
             raise ValueError(f"importance_mode {self.importance_mode!r} not tis/mis/none")
         if self.importance_level not in ("token", "sequence"):
             raise ValueError(f"importance_level {self.importance_level!r} not token/sequence")
-        if self.kl_type not in ("k1", "k2", "k3"):
-            raise ValueError(f"kl_type {self.kl_type!r} not k1/k2/k3")
+        if self.kl_type not in KL_KINDS:
+            raise ValueError(f"kl_type {self.kl_type!r} not in {KL_KINDS}")
         if self.loss_mode not in LOSS_MODES:
             raise ValueError(f"loss_mode {self.loss_mode!r} not in {LOSS_MODES}")
         if self.clip_ratio_c <= 1.0:

@@ -65,15 +65,33 @@ def aggregate(
     raise ValueError(f"unknown loss_agg_mode {mode!r}; choose one of {AGG_MODES}")
 
 
+#: The KL estimators: Schulman's k1, k2, k3, veRL's ``abs``, and ``k1+``/``k3+``/``abs+``,
+#: which take the value of their base estimator and the gradient of k2.
+KL_KINDS = ("k1", "k2", "k3", "abs", "k1+", "k3+", "abs+")
+
+
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token KL estimate to the reference, ``[B, T]``: k1 ``l - ref``, k2
-    ``(l - ref)^2 / 2``, k3 ``exp(ref - l) - (ref - l) - 1`` (clamped like veRL)."""
+    ``(l - ref)^2 / 2``, k3 ``exp(ref - l) - (ref - l) - 1`` (clamped like veRL), abs
+    ``|l - ref|``.
+
+    A ``+`` kind (veRL's ``k3+``) has its base estimator's value and k2's gradient: k1's and
+    k3's expected values are the KL, but their expected gradients are not its gradient,
+    while k2's is (a straight-through estimate)."""
+    if kind not in KL_KINDS:
+        raise ValueError(f"kl type {kind!r} not in {KL_KINDS}")
     diff = logprobs - ref_logprobs
-    if kind == "k1":
-        return diff
-    if kind == "k2":
-        return 0.5 * diff.square()
-    if kind == "k3":
+    base = kind.rstrip("+")
+    if base == "k1":
+        value = diff
+    elif base == "k2":
+        value = 0.5 * diff.square()
+    elif base == "abs":
+        value = diff.abs()
+    else:
         d = (-diff).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return (d.exp() - d - 1).clamp(-_K3_CLAMP, _K3_CLAMP)
-    raise ValueError(f"kl type {kind!r} not k1/k2/k3")
+        value = (d.exp() - d - 1).clamp(-_K3_CLAMP, _K3_CLAMP)
+    if not kind.endswith("+"):
+        return value
+    k2 = 0.5 * diff.square()
+    return k2 - k2.detach() + value.detach()

@@ -165,6 +165,33 @@ def test_kl_estimators_by_hand():
     close(kl_penalty(lp, ref, "k3"), [math.exp(-0.5) + 0.5 - 1])  # 0.1065307
 
 
+def test_kl_abs_and_the_straight_through_kinds():
+    """veRL's abs is |l - ref|; a "+" kind (veRL's k3+) keeps its estimator's value and
+    takes k2's gradient, l - ref, whose expectation is the KL's gradient."""
+    ref = torch.tensor([-1.5, -0.2])
+    for kind in ("abs", "k1", "k3", "k1+", "k3+", "abs+"):
+        lp = torch.tensor([-1.0, -0.7], requires_grad=True)  # l - ref = [0.5, -0.5]
+        value = kl_penalty(lp, ref, kind)
+        base = kl_penalty(lp.detach(), ref, kind.rstrip("+"))
+        close(value, base)
+        value.sum().backward()
+        if kind.endswith("+"):
+            close(lp.grad, [0.5, -0.5])
+    close(kl_penalty(torch.tensor([-1.0, -0.7]), ref, "abs"), [0.5, 0.5])
+    with pytest.raises(ValueError, match="not in"):
+        kl_penalty(ref, ref, "full")
+
+
+def test_verl_kl_names_load():
+    from asyncrl.config import load_config
+
+    for verl, ours in (("low_var_kl+", "k3+"), ("abs", "abs"), ("kl+", "k1+"), ("mse", "k2")):
+        cfg = load_config(
+            None, [f"actor_rollout_ref.actor.kl_loss_type={verl}", f"algorithm.kl_penalty={verl}"]
+        )
+        assert cfg.actor.kl_loss_type == ours and cfg.algorithm.kl_penalty == ours
+
+
 def test_kl_and_entropy_terms_enter_the_loss():
     p = torch.full((1, 2), -1.0)
     mask = torch.ones(1, 2, dtype=torch.bool)

@@ -23,7 +23,6 @@ from asyncrl.config.interpolate import InterpolationError, resolve_references
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import apply_verl_keys, default_gaps, pop_dotted, speaks_verl
-from asyncrl.config.verl_doc import verl_leaves
 from asyncrl.config.verl_table import our_key
 
 log = logging.getLogger(__name__)
@@ -119,6 +118,8 @@ def parse_override(item: str) -> tuple[str, Any]:
 def _warn_default_gaps(raw: dict[str, Any]) -> None:
     """A config written for veRL that leaves out a key whose default differs here gets
     this project's default: say so, once, naming veRL's."""
+    from asyncrl.config.verl_doc import verl_leaves  # here: `python -m` runs that module
+
     gaps = default_gaps(raw, _defaults(), verl_leaves())
     if gaps:
         key, _, theirs = gaps[0]

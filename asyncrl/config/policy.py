@@ -18,8 +18,9 @@ from asyncrl.config.recipes import (
 from asyncrl.config.section import Section
 
 # --------------------------------------------------------------------------- actor
-# veRL's names of the KL estimators.
-VERL_KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}
+# veRL's names of the KL estimators ("+": the value of the estimator, k2's gradient).
+VERL_KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "low_var_kl+": "k3+"}
+KlKind = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"]
 
 
 class ActorConfig(Section):
@@ -65,8 +66,10 @@ class ActorConfig(Section):
     ] = Field(default="token-mean", description="How token losses are averaged (veRL's names).")
     use_kl_loss: bool = Field(default=False, description="Add a KL penalty to a frozen reference.")
     kl_loss_coef: float = Field(default=0.001, ge=0, description="Weight of the KL penalty.")
-    kl_loss_type: Literal["k1", "k2", "k3"] = Field(
-        default="k3", description="KL estimator (veRL: kl=k1, mse=k2, low_var_kl=k3)."
+    kl_loss_type: KlKind = Field(
+        default="k3",
+        description="KL estimator (veRL: kl=k1, mse=k2, low_var_kl=k3; abs; a + suffix keeps "
+        "the value and takes k2's gradient).",
     )
     entropy_coeff: float = Field(default=0.0, ge=0, description="Entropy bonus weight.")
     grad_clip: float = Field(default=1.0, gt=0, description="Max global gradient norm.")
@@ -107,8 +110,9 @@ class AlgorithmConfig(Section):
     use_kl_in_reward: bool = Field(
         default=False, description="Subtract a KL-to-reference penalty from token rewards (gae)."
     )
-    kl_penalty: Literal["k1", "k2", "k3"] = Field(
-        default="k1", description="KL-in-reward estimator (veRL: kl=k1, mse=k2, low_var_kl=k3)."
+    kl_penalty: KlKind = Field(
+        default="k1",
+        description="KL-in-reward estimator (veRL: kl=k1, mse=k2, low_var_kl=k3; abs).",
     )
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)

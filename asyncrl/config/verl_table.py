@@ -103,7 +103,9 @@ def _get(raw: dict[str, Any], dotted: str, default: Any = None) -> Any:
 
 
 # ------------------------------------------------------------------ the reasons, once
-KL_NAMES_NOTE = "veRL's kl, mse and low_var_kl are read as k1, k2 and k3"
+KL_NAMES_NOTE = (
+    "veRL's kl, mse and low_var_kl are read as k1, k2 and k3 (and kl+, low_var_kl+ as k1+, k3+)"
+)
 PROFILER = "veRL's profiler hooks are not built; timing/* and perf/* metrics show where time goes"
 COMPILE = "the learner runs eagerly; compiling changes speed, not results"
 KERNELS = "a kernel choice: the learner computes the same logprobs and entropy without it"
