@@ -463,3 +463,24 @@ def test_a_verl_script_relying_on_verl_defaults_is_told_which_differ(caplog):
         load_config("configs/cpu_demo.yaml", script)
         load_config(None, ["actor.optim.lr=1e-6"])  # our spelling: our defaults, no warning
     assert not [r for r in caplog.records if "written for veRL" in r.getMessage()]
+
+
+def test_verl_global_micro_batches_are_divided_by_the_learner_ranks():
+    """veRL's older ppo_micro_batch_size / log_prob_micro_batch_size count over all ranks
+    (veRL divides them by the data-parallel size); the *_per_gpu keys are per rank."""
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size=16",
+            "critic.ppo_micro_batch_size=3",
+            "trainer.n_gpus_per_node=2",
+            "launch.ray.learner_nodes=2",
+            "launch.backend=ray",
+        ],
+    )
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == 2
+    assert cfg.rollout.log_prob_micro_batch_size_per_gpu == 4
+    assert cfg.critic.ppo_micro_batch_size_per_gpu == 1  # 3 // 4, at least one
+    one = load_config(None, ["actor_rollout_ref.actor.ppo_micro_batch_size=8"])
+    assert one.actor.ppo_micro_batch_size_per_gpu == 8

@@ -81,6 +81,7 @@ def apply_verl_keys(
     notes: list[str] = []
     problems: list[str] = []
     popped: list[tuple[str, Any]] = []
+    per_rank: list[tuple[str, Any]] = []  # global micro-batches set, to divide by the ranks
     for key, rule in VERL_KEYS.items():
         if rule.kind == "implemented":
             continue
@@ -104,11 +105,24 @@ def apply_verl_keys(
                     notes.append(f"veRL's {key}={value!r} not applied: {target} is given too")
                     continue
                 _set(raw, target, rule.convert(value))
+                if rule.per_rank:
+                    per_rank.append((target, value))
                 over = f"; from the command line, over the config file's {old!r}" if found else ""
                 notes.append(f"veRL's {key}={value!r} -> {target} ({rule.reason}){over}")
         else:
             notes.append(f"veRL's {key}={value!r} has no effect here: {rule.reason}")
+    # After every key: trainer.n_gpus_per_node and nnodes may have just set the rank count.
+    ranks = _int(raw, "trainer.nproc") * _int(raw, "launch.ray.learner_nodes")
+    for target, value in per_rank:
+        if isinstance(value, int) and ranks > 1:
+            _set(raw, target, max(1, value // ranks))
+            notes.append(f"{target}={max(1, value // ranks)}: {value} over {ranks} learner ranks")
     return notes, problems
+
+
+def _int(raw: dict[str, Any], dotted: str) -> int:
+    found, value = lookup(raw, dotted)
+    return value if found and isinstance(value, int) and value > 0 else 1
 
 
 def speaks_verl(loaded: dict[str, Any] | None, overrides: list[str] | tuple[str, ...]) -> bool:

@@ -62,6 +62,7 @@ class VerlKey:
     bad: Any = None  # refused: a value that is refused (the table's test sets it)
     bad_with: tuple[str, ...] = ()  # refused: the overrides that make ``bad`` refused
     example: Any = ...  # a value the table's test sets instead of veRL's default
+    per_rank: bool = False  # mapped: a global count, divided by the learner's ranks
 
 
 def _impl(note: str = "", example: Any = ..., reads_as=None) -> VerlKey:
@@ -72,6 +73,17 @@ def _impl(note: str = "", example: Any = ..., reads_as=None) -> VerlKey:
 def _map(target: str | tuple[str, ...], reason: str, convert=None, example: Any = ...):
     targets = (target,) if isinstance(target, str) else target
     return VerlKey("mapped", reason, targets, convert or (lambda v: v), example=example)
+
+
+#: veRL's older global micro-batch keys: veRL divides them by the data-parallel size.
+GLOBAL_MICRO = (
+    "veRL's older global micro-batch: divided by the learner's ranks (trainer.nproc x "
+    "launch.ray.learner_nodes), as veRL does"
+)
+
+
+def _global_micro(target: str) -> VerlKey:
+    return VerlKey("mapped", GLOBAL_MICRO, (target,), lambda v: v, example=8, per_rank=True)
 
 
 def _none(reason: str, example: Any = ...) -> VerlKey:
@@ -227,11 +239,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     _ACTOR + "ppo_mini_batch_size": _impl(example=16),
     _ACTOR + "kl_loss_type": _impl(KL_NAMES_NOTE, reads_as=lambda v: VERL_KL_NAMES.get(v, v)),
     _ACTOR + "strategy": _only(STRATEGY, lambda v: v in ("fsdp", "fsdp2"), bad="megatron"),
-    _ACTOR + "ppo_micro_batch_size": _map(
-        "actor.ppo_micro_batch_size_per_gpu",
-        "veRL's older global micro-batch: per rank here",
-        example=8,
-    ),
+    _ACTOR + "ppo_micro_batch_size": _global_micro("actor.ppo_micro_batch_size_per_gpu"),
     _ACTOR + "use_token_level_loss": _map(  # veRL's older switch, still in DAPO's scripts
         "actor.loss_agg_mode",
         "token-level loss: token-mean; otherwise seq-mean-token-mean",
@@ -288,11 +296,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     # ---------------------------------------------------------------- reference
     _REF + "strategy": _only(STRATEGY, lambda v: v in ("fsdp", "fsdp2"), bad="megatron"),
     _REF + "use_torch_compile": _none(COMPILE),
-    _REF + "log_prob_micro_batch_size": _map(
-        "ref.log_prob_micro_batch_size_per_gpu",
-        "veRL's older global micro-batch: per rank here",
-        example=8,
-    ),
+    _REF + "log_prob_micro_batch_size": _global_micro("ref.log_prob_micro_batch_size_per_gpu"),
     **_implemented(
         _REF,
         "log_prob_micro_batch_size_per_gpu log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu",
@@ -359,10 +363,8 @@ VERL_KEYS: dict[str, VerlKey] = {
     _ROLLOUT + "max_num_seqs": _map(
         "rollout.max_inflight", "requests a server runs at once", example=64
     ),
-    _ROLLOUT + "log_prob_micro_batch_size": _map(
-        "rollout.log_prob_micro_batch_size_per_gpu",
-        "veRL's older global micro-batch: per rank here",
-        example=8,
+    _ROLLOUT + "log_prob_micro_batch_size": _global_micro(
+        "rollout.log_prob_micro_batch_size_per_gpu"
     ),
     _ROLLOUT + "disable_log_stats": _none("the servers report their own metrics (rollout/*)"),
     _ROLLOUT + "do_sample": _only(
@@ -552,11 +554,7 @@ VERL_KEYS: dict[str, VerlKey] = {
         "ppo_max_token_len_per_gpu ppo_epochs cliprange_value loss_agg_mode grad_clip",
     ),
     "critic.ppo_mini_batch_size": _impl(example=16),
-    "critic.ppo_micro_batch_size": _map(
-        "critic.ppo_micro_batch_size_per_gpu",
-        "veRL's older global micro-batch: per rank here",
-        example=8,
-    ),
+    "critic.ppo_micro_batch_size": _global_micro("critic.ppo_micro_batch_size_per_gpu"),
     "critic.forward_max_token_len_per_gpu": _none(CRITIC_FORWARD),
     "critic.forward_micro_batch_size": _none(CRITIC_FORWARD),
     "critic.forward_micro_batch_size_per_gpu": _none(CRITIC_FORWARD),
