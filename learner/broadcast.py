@@ -3,18 +3,40 @@
 The batch travels in its wire encoding (msgpack header and raw arrays, as it came from the
 buffer; never Python objects), concatenated into one byte tensor and broadcast over the learner's
 process group: its length first, then the bytes.
+
+While rank 0 waits for a batch (as long as the rollout servers take), it tells the other
+ranks so every :data:`KEEPALIVE_S` (:func:`share_waiting`): they wait in rounds that each
+end well inside the process group's timeout (30 minutes by default for gloo), instead of
+one broadcast that would time out and end the learner during a long wait.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
+#: How often rank 0 tells waiting ranks that it still waits for a batch, seconds.
+KEEPALIVE_S = 60.0
+_WAITING = -1  # the length broadcast that means "no batch yet, wait again"
+
+
+def share_waiting(world_size: int) -> None:
+    """Rank 0, while it waits for a batch: the other ranks wait one more round."""
+    if world_size == 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    dist.broadcast(torch.tensor([_WAITING], dtype=torch.long), 0)
+
 
 def share_batch(batch: Any, rank: int, world_size: int) -> Any:
     """Rank 0 passes its ``wire.Batch`` (or None: training ends); every rank returns an
-    equal one (or None)."""
+    equal one (or None). The other ranks also take rank 0's :func:`share_waiting` rounds."""
     if world_size == 1:
         return batch
     import torch
@@ -29,8 +51,13 @@ def share_batch(batch: Any, rank: int, world_size: int) -> Any:
         sizes = torch.tensor([len(frames), *map(len, frames)], dtype=torch.long)
         n = torch.tensor([sizes.numel()], dtype=torch.long)
     else:
-        n = torch.zeros(1, dtype=torch.long)
+        n = torch.full((1,), _WAITING, dtype=torch.long)
     dist.broadcast(n, 0)
+    rounds = 0
+    while rank != 0 and int(n.item()) == _WAITING:  # rank 0 still waits for the buffer
+        rounds += 1
+        log.debug("rank %d: rank 0 still waits for a batch (round %d)", rank, rounds)
+        dist.broadcast(n, 0)
     if int(n.item()) == 0:
         return None
     if rank != 0:

@@ -7,6 +7,7 @@ every rank and never asks "am I rank 0?". Rank 0's peer is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -31,7 +32,9 @@ class Restored(NamedTuple):
 class ControlPeer(Protocol):
     """The loop's view of the control plane; every method is a no-op off rank 0."""
 
-    def wait_batch(self, version: int, step: int) -> Any: ...
+    def wait_batch(
+        self, version: int, step: int, keepalive: Callable[[], None] | None = None
+    ) -> Any: ...
     def trained(self, task_ids: list[str]) -> None: ...
     def acknowledge(self, batches: list[BatchRef]) -> None: ...
     def acknowledge_on_next_request(self, batches: list[BatchRef]) -> None: ...
@@ -49,7 +52,9 @@ class ControlPeer(Protocol):
 class NoControl:
     """The control plane as ranks other than 0 see it: nothing to do, nothing to report."""
 
-    def wait_batch(self, version: int, step: int) -> Any:
+    def wait_batch(
+        self, version: int, step: int, keepalive: Callable[[], None] | None = None
+    ) -> Any:
         return None  # the batch arrives by broadcast from rank 0
 
     def trained(self, task_ids: list[str]) -> None:

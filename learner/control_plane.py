@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from asyncrl.control.admission import replayed_version
 from asyncrl.control.lag_controller import LagController
 from asyncrl.launch.progress import accounting_lines
 from asyncrl.metrics import MetricsLogger
+from learner.broadcast import KEEPALIVE_S
 from learner.control_peer import BatchRef, Restored
 from learner.health import check_probe
 from learner.validation import ValidationTracker
@@ -129,13 +131,16 @@ class RankZero:
         self.logger = open_metrics(cfg, run_dir, new_run)
 
     # ------------------------------------------------------------------ batches
-    def wait_batch(self, version: int, step: int) -> Any:
+    def wait_batch(
+        self, version: int, step: int, keepalive: Callable[[], None] | None = None
+    ) -> Any:
         """The next batch from the buffer, or None when the data is spent (every epoch dealt
         and fewer than a batch of groups left anywhere). Consumes the buffer's releases;
         waits as long as it takes (the rollout servers may be starting), logging every 30 s
-        while it lasts; serves catch-ups and validation polls meanwhile. Unblocked by the
-        buffer releasing a batch."""
-        start = last_log = time.monotonic()
+        while it lasts; serves catch-ups and validation polls meanwhile, and calls
+        ``keepalive`` every :data:`KEEPALIVE_S` (the other learner ranks wait one more
+        round). Unblocked by the buffer releasing a batch."""
+        start = last_log = last_alive = time.monotonic()
         silent_since = None
         while True:
             try:
@@ -162,6 +167,9 @@ class RankZero:
                 return None
             self._serve_catchups()
             self._poll_validation(step)
+            if keepalive is not None and time.monotonic() - last_alive > KEEPALIVE_S:
+                keepalive()
+                last_alive = time.monotonic()
             if time.monotonic() - last_log > WAIT_LOG_S:
                 last_log = time.monotonic()
                 silent = (

@@ -163,10 +163,11 @@ class LearnerLoop:
     def _next_batch(self) -> Any:
         """Rank 0 waits for the buffer's next batch and broadcasts it to the other ranks
         (None on every rank when the data is spent)."""
-        from learner.broadcast import share_batch
+        from learner.broadcast import share_batch, share_waiting
 
         t = self.trainer
-        payload = self.control.wait_batch(t.policy_version, t.step)
+        alive = (lambda: share_waiting(t.world_size)) if t.world_size > 1 else None
+        payload = self.control.wait_batch(t.policy_version, t.step, keepalive=alive)
         return share_batch(payload, t.rank, t.world_size)
 
     def _account(self, batch: Any, rollouts: list[Rollout]) -> None:

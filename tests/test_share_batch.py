@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from asyncrl import wire
-from learner.broadcast import share_batch
+from learner.broadcast import share_batch, share_waiting
 from learner.fsdp import init_distributed, process_group_backend
 from learner.loop import _broadcast_int
 from tests.helpers import free_port, rank_env
@@ -67,6 +67,32 @@ def test_rank_one_receives_rank_zeros_batch(tmp_path):
     zero, one = (msgspec.json.decode((tmp_path / f"rank{r}.json").read_bytes()) for r in (0, 1))
     assert one == zero == msgspec.json.decode(msgspec.json.encode(_summary(_batch())))
     assert len(one["arrays"]) == 5 and np.asarray(one["arrays"][4][1]).size == 4
+
+
+def _waiting_worker(rank: int, port: int, out: str) -> None:
+    """Rank 0 waits three keep-alive rounds before its batch comes; rank 1 only asks."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
+    if rank == 0:
+        for _ in range(3):
+            share_waiting(2)
+    got = share_batch(_batch() if rank == 0 else None, rank, 2)
+    end = share_batch(None, rank, 2)  # the end of training still reads as None
+    Path(out, f"rank{rank}.json").write_bytes(msgspec.json.encode([_summary(got), end]))
+    dist.destroy_process_group()
+
+
+def test_ranks_wait_through_rank_zeros_keepalive_rounds(tmp_path):
+    """While rank 0 waits for the buffer (as long as the servers take), it sends a round
+    every minute: the other ranks wait again instead of timing out the group's broadcast
+    (30 minutes for gloo) and ending the learner."""
+    mp.start_processes(
+        _waiting_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    zero, one = (msgspec.json.decode((tmp_path / f"rank{r}.json").read_bytes()) for r in (0, 1))
+    assert one == zero
+    assert one[0] == msgspec.json.decode(msgspec.json.encode(_summary(_batch())))
+    assert one[1] is None
 
 
 def _learner_rank(rank: int, port: int, out: str) -> None:
