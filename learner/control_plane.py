@@ -167,6 +167,12 @@ class RankZero:
                 return None
             self._serve_catchups()
             self._poll_validation(step)
+            if (failure := self.coordinator.failure) is not None:
+                raise RuntimeError(
+                    f"the coordinator stopped ({type(failure).__name__}: {failure}): no task "
+                    "can be dealt, so no batch will come; the learner exits (a launcher "
+                    "restarts it from its last checkpoint)"
+                )
             if keepalive is not None and time.monotonic() - last_alive > KEEPALIVE_S:
                 keepalive()
                 last_alive = time.monotonic()
@@ -341,7 +347,11 @@ class RankZero:
         progress = self.coordinator.validation_progress()
         if not self.validation.pending(progress):
             return  # no round in flight: nothing to ask the buffer this step
-        reply = self.buffer.validation()
+        try:
+            reply = self.buffer.validation()
+        except TimeoutError:  # the buffer restarts: its scores are kept per round, ask later
+            log.info("the buffer did not answer the validation poll; asking again later")
+            return
         for done in self.validation.add(reply.by_round, progress, reply.session):
             self.logger.log(step, done)
 

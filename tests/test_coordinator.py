@@ -362,3 +362,25 @@ def test_the_coordinator_refuses_what_it_cannot_serve_and_keeps_serving(tmp_path
             grant = ask(m.TaskRequest(server_id="s", max_tasks=1))
             assert isinstance(grant, m.TaskGrant) and grant.reason == "unregistered"
         assert _metric(coord, "coordinator/rejects") == 1
+
+
+@pytest.mark.timeout(60)
+def test_an_unexpected_error_in_the_buffer_poll_does_not_end_it(
+    tmp_path, start_standin, until, monkeypatch
+):
+    """Found by a hang audit: the poll of the buffer's reports caught only the errors of a
+    silent or refusing buffer, so any other one ended its thread; lag refunds then stopped
+    and the run waited for batches for good. The first poll fails here; the refunds come."""
+    from asyncrl.control import loop as control_loop
+
+    real, calls = control_loop._poll_once, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyError("a defect in the poll")
+        return real(*args)
+
+    monkeypatch.setattr(control_loop, "_poll_once", flaky)
+    test_groups_dropped_by_the_buffer_return_to_the_budget(tmp_path, start_standin, until)
+    assert len(calls) > 1

@@ -138,6 +138,12 @@ class Coordinator:
         self.stop()
 
     @property
+    def failure(self) -> BaseException | None:
+        """Why the coordinator's loop ended on its own (None while it serves, or after
+        :meth:`stop`): a learner waiting for batches must not wait for good."""
+        return self._error
+
+    @property
     def running(self) -> bool:
         return self._ready.is_set() and not self._stop.is_set()
 

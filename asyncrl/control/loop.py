@@ -255,6 +255,7 @@ def poll_buffer(
 
     client = BufferClient(addr, "coordinator", timeout_s=max(2.0, every_s))
     silent = False
+    failures: set[str] = set()  # kinds of unexpected errors already logged
     try:
         while not stop.wait(every_s):
             try:
@@ -263,6 +264,11 @@ def poll_buffer(
                 if not silent:
                     log.warning("buffer at %s did not answer (%s); retrying", addr, e)
                 silent = True
+                continue
+            except Exception as e:  # a defect here must not end the polls: refunds stop
+                if type(e).__name__ not in failures:  # with them, and the run stalls
+                    failures.add(type(e).__name__)
+                    log.exception("polling the buffer's reports failed; retrying")
                 continue
             silent = False
     finally:

@@ -51,6 +51,7 @@ log = logging.getLogger("asyncrl.launch")
 
 POLL_S = 1.0  # how often the supervisor looks at its roles
 STOP_GRACE_S = 15.0  # how long roles get to exit after SIGTERM before SIGKILL
+REAP_WAIT_S = 30.0  # how long a SIGKILLed role gets to be reaped (more: stuck in the kernel)
 AFTER_LEARNER_S = 30.0  # how long the others get to exit once the learner is done
 EVENTS_FILE = "launch.jsonl"
 PIDS_FILE = "pids.json"
@@ -331,7 +332,18 @@ class Supervisor:
         pid = role.proc.pid
         keep = self._reap_keep()
         killed = kill_tree([pid], marker.__eq__, role.known, self._orphans_of(role, keep), keep)
-        code = role.proc.wait()
+        try:
+            code = role.proc.wait(REAP_WAIT_S)
+        except subprocess.TimeoutExpired:  # SIGKILLed, yet alive: stuck in the kernel (a
+            # driver, a network file system); the run goes on without it rather than freeze
+            log.error(
+                "%s (pid %d) survived SIGKILL for %.0fs (stuck in the kernel?); leaving it "
+                "and going on",
+                role.name,
+                pid,
+                REAP_WAIT_S,
+            )
+            code = -9
         role.last_pid = pid
         killed.discard(pid)
         if self._watchdog_fd is not None:
