@@ -86,6 +86,37 @@ def test_pusher_blocks_at_the_high_water_mark_and_reports_the_wait() -> None:
     ctx.term()
 
 
+def test_close_ends_a_push_blocked_for_good() -> None:
+    """Found by a hang audit: a push blocked with the buffer gone held the pusher's lock,
+    so close() at a server's exit waited for good. Now the push gives up within a second."""
+    ctx, pull, addr = _pull(hwm=1)
+    frames = wire.encode_trajectories([make_traj("big", response_len=200_000)])
+    pusher = TrajectoryPusher(addr, hwm=1, linger_s=0)
+    with pytest.raises(TimeoutError):
+        for _ in range(1000):  # nobody reads: fill every queue
+            pusher.send_frames(frames, timeout_s=0.3)
+    outcome: list[BaseException] = []
+
+    def push_forever() -> None:
+        try:
+            pusher.send_frames(frames, timeout_s=None)
+        except BaseException as e:
+            outcome.append(e)
+
+    blocked = threading.Thread(target=push_forever, daemon=True)
+    blocked.start()
+    time.sleep(0.5)
+    start = time.monotonic()
+    closer = threading.Thread(target=pusher.close, daemon=True)
+    closer.start()
+    closer.join(10)
+    blocked.join(10)
+    assert not closer.is_alive() and time.monotonic() - start < 5
+    assert len(outcome) == 1 and isinstance(outcome[0], ConnectionError)
+    pull.close()
+    ctx.term()
+
+
 def test_pusher_send_async_keeps_the_event_loop_free() -> None:
     ctx, pull, addr = _pull(hwm=1)
     frames_sent = 0

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 #: How long a producer may sit blocked before the first warning (then every doubling).
 WARN_BLOCKED_S = 10.0
+WARN_EVERY_MAX_S = 300.0  # a push blocked for hours still says so at least this often
 
 C = TypeVar("C", bound="ReqClient")
 R = TypeVar("R")
@@ -146,6 +147,7 @@ class TrajectoryPusher:
         self._sock = make_socket(self._ctx, zmq.PUSH, linger_s=linger_s, sndhwm=hwm)
         connect(self._sock, addr)
         self._lock = threading.Lock()
+        self._closing = threading.Event()  # set by close(): a blocked send gives up
         self.total_wait_s = 0.0
         self.sent = 0
 
@@ -166,9 +168,10 @@ class TrajectoryPusher:
         """Push pre-encoded frames (zero-copy for large ones).
 
         Waits for room as long as the buffer is not reading, up to ``timeout_s`` (None:
-        forever, warning after :data:`WARN_BLOCKED_S` and at each doubling); raises
-        ``TimeoutError`` past it. Unblocked by the buffer reading again. A message over
-        ``max_message_bytes`` raises ``WireError("oversize")`` unsent.
+        forever, warning after :data:`WARN_BLOCKED_S` and at each doubling, at least every
+        :data:`WARN_EVERY_MAX_S`); raises ``TimeoutError`` past it. Unblocked by the buffer
+        reading again, or by :meth:`close` (``ConnectionError``: the message is not sent).
+        A message over ``max_message_bytes`` raises ``WireError("oversize")`` unsent.
         """
         check_size(frames, self.max_message_bytes, "buffer.max_message_mb")
         start = time.monotonic()
@@ -181,6 +184,9 @@ class TrajectoryPusher:
                 except zmq.Again:
                     pass
                 waited = time.monotonic() - start
+                if self._closing.is_set():  # the process is ending: do not hold close()
+                    self.total_wait_s += waited
+                    raise ConnectionError(f"push to {self.addr} abandoned at close")
                 if timeout_s is not None and waited >= timeout_s:
                     self.total_wait_s += waited
                     raise TimeoutError(f"push to {self.addr} blocked for {waited:.1f}s")
@@ -188,7 +194,7 @@ class TrajectoryPusher:
                     log.warning(
                         "push to %s blocked for %.0fs: buffer full or gone", self.addr, waited
                     )
-                    warn_at *= 2
+                    warn_at = min(warn_at * 2, waited + WARN_EVERY_MAX_S)
                 poll_s = 1.0 if timeout_s is None else max(0.0, min(1.0, timeout_s - waited))
                 self._sock.poll(int(poll_s * 1000) + 1, zmq.POLLOUT)
             self.sent += 1
@@ -199,8 +205,11 @@ class TrajectoryPusher:
     def close(self) -> None:
         """Close the socket and wait up to ``linger_s`` for queued messages to leave.
 
-        With a caller's ``context``, the wait happens when its owner terminates it.
+        With a caller's ``context``, the wait happens when its owner terminates it. A send
+        blocked meanwhile (the buffer gone) gives up within a second instead of holding
+        the close for good.
         """
+        self._closing.set()
         with self._lock:
             if self._sock.closed:
                 return
