@@ -1,5 +1,5 @@
 """Rank 0's control plane (:class:`RankZero`): the coordinator (tasks, admission,
-registration, syncs), the weight pusher and its store, the buffer client, the validation
+registration, syncs), the weight pushes (:mod:`learner.weight_push`), the buffer client, the validation
 tracker and the metrics logger, behind the loop's view of them
 (:class:`learner.control_peer.ControlPeer`; the other ranks get
 :class:`~learner.control_peer.NoControl`).
@@ -11,7 +11,6 @@ loop copies it into the trainer (for its checkpoints and lag metrics) in one pla
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,8 +26,8 @@ from asyncrl.launch.progress import accounting_lines
 from asyncrl.metrics import MetricsLogger
 from learner.broadcast import KEEPALIVE_S
 from learner.control_peer import BatchRef, Restored
-from learner.health import check_probe
 from learner.validation import ValidationTracker
+from learner.weight_push import WeightPushes
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +63,6 @@ class RankZero:
         self.train_batch_size = cfg.data.train_batch_size
         self.validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
         self.final_wait_s = cfg.launch.start_timeout_s
-        self.pushed: dict[str, Any] = {}  # the last pushed weights, for catch-ups
-        # The push in flight (see push): its thread, its version, and what it left.
-        self.overlap_push = cfg.sync.overlap_push
-        self._push_thread: threading.Thread | None = None
-        self._pushing_version = 0
-        self._push_done: dict[str, float] = {}
-        self._push_error: BaseException | None = None
         self.validation = ValidationTracker()
         if restored.validation is not None:
             self.validation.load_state_dict(restored.validation)
@@ -93,7 +85,7 @@ class RankZero:
                 self.lag.load_state_dict(restored.lag_controller)
             self.coordinator.set_admission_lag(self.lag.lag)
         self.coordinator.start()
-        self.pusher = WeightPusher(
+        pusher = WeightPusher(
             self.coordinator,
             store,
             backend=sync_backend(cfg.trainer.device),
@@ -101,6 +93,7 @@ class RankZero:
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
             deal_at_send=cfg.staleness.deal_at_send,
         )
+        self.pushes = WeightPushes(cfg, self.coordinator, pusher)
         self.buffer = BufferClient(
             config_endpoint(cfg.endpoints, "batches"),
             "learner",
@@ -237,92 +230,25 @@ class RankZero:
         them catches up to before the first push (one older than the checkpoint, or one
         that outlived a learner restarted without a checkpoint). Not pushed: servers that
         hold newer versions hold what the replay reproduces (recovery.py)."""
-        self.pushed = tensors
+        self.pushes.pushed = tensors
 
     def push(
         self, tensors: dict[str, Any], target: int, probe: list[float] | None = None
     ) -> dict[str, float]:
-        """Push ``tensors`` (a copy: training may go on) as the next version, ``target`` by
-        the learner's schedule; skipped when a replay reached a version the servers hold.
-        ``probe``: the learner's logprobs of the post-sync probe under these weights, which
-        each server's report is compared with (:func:`~asyncrl.sync.probe.probe_metrics`).
-
-        The version is announced here; the broadcast and the wait for the members' reports
-        (bounded by ``sync.timeout_s``) run on a thread while the next step trains
-        (``sync.overlap_push``), so this call waits only for the previous push to end, and
-        returns that push's metrics. Without overlap it also waits until this one is sent
-        (not for its reports). On the CPU
-        demo a push kept the learner 0.09 s a step (the servers pause, load, report), a
-        third of the step, for nothing it needed."""
-        start = time.monotonic()
-        self._wait_push()
-        done, self._push_done = self._push_done, {}
-        self.pushed = tensors
-        if self.coordinator.adopt(target):
-            log.info("version %d replayed: the servers that hold it keep it (no push)", target)
-            return {**done, "sync/replayed": 1.0, "timing/push_wait_s": time.monotonic() - start}
-        rnd = self.pusher.begin(tensors)
-        self._pushing_version = rnd.version
-        sent = threading.Event()
-        self._push_thread = threading.Thread(
-            target=self._complete_push,
-            args=(rnd, tensors, probe or [], sent),
-            name="weight-push",
-            daemon=True,
-        )
-        self._push_thread.start()
-        if not self.overlap_push:
-            # Until every member has the weights (the servers pause for this), not for
-            # their reports: those come after each server's post-sync probe, which waits
-            # for an engine step among the running requests (0.1-0.3 s on the CPU long
-            # shape, against 0.02 s for the send). The next push collects them.
-            sent.wait()  # set by the push thread however it ends; its waits are bounded
-        return {**done, "timing/push_wait_s": time.monotonic() - start}
-
-    def _complete_push(
-        self, rnd: Any, tensors: dict[str, Any], probe: list[float], sent: threading.Event
-    ) -> None:
-        """The push thread: consumes one announced round; produces its metrics (with the
-        post-sync probe's). Waits for the broadcast (then sets ``sent``) and the reports,
-        each bounded by ``sync.timeout_s``."""
-        start = time.monotonic()
-        try:
-            result = self.pusher.complete(rnd, tensors, on_sent=sent.set)
-        except BaseException as e:  # handed to the loop's thread by _wait_push
-            self._push_error = e
-            return
-        finally:
-            sent.set()
-        self._push_done = {
-            "timing/weight_sync_s": time.monotonic() - start,
-            "sync/failed_members": float(len(result.failed)),
-            **check_probe(probe, result.probes, result.version, self.cfg.trainer.health),
-        }
+        """Push ``tensors`` as the next version (:meth:`WeightPushes.push`)."""
+        return self.pushes.push(tensors, target, probe)
 
     def _wait_push(self) -> None:
-        """Wait for the push in flight, if any; its failure (not a member's: those drop the
-        member) is raised here, in the loop's thread."""
-        if self._push_thread is not None:
-            self._push_thread.join()
-            self._push_thread = None
-        if self._push_error is not None:
-            error, self._push_error = self._push_error, None
-            raise RuntimeError(f"weight push failed: {error}") from error
+        self.pushes.wait()
 
     def _serve_catchups(self) -> None:
-        """Late or restarted servers get the current weights (not while a push is in
-        flight: the coordinator's version is not yet the pushed weights')."""
-        if self._push_thread is not None and self._push_thread.is_alive():
-            return
-        if self.pushed and self.coordinator.pending_catchups():
-            self._wait_push()
-            self.pusher.serve_catchups(self.pushed)
+        self.pushes.serve_catchups()
 
     def version(self, current: int) -> int:
         """The coordinator's version: the last push (announced: it may still be in
         flight), or higher when a server registered with a higher one (its catch-up
         labelled these same weights with it)."""
-        return max(self.coordinator.version, self._pushing_version)
+        return max(self.coordinator.version, self.pushes.pushing_version)
 
     def checkpoint_extra(self, step: int) -> dict[str, Any]:
         self._wait_push()  # the coordinator's state with the pushed version current
