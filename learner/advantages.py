@@ -14,6 +14,14 @@ Conventions follow veRL (DESIGN.md section 9) so that numbers match what its use
   one keeps its score (no baseline exists).
 - GAE (for the critic path): ``delta_t = r_t + gamma * V_{t+1} - V_t``, accumulated
   backwards with ``gamma * lam``; returns = advantages + values; advantages whitened.
+
+Token-level estimators without a critic (REINFORCE++, Hu 2025) give ``[B, T]`` advantages
+whitened over every response token of the batch:
+
+- ``reinforce_plus_plus``: the return from each token to the response's end, discounted
+  by ``gamma`` (the outcome sits on the last token; a masked token restarts the sum, as
+  veRL's loop does);
+- ``reinforce_plus_plus_baseline``: ``score - group mean`` on every token of the response.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import torch
 GRPO_EPS = 1e-6
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+TOKEN_ESTIMATORS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 
 def _group_stats(
@@ -163,3 +172,26 @@ def outcome_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Ten
     last = mask.shape[1] - 1 - mask.flip(1).to(torch.int8).argmax(dim=1)
     out[rows, last[rows]] = scores[rows]
     return out
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
+    """REINFORCE++: ``[B, T]`` token rewards and bool mask -> ``[B, T]`` advantages, the
+    discounted return from each token whitened over the batch's masked tokens (zero
+    outside the mask)."""
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
+    m = mask.to(token_rewards.dtype)
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * m[:, t]  # a masked token ends the sum before it
+    return masked_whiten(returns, mask)
+
+
+def reinforce_pp_baseline_advantages(centered: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """REINFORCE++ with a group baseline: ``[B]`` scores minus their group's mean, put on
+    every masked token and whitened over them, ``[B, T]``."""
+    tiled = torch.where(mask, centered[:, None].to(torch.float32), 0.0)
+    return masked_whiten(tiled, mask)

@@ -39,7 +39,7 @@ from learner.collate import MicroBatch, collate, pad_rows
 from learner.losses import valid_token_mask
 from learner.plan import plan_step
 from learner.reductions import AggNorm
-from learner.rollouts import Rollout
+from learner.rollouts import Rollout, response_mask
 from learner.values import (
     VALUE_STAT_SUMS,
     KLController,
@@ -174,12 +174,8 @@ class Critic:
         reward. Returns the targets and veRL's ``critic/*`` batch metrics."""
         alg = self.cfg.algorithm
         values = self.values(rollouts)
-        lengths = [len(r.response_ids) for r in rollouts]
-        width = max(lengths)
-        mask = torch.zeros(len(rollouts), width, dtype=torch.bool)
-        for i, r in enumerate(rollouts):
-            lm = r.loss_mask
-            mask[i, : lengths[i]] = True if lm is None else torch.as_tensor(lm) != 0
+        mask, lengths = response_mask(rollouts)
+        width = mask.shape[1]
         v = pad_rows([values[i] for i in range(len(rollouts))], width)
         scores = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
         rewards = outcome_token_rewards(scores, mask)

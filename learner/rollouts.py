@@ -16,7 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from learner.advantages import outcome_advantages
+from learner.advantages import (
+    outcome_advantages,
+    outcome_token_rewards,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+)
 
 
 @dataclass
@@ -119,6 +124,35 @@ def baseline_advantages(
     rewards = torch.tensor([float(r.reward) for r in firsts], dtype=torch.float32)
     adv = outcome_advantages(estimator, rewards, group_indices(firsts), norm_by_std=norm_by_std)
     return adv[[episodes[_episode(r)] for r in kept]]
+
+
+def response_mask(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, list[int]]:
+    """``[N, T]`` bool, True on the tokens the loss trains (a multi-turn ``loss_mask``
+    leaves tool output out), and each response's length."""
+    lengths = [len(r.response_ids) for r in rollouts]
+    mask = torch.zeros(len(rollouts), max(lengths, default=0), dtype=torch.bool)
+    for i, r in enumerate(rollouts):
+        lm = r.loss_mask
+        mask[i, : lengths[i]] = True if lm is None else torch.as_tensor(lm) != 0
+    return mask, lengths
+
+
+def token_advantages(
+    rollouts: Sequence[Rollout], kept: Sequence[Rollout], estimator: str, gamma: float
+) -> dict[int, torch.Tensor]:
+    """REINFORCE++'s token advantages of ``kept`` (see :mod:`learner.advantages`): ``[T_i]``
+    per index into ``kept``, whitened over the kept tokens; the baseline variant's group
+    means are over every scored member, as :func:`baseline_advantages`'s are."""
+    mask, lengths = response_mask(kept)
+    if estimator == "reinforce_plus_plus":
+        scores = torch.tensor([float(r.reward) for r in kept], dtype=torch.float32)
+        adv = reinforce_pp_advantages(outcome_token_rewards(scores, mask), mask, gamma)
+    elif estimator == "reinforce_plus_plus_baseline":
+        centered = baseline_advantages(rollouts, kept, "grpo", norm_by_std=False)
+        adv = reinforce_pp_baseline_advantages(centered, mask)
+    else:
+        raise ValueError(f"{estimator!r} has no token advantages without a critic")
+    return {i: adv[i, : lengths[i]] for i in range(len(kept))}
 
 
 def _episode(r: Rollout) -> Hashable:

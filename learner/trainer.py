@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from asyncrl.config import Config
 from learner import fsdp, lora
-from learner.advantages import OUTCOME_ESTIMATORS
+from learner.advantages import OUTCOME_ESTIMATORS, TOKEN_ESTIMATORS
 from learner.collate import MicroBatch, collate, pad_rows
 from learner.critic import Critic
 from learner.forward import response_logprobs
@@ -52,6 +52,7 @@ from learner.rollouts import (
     clean_rollouts,
     drop_reason,
     group_indices,
+    token_advantages,
 )
 from learner.shared_prefix import collate_shared
 
@@ -121,7 +122,7 @@ class Trainer:
             Critic(
                 cfg, self.mesh, model_path=self.model_path, total_steps=steps, packed=self.packed
             )
-            if cfg.algorithm.adv_estimator not in OUTCOME_ESTIMATORS
+            if cfg.algorithm.adv_estimator == "gae"
             else None
         )
         self.step = 0
@@ -202,10 +203,12 @@ class Trainer:
             baseline_advantages(
                 rollouts, kept, alg.adv_estimator, norm_by_std=alg.norm_adv_by_std_in_grpo
             )
-            if self.critic is None
+            if alg.adv_estimator in OUTCOME_ESTIMATORS
             else torch.zeros(len(kept))
         )
         plan = self._plan(kept, adv, temperature)
+        if alg.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, no critic
+            plan.token_advantages = token_advantages(rollouts, kept, alg.adv_estimator, alg.gamma)
         scored = [r for r in rollouts if math.isfinite(float(r.reward))]
         metrics["batch/zero_variance_groups"] = float(
             zero_variance_groups(

@@ -34,6 +34,7 @@ import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.config.policy import GROUP_ESTIMATORS
 from asyncrl.rewards import ScoreResult
 from rollout_servers.agent import Episode, episode_samples, episode_trajectories
 from rollout_servers.groups import filtered_out, unknown_filter_metric
@@ -79,7 +80,7 @@ class EndpointGroups:
         self.idle_s, self.max_groups = oe.group_idle_s, oe.max_groups
         # Group-relative estimators need two rewards for a baseline: one alone would train
         # on its raw reward as its advantage.
-        relative = cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo")
+        relative = cfg.algorithm.adv_estimator in GROUP_ESTIMATORS
         self.min_rewarded = 2 if relative and self.size >= 2 else 1
         self.filter_metric = cfg.algorithm.filter_groups.metric
         self.by_name: dict[str, Group] = {}

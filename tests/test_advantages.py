@@ -181,3 +181,77 @@ def test_gae_matches_verl_on_random_tensors(gamma, lam):
     torch.testing.assert_close(adv[mask], ref_adv[mask], atol=1e-6, rtol=0)
     torch.testing.assert_close(ret[mask], ref_ret[mask], atol=1e-6, rtol=0)
     assert not adv[~mask].any() and not ret[~mask].any()
+
+
+# --------------------------------------------------------------- REINFORCE++ against veRL
+def _verl_whiten(x, m):
+    mean = (x * m).sum() / m.sum()
+    var = (((x - mean) ** 2) * m).sum() / (m.sum() - 1)
+    return (x - mean) * torch.rsqrt(var + 1e-8) * m
+
+
+def verl_reinforce_pp(token_rewards, mask, gamma):
+    """veRL's ``compute_reinforce_plus_plus_outcome_advantage`` written out: the running
+    return, stored at every token, then multiplied by the mask (a masked token restarts it);
+    whitened over the mask and masked."""
+    m = mask.to(token_rewards.dtype)
+    returns = torch.zeros_like(token_rewards)
+    running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
+    for t in reversed(range(token_rewards.shape[1])):
+        running = token_rewards[:, t] + gamma * running
+        returns[:, t] = running
+        running = running * m[:, t]
+    return _verl_whiten(returns, m)
+
+
+def verl_reinforce_pp_baseline(scores, index, mask):
+    """veRL's ``compute_reinforce_plus_plus_baseline_outcome_advantage`` written out: score
+    minus its group's mean (0 for a group of one), tiled over the response, whitened over
+    the mask and masked."""
+    centered = scores.clone()
+    for g in set(index.tolist()):
+        members = index == g
+        if int(members.sum()) > 1:
+            centered[members] = scores[members] - scores[members].mean()
+    m = mask.to(scores.dtype)
+    return _verl_whiten(centered[:, None] * m, m)
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.99, 0.9])
+def test_reinforce_plus_plus_matches_verl_on_random_tensors(gamma):
+    from learner.advantages import reinforce_pp_advantages
+
+    g = torch.Generator().manual_seed(int(gamma * 1000))
+    B, T = 12, 10
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None] < lengths[:, None]
+    mask &= torch.rand(B, T, generator=g) > 0.2  # multi-turn holes
+    mask[:, 0] = True
+    rewards = torch.randn(B, T, generator=g, dtype=torch.float64) * mask
+    got = reinforce_pp_advantages(rewards, mask, gamma)
+    torch.testing.assert_close(got, verl_reinforce_pp(rewards, mask, gamma), atol=1e-6, rtol=0)
+
+
+def test_reinforce_plus_plus_baseline_matches_verl_through_the_learners_path():
+    """Through learner.rollouts.token_advantages, as the trainer calls it: outcome scores
+    of random groups (one of a single member), responses of random lengths."""
+    from learner.rollouts import Rollout, token_advantages
+
+    g = torch.Generator().manual_seed(7)
+    index = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3])
+    scores = torch.randint(0, 3, (len(index),), generator=g).to(torch.float32)
+    lengths = torch.randint(1, 9, (len(index),), generator=g).tolist()
+    batch = [
+        Rollout([1, 2], [5] * n, [-0.5] * n, float(s), f"g{int(i)}")
+        for i, s, n in zip(index, scores, lengths, strict=True)
+    ]
+    got = token_advantages(batch, batch, "reinforce_plus_plus_baseline", gamma=1.0)
+    mask = torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+    ref = verl_reinforce_pp_baseline(scores, index, mask)
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(got[i], ref[i, :n], atol=1e-6, rtol=0)
+    plain = token_advantages(batch, batch, "reinforce_plus_plus", gamma=0.9)
+    rewards = outcome_token_rewards(scores, mask)
+    ref = verl_reinforce_pp(rewards, mask, 0.9)
+    for i, n in enumerate(lengths):
+        torch.testing.assert_close(plain[i], ref[i, :n], atol=1e-6, rtol=0)

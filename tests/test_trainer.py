@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from pathlib import Path
 
@@ -352,3 +353,25 @@ def test_padded_input_and_checkpointing_match_packed(tiny_model, single_rank):
     rel = float32_tolerance(packed, BATCHES[0])
     assert b["loss/total"] == pytest.approx(a["loss/total"], rel=rel)
     assert_gradients_match(gb[0], ga[0], rel)
+
+
+@pytest.mark.parametrize("estimator", ["reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_reinforce_plus_plus_trains_per_token_without_a_critic(tiny_model, single_rank, estimator):
+    """REINFORCE++'s token advantages reach the loss: the step updates the policy and its
+    advantage metrics are those of the whitened token advantages (mean 0 over tokens)."""
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model}",
+            f"algorithm.adv_estimator={estimator}",
+            "algorithm.gamma=0.95",
+            "actor.ppo_mini_batch_size=4",
+        ],
+    )
+    trainer = Trainer(cfg)
+    assert trainer.critic is None
+    before = {k: v.clone() for k, v in trainer.full_state_for_push().items()}
+    metrics = trainer.train_step(BATCHES[0], 1.0)
+    after = trainer.full_state_for_push()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert math.isfinite(metrics["loss/pg"]) and metrics["loss/pg"] != 0.0

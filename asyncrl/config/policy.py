@@ -86,6 +86,10 @@ class ActorConfig(Section):
 
 
 # --------------------------------------------------------------------------- algorithm
+#: Estimators whose baseline is the other samples of the prompt: they need groups (n >= 2).
+GROUP_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline")
+
+
 class ImportanceConfig(Section):
     mode: Literal["tis", "mis", "none"] = Field(
         default="tis",
@@ -99,13 +103,13 @@ class ImportanceConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    adv_estimator: Literal["grpo", "rloo", "dr_grpo", "gae"] = Field(
-        default="grpo", description="Advantage estimator."
-    )
+    adv_estimator: Literal[
+        "grpo", "rloo", "dr_grpo", "gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
+    ] = Field(default="grpo", description="Advantage estimator.")
     norm_adv_by_std_in_grpo: bool = Field(
         default=True, description="Divide GRPO advantages by std."
     )
-    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount (GAE).")
+    gamma: float = Field(default=1.0, ge=0, le=1, description="Discount (GAE, REINFORCE++).")
     lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
     use_kl_in_reward: bool = Field(
         default=False, description="Subtract a KL-to-reference penalty from token rewards (gae)."

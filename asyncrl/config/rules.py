@@ -6,6 +6,7 @@ a config in one pass instead of one error per launch.
 
 from __future__ import annotations
 
+from asyncrl.config.policy import GROUP_ESTIMATORS
 from asyncrl.config.schema import Config
 
 # The training temperatures vLLM samples at as asked (vllm.sampling_params: _MAX_TEMP is the
@@ -80,7 +81,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "validation tasks, so a validation round would never end; set "
             "trainer.val_before_train=false trainer.test_freq=-1 (or take_tasks=true)"
         )
-    if cfg.algorithm.adv_estimator in ("grpo", "rloo", "dr_grpo") and ro.n < 2:
+    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and ro.n < 2:
         problems.append(
             f"rollout.n={ro.n}: {cfg.algorithm.adv_estimator} compares samples of the same "
             "prompt, so every advantage would be 0; set rollout.n>=2 (or "
