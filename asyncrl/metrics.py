@@ -3,7 +3,7 @@
 ``trainer.logger`` picks the sinks (veRL's names: ``console``, ``wandb``; ``jsonl`` is
 ours: one JSON object per line in ``<run dir>/metrics.jsonl``, what the launcher's live
 view and plots read). Metric names use slash namespaces (``rollout/tokens_per_s``,
-``buffer/lag_max``, ``loss/clipfrac``, ``timing/weight_sync_s``).
+``buffer/lag_max``, ``actor/pg_clipfrac``, ``timing/weight_sync_s``).
 """
 
 from __future__ import annotations

@@ -372,7 +372,15 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
     out = {"rollout/tokens_per_s": sum(m.get("rollout/tokens_per_s", 0.0) for m in reports)}
     # Cumulative totals over the servers: rates and waits over any window come from their
     # differences (the benchmarks' steady-state figures).
-    totals = ("tokens", "task_wait_s", "sync_pause_s", "version_wait_s", "gc_s")
+    totals = (
+        "tokens",
+        "task_wait_s",
+        "sync_pause_s",
+        "version_wait_s",
+        "gc_s",
+        "groups_filtered",
+        "filter_metric_unknown",
+    )
     for key in (f"rollout/{k}" for k in totals):
         out[key] = sum(m.get(key, 0.0) for m in reports)
     out["rollout/servers_reporting"] = len(reports)
@@ -388,5 +396,5 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
 
 
 def _brief(metrics: dict[str, float]) -> str:
-    keys = ("coordinator/budget/dealt", "coordinator/budget/limit", "coordinator/servers/alive")
+    keys = ("coordinator/budget/dealt", "coordinator/budget/limit", "coordinator/servers")
     return ", ".join(f"{k.rsplit('/', 1)[-1]}={metrics[k]:.0f}" for k in keys if k in metrics)

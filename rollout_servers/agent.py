@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Why an episode ended (counted as ``rollout/episodes_ended/<why>``).
+#: Why an episode ended (counted as ``rollout/agent/episodes_ended/<why>``).
 END_REASONS = ("done", "max_turns", "length", "timeout", "prompt_too_long")
 
 

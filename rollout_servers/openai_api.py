@@ -119,6 +119,7 @@ class OpenAIEndpoint:
         self.max_prompt_len = cfg.data.max_prompt_length
         self.max_response_len = cfg.data.max_response_length
         self.model = cfg.model.path
+        self.created = int(time.time())  # the model card's ``created``
         self.metrics: Counter[str] = Counter()
         self.groups = EndpointGroups(cfg, server_id, client, pusher, self.metrics)
         self.url = ""
@@ -135,6 +136,7 @@ class OpenAIEndpoint:
         app.router.add_post("/rl/abandon", self._abandon)
         app.router.add_get("/rl/status", self._status)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model:.+}", self._models)
         return app
 
     async def start(self) -> str:
@@ -178,9 +180,16 @@ class OpenAIEndpoint:
 
     # ----------------------------------------------------------------- handlers
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response(
-            {"object": "list", "data": [{"id": self.model, "object": "model"}]}
-        )
+        card = {"id": self.model, "object": "model", "created": self.created, "owned_by": "asyncrl"}
+        if "model" in request.match_info:  # GET /v1/models/{model}
+            if request.match_info["model"] != self.model:
+                name = request.match_info["model"]
+                error = RequestError(
+                    404, f"model {name!r} is not served here (served: {self.model!r})", "not_found"
+                )
+                return web.json_response(error.body(), status=404)
+            return web.json_response(card)
+        return web.json_response({"object": "list", "data": [card]})
 
     async def _status(self, request: web.Request) -> web.Response:
         head = {"server_id": self.server_id, "policy_version": self.engine.version}
@@ -340,7 +349,8 @@ class OpenAIEndpoint:
         budget = max_tokens_of(body, self.max_response_len - len(piece.token_ids))
         sample, raw, n = await self._sample(session, draft, budget, stops)
         draft.episode.messages.append({"role": "assistant", "content": raw})  # as written
-        reply, finish = assistant_reply(before_stop(raw, stops) if n else raw)
+        text = before_stop(raw, stops) if n else raw
+        reply, finish = assistant_reply(text, tools=body.get("tool_choice") != "none")
         draft.shown.append(reply)
         ids = self._commit(session, draft, sample)
         if sample.finish_reason == "length":

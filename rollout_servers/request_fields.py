@@ -30,8 +30,9 @@ def max_tokens_of(body: dict[str, Any], budget: int) -> int:
     if budget < 1:
         raise RequestError(
             400,
-            "the session has used its data.max_response_length tokens: end the episode "
-            "with POST /rl/reward",
+            "This model's maximum context length is reached. However, the session has used "
+            "its data.max_response_length tokens: end the episode with POST /rl/reward",
+            api_code="context_length_exceeded",  # clients end the episode, not retry
         )
     return min(asked or budget, budget)
 
@@ -70,6 +71,12 @@ def unconstrained(body: dict[str, Any]) -> None:
             400,
             f"tool_choice={json.dumps(choice)} is not supported: a forced call constrains "
             "sampling, and training needs the policy's own distribution; send auto",
+        )
+    if body.get("parallel_tool_calls") is False:
+        raise RequestError(
+            400,
+            "parallel_tool_calls=false is not supported: limiting a turn to one call "
+            "constrains sampling; leave it unset and run the calls the turn makes",
         )
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):

@@ -233,21 +233,30 @@ def new_messages(session: Session, messages: list[Any]) -> list[dict[str, Any]] 
 def first_piece(prompt_ids: list[int], max_prompt_len: int, version: int) -> Piece:
     """The first sample of a session, or a refusal when its prompt does not fit."""
     if len(prompt_ids) > max_prompt_len:
-        raise RequestError(
-            400,
-            f"prompt of {len(prompt_ids)} tokens exceeds data.max_prompt_length="
-            f"{max_prompt_len}, this endpoint's maximum context length for a prompt: "
-            "shorten the conversation or raise it",
-            api_code="context_length_exceeded",  # what clients' context handling matches
+        raise context_exceeded(
+            max_prompt_len,
+            f"the prompt of {len(prompt_ids)} tokens exceeds data.max_prompt_length="
+            f"{max_prompt_len}: shorten the conversation or raise it",
         )
     return Piece(prompt_ids=prompt_ids, start_version=version)
 
 
-def assistant_reply(raw: str) -> tuple[dict[str, Any], str]:
+def context_exceeded(limit: int, detail: str) -> RequestError:
+    """A 400 that clients treat as the end of the context window, not as an error to
+    retry: OpenAI's code and the opening LiteLLM (and so SWE-agent) match in the text."""
+    return RequestError(
+        400,
+        f"This model's maximum context length is {limit} tokens. However, {detail}",
+        api_code="context_length_exceeded",
+    )
+
+
+def assistant_reply(raw: str, tools: bool = True) -> tuple[dict[str, Any], str]:
     """The assistant message the agent is shown for the sampled text ``raw``, and the
-    OpenAI finish reason: hermes ``<tool_call>`` blocks become ``tool_calls``."""
-    parsed = parse_tool_calls(raw)
-    if not parsed.calls:
+    OpenAI finish reason: hermes ``<tool_call>`` blocks become ``tool_calls`` (``tools``
+    False, as ``tool_choice: none`` asks: the text stays the message's content)."""
+    parsed = parse_tool_calls(raw) if tools else None
+    if parsed is None or not parsed.calls:
         return {"role": "assistant", "content": raw}, "stop"
     calls = [
         {
@@ -371,7 +380,8 @@ def prepare(
                 new.pieces[-1].start_version = version
                 draft.counted = "splits"
             elif why:
-                raise RequestError(400, ENDED[why])
+                limit = max_response_len if why == "length" else max_prompt_len
+                raise context_exceeded(limit, ENDED[why])
             draft.shown.extend(messages[len(draft.shown) :])
             return draft
         draft.counted = "rewritten" if ep.pieces else ""

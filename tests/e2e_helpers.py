@@ -8,6 +8,7 @@ steps); the tests override what they exercise.
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -311,3 +312,33 @@ class AgentGroups:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def documented_metrics(path: str = "learner/METRICS.md") -> list[re.Pattern[str]]:
+    """The metric names ``learner/METRICS.md`` lists (each table row's first column), as
+    patterns: ``<x>`` stands for any name part(s); ``/std`` after ``reward/mean`` is
+    ``reward/std``, ``.../consumed`` a sibling, ``_max`` after ``..._mean`` its twin."""
+    patterns, prev = [], ""
+    for line in Path(path).read_text().splitlines():
+        if not line.startswith("| `"):
+            continue
+        for name in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
+            if name.startswith(".../"):
+                name = prev.rsplit("/", 1)[0] + name[3:]
+            elif name.startswith("/"):
+                name = prev.rsplit("/", 1)[0] + name
+            elif name.startswith("_") and prev:
+                name = prev.rsplit("_", 1)[0] + name
+            if "/" not in name:
+                continue
+            prev = name
+            rx = re.sub(r"<[^>]+>", ".+", re.escape(name).replace(r"\<", "<").replace(r"\>", ">"))
+            patterns.append(re.compile(rx))
+    return patterns
+
+
+def undocumented_metrics(records: list[dict]) -> list[str]:
+    """Metric names in ``records`` (a run's metrics.jsonl) that METRICS.md does not list."""
+    patterns = documented_metrics()
+    keys = {k for r in records for k in r if "/" in k}
+    return sorted(k for k in keys if not any(p.fullmatch(k) for p in patterns))

@@ -267,3 +267,73 @@ def test_new_tool_schemas_start_a_sample_that_shows_them(monkeypatch):
         assert rig.endpoint.metrics["rollout/openai/rewritten"] == 1
 
     _serve(monkeypatch, scenario)
+
+
+class ToolCallEngine(ReplyEngine):
+    """Samples a hermes tool call, as a tool-using model does."""
+
+    async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Any:
+        self.calls += 1
+        text = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        ids = [ord(c) for c in text]
+        return Sample(ids, [-0.1] * len(ids), [(0, len(ids))], "stop")
+
+
+def test_tool_choice_none_gets_text_and_parallel_calls_off_is_refused(monkeypatch):
+    """LangChain's bind_tools(tool_choice="none") and the Agents SDK's ModelSettings ask for
+    no tool calls: the sampled text comes back as content (sampling is unchanged). One call
+    per turn (parallel_tool_calls=false) would constrain sampling: a 400 naming why, not
+    ignored."""
+
+    async def scenario(rig: Rig) -> None:
+        rig.endpoint.engine = ToolCallEngine()  # type: ignore[assignment]
+        status, body = await _post(rig, _chat([USER], tool_choice="none"))
+        choice = body["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "stop", body
+        assert "tool_calls" not in choice["message"]
+        assert choice["message"]["content"].startswith("<tool_call>")
+        status, body = await _post(
+            rig, _chat([USER], parallel_tool_calls=False), {"Authorization": "Bearer g/1"}
+        )
+        assert status == 400 and "parallel_tool_calls=false" in body["error"]["message"]
+        status, body = await _post(rig, _chat([USER]), {"Authorization": "Bearer g/1"})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "tool_calls", body
+
+    _serve(monkeypatch, scenario)
+
+
+def test_the_end_of_a_sessions_room_reads_as_the_context_window(monkeypatch):
+    """LiteLLM (and so SWE-agent, mini-swe-agent) maps an error to ContextWindowExceeded
+    by its text, openai-python users by its code; anything else is retried for minutes.
+    Every way a session runs out of room says both."""
+
+    async def scenario(rig: Rig) -> None:
+        long = {"role": "user", "content": "x" * 80}
+        status, body = await _post(rig, _chat([long]))
+        first = body["error"]
+        status2, body = await _post(rig, _chat([USER]), {"Authorization": "Bearer g/1"})
+        assert status2 == 200, body
+        more = [USER, body["choices"][0]["message"], long]
+        status3, body = await _post(rig, _chat(more), {"Authorization": "Bearer g/1"})
+        for code, error in ((status, first), (status3, body["error"])):
+            assert code == 400 and error["code"] == "context_length_exceeded", error
+            assert error["message"].lower().startswith("this model's maximum context length is")
+
+    _serve(monkeypatch, scenario, ("data.max_prompt_length=64", "data.max_response_length=16"))
+
+
+def test_the_model_card_has_what_typed_clients_read(monkeypatch):
+    async def scenario(rig: Rig) -> None:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"{rig.base}/v1/models") as r:
+                (card,) = (await r.json())["data"]
+            async with http.get(f"{rig.base}/v1/models/{card['id']}") as r:
+                assert r.status == 200 and await r.json() == card
+            async with http.get(f"{rig.base}/v1/models/other") as r:
+                assert (
+                    r.status == 404 and "is not served here" in (await r.json())["error"]["message"]
+                )
+        assert card["object"] == "model" and isinstance(card["created"], int)
+        assert card["owned_by"] == "asyncrl"
+
+    _serve(monkeypatch, scenario)
