@@ -28,6 +28,7 @@ from tests.e2e_helpers import (
     rollout_wait_fraction,
     run_overrides,
     trained_steps,
+    undocumented_metrics,
 )
 from tests.helpers import wait_until
 
@@ -72,6 +73,8 @@ def test_async_run_learns(tmp_path, demo_model, arithmetic_data):
     lag_drops = max(r.get("buffer/drops/lag", 0) for r in records)
     assert groups_in > 0 and lag_drops <= 0.04 * groups_in, (lag_drops, groups_in)
     assert_learned(records)
+    # Every metric a user finds in the record is explained in learner/METRICS.md.
+    assert undocumented_metrics(records) == []
     # The final accounting counts the last validation round as scored, not as still in the
     # buffer (its scores reach the learner before the coordinator marks its groups).
     final = [r for r in records if "accounting/val/dealt" in r][-1]

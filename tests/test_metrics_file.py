@@ -43,3 +43,22 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
     first = run_id(fresh=True)
     assert run_id(fresh=False) == first
     assert run_id(fresh=True) != first
+
+
+def test_the_metrics_doc_check_reads_families_and_continuations(tmp_path):
+    """The check the e2e run makes: documented names match by their placeholders and the
+    table's shorthand (``/std``, ``.../consumed``, ``_max``); anything else is reported."""
+    from tests.e2e_helpers import undocumented_metrics
+
+    records = [
+        {
+            "step": 1,
+            "reward/std": 0.1,
+            "coordinator/budget/consumed": 3.0,
+            "importance/log_w_abs_max": 0.2,
+            "buffer/drops/overflow": 1.0,
+            "val/arithmetic/score": 0.5,
+            "made/up_metric": 1.0,
+        }
+    ]
+    assert undocumented_metrics(records) == ["made/up_metric"]
