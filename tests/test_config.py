@@ -427,3 +427,19 @@ def test_a_short_last_mini_batch_and_unused_critic_keys_are_warned_about(tmp_pat
     cfg = load_config("configs/cpu_demo.yaml", [*GAE, *critic])
     assert config_advisories(cfg) == []
     assert config_advisories(load_config(str(write_resolved(cfg, tmp_path)))) == []
+
+
+def test_cuda_roles_without_launch_gpus_are_told_they_share_gpu_0():
+    """veRL places roles on GPUs itself; here a launch without launch.gpus starts every
+    server on GPU 0 beside the learner: said once, with the mapping to write."""
+    from asyncrl.config.rules import config_advisories
+
+    cfg = load_config(None, ["trainer.device=cuda", "trainer.nproc=2", "rollout.num_servers=2"])
+    [line] = config_advisories(cfg)
+    assert "launch.gpus={learner: [0, 1], rollout: [[2], [3]]}" in line
+    assert config_advisories(load_config("configs/qwen2.5-0.5b_countdown.yaml")) == []
+    with pytest.raises(ConfigError, match=r"veRL's trainer.n_gpus_per_node sets it"):
+        load_config(
+            None,
+            ["trainer.device=cuda", "trainer.n_gpus_per_node=2", "launch.gpus={learner: [0]}"],
+        )

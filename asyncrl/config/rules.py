@@ -195,7 +195,30 @@ def config_advisories(cfg: Config) -> list[str]:
             f"{actor.ppo_max_token_len_per_gpu} tokens; set actor.use_dynamic_bsz=false to "
             "use the sequence count"
         )
-    return out + _batch_advisories(cfg)
+    return out + _batch_advisories(cfg) + _shared_gpu_advisories(cfg)
+
+
+def _shared_gpu_advisories(cfg: Config) -> list[str]:
+    """On CUDA without ``launch.gpus``, every role sees every GPU and starts on GPU 0."""
+    ro, t = cfg.rollout, cfg.trainer
+    if t.device != "cuda" or cfg.launch.gpus is not None or cfg.launch.backend != "local":
+        return []
+    learner = list(range(t.nproc))
+    servers = [
+        list(
+            range(
+                t.nproc + i * ro.tensor_model_parallel_size,
+                t.nproc + (i + 1) * ro.tensor_model_parallel_size,
+            )
+        )
+        for i in range(ro.num_servers)
+    ]
+    return [
+        "launch.gpus is unset: every role sees every GPU, and each rollout server starts on "
+        "GPU 0 beside the learner's rank 0 (fine on one GPU with room for both); to give each "
+        "its own, set "
+        f"launch.gpus={{learner: {learner}, rollout: {servers}}}"
+    ]
 
 
 def _batch_advisories(cfg: Config) -> list[str]:
@@ -372,8 +395,9 @@ def _gpu_count_problems(cfg: Config) -> list[str]:
     nproc = cfg.trainer.nproc
     if learner is not None and cfg.trainer.device == "cuda" and len(learner) < nproc:
         out.append(
-            f"trainer.nproc={nproc} but launch.gpus.learner={learner} lists {len(learner)} "
-            f"GPU(s): rank {len(learner)} would find no device; list one GPU per rank"
+            f"trainer.nproc={nproc} (veRL's trainer.n_gpus_per_node sets it: the learner's "
+            f"ranks only) but launch.gpus.learner={learner} lists {len(learner)} GPU(s): rank "
+            f"{len(learner)} would find no device; list one GPU per rank"
         )
     tp = cfg.rollout.tensor_model_parallel_size
     for i, ids in enumerate(gpus.get("rollout") or []):
