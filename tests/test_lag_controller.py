@@ -92,6 +92,16 @@ def test_a_restored_controller_judges_lag_drops_since_the_checkpoint():
     assert older.step(5, after[1]) == 0
 
 
+def test_a_fresh_controller_meeting_a_long_running_buffer_takes_its_counters_first():
+    """A learner restarted without a checkpoint while the buffer ran on: the buffer's
+    counters are its whole run's (here 100 lag drops in 500 groups, long over). The first
+    step only takes them; what follows is judged on the groups since."""
+    fresh = LagController(0, 2, min_ess=0.3, max_kl=0.1)
+    # Healthy and waiting: it widens (judged on the whole run, 20% dropped, it would not).
+    assert fresh.step(1, _metrics(0.95, 0.6, 500.0, lag_drops=100.0)) == 1
+    assert fresh.step(2, _metrics(0.95, 0.0, 508.0, lag_drops=102.0)) == 0  # 2 of 8 new
+
+
 def test_the_coordinator_admits_by_the_lag_it_is_given():
     coord = start_coordinator(100, per_version=2)  # lag 1: 4 groups admitted
     client = CoordinatorClient(

@@ -71,10 +71,11 @@ class LagController:
         self.lag = low  # start synchronous-ish: widen only on evidence
         self.widened_at = -HOLD_STEPS
         # The buffer's counters (cumulative) at the last step: lag drops are judged on what
-        # came in since. None after restoring a checkpoint that lacks them (saved before
-        # they were): the first step then only takes them, judging no drops.
-        self.groups_in: float | None = 0.0
-        self.lag_drops: float | None = 0.0
+        # came in since. None until a step reports them: a learner that starts without a
+        # checkpoint may meet a buffer that has run for hours (its counters are the whole
+        # run's), so its first step only takes them, judging no drops.
+        self.groups_in: float | None = None
+        self.lag_drops: float | None = None
         self.last_reason = "start"
 
     def state_dict(self) -> dict[str, float | None]:
