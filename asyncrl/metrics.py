@@ -89,6 +89,8 @@ def _wandb_id(run_dir: Path, fresh: bool) -> str:
     path = run_dir / WANDB_ID_FILE
     if not fresh and path.is_file() and (saved := path.read_text().strip()):
         return saved
+    if fresh:
+        _set_aside(path)  # the earlier run's W&B id, kept beside its records
     new = secrets.token_hex(4)
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(new + "\n")

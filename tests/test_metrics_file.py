@@ -62,3 +62,15 @@ def test_the_metrics_doc_check_reads_families_and_continuations(tmp_path):
         }
     ]
     assert undocumented_metrics(records) == ["made/up_metric"]
+
+
+def test_a_new_run_keeps_the_earlier_runs_wandb_id_beside_its_records(tmp_path):
+    """A new run in a directory holding an earlier one opens a new W&B run; the earlier
+    run's id is set aside with its records (metrics.<k>.jsonl), not overwritten."""
+    from asyncrl.metrics import WANDB_ID_FILE, _wandb_id
+
+    (tmp_path / WANDB_ID_FILE).write_text("oldrun01\n")
+    assert _wandb_id(tmp_path, fresh=False) == "oldrun01"  # a resume logs into it again
+    new = _wandb_id(tmp_path, fresh=True)
+    assert new != "oldrun01" and (tmp_path / WANDB_ID_FILE).read_text().strip() == new
+    assert (tmp_path / f"{WANDB_ID_FILE}.1").read_text().strip() == "oldrun01"
