@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     from asyncrl.config import run_dir
-    from asyncrl.config.rules import config_advisories
+    from asyncrl.config.advisories import config_advisories
     from asyncrl.launch import startup
     from asyncrl.net import security
 

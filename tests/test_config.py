@@ -402,7 +402,7 @@ def test_zero_training_steps_are_refused():
 def test_gspo_with_a_token_level_clip_range_is_warned_about():
     """The demo config sets clip 0.2 / 0.28: switching GSPO on there keeps them (the config
     says so), and the learner warns; with the range unset, GSPO's own is used."""
-    from asyncrl.config.rules import config_advisories
+    from asyncrl.config.advisories import config_advisories
 
     gspo = "actor.policy_loss.loss_mode=gspo"
     lines = config_advisories(load_config("configs/cpu_demo.yaml", [gspo]))
@@ -415,7 +415,7 @@ def test_a_short_last_mini_batch_and_unused_critic_keys_are_warned_about(tmp_pat
     """veRL splits a batch its mini-batch size does not divide (a short last one), so the
     config loads and says so; critic keys under GRPO train nothing and are named. A
     resolved config.yaml (every key set, at its value) stays quiet."""
-    from asyncrl.config.rules import config_advisories
+    from asyncrl.config.advisories import config_advisories
 
     [line] = config_advisories(
         load_config("configs/cpu_demo.yaml", ["actor.ppo_mini_batch_size=6"])
@@ -432,7 +432,7 @@ def test_a_short_last_mini_batch_and_unused_critic_keys_are_warned_about(tmp_pat
 def test_cuda_roles_without_launch_gpus_are_told_they_share_gpu_0():
     """veRL places roles on GPUs itself; here a launch without launch.gpus starts every
     server on GPU 0 beside the learner: said once, with the mapping to write."""
-    from asyncrl.config.rules import config_advisories
+    from asyncrl.config.advisories import config_advisories
 
     cfg = load_config(None, ["trainer.device=cuda", "trainer.nproc=2", "rollout.num_servers=2"])
     [line] = config_advisories(cfg)

@@ -346,7 +346,7 @@ def test_a_micro_batch_size_that_dynamic_batching_ignores_is_warned_about(tmp_pa
     """veRL sizes micro-batches by sequences unless use_dynamic_bsz is set; here dynamic
     batching is the default, so a veRL config's micro-batch size alone would do nothing."""
     from asyncrl.config import write_resolved
-    from asyncrl.config.rules import config_advisories
+    from asyncrl.config.advisories import config_advisories
 
     micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"
     [line] = config_advisories(load_config("configs/cpu_demo.yaml", [micro]))

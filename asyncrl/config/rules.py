@@ -149,11 +149,6 @@ def cross_field_problems(cfg: Config) -> list[str]:
     return problems
 
 
-#: A clip range wider than this is a token-level one: GSPO's sequence ratio (a geometric
-#: mean over the response) seldom leaves it.
-GSPO_WIDE_CLIP = 0.01
-
-
 def capacity_needed(cfg: Config) -> int:
     """The fewest groups ``buffer.capacity_groups`` may hold.
 
@@ -163,91 +158,6 @@ def capacity_needed(cfg: Config) -> int:
     trained: one batch is held, and a buffer smaller than that never releases one."""
     steps_held = max(cfg.trainer.save_freq, 1) + cfg.staleness.max_policy_lag + 1
     return cfg.data.train_batch_size * steps_held
-
-
-def config_advisories(cfg: Config) -> list[str]:
-    """Settings that run but likely not as meant: one line each, which the learner logs as
-    warnings (a launcher shows them on its console); the config is valid."""
-    out = []
-    actor = cfg.actor
-    if (
-        actor.policy_loss.loss_mode == "gspo"
-        and max(actor.clip_ratio_low, actor.clip_ratio_high) > GSPO_WIDE_CLIP
-    ):
-        out.append(
-            f"actor.policy_loss.loss_mode=gspo with actor.clip_ratio_low={actor.clip_ratio_low}"
-            f" / clip_ratio_high={actor.clip_ratio_high}: a token-level range, which GSPO's "
-            "sequence ratio seldom leaves; GSPO clips at 3e-4 / 4e-4 (used when the config "
-            "leaves both unset)"
-        )
-    # Only a config the user wrote says which keys were given (a resolved config.yaml sets
-    # them all): veRL's use_dynamic_bsz is off by default, ours is on.
-    given = actor.model_fields_set
-    if (
-        "ppo_micro_batch_size_per_gpu" in given
-        and "use_dynamic_bsz" not in given
-        and actor.use_dynamic_bsz
-    ):
-        out.append(
-            f"actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} is "
-            "unused: actor.use_dynamic_bsz is on by default here (off in veRL), so "
-            f"micro-batches hold up to actor.ppo_max_token_len_per_gpu="
-            f"{actor.ppo_max_token_len_per_gpu} tokens; set actor.use_dynamic_bsz=false to "
-            "use the sequence count"
-        )
-    return out + _batch_advisories(cfg) + _shared_gpu_advisories(cfg)
-
-
-def _shared_gpu_advisories(cfg: Config) -> list[str]:
-    """On CUDA without ``launch.gpus``, every role sees every GPU and starts on GPU 0."""
-    ro, t = cfg.rollout, cfg.trainer
-    if t.device != "cuda" or cfg.launch.gpus is not None or cfg.launch.backend != "local":
-        return []
-    learner = list(range(t.nproc))
-    servers = [
-        list(
-            range(
-                t.nproc + i * ro.tensor_model_parallel_size,
-                t.nproc + (i + 1) * ro.tensor_model_parallel_size,
-            )
-        )
-        for i in range(ro.num_servers)
-    ]
-    return [
-        "launch.gpus is unset: every role sees every GPU, and each rollout server starts on "
-        "GPU 0 beside the learner's rank 0 (fine on one GPU with room for both); to give each "
-        "its own, set "
-        f"launch.gpus={{learner: {learner}, rollout: {servers}}}"
-    ]
-
-
-def _batch_advisories(cfg: Config) -> list[str]:
-    """A mini-batch size that leaves a short last mini-batch (veRL splits the same way),
-    and critic keys a run without a critic ignores."""
-    out = []
-    batch = cfg.data.train_batch_size
-    minis = [("actor", cfg.actor.ppo_mini_batch_size)]
-    if cfg.algorithm.adv_estimator == "gae":
-        minis.append(("critic", cfg.critic.ppo_mini_batch_size or cfg.actor.ppo_mini_batch_size))
-    for role, mini in minis:
-        if batch % mini:
-            out.append(
-                f"{role}.ppo_mini_batch_size={mini} does not divide data.train_batch_size="
-                f"{batch}: each step's last mini-batch has {batch % mini} prompts (an "
-                "optimizer step on fewer samples)"
-            )
-    # Keys set away from their defaults (a resolved config.yaml sets every key, unchanged).
-    plain = type(cfg.critic)()
-    given = sorted(
-        k for k in cfg.critic.model_fields_set if getattr(cfg.critic, k) != getattr(plain, k)
-    )
-    if cfg.algorithm.adv_estimator != "gae" and given:
-        out.append(
-            f"critic.{', critic.'.join(given)} set, but algorithm.adv_estimator="
-            f"{cfg.algorithm.adv_estimator} trains no critic: they are unused; set "
-            "algorithm.adv_estimator=gae for PPO with a critic"
-        )
-    return out
 
 
 def _overlong_problems(cfg: Config) -> list[str]:

@@ -31,8 +31,8 @@ import sys
 
 from asyncrl.cli import parse_role_args
 from asyncrl.config import ConfigError, write_resolved
+from asyncrl.config.advisories import config_advisories
 from asyncrl.config.inputs import DATA, MODEL, RESUME, REWARD
-from asyncrl.config.rules import config_advisories
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import claim, hold_run_dir
 from asyncrl.launch.roles import commands_text, drive, plan_roles
