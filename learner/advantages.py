@@ -19,8 +19,10 @@ Token-level estimators without a critic (REINFORCE++, Hu 2025) give ``[B, T]`` a
 whitened over every response token of the batch:
 
 - ``reinforce_plus_plus``: the return from each token to the response's end, discounted
-  by ``gamma`` (the outcome sits on the last token; a masked token restarts the sum, as
-  veRL's loop does);
+  by ``gamma`` over the trained tokens (the outcome sits on the last one). A masked token
+  inside a response (a multi-turn episode's tool output) is passed over, so earlier turns
+  see the outcome too; veRL's loop restarts the sum there, which gives every turn but the
+  last a return of 0 (equal to it on responses without holes);
 - ``reinforce_plus_plus_baseline``: ``score - group mean`` on every token of the response.
 """
 
@@ -182,11 +184,10 @@ def reinforce_pp_advantages(
     outside the mask)."""
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
-    m = mask.to(token_rewards.dtype)
     for t in range(token_rewards.shape[1] - 1, -1, -1):
-        running = token_rewards[:, t] + gamma * running
+        # A masked token (padding, or tool output between turns) carries the sum across.
+        running = torch.where(mask[:, t], token_rewards[:, t] + gamma * running, running)
         returns[:, t] = running
-        running = running * m[:, t]  # a masked token ends the sum before it
     return masked_whiten(returns, mask)
 
 

@@ -69,12 +69,6 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def step_of(path: str | Path) -> int | None:
-    """The step of a checkpoint directory by its name (``step_<n>``, ``step_<n>.old``)."""
-    m = _STEP_ENTRY.match(Path(path).name)
-    return int(m.group(1)) if m and m.group(2) != ".tmp" else None
-
-
 def _scan(root: Path) -> tuple[dict[int, Path], list[Path]]:
     """The complete checkpoints under ``root`` by step, and the folders skipped as
     incomplete (a ``.tmp``, or no state file: a save cut short). A ``step_<n>.old`` counts

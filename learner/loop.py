@@ -227,7 +227,8 @@ class LearnerLoop:
         with none of this run's yet falls back to ``resume_from_path`` (the first start's
         weights, not the base model's). A ``resume_path`` to an earlier step of this run
         (a rewind) moves the steps after it aside, out of ``auto``'s reach. Sets
-        :attr:`new_run`: this start begins a new run here (its metrics start afresh).
+        :attr:`new_run`: this start begins a new run here, or a new branch of it (its
+        metrics start afresh).
         Raises :class:`ConfigError` for a path that is no checkpoint, before anything moves."""
         from learner.checkpoint import checkpoint_dir, latest_checkpoint, set_aside_checkpoints
 
@@ -271,17 +272,19 @@ class LearnerLoop:
     def _abandon_later(self, path: Path) -> None:
         """A rewind to ``path``, a checkpoint of this run: its later steps (the branch left
         behind) go where ``auto`` does not look, or a restart would resume there."""
-        from learner.checkpoint import set_aside_later_checkpoints, step_of
+        from learner.checkpoint import set_aside_later_checkpoints
 
-        step = step_of(path)
-        step = self.trainer.step if step is None else step  # a folder named otherwise
+        step = self.trainer.step  # the loaded checkpoint's own (its folder may be a link)
         if (moved := set_aside_later_checkpoints(self.run_dir, step)) is not None:
             log.info(
                 "rewound to step %d: the later checkpoints (the branch left behind) moved to "
-                "%s, where a restart does not look",
+                "%s, where a restart does not look; the metrics start a new record",
                 step,
                 moved,
             )
+            # The earlier branch logged steps after this one: appended to its records (and
+            # its W&B run, which drops steps that go back), the new branch would be lost.
+            self.new_run = True
 
 
 def _broadcast_int(value: int, trainer: Any) -> int:

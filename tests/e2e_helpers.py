@@ -316,10 +316,10 @@ class AgentGroups:
 
 def documented_metrics(path: str = "learner/METRICS.md") -> list[re.Pattern[str]]:
     """The metric names ``learner/METRICS.md`` lists (each table row's first column), as
-    patterns: ``<x>`` stands for any name part(s); ``/std`` after ``reward/mean`` is
+    patterns: ``<x>`` stands for one name part; ``/std`` after ``reward/mean`` is
     ``reward/std``, ``.../consumed`` a sibling, ``_max`` after ``..._mean`` its twin."""
     patterns, prev = [], ""
-    for line in Path(path).read_text().splitlines():
+    for line in (Path(__file__).parents[1] / path).read_text().splitlines():
         if not line.startswith("| `"):
             continue
         for name in re.findall(r"`([^`]+)`", line.split(" | ")[0]):
@@ -332,7 +332,9 @@ def documented_metrics(path: str = "learner/METRICS.md") -> list[re.Pattern[str]
             if "/" not in name:
                 continue
             prev = name
-            rx = re.sub(r"<[^>]+>", ".+", re.escape(name).replace(r"\<", "<").replace(r"\>", ">"))
+            rx = re.sub(
+                r"<[^>]+>", "[^/]+", re.escape(name).replace(r"\<", "<").replace(r"\>", ">")
+            )
             patterns.append(re.compile(rx))
     return patterns
 

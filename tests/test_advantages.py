@@ -224,12 +224,25 @@ def test_reinforce_plus_plus_matches_verl_on_random_tensors(gamma):
     g = torch.Generator().manual_seed(int(gamma * 1000))
     B, T = 12, 10
     lengths = torch.randint(1, T + 1, (B,), generator=g)
-    mask = torch.arange(T)[None] < lengths[:, None]
-    mask &= torch.rand(B, T, generator=g) > 0.2  # multi-turn holes
-    mask[:, 0] = True
+    mask = torch.arange(T)[None] < lengths[:, None]  # right padding, no holes
     rewards = torch.randn(B, T, generator=g, dtype=torch.float64) * mask
     got = reinforce_pp_advantages(rewards, mask, gamma)
     torch.testing.assert_close(got, verl_reinforce_pp(rewards, mask, gamma), atol=1e-6, rtol=0)
+
+
+def test_reinforce_plus_plus_lets_earlier_turns_see_the_outcome():
+    """A multi-turn episode's tool output is masked inside the response. veRL's loop
+    restarts the sum there, so the first turn's return is 0 whatever the outcome; here the
+    sum passes over it: a won episode's first turn gets a higher advantage than a lost one's."""
+    from learner.advantages import reinforce_pp_advantages
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1]], dtype=torch.bool)
+    rewards = torch.zeros(2, 6)
+    rewards[0, 5] = 1.0  # won; the second episode scored 0
+    ours = reinforce_pp_advantages(rewards, mask, 1.0)
+    assert float(ours[0, 0]) > float(ours[1, 0])
+    verl = verl_reinforce_pp(rewards, mask, 1.0)
+    torch.testing.assert_close(verl[0, :2], verl[1, :2])  # veRL's: blind to the outcome
 
 
 def test_reinforce_plus_plus_baseline_matches_verl_through_the_learners_path():

@@ -59,9 +59,10 @@ def test_the_metrics_doc_check_reads_families_and_continuations(tmp_path):
             "buffer/drops/overflow": 1.0,
             "val/arithmetic/score": 0.5,
             "made/up_metric": 1.0,
+            "health/w_mean/deeper": 1.0,  # a placeholder is one name part
         }
     ]
-    assert undocumented_metrics(records) == ["made/up_metric"]
+    assert undocumented_metrics(records) == ["health/w_mean/deeper", "made/up_metric"]
 
 
 def test_a_new_run_keeps_the_earlier_runs_wandb_id_beside_its_records(tmp_path):

@@ -30,7 +30,9 @@ class LoadRecorder:
         self.loaded: list[Path] = []
 
     def load(self, path: str | Path) -> dict:
+        """As a real load: the step is the checkpoint's (here, from its folder's name)."""
         self.loaded.append(Path(path))
+        self.step = int(Path(path).name.removeprefix("step_"))
         return {}
 
 
@@ -97,9 +99,13 @@ def test_a_rewind_moves_the_later_steps_out_of_autos_reach(tmp_path, caplog):
     _checkpoint(root, 20)
     (root / "step_25.tmp").mkdir()  # a save of the abandoned branch, cut short
     rewind = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={ten}"]
+    loop = _loop(run, *rewind)
     with caplog.at_level("INFO", logger="learner.loop"):
-        trainer, _ = _restore(run, *rewind)
-    assert trainer.loaded == [ten]
+        loop._restore()
+    trainer = loop.trainer
+    assert trainer.loaded == [ten]  # type: ignore[attr-defined]
+    # The new branch's metrics start a new record: the abandoned one logged steps 11-20.
+    assert loop.new_run
     abandoned = root / "abandoned_after_step_10"
     assert (abandoned / "step_20" / STATE_FILE).is_file() and (abandoned / "step_25.tmp").is_dir()
     assert (

@@ -484,3 +484,32 @@ def test_verl_global_micro_batches_are_divided_by_the_learner_ranks():
     assert cfg.critic.ppo_micro_batch_size_per_gpu == 1  # 3 // 4, at least one
     one = load_config(None, ["actor_rollout_ref.actor.ppo_micro_batch_size=8"])
     assert one.actor.ppo_micro_batch_size_per_gpu == 8
+
+
+def test_references_and_values_in_the_corners(tmp_path, monkeypatch):
+    """A run name of digits stays text (YAML 1.1 read 0615 as octal 397); a rank count
+    from the environment still divides the global micro-batch; a list referenced before its
+    own key resolves whole; oc.env defaults read as OmegaConf reads them."""
+    cfg = load_config(None, ["trainer.experiment_name=0615", "trainer.project_name=12:30"])
+    assert (cfg.trainer.experiment_name, cfg.trainer.project_name) == ("0615", "12:30")
+    monkeypatch.setenv("ASYNCRL_TEST_GPUS", "4")
+    cfg = load_config(
+        None,
+        [
+            "trainer.n_gpus_per_node=${oc.env:ASYNCRL_TEST_GPUS}",
+            "actor_rollout_ref.actor.ppo_micro_batch_size=32",
+        ],
+    )
+    assert (cfg.trainer.nproc, cfg.actor.ppo_micro_batch_size_per_gpu) == (4, 8)
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "data:\n  train_files: ${data.val_files}\n"
+        "  val_files: ['${trainer.project_name}/v.parquet']\n"
+    )
+    cfg = load_config(path)
+    assert cfg.data.train_files == cfg.data.val_files == ["asyncrl/v.parquet"]
+    unset = "ASYNCRL_TEST_UNSET_VAR"
+    cfg = load_config(None, [f"trainer.experiment_name=${{oc.env:{unset},'abc'}}"])
+    assert cfg.trainer.experiment_name == "abc"
+    cfg = load_config(None, [f"trainer.resume_from_path=${{oc.env:{unset},null}}"])
+    assert cfg.trainer.resume_from_path is None

@@ -18,6 +18,7 @@ fails validation and the second names a folder ``${trainer.project_name}``. Here
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from typing import Any
@@ -52,16 +53,21 @@ def _resolve(raw: dict[str, Any], defaults: dict[str, Any], key: str, text: str,
         raise InterpolationError(f"{key}: {text!r} refers to itself (a cycle of ${{...}})")
     whole = _REF.fullmatch(text.strip())
     if whole:
-        value = _value(raw, defaults, key, whole.group(1))
+        value = copy.deepcopy(_value(raw, defaults, key, whole.group(1)))  # no shared lists
         if isinstance(value, str) and "${" in value:
             return _resolve(raw, defaults, key, value, depth + 1)
+        if isinstance(value, list):  # a list not resolved yet (its key comes later)
+            return [
+                _resolve(raw, defaults, key, v, depth + 1) if isinstance(v, str) else v
+                for v in value
+            ]
         return value
 
     def one(m: re.Match[str]) -> str:
         value = _value(raw, defaults, key, m.group(1))
         if isinstance(value, str) and "${" in value:
             value = _resolve(raw, defaults, key, value, depth + 1)
-        return "null" if value is None else str(value)
+        return "None" if value is None else str(value)  # as OmegaConf formats it
 
     out = _REF.sub(one, text)
     if "${" in out:
@@ -74,24 +80,25 @@ def _value(raw: dict[str, Any], defaults: dict[str, Any], key: str, ref: str) ->
     resolver, colon, args = ref.partition(":")
     if not colon:
         return _lookup(raw, defaults, key, ref)
-    name, _, default = (part.strip() for part in args.partition(","))
+    name, comma, default = (part.strip() for part in args.partition(","))
+    fallback = yaml.safe_load(default.strip("\"'")) if default else None  # as OmegaConf
     if resolver.strip() == "oc.select":
         try:
             return _lookup(raw, defaults, key, name)
         except InterpolationError:
-            return yaml.safe_load(default.strip("\"'")) if default else None
+            return fallback
     if resolver.strip() != "oc.env":
         raise InterpolationError(
             f"{key}: the ${{{ref}}} resolver {resolver.strip()!r} is not supported; write "
             "the value out (oc.env and oc.select are read)"
         )
     found = os.environ.get(name)
-    if found is None and not default:
+    if found is None and not comma:
         raise InterpolationError(
             f"{key}: ${{{ref}}} reads environment variable {name}, which is not set; set it "
             "or give a default (${oc.env:NAME,default})"
         )
-    return found if found is not None else default
+    return found if found is not None else fallback
 
 
 def _lookup(raw: dict[str, Any], defaults: dict[str, Any], key: str, ref: str) -> Any:

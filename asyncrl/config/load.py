@@ -39,12 +39,27 @@ class _OverrideLoader(yaml.SafeLoader):
     (``experiment_name=2025-01-20`` is text)."""
 
 
+_HYDRA_ONLY = (":bool", ":timestamp", ":int", ":float")  # YAML 1.1's readings these replace
 _OverrideLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if not tag.endswith((":bool", ":timestamp"))]
+    first: [(tag, rx) for tag, rx in resolvers if not tag.endswith(_HYDRA_ONLY)]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 _OverrideLoader.add_implicit_resolver(
     "tag:yaml.org,2002:bool", re.compile(r"^(?:true|false)$", re.IGNORECASE), list("tTfF")
+)
+# Decimal numbers only: YAML 1.1 also reads 0615 (octal), 0x1f and 12:30 (base 60) as
+# numbers, which would rename trainer.experiment_name=0615 to 397 without a word.
+_OverrideLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"), list("-+0123456789")
+)
+_OverrideLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"^(?:[-+]?(?:[0-9][0-9_]*)?\.[0-9]+(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?[0-9][0-9_]*\.(?:[eE][-+]?[0-9]+)?"
+        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
+    ),
+    list("-+0123456789."),
 )
 
 

@@ -122,6 +122,8 @@ def apply_verl_keys(
 
 def _int(raw: dict[str, Any], dotted: str) -> int:
     found, value = lookup(raw, dotted)
+    if found and isinstance(value, str) and value.isdigit():  # from ${oc.env:...}
+        value = int(value)
     return value if found and isinstance(value, int) and value > 0 else 1
 
 
