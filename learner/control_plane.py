@@ -158,7 +158,7 @@ class RankZero:
                     self.train_batch_size,
                 )
                 return None
-            self._serve_catchups()
+            self.pushes.serve_catchups()
             self._poll_validation(step)
             if (failure := self.coordinator.failure) is not None:
                 raise RuntimeError(
@@ -238,12 +238,6 @@ class RankZero:
         """Push ``tensors`` as the next version (:meth:`WeightPushes.push`)."""
         return self.pushes.push(tensors, target, probe)
 
-    def _wait_push(self) -> None:
-        self.pushes.wait()
-
-    def _serve_catchups(self) -> None:
-        self.pushes.serve_catchups()
-
     def version(self, current: int) -> int:
         """The coordinator's version: the last push (announced: it may still be in
         flight), or higher when a server registered with a higher one (its catch-up
@@ -251,7 +245,7 @@ class RankZero:
         return max(self.coordinator.version, self.pushes.pushing_version)
 
     def checkpoint_extra(self, step: int) -> dict[str, Any]:
-        self._wait_push()  # the coordinator's state with the pushed version current
+        self.pushes.wait()  # the coordinator's state with the pushed version current
         # A validation round due at this step starts before the state is taken: a resume
         # from this checkpoint then deals it, rather than never validating this step and
         # starting a later round under this one's ids (after_step will not start it twice).
@@ -282,7 +276,7 @@ class RankZero:
             self.logger.log(step, done)
 
     def after_step(self, step: int, metrics: dict[str, float], version: int) -> None:
-        self._serve_catchups()
+        self.pushes.serve_catchups()
         self.coordinator.on_step(step)
         self._poll_validation(step)
         metrics["actor/policy_version"] = version
@@ -307,7 +301,7 @@ class RankZero:
         end the run for everyone. Waits for the push in flight, then for the round up to
         ``launch.start_timeout_s``."""
         try:
-            self._wait_push()
+            self.pushes.wait()
         except RuntimeError as e:  # the run ends all the same: tell everyone
             log.error("%s", e)
         if validate and self.validating:

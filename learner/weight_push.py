@@ -83,7 +83,7 @@ class WeightPushes:
         start = time.monotonic()
         try:
             result = self.pusher.complete(rnd, tensors, on_sent=sent.set)
-        except BaseException as e:  # handed to the loop's thread by _wait_push
+        except BaseException as e:  # handed to the loop's thread by wait()
             self._push_error = e
             return
         finally:

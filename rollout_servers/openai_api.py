@@ -346,7 +346,9 @@ class OpenAIEndpoint:
             version=self.engine.version,
         )
         piece = draft.episode.pieces[-1]
-        budget = max_tokens_of(body, self.max_response_len - len(piece.token_ids))
+        budget = max_tokens_of(
+            body, self.max_response_len - len(piece.token_ids), self.max_response_len
+        )
         sample, raw, n = await self._sample(session, draft, budget, stops)
         draft.episode.messages.append({"role": "assistant", "content": raw})  # as written
         text = before_stop(raw, stops) if n else raw
@@ -368,7 +370,7 @@ class OpenAIEndpoint:
         only once the engine answered, as a chat turn)."""
         stops = stop_strings(body)
         draft = raw_draft(session, prompt_ids, self.max_prompt_len, self.engine.version)
-        budget = max_tokens_of(body, self.max_response_len)
+        budget = max_tokens_of(body, self.max_response_len, self.max_response_len)
         sample, raw, n = await self._sample(session, draft, budget, stops)
         draft.episode.messages.append({"role": "completion", "content": raw})
         ids = self._commit(session, draft, sample)

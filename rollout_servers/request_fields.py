@@ -11,7 +11,7 @@ import json
 import math
 from typing import Any
 
-from rollout_servers.sessions import RequestError
+from rollout_servers.sessions import RequestError, context_exceeded
 
 
 def asked_tokens(body: dict[str, Any]) -> int | None:
@@ -23,16 +23,16 @@ def asked_tokens(body: dict[str, Any]) -> int | None:
     return asked
 
 
-def max_tokens_of(body: dict[str, Any], budget: int) -> int:
+def max_tokens_of(body: dict[str, Any], budget: int, limit: int) -> int:
     """Tokens this turn may sample: the request's ``max_completion_tokens`` or
-    ``max_tokens``, within what is left of ``data.max_response_length``."""
+    ``max_tokens``, within what is left (``budget``) of ``data.max_response_length``
+    (``limit``, named when nothing is left)."""
     asked = asked_tokens(body)
     if budget < 1:
-        raise RequestError(
-            400,
-            "This model's maximum context length is reached. However, the session has used "
-            "its data.max_response_length tokens: end the episode with POST /rl/reward",
-            api_code="context_length_exceeded",  # clients end the episode, not retry
+        raise context_exceeded(
+            limit,
+            "the session has used its data.max_response_length tokens: end the "
+            "episode with POST /rl/reward",
         )
     return min(asked or budget, budget)
 

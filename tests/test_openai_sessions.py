@@ -86,13 +86,15 @@ def test_a_sampled_tool_call_is_shown_as_openai_tool_calls_and_read_back_inline(
 
 
 def test_token_budget_and_reward_are_checked():
-    assert max_tokens_of({}, 50) == 50
-    assert max_tokens_of({"max_tokens": 10}, 50) == 10
-    assert max_tokens_of({"max_completion_tokens": 99}, 50) == 50
-    with pytest.raises(RequestError, match="POST /rl/reward"):
-        max_tokens_of({}, 0)
+    assert max_tokens_of({}, 50, 512) == 50
+    assert max_tokens_of({"max_tokens": 10}, 50, 512) == 10
+    assert max_tokens_of({"max_completion_tokens": 99}, 50, 512) == 50
+    with pytest.raises(RequestError, match="POST /rl/reward") as spent:
+        max_tokens_of({}, 0, 512)
+    assert spent.value.body()["error"]["code"] == "context_length_exceeded"
+    assert str(spent.value).startswith("This model's maximum context length is 512 tokens")
     with pytest.raises(RequestError, match="positive integer"):
-        max_tokens_of({"max_tokens": -1}, 50)
+        max_tokens_of({"max_tokens": -1}, 50, 512)
     assert reward_of({"reward": 1}) == 1.0
     for bad in ({"reward": float("nan")}, {"reward": True}, {"reward": "1"}, {}, []):
         with pytest.raises(RequestError, match="finite number"):

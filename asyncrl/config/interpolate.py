@@ -38,7 +38,7 @@ class InterpolationError(ValueError):
 def resolve_references(raw: dict[str, Any], defaults: dict[str, Any]) -> None:
     """Replace every ``${...}`` in ``raw``'s string values, in place. ``defaults``: the
     config's defaults (our spelling), read for a key ``raw`` leaves out."""
-    for node, name, path in list(_leaves(raw, ())):
+    for node, name, path in list(leaves(raw)):
         key, value = ".".join(path), node[name]
         if isinstance(value, str) and "${" in value:
             node[name] = _resolve(raw, defaults, key, value, 0)
@@ -119,10 +119,10 @@ def _lookup(raw: dict[str, Any], defaults: dict[str, Any], key: str, ref: str) -
     )
 
 
-def _leaves(node: dict[str, Any], path: tuple[str, ...]):
-    """``(group, name, path)`` of every value that is not a group."""
+def leaves(node: dict[str, Any], path: tuple[str, ...] = ()):
+    """``(group, name, path)`` of every value of ``node`` that is not a group."""
     for k, v in node.items():
         if isinstance(v, dict):
-            yield from _leaves(v, (*path, str(k)))
+            yield from leaves(v, (*path, str(k)))
         else:
             yield node, k, (*path, str(k))

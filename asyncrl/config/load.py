@@ -9,6 +9,7 @@ misspelt key, the nearest valid one.
 from __future__ import annotations
 
 import difflib
+import functools
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
-from asyncrl.config.interpolate import InterpolationError, resolve_references
+from asyncrl.config.interpolate import InterpolationError, leaves, resolve_references
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import apply_verl_keys, default_gaps, pop_dotted, speaks_verl
@@ -147,8 +148,10 @@ def _warn_default_gaps(raw: dict[str, Any]) -> None:
         )
 
 
+@functools.cache
 def _defaults() -> dict[str, Any]:
-    """Every key at its default (what a ``${...}`` to a key left out reads)."""
+    """Every key at its default (what a ``${...}`` to a key left out reads); built once,
+    and only read (a resolved reference is copied)."""
     return Config().model_dump(mode="json")
 
 
@@ -271,19 +274,13 @@ def _explain(err: ErrorDetails) -> str:
         given = err.get("input")
         under = ""
         if isinstance(given, dict):  # a whole unknown group: say which keys were under it
-            under = f" (given: {', '.join(key + '.' + k for k in _leaf_keys(given)[:4])})"
+            names = [".".join((key, *path)) for _, _, path in leaves(given)][:4]
+            under = f" (given: {', '.join(names)})"
         fix = hint or f"valid keys in {group}: {', '.join(valid)}"
         return f"unknown key {key}; {fix}{under}"
     got = err.get("input")
     shown = repr(got) if not isinstance(got, dict) else "a mapping"
     return f"{key}: {err['msg'].lower()} (got {shown})"
-
-
-def _leaf_keys(node: dict[str, Any]) -> list[str]:
-    out = []
-    for k, v in node.items():
-        out += [f"{k}.{leaf}" for leaf in _leaf_keys(v)] if isinstance(v, dict) and v else [str(k)]
-    return out
 
 
 def _valid_keys(loc: list[str]) -> list[str]:

@@ -8,6 +8,7 @@ veRL version's keys (:func:`leaves_of`, written to ``verl_ppo_trainer_keys.yaml`
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,10 @@ def _what(key: str, rule: VerlKey | None) -> str:
     return rule.reason.replace("|", "/")
 
 
+@functools.cache
 def verl_leaves(path: Path = KEYS_FILE) -> dict[str, Any]:
-    """The veRL keys and defaults of ``verl_ppo_trainer_keys.yaml``."""
+    """The veRL keys and defaults of ``verl_ppo_trainer_keys.yaml`` (read once; callers
+    only read it)."""
     return yaml.safe_load(path.read_text())
 
 

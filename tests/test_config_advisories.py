@@ -1,0 +1,67 @@
+"""Config advisories (``asyncrl/config/advisories.py``): settings that run but likely not
+as meant are named in one line each; a resolved config.yaml (every key set) stays quiet.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config, write_resolved
+from asyncrl.config.advisories import config_advisories
+
+GAE = ["algorithm.adv_estimator=gae"]
+
+
+def test_gspo_with_a_token_level_clip_range_is_warned_about():
+    """The demo config sets clip 0.2 / 0.28: switching GSPO on there keeps them (the config
+    says so), and the learner warns; with the range unset, GSPO's own is used."""
+    gspo = "actor.policy_loss.loss_mode=gspo"
+    lines = config_advisories(load_config("configs/cpu_demo.yaml", [gspo]))
+    assert len(lines) == 1 and "clip_ratio_low=0.2 / clip_ratio_high=0.28" in lines[0]
+    assert config_advisories(load_config(None, [gspo])) == []
+    assert config_advisories(load_config("configs/cpu_demo.yaml")) == []
+
+
+def test_a_short_last_mini_batch_and_unused_critic_keys_are_warned_about(tmp_path):
+    """veRL splits a batch its mini-batch size does not divide (a short last one), so the
+    config loads and says so; critic keys under GRPO train nothing and are named. A
+    resolved config.yaml (every key set, at its value) stays quiet."""
+    [line] = config_advisories(
+        load_config("configs/cpu_demo.yaml", ["actor.ppo_mini_batch_size=6"])
+    )
+    assert "each step's last mini-batch has 4 prompts" in line
+    critic = ["critic.optim.lr=3e-5", "critic.ppo_epochs=2"]
+    [line] = config_advisories(load_config("configs/cpu_demo.yaml", critic))
+    assert "critic.optim, critic.ppo_epochs set" in line and "adv_estimator=gae" in line
+    cfg = load_config("configs/cpu_demo.yaml", [*GAE, *critic])
+    assert config_advisories(cfg) == []
+    assert config_advisories(load_config(str(write_resolved(cfg, tmp_path)))) == []
+
+
+def test_cuda_roles_without_launch_gpus_are_told_they_share_gpu_0():
+    """veRL places roles on GPUs itself; here a launch without launch.gpus starts every
+    server on GPU 0 beside the learner: said once, with the mapping to write."""
+    cfg = load_config(None, ["trainer.device=cuda", "trainer.nproc=2", "rollout.num_servers=2"])
+    [line] = config_advisories(cfg)
+    assert "launch.gpus={learner: [0, 1], rollout: [[2], [3]]}" in line
+    assert config_advisories(load_config("configs/qwen2.5-0.5b_countdown.yaml")) == []
+    with pytest.raises(ConfigError, match=r"veRL's trainer.n_gpus_per_node sets it"):
+        load_config(
+            None,
+            ["trainer.device=cuda", "trainer.n_gpus_per_node=2", "launch.gpus={learner: [0]}"],
+        )
+
+
+def test_a_micro_batch_size_that_dynamic_batching_ignores_is_warned_about(tmp_path):
+    """veRL sizes micro-batches by sequences unless use_dynamic_bsz is set; here dynamic
+    batching is the default, so a veRL config's micro-batch size alone would do nothing."""
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"
+    [line] = config_advisories(load_config("configs/cpu_demo.yaml", [micro]))
+    assert "ppo_micro_batch_size_per_gpu=4 is unused" in line
+    assert "actor.use_dynamic_bsz=false" in line
+    for chosen in ("false", "true"):  # either way the user chose
+        bsz = f"actor_rollout_ref.actor.use_dynamic_bsz={chosen}"
+        assert config_advisories(load_config("configs/cpu_demo.yaml", [micro, bsz])) == []
+    # a role reading the launcher's resolved config.yaml (every key set) stays quiet
+    cfg = load_config("configs/cpu_demo.yaml", [micro, f"trainer.default_local_dir={tmp_path}"])
+    assert config_advisories(load_config(str(write_resolved(cfg)))) == []
