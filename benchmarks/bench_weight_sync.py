@@ -20,7 +20,6 @@ un-pipelined broadcast, so a pipelined sync of several buckets can beat it (rati
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import statistics
 import sys
 import time
@@ -110,11 +109,10 @@ def _timed(pg, conns, command, send) -> float:
 
 def _start(receivers: int) -> tuple[Any, list[Any], list[Any]]:
     """Spawn the receivers and form the group with them: (group, pipes, processes)."""
+    from asyncrl.net.ports import free_ports
     from asyncrl.sync.weights import form_group, open_store
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports("127.0.0.1", 1)[0]  # a free port for the sync store
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=TIMEOUT_S)
     ctx = mp.get_context("spawn")
     conns, procs = [], []

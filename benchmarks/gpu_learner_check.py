@@ -32,7 +32,6 @@ import argparse
 import json
 import math
 import multiprocessing as mp
-import socket
 import sys
 import time
 import traceback
@@ -381,6 +380,7 @@ def _push(tensors: dict[str, Any], model: Path, receiver_device: str, backend: s
     """Rank 0's side of one push, as WeightPusher runs it, to a receiver process."""
     import torch
 
+    from asyncrl.net.ports import free_ports
     from asyncrl.sync.sender import pack_device
     from asyncrl.sync.weights import (
         form_group,
@@ -391,9 +391,7 @@ def _push(tensors: dict[str, Any], model: Path, receiver_device: str, backend: s
         store_prefix,
     )
 
-    with socket.socket() as s:  # a free port for the sync store
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports("127.0.0.1", 1)[0]  # a free port for the sync store
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=120)
     plan = plan_buckets(specs_of(tensors), 1 << 20)  # 1 MiB buckets: several of them
     result = out / "receiver.pt"

@@ -173,11 +173,11 @@ def _train(cfg: Config, steps: int, response_len: float) -> dict:
 async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
     """Seconds per weight push of the model into ``receivers`` idle engines at once, as the
     run's servers receive it (the first push, which also forms the group, is not counted)."""
-    import socket
     import threading
 
     from transformers import AutoModelForCausalLM
 
+    from asyncrl.net.ports import free_ports
     from asyncrl.sync.weights import (
         form_group,
         open_store,
@@ -191,9 +191,7 @@ async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype="float32")
     tensors = {n: p.detach() for n, p in model.named_parameters()}
     plan = plan_buckets(specs_of(tensors), int(cfg.sync.bucket_mb * (1 << 20)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports("127.0.0.1", 1)[0]  # a free port for the sync store
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=60)
     world = receivers + 1
     group: list = []

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -15,19 +14,17 @@ from typing import Any, TypeVar
 
 import pytest
 
+from asyncrl.net import ports as net_ports
+
 T = TypeVar("T")
 
 ENDPOINTS = ("tasks", "trajectories", "batches", "control", "sync_store")
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """``n`` different ports free right now on ``host`` (another process may take one before
-    we bind it). Held open together while chosen, so no two are the same."""
-    with contextlib.ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
+    """``n`` different ports free right now on ``host``, from outside the kernel's ephemeral
+    range, so that no outgoing connection is given one before a role binds it."""
+    return net_ports.free_ports(host, n)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

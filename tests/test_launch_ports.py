@@ -14,6 +14,7 @@ import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.launch import ports
+from asyncrl.net import ports as net_ports
 from tests.helpers import free_ports
 
 HOST = ["endpoints.host=127.0.0.1"]
@@ -89,3 +90,27 @@ def test_a_run_directory_is_held_by_one_launch(tmp_path):
     finally:
         held.close()
     ports.hold_run_dir(tmp_path / "run").close()  # let go with its launcher
+
+
+def test_chosen_ports_are_outside_the_range_the_kernel_hands_out():
+    """A port from the ephemeral range may be given to any outgoing connection before its
+    role binds it (a CI run lost a learner so: "address already in use" on the sync store)."""
+    low, high = net_ports.ephemeral_range()
+    busy = net_ports.free_ports("127.0.0.1", 4)
+    chosen = net_ports.free_ports("127.0.0.1", 8, avoid=busy)
+    assert len(set(chosen)) == 8 and not set(chosen) & set(busy), chosen
+    assert all(not low <= p <= high and p >= net_ports.LOWEST for p in chosen), (low, high, chosen)
+    assert all(net_ports.bindable("127.0.0.1", p) for p in chosen)
+
+
+def test_a_port_bound_by_another_process_is_not_chosen(monkeypatch):
+    """With one candidate left and it bound elsewhere, the choice falls back to the ports the
+    kernel offers rather than returning the bound one."""
+    (port,) = net_ports.free_ports("127.0.0.1", 1)
+    monkeypatch.setattr(net_ports, "LOWEST", port)
+    monkeypatch.setattr(net_ports, "ephemeral_range", lambda: (port + 1, 65535))
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        (chosen,) = net_ports.free_ports("127.0.0.1", 1)
+    assert chosen != port

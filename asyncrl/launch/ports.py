@@ -26,7 +26,6 @@ import fcntl
 import json
 import logging
 import os
-import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from typing import IO
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.schema import EndpointsConfig
+from asyncrl.net.ports import bindable, free_ports
 
 log = logging.getLogger(__name__)
 
@@ -43,30 +43,6 @@ PORT_KEYS = ("tasks", "trajectories", "batches", "control", "sync_store")
 
 def claims_file() -> Path:
     return Path(tempfile.gettempdir()) / f"asyncrl-launch-ports-{os.getuid()}.json"
-
-
-def bindable(host: str, port: int) -> bool:
-    """Whether ``port`` can be bound on ``host`` now (as the roles' sockets bind it)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_ports(host: str, n: int, avoid: set[int]) -> list[int]:
-    """``n`` different ports the OS offers free on ``host``, none in ``avoid``."""
-    with contextlib.ExitStack() as stack:
-        ports: list[int] = []
-        while len(ports) < n:
-            s = stack.enter_context(socket.socket())
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-            if port not in avoid:
-                ports.append(port)
-        return ports
 
 
 @contextlib.contextmanager
@@ -122,7 +98,7 @@ def claim(cfg: Config) -> Config:
         if taken:
             movable = [k for k in PORT_KEYS if getattr(ep, k) == getattr(defaults, k)]
             keep = {getattr(ep, k) for k in PORT_KEYS if k not in movable}
-            ports = _free_ports(ep.host, len(movable), others | keep)
+            ports = free_ports(ep.host, len(movable), others | keep)
             moved = dict(zip(movable, ports, strict=True))
             log.warning(
                 "endpoints %s taken on %s (another run on this machine?): this run uses %s",
