@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 # Defined beside the launcher's check of trainer.resume_from_path (no torch there); the
 # loop and the tests read it from here.
+from asyncrl.config.inputs import ABANDONED_DIR
 from asyncrl.config.inputs import STATE_FILE as STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ def set_aside_later_checkpoints(run_dir: str | Path, step: int) -> Path | None:
     ]
     if not later:
         return None
-    name = f"abandoned_after_step_{step}"
+    name = ABANDONED_DIR.format(step=step)
     dest = _first_free(root / (f"{name}.{k}" if k > 1 else name) for k in count(1))
     dest.mkdir()
     for p in later:

@@ -122,6 +122,26 @@ def test_a_rewind_moves_the_later_steps_out_of_autos_reach(tmp_path, caplog):
     assert latest_checkpoint(run) == ten
 
 
+def test_a_checkpoint_of_an_abandoned_branch_is_refused_before_anything_moves(tmp_path):
+    """Resumed in place, step 20 of the branch a rewind to step 10 left behind would write
+    steps 21... beside the live branch's step 15, and a restart (auto) would resume step
+    15: refused in one line that says how to go on with that branch."""
+    run = tmp_path / "run"
+    root = run / "checkpoints"
+    ten = _checkpoint(root, 10)
+    _checkpoint(root, 20)
+    _restore(run, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={ten}")
+    fifteen = _checkpoint(root, 15)
+    old = root / "abandoned_after_step_10" / "step_20"
+    back = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={old}"]
+    with pytest.raises(ConfigError, match="a branch its run left behind") as e:
+        _restore(run, *back)
+    assert len(e.value.problems) == 1 and f"move its step_N folders back into {root}" in str(
+        e.value
+    )
+    assert (old / STATE_FILE).is_file() and latest_checkpoint(run) == fifteen
+
+
 @pytest.mark.parametrize("given", ["checkpoints", "checkpoints/step_20/model", "nowhere"])
 def test_a_resume_path_that_is_no_checkpoint_fails_before_anything_moves(tmp_path, given):
     run = tmp_path / "run"

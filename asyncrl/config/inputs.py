@@ -23,6 +23,9 @@ MODEL, DATA, REWARD, RESUME = "model", "data", "reward", "resume"
 #: ``learner.checkpoint``, so the launcher checks a resume path without importing torch.
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+#: Where a rewind to step ``k`` moves the run's later checkpoints (the branch left behind).
+ABANDONED_DIR = "abandoned_after_step_{step}"
+_ABANDONED = re.compile(r"^abandoned_after_step_(\d+)(?:\.\d+)?$")
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -55,7 +58,7 @@ def resume_problem(path: str) -> str | None:
     be one ``checkpoints/step_<n>`` directory, the one holding :data:`STATE_FILE`."""
     local = Path(path).expanduser()
     if (local / STATE_FILE).is_file():
-        return None
+        return _abandoned_problem(path, local)
     fix = f"point it at checkpoints/step_N, which holds {STATE_FILE}"
     if not local.exists():
         return f"trainer.resume_from_path={path} does not exist: {fix}"
@@ -70,6 +73,22 @@ def resume_problem(path: str) -> str | None:
     if steps:
         fix = f"point it at one of the checkpoints it holds, e.g. {steps[max(steps)]}"
     return f"trainer.resume_from_path={path} is not a checkpoint (no {STATE_FILE}): {fix}"
+
+
+def _abandoned_problem(path: str, local: Path) -> str | None:
+    """A checkpoint of a branch its run left behind at a rewind is refused: resumed in
+    place, the run would write the abandoned branch's steps among the live branch's
+    checkpoints and records, and a restart (``auto``) would resume the live branch."""
+    for folder in local.resolve().parents:
+        if (m := _ABANDONED.match(folder.name)) and folder.parent.name == "checkpoints":
+            return (
+                f"trainer.resume_from_path={path} is in {folder.name}, a branch its run left "
+                f"behind at a rewind to step {m.group(1)}: to go on with that branch, move its "
+                f"step_N folders back into {folder.parent} (moving the ones after step "
+                f"{m.group(1)} out) and resume from there, or copy the checkpoint out of the "
+                "run directory to start a new run from it"
+            )
+    return None
 
 
 def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
