@@ -384,3 +384,42 @@ def test_an_unexpected_error_in_the_buffer_poll_does_not_end_it(
     monkeypatch.setattr(control_loop, "_poll_once", flaky)
     test_groups_dropped_by_the_buffer_return_to_the_budget(tmp_path, start_standin, until)
     assert len(calls) > 1
+
+
+@pytest.mark.timeout(60)
+def test_a_drop_report_that_fails_does_not_take_the_others_with_it(
+    tmp_path, start_standin, until, monkeypatch
+):
+    """The buffer drains its drop reports as it answers: applied as one list, a defect on
+    one of them lost every refund of the drain. Here the first of four lag drops fails:
+    it is counted, and the other three return to the budget."""
+    from asyncrl.control.ledger import TaskLedger
+
+    real, failed = TaskLedger.dropped, []
+
+    def dropped(self, reports):
+        reports = list(reports)
+        if reports and not failed:
+            failed.append(reports[0].task_id)
+            raise KeyError("a defect applying one report")
+        return real(self, reports)
+
+    monkeypatch.setattr(TaskLedger, "dropped", dropped)
+    cfg, config = loopback_config(tmp_path, [*BASE, "staleness.max_policy_lag=0"])
+    with (
+        BufferService.from_config(cfg),
+        BufferClient(config_endpoint(cfg.endpoints, "batches")) as buf,
+    ):
+        learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+        coord = learner.coordinator
+        try:
+            _, journal = start_standin(config, "s0")
+            until(lambda: len(acked(journal)) == 4, "the first 4 tasks")
+            buf.hello()
+            assert buf.request_batch(policy_version=1, wait_s=0) is None  # 4 lag drops
+            until(lambda: _metric(coord, "coordinator/budget/refunded/lag") == 3, "3 refunds")
+            assert _metric(coord, "coordinator/buffer_reports_failed") == 1
+            assert len(failed) == 1
+            assert learner.shutdown(wait_s=5)
+        finally:
+            learner.close()

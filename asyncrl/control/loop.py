@@ -30,6 +30,7 @@ import zmq
 
 from asyncrl.control import messages as m
 from asyncrl.control.state import ControlState
+from asyncrl.control.task_states import Drops
 from asyncrl.net import authority
 from asyncrl.net.serving import Held, HeldRequests, RouterService
 from asyncrl.wire.base import WireError, single
@@ -279,8 +280,15 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
     """One drain of the buffer's reports, and its inventory when one is due."""
     reply = client.drain()
     with lock:
-        drops = state.ledger.dropped(reply.dropped)
-        state.trained(list(reply.validated))
+        drops = _apply_drops(state, reply.dropped)
+        try:
+            state.trained(list(reply.validated))
+        except Exception:  # the drops above stand; see _apply_drops
+            state.counts["buffer_reports_failed"] += len(reply.validated)
+            log.exception(
+                "the buffer's %d validation reports could not be applied; skipped",
+                len(reply.validated),
+            )
         due = state.recovery.buffer_contact(reply.session, time.monotonic())
     if reply.dropped:
         log.info(
@@ -309,3 +317,20 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
         answer = client.inventory(ids)
         with lock:
             state.audited(list(answer.unknown), answer.paused, before)
+
+
+def _apply_drops(state: ControlState, reports: list) -> Drops:
+    """The buffer's drop reports, each on its own: the buffer has drained them, so one
+    that cannot be applied (a malformed report, a defect) is logged, counted in
+    ``coordinator/buffer_reports_failed`` and skipped, and the others still refund their
+    budget (handled as one list, the whole drain was lost with it)."""
+    refunded = given_up = 0
+    for report in reports:
+        try:
+            d = state.ledger.dropped([report])
+        except Exception:
+            state.counts["buffer_reports_failed"] += 1
+            log.exception("the buffer's drop report %r could not be applied; skipped", report)
+            continue
+        refunded, given_up = refunded + d.refunded, given_up + d.given_up
+    return Drops(refunded, given_up)
