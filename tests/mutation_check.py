@@ -298,8 +298,8 @@ MUTATIONS = (
         "filtered groups leave the budget",
         "a filtered group stays charged (in the buffer, as if pushed)",
         "asyncrl/control/ledger.py",
-        '            self._set(tid, e, "dropped/filtered", "filtered")',
-        "            self._set(tid, e, BUF)",
+        '            self.move(tid, e, "dropped/filtered", "filtered")',
+        "            self.move(tid, e, BUF)",
         ("tests/test_filter_groups.py",),
     ),
     Mutation(

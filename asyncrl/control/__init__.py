@@ -12,7 +12,9 @@ Modules, from pure rules to I/O:
 - :mod:`~asyncrl.control.task_states`: the states a task id moves through (and external
   slots, the OpenAI endpoint's groups);
 - :mod:`~asyncrl.control.ledger`: deals, acknowledgements, re-deals, refunds (its
-  checkpoint format, functions over it, in :mod:`~asyncrl.control.ledger_checkpoint`);
+  checkpoint format, functions over it, in :mod:`~asyncrl.control.ledger_checkpoint`;
+  what it takes back after a restart, servers' tasks and the buffer's inventory, in
+  :mod:`~asyncrl.control.ledger_recovery`);
 - :mod:`~asyncrl.control.registry`: what is known of each registered server;
 - :mod:`~asyncrl.control.syncs`: sync rounds, group generations, catch-ups;
 - :mod:`~asyncrl.control.versions`: policy versions, who needs a catch-up, backoff

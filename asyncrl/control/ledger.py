@@ -20,7 +20,10 @@ answers; after that it is given up as a prompt (``coordinator/tasks/lag_given_up
 
 Deal order for a request: queued tasks first, then validation, then new training tasks.
 
-What a checkpoint holds, and how it loads: :mod:`asyncrl.control.ledger_checkpoint`.
+What a checkpoint holds, and how it loads: :mod:`asyncrl.control.ledger_checkpoint`. What
+the ledger takes back after a restart (the tasks servers still hold, the buffer's inventory
+and audits): :mod:`asyncrl.control.ledger_recovery`, over :meth:`TaskLedger.move` and
+:meth:`TaskLedger.requeue`, the two transitions.
 """
 
 from __future__ import annotations
@@ -110,7 +113,10 @@ class TaskLedger:
         self.refunded: Counter[str] = Counter()  # training deals uncharged, by cause
 
     # ------------------------------------------------------------------ state changes
-    def _set(self, tid: str, e: Entry, state: str, cause: str = "") -> None:
+    def move(self, tid: str, e: Entry, state: str, cause: str = "") -> None:
+        """Move ``tid`` (its entry ``e``) to ``state``; ``cause`` names a refund. Every state
+        change goes through here (or :meth:`requeue`), so that the tallies, the re-deal
+        queue, the buffered ids and the owners stay in step."""
         kind = kind_of(tid)
         if kind == "train" and e.state in CHARGED and state not in CHARGED:
             self.refunded[cause or state] += 1  # it leaves the admission budget
@@ -148,14 +154,14 @@ class TaskLedger:
             self.buffered.add(tid)
         return e
 
-    def _queue(self, tid: str, e: Entry, cause: str, front: bool) -> None:
+    def requeue(self, tid: str, e: Entry, cause: str, front: bool) -> None:
         """Back to the re-deal queue under the same id (``attempt + 1``); an external slot
         is given up instead (its agent talked to the server that lost it)."""
         if is_external(tid):
-            self._set(tid, e, GIVEN_UP, cause)
+            self.move(tid, e, GIVEN_UP, cause)
             self.counts[f"external_given_up/{cause}"] += 1
             return
-        self._set(tid, e, QUEUED, cause)
+        self.move(tid, e, QUEUED, cause)
         assert e.task is not None
         e.task = msgspec.structs.replace(e.task, attempt=e.task.attempt + 1)
         (self.redeal.appendleft if front else self.redeal.append)(tid)
@@ -206,7 +212,7 @@ class TaskLedger:
             self.external_serial += 1
             tid = external_id(self.session, self.external_serial)
         self.track(tid, QUEUED, external_task(tid, self.budget.version))
-        self.redeal.append(tid)  # _set moves it from the queue to OUT
+        self.redeal.append(tid)  # move() takes it from the queue to OUT
         self.counts["external_dealt"] += 1
         return self._hand(tid, server_id, now), ""
 
@@ -223,7 +229,7 @@ class TaskLedger:
     def _hand(self, tid: str, server_id: str, now: float) -> Task:
         """Mark queued ``tid`` outstanding at ``server_id``; its task as dealt now."""
         e = self.entries[tid]
-        self._set(tid, e, OUT)
+        self.move(tid, e, OUT)
         e.server, e.since = server_id, now
         self._serial += 1
         e.serial = self._serial
@@ -269,7 +275,7 @@ class TaskLedger:
             if task is None:
                 return None, "exhausted"
         self.track(task.task_id, QUEUED, task)
-        self.redeal.append(task.task_id)  # _set moves it from the queue to OUT
+        self.redeal.append(task.task_id)  # move() takes it from the queue to OUT
         return task.task_id, ""
 
     # ------------------------------------------------------------------ outcomes
@@ -286,7 +292,7 @@ class TaskLedger:
             if e is None or e.state not in (OUT, QUEUED):
                 unknown.append(tid)
                 continue
-            self._set(tid, e, BUF)
+            self.move(tid, e, BUF)
             e.since = now
             acked.append(tid)
             self.counts[f"{kind_of(tid)}_acked"] += 1
@@ -306,7 +312,7 @@ class TaskLedger:
             if e is None or not holder or kind_of(tid) != "train":
                 self.counts["filtered_unknown"] += 1
                 continue
-            self._set(tid, e, "dropped/filtered", "filtered")
+            self.move(tid, e, "dropped/filtered", "filtered")
             done.append(tid)
         return done
 
@@ -326,10 +332,10 @@ class TaskLedger:
         e.failures += 1
         self.counts[f"failures/{cause}"] += 1
         if e.failures > self.task_retries:
-            self._set(tid, e, GIVEN_UP, cause)
+            self.move(tid, e, GIVEN_UP, cause)
             self.counts["given_up"] += 1
             return 0
-        self._queue(tid, e, cause, front=False)
+        self.requeue(tid, e, cause, front=False)
         return 1
 
     def reclaim(self, now: float) -> list[str]:
@@ -352,7 +358,7 @@ class TaskLedger:
         if self.pacer is not None:
             self.pacer.forget(server_id)
         for tid in reversed(ids):  # each to the front: the oldest ends up first
-            self._queue(tid, self.entries[tid], cause, front=True)
+            self.requeue(tid, self.entries[tid], cause, front=True)
         self.owned.pop(server_id, None)
         return [self._queued_task(tid) for tid in ids if not is_external(tid)]
 
@@ -370,7 +376,7 @@ class TaskLedger:
             elif e.state != DONE:
                 if self.pacer is not None and e.server and kind_of(tid) == "train":
                     self.pacer.fresh(e.server)
-                self._set(tid, e, DONE)
+                self.move(tid, e, DONE)
 
     def already_trained(self, task_ids: Iterable[str]) -> set[str]:
         """Those of ``task_ids`` whose groups were trained on (since the checkpoint this
@@ -401,7 +407,7 @@ class TaskLedger:
                 self.track(d.task_id, f"dropped/{reason}", None)
             else:
                 refunded += e.state in CHARGED and kind_of(d.task_id) == "train"
-                self._set(d.task_id, e, f"dropped/{reason}", reason)
+                self.move(d.task_id, e, f"dropped/{reason}", reason)
             if reason == "lag" and kind_of(d.task_id) == "train":
                 given_up += self._retry(d.task_id)
                 if self.pacer is not None and e is not None and e.server:
@@ -423,99 +429,25 @@ class TaskLedger:
             self.counts["lag_retried"] += 1
         return False
 
-    # ------------------------------------------------------------------ reconciling
-    def adopt(self, server_id: str, task_ids: Iterable[str], now: float) -> int:
-        """A (re-)registering server still works on these tasks (dealt by an earlier
-        coordinator session, or queued since): they are outstanding at it again."""
-        n = 0
-        for tid in task_ids:
-            e = self.entries.get(tid)
-            if e is None:
-                e = self._rebuilt(tid, OUT)
-                if e is None:
-                    continue
-            elif e.state == QUEUED:
-                self._set(tid, e, OUT)
-            else:
-                continue
-            e.server, e.since = server_id, now
-            self.owned.setdefault(server_id, set()).add(tid)
-            n += 1
-        self.counts["adopted"] += n
-        return n
-
+    # ------------------------------------------------------------------ lineage
     def _ours(self, tid: str) -> bool:
         """Whether ``tid`` could have been dealt by this lineage (its source's id, or a
         well-formed external slot id of one of its sessions)."""
         if is_external(tid):
-            return well_formed_external(tid) and self._our_session(tid)
+            return well_formed_external(tid) and self.our_session(tid)
         try:
             self.source.task_for_id(tid)
         except KeyError:
             return False
         return True
 
-    def _rebuilt(self, tid: str, state: str) -> Entry | None:
-        """A task dealt by an earlier session, known here from its id (None: not ours)."""
-        if is_external(tid):
-            if not well_formed_external(tid):
-                self.counts["adopt_refused"] += 1
-                return None
-            if not self._our_session(tid):
-                self.counts["adopt_foreign"] += 1
-                return None
-            return self.track(tid, state, external_task(tid, self.budget.version))
-        try:
-            task = self.source.task_for_id(tid, self.budget.version)
-        except KeyError:
-            self.counts["adopt_foreign"] += 1
-            return None
-        return self.track(tid, state, task)
-
-    def _our_session(self, tid: str) -> bool:
+    def our_session(self, tid: str) -> bool:
         """Whether external slot ``tid`` was dealt by this line (this session or one it
         was restored from); a plain ``ext/<n>`` names no session and is taken as ours."""
         parts = tid.split("/")
         if len(parts) == 2 or self.earlier_sessions is None:
             return True
         return parts[1] == self.session or parts[1] in self.earlier_sessions
-
-    def reconcile(self, held: Iterable[str], reports: Iterable[Any], cutoff: float) -> int:
-        """Match the buffer's inventory: ``held`` ids are in the buffer; ``reports`` list
-        what it dropped. A task acknowledged before ``cutoff`` that the buffer has not got
-        was lost with a buffer that died: it is dealt again. Returns how many."""
-        held = set(held)
-        for tid in held:
-            e = self.entries.get(tid)
-            if e is None:
-                self._rebuilt(tid, BUF)
-            elif e.state in (OUT, QUEUED):
-                self._set(tid, e, BUF)
-        self.dropped(reports)
-        lost = [
-            tid
-            for tid, e in self.entries.items()
-            if e.state == BUF and tid not in held and e.since < cutoff
-        ]
-        for tid in reversed(lost):
-            self._queue(tid, self.entries[tid], "lost", front=True)
-        return len(lost)
-
-    def acked_before(self, before: float) -> list[str]:
-        """Ids acknowledged before ``before`` and not trained yet: what an audit of the
-        buffer asks about."""
-        return sorted(t for t in self.buffered if self.entries[t].since < before)
-
-    def lost(self, task_ids: Iterable[str], before: float) -> int:
-        """Acknowledged groups the buffer says it never received (they went to a buffer
-        that died, whatever the order the news came in): dealt again. Returns how many."""
-        n = 0
-        for tid in task_ids:
-            e = self.entries.get(tid)
-            if e is not None and e.state == BUF and e.since < before:
-                self._queue(tid, e, "lost", front=True)
-                n += 1
-        return n
 
     # ------------------------------------------------------------------ metrics
     def accounting(self) -> dict[str, float]:

@@ -6,9 +6,9 @@ the ledger itself knows nothing of checkpoints.
 The coordinator's state goes into the learner's checkpoints. A restored ledger queues the
 tasks that were outstanding (an external slot is given up): their servers belonged to the
 old session. A server that still holds one takes it back when it registers again
-(``TaskLedger.adopt``), and the buffer's inventory tells which acknowledged groups it still
-holds (``TaskLedger.reconcile``); :mod:`asyncrl.control.recovery` says when the coordinator
-deals again.
+(:func:`~asyncrl.control.ledger_recovery.adopt`), and the buffer's inventory tells which
+acknowledged groups it still holds (:func:`~asyncrl.control.ledger_recovery.reconcile`);
+:mod:`asyncrl.control.recovery` says when the coordinator deals again.
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 
+from asyncrl.control import ledger_recovery
 from asyncrl.control.group_filter import GroupFilter
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
@@ -146,7 +147,7 @@ class ControlState:
         self.servers[msg.server_id] = rec
         self.counts["registrations"] += 1
         if msg.task_ids:
-            n = self.ledger.adopt(msg.server_id, msg.task_ids, now)
+            n = ledger_recovery.adopt(self.ledger, msg.server_id, msg.task_ids, now)
             log.info("%s still holds %d of its tasks: they stay its own", msg.server_id, n)
         if not self.started:
             self.started = len(self.servers) >= self.min_servers_to_start
@@ -350,7 +351,7 @@ class ControlState:
 
     def reconcile_buffer(self, held: list[str], dropped: list[Any]) -> int:
         """The buffer's inventory came: adopt what it holds, deal again what it lost."""
-        lost = self.ledger.reconcile(held, dropped, self.recovery.cutoff)
+        lost = ledger_recovery.reconcile(self.ledger, held, dropped, self.recovery.cutoff)
         self.recovery.reconciled()
         if lost:
             log.warning("%d groups the buffer lost (it restarted) are dealt again", lost)
@@ -360,14 +361,14 @@ class ControlState:
         """Acknowledged groups to check against the buffer now, with their cutoff, or None
         when no audit is due (:meth:`Recovery.audit_due`)."""
         before = self.recovery.audit_due(now)
-        ids = self.ledger.acked_before(before) if before is not None else []
+        ids = ledger_recovery.acked_before(self.ledger, before) if before is not None else []
         return (ids, before) if ids and before is not None else None
 
     def audited(self, unknown: list[str], paused: bool, before: float) -> int:
         """The buffer never received ``unknown``: dealt again, unless it is not reading."""
         if paused:  # they may still wait in a socket queue
             return 0
-        lost = self.ledger.lost(unknown, before)
+        lost = ledger_recovery.lost(self.ledger, unknown, before)
         if lost:
             log.warning("%d acknowledged groups never reached the buffer: dealt again", lost)
         return lost
