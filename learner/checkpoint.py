@@ -42,6 +42,8 @@ from asyncrl.config.inputs import STATE_FILE as STATE_FILE
 log = logging.getLogger(__name__)
 
 # step_<n>, and what a save leaves beside it: .tmp (being written), .old (being replaced).
+#: The key of ``extra`` holding the KL-in-reward coefficient (:mod:`learner.reward_kl`).
+REWARD_KL_KEY = "reward_kl_coef"
 _STEP_ENTRY = re.compile(r"^step_(\d+)(\.tmp|\.old)?$")
 # Files of an HF model directory that are weights (replaced by the export), not metadata.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json")
@@ -292,7 +294,10 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) 
         critic.load_state_dict(meta["critic"])
     _forget(meta.get("never_stepped", []), optimizer, critic)
     log.info("checkpoint loaded: %s (step %d)", path, meta["step"])
-    return CheckpointMeta(meta["step"], meta["policy_version"], meta.get("extra", {}))
+    extra = meta.get("extra", {})
+    if "kl_coef" in meta.get("critic", {}):  # saved before the trainer held it
+        extra.setdefault(REWARD_KL_KEY, meta["critic"]["kl_coef"])
+    return CheckpointMeta(meta["step"], meta["policy_version"], extra)
 
 
 def export_hf(

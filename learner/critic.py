@@ -8,8 +8,8 @@ weights, whatever policy version sampled the tokens.
 
 One learner step, as :class:`learner.trainer.Trainer` drives it:
 
-- :meth:`Critic.targets` consumes the cleaned global batch (and, for
-  ``algorithm.use_kl_in_reward``, this rank's proximal and reference logprobs) and produces
+- :meth:`Critic.targets` consumes the cleaned global batch and its token rewards
+  (:mod:`learner.reward_kl`) and produces
   per-token advantages, returns and the values they came from for *every* sequence, the
   same on every rank (the values of each rank's share are gathered, so GAE's whitening is
   over the whole batch as in veRL). A collective.
@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from asyncrl.config import Config
 from learner import fsdp
-from learner.advantages import gae_advantages, outcome_token_rewards
+from learner.advantages import gae_advantages
 from learner.collate import MicroBatch, collate, pad_rows
 from learner.losses import valid_token_mask
 from learner.plan import plan_step
@@ -42,9 +42,7 @@ from learner.reductions import AggNorm
 from learner.rollouts import Rollout, response_mask
 from learner.values import (
     VALUE_STAT_SUMS,
-    KLController,
     explained_variance,
-    kl_in_reward,
     value_loss,
 )
 
@@ -100,8 +98,6 @@ class Critic:
         )
         self.optimizer = fsdp.build_optimizer(self.model, c.optim)
         self.scheduler = fsdp.build_scheduler(self.optimizer, c.optim, total_steps)
-        kl = cfg.algorithm.kl_ctrl
-        self.kl_ctrl = KLController(kl.kl_coef, kl.type, kl.target_kl, kl.horizon)
         self.packed = packed
         self.pad_id = self.model.config.pad_token_id or 0
 
@@ -154,45 +150,22 @@ class Critic:
             v = self._forward(mb)
             for b, sid in enumerate(mb.seq_ids):
                 local[sid] = v[b, : len(rollouts[sid].response_ids)].cpu()
-        return self._gather(local)
-
-    def _gather(self, local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        if self.world_size == 1:
-            return local
-        parts: list[dict[int, torch.Tensor]] = [{} for _ in range(self.world_size)]
-        dist.all_gather_object(parts, local)
-        return {k: v for part in parts for k, v in part.items()}
+        return fsdp.gather_sequences(local, self.world_size)
 
     def targets(
-        self,
-        rollouts: Sequence[Rollout],
-        proximal: dict[int, torch.Tensor] | None = None,
-        ref: dict[int, torch.Tensor] | None = None,
+        self, rollouts: Sequence[Rollout], token_rewards: torch.Tensor
     ) -> tuple[Targets, dict[str, float]]:
-        """GAE advantages and returns of the cleaned batch (see the module docstring).
-        ``proximal``/``ref``: this rank's logprobs ``[T_i]``, needed for the KL in the
-        reward. Returns the targets and veRL's ``critic/*`` batch metrics."""
+        """GAE advantages and returns of the cleaned batch (see the module docstring) from
+        its ``token_rewards`` ``[B, T]`` (:mod:`learner.reward_kl`: the outcome on the last
+        token, less the KL in the reward when it is on). Returns the targets and veRL's
+        ``critic/*`` batch metrics."""
         alg = self.cfg.algorithm
         values = self.values(rollouts)
         mask, lengths = response_mask(rollouts)
         width = mask.shape[1]
         v = pad_rows([values[i] for i in range(len(rollouts))], width)
-        scores = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
-        rewards = outcome_token_rewards(scores, mask)
-        metrics: dict[str, float] = {}
-        if alg.use_kl_in_reward:
-            if proximal is None or ref is None:
-                raise ValueError("use_kl_in_reward needs proximal and reference logprobs")
-            p, q = self._gather(proximal), self._gather(ref)
-            logp = pad_rows([p[i] for i in range(len(rollouts))], width)
-            ref_lp = pad_rows([q[i] for i in range(len(rollouts))], width)
-            beta = self.kl_ctrl.value
-            rewards, kl = kl_in_reward(rewards, logp, ref_lp, mask, coef=beta, kind=alg.kl_penalty)
-            self.kl_ctrl.update(kl, len(rollouts))
-            metrics["actor/reward_kl_penalty"] = kl
-            metrics["actor/reward_kl_penalty_coeff"] = beta
-        adv, ret = gae_advantages(rewards, v, mask, gamma=alg.gamma, lam=alg.lam)
-        metrics.update(_batch_metrics(adv, ret, v, mask))
+        adv, ret = gae_advantages(token_rewards, v, mask, gamma=alg.gamma, lam=alg.lam)
+        metrics = _batch_metrics(adv, ret, v, mask)
         rows = range(len(rollouts))
         out = Targets(
             advantages={i: adv[i, : lengths[i]] for i in rows},
@@ -271,11 +244,12 @@ class Critic:
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
         """What a checkpoint keeps besides the critic's tensors (JSON-serialisable)."""
-        return {"scheduler": self.scheduler.state_dict(), "kl_coef": self.kl_ctrl.value}
+        return {"scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the schedule. (Checkpoints before the KL in the reward moved to the
+        trainer also hold its ``kl_coef``, which the trainer reads.)"""
         self.scheduler.load_state_dict(state["scheduler"])
-        self.kl_ctrl.value = float(state["kl_coef"])
 
 
 def _rows(per_seq: dict[int, torch.Tensor], seq_ids: list[int], like: torch.Tensor):

@@ -1,5 +1,5 @@
 """FSDP2 plumbing: process group and mesh, model loading and sharding, optimizer and
-learning-rate schedule, gathering full weights.
+learning-rate schedule, gathering full weights and per-sequence results.
 
 On CPU: gloo and float32 everywhere. On GPU: NCCL (with gloo beside it for the CPU tensors
 the learner shares), float32 master weights with a bf16 mixed-precision policy (gradients
@@ -196,6 +196,18 @@ def reshard(model: nn.Module) -> None:
 
     if isinstance(model, FSDPModule):
         model.reshard()
+
+
+def gather_sequences(local: dict[int, torch.Tensor], world_size: int) -> dict[int, torch.Tensor]:
+    """Every rank's per-sequence tensors (CPU, ``[T_i]``, keyed by index into the global
+    batch) on every rank: a collective when ``world_size > 1``. Each rank computes the
+    sequences of its micro-batches; whole-batch quantities (GAE's whitening, the KL in the
+    reward) need them all."""
+    if world_size == 1:
+        return local
+    parts: list[dict[int, torch.Tensor]] = [{} for _ in range(world_size)]
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

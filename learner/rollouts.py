@@ -138,15 +138,23 @@ def response_mask(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, list[int]]
 
 
 def token_advantages(
-    rollouts: Sequence[Rollout], kept: Sequence[Rollout], estimator: str, gamma: float
+    rollouts: Sequence[Rollout],
+    kept: Sequence[Rollout],
+    estimator: str,
+    gamma: float,
+    token_rewards: torch.Tensor | None = None,
 ) -> dict[int, torch.Tensor]:
     """REINFORCE++'s token advantages of ``kept`` (see :mod:`learner.advantages`): ``[T_i]``
     per index into ``kept``, whitened over the kept tokens; the baseline variant's group
-    means are over every scored member, as :func:`baseline_advantages`'s are."""
+    means are over every scored member, as :func:`baseline_advantages`'s are.
+    ``token_rewards`` ``[B, T]``: ``reinforce_plus_plus``'s rewards when they are more than
+    the outcome on the last token (the KL in the reward, :mod:`learner.reward_kl`)."""
     mask, lengths = response_mask(kept)
     if estimator == "reinforce_plus_plus":
-        scores = torch.tensor([float(r.reward) for r in kept], dtype=torch.float32)
-        adv = reinforce_pp_advantages(outcome_token_rewards(scores, mask), mask, gamma)
+        if token_rewards is None:
+            scores = torch.tensor([float(r.reward) for r in kept], dtype=torch.float32)
+            token_rewards = outcome_token_rewards(scores, mask)
+        adv = reinforce_pp_advantages(token_rewards, mask, gamma)
     elif estimator == "reinforce_plus_plus_baseline":
         centered = baseline_advantages(rollouts, kept, "grpo", norm_by_std=False)
         adv = reinforce_pp_baseline_advantages(centered, mask)

@@ -45,6 +45,7 @@ from learner.layout import resolve_layout
 from learner.losses import LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
 from learner.plan import StepPlan, plan_passes
+from learner.reward_kl import RewardKL, token_rewards
 from learner.rollouts import (
     DROP_REASONS,
     Rollout,
@@ -125,6 +126,7 @@ class Trainer:
             if cfg.algorithm.adv_estimator == "gae"
             else None
         )
+        self.reward_kl = RewardKL(cfg, self.world_size) if cfg.algorithm.use_kl_in_reward else None
         self.step = 0
         self.policy_version = 0
         log.info(
@@ -207,8 +209,6 @@ class Trainer:
             else torch.zeros(len(kept))
         )
         plan = self._plan(kept, adv, temperature)
-        if alg.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, no critic
-            plan.token_advantages = token_advantages(rollouts, kept, alg.adv_estimator, alg.gamma)
         scored = [r for r in rollouts if math.isfinite(float(r.reward))]
         metrics["batch/zero_variance_groups"] = float(
             zero_variance_groups(
@@ -224,7 +224,12 @@ class Trainer:
         proximal = None if single else self._fixed_logprobs(self.model, plan, "proximal")
         ref = self._fixed_logprobs(self.ref_model, plan, "ref") if self.ref_model else None
         metrics["timing/proximal_s"] = time.monotonic() - t0
-        if self.critic is not None and self._critic_step(plan, proximal, ref, metrics):
+        rewards = token_rewards(alg.adv_estimator, kept, self.reward_kl, proximal, ref, metrics)
+        if alg.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, no critic
+            plan.token_advantages = token_advantages(
+                rollouts, kept, alg.adv_estimator, alg.gamma, rewards
+            )
+        if self.critic is not None and self._critic_step(plan, rewards, metrics):
             return self._finish_step(metrics, start, updates=0, skipped=0, actor_schedule=False)
 
         t0 = time.monotonic()
@@ -246,12 +251,12 @@ class Trainer:
             metrics, start, updates=len(norms), skipped=skipped, stats=stats, norms=norms
         )
 
-    def _critic_step(self, plan: StepPlan, proximal, ref, metrics: dict[str, float]) -> bool:
+    def _critic_step(self, plan: StepPlan, rewards, metrics: dict[str, float]) -> bool:
         """Values, GAE advantages (into ``plan``) and the critic's update; True while
         ``trainer.critic_warmup`` holds the actor back (veRL: the critic trains alone)."""
         assert self.critic is not None
         t0 = time.monotonic()
-        targets, batch_metrics = self.critic.targets(plan.rollouts, proximal, ref)
+        targets, batch_metrics = self.critic.targets(plan.rollouts, rewards)
         plan.token_advantages = targets.advantages
         metrics.update(batch_metrics)
         metrics.update(self.critic.update(plan.rollouts, targets))
@@ -401,7 +406,7 @@ class Trainer:
             self.scheduler,
             step=self.step,
             policy_version=self.policy_version,
-            extra=extra,
+            extra=self.reward_kl.saved(extra) if self.reward_kl else extra,
             critic=self.critic,
         )
 
@@ -412,6 +417,8 @@ class Trainer:
 
         meta = load_checkpoint(path, self.model, self.optimizer, self.scheduler, critic=self.critic)
         self.step, self.policy_version = meta.step, meta.policy_version
+        if self.reward_kl is not None:
+            self.reward_kl.restore(meta.extra)
         return meta.extra
 
 

@@ -3,6 +3,7 @@ critic exactly, only the actor is pushed, and critic warmup holds the actor back
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from asyncrl.config import Config, load_config
 from learner import fsdp
+from learner.checkpoint import REWARD_KL_KEY, STATE_FILE
 from learner.trainer import Trainer
 from tests.helpers import free_port, join_ranks, rank_env, start_ranks
 from tests.trainer_helpers import (
@@ -118,7 +120,8 @@ def test_resume_restores_the_critic_exactly(tiny_model, single_rank, tmp_path):
         first.train_step(b, TEMPERATURE)
     assert first.critic is not None
     saved_critic = fsdp.full_state(first.critic.model)
-    saved_kl = first.critic.kl_ctrl.value
+    assert first.reward_kl is not None
+    saved_kl = first.reward_kl.ctrl.value
     assert saved_kl != 0.05  # the adaptive coefficient moved
     path = first.save(tmp_path)
 
@@ -128,7 +131,15 @@ def test_resume_restores_the_critic_exactly(tiny_model, single_rank, tmp_path):
     assert critic is not None
     for k, v in fsdp.full_state(critic.model).items():
         assert torch.equal(v, saved_critic[k]), k
-    assert critic.kl_ctrl.value == saved_kl
+    assert resumed.reward_kl is not None and resumed.reward_kl.ctrl.value == saved_kl
+    # A checkpoint written before the trainer held the coefficient kept it with the critic.
+    state_file = path / STATE_FILE
+    meta = json.loads(state_file.read_text())
+    meta["critic"]["kl_coef"] = meta["extra"].pop(REWARD_KL_KEY)
+    state_file.write_text(json.dumps(meta))
+    older = Trainer(make_cfg(tiny_model))
+    older.load(path)
+    assert older.reward_kl is not None and older.reward_kl.ctrl.value == saved_kl
     assert critic.scheduler.state_dict() == first.critic.scheduler.state_dict()
     got = resumed.train_step(BATCHES[2], TEMPERATURE)
     for key in (*CRITIC_KEYS, "critic/grad_norm", "critic/lr"):

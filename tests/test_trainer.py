@@ -375,3 +375,51 @@ def test_reinforce_plus_plus_trains_per_token_without_a_critic(tiny_model, singl
     after = trainer.full_state_for_push()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert math.isfinite(metrics["loss/pg"]) and metrics["loss/pg"] != 0.0
+
+
+def test_reinforce_plus_plus_takes_the_kl_in_the_reward(tiny_model, single_rank, monkeypatch):
+    """With ``algorithm.use_kl_in_reward`` the token rewards REINFORCE++ reads carry the
+    penalty: on the second step (the policy has moved off the reference) they fall short
+    of the outcome rewards by ``beta`` times a KL whose mean is the step's
+    ``actor/reward_kl_penalty``, and the advantages are REINFORCE++'s of those rewards."""
+    from learner import trainer as trainer_module
+    from learner.advantages import reinforce_pp_advantages
+    from learner.reward_kl import outcome_rewards
+    from learner.rollouts import response_mask
+
+    seen: list[tuple[list, torch.Tensor]] = []
+    real = trainer_module.token_advantages
+
+    def recording(rollouts, kept, estimator, gamma, token_rewards=None):
+        seen.append((kept, token_rewards))
+        out = real(rollouts, kept, estimator, gamma, token_rewards)
+        mask, _ = response_mask(kept)
+        expected = reinforce_pp_advantages(token_rewards, mask, gamma)
+        for i, adv in out.items():
+            torch.testing.assert_close(adv, expected[i, : len(adv)])
+        return out
+
+    monkeypatch.setattr(trainer_module, "token_advantages", recording)
+    beta = 0.5
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model}",
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "algorithm.use_kl_in_reward=true",
+            f"algorithm.kl_ctrl.kl_coef={beta}",
+            "actor.optim.lr=1e-2",
+            "actor.ppo_mini_batch_size=4",
+        ],
+    )
+    trainer = Trainer(cfg)
+    trainer.train_step(BATCHES[0], 1.0)
+    metrics = trainer.train_step(BATCHES[1], 1.0)
+    assert metrics["actor/reward_kl_penalty_coeff"] == beta
+    kl = metrics["actor/reward_kl_penalty"]
+    assert kl != 0.0  # the policy moved off the reference in step 1
+    kept, rewards = seen[-1]
+    mask, _ = response_mask(kept)
+    penalty = (outcome_rewards(kept) - rewards) / beta
+    per_seq = (penalty * mask).sum(1) / mask.sum(1)
+    assert float(per_seq.mean()) == pytest.approx(kl, rel=1e-5)

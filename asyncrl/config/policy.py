@@ -88,6 +88,9 @@ class ActorConfig(Section):
 # --------------------------------------------------------------------------- algorithm
 #: Estimators whose baseline is the other samples of the prompt: they need groups (n >= 2).
 GROUP_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline")
+#: Estimators that read rewards per token, so that ``use_kl_in_reward``'s penalty counts (as
+#: veRL's ``apply_kl_penalty``); the others read one score per response.
+TOKEN_REWARD_ESTIMATORS = ("gae", "reinforce_plus_plus")
 
 
 class ImportanceConfig(Section):
@@ -112,7 +115,8 @@ class AlgorithmConfig(Section):
     gamma: float = Field(default=1.0, ge=0, le=1, description="Discount (GAE, REINFORCE++).")
     lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
     use_kl_in_reward: bool = Field(
-        default=False, description="Subtract a KL-to-reference penalty from token rewards (gae)."
+        default=False,
+        description="Subtract a KL-to-reference penalty from token rewards (gae, reinforce_plus_plus).",
     )
     kl_penalty: KlKind = Field(
         default="k1",

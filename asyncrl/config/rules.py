@@ -6,7 +6,7 @@ a config in one pass instead of one error per launch.
 
 from __future__ import annotations
 
-from asyncrl.config.policy import GROUP_ESTIMATORS
+from asyncrl.config.policy import GROUP_ESTIMATORS, TOKEN_REWARD_ESTIMATORS
 from asyncrl.config.schema import Config
 
 # The training temperatures vLLM samples at as asked (vllm.sampling_params: _MAX_TEMP is the
@@ -143,6 +143,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "give one (sequences per micro-batch, or tokens with use_dynamic_bsz=true)"
         )
     problems += _critic_problems(cfg)
+    problems += _reward_kl_problems(cfg)
     problems += _lora_problems(cfg)
     problems += _endpoint_problems(cfg)
     problems += _launch_problems(cfg)
@@ -210,11 +211,6 @@ def _critic_problems(cfg: Config) -> list[str]:
                 f"trainer.critic_warmup={warmup} needs a critic, which only "
                 "algorithm.adv_estimator=gae has; set trainer.critic_warmup=0"
             )
-        if alg.use_kl_in_reward:
-            out.append(
-                f"algorithm.use_kl_in_reward=true works with algorithm.adv_estimator=gae here "
-                f"(not {alg.adv_estimator}); for a KL penalty with it use actor.use_kl_loss=true"
-            )
         return out
     mini = cfg.critic.ppo_mini_batch_size
     if mini is not None and mini > cfg.data.train_batch_size:
@@ -234,7 +230,21 @@ def _critic_problems(cfg: Config) -> list[str]:
             f"trainer.critic_warmup={warmup} is not below trainer.total_training_steps={total}: "
             "the actor would never train; lower trainer.critic_warmup"
         )
-    if alg.use_kl_in_reward and alg.kl_ctrl.kl_coef == 0:
+    return out
+
+
+def _reward_kl_problems(cfg: Config) -> list[str]:
+    """``algorithm.use_kl_in_reward``: an estimator that reads token rewards, a coefficient."""
+    alg, out = cfg.algorithm, []
+    if not alg.use_kl_in_reward:
+        return out
+    if alg.adv_estimator not in TOKEN_REWARD_ESTIMATORS:
+        out.append(
+            f"algorithm.use_kl_in_reward=true works with algorithm.adv_estimator "
+            f"{' or '.join(TOKEN_REWARD_ESTIMATORS)} here (not {alg.adv_estimator}); for a KL "
+            "penalty with it use actor.use_kl_loss=true"
+        )
+    if alg.kl_ctrl.kl_coef == 0:
         out.append(
             "algorithm.use_kl_in_reward=true with algorithm.kl_ctrl.kl_coef=0 penalises "
             "nothing; set algorithm.kl_ctrl.kl_coef>0 or algorithm.use_kl_in_reward=false"

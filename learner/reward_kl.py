@@ -1,0 +1,101 @@
+"""The KL penalty in the reward (``algorithm.use_kl_in_reward``), as veRL's
+``apply_kl_penalty``: every response token's reward loses ``beta * KL_t`` between the
+proximal policy (the weights at the step's start) and the frozen reference, and the
+outcome score stays on the last token. The token rewards feed the estimators that read
+rewards per token: GAE (:mod:`learner.critic`) and REINFORCE++ (:mod:`learner.advantages`).
+
+``beta`` is ``algorithm.kl_ctrl.kl_coef``; with ``kl_ctrl.type: adaptive`` it moves after
+each batch towards ``kl_ctrl.target_kl`` (:class:`learner.values.KLController`), and is
+saved with the checkpoint (in its ``extra``, :meth:`RewardKL.saved`).
+
+One learner step: :meth:`RewardKL.token_rewards` consumes the cleaned batch and this
+rank's proximal and reference logprobs, gathers the other ranks' (a collective), and
+produces the batch's token rewards, the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from asyncrl.config import Config
+from asyncrl.config.policy import TOKEN_REWARD_ESTIMATORS
+from learner import fsdp
+from learner.advantages import outcome_token_rewards
+from learner.checkpoint import REWARD_KL_KEY
+from learner.collate import pad_rows
+from learner.rollouts import Rollout, response_mask
+from learner.values import KLController, kl_in_reward
+
+
+def outcome_rewards(rollouts: Sequence[Rollout]) -> torch.Tensor:
+    """Each rollout's score on its last response token, ``[B, T]`` float32 (no penalty)."""
+    mask, _ = response_mask(rollouts)
+    scores = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
+    return outcome_token_rewards(scores, mask)
+
+
+def token_rewards(
+    estimator: str,
+    rollouts: Sequence[Rollout],
+    reward_kl: RewardKL | None,
+    proximal: dict[int, torch.Tensor] | None,
+    ref: dict[int, torch.Tensor] | None,
+    metrics: dict[str, float],
+) -> torch.Tensor | None:
+    """The token rewards ``[B, T]`` of the cleaned batch for ``estimator``s that read them
+    (:data:`TOKEN_REWARD_ESTIMATORS`), with the penalty when ``reward_kl`` is on (its
+    metrics into ``metrics``); None for the others. ``proximal``/``ref`` as
+    :meth:`RewardKL.token_rewards` takes them."""
+    if estimator not in TOKEN_REWARD_ESTIMATORS:
+        return None
+    if reward_kl is None:
+        return outcome_rewards(rollouts)
+    if proximal is None or ref is None:
+        raise ValueError("the KL in the reward needs the proximal and reference logprobs")
+    rewards, kl_metrics = reward_kl.token_rewards(rollouts, proximal, ref)
+    metrics.update(kl_metrics)
+    return rewards
+
+
+class RewardKL:
+    """The penalty's coefficient and how it is applied (see the module docstring)."""
+
+    def __init__(self, cfg: Config, world_size: int) -> None:
+        kl = cfg.algorithm.kl_ctrl
+        self.ctrl = KLController(kl.kl_coef, kl.type, kl.target_kl, kl.horizon)
+        self.kind = cfg.algorithm.kl_penalty
+        self.world_size = world_size
+
+    def token_rewards(
+        self,
+        rollouts: Sequence[Rollout],
+        proximal: dict[int, torch.Tensor],
+        ref: dict[int, torch.Tensor],
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Token rewards ``[B, T]`` of the cleaned batch ``rollouts`` with the penalty, and
+        veRL's ``actor/reward_kl_penalty`` (the batch's KL) and ``..._coeff`` (the ``beta``
+        used). ``proximal``/``ref``: this rank's logprobs ``[T_i]`` by index into
+        ``rollouts``. Steps the adaptive controller. A collective when ranks > 1."""
+        mask, _ = response_mask(rollouts)
+        p = fsdp.gather_sequences(proximal, self.world_size)
+        q = fsdp.gather_sequences(ref, self.world_size)
+        rows = range(len(rollouts))
+        logp = pad_rows([p[i] for i in rows], mask.shape[1])
+        ref_lp = pad_rows([q[i] for i in rows], mask.shape[1])
+        beta = self.ctrl.value
+        rewards, kl = kl_in_reward(
+            outcome_rewards(rollouts), logp, ref_lp, mask, coef=beta, kind=self.kind
+        )
+        self.ctrl.update(kl, len(rollouts))
+        return rewards, {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": beta}
+
+    def saved(self, extra: dict | None) -> dict:
+        """A checkpoint's ``extra`` with the coefficient (adaptive: it moved in the run)."""
+        return {**(extra or {}), REWARD_KL_KEY: self.ctrl.value}
+
+    def restore(self, extra: dict) -> None:
+        """The coefficient from a checkpoint's ``extra``, when it holds one."""
+        if REWARD_KL_KEY in extra:
+            self.ctrl.value = float(extra[REWARD_KL_KEY])
