@@ -4,8 +4,9 @@ rank 0), inside the stand-in learner; the buffer service runs in a thread of it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -293,27 +294,34 @@ def test_sync_through_the_coordinator_and_a_late_joiner_catches_up(tmp_path, sta
             learner.close()
 
 
-@pytest.mark.timeout(60)
-def test_groups_dropped_by_the_buffer_return_to_the_budget(tmp_path, start_standin, until):
+@contextlib.contextmanager
+def _four_lag_drops(tmp_path, start_standin, until) -> Iterator[tuple[StandInLearner, Path]]:
+    """A run at lag 0 whose first 4 groups (version 0) reach the buffer and are dropped
+    for lag by a learner one version ahead; yields the learner and the server's journal,
+    and shuts the learner down after the body."""
     cfg, config = loopback_config(tmp_path, [*BASE, "staleness.max_policy_lag=0"])
     with (
         BufferService.from_config(cfg),
         BufferClient(config_endpoint(cfg.endpoints, "batches")) as buf,
     ):
         learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
-        coord = learner.coordinator
         try:
             _, journal = start_standin(config, "s0")
             until(lambda: len(acked(journal)) == 4, "the first 4 tasks")
             buf.hello()
-            # A learner one version ahead: the 4 groups (version 0) are beyond lag 0.
             assert buf.request_batch(policy_version=1, wait_s=0) is None
-            until(lambda: len(acked(journal)) == 8, "4 refunded tasks dealt")
-            assert _metric(coord, "coordinator/budget/refunded/lag") == 4
-            assert _metric(coord, "coordinator/budget/dealt") == 4
+            yield learner, journal
             assert learner.shutdown(wait_s=5)
         finally:
             learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_groups_dropped_by_the_buffer_return_to_the_budget(tmp_path, start_standin, until):
+    with _four_lag_drops(tmp_path, start_standin, until) as (learner, journal):
+        until(lambda: len(acked(journal)) == 8, "4 refunded tasks dealt")
+        assert _metric(learner.coordinator, "coordinator/budget/refunded/lag") == 4
+        assert _metric(learner.coordinator, "coordinator/budget/dealt") == 4
 
 
 @pytest.mark.timeout(60)
@@ -405,21 +413,8 @@ def test_a_drop_report_that_fails_does_not_take_the_others_with_it(
         return real(self, reports)
 
     monkeypatch.setattr(TaskLedger, "dropped", dropped)
-    cfg, config = loopback_config(tmp_path, [*BASE, "staleness.max_policy_lag=0"])
-    with (
-        BufferService.from_config(cfg),
-        BufferClient(config_endpoint(cfg.endpoints, "batches")) as buf,
-    ):
-        learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    with _four_lag_drops(tmp_path, start_standin, until) as (learner, _):
         coord = learner.coordinator
-        try:
-            _, journal = start_standin(config, "s0")
-            until(lambda: len(acked(journal)) == 4, "the first 4 tasks")
-            buf.hello()
-            assert buf.request_batch(policy_version=1, wait_s=0) is None  # 4 lag drops
-            until(lambda: _metric(coord, "coordinator/budget/refunded/lag") == 3, "3 refunds")
-            assert _metric(coord, "coordinator/buffer_reports_failed") == 1
-            assert len(failed) == 1
-            assert learner.shutdown(wait_s=5)
-        finally:
-            learner.close()
+        until(lambda: _metric(coord, "coordinator/budget/refunded/lag") == 3, "3 refunds")
+        assert _metric(coord, "coordinator/buffer_reports_failed") == 1
+        assert len(failed) == 1
