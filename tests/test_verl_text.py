@@ -1,6 +1,7 @@
 """How the text of a veRL command line or config file is read: Hydra's value grammar,
 OmegaConf references, ``~`` in paths, DAPO's newer spellings, the keys of unknown groups,
-the defaults a veRL script relies on, and veRL's older global micro-batch sizes.
+the defaults a veRL script relies on, veRL's older global micro-batch sizes, and its
+``default_local_dir``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import re
 import pytest
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.config.load import run_dir, write_resolved
 
 
 def test_override_values_read_as_hydra_reads_them():
@@ -166,3 +168,19 @@ def test_references_and_values_in_the_corners(tmp_path, monkeypatch):
     assert cfg.trainer.experiment_name == "abc"
     cfg = load_config(None, [f"trainer.resume_from_path=${{oc.env:{unset},null}}"])
     assert cfg.trainer.resume_from_path is None
+
+
+def test_verls_default_local_dir_is_the_run_directory_not_a_root(tmp_path):
+    """veRL's ``default_local_dir`` is ``checkpoints/${trainer.project_name}/
+    ${trainer.experiment_name}``, the run's own folder; appended to again it would nest the
+    run twice. A root (ours) still gets project/experiment under it."""
+    verl = [
+        "trainer.project_name=GRPO",
+        "trainer.experiment_name=qwen_gsm8k",
+        f"trainer.default_local_dir={tmp_path}/ckpt/${{trainer.project_name}}/${{trainer.experiment_name}}",
+    ]
+    cfg = load_config(None, verl)
+    assert run_dir(cfg) == tmp_path / "ckpt" / "GRPO" / "qwen_gsm8k"
+    assert load_config(write_resolved(cfg)) == cfg  # a restarted role finds the same folder
+    root = load_config(None, [*verl[:2], f"trainer.default_local_dir={tmp_path}/runs"])
+    assert run_dir(root) == tmp_path / "runs" / "GRPO" / "qwen_gsm8k"

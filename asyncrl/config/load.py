@@ -207,9 +207,17 @@ def validate(raw: dict[str, Any]) -> Config:
 
 
 def run_dir(cfg: Config) -> Path:
-    """``trainer.default_local_dir/project_name/experiment_name``: logs, checkpoints, plots."""
+    """``trainer.default_local_dir/project_name/experiment_name``: logs, checkpoints, plots.
+
+    A ``default_local_dir`` that already ends in ``project_name/experiment_name`` is the run
+    directory itself: veRL's default, ``checkpoints/${trainer.project_name}/
+    ${trainer.experiment_name}``, and the scripts written after it name the run's own folder
+    there, which must not be nested twice."""
     t = cfg.trainer
-    return Path(t.default_local_dir) / t.project_name / t.experiment_name
+    root = Path(t.default_local_dir)
+    if root.parts[-2:] == (t.project_name, t.experiment_name):
+        return root
+    return root / t.project_name / t.experiment_name
 
 
 def write_resolved(cfg: Config, directory: Path | None = None) -> Path:

@@ -267,7 +267,9 @@ class TrainerConfig(Section):
     project_name: str = Field(default="asyncrl", description="wandb project; run dir component.")
     experiment_name: str = Field(default="demo", description="wandb run name; run dir component.")
     default_local_dir: str = Field(
-        default="runs", description="Run directory root: <this>/<project_name>/<experiment_name>."
+        default="runs",
+        description="Run directory root: <this>/<project_name>/<experiment_name> (this "
+        "itself when it already ends so, as veRL's default does).",
     )
     resume_mode: Literal["auto", "disable", "resume_path"] = Field(
         default="auto", description="auto: continue from the latest checkpoint if any."
