@@ -101,6 +101,15 @@ class LearnerLoop:
             # push: one older than the checkpoint, or, after a restart without one, a
             # server that outlived the previous learner with weights nobody has any more.
             self.control.resume(self.trainer.full_state_for_push())
+            if self.trainer.step >= self.total:
+                log.warning(
+                    "this run is complete (it resumed at step %d of %d): nothing to train. "
+                    "To train again, give it a new trainer.experiment_name, or "
+                    "trainer.resume_mode=disable to start over here (its checkpoints are "
+                    "kept aside)",
+                    self.trainer.step,
+                    self.total,
+                )
             with startup.startup_heap_frozen():
                 while self.trainer.step < self.total and self._one_step():
                     pass
