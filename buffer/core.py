@@ -7,6 +7,7 @@ Life of a task id (DESIGN.md section 4):
    member after the group completed, is a duplicate: dropped and counted. Members of a group
    that expired are late: dropped and counted.
 2. An incomplete group older than ``group_timeout_s`` *expires* (:meth:`expire`).
+   Steps 1 and 2, trajectories into complete groups, are :mod:`buffer.assembly`'s.
 3. A complete **validation** group goes to per-data-source validation stats, never into a
    training batch. A complete **training** group joins the *pool*.
 4. :meth:`release` takes the learner's current version ``v`` (the highest any request
@@ -48,12 +49,11 @@ from collections.abc import Iterable
 from typing import Literal
 
 from asyncrl.wire import Batch, DroppedTask, Group, Packed, Trajectory
+from buffer.assembly import GroupAssembly, Outcome
 from buffer.deliveries import Deliveries, Received
 from buffer.release_order import oldest_first
 from buffer.reports import Reports
-from buffer.state import COUNTERS, Held, Partial, State
-
-Outcome = Literal["added", "completed", "duplicate", "late", "inconsistent", "overflow"]
+from buffer.state import COUNTERS, Held, State
 
 
 class ReplayBuffer:
@@ -89,108 +89,33 @@ class ReplayBuffer:
         self._lag_hist: Counter[int] = Counter()
         self._size_max = 0
         self.counts: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        # Trajectories into complete groups, over the same records, counters and reports.
+        self._assembly = GroupAssembly(
+            self._s,
+            self.counts,
+            self.reports,
+            capacity=capacity_groups,
+            group_timeout_s=group_timeout_s,
+            complete=self._complete,
+        )
 
     # ------------------------------------------------------------------ in
     def add(self, traj: Trajectory, now: float) -> Outcome:
-        """Take one trajectory that arrived at ``now``; say what became of it.
-
-        Trajectories come validated by :mod:`asyncrl.wire` (``group_index < group_size``).
-        A new group is refused (``overflow``, reported as a drop) while ``capacity_groups``
-        incomplete groups are open, even inside one message.
-        """
-        s, tid = self._s, traj.task_id
-        closed = s.closed.get(tid)
-        if closed is not None:
-            return self._closed(traj, closed)
-        part = s.partial.get(tid)
-        if part is None:
-            if len(s.partial) >= self.capacity:
-                self.counts["drops/overflow"] += 1
-                s.closed[tid] = "expired"  # its other members are late
-                self._drop(DroppedTask(tid, "overflow", traj.validation))
-                return "overflow"
-            part = s.partial[tid] = Partial(traj.group_size, now)
-        elif part.size != traj.group_size:
-            self.counts["drops/inconsistent"] += 1
-            return "inconsistent"
-        if traj.group_index in part.members:
-            self.counts["drops/duplicate"] += 1
-            return "duplicate"
-        part.members[traj.group_index] = traj
-        self.counts["trajectories_in"] += 1
-        if len(part.members) < part.size:
-            return "added"
-        del s.partial[tid]
-        s.closed[tid] = "complete"
-        self._complete(Group.from_trajectories(tid, part.ordered()))
-        return "completed"
-
-    def _closed(self, traj: Trajectory, closed: str) -> Outcome:
-        """A member of a group already complete (a duplicate) or expired (late).
-
-        A training group that comes again after the buffer used and forgot its first copy
-        is reported as dropped (``duplicate``), once: the coordinator may have charged it
-        to the budget (a task re-dealt by a coordinator that did not know the first copy),
-        and only a report returns it. While the first copy is held, its charge stands.
-        """
-        s, tid = self._s, traj.task_id
-        kind = "late" if closed == "expired" else "duplicate"
-        self.counts[f"drops/{kind}"] += 1
-        if closed == "complete" and tid not in s.held and not traj.validation:
-            s.closed[tid] = "duplicate"
-            self.counts["drops/duplicate_groups"] += 1
-            self._drop(DroppedTask(tid, "duplicate", False))
-        return kind  # type: ignore[return-value]
+        """Take one trajectory that arrived at ``now``; say what became of it
+        (:meth:`buffer.assembly.GroupAssembly.add`)."""
+        return self._assembly.add(traj, now)
 
     def add_packed(self, packed: Packed, now: float) -> list[Outcome]:
-        """Take the trajectories of one message; what became of each, in order.
-
-        A message that is exactly one new group, in ``group_index`` order (what rollout
-        servers send), becomes a group without being split: no copy, no per-trajectory work.
-        """
-        metas = packed.metas
-        tid, n = metas[0].task_id, metas[0].group_size
-        s = self._s
-        whole = (
-            len(metas) == n
-            and tid not in s.closed
-            and tid not in s.partial
-            and all(
-                m.task_id == tid and m.group_index == i and m.group_size == n
-                for i, m in enumerate(metas)
-            )
-        )
-        if not whole:
-            return [self.add(t, now) for t in packed.trajectories]
-        s.closed[tid] = "complete"
-        self.counts["trajectories_in"] += n
-        self._complete(
-            Group(
-                task_id=tid,
-                metas=metas,
-                prompt_ids=packed.prompt_ids,
-                response_ids=packed.response_ids,
-                logprobs=packed.logprobs,
-            )
-        )
-        return ["completed"] * n
+        """Take the trajectories of one message; what became of each, in order
+        (:meth:`buffer.assembly.GroupAssembly.add_packed`)."""
+        return self._assembly.add_packed(packed, now)
 
     def expire(self, now: float) -> list[str]:
         """Drop incomplete groups first seen more than ``group_timeout_s`` before ``now``."""
-        s, out = self._s, []
-        for tid, part in s.partial.items():
-            if now - part.first_seen <= self.group_timeout_s:
-                break  # arrival order: the rest are younger
-            out.append(tid)
-        for tid in out:
-            part = s.partial.pop(tid)
-            s.closed[tid] = "expired"
-            member = next(iter(part.members.values()))
-            self._drop(DroppedTask(tid, "expired", member.validation))
-        self.counts["drops/expired"] += len(out)
-        return out
+        return self._assembly.expire(now)
 
     def _complete(self, group: Group) -> None:
+        """A group the assembly completed: validation to its stats, training to the pool."""
         if group.validation:
             self.reports.scored(group)
             self.counts["val_groups_in"] += 1

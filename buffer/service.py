@@ -10,7 +10,8 @@
   ``hello`` starts a session, voids requests it left waiting, and queues the batches it
   had not acknowledged again. Other clients (the coordinator draining dropped tasks,
   observers) use the other requests; a ``hello`` of theirs leaves the learner's batches
-  alone.
+  alone. What each request is answered is :mod:`buffer.answers`'s; this module owns the
+  sockets, the loop and its thread.
 
 The buffer's contents live in memory: they survive a learner restart, not a buffer restart.
 
@@ -32,13 +33,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import msgspec
 import zmq
 
 from asyncrl import wire
 from asyncrl.net import authority, security
-from asyncrl.net.serving import Held, HeldRequests, RouterService
+from asyncrl.net.serving import RouterService
 from asyncrl.net.transport import bind, config_endpoint, make_socket, mebibytes
+from buffer.answers import Answers
 from buffer.core import ReplayBuffer
 from buffer.rollout_log import RolloutLog
 from buffer.service_stats import ServiceStats, summary
@@ -83,7 +84,7 @@ class BufferService:
         self._stop, self._ready = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._held: HeldRequests[wire.BatchRequest] = HeldRequests(_consumer)
+        self._answers = Answers(buffer, metrics=self.metrics, on_shutdown=self.request_stop)
 
     @classmethod
     def from_config(
@@ -231,11 +232,11 @@ class BufferService:
             events = dict(poller.poll(self._poll_ms()))
             if events.get(router.sock):
                 for envelope, msg in router.receive(READ_BURST):
-                    self._on_request(router, envelope, msg)
+                    self._answers.on_request(router, envelope, msg)
             if reading and events.get(pull):
                 self._read_trajectories(pull)
             now = time.monotonic()
-            self._held.serve(router, now, self._answer_held)
+            self._answers.serve(router, now)
             if now - last_tick >= EXPIRE_EVERY_S:
                 self.buffer.expire(now)
                 c = self.buffer.counts
@@ -252,7 +253,7 @@ class BufferService:
 
     def _poll_ms(self) -> int:
         timeout = POLL_S
-        deadline = self._held.next_deadline()
+        deadline = self._answers.held.next_deadline()
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         return int(timeout * 1000)
@@ -282,108 +283,12 @@ class BufferService:
         self.stats.io["messages_in"] += 1
 
     # ------------------------------------------------------------------ requests
+    # What each request is answered: buffer/answers.py. Here, what the socket refuses.
     def _decode(self, body: list[bytes]) -> wire.Request:
         return wire.decode_request(body, self.limits)
 
     def _reject(self, err: wire.WireError) -> None:
         self.stats.reject("requests", err)
-
-    def _on_request(
-        self, router: RouterService[wire.Request], envelope: list[bytes], msg: wire.Request
-    ) -> None:
-        if isinstance(msg, wire.BatchRequest):
-            # Acknowledgements carried on the request, applied first (those of another
-            # buffer session are not: their ids name other batches here).
-            if msg.ack:
-                self.buffer.ack(msg.ack, msg.received_session)
-            now = time.monotonic()
-            self._held.hold(envelope, msg, now, msg.wait_s)
-            # Apply the lag filter for this version now, even if no batch can be released.
-            self._held.serve(router, now, lambda held, now: self._answer_held(held, now, True))
-        else:
-            router.reply(envelope, self._answer(msg))
-
-    def _answer(self, msg: wire.Request) -> wire.Reply:
-        """The reply to any request but a batch request (those are held)."""
-        if isinstance(msg, wire.Hello):
-            return self._hello(msg)
-        if isinstance(msg, wire.Ack):
-            acked, unknown = self.buffer.ack(msg.batch_ids, msg.session)
-            return wire.AckReply(acked=acked, unknown=unknown)
-        if isinstance(msg, wire.StatsRequest):
-            return wire.StatsReply(metrics=self.metrics())
-        if isinstance(msg, wire.DroppedRequest):
-            # Cursors of another session (the buffer restarted) read from the start.
-            mine = msg.session == self.session
-            drops_from = msg.drops_from if mine else 0
-            validated_from = msg.validated_from if mine else 0
-            dropped, validated = self.buffer.reports_since(drops_from, validated_from)
-            return wire.DroppedReply(
-                dropped=dropped,
-                validated=validated,
-                session=self.session,
-                drops_from=drops_from,
-                validated_from=validated_from,
-            )
-        if isinstance(msg, wire.InventoryRequest) and msg.ids is not None:
-            return wire.InventoryReply(
-                session=self.session,
-                held=[],
-                dropped=[],
-                validated=[],
-                unknown=self.buffer.unknown(msg.ids),
-                paused=not self.buffer.has_room(),
-            )
-        if isinstance(msg, wire.InventoryRequest):
-            held, dropped, validated = self.buffer.inventory()
-            return wire.InventoryReply(
-                session=self.session, held=held, dropped=dropped, validated=validated
-            )
-        if isinstance(msg, wire.ValidationRequest):
-            return wire.ValidationReply(by_round=self.buffer.reports.results, session=self.session)
-        log.info("shutdown requested on the batch socket")  # the only request left
-        self._stop.set()
-        return wire.Ok()
-
-    def _hello(self, msg: wire.Hello) -> wire.Welcome:
-        # Requests this consumer left held before it restarted must not take batches now:
-        # nobody would receive them until its next restart.
-        self._held.drop(msg.consumer_id)
-        redelivering, acked = self.buffer.restart(
-            msg.acked_through, msg.consumer_id, msg.session, msg.resumed
-        )
-        log.info(
-            "consumer %s started (acked through %s): %d batches acknowledged, %d to release again",
-            msg.consumer_id,
-            msg.acked_through,
-            acked,
-            redelivering,
-        )
-        return wire.Welcome(
-            redelivering=redelivering,
-            next_batch_id=self.buffer.next_batch_id,
-            acked=acked,
-            policy_version=self.buffer.learner_version,
-        )
-
-    def _answer_held(
-        self, held: Held[wire.BatchRequest], now: float, force: bool = False
-    ) -> list[wire.Frame] | wire.NoBatch | None:
-        """A batch for a held request when one can be released (``force``: try even when
-        none seems ready, which applies the lag filter for the request's version), else
-        :class:`~asyncrl.wire.NoBatch` once its wait ended, else None (it waits on)."""
-        if force or self.buffer.can_release():
-            m = held.msg
-            received = (
-                None if m.received_session is None else (m.received_session, m.received_through)
-            )
-            batch = self.buffer.release(m.policy_version, m.consumer_id, received)
-            if batch is not None:  # with the service's counters (rejects, refusals, rates)
-                batch = msgspec.structs.replace(batch, metrics=self.metrics())
-                return wire.encode_batch(batch)
-        if held.expired(now):
-            return wire.NoBatch(ready=self.buffer.ready, needed=self.buffer.batch_size)
-        return None
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
@@ -392,12 +297,8 @@ class BufferService:
         Call it from the loop's thread (requests do) or after the service stopped.
         """
         out = self.buffer.metrics() | self.stats.metrics(time.monotonic())
-        out["buffer/pending_requests"] = float(len(self._held))
+        out["buffer/pending_requests"] = float(len(self._answers.held))
         out |= {
             k.replace("security/", "buffer/security/"): v for k, v in security.metrics().items()
         }
         return out
-
-
-def _consumer(msg: wire.BatchRequest) -> str:
-    return msg.consumer_id

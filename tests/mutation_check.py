@@ -63,7 +63,7 @@ MUTATIONS = (
     Mutation(
         "dedup of a task's groups",
         "a group of a closed task id is taken again",
-        "buffer/core.py",
+        "buffer/assembly.py",
         "        if closed is not None:",
         "        if False:",
         ("tests/test_buffer_core.py",),
@@ -111,7 +111,7 @@ MUTATIONS = (
     Mutation(
         "duplicate of a forgotten group reported (F1)",
         "the buffer drops it silently (its charge stays)",
-        "buffer/core.py",
+        "buffer/assembly.py",
         '        if closed == "complete" and tid not in s.held and not traj.validation:',
         "        if False:",
         (T_RECOVERY,),
@@ -209,7 +209,7 @@ MUTATIONS = (
     Mutation(
         "incomplete groups beyond capacity (F6)",
         "new groups are taken without limit inside a message",
-        "buffer/core.py",
+        "buffer/assembly.py",
         "            if len(s.partial) >= self.capacity:",
         "            if False:",
         ("tests/test_buffer_replies.py",),
