@@ -1,8 +1,10 @@
 """What :class:`buffer.core.ReplayBuffer` holds, as plain records: the incomplete groups,
 the complete training groups it holds (in the pool or in unacknowledged batches), the pool
 in completion order; and the names of the counters it keeps (the unacknowledged batches
-themselves: :mod:`buffer.deliveries`). Which groups are released, dropped or evicted is decided in
-:mod:`buffer.core`; here a group only leaves the pool (:meth:`State.leave_pool`).
+themselves: :mod:`buffer.deliveries`). Which groups are released, dropped for lag or evicted
+is decided in :mod:`buffer.core`, which are dropped as duplicates, late, overflowing or
+expired in :mod:`buffer.assembly`; here a group only leaves the pool
+(:meth:`State.leave_pool`).
 """
 
 from __future__ import annotations
