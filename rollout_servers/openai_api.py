@@ -32,14 +32,14 @@ Sampling follows the run, not the request: training needs the full distribution 
 ``stop`` (applied after sampling: :mod:`rollout_servers.stops`) are taken from a request,
 and what would constrain sampling (a forced ``tool_choice``, a JSON
 ``response_format``) is refused. A resent request gets the turn it asked for once
-(:meth:`OpenAIEndpoint._once`). ``stream=true`` gets the finished turn as chunks. A
-group's slot is held only while the group is alive: the slot lifecycle is
-:mod:`rollout_servers.endpoint_groups`'s.
+(:meth:`~rollout_servers.endpoint_turns.EndpointTurns.once`). ``stream=true`` gets the
+finished turn as chunks. This module serves the routes; a turn is sampled and recorded by
+:mod:`rollout_servers.endpoint_turns`, and a group's slot, held only while the group is
+alive, follows the lifecycle of :mod:`rollout_servers.endpoint_groups`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -49,15 +49,9 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from rollout_servers.agent import turn_params
 from rollout_servers.endpoint_groups import EndpointGroups
-from rollout_servers.openai_completions import (
-    raw_draft,
-    raw_max_tokens,
-    raw_prompt_ids,
-    text_completion_body,
-    text_logprobs,
-)
+from rollout_servers.endpoint_turns import EndpointTurns
+from rollout_servers.openai_completions import raw_max_tokens, raw_prompt_ids
 from rollout_servers.openai_http import (
     MAX_BODY,
     api_errors,
@@ -67,32 +61,11 @@ from rollout_servers.openai_http import (
     stream_reply,
     write_url,
 )
-from rollout_servers.request_fields import (
-    asked_tokens,
-    chat_messages,
-    fingerprint,
-    max_tokens_of,
-    reward_of,
-    stop_strings,
-    wants_logprobs,
-)
-from rollout_servers.sessions import (
-    Draft,
-    RequestError,
-    Session,
-    assistant_reply,
-    completion_body,
-    prepare,
-    split_key,
-    token_logprobs,
-)
-from rollout_servers.stops import before_stop, cut, first_stop
+from rollout_servers.request_fields import chat_messages, reward_of
+from rollout_servers.sessions import RequestError, split_key
 
 if TYPE_CHECKING:
-    from collections.abc import Awaitable, Callable
-
     from asyncrl.config import Config
-    from rollout_servers.engine import Sample
     from rollout_servers.groups import SamplingSettings
     from rollout_servers.protocols import ControlClient, GenerationEngine, GroupPusher, Tokenizer
 
@@ -113,19 +86,15 @@ class OpenAIEndpoint:
         sampling: SamplingSettings,
     ) -> None:
         oe = cfg.rollout.openai_endpoint
-        self.cfg, self.server_id = cfg, server_id
-        self.engine, self.tok, self.sampling = engine, tok, sampling
+        self.cfg, self.server_id, self.tok = cfg, server_id, tok
         self.reward_range = oe.reward_range
-        self.max_prompt_len = cfg.data.max_prompt_length
-        self.max_response_len = cfg.data.max_response_length
         self.model = cfg.model.path
         self.created = int(time.time())  # the model card's ``created``
         self.metrics: Counter[str] = Counter()
         self.groups = EndpointGroups(cfg, server_id, client, pusher, self.metrics)
+        self.turns = EndpointTurns(cfg, engine, tok, sampling, self.metrics)
         self.url = ""
         self._runner: web.AppRunner | None = None
-        # session key -> (request fingerprint, its running turn): a resent request joins it
-        self._running: dict[str, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
 
     # ----------------------------------------------------------------- serving
     def app(self) -> web.Application:
@@ -192,7 +161,7 @@ class OpenAIEndpoint:
         return web.json_response({"object": "list", "data": [card]})
 
     async def _status(self, request: web.Request) -> web.Response:
-        head = {"server_id": self.server_id, "policy_version": self.engine.version}
+        head = {"server_id": self.server_id, "policy_version": self.turns.engine.version}
         counts = {
             k.removeprefix("rollout/openai/"): v
             for k, v in sorted(self.metrics.items())
@@ -217,9 +186,9 @@ class OpenAIEndpoint:
                 raise RequestError(400, "n must be 1: open one session per sample")
             if raw:
                 inputs: list[Any] = raw_prompt_ids(body, self.tok)
-                body, make = raw_max_tokens(body), self._raw_turn
+                body, make = raw_max_tokens(body), self.turns.raw
             else:
-                inputs, make = chat_messages(body), self._turn
+                inputs, make = chat_messages(body), self.turns.chat
             key = session_key(request, body)
             session = await self.groups.session(key, lambda: _left(request))
             if session.reward is not None:
@@ -229,7 +198,7 @@ class OpenAIEndpoint:
                     "start the next episode with another GROUP/MEMBER key",
                 )
             turn = functools.partial(make, session, inputs, body)
-            reply = await self._once(request, session, body, turn)
+            reply = await self.turns.once(session, body, turn, _resent(request))
             if body.get("stream"):
                 return await stream_reply(request, reply, body)
             return web.json_response(reply)
@@ -288,131 +257,13 @@ class OpenAIEndpoint:
         except RequestError as e:
             return refused(self.metrics, e)
 
-    # ----------------------------------------------------------------- turns
-    async def _once(
-        self,
-        request: web.Request,
-        session: Session,
-        body: dict[str, Any],
-        turn: Callable[[], Awaitable[dict[str, Any]]],
-    ) -> dict[str, Any]:
-        """The reply to one chat request, sampled once however often the client sends it.
-
-        OpenAI clients resend a request whose reply did not come in time (openai-python:
-        twice, by default). Sampled again, the retry would add a turn the agent never saw
-        to the episode, trained with its reward. So the same request (same messages, tools
-        and limits) sent while its turn runs waits for that turn, and one sent again after
-        it, marked as a retry (``x-stainless-retry-count``), gets the same reply. A new
-        request to a busy session is a 409 the client retries."""
-        fp = fingerprint(body)
-        running = self._running.get(session.key)
-        if session.busy:
-            if running is None or running[0] != fp:
-                raise RequestError(
-                    409, "a completion of this session is running already", retry=True
-                )
-            self.metrics["rollout/openai/retries_joined"] += 1
-            return await asyncio.shield(running[1])
-        retry = request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")
-        if retry and session.last is not None and session.last[0] == fp:
-            self.metrics["rollout/openai/retries_replayed"] += 1
-            return session.last[1]
-        session.busy = True
-        running = asyncio.ensure_future(turn())
-        self._running[session.key] = (fp, running)
-        try:
-            reply = await asyncio.shield(running)
-        finally:
-            session.busy = False
-            self._running.pop(session.key, None)
-        session.last = (fp, reply)
-        return reply
-
-    async def _turn(
-        self, session: Session, messages: list[Any], body: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Sample one assistant turn and record it. The turn is prepared on a draft and
-        committed only once the engine answered (see
-        :class:`~rollout_servers.sessions.Draft`)."""
-        asked_tokens(body)  # a bad request is refused before any work
-        stops, logprobs = stop_strings(body), wants_logprobs(body)
-        draft = prepare(
-            session,
-            messages,
-            body.get("tools"),
-            self.tok,
-            max_prompt_len=self.max_prompt_len,
-            max_response_len=self.max_response_len,
-            version=self.engine.version,
-        )
-        piece = draft.episode.pieces[-1]
-        budget = max_tokens_of(
-            body, self.max_response_len - len(piece.token_ids), self.max_response_len
-        )
-        sample, raw, n = await self._sample(session, draft, budget, stops)
-        draft.episode.messages.append({"role": "assistant", "content": raw})  # as written
-        text = before_stop(raw, stops) if n else raw
-        reply, finish = assistant_reply(text, tools=body.get("tool_choice") != "none")
-        draft.shown.append(reply)
-        ids = self._commit(session, draft, sample)
-        if sample.finish_reason == "length":
-            finish = "length"
-        prompt_len = len(piece.prompt_ids) + len(piece.token_ids) - len(ids)
-        out = completion_body(reply, finish, self.model, prompt_len, len(ids))
-        if logprobs:  # the behaviour logprobs the turn is trained with
-            out["choices"][0]["logprobs"] = token_logprobs(ids, sample.logprobs, self.tok)
-        return out
-
-    async def _raw_turn(
-        self, session: Session, prompt_ids: list[int], body: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Sample a new piece of the session from a raw prompt and record it (committed
-        only once the engine answered, as a chat turn)."""
-        stops = stop_strings(body)
-        draft = raw_draft(session, prompt_ids, self.max_prompt_len, self.engine.version)
-        budget = max_tokens_of(body, self.max_response_len, self.max_response_len)
-        sample, raw, n = await self._sample(session, draft, budget, stops)
-        draft.episode.messages.append({"role": "completion", "content": raw})
-        ids = self._commit(session, draft, sample)
-        finish = "length" if sample.finish_reason == "length" else "stop"
-        text = before_stop(raw, stops) if n else raw
-        out = text_completion_body(text, finish, self.model, len(prompt_ids), len(ids))
-        if body.get("logprobs") is not None:  # 0: the behaviour logprobs of the sample
-            out["choices"][0]["logprobs"] = text_logprobs(ids, sample.logprobs, self.tok)
-        return out
-
-    async def _sample(
-        self, session: Session, draft: Draft, budget: int, stops: list[str]
-    ) -> tuple[Sample, str, int]:
-        """Sample the draft's current piece on (from its prompt and the tokens it holds),
-        cut after the token that completes the first stop string, and add it to the piece.
-        Returns the sample, its text as the model wrote it (without the end-of-turn
-        token), and how many tokens a stop kept (0: no stop)."""
-        ep, task = draft.episode, session.task
-        piece = ep.pieces[-1]
-        params = turn_params(self.sampling, task, session.index, ep.turns, budget)
-        rid = f"{task.task_id}/{session.index}/t{ep.turns}"
-        sample = await self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid)
-        if n := first_stop(sample.token_ids, self.tok.decode, stops):
-            sample = cut(sample, n)  # the draw a stop would have ended (see stops.py)
-            self.metrics["rollout/openai/stopped"] += 1
-        piece.add_sampled(sample)
-        ep.turns += 1
-        ids = sample.token_ids
-        eos = getattr(self.tok, "eos_token_id", None)
-        return sample, str(self.tok.decode(ids[:-1] if ids and ids[-1] == eos else ids)), n
-
-    def _commit(self, session: Session, draft: Draft, sample: Sample) -> list[int]:
-        """The session takes the drafted turn, counted; the sampled ids."""
-        draft.commit(session)
-        if draft.counted:
-            self.metrics[f"rollout/openai/{draft.counted}"] += 1
-        self.metrics["rollout/openai/completions"] += 1
-        self.metrics["rollout/openai/tokens"] += len(sample.token_ids)
-        return sample.token_ids
-
 
 def _left(request: web.Request) -> bool:
     """The client of ``request`` has disconnected."""
     transport = request.transport
     return transport is None or transport.is_closing()
+
+
+def _resent(request: web.Request) -> bool:
+    """``request`` is a client's retry of one it sent before (openai-python marks it)."""
+    return request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")

@@ -8,6 +8,10 @@ calls or scoring): the coordinator client's calls, scoring (in worker processes 
 server alive in the coordinator's eyes and delivers sync starts and the shutdown. With
 ``rollout.openai_endpoint.enable`` the same loop also serves outside agents
 (:mod:`rollout_servers.openai_api`).
+
+This module owns the loops and a task's lifecycle (slots, push, acknowledgement, failure
+report) and the weight syncs; how a task's group is generated and scored is
+:mod:`rollout_servers.task_groups`.
 """
 
 from __future__ import annotations
@@ -23,20 +27,14 @@ from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
 from asyncrl.launch import startup
-from asyncrl.rewards import ScoreJob, ScoreResult
 from asyncrl.sync.probe import probe_ids
 from asyncrl.sync.weights import store_prefix
-from asyncrl.wire import Trajectory
-from rollout_servers.agent import AgentRunner, episode_samples, episode_trajectories
-from rollout_servers.engine import Sample, SyncJoin
+from rollout_servers.agent import AgentRunner
+from rollout_servers.engine import SyncJoin
 from rollout_servers.groups import (
     PromptTooLong,
     SamplingSettings,
-    build_group,
     filtered_out,
-    fit_task_prompt,
-    sampling_params,
-    shape_overlong,
     unknown_filter_metric,
 )
 from rollout_servers.lanes import Lanes
@@ -49,6 +47,7 @@ from rollout_servers.protocols import (
     Tokenizer,
 )
 from rollout_servers.server_stats import ServerStats
+from rollout_servers.task_groups import TaskGroups
 from rollout_servers.worker_ext import PARTLY_LOADED
 
 log = logging.getLogger(__name__)
@@ -83,15 +82,16 @@ class RolloutServer:
         self.cfg = cfg
         self.server_id = server_id
         self.engine = engine
-        self.tok = tokenizer
-        self.pool = pool
         self.pusher = pusher
         self.client = client
-        self.settings = SamplingSettings.from_config(cfg, seeded=seeded)
         self.stats = ServerStats(tokenizer)
         self.metrics = self.stats.metrics  # the counters the loops below add to
         self.lanes = Lanes(scoring_threads=cfg.reward.num_workers)
         self.agent = agent  # runs tool_agent tasks as multi-turn episodes (None: single turn)
+        settings = SamplingSettings.from_config(cfg, seeded=seeded)
+        self.task_groups = TaskGroups(
+            cfg, server_id, engine, tokenizer, pool, self.lanes, settings, self.metrics, agent
+        )
         self.max_inflight = cfg.rollout.max_inflight
         # False: only the OpenAI endpoint's agents generate here (no dataset tasks).
         self.take_tasks = endpoint is None or cfg.rollout.openai_endpoint.take_tasks
@@ -227,10 +227,7 @@ class RolloutServer:
             self.metrics["rollout/version_wait_s"] += await self.engine.reach(
                 task.dealt_version, REACH_S
             )
-            if self.agent is not None and task.agent_name == "tool_agent":
-                group, samples, scores = await self._episodes(task, self.agent, created)
-            else:
-                group, samples, scores = await self._single_turn(task, created)
+            group, samples, scores = await self.task_groups.make(task, created)
             metric = self.cfg.algorithm.filter_groups.metric
             if (note := unknown_filter_metric(task, scores, metric)) is not None:
                 self.metrics["rollout/filter_metric_unknown"] += 1  # warned once: a config slip
@@ -267,74 +264,6 @@ class RolloutServer:
         finally:
             self.held.pop(task.task_id, None)
             self._free_slots(task.n)
-
-    async def _single_turn(
-        self, task: Task, created: float
-    ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
-        """Generate and score ``task.n`` responses; the group and what to count."""
-        prompt = self._prompt_ids(task)
-        if prompt is None:  # too long, filtered: nothing to generate
-            return [], [], []
-        samples = await asyncio.gather(
-            *[
-                self.engine.generate(
-                    prompt,
-                    sampling_params(self.settings, task, i),
-                    f"{task.task_id}/{task.attempt}/{i}",
-                )
-                for i in range(task.n)
-            ]
-        )
-        texts = [self.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        scores = await self._score(task, texts, [len(s.token_ids) for s in samples])
-        group = build_group(
-            task, prompt, samples, scores, server_id=self.server_id, created_at=created
-        )
-        return group, list(samples), scores
-
-    async def _episodes(
-        self, task: Task, agent: AgentRunner, created: float
-    ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
-        """Run and score ``task.n`` episodes; the group (one trajectory per sample) and,
-        to count, each episode as one sample of its tokens."""
-        episodes = await asyncio.gather(*[agent.episode(task, i) for i in range(task.n)])
-        texts = [ep.text(self.tok) for ep in episodes]
-        samples = episode_samples(episodes)
-        scores = await self._score(task, texts, [len(s.token_ids) for s in samples])
-        group = episode_trajectories(
-            task, episodes, scores, server_id=self.server_id, created_at=created
-        )
-        return group, samples, scores
-
-    async def _score(self, task: Task, texts: list[str], lengths: list[int]) -> list[ScoreResult]:
-        """The scorer's rewards; for training, with the overlong penalty of each
-        response's ``lengths[i]`` tokens (``reward.overlong_buffer``)."""
-        jobs = [ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]
-        scores = await self.lanes.scoring(self.pool.score_many, jobs)
-        if task.validation:  # validation reports the task's own score
-            return scores
-        limit = self.cfg.data.max_response_length
-        return shape_overlong(scores, lengths, limit, self.cfg.reward.overlong_buffer)
-
-    def _prompt_ids(self, task: Task) -> list[int] | None:
-        """The prompt's tokens as ``data.*`` says (:func:`fit_task_prompt`); None when it
-        is too long and dropped."""
-        from asyncrl.prepare.tokenizer import chat_prompt_ids
-
-        ids = task.prompt_token_ids or chat_prompt_ids(self.tok, task.prompt)
-        out = fit_task_prompt(ids, self.cfg.data, task.validation)
-        if out is None:
-            self.metrics["rollout/prompts_filtered_too_long"] += 1
-        elif len(out) < len(ids):
-            if not self.metrics["rollout/prompts_truncated"]:
-                log.warning(
-                    "prompt of %d tokens cut to data.max_prompt_length=%d; drop long "
-                    "prompts with data.filter_overlong_prompts=True",
-                    len(ids),
-                    len(out),
-                )
-            self.metrics["rollout/prompts_truncated"] += 1
-        return out
 
     # ----------------------------------------------------------------- weight syncs
     async def _sync_loop(self) -> None:

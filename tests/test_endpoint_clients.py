@@ -55,7 +55,7 @@ class GatedEngine(ReplyEngine):
 def test_a_resent_request_gets_the_same_turn_not_a_second_sample(monkeypatch):
     async def scenario(rig: Rig) -> None:
         engine = GatedEngine()
-        rig.endpoint.engine = engine  # type: ignore[assignment]
+        rig.endpoint.turns.engine = engine  # type: ignore[assignment]
         # The client gives up on the first request and sends it again while it runs.
         first = asyncio.create_task(_post(rig, _chat([USER])))
         await asyncio.sleep(0.2)
@@ -163,7 +163,7 @@ def test_stop_sequences_end_the_turn_at_the_first_one(monkeypatch):
     shown the text before it; the next request continues the same sample."""
 
     async def scenario(rig: Rig) -> None:
-        rig.endpoint.engine = ReActEngine()  # type: ignore[assignment]
+        rig.endpoint.turns.engine = ReActEngine()  # type: ignore[assignment]
         stops = {"stop": ["Observation:", "<end_code>"]}
         status, body = await _post(rig, _chat([USER], **stops))
         assert status == 200, body
@@ -286,7 +286,7 @@ def test_tool_choice_none_gets_text_and_parallel_calls_off_is_refused(monkeypatc
     ignored."""
 
     async def scenario(rig: Rig) -> None:
-        rig.endpoint.engine = ToolCallEngine()  # type: ignore[assignment]
+        rig.endpoint.turns.engine = ToolCallEngine()  # type: ignore[assignment]
         status, body = await _post(rig, _chat([USER], tool_choice="none"))
         choice = body["choices"][0]
         assert status == 200 and choice["finish_reason"] == "stop", body

@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import pytest
 
-from rollout_servers import openai_api
+from rollout_servers import endpoint_turns
 from tests.standins.chat import ReplyEngine
 from tests.test_endpoint_clients import _post
 from tests.test_endpoint_faults import USER, Rig, _serve
@@ -33,13 +33,13 @@ def _client(rig: Rig, key: str = "g/0") -> openai.AsyncOpenAI:
 
 
 def _budget_through(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(openai_api, "turn_params", lambda *args: args[-1])
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: args[-1])
 
 
 def test_a_completion_is_a_new_sample_of_its_session_with_its_logprobs(monkeypatch):
     async def scenario(rig: Rig) -> None:
         _budget_through(monkeypatch)
-        engine = rig.endpoint.engine = BudgetEngine()  # type: ignore[assignment]
+        engine = rig.endpoint.turns.engine = BudgetEngine()  # type: ignore[assignment]
         async with _client(rig) as client:
             first = await client.completions.create(model="m", prompt="1+1=", logprobs=0)
             again = await client.completions.create(

@@ -20,7 +20,7 @@ from aiohttp.test_utils import TestServer
 from asyncrl.config import ConfigError, load_config
 from asyncrl.control.messages import TaskGrant
 from asyncrl.control.task_states import external_task
-from rollout_servers import openai_api
+from rollout_servers import endpoint_turns
 from rollout_servers.groups import SamplingSettings
 from rollout_servers.openai_api import OpenAIEndpoint
 from rollout_servers.sessions import Session
@@ -85,7 +85,7 @@ def _serve(
 ) -> None:
     """Run ``scenario`` against a fresh endpoint (group size 2) served on 127.0.0.1."""
     # Sampling parameters are the engine's business; importing vLLM for them takes seconds.
-    monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)
     cfg = load_config(
         None,
         [

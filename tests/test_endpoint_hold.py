@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestServer
 from asyncrl.config import load_config
 from asyncrl.control.messages import TaskGrant
 from asyncrl.control.task_states import external_task
-from rollout_servers import openai_api
+from rollout_servers import endpoint_turns
 from rollout_servers.groups import SamplingSettings
 from rollout_servers.openai_api import OpenAIEndpoint
 from tests.standins.chat import CharTokenizer, ReplyEngine
@@ -58,7 +58,7 @@ def _hold(monkeypatch, scenario: Scenario, *overrides: str, cancelling: bool = F
     """Run ``scenario(endpoint, client, base URL)`` against an endpoint that holds a
     request up to 6 s; ``cancelling``: served by aiohttp's test server, which cancels a
     handler whose client left (the endpoint's own server lets it run)."""
-    monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)  # no vLLM import
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)  # no vLLM import
     cfg = load_config(
         None,
         [
@@ -156,7 +156,7 @@ def test_a_client_that_left_gets_no_group_and_its_resend_does(monkeypatch):
         client.free = True
         status, body = await resend
         assert status == 200, body
-        assert client.granted == ["ext/s/1"] and endpoint.engine.calls == 1  # type: ignore[attr-defined]
+        assert client.granted == ["ext/s/1"] and endpoint.turns.engine.calls == 1  # type: ignore[attr-defined]
 
     _hold(monkeypatch, scenario)
 

@@ -22,7 +22,7 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.control.client import CoordinatorClient
 from asyncrl.control.group_filter import GroupFilter
 from asyncrl.launch.progress import accounting_lines
-from rollout_servers import openai_api
+from rollout_servers import endpoint_turns
 from rollout_servers.groups import SamplingSettings
 from rollout_servers.openai_api import OpenAIEndpoint
 from tests.helpers import start_coordinator
@@ -94,7 +94,7 @@ def _external(coord: Any) -> dict[str, float]:
 def test_slots_are_held_only_by_live_groups(coordinator, tmp_path, monkeypatch):
     """Eight groups opened and forgotten, a refused request, a bad and a second reward, an
     abandoned group: the budget is never wedged, and every slot is accounted for."""
-    monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)  # no vLLM import
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)  # no vLLM import
     cfg = load_config(
         None,
         [
@@ -208,7 +208,7 @@ def test_a_request_is_held_while_the_budget_is_full_then_answered_or_refused(
     """Backpressure for clients that retry twice (openai-python's default): a new group's
     first request waits for a slot up to slot_wait_s, answered as soon as one frees (here
     the forgotten groups idle out) or refused once the wait is over, saying how long."""
-    monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)  # no vLLM import
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)  # no vLLM import
     cfg = load_config(
         None,
         [
@@ -256,7 +256,7 @@ def test_a_request_is_held_while_the_budget_is_full_then_answered_or_refused(
 def test_a_group_whose_rewards_are_alike_is_filtered_and_its_slot_frees(tmp_path, monkeypatch):
     """algorithm.filter_groups with agents: a group rewarded 1 and 1 carries no signal and
     is never pushed (accounted dropped/filtered, its slot free at once); 1 and 0 is."""
-    monkeypatch.setattr(openai_api, "turn_params", lambda *args: None)  # no vLLM import
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)  # no vLLM import
     on = GroupFilter(enable=True, max_num_gen_batches=0, batch_size=4)
     coordinator = start_coordinator(100, per_version=LIMIT // 2, group_filter=on)
     cfg = load_config(

@@ -20,7 +20,7 @@ from asyncrl.control.group_filter import GroupFilter
 from asyncrl.rewards import ScoreResult
 from asyncrl.rewards.shaping import has_signal, metric_value, overlong_penalty
 from rollout_servers import agent as agent_module
-from rollout_servers import server
+from rollout_servers import task_groups
 from rollout_servers.groups import filtered_out, shape_overlong, unknown_filter_metric
 from rollout_servers.server import RolloutServer
 from tests.helpers import wait_until_async
@@ -177,8 +177,8 @@ def test_the_filters_counts_survive_a_coordinator_restore():
 
 def test_validation_tasks_are_never_dealt_filtered():
     run = _filtering_run(0)
-    run.st.test_freq = 1
-    run.st.val_before_train = True
+    run.st.validation.test_freq = 1
+    run.st.validation.val_before_train = True
     tasks = [t for t in run.st.grant("s", 64, 0.0).tasks]
     assert tasks and all(t.filter for t in tasks if not t.validation)
     assert all(not t.filter for t in tasks if t.validation)
@@ -284,7 +284,7 @@ def _run_server(
 def test_the_server_filters_alike_groups_without_pushing(monkeypatch, nap_tools, episodes):  # noqa: F811
     """Every member scores 1.0: each group is reported filtered and none crosses the wire,
     for single-turn groups and multi-turn tool episodes alike."""
-    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+    monkeypatch.setattr(task_groups, "sampling_params", lambda settings, task, index: None)
     monkeypatch.setattr(agent_module, "turn_params", lambda *args: None)
     client = FilteringClient(tasks=4, agent=episodes)
     agent = agent_runner(ToolCallingEngine(), nap_tools) if episodes else None
@@ -295,7 +295,7 @@ def test_the_server_filters_alike_groups_without_pushing(monkeypatch, nap_tools,
 def test_a_filter_metric_the_scorer_does_not_return_is_counted_and_named(monkeypatch, caplog):
     """veRL raises a KeyError on a metric no member carries; here the groups are kept (no
     batch empties on a typo), the server counts them and says once what to use."""
-    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+    monkeypatch.setattr(task_groups, "sampling_params", lambda settings, task, index: None)
     client = FilteringClient(tasks=4, agent=False)
     counters: dict = {}
     on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=accuracy"]
@@ -319,7 +319,7 @@ def test_a_filter_metric_the_scorer_does_not_return_is_counted_and_named(monkeyp
 def test_overlong_shaping_penalises_responses_at_the_limit(monkeypatch):
     """Responses of 3 tokens with max_response_length 4 and a buffer of 2: each reward
     1.0 loses 0.5, recorded as its overlong_penalty part; the group is pushed."""
-    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+    monkeypatch.setattr(task_groups, "sampling_params", lambda settings, task, index: None)
     client = StandInClient(tasks=4)
     shaping = [
         "data.max_response_length=4",
@@ -337,7 +337,7 @@ def test_overlong_shaping_penalises_responses_at_the_limit(monkeypatch):
 def test_a_prompt_over_the_limit_is_dropped_at_the_server(monkeypatch):
     """data.filter_overlong_prompts: a training prompt of 3 tokens over a limit of 2 is
     reported filtered, never generated, never pushed."""
-    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+    monkeypatch.setattr(task_groups, "sampling_params", lambda settings, task, index: None)
     client = FilteringClient(tasks=4, agent=False)
     limits = ["data.max_prompt_length=2", "data.filter_overlong_prompts=true"]
     pusher = _run_server(client, limits)

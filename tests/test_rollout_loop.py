@@ -17,7 +17,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.rewards import ScoreResult
 from rollout_servers import agent as agent_module
-from rollout_servers import protocols, server
+from rollout_servers import protocols, task_groups
 from rollout_servers.engine import Sample
 from rollout_servers.server import RolloutServer
 from rollout_servers.server_stats import RECENT
@@ -64,7 +64,7 @@ def _server(client: StandInClient, max_inflight: int) -> tuple[RolloutServer, St
 @pytest.fixture(autouse=True)
 def _no_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sampling parameters are the engine's business; importing vLLM for them takes seconds."""
-    monkeypatch.setattr(server, "sampling_params", lambda settings, task, index: None)
+    monkeypatch.setattr(task_groups, "sampling_params", lambda settings, task, index: None)
 
 
 def test_full_slots_wait_without_polling_and_wake_when_a_group_ends(

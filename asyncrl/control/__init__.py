@@ -19,6 +19,8 @@ Modules, from pure rules to I/O:
 - :mod:`~asyncrl.control.syncs`: sync rounds, group generations, catch-ups;
 - :mod:`~asyncrl.control.versions`: policy versions, who needs a catch-up, backoff
   (:class:`~asyncrl.control.versions.Versions`, an object the state holds);
+- :mod:`~asyncrl.control.validation_schedule`: when validation rounds start, and how many
+  have (:class:`~asyncrl.control.validation_schedule.ValidationSchedule`, another);
 - :mod:`~asyncrl.control.state`: the registry and everything above, without sockets;
 - :mod:`~asyncrl.control.loop` and :mod:`~asyncrl.control.coordinator`: the service;
 - :mod:`~asyncrl.control.client`: :class:`CoordinatorClient`, a rollout server's side;
@@ -34,9 +36,10 @@ from asyncrl.control.client import CoordinatorClient, CoordinatorGone
 from asyncrl.control.coordinator import Coordinator
 from asyncrl.control.messages import SCHEMA_VERSION, Announcement, Registered, SyncStart, Task
 from asyncrl.control.setup import coordinator_from_config, state_from_config
-from asyncrl.control.state import ControlState, ValidationProgress
+from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncResult, SyncRound
 from asyncrl.control.task_source import TaskSource
+from asyncrl.control.validation_schedule import ValidationProgress
 
 __all__ = [
     "SCHEMA_VERSION",

@@ -3,8 +3,8 @@
 :class:`ControlState` ties together the registry of rollout servers, the task ledger
 (:mod:`asyncrl.control.ledger`), the policy version and weight syncs
 (:mod:`asyncrl.control.versions`, over the rounds of :mod:`asyncrl.control.syncs`),
-validation scheduling and shutdown. The service (:mod:`asyncrl.control.coordinator`) calls
-it under one lock; tests call it directly.
+validation rounds (:mod:`asyncrl.control.validation_schedule`) and shutdown. The service
+(:mod:`asyncrl.control.coordinator`) calls it under one lock; tests call it directly.
 
 Registry rules:
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import Counter
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 
@@ -42,18 +42,10 @@ from asyncrl.control.recovery import Recovery
 from asyncrl.control.registry import ServerRecord
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_states import is_external, kind_of
+from asyncrl.control.validation_schedule import ValidationProgress, ValidationSchedule
 from asyncrl.control.versions import Versions
 
 log = logging.getLogger(__name__)
-
-
-class ValidationProgress(NamedTuple):
-    rounds_started: int  # validation rounds started so far (this run, resumes included)
-    round_groups: int  # groups in one round: one per validation row
-    head: str = "val"  # round k's groups have ids ``<head>/<k>/<row>`` (its round key)
-
-    def round_key(self, number: int) -> str:
-        return f"{self.head}/{number}"
 
 
 STATE_SCHEMA = 2  # 2: per-task states and consumption (1 still loads)
@@ -84,15 +76,12 @@ class ControlState:
         self.dead_after_s = dead_after_s
         self.store_host = store_host
         self.store_port = store_port
-        self.test_freq = test_freq
-        self.val_before_train = val_before_train
         self.session = secrets.token_hex(4)
         ledger.session = ledger.session or self.session  # names its external slots
         self.sync_secret = secrets.token_hex(16)  # in every sync group's store prefix
         self.servers: dict[str, ServerRecord] = {}
         self.shutting_down = ""  # the reason, once shutdown has begun
         self.step = 0  # the learner's last reported step
-        self.last_val_step = -1
         self.counts: Counter[str] = Counter()
         self._order = 0
         # Dealing starts once this many servers are registered (then stays on, whatever
@@ -113,6 +102,10 @@ class ControlState:
             self.counts,
             catchup_backoff_s=catchup_backoff_s,
             catchup_backoff_max_s=catchup_backoff_max_s,
+        )
+        # When validation rounds start: the steps it is told, its own rules.
+        self.validation = ValidationSchedule(
+            ledger.source, test_freq=test_freq, val_before_train=val_before_train
         )
 
     @property
@@ -376,26 +369,16 @@ class ControlState:
     # ------------------------------------------------------------------ validation, end
     def start_run(self) -> None:
         """Before the first training task: the validation round of ``val_before_train``."""
-        if self.val_before_train and self.step == 0 and self.ledger.source.val_rounds == 0:
-            self.start_validation(0)
+        self.validation.start_run(self.step)
 
     def on_step(self, step: int) -> bool:
         """The learner finished ``step``; True when a validation round was started."""
         self.step = max(self.step, step)
-        due = self.test_freq > 0 and step % self.test_freq == 0 and step > self.last_val_step
-        return due and self.start_validation(step)
+        return self.validation.on_step(step)
 
     def start_validation(self, step: int) -> bool:
-        """The one place a validation round starts (before training, every ``test_freq``
-        steps, at the end): not when there are no validation rows, nor twice at one step
-        after the first. True when a round was started."""
-        source = self.ledger.source
-        if not source.val_rows or (self.last_val_step == step and step > 0):
-            return False
-        number = source.start_validation()
-        self.last_val_step = step
-        log.info("validation round %d started at step %d", number, step)
-        return True
+        """Start a validation round now (:meth:`ValidationSchedule.start`); True if so."""
+        return self.validation.start(step)
 
     def training_left(self) -> int | None:
         """None while the dataset has training tasks to deal; once every epoch is dealt, the
@@ -406,8 +389,7 @@ class ControlState:
         return int(a["accounting/train/in_flight"] + a["accounting/train/in_buffer"])
 
     def validation_progress(self) -> ValidationProgress:
-        source = self.ledger.source
-        return ValidationProgress(source.val_rounds, len(source.val_rows), source.val_head)
+        return self.validation.progress()
 
     def begin_shutdown(self, reason: str) -> None:
         self.shutting_down = self.shutting_down or reason or "requested"
@@ -423,7 +405,7 @@ class ControlState:
             "ledger": save_ledger(self.ledger),
             "sync_counter": self.syncs.counter,
             "step": self.step,
-            "last_val_step": self.last_val_step,
+            "last_val_step": self.validation.last_val_step,
             "servers": sorted(self.servers),
             "group_filter": self.group_filter.state_dict(),
         }
@@ -434,7 +416,7 @@ class ControlState:
         load_ledger(self.ledger, state["ledger"])
         self.syncs.counter = int(state["sync_counter"])
         self.step = int(state["step"])
-        self.last_val_step = int(state["last_val_step"])
+        self.validation.last_val_step = int(state["last_val_step"])
         self.recovery.restored(list(state.get("servers", [])))
         if "group_filter" in state:  # saved before it: counts start again
             self.group_filter.load_state_dict(state["group_filter"])

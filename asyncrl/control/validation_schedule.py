@@ -1,0 +1,67 @@
+"""When validation rounds start: before training (``trainer.val_before_train``), every
+``trainer.test_freq`` steps, and at the end of training, never twice at one step.
+
+:class:`ValidationSchedule` holds these rules; :class:`~asyncrl.control.state.ControlState`
+owns one (as it owns a :class:`~asyncrl.control.versions.Versions`), passes it the learner's
+steps and saves its ``last_val_step`` with its own state. A round started here is queued in
+the task source (:meth:`~asyncrl.control.task_source.TaskSource.start_validation`), which
+deals its groups before any later training task.
+:class:`ValidationProgress` tells the learner how many rounds were started, and how many
+groups make one, so it knows which rounds' scores to wait for.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+from asyncrl.control.task_source import TaskSource
+
+log = logging.getLogger(__name__)
+
+
+class ValidationProgress(NamedTuple):
+    rounds_started: int  # validation rounds started so far (this run, resumes included)
+    round_groups: int  # groups in one round: one per validation row
+    head: str = "val"  # round k's groups have ids ``<head>/<k>/<row>`` (its round key)
+
+    def round_key(self, number: int) -> str:
+        return f"{self.head}/{number}"
+
+
+class ValidationSchedule:
+    """Starts validation rounds on ``source`` at the steps the run config asks for."""
+
+    def __init__(
+        self, source: TaskSource, *, test_freq: int = -1, val_before_train: bool = False
+    ) -> None:
+        self.source = source
+        self.test_freq = test_freq
+        self.val_before_train = val_before_train
+        self.last_val_step = -1  # the step the last round started at (-1: none yet)
+
+    def start_run(self, step: int) -> None:
+        """Before the first training task: the validation round of ``val_before_train``."""
+        if self.val_before_train and step == 0 and self.source.val_rounds == 0:
+            self.start(0)
+
+    def on_step(self, step: int) -> bool:
+        """The learner finished ``step``; True when a validation round was started."""
+        due = self.test_freq > 0 and step % self.test_freq == 0 and step > self.last_val_step
+        return due and self.start(step)
+
+    def start(self, step: int) -> bool:
+        """The one place a validation round starts (before training, every ``test_freq``
+        steps, at the end): not when there are no validation rows, nor twice at one step
+        after the first. True when a round was started."""
+        source = self.source
+        if not source.val_rows or (self.last_val_step == step and step > 0):
+            return False
+        number = source.start_validation()
+        self.last_val_step = step
+        log.info("validation round %d started at step %d", number, step)
+        return True
+
+    def progress(self) -> ValidationProgress:
+        source = self.source
+        return ValidationProgress(source.val_rounds, len(source.val_rows), source.val_head)

@@ -1,0 +1,186 @@
+"""The OpenAI endpoint's turns: one request of a session sampled on the engine, recorded,
+and answered in the API's shape.
+
+A chat request becomes one assistant turn (:meth:`EndpointTurns.chat`), a raw
+``/v1/completions`` prompt a new sample of the session
+(:meth:`EndpointTurns.raw`, see :mod:`rollout_servers.openai_completions`). Either is
+prepared on a :class:`~rollout_servers.sessions.Draft` and committed only once the engine
+answered, and sampled once however often the client sends it (:meth:`EndpointTurns.once`).
+Which request is served, and how it travels, is :mod:`rollout_servers.openai_api`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+from rollout_servers.agent import turn_params
+from rollout_servers.openai_completions import raw_draft, text_completion_body, text_logprobs
+from rollout_servers.request_fields import (
+    asked_tokens,
+    fingerprint,
+    max_tokens_of,
+    stop_strings,
+    wants_logprobs,
+)
+from rollout_servers.sessions import (
+    Draft,
+    RequestError,
+    Session,
+    assistant_reply,
+    completion_body,
+    prepare,
+    token_logprobs,
+)
+from rollout_servers.stops import before_stop, cut, first_stop
+
+if TYPE_CHECKING:
+    from collections import Counter
+    from collections.abc import Awaitable, Callable
+
+    from asyncrl.config import Config
+    from rollout_servers.engine import Sample
+    from rollout_servers.groups import SamplingSettings
+    from rollout_servers.protocols import GenerationEngine, Tokenizer
+
+
+class EndpointTurns:
+    """Samples and records the turns of the endpoint's sessions (see the module docstring);
+    counts into the endpoint's ``metrics``."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        engine: GenerationEngine,
+        tok: Tokenizer,
+        sampling: SamplingSettings,
+        metrics: Counter[str],
+    ) -> None:
+        self.engine, self.tok, self.sampling = engine, tok, sampling
+        self.max_prompt_len = cfg.data.max_prompt_length
+        self.max_response_len = cfg.data.max_response_length
+        self.model = cfg.model.path
+        self.metrics = metrics
+        # session key -> (request fingerprint, its running turn): a resent request joins it
+        self._running: dict[str, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
+
+    async def once(
+        self,
+        session: Session,
+        body: dict[str, Any],
+        turn: Callable[[], Awaitable[dict[str, Any]]],
+        resent: bool,
+    ) -> dict[str, Any]:
+        """The reply to one chat request, sampled once however often the client sends it.
+
+        OpenAI clients resend a request whose reply did not come in time (openai-python:
+        twice, by default). Sampled again, the retry would add a turn the agent never saw
+        to the episode, trained with its reward. So the same request (same messages, tools
+        and limits) sent while its turn runs waits for that turn, and one sent again after
+        it, marked as a retry (``resent``: ``x-stainless-retry-count``), gets the same
+        reply. A new request to a busy session is a 409 the client retries."""
+        fp = fingerprint(body)
+        running = self._running.get(session.key)
+        if session.busy:
+            if running is None or running[0] != fp:
+                raise RequestError(
+                    409, "a completion of this session is running already", retry=True
+                )
+            self.metrics["rollout/openai/retries_joined"] += 1
+            return await asyncio.shield(running[1])
+        if resent and session.last is not None and session.last[0] == fp:
+            self.metrics["rollout/openai/retries_replayed"] += 1
+            return session.last[1]
+        session.busy = True
+        running = asyncio.ensure_future(turn())
+        self._running[session.key] = (fp, running)
+        try:
+            reply = await asyncio.shield(running)
+        finally:
+            session.busy = False
+            self._running.pop(session.key, None)
+        session.last = (fp, reply)
+        return reply
+
+    async def chat(
+        self, session: Session, messages: list[Any], body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Sample one assistant turn and record it. The turn is prepared on a draft and
+        committed only once the engine answered (see
+        :class:`~rollout_servers.sessions.Draft`)."""
+        asked_tokens(body)  # a bad request is refused before any work
+        stops, logprobs = stop_strings(body), wants_logprobs(body)
+        draft = prepare(
+            session,
+            messages,
+            body.get("tools"),
+            self.tok,
+            max_prompt_len=self.max_prompt_len,
+            max_response_len=self.max_response_len,
+            version=self.engine.version,
+        )
+        piece = draft.episode.pieces[-1]
+        budget = max_tokens_of(
+            body, self.max_response_len - len(piece.token_ids), self.max_response_len
+        )
+        sample, raw, n = await self._sample(session, draft, budget, stops)
+        draft.episode.messages.append({"role": "assistant", "content": raw})  # as written
+        text = before_stop(raw, stops) if n else raw
+        reply, finish = assistant_reply(text, tools=body.get("tool_choice") != "none")
+        draft.shown.append(reply)
+        ids = self._commit(session, draft, sample)
+        if sample.finish_reason == "length":
+            finish = "length"
+        prompt_len = len(piece.prompt_ids) + len(piece.token_ids) - len(ids)
+        out = completion_body(reply, finish, self.model, prompt_len, len(ids))
+        if logprobs:  # the behaviour logprobs the turn is trained with
+            out["choices"][0]["logprobs"] = token_logprobs(ids, sample.logprobs, self.tok)
+        return out
+
+    async def raw(
+        self, session: Session, prompt_ids: list[int], body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Sample a new piece of the session from a raw prompt and record it (committed
+        only once the engine answered, as a chat turn)."""
+        stops = stop_strings(body)
+        draft = raw_draft(session, prompt_ids, self.max_prompt_len, self.engine.version)
+        budget = max_tokens_of(body, self.max_response_len, self.max_response_len)
+        sample, raw, n = await self._sample(session, draft, budget, stops)
+        draft.episode.messages.append({"role": "completion", "content": raw})
+        ids = self._commit(session, draft, sample)
+        finish = "length" if sample.finish_reason == "length" else "stop"
+        text = before_stop(raw, stops) if n else raw
+        out = text_completion_body(text, finish, self.model, len(prompt_ids), len(ids))
+        if body.get("logprobs") is not None:  # 0: the behaviour logprobs of the sample
+            out["choices"][0]["logprobs"] = text_logprobs(ids, sample.logprobs, self.tok)
+        return out
+
+    async def _sample(
+        self, session: Session, draft: Draft, budget: int, stops: list[str]
+    ) -> tuple[Sample, str, int]:
+        """Sample the draft's current piece on (from its prompt and the tokens it holds),
+        cut after the token that completes the first stop string, and add it to the piece.
+        Returns the sample, its text as the model wrote it (without the end-of-turn
+        token), and how many tokens a stop kept (0: no stop)."""
+        ep, task = draft.episode, session.task
+        piece = ep.pieces[-1]
+        params = turn_params(self.sampling, task, session.index, ep.turns, budget)
+        rid = f"{task.task_id}/{session.index}/t{ep.turns}"
+        sample = await self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid)
+        if n := first_stop(sample.token_ids, self.tok.decode, stops):
+            sample = cut(sample, n)  # the draw a stop would have ended (see stops.py)
+            self.metrics["rollout/openai/stopped"] += 1
+        piece.add_sampled(sample)
+        ep.turns += 1
+        ids = sample.token_ids
+        eos = getattr(self.tok, "eos_token_id", None)
+        return sample, str(self.tok.decode(ids[:-1] if ids and ids[-1] == eos else ids)), n
+
+    def _commit(self, session: Session, draft: Draft, sample: Sample) -> list[int]:
+        """The session takes the drafted turn, counted; the sampled ids."""
+        draft.commit(session)
+        if draft.counted:
+            self.metrics[f"rollout/openai/{draft.counted}"] += 1
+        self.metrics["rollout/openai/completions"] += 1
+        self.metrics["rollout/openai/tokens"] += len(sample.token_ids)
+        return sample.token_ids

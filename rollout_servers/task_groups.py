@@ -1,0 +1,140 @@
+"""What a dealt task becomes on a rollout server: its prompt fitted to ``data.*``, its
+``task.n`` responses generated (one turn each, or multi-turn tool episodes), scored, and
+built into the group to push.
+
+The rollout server (:mod:`rollout_servers.server`) decides when a task runs and what
+happens to its group (pushed, filtered, acknowledged, reported failed); this only makes
+the group. The pure steps (sampling parameters, prompt fitting, overlong shaping,
+trajectories) are :mod:`rollout_servers.groups`'.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from asyncrl.rewards import ScoreJob, ScoreResult
+from asyncrl.wire import Trajectory
+from rollout_servers.agent import AgentRunner, episode_samples, episode_trajectories
+from rollout_servers.engine import Sample
+from rollout_servers.groups import (
+    SamplingSettings,
+    build_group,
+    fit_task_prompt,
+    sampling_params,
+    shape_overlong,
+)
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+    from asyncrl.control.messages import Task
+    from rollout_servers.lanes import Lanes
+    from rollout_servers.protocols import GenerationEngine, Scorer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class TaskGroups:
+    """Makes the scored group of a task (see the module docstring). The prompts it cuts or
+    drops are counted in ``metrics``, the server's counters
+    (:class:`~rollout_servers.server_stats.ServerStats`)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        server_id: str,
+        engine: GenerationEngine,
+        tokenizer: Tokenizer,
+        pool: Scorer,
+        lanes: Lanes,
+        settings: SamplingSettings,
+        metrics: dict[str, float],
+        agent: AgentRunner | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.server_id = server_id
+        self.engine = engine
+        self.tok = tokenizer
+        self.pool = pool
+        self.lanes = lanes
+        self.settings = settings
+        self.metrics = metrics
+        self.agent = agent  # runs tool_agent tasks as multi-turn episodes (None: single turn)
+
+    async def make(
+        self, task: Task, created: float
+    ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
+        """The task's group (empty when its prompt is dropped), its samples and their
+        scores: ``tool_agent`` tasks run as episodes when the server has an agent."""
+        if self.agent is not None and task.agent_name == "tool_agent":
+            return await self._episodes(task, self.agent, created)
+        return await self._single_turn(task, created)
+
+    async def _single_turn(
+        self, task: Task, created: float
+    ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
+        """Generate and score ``task.n`` responses; the group and what to count."""
+        prompt = self._prompt_ids(task)
+        if prompt is None:  # too long, filtered: nothing to generate
+            return [], [], []
+        samples = await asyncio.gather(
+            *[
+                self.engine.generate(
+                    prompt,
+                    sampling_params(self.settings, task, i),
+                    f"{task.task_id}/{task.attempt}/{i}",
+                )
+                for i in range(task.n)
+            ]
+        )
+        texts = [self.tok.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        scores = await self._score(task, texts, [len(s.token_ids) for s in samples])
+        group = build_group(
+            task, prompt, samples, scores, server_id=self.server_id, created_at=created
+        )
+        return group, list(samples), scores
+
+    async def _episodes(
+        self, task: Task, agent: AgentRunner, created: float
+    ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
+        """Run and score ``task.n`` episodes; the group (one trajectory per sample) and,
+        to count, each episode as one sample of its tokens."""
+        episodes = await asyncio.gather(*[agent.episode(task, i) for i in range(task.n)])
+        texts = [ep.text(self.tok) for ep in episodes]
+        samples = episode_samples(episodes)
+        scores = await self._score(task, texts, [len(s.token_ids) for s in samples])
+        group = episode_trajectories(
+            task, episodes, scores, server_id=self.server_id, created_at=created
+        )
+        return group, samples, scores
+
+    async def _score(self, task: Task, texts: list[str], lengths: list[int]) -> list[ScoreResult]:
+        """The scorer's rewards; for training, with the overlong penalty of each
+        response's ``lengths[i]`` tokens (``reward.overlong_buffer``)."""
+        jobs = [ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]
+        scores = await self.lanes.scoring(self.pool.score_many, jobs)
+        if task.validation:  # validation reports the task's own score
+            return scores
+        limit = self.cfg.data.max_response_length
+        return shape_overlong(scores, lengths, limit, self.cfg.reward.overlong_buffer)
+
+    def _prompt_ids(self, task: Task) -> list[int] | None:
+        """The prompt's tokens as ``data.*`` says (:func:`fit_task_prompt`); None when it
+        is too long and dropped."""
+        from asyncrl.prepare.tokenizer import chat_prompt_ids
+
+        ids = task.prompt_token_ids or chat_prompt_ids(self.tok, task.prompt)
+        out = fit_task_prompt(ids, self.cfg.data, task.validation)
+        if out is None:
+            self.metrics["rollout/prompts_filtered_too_long"] += 1
+        elif len(out) < len(ids):
+            if not self.metrics["rollout/prompts_truncated"]:
+                log.warning(
+                    "prompt of %d tokens cut to data.max_prompt_length=%d; drop long "
+                    "prompts with data.filter_overlong_prompts=True",
+                    len(ids),
+                    len(out),
+                )
+            self.metrics["rollout/prompts_truncated"] += 1
+        return out
