@@ -37,7 +37,7 @@ test: $(STAMP)
 
 # The demo's model and data (built once; both demos below use them).
 demo-artifacts: $(STAMP)
-	test -f artifacts/models/tiny-demo/config.json || $(BIN)/asyncrl-prepare model --name tiny \
+	test -f artifacts/models/tiny-demo/prepare_report.json || $(BIN)/asyncrl-prepare model --name tiny \
 		--flatten --out artifacts/models/tiny-demo
 	test -f artifacts/data/arithmetic/train.parquet || $(BIN)/asyncrl-prepare data --task arithmetic \
 		--out artifacts/data/arithmetic --tokenizer artifacts/models/tiny-demo
@@ -55,7 +55,7 @@ ppo-demo: demo-artifacts
 
 # The calculator demo's model and data (built once; both agent demos use them).
 agent-artifacts: $(STAMP)
-	test -f artifacts/models/tiny-agent/config.json || $(BIN)/asyncrl-prepare model --name tiny \
+	test -f artifacts/models/tiny-agent/prepare_report.json || $(BIN)/asyncrl-prepare model --name tiny \
 		--task calculator --flatten --out artifacts/models/tiny-agent
 	test -f artifacts/data/calculator/train.parquet || $(BIN)/asyncrl-prepare data \
 		--task calculator --out artifacts/data/calculator --tokenizer artifacts/models/tiny-agent

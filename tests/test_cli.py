@@ -198,3 +198,22 @@ def test_prepare_rejects_limit_without_tokenizer(tmp_path):
         text=True,
     )
     assert proc.returncode == 2 and "needs --tokenizer" in proc.stderr
+
+
+def test_a_model_build_cut_short_leaves_no_model_folder(tmp_path, monkeypatch):
+    """The warm start takes minutes on a busy machine; a build interrupted during it left
+    ``config.json`` and untrained weights where the model goes, which the demo then
+    trained on. Now the folder appears only complete, and a rebuild replaces the rest."""
+    from asyncrl.prepare import main as prepare
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    out = tmp_path / "tiny-demo"
+    monkeypatch.setattr(prepare, "_warm_start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare.main(["model", "--name", "tiny", "--out", str(out)])
+    assert not out.exists() and (tmp_path / "tiny-demo.partial" / "config.json").is_file()
+    monkeypatch.undo()
+    assert prepare.main(["model", "--name", "tiny", "--warm-start", "off", "--out", str(out)]) == 0
+    assert (out / "prepare_report.json").is_file() and not (tmp_path / "tiny-demo.partial").exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
 
@@ -159,20 +160,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def prepare_model(args: argparse.Namespace) -> dict:
-    """Build the model, warm-start it if asked, save it and its report."""
+    """Build the model, warm-start it if asked, save it and its report.
+
+    Built in ``<out>.partial`` and renamed to ``<out>`` once complete: the warm start takes
+    minutes on a busy machine, and a build cut short must not leave a folder that looks
+    like a model (its untrained weights would be trained on). A rebuild replaces both."""
     from asyncrl.prepare.model import build_model, save_model
 
-    model, tok = build_model(args.name, args.out, seed=args.seed)
+    out = Path(args.out)
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model, tok = build_model(args.name, partial, seed=args.seed)
     report: dict = {
         "name": args.name,
-        "path": str(args.out),
+        "path": str(out),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
     if args.warm_start == "on" or (args.warm_start == "auto" and args.name == "tiny"):
         warm = _agent_warm_start if args.task == "calculator" else _warm_start
         report["warm_start"] = warm(model, tok, args)
-        save_model(model, tok, args.out)
-    (args.out / "prepare_report.json").write_text(json.dumps(report, indent=2))
+        save_model(model, tok, partial)
+    (partial / "prepare_report.json").write_text(json.dumps(report, indent=2))
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
     return report
 
 
