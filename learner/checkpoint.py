@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ import torch.distributed as dist
 
 # Defined beside the launcher's check of trainer.resume_from_path (no torch there); the
 # loop and the tests read it from here.
-from asyncrl.config.inputs import ABANDONED_DIR
+from asyncrl.config.inputs import ABANDONED_DIR, STEP_ENTRY, scan_checkpoints
 from asyncrl.config.inputs import STATE_FILE as STATE_FILE
 
 log = logging.getLogger(__name__)
@@ -44,7 +43,6 @@ log = logging.getLogger(__name__)
 # step_<n>, and what a save leaves beside it: .tmp (being written), .old (being replaced).
 #: The key of ``extra`` holding the KL-in-reward coefficient (:mod:`learner.reward_kl`).
 REWARD_KL_KEY = "reward_kl_coef"
-_STEP_ENTRY = re.compile(r"^step_(\d+)(\.tmp|\.old)?$")
 # Files of an HF model directory that are weights (replaced by the export), not metadata.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json")
 
@@ -72,34 +70,14 @@ def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def _scan(root: Path) -> tuple[dict[int, Path], list[Path]]:
-    """The complete checkpoints under ``root`` by step, and the folders skipped as
-    incomplete (a ``.tmp``, or no state file: a save cut short). A ``step_<n>.old`` counts
-    only while ``step_<n>`` is missing: a re-save of step n killed between its renames."""
-    complete: dict[int, Path] = {}
-    olds: dict[int, Path] = {}
-    skipped: list[Path] = []
-    for p in sorted(root.iterdir()):
-        if not (m := _STEP_ENTRY.match(p.name)) or not p.is_dir():
-            continue
-        whole = (p / STATE_FILE).is_file()
-        if m.group(2) is None and whole:
-            complete[int(m.group(1))] = p
-        elif m.group(2) == ".old" and whole:
-            olds[int(m.group(1))] = p
-        elif m.group(2) != ".old":
-            skipped.append(p)
-    return {**olds, **complete}, skipped
-
-
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
     """The complete checkpoint with the highest step under ``run_dir``, or None. Says
     (rank 0) which folders it skipped as incomplete, and when it falls back to a
-    ``step_<n>.old`` (see :func:`_scan`)."""
+    ``step_<n>.old`` (see :func:`~asyncrl.config.inputs.scan_checkpoints`)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return None
-    found, skipped = _scan(root)
+    found, skipped = scan_checkpoints(root)
     if _rank() == 0:
         for p in skipped:
             log.warning("skipped %s: an incomplete checkpoint (a save cut short)", p)
@@ -124,7 +102,7 @@ def set_aside_checkpoints(run_dir: str | Path) -> Path | None:
     """Rename ``run_dir``'s checkpoints (of an earlier run) to the first free
     ``checkpoints.<k>``; the new name, or None when there were none. Nothing is deleted."""
     root = checkpoint_dir(run_dir)
-    if not root.is_dir() or not _scan(root)[0]:
+    if not root.is_dir() or not scan_checkpoints(root)[0]:
         return None
     old = _first_free(root.with_name(f"{root.name}.{k}") for k in count(1))
     root.rename(old)
@@ -141,7 +119,7 @@ def set_aside_later_checkpoints(run_dir: str | Path, step: int) -> Path | None:
     later = [
         p
         for p in sorted(root.iterdir())
-        if (m := _STEP_ENTRY.match(p.name)) and int(m.group(1)) > step
+        if (m := STEP_ENTRY.match(p.name)) and int(m.group(1)) > step
     ]
     if not later:
         return None

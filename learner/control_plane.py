@@ -296,23 +296,24 @@ class RankZero:
             log.info("admission lag %d (%s)", new, self.lag.last_reason)
         metrics["staleness/lag_limit"] = float(self.lag.lag)
 
-    def finish(self, step: int, validate: bool) -> None:
+    def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None:
         """Validate the final policy (when training completed and validation is on), then
-        end the run for everyone. Waits for the push in flight, then for the round up to
-        ``launch.start_timeout_s``."""
+        end the run for everyone. Waits for the push in flight, then (``wait_rounds``) for
+        the rounds in flight up to ``launch.start_timeout_s``."""
         try:
             self.pushes.wait()
         except RuntimeError as e:  # the run ends all the same: tell everyone
             log.error("%s", e)
         if validate and self.validating:
             self.coordinator.start_validation(step)
-        deadline = time.monotonic() + self.final_wait_s
+        deadline = time.monotonic() + (self.final_wait_s if wait_rounds else 0.0)
         while time.monotonic() < deadline and self.validation.pending(
             self.coordinator.validation_progress()
         ):
             self._poll_validation(step)
             time.sleep(0.5)
-        if missing := self.validation.missing(self.coordinator.validation_progress()):
+        missing = self.validation.missing(self.coordinator.validation_progress())
+        if missing and wait_rounds:
             log.warning(
                 "validation rounds %s incomplete after launch.start_timeout_s=%gs: ending "
                 "without their scores (a server or the buffer lost their groups)",

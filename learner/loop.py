@@ -27,7 +27,7 @@ from typing import Any
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config import run_dir as run_dir_of
-from asyncrl.config.inputs import resume_problem, total_training_steps
+from asyncrl.config.inputs import complete_line, resume_problem, total_training_steps
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
@@ -95,21 +95,14 @@ class LearnerLoop:
         """Consumes batches; produces steps, pushes, checkpoints and metrics. Waits for
         batches (reported every 30 s while it lasts) and for sync reports (bounded by
         ``sync.timeout_s``). Unblocked by the buffer releasing a batch."""
+        if self.trainer.step >= self.total:
+            return self._complete_already()
         done = False
         try:
             # What a server that does not hold these weights catches up to before the first
             # push: one older than the checkpoint, or, after a restart without one, a
             # server that outlived the previous learner with weights nobody has any more.
             self.control.resume(self.trainer.full_state_for_push())
-            if self.trainer.step >= self.total:
-                log.warning(
-                    "this run is complete (it resumed at step %d of %d): nothing to train. "
-                    "To train again, give it a new trainer.experiment_name, or "
-                    "trainer.resume_mode=disable to start over here (its checkpoints are "
-                    "kept aside)",
-                    self.trainer.step,
-                    self.total,
-                )
             with startup.startup_heap_frozen():
                 while self.trainer.step < self.total and self._one_step():
                     pass
@@ -125,6 +118,14 @@ class LearnerLoop:
                 self.stopped_by.metric,
             )
             return HEALTH_STOP
+        return 0
+
+    def _complete_already(self) -> int:
+        """A finished run launched again resumes its final checkpoint (``auto``): it says so
+        and ends the run at once. Its checkpoint, export and last validation are there
+        already, and the rounds its checkpoint held in flight were reported before it."""
+        log.warning("%s", complete_line(self.trainer.step, self.total))
+        self.control.finish(self.trainer.step, validate=False, wait_rounds=False)
         return 0
 
     def _one_step(self) -> bool:

@@ -217,3 +217,34 @@ def test_a_model_build_cut_short_leaves_no_model_folder(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert prepare.main(["model", "--name", "tiny", "--warm-start", "off", "--out", str(out)]) == 0
     assert (out / "prepare_report.json").is_file() and not (tmp_path / "tiny-demo.partial").exists()
+
+
+def test_launching_a_finished_run_again_says_so_and_starts_nothing(
+    tiny_model, arithmetic_data, tmp_path
+):
+    """The same command run again after a run ended would resume its last checkpoint
+    (``resume_mode=auto``): the launcher says the run is complete and how to train again,
+    and exits 0 without starting a role (a walkthrough's rerun started every role, then
+    the learner sat 5 minutes on validation rounds)."""
+    run = tmp_path / "asyncrl" / "cpu_demo"
+    (run / "checkpoints" / "step_6").mkdir(parents=True)
+    (run / "checkpoints" / "step_6" / "trainer_state.json").write_text("{}")
+    args = [
+        "configs/cpu_demo.yaml",
+        f"trainer.default_local_dir={tmp_path}",
+        f"model.path={tiny_model}",
+        f"data.train_files={arithmetic_data}/train.parquet",
+        f"data.val_files={arithmetic_data}/val.parquet",
+        *endpoint_overrides(),
+    ]
+    proc = run_cli("asyncrl-launch", *args, "trainer.total_training_steps=6", timeout=60)
+    assert "this run is complete (its checkpoint is at step 6 of 6)" in proc.stderr
+    assert "trainer.resume_mode=disable" in proc.stderr
+    assert not (run / "logs").exists() and not (run / "config.yaml").exists()
+    # More steps asked for, or a start that does not resume: the run is not complete.
+    from asyncrl.config import load_config
+    from asyncrl.config.inputs import finished_step
+
+    assert finished_step(load_config(args[0], [*args[1:], "trainer.total_training_steps=6"])) == 6
+    for more in (["trainer.total_training_steps=7"], ["trainer.resume_mode=disable"]):
+        assert finished_step(load_config(args[0], [*args[1:], *more])) is None, more

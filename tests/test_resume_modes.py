@@ -196,30 +196,27 @@ def test_a_new_run_over_an_earlier_one_starts_its_metrics_afresh(tmp_path):
     assert [json.loads(line)["step"] for line in earlier] == list(range(1, 61))
 
 
-def test_a_complete_run_resumed_says_so_and_trains_nothing(tmp_path, caplog):
+def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     """A finished run's final checkpoint is what ``auto`` resumes when the same command is
     run again (veRL with ``save_freq: -1`` would have none and train afresh): the learner
-    says the run is complete and how to train again, and asks for no batch."""
+    says the run is complete and how to train again, asks for no batch, saves nothing, and
+    ends the run without waiting for validation rounds (a walkthrough's rerun sat for
+    ``launch.start_timeout_s`` on rounds its checkpoint held, reported long before)."""
     from learner.control_peer import NoControl
 
     class Finished(LoadRecorder):
         step = 10
 
-        def full_state_for_push(self) -> dict:
-            return {}
-
-        def save(self, run_dir, extra=None) -> None:
-            self.saved = extra
-
-        def export_state(self) -> dict:
-            return {}
+    class Ending(NoControl):
+        def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None:
+            self.ended = (step, validate, wait_rounds)
 
     loop = _loop(tmp_path / "run", "trainer.total_training_steps=10")
     loop.trainer = Finished()  # type: ignore[assignment]
-    loop.total, loop.control, loop.stopped_by = 10, NoControl(), None
-    loop.unacked, loop.last_batch_id, loop.last_batch_session = [], None, ""
+    loop.total, loop.control = 10, Ending()
     loop._one_step = lambda: pytest.fail("asked for a batch")  # type: ignore[method-assign]
     with caplog.at_level("WARNING", logger="learner.loop"):
         assert loop.run() == 0
-    assert "this run is complete (it resumed at step 10 of 10): nothing to train" in caplog.text
+    assert "this run is complete (its checkpoint is at step 10 of 10): nothing to" in caplog.text
     assert "new trainer.experiment_name" in caplog.text
+    assert loop.control.ended == (10, False, False)  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from asyncrl.config.load import ConfigError
+from asyncrl.config.load import ConfigError, run_dir
 from asyncrl.config.schema import Config
 
 # What a role reads before it can work: weights and tokenizer, the prompts (the learner's
@@ -23,6 +23,9 @@ MODEL, DATA, REWARD, RESUME = "model", "data", "reward", "resume"
 #: ``learner.checkpoint``, so the launcher checks a resume path without importing torch.
 STATE_FILE = "trainer_state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+#: A checkpoint folder's entry: ``step_<n>``, or a save in progress (``.tmp``) or being
+#: replaced (``.old``).
+STEP_ENTRY = re.compile(r"^step_(\d+)(\.tmp|\.old)?$")
 #: Where a rewind to step ``k`` moves the run's later checkpoints (the branch left behind).
 ABANDONED_DIR = "abandoned_after_step_{step}"
 _ABANDONED = re.compile(r"^abandoned_after_step_(\d+)(?:\.\d+)?$")
@@ -89,6 +92,47 @@ def _abandoned_problem(path: str, local: Path) -> str | None:
                 "run directory to start a new run from it"
             )
     return None
+
+
+def scan_checkpoints(root: Path) -> tuple[dict[int, Path], list[Path]]:
+    """The complete checkpoints under ``root`` (a run's ``checkpoints/``) by step, and the
+    folders skipped as incomplete (a ``.tmp``, or no state file: a save cut short). A
+    ``step_<n>.old`` counts only while ``step_<n>`` is missing: a re-save of step n killed
+    between its renames."""
+    complete: dict[int, Path] = {}
+    olds: dict[int, Path] = {}
+    skipped: list[Path] = []
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        if not (m := STEP_ENTRY.match(p.name)) or not p.is_dir():
+            continue
+        whole = (p / STATE_FILE).is_file()
+        if m.group(2) is None and whole:
+            complete[int(m.group(1))] = p
+        elif m.group(2) == ".old" and whole:
+            olds[int(m.group(1))] = p
+        elif m.group(2) != ".old":
+            skipped.append(p)
+    return {**olds, **complete}, skipped
+
+
+def finished_step(cfg: Config) -> int | None:
+    """The step of the run's last checkpoint when a start would resume a complete run
+    (``resume_mode=auto`` and no step left to train), else None."""
+    if cfg.trainer.resume_mode != "auto":
+        return None
+    found, _ = scan_checkpoints(run_dir(cfg) / "checkpoints")
+    if not found or max(found) < total_training_steps(cfg):
+        return None
+    return max(found)
+
+
+def complete_line(step: int, total: int) -> str:
+    """What a start of a complete run says (the launcher, and a learner started by hand)."""
+    return (
+        f"this run is complete (its checkpoint is at step {step} of {total}): nothing to "
+        "train. To train again, give it a new trainer.experiment_name, or "
+        "trainer.resume_mode=disable to start over here (its checkpoints are kept aside)"
+    )
 
 
 def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:

@@ -32,7 +32,15 @@ import sys
 from asyncrl.cli import parse_role_args
 from asyncrl.config import ConfigError, write_resolved
 from asyncrl.config.advisories import config_advisories
-from asyncrl.config.inputs import DATA, MODEL, RESUME, REWARD
+from asyncrl.config.inputs import (
+    DATA,
+    MODEL,
+    RESUME,
+    REWARD,
+    complete_line,
+    finished_step,
+    total_training_steps,
+)
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import claim, hold_run_dir
 from asyncrl.launch.roles import commands_text, drive, plan_roles
@@ -59,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         extra=_launch_options,
         needs=(MODEL, DATA, REWARD, RESUME),  # found missing here, before any role starts
     )
+    if (step := finished_step(cfg)) is not None:  # what auto would resume is the end
+        log.warning("%s", complete_line(step, total_training_steps(cfg)))
+        return 0
     if args.ray or cfg.launch.backend == "ray":
         from asyncrl.launch.ray_launcher import main_ray
 
