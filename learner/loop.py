@@ -122,9 +122,13 @@ class LearnerLoop:
 
     def _complete_already(self) -> int:
         """A finished run launched again resumes its final checkpoint (``auto``): it says so
-        and ends the run at once. Its checkpoint, export and last validation are there
-        already, and the rounds its checkpoint held in flight were reported before it."""
+        and ends the run at once. Its checkpoint and last validation are there already,
+        and the rounds its checkpoint held in flight were reported before it. The export is
+        made when it is missing (a learner killed between its last checkpoint and it)."""
         log.warning("%s", complete_line(self.trainer.step, self.total))
+        final = self.run_dir / "final"  # written whole or not at all (export_hf)
+        if not _broadcast_int(int(final.is_dir()), self.trainer):  # rank 0's view
+            self.control.export(self.trainer.export_state(), final)
         self.control.finish(self.trainer.step, validate=False, wait_rounds=False)
         return 0
 

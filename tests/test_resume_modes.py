@@ -206,8 +206,17 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
 
     class Finished(LoadRecorder):
         step = 10
+        world_size = 1
+
+        def export_state(self) -> dict:
+            return {"w": 1}
 
     class Ending(NoControl):
+        exported: list[Path] = []
+
+        def export(self, tensors: dict, out: Path) -> None:
+            self.exported.append(out)
+
         def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None:
             self.ended = (step, validate, wait_rounds)
 
@@ -220,3 +229,10 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     assert "this run is complete (its checkpoint is at step 10 of 10): nothing to" in caplog.text
     assert "new trainer.experiment_name" in caplog.text
     assert loop.control.ended == (10, False, False)  # type: ignore[attr-defined]
+    # Killed between its last checkpoint and its export, the run had no final/: made now.
+    assert loop.control.exported == [tmp_path / "run" / "final"]  # type: ignore[attr-defined]
+    (tmp_path / "run" / "final").mkdir(parents=True)
+    loop.control = Ending()
+    loop.control.exported = []  # type: ignore[attr-defined]
+    loop.run()
+    assert loop.control.exported == []  # type: ignore[attr-defined]
