@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import secrets
 import time
 from collections.abc import Iterable, Mapping
@@ -49,13 +50,14 @@ class MetricsLogger:
         if "wandb" in self.sinks:
             import wandb  # only when asked for: it is slow to import
 
-            # WANDB_MODE (online, offline, disabled) and WANDB_DIR work as usual. The run
-            # id is kept in the run directory: a resumed learner logs into the same W&B
-            # run (resume="allow" alone would open a new one at every restart).
+            # WANDB_MODE (online, offline, disabled) and WANDB_DIR work as usual: W&B's
+            # files go to the run directory unless WANDB_DIR says where. The run id is kept
+            # in the run directory: a resumed learner logs into the same W&B run
+            # (resume="allow" alone would open a new one at every restart).
             self._wandb = wandb.init(
                 project=project,
                 name=experiment,
-                dir=str(run_dir),
+                dir=os.environ.get("WANDB_DIR") or str(run_dir),
                 config=dict(config or {}),
                 id=_wandb_id(run_dir, fresh),
                 resume="allow",

@@ -45,6 +45,25 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
     assert run_id(fresh=True) != first
 
 
+def test_wandbs_files_go_where_wandb_dir_says(tmp_path, monkeypatch):
+    """WANDB_DIR set: W&B's files go there (the run directory was passed over it); unset,
+    they go to the run directory."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    elsewhere = tmp_path / "wandb_files"
+    elsewhere.mkdir()
+    monkeypatch.setenv("WANDB_DIR", str(elsewhere))
+    logger = MetricsLogger(tmp_path / "run", ["wandb"], project="p", experiment="e", fresh=True)
+    logger.log(1, {"loss/pg": 1.0})
+    logger.close()
+    assert list((elsewhere / "wandb").glob("offline-run-*"))
+    assert not (tmp_path / "run" / "wandb").exists()
+    monkeypatch.delenv("WANDB_DIR")
+    logger = MetricsLogger(tmp_path / "run2", ["wandb"], project="p", experiment="e", fresh=True)
+    logger.close()
+    assert list((tmp_path / "run2" / "wandb").glob("offline-run-*"))
+
+
 def test_the_metrics_doc_check_reads_families_and_continuations(tmp_path):
     """The check the e2e run makes: documented names match by their placeholders and the
     table's shorthand (``/std``, ``.../consumed``, ``_max``); anything else is reported."""
