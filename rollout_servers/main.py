@@ -28,6 +28,7 @@ from asyncrl.cli import parse_role_args
 from asyncrl.config import run_dir
 from asyncrl.config.inputs import MODEL, REWARD
 from asyncrl.launch import startup
+from asyncrl.launch.restart_policy import CONFIG_ERROR
 from asyncrl.net import security
 
 if TYPE_CHECKING:
@@ -190,19 +191,27 @@ async def serve(cfg: Config, server_id: str) -> int:
     from rollout_servers.affinity import cpus_from_env, pin_tree
     from rollout_servers.server import RolloutServer
 
-    engine, seeded = await _start_engine(cfg)
+    custom = cfg.reward.custom_reward_function
+    try:  # before the engine: a scorer that does not load fails every restart the same way
+        pool = RewardPool(
+            num_workers=cfg.reward.num_workers,
+            timeout_s=cfg.reward.timeout_s,
+            custom_path=custom.path,
+            custom_name=custom.name,
+        )
+    except ValueError as e:  # a missing function, a file that fails to import
+        log.error("cannot start: %s", e)
+        return CONFIG_ERROR
+    try:
+        engine, seeded = await _start_engine(cfg)
+    except BaseException:
+        pool.close()
+        raise
     startup.mark(run_dir(cfg), server_id, "engine_ready")
     cpus = cpus_from_env()
     if cpus is not None:  # started on every core for its start-up; now onto its own
         pin_tree(cpus)
     tok = AutoTokenizer.from_pretrained(cfg.model.path)
-    custom = cfg.reward.custom_reward_function
-    pool = RewardPool(
-        num_workers=cfg.reward.num_workers,
-        timeout_s=cfg.reward.timeout_s,
-        custom_path=custom.path,
-        custom_name=custom.name,
-    )
     pusher = TrajectoryPusher(
         config_endpoint(cfg.endpoints, "trajectories"),
         max_message_bytes=mebibytes(cfg.buffer.max_message_mb),

@@ -248,3 +248,35 @@ def test_launching_a_finished_run_again_says_so_and_starts_nothing(
     assert finished_step(load_config(args[0], [*args[1:], "trainer.total_training_steps=6"])) == 6
     for more in (["trainer.total_training_steps=7"], ["trainer.resume_mode=disable"]):
         assert finished_step(load_config(args[0], [*args[1:], *more])) is None, more
+
+
+def test_a_rollout_server_whose_scorer_does_not_load_exits_2_before_its_engine(
+    tiny_model, tmp_path
+):
+    """A reward file without the function named (or one that fails to import) fails every
+    restart the same way: the server says so in one line and exits 2 (not restarted),
+    before it spends its start-up on the engine. A walkthrough saw three restarts per
+    server, each with a traceback."""
+    scorer = tmp_path / "my_reward.py"
+    scorer.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_servers.main",
+            "configs/cpu_demo.yaml",
+            f"trainer.default_local_dir={tmp_path}",
+            f"model.path={tiny_model}",
+            f"custom_reward_function.path={scorer}",
+            "custom_reward_function.name=nope",
+            *endpoint_overrides(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "cannot start:" in proc.stderr and "has no function 'nope'" in proc.stderr
+    assert "custom_reward_function.name" in proc.stderr and "Traceback" not in proc.stderr
