@@ -91,8 +91,10 @@ def test_launch_fails_fast_with_the_failing_roles_log(tmp_path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # passes the file check, fails to load
-    rows = tmp_path / "rows.parquet"
-    rows.write_bytes(b"")
+    from asyncrl.tasks import prepare_task_data
+
+    prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)
+    rows = tmp_path / "data" / "train.parquet"
     start = time.monotonic()
     proc = subprocess.run(
         [

@@ -263,8 +263,10 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    data = tmp_path / "train.parquet"
-    data.write_bytes(b"")
+    from asyncrl.tasks import prepare_task_data
+
+    prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)
+    data = tmp_path / "data" / "train.parquet"
     base = [f"data.train_files={data}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
 
     def problems(*overrides: str, needs=(MODEL, DATA, REWARD)) -> list[str]:

@@ -236,3 +236,28 @@ def test_reads_verl_gsm8k_layout_written_by_pandas(tmp_path: Path) -> None:
     assert score(rows[1], "So #### 1,234") == 1.0
     # A full "#### 72" answer as ground truth scores the same.
     assert default_compute_score("gsm8k", "#### 72", answer) == 1.0
+
+
+def test_a_data_file_not_in_verls_layout_is_refused_before_anything_starts(tmp_path):
+    """A file whose prompt column has another name (``question``) or that lacks
+    ``reward_model`` is refused at launch in one line naming the fix (``data.prompt_key``),
+    not by a learner that crash-loops on it (a walkthrough saw three restarts)."""
+    from asyncrl.config import load_config
+    from asyncrl.config.inputs import DATA, input_problems
+
+    rows = {
+        "data_source": ["arithmetic"],
+        "question": [[{"role": "user", "content": "1+1="}]],
+        "reward_model": [{"ground_truth": "2"}],
+    }
+    odd = tmp_path / "odd.parquet"
+    pd.DataFrame(rows).to_parquet(odd)
+    base = [f"data.train_files={odd}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    (problem,) = input_problems(load_config(None, base), [DATA])
+    assert f"{odd}: missing required column 'prompt'" in problem
+    assert "set data.prompt_key=question" in problem
+    assert input_problems(load_config(None, [*base, "data.prompt_key=question"]), [DATA]) == []
+    rows.pop("reward_model")
+    pd.DataFrame(rows).to_parquet(odd)
+    (problem,) = input_problems(load_config(None, [*base, "data.prompt_key=question"]), [DATA])
+    assert "missing required column 'reward_model'" in problem and "data.prompt_key" not in problem

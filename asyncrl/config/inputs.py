@@ -153,6 +153,8 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                         "data to veRL's parquet schema)"
                     )
         if not problems:
+            problems += _column_problems(cfg, validating)
+        if not problems:
             try:
                 steps = total_training_steps(cfg)
             except ConfigError as e:
@@ -179,6 +181,26 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
     if wanted and resume and (problem := resume_problem(resume)) is not None:
         problems.append(problem)
     return problems
+
+
+def _column_problems(cfg: Config, validating: bool) -> list[str]:
+    """The data files whose columns are not veRL's layout (read from their footers)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncrl.tasks.parquet import column_problem
+
+    out = []
+    files = [*cfg.data.train_files, *(cfg.data.val_files if validating else [])]
+    for f in files:
+        try:
+            names = pq.read_schema(Path(f).expanduser()).names
+        except (OSError, pa.ArrowException) as e:
+            out.append(f"data files: {f} is not a parquet file ({e})")
+            continue
+        if (problem := column_problem(names, f, cfg.data.prompt_key)) is not None:
+            out.append(problem)
+    return out
 
 
 def training_rows(cfg: Config) -> int:

@@ -80,14 +80,27 @@ def write_rows(
     return path
 
 
-def _check_columns(names: Sequence[str], path: Path, prompt_key: str) -> None:
+#: Columns that hold the prompt in other datasets' layouts: named as ``data.prompt_key``.
+_PROMPT_LIKE = ("messages", "question", "problem", "query", "input", "instruction")
+
+
+def column_problem(names: Sequence[str], path: str | Path, prompt_key: str) -> str | None:
+    """Why a file with columns ``names`` cannot be read as veRL's layout (one line naming
+    the fix), or None when it can."""
     required = [prompt_key if c == "prompt" else c for c in REQUIRED_COLUMNS]
-    for column in required:
-        if column not in names:
-            raise ValueError(
-                f"{path}: missing required column {column!r} (found {list(names)}); "
-                f"veRL's layout needs {list(VERL_COLUMNS)}"
-            )
+    missing = [c for c in required if c not in names]
+    if not missing:
+        return None
+    fix = f"veRL's layout needs {list(VERL_COLUMNS)}"
+    if prompt_key in missing and (alike := [c for c in _PROMPT_LIKE if c in names]):
+        fix = f"if {alike[0]!r} holds the chat messages, set data.prompt_key={alike[0]}; {fix}"
+    columns = ", ".join(repr(c) for c in missing)
+    return f"{path}: missing required column {columns} (found {list(names)}); {fix}"
+
+
+def _check_columns(names: Sequence[str], path: Path, prompt_key: str) -> None:
+    if (problem := column_problem(names, path, prompt_key)) is not None:
+        raise ValueError(problem)
 
 
 def _check_row(row: dict[str, Any], number: int, path: Path, prompt_key: str) -> None:
