@@ -375,6 +375,7 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
         "gc_s",
         "groups_filtered",
         "filter_metric_unknown",
+        "reward_errors",
     )
     for key in (f"rollout/{k}" for k in totals):
         out[key] = sum(m.get(key, 0.0) for m in reports)

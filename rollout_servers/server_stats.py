@@ -38,6 +38,7 @@ class ServerStats:
             "rollout/tokens": 0,
             "rollout/prompts_truncated": 0,
             "rollout/task_errors": 0,
+            "rollout/reward_errors": 0,  # samples the scorer failed on (scored 0.0)
             "rollout/push_wait_s": 0.0,
             "rollout/groups_filtered": 0,  # algorithm.filter_groups: dropped here, unpushed
             "rollout/filter_metric_unknown": 0,  # filter_groups.metric no member carries

@@ -114,6 +114,9 @@ class TaskGroups:
         response's ``lengths[i]`` tokens (``reward.overlong_buffer``)."""
         jobs = [ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]
         scores = await self.lanes.scoring(self.pool.score_many, jobs)
+        # Each failure scored 0.0 and was logged once per kind; counted, a scorer that
+        # fails on every sample shows in the run's records, not only in this log.
+        self.metrics["rollout/reward_errors"] += sum(s.error is not None for s in scores)
         if task.validation:  # validation reports the task's own score
             return scores
         limit = self.cfg.data.max_response_length

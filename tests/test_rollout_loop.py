@@ -188,3 +188,32 @@ def test_waiting_for_a_tool_worker_ends_at_the_episode_deadline(
     took = asyncio.run(scenario())
     assert took < 1.0 + 2 * NAP_S, f"{took:.1f} s"
     assert runner.metrics["rollout/agent/episodes_ended/timeout"] >= 8
+
+
+def test_samples_the_scorer_fails_on_are_counted(tmp_path) -> None:
+    """A scorer that raises scores every sample 0.0 (the run goes on); each failure is
+    counted in ``rollout/reward_errors``, which reaches the run's records: a walkthrough's
+    run with such a scorer ended "successfully" at reward 0 with one line in a server log."""
+    from asyncrl.rewards import RewardPool
+
+    scorer = tmp_path / "score.py"
+    scorer.write_text("def compute_score(*args, **kwargs):\n    raise RuntimeError('bug')\n")
+
+    async def scenario(pool: RewardPool) -> None:
+        client = StandInClient(tasks=2)
+        cfg = load_config(None, [f"rollout.n={N}", f"rollout.max_inflight={2 * N}"])
+        engine = StandInEngine()
+        engine.gate.set()
+        srv = RolloutServer(cfg, "s", engine, CharTokenizer(), pool, StandInPusher(), client)
+        run = asyncio.create_task(srv.run())
+        await wait_until_async(lambda: len(client.acked) == 2, "both groups", 20)
+        srv.stop()
+        assert await asyncio.wait_for(run, 5.0) == 0
+        assert srv.metrics["rollout/reward_errors"] == 2 * N
+
+    pool = RewardPool(num_workers=1, timeout_s=10, custom_path=str(scorer))
+    try:
+        asyncio.run(scenario(pool))
+        assert pool.counters["exception"] == 2 * N
+    finally:
+        pool.close()
