@@ -136,6 +136,22 @@ def drive(sup: Supervisor, run_dir: Path, cfg: Config) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         sup.stop_all()
+        log.warning("%s", _resume_hint(run_dir, cfg))
         return 130
     finally:
         sup.close()  # nothing the run started outlives it, however the launcher ends
+
+
+def _resume_hint(run_dir: Path, cfg: Config) -> str:
+    """What an interrupted run resumes from when the same command is run again."""
+    from asyncrl.config.inputs import scan_checkpoints
+
+    found, _ = scan_checkpoints(run_dir / "checkpoints")
+    if cfg.trainer.resume_mode != "auto":
+        return "stopped; trainer.resume_mode is not auto, so a new launch does not resume here"
+    if not found:
+        return (
+            "stopped before the first checkpoint: the same command starts the run over "
+            "(trainer.save_freq sets how often one is written)"
+        )
+    return f"stopped; the same command resumes the run from its checkpoint at step {max(found)}"
