@@ -149,3 +149,26 @@ def test_the_time_split_names_the_side_that_holds_the_run_back():
     assert "waiting for batches 45%" in generation_bound[0]
     assert generation_bound[2].startswith("bottleneck: generation")
     assert time_split(_records(0.5, 0.45, 0.0, 0.1)[:1]) == []  # one step: no window
+
+
+def test_a_resumed_runs_summary_covers_this_launch_only(tmp_path):
+    """A run resumed half an hour after it stopped: the summary's time and the split of
+    the learner's time are this launch's (a walkthrough's read "step 1 to end 1852s",
+    training 1%, other 98%), while the records keep the whole run's curve."""
+    cfg = SimpleNamespace(trainer=SimpleNamespace(total_training_steps=20))
+    out = io.StringIO()
+    view = ProgressView(tmp_path, cfg, stream=out)
+    now = view.launched
+
+    def step(s: int, t: float) -> dict:
+        return {"step": s, "time": t, "loss/pg": 0.0, "reward/mean": 0.1 * s}
+
+    step_parts = {"timing/step_s": 2.0, "timing/train_s": 1.5, "timing/wait_batch_s": 0.5}
+    earlier = [step(s, now - 1800 - 2.0 * (10 - s)) | step_parts for s in range(1, 11)]
+    this = [step(s, now + 30 + 2.0 * (s - 10)) | step_parts for s in range(10, 21)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in earlier + this))
+    assert view.line(earlier + this, {}).endswith("ETA 0s")
+    view.finish(ok=True)
+    text = out.getvalue()
+    assert "step 1 to end" in text and " 20s" in text.split("step 1 to end")[1].splitlines()[0]
+    assert "learner: training 75%, waiting for batches 25%" in text

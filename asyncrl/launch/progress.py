@@ -134,6 +134,9 @@ class ProgressView:
         self.total = total_training_steps(cfg)
         self.stream = stream or sys.stderr
         self.started = time.monotonic()
+        # Records from before this launch (a run resumed, maybe hours later) are the run's
+        # curve, but not this launch's pace or where its time went.
+        self.launched = time.time()
         self.tty = self.stream.isatty()
         self._last_line = ""
         self._last_print = 0.0
@@ -142,7 +145,7 @@ class ProgressView:
         step = last_value(records, "step") or 0
         frac = min(step / self.total, 1.0) if self.total else 0.0
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
-        eta = eta_s(records, self.total)
+        eta = eta_s(self._this_launch(records), self.total)
         parts = [f"[{bar}] {step:.0f}/{self.total}"]
         parts += [f"{label} {_fmt(fmt, last_value(records, key))}" for label, key, fmt in LIVE[1:]]
         if total := sum((restarts or {}).values()):
@@ -161,6 +164,9 @@ class ProgressView:
             self._last_print = now
         self._last_line = line
 
+    def _this_launch(self, records: list[dict[str, float]]) -> list[dict[str, float]]:
+        return [r for r in records if r.get("time", 0.0) >= self.launched]
+
     def finish(self, ok: bool) -> None:
         if self.tty:
             self.stream.write("\n")
@@ -169,9 +175,10 @@ class ProgressView:
         table = startup.startup_table(startup.read(self.run_dir))
         if table:
             self.stream.write(table + "\n")
-        if records or restarts:
-            self.stream.write(summary_table(records, restarts) + "\n")
-        for line in accounting_lines(records) + time_split(records):
+        mine = self._this_launch(records)
+        if mine or restarts:
+            self.stream.write(summary_table(mine, restarts) + "\n")
+        for line in accounting_lines(records) + time_split(mine):
             self.stream.write(line + "\n")
         if records:
             for path in write_plots(self.run_dir, records):
