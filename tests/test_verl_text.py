@@ -184,3 +184,31 @@ def test_verls_default_local_dir_is_the_run_directory_not_a_root(tmp_path):
     assert load_config(write_resolved(cfg)) == cfg  # a restarted role finds the same folder
     root = load_config(None, [*verl[:2], f"trainer.default_local_dir={tmp_path}/runs"])
     assert run_dir(root) == tmp_path / "runs" / "GRPO" / "qwen_gsm8k"
+
+
+def test_a_typo_in_verls_spelling_is_named_as_typed(tmp_path):
+    """``actor_rollout_ref.rollout.temprature`` was reported as ``rollout.temprature``, a
+    key the user never wrote; now the key and the suggestion keep the user's spelling, on
+    the command line and in a file. Our own spelling is reported as ours."""
+
+    def problems(path, overrides) -> list[str]:
+        with pytest.raises(ConfigError) as e:
+            load_config(path, overrides)
+        return e.value.problems
+
+    assert problems(None, ["actor_rollout_ref.rollout.temprature=0.7"]) == [
+        "unknown key actor_rollout_ref.rollout.temprature; "
+        "did you mean actor_rollout_ref.rollout.temperature?"
+    ]
+    assert problems(None, ["custom_reward_function.nam=x"]) == [
+        "unknown key custom_reward_function.nam; did you mean custom_reward_function.name?"
+    ]
+    assert problems(None, ["rollout.temprature=0.7"]) == [
+        "unknown key rollout.temprature; did you mean rollout.temperature?"
+    ]
+    verl_file = tmp_path / "ppo.yaml"
+    verl_file.write_text("actor_rollout_ref:\n  actor:\n    optim:\n      lrr: 1.0e-6\n")
+    assert problems(verl_file, []) == [
+        "unknown key actor_rollout_ref.actor.optim.lrr; "
+        "did you mean actor_rollout_ref.actor.optim.lr?"
+    ]

@@ -13,6 +13,7 @@ import functools
 import logging
 import os
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from asyncrl.config.interpolate import InterpolationError, leaves, resolve_refer
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import apply_verl_keys, default_gaps, pop_dotted, speaks_verl
-from asyncrl.config.verl_table import our_key
+from asyncrl.config.verl_table import VERL_PREFIXES, our_key
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             )
         raw = _flatten_verl_groups(loaded or {})
     given: set[str] = set()  # keys set on the command line: they win over the file's
+    spelled = _verl_spellings(loaded, overrides)
     for item in overrides:
         if item.strip().startswith("~"):  # Hydra's "~key": remove it
             key = our_key(item.strip()[1:].split("=", 1)[0])
@@ -111,7 +113,32 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         log.info("%s", note)
     if speaks_verl(loaded if path is not None else None, overrides):
         _warn_default_gaps(raw)
-    return validate(raw)
+    try:
+        return validate(raw)
+    except ConfigError as e:  # an unknown key is named as the user wrote it
+        raise ConfigError([_respelled(p, spelled) for p in e.problems]) from None
+
+
+def _verl_spellings(loaded: dict[str, Any] | None, overrides: Iterable[str]) -> dict[str, str]:
+    """Our dotted key -> the veRL spelling the user gave it in (``actor_rollout_ref.*``,
+    ...): a typo there must be reported as typed, not as a key the user never wrote."""
+    keys = [o.strip().lstrip("~+").split("=", 1)[0] for o in overrides]
+    if isinstance(loaded, dict):
+        keys += [".".join(path) for _, _, path in leaves(loaded)]
+    return {our_key(k): k for k in keys if our_key(k) != k}
+
+
+def _respelled(problem: str, spelled: dict[str, str]) -> str:
+    """``unknown key rollout.x; did you mean rollout.y?`` in the user's veRL spelling."""
+    m = re.match(r"unknown key (\S+?); (did you mean (\S+)\?)?", problem)
+    if m is None or m.group(1) not in spelled:
+        return problem
+    ours, theirs, close = m.group(1), spelled[m.group(1)], m.group(3)
+    out = problem.replace(f"unknown key {ours}", f"unknown key {theirs}", 1)
+    for old, new in VERL_PREFIXES.items():  # the suggestion with the user's prefix too
+        if close and theirs.startswith(old) and close.startswith(new):
+            return out.replace(f"did you mean {close}?", f"did you mean {old}{close[len(new) :]}?")
+    return out
 
 
 def parse_override(item: str) -> tuple[str, Any]:
