@@ -261,3 +261,28 @@ def test_a_data_file_not_in_verls_layout_is_refused_before_anything_starts(tmp_p
     pd.DataFrame(rows).to_parquet(odd)
     (problem,) = input_problems(load_config(None, [*base, "data.prompt_key=question"]), [DATA])
     assert "missing required column 'reward_model'" in problem and "data.prompt_key" not in problem
+
+
+def test_a_data_source_without_a_scorer_is_refused_at_launch(tmp_path):
+    """veRL's MATH files (``data_source='lighteval/MATH'``) with no custom scorer: every
+    sample would score 0 (a walkthrough's run ended "successfully" at reward 0). Refused
+    at launch naming the source, its file and the fix; a custom scorer takes any source."""
+    from asyncrl.config import load_config
+    from asyncrl.config.inputs import DATA, REWARD, input_problems
+
+    rows = {
+        "data_source": ["lighteval/MATH", "arithmetic"],
+        "prompt": [[{"role": "user", "content": "1+1="}]] * 2,
+        "reward_model": [{"ground_truth": "2"}] * 2,
+    }
+    math = tmp_path / "math.parquet"
+    pd.DataFrame(rows).to_parquet(math)
+    base = [f"data.train_files={math}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    (problem,) = input_problems(load_config(None, base), [DATA, REWARD])
+    assert problem.startswith(f"data_source 'lighteval/MATH' ({math}) has no built-in scorer")
+    assert "set reward.custom_reward_function.path" in problem
+    assert input_problems(load_config(None, base), [DATA]) == []  # the learner's check
+    scorer = tmp_path / "score.py"
+    scorer.write_text("def compute_score(*args, **kwargs):\n    return 1.0\n")
+    custom = [*base, f"reward.custom_reward_function.path={scorer}"]
+    assert input_problems(load_config(None, custom), [DATA, REWARD]) == []

@@ -174,6 +174,10 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                 f"reward.custom_reward_function.path={scorer} does not exist: give the "
                 "Python file that defines your scoring function"
             )
+        oe = cfg.rollout.openai_endpoint
+        scored_here = not (oe.enable and not oe.take_tasks)  # else agents send the rewards
+        if DATA in needs and scored_here and not scorer and not problems:
+            problems += _source_problems(cfg)
     # Only resume_path starts from it for sure (auto falls back to it when the run has no
     # checkpoint yet; the learner checks that case itself, before it moves anything).
     resume = cfg.trainer.resume_from_path
@@ -201,6 +205,34 @@ def _column_problems(cfg: Config, validating: bool) -> list[str]:
         if (problem := column_problem(names, f, cfg.data.prompt_key)) is not None:
             out.append(problem)
     return out
+
+
+def _source_problems(cfg: Config) -> list[str]:
+    """The data's ``data_source`` values no built-in scorer knows, when no custom scorer is
+    set: every sample of theirs would score 0 (as veRL, which stops at the first)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncrl.rewards.registry import KNOWN_DATA_SOURCES
+
+    validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+    unknown: dict[str, str] = {}  # data source -> the first file it is in
+    for f in [*cfg.data.train_files, *(cfg.data.val_files if validating else [])]:
+        try:
+            table = pq.read_table(Path(f).expanduser(), columns=["data_source"])
+        except (OSError, pa.ArrowException, KeyError):  # named by the column check
+            continue
+        for source in table.column(0).unique().to_pylist():
+            if str(source) not in KNOWN_DATA_SOURCES:
+                unknown.setdefault(str(source), f)
+    if not unknown:
+        return []
+    named = ", ".join(f"{s!r} ({f})" for s, f in list(unknown.items())[:3])
+    return [
+        f"data_source {named} has no built-in scorer (known: {', '.join(KNOWN_DATA_SOURCES)}): "
+        "set reward.custom_reward_function.path to a Python file defining "
+        "compute_score(data_source, solution_str, ground_truth, extra_info=None)"
+    ]
 
 
 def training_rows(cfg: Config) -> int:
