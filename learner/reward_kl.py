@@ -22,18 +22,10 @@ import torch
 from asyncrl.config import Config
 from asyncrl.config.policy import TOKEN_REWARD_ESTIMATORS
 from learner import fsdp
-from learner.advantages import outcome_token_rewards
 from learner.checkpoint import REWARD_KL_KEY
 from learner.collate import pad_rows
-from learner.rollouts import Rollout, response_mask
+from learner.rollouts import Rollout, outcome_rewards, response_mask
 from learner.values import KLController, kl_in_reward
-
-
-def outcome_rewards(rollouts: Sequence[Rollout]) -> torch.Tensor:
-    """Each rollout's score on its last response token, ``[B, T]`` float32 (no penalty)."""
-    mask, _ = response_mask(rollouts)
-    scores = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
-    return outcome_token_rewards(scores, mask)
 
 
 def token_rewards(

@@ -137,6 +137,13 @@ def response_mask(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, list[int]]
     return mask, lengths
 
 
+def outcome_rewards(rollouts: Sequence[Rollout]) -> torch.Tensor:
+    """Each rollout's score on its last response token, ``[B, T]`` float32 (no penalty)."""
+    mask, _ = response_mask(rollouts)
+    scores = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
+    return outcome_token_rewards(scores, mask)
+
+
 def token_advantages(
     rollouts: Sequence[Rollout],
     kept: Sequence[Rollout],
@@ -151,10 +158,8 @@ def token_advantages(
     the outcome on the last token (the KL in the reward, :mod:`learner.reward_kl`)."""
     mask, lengths = response_mask(kept)
     if estimator == "reinforce_plus_plus":
-        if token_rewards is None:
-            scores = torch.tensor([float(r.reward) for r in kept], dtype=torch.float32)
-            token_rewards = outcome_token_rewards(scores, mask)
-        adv = reinforce_pp_advantages(token_rewards, mask, gamma)
+        rewards = outcome_rewards(kept) if token_rewards is None else token_rewards
+        adv = reinforce_pp_advantages(rewards, mask, gamma)
     elif estimator == "reinforce_plus_plus_baseline":
         centered = baseline_advantages(rollouts, kept, "grpo", norm_by_std=False)
         adv = reinforce_pp_baseline_advantages(centered, mask)

@@ -55,8 +55,7 @@ def test_reinforce_plus_plus_takes_the_kl_in_the_reward(tiny_model, single_rank,
     ``actor/reward_kl_penalty``, and the advantages are REINFORCE++'s of those rewards."""
     from learner import trainer as trainer_module
     from learner.advantages import reinforce_pp_advantages
-    from learner.reward_kl import outcome_rewards
-    from learner.rollouts import response_mask
+    from learner.rollouts import outcome_rewards, response_mask
 
     seen: list[tuple[list, torch.Tensor]] = []
     real = trainer_module.token_advantages
