@@ -396,17 +396,3 @@ def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path, drive):
     wait_until(lambda: not processes_of_run(tmp_path), "the watchdog", 15)
     hidden = [t["tree"][-1] for t in trees]  # the watchdog was told of them
     wait_until(lambda: not [p for p in hidden if alive(p)], "the hidden children", 5)
-
-
-def test_an_interrupted_run_says_what_the_same_command_resumes(tmp_path):
-    from asyncrl.config import load_config
-    from asyncrl.launch.roles import _resume_hint
-
-    cfg = load_config(None, [])
-    assert "starts the run over" in _resume_hint(tmp_path, cfg)
-    for step in (20, 40):
-        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
-        (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text("{}")
-    assert _resume_hint(tmp_path, cfg).endswith("resumes the run from its checkpoint at step 40")
-    disabled = load_config(None, ["trainer.resume_mode=disable"])
-    assert "does not resume here" in _resume_hint(tmp_path, disabled)

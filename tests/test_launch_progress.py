@@ -172,3 +172,17 @@ def test_a_resumed_runs_summary_covers_this_launch_only(tmp_path):
     text = out.getvalue()
     assert "step 1 to end" in text and " 20s" in text.split("step 1 to end")[1].splitlines()[0]
     assert "learner: training 75%, waiting for batches 25%" in text
+
+
+def test_an_interrupted_run_says_what_the_same_command_resumes(tmp_path):
+    from asyncrl.config import load_config
+    from asyncrl.launch.roles import _resume_hint
+
+    cfg = load_config(None, [])
+    assert "starts the run over" in _resume_hint(tmp_path, cfg)
+    for step in (20, 40):
+        (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text("{}")
+    assert _resume_hint(tmp_path, cfg).endswith("resumes the run from its checkpoint at step 40")
+    disabled = load_config(None, ["trainer.resume_mode=disable"])
+    assert "does not resume here" in _resume_hint(tmp_path, disabled)

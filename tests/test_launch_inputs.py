@@ -1,0 +1,129 @@
+"""What the launcher checks before any role starts (:func:`asyncrl.config.inputs.
+input_problems`): the model, the data files (present, in veRL's layout, with a scorer for
+every ``data_source``), the scorer file, and the step count the data makes; each problem
+one line naming the fix."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+
+
+def test_missing_inputs_are_named_with_the_fix(tmp_path):
+    from asyncrl.config.inputs import DATA, MODEL, REWARD, input_problems, looks_like_hub_id
+
+    assert looks_like_hub_id("Qwen/Qwen2.5-0.5B") and looks_like_hub_id("gpt2")
+    assert not looks_like_hub_id("artifacts/models/tiny")
+    assert not looks_like_hub_id("./tiny") and not looks_like_hub_id("/models/tiny")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    from asyncrl.tasks import prepare_task_data
+
+    prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)
+    data = tmp_path / "data" / "train.parquet"
+    base = [f"data.train_files={data}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+
+    def problems(*overrides: str, needs=(MODEL, DATA, REWARD)) -> list[str]:
+        return input_problems(load_config(None, [*base, *overrides]), needs)
+
+    assert problems(f"model.path={model}") == []
+    assert problems("model.path=Qwen/Qwen2.5-0.5B") == []  # a hub id: transformers decides
+    assert problems(f"model.path={tmp_path}/none")[0].startswith(
+        f"model.path={tmp_path}/none does not exist: build a model there with "
+        f"`asyncrl-prepare model --name tiny --out {tmp_path}/none`"
+    )
+    assert "a directory without config.json" in problems(f"model.path={empty}")[0]
+    assert problems(f"model.path={tmp_path}/none", needs=(DATA,)) == []
+    # Validation files only when validation runs; the scorer file only where it is loaded.
+    val = f"data.val_files={tmp_path}/val.parquet"
+    assert problems(f"model.path={model}", val) == []
+    assert problems(f"model.path={model}", val, "trainer.test_freq=5") == [
+        f"data.val_files: {tmp_path}/val.parquet does not exist: write a task's files with "
+        "`asyncrl-prepare data --task arithmetic --out DIR` (or convert your data to veRL's "
+        "parquet schema)"
+    ]
+    scorer = f"reward.custom_reward_function.path={tmp_path}/score.py"
+    assert "score.py does not exist" in problems(f"model.path={model}", scorer)[0]
+    assert problems(f"model.path={model}", scorer, needs=(MODEL, DATA)) == []
+
+
+def test_null_total_training_steps_counts_whole_batches_times_epochs(tmp_path):
+    """veRL's count: len(dataloader) (whole batches, the last partial one dropped) times
+    total_epochs; rows that make no batch are a config error with the fix."""
+    from asyncrl.config.inputs import DATA, input_problems, total_training_steps
+    from asyncrl.tasks import prepare_task_data
+
+    prepare_task_data("arithmetic", tmp_path, seed=0, n_train=50, n_val=4)
+    base = [
+        f"data.train_files={tmp_path}/train.parquet",
+        f"data.val_files={tmp_path}/val.parquet",
+        "trainer.total_training_steps=null",
+    ]
+    cfg = load_config(None, [*base, "data.train_batch_size=16", "trainer.total_epochs=3"])
+    assert total_training_steps(cfg) == 50 // 16 * 3 == 9
+    assert total_training_steps(load_config(None, ["trainer.total_training_steps=7"])) == 7
+    too_big = load_config(None, [*base, "data.train_batch_size=64", "trainer.save_freq=-1"])
+    with pytest.raises(ConfigError, match="make no batch of data.train_batch_size=64"):
+        total_training_steps(too_big)
+    assert "make no batch" in input_problems(too_big, [DATA])[0]
+    # A critic warm-up as long as the counted run would leave the actor untrained.
+    gae = ["algorithm.adv_estimator=gae", "critic.enable=true", "data.train_batch_size=16"]
+    warm = load_config(None, [*base, *gae, "trainer.total_epochs=3", "trainer.critic_warmup=9"])
+    assert "critic_warmup=9 is not below the 9 steps" in input_problems(warm, [DATA])[0]
+    fine = load_config(None, [*base, *gae, "trainer.total_epochs=3", "trainer.critic_warmup=8"])
+    assert input_problems(fine, [DATA]) == []
+
+
+def test_a_data_file_not_in_verls_layout_is_refused_before_anything_starts(tmp_path):
+    """A file whose prompt column has another name (``question``) or that lacks
+    ``reward_model`` is refused at launch in one line naming the fix (``data.prompt_key``),
+    not by a learner that crash-loops on it (a walkthrough saw three restarts)."""
+    from asyncrl.config import load_config
+    from asyncrl.config.inputs import DATA, input_problems
+
+    rows = {
+        "data_source": ["arithmetic"],
+        "question": [[{"role": "user", "content": "1+1="}]],
+        "reward_model": [{"ground_truth": "2"}],
+    }
+    odd = tmp_path / "odd.parquet"
+    pd.DataFrame(rows).to_parquet(odd)
+    base = [f"data.train_files={odd}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    (problem,) = input_problems(load_config(None, base), [DATA])
+    assert f"{odd}: missing required column 'prompt'" in problem
+    assert "set data.prompt_key=question" in problem
+    assert input_problems(load_config(None, [*base, "data.prompt_key=question"]), [DATA]) == []
+    rows.pop("reward_model")
+    pd.DataFrame(rows).to_parquet(odd)
+    (problem,) = input_problems(load_config(None, [*base, "data.prompt_key=question"]), [DATA])
+    assert "missing required column 'reward_model'" in problem and "data.prompt_key" not in problem
+
+
+def test_a_data_source_without_a_scorer_is_refused_at_launch(tmp_path):
+    """veRL's MATH files (``data_source='lighteval/MATH'``) with no custom scorer: every
+    sample would score 0 (a walkthrough's run ended "successfully" at reward 0). Refused
+    at launch naming the source, its file and the fix; a custom scorer takes any source."""
+    from asyncrl.config import load_config
+    from asyncrl.config.inputs import DATA, REWARD, input_problems
+
+    rows = {
+        "data_source": ["lighteval/MATH", "arithmetic"],
+        "prompt": [[{"role": "user", "content": "1+1="}]] * 2,
+        "reward_model": [{"ground_truth": "2"}] * 2,
+    }
+    math = tmp_path / "math.parquet"
+    pd.DataFrame(rows).to_parquet(math)
+    base = [f"data.train_files={math}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    (problem,) = input_problems(load_config(None, base), [DATA, REWARD])
+    assert problem.startswith(f"data_source 'lighteval/MATH' ({math}) has no built-in scorer")
+    assert "set reward.custom_reward_function.path" in problem
+    assert input_problems(load_config(None, base), [DATA]) == []  # the learner's check
+    scorer = tmp_path / "score.py"
+    scorer.write_text("def compute_score(*args, **kwargs):\n    return 1.0\n")
+    custom = [*base, f"reward.custom_reward_function.path={scorer}"]
+    assert input_problems(load_config(None, custom), [DATA, REWARD]) == []
