@@ -1,6 +1,7 @@
 """The launcher's progress and summary lines (pure): the accounting line of a run's
-metrics, and the restarts read from ``launch.jsonl`` in the live line and the summary
-table. Supervision itself is tested in ``tests/test_launch.py``."""
+metrics, the restarts read from ``launch.jsonl`` in the live line and the summary table,
+a resumed run's summary (this launch only), and what an interrupted launch says it
+resumes. Supervision itself is tested in ``tests/test_launch.py``."""
 
 from __future__ import annotations
 
