@@ -11,10 +11,12 @@ import pytest
 from asyncrl.config import ConfigError, load_config
 
 
-def test_missing_inputs_are_named_with_the_fix(tmp_path):
+def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
     from asyncrl.config.inputs import DATA, MODEL, REWARD, input_problems, looks_like_hub_id
 
     assert looks_like_hub_id("Qwen/Qwen2.5-0.5B") and looks_like_hub_id("gpt2")
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # online: a hub id is the roles'
+        monkeypatch.delenv(name, raising=False)
     assert not looks_like_hub_id("artifacts/models/tiny")
     assert not looks_like_hub_id("./tiny") and not looks_like_hub_id("/models/tiny")
     empty = tmp_path / "empty"
@@ -32,7 +34,7 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path):
         return input_problems(load_config(None, [*base, *overrides]), needs)
 
     assert problems(f"model.path={model}") == []
-    assert problems("model.path=Qwen/Qwen2.5-0.5B") == []  # a hub id: transformers decides
+    assert problems("model.path=Qwen/Qwen2.5-0.5B") == []  # a hub id: the roles load it
     assert problems(f"model.path={tmp_path}/none")[0].startswith(
         f"model.path={tmp_path}/none does not exist: build a model there with "
         f"`asyncrl-prepare model --name tiny --out {tmp_path}/none`"
@@ -50,6 +52,34 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path):
     scorer = f"reward.custom_reward_function.path={tmp_path}/score.py"
     assert "score.py does not exist" in problems(f"model.path={model}", scorer)[0]
     assert problems(f"model.path={model}", scorer, needs=(MODEL, DATA)) == []
+
+
+def test_hub_id_offline_without_cached_copy_is_refused(tmp_path, monkeypatch):
+    """A hub id is looked up in the local cache only: offline and not cached, no role could
+    load it (they would crash-loop on the download), so the launcher says so first."""
+    from asyncrl.config.inputs import MODEL, input_problems
+
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+
+    def problems() -> list[str]:
+        return input_problems(load_config(None, ["model.path=Qwen/Qwen2.5-0.5B"]), (MODEL,))
+
+    assert problems() == []  # online: the roles download it
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (line,) = problems()
+    assert line.startswith("model.path=Qwen/Qwen2.5-0.5B is no local directory and not in")
+    assert "HF_HUB_OFFLINE is set" in line and "--local-dir DIR" in line
+    snapshot = tmp_path / "hf" / "hub" / "models--Qwen--Qwen2.5-0.5B" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    assert len(problems()) == 1  # a snapshot without its config is no model
+    (snapshot / "config.json").write_text("{}")
+    assert problems() == []
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "true")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    assert "TRANSFORMERS_OFFLINE is set" in problems()[0]
 
 
 def test_null_total_training_steps_counts_whole_batches_times_epochs(tmp_path):

@@ -2,12 +2,15 @@
 ``trainer.resume_from_path`` that is no checkpoint, is a config error (exit 2, one line
 naming the fix), not a traceback and a restart loop.
 
-Only local paths are checked: a model path shaped like a hub id (``name`` or ``org/name``)
-that is not a local directory is left to ``transformers`` (a machine that reaches a hub).
+A model path shaped like a hub id (``name`` or ``org/name``) that is not a local directory
+is looked up in the local HF cache only, never on the network: with ``HF_HUB_OFFLINE`` (or
+``TRANSFORMERS_OFFLINE``) set, a model missing from the cache is a config error; otherwise
+the roles download it (a machine that reaches a hub).
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -48,11 +51,48 @@ def model_problem(path: str) -> str | None:
             )
         return None
     if looks_like_hub_id(path):
-        return None
+        return _hub_problem(path)
     return (
         f"model.path={path} does not exist: build a model there with "
         f"`asyncrl-prepare model --name tiny --out {path}`, or give an existing HF model "
         "directory"
+    )
+
+
+def _hub_offline() -> str | None:
+    """The variable that puts this machine's HF libraries offline, if one does."""
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        if os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
+            return name
+    return None
+
+
+def _hub_cache() -> Path:
+    """Where ``huggingface_hub`` keeps downloaded models, read from the environment now (its
+    own constant is read once, at import)."""
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return Path(cache).expanduser()
+    home = os.environ.get("HF_HOME") or Path(
+        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"
+    )
+    return Path(home).expanduser() / "hub"
+
+
+def _hub_problem(repo_id: str) -> str | None:
+    """Why hub model ``repo_id`` cannot load on this machine: offline with no cached copy.
+    Online, or cached, it is left to the roles (no network call here)."""
+    offline = _hub_offline()
+    if offline is None:
+        return None
+    # A cached snapshot holds the model's config.json (models--org--name/snapshots/<rev>/).
+    snapshots = _hub_cache() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    if any(snapshots.glob("*/config.json")):
+        return None
+    return (
+        f"model.path={repo_id} is no local directory and not in the HF cache ({_hub_cache()}),"
+        f" and {offline} is set, so no role can download it: download it on a machine that "
+        f"reaches the hub (`huggingface-cli download {repo_id} --local-dir DIR`) and give "
+        "model.path=DIR"
     )
 
 
