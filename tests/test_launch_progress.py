@@ -73,10 +73,12 @@ def test_restarts_in_the_live_line_and_the_summary(tmp_path):
     assert restarts == {"buffer": 0, "rollout-0": 2, "learner": 1}
     cfg = SimpleNamespace(trainer=SimpleNamespace(total_training_steps=10))
     view = ProgressView(tmp_path, cfg, stream=io.StringIO())
-    records = [{"step": 2.0, "reward/mean": 0.5}]
+    records = [{"step": 2.0, "reward/mean": 0.5, "timing/wait_fraction": 0.9}]
     assert " | restarts 3 | " in view.line(records, restarts)
+    assert " | learner wait 90% | " in view.line(records, restarts)
     assert "restarts" not in view.line(records, {"buffer": 0})
     table = summary_table(records, restarts).splitlines()
+    assert "wait" not in "".join(table)  # one step's share: the time split has the run's
     assert [line.split()[:3] for line in table[-3:]] == [
         ["restarts", "buffer", "0"],
         ["restarts", "rollout-0", "2"],
