@@ -310,6 +310,7 @@ class RankZero:
         while time.monotonic() < deadline and self.validation.pending(
             self.coordinator.validation_progress()
         ):
+            self.pushes.serve_catchups()  # a server (re)started now validates these weights
             self._poll_validation(step)
             time.sleep(0.5)
         missing = self.validation.missing(self.coordinator.validation_progress())

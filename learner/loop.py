@@ -27,7 +27,13 @@ from typing import Any
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config import run_dir as run_dir_of
-from asyncrl.config.inputs import complete_line, resume_problem, total_training_steps
+from asyncrl.config.inputs import (
+    complete_line,
+    ended_at,
+    mark_ended,
+    resume_problem,
+    total_training_steps,
+)
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
@@ -110,6 +116,8 @@ class LearnerLoop:
             done = self.stopped_by is None
         finally:
             self.control.finish(self.trainer.step, validate=done)
+        if done and self.trainer.rank == 0:
+            mark_ended(self.run_dir, self.trainer.step)
         if self.stopped_by is not None:
             log.error(
                 "the run stopped at step %d on %s (trainer.health.action=stop); its "
@@ -121,15 +129,30 @@ class LearnerLoop:
         return 0
 
     def _complete_already(self) -> int:
-        """A finished run launched again resumes its final checkpoint (``auto``): it says so
-        and ends the run at once. Its checkpoint and last validation are there already,
-        and the rounds its checkpoint held in flight were reported before it. The export is
-        made when it is missing (a learner killed between its last checkpoint and it)."""
-        log.warning("%s", complete_line(self.trainer.step, self.total))
+        """A finished run started again resumes its final checkpoint (``auto``). When its
+        ending was done (:func:`ended_at`: export, final validation), it says so and ends
+        the run at once, without waiting on the rounds its checkpoint held (reported before
+        it ended). A run cut short in its ending (the learner, or the whole launch, killed
+        after the final checkpoint) gets what it missed: the export if ``final/`` is
+        missing, and the final validation, with the servers caught up to these weights."""
+        t = self.trainer
+        ended = _broadcast_int(int(ended_at(self.run_dir) == t.step), t)  # rank 0's view
+        if ended:
+            log.warning("%s", complete_line(t.step, self.total))
+        else:
+            log.warning(
+                "the run's last checkpoint is its final step %d, but its ending was cut "
+                "short: finishing it (export if missing, final validation)",
+                t.step,
+            )
         final = self.run_dir / "final"  # written whole or not at all (export_hf)
-        if not _broadcast_int(int(final.is_dir()), self.trainer):  # rank 0's view
-            self.control.export(self.trainer.export_state(), final)
-        self.control.finish(self.trainer.step, validate=False, wait_rounds=False)
+        if not _broadcast_int(int(final.is_dir()), t):
+            self.control.export(t.export_state(), final)
+        if not ended:
+            self.control.resume(t.full_state_for_push())  # what servers catch up to
+        self.control.finish(t.step, validate=not ended, wait_rounds=not ended)
+        if t.rank == 0:
+            mark_ended(self.run_dir, t.step)
         return 0
 
     def _one_step(self) -> bool:

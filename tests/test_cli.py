@@ -231,6 +231,7 @@ def test_launching_a_finished_run_again_says_so_and_starts_nothing(
     run = tmp_path / "asyncrl" / "cpu_demo"
     (run / "checkpoints" / "step_6").mkdir(parents=True)
     (run / "checkpoints" / "step_6" / "trainer_state.json").write_text("{}")
+    (run / "complete.json").write_text('{"step": 6}')  # what an ended run's learner writes
     args = [
         "configs/cpu_demo.yaml",
         f"trainer.default_local_dir={tmp_path}",
@@ -250,6 +251,11 @@ def test_launching_a_finished_run_again_says_so_and_starts_nothing(
     assert finished_step(load_config(args[0], [*args[1:], "trainer.total_training_steps=6"])) == 6
     for more in (["trainer.total_training_steps=7"], ["trainer.resume_mode=disable"]):
         assert finished_step(load_config(args[0], [*args[1:], *more])) is None, more
+    # Cut short in its ending (killed after the final checkpoint): the learner finishes it.
+    (run / "complete.json").unlink()
+    assert (
+        finished_step(load_config(args[0], [*args[1:], "trainer.total_training_steps=6"])) is None
+    )
 
 
 def test_a_rollout_server_whose_scorer_does_not_load_exits_2_before_its_engine(

@@ -4,13 +4,16 @@ the FSDP2 learner on the demo's tiny model, with validation before training and 
 - asynchronous (policy lag up to 2): several policy versions trained on, lag observed, few
   lag drops, validation up by more than 2 standard errors, metrics, plots, an HF export that
   vLLM loads, exit 0;
-- synchronous (lag 0): every trained trajectory is on-policy and the servers wait;
+- synchronous (lag 0): every trained trajectory is on-policy and the servers wait; its
+  ending cut short (no export, no final validation), the same command finishes it;
 - stopped halfway with SIGTERM and launched again: training restarts after the last
   checkpoint and versions keep counting up.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import signal
 import subprocess
 
@@ -92,13 +95,12 @@ def test_async_run_learns(tmp_path, demo_model, arithmetic_data):
     assert_vllm_loads(run / "final")
 
 
-@pytest.mark.timeout(660)
+@pytest.mark.timeout(900)
 def test_synchronous_run_is_on_policy(tmp_path, demo_model, arithmetic_data):
     steps_n = 12
     overrides = run_overrides(tmp_path, demo_model, arithmetic_data, steps_n)
-    code, out = _launch(
-        [*overrides, "staleness.max_policy_lag=0", "trainer.test_freq=-1", "trainer.save_freq=-1"]
-    )
+    same = ["staleness.max_policy_lag=0", "trainer.test_freq=-1", "trainer.save_freq=-1"]
+    code, out = _launch([*overrides, *same])
     run = tmp_path / RUN
     assert code == 0, out[-3000:] + role_logs(run)
     records = read_metrics(run)
@@ -113,6 +115,23 @@ def test_synchronous_run_is_on_policy(tmp_path, demo_model, arithmetic_data):
     fired = {k: v for k, v in steps[-1].items() if k.startswith("health/") and v}
     assert "health/min_ess" in steps[-1] and not fired, fired
     assert max(r.get("sync/probe_mean_abs_diff", 0.0) for r in steps) < 1e-3
+    # Its ending cut short (killed after the final checkpoint, before its export and final
+    # validation: no complete.json, no final/), the same command finishes it: the servers
+    # catch up to the final weights, validate them, and the export is made.
+    assert json.loads((run / "complete.json").read_text()) == {"step": steps_n}
+    assert [r["step"] for r in records if "val/score" in r][-1] == steps_n
+    (run / "complete.json").unlink()
+    shutil.rmtree(run / "final")
+    code, out = _launch([*overrides, *same])
+    assert code == 0, out[-3000:] + role_logs(run)
+    again = read_metrics(run)[len(records) :]
+    assert trained_steps(again) == [] and [r["step"] for r in again if "val/score" in r] == [
+        steps_n
+    ], again
+    assert (run / "final" / "config.json").is_file() and (run / "complete.json").is_file()
+    # Now ended, the same command starts nothing.
+    code, out = _launch([*overrides, *same])
+    assert code == 0 and "this run is complete" in out, out[-3000:]
 
 
 @pytest.mark.timeout(900)

@@ -201,7 +201,10 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     run again (veRL with ``save_freq: -1`` would have none and train afresh): the learner
     says the run is complete and how to train again, asks for no batch, saves nothing, and
     ends the run without waiting for validation rounds (a walkthrough's rerun sat for
-    ``launch.start_timeout_s`` on rounds its checkpoint held, reported long before)."""
+    ``launch.start_timeout_s`` on rounds its checkpoint held, reported long before).
+    A run whose ending was cut short (killed after the final checkpoint: no
+    ``complete.json``) gets the export and the final validation it missed."""
+    from asyncrl.config.inputs import COMPLETE_FILE, ended_at, mark_ended
     from learner.control_peer import NoControl
 
     class Finished(LoadRecorder):
@@ -211,28 +214,52 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
         def export_state(self) -> dict:
             return {"w": 1}
 
+        def full_state_for_push(self) -> dict:
+            return {"w": 2}
+
     class Ending(NoControl):
-        exported: list[Path] = []
+        def __init__(self) -> None:
+            self.exported: list[Path] = []
+            self.resumed: list[dict] = []
 
         def export(self, tensors: dict, out: Path) -> None:
             self.exported.append(out)
 
+        def resume(self, tensors: dict) -> None:
+            self.resumed.append(tensors)
+
         def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None:
             self.ended = (step, validate, wait_rounds)
 
-    loop = _loop(tmp_path / "run", "trainer.total_training_steps=10")
+    run = tmp_path / "run"
+    loop = _loop(run, "trainer.total_training_steps=10")
     loop.trainer = Finished()  # type: ignore[assignment]
-    loop.total, loop.control = 10, Ending()
     loop._one_step = lambda: pytest.fail("asked for a batch")  # type: ignore[method-assign]
-    with caplog.at_level("WARNING", logger="learner.loop"):
-        assert loop.run() == 0
+
+    def start_again() -> Ending:
+        loop.total, loop.control = 10, Ending()
+        with caplog.at_level("WARNING", logger="learner.loop"):
+            assert loop.run() == 0
+        return loop.control  # type: ignore[return-value]
+
+    run.mkdir()
+    mark_ended(run, 10)
+    control = start_again()
     assert "this run is complete (its checkpoint is at step 10 of 10): nothing to" in caplog.text
     assert "new trainer.experiment_name" in caplog.text
-    assert loop.control.ended == (10, False, False)  # type: ignore[attr-defined]
+    assert control.ended == (10, False, False) and control.resumed == []
     # Killed between its last checkpoint and its export, the run had no final/: made now.
-    assert loop.control.exported == [tmp_path / "run" / "final"]  # type: ignore[attr-defined]
-    (tmp_path / "run" / "final").mkdir(parents=True)
-    loop.control = Ending()
-    loop.control.exported = []  # type: ignore[attr-defined]
-    loop.run()
-    assert loop.control.exported == []  # type: ignore[attr-defined]
+    assert control.exported == [run / "final"]
+    (run / "final").mkdir()
+    assert start_again().exported == []
+    # Killed before its ending was recorded: the final validation runs now, on weights the
+    # servers catch up to, and waits for its round; then the ending is recorded.
+    (run / COMPLETE_FILE).unlink()
+    caplog.clear()
+    control = start_again()
+    assert "its ending was cut short: finishing it" in caplog.text
+    assert "this run is complete" not in caplog.text
+    assert control.ended == (10, True, True) and control.resumed == [{"w": 2}]
+    assert ended_at(run) == 10
+    (run / COMPLETE_FILE).write_text("{")  # a torn write reads as not ended
+    assert ended_at(run) is None

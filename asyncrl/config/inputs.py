@@ -10,6 +10,7 @@ the roles download it (a machine that reaches a hub).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Iterable
@@ -32,6 +33,10 @@ STEP_ENTRY = re.compile(r"^step_(\d+)(\.tmp|\.old)?$")
 #: Where a rewind to step ``k`` moves the run's later checkpoints (the branch left behind).
 ABANDONED_DIR = "abandoned_after_step_{step}"
 _ABANDONED = re.compile(r"^abandoned_after_step_(\d+)(?:\.\d+)?$")
+#: What a learner writes in the run directory once its run has ended whole (final checkpoint,
+#: export, final validation): ``{"step": n}``. A run whose last checkpoint is step ``n``
+#: without it was cut short in its ending, which the next start finishes.
+COMPLETE_FILE = "complete.json"
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -157,13 +162,29 @@ def scan_checkpoints(root: Path) -> tuple[dict[int, Path], list[Path]]:
 
 def finished_step(cfg: Config) -> int | None:
     """The step of the run's last checkpoint when a start would resume a complete run
-    (``resume_mode=auto`` and no step left to train), else None."""
+    (``resume_mode=auto``, no step left to train, and its ending done: see
+    :func:`ended_at`), else None."""
     if cfg.trainer.resume_mode != "auto":
         return None
     found, _ = scan_checkpoints(run_dir(cfg) / "checkpoints")
     if not found or max(found) < total_training_steps(cfg):
         return None
-    return max(found)
+    return max(found) if ended_at(run_dir(cfg)) == max(found) else None
+
+
+def ended_at(run: Path) -> int | None:
+    """The step the run in ``run`` last ended whole at (its :data:`COMPLETE_FILE`), if any."""
+    try:
+        return int(json.loads((run / COMPLETE_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):  # none, or a torn write: not ended
+        return None
+
+
+def mark_ended(run: Path, step: int) -> None:
+    """Record that the run ended whole at ``step`` (written whole or not at all)."""
+    tmp = run / f"{COMPLETE_FILE}.tmp"
+    tmp.write_text(json.dumps({"step": step}) + "\n")
+    tmp.replace(run / COMPLETE_FILE)
 
 
 def complete_line(step: int, total: int) -> str:
