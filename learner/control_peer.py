@@ -47,6 +47,7 @@ class ControlPeer(Protocol):
     def export(self, tensors: dict[str, Any], out: Path) -> None: ...
     def after_step(self, step: int, metrics: dict[str, float], version: int) -> None: ...
     def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None: ...
+    def abandon(self) -> None: ...
 
 
 class NoControl:
@@ -87,4 +88,7 @@ class NoControl:
         pass
 
     def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None:
+        pass
+
+    def abandon(self) -> None:
         pass

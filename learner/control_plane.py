@@ -330,6 +330,16 @@ class RankZero:
         self.logger.close()
         self.buffer.close()
 
+    def abandon(self) -> None:
+        """The learner fails and will be restarted: stop serving without telling anyone,
+        as a crash would (the servers and the buffer wait for the next learner; every
+        batch not acknowledged comes again). Never raises: the failure is the news."""
+        for close in (self.coordinator.stop, self.logger.close, self.buffer.close):
+            try:
+                close()
+            except Exception:
+                log.exception("while leaving the run to the next learner")
+
     def _settled_accounting(self, deadline: float) -> dict[str, float]:
         """The final accounting, once the last validation round shows as scored: the learner
         reads a round's scores from the buffer's sums, and the coordinator marks its groups

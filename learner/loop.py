@@ -103,7 +103,6 @@ class LearnerLoop:
         ``sync.timeout_s``). Unblocked by the buffer releasing a batch."""
         if self.trainer.step >= self.total:
             return self._complete_already()
-        done = False
         try:
             # What a server that does not hold these weights catches up to before the first
             # push: one older than the checkpoint, or, after a restart without one, a
@@ -113,9 +112,17 @@ class LearnerLoop:
                 while self.trainer.step < self.total and self._one_step():
                     pass
             self._save(final=True)
-            done = self.stopped_by is None
-        finally:
-            self.control.finish(self.trainer.step, validate=done)
+        except Exception:
+            # A failure (out of memory, a failed push or save) is restarted by the launcher
+            # from the last checkpoint: the peers stay up for the next learner, as after a
+            # crash. Ending the run here would stop them for good (they exit 0).
+            self.control.abandon()
+            raise
+        except BaseException:  # Ctrl-C of a learner started by hand: the run ends
+            self.control.finish(self.trainer.step, validate=False)
+            raise
+        done = self.stopped_by is None
+        self.control.finish(self.trainer.step, validate=done)
         if done and self.trainer.rank == 0:
             mark_ended(self.run_dir, self.trainer.step)
         if self.stopped_by is not None:

@@ -1,4 +1,4 @@
-"""Three "nothing hangs" mends of a hang audit, each on real parts (rank 0's control plane
+"""Four "nothing hangs" mends of a hang audit, each on real parts (rank 0's control plane
 with its coordinator threads and a buffer service on 127.0.0.1, the launcher's supervisor
 over a real child process):
 
@@ -6,6 +6,8 @@ over a real child process):
   has crashed, instead of waiting for a batch that no dealt task will ever make;
 - a validation poll the buffer does not answer (it restarts) is let go and asked again
   later, at the end of a step and while waiting for a batch, instead of ending the learner;
+- a learner that raises (out of memory, a failed push) leaves the buffer and the servers
+  up for its restart, instead of ending the run for everyone;
 - the launcher's reap of a SIGKILLed role that does not die (stuck in the kernel) gives up
   after ``REAP_WAIT_S`` and says so, instead of freezing the launcher.
 """
@@ -33,6 +35,7 @@ from asyncrl.launch import supervise
 from asyncrl.launch.restart_policy import RestartPolicy
 from asyncrl.launch.supervise import Role, Supervisor
 from asyncrl.metrics import read_metrics
+from asyncrl.net.ports import free_ports
 from buffer.service import BufferService
 from learner import control_plane
 from learner.control_peer import Restored
@@ -194,7 +197,52 @@ def test_a_wait_for_a_batch_outlives_a_missed_validation_poll(
         rank0.wait_batch(0, 0, keepalive=keepalive)
 
 
-# ------------------------------------------------------------------ 3. bounded reap
+# ------------------------------------------------------------------ 3. a learner that raises
+@pytest.mark.timeout(60)
+def test_a_learner_that_raises_leaves_the_run_to_its_restart(rig: RankZeroRig) -> None:
+    """A learner step raises (out of memory, a failed push): the launcher restarts the
+    learner from its checkpoint, so the peers must stay up for it. Before the mend the
+    loop's ``finally`` ended the run: the buffer and every server were told to shut down
+    (they exit 0 and are never restarted), and each restarted learner then waited in vain
+    for the buffer until the launcher gave up."""
+    from learner.health import HealthMonitor
+    from learner.loop import LearnerLoop
+
+    class Trainer:  # the loop's view of learner.trainer.Trainer, before its first step
+        rank, world_size, step, policy_version = 0, 1, 0, 0
+
+        def full_state_for_push(self) -> dict:
+            return {}
+
+    def one_step() -> bool:
+        raise RuntimeError("CUDA out of memory (injected)")
+
+    loop = object.__new__(LearnerLoop)
+    loop.cfg, loop.trainer, loop.control, loop.total = rig.cfg, Trainer(), rig.rank0, 10
+    loop.stopped_by, loop._marked, loop.run_dir = None, set(), run_dir(rig.cfg)
+    loop.health = HealthMonitor(rig.cfg.trainer.health)
+    loop._one_step = one_step  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="injected"):
+        loop.run()
+    assert not rig.rank0.coordinator.shutdown_requested.is_set()
+    assert not any(t.is_alive() for t in rig.rank0.coordinator._threads)  # stopped serving
+    assert rig.buffer._thread is not None and rig.buffer._thread.is_alive()
+    # The next learner (the launcher's restart) finds the same buffer, and serves the
+    # coordinator's endpoints again. (Its weight-sync store goes elsewhere: in a run the
+    # failed process's store dies with it; here the process lives on.)
+    cfg = rig.cfg.model_copy(deep=True)
+    cfg.endpoints.sync_store = free_ports("127.0.0.1", 1)[0]
+    again = RankZero(cfg, run_dir(cfg), Restored(None, None, None), new_run=False)
+    try:
+        assert again.coordinator.failure is None
+        assert again.buffer.validation().session == rig.buffer.session
+    finally:
+        again.coordinator.stop()
+        again.logger.close()
+        again.buffer.close()
+
+
+# ------------------------------------------------------------------ 4. bounded reap
 def _sleeper(tmp_path: Path) -> tuple[Supervisor, Role]:
     """A supervisor in this process (no subreaper, no watchdog) running one role that
     sleeps for a minute, as a real child in a session of its own."""
