@@ -43,6 +43,8 @@ from learner.control_plane import RankZero
 from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.rollouts import Rollout
 
+ADAPTER_LAST = "adapter_config.json"  # the last file a peft adapter's export writes
+
 log = logging.getLogger(__name__)
 
 
@@ -152,9 +154,7 @@ class LearnerLoop:
                 "short: finishing it (export if missing, final validation)",
                 t.step,
             )
-        final = self.run_dir / "final"  # written whole or not at all (export_hf)
-        if not _broadcast_int(int(final.is_dir()), t):
-            self.control.export(t.export_state(), final)
+        self._export(only_missing=True)
         if not ended:
             self.control.resume(t.full_state_for_push())  # what servers catch up to
         self.control.finish(t.step, validate=not ended, wait_rounds=not ended)
@@ -255,12 +255,24 @@ class LearnerLoop:
         self.trainer.save(self.run_dir, extra=extra)
         self.control.acknowledge(self.unacked)
         self.unacked = []
-        if final:  # an HF export that vLLM loads (with LoRA: merged, and the adapter)
-            self.control.export(self.trainer.export_state(), self.run_dir / "final")
-            if self.cfg.model.lora_rank:  # the adapter alone too, in peft's format
-                state = fsdp.full_state(self.trainer.model)  # a collective
-                if self.trainer.rank == 0:
-                    lora.export_adapter(state, self.cfg.model, self.run_dir / "final_adapter")
+        if final:
+            self._export()
+
+    def _export(self, only_missing: bool = False) -> None:
+        """``final/``, an HF export that vLLM loads (with LoRA: merged), and with LoRA the
+        adapter alone in peft's format (``final_adapter/``). ``only_missing``: those not
+        there (a run cut short in its ending); rank 0 looks, every rank gathers."""
+        t = self.trainer
+        final, adapter = self.run_dir / "final", self.run_dir / "final_adapter"
+        # final/ is written whole or not at all (export_hf); an adapter's config goes last.
+        if not (only_missing and _broadcast_int(int(final.is_dir()), t)):
+            self.control.export(t.export_state(), final)
+        if not self.cfg.model.lora_rank:
+            return
+        if not (only_missing and _broadcast_int(int((adapter / ADAPTER_LAST).is_file()), t)):
+            state = fsdp.full_state(t.model)  # a collective
+            if t.rank == 0:
+                lora.export_adapter(state, self.cfg.model, adapter)
 
     def _restore(self) -> Restored:
         """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any.

@@ -263,3 +263,31 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     assert ended_at(run) == 10
     (run / COMPLETE_FILE).write_text("{")  # a torn write reads as not ended
     assert ended_at(run) is None
+
+
+def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypatch):
+    """With LoRA the ending also writes the adapter alone (``final_adapter/``): a run
+    killed before it gets it at the next start, and only then."""
+    from asyncrl.config.inputs import mark_ended
+    from learner import loop as loop_module
+    from learner.control_peer import NoControl
+
+    adapters: list[Path] = []
+    monkeypatch.setattr(loop_module.fsdp, "full_state", lambda model: {"w": 1})
+    monkeypatch.setattr(
+        loop_module.lora, "export_adapter", lambda state, cfg, out: adapters.append(out)
+    )
+
+    class Finished(LoadRecorder):
+        step, world_size, model = 10, 1, None
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    mark_ended(run, 10)
+    loop = _loop(run, "trainer.total_training_steps=10", "model.lora_rank=4")
+    loop.trainer, loop.total, loop.control = Finished(), 10, NoControl()  # type: ignore[assignment]
+    assert loop.run() == 0
+    assert adapters == [run / "final_adapter"]
+    (run / "final_adapter").mkdir()
+    (run / "final_adapter" / loop_module.ADAPTER_LAST).write_text("{}")
+    assert loop.run() == 0 and adapters == [run / "final_adapter"]
