@@ -11,6 +11,7 @@ import sys
 import msgspec
 import pytest
 
+from asyncrl.config import ConfigError
 from asyncrl.control import messages as m
 from asyncrl.control.admission import (
     Budget,
@@ -221,8 +222,18 @@ def test_cursor_state_round_trip():
     fresh.load_state_dict(source.state_dict())
     assert fresh.next_val() == source.next_val()
     assert [fresh.next_train() for _ in range(5)] == [source.next_train() for _ in range(5)]
-    with pytest.raises(ValueError, match="saved cursor"):
-        TaskSource(_rows(7), seed=2, lineage="").load_state_dict(source.state_dict())
+    # Another dataset or order: a config error (exit 2, not restarted) naming the fix.
+    with pytest.raises(ConfigError, match="cursor is for 6 training rows") as other:
+        TaskSource(_rows(7), _rows(2, "test"), seed=2, lineage="").load_state_dict(
+            source.state_dict()
+        )
+    assert "trainer.resume_mode=disable" in str(other.value)
+    with pytest.raises(ConfigError, match="validation rounds are over 2 rows; data.val_files"):
+        TaskSource(_rows(6), _rows(1, "test"), seed=2, lineage="").load_state_dict(
+            source.state_dict()
+        )
+    older = {k: v for k, v in source.state_dict().items() if k != "val_rows"}
+    TaskSource(_rows(6), _rows(2, "test"), seed=2, lineage="").load_state_dict(older)
 
 
 # ----------------------------------------------------------------------- sync rounds

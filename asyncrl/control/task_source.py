@@ -229,18 +229,41 @@ class TaskSource:
             "val_queue": list(self.val_queue),
             "val_position": self.val_position,
             "train_rows": len(self.train_rows),
+            "val_rows": len(self.val_rows),
             "seed": self.seed,
             "shuffle": self.shuffle,
             "lineage": self.lineage,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a cursor; refuses one saved over another dataset or order."""
+        """Restore a cursor; refuses one saved over another dataset or order (a
+        :class:`ConfigError`: a restart would fail the same way). Task ids name rows by
+        index, so the tasks in flight and the validation rounds under way would point at
+        other prompts, or at none."""
+        from asyncrl.config import ConfigError
+
         saved = (state["train_rows"], state["seed"], state["shuffle"])
-        if saved != (len(self.train_rows), self.seed, self.shuffle):
-            raise ValueError(
-                f"saved cursor is for {saved[0]} training rows, seed {saved[1]}, shuffle "
-                f"{saved[2]}; this run has {len(self.train_rows)}, {self.seed}, {self.shuffle}"
+        now = (len(self.train_rows), self.seed, self.shuffle)
+        fix = (
+            "put the files and settings back to resume, or start over here with "
+            "trainer.resume_mode=disable (the checkpoints are kept aside)"
+        )
+        if saved != now:
+            raise ConfigError(
+                [
+                    f"the checkpoint's data cursor is for {saved[0]} training rows, seed "
+                    f"{saved[1]}, shuffle {saved[2]}; this run has {now[0]}, {now[1]}, "
+                    f"{now[2]} (data.train_files, data.seed or data.shuffle changed): {fix}"
+                ]
+            )
+        # Absent from checkpoints made before it was saved: not checked.
+        val_saved = state.get("val_rows", len(self.val_rows))
+        if val_saved != len(self.val_rows):
+            raise ConfigError(
+                [
+                    f"the checkpoint's validation rounds are over {val_saved} rows; "
+                    f"data.val_files now holds {len(self.val_rows)}: {fix}"
+                ]
             )
         self.lineage = str(state.get("lineage", ""))  # "": saved before lineages
         self.epoch = int(state["epoch"])
