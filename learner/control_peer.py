@@ -46,7 +46,9 @@ class ControlPeer(Protocol):
     def checkpoint_extra(self, step: int) -> dict[str, Any]: ...
     def export(self, tensors: dict[str, Any], out: Path) -> None: ...
     def after_step(self, step: int, metrics: dict[str, float], version: int) -> None: ...
-    def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None: ...
+    def finish(
+        self, step: int, validate: bool, wait_rounds: bool = True, complete: bool = False
+    ) -> None: ...
     def abandon(self) -> None: ...
 
 
@@ -87,7 +89,9 @@ class NoControl:
     def after_step(self, step: int, metrics: dict[str, float], version: int) -> None:
         pass
 
-    def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None:
+    def finish(
+        self, step: int, validate: bool, wait_rounds: bool = True, complete: bool = False
+    ) -> None:
         pass
 
     def abandon(self) -> None:

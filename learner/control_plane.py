@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.config import Config
-from asyncrl.config.inputs import total_training_steps
+from asyncrl.config.inputs import mark_ended, total_training_steps
 from asyncrl.control.admission import replayed_version
 from asyncrl.control.lag_controller import LagController
 from asyncrl.launch.progress import accounting_lines
@@ -60,6 +60,7 @@ class RankZero:
         from asyncrl.sync.weights import open_store
 
         self.cfg = cfg
+        self.run_dir = run_dir
         self.train_batch_size = cfg.data.train_batch_size
         self.validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
         self.final_wait_s = cfg.launch.start_timeout_s
@@ -296,10 +297,14 @@ class RankZero:
             log.info("admission lag %d (%s)", new, self.lag.last_reason)
         metrics["staleness/lag_limit"] = float(self.lag.lag)
 
-    def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None:
+    def finish(
+        self, step: int, validate: bool, wait_rounds: bool = True, complete: bool = False
+    ) -> None:
         """Validate the final policy (when training completed and validation is on), then
         end the run for everyone. Waits for the push in flight, then (``wait_rounds``) for
-        the rounds in flight up to ``launch.start_timeout_s``."""
+        the rounds in flight up to ``launch.start_timeout_s``. ``complete``: the run ended
+        whole; recorded (:func:`mark_ended`) before the peers are told, so that a learner
+        killed after telling them is not started again into an ending that needs them."""
         try:
             self.pushes.wait()
         except RuntimeError as e:  # the run ends all the same: tell everyone
@@ -325,6 +330,8 @@ class RankZero:
         self.logger.log(step, accounting)
         for line in accounting_lines([accounting]):
             log.info("%s", line)
+        if complete:
+            mark_ended(self.run_dir, step)
         self.acknowledge([])  # what waited for a next request that will not come
         self.coordinator.shutdown("training done")
         self.logger.close()

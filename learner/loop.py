@@ -27,13 +27,7 @@ from typing import Any
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config import run_dir as run_dir_of
-from asyncrl.config.inputs import (
-    complete_line,
-    ended_at,
-    mark_ended,
-    resume_problem,
-    total_training_steps,
-)
+from asyncrl.config.inputs import complete_line, ended_at, resume_problem, total_training_steps
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
@@ -43,6 +37,7 @@ from learner.control_plane import RankZero
 from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.rollouts import Rollout
 
+ENDED_PROBE_S = 10.0  # how long a learner of an ended run asks for a buffer to tell
 ADAPTER_LAST = "adapter_config.json"  # the last file a peft adapter's export writes
 
 log = logging.getLogger(__name__)
@@ -86,11 +81,7 @@ class LearnerLoop:
         self.new_run = True  # set by _restore: whether this start begins a new run here
         self.restored = self._restore()
         self._mark("model_ready")
-        self.control: ControlPeer = (
-            RankZero(cfg, self.run_dir, self.restored, new_run=self.new_run)
-            if self.trainer.rank == 0
-            else NoControl()
-        )
+        self.control: ControlPeer = self._control_plane()
         self._mark("coordinator_up")
         self.last_batch_id = self.restored.last_batch_id
         self.last_batch_session = self.restored.last_batch_session
@@ -124,9 +115,7 @@ class LearnerLoop:
             self.control.finish(self.trainer.step, validate=False)
             raise
         done = self.stopped_by is None
-        self.control.finish(self.trainer.step, validate=done)
-        if done and self.trainer.rank == 0:
-            mark_ended(self.run_dir, self.trainer.step)
+        self.control.finish(self.trainer.step, validate=done, complete=done)
         if self.stopped_by is not None:
             log.error(
                 "the run stopped at step %d on %s (trainer.health.action=stop); its "
@@ -137,6 +126,28 @@ class LearnerLoop:
             return HEALTH_STOP
         return 0
 
+    def _control_plane(self) -> ControlPeer:
+        """Rank 0's control plane; a no-op stand-in on the other ranks. A run whose ending
+        is done needs it only to tell the peers started for it that there is nothing to
+        do: with no buffer answering (a learner killed after telling them left no one),
+        there is no one to tell, and no buffer to wait for."""
+        if self.trainer.rank != 0:
+            return NoControl()
+        if self._ended() and not _buffer_answers(self.cfg, ENDED_PROBE_S):
+            log.info(
+                "no buffer answered within %gs: no peer to tell the run is over", ENDED_PROBE_S
+            )
+            return NoControl()
+        return RankZero(self.cfg, self.run_dir, self.restored, new_run=self.new_run)
+
+    def _ended(self) -> bool:
+        """Whether the restored checkpoint is the run's last step and its ending was done
+        (:func:`ended_at`: export, final validation); rank 0's view, on every rank."""
+        t = self.trainer
+        if t.step < self.total:
+            return False
+        return bool(_broadcast_int(int(ended_at(self.run_dir) == t.step), t))
+
     def _complete_already(self) -> int:
         """A finished run started again resumes its final checkpoint (``auto``). When its
         ending was done (:func:`ended_at`: export, final validation), it says so and ends
@@ -145,7 +156,7 @@ class LearnerLoop:
         after the final checkpoint) gets what it missed: the export if ``final/`` is
         missing, and the final validation, with the servers caught up to these weights."""
         t = self.trainer
-        ended = _broadcast_int(int(ended_at(self.run_dir) == t.step), t)  # rank 0's view
+        ended = self._ended()
         if ended:
             log.warning("%s", complete_line(t.step, self.total))
         else:
@@ -157,9 +168,7 @@ class LearnerLoop:
         self._export(only_missing=True)
         if not ended:
             self.control.resume(t.full_state_for_push())  # what servers catch up to
-        self.control.finish(t.step, validate=not ended, wait_rounds=not ended)
-        if t.rank == 0:
-            mark_ended(self.run_dir, t.step)
+        self.control.finish(t.step, validate=not ended, wait_rounds=not ended, complete=True)
         return 0
 
     def _one_step(self) -> bool:
@@ -341,6 +350,25 @@ class LearnerLoop:
             # The earlier branch logged steps after this one: appended to its records (and
             # its W&B run, which drops steps that go back), the new branch would be lost.
             self.new_run = True
+
+
+def _buffer_answers(cfg: Config, wait_s: float) -> bool:
+    """Whether the run's buffer answers within ``wait_s`` (without starting a session)."""
+    from asyncrl.net.buffer_client import BufferClient
+    from asyncrl.net.transport import config_endpoint, mebibytes
+
+    probe = BufferClient(
+        config_endpoint(cfg.endpoints, "batches"),
+        "learner-probe",
+        max_message_bytes=mebibytes(cfg.control.max_message_mb),
+    )
+    try:
+        probe.wait_ready(wait_s)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        probe.close()
 
 
 def _broadcast_int(value: int, trainer: Any) -> int:

@@ -12,6 +12,7 @@ stand-in that records what it was asked to load."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import pytest
 from asyncrl.config import ConfigError, load_config
 from asyncrl.metrics import METRICS_FILE, read_metrics
 from learner.checkpoint import STATE_FILE, latest_checkpoint
+from learner.control_peer import Restored
 from learner.control_plane import open_metrics
 from learner.loop import LearnerLoop
 
@@ -228,8 +230,10 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
         def resume(self, tensors: dict) -> None:
             self.resumed.append(tensors)
 
-        def finish(self, step: int, validate: bool, wait_rounds: bool = True) -> None:
-            self.ended = (step, validate, wait_rounds)
+        def finish(
+            self, step: int, validate: bool, wait_rounds: bool = True, complete: bool = False
+        ) -> None:
+            self.ended = (step, validate, wait_rounds, complete)
 
     run = tmp_path / "run"
     loop = _loop(run, "trainer.total_training_steps=10")
@@ -247,7 +251,7 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     control = start_again()
     assert "this run is complete (its checkpoint is at step 10 of 10): nothing to" in caplog.text
     assert "new trainer.experiment_name" in caplog.text
-    assert control.ended == (10, False, False) and control.resumed == []
+    assert control.ended == (10, False, False, True) and control.resumed == []
     # Killed between its last checkpoint and its export, the run had no final/: made now.
     assert control.exported == [run / "final"]
     (run / "final").mkdir()
@@ -259,10 +263,43 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     control = start_again()
     assert "its ending was cut short: finishing it" in caplog.text
     assert "this run is complete" not in caplog.text
-    assert control.ended == (10, True, True) and control.resumed == [{"w": 2}]
+    # (rank 0's control plane records the ending once the round is in: complete=True)
+    assert control.ended == (10, True, True, True) and control.resumed == [{"w": 2}]
+    mark_ended(run, 10)
     assert ended_at(run) == 10
     (run / COMPLETE_FILE).write_text("{")  # a torn write reads as not ended
     assert ended_at(run) is None
+
+
+def test_an_ended_run_with_no_buffer_to_tell_needs_none(tmp_path, monkeypatch):
+    """A learner killed after its run's ending was recorded and the peers were told (they
+    exited for good) is started again by the launcher: it asks for the buffer only
+    briefly, then ends without it (it waited launch.start_timeout_s for it, failed, and was
+    restarted until the launcher gave up). A run not ended needs rank 0's control plane."""
+    from asyncrl.config.inputs import mark_ended
+    from asyncrl.net.ports import free_ports
+    from learner import loop as loop_module
+    from learner.control_peer import NoControl
+
+    class Finished(LoadRecorder):
+        step, world_size = 10, 1
+
+    monkeypatch.setattr(loop_module, "ENDED_PROBE_S", 0.5)
+    run = tmp_path / "run"
+    run.mkdir()
+    port = free_ports("127.0.0.1", 1)[0]  # no buffer there
+    loop = _loop(run, "trainer.total_training_steps=10", f"endpoints.batches={port}")
+    loop.trainer, loop.total = Finished(), 10  # type: ignore[assignment]
+    loop.restored, loop.new_run = Restored(None, None, None), False
+    built: list[str] = []
+    monkeypatch.setattr(loop_module, "RankZero", lambda *a, **k: built.append("rank0"))
+    mark_ended(run, 10)
+    start = time.monotonic()
+    assert isinstance(loop._control_plane(), NoControl) and built == []
+    assert time.monotonic() - start < 5
+    (run / "complete.json").unlink()  # its ending cut short: it needs its peers
+    loop._control_plane()
+    assert built == ["rank0"]
 
 
 def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypatch):
