@@ -1,4 +1,4 @@
-"""Conventions every benchmark follows (DESIGN.md section 8).
+"""Conventions every benchmark follows (docs/DESIGN.md section 8).
 
 - ``--quick`` runs in under a minute (where no model engine must start); the default is the
   full measurement.

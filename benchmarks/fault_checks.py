@@ -1,4 +1,4 @@
-"""The invariants of the fault simulation (DESIGN.md section 11), checked as the run goes.
+"""The invariants of the fault simulation (docs/DESIGN.md section 11), checked as the run goes.
 
 After every event:
 

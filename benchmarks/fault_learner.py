@@ -1,7 +1,7 @@
 """The learner process of the fault simulation: the learner loop, its coordinator, its poller.
 
 Learner rank 0 hosts the coordinator, so one process holds three parts, and a kill takes all
-three (DESIGN.md section 10: only the learner's checkpoints are durable):
+three (docs/DESIGN.md section 10: only the learner's checkpoints are durable):
 
 - the coordinator: the real :class:`~asyncrl.control.state.ControlState`, answering the
   servers' requests as :mod:`asyncrl.control.loop` does (without the long-polls: a held

@@ -1,6 +1,6 @@
 """A discrete-event model of the scheduler, in virtual time. Pure: no I/O, no clock.
 
-What it models (DESIGN.md sections 1 and 4):
+What it models (docs/DESIGN.md sections 1 and 4):
 
 - ``num_servers`` rollout servers, each a continuous batch of at most ``max_num_seqs``
   sequences. One decode step of ``b`` sequences costs ``decode_fixed_s + decode_per_seq_s * b``

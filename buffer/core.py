@@ -1,6 +1,6 @@
 """The replay buffer as a plain data structure: no sockets, no clocks (callers pass ``now``).
 
-Life of a task id (DESIGN.md section 4):
+Life of a task id (docs/DESIGN.md section 4):
 
 1. Its trajectories arrive one by one or together (:meth:`ReplayBuffer.add`); the group is
    *incomplete* until all ``group_size`` members are in. A second copy of a member, or any

@@ -4,7 +4,7 @@ Outcome estimators (GRPO, Dr.GRPO, RLOO) give one advantage per response, shape 
 which the loss broadcasts over the response's tokens. Group membership comes as a dense
 index ``group_index[i] in [0, G)`` (see :func:`learner.rollouts.group_indices`).
 
-Conventions follow veRL (DESIGN.md section 9) so that numbers match what its users know:
+Conventions follow veRL (docs/DESIGN.md section 9) so that numbers match what its users know:
 
 - GRPO: ``(score - mean) / (std + eps)`` with the unbiased (n - 1) std of the group, or
   ``score - mean`` without std normalisation; a group of one has mean 0 and std 1.

@@ -1,4 +1,4 @@
-"""The decoupled, importance-corrected PPO loss (DESIGN.md section 5): pure torch.
+"""The decoupled, importance-corrected PPO loss (docs/DESIGN.md section 5): pure torch.
 
 Notation per response token: behaviour logprob ``b`` (vLLM, after temperature), proximal
 logprob ``p`` (learner weights at the start of the step, no gradient), current logprob

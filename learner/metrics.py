@@ -21,7 +21,7 @@ LAG_BINS = 8
 def rollout_metrics(rollouts: Sequence[Rollout], current_version: int) -> dict[str, float]:
     """Reward, lengths and policy lag of the rollouts a step trains on.
 
-    Lag = ``current_version`` - the oldest version among a rollout's tokens (DESIGN.md
+    Lag = ``current_version`` - the oldest version among a rollout's tokens (docs/DESIGN.md
     section 4); rollouts without version spans are left out of the lag metrics.
     """
     if not rollouts:

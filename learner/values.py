@@ -1,7 +1,7 @@
 """The critic's side of PPO as pure functions: the clipped value loss, explained variance,
 the KL penalty folded into token rewards, and the KL coefficient's controllers.
 
-Conventions follow veRL (DESIGN.md section 9), so a veRL user reads the same numbers:
+Conventions follow veRL (docs/DESIGN.md section 9), so a veRL user reads the same numbers:
 
 - Value loss: ``0.5 * agg(max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2))`` with
   ``agg`` one of the policy loss's aggregation modes; ``vf_clipfrac`` is the share of tokens

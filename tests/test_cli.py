@@ -1,5 +1,5 @@
 """Role commands: instant --help, bad configs fail before any heavy import, and the import
-boundaries between roles (DESIGN.md section 2) hold in a fresh interpreter."""
+boundaries between roles (docs/DESIGN.md section 2) hold in a fresh interpreter."""
 
 from __future__ import annotations
 

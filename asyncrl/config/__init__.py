@@ -1,4 +1,4 @@
-"""Typed run configuration (DESIGN.md section 3)."""
+"""Typed run configuration (docs/DESIGN.md section 3)."""
 
 from asyncrl.config.load import (
     ConfigError,

@@ -153,7 +153,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
 def capacity_needed(cfg: Config) -> int:
     """The fewest groups ``buffer.capacity_groups`` may hold.
 
-    Released batches stay until a checkpoint acknowledges them (DESIGN.md section 4), beside
+    Released batches stay until a checkpoint acknowledges them (docs/DESIGN.md section 4), beside
     the max_policy_lag + 1 batches admission lets the servers produce meanwhile. With
     save_freq <= 0 (no intermediate checkpoint) the learner acknowledges each batch once
     trained: one batch is held, and a buffer smaller than that never releases one."""

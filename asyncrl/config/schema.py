@@ -2,7 +2,7 @@
 
 Each field is documented once, here, in its ``description``; ``--help`` of every role
 command prints these texts. Group and key names follow veRL where the concept is the same
-(DESIGN.md section 9); our own concepts (staleness, sync, control, endpoints, launch) get
+(docs/DESIGN.md section 9); our own concepts (staleness, sync, control, endpoints, launch) get
 their own groups. The policy update's groups (actor, algorithm) live in
 :mod:`asyncrl.config.policy`, the critic's in :mod:`asyncrl.config.critic`; cross-field rules
 in :mod:`asyncrl.config.rules`.

@@ -2,7 +2,7 @@
 
 The coordinator (hosted by learner rank 0, runnable alone) deals tasks under the staleness
 budget, registers rollout servers and watches their heartbeats, announces policy versions,
-orchestrates weight syncs and ends the run (DESIGN.md sections 1, 4 and 6).
+orchestrates weight syncs and ends the run (docs/DESIGN.md sections 1, 4 and 6).
 
 Modules, from pure rules to I/O:
 

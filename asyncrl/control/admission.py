@@ -1,4 +1,4 @@
-"""The admission rule (DESIGN.md sections 4 and 10). Pure: no I/O, no clock.
+"""The admission rule (docs/DESIGN.md sections 4 and 10). Pure: no I/O, no clock.
 
 A training task may be dealt only while ``committed < consumed + (max_policy_lag + 1) * G``:
 

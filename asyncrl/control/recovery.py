@@ -1,7 +1,7 @@
 """What the coordinator must learn after a restart before it deals again. Pure: no I/O, no
 clock (callers pass ``now``).
 
-Two restarts change what the coordinator knows (DESIGN.md section 10: only the learner's
+Two restarts change what the coordinator knows (docs/DESIGN.md section 10: only the learner's
 checkpoints are durable):
 
 - **Its own** (the learner restarted from a checkpoint): the restored ledger does not know

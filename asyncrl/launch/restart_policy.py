@@ -1,4 +1,4 @@
-"""The launcher's restart rules (DESIGN section 10, one set for every launcher): when a
+"""The launcher's restart rules (docs/DESIGN.md section 10, one set for every launcher): when a
 role that ended is started again, when it fails the run, and how its exit reads.
 
 - A role that dies (any exit code but 0) is restarted after ``launch.restart_backoff_s``,

@@ -1,5 +1,5 @@
 """Supervision of a run's roles on one machine: start them, restart the ones that die, stop
-them all at the end. The restart rules (DESIGN section 10, one set for every launcher) live
+them all at the end. The restart rules (docs/DESIGN.md section 10, one set for every launcher) live
 in :mod:`asyncrl.launch.restart_policy`, process-tree mechanics in :mod:`asyncrl.launch.process_tree`.
 Before a role is restarted, and whenever the launcher ends, what is left of its process
 tree is killed and reaped; nothing the run started outlives it.

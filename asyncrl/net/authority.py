@@ -3,7 +3,7 @@
 With ``endpoints.auth: curve`` every connection to a served socket carries the role of the
 key it presented (:mod:`asyncrl.net.security` records it); a service checks each request
 against its :class:`Policy` before acting on it (:class:`asyncrl.net.serving.RouterService`).
-Authority follows what each role does in a run (DESIGN.md section 11):
+Authority follows what each role does in a run (docs/DESIGN.md section 11):
 
 - the **learner** key is the run's own: learner rank 0 consumes batches, and the
   coordinator inside it drains the buffer's dropped tasks, takes its inventory and stops

@@ -1,4 +1,4 @@
-"""Weight sync: the learner broadcasts named tensors to rollout workers (DESIGN.md section 6).
+"""Weight sync: the learner broadcasts named tensors to rollout workers (docs/DESIGN.md section 6).
 
 One mechanism for both backends: torch's own process-group classes (``ProcessGroupGloo`` on
 CPU, ``ProcessGroupNCCL`` on GPU) built over a ``TCPStore`` that learner rank 0 hosts, with

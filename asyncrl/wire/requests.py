@@ -24,7 +24,7 @@ class DroppedTask(msgspec.Struct, frozen=True):
     ``capacity_groups`` incomplete ones) or ``duplicate`` (a training group that came
     again after the buffer used and forgot its first copy; a duplicate of a group still
     held is not reported: its first copy counts). The coordinator returns such tasks to
-    the admission budget (DESIGN.md section 4).
+    the admission budget (docs/DESIGN.md section 4).
     """
 
     task_id: str

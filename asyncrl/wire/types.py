@@ -39,7 +39,7 @@ class TrajectoryMeta(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     ``version_spans`` covers the response in order: ``[(policy_version, n_tokens), ...]``
     with ``sum(n_tokens) == response_len``. A response generated without a weight push has
     one span; a push in the middle of generation adds one. Its *oldest version* is the
-    smallest ``policy_version``; lag (DESIGN.md section 4) is the learner's version minus
+    smallest ``policy_version``; lag (docs/DESIGN.md section 4) is the learner's version minus
     it. A zero-length response still has one span ``(version, 0)`` so its version is known.
     """
 
