@@ -32,6 +32,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from rollout_servers.worker_ext import PARTLY_LOADED
+
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -109,6 +111,7 @@ class RolloutEngine:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self._aborts = 0  # syncs in abort mode so far: a request aborted by one re-submits
+        self.partial = False  # a sync broke off mid-load: paused until a whole one
         self._synced = asyncio.Condition()  # notified when a sync ends, loaded or failed
         self._syncs_ended = 0
         self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
@@ -312,10 +315,20 @@ class RolloutEngine:
             await self.llm.reset_prefix_cache()
             await self.llm.update_weight_version(str(version))
             self.version = version
+            self.partial = False
             marks.append(time.monotonic())
+        except Exception as e:
+            # A broadcast that broke off after its first bucket left some layers new and
+            # some old: nothing may run on them. Generation stays paused (requests frozen,
+            # or waiting to re-submit) until a catch-up loads the weights whole.
+            if PARTLY_LOADED in str(e) and not self.partial:
+                self.partial = True
+                log.warning("weights partly loaded: generation held until a catch-up")
+            raise
         finally:
-            await self.llm.resume_generation()
-            self._resumed.set()
+            if not self.partial:
+                await self.llm.resume_generation()
+                self._resumed.set()
             marks.append(time.monotonic())
             paused = marks[-1] - start
             self.metrics["rollout/sync_pause_s"] += paused

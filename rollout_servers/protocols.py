@@ -39,6 +39,8 @@ class GenerationEngine(Protocol):
     metrics: dict[str, float]
     #: The policy version of the weights loaded now.
     version: int
+    #: A sync broke off mid-load: generation is held until a whole load (a catch-up).
+    partial: bool
 
     @property
     def errored(self) -> bool:

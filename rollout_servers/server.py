@@ -48,7 +48,6 @@ from rollout_servers.protocols import (
 )
 from rollout_servers.server_stats import ServerStats
 from rollout_servers.task_groups import TaskGroups
-from rollout_servers.worker_ext import PARTLY_LOADED
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +149,15 @@ class RolloutServer:
             self.fatal = "the vLLM engine died"  # for a catch-up would never notice)
         return c.shutdown.is_set() or c.gone.is_set() or bool(self.fatal)
 
-    def _check_engine(self, error: BaseException) -> None:
-        """After a failure: is the engine itself dead (then nothing more can be done here)?"""
-        if self.engine.errored or PARTLY_LOADED in str(error):
+    def _check_engine(self, error: BaseException, was_partial: bool = False) -> None:
+        """After a failure: is the engine itself dead (then nothing more can be done here)?
+        Weights partly loaded by a broken-off sync hold generation until a catch-up loads
+        them whole (one member's death mid-push does not restart every server); a catch-up
+        that fails on them too ends the server (``was_partial``: they were partial before)."""
+        if self.engine.errored:
             self.fatal = self.fatal or f"the vLLM engine died ({type(error).__name__}: {error})"
+        elif was_partial and self.engine.partial:
+            self.fatal = f"its weights stay partly loaded after a failed catch-up ({error})"
 
     async def _task_loop(self) -> None:
         """Keeps up to ``rollout.max_inflight`` responses generating: asks for tasks ahead
@@ -294,6 +298,7 @@ class RolloutServer:
 
     async def _sync(self, start: SyncStart) -> None:
         join = self._join(start)
+        was_partial = self.engine.partial
         try:
             stats = await self.engine.sync_weights(
                 start.version, start.plan, join=join, timeout_s=start.timeout_s
@@ -301,7 +306,7 @@ class RolloutServer:
         except Exception as e:  # the coordinator drops us from the group; we catch up later
             self.generation = ""
             log.warning("sync to version %d failed: %s", start.version, e)
-            self._check_engine(e)
+            self._check_engine(e, was_partial)
             await self.lanes.sync(self.client.sync_done, start, False, f"{type(e).__name__}: {e}")
             return
         self.generation = start.generation

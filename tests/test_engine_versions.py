@@ -14,6 +14,7 @@ import pytest
 
 from asyncrl.sync.weights import TensorSpec, plan_buckets
 from rollout_servers.engine import RolloutEngine
+from rollout_servers.worker_ext import PARTLY_LOADED
 
 PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
 
@@ -24,7 +25,7 @@ class GatedLLM:
 
     def __init__(self) -> None:
         self.gate = asyncio.Event()
-        self.fail = False
+        self.fail: str = ""  # the receive's error, when it fails
         self.calls: list[str] = []
 
     async def pause_generation(self, mode: str, clear_cache: bool) -> None:
@@ -33,7 +34,7 @@ class GatedLLM:
     async def collective_rpc(self, method: str, args: tuple = ()) -> list[dict]:
         await self.gate.wait()
         if self.fail:
-            raise RuntimeError("the broadcast broke off")
+            raise RuntimeError(self.fail)
         return [{}]
 
     async def reset_prefix_cache(self) -> None:
@@ -64,7 +65,7 @@ def test_a_task_waits_for_the_version_it_was_dealt_at_until_loaded_failed_or_bou
 
         # The sync of version 2 fails: the wait ends with it, under version 1.
         llm.gate.clear()
-        llm.fail = True
+        llm.fail = "the broadcast broke off"
         sync = asyncio.create_task(engine.sync_weights(2, PLAN, timeout_s=5.0))
         waiter = asyncio.create_task(engine.reach(2, 5.0))
         await asyncio.sleep(0.05)
@@ -77,3 +78,55 @@ def test_a_task_waits_for_the_version_it_was_dealt_at_until_loaded_failed_or_bou
         assert 0.3 <= await engine.reach(3, 0.3) < 1.0 and engine.version == 1
 
     asyncio.run(run())
+
+
+def test_weights_partly_loaded_hold_generation_until_a_whole_load():
+    """A broadcast that breaks off after its first bucket (a member died mid-push) leaves
+    the engine's weights part new, part old: generation stays paused (no resume, requests
+    wait) until a later sync (the catch-up) loads them whole. The server used to exit, so
+    one member's death restarted every server of the push."""
+
+    async def run(mode: str) -> None:
+        llm = GatedLLM()
+        engine = RolloutEngine(llm, sync_mode=mode)
+        llm.fail = f"{PARTLY_LOADED}: the broadcast broke off"
+        llm.gate.set()
+        with pytest.raises(RuntimeError, match=PARTLY_LOADED):
+            await engine.sync_weights(1, PLAN, timeout_s=5.0)
+        assert engine.partial and engine.version == 0
+        # keep: requests stay frozen in the paused engine; abort: they wait to re-submit
+        assert llm.calls == ["pause"] and engine._resumed.is_set() == (mode == "keep")
+        # A catch-up that fails at its start (weights untouched: still partial) holds on.
+        llm.fail = "no sender"
+        with pytest.raises(RuntimeError, match="no sender"):
+            await engine.sync_weights(1, PLAN, timeout_s=5.0)
+        assert engine.partial and "resume" not in llm.calls
+        llm.fail = ""
+        await engine.sync_weights(1, PLAN, timeout_s=5.0)
+        assert not engine.partial and engine.version == 1 and engine._resumed.is_set()
+        assert llm.calls[-2:] == ["label 1", "resume"]
+
+    for mode in ("keep", "abort"):
+        asyncio.run(run(mode))
+
+
+def test_a_server_holds_on_partial_weights_once_and_stops_if_a_catch_up_fails_on_them():
+    """The server's verdict after a failed sync: partly loaded weights are not fatal (the
+    engine holds generation; the coordinator schedules a catch-up), but a catch-up that
+    fails with them still partial ends the server (exit 4, restarted with whole weights),
+    as an engine that died always does."""
+    from types import SimpleNamespace
+
+    from rollout_servers.server import RolloutServer
+
+    def verdict(errored: bool, partial: bool, was_partial: bool) -> str:
+        server = object.__new__(RolloutServer)
+        server.engine = SimpleNamespace(errored=errored, partial=partial)  # type: ignore[assignment]
+        server.fatal = ""
+        server._check_engine(RuntimeError(f"{PARTLY_LOADED}: broke off"), was_partial)
+        return server.fatal
+
+    assert verdict(errored=False, partial=True, was_partial=False) == ""
+    assert "stay partly loaded after a failed catch-up" in verdict(False, True, True)
+    assert verdict(errored=False, partial=False, was_partial=True) == ""  # loaded whole
+    assert "the vLLM engine died" in verdict(True, False, False)

@@ -46,6 +46,7 @@ class ReplyEngine:
     raises once when :attr:`fail_next` is set."""
 
     version = 0
+    partial = False  # never loads weights
 
     def __init__(self) -> None:
         self.fail_next = False

@@ -46,6 +46,7 @@ class StandInEngine:
         self.gate = asyncio.Event()
         self.requests = 0
         self.version = 0
+        self.partial = False
 
     @property
     def errored(self) -> bool:
