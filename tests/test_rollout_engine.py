@@ -302,3 +302,47 @@ def test_the_post_sync_probe_scores_the_weights_loaded_last(rig):
 
     assert (got - hf(models[new])).abs().max() < 1e-4
     assert (got - hf(models[new - 1])).abs().mean() > 0.01
+
+
+@pytest.mark.slow  # starts a vLLM engine
+def test_a_push_broken_off_mid_load_holds_generation_until_a_whole_load(rig):
+    """A push of several buckets whose sender stops after the first (a member died, the
+    learner's send failed): the engine's weights are part new, part old. It holds
+    generation (a request waits rather than sample from mixed weights) until the catch-up
+    (a new group, as the server's catch-up forms one) loads them whole; then it samples
+    from the caught-up weights exactly. Last in the module: it leaves the engine in another
+    sync group than the rig's sender."""
+    import threading
+
+    from asyncrl.sync.weights import WeightPlan, form_group, plan_buckets, send_weights, specs_of
+    from rollout_servers.engine import SyncJoin
+    from rollout_servers.worker_ext import PARTLY_LOADED
+
+    loop, engine, _, models, path = rig
+    broken, caught_up = max(models) + 1, max(models) + 2
+    models[caught_up] = _perturbed(path, seed=caught_up)
+    tensors = {n: p.detach() for n, p in models[caught_up].named_parameters()}
+    plan = plan_buckets(specs_of(tensors), 1 << 16)  # small buckets: several of them
+    assert len(plan.buckets) >= 3
+    dying = EngineSender()  # the push's group; it sends the first bucket only
+
+    def send_first_bucket() -> None:
+        group = form_group(dying.store, "g1", 0, 2, timeout_s=10)
+        send_weights(group, tensors, WeightPlan(plan.buckets[:1]), timeout_s=10)
+
+    sender = threading.Thread(target=send_first_bucket)
+    sender.start()
+    join = SyncJoin("127.0.0.1", dying.port, "g1", 1, 2, "gloo")
+    # (a plain Exception through AsyncLLM's RPC, the worker's RuntimeError inline)
+    with pytest.raises(Exception, match=PARTLY_LOADED):  # noqa: B017, PT011
+        loop.run(engine.sync_weights(broken, plan, join=join, timeout_s=3))
+    sender.join(10)
+    assert engine.partial and engine.version < broken
+    with pytest.raises(TimeoutError):  # held: nothing samples from the mixed weights
+        loop.run(asyncio.wait_for(engine.generate(PROMPT, _params(4, 0), "held"), 2.0))
+    Learner().push(loop, engine, models[caught_up], version=caught_up)  # a new group
+    assert not engine.partial and engine.version == caught_up
+    after = _generate_many(loop, engine, 4, 12, tag="caught-up")
+    for s in after:
+        assert s.version_spans == [(caught_up, len(s.token_ids))]
+        assert _gap_per_version(s, models)[caught_up] < 1e-4
