@@ -1,17 +1,20 @@
 """Recovery paths between features, each a defect found by reading two features together:
 a learner restart without a checkpoint beside a buffer that survived, a buffer restart
 before a learner restart, external slots across a restart, a replay that counts a batch
-nobody trained, a reply that comes after its requester stopped waiting, and a message that
+nobody trained, a replay whose buffer restarts, a reply that comes after its requester stopped waiting, and a message that
 announces huge groups. The real ledger, coordinator state and buffer, stepped by hand; the
 late replies over real sockets on 127.0.0.1.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 
+from asyncrl.control import loop as control_loop
 from asyncrl.control import messages as m
 from asyncrl.control.admission import Budget
 from asyncrl.control.ledger import TaskLedger
@@ -345,6 +348,33 @@ def test_external_slots_of_another_line_are_not_taken_back() -> None:
 
 
 # ----------------------------------------------------------------------- F4
+def test_a_buffer_restart_ends_a_replay_under_way() -> None:
+    """The learner restarted from the checkpoint of version 5 replays up to version 9 (the
+    servers hold 9), but the buffer dies before it gives those batches again: the learner
+    trains fresh ones, whose weights no server holds. The replay ends where the learner
+    is; versions 6 on are pushed (adopting them left servers on the lost branch's weights
+    under the learner's version labels), and the servers holding 9 get a catch-up."""
+    st = _state()
+    st.ledger.budget.advance(5)
+    st.recovery.restored(["s0"])
+    st.register(m.Register(server_id="s0", engine_world_size=1, policy_version=9), 0.0)
+    st.versions.set_replay(9)
+    assert st.versions.adopt(6)  # one replayed batch came before the buffer died
+    # The coordinator's drain of the buffer's reports sees the new session.
+    drained = SimpleNamespace(dropped=[], validated=[], session="b1")
+    answer = SimpleNamespace(held=[], dropped=[], validated=[], unknown=[], paused=False)
+    client = SimpleNamespace(drain=lambda: drained, inventory=lambda *ids: answer)
+    control_loop._poll_once(client, st, threading.RLock())  # the buffer, first seen
+    assert st.recovery.replay_through == 9
+    drained.session = "b2"  # answered by a restarted buffer
+    control_loop._poll_once(client, st, threading.RLock())
+    assert st.recovery.replay_through == 6 and not st.versions.adopt(7)
+    assert not st.servers["s0"].trusted
+    assert st.versions.begin_sync(WeightPlan()).version > 9  # past the lost branch's labels
+    st.versions.end_replay()  # no replay under way: nothing changes
+    assert st.recovery.replay_through == 6
+
+
 def test_a_replayed_version_no_server_holds_is_pushed_not_adopted() -> None:
     """The replay counted 4 redelivered batches, but the previous life died training the
     4th: the servers hold 8, not 9. Adopting 9 would leave every server a version behind

@@ -289,7 +289,10 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
                 "the buffer's %d validation reports could not be applied; skipped",
                 len(reply.validated),
             )
+        known = state.recovery.buffer_session
         due = state.recovery.buffer_contact(reply.session, time.monotonic())
+        if known and state.recovery.buffer_session != known:  # a new buffer
+            state.versions.end_replay()
     if reply.dropped:
         log.info(
             "buffer dropped %d groups; %d returned to the budget",

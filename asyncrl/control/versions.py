@@ -115,6 +115,21 @@ class Versions:
                 self.ledger.budget.advance(rec.policy_version)
         log.info("resumed: the learner's replay reaches version %d", through)
 
+    def end_replay(self) -> None:
+        """The buffer restarted: the batches a replay under way was to get again went with
+        it, so the learner trains fresh ones and reproduces no version past the current
+        one. Servers holding such a version hold the lost branch's weights: untrusted, they
+        get a catch-up, and versions move past theirs (:meth:`set_replay`)."""
+        replay = self.recovery.replay_through
+        if replay is not None and replay > self.version:
+            log.warning(
+                "the buffer restarted during the learner's replay (through version %d): the "
+                "replay ends at version %d, later versions are pushed",
+                replay,
+                self.version,
+            )
+            self.set_replay(self.version)
+
     def adopt(self, version: int) -> bool:
         """The learner reached ``version`` by replaying: the servers that hold it keep it
         (no push); the version and the window move as a push would move them. False when
