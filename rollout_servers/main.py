@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from rollout_servers.engine import RolloutEngine
 
 GROUPS = ("model", "data", "rollout", "reward", "control", "sync", "endpoints", "trainer")
+STOP_LINGER_S = 2.0  # how long pushed groups may take to leave once the server stops
+
 log = logging.getLogger("rollout_servers")
 
 
@@ -246,7 +248,10 @@ async def serve(cfg: Config, server_id: str) -> int:
         if not client.gone.is_set():
             await asyncio.to_thread(client.leave, "stopped")
         client.close()
-        pusher.close()
+        # Groups still queued for a buffer that is gone too (the run ends) cannot leave; a
+        # live one takes them in far less. (The default 10 s made a stopped server overrun
+        # the launcher's 15 s grace, then SIGKILL.) One lost is dealt again (an audit).
+        pusher.close(linger_s=STOP_LINGER_S)
         pool.close()
         if tools is not None:
             tools.close()

@@ -3,7 +3,8 @@ CoordinatorClient on 127.0.0.1 sockets, many threads asking at once.
 
 A request id makes a retry idempotent: the coordinator answers a repeated id with the grant
 it gave that id. Two concurrent calls that share an id therefore share one grant (two agent
-groups carrying one external slot, two tasks loops generating the same task).
+groups carrying one external slot, two tasks loops generating the same task). A stopping
+client's calls to a silent coordinator are bounded.
 """
 
 from __future__ import annotations
@@ -125,3 +126,39 @@ def test_an_unanswered_slot_request_is_asked_again_by_the_next_call(served):
     fresh = client.request_slot(attempts=2)
     assert fresh.tasks[0].task_id != again.tasks[0].task_id
     assert state["tasks/external_dealt"] == 2
+
+
+def test_a_stopping_client_does_not_queue_behind_a_silent_coordinator():
+    """The coordinator stopped with the server (Ctrl-C of a launch): every request times
+    out. Stopping, a request does not wait for the socket another holds nor retry, and
+    leaving and closing are bounded, so the server exits well inside the launcher's grace
+    (its acks used to take three timeouts each, one after another, then SIGKILL)."""
+    import time
+
+    import zmq
+
+    from tests.helpers import free_port
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # takes requests, never answers
+    port = free_port()
+    silent.bind(f"tcp://127.0.0.1:{port}")
+    addr = f"tcp://127.0.0.1:{port}"
+    client = CoordinatorClient(addr, addr, "rollout-0", engine_world_size=0, timeout_s=1.0)
+    try:
+        first = threading.Thread(target=client.ack, args=(["t1"],))
+        first.start()  # holds the control socket for its first 1 s attempt
+        time.sleep(0.2)
+        client.shutdown.set()  # the server is told to stop (SIGTERM)
+        start = time.monotonic()
+        assert client.ack(["t2"]) is None  # the socket is busy: no wait, no retry
+        assert time.monotonic() - start < 0.5
+        first.join(5)
+        assert time.monotonic() - start < 1.5  # its attempt ran out; no second one
+        start = time.monotonic()
+        assert client.leave("stopped", timeout_s=1.0) is False
+        client.close()
+        assert time.monotonic() - start < 2.5
+    finally:
+        client.close()
+        silent.close(0)

@@ -2,7 +2,8 @@
 honours a ``Leave`` only for the incarnation it names (a restarted server that registered
 first keeps its record), the launcher's sender never waits (an absent coordinator costs a
 logged, counted failure), and the supervisor sends one for a reaped rollout server, with the
-pid of the process that died, and records the answer in ``launch.jsonl``."""
+pid of the process that died, and records the answer in ``launch.jsonl``. A stopped launch
+signals its rollout servers before the coordinator and the buffer go."""
 
 from __future__ import annotations
 
@@ -178,3 +179,40 @@ def test_the_supervisor_tells_of_a_dead_rollout_server_with_its_pid(tmp_path: Pa
         if e["event"] == "leave"
     ]
     assert [(e["role"], e["pid"], e["ok"]) for e in leaves] == [("rollout-0", pid, True)]
+
+
+def test_a_stopped_launch_stops_its_rollout_servers_first(tmp_path: Path):
+    """Stopping a launch (Ctrl-C) signals the rollout servers before the learner and the
+    buffer: a server then leaves while the coordinator answers and its last groups reach
+    a live buffer (both gone at once, each of its waits ran out and it overran the grace).
+    Each role here writes the moment SIGTERM reached it, and the server takes 0.5 s to go."""
+    code = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    open(sys.argv[1], 'w').write(str(time.time())); time.sleep(float(sys.argv[2]))\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "time.sleep(60)\n"
+    )
+
+    def role(name: str, linger_s: float) -> Role:
+        return Role(name, [sys.executable, "-c", code, str(tmp_path / name), str(linger_s)])
+
+    roles = [role("buffer", 0.0), role("rollout-0", 0.5), role("learner", 0.0)]
+    sup = Supervisor(roles, tmp_path, RestartPolicy())
+    (tmp_path / "logs").mkdir()
+    try:
+        for r in roles:
+            sup.start(r)
+        time.sleep(1.0)  # the handlers are installed
+        sup.stop_all(grace_s=10.0)
+    finally:
+        sup.close()
+    told = {r.name: float((tmp_path / r.name).read_text()) for r in roles}
+    assert told["rollout-0"] + 0.4 <= min(told["buffer"], told["learner"]), told
+    events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+    assert {e["role"]: e["exit_code"] for e in events if e["event"] == "exit"} == {
+        "buffer": 0,
+        "rollout-0": 0,
+        "learner": 0,
+    }

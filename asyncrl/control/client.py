@@ -125,12 +125,24 @@ class CoordinatorClient:
         )
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, sock: str, msg: m.Request, timeout_s: float | None = None) -> m.Reply:
-        """One request/reply on socket ``sock``; raises TimeoutError when unanswered,
+    def _call(
+        self,
+        sock: str,
+        msg: m.Request,
+        timeout_s: float | None = None,
+        lock_wait_s: float = -1.0,
+    ) -> m.Reply:
+        """One request/reply on socket ``sock``; raises TimeoutError when unanswered (or,
+        with ``lock_wait_s`` >= 0, when the socket stays busy that long),
         :class:`~asyncrl.net.transport.RequestRefused` when refused."""
         client = {"tasks": self._tasks, "control": self._control, "watch": self._watch}[sock]
-        with self._locks[sock]:
+        lock = self._locks[sock]
+        if not lock.acquire(timeout=lock_wait_s):
+            raise TimeoutError(f"the {sock} socket stayed busy for {lock_wait_s:g}s")
+        try:
             return client.call(msg, self._heard, timeout_s)
+        finally:
+            lock.release()
 
     def _heard(self, frames: list[zmq.Frame]) -> m.Reply:
         """A reply came (even a refusal): the coordinator is alive."""
@@ -286,11 +298,14 @@ class CoordinatorClient:
         """An idempotent request on the control socket, retried on timeouts (the task
         socket may be held by a long-polled request, and a request queued behind it would
         also hold a worker thread of the server); None when it was never answered."""
-        for _ in range(attempts):
-            if self.gone.is_set():
+        for attempt in range(attempts):
+            if self.gone.is_set() or (attempt and self.shutdown.is_set()):
                 break
             try:
-                return self._call("control", msg)
+                # Stopping, a request does not queue behind another's timeout: one that
+                # went unanswered already tells that the coordinator is going too (a
+                # server stopped with the learner took 15 s per request, then SIGKILL).
+                return self._call("control", msg, lock_wait_s=0 if self.shutdown.is_set() else -1)
             except TimeoutError:
                 continue
         return None
@@ -300,7 +315,11 @@ class CoordinatorClient:
         ``what``) when it was never answered."""
         if self._control_retried(msg, attempts) is not None:
             return True
-        log.warning("%s was never answered", what)
+        log.log(
+            logging.INFO if self.shutdown.is_set() else logging.WARNING,
+            "%s was never answered",
+            what,
+        )
         return False
 
     # ------------------------------------------------------------------ tasks
@@ -355,7 +374,8 @@ class CoordinatorClient:
         msg = m.TaskAck(server_id=self.server_id, task_ids=list(task_ids), filtered=filtered)
         reply = self._control_retried(msg, attempts)
         if reply is None:
-            log.warning("acknowledgement of %d tasks was never answered", len(task_ids))
+            level = logging.INFO if self.shutdown.is_set() else logging.WARNING
+            log.log(level, "acknowledgement of %d tasks was never answered", len(task_ids))
             return None
         assert isinstance(reply, m.TaskAckReply), reply
         return reply
@@ -371,8 +391,9 @@ class CoordinatorClient:
     def leave(self, reason: str = "", timeout_s: float = 2.0) -> bool:
         """Tell the coordinator this server stops (its unacknowledged tasks are re-dealt at
         once). Best effort: False when it did not answer."""
-        try:
-            self._call("control", m.Leave(server_id=self.server_id, reason=reason), timeout_s)
+        leave = m.Leave(server_id=self.server_id, reason=reason)
+        try:  # the send and the reply get half the time each, as the socket's wait does
+            self._call("control", leave, timeout_s / 2, lock_wait_s=timeout_s / 2)
             return True
         except (TimeoutError, RuntimeError):
             return False
@@ -382,14 +403,22 @@ class CoordinatorClient:
         self._call("control", m.ShutdownRequest(reason=reason))
 
     def close(self) -> None:
-        """Stop the heartbeat thread and close the sockets."""
+        """Stop the heartbeat thread and close the sockets. Stopping (:attr:`shutdown`),
+        it waits at most half a second for calls still out (the coordinator may be gone
+        too: each would hold it for its timeout); a socket still in use is left to the
+        process's exit."""
         self._closed.set()
+        wait_s = 0.5 if self.shutdown.is_set() else None
         watcher = self._watcher
         if watcher is not None and watcher is not threading.current_thread():
-            watcher.join(self.heartbeat_s + self._watch_margin_s + 0.5)
+            watcher.join(wait_s or self.heartbeat_s + self._watch_margin_s + 0.5)
         for name, client in (("tasks", self._tasks), ("control", self._control)):
-            with self._locks[name]:
-                client.close()
+            lock = self._locks[name]
+            if lock.acquire(timeout=-1 if wait_s is None else wait_s):
+                try:
+                    client.close()
+                finally:
+                    lock.release()
         if watcher is None or not watcher.is_alive():  # else it still polls its socket
             self._watch.close()
 

@@ -309,13 +309,21 @@ class Supervisor:
             time.sleep(0.1)
 
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
-        """SIGTERM every running role's process group, wait up to ``grace_s``, then kill and
-        reap what is left of every role's tree, and every other process of the run."""
+        """SIGTERM every running role's process group, the rollout servers first (for up
+        to half of ``grace_s``: the coordinator and the buffer still answer their leave
+        and take their last groups; with both gone each wait ran out, and a server
+        overran the grace), wait up to ``grace_s`` in all, then kill and reap what is left
+        of every role's tree, and every other process of the run."""
+        deadline = time.monotonic() + grace_s
         running = self._running()
-        for role in running:
-            assert role.proc is not None  # _running lists started roles only
-            signal_group(role.proc.pid, signal.SIGTERM)
-        for role in self._wait_exited(running, grace_s):
+        servers = [r for r in running if r.name.startswith("rollout")]
+        for wave in (servers, [r for r in running if r not in servers]):
+            for role in wave:
+                assert role.proc is not None  # _running lists started roles only
+                signal_group(role.proc.pid, signal.SIGTERM)
+            if wave is servers and servers:
+                self._wait_exited(servers, grace_s / 2)
+        for role in self._wait_exited(running, max(0.0, deadline - time.monotonic())):
             log.warning("%s did not stop within %.0fs: killing it", role.name, grace_s)
         for role in self.roles:
             if role.proc is not None:

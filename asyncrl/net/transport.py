@@ -202,8 +202,9 @@ class TrajectoryPusher:
         self.total_wait_s += waited
         return waited
 
-    def close(self) -> None:
-        """Close the socket and wait up to ``linger_s`` for queued messages to leave.
+    def close(self, linger_s: float | None = None) -> None:
+        """Close the socket and wait up to ``linger_s`` (default: the one it was made with)
+        for queued messages to leave.
 
         With a caller's ``context``, the wait happens when its owner terminates it. A send
         blocked meanwhile (the buffer gone) gives up within a second instead of holding
@@ -213,6 +214,9 @@ class TrajectoryPusher:
         with self._lock:
             if self._sock.closed:
                 return
+            if linger_s is not None and linger_s < self.linger_s:
+                self.linger_s = linger_s
+                self._sock.setsockopt(zmq.LINGER, int(linger_s * 1000))
             self._sock.close()
             if not self._own_ctx:
                 return
