@@ -1,8 +1,9 @@
 """Metric sinks: the console, a JSONL file in the run directory, and wandb.
 
-``trainer.logger`` picks the sinks (veRL's names: ``console``, ``wandb``; ``jsonl`` is
-ours: one JSON object per line in ``<run dir>/metrics.jsonl``, what the launcher's live
-view and plots read). Metric names use slash namespaces (``rollout/tokens_per_s``,
+``trainer.logger`` picks the sinks (veRL's names: ``console``, ``wandb``). ``jsonl``, ours,
+is always written, listed or not: one JSON object per line in ``<run dir>/metrics.jsonl``,
+the run's record, which the launcher's live view, its summary and plots read (a veRL
+config's ``logger: ['console', 'wandb']`` left them empty). Metric names use slash namespaces (``rollout/tokens_per_s``,
 ``buffer/lag_max``, ``actor/pg_clipfrac``, ``timing/weight_sync_s``).
 """
 
@@ -40,13 +41,12 @@ class MetricsLogger:
     ):
         self.sinks = set(sinks)
         self.console_keys = list(console_keys)
-        self._file = None
         self._wandb = None
-        if "jsonl" in self.sinks:
-            run_dir.mkdir(parents=True, exist_ok=True)
-            if fresh:  # a new run in an old directory: keep the old records, apart
-                _set_aside(run_dir / METRICS_FILE)
-            self._file = open(run_dir / METRICS_FILE, "a", buffering=1)  # noqa: SIM115
+        # The run's record, whatever the sinks (see the module docstring).
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if fresh:  # a new run in an old directory: keep the old records, apart
+            _set_aside(run_dir / METRICS_FILE)
+        self._file = open(run_dir / METRICS_FILE, "a", buffering=1)  # noqa: SIM115
         if "wandb" in self.sinks:
             import wandb  # only when asked for: it is slow to import
 

@@ -1,6 +1,8 @@
 """The JSONL metrics sink: a resumed run appends, a new run in an old directory starts a
 file of its own and keeps the old records beside it."""
 
+import json
+
 from asyncrl.metrics import METRICS_FILE, MetricsLogger, read_metrics
 
 
@@ -38,6 +40,9 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
         rid = logger._wandb.id
         logger.log(1, {"loss/pg": 1.0})
         logger.close()
+        # veRL's logger list without jsonl: the run's record is written all the same (the
+        # launcher's live line, summary and plots read it).
+        assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["loss/pg"] == 1
         return rid
 
     first = run_id(fresh=True)

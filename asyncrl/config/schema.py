@@ -262,7 +262,8 @@ class TrainerConfig(Section):
     test_freq: int = Field(default=10, description="Validate every N learner steps (-1: never).")
     val_before_train: bool = Field(default=True, description="Validate before the first step.")
     logger: list[Literal["console", "jsonl", "wandb"]] = Field(
-        default_factory=lambda: ["console", "jsonl"], description="Metric sinks."
+        default_factory=lambda: ["console", "jsonl"],
+        description="Metric sinks (<run dir>/metrics.jsonl is written either way).",
     )
     project_name: str = Field(default="asyncrl", description="wandb project; run dir component.")
     experiment_name: str = Field(default="demo", description="wandb run name; run dir component.")
