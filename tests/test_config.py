@@ -320,7 +320,7 @@ def test_an_overlong_buffer_that_would_shape_nothing_or_everything_is_refused(ov
     assert load_config("configs/cpu_demo.yaml", ["reward.overlong_buffer.enable=true", *ok])
 
 
-def test_each_gpu_rank_needs_a_listed_gpu():
+def test_each_gpu_rank_needs_a_listed_gpu_and_each_cpu_rank_a_core():
     gpu = ["trainer.device=cuda", "model.dtype=bfloat16", "launch.cpus=null"]
     two = "launch.gpus={learner:[0,1],rollout:[[2],[3]]}"
     problems = _problems(
@@ -333,6 +333,13 @@ def test_each_gpu_rank_needs_a_listed_gpu():
     )
     assert any("launch.gpus.rollout[0]=[2] lists 1 GPU(s); list 2" in p for p in problems)
     assert load_config("configs/cpu_demo.yaml", [*gpu, two, "trainer.nproc=2"]).trainer.nproc == 2
+    # On CPU, vLLM binds each tensor-parallel rank to cores of its own: the demo's one core
+    # per server crash-looped at every start (a walkthrough).
+    problems = _problems("configs/cpu_demo.yaml", ["rollout.tensor_model_parallel_size=2"])
+    assert any("launch.cpus.rollout[0]=[0] lists 1 core(s); list 2" in p for p in problems)
+    from asyncrl.launch.roles import omp_bind
+
+    assert omp_bind([0, 1, 2, 3], 2) == "0,1|2,3" and omp_bind([5], 1) == "5"
 
 
 def test_zero_training_steps_are_refused():

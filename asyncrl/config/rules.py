@@ -320,11 +320,14 @@ def _gpu_count_problems(cfg: Config) -> list[str]:
             f"{len(learner)} would find no device; list one GPU per rank"
         )
     tp = cfg.rollout.tensor_model_parallel_size
-    for i, ids in enumerate(gpus.get("rollout") or []):
+    # On CPU vLLM binds each tensor-parallel rank to cores of its own.
+    kind, table = ("gpus", gpus) if cfg.trainer.device == "cuda" else ("cpus", cfg.launch.cpus)
+    for i, ids in enumerate((table or {}).get("rollout") or []):
         if isinstance(ids, list) and len(ids) < tp:
+            unit = "GPU(s)" if kind == "gpus" else "core(s)"
             out.append(
-                f"rollout.tensor_model_parallel_size={tp} but launch.gpus.rollout[{i}]={ids} "
-                f"lists {len(ids)} GPU(s); list {tp} per server"
+                f"rollout.tensor_model_parallel_size={tp} but launch.{kind}.rollout[{i}]={ids} "
+                f"lists {len(ids)} {unit}; list {tp} per server"
             )
     return out
 

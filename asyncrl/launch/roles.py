@@ -19,6 +19,14 @@ from asyncrl.launch.supervise import Role, Supervisor
 log = logging.getLogger("asyncrl.launch")
 
 
+def omp_bind(cpus: list[int], ranks: int) -> str:
+    """vLLM's CPU thread binding for a server on ``cpus``: one list per tensor-parallel
+    rank, ``|`` between them (``0,1|2,3``); the config check asks for a core per rank."""
+    per_rank = max(1, len(cpus) // max(ranks, 1))
+    parts = [cpus[r * per_rank : (r + 1) * per_rank] for r in range(ranks)] if ranks > 1 else [cpus]
+    return "|".join(",".join(map(str, part)) for part in parts)
+
+
 def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
     """The processes of a job, in start order (buffer, rollout servers, learner)."""
     py = sys.executable
@@ -30,7 +38,9 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
         env: dict[str, str] = {}
         server_cpus = _ids(cpus, "rollout", i)
         if server_cpus is not None:  # vLLM's OpenMP threads on exactly these cores
-            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, server_cpus))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(
+                server_cpus, cfg.rollout.tensor_model_parallel_size
+            )
             # The rest of the server starts on every core and pins itself once its engine
             # is up: its start-up is imports that one shared core would serialise (see
             # rollout_servers.affinity).
