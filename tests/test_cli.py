@@ -241,7 +241,7 @@ def test_launching_a_finished_run_again_says_so_and_starts_nothing(
         *endpoint_overrides(),
     ]
     proc = run_cli("asyncrl-launch", *args, "trainer.total_training_steps=6", timeout=60)
-    assert "this run is complete (its checkpoint is at step 6 of 6)" in proc.stderr
+    assert "this run is complete (its last checkpoint is at step 6 of 6)" in proc.stderr
     assert "trainer.resume_mode=disable" in proc.stderr
     assert not (run / "logs").exists() and not (run / "config.yaml").exists()
     # More steps asked for, or a start that does not resume: the run is not complete.

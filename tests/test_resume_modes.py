@@ -249,8 +249,14 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     run.mkdir()
     mark_ended(run, 10)
     control = start_again()
-    assert "this run is complete (its checkpoint is at step 10 of 10): nothing to" in caplog.text
+    assert (
+        "this run is complete (its last checkpoint is at step 10 of 10): nothing to" in caplog.text
+    )
     assert "new trainer.experiment_name" in caplog.text
+    assert "raise trainer.total_training_steps" in caplog.text
+    from asyncrl.config.inputs import complete_line
+
+    assert "(its last checkpoint is at step 3, past 2)" in complete_line(3, 2)
     assert control.ended == (10, False, False, True) and control.resumed == []
     # Killed between its last checkpoint and its export, the run had no final/: made now.
     assert control.exported == [run / "final"]

@@ -189,10 +189,12 @@ def mark_ended(run: Path, step: int) -> None:
 
 def complete_line(step: int, total: int) -> str:
     """What a start of a complete run says (the launcher, and a learner started by hand)."""
+    where = f"step {step} of {total}" if step == total else f"step {step}, past {total}"
     return (
-        f"this run is complete (its checkpoint is at step {step} of {total}): nothing to "
-        "train. To train again, give it a new trainer.experiment_name, or "
-        "trainer.resume_mode=disable to start over here (its checkpoints are kept aside)"
+        f"this run is complete (its last checkpoint is at {where}): nothing to train. To "
+        "train on, raise trainer.total_training_steps; to train again, give it a new "
+        "trainer.experiment_name, or trainer.resume_mode=disable to start over here (its "
+        "checkpoints are kept aside)"
     )
 
 

@@ -95,13 +95,15 @@ def load_custom_scorer(path: str | Path, name: str = "compute_score") -> ScoreFn
     return function
 
 
-def _finite(value: Any, what: str) -> float:
+def _finite(value: Any, what: str = "") -> float:
+    """``value`` as a finite float; else an error that reads after "returned" (``what``:
+    where in the return value it was, e.g. ``dict['score'] = ``)."""
     # numbers.Real covers int, float, bool and numpy scalars; strings and tensors are refused.
     if not isinstance(value, numbers.Real):
-        raise TypeError(f"{what} is {type(value).__name__} {value!r:.80}, not a number")
+        raise TypeError(f"{what}{type(value).__name__} {value!r:.80}, not a number")
     result = float(value)
     if not math.isfinite(result):
-        raise ValueError(f"{what} is {result}, not a finite number")
+        raise ValueError(f"{what}{result}, not a finite number")
     return result
 
 
@@ -119,7 +121,7 @@ def normalize_score(value: Any) -> tuple[float, dict[str, float]]:
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError(f"dict without a 'score' key (keys: {sorted(map(str, value))})")
-        score = _finite(value["score"], "dict['score']")
+        score = _finite(value["score"], "dict['score'] = ")
         parts = {}
         for key, part in value.items():
             if key == "score" or not isinstance(part, numbers.Real):
@@ -127,4 +129,4 @@ def normalize_score(value: Any) -> tuple[float, dict[str, float]]:
             if math.isfinite(float(part)):
                 parts[str(key)] = float(part)
         return score, parts
-    return _finite(value, "the score"), {}
+    return _finite(value), {}
