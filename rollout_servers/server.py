@@ -27,6 +27,8 @@ from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
 from asyncrl.control.messages import SyncStart, Task
 from asyncrl.launch import startup
+from asyncrl.launch.restart_policy import CONFIG_ERROR
+from asyncrl.net.transport import RequestRefused
 from asyncrl.sync.probe import probe_ids
 from asyncrl.sync.weights import store_prefix
 from rollout_servers.agent import AgentRunner
@@ -119,6 +121,13 @@ class RolloutServer:
         except CoordinatorGone as e:
             log.error("%s; check endpoints.host/endpoints.control and that the learner is up", e)
             return 3
+        except RequestRefused as e:  # another config than the learner's: a restart cannot help
+            log.error(
+                "%s cannot serve this run: %s; start it with the learner's config",
+                self.server_id,
+                e,
+            )
+            return CONFIG_ERROR
         self.client.start_watching()
         startup.mark(run_dir(self.cfg), self.server_id, "registered")
         log.info("%s registered at version %d", self.server_id, reg.policy_version)

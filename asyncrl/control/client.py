@@ -41,7 +41,7 @@ import zmq
 
 from asyncrl.control import messages as m
 from asyncrl.control.request_ids import RequestIds
-from asyncrl.net.transport import ReqClient
+from asyncrl.net.transport import ReqClient, RequestRefused
 from asyncrl.wire.base import single
 
 if TYPE_CHECKING:
@@ -87,6 +87,7 @@ class CoordinatorClient:
         # The task ids this server is generating now (the server sets it): a registration
         # says them, so a restarted coordinator lets it keep them.
         self.held_tasks: Callable[[], list[str]] = list
+        self.settings: dict[str, str] = {}  # what it must share with the learner (register)
         self.session = ""
         self.seen_sync = 0
         # Each call takes its own id (concurrent calls never share a grant); an unanswered
@@ -117,12 +118,16 @@ class CoordinatorClient:
         kwargs.setdefault("tasks_per_request", cfg.control.tasks_per_request)
         kwargs.setdefault("patience_s", cfg.launch.start_timeout_s)
         kwargs.setdefault("max_message_bytes", mebibytes(cfg.control.max_message_mb))
-        return cls(
+        from asyncrl.config.shared import shared_settings
+
+        client = cls(
             config_endpoint(cfg.endpoints, "tasks"),
             config_endpoint(cfg.endpoints, "control"),
             server_id,
             **kwargs,
         )
+        client.settings = shared_settings(cfg)
+        return client
 
     # ------------------------------------------------------------------ plumbing
     def _call(
@@ -161,6 +166,7 @@ class CoordinatorClient:
             policy_version=self.policy_version,
             pid=_pid(),
             task_ids=self.held_tasks(),
+            settings=self.settings,
         )
         start = time.monotonic()
         while True:
@@ -195,7 +201,11 @@ class CoordinatorClient:
                 log.warning(
                     "%s is not registered with the coordinator: registering", self.server_id
                 )
-                self.register()
+                try:
+                    self.register()
+                except RequestRefused as e:  # a learner restarted with another config
+                    log.error("%s: registration refused (%s): leaving", self.server_id, e)
+                    self.gone.set()  # the server exits; its restart says why, and stops
 
     # ------------------------------------------------------------------ heartbeat / watch
     def heartbeat(self, wait_s: float | None = None) -> m.Announcement | None:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import zmq
 
+from asyncrl.config.shared import settings_problems
 from asyncrl.control import messages as m
 from asyncrl.control.state import ControlState
 from asyncrl.control.task_states import Drops
@@ -161,6 +162,9 @@ class ControlLoop:
                 self.watches.hold(envelope, msg, now, min(msg.wait_s, st.heartbeat_s))
             return news
         if isinstance(msg, m.Register):
+            if problems := settings_problems(st.settings, msg.settings):
+                log.error("refused %s: its config differs: %s", msg.server_id, "; ".join(problems))
+                return m.ErrorReply(error="config_mismatch", detail="; ".join(problems))
             self.forget(msg.server_id)
             reply = st.register(msg, now)
             log.info(

@@ -162,6 +162,11 @@ class Register(Message, tag="register"):
     # Tasks it is still generating (a registration after the coordinator restarted): they
     # stay its own instead of being dealt a second time.
     task_ids: TaskIds = []
+    # Its values of the keys it must share with the learner (asyncrl.config.shared): a
+    # registration that differs is refused (``config_mismatch``). Empty: not judged.
+    settings: Annotated[
+        dict[Annotated[str, msgspec.Meta(max_length=128)], Text], msgspec.Meta(max_length=64)
+    ] = {}
 
 
 class Heartbeat(Message, tag="heartbeat"):

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.config.shared import shared_settings
 from asyncrl.control.admission import Budget, groups_per_version
 from asyncrl.control.coordinator import Coordinator
 from asyncrl.control.group_filter import GroupFilter
@@ -74,7 +75,7 @@ def state_from_config(
         pacer=pacer,
     )
     syncs = SyncBook(backend=sync_backend(cfg.trainer.device), timeout_s=cfg.sync.timeout_s)
-    return ControlState(
+    state = ControlState(
         ledger,
         syncs,
         heartbeat_s=cfg.control.heartbeat_s,
@@ -97,6 +98,8 @@ def state_from_config(
             else None,
         ),
     )
+    state.settings = shared_settings(cfg)
+    return state
 
 
 def coordinator_from_config(

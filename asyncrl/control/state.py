@@ -83,6 +83,7 @@ class ControlState:
         self.shutting_down = ""  # the reason, once shutdown has begun
         self.step = 0  # the learner's last reported step
         self.counts: Counter[str] = Counter()
+        self.settings: dict[str, str] = {}  # a server's must equal these (config.shared)
         self._order = 0
         # Dealing starts once this many servers are registered (then stays on, whatever
         # later happens to them): hand-started servers all get work from the first step.
