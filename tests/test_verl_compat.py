@@ -339,3 +339,31 @@ def test_verl_grpo_example_with_dapo_and_gspo_keys_runs_the_demo(
     said = proc.stdout + proc.stderr  # the launcher reads the command line, once
     assert said.count("veRL's trainer.n_gpus_per_node=1 ") == 1, said[-3000:]
     assert said.count("ref.fsdp_config.param_offload=True has no effect here") == 1
+
+
+def test_a_key_given_twice_with_two_values_says_which_wins(caplog):
+    """veRL's spelling and ours of one key, or one key twice, with different values: one is
+    lost, and the user is told which (a walkthrough lost one silently)."""
+    with caplog.at_level("WARNING", logger="asyncrl.config"):
+        cfg = load_config(
+            "configs/cpu_demo.yaml",
+            ["actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor.ppo_mini_batch_size=4"],
+        )
+    assert cfg.actor.ppo_mini_batch_size == 4
+    assert (
+        "actor.ppo_mini_batch_size is given twice on the command line: the last, 4" in caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncrl.config"):
+        cfg = load_config(
+            "configs/cpu_demo.yaml",
+            ["actor_rollout_ref.rollout.response_length=16", "data.max_response_length=4"],
+        )
+    assert cfg.data.max_response_length == 4
+    assert "response_length=16 not applied: data.max_response_length is given too, and wins" in (
+        caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncrl.config"):  # the same value: nothing lost
+        load_config("configs/cpu_demo.yaml", ["rollout.n=8", "rollout.n=8"])
+    assert "given twice" not in caplog.text

@@ -25,7 +25,7 @@ from asyncrl.config.interpolate import InterpolationError, leaves, resolve_refer
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import apply_verl_keys, default_gaps, pop_dotted, speaks_verl
-from asyncrl.config.verl_table import VERL_PREFIXES, our_key
+from asyncrl.config.verl_table import VERL_PREFIXES, lookup, our_key
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             given.discard(key)
             continue
         key, value = parse_override(item)
+        if key in given and lookup(raw, key)[1] != value:
+            log.warning("%s is given twice on the command line: the last, %r, wins", key, value)
         set_dotted(raw, key, value)
         given.add(key)
     try:

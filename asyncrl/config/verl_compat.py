@@ -9,9 +9,12 @@ nothing: the schema takes them.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key, refused_value
+
+log = logging.getLogger(__name__)
 
 #: Keys whose default here differs from veRL's and changes what a run trains, or for how
 #: long: a veRL script that leaves one out relied on veRL's (TinyZero's PPO script never
@@ -102,7 +105,11 @@ def apply_verl_keys(
             for target in rule.target:
                 found, old = lookup(raw, target)
                 if found and (_given(target, given) or not from_cli):
-                    notes.append(f"veRL's {key}={value!r} not applied: {target} is given too")
+                    line = f"veRL's {key}={value!r} not applied: {target} is given too"
+                    if old != rule.convert(value):  # the user loses one of two values
+                        log.warning("%s, and wins with %r (set one of the two)", line, old)
+                    else:
+                        notes.append(line)
                     continue
                 _set(raw, target, rule.convert(value))
                 if rule.per_rank:
