@@ -79,6 +79,12 @@ def test_restarts_in_the_live_line_and_the_summary(tmp_path):
     assert "restarts" not in view.line(records, {"buffer": 0})
     table = summary_table(records, restarts).splitlines()
     assert "wait" not in "".join(table)  # one step's share: the time split has the run's
+    from asyncrl.launch.progress import reward_errors_line
+
+    assert reward_errors_line(records) == []
+    assert reward_errors_line([{"rollout/reward_errors": 0.0}, {"step": 3.0}]) == []
+    (line,) = reward_errors_line([{"rollout/reward_errors": 382.0}, {"step": 3.0}])
+    assert line.startswith("reward errors: 382 samples scored 0.0 because the scorer failed")
     assert [line.split()[:3] for line in table[-3:]] == [
         ["restarts", "buffer", "0"],
         ["restarts", "rollout-0", "2"],

@@ -116,6 +116,18 @@ def accounting_lines(records: list[dict[str, float]]) -> list[str]:
     return lines
 
 
+def reward_errors_line(records: list[dict[str, float]]) -> list[str]:
+    """A line when the scorer failed on some samples (each scored 0.0): a run can end
+    "finished" on rewards that are mostly failures."""
+    errors = last_value(records, "rollout/reward_errors")
+    if not errors:
+        return []
+    return [
+        f"reward errors: {errors:.0f} samples scored 0.0 because the scorer failed on them "
+        "(rollout/reward_errors); each server's log names the first of each kind with its fix"
+    ]
+
+
 def eta_s(records: list[dict[str, float]], total: int | None) -> float:
     """Seconds to step ``total`` at the pace of the steps trained so far (NaN before two
     steps): start-up (engines loading, a first validation) is not a step's pace."""
@@ -181,7 +193,7 @@ class ProgressView:
         mine = self._this_launch(records)
         if mine or restarts:
             self.stream.write(summary_table(mine, restarts) + "\n")
-        for line in accounting_lines(records) + time_split(mine):
+        for line in accounting_lines(records) + reward_errors_line(mine) + time_split(mine):
             self.stream.write(line + "\n")
         if records:
             for path in write_plots(self.run_dir, records):
@@ -295,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     sys.stdout.write(summary_table(recs, restarts_of) + "\n")
-    for text in accounting_lines(recs) + time_split(recs):
+    for text in accounting_lines(recs) + reward_errors_line(recs) + time_split(recs):
         sys.stdout.write(text + "\n")
     sys.stdout.write(f"{write_plots(directory, recs)[0]}\n")
     return 0
