@@ -91,7 +91,9 @@ def accounting_line(metrics: dict[str, float], kind: str = "train") -> str | Non
         f"in buffer {metrics.get(p + 'in_buffer', 0):.0f} + "
         f"{done} {metrics.get(p + done, 0):.0f} + "
         f"dropped {sum(drops.values()):.0f}{f' ({reasons})' if reasons else ''} + "
-        f"given up {metrics.get(p + 'given_up', 0):.0f}"
+        # An external slot is never dealt again: one unused or lost is given back.
+        f"{'given back' if kind == 'external' else 'given up'} "
+        f"{metrics.get(p + 'given_up', 0):.0f}"
     )
     if metrics.get(p + "prompts_out_of_lag_retries", 0):
         # Each lag retry is a new id: a prompt out of retries is among the lag drops.
