@@ -158,6 +158,12 @@ def test_the_time_split_names_the_side_that_holds_the_run_back():
     assert "waiting for batches 45%" in generation_bound[0]
     assert generation_bound[2].startswith("bottleneck: generation")
     assert time_split(_records(0.5, 0.45, 0.0, 0.1)[:1]) == []  # one step: no window
+    # Every training group through the OpenAI endpoint: the servers wait for the agents.
+    agents = _records(0.3, 0.6, task_wait_rate=0.8, pause_rate=0.05)
+    agents[-1] |= {"accounting/train/dealt": 40.0, "accounting/external/dealt": 40.0}
+    split = time_split(agents)
+    assert "waiting for the agents' requests 80%" in split[1], split
+    assert split[2].startswith("bottleneck: the agents"), split
 
 
 def test_a_resumed_runs_summary_covers_this_launch_only(tmp_path):

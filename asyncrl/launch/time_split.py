@@ -13,6 +13,7 @@ from typing import Any
 # A side is the bottleneck when it is busy at least this share of the time while the other
 # waits at least WAITING of its own.
 BUSY, WAITING = 0.7, 0.1
+TASKS_WAIT, AGENTS_WAIT = "waiting for tasks", "waiting for the agents' requests"
 
 
 def _total(records: list[dict[str, Any]], key: str) -> float:
@@ -37,12 +38,26 @@ def time_split(records: list[dict[str, Any]]) -> list[str]:
     learner["other (validation, checkpoints, control)"] = max(0.0, wall - sum(learner.values()))
     lines = ["learner: " + _shares(learner, wall)]
     rollout = _rollout_split(steps)
+    agents = _agents_only(records)
     if rollout is not None:
-        lines.append("rollout servers (mean): " + _shares(rollout, 1.0))
+        shown = dict(rollout)
+        if agents:  # they take no task: what they wait for is the agents' next request
+            shown[AGENTS_WAIT] = shown.pop(TASKS_WAIT)
+        lines.append("rollout servers (mean): " + _shares(shown, 1.0))
     lines.append(
-        _verdict(learner["training"] / wall, learner["waiting for batches"] / wall, rollout)
+        _verdict(learner["training"] / wall, learner["waiting for batches"] / wall, rollout, agents)
     )
     return lines
+
+
+def _agents_only(records: list[dict[str, Any]]) -> bool:
+    """Whether every training group came through the OpenAI endpoint (its servers take no
+    dataset task): the agents, not the servers, set the pace of generation."""
+    last = next((r for r in reversed(records) if "accounting/external/dealt" in r), None)
+    if last is None:
+        return False
+    external = last["accounting/external/dealt"]
+    return external > 0 and external >= last.get("accounting/train/dealt", 0.0)
 
 
 def _rollout_split(steps: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -62,7 +77,7 @@ def _rollout_split(steps: list[dict[str, Any]]) -> dict[str, float] | None:
     waiting, paused = min(max(waiting, 0.0), 1.0), min(max(paused, 0.0), 1.0)
     return {
         "generating": max(0.0, 1.0 - waiting - paused),
-        "waiting for tasks": waiting,
+        TASKS_WAIT: waiting,
         "paused for weight syncs": paused,
     }
 
@@ -71,8 +86,15 @@ def _shares(parts: dict[str, float], total: float) -> str:
     return ", ".join(f"{name} {value / total:.0%}" for name, value in parts.items())
 
 
-def _verdict(training: float, learner_waits: float, rollout: dict[str, float] | None) -> str:
-    servers_wait = rollout["waiting for tasks"] if rollout else 0.0
+def _verdict(
+    training: float, learner_waits: float, rollout: dict[str, float] | None, agents: bool = False
+) -> str:
+    servers_wait = rollout[TASKS_WAIT] if rollout else 0.0
+    if agents and learner_waits >= WAITING and servers_wait >= WAITING:
+        return (
+            "bottleneck: the agents (the learner waits for batches, the servers for the "
+            "agents' requests): more agents, or more episodes at once, would speed the run"
+        )
     if training >= BUSY and servers_wait >= WAITING:
         return (
             "bottleneck: the learner (the servers wait for tasks): more learner hardware "
