@@ -167,10 +167,13 @@ def join_ranks(ctx) -> None:
         pass
 
 
-def start_coordinator(n_rows: int, per_version: int, group_filter: Any = None) -> Any:
+def start_coordinator(
+    n_rows: int, per_version: int, group_filter: Any = None, settings: Any = None
+) -> Any:
     """A started coordinator on OS-chosen loopback ports over ``n_rows`` arithmetic rows
     (groups of 2, policy lag 1, ``per_version`` groups per version; ``group_filter``: a
-    :class:`~asyncrl.control.group_filter.GroupFilter`); stop it when done."""
+    :class:`~asyncrl.control.group_filter.GroupFilter`; ``settings``: the learner's shared
+    settings, :mod:`asyncrl.config.shared`); stop it when done."""
     from asyncrl.control import Budget, ControlState, Coordinator, TaskSource
     from asyncrl.control.ledger import TaskLedger
     from asyncrl.control.syncs import SyncBook
@@ -188,5 +191,6 @@ def start_coordinator(n_rows: int, per_version: int, group_filter: Any = None) -
         store_port=0,
         group_filter=group_filter,
     )
+    state.settings = dict(settings or {})
     coord = Coordinator(state, tasks_addr="tcp://127.0.0.1:*", control_addr="tcp://127.0.0.1:*")
     return coord.start()
