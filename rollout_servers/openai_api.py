@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from rollout_servers.protocols import ControlClient, GenerationEngine, GroupPusher, Tokenizer
 
 log = logging.getLogger(__name__)
+STOP_S = 2.0  # how long requests in flight may finish once the endpoint stops
 
 
 class OpenAIEndpoint:
@@ -112,7 +113,10 @@ class OpenAIEndpoint:
         """Listen on ``rollout.openai_endpoint.host``/``port``; returns the base URL (also
         written to ``<run dir>/openai_endpoints/<server id>.json``)."""
         oe = self.cfg.rollout.openai_endpoint
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # At stop, requests still in flight get STOP_S, then are cancelled (and given as
+        # long again to end): the server's leave comes after, and aiohttp's default 60 s
+        # outlasted the launcher's wait (the server was killed at the run's end, unleft).
+        self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=STOP_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, oe.host, oe.port)
         try:

@@ -337,3 +337,48 @@ def test_the_model_card_has_what_typed_clients_read(monkeypatch):
         assert card["owned_by"] == "asyncrl"
 
     _serve(monkeypatch, scenario)
+
+
+def test_stopping_the_endpoint_cuts_a_turn_still_running(monkeypatch, tmp_path):
+    """The run ends while an agent's turn is still generating: the endpoint's stop waits
+    ``STOP_S`` for it, then cancels it, so the server's leave (sent after the stop) reaches
+    the coordinator; aiohttp's default 60 s outlasted every grace and the server was killed
+    at the end of a run with its leave unsent (a walkthrough's hang)."""
+    import time
+
+    from asyncrl.config import load_config
+    from rollout_servers import endpoint_turns
+    from rollout_servers.groups import SamplingSettings
+    from rollout_servers.openai_api import STOP_S, OpenAIEndpoint
+    from tests.standins.chat import CharTokenizer
+    from tests.test_endpoint_faults import OneSlotClient
+
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=2",
+            "rollout.openai_endpoint.group_size=2",
+            "rollout.openai_endpoint.port=0",
+            "data.max_prompt_length=512",
+            "data.max_response_length=512",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+    )
+    engine = GatedEngine()  # never opened: the turn runs until the stop cuts it
+    parts = (engine, CharTokenizer(), OneSlotClient(), None, SamplingSettings.from_config(cfg))
+    endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        url = await endpoint.start()
+        rig = Rig(endpoint, engine, url.removesuffix("/v1"))
+        turn = asyncio.create_task(_post(rig, _chat([USER])))
+        await asyncio.sleep(0.5)
+        assert not turn.done()
+        began = time.monotonic()
+        await endpoint.stop()
+        assert time.monotonic() - began < 2 * STOP_S + 1.5  # a wait, then one for the cancel
+        with pytest.raises(aiohttp.ClientError):  # the connection closed, no reply
+            await asyncio.wait_for(turn, 5)
+
+    asyncio.run(main())

@@ -175,7 +175,7 @@ class CoordinatorClient:
                 break
             except TimeoutError:
                 waited = time.monotonic() - start
-                if waited >= wait_s or self._closed.is_set():
+                if waited >= wait_s or self._closed.is_set() or self.shutdown.is_set():
                     raise CoordinatorGone(
                         f"no coordinator at {self._control.addr} for {waited:.0f}s"
                     ) from None
@@ -203,6 +203,9 @@ class CoordinatorClient:
                 )
                 try:
                     self.register()
+                except CoordinatorGone:
+                    if not self.shutdown.is_set():
+                        raise  # else: stopping, no need to register any more
                 except RequestRefused as e:  # a learner restarted with another config
                     log.error("%s: registration refused (%s): leaving", self.server_id, e)
                     self.gone.set()  # the server exits; its restart says why, and stops
