@@ -131,9 +131,10 @@ class LearnerLoop:
         is done needs it only to tell the peers started for it that there is nothing to
         do: with no buffer answering (a learner killed after telling them left no one),
         there is no one to tell, and no buffer to wait for."""
+        ended = self._ended()  # a collective: every rank asks
         if self.trainer.rank != 0:
             return NoControl()
-        if self._ended() and not _buffer_answers(self.cfg, ENDED_PROBE_S):
+        if ended and not _buffer_answers(self.cfg, ENDED_PROBE_S):
             log.info(
                 "no buffer answered within %gs: no peer to tell the run is over", ENDED_PROBE_S
             )
