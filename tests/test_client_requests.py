@@ -151,8 +151,8 @@ def test_a_stopping_client_does_not_queue_behind_a_silent_coordinator():
         time.sleep(0.2)
         client.shutdown.set()  # the server is told to stop (SIGTERM)
         start = time.monotonic()
-        assert client.ack(["t2"]) is None  # the socket is busy: no wait, no retry
-        assert time.monotonic() - start < 0.5
+        assert client.ack(["t2"]) is None  # the socket stays busy: a short wait, no retry
+        assert time.monotonic() - start < 1.0
         first.join(5)
         assert time.monotonic() - start < 1.5  # its attempt ran out; no second one
         start = time.monotonic()

@@ -49,6 +49,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STOPPING_LOCK_WAIT_S = 0.5  # how long a stopping server's request waits for the socket
+
 
 class CoordinatorGone(RuntimeError):
     """The coordinator did not answer for longer than the client's patience."""
@@ -315,10 +317,11 @@ class CoordinatorClient:
             if self.gone.is_set() or (attempt and self.shutdown.is_set()):
                 break
             try:
-                # Stopping, a request does not queue behind another's timeout: one that
-                # went unanswered already tells that the coordinator is going too (a
-                # server stopped with the learner took 15 s per request, then SIGKILL).
-                return self._call("control", msg, lock_wait_s=0 if self.shutdown.is_set() else -1)
+                # Stopping, a request does not queue behind another's timeout (a live
+                # coordinator answers the one ahead in milliseconds; a server stopped with
+                # the learner took 15 s per request, then SIGKILL), nor tries again.
+                wait_s = STOPPING_LOCK_WAIT_S if self.shutdown.is_set() else -1.0
+                return self._call("control", msg, lock_wait_s=wait_s)
             except TimeoutError:
                 continue
         return None
