@@ -94,7 +94,7 @@ def test_concurrent_task_requests_never_get_the_same_task(served):
 def _lose_replies(client: CoordinatorClient, lost: list[int]) -> None:
     """The control socket's next ``lost[0]`` replies reach the coordinator's answer and are
     then lost on the way back (the caller sees a timeout)."""
-    real = client._control.request_frames
+    real = client._sockets.by_name["control"].request_frames
 
     def request_frames(frames, timeout_s=None):
         reply = real(frames, timeout_s)
@@ -103,7 +103,7 @@ def _lose_replies(client: CoordinatorClient, lost: list[int]) -> None:
             raise TimeoutError("reply lost")
         return reply
 
-    client._control.request_frames = request_frames  # type: ignore[method-assign]
+    client._sockets.by_name["control"].request_frames = request_frames  # type: ignore[method-assign]
 
 
 def test_a_retried_slot_request_gets_the_slot_its_lost_reply_carried(served):

@@ -20,10 +20,8 @@ Acknowledging means: every trajectory of the task's group was handed to the traj
 socket (``TrajectoryPusher.send`` returned). Until then, the coordinator re-deals the task
 if this server dies.
 
-Three REQ sockets, each behind its own lock, so any thread may call any method: one for
-task requests (long-polled), one for registration, sync reports and acks (answered at
-once), and one for the heartbeat long-poll (so a long sync or a held task request never
-delays a heartbeat, an ack or a sync report). A server that
+Three REQ sockets, each behind its own lock (:mod:`asyncrl.control.client_sockets`), so any
+thread may call any method. A server that
 the coordinator no longer knows (it was declared dead, or the coordinator restarted) is
 registered again automatically, once per stale session whichever thread notices first.
 """
@@ -40,8 +38,9 @@ from typing import TYPE_CHECKING, Any
 import zmq
 
 from asyncrl.control import messages as m
+from asyncrl.control.client_sockets import ClientSockets, Socket
 from asyncrl.control.request_ids import RequestIds
-from asyncrl.net.transport import ReqClient, RequestRefused
+from asyncrl.net.transport import RequestRefused
 from asyncrl.wire.base import single
 
 if TYPE_CHECKING:
@@ -99,12 +98,14 @@ class CoordinatorClient:
         self.shutdown = threading.Event()  # the coordinator said the run is over
         self.gone = threading.Event()  # the coordinator was silent past patience_s
         self.last_heard = time.monotonic()
-        ctx = context or zmq.Context.instance()
-        self._tasks, self._control, self._watch = (
-            ReqClient(addr, timeout_s=timeout_s, context=ctx, max_message_bytes=max_message_bytes)
-            for addr in (tasks_addr, control_addr, control_addr)
+        self._sockets = ClientSockets(
+            tasks_addr,
+            control_addr,
+            timeout_s=timeout_s,
+            context=context or zmq.Context.instance(),
+            max_message_bytes=max_message_bytes,
         )
-        self._locks = {name: threading.Lock() for name in ("tasks", "control", "watch")}
+        self.control_addr = control_addr
         self._register_lock = threading.Lock()
         self._closed = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -134,22 +135,13 @@ class CoordinatorClient:
     # ------------------------------------------------------------------ plumbing
     def _call(
         self,
-        sock: str,
+        sock: Socket,
         msg: m.Request,
         timeout_s: float | None = None,
         lock_wait_s: float = -1.0,
     ) -> m.Reply:
-        """One request/reply on socket ``sock``; raises TimeoutError when unanswered (or,
-        with ``lock_wait_s`` >= 0, when the socket stays busy that long),
-        :class:`~asyncrl.net.transport.RequestRefused` when refused."""
-        client = {"tasks": self._tasks, "control": self._control, "watch": self._watch}[sock]
-        lock = self._locks[sock]
-        if not lock.acquire(timeout=lock_wait_s):
-            raise TimeoutError(f"the {sock} socket stayed busy for {lock_wait_s:g}s")
-        try:
-            return client.call(msg, self._heard, timeout_s)
-        finally:
-            lock.release()
+        """One request/reply on socket ``sock`` (:meth:`ClientSockets.call`)."""
+        return self._sockets.call(sock, msg, self._heard, timeout_s, lock_wait_s)
 
     def _heard(self, frames: list[zmq.Frame]) -> m.Reply:
         """A reply came (even a refusal): the coordinator is alive."""
@@ -179,9 +171,9 @@ class CoordinatorClient:
                 waited = time.monotonic() - start
                 if waited >= wait_s or self._closed.is_set() or self.shutdown.is_set():
                     raise CoordinatorGone(
-                        f"no coordinator at {self._control.addr} for {waited:.0f}s"
+                        f"no coordinator at {self.control_addr} for {waited:.0f}s"
                     ) from None
-                log.info("waiting for the coordinator at %s (%.0fs)", self._control.addr, waited)
+                log.info("waiting for the coordinator at %s (%.0fs)", self.control_addr, waited)
         assert isinstance(reply, m.Registered), reply
         self.registered, self.session, self.seen_sync = reply, reply.session, 0
         self.announced_version = max(self.announced_version, reply.policy_version)
@@ -428,15 +420,8 @@ class CoordinatorClient:
         watcher = self._watcher
         if watcher is not None and watcher is not threading.current_thread():
             watcher.join(wait_s or self.heartbeat_s + self._watch_margin_s + 0.5)
-        for name, client in (("tasks", self._tasks), ("control", self._control)):
-            lock = self._locks[name]
-            if lock.acquire(timeout=-1 if wait_s is None else wait_s):
-                try:
-                    client.close()
-                finally:
-                    lock.release()
-        if watcher is None or not watcher.is_alive():  # else it still polls its socket
-            self._watch.close()
+        # The watch socket stays open while the heartbeat thread still polls it.
+        self._sockets.close(wait_s, watch_in_use=watcher is not None and watcher.is_alive())
 
     def __enter__(self) -> CoordinatorClient:
         return self
