@@ -346,25 +346,14 @@ def test_stopping_the_endpoint_cuts_a_turn_still_running(monkeypatch, tmp_path):
     at the end of a run with its leave unsent (a walkthrough's hang)."""
     import time
 
-    from asyncrl.config import load_config
     from rollout_servers import endpoint_turns
     from rollout_servers.groups import SamplingSettings
     from rollout_servers.openai_api import STOP_S, OpenAIEndpoint
     from tests.standins.chat import CharTokenizer
-    from tests.test_endpoint_faults import OneSlotClient
+    from tests.test_endpoint_faults import OneSlotClient, endpoint_config
 
     monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)
-    cfg = load_config(
-        None,
-        [
-            "rollout.n=2",
-            "rollout.openai_endpoint.group_size=2",
-            "rollout.openai_endpoint.port=0",
-            "data.max_prompt_length=512",
-            "data.max_response_length=512",
-            f"trainer.default_local_dir={tmp_path}",
-        ],
-    )
+    cfg = endpoint_config("rollout.openai_endpoint.port=0", f"trainer.default_local_dir={tmp_path}")
     engine = GatedEngine()  # never opened: the turn runs until the stop cuts it
     parts = (engine, CharTokenizer(), OneSlotClient(), None, SamplingSettings.from_config(cfg))
     endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]

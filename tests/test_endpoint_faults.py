@@ -78,15 +78,9 @@ def _state(s: Session) -> tuple:
     return repr(pieces), repr(ep.messages), ep.turns, ep.splits, repr(s.shown), repr(s.tools)
 
 
-def _serve(
-    monkeypatch: pytest.MonkeyPatch,
-    scenario: Callable[[Rig], Awaitable[None]],
-    overrides: tuple[str, ...] = (),
-) -> None:
-    """Run ``scenario`` against a fresh endpoint (group size 2) served on 127.0.0.1."""
-    # Sampling parameters are the engine's business; importing vLLM for them takes seconds.
-    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)
-    cfg = load_config(
+def endpoint_config(*overrides: str) -> Any:
+    """The endpoint tests' config: groups of 2, room for long chat prompts."""
+    return load_config(
         None,
         [
             "rollout.n=2",
@@ -96,6 +90,17 @@ def _serve(
             *overrides,
         ],
     )
+
+
+def _serve(
+    monkeypatch: pytest.MonkeyPatch,
+    scenario: Callable[[Rig], Awaitable[None]],
+    overrides: tuple[str, ...] = (),
+) -> None:
+    """Run ``scenario`` against a fresh endpoint (group size 2) served on 127.0.0.1."""
+    # Sampling parameters are the engine's business; importing vLLM for them takes seconds.
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)
+    cfg = endpoint_config(*overrides)
     engine = ReplyEngine()
     settings = SamplingSettings.from_config(cfg)
     parts = (engine, CharTokenizer(), OneSlotClient(), None, settings)
