@@ -27,7 +27,13 @@ from typing import Any
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config import run_dir as run_dir_of
-from asyncrl.config.inputs import complete_line, ended_at, resume_problem, total_training_steps
+from asyncrl.config.inputs import (
+    COMPLETE_FILE,
+    complete_line,
+    ended_at,
+    resume_problem,
+    total_training_steps,
+)
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
@@ -312,6 +318,9 @@ class LearnerLoop:
         aside = self.new_run and mode != "auto" and self.trainer.rank == 0
         if aside and (old := set_aside_checkpoints(self.run_dir)) is not None:
             log.info("checkpoints of an earlier run (not resumed) moved to %s", old.name)
+        if self.trainer.rank == 0 and (self.new_run or mode == "resume_path"):
+            # A new run here, or a branch of this one: an earlier ending is not its own.
+            (self.run_dir / COMPLETE_FILE).unlink(missing_ok=True)
         if path is None:
             return Restored(None, None, None)
         extra = self.trainer.load(path)

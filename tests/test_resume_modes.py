@@ -59,9 +59,17 @@ def _restore(run: Path, *overrides: str) -> tuple[LoadRecorder, object]:
 
 
 def test_disable_moves_an_earlier_runs_checkpoints_aside(tmp_path):
+    from asyncrl.config.inputs import ended_at, mark_ended
+
     run = tmp_path / "run"
     _checkpoint(run / "checkpoints", 60)
+    mark_ended(run, 60)  # the earlier run ended whole at its step 60
+    _restore(run, "trainer.resume_mode=auto")
+    assert ended_at(run) == 60  # resumed: still that run's ending
     trainer, restored = _restore(run, "trainer.resume_mode=disable")
+    # A new run: the earlier ending is not its own (were this one cut short at its step
+    # 60, the launcher would have taken it as ended).
+    assert ended_at(run) is None
     assert trainer.loaded == [] and restored.path is None  # type: ignore[attr-defined]
     assert not (run / "checkpoints").exists()
     assert (run / "checkpoints.1" / "step_60" / STATE_FILE).is_file()  # kept, apart
