@@ -108,7 +108,8 @@ class Answers:
                 session=self.session, held=held, dropped=dropped, validated=validated
             )
         if isinstance(msg, wire.ValidationRequest):
-            return wire.ValidationReply(by_round=self.buffer.reports.results, session=self.session)
+            by_round = self.buffer.reports.results_for(msg.rounds)
+            return wire.ValidationReply(by_round=by_round, session=self.session)
         log.info("shutdown requested on the batch socket")  # the only request left
         self.on_shutdown()
         return wire.Ok()

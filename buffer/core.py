@@ -8,7 +8,7 @@ Life of a task id (docs/DESIGN.md section 4):
    that expired are late: dropped and counted.
 2. An incomplete group older than ``group_timeout_s`` *expires* (:meth:`expire`).
    Steps 1 and 2, trajectories into complete groups, are :mod:`buffer.assembly`'s.
-3. A complete **validation** group goes to per-data-source validation stats, never into a
+3. A complete **validation** group is kept by round and id (its sums), never put into a
    training batch. A complete **training** group joins the *pool*.
 4. :meth:`release` takes the learner's current version ``v`` (the highest any request
    reported: versions never go backwards), drops pooled groups whose lag, ``v`` minus the

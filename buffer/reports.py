@@ -10,7 +10,7 @@ group, like the task ids the buffer keeps to recognise duplicates.
 
 from __future__ import annotations
 
-from asyncrl.wire import DroppedTask, Group, ValidationStats
+from asyncrl.wire import DroppedTask, Group, ValidationGroup
 
 
 class Reports:
@@ -20,21 +20,30 @@ class Reports:
         self.drops: list[DroppedTask] = []  # every drop, read by cursor
         self.validated: list[str] = []  # every validation id scored, read by cursor
         self._taken = (0, 0)  # take_dropped/take_validated's own cursors
-        # round key -> data source -> sums; a few numbers per round, kept for the session
-        self.results: dict[str, dict[str, ValidationStats]] = {}
+        # round key -> validation id -> the group's sums: five numbers per group, kept for
+        # the session (per group, not per round, so that the learner counts a group once
+        # when two buffer sessions both score it, or a reply is read twice)
+        self.results: dict[str, dict[str, ValidationGroup]] = {}
 
     def drop(self, d: DroppedTask) -> None:
         self.drops.append(d)
 
     def scored(self, group: Group) -> None:
-        """A complete validation group: into its round's and data source's results (the
-        round: its id up to the row, ``val.<lineage>/<round>``), and the log."""
-        by_source = self.results.setdefault(round_key(group.task_id), {})
-        stats = by_source.setdefault(group.data_source, ValidationStats())
+        """A complete validation group: into its round's results (the round: its id up to
+        the row, ``val.<lineage>/<round>``), and the log."""
         # Count episodes: the samples of a split episode share its reward.
         rewards = {m.episode_index: m.reward for m in group.metas}
-        stats.add_group(list(rewards.values()), int(group.response_lens.sum()))
+        scored = ValidationGroup.of(
+            group.data_source, list(rewards.values()), int(group.response_lens.sum())
+        )
+        self.results.setdefault(round_key(group.task_id), {})[group.task_id] = scored
         self.validated.append(group.task_id)
+
+    def results_for(self, rounds: list[str]) -> dict[str, dict[str, ValidationGroup]]:
+        """The scored groups of these rounds (every round when none is named)."""
+        if not rounds:
+            return self.results
+        return {key: self.results[key] for key in rounds if key in self.results}
 
     def since(self, drops_from: int, validated_from: int) -> tuple[list[DroppedTask], list[str]]:
         """Drops and scored validation ids logged since these positions of the two logs."""

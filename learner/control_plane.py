@@ -253,7 +253,7 @@ class RankZero:
         self.coordinator.on_step(step)
         return {
             "coordinator": self.coordinator.state_dict(),
-            "validation": self.validation.state_dict(),  # the rounds reported
+            "validation": self.validation.state_dict(),  # rounds reported, groups of the rest
             "lag_controller": self.lag.state_dict() if self.lag is not None else None,
         }
 
@@ -269,11 +269,11 @@ class RankZero:
         if not self.validation.pending(progress):
             return  # no round in flight: nothing to ask the buffer this step
         try:
-            reply = self.buffer.validation()
+            reply = self.buffer.validation(self.validation.missing(progress))
         except TimeoutError:  # the buffer restarts: its scores are kept per round, ask later
             log.info("the buffer did not answer the validation poll; asking again later")
             return
-        for done in self.validation.add(reply.by_round, progress, reply.session):
+        for done in self.validation.add(reply.by_round, progress):
             self.logger.log(step, done)
 
     def after_step(self, step: int, metrics: dict[str, float], version: int) -> None:
@@ -349,7 +349,7 @@ class RankZero:
 
     def _settled_accounting(self, deadline: float) -> dict[str, float]:
         """The final accounting, once the last validation round shows as scored: the learner
-        reads a round's scores from the buffer's sums, and the coordinator marks its groups
+        reads a round's scores from the buffer's groups, and the coordinator marks its groups
         scored on its own poll of the buffer, up to one ``drop_poll_s`` later. Waits at most
         two polls (and never past ``deadline``); a round still missing then is reported as
         it stands."""

@@ -1,38 +1,41 @@
-"""Validation scores from the buffer's sums per round and data source, one record per
-round.
+"""Validation scores from the validation groups the buffer scored, one record per round.
 
 The coordinator deals a validation round (every validation prompt once, ``val_kwargs.n``
-samples each) every ``trainer.test_freq`` steps; the buffer sums each complete validation
-group by its round and data source. This tracker reports a round once its groups are all
-in: ``val/score`` (mean reward over the round's responses), its standard errors over
-responses and over prompts, and ``val/<data_source>/score``.
+samples each) every ``trainer.test_freq`` steps; the buffer keeps each scored group's sums
+by round and validation id. This tracker collects a round's groups by id and reports the
+round once they are all in: ``val/score`` (mean reward over the round's responses), its
+standard errors over responses and over prompts, and ``val/<data_source>/score``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from asyncrl.wire import ValidationGroup, ValidationStats
 
 if TYPE_CHECKING:
     from asyncrl.control.state import ValidationProgress
-    from asyncrl.wire import ValidationStats
 
 
 class ValidationTracker:
-    """Reports each validation round once, when the buffer's sums for it are complete.
+    """Reports each validation round once, when its groups are all in.
 
-    The buffer keeps each round's sums for its session (never drained), so a reply lost on
-    the way, or a learner restarted from a checkpoint taken before it read them, reads them
-    again; the rounds reported are saved in checkpoints (:meth:`state_dict`). A round
-    reported after the checkpoint by a learner that then died is reported again."""
+    Groups are kept by validation id, so that reading them twice counts them once: the
+    buffer keeps its groups for its session (never drained), a restarted buffer scores the
+    rest of a round from nothing, and a group it scores again (its report to the
+    coordinator lost with the old buffer) is the same id. The groups of rounds not
+    reported yet, and the rounds reported, are saved in checkpoints (:meth:`state_dict`),
+    so that a learner restarted after a buffer restart still has the old session's part
+    of a round. A round reported after the checkpoint by a learner that then died is
+    reported again."""
 
     def __init__(self) -> None:
         self.reported: set[str] = set()  # round keys (``val.<lineage>/<k>``)
-        # A restarted buffer sums from 0: what its earlier sessions had summed is carried
-        # (their scored groups are not dealt again), the current session's is the latest.
-        self.session: str | None = None
-        self.carried: dict[str, dict[str, ValidationStats]] = {}
-        self.seen: dict[str, dict[str, ValidationStats]] = {}
+        self.groups: dict[str, dict[str, ValidationGroup]] = {}  # unreported: key -> id -> g
 
     def missing(self, progress: ValidationProgress) -> list[str]:
         """The keys of the started rounds not reported yet."""
@@ -44,53 +47,42 @@ class ValidationTracker:
         return bool(self.missing(progress))
 
     def add(
-        self,
-        by_round: dict[str, dict[str, ValidationStats]],
-        progress: ValidationProgress,
-        session: str = "",
+        self, by_round: dict[str, dict[str, ValidationGroup]], progress: ValidationProgress
     ) -> list[dict[str, float]]:
-        """The metrics of every started round whose groups (one per validation row) are all
-        in (``by_round``: buffer ``session``'s sums, round key -> data source -> sums, plus
-        what earlier buffer sessions summed) and that was not reported yet, oldest first
-        (see :func:`round_metrics`)."""
-        if session != self.session:
-            if self.session is not None:
-                for key, sources in self.seen.items():
-                    self.carried[key] = _merged(self.carried.get(key, {}), sources)
-            self.session = session
-        self.seen = by_round
+        """Takes in the buffer's scored groups (``by_round``: round key -> validation id ->
+        group) and returns the metrics of every started round whose groups (one per
+        validation row) are now all in, oldest first (see :func:`round_metrics`)."""
         out = []
-        for number in range(progress.rounds_started):
-            key = progress.round_key(number)
-            stats = _merged(self.carried.get(key, {}), by_round.get(key, {}))
-            if key in self.reported or not stats or progress.round_groups == 0:
-                continue
-            if sum(s.groups for s in stats.values()) >= progress.round_groups:
-                out.append(round_metrics(stats))
+        for key in self.missing(progress):
+            have = self.groups.setdefault(key, {})
+            for task_id, group in by_round.get(key, {}).items():
+                have.setdefault(task_id, group)  # the same id scored twice counts once
+            if progress.round_groups and len(have) >= progress.round_groups:
+                out.append(round_metrics(per_source(have.values())))
                 self.reported.add(key)
+                del self.groups[key]
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"reported": sorted(self.reported)}
+        """JSON-ready: the rounds reported and the groups of those not reported yet."""
+        groups = {
+            k: {i: msgspec.to_builtins(g) for i, g in v.items()} for k, v in self.groups.items()
+        }
+        return {"reported": sorted(self.reported), "groups": groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reported = set(state.get("reported", []))
+        self.groups = {
+            key: {i: msgspec.convert(g, ValidationGroup) for i, g in by_id.items()}
+            for key, by_id in state.get("groups", {}).items()
+        }
 
 
-def _merged(
-    a: dict[str, ValidationStats], b: dict[str, ValidationStats]
-) -> dict[str, ValidationStats]:
-    """Two sets of sums per data source, added."""
-    if not a or not b:
-        return a or b
-    out = dict(a)
-    for source, s in b.items():
-        if source in out:
-            t = out[source]
-            fields = {f: getattr(t, f) + getattr(s, f) for f in s.__struct_fields__}
-            out[source] = type(s)(**fields)
-        else:
-            out[source] = s
+def per_source(groups: Iterable[ValidationGroup]) -> dict[str, ValidationStats]:
+    """Groups summed per data source."""
+    out: dict[str, ValidationStats] = {}
+    for g in groups:
+        out.setdefault(g.data_source, ValidationStats()).add(g)
     return out
 
 

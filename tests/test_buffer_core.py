@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from asyncrl.wire import DroppedTask, Group, Packed
 from buffer.core import ReplayBuffer
+from learner.validation import per_source
 from tests.standins.trajgen import make_group, make_traj
 
 pytestmark = pytest.mark.timeout(60)
@@ -127,7 +128,9 @@ def test_validation_groups_go_to_stats_never_to_batches() -> None:
     add_group(b, "train2", 2)
     batch = b.release(0)
     assert batch is not None and batch.task_ids == ["train", "train2"]
-    stats = {**b.reports.results["val-a"], **b.reports.results["val-b"]}  # ids with no round
+    results = b.reports.results  # ids with no round: each id is its own round
+    assert set(results["val-a"]) == {"val-a"} and set(results["val-b"]) == {"val-b"}
+    stats = per_source([*results["val-a"].values(), *results["val-b"].values()])
     # make_group gives member i the reward i unless told otherwise.
     assert stats["gsm8k"].groups == 1 and stats["gsm8k"].trajectories == 2
     assert stats["gsm8k"].reward_mean == 0.5 and stats["gsm8k"].response_length_mean == 3
@@ -135,6 +138,7 @@ def test_validation_groups_go_to_stats_never_to_batches() -> None:
     g = stats["gsm8k"]  # rewards 0 and 1: squares for the standard errors
     assert (g.reward_sq_sum, g.group_mean_sum, g.group_mean_sq_sum) == (1.0, 0.5, 0.25)
     assert len(b.reports.results) == 2  # never drained: a lost reply is read again
+    assert set(b.reports.results_for(["val-b", "val-c"])) == {"val-b"}  # the rounds asked
     assert b.metrics()["buffer/val_groups_in"] == 2.0
 
 

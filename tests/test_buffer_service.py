@@ -20,6 +20,7 @@ from asyncrl.net.buffer_client import BufferClient
 from asyncrl.net.transport import TrajectoryPusher, endpoint
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
+from learner.validation import per_source
 from tests.helpers import wait_until
 from tests.standins.harness import (
     finish,
@@ -177,13 +178,8 @@ def test_validation_groups_never_reach_a_training_batch(service, tmp_path) -> No
     with BufferClient(svc.batches_endpoint, "learner") as client:
         by_round = client.validation().by_round
     assert sorted(by_round) == [f"val{i}" for i in range(6)]  # no round in these ids
-    stats: dict[str, wire.ValidationStats] = {}
-    for sources in by_round.values():
-        for source, s in sources.items():
-            total = stats.setdefault(source, wire.ValidationStats())
-            total.groups += s.groups
-            total.trajectories += s.trajectories
-            total.reward_sum += s.reward_sum
+    assert all(list(ids) == [key] for key, ids in by_round.items())  # one group each
+    stats = per_source(g for ids in by_round.values() for g in ids.values())
     assert set(stats) == {"gsm8k", "countdown"}
     assert stats["gsm8k"].groups == 3 and stats["gsm8k"].trajectories == 9
     assert stats["countdown"].reward_mean == 1.0

@@ -346,8 +346,11 @@ def test_validation_rounds_are_flagged_and_outside_the_budget(tmp_path, start_st
             by_round = buf.validation().by_round
             head = _head(learner.coordinator, "val")
             assert sorted(by_round) == [f"{head}/0", f"{head}/1"]  # per round, kept
-            assert all(r["arithmetic"].groups == 3 for r in by_round.values())
-            assert sum(r["arithmetic"].trajectories for r in by_round.values()) == 6
+            assert all(len(r) == 3 for r in by_round.values())  # a group per row
+            groups = [g for r in by_round.values() for g in r.values()]
+            assert {g.data_source for g in groups} == {"arithmetic"}
+            assert sum(g.trajectories for g in groups) == 6
+            assert list(buf.validation([f"{head}/1"]).by_round) == [f"{head}/1"]
             assert learner.shutdown(wait_s=5)
         finally:
             learner.close()

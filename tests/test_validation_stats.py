@@ -1,19 +1,24 @@
-"""Validation rounds from the buffer's sums: score and its standard errors over responses
-and over prompts, checked against the same figures computed from the raw rewards."""
+"""Validation rounds from the buffer's scored groups: score and its standard errors over
+responses and over prompts, checked against the same figures computed from the raw
+rewards; each group counted once, across rereads, buffer restarts and learner restarts."""
 
+import json
 import math
 import statistics
 
 from asyncrl.control.state import ValidationProgress
-from asyncrl.wire import ValidationStats
+from asyncrl.wire import ValidationGroup
 from learner.validation import ValidationTracker, mean_standard_error
 
 
-def _stats(groups: list[list[float]]) -> ValidationStats:
-    s = ValidationStats()
-    for rewards in groups:
-        s.add_group(rewards, response_tokens=len(rewards))
-    return s
+def _groups(
+    rows: list[list[float]], source: str = "s", round_key: str = "val.x/0", first: int = 0
+) -> dict[str, ValidationGroup]:
+    """Groups with these member rewards, by validation id (rows ``first``, ``first+1``...)."""
+    return {
+        f"{round_key}/{first + i}": ValidationGroup.of(source, list(r), len(r))
+        for i, r in enumerate(rows)
+    }
 
 
 def _sem(xs: list[float]) -> float:
@@ -26,9 +31,10 @@ def test_round_scores_and_standard_errors_match_the_raw_rewards():
     progress = ValidationProgress(rounds_started=1, round_groups=5, head="val.x")
     tracker = ValidationTracker()
     assert tracker.pending(progress)
-    assert tracker.add({"val.x/0": {"a": _stats(a[:2])}}, progress) == []  # 2 of 5 groups in
-    # The buffer's sums are cumulative: the next poll has the whole round.
-    [out] = tracker.add({"val.x/0": {"a": _stats(a), "b": _stats(b)}}, progress)
+    assert tracker.add({"val.x/0": _groups(a[:2], "a")}, progress) == []  # 2 of 5 groups in
+    # The buffer keeps what it scored: the next poll has the whole round.
+    whole = {**_groups(a, "a"), **_groups(b, "b", first=3)}
+    [out] = tracker.add({"val.x/0": whole}, progress)
     flat = [r for g in a + b for r in g]
     means = [sum(g) / len(g) for g in a + b]
     assert not tracker.pending(progress)
@@ -49,15 +55,17 @@ def test_binary_rewards_give_the_binomial_standard_error_up_to_n_over_n_minus_1(
 
 
 def test_each_round_is_reported_once_and_a_restored_tracker_reads_the_rest_again():
-    """Rounds are read from the buffer's cumulative sums by key: a round is reported once,
-    rounds complete together are reported in order, and a tracker restored from a
-    checkpoint taken before a round was read reports it (nothing is drained)."""
-    one = {"s": _stats([[1.0, 0.0]])}
-    two = {"s": _stats([[1.0, 1.0]])}
+    """Rounds are read from the buffer's groups by key: a round is reported once, rounds
+    complete together are reported in order, and a tracker restored from a checkpoint taken
+    before a round was read reports it (nothing is drained)."""
     progress = ValidationProgress(rounds_started=2, round_groups=1, head="val.x")
     tracker = ValidationTracker()
     saved = tracker.state_dict()  # a checkpoint before any round was read
-    by_round = {"val.x/0": one, "val.x/1": two, "val.other/0": two}  # another lineage's too
+    by_round = {
+        "val.x/0": _groups([[1.0, 0.0]]),
+        "val.x/1": _groups([[1.0, 1.0]], round_key="val.x/1"),
+        "val.other/0": _groups([[1.0, 1.0]], round_key="val.other/0"),  # another lineage's
+    }
     got = tracker.add(by_round, progress)
     assert [r["val/score"] for r in got] == [0.5, 1.0]
     assert tracker.add(by_round, progress) == [] and not tracker.pending(progress)
@@ -70,13 +78,30 @@ def test_each_round_is_reported_once_and_a_restored_tracker_reads_the_rest_again
     assert later.add(by_round, progress) == [] and not later.pending(progress)
 
 
-def test_a_round_split_across_a_buffer_restart_adds_both_sessions_sums():
-    """The buffer restarts in the middle of a round: its new session sums from 0, and the
-    groups the old one scored are not dealt again. The round is the two sessions' sums."""
+def test_a_round_split_across_a_buffer_restart_counts_every_group_once():
+    """The buffer restarts in the middle of a round: its new session starts with nothing.
+    The round is the two sessions' groups, and a group both scored (the new buffer scored
+    it again, the old one's report to the coordinator lost with it) counts once."""
     progress = ValidationProgress(rounds_started=1, round_groups=3, head="val.x")
     tracker = ValidationTracker()
-    assert tracker.add({"val.x/0": {"s": _stats([[1.0, 1.0]])}}, progress, "old") == []
-    assert tracker.add({}, progress, "new") == []  # the new buffer has nothing yet
-    both = {"s": _stats([[0.0, 0.0], [1.0, 0.0]])}
-    [out] = tracker.add({"val.x/0": both}, progress, "new")
+    old = _groups([[1.0, 1.0], [0.0, 1.0]])
+    assert tracker.add({"val.x/0": old}, progress) == []
+    assert tracker.add({}, progress) == []  # the new buffer has nothing yet
+    new = _groups([[0.0, 1.0], [0.0, 0.0]], first=1)  # row 1 again, then row 2
+    [out] = tracker.add({"val.x/0": new}, progress)
     assert math.isclose(out["val/score"], 3 / 6) and out["val/responses"] == 6
+
+
+def test_a_learner_restarted_after_a_buffer_restart_keeps_the_old_sessions_groups():
+    """The buffer restarts in a round, then the learner restarts from a checkpoint taken
+    between: the old session's groups come from the checkpoint (the new buffer never had
+    them, and they are not dealt again), so the round still completes."""
+    progress = ValidationProgress(rounds_started=1, round_groups=2, head="val.x")
+    tracker = ValidationTracker()
+    assert tracker.add({"val.x/0": _groups([[1.0, 1.0]])}, progress) == []
+    saved = json.loads(json.dumps(tracker.state_dict()))  # as the checkpoint stores it
+    restarted = ValidationTracker()
+    restarted.load_state_dict(saved)
+    [out] = restarted.add({"val.x/0": _groups([[0.0, 0.0]], first=1)}, progress)
+    assert math.isclose(out["val/score"], 0.5) and out["val/responses"] == 4
+    assert restarted.state_dict()["groups"] == {}  # a reported round's groups are let go

@@ -184,6 +184,7 @@ def test_batch_reply_round_trip() -> None:
         wire.StatsRequest(schema=1),
         wire.DroppedRequest(schema=1),
         wire.ValidationRequest(schema=1),
+        wire.ValidationRequest(schema=1, rounds=["val.x/0"]),
         wire.Shutdown(schema=1),
     ],
 )
@@ -200,7 +201,7 @@ def test_replies_round_trip() -> None:
         wire.DroppedReply(schema=1, dropped=[wire.DroppedTask("t", "lag", False)]),
         wire.ValidationReply(
             schema=1,
-            by_round={"val.x/0": {"gsm8k": wire.ValidationStats(groups=1, trajectories=2)}},
+            by_round={"val.x/0": {"val.x/0/3": wire.ValidationGroup.of("gsm8k", [1.0, 0.0], 7)}},
         ),
         wire.Ok(schema=1),
         wire.ErrorReply(schema=1, error="invalid", detail="x"),

@@ -157,10 +157,11 @@ class BufferClient(ReqClient):
         which of those it never received (``unknown``)."""
         return self._ask(wire.InventoryRequest(ids=ids), wire.InventoryReply)
 
-    def validation(self) -> wire.ValidationReply:
-        """Validation results of the buffer's session (``by_round``: round key -> data
-        source -> sums, all rounds so far, not drained) and that ``session``."""
-        return self._ask(wire.ValidationRequest(), wire.ValidationReply)
+    def validation(self, rounds: list[str] | None = None) -> wire.ValidationReply:
+        """The validation groups the buffer's session scored (``by_round``: round key ->
+        validation id -> group; the ``rounds`` named, or all; not drained) and that
+        ``session``."""
+        return self._ask(wire.ValidationRequest(rounds=rounds or []), wire.ValidationReply)
 
     def shutdown(self) -> None:
         """Ask the buffer service to stop (it answers before it does)."""

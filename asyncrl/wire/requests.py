@@ -32,6 +32,24 @@ class DroppedTask(msgspec.Struct, frozen=True):
     validation: bool = False
 
 
+class ValidationGroup(msgspec.Struct, array_like=True, frozen=True):
+    """One scored validation group, summed over its episodes (the samples of a split
+    episode share its reward). The buffer keeps one per validation id, so a learner adds
+    each group once, whichever buffer session scored it, however often it is read."""
+
+    data_source: str
+    trajectories: int
+    reward_sum: float
+    reward_sq_sum: float
+    response_tokens: int
+
+    @classmethod
+    def of(cls, data_source: str, rewards: list[float], response_tokens: int) -> ValidationGroup:
+        """The group whose episodes scored ``rewards``."""
+        total, sq = sum(rewards), sum(r * r for r in rewards)
+        return cls(data_source, len(rewards), total, sq, response_tokens)
+
+
 class ValidationStats(msgspec.Struct, kw_only=True):
     """Validation results of one data source, summed over complete groups (squares too,
     for standard errors over responses and over prompts)."""
@@ -44,16 +62,16 @@ class ValidationStats(msgspec.Struct, kw_only=True):
     group_mean_sq_sum: float = 0.0
     response_tokens: int = 0
 
-    def add_group(self, rewards: list[float], response_tokens: int) -> None:
-        """Count one complete group with these member rewards."""
-        mean = sum(rewards) / len(rewards)
+    def add(self, g: ValidationGroup) -> None:
+        """Count one complete group."""
+        mean = g.reward_sum / max(g.trajectories, 1)
         self.groups += 1
-        self.trajectories += len(rewards)
-        self.reward_sum += sum(rewards)
-        self.reward_sq_sum += sum(r * r for r in rewards)
+        self.trajectories += g.trajectories
+        self.reward_sum += g.reward_sum
+        self.reward_sq_sum += g.reward_sq_sum
         self.group_mean_sum += mean
         self.group_mean_sq_sum += mean * mean
-        self.response_tokens += response_tokens
+        self.response_tokens += g.response_tokens
 
     @property
     def reward_mean(self) -> float:
@@ -146,9 +164,12 @@ class InventoryRequest(Message, tag="inventory"):
 
 
 class ValidationRequest(Message, tag="validation"):
-    """The validation results of this buffer session, per round and data source. Never
+    """The validation groups this buffer session scored, per round and id, for the rounds
+    named (``rounds``: round keys, ``val.<lineage>/<round>``; empty: every round). Never
     drained: a reply lost on the way, or a learner restarted from a checkpoint taken before
     it read them, reads them again."""
+
+    rounds: list[str] = []
 
 
 class Shutdown(Message, tag="shutdown"):
@@ -218,8 +239,8 @@ class InventoryReply(Message, tag="inventory_reply"):
 
 
 class ValidationReply(Message, tag="validation_reply"):
-    # round key (a validation id's ``val.<lineage>/<round>``) -> data source -> sums
-    by_round: dict[str, dict[str, ValidationStats]]
+    # round key (a validation id's ``val.<lineage>/<round>``) -> validation id -> group
+    by_round: dict[str, dict[str, ValidationGroup]]
     session: str = ""  # the buffer session that summed them (a restarted buffer starts at 0)
 
 
