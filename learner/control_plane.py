@@ -390,6 +390,8 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
         "task_wait_s",
         "sync_pause_s",
         "version_wait_s",
+        "score_wait_s",
+        "push_blocked_s",
         "gc_s",
         "groups_filtered",
         "filter_metric_unknown",

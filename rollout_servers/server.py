@@ -91,7 +91,7 @@ class RolloutServer:
         self.agent = agent  # runs tool_agent tasks as multi-turn episodes (None: single turn)
         settings = SamplingSettings.from_config(cfg, seeded=seeded)
         self.task_groups = TaskGroups(
-            cfg, server_id, engine, tokenizer, pool, self.lanes, settings, self.metrics, agent
+            cfg, server_id, engine, tokenizer, pool, self.lanes, settings, self.stats, agent
         )
         self.max_inflight = cfg.rollout.max_inflight
         # False: only the OpenAI endpoint's agents generate here (no dataset tasks).
@@ -200,6 +200,7 @@ class RolloutServer:
             self.stats.busy()
             for task in grant.tasks:
                 self.inflight += task.n
+                self.stats.after_generation.slots(task.n)
                 t = asyncio.create_task(self._run_task(task))
                 self.tasks.add(t)
                 t.add_done_callback(self.tasks.discard)
@@ -217,6 +218,7 @@ class RolloutServer:
     def _free_slots(self, n: int) -> None:
         """Give back ``n`` slots and wake the task loop if it waits for them."""
         self.inflight -= n
+        self.stats.after_generation.slots(-n)
         if self.inflight == 0:
             self.stats.idle()
         self._slots_freed.set()
@@ -254,7 +256,8 @@ class RolloutServer:
                 self.metrics["rollout/groups_filtered"] += bool(group)
                 pushed = True  # reported: not a failure to deal again
                 return
-            self.metrics["rollout/push_wait_s"] += await self.pusher.send_async(group)
+            with self.stats.after_generation.phase("pushing", task.n):
+                self.metrics["rollout/push_wait_s"] += await self.pusher.send_async(group)
             pushed = True
             await self.lanes.control(self.client.ack, [task.task_id])
             self.stats.count_group(samples, scores, task)

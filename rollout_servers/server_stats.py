@@ -1,9 +1,11 @@
 """What a rollout server counts and reports: cumulative counters, the recent rewards and
-response lengths, tokens by policy version, and the time it waited for tasks; the snapshot
-rides on the server's heartbeat (``rollout/*``)."""
+response lengths, tokens by policy version, the time it waited for tasks, and the time its
+engine had nothing to run because every response in flight waited for the scorer or the
+buffer; the snapshot rides on the server's heartbeat (``rollout/*``)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import Counter, deque
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING
 from asyncrl.launch.startup import collector_metrics
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping, Sequence
+    from collections.abc import Iterator, Mapping, Sequence
 
     from asyncrl.control.messages import Task
     from asyncrl.rewards import ScoreResult
@@ -25,6 +27,57 @@ log = logging.getLogger(__name__)
 RECENT = 1000
 #: A pushed group's first sample is logged every this many groups.
 SAMPLE_EVERY = 50
+#: What the responses in flight can wait on once generated, and the counter of the time
+#: the engine is left with nothing to run because all of them do.
+AFTER_GENERATION = {"scoring": "rollout/score_wait_s", "pushing": "rollout/push_blocked_s"}
+
+
+class AfterGeneration:
+    """The time every response in flight is generated and waits for the scorer
+    (``rollout/score_wait_s``) or, none scoring, for the buffer to take its group
+    (``rollout/push_blocked_s``): the engine has nothing to run then, so that time is
+    neither generation nor a wait for tasks. A slow reward function shows here, not as
+    generation."""
+
+    def __init__(self, metrics: dict[str, float]) -> None:
+        self.metrics = metrics
+        for key in AFTER_GENERATION.values():
+            metrics[key] = 0.0
+        self.inflight = 0  # responses dealt and not finished
+        self.at = dict.fromkeys(AFTER_GENERATION, 0)  # of those, generated and waiting
+        self.since: float | None = None
+        self.waiting_for = ""
+
+    def slots(self, n: int) -> None:
+        """``n`` responses started (negative: finished, their group pushed or failed)."""
+        self.inflight += n
+        self._settle()
+
+    @contextlib.contextmanager
+    def phase(self, kind: str, n: int) -> Iterator[None]:
+        """``n`` generated responses wait for ``kind`` (``scoring``, ``pushing``)."""
+        self.at[kind] += n
+        self._settle()
+        try:
+            yield
+        finally:
+            self.at[kind] -= n
+            self._settle()
+
+    def ongoing(self) -> dict[str, float]:
+        """The wait in progress, by counter (added to the counters in a snapshot)."""
+        if self.since is None:
+            return {}
+        return {AFTER_GENERATION[self.waiting_for]: time.monotonic() - self.since}
+
+    def _settle(self) -> None:
+        now = time.monotonic()
+        if self.since is not None:
+            self.metrics[AFTER_GENERATION[self.waiting_for]] += now - self.since
+            self.since = None
+        if self.inflight > 0 and sum(self.at.values()) >= self.inflight:
+            self.waiting_for = "scoring" if self.at["scoring"] else "pushing"
+            self.since = now
 
 
 class ServerStats:
@@ -53,6 +106,7 @@ class ServerStats:
         # Task wait = time with nothing in flight (idle, waiting for a grant): set when the
         # last sequence finishes, added to rollout/task_wait_s when tasks arrive.
         self.idle_since: float | None = self.started
+        self.after_generation = AfterGeneration(self.metrics)
 
     def busy(self) -> None:
         """Something is in flight again: the idle time so far was a wait for tasks."""
@@ -94,6 +148,8 @@ class ServerStats:
         out["rollout/inflight"] = inflight
         if self.idle_since is not None:  # idle now: count the wait so far
             out["rollout/task_wait_s"] += time.monotonic() - self.idle_since
+        for key, waited in self.after_generation.ongoing().items():
+            out[key] += waited
         # A sync while idle counts in both; the fraction is capped at 1.
         waited = out["rollout/task_wait_s"] + out.get("rollout/sync_pause_s", 0.0)
         out["rollout/wait_fraction"] = min(1.0, waited / elapsed)

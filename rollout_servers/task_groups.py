@@ -31,14 +31,15 @@ if TYPE_CHECKING:
     from asyncrl.control.messages import Task
     from rollout_servers.lanes import Lanes
     from rollout_servers.protocols import GenerationEngine, Scorer, Tokenizer
+    from rollout_servers.server_stats import ServerStats
 
 log = logging.getLogger(__name__)
 
 
 class TaskGroups:
     """Makes the scored group of a task (see the module docstring). The prompts it cuts or
-    drops are counted in ``metrics``, the server's counters
-    (:class:`~rollout_servers.server_stats.ServerStats`)."""
+    drops, and the time its responses wait for the scorer, are counted in ``stats``, the
+    server's (:class:`~rollout_servers.server_stats.ServerStats`)."""
 
     def __init__(
         self,
@@ -49,7 +50,7 @@ class TaskGroups:
         pool: Scorer,
         lanes: Lanes,
         settings: SamplingSettings,
-        metrics: dict[str, float],
+        stats: ServerStats,
         agent: AgentRunner | None = None,
     ) -> None:
         self.cfg = cfg
@@ -59,7 +60,8 @@ class TaskGroups:
         self.pool = pool
         self.lanes = lanes
         self.settings = settings
-        self.metrics = metrics
+        self.stats = stats
+        self.metrics = stats.metrics
         self.agent = agent  # runs tool_agent tasks as multi-turn episodes (None: single turn)
 
     async def make(
@@ -113,7 +115,8 @@ class TaskGroups:
         """The scorer's rewards; for training, with the overlong penalty of each
         response's ``lengths[i]`` tokens (``reward.overlong_buffer``)."""
         jobs = [ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]
-        scores = await self.lanes.scoring(self.pool.score_many, jobs)
+        with self.stats.after_generation.phase("scoring", task.n):
+            scores = await self.lanes.scoring(self.pool.score_many, jobs)
         # Each failure scored 0.0 and was logged once per kind; counted, a scorer that
         # fails on every sample shows in the run's records, not only in this log.
         self.metrics["rollout/reward_errors"] += sum(s.error is not None for s in scores)

@@ -127,7 +127,9 @@ def test_the_eta_goes_by_the_pace_of_steps_not_start_up():
     assert eta_s(records, 10) == 14.0  # 7 steps left at 2 s each
 
 
-def _records(train_s: float, wait_s: float, task_wait_rate: float, pause_rate: float):
+def _records(
+    train_s: float, wait_s: float, task_wait_rate: float, pause_rate: float, score_rate=0.0
+):
     """Ten steps a second apart, two servers whose waits grow at the given rates."""
     return [
         {
@@ -139,6 +141,7 @@ def _records(train_s: float, wait_s: float, task_wait_rate: float, pause_rate: f
             "timing/push_wait_s": 0.0,
             "rollout/task_wait_s": 2 * task_wait_rate * t,
             "rollout/sync_pause_s": 2 * pause_rate * t,
+            "rollout/score_wait_s": 2 * score_rate * t,
             "rollout/servers_reporting": 2.0,
         }
         for t in range(10)
@@ -164,6 +167,14 @@ def test_the_time_split_names_the_side_that_holds_the_run_back():
     split = time_split(agents)
     assert "waiting for the agents' requests 80%" in split[1], split
     assert split[2].startswith("bottleneck: the agents"), split
+    # A slow reward function: the engine idles while every response waits for its reward.
+    scorer_bound = _records(0.5, 0.45, task_wait_rate=0.0, pause_rate=0.05, score_rate=0.4)
+    split = time_split(scorer_bound)
+    assert split[1] == (
+        "rollout servers (mean): generating 55%, waiting for tasks 0%, "
+        "paused for weight syncs 5%, waiting for the scorer 40%"
+    )
+    assert split[2].startswith("bottleneck: the scorer") and "reward.num_workers" in split[2]
 
 
 def test_a_resumed_runs_summary_covers_this_launch_only(tmp_path):

@@ -217,3 +217,38 @@ def test_samples_the_scorer_fails_on_are_counted(tmp_path) -> None:
         assert pool.counters["exception"] == 2 * N
     finally:
         pool.close()
+
+
+class _SlowScorer(StandInScorer):
+    def score_many(self, items):
+        time.sleep(0.3)
+        return super().score_many(items)
+
+
+class _SlowPusher(StandInPusher):
+    async def send_async(self, trajectories, timeout_s=None) -> float:
+        await asyncio.sleep(0.2)
+        return await super().send_async(trajectories, timeout_s)
+
+
+def test_time_the_engine_idles_on_the_scorer_or_the_buffer_is_not_generation() -> None:
+    """A group generated at once then scored for 0.3 s and pushed for 0.2 s: with nothing
+    else in flight, the engine idles through both, counted as ``rollout/score_wait_s`` and
+    ``rollout/push_blocked_s`` (the time split's "waiting for the scorer"; before, a slow
+    reward function looked like generation)."""
+
+    async def scenario() -> dict[str, float]:
+        client = StandInClient(tasks=1)
+        cfg = load_config(None, [f"rollout.n={N}", f"rollout.max_inflight={4 * N}"])
+        engine = StandInEngine()
+        engine.gate.set()
+        srv = RolloutServer(cfg, "s", engine, CharTokenizer(), _SlowScorer(), _SlowPusher(), client)
+        run = asyncio.create_task(srv.run())
+        await wait_until_async(lambda: len(client.acked) == 1, "the group", 10)
+        srv.stop()
+        assert await asyncio.wait_for(run, 5.0) == 0
+        return srv.snapshot()
+
+    m = asyncio.run(scenario())
+    assert 0.25 <= m["rollout/score_wait_s"] < 2.0, m
+    assert 0.15 <= m["rollout/push_blocked_s"] < 2.0, m

@@ -2,8 +2,9 @@
 with and what they waited on, and so which side more hardware would speed up.
 
 Read from the learner's step records (``timing/*``, and the servers' cumulative
-``rollout/task_wait_s`` and ``rollout/sync_pause_s``), over the window from the end of the
-first step to the end of the last (start-up is the start-up table's business).
+``rollout/task_wait_s``, ``rollout/sync_pause_s``, ``rollout/score_wait_s`` and
+``rollout/push_blocked_s``), over the window from the end of the first step to the end of
+the last (start-up is the start-up table's business).
 """
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ from typing import Any
 # waits at least WAITING of its own.
 BUSY, WAITING = 0.7, 0.1
 TASKS_WAIT, AGENTS_WAIT = "waiting for tasks", "waiting for the agents' requests"
+SCORER_WAIT, BUFFER_WAIT = "waiting for the scorer", "waiting for the buffer"
+#: The servers' cumulative waits, by the name the split gives them (the last two: time the
+#: engine had nothing to run, every response in flight waiting for the scorer or the buffer).
+SERVER_WAITS = {
+    TASKS_WAIT: "rollout/task_wait_s",
+    "paused for weight syncs": "rollout/sync_pause_s",
+    SCORER_WAIT: "rollout/score_wait_s",
+    BUFFER_WAIT: "rollout/push_blocked_s",
+}
+#: Shown only when they are at least this share (most runs never wait on either).
+SHOWN_FROM = 0.005
 
 
 def _total(records: list[dict[str, Any]], key: str) -> float:
@@ -72,14 +84,12 @@ def _rollout_split(steps: list[dict[str, Any]]) -> dict[str, float] | None:
     )
     if span <= 0:
         return None
-    waiting = (last["rollout/task_wait_s"] - first["rollout/task_wait_s"]) / span
-    paused = (last["rollout/sync_pause_s"] - first["rollout/sync_pause_s"]) / span
-    waiting, paused = min(max(waiting, 0.0), 1.0), min(max(paused, 0.0), 1.0)
-    return {
-        "generating": max(0.0, 1.0 - waiting - paused),
-        TASKS_WAIT: waiting,
-        "paused for weight syncs": paused,
-    }
+    shares = {}
+    for name, key in SERVER_WAITS.items():
+        share = min(max((last.get(key, 0.0) - first.get(key, 0.0)) / span, 0.0), 1.0)
+        if name not in (SCORER_WAIT, BUFFER_WAIT) or share >= SHOWN_FROM:
+            shares[name] = share
+    return {"generating": max(0.0, 1.0 - sum(shares.values()))} | shares
 
 
 def _shares(parts: dict[str, float], total: float) -> str:
@@ -89,11 +99,19 @@ def _shares(parts: dict[str, float], total: float) -> str:
 def _verdict(
     training: float, learner_waits: float, rollout: dict[str, float] | None, agents: bool = False
 ) -> str:
-    servers_wait = rollout[TASKS_WAIT] if rollout else 0.0
+    # A server whose pushes the buffer holds back waits for the learner as one with no task.
+    servers_wait = rollout[TASKS_WAIT] + rollout.get(BUFFER_WAIT, 0.0) if rollout else 0.0
     if agents and learner_waits >= WAITING and servers_wait >= WAITING:
         return (
             "bottleneck: the agents (the learner waits for batches, the servers for the "
             "agents' requests): more agents, or more episodes at once, would speed the run"
+        )
+    scorer = rollout.get(SCORER_WAIT, 0.0) if rollout else 0.0
+    if learner_waits >= WAITING and scorer >= WAITING and scorer >= servers_wait:
+        return (
+            "bottleneck: the scorer (the learner waits for batches, the servers' responses "
+            "for their rewards): more scorer processes (reward.num_workers) or a faster "
+            "reward function would speed the run"
         )
     if training >= BUSY and servers_wait >= WAITING:
         return (
