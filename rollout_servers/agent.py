@@ -357,6 +357,14 @@ def episode_trajectories(
     ]
 
 
+def budget_lengths(episodes: list[Episode]) -> list[int]:
+    """Per episode, the response length the budget (``data.max_response_length``) held:
+    its longest sample's. An episode that split has a budget per sample, so its tokens
+    together may exceed the limit without any sample coming near it (the overlong penalty
+    measures this, never the sum)."""
+    return [max(len(p.token_ids) for p in ep.pieces) for ep in episodes]
+
+
 def episode_samples(episodes: list[Episode]) -> list[Sample]:
     """Each episode as one sample of all its tokens (what a server counts in its metrics)."""
     from rollout_servers.engine import Sample

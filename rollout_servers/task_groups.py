@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING
 
 from asyncrl.rewards import ScoreJob, ScoreResult
 from asyncrl.wire import Trajectory
-from rollout_servers.agent import AgentRunner, episode_samples, episode_trajectories
+from rollout_servers.agent import (
+    AgentRunner,
+    budget_lengths,
+    episode_samples,
+    episode_trajectories,
+)
 from rollout_servers.engine import Sample
 from rollout_servers.groups import (
     SamplingSettings,
@@ -105,7 +110,7 @@ class TaskGroups:
         episodes = await asyncio.gather(*[agent.episode(task, i) for i in range(task.n)])
         texts = [ep.text(self.tok) for ep in episodes]
         samples = episode_samples(episodes)
-        scores = await self._score(task, texts, [len(s.token_ids) for s in samples])
+        scores = await self._score(task, texts, budget_lengths(episodes))
         group = episode_trajectories(
             task, episodes, scores, server_id=self.server_id, created_at=created
         )

@@ -237,18 +237,18 @@ def test_a_run_where_every_group_is_filtered_ends_with_the_line(
 
 
 class FilteringClient(StandInClient):
-    """Deals every task with the filter on (``agent``: as multi-turn tool episodes) and
-    records which ones the server reported filtered."""
+    """Deals every task with the filter on (``on``; ``agent``: as multi-turn tool episodes)
+    and records which ones the server reported filtered."""
 
-    def __init__(self, tasks: int, agent: bool) -> None:
+    def __init__(self, tasks: int, agent: bool, on: bool = True) -> None:
         super().__init__(tasks)
-        self.agent = agent
+        self.agent, self.on = agent, on
         self.filtered: list[str] = []
 
     def request_tasks(self, max_tasks: int | None = None) -> m.TaskGrant:
         grant = super().request_tasks(max_tasks)
         name = "tool_agent" if self.agent else "single_turn"
-        tasks = [msgspec.structs.replace(t, filter=True, agent_name=name) for t in grant.tasks]
+        tasks = [msgspec.structs.replace(t, filter=self.on, agent_name=name) for t in grant.tasks]
         return m.TaskGrant(tasks=tasks, policy_version=0)
 
     def ack(self, task_ids: list[str], attempts: int = 3, filtered: bool = False) -> object:
@@ -342,3 +342,29 @@ def test_a_prompt_over_the_limit_is_dropped_at_the_server(monkeypatch):
     limits = ["data.max_prompt_length=2", "data.filter_overlong_prompts=true"]
     pusher = _run_server(client, limits)
     assert len(client.filtered) == 4 and pusher.groups == []
+
+
+def test_overlong_shaping_measures_a_split_episode_by_its_longest_sample(monkeypatch, nap_tools):  # noqa: F811
+    """An episode split in two samples of 3 tokens (a template that rewrites history), with
+    max_response_length 4 and a buffer of 2: each sample had a budget of its own, so the
+    penalty is that of 3 tokens (-0.5), not of the 6 together (-2.0, past -penalty_factor)."""
+    from rollout_servers.agent import Episode, Piece
+
+    def piece() -> Piece:
+        return Piece([1], [5, 5, 5], [-0.1] * 3, version_spans=[(0, 3)], finish_reason="stop")
+
+    async def split_episode(task, index):
+        return Episode(pieces=[piece(), piece()], messages=[], turns=2, splits=1)
+
+    client = FilteringClient(tasks=4, agent=True, on=False)
+    agent = agent_runner(ToolCallingEngine(), nap_tools)
+    monkeypatch.setattr(agent, "episode", split_episode)
+    shaping = [
+        "data.max_response_length=4",
+        "reward.overlong_buffer.enable=true",
+        "reward.overlong_buffer.len=2",
+        "reward.overlong_buffer.penalty_factor=1.0",
+    ]
+    pusher = _run_server(client, shaping, agent)
+    rewards = {t.reward for group in pusher.groups for t in group}
+    assert len(pusher.groups) == 4 and rewards == {0.5}, rewards
