@@ -347,6 +347,38 @@ def test_external_slots_of_another_line_are_not_taken_back() -> None:
     assert again.ledger.earlier_sessions == {"s1", "s3"}
 
 
+def test_external_slots_outstanding_at_the_checkpoint_wait_for_their_server() -> None:
+    """A learner restart alone: a slot dealt before the checkpoint is still open at its
+    live server, which names it when it registers again. It is taken back (charged, its
+    group trained as an external one), not given up: before, the restored slot was given
+    up, the budget admitted a group more, and the server's ack came back unknown. A slot
+    whose server does not come back by the end of the resume hold is given up then."""
+    old = _state("aaaaaa", session="s1")
+    old.register(m.Register(server_id="t", engine_world_size=0), now=0.0)
+    kept = old.grant_slot("s", 0.0, request_id=1).tasks[0].task_id
+    lost = old.grant_slot("t", 0.0, request_id=2).tasks[0].task_id
+    saved = old.state_dict()
+
+    new = _state("unused", session="s2")
+    new.load_state_dict(saved)
+    assert new.grant("s", 64, 1.0).tasks == []  # the hold: "t" has not come back
+    assert {new.ledger.entries[t].state for t in (kept, lost)} == {"queued"}
+    new.register(m.Register(server_id="s", engine_world_size=0, task_ids=[kept]), 1.0)
+    assert new.ledger.entries[kept].state == "out" and new.ledger.counts["adopted"] == 1
+    assert new.ack("s", [kept], 2.0).acked == [kept]
+    new.recovery.holding(3.5)  # "t" never comes back: the hold ends by time
+    new.reap(3.5)
+    assert new.ledger.entries[lost].state == "given_up"
+    assert new.ledger.counts["external_given_up/unclaimed"] == 1
+    dealt = [t.task_id for t in new.grant("s", 64, 3.5).tasks]
+    assert dealt and not any(t.startswith("ext/") for t in dealt)  # slots are never dealt
+    new.trained([kept])
+    acc = new.ledger.accounting()
+    assert acc["accounting/external/trained"] == 1 and acc["accounting/external/given_up"] == 1
+    ledger = new.ledger
+    assert _states_recounted(ledger) == +(ledger.tally["train"] + ledger.tally["val"])
+
+
 # ----------------------------------------------------------------------- F4
 def test_a_buffer_restart_ends_a_replay_under_way() -> None:
     """The learner restarted from the checkpoint of version 5 replays up to version 9 (the

@@ -100,7 +100,10 @@ class TaskLedger:
         self.task_timeout_s = task_timeout_s
         self.entries: dict[str, Entry] = {}
         self.owned: dict[str, set[str]] = {}  # server id -> ids OUT there
-        self.redeal: deque[str] = deque()  # QUEUED ids, in deal order
+        self.redeal: deque[str] = deque()  # QUEUED ids, in deal order (external ones never)
+        # External slots restored QUEUED from a checkpoint: their agents' sessions live on at
+        # a server that may still hold them; given up if none names them by the hold's end.
+        self.unclaimed: set[str] = set()
         self.buffered: set[str] = set()  # BUF ids: acknowledged, not yet trained
         self.counts: Counter[str] = Counter()  # events
         self.dealt: Counter[str] = Counter()  # kind -> distinct ids dealt
@@ -129,6 +132,8 @@ class TaskLedger:
             self.buffered.add(tid)
         if e.state == OUT:
             self.owned.get(e.server, set()).discard(tid)
+        elif e.state == QUEUED and tid in self.unclaimed:
+            self.unclaimed.discard(tid)
         elif e.state == QUEUED:
             self.redeal.remove(tid)
         e.state = state
@@ -140,6 +145,7 @@ class TaskLedger:
         self.entries.clear()
         self.owned.clear()
         self.redeal.clear()
+        self.unclaimed.clear()
         self.buffered.clear()
         self.tally = {k: Counter() for k in TALLIES}
         self.dealt = Counter()

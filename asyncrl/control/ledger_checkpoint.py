@@ -4,8 +4,9 @@
 the ledger itself knows nothing of checkpoints.
 
 The coordinator's state goes into the learner's checkpoints. A restored ledger queues the
-tasks that were outstanding (an external slot is given up): their servers belonged to the
-old session. A server that still holds one takes it back when it registers again
+tasks that were outstanding (an external slot waits for its server, never dealt): their
+servers belonged to the old session. A server that still holds one takes it back when it
+registers again
 (:func:`~asyncrl.control.ledger_recovery.adopt`), and the buffer's inventory tells which
 acknowledged groups it still holds (:func:`~asyncrl.control.ledger_recovery.reconcile`);
 :mod:`asyncrl.control.recovery` says when the coordinator deals again.
@@ -17,7 +18,7 @@ from collections import Counter
 from typing import Any
 
 from asyncrl.control.ledger import TaskLedger
-from asyncrl.control.task_states import QUEUED, restored
+from asyncrl.control.task_states import QUEUED, is_external, restored
 
 
 def save_ledger(ledger: TaskLedger) -> dict[str, Any]:
@@ -59,6 +60,8 @@ def load_ledger(ledger: TaskLedger, state: dict[str, Any]) -> None:
         st, task = restored(tid, st, attempt, ledger.source, ledger.budget.version)
         ledger.track(tid, st, task).failures = failures
     queued = [t for t, e in ledger.entries.items() if e.state == QUEUED]
+    ledger.unclaimed = {t for t in queued if is_external(t)}
+    queued = [t for t in queued if t not in ledger.unclaimed]
     ledger.redeal.extend(sorted(queued, key=lambda t: order.get(t, -1)))
     if "dealt" in state:  # restore the count kept apart from the states
         ledger.dealt = Counter({k: int(v) for k, v in state["dealt"].items()})

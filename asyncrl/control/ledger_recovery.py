@@ -22,6 +22,7 @@ from typing import Any
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.task_states import (
     BUF,
+    GIVEN_UP,
     OUT,
     QUEUED,
     Entry,
@@ -50,6 +51,16 @@ def adopt(ledger: TaskLedger, server_id: str, task_ids: Iterable[str], now: floa
         n += 1
     ledger.counts["adopted"] += n
     return n
+
+
+def give_up_unclaimed(ledger: TaskLedger) -> list[str]:
+    """The external slots restored from a checkpoint that no server named by the end of
+    the resume hold: their agents' sessions ended with their servers. Given up."""
+    ids = sorted(ledger.unclaimed)
+    for tid in ids:
+        ledger.move(tid, ledger.entries[tid], GIVEN_UP, "unclaimed")
+        ledger.counts["external_given_up/unclaimed"] += 1
+    return ids
 
 
 def _rebuilt(ledger: TaskLedger, tid: str, state: str) -> Entry | None:

@@ -191,6 +191,9 @@ class ControlState:
         dead = [s for s, r in self.servers.items() if now - r.last_seen > self.dead_after_s]
         for server_id in dead:
             self._remove(server_id, "dead", f"silent for more than {self.dead_after_s:g}s")
+        if self.ledger.unclaimed and not self.recovery.resuming:
+            gone = ledger_recovery.give_up_unclaimed(self.ledger)
+            log.info("%d external slots no server took back after the resume: given up", len(gone))
         late = self.ledger.reclaim(now)
         if late:
             log.warning(

@@ -111,14 +111,12 @@ def restored(
 ) -> tuple[str, Task | None]:
     """The state and task of ``tid`` restored from a checkpoint that saw it ``state``: a
     task outstanding then is queued (its server belonged to the old session; one that
-    still holds it takes it back when it registers), an external one given up (its agent's
-    session ended with that server's)."""
+    still holds it takes it back when it registers). An external one is queued too, but
+    never dealt: only its server, which holds its agent's session, can take it back."""
     if state in TERMINAL:
         return state, None
     if is_external(tid):
-        if state in (OUT, QUEUED):
-            return GIVEN_UP, None
-        return state, external_task(tid, version)
+        return (QUEUED if state == OUT else state), external_task(tid, version)
     task = source.task_for_id(tid, version)
     task = msgspec.structs.replace(task, attempt=attempt + (state == OUT))
     return (QUEUED if state == OUT else state), task
