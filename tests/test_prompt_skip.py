@@ -180,6 +180,27 @@ def test_a_restored_coordinator_skips_the_same_rows():
     assert ids[0] == ids[1] and len(ids[0]) == 30
 
 
+def test_a_task_taken_back_after_a_restart_still_gives_its_row_a_verdict():
+    """A task dealt with the filter on is out when the learner restarts; its server takes
+    it back and pushes an informative group: the row's streak ends, as without the
+    restart (before, the restored filter no longer knew the task was being judged)."""
+    import json
+
+    from asyncrl.control import messages as m
+
+    first = _run(skip=True)
+    task = first.st.grant("s", 1, 0.0).tasks[0]
+    row = first.st.ledger.source.row_of(task.task_id)
+    assert task.filter and row is not None
+    first.st.group_filter.skip.streak[row] = 3  # type: ignore[union-attr]
+    saved = json.loads(json.dumps(first.st.state_dict()))  # as the checkpoint keeps it
+    second = _run(skip=True)
+    second.st.load_state_dict(saved)
+    second.st.register(m.Register(server_id="s", engine_world_size=0, task_ids=[task.task_id]), 1.0)
+    assert second.st.ack("s", [task.task_id], 2.0).acked == [task.task_id]
+    assert row not in second.st.group_filter.skip.streak  # type: ignore[union-attr]
+
+
 def test_the_config_switches_it_on_with_the_filter_only():
     on = [
         "algorithm.filter_groups.enable=true",

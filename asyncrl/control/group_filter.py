@@ -60,7 +60,7 @@ class GroupFilter:
         self.last_frac = 0.0
         self.last_per_trained = 1.0
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self) -> dict[str, Any]:
         """Its counts (saved with the coordinator: a resumed run's ``filter/*`` go on, and
         the ``max_num_gen_batches`` bound keeps counting from where it was)."""
         out: dict[str, Any] = {
@@ -70,6 +70,9 @@ class GroupFilter:
         }
         if self.skip is not None:
             out["skip"] = self.skip.state_dict()
+            # Tasks out with the filter on: a server that takes one back after a restart
+            # still gives its row a verdict (an informative group ends the row's streak).
+            out["judging"] = sorted(self._judging)
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -78,6 +81,7 @@ class GroupFilter:
         self.bound_hits = int(state["bound_hits"])
         if self.skip is not None and "skip" in state:  # saved without it: streaks start again
             self.skip.load_state_dict(state["skip"])
+            self._judging = set(state.get("judging", []))
 
     @property
     def active(self) -> bool:
