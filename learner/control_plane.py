@@ -281,13 +281,15 @@ class RankZero:
         self.coordinator.on_step(step)
         self._poll_validation(step)
         metrics["actor/policy_version"] = version
-        self._steer_lag(step, metrics)
         metrics.update(self.coordinator.metrics())
         metrics.update(_rollout_summary(self.coordinator.server_metrics()))
         self.logger.log(step, metrics)
 
-    def _steer_lag(self, step: int, metrics: dict[str, float]) -> None:
-        """The adaptive controller's next admission lag (``staleness/lag_limit``)."""
+    def steer_lag(self, step: int, metrics: dict[str, float]) -> None:
+        """The adaptive controller's next admission lag (``staleness/lag_limit``), from
+        the step's metrics. Called before the step's checkpoint, which then holds this
+        step's decision: the step is not trained again after a resume, so a decision
+        taken after the save would be lost with it."""
         if self.lag is None:
             metrics["staleness/lag_limit"] = float(self.cfg.staleness.max_policy_lag)
             return

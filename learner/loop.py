@@ -198,6 +198,7 @@ class LearnerLoop:
         metrics.update(startup.collector_metrics("learner"))
         if push_due(t.step, c.staleness.sync_every, self.total):
             metrics.update(self._push())
+        self.control.steer_lag(t.step, metrics)  # before the save: it keeps the decision
         if c.trainer.save_freq > 0 and t.step % c.trainer.save_freq == 0 and t.step < self.total:
             self._save()
         alarms = self.health.check(metrics)

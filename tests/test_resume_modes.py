@@ -342,3 +342,50 @@ def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypat
     (run / "final_adapter").mkdir()
     (run / "final_adapter" / loop_module.ADAPTER_LAST).write_text("{}")
     assert loop.run() == 0 and adapters == [run / "final_adapter"]
+
+
+def test_a_checkpoint_holds_its_own_steps_lag_decision(tmp_path, monkeypatch):
+    """The adaptive lag controller steers on a step's metrics before that step's checkpoint
+    is taken: the step is not trained again after a resume, so a decision (a narrowing on
+    a bad ESS) taken after the save was lost with it, and the resumed run admitted one
+    version wider than the one it replaced."""
+    from types import SimpleNamespace
+
+    import learner.loop as loop_module
+    from learner.control_peer import NoControl
+    from learner.health import HealthMonitor
+
+    calls: list[str] = []
+
+    class Recording(NoControl):
+        def steer_lag(self, step: int, metrics: dict) -> None:
+            calls.append("steer")
+
+        def checkpoint_extra(self, step: int) -> dict:
+            calls.append("save")
+            return {}
+
+        def after_step(self, step: int, metrics: dict, version: int) -> None:
+            calls.append("after")
+
+    class Training(LoadRecorder):
+        world_size = 1
+
+        def train_step(self, rollouts, temperature) -> dict:
+            self.step += 1
+            return {"importance/ess": 0.1}
+
+        def save(self, run_dir, extra=None) -> None:
+            pass
+
+    loop = _loop(tmp_path, "trainer.save_freq=1", "trainer.total_training_steps=4")
+    loop.trainer, loop.control, loop.total = Training(), Recording(), 4  # type: ignore[assignment]
+    loop.health, loop.unacked, loop._marked = HealthMonitor(loop.cfg.trainer.health), [], set()
+    loop.last_batch_id, loop.last_batch_session = 0, ""
+    loop._next_batch = lambda: SimpleNamespace(metrics={})  # type: ignore[method-assign]
+    loop._account = lambda batch, rollouts: None  # type: ignore[method-assign]
+    loop._push = lambda: {}  # type: ignore[method-assign]
+    monkeypatch.setattr(loop_module, "to_rollouts", lambda batch: [])
+    monkeypatch.setattr(loop_module.startup, "mark", lambda *args: None)
+    assert loop._one_step()
+    assert calls == ["steer", "save", "after"]
