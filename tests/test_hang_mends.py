@@ -144,12 +144,13 @@ def test_waiting_for_a_batch_raises_once_the_coordinator_has_crashed(
 # ------------------------------------------------------------------ 2. silent buffer
 @pytest.mark.timeout(60)
 def test_a_step_goes_on_when_the_buffer_misses_a_validation_poll(
-    rig: RankZeroRig, caplog: pytest.LogCaptureFixture
+    rig: RankZeroRig, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The buffer restarts while a validation round is in flight: the end-of-step poll for
     its scores gets no answer. The step is logged all the same, and the next step's poll
     reaches the new buffer."""
     rank0 = rig.rank0
+    answered = _answered_polls(rank0, monkeypatch)
     assert rank0.validation.pending(rank0.coordinator.validation_progress())
     rank0.buffer.timeout_s = POLL_TIMEOUT_S  # a short wait for the answer that never comes
     rig.buffer.stop()
@@ -157,13 +158,13 @@ def test_a_step_goes_on_when_the_buffer_misses_a_validation_poll(
     with caplog.at_level(logging.INFO, logger=control_plane.__name__):
         rank0.after_step(1, {"loss/total": 0.5}, 0)  # raised TimeoutError before the mend
     assert "did not answer the validation poll" in caplog.text
-    assert rank0.validation.session is None  # the poll was indeed not answered
+    assert answered == []  # the poll was indeed not answered
     logged = {record["step"] for record in read_metrics(run_dir(rig.cfg))}
     assert 1 in logged  # the step went on to its record
 
     restarted = rig.restart_buffer()
     rank0.after_step(2, {"loss/total": 0.4}, 0)
-    assert rank0.validation.session == restarted.session  # asked again, answered
+    assert answered == [restarted.session]  # asked again, answered
     assert rank0.validation.pending(rank0.coordinator.validation_progress())  # not lost
     assert {record["step"] for record in read_metrics(run_dir(rig.cfg))} >= {1, 2}
 
@@ -177,6 +178,7 @@ def test_a_wait_for_a_batch_outlives_a_missed_validation_poll(
     (it ended the learner with a TimeoutError before the mend) and, once the buffer is
     back, its next validation poll is answered."""
     rank0 = rig.rank0
+    answered = _answered_polls(rank0, monkeypatch)
     rank0.buffer.timeout_s = POLL_TIMEOUT_S
     rig.buffer.stop()
     monkeypatch.setattr(control_plane, "KEEPALIVE_S", 0.0)  # see the crash test
@@ -186,15 +188,29 @@ def test_a_wait_for_a_batch_outlives_a_missed_validation_poll(
     def keepalive() -> None:
         # Called after each pass's validation poll.
         if not restarted:  # the first pass, against the silent buffer: not answered
-            assert rank0.validation.session is None
+            assert answered == []
             restarted.append(rig.restart_buffer())
-        elif rank0.validation.session == restarted[0].session:
+        elif restarted[0].session in answered:
             raise PollAnswered
         elif time.monotonic() - start > 20:
             raise AssertionError("the buffer came back, yet no validation poll reached it")
 
     with pytest.raises(PollAnswered):
         rank0.wait_batch(0, 0, keepalive=keepalive)
+
+
+def _answered_polls(rank0: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The buffer sessions that answered the learner's validation polls, as they come."""
+    answered: list[str] = []
+    ask = rank0.buffer.validation
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        reply = ask(*args, **kwargs)
+        answered.append(reply.session)
+        return reply
+
+    monkeypatch.setattr(rank0.buffer, "validation", recording)
+    return answered
 
 
 # ------------------------------------------------------------------ 3. a learner that raises
