@@ -367,3 +367,58 @@ def test_a_key_given_twice_with_two_values_says_which_wins(caplog):
     with caplog.at_level("WARNING", logger="asyncrl.config"):  # the same value: nothing lost
         load_config("configs/cpu_demo.yaml", ["rollout.n=8", "rollout.n=8"])
     assert "given twice" not in caplog.text
+
+
+#: veRL keys this project implements with another default that does not change what a
+#: run trains: paths and names, memory and speed settings, and defaults that resolve to
+#: veRL's own (None for "the actor's", "model.path", 0 for veRL's null floor).
+NOT_RESULTS = {
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "memory",
+    "actor_rollout_ref.actor.use_dynamic_bsz": "memory and speed (token-balanced micro-batches)",
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "None: the actor's",
+    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "None: the actor's",
+    "actor_rollout_ref.rollout.enforce_eager": "speed",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "speed (1 fits the tiny models)",
+    "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "None: the actor's",
+    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "None: the actor's",
+    "actor_rollout_ref.model.path": "a path",
+    "actor_rollout_ref.model.enable_gradient_checkpointing": "memory",
+    "data.train_files": "a path",
+    "data.val_files": "a path",
+    "critic.optim.min_lr_ratio": "0, veRL's null",
+    "critic.model.path": "None: model.path, as veRL interpolates",
+    "critic.model.enable_gradient_checkpointing": "memory",
+    "critic.ppo_mini_batch_size": "None: the actor's, as veRL interpolates",
+    "critic.use_dynamic_bsz": "None: the actor's",
+    "critic.ppo_max_token_len_per_gpu": "None: from the actor's",
+    "trainer.project_name": "a name",
+    "trainer.experiment_name": "a name",
+    "trainer.logger": "where metrics go",
+    "trainer.default_local_dir": "a path",
+    "trainer.device": "the machine",
+}
+
+
+def test_every_default_that_differs_from_verls_is_warned_or_harmless():
+    """A veRL script that leaves a key out relies on veRL's default: each implemented key
+    whose default here differs either is warned at load (``RESULT_DEFAULTS``) or is listed
+    above as not changing what trains. Before, the critic's weight decay was 0 against
+    veRL's 0.01, and a PPO script that left it out trained another critic silently."""
+    from asyncrl.config.load import _defaults
+    from asyncrl.config.verl_compat import RESULT_DEFAULTS
+    from asyncrl.config.verl_doc import verl_leaves
+    from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key
+
+    verl, ours, silent = verl_leaves(), _defaults(), []
+    for key, rule in VERL_KEYS.items():
+        if rule.kind != "implemented" or key not in verl:
+            continue
+        found, here = lookup(ours, our_key(key))
+        theirs = rule.convert(verl[key]) if rule.convert and verl[key] is not None else verl[key]
+        same = here == theirs or (
+            isinstance(here, int | float) and isinstance(theirs, int | float) and here == theirs
+        )
+        if found and not same and key not in RESULT_DEFAULTS and key not in NOT_RESULTS:
+            silent.append(f"{key}: {here!r} here, {verl[key]!r} in veRL")
+    assert silent == [], silent
+    assert not set(NOT_RESULTS) & set(RESULT_DEFAULTS)

@@ -54,6 +54,9 @@ class OptimConfig(Section):
 
 class CriticOptimConfig(OptimConfig):
     lr: float = Field(default=1e-5, gt=0, description="Critic AdamW learning rate.")
+    weight_decay: float = Field(
+        default=0.01, ge=0, description="Critic AdamW weight decay (veRL's default)."
+    )
 
 
 class CriticModelConfig(Section):

@@ -449,7 +449,9 @@ VERL_KEYS: dict[str, VerlKey] = {
         lambda v: "auto" if v else "padded",
     ),
     _MODEL + "lora_rank": _impl(
-        "adapters trained on the learner; the servers get the weights merged", example=8
+        "adapters trained on the learner; the servers get the adapters alone (sync.lora: "
+        "adapter) or the weights merged (sync.lora: merged)",
+        example=8,
     ),
     _MODEL + "lora_alpha": _impl(example=32),
     _MODEL + "target_modules": _impl(example=["q_proj", "v_proj"]),
