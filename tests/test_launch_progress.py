@@ -77,6 +77,12 @@ def test_restarts_in_the_live_line_and_the_summary(tmp_path):
     assert " | restarts 3 | " in view.line(records, restarts)
     assert " | learner wait 90% | " in view.line(records, restarts)
     assert "restarts" not in view.line(records, {"buffer": 0})
+    # The learner restarted from its step-2 checkpoint after step 4: step 3 again.
+    replay = [{"step": 3.0}, {"step": 4.0}, {"step": 3.0}]
+    assert view.line(replay).startswith(
+        "[######..............] 3/10 (again after a restart: 4 reached) | "
+    )
+    assert "again" not in view.line(records)
     table = summary_table(records, restarts).splitlines()
     assert "wait" not in "".join(table)  # one step's share: the time split has the run's
     from asyncrl.launch.progress import reward_errors_line

@@ -164,6 +164,9 @@ class ProgressView:
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
         eta = eta_s(self._this_launch(records), self.total)
         parts = [f"[{bar}] {step:.0f}/{self.total}"]
+        reached = max((r["step"] for r in records if "step" in r), default=0)
+        if step < reached:  # a learner restarted from a checkpoint trains these steps again
+            parts[0] += f" (again after a restart: {reached:.0f} reached)"
         parts += [f"{label} {_fmt(fmt, last_value(records, key))}" for label, key, fmt in LIVE[1:]]
         if total := sum((restarts or {}).values()):
             parts.append(f"restarts {total}")
