@@ -251,8 +251,14 @@ class RankZero:
         # from this checkpoint then deals it, rather than never validating this step and
         # starting a later round under this one's ids (after_step will not start it twice).
         self.coordinator.on_step(step)
+        coordinator = self.coordinator.state_dict()
+        # The buffer's scored groups, read after the coordinator's state: every validation
+        # task that state holds as scored is then among the groups saved (a buffer that
+        # dies with the rest would not score it again). A poll left unanswered may miss
+        # some: their round is reported without them after launch.start_timeout_s.
+        self._poll_validation(step)
         return {
-            "coordinator": self.coordinator.state_dict(),
+            "coordinator": coordinator,
             "validation": self.validation.state_dict(),  # rounds reported, groups of the rest
             "lag_controller": self.lag.state_dict() if self.lag is not None else None,
         }
@@ -332,8 +338,9 @@ class RankZero:
         self.logger.log(step, accounting)
         for line in accounting_lines([accounting]):
             log.info("%s", line)
-        if complete:
-            mark_ended(self.run_dir, step)
+        if complete:  # short of the total only where the data was spent
+            spent = self.cfg.trainer.total_epochs if step < total_training_steps(self.cfg) else None
+            mark_ended(self.run_dir, step, spent)
         self.acknowledge([])  # what waited for a next request that will not come
         self.coordinator.shutdown("training done")
         self.logger.close()

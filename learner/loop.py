@@ -30,7 +30,8 @@ from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.inputs import (
     COMPLETE_FILE,
     complete_line,
-    ended_at,
+    data_spent_at,
+    ended_whole,
     resume_problem,
     total_training_steps,
 )
@@ -100,7 +101,7 @@ class LearnerLoop:
         """Consumes batches; produces steps, pushes, checkpoints and metrics. Waits for
         batches (reported every 30 s while it lasts) and for sync reports (bounded by
         ``sync.timeout_s``). Unblocked by the buffer releasing a batch."""
-        if self.trainer.step >= self.total:
+        if self.trainer.step >= self.total or self._ended():
             return self._complete_already()
         try:
             # What a server that does not hold these weights catches up to before the first
@@ -148,12 +149,11 @@ class LearnerLoop:
         return RankZero(self.cfg, self.run_dir, self.restored, new_run=self.new_run)
 
     def _ended(self) -> bool:
-        """Whether the restored checkpoint is the run's last step and its ending was done
-        (:func:`ended_at`: export, final validation); rank 0's view, on every rank."""
+        """Whether the restored checkpoint is where the run ended whole, with nothing left
+        to train (:func:`ended_whole`: its last step, or its data spent at as many epochs
+        as asked now); rank 0's view, on every rank."""
         t = self.trainer
-        if t.step < self.total:
-            return False
-        return bool(_broadcast_int(int(ended_at(self.run_dir) == t.step), t))
+        return bool(_broadcast_int(int(ended_whole(self.cfg, self.run_dir, t.step)), t))
 
     def _complete_already(self) -> int:
         """A finished run started again resumes its final checkpoint (``auto``). When its
@@ -165,7 +165,7 @@ class LearnerLoop:
         t = self.trainer
         ended = self._ended()
         if ended:
-            log.warning("%s", complete_line(t.step, self.total))
+            log.warning("%s", complete_line(t.step, self.total, data_spent_at(self.run_dir)))
         else:
             log.warning(
                 "the run's last checkpoint is its final step %d, but its ending was cut "

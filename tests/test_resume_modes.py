@@ -58,6 +58,29 @@ def _restore(run: Path, *overrides: str) -> tuple[LoadRecorder, object]:
     return loop.trainer, loop._restore()  # type: ignore[return-value]
 
 
+def test_a_run_that_spent_its_data_is_complete_until_more_epochs_are_asked(tmp_path):
+    """A run of 20 steps whose one epoch of data ran out at step 5 ended whole there: the
+    same command started again has nothing to train (it started every role, and the
+    learner sat in a final validation for launch.start_timeout_s). More epochs, or a run
+    that did not end whole, train on."""
+    from asyncrl.config import run_dir
+    from asyncrl.config.inputs import complete_line, data_spent_at, finished_step, mark_ended
+
+    args = ["trainer.total_training_steps=20", f"trainer.default_local_dir={tmp_path}"]
+    cfg = load_config(None, [*args, "trainer.total_epochs=1"])
+    run = run_dir(cfg)
+    _checkpoint(run / "checkpoints", 5)
+    assert finished_step(cfg) is None  # no ending recorded: cut short, finish it
+    mark_ended(run, 5, data_spent_at_epochs=1)
+    assert finished_step(cfg) == 5 and data_spent_at(run) == 1
+    line = complete_line(5, 20, data_spent_at(run))
+    assert "data was spent at step 5 (trainer.total_epochs=1)" in line
+    assert "raise trainer.total_epochs" in line
+    assert finished_step(load_config(None, [*args, "trainer.total_epochs=2"])) is None
+    mark_ended(run, 5)  # ended at its total, which is 20 now: train on
+    assert finished_step(cfg) is None
+
+
 def test_disable_moves_an_earlier_runs_checkpoints_aside(tmp_path):
     from asyncrl.config.inputs import ended_at, mark_ended
 

@@ -31,6 +31,7 @@ import sys
 
 from asyncrl.cli import parse_role_args
 from asyncrl.config import ConfigError, write_resolved
+from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.advisories import config_advisories
 from asyncrl.config.inputs import (
     DATA,
@@ -38,6 +39,7 @@ from asyncrl.config.inputs import (
     RESUME,
     REWARD,
     complete_line,
+    data_spent_at,
     finished_step,
     total_training_steps,
 )
@@ -68,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         needs=(MODEL, DATA, REWARD, RESUME),  # found missing here, before any role starts
     )
     if (step := finished_step(cfg)) is not None:  # what auto would resume is the end
-        log.warning("%s", complete_line(step, total_training_steps(cfg)))
+        spent = data_spent_at(run_dir_of(cfg))
+        log.warning("%s", complete_line(step, total_training_steps(cfg), spent))
         return 0
     if args.ray or cfg.launch.backend == "ray":
         from asyncrl.launch.ray_launcher import main_ray
@@ -81,8 +84,6 @@ def main(argv: list[str] | None = None) -> int:
             "launch.backend=ray); this launcher runs one machine\n"
         )
         return 2
-    from asyncrl.config import run_dir as run_dir_of
-
     run_dir = run_dir_of(cfg)
     try:  # before anything starts: another run on this machine may hold them
         held = hold_run_dir(run_dir)  # noqa: F841 - locked while this launcher lives
