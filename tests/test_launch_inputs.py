@@ -157,3 +157,78 @@ def test_a_data_source_without_a_scorer_is_refused_at_launch(tmp_path):
     scorer.write_text("def compute_score(*args, **kwargs):\n    return 1.0\n")
     custom = [*base, f"reward.custom_reward_function.path={scorer}"]
     assert input_problems(load_config(None, custom), [DATA, REWARD]) == []
+
+
+def test_rows_of_the_wrong_shape_are_config_errors_not_crashes(tmp_path):
+    """A plain-string prompt, or a reward_model without ground_truth, never goes away: the
+    launcher refuses a first row of the wrong shape in one line, and the learner, which
+    reads every row, fails on any with a config error (exit 2, not restarted; a
+    walkthrough saw three restarts, each with a traceback)."""
+    from asyncrl.config.inputs import DATA, input_problems
+    from asyncrl.control.task_source import load_rows
+
+    rows = {
+        "data_source": ["arithmetic", "arithmetic"],
+        "prompt": ["1+1=", "2+2="],
+        "reward_model": [{"ground_truth": "2"}, {"ground_truth": "4"}],
+    }
+    path = tmp_path / "plain.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    base = [f"data.train_files={path}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    base += ["data.train_batch_size=1", "actor.ppo_mini_batch_size=1"]
+    (problem,) = input_problems(load_config(None, base), [DATA])
+    assert f"{path}: row 0: 'prompt' must be a list of chat messages" in problem
+    assert "write a plain-text prompt as one user message" in problem
+    with pytest.raises(ConfigError, match="row 0: 'prompt' must be a list"):
+        load_rows([str(path)])  # the learner's read: every row
+    rows["prompt"] = [[{"role": "user", "content": p}] for p in rows["prompt"]]
+    rows["reward_model"] = [{"style": "rule"}, {"style": "rule"}]
+    pd.DataFrame(rows).to_parquet(path)
+    (problem,) = input_problems(load_config(None, base), [DATA])
+    assert "row 0: reward_model must be a struct with 'ground_truth'" in problem
+
+
+def test_a_run_its_data_cannot_fill_is_refused_or_told_where_it_ends(tmp_path):
+    """80 rows at batch 128 make no step: refused (it ran and reported success at step
+    0). 80 rows at batch 16 for one epoch make 5 of 20 steps asked: the launcher says the
+    run ends there, as veRL's does, and how to train them all."""
+    from asyncrl.config.inputs import DATA, input_problems, short_data_line
+    from asyncrl.tasks import prepare_task_data
+
+    prepare_task_data("arithmetic", tmp_path, seed=0, n_train=80, n_val=4)
+    base = [
+        f"data.train_files={tmp_path}/train.parquet",
+        f"data.val_files={tmp_path}/val.parquet",
+        "trainer.total_training_steps=20",
+        "trainer.total_epochs=1",
+    ]
+    big = load_config(None, [*base, "data.train_batch_size=128"])
+    (problem,) = input_problems(big, [DATA])
+    assert "80 rows of data.train_files, dealt trainer.total_epochs=1 times, make no " in problem
+    short = load_config(None, [*base, "data.train_batch_size=16"])
+    assert input_problems(short, [DATA]) == []
+    line = short_data_line(short)
+    assert line is not None and "about 5 steps" in line and "raise trainer.total_epochs" in line
+    enough = load_config(None, [*base, "data.train_batch_size=16", "trainer.total_epochs=4"])
+    assert short_data_line(enough) is None
+
+
+def test_wandb_without_a_key_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """trainer.logger=[console,wandb] online with no API key crashed the learner at its
+    first W&B call, three times (restarted), then the run failed; it is refused at launch
+    in one line naming the three fixes. An offline mode, a key or a ~/.netrc entry pass."""
+    from asyncrl.config.inputs import LOGGER, input_problems
+
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_BASE_URL"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["trainer.logger=[console,wandb]"])
+    (problem,) = input_problems(cfg, [LOGGER])
+    assert "no API key" in problem and "wandb login" in problem and "WANDB_MODE=offline" in problem
+    assert input_problems(load_config(None, ["trainer.logger=[console]"]), [LOGGER]) == []
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert input_problems(cfg, [LOGGER]) == []
+    monkeypatch.delenv("WANDB_MODE")
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert input_problems(cfg, [LOGGER]) == []

@@ -11,11 +11,13 @@ the roles download it (a machine that reaches a hub).
 from __future__ import annotations
 
 import json
+import netrc
 import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from asyncrl.config.load import ConfigError, run_dir
 from asyncrl.config.schema import Config
@@ -24,6 +26,7 @@ from asyncrl.config.schema import Config
 # coordinator), the user's scoring file (the rollout servers' reward workers), the
 # checkpoint trainer.resume_mode=resume_path starts from (the learner).
 MODEL, DATA, REWARD, RESUME = "model", "data", "reward", "resume"
+LOGGER = "logger"  # W&B, when trainer.logger names it: a key, or an offline mode
 #: The file every complete learner checkpoint holds (``checkpoints/step_<n>/``); here, not in
 #: ``learner.checkpoint``, so the launcher checks a resume path without importing torch.
 STATE_FILE = "trainer_state.json"
@@ -263,6 +266,8 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
             except ConfigError as e:
                 problems.extend(e.problems)
             else:
+                if (empty := _no_batch(cfg)) is not None:
+                    problems.append(empty)
                 warmup = cfg.trainer.critic_warmup
                 if cfg.trainer.total_training_steps is None and warmup >= steps:
                     problems.append(
@@ -281,6 +286,8 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
         scored_here = not (oe.enable and not oe.take_tasks)  # else agents send the rewards
         if DATA in needs and scored_here and not scorer and not problems:
             problems += _source_problems(cfg)
+    if LOGGER in needs and (problem := wandb_problem(cfg)) is not None:
+        problems.append(problem)
     # Only resume_path starts from it for sure (auto falls back to it when the run has no
     # checkpoint yet; the learner checks that case itself, before it moves anything).
     resume = cfg.trainer.resume_from_path
@@ -291,11 +298,12 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
 
 
 def _column_problems(cfg: Config, validating: bool) -> list[str]:
-    """The data files whose columns are not veRL's layout (read from their footers)."""
+    """The data files whose columns are not veRL's layout (read from their footers), or
+    whose first row is not a task (the learner checks every row when it reads them)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from asyncrl.tasks.parquet import column_problem
+    from asyncrl.tasks.parquet import column_problem, row_problem
 
     out = []
     files = [*cfg.data.train_files, *(cfg.data.val_files if validating else [])]
@@ -306,6 +314,11 @@ def _column_problems(cfg: Config, validating: bool) -> list[str]:
             out.append(f"data files: {f} is not a parquet file ({e})")
             continue
         if (problem := column_problem(names, f, cfg.data.prompt_key)) is not None:
+            out.append(problem)
+            continue
+        first = next(pq.ParquetFile(Path(f).expanduser()).iter_batches(batch_size=1), None)
+        rows = first.to_pylist() if first is not None else []
+        if rows and (problem := row_problem(rows[0], 0, f, cfg.data.prompt_key)) is not None:
             out.append(problem)
     return out
 
@@ -350,6 +363,63 @@ def training_rows(cfg: Config) -> int:
         except (OSError, pa.ArrowException) as e:
             raise ConfigError([f"data.train_files: {f} is not a parquet file ({e})"]) from None
     return rows
+
+
+def wandb_problem(cfg: Config) -> str | None:
+    """Why W&B would refuse to start (``trainer.logger`` names it, online, with no API key
+    in the environment or ``~/.netrc``), or None. Checked without the network."""
+    if "wandb" not in cfg.trainer.logger:
+        return None
+    if os.environ.get("WANDB_MODE", "online") in ("offline", "disabled", "dryrun"):
+        return None
+    if os.environ.get("WANDB_API_KEY"):
+        return None
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    try:
+        if netrc.netrc().authenticators(host) is not None:
+            return None
+    except (OSError, netrc.NetrcParseError):  # no ~/.netrc, or one W&B cannot read either
+        pass
+    return (
+        "trainer.logger includes wandb, but W&B has no API key here: run `wandb login` or set "
+        "WANDB_API_KEY, or set WANDB_MODE=offline (its files stay in the run directory; "
+        "`wandb sync` uploads them later)"
+    )
+
+
+def _no_batch(cfg: Config) -> str | None:
+    """Why a run with a given ``trainer.total_training_steps`` would train nothing: all its
+    epochs of rows make no batch (a run that could not train reported success, at step
+    0). Batches run on across epochs here: rows times epochs is what counts."""
+    if cfg.trainer.total_training_steps is None:  # total_training_steps() says it then
+        return None
+    rows, size, epochs = training_rows(cfg), cfg.data.train_batch_size, cfg.trainer.total_epochs
+    if rows * epochs >= size:
+        return None
+    return (
+        f"the {rows} rows of data.train_files, dealt trainer.total_epochs={epochs} times, make "
+        f"no batch of data.train_batch_size={size}: the run would train nothing; lower it, "
+        "add rows, or raise trainer.total_epochs"
+    )
+
+
+def short_data_line(cfg: Config) -> str | None:
+    """When the data runs out before ``trainer.total_training_steps`` (its epochs of rows,
+    dealt on across epochs, make fewer batches): the run ends where it does, as veRL's
+    does (one line naming the fix, for the launcher's console)."""
+    total = cfg.trainer.total_training_steps
+    if total is None:
+        return None
+    rows, size, epochs = training_rows(cfg), cfg.data.train_batch_size, cfg.trainer.total_epochs
+    steps = rows * epochs // size
+    if steps >= total or steps == 0:
+        return None
+    return (
+        f"the data makes about {steps} steps ({rows} rows, trainer.total_epochs={epochs}, "
+        f"data.train_batch_size={size}), fewer than trainer.total_training_steps={total}: "
+        "the run ends where the data does, as veRL's does; raise trainer.total_epochs to "
+        "train them all"
+    )
 
 
 def total_training_steps(cfg: Config) -> int:

@@ -37,12 +37,18 @@ _TRAIN, _VAL = "train", "val"
 
 
 def load_rows(paths: Sequence[str], prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """The rows of several parquet files in veRL's layout, in order (needs pyarrow)."""
+    """The rows of several parquet files in veRL's layout, in order (needs pyarrow). A file
+    that is not (a row of the wrong shape) is a :class:`~asyncrl.config.ConfigError`: a
+    learner restarted would fail on it the same way."""
+    from asyncrl.config import ConfigError
     from asyncrl.tasks import read_rows
 
     rows: list[dict[str, Any]] = []
     for path in paths:
-        rows.extend(read_rows(path, prompt_key=prompt_key))
+        try:
+            rows.extend(read_rows(path, prompt_key=prompt_key))
+        except ValueError as e:
+            raise ConfigError([str(e)]) from e
     return rows
 
 

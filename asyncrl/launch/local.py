@@ -35,12 +35,14 @@ from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.advisories import config_advisories
 from asyncrl.config.inputs import (
     DATA,
+    LOGGER,
     MODEL,
     RESUME,
     REWARD,
     complete_line,
     data_spent_at,
     finished_step,
+    short_data_line,
     total_training_steps,
 )
 from asyncrl.launch.departures import Departures
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         None,
         argv,
         extra=_launch_options,
-        needs=(MODEL, DATA, REWARD, RESUME),  # found missing here, before any role starts
+        needs=(MODEL, DATA, REWARD, RESUME, LOGGER),  # found missing here, before any role starts
     )
     if (step := finished_step(cfg)) is not None:  # what auto would resume is the end
         spent = data_spent_at(run_dir_of(cfg))
@@ -95,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(run_dir / "openai_endpoints", ignore_errors=True)
     for line in config_advisories(cfg):  # the learner logs them too, in its own log
         log.warning("%s", line)
+    if (short := short_data_line(cfg)) is not None:
+        log.warning("%s", short)
     config_path = write_resolved(cfg)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

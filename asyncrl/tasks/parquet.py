@@ -103,21 +103,25 @@ def _check_columns(names: Sequence[str], path: Path, prompt_key: str) -> None:
         raise ValueError(problem)
 
 
-def _check_row(row: dict[str, Any], number: int, path: Path, prompt_key: str) -> None:
+def row_problem(row: dict[str, Any], number: int, path: str | Path, prompt_key: str) -> str | None:
+    """Why row ``number`` of ``path`` is not a task in veRL's layout (one line naming the
+    fix), or None when it is."""
     reward_model = row["reward_model"]
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        raise ValueError(
-            f"{path}: row {number}: reward_model must be a struct with 'ground_truth', "
-            f"got {reward_model!r}"
+        return (
+            f"{path}: row {number}: reward_model must be a struct with 'ground_truth' "
+            f"(veRL's layout: {{'ground_truth': ..., 'style': 'rule'}}), got {reward_model!r:.200}"
         )
     prompt = row[prompt_key]
     if not isinstance(prompt, list) or not all(
         isinstance(m, dict) and "role" in m and "content" in m for m in prompt
     ):
-        raise ValueError(
+        return (
             f"{path}: row {number}: {prompt_key!r} must be a list of chat messages "
-            f"[{{'role': ..., 'content': ...}}], got {prompt!r:.200}"
+            f"[{{'role': 'user', 'content': ...}}] (write a plain-text prompt as one user "
+            f"message), got {prompt!r:.200}"
         )
+    return None
 
 
 def read_rows(path: str | Path, *, prompt_key: str = "prompt") -> list[dict[str, Any]]:
@@ -141,5 +145,6 @@ def read_rows(path: str | Path, *, prompt_key: str = "prompt") -> list[dict[str,
     keep = [n for n in table.column_names if not n.startswith(_PANDAS_INDEX_PREFIX)]
     rows = table.select(keep).to_pylist()
     for number, row in enumerate(rows):
-        _check_row(row, number, path, prompt_key)
+        if (problem := row_problem(row, number, path, prompt_key)) is not None:
+            raise ValueError(problem)
     return rows
