@@ -16,7 +16,9 @@ Layout of a run directory::
 
 A checkpoint is written under a temporary name and renamed when complete, so a crash
 mid-save never leaves a directory that :func:`latest_checkpoint` would pick. Sharded
-state is saved as DTensors, so a run can resume on a different number of ranks.
+state is saved as DTensors, so a run can resume on a different number of ranks. With
+``trainer.max_actor_ckpt_to_keep``, each save then deletes the steps older than the newest
+N (:func:`prune_checkpoints`).
 """
 
 from __future__ import annotations
@@ -187,11 +189,14 @@ def save_checkpoint(
     policy_version: int,
     extra: dict[str, Any] | None = None,
     critic=None,
+    keep: int | None = None,
 ) -> Path:
     """Save model, optimizer, scheduler, step, policy version and ``extra`` as
     ``<run_dir>/checkpoints/step_<step>/``; every rank calls it. Returns the directory.
     ``critic`` (a :class:`learner.critic.Critic`): its model and optimizer are saved with
-    the actor's, its ``state_dict()`` in the state file.
+    the actor's, its ``state_dict()`` in the state file. ``keep``
+    (``trainer.max_actor_ckpt_to_keep``): once the new one is complete, rank 0 deletes the
+    checkpoints older than the newest ``keep`` (None or <= 0: keeps all).
 
     Re-saving a step replaces the old directory only once the new one is complete.
     """
@@ -232,8 +237,61 @@ def save_checkpoint(
             # latest_checkpoint used while step N was missing: this one replaces it.
             shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
         log.info("checkpoint saved: %s (policy version %d)", final, policy_version)
+        prune_checkpoints(final, keep)
     _barrier()
     return final
+
+
+def prune_checkpoints(newest: Path, keep: int | None) -> list[Path]:
+    """Delete the checkpoints beside ``newest`` (a complete ``step_<n>``, just saved) that
+    are older than the newest ``keep`` of them, with their ``.tmp`` and ``.old`` folders:
+    veRL's ``max_ckpt_to_keep`` (None or <= 0 keeps all, as there). ``newest``, later steps
+    and ``abandoned_after_step_*`` folders are never touched. Rank 0 alone calls it. A
+    deletion that fails is a warning, not an error: the run goes on. The folders deleted."""
+    if keep is None or keep <= 0:
+        return []
+    root, step = newest.parent, int(newest.name.removeprefix("step_"))
+    try:
+        steps = sorted(s for s in scan_checkpoints(root)[0] if s <= step)
+        if len(steps) <= keep:
+            return []
+        oldest_kept = steps[-keep]
+        older = [
+            p
+            for p in sorted(root.iterdir())
+            if (m := STEP_ENTRY.match(p.name)) and int(m.group(1)) < oldest_kept
+        ]
+    except OSError as e:
+        log.warning("could not list %s to delete old checkpoints (%s); all are kept", root, e)
+        return []
+    removed = []
+    for p in older:
+        try:
+            if p.is_symlink() or not p.is_dir():  # a link: never what it points to
+                p.unlink()
+            else:
+                # First, so that a deletion cut short leaves no folder read as complete.
+                (p / STATE_FILE).unlink(missing_ok=True)
+                shutil.rmtree(p)
+        except OSError as e:
+            log.warning(
+                "could not delete the old checkpoint %s (%s): delete it by hand to free the "
+                "space (trainer.max_actor_ckpt_to_keep=%d)",
+                p,
+                e,
+                keep,
+            )
+            continue
+        removed.append(p)
+    if removed:
+        names = ", ".join(p.name for p in removed)
+        log.info(
+            "deleted %d old checkpoint folder(s), keeping the newest %d: %s",
+            len(removed),
+            keep,
+            names,
+        )
+    return removed
 
 
 def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) -> CheckpointMeta:

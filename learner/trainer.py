@@ -408,6 +408,7 @@ class Trainer:
             policy_version=self.policy_version,
             extra=self.reward_kl.saved(extra) if self.reward_kl else extra,
             critic=self.critic,
+            keep=self.cfg.trainer.max_actor_ckpt_to_keep,
         )
 
     def load(self, path) -> dict:

@@ -1,5 +1,6 @@
 """Checkpoints: a resumed run replays the same recorded batches exactly like an
-uninterrupted one; incomplete checkpoints are never picked; the HF export loads."""
+uninterrupted one; incomplete checkpoints are never picked; trainer.max_actor_ckpt_to_keep
+deletes the older ones; the HF export loads."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.config import Config, load_config
-from learner.checkpoint import STATE_FILE, export_hf, latest_checkpoint
+from asyncrl.config import Config, ConfigError, load_config
+from learner.checkpoint import STATE_FILE, export_hf, latest_checkpoint, prune_checkpoints
 from learner.rollouts import Rollout
 from learner.trainer import Trainer
 
@@ -159,6 +160,73 @@ def test_a_resave_killed_between_its_renames_keeps_the_checkpoint(
     resumed.save(tmp_path)  # the final save of the relaunched run
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4"]
     assert latest_checkpoint(tmp_path) == root / "step_4"
+
+
+def _names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_max_actor_ckpt_to_keep_deletes_the_older_steps(tiny_model, single_rank, tmp_path):
+    """veRL's trainer.max_actor_ckpt_to_keep: each save keeps the newest N checkpoints and
+    deletes the older steps (a leftover .tmp of one too); a rewind's abandoned branch is
+    never touched. Left at null (veRL's default), every checkpoint is kept."""
+    trainer = Trainer(make_cfg(tiny_model))
+    steps = (2, 4, 6, 8)
+    for step in steps:  # the default: all kept
+        trainer.step = step
+        trainer.save(tmp_path / "all")
+    assert _names(tmp_path / "all" / "checkpoints") == [f"step_{s}" for s in steps]
+
+    trainer.cfg.trainer.max_actor_ckpt_to_keep = 2
+    root = tmp_path / "checkpoints"
+    abandoned = root / "abandoned_after_step_1" / "step_5"  # a rewind's left-behind branch
+    abandoned.mkdir(parents=True)
+    (abandoned / STATE_FILE).write_text("{}")
+    (root / "step_1.tmp").mkdir()  # a save cut short
+    seen = []
+    for step in steps:
+        trainer.step = step
+        saved = trainer.save(tmp_path)
+        assert (saved / STATE_FILE).is_file()
+        seen.append([n for n in _names(root) if n.startswith("step_")])
+    assert seen == [
+        ["step_1.tmp", "step_2"],
+        ["step_1.tmp", "step_2", "step_4"],
+        ["step_4", "step_6"],
+        ["step_6", "step_8"],
+    ]
+    assert _names(root) == ["abandoned_after_step_1", "step_6", "step_8"]
+    assert (abandoned / STATE_FILE).is_file()
+    assert latest_checkpoint(tmp_path) == root / "step_8"
+    resumed = Trainer(make_cfg(tiny_model))
+    resumed.load(root / "step_6")  # the older one kept is whole
+    assert resumed.step == 6
+
+
+def test_pruning_keeps_all_at_zero_and_warns_when_a_deletion_fails(tmp_path, monkeypatch, caplog):
+    """0 or less keeps all, as in veRL (a count that is no integer is a config error); a
+    folder that cannot be deleted is a warning (the run goes on), and it no longer reads as
+    a checkpoint."""
+    for bad in ("true", "2.5"):
+        with pytest.raises(ConfigError, match="trainer.max_actor_ckpt_to_keep"):
+            load_config(None, [f"trainer.max_actor_ckpt_to_keep={bad}"])
+    root = tmp_path / "checkpoints"
+    for step in (1, 2, 3):
+        (root / f"step_{step}").mkdir(parents=True)
+        (root / f"step_{step}" / STATE_FILE).write_text("{}")
+    for keep in (None, 0, -1):
+        assert prune_checkpoints(root / "step_3", keep) == []
+    assert _names(root) == ["step_1", "step_2", "step_3"]
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("learner.checkpoint.shutil.rmtree", refused)
+    with caplog.at_level("WARNING", logger="learner.checkpoint"):
+        assert prune_checkpoints(root / "step_3", 1) == []
+    assert "could not delete the old checkpoint" in caplog.text and "step_2" in caplog.text
+    assert latest_checkpoint(tmp_path) == root / "step_3"
+    assert not (root / "step_1" / STATE_FILE).exists()
 
 
 def test_export_loads_in_transformers(tiny_model, single_rank, tmp_path):

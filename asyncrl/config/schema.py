@@ -259,6 +259,11 @@ class TrainerConfig(Section):
     save_freq: int = Field(
         default=20, description="Checkpoint every N steps (-1: only at the end)."
     )
+    max_actor_ckpt_to_keep: int | None = Field(
+        default=None,
+        description="Keep the newest N checkpoints (each holds the critic too), deleting "
+        "older ones after each save; null (or <= 0, as in veRL): keep all.",
+    )
     test_freq: int = Field(default=10, description="Validate every N learner steps (-1: never).")
     val_before_train: bool = Field(default=True, description="Validate before the first step.")
     logger: list[Literal["console", "jsonl", "wandb"]] = Field(
@@ -288,6 +293,13 @@ class TrainerConfig(Section):
     @classmethod
     def _one_or_many(cls, v: object) -> object:
         return [v] if isinstance(v, str) else v
+
+    @field_validator("max_actor_ckpt_to_keep", mode="before")
+    @classmethod
+    def _a_count(cls, v: object) -> object:
+        if isinstance(v, bool):  # pydantic would read true as 1
+            raise ValueError("give a number of checkpoints to keep, or null to keep them all")
+        return v
 
 
 class RayLaunchConfig(Section):

@@ -670,8 +670,14 @@ VERL_KEYS: dict[str, VerlKey] = {
     ),
     "trainer.default_hdfs_dir": _none("checkpoints stay in trainer.default_local_dir"),
     "trainer.del_local_ckpt_after_load": _none("checkpoints are kept after a resume"),
-    "trainer.max_actor_ckpt_to_keep": _none("every checkpoint is kept"),
-    "trainer.max_critic_ckpt_to_keep": _none("every checkpoint is kept"),
+    "trainer.max_actor_ckpt_to_keep": _impl(
+        "keeps the newest N checkpoints, the critic's with them; null or <= 0: all",
+        example=2,
+    ),
+    "trainer.max_critic_ckpt_to_keep": _none(
+        "the critic is saved inside the learner's checkpoints (checkpoints/step_<n>/), "
+        "which trainer.max_actor_ckpt_to_keep bounds"
+    ),
     "trainer.ray_wait_register_center_timeout": _none(
         "roles start under launch.start_timeout_s (launch.ray.start_timeout_s on Ray)"
     ),
