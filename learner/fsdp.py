@@ -294,6 +294,34 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def reapply_optim_config(
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LambdaLR,
+    optim_cfg: OptimConfig,
+    prefix: str,
+) -> list[str]:
+    """Set the config's ``lr``, ``weight_decay`` and ``betas`` on an optimizer and its
+    schedule restored from a checkpoint, which carry the values the checkpoint was saved
+    with (a resume with a new learning rate trained on at the old one, silently). Returns
+    one line per value changed (``prefix``: the config group, e.g. ``actor.optim``)."""
+    changes = []
+    betas = tuple(optim_cfg.betas)
+    wanted: dict[str, object] = {"lr": optim_cfg.lr, "weight_decay": optim_cfg.weight_decay}
+    wanted["betas"] = betas
+    for i, group in enumerate(optimizer.param_groups):
+        saved: dict[str, object] = {"lr": scheduler.base_lrs[i], "betas": tuple(group["betas"])}
+        saved["weight_decay"] = group["weight_decay"]
+        for key, value in wanted.items():
+            if saved[key] != value and i == 0:
+                changes.append(f"{prefix}.{key}={value} (the checkpoint's was {saved[key]})")
+        scheduler.base_lrs[i] = group["initial_lr"] = optim_cfg.lr
+        group["weight_decay"], group["betas"] = optim_cfg.weight_decay, betas
+        # The rate of the step the schedule is at, from the new base.
+        group["lr"] = optim_cfg.lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr reads
+    return changes
+
+
 def grad_norm_and_clip(model: nn.Module, max_norm: float) -> float:
     """Global gradient norm (all ranks agree on it) and clip to ``max_norm``.
 

@@ -418,6 +418,14 @@ class Trainer:
 
         meta = load_checkpoint(path, self.model, self.optimizer, self.scheduler, critic=self.critic)
         self.step, self.policy_version = meta.step, meta.policy_version
+        parts = [(self.optimizer, self.scheduler, self.cfg.actor.optim, "actor.optim")]
+        if self.critic is not None:
+            c = self.critic
+            parts.append((c.optimizer, c.scheduler, self.cfg.critic.optim, "critic.optim"))
+        for optimizer, scheduler, optim_cfg, name in parts:
+            for change in fsdp.reapply_optim_config(optimizer, scheduler, optim_cfg, name):
+                if self.rank == 0:
+                    log.warning("resumed with %s: training on with it", change)
         if self.reward_kl is not None:
             self.reward_kl.restore(meta.extra)
         return meta.extra

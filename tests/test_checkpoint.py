@@ -89,6 +89,28 @@ def test_resume_replays_exactly(tiny_model, single_rank, tmp_path):
     assert [m["actor/lr"] for m in expected] == pytest.approx(lrs, rel=1e-9)
 
 
+def test_a_resume_with_a_new_learning_rate_trains_at_it(tiny_model, single_rank, tmp_path, caplog):
+    """The optimizer and schedule a checkpoint restores carry the rate it was saved with: a
+    resume with actor.optim.lr lowered trained on at the old one, silently. The config's
+    rate (and weight decay, betas) now applies, on the schedule's position, and the
+    learner says what changed."""
+    first = Trainer(make_cfg(tiny_model))
+    run(first, BATCHES[:3])  # past the warmup: the cosine factor at step 3
+    first.save(tmp_path)
+    cfg = make_cfg(tiny_model)
+    cfg.actor.optim.lr, cfg.actor.optim.weight_decay = 1e-4, 0.05
+    resumed = Trainer(cfg)
+    with caplog.at_level("WARNING", logger="learner.trainer"):
+        resumed.load(latest_checkpoint(tmp_path))
+    [step4] = run(resumed, BATCHES[3:4])
+    cosine = 0.5 * (1 + math.cos(math.pi / 4))
+    assert step4["actor/lr"] == pytest.approx(1e-4 * cosine, rel=1e-9)  # was 1e-3 * cosine
+    group = resumed.optimizer.param_groups[0]
+    assert group["weight_decay"] == 0.05 and group["initial_lr"] == 1e-4
+    assert "actor.optim.lr=0.0001 (the checkpoint's was 0.001)" in caplog.text
+    assert "actor.optim.weight_decay=0.05" in caplog.text and "betas" not in caplog.text
+
+
 def test_a_checkpoint_before_the_first_update_leaves_it_unchanged(
     tiny_model, single_rank, tmp_path
 ):
