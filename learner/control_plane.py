@@ -405,6 +405,7 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
         "groups_filtered",
         "filter_metric_unknown",
         "reward_errors",
+        "prompts_truncated",
     )
     for key in (f"rollout/{k}" for k in totals):
         out[key] = sum(m.get(key, 0.0) for m in reports)

@@ -234,6 +234,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
         return "abc"
     if data_source == "nan":
         return math.nan
+    if data_source == "none":
+        return None
     if data_source == "sleep":
         time.sleep(30)
     if data_source == "pow":
@@ -264,6 +266,20 @@ def test_pool_counts_bad_scorers(pool: RewardPool, data_source: str, kind: str) 
     assert pool.score(data_source, "x", "y") == ScoreResult(0.0, {}, kind)
     assert pool.counters[kind] == before + 1
     assert pool.score("arithmetic", "8", "8") == ScoreResult(1.0, {}, None)
+
+
+def test_each_kind_of_bad_return_is_logged_once(pool: RewardPool, caplog) -> None:
+    """A scorer returning a string, None or NaN makes three mistakes: each is named once in
+    the log (before, only the first bad return of a run was, and None never showed), while
+    every case is counted."""
+    with caplog.at_level("WARNING"):
+        for source in ("abc", "none", "none", "abc"):
+            assert pool.score(source, "x", "y").error == "bad_return"
+    named = [r.getMessage() for r in caplog.records if "reward function returned" in r.getMessage()]
+    assert any("NoneType None" in line for line in named), named
+    assert (
+        sum("NoneType" in line for line in named) <= 1 and sum("str 'abc'" in x for x in named) <= 1
+    )
 
 
 @pytest.mark.parametrize("data_source", ["sleep", "pow"])

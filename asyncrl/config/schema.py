@@ -75,7 +75,10 @@ class DataConfig(Section):
     )
     prompt_key: str = Field(default="prompt", description="Column holding the chat messages.")
     max_prompt_length: int = Field(
-        default=64, gt=0, description="Prompt token limit; longer are dropped."
+        default=64,
+        gt=0,
+        description="Prompt token limit; a longer prompt is cut (data.truncation) or dropped "
+        "(data.filter_overlong_prompts).",
     )
     max_response_length: int = Field(
         default=8, gt=0, description="Generated tokens per response, at most."

@@ -28,10 +28,13 @@ LIVE = [
     ("reward", "reward/mean", "{:.3f}"),
     ("val", "val/score", "{:.3f}"),
     ("lag", "lag/mean", "{:.2f}"),
-    ("tok/s", "perf/tokens_per_s", "{:.0f}"),
+    ("train tok/s", "perf/tokens_per_s", "{:.0f}"),
+    ("gen tok/s", "rollout/tokens_per_s", "{:.0f}"),
     ("learner wait", "timing/wait_fraction", "{:.0%}"),
     ("rollout wait", "rollout/wait_fraction", "{:.0%}"),
 ]
+CUT = "rollout/prompts_truncated"
+
 # The summary's rows: the waits are left out, since one step's share (the first is mostly
 # start-up) misleads at the end; the time split after the table gives them over the run.
 SUMMARY = [row for row in LIVE[1:] if not row[1].endswith("wait_fraction")]
@@ -119,15 +122,23 @@ def accounting_lines(records: list[dict[str, float]]) -> list[str]:
 
 
 def reward_errors_line(records: list[dict[str, float]]) -> list[str]:
-    """A line when the scorer failed on some samples (each scored 0.0): a run can end
-    "finished" on rewards that are mostly failures."""
-    errors = last_value(records, "rollout/reward_errors")
-    if not errors:
-        return []
-    return [
-        f"reward errors: {errors:.0f} samples scored 0.0 because the scorer failed on them "
-        "(rollout/reward_errors); each server's log names the first of each kind with its fix"
-    ]
+    """Lines for samples the run changed behind the user's back: the scorer failed on them
+    (each scored 0.0: a run can end "finished" on rewards that are mostly failures), or
+    their prompt was cut to ``data.max_prompt_length``. Counts as of the last record."""
+    out = []
+    if errors := last_value(records, "rollout/reward_errors"):
+        out.append(
+            f"reward errors: {errors:.0f} samples scored 0.0 because the scorer failed on them "
+            "(rollout/reward_errors, by the last step); each server's log names the first of "
+            "each kind with its fix"
+        )
+    if cut := last_value(records, "rollout/prompts_truncated"):
+        out.append(
+            f"prompts cut: {cut:.0f} prompts were longer than data.max_prompt_length and lost "
+            "tokens (data.truncation; rollout/prompts_truncated): raise the limit, or set "
+            "data.filter_overlong_prompts=true to drop them"
+        )
+    return out
 
 
 def eta_s(records: list[dict[str, float]], total: int | None) -> float:
@@ -170,6 +181,9 @@ class ProgressView:
         parts += [f"{label} {_fmt(fmt, last_value(records, key))}" for label, key, fmt in LIVE[1:]]
         if total := sum((restarts or {}).values()):
             parts.append(f"restarts {total}")
+        for label, key in (("reward errors", "rollout/reward_errors"), ("prompts cut", CUT)):
+            if count := last_value(records, key):  # shown while it lasts, not only at the end
+                parts.append(f"{label} {count:.0f}")
         parts.append(f"ETA {_fmt('{:.0f}s', eta)}")
         return " | ".join(parts)
 

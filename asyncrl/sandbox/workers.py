@@ -48,6 +48,7 @@ Setup = Callable[..., Handler]
 POOL_STATUSES = ("timeout", "worker_died", "exception")
 
 MAX_MESSAGE_CHARS = 300  # an error message's longest form, so a huge repr cannot flood logs
+MAX_LOGGED = 20  # different failures logged in full; every one is counted
 _STOP_GRACE_S = 1.0  # how long a worker may take to exit before it is killed
 
 
@@ -227,7 +228,7 @@ class WorkerPool:
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._counters: dict[str, int] = dict.fromkeys(self._explanations, 0)
-        self._logged: set[str] = set()
+        self._logged: set[tuple[str, str]] = set()  # (kind, first word of its detail)
         self._closed = False
         self._broken: str | None = None
         self._respawns: list[threading.Thread] = []
@@ -307,11 +308,15 @@ class WorkerPool:
         return list(self._executor.map(fn, items))
 
     def record(self, kind: str, detail: Any) -> None:
-        """Count a failure of ``kind``; log its explanation the first time that kind occurs."""
+        """Count a failure of ``kind``; log its explanation the first time that kind occurs
+        with that first word of ``detail`` (an exception's or a returned value's type: a
+        scorer that returns None and one that returns a dict without its score are two
+        mistakes), for at most :data:`MAX_LOGGED` different ones."""
+        variant = (kind, str(detail).split(" ", 1)[0][:40] if detail else "")
         with self._lock:
             self._counters[kind] += 1
-            first = kind not in self._logged
-            self._logged.add(kind)
+            first = variant not in self._logged and len(self._logged) < MAX_LOGGED
+            self._logged.add(variant)
         if first:
             message = self._explanations[kind].format(timeout=self.timeout_s, detail=detail)
             self._log.warning(
