@@ -33,8 +33,12 @@ class Reports:
         the row, ``val.<lineage>/<round>``), and the log."""
         # Count episodes: the samples of a split episode share its reward.
         rewards = {m.episode_index: m.reward for m in group.metas}
+        parts = {m.episode_index: m.reward_parts for m in group.metas}
         scored = ValidationGroup.of(
-            group.data_source, list(rewards.values()), int(group.response_lens.sum())
+            group.data_source,
+            list(rewards.values()),
+            int(group.response_lens.sum()),
+            list(parts.values()),
         )
         self.results.setdefault(round_key(group.task_id), {})[group.task_id] = scored
         self.validated.append(group.task_id)

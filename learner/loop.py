@@ -42,6 +42,7 @@ from learner import fsdp, lora
 from learner.control_peer import BatchRef, ControlPeer, NoControl, Restored
 from learner.control_plane import RankZero
 from learner.health import Alarm, HealthMonitor, learner_probe
+from learner.metrics import reward_part_metrics
 from learner.rollouts import Rollout
 
 ENDED_PROBE_S = 10.0  # how long a learner of an ended run asks for a buffer to tell
@@ -191,6 +192,7 @@ class LearnerLoop:
         metrics = t.train_step(rollouts, c.rollout.temperature)  # advances t.step
         self._mark("first_step")
         metrics.update(batch.metrics)  # the buffer's own counters (buffer/...)
+        metrics.update(reward_part_metrics([t.meta.reward_parts for t in batch.trajectories]))
         self._account(batch, rollouts)
         metrics["timing/wait_batch_s"] = waited
         metrics["timing/step_s"] = time.monotonic() - start

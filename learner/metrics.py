@@ -7,7 +7,7 @@ Names use slash namespaces; ``learner/METRICS.md`` maps them to veRL's.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -16,6 +16,16 @@ from learner.rollouts import Rollout
 
 # Lags at or above this share the last histogram bin (``lag/hist_ge8``).
 LAG_BINS = 8
+
+
+def reward_part_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """``reward/parts/<name>/mean``: the mean of each value the scorer returned beside the
+    score (a dict's other keys, the overlong penalty), over the trajectories carrying it."""
+    sums: dict[str, list[float]] = {}
+    for trajectory in parts:
+        for name, value in trajectory.items():
+            sums.setdefault(name, []).append(float(value))
+    return {f"reward/parts/{name}/mean": statistics.fmean(v) for name, v in sorted(sums.items())}
 
 
 def rollout_metrics(rollouts: Sequence[Rollout], current_version: int) -> dict[str, float]:

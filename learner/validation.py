@@ -90,8 +90,9 @@ def round_metrics(stats: dict[str, ValidationStats]) -> dict[str, float]:
     """One round's record from its sums per data source: ``val/score`` (mean reward over
     responses), ``val/score_se`` (its standard error over responses),
     ``val/score_se_prompt`` (over prompts' mean rewards: larger when prompts differ in
-    difficulty, since a prompt's samples are not independent), ``val/responses`` and
-    ``val/<data_source>/score``."""
+    difficulty, since a prompt's samples are not independent), ``val/responses``,
+    ``val/<data_source>/score`` and the mean of each other value the scorer returned,
+    ``val/<data_source>/<name>/mean``."""
     resp, prompt = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
     for s in stats.values():
         _add(resp, s.trajectories, s.reward_sum, s.reward_sq_sum)
@@ -103,6 +104,8 @@ def round_metrics(stats: dict[str, ValidationStats]) -> dict[str, float]:
             out[key] = mean_standard_error(*acc)
     for source, s in stats.items():
         out[f"val/{source}/score"] = s.reward_sum / max(s.trajectories, 1)
+        for name, (total, n) in s.parts.items():  # veRL: val-aux/<source>/<name>/mean@N
+            out[f"val/{source}/{name}/mean"] = total / max(n, 1)
     return out
 
 

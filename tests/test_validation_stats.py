@@ -105,3 +105,27 @@ def test_a_learner_restarted_after_a_buffer_restart_keeps_the_old_sessions_group
     [out] = restarted.add({"val.x/0": _groups([[0.0, 0.0]], first=1)}, progress)
     assert math.isclose(out["val/score"], 0.5) and out["val/responses"] == 4
     assert restarted.state_dict()["groups"] == {}  # a reported round's groups are let go
+
+
+def test_what_else_the_scorer_returned_is_averaged_per_data_source():
+    """A scorer returning {"score": ..., "acc": ...}: the round reports the mean of acc per
+    data source (veRL's val-aux/<source>/acc/mean@N), over the episodes that carry it."""
+    progress = ValidationProgress(rounds_started=1, round_groups=2, head="val.x")
+    groups = {
+        "val.x/0/0": ValidationGroup.of("a", [1.0, 0.0], 2, [{"acc": 1.0}, {"acc": 0.0}]),
+        "val.x/0/1": ValidationGroup.of("a", [1.0, 1.0], 2, [{"acc": 1.0, "fmt": 0.5}, {}]),
+    }
+    [out] = ValidationTracker().add({"val.x/0": groups}, progress)
+    assert math.isclose(out["val/a/acc/mean"], 2 / 3) and out["val/a/fmt/mean"] == 0.5
+    assert math.isclose(out["val/a/score"], 0.75)
+
+
+def test_a_training_batch_reports_the_mean_of_each_part():
+    from learner.metrics import reward_part_metrics
+
+    parts = [{"acc": 1.0, "overlong_penalty": -0.5}, {"acc": 0.0}, {}]
+    assert reward_part_metrics(parts) == {
+        "reward/parts/acc/mean": 0.5,
+        "reward/parts/overlong_penalty/mean": -0.5,
+    }
+    assert reward_part_metrics([{}, {}]) == {}

@@ -42,12 +42,27 @@ class ValidationGroup(msgspec.Struct, array_like=True, frozen=True):
     reward_sum: float
     reward_sq_sum: float
     response_tokens: int
+    # What else the scorer returned (a dict's other keys: ``acc``, a format score), summed
+    # over the episodes that carry it, with their count: name -> (sum, episodes).
+    parts: dict[str, tuple[float, int]] = {}
 
     @classmethod
-    def of(cls, data_source: str, rewards: list[float], response_tokens: int) -> ValidationGroup:
-        """The group whose episodes scored ``rewards``."""
+    def of(
+        cls,
+        data_source: str,
+        rewards: list[float],
+        response_tokens: int,
+        parts: list[dict[str, float]] | None = None,
+    ) -> ValidationGroup:
+        """The group whose episodes scored ``rewards`` (and returned ``parts``, one dict per
+        episode)."""
         total, sq = sum(rewards), sum(r * r for r in rewards)
-        return cls(data_source, len(rewards), total, sq, response_tokens)
+        summed: dict[str, tuple[float, int]] = {}
+        for episode in parts or []:
+            for name, value in episode.items():
+                s, n = summed.get(name, (0.0, 0))
+                summed[name] = (s + value, n + 1)
+        return cls(data_source, len(rewards), total, sq, response_tokens, summed)
 
 
 class ValidationStats(msgspec.Struct, kw_only=True):
@@ -61,6 +76,7 @@ class ValidationStats(msgspec.Struct, kw_only=True):
     group_mean_sum: float = 0.0  # sum over groups of the group's mean reward
     group_mean_sq_sum: float = 0.0
     response_tokens: int = 0
+    parts: dict[str, tuple[float, int]] = {}  # name -> (sum, episodes), see ValidationGroup
 
     def add(self, g: ValidationGroup) -> None:
         """Count one complete group."""
@@ -72,6 +88,9 @@ class ValidationStats(msgspec.Struct, kw_only=True):
         self.group_mean_sum += mean
         self.group_mean_sq_sum += mean * mean
         self.response_tokens += g.response_tokens
+        for name, (total, n) in g.parts.items():
+            s, m = self.parts.get(name, (0.0, 0))
+            self.parts[name] = (s + total, m + n)
 
     @property
     def reward_mean(self) -> float:
