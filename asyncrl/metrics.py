@@ -40,6 +40,7 @@ class MetricsLogger:
         fresh: bool = False,
     ):
         self.sinks = set(sinks)
+        self.run_dir = run_dir
         self.console_keys = list(console_keys)
         self._wandb = None
         # The run's record, whatever the sinks (see the module docstring).
@@ -76,6 +77,17 @@ class MetricsLogger:
             if shown:  # a record of other keys only (say, the final accounting) stays quiet
                 log.info("step %d: %s", step, shown)
 
+    def mark_resumed(self, step: int) -> None:
+        """A learner resumed from its checkpoint at ``step``: when the file holds later
+        steps (trained, then lost with the learner that died), a record saying so, by
+        which :func:`read_metrics` drops them (W&B drops the steps it sees again itself)."""
+        if self._file is None:
+            return
+        reached = max((r.get("step", 0) for r in read_metrics(self.run_dir)), default=0)
+        if reached > step:
+            record = {"step": step, "time": time.time(), RESUMED_FROM: step, REACHED: reached}
+            self._file.write(json.dumps(record) + "\n")
+
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
@@ -111,17 +123,27 @@ def _set_aside(path: Path) -> None:
     log.info("%s held records of an earlier run (not resumed): moved to %s", path, old.name)
 
 
+#: A resume's record: the checkpoint's step, and the highest step the file held then.
+RESUMED_FROM, REACHED = "learner/resumed_from_step", "learner/steps_reached"
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
-    """Every record of ``<run dir>/metrics.jsonl`` (skipping a torn last line)."""
+    """The records of ``<run dir>/metrics.jsonl`` (skipping a torn last line), without the
+    steps a learner trained and then lost, restarted from an earlier checkpoint: at a
+    resume record (:meth:`MetricsLogger.mark_resumed`) those past its step are dropped,
+    as the steps trained again replace them. The file keeps every record."""
     path = Path(run_dir) / METRICS_FILE
     if not path.exists():
         return []
-    out = []
+    out: list[dict[str, float]] = []
     for line in path.read_text().splitlines():
         try:
-            out.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if RESUMED_FROM in record:
+            out = [r for r in out if r.get("step", 0) <= record[RESUMED_FROM]]
+        out.append(record)
     return out
 
 

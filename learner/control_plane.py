@@ -123,6 +123,8 @@ class RankZero:
             if welcome.policy_version > through:
                 self.coordinator.at_least(welcome.policy_version)
         self.logger = open_metrics(cfg, run_dir, new_run)
+        if restored.path is not None and not new_run:
+            self.logger.mark_resumed(restored.step)
 
     # ------------------------------------------------------------------ batches
     def wait_batch(

@@ -78,7 +78,8 @@ def test_restarts_in_the_live_line_and_the_summary(tmp_path):
     assert " | learner wait 90% | " in view.line(records, restarts)
     assert "restarts" not in view.line(records, {"buffer": 0})
     # The learner restarted from its step-2 checkpoint after step 4: step 3 again.
-    replay = [{"step": 3.0}, {"step": 4.0}, {"step": 3.0}]
+    marker = {"step": 2.0, "learner/resumed_from_step": 2.0, "learner/steps_reached": 4.0}
+    replay = [{"step": 1.0}, {"step": 2.0}, marker, {"step": 3.0}]
     assert view.line(replay).startswith(
         "[######..............] 3/10 (again after a restart: 4 reached) | "
     )

@@ -27,6 +27,33 @@ def test_resumed_run_appends_and_new_run_sets_old_records_aside(tmp_path):
     assert len((run / "metrics.2.jsonl").read_text().splitlines()) == 1
 
 
+def test_steps_lost_with_a_learner_are_replaced_by_the_steps_trained_again(tmp_path):
+    """Steps 1-4 logged, the checkpoint at step 2: the resumed learner trains 3 and 4 again.
+    The file keeps both copies (a walkthrough found step 66 twice, 0.758 then 0.711, with
+    nothing saying which counts); the readers (live line, summary, plots) see the new ones
+    only, after a record of the resume."""
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 4):
+        _write(run, step, fresh=step == 1)
+    logger = MetricsLogger(run, ["jsonl"], fresh=False)
+    logger.mark_resumed(2)
+    logger.log(3, {"loss/pg": 30.0})
+    logger.close()
+    records = read_metrics(run)
+    assert [(r["step"], r.get("loss/pg")) for r in records] == [
+        (1, 1.0),
+        (2, 2.0),
+        (2, None),
+        (3, 30.0),
+    ]
+    assert records[2]["learner/steps_reached"] == 4
+    assert len((run / METRICS_FILE).read_text().splitlines()) == 6  # nothing deleted
+    again = MetricsLogger(run, ["jsonl"], fresh=False)
+    again.mark_resumed(3)  # nothing past step 3 in the records: no marker
+    again.close()
+    assert len((run / METRICS_FILE).read_text().splitlines()) == 6
+
+
 def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
     """W&B offline (no network): a restart of the learner continues its W&B run (the id is
     kept in the run directory); a new run in the directory gets a run of its own."""

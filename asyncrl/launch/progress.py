@@ -19,7 +19,7 @@ from asyncrl.config import Config
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.launch import startup
 from asyncrl.launch.time_split import time_split
-from asyncrl.metrics import read_metrics
+from asyncrl.metrics import REACHED, read_metrics
 
 # (label, metric, format) of the live line and the summary.
 LIVE = [
@@ -175,7 +175,7 @@ class ProgressView:
         bar = "#" * int(frac * 20) + "." * (20 - int(frac * 20))
         eta = eta_s(self._this_launch(records), self.total)
         parts = [f"[{bar}] {step:.0f}/{self.total}"]
-        reached = max((r["step"] for r in records if "step" in r), default=0)
+        reached = max((r.get(REACHED, 0) for r in records), default=0)
         if step < reached:  # a learner restarted from a checkpoint trains these steps again
             parts[0] += f" (again after a restart: {reached:.0f} reached)"
         parts += [f"{label} {_fmt(fmt, last_value(records, key))}" for label, key, fmt in LIVE[1:]]
