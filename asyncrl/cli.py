@@ -12,6 +12,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 from asyncrl.config import Config, ConfigError, field_reference, load_config
 
@@ -32,7 +33,11 @@ def role_parser(
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="config keys (override any as group.key=value):\n" + field_reference(groups),
     )
-    parser.add_argument("config", help="run config YAML (e.g. configs/cpu_demo.yaml)")
+    parser.add_argument(
+        "config",
+        help="run config YAML (e.g. configs/cpu_demo.yaml); left out, key=value overrides "
+        "alone set the run, as a veRL command line does",
+    )
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rollout.n=8"
     )
@@ -57,6 +62,8 @@ def parse_role_args(
 
     args = role_parser(prog, description, groups, extra).parse_intermixed_args(argv)
     setup_logging(args.log_level)
+    if "=" in args.config and not Path(args.config).is_file():  # no file: overrides only
+        args.config, args.overrides = None, [args.config, *args.overrides]
     try:
         cfg = load_config(args.config, args.overrides)
         if problems := input_problems(cfg, needs):

@@ -28,6 +28,19 @@ def test_help_is_instant(command):
     assert elapsed < 5, f"{command} --help took {elapsed:.1f}s (heavy import before parsing?)"
 
 
+def test_a_command_line_of_overrides_alone_needs_no_config_file():
+    """veRL's command lines name no file: ``asyncrl-launch data.train_files=... a.b=1``
+    (it was refused as "config file data.train_files=... not found")."""
+    from asyncrl.cli import parse_role_args
+
+    cfg, args = parse_role_args(
+        "asyncrl-launch", "", None, ["actor_rollout_ref.rollout.n=4", "data.train_batch_size=32"]
+    )
+    assert args.config is None and (cfg.rollout.n, cfg.data.train_batch_size) == (4, 32)
+    with pytest.raises(SystemExit):  # a file that is not there is still named
+        parse_role_args("asyncrl-launch", "", None, ["missing.yaml", "rollout.n=4"])
+
+
 @pytest.mark.parametrize("command", ROLES)
 def test_help_lists_config_keys(command):
     out = subprocess.run([str(BIN / command), "--help"], capture_output=True, text=True).stdout

@@ -405,7 +405,7 @@ def test_a_checkpoint_holds_its_own_steps_lag_decision(tmp_path, monkeypatch):
     loop.trainer, loop.control, loop.total = Training(), Recording(), 4  # type: ignore[assignment]
     loop.health, loop.unacked, loop._marked = HealthMonitor(loop.cfg.trainer.health), [], set()
     loop.last_batch_id, loop.last_batch_session = 0, ""
-    loop._next_batch = lambda: SimpleNamespace(metrics={})  # type: ignore[method-assign]
+    loop._next_batch = lambda: SimpleNamespace(metrics={}, trajectories=[])  # type: ignore[method-assign]
     loop._account = lambda batch, rollouts: None  # type: ignore[method-assign]
     loop._push = lambda: {}  # type: ignore[method-assign]
     monkeypatch.setattr(loop_module, "to_rollouts", lambda batch: [])

@@ -168,12 +168,17 @@ def finished_step(cfg: Config) -> int | None:
     """The step of the run's last checkpoint when a start would resume a complete run
     (``resume_mode=auto``, its ending done there and nothing left to train: see
     :func:`ended_whole`), else None."""
+    step = resumed_step(cfg)
+    return step if step is not None and ended_whole(cfg, run_dir(cfg), step) else None
+
+
+def resumed_step(cfg: Config) -> int | None:
+    """The step of the run's last complete checkpoint that ``resume_mode=auto`` resumes,
+    or None (another mode, or no checkpoint yet)."""
     if cfg.trainer.resume_mode != "auto":
         return None
     found, _ = scan_checkpoints(run_dir(cfg) / "checkpoints")
-    if not found:
-        return None
-    return max(found) if ended_whole(cfg, run_dir(cfg), max(found)) else None
+    return max(found) if found else None
 
 
 def ended_whole(cfg: Config, run: Path, step: int) -> bool:

@@ -42,6 +42,7 @@ from asyncrl.config.inputs import (
     complete_line,
     data_spent_at,
     finished_step,
+    resumed_step,
     short_data_line,
     total_training_steps,
 )
@@ -99,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", line)
     if (short := short_data_line(cfg)) is not None:
         log.warning("%s", short)
+    if (step := resumed_step(cfg)) is not None:
+        log.warning(
+            "resuming this run from its checkpoint at step %d (trainer.resume_mode=auto; "
+            "trainer.resume_mode=disable starts over, keeping its checkpoints aside)",
+            step,
+        )
     config_path = write_resolved(cfg)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
