@@ -174,8 +174,10 @@ def test_external_slots_survive_a_coordinator_restart_without_reuse_or_re_deal()
     restored.budget.per_version = 3
     load_ledger(restored, saved)
     states = {tid: e.state for tid, e in restored.entries.items()}
-    assert states == {"ext/1": "done", "ext/2": "in_buffer", "ext/3": "given_up"}
-    assert not restored.redeal  # an external slot is never dealt again
+    # ext/3 was out: it waits for its server to name it (given up if none does by the end
+    # of the resume hold), never dealt again
+    assert states == {"ext/1": "done", "ext/2": "in_buffer", "ext/3": "queued"}
+    assert not restored.redeal and restored.unclaimed == {"ext/3"}
     task, _ = restored.deal_external("s1")
     assert task is not None and task.task_id == "ext/4"  # ids are never reused
     assert restored.accounting()["accounting/train/unaccounted"] == 0
