@@ -416,7 +416,8 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
     out["rollout/gc_frozen_objects_min"] = min(
         m.get("rollout/gc_frozen_objects", 0.0) for m in reports
     )
-    for key in ("rollout/wait_fraction", "rollout/reward_mean", "rollout/response_length_mean"):
+    means = ("wait_fraction", "score_wait_fraction", "reward_mean", "response_length_mean")
+    for key in (f"rollout/{k}" for k in means):
         values = [m[key] for m in reports if key in m]
         if values:
             out[key] = sum(values) / len(values)

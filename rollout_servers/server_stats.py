@@ -150,6 +150,7 @@ class ServerStats:
             out["rollout/task_wait_s"] += time.monotonic() - self.idle_since
         for key, waited in self.after_generation.ongoing().items():
             out[key] += waited
+        out["rollout/score_wait_fraction"] = min(1.0, out["rollout/score_wait_s"] / elapsed)
         # A sync while idle counts in both; the fraction is capped at 1.
         waited = out["rollout/task_wait_s"] + out.get("rollout/sync_pause_s", 0.0)
         out["rollout/wait_fraction"] = min(1.0, waited / elapsed)

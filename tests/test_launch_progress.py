@@ -84,6 +84,9 @@ def test_restarts_in_the_live_line_and_the_summary(tmp_path):
         "[######..............] 3/10 (again after a restart: 4 reached) | "
     )
     assert "again" not in view.line(records)
+    slow = [{"step": 2.0, "rollout/score_wait_fraction": 0.4, "rollout/reward_errors": 7.0}]
+    assert " | scorer wait 40% | reward errors 7 | " in view.line(slow)
+    assert "scorer" not in view.line([{"step": 2.0, "rollout/score_wait_fraction": 0.01}])
     table = summary_table(records, restarts).splitlines()
     assert "wait" not in "".join(table)  # one step's share: the time split has the run's
     from asyncrl.launch.progress import reward_errors_line

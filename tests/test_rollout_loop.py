@@ -252,3 +252,4 @@ def test_time_the_engine_idles_on_the_scorer_or_the_buffer_is_not_generation() -
     m = asyncio.run(scenario())
     assert 0.25 <= m["rollout/score_wait_s"] < 2.0, m
     assert 0.15 <= m["rollout/push_blocked_s"] < 2.0, m
+    assert 0.0 < m["rollout/score_wait_fraction"] <= 1.0  # the live line's "scorer wait"

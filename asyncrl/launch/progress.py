@@ -34,6 +34,7 @@ LIVE = [
     ("rollout wait", "rollout/wait_fraction", "{:.0%}"),
 ]
 CUT = "rollout/prompts_truncated"
+SCORER_SHOWN = 0.05  # the servers' share of time idle on the scorer the live line shows
 
 # The summary's rows: the waits are left out, since one step's share (the first is mostly
 # start-up) misleads at the end; the time split after the table gives them over the run.
@@ -181,6 +182,9 @@ class ProgressView:
         parts += [f"{label} {_fmt(fmt, last_value(records, key))}" for label, key, fmt in LIVE[1:]]
         if total := sum((restarts or {}).values()):
             parts.append(f"restarts {total}")
+        scorer = last_value(records, "rollout/score_wait_fraction") or 0.0
+        if scorer >= SCORER_SHOWN:  # a slow reward function, which is not generation
+            parts.append(f"scorer wait {scorer:.0%}")
         for label, key in (("reward errors", "rollout/reward_errors"), ("prompts cut", CUT)):
             if count := last_value(records, key):  # shown while it lasts, not only at the end
                 parts.append(f"{label} {count:.0f}")
