@@ -19,7 +19,8 @@ from typing import Any
 import msgspec
 
 from asyncrl.config import Config
-from asyncrl.config.inputs import mark_ended, total_training_steps
+from asyncrl.config.ending import mark_ended
+from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import replayed_version
 from asyncrl.control.lag_controller import LagController
 from asyncrl.launch.progress import accounting_lines

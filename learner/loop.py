@@ -27,14 +27,8 @@ from typing import Any
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config import run_dir as run_dir_of
-from asyncrl.config.inputs import (
-    COMPLETE_FILE,
-    complete_line,
-    data_spent_at,
-    ended_whole,
-    resume_problem,
-    total_training_steps,
-)
+from asyncrl.config.ending import COMPLETE_FILE, complete_line, data_spent_at, ended_whole
+from asyncrl.config.inputs import resume_problem, total_training_steps
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP

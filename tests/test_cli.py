@@ -259,7 +259,7 @@ def test_launching_a_finished_run_again_says_so_and_starts_nothing(
     assert not (run / "logs").exists() and not (run / "config.yaml").exists()
     # More steps asked for, or a start that does not resume: the run is not complete.
     from asyncrl.config import load_config
-    from asyncrl.config.inputs import finished_step
+    from asyncrl.config.ending import finished_step
 
     assert finished_step(load_config(args[0], [*args[1:], "trainer.total_training_steps=6"])) == 6
     for more in (["trainer.total_training_steps=7"], ["trainer.resume_mode=disable"]):

@@ -64,7 +64,7 @@ def test_a_run_that_spent_its_data_is_complete_until_more_epochs_are_asked(tmp_p
     learner sat in a final validation for launch.start_timeout_s). More epochs, or a run
     that did not end whole, train on."""
     from asyncrl.config import run_dir
-    from asyncrl.config.inputs import complete_line, data_spent_at, finished_step, mark_ended
+    from asyncrl.config.ending import complete_line, data_spent_at, finished_step, mark_ended
 
     args = ["trainer.total_training_steps=20", f"trainer.default_local_dir={tmp_path}"]
     cfg = load_config(None, [*args, "trainer.total_epochs=1"])
@@ -82,7 +82,7 @@ def test_a_run_that_spent_its_data_is_complete_until_more_epochs_are_asked(tmp_p
 
 
 def test_disable_moves_an_earlier_runs_checkpoints_aside(tmp_path):
-    from asyncrl.config.inputs import ended_at, mark_ended
+    from asyncrl.config.ending import ended_at, mark_ended
 
     run = tmp_path / "run"
     _checkpoint(run / "checkpoints", 60)
@@ -237,7 +237,7 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     ``launch.start_timeout_s`` on rounds its checkpoint held, reported long before).
     A run whose ending was cut short (killed after the final checkpoint: no
     ``complete.json``) gets the export and the final validation it missed."""
-    from asyncrl.config.inputs import COMPLETE_FILE, ended_at, mark_ended
+    from asyncrl.config.ending import COMPLETE_FILE, ended_at, mark_ended
     from learner.control_peer import NoControl
 
     class Finished(LoadRecorder):
@@ -285,7 +285,7 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     )
     assert "new trainer.experiment_name" in caplog.text
     assert "raise trainer.total_training_steps" in caplog.text
-    from asyncrl.config.inputs import complete_line
+    from asyncrl.config.ending import complete_line
 
     assert "(its last checkpoint is at step 3, past 2)" in complete_line(3, 2)
     assert control.ended == (10, False, False, True) and control.resumed == []
@@ -313,7 +313,7 @@ def test_an_ended_run_with_no_buffer_to_tell_needs_none(tmp_path, monkeypatch):
     exited for good) is started again by the launcher: it asks for the buffer only
     briefly, then ends without it (it waited launch.start_timeout_s for it, failed, and was
     restarted until the launcher gave up). A run not ended needs rank 0's control plane."""
-    from asyncrl.config.inputs import mark_ended
+    from asyncrl.config.ending import mark_ended
     from asyncrl.net.ports import free_ports
     from learner import loop as loop_module
     from learner.control_peer import NoControl
@@ -342,7 +342,7 @@ def test_an_ended_run_with_no_buffer_to_tell_needs_none(tmp_path, monkeypatch):
 def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypatch):
     """With LoRA the ending also writes the adapter alone (``final_adapter/``): a run
     killed before it gets it at the next start, and only then."""
-    from asyncrl.config.inputs import mark_ended
+    from asyncrl.config.ending import mark_ended
     from learner import loop as loop_module
     from learner.control_peer import NoControl
 

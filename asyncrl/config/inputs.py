@@ -10,16 +10,14 @@ the roles download it (a machine that reaches a hub).
 
 from __future__ import annotations
 
-import json
 import netrc
 import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlparse
 
-from asyncrl.config.load import ConfigError, run_dir
+from asyncrl.config.load import ConfigError
 from asyncrl.config.schema import Config
 
 # What a role reads before it can work: weights and tokenizer, the prompts (the learner's
@@ -37,10 +35,6 @@ STEP_ENTRY = re.compile(r"^step_(\d+)(\.tmp|\.old)?$")
 #: Where a rewind to step ``k`` moves the run's later checkpoints (the branch left behind).
 ABANDONED_DIR = "abandoned_after_step_{step}"
 _ABANDONED = re.compile(r"^abandoned_after_step_(\d+)(?:\.\d+)?$")
-#: What a learner writes in the run directory once its run has ended whole (final checkpoint,
-#: export, final validation): ``{"step": n}``. A run whose last checkpoint is step ``n``
-#: without it was cut short in its ending, which the next start finishes.
-COMPLETE_FILE = "complete.json"
 
 
 def looks_like_hub_id(path: str) -> bool:
@@ -162,88 +156,6 @@ def scan_checkpoints(root: Path) -> tuple[dict[int, Path], list[Path]]:
         elif m.group(2) != ".old":
             skipped.append(p)
     return {**olds, **complete}, skipped
-
-
-def finished_step(cfg: Config) -> int | None:
-    """The step of the run's last checkpoint when a start would resume a complete run
-    (``resume_mode=auto``, its ending done there and nothing left to train: see
-    :func:`ended_whole`), else None."""
-    step = resumed_step(cfg)
-    return step if step is not None and ended_whole(cfg, run_dir(cfg), step) else None
-
-
-def resumed_step(cfg: Config) -> int | None:
-    """The step of the run's last complete checkpoint that ``resume_mode=auto`` resumes,
-    or None (another mode, or no checkpoint yet)."""
-    if cfg.trainer.resume_mode != "auto":
-        return None
-    found, _ = scan_checkpoints(run_dir(cfg) / "checkpoints")
-    return max(found) if found else None
-
-
-def ended_whole(cfg: Config, run: Path, step: int) -> bool:
-    """Whether a run whose last checkpoint is at ``step`` ended whole there (its export and
-    final validation done, :data:`COMPLETE_FILE`) with nothing left to train under
-    ``cfg``: at its ``total_training_steps``, or where its training data was spent, with
-    no more ``trainer.total_epochs`` asked for now."""
-    ended = _ending(run)
-    if ended is None or ended.get("step") != step:
-        return False
-    if step >= total_training_steps(cfg):
-        return True
-    spent = ended.get("data_spent_at_epochs")
-    return spent is not None and cfg.trainer.total_epochs <= spent
-
-
-def _ending(run: Path) -> dict[str, Any] | None:
-    try:
-        ended = json.loads((run / COMPLETE_FILE).read_text())
-    except (OSError, ValueError):  # none, or a torn write: not ended
-        return None
-    return ended if isinstance(ended, dict) and isinstance(ended.get("step"), int) else None
-
-
-def ended_at(run: Path) -> int | None:
-    """The step the run in ``run`` last ended whole at (its :data:`COMPLETE_FILE`), if any."""
-    ended = _ending(run)
-    return None if ended is None else ended["step"]
-
-
-def data_spent_at(run: Path) -> int | None:
-    """The ``trainer.total_epochs`` the run in ``run`` spent its data at when it ended (None:
-    it ended at its step total, or has not ended)."""
-    ended = _ending(run)
-    return None if ended is None else ended.get("data_spent_at_epochs")
-
-
-def mark_ended(run: Path, step: int, data_spent_at_epochs: int | None = None) -> None:
-    """Record that the run ended whole at ``step`` (written whole or not at all), where its
-    training data was spent with ``data_spent_at_epochs`` epochs (None: at its total)."""
-    record: dict[str, Any] = {"step": step}
-    if data_spent_at_epochs is not None:
-        record["data_spent_at_epochs"] = data_spent_at_epochs
-    tmp = run / f"{COMPLETE_FILE}.tmp"
-    tmp.write_text(json.dumps(record) + "\n")
-    tmp.replace(run / COMPLETE_FILE)
-
-
-def complete_line(step: int, total: int, data_spent_at_epochs: int | None = None) -> str:
-    """What a start of a complete run says (the launcher, and a learner started by hand)."""
-    if data_spent_at_epochs is not None and step < total:
-        return (
-            f"this run is complete: its training data was spent at step {step} "
-            f"(trainer.total_epochs={data_spent_at_epochs}): nothing to train. To train on, "
-            "raise trainer.total_epochs; to train again, give it a new "
-            "trainer.experiment_name, or trainer.resume_mode=disable to start over here (its "
-            "checkpoints are kept aside)"
-        )
-    where = f"step {step} of {total}" if step == total else f"step {step}, past {total}"
-    return (
-        f"this run is complete (its last checkpoint is at {where}): nothing to train. To "
-        "train on, raise trainer.total_training_steps; to train again, give it a new "
-        "trainer.experiment_name, or trainer.resume_mode=disable to start over here (its "
-        "checkpoints are kept aside)"
-    )
 
 
 def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:

@@ -33,16 +33,13 @@ from asyncrl.cli import parse_role_args
 from asyncrl.config import ConfigError, write_resolved
 from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.advisories import config_advisories
+from asyncrl.config.ending import complete_line, data_spent_at, finished_step, resumed_step
 from asyncrl.config.inputs import (
     DATA,
     LOGGER,
     MODEL,
     RESUME,
     REWARD,
-    complete_line,
-    data_spent_at,
-    finished_step,
-    resumed_step,
     short_data_line,
     total_training_steps,
 )
