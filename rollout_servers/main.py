@@ -200,6 +200,7 @@ async def serve(cfg: Config, server_id: str) -> int:
             timeout_s=cfg.reward.timeout_s,
             custom_path=custom.path,
             custom_name=custom.name,
+            custom_kwargs=custom.reward_kwargs,
         )
     except ValueError as e:  # a missing function, a file that fails to import
         log.error("cannot start: %s", e)

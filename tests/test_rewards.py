@@ -386,3 +386,26 @@ def test_imports_stay_light() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_reward_kwargs_reach_the_scoring_function(tmp_path):
+    """veRL's custom_reward_function.reward_kwargs: keyword arguments bound to the user's
+    function on every call, through the config to the reward workers."""
+    from asyncrl.config import load_config
+
+    file = write_scorer(
+        tmp_path / "scaled.py",
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):\n"
+        "    return scale * float(solution_str == ground_truth)\n",
+    )
+    cfg = load_config(
+        None,
+        [f"custom_reward_function.path={file}", "custom_reward_function.reward_kwargs.scale=0.5"],
+    )
+    custom = cfg.reward.custom_reward_function
+    with RewardPool(
+        num_workers=1, custom_path=custom.path, custom_kwargs=custom.reward_kwargs
+    ) as pool:
+        assert pool.score("any", "8", "8").score == 0.5
+    with RewardPool(num_workers=1, custom_path=custom.path) as pool:
+        assert pool.score("any", "8", "8").score == 1.0

@@ -36,6 +36,7 @@ OUTSIDE = {
     "custom_reward_function.overlong_buffer.len",
     "custom_reward_function.overlong_buffer.penalty_factor",
     "custom_reward_function.overlong_buffer.log",
+    "custom_reward_function.reward_kwargs",  # newer veRL: arguments bound to the scorer
     "reward_model.reward_kwargs.overlong_buffer_cfg.enable",
     "reward_model.reward_kwargs.overlong_buffer_cfg.len",
     "reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor",

@@ -221,6 +221,15 @@ class BufferConfig(Section):
 class CustomRewardConfig(Section):
     path: str | None = Field(default=None, description="Python file with the scorer (veRL's).")
     name: str = Field(default="compute_score", description="Function name in that file.")
+    reward_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More keyword arguments of that function, given on every call (veRL's).",
+    )
+
+    @field_validator("reward_kwargs", mode="before")
+    @classmethod
+    def _null_is_none_given(cls, v: object) -> object:
+        return {} if v is None else v
 
 
 class RewardConfig(Section):

@@ -624,6 +624,9 @@ VERL_KEYS: dict[str, VerlKey] = {
         bad=12345,
     ),
     **_implemented("custom_reward_function.", "path name"),
+    "custom_reward_function.reward_kwargs": _impl(
+        "keyword arguments bound to the scoring function", example={"alpha": 2}
+    ),
     # ---------------------------------------------------------------- algorithm
     **_implemented(
         "algorithm.",

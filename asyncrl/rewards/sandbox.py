@@ -87,9 +87,14 @@ def _run_job(scorer: ScoreFn, job: ScoreJob) -> tuple[str, Any]:
         return "bad_return", str(exc)[:MAX_MESSAGE_CHARS]
 
 
-def _load_scorer(custom_path: str | None, custom_name: str) -> Handler:
-    """Worker setup: load the scorer once; the returned handler scores jobs with it."""
+def _load_scorer(
+    custom_path: str | None, custom_name: str, kwargs: dict[str, Any] | None = None
+) -> Handler:
+    """Worker setup: load the scorer once (with ``kwargs`` bound, veRL's
+    ``custom_reward_function.reward_kwargs``); the returned handler scores jobs with it."""
     scorer = load_custom_scorer(custom_path, custom_name) if custom_path else default_compute_score
+    if kwargs:
+        scorer = functools.partial(scorer, **kwargs)
     return functools.partial(_run_job, scorer)
 
 
@@ -117,6 +122,7 @@ class RewardPool:
         custom_path: str | None = None,
         custom_name: str = "compute_score",
         *,
+        custom_kwargs: dict[str, Any] | None = None,
         startup_timeout_s: float = 60.0,
     ) -> None:
         """Start the workers and wait until each has loaded its scorer.
@@ -127,6 +133,8 @@ class RewardPool:
             custom_path: A user scorer file (``reward.custom_reward_function.path``); when
                 None the built-in scorers are used, chosen by data source.
             custom_name: The function to call in that file.
+            custom_kwargs: More keyword arguments it gets on every call
+                (``reward.custom_reward_function.reward_kwargs``).
             startup_timeout_s: Longest a worker may take to start and load the scorer.
 
         Raises:
@@ -137,7 +145,7 @@ class RewardPool:
         path = str(check_custom_path(custom_path)) if custom_path else None
         self._pool = WorkerPool(
             _load_scorer,
-            (path, custom_name),
+            (path, custom_name, dict(custom_kwargs or {})),
             name="RewardPool",
             role="reward",
             explanations=_EXPLANATIONS,
