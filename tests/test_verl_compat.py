@@ -232,6 +232,7 @@ def test_verl_ppo_and_dapo_examples_load(tmp_path):
         ("actor_rollout_ref.rollout.name=sglang", "the rollout servers run vLLM only"),
         ("actor_rollout_ref.model.exclude_modules=[o_proj]", "excluding layers is not built"),
         ("critic.model.lora_rank=8", "the critic has no LoRA"),
+        ("reward_model.reward_kwargs.alpha=2", "as custom_reward_function.reward_kwargs"),
     ],
 )
 def test_what_would_change_results_silently_is_refused(override, says):

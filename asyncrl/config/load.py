@@ -310,6 +310,14 @@ def _explain(err: ErrorDetails) -> str:
         group = ".".join(loc[:-1]) or "the top level"
         given = err.get("input")
         under = ""
+        if key == "reward_model" and isinstance(given, dict) and "reward_kwargs" in given:
+            names = [".".join((key, *path)) for _, _, path in leaves(given)][:4]
+            return (
+                f"{', '.join(names)}: veRL hands reward_model.reward_kwargs to its reward "
+                "manager, which is not built here (only overlong_buffer_cfg and max_resp_len "
+                "are read); give your scoring function's own arguments as "
+                "custom_reward_function.reward_kwargs"
+            )
         if isinstance(given, dict):  # a whole unknown group: say which keys were under it
             names = [".".join((key, *path)) for _, _, path in leaves(given)][:4]
             under = f" (given: {', '.join(names)})"
