@@ -7,6 +7,7 @@ validation round is reported whole."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from asyncrl.metrics import read_metrics
+from asyncrl.metrics import METRICS_FILE, read_metrics
 from asyncrl.tasks import prepare_task_data
 from tests.helpers import wait_until
 from tests.standins import rollout
@@ -104,10 +105,17 @@ def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_mode
             if p.poll() is None:
                 p.kill()
 
-    steps = [r["step"] for r in read_metrics(run) if "loss/pg" in r]
+    # The file keeps both lives; the killed learner's steps past its checkpoint show again.
+    raw = [json.loads(line) for line in (run / METRICS_FILE).read_text().splitlines()]
+    steps = [r["step"] for r in raw if "loss/pg" in r]
     restart = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
     assert steps[restart] == 3, steps  # the checkpoint held step 2: training resumes at 3
     assert steps[-1] == TOTAL
+    # The readers show each step once: the resume's record supersedes the lost ones.
+    (resumed,) = [r for r in raw if "learner/resumed_from_step" in r]
+    assert resumed["learner/resumed_from_step"] == 2 and resumed["learner/steps_reached"] >= 3
+    shown = [r["step"] for r in read_metrics(run) if "loss/pg" in r]
+    assert shown == list(range(1, TOTAL + 1)), shown
     for sid, journal in journals.items():
         after = [e["version"] for e in _syncs(journal)[seen[sid] :]]
         assert after and after[0] > before[sid], (sid, before[sid], after)
