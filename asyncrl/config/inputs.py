@@ -307,36 +307,42 @@ def wandb_problem(cfg: Config) -> str | None:
 def _no_batch(cfg: Config) -> str | None:
     """Why a run with a given ``trainer.total_training_steps`` would train nothing: all its
     epochs of rows make no batch (a run that could not train reported success, at step
-    0). Batches run on across epochs here: rows times epochs is what counts."""
+    0)."""
     if cfg.trainer.total_training_steps is None:  # total_training_steps() says it then
         return None
-    rows, size, epochs = training_rows(cfg), cfg.data.train_batch_size, cfg.trainer.total_epochs
-    if rows * epochs >= size:
+    rows, steps = _data_steps(cfg)
+    if steps > 0:
         return None
     return (
-        f"the {rows} rows of data.train_files, dealt trainer.total_epochs={epochs} times, make "
-        f"no batch of data.train_batch_size={size}: the run would train nothing; lower it, "
-        "add rows, or raise trainer.total_epochs"
+        f"the {rows} rows of data.train_files, dealt trainer.total_epochs="
+        f"{cfg.trainer.total_epochs} times, make no batch of data.train_batch_size="
+        f"{cfg.data.train_batch_size}: the run would train nothing; lower it, add rows, or "
+        "raise trainer.total_epochs"
     )
 
 
 def short_data_line(cfg: Config) -> str | None:
-    """When the data runs out before ``trainer.total_training_steps`` (its epochs of rows,
-    dealt on across epochs, make fewer batches): the run ends where it does, as veRL's
-    does (one line naming the fix, for the launcher's console)."""
+    """When the data runs out before ``trainer.total_training_steps``: the run ends where it
+    does, as veRL's does (one line naming the fix, for the launcher's console)."""
     total = cfg.trainer.total_training_steps
     if total is None:
         return None
-    rows, size, epochs = training_rows(cfg), cfg.data.train_batch_size, cfg.trainer.total_epochs
-    steps = rows * epochs // size
+    rows, steps = _data_steps(cfg)
     if steps >= total or steps == 0:
         return None
     return (
-        f"the data makes about {steps} steps ({rows} rows, trainer.total_epochs={epochs}, "
-        f"data.train_batch_size={size}), fewer than trainer.total_training_steps={total}: "
-        "the run ends where the data does, as veRL's does; raise trainer.total_epochs to "
-        "train them all"
+        f"the data makes about {steps} steps ({rows} rows, trainer.total_epochs="
+        f"{cfg.trainer.total_epochs}, data.train_batch_size={cfg.data.train_batch_size}), "
+        f"fewer than trainer.total_training_steps={total}: the run ends where the data does, "
+        "as veRL's does; raise trainer.total_epochs to train them all"
     )
+
+
+def _data_steps(cfg: Config) -> tuple[int, int]:
+    """The training rows, and the batches all their epochs make: batches run on across
+    epochs here, so rows times epochs is what counts."""
+    rows = training_rows(cfg)
+    return rows, rows * cfg.trainer.total_epochs // cfg.data.train_batch_size
 
 
 def total_training_steps(cfg: Config) -> int:
