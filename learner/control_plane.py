@@ -282,6 +282,10 @@ class RankZero:
         except TimeoutError:  # the buffer restarts: its scores are kept per round, ask later
             log.info("the buffer did not answer the validation poll; asking again later")
             return
+        # The coordinator hears of scored validation groups from the buffer's own reports;
+        # one this poll saw may not have reached it yet. Said here too, a group the
+        # learner counted is never dealt again when the buffer dies before that report.
+        self.coordinator.trained([tid for groups in reply.by_round.values() for tid in groups])
         for done in self.validation.add(reply.by_round, progress):
             self.logger.log(step, done)
 
