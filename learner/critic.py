@@ -188,7 +188,7 @@ class Critic:
                 updates += 1
                 if applied:
                     grad_norms.append(gnorm)
-        lr = float(self.scheduler.get_last_lr()[0])
+        lr = float(self.optimizer.param_groups[0]["lr"])  # the rate these updates used
         self.scheduler.step()
         total = torch.tensor([sums[k] for k in VALUE_STAT_SUMS], dtype=torch.float64)
         if self.world_size > 1:

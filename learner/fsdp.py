@@ -318,7 +318,6 @@ def reapply_optim_config(
         group["weight_decay"], group["betas"] = optim_cfg.weight_decay, betas
         # The rate of the step the schedule is at, from the new base.
         group["lr"] = optim_cfg.lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
-    scheduler._last_lr = [g["lr"] for g in optimizer.param_groups]  # what get_last_lr reads
     return changes
 
 

@@ -331,7 +331,7 @@ class Trainer:
     ):
         """Step the schedule (not during critic warmup, where the actor has not started),
         count the step, reduce stats across ranks into metrics."""
-        metrics["actor/lr"] = self.scheduler.get_last_lr()[0]
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         with warnings.catch_warnings():
             # After a skipped update torch warns that the optimizer has not stepped; the
             # schedule counts learner steps, skipped or not, so that warning does not apply.
