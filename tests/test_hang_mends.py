@@ -23,13 +23,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from asyncrl.config import Config, run_dir
+from asyncrl.config import run_dir
 from asyncrl.control.state import ControlState
 from asyncrl.launch import supervise
 from asyncrl.launch.restart_policy import RestartPolicy
@@ -41,7 +40,7 @@ from learner import control_plane
 from learner.control_peer import Restored
 from learner.control_plane import RankZero
 from tests.helpers import alive, wait_until
-from tests.standins.learner import loopback_config
+from tests.standins.rank_zero import RankZeroRig, validating_rank_zero
 
 CRASH_BOUND_S = 10.0  # a wait that outlives a crashed coordinator by this much hangs
 POLL_TIMEOUT_S = 1.0  # the learner's buffer client's timeout here (10 s in a run)
@@ -50,46 +49,10 @@ FREEZER = Path("/sys/fs/cgroup/freezer")  # cgroup v1: SIGKILL waits for a froze
 
 
 # ------------------------------------------------------------------ rank 0 and its buffer
-@dataclass
-class RankZeroRig:
-    """Rank 0's control plane (its coordinator serving in threads) and the buffer service
-    it talks to, both on loopback ports of ``cfg``."""
-
-    cfg: Config
-    rank0: RankZero
-    buffer: BufferService
-
-    def restart_buffer(self) -> BufferService:
-        """A new buffer service on the same endpoints (a new session)."""
-        self.buffer = BufferService.from_config(self.cfg).start()
-        return self.buffer
-
-
 @pytest.fixture
 def rig(tmp_path: Path, arithmetic_data: Path) -> Iterator[RankZeroRig]:
-    """A fresh run's rank 0 with a validation round in flight (``val_before_train``), so
-    every step and every wait for a batch polls the buffer for its scores."""
-    cfg, _ = loopback_config(
-        tmp_path,
-        [
-            f"data.train_files={arithmetic_data}/train.parquet",
-            f"data.val_files={arithmetic_data}/val.parquet",
-            "trainer.val_before_train=true",
-            "trainer.test_freq=-1",
-            "trainer.logger=[jsonl]",
-            "control.heartbeat_s=0.3",
-        ],
-    )
-    buffer = BufferService.from_config(cfg).start()
-    rank0 = RankZero(cfg, run_dir(cfg), Restored(None, None, None), new_run=True)
-    r = RankZeroRig(cfg, rank0, buffer)
-    try:
+    with validating_rank_zero(tmp_path, arithmetic_data) as r:
         yield r
-    finally:
-        rank0.coordinator.stop()
-        rank0.logger.close()
-        rank0.buffer.close()
-        r.buffer.stop()
 
 
 class PollAnswered(Exception):

@@ -10,13 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from asyncrl.config import run_dir
 from asyncrl.control import loop as control_loop
-from buffer.service import BufferService
-from learner.control_peer import Restored
-from learner.control_plane import RankZero
 from tests.helpers import wait_until
-from tests.standins.learner import loopback_config
+from tests.standins.rank_zero import RankZeroRig, validating_rank_zero
 from tests.standins.rollout import StandInRollout
 
 
@@ -48,58 +44,48 @@ def test_a_round_the_learner_reported_is_not_dealt_again_after_the_buffer_restar
     monkeypatch.setattr(
         control_loop, "_poll_once", lambda client, *a: real_poll(LateReports(client), *a)
     )
-    cfg, _ = loopback_config(
-        tmp_path,
-        [
-            f"data.train_files={arithmetic_data}/train.parquet",
-            f"data.val_files={arithmetic_data}/val.parquet",
-            "trainer.val_before_train=true",
-            "trainer.test_freq=-1",
-            "trainer.logger=[jsonl]",
-            "control.heartbeat_s=0.3",
-        ],
+    with validating_rank_zero(tmp_path, arithmetic_data) as rig:
+        server = StandInRollout(rig.cfg, "s0")
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            _read_the_round_then_restart_the_buffer(rig, server, thread)
+        finally:
+            server.stop.set()
+
+
+def _read_the_round_then_restart_the_buffer(
+    rig: RankZeroRig, server: StandInRollout, thread: threading.Thread
+) -> None:
+    rank0 = rig.rank0
+    coordinator = rank0.coordinator
+
+    def reported() -> bool:
+        rank0.after_step(0, {}, 0)  # the end of a step: polls the round's scores
+        return not rank0.validation.pending(coordinator.validation_progress())
+
+    wait_until(reported, "the round's scores at the learner", 60.0, every_s=0.2)
+    groups = coordinator.validation_progress().round_groups
+    assert groups > 0
+    server.stop.set()  # nothing new is generated from here on
+    thread.join(timeout=30)
+    trained_lost_before = coordinator.metrics().get("coordinator/tasks/requeued/lost", 0.0)
+
+    rig.buffer.stop()  # the buffer dies with the round's groups and some training groups
+    rig.restart_buffer()
+    # The coordinator meets the new buffer, settles, takes its inventory: the training
+    # groups acknowledged to the old one are dealt again (proof that it reconciled: it
+    # requeues every lost group under the coordinator's lock, read by metrics() too).
+    wait_until(
+        lambda: (
+            coordinator.metrics().get("coordinator/tasks/requeued/lost", 0.0) > trained_lost_before
+        ),
+        "the coordinator's reconciliation with the new buffer",
+        30.0,
+        every_s=0.2,
+        details=coordinator.accounting,
     )
-    buffer = BufferService.from_config(cfg).start()
-    rank0 = RankZero(cfg, run_dir(cfg), Restored(None, None, None), new_run=True)
-    server = StandInRollout(cfg, "s0")
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        coordinator = rank0.coordinator
-
-        def reported() -> bool:
-            rank0.after_step(0, {}, 0)  # the end of a step: polls the round's scores
-            return not rank0.validation.pending(coordinator.validation_progress())
-
-        wait_until(reported, "the round's scores at the learner", 60.0, every_s=0.2)
-        groups = coordinator.validation_progress().round_groups
-        assert groups > 0
-        server.stop.set()  # nothing new is generated from here on
-        thread.join(timeout=30)
-        trained_lost_before = coordinator.metrics().get("coordinator/tasks/requeued/lost", 0.0)
-
-        buffer.stop()  # the buffer dies with the round's groups and some training groups
-        buffer = BufferService.from_config(cfg).start()
-        # The coordinator meets the new buffer, settles, takes its inventory: the training
-        # groups acknowledged to the old one are dealt again (proof that it reconciled: it
-        # requeues every lost group under the coordinator's lock, read by metrics() too).
-        wait_until(
-            lambda: (
-                coordinator.metrics().get("coordinator/tasks/requeued/lost", 0.0)
-                > trained_lost_before
-            ),
-            "the coordinator's reconciliation with the new buffer",
-            30.0,
-            every_s=0.2,
-            details=coordinator.accounting,
-        )
-        acc = coordinator.accounting()
-        assert acc["accounting/val/dealt"] == groups
-        assert acc["accounting/val/scored"] == groups, acc
-        assert acc["accounting/val/in_flight"] == 0, acc
-    finally:
-        server.stop.set()
-        rank0.coordinator.stop()
-        rank0.logger.close()
-        rank0.buffer.close()
-        buffer.stop()
+    acc = coordinator.accounting()
+    assert acc["accounting/val/dealt"] == groups
+    assert acc["accounting/val/scored"] == groups, acc
+    assert acc["accounting/val/in_flight"] == 0, acc
