@@ -23,7 +23,8 @@ The learner's side of a sync::
         coord.weights_sent(rnd)                      # staleness.deal_at_send: the window moves
     result = coord.finish_sync(rnd)                  # waits for every member's sync_done
     for server_id in coord.pending_catchups():       # late joiners, failed members
-        rnd = coord.begin_catchup(server_id, plan) ...
+        rnd = coord.begin_catchup(server_id, plan)   # None: it left meanwhile
+        ...
 
 Catch-ups send the learner's current weights labelled with the current version: service
 them right after a push (before the next optimizer step), or push a new version instead.
@@ -186,10 +187,18 @@ class Coordinator:
         with self._lock:
             return self._state.versions.pending_catchups(time.monotonic())
 
-    def begin_catchup(self, server_id: str, plan: WeightPlan) -> SyncRound:
-        """Start a one-off sync of the current version to ``server_id``."""
+    def begin_catchup(self, server_id: str, plan: WeightPlan) -> SyncRound | None:
+        """Start a one-off sync of the current version to ``server_id``; None when it no
+        longer waits for one. Catch-ups run one at a time, each for up to
+        ``sync.timeout_s``: a server listed before the one ahead of it began may have left
+        (reaped, silent, stopped) or been caught up since."""
         with self._lock:
-            rnd = self._state.versions.begin_catchup(server_id, plan)
+            versions = self._state.versions
+            rec = versions.servers.get(server_id)
+            if rec is None or rec.syncing or not versions.needs_catchup(rec):
+                log.info("catch-up of %s skipped: it left or was caught up meanwhile", server_id)
+                return None
+            rnd = versions.begin_catchup(server_id, plan)
         log.info("catch-up %d: version %d to %s", rnd.sync_id, rnd.version, server_id)
         return rnd
 

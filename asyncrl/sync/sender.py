@@ -91,12 +91,15 @@ class WeightPusher:
         return self._run(rnd, tensors, self.plan_for(tensors), on_sent)
 
     def serve_catchups(self, tensors: dict[str, Any]) -> list[SyncResult]:
-        """The current weights to every server waiting for a catch-up, one at a time."""
+        """The current weights to every server waiting for a catch-up, one at a time (a
+        server that leaves while the one before it is served is skipped)."""
         plan = self.plan_for(tensors)
-        return [
-            self._run(self.coordinator.begin_catchup(server_id, plan), tensors, plan)
-            for server_id in self.coordinator.pending_catchups()
-        ]
+        results = []
+        for server_id in self.coordinator.pending_catchups():
+            rnd = self.coordinator.begin_catchup(server_id, plan)
+            if rnd is not None:
+                results.append(self._run(rnd, tensors, plan))
+        return results
 
     def _run(
         self,
