@@ -215,6 +215,23 @@ def test_a_restored_state_adopts_what_servers_and_buffer_hold_and_redeals_the_re
     assert restarted.ledger.accounting()["accounting/train/unaccounted"] == 0
 
 
+def test_a_resume_does_not_wait_for_a_server_reaped_before_it_registered_again():
+    """The restored coordinator waits for the servers it knew; the launcher reaps one of
+    them (its ``Leave``) before it registers again. Dealing starts without it once the
+    others and the inventory are back, not after ``control.dead_after_s``."""
+    st = _state()
+    for sid in ("a", "b"):
+        st.register(m.Register(server_id=sid, engine_world_size=0), now=0.0)
+    restarted = _state()
+    restarted.load_state_dict(st.state_dict())
+    restarted.reconcile_buffer([], [])  # the inventory came
+    restarted.register(m.Register(server_id="a", engine_world_size=0), now=1.0)
+    assert restarted.grant("a", 2, 1.1).reason == "starting"  # "b" first
+    assert restarted.leave("b", pid=123)  # reaped: no record here, nothing to match
+    grant = restarted.grant("a", 2, 1.2)  # dead_after_s is 2 s: still within the hold
+    assert grant.reason == "" and len(grant.tasks) == 2
+
+
 def saved_limit(state: dict) -> int:
     budget = _state().ledger.budget
     budget.load_state_dict(state["ledger"]["budget"])

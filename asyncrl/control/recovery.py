@@ -76,6 +76,13 @@ class Recovery:
     def registered(self, server_id: str) -> None:
         self.awaiting.discard(server_id)
 
+    def left(self, server_id: str) -> None:
+        """A server of the saved registry was reaped before it registered again: it holds
+        no task any more (a restarted process holds none), so it is not waited for."""
+        if server_id in self.awaiting:
+            self.awaiting.discard(server_id)
+            log.info("resume: %s left before registering again; not waited for", server_id)
+
     def holding(self, now: float) -> bool:
         """True while a resumed coordinator must not deal yet."""
         if not self.resuming:

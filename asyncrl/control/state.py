@@ -184,6 +184,8 @@ class ControlState:
             return False
         if rec is not None:
             self._remove(server_id, "left", "left")
+        else:  # a resume need not wait for it to register again: it is dead
+            self.recovery.left(server_id)
         return True
 
     def reap(self, now: float) -> list[str]:
