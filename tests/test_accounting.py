@@ -42,6 +42,7 @@ def _group(task: m.Task, version: int) -> Packed:
             reward=float(i),
             group_index=i,
             group_size=task.n,
+            validation=task.validation,
         )
         for i in range(task.n)
     ]
@@ -241,6 +242,43 @@ def test_after_a_buffer_restart_its_untrained_groups_are_dealt_again():
         assert run.step()
     a = run.acct()
     assert a["accounting/train/trained"] == 24 and run.st.ledger.counts["requeued/lost"] == 4
+
+
+def test_a_new_line_does_not_count_the_validation_groups_of_the_line_before():
+    """A learner restarted without a checkpoint gets a new lineage, and its coordinator
+    reads the reports of the buffer that outlived the first from their start: the first
+    line's scored validation groups come again. They are counted apart
+    (``validated_foreign``), not among the groups this line dealt and scored, as another
+    line's drops are not."""
+    buf = ReplayBuffer(batch_size=B, capacity_groups=10**6, max_policy_lag=1)
+
+    def line(lineage: str) -> ControlState:
+        val = [
+            make_row("arithmetic", f"{i}+2=", str(i + 2), split="test", index=i) for i in range(3)
+        ]
+        source = TaskSource(_rows(50), val, shuffle=False, n=N, lineage=lineage)
+        st = ControlState(
+            TaskLedger(source, Budget(1, B)), SyncBook(), heartbeat_s=0.5, dead_after_s=2.0,
+            store_host="h", store_port=1,
+        )  # fmt: skip
+        st.register(m.Register(server_id="s", engine_world_size=0), now=0.0)
+        return st
+
+    first = line("aaaaaa")
+    assert first.start_validation(0)
+    for t in first.grant("s", 64, 0.0).tasks:
+        buf.add_packed(_group(t, 0), 0.0)
+        first.ack("s", [t.task_id], 0.0)
+    scored = buf.reports.take_validated()
+    assert len(scored) == 3
+    first.trained(scored)
+    assert first.ledger.accounting()["accounting/val/scored"] == 3
+
+    second = line("bbbbbb")
+    second.trained(scored)  # what its first drain of the buffer's reports says
+    a = second.ledger.accounting()
+    assert a["accounting/val/dealt"] == 0 and a["accounting/val/scored"] == 0
+    assert second.ledger.counts["validated_foreign"] == 3
 
 
 @pytest.mark.parametrize("replay", [True, False])

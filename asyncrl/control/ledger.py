@@ -377,7 +377,11 @@ class TaskLedger:
         """Groups the learner trained on (validation: the buffer scored them)."""
         for tid in task_ids:
             e = self.entries.get(tid)
-            if e is None:  # dealt by an earlier session and never seen by this one
+            if e is None and kind_of(tid) == "val" and not self._ours(tid):
+                # Another line's round, scored by a buffer that outlived it (a new line
+                # reads the buffer's reports from their start): not ours to count.
+                self.counts["validated_foreign"] += 1
+            elif e is None:  # dealt by an earlier session and never seen by this one
                 self.track(tid, DONE, None)
             elif e.state != DONE:
                 if self.pacer is not None and e.server and kind_of(tid) == "train":
