@@ -232,6 +232,37 @@ def test_a_resume_does_not_wait_for_a_server_reaped_before_it_registered_again()
     assert grant.reason == "" and len(grant.tasks) == 2
 
 
+def test_a_late_report_of_the_dead_learners_sync_is_not_taken_for_the_new_round_of_its_id():
+    """Sync ids go on from the checkpoint's, so the restarted learner's first push reuses
+    the id of a round its dead predecessor started after that checkpoint. A member's report
+    of the old round, sent late (its retries outlive the learner), names the old session:
+    it is not counted as that member loading the new round's version."""
+    st = _state()
+    st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)
+    saved = st.state_dict()
+    old = st.versions.begin_sync(PLAN)  # after the checkpoint; then the learner dies
+    (old_start,) = [st.versions.syncs.start_for("a")]
+    assert old_start is not None and old_start.session == st.session
+
+    restarted = _state()
+    restarted.load_state_dict(saved)
+    restarted.versions.set_replay(0)
+    restarted.register(m.Register(server_id="a", engine_world_size=1), now=1.0)
+    new = restarted.versions.begin_sync(PLAN)
+    assert new.sync_id == old.sync_id  # the same id, another round
+    late = m.SyncDone(
+        server_id="a", sync_id=old.sync_id, version=1, ok=False, session=old_start.session
+    )
+    restarted.sync_done(late, 1.1)
+    assert restarted.syncs.waiting_for() == ["a"]  # still waiting for a's real report
+    assert restarted.versions.counts["sync_reports_stale"] == 1
+    start = restarted.versions.syncs.start_for("a")
+    assert start is not None and start.session == restarted.session != old_start.session
+    ok = m.SyncDone(server_id="a", sync_id=new.sync_id, version=1, ok=True, session=start.session)
+    restarted.sync_done(ok, 1.2)
+    assert restarted.versions.finish_sync(True, now=1.3).ok == ["a"]
+
+
 def saved_limit(state: dict) -> int:
     budget = _state().ledger.budget
     budget.load_state_dict(state["ledger"]["budget"])

@@ -298,6 +298,7 @@ class CoordinatorClient:
             seconds=seconds,
             checksum=checksum,
             probe=probe or [],
+            session=start.session,
         )
         return self._send_retried(msg, attempts, f"the report of sync {start.sync_id}")
 

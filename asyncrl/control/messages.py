@@ -91,6 +91,9 @@ class SyncStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     backend: str = "gloo"
     timeout_s: float = 120.0
     catchup: bool = False
+    # The coordinator session that started it: sync ids restart from a checkpoint's, so a
+    # report a server sends late, after a learner restart, names the round it is about.
+    session: str = ""
 
 
 # ----------------------------------------------------------------------- requests
@@ -196,6 +199,7 @@ class SyncDone(Message, tag="sync_done"):
     checksum: str = ""  # optional digest of what was loaded (tests, debugging)
     # The post-sync probe scored with the loaded weights (asyncrl.sync.probe); empty: none.
     probe: Annotated[list[float], msgspec.Meta(max_length=1024)] = []
+    session: Annotated[str, msgspec.Meta(max_length=64)] = ""  # its SyncStart's
 
 
 class Leave(Message, tag="leave"):

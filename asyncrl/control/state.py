@@ -79,6 +79,7 @@ class ControlState:
         self.session = secrets.token_hex(4)
         ledger.session = ledger.session or self.session  # names its external slots
         self.sync_secret = secrets.token_hex(16)  # in every sync group's store prefix
+        syncs.session = self.session  # in every SyncStart, named back by its report
         self.servers: dict[str, ServerRecord] = {}
         self.shutting_down = ""  # the reason, once shutdown has begun
         self.step = 0  # the learner's last reported step

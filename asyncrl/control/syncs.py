@@ -13,8 +13,12 @@ One round at a time (the learner runs them one after another):
 
 A member that reports failure, does not report, dies or leaves is dropped: the next main
 round forms a new generation without it, and it needs a catch-up (its weights are older
-than the current version). Sync ids increase across restarts (:attr:`SyncBook.counter` is
-saved), so a generation name is never reused within one sync store.
+than the current version). Sync ids go on from a checkpoint's (:attr:`SyncBook.counter` is
+saved), so they increase across restarts from that point; the ids a learner used after its
+last checkpoint are used again by its restart. Its sync store (with the session's secret in
+every group's prefix) is new, so no group name is used twice in one store, and each
+:class:`SyncStart` names the coordinator's session, which its member's report names back:
+a report of the dead learner's round, late, is not taken for the new round of that id.
 """
 
 from __future__ import annotations
@@ -76,6 +80,7 @@ class SyncBook:
         self.backend = backend
         self.timeout_s = timeout_s
         self.counter = 0  # last sync id handed out
+        self.session = ""  # the coordinator's, in every SyncStart (see other_session)
         self.generation = ""  # current main generation
         self.main_members: tuple[tuple[str, int], ...] = ()
         self.broken = False  # the main group must be re-formed before it is used again
@@ -118,6 +123,7 @@ class SyncBook:
                 backend=self.backend,
                 timeout_s=self.timeout_s,
                 catchup=catchup,
+                session=self.session,
             )
             for server_id, rank in ranks.items()
         }
@@ -131,6 +137,12 @@ class SyncBook:
         if self.active is None or server_id in self.active.reports:
             return None
         return self.active.starts.get(server_id)
+
+    def other_session(self, msg: SyncDone) -> bool:
+        """Whether ``msg`` reports on a round another coordinator session started (a
+        learner restarted since: its ids count on from the checkpoint's, and may name a round
+        of this session). A report naming no session (an older server) is taken as ours."""
+        return bool(msg.session) and msg.session != self.session
 
     def report(self, msg: SyncDone) -> bool:
         """Record a member's outcome; False if it is not about the round in progress."""

@@ -152,6 +152,9 @@ class Versions:
     def sync_done(self, msg: SyncDone, rec: ServerRecord | None) -> None:
         """A member's report on its part of a round (``rec``: its record, None if it is no
         longer registered)."""
+        if self.syncs.other_session(msg):  # late, from before a learner restart
+            self.counts["sync_reports_stale"] += 1
+            return
         if rec is not None and rec.syncing and msg.sync_id >= rec.syncing:
             rec.syncing = 0
         if not self.syncs.report(msg):
