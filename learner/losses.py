@@ -54,6 +54,10 @@ from learner.reductions import (
 if TYPE_CHECKING:  # this module stays pure torch at run time
     from asyncrl.config import Config
 
+#: How GSPO's policy term is aggregated, whatever ``loss_agg_mode`` says (veRL's
+#: ``compute_policy_loss_gspo`` fixes it so); the KL and entropy terms follow the mode.
+GSPO_PG_AGG = "seq-mean-token-mean"
+
 # ...and GSPO's sequence log-ratio from above at this value.
 _GSPO_LOG_RATIO_MAX = 10.0
 LOSS_MODES = ("vanilla", "gspo")
@@ -248,7 +252,7 @@ def policy_loss(
         norm: global normalisers when the batch is one part of a larger mini-batch.
     Returns:
         ``(loss, stats)``: scalar loss = pg - entropy_coeff * entropy + kl_coef * kl, each
-        term aggregated with ``cfg.agg_mode``; stats are detached scalar tensors keyed by
+        term aggregated with ``cfg.agg_mode`` (GSPO's pg term: :data:`GSPO_PG_AGG`); stats are detached scalar tensors keyed by
         :data:`STAT_SUMS` and :data:`STAT_MAXES`.
     """
     valid = valid_token_mask(mask, behaviour)
@@ -269,7 +273,8 @@ def policy_loss(
     )
     pg = _pg_terms(lp, proximal, adv, valid, cfg)
     agg = {"mode": cfg.agg_mode, "norm_const": cfg.norm_const, "norm": norm}
-    pg_loss = aggregate(w * pg.loss, valid, **agg)
+    pg_mode = GSPO_PG_AGG if cfg.loss_mode == "gspo" else cfg.agg_mode
+    pg_loss = aggregate(w * pg.loss, valid, **(agg | {"mode": pg_mode}))
     loss = pg_loss
     zero = pg_loss.new_zeros(())
     kl_loss, ent_loss, ref_kl = zero, zero, zero

@@ -278,9 +278,10 @@ def test_verl_recipe_keys_load_in_yaml_and_overrides(tmp_path):
     )
     cfg = load_config(path)
     assert cfg.actor.clip_ratio_c == 10.0 and cfg.actor.policy_loss.loss_mode == "gspo"
-    # GSPO's own clip range and aggregation when the config leaves them unset
+    # GSPO's own clip range when the config leaves it unset; loss_agg_mode keeps veRL's
+    # default (it aggregates the KL and entropy terms: GSPO's policy term has its own)
     assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (3e-4, 4e-4)
-    assert cfg.actor.loss_agg_mode == "seq-mean-token-mean"
+    assert cfg.actor.loss_agg_mode == "token-mean"
     assert cfg.algorithm.filter_groups.max_num_gen_batches == 10
     assert cfg.reward.overlong_buffer.len == 4
     cfg = load_config(

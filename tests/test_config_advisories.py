@@ -22,6 +22,19 @@ def test_gspo_with_a_token_level_clip_range_is_warned_about():
     assert config_advisories(load_config("configs/cpu_demo.yaml")) == []
 
 
+def test_a_loss_agg_mode_given_with_gspo_is_said_to_leave_its_policy_term_alone():
+    """DAPO's scripts set token-mean; with GSPO it aggregates the KL and entropy terms
+    only (GSPO's policy term is seq-mean-token-mean, as in veRL), which is said once."""
+    gspo = "actor.policy_loss.loss_mode=gspo"
+    [line] = config_advisories(load_config(None, [gspo, "actor.loss_agg_mode=token-mean"]))
+    assert "KL and entropy terms only" in line and "always seq-mean-token-mean" in line
+    assert (
+        config_advisories(load_config(None, [gspo, "actor.loss_agg_mode=seq-mean-token-mean"]))
+        == []
+    )
+    assert config_advisories(load_config(None, ["actor.loss_agg_mode=token-mean"])) == []
+
+
 def test_a_short_last_mini_batch_and_unused_critic_keys_are_warned_about(tmp_path):
     """veRL splits a batch its mini-batch size does not divide (a short last one), so the
     config loads and says so; critic keys under GRPO train nothing and are named. A

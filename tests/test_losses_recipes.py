@@ -95,20 +95,26 @@ def test_dual_clip_bounds_the_loss_only_for_negative_advantages():
     assert float(loss.detach()) == pytest.approx((3.0 - 1.28) / 2)
 
 
-@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean", "seq-mean-token-sum"])
 @pytest.mark.parametrize(("low", "high"), [(3e-4, 4e-4), (0.2, 0.28)])
 def test_gspo_equals_verl(mode, low, high):
+    """veRL aggregates GSPO's policy term seq-mean-token-mean whatever ``loss_agg_mode``
+    says; the mode still aggregates the entropy term (and the KL one)."""
     old, logp, _, adv, mask = _batch(seed=7, spread=0.01 if low < 0.01 else 0.5)
+    entropy = torch.rand_like(logp)
     cfg = LossConfig(
         clip_ratio_low=low, clip_ratio_high=high, loss_mode="gspo", importance_mode="none",
-        agg_mode=mode,
+        agg_mode=mode, entropy_coeff=0.01,
     )  # fmt: skip
-    loss, _ = policy_loss(logp, old, old, adv, mask, cfg)
-    ref = ref_agg(ref_gspo(old, logp, adv[:, None].expand_as(logp), mask, low, high), mask, mode)
-    torch.testing.assert_close(loss, ref, rtol=1e-6, atol=1e-7)
+
+    def ref_loss(logp: torch.Tensor) -> torch.Tensor:
+        mat = ref_gspo(old, logp, adv[:, None].expand_as(logp), mask, low, high)
+        return ref_agg(mat, mask, "seq-mean-token-mean") - 0.01 * ref_agg(entropy, mask, mode)
+
+    loss, _ = policy_loss(logp, old, old, adv, mask, cfg, entropy=entropy)
+    torch.testing.assert_close(loss, ref_loss(logp), rtol=1e-6, atol=1e-7)
     (g1,) = torch.autograd.grad(loss, logp)
-    ref2 = ref_agg(ref_gspo(old, logp, adv[:, None].expand_as(logp), mask, low, high), mask, mode)
-    (g2,) = torch.autograd.grad(ref2, logp)
+    (g2,) = torch.autograd.grad(ref_loss(logp), logp)
     torch.testing.assert_close(g1, g2, rtol=1e-5, atol=1e-7)
 
 
@@ -134,7 +140,8 @@ def test_truncated_weights_multiply_the_clipped_loss(loss_mode, level):
         mat = ref_gspo(old, logp, a, mask, cfg.clip_ratio_low, cfg.clip_ratio_high)
     else:
         mat = ref_vanilla(old, logp, a, m, cfg.clip_ratio_low, cfg.clip_ratio_high, 3.0)[0]
-    torch.testing.assert_close(loss, ref_agg(mat * w, mask, "token-mean"), rtol=1e-6, atol=1e-6)
+    pg_mode = "seq-mean-token-mean" if loss_mode == "gspo" else "token-mean"  # GSPO's own
+    torch.testing.assert_close(loss, ref_agg(mat * w, mask, pg_mode), rtol=1e-6, atol=1e-6)
 
 
 def test_bad_recipe_settings_are_refused():

@@ -6,6 +6,7 @@ business).
 
 from __future__ import annotations
 
+from asyncrl.config.recipes import GSPO_AGG
 from asyncrl.config.schema import Config
 
 #: A clip range wider than this is a token-level one: GSPO's sequence ratio (a geometric
@@ -31,6 +32,16 @@ def config_advisories(cfg: Config) -> list[str]:
     # Only a config the user wrote says which keys were given (a resolved config.yaml sets
     # them all): veRL's use_dynamic_bsz is off by default, ours is on.
     given = actor.model_fields_set
+    if (
+        actor.policy_loss.loss_mode == "gspo"
+        and "loss_agg_mode" in given
+        and actor.loss_agg_mode != GSPO_AGG
+    ):
+        out.append(
+            f"actor.loss_agg_mode={actor.loss_agg_mode} with actor.policy_loss.loss_mode=gspo "
+            f"aggregates the KL and entropy terms only: GSPO's policy term is always {GSPO_AGG}"
+            " (as in veRL)"
+        )
     if (
         "ppo_micro_batch_size_per_gpu" in given
         and "use_dynamic_bsz" not in given

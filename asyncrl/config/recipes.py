@@ -20,6 +20,8 @@ from asyncrl.config.section import Section
 # GSPO's clip range from its paper and veRL's recipe: the sequence ratio is a geometric
 # mean, so it moves far less than a token's ratio.
 GSPO_CLIP_LOW, GSPO_CLIP_HIGH = 3e-4, 4e-4
+# How GSPO's policy term is aggregated whatever actor.loss_agg_mode says (as in veRL, whose
+# GSPO loss fixes it); loss_agg_mode still aggregates the KL and entropy terms.
 GSPO_AGG = "seq-mean-token-mean"
 
 
@@ -27,12 +29,13 @@ class PolicyLossConfig(Section):
     loss_mode: Literal["vanilla", "gspo"] = Field(
         default="vanilla",
         description="vanilla: clipped PPO with dual clip; gspo: GSPO's sequence ratio (clip "
-        "range 3e-4/4e-4 and seq-mean-token-mean unless set).",
+        "range 3e-4/4e-4 unless set; its policy term is always seq-mean-token-mean, as in "
+        "veRL, and loss_agg_mode aggregates the KL and entropy terms).",
     )
 
 
 def gspo_defaults(actor: Any) -> Any:
-    """Fill an actor mapping's unset clip range and aggregation with GSPO's when its
+    """Fill an actor mapping's unset clip range with GSPO's when its
     ``policy_loss.loss_mode`` is ``gspo`` (run before validation, so the resolved config
     every role reads holds the values used)."""
     if not isinstance(actor, dict):
@@ -43,7 +46,6 @@ def gspo_defaults(actor: Any) -> Any:
     out = dict(actor)
     out.setdefault("clip_ratio_low", GSPO_CLIP_LOW)
     out.setdefault("clip_ratio_high", GSPO_CLIP_HIGH)
-    out.setdefault("loss_agg_mode", GSPO_AGG)
     return out
 
 
