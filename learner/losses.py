@@ -273,8 +273,8 @@ def policy_loss(
     )
     pg = _pg_terms(lp, proximal, adv, valid, cfg)
     agg = {"mode": cfg.agg_mode, "norm_const": cfg.norm_const, "norm": norm}
-    pg_mode = GSPO_PG_AGG if cfg.loss_mode == "gspo" else cfg.agg_mode
-    pg_loss = aggregate(w * pg.loss, valid, **(agg | {"mode": pg_mode}))
+    pg_agg = {**agg, "mode": GSPO_PG_AGG} if cfg.loss_mode == "gspo" else agg
+    pg_loss = aggregate(w * pg.loss, valid, **pg_agg)
     loss = pg_loss
     zero = pg_loss.new_zeros(())
     kl_loss, ent_loss, ref_kl = zero, zero, zero
