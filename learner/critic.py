@@ -14,7 +14,8 @@ One learner step, as :class:`learner.trainer.Trainer` drives it:
   same on every rank (the values of each rank's share are gathered, so GAE's whitening is
   over the whole batch as in veRL). A collective.
 - :meth:`Critic.update` trains on those returns: ``critic.ppo_epochs`` x mini-batches, one
-  optimizer step each, the clipped value loss of :mod:`learner.values`. A collective.
+  optimizer step each, the clipped value loss of :mod:`learner.values`. A collective. Its
+  epochs and aggregation mode, unset, are the actor's (as veRL's critic config reads them).
 
 The value model: the HF checkpoint at ``critic.model.path`` (default: the actor's) loaded
 as a token classifier with one label, i.e. the backbone's last hidden state through a
@@ -98,6 +99,9 @@ class Critic:
         )
         self.optimizer = fsdp.build_optimizer(self.model, c.optim)
         self.scheduler = fsdp.build_scheduler(self.optimizer, c.optim, total_steps)
+        # Unset, the actor's (veRL's critic reads them from the actor's config).
+        self.epochs = c.ppo_epochs or cfg.actor.ppo_epochs
+        self.agg_mode = c.loss_agg_mode or cfg.actor.loss_agg_mode
         self.packed = packed
         self.pad_id = self.model.config.pad_token_id or 0
 
@@ -182,7 +186,7 @@ class Critic:
         sums = dict.fromkeys(VALUE_STAT_SUMS, 0.0)
         grad_norms: list[float] = []
         updates = 0
-        for _ in range(self.cfg.critic.ppo_epochs):
+        for _ in range(self.epochs):
             for micros, norm in zip(mbs, norms, strict=True):
                 gnorm, applied = self._minibatch(rollouts, targets, micros, norm, sums)
                 updates += 1
@@ -220,7 +224,8 @@ class Critic:
                 _rows(targets.returns, mb.seq_ids, vpred),
                 valid_token_mask(mb.mask, mb.behaviour).to(vpred.device),
                 cliprange=self.cfg.critic.cliprange_value,
-                agg_mode=self.cfg.critic.loss_agg_mode,
+                agg_mode=self.agg_mode,
+                norm_const=float(self.cfg.data.max_response_length),
                 norm=norm,
             )
             finite &= bool(torch.isfinite(loss))

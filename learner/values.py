@@ -35,6 +35,7 @@ def value_loss(
     *,
     cliprange: float,
     agg_mode: str = "token-mean",
+    norm_const: float = 1.0,
     norm: AggNorm | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss of one (micro-)batch.
@@ -46,6 +47,7 @@ def value_loss(
         mask: ``[B, T]`` bool, the tokens that count.
         cliprange: how far ``vpreds`` may move from ``old_values`` before the clipped
             term takes over (veRL's ``critic.cliprange_value``).
+        norm_const: ``seq-mean-token-sum-norm``'s divisor (the response length limit).
         norm: global normalisers when the batch is one part of a larger mini-batch.
     Returns:
         ``(loss, stats)``: the scalar loss and detached sums keyed by
@@ -56,7 +58,7 @@ def value_loss(
     unclipped_sq = (vpreds - returns).square()
     clipped_sq = (clipped - returns).square()
     loss_t = torch.maximum(unclipped_sq, clipped_sq)
-    loss = 0.5 * aggregate(loss_t, mask, agg_mode, norm=norm)
+    loss = 0.5 * aggregate(loss_t, mask, agg_mode, norm_const=norm_const, norm=norm)
     f = mask.to(vpreds.dtype)
     stats = {
         "vf_tokens": f.sum(),

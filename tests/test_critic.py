@@ -159,3 +159,32 @@ def test_only_the_actor_is_pushed_and_warmup_holds_it(tiny_model, single_rank):
     assert trainer.scheduler.last_epoch == 0  # the actor's schedule waits for the actor
     m = trainer.train_step(BATCHES[1], TEMPERATURE)
     assert m["actor/updates"] == 2
+
+
+def test_the_critic_takes_the_actors_epochs_and_aggregation_unless_set(
+    tiny_model, single_rank, monkeypatch
+):
+    """veRL's critic reads ``ppo_epochs`` and ``loss_agg_mode`` from the actor's config
+    when its own are left out: a PPO script that sets the actor's trains the critic the
+    same way. Before, the critic ran 1 epoch of token-mean whatever the actor said."""
+    from learner import critic as critic_module
+
+    modes: list[str] = []
+    real_value_loss = critic_module.value_loss
+
+    def value_loss(*args, **kwargs):
+        modes.append(kwargs["agg_mode"])
+        return real_value_loss(*args, **kwargs)
+
+    monkeypatch.setattr(critic_module, "value_loss", value_loss)
+    actor = ["actor.ppo_epochs=2", "actor.loss_agg_mode=seq-mean-token-mean"]
+    trainer = Trainer(make_cfg(tiny_model, *actor))
+    trainer.train_step(BATCHES[0], TEMPERATURE)
+    two_epochs, modes_then = len(modes), set(modes)
+
+    modes.clear()  # the critic's own: one epoch (the same micro-batches), token-mean
+    own = ["critic.ppo_epochs=1", "critic.loss_agg_mode=token-mean"]
+    trainer = Trainer(make_cfg(tiny_model, *actor, *own))
+    trainer.train_step(BATCHES[0], TEMPERATURE)
+    assert modes_then == {"seq-mean-token-mean"} and set(modes) == {"token-mean"}
+    assert len(modes) > 0 and two_epochs == 2 * len(modes)

@@ -390,6 +390,8 @@ NOT_RESULTS = {
     "critic.model.path": "None: model.path, as veRL interpolates",
     "critic.model.enable_gradient_checkpointing": "memory",
     "critic.ppo_mini_batch_size": "None: the actor's, as veRL interpolates",
+    "critic.ppo_epochs": "None: the actor's, as veRL interpolates",
+    "critic.loss_agg_mode": "None: the actor's, as veRL interpolates",
     "critic.use_dynamic_bsz": "None: the actor's",
     "critic.ppo_max_token_len_per_gpu": "None: from the actor's",
     "trainer.project_name": "a name",

@@ -73,7 +73,9 @@ class CriticModelConfig(Section):
 class CriticConfig(Section):
     model: CriticModelConfig = Field(default_factory=CriticModelConfig)
     optim: CriticOptimConfig = Field(default_factory=CriticOptimConfig)
-    ppo_epochs: int = Field(default=1, gt=0, description="Critic passes over each batch.")
+    ppo_epochs: int | None = Field(
+        default=None, gt=0, description="Critic passes over each batch; default the actor's."
+    )
     ppo_mini_batch_size: int | None = Field(
         default=None, gt=0, description="Prompts per critic update; default the actor's."
     )
@@ -89,8 +91,14 @@ class CriticConfig(Section):
     cliprange_value: float = Field(
         default=0.5, gt=0, description="How far a value may move from the batch's own."
     )
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        default="token-mean", description="How token value losses are averaged (veRL's names)."
+    loss_agg_mode: (
+        Literal[
+            "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="How token value losses are averaged (veRL's names); default the actor's.",
     )
     grad_clip: float = Field(default=1.0, gt=0, description="Max critic gradient norm.")
 
