@@ -416,6 +416,11 @@ def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
     )
     for key in (f"rollout/{k}" for k in totals):
         out[key] = sum(m.get(key, 0.0) for m in reports)
+    # The multi-turn agents' and the OpenAI endpoint's counters, all cumulative: summed.
+    for m in reports:
+        for key, value in m.items():
+            if key.startswith(("rollout/agent/", "rollout/openai/")):
+                out[key] = out.get(key, 0.0) + value
     out["rollout/servers_reporting"] = len(reports)
     # 0 when any server's loop does not run with its start-up heap frozen.
     out["rollout/gc_frozen_objects_min"] = min(

@@ -42,6 +42,10 @@ def test_agent_demo_config_runs_and_trains(tmp_path, agent_model):
     for kind in ("train", "val"):  # every dealt task is somewhere, exactly once
         assert acct[f"accounting/{kind}/unaccounted"] == 0, acct
     assert all(r["batch/dropped_length_mismatch"] == 0 for r in steps)
+    # The agents' counters reach the run's records (the README names them), growing.
+    episodes = [r.get("rollout/agent/episodes", 0.0) for r in steps]
+    assert episodes[-1] > 0 and steps[-1].get("rollout/agent/tool_calls", 0.0) > 0, steps[-1]
+    assert steps[-1]["rollout/agent/turns"] >= episodes[-1]
     rows = pq.read_table(run / "rollouts").to_pylist()
     assert rows and all(r["data_source"] == "calculator" for r in rows)
     assert any(r["masked_spans"] for r in rows), "no episode called a tool"

@@ -82,6 +82,9 @@ def test_the_readme_agent_trains_two_runs_started_at_once(tmp_path, agent_model)
         sent, episodes, with_tools = _counts(said[name])
         assert sent >= STEPS * GROUPS and episodes >= sent * 4, said[name]
         assert with_tools >= episodes // 4, said[name]
+        # The endpoint's counters reach the run's records (the README names them).
+        assert steps[-1].get("rollout/openai/groups_pushed", 0.0) > 0, steps[-1]
+        assert steps[-1]["rollout/openai/completions"] >= steps[-1]["rollout/openai/groups_pushed"]
         acct = [r for r in records if "accounting/external/dealt" in r][-1]
         assert acct["accounting/external/trained"] == STEPS * GROUPS, acct
         assert acct["accounting/external/unaccounted"] == 0, acct
