@@ -55,6 +55,7 @@ from rollout_servers.openai_completions import raw_max_tokens, raw_prompt_ids
 from rollout_servers.openai_http import (
     MAX_BODY,
     api_errors,
+    earlier_port,
     read_json,
     refused,
     session_key,
@@ -118,14 +119,26 @@ class OpenAIEndpoint:
         # outlasted the launcher's wait (the server was killed at the run's end, unleft).
         self._runner = web.AppRunner(self.app(), access_log=None, shutdown_timeout=STOP_S)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, oe.host, oe.port)
+        # port 0: a restarted server serves where its earlier life did, so an agent's URL
+        # (and its client's retries) reach it again; a free port when that one is taken.
+        earlier = 0 if oe.port else earlier_port(self._url_file())
         try:
-            await site.start()
+            await web.TCPSite(self._runner, oe.host, oe.port or earlier).start()
         except OSError as e:
-            raise RuntimeError(
-                f"the OpenAI endpoint cannot listen on {oe.host}:{oe.port} ({e}); set "
-                "rollout.openai_endpoint.port=0 to take a free port"
-            ) from e
+            if not earlier:
+                raise RuntimeError(
+                    f"the OpenAI endpoint cannot listen on {oe.host}:{oe.port} ({e}); set "
+                    "rollout.openai_endpoint.port=0 to take a free port"
+                ) from e
+            await web.TCPSite(self._runner, oe.host, 0).start()
+            log.warning(
+                "%s: port %d, where it served before its restart, is taken (%s): serving at "
+                "a new port; agents must read %s again",
+                self.server_id,
+                earlier,
+                e,
+                self._url_file(),
+            )
         port = self._runner.addresses[0][1]
         self.url = f"http://{oe.host}:{port}/v1"
         write_url(self._url_file(), self.server_id, self.url)

@@ -88,6 +88,17 @@ async def read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
+def earlier_port(path: Path) -> int:
+    """The port an earlier life of this server served at in this launch (its URL file,
+    left behind by a kill), or 0 (none, or unreadable)."""
+    from urllib.parse import urlsplit
+
+    try:
+        return urlsplit(json.loads(path.read_text())["base_url"]).port or 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
+
+
 def write_url(path: Path, server_id: str, url: str) -> None:
     """The served base URL, in the file agents poll for it (written whole, atomically)."""
     path.parent.mkdir(parents=True, exist_ok=True)

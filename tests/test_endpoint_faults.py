@@ -10,14 +10,17 @@ wrong is a 400 with one line naming the fix (OpenAI clients retry a 500 by thems
 from __future__ import annotations
 
 import asyncio
+import logging
+import socket
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import ConfigError, load_config, run_dir
 from asyncrl.control.messages import TaskGrant
 from asyncrl.control.task_states import external_task
 from rollout_servers import endpoint_turns
@@ -219,3 +222,45 @@ def test_a_refused_first_request_holds_no_slot(monkeypatch):
         assert rig.session().episode.turns == 1 and len(client.nacked) == 1  # type: ignore[attr-defined]
 
     _serve(monkeypatch, scenario)
+
+
+def test_a_restarted_server_serves_where_its_earlier_life_did(tmp_path, caplog):
+    """``port: 0`` takes a free port; a server the launcher restarts after a kill takes the
+    port its earlier life served at (the URL file that life left behind names it), so an
+    agent's URL, and its client's retries, reach it again. Before, the README's agent kept
+    retrying the dead port and stopped, and the run waited for its groups for good. When
+    that port is taken, the server serves at a free one and says so."""
+    from rollout_servers.openai_http import write_url
+
+    cfg = endpoint_config(
+        f"trainer.default_local_dir={tmp_path}", "rollout.openai_endpoint.enable=true"
+    )
+    settings = SamplingSettings.from_config(cfg)
+
+    def endpoint() -> OpenAIEndpoint:
+        parts = (ReplyEngine(), CharTokenizer(), OneSlotClient(), None, settings)
+        return OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        first = endpoint()
+        url = await first.start()
+        url_file = Path(run_dir(cfg)) / "openai_endpoints" / "r0.json"  # what agents read
+        assert url_file.is_file()
+        await first.stop()  # its port is free again; a kill leaves the file behind:
+        write_url(url_file, "r0", url)
+        again = endpoint()
+        assert await again.start() == url
+        await again.stop()
+
+        write_url(url_file, "r0", url)
+        with socket.socket() as taken:  # another process took the port meanwhile
+            host, port = url.removeprefix("http://").removesuffix("/v1").split(":")
+            taken.bind((host, int(port)))
+            taken.listen()
+            moved = endpoint()
+            assert await moved.start() != url
+            await moved.stop()
+        assert f"port {port}, where it served before its restart, is taken" in caplog.text
+
+    with caplog.at_level(logging.WARNING):
+        asyncio.run(main())

@@ -61,8 +61,8 @@ class OpenAIEndpointConfig(Section):
         default=0,
         ge=0,
         le=65535,
-        description="Port (0: a free one); each server writes its base URL to "
-        "<run dir>/openai_endpoints/<server id>.json.",
+        description="Port (0: a free one, the same again when the server restarts); each "
+        "server writes its base URL to <run dir>/openai_endpoints/<server id>.json.",
     )
     group_size: int | None = Field(
         default=None, gt=0, description="Sessions per group (None: rollout.n)."
