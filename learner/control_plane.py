@@ -180,12 +180,26 @@ class RankZero:
                     if silent_since
                     else ""
                 )
+                metrics = self.coordinator.metrics()
                 log.info(
-                    "waiting for a batch for %.0fs (%s)%s",
+                    "waiting for a batch for %.0fs (%s)%s%s",
                     last_log - start,
-                    _brief(self.coordinator.metrics()),
+                    _brief(metrics),
                     silent,
+                    self._no_agents(metrics),
                 )
+
+    def _no_agents(self, metrics: dict[str, float]) -> str:
+        """For a wait's log line: a run that trains only on its agents' groups, while no
+        agent holds a slot, says where its agents must connect."""
+        oe = self.cfg.rollout.openai_endpoint
+        if not oe.enable or oe.take_tasks or metrics.get("accounting/external/in_flight"):
+            return ""
+        return (
+            "; no agent holds an endpoint slot: this run trains only on the groups agents "
+            f"open at its OpenAI endpoint (URLs in {self.run_dir / 'openai_endpoints'}); is "
+            "an agent running?"
+        )
 
     def _untrained(self, batch: Any) -> Any:
         """``batch`` without the groups these weights already trained on (None if nothing is

@@ -162,6 +162,40 @@ def test_a_wait_for_a_batch_outlives_a_missed_validation_poll(
         rank0.wait_batch(0, 0, keepalive=keepalive)
 
 
+@pytest.mark.timeout(60)
+def test_a_run_of_agents_only_says_where_agents_connect_while_none_holds_a_slot(
+    tmp_path: Path,
+    arithmetic_data: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run that trains only on its agents' groups (``take_tasks: false``) waits for
+    good when its agent has stopped (the README's agent stopped at a server's restart).
+    The wait's periodic line says that no agent holds a slot and where agents connect."""
+    endpoint_only = [
+        "rollout.openai_endpoint.enable=true",
+        "rollout.openai_endpoint.take_tasks=false",
+        "trainer.val_before_train=false",  # no server would run validation tasks
+    ]
+    monkeypatch.setattr(control_plane, "WAIT_LOG_S", 0.0)
+    monkeypatch.setattr(control_plane, "KEEPALIVE_S", 0.0)
+    passes: list[int] = []
+
+    def keepalive() -> None:  # the first pass logs after its keepalive: end at the second
+        passes.append(1)
+        if len(passes) > 1:
+            raise PollAnswered
+
+    with (
+        validating_rank_zero(tmp_path, arithmetic_data, endpoint_only) as r,
+        caplog.at_level(logging.INFO, logger=control_plane.__name__),
+        pytest.raises(PollAnswered),
+    ):
+        r.rank0.wait_batch(0, 0, keepalive=keepalive)
+    assert "no agent holds an endpoint slot" in caplog.text, caplog.text
+    assert str(run_dir(r.cfg) / "openai_endpoints") in caplog.text
+
+
 def _answered_polls(rank0: Any, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The buffer sessions that answered the learner's validation polls, as they come."""
     answered: list[str] = []

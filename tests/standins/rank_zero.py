@@ -4,7 +4,7 @@ buffer service it talks to and a validation round in flight from the start."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +30,13 @@ class RankZeroRig:
 
 
 @contextlib.contextmanager
-def validating_rank_zero(directory: Path, data: Path) -> Iterator[RankZeroRig]:
+def validating_rank_zero(
+    directory: Path, data: Path, overrides: Sequence[str] = ()
+) -> Iterator[RankZeroRig]:
     """A fresh run's rank 0 with a validation round in flight (``val_before_train``), so
     every step and every wait for a batch polls the buffer for its scores; ``data``: a
-    folder with ``train.parquet`` and ``val.parquet``. Stopped, buffer included, at exit."""
+    folder with ``train.parquet`` and ``val.parquet``; ``overrides``: more config. Stopped,
+    buffer included, at exit."""
     cfg, _ = loopback_config(
         directory,
         [
@@ -43,6 +46,7 @@ def validating_rank_zero(directory: Path, data: Path) -> Iterator[RankZeroRig]:
             "trainer.test_freq=-1",
             "trainer.logger=[jsonl]",
             "control.heartbeat_s=0.3",
+            *overrides,
         ],
     )
     buffer = BufferService.from_config(cfg).start()
