@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 RECENT = 1000
 #: A pushed group's first sample is logged every this many groups.
 SAMPLE_EVERY = 50
+#: Versions ``rollout/tokens_by_version/<v>`` counts (the newest).
+TOKENS_BY_VERSION_KEPT = 16
 #: What the responses in flight can wait on once generated, and the counter of the time
 #: the engine is left with nothing to run because all of them do.
 AFTER_GENERATION = {"scoring": "rollout/score_wait_s", "pushing": "rollout/push_blocked_s"}
@@ -125,6 +127,10 @@ class ServerStats:
             self.metrics["rollout/tokens"] += len(s.token_ids)
             for version, n in s.version_spans:
                 self.tokens_by_version[version] += n
+        # The newest versions only: every entry rides on each heartbeat, whose metrics are
+        # bounded (a run of a thousand pushes had its heartbeats refused).
+        while len(self.tokens_by_version) > TOKENS_BY_VERSION_KEPT:
+            del self.tokens_by_version[min(self.tokens_by_version)]
             self.rewards.append(score.score)
             self.lengths.append(len(s.token_ids))
         if self.groups_done % SAMPLE_EVERY == 1:  # a sample generation, now and then

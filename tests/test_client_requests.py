@@ -162,3 +162,65 @@ def test_a_stopping_client_does_not_queue_behind_a_silent_coordinator():
     finally:
         client.close()
         silent.close(0)
+
+
+def test_a_heartbeat_with_more_metrics_than_allowed_is_cut_not_refused(served):
+    """A server's metrics grew one key per policy version (``rollout/tokens_by_version``):
+    past the heartbeat's 1024, the coordinator refused every heartbeat, the watch thread
+    died unseen, and the server fell out of the run for good after a thousand pushes. The
+    client now sends the first 1024 by name, and says so once."""
+    import time
+
+    state, client = served
+    client.metrics = {f"rollout/x{i:04d}": 1.0 for i in range(m.HEARTBEAT_METRICS_MAX + 10)}
+    ann = client.heartbeat(wait_s=0.0)  # raised RequestRefused before
+    assert ann is not None and ann.registered
+    client.start_watching()
+    time.sleep(2.5)  # a few heartbeats (heartbeat_s is 1 s here)
+    assert not client.gone.is_set() and state["servers"] == 1  # still in the run
+
+
+def test_a_watch_that_fails_leaves_instead_of_dying_unseen(caplog):
+    """The coordinator (a learner restarting) says "not registered" once, then stays silent:
+    registering again gives up with CoordinatorGone inside the watch thread. The thread used
+    to end there with the server up and unheard, never exiting for its restart. Now the
+    server is told to leave (``gone``), which exits it with 3 for the launcher to restart."""
+    import logging
+
+    import zmq
+
+    from tests.helpers import free_port
+
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.ROUTER)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    fake.bind(addr)
+
+    def coordinator() -> None:  # answers the registration and one heartbeat, then nothing
+        answers = [
+            m.Registered(
+                server_id="s0", session="s1", policy_version=0, sync_store_host="",
+                sync_store_port=0, generation="", heartbeat_s=0.2, dead_after_s=3,
+                catchup=False,
+            ),
+            m.Announcement(registered=False, policy_version=0),
+        ]  # fmt: skip
+        while answers and fake.poll(10_000):
+            *envelope, _ = fake.recv_multipart()
+            fake.send_multipart([*envelope, m.encode(answers.pop(0))])
+
+    thread = threading.Thread(target=coordinator, daemon=True)
+    thread.start()
+    client = CoordinatorClient(
+        addr, addr, "s0", engine_world_size=0, heartbeat_s=0.2, timeout_s=0.5, patience_s=2.0
+    )
+    try:
+        client.register()
+        with caplog.at_level(logging.ERROR):
+            client.start_watching()
+            assert client.gone.wait(15), "the watch thread ended without telling the server"
+        assert "the coordinator watch failed (CoordinatorGone" in caplog.text
+    finally:
+        client.close()
+        fake.close(0)
+        thread.join(5)

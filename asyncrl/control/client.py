@@ -85,6 +85,7 @@ class CoordinatorClient:
         self.announced_version = policy_version  # the latest version announced to it
         self.registered: m.Registered | None = None
         self.metrics: dict[str, float] = {}  # sent with every heartbeat (the server sets it)
+        self._metrics_cut_said = False
         # The task ids this server is generating now (the server sets it): a registration
         # says them, so a restarted coordinator lets it keep them.
         self.held_tasks: Callable[[], list[str]] = list
@@ -218,7 +219,7 @@ class CoordinatorClient:
             seen_version=self.announced_version,
             seen_sync=self.seen_sync,
             wait_s=wait_s,
-            metrics=dict(self.metrics),
+            metrics=self._heartbeat_metrics(),
         )
         try:
             # A short reply timeout: a silent coordinator is noticed within two periods.
@@ -228,6 +229,22 @@ class CoordinatorClient:
         assert isinstance(ann, m.Announcement), ann
         self._apply(ann, session)
         return ann
+
+    def _heartbeat_metrics(self) -> dict[str, float]:
+        """The server's metrics, at most what a heartbeat may carry (the coordinator
+        refuses a longer one; those past the limit are left out, said once)."""
+        metrics = dict(self.metrics)
+        if len(metrics) <= m.HEARTBEAT_METRICS_MAX:
+            return metrics
+        if not self._metrics_cut_said:
+            self._metrics_cut_said = True
+            log.warning(
+                "%s has %d metrics; heartbeats carry the first %d by name",
+                self.server_id,
+                len(metrics),
+                m.HEARTBEAT_METRICS_MAX,
+            )
+        return dict(sorted(metrics.items())[: m.HEARTBEAT_METRICS_MAX])
 
     def _apply(self, ann: m.Announcement, session: str) -> None:
         if ann.shutdown:
@@ -257,7 +274,20 @@ class CoordinatorClient:
         Unblocked by news for this server; ends at shutdown, close, or a coordinator silent
         for ``patience_s``."""
         while not (self.shutdown.is_set() or self._closed.is_set() or self.gone.is_set()):
-            if self.heartbeat() is None:
+            try:
+                news = self.heartbeat()
+            except Exception as e:  # a dead watch would leave the server up, unheard
+                # A coordinator gone during a registration, a refused heartbeat, a reply it
+                # cannot read: nothing this server can mend; it exits (3) and restarts.
+                log.error(
+                    "%s: the coordinator watch failed (%s: %s): leaving",
+                    self.server_id,
+                    type(e).__name__,
+                    e,
+                )
+                self.gone.set()
+                return
+            if news is None:
                 silent = time.monotonic() - self.last_heard
                 if silent > self.patience_s:
                     log.error("coordinator silent for %.0fs: giving up", silent)

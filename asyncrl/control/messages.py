@@ -172,6 +172,10 @@ class Register(Message, tag="register"):
     ] = {}
 
 
+#: Metrics one heartbeat may carry (a client sends at most these; see ``Heartbeat``).
+HEARTBEAT_METRICS_MAX = 1024
+
+
 class Heartbeat(Message, tag="heartbeat"):
     """Liveness plus a watch: answered when there is news newer than ``seen_*``."""
 
@@ -183,7 +187,8 @@ class Heartbeat(Message, tag="heartbeat"):
     wait_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0
     # The server's own (e.g. rollout/tokens_per_s), for logs.
     metrics: Annotated[
-        dict[Annotated[str, msgspec.Meta(max_length=256)], float], msgspec.Meta(max_length=1024)
+        dict[Annotated[str, msgspec.Meta(max_length=256)], float],
+        msgspec.Meta(max_length=HEARTBEAT_METRICS_MAX),
     ] = {}
 
 
