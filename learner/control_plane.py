@@ -69,6 +69,7 @@ class RankZero:
         if restored.validation is not None:
             self.validation.load_state_dict(restored.validation)
         self._ack_next: list[BatchRef] = []  # see acknowledge_on_next_request
+        self._ack_again: list[BatchRef] = []  # acknowledgements that got no answer
         write_resolved(cfg, run_dir)
         store = open_store(
             store_host(cfg.endpoints.host),
@@ -136,10 +137,13 @@ class RankZero:
         waits as long as it takes (the rollout servers may be starting), logging every 30 s
         while it lasts; serves catch-ups and validation polls meanwhile, and calls
         ``keepalive`` every :data:`KEEPALIVE_S` (the other learner ranks wait one more
-        round). Unblocked by the buffer releasing a batch."""
+        round), and sends again the acknowledgements that got no answer. Unblocked by the
+        buffer releasing a batch."""
         start = last_log = last_alive = time.monotonic()
         silent_since = None
         while True:
+            if self._ack_again:  # a full buffer may wait for them to release anything
+                self.acknowledge([])
             try:
                 # Carried acknowledgements name batches of the session of the last batch
                 # received, which the request names too: the buffer checks it.
@@ -228,14 +232,17 @@ class RankZero:
         :class:`~asyncrl.wire.Ack` per buffer session (a buffer that restarted since
         ignores the earlier session's, whose ids name other batches there)."""
         by_session: dict[str, list[int]] = {}
-        for session, batch_id in self._ack_next + batches:
+        for session, batch_id in self._ack_again + self._ack_next + batches:
             by_session.setdefault(session, []).append(batch_id)
-        self._ack_next = []
+        self._ack_next, self._ack_again = [], []
         for session, batch_ids in by_session.items():
             try:
                 self.buffer.ack(batch_ids, session=session or None)
-            except TimeoutError as e:  # a buffer that died took these batches with it anyway
-                log.warning("acknowledging batches %s: %s", batch_ids, e)
+            except TimeoutError as e:
+                # Sent again until answered: a live buffer keeps unacknowledged batches, and
+                # full of them it releases nothing more (a restarted one ignores them).
+                log.warning("acknowledging batches %s: %s; sending them again", batch_ids, e)
+                self._ack_again += [(session, b) for b in batch_ids]
 
     def acknowledge_on_next_request(self, batches: list[BatchRef]) -> None:
         """Acknowledge these batches with the next batch request (one round trip a step

@@ -1,0 +1,54 @@
+"""The learner's acknowledgements of checkpointed batches against a buffer that does not
+answer one: rank 0's control plane and the real buffer service on 127.0.0.1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from learner import control_plane
+from tests.standins.rank_zero import validating_rank_zero
+
+
+class Stop(Exception):
+    """Ends a wait for a batch from its keepalive."""
+
+
+@pytest.mark.timeout(60)
+def test_an_acknowledgement_that_got_no_answer_is_sent_again(
+    tmp_path: Path, arithmetic_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint's acknowledgement gets no answer (a slow buffer, a lost reply). The
+    buffer keeps those batches unacknowledged, and full of them it releases nothing more,
+    while the learner waits for the batch that would take it to the next checkpoint. The
+    acknowledgement was logged and dropped: a deadlock. It is now sent again, first from
+    the wait for the next batch, until the buffer answers."""
+    with validating_rank_zero(tmp_path, arithmetic_data) as rig:
+        rank0 = rig.rank0
+        session = rig.buffer.session
+        sent: list[tuple[list[int], Any]] = []
+        real_ack = rank0.buffer.ack
+        unanswered = [True]
+
+        def ack(batch_ids: list[int], session: Any = None) -> Any:
+            sent.append((list(batch_ids), session))
+            if unanswered.pop() if unanswered else False:
+                raise TimeoutError("no reply within 10s")
+            return real_ack(batch_ids, session=session)
+
+        monkeypatch.setattr(rank0.buffer, "ack", ack)
+        rank0.acknowledge([(session, 3), (session, 4)])  # the checkpoint's: no answer
+        assert sent == [([3, 4], session)]
+
+        monkeypatch.setattr(control_plane, "KEEPALIVE_S", 0.0)
+
+        def keepalive() -> None:
+            raise Stop
+
+        with pytest.raises(Stop):
+            rank0.wait_batch(0, 0, keepalive=keepalive)
+        assert sent == [([3, 4], session), ([3, 4], session)]  # sent again, answered
+        rank0.acknowledge([])
+        assert len(sent) == 2  # answered once: not sent a third time
