@@ -72,7 +72,9 @@ class GroupAssembly:
         if traj.group_index in part.members:
             self.counts["drops/duplicate"] += 1
             return "duplicate"
-        part.members[traj.group_index] = traj
+        # A copy: kept as a view, the member would hold its whole message in memory (the
+        # other groups in it, its dropped copies) until the group completes or expires.
+        part.members[traj.group_index] = traj.detached()
         self.counts["trajectories_in"] += 1
         if len(part.members) < part.size:
             return "added"

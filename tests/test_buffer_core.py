@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -348,6 +349,26 @@ def test_groups_keep_their_members_arrays() -> None:
         assert (t.response_ids == want.response_ids).all()
         assert (t.logprobs == want.logprobs).all()
         assert t.meta == want.meta
+
+
+def test_a_member_waiting_for_its_group_does_not_keep_its_message_alive() -> None:
+    """A received message's arrays are views of its frames: one member of an incomplete
+    group kept as such a view pinned the whole message (its other groups, its dropped
+    copies) until the group completed or expired (600 s): 358 MB resident for 1.2 MB kept
+    in a review's run. A member waiting for its group now has arrays of its own."""
+    from asyncrl.wire.codec import decode_packed, encode_packed
+
+    b = buf()
+    first = make_group("a", 2, response_len=6)[0]
+    copies = [make_traj("done", 0, 1, response_len=6)] * 50  # a group of 1, then 49 copies
+    frames = [bytes(f) for f in encode_packed(Packed.pack([first, *copies]))]
+    outcomes = b.add_packed(decode_packed(frames), 0.0)
+    assert outcomes == ["added", "completed"] + ["duplicate"] * 49
+    (member,) = b._s.partial["a"].members.values()  # waiting for its group
+    payload = [np.frombuffer(f, dtype=np.uint8) for f in frames]
+    for arr in (member.prompt_ids, member.response_ids, member.logprobs):
+        assert not any(np.shares_memory(arr, p) for p in payload)
+    assert (member.response_ids == first.response_ids).all()
 
 
 def test_oldest_first_equals_a_stable_sort_of_the_pool() -> None:

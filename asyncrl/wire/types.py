@@ -160,6 +160,16 @@ class Trajectory(msgspec.Struct, eq=False):
     def oldest_version(self) -> int:
         return self.meta.oldest_version
 
+    def detached(self) -> Trajectory:
+        """This trajectory with arrays of its own: decoded ones are views of the received
+        message's frames, which they keep alive as long as they live."""
+        return Trajectory(
+            meta=self.meta,
+            prompt_ids=self.prompt_ids.copy(),
+            response_ids=self.response_ids.copy(),
+            logprobs=self.logprobs.copy(),
+        )
+
     def loss_mask(self) -> np.ndarray:
         """Per response token, 1 where the policy sampled it, else 0 (bool)."""
         mask = np.ones(self.meta.response_len, dtype=bool)
