@@ -190,3 +190,42 @@ def test_message_limits_come_from_the_config_and_senders_check_their_own(tmp_pat
         client.close()
         pull.close(0)
         ctx.term()
+
+
+def test_a_node_with_another_runs_keys_is_told_so(tmp_path, keys, caplog):
+    """A node given the keys of another ``asyncrl-prepare keys`` run is refused by the
+    run's servers. To it, the refusal was silence: its requests timed out, its pushes
+    queued, and nothing mentioned keys. It now logs one line naming the keys and the fix."""
+    import logging
+
+    security.configure(
+        _cfg("endpoints.auth=curve", f"endpoints.keys_dir={keys}").endpoints, "buffer"
+    )
+    ctx = zmq.Context()
+    socks = []
+    try:
+        pull = ctx.socket(zmq.PULL)
+        socks.append(pull)
+        addr = bind(pull, "tcp://127.0.0.1:*")
+        other = tmp_path / "other_keys"  # another run's keys on this node
+        security.write_keys(other)
+        security.configure(
+            _cfg("endpoints.auth=curve", f"endpoints.keys_dir={other}").endpoints, "rollout"
+        )
+        with caplog.at_level(logging.ERROR, logger=security.__name__):
+            push = ctx.socket(zmq.PUSH)
+            socks.append(push)
+            connect(push, addr)
+            with contextlib.suppress(zmq.Again):
+                push.send(b"never read", flags=zmq.NOBLOCK)
+            wait_until(
+                lambda: security.metrics().get("security/client_handshakes_failed", 0) >= 1,
+                "the refused handshake to be seen by the client",
+                10,
+            )
+        assert "this node's keys are not the run's" in caplog.text, caplog.text
+        assert _received(pull, 0.5) == []
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()

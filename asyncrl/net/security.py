@@ -221,8 +221,9 @@ def _watch_handshakes(sock: zmq.Socket) -> None:
                 warned = True
                 log.warning(
                     "refused a connection to %s: no CURVE handshake from the peer (a "
-                    "client without the run's keys, or not an asyncrl role); "
-                    "give it the run's keys (endpoints.auth=curve, endpoints.keys_dir)",
+                    "client without the run's keys, one with another run's server key, or "
+                    "not an asyncrl role); give it the run's keys (endpoints.auth=curve, "
+                    "endpoints.keys_dir)",
                     event.get("endpoint", b"?").decode(errors="replace"),
                 )
 
@@ -237,6 +238,45 @@ def secure_client(sock: zmq.Socket) -> None:
     sock.curve_serverkey = keys.server_public
     sock.curve_publickey = keys.client_public
     sock.curve_secretkey = keys.client_secret
+    _watch_client_handshakes(sock)
+
+
+def _watch_client_handshakes(sock: zmq.Socket) -> None:
+    """Say, once per socket, when the peer refuses this node's handshake: to the client
+    the refusal is otherwise only silence (its requests time out, its pushes queue)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
+
+    def watch() -> None:
+        """Consumes the socket's handshake-failure events until the socket closes."""
+        said = False
+        while True:
+            try:
+                event = recv_monitor_message(monitor)
+            except zmq.ZMQError:  # the context is terminated
+                monitor.close(0)
+                return
+            if event["event"] == zmq.EVENT_MONITOR_STOPPED:
+                monitor.close(0)
+                return
+            count("client_handshakes_failed")
+            if not said:
+                said = True
+                why = (
+                    "it does not know this node's key"
+                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                    else "its key is not the server key this node has"
+                )
+                log.error(
+                    "the CURVE handshake with %s failed (%s): this node's keys are not the "
+                    "run's; copy endpoints.keys_dir from the node that made them "
+                    "(asyncrl-prepare keys), then start this role again",
+                    event.get("endpoint", b"?").decode(errors="replace"),
+                    why,
+                )
+
+    threading.Thread(target=watch, name="client-handshakes", daemon=True).start()
 
 
 class ZapHandler:
