@@ -24,6 +24,10 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
     from asyncrl.tasks import prepare_task_data
 
     prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)
@@ -40,6 +44,12 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
         f"`asyncrl-prepare model --name tiny --out {tmp_path}/none`"
     )
     assert "a directory without config.json" in problems(f"model.path={empty}")[0]
+    # Every role crash-looped on these: a model without weights, a file for a directory.
+    assert "holds no weights" in problems(f"model.path={no_weights}")[0]
+    assert problems(f"model.path={data}")[0] == (
+        f"model.path={data} is a file: point it at the HF model directory (the folder "
+        "holding config.json and the weights)"
+    )
     assert problems(f"model.path={tmp_path}/none", needs=(DATA,)) == []
     # Validation files only when validation runs; the scorer file only where it is loaded.
     val = f"data.val_files={tmp_path}/val.parquet"

@@ -42,6 +42,11 @@ def test_the_input_check_names_the_checkpoint_to_give(tmp_path):
         f"trainer.resume_from_path={tmp_path / 'none'} does not exist: point it at "
         f"checkpoints/step_N, which holds {STATE_FILE}"
     )
+    (line,) = _problems(step_20 / STATE_FILE)  # the file for its folder
+    assert line == (
+        f"trainer.resume_from_path={step_20 / STATE_FILE} is the checkpoint's state file: "
+        f"give its folder, {step_20}"
+    )
     (step_20 / "model").mkdir()
     (line,) = _problems(step_20 / "model")
     assert line.endswith(f"point it at checkpoints/step_N, which holds {STATE_FILE}")

@@ -28,6 +28,8 @@ LOGGER = "logger"  # W&B, when trainer.logger names it: a key, or an offline mod
 #: The file every complete learner checkpoint holds (``checkpoints/step_<n>/``); here, not in
 #: ``learner.checkpoint``, so the launcher checks a resume path without importing torch.
 STATE_FILE = "trainer_state.json"
+#: What a model directory's weights are saved as (one of them must be there).
+WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 #: A checkpoint folder's entry: ``step_<n>``, or a save in progress (``.tmp``) or being
 #: replaced (``.old``).
@@ -52,7 +54,18 @@ def model_problem(path: str) -> str | None:
                 f"model.path={path} is a directory without config.json: point it at an HF "
                 "model directory (asyncrl-prepare model --out DIR builds a small one)"
             )
+        if not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
+            return (
+                f"model.path={path} holds no weights (no *.safetensors, pytorch_model*.bin or "
+                "their index): copy the model's weight files there, or point it at a complete "
+                "HF model directory"
+            )
         return None
+    if local.exists():
+        return (
+            f"model.path={path} is a file: point it at the HF model directory (the folder "
+            "holding config.json and the weights)"
+        )
     if looks_like_hub_id(path):
         return _hub_problem(path)
     return (
@@ -106,6 +119,8 @@ def resume_problem(path: str) -> str | None:
     if (local / STATE_FILE).is_file():
         return _abandoned_problem(path, local)
     fix = f"point it at checkpoints/step_N, which holds {STATE_FILE}"
+    if local.name == STATE_FILE and local.is_file():
+        return f"trainer.resume_from_path={path} is the checkpoint's state file: give its folder, {local.parent}"
     if not local.exists():
         return f"trainer.resume_from_path={path} does not exist: {fix}"
     # A checkpoints folder (or a run directory) given for one of its checkpoints: name it.
