@@ -242,3 +242,38 @@ def test_wandb_without_a_key_is_refused_before_anything_starts(tmp_path, monkeyp
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password k\n")
     (tmp_path / ".netrc").chmod(0o600)
     assert input_problems(cfg, [LOGGER]) == []
+
+
+def test_empty_validation_files_and_damaged_pages_are_refused(tmp_path):
+    """An empty validation file made a run that never validated, and said nothing; a file
+    whose footer reads but whose pages are damaged ended the launcher in a traceback; an
+    empty training file was told to raise its epochs. Each is one line now."""
+    import pyarrow.parquet as pq
+
+    from asyncrl.config.inputs import DATA, input_problems
+    from asyncrl.tasks import prepare_task_data
+
+    prepare_task_data("arithmetic", tmp_path, seed=0, n_train=90, n_val=4)
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    empty = tmp_path / "empty.parquet"
+    pq.write_table(pq.read_table(val).slice(0, 0), empty)
+
+    def problems(*overrides: str) -> list[str]:
+        return input_problems(load_config(None, list(overrides)), [DATA])
+
+    validating = [f"data.train_files={train}", f"data.val_files={empty}"]
+    (line,) = problems(*validating, "trainer.val_before_train=true")
+    assert line.startswith(f"data.val_files: {empty} has no rows, so validation would never")
+    assert problems(*validating, "trainer.val_before_train=false", "trainer.test_freq=-1") == []
+    quiet = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
+    (line,) = problems(f"data.train_files={empty}", *quiet)
+    assert line == "data.train_files hold no rows: give files with training rows"
+
+    damaged = tmp_path / "damaged.parquet"
+    raw = bytearray(train.read_bytes())
+    footer = int.from_bytes(raw[-8:-4], "little") + 8  # its length, the length, "PAR1"
+    raw[4:-footer] = b"\xff" * (len(raw) - footer - 4)  # the pages; the footer stays whole
+    damaged.write_bytes(bytes(raw))
+    pq.read_schema(damaged)  # the footer reads
+    (line,) = problems(f"data.train_files={damaged}", *quiet)
+    assert line.startswith(f"data files: {damaged} cannot be read (")

@@ -238,8 +238,8 @@ def _column_problems(cfg: Config, validating: bool) -> list[str]:
     from asyncrl.tasks.parquet import column_problem, row_problem
 
     out = []
-    files = [*cfg.data.train_files, *(cfg.data.val_files if validating else [])]
-    for f in files:
+    val = cfg.data.val_files if validating else []
+    for f in [*cfg.data.train_files, *val]:
         try:
             names = pq.read_schema(Path(f).expanduser()).names
         except (OSError, pa.ArrowException) as e:
@@ -248,10 +248,20 @@ def _column_problems(cfg: Config, validating: bool) -> list[str]:
         if (problem := column_problem(names, f, cfg.data.prompt_key)) is not None:
             out.append(problem)
             continue
-        first = next(pq.ParquetFile(Path(f).expanduser()).iter_batches(batch_size=1), None)
+        try:  # a footer that reads can still front damaged pages
+            file = pq.ParquetFile(Path(f).expanduser())
+            first = next(file.iter_batches(batch_size=1), None)
+        except (OSError, pa.ArrowException) as e:
+            out.append(f"data files: {f} cannot be read ({e}): write it again")
+            continue
         rows = first.to_pylist() if first is not None else []
         if rows and (problem := row_problem(rows[0], 0, f, cfg.data.prompt_key)) is not None:
             out.append(problem)
+        elif f in val and file.metadata.num_rows == 0:
+            out.append(
+                f"data.val_files: {f} has no rows, so validation would never report: add "
+                "rows, or set trainer.val_before_train=false trainer.test_freq=-1"
+            )
     return out
 
 
@@ -328,6 +338,8 @@ def _no_batch(cfg: Config) -> str | None:
     rows, steps = _data_steps(cfg)
     if steps > 0:
         return None
+    if rows == 0:
+        return "data.train_files hold no rows: give files with training rows"
     return (
         f"the {rows} rows of data.train_files, dealt trainer.total_epochs="
         f"{cfg.trainer.total_epochs} times, make no batch of data.train_batch_size="
