@@ -90,6 +90,9 @@ def test_a_run_directory_is_held_by_one_launch(tmp_path):
     finally:
         held.close()
     ports.hold_run_dir(tmp_path / "run").close()  # let go with its launcher
+    (tmp_path / "a_file").write_text("")  # a run directory that cannot be made: one line
+    with pytest.raises(ConfigError, match=r"cannot be made or written .*default_local_dir"):
+        ports.hold_run_dir(tmp_path / "a_file" / "run")
 
 
 def test_chosen_ports_are_outside_the_range_the_kernel_hands_out():

@@ -114,9 +114,17 @@ def claim(cfg: Config) -> Config:
 
 def hold_run_dir(run_dir: Path) -> IO[str]:
     """Lock ``run_dir`` for this launch (keep the returned file open while the run lasts);
-    raises :class:`ConfigError` when another live launch holds it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    f = open(run_dir / "launch.lock", "a+")  # noqa: SIM115 - held for the run's life
+    raises :class:`ConfigError` when another live launch holds it, or it cannot be made."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        f = open(run_dir / "launch.lock", "a+")  # noqa: SIM115 - held for the run's life
+    except OSError as e:
+        raise ConfigError(
+            [
+                f"run directory {run_dir} cannot be made or written ({e.strerror or e}): set "
+                "trainer.default_local_dir to a writable folder"
+            ]
+        ) from None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
