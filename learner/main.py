@@ -10,7 +10,7 @@ import logging
 
 from asyncrl.cli import parse_role_args
 from asyncrl.config import ConfigError
-from asyncrl.config.inputs import DATA, LOGGER, MODEL, RESUME
+from asyncrl.config.inputs import DATA, DEVICE, LOGGER, MODEL, RESUME
 from asyncrl.launch.restart_policy import CONFIG_ERROR
 
 log = logging.getLogger("learner")
@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         "Train on the buffer's batches and push weights.",
         None,
         argv,
-        needs=(MODEL, DATA, RESUME, LOGGER),
+        needs=(MODEL, DATA, RESUME, LOGGER, DEVICE),
     )
     import os
 

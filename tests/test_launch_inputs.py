@@ -277,3 +277,26 @@ def test_empty_validation_files_and_damaged_pages_are_refused(tmp_path):
     pq.read_schema(damaged)  # the footer reads
     (line,) = problems(f"data.train_files={damaged}", *quiet)
     assert line.startswith(f"data files: {damaged} cannot be read (")
+
+
+def test_cores_and_a_device_this_machine_lacks_are_refused(monkeypatch):
+    """``launch.cpus`` naming a core this machine does not give the launch ended the launch
+    in a traceback after some roles had started; ``trainer.device=cuda`` where PyTorch finds
+    no GPU crash-looped the learner three times. Each is one line now (the launcher checks
+    the cores, the learner its device: the launcher does not import torch)."""
+    import os
+
+    import torch
+
+    from asyncrl.config.inputs import CORES, DEVICE, input_problems
+
+    have = sorted(os.sched_getaffinity(0))
+    absent = max(have) + 1
+    cpus = f"launch.cpus={{learner: [{have[0]}], rollout: [[{absent}], [{have[0]}]], buffer: [{have[0]}]}}"
+    (line,) = input_problems(load_config("configs/cpu_demo.yaml", [cpus]), [CORES])
+    assert line.startswith(f"launch.cpus names core(s) [{absent}], which this machine does not")
+    assert input_problems(load_config("configs/cpu_demo.yaml"), [CORES]) == []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    (line,) = input_problems(load_config(None, ["trainer.device=cuda"]), [DEVICE])
+    assert "finds no CUDA device" in line and "set trainer.device=cpu" in line
+    assert input_problems(load_config(None, ["trainer.device=cpu"]), [DEVICE]) == []

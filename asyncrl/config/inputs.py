@@ -25,6 +25,8 @@ from asyncrl.config.schema import Config
 # checkpoint trainer.resume_mode=resume_path starts from (the learner).
 MODEL, DATA, REWARD, RESUME = "model", "data", "reward", "resume"
 LOGGER = "logger"  # W&B, when trainer.logger names it: a key, or an offline mode
+# This machine: the cores launch.cpus pins roles to (the launcher), the learner's device.
+CORES, DEVICE = "cores", "device"
 #: The file every complete learner checkpoint holds (``checkpoints/step_<n>/``); here, not in
 #: ``learner.checkpoint``, so the launcher checks a resume path without importing torch.
 STATE_FILE = "trainer_state.json"
@@ -72,6 +74,38 @@ def model_problem(path: str) -> str | None:
         f"model.path={path} does not exist: build a model there with "
         f"`asyncrl-prepare model --name tiny --out {path}`, or give an existing HF model "
         "directory"
+    )
+
+
+def cores_problem(cfg: Config) -> str | None:
+    """Why ``launch.cpus`` cannot pin its roles on this machine: a core it names is not
+    one this process may run on (a role's start would fail in a traceback)."""
+    named = {
+        core
+        for ids in (cfg.launch.cpus or {}).values()
+        for x in ids
+        for core in (x if isinstance(x, list) else [x])
+    }
+    have = os.sched_getaffinity(0)
+    if missing := sorted(named - have):
+        return (
+            f"launch.cpus names core(s) {missing}, which this machine does not give this "
+            f"launch (it has {sorted(have)}): name cores among those"
+        )
+    return None
+
+
+def device_problem(cfg: Config) -> str | None:
+    """Why the learner cannot use ``trainer.device`` here: CUDA asked for, none found."""
+    if not cfg.trainer.device.startswith("cuda"):
+        return None
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return (
+        f"trainer.device={cfg.trainer.device} but PyTorch finds no CUDA device on this machine "
+        "(torch.cuda.is_available() is False): set trainer.device=cpu, or run where a GPU is"
     )
 
 
@@ -178,6 +212,10 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
     :data:`REWARD`, :data:`RESUME`) that is not there; empty when everything is."""
     needs = set(needs)
     problems: list[str] = []
+    if CORES in needs and (problem := cores_problem(cfg)) is not None:
+        problems.append(problem)
+    if DEVICE in needs and (problem := device_problem(cfg)) is not None:
+        problems.append(problem)
     if MODEL in needs and (problem := model_problem(cfg.model.path)) is not None:
         problems.append(problem)
     if DATA in needs:

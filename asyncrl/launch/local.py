@@ -35,6 +35,7 @@ from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.advisories import config_advisories
 from asyncrl.config.ending import complete_line, data_spent_at, finished_step, resumed_step
 from asyncrl.config.inputs import (
+    CORES,
     DATA,
     LOGGER,
     MODEL,
@@ -67,7 +68,14 @@ def main(argv: list[str] | None = None) -> int:
         None,
         argv,
         extra=_launch_options,
-        needs=(MODEL, DATA, REWARD, RESUME, LOGGER),  # found missing here, before any role starts
+        needs=(
+            MODEL,
+            DATA,
+            REWARD,
+            RESUME,
+            LOGGER,
+            CORES,
+        ),  # found missing here, before any role starts
     )
     if (step := finished_step(cfg)) is not None:  # what auto would resume is the end
         spent = data_spent_at(run_dir_of(cfg))
