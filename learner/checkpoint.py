@@ -365,3 +365,22 @@ def export_hf(
     tmp.rename(out)
     log.info("exported HF model to %s (%d tensors)", out, len(tensors))
     return out
+
+
+def unloadable_line(path: Path, error: BaseException) -> str:
+    """One line for a checkpoint the learner cannot load (a damaged file, a checkpoint of
+    another model or config), naming the one before it to resume from instead."""
+    found, _ = scan_checkpoints(path.parent)
+    step = int(m.group(1)) if (m := STEP_ENTRY.match(path.name)) else None
+    earlier = sorted(s for s in found if step is None or s < step)
+    fix = (
+        f"resume from an earlier one (trainer.resume_mode=resume_path "
+        f"trainer.resume_from_path={found[earlier[-1]]}), or move it aside"
+        if earlier
+        else "move it aside, or give the config it was saved with"
+    )
+    detail = str(error).splitlines()[0][:300] if str(error) else ""
+    return (
+        f"checkpoint {path} cannot be loaded ({type(error).__name__}: {detail}): it is "
+        f"damaged, or of another model or config; {fix}"
+    )

@@ -320,7 +320,12 @@ class LearnerLoop:
             (self.run_dir / COMPLETE_FILE).unlink(missing_ok=True)
         if path is None:
             return Restored(None, None, None)
-        extra = self.trainer.load(path)
+        try:
+            extra = self.trainer.load(path)
+        except Exception as e:  # damaged, or another model's: a restart fails the same way
+            from learner.checkpoint import unloadable_line
+
+            raise ConfigError([unloadable_line(Path(path), e)]) from e
         if mode == "resume_path" and inside and self.trainer.rank == 0:
             self._abandon_later(Path(path))
         log.info(

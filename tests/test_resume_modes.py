@@ -412,3 +412,31 @@ def test_a_checkpoint_holds_its_own_steps_lag_decision(tmp_path, monkeypatch):
     monkeypatch.setattr(loop_module.startup, "mark", lambda *args: None)
     assert loop._one_step()
     assert calls == ["steer", "save", "after"]
+
+
+class StateReader(LoadRecorder):
+    """Reads the checkpoint's state file as a real load does first (a damaged one raises)."""
+
+    def load(self, path: str | Path) -> dict:
+        json.loads((Path(path) / STATE_FILE).read_text())
+        return super().load(path)
+
+
+def test_a_checkpoint_that_cannot_be_loaded_names_the_one_before_it(tmp_path):
+    """A damaged checkpoint (or one of another model) raised out of the learner's start:
+    a traceback, three restarts that failed the same way, exit 1. It is one line now, which
+    names the checkpoint before it to resume from, and the learner exits 2 (not restarted)."""
+    run = tmp_path / "run"
+    three = _checkpoint(run / "checkpoints", 3)
+    six = _checkpoint(run / "checkpoints", 6)
+    (six / STATE_FILE).write_text('{"step": 6, "bro')  # cut short by a full disk, say
+    loop = _loop(run, "trainer.resume_mode=auto")
+    loop.trainer = StateReader()  # type: ignore[assignment]
+    with pytest.raises(ConfigError) as e:
+        loop._restore()
+    (line,) = e.value.problems
+    assert line.startswith(f"checkpoint {six} cannot be loaded (JSONDecodeError: ")
+    assert line.endswith(
+        "it is damaged, or of another model or config; resume from an earlier one "
+        f"(trainer.resume_mode=resume_path trainer.resume_from_path={three}), or move it aside"
+    )
