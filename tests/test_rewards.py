@@ -215,6 +215,23 @@ def test_custom_scorer_errors_name_the_fix(tmp_path: Path) -> None:
     broken = write_scorer(tmp_path / "broken.py", "raise RuntimeError('bad import')\n")
     with pytest.raises(ValueError, match="bad import"):
         load_custom_scorer(broken)
+    # Every call of this one raised a TypeError: a run trained on zero rewards, rc 0.
+    two = write_scorer(
+        tmp_path / "two.py", "def compute_score(solution_str, ground_truth):\n    return 1.0\n"
+    )
+    with pytest.raises(
+        ValueError, match=r"two.py: compute_score\(solution_str, ground_truth\) cannot be called"
+    ):
+        load_custom_scorer(two)
+    loose = write_scorer(
+        tmp_path / "loose.py", "def compute_score(solution_str, **kw):\n    return 1.0\n"
+    )
+    call = {"data_source": "a", "solution_str": "b", "ground_truth": "c", "extra_info": None}
+    assert load_custom_scorer(loose)(**call) == 1.0
+    with pytest.raises(
+        ValueError, match="data_source, solution_str, ground_truth, extra_info, scale"
+    ):
+        load_custom_scorer(two, bound={"scale": 2})
 
 
 # ---------------------------------------------------------------------------- RewardPool

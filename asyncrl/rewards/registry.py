@@ -10,6 +10,7 @@ reward parts (veRL logs them as ``reward_extra_info``).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
@@ -67,13 +68,17 @@ def check_custom_path(path: str | Path) -> Path:
     return file
 
 
-def load_custom_scorer(path: str | Path, name: str = "compute_score") -> ScoreFn:
+def load_custom_scorer(
+    path: str | Path, name: str = "compute_score", bound: dict[str, Any] | None = None
+) -> ScoreFn:
     """Import a Python file by path and return its function ``name``.
 
     The file runs once per process that loads it (each reward worker loads it at start).
+    ``bound``: the keyword arguments the caller will bind (``reward_kwargs``).
 
     Raises:
-        ValueError: When the file is missing, fails to import, or has no callable ``name``.
+        ValueError: When the file is missing, fails to import, has no callable ``name``, or
+        that function cannot take a scorer's arguments.
     """
     file = check_custom_path(path).resolve()
     try:
@@ -91,8 +96,28 @@ def load_custom_scorer(path: str | Path, name: str = "compute_score") -> ScoreFn
             f"reward file {file} has no function {name!r}; define it or set "
             "reward.custom_reward_function.name to the function's name"
         )
+    _check_signature(function, f"{file}: {name}", bound or {})
     logger.info("loaded custom reward %s from %s", name, file)
     return function
+
+
+def _check_signature(function: ScoreFn, where: str, bound: dict[str, Any]) -> None:
+    """Refuse a scorer that cannot take the keyword arguments every call passes (veRL's
+    ``data_source, solution_str, ground_truth, extra_info``, and ``bound``): each call
+    would raise, and the whole run would train on zero rewards."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin or C function: nothing to read
+        return
+    args = dict.fromkeys(("data_source", "solution_str", "ground_truth", "extra_info"))
+    try:
+        signature.bind(**args, **bound)
+    except TypeError as e:
+        raise ValueError(
+            f"reward file {where}{signature} cannot be called as every scorer is, with the "
+            f"keyword arguments {', '.join([*args, *bound])} ({e}): add the missing "
+            "parameters (or **kwargs)"
+        ) from None
 
 
 def _finite(value: Any, what: str = "") -> float:

@@ -92,7 +92,10 @@ def _load_scorer(
 ) -> Handler:
     """Worker setup: load the scorer once (with ``kwargs`` bound, veRL's
     ``custom_reward_function.reward_kwargs``); the returned handler scores jobs with it."""
-    scorer = load_custom_scorer(custom_path, custom_name) if custom_path else default_compute_score
+    if custom_path:
+        scorer = load_custom_scorer(custom_path, custom_name, kwargs)
+    else:
+        scorer = default_compute_score
     if kwargs:
         scorer = functools.partial(scorer, **kwargs)
     return functools.partial(_run_job, scorer)
