@@ -127,12 +127,12 @@ class ServerStats:
             self.metrics["rollout/tokens"] += len(s.token_ids)
             for version, n in s.version_spans:
                 self.tokens_by_version[version] += n
+            self.rewards.append(score.score)
+            self.lengths.append(len(s.token_ids))
         # The newest versions only: every entry rides on each heartbeat, whose metrics are
         # bounded (a run of a thousand pushes had its heartbeats refused).
         while len(self.tokens_by_version) > TOKENS_BY_VERSION_KEPT:
             del self.tokens_by_version[min(self.tokens_by_version)]
-            self.rewards.append(score.score)
-            self.lengths.append(len(s.token_ids))
         if self.groups_done % SAMPLE_EVERY == 1:  # a sample generation, now and then
             text = self.tok.decode(samples[0].token_ids, skip_special_tokens=True)
             log.info(
