@@ -104,6 +104,7 @@ def test_launch_fails_fast_with_the_failing_roles_log(tmp_path):
     broken = tmp_path / "broken-model"
     broken.mkdir()
     (broken / "config.json").write_text("{}")  # passes the file check, fails to load
+    (broken / "model.safetensors").write_bytes(b"not weights")
     from asyncrl.tasks import prepare_task_data
 
     prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)

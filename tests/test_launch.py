@@ -43,6 +43,7 @@ def test_sigterm_stops_every_role_it_started(tmp_path):
     # Files that pass the launcher's check: the roles only need to start before the signal.
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
     from asyncrl.tasks import prepare_task_data
 
     prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)
