@@ -27,6 +27,27 @@ def _cfg(*overrides: str):
     return load_config("configs/cpu_demo.yaml", list(overrides))
 
 
+@contextlib.contextmanager
+def _serving(keys):
+    """The buffer's CURVE-served PULL socket on 127.0.0.1 with the run's ``keys``: yields
+    (context, address, the sockets to close: the PULL first); ends the context after."""
+    security.configure(
+        _cfg("endpoints.auth=curve", f"endpoints.keys_dir={keys}").endpoints, "buffer"
+    )
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    socks = [pull]
+    try:
+        yield ctx, bind(pull, "tcp://127.0.0.1:*"), socks
+    finally:
+        # Each socket closed by its owner, then term(): the ZAP handler and the handshake
+        # watcher close theirs when the context ends (destroy() would close them under
+        # their threads' feet).
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+
+
 def _received(pull: zmq.Socket, within_s: float) -> list[bytes]:
     out, deadline = [], time.monotonic() + within_s
     while time.monotonic() < deadline:
@@ -36,15 +57,8 @@ def _received(pull: zmq.Socket, within_s: float) -> list[bytes]:
 
 
 def test_only_the_runs_keys_get_through(keys):
-    security.configure(
-        _cfg("endpoints.auth=curve", f"endpoints.keys_dir={keys}").endpoints, "buffer"
-    )
-    ctx = zmq.Context()
-    socks = []
-    try:
-        pull = ctx.socket(zmq.PULL)
-        socks.append(pull)
-        addr = bind(pull, "tcp://127.0.0.1:*")
+    with _serving(keys) as (ctx, addr, socks):
+        pull = socks[0]
         before = security.metrics().get("security/rejected_connections", 0.0)
         # A role of the run: its key is one of the run's.
         good = ctx.socket(zmq.PUSH)
@@ -73,13 +87,6 @@ def test_only_the_runs_keys_get_through(keys):
             10,
         )
         assert security.metrics()["security/accepted_connections"] >= 1
-    finally:
-        # Each socket closed by its owner, then term(): the ZAP handler and the handshake
-        # watcher close theirs when the context ends (destroy() would close them under
-        # their threads' feet).
-        for sock in socks:
-            sock.close(0)
-        ctx.term()
 
 
 def test_a_network_address_without_authentication_is_refused_with_both_fixes():
@@ -198,15 +205,8 @@ def test_a_node_with_another_runs_keys_is_told_so(tmp_path, keys, caplog):
     queued, and nothing mentioned keys. It now logs one line naming the keys and the fix."""
     import logging
 
-    security.configure(
-        _cfg("endpoints.auth=curve", f"endpoints.keys_dir={keys}").endpoints, "buffer"
-    )
-    ctx = zmq.Context()
-    socks = []
-    try:
-        pull = ctx.socket(zmq.PULL)
-        socks.append(pull)
-        addr = bind(pull, "tcp://127.0.0.1:*")
+    with _serving(keys) as (ctx, addr, socks):
+        pull = socks[0]
         other = tmp_path / "other_keys"  # another run's keys on this node
         security.write_keys(other)
         security.configure(
@@ -225,7 +225,3 @@ def test_a_node_with_another_runs_keys_is_told_so(tmp_path, keys, caplog):
             )
         assert "this node's keys are not the run's" in caplog.text, caplog.text
         assert _received(pull, 0.5) == []
-    finally:
-        for sock in socks:
-            sock.close(0)
-        ctx.term()

@@ -34,9 +34,10 @@ import sys
 import threading
 import weakref
 from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from zmq.utils import z85
@@ -195,16 +196,17 @@ HANDSHAKE_FAILURES = (
 )
 
 
-def _watch_handshakes(sock: zmq.Socket) -> None:
-    """Count the peers whose handshake failed before any key was checked (a plain-TCP
-    client, a garbled greeting): libzmq refuses them without asking the ZAP handler."""
+def _on_handshake_failures(
+    sock: zmq.Socket, name: str, handle: Callable[[Mapping[str, Any]], None]
+) -> None:
+    """Call ``handle`` with each of ``sock``'s failed-handshake events (libzmq's monitor),
+    in a thread of its own that ends when the socket closes."""
     from zmq.utils.monitor import recv_monitor_message
 
     monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
 
     def watch() -> None:
         """Consumes the socket's handshake-failure events until the socket closes."""
-        warned = False
         while True:
             try:
                 event = recv_monitor_message(monitor)
@@ -214,20 +216,36 @@ def _watch_handshakes(sock: zmq.Socket) -> None:
             if event["event"] == zmq.EVENT_MONITOR_STOPPED:
                 monitor.close(0)
                 return
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                continue  # the ZAP handler counted and explained it
-            _SETTINGS.counts["rejected_connections"] += 1
-            if not warned:
-                warned = True
-                log.warning(
-                    "refused a connection to %s: no CURVE handshake from the peer (a "
-                    "client without the run's keys, one with another run's server key, or "
-                    "not an asyncrl role); give it the run's keys (endpoints.auth=curve, "
-                    "endpoints.keys_dir)",
-                    event.get("endpoint", b"?").decode(errors="replace"),
-                )
+            handle(event)
 
-    threading.Thread(target=watch, name="handshakes", daemon=True).start()
+    threading.Thread(target=watch, name=name, daemon=True).start()
+
+
+def _endpoint(event: Mapping[str, Any]) -> str:
+    return event.get("endpoint", b"?").decode(errors="replace")
+
+
+def _watch_handshakes(sock: zmq.Socket) -> None:
+    """Count the peers whose handshake failed before any key was checked (a plain-TCP
+    client, a garbled greeting): libzmq refuses them without asking the ZAP handler."""
+    warned = False
+
+    def refused(event: Mapping[str, Any]) -> None:
+        nonlocal warned
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            return  # the ZAP handler counted and explained it
+        count("rejected_connections")
+        if not warned:
+            warned = True
+            log.warning(
+                "refused a connection to %s: no CURVE handshake from the peer (a client "
+                "without the run's keys, one with another run's server key, or not an "
+                "asyncrl role); give it the run's keys (endpoints.auth=curve, "
+                "endpoints.keys_dir)",
+                _endpoint(event),
+            )
+
+    _on_handshake_failures(sock, "handshakes", refused)
 
 
 def secure_client(sock: zmq.Socket) -> None:
@@ -244,39 +262,28 @@ def secure_client(sock: zmq.Socket) -> None:
 def _watch_client_handshakes(sock: zmq.Socket) -> None:
     """Say, once per socket, when the peer refuses this node's handshake: to the client
     the refusal is otherwise only silence (its requests time out, its pushes queue)."""
-    from zmq.utils.monitor import recv_monitor_message
+    said = False
 
-    monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
+    def refused(event: Mapping[str, Any]) -> None:
+        nonlocal said
+        count("client_handshakes_failed")
+        if said:
+            return
+        said = True
+        why = (
+            "it does not know this node's key"
+            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            else "its key is not the server key this node has"
+        )
+        log.error(
+            "the CURVE handshake with %s failed (%s): this node's keys are not the run's; "
+            "copy endpoints.keys_dir from the node that made them (asyncrl-prepare keys), "
+            "then start this role again",
+            _endpoint(event),
+            why,
+        )
 
-    def watch() -> None:
-        """Consumes the socket's handshake-failure events until the socket closes."""
-        said = False
-        while True:
-            try:
-                event = recv_monitor_message(monitor)
-            except zmq.ZMQError:  # the context is terminated
-                monitor.close(0)
-                return
-            if event["event"] == zmq.EVENT_MONITOR_STOPPED:
-                monitor.close(0)
-                return
-            count("client_handshakes_failed")
-            if not said:
-                said = True
-                why = (
-                    "it does not know this node's key"
-                    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-                    else "its key is not the server key this node has"
-                )
-                log.error(
-                    "the CURVE handshake with %s failed (%s): this node's keys are not the "
-                    "run's; copy endpoints.keys_dir from the node that made them "
-                    "(asyncrl-prepare keys), then start this role again",
-                    event.get("endpoint", b"?").decode(errors="replace"),
-                    why,
-                )
-
-    threading.Thread(target=watch, name="client-handshakes", daemon=True).start()
+    _on_handshake_failures(sock, "client-handshakes", refused)
 
 
 class ZapHandler:
