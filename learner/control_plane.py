@@ -27,6 +27,7 @@ from asyncrl.launch.progress import accounting_lines
 from asyncrl.metrics import MetricsLogger
 from learner.broadcast import KEEPALIVE_S
 from learner.control_peer import BatchRef, Restored
+from learner.metrics import rollout_summary
 from learner.validation import ValidationTracker
 from learner.weight_push import WeightPushes
 
@@ -316,7 +317,7 @@ class RankZero:
         self._poll_validation(step)
         metrics["actor/policy_version"] = version
         metrics.update(self.coordinator.metrics())
-        metrics.update(_rollout_summary(self.coordinator.server_metrics()))
+        metrics.update(rollout_summary(self.coordinator.server_metrics()))
         self.logger.log(step, metrics)
 
     def steer_lag(self, step: int, metrics: dict[str, float]) -> None:
@@ -412,47 +413,6 @@ def open_metrics(cfg: Config, run_dir: Path, new_run: bool) -> MetricsLogger:
         console_keys=CONSOLE_KEYS,
         fresh=new_run,
     )
-
-
-def _rollout_summary(servers: dict[str, dict[str, float]]) -> dict[str, float]:
-    """The rollout servers' heartbeat metrics, summed (rates) or averaged (fractions)."""
-    reports = [m for m in servers.values() if m]
-    if not reports:
-        return {}
-    out = {"rollout/tokens_per_s": sum(m.get("rollout/tokens_per_s", 0.0) for m in reports)}
-    # Cumulative totals over the servers: rates and waits over any window come from their
-    # differences (the benchmarks' steady-state figures).
-    totals = (
-        "tokens",
-        "task_wait_s",
-        "sync_pause_s",
-        "version_wait_s",
-        "score_wait_s",
-        "push_blocked_s",
-        "gc_s",
-        "groups_filtered",
-        "filter_metric_unknown",
-        "reward_errors",
-        "prompts_truncated",
-    )
-    for key in (f"rollout/{k}" for k in totals):
-        out[key] = sum(m.get(key, 0.0) for m in reports)
-    # The multi-turn agents' and the OpenAI endpoint's counters, all cumulative: summed.
-    for m in reports:
-        for key, value in m.items():
-            if key.startswith(("rollout/agent/", "rollout/openai/")):
-                out[key] = out.get(key, 0.0) + value
-    out["rollout/servers_reporting"] = len(reports)
-    # 0 when any server's loop does not run with its start-up heap frozen.
-    out["rollout/gc_frozen_objects_min"] = min(
-        m.get("rollout/gc_frozen_objects", 0.0) for m in reports
-    )
-    means = ("wait_fraction", "score_wait_fraction", "reward_mean", "response_length_mean")
-    for key in (f"rollout/{k}" for k in means):
-        values = [m[key] for m in reports if key in m]
-        if values:
-            out[key] = sum(values) / len(values)
-    return out
 
 
 def _brief(metrics: dict[str, float]) -> str:

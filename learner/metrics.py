@@ -1,5 +1,6 @@
-"""Batch-level metrics computed from the rollouts themselves (pure), and the exact
-reduction of loss stats over micro-batches and ranks.
+"""Batch-level metrics computed from the rollouts themselves (pure), the exact reduction of
+loss stats over micro-batches and ranks, and a step's summary of the rollout servers'
+heartbeat metrics.
 
 Names use slash namespaces; ``learner/METRICS.md`` maps them to veRL's.
 """
@@ -108,3 +109,45 @@ class StatSum:
 def mean_of(values: Iterable[float]) -> float:
     vals = list(values)
     return statistics.fmean(vals) if vals else 0.0
+
+
+def rollout_summary(servers: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
+    """``rollout/...`` of a step's record: the rollout servers' heartbeat metrics (server id
+    -> metrics), summed (rates, counters) or averaged (fractions)."""
+    reports = [m for m in servers.values() if m]
+    if not reports:
+        return {}
+    out = {"rollout/tokens_per_s": sum(m.get("rollout/tokens_per_s", 0.0) for m in reports)}
+    # Cumulative totals over the servers: rates and waits over any window come from their
+    # differences (the benchmarks' steady-state figures).
+    totals = (
+        "tokens",
+        "task_wait_s",
+        "sync_pause_s",
+        "version_wait_s",
+        "score_wait_s",
+        "push_blocked_s",
+        "gc_s",
+        "groups_filtered",
+        "filter_metric_unknown",
+        "reward_errors",
+        "prompts_truncated",
+    )
+    for key in (f"rollout/{k}" for k in totals):
+        out[key] = sum(m.get(key, 0.0) for m in reports)
+    # The multi-turn agents' and the OpenAI endpoint's counters, all cumulative: summed.
+    for m in reports:
+        for key, value in m.items():
+            if key.startswith(("rollout/agent/", "rollout/openai/")):
+                out[key] = out.get(key, 0.0) + value
+    out["rollout/servers_reporting"] = len(reports)
+    # 0 when any server's loop does not run with its start-up heap frozen.
+    out["rollout/gc_frozen_objects_min"] = min(
+        m.get("rollout/gc_frozen_objects", 0.0) for m in reports
+    )
+    means = ("wait_fraction", "score_wait_fraction", "reward_mean", "response_length_mean")
+    for key in (f"rollout/{k}" for k in means):
+        values = [m[key] for m in reports if key in m]
+        if values:
+            out[key] = sum(values) / len(values)
+    return out

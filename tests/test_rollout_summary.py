@@ -1,0 +1,42 @@
+"""A step's ``rollout/...`` metrics from the rollout servers' heartbeats
+(:func:`learner.metrics.rollout_summary`), on hand-computed inputs."""
+
+from __future__ import annotations
+
+import pytest
+
+from learner.metrics import rollout_summary
+
+
+def test_counters_are_summed_fractions_averaged_and_agent_counters_kept():
+    """Totals and the agents' and the endpoint's counters are summed over the servers (the
+    README names ``rollout/agent/*`` and ``rollout/openai/*``; they reached only the
+    servers' logs before), fractions averaged, the frozen-heap count at its minimum."""
+    servers = {
+        "r0": {
+            "rollout/tokens_per_s": 100.0,
+            "rollout/tokens": 1000.0,
+            "rollout/wait_fraction": 0.2,
+            "rollout/gc_frozen_objects": 50.0,
+            "rollout/agent/tool_errors/timeout": 2.0,
+            "rollout/openai/groups_pushed": 3.0,
+            "rollout/tokens_by_version/7": 10.0,  # a server's own detail: not summed
+        },
+        "r1": {
+            "rollout/tokens_per_s": 50.0,
+            "rollout/tokens": 500.0,
+            "rollout/wait_fraction": 0.4,
+            "rollout/gc_frozen_objects": 0.0,
+            "rollout/agent/tool_errors/timeout": 1.0,
+        },
+        "r2": {},  # no heartbeat yet: not counted
+    }
+    out = rollout_summary(servers)
+    assert out["rollout/tokens_per_s"] == 150.0 and out["rollout/tokens"] == 1500.0
+    assert out["rollout/wait_fraction"] == pytest.approx(0.3)
+    assert out["rollout/gc_frozen_objects_min"] == 0.0
+    assert out["rollout/agent/tool_errors/timeout"] == 3.0
+    assert out["rollout/openai/groups_pushed"] == 3.0
+    assert out["rollout/servers_reporting"] == 2
+    assert not any(k.startswith("rollout/tokens_by_version") for k in out)
+    assert rollout_summary({"r0": {}}) == {}
