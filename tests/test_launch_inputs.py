@@ -12,7 +12,8 @@ from asyncrl.config import ConfigError, load_config
 
 
 def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
-    from asyncrl.config.inputs import DATA, MODEL, REWARD, input_problems, looks_like_hub_id
+    from asyncrl.config.inputs import DATA, MODEL, REWARD, input_problems
+    from asyncrl.config.machine import looks_like_hub_id
 
     assert looks_like_hub_id("Qwen/Qwen2.5-0.5B") and looks_like_hub_id("gpt2")
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # online: a hub id is the roles'

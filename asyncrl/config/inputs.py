@@ -1,11 +1,7 @@
 """Files a run reads, checked before any role starts: a missing model or data file, or a
 ``trainer.resume_from_path`` that is no checkpoint, is a config error (exit 2, one line
-naming the fix), not a traceback and a restart loop.
-
-A model path shaped like a hub id (``name`` or ``org/name``) that is not a local directory
-is looked up in the local HF cache only, never on the network: with ``HF_HUB_OFFLINE`` (or
-``TRANSFORMERS_OFFLINE``) set, a model missing from the cache is a config error; otherwise
-the roles download it (a machine that reaches a hub).
+naming the fix), not a traceback and a restart loop. What the model path and the machine
+must be (a hub id is looked up in the local HF cache only) is :mod:`asyncrl.config.machine`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +14,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from asyncrl.config.load import ConfigError
+from asyncrl.config.machine import cores_problem, device_problem, model_problem
 from asyncrl.config.schema import Config
 
 # What a role reads before it can work: weights and tokenizer, the prompts (the learner's
@@ -30,8 +27,6 @@ CORES, DEVICE = "cores", "device"
 #: The file every complete learner checkpoint holds (``checkpoints/step_<n>/``); here, not in
 #: ``learner.checkpoint``, so the launcher checks a resume path without importing torch.
 STATE_FILE = "trainer_state.json"
-#: What a model directory's weights are saved as (one of them must be there).
-WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 #: A checkpoint folder's entry: ``step_<n>``, or a save in progress (``.tmp``) or being
 #: replaced (``.old``).
@@ -39,111 +34,6 @@ STEP_ENTRY = re.compile(r"^step_(\d+)(\.tmp|\.old)?$")
 #: Where a rewind to step ``k`` moves the run's later checkpoints (the branch left behind).
 ABANDONED_DIR = "abandoned_after_step_{step}"
 _ABANDONED = re.compile(r"^abandoned_after_step_(\d+)(?:\.\d+)?$")
-
-
-def looks_like_hub_id(path: str) -> bool:
-    """``Qwen/Qwen2.5-0.5B`` or ``gpt2``: no leading ``/ . ~`` and at most one ``/``."""
-    return not path.startswith(("/", ".", "~")) and path.count("/") <= 1
-
-
-def model_problem(path: str) -> str | None:
-    """Why ``path`` cannot be loaded as a local HF model directory (None if it can, or if
-    it names a hub model)."""
-    local = Path(path).expanduser()
-    if local.is_dir():
-        if not (local / "config.json").is_file():
-            return (
-                f"model.path={path} is a directory without config.json: point it at an HF "
-                "model directory (asyncrl-prepare model --out DIR builds a small one)"
-            )
-        if not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
-            return (
-                f"model.path={path} holds no weights (no *.safetensors, pytorch_model*.bin or "
-                "their index): copy the model's weight files there, or point it at a complete "
-                "HF model directory"
-            )
-        return None
-    if local.exists():
-        return (
-            f"model.path={path} is a file: point it at the HF model directory (the folder "
-            "holding config.json and the weights)"
-        )
-    if looks_like_hub_id(path):
-        return _hub_problem(path)
-    return (
-        f"model.path={path} does not exist: build a model there with "
-        f"`asyncrl-prepare model --name tiny --out {path}`, or give an existing HF model "
-        "directory"
-    )
-
-
-def cores_problem(cfg: Config) -> str | None:
-    """Why ``launch.cpus`` cannot pin its roles on this machine: a core it names is not
-    one this process may run on (a role's start would fail in a traceback)."""
-    named = {
-        core
-        for ids in (cfg.launch.cpus or {}).values()
-        for x in ids
-        for core in (x if isinstance(x, list) else [x])
-    }
-    have = os.sched_getaffinity(0)
-    if missing := sorted(named - have):
-        return (
-            f"launch.cpus names core(s) {missing}, which this machine does not give this "
-            f"launch (it has {sorted(have)}): name cores among those"
-        )
-    return None
-
-
-def device_problem(cfg: Config) -> str | None:
-    """Why the learner cannot use ``trainer.device`` here: CUDA asked for, none found."""
-    if not cfg.trainer.device.startswith("cuda"):
-        return None
-    import torch
-
-    if torch.cuda.is_available():
-        return None
-    return (
-        f"trainer.device={cfg.trainer.device} but PyTorch finds no CUDA device on this machine "
-        "(torch.cuda.is_available() is False): set trainer.device=cpu, or run where a GPU is"
-    )
-
-
-def _hub_offline() -> str | None:
-    """The variable that puts this machine's HF libraries offline, if one does."""
-    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
-        if os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}:
-            return name
-    return None
-
-
-def _hub_cache() -> Path:
-    """Where ``huggingface_hub`` keeps downloaded models, read from the environment now (its
-    own constant is read once, at import)."""
-    if cache := os.environ.get("HF_HUB_CACHE"):
-        return Path(cache).expanduser()
-    home = os.environ.get("HF_HOME") or Path(
-        os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"
-    )
-    return Path(home).expanduser() / "hub"
-
-
-def _hub_problem(repo_id: str) -> str | None:
-    """Why hub model ``repo_id`` cannot load on this machine: offline with no cached copy.
-    Online, or cached, it is left to the roles (no network call here)."""
-    offline = _hub_offline()
-    if offline is None:
-        return None
-    # A cached snapshot holds the model's config.json (models--org--name/snapshots/<rev>/).
-    snapshots = _hub_cache() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
-    if any(snapshots.glob("*/config.json")):
-        return None
-    return (
-        f"model.path={repo_id} is no local directory and not in the HF cache ({_hub_cache()}),"
-        f" and {offline} is set, so no role can download it: download it on a machine that "
-        f"reaches the hub (`huggingface-cli download {repo_id} --local-dir DIR`) and give "
-        "model.path=DIR"
-    )
 
 
 def resume_problem(path: str) -> str | None:
