@@ -193,12 +193,10 @@ class Coordinator:
         ``sync.timeout_s``: a server listed before the one ahead of it began may have left
         (reaped, silent, stopped) or been caught up since."""
         with self._lock:
-            versions = self._state.versions
-            rec = versions.servers.get(server_id)
-            if rec is None or rec.syncing or not versions.needs_catchup(rec):
+            if not self._state.versions.catchup_due(server_id, time.monotonic()):
                 log.info("catch-up of %s skipped: it left or was caught up meanwhile", server_id)
                 return None
-            rnd = versions.begin_catchup(server_id, plan)
+            rnd = self._state.versions.begin_catchup(server_id, plan)
         log.info("catch-up %d: version %d to %s", rnd.sync_id, rnd.version, server_id)
         return rnd
 

@@ -84,8 +84,14 @@ class Versions:
         return [
             r.server_id
             for r in sorted(self.servers.values(), key=lambda r: r.order)
-            if self.needs_catchup(r) and not r.syncing and now >= r.catchup_after
+            if self.catchup_due(r.server_id, now)
         ]
+
+    def catchup_due(self, server_id: str, now: float) -> bool:
+        """Whether ``server_id`` is registered and can start a catch-up now (it needs one,
+        is in no sync, and is not backing off after a failed one)."""
+        r = self.servers.get(server_id)
+        return r is not None and self.needs_catchup(r) and not r.syncing and now >= r.catchup_after
 
     def begin_catchup(self, server_id: str, plan: WeightPlan) -> SyncRound:
         """A one-off group between the learner and ``server_id`` for the current weights."""
