@@ -46,7 +46,7 @@ class MetricsLogger:
         # The run's record, whatever the sinks (see the module docstring).
         run_dir.mkdir(parents=True, exist_ok=True)
         if fresh:  # a new run in an old directory: keep the old records, apart
-            _set_aside(run_dir / METRICS_FILE)
+            set_aside(run_dir / METRICS_FILE)
         self._file = open(run_dir / METRICS_FILE, "a", buffering=1)  # noqa: SIM115
         if "wandb" in self.sinks:
             import wandb  # only when asked for: it is slow to import
@@ -104,14 +104,14 @@ def _wandb_id(run_dir: Path, fresh: bool) -> str:
     if not fresh and path.is_file() and (saved := path.read_text().strip()):
         return saved
     if fresh:
-        _set_aside(path)  # the earlier run's W&B id, kept beside its records
+        set_aside(path)  # the earlier run's W&B id, kept beside its records
     new = secrets.token_hex(4)
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(new + "\n")
     return new
 
 
-def _set_aside(path: Path) -> None:
+def set_aside(path: Path) -> None:
     """Rename a non-empty ``path`` to the first free ``<stem>.<k><suffix>`` (nothing is
     deleted; only the new run's records stay under the name the tools read)."""
     if not path.is_file() or path.stat().st_size == 0:

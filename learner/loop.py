@@ -27,7 +27,13 @@ from typing import Any
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config import run_dir as run_dir_of
-from asyncrl.config.ending import COMPLETE_FILE, complete_line, data_spent_at, ended_whole
+from asyncrl.config.ending import (
+    COMPLETE_FILE,
+    complete_line,
+    data_spent_at,
+    ended_whole,
+    starts_new_run,
+)
 from asyncrl.config.inputs import resume_problem, total_training_steps
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
@@ -299,7 +305,7 @@ class LearnerLoop:
         :attr:`new_run`: this start begins a new run here, or a new branch of it (its
         metrics start afresh).
         Raises :class:`ConfigError` for a path that is no checkpoint, before anything moves."""
-        from learner.checkpoint import checkpoint_dir, latest_checkpoint, set_aside_checkpoints
+        from learner.checkpoint import latest_checkpoint, set_aside_checkpoints
 
         t, mode = self.cfg.trainer, self.cfg.trainer.resume_mode
         path = None
@@ -309,9 +315,7 @@ class LearnerLoop:
             path = t.resume_from_path
         if path is not None and (problem := resume_problem(str(path))) is not None:
             raise ConfigError([problem])
-        ours = checkpoint_dir(self.run_dir).resolve()
-        inside = path is not None and ours in Path(path).resolve().parents
-        self.new_run = path is None or (mode != "auto" and not inside)
+        self.new_run = starts_new_run(mode, path, self.run_dir)
         aside = self.new_run and mode != "auto" and self.trainer.rank == 0
         if aside and (old := set_aside_checkpoints(self.run_dir)) is not None:
             log.info("checkpoints of an earlier run (not resumed) moved to %s", old.name)
@@ -326,7 +330,7 @@ class LearnerLoop:
             from learner.checkpoint import unloadable_line
 
             raise ConfigError([unloadable_line(Path(path), e)]) from e
-        if mode == "resume_path" and inside and self.trainer.rank == 0:
+        if mode == "resume_path" and not self.new_run and self.trainer.rank == 0:  # a rewind
             self._abandon_later(Path(path))
         log.info(
             "resumed from %s at step %d, version %d (buffer session %r)",

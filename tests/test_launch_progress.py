@@ -222,3 +222,76 @@ def test_an_interrupted_run_says_what_the_same_command_resumes(tmp_path):
     assert _resume_hint(tmp_path, cfg).endswith("resumes the run from its checkpoint at step 40")
     disabled = load_config(None, ["trainer.resume_mode=disable"])
     assert "does not resume here" in _resume_hint(tmp_path, disabled)
+    from asyncrl.config.ending import mark_ended
+
+    mark_ended(tmp_path, 40)  # stopped while its roles wound down after the end
+    ended = load_config(None, ["trainer.total_training_steps=40"])
+    assert _resume_hint(tmp_path, ended).endswith(
+        "ended whole at step 40: the same command starts nothing"
+    )
+    assert _resume_hint(tmp_path, cfg).endswith("at step 40")  # more steps asked: it trains on
+
+
+class _LearnerFailsAtOnce:
+    """A supervisor whose learner fails before its first step: the view is finished
+    with whatever records the run directory holds."""
+
+    def begin(self) -> None: ...
+    def start_all(self) -> None: ...
+    def close(self) -> None: ...
+
+    def run(self, view) -> int:
+        view.finish(ok=False)
+        return 1
+
+
+def _earlier_run(run) -> None:
+    earlier = {"step": 7, "time": 1.0, "loss/pg": 0.1, "accounting/train/dealt": 96.0}
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps(earlier) + "\n")
+
+
+def test_a_new_run_whose_learner_fails_at_once_shows_nothing_of_the_earlier_run(tmp_path, capsys):
+    """A review's launch into a used run directory with no checkpoint to resume: the
+    learner died before it set the earlier run's records aside, and the launcher showed
+    that run's step 7 and accounting as this run's. The launcher sets them aside itself
+    when the start begins a new run (as the learner decides), and keeps them on a resume."""
+    from asyncrl.config import load_config, run_dir
+    from asyncrl.launch.roles import drive
+
+    cfg = load_config(None, [f"trainer.default_local_dir={tmp_path}"])
+    run = run_dir(cfg)
+    _earlier_run(run)
+    assert drive(_LearnerFailsAtOnce(), run, cfg) == 1  # type: ignore[arg-type]
+    shown = capsys.readouterr().err
+    assert "run FAILED" in shown and "accounting" not in shown and "plot:" not in shown
+    assert (run / "metrics.1.jsonl").is_file() and not (run / "metrics.jsonl").exists()
+
+    resumed = tmp_path / "resumed"
+    cfg = load_config(None, [f"trainer.default_local_dir={resumed}"])
+    run = run_dir(cfg)
+    _earlier_run(run)
+    (run / "checkpoints" / "step_7").mkdir(parents=True)
+    (run / "checkpoints" / "step_7" / "trainer_state.json").write_text("{}")
+    assert drive(_LearnerFailsAtOnce(), run, cfg) == 1  # type: ignore[arg-type]
+    assert "accounting train: dealt 96" in capsys.readouterr().err
+
+
+def test_which_starts_begin_a_new_run(tmp_path):
+    """The launcher's reading of a start (:func:`new_run`) is the learner's
+    (``starts_new_run``, tested through ``LearnerLoop._restore`` in test_resume_modes)."""
+    from asyncrl.config import load_config, run_dir
+    from asyncrl.config.ending import new_run
+
+    base = [f"trainer.default_local_dir={tmp_path}"]
+    elsewhere = tmp_path / "other" / "step_3"
+    assert new_run(load_config(None, base))  # nothing to resume
+    assert not new_run(load_config(None, [*base, f"trainer.resume_from_path={elsewhere}"]))
+    own = run_dir(load_config(None, base)) / "checkpoints" / "step_5"
+    own.mkdir(parents=True)
+    (own / "trainer_state.json").write_text("{}")
+    assert not new_run(load_config(None, base))  # auto resumes the run's own step 5
+    assert new_run(load_config(None, [*base, "trainer.resume_mode=disable"]))
+    path_mode = [*base, "trainer.resume_mode=resume_path"]
+    assert not new_run(load_config(None, [*path_mode, f"trainer.resume_from_path={own}"]))
+    assert new_run(load_config(None, [*path_mode, f"trainer.resume_from_path={elsewhere}"]))

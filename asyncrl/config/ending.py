@@ -39,6 +39,31 @@ def resumed_step(cfg: Config) -> int | None:
     return max(found) if found else None
 
 
+def starts_new_run(mode: str, path: str | Path | None, run: Path) -> bool:
+    """Whether a start under ``trainer.resume_mode`` ``mode`` that resumes ``path`` (None:
+    nothing) begins a new run in the run directory ``run``, or a new branch of one, whose
+    records start afresh: it resumes nothing, or (outside ``auto``) a checkpoint that is
+    not one of ``run``'s own. ``auto`` resuming ``resume_from_path`` before this run's
+    first checkpoint continues the run that began from it."""
+    if path is None:
+        return True
+    ours = (run / "checkpoints").resolve()
+    return mode != "auto" and ours not in Path(path).resolve().parents
+
+
+def new_run(cfg: Config) -> bool:
+    """:func:`starts_new_run` for the checkpoint a start under ``cfg`` would resume, as the
+    learner finds it: what a launcher knows before any role starts."""
+    t = cfg.trainer
+    path: str | Path | None = None
+    if t.resume_mode == "auto":
+        found, _ = scan_checkpoints(run_dir(cfg) / "checkpoints")
+        path = found[max(found)] if found else t.resume_from_path
+    elif t.resume_mode == "resume_path":
+        path = t.resume_from_path
+    return starts_new_run(t.resume_mode, path, run_dir(cfg))
+
+
 def ended_whole(cfg: Config, run: Path, step: int) -> bool:
     """Whether a run whose last checkpoint is at ``step`` ended whole there (its export and
     final validation done, :data:`COMPLETE_FILE`) with nothing left to train under

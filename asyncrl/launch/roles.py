@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import TypeGuard
 
 from asyncrl.config import Config
+from asyncrl.config.ending import ended_whole, new_run
 from asyncrl.launch import startup
 from asyncrl.launch.supervise import Role, Supervisor
+from asyncrl.metrics import METRICS_FILE, set_aside
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -127,12 +129,18 @@ def commands_text(roles: list[Role], bundles: dict[str, int] | None = None) -> s
 
 def drive(sup: Supervisor, run_dir: Path, cfg: Config) -> int:
     """Start every role and supervise the run to its end; the launcher's exit code.
-    Ctrl-C and SIGTERM stop only the processes the run started (130)."""
+    Ctrl-C and SIGTERM stop only the processes the run started (exit 130 and 143, as a
+    shell reports a process those signals ended: a scheduler reading 143 sees its own
+    SIGTERM)."""
+    terminated = []
 
     def on_term(signum, frame):  # SIGTERM behaves like Ctrl-C
+        terminated.append(signum)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    if new_run(cfg):  # the learner would too, but one that fails first left them on view
+        set_aside(run_dir / METRICS_FILE)
     try:
         startup.begin(run_dir)
         sup.begin()
@@ -147,7 +155,7 @@ def drive(sup: Supervisor, run_dir: Path, cfg: Config) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         sup.stop_all()
         log.warning("%s", _resume_hint(run_dir, cfg))
-        return 130
+        return 128 + signal.SIGTERM if terminated else 130
     finally:
         sup.close()  # nothing the run started outlives it, however the launcher ends
 
@@ -159,6 +167,8 @@ def _resume_hint(run_dir: Path, cfg: Config) -> str:
     found, _ = scan_checkpoints(run_dir / "checkpoints")
     if cfg.trainer.resume_mode != "auto":
         return "stopped; trainer.resume_mode is not auto, so a new launch does not resume here"
+    if found and ended_whole(cfg, run_dir, step := max(found)):  # stopped in its wind-down
+        return f"stopped; the run had ended whole at step {step}: the same command starts nothing"
     if not found:
         return (
             "stopped before the first checkpoint: the same command starts the run over "
