@@ -35,6 +35,7 @@ from asyncrl.config.ending import (
     starts_new_run,
 )
 from asyncrl.config.inputs import resume_problem, total_training_steps
+from asyncrl.config.resumed import changed_line, changed_settings, settings_of
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
@@ -269,6 +270,7 @@ class LearnerLoop:
         extra = {
             "last_batch_id": self.last_batch_id,
             "last_batch_session": self.last_batch_session,
+            "settings": settings_of(self.cfg),  # what a resume compares its own with
             **self.control.checkpoint_extra(self.trainer.step),
         }
         self.trainer.save(self.run_dir, extra=extra)
@@ -332,6 +334,9 @@ class LearnerLoop:
             raise ConfigError([unloadable_line(Path(path), e)]) from e
         if mode == "resume_path" and not self.new_run and self.trainer.rank == 0:  # a rewind
             self._abandon_later(Path(path))
+        changes = changed_settings(extra.get("settings"), self.cfg)
+        if self.trainer.rank == 0 and (line := changed_line(changes, self.trainer.step)):
+            log.warning("%s", line)
         log.info(
             "resumed from %s at step %d, version %d (buffer session %r)",
             path,

@@ -44,6 +44,7 @@ from asyncrl.config.inputs import (
     short_data_line,
     total_training_steps,
 )
+from asyncrl.config.resumed import launch_line
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import claim, hold_run_dir
 from asyncrl.launch.roles import commands_text, drive, plan_roles
@@ -111,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             "trainer.resume_mode=disable starts over, keeping its checkpoints aside)",
             step,
         )
+        if (changed := launch_line(cfg)) is not None:
+            log.warning("%s", changed)
     config_path = write_resolved(cfg)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,88 @@
+"""What a resumed start says about the settings it changed since its checkpoint.
+
+A checkpoint keeps the values of :data:`COMPARED` it was trained under (in its state
+file's ``extra.settings``). A resume that changes one goes on under the new value, as
+veRL's does, but says so in one line: a batch size, group size, learning rate or model
+changed by an override left on the command line would otherwise pass unseen, and the
+curves after the resume would be read as the same run's. The data and its order are not
+here: a resume over other data is refused (``task_source.load_state_dict``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from functools import reduce
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config.inputs import STATE_FILE
+from asyncrl.config.schema import Config
+
+#: The settings a resume compares with its checkpoint's: those that change what a step
+#: trains on or how (the model, the batch and group sizes, the update, the estimator).
+COMPARED = (
+    "model.path",
+    "model.lora_rank",
+    "data.train_batch_size",
+    "data.max_response_length",
+    "rollout.n",
+    "actor.ppo_mini_batch_size",
+    "actor.ppo_epochs",
+    "actor.optim.lr",
+    "actor.loss_agg_mode",
+    "actor.policy_loss.loss_mode",
+    "algorithm.adv_estimator",
+    "staleness.max_policy_lag",
+)
+
+
+def settings_of(cfg: Config) -> dict[str, Any]:
+    """The values of :data:`COMPARED` under ``cfg`` (plain data, for the state file)."""
+    return {key: reduce(getattr, key.split("."), cfg) for key in COMPARED}
+
+
+def changed_settings(saved: Mapping[str, Any] | None, cfg: Config) -> list[str]:
+    """``"<key> <saved> -> <now>"`` for each compared setting ``cfg`` changed since the
+    checkpoint saved ``saved`` (None: a checkpoint from before they were kept: nothing)."""
+    if not saved:
+        return []
+    now = settings_of(cfg)
+    return [f"{k} {saved[k]} -> {now[k]}" for k in COMPARED if k in saved and saved[k] != now[k]]
+
+
+def changed_line(changes: list[str], step: int) -> str | None:
+    """One line for the resume's log (None when nothing changed)."""
+    if not changes:
+        return None
+    return (
+        f"resuming step {step} with settings changed since its checkpoint: "
+        f"{'; '.join(changes)}. The run goes on under the new values; put them back to "
+        "continue it as it was, or start over with trainer.resume_mode=disable"
+    )
+
+
+def saved_settings(checkpoint: Path) -> dict[str, Any] | None:
+    """The settings a checkpoint folder's state file kept (None: none kept, or unreadable:
+    the learner's load says what is wrong with it)."""
+    try:
+        state = json.loads((checkpoint / STATE_FILE).read_text())
+        settings = state["extra"]["settings"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return settings if isinstance(settings, dict) else None
+
+
+def launch_line(cfg: Config) -> str | None:
+    """:func:`changed_line` for a launch under ``cfg`` that resumes its run's last checkpoint
+    (``resume_mode=auto``), said before any role starts; None when it resumes none."""
+    from asyncrl.config.inputs import scan_checkpoints
+    from asyncrl.config.load import run_dir
+
+    if cfg.trainer.resume_mode != "auto":
+        return None
+    found, _ = scan_checkpoints(run_dir(cfg) / "checkpoints")
+    if not found:
+        return None
+    step = max(found)
+    return changed_line(changed_settings(saved_settings(found[step]), cfg), step)
