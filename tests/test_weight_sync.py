@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -138,6 +139,33 @@ def test_forming_a_group_with_a_missing_member_times_out():
 def test_joining_a_store_nobody_hosts_fails_clearly():
     with pytest.raises(WeightSyncError, match="check endpoints.host"):
         open_store("127.0.0.1", free_port(), is_host=False, timeout_s=1)
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as the kernel lists them) of sockets listening at ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux's socket table")
+def test_the_sync_store_listens_at_the_configured_host_only():
+    """torch's store server listens on every interface; the run's listens where
+    ``endpoints.host`` says, as its other ports do (a review read ``*:PORT`` with
+    ``endpoints.host=127.0.0.1``). A second host at the same port fails in one line."""
+    port = free_port()
+    store = open_store("127.0.0.1", port, is_host=True, timeout_s=5)
+    assert _listening_addresses(port) == {"0100007F"}  # 127.0.0.1, nothing wider
+    joined = open_store("127.0.0.1", port, is_host=False, timeout_s=5)
+    joined.set("k", "v")
+    assert store.get("k") == b"v"
+    with pytest.raises(WeightSyncError, match="cannot host the sync store"):
+        open_store("127.0.0.1", port, is_host=True, timeout_s=1)
 
 
 def test_hf_model_receiver_loads_pushed_weights(tiny_model):

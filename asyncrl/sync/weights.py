@@ -147,20 +147,47 @@ def open_store(host: str, port: int, *, is_host: bool, timeout_s: float):
     """The run's rendezvous store: hosted by learner rank 0, joined by every receiver.
 
     Joining waits up to ``timeout_s`` for the host; the host does not wait for anyone.
+    The host listens at ``host`` only, as every other port of the run does: torch's own
+    store server listens on every interface, and the store lists the keys that guard the
+    sync groups.
     """
     # torch documents these store classes but re-exports them without marking them public
     from torch.distributed import TCPStore  # pyright: ignore[reportPrivateImportUsage]
 
     try:
+        fd = _listening_fd(host, port) if is_host else None
         return TCPStore(
-            host, port, None, is_host, timedelta(seconds=timeout_s), wait_for_workers=False
+            host,
+            port,
+            None,
+            is_host,
+            timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=fd,
         )
-    except Exception as e:  # torch raises RuntimeError/DistStoreError subclasses
+    except Exception as e:  # OSError, or torch's RuntimeError/DistStoreError subclasses
         role = "host" if is_host else "reach"
         raise WeightSyncError(
             f"cannot {role} the sync store at {host}:{port} within {timeout_s:.0f}s ({e}); "
             "check endpoints.host/endpoints.sync_store and that the learner is up"
         ) from e
+
+
+def _listening_fd(host: str, port: int) -> int:
+    """A socket listening at ``host:port`` alone, handed over to the store (which closes it
+    with itself)."""
+    import socket
+
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restarted learner's
+        sock.bind(address)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach()
 
 
 def store_prefix(secret: str, generation: str) -> str:
