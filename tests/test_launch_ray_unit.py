@@ -12,7 +12,7 @@ from pathlib import Path
 from asyncrl.config import load_config
 from asyncrl.launch.ray_agent import RoleAgent
 from asyncrl.launch.ray_launcher import Mirror
-from asyncrl.launch.ray_plan import learner_roles, plan_placement
+from asyncrl.launch.ray_plan import drop_local_pins, learner_roles, plan_placement
 from asyncrl.launch.roles import commands_text, plan_roles
 from tests.helpers import wait_until
 
@@ -107,3 +107,18 @@ def test_the_agent_runs_a_role_tree_without_rays_variables_and_stops_it(tmp_path
     for p in tree | {pid}:
         assert not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text()
     agent.close()
+
+
+def test_under_ray_the_local_launchers_core_and_gpu_pins_are_not_applied():
+    """A review planned the roles of the README's Ray example (its config pins rollout-0
+    to GPU 2 and rollout-1 to GPU 3): each server's CUDA_VISIBLE_DEVICES overrode the GPUs
+    Ray had given its bundle."""
+    cfg = _cfg("launch.gpus={learner: [0, 1], rollout: [[2], [3]]}")
+    assert cfg.launch.cpus  # the demo pins cores
+    lines = drop_local_pins(cfg)
+    assert [line.split()[0] for line in lines] == ["launch.cpus", "launch.gpus"]
+    assert cfg.launch.cpus is None and cfg.launch.gpus is None
+    for role in plan_roles(cfg, Path("run/config.yaml")):
+        assert not {"CUDA_VISIBLE_DEVICES", "ASYNCRL_PIN_CPUS"} & set(role.env), role
+        assert role.cpus is None
+    assert drop_local_pins(cfg) == []

@@ -104,6 +104,20 @@ def test_a_network_address_without_authentication_is_refused_with_both_fixes():
         _cfg("endpoints.auth=curve")
 
 
+def test_a_wildcard_or_ipv6_host_is_refused_in_one_line():
+    """``endpoints.host`` is also what every role dials and the servers sync from: a review
+    set 0.0.0.0 (accepted with insecure=true), and the servers were told to sync from
+    their own machine; ::1 passed the check and failed at the bind ("No such device")."""
+    for host in ("0.0.0.0", "*"):
+        with pytest.raises(ConfigError, match="every role dials") as e:
+            _cfg(f"endpoints.host={host}", "endpoints.insecure=true")
+        assert f"endpoints.host={host} " in str(e.value) and "e.g. 10.0.0.5" in str(e.value)
+    for host in ("::1", "fe80::1"):
+        with pytest.raises(ConfigError, match="IPv6 address"):
+            _cfg(f"endpoints.host={host}", "endpoints.insecure=true")
+    assert _cfg("endpoints.host=learner.cluster", "endpoints.insecure=true").endpoints.insecure
+
+
 def test_missing_keys_name_the_command_that_makes_them(tmp_path):
     endpoints = _cfg("endpoints.auth=curve", f"endpoints.keys_dir={tmp_path}").endpoints
     with pytest.raises(SystemExit) as e:

@@ -259,7 +259,9 @@ def _endpoint_problems(cfg: Config) -> list[str]:
     ports["sync_store"] = cfg.endpoints.sync_store
     seen: dict[int, str] = {}
     out = []
-    if (why := exposure_problem(cfg.endpoints)) is not None:
+    if (why := _host_problem(cfg.endpoints.host)) is not None:
+        out.append(why)
+    elif (why := exposure_problem(cfg.endpoints)) is not None:
         out.append(why)
     if cfg.endpoints.auth == "curve" and not cfg.endpoints.keys_dir:
         out.append(
@@ -271,6 +273,31 @@ def _endpoint_problems(cfg: Config) -> list[str]:
             out.append(f"endpoints.{name}={port} is also endpoints.{seen[port]}; give each its own")
         seen[port] = name
     return out
+
+
+def _host_problem(host: str) -> str | None:
+    """``endpoints.host`` is where the coordinator, the buffer and the sync store listen
+    and also the address every other role dials (servers are told to sync from it), so it
+    must be one address the others reach; and the sockets speak IPv4."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address("0.0.0.0" if host == "*" else host.strip("[]"))
+    except ValueError:  # a host name (or ipc://): resolved where it is used
+        return None
+    if ip.is_unspecified:
+        return (
+            f"endpoints.host={host} is the address every role dials and the servers sync "
+            "from, not only where the learner and the buffer listen: give the address of "
+            "the learner's machine that the others reach (e.g. 10.0.0.5), or 127.0.0.1 on one "
+            "machine"
+        )
+    if ip.version == 6:
+        return (
+            f"endpoints.host={host} is an IPv6 address, which the run's sockets do not speak: "
+            "give an IPv4 address, or a host name that resolves to one"
+        )
+    return None
 
 
 def _unknown_roles(key: str, table: dict) -> list[str]:

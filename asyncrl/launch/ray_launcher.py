@@ -333,9 +333,12 @@ def main_ray(cfg: Config) -> int:
 
     from asyncrl.config import run_dir as run_dir_of
     from asyncrl.config import write_resolved
+    from asyncrl.launch.ray_plan import drop_local_pins
     from asyncrl.launch.roles import commands_text, drive, plan_roles
     from asyncrl.net.security import exposure_problem
 
+    for line in drop_local_pins(cfg):
+        log.warning("%s", line)
     # Absolute, so that every node resolves the run directory alike.
     cfg.trainer.default_local_dir = str(Path(cfg.trainer.default_local_dir).resolve())
     run_dir = run_dir_of(cfg)

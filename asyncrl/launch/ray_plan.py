@@ -19,6 +19,23 @@ class Placement:
     gpus_of: dict[str, float]
 
 
+def drop_local_pins(cfg: Config) -> list[str]:
+    """Clear ``launch.cpus`` and ``launch.gpus`` in ``cfg``, one line each for those set:
+    they pin roles to one machine's core and GPU ids (``CUDA_VISIBLE_DEVICES``), which
+    under Ray would override the GPUs Ray gave each role's bundle, or name ids its node
+    lacks."""
+    out = []
+    for kind in ("cpus", "gpus"):
+        if getattr(cfg.launch, kind):
+            out.append(
+                f"launch.{kind} pins roles to one machine's ids; under Ray each role has the "
+                f"CPUs and GPUs Ray gave its bundle (launch.ray.*), so launch.{kind} is not "
+                "applied"
+            )
+            setattr(cfg.launch, kind, None)
+    return out
+
+
 def learner_roles(cfg: Config, roles: list[Role], host: str) -> list[Role]:
     """``roles`` with the learner split over ``launch.ray.learner_nodes`` nodes: one
     ``torchrun`` per node (``trainer.nproc`` ranks each) meeting at ``host``; the extra
