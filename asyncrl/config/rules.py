@@ -259,9 +259,9 @@ def _endpoint_problems(cfg: Config) -> list[str]:
     ports["sync_store"] = cfg.endpoints.sync_store
     seen: dict[int, str] = {}
     out = []
-    if (why := _host_problem(cfg.endpoints.host)) is not None:
-        out.append(why)
-    elif (why := exposure_problem(cfg.endpoints)) is not None:
+    if (why := _host_problem(cfg.endpoints.host)) is not None or (
+        why := exposure_problem(cfg.endpoints)
+    ) is not None:
         out.append(why)
     if cfg.endpoints.auth == "curve" and not cfg.endpoints.keys_dir:
         out.append(

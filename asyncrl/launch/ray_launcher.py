@@ -37,7 +37,13 @@ from typing import Any
 
 from asyncrl.config import Config
 from asyncrl.launch.departures import Departures
-from asyncrl.launch.ray_plan import Placement, learner_roles, plan_placement
+from asyncrl.launch.ray_plan import (
+    Placement,
+    drop_local_pins,
+    learner_roles,
+    plan_placement,
+    unshared_learner_problem,
+)
 from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor
 
 log = logging.getLogger("asyncrl.launch")
@@ -201,6 +207,10 @@ class RaySupervisor(Supervisor):
         except Exception as e:  # the agent died before it answered
             return self._lose(role, f"{type(e).__name__}")
         assert ag.where is not None
+        problem = unshared_learner_problem(role.name, self.placement, ag.where["shared_run_dir"])
+        if problem is not None:
+            log.error("%s", problem)
+            return 2  # a config problem: not restarted, the run stops
         if not ag.where["shared_run_dir"] and ag.mirror is None:
             files = (f"logs/{role.name}.log",) + (MIRRORED if role.name == "learner" else ())
             ag.mirror = Mirror(self.run_dir, files)
@@ -333,7 +343,6 @@ def main_ray(cfg: Config) -> int:
 
     from asyncrl.config import run_dir as run_dir_of
     from asyncrl.config import write_resolved
-    from asyncrl.launch.ray_plan import drop_local_pins
     from asyncrl.launch.roles import commands_text, drive, plan_roles
     from asyncrl.net.security import exposure_problem
 

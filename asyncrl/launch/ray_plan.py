@@ -100,3 +100,20 @@ def plan_placement(cfg: Config, roles: list[Role]) -> Placement:
             bundle_of[role.name], gpus_of[role.name] = len(bundles), rollout_gpus
             bundles.append(bundle(ray_cfg.rollout_cpus, rollout_gpus, "rollout"))
     return Placement(bundles, bundle_of, gpus_of)
+
+
+def unshared_learner_problem(role: str, placement: Placement, shared: bool) -> str | None:
+    """Why ``role``, started on a node that does (``shared``) or does not share the
+    launcher's run directory, cannot run (None: it can). A learner over several nodes
+    saves each checkpoint from every node's ranks into one folder that rank 0 renames
+    whole, so only a run directory on a shared file system puts it together; a node
+    without one would write shards nobody can resume from."""
+    learners = [name for name in placement.bundle_of if name.startswith("learner")]
+    if shared or len(learners) < 2 or role not in learners:
+        return None
+    return (
+        f"{role} runs on a node that does not share the launcher's run directory; a learner "
+        f"over {len(learners)} nodes saves every checkpoint from all of them into one "
+        "folder: put trainer.default_local_dir on a file system the nodes share, or set "
+        "launch.ray.learner_nodes=1"
+    )
