@@ -5,6 +5,8 @@ one line naming the fix."""
 
 from __future__ import annotations
 
+import logging
+
 import pandas as pd
 import pytest
 
@@ -57,15 +59,30 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
     assert problems(f"model.path={model}", val) == []
     assert problems(f"model.path={model}", val, "trainer.test_freq=5") == [
         f"data.val_files: {tmp_path}/val.parquet does not exist: write a task's files with "
-        "`asyncrl-prepare data --task arithmetic --out DIR` (or convert your data to veRL's "
-        "parquet schema)"
+        f"`asyncrl-prepare data --task arithmetic --out {tmp_path}` (or convert your data to "
+        "veRL's parquet schema)"
     ]
+    # The repository's own artifacts name the make target that builds them (a review was
+    # told to build the demo's model without --flatten, the calculator data as arithmetic).
+    monkeypatch.chdir(tmp_path)  # where no artifacts are built
+    made = problems(
+        "model.path=artifacts/models/tiny-agent",
+        "data.train_files=./artifacts/data/calculator/train.parquet",
+    )
+    assert made == [
+        "model.path=artifacts/models/tiny-agent does not exist: build a model there with "
+        "`make agent-artifacts`, or give an existing HF model directory",
+        "data.train_files: ./artifacts/data/calculator/train.parquet does not exist: build it "
+        "with `make agent-artifacts`",
+    ]
+    countdown = problems(f"model.path={model}", f"data.train_files={tmp_path}/countdown/t.parquet")
+    assert f"--task countdown --out {tmp_path}/countdown`" in countdown[0]
     scorer = f"reward.custom_reward_function.path={tmp_path}/score.py"
     assert "score.py does not exist" in problems(f"model.path={model}", scorer)[0]
     assert problems(f"model.path={model}", scorer, needs=(MODEL, DATA)) == []
 
 
-def test_hub_id_offline_without_cached_copy_is_refused(tmp_path, monkeypatch):
+def test_hub_id_offline_without_cached_copy_is_refused(tmp_path, monkeypatch, caplog):
     """A hub id is looked up in the local cache only: offline and not cached, no role could
     load it (they would crash-loop on the download), so the launcher says so first."""
     from asyncrl.config.inputs import MODEL, input_problems
@@ -77,7 +94,10 @@ def test_hub_id_offline_without_cached_copy_is_refused(tmp_path, monkeypatch):
     def problems() -> list[str]:
         return input_problems(load_config(None, ["model.path=Qwen/Qwen2.5-0.5B"]), (MODEL,))
 
-    assert problems() == []  # online: the roles download it
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config.machine"):
+        assert problems() == []  # online: the roles download it, and a line says so
+    (said,) = [r.getMessage() for r in caplog.records if "hub id" in r.getMessage()]
+    assert "every role downloads at its start" in said and "./Qwen/Qwen2.5-0.5B" in said
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     (line,) = problems()
     assert line.startswith("model.path=Qwen/Qwen2.5-0.5B is no local directory and not in")

@@ -97,6 +97,25 @@ def scan_checkpoints(root: Path) -> tuple[dict[int, Path], list[Path]]:
     return {**olds, **complete}, skipped
 
 
+def _data_hint(path: str) -> str:
+    """How to make a missing data file: the make target of the repository's own, else the
+    prepare command for the task its folder names (``.../countdown/train.parquet``)."""
+    from asyncrl.config.machine import make_target
+
+    if (target := make_target(path)) is not None:
+        return f"build it with {target}"
+    folder = Path(path).parent
+    task = next((t for t in PREPARED_TASKS if folder.name.startswith(t)), "arithmetic")
+    return (
+        f"write a task's files with `asyncrl-prepare data --task {task} --out {folder}` (or "
+        "convert your data to veRL's parquet schema)"
+    )
+
+
+#: The tasks ``asyncrl-prepare data --task`` writes.
+PREPARED_TASKS = ("arithmetic", "calculator", "countdown")
+
+
 def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
     """One line per file a role needs (``needs``: :data:`MODEL`, :data:`DATA`,
     :data:`REWARD`, :data:`RESUME`) that is not there; empty when everything is."""
@@ -113,11 +132,7 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
         for key in ("train_files", "val_files") if validating else ("train_files",):
             for f in getattr(cfg.data, key):
                 if not Path(f).expanduser().exists():
-                    problems.append(
-                        f"data.{key}: {f} does not exist: write a task's files with "
-                        "`asyncrl-prepare data --task arithmetic --out DIR` (or convert your "
-                        "data to veRL's parquet schema)"
-                    )
+                    problems.append(f"data.{key}: {f} does not exist: {_data_hint(f)}")
         if not problems:
             problems += _column_problems(cfg, validating)
         if not problems:

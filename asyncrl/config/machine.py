@@ -6,15 +6,19 @@ gathers them before anything starts.
 A model path shaped like a hub id (``name`` or ``org/name``) that is not a local directory
 is looked up in the local HF cache only, never on the network: with ``HF_HUB_OFFLINE`` (or
 ``TRANSFORMERS_OFFLINE``) set, a model missing from the cache is a config error; otherwise
-the roles download it (a machine that reaches a hub).
+the roles download it (a machine that reaches a hub), and a warning says so: a relative
+folder mistyped as ``models/tiny`` reads as a hub id too.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from asyncrl.config.schema import Config
+
+log = logging.getLogger(__name__)
 
 #: What a model directory's weights are saved as (one of them must be there).
 WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json")
@@ -49,11 +53,32 @@ def model_problem(path: str) -> str | None:
         )
     if looks_like_hub_id(path):
         return _hub_problem(path)
+    build = make_target(path) or f"`asyncrl-prepare model --name tiny --out {path}`"
     return (
-        f"model.path={path} does not exist: build a model there with "
-        f"`asyncrl-prepare model --name tiny --out {path}`, or give an existing HF model "
-        "directory"
+        f"model.path={path} does not exist: build a model there with {build}, or give an "
+        "existing HF model directory"
     )
+
+
+#: The repository's own artifacts and the make target that builds each (the demos' models
+#: are trained to a start GRPO can learn from: see the README's "Models" section).
+MADE_BY = {
+    "artifacts/models/tiny": "make artifacts",
+    "artifacts/models/tiny-demo": "make demo-artifacts",
+    "artifacts/models/tiny-agent": "make agent-artifacts",
+    "artifacts/data/arithmetic": "make demo-artifacts",
+    "artifacts/data/calculator": "make agent-artifacts",
+}
+
+
+def make_target(path: str) -> str | None:
+    """```make <target>``` when ``path`` (a model folder, or a data file or its folder) is
+    one of the repository's artifacts (:data:`MADE_BY`), else None."""
+    rel = Path(path).as_posix().removeprefix("./")
+    for made, target in MADE_BY.items():
+        if rel == made or rel.startswith(made + "/"):
+            return f"`{target}`"
+    return None
 
 
 def cores_problem(cfg: Config) -> str | None:
@@ -111,11 +136,18 @@ def _hub_problem(repo_id: str) -> str | None:
     """Why hub model ``repo_id`` cannot load on this machine: offline with no cached copy.
     Online, or cached, it is left to the roles (no network call here)."""
     offline = _hub_offline()
-    if offline is None:
-        return None
     # A cached snapshot holds the model's config.json (models--org--name/snapshots/<rev>/).
     snapshots = _hub_cache() / f"models--{repo_id.replace('/', '--')}" / "snapshots"
     if any(snapshots.glob("*/config.json")):
+        return None
+    if offline is None:  # the roles download it: said, as a mistyped folder reads alike
+        log.warning(
+            "model.path=%s is no folder here and not in the HF cache: read as a hub id, which "
+            "every role downloads at its start. A local folder is written ./%s; a machine "
+            "without network needs HF_HUB_OFFLINE=1 and a downloaded copy",
+            repo_id,
+            repo_id,
+        )
         return None
     return (
         f"model.path={repo_id} is no local directory and not in the HF cache ({_hub_cache()}),"
