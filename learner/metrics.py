@@ -118,8 +118,8 @@ def rollout_summary(servers: Mapping[str, Mapping[str, float]]) -> dict[str, flo
     if not reports:
         return {}
     out = {"rollout/tokens_per_s": sum(m.get("rollout/tokens_per_s", 0.0) for m in reports)}
-    # Cumulative totals over the servers: rates and waits over any window come from their
-    # differences (the benchmarks' steady-state figures).
+    # Totals over the servers, cumulative but for ``inflight``: rates and waits over any
+    # window come from their differences (the benchmarks' steady-state figures).
     totals = (
         "tokens",
         "task_wait_s",
@@ -132,6 +132,12 @@ def rollout_summary(servers: Mapping[str, Mapping[str, float]]) -> dict[str, flo
         "filter_metric_unknown",
         "reward_errors",
         "prompts_truncated",
+        "groups",
+        "task_errors",
+        "prompts_filtered_too_long",
+        "push_wait_s",
+        "resubmitted",
+        "inflight",  # now, not cumulative: responses in flight over the servers
     )
     for key in (f"rollout/{k}" for k in totals):
         out[key] = sum(m.get(key, 0.0) for m in reports)

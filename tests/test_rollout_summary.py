@@ -21,6 +21,8 @@ def test_counters_are_summed_fractions_averaged_and_agent_counters_kept():
             "rollout/agent/tool_errors/timeout": 2.0,
             "rollout/openai/groups_pushed": 3.0,
             "rollout/tokens_by_version/7": 10.0,  # a server's own detail: not summed
+            "rollout/task_errors": 2.0,
+            "rollout/inflight": 16.0,
         },
         "r1": {
             "rollout/tokens_per_s": 50.0,
@@ -28,6 +30,9 @@ def test_counters_are_summed_fractions_averaged_and_agent_counters_kept():
             "rollout/wait_fraction": 0.4,
             "rollout/gc_frozen_objects": 0.0,
             "rollout/agent/tool_errors/timeout": 1.0,
+            "rollout/task_errors": 1.0,
+            "rollout/inflight": 8.0,
+            "rollout/resubmitted": 4.0,
         },
         "r2": {},  # no heartbeat yet: not counted
     }
@@ -38,5 +43,8 @@ def test_counters_are_summed_fractions_averaged_and_agent_counters_kept():
     assert out["rollout/agent/tool_errors/timeout"] == 3.0
     assert out["rollout/openai/groups_pushed"] == 3.0
     assert out["rollout/servers_reporting"] == 2
+    # Failed tasks and resumed responses reached only the servers' logs before.
+    assert (out["rollout/task_errors"], out["rollout/inflight"]) == (3.0, 24.0)
+    assert (out["rollout/resubmitted"], out["rollout/prompts_filtered_too_long"]) == (4.0, 0.0)
     assert not any(k.startswith("rollout/tokens_by_version") for k in out)
     assert rollout_summary({"r0": {}}) == {}
