@@ -54,6 +54,7 @@ from rollout_servers.endpoint_turns import EndpointTurns
 from rollout_servers.openai_completions import raw_max_tokens, raw_prompt_ids
 from rollout_servers.openai_http import (
     MAX_BODY,
+    advertised_host,
     api_errors,
     earlier_port,
     read_json,
@@ -140,7 +141,8 @@ class OpenAIEndpoint:
                 self._url_file(),
             )
         port = self._runner.addresses[0][1]
-        self.url = f"http://{oe.host}:{port}/v1"
+        host = advertised_host(oe.host, self.cfg.endpoints.host)
+        self.url = f"http://{host}:{port}/v1"
         write_url(self._url_file(), self.server_id, self.url)
         self.groups.start()
         log.info("%s serves the OpenAI API at %s", self.server_id, self.url)

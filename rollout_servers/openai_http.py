@@ -105,3 +105,25 @@ def write_url(path: Path, server_id: str, url: str) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"server_id": server_id, "base_url": url}) + "\n")
     tmp.replace(path)  # an agent polling for the file never reads half of it
+
+
+def advertised_host(bind_host: str, peer_host: str) -> str:
+    """The host an agent's URL names for an endpoint bound at ``bind_host``: that address,
+    or for a wildcard (``0.0.0.0``, ``::``) this machine's address on the route to
+    ``peer_host`` (``endpoints.host``, the learner's machine), which a wildcard URL
+    (``http://0.0.0.0:PORT``) does not name. A UDP socket's connect sends nothing."""
+    import ipaddress
+    import socket
+
+    try:
+        wildcard = ipaddress.ip_address(bind_host).is_unspecified
+    except ValueError:  # a host name: it names itself
+        return bind_host
+    if not wildcard:
+        return bind_host
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer_host, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return socket.gethostname()

@@ -264,3 +264,34 @@ def test_a_restarted_server_serves_where_its_earlier_life_did(tmp_path, caplog):
 
     with caplog.at_level(logging.WARNING):
         asyncio.run(main())
+
+
+def test_an_endpoint_listening_on_every_interface_names_a_reachable_address(tmp_path):
+    """A review: with ``rollout.openai_endpoint.host=0.0.0.0`` (the one setting that works
+    for servers on several machines) every URL file said ``http://0.0.0.0:PORT/v1``. The URL
+    now names the server's address on the route to ``endpoints.host``."""
+    from rollout_servers.openai_http import advertised_host
+
+    assert advertised_host("0.0.0.0", "127.0.0.1") == "127.0.0.1"
+    assert advertised_host("10.1.2.3", "127.0.0.1") == "10.1.2.3"  # a bound address names itself
+    assert advertised_host("gen-node-3", "127.0.0.1") == "gen-node-3"
+    cfg = endpoint_config(
+        f"trainer.default_local_dir={tmp_path}",
+        "rollout.openai_endpoint.enable=true",
+        "rollout.openai_endpoint.host=0.0.0.0",
+        "endpoints.insecure=true",
+    )
+    settings = SamplingSettings.from_config(cfg)
+    parts = (ReplyEngine(), CharTokenizer(), OneSlotClient(), None, settings)
+
+    async def main() -> str:
+        endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
+        url = await endpoint.start()
+        try:
+            async with aiohttp.ClientSession() as http, http.get(url + "/models") as reply:
+                assert reply.status == 200, await reply.text()  # the URL serves
+        finally:
+            await endpoint.stop()
+        return url
+
+    assert asyncio.run(main()).startswith("http://127.0.0.1:")
