@@ -114,6 +114,8 @@ def test_verl_layout_in_yaml(tmp_path):
         ("trainer.logger=[console,tensorboard]", "trainer.logger.1: input should be"),
         ("staleness.max_policy_lag=-1", "staleness.max_policy_lag: input should be greater"),
         ("data.train_files={a: 1}", "data.train_files: input should be a valid list"),
+        # An empty name made the project's folder the run directory.
+        ("trainer.experiment_name=", "trainer.experiment_name: string should have at least"),
     ],
 )
 def test_bad_keys_and_types_name_the_key(override, expected):

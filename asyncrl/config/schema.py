@@ -282,8 +282,12 @@ class TrainerConfig(Section):
         default_factory=lambda: ["console", "jsonl"],
         description="Metric sinks (<run dir>/metrics.jsonl is written either way).",
     )
-    project_name: str = Field(default="asyncrl", description="wandb project; run dir component.")
-    experiment_name: str = Field(default="demo", description="wandb run name; run dir component.")
+    project_name: str = Field(
+        default="asyncrl", min_length=1, description="wandb project; run dir component."
+    )
+    experiment_name: str = Field(
+        default="demo", min_length=1, description="wandb run name; run dir component."
+    )
     default_local_dir: str = Field(
         default="runs",
         description="Run directory root: <this>/<project_name>/<experiment_name> (this "
