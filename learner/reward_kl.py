@@ -87,7 +87,18 @@ class RewardKL:
         """A checkpoint's ``extra`` with the coefficient (adaptive: it moved in the run)."""
         return {**(extra or {}), REWARD_KL_KEY: self.ctrl.value}
 
-    def restore(self, extra: dict) -> None:
-        """The coefficient from a checkpoint's ``extra``, when it holds one."""
-        if REWARD_KL_KEY in extra:
-            self.ctrl.value = float(extra[REWARD_KL_KEY])
+    def restore(self, extra: dict) -> str | None:
+        """The adaptive coefficient from a checkpoint's ``extra``, where it had moved; a
+        fixed one stays the config's (a resume that changes ``kl_ctrl.kl_coef`` trains with
+        the new value, as with any fixed setting). Returns a line for the log when the
+        config's starting value is not the one resumed."""
+        if REWARD_KL_KEY not in extra or self.ctrl.kind != "adaptive":
+            return None
+        saved, start = float(extra[REWARD_KL_KEY]), self.ctrl.value
+        self.ctrl.value = saved
+        if saved == start:
+            return None
+        return (
+            f"the adaptive KL-in-reward coefficient resumes at {saved:.6g}, where the run had "
+            f"moved it (algorithm.kl_ctrl.kl_coef={start:g} is where a new run starts)"
+        )

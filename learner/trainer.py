@@ -427,7 +427,9 @@ class Trainer:
                 if self.rank == 0:
                     log.warning("resumed with %s: training on with it", change)
         if self.reward_kl is not None:
-            self.reward_kl.restore(meta.extra)
+            said = self.reward_kl.restore(meta.extra)
+            if said is not None and self.rank == 0:
+                log.info("%s", said)
         return meta.extra
 
 

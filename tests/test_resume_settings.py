@@ -96,3 +96,23 @@ def test_the_learner_says_it_when_it_loads_the_checkpoint(tmp_path, caplog):
         assert bool(lines) == said, lines
         if said:
             assert f"actor.optim.lr {saved['actor.optim.lr']} -> 3e-06" in lines[0]
+
+
+def test_a_fixed_kl_coefficient_is_the_configs_after_a_resume():
+    """A review resumed a run saved at ``kl_ctrl.kl_coef=0.05`` (fixed) with 0.2 and kept
+    training at 0.05: the checkpoint's coefficient overrode the config. Only an adaptive
+    coefficient, which the run moved, is resumed (and said, when it is not the config's)."""
+    from learner.checkpoint import REWARD_KL_KEY
+    from learner.reward_kl import RewardKL
+
+    def reward_kl(*overrides: str) -> RewardKL:
+        base = ["algorithm.use_kl_in_reward=true", "algorithm.adv_estimator=reinforce_plus_plus"]
+        return RewardKL(load_config(None, [*base, *overrides]), world_size=1)
+
+    fixed = reward_kl("algorithm.kl_ctrl.kl_coef=0.2")
+    assert fixed.restore({REWARD_KL_KEY: 0.05}) is None and fixed.ctrl.value == 0.2
+    adaptive = reward_kl("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.2")
+    said = adaptive.restore({REWARD_KL_KEY: 0.0513})
+    assert adaptive.ctrl.value == 0.0513
+    assert said is not None and "resumes at 0.0513" in said and "kl_coef=0.2" in said
+    assert reward_kl("algorithm.kl_ctrl.type=adaptive").restore({}) is None  # none saved
