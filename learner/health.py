@@ -99,6 +99,23 @@ class HealthMonitor:
                 self.counts[rule] = self.counts.get(rule, 0) + 1
         return alarms
 
+    def state_dict(self) -> dict[str, Any]:
+        """The history the rules judge by (windows, streaks) and the counts, for the
+        checkpoint: a collapse or a streak that spans a learner restart is still seen."""
+        return {
+            "entropies": list(self.entropies),
+            "norms": list(self.norms),
+            "counts": dict(self.counts),
+            "streaks": dict(self.streaks),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s data (a key a checkpoint lacks starts empty)."""
+        self.entropies.extend(float(x) for x in state.get("entropies", []))
+        self.norms.extend(float(x) for x in state.get("norms", []))
+        self.counts.update({str(k): int(v) for k, v in state.get("counts", {}).items()})
+        self.streaks.update({str(k): int(v) for k, v in state.get("streaks", {}).items()})
+
     def metrics(self) -> dict[str, float]:
         """``health/<rule>``: alarms so far, every rule (0 when it never fired)."""
         return {f"health/{rule}": float(self.counts.get(rule, 0)) for rule in RULES}

@@ -88,6 +88,7 @@ class LearnerLoop:
         self.total = total_training_steps(cfg)
         self.trainer = Trainer(cfg, total_steps=self.total)
         self.new_run = True  # set by _restore: whether this start begins a new run here
+        self.saved_health: dict[str, Any] = {}  # set by _restore: the alarms' history
         self.restored = self._restore()
         self._mark("model_ready")
         self.control: ControlPeer = self._control_plane()
@@ -96,6 +97,7 @@ class LearnerLoop:
         self.last_batch_session = self.restored.last_batch_session
         self.unacked: list[BatchRef] = []  # batches trained on since the last checkpoint
         self.health = HealthMonitor(cfg.trainer.health)
+        self.health.load_state_dict(self.saved_health)
         self.stopped_by: Alarm | None = None  # the alarm that ended the run (action: stop)
 
     # ------------------------------------------------------------------ main loop
@@ -110,6 +112,12 @@ class LearnerLoop:
             # push: one older than the checkpoint, or, after a restart without one, a
             # server that outlived the previous learner with weights nobody has any more.
             self.control.resume(self.trainer.full_state_for_push())
+            # The coordinator may have gone on above the checkpoint's version (servers and
+            # a buffer that outlived a learner with no checkpoint): count from there, or
+            # lags read negative and a checkpoint before the first push saves a version
+            # below the coordinator's.
+            version = self.control.version(self.trainer.policy_version)
+            self.trainer.policy_version = _broadcast_int(version, self.trainer)
             with startup.startup_heap_frozen():
                 while self.trainer.step < self.total and self._one_step():
                     pass
@@ -271,6 +279,7 @@ class LearnerLoop:
             "last_batch_id": self.last_batch_id,
             "last_batch_session": self.last_batch_session,
             "settings": settings_of(self.cfg),  # what a resume compares its own with
+            "health": self.health.state_dict(),
             **self.control.checkpoint_extra(self.trainer.step),
         }
         self.trainer.save(self.run_dir, extra=extra)
@@ -334,6 +343,7 @@ class LearnerLoop:
             raise ConfigError([unloadable_line(Path(path), e)]) from e
         if mode == "resume_path" and not self.new_run and self.trainer.rank == 0:  # a rewind
             self._abandon_later(Path(path))
+        self.saved_health = extra.get("health") or {}
         changes = changed_settings(extra.get("settings"), self.cfg)
         if self.trainer.rank == 0 and (line := changed_line(changes, self.trainer.step)):
             log.warning("%s", line)

@@ -127,3 +127,29 @@ def test_a_slow_fall_of_the_entropy_is_learning_not_a_collapse():
     fast = _health()
     fired = [fast.check({"actor/entropy": 3.0 * 0.1 ** (s / 9)}) for s in range(12)]
     assert [a.rule for alarms in fired for a in alarms][:1] == ["entropy_collapse_frac"]
+
+
+def test_a_collapse_and_a_streak_that_span_a_learner_restart_still_alarm():
+    """A review: every learner start built a fresh monitor, so an entropy collapse begun
+    before a restart never alarmed, streaks started over and ``health/*`` read 0. The
+    monitor's history is in the checkpoint (as plain data, through JSON)."""
+    import json
+
+    steps = [{"actor/entropy": 3.0}] * 8 + [{"actor/entropy": 0.2}] * 5
+    straight = HealthMonitor(load_config(None, []).trainer.health)  # patience 3
+    fired_straight = [bool(straight.check(m)) for m in steps]
+    assert True in fired_straight
+    before = HealthMonitor(load_config(None, []).trainer.health)
+    for m in steps[:9]:  # the fall has begun: one step of its streak
+        before.check(m)
+    after = HealthMonitor(load_config(None, []).trainer.health)
+    after.load_state_dict(json.loads(json.dumps(before.state_dict())))
+    fired = [bool(after.check(m)) for m in steps[9:]]
+    assert fired == fired_straight[9:]
+    assert after.metrics() == straight.metrics()
+    fresh = HealthMonitor(load_config(None, []).trainer.health)  # as before the fix
+    assert not any(fresh.check(m) for m in steps[9:])
+    assert after.state_dict() == straight.state_dict()
+    empty = HealthMonitor(load_config(None, []).trainer.health)
+    empty.load_state_dict({})  # a checkpoint from before it kept them
+    assert empty.state_dict()["entropies"] == []
