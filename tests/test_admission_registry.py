@@ -192,6 +192,13 @@ def test_a_restored_state_adopts_what_servers_and_buffer_hold_and_redeals_the_re
     restarted.load_state_dict(saved)
     restarted.versions.set_replay(0)  # the learner replays nothing: a higher version is a new one
     assert restarted.ledger.committed == 1  # what was outstanding is queued, not charged
+    # The run's event totals go on from the checkpoint's (a review found them back at 0,
+    # the final accounting line's "prompts out of lag retries" among them).
+    assert (restarted.ledger.counts["train_dealt"], restarted.ledger.counts["train_acked"]) == (
+        3,
+        1,
+    )
+    assert restarted.counts["registrations"] == 1
     restarted.register(m.Register(server_id="b", engine_world_size=0), now=1.0)
     assert restarted.grant("b", 4, 1.1).reason == "starting"  # "a" and the buffer first
     held_by_a = [tasks[1].task_id, later[1].task_id]

@@ -32,6 +32,9 @@ def save_ledger(ledger: TaskLedger) -> dict[str, Any]:
         },
         "redeal": list(ledger.redeal),
         "dealt": dict(ledger.dealt),
+        # Counters of events (coordinator/tasks/*, refunds by cause): a run's totals.
+        "counts": dict(ledger.counts),
+        "refunded": dict(ledger.refunded),
         "external_serial": ledger.external_serial,
         # The sessions of this line, whose external slots a restored ledger takes back.
         "sessions": (
@@ -65,3 +68,6 @@ def load_ledger(ledger: TaskLedger, state: dict[str, Any]) -> None:
     ledger.redeal.extend(sorted(queued, key=lambda t: order.get(t, -1)))
     if "dealt" in state:  # restore the count kept apart from the states
         ledger.dealt = Counter({k: int(v) for k, v in state["dealt"].items()})
+    # Absent from checkpoints made before they were kept: they count from the resume.
+    ledger.counts.update({k: int(v) for k, v in state.get("counts", {}).items()})
+    ledger.refunded.update({k: int(v) for k, v in state.get("refunded", {}).items()})

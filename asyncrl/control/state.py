@@ -415,6 +415,7 @@ class ControlState:
             "last_val_step": self.validation.last_val_step,
             "servers": sorted(self.servers),
             "group_filter": self.group_filter.state_dict(),
+            "counts": dict(self.counts),  # coordinator/<event> totals of the run
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -427,6 +428,7 @@ class ControlState:
         self.recovery.restored(list(state.get("servers", [])))
         if "group_filter" in state:  # saved before it: counts start again
             self.group_filter.load_state_dict(state["group_filter"])
+        self.counts.update({k: int(v) for k, v in state.get("counts", {}).items()})
         # Dealing had started in the saved session: min_servers_to_start is a start-up rule,
         # and after a scale-down it may never be met again.
         self.started = True
