@@ -196,7 +196,11 @@ class AgentRunner:
                     s.max_prompt_len,
                 )
             self.metrics["rollout/agent/prompts_truncated"] += 1
-        ep = Episode(pieces=[Piece(prompt_ids=prompt[-s.max_prompt_len :])], messages=messages)
+        # The version now, as a split's sample starts: a first turn that times out samples
+        # nothing, and its empty sample would date the whole group to version 0 (dropped
+        # for lag).
+        first = Piece(prompt_ids=prompt[-s.max_prompt_len :], start_version=self.engine.version)
+        ep = Episode(pieces=[first], messages=messages)
         deadline = time.monotonic() + s.episode_timeout_s
         while True:
             piece = ep.pieces[-1]
@@ -262,7 +266,7 @@ class AgentRunner:
             wait_s = max(0.0, deadline - time.monotonic())
             try:
                 results = await self.tools.call_many_async(calls, kwargs, wait_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
                 return "timeout"
             for r in results:
                 if r.error:

@@ -287,7 +287,7 @@ class RolloutEngine:
             return 0.0
         start, ended = time.monotonic(), self._syncs_ended
         async with self._synced:
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11 on
                 await asyncio.wait_for(
                     self._synced.wait_for(
                         lambda: self.version >= version or self._syncs_ended > ended

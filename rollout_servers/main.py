@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.cli import parse_role_args
@@ -246,13 +247,7 @@ async def serve(cfg: Config, server_id: str) -> int:
         with startup.startup_heap_frozen():
             code = await server.run()
     finally:
-        if not client.gone.is_set():
-            await asyncio.to_thread(client.leave, "stopped")
-        client.close()
-        # Groups still queued for a buffer that is gone too (the run ends) cannot leave; a
-        # live one takes them in far less. (The default 10 s made a stopped server overrun
-        # the launcher's 15 s grace, then SIGKILL.) One lost is dealt again (an audit).
-        pusher.close(linger_s=STOP_LINGER_S)
+        await _leave_and_close(client, pusher)
         pool.close()
         if tools is not None:
             tools.close()
@@ -261,6 +256,25 @@ async def serve(cfg: Config, server_id: str) -> int:
             shutil.rmtree(engine.adapters.root, ignore_errors=True)
     log.info("%s exits %d: %s", server_id, code, server.snapshot())
     return code
+
+
+async def _leave_and_close(client: Any, pusher: Any) -> None:
+    """Tell the coordinator this server leaves (unless it is gone), then close the client
+    and the pusher.
+
+    The leave runs on a thread of its own: pushes blocked by a buffer that does not read
+    hold asyncio's default executor, and free its threads only when the pusher closes, so a
+    leave queued behind them would wait for good (the server hung until killed, its Leave
+    never sent)."""
+    if not client.gone.is_set():
+        with ThreadPoolExecutor(1, thread_name_prefix="leave") as own:
+            await asyncio.get_running_loop().run_in_executor(own, client.leave, "stopped")
+    client.close()
+    # Groups still queued for a buffer that is gone too (the run ends) cannot leave; a
+    # live one takes them in far less. (The default 10 s made a stopped server overrun
+    # the launcher's 15 s grace, then SIGKILL.) One lost is dealt again (an audit). Blocked
+    # pushes give up within a second of the close.
+    pusher.close(linger_s=STOP_LINGER_S)
 
 
 def _endpoint(

@@ -29,6 +29,7 @@ from asyncrl.control.messages import SyncStart, Task
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import CONFIG_ERROR
 from asyncrl.net.transport import RequestRefused
+from asyncrl.sandbox.workers import PoolBroken
 from asyncrl.sync.probe import probe_ids
 from asyncrl.sync.weights import store_prefix
 from rollout_servers.agent import AgentRunner
@@ -105,8 +106,12 @@ class RolloutServer:
         if endpoint is not None:
             endpoint.groups.on_pushed, endpoint.groups.lanes = self.stats.count_group, self.lanes
         client.held_tasks = self._held_ids  # said at (re-)registration
-        self.generation = ""  # the sync group this engine's workers are in
-        self.fatal = ""  # why this server cannot go on (its engine died): exit, be restarted
+        # The sync group this engine's workers are in, with the coordinator session that
+        # formed it: a restarted learner numbers its groups from its checkpoint's sync ids.
+        self.generation: tuple[str, str] = ("", "")
+        # Why this server cannot go on (its engine died, its reward or tool workers cannot
+        # be replaced): it exits 4, to be restarted.
+        self.fatal = ""
 
     # ----------------------------------------------------------------- main loop
     async def run(self) -> int:
@@ -265,7 +270,11 @@ class RolloutServer:
             raise
         except Exception as e:  # one bad task must not stop the server
             self.metrics["rollout/task_errors"] += 1
-            if isinstance(e, PromptTooLong):  # the message names the fix; no traceback
+            if isinstance(e, PoolBroken):
+                # Every task would fail alike: exit to be restarted with fresh workers (the
+                # stop's log line names the cause).
+                self.fatal = self.fatal or str(e)
+            elif isinstance(e, PromptTooLong):  # the message names the fix; no traceback
                 log.error("task %s: %s", task.task_id, e)
             elif type(e).__name__ == "EngineDeadError" or self.client.shutdown.is_set():
                 # The engine's own log has the cause (or the server is stopping, and the
@@ -294,7 +303,7 @@ class RolloutServer:
     def _join(self, start: SyncStart) -> SyncJoin | None:
         """The group to join before receiving ``start``'s weights: None when this engine's
         workers are in its group already."""
-        if start.generation == self.generation:
+        if (start.session, start.generation) == self.generation:
             return None
         reg = self.client.registered
         if reg is None:  # sync starts come in heartbeat answers, after registration
@@ -316,12 +325,12 @@ class RolloutServer:
                 start.version, start.plan, join=join, timeout_s=start.timeout_s
             )
         except Exception as e:  # the coordinator drops us from the group; we catch up later
-            self.generation = ""
+            self.generation = ("", "")
             log.warning("sync to version %d failed: %s", start.version, e)
             self._check_engine(e, was_partial)
             await self.lanes.sync(self.client.sync_done, start, False, f"{type(e).__name__}: {e}")
             return
-        self.generation = start.generation
+        self.generation = (start.session, start.generation)
         probe = await self._probe()
         report = functools.partial(self.client.sync_done, probe=probe)
         await self.lanes.sync(report, start, True, "", stats["seconds"])

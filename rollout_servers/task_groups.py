@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, TypeVar
 
 from asyncrl.rewards import ScoreJob, ScoreResult
 from asyncrl.wire import Trajectory
@@ -39,6 +40,23 @@ if TYPE_CHECKING:
     from rollout_servers.server_stats import ServerStats
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
+    """The results of ``aws`` in order; the first to raise cancels the others, and they have
+    ended when it is raised here. ``asyncio.gather`` leaves them running: a group whose one
+    sample failed was reported failed and its slots freed while the rest still generated
+    in the engine. (``asyncio.TaskGroup`` does this from Python 3.11 only.)"""
+    tasks = [asyncio.ensure_future(aw) for aw in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:  # a sibling's failure, or this task's own cancellation
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 class TaskGroups:
@@ -85,7 +103,7 @@ class TaskGroups:
         prompt = self._prompt_ids(task)
         if prompt is None:  # too long, filtered: nothing to generate
             return [], [], []
-        samples = await asyncio.gather(
+        samples = await gather_or_cancel(
             *[
                 self.engine.generate(
                     prompt,
@@ -100,14 +118,14 @@ class TaskGroups:
         group = build_group(
             task, prompt, samples, scores, server_id=self.server_id, created_at=created
         )
-        return group, list(samples), scores
+        return group, samples, scores
 
     async def _episodes(
         self, task: Task, agent: AgentRunner, created: float
     ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
         """Run and score ``task.n`` episodes; the group (one trajectory per sample) and,
         to count, each episode as one sample of its tokens."""
-        episodes = await asyncio.gather(*[agent.episode(task, i) for i in range(task.n)])
+        episodes = await gather_or_cancel(*[agent.episode(task, i) for i in range(task.n)])
         texts = [ep.text(self.tok) for ep in episodes]
         samples = episode_samples(episodes)
         scores = await self._score(task, texts, budget_lengths(episodes))

@@ -52,6 +52,12 @@ MAX_LOGGED = 20  # different failures logged in full; every one is counted
 _STOP_GRACE_S = 1.0  # how long a worker may take to exit before it is killed
 
 
+class PoolBroken(RuntimeError):
+    """A pool that lost a worker it could not replace: every call fails from then on, so
+    its owner should stop and be restarted rather than fail each job (the message names
+    the start-up error)."""
+
+
 def describe_exception(exc: BaseException) -> str:
     """``"Type: message"``, cut to :data:`MAX_MESSAGE_CHARS`; what the caller hears of a raise."""
     return f"{type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]
@@ -180,8 +186,9 @@ class WorkerPool:
 
     :meth:`run` waits for an idle worker, sends it the job and waits at most ``timeout_s``
     for the answer. A worker that times out or dies is killed and replaced in the
-    background, so the pool keeps its size. :meth:`record` counts a failure by kind and
-    logs it once with its fix, so the layers on top report failures the same way.
+    background, so the pool keeps its size; a successor that fails to start breaks the
+    pool (every later call raises :class:`PoolBroken`). :meth:`record` counts a failure by
+    kind and logs it once with its fix, so the layers on top report failures the same way.
     """
 
     def __init__(
@@ -270,7 +277,8 @@ class WorkerPool:
             detail (``None``, the exit code, or the exception's message).
 
         Raises:
-            RuntimeError: The pool is closed or can no longer start workers.
+            RuntimeError: The pool is closed.
+            PoolBroken: The pool can no longer start workers.
         """
         for _ in range(self.num_workers + 1):  # every worker may have died while idle
             worker = self._acquire()
@@ -347,10 +355,16 @@ class WorkerPool:
     def _acquire(self) -> Worker:
         if self._closed:
             raise RuntimeError(f"{self.name} is closed")
+        # Broken, the pool fails every call at once, not only those that meet the None in
+        # the queue: a caller that sees some jobs pass would never learn to give up.
+        if self._broken is not None:
+            raise PoolBroken(self._broken)
         worker = self._idle.get()
         if worker is None:
             self._idle.put(None)  # wake the next waiter too
-            raise RuntimeError(self._broken or f"{self.name} is closed")
+            if self._broken is not None and not self._closed:
+                raise PoolBroken(self._broken)
+            raise RuntimeError(f"{self.name} is closed")
         return worker
 
     def _replace(self, worker: Worker) -> None:
