@@ -150,7 +150,13 @@ class ControlClient(Protocol):
         """One external training slot (the OpenAI endpoint's groups), answered at once."""
         ...
 
-    def ack(self, task_ids: list[str], attempts: int = 3, filtered: bool = False) -> object:
+    def ack(
+        self,
+        task_ids: list[str],
+        attempts: int = 3,
+        filtered: bool = False,
+        prompt_too_long: bool = False,
+    ) -> object:
         """Report tasks whose groups were pushed whole (``filtered``: dropped here by the
         group filter)."""
         ...

@@ -255,9 +255,8 @@ class RolloutServer:
                     log.warning("%s", note)
             if not group or filtered_out(task, scores, metric):
                 # never pushed: the coordinator frees its budget and deals a fresh prompt
-                await self.lanes.control(
-                    functools.partial(self.client.ack, filtered=True), [task.task_id]
-                )
+                ack = functools.partial(self.client.ack, filtered=True, prompt_too_long=not group)
+                await self.lanes.control(ack, [task.task_id])
                 self.metrics["rollout/groups_filtered"] += bool(group)
                 pushed = True  # reported: not a failure to deal again
                 return

@@ -244,6 +244,7 @@ class FilteringClient(StandInClient):
         super().__init__(tasks)
         self.agent, self.on = agent, on
         self.filtered: list[str] = []
+        self.too_long: list[str] = []
 
     def request_tasks(self, max_tasks: int | None = None) -> m.TaskGrant:
         grant = super().request_tasks(max_tasks)
@@ -251,9 +252,17 @@ class FilteringClient(StandInClient):
         tasks = [msgspec.structs.replace(t, filter=self.on, agent_name=name) for t in grant.tasks]
         return m.TaskGrant(tasks=tasks, policy_version=0)
 
-    def ack(self, task_ids: list[str], attempts: int = 3, filtered: bool = False) -> object:
+    def ack(
+        self,
+        task_ids: list[str],
+        attempts: int = 3,
+        filtered: bool = False,
+        prompt_too_long: bool = False,
+    ) -> object:
         if filtered:
             self.filtered += task_ids
+        if prompt_too_long:
+            self.too_long += task_ids
         return super().ack(task_ids)
 
 
@@ -342,6 +351,22 @@ def test_a_prompt_over_the_limit_is_dropped_at_the_server(monkeypatch):
     limits = ["data.max_prompt_length=2", "data.filter_overlong_prompts=true"]
     pusher = _run_server(client, limits)
     assert len(client.filtered) == 4 and pusher.groups == []
+    assert client.too_long == client.filtered  # said apart from the group filter's drops
+
+
+def test_a_prompt_dropped_as_too_long_is_no_verdict_of_the_group_filter():
+    """A review: prompts dropped by data.filter_overlong_prompts were acknowledged as the
+    group filter's drops, so they counted toward max_num_gen_batches (switching the filter
+    off early) and raised the prompts' skip streaks. Accounted alike, judged not."""
+    run = _filtering_run(1)
+    grant = run.st.grant("s", 2, 0.0)
+    (long, alike) = [t.task_id for t in grant.tasks]
+    run.st.ack("s", [long], 0.0, filtered=True, prompt_too_long=True)
+    gf = run.st.group_filter
+    assert (gf.since_step, gf.total) == (0, 0) and gf.active
+    run.st.ack("s", [alike], 0.0, filtered=True)
+    assert (gf.since_step, gf.total) == (1, 1)
+    assert run.acct()["accounting/train/dropped/filtered"] == 2
 
 
 def test_overlong_shaping_measures_a_split_episode_by_its_longest_sample(monkeypatch, nap_tools):  # noqa: F811

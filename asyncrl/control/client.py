@@ -405,12 +405,22 @@ class CoordinatorClient:
         return grant
 
     def ack(
-        self, task_ids: list[str], attempts: int = 3, filtered: bool = False
+        self,
+        task_ids: list[str],
+        attempts: int = 3,
+        filtered: bool = False,
+        prompt_too_long: bool = False,
     ) -> m.TaskAckReply | None:
         """Acknowledge tasks whose groups were pushed whole (``filtered``: whose groups the
-        group filter dropped here); retried on timeouts (an ack is idempotent). None if the
+        group filter dropped here; with ``prompt_too_long``, whose prompts were dropped
+        before generation); retried on timeouts (an ack is idempotent). None if the
         coordinator never answered."""
-        msg = m.TaskAck(server_id=self.server_id, task_ids=list(task_ids), filtered=filtered)
+        msg = m.TaskAck(
+            server_id=self.server_id,
+            task_ids=list(task_ids),
+            filtered=filtered,
+            prompt_too_long=prompt_too_long,
+        )
         reply = self._control_retried(msg, attempts)
         if reply is None:
             level = logging.INFO if self.shutdown.is_set() else logging.WARNING

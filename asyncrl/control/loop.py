@@ -145,7 +145,9 @@ class ControlLoop:
             self.requests.hold(envelope, msg, now, min(msg.wait_s, self.state.dead_after_s / 2))
             return None  # answered by _grant, in arrival order
         if isinstance(msg, m.TaskAck):
-            return self.state.ack(msg.server_id, msg.task_ids, now, msg.filtered)
+            return self.state.ack(
+                msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long
+            )
         if isinstance(msg, m.TaskNack):
             self.state.nack(msg.server_id, msg.task_ids, msg.reason, now)
             return m.Ok()
@@ -182,7 +184,7 @@ class ControlLoop:
             st.sync_done(msg, now)
             return m.Ok()
         if isinstance(msg, m.TaskAck):  # acks come here so a held task request cannot delay them
-            return st.ack(msg.server_id, msg.task_ids, now, msg.filtered)
+            return st.ack(msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long)
         if isinstance(msg, m.TaskNack):
             st.nack(msg.server_id, msg.task_ids, msg.reason, now)
             return m.Ok()

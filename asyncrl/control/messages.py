@@ -130,11 +130,15 @@ class TaskAck(Message, tag="task_ack"):
 
     ``filtered``: instead, their groups were dropped at the server by the group filter
     (every member scored alike): never re-deal them either; their budget frees at once.
+    ``prompt_too_long`` with it: dropped before generation by ``data.filter_overlong_prompts``
+    (accounted alike, but no verdict of the group filter: it counts toward neither its
+    bound nor a prompt's skip streak).
     """
 
     server_id: ServerId
     task_ids: TaskIds
     filtered: bool = False
+    prompt_too_long: bool = False
 
 
 class TaskNack(Message, tag="task_nack"):

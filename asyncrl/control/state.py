@@ -310,13 +310,19 @@ class ControlState:
         return ""
 
     def ack(
-        self, server_id: str, task_ids: list[str], now: float, filtered: bool = False
+        self,
+        server_id: str,
+        task_ids: list[str],
+        now: float,
+        filtered: bool = False,
+        prompt_too_long: bool = False,
     ) -> TaskAckReply:
         self.touch(server_id, now)
-        if filtered:  # dropped at the server by algorithm.filter_groups
+        if filtered:  # dropped at the server by algorithm.filter_groups (or, too long, before)
             done = self.ledger.filtered(server_id, task_ids)
-            self.group_filter.filtered(len(done), self.step)
-            self.group_filter.verdicts(done, filtered=True)
+            if not prompt_too_long:  # a prompt never generated says nothing of its groups
+                self.group_filter.filtered(len(done), self.step)
+                self.group_filter.verdicts(done, filtered=True)
             return TaskAckReply(acked=done, unknown=[t for t in task_ids if t not in done])
         acked, unknown = self.ledger.ack(task_ids, now)
         # Only a group dealt with the filter on was judged: one dealt past the bound is

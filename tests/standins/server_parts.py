@@ -137,7 +137,13 @@ class StandInClient:
     def request_slot(self) -> TaskGrant:  # no endpoint in these tests
         return TaskGrant(tasks=[], policy_version=0, reason="budget")
 
-    def ack(self, task_ids: list[str], attempts: int = 3, filtered: bool = False) -> object:
+    def ack(
+        self,
+        task_ids: list[str],
+        attempts: int = 3,
+        filtered: bool = False,
+        prompt_too_long: bool = False,
+    ) -> object:
         assert not filtered, "no task is dealt with the filter here"
         self.acked += task_ids
         return None
