@@ -113,7 +113,7 @@ class RolloutEngine:
         self._aborts = 0  # syncs in abort mode so far: a request aborted by one re-submits
         self.partial = False  # a sync broke off mid-load: paused until a whole one
         self._synced = asyncio.Condition()  # notified when a sync ends, loaded or failed
-        self._syncs_ended = 0
+        self._synced_through = 0  # the highest version a sync ended at, loaded or failed
         self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
 
     @classmethod
@@ -270,7 +270,7 @@ class RolloutEngine:
                 return await self._sync_adapter(version, plan, join=join, timeout_s=timeout_s)
             return await self._sync_full(version, plan, join=join, timeout_s=timeout_s)
         finally:
-            self._syncs_ended += 1
+            self._synced_through = max(self._synced_through, version)
             async with self._synced:
                 self._synced.notify_all()
 
@@ -281,16 +281,20 @@ class RolloutEngine:
         A task dealt after the learner sent new weights carries their version
         (``Task.dealt_version``): the coordinator opened the admission window at the send,
         before this engine loaded them, so the task waits here rather than start its group
-        under the weights before. A sync that fails ends the wait: the group is then
-        generated under the old weights, and the buffer's lag rule judges it."""
+        under the weights before. A sync of ``version`` (or later) that fails ends the
+        wait: the group is then generated under the old weights, and the buffer's lag rule
+        judges it."""
         if self.version >= version:
             return 0.0
-        start, ended = time.monotonic(), self._syncs_ended
+        start = time.monotonic()
         async with self._synced:
             with contextlib.suppress(asyncio.TimeoutError):  # TimeoutError from 3.11 on
                 await asyncio.wait_for(
+                    # A sync of an older version ending (a catch-up, a push before) does
+                    # not end it: that would start the group under weights it was not
+                    # dealt for.
                     self._synced.wait_for(
-                        lambda: self.version >= version or self._syncs_ended > ended
+                        lambda: max(self.version, self._synced_through) >= version
                     ),
                     timeout_s,
                 )

@@ -77,6 +77,20 @@ def test_a_task_waits_for_the_version_it_was_dealt_at_until_loaded_failed_or_bou
         # No sync of version 3 comes (a server left out of a push): the bound ends it.
         assert 0.3 <= await engine.reach(3, 0.3) < 1.0 and engine.version == 1
 
+        # A sync of an older version ending (a catch-up to 2 while the task waits for 4)
+        # does not end the wait: a review found any sync's end did.
+        llm.fail = ""
+        llm.gate.clear()
+        waiter = asyncio.create_task(engine.reach(4, 5.0))
+        older = asyncio.create_task(engine.sync_weights(2, PLAN, timeout_s=5.0))
+        await asyncio.sleep(0.05)
+        llm.gate.set()
+        await older
+        await asyncio.sleep(0.2)
+        assert engine.version == 2 and not waiter.done()
+        await engine.sync_weights(4, PLAN, timeout_s=5.0)
+        assert await asyncio.wait_for(waiter, 1.0) >= 0.2 and engine.version == 4
+
     asyncio.run(run())
 
 
