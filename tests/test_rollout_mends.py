@@ -309,8 +309,8 @@ def test_a_failing_sample_cancels_the_rest_of_its_group(episodes: bool) -> None:
         task = msgspec.structs.replace(
             make_task("t"), n=n, agent_name="tool_agent" if episodes else None
         )
-        with pytest.raises(RuntimeError, match="refused"):
-            await groups.make(task, 0.0)
+        with pytest.raises(RuntimeError, match="refused"):  # not a hang on the siblings
+            await asyncio.wait_for(groups.make(task, 0.0), 10.0)
         # Looked at before the loop ends (asyncio.run cancels what is left): each sibling
         # was cancelled, and had ended when the failure was raised.
         assert engine.cancelled == n - 1
@@ -401,8 +401,10 @@ def test_every_sibling_has_ended_when_the_failure_is_raised() -> None:
     async def scenario() -> None:
         assert await task_groups.gather_or_cancel(value(1, 0.02), value(2, 0.0)) == [1, 2]
         before = set(asyncio.all_tasks())
-        with pytest.raises(ValueError):
-            await task_groups.gather_or_cancel(value(1, 10), fail(), value(3, 10))
+        with pytest.raises(ValueError):  # at once, not after the siblings' 10 s
+            await asyncio.wait_for(
+                task_groups.gather_or_cancel(value(1, 10), fail(), value(3, 10)), 5.0
+            )
         assert set(asyncio.all_tasks()) <= before
 
     asyncio.run(scenario())
