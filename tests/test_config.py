@@ -166,6 +166,15 @@ GAE = ["algorithm.adv_estimator=gae"]
             GAE + ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0"],
             "set algorithm.kl_ctrl.kl_coef>0",
         ),
+        (  # a review: every endpoint group trained with advantage 0
+            [
+                "rollout.openai_endpoint.enable=true",
+                "rollout.openai_endpoint.group_size=1",
+                "trainer.val_before_train=false",
+                "trainer.test_freq=-1",
+            ],
+            "set group_size>=2",
+        ),
     ],
 )
 def test_cross_field_rules_name_the_fix(overrides, expected):
