@@ -160,6 +160,24 @@ def test_external_slots_are_charged_and_given_up_rather_than_dealt_again():
     assert line.startswith("accounting external: dealt 2") and "+ given back 1" in line
 
 
+def test_a_long_agent_episode_keeps_its_slot_past_the_task_timeout():
+    """A review: ``reclaim`` gave up an endpoint slot outstanding past
+    ``control.task_timeout_s`` (an agent's 30-minute episode) while its group still lived
+    at the server: the budget admitted another and the group's ack came back unknown. The
+    server gives an idle group's slot back itself; a dataset task is still reclaimed."""
+    ledger = _ledger()
+    ledger.task_timeout_s = 1800.0
+    slot, _ = ledger.deal_external("s1", now=0.0)
+    assert slot is not None
+    assert ledger.reclaim(now=1801.0) == [] and ledger.committed == 1
+    assert ledger.deal_external("s1", now=1802.0) == (None, "budget")
+    assert ledger.ack([slot.task_id], now=1900.0) == ([slot.task_id], [])
+    dataset = _ledger()
+    dataset.task_timeout_s = 1800.0
+    (task,), _ = dataset.deal("s2", 1, now=0.0)  # a dataset task its live server lost
+    assert dataset.reclaim(now=1801.0) == [task.task_id]
+
+
 def test_external_slots_survive_a_coordinator_restart_without_reuse_or_re_deal():
     ledger = _ledger()
     ledger.budget.per_version = 3

@@ -346,12 +346,14 @@ class TaskLedger:
 
     def reclaim(self, now: float) -> list[str]:
         """Take back tasks outstanding longer than ``task_timeout_s`` (a backstop for a
-        live server that lost them); they count as failures."""
+        live server that lost them); they count as failures. Not endpoint slots: an
+        agent's episode may outlast it (a long tool-using task), and the server gives its
+        slot back itself when the group goes idle (``group_idle_s``) or the server dies."""
         late = [
             tid
             for ids in self.owned.values()
             for tid in ids
-            if now - self.entries[tid].since > self.task_timeout_s
+            if now - self.entries[tid].since > self.task_timeout_s and not is_external(tid)
         ]
         for tid in late:
             self._fail(tid, self.entries[tid], "timeout")
