@@ -88,13 +88,13 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "algorithm.adv_estimator=gae)"
         )
     size = ro.openai_endpoint.group_size
-    if ro.openai_endpoint.enable and size is not None and size < 2:
-        if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS:
-            problems.append(
-                f"rollout.openai_endpoint.group_size={size}: {cfg.algorithm.adv_estimator} "
-                "compares the sessions of a group, so every endpoint group would train with "
-                "advantage 0; set group_size>=2 (or leave it unset for rollout.n)"
-            )
+    grouped = cfg.algorithm.adv_estimator in GROUP_ESTIMATORS
+    if ro.openai_endpoint.enable and grouped and size is not None and size < 2:
+        problems.append(
+            f"rollout.openai_endpoint.group_size={size}: {cfg.algorithm.adv_estimator} "
+            "compares the sessions of a group, so every endpoint group would train with "
+            "advantage 0; set group_size>=2 (or leave it unset for rollout.n)"
+        )
     problems += _overlong_problems(cfg)
     fg = cfg.algorithm.filter_groups
     if fg.skip_uninformative and not fg.enable:
