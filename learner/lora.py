@@ -80,13 +80,20 @@ def inject(model: nn.Module, rank: int, alpha: float, target_modules: str | list
     target layer (before sharding). Returns the number of layers adapted; a list of
     targets that matches nothing is an error naming the layers there are."""
     names = targets(model, target_modules)
-    if not names:
+    # Each name must match: a misspelt one beside a right one trained only the right one.
+    unmatched = (
+        []
+        if target_modules == ALL_LINEAR
+        else [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    )
+    if not names or unmatched:
         linear = sorted(
             {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         )
         raise ValueError(
-            f"model.target_modules={target_modules!r} matches no linear layer of the model; "
-            f"its linear layers are named {linear} (or use {ALL_LINEAR!r})"
+            f"model.target_modules={target_modules!r}: {unmatched or target_modules} match no "
+            f"linear layer of the model but its output head (never adapted); its linear layers "
+            f"are named {linear} (or use {ALL_LINEAR!r})"
         )
     model.requires_grad_(False)
     for name in names:

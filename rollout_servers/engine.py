@@ -349,9 +349,11 @@ class RolloutEngine:
     async def _sync_adapter(
         self, version: int, plan: WeightPlan, *, join: SyncJoin | None, timeout_s: float
     ) -> dict[str, float]:
-        """:meth:`sync_weights` of a pushed LoRA adapter: no pause. The workers receive the
-        broadcast and write the adapter's files, vLLM loads it, new requests take it;
-        requests in flight finish on the adapter they started with."""
+        """:meth:`sync_weights` of a pushed LoRA adapter: requests are not paused (no KV
+        cache dropped). The workers receive the broadcast and write the adapter's files,
+        vLLM loads it, new requests take it; requests in flight finish on the adapter they
+        started with. The receive is a call into the engine, run between its steps: the
+        engine steps no request while it lasts."""
         assert self.adapters is not None
         start = time.monotonic()
         if join is not None:

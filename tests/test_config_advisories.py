@@ -78,3 +78,14 @@ def test_a_micro_batch_size_that_dynamic_batching_ignores_is_warned_about(tmp_pa
     # a role reading the launcher's resolved config.yaml (every key set) stays quiet
     cfg = load_config("configs/cpu_demo.yaml", [micro, f"trainer.default_local_dir={tmp_path}"])
     assert config_advisories(load_config(str(write_resolved(cfg)))) == []
+
+
+def test_merged_lora_pushes_in_16_bits_are_warned_about():
+    """A review: merged weights rounded to bf16 lose most of a small adapter update, so the
+    servers sample from a policy behind the learner's; the adapter itself does not."""
+    cuda = ["trainer.device=cuda", "launch.gpus={learner: [0], rollout: [[1], [2]]}"]
+    bf16 = [*cuda, "model.dtype=bfloat16", "model.lora_rank=8", "sync.lora=merged"]
+    [line] = config_advisories(load_config(None, bf16))
+    assert line.startswith("sync.lora=merged with model.dtype=bfloat16") and "adapter" in line
+    assert config_advisories(load_config(None, [*bf16[:-1], "sync.lora=adapter"])) == []
+    assert config_advisories(load_config(None, ["model.lora_rank=8", "sync.lora=merged"])) == []

@@ -65,8 +65,14 @@ def test_targets_by_name_and_a_clear_error_when_none_match(tiny_model):
         for i in range(model.config.num_hidden_layers)
         for p in ("q_proj", "v_proj")
     ]
-    with pytest.raises(ValueError, match=r"matches no linear layer.*q_proj"):
+    with pytest.raises(ValueError, match=r"match no linear layer.*q_proj"):
         lora.inject(model, 4, 8, ["query"])
+    # A review: a misspelt name beside a right one trained the right one only, silently;
+    # the output head is never adapted (peft's all-linear leaves it out too).
+    with pytest.raises(ValueError, match=r"\['v_prj'\] match no linear layer"):
+        lora.inject(hf_model(tiny_model), 4, 8, ["q_proj", "v_prj"])
+    with pytest.raises(ValueError, match=r"\['lm_head'\] match no linear layer"):
+        lora.inject(hf_model(tiny_model), 4, 8, ["q_proj", "lm_head"])
 
 
 def test_merged_weights_give_the_adapted_model_s_logits(tiny_model):

@@ -24,6 +24,8 @@ from asyncrl.config.schema import Config
 COMPARED = (
     "model.path",
     "model.lora_rank",
+    "model.lora_alpha",
+    "model.target_modules",
     "data.train_batch_size",
     "data.max_response_length",
     "rollout.n",

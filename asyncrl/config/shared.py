@@ -20,6 +20,7 @@ from asyncrl.config.schema import Config
 #: Dotted keys whose values the server and the learner must agree on.
 SHARED_KEYS = (
     "model.lora_rank",
+    "model.lora_alpha",
     "sync.lora",
     "data.max_prompt_length",
     "data.max_response_length",
