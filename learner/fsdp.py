@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -210,8 +211,13 @@ def gather_sequences(local: dict[int, torch.Tensor], world_size: int) -> dict[in
     return {k: v for part in parts for k, v in part.items()}
 
 
-def full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """Full (unsharded) tensors of every parameter, named as the HF checkpoint names them.
+def full_state(
+    model: nn.Module,
+    dtype: torch.dtype | None = None,
+    only: Callable[[str], bool] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Full (unsharded) tensors of every parameter, named as the HF checkpoint names them
+    (``only``: of the parameters whose names it accepts; every rank passes the same).
 
     A collective: every rank must call it, in the same order. Tied weights appear once
     (``named_parameters`` de-duplicates), as in the HF checkpoint, which vLLM's loader
@@ -226,6 +232,8 @@ def full_state(model: nn.Module, dtype: torch.dtype | None = None) -> dict[str, 
 
     out = {}
     for name, p in model.named_parameters():
+        if only is not None and not only(name):
+            continue
         local = p.to_local() if isinstance(p, DTensor) else p
         t = p.full_tensor() if isinstance(p, DTensor) else p
         t = t.detach()

@@ -393,7 +393,10 @@ class Trainer:
         if not m.lora_rank:
             return fsdp.full_state(self.model, dtype)
         scaling = m.lora_alpha / m.lora_rank
-        return lora.for_push(fsdp.full_state(self.model), scaling, dtype, adapter_only)
+        # The adapter alone: its tensors gathered, not the base model's (a full float32 copy
+        # on every rank, for a push of a few percent of it).
+        only = lora.is_adapter_key if adapter_only else None
+        return lora.for_push(fsdp.full_state(self.model, only=only), scaling, dtype, adapter_only)
 
     def save(self, run_dir, extra: dict | None = None):
         """Checkpoint into ``<run_dir>/checkpoints/step_<step>/`` (every rank calls it)."""
