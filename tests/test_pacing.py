@@ -5,6 +5,8 @@ accounting identity holds throughout."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from asyncrl.config import load_config
@@ -106,6 +108,15 @@ def test_a_server_whose_groups_go_stale_is_dealt_fewer_and_the_fast_one_is_not()
     assert acc["accounting/train/unaccounted"] == 0
     assert acc["accounting/train/dropped/lag"] == 3
     assert ledger.metrics()["coordinator/pace/cap_min"] == 2
+    # A learner restart: the slow server outlives it, and so does what pacing learned of it
+    # (a review found it back at the ceiling, paying again the lag drops pacing had saved).
+    from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
+
+    restored = _ledger(ceiling=4)
+    load_ledger(restored, json.loads(json.dumps(save_ledger(ledger))))
+    assert restored.pacer is not None
+    assert (restored.pacer.cap("slow"), restored.pacer.cap("fast")) == (2, 4)
+    assert restored.pacer.state_dict() == ledger.pacer.state_dict()
 
 
 def test_a_paced_server_still_gets_validation_and_a_restart_starts_it_afresh():

@@ -35,6 +35,7 @@ def save_ledger(ledger: TaskLedger) -> dict[str, Any]:
         # Counters of events (coordinator/tasks/*, refunds by cause): a run's totals.
         "counts": dict(ledger.counts),
         "refunded": dict(ledger.refunded),
+        "pacer": ledger.pacer.state_dict() if ledger.pacer is not None else None,
         "external_serial": ledger.external_serial,
         # The sessions of this line, whose external slots a restored ledger takes back.
         "sessions": (
@@ -71,3 +72,5 @@ def load_ledger(ledger: TaskLedger, state: dict[str, Any]) -> None:
     # Absent from checkpoints made before they were kept: they count from the resume.
     ledger.counts.update({k: int(v) for k, v in state.get("counts", {}).items()})
     ledger.refunded.update({k: int(v) for k, v in state.get("refunded", {}).items()})
+    if ledger.pacer is not None and state.get("pacer"):  # pacing learned of the servers
+        ledger.pacer.load_state_dict(state["pacer"])

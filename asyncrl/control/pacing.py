@@ -38,6 +38,7 @@ not paced: their agents ask for them.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 #: A server is narrowed only while more than this share of its recent groups went stale.
 MIN_STALE_SHARE = 0.1
@@ -106,6 +107,22 @@ class Pacer:
         t[0 if stale else 1] += 1
         if sum(t) > WINDOW:
             t[0], t[1] = t[0] / 2, t[1] / 2
+
+    def state_dict(self) -> dict[str, Any]:
+        """Caps, credits and recent tallies per server, and the change counts: a learner
+        restart keeps what pacing learned of the servers that outlive it."""
+        return {
+            "caps": dict(self.caps),
+            "credit": dict(self.credit),
+            "recent": {s: list(t) for s, t in self.recent.items()},
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.caps = {s: min(int(c), self.ceiling) for s, c in state.get("caps", {}).items()}
+        self.credit = Counter({s: int(c) for s, c in state.get("credit", {}).items()})
+        self.recent = {s: [float(x) for x in t] for s, t in state.get("recent", {}).items()}
+        self.counts = Counter({k: int(v) for k, v in state.get("counts", {}).items()})
 
     def forget(self, server_id: str) -> None:
         """``server_id`` left or restarted: its next incarnation starts at the ceiling."""
