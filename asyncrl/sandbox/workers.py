@@ -50,6 +50,9 @@ POOL_STATUSES = ("timeout", "worker_died", "exception")
 MAX_MESSAGE_CHARS = 300  # an error message's longest form, so a huge repr cannot flood logs
 MAX_LOGGED = 20  # different failures logged in full; every one is counted
 _STOP_GRACE_S = 1.0  # how long a worker may take to exit before it is killed
+# How long a close waits for a replacement worker still starting: a stopping server must
+# end within the launcher's grace (15 s); workers are daemons, ended with their parent.
+CLOSE_WAIT_S = 3.0
 
 
 class PoolBroken(RuntimeError):
@@ -340,8 +343,8 @@ class WorkerPool:
             respawns = list(self._respawns)
         self._idle.put(None)
         self._executor.shutdown(wait=False, cancel_futures=True)
-        for thread in respawns:
-            thread.join(self._startup_timeout_s)
+        for thread in respawns:  # a worker they start after this dies with its parent
+            thread.join(min(self._startup_timeout_s, CLOSE_WAIT_S))
         self._finalizer()
 
     # ----------------------------------------------------------------- internals
