@@ -22,7 +22,12 @@ given back     its first request was refused or failed; ``POST     given back at
 
 A group closed with fewer rewarded members than a group-relative estimator needs for a
 baseline (2 for GRPO/RLOO/Dr. GRPO) is dropped and counted, never trained on raw rewards.
-The last closed groups are kept for ``GET /rl/status`` (:meth:`EndpointGroups.status`).
+A member refused from its first request may still post its reward: it counts toward the
+group's completion and trains nothing. The last closed groups are kept for ``GET
+/rl/status`` (:meth:`EndpointGroups.status`). The names of groups that closed pushed,
+idle or abandoned are remembered for a while (:class:`ClosedNames`): a request naming one
+is refused rather than opening a new group under that name, and a re-posted reward gets
+its first answer.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import asyncio
 import functools
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config.policy import GROUP_ESTIMATORS
@@ -56,6 +62,56 @@ log = logging.getLogger(__name__)
 RECENT = 32
 #: Open groups named one by one in a refusal (the rest are counted).
 NAMED = 5
+#: A closed group's name is remembered for this many ``group_idle_s`` ...
+CLOSED_IDLE_TIMES = 5
+#: ... and at most this many names (the oldest go first).
+CLOSED_MAX = 4096
+
+
+@dataclass
+class Closed:
+    """What a closed group's name still answers: why and when it closed, and its rewarded
+    sessions' rewards with their answers (a re-posted reward gets its answer again)."""
+
+    why: str
+    at: float  # time.monotonic() of the close
+    rewards: dict[str, tuple[float, dict[str, Any]]]  # session key -> (reward, answer)
+
+    def refusal(self, name: str) -> RequestError:
+        """A final 409 for a request naming the group: it would otherwise open a new group
+        under the name, and its sessions would start over."""
+        return RequestError(
+            409,
+            f"group {name!r} closed {time.monotonic() - self.at:.0f} s ago ({self.why}) and "
+            "takes no more requests: use a new GROUP name for the next episode",
+        )
+
+
+class ClosedNames:
+    """Groups closed lately, by name, kept ``keep_s`` and at most ``most`` of them. A
+    server's restart forgets them."""
+
+    def __init__(self, keep_s: float, most: int = CLOSED_MAX) -> None:
+        self.keep_s, self.most = keep_s, most
+        self._by_name: OrderedDict[str, Closed] = OrderedDict()  # in order of closing
+
+    def add(self, group: Group, why: str) -> None:
+        rewards = {
+            s.key: (s.reward, s.reward_reply)
+            for s in group.sessions.values()
+            if s.reward is not None and s.reward_reply is not None
+        }
+        self._by_name[group.name] = Closed(why, time.monotonic(), rewards)
+        self._by_name.move_to_end(group.name)
+        while len(self._by_name) > self.most:
+            self._by_name.popitem(last=False)
+
+    def get(self, name: str) -> Closed | None:
+        """Group ``name``'s close, while it is remembered."""
+        now = time.monotonic()
+        while self._by_name and now - next(iter(self._by_name.values())).at > self.keep_s:
+            self._by_name.popitem(last=False)
+        return self._by_name.get(name)
 
 
 class EndpointGroups:
@@ -85,6 +141,7 @@ class EndpointGroups:
         self.filter_metric = cfg.algorithm.filter_groups.metric
         self.by_name: dict[str, Group] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        self.closed = ClosedNames(CLOSED_IDLE_TIMES * self.idle_s)
         self.on_pushed: Callable[[list[Sample], list[ScoreResult], Task], None] | None = None
         self.lanes = Lanes(scoring_threads=1)
         self._opening: dict[str, asyncio.Future[Group]] = {}
@@ -122,6 +179,8 @@ class EndpointGroups:
         name, _ = split_key(key, self.size)
         group = self.by_name.get(name)
         while group is None:
+            if (closed := self.closed.get(name)) is not None:
+                raise closed.refusal(name)
             try:
                 opened = await self._open(name, gone)
             except RequestError as e:
@@ -144,6 +203,14 @@ class EndpointGroups:
             group.sessions[key] = session
         group.last_active = time.monotonic()
         return session
+
+    def touch(self, key: str) -> None:
+        """A turn of session ``key`` ended (answered or not): its group is idle from now on.
+        The reaper skips groups with a turn running, so a turn longer than ``group_idle_s``
+        would otherwise see its group closed right after its answer."""
+        group = self.by_name.get(split_key(key, self.size)[0])
+        if group is not None:
+            group.last_active = time.monotonic()
 
     async def _open(self, name: str, gone: Callable[[], bool]) -> Group:
         """Take an external slot for group ``name`` (one request even when its members
@@ -198,6 +265,54 @@ class EndpointGroups:
         self.metrics["rollout/openai/groups_unused"] += 1
         self.close(group, "given back: its first request was refused or failed")
 
+    # ----------------------------------------------------------------- rewards
+    def reward(self, key: str, value: Callable[[], float]) -> dict[str, Any]:
+        """``POST /rl/reward`` of session ``key``; ``value`` reads the request's reward (a
+        400 when it is not one). A reward is final: the same one posted again (a client
+        that lost the answer) gets the first answer, another is a 409."""
+        name, _ = split_key(key, self.size)
+        group = self.by_name.get(name)
+        session = group.sessions.get(key) if group is not None else None
+        if group is None or session is None:
+            return self._reward_closed(name, key, value)
+        if session.busy:
+            raise RequestError(409, f"session {key!r} is sampling: reward it after")
+        if session.reward is not None:
+            where = f"{group.ended()} of {group.size} in group {name!r} rewarded"
+            return self._again(key, session.reward, session.reward_reply or {}, value(), where)
+        # A session without a turn (refused from its first request) is rewarded too: it
+        # counts toward completion and, trained on nothing, in sessions_dropped at the close.
+        session.reward = value()
+        group.last_active = time.monotonic()
+        ended = group.ended()
+        session.reward_reply = {"session": key, "group": name, "rewarded": ended}
+        session.reward_reply |= {"size": group.size, "group_complete": ended >= group.size}
+        if ended >= group.size:
+            self.close(group, "every member rewarded")
+        return session.reward_reply
+
+    def _reward_closed(self, name: str, key: str, value: Callable[[], float]) -> dict[str, Any]:
+        """The reward of a session no open group has: its first answer again when its
+        group closed lately with the same reward, else a 409 (closed) or a 404."""
+        closed = self.closed.get(name)
+        if closed is None:
+            raise RequestError(404, f"no open session {key!r} (closed, or never started)")
+        first = closed.rewards.get(key)
+        if first is None:
+            raise closed.refusal(name)
+        return self._again(key, *first, value(), f"group {name!r} closed ({closed.why})")
+
+    def _again(
+        self, key: str, first: float, answer: dict[str, Any], value: float, where: str
+    ) -> dict[str, Any]:
+        if value != first:
+            raise RequestError(
+                409,
+                f"session {key!r} has its reward already ({first:g}; {where}): a reward is final",
+            )
+        self.metrics["rollout/openai/retries_replayed"] += 1  # a client's retry answered again
+        return answer
+
     # ----------------------------------------------------------------- closing
     def abandon(self, name: str) -> dict[str, Any]:
         """``POST /rl/abandon``: give group ``name`` up now (nothing of it trains)."""
@@ -207,7 +322,9 @@ class EndpointGroups:
             self.metrics["rollout/openai/groups_abandoned"] += 1
             return {"group": name, "slot": None, "abandoned": True}
         if group is None:
-            raise RequestError(404, f"no open group {name!r} (closed, or never opened)")
+            closed = self.closed.get(name)
+            why = f"closed: {closed.why}" if closed is not None else "closed, or never opened"
+            raise RequestError(404, f"no open group {name!r} ({why})")
         self.metrics["rollout/openai/groups_abandoned"] += 1
         self.close(group, "abandoned by its agent", train=False)
         return {"group": name, "slot": group.task.task_id, "abandoned": True}
@@ -216,6 +333,8 @@ class EndpointGroups:
         """Hand the group to the buffer (its rewarded sessions, when ``train`` and they
         form a baseline), or give its slot back."""
         self.by_name.pop(group.name, None)
+        if not why.startswith("given back"):  # unused, it may open again (a client's retry)
+            self.closed.add(group, why)
         members = group.rewarded() if train else []
         self.metrics["rollout/openai/sessions_dropped"] += len(group.sessions) - len(members)
         if members and len(members) < self.min_rewarded:

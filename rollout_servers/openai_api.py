@@ -16,7 +16,8 @@ An agent framework that runs outside the run points its OpenAI client at the ser
     (:mod:`rollout_servers.openai_completions`).
 ``POST /rl/reward`` (``{"reward": r}``, same key)
     Ends the session with its reward (finite, within ``reward_range`` when set; final: a
-    second reward or a later chat is a 409). When ``group_size`` members have one, the group goes
+    different second reward or a later chat is a 409, the same reward posted again gets the
+    first answer). When ``group_size`` members have one, the group goes
     to the buffer as one group of episodes (each may have several samples), exactly as the
     server's own multi-turn episodes do, and the slot is acknowledged.
 ``POST /rl/abandon`` (same key, or ``{"group": name}``)
@@ -57,6 +58,7 @@ from rollout_servers.openai_http import (
     advertised_host,
     api_errors,
     earlier_port,
+    failed,
     read_json,
     refused,
     session_key,
@@ -64,7 +66,7 @@ from rollout_servers.openai_http import (
     write_url,
 )
 from rollout_servers.request_fields import chat_messages, reward_of
-from rollout_servers.sessions import RequestError, split_key
+from rollout_servers.sessions import RequestError
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -217,7 +219,10 @@ class OpenAIEndpoint:
                     "start the next episode with another GROUP/MEMBER key",
                 )
             turn = functools.partial(make, session, inputs, body)
-            reply = await self.turns.once(session, body, turn, _resent(request))
+            try:
+                reply = await self.turns.once(session, body, turn, _resent(request))
+            finally:
+                self.groups.touch(key)  # idle from the turn's end, not from its request
             if body.get("stream"):
                 return await stream_reply(request, reply, body)
             return web.json_response(reply)
@@ -225,41 +230,20 @@ class OpenAIEndpoint:
             self.groups.give_back_if_unused(key)
             return refused(self.metrics, e)
         except Exception as e:  # the engine failed: say so in the API's shape, serve on
-            log.exception("OpenAI endpoint: a completion failed")
             self.groups.give_back_if_unused(key)
-            error = RequestError(500, f"{type(e).__name__}: {e}", "server_error", retry=True)
-            return refused(self.metrics, error)
+            return failed(self.metrics, e)
 
     async def _reward(self, request: web.Request) -> web.Response:
+        """``POST /rl/reward`` (:meth:`~rollout_servers.endpoint_groups.EndpointGroups.reward`)."""
         try:
             body = await read_json(request)
             key = session_key(request, body)
-            group_name, _ = split_key(key, self.groups.size)
-            group = self.groups.by_name.get(group_name)
-            session = group.sessions.get(key) if group is not None else None
-            if group is None or session is None:
-                raise RequestError(404, f"no open session {key!r} (closed, or never started)")
-            if not session.episode.turns:
-                raise RequestError(400, f"session {key!r} has no completion to reward")
-            if session.busy:
-                raise RequestError(409, f"session {key!r} is sampling: reward it after")
-            if session.reward is not None:
-                raise RequestError(
-                    409,
-                    f"session {key!r} has its reward already ({session.reward:g}; "
-                    f"{len(group.rewarded())} of {group.size} in group {group.name!r} "
-                    "rewarded): a reward is final",
-                )
-            session.reward = reward_of(body, self.reward_range)
-            group.last_active = time.monotonic()
-            rewarded = len(group.rewarded())
-            if rewarded >= group.size:
-                self.groups.close(group, "every member rewarded")
-            reply = {"session": key, "group": group.name, "rewarded": rewarded}
-            done = {"size": group.size, "group_complete": rewarded >= group.size}
-            return web.json_response(reply | done)
+            reply = self.groups.reward(key, lambda: reward_of(body, self.reward_range))
+            return web.json_response(reply)
         except RequestError as e:
             return refused(self.metrics, e)
+        except Exception as e:
+            return failed(self.metrics, e)
 
     async def _abandon(self, request: web.Request) -> web.Response:
         try:
@@ -275,6 +259,8 @@ class OpenAIEndpoint:
             return web.json_response(self.groups.abandon(name))
         except RequestError as e:
             return refused(self.metrics, e)
+        except Exception as e:
+            return failed(self.metrics, e)
 
 
 def _left(request: web.Request) -> bool:

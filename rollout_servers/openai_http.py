@@ -7,6 +7,7 @@ handlers (:mod:`rollout_servers.openai_api`) decide; these only carry.
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,8 @@ from aiohttp import web
 
 from rollout_servers.openai_completions import text_chunks
 from rollout_servers.sessions import RequestError, completion_chunks
+
+log = logging.getLogger(__name__)
 
 #: Seconds a refused agent is told to wait (429 and 503 are retried by OpenAI clients).
 RETRY_AFTER_S = 1
@@ -36,6 +39,14 @@ async def stream_reply(
     await response.write(b"data: [DONE]\n\n")
     await response.write_eof()
     return response
+
+
+def failed(metrics: Counter[str], e: Exception) -> web.Response:
+    """A request that failed on the server's side (called while handling ``e``, whose
+    traceback is logged): a 500 in the API's shape, which clients may resend."""
+    log.exception("OpenAI endpoint: a request failed")
+    error = RequestError(500, f"{type(e).__name__}: {e}", "server_error", retry=True)
+    return refused(metrics, error)
 
 
 def refused(metrics: Counter[str], e: RequestError) -> web.Response:
@@ -77,10 +88,16 @@ def session_key(request: web.Request, body: dict[str, Any]) -> str:
 
 
 async def read_json(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object; what cannot be read as one is the client's to fix (a
+    400, never a 500 that clients would resend unchanged)."""
     try:
         body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except ValueError as e:  # not JSON, or bytes its charset does not decode
         raise RequestError(400, f"the body is not JSON ({e})") from e
+    except LookupError as e:
+        raise RequestError(400, f"the body's charset is unknown ({e}): send UTF-8 JSON") from e
+    except RecursionError as e:
+        raise RequestError(400, "the body is JSON nested too deeply to read") from e
     except web.HTTPRequestEntityTooLarge as e:  # not a 500 that clients would resend
         raise RequestError(413, f"the body is over {MAX_BODY >> 20} MiB ({e.text})") from e
     if not isinstance(body, dict):

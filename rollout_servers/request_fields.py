@@ -17,7 +17,9 @@ from rollout_servers.sessions import RequestError, context_exceeded
 def asked_tokens(body: dict[str, Any]) -> int | None:
     """The request's ``max_completion_tokens`` or ``max_tokens`` (None: not asked), else a
     400; checked before a turn is prepared."""
-    asked = body.get("max_completion_tokens") or body.get("max_tokens")
+    asked = body.get("max_completion_tokens")
+    if asked is None:  # not ``or``: a 0 is refused, never read as "not asked"
+        asked = body.get("max_tokens")
     if asked is not None and (isinstance(asked, bool) or not isinstance(asked, int) or asked < 1):
         raise RequestError(400, f"max_tokens must be a positive integer, not {asked!r}")
     return asked

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 #: Roles an agent may add between assistant turns (``developer``: OpenAI's newer
 #: ``system``, rendered as one).
 INPUT_ROLES = ("system", "developer", "user", "tool")
+#: Characters a session key may have.
+MAX_KEY = 256
 
 
 class RequestError(Exception):
@@ -84,6 +86,8 @@ class Session:
     busy: bool = False  # a completion is running (a session is sequential)
     # (fingerprint, reply) of its last turn: a client's retry of it gets the same reply
     last: tuple[str, dict[str, Any]] | None = None
+    # the answer to its reward: a client's re-post of the same reward gets it again
+    reward_reply: dict[str, Any] | None = None
 
 
 @dataclass
@@ -102,11 +106,20 @@ class Group:
         done = [s for s in self.sessions.values() if s.reward is not None and s.episode.turns]
         return sorted(done, key=lambda s: s.index)
 
+    def ended(self) -> int:
+        """Members with a reward, turns or not: a member refused from its first request
+        ends with its reward like the others (it trains nothing), so the group completes."""
+        return sum(s.reward is not None for s in self.sessions.values())
+
 
 def split_key(key: str, group_size: int) -> tuple[str, str]:
     """``(group, member)`` of a session key (see the module docstring)."""
-    if not key or len(key) > 256:
+    if not key:
         raise RequestError(401, "no session key: send GROUP/MEMBER as the API key", "auth")
+    if len(key) > MAX_KEY:
+        raise RequestError(
+            400, f"session key of {len(key)} characters: keep GROUP/MEMBER to {MAX_KEY} or fewer"
+        )
     group, sep, member = key.rpartition("/")
     if not sep:
         if group_size > 1:

@@ -78,3 +78,16 @@ def test_a_refused_server_exits_2(monkeypatch):
     server = object.__new__(RolloutServer)
     server.client, server.lanes, server.server_id = Refusing(), Lanes(), "rollout-0"  # type: ignore[assignment]
     assert asyncio.run(server.run()) == CONFIG_ERROR
+
+
+def test_a_whole_float_and_its_int_are_one_setting():
+    """The endpoint test's server, started from the resolved config file, read
+    ``model.lora_alpha`` as 16.0 where the learner's default was 16: refused as a
+    mismatch. Whole numbers compare alike, nested ones too; other values still differ."""
+    learner = load_config(None, [])
+    server = load_config(None, ["model.lora_alpha=16.0"])
+    server.reward.overlong_buffer.penalty_factor = 0.0  # nested: the learner's default is 0
+    assert settings_problems(shared_settings(learner), shared_settings(server)) == []
+    other = load_config(None, ["model.lora_alpha=16.5"])
+    (line,) = settings_problems(shared_settings(learner), shared_settings(other))
+    assert line == "model.lora_alpha=16.5 on the server but 16 on the learner"

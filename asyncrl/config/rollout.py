@@ -70,9 +70,9 @@ class OpenAIEndpointConfig(Section):
     group_idle_s: float = Field(
         default=60.0,
         gt=0,
-        description="A group with no request or reward this long is closed: its rewarded "
-        "sessions train when they form a baseline, else its budget slot is given back "
-        "(raise it for agents whose tools think longer).",
+        description="A group with no request, reward or finished turn this long is closed: "
+        "its rewarded sessions train when they form a baseline, else its budget slot is given "
+        "back (raise it for agents whose tools think longer).",
     )
     max_groups: int = Field(
         default=64, gt=0, description="Open groups per server at once (429 beyond)."

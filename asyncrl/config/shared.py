@@ -44,8 +44,20 @@ def shared_settings(cfg: Config) -> dict[str, str]:
             value = getattr(value, part)
         if hasattr(value, "model_dump"):
             value = value.model_dump(mode="json")
-        out[key] = json.dumps(value, sort_keys=True, default=str)
+        out[key] = json.dumps(_whole_numbers(value), sort_keys=True, default=str)
     return out
+
+
+def _whole_numbers(value: Any) -> Any:
+    """``value`` with whole floats as ints, nested too: ``16`` and ``16.0`` are one setting
+    (a float key given as an int, validated or assigned, keeps either form)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_whole_numbers(v) for v in value]
+    return value
 
 
 def settings_problems(learner: dict[str, str], server: dict[str, str]) -> list[str]:
