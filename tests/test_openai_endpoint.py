@@ -73,10 +73,14 @@ class Rig:
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         self.consumer = BufferClient(config_endpoint(self.cfg.endpoints, "batches"), "test")
-        self.consumer.hello(wait_s=60)
-        url_file = Path(run_dir(self.cfg)) / "openai_endpoints" / "r0.json"
-        _wait(url_file.exists, "the server's endpoint URL", details=self.logs)
-        self.url = json.loads(url_file.read_text())["base_url"]
+        try:  # a rig that fails to start leaves no process behind (its buffer outlived it)
+            self.consumer.hello(wait_s=60)
+            url_file = Path(run_dir(self.cfg)) / "openai_endpoints" / "r0.json"
+            _wait(url_file.exists, "the server's endpoint URL", details=self.logs)
+            self.url = json.loads(url_file.read_text())["base_url"]
+        except BaseException:
+            self.close()
+            raise
 
     def logs(self) -> str:
         return log_tails(self.tmp, 3000)
