@@ -30,13 +30,19 @@ def finished_step(cfg: Config) -> int | None:
     return step if step is not None and ended_whole(cfg, run_dir(cfg), step) else None
 
 
-def resumed_step(cfg: Config) -> int | None:
-    """The step of the run's last complete checkpoint that ``resume_mode=auto`` resumes,
-    or None (another mode, or no checkpoint yet)."""
+def resumed_checkpoint(cfg: Config) -> tuple[int, Path] | None:
+    """The step and folder of the run's last complete checkpoint that ``resume_mode=auto``
+    resumes, or None (another mode, or no checkpoint yet)."""
     if cfg.trainer.resume_mode != "auto":
         return None
     found, _ = scan_checkpoints(run_dir(cfg) / "checkpoints")
-    return max(found) if found else None
+    return (max(found), found[max(found)]) if found else None
+
+
+def resumed_step(cfg: Config) -> int | None:
+    """The step of :func:`resumed_checkpoint`, or None."""
+    resumed = resumed_checkpoint(cfg)
+    return None if resumed is None else resumed[0]
 
 
 def starts_new_run(mode: str, path: str | Path | None, run: Path) -> bool:
@@ -57,8 +63,8 @@ def new_run(cfg: Config) -> bool:
     t = cfg.trainer
     path: str | Path | None = None
     if t.resume_mode == "auto":
-        found, _ = scan_checkpoints(run_dir(cfg) / "checkpoints")
-        path = found[max(found)] if found else t.resume_from_path
+        resumed = resumed_checkpoint(cfg)
+        path = resumed[1] if resumed is not None else t.resume_from_path
     elif t.resume_mode == "resume_path":
         path = t.resume_from_path
     return starts_new_run(t.resume_mode, path, run_dir(cfg))

@@ -78,13 +78,9 @@ def saved_settings(checkpoint: Path) -> dict[str, Any] | None:
 def launch_line(cfg: Config) -> str | None:
     """:func:`changed_line` for a launch under ``cfg`` that resumes its run's last checkpoint
     (``resume_mode=auto``), said before any role starts; None when it resumes none."""
-    from asyncrl.config.inputs import scan_checkpoints
-    from asyncrl.config.load import run_dir
+    from asyncrl.config.ending import resumed_checkpoint
 
-    if cfg.trainer.resume_mode != "auto":
+    if (resumed := resumed_checkpoint(cfg)) is None:
         return None
-    found, _ = scan_checkpoints(run_dir(cfg) / "checkpoints")
-    if not found:
-        return None
-    step = max(found)
-    return changed_line(changed_settings(saved_settings(found[step]), cfg), step)
+    step, folder = resumed
+    return changed_line(changed_settings(saved_settings(folder), cfg), step)
