@@ -7,6 +7,8 @@ Layout of a run directory::
                                            and the critic's beside them (PPO with GAE)
         trainer_state.json                 step, policy_version, scheduler, extra, and
                                            the critic's schedule and KL coefficient
+        rng_rank<r>.pt                     rank r's random state (torch, CUDA, Python):
+                                           dropout draws go on as if never stopped
     <run_dir>/checkpoints/step_<n>.tmp/    a checkpoint being written (ignored)
     <run_dir>/checkpoints/step_<n>.old/    the one a re-save of step n replaces (used only
                                            while step_<n> is missing: a save cut short)
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -57,6 +60,32 @@ class CheckpointMeta:
     step: int
     policy_version: int
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: Each rank's random state, beside the shards (one file per rank: the streams differ).
+RNG_FILE = "rng_rank{rank}.pt"
+
+
+def _rng_state() -> dict[str, Any]:
+    """This process's random state: torch's CPU generator, CUDA's when in use, Python's."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(path: Path) -> None:
+    """Put back the random state :func:`_rng_state` saved at ``path``. A checkpoint
+    without one (saved before they were kept, or by fewer ranks than now) leaves this rank
+    seeded from ``trainer.seed``, and says so."""
+    if not path.is_file():
+        log.info("%s is missing: this rank's random draws start from trainer.seed", path.name)
+        return
+    state = torch.load(path, weights_only=False)
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _rank() -> int:
@@ -221,6 +250,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crash mid-save
         tmp.mkdir(parents=True)
     _barrier()
+    # Before the collective save: rank 0 renames the folder only once every rank is past it.
+    torch.save(_rng_state(), tmp / RNG_FILE.format(rank=_rank()))
     dcp_save(_dcp_state(model, optimizer, critic), checkpoint_id=str(tmp))
     _forget(pristine, optimizer, critic)
     if _rank() == 0:
@@ -329,6 +360,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) 
         )
         critic.load_state_dict(meta["critic"])
     _forget(meta.get("never_stepped", []), optimizer, critic)
+    _restore_rng(path / RNG_FILE.format(rank=_rank()))
     log.info("checkpoint loaded: %s (step %d)", path, meta["step"])
     extra = meta.get("extra", {})
     if "kl_coef" in meta.get("critic", {}):  # saved before the trainer held it

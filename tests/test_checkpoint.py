@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,35 @@ def test_resume_replays_exactly(tiny_model, single_rank, tmp_path):
     cosine = 0.5 * (1 + math.cos(math.pi / 4))
     lrs = [5e-4, 1e-3, 1e-3, 1e-3 * cosine, 5e-4]
     assert [m["actor/lr"] for m in expected] == pytest.approx(lrs, rel=1e-9)
+
+
+def test_a_resume_draws_the_dropout_masks_an_unbroken_run_draws(tiny_model, single_rank, tmp_path):
+    """Each rank's random state is in the checkpoint: with dropout on, the steps after a
+    resume equal the unbroken run's (a new learner seeded from trainer.seed draws others)."""
+    model = tmp_path / "dropout-model"
+    shutil.copytree(tiny_model, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    straight = run(Trainer(make_cfg(model)), BATCHES[:4])
+
+    first = Trainer(make_cfg(model))
+    run(first, BATCHES[:2])
+    saved = first.save(tmp_path / "run")
+    assert (saved / "rng_rank0.pt").is_file()
+    resumed = Trainer(make_cfg(model))
+    resumed.load(saved)
+    got = run(resumed, BATCHES[2:4])
+    for key in ("loss/total", "actor/grad_norm"):
+        assert [m[key] for m in got] == pytest.approx([m[key] for m in straight[2:]], rel=1e-6)
+
+    # A checkpoint without the file (an older one) still loads, from the seed, and says so.
+    (saved / "rng_rank0.pt").unlink()
+    again = Trainer(make_cfg(model))
+    again.load(saved)
+    drifted = run(again, BATCHES[2:4])
+    assert [m["loss/total"] for m in drifted] != pytest.approx(
+        [m["loss/total"] for m in straight[2:]], rel=1e-6
+    )
 
 
 def test_a_resume_with_a_new_learning_rate_trains_at_it(tiny_model, single_rank, tmp_path, caplog):
