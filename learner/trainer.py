@@ -425,9 +425,12 @@ class Trainer:
         if self.critic is not None:
             c = self.critic
             parts.append((c.optimizer, c.scheduler, self.cfg.critic.optim, "critic.optim"))
+        # Settings the checkpoint kept are compared by the loop's changed-settings line:
+        # said there, not twice.
+        said = set(meta.extra.get("settings") or {})
         for optimizer, scheduler, optim_cfg, name in parts:
             for change in fsdp.reapply_optim_config(optimizer, scheduler, optim_cfg, name):
-                if self.rank == 0:
+                if self.rank == 0 and change.split("=", 1)[0] not in said:
                     log.warning("resumed with %s: training on with it", change)
         if self.reward_kl is not None:
             said = self.reward_kl.restore(meta.extra)

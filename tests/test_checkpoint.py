@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from asyncrl.config import Config, ConfigError, load_config
+from asyncrl.config.resumed import settings_of
 from learner.checkpoint import STATE_FILE, export_hf, latest_checkpoint, prune_checkpoints
 from learner.rollouts import Rollout
 from learner.trainer import Trainer
@@ -139,6 +140,14 @@ def test_a_resume_with_a_new_learning_rate_trains_at_it(tiny_model, single_rank,
     assert group["weight_decay"] == 0.05 and group["initial_lr"] == 1e-4
     assert "actor.optim.lr=0.0001 (the checkpoint's was 0.001)" in caplog.text
     assert "actor.optim.weight_decay=0.05" in caplog.text and "betas" not in caplog.text
+
+    # A checkpoint that kept its settings: the loop's changed-settings line names the lr,
+    # so the trainer does not say it again (the weight decay is not among those settings).
+    caplog.clear()
+    first.save(tmp_path, extra={"settings": settings_of(make_cfg(tiny_model))})
+    with caplog.at_level("WARNING", logger="learner.trainer"):
+        Trainer(cfg).load(latest_checkpoint(tmp_path))
+    assert "actor.optim.lr" not in caplog.text and "actor.optim.weight_decay=0.05" in caplog.text
 
 
 def test_a_checkpoint_before_the_first_update_leaves_it_unchanged(
