@@ -222,7 +222,7 @@ def write_models(root: Path, rank: int) -> tuple[str, str, str]:
     state = {k: p.detach() for k, p in model.named_parameters()}
     adapter = save_peft_adapter(root / "adapter", state, rank=rank, alpha=2 * rank)
     merged = root / "merged"
-    from learner.checkpoint import export_hf
+    from learner.export import export_hf
 
     export_hf(merged, lora.merged(state, 2.0), base)
     return str(base), str(adapter), str(merged)

@@ -1,4 +1,4 @@
-"""Checkpoints (torch.distributed.checkpoint) and the final HF export.
+"""Checkpoints (torch.distributed.checkpoint); the final HF export is :mod:`learner.export`.
 
 Layout of a run directory::
 
@@ -48,8 +48,6 @@ log = logging.getLogger(__name__)
 # step_<n>, and what a save leaves beside it: .tmp (being written), .old (being replaced).
 #: The key of ``extra`` holding the KL-in-reward coefficient (:mod:`learner.reward_kl`).
 REWARD_KL_KEY = "reward_kl_coef"
-# Files of an HF model directory that are weights (replaced by the export), not metadata.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json")
 
 
 @dataclass
@@ -366,37 +364,6 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) 
     if "kl_coef" in meta.get("critic", {}):  # saved before the trainer held it
         extra.setdefault(REWARD_KL_KEY, meta["critic"]["kl_coef"])
     return CheckpointMeta(meta["step"], meta["policy_version"], extra)
-
-
-def export_hf(
-    out_dir: str | Path,
-    state: dict[str, torch.Tensor],
-    source_dir: str | Path,
-) -> Path | None:
-    """Write an HF model directory that transformers and vLLM load: config, generation
-    config and tokenizer files copied from ``source_dir`` (the model trained from), and
-    ``state`` (full tensors, e.g. :meth:`Trainer.full_state_for_push`) as safetensors.
-
-    Only rank 0 writes (gather ``state`` on every rank first). Returns ``out_dir`` on rank 0.
-    """
-    from safetensors.torch import save_file
-
-    if _rank() != 0:
-        return None
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for f in Path(source_dir).iterdir():
-        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES):
-            shutil.copy2(f, tmp / f.name)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    log.info("exported HF model to %s (%d tensors)", out, len(tensors))
-    return out
 
 
 def unloadable_line(path: Path, error: BaseException) -> str:

@@ -289,7 +289,7 @@ class RankZero:
         }
 
     def export(self, tensors: dict[str, Any], out: Path) -> None:
-        from learner.checkpoint import export_hf
+        from learner.export import export_hf
 
         export_hf(out, tensors, self.cfg.model.path)
         log.info("final policy exported to %s (HF format)", out)

@@ -22,28 +22,26 @@ from __future__ import annotations
 
 import logging
 import time
-from pathlib import Path
 from typing import Any
 
-from asyncrl.config import Config, ConfigError
+from asyncrl.config import Config
 from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.ending import (
-    COMPLETE_FILE,
     complete_line,
     data_spent_at,
     ended_whole,
-    starts_new_run,
 )
-from asyncrl.config.inputs import resume_problem, total_training_steps
-from asyncrl.config.resumed import changed_line, changed_settings, settings_of
+from asyncrl.config.inputs import total_training_steps
+from asyncrl.config.resumed import settings_of
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import HEALTH_STOP
 from learner import fsdp, lora
-from learner.control_peer import BatchRef, ControlPeer, NoControl, Restored
+from learner.control_peer import BatchRef, ControlPeer, NoControl
 from learner.control_plane import RankZero
 from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.metrics import reward_part_metrics
+from learner.restore import restore
 from learner.rollouts import Rollout
 
 ENDED_PROBE_S = 10.0  # how long a learner of an ended run asks for a buffer to tell
@@ -87,9 +85,9 @@ class LearnerLoop:
         self.run_dir = run_dir_of(cfg)
         self.total = total_training_steps(cfg)
         self.trainer = Trainer(cfg, total_steps=self.total)
-        self.new_run = True  # set by _restore: whether this start begins a new run here
-        self.saved_health: dict[str, Any] = {}  # set by _restore: the alarms' history
-        self.restored = self._restore()
+        start = restore(cfg, self.trainer, self.run_dir)
+        self.restored = start.restored
+        self.new_run = start.new_run  # whether this start begins a new run here
         self._mark("model_ready")
         self.control: ControlPeer = self._control_plane()
         self._mark("coordinator_up")
@@ -97,7 +95,7 @@ class LearnerLoop:
         self.last_batch_session = self.restored.last_batch_session
         self.unacked: list[BatchRef] = []  # batches trained on since the last checkpoint
         self.health = HealthMonitor(cfg.trainer.health)
-        self.health.load_state_dict(self.saved_health)
+        self.health.load_state_dict(start.health)
         self.stopped_by: Alarm | None = None  # the alarm that ended the run (action: stop)
 
     # ------------------------------------------------------------------ main loop
@@ -303,84 +301,6 @@ class LearnerLoop:
             state = fsdp.full_state(t.model)  # a collective
             if t.rank == 0:
                 lora.export_adapter(state, self.cfg.model, adapter)
-
-    def _restore(self) -> Restored:
-        """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any.
-
-        A launcher restarts a learner with ``resume_mode=auto``, so what ``auto`` finds must
-        be this run's: a start that does not resume from the run directory's checkpoints
-        (``disable``, or ``resume_path`` elsewhere) moves them aside first, and ``auto``
-        with none of this run's yet falls back to ``resume_from_path`` (the first start's
-        weights, not the base model's). A ``resume_path`` to an earlier step of this run
-        (a rewind) moves the steps after it aside, out of ``auto``'s reach. Sets
-        :attr:`new_run`: this start begins a new run here, or a new branch of it (its
-        metrics start afresh).
-        Raises :class:`ConfigError` for a path that is no checkpoint, before anything moves."""
-        from learner.checkpoint import latest_checkpoint, set_aside_checkpoints
-
-        t, mode = self.cfg.trainer, self.cfg.trainer.resume_mode
-        path = None
-        if mode == "auto":
-            path = latest_checkpoint(self.run_dir) or t.resume_from_path
-        elif mode == "resume_path":
-            path = t.resume_from_path
-        if path is not None and (problem := resume_problem(str(path))) is not None:
-            raise ConfigError([problem])
-        self.new_run = starts_new_run(mode, path, self.run_dir)
-        aside = self.new_run and mode != "auto" and self.trainer.rank == 0
-        if aside and (old := set_aside_checkpoints(self.run_dir)) is not None:
-            log.info("checkpoints of an earlier run (not resumed) moved to %s", old.name)
-        if self.trainer.rank == 0 and (self.new_run or mode == "resume_path"):
-            # A new run here, or a branch of this one: an earlier ending is not its own.
-            (self.run_dir / COMPLETE_FILE).unlink(missing_ok=True)
-        if path is None:
-            return Restored(None, None, None)
-        try:
-            extra = self.trainer.load(path)
-        except Exception as e:  # damaged, or another model's: a restart fails the same way
-            from learner.checkpoint import unloadable_line
-
-            raise ConfigError([unloadable_line(Path(path), e)]) from e
-        if mode == "resume_path" and not self.new_run and self.trainer.rank == 0:  # a rewind
-            self._abandon_later(Path(path))
-        self.saved_health = extra.get("health") or {}
-        changes = changed_settings(extra.get("settings"), self.cfg)
-        if self.trainer.rank == 0 and (line := changed_line(changes, self.trainer.step)):
-            log.warning("%s", line)
-        log.info(
-            "resumed from %s at step %d, version %d (buffer session %r)",
-            path,
-            self.trainer.step,
-            self.trainer.policy_version,
-            str(extra.get("last_batch_session") or ""),
-        )
-        return Restored(
-            Path(path),
-            extra.get("last_batch_id"),
-            extra.get("coordinator"),
-            self.trainer.step,
-            self.trainer.policy_version,
-            str(extra.get("last_batch_session") or ""),
-            extra.get("validation"),
-            extra.get("lag_controller"),
-        )
-
-    def _abandon_later(self, path: Path) -> None:
-        """A rewind to ``path``, a checkpoint of this run: its later steps (the branch left
-        behind) go where ``auto`` does not look, or a restart would resume there."""
-        from learner.checkpoint import set_aside_later_checkpoints
-
-        step = self.trainer.step  # the loaded checkpoint's own (its folder may be a link)
-        if (moved := set_aside_later_checkpoints(self.run_dir, step)) is not None:
-            log.info(
-                "rewound to step %d: the later checkpoints (the branch left behind) moved to "
-                "%s, where a restart does not look; the metrics start a new record",
-                step,
-                moved,
-            )
-            # The earlier branch logged steps after this one: appended to its records (and
-            # its W&B run, which drops steps that go back), the new branch would be lost.
-            self.new_run = True
 
 
 def _buffer_answers(cfg: Config, wait_s: float) -> bool:

@@ -15,7 +15,8 @@ import torch
 
 from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.resumed import settings_of
-from learner.checkpoint import STATE_FILE, export_hf, latest_checkpoint, prune_checkpoints
+from learner.checkpoint import STATE_FILE, latest_checkpoint, prune_checkpoints
+from learner.export import export_hf
 from learner.rollouts import Rollout
 from learner.trainer import Trainer
 

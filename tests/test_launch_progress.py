@@ -279,7 +279,7 @@ def test_a_new_run_whose_learner_fails_at_once_shows_nothing_of_the_earlier_run(
 
 def test_which_starts_begin_a_new_run(tmp_path):
     """The launcher's reading of a start (:func:`new_run`) is the learner's
-    (``starts_new_run``, tested through ``LearnerLoop._restore`` in test_resume_modes)."""
+    (``starts_new_run``, tested through ``learner.restore.restore`` in test_resume_modes)."""
     from asyncrl.config import load_config, run_dir
     from asyncrl.config.ending import new_run
 

@@ -6,7 +6,7 @@ checkpoint falls back to ``resume_from_path`` (not the base model). A rewind to 
 step of the run moves the later steps out of ``auto``'s reach; a resume path that is no
 checkpoint fails before anything moves; a new run here starts its metrics afresh.
 
-The decision is :meth:`LearnerLoop._restore` on a real run directory; the trainer is a
+The decision is :func:`learner.restore.restore` on a real run directory; the trainer is a
 stand-in that records what it was asked to load."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from learner.checkpoint import STATE_FILE, latest_checkpoint
 from learner.control_peer import Restored
 from learner.control_plane import open_metrics
 from learner.loop import LearnerLoop
+from learner.restore import restore
 
 
 class LoadRecorder:
@@ -53,9 +54,16 @@ def _loop(run: Path, *overrides: str) -> LearnerLoop:
     return loop
 
 
+def _start(loop: LearnerLoop) -> Restored:
+    """What the loop's construction does first: choose and load the checkpoint."""
+    start = restore(loop.cfg, loop.trainer, loop.run_dir)
+    loop.new_run = start.new_run
+    return start.restored
+
+
 def _restore(run: Path, *overrides: str) -> tuple[LoadRecorder, object]:
     loop = _loop(run, *overrides)
-    return loop.trainer, loop._restore()  # type: ignore[return-value]
+    return loop.trainer, _start(loop)  # type: ignore[return-value]
 
 
 def test_a_run_that_spent_its_data_is_complete_until_more_epochs_are_asked(tmp_path):
@@ -133,8 +141,8 @@ def test_a_rewind_moves_the_later_steps_out_of_autos_reach(tmp_path, caplog):
     (root / "step_25.tmp").mkdir()  # a save of the abandoned branch, cut short
     rewind = ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={ten}"]
     loop = _loop(run, *rewind)
-    with caplog.at_level("INFO", logger="learner.loop"):
-        loop._restore()
+    with caplog.at_level("INFO", logger="learner.restore"):
+        _start(loop)
     trainer = loop.trainer
     assert trainer.loaded == [ten]  # type: ignore[attr-defined]
     # The new branch's metrics start a new record: the abandoned one logged steps 11-20.
@@ -214,7 +222,7 @@ def test_a_new_run_over_an_earlier_one_starts_its_metrics_afresh(tmp_path):
 
     def start(step: int, *overrides: str) -> bool:
         loop = _loop(run, *overrides, "trainer.logger=[jsonl]")
-        loop._restore()
+        _start(loop)
         logger = open_metrics(loop.cfg, run, loop.new_run)
         logger.log(step, {"reward/mean": 1.0})
         logger.close()
@@ -273,7 +281,7 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
 
     def start_again() -> Ending:
         loop.total, loop.control = 10, Ending()
-        with caplog.at_level("WARNING", logger="learner.loop"):
+        with caplog.at_level("WARNING", logger="learner.restore"):
             assert loop.run() == 0
         return loop.control  # type: ignore[return-value]
 
@@ -433,7 +441,7 @@ def test_a_checkpoint_that_cannot_be_loaded_names_the_one_before_it(tmp_path):
     loop = _loop(run, "trainer.resume_mode=auto")
     loop.trainer = StateReader()  # type: ignore[assignment]
     with pytest.raises(ConfigError) as e:
-        loop._restore()
+        _start(loop)
     (line,) = e.value.problems
     assert line.startswith(f"checkpoint {six} cannot be loaded (JSONDecodeError: ")
     assert line.endswith(

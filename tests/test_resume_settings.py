@@ -69,9 +69,9 @@ def test_the_launcher_says_it_before_any_role_starts(tmp_path):
 
 
 def test_the_learner_says_it_when_it_loads_the_checkpoint(tmp_path, caplog):
-    """Through :meth:`LearnerLoop._restore`, with a stand-in trainer whose load returns
+    """Through :func:`learner.restore.restore`, with a stand-in trainer whose load returns
     the settings a real save keeps (``LearnerLoop._save`` writes ``settings_of``)."""
-    from learner.loop import LearnerLoop
+    from learner.restore import restore
 
     base = [f"trainer.default_local_dir={tmp_path}"]
     saved = settings_of(load_config(None, base))
@@ -85,13 +85,10 @@ def test_the_learner_says_it_when_it_loads_the_checkpoint(tmp_path, caplog):
             return {"settings": saved}
 
     for overrides, said in ((base, False), ([*base, "actor.optim.lr=3e-6"], True)):
-        loop = object.__new__(LearnerLoop)
-        loop.cfg = load_config(None, overrides)
-        loop.run_dir = run_dir(loop.cfg)
-        loop.trainer = Loader()  # type: ignore[assignment]
+        cfg = load_config(None, overrides)
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="learner.loop"):
-            loop._restore()
+        with caplog.at_level(logging.WARNING, logger="learner.restore"):
+            restore(cfg, Loader(), run_dir(cfg))
         lines = [r.getMessage() for r in caplog.records if "settings changed" in r.message]
         assert bool(lines) == said, lines
         if said:

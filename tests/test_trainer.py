@@ -236,7 +236,7 @@ class LoopThread:
 def vllm_rig(tiny_model, single_rank, tmp_path_factory):
     """A trainer at version 0 and a vLLM engine started from the trainer's HF export (which
     is thereby checked to load in vLLM)."""
-    from learner.checkpoint import export_hf
+    from learner.export import export_hf
     from rollout_servers.engine import RolloutEngine
     from rollout_servers.engine_config import engine_args
 

@@ -1,0 +1,108 @@
+"""Which checkpoint a learner start resumes from, and what it moves out of the way.
+
+A launcher restarts a learner with ``trainer.resume_mode=auto``, so what ``auto`` finds
+must be this run's: a start that does not resume from the run directory's checkpoints
+(``disable``, or ``resume_path`` elsewhere) moves them aside first, and ``auto`` with none
+of this run's yet falls back to ``resume_from_path`` (the first start's weights, not the
+base model's). A ``resume_path`` to an earlier step of this run (a rewind) moves the steps
+after it aside, out of ``auto``'s reach.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import Config, ConfigError
+from asyncrl.config.ending import COMPLETE_FILE, starts_new_run
+from asyncrl.config.inputs import resume_problem
+from asyncrl.config.resumed import changed_line, changed_settings
+from learner.control_peer import Restored
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Start:
+    """What :func:`restore` found: the state for the control plane, whether this start
+    begins a new run here or a new branch of it (its metrics start afresh), and the
+    health alarms' saved history."""
+
+    restored: Restored
+    new_run: bool
+    health: dict[str, Any] = field(default_factory=dict)
+
+
+def restore(cfg: Config, trainer: Any, run_dir: Path) -> Start:
+    """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any, into
+    ``trainer`` (a :class:`learner.trainer.Trainer`; every rank calls this). Raises
+    :class:`ConfigError` for a path that is no checkpoint, before anything moves, and for
+    one that cannot be loaded."""
+    from learner.checkpoint import latest_checkpoint, set_aside_checkpoints, unloadable_line
+
+    t, mode = cfg.trainer, cfg.trainer.resume_mode
+    path = None
+    if mode == "auto":
+        path = latest_checkpoint(run_dir) or t.resume_from_path
+    elif mode == "resume_path":
+        path = t.resume_from_path
+    if path is not None and (problem := resume_problem(str(path))) is not None:
+        raise ConfigError([problem])
+    new_run = starts_new_run(mode, path, run_dir)
+    rank0 = trainer.rank == 0
+    if rank0 and new_run and mode != "auto" and (old := set_aside_checkpoints(run_dir)):
+        log.info("checkpoints of an earlier run (not resumed) moved to %s", old.name)
+    if rank0 and (new_run or mode == "resume_path"):
+        # A new run here, or a branch of this one: an earlier ending is not its own.
+        (run_dir / COMPLETE_FILE).unlink(missing_ok=True)
+    if path is None:
+        return Start(Restored(None, None, None), new_run)
+    try:
+        extra = trainer.load(path)
+    except Exception as e:  # damaged, or another model's: a restart fails the same way
+        raise ConfigError([unloadable_line(Path(path), e)]) from e
+    if mode == "resume_path" and not new_run and rank0:  # a rewind
+        new_run = abandon_later(run_dir, trainer.step)
+    changes = changed_settings(extra.get("settings"), cfg)
+    if rank0 and (line := changed_line(changes, trainer.step)):
+        log.warning("%s", line)
+    session = str(extra.get("last_batch_session") or "")
+    log.info(
+        "resumed from %s at step %d, version %d (buffer session %r)",
+        path,
+        trainer.step,
+        trainer.policy_version,
+        session,
+    )
+    restored = Restored(
+        Path(path),
+        extra.get("last_batch_id"),
+        extra.get("coordinator"),
+        trainer.step,
+        trainer.policy_version,
+        session,
+        extra.get("validation"),
+        extra.get("lag_controller"),
+    )
+    return Start(restored, new_run, extra.get("health") or {})
+
+
+def abandon_later(run_dir: Path, step: int) -> bool:
+    """A rewind to ``step`` (the loaded checkpoint's own: its folder may be a link) of this
+    run: its later steps (the branch left behind) go where ``auto`` does not look, or a
+    restart would resume there. Whether any moved: then the new branch starts a new record
+    (appended to the earlier branch's, and its W&B run, which drops steps that go back,
+    it would be lost)."""
+    from learner.checkpoint import set_aside_later_checkpoints
+
+    if (moved := set_aside_later_checkpoints(run_dir, step)) is None:
+        return False
+    log.info(
+        "rewound to step %d: the later checkpoints (the branch left behind) moved to "
+        "%s, where a restart does not look; the metrics start a new record",
+        step,
+        moved,
+    )
+    return True
