@@ -324,11 +324,12 @@ def prepare_data(args: argparse.Namespace) -> dict:
 def _prompt_token_counter(model_dir: Path):
     from transformers import AutoTokenizer
 
+    from asyncrl.prepare.tokenizer import chat_prompt_ids
+
     tok = AutoTokenizer.from_pretrained(str(model_dir))
 
     def count(messages: list[dict]) -> int:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return len(tok.encode(text, add_special_tokens=False))
+        return len(chat_prompt_ids(tok, messages))
 
     return count
 

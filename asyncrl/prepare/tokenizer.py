@@ -60,6 +60,57 @@ def build_tokenizer(out_dir: Path):  # -> transformers.PreTrainedTokenizerFast
 
 def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
     """Token ids of the chat-formatted prompt, ending with the assistant header (veRL
-    applies the model's chat template with ``add_generation_prompt=True`` the same way)."""
-    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return tok.encode(text, add_special_tokens=False)
+    applies the model's chat template with ``add_generation_prompt=True`` the same way).
+
+    Two kinds of prompt are used as their text instead (:func:`prompt_text`): one whose
+    single message already holds the template's markup (TinyZero's countdown files write
+    the whole chat into it; templated again, its ``<think>`` opening would sit inside a
+    user turn), and any prompt for a tokenizer with no chat template (a base model)."""
+    return tok.encode(prompt_text(tok, messages), add_special_tokens=False)
+
+
+def prompt_text(tok, messages: list[dict]) -> str:
+    """The prompt as text: the chat template's rendering, or the messages' own text (see
+    :func:`chat_prompt_ids`), said once per process."""
+    if not getattr(tok, "chat_template", None):
+        _note_once(
+            "no_template",
+            "the model's tokenizer has no chat template: prompts are "
+            "their messages' text, one per line (as TinyZero used them)",
+        )
+        return "\n".join(str(m.get("content", "")) for m in messages)
+    if len(messages) == 1 and (marker := _generation_marker(tok)):
+        content = str(messages[0].get("content", ""))
+        if marker in content:
+            _note_once(
+                "templated",
+                f"prompts already hold the chat template's markup "
+                f"({marker!r}): used as they are, not templated again",
+            )
+            return content
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+_SENTINEL = "\x00prompt\x00"
+_markers: dict[int, str] = {}
+_said: set[str] = set()
+
+
+def _generation_marker(tok) -> str:
+    """What the template writes after a user's message to open the assistant's turn
+    (Qwen's ``<|im_end|>\\n<|im_start|>assistant``), or "" when that is too short to tell
+    a templated prompt by (then every prompt is templated)."""
+    if id(tok) not in _markers:
+        one = [{"role": "user", "content": _SENTINEL}]
+        text = tok.apply_chat_template(one, add_generation_prompt=True, tokenize=False)
+        after = text.rsplit(_SENTINEL, 1)[-1].strip() if _SENTINEL in text else ""
+        _markers[id(tok)] = after if len(after) >= 8 else ""
+    return _markers[id(tok)]
+
+
+def _note_once(kind: str, line: str) -> None:
+    import logging
+
+    if kind not in _said:
+        _said.add(kind)
+        logging.getLogger(__name__).info("%s", line)
