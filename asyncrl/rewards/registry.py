@@ -13,7 +13,6 @@ from __future__ import annotations
 import inspect
 import logging
 import math
-import numbers
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -120,24 +119,77 @@ def _check_signature(function: ScoreFn, where: str, bound: dict[str, Any]) -> No
         ) from None
 
 
+#: At most this many distinct dropped reward parts are logged per process.
+MAX_LOGGED_PARTS = 32
+_logged_parts: set[tuple[str, str]] = set()
+
+
+def _describe(value: Any) -> str:
+    """``type repr`` of ``value`` for an error message, cut to 80 characters (a repr can
+    itself raise: an int of more than 4300 digits refuses to become a string)."""
+    try:
+        text = repr(value)
+    except Exception:
+        text = "<unprintable>"
+    return f"{type(value).__name__} {text[:80]}"
+
+
 def _finite(value: Any, what: str = "") -> float:
     """``value`` as a finite float; else an error that reads after "returned" (``what``:
-    where in the return value it was, e.g. ``dict['score'] = ``)."""
-    # numbers.Real covers int, float, bool and numpy scalars; strings and tensors are refused.
-    if not isinstance(value, numbers.Real):
-        raise TypeError(f"{what}{type(value).__name__} {value!r:.80}, not a number")
-    result = float(value)
+    where in the return value it was, e.g. ``dict['score'] = ``).
+
+    Anything veRL could write into its reward tensor is a number here: Python and numpy
+    scalars (bools included, ``np.bool_`` is no ``numbers.Real``), 0-d numpy arrays and 0-d
+    tensors. Tensors are duck-typed (``.ndim``, ``.item()``) so reward workers never import
+    torch. Strings are refused although ``float("1")`` works: veRL's tensor write refuses
+    them too.
+
+    Raises:
+        TypeError: Not a single number.
+        ValueError: NaN, infinite, or an int too large for a float.
+    """
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{what}{_describe(value)}, not a number")
+    ndim = getattr(value, "ndim", 0)
+    if ndim != 0:
+        raise TypeError(f"{what}{_describe(value)} with {ndim} dimensions, not a single number")
+    try:
+        item = value.item() if hasattr(value, "item") else value
+        if isinstance(item, (str, bytes)):  # a 0-d array of strings
+            raise TypeError
+        result = float(item)
+    except OverflowError:
+        raise ValueError(f"{what}{_describe(value)}, too large for a float") from None
+    except Exception:
+        raise TypeError(f"{what}{_describe(value)}, not a number") from None
     if not math.isfinite(result):
         raise ValueError(f"{what}{result}, not a finite number")
     return result
 
 
+def _drop_part(key: str, part: Any, reason: str) -> None:
+    """Log a reward part that is left out, once per key and type: a part the user meant as
+    a metric (DAPO's ``filter_groups.metric=acc``) must not vanish without a word."""
+    variant = (key, type(part).__name__)
+    if variant in _logged_parts or len(_logged_parts) >= MAX_LOGGED_PARTS:
+        return
+    _logged_parts.add(variant)
+    logger.warning(
+        "reward part %r left out: %s; return a finite number for it to be logged "
+        "(logged once per key and type)",
+        key,
+        reason,
+    )
+
+
 def normalize_score(value: Any) -> tuple[float, dict[str, float]]:
     """Turn a scorer's return value into ``(score, parts)``.
 
-    A number is the score. A dict must hold a numeric ``"score"``; its other numeric
-    entries become parts, and non-numeric ones (veRL scorers often return e.g. a parsed
-    prediction string) are left out.
+    A number (as :func:`_finite` reads one) is the score. A dict must hold a numeric
+    ``"score"``; its other numeric entries become parts. Each part is converted on its own,
+    so one that is not a finite number is left out without costing the sample its score.
+    Strings and None are left out silently (veRL scorers often return e.g. a parsed
+    prediction, or None when there is none); anything else is logged once.
 
     Raises:
         TypeError: The value (or its ``"score"``) is not a number.
@@ -149,9 +201,11 @@ def normalize_score(value: Any) -> tuple[float, dict[str, float]]:
         score = _finite(value["score"], "dict['score'] = ")
         parts = {}
         for key, part in value.items():
-            if key == "score" or not isinstance(part, numbers.Real):
+            if key == "score" or part is None or isinstance(part, (str, bytes)):
                 continue
-            if math.isfinite(float(part)):
-                parts[str(key)] = float(part)
+            try:
+                parts[str(key)] = _finite(part)
+            except Exception as exc:
+                _drop_part(str(key), part, str(exc))
         return score, parts
     return _finite(value), {}

@@ -4,14 +4,19 @@ Nothing is downloaded: users bring parquet files made by veRL's ``gsm8k.py`` pre
 (``data_source = "openai/gsm8k"``, ground truth = the text after ``####`` in the original
 answer) or build rows themselves with :func:`make_row`.
 
-Scoring follows veRL: the model's answer is what follows its last ``####`` ("strict"), or
-the last number anywhere in the response ("flexible").
+Scoring is exactly veRL's ``verl/utils/reward_score/gsm8k.py``, so a veRL user's reward
+curves compare one to one: only the response's last 300 characters are read; the answer is
+the number after the last ``"#### "`` (one space: "strict") or the last run of digits, dots
+and commas anywhere ("flexible"), and it must equal the ground truth as a string. So
+``"####72"``, ``"#### $72"``, ``"#### 72."`` and ``"#### 72.0"`` do not match ``"72"``, as in
+veRL. Only the ground truth is read leniently (:func:`extract_ground_truth`); veRL's files
+hold the bare number, which that leaves as it is. A scorer that forgives formatting is a
+custom one (``custom_reward_function.path``).
 """
 
 from __future__ import annotations
 
 import re
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,11 +31,14 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 
 Method = Literal["strict", "flexible"]
 
-_STRICT_RE = re.compile(r"####\s*\$?\s*(-?[0-9][0-9.,]*)")
-_FLEXIBLE_RE = re.compile(r"-?[0-9][0-9,]*(?:\.[0-9]+)?")
-# Only plain decimals become numbers; "1e999999" would be costly to build as a Fraction.
-_DECIMAL_RE = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)")
-_MAX_NUMBER_CHARS = 64
+#: veRL reads only the response's tail ("the final answer is usually at the end"), so an
+#: answer followed by more than this many characters of text scores 0 there, and here.
+SOLUTION_CLIP_CHARS = 300
+
+# veRL's patterns: exactly one space after "####", and no "$"; a run of digits, dots and
+# commas (a lone "," or "." included) for flexible.
+_STRICT_RE = re.compile(r"#### (-?[0-9.,]+)")
+_FLEXIBLE_RE = re.compile(r"-?[0-9.,]+")
 
 
 def make_row(
@@ -77,7 +85,12 @@ def _clean(text: str) -> str:
 
 
 def extract_ground_truth(ground_truth: Any) -> str:
-    """Return the reference answer: the text after the last ``####`` if present, cleaned."""
+    """Return the reference answer: the text after the last ``####`` if present, cleaned.
+
+    Lenient on purpose: the README promises that the original solution's full ``#### 1,234``
+    line works as a ground truth. veRL's preprocessing writes the bare number (``1234``),
+    which passes unchanged, so scores still equal veRL's on its files.
+    """
     text = str(ground_truth)
     if "####" in text:
         text = text.rsplit("####", 1)[1]
@@ -85,33 +98,24 @@ def extract_ground_truth(ground_truth: Any) -> str:
 
 
 def extract_answer(solution_str: str, method: Method = "strict") -> str | None:
-    """Return the model's answer, or None when it gave none.
+    """Return the model's answer as veRL's ``extract_solution`` does, or None when it gave none.
 
-    ``strict`` takes the number after the last ``####``; ``flexible`` takes the last number
-    anywhere in the text.
+    ``strict`` takes the number after the last ``"#### "`` with its commas removed;
+    ``flexible`` takes the last match of digits, dots and commas that is not a lone ``"."``,
+    commas kept (veRL removes them only in strict mode).
     """
+    tail = solution_str[-SOLUTION_CLIP_CHARS:]
     if method == "strict":
-        matches = _STRICT_RE.findall(solution_str)
-    elif method == "flexible":
-        matches = _FLEXIBLE_RE.findall(solution_str)
-    else:
-        raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")
-    # Both patterns require a digit, so a cleaned match is never empty.
-    return _clean(matches[-1]) if matches else None
-
-
-def _as_number(text: str) -> Fraction | None:
-    if len(text) > _MAX_NUMBER_CHARS or not _DECIMAL_RE.fullmatch(text):
-        return None
-    return Fraction(text)
-
-
-def answers_match(answer: str, reference: str) -> bool:
-    """Compare as numbers when both parse ("72" == "72.0"), else as exact strings."""
-    a, b = _as_number(answer), _as_number(reference)
-    if a is not None and b is not None:
-        return a == b
-    return answer == reference
+        matches = _STRICT_RE.findall(tail)
+        return matches[-1].replace(",", "") if matches else None
+    if method == "flexible":
+        matches = _FLEXIBLE_RE.findall(tail)
+        if not matches:
+            return None
+        # When every match is ".", veRL's loop ends on the first one and returns "." (a
+        # wrong answer, worth format_score), not None.
+        return next((m for m in reversed(matches) if m != "."), matches[0])
+    raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")
 
 
 def compute_score(
@@ -122,11 +126,12 @@ def compute_score(
     format_score: float = 0.0,
     score: float = 1.0,
 ) -> float:
-    """Score a gsm8k response: ``score`` if right, ``format_score`` if wrong, 0.0 if no answer.
+    """Score a gsm8k response as veRL does: ``score`` if its answer equals the ground truth
+    as a string, ``format_score`` if it gave another answer, 0.0 if it gave none.
 
     ``ground_truth`` may be the bare answer (veRL's files) or a full answer with ``#### 42``.
     """
     answer = extract_answer(solution_str, method)
     if answer is None:
         return 0.0
-    return score if answers_match(answer, extract_ground_truth(ground_truth)) else format_score
+    return score if answer == extract_ground_truth(ground_truth) else format_score
