@@ -22,7 +22,10 @@ next heartbeat instead of being lost (PUB/SUB would drop it silently).
 
 Every message is an :class:`asyncrl.wire.base.Message` (it carries ``schema``, and decoders
 refuse other versions), :class:`Ok` and :class:`ErrorReply` are the buffer's too, and a
-message that cannot be accepted raises :class:`~asyncrl.wire.base.WireError`.
+message that cannot be accepted raises :class:`~asyncrl.wire.base.WireError`. Both sides
+read messages of at most ``control.max_message_mb`` (:func:`decode_request`,
+:func:`decode_reply`), and the coordinator builds no grant past it
+(:mod:`asyncrl.control.grant_size`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import msgspec
 
 from asyncrl.sync.weights import WeightPlan
 from asyncrl.wire.base import SCHEMA_VERSION as SCHEMA_VERSION  # re-exported
-from asyncrl.wire.base import ErrorReply, Message, Ok, decode
+from asyncrl.wire.base import ErrorReply, Message, Ok, WireError, decode, nbytes
 from asyncrl.wire.base import encode as encode  # re-exported
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -44,8 +47,10 @@ TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 # one message's worth of memory and time (a server holds far fewer tasks than this).
 TaskIds = Annotated[list[TaskId], msgspec.Meta(max_length=65536)]
 
-# A request is small: a task ack of a few thousand ids at most.
-MAX_REQUEST_BYTES = 4 << 20
+#: ``control.max_message_mb``'s default, the bound on a control message where no config
+#: gives one. Every role reads the configured bound (a grant of code tasks, whose tests ride
+#: in ``ground_truth``, easily takes more than this default).
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 
 
 # ----------------------------------------------------------------------- payloads
@@ -233,7 +238,9 @@ class TaskGrant(Message, tag="task_grant"):
     ``catchup`` (weights must be caught up first), ``exhausted`` (no training data left),
     ``starting`` (fewer than ``control.min_servers_to_start`` servers registered yet, or a
     resumed coordinator still learning what the servers and the buffer hold),
-    ``unregistered`` (register again), ``shutdown``."""
+    ``unregistered`` (register again), ``shutdown``. With fewer tasks than asked, ``size``
+    says the next task would have taken the reply past ``control.max_message_mb`` (it
+    waits for the next request)."""
 
     tasks: list[Task]
     policy_version: NonNeg
@@ -289,11 +296,26 @@ _request_decoder = msgspec.msgpack.Decoder(Request)
 _reply_decoder = msgspec.msgpack.Decoder(Reply)
 
 
-def decode_request(frame: Any) -> Request:
-    """A validated request of any kind (raises :class:`~asyncrl.wire.base.WireError`)."""
-    return decode(_request_decoder, frame, MAX_REQUEST_BYTES)
+def decode_request(frame: Any, max_bytes: int = 0) -> Request:
+    """A validated request of any kind, at most ``max_bytes`` (0: the default bound); raises
+    :class:`~asyncrl.wire.base.WireError`."""
+    return decode(_request_decoder, frame, within(frame, max_bytes))
 
 
-def decode_reply(frame: Any) -> Reply:
-    """A validated reply of any kind (raises :class:`~asyncrl.wire.base.WireError`)."""
-    return decode(_reply_decoder, frame, MAX_REQUEST_BYTES)
+def decode_reply(frame: Any, max_bytes: int = 0) -> Reply:
+    """A validated reply of any kind, at most ``max_bytes`` (0: the default bound); raises
+    :class:`~asyncrl.wire.base.WireError`."""
+    return decode(_reply_decoder, frame, within(frame, max_bytes))
+
+
+def within(frame: Any, max_bytes: int) -> int:
+    """The bound ``frame`` is read under (``max_bytes``, 0: the default), or ``oversize``
+    naming the key that raises it: the bare size would not tell a user what to change."""
+    limit = max_bytes or DEFAULT_MAX_MESSAGE_BYTES
+    if (size := nbytes(frame)) > limit:
+        raise WireError(
+            "oversize",
+            f"a control message of {size / (1 << 20):.2f} MiB is over control.max_message_mb="
+            f"{limit / (1 << 20):g}: raise control.max_message_mb in the config every role reads",
+        )
+    return limit
