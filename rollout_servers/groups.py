@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
 
     from asyncrl.config import Config
+    from asyncrl.config.data import DataConfig
     from asyncrl.config.recipes import OverlongBufferConfig
-    from asyncrl.config.schema import DataConfig
     from asyncrl.control.messages import Task
     from asyncrl.rewards import ScoreResult
     from rollout_servers.engine import Sample

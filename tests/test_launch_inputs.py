@@ -321,3 +321,29 @@ def test_cores_and_a_device_this_machine_lacks_are_refused(monkeypatch):
     (line,) = input_problems(load_config(None, ["trainer.device=cuda"]), [DEVICE])
     assert "finds no CUDA device" in line and "set trainer.device=cpu" in line
     assert input_problems(load_config(None, ["trainer.device=cpu"]), [DEVICE]) == []
+
+
+def test_shard_patterns_expand_and_remote_addresses_are_named(tmp_path):
+    """veRL's loader reads ``data.train_files=/data/train-*.parquet`` (the files it
+    matches, sorted) and copies ``hdfs://`` files to a local folder first: a pattern is
+    expanded here, a remote address refused in one line (it was "does not exist")."""
+    from asyncrl.config.inputs import DATA, input_problems
+    from asyncrl.tasks import prepare_task_data
+
+    for part in ("b", "a"):
+        prepare_task_data("arithmetic", tmp_path / part, seed=0, n_train=8, n_val=2)
+        (tmp_path / part / "train.parquet").rename(tmp_path / f"train-{part}.parquet")
+    off = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
+    cfg = load_config(None, [f"data.train_files={tmp_path}/train-*.parquet", *off])
+    assert cfg.data.train_files == [f"{tmp_path}/train-a.parquet", f"{tmp_path}/train-b.parquet"]
+    assert input_problems(cfg, (DATA,)) == []
+    listed = load_config(None, [f"data.train_files=[{tmp_path}/train-*.parquet,x.parquet]"])
+    assert listed.data.train_files == [*cfg.data.train_files, "x.parquet"]
+    nothing = load_config(None, [f"data.train_files={tmp_path}/none-*.parquet", *off])
+    assert nothing.data.train_files == [f"{tmp_path}/none-*.parquet"]  # named as given
+    assert "none-*.parquet does not exist" in input_problems(nothing, (DATA,))[0]
+    remote = load_config(None, ["data.train_files=hdfs://cluster/data/train.parquet", *off])
+    assert input_problems(remote, (DATA,)) == [
+        "data.train_files: hdfs://cluster/data/train.parquet is a remote address: copy the "
+        "files to a folder every role can read (the same path on every machine) and give that"
+    ]

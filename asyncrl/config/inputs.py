@@ -131,7 +131,12 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
         validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
         for key in ("train_files", "val_files") if validating else ("train_files",):
             for f in getattr(cfg.data, key):
-                if not Path(f).expanduser().exists():
+                if "://" in f:  # hdfs://, s3://: veRL copies those to a local folder first
+                    problems.append(
+                        f"data.{key}: {f} is a remote address: copy the files to a folder "
+                        "every role can read (the same path on every machine) and give that"
+                    )
+                elif not Path(f).expanduser().exists():
                     problems.append(f"data.{key}: {f} does not exist: {_data_hint(f)}")
         if not problems:
             problems += _column_problems(cfg, validating)
