@@ -137,10 +137,10 @@ def cross_field_problems(cfg: Config) -> list[str]:
     if cfg.buffer.capacity_groups < needed:
         if cfg.trainer.save_freq > 0:
             held = "the unacknowledged batches between checkpoints"
-            fix = "(save_freq + max_policy_lag + 1)) or lower trainer.save_freq"
+            fix = "(save_freq + (max_policy_lag + 1) * sync_every)) or lower trainer.save_freq"
         else:
             held = "the batch in training and the groups admitted meanwhile"
-            fix = "(max_policy_lag + 2))"
+            fix = "(1 + (max_policy_lag + 1) * sync_every))"
         problems.append(
             f"buffer.capacity_groups={cfg.buffer.capacity_groups} cannot hold {held}; "
             f"raise it to >= {needed} (train_batch_size * {fix}"
@@ -162,11 +162,13 @@ def capacity_needed(cfg: Config) -> int:
     """The fewest groups ``buffer.capacity_groups`` may hold.
 
     Released batches stay until a checkpoint acknowledges them (docs/DESIGN.md section 4), beside
-    the max_policy_lag + 1 batches admission lets the servers produce meanwhile. With
+    the (max_policy_lag + 1) * sync_every batches admission lets the servers produce
+    meanwhile (a version is sync_every steps: a smaller buffer fills with training groups at
+    the end of a run, and the final validation groups behind them are never read). With
     save_freq <= 0 (no intermediate checkpoint) the learner acknowledges each batch once
     trained: one batch is held, and a buffer smaller than that never releases one."""
-    steps_held = max(cfg.trainer.save_freq, 1) + cfg.staleness.max_policy_lag + 1
-    return cfg.data.train_batch_size * steps_held
+    window = (cfg.staleness.max_policy_lag + 1) * cfg.staleness.sync_every
+    return cfg.data.train_batch_size * (max(cfg.trainer.save_freq, 1) + window)
 
 
 def _overlong_problems(cfg: Config) -> list[str]:
