@@ -138,7 +138,7 @@ GAE = ["algorithm.adv_estimator=gae"]
         (["buffer.max_reuse=3"], "needs buffer.policy=uniform"),
         (["control.dead_after_s=1", "control.heartbeat_s=2"], "must exceed control.heartbeat_s"),
         (["control.min_servers_to_start=3"], "no task would ever be dealt"),
-        (["buffer.capacity_groups=20"], "raise it to >= 832"),
+        (["buffer.capacity_groups=20"], "raise it to >= 864"),
         (["endpoints.batches=5551"], "endpoints.batches=5551 is also endpoints.tasks"),
         (["launch.cpus={rollout: [[1]]}"], "give one list per server"),
         (["launch.cpus={critic: [0]}"], "unknown roles ['critic']"),
