@@ -118,6 +118,14 @@ class Answers:
         # Requests this consumer left held before it restarted must not take batches now:
         # nobody would receive them until its next restart.
         self.held.drop(msg.consumer_id)
+        if msg.acked_through is not None and msg.resumed and not msg.session:
+            log.warning(
+                "consumer %s holds batches through %d but names no buffer session: nothing "
+                "is acknowledged, its unacknowledged batches come again (trained twice "
+                "rather than lost); send Hello.session, the session of the batch replies",
+                msg.consumer_id,
+                msg.acked_through,
+            )
         redelivering, acked = self.buffer.restart(
             msg.acked_through, msg.consumer_id, msg.session, msg.resumed
         )

@@ -114,3 +114,29 @@ def test_a_message_announcing_huge_groups_costs_about_its_own_size() -> None:
     # reported so that their charge returns to the budget.
     assert outcomes.count("added") == 100 and outcomes.count("overflow") == k - 100
     assert {d.cause for d in rb.take_dropped()} == {"overflow"}
+
+
+def test_a_restart_naming_no_session_gets_its_batches_again_and_is_told_why(caplog) -> None:
+    """A consumer that says it holds batches through 1 without naming the buffer session
+    those ids belong to: after a buffer restart the same numbers name other batches, so
+    nothing is taken for trained (they come again) and the buffer says how to name it."""
+    rb = ReplayBuffer(batch_size=2, capacity_groups=64, max_policy_lag=5)
+    for i in range(6):
+        rb.add_packed(Packed.pack(make_group(f"g{i}", 2)), 0.0)
+    with BufferService(rb) as svc, BufferClient(svc.batches_endpoint, timeout_s=5) as client:
+        client.hello(None, wait_s=5)
+        sessions = set()
+        for want in range(3):
+            got = client.request_batch(0, wait_s=2.0)
+            assert got is not None and got.batch_id == want
+            sessions.add(got.session)
+        (session,) = sessions
+        with caplog.at_level("WARNING", logger="buffer.answers"):
+            assert client.hello(1, wait_s=5).redelivering == 3  # session "" (unsaid)
+        assert "names no buffer session" in caplog.text and "Hello.session" in caplog.text
+        again = client.request_batch(0, wait_s=2.0)
+        assert again is not None and again.batch_id == 0
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="buffer.answers"):
+            named = client.hello(1, wait_s=5, session=session)
+        assert named.redelivering == 1 and "names no buffer session" not in caplog.text

@@ -115,8 +115,9 @@ class Hello(Message, tag="hello"):
 
     consumer_id: ShortStr
     acked_through: int | None = None
-    # The buffer session ``acked_through`` belongs to ("" : not said, this one assumed):
-    # after a buffer restart, the same number names another batch.
+    # The buffer session ``acked_through`` belongs to: after a buffer restart, the same
+    # number names another batch. Another session's, or "" (not said), acknowledges
+    # nothing: the batches come again (trained twice rather than taken for trained).
     session: ShortStr = ""
     # False: the consumer starts without a checkpoint and replays nothing; the groups of
     # its unacknowledged batches go back to the pool (under the lag filter).
