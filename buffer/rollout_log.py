@@ -8,6 +8,7 @@ file per chunk, so a crash loses at most one chunk and each file is readable on 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,15 @@ class RolloutLog:
         # Continue numbering after files of an earlier buffer process in the same run.
         self._n = len(list(self.directory.glob("rollouts-*.parquet")))
         self.rows_written = 0
+        # Rows not written: a write that failed (a full disk) turns the log off, rather
+        # than end the buffer and the groups and batches it holds.
+        self.rows_lost = 0
+        self.broken: str | None = None
 
     def append(self, traj: Trajectory, outcome: str, received_at: float) -> None:
+        if self.broken is not None:
+            self.rows_lost += 1
+            return
         m = traj.meta
         self._rows.append(
             {
@@ -90,11 +98,25 @@ class RolloutLog:
         """Write the collected rows as one new parquet file."""
         if not self._rows:
             return
-        table = pa.Table.from_pylist(self._rows, schema=SCHEMA)
         path = self.directory / f"rollouts-{self._n:05d}.parquet"
         tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(table, tmp)
-        tmp.replace(path)  # a reader never sees half a file
+        try:
+            pq.write_table(pa.Table.from_pylist(self._rows, schema=SCHEMA), tmp)
+            tmp.replace(path)  # a reader never sees half a file
+        except (OSError, pa.ArrowException) as e:
+            self.rows_lost += len(self._rows)
+            self._rows = []
+            self.broken = f"{type(e).__name__}: {e}"
+            with contextlib.suppress(OSError):  # the folder may be what is gone
+                tmp.unlink(missing_ok=True)
+            log.warning(
+                "rollout log: writing %s failed (%s); the log is off for the rest of this "
+                "buffer's life (buffer/rollout_log_lost counts the rows not written), the "
+                "buffer goes on; free space there or set buffer.log_rollouts=false",
+                path,
+                self.broken,
+            )
+            return
         self._n += 1
         self.rows_written += len(self._rows)
         self._rows = []

@@ -298,6 +298,8 @@ class BufferService:
         """
         out = self.buffer.metrics() | self.stats.metrics(time.monotonic())
         out["buffer/pending_requests"] = float(len(self._answers.held))
+        if self.rollout_log is not None:
+            out["buffer/rollout_log_lost"] = float(self.rollout_log.rows_lost)
         out |= {
             k.replace("security/", "buffer/security/"): v for k, v in security.metrics().items()
         }
