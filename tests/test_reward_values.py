@@ -120,4 +120,3 @@ def test_a_dropped_part_is_logged_once_per_key_and_type(caplog: pytest.LogCaptur
     lines = [r.getMessage() for r in caplog.records]
     assert sum("'dropped_once'" in line for line in lines) == 1, lines
     assert not any("'pred'" in line for line in lines), lines
-

@@ -34,6 +34,8 @@ HOSTILE = """
 import os
 import time
 
+import numpy as np
+
 from asyncrl.tools import BaseTool
 
 
@@ -49,7 +51,8 @@ class EchoTool(BaseTool):
 
     async def execute(self, instance_id, parameters, **kwargs):
         text = self.prefixes[instance_id] + parameters["text"] * parameters.get("times", 1)
-        return {"text": text}, 0.5, {"length": len(text)}
+        # A numpy step reward, as tools computing one with numpy return it.
+        return {"text": text}, np.float32(0.5), {"length": len(text)}
 
     async def release(self, instance_id, **kwargs):
         del self.prefixes[instance_id]

@@ -134,7 +134,7 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text[:80]}"
 
 
-def _finite(value: Any, what: str = "") -> float:
+def finite_number(value: Any, what: str = "") -> float:
     """``value`` as a finite float; else an error that reads after "returned" (``what``:
     where in the return value it was, e.g. ``dict['score'] = ``).
 
@@ -185,7 +185,7 @@ def _drop_part(key: str, part: Any, reason: str) -> None:
 def normalize_score(value: Any) -> tuple[float, dict[str, float]]:
     """Turn a scorer's return value into ``(score, parts)``.
 
-    A number (as :func:`_finite` reads one) is the score. A dict must hold a numeric
+    A number (as :func:`finite_number` reads one) is the score. A dict must hold a numeric
     ``"score"``; its other numeric entries become parts. Each part is converted on its own,
     so one that is not a finite number is left out without costing the sample its score.
     Strings and None are left out silently (veRL scorers often return e.g. a parsed
@@ -198,14 +198,14 @@ def normalize_score(value: Any) -> tuple[float, dict[str, float]]:
     if isinstance(value, dict):
         if "score" not in value:
             raise ValueError(f"dict without a 'score' key (keys: {sorted(map(str, value))})")
-        score = _finite(value["score"], "dict['score'] = ")
+        score = finite_number(value["score"], "dict['score'] = ")
         parts = {}
         for key, part in value.items():
             if key == "score" or part is None or isinstance(part, (str, bytes)):
                 continue
             try:
-                parts[str(key)] = _finite(part)
+                parts[str(key)] = finite_number(part)
             except Exception as exc:
                 _drop_part(str(key), part, str(exc))
         return score, parts
-    return _finite(value), {}
+    return finite_number(value), {}

@@ -16,14 +16,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
-import numbers
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from asyncrl.rewards.registry import finite_number
 from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, WorkerPool
 from asyncrl.tools.config import ToolSpec, instantiate_tools, load_tool_config, schemas
 from asyncrl.tools.hermes import ToolCall
@@ -132,10 +131,11 @@ def _run_call(
     text = _response_text(result[0])
     if text is None:
         return "bad_return", f"a response of type {type(result[0]).__name__} without text"
-    reward = result[1]
-    if not isinstance(reward, numbers.Real) or not math.isfinite(float(reward)):
-        return "bad_return", f"step reward {reward!r:.80}, not a finite number"
-    return "ok", (text, float(reward))
+    try:  # numpy scalars and bools, 0-d arrays and tensors too, as for scores
+        reward = finite_number(result[1], "step reward ")
+    except (TypeError, ValueError) as e:
+        return "bad_return", str(e)
+    return "ok", (text, reward)
 
 
 def _load_tools(specs: tuple[ToolSpec, ...]) -> Handler:
