@@ -25,7 +25,8 @@ baseline (2 for GRPO/RLOO/Dr. GRPO) is dropped and counted, never trained on raw
 A member refused from its first request may still post its reward: it counts toward the
 group's completion and trains nothing. The last closed groups are kept for ``GET
 /rl/status`` (:meth:`EndpointGroups.status`). The names of groups that closed pushed,
-idle or abandoned are remembered for a while (:class:`ClosedNames`): a request naming one
+idle or abandoned are remembered for a while (:mod:`rollout_servers.closed_groups`): a
+request naming one
 is refused rather than opening a new group under that name, and a re-posted reward gets
 its first answer.
 """
@@ -36,13 +37,13 @@ import asyncio
 import functools
 import logging
 import time
-from collections import Counter, OrderedDict, deque
-from dataclasses import dataclass
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.config.policy import GROUP_ESTIMATORS
 from asyncrl.rewards import ScoreResult
 from rollout_servers.agent import Episode, episode_samples, episode_trajectories
+from rollout_servers.closed_groups import CLOSED_IDLE_TIMES, ClosedNames
 from rollout_servers.groups import filtered_out, unknown_filter_metric
 from rollout_servers.lanes import Lanes
 from rollout_servers.sessions import Group, RequestError, Session, split_key
@@ -62,56 +63,6 @@ log = logging.getLogger(__name__)
 RECENT = 32
 #: Open groups named one by one in a refusal (the rest are counted).
 NAMED = 5
-#: A closed group's name is remembered for this many ``group_idle_s`` ...
-CLOSED_IDLE_TIMES = 5
-#: ... and at most this many names (the oldest go first).
-CLOSED_MAX = 4096
-
-
-@dataclass
-class Closed:
-    """What a closed group's name still answers: why and when it closed, and its rewarded
-    sessions' rewards with their answers (a re-posted reward gets its answer again)."""
-
-    why: str
-    at: float  # time.monotonic() of the close
-    rewards: dict[str, tuple[float, dict[str, Any]]]  # session key -> (reward, answer)
-
-    def refusal(self, name: str) -> RequestError:
-        """A final 409 for a request naming the group: it would otherwise open a new group
-        under the name, and its sessions would start over."""
-        return RequestError(
-            409,
-            f"group {name!r} closed {time.monotonic() - self.at:.0f} s ago ({self.why}) and "
-            "takes no more requests: use a new GROUP name for the next episode",
-        )
-
-
-class ClosedNames:
-    """Groups closed lately, by name, kept ``keep_s`` and at most ``most`` of them. A
-    server's restart forgets them."""
-
-    def __init__(self, keep_s: float, most: int = CLOSED_MAX) -> None:
-        self.keep_s, self.most = keep_s, most
-        self._by_name: OrderedDict[str, Closed] = OrderedDict()  # in order of closing
-
-    def add(self, group: Group, why: str) -> None:
-        rewards = {
-            s.key: (s.reward, s.reward_reply)
-            for s in group.sessions.values()
-            if s.reward is not None and s.reward_reply is not None
-        }
-        self._by_name[group.name] = Closed(why, time.monotonic(), rewards)
-        self._by_name.move_to_end(group.name)
-        while len(self._by_name) > self.most:
-            self._by_name.popitem(last=False)
-
-    def get(self, name: str) -> Closed | None:
-        """Group ``name``'s close, while it is remembered."""
-        now = time.monotonic()
-        while self._by_name and now - next(iter(self._by_name.values())).at > self.keep_s:
-            self._by_name.popitem(last=False)
-        return self._by_name.get(name)
 
 
 class EndpointGroups:

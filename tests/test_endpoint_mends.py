@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 
 from asyncrl.control.task_states import external_task
-from rollout_servers.endpoint_groups import ClosedNames
+from rollout_servers.closed_groups import ClosedNames
 from rollout_servers.sessions import Group
 from tests.standins.chat import ReplyEngine
 from tests.test_endpoint_faults import USER, OneSlotClient, Rig, _serve
