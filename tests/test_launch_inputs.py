@@ -347,3 +347,26 @@ def test_shard_patterns_expand_and_remote_addresses_are_named(tmp_path):
         "data.train_files: hdfs://cluster/data/train.parquet is a remote address: copy the "
         "files to a folder every role can read (the same path on every machine) and give that"
     ]
+
+
+def test_a_multimodal_dataset_is_refused_rather_than_trained_without_its_images(tmp_path):
+    """veRL's geo3k-style rows carry pictures in ``images`` (its image_key's default):
+    prompts here are text, so such a file is refused in one line; an empty column is not."""
+    from asyncrl.config.inputs import DATA, input_problems
+
+    rows = {
+        "data_source": ["arithmetic"],
+        "prompt": [[{"role": "user", "content": "<image>What is 1+1?"}]],
+        "reward_model": [{"ground_truth": "2"}],
+        "images": [[{"bytes": b"\x89PNG"}]],
+    }
+    mm = tmp_path / "mm.parquet"
+    pd.DataFrame(rows).to_parquet(mm)
+    base = [f"data.train_files={mm}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    assert input_problems(load_config(None, base), [DATA]) == [
+        f"data files: {mm} holds images (column 'images'): prompts here are text only and "
+        "would train without them; use a text dataset, or drop the column to train on the "
+        "text alone"
+    ]
+    pd.DataFrame({**rows, "images": [[]]}).to_parquet(mm)
+    assert input_problems(load_config(None, base), [DATA]) == []

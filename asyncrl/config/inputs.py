@@ -205,6 +205,14 @@ def _column_problems(cfg: Config, validating: bool) -> list[str]:
         rows = first.to_pylist() if first is not None else []
         if rows and (problem := row_problem(rows[0], 0, f, cfg.data.prompt_key)) is not None:
             out.append(problem)
+        elif rows and (media := [k for k in ("images", "videos") if rows[0].get(k)]):
+            # veRL's image_key / video_key defaults: a multi-modal dataset, whose pictures
+            # the text-only prompts here would drop without a word.
+            out.append(
+                f"data files: {f} holds {' and '.join(media)} (column {media[0]!r}): prompts "
+                "here are text only and would train without them; use a text dataset, or "
+                "drop the column to train on the text alone"
+            )
         elif f in val and file.metadata.num_rows == 0:
             out.append(
                 f"data.val_files: {f} has no rows, so validation would never report: add "
