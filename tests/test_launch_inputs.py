@@ -217,6 +217,31 @@ def test_rows_of_the_wrong_shape_are_config_errors_not_crashes(tmp_path):
     pd.DataFrame(rows).to_parquet(path)
     (problem,) = input_problems(load_config(None, base), [DATA])
     assert "row 0: reward_model must be a struct with 'ground_truth'" in problem
+    # extra_info as a JSON string crashed the coordinator's deal; a map keyed by numbers
+    # was dealt, and no server could read the task back.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows["reward_model"] = [{"ground_truth": "2"}, {"ground_truth": "4"}]
+    rows["extra_info"] = ['{"index": 0}', '{"index": 1}']
+    pd.DataFrame(rows).to_parquet(path)
+    (problem,) = input_problems(load_config(None, base), [DATA])
+    assert "row 0: extra_info must be a struct or a map with text keys" in problem
+    assert "got str" in problem and "json.loads" in problem
+    table = pa.Table.from_pydict(
+        {k: v for k, v in rows.items() if k != "extra_info"}
+        | {"extra_info": pa.array([[(1, "a")], [(2, "b")]], pa.map_(pa.int64(), pa.string()))}
+    )
+    pq.write_table(table, path)
+    (problem,) = input_problems(load_config(None, base), [DATA])
+    assert "got a dict with keys that are not text {1: 'a'}" in problem
+    with pytest.raises(ConfigError, match="row 0: extra_info must be a struct"):
+        load_rows([str(path)])
+    text_keys = pa.array(
+        [[("split", "train")], [("split", "train")]], pa.map_(pa.string(), pa.string())
+    )
+    pq.write_table(table.set_column(3, "extra_info", text_keys), path)
+    assert input_problems(load_config(None, base), [DATA]) == []
 
 
 def test_a_run_its_data_cannot_fill_is_refused_or_told_where_it_ends(tmp_path):

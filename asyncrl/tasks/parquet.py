@@ -121,7 +121,26 @@ def row_problem(row: dict[str, Any], number: int, path: str | Path, prompt_key: 
             f"[{{'role': 'user', 'content': ...}}] (write a plain-text prompt as one user "
             f"message), got {prompt!r:.200}"
         )
-    return None
+    return _extra_info_problem(row.get("extra_info"), number, path)
+
+
+def _extra_info_problem(extra: Any, number: int, path: str | Path) -> str | None:
+    """``extra_info`` must be a struct or a map with text keys (what the scorer gets as its
+    ``extra_info`` dict); a JSON string, or a map keyed by numbers (which no server can
+    read back), is refused here rather than failing every deal of the row."""
+    if extra is None:
+        return None
+    # A parquet map reads as a list of (key, value) pairs.
+    if isinstance(extra, list) and all(isinstance(p, tuple) and len(p) == 2 for p in extra):
+        extra = dict(extra)
+    if isinstance(extra, dict) and all(isinstance(k, str) for k in extra):
+        return None
+    what = "a dict with keys that are not text" if isinstance(extra, dict) else type(extra).__name__
+    return (
+        f"{path}: row {number}: extra_info must be a struct or a map with text keys (veRL's "
+        f"layout: {{'split': ..., 'index': ...}}), got {what} {extra!r:.120}; write it as a "
+        "struct (json.loads a JSON string before writing the file)"
+    )
 
 
 def read_rows(path: str | Path, *, prompt_key: str = "prompt") -> list[dict[str, Any]]:
