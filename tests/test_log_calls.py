@@ -53,8 +53,8 @@ def test_the_scan_finds_the_projects_logging_calls():
     """The scan is not vacuous: it reads the 150-odd calls, and counts a known one right."""
     calls = [c for p in _sources() for c in _logging_calls(p)]
     assert len(calls) > 100
-    loop = ROOT / "learner" / "loop.py"
-    resumed = [c for c in _logging_calls(loop) if c[1].startswith("resumed from %s")]
+    restore = ROOT / "learner" / "restore.py"
+    resumed = [c for c in _logging_calls(restore) if c[1].startswith("resumed from %s")]
     assert [(_placeholders(m), n) for _, m, n in resumed] == [(4, 4)]
 
 
