@@ -32,6 +32,7 @@ from asyncrl.net.transport import RequestRefused
 from asyncrl.sandbox.workers import PoolBroken
 from asyncrl.sync.probe import probe_ids
 from asyncrl.sync.weights import store_prefix
+from asyncrl.wire.base import WireError
 from rollout_servers.agent import AgentRunner
 from rollout_servers.engine import SyncJoin
 from rollout_servers.groups import (
@@ -112,6 +113,9 @@ class RolloutServer:
         # Why this server cannot go on (its engine died, its reward or tool workers cannot
         # be replaced): it exits 4, to be restarted.
         self.fatal = ""
+        # Why this server can never serve this run (its task requests fail: another config
+        # or version than the learner's): it exits 2, not restarted.
+        self.config_error = ""
 
     # ----------------------------------------------------------------- main loop
     async def run(self) -> int:
@@ -120,7 +124,8 @@ class RolloutServer:
         ``control.heartbeat_s``) when the admission budget is closed, and for free
         in-flight slots. Unblocked by grants, finished groups, syncs, :meth:`stop`, shutdown
         or the coordinator going away.
-        Returns 0 at shutdown, 3 if the coordinator is gone."""
+        Returns 0 at shutdown, 3 if the coordinator is gone, 2 if its task requests fail
+        (a grant it cannot read, a refusal: another config or version)."""
         try:
             reg = await self.lanes.control(self.client.register)
         except CoordinatorGone as e:
@@ -148,6 +153,9 @@ class RolloutServer:
             for t in list(self.tasks):
                 t.cancel()
             self.lanes.close()
+        if self.config_error:
+            log.error("%s stops: %s", self.server_id, self.config_error)
+            return CONFIG_ERROR
         if self.fatal:
             log.error("%s stops: %s (its supervisor restarts it)", self.server_id, self.fatal)
             return 4
@@ -199,7 +207,18 @@ class RolloutServer:
                 await self._wait_for_slots(max(next_report, 0.0))
                 continue
             want = max(1, min(self.client.tasks_per_request, self._free() // n))
-            grant = await self.lanes.control(self.client.request_tasks, want)
+            try:
+                grant = await self.lanes.control(self.client.request_tasks, want)
+            except (WireError, RequestRefused) as e:
+                # The coordinator builds no grant past control.max_message_mb: a grant this
+                # server cannot read (or a request refused) comes from a config or version
+                # other than the learner's, and a restart would get the same (the grant's
+                # tasks go back to the coordinator when this server leaves).
+                self.config_error = (
+                    f"its task request failed ({type(e).__name__}: {e}); start it with the "
+                    "learner's config and asyncrl version"
+                )
+                return
             if not grant.tasks:
                 continue
             self.stats.busy()

@@ -413,4 +413,12 @@ MUTATIONS = (
         "        except ZeroDivisionError as e:",
         ("tests/test_rollout_log.py",),
     ),
+    Mutation(
+        "task grants within control.max_message_mb",
+        "a task too large for any grant stays queued (it heads the queue for good)",
+        "asyncrl/control/ledger.py",
+        "            if verdict == TOO_LARGE:  # never charged: nothing to refund",
+        "            if False:",
+        ("tests/test_task_sizes.py",),
+    ),
 )

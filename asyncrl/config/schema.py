@@ -152,8 +152,9 @@ class ControlConfig(Section):
     max_message_mb: float = Field(
         default=4.0,
         gt=0,
-        description="Largest request the coordinator and the buffer's batch socket read; a "
-        "larger frame is never read (zmq drops the sender's connection).",
+        description="Largest request the coordinator and the buffer's batch socket read (a "
+        "larger frame is never read: zmq drops the sender's connection), and largest task "
+        "grant: fewer tasks per grant, and a task larger than this is dropped (oversize).",
     )
 
 

@@ -99,6 +99,7 @@ class CoordinatorClient:
         self.shutdown = threading.Event()  # the coordinator said the run is over
         self.gone = threading.Event()  # the coordinator was silent past patience_s
         self.last_heard = time.monotonic()
+        self.max_message_bytes = max_message_bytes  # control.max_message_mb, both ways
         self._sockets = ClientSockets(
             tasks_addr,
             control_addr,
@@ -147,7 +148,7 @@ class CoordinatorClient:
     def _heard(self, frames: list[zmq.Frame]) -> m.Reply:
         """A reply came (even a refusal): the coordinator is alive."""
         self.last_heard = time.monotonic()
-        return m.decode_reply(single(frames))
+        return m.decode_reply(single(frames), self.max_message_bytes)
 
     # ------------------------------------------------------------------ registration
     def register(self, wait_s: float | None = None) -> m.Registered:

@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.control.admission import Budget
+from asyncrl.control.grant_size import FULL, TAKE, TOO_LARGE, GrantRoom
 from asyncrl.control.messages import Task
 from asyncrl.control.pacing import Pacer
 from asyncrl.control.task_source import TaskSource
@@ -185,17 +186,27 @@ class TaskLedger:
         return {tid: s for s, ids in self.owned.items() for tid in ids}
 
     # ------------------------------------------------------------------ dealing
-    def deal(self, server_id: str, max_tasks: int, now: float = 0.0) -> tuple[list[Task], str]:
+    def deal(
+        self, server_id: str, max_tasks: int, now: float = 0.0, fit: GrantRoom | None = None
+    ) -> tuple[list[Task], str]:
         """Up to ``max_tasks`` tasks for ``server_id`` and, when fewer, why: ``budget``
         (admission refused), ``pace`` (the server holds its cap of training groups, see
-        :mod:`asyncrl.control.pacing`) or ``exhausted`` (no training data left); ``""``
-        when all were granted."""
+        :mod:`asyncrl.control.pacing`), ``exhausted`` (no training data left) or ``size``
+        (the next would not fit in ``fit``'s bytes: it stays queued); ``""`` when all were
+        granted. A task too large for any grant is dropped (:mod:`~.grant_size`)."""
         tasks: list[Task] = []
         reason = ""
         room = self._pace_room(server_id, max_tasks)
         while len(tasks) < max_tasks:
             tid, reason = self._next(now, train=room > 0)
             if tid is None:
+                break
+            verdict = fit.admit(self._queued_task(tid)) if fit is not None else TAKE
+            if verdict == TOO_LARGE:  # never charged: nothing to refund
+                self.move(tid, self.entries[tid], "dropped/oversize", "oversize")
+                continue
+            if verdict == FULL:
+                reason = "size"
                 break
             task = self._hand(tid, server_id, now)
             tasks.append(task)

@@ -20,6 +20,7 @@ Two kinds of requests are *held* (long-polls) rather than answered at once:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -47,8 +48,8 @@ def _server(msg: m.TaskRequest | m.Heartbeat) -> str:
     return msg.server_id
 
 
-def _decode(body: list[bytes]) -> m.Request:
-    return m.decode_request(single(body))
+def _decode(body: list[bytes], max_bytes: int) -> m.Request:
+    return m.decode_request(single(body), max_bytes)
 
 
 class ControlLoop:
@@ -71,7 +72,9 @@ class ControlLoop:
         self.control_addr = control_addr
         self.max_grant = max_grant
         self.on_shutdown_request = on_shutdown_request
-        self.max_message_bytes = max_message_bytes  # per frame, at the socket (0: zmq's none)
+        # control.max_message_mb: per request read (0: its default; the socket then sets
+        # none) and per grant built.
+        self.max_message_bytes = max_message_bytes
         self.requests: HeldRequests[m.TaskRequest] = HeldRequests(_server)
         self.watches: HeldRequests[m.Heartbeat] = HeldRequests(_server)
         self.io: Counter[str] = Counter()
@@ -87,7 +90,7 @@ class ControlLoop:
                     RouterService(
                         ctx,
                         addr,
-                        _decode,
+                        functools.partial(_decode, max_bytes=self.max_message_bytes),
                         on_reject=self._reject,
                         counts=self.io,
                         max_message_bytes=self.max_message_bytes,
@@ -205,7 +208,7 @@ class ControlLoop:
         by why it waits)."""
         msg = held.msg
         want = min(msg.max_tasks, self.max_grant)
-        grant = self.state.grant(msg.server_id, want, now, msg.request_id)
+        grant = self.state.grant(msg.server_id, want, now, msg.request_id, self.max_message_bytes)
         if not grant.tasks and grant.reason in WAIT_REASONS and not held.expired(now):
             if not held.reason:
                 self.io[f"waits/{grant.reason}"] += 1

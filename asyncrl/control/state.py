@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from asyncrl.control import ledger_recovery
+from asyncrl.control.grant_size import GrantRoom
 from asyncrl.control.group_filter import GroupFilter
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
@@ -252,9 +253,15 @@ class ControlState:
 
     # ------------------------------------------------------------------ tasks
     def grant(
-        self, server_id: str, max_tasks: int, now: float, request_id: int | None = None
+        self,
+        server_id: str,
+        max_tasks: int,
+        now: float,
+        request_id: int | None = None,
+        max_bytes: int = 0,
     ) -> TaskGrant:
-        """Deal to ``server_id`` what the rules allow (maybe nothing, with the reason).
+        """Deal to ``server_id`` what the rules allow (maybe nothing, with the reason), in
+        a grant of at most ``max_bytes`` (``control.max_message_mb``; 0: its default).
 
         A retry of the last request that got tasks (same ``request_id``) gets that grant
         again: its reply was lost, and its tasks are outstanding at this server.
@@ -267,7 +274,9 @@ class ControlState:
         reason = self._refusal(rec, now)
         if reason:
             return TaskGrant(tasks=[], policy_version=self.version, reason=reason)
-        tasks, reason = self.ledger.deal(server_id, max_tasks, now)
+        fit = GrantRoom(max_bytes)
+        tasks, reason = self.ledger.deal(server_id, max_tasks, now, fit)
+        fit.log_dropped()
         if self.group_filter.active:
             tasks = [t if t.validation else msgspec.structs.replace(t, filter=True) for t in tasks]
         self.group_filter.dealt(tasks)

@@ -12,7 +12,9 @@ Each task id the run ever dealt has exactly one *state*, per kind (train or val)
 ``dropped/<reason>``
     the buffer threw it away unused (``lag``, ``expired``; ``duplicate``: its group came
     when the buffer had already used and forgotten a group of that id), or its server
-    did (``filtered``: its members all scored alike, ``algorithm.filter_groups``);
+    did (``filtered``: its members all scored alike, ``algorithm.filter_groups``), or the
+    coordinator did before dealing it (``oversize``: too large for any grant under
+    ``control.max_message_mb``, :mod:`asyncrl.control.grant_size`);
 ``given_up``
     it failed (or timed out) more than ``task_retries`` times.
 
@@ -37,7 +39,7 @@ if TYPE_CHECKING:
     from asyncrl.control.task_source import TaskSource
 
 OUT, QUEUED, BUF, DONE, GIVEN_UP = "out", "queued", "in_buffer", "done", "given_up"
-DROP_REASONS = ("lag", "expired", "duplicate", "filtered")
+DROP_REASONS = ("lag", "expired", "duplicate", "filtered", "oversize")
 STATES = (OUT, QUEUED, BUF, DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS))
 TERMINAL = frozenset({DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS)})
 CHARGED = frozenset({OUT, BUF, DONE})
