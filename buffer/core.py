@@ -24,8 +24,11 @@ Capacity and eviction: ``capacity_groups`` bounds the complete training groups h
 pool or in unacknowledged batches), and separately the incomplete groups. When at capacity,
 groups already trained on (``uniform`` replay) and not in an unacknowledged batch are
 evicted, oldest first; fresh groups are never evicted: :meth:`has_room` turns False and the
-service stops reading, so producers block (backpressure). Stale groups leave at the next
-request, incomplete ones at their timeout.
+service stops reading, so producers block (backpressure). Incomplete groups past their
+bound never stop the reading (it would keep out the members that complete the open ones):
+a new group then overflows, dropped and reported. Stale groups leave at the next request,
+incomplete ones at their timeout, which the service counts in reading time (a member
+waiting in the socket while the buffer is full does not age its group).
 
 Groups dropped unused (lag, expiry, a duplicate of a forgotten group, overflow) and
 validation groups scored are logged for the coordinator, which reads the logs by cursor
@@ -256,8 +259,11 @@ class ReplayBuffer:
 
     # ------------------------------------------------------------------ housekeeping
     def has_room(self) -> bool:
-        """False when at capacity: the caller should stop reading new trajectories."""
-        return len(self._s.held) < self.capacity and len(self._s.partial) < self.capacity
+        """False when complete groups fill the capacity: the caller should stop reading new
+        trajectories. Incomplete groups have their own bound (a new group past it is an
+        ``overflow`` drop, :mod:`buffer.assembly`): stopping the reading for them would
+        also keep out the members that complete them."""
+        return len(self._s.held) < self.capacity
 
     def _drop(self, d: DroppedTask) -> None:
         self.reports.drop(d)

@@ -238,7 +238,7 @@ class BufferService:
             now = time.monotonic()
             self._answers.serve(router, now)
             if now - last_tick >= EXPIRE_EVERY_S:
-                self.buffer.expire(now)
+                self.buffer.expire(self.stats.reading_clock(now))
                 c = self.buffer.counts
                 dropped = c["drops/duplicate"] + c["drops/late"] + c["drops/inconsistent"]
                 self.stats.update_rates(now, c["trajectories_in"] + dropped)
@@ -275,7 +275,7 @@ class BufferService:
         except wire.WireError as e:
             self.stats.reject("trajectories", e)
             return
-        outcomes = self.buffer.add_packed(packed, time.monotonic())
+        outcomes = self.buffer.add_packed(packed, self.stats.reading_clock(time.monotonic()))
         if self.rollout_log is not None:
             for t, outcome in zip(packed.trajectories, outcomes, strict=True):
                 self.rollout_log.append(t, outcome, time.time())

@@ -60,6 +60,17 @@ class ServiceStats:
             self._paused_s += now - self._paused_since
             self._paused_since = None
 
+    def paused_s(self, now: float) -> float:
+        """Seconds reading has been paused in all, the pause under way included."""
+        current = now - self._paused_since if self._paused_since is not None else 0.0
+        return self._paused_s + current
+
+    def reading_clock(self, now: float) -> float:
+        """``now`` less the time reading was paused: the clock incomplete groups age by. A
+        member waiting in the socket while the buffer is full cannot arrive, so the pause
+        must not count against its group's ``group_timeout_s``."""
+        return now - self.paused_s(now)
+
     def update_rates(self, now: float, trajectories: float) -> None:
         """Rates over the last :data:`RATE_WINDOW_S` or more; ``trajectories`` read so far."""
         t0, b0, m0 = self._window
@@ -75,10 +86,7 @@ class ServiceStats:
         out["buffer/rejects/total"] = float(sum(self.rejects.values()))
         out |= {f"buffer/{k}": float(v) for k, v in self.io.items()}
         out |= self.rates
-        paused = self._paused_s
-        if self._paused_since is not None:
-            paused += now - self._paused_since
-        out["buffer/paused_s"] = paused
+        out["buffer/paused_s"] = self.paused_s(now)
         if self.gc_runs:
             out["buffer/gc_runs"], out["buffer/gc_s"] = float(self.gc_runs), self.gc_s
         out["buffer/uptime_s"] = now - self.started if self.started else 0.0

@@ -421,4 +421,12 @@ MUTATIONS = (
         "            if False:",
         ("tests/test_task_sizes.py",),
     ),
+    Mutation(
+        "members of open groups get in at the incomplete bound",
+        "incomplete groups at their bound stop the reading",
+        "buffer/core.py",
+        "        return len(self._s.held) < self.capacity",
+        "        return len(self._s.held) < self.capacity and len(self._s.partial) < self.capacity",
+        ("tests/test_buffer_members.py",),
+    ),
 )
