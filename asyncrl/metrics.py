@@ -87,6 +87,15 @@ class MetricsLogger:
         if reached > step:
             record = {"step": step, "time": time.time(), RESUMED_FROM: step, REACHED: reached}
             self._file.write(json.dumps(record) + "\n")
+            if self._wandb is not None:  # W&B takes no step twice: said, not left to guess
+                log.warning(
+                    "W&B keeps steps %d-%d as the learner lost with its checkpoint logged "
+                    "them (it drops steps that go back); this run's %s holds the steps "
+                    "trained again",
+                    step + 1,
+                    reached,
+                    METRICS_FILE,
+                )
 
     def close(self) -> None:
         if self._file is not None:

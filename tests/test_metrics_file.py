@@ -77,6 +77,30 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
     assert run_id(fresh=True) != first
 
 
+def test_a_resume_that_trains_steps_again_says_wandb_keeps_the_lost_ones(
+    tmp_path, monkeypatch, caplog
+):
+    """W&B drops a step that goes back: after a resume from step 1 of a learner that had
+    logged step 3, it keeps the lost steps 2-3, and the learner says so once."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    logger = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=True)
+    for step in (1, 2, 3):
+        logger.log(step, {"loss/pg": float(step)})
+    logger.close()
+    logger = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=False)
+    with caplog.at_level("WARNING", logger="asyncrl.metrics"):
+        logger.mark_resumed(1)
+        logger.mark_resumed(3)  # nothing to say: no step goes back
+    logger.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncrl.metrics"]
+    assert lines == [
+        "W&B keeps steps 2-3 as the learner lost with its checkpoint logged them (it drops "
+        "steps that go back); this run's metrics.jsonl holds the steps trained again"
+    ]
+
+
 def test_wandbs_files_go_where_wandb_dir_says(tmp_path, monkeypatch):
     """WANDB_DIR set: W&B's files go there (the run directory was passed over it); unset,
     they go to the run directory."""
