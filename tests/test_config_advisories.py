@@ -51,13 +51,25 @@ def test_a_short_last_mini_batch_and_unused_critic_keys_are_warned_about(tmp_pat
     assert config_advisories(load_config(str(write_resolved(cfg, tmp_path)))) == []
 
 
-def test_cuda_roles_without_launch_gpus_are_told_they_share_gpu_0():
-    """veRL places roles on GPUs itself; here a launch without launch.gpus starts every
-    server on GPU 0 beside the learner: said once, with the mapping to write."""
-    cfg = load_config(None, ["trainer.device=cuda", "trainer.nproc=2", "rollout.num_servers=2"])
-    [line] = config_advisories(cfg)
-    assert "launch.gpus={learner: [0, 1], rollout: [[2], [3]]}" in line
-    assert config_advisories(load_config("configs/qwen2.5-0.5b_countdown.yaml")) == []
+def test_a_launch_that_would_put_a_server_on_a_learner_gpu_is_refused():
+    """The weight push is an NCCL broadcast, which puts no two ranks on one GPU: a launch
+    without launch.gpus (every role on GPU 0; it was a warning calling that fine on one
+    GPU) or with a server on a learner's GPU is refused, with the mapping to write."""
+    from asyncrl.config.machine import gpu_sharing_problem
+
+    cuda = ["trainer.device=cuda", "trainer.nproc=2", "rollout.num_servers=2"]
+    problem = gpu_sharing_problem(load_config(None, cuda))
+    assert problem is not None and "every role would start on GPU 0" in problem
+    assert "launch.gpus={learner: [0, 1], rollout: [[2], [3]]}" in problem
+    shared = load_config(None, [*cuda, "launch.gpus={learner: [0, 1], rollout: [[2], [1]]}"])
+    assert gpu_sharing_problem(shared) == (
+        "launch.gpus.rollout[1]=[1] shares GPU [1] with launch.gpus.learner=[0, 1]: NCCL "
+        "cannot push weights between two processes on one GPU; give each role GPUs of its own"
+    )
+    assert gpu_sharing_problem(load_config("configs/qwen2.5-0.5b_countdown.yaml")) is None
+    assert gpu_sharing_problem(load_config("configs/gpu_smoke.yaml")) is None
+    assert gpu_sharing_problem(load_config(None, [])) is None  # the CPU: gloo, no GPUs
+    assert config_advisories(load_config(None, cuda)) == []  # said once, as a refusal
     with pytest.raises(ConfigError, match=r"veRL's trainer.n_gpus_per_node sets it"):
         load_config(
             None,

@@ -64,30 +64,7 @@ def config_advisories(cfg: Config) -> list[str]:
             "sample from a policy behind the learner's; sync.lora=adapter sends the adapter "
             "itself"
         )
-    return out + _batch_advisories(cfg) + _shared_gpu_advisories(cfg)
-
-
-def _shared_gpu_advisories(cfg: Config) -> list[str]:
-    """On CUDA without ``launch.gpus``, every role sees every GPU and starts on GPU 0."""
-    ro, t = cfg.rollout, cfg.trainer
-    if t.device != "cuda" or cfg.launch.gpus is not None or cfg.launch.backend != "local":
-        return []
-    learner = list(range(t.nproc))
-    servers = [
-        list(
-            range(
-                t.nproc + i * ro.tensor_model_parallel_size,
-                t.nproc + (i + 1) * ro.tensor_model_parallel_size,
-            )
-        )
-        for i in range(ro.num_servers)
-    ]
-    return [
-        "launch.gpus is unset: every role sees every GPU, and each rollout server starts on "
-        "GPU 0 beside the learner's rank 0 (fine on one GPU with room for both); to give each "
-        "its own, set "
-        f"launch.gpus={{learner: {learner}, rollout: {servers}}}"
-    ]
+    return out + _batch_advisories(cfg)
 
 
 def _batch_advisories(cfg: Config) -> list[str]:

@@ -113,6 +113,37 @@ def device_problem(cfg: Config) -> str | None:
     )
 
 
+def gpu_sharing_problem(cfg: Config) -> str | None:
+    """Why the learner's CUDA ranks and a rollout server would share a GPU under this
+    machine's launcher: the weight push is an NCCL broadcast, and NCCL puts no two ranks
+    of one group on one GPU (the first push fails, "Duplicate GPU detected", and the
+    learner's restarts fail the same way). Unset ``launch.gpus`` starts every role on GPU 0."""
+    if cfg.trainer.device != "cuda":
+        return None
+    gpus = cfg.launch.gpus
+    if gpus is None:
+        nproc, tp = cfg.trainer.nproc, cfg.rollout.tensor_model_parallel_size
+        servers = [
+            list(range(nproc + i * tp, nproc + (i + 1) * tp))
+            for i in range(cfg.rollout.num_servers)
+        ]
+        return (
+            "trainer.device=cuda with launch.gpus unset: every role would start on GPU 0, and "
+            "NCCL cannot push weights between two processes on one GPU; give each role its "
+            f"own: launch.gpus={{learner: {list(range(nproc))}, rollout: {servers}}}"
+        )
+    learner = set(gpus.get("learner") or [])
+    for i, ids in enumerate(gpus.get("rollout") or []):
+        shared = sorted(learner & set(ids if isinstance(ids, list) else [ids]))
+        if shared:
+            return (
+                f"launch.gpus.rollout[{i}]={ids} shares GPU {shared} with launch.gpus.learner="
+                f"{sorted(learner)}: NCCL cannot push weights between two processes on one "
+                "GPU; give each role GPUs of its own"
+            )
+    return None
+
+
 def _hub_offline() -> str | None:
     """The variable that puts this machine's HF libraries offline, if one does."""
     for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):

@@ -44,6 +44,7 @@ from asyncrl.config.inputs import (
     short_data_line,
     total_training_steps,
 )
+from asyncrl.config.machine import gpu_sharing_problem
 from asyncrl.config.resumed import launch_line
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import claim, hold_run_dir
@@ -86,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.launch.ray_launcher import main_ray
 
         return main_ray(cfg)
+    if (shared := gpu_sharing_problem(cfg)) is not None:  # Ray places GPUs itself
+        sys.stderr.write(f"asyncrl-launch: {shared}\n")
+        return 2
     if cfg.launch.ray.learner_nodes > 1:
         sys.stderr.write(
             f"asyncrl-launch: launch.ray.learner_nodes={cfg.launch.ray.learner_nodes} (veRL's "
