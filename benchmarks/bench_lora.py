@@ -61,7 +61,8 @@ def projected_7b(rank: int) -> dict[str, float]:
 def push(rank: int, reps: int) -> dict[str, Any]:
     import torch
 
-    from asyncrl.sync.weights import plan_buckets, send_weights, specs_of
+    from asyncrl.sync.plan import plan_buckets, specs_of
+    from asyncrl.sync.weights import send_weights
 
     pg, conns, procs = _start(1)
     full_shapes = small_model_shapes()

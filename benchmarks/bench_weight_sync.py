@@ -133,7 +133,8 @@ def run(
     """The sweep: JSON figures, and each bucket size's :class:`RatioStats`."""
     import torch
 
-    from asyncrl.sync.weights import plan_buckets, send_weights, specs_of
+    from asyncrl.sync.plan import plan_buckets, specs_of
+    from asyncrl.sync.weights import send_weights
 
     pg, conns, procs = _start(receivers)
     tensors = {n: torch.randn(shape) for n, shape in small_model_shapes().items()}

@@ -35,7 +35,7 @@ import msgspec
 
 from asyncrl.control import messages as m
 from asyncrl.control.admission import push_due, replayed_version
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 from asyncrl.wire import Batch
 from benchmarks import fault_api as api
 from benchmarks.fault_checks import Line

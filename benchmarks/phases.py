@@ -178,13 +178,8 @@ async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.net.ports import free_ports
-    from asyncrl.sync.weights import (
-        form_group,
-        open_store,
-        plan_buckets,
-        send_weights,
-        specs_of,
-    )
+    from asyncrl.sync.plan import plan_buckets, specs_of
+    from asyncrl.sync.weights import form_group, open_store, send_weights
     from rollout_servers.engine import RolloutEngine
 
     engines = [await RolloutEngine.start(_engine_args(cfg)) for _ in range(receivers)]

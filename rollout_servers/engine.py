@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    from asyncrl.sync.weights import WeightPlan
+    from asyncrl.sync.plan import WeightPlan
     from rollout_servers.adapters import AdapterVersions
 
 log = logging.getLogger(__name__)

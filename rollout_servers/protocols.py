@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from asyncrl.control.messages import Registered, SyncStart, TaskGrant
 from asyncrl.rewards import ScoreJob, ScoreResult
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 from asyncrl.wire import Trajectory
 from rollout_servers.engine import Sample, SyncJoin
 

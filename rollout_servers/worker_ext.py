@@ -18,7 +18,8 @@ from typing import Any
 import msgspec
 
 from asyncrl.sync.adapter import save_peft_adapter
-from asyncrl.sync.weights import WeightPlan, form_group, open_store, receive_weights
+from asyncrl.sync.plan import WeightPlan
+from asyncrl.sync.weights import form_group, open_store, receive_weights
 
 #: Starts the error of a sync that failed after the engine's weights were partly replaced:
 #: the engine cannot generate any more and its server must be restarted.

@@ -19,7 +19,7 @@ from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 from asyncrl.tasks import make_row
 from asyncrl.wire import Packed, Trajectory
 from buffer.core import ReplayBuffer

@@ -24,7 +24,7 @@ from asyncrl.control.admission import (
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource, epoch_order
-from asyncrl.sync.weights import TensorSpec, WeightPlan, plan_buckets
+from asyncrl.sync.plan import TensorSpec, WeightPlan, plan_buckets
 from asyncrl.tasks import make_row
 from asyncrl.wire import DroppedTask, WireError
 

@@ -13,7 +13,7 @@ from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
-from asyncrl.sync.weights import TensorSpec, plan_buckets
+from asyncrl.sync.plan import TensorSpec, plan_buckets
 from asyncrl.tasks import make_row
 
 PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)

@@ -16,7 +16,7 @@ from asyncrl.control import Coordinator, coordinator_from_config
 from asyncrl.control import messages as m
 from asyncrl.net.buffer_client import BufferClient
 from asyncrl.net.transport import ReqClient, RequestRefused, config_endpoint
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 from asyncrl.tasks import make_row, write_rows
 from buffer.service import BufferService
 from tests.helpers import log_tails, wait_until

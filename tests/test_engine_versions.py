@@ -12,7 +12,7 @@ import asyncio
 
 import pytest
 
-from asyncrl.sync.weights import TensorSpec, plan_buckets
+from asyncrl.sync.plan import TensorSpec, plan_buckets
 from rollout_servers.engine import RolloutEngine
 from rollout_servers.worker_ext import PARTLY_LOADED
 

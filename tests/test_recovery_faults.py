@@ -22,7 +22,7 @@ from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource
 from asyncrl.net.buffer_client import BufferClient
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 from asyncrl.tasks import make_row
 from asyncrl.wire import DroppedTask, Packed
 from buffer.core import ReplayBuffer

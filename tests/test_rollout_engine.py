@@ -314,7 +314,8 @@ def test_a_push_broken_off_mid_load_holds_generation_until_a_whole_load(rig):
     sync group than the rig's sender."""
     import threading
 
-    from asyncrl.sync.weights import WeightPlan, form_group, plan_buckets, send_weights, specs_of
+    from asyncrl.sync.plan import WeightPlan, plan_buckets, specs_of
+    from asyncrl.sync.weights import form_group, send_weights
     from rollout_servers.engine import SyncJoin
     from rollout_servers.worker_ext import PARTLY_LOADED
 

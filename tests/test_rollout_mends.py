@@ -32,7 +32,7 @@ from asyncrl.control.messages import SyncStart
 from asyncrl.net.transport import TrajectoryPusher
 from asyncrl.rewards import RewardPool, ScoreResult
 from asyncrl.sandbox.workers import PoolBroken
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 from asyncrl.tools import ToolPool
 from rollout_servers import agent as agent_module
 from rollout_servers import main as rollout_main

@@ -10,16 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.sync.weights import (
-    Bucket,
-    TensorSpec,
-    WeightSyncError,
-    form_group,
-    open_store,
-    plan_buckets,
-    send_weights,
-    specs_of,
-)
+from asyncrl.sync.plan import Bucket, TensorSpec, plan_buckets, specs_of
+from asyncrl.sync.weights import WeightSyncError, form_group, open_store, send_weights
 from rollout_servers.worker_ext import RELOAD_LOGGER, ExpectedReloadGaps
 from tests.helpers import free_port
 from tests.standins.weights import StandInReceiver
@@ -267,3 +259,32 @@ def test_only_the_reload_gaps_a_push_has_by_design_are_silenced(layer, tied, hea
         RELOAD_LOGGER, logging.WARNING, __file__, 1, "%s: other", (layer,), None
     )
     assert gaps.filter(other)
+
+
+def test_a_tensor_on_the_current_gpu_travels_as_itself(monkeypatch):
+    """The push packs for device "cuda" (the current one); a tensor reports "cuda:0", and
+    torch.device("cuda:0") != torch.device("cuda"): every large tensor was copied into a
+    send buffer kept for the life of the process, never sent as itself."""
+    from asyncrl.sync.weights import on_device
+
+    assert torch.device("cuda", 0) != torch.device("cuda")  # why a plain == was wrong
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert on_device(torch.device("cuda", 0), "cuda")
+    assert not on_device(torch.device("cuda", 1), "cuda")
+    assert on_device(torch.device("cuda", 1), "cuda:1")
+    assert on_device(torch.device("cpu"), "cpu") and not on_device(torch.device("cpu"), "cuda")
+
+
+def test_a_broadcast_that_cannot_start_is_the_groups_failure_not_the_processes():
+    """NCCL forms its communicator at the first collective: a member that is gone or shares
+    a GPU fails the broadcast call itself, which was raised as it came and ended the
+    learner instead of dropping the group (the pusher handles WeightSyncError)."""
+    from asyncrl.sync.weights import send_weights
+
+    class NoStart:
+        def broadcast(self, *args, **kwargs):
+            raise torch.distributed.DistBackendError("NCCL error: Duplicate GPU detected")
+
+    plan = plan_buckets(specs_of(_weights(0)), 1 << 16)
+    with pytest.raises(WeightSyncError, match="could not start .*Duplicate GPU detected"):
+        send_weights(NoStart(), _weights(0), plan, timeout_s=1.0)

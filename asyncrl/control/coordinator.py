@@ -41,7 +41,7 @@ from asyncrl.control.loop import ControlLoop, poll_buffer
 from asyncrl.control.state import ControlState, ValidationProgress
 from asyncrl.control.syncs import SyncResult, SyncRound
 from asyncrl.net import security
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 
 log = logging.getLogger(__name__)
 

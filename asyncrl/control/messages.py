@@ -34,7 +34,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 from asyncrl.wire.base import SCHEMA_VERSION as SCHEMA_VERSION  # re-exported
 from asyncrl.wire.base import ErrorReply, Message, Ok, WireError, decode, nbytes
 from asyncrl.wire.base import encode as encode  # re-exported

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from asyncrl.control.messages import SyncDone, SyncStart
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 
 
 @dataclass(frozen=True)

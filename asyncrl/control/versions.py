@@ -27,7 +27,7 @@ from asyncrl.control.messages import SyncDone
 from asyncrl.control.recovery import Recovery
 from asyncrl.control.registry import ServerRecord
 from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
 """How a weight push travels from the learner to the rollout servers.
 
-- :mod:`~asyncrl.sync.weights`: the bucket plan (sent over the wire by the coordinator),
-  the process group built beside vLLM's and FSDP's own, and the send and receive of one
-  push (gloo on CPU, NCCL on GPU);
+- :mod:`~asyncrl.sync.plan`: the bucket plan (sent over the wire by the coordinator);
+- :mod:`~asyncrl.sync.weights`: the process group built beside vLLM's and FSDP's own, and
+  the send and receive of one push (gloo on CPU, NCCL on GPU);
 - :mod:`~asyncrl.sync.sender`: the learner's side of a sync round: pack the state dict,
   ask the coordinator to begin, broadcast, report the result.
 

@@ -6,7 +6,7 @@ collects every member's report. Catch-up rounds (a server that joined late or fa
 sync) get a one-off group and leave the main group as it is. Used by the learner and by
 the stand-in learner of the tests, so both run the same protocol.
 
-The pusher owns the :class:`~asyncrl.sync.weights.WeightPlan`: it builds it from the first
+The pusher owns the :class:`~asyncrl.sync.plan.WeightPlan`: it builds it from the first
 tensors it pushes (their names, shapes and dtypes never change within a run) and hands the
 same plan to every round, so its callers only pass tensors.
 """
@@ -18,15 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.sync.weights import (
-    WeightPlan,
-    WeightSyncError,
-    form_group,
-    plan_buckets,
-    send_weights,
-    specs_of,
-    store_prefix,
-)
+from asyncrl.sync.plan import WeightPlan, plan_buckets, specs_of
+from asyncrl.sync.weights import WeightSyncError, form_group, send_weights, store_prefix
 
 if TYPE_CHECKING:
     from asyncrl.control.coordinator import Coordinator

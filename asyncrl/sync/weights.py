@@ -9,8 +9,8 @@ which the coordinator sends over the wire, stays importable without torch.
 
 Protocol of one sync (the coordinator drives it):
 
-1. The sender computes a :class:`WeightPlan` with :func:`plan_buckets` from its tensor
-   specs (once: :class:`asyncrl.sync.sender.WeightPusher` keeps it) and the coordinator
+1. The sender computes a :class:`~asyncrl.sync.plan.WeightPlan` with ``plan_buckets`` from its tensor
+   specs (:mod:`asyncrl.sync.plan`; once: :class:`asyncrl.sync.sender.WeightPusher` keeps it) and the coordinator
    announces ``(version, plan, generation, ranks)``, the plan inside the message as it is.
 2. Every member calls :func:`form_group` with the same generation (rank 0: the learner);
    the group is reused while its membership is unchanged.
@@ -29,117 +29,17 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
-from typing import Annotated, Any
+from typing import Any
 
-import msgspec
+from asyncrl.sync.plan import Bucket, WeightPlan
 
 log = logging.getLogger(__name__)
-
-NonNeg = Annotated[int, msgspec.Meta(ge=0)]
-
-_ITEMSIZE = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "float64": 8,
-    "int64": 8,
-    "int32": 4,
-    "uint8": 1,
-    "int8": 1,
-    "bool": 1,
-}
 
 
 class WeightSyncError(RuntimeError):
     """A sync collective failed or timed out; the group that raised it is unusable."""
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """Name, shape and dtype (torch's name without ``torch.``, e.g. ``"bfloat16"``)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-
-class BucketEntry(msgspec.Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
-    """A tensor's place in its bucket: elements ``[offset, offset + numel)``. Travels as
-    ``[name, shape, offset, numel]``."""
-
-    name: str
-    shape: tuple[NonNeg, ...]
-    offset: NonNeg
-    numel: NonNeg
-
-
-class Bucket(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One flat buffer of a single dtype, broadcast in one collective."""
-
-    dtype: str
-    numel: NonNeg
-    entries: tuple[BucketEntry, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * _ITEMSIZE[self.dtype]
-
-
-class WeightPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Where every tensor of a sync travels: its buckets, in broadcast order.
-
-    One type from end to end: the sender builds it (:func:`plan_buckets`), the coordinator
-    sends it inside :class:`asyncrl.control.messages.SyncStart` as it is (msgspec encodes
-    it), and every receiver hands it to :func:`receive_weights`.
-    """
-
-    buckets: tuple[Bucket, ...] = ()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
-
-
-def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> WeightPlan:
-    """Pack tensors into dtype-grouped buckets of at most ``bucket_bytes`` each.
-
-    Order is kept within a dtype (so receivers can load as they go); a tensor larger than
-    ``bucket_bytes`` travels alone in its own bucket. Pure: the same specs give the same plan.
-    """
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
-    by_dtype: dict[str, list[TensorSpec]] = {}
-    for spec in specs:
-        if spec.dtype not in _ITEMSIZE:
-            raise ValueError(f"{spec.name}: dtype {spec.dtype} cannot be synced")
-        by_dtype.setdefault(spec.dtype, []).append(spec)
-    buckets: list[Bucket] = []
-    for dtype, group in by_dtype.items():
-        entries: list[BucketEntry] = []
-        used = 0
-        for spec in group:
-            numel = 1
-            for d in spec.shape:
-                numel *= d
-            if entries and (used + numel) * _ITEMSIZE[dtype] > bucket_bytes:
-                buckets.append(Bucket(dtype, used, tuple(entries)))
-                entries, used = [], 0
-            entries.append(BucketEntry(spec.name, tuple(spec.shape), used, numel))
-            used += numel
-        if entries:
-            buckets.append(Bucket(dtype, used, tuple(entries)))
-    return WeightPlan(tuple(buckets))
-
-
-def specs_of(tensors: Mapping[str, Any]) -> list[TensorSpec]:
-    """Specs of named torch tensors, in their order."""
-    return [
-        TensorSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-        for n, t in tensors.items()
-    ]
 
 
 # ----------------------------------------------------------------- groups (torch from here)
@@ -246,6 +146,34 @@ def form_group(
     return pg
 
 
+def _broadcast(pg, flat, timeout: timedelta, what: str):
+    """Post the broadcast of ``flat`` from rank 0; its work. A collective that cannot even
+    start raises here, not in :func:`_wait`: NCCL forms its communicator at the first
+    call (a dead member, a GPU shared by two members), and that failure is the group's,
+    to be dropped, not the process's."""
+    try:
+        return pg.broadcast(flat, 0, timeout)
+    except RuntimeError as e:  # torch's DistBackendError and DistError are RuntimeErrors
+        raise WeightSyncError(
+            f"{what} could not start ({e}); a member died or cannot join: drop it and form a "
+            "new group generation"
+        ) from e
+
+
+def on_device(tensor_device: Any, device: str) -> bool:
+    """Whether a tensor on ``tensor_device`` is on ``device`` as the push means it:
+    ``"cuda"`` is the current CUDA device (a tensor reports ``cuda:0``, and
+    ``torch.device("cuda:0") != torch.device("cuda")``)."""
+    import torch
+
+    want = torch.device(device)
+    if tensor_device.type != want.type:
+        return False
+    if want.index is None and want.type == "cuda":
+        return tensor_device.index == torch.cuda.current_device()
+    return want.index is None or tensor_device.index == want.index
+
+
 def _wait(work, timeout_s: float, what: str) -> None:
     start = time.monotonic()
     try:
@@ -319,7 +247,7 @@ def send_weights(
             flat = _pack(bucket, tensors, buffers, i % 2, device)
             if in_flight is not None:
                 _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}")
-            in_flight = (pg.broadcast(flat, 0, timeout), i, flat)
+            in_flight = (_broadcast(pg, flat, timeout, f"weight broadcast of bucket {i}"), i, flat)
             sent += bucket.nbytes
         if in_flight is not None:
             _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}")
@@ -351,7 +279,7 @@ def _pack(
     dtype = getattr(torch, bucket.dtype)
     if len(bucket.entries) == 1:
         src = tensors[bucket.entries[0].name]
-        if src.dtype == dtype and src.device == torch.device(device) and src.is_contiguous():
+        if src.dtype == dtype and on_device(src.device, device) and src.is_contiguous():
             return src.detach().reshape(-1)
     flat = buffers.get(slot, bucket, device)
     flat_bytes = flat.view(torch.uint8).numpy() if flat.device.type == "cpu" else None
@@ -387,7 +315,7 @@ def receive_weights(
 
     def post(i: int):
         flat = torch.empty(buckets[i].numel, dtype=getattr(torch, buckets[i].dtype), device=device)
-        return pg.broadcast(flat, 0, timeout), flat
+        return _broadcast(pg, flat, timeout, f"weight receive of bucket {i}"), flat
 
     if not buckets:
         return

@@ -23,7 +23,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.control.messages import Registered, SyncStart, Task, TaskGrant
 from asyncrl.rewards import ScoreJob, ScoreResult
-from asyncrl.sync.weights import WeightPlan
+from asyncrl.sync.plan import WeightPlan
 from asyncrl.tools import ToolPool
 from asyncrl.wire import Trajectory
 from rollout_servers.agent import AgentRunner, AgentSettings

@@ -12,7 +12,8 @@ import multiprocessing as mp
 import os
 from typing import Any
 
-from asyncrl.sync.weights import WeightPlan, form_group, open_store, receive_weights
+from asyncrl.sync.plan import WeightPlan
+from asyncrl.sync.weights import form_group, open_store, receive_weights
 
 
 def _receiver_loop(conn, host: str, port: int, model_dir: str | None, timeout_s: float) -> None:
@@ -164,7 +165,8 @@ class EngineSender:
         """Push ``tensors`` as ``version``; returns the engine's sync stats."""
         import threading
 
-        from asyncrl.sync.weights import form_group, plan_buckets, send_weights, specs_of
+        from asyncrl.sync.plan import plan_buckets, specs_of
+        from asyncrl.sync.weights import form_group, send_weights
         from rollout_servers.engine import SyncJoin
 
         plan = plan_buckets(specs_of(tensors), 1 << 20)
