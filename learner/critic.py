@@ -214,8 +214,7 @@ class Critic:
         gradient is not finite on some rank (every rank decides the same)."""
         self.optimizer.zero_grad(set_to_none=True)
         finite = True
-        for i, micro in enumerate(micros):
-            self.model.set_requires_gradient_sync(i == len(micros) - 1)
+        for micro in micros:  # gradients reduce-scattered at each backward (see the actor's)
             mb = self._collate(rollouts, micro)
             vpred = self._forward(mb)
             loss, st = value_loss(

@@ -301,9 +301,10 @@ class Trainer:
         ``(grad norm, applied, real tokens, token slots fed to the model)``."""
         self.optimizer.zero_grad(set_to_none=True)
         finite, tokens, fed = True, 0, 0
-        for i, micro in enumerate(micros):
-            # Reduce-scatter gradients only after the last micro-batch of the mini-batch.
-            self.model.set_requires_gradient_sync(i == len(micros) - 1)
+        # Each micro-batch's gradients are reduce-scattered at its backward (as veRL's do):
+        # skipping that until the last one kept every rank's whole gradient unsharded, in
+        # float32, through the mini-batch (4 bytes a parameter per GPU, whatever the ranks).
+        for micro in micros:
             loss, st, mb = self._micro_loss(plan, micro, norm, proximal, ref)
             finite &= bool(torch.isfinite(loss))
             # FSDP averages gradients over ranks; the normalisers are already global, so
