@@ -9,12 +9,17 @@ from learner.collate import MicroBatch
 
 
 def response_logprobs(
-    model: torch.nn.Module, mb: MicroBatch, *, entropy: bool = False
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    *,
+    entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logprobs ``[B, T]`` of the response tokens and, if asked, the entropy ``[B, T]``
     of the same distribution. Each row's logits are divided by the temperature it was
     sampled at (``mb.temperature`` ``[B]``): rollout servers may differ from the config.
-    ``mb`` must be on the model's device."""
+    ``mb`` must be on the model's device. ``entropy_grad`` False: the entropy is a metric
+    only, computed without a graph (its ``[B, T, V]`` terms are not kept for a backward)."""
     out = model(
         input_ids=mb.input_ids,
         position_ids=mb.position_ids,
@@ -25,5 +30,8 @@ def response_logprobs(
     # logits [B, T, V]: one temperature per row.
     logp_all = torch.log_softmax(logits.float() / mb.temperature[:, None, None], dim=-1)
     logp = logp_all.gather(-1, mb.targets[..., None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1) if entropy else None
+    ent = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent

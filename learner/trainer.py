@@ -138,8 +138,10 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------ forward
-    def _forward(self, model, mb: MicroBatch, *, entropy: bool = False):
-        return response_logprobs(model, mb.to(self.device), entropy=entropy)
+    def _forward(self, model, mb: MicroBatch, *, entropy: bool = False, entropy_grad: bool = True):
+        return response_logprobs(
+            model, mb.to(self.device), entropy=entropy, entropy_grad=entropy_grad
+        )
 
     def _choose_layout(self) -> str:
         """``actor.sequence_layout`` resolved for this model and device (see
@@ -266,10 +268,10 @@ class Trainer:
     def _micro_loss(self, plan, micro, norm, proximal, ref):
         """Loss and stats of one micro-batch (a dummy one when ``micro`` is empty)."""
         mb = self._collate(plan, micro)
-        logp, ent = self._forward(self.model, mb, entropy=True)
+        # With entropy_coeff 0 the entropy is a metric only: no graph for it.
+        metric_only = self.loss_cfg.entropy_coeff == 0
+        logp, ent = self._forward(self.model, mb, entropy=True, entropy_grad=not metric_only)
         assert ent is not None  # asked for
-        if self.loss_cfg.entropy_coeff == 0:
-            ent = ent.detach()  # a metric only
 
         def stored(per_seq: dict[int, torch.Tensor] | None) -> torch.Tensor:
             # Without stored values (single update, or a dummy) the current logprobs stand
