@@ -181,3 +181,41 @@ def test_a_server_that_cannot_read_a_grant_stops_once_saying_why(tmp_path, caplo
     lines = [r.getMessage() for r in caplog.records if "control.max_message_mb" in r.getMessage()]
     assert len(lines) == 1 and "start it with the learner's config" in lines[0], lines
     assert sorted(_row_of(t) for g in grants for t in g.tasks) == [f"row {i}" for i in range(8)]
+
+
+def test_a_validation_row_no_grant_can_carry_is_refused_at_start(caplog):
+    """A validation row dropped as too large when dealt left each round one group short:
+    no val/ score ever, and the final round waited launch.start_timeout_s. The learner's
+    coordinator refuses such data in one line instead (exit 2, never restarted), and
+    training rows too large are dropped and named, the first few only."""
+    from asyncrl.config import ConfigError
+    from asyncrl.control import grant_size
+    from asyncrl.control.grant_size import GrantRoom
+    from asyncrl.control.setup import task_source_from_config
+
+    validating = [
+        *(o for o in BASE if not o.startswith("trainer.test_freq")),
+        "trainer.test_freq=2",
+    ]
+    cfg = load_config(None, [*validating, "control.max_message_mb=4"])
+    val = [_row(i, MB // 10) for i in range(3)] + [_row(3, 5 * MB)]
+    train = [_row(i, MB // 10) for i in range(8)]
+    with pytest.raises(ConfigError) as e:
+        task_source_from_config(cfg, train, val)
+    assert e.value.problems == [
+        "data.val_files: 1 row(s) (first: row 3) are larger than a task grant may carry "
+        "under control.max_message_mb=4: raise it (in the config every role reads) or leave "
+        "those rows out"
+    ]
+    bigger = load_config(None, [*validating, "control.max_message_mb=8"])
+    assert task_source_from_config(bigger, train, val).oversize_val_rows(lambda t: True) == []
+    source = task_source_from_config(cfg, [_row(i, 5 * MB) for i in range(9)], val[:3])
+    room = GrantRoom(4 << 20)
+    grant_size._logged = 0  # this process's count: the test names its own
+    with caplog.at_level(logging.ERROR, logger="asyncrl.control.grant_size"):
+        for _ in range(9):
+            task = source.next_train()
+            assert task is not None and room.admit(task) == "too_large"
+        room.log_dropped()
+    lines = [r.getMessage() for r in caplog.records if r.name == grant_size.__name__]
+    assert len(lines) == grant_size.LOGGED_MAX + 1 and "counted, not named" in lines[-1]

@@ -32,6 +32,19 @@ GRANT_OVERHEAD = 1024
 TASK_SLACK = 16
 
 TAKE, FULL, TOO_LARGE = "take", "full", "too_large"
+#: Tasks dropped as too large that are each named in the log (the rest are counted).
+LOGGED_MAX = 5
+_logged = 0  # named so far, in this process
+
+
+def task_bytes(task: Task) -> int:
+    """What ``task`` takes of a grant (its encoding, and room for ``dealt_version``)."""
+    return len(encode(task)) + TASK_SLACK
+
+
+def fits_alone(task: Task, max_bytes: int = 0) -> bool:
+    """Whether a grant of ``task`` alone stays within ``max_bytes`` (0: the default)."""
+    return task_bytes(task) <= (max_bytes or DEFAULT_MAX_MESSAGE_BYTES) - GRANT_OVERHEAD
 
 
 class GrantRoom:
@@ -48,7 +61,7 @@ class GrantRoom:
     def admit(self, task: Task) -> str:
         """:data:`TAKE` (its bytes are now spent), :data:`FULL` (not in this grant: the
         next one has room) or :data:`TOO_LARGE` (in no grant ever: recorded)."""
-        size = len(encode(task)) + TASK_SLACK
+        size = task_bytes(task)
         if size > self.max_bytes - GRANT_OVERHEAD:
             self.too_large.append((task.task_id, size))
             return TOO_LARGE
@@ -58,8 +71,14 @@ class GrantRoom:
         return TAKE
 
     def log_dropped(self) -> None:
-        """One line per task dropped as too large, with the key that would let it through."""
+        """One line per task dropped as too large, with the key that would let it through;
+        the first :data:`LOGGED_MAX` of the process (a dataset of such rows would flood the
+        log: the rest are counted, ``dropped/oversize``)."""
+        global _logged
         for task_id, size in self.too_large:
+            _logged += 1
+            if _logged > LOGGED_MAX:
+                continue
             log.error(
                 "task %s is %.2f MiB, more than one grant may carry under "
                 "control.max_message_mb=%g: dropped (accounted dropped/oversize); raise "
@@ -68,3 +87,5 @@ class GrantRoom:
                 size / (1 << 20),
                 self.max_bytes / (1 << 20),
             )
+            if _logged == LOGGED_MAX:
+                log.error("further tasks dropped as too large are counted, not named")

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.config.shared import shared_settings
 from asyncrl.control.admission import Budget, groups_per_version
 from asyncrl.control.coordinator import Coordinator
+from asyncrl.control.grant_size import fits_alone
 from asyncrl.control.group_filter import GroupFilter
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.pacing import Pacer
@@ -17,6 +18,7 @@ from asyncrl.control.prompt_skip import PromptSkip
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource, load_rows
+from asyncrl.net.transport import mebibytes
 
 Rows = Sequence[dict[str, Any]]
 
@@ -42,7 +44,7 @@ def task_source_from_config(
     if val_rows is None:
         validating = t.val_before_train or t.test_freq > 0
         val_rows = load_rows(d.val_files, d.prompt_key) if validating else []
-    return TaskSource(
+    source = TaskSource(
         train_rows,
         val_rows,
         seed=d.seed,
@@ -52,6 +54,19 @@ def task_source_from_config(
         val_n=cfg.rollout.val_kwargs.n,
         prompt_key=d.prompt_key,
     )  # with a lineage of its own (a restored coordinator takes the checkpoint's back)
+    # A training row too large for a grant is dropped when dealt (counted); a validation
+    # row never dealt would leave every round short of it, and no val/ score ever.
+    limit = mebibytes(cfg.control.max_message_mb)
+    if big := source.oversize_val_rows(lambda task: fits_alone(task, limit)):
+        raise ConfigError(
+            [
+                f"data.val_files: {len(big)} row(s) (first: row {big[0]}) are larger than a "
+                f"task grant may carry under control.max_message_mb="
+                f"{cfg.control.max_message_mb:g}: raise it (in the config every role reads) "
+                "or leave those rows out"
+            ]
+        )
+    return source
 
 
 def state_from_config(

@@ -194,6 +194,16 @@ class TaskSource:
             self.val_position = 0
         return task
 
+    def oversize_val_rows(self, fits: Callable[[Task], bool]) -> list[int]:
+        """The validation rows whose task ``fits`` refuses (a grant could not carry it:
+        such a row is never dealt, and its rounds would never complete)."""
+        head = self._head(_VAL)
+        return [
+            i
+            for i, row in enumerate(self.val_rows)
+            if not fits(self._task(row, f"{head}/0/{i}", self.val_n, True, 0))
+        ]
+
     # ------------------------------------------------------------------ ids, state
     def task_for_id(self, task_id: str, version: int = 0) -> Task:
         """Rebuild the task that ``task_id`` names (e.g. one outstanding at a restart)."""
