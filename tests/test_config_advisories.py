@@ -66,6 +66,11 @@ def test_a_launch_that_would_put_a_server_on_a_learner_gpu_is_refused():
         "launch.gpus.rollout[1]=[1] shares GPU [1] with launch.gpus.learner=[0, 1]: NCCL "
         "cannot push weights between two processes on one GPU; give each role GPUs of its own"
     )
+    # A role left out sees every GPU: the learner's ranks take 0, 1, ...; a server GPU 0.
+    only_learner = load_config(None, [*cuda, "launch.gpus={learner: [0, 1]}"])
+    assert "launch.gpus.rollout[0]=[0] shares GPU [0]" in (gpu_sharing_problem(only_learner) or "")
+    only_servers = load_config(None, [*cuda, "launch.gpus={rollout: [[1], [2]]}"])
+    assert "launch.gpus.rollout[0]=[1] shares GPU [1]" in (gpu_sharing_problem(only_servers) or "")
     assert gpu_sharing_problem(load_config("configs/qwen2.5-0.5b_countdown.yaml")) is None
     assert gpu_sharing_problem(load_config("configs/gpu_smoke.yaml")) is None
     assert gpu_sharing_problem(load_config(None, [])) is None  # the CPU: gloo, no GPUs

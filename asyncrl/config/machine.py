@@ -132,14 +132,23 @@ def gpu_sharing_problem(cfg: Config) -> str | None:
             "NCCL cannot push weights between two processes on one GPU; give each role its "
             f"own: launch.gpus={{learner: {list(range(nproc))}, rollout: {servers}}}"
         )
-    learner = set(gpus.get("learner") or [])
-    for i, ids in enumerate(gpus.get("rollout") or []):
+    # A role launch.gpus leaves out sees every GPU: the learner's rank r takes GPU r, a
+    # server's tensor-parallel ranks take GPUs 0, 1, ...
+    nproc, tp = cfg.trainer.nproc, cfg.rollout.tensor_model_parallel_size
+    learner = set(gpus.get("learner") or range(nproc))
+    rollout = gpus.get("rollout") or [list(range(tp))] * cfg.rollout.num_servers
+    for i, ids in enumerate(rollout):
         shared = sorted(learner & set(ids if isinstance(ids, list) else [ids]))
         if shared:
             return (
                 f"launch.gpus.rollout[{i}]={ids} shares GPU {shared} with launch.gpus.learner="
                 f"{sorted(learner)}: NCCL cannot push weights between two processes on one "
                 "GPU; give each role GPUs of its own"
+                + (
+                    ""
+                    if {"learner", "rollout"} <= set(gpus)
+                    else " (a role launch.gpus leaves out sees every GPU, from GPU 0)"
+                )
             )
     return None
 
