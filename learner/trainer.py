@@ -146,12 +146,19 @@ class Trainer:
     def _choose_layout(self) -> str:
         """``actor.sequence_layout`` resolved for this model and device (see
         :func:`learner.layout.resolve_layout`)."""
-        layout = resolve_layout(
-            self.cfg.actor.sequence_layout,
-            getattr(self.model.config, "_attn_implementation", None),
-            self.cfg.trainer.device,
-            forward=lambda mb: self._forward(self.model, mb)[0],
-        )
+        # In eval mode: with dropout on, the two layouts' forwards drew different masks,
+        # and the probe read that as a model refusing the layout.
+        training = self.model.training
+        self.model.eval()
+        try:
+            layout = resolve_layout(
+                self.cfg.actor.sequence_layout,
+                getattr(self.model.config, "_attn_implementation", None),
+                self.cfg.trainer.device,
+                forward=lambda mb: self._forward(self.model, mb)[0],
+            )
+        finally:
+            self.model.train(training)
         fsdp.reshard(self.model)  # the probe's forwards had no backward
         return layout
 

@@ -92,14 +92,21 @@ def test_resume_replays_exactly(tiny_model, single_rank, tmp_path):
     assert [m["actor/lr"] for m in expected] == pytest.approx(lrs, rel=1e-9)
 
 
-def test_a_resume_draws_the_dropout_masks_an_unbroken_run_draws(tiny_model, single_rank, tmp_path):
+def test_a_resume_draws_the_dropout_masks_an_unbroken_run_draws(
+    tiny_model, single_rank, tmp_path, caplog
+):
     """Each rank's random state is in the checkpoint: with dropout on, the steps after a
     resume equal the unbroken run's (a new learner seeded from trainer.seed draws others)."""
     model = tmp_path / "dropout-model"
     shutil.copytree(tiny_model, model)
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
-    straight = run(Trainer(make_cfg(model)), BATCHES[:4])
+    with caplog.at_level("INFO", logger="learner"):
+        unbroken = Trainer(make_cfg(model))
+    # The layout probe runs in eval mode: dropout made the two layouts differ, and the
+    # probe fell back to padded rows ("does not support the shared layout").
+    assert unbroken.layout == "shared" and "does not support" not in caplog.text
+    straight = run(unbroken, BATCHES[:4])
 
     first = Trainer(make_cfg(model))
     run(first, BATCHES[:2])
@@ -114,7 +121,12 @@ def test_a_resume_draws_the_dropout_masks_an_unbroken_run_draws(tiny_model, sing
     # A checkpoint without the file (an older one) still loads, from the seed, and says so.
     (saved / "rng_rank0.pt").unlink()
     again = Trainer(make_cfg(model))
-    again.load(saved)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="learner.checkpoint"):
+        again.load(saved)
+    assert (
+        "rng_rank0.pt is missing: this rank's random draws start from trainer.seed" in caplog.text
+    )
     drifted = run(again, BATCHES[2:4])
     assert [m["loss/total"] for m in drifted] != pytest.approx(
         [m["loss/total"] for m in straight[2:]], rel=1e-6
