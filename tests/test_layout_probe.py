@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from learner.collate import MicroBatch
-from learner.layout import packing_works, probe_atol
+from learner.layout import packing_works, probe_atol, resolve_layout
 
 
 def _forward(packed_shift: float):
@@ -26,3 +26,12 @@ def test_the_probe_tolerance_follows_the_compute_dtype():
     assert not packing_works(bf16_noise, probe_atol("cpu"))  # float32 agrees to rounding
     assert not packing_works(mixed, probe_atol("cuda"))  # sequences mixed: padded rows
     assert packing_works(_forward(0.0), probe_atol("cpu"))
+
+
+def test_the_chosen_layout_is_probed_at_its_devices_tolerance():
+    """Through resolve_layout, as the trainer calls it: packed rows kept on CUDA under
+    bf16-sized differences, refused under float32's."""
+    bf16_noise = _forward(0.06)
+    assert resolve_layout("packed", None, "cuda", forward=bf16_noise) == "packed"
+    assert resolve_layout("packed", None, "cpu", forward=bf16_noise) == "padded"
+    assert resolve_layout("packed", None, "cuda", forward=_forward(1.5)) == "padded"
