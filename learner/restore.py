@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.ending import COMPLETE_FILE, starts_new_run
@@ -22,6 +22,17 @@ from asyncrl.config.resumed import changed_line, changed_settings
 from learner.control_peer import Restored
 
 log = logging.getLogger(__name__)
+
+
+class Loads(Protocol):
+    """What :func:`restore` needs of the trainer (:class:`learner.trainer.Trainer`): its
+    rank, the step and version a load sets, and the load itself."""
+
+    rank: int
+    step: int
+    policy_version: int
+
+    def load(self, path: Any) -> dict[str, Any]: ...
 
 
 @dataclass
@@ -35,7 +46,7 @@ class Start:
     health: dict[str, Any] = field(default_factory=dict)
 
 
-def restore(cfg: Config, trainer: Any, run_dir: Path) -> Start:
+def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
     """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any, into
     ``trainer`` (a :class:`learner.trainer.Trainer`; every rank calls this). Raises
     :class:`ConfigError` for a path that is no checkpoint, before anything moves, and for

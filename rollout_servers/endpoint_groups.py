@@ -26,9 +26,8 @@ A member refused from its first request may still post its reward: it counts tow
 group's completion and trains nothing. The last closed groups are kept for ``GET
 /rl/status`` (:meth:`EndpointGroups.status`). The names of groups that closed pushed,
 idle or abandoned are remembered for a while (:mod:`rollout_servers.closed_groups`): a
-request naming one
-is refused rather than opening a new group under that name, and a re-posted reward gets
-its first answer.
+request naming one is refused rather than opening a new group under that name, and a
+re-posted reward gets its first answer.
 """
 
 from __future__ import annotations

@@ -190,8 +190,9 @@ class RolloutServer:
         the coordinator's task long-poll (at most ``control.heartbeat_s``) while slots are
         free, and on :attr:`_slots_freed` while fewer than a group's ``rollout.n`` are
         free. Unblocked by a grant, a group finishing (or failing), :meth:`stop`, or the
-        next report; ends at shutdown, when the coordinator is gone, or when the engine
-        died."""
+        next report; ends at shutdown, when the coordinator is gone, when the engine
+        died, or when a task request fails (a grant it cannot read, a refusal: another
+        config than the learner's; the server then exits 2)."""
         last_log = time.monotonic()
         last_report = 0.0
         n = max(self.cfg.rollout.n, 1)

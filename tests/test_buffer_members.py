@@ -6,8 +6,6 @@ the socket (it expired, and the member came late)."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from asyncrl.net.buffer_client import BufferClient
@@ -60,7 +58,8 @@ def test_a_pause_at_capacity_does_not_age_an_open_group() -> None:
         pusher.send(make_group("x", 2))  # read: the buffer is full, the reading pauses
         pusher.send([make_traj("c", 1, 2)])  # waits in the socket
         _stats_when(client, lambda s: s["buffer/size"] == 1, "x held")
-        time.sleep(2.5)  # the pause outlasts c's group_timeout_s
+        # The pause outlasts c's group_timeout_s (1 s) twice over.
+        _stats_when(client, lambda s: s["buffer/paused_s"] >= 2.0, "a pause of 2 s")
         batch = client.request_batch(0, wait_s=5)
         assert batch is not None and batch.task_ids == ["x"]
         client.ack([batch.batch_id])  # room again: the reading goes on

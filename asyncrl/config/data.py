@@ -12,11 +12,13 @@ from asyncrl.config.section import Section
 class DataConfig(Section):
     train_files: list[str] = Field(
         default_factory=lambda: ["artifacts/data/arithmetic/train.parquet"],
-        description="Training prompts: parquet files in veRL's schema.",
+        description="Training prompts: parquet files in veRL's schema (a path, a list, or a "
+        "pattern of shards such as data/train-*.parquet).",
     )
     val_files: list[str] = Field(
         default_factory=lambda: ["artifacts/data/arithmetic/val.parquet"],
-        description="Validation prompts: parquet files in veRL's schema.",
+        description="Validation prompts: parquet files in veRL's schema (a path, a list, or "
+        "a pattern of shards).",
     )
     prompt_key: str = Field(default="prompt", description="Column holding the chat messages.")
     max_prompt_length: int = Field(

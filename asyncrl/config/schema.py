@@ -166,7 +166,10 @@ class BufferConfig(Section):
     max_reuse: int = Field(default=1, gt=0, description="Times a group may be trained on.")
     log_rollouts: bool = Field(default=False, description="Write every trajectory to parquet.")
     group_timeout_s: float = Field(
-        default=600.0, gt=0, description="Incomplete groups expire after."
+        default=600.0,
+        gt=0,
+        description="Incomplete groups expire after (counted while the buffer reads: not "
+        "while it is full and its producers wait).",
     )
     max_message_mb: float = Field(
         default=64.0,

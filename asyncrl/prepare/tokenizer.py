@@ -7,7 +7,12 @@ tokenizer that both transformers and vLLM load from the model directory.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 # Qwen's chat markup, so a veRL user's chat-formatted prompts look the same here.
 ENDOFTEXT = "<|endoftext|>"
@@ -58,7 +63,7 @@ def build_tokenizer(out_dir: Path):  # -> transformers.PreTrainedTokenizerFast
     return tok
 
 
-def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(tok: Any, messages: list[dict]) -> list[int]:
     """Token ids of the chat-formatted prompt, ending with the assistant header (veRL
     applies the model's chat template with ``add_generation_prompt=True`` the same way).
 
@@ -69,7 +74,7 @@ def chat_prompt_ids(tok, messages: list[dict]) -> list[int]:
     return tok.encode(prompt_text(tok, messages), add_special_tokens=False)
 
 
-def prompt_text(tok, messages: list[dict]) -> str:
+def prompt_text(tok: Any, messages: list[dict]) -> str:
     """The prompt as text: the chat template's rendering, or the messages' own text (see
     :func:`chat_prompt_ids`), said once per process."""
     if not getattr(tok, "chat_template", None):
@@ -92,25 +97,23 @@ def prompt_text(tok, messages: list[dict]) -> str:
 
 
 _SENTINEL = "\x00prompt\x00"
-_markers: dict[int, str] = {}
+_markers: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()  # per tokenizer
 _said: set[str] = set()
 
 
-def _generation_marker(tok) -> str:
+def _generation_marker(tok: Any) -> str:
     """What the template writes after a user's message to open the assistant's turn
     (Qwen's ``<|im_end|>\\n<|im_start|>assistant``), or "" when that is too short to tell
     a templated prompt by (then every prompt is templated)."""
-    if id(tok) not in _markers:
+    if tok not in _markers:
         one = [{"role": "user", "content": _SENTINEL}]
         text = tok.apply_chat_template(one, add_generation_prompt=True, tokenize=False)
         after = text.rsplit(_SENTINEL, 1)[-1].strip() if _SENTINEL in text else ""
-        _markers[id(tok)] = after if len(after) >= 8 else ""
-    return _markers[id(tok)]
+        _markers[tok] = after if len(after) >= 8 else ""
+    return _markers[tok]
 
 
 def _note_once(kind: str, line: str) -> None:
-    import logging
-
     if kind not in _said:
         _said.add(kind)
-        logging.getLogger(__name__).info("%s", line)
+        log.info("%s", line)

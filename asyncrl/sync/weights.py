@@ -4,14 +4,15 @@ One mechanism for both backends: torch's own process-group classes (``ProcessGro
 CPU, ``ProcessGroupNCCL`` on GPU) built over a ``TCPStore`` that learner rank 0 hosts, with
 one ``PrefixStore`` per *group generation*. The group lives beside vLLM's and FSDP's own
 groups (it is not torch.distributed's default group), so neither side has to give up its
-own parallel setup. No vLLM import here; torch is imported lazily so that the bucket plan,
-which the coordinator sends over the wire, stays importable without torch.
+own parallel setup. No vLLM import here; torch is imported lazily (the bucket plan, which
+the coordinator sends over the wire, is :mod:`asyncrl.sync.plan`, without torch).
 
 Protocol of one sync (the coordinator drives it):
 
-1. The sender computes a :class:`~asyncrl.sync.plan.WeightPlan` with ``plan_buckets`` from its tensor
-   specs (:mod:`asyncrl.sync.plan`; once: :class:`asyncrl.sync.sender.WeightPusher` keeps it) and the coordinator
-   announces ``(version, plan, generation, ranks)``, the plan inside the message as it is.
+1. The sender computes a :class:`~asyncrl.sync.plan.WeightPlan` with ``plan_buckets`` from
+   its tensor specs (once: :class:`asyncrl.sync.sender.WeightPusher` keeps it) and the
+   coordinator announces ``(version, plan, generation, ranks)``, the plan inside the
+   message as it is.
 2. Every member calls :func:`form_group` with the same generation (rank 0: the learner);
    the group is reused while its membership is unchanged.
 3. The sender calls :func:`send_weights`; each receiver iterates :func:`receive_weights`,
