@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.tools.hermes import parse_tool_calls
+from asyncrl.tools.hermes import ParsedToolCalls, parse_tool_calls
 from asyncrl.tools.tokens import continuation, render
 from asyncrl.wire import Trajectory
 from rollout_servers.groups import SamplingSettings, group_fields, sampling_params, scored
@@ -164,6 +164,19 @@ def turn_params(
     return params
 
 
+def in_block_order(parsed: ParsedToolCalls, texts: list[str]) -> list[dict[str, Any]]:
+    """The tool messages answering one assistant message, in the order of its blocks:
+    each call's answer (``texts``, in call order; calls past ``max_parallel_calls`` get
+    none) and each malformed block's error where the block was. Hermes answers carry no
+    ids: the model matches them to its calls by position."""
+    answers, calls, errors = [], iter(texts), iter(parsed.errors)
+    for is_call in parsed.order:
+        text = next(calls, None) if is_call else f"Error: {next(errors)}"
+        if text is not None:
+            answers.append({"role": "tool", "content": text})
+    return answers
+
+
 class AgentRunner:
     """Runs the episodes of ``tool_agent`` tasks on one server's engine; counts what
     happened in :attr:`metrics` (``rollout/agent/...``)."""
@@ -251,11 +264,11 @@ class AgentRunner:
             s.max_user_turns and ep.tool_turns >= s.max_user_turns
         ):
             return "max_turns"
-        answers = [{"role": "tool", "content": f"Error: {e}"} for e in parsed.errors]
         self.metrics["rollout/agent/tool_errors/bad_call"] += len(parsed.errors)
         calls = parsed.calls[: s.max_parallel_calls]
+        texts: list[str] = []  # the calls' answers, in call order
         if calls and self.tools is None:
-            answers += [{"role": "tool", "content": "Error: no tools here"} for _ in calls]
+            texts = ["Error: no tools here"] * len(calls)
         elif calls:
             assert self.tools is not None
             kwargs = {
@@ -271,9 +284,9 @@ class AgentRunner:
             for r in results:
                 if r.error:
                     self.metrics[f"rollout/agent/tool_errors/{r.error}"] += 1
-            answers += [{"role": "tool", "content": r.text} for r in results]
+            texts = [r.text for r in results]
         ep.tool_calls += len(calls)
-        return self._append(ep, answers, schemas)
+        return self._append(ep, in_block_order(parsed, texts), schemas)
 
     def _append(self, ep: Episode, new: list[dict[str, Any]], schemas: list[dict] | None) -> str:
         """Append the tool answers to the episode (see :func:`extend`); why it ends, or ""."""

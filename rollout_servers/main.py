@@ -206,10 +206,18 @@ async def serve(cfg: Config, server_id: str) -> int:
     except ValueError as e:  # a missing function, a file that fails to import
         log.error("cannot start: %s", e)
         return CONFIG_ERROR
+    try:  # the tools too: a tool config that does not load (a class not found, a constructor
+        tools = _tools(cfg)  # that raises) fails every restart the same way
+    except ValueError as e:
+        pool.close()
+        log.error("cannot start: %s", e)
+        return CONFIG_ERROR
     try:
         engine, seeded = await _start_engine(cfg)
     except BaseException:
         pool.close()
+        if tools is not None:
+            tools.close()
         raise
     startup.mark(run_dir(cfg), server_id, "engine_ready")
     cpus = cpus_from_env()
@@ -226,7 +234,7 @@ async def serve(cfg: Config, server_id: str) -> int:
         engine_world_size=cfg.rollout.tensor_model_parallel_size,
         address=f"{socket.gethostname()} pid {os.getpid()}",
     )
-    tools, agent = _agent(cfg, engine, tok, seeded)
+    agent = _agent(cfg, engine, tok, seeded, tools)
     endpoint = _endpoint(cfg, server_id, engine, tok, client, pusher, seeded)
     server = RolloutServer(
         cfg,
@@ -298,27 +306,33 @@ def _endpoint(
     return OpenAIEndpoint(cfg, server_id, engine, tok, client, pusher, settings)
 
 
-def _agent(cfg: Config, engine: Any, tok: Any, seeded: bool) -> tuple[Any, Any]:
-    """The tool workers and the episode runner when ``rollout.multi_turn.enable`` (else
-    ``(None, None)``); a tool config that does not load stops the server here."""
+def _tools(cfg: Config) -> Any:
+    """The tool workers when ``rollout.multi_turn.enable`` names a tool config, else None.
+    Raises ValueError (one line naming the fix) for a tool config that does not load."""
     from asyncrl.tools import ToolPool
+
+    mt = cfg.rollout.multi_turn
+    if not (mt.enable and mt.tool_config_path):
+        return None
+    return ToolPool(
+        mt.tool_config_path,
+        num_workers=mt.tool_workers,
+        timeout_s=mt.tool_timeout_s,
+        max_response_length=mt.max_tool_response_length,
+        truncate_side=mt.tool_response_truncate_side,
+    )
+
+
+def _agent(cfg: Config, engine: Any, tok: Any, seeded: bool, tools: Any) -> Any:
+    """The episode runner when ``rollout.multi_turn.enable`` (else None), calling
+    ``tools`` (:func:`_tools`)."""
     from rollout_servers.agent import AgentRunner, AgentSettings
     from rollout_servers.groups import SamplingSettings
 
-    mt = cfg.rollout.multi_turn
-    if not mt.enable:
-        return None, None
-    tools = None
-    if mt.tool_config_path:
-        tools = ToolPool(
-            mt.tool_config_path,
-            num_workers=mt.tool_workers,
-            timeout_s=mt.tool_timeout_s,
-            max_response_length=mt.max_tool_response_length,
-            truncate_side=mt.tool_response_truncate_side,
-        )
+    if not cfg.rollout.multi_turn.enable:
+        return None
     settings = SamplingSettings.from_config(cfg, seeded=seeded)
-    return tools, AgentRunner(AgentSettings.from_config(cfg), settings, engine, tok, tools)
+    return AgentRunner(AgentSettings.from_config(cfg), settings, engine, tok, tools)
 
 
 if __name__ == "__main__":

@@ -302,3 +302,38 @@ def test_a_rollout_server_whose_scorer_does_not_load_exits_2_before_its_engine(
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "cannot start:" in proc.stderr and "has no function 'nope'" in proc.stderr
     assert "custom_reward_function.name" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_tool_that_does_not_load_stops_its_server_before_the_engine(tiny_model, tmp_path):
+    """A tool config whose class cannot be imported failed after the engine had started,
+    with a traceback and exit 1: the launcher restarted the server (and its engine) until
+    out of restarts. It is now one line and exit 2, before the engine."""
+    tools = tmp_path / "tools.yaml"
+    tools.write_text(
+        "tools:\n"
+        "  - class_name: mytools.py:Missing\n"
+        "    config: {type: native}\n"
+        "    tool_schema:\n"
+        "      type: function\n"
+        "      function: {name: add, description: add, parameters: {type: object}}\n"
+    )
+    (tmp_path / "mytools.py").write_text("class Other:\n    pass\n")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "rollout_servers.main",
+            "configs/cpu_demo.yaml",
+            f"trainer.default_local_dir={tmp_path}",
+            f"model.path={tiny_model}",
+            "rollout.multi_turn.enable=true",
+            f"rollout.multi_turn.tool_config_path={tools}",
+            *endpoint_overrides(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "cannot start:" in proc.stderr and "Missing" in proc.stderr
+    assert "Traceback" not in proc.stderr and "engine_ready" not in proc.stderr

@@ -37,9 +37,11 @@ class BaseTool:
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
         """Start an instance of the tool for one trajectory; return its id.
 
-        ``kwargs`` are the trajectory's ``create_kwargs`` (veRL's
-        ``extra_info.tools_kwargs[name]["create_kwargs"]``), e.g. a ground truth.
-        """
+        The trajectory's ``create_kwargs`` (veRL's
+        ``extra_info.tools_kwargs[name]["create_kwargs"]``, e.g. a ground truth) come both
+        as ``kwargs["create_kwargs"]``, as veRL's agent loop passes them, and spread as
+        keywords, as its older rollouts did (a ``create`` without ``**kwargs`` gets the
+        keywords it names)."""
         return instance_id if instance_id is not None else uuid.uuid4().hex
 
     async def execute(

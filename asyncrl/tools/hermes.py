@@ -38,11 +38,14 @@ class ParsedToolCalls:
         content: The text before the first ``<tool_call>`` (all of it when there is none).
         calls: The well-formed calls, in order.
         errors: One line per malformed block, naming the block (``"tool call 2: ..."``).
+        order: Per block, in order, whether it is a call (True) or malformed (False):
+            hermes answers carry no ids, so the model matches them to its calls by position.
     """
 
     content: str
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    order: list[bool] = field(default_factory=list)
 
 
 def _decode_arguments(raw: Any) -> dict[str, Any] | str:
@@ -84,6 +87,7 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
     """
     calls: list[ToolCall] = []
     errors: list[str] = []
+    order: list[bool] = []
     end = 0
     for number, match in enumerate(_BLOCK.finditer(text), start=1):
         parsed = parse_block(match.group(1))
@@ -91,9 +95,11 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
             calls.append(parsed)
         else:
             errors.append(f"tool call {number}: {parsed}")
+        order.append(isinstance(parsed, ToolCall))
         end = match.end()
     if OPEN_TAG in text[end:]:
         errors.append(f"tool call {len(calls) + len(errors) + 1}: {OPEN_TAG} without {CLOSE_TAG}")
+        order.append(False)
     first = text.find(OPEN_TAG)
     content = text if first < 0 else text[:first]
-    return ParsedToolCalls(content, calls, errors)
+    return ParsedToolCalls(content, calls, errors, order)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -110,8 +111,23 @@ def _response_text(response: Any) -> str | None:
     return text if isinstance(text, str) else None
 
 
+def _create_arguments(create: Any, create_kwargs: dict) -> dict[str, Any]:
+    """The keywords a tool's ``create`` takes the trajectory's ``create_kwargs`` as. veRL's
+    agent loop passes them as one keyword (``create(create_kwargs=...)``, what its tools
+    read), its older rollouts spread them (``create(**create_kwargs)``): a ``create`` that
+    takes any keyword gets both, one that names its parameters gets those it names."""
+    params = inspect.signature(create).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return {**create_kwargs, "create_kwargs": create_kwargs}
+    named = {p.name for p in params}
+    out = {k: v for k, v in create_kwargs.items() if k in named}
+    if "create_kwargs" in named:
+        out["create_kwargs"] = create_kwargs
+    return out
+
+
 async def _call_once(tool: Any, arguments: dict[str, Any], create_kwargs: dict) -> Any:
-    created = await tool.create(**create_kwargs)
+    created = await tool.create(**_create_arguments(tool.create, create_kwargs))
     # Newer veRL tools return (instance_id, response) from create.
     instance_id = created[0] if isinstance(created, tuple) else created
     try:

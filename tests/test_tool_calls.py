@@ -1,0 +1,66 @@
+"""Tool calls as veRL's agent loop makes them. The tool messages answering one assistant
+message come in the order of its ``<tool_call>`` blocks: hermes answers carry no ids, so
+the model matches them to its calls by position (a malformed block between two calls had
+its error answered first, and the model read every answer against the wrong call). A
+tool's ``create`` gets the trajectory's ``create_kwargs`` as veRL passes them."""
+
+from __future__ import annotations
+
+from asyncrl.tools.hermes import parse_tool_calls
+from rollout_servers.agent import in_block_order
+
+MESSAGE = (
+    "Let me compute.\n"
+    '<tool_call>{"name": "mul", "arguments": {"a": 29, "b": 47}}</tool_call>\n'
+    "<tool_call>{not json}</tool_call>\n"
+    '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+)
+
+
+def test_answers_follow_the_blocks_order():
+    parsed = parse_tool_calls(MESSAGE)
+    assert [c.name for c in parsed.calls] == ["mul", "add"] and parsed.order == [True, False, True]
+    answers = [a["content"] for a in in_block_order(parsed, ["1363", "5"])]
+    assert answers[0] == "1363" and answers[2] == "5"
+    assert answers[1].startswith("Error: tool call 2:")
+
+
+def test_calls_past_the_parallel_limit_get_no_answer_and_an_open_block_its_error():
+    parsed = parse_tool_calls(MESSAGE + '\n<tool_call>{"name": "add"')
+    assert parsed.order == [True, False, True, False]
+    answers = [a["content"] for a in in_block_order(parsed, ["1363"])]  # max_parallel_calls=1
+    assert answers[0] == "1363" and len(answers) == 3
+    assert answers[1].startswith("Error: tool call 2:") and "without </tool_call>" in answers[2]
+
+
+def test_a_tools_create_gets_the_create_kwargs_as_verl_passes_them():
+    """veRL's agent loop calls ``create(create_kwargs=...)`` and its tools read that key
+    (a ported tool saw none of its ground truth: the keywords were only spread); a tool
+    that names its parameters still gets them spread, as veRL's older rollouts did."""
+    import asyncio
+
+    from asyncrl.tools.base import BaseTool
+    from asyncrl.tools.pool import _call_once
+
+    class VerlTool(BaseTool):
+        async def create(self, instance_id=None, **kwargs):
+            self.seen = kwargs.get("create_kwargs", {})
+            return await super().create(instance_id), None  # newer veRL: (id, response)
+
+        async def execute(self, instance_id, parameters, **kwargs):
+            return {"text": str(self.seen.get("ground_truth"))}, 0.0, {}
+
+    class NamedTool(BaseTool):
+        async def create(self, instance_id=None, prefix=""):
+            self.prefix = prefix
+            return "x"
+
+        async def execute(self, instance_id, parameters, **kwargs):
+            return self.prefix + "ok", 0.0, {}
+
+    schema = {"type": "function", "function": {"name": "t", "parameters": {}}}
+    verl = VerlTool({}, schema)
+    got = asyncio.run(_call_once(verl, {}, {"ground_truth": "42"}))
+    assert got[0] == {"text": "42"}
+    named = asyncio.run(_call_once(NamedTool({}, schema), {}, {"prefix": "> ", "other": 1}))
+    assert named[0] == "> ok"
