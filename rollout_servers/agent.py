@@ -194,6 +194,12 @@ class AgentRunner:
         self.metrics: Counter[str] = Counter()
         self._eos = getattr(tok, "eos_token_id", None)
 
+    def prompt_len(self, task: Task) -> int:
+        """Tokens of the episodes' first prompt (the task's messages and the tools' names,
+        under the chat template): what ``data.max_prompt_length`` is held to."""
+        schemas = self.tools.schemas if self.tools is not None else None
+        return len(render(self.tok, list(task.prompt), schemas, gen=True))
+
     async def episode(self, task: Task, index: int) -> Episode:
         """Run episode ``index`` of ``task`` to its end (see the module docstring)."""
         s = self.settings

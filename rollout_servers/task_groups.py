@@ -124,7 +124,14 @@ class TaskGroups:
         self, task: Task, agent: AgentRunner, created: float
     ) -> tuple[list[Trajectory], list[Sample], list[ScoreResult]]:
         """Run and score ``task.n`` episodes; the group (one trajectory per sample) and,
-        to count, each episode as one sample of its tokens."""
+        to count, each episode as one sample of its tokens. A training prompt over
+        ``data.max_prompt_length`` with ``data.filter_overlong_prompts`` is dropped, as a
+        single-turn one is (cut, it lost its start: the system line naming the tools)."""
+        d = self.cfg.data
+        too_long = lambda: agent.prompt_len(task) > d.max_prompt_length  # noqa: E731
+        if d.filter_overlong_prompts and not task.validation and too_long():
+            self.metrics["rollout/prompts_filtered_too_long"] += 1
+            return [], [], []
         episodes = await gather_or_cancel(*[agent.episode(task, i) for i in range(task.n)])
         texts = [ep.text(self.tok) for ep in episodes]
         samples = episode_samples(episodes)

@@ -1,10 +1,13 @@
-"""Tool calls as veRL's agent loop makes them. The tool messages answering one assistant
+"""Agent episodes as veRL's agent loop runs them. The tool messages answering one assistant
 message come in the order of its ``<tool_call>`` blocks: hermes answers carry no ids, so
 the model matches them to its calls by position (a malformed block between two calls had
 its error answered first, and the model read every answer against the wrong call). A
-tool's ``create`` gets the trajectory's ``create_kwargs`` as veRL passes them."""
+tool's ``create`` gets the trajectory's ``create_kwargs`` as veRL passes them, and a
+prompt over the limit is dropped when long prompts are filtered."""
 
 from __future__ import annotations
+
+import asyncio
 
 from asyncrl.tools.hermes import parse_tool_calls
 from rollout_servers.agent import in_block_order
@@ -37,8 +40,6 @@ def test_a_tools_create_gets_the_create_kwargs_as_verl_passes_them():
     """veRL's agent loop calls ``create(create_kwargs=...)`` and its tools read that key
     (a ported tool saw none of its ground truth: the keywords were only spread); a tool
     that names its parameters still gets them spread, as veRL's older rollouts did."""
-    import asyncio
-
     from asyncrl.tools.base import BaseTool
     from asyncrl.tools.pool import _call_once
 
@@ -64,3 +65,39 @@ def test_a_tools_create_gets_the_create_kwargs_as_verl_passes_them():
     assert got[0] == {"text": "42"}
     named = asyncio.run(_call_once(NamedTool({}, schema), {}, {"prefix": "> ", "other": 1}))
     assert named[0] == "> ok"
+
+
+def test_an_episode_prompt_over_the_limit_is_dropped_when_long_prompts_are_filtered():
+    """With data.filter_overlong_prompts an agent task's prompt was cut from the left like
+    any other (through the system line naming the tools), trained, and the log said to
+    filter long prompts: it is dropped now, as a single-turn prompt is."""
+    import msgspec
+
+    from asyncrl.config import load_config
+    from rollout_servers import task_groups
+    from rollout_servers.agent import AgentRunner, AgentSettings
+    from rollout_servers.groups import SamplingSettings
+    from rollout_servers.lanes import Lanes
+    from rollout_servers.server_stats import ServerStats
+    from tests.standins.chat import CharTokenizer
+    from tests.standins.server_parts import StandInEngine, StandInScorer, make_task
+
+    async def scenario(filtering: bool) -> tuple[int, int, float]:
+        engine, tok = StandInEngine(), CharTokenizer()
+        engine.gate.set()
+        limit = ["data.max_prompt_length=8", f"data.filter_overlong_prompts={filtering}"]
+        cfg = load_config(None, ["rollout.n=2", *limit])
+        sampling = SamplingSettings.from_config(cfg)
+        agent = AgentRunner(AgentSettings(None, None, 1, 8, 64, 30.0), sampling, engine, tok, None)
+        stats = ServerStats(tok)
+        groups = task_groups.TaskGroups(
+            cfg, "s", engine, tok, StandInScorer(), Lanes(), sampling, stats, agent
+        )
+        task = msgspec.structs.replace(make_task("t"), n=2, agent_name="tool_agent")
+        assert agent.prompt_len(task) > 8  # the chat markup alone is longer
+        group, _, _ = await groups.make(task, 0.0)
+        return len(group), engine.requests, stats.metrics["rollout/prompts_filtered_too_long"]
+
+    assert asyncio.run(scenario(True)) == (0, 0, 1)
+    kept, requests, filtered = asyncio.run(scenario(False))
+    assert kept == 2 and requests >= 2 and filtered == 0
