@@ -283,21 +283,11 @@ def test_a_rollout_server_whose_scorer_does_not_load_exits_2_before_its_engine(
     scorer.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollout_servers.main",
-            "configs/cpu_demo.yaml",
-            f"trainer.default_local_dir={tmp_path}",
-            f"model.path={tiny_model}",
-            f"custom_reward_function.path={scorer}",
-            "custom_reward_function.name=nope",
-            *endpoint_overrides(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = _start_server(
+        tiny_model,
+        tmp_path,
+        f"custom_reward_function.path={scorer}",
+        "custom_reward_function.name=nope",
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "cannot start:" in proc.stderr and "has no function 'nope'" in proc.stderr
@@ -318,22 +308,24 @@ def test_a_tool_that_does_not_load_stops_its_server_before_the_engine(tiny_model
         "      function: {name: add, description: add, parameters: {type: object}}\n"
     )
     (tmp_path / "mytools.py").write_text("class Other:\n    pass\n")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "rollout_servers.main",
-            "configs/cpu_demo.yaml",
-            f"trainer.default_local_dir={tmp_path}",
-            f"model.path={tiny_model}",
-            "rollout.multi_turn.enable=true",
-            f"rollout.multi_turn.tool_config_path={tools}",
-            *endpoint_overrides(),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
+    proc = _start_server(
+        tiny_model,
+        tmp_path,
+        "rollout.multi_turn.enable=true",
+        f"rollout.multi_turn.tool_config_path={tools}",
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "cannot start:" in proc.stderr and "Missing" in proc.stderr
     assert "Traceback" not in proc.stderr and "engine_ready" not in proc.stderr
+
+
+def _start_server(tiny_model, tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    """A rollout server of the demo's config with ``overrides``, run to its exit."""
+    args = ["configs/cpu_demo.yaml", f"trainer.default_local_dir={tmp_path}"]
+    args += [f"model.path={tiny_model}", *overrides, *endpoint_overrides()]
+    return subprocess.run(
+        [sys.executable, "-m", "rollout_servers.main", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
