@@ -28,7 +28,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.tools.hermes import ParsedToolCalls, parse_tool_calls
+from asyncrl.tools.hermes import in_block_order, parse_tool_calls
 from asyncrl.tools.tokens import continuation, render
 from asyncrl.wire import Trajectory
 from rollout_servers.groups import SamplingSettings, group_fields, sampling_params, scored
@@ -162,19 +162,6 @@ def turn_params(
     if turn and params.seed is not None:
         params.seed = zlib.crc32(f"{params.seed}/turn/{turn}".encode()) & 0x7FFFFFFF
     return params
-
-
-def in_block_order(parsed: ParsedToolCalls, texts: list[str]) -> list[dict[str, Any]]:
-    """The tool messages answering one assistant message, in the order of its blocks:
-    each call's answer (``texts``, in call order; calls past ``max_parallel_calls`` get
-    none) and each malformed block's error where the block was. Hermes answers carry no
-    ids: the model matches them to its calls by position."""
-    answers, calls, errors = [], iter(texts), iter(parsed.errors)
-    for is_call in parsed.order:
-        text = next(calls, None) if is_call else f"Error: {next(errors)}"
-        if text is not None:
-            answers.append({"role": "tool", "content": text})
-    return answers
 
 
 class AgentRunner:

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncrl.tools.hermes import parse_tool_calls
-from rollout_servers.agent import in_block_order
+from asyncrl.tools.hermes import in_block_order, parse_tool_calls
 
 MESSAGE = (
     "Let me compute.\n"

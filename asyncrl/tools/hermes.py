@@ -103,3 +103,16 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
     first = text.find(OPEN_TAG)
     content = text if first < 0 else text[:first]
     return ParsedToolCalls(content, calls, errors, order)
+
+
+def in_block_order(parsed: ParsedToolCalls, texts: list[str]) -> list[dict[str, Any]]:
+    """The tool messages answering one assistant message, in the order of its blocks:
+    each call's answer (``texts``, in call order; calls past ``max_parallel_calls`` get
+    none) and each malformed block's error where the block was. Hermes answers carry no
+    ids: the model matches them to its calls by position."""
+    answers, calls, errors = [], iter(texts), iter(parsed.errors)
+    for is_call in parsed.order:
+        text = next(calls, None) if is_call else f"Error: {next(errors)}"
+        if text is not None:
+            answers.append({"role": "tool", "content": text})
+    return answers
