@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: Why an episode ended (counted as ``rollout/agent/episodes_ended/<why>``).
-END_REASONS = ("done", "max_turns", "length", "timeout", "prompt_too_long")
+END_REASONS = ("done", "max_turns", "length", "timeout", "prompt_too_long", "template_error")
 
 
 @dataclass(frozen=True)
@@ -284,7 +284,17 @@ class AgentRunner:
     def _append(self, ep: Episode, new: list[dict[str, Any]], schemas: list[dict] | None) -> str:
         """Append the tool answers to the episode (see :func:`extend`); why it ends, or ""."""
         s = self.settings
-        ended = extend(ep, new, self.tok, schemas, s.max_prompt_len, s.max_response_len)
+        try:
+            ended = extend(ep, new, self.tok, schemas, s.max_prompt_len, s.max_response_len)
+        except Exception as e:  # a template that refuses a tool turn (jinja2, a ValueError)
+            if not self.metrics["rollout/agent/episodes_ended/template_error"]:
+                log.error(
+                    "the chat template cannot render the tool answers (%s: %s): episodes end "
+                    "at their first tool call; use a chat template that takes 'tool' messages",
+                    type(e).__name__,
+                    str(e)[:200],
+                )
+            return "template_error"
         if ended in ("", "split"):  # the answers joined the episode
             ep.tool_turns += 1
         if ended == "split":

@@ -100,3 +100,45 @@ def test_an_episode_prompt_over_the_limit_is_dropped_when_long_prompts_are_filte
     assert asyncio.run(scenario(True)) == (0, 0, 1)
     kept, requests, filtered = asyncio.run(scenario(False))
     assert kept == 2 and requests >= 2 and filtered == 0
+
+
+def test_a_template_that_refuses_tool_turns_ends_the_episode_not_the_group(caplog):
+    """Gemma-style templates refuse a 'tool' role: the render raised out of the episode,
+    cancelled its siblings, and the task failed and was dealt again until given up, a
+    traceback each time. The episode ends there now (template_error), said once."""
+    from asyncrl.config import load_config
+    from rollout_servers.agent import AgentRunner, AgentSettings
+    from rollout_servers.engine import Sample
+    from rollout_servers.groups import SamplingSettings
+    from tests.standins.chat import EOT, CharTokenizer
+    from tests.standins.server_parts import make_task
+
+    call = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' + EOT
+
+    class CallEngine:
+        version, partial = 0, False
+
+        async def generate(self, prompt_ids, params, request_id):
+            ids = [ord(c) for c in call]
+            return Sample(ids, [-0.1] * len(ids), [(0, len(ids))], "stop")
+
+    class NoToolRole(CharTokenizer):
+        def apply_chat_template(self, conversation, **kwargs):
+            if any(m["role"] == "tool" for m in conversation):
+                raise ValueError("Conversation roles must alternate user/assistant")
+            return super().apply_chat_template(conversation, **kwargs)
+
+    sampling = SamplingSettings.from_config(load_config(None, []))
+    settings = AgentSettings(None, None, 1, 512, 512, 30.0)
+    runner = AgentRunner(settings, sampling, CallEngine(), NoToolRole(), None)
+    task = make_task("t")
+
+    async def two_episodes():
+        return [await runner.episode(task, i) for i in range(2)]
+
+    with caplog.at_level("ERROR", logger="rollout_servers.agent"):
+        episodes = asyncio.run(two_episodes())
+    assert [ep.ended for ep in episodes] == ["template_error", "template_error"]
+    assert runner.metrics["rollout/agent/episodes_ended/template_error"] == 2
+    lines = [r.getMessage() for r in caplog.records if r.name == "rollout_servers.agent"]
+    assert len(lines) == 1 and "takes 'tool' messages" in lines[0]
