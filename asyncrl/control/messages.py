@@ -36,7 +36,7 @@ import msgspec
 
 from asyncrl.sync.plan import WeightPlan
 from asyncrl.wire.base import SCHEMA_VERSION as SCHEMA_VERSION  # re-exported
-from asyncrl.wire.base import ErrorReply, Message, Ok, WireError, decode, nbytes
+from asyncrl.wire.base import ErrorReply, Message, Ok, check_size, decode
 from asyncrl.wire.base import encode as encode  # re-exported
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
@@ -310,12 +310,7 @@ def decode_reply(frame: Any, max_bytes: int = 0) -> Reply:
 
 def within(frame: Any, max_bytes: int) -> int:
     """The bound ``frame`` is read under (``max_bytes``, 0: the default), or ``oversize``
-    naming the key that raises it: the bare size would not tell a user what to change."""
+    naming the key that raises it."""
     limit = max_bytes or DEFAULT_MAX_MESSAGE_BYTES
-    if (size := nbytes(frame)) > limit:
-        raise WireError(
-            "oversize",
-            f"a control message of {size / (1 << 20):.2f} MiB is over control.max_message_mb="
-            f"{limit / (1 << 20):g}: raise control.max_message_mb in the config every role reads",
-        )
+    check_size([frame], limit, "control.max_message_mb")
     return limit

@@ -28,7 +28,7 @@ import zmq
 
 from asyncrl import wire
 from asyncrl.net import security
-from asyncrl.wire.base import encode
+from asyncrl.wire.base import check_size, encode
 
 if TYPE_CHECKING:
     from asyncrl.config.schema import EndpointsConfig
@@ -65,19 +65,6 @@ def config_endpoint(endpoints_cfg: EndpointsConfig, name: str) -> str:
 def mebibytes(mb: float) -> int:
     """Bytes of a ``*_mb`` config value."""
     return int(mb * (1 << 20))
-
-
-def check_size(frames: Sequence[wire.Frame], limit: int, key: str) -> None:
-    """Raise ``WireError("oversize")`` naming config ``key`` when ``frames`` add up to more
-    than ``limit`` bytes (0: no limit). Senders check before sending: the receiver's socket
-    drops a larger frame without a word, so this is where the error can be explained."""
-    size = sum(wire.nbytes(f) for f in frames)
-    if limit and size > limit:
-        raise wire.WireError(
-            "oversize",
-            f"a message of {size / (1 << 20):.2f} MiB is over {key}={limit / (1 << 20):g}: "
-            f"raise {key} in the config every role reads",
-        )
 
 
 def bind(sock: zmq.Socket, addr: str) -> str:

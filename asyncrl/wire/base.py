@@ -89,6 +89,19 @@ def encode(msg: msgspec.Struct) -> bytes:
     return _encoder.encode(msg)
 
 
+def check_size(frames: Sequence[Frame], limit: int, key: str) -> None:
+    """Raise ``WireError("oversize")`` naming config ``key`` when ``frames`` add up to more
+    than ``limit`` bytes (0: no limit). Senders check before sending, as receivers before
+    decoding: a bare size would not tell a user which key to raise."""
+    size = sum(nbytes(f) for f in frames)
+    if limit and size > limit:
+        raise WireError(
+            "oversize",
+            f"a message of {size / (1 << 20):.2f} MiB is over {key}={limit / (1 << 20):g}: "
+            f"raise {key} in the config every role reads",
+        )
+
+
 def nbytes(frame: Frame) -> int:
     """Size in bytes of any buffer-protocol frame."""
     if isinstance(frame, (bytes, bytearray)):
