@@ -128,8 +128,8 @@ class TaskGroups:
         ``data.max_prompt_length`` with ``data.filter_overlong_prompts`` is dropped, as a
         single-turn one is (cut, it lost its start: the system line naming the tools)."""
         d = self.cfg.data
-        too_long = lambda: agent.prompt_len(task) > d.max_prompt_length  # noqa: E731
-        if d.filter_overlong_prompts and not task.validation and too_long():
+        filtering = d.filter_overlong_prompts and not task.validation
+        if filtering and agent.prompt_len(task) > d.max_prompt_length:
             self.metrics["rollout/prompts_filtered_too_long"] += 1
             return [], [], []
         episodes = await gather_or_cancel(*[agent.episode(task, i) for i in range(task.n)])
