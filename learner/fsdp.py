@@ -215,9 +215,13 @@ def full_state(
     model: nn.Module,
     dtype: torch.dtype | None = None,
     only: Callable[[str], bool] | None = None,
+    keep: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors of every parameter, named as the HF checkpoint names them
     (``only``: of the parameters whose names it accepts; every rank passes the same).
+    ``keep=False``: this rank takes part in each gather and drops the result at once, and
+    gets ``{}``: the ranks that neither push nor write hold one full parameter at a time,
+    not the whole model (a 7B model's full bf16 copy is 14 GB on every GPU otherwise).
 
     A collective: every rank must call it, in the same order. Tied weights appear once
     (``named_parameters`` de-duplicates), as in the HF checkpoint, which vLLM's loader
@@ -236,6 +240,8 @@ def full_state(
             continue
         local = p.to_local() if isinstance(p, DTensor) else p
         t = p.full_tensor() if isinstance(p, DTensor) else p
+        if not keep:
+            continue  # the gather is a collective: every rank joins it, one rank keeps it
         t = t.detach()
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)

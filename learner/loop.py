@@ -298,7 +298,7 @@ class LearnerLoop:
         if not self.cfg.model.lora_rank:
             return
         if not (only_missing and _broadcast_int(int((adapter / ADAPTER_LAST).is_file()), t)):
-            state = fsdp.full_state(t.model)  # a collective
+            state = fsdp.full_state(t.model, keep=t.rank == 0)  # a collective
             if t.rank == 0:
                 lora.export_adapter(state, self.cfg.model, adapter)
 

@@ -390,23 +390,25 @@ class Trainer:
         """What the rollout servers load, named as in the HF checkpoint and cast to
         ``model.dtype``: the full weights, or with LoRA the adapters alone
         (``sync.lora: adapter``) or merged into the weights. A collective: call it on every
-        rank."""
+        rank; only rank 0, which pushes, gets them, the others ``{}``."""
         return self._state_for(adapter_only=self.cfg.sync.lora == "adapter")
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The whole model for the final HF export (with LoRA: merged in float32), cast to
-        ``model.dtype``. A collective."""
+        ``model.dtype``. A collective; only rank 0, which writes it, gets it."""
         return self._state_for(adapter_only=False)
 
     def _state_for(self, adapter_only: bool) -> dict[str, torch.Tensor]:
         m, dtype = self.cfg.model, _DTYPES[self.cfg.model.dtype]
+        keep = self.rank == 0
         if not m.lora_rank:
-            return fsdp.full_state(self.model, dtype)
+            return fsdp.full_state(self.model, dtype, keep=keep)
         scaling = m.lora_alpha / m.lora_rank
         # The adapter alone: its tensors gathered, not the base model's (a full float32 copy
         # on every rank, for a push of a few percent of it).
         only = lora.is_adapter_key if adapter_only else None
-        return lora.for_push(fsdp.full_state(self.model, only=only), scaling, dtype, adapter_only)
+        state = fsdp.full_state(self.model, only=only, keep=keep)
+        return lora.for_push(state, scaling, dtype, adapter_only)
 
     def save(self, run_dir, extra: dict | None = None):
         """Checkpoint into ``<run_dir>/checkpoints/step_<step>/`` (every rank calls it)."""

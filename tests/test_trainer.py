@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import Config, load_config
+from learner import fsdp
 from learner.rollouts import Rollout
 from learner.trainer import Trainer
 from tests.helpers import free_port, join_ranks, rank_env, start_ranks
@@ -70,7 +71,10 @@ def _fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str)
     # with learner.broadcast.share_batch).
     losses = [trainer.train_step(b, TEMPERATURE)["loss/total"] for b in BATCHES]
     pushed = trainer.full_state_for_push()
-    assert_shards_are_slices_of(trainer.model, pushed)
+    full = fsdp.full_state(trainer.model)  # every rank keeps it: for the shard check
+    assert_shards_are_slices_of(trainer.model, full)
+    # Only rank 0 pushes: the other ranks join each gather and keep nothing of it.
+    assert set(pushed) == (set(full) if rank == 0 else set()), rank
     trainer.save(Path(out_dir) / "run")
     if rank == 0:
         result = {"losses": losses, "state": pushed, "first_grads": grads[0]}
