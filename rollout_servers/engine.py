@@ -269,10 +269,22 @@ class RolloutEngine:
             if self.adapters is not None:
                 return await self._sync_adapter(version, plan, join=join, timeout_s=timeout_s)
             return await self._sync_full(version, plan, join=join, timeout_s=timeout_s)
+        except Exception:
+            await self._leave_group()
+            raise
         finally:
             self._synced_through = max(self._synced_through, version)
             async with self._synced:
                 self._synced.notify_all()
+
+    async def _leave_group(self) -> None:
+        """After a failed sync the workers abort their group (``wsync_leave``): under NCCL a
+        broadcast still posted on it would otherwise wait for the watchdog, which may end
+        the process. The next sync joins a new group anyway. Bounded; best effort."""
+        try:
+            await asyncio.wait_for(self.llm.collective_rpc("wsync_leave"), 10.0)
+        except Exception as e:  # the engine's own failure shows in the next call
+            log.debug("leaving the failed sync group: %s", e)
 
     async def reach(self, version: int, timeout_s: float) -> float:
         """Wait until this engine has loaded ``version``, a sync ends without it, or

@@ -19,7 +19,7 @@ import msgspec
 
 from asyncrl.sync.adapter import save_peft_adapter
 from asyncrl.sync.plan import WeightPlan
-from asyncrl.sync.weights import form_group, open_store, receive_weights
+from asyncrl.sync.weights import form_group, open_store, receive_weights, release_group
 
 #: Starts the error of a sync that failed after the engine's weights were partly replaced:
 #: the engine cannot generate any more and its server must be restarted.
@@ -84,6 +84,7 @@ class WeightSyncExtension:
         every member (the learner is rank 0) has joined. Returns this worker's group rank."""
         # A fresh store client for every group: after a learner restart the store at the
         # same address is a new one, and an old connection to it is broken.
+        self.wsync_leave()  # the group before, if any: replaced
         self._wsync_store = open_store(host, port, is_host=False, timeout_s=timeout_s)
         rank = rank_offset + self.rank
         self._wsync_group = form_group(
@@ -183,6 +184,8 @@ class WeightSyncExtension:
         head.quant_method.process_weights_after_loading(head)
 
     def wsync_leave(self) -> None:
-        """Forget the current group (after a failed sync, or before re-forming)."""
+        """Forget the current group (after a failed sync, or before re-forming): aborted,
+        so a broadcast still posted on it ends (:func:`release_group`)."""
+        release_group(getattr(self, "_wsync_group", None))
         self._wsync_group = None
         self._wsync_generation = None

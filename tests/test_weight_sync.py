@@ -288,3 +288,68 @@ def test_a_broadcast_that_cannot_start_is_the_groups_failure_not_the_processes()
     plan = plan_buckets(specs_of(_weights(0)), 1 << 16)
     with pytest.raises(WeightSyncError, match="could not start .*Duplicate GPU detected"):
         send_weights(NoStart(), _weights(0), plan, timeout_s=1.0)
+
+
+def test_a_failed_push_aborts_its_group_and_the_next_round_forms_a_new_one(monkeypatch):
+    """A push whose member died aborts its group (under NCCL a group only dropped keeps
+    its broadcast posted until the watchdog, which may end the process); the survivor's
+    receive fails, and the next generation forms without the dead member."""
+    from asyncrl.control.syncs import SyncRound
+    from asyncrl.sync import sender
+
+    aborted: list[str] = []
+    real_form = sender.form_group
+
+    class Recorded:  # a real gloo group whose abort is recorded
+        def __init__(self, pg, generation: str) -> None:
+            self.pg, self.generation = pg, generation
+
+        def __getattr__(self, name: str):
+            return getattr(self.pg, name)
+
+        def abort(self) -> None:
+            aborted.append(self.generation)
+            self.pg.abort()
+
+    monkeypatch.setattr(
+        sender,
+        "form_group",
+        lambda store, gen, *a, **k: Recorded(real_form(store, gen, *a, **k), gen),
+    )
+    port = free_port()
+    store = open_store("127.0.0.1", port, is_host=True, timeout_s=TIMEOUT)
+    a = StandInReceiver("127.0.0.1", port, timeout_s=TIMEOUT)
+    b = StandInReceiver("127.0.0.1", port, timeout_s=TIMEOUT)
+    try:
+        rounds = _Rounds()
+        pusher = sender.WeightPusher(
+            rounds,  # type: ignore[arg-type]
+            store,
+            backend="gloo",
+            timeout_s=TIMEOUT,
+            bucket_bytes=16 * 1024,
+        )
+        v1 = _weights(1)
+        plan = pusher.plan_for(v1)
+        a.start_sync("gen1", 1, 3, plan)
+        b.start_sync("gen1", 2, 3, plan)
+        pusher.complete(SyncRound(1, 1, "gen1", 3, {"a": 1, "b": 2}, True, False), v1)
+        for receiver in (a, b):
+            _assert_bit_exact(v1, receiver.result(TIMEOUT * 3))
+        assert aborted == [] and rounds.calls == ["finish_sync ok=True"]
+
+        b.kill()
+        a.start_sync("gen1", 1, 3, plan)
+        pusher.complete(SyncRound(2, 2, "gen1", 3, {"a": 1, "b": 2}, False, False), _weights(2))
+        assert rounds.calls[-1] == "finish_sync ok=False"
+        assert aborted == ["gen1"]
+        assert a.result(TIMEOUT * 3)[0] == "error"
+
+        v3 = _weights(3)
+        a.start_sync("gen2", 1, 2, plan)
+        pusher.complete(SyncRound(3, 3, "gen2", 2, {"a": 1}, True, False), v3)
+        _assert_bit_exact(v3, a.result(TIMEOUT * 3))
+        assert aborted == ["gen1"] and rounds.calls[-1] == "finish_sync ok=True"
+    finally:
+        for receiver in (a, b):
+            receiver.close()

@@ -19,7 +19,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.sync.plan import WeightPlan, plan_buckets, specs_of
-from asyncrl.sync.weights import WeightSyncError, form_group, send_weights, store_prefix
+from asyncrl.sync.weights import (
+    WeightSyncError,
+    form_group,
+    release_group,
+    send_weights,
+    store_prefix,
+)
 
 if TYPE_CHECKING:
     from asyncrl.control.coordinator import Coordinator
@@ -103,13 +109,13 @@ class WeightPusher:
     ) -> SyncResult:
         if not rnd.ranks:  # nobody to send to: the version still becomes current
             return self.coordinator.finish_sync(rnd)
-        error = ""
+        error, group = "", None
         try:
             if rnd.catchup:  # a one-off group: the main group stays as it is
                 group = self._form(rnd)
             else:
                 if rnd.new_group or rnd.generation != self._generation:
-                    self._group, self._generation = None, ""
+                    self.forget()
                     self._group, self._generation = self._form(rnd), rnd.generation
                 group = self._group
             send_weights(group, tensors, plan, timeout_s=self.timeout_s, device=self.device)
@@ -124,6 +130,7 @@ class WeightPusher:
         # Let go of the failed group before waiting for the members' reports: closing its
         # connections makes the members still waiting in the broadcast fail at once
         # instead of after sync.timeout_s.
+        release_group(group)
         group = None
         if not rnd.catchup:
             self._group, self._generation = None, ""
@@ -142,4 +149,5 @@ class WeightPusher:
         )
 
     def forget(self) -> None:
+        release_group(self._group)
         self._group, self._generation = None, ""

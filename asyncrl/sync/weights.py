@@ -147,6 +147,20 @@ def form_group(
     return pg
 
 
+def release_group(pg: Any) -> None:
+    """Let go of a sync group that failed or is replaced: abort it, so its connections
+    close now. Under NCCL a communicator that is only dropped can stay in a collective
+    that never completes (a member died mid-broadcast), holding its GPU buffers and its
+    watchdog's attention until the process ends; an abort ends those operations. Members
+    still waiting on the group then fail at once instead of after ``sync.timeout_s``."""
+    if pg is None:
+        return
+    try:
+        pg.abort()
+    except Exception as e:  # a group already broken can fail its abort: it is let go anyway
+        log.debug("sync group abort failed (%s); dropping it", e)
+
+
 def _broadcast(pg, flat, timeout: timedelta, what: str):
     """Post the broadcast of ``flat`` from rank 0; its work. A collective that cannot even
     start raises here, not in :func:`_wait`: NCCL forms its communicator at the first
