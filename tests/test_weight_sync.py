@@ -123,7 +123,7 @@ def test_forming_a_group_with_a_missing_member_times_out():
     port = free_port()
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=2)
     start = time.monotonic()
-    with pytest.raises(WeightSyncError, match="could not connect"):
+    with pytest.raises(WeightSyncError, match=r"could not connect.*rank\(s\) \[1\] never joined"):
         form_group(store, "lonely", 0, 2, timeout_s=2)
     assert time.monotonic() - start < 2 + 6  # the 2 s timeout, with a loaded machine's margin
 

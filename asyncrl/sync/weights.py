@@ -117,6 +117,7 @@ def form_group(
     prefixed = PrefixStore(f"wsync/{generation}", store)
     timeout = timedelta(seconds=timeout_s)
     start = time.monotonic()
+    _wait_for_members(prefixed, generation, rank, world_size, timeout_s)
     try:
         if backend == "gloo":
             from torch.distributed import ProcessGroupGloo
@@ -145,6 +146,27 @@ def form_group(
         time.monotonic() - start,
     )
     return pg
+
+
+def _wait_for_members(store, generation: str | int, rank: int, world_size: int, timeout_s: float):
+    """Every member says it joined, then waits (bounded) until all have. NCCL connects a
+    group at its first collective, a wait that ignores the group's timeout: a member that
+    died before joining would hold everyone there for good. Here that is a
+    :class:`WeightSyncError` naming the ranks missing."""
+    store.set(f"joined/{rank}", b"1")
+    keys = [f"joined/{r}" for r in range(world_size)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except Exception as e:  # torch raises DistStoreError (a RuntimeError) on its timeout
+        try:
+            missing = [r for r, k in enumerate(keys) if not store.check([k])]
+        except Exception:  # the store itself is gone: the ranks cannot be told apart
+            missing = []
+        raise WeightSyncError(
+            f"sync group {generation}: rank {rank}/{world_size} could not connect to its "
+            f"peers within {timeout_s:.0f}s: rank(s) {missing or '?'} never joined ({e}); a "
+            "member is missing or unreachable"
+        ) from e
 
 
 def release_group(pg: Any) -> None:
