@@ -317,13 +317,17 @@ class RolloutEngine:
     ) -> dict[str, float]:
         """:meth:`sync_weights` of the full weights: the engines pause."""
         start = time.monotonic()
-        if self.sync_mode == "abort":
-            self._resumed.clear()
-            self._aborts += 1
-        # keep: freeze requests and drop their KV cache so they recompute under new weights.
-        await self.llm.pause_generation(mode=self.sync_mode, clear_cache=True)
-        marks = [time.monotonic()]  # paused, received, labelled, resumed
+        marks: list[float] = []  # paused, received, labelled, resumed
         try:
+            # Inside the try: a pause that fails must still resume (the finally), or every
+            # generate of the abort mode would wait for _resumed for good.
+            if self.sync_mode == "abort":
+                self._resumed.clear()
+                self._aborts += 1
+            # keep: freeze requests and drop their KV cache so they recompute under new
+            # weights.
+            await self.llm.pause_generation(mode=self.sync_mode, clear_cache=True)
+            marks.append(time.monotonic())
             if join is not None:
                 await self.llm.collective_rpc("wsync_join", args=(*join, timeout_s))
             stats = await self.llm.collective_rpc("wsync_receive", args=(plan, timeout_s))

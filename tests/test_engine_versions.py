@@ -27,11 +27,16 @@ class GatedLLM:
         self.gate = asyncio.Event()
         self.fail: str = ""  # the receive's error, when it fails
         self.calls: list[str] = []
+        self.rpcs: list[str] = []  # the workers' methods called, in order
+        self.pause_error = ""  # when set, the pause fails with it
 
     async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        if self.pause_error:
+            raise RuntimeError(self.pause_error)
         self.calls.append("pause")
 
     async def collective_rpc(self, method: str, args: tuple = ()) -> list[dict]:
+        self.rpcs.append(method)
         await self.gate.wait()
         if self.fail:
             raise RuntimeError(self.fail)
@@ -90,6 +95,31 @@ def test_a_task_waits_for_the_version_it_was_dealt_at_until_loaded_failed_or_bou
         assert engine.version == 2 and not waiter.done()
         await engine.sync_weights(4, PLAN, timeout_s=5.0)
         assert await asyncio.wait_for(waiter, 1.0) >= 0.2 and engine.version == 4
+
+    asyncio.run(run())
+
+
+def test_a_failed_sync_leaves_its_group_and_a_failed_pause_still_resumes():
+    """After a failed receive the workers abort their group (``wsync_leave``: an NCCL
+    broadcast left posted waits for the watchdog). A pause that fails in the abort mode
+    used to leave every later generate waiting for a resume that never came."""
+
+    async def run() -> None:
+        llm = GatedLLM()
+        llm.gate.set()
+        engine = RolloutEngine(llm, sync_mode="abort")
+        llm.fail = "the broadcast broke off"
+        with pytest.raises(RuntimeError, match="broke off"):
+            await engine.sync_weights(1, PLAN, timeout_s=5.0)
+        assert llm.rpcs == ["wsync_receive", "wsync_leave"] and engine._resumed.is_set()
+        llm.fail, llm.rpcs = "", []
+        await engine.sync_weights(1, PLAN, timeout_s=5.0)
+        assert llm.rpcs == ["wsync_receive"] and engine.version == 1  # no leave when it works
+
+        llm.pause_error = "pause refused"
+        with pytest.raises(RuntimeError, match="pause refused"):
+            await engine.sync_weights(2, PLAN, timeout_s=5.0)
+        assert engine._resumed.is_set() and engine.version == 1
 
     asyncio.run(run())
 
