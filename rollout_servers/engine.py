@@ -270,19 +270,45 @@ class RolloutEngine:
                 return await self._sync_adapter(version, plan, join=join, timeout_s=timeout_s)
             return await self._sync_full(version, plan, join=join, timeout_s=timeout_s)
         except Exception:
-            await self._leave_group()
+            await self._leave_group(min(10.0, max(1.0, timeout_s)))
             raise
         finally:
             self._synced_through = max(self._synced_through, version)
             async with self._synced:
                 self._synced.notify_all()
 
-    async def _leave_group(self) -> None:
+    async def _receive(
+        self, plan: WeightPlan, join: SyncJoin | None, timeout_s: float, method: str, *args: Any
+    ) -> list[dict[str, float]]:
+        """Join (with ``join``) and receive on every worker, bounded as a whole. Each wait
+        in a worker is bounded by ``timeout_s`` (two to join, one per bucket), so a call
+        still running after ``timeout_s * (4 + buckets)`` has a worker stuck in it: the
+        weights are then in an unknown state, and the error says they are partly loaded
+        (generation held until a catch-up; a catch-up that cannot run ends the server)."""
+        bound = timeout_s * (4 + len(plan.buckets))
+        start = time.monotonic()
+
+        async def calls() -> list[dict[str, float]]:
+            if join is not None:
+                await self.llm.collective_rpc("wsync_join", args=(*join, timeout_s))
+            return await self.llm.collective_rpc(method, args=(plan, timeout_s, *args))
+
+        try:
+            return await asyncio.wait_for(calls(), bound)
+        except asyncio.TimeoutError:  # not builtin TimeoutError on 3.10
+            if time.monotonic() - start < bound:
+                raise  # a worker's own timeout, raised through the call
+            raise RuntimeError(
+                f"{PARTLY_LOADED}: the workers' {method} did not end within {bound:.0f}s "
+                "(sync.timeout_s per wait): a worker is stuck in it"
+            ) from None
+
+    async def _leave_group(self, bound_s: float) -> None:
         """After a failed sync the workers abort their group (``wsync_leave``): under NCCL a
         broadcast still posted on it would otherwise wait for the watchdog, which may end
         the process. The next sync joins a new group anyway. Bounded; best effort."""
         try:
-            await asyncio.wait_for(self.llm.collective_rpc("wsync_leave"), 10.0)
+            await asyncio.wait_for(self.llm.collective_rpc("wsync_leave"), bound_s)
         except Exception as e:  # the engine's own failure shows in the next call
             log.debug("leaving the failed sync group: %s", e)
 
@@ -328,9 +354,7 @@ class RolloutEngine:
             # weights.
             await self.llm.pause_generation(mode=self.sync_mode, clear_cache=True)
             marks.append(time.monotonic())
-            if join is not None:
-                await self.llm.collective_rpc("wsync_join", args=(*join, timeout_s))
-            stats = await self.llm.collective_rpc("wsync_receive", args=(plan, timeout_s))
+            stats = await self._receive(plan, join, timeout_s, "wsync_receive")
             marks.append(time.monotonic())
             await self.llm.reset_prefix_cache()
             await self.llm.update_weight_version(str(version))
@@ -372,12 +396,10 @@ class RolloutEngine:
         engine steps no request while it lasts."""
         assert self.adapters is not None
         start = time.monotonic()
-        if join is not None:
-            await self.llm.collective_rpc("wsync_join", args=(*join, timeout_s))
         path = str(self.adapters.path_for(version))
         rank, alpha = self.adapters.rank, self.adapters.alpha
-        stats = await self.llm.collective_rpc(
-            "wsync_receive_adapter", args=(plan, timeout_s, path, rank, alpha)
+        stats = await self._receive(
+            plan, join, timeout_s, "wsync_receive_adapter", path, rank, alpha
         )
         received = time.monotonic()
         await self.adapters.activate(self.llm, version)

@@ -124,6 +124,24 @@ def test_a_failed_sync_leaves_its_group_and_a_failed_pause_still_resumes():
     asyncio.run(run())
 
 
+def test_a_worker_stuck_in_its_receive_holds_generation_as_partly_loaded():
+    """Every wait in a worker's receive is bounded by the sync timeout, so a call that
+    outlasts them all has a worker stuck in it: the weights are of unknown state, held as
+    partly loaded (a catch-up that cannot run either ends the server). The call used to
+    be awaited without a bound, generation paused, and nothing said."""
+
+    async def run() -> None:
+        llm = GatedLLM()  # the gate stays shut: the receive never returns
+        engine = RolloutEngine(llm)
+        start = asyncio.get_running_loop().time()
+        with pytest.raises(RuntimeError, match=f"{PARTLY_LOADED}: .*wsync_receive did not end"):
+            await engine.sync_weights(1, PLAN, timeout_s=0.05)  # 1 bucket: bound 0.25 s
+        assert asyncio.get_running_loop().time() - start < 5  # 0.25 s, then the leave's 1 s
+        assert engine.partial and engine.version == 0 and "resume" not in llm.calls
+
+    asyncio.run(run())
+
+
 def test_weights_partly_loaded_hold_generation_until_a_whole_load():
     """A broadcast that breaks off after its first bucket (a member died mid-push) leaves
     the engine's weights part new, part old: generation stays paused (no resume, requests
