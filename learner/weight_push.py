@@ -9,12 +9,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config import Config
 from learner.health import check_probe
 
 log = logging.getLogger(__name__)
+
+#: How often a wait for the push in flight says how long it has lasted, seconds.
+WAIT_LOG_S = 30.0
 
 
 class WeightPushes:
@@ -71,7 +75,8 @@ class WeightPushes:
             # their reports: those come after each server's post-sync probe, which waits
             # for an engine step among the running requests (0.1-0.3 s on the CPU long
             # shape, against 0.02 s for the send). The next push collects them.
-            sent.wait()  # set by the push thread however it ends; its waits are bounded
+            # Set by the push thread however it ends; its waits are bounded.
+            self._wait_logged(sent.wait, "sent")
         return {**done, "timing/push_wait_s": time.monotonic() - start}
 
     def _complete_push(
@@ -98,11 +103,26 @@ class WeightPushes:
         """Wait for the push in flight, if any; its failure (not a member's: those drop the
         member) is raised here, in the loop's thread."""
         if self._push_thread is not None:
-            self._push_thread.join()
+            thread = self._push_thread
+            self._wait_logged(lambda s: thread.join(s) or not thread.is_alive(), "done")
             self._push_thread = None
         if self._push_error is not None:
             error, self._push_error = self._push_error, None
             raise RuntimeError(f"weight push failed: {error}") from error
+
+    def _wait_logged(self, wait: Callable[[float], bool], what: str) -> None:
+        """``wait(seconds)`` (true once it ended) in rounds of :data:`WAIT_LOG_S`, saying how
+        long the push has taken after each: its every wait is bounded by
+        ``sync.timeout_s``, but a push of many buckets may take minutes."""
+        start = time.monotonic()
+        while not wait(WAIT_LOG_S):
+            log.info(
+                "waiting for the push of version %d to be %s: %.0fs so far (sync.timeout_s "
+                "bounds each of its waits)",
+                self.pushing_version,
+                what,
+                time.monotonic() - start,
+            )
 
     def serve_catchups(self) -> None:
         """Late or restarted servers get the current weights (not while a push is in
