@@ -348,13 +348,23 @@ class RankZero:
             log.error("%s", e)
         if validate and self.validating:
             self.coordinator.start_validation(step)
-        deadline = time.monotonic() + (self.final_wait_s if wait_rounds else 0.0)
+        start = time.monotonic()
+        deadline, said = start + (self.final_wait_s if wait_rounds else 0.0), start
         while time.monotonic() < deadline and self.validation.pending(
             self.coordinator.validation_progress()
         ):
             self.pushes.serve_catchups()  # a server (re)started now validates these weights
             self._poll_validation(step)
             time.sleep(0.5)
+            if time.monotonic() - said >= KEEPALIVE_S / 2:  # every 30 s: what it waits for
+                said = time.monotonic()
+                log.info(
+                    "ending: waiting %.0fs so far for validation rounds %s (at most "
+                    "launch.start_timeout_s=%gs)",
+                    said - start,
+                    ", ".join(self.validation.missing(self.coordinator.validation_progress())),
+                    self.final_wait_s,
+                )
         missing = self.validation.missing(self.coordinator.validation_progress())
         if missing and wait_rounds:
             log.warning(

@@ -126,8 +126,9 @@ class LearnerLoop:
             # crash. Ending the run here would stop them for good (they exit 0).
             self.control.abandon()
             raise
-        except BaseException:  # Ctrl-C of a learner started by hand: the run ends
-            self.control.finish(self.trainer.step, validate=False)
+        except BaseException:  # Ctrl-C of a learner started by hand: the run ends now,
+            # without the validation rounds in flight (nobody reads their scores)
+            self.control.finish(self.trainer.step, validate=False, wait_rounds=False)
             raise
         done = self.stopped_by is None
         self.control.finish(self.trainer.step, validate=done, complete=done)

@@ -311,6 +311,44 @@ def _can_freeze() -> bool:
 
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not _can_freeze(), reason="needs a writable cgroup v1 freezer (root)")
+def test_an_interrupted_learner_ends_the_run_without_waiting_for_rounds(rig: RankZeroRig):
+    """Ctrl-C of a learner started by hand ends the run at once: it used to wait, without
+    a word, up to launch.start_timeout_s (300 s) for validation rounds in flight, whose
+    scores nobody would read."""
+    from learner.health import HealthMonitor
+    from learner.loop import LearnerLoop
+
+    class Trainer:
+        rank, world_size, step, policy_version = 0, 1, 3, 3
+
+        def full_state_for_push(self) -> dict:
+            return {}
+
+    class Control:  # the loop's view of rank 0's control plane, recorded
+        ended: list[tuple[bool, bool, bool]] = []
+
+        def resume(self, tensors: dict) -> None:
+            pass
+
+        def version(self, current: int) -> int:
+            return current
+
+        def finish(self, step: int, validate: bool, wait_rounds=True, complete=False) -> None:
+            self.ended.append((validate, wait_rounds, complete))
+
+    def interrupted() -> bool:
+        raise KeyboardInterrupt
+
+    loop = object.__new__(LearnerLoop)
+    loop.cfg, loop.trainer, loop.control, loop.total = rig.cfg, Trainer(), Control(), 10
+    loop.stopped_by, loop._marked, loop.run_dir = None, set(), run_dir(rig.cfg)
+    loop.health = HealthMonitor(rig.cfg.trainer.health)
+    loop._one_step = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        loop.run()
+    assert Control.ended == [(False, False, False)]  # no validation, no wait, not whole
+
+
 def test_reaping_a_role_stuck_in_the_kernel_is_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
