@@ -9,28 +9,31 @@ not keep the held tokens as a prefix (a template that rewrites history, e.g. one
 past ``<think>`` blocks), the sample is closed and a new sample of the same episode starts
 from the re-rendered history. One episode thus becomes one or more samples that share its
 reward; group statistics count episodes (see :func:`episode_trajectories`).
+``data.max_response_length`` bounds the episode's response, all its samples together
+(:mod:`rollout_servers.episodes`).
 
 The loop of one episode (:meth:`AgentRunner.episode`) consumes engine samples and tool
 results; it waits for the engine (bounded by ``episode_timeout_s``) and for tools (bounded by
 ``tool_timeout_s`` per call, in killable processes, and by the episode's deadline while queued
 for a worker, in the tool pool's own threads), and ends on a turn without tool calls, the turn
-limits, the response budget, or the episode's deadline.
+limits, the response budget, or the episode's deadline (which does not count the time the
+engine was paused for weight syncs: :mod:`rollout_servers.deadlines`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-import time
 import zlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.tools.hermes import in_block_order, parse_tool_calls
 from asyncrl.tools.tokens import continuation, render
 from asyncrl.wire import Trajectory
+from rollout_servers.deadlines import Deadline, within
+from rollout_servers.episodes import Episode, Piece
 from rollout_servers.groups import SamplingSettings, group_fields, sampling_params, scored
 
 if TYPE_CHECKING:
@@ -71,84 +74,6 @@ class AgentSettings:
             max_response_len=cfg.data.max_response_length,
             episode_timeout_s=mt.episode_timeout_s,
         )
-
-
-@dataclass
-class Piece:
-    """One training sample of an episode: a prompt, then sampled and inserted tokens.
-
-    ``masked_spans`` are the ``(start, length)`` runs of inserted tokens (tool answers and
-    the template's markup around them); they carry logprob 0 and the version of the last
-    sampled token before them, so versions never go backwards.
-    """
-
-    prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    version_spans: list[tuple[int, int]] = field(default_factory=list)
-    masked_spans: list[tuple[int, int]] = field(default_factory=list)
-    finish_reason: str = "stop"
-    temperature: float | None = None
-    start_version: int = 0
-
-    def add_sampled(self, sample: Sample) -> None:
-        self.token_ids += sample.token_ids
-        self.logprobs += sample.logprobs
-        for version, n in sample.version_spans:
-            self._span(version, n)
-        self.finish_reason = sample.finish_reason
-        self.temperature = sample.temperature
-        if len(self.token_ids) == len(sample.token_ids):
-            self.start_version = sample.start_version
-
-    def add_inserted(self, ids: list[int]) -> None:
-        if not ids:
-            return
-        self.masked_spans.append((len(self.token_ids), len(ids)))
-        self.token_ids += ids
-        self.logprobs += [0.0] * len(ids)
-        last = self.version_spans[-1][0] if self.version_spans else self.start_version
-        self._span(last, len(ids))
-
-    def _span(self, version: int, n: int) -> None:
-        if self.version_spans and self.version_spans[-1][0] == version:
-            self.version_spans[-1] = (version, self.version_spans[-1][1] + n)
-        elif n:
-            self.version_spans.append((version, n))
-
-
-@dataclass
-class Episode:
-    """One episode: its samples (pieces), the conversation, and what happened."""
-
-    pieces: list[Piece]
-    messages: list[dict[str, Any]]
-    turns: int = 0  # assistant turns
-    tool_turns: int = 0
-    tool_calls: int = 0
-    splits: int = 0
-    ended: str = "done"
-
-    def draft(self) -> Episode:
-        """A copy to prepare a turn on, kept only if the turn succeeds (the OpenAI endpoint
-        prepares a turn before it knows the engine will answer). A turn changes only the
-        last sample and the conversation, so only those are copied."""
-        pieces = list(self.pieces)
-        if pieces:
-            last = pieces[-1]
-            pieces[-1] = dataclasses.replace(
-                last,
-                token_ids=list(last.token_ids),
-                logprobs=list(last.logprobs),
-                version_spans=list(last.version_spans),
-                masked_spans=list(last.masked_spans),
-            )
-        return dataclasses.replace(self, pieces=pieces, messages=list(self.messages))
-
-    def text(self, tok: Tokenizer) -> str:
-        """The response as the scorer sees it: every sample's response tokens decoded
-        (tool answers included, as veRL's agent loop scores them)."""
-        return "".join(tok.decode(p.token_ids, skip_special_tokens=True) for p in self.pieces)
 
 
 def turn_params(
@@ -207,16 +132,18 @@ class AgentRunner:
         # for lag).
         first = Piece(prompt_ids=prompt[-s.max_prompt_len :], start_version=self.engine.version)
         ep = Episode(pieces=[first], messages=messages)
-        deadline = time.monotonic() + s.episode_timeout_s
+        deadline = Deadline(s.episode_timeout_s, self.engine)
         while True:
             piece = ep.pieces[-1]
-            budget = s.max_response_len - len(piece.token_ids)
+            # What the episode has left, not the sample: a split opens no new budget
+            # (extend ends the episode before nothing is left).
+            budget = s.max_response_len - ep.response_len()
             params = turn_params(self.sampling, task, index, ep.turns, budget)
             rid = f"{task.task_id}/{task.attempt}/{index}/t{ep.turns}"
             try:
-                sample = await asyncio.wait_for(
+                sample = await within(
                     self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid),
-                    timeout=max(0.0, deadline - time.monotonic()),
+                    deadline,
                 )
             except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
                 ep.ended = "timeout"
@@ -243,7 +170,7 @@ class AgentRunner:
         content: str,
         finish: str,
         schemas: list[dict] | None,
-        deadline: float,
+        deadline: Deadline,
     ) -> str:
         """Run the turn's tool calls and append their answers; the reason the episode
         ends, or "" to go on. Waiting for a tool worker ends at the episode's deadline."""
@@ -269,7 +196,7 @@ class AgentRunner:
                 for name, v in (task.extra_info.get("tools_kwargs") or {}).items()
                 if isinstance(v, dict)
             }
-            wait_s = max(0.0, deadline - time.monotonic())
+            wait_s = max(0.0, deadline.left())
             try:
                 results = await self.tools.call_many_async(calls, kwargs, wait_s)
             except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
@@ -323,26 +250,62 @@ def extend(
     The messages join the episode's conversation only when their tokens do.
 
     Returns "" when appended, ``split`` when a new sample started (its ``start_version`` is
-    the caller's to set), or why the episode cannot go on: ``length`` (no room left to
-    answer, as veRL ends it) or ``prompt_too_long`` (the re-rendered history does not fit).
+    the caller's to set), or why the episode cannot go on: ``length`` (no room left in the
+    episode's ``max_response_len`` to answer, as veRL ends it) or ``prompt_too_long`` (the
+    re-rendered history does not fit).
     """
     piece = ep.pieces[-1]
+    used = ep.response_len()
     before = render(tok, ep.messages, schemas, gen=False)
     after = render(tok, ep.messages + new, schemas, gen=True)
     tail = continuation(piece.prompt_ids + piece.token_ids, before, after)
     if tail is not None:
-        if len(piece.token_ids) + len(tail) >= max_response_len:
+        if used + len(tail) >= max_response_len:
             return "length"
         piece.add_inserted(tail)
         ended = ""
     elif len(after) > max_prompt_len:
         return "prompt_too_long"
     else:
+        # The new sample's prompt ends with the new messages. They are the episode's
+        # response as appended ones are (counted, scored), though this sample trains none.
+        lead = inserted_len(tok, before, after, new, schemas)
+        if used + lead >= max_response_len:
+            return "length"
         ep.splits += 1
-        ep.pieces.append(Piece(prompt_ids=after))
+        ep.pieces.append(Piece(prompt_ids=after, lead=lead))
         ended = "split"
     ep.messages.extend(new)
     return ended
+
+
+def shared_len(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` start with alike."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def inserted_len(
+    tok: Tokenizer,
+    before: list[int],
+    after: list[int],
+    new: list[dict[str, Any]],
+    schemas: list[dict] | None,
+) -> int:
+    """How many of ``after``'s last tokens render the messages ``new`` (with the generation
+    prompt), when ``after`` does not extend ``before``. What follows the prefix the two
+    share is that at least, but more where the new messages change how the history renders
+    (Qwen3's template drops past ``<think>`` blocks once a user turn follows): the
+    messages rendered alone end as ``after`` does, and their common end is the new
+    messages, give or take the markup token before them. The lesser of the two."""
+    by_prefix = len(after) - shared_len(before, after)
+    try:
+        alone = render(tok, new, schemas, gen=True)
+    except Exception:  # a template that refuses a conversation opening with these
+        return by_prefix
+    n = min(len(after), len(alone))
+    by_suffix = next((i for i in range(n) if after[-1 - i] != alone[-1 - i]), n)
+    return min(by_prefix, by_suffix)
 
 
 def episode_trajectories(
@@ -378,11 +341,10 @@ def episode_trajectories(
 
 
 def budget_lengths(episodes: list[Episode]) -> list[int]:
-    """Per episode, the response length the budget (``data.max_response_length``) held:
-    its longest sample's. An episode that split has a budget per sample, so its tokens
-    together may exceed the limit without any sample coming near it (the overlong penalty
-    measures this, never the sum)."""
-    return [max(len(p.token_ids) for p in ep.pieces) for ep in episodes]
+    """Per episode, the response length ``data.max_response_length`` bounds (what the
+    overlong penalty measures): all its samples together, with the tool answers that opened
+    a split's sample (:meth:`Episode.response_len`)."""
+    return [ep.response_len() for ep in episodes]
 
 
 def episode_samples(episodes: list[Episode]) -> list[Sample]:

@@ -120,9 +120,9 @@ class EndpointTurns:
             version=self.engine.version,
         )
         piece = draft.episode.pieces[-1]
-        budget = max_tokens_of(
-            body, self.max_response_len - len(piece.token_ids), self.max_response_len
-        )
+        # What the session has left: its samples together, as an agent episode's budget.
+        left = self.max_response_len - draft.episode.response_len()
+        budget = max_tokens_of(body, left, self.max_response_len)
         sample, raw, n = await self._sample(session, draft, budget, stops)
         draft.episode.messages.append({"role": "assistant", "content": raw})  # as written
         text = before_stop(raw, stops) if n else raw
@@ -144,7 +144,8 @@ class EndpointTurns:
         only once the engine answered, as a chat turn)."""
         stops = stop_strings(body)
         draft = raw_draft(session, prompt_ids, self.max_prompt_len, self.engine.version)
-        budget = max_tokens_of(body, self.max_response_len, self.max_response_len)
+        left = self.max_response_len - draft.episode.response_len()  # the session's, too
+        budget = max_tokens_of(body, left, self.max_response_len)
         sample, raw, n = await self._sample(session, draft, budget, stops)
         draft.episode.messages.append({"role": "completion", "content": raw})
         ids = self._commit(session, draft, sample)

@@ -8,7 +8,7 @@ key without ``/`` is a group of one, allowed only when ``group_size`` is 1.
 
 A session keeps two views of its conversation: the one the model saw (assistant turns as
 sampled, tool calls written inline, as the chat template renders them) in its
-:class:`~rollout_servers.agent.Episode`, and the one the agent was shown (tool calls as
+:class:`~rollout_servers.episodes.Episode`, and the one the agent was shown (tool calls as
 OpenAI ``tool_calls``). A request whose messages extend the shown view by new messages
 appends only their tokens (:func:`rollout_servers.agent.extend`); a request that rewrites
 earlier messages starts a new sample from its own rendering.
@@ -34,7 +34,8 @@ from jinja2 import TemplateError
 from asyncrl.control.messages import Task
 from asyncrl.tools.hermes import parse_tool_calls
 from asyncrl.tools.tokens import render
-from rollout_servers.agent import Episode, Piece, extend
+from rollout_servers.agent import extend
+from rollout_servers.episodes import Episode, Piece
 
 if TYPE_CHECKING:
     from rollout_servers.protocols import Tokenizer

@@ -322,6 +322,32 @@ def test_the_end_of_a_sessions_room_reads_as_the_context_window(monkeypatch):
     _serve(monkeypatch, scenario, ("data.max_prompt_length=64", "data.max_response_length=16"))
 
 
+def test_a_sessions_samples_share_one_response_budget(monkeypatch):
+    """``max_tokens`` is within ``data.max_response_length`` for the whole session, as the
+    server's own agent episodes are: a request that rewrites the conversation (a new
+    sample) and a raw completion get what the session has left, not the limit anew; each
+    sample had a budget of its own, so a session could sample many times the limit."""
+
+    async def scenario(rig: Rig) -> None:
+        turns, asked = rig.endpoint.turns, []
+        sample = turns._sample
+
+        async def recorded(session: Any, draft: Any, budget: int, stops: Any) -> Any:
+            asked.append(budget)  # the engine's max_tokens for the turn
+            return await sample(session, draft, budget, stops)
+
+        monkeypatch.setattr(turns, "_sample", recorded)
+        assert (await _post(rig, _chat([USER])))[0] == 200  # answers "ok" + end: 3 tokens
+        other = {"role": "user", "content": "something else"}
+        assert (await _post(rig, _chat([other])))[0] == 200  # rewritten: a new sample
+        raw = {"model": "m", "prompt": "go on", "max_tokens": 16}
+        assert (await _post(rig, raw, path="/v1/completions"))[0] == 200
+        assert asked == [16, 13, 10]
+        assert len(rig.session().episode.pieces) == 3
+
+    _serve(monkeypatch, scenario, ("data.max_response_length=16",))
+
+
 def test_the_model_card_has_what_typed_clients_read(monkeypatch):
     async def scenario(rig: Rig) -> None:
         async with aiohttp.ClientSession() as http:

@@ -369,17 +369,19 @@ def test_a_prompt_dropped_as_too_long_is_no_verdict_of_the_group_filter():
     assert run.acct()["accounting/train/dropped/filtered"] == 2
 
 
-def test_overlong_shaping_measures_a_split_episode_by_its_longest_sample(monkeypatch, nap_tools):  # noqa: F811
-    """An episode split in two samples of 3 tokens (a template that rewrites history), with
-    max_response_length 4 and a buffer of 2: each sample had a budget of its own, so the
-    penalty is that of 3 tokens (-0.5), not of the 6 together (-2.0, past -penalty_factor)."""
-    from rollout_servers.agent import Episode, Piece
+def test_overlong_shaping_measures_a_split_episode_by_its_whole_response(monkeypatch, nap_tools):  # noqa: F811
+    """An episode split in two samples of 1 sampled token (a template that rewrites
+    history), the second opened by a tool answer of 1 token, with max_response_length 4
+    and a buffer of 2: the episode's response is all 3 tokens, one past the buffer's start,
+    so the penalty is -0.5. Each sample used to have a budget of its own and the penalty
+    measured the longest (1 token: none)."""
+    from rollout_servers.episodes import Episode, Piece
 
-    def piece() -> Piece:
-        return Piece([1], [5, 5, 5], [-0.1] * 3, version_spans=[(0, 3)], finish_reason="stop")
+    def piece(lead: int) -> Piece:
+        return Piece([1, 7], [5], [-0.1], version_spans=[(0, 1)], finish_reason="stop", lead=lead)
 
     async def split_episode(task, index):
-        return Episode(pieces=[piece(), piece()], messages=[], turns=2, splits=1)
+        return Episode(pieces=[piece(0), piece(1)], messages=[], turns=2, splits=1)
 
     client = FilteringClient(tasks=4, agent=True, on=False)
     agent = agent_runner(ToolCallingEngine(), nap_tools)

@@ -1,0 +1,113 @@
+"""What one multi-turn episode holds: its samples (pieces), each a prompt then sampled and
+inserted tokens, and the conversation. Pure: no engine, no tools.
+
+``data.max_response_length`` bounds an episode's response as a whole, as veRL's agent loop
+bounds its ``response_length``: every token after the first prompt counts, the sampled
+ones and the inserted ones (tool answers and the template's markup around them), whether
+they were appended to a sample or opened a new sample after a split
+(:meth:`Episode.response_len`). So the samples of an episode that split together never
+exceed the limit, and the reward function reads the whole episode as the model saw it
+(:meth:`Episode.text`), whether or not the chat template rewrites history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollout_servers.engine import Sample
+    from rollout_servers.protocols import Tokenizer
+
+
+@dataclass
+class Piece:
+    """One training sample of an episode: a prompt, then sampled and inserted tokens.
+
+    ``masked_spans`` are the ``(start, length)`` runs of inserted tokens (tool answers and
+    the template's markup around them); they carry logprob 0 and the version of the last
+    sampled token before them, so versions never go backwards. A sample that a split opened
+    ends its prompt with the messages inserted there: its last ``lead`` prompt tokens, part of
+    the episode's response (counted and scored) though not trained (they are prompt).
+    """
+
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version_spans: list[tuple[int, int]] = field(default_factory=list)
+    masked_spans: list[tuple[int, int]] = field(default_factory=list)
+    finish_reason: str = "stop"
+    temperature: float | None = None
+    start_version: int = 0
+    lead: int = 0
+
+    def add_sampled(self, sample: Sample) -> None:
+        self.token_ids += sample.token_ids
+        self.logprobs += sample.logprobs
+        for version, n in sample.version_spans:
+            self._span(version, n)
+        self.finish_reason = sample.finish_reason
+        self.temperature = sample.temperature
+        if len(self.token_ids) == len(sample.token_ids):
+            self.start_version = sample.start_version
+
+    def add_inserted(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        self.masked_spans.append((len(self.token_ids), len(ids)))
+        self.token_ids += ids
+        self.logprobs += [0.0] * len(ids)
+        last = self.version_spans[-1][0] if self.version_spans else self.start_version
+        self._span(last, len(ids))
+
+    def response_ids(self) -> list[int]:
+        """The episode's response tokens in this sample: its ``lead``, then its tokens."""
+        lead = self.prompt_ids[len(self.prompt_ids) - self.lead :] if self.lead else []
+        return lead + self.token_ids
+
+    def _span(self, version: int, n: int) -> None:
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1] = (version, self.version_spans[-1][1] + n)
+        elif n:
+            self.version_spans.append((version, n))
+
+
+@dataclass
+class Episode:
+    """One episode: its samples (pieces), the conversation, and what happened."""
+
+    pieces: list[Piece]
+    messages: list[dict[str, Any]]
+    turns: int = 0  # assistant turns
+    tool_turns: int = 0
+    tool_calls: int = 0
+    splits: int = 0
+    ended: str = "done"
+
+    def draft(self) -> Episode:
+        """A copy to prepare a turn on, kept only if the turn succeeds (the OpenAI endpoint
+        prepares a turn before it knows the engine will answer). A turn changes only the
+        last sample and the conversation, so only those are copied."""
+        pieces = list(self.pieces)
+        if pieces:
+            last = pieces[-1]
+            pieces[-1] = dataclasses.replace(
+                last,
+                token_ids=list(last.token_ids),
+                logprobs=list(last.logprobs),
+                version_spans=list(last.version_spans),
+                masked_spans=list(last.masked_spans),
+            )
+        return dataclasses.replace(self, pieces=pieces, messages=list(self.messages))
+
+    def response_len(self) -> int:
+        """Tokens of the episode's response so far, all samples together (see the module
+        docstring): what ``data.max_response_length`` bounds."""
+        return sum(p.lead + len(p.token_ids) for p in self.pieces)
+
+    def text(self, tok: Tokenizer) -> str:
+        """The response as the scorer sees it: every sample's response tokens decoded, the
+        tool answers that opened a split's sample included (veRL's agent loop scores the
+        tool answers too)."""
+        return "".join(tok.decode(p.response_ids(), skip_special_tokens=True) for p in self.pieces)
