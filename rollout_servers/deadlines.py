@@ -4,11 +4,10 @@ the time its engine was paused for weight syncs.
 A full-weight sync pauses generation (:meth:`rollout_servers.engine.RolloutEngine.
 sync_weights`): a turn in flight then waits for the learner's broadcast, through no fault of
 the model or the tools, and an episode ended there as ``timeout`` would be trained as if the
-model had run long. So the deadline moves on by the engine's ``rollout/sync_pause_s`` since
-the episode started, and a wait that reaches the deadline looks at it again before giving up
-(:func:`within`). The engine adds a sync's pause only once it resumes generation: a deadline
-that passes while a sync is still in progress still ends the episode then (the engine shows
-no pause in progress; only :func:`sync_paused_s` would need to change if it did).
+model had run long. So the deadline moves on by the seconds the engine has been paused since the
+episode started (:meth:`~rollout_servers.engine.RolloutEngine.paused_s`, the pause in
+progress included, and the hold of partly loaded weights until a whole load), and a wait
+that reaches the deadline looks at it again before giving up (:func:`within`).
 """
 
 from __future__ import annotations
@@ -23,14 +22,13 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-#: The engine's cumulative seconds paused for syncs (:attr:`GenerationEngine.metrics`).
-SYNC_PAUSE = "rollout/sync_pause_s"
-
 
 def sync_paused_s(engine: GenerationEngine) -> float:
-    """Seconds ``engine`` has had generation paused for weight syncs so far (syncs that have
-    resumed). An engine that keeps no metrics never pauses (the tests' simplest stand-ins)."""
-    return float(getattr(engine, "metrics", {}).get(SYNC_PAUSE, 0.0))
+    """Seconds ``engine`` has had generation paused for weight syncs so far, the pause in
+    progress included (:meth:`GenerationEngine.paused_s`). An engine without the method
+    never pauses (stand-ins that load no weights)."""
+    paused = getattr(engine, "paused_s", None)
+    return float(paused()) if paused is not None else 0.0
 
 
 class Deadline:

@@ -115,6 +115,8 @@ class RolloutEngine:
         self._synced = asyncio.Condition()  # notified when a sync ends, loaded or failed
         self._synced_through = 0  # the highest version a sync ended at, loaded or failed
         self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
+        self._paused_total = 0.0  # seconds generation was paused for syncs, ended pauses
+        self._paused_since: float | None = None  # the pause in progress (held while partial)
 
     @classmethod
     async def start(
@@ -303,6 +305,13 @@ class RolloutEngine:
                 "(sync.timeout_s per wait): a worker is stuck in it"
             ) from None
 
+    def paused_s(self) -> float:
+        """Seconds generation has been paused for full-weight syncs so far, the pause in
+        progress included (and the hold of partly loaded weights until a whole load):
+        what an agent episode's deadline does not count."""
+        since = self._paused_since
+        return self._paused_total + (time.monotonic() - since if since is not None else 0.0)
+
     async def _leave_group(self, bound_s: float) -> None:
         """After a failed sync the workers abort their group (``wsync_leave``): under NCCL a
         broadcast still posted on it would otherwise wait for the watchdog, which may end
@@ -347,6 +356,8 @@ class RolloutEngine:
         try:
             # Inside the try: a pause that fails must still resume (the finally), or every
             # generate of the abort mode would wait for _resumed for good.
+            if self._paused_since is None:  # partly loaded weights: still the pause before
+                self._paused_since = start
             if self.sync_mode == "abort":
                 self._resumed.clear()
                 self._aborts += 1
@@ -373,6 +384,8 @@ class RolloutEngine:
             if not self.partial:
                 await self.llm.resume_generation()
                 self._resumed.set()
+                self._paused_total = self.paused_s()
+                self._paused_since = None
             marks.append(time.monotonic())
             paused = marks[-1] - start
             self.metrics["rollout/sync_pause_s"] += paused

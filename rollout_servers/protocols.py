@@ -47,6 +47,11 @@ class GenerationEngine(Protocol):
         """Whether the engine has died (then the server exits to be restarted)."""
         ...
 
+    def paused_s(self) -> float:
+        """Seconds generation has been paused for weight syncs so far, the pause in
+        progress included."""
+        ...
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> Sample:

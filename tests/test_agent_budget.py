@@ -60,6 +60,9 @@ class ThinkAndCall:
         self.metrics: dict[str, float] = {PAUSE: 0.0}
         self.max_tokens: list[int] = []
 
+    def paused_s(self) -> float:
+        return self.metrics[PAUSE]
+
     async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Sample:
         self.max_tokens.append(params.max_tokens)
         ids = [ord(c) for c in TURN][: params.max_tokens]
@@ -140,6 +143,9 @@ class FrozenBySync:
     def __init__(self, pause_s: float, after_s: float | None, paused_before: float) -> None:
         self.metrics: dict[str, float] = {PAUSE: paused_before}
         self.pause_s, self.after_s = pause_s, after_s
+
+    def paused_s(self) -> float:  # counted once the pause ends, as an ended sync's
+        return self.metrics[PAUSE]
 
     async def generate(self, prompt_ids: list[int], params: Any, request_id: str) -> Sample:
         await asyncio.sleep(self.pause_s)

@@ -192,3 +192,30 @@ def test_a_server_holds_on_partial_weights_once_and_stops_if_a_catch_up_fails_on
     assert "stay partly loaded after a failed catch-up" in verdict(False, True, True)
     assert verdict(errored=False, partial=False, was_partial=True) == ""  # loaded whole
     assert "the vLLM engine died" in verdict(True, False, False)
+
+
+def test_an_episode_deadline_does_not_run_during_a_sync_in_progress():
+    """The engine counts the pause in progress (and the hold of partly loaded weights):
+    an agent episode's deadline that would pass during a sync waits for the sync to end
+    first, instead of ending the episode as ``timeout``, trained as the model's."""
+    from rollout_servers.deadlines import Deadline
+
+    async def run() -> None:
+        llm = GatedLLM()
+        engine = RolloutEngine(llm)
+        deadline = Deadline(0.3, engine)
+        sync = asyncio.create_task(engine.sync_weights(1, PLAN, timeout_s=5.0))
+        await asyncio.sleep(0.6)  # past the 0.3 s, all of it paused
+        assert 0.25 < deadline.left() <= 0.3
+        llm.fail = f"{PARTLY_LOADED}: the broadcast broke off"
+        llm.gate.set()
+        with pytest.raises(RuntimeError):
+            await sync
+        await asyncio.sleep(0.2)  # held on partly loaded weights: still paused
+        assert engine.partial and 0.25 < deadline.left() <= 0.3
+        llm.fail = ""
+        await engine.sync_weights(1, PLAN, timeout_s=5.0)  # the catch-up: resumed
+        await asyncio.sleep(0.2)
+        assert 0.0 < deadline.left() < 0.15 and engine.paused_s() > 0.8
+
+    asyncio.run(run())
