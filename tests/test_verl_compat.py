@@ -247,7 +247,11 @@ def test_hydra_grammar_add_force_and_delete(tmp_path):
     assert cfg.rollout.temperature == 1.0 and cfg.rollout.n == 6 and cfg.data.seed == 3
     quoted = load_config(None, ["data.truncation='error'", 'trainer.logger=["console","jsonl"]'])
     assert quoted.data.truncation == "error" and quoted.trainer.logger == ["console", "jsonl"]
-    assert load_config(None, ["actor_rollout_ref.model.lora_rank=0"]).model.path  # 0: no LoRA
+    lora = tmp_path / "lora.yaml"
+    lora.write_text("model:\n  lora_rank: 8\n")
+    assert load_config(lora).model.lora_rank == 8
+    # veRL's spelling on the command line turns the file's LoRA off (0: no LoRA)
+    assert load_config(lora, ["actor_rollout_ref.model.lora_rank=0"]).model.lora_rank == 0
 
 
 def test_a_mapped_key_on_the_command_line_wins_over_the_file(tmp_path):

@@ -101,20 +101,114 @@ def _changed(cfg: Config) -> dict[str, Any]:
     return {k: v for k, v in now.items() if v != BASE[k]}
 
 
+# What each row that converts veRL's value gives our keys, worked out by hand (the loader
+# calls the row's own convert, so comparing against it would check nothing): veRL's value
+# (the table's example, or veRL's default) and {our key: the value it must become}.
+CONVERTED: dict[str, tuple[Any, dict[str, Any]]] = {
+    "actor_rollout_ref.actor.clip_ratio": (
+        0.3,
+        {"actor.clip_ratio_low": 0.3, "actor.clip_ratio_high": 0.3},
+    ),
+    "actor_rollout_ref.actor.fsdp_config.offload_policy": (
+        True,
+        {"actor.fsdp_config.param_offload": True, "actor.fsdp_config.optimizer_offload": True},
+    ),
+    "actor_rollout_ref.actor.kl_loss_type": ("mse", {"actor.kl_loss_type": "k2"}),
+    "actor_rollout_ref.actor.optim.min_lr_ratio": (0.1, {"actor.optim.min_lr_ratio": 0.1}),
+    "actor_rollout_ref.actor.optim.warmup_style": (
+        "cosine",
+        {"actor.optim.lr_scheduler_type": "cosine"},
+    ),
+    # a global micro-batch over one learner rank
+    "actor_rollout_ref.actor.ppo_micro_batch_size": (
+        8,
+        {"actor.ppo_micro_batch_size_per_gpu": 8},
+    ),
+    "actor_rollout_ref.actor.use_remove_padding": (False, {"actor.sequence_layout": "padded"}),
+    "actor_rollout_ref.actor.use_token_level_loss": (
+        False,
+        {"actor.loss_agg_mode": "seq-mean-token-mean"},
+    ),
+    "actor_rollout_ref.model.use_remove_padding": (False, {"actor.sequence_layout": "padded"}),
+    "actor_rollout_ref.nccl_timeout": (600, {"sync.timeout_s": 600.0}),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size": (
+        8,
+        {"ref.log_prob_micro_batch_size_per_gpu": 8},
+    ),
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size": (
+        8,
+        {"rollout.log_prob_micro_batch_size_per_gpu": 8},
+    ),
+    "actor_rollout_ref.rollout.max_num_seqs": (64, {"rollout.max_inflight": 64}),
+    "actor_rollout_ref.rollout.prompt_length": (32, {"data.max_prompt_length": 32}),
+    "actor_rollout_ref.rollout.response_length": (4, {"data.max_response_length": 4}),
+    "actor_rollout_ref.rollout.update_weights_bucket_megabytes": (64, {"sync.bucket_mb": 64.0}),
+    "algorithm.kl_penalty": ("low_var_kl", {"algorithm.kl_penalty": "k3"}),
+    "critic.optim.min_lr_ratio": (0.1, {"critic.optim.min_lr_ratio": 0.1}),
+    "critic.optim.warmup_style": ("cosine", {"critic.optim.lr_scheduler_type": "cosine"}),
+    "critic.ppo_micro_batch_size": (8, {"critic.ppo_micro_batch_size_per_gpu": 8}),
+    "trainer.n_gpus_per_node": (2, {"trainer.nproc": 2}),
+    "trainer.nnodes": (2, {"launch.ray.learner_nodes": 2}),
+    "trainer.rollout_data_dir": ("rollouts", {"buffer.log_rollouts": True}),
+}
+# Implemented keys whose example is valid only beside other keys (our spelling).
+WITH = {
+    "algorithm.use_kl_in_reward": ["algorithm.adv_estimator=gae"],
+    "trainer.critic_warmup": ["algorithm.adv_estimator=gae"],
+    **{
+        f"{where}.enable": [
+            "reward.overlong_buffer.len=4",
+            "reward.overlong_buffer.penalty_factor=1.0",
+        ]
+        for where in (
+            "custom_reward_function.overlong_buffer",
+            "reward_model.overlong_buffer",
+            "reward_model.reward_kwargs.overlong_buffer_cfg",
+        )
+    },
+}
+# Implemented keys our schema takes at one value only (veRL's default, ours too): a value
+# the test can set to see the key arrive is one the schema must refuse, by our key's name.
+ONE_VALUE = {
+    "actor_rollout_ref.rollout.multi_turn.format": "qwen",
+    "actor_rollout_ref.rollout.top_k": 20,  # training samples the full distribution
+    "actor_rollout_ref.rollout.top_p": 0.9,
+}
+DEFAULTS = load_config(None)
+
+
+def test_the_hand_worked_conversions_cover_every_converting_row():
+    converting = {k for k, r in VERL_KEYS.items() if r.kind == "mapped" or r.convert}
+    assert set(CONVERTED) == converting
+    assert set(WITH) | set(ONE_VALUE) <= {
+        k for k, r in VERL_KEYS.items() if r.kind == "implemented"
+    }
+
+
 @pytest.mark.parametrize("key", sorted(VERL_KEYS))
 def test_each_row_does_what_the_table_says(key, caplog):
     rule, value = VERL_KEYS[key], _value(key)
     with caplog.at_level(logging.INFO, logger="asyncrl.config.load"):
-        cfg = load_config(None, [_override(key, value)])
+        cfg = load_config(None, [_override(key, value), *WITH.get(key, [])])
     notes = [r.getMessage() for r in caplog.records if key in r.getMessage()]
+    if key in CONVERTED:
+        given, expected = CONVERTED[key]
+        assert value == given, f"the table's example of {key} is not the one worked out here"
+    elif rule.kind == "implemented":
+        expected = {our_key(key): value}
+    if key in ONE_VALUE:  # the only value ours takes: a different one must reach the schema
+        assert _same(_at(DEFAULTS, our_key(key)), value), key
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [_override(key, ONE_VALUE[key])])
+        assert any(p.startswith(our_key(key)) for p in err.value.problems), err.value.problems
+    elif rule.kind in ("implemented", "mapped"):
+        for target, want in expected.items():
+            # the value set must not be ours by default, or a key the loader dropped would pass
+            assert not _same(_at(DEFAULTS, target), want), f"{key}: give the row an example"
+            assert _same(_at(cfg, target), want), (key, target, _at(cfg, target), want)
     if rule.kind == "implemented":
-        expected = rule.convert(value) if rule.convert else value
-        assert _same(_at(cfg, our_key(key)), expected), (key, _at(cfg, our_key(key)), value)
         assert not notes
     elif rule.kind == "mapped":
-        assert rule.convert is not None
-        for target in rule.target:
-            assert _same(_at(cfg, target), rule.convert(value)), (key, target)
         assert len(notes) == len(rule.target)
     else:  # no effect, or a refused key at a value it allows: nothing changes, one note
         assert _changed(cfg) == {}, key
@@ -125,6 +219,12 @@ def test_each_row_does_what_the_table_says(key, caplog):
             load_config(None, [_override(key, rule.bad), *rule.bad_with])
         (line,) = err.value.problems
         assert line.startswith(f"{key}=") and rule.reason in line
+
+
+def test_a_null_min_lr_ratio_reads_as_zero(tmp_path):
+    path = tmp_path / "verl.yaml"
+    path.write_text("critic:\n  optim:\n    min_lr_ratio: null\n")
+    assert load_config(path).critic.optim.min_lr_ratio == 0.0
 
 
 def test_a_mapped_key_gives_way_to_ours():

@@ -195,14 +195,24 @@ def _rows(prefix: str, names: str, rule: VerlKey) -> dict[str, VerlKey]:
     return {prefix + n: rule for n in names.split()}
 
 
-def _implemented(prefix: str, names: str) -> dict[str, VerlKey]:
-    return _rows(prefix, names, _impl())
+def _implemented(
+    prefix: str, names: str, examples: dict[str, Any] | None = None
+) -> dict[str, VerlKey]:
+    """``_impl()`` for each of ``names``; ``examples``: the value the table's test sets for a
+    name whose veRL default is ours too (the test must see the key change something)."""
+    examples = examples or {}
+    assert set(examples) <= set(names.split()), set(examples) - set(names.split())
+    return {prefix + n: _impl(example=examples.get(n, ...)) for n in names.split()}
 
 
 def _optim(prefix: str, scheduler: str) -> dict[str, VerlKey]:
     return {
-        **_implemented(prefix, "lr weight_decay lr_warmup_steps lr_warmup_steps_ratio"),
-        prefix + "min_lr_ratio": _impl("null means 0", reads_as=lambda v: v or 0.0),
+        **_implemented(
+            prefix,
+            "lr weight_decay lr_warmup_steps lr_warmup_steps_ratio",
+            {"lr": 2e-5, "weight_decay": 0.05, "lr_warmup_steps": 5, "lr_warmup_steps_ratio": 0.1},
+        ),
+        prefix + "min_lr_ratio": _impl("null means 0", 0.1, reads_as=lambda v: v or 0.0),
         prefix + "total_training_steps": _none(
             "the schedule's length is trainer.total_training_steps (veRL fills this in too)"
         ),
@@ -235,20 +245,37 @@ VERL_KEYS: dict[str, VerlKey] = {
         "ppo_max_token_len_per_gpu clip_ratio_low clip_ratio_high policy_loss.loss_mode "
         "clip_ratio_c loss_agg_mode entropy_coeff use_kl_loss kl_loss_coef kl_loss_type "
         "ppo_epochs grad_clip fsdp_config.param_offload fsdp_config.optimizer_offload",
+        {
+            "ppo_mini_batch_size": 8,
+            "ppo_max_token_len_per_gpu": 4096,
+            "clip_ratio_low": 0.1,
+            "policy_loss.loss_mode": "gspo",
+            "clip_ratio_c": 5.0,
+            "loss_agg_mode": "seq-mean-token-mean",
+            "entropy_coeff": 0.01,
+            "use_kl_loss": True,
+            "kl_loss_coef": 0.05,
+            "ppo_epochs": 2,
+            "grad_clip": 0.5,
+            "fsdp_config.param_offload": True,
+            "fsdp_config.optimizer_offload": True,
+        },
     ),
-    _ACTOR + "ppo_mini_batch_size": _impl(example=16),
-    _ACTOR + "kl_loss_type": _impl(KL_NAMES_NOTE, reads_as=lambda v: VERL_KL_NAMES.get(v, v)),
+    _ACTOR + "kl_loss_type": _impl(
+        KL_NAMES_NOTE, "mse", reads_as=lambda v: VERL_KL_NAMES.get(v, v)
+    ),
     _ACTOR + "strategy": _only(STRATEGY, lambda v: v in ("fsdp", "fsdp2"), bad="megatron"),
     _ACTOR + "ppo_micro_batch_size": _global_micro("actor.ppo_micro_batch_size_per_gpu"),
     _ACTOR + "use_token_level_loss": _map(  # veRL's older switch, still in DAPO's scripts
         "actor.loss_agg_mode",
         "token-level loss: token-mean; otherwise seq-mean-token-mean",
         lambda v: "token-mean" if v else "seq-mean-token-mean",
-        example=True,
+        example=False,
     ),
     _ACTOR + "clip_ratio": _map(
         ("actor.clip_ratio_low", "actor.clip_ratio_high"),
         "both ends of the clip range, unless clip_ratio_low / clip_ratio_high are given",
+        example=0.3,
     ),
     **_rows(
         _ACTOR + "policy_loss.",
@@ -280,6 +307,7 @@ VERL_KEYS: dict[str, VerlKey] = {
         ("actor.fsdp_config.param_offload", "actor.fsdp_config.optimizer_offload"),
         "FSDP2's CPU offload policy: parameters, gradients and the optimizer's state on the "
         "CPU (CUDA only)",
+        example=True,
     ),
     _ACTOR + "fsdp_config.reshard_after_forward": _none(FSDP_TUNING),
     _ACTOR + "fsdp_config.fsdp_size": _none(FSDP_TUNING),
@@ -300,6 +328,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     **_implemented(
         _REF,
         "log_prob_micro_batch_size_per_gpu log_prob_use_dynamic_bsz log_prob_max_token_len_per_gpu",
+        {"log_prob_micro_batch_size_per_gpu": 4},
     ),
     **_profiler(_REF, tool_config=True),
     _REF + "model": _only(
@@ -333,9 +362,25 @@ VERL_KEYS: dict[str, VerlKey] = {
         "multi_turn.max_tool_response_length multi_turn.tool_response_truncate_side "
         "multi_turn.format log_prob_micro_batch_size_per_gpu log_prob_use_dynamic_bsz "
         "log_prob_max_token_len_per_gpu",
+        {
+            "temperature": 0.7,
+            "gpu_memory_utilization": 0.7,
+            "val_kwargs.top_k": 20,
+            "val_kwargs.top_p": 0.9,
+            "val_kwargs.temperature": 0.6,
+            "val_kwargs.n": 2,
+            "multi_turn.enable": True,
+            "multi_turn.max_assistant_turns": 3,
+            "multi_turn.tool_config_path": "tools.yaml",
+            "multi_turn.max_user_turns": 2,
+            "multi_turn.max_parallel_calls": 2,
+            "multi_turn.max_tool_response_length": 128,
+            "multi_turn.tool_response_truncate_side": "left",
+            "log_prob_micro_batch_size_per_gpu": 4,
+        },
     ),
-    _ROLLOUT + "n": _impl(example=8),
-    _ROLLOUT + "tensor_model_parallel_size": _impl(example=1),
+    _ROLLOUT + "n": _impl(example=4),
+    _ROLLOUT + "tensor_model_parallel_size": _impl(example=2),
     _ROLLOUT + "prompt_length": _map(
         "data.max_prompt_length", "the prompt limit is data's", example=32
     ),
@@ -436,7 +481,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     ),
     # ---------------------------------------------------------------- model
     **_implemented(_MODEL, "path enable_gradient_checkpointing"),
-    _MODEL + "path": _impl(example="artifacts/models/tiny"),
+    _MODEL + "path": _impl(example="artifacts/models/other"),
     **_shared_model(_MODEL),
     _MODEL + "override_config": _impl(
         "the learner and the engine load the model with them", example={"attention_dropout": 0.0}
@@ -469,10 +514,11 @@ VERL_KEYS: dict[str, VerlKey] = {
         "data.",
         "train_files val_files prompt_key max_prompt_length max_response_length "
         "train_batch_size shuffle filter_overlong_prompts truncation",
+        {"prompt_key": "question", "shuffle": False, "filter_overlong_prompts": True},
     ),
-    "data.train_files": _impl(example="artifacts/data/arithmetic/train.parquet"),
-    "data.val_files": _impl(example="artifacts/data/arithmetic/val.parquet"),
-    "data.train_batch_size": _impl(example=16),
+    "data.train_files": _impl(example="artifacts/data/other/train.parquet"),
+    "data.val_files": _impl(example="artifacts/data/other/val.parquet"),
+    "data.train_batch_size": _impl(example=32),
     "data.gen_batch_size": _none(  # DAPO's recipe key
         "prompts are dealt continuously (within the staleness budget) and a filtered group's "
         "budget is refunded at once, so no generation batch is sized in advance",
@@ -523,7 +569,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     "critic.enable": _none("the critic runs exactly when algorithm.adv_estimator is gae"),
     **_optim("critic.optim.", "critic.optim.lr_scheduler_type"),
     **_implemented("critic.model.", "path enable_gradient_checkpointing"),
-    "critic.model.path": _impl(example="artifacts/models/tiny"),
+    "critic.model.path": _impl(example="artifacts/models/other"),
     "critic.model.tokenizer_path": _none("the critic reads the actor's tokens"),
     **_shared_model("critic.model."),
     "critic.model.override_config": _only(
@@ -554,8 +600,9 @@ VERL_KEYS: dict[str, VerlKey] = {
         "critic.",
         "ppo_mini_batch_size ppo_micro_batch_size_per_gpu use_dynamic_bsz "
         "ppo_max_token_len_per_gpu ppo_epochs cliprange_value loss_agg_mode grad_clip",
+        {"ppo_micro_batch_size_per_gpu": 4, "cliprange_value": 0.2, "grad_clip": 0.5},
     ),
-    "critic.ppo_mini_batch_size": _impl(example=16),
+    "critic.ppo_mini_batch_size": _impl(example=8),
     "critic.ppo_micro_batch_size": _global_micro("critic.ppo_micro_batch_size_per_gpu"),
     "critic.forward_max_token_len_per_gpu": _none(CRITIC_FORWARD),
     "critic.forward_micro_batch_size": _none(CRITIC_FORWARD),
@@ -614,7 +661,7 @@ VERL_KEYS: dict[str, VerlKey] = {
             "reward_model.overlong_buffer",
             "reward_model.reward_kwargs.overlong_buffer_cfg",
         )
-        for k, v in (("enable", False), ("len", 4), ("penalty_factor", 1.0), ("log", True))
+        for k, v in (("enable", True), ("len", 4), ("penalty_factor", 1.0), ("log", True))
     },
     "reward_model.reward_kwargs.max_resp_len": VerlKey(
         "refused",
@@ -623,7 +670,9 @@ VERL_KEYS: dict[str, VerlKey] = {
         allowed=lambda v, raw: v is None or v == _get(raw, "data.max_response_length"),
         bad=12345,
     ),
-    **_implemented("custom_reward_function.", "path name"),
+    **_implemented(
+        "custom_reward_function.", "path name", {"path": "my_reward.py", "name": "my_score"}
+    ),
     "custom_reward_function.reward_kwargs": _impl(
         "keyword arguments bound to the scoring function", example={"alpha": 2}
     ),
@@ -632,11 +681,23 @@ VERL_KEYS: dict[str, VerlKey] = {
         "algorithm.",
         "gamma lam adv_estimator norm_adv_by_std_in_grpo use_kl_in_reward "
         "kl_ctrl.type kl_ctrl.kl_coef kl_ctrl.horizon kl_ctrl.target_kl",
+        {
+            "gamma": 0.99,
+            "lam": 0.95,
+            "norm_adv_by_std_in_grpo": False,
+            "use_kl_in_reward": True,
+            "kl_ctrl.type": "adaptive",
+            "kl_ctrl.kl_coef": 0.01,
+            "kl_ctrl.horizon": 5000,
+            "kl_ctrl.target_kl": 0.2,
+        },
     ),
     "algorithm.filter_groups.enable": _impl(example=True),
-    "algorithm.filter_groups.metric": _impl(example="acc"),
+    "algorithm.filter_groups.metric": _impl(example="score"),
     "algorithm.filter_groups.max_num_gen_batches": _impl(example=10),
-    "algorithm.kl_penalty": _impl(KL_NAMES_NOTE, reads_as=lambda v: VERL_KL_NAMES.get(v, v)),
+    "algorithm.kl_penalty": _impl(
+        KL_NAMES_NOTE, "low_var_kl", reads_as=lambda v: VERL_KL_NAMES.get(v, v)
+    ),
     "algorithm.use_pf_ppo": _only(
         "policy-filtered PPO's resampling is not built: remove algorithm.use_pf_ppo",
         _falsy,
@@ -650,9 +711,15 @@ VERL_KEYS: dict[str, VerlKey] = {
         "total_epochs total_training_steps project_name experiment_name logger save_freq "
         "resume_mode resume_from_path val_before_train test_freq critic_warmup "
         "default_local_dir device",
+        {
+            "resume_mode": "disable",
+            "resume_from_path": "checkpoints/step_1",
+            "val_before_train": False,
+            "critic_warmup": 2,
+        },
     ),
     "trainer.logger": _impl(example=["console"]),
-    "trainer.device": _impl(example="cpu"),
+    "trainer.device": _impl(example="cuda"),
     "trainer.balance_batch": _none(
         "it spreads sequences over data-parallel ranks for speed; the ranks here take "
         "length-balanced shares (learner.plan.shard), and the update is the same"
@@ -702,12 +769,13 @@ VERL_KEYS: dict[str, VerlKey] = {
         "trainer.nproc",
         "the learner's ranks per node; rollout servers are sized apart (rollout.num_servers "
         "x rollout.tensor_model_parallel_size)",
-        example=1,
+        example=2,
     ),
     "trainer.nnodes": _map(
         "launch.ray.learner_nodes",
         "the learner's nodes (more than one needs launch.backend=ray); rollout servers are "
         "placed apart",
+        example=2,
     ),
 }
 
