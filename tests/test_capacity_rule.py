@@ -98,8 +98,19 @@ def test_a_buffer_of_the_rules_size_never_strands_the_last_groups():
 
 
 def test_verl_default_save_freq_loads_with_a_buffer_smaller_than_the_run():
+    """veRL's save_freq=-1 (no checkpoint before the end): the buffer need not hold the
+    run's groups (60 steps x 16 here), only one batch and the admission window."""
+    from asyncrl.config.rules import capacity_needed
+
     cfg = load_config(None, ["trainer.save_freq=-1", "buffer.capacity_groups=64"])
-    assert cfg.buffer.capacity_groups < cfg.trainer.total_training_steps * cfg.data.train_batch_size
+    assert cfg.buffer.capacity_groups == 64
+    assert capacity_needed(cfg) == 16 * (1 + (1 + 1) * 1)  # batch * (1 + (lag + 1) * sync)
+    assert cfg.trainer.total_training_steps * cfg.data.train_batch_size == 960
+    with pytest.raises(ConfigError, match="raise it to >= 48"):
+        load_config(None, ["trainer.save_freq=-1", "buffer.capacity_groups=47"])
+    # with our default save_freq (20), the same 64 groups are too few: the -1 is what lets it
+    with pytest.raises(ConfigError, match="raise it to >= 352"):
+        load_config(None, ["buffer.capacity_groups=64"])
 
 
 def test_a_capacity_left_at_its_default_is_sized_for_the_run():

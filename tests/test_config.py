@@ -16,6 +16,7 @@ from asyncrl.config import (
     run_dir,
     write_resolved,
 )
+from asyncrl.config.verl_doc import leaves_of
 
 PRESETS = sorted(Path("configs").glob("*.yaml"))
 
@@ -41,8 +42,21 @@ def test_defaults_are_valid_and_documented():
 
 @pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.name)
 def test_presets_load(preset):
-    cfg = load_config(preset)
-    assert cfg.data.train_batch_size > 0
+    """Each value a preset sets is the loaded config's (one path read as a list, as in
+    veRL; a list as a tuple where the schema keeps one), and every other key its default."""
+    sets = leaves_of(yaml.safe_load(preset.read_text()))
+    assert len(sets) >= 30, sets  # a preset, not an empty file
+    loaded = leaves_of(load_config(preset).model_dump(mode="json"))
+    for key, value in sets.items():
+        got = loaded.get(key, "(no such key)")
+        if isinstance(got, list) and not isinstance(value, list):
+            value = [value]
+        assert got == value, (key, got, value)
+    defaults = leaves_of(Config().model_dump(mode="json"))
+    rest = {
+        k: v for k, v in loaded.items() if not any(k == s or k.startswith(s + ".") for s in sets)
+    }
+    assert rest == {k: defaults[k] for k in rest}
 
 
 @pytest.mark.parametrize(
@@ -266,7 +280,8 @@ def test_training_temperature_vllm_samples_at_is_accepted(value):
 def test_a_validation_temperature_vllm_refuses_is_refused_here():
     problems = _problems("configs/cpu_demo.yaml", ["rollout.val_kwargs.temperature=2.5"])
     assert any("set it to 0 (greedy) or at most 2" in p for p in problems), problems
-    assert load_config("configs/cpu_demo.yaml", ["rollout.val_kwargs.temperature=0"])
+    greedy = load_config("configs/cpu_demo.yaml", ["rollout.val_kwargs.temperature=0"])
+    assert greedy.rollout.val_kwargs.temperature == 0.0
 
 
 def test_verl_recipe_keys_load_in_yaml_and_overrides(tmp_path):
@@ -329,7 +344,10 @@ def test_an_overlong_buffer_that_would_shape_nothing_or_everything_is_refused(ov
     )
     assert any(says in p for p in problems), problems
     ok = ["reward.overlong_buffer.len=4", "reward.overlong_buffer.penalty_factor=1"]
-    assert load_config("configs/cpu_demo.yaml", ["reward.overlong_buffer.enable=true", *ok])
+    buffer = load_config(
+        "configs/cpu_demo.yaml", ["reward.overlong_buffer.enable=true", *ok]
+    ).reward.overlong_buffer
+    assert (buffer.enable, buffer.len, buffer.penalty_factor) == (True, 4, 1.0)
 
 
 def test_each_gpu_rank_needs_a_listed_gpu_and_each_cpu_rank_a_core():

@@ -5,8 +5,8 @@ real process tree (start, poll, stop) with Ray's variables kept out of the role.
 from __future__ import annotations
 
 import os
+import re
 import sys
-import time
 from pathlib import Path
 
 from asyncrl.config import load_config
@@ -96,21 +96,31 @@ def test_the_agent_runs_a_role_tree_without_rays_variables_and_stops_it(tmp_path
     code = (
         "import os, subprocess, sys, time\n"
         "print('ray vars:', sorted(k for k in os.environ if k.startswith('RAY_')), flush=True)\n"
-        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], "
         "start_new_session=True)\n"
+        "print('grandchild:', g.pid, flush=True)\n"
         "time.sleep(60)\n"
     )
     pid = agent.start([sys.executable, "-c", code], {"X": "1"}, attempt=1)
     assert pid > 0 and agent.poll() is None
-    wait_until(lambda: "ray vars: []" in agent.tail(), "the role's first line", 20)
-    time.sleep(0.5)  # the grandchild starts
+    started = re.compile(r"^grandchild: (\d+)$", re.M)  # the log's first line echoes the code
+    wait_until(lambda: started.search(agent.tail()), "the role's grandchild", 20)
+    assert "ray vars: []" in agent.tail()
+    grandchild = int(started.search(agent.tail()).group(1))
+    assert grandchild != pid
     agent.sup._track()
     tree = set(agent.role.known) if agent.role else set()
-    assert len(tree) >= 1, tree
+    # the grandchild left the role's session, yet is tracked as its descendant
+    assert grandchild in tree, (grandchild, tree)
+
+    def gone(p: int) -> bool:
+        return not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text()
+
+    assert not gone(grandchild)
     agent.stop(grace_s=2.0)
     assert agent.poll() is None and agent.role is not None and agent.role.proc is None
     for p in tree | {pid}:
-        assert not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text()
+        assert gone(p), p
     agent.close()
 
 

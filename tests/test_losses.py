@@ -169,15 +169,27 @@ def test_kl_abs_and_the_straight_through_kinds():
     """veRL's abs is |l - ref|; a "+" kind (veRL's k3+) keeps its estimator's value and
     takes k2's gradient, l - ref, whose expectation is the KL's gradient."""
     ref = torch.tensor([-1.5, -0.2])
-    for kind in ("abs", "k1", "k3", "k1+", "k3+", "abs+"):
-        lp = torch.tensor([-1.0, -0.7], requires_grad=True)  # l - ref = [0.5, -0.5]
+    e = math.exp
+    # l - ref = [0.5, -0.5]; value and d value / d l of each kind, by hand
+    k1 = ([0.5, -0.5], [1.0, 1.0])
+    k3 = ([e(-0.5) + 0.5 - 1, e(0.5) - 0.5 - 1], [1 - e(-0.5), 1 - e(0.5)])  # e^(ref-l)-(ref-l)-1
+    absolute = ([0.5, 0.5], [1.0, -1.0])  # the sign of l - ref
+    k2_grad = [0.5, -0.5]
+    expected = {
+        "k1": k1,
+        "k3": k3,
+        "abs": absolute,
+        "k2": ([0.125, 0.125], k2_grad),
+        "k1+": (k1[0], k2_grad),
+        "k3+": (k3[0], k2_grad),
+        "abs+": (absolute[0], k2_grad),
+    }
+    for kind, (want_value, want_grad) in expected.items():
+        lp = torch.tensor([-1.0, -0.7], requires_grad=True)
         value = kl_penalty(lp, ref, kind)
-        base = kl_penalty(lp.detach(), ref, kind.rstrip("+"))
-        close(value, base)
+        close(value, want_value)
         value.sum().backward()
-        if kind.endswith("+"):
-            close(lp.grad, [0.5, -0.5])
-    close(kl_penalty(torch.tensor([-1.0, -0.7]), ref, "abs"), [0.5, 0.5])
+        close(lp.grad, want_grad)
     with pytest.raises(ValueError, match="not in"):
         kl_penalty(ref, ref, "full")
 

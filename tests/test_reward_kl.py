@@ -16,6 +16,18 @@ from tests.trainer_helpers import synthetic_batch
 BATCHES = [synthetic_batch(s) for s in range(2)]
 
 
+def verl_kl(logp: torch.Tensor, ref: torch.Tensor, kind: str) -> torch.Tensor:
+    """veRL's ``core_algos.kl_penalty`` written out for the kinds used here (k1 is its
+    "kl", k3 its "low_var_kl", with its clamps)."""
+    if kind == "k1":
+        return logp - ref
+    if kind == "abs":
+        return (logp - ref).abs()
+    assert kind == "k3", kind
+    kl = torch.clamp(ref - logp, min=-20, max=20)
+    return torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+
+
 @pytest.mark.parametrize("kind", ["k1", "k3", "abs"])
 def test_reinforce_plus_plus_with_the_kl_in_the_reward_matches_verl(kind):
     """``algorithm.use_kl_in_reward`` with REINFORCE++ (the paper's setting): veRL's
@@ -23,7 +35,6 @@ def test_reinforce_plus_plus_with_the_kl_in_the_reward_matches_verl(kind):
     REINFORCE++ returns, against the learner's path (learner.reward_kl's penalty then
     learner.advantages), on random logprobs and responses of random lengths."""
     from learner.advantages import outcome_token_rewards, reinforce_pp_advantages
-    from learner.reductions import kl_penalty
     from learner.values import kl_in_reward
 
     g = torch.Generator().manual_seed(len(kind))
@@ -36,7 +47,7 @@ def test_reinforce_plus_plus_with_the_kl_in_the_reward_matches_verl(kind):
     m = mask.to(torch.float64)
     verl_scores = torch.zeros(B, T, dtype=torch.float64)
     verl_scores[torch.arange(B), lengths - 1] = scores
-    verl_rewards = verl_scores - beta * kl_penalty(logp, ref, kind) * m
+    verl_rewards = verl_scores - beta * verl_kl(logp, ref, kind) * m
     expected = verl_reinforce_pp(verl_rewards, mask, 0.99)
     rewards, kl = kl_in_reward(
         outcome_token_rewards(scores, mask), logp, ref, mask, coef=beta, kind=kind
@@ -44,7 +55,7 @@ def test_reinforce_plus_plus_with_the_kl_in_the_reward_matches_verl(kind):
     torch.testing.assert_close(
         reinforce_pp_advantages(rewards, mask, 0.99), expected, atol=1e-6, rtol=0
     )
-    per_seq = (kl_penalty(logp, ref, kind) * m).sum(1) / m.sum(1)
+    per_seq = (verl_kl(logp, ref, kind) * m).sum(1) / m.sum(1)
     assert kl == pytest.approx(float(per_seq.mean()), rel=1e-9)
 
 
@@ -54,7 +65,6 @@ def test_reinforce_plus_plus_takes_the_kl_in_the_reward(tiny_model, single_rank,
     of the outcome rewards by ``beta`` times a KL whose mean is the step's
     ``actor/reward_kl_penalty``, and the advantages are REINFORCE++'s of those rewards."""
     from learner import trainer as trainer_module
-    from learner.advantages import reinforce_pp_advantages
     from learner.rollouts import outcome_rewards, response_mask
 
     seen: list[tuple[list, torch.Tensor]] = []
@@ -64,7 +74,7 @@ def test_reinforce_plus_plus_takes_the_kl_in_the_reward(tiny_model, single_rank,
         seen.append((kept, token_rewards))
         out = real(rollouts, kept, estimator, gamma, token_rewards)
         mask, _ = response_mask(kept)
-        expected = reinforce_pp_advantages(token_rewards, mask, gamma)
+        expected = verl_reinforce_pp(token_rewards, mask, gamma)  # veRL's, written out
         for i, adv in out.items():
             torch.testing.assert_close(adv, expected[i, : len(adv)])
         return out

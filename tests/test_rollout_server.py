@@ -12,7 +12,6 @@ tests run the CPU default, the engine core inside the server.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import signal
 import subprocess
@@ -245,7 +244,6 @@ def test_every_role_exits_zero_at_shutdown(rig):
     elapsed = time.monotonic() - start
     assert codes == {"r0": 0, "r1": 0, "buffer": 0}, rig.logs()
     assert elapsed < 20, f"roles took {elapsed:.1f}s to exit"
-    assert not math.isnan(elapsed)
     for sid, path in logs.items():  # what each server wrote from the shutdown on
         with open(path, errors="replace") as f:
             f.seek(offsets[sid])

@@ -360,8 +360,12 @@ def test_a_tool_that_fails_to_import_fails_the_constructor(tmp_path: Path) -> No
 
 
 def test_close_stops_the_pool(hostile_config: Path) -> None:
-    small = ToolPool(hostile_config, num_workers=1)
+    small = ToolPool(hostile_config, num_workers=2)
+    processes = [worker.process for worker in small._pool._workers]
+    assert len(processes) == 2 and all(process.is_alive() for process in processes)
+    assert small.call(ToolCall("add", {"a": 1, "b": 2})) == ToolResult("3")
     small.close()
+    assert not any(process.is_alive() for process in processes)
     small.close()  # idempotent
     with pytest.raises(RuntimeError, match="ToolPool is closed"):
         small.call(ToolCall("add", {"a": 1, "b": 2}))

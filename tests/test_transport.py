@@ -43,8 +43,10 @@ def _pull(hwm: int = 1000) -> tuple[zmq.Context, zmq.Socket, str]:
 def test_pusher_delivers_and_flushes_on_close() -> None:
     ctx, pull, addr = _pull()
     with TrajectoryPusher(addr) as pusher:
-        for i in range(50):
-            assert pusher.send(make_group(f"g{i}", 2)) >= 0.0
+        waits = [pusher.send(make_group(f"g{i}", 2)) for i in range(50)]
+        # far below the high-water mark nothing blocks; the waits add up to what it reports
+        assert pusher.sent == 50 and max(waits) < 0.5, waits
+        assert pusher.total_wait_s == pytest.approx(sum(waits))
     got = []
     while pull.poll(2000):
         got.append(wire.decode_packed(pull.recv_multipart()).metas[0].task_id)
@@ -119,10 +121,9 @@ def test_close_ends_a_push_blocked_for_good() -> None:
 
 def test_pusher_send_async_keeps_the_event_loop_free() -> None:
     ctx, pull, addr = _pull(hwm=1)
-    frames_sent = 0
 
-    async def main() -> float:
-        nonlocal frames_sent
+    async def main() -> tuple[int, int, float]:
+        """(sends that went through, loop ticks during the send that blocked, its time)."""
         pusher = TrajectoryPusher(addr, hwm=1, linger_s=0)
         big = [make_traj("big", response_len=200_000)]
         ticks = 0
@@ -134,18 +135,22 @@ def test_pusher_send_async_keeps_the_event_loop_free() -> None:
                 ticks += 1
 
         tick_task = asyncio.create_task(ticker())
+        sent = 0
         try:
-            for _ in range(200):
-                await pusher.send_async(big, timeout_s=0.5)
-                frames_sent += 1
-        except TimeoutError:
-            pass
-        tick_task.cancel()
-        pusher.close()
-        return ticks
+            with pytest.raises(TimeoutError):  # nobody reads: a send blocks, then times out
+                for _ in range(200):
+                    ticks_before, start = ticks, time.monotonic()
+                    await pusher.send_async(big, timeout_s=0.5)
+                    sent += 1
+            return sent, ticks - ticks_before, time.monotonic() - start
+        finally:
+            tick_task.cancel()
+            pusher.close()
 
-    ticks = asyncio.run(main())
-    assert ticks >= 20  # the loop ran while the send was blocked for 0.5 s
+    sent, ticks_while_blocked, blocked_s = asyncio.run(main())
+    assert 1 <= sent < 200  # some went out before the queues filled
+    assert blocked_s >= 0.5  # the last send waited its whole timeout...
+    assert ticks_while_blocked >= 20  # ...while the loop kept ticking (about 50 in 0.5 s)
     pull.close()
     ctx.term()
 
