@@ -126,9 +126,12 @@ class WeightPushes:
 
     def serve_catchups(self) -> None:
         """Late or restarted servers get the current weights (not while a push is in
-        flight: the coordinator's version is not yet the pushed weights')."""
+        flight: the coordinator's version is not yet the pushed weights'). One server a
+        call: the other learner ranks wait meanwhile in a collective, which rank 0's
+        keepalives between calls hold within the process group's timeout; several
+        catch-ups in a row (every server after a learner restart) could outlast it."""
         if self._push_thread is not None and self._push_thread.is_alive():
             return
         if self.pushed and self.coordinator.pending_catchups():
             self.wait()
-            self.pusher.serve_catchups(self.pushed)
+            self.pusher.serve_catchups(self.pushed, at_most=1)

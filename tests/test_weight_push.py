@@ -51,3 +51,31 @@ def test_a_long_push_is_waited_for_with_a_line_saying_how_long(overlap, monkeypa
     assert len(lines) >= 2, lines  # 0.45 s in rounds of 0.1 s
     assert "version 7 to be " + ("done" if overlap else "sent") in lines[0]
     assert not pushes._push_thread
+
+
+def test_catch_ups_are_served_one_a_call_so_the_other_ranks_hear_between_them():
+    """Every server needs a catch-up after a learner restart; served back to back they kept
+    the other learner ranks in one collective for all of them, past its timeout. One a
+    call, rank 0's loop sends its keepalive between them."""
+    cfg = load_config("configs/cpu_demo.yaml", [])
+
+    class Waiting(Coordinator):
+        def __init__(self) -> None:
+            self.pending = ["s0", "s1", "s2"]
+
+        def pending_catchups(self) -> list[str]:
+            return list(self.pending)
+
+    class Served:
+        def serve_catchups(self, tensors: dict, at_most: int | None = None) -> list:
+            served = waiting.pending[:at_most]
+            del waiting.pending[: len(served)]
+            calls.append(served)
+            return served
+
+    waiting, calls = Waiting(), []
+    pushes = WeightPushes(cfg, waiting, Served())
+    pushes.pushed = {"w": 0}
+    for _ in range(4):
+        pushes.serve_catchups()
+    assert calls == [["s0"], ["s1"], ["s2"]]

@@ -89,12 +89,15 @@ class WeightPusher:
         the reports. It may run on another thread than :meth:`begin`, one round at a time."""
         return self._run(rnd, tensors, self.plan_for(tensors), on_sent)
 
-    def serve_catchups(self, tensors: dict[str, Any]) -> list[SyncResult]:
-        """The current weights to every server waiting for a catch-up, one at a time (a
-        server that leaves while the one before it is served is skipped)."""
+    def serve_catchups(
+        self, tensors: dict[str, Any], at_most: int | None = None
+    ) -> list[SyncResult]:
+        """The current weights to every server waiting for a catch-up (``at_most``: to
+        that many), one at a time (a server that leaves while the one before it is served
+        is skipped)."""
         plan = self.plan_for(tensors)
         results = []
-        for server_id in self.coordinator.pending_catchups():
+        for server_id in self.coordinator.pending_catchups()[:at_most]:
             rnd = self.coordinator.begin_catchup(server_id, plan)
             if rnd is not None:
                 results.append(self._run(rnd, tensors, plan))
