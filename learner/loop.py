@@ -209,14 +209,17 @@ class LearnerLoop:
         if push_due(t.step, c.staleness.sync_every, self.total):
             metrics.update(self._push())
         self.control.steer_lag(t.step, metrics)  # before the save: it keeps the decision
-        if c.trainer.save_freq > 0 and t.step % c.trainer.save_freq == 0 and t.step < self.total:
-            self._save()
         alarms = self.health.check(metrics)
         metrics.update(self.health.metrics())
         if t.rank == 0:
             for alarm in alarms:
                 log.warning("%s", alarm.line(t.step))
         self.control.after_step(t.step, metrics, t.policy_version)
+        # The step's record is written before its checkpoint: a learner that dies between
+        # the two trains the step again (a second record, which the readers supersede),
+        # where the other order lost its record for good.
+        if c.trainer.save_freq > 0 and t.step % c.trainer.save_freq == 0 and t.step < self.total:
+            self._save()
         stop = bool(alarms) and c.trainer.health.action == "stop"
         # Rank 0 alone sees a push's probe metrics: its decision holds for every rank.
         if _broadcast_int(int(stop), t):
