@@ -43,8 +43,8 @@ if TYPE_CHECKING:
     from asyncrl.control.messages import Task
     from asyncrl.rewards import ScoreResult
     from asyncrl.tools import ToolPool
-    from rollout_servers.engine import Sample
     from rollout_servers.protocols import GenerationEngine, Tokenizer
+    from rollout_servers.samples import Sample
 
 log = logging.getLogger(__name__)
 
@@ -349,7 +349,7 @@ def budget_lengths(episodes: list[Episode]) -> list[int]:
 
 def episode_samples(episodes: list[Episode]) -> list[Sample]:
     """Each episode as one sample of all its tokens (what a server counts in its metrics)."""
-    from rollout_servers.engine import Sample
+    from rollout_servers.samples import Sample
 
     return [
         Sample(

@@ -53,8 +53,8 @@ if TYPE_CHECKING:
 
     from asyncrl.config import Config
     from asyncrl.control.messages import Task
-    from rollout_servers.engine import Sample
     from rollout_servers.protocols import ControlClient, GroupPusher
+    from rollout_servers.samples import Sample
 
 log = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
 
     from asyncrl.config import Config
-    from rollout_servers.engine import Sample
     from rollout_servers.groups import SamplingSettings
     from rollout_servers.protocols import GenerationEngine, Tokenizer
+    from rollout_servers.samples import Sample
 
 
 class EndpointTurns:

@@ -13,7 +13,7 @@ and workers in child processes), or on CPU an :class:`~rollout_servers.inline_ll
   under the new weights: the behaviour logprobs of later tokens are exactly the new
   policy's), loads the weights and resumes them; ``abort`` aborts them and
   :meth:`RolloutEngine.generate` re-submits each with its generated prefix appended to the
-  prompt and a seed of its own (:func:`piece_params`), stitching the pieces into one
+  prompt and a seed of its own (:func:`~rollout_servers.samples.piece_params`), stitching the pieces into one
   response.
 - With pushed LoRA adapters (``sync.lora: adapter``) a sync does not pause at all: the
   adapter loads as a new vLLM adapter (:mod:`rollout_servers.adapters`), new requests take
@@ -26,12 +26,10 @@ import asyncio
 import contextlib
 import gc
 import logging
-import math
 import time
-import zlib
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from rollout_servers.samples import Sample, piece_params, sampled_logprob, version_spans_of
 from rollout_servers.worker_ext import PARTLY_LOADED
 
 if TYPE_CHECKING:
@@ -42,37 +40,6 @@ if TYPE_CHECKING:
     from rollout_servers.adapters import AdapterVersions
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Sample:
-    """One finished response.
-
-    ``version_spans`` lists ``(policy_version, n_tokens)`` runs covering ``token_ids`` in
-    order; ``logprobs[i]`` is the behaviour logprob of ``token_ids[i]`` (after temperature).
-    ``temperature`` is the one vLLM sampled at (its ``SamplingParams`` may have adjusted
-    the requested value): the learner divides this response's logits by it.
-    """
-
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    version_spans: list[tuple[int, int]] = field(default_factory=list)
-    finish_reason: str = "length"
-    resubmissions: int = 0
-    start_version: int = 0  # the version when the request started (empty responses)
-    temperature: float | None = None
-
-    def extend(
-        self, token_ids: list[int], logprobs: list[float], spans: list[tuple[int, int]]
-    ) -> None:
-        """Append one piece of the response (a re-submission continues the same sample)."""
-        self.token_ids += token_ids
-        self.logprobs += logprobs
-        for version, n in spans:
-            if self.version_spans and self.version_spans[-1][0] == version:
-                self.version_spans[-1] = (version, self.version_spans[-1][1] + n)
-            elif n:
-                self.version_spans.append((version, n))
 
 
 class SyncJoin(NamedTuple):
@@ -190,8 +157,8 @@ class RolloutEngine:
             done = final.outputs[0]
             ids = list(done.token_ids)
             positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
-            logprobs = [_sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
-            sample.extend(ids, logprobs, _spans(done, len(ids), version_before))
+            logprobs = [sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
+            sample.extend(ids, logprobs, version_spans_of(done, len(ids), version_before))
             interrupted = done.finish_reason == "abort" and self._aborts != aborts_before
             if not interrupted or len(sample.token_ids) >= max_tokens:
                 sample.finish_reason = done.finish_reason or "length"
@@ -226,7 +193,7 @@ class RolloutEngine:
         done = final.outputs[0]
         ids = list(done.token_ids)
         positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
-        logprobs = [_sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
+        logprobs = [sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
         sample.extend(ids, logprobs, [(version, len(ids))])
         sample.finish_reason = done.finish_reason or "length"
         return sample
@@ -251,7 +218,7 @@ class RolloutEngine:
             if final is None or final.prompt_logprobs is None:
                 raise RuntimeError(f"vLLM returned no prompt logprobs for probe {rid}")
             positions = final.prompt_logprobs[1:]  # the first token has none
-            out += [_sampled_logprob(d, t) for d, t in zip(positions, ids[1:], strict=True)]
+            out += [sampled_logprob(d, t) for d, t in zip(positions, ids[1:], strict=True)]
         return out
 
     async def sync_weights(
@@ -429,35 +396,3 @@ class RolloutEngine:
             self.adapters.versions,
         )
         return {"seconds": took, **(stats[0] if stats else {})}
-
-
-def piece_params(params: SamplingParams, piece: int, max_tokens: int) -> SamplingParams:
-    """``SamplingParams`` of piece ``piece`` (0 = the first submission) of a request that a
-    sync in ``abort`` mode interrupted, allowed ``max_tokens`` more tokens.
-
-    vLLM seeds a fresh generator per request: a re-submitted piece with the request's seed
-    would replay the random draws of the first piece (with vLLM's exponential-race sampler,
-    token ``k + j`` tied to token ``j``), and the behaviour logprobs would no longer describe
-    how the tokens were drawn. Later pieces get their own seed, derived from the request's
-    seed and the piece number, so a seeded run stays reproducible; piece 0 keeps the seed.
-    """
-    out = params.clone()
-    out.max_tokens = max_tokens
-    if piece and params.seed is not None:
-        out.seed = zlib.crc32(f"{params.seed}#{piece}".encode()) & 0x7FFFFFFF
-    return out
-
-
-def _sampled_logprob(position: dict | None, token: int) -> float:
-    """The sampled token's logprob at one position (NaN if vLLM did not report it, which
-    the learner drops and counts)."""
-    entry = position.get(token) if position else None
-    return float(entry.logprob) if entry is not None else math.nan
-
-
-def _spans(done: Any, n_tokens: int, fallback_version: int) -> list[tuple[int, int]]:
-    """``(version, n_tokens)`` runs from vLLM's weight version labels."""
-    labels = getattr(done, "weight_versions", None)
-    if not labels:
-        return [(fallback_version, n_tokens)] if n_tokens else []
-    return [(int(s.version), s.end - s.start) for s in labels if s.end > s.start]

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rollout_servers.engine import Sample
     from rollout_servers.protocols import Tokenizer
+    from rollout_servers.samples import Sample
 
 
 @dataclass

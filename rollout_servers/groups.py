@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from asyncrl.config.recipes import OverlongBufferConfig
     from asyncrl.control.messages import Task
     from asyncrl.rewards import ScoreResult
-    from rollout_servers.engine import Sample
+    from rollout_servers.samples import Sample
 
 
 @dataclass(frozen=True)

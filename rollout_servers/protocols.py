@@ -25,7 +25,8 @@ from asyncrl.control.messages import Registered, SyncStart, TaskGrant
 from asyncrl.rewards import ScoreJob, ScoreResult
 from asyncrl.sync.plan import WeightPlan
 from asyncrl.wire import Trajectory
-from rollout_servers.engine import Sample, SyncJoin
+from rollout_servers.engine import SyncJoin
+from rollout_servers.samples import Sample
 
 if TYPE_CHECKING:
     from vllm import SamplingParams

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 
     from asyncrl.control.messages import Task
     from asyncrl.rewards import ScoreResult
-    from rollout_servers.engine import Sample
     from rollout_servers.protocols import Tokenizer
+    from rollout_servers.samples import Sample
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-from rollout_servers.engine import Sample
+from rollout_servers.samples import Sample
 
 
 def first_stop(ids: list[int], decode: Callable[[list[int]], str], stops: list[str]) -> int:

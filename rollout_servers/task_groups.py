@@ -23,7 +23,6 @@ from rollout_servers.agent import (
     episode_samples,
     episode_trajectories,
 )
-from rollout_servers.engine import Sample
 from rollout_servers.groups import (
     SamplingSettings,
     build_group,
@@ -31,6 +30,7 @@ from rollout_servers.groups import (
     sampling_params,
     shape_overlong,
 )
+from rollout_servers.samples import Sample
 
 if TYPE_CHECKING:
     from asyncrl.config import Config

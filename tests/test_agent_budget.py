@@ -24,10 +24,10 @@ from asyncrl.control.messages import Task
 from asyncrl.rewards import ScoreJob, ScoreResult
 from rollout_servers import task_groups
 from rollout_servers.agent import AgentRunner, AgentSettings
-from rollout_servers.engine import Sample
 from rollout_servers.episodes import Episode
 from rollout_servers.groups import SamplingSettings
 from rollout_servers.lanes import Lanes
+from rollout_servers.samples import Sample
 from rollout_servers.server_stats import ServerStats
 from tests.standins.chat import EOT, CharTokenizer
 from tests.standins.server_parts import make_task

@@ -108,8 +108,8 @@ def test_a_template_that_refuses_tool_turns_ends_the_episode_not_the_group(caplo
     traceback each time. The episode ends there now (template_error), said once."""
     from asyncrl.config import load_config
     from rollout_servers.agent import AgentRunner, AgentSettings
-    from rollout_servers.engine import Sample
     from rollout_servers.groups import SamplingSettings
+    from rollout_servers.samples import Sample
     from tests.standins.chat import EOT, CharTokenizer
     from tests.standins.server_parts import make_task
 

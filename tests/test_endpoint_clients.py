@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from rollout_servers.engine import Sample
+from rollout_servers.samples import Sample
 from tests.standins.chat import ReplyEngine
 from tests.test_endpoint_faults import USER, Rig, _serve
 

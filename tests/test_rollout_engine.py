@@ -221,7 +221,7 @@ def test_resubmitted_pieces_draw_fresh_deterministic_seeds():
     request's seed and the piece number (reproducible runs stay reproducible)."""
     from vllm import SamplingParams
 
-    from rollout_servers.engine import piece_params
+    from rollout_servers.samples import piece_params
 
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=480, logprobs=0, seed=123)
     pieces = [piece_params(params, piece, 480 - 10 * piece) for piece in range(4)]
@@ -245,7 +245,7 @@ def test_abort_resubmission_samples_with_the_piece_seed(rig):
     fresh request for the prompt plus the first piece's tokens, under the new weights, gives
     with the piece's derived seed, and not what the request's own seed gives (that stream
     already drew the first piece's tokens)."""
-    from rollout_servers.engine import piece_params
+    from rollout_servers.samples import piece_params
 
     loop, engine, learner, models, path = rig
     _skip_abort_inline(engine)

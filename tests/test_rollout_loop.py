@@ -18,7 +18,7 @@ from asyncrl.config import load_config
 from asyncrl.rewards import ScoreResult
 from rollout_servers import agent as agent_module
 from rollout_servers import protocols, task_groups
-from rollout_servers.engine import Sample
+from rollout_servers.samples import Sample
 from rollout_servers.server import RolloutServer
 from rollout_servers.server_stats import RECENT
 from tests.helpers import wait_until_async

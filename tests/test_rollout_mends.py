@@ -38,9 +38,10 @@ from rollout_servers import agent as agent_module
 from rollout_servers import main as rollout_main
 from rollout_servers import task_groups
 from rollout_servers.agent import AgentRunner, AgentSettings, episode_trajectories
-from rollout_servers.engine import RolloutEngine, Sample, SyncJoin
+from rollout_servers.engine import RolloutEngine, SyncJoin
 from rollout_servers.groups import SamplingSettings
 from rollout_servers.lanes import Lanes
+from rollout_servers.samples import Sample
 from rollout_servers.server import RolloutServer
 from rollout_servers.server_stats import ServerStats
 from tests.helpers import wait_until_async

@@ -18,8 +18,8 @@ from learner.loop import to_rollouts
 from learner.losses import AggNorm, LossConfig, policy_loss
 from learner.plan import norm_counts
 from learner.rollouts import clean_rollouts
-from rollout_servers.engine import Sample, _sampled_logprob
 from rollout_servers.groups import build_group
+from rollout_servers.samples import Sample, sampled_logprob
 
 PROMPT = [1, 2, 3]
 
@@ -48,7 +48,7 @@ def through_the_buffer(frames: list) -> wire.Batch:
 def test_unreported_logprob_costs_one_token_not_the_group():
     """The engine turns a position vLLM did not report into NaN; the group must still reach
     the learner, which drops that one token from the loss and counts it."""
-    unreported = _sampled_logprob({}, 5)  # vLLM gave no entry for the sampled token
+    unreported = sampled_logprob({}, 5)  # vLLM gave no entry for the sampled token
     assert math.isnan(unreported)
     a = Sample(
         token_ids=[5, 6, 7],

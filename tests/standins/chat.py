@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rollout_servers.engine import Sample
+from rollout_servers.samples import Sample
 
 #: The end-of-turn character (and token): what a sampled turn ends with.
 EOT = "\x03"

@@ -27,8 +27,9 @@ from asyncrl.sync.plan import WeightPlan
 from asyncrl.tools import ToolPool
 from asyncrl.wire import Trajectory
 from rollout_servers.agent import AgentRunner, AgentSettings
-from rollout_servers.engine import Sample, SyncJoin
+from rollout_servers.engine import SyncJoin
 from rollout_servers.groups import SamplingSettings
+from rollout_servers.samples import Sample
 from tests.standins.chat import EOT, CharTokenizer
 
 if TYPE_CHECKING:
