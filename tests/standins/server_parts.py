@@ -53,6 +53,9 @@ class StandInEngine:
     def errored(self) -> bool:
         return False
 
+    def paused_s(self) -> float:
+        return self.metrics["rollout/sync_pause_s"]  # its syncs pause for no time
+
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> Sample:
