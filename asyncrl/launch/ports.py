@@ -14,9 +14,11 @@ role on this machine, so it claims them first (:func:`claim`):
   ``trainer.experiment_name``.
 
 Claims live in a small file in the system's temporary directory, changed under a file lock
-(launches started at the same instant are served one after the other) and pruned of
-launches that are gone; the run directory is held with a lock on ``launch.lock`` that the
-kernel lets go when the launcher exits, however it exits.
+(launches started at the same instant are served one after the other; a lock held past
+``CLAIMS_LOCK_TIMEOUT_S``, by a launcher stopped with Ctrl-Z say, is refused in one line
+naming the lock and its holder) and pruned of launches that are gone; the run directory
+is held with a lock on ``launch.lock`` that the kernel lets go when the launcher exits,
+however it exits.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -39,6 +42,21 @@ log = logging.getLogger(__name__)
 
 #: The ``endpoints.*`` keys that are ports.
 PORT_KEYS = ("tasks", "trajectories", "batches", "control", "sync_store")
+#: How long a launch waits for the port-claims lock. A launch holds it for milliseconds
+#: (read, check a few ports, write), so this is far past any queue of launches started at
+#: once; only a launcher stopped (Ctrl-Z) or hung while holding it takes longer.
+CLAIMS_LOCK_TIMEOUT_S = 30.0
+#: How often the wait for the port-claims lock is logged.
+CLAIMS_LOCK_REPORT_S = 5.0
+
+
+class ClaimsLockTimeout(ConfigError):
+    """The port-claims lock stayed held past :data:`CLAIMS_LOCK_TIMEOUT_S`. A
+    :class:`ConfigError` so that the launcher refuses in one line before anything starts,
+    as for a run directory in use; ``str`` is that line (not "invalid config")."""
+
+    def __str__(self) -> str:
+        return self.problems[0]
 
 
 def claims_file() -> Path:
@@ -50,7 +68,7 @@ def _locked_claims() -> Iterator[dict[str, list[int]]]:
     """The live launches' claimed ports (pid -> ports), read and written under a lock."""
     path = claims_file()
     with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        _lock(f, path)
         f.seek(0)
         try:
             claims = json.loads(f.read() or "{}")
@@ -61,6 +79,66 @@ def _locked_claims() -> Iterator[dict[str, list[int]]]:
         f.seek(0)
         f.truncate()
         f.write(json.dumps(live))
+
+
+def _lock(f: IO[str], path: Path) -> None:
+    """Take the claims lock on ``f``, waiting at most :data:`CLAIMS_LOCK_TIMEOUT_S` and
+    saying so every :data:`CLAIMS_LOCK_REPORT_S`: a launcher stopped while it held the lock
+    would otherwise block every later launch on this machine without a word."""
+    start = time.monotonic()
+    report_at = start + CLAIMS_LOCK_REPORT_S
+    while True:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if now - start >= CLAIMS_LOCK_TIMEOUT_S:
+            raise ClaimsLockTimeout([_lock_timeout_line(path, _lock_holder(f), now - start)])
+        if now >= report_at:
+            log.warning(
+                "waiting for the port-claims lock at %s (held by another launch) for %.0fs",
+                path,
+                now - start,
+            )
+            report_at += CLAIMS_LOCK_REPORT_S
+        time.sleep(0.05)
+
+
+def _lock_holder(f: IO[str]) -> int | None:
+    """The pid holding the flock on ``f``'s file, from ``/proc/locks``; None where it
+    cannot be seen (no ``/proc``, a holder in another pid namespace)."""
+    st = os.fstat(f.fileno())
+    ident = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        # "1: FLOCK  ADVISORY  WRITE 1234 fe:00:5678 0 EOF"; a waiter's line has "->" second
+        fields = line.split()
+        if len(fields) > 5 and fields[1] == "FLOCK" and fields[5] == ident:
+            return int(fields[4]) if fields[4].isdigit() and fields[4] != "0" else None
+    return None
+
+
+def _lock_timeout_line(path: Path, holder: int | None, waited_s: float) -> str:
+    """The one line a launch refuses with when the claims lock stays held."""
+    who = "another process"
+    if holder is not None:
+        who = f"pid {holder}"
+        with contextlib.suppress(OSError, IndexError):
+            stat = Path(f"/proc/{holder}/stat").read_bytes()
+            if stat[stat.rindex(b")") + 2 :].split()[0] in (b"T", b"t"):
+                who += " (stopped)"
+    pid = holder if holder is not None else "PID"
+    return (
+        f"the port-claims lock at {path} was held by {who} for {waited_s:.0f}s, longer than "
+        f"any launch needs to claim its ports: a launcher stopped with Ctrl-Z must be "
+        f"resumed (fg, or kill -CONT {pid}) or ended (kill {pid}); if no asyncrl-launch "
+        f"runs on this machine, remove {path}"
+    )
 
 
 def _alive(pid: int) -> bool:

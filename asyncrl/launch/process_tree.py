@@ -38,7 +38,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("asyncrl.launch")
@@ -263,25 +263,95 @@ def spawn(
         out.close()
 
 
+@dataclass
+class _Announcements:
+    """What the launcher could not tell its watchdog: its pipe was full (the watchdog is
+    stopped or starved). One per write end of a watchdog's pipe."""
+
+    watchdog: int | None  # its pid, for the log lines
+    backlog: list[str] = field(default_factory=list)  # "+PID"/"-PID" not sent yet, in order
+    dropped: int = 0  # "=PID START" lines dropped in this stall
+    warned: bool = False  # this stall was logged
+
+
+_announcements: dict[int, _Announcements] = {}
+
+
 def start_watchdog(prefix: str, grace_s: float) -> tuple[subprocess.Popen, int]:
     """Start the watchdog of a run whose markers start with ``prefix``. Returns it and the
     write end of its pipe, on which :func:`tell_watchdog` announces the roles; the watchdog
     acts once every copy of that end is closed (this process exited, however it ended)."""
     read_end, write_end = os.pipe()  # not inherited by roles (PEP 446)
+    # A stalled watchdog must not stall the supervisor loop: a write to its full pipe
+    # fails (EAGAIN) instead of blocking, and tell_watchdog decides what waits and what is
+    # dropped. O_NONBLOCK is on the write end's file description only: the watchdog's
+    # reads still block.
+    os.set_blocking(write_end, False)
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.launch.process_tree", prefix, str(grace_s)],
         stdin=read_end,
         start_new_session=True,  # a signal to the launcher's group does not reach it
     )
     os.close(read_end)
+    _announcements[write_end] = _Announcements(proc.pid)  # a reused fd starts afresh
     return proc, write_end
+
+
+def _send(fd: int, line: str) -> bool:
+    """Write one announcement without blocking; False when the pipe is full. A write under
+    PIPE_BUF bytes (4096) is atomic: the watchdog never reads half a line."""
+    try:
+        os.write(fd, f"{line}\n".encode())
+    except BlockingIOError:
+        return False
+    except OSError:  # the watchdog is gone: it cannot be told, so nothing is held back
+        pass
+    return True
 
 
 def tell_watchdog(fd: int, message: str) -> None:
     """Tell the watchdog ``+PID`` (a role started: its session is the run's), ``-PID`` (a
-    role was reaped: its pid may be reused) or ``=PID START`` (a descendant of a role)."""
-    with contextlib.suppress(OSError):  # a watchdog that is gone cannot be told
-        os.write(fd, f"{message}\n".encode())
+    role was reaped: its pid may be reused) or ``=PID START`` (a descendant of a role).
+
+    Never blocks. While the pipe is full, role announcements (``+``/``-``: few, and what
+    the watchdog needs most) wait for a later call, in order; descendant announcements
+    (``=``: most of the traffic, and the watchdog finds most of those processes by their
+    role's session or their marker anyway) are dropped and counted. One warning per
+    stall, one line with the count when the watchdog reads again."""
+    state = _announcements.get(fd)
+    if state is None:  # a pipe start_watchdog did not make: never block on it either
+        os.set_blocking(fd, False)
+        state = _announcements[fd] = _Announcements(None)
+    if message.startswith("-") and (started := f"+{message[1:]}") in state.backlog:
+        state.backlog.remove(started)  # it was never told of the role: nothing to take back
+        return
+    queue = [*state.backlog, message]
+    sent = 0
+    while sent < len(queue) and _send(fd, queue[sent]):
+        sent += 1
+    if sent == len(queue):
+        state.backlog = []
+        if state.warned:
+            log.warning(
+                "the launch watchdog (pid %s) reads its pipe again; %d announcements of "
+                "role descendants were dropped meanwhile",
+                state.watchdog,
+                state.dropped,
+            )
+        state.dropped, state.warned = 0, False
+        return
+    state.backlog = [line for line in queue[sent:] if not line.startswith("=")]
+    if message.startswith("="):
+        state.dropped += 1
+    if not state.warned:
+        state.warned = True
+        log.warning(
+            "the launch watchdog (pid %s) is not reading its pipe (stopped?): if this launcher "
+            "dies now, it cannot clean up the role descendants it is not told of (those that "
+            "left their role's session and renamed themselves outlive the run); their "
+            "announcements are dropped (counted, logged when it reads again), roles' wait",
+            state.watchdog,
+        )
 
 
 def watchdog(prefix: str, grace_s: float) -> None:
