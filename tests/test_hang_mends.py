@@ -309,8 +309,6 @@ def _can_freeze() -> bool:
     return (FREEZER / "cgroup.procs").exists() and os.access(FREEZER, os.W_OK)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.skipif(not _can_freeze(), reason="needs a writable cgroup v1 freezer (root)")
 def test_an_interrupted_learner_ends_the_run_without_waiting_for_rounds(rig: RankZeroRig):
     """Ctrl-C of a learner started by hand ends the run at once: it used to wait, without
     a word, up to launch.start_timeout_s (300 s) for validation rounds in flight, whose
@@ -349,6 +347,8 @@ def test_an_interrupted_learner_ends_the_run_without_waiting_for_rounds(rig: Ran
     assert Control.ended == [(False, False, False)]  # no validation, no wait, not whole
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not _can_freeze(), reason="needs a writable cgroup v1 freezer (root)")
 def test_reaping_a_role_stuck_in_the_kernel_is_bounded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
