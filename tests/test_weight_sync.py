@@ -128,6 +128,18 @@ def test_forming_a_group_with_a_missing_member_times_out():
     assert time.monotonic() - start < 2 + 6  # the 2 s timeout, with a loaded machine's margin
 
 
+def test_a_member_that_gave_up_is_not_counted_by_one_that_comes_late():
+    """A member that timed out takes its flag back: one arriving after it must not pass
+    the meeting on that flag and then wait for it in the first collective (under NCCL,
+    without a bound)."""
+    port = free_port()
+    store = open_store("127.0.0.1", port, is_host=True, timeout_s=2)
+    with pytest.raises(WeightSyncError, match=r"rank\(s\) \[1\] never joined"):
+        form_group(store, "late", 0, 2, timeout_s=1)
+    with pytest.raises(WeightSyncError, match=r"rank\(s\) \[0\] never joined"):
+        form_group(store, "late", 1, 2, timeout_s=1)
+
+
 def test_joining_a_store_nobody_hosts_fails_clearly():
     with pytest.raises(WeightSyncError, match="check endpoints.host"):
         open_store("127.0.0.1", free_port(), is_host=False, timeout_s=1)

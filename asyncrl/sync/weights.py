@@ -153,13 +153,17 @@ def _wait_for_members(store, generation: str | int, rank: int, world_size: int, 
     group at its first collective, a wait that ignores the group's timeout: a member that
     died before joining would hold everyone there for good. Here that is a
     :class:`WeightSyncError` naming the ranks missing."""
-    store.set(f"joined/{rank}", b"1")
+    mine = f"joined/{rank}"
+    store.set(mine, b"1")
     keys = [f"joined/{r}" for r in range(world_size)]
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except Exception as e:  # torch raises DistStoreError (a RuntimeError) on its timeout
         try:
             missing = [r for r, k in enumerate(keys) if not store.check([k])]
+            # Taken back: a member arriving late must not pass on the flag of one that
+            # gave up, then wait for it in the first collective.
+            store.delete_key(mine)
         except Exception:  # the store itself is gone: the ranks cannot be told apart
             missing = []
         raise WeightSyncError(
@@ -170,11 +174,12 @@ def _wait_for_members(store, generation: str | int, rank: int, world_size: int, 
 
 
 def release_group(pg: Any) -> None:
-    """Let go of a sync group that failed or is replaced: abort it, so its connections
-    close now. Under NCCL a communicator that is only dropped can stay in a collective
-    that never completes (a member died mid-broadcast), holding its GPU buffers and its
-    watchdog's attention until the process ends; an abort ends those operations. Members
-    still waiting on the group then fail at once instead of after ``sync.timeout_s``."""
+    """Let go of a sync group that failed or is replaced: abort it. Under NCCL a
+    communicator that is only dropped can stay in a collective that never completes (a
+    member died mid-broadcast), holding its GPU buffers and its watchdog's attention until
+    the process ends; an abort ends those operations. Callers then drop the group: under
+    gloo that closes its connections, and a member still waiting on it fails at once
+    (checked: about 1 s, against its ``sync.timeout_s``)."""
     if pg is None:
         return
     try:
