@@ -272,9 +272,10 @@ class RankZero:
 
     def checkpoint_extra(self, step: int) -> dict[str, Any]:
         self.pushes.wait()  # the coordinator's state with the pushed version current
-        # A validation round due at this step starts before the state is taken: a resume
-        # from this checkpoint then deals it, rather than never validating this step and
-        # starting a later round under this one's ids (after_step will not start it twice).
+        # A validation round due at this step has started before the state is taken (the
+        # loop's after_step runs first; a save outside the loop's steps starts it here, and
+        # a round is never started twice): a resume from this checkpoint then deals it,
+        # rather than never validating this step and starting a later round under its ids.
         self.coordinator.on_step(step)
         coordinator = self.coordinator.state_dict()
         # The buffer's scored groups, read after the coordinator's state: every validation

@@ -84,6 +84,7 @@ class RolloutEngine:
         self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
         self._paused_total = 0.0  # seconds generation was paused for syncs, ended pauses
         self._paused_since: float | None = None  # the pause in progress (held while partial)
+        self.stuck = ""  # a worker call that never ended: the engine is of no more use
 
     @classmethod
     async def start(
@@ -128,7 +129,7 @@ class RolloutEngine:
     @property
     def errored(self) -> bool:
         """Whether vLLM's engine has died (then no request or sync can succeed here)."""
-        return bool(getattr(self.llm, "errored", False))
+        return bool(self.stuck or getattr(self.llm, "errored", False))
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
@@ -239,7 +240,8 @@ class RolloutEngine:
                 return await self._sync_adapter(version, plan, join=join, timeout_s=timeout_s)
             return await self._sync_full(version, plan, join=join, timeout_s=timeout_s)
         except Exception:
-            await self._leave_group(min(10.0, max(1.0, timeout_s)))
+            if not self.stuck:  # a leave would queue behind the stuck call
+                await self._leave_group(min(10.0, max(1.0, timeout_s)))
             raise
         finally:
             self._synced_through = max(self._synced_through, version)
@@ -251,9 +253,10 @@ class RolloutEngine:
     ) -> list[dict[str, float]]:
         """Join (with ``join``) and receive on every worker, bounded as a whole. Each wait
         in a worker is bounded by ``timeout_s`` (two to join, one per bucket), so a call
-        still running after ``timeout_s * (4 + buckets)`` has a worker stuck in it: the
-        weights are then in an unknown state, and the error says they are partly loaded
-        (generation held until a catch-up; a catch-up that cannot run ends the server)."""
+        still running after ``timeout_s * (4 + buckets)`` (three waits to join, one per
+        bucket, one to spare) has a worker stuck in it: every later call would queue behind
+        it, so the engine counts as dead (:attr:`errored`: the server exits 4 and is
+        restarted) and generation is not resumed."""
         bound = timeout_s * (4 + len(plan.buckets))
         start = time.monotonic()
 
@@ -267,15 +270,25 @@ class RolloutEngine:
         except asyncio.TimeoutError:  # not builtin TimeoutError on 3.10
             if time.monotonic() - start < bound:
                 raise  # a worker's own timeout, raised through the call
-            raise RuntimeError(
-                f"{PARTLY_LOADED}: the workers' {method} did not end within {bound:.0f}s "
-                "(sync.timeout_s per wait): a worker is stuck in it"
-            ) from None
+            self.stuck = (
+                f"the workers' {method} did not end within {bound:.0f}s (sync.timeout_s per "
+                "wait): a worker is stuck in it"
+            )
+            raise RuntimeError(self.stuck) from None
+
+    def _pause_begins(self, at: float) -> None:
+        if self._paused_since is None:  # partly loaded weights: still the pause before
+            self._paused_since = at
+
+    def _pause_ends(self) -> None:
+        self._paused_total = self.paused_s()
+        self._paused_since = None
 
     def paused_s(self) -> float:
-        """Seconds generation has been paused for full-weight syncs so far, the pause in
-        progress included (and the hold of partly loaded weights until a whole load):
-        what an agent episode's deadline does not count."""
+        """Seconds generation has been paused for weight syncs so far (a full-weight sync's
+        pause, an adapter's receive), the pause in progress included, and the hold of partly
+        loaded weights until a whole load: what an agent episode's deadline does not
+        count."""
         since = self._paused_since
         return self._paused_total + (time.monotonic() - since if since is not None else 0.0)
 
@@ -323,8 +336,7 @@ class RolloutEngine:
         try:
             # Inside the try: a pause that fails must still resume (the finally), or every
             # generate of the abort mode would wait for _resumed for good.
-            if self._paused_since is None:  # partly loaded weights: still the pause before
-                self._paused_since = start
+            self._pause_begins(start)
             if self.sync_mode == "abort":
                 self._resumed.clear()
                 self._aborts += 1
@@ -348,11 +360,12 @@ class RolloutEngine:
                 log.warning("weights partly loaded: generation held until a catch-up")
             raise
         finally:
-            if not self.partial:
-                await self.llm.resume_generation()
-                self._resumed.set()
-                self._paused_total = self.paused_s()
-                self._paused_since = None
+            if not (self.partial or self.stuck):
+                try:
+                    await self.llm.resume_generation()
+                finally:  # a resume that fails must not hold generate or deadlines for good
+                    self._resumed.set()
+                    self._pause_ends()
             marks.append(time.monotonic())
             paused = marks[-1] - start
             self.metrics["rollout/sync_pause_s"] += paused
@@ -378,9 +391,14 @@ class RolloutEngine:
         start = time.monotonic()
         path = str(self.adapters.path_for(version))
         rank, alpha = self.adapters.rank, self.adapters.alpha
-        stats = await self._receive(
-            plan, join, timeout_s, "wsync_receive_adapter", path, rank, alpha
-        )
+        self._pause_begins(start)  # the engine steps no request during the receive
+        try:
+            stats = await self._receive(
+                plan, join, timeout_s, "wsync_receive_adapter", path, rank, alpha
+            )
+        finally:
+            if not self.stuck:
+                self._pause_ends()
         received = time.monotonic()
         await self.adapters.activate(self.llm, version)
         await self.llm.update_weight_version(str(version))

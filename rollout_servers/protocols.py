@@ -45,7 +45,8 @@ class GenerationEngine(Protocol):
 
     @property
     def errored(self) -> bool:
-        """Whether the engine has died (then the server exits to be restarted)."""
+        """Whether the engine has died, or a worker is stuck in a call (then the server exits
+        to be restarted)."""
         ...
 
     def paused_s(self) -> float:

@@ -176,7 +176,7 @@ class RolloutServer:
         Weights partly loaded by a broken-off sync hold generation until a catch-up loads
         them whole (one member's death mid-push does not restart every server); a catch-up
         that fails on them too ends the server (``was_partial``: they were partial before)."""
-        if self.engine.errored:
+        if self.engine.errored:  # dead, or a worker stuck in a call (RolloutEngine.stuck)
             self.fatal = self.fatal or f"the vLLM engine died ({type(error).__name__}: {error})"
         elif was_partial and self.engine.partial:
             self.fatal = f"its weights stay partly loaded after a failed catch-up ({error})"

@@ -124,20 +124,41 @@ def test_a_failed_sync_leaves_its_group_and_a_failed_pause_still_resumes():
     asyncio.run(run())
 
 
-def test_a_worker_stuck_in_its_receive_holds_generation_as_partly_loaded():
+def test_a_worker_stuck_in_its_receive_makes_the_engine_count_as_dead():
     """Every wait in a worker's receive is bounded by the sync timeout, so a call that
-    outlasts them all has a worker stuck in it: the weights are of unknown state, held as
-    partly loaded (a catch-up that cannot run either ends the server). The call used to
-    be awaited without a bound, generation paused, and nothing said."""
+    outlasts them all has a worker stuck in it, and every later call would queue behind
+    it: the engine counts as dead (the server exits 4 and is restarted), generation is
+    not resumed, and no leave is queued. The call used to be awaited without a bound,
+    generation paused, and nothing said."""
 
     async def run() -> None:
         llm = GatedLLM()  # the gate stays shut: the receive never returns
         engine = RolloutEngine(llm)
         start = asyncio.get_running_loop().time()
-        with pytest.raises(RuntimeError, match=f"{PARTLY_LOADED}: .*wsync_receive did not end"):
+        with pytest.raises(RuntimeError, match="wsync_receive did not end .* stuck"):
             await engine.sync_weights(1, PLAN, timeout_s=0.05)  # 1 bucket: bound 0.25 s
-        assert asyncio.get_running_loop().time() - start < 5  # 0.25 s, then the leave's 1 s
-        assert engine.partial and engine.version == 0 and "resume" not in llm.calls
+        assert asyncio.get_running_loop().time() - start < 2
+        assert engine.errored and engine.version == 0 and "resume" not in llm.calls
+        assert llm.rpcs == ["wsync_receive"]
+
+    asyncio.run(run())
+
+
+def test_a_resume_that_fails_still_lets_generation_and_deadlines_go_on():
+    async def run() -> None:
+        llm = GatedLLM()
+        llm.gate.set()
+        engine = RolloutEngine(llm, sync_mode="abort")
+
+        async def refused() -> None:
+            raise RuntimeError("resume refused")
+
+        llm.resume_generation = refused  # type: ignore[method-assign]
+        with pytest.raises(RuntimeError, match="resume refused"):
+            await engine.sync_weights(1, PLAN, timeout_s=5.0)
+        paused = engine.paused_s()
+        await asyncio.sleep(0.2)
+        assert engine._resumed.is_set() and engine.paused_s() == paused  # the pause ended
 
     asyncio.run(run())
 
