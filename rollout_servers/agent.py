@@ -299,13 +299,35 @@ def inserted_len(
     messages rendered alone end as ``after`` does, and their common end is the new
     messages, give or take the markup token before them. The lesser of the two."""
     by_prefix = len(after) - shared_len(before, after)
+    by_suffix = tail_len(tok, after, new, schemas)
+    return by_prefix if by_suffix is None else min(by_prefix, by_suffix)
+
+
+def tail_len(
+    tok: Tokenizer, after: list[int], new: list[dict[str, Any]], schemas: list[dict] | None
+) -> int | None:
+    """How many of ``after``'s last tokens render the messages ``new`` that end it (with
+    the generation prompt), as their own rendering ends; None when the template refuses a
+    conversation that opens with them."""
     try:
         alone = render(tok, new, schemas, gen=True)
-    except Exception:  # a template that refuses a conversation opening with these
-        return by_prefix
+    except Exception:  # a template that requires a user turn first, say
+        return None
     n = min(len(after), len(alone))
-    by_suffix = next((i for i in range(n) if after[-1 - i] != alone[-1 - i]), n)
-    return min(by_prefix, by_suffix)
+    return next((i for i in range(n) if after[-1 - i] != alone[-1 - i]), n)
+
+
+def input_since_last_turn(
+    tok: Tokenizer, prompt: list[int], history: list[dict[str, Any]], schemas: list[dict] | None
+) -> int:
+    """Of a conversation the agent rewrote (``history``, rendered as ``prompt``), how many
+    last tokens are what it added after the model's last turn (tool answers, a user turn):
+    the session's response, as the same messages appended without a rewrite would be."""
+    last = max((i for i, m in enumerate(history) if m.get("role") == "assistant"), default=-1)
+    added = history[last + 1 :]
+    if last < 0 or not added:
+        return 0
+    return tail_len(tok, prompt, added, schemas) or 0
 
 
 def episode_trajectories(

@@ -34,7 +34,7 @@ from jinja2 import TemplateError
 from asyncrl.control.messages import Task
 from asyncrl.tools.hermes import parse_tool_calls
 from asyncrl.tools.tokens import render
-from rollout_servers.agent import extend
+from rollout_servers.agent import extend, input_since_last_turn
 from rollout_servers.episodes import Episode, Piece
 
 if TYPE_CHECKING:
@@ -403,7 +403,12 @@ def prepare(
         prompt = render(tok, history, draft.tools, gen=True)
     except TemplateError as e:
         raise RequestError(400, f"the chat template refused the conversation: {e}") from e
-    draft.episode.pieces.append(first_piece(prompt, max_prompt_len, version))
+    piece = first_piece(prompt, max_prompt_len, version)
+    if ep.pieces:  # rewritten: what the agent added since the model's turn is response
+        piece.lead = input_since_last_turn(tok, prompt, history, draft.tools)
+        if draft.episode.response_len() + piece.lead >= max_response_len:
+            raise context_exceeded(max_response_len, ENDED["length"])
+    draft.episode.pieces.append(piece)
     draft.episode.messages[:] = history
     draft.shown[:] = list(messages)
     return draft

@@ -21,7 +21,7 @@ import aiohttp
 import pytest
 
 from rollout_servers.samples import Sample
-from tests.standins.chat import ReplyEngine
+from tests.standins.chat import EOT, ReplyEngine
 from tests.test_endpoint_faults import USER, Rig, _serve
 
 
@@ -325,8 +325,9 @@ def test_the_end_of_a_sessions_room_reads_as_the_context_window(monkeypatch):
 def test_a_sessions_samples_share_one_response_budget(monkeypatch):
     """``max_tokens`` is within ``data.max_response_length`` for the whole session, as the
     server's own agent episodes are: a request that rewrites the conversation (a new
-    sample) and a raw completion get what the session has left, not the limit anew; each
-    sample had a budget of its own, so a session could sample many times the limit."""
+    sample, whose messages added after the model's last turn count) and a raw completion
+    get what the session has left, not the limit anew; each sample had a budget of its
+    own, so a session could sample many times the limit."""
 
     async def scenario(rig: Rig) -> None:
         turns, asked = rig.endpoint.turns, []
@@ -340,12 +341,19 @@ def test_a_sessions_samples_share_one_response_budget(monkeypatch):
         assert (await _post(rig, _chat([USER])))[0] == 200  # answers "ok" + end: 3 tokens
         other = {"role": "user", "content": "something else"}
         assert (await _post(rig, _chat([other])))[0] == 200  # rewritten: a new sample
-        raw = {"model": "m", "prompt": "go on", "max_tokens": 16}
+        raw = {"model": "m", "prompt": "go on", "max_tokens": 64}
         assert (await _post(rig, raw, path="/v1/completions"))[0] == 200
-        assert asked == [16, 13, 10]
-        assert len(rig.session().episode.pieces) == 3
+        # Rewritten again, with a turn of the model and what the agent added after it:
+        # the added turn is the session's response too, as it is when appended.
+        added = {"role": "user", "content": "more"}
+        said = {"role": "assistant", "content": "ok"}
+        assert (await _post(rig, _chat([other, said, added])))[0] == 200
+        lead = len("<user>more" + EOT + "<assistant>")  # as the character template renders
+        assert asked == [64, 61, 58, 55 - lead]
+        pieces = rig.session().episode.pieces
+        assert len(pieces) == 4 and pieces[-1].lead == lead
 
-    _serve(monkeypatch, scenario, ("data.max_response_length=16",))
+    _serve(monkeypatch, scenario, ("data.max_response_length=64",))
 
 
 def test_the_model_card_has_what_typed_clients_read(monkeypatch):
