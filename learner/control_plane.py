@@ -272,10 +272,9 @@ class RankZero:
 
     def checkpoint_extra(self, step: int) -> dict[str, Any]:
         self.pushes.wait()  # the coordinator's state with the pushed version current
-        # A validation round due at this step has started before the state is taken (the
-        # loop's after_step runs first; a save outside the loop's steps starts it here, and
-        # a round is never started twice): a resume from this checkpoint then deals it,
-        # rather than never validating this step and starting a later round under its ids.
+        # A validation round due at this step starts before the state is taken: a resume
+        # from this checkpoint then deals it, rather than never validating this step and
+        # starting a later round under this one's ids (after_step will not start it twice).
         self.coordinator.on_step(step)
         coordinator = self.coordinator.state_dict()
         # The buffer's scored groups, read after the coordinator's state: every validation
@@ -312,14 +311,22 @@ class RankZero:
         for done in self.validation.add(reply.by_round, progress):
             self.logger.log(step, done)
 
-    def after_step(self, step: int, metrics: dict[str, float], version: int) -> None:
-        self.pushes.serve_catchups()
-        self.coordinator.on_step(step)
-        self._poll_validation(step)
+    def log_step(self, step: int, metrics: dict[str, float], version: int) -> None:
+        """The step's record, with the coordinator's and the servers' metrics: written
+        before the step's checkpoint (a learner that dies between them trains the step
+        again and writes a second record, which the readers supersede)."""
         metrics["actor/policy_version"] = version
         metrics.update(self.coordinator.metrics())
         metrics.update(rollout_summary(self.coordinator.server_metrics()))
         self.logger.log(step, metrics)
+
+    def after_step(self, step: int) -> None:
+        """After the step's checkpoint (a round due at a checkpoint step starts with the
+        save, and its servers score it while the checkpoint is written): catch-ups, the
+        validation round due, and the scores of the rounds in flight."""
+        self.pushes.serve_catchups()
+        self.coordinator.on_step(step)
+        self._poll_validation(step)
 
     def steer_lag(self, step: int, metrics: dict[str, float]) -> None:
         """The adaptive controller's next admission lag (``staleness/lag_limit``), from

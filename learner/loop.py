@@ -214,12 +214,13 @@ class LearnerLoop:
         if t.rank == 0:
             for alarm in alarms:
                 log.warning("%s", alarm.line(t.step))
-        self.control.after_step(t.step, metrics, t.policy_version)
         # The step's record is written before its checkpoint: a learner that dies between
         # the two trains the step again (a second record, which the readers supersede),
         # where the other order lost its record for good.
+        self.control.log_step(t.step, metrics, t.policy_version)
         if c.trainer.save_freq > 0 and t.step % c.trainer.save_freq == 0 and t.step < self.total:
             self._save()
+        self.control.after_step(t.step)
         stop = bool(alarms) and c.trainer.health.action == "stop"
         # Rank 0 alone sees a push's probe metrics: its decision holds for every rank.
         if _broadcast_int(int(stop), t):

@@ -119,14 +119,16 @@ def test_a_step_goes_on_when_the_buffer_misses_a_validation_poll(
     rig.buffer.stop()
 
     with caplog.at_level(logging.INFO, logger=control_plane.__name__):
-        rank0.after_step(1, {"loss/total": 0.5}, 0)  # raised TimeoutError before the mend
+        rank0.log_step(1, {"loss/total": 0.5}, 0)
+        rank0.after_step(1)  # raised TimeoutError before the mend
     assert "did not answer the validation poll" in caplog.text
     assert answered == []  # the poll was indeed not answered
     logged = {record["step"] for record in read_metrics(run_dir(rig.cfg))}
     assert 1 in logged  # the step went on to its record
 
     restarted = rig.restart_buffer()
-    rank0.after_step(2, {"loss/total": 0.4}, 0)
+    rank0.log_step(2, {"loss/total": 0.4}, 0)
+    rank0.after_step(2)
     assert answered == [restarted.session]  # asked again, answered
     assert rank0.validation.pending(rank0.coordinator.validation_progress())  # not lost
     assert {record["step"] for record in read_metrics(run_dir(rig.cfg))} >= {1, 2}

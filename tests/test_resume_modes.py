@@ -355,7 +355,7 @@ def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypat
     from learner.control_peer import NoControl
 
     adapters: list[Path] = []
-    monkeypatch.setattr(loop_module.fsdp, "full_state", lambda model: {"w": 1})
+    monkeypatch.setattr(loop_module.fsdp, "full_state", lambda model, keep=True: {"w": 1})
     monkeypatch.setattr(
         loop_module.lora, "export_adapter", lambda state, cfg, out: adapters.append(out)
     )
@@ -379,7 +379,8 @@ def test_a_checkpoint_holds_its_own_steps_lag_decision(tmp_path, monkeypatch):
     """The adaptive lag controller steers on a step's metrics before that step's checkpoint
     is taken: the step is not trained again after a resume, so a decision (a narrowing on
     a bad ESS) taken after the save was lost with it, and the resumed run admitted one
-    version wider than the one it replaced."""
+    version wider than the one it replaced. The validation round due starts with the save
+    (its servers score it while the checkpoint is written), and is polled after it."""
     from types import SimpleNamespace
 
     import learner.loop as loop_module
@@ -396,7 +397,10 @@ def test_a_checkpoint_holds_its_own_steps_lag_decision(tmp_path, monkeypatch):
             calls.append("save")
             return {}
 
-        def after_step(self, step: int, metrics: dict, version: int) -> None:
+        def log_step(self, step: int, metrics: dict, version: int) -> None:
+            calls.append("record")
+
+        def after_step(self, step: int) -> None:
             calls.append("after")
 
     class Training(LoadRecorder):
@@ -419,7 +423,9 @@ def test_a_checkpoint_holds_its_own_steps_lag_decision(tmp_path, monkeypatch):
     monkeypatch.setattr(loop_module, "to_rollouts", lambda batch: [])
     monkeypatch.setattr(loop_module.startup, "mark", lambda *args: None)
     assert loop._one_step()
-    assert calls == ["steer", "save", "after"]
+    # The step's record is written before its checkpoint too: a learner dying between them
+    # trains the step again (a second record, superseded), where it lost its record.
+    assert calls == ["steer", "record", "save", "after"]
 
 
 class StateReader(LoadRecorder):

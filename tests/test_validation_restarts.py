@@ -61,7 +61,7 @@ def _read_the_round_then_restart_the_buffer(
     coordinator = rank0.coordinator
 
     def reported() -> bool:
-        rank0.after_step(0, {}, 0)  # the end of a step: polls the round's scores
+        rank0.after_step(0)  # the end of a step: polls the round's scores
         return not rank0.validation.pending(coordinator.validation_progress())
 
     wait_until(reported, "the round's scores at the learner", 60.0, every_s=0.2)
