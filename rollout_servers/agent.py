@@ -317,17 +317,25 @@ def tail_len(
     return next((i for i in range(n) if after[-1 - i] != alone[-1 - i]), n)
 
 
-def input_since_last_turn(
-    tok: Tokenizer, prompt: list[int], history: list[dict[str, Any]], schemas: list[dict] | None
+def added_len(
+    tok: Tokenizer,
+    prompt: list[int],
+    history: list[dict[str, Any]],
+    start: int,
+    schemas: list[dict] | None,
 ) -> int:
     """Of a conversation the agent rewrote (``history``, rendered as ``prompt``), how many
-    last tokens are what it added after the model's last turn (tool answers, a user turn):
-    the session's response, as the same messages appended without a rewrite would be."""
-    last = max((i for i, m in enumerate(history) if m.get("role") == "assistant"), default=-1)
-    added = history[last + 1 :]
-    if last < 0 or not added:
+    last tokens render its messages from ``start`` on (what it added since the model's last
+    turn: tool answers, a user turn): the session's response, as the same messages
+    appended without a rewrite would be. 0 when nothing before ``start`` is known."""
+    added = history[start:]
+    if start <= 0 or not added:
         return 0
-    return tail_len(tok, prompt, added, schemas) or 0
+    try:
+        before = render(tok, history[:start], schemas, gen=False)
+    except Exception:  # a template that refuses to end there: by the messages alone
+        return tail_len(tok, prompt, added, schemas) or 0
+    return inserted_len(tok, before, prompt, added, schemas)
 
 
 def episode_trajectories(

@@ -34,7 +34,7 @@ from jinja2 import TemplateError
 from asyncrl.control.messages import Task
 from asyncrl.tools.hermes import parse_tool_calls
 from asyncrl.tools.tokens import render
-from rollout_servers.agent import extend, input_since_last_turn
+from rollout_servers.agent import added_len, extend
 from rollout_servers.episodes import Episode, Piece
 
 if TYPE_CHECKING:
@@ -244,6 +244,23 @@ def new_messages(session: Session, messages: list[Any]) -> list[dict[str, Any]] 
     return [input_message(m) for m in added]
 
 
+def first_new(session: Session, messages: list[Any]) -> int:
+    """Where what the agent added since the model's last turn starts in a rewritten
+    conversation: after that turn when it is still there (a history trimmed before it),
+    else after what the session was shown already (the turn itself dropped, or replaced
+    by a prefill or a handoff, which count)."""
+    shown = session.shown
+    reply = next((m for m in reversed(shown) if m.get("role") == "assistant"), None)
+    if reply is not None:
+        at = next((i for i in range(len(messages) - 1, -1, -1) if _same(reply, messages[i])), -1)
+        if at >= 0:
+            return at + 1
+    n = 0
+    while n < min(len(shown), len(messages)) and _same(shown[n], messages[n]):
+        n += 1
+    return n
+
+
 def first_piece(prompt_ids: list[int], max_prompt_len: int, version: int) -> Piece:
     """The first sample of a session, or a refusal when its prompt does not fit."""
     if len(prompt_ids) > max_prompt_len:
@@ -405,7 +422,7 @@ def prepare(
         raise RequestError(400, f"the chat template refused the conversation: {e}") from e
     piece = first_piece(prompt, max_prompt_len, version)
     if ep.pieces:  # rewritten: what the agent added since the model's turn is response
-        piece.lead = input_since_last_turn(tok, prompt, history, draft.tools)
+        piece.lead = added_len(tok, prompt, history, first_new(session, messages), draft.tools)
         if draft.episode.response_len() + piece.lead >= max_response_len:
             raise context_exceeded(max_response_len, ENDED["length"])
     draft.episode.pieces.append(piece)

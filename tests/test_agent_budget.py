@@ -217,3 +217,50 @@ def test_a_split_that_rewrites_the_history_counts_the_new_messages_only() -> Non
     assert ep.pieces[-1].lead == len(added)
     assert ep.response_len() == len(said) + len(added)
     assert ep.text(tok) == said + added  # the assistant turn once
+
+
+def test_what_an_agent_added_to_a_rewritten_conversation_starts_after_the_models_turn() -> None:
+    """The endpoint's rewritten conversations: the messages after the model's last turn
+    are the session's response (counted once), a prefill after a tool answer included;
+    a history trimmed before that turn does not count its kept turns again, and a resent
+    older history adds nothing."""
+    from types import SimpleNamespace
+
+    from rollout_servers.sessions import first_new
+
+    def msg(role: str, content: str) -> dict[str, str]:
+        return {"role": role, "content": content}
+
+    shown = [msg("user", "q"), msg("assistant", "a1"), msg("tool", "t1"), msg("assistant", "a2")]
+    session = SimpleNamespace(shown=shown)
+    trimmed = [msg("user", "q"), msg("assistant", "a2"), msg("tool", "t2")]
+    assert first_new(session, trimmed) == 2  # t2 only
+    prefilled = [*shown, msg("tool", "t2"), msg("assistant", "a prefill")]
+    assert first_new(session, prefilled) == 4  # t2 and the prefill
+    resent = shown[:3]  # the model's last turn dropped: t1 was counted already
+    assert first_new(session, resent) == 3
+
+
+class NoToolTurnAlone(CharTokenizer):
+    """Qwen3.5's template refuses a conversation without a user query (tool answers
+    rendered alone)."""
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any:
+        if not any(m["role"] == "user" for m in conversation):
+            raise ValueError("No user query found in messages.")
+        return super().apply_chat_template(conversation, **kwargs)
+
+
+def test_added_messages_are_measured_when_the_template_refuses_them_alone() -> None:
+    from rollout_servers.agent import added_len
+
+    tok = NoToolTurnAlone()
+    history = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": "a"},
+        {"role": "tool", "content": "x" * 500},
+    ]
+    prompt = tok.encode(tok.apply_chat_template(history))
+    assert added_len(tok, prompt, history, 2, None) == len(
+        "<tool>" + "x" * 500 + EOT + "<assistant>"
+    )

@@ -341,17 +341,19 @@ def test_a_sessions_samples_share_one_response_budget(monkeypatch):
         assert (await _post(rig, _chat([USER])))[0] == 200  # answers "ok" + end: 3 tokens
         other = {"role": "user", "content": "something else"}
         assert (await _post(rig, _chat([other])))[0] == 200  # rewritten: a new sample
+        # Rewritten again (its first message changed), with the model's turn and what the
+        # agent added after it: the added turn is the session's response too, as it is
+        # when appended.
+        changed = {"role": "user", "content": "something new"}
+        said = {"role": "assistant", "content": "ok"}
+        added = {"role": "user", "content": "more"}
+        assert (await _post(rig, _chat([changed, said, added])))[0] == 200
+        lead = len("<user>more" + EOT + "<assistant>")  # as the character template renders
         raw = {"model": "m", "prompt": "go on", "max_tokens": 64}
         assert (await _post(rig, raw, path="/v1/completions"))[0] == 200
-        # Rewritten again, with a turn of the model and what the agent added after it:
-        # the added turn is the session's response too, as it is when appended.
-        added = {"role": "user", "content": "more"}
-        said = {"role": "assistant", "content": "ok"}
-        assert (await _post(rig, _chat([other, said, added])))[0] == 200
-        lead = len("<user>more" + EOT + "<assistant>")  # as the character template renders
-        assert asked == [64, 61, 58, 55 - lead]
+        assert asked == [64, 61, 58 - lead, 55 - lead]
         pieces = rig.session().episode.pieces
-        assert len(pieces) == 4 and pieces[-1].lead == lead
+        assert len(pieces) == 4 and [p.lead for p in pieces] == [0, 0, lead, 0]
 
     _serve(monkeypatch, scenario, ("data.max_response_length=64",))
 
