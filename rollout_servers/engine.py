@@ -128,7 +128,8 @@ class RolloutEngine:
 
     @property
     def errored(self) -> bool:
-        """Whether vLLM's engine has died (then no request or sync can succeed here)."""
+        """Whether vLLM's engine has died, or a worker is stuck in a sync call
+        (:attr:`stuck`): then no request or sync can succeed here."""
         return bool(self.stuck or getattr(self.llm, "errored", False))
 
     async def generate(
@@ -232,9 +233,9 @@ class RolloutEngine:
     ) -> dict[str, float]:
         """Pause, receive the broadcast into every worker, label new tokens ``version``,
         resume. ``join`` joins a new sync group first. Waits for the learner's broadcast (bounded by
-        ``timeout_s``); on failure generation resumes under the old weights and the error
-        propagates (the caller re-registers and catches up). Either way it wakes
-        :meth:`reach`."""
+        ``timeout_s``); on failure generation resumes under the old weights (not on partly
+        loaded ones, nor behind a stuck worker) and the error propagates (the caller
+        re-registers and catches up). Either way it wakes :meth:`reach`."""
         try:
             if self.adapters is not None:
                 return await self._sync_adapter(version, plan, join=join, timeout_s=timeout_s)
@@ -252,10 +253,10 @@ class RolloutEngine:
         self, plan: WeightPlan, join: SyncJoin | None, timeout_s: float, method: str, *args: Any
     ) -> list[dict[str, float]]:
         """Join (with ``join``) and receive on every worker, bounded as a whole. Each wait
-        in a worker is bounded by ``timeout_s`` (two to join, one per bucket), so a call
-        still running after ``timeout_s * (4 + buckets)`` (three waits to join, one per
-        bucket, one to spare) has a worker stuck in it: every later call would queue behind
-        it, so the engine counts as dead (:attr:`errored`: the server exits 4 and is
+        in a worker is bounded by ``timeout_s`` (three to join: the store, the members'
+        meeting, the group; one per bucket), so a call still running after
+        ``timeout_s * (4 + buckets)`` has a worker stuck in it: every later call would queue
+        behind it, so the engine counts as dead (:attr:`errored`: the server exits 4 and is
         restarted) and generation is not resumed."""
         bound = timeout_s * (4 + len(plan.buckets))
         start = time.monotonic()
@@ -275,6 +276,13 @@ class RolloutEngine:
                 "wait): a worker is stuck in it"
             )
             raise RuntimeError(self.stuck) from None
+
+    async def _resume(self) -> None:
+        try:
+            await self.llm.resume_generation()
+        finally:  # a resume that fails must not hold generate or deadlines for good
+            self._resumed.set()
+            self._pause_ends()
 
     def _pause_begins(self, at: float) -> None:
         if self._paused_since is None:  # partly loaded weights: still the pause before
@@ -360,15 +368,13 @@ class RolloutEngine:
                 log.warning("weights partly loaded: generation held until a catch-up")
             raise
         finally:
-            if not (self.partial or self.stuck):
-                try:
-                    await self.llm.resume_generation()
-                finally:  # a resume that fails must not hold generate or deadlines for good
-                    self._resumed.set()
-                    self._pause_ends()
-            marks.append(time.monotonic())
-            paused = marks[-1] - start
-            self.metrics["rollout/sync_pause_s"] += paused
+            try:
+                if not (self.partial or self.stuck):
+                    await self._resume()
+            finally:  # counted however the resume went
+                marks.append(time.monotonic())
+                paused = marks[-1] - start
+                self.metrics["rollout/sync_pause_s"] += paused
         steps = " ".join(f"{b - a:.3f}" for a, b in zip([start, *marks], marks, strict=False))
         log.info(
             "weights of version %d loaded in %.3fs (%s mode; pause/receive/label/resume %s)",

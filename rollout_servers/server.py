@@ -168,7 +168,8 @@ class RolloutServer:
     def _stopping(self) -> bool:
         c = self.client
         if not self.fatal and self.engine.errored:  # died while idle (a server held back
-            self.fatal = "the vLLM engine died"  # for a catch-up would never notice)
+            # for a catch-up would never notice), or a worker is stuck in a sync call
+            self.fatal = getattr(self.engine, "stuck", "") or "the vLLM engine died"
         return c.shutdown.is_set() or c.gone.is_set() or bool(self.fatal)
 
     def _check_engine(self, error: BaseException, was_partial: bool = False) -> None:

@@ -27,6 +27,7 @@ and the next sync forms a new generation without the members that failed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -159,11 +160,12 @@ def _wait_for_members(store, generation: str | int, rank: int, world_size: int, 
     try:
         store.wait(keys, timedelta(seconds=timeout_s))
     except Exception as e:  # torch raises DistStoreError (a RuntimeError) on its timeout
-        try:
-            missing = [r for r, k in enumerate(keys) if not store.check([k])]
-            # Taken back: a member arriving late must not pass on the flag of one that
-            # gave up, then wait for it in the first collective.
+        # Taken back first: a member arriving late must not pass on the flag of one that
+        # gave up, then wait for it in the first collective.
+        with contextlib.suppress(Exception):  # the store is gone: nobody can pass on it
             store.delete_key(mine)
+        try:
+            missing = [r for r, k in enumerate(keys) if r != rank and not store.check([k])]
         except Exception:  # the store itself is gone: the ranks cannot be told apart
             missing = []
         raise WeightSyncError(
