@@ -15,6 +15,7 @@ import asyncio
 from typing import TYPE_CHECKING, Any
 
 from rollout_servers.agent import turn_params
+from rollout_servers.chat_bodies import assistant_reply, completion_body, token_logprobs
 from rollout_servers.openai_completions import raw_draft, text_completion_body, text_logprobs
 from rollout_servers.request_fields import (
     asked_tokens,
@@ -23,15 +24,7 @@ from rollout_servers.request_fields import (
     stop_strings,
     wants_logprobs,
 )
-from rollout_servers.sessions import (
-    Draft,
-    RequestError,
-    Session,
-    assistant_reply,
-    completion_body,
-    prepare,
-    token_logprobs,
-)
+from rollout_servers.sessions import Draft, RequestError, Session, prepare
 from rollout_servers.stops import before_stop, cut, first_stop
 
 if TYPE_CHECKING:

@@ -21,7 +21,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from rollout_servers.sessions import Draft, RequestError, Session, first_piece, usage
+from rollout_servers.chat_bodies import usage
+from rollout_servers.sessions import Draft, RequestError, Session, first_piece
 
 if TYPE_CHECKING:
     from rollout_servers.protocols import Tokenizer

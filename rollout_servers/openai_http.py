@@ -14,8 +14,9 @@ from typing import Any
 
 from aiohttp import web
 
+from rollout_servers.chat_bodies import completion_chunks
 from rollout_servers.openai_completions import text_chunks
-from rollout_servers.sessions import RequestError, completion_chunks
+from rollout_servers.sessions import RequestError
 
 log = logging.getLogger(__name__)
 

@@ -216,7 +216,7 @@ def body_text(rig: Rig) -> str:
 
 
 def test_streamed_tool_calls_carry_their_index():
-    from rollout_servers.sessions import completion_body, completion_chunks
+    from rollout_servers.chat_bodies import completion_body, completion_chunks
 
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
     message = {"role": "assistant", "content": "", "tool_calls": [call]}

@@ -23,7 +23,8 @@ from asyncrl.net.transport import config_endpoint
 from asyncrl.tasks import prepare_task_data
 from asyncrl.tools import load_tool_config, schemas
 from asyncrl.tools.tokens import render
-from rollout_servers.sessions import assistant_reply, model_message
+from rollout_servers.chat_bodies import assistant_reply
+from rollout_servers.sessions import model_message
 from tests.helpers import check_on_policy_and_trains, kill_session, log_tails, wait_until
 from tests.standins.learner import StandInLearner, loopback_config, model_weights, spawn_buffer
 

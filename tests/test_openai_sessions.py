@@ -14,15 +14,9 @@ from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
 from asyncrl.control.task_source import TaskSource
 from asyncrl.tasks import make_row
 from rollout_servers.agent import Episode
+from rollout_servers.chat_bodies import assistant_reply
 from rollout_servers.request_fields import max_tokens_of, reward_of
-from rollout_servers.sessions import (
-    RequestError,
-    Session,
-    assistant_reply,
-    model_message,
-    new_messages,
-    split_key,
-)
+from rollout_servers.sessions import RequestError, Session, model_message, new_messages, split_key
 
 
 def test_session_keys_name_group_and_member():
