@@ -23,14 +23,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def sync_paused_s(engine: GenerationEngine) -> float:
-    """Seconds ``engine`` has had generation paused for weight syncs so far, the pause in
-    progress included (:meth:`GenerationEngine.paused_s`). An engine without the method
-    never pauses (stand-ins that load no weights)."""
-    paused = getattr(engine, "paused_s", None)
-    return float(paused()) if paused is not None else 0.0
-
-
 class Deadline:
     """``timeout_s`` from now, moved on by the time ``engine`` spends paused for syncs from
     now on (pauses before the episode started are not its)."""
@@ -38,11 +30,11 @@ class Deadline:
     def __init__(self, timeout_s: float, engine: GenerationEngine) -> None:
         self.engine = engine
         self._end = time.monotonic() + timeout_s
-        self._paused_before = sync_paused_s(engine)
+        self._paused_before = engine.paused_s()
 
     def left(self) -> float:
         """Seconds left (0 or less: passed)."""
-        paused = sync_paused_s(self.engine) - self._paused_before
+        paused = self.engine.paused_s() - self._paused_before
         return self._end + paused - time.monotonic()
 
 

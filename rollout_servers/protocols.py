@@ -42,6 +42,8 @@ class GenerationEngine(Protocol):
     version: int
     #: A sync broke off mid-load: generation is held until a whole load (a catch-up).
     partial: bool
+    #: Why a worker counts as stuck in a sync call ("" while none is): the engine is dead.
+    stuck: str
 
     @property
     def errored(self) -> bool:

@@ -169,7 +169,7 @@ class RolloutServer:
         c = self.client
         if not self.fatal and self.engine.errored:  # died while idle (a server held back
             # for a catch-up would never notice), or a worker is stuck in a sync call
-            self.fatal = getattr(self.engine, "stuck", "") or "the vLLM engine died"
+            self.fatal = self.engine.stuck or "the vLLM engine died"
         return c.shutdown.is_set() or c.gone.is_set() or bool(self.fatal)
 
     def _check_engine(self, error: BaseException, was_partial: bool = False) -> None:

@@ -441,7 +441,7 @@ MUTATIONS = (
         "episode deadline without sync pauses",
         "time paused for weight syncs counts against the episode",
         "rollout_servers/deadlines.py",
-        "        paused = sync_paused_s(self.engine) - self._paused_before",
+        "        paused = self.engine.paused_s() - self._paused_before",
         "        paused = 0.0",
         ("tests/test_agent_budget.py", "tests/test_engine_versions.py"),
     ),

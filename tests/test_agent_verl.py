@@ -118,6 +118,9 @@ def test_a_template_that_refuses_tool_turns_ends_the_episode_not_the_group(caplo
     class CallEngine:
         version, partial = 0, False
 
+        def paused_s(self) -> float:
+            return 0.0  # never syncs
+
         async def generate(self, prompt_ids, params, request_id):
             ids = [ord(c) for c in call]
             return Sample(ids, [-0.1] * len(ids), [(0, len(ids))], "stop")

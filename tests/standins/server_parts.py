@@ -48,6 +48,7 @@ class StandInEngine:
         self.requests = 0
         self.version = 0
         self.partial = False
+        self.stuck = ""
 
     @property
     def errored(self) -> bool:
