@@ -1,7 +1,7 @@
 """The buffer's side of recovery, over its real socket on 127.0.0.1: a reply that comes
 after its requester stopped waiting is not lost (a batch is sent again, drop reports are
-read again), an audit of acknowledged groups is answered, and a message announcing huge
-groups costs about its own size.
+read again), an audit of acknowledged groups is answered (in parts when it is larger than
+the buffer reads), and a message announcing huge groups costs about its own size.
 """
 
 from __future__ import annotations
@@ -140,3 +140,52 @@ def test_a_restart_naming_no_session_gets_its_batches_again_and_is_told_why(capl
         with caplog.at_level("WARNING", logger="buffer.answers"):
             named = client.hello(1, wait_s=5, session=session)
         assert named.redelivering == 1 and "names no buffer session" not in caplog.text
+
+
+def test_an_audit_larger_than_the_buffer_reads_is_sent_in_parts() -> None:
+    """An audit of more acknowledged groups than one request of ``control.max_message_mb``
+    holds was dropped by the buffer's socket unread, and read as a silent buffer: the
+    groups it never received were never dealt again."""
+    from asyncrl.control import loop as control_loop
+    from asyncrl.control import messages as m
+    from asyncrl.control.admission import Budget
+    from asyncrl.control.ledger import TaskLedger
+    from asyncrl.control.state import ControlState
+    from asyncrl.control.syncs import SyncBook
+    from asyncrl.control.task_source import TaskSource
+    from asyncrl.tasks import make_row
+
+    rows = [
+        make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(300)
+    ]
+    ledger = TaskLedger(TaskSource(rows, shuffle=False, n=2), Budget(1, 100), lag_retries=1)
+    st = ControlState(
+        ledger, SyncBook(), heartbeat_s=0.5, dead_after_s=2.0, store_host="h", store_port=1
+    )
+    st.register(m.Register(server_id="s", engine_world_size=0), now=0.0)
+    tasks = st.grant("s", 200, 0.0).tasks
+    assert len(tasks) == 200
+    st.ack("s", [t.task_id for t in tasks], 0.0)  # acknowledged; the buffer got none
+    ids_bytes = sum(len(t.task_id) for t in tasks)
+    limit = 1024  # the buffer reads requests of at most 1 KiB; the ids alone take more
+    assert ids_bytes > 2 * limit
+    rb = ReplayBuffer(batch_size=2, capacity_groups=64, max_policy_lag=5)
+    lock = threading.RLock()
+    with (
+        BufferService(rb, limits=wire.Limits(max_request_bytes=limit)) as svc,
+        BufferClient(svc.batches_endpoint, timeout_s=5) as client,
+    ):
+        control_loop._poll_once(client, st, lock, max_request_bytes=limit)
+    assert {st.ledger.entries[t.task_id].state for t in tasks} == {"queued"}
+    assert st.ledger.accounting()["accounting/train/unaccounted"] == 0
+
+
+def test_id_chunks_keep_order_and_size() -> None:
+    from asyncrl.control.loop import id_chunks
+
+    ids = [f"t/{i}" * (1 + i % 3) for i in range(50)]
+    parts = id_chunks(ids, 40)
+    assert [t for p in parts for t in p] == ids
+    assert all(sum(len(t) + 5 for t in p) <= 40 for p in parts)
+    assert id_chunks(["x" * 100], 10) == [["x" * 100]]  # one id per request at least
+    assert id_chunks([], 10) == []

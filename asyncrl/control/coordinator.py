@@ -66,6 +66,7 @@ class Coordinator:
         self.buffer_addr = buffer_addr
         self.max_grant = max_grant
         self.drop_poll_s = drop_poll_s
+        self.max_message_bytes = max_message_bytes
         self.shutdown_requested = threading.Event()  # set by a peer's or our own shutdown
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
@@ -102,7 +103,12 @@ class Coordinator:
             raise RuntimeError(f"coordinator failed to start: {self._error}") from self._error
         if self.buffer_addr is not None:
             args = (self.buffer_addr, self._state, self._lock, self._stop_polling, self.drop_poll_s)
-            poller = threading.Thread(target=poll_buffer, args=args, name="coordinator-drops")
+            poller = threading.Thread(
+                target=poll_buffer,
+                args=args,
+                kwargs={"max_request_bytes": self.max_message_bytes},
+                name="coordinator-drops",
+            )
             poller.daemon = True
             self._threads.append(poller)
             poller.start()

@@ -251,7 +251,12 @@ class ControlLoop:
 
 
 def poll_buffer(
-    addr: str, state: ControlState, lock: threading.RLock, stop: threading.Event, every_s: float
+    addr: str,
+    state: ControlState,
+    lock: threading.RLock,
+    stop: threading.Event,
+    every_s: float,
+    max_request_bytes: int = 0,
 ) -> None:
     """Consumes the buffer's reports (``endpoints.batches``): dropped groups, scored
     validation groups, its session, and its inventory when due; produces task state changes
@@ -259,7 +264,9 @@ def poll_buffer(
 
     Waits ``every_s`` between requests and at most ``max(2, every_s)`` seconds for a reply;
     a silent buffer is logged once per outage. Runs until ``stop``. It must be the only
-    caller of the buffer's ``dropped`` request, which drains the lists.
+    caller of the buffer's ``dropped`` request, which drains the lists. An audit is sent in
+    requests of at most half ``max_request_bytes`` (``control.max_message_mb``, the most the
+    buffer reads; 0: its default).
     """
     from asyncrl.net.buffer_client import BufferClient
 
@@ -269,7 +276,7 @@ def poll_buffer(
     try:
         while not stop.wait(every_s):
             try:
-                _poll_once(client, state, lock)
+                _poll_once(client, state, lock, max_request_bytes)
             except (TimeoutError, RuntimeError, ValueError) as e:  # silent, refused, garbled
                 if not silent:
                     log.warning("buffer at %s did not answer (%s); retrying", addr, e)
@@ -285,7 +292,9 @@ def poll_buffer(
         client.close()
 
 
-def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
+def _poll_once(
+    client, state: ControlState, lock: threading.RLock, max_request_bytes: int = 0
+) -> None:
     """One drain of the buffer's reports, and its inventory when one is due."""
     reply = client.drain()
     with lock:
@@ -326,9 +335,29 @@ def _poll_once(client, state: ControlState, lock: threading.RLock) -> None:
         audit = state.audit_request(time.monotonic())
     if audit is not None:
         ids, before = audit
-        answer = client.inventory(ids)
-        with lock:
-            state.audited(list(answer.unknown), answer.paused, before)
+        for part in id_chunks(ids, (max_request_bytes or m.DEFAULT_MAX_MESSAGE_BYTES) // 2):
+            answer = client.inventory(part)
+            with lock:
+                state.audited(list(answer.unknown), answer.paused, before)
+            if answer.paused:  # not reading: the rest may wait in its queue too
+                break
+
+
+def id_chunks(ids: list[str], max_bytes: int) -> list[list[str]]:
+    """``ids`` in consecutive lists whose encoded ids take at most ``max_bytes`` each (a
+    msgpack string costs its UTF-8 bytes and at most 5 bytes of header); every list holds
+    at least one id. A request larger than the buffer reads is never answered: its socket
+    drops it, and the audit read as a silent buffer."""
+    out: list[list[str]] = []
+    size = 0
+    for tid in ids:
+        cost = len(tid.encode()) + 5
+        if not out or size + cost > max_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(tid)
+        size += cost
+    return out
 
 
 def _apply_drops(state: ControlState, reports: list) -> Drops:
