@@ -477,4 +477,14 @@ MUTATIONS = (
         "            fcntl.flock(f, fcntl.LOCK_EX)",
         ("tests/test_port_claims_lock.py",),
     ),
+    Mutation(
+        "an audit sent in parts the buffer reads",
+        "the audit goes in one request, however large",
+        "asyncrl/control/loop.py",
+        "        for part in id_chunks(ids, (max_request_bytes or m.DEFAULT_MAX_MESSAGE_BYTES) // 2):",
+        "        for part in [ids]:",
+        (
+            "tests/test_buffer_replies.py::test_an_audit_larger_than_the_buffer_reads_is_sent_in_parts",
+        ),
+    ),
 )
