@@ -51,7 +51,14 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
     ``trainer`` (a :class:`learner.trainer.Trainer`; every rank calls this). Raises
     :class:`ConfigError` for a path that is no checkpoint, before anything moves, and for
     one that cannot be loaded."""
-    from learner.checkpoint import latest_checkpoint, set_aside_checkpoints, unloadable_line
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from learner.checkpoint import (
+        CheckpointMisfit,
+        latest_checkpoint,
+        set_aside_checkpoints,
+        unloadable_line,
+    )
 
     t, mode = cfg.trainer, cfg.trainer.resume_mode
     path = None
@@ -72,12 +79,16 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
         return Start(Restored(None, None, None), new_run)
     try:
         extra = trainer.load(path)
-    except Exception as e:  # damaged, or another model's: a restart fails the same way
+    except CheckpointMisfit as e:  # a config change, most likely: name it
+        raise ConfigError([misfit_line(Path(path), str(e), cfg)]) from e
+    # Damaged, or another model's: a restart fails the same way. torch's loader raises
+    # CheckpointException, which is no Exception.
+    except (Exception, CheckpointException) as e:
         raise ConfigError([unloadable_line(Path(path), e)]) from e
     if mode == "resume_path" and not new_run and rank0:  # a rewind
         new_run = abandon_later(run_dir, trainer.step)
     changes = changed_settings(extra.get("settings"), cfg)
-    if rank0 and (line := changed_line(changes, trainer.step)):
+    if rank0 and (line := changed_line(changes, trainer.step, lora=cfg.model.lora_rank > 0)):
         log.warning("%s", line)
     session = str(extra.get("last_batch_session") or "")
     log.info(
@@ -98,6 +109,19 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
         extra.get("lag_controller"),
     )
     return Start(restored, new_run, extra.get("health") or {})
+
+
+def misfit_line(path: Path, misfit: str, cfg: Config) -> str:
+    """One line for a checkpoint whose trained weights are not this model's (``misfit``:
+    :func:`learner.checkpoint.model_misfit`), naming the model settings changed since."""
+    from asyncrl.config.resumed import saved_settings
+
+    changes = [c for c in changed_settings(saved_settings(path), cfg) if c.startswith("model.")]
+    since = f"; changed since it was saved: {'; '.join(changes)}" if changes else ""
+    return (
+        f"checkpoint {path} does not fit this model ({misfit}){since}. Put the model's "
+        "settings back to resume it, or start from the model (trainer.resume_mode=disable)"
+    )
 
 
 def abandon_later(run_dir: Path, step: int) -> bool:

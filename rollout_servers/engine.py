@@ -405,6 +405,8 @@ class RolloutEngine:
         finally:
             if not self.stuck:
                 self._pause_ends()
+            # Generation stood still: counted as the run summary's sync pause, as a full one
+            self.metrics["rollout/sync_pause_s"] += time.monotonic() - start
         received = time.monotonic()
         await self.adapters.activate(self.llm, version)
         await self.llm.update_weight_version(str(version))

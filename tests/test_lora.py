@@ -195,3 +195,46 @@ def test_vllm_serves_the_exported_adapter_as_the_merged_model(tiny_model, single
         worst = max(worst, (got - ref).abs().max().item())
     assert worst < 1e-4, worst
     del llm
+
+
+def test_a_resume_whose_adapters_do_not_fit_is_refused_in_one_line(
+    tiny_model, single_rank, tmp_path
+):
+    """Found by a review: a LoRA checkpoint resumed under another ``model.lora_rank`` (or
+    with LoRA switched off) failed in torch's loader with an exception that is no
+    ``Exception``: a traceback, and the launcher restarted the learner into the same
+    failure. A narrowed ``model.target_modules`` loaded, dropping trained adapters."""
+    from asyncrl.config.resumed import settings_of
+    from learner.restore import restore
+
+    first = Trainer(lora_cfg(tiny_model))
+    run(first, BATCHES[:1])
+    first.save(tmp_path, extra={"settings": settings_of(first.cfg)})
+    for change, says in (
+        ("model.lora_rank=8", "of other shapes"),
+        ("model.lora_rank=0", "saved weights this model lacks"),
+        ("model.target_modules=[q_proj]", "saved weights this model lacks"),
+    ):
+        cfg = lora_cfg(tiny_model, "trainer.resume_mode=auto", change)
+        with pytest.raises(ConfigError) as err:
+            restore(cfg, Trainer(cfg), tmp_path)
+        (line,) = err.value.problems
+        assert "does not fit this model" in line and says in line, line
+        key = change.split("=")[0]
+        assert f"changed since it was saved: {key} " in line, line
+        assert "trainer.resume_mode=disable" in line
+    # The same settings resume.
+    cfg = lora_cfg(tiny_model, "trainer.resume_mode=auto")
+    assert restore(cfg, Trainer(cfg), tmp_path).restored.step == 1
+
+
+def test_a_lora_resume_with_another_base_or_alpha_says_the_policy_changed(tiny_model, tmp_path):
+    from asyncrl.config.resumed import changed_line, changed_settings, settings_of
+
+    saved = json.loads(json.dumps(settings_of(lora_cfg(tiny_model))))
+    now = lora_cfg(tiny_model, "model.lora_alpha=32")
+    line = changed_line(changed_settings(saved, now), 5, lora=True)
+    assert line is not None and "model.lora_alpha 8.0 -> 32.0" in line
+    assert "with the new model.lora_alpha the resumed policy is not the one saved" in line
+    plain = changed_line(changed_settings(saved, now), 5, lora=False)
+    assert plain is not None and "resumed policy" not in plain

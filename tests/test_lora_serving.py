@@ -124,6 +124,8 @@ def test_pushed_adapters_serve_the_learner_s_policy_version_by_version(rig):
     assert v1 and all(lora.is_adapter_key(k) for k in v1)  # the adapter alone travels
     stats = pusher.push(loop, engine, v1, version=1)
     assert stats["tensors"] == len(v1)
+    # The receive stalls the engine's steps: counted as a sync pause (it read 0)
+    assert engine.metrics["rollout/sync_pause_s"] > 0
     models = {1: merged_model(trainer, path)}
 
     # Long requests on version 1, then version 2 is pushed while they run.

@@ -53,13 +53,23 @@ def changed_settings(saved: Mapping[str, Any] | None, cfg: Config) -> list[str]:
     return [f"{k} {saved[k]} -> {now[k]}" for k in COMPARED if k in saved and saved[k] != now[k]]
 
 
-def changed_line(changes: list[str], step: int) -> str | None:
-    """One line for the resume's log (None when nothing changed)."""
+def changed_line(changes: list[str], step: int, lora: bool = False) -> str | None:
+    """One line for the resume's log (None when nothing changed). Under LoRA (``lora``)
+    a checkpoint holds the adapters only, loaded onto ``model.path``'s weights and scaled
+    by ``model.lora_alpha``: a change of either changes the resumed policy itself, which
+    the line says."""
     if not changes:
         return None
+    policy = [c.split()[0] for c in changes if c.split()[0] in ("model.path", "model.lora_alpha")]
+    note = (
+        f" Under LoRA the checkpoint holds the adapters only: with the new {' and '.join(policy)} "
+        "the resumed policy is not the one saved."
+        if lora and policy
+        else ""
+    )
     return (
         f"resuming step {step} with settings changed since its checkpoint: "
-        f"{'; '.join(changes)}. The run goes on under the new values; put them back to "
+        f"{'; '.join(changes)}.{note} The run goes on under the new values; put them back to "
         "continue it as it was, or start over with trainer.resume_mode=disable"
     )
 
@@ -83,4 +93,5 @@ def launch_line(cfg: Config) -> str | None:
     if (resumed := resumed_checkpoint(cfg)) is None:
         return None
     step, folder = resumed
-    return changed_line(changed_settings(saved_settings(folder), cfg), step)
+    changes = changed_settings(saved_settings(folder), cfg)
+    return changed_line(changes, step, lora=cfg.model.lora_rank > 0)
