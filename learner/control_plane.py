@@ -299,8 +299,13 @@ class RankZero:
         progress = self.coordinator.validation_progress()
         if not self.validation.pending(progress):
             return  # no round in flight: nothing to ask the buffer this step
+        keys = self.validation.missing(progress)
+        # Read before the request: an id scored by then is in the reply, unless the buffer
+        # that scored it died (the coordinator drained its report before the learner read
+        # its sums): then it is scored again, or its round never completes.
+        states = self.coordinator.round_states(keys)
         try:
-            reply = self.buffer.validation(self.validation.missing(progress))
+            reply = self.buffer.validation(keys)
         except TimeoutError:  # the buffer restarts: its scores are kept per round, ask later
             log.info("the buffer did not answer the validation poll; asking again later")
             return
@@ -308,8 +313,14 @@ class RankZero:
         # one this poll saw may not have reached it yet. Said here too, a group the
         # learner counted is never dealt again when the buffer dies before that report.
         self.coordinator.trained([tid for groups in reply.by_round.values() for tid in groups])
-        for done in self.validation.add(reply.by_round, progress):
+        given_up = {
+            k: [t for t, st in ids.items() if st == "given_up"] for k, ids in states.items()
+        }
+        for done in self.validation.add(reply.by_round, progress, given_up):
             self.logger.log(step, done)
+        scored = {k: [t for t, st in ids.items() if st == "done"] for k, ids in states.items()}
+        if lost := self.validation.lacking(scored):
+            self.coordinator.rescore(lost)
 
     def log_step(self, step: int, metrics: dict[str, float], version: int) -> None:
         """The step's record, with the coordinator's and the servers' metrics: written

@@ -9,8 +9,9 @@ standard errors over responses and over prompts, and ``val/<data_source>/score``
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -19,6 +20,8 @@ from asyncrl.wire import ValidationGroup, ValidationStats
 
 if TYPE_CHECKING:
     from asyncrl.control.state import ValidationProgress
+
+log = logging.getLogger(__name__)
 
 
 class ValidationTracker:
@@ -47,21 +50,50 @@ class ValidationTracker:
         return bool(self.missing(progress))
 
     def add(
-        self, by_round: dict[str, dict[str, ValidationGroup]], progress: ValidationProgress
+        self,
+        by_round: dict[str, dict[str, ValidationGroup]],
+        progress: ValidationProgress,
+        given_up: Mapping[str, Collection[str]] | None = None,
     ) -> list[dict[str, float]]:
         """Takes in the buffer's scored groups (``by_round``: round key -> validation id ->
         group) and returns the metrics of every started round whose groups (one per
-        validation row) are now all in, oldest first (see :func:`round_metrics`)."""
+        validation row) are now all in, oldest first (see :func:`round_metrics`).
+        ``given_up``: per round key, the ids the coordinator gave up (they failed past
+        ``control.task_retries``): never to come, so the round is reported without them,
+        ``val/groups_given_up`` saying how many (without it, no score ever again)."""
         out = []
         for key in self.missing(progress):
             have = self.groups.setdefault(key, {})
             for task_id, group in by_round.get(key, {}).items():
                 have.setdefault(task_id, group)  # the same id scored twice counts once
-            if progress.round_groups and len(have) >= progress.round_groups:
-                out.append(round_metrics(per_source(have.values())))
+            lost = [t for t in (given_up or {}).get(key, ()) if t not in have]
+            if progress.round_groups and len(have) + len(lost) >= progress.round_groups:
+                metrics = round_metrics(per_source(have.values()))
+                if lost:
+                    metrics["val/groups_given_up"] = float(len(lost))
+                    log.warning(
+                        "validation round %s scored without %d of its %d prompts, given up "
+                        "after control.task_retries failures (their errors are in the "
+                        "servers' logs): val/score covers the rest",
+                        key,
+                        len(lost),
+                        progress.round_groups,
+                    )
+                out.append(metrics)
                 self.reported.add(key)
                 del self.groups[key]
         return out
+
+    def lacking(self, scored: Mapping[str, Iterable[str]]) -> list[str]:
+        """Of ``scored`` (per round key, ids the coordinator counts as scored), those of
+        rounds not reported whose groups this tracker has not got."""
+        return [
+            t
+            for key, ids in scored.items()
+            if key not in self.reported
+            for t in ids
+            if t not in self.groups.get(key, {})
+        ]
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-ready: the rounds reported and the groups of those not reported yet."""

@@ -10,7 +10,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from asyncrl.config import run_dir
 from asyncrl.control import loop as control_loop
+from asyncrl.metrics import read_metrics
 from tests.helpers import wait_until
 from tests.standins.rank_zero import RankZeroRig, validating_rank_zero
 from tests.standins.rollout import StandInRollout
@@ -89,3 +91,68 @@ def _read_the_round_then_restart_the_buffer(
     assert acc["accounting/val/dealt"] == groups
     assert acc["accounting/val/scored"] == groups, acc
     assert acc["accounting/val/in_flight"] == 0, acc
+
+
+@pytest.mark.timeout(120)
+def test_scores_the_coordinator_saw_but_the_learner_never_read_are_scored_again(
+    tmp_path: Path, arithmetic_data: Path
+) -> None:
+    """Found by a review: the coordinator counts a validation group scored when it drains
+    the buffer's report; the learner reads the round's sums later, between steps. A buffer
+    that died in between took those sums with it, the coordinator never dealt them again,
+    and the round was never reported (the run's end waited launch.start_timeout_s for it)."""
+    with validating_rank_zero(tmp_path, arithmetic_data) as rig:
+        rank0, coordinator = rig.rank0, rig.rank0.coordinator
+        server = StandInRollout(rig.cfg, "s0")
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            groups = coordinator.validation_progress().round_groups
+            wait_until(  # every group scored and drained; the learner has read none
+                lambda: coordinator.accounting()["accounting/val/scored"] == groups,
+                "the coordinator's count of the round's scored groups",
+                60.0,
+                every_s=0.2,
+                details=coordinator.accounting,
+            )
+            rig.buffer.stop()  # the buffer dies with the round's sums
+            rig.restart_buffer()
+
+            def reported() -> bool:
+                rank0.after_step(0)
+                return not rank0.validation.pending(coordinator.validation_progress())
+
+            wait_until(reported, "the round reported from groups scored again", 60.0, every_s=0.2)
+        finally:
+            server.stop.set()
+    assert coordinator.metrics()["coordinator/tasks/requeued/lost"] >= groups
+    (record,) = [r for r in read_metrics(run_dir(rig.cfg)) if "val/score" in r]
+    assert record["val/responses"] == groups * rig.cfg.rollout.val_kwargs.n
+
+
+@pytest.mark.timeout(120)
+def test_a_round_with_a_prompt_given_up_is_reported_without_it(
+    tmp_path: Path, arithmetic_data: Path
+) -> None:
+    """Found by a review: a validation prompt that fails every time (too long under
+    data.truncation=error, a malformed row) is given up after control.task_retries, and
+    its round waited for it for good: no validation score for the rest of the run."""
+    with validating_rank_zero(tmp_path, arithmetic_data, ["control.task_retries=1"]) as rig:
+        rank0, coordinator = rig.rank0, rig.rank0.coordinator
+        server = StandInRollout(rig.cfg, "s0", fail_val_rows=(1,))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+
+            def reported() -> bool:
+                rank0.after_step(0)
+                return not rank0.validation.pending(coordinator.validation_progress())
+
+            wait_until(reported, "the round reported without its failing prompt", 60.0)
+        finally:
+            server.stop.set()
+    groups = coordinator.validation_progress().round_groups
+    (record,) = [r for r in read_metrics(run_dir(rig.cfg)) if "val/score" in r]
+    assert record["val/groups_given_up"] == 1
+    assert record["val/responses"] == (groups - 1) * rig.cfg.rollout.val_kwargs.n
+    assert coordinator.accounting()["accounting/val/given_up"] == 1

@@ -311,6 +311,16 @@ class Coordinator:
         with self._lock:
             return self._state.validation_progress()
 
+    def round_states(self, keys: list[str]) -> dict[str, dict[str, str]]:
+        """The validation rounds ``keys``: each id's task state (``done``, ``given_up``, ...)."""
+        with self._lock:
+            return self._state.round_states(keys)
+
+    def rescore(self, task_ids: list[str]) -> int:
+        """Deal again these scored validation groups, whose sums the learner never read."""
+        with self._lock:
+            return self._state.rescore(task_ids)
+
     def server_metrics(self) -> dict[str, dict[str, float]]:
         """Each registered server's metrics from its last heartbeat (``rollout/...``)."""
         with self._lock:

@@ -10,7 +10,8 @@ checkpoint: :func:`adopt` takes back those a server still holds, :func:`reconcil
 buffer holds, each rebuilt from its id when it is one this line could have dealt
 (``TaskLedger.our_session``), so none is dealt twice. After a buffer restart the groups
 acknowledged to the old buffer are gone: :func:`reconcile` (the new buffer's inventory) and
-:func:`lost` (an audit of :func:`acked_before`'s ids) deal them again.
+:func:`lost` (an audit of :func:`acked_before`'s ids) deal them again, and
+:func:`rescore` the validation groups it scored that the learner never read.
 When each happens is :mod:`asyncrl.control.recovery`'s business.
 """
 
@@ -22,12 +23,14 @@ from typing import Any
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.task_states import (
     BUF,
+    DONE,
     GIVEN_UP,
     OUT,
     QUEUED,
     Entry,
     external_task,
     is_external,
+    kind_of,
     well_formed_external,
 )
 
@@ -120,4 +123,22 @@ def lost(ledger: TaskLedger, task_ids: Iterable[str], before: float) -> int:
         if e is not None and e.state == BUF and e.since < before:
             ledger.requeue(tid, e, "lost", front=True)
             n += 1
+    return n
+
+
+def rescore(ledger: TaskLedger, task_ids: Iterable[str]) -> int:
+    """Validation groups counted as scored whose sums the learner never read: the buffer
+    that scored them died first, and its successor has not got them. Dealt again (their
+    entries are rebuilt from their ids: a scored entry kept no task). Returns how many."""
+    n = 0
+    for tid in task_ids:
+        e = ledger.entries.get(tid)
+        if e is None or e.state != DONE or kind_of(tid) != "val":
+            continue
+        try:
+            e.task = ledger.source.task_for_id(tid, ledger.budget.version)
+        except KeyError:  # another line's round: not ours to deal
+            continue
+        ledger.requeue(tid, e, "lost", front=True)
+        n += 1
     return n

@@ -413,6 +413,28 @@ class ControlState:
     def validation_progress(self) -> ValidationProgress:
         return self.validation.progress()
 
+    def round_states(self, keys: list[str]) -> dict[str, dict[str, str]]:
+        """For each validation round key: the state of each of its ids this ledger knows
+        (``done``: scored; ``given_up``: failed past ``control.task_retries``)."""
+        rows = len(self.ledger.source.val_rows)
+        out: dict[str, dict[str, str]] = {}
+        for key in keys:
+            ids = (f"{key}/{row}" for row in range(rows))
+            out[key] = {t: e.state for t in ids if (e := self.ledger.entries.get(t)) is not None}
+        return out
+
+    def rescore(self, task_ids: list[str]) -> int:
+        """Scored validation groups the learner never read (the buffer died first): dealt
+        again (:func:`ledger_recovery.rescore`)."""
+        n = ledger_recovery.rescore(self.ledger, task_ids)
+        if n:
+            log.warning(
+                "%d validation groups were scored by a buffer that died before the learner "
+                "read them: dealt again",
+                n,
+            )
+        return n
+
     def begin_shutdown(self, reason: str) -> None:
         self.shutting_down = self.shutting_down or reason or "requested"
 

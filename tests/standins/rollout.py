@@ -115,11 +115,13 @@ class StandInRollout:
         task_delay_s: float = 0.0,
         probe: bool = False,
         corrupt_from: int | None = None,
+        fail_val_rows: tuple[int, ...] = (),
     ):
         from tests.standins.weights import ProbeScorer
 
         self.scorer = ProbeScorer(cfg.model.path) if probe else None
         self.corrupt_from = corrupt_from  # from this version on, a received tensor is flipped
+        self.fail_val_rows = fail_val_rows  # validation rows whose tasks fail here every time
         self.cfg = cfg
         self.server_id = server_id
         self.weights = weights
@@ -197,6 +199,10 @@ class StandInRollout:
     def _answer(self, task: Task, pusher: Any) -> None:
         if self.task_delay_s:
             time.sleep(self.task_delay_s)
+        if task.validation and int(task.task_id.rsplit("/", 1)[1]) in self.fail_val_rows:
+            self.client.nack([task.task_id], "a validation row that fails every time")
+            self.journal.write("nack", task_id=task.task_id)
+            return
         version = self.client.policy_version
         pusher.send(fixed_group(task, self.server_id, version, self.cfg))
         self.client.ack([task.task_id])
