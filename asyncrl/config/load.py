@@ -8,6 +8,7 @@ misspelt key, the nearest valid one.
 
 from __future__ import annotations
 
+import copy
 import difflib
 import functools
 import logging
@@ -21,56 +22,19 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
+from asyncrl.config.errors import ConfigError as ConfigError
 from asyncrl.config.interpolate import InterpolationError, leaves, resolve_references
+from asyncrl.config.overrides import our_dotted, parse_override
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import apply_verl_keys, default_gaps, pop_dotted, speaks_verl
-from asyncrl.config.verl_table import VERL_PREFIXES, lookup, our_key
+from asyncrl.config.verl_table import VERL_PREFIXES, lookup
 
 log = logging.getLogger(__name__)
 
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 #: Keys holding paths: a leading ``~`` is the user's home (veRL's defaults write
 #: ``~/data/...``, and no shell expands it inside a YAML file).
 _PATH_KEY = re.compile(r"(path|paths|files?|dir)$")
-
-
-class _OverrideLoader(yaml.SafeLoader):
-    """YAML for one override value, read as Hydra reads it: ``true``/``false`` are the
-    only booleans (``on``, ``off``, ``yes``, ``no`` stay text) and nothing is a date
-    (``experiment_name=2025-01-20`` is text)."""
-
-
-_HYDRA_ONLY = (":bool", ":timestamp", ":int", ":float")  # YAML 1.1's readings these replace
-_OverrideLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if not tag.endswith(_HYDRA_ONLY)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_OverrideLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|false)$", re.IGNORECASE), list("tTfF")
-)
-# Decimal numbers only: YAML 1.1 also reads 0615 (octal), 0x1f and 12:30 (base 60) as
-# numbers, which would rename trainer.experiment_name=0615 to 397 without a word.
-_OverrideLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"), list("-+0123456789")
-)
-_OverrideLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^(?:[-+]?(?:[0-9][0-9_]*)?\.[0-9]+(?:[eE][-+]?[0-9]+)?"
-        r"|[-+]?[0-9][0-9_]*\.(?:[eE][-+]?[0-9]+)?"
-        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-    ),
-    list("-+0123456789."),
-)
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; ``str(err)`` lists every problem with its fix."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("invalid config:\n  - " + "\n  - ".join(problems))
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -90,19 +54,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 [f"{path} must hold a mapping of groups, not {type(loaded).__name__}"]
             )
         raw = _flatten_verl_groups(loaded or {})
-    given: set[str] = set()  # keys set on the command line: they win over the file's
     spelled = _verl_spellings(loaded, overrides)
-    for item in overrides:
-        if item.strip().startswith("~"):  # Hydra's "~key": remove it
-            key = our_key(item.strip()[1:].split("=", 1)[0])
-            pop_dotted(raw, key)
-            given.discard(key)
-            continue
-        key, value = parse_override(item)
-        if key in given and lookup(raw, key)[1] != value:
-            log.warning("%s is given twice on the command line: the last, %r, wins", key, value)
-        set_dotted(raw, key, value)
-        given.add(key)
+    given = _apply_overrides(raw, overrides)
     try:
         resolve_references(raw, _defaults())
     except InterpolationError as e:
@@ -121,13 +74,44 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError([_respelled(p, spelled) for p in e.problems]) from None
 
 
+def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> set[str]:
+    """Apply the command line to ``raw``; return the dotted leaves it set (they win over the
+    file's values when veRL keys are mapped)."""
+    given: set[str] = set()
+    for item in overrides:
+        if item.strip().startswith("~"):  # Hydra's "~key": remove it
+            key = our_dotted(item.strip()[1:].split("=", 1)[0])
+            pop_dotted(raw, key)
+            given.difference_update({g for g in given if g == key or g.startswith(key + ".")})
+            continue
+        key, value = parse_override(item)
+        # A mapping merges into the group (set_dotted), so each of its leaves is what was
+        # given: a leaf of the file's left beside them must not count as the command line's.
+        set_here = _override_leaves(key, value)
+        for leaf, leaf_value in set_here:
+            if leaf in given and lookup(raw, leaf)[1] != leaf_value:
+                log.warning(
+                    "%s is given twice on the command line: the last, %r, wins", leaf, leaf_value
+                )
+        set_dotted(raw, key, value)
+        given.update(leaf for leaf, _ in set_here)
+    return given
+
+
+def _override_leaves(key: str, value: Any) -> list[tuple[str, Any]]:
+    """``(dotted key, value)`` of each leaf one override sets (a mapping sets several)."""
+    if not isinstance(value, dict) or not value:
+        return [(key, value)]
+    return [(".".join((key, *path)), group[name]) for group, name, path in leaves(value)]
+
+
 def _verl_spellings(loaded: dict[str, Any] | None, overrides: Iterable[str]) -> dict[str, str]:
     """Our dotted key -> the veRL spelling the user gave it in (``actor_rollout_ref.*``,
     ...): a typo there must be reported as typed, not as a key the user never wrote."""
     keys = [o.strip().lstrip("~+").split("=", 1)[0] for o in overrides]
     if isinstance(loaded, dict):
         keys += [".".join(path) for _, _, path in leaves(loaded)]
-    return {our_key(k): k for k in keys if our_key(k) != k}
+    return {our_dotted(k): k for k in keys if our_dotted(k) != k}
 
 
 def _respelled(problem: str, spelled: dict[str, str]) -> str:
@@ -141,23 +125,6 @@ def _respelled(problem: str, spelled: dict[str, str]) -> str:
         if close and theirs.startswith(old) and close.startswith(new):
             return out.replace(f"did you mean {close}?", f"did you mean {old}{close[len(new) :]}?")
     return out
-
-
-def parse_override(item: str) -> tuple[str, Any]:
-    """``"a.b=1"`` -> ``("a.b", 1)``; values are YAML (numbers, bools, lists, null)."""
-    if "=" not in item:
-        raise ConfigError([f"override {item!r} is not key=value (e.g. rollout.n=8)"])
-    key, text = item.split("=", 1)
-    key = key.strip().lstrip("+")  # Hydra's "+key=" / "++key=" (add, force) mean "key=" here
-    if not key:
-        raise ConfigError([f"override {item!r} has an empty key"])
-    try:
-        value = yaml.load(text, Loader=_OverrideLoader) if text.strip() else ""
-    except yaml.YAMLError:
-        value = text  # a plain string such as a path with a colon
-    if isinstance(value, str) and _FLOAT.fullmatch(value):
-        value = float(value)  # YAML 1.1 reads "1e-5" (no dot) as a string
-    return our_key(key), value
 
 
 def _warn_default_gaps(raw: dict[str, Any]) -> None:
@@ -200,7 +167,10 @@ def _expand_home(node: dict[str, Any]) -> None:
 
 
 def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``raw[a][b][c] = value`` for ``key == "a.b.c"``, creating groups as needed."""
+    """Set ``raw[a][b][c] = value`` for ``key == "a.b.c"``, creating groups as needed.
+
+    A mapping given for a group merges into it key by key, as Hydra merges it:
+    ``actor.optim={weight_decay: 0.1}`` keeps the file's ``actor.optim.lr``."""
     node = raw
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
@@ -209,7 +179,20 @@ def set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
             prefix = ".".join(parts[: i + 1])
             raise ConfigError([f"override {key}: {prefix} is a value, not a group"])
         node = child
-    node[parts[-1]] = value
+    old = node.get(parts[-1])
+    if isinstance(value, dict) and isinstance(old, dict):
+        _merge_over(old, value)
+    else:
+        node[parts[-1]] = value
+
+
+def _merge_over(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    """Merge ``src`` into ``dst`` recursively; a value of ``src`` wins over ``dst``'s."""
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge_over(dst[k], v)
+        else:
+            dst[k] = v
 
 
 def validate(raw: dict[str, Any]) -> Config:
@@ -262,41 +245,101 @@ def write_resolved(cfg: Config, directory: Path | None = None) -> Path:
 
 
 def _flatten_verl_groups(loaded: dict[str, Any]) -> dict[str, Any]:
-    """Move ``actor_rollout_ref.{actor,rollout,model}`` and a top-level
-    ``custom_reward_function`` to our groups."""
-    out = {
-        k: v for k, v in loaded.items() if k not in ("actor_rollout_ref", "custom_reward_function")
-    }
-    for name, sub in (loaded.get("actor_rollout_ref") or {}).items():
-        if isinstance(sub, dict):
-            out.setdefault(name, {}).update(sub)
+    """Move ``actor_rollout_ref.{actor,rollout,model,ref}``, a top-level
+    ``custom_reward_function`` and veRL's overlong buffer to our groups, merged key by key
+    (as Hydra merges) into what the file gives in our spelling. One key given in both
+    spellings with two values is refused: which of the two was meant cannot be told."""
+    loaded = copy.deepcopy(loaded)  # the caller reads the file's own layout afterwards
+    out: dict[str, Any] = {}
+    for k, v in loaded.items():
+        if k not in ("actor_rollout_ref", "custom_reward_function"):
+            # A group whose keys are all commented out reads as null: it sets nothing.
+            out[k] = {} if v is None and k in Config.model_fields else v
+    conflicts: list[str] = []
+    for name, sub in _mapping(loaded.get("actor_rollout_ref"), "actor_rollout_ref").items():
+        theirs = f"actor_rollout_ref.{name}"
+        if isinstance(sub, dict) or f"{theirs}." in VERL_PREFIXES:
+            _merge_group(out, name, sub, theirs, conflicts)
         else:  # hybrid_engine, nccl_timeout: veRL keys of the group itself
             out.setdefault("actor_rollout_ref", {})[name] = sub
     if "custom_reward_function" in loaded:
-        crf = dict(loaded["custom_reward_function"] or {})
+        crf = _mapping(loaded["custom_reward_function"], "custom_reward_function")
         if "overlong_buffer" in crf:  # DAPO's scripts put the overlong penalty here
-            out.setdefault("reward", {})["overlong_buffer"] = crf.pop("overlong_buffer")
-        out.setdefault("reward", {})["custom_reward_function"] = crf
+            buffer = crf.pop("overlong_buffer")
+            theirs = "custom_reward_function.overlong_buffer"
+            _merge_group(out, "reward.overlong_buffer", buffer, theirs, conflicts)
+        theirs = "custom_reward_function"
+        _merge_group(out, "reward.custom_reward_function", crf, theirs, conflicts)
+    _move_verl_overlong(out, conflicts)
+    if conflicts:
+        raise ConfigError(conflicts)
+    return out
+
+
+def _move_verl_overlong(out: dict[str, Any], conflicts: list[str]) -> None:
+    """``reward_model.overlong_buffer`` and ``reward_model.reward_kwargs.overlong_buffer_cfg``
+    (veRL's DAPO and GSPO recipes) -> ``reward.overlong_buffer``; a group this empties goes."""
     verl_reward = out.get("reward_model")
-    kwargs = verl_reward.get("reward_kwargs") if isinstance(verl_reward, dict) else None
-    if (
-        isinstance(verl_reward, dict)
-        and isinstance(kwargs, dict)
-        and "overlong_buffer_cfg" in kwargs
-    ):
-        out.setdefault("reward", {})["overlong_buffer"] = kwargs.pop("overlong_buffer_cfg")
+    if not isinstance(verl_reward, dict):
+        return
+    kwargs = verl_reward.get("reward_kwargs")
+    moved = False
+    if isinstance(kwargs, dict) and "overlong_buffer_cfg" in kwargs:
+        buffer, moved = kwargs.pop("overlong_buffer_cfg"), True
+        theirs = "reward_model.reward_kwargs.overlong_buffer_cfg"
+        _merge_group(out, "reward.overlong_buffer", buffer, theirs, conflicts)
         if not kwargs:
             del verl_reward["reward_kwargs"]
-        if not verl_reward:
-            del out["reward_model"]
-    if isinstance(verl_reward, dict) and "overlong_buffer" in verl_reward:
-        rest = {k: v for k, v in verl_reward.items() if k != "overlong_buffer"}
-        out.setdefault("reward", {})["overlong_buffer"] = verl_reward["overlong_buffer"]
-        if rest:
-            out["reward_model"] = rest
+    if "overlong_buffer" in verl_reward:
+        buffer, moved = verl_reward.pop("overlong_buffer"), True
+        _merge_group(
+            out, "reward.overlong_buffer", buffer, "reward_model.overlong_buffer", conflicts
+        )
+    if moved and not verl_reward:
+        del out["reward_model"]
+
+
+def _mapping(value: Any, name: str) -> dict[str, Any]:
+    """A group's keys: YAML's null (every key commented out) is none; a list or a value where
+    a group belongs is refused in one line, not a traceback from the merge."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError([f"{name} must be a mapping of keys, not {type(value).__name__}"])
+    return value
+
+
+def _merge_group(
+    out: dict[str, Any], ours: str, src: Any, theirs: str, conflicts: list[str]
+) -> None:
+    """Merge the veRL group ``theirs`` (``src``) into our dotted group ``ours`` of ``out``,
+    creating it (or an empty one, null) where the file leaves it out."""
+    node = out
+    parts = ours.split(".")
+    for i, part in enumerate(parts):
+        node[part] = _mapping(node.get(part), ".".join(parts[: i + 1]))
+        node = node[part]
+    _merge_spellings(node, _mapping(src, theirs), ours, theirs, conflicts)
+
+
+def _merge_spellings(
+    dst: dict[str, Any], src: dict[str, Any], ours: str, theirs: str, conflicts: list[str]
+) -> None:
+    """Merge ``src`` (spelt ``theirs``) into ``dst`` (spelt ``ours``) recursively; one line in
+    ``conflicts`` per key the two give different values."""
+    group = (dict, type(None))  # null where a group is: an empty one
+    for k, v in src.items():
+        old = dst.get(k)
+        if k not in dst or old == v:
+            dst[k] = v
+        elif isinstance(old, group) and isinstance(v, group):
+            dst[k] = old if old is not None else {}
+            _merge_spellings(dst[k], v or {}, f"{ours}.{k}", f"{theirs}.{k}", conflicts)
         else:
-            del out["reward_model"]
-    return out
+            conflicts.append(
+                f"{ours}.{k}={old!r} and {theirs}.{k}={v!r} are one key in two spellings, "
+                "with different values: keep one of them"
+            )
 
 
 def _explain(err: ErrorDetails) -> str:
