@@ -34,6 +34,7 @@ from asyncrl.net import security
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
+    from asyncrl.rewards import RewardPool
     from rollout_servers.engine import RolloutEngine
 
 GROUPS = ("model", "data", "rollout", "reward", "control", "sync", "endpoints", "trainer")
@@ -184,25 +185,34 @@ def _adapters(cfg: Config) -> Any:
     )
 
 
+def reward_pool(cfg: Config) -> RewardPool:
+    """The server's scorer processes, as ``reward.*`` sets them; raises ValueError (one line
+    naming the fix) when the scorer does not load, or not within ``startup_timeout_s``."""
+    from asyncrl.rewards import RewardPool
+
+    r = cfg.reward
+    custom = r.custom_reward_function
+    return RewardPool(
+        num_workers=r.num_workers,
+        timeout_s=r.timeout_s,
+        custom_path=custom.path,
+        custom_name=custom.name,
+        custom_kwargs=custom.reward_kwargs,
+        startup_timeout_s=r.startup_timeout_s,
+    )
+
+
 async def serve(cfg: Config, server_id: str) -> int:
     """Start the engine and the server's helpers, run until the run ends, clean up."""
     from transformers import AutoTokenizer
 
     from asyncrl.control.client import CoordinatorClient
     from asyncrl.net.transport import TrajectoryPusher, config_endpoint, mebibytes
-    from asyncrl.rewards import RewardPool
     from rollout_servers.affinity import cpus_from_env, pin_tree
     from rollout_servers.server import RolloutServer
 
-    custom = cfg.reward.custom_reward_function
     try:  # before the engine: a scorer that does not load fails every restart the same way
-        pool = RewardPool(
-            num_workers=cfg.reward.num_workers,
-            timeout_s=cfg.reward.timeout_s,
-            custom_path=custom.path,
-            custom_name=custom.name,
-            custom_kwargs=custom.reward_kwargs,
-        )
+        pool = reward_pool(cfg)
     except ValueError as e:  # a missing function, a file that fails to import
         log.error("cannot start: %s", e)
         return CONFIG_ERROR

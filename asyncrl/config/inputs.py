@@ -11,11 +11,15 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from asyncrl.config.load import ConfigError
 from asyncrl.config.machine import cores_problem, device_problem, model_problem
 from asyncrl.config.schema import Config
+
+if TYPE_CHECKING:
+    from pyarrow.parquet import ParquetFile
 
 # What a role reads before it can work: weights and tokenizer, the prompts (the learner's
 # coordinator), the user's scoring file (the rollout servers' reward workers), the
@@ -129,6 +133,11 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
         problems.append(problem)
     if DATA in needs:
         validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
+        if validating and not cfg.data.val_files:  # else no round is dealt, nor reported
+            problems.append(
+                "data.val_files is empty, so validation would never report: add files, or "
+                "set trainer.val_before_train=false trainer.test_freq=-1"
+            )
         for key in ("train_files", "val_files") if validating else ("train_files",):
             for f in getattr(cfg.data, key):
                 if "://" in f:  # hdfs://, s3://: veRL copies those to a local folder first
@@ -179,46 +188,82 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
 
 def _column_problems(cfg: Config, validating: bool) -> list[str]:
     """The data files whose columns are not veRL's layout (read from their footers), or
-    whose first row is not a task (the learner checks every row when it reads them)."""
+    holding a row that is not a task (as the learner's read would say), one line each."""
+    val = cfg.data.val_files if validating else []
+    out = []
+    for f in [*cfg.data.train_files, *val]:
+        if (problem := _file_problem(f, cfg.data.prompt_key, f in val)) is not None:
+            out.append(problem)
+    return out
+
+
+def _file_problem(f: str, prompt_key: str, validation: bool) -> str | None:
+    """Why one data file cannot be read as tasks (None: it can). Every row is checked
+    here, not only the first: a bad row found by the learner fails the run after every
+    role has started, and one found by no one fails at a rollout server's tokenizer."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from asyncrl.tasks.parquet import column_problem, row_problem
+    from asyncrl.tasks.parquet import column_problem
 
-    out = []
-    val = cfg.data.val_files if validating else []
-    for f in [*cfg.data.train_files, *val]:
-        try:
-            names = pq.read_schema(Path(f).expanduser()).names
-        except (OSError, pa.ArrowException) as e:
-            out.append(f"data files: {f} is not a parquet file ({e})")
-            continue
-        if (problem := column_problem(names, f, cfg.data.prompt_key)) is not None:
-            out.append(problem)
-            continue
-        try:  # a footer that reads can still front damaged pages
-            file = pq.ParquetFile(Path(f).expanduser())
-            first = next(file.iter_batches(batch_size=1), None)
-        except (OSError, pa.ArrowException) as e:
-            out.append(f"data files: {f} cannot be read ({e}): write it again")
-            continue
-        rows = first.to_pylist() if first is not None else []
-        if rows and (problem := row_problem(rows[0], 0, f, cfg.data.prompt_key)) is not None:
-            out.append(problem)
-        elif rows and (media := [k for k in ("images", "videos") if rows[0].get(k)]):
-            # veRL's image_key / video_key defaults: a multi-modal dataset, whose pictures
-            # the text-only prompts here would drop without a word.
-            out.append(
-                f"data files: {f} holds {' and '.join(media)} (column {media[0]!r}): prompts "
-                "here are text only and would train without them; use a text dataset, or "
-                "drop the column to train on the text alone"
-            )
-        elif f in val and file.metadata.num_rows == 0:
-            out.append(
-                f"data.val_files: {f} has no rows, so validation would never report: add "
-                "rows, or set trainer.val_before_train=false trainer.test_freq=-1"
-            )
-    return out
+    path = Path(f).expanduser()
+    try:
+        names = pq.read_schema(path).names
+    except (OSError, pa.ArrowException) as e:
+        return f"data files: {f} is not a parquet file ({e})"
+    if (problem := column_problem(names, f, prompt_key)) is not None:
+        return problem
+    try:  # a footer that reads can still front damaged pages
+        file = pq.ParquetFile(path)
+        if (problem := _rows_problem(file, path, prompt_key)) is not None:
+            return problem
+        media = _first_row_media(file)
+    except (OSError, pa.ArrowException) as e:
+        return f"data files: {f} cannot be read ({e}): write it again"
+    if media:
+        # veRL's image_key / video_key defaults: a multi-modal dataset, whose pictures
+        # the text-only prompts here would drop without a word.
+        return (
+            f"data files: {f} holds {' and '.join(media)} (column {media[0]!r}): prompts "
+            "here are text only and would train without them; use a text dataset, or "
+            "drop the column to train on the text alone"
+        )
+    if validation and file.metadata.num_rows == 0:
+        return (
+            f"data.val_files: {f} has no rows, so validation would never report: add "
+            "rows, or set trainer.val_before_train=false trainer.test_freq=-1"
+        )
+    return None
+
+
+#: The columns :func:`~asyncrl.tasks.parquet.row_problem` reads besides the prompt: only
+#: these are read at launch, a batch at a time (the rest may be large and is not checked).
+_ROW_COLUMNS = ("reward_model", "extra_info")
+_ROWS_PER_BATCH = 4096
+
+
+def _rows_problem(file: ParquetFile, path: Path, prompt_key: str) -> str | None:
+    """The first row of ``file`` that is not a task, in the line the learner's read of the
+    file (:func:`~asyncrl.tasks.parquet.read_rows`) gives for it; None when every row is."""
+    from asyncrl.tasks.parquet import row_problem
+
+    names = file.schema_arrow.names
+    columns = [c for c in dict.fromkeys((prompt_key, *_ROW_COLUMNS)) if c in names]
+    number = 0
+    for batch in file.iter_batches(batch_size=_ROWS_PER_BATCH, columns=columns):
+        for row in batch.to_pylist():
+            if (problem := row_problem(row, number, path, prompt_key)) is not None:
+                return problem
+            number += 1
+    return None
+
+
+def _first_row_media(file: ParquetFile) -> list[str]:
+    """veRL's multi-modal columns (``images``, ``videos``) the first row fills."""
+    media = [k for k in ("images", "videos") if k in file.schema_arrow.names]
+    first = next(file.iter_batches(batch_size=1, columns=media), None) if media else None
+    row = first.to_pylist()[0] if first is not None and first.num_rows else {}
+    return [k for k in media if row.get(k)]
 
 
 def _source_problems(cfg: Config) -> list[str]:

@@ -197,6 +197,12 @@ class RewardConfig(Section):
     custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig)
     timeout_s: float = Field(default=5.0, gt=0, description="A scorer running longer scores 0.")
     num_workers: int = Field(default=2, gt=0, description="Scorer processes per rollout server.")
+    startup_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Longest a scorer process may take to start and import the scorer's "
+        "module; a slower one stops its rollout server before the engine starts.",
+    )
     overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig)
 
 

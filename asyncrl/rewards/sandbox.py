@@ -26,7 +26,14 @@ from asyncrl.rewards.registry import (
     load_custom_scorer,
     normalize_score,
 )
-from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, Worker, WorkerPool, check_pool_args
+from asyncrl.sandbox.workers import (
+    MAX_MESSAGE_CHARS,
+    Handler,
+    StartTimeout,
+    Worker,
+    WorkerPool,
+    check_pool_args,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +108,17 @@ def _load_scorer(
     return functools.partial(_run_job, scorer)
 
 
+def _startup_line(message: str, path: str | None) -> str:
+    """The pool's line for a worker that did not start in time, with its fix: the usual
+    cause is a scorer module that loads a model or data on import."""
+    if path is None:  # the built-in scorers load at once: a machine too busy to start them
+        return f"{message} (reward.startup_timeout_s): raise reward.startup_timeout_s"
+    return (
+        f"{message} (reward.startup_timeout_s) while importing {path}: move heavy loading "
+        "out of the module's import, or raise reward.startup_timeout_s"
+    )
+
+
 # --------------------------------------------------------------------------------- pool
 
 
@@ -138,25 +156,30 @@ class RewardPool:
             custom_name: The function to call in that file.
             custom_kwargs: More keyword arguments it gets on every call
                 (``reward.custom_reward_function.reward_kwargs``).
-            startup_timeout_s: Longest a worker may take to start and load the scorer.
+            startup_timeout_s: Longest a worker may take to start and load the scorer
+                (``reward.startup_timeout_s``).
 
         Raises:
-            ValueError: Bad arguments, a missing custom file or function, or a file that
-                fails to import: raised here, before any sample is scored.
+            ValueError: Bad arguments, a missing custom file or function, a file that
+                fails to import, or one that takes longer than ``startup_timeout_s`` to:
+                raised here, before any sample is scored.
         """
         check_pool_args(num_workers, timeout_s)
         path = str(check_custom_path(custom_path)) if custom_path else None
-        self._pool = WorkerPool(
-            _load_scorer,
-            (path, custom_name, dict(custom_kwargs or {})),
-            name="RewardPool",
-            role="reward",
-            explanations=_EXPLANATIONS,
-            num_workers=num_workers,
-            timeout_s=timeout_s,
-            startup_timeout_s=startup_timeout_s,
-            log=logger,
-        )
+        try:
+            self._pool = WorkerPool(
+                _load_scorer,
+                (path, custom_name, dict(custom_kwargs or {})),
+                name="RewardPool",
+                role="reward",
+                explanations=_EXPLANATIONS,
+                num_workers=num_workers,
+                timeout_s=timeout_s,
+                startup_timeout_s=startup_timeout_s,
+                log=logger,
+            )
+        except StartTimeout as exc:
+            raise ValueError(_startup_line(str(exc), path)) from exc
         self.num_workers = num_workers
         self.timeout_s = self._pool.timeout_s
 

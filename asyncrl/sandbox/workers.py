@@ -105,6 +105,10 @@ def _worker_main(conn: Connection, setup: Setup, setup_args: tuple[Any, ...]) ->
         conn.send(answer)
 
 
+class StartTimeout(ValueError):
+    """A worker whose setup (its scorer's or tool's import) did not finish in time."""
+
+
 class Worker:
     """The parent's handle on one worker process (:attr:`process`) and its pipe."""
 
@@ -125,7 +129,7 @@ class Worker:
         """Block until the worker's setup has run; raise ValueError if it cannot."""
         if not self.conn.poll(timeout_s):
             self.kill()
-            raise ValueError(f"{self.role} worker did not start within {timeout_s}s")
+            raise StartTimeout(f"{self.role} worker did not start within {timeout_s}s")
         try:
             status, message = self.conn.recv()
         except (EOFError, OSError):

@@ -103,25 +103,81 @@ def _check_columns(names: Sequence[str], path: Path, prompt_key: str) -> None:
         raise ValueError(problem)
 
 
+#: A prompt in veRL's layout, for the messages that name it.
+_CHAT = "[{'role': 'user', 'content': ...}]"
+
+
 def row_problem(row: dict[str, Any], number: int, path: str | Path, prompt_key: str) -> str | None:
     """Why row ``number`` of ``path`` is not a task in veRL's layout (one line naming the
-    fix), or None when it is."""
+    fix), or None when it is. The launch check and the learner's read both ask this, so a
+    bad row is named the same way, before any role starts."""
     reward_model = row["reward_model"]
+    if reward_model is None:  # one row's gap, not the file's layout: that row is the fix
+        return (
+            f"drop or mend row {number} of {path}: its reward_model is null (veRL's layout: "
+            "{'ground_truth': ..., 'style': 'rule'})"
+        )
     if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
         return (
             f"{path}: row {number}: reward_model must be a struct with 'ground_truth' "
             f"(veRL's layout: {{'ground_truth': ..., 'style': 'rule'}}), got {reward_model!r:.200}"
         )
-    prompt = row[prompt_key]
-    if not isinstance(prompt, list) or not all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in prompt
-    ):
-        return (
-            f"{path}: row {number}: {prompt_key!r} must be a list of chat messages "
-            f"[{{'role': 'user', 'content': ...}}] (write a plain-text prompt as one user "
-            f"message), got {prompt!r:.200}"
-        )
+    if (problem := _prompt_problem(row[prompt_key], number, path, prompt_key)) is not None:
+        return problem
     return _extra_info_problem(row.get("extra_info"), number, path)
+
+
+def _prompt_problem(prompt: Any, number: int, path: str | Path, key: str) -> str | None:
+    """Why a row's prompt is no conversation a chat template renders, or None. An empty
+    list or a message without text reached the tokenizer at a rollout server, which
+    failed on every retry in a traceback naming neither the file nor the row."""
+    mend = f"drop or mend row {number} of {path}"
+    if prompt is None:
+        return f"{mend}: its {key!r} is null (veRL's layout: a list of chat messages {_CHAT})"
+    if not isinstance(prompt, list):  # the file's layout: every row is written this way
+        return (
+            f"{path}: row {number}: {key!r} must be a list of chat messages {_CHAT} (write a "
+            f"plain-text prompt as one user message), got {prompt!r:.200}"
+        )
+    if not prompt:
+        return (
+            f"{mend}: its {key!r} is an empty list (a prompt needs at least one chat message, "
+            f"e.g. {_CHAT})"
+        )
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            return (
+                f"{path}: row {number}: {key!r} must be a list of chat messages {_CHAT}, but "
+                f"its message {i} is {message!r:.200}: write every message with the keys "
+                "'role' and 'content'"
+            )
+        if (what := _message_problem(message)) is not None:
+            return f"{mend}: message {i} of its {key!r} {what}"
+    return None
+
+
+def _message_problem(message: dict[str, Any]) -> str | None:
+    """What is wrong with one chat message's role or content (None: nothing). Content is
+    text, or a list of text parts (``{'type': 'text', 'text': ...}``, which some chat
+    templates render); an assistant message that calls tools may carry none, as in
+    OpenAI's format."""
+    role, content = message["role"], message["content"]
+    if not isinstance(role, str):
+        return f"has role {role!r:.80} (a role is text: 'system', 'user', 'assistant', ...)"
+    if isinstance(content, str) or (content is None and message.get("tool_calls")):
+        return None
+    if isinstance(content, list) and all(_is_text_part(part) for part in content):
+        return None
+    what = "null" if content is None else f"{type(content).__name__} {content!r:.120}"
+    return (
+        f"has content {what} (content is text, or a list of {{'type': 'text', 'text': ...}} parts)"
+    )
+
+
+def _is_text_part(part: Any) -> bool:
+    return (
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+    )
 
 
 def _extra_info_problem(extra: Any, number: int, path: str | Path) -> str | None:
@@ -155,7 +211,7 @@ def read_rows(path: str | Path, *, prompt_key: str = "prompt") -> list[dict[str,
         ValueError: When a required column is missing (the message names it and the file)
             or a row's ``prompt``/``reward_model`` has the wrong shape.
     """
-    path = Path(path)
+    path = Path(path).expanduser()  # as the launch check finds it
     if not path.is_file():
         raise FileNotFoundError(f"data file not found: {path}")
     names = pq.read_schema(path).names
