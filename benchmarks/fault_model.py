@@ -38,7 +38,10 @@ log = logging.getLogger(__name__)
 Event = tuple[Any, ...]
 SERVER_OPS = ("register", "beat", "ask", "slot", "finish", "sync")
 DRAIN_ROUNDS = 600  # liveness bound: rounds of 0.2 virtual seconds once faults stop
-QUIET_ROUNDS = 45  # then 1 s rounds without new work (past control.task_timeout_s)
+# Then 45 s without new work (past control.task_timeout_s), in rounds of 0.2 s: in rounds
+# as long as a control timeout, no reply would come before its request gave up, and what
+# the servers mend by asking again (a slot whose reply was lost) could not be mended.
+QUIET_ROUNDS = 225
 DUPABLE = ("TaskAck", "TaskNack", "SyncDone", "SlotRequest", "TaskRequest", "AckReq", "Packed")
 
 # (weight, event maker) of the schedule's draws; faults are the rarer ones.
@@ -219,7 +222,7 @@ def run(seed: int, keep: Sequence[int] | None = None, cfg: SimConfig | None = No
     for s in world.servers.values():
         s.asking = False
     for _ in range(QUIET_ROUNDS):
-        _round(world, 1.0)
+        _round(world, 0.2)
         world.events += 1
         checker.after_event(world)
     checker.final(world, finished)

@@ -32,6 +32,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ACK_ATTEMPTS = 3  # as the real client retries an ack
+# The endpoint's reaper period (rollout_servers.endpoint_groups) in heartbeats: at most
+# 5 s, 2.5 of the default 2 s heartbeats; the simulation's clock runs faster.
+SLOT_GIVE_BACK_BEATS = 2.5
 
 
 @dataclass
@@ -57,6 +60,7 @@ class Server(Endpoint):
         self.held: dict[str, HeldTask] = {}
         self.request_id = 1
         self.slot_request_id = 1
+        self.slot_unanswered: float | None = None  # when a slot request went unanswered
         self.outbox: list[tuple[Any, int]] = []  # control messages to send, attempts left
         self.sync: m.SyncStart | None = None
         self.sync_due = 0.0
@@ -93,6 +97,7 @@ class Server(Endpoint):
             self._register(now)
         elif op == "beat":
             self._beat(now)
+            self._give_back_slot(now)
         elif op == "ask" and self.asking:
             self._ask(now)
         elif op == "slot" and self.asking and self.world.cfg.slots:
@@ -181,14 +186,40 @@ class Server(Endpoint):
         msg = m.SlotRequest(server_id=self.name, request_id=self.slot_request_id)
         self.request(
             "control", "L", msg, now=now, timeout=self.world.cfg.control_timeout_s,
-            on_reply=self._slotted,
+            on_reply=self._slotted, on_timeout=self._slot_lost,
         )  # fmt: skip
 
     def _slotted(self, grant: Any) -> None:
         if isinstance(grant, m.TaskGrant):
             self.slot_request_id += 1
+            self.slot_unanswered = None
             for task in grant.tasks:
                 self._start(task)
+
+    def _slot_lost(self) -> None:
+        if self.slot_unanswered is None:
+            self.slot_unanswered = self.world.now
+
+    def _give_back_slot(self, now: float) -> None:
+        """As the endpoint's reaper (``give_back_unanswered_slots``): a slot request left
+        unanswered and not repeated for a while is asked once more under its id, and the
+        slot it gets is given back."""
+        since = self.slot_unanswered
+        if since is None or now - since < SLOT_GIVE_BACK_BEATS * self.world.cfg.heartbeat_s:
+            return
+        msg = m.SlotRequest(server_id=self.name, request_id=self.slot_request_id)
+        self.request(
+            "control", "L", msg, now=now, timeout=self.world.cfg.control_timeout_s,
+            on_reply=self._slot_given_back, on_timeout=lambda: None,
+        )  # fmt: skip
+
+    def _slot_given_back(self, grant: Any) -> None:
+        if not isinstance(grant, m.TaskGrant):
+            return
+        self.slot_request_id += 1
+        self.slot_unanswered = None
+        if ids := [t.task_id for t in grant.tasks if t.task_id not in self.held]:
+            self.outbox.append((m.TaskNack(server_id=self.name, task_ids=ids), ACK_ATTEMPTS))
 
     def _start(self, task: m.Task) -> None:
         if task.task_id in self.held:

@@ -353,11 +353,17 @@ class EndpointGroups:
             self.on_pushed(episode_samples(episodes), scores, task)
 
     async def _reap_loop(self) -> None:
-        """Consumes nothing; closes groups idle past ``group_idle_s``. Wakes every quarter
-        of it (at most 5 s); ends when :meth:`stop` cancels it."""
+        """Consumes nothing; closes groups idle past ``group_idle_s`` and gives back the
+        slots of slot requests left unanswered (:meth:`SlotWaiter.give_back_unanswered`).
+        Wakes every quarter of ``group_idle_s`` (at most 5 s); ends when :meth:`stop`
+        cancels it."""
         every = min(5.0, self.idle_s / 4)
         while True:
             await asyncio.sleep(every)
+            try:
+                await self.slots.give_back_unanswered(older_than_s=every)
+            except Exception as e:  # a defect: the reaping must go on
+                log.warning("giving back unanswered slots failed (%s: %s)", type(e).__name__, e)
             now = time.monotonic()
             for group in list(self.by_name.values()):
                 busy = any(s.busy for s in group.sessions.values())

@@ -159,6 +159,11 @@ class ControlClient(Protocol):
         """One external training slot (the OpenAI endpoint's groups), answered at once."""
         ...
 
+    def give_back_unanswered_slots(self, older_than_s: float) -> int:
+        """Give back the slots of slot requests never answered nor repeated for
+        ``older_than_s``; returns how many."""
+        ...
+
     def ack(
         self,
         task_ids: list[str],

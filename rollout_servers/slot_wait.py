@@ -138,6 +138,19 @@ class SlotWaiter:
         finally:
             self._reserved -= 1
 
+    async def give_back_unanswered(self, older_than_s: float) -> None:
+        """The slots of requests whose every reply was lost and that no later request
+        repeated (the group gave up its wait, the agent left): given back, or each would
+        hold the admission budget while this server lives."""
+        back = await self.lanes.control(self.client.give_back_unanswered_slots, older_than_s)
+        if back:
+            self.metrics["rollout/openai/unanswered_slots_given_back"] += back
+            log.warning(
+                "%d training slots granted to requests whose replies were lost given back "
+                "(no group waits for them)",
+                back,
+            )
+
     def _give_back_late(self, call: asyncio.Future[TaskGrant]) -> None:
         if call.cancelled() or call.exception() is not None or not call.result().tasks:
             return

@@ -224,3 +224,25 @@ def test_a_watch_that_fails_leaves_instead_of_dying_unseen(caplog):
         client.close()
         fake.close(0)
         thread.join(5)
+
+
+def test_a_slot_whose_request_was_never_answered_nor_repeated_is_given_back(served):
+    """Found by the fault simulation (seeds 944, 1187, 1839, 3158 of its own draws): a slot
+    request whose replies were all lost, and that no later request repeated (its group gave
+    up, the agent left), left its slot charged to the admission budget for as long as the
+    server lived: external slots are not reclaimed by the task timeout."""
+    state, client = served
+    _lose_replies(client, [2])
+    assert client.request_slot(attempts=2).reason == "timeout"
+    assert state["tasks/external_dealt"] == 1
+    assert client.give_back_unanswered_slots(older_than_s=60.0) == 0  # not stale yet
+    assert client.give_back_unanswered_slots(older_than_s=0.0) == 1
+    assert state["tasks/external_dealt"] == 1  # the lost grant itself went back
+    assert sum(v for k, v in _metrics(state).items() if "external_given_up" in k) == 1
+    assert client.give_back_unanswered_slots(older_than_s=0.0) == 0  # nothing left
+    fresh = client.request_slot(attempts=2)  # a new id: a new slot
+    assert len(fresh.tasks) == 1 and state["tasks/external_dealt"] == 2
+
+
+def _metrics(state: Counts) -> dict[str, float]:
+    return state._coord.metrics()

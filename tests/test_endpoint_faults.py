@@ -41,6 +41,9 @@ class OneSlotClient:
     def request_slot(self) -> TaskGrant:
         return TaskGrant(tasks=[external_task("ext/1", 0)], policy_version=0)
 
+    def give_back_unanswered_slots(self, older_than_s: float) -> int:
+        return 0
+
     def nack(self, task_ids: list[str], reason: str) -> None:
         self.nacked.append((task_ids, reason))
 

@@ -405,6 +405,25 @@ class CoordinatorClient:
             self._reregister(session)
         return grant
 
+    def give_back_unanswered_slots(self, older_than_s: float) -> int:
+        """Slot requests never answered and not repeated since (their group gave up, the
+        agent left): a grant whose reply was lost holds a slot of the admission budget, and
+        nothing else gives it back while this server lives. Each is asked once more under
+        its id, and the slot it gets is given back (a refusal, or a fresh slot when the
+        request never arrived, ends it too). Returns how many slots went back."""
+        back = 0
+        for rid in self._slot_ids.stale(older_than_s):
+            msg = m.SlotRequest(server_id=self.server_id, request_id=rid)
+            grant = self._control_retried(msg, 1)
+            if grant is None:  # still unanswered: asked again next time
+                self._slot_ids.unanswered(rid)
+                continue
+            assert isinstance(grant, m.TaskGrant), grant
+            if ids := [t.task_id for t in grant.tasks]:
+                self.nack(ids, "slot request never answered: no group waits for its slot")
+                back += len(ids)
+        return back
+
     def ack(
         self,
         task_ids: list[str],

@@ -142,6 +142,9 @@ class StandInClient:
     def request_slot(self) -> TaskGrant:  # no endpoint in these tests
         return TaskGrant(tasks=[], policy_version=0, reason="budget")
 
+    def give_back_unanswered_slots(self, older_than_s: float) -> int:
+        return 0
+
     def ack(
         self,
         task_ids: list[str],
