@@ -487,4 +487,42 @@ MUTATIONS = (
             "tests/test_buffer_replies.py::test_an_audit_larger_than_the_buffer_reads_is_sent_in_parts",
         ),
     ),
+    Mutation(
+        "scored validation groups lost with the buffer are dealt again",
+        "a group scored by a buffer that died before the learner read it is never dealt again",
+        "learner/control_plane.py",
+        "        if lost := self.validation.lacking(scored):",
+        "        if lost := []:",
+        (
+            "tests/test_validation_restarts.py::test_scores_the_coordinator_saw_but_the_learner_never_read_are_scored_again",
+        ),
+    ),
+    Mutation(
+        "a validation prompt given up leaves its round",
+        "a round waits for a prompt given up after control.task_retries",
+        "learner/validation.py",
+        "            lost = [t for t in (given_up or {}).get(key, ()) if t not in have]",
+        "            lost = []",
+        (
+            "tests/test_validation_restarts.py::test_a_round_with_a_prompt_given_up_is_reported_without_it",
+        ),
+    ),
+    Mutation(
+        "a checkpoint that does not fit the model is refused by name",
+        "a resume under another LoRA rank or targets reaches torch's loader",
+        "learner/checkpoint.py",
+        '    if (misfit := model_misfit(path, state["model"])) is not None:',
+        "    if False:",
+        ("tests/test_lora.py::test_a_resume_whose_adapters_do_not_fit_is_refused_in_one_line",),
+    ),
+    Mutation(
+        "an unanswered slot is given back",
+        "the slot of a request whose replies were lost stays charged",
+        "asyncrl/control/client.py",
+        "            if ids := [t.task_id for t in grant.tasks]:",
+        "            if ids := []:",
+        (
+            "tests/test_client_requests.py::test_a_slot_whose_request_was_never_answered_nor_repeated_is_given_back",
+        ),
+    ),
 )
