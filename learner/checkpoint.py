@@ -333,10 +333,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) 
     path = Path(path)
     meta = json.loads((path / STATE_FILE).read_text())
     if critic is not None and "critic" not in meta:
-        raise ValueError(
-            f"{path} holds no critic (saved by a run without algorithm.adv_estimator=gae); "
-            "start this run from the model instead (trainer.resume_mode=disable)"
-        )
+        raise CheckpointMisfit("it holds no critic: it was saved by a run without one")
     state = _dcp_state(model, optimizer, critic)
     if (misfit := model_misfit(path, state["model"])) is not None:
         raise CheckpointMisfit(misfit)

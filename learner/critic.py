@@ -29,6 +29,7 @@ import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,15 +60,30 @@ class Targets:
     values: dict[int, torch.Tensor]
 
 
-def load_value_model(path: str, mesh, *, device: str, gradient_checkpointing: bool = False):
+def load_value_model(
+    path: str,
+    mesh,
+    *,
+    device: str,
+    gradient_checkpointing: bool = False,
+    attn_implementation: str | None = None,
+    offload: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+):
     """The value model of ``path`` (any HF causal LM, or a saved critic) under FSDP2:
-    logits ``[B, L, 1]`` are the values. A missing head starts at zero."""
+    logits ``[B, L, 1]`` are the values. A missing head starts at zero. The attention
+    kernel, offload and config overrides are the actor's (:func:`fsdp.load_sharded_model`):
+    the critic reads the actor's micro-batch layout (packed rows need the kernel that
+    keeps sequences apart without a dense mask)."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     config = AutoConfig.from_pretrained(path, num_labels=1)
     config.classifier_dropout = 0.0  # values must not be noisy (and ranks must agree)
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model, info = AutoModelForTokenClassification.from_pretrained(
-        path, config=config, dtype=torch.float32, output_loading_info=True
+        path, config=config, dtype=torch.float32, output_loading_info=True, **kwargs
     )
     head = model.score
     if any(k.startswith("score.") for k in info["missing_keys"]):
@@ -77,7 +93,7 @@ def load_value_model(path: str, mesh, *, device: str, gradient_checkpointing: bo
                 head.bias.zero_()
         log.info("critic: fresh value head (zero) on the backbone of %s", path)
     return fsdp.shard_model(
-        model, mesh, device=device, gradient_checkpointing=gradient_checkpointing
+        model, mesh, device=device, gradient_checkpointing=gradient_checkpointing, offload=offload
     )
 
 
@@ -91,11 +107,16 @@ class Critic:
         self.cfg, c = cfg, cfg.critic
         self.device = torch.device(cfg.trainer.device)
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        path = c.model.path or model_path
         self.model = load_value_model(
-            c.model.path or model_path,
+            path,
             mesh,
             device=cfg.trainer.device,
             gradient_checkpointing=c.model.enable_gradient_checkpointing,
+            attn_implementation=cfg.model.attn_implementation,
+            offload=fsdp.offload_wanted(cfg),
+            # The actor's overrides fit the actor's model: a critic of its own path keeps its own
+            config_overrides=cfg.model.override_config if path == model_path else None,
         )
         self.optimizer = fsdp.build_optimizer(self.model, c.optim)
         self.scheduler = fsdp.build_scheduler(self.optimizer, c.optim, total_steps)

@@ -95,10 +95,15 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def offload_wanted(cfg: Config) -> bool:
     """``actor.fsdp_config.param_offload`` (or ``optimizer_offload``) on a CUDA learner; on
     the CPU everything is in CPU memory already, which is said once."""
+    global _offload_said
     wanted = cfg.actor.fsdp_config.offload
-    if wanted and cfg.trainer.device != "cuda":
+    if wanted and cfg.trainer.device != "cuda" and not _offload_said:
+        _offload_said = True  # asked for the actor, the reference and the critic
         log.info("actor.fsdp_config offload has no effect on the CPU: the weights are there")
     return wanted and cfg.trainer.device == "cuda"
+
+
+_offload_said = False
 
 
 def load_sharded_model(

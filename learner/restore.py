@@ -113,14 +113,19 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
 
 def misfit_line(path: Path, misfit: str, cfg: Config) -> str:
     """One line for a checkpoint whose trained weights are not this model's (``misfit``:
-    :func:`learner.checkpoint.model_misfit`), naming the model settings changed since."""
+    :func:`learner.checkpoint.model_misfit`, or no critic where this run has one), naming
+    the model settings (and estimator) changed since."""
     from asyncrl.config.resumed import saved_settings
 
-    changes = [c for c in changed_settings(saved_settings(path), cfg) if c.startswith("model.")]
+    changes = [
+        c
+        for c in changed_settings(saved_settings(path), cfg)
+        if c.startswith(("model.", "algorithm.adv_estimator"))
+    ]
     since = f"; changed since it was saved: {'; '.join(changes)}" if changes else ""
     return (
-        f"checkpoint {path} does not fit this model ({misfit}){since}. Put the model's "
-        "settings back to resume it, or start from the model (trainer.resume_mode=disable)"
+        f"checkpoint {path} does not fit this model ({misfit}){since}. Put those settings "
+        "back to resume it, or start from the model (trainer.resume_mode=disable)"
     )
 
 

@@ -262,7 +262,9 @@ class Trainer:
 
     def _critic_step(self, plan: StepPlan, rewards, metrics: dict[str, float]) -> bool:
         """Values, GAE advantages (into ``plan``) and the critic's update; True while
-        ``trainer.critic_warmup`` holds the actor back (veRL: the critic trains alone)."""
+        ``trainer.critic_warmup`` holds the actor back (the critic trains alone). Counted as
+        veRL counts it: the actor first trains at step ``critic_warmup`` (steps from 1), so
+        ``N`` gives ``N - 1`` steps of the critic alone, and 0 and 1 none."""
         assert self.critic is not None
         t0 = time.monotonic()
         targets, batch_metrics = self.critic.targets(plan.rollouts, rewards)
@@ -270,7 +272,7 @@ class Trainer:
         metrics.update(batch_metrics)
         metrics.update(self.critic.update(plan.rollouts, targets))
         metrics["timing/critic_s"] = time.monotonic() - t0
-        return self.step < self.cfg.trainer.critic_warmup
+        return self.step + 1 < self.cfg.trainer.critic_warmup  # self.step: steps done
 
     def _micro_loss(self, plan, micro, norm, proximal, ref):
         """Loss and stats of one micro-batch (a dummy one when ``micro`` is empty)."""

@@ -175,7 +175,7 @@ GAE = ["algorithm.adv_estimator=gae"]
             "works with algorithm.adv_estimator gae or reinforce_plus_plus here",
         ),
         (GAE + ["critic.ppo_mini_batch_size=64"], "critic.ppo_mini_batch_size=64 exceeds"),
-        (GAE + ["trainer.critic_warmup=180"], "lower trainer.critic_warmup"),
+        (GAE + ["trainer.critic_warmup=181"], "lower trainer.critic_warmup"),
         (
             GAE + ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0"],
             "set algorithm.kl_ctrl.kl_coef>0",

@@ -106,3 +106,15 @@ def test_merged_lora_pushes_in_16_bits_are_warned_about():
     assert line.startswith("sync.lora=merged with model.dtype=bfloat16") and "adapter" in line
     assert config_advisories(load_config(None, [*bf16[:-1], "sync.lora=adapter"])) == []
     assert config_advisories(load_config(None, ["model.lora_rank=8", "sync.lora=merged"])) == []
+
+
+def test_the_group_filter_where_it_does_nothing_or_not_its_job_is_warned_about():
+    """Found by a review: DAPO's filter with rollout.n=1 (PPO's usual setting) never filters,
+    and with GAE it drops groups whose advantages are not zero; both were accepted without a
+    word."""
+    on = "algorithm.filter_groups.enable=true"
+    [one] = config_advisories(load_config(None, [on, "rollout.n=1", *GAE]))
+    assert "rollout.n=1" in one and "nothing is filtered" in one
+    [gae] = config_advisories(load_config(None, [on, "rollout.n=4", *GAE]))
+    assert "adv_estimator=gae" in gae and "group-relative" in gae
+    assert config_advisories(load_config(None, [on, "rollout.n=4"])) == []

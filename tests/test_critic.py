@@ -149,7 +149,9 @@ def test_resume_restores_the_critic_exactly(tiny_model, single_rank, tmp_path):
 
 
 def test_only_the_actor_is_pushed_and_warmup_holds_it(tiny_model, single_rank):
-    trainer = Trainer(make_cfg(tiny_model, "trainer.critic_warmup=1"))
+    """``critic_warmup`` counted as veRL counts it (``critic_warmup <= global_steps``,
+    steps from 1): 2 holds the actor back at step 1 only; the review found one step more."""
+    trainer = Trainer(make_cfg(tiny_model, "trainer.critic_warmup=2"))
     before = trainer.full_state_for_push()
     assert not any("score" in k for k in before)  # the causal LM's names only
     m = trainer.train_step(BATCHES[0], TEMPERATURE)
@@ -188,3 +190,36 @@ def test_the_critic_takes_the_actors_epochs_and_aggregation_unless_set(
     trainer.train_step(BATCHES[0], TEMPERATURE)
     assert modes_then == {"seq-mean-token-mean"} and set(modes) == {"token-mean"}
     assert len(modes) > 0 and two_epochs == 2 * len(modes)
+
+
+def test_the_critic_loads_as_the_actor_does(tiny_model, single_rank):
+    """Found by a review: the critic ignored the actor's attention kernel and config
+    overrides (and offload, on CUDA), though it reads the actor's micro-batch layout; a
+    veRL user is told the critic is placed as the actor is."""
+    cfg = make_cfg(
+        tiny_model, "model.attn_implementation=eager", "model.override_config={rms_norm_eps: 0.001}"
+    )
+    trainer = Trainer(cfg)
+    assert trainer.critic is not None
+    for model in (trainer.model, trainer.critic.model):
+        assert model.config._attn_implementation == "eager"
+        assert model.config.rms_norm_eps == pytest.approx(1e-3)
+
+
+def test_a_checkpoint_without_a_critic_is_refused_naming_the_estimator(
+    tiny_model, single_rank, tmp_path
+):
+    from asyncrl.config import ConfigError
+    from asyncrl.config.resumed import settings_of
+    from learner.restore import restore
+
+    grpo = load_config(None, [f"model.path={tiny_model}", "actor.ppo_mini_batch_size=2"])
+    first = Trainer(grpo)
+    first.train_step(BATCHES[0], TEMPERATURE)
+    first.save(tmp_path, extra={"settings": settings_of(grpo)})
+    cfg = make_cfg(tiny_model, "trainer.resume_mode=auto")
+    with pytest.raises(ConfigError) as err:
+        restore(cfg, Trainer(cfg), tmp_path)
+    (line,) = err.value.problems
+    assert "does not fit this model (it holds no critic" in line, line
+    assert "algorithm.adv_estimator grpo -> gae" in line and "damaged" not in line, line

@@ -134,9 +134,9 @@ def test_null_total_training_steps_counts_whole_batches_times_epochs(tmp_path):
     assert "make no batch" in input_problems(too_big, [DATA])[0]
     # A critic warm-up as long as the counted run would leave the actor untrained.
     gae = ["algorithm.adv_estimator=gae", "critic.enable=true", "data.train_batch_size=16"]
-    warm = load_config(None, [*base, *gae, "trainer.total_epochs=3", "trainer.critic_warmup=9"])
-    assert "critic_warmup=9 is not below the 9 steps" in input_problems(warm, [DATA])[0]
-    fine = load_config(None, [*base, *gae, "trainer.total_epochs=3", "trainer.critic_warmup=8"])
+    warm = load_config(None, [*base, *gae, "trainer.total_epochs=3", "trainer.critic_warmup=10"])
+    assert "critic_warmup=10 is past the 9 steps" in input_problems(warm, [DATA])[0]
+    fine = load_config(None, [*base, *gae, "trainer.total_epochs=3", "trainer.critic_warmup=9"])
     assert input_problems(fine, [DATA]) == []
 
 

@@ -64,7 +64,25 @@ def config_advisories(cfg: Config) -> list[str]:
             "sample from a policy behind the learner's; sync.lora=adapter sends the adapter "
             "itself"
         )
-    return out + _batch_advisories(cfg)
+    return out + _batch_advisories(cfg) + _filter_advisories(cfg)
+
+
+def _filter_advisories(cfg: Config) -> list[str]:
+    """DAPO's group filter where it does nothing, or not what it is for."""
+    if not cfg.algorithm.filter_groups.enable:
+        return []
+    if cfg.rollout.n < 2:
+        return [
+            "algorithm.filter_groups.enable with rollout.n=1: a group of one sample is never "
+            "uniform, so nothing is filtered; the filter needs rollout.n >= 2"
+        ]
+    if cfg.algorithm.adv_estimator == "gae":
+        return [
+            "algorithm.filter_groups.enable with algorithm.adv_estimator=gae: the filter drops "
+            "groups whose samples scored alike, whose GAE advantages are not zero (the critic "
+            "never learns their values); it is meant for group-relative estimators (grpo)"
+        ]
+    return []
 
 
 def _batch_advisories(cfg: Config) -> list[str]:

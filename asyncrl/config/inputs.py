@@ -158,9 +158,9 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                 if (empty := _no_batch(cfg)) is not None:
                     problems.append(empty)
                 warmup = cfg.trainer.critic_warmup
-                if cfg.trainer.total_training_steps is None and warmup >= steps:
+                if cfg.trainer.total_training_steps is None and warmup > steps:
                     problems.append(
-                        f"trainer.critic_warmup={warmup} is not below the {steps} steps "
+                        f"trainer.critic_warmup={warmup} is past the {steps} steps "
                         "trainer.total_training_steps=null counts from the data: the actor "
                         "would never train; lower trainer.critic_warmup"
                     )

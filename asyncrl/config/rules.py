@@ -235,9 +235,9 @@ def _critic_problems(cfg: Config) -> list[str]:
             "critic.ppo_micro_batch_size_per_gpu (and the actor's) is null with dynamic batch "
             "size off: give critic.ppo_micro_batch_size_per_gpu or critic.use_dynamic_bsz=true"
         )
-    if total is not None and warmup >= total:
+    if total is not None and warmup > total:  # the actor first trains at step critic_warmup
         out.append(
-            f"trainer.critic_warmup={warmup} is not below trainer.total_training_steps={total}: "
+            f"trainer.critic_warmup={warmup} is past trainer.total_training_steps={total}: "
             "the actor would never train; lower trainer.critic_warmup"
         )
     return out

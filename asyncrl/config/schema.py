@@ -269,7 +269,10 @@ class TrainerConfig(Section):
     nproc: int = Field(default=1, gt=0, description="Learner ranks (torchrun).")
     health: HealthConfig = Field(default_factory=HealthConfig)
     critic_warmup: int = Field(
-        default=0, ge=0, description="First learner steps that train only the critic (gae)."
+        default=0,
+        ge=0,
+        description="The step the actor first trains at (gae; veRL's count): the steps "
+        "before it train only the critic.",
     )
 
     @field_validator("logger", mode="before")
