@@ -42,6 +42,7 @@ import torch.distributed as dist
 # loop and the tests read it from here.
 from asyncrl.config.inputs import ABANDONED_DIR, STEP_ENTRY, scan_checkpoints
 from asyncrl.config.inputs import STATE_FILE as STATE_FILE
+from learner.checkpoint_fit import CheckpointMisfit, model_misfit
 
 log = logging.getLogger(__name__)
 
@@ -363,42 +364,6 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) 
     if "kl_coef" in meta.get("critic", {}):  # saved before the trainer held it
         extra.setdefault(REWARD_KL_KEY, meta["critic"]["kl_coef"])
     return CheckpointMeta(meta["step"], meta["policy_version"], extra)
-
-
-class CheckpointMisfit(ValueError):
-    """A checkpoint whose trained weights are not the model's: other names or shapes (a
-    changed ``model.lora_rank`` or ``model.target_modules``, LoRA switched on or off,
-    another model)."""
-
-
-def model_misfit(path: Path, model_sd: dict[str, Any]) -> str | None:
-    """How the trained weights saved in ``path`` differ from ``model_sd`` (this model's, as
-    a load asks for them), or None when they fit. Read from the checkpoint's metadata
-    before the load: torch's loader fails on a missing or reshaped tensor with an exception
-    that is no ``Exception``, and ignores a saved one the model no longer has (a narrowed
-    ``model.target_modules`` would drop trained adapters without a word)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    saved = {
-        k.removeprefix("model."): tuple(getattr(v, "size", ()))
-        for k, v in meta.items()
-        if k.startswith("model.")
-    }
-    here = {k: tuple(v.shape) for k, v in model_sd.items() if hasattr(v, "shape")}
-    parts = []
-    if unknown := sorted(set(saved) - set(here)):
-        parts.append(f"{len(unknown)} saved weights this model lacks (e.g. {unknown[0]})")
-    if unsaved := sorted(set(here) - set(saved)):
-        parts.append(f"{len(unsaved)} trained weights it did not save (e.g. {unsaved[0]})")
-    reshaped = sorted(k for k in set(saved) & set(here) if saved[k] != here[k])
-    if reshaped:
-        k = reshaped[0]
-        parts.append(
-            f"{len(reshaped)} of other shapes (e.g. {k}: saved {list(saved[k])}, "
-            f"here {list(here[k])})"
-        )
-    return "; ".join(parts) or None
 
 
 def unloadable_line(path: Path, error: BaseException) -> str:

@@ -53,12 +53,8 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
     one that cannot be loaded."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from learner.checkpoint import (
-        CheckpointMisfit,
-        latest_checkpoint,
-        set_aside_checkpoints,
-        unloadable_line,
-    )
+    from learner.checkpoint import latest_checkpoint, set_aside_checkpoints, unloadable_line
+    from learner.checkpoint_fit import CheckpointMisfit
 
     t, mode = cfg.trainer, cfg.trainer.resume_mode
     path = None
@@ -113,7 +109,7 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
 
 def misfit_line(path: Path, misfit: str, cfg: Config) -> str:
     """One line for a checkpoint whose trained weights are not this model's (``misfit``:
-    :func:`learner.checkpoint.model_misfit`, or no critic where this run has one), naming
+    :func:`learner.checkpoint_fit.model_misfit`, or no critic where this run has one), naming
     the model settings (and estimator) changed since."""
     from asyncrl.config.resumed import saved_settings
 
