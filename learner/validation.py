@@ -69,6 +69,9 @@ class ValidationTracker:
             lost = [t for t in (given_up or {}).get(key, ()) if t not in have]
             if progress.round_groups and len(have) + len(lost) >= progress.round_groups:
                 metrics = round_metrics(per_source(have.values()))
+                # Logged at the step the round completes: say which weights it measured
+                if (started := progress.start_step(key)) is not None:
+                    metrics["val/step"] = float(started)
                 if lost:
                     metrics["val/groups_given_up"] = float(len(lost))
                     log.warning(

@@ -129,3 +129,37 @@ def test_a_training_batch_reports_the_mean_of_each_part():
         "reward/parts/overlong_penalty/mean": -0.5,
     }
     assert reward_part_metrics([{}, {}]) == {}
+
+
+def test_a_round_says_the_step_whose_weights_it_measured_across_a_coordinator_restore():
+    """A round is logged at the step it completes, a step or two after the one whose
+    weights it measured (a review found test_freq 15's round logged at step 17 with
+    nothing saying so): its record carries ``val/step``, the step it started at, kept
+    across a coordinator's checkpoint."""
+    from asyncrl.control.admission import Budget
+    from asyncrl.control.ledger import TaskLedger
+    from asyncrl.control.state import ControlState
+    from asyncrl.control.syncs import SyncBook
+    from asyncrl.control.task_source import TaskSource
+    from asyncrl.tasks import make_row
+
+    def state() -> ControlState:
+        rows = [
+            make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(4)
+        ]
+        source = TaskSource(rows, rows[:2], shuffle=False, n=2, lineage="x")
+        ledger = TaskLedger(source, Budget(1, 2), lag_retries=1)
+        return ControlState(
+            ledger, SyncBook(), heartbeat_s=0.5, dead_after_s=2.0, store_host="h",
+            store_port=1, test_freq=15,
+        )  # fmt: skip
+
+    first = state()
+    assert first.on_step(15)
+    second = state()
+    second.load_state_dict(first.state_dict())
+    progress = second.validation_progress()
+    assert progress.start_step(progress.round_key(0)) == 15
+    tracker = ValidationTracker()
+    [record] = tracker.add({"val.x/0": _groups([[1, 0], [0, 0]], round_key="val.x/0")}, progress)
+    assert record["val/step"] == 15

@@ -450,6 +450,7 @@ class ControlState:
             "sync_counter": self.syncs.counter,
             "step": self.step,
             "last_val_step": self.validation.last_val_step,
+            "val_started_at": {str(k): v for k, v in self.validation.started_at.items()},
             "servers": sorted(self.servers),
             "group_filter": self.group_filter.state_dict(),
             "counts": dict(self.counts),  # coordinator/<event> totals of the run
@@ -462,6 +463,8 @@ class ControlState:
         self.syncs.counter = int(state["sync_counter"])
         self.step = int(state["step"])
         self.validation.last_val_step = int(state["last_val_step"])
+        started = state.get("val_started_at", {})  # saved before it: rounds' steps unknown
+        self.validation.started_at = {int(k): int(v) for k, v in started.items()}
         self.recovery.restored(list(state.get("servers", [])))
         if "group_filter" in state:  # saved before it: counts start again
             self.group_filter.load_state_dict(state["group_filter"])

@@ -24,9 +24,16 @@ class ValidationProgress(NamedTuple):
     rounds_started: int  # validation rounds started so far (this run, resumes included)
     round_groups: int  # groups in one round: one per validation row
     head: str = "val"  # round k's groups have ids ``<head>/<k>/<row>`` (its round key)
+    started_at: dict[int, int] | None = None  # round number -> the step it started at
 
     def round_key(self, number: int) -> str:
         return f"{self.head}/{number}"
+
+    def start_step(self, key: str) -> int | None:
+        """The learner step whose weights round ``key`` measures (None: not known, a round
+        started before a checkpoint that kept no such record)."""
+        number = int(key.rsplit("/", 1)[1])
+        return (self.started_at or {}).get(number)
 
 
 class ValidationSchedule:
@@ -39,6 +46,7 @@ class ValidationSchedule:
         self.test_freq = test_freq
         self.val_before_train = val_before_train
         self.last_val_step = -1  # the step the last round started at (-1: none yet)
+        self.started_at: dict[int, int] = {}  # round number -> the step it started at
 
     def start_run(self, step: int) -> None:
         """Before the first training task: the validation round of ``val_before_train``."""
@@ -59,9 +67,12 @@ class ValidationSchedule:
             return False
         number = source.start_validation()
         self.last_val_step = step
+        self.started_at[number] = step
         log.info("validation round %d started at step %d", number, step)
         return True
 
     def progress(self) -> ValidationProgress:
         source = self.source
-        return ValidationProgress(source.val_rounds, len(source.val_rows), source.val_head)
+        return ValidationProgress(
+            source.val_rounds, len(source.val_rows), source.val_head, dict(self.started_at)
+        )
