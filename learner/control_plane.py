@@ -365,6 +365,7 @@ class RankZero:
             self.pushes.wait()
         except RuntimeError as e:  # the run ends all the same: tell everyone
             log.error("%s", e)
+        final_push = self.pushes.take_results()  # no later push collects them
         if validate and self.validating:
             self.coordinator.start_validation(step)
         start = time.monotonic()
@@ -393,7 +394,7 @@ class RankZero:
                 self.final_wait_s,
             )
         accounting = self._settled_accounting(deadline)
-        self.logger.log(step, accounting)
+        self.logger.log(step, {**final_push, **accounting})
         for line in accounting_lines([accounting]):
             log.info("%s", line)
         if complete:  # short of the total only where the data was spent

@@ -55,7 +55,7 @@ class WeightPushes:
         third of the step, for nothing it needed."""
         start = time.monotonic()
         self.wait()
-        done, self._push_done = self._push_done, {}
+        done = self.take_results()
         self.pushed = tensors
         if self.coordinator.adopt(target):
             log.info("version %d replayed: the servers that hold it keep it (no push)", target)
@@ -98,6 +98,12 @@ class WeightPushes:
             "sync/failed_members": float(len(result.failed)),
             **check_probe(probe, result.probes, result.version, self.cfg.trainer.health),
         }
+
+    def take_results(self) -> dict[str, float]:
+        """The metrics of the last push that ended, not yet returned by :meth:`push` (the
+        run's final push: no push follows to collect them)."""
+        done, self._push_done = self._push_done, {}
+        return done
 
     def wait(self) -> None:
         """Wait for the push in flight, if any; its failure (not a member's: those drop the

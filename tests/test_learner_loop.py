@@ -131,6 +131,10 @@ def test_learner_trains_checkpoints_resumes_and_ends_the_run(tmp_path, tiny_mode
     assert vals and all(r["val/responses"] == round_size for r in vals), vals
     assert {r["step"] for r in vals} >= {4, TOTAL}, vals
     assert "incomplete after" not in (tmp_path / "learner.log").read_text()
+    # The run's last push is collected by the run's end: its results are in the final record
+    assert "timing/weight_sync_s" in raw[-1] and "accounting/train/dealt" in raw[-1], raw[-1]
+    # Each round says the step whose weights it measured (it is logged a step or two later)
+    assert all(r["val/step"] <= r["step"] for r in vals), vals
 
 
 @pytest.mark.timeout(600)

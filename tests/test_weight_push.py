@@ -51,6 +51,10 @@ def test_a_long_push_is_waited_for_with_a_line_saying_how_long(overlap, monkeypa
     assert len(lines) >= 2, lines  # 0.45 s in rounds of 0.1 s
     assert "version 7 to be " + ("done" if overlap else "sent") in lines[0]
     assert not pushes._push_thread
+    # The run's last push: no later push collects its results, the run's end takes them
+    # (a review found the final push's metrics never logged).
+    assert pushes.take_results()["timing/weight_sync_s"] >= 0.4
+    assert pushes.take_results() == {}
 
 
 def test_catch_ups_are_served_one_a_call_so_the_other_ranks_hear_between_them():
