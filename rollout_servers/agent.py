@@ -17,7 +17,10 @@ results; it waits for the engine (bounded by ``episode_timeout_s``) and for tool
 ``tool_timeout_s`` per call, in killable processes, and by the episode's deadline while queued
 for a worker, in the tool pool's own threads), and ends on a turn without tool calls, the turn
 limits, the response budget, or the episode's deadline (which does not count the time the
-engine was paused for weight syncs: :mod:`rollout_servers.deadlines`).
+engine was paused for weight syncs, during an engine turn or a tool call alike:
+:mod:`rollout_servers.deadlines`). A first prompt over ``data.max_prompt_length`` is cut as
+``data.truncation`` says, or refused (:class:`~rollout_servers.groups.PromptTooLong`), as a
+single-turn prompt is.
 """
 
 from __future__ import annotations
@@ -34,7 +37,13 @@ from asyncrl.tools.tokens import continuation, render
 from asyncrl.wire import Trajectory
 from rollout_servers.deadlines import Deadline, within
 from rollout_servers.episodes import Episode, Piece
-from rollout_servers.groups import SamplingSettings, group_fields, sampling_params, scored
+from rollout_servers.groups import (
+    SamplingSettings,
+    fit_prompt,
+    group_fields,
+    sampling_params,
+    scored,
+)
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -62,6 +71,11 @@ class AgentSettings:
     max_prompt_len: int
     max_response_len: int
     episode_timeout_s: float
+    #: ``data.truncation``: how a first prompt over ``max_prompt_len`` is cut, or refused.
+    truncation: str = "left"
+    #: ``data.filter_overlong_prompts``: a long training prompt is dropped before its
+    #: episodes (:mod:`rollout_servers.task_groups`); a validation one is cut at the left.
+    filter_overlong_prompts: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config) -> AgentSettings:
@@ -73,6 +87,8 @@ class AgentSettings:
             max_prompt_len=cfg.data.max_prompt_length,
             max_response_len=cfg.data.max_response_length,
             episode_timeout_s=mt.episode_timeout_s,
+            truncation=cfg.data.truncation,
+            filter_overlong_prompts=cfg.data.filter_overlong_prompts,
         )
 
 
@@ -105,6 +121,7 @@ class AgentRunner:
         self.engine, self.tok, self.tools = engine, tok, tools
         self.metrics: Counter[str] = Counter()
         self._eos = getattr(tok, "eos_token_id", None)
+        self._warned_kwargs = False  # a malformed tools_kwargs is logged once
 
     def prompt_len(self, task: Task) -> int:
         """Tokens of the episodes' first prompt (the task's messages and the tools' names,
@@ -117,20 +134,11 @@ class AgentRunner:
         s = self.settings
         schemas = self.tools.schemas if self.tools is not None else None
         messages = list(task.prompt)
-        prompt = render(self.tok, messages, schemas, gen=True)
-        if len(prompt) > s.max_prompt_len:  # keep the end, as single-turn prompts do
-            if not self.metrics["rollout/agent/prompts_truncated"]:
-                log.warning(
-                    "episode prompt of %d tokens (tool names included) cut to "
-                    "data.max_prompt_length=%d; raise it, or filter long prompts",
-                    len(prompt),
-                    s.max_prompt_len,
-                )
-            self.metrics["rollout/agent/prompts_truncated"] += 1
+        prompt = self._first_prompt(task, render(self.tok, messages, schemas, gen=True))
         # The version now, as a split's sample starts: a first turn that times out samples
         # nothing, and its empty sample would date the whole group to version 0 (dropped
         # for lag).
-        first = Piece(prompt_ids=prompt[-s.max_prompt_len :], start_version=self.engine.version)
+        first = Piece(prompt_ids=prompt, start_version=self.engine.version)
         ep = Episode(pieces=[first], messages=messages)
         deadline = Deadline(s.episode_timeout_s, self.engine)
         while True:
@@ -163,6 +171,28 @@ class AgentRunner:
         self.metrics["rollout/agent/splits"] += ep.splits
         return ep
 
+    def _first_prompt(self, task: Task, ids: list[int]) -> list[int]:
+        """The episode's first prompt within ``data.max_prompt_length``, cut as
+        ``data.truncation`` says (a validation prompt with long prompts filtered at the
+        left, as single-turn ones); raises PromptTooLong (its line names the fix) with
+        ``error``, which fails the task as a single-turn prompt's does."""
+        s = self.settings
+        if len(ids) <= s.max_prompt_len:
+            return ids
+        mode = "left" if s.filter_overlong_prompts and task.validation else s.truncation
+        out = fit_prompt(ids, s.max_prompt_len, mode)
+        if not self.metrics["rollout/agent/prompts_truncated"]:
+            log.warning(
+                "episode prompt of %d tokens (tool names included) cut to "
+                "data.max_prompt_length=%d (data.truncation=%s); raise it, or filter long "
+                "prompts",
+                len(ids),
+                s.max_prompt_len,
+                mode,
+            )
+        self.metrics["rollout/agent/prompts_truncated"] += 1
+        return out
+
     async def _after_turn(
         self,
         ep: Episode,
@@ -173,7 +203,8 @@ class AgentRunner:
         deadline: Deadline,
     ) -> str:
         """Run the turn's tool calls and append their answers; the reason the episode
-        ends, or "" to go on. Waiting for a tool worker ends at the episode's deadline."""
+        ends, or "" to go on. Waiting for the tools ends at the episode's deadline, which
+        a weight sync during the wait moves on as it does an engine turn's."""
         s = self.settings
         if finish == "length":
             return "length"
@@ -191,14 +222,12 @@ class AgentRunner:
             texts = ["Error: no tools here"] * len(calls)
         elif calls:
             assert self.tools is not None
-            kwargs = {
-                name: dict(v.get("create_kwargs") or {})
-                for name, v in (task.extra_info.get("tools_kwargs") or {}).items()
-                if isinstance(v, dict)
-            }
-            wait_s = max(0.0, deadline.left())
+            kwargs, bad = create_kwargs(task.extra_info.get("tools_kwargs"))
+            if bad is not None and not self._warned_kwargs:
+                self._warned_kwargs = True  # the data's slip, the same on every deal
+                log.warning("task %s: extra_info.tools_kwargs%s: passed over", task.task_id, bad)
             try:
-                results = await self.tools.call_many_async(calls, kwargs, wait_s)
+                results = await within(self.tools.call_many_async(calls, kwargs), deadline)
             except asyncio.TimeoutError:  # the builtin TimeoutError from Python 3.11 on
                 return "timeout"
             for r in results:
@@ -235,6 +264,45 @@ class AgentRunner:
         if ids and ids[-1] == self._eos:
             ids = ids[:-1]
         return self.tok.decode(ids, skip_special_tokens=False)
+
+
+def _mapping(value: Any) -> dict[str, Any] | None:
+    """``value`` as a dict: a dict, or a parquet map (read as ``(key, value)`` pairs, sent
+    on as lists) with text keys; None when it is neither."""
+    if isinstance(value, dict):
+        return value
+    pairs = isinstance(value, list | tuple) and all(
+        isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], str) for p in value
+    )
+    return dict(value) if pairs else None
+
+
+def create_kwargs(tools_kwargs: Any) -> tuple[dict[str, dict[str, Any]], str | None]:
+    """Per tool name, the ``create_kwargs`` of a row's ``extra_info.tools_kwargs`` (veRL's
+    layout: ``{tool: {"create_kwargs": {...}}}``), and what was passed over as malformed
+    (None: nothing). Reading the data refuses such a row
+    (:func:`asyncrl.tasks.parquet.row_problem`); one that reaches a server anyway (a task
+    from elsewhere) runs its tools without those keywords rather than failing every deal of
+    the row at its first call."""
+    by_name = _mapping(tools_kwargs)
+    if by_name is None:
+        bad = (
+            None if tools_kwargs is None else f" is a {type(tools_kwargs).__name__}, not a mapping"
+        )
+        return {}, bad
+    out: dict[str, dict[str, Any]] = {}
+    bad = None
+    for name, entry in by_name.items():
+        fields = {} if entry is None else _mapping(entry)  # a struct's unset tool: None
+        given = (fields or {}).get("create_kwargs")
+        kwargs = {} if given is None else _mapping(given)
+        if fields is None:
+            bad = f"[{name!r}] is a {type(entry).__name__}, not a mapping"
+        elif kwargs is None:
+            bad = f"[{name!r}]['create_kwargs'] is a {type(given).__name__}, not a mapping"
+        else:
+            out[name] = dict(kwargs)
+    return out, bad
 
 
 def extend(

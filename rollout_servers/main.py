@@ -318,7 +318,8 @@ def _endpoint(
 
 def _tools(cfg: Config) -> Any:
     """The tool workers when ``rollout.multi_turn.enable`` names a tool config, else None.
-    Raises ValueError (one line naming the fix) for a tool config that does not load."""
+    Raises ValueError (one line naming the fix) for a tool config that does not load, or not
+    within ``tool_startup_timeout_s``."""
     from asyncrl.tools import ToolPool
 
     mt = cfg.rollout.multi_turn
@@ -330,6 +331,7 @@ def _tools(cfg: Config) -> Any:
         timeout_s=mt.tool_timeout_s,
         max_response_length=mt.max_tool_response_length,
         truncate_side=mt.tool_response_truncate_side,
+        startup_timeout_s=mt.tool_startup_timeout_s,
     )
 
 

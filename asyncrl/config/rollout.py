@@ -41,6 +41,12 @@ class MultiTurnConfig(Section):
         default=10.0, gt=0, description="A tool call running longer is killed (an env error)."
     )
     tool_workers: int = Field(default=2, gt=0, description="Tool processes per rollout server.")
+    tool_startup_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A tool worker that has not imported and built its tools by then stops "
+        "the server before its engine (exit 2); raise it for tools that load much on import.",
+    )
     episode_timeout_s: float = Field(
         default=600.0, gt=0, description="An episode running longer ends where it is."
     )

@@ -190,13 +190,59 @@ def _extra_info_problem(extra: Any, number: int, path: str | Path) -> str | None
     if isinstance(extra, list) and all(isinstance(p, tuple) and len(p) == 2 for p in extra):
         extra = dict(extra)
     if isinstance(extra, dict) and all(isinstance(k, str) for k in extra):
-        return None
+        return _tools_kwargs_problem(extra.get("tools_kwargs"), number, path)
     what = "a dict with keys that are not text" if isinstance(extra, dict) else type(extra).__name__
     return (
         f"{path}: row {number}: extra_info must be a struct or a map with text keys (veRL's "
         f"layout: {{'split': ..., 'index': ...}}), got {what} {extra!r:.120}; write it as a "
         "struct (json.loads a JSON string before writing the file)"
     )
+
+
+def _as_map(value: Any) -> dict[str, Any] | None:
+    """``value`` as a dict when it is a struct or a map with text keys (read as ``(key,
+    value)`` pairs), else None."""
+    if isinstance(value, dict):
+        return value
+    if isinstance(value, list) and all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in value
+    ):
+        return dict(value)
+    return None
+
+
+def _tools_kwargs_problem(tools_kwargs: Any, number: int, path: str | Path) -> str | None:
+    """``extra_info.tools_kwargs`` must map tool names to ``{'create_kwargs': {...}}``
+    (veRL's layout; a tool or a ``create_kwargs`` left null is none): a JSON string, or a
+    ``create_kwargs`` that is no mapping, failed the row's first tool call on every deal."""
+    if tools_kwargs is None:
+        return None
+    by_name = _as_map(tools_kwargs)
+    found = ("", tools_kwargs) if by_name is None else _bad_tool_entry(by_name)
+    if found is None:
+        return None
+    where, bad = found
+    return (
+        f"drop or mend row {number} of {path}: its extra_info.tools_kwargs{where} is a "
+        f"{type(bad).__name__} {bad!r:.80}, not a mapping (veRL's layout: {{'<tool name>': "
+        "{'create_kwargs': {...}}}); write it as a struct (json.loads a JSON string before "
+        "writing the file)"
+    )
+
+
+def _bad_tool_entry(by_name: dict[str, Any]) -> tuple[str, Any] | None:
+    """The first tool entry of ``tools_kwargs`` (or its ``create_kwargs``) that is no
+    mapping, as (where, value); None when all are."""
+    for name, entry in by_name.items():
+        if entry is None:
+            continue
+        fields = _as_map(entry)
+        if fields is None:
+            return f"[{name!r}]", entry
+        given = fields.get("create_kwargs")
+        if given is not None and _as_map(given) is None:
+            return f"[{name!r}]['create_kwargs']", given
+    return None
 
 
 def read_rows(path: str | Path, *, prompt_key: str = "prompt") -> list[dict[str, Any]]:

@@ -48,15 +48,28 @@ class ParsedToolCalls:
     order: list[bool] = field(default_factory=list)
 
 
+def _json_problem(text: str) -> tuple[Any, str | None]:
+    """``text`` parsed as JSON, or None and what is wrong with it. Beyond bad syntax, a
+    sampled text can nest too deeply for the parser (RecursionError) or hold a number too
+    long to convert (ValueError): the model's malformed call, not the episode's end."""
+    try:
+        return json.loads(text), None
+    except json.JSONDecodeError as exc:
+        return None, f"{exc.msg} at line {exc.lineno} column {exc.colno}"
+    except RecursionError:
+        return None, "nested too deeply"
+    except ValueError as exc:
+        return None, str(exc)[:120]
+
+
 def _decode_arguments(raw: Any) -> dict[str, Any] | str:
     """The arguments as a dict, or a description of what is wrong with them."""
     if raw is None:
         return {}  # a tool without parameters
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            return f"'arguments' is a string but not valid JSON ({exc.msg})"
+        raw, problem = _json_problem(raw)
+        if problem is not None:
+            return f"'arguments' is a string but not valid JSON ({problem})"
     if not isinstance(raw, dict):
         return f"'arguments' must be a JSON object, got {type(raw).__name__}"
     return raw
@@ -64,10 +77,9 @@ def _decode_arguments(raw: Any) -> dict[str, Any] | str:
 
 def parse_block(body: str) -> ToolCall | str:
     """Parse the inside of one ``<tool_call>`` block: a call, or what is wrong with it."""
-    try:
-        data = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+    data, problem = _json_problem(body)
+    if problem is not None:
+        return f"not valid JSON ({problem})"
     if not isinstance(data, dict):
         return f"expected a JSON object with 'name' and 'arguments', got {type(data).__name__}"
     name = data.get("name")

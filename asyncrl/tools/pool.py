@@ -8,7 +8,9 @@ returns a :class:`ToolResult` whose text tells the model what went wrong, and wh
 ``error`` says whose fault it was (:data:`ENVIRONMENT_ERRORS` are not the model's).
 
 Worker protocol: job ``(name, arguments, create_kwargs)``; answer ``("ok", (text,
-reward))`` or ``("bad_return", message)`` (plus the pool's own statuses).
+reward))`` or ``("bad_return", message)`` (plus the pool's own statuses). The worker cuts
+``text`` to ``max_response_length`` and makes it valid UTF-8 before it answers, so a tool
+that prints hundreds of megabytes costs the server only the cut.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncrl.rewards.registry import finite_number
-from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, WorkerPool
+from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, StartTimeout, WorkerPool
 from asyncrl.tools.config import ToolSpec, instantiate_tools, load_tool_config, schemas
 from asyncrl.tools.hermes import ToolCall
 
@@ -41,7 +43,9 @@ TOOL_ERROR_KINDS = (
     "worker_died",
     "bad_return",
 )
-#: Failures that are not the model's fault: training should not punish the model for them.
+#: Failures that are not the model's fault (the tool's or the machine's), as the README and
+#: the first log line of each say. Only a label: the model still reads the error text, and
+#: its episode is scored and trained like any other (nothing masks or drops it).
 ENVIRONMENT_ERRORS = ("timeout", "worker_died")
 
 TruncateSide = Literal["left", "middle", "right"]
@@ -60,7 +64,7 @@ _EXPLANATIONS = {
     "environment error, not the model's); check the tool for crashes, os._exit or running "
     "out of memory",
     "bad_return": "a tool returned {detail}; execute must return (text or {{'text': ...}}, "
-    "reward, metrics)",
+    "reward or None, metrics)",
 }
 
 
@@ -94,6 +98,13 @@ def truncate_response(text: str, max_length: int, side: TruncateSide = "middle")
         return "(truncated)..." + text[len(text) - max_length :]
     half = max_length // 2
     return text[:half] + "...(truncated)..." + text[len(text) - half :]
+
+
+def valid_text(text: str) -> str:
+    """``text`` with what UTF-8 cannot hold (lone surrogates, from subprocess output decoded
+    with ``surrogateescape``) replaced by ``?``: a tokenizer refuses such text, and the
+    episode would end as if its chat template could not render tool answers."""
+    return text.encode("utf-8", "replace").decode("utf-8")
 
 
 # ------------------------------------------------------------------------ worker process
@@ -137,9 +148,15 @@ async def _call_once(tool: Any, arguments: dict[str, Any], create_kwargs: dict) 
 
 
 def _run_call(
-    tools: dict[str, Any], loop: asyncio.AbstractEventLoop, job: tuple
+    tools: dict[str, Any],
+    loop: asyncio.AbstractEventLoop,
+    max_length: int,
+    side: TruncateSide,
+    job: tuple,
 ) -> tuple[str, Any]:
-    """Run one call on its tool; a tool that raises is reported by the pool as exception."""
+    """Run one call on its tool; a tool that raises is reported by the pool as exception.
+    The answer leaves the worker cut to ``max_length`` and valid UTF-8 (see the module
+    docstring)."""
     name, arguments, create_kwargs = job
     result = loop.run_until_complete(_call_once(tools[name], arguments, create_kwargs))
     if not isinstance(result, tuple | list) or len(result) != 3:
@@ -147,21 +164,24 @@ def _run_call(
     text = _response_text(result[0])
     if text is None:
         return "bad_return", f"a response of type {type(result[0]).__name__} without text"
+    # None is no step reward (veRL's SandboxFusionTool returns (response, None, None)); the
+    # metrics, None or not, are not read.
     try:  # numpy scalars and bools, 0-d arrays and tensors too, as for scores
-        reward = finite_number(result[1], "step reward ")
+        reward = 0.0 if result[1] is None else finite_number(result[1], "step reward ")
     except (TypeError, ValueError) as e:
         return "bad_return", str(e)
-    return "ok", (text, reward)
+    return "ok", (valid_text(truncate_response(text, max_length, side)), reward)
 
 
-def _load_tools(specs: tuple[ToolSpec, ...]) -> Handler:
+def _load_tools(specs: tuple[ToolSpec, ...], max_length: int, side: TruncateSide) -> Handler:
     """Worker setup: build every tool once; calls share one event loop for the worker's life,
-    so a tool may keep loop-bound state (a client session, a semaphore) between calls."""
+    so a tool may keep loop-bound state (a client session, a semaphore) between calls. Answers
+    are cut to ``max_length`` characters on ``side``'s terms (:func:`truncate_response`)."""
     # The loop exists before the tools, so one that looks up the loop in __init__ gets it.
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     tools = instantiate_tools(list(specs))
-    return functools.partial(_run_call, tools, loop)
+    return functools.partial(_run_call, tools, loop, max_length, side)
 
 
 # --------------------------------------------------------------------------------- pool
@@ -199,11 +219,12 @@ class ToolPool:
                 (``rollout.multi_turn.max_tool_response_length``).
             truncate_side: Which part of a long response to cut (see
                 :func:`truncate_response`).
-            startup_timeout_s: Longest a worker may take to start and build the tools.
+            startup_timeout_s: Longest a worker may take to start and build the tools
+                (``rollout.multi_turn.tool_startup_timeout_s``).
 
         Raises:
             ValueError: A bad config or argument, or a tool that fails to import or to
-                construct: raised here, before any call.
+                construct, or not within ``startup_timeout_s``: raised here, before any call.
         """
         if max_response_length < 1:
             raise ValueError(f"max_response_length must be >= 1, got {max_response_length}")
@@ -215,17 +236,20 @@ class ToolPool:
         self._required = {spec.name: _required(spec) for spec in specs}
         self.max_response_length = max_response_length
         self.truncate_side: TruncateSide = truncate_side
-        self._pool = WorkerPool(
-            _load_tools,
-            (tuple(specs),),
-            name="ToolPool",
-            role="tool",
-            explanations=_EXPLANATIONS,
-            num_workers=num_workers,
-            timeout_s=timeout_s,
-            startup_timeout_s=startup_timeout_s,
-            log=logger,
-        )
+        try:
+            self._pool = WorkerPool(
+                _load_tools,
+                (tuple(specs), max_response_length, truncate_side),
+                name="ToolPool",
+                role="tool",
+                explanations=_EXPLANATIONS,
+                num_workers=num_workers,
+                timeout_s=timeout_s,
+                startup_timeout_s=startup_timeout_s,
+                log=logger,
+            )
+        except StartTimeout as exc:
+            raise ValueError(_startup_line(str(exc), config_path)) from exc
         self.timeout_s = self._pool.timeout_s
         # One thread per worker runs the turns of call_many_async: turns waiting for a
         # worker queue here, holding no thread of the event loop's default executor.
@@ -246,9 +270,9 @@ class ToolPool:
         if refusal is not None:
             return refusal
         status, payload = self._pool.run((call.name, call.arguments, dict(create_kwargs or {})))
-        if status == "ok":
+        if status == "ok":  # cut and made valid in the worker
             text, reward = payload
-            return ToolResult(self._truncate(text), None, reward)
+            return ToolResult(text, None, reward)
         self._pool.record(status, payload)
         return ToolResult(self._truncate(self._error_text(call.name, status, payload)), status)
 
@@ -276,9 +300,11 @@ class ToolPool:
         blocking calls need (a rollout server's sync reports and acknowledgements).
 
         Raises:
-            TimeoutError: No answer within ``wait_s`` (an episode's deadline). A turn still
+            TimeoutError: No answer within ``wait_s`` (None: no bound). A turn still
                 queued is dropped; one already running finishes in its worker (within
-                ``timeout_s`` a call) and its answer is discarded.
+                ``timeout_s`` a call) and its answer is discarded. Cancelling the await
+                does the same: an episode whose deadline a weight sync moves on bounds
+                the wait itself (:func:`rollout_servers.deadlines.within`).
         """
         turn = functools.partial(self.call_many, calls, create_kwargs)
         future = asyncio.get_running_loop().run_in_executor(self._turns, turn)
@@ -327,7 +353,19 @@ class ToolPool:
         return f"Error: tool {name!r} returned an invalid response"
 
     def _truncate(self, text: str) -> str:
-        return truncate_response(text, self.max_response_length, self.truncate_side)
+        """An error message as the model reads it: cut as answers are, and valid UTF-8 (an
+        exception's message may quote a tool's undecodable output)."""
+        return valid_text(truncate_response(text, self.max_response_length, self.truncate_side))
+
+
+def _startup_line(message: str, config_path: str | Path) -> str:
+    """The pool's line for a worker that did not build its tools in time, with its fix: the
+    usual cause is a tool module that loads a model or an SDK on import."""
+    return (
+        f"{message} (rollout.multi_turn.tool_startup_timeout_s) while importing the tools of "
+        f"{config_path}: move heavy loading out of the tool module's import, or raise "
+        "rollout.multi_turn.tool_startup_timeout_s"
+    )
 
 
 def _required(spec: ToolSpec) -> list[str]:
