@@ -68,6 +68,11 @@ class NapTool(BaseTool):
         return "rested", 0.0, {{}}
 
 
+class PlainTool(BaseTool):  # a ported tool whose execute is a plain function
+    def execute(self, instance_id, parameters, **kwargs):
+        return "plain answer", 0.0, {{}}
+
+
 class KwTool(BaseTool):
     async def create(self, instance_id=None, **kwargs):
         self.seen = kwargs.get("create_kwargs", {{}})
@@ -77,7 +82,7 @@ class KwTool(BaseTool):
         return repr(self.seen), 0.0, {{}}
 """
 NAMES = {"huge": "HugeTool", "noner": "SandboxLikeTool", "surr": "SurrogateTool"}
-NAMES |= {"nap": "NapTool", "kw": "KwTool"}
+NAMES |= {"nap": "NapTool", "kw": "KwTool", "plain": "PlainTool"}
 
 
 def _entry(cls: str, name: str) -> dict[str, Any]:
@@ -372,3 +377,9 @@ def test_an_episode_prompt_over_the_limit_is_refused_with_truncation_error(
     filtering = ("data.truncation=error", "data.filter_overlong_prompts=true")
     runner = _runner(engine, pool, overrides=filtering)
     assert asyncio.run(runner.episode(_long_task(validation=True), 0)).ended == "done"
+
+
+def test_a_tool_whose_execute_is_a_plain_function_answers(pool: ToolPool) -> None:
+    """Found while mending the others: a tool defining ``def execute`` (not ``async``)
+    failed every call on the ``await``."""
+    assert pool.call(ToolCall("plain", {})) == ToolResult("plain answer", None, 0.0)

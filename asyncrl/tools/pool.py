@@ -138,13 +138,19 @@ def _create_arguments(create: Any, create_kwargs: dict) -> dict[str, Any]:
 
 
 async def _call_once(tool: Any, arguments: dict[str, Any], create_kwargs: dict) -> Any:
-    created = await tool.create(**_create_arguments(tool.create, create_kwargs))
+    created = await _maybe_await(tool.create(**_create_arguments(tool.create, create_kwargs)))
     # Newer veRL tools return (instance_id, response) from create.
     instance_id = created[0] if isinstance(created, tuple) else created
     try:
-        return await tool.execute(instance_id, arguments)
+        return await _maybe_await(tool.execute(instance_id, arguments))
     finally:
-        await tool.release(instance_id)
+        await _maybe_await(tool.release(instance_id))
+
+
+async def _maybe_await(value: Any) -> Any:
+    """A tool method's result: veRL's are coroutines, but a ported tool may define a plain
+    ``def execute`` (every call of it failed on the ``await`` before)."""
+    return await value if inspect.isawaitable(value) else value
 
 
 def _run_call(
