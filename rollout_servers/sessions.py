@@ -10,7 +10,7 @@ A session keeps two views of its conversation: the one the model saw (assistant 
 sampled, tool calls written inline, as the chat template renders them) in its
 :class:`~rollout_servers.episodes.Episode`, and the one the agent was shown (tool calls as
 OpenAI ``tool_calls``). A request whose messages extend the shown view by new messages
-appends only their tokens (:func:`rollout_servers.agent.extend`); a request that rewrites
+appends only their tokens (:func:`rollout_servers.episode_tokens.extend`); a request that rewrites
 earlier messages starts a new sample from its own rendering.
 
 A turn is prepared on a :class:`Draft` (copies of what it changes) and committed only once
@@ -32,7 +32,7 @@ from jinja2 import TemplateError
 
 from asyncrl.control.messages import Task
 from asyncrl.tools.tokens import render
-from rollout_servers.agent import added_len, extend
+from rollout_servers.episode_tokens import added_len, extend
 from rollout_servers.episodes import Episode, Piece
 
 if TYPE_CHECKING:

@@ -202,7 +202,7 @@ def test_a_split_that_rewrites_the_history_counts_the_new_messages_only() -> Non
     """The new sample's prompt differs from the history from the rewritten assistant turn
     on; only the new user turn (and the generation prompt) is the episode's response, not
     the assistant turn rendered again, which its first sample holds already."""
-    from rollout_servers.agent import extend
+    from rollout_servers.episode_tokens import extend
     from rollout_servers.episodes import Piece
 
     tok = DropsThinkingBeforeAUser()
@@ -252,7 +252,7 @@ class NoToolTurnAlone(CharTokenizer):
 
 
 def test_added_messages_are_measured_when_the_template_refuses_them_alone() -> None:
-    from rollout_servers.agent import added_len
+    from rollout_servers.episode_tokens import added_len
 
     tok = NoToolTurnAlone()
     history = [
