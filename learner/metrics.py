@@ -124,6 +124,7 @@ def rollout_summary(servers: Mapping[str, Mapping[str, float]]) -> dict[str, flo
         "tokens",
         "task_wait_s",
         "sync_pause_s",
+        "uptime_s",  # the time base of the waits above (asyncrl/launch/time_split.py)
         "version_wait_s",
         "score_wait_s",
         "push_blocked_s",

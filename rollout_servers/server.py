@@ -372,7 +372,8 @@ class RolloutServer:
         """Current metrics (cumulative counters and recent means)."""
         parts = [self.engine.metrics]
         parts += [p.metrics for p in (self.agent, self.endpoint) if p is not None]
-        return self.stats.snapshot(parts, self.inflight)
+        # The pause clock: the waits the stats count leave out the seconds the sync has.
+        return self.stats.snapshot(parts, self.inflight, self.engine.paused_s)
 
     def _log_progress(self) -> None:
         m = self.snapshot()

@@ -1,7 +1,11 @@
 """What a rollout server counts and reports: cumulative counters, the recent rewards and
 response lengths, tokens by policy version, the time it waited for tasks, and the time its
 engine had nothing to run because every response in flight waited for the scorer or the
-buffer; the snapshot rides on the server's heartbeat (``rollout/*``)."""
+buffer; the snapshot rides on the server's heartbeat (``rollout/*``).
+
+A second paused for a weight sync is the sync's (``rollout/sync_pause_s``, the engine's):
+the waits counted here leave it out, so that the waits of one snapshot add up to its
+``rollout/uptime_s`` at most."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import TYPE_CHECKING
 from asyncrl.launch.startup import collector_metrics
 
 if TYPE_CHECKING:
-    from collections.abc import Iterator, Mapping, Sequence
+    from collections.abc import Callable, Iterator, Mapping, Sequence
 
     from asyncrl.control.messages import Task
     from asyncrl.rewards import ScoreResult
@@ -33,6 +37,19 @@ TOKENS_BY_VERSION_KEPT = 16
 #: the engine is left with nothing to run because all of them do.
 AFTER_GENERATION = {"scoring": "rollout/score_wait_s", "pushing": "rollout/push_blocked_s"}
 
+#: When a wait began: (``time.monotonic()``, the engine's pause clock) then.
+Mark = tuple[float, float]
+
+
+def _never_paused() -> float:
+    return 0.0
+
+
+def _unpaused(since: Mark, now: float, paused: float) -> float:
+    """Seconds from ``since`` to ``now`` not paused for a weight sync (``paused``: the pause
+    clock now); the pause is already in ``rollout/sync_pause_s``."""
+    return max(0.0, now - since[0] - (paused - since[1]))
+
 
 class AfterGeneration:
     """The time every response in flight is generated and waits for the scorer
@@ -41,13 +58,16 @@ class AfterGeneration:
     neither generation nor a wait for tasks. A slow reward function shows here, not as
     generation."""
 
-    def __init__(self, metrics: dict[str, float]) -> None:
+    def __init__(
+        self, metrics: dict[str, float], paused: Callable[[], float] = _never_paused
+    ) -> None:
         self.metrics = metrics
+        self.paused = paused  # the engine's pause clock
         for key in AFTER_GENERATION.values():
             metrics[key] = 0.0
         self.inflight = 0  # responses dealt and not finished
         self.at = dict.fromkeys(AFTER_GENERATION, 0)  # of those, generated and waiting
-        self.since: float | None = None
+        self.since: Mark | None = None
         self.waiting_for = ""
 
     def slots(self, n: int) -> None:
@@ -66,20 +86,21 @@ class AfterGeneration:
             self.at[kind] -= n
             self._settle()
 
-    def ongoing(self) -> dict[str, float]:
-        """The wait in progress, by counter (added to the counters in a snapshot)."""
+    def ongoing(self, now: float, paused: float) -> dict[str, float]:
+        """The wait in progress at ``now`` (``paused``: the pause clock then), by counter
+        (added to the counters in a snapshot)."""
         if self.since is None:
             return {}
-        return {AFTER_GENERATION[self.waiting_for]: time.monotonic() - self.since}
+        return {AFTER_GENERATION[self.waiting_for]: _unpaused(self.since, now, paused)}
 
     def _settle(self) -> None:
-        now = time.monotonic()
+        now, paused = time.monotonic(), self.paused()
         if self.since is not None:
-            self.metrics[AFTER_GENERATION[self.waiting_for]] += now - self.since
+            self.metrics[AFTER_GENERATION[self.waiting_for]] += _unpaused(self.since, now, paused)
             self.since = None
         if self.inflight > 0 and sum(self.at.values()) >= self.inflight:
             self.waiting_for = "scoring" if self.at["scoring"] else "pushing"
-            self.since = now
+            self.since = (now, paused)
 
 
 class ServerStats:
@@ -105,19 +126,25 @@ class ServerStats:
         self.rewards: deque[float] = deque(maxlen=RECENT)  # of the latest responses
         self.lengths: deque[int] = deque(maxlen=RECENT)
         self.started = time.monotonic()
-        # Task wait = time with nothing in flight (idle, waiting for a grant): set when the
-        # last sequence finishes, added to rollout/task_wait_s when tasks arrive.
-        self.idle_since: float | None = self.started
-        self.after_generation = AfterGeneration(self.metrics)
+        # The engine's pause clock (GenerationEngine.paused_s), handed over with each
+        # snapshot: the task loop takes its first before its first task, and a fresh engine
+        # has not paused, so the 0.0 of the stand-in until then is the engine's too.
+        self.paused_s: Callable[[], float] = _never_paused
+        # Task wait = time with nothing in flight (idle, waiting for a grant) and not paused
+        # for a sync: marked when the last sequence finishes, added to rollout/task_wait_s
+        # when tasks arrive.
+        self.idle_since: Mark | None = (self.started, 0.0)
+        self.after_generation = AfterGeneration(self.metrics, lambda: self.paused_s())
 
     def busy(self) -> None:
         """Something is in flight again: the idle time so far was a wait for tasks."""
         if self.idle_since is not None:
-            self.metrics["rollout/task_wait_s"] += time.monotonic() - self.idle_since
+            now, paused = time.monotonic(), self.paused_s()
+            self.metrics["rollout/task_wait_s"] += _unpaused(self.idle_since, now, paused)
             self.idle_since = None
 
     def idle(self) -> None:
-        self.idle_since = time.monotonic()
+        self.idle_since = (time.monotonic(), self.paused_s())
 
     def count_group(self, samples: list[Sample], scores: list[ScoreResult], task: Task) -> None:
         """Count a pushed group (the server's own, or an endpoint's)."""
@@ -143,21 +170,35 @@ class ServerStats:
                 scores[0].score,
             )
 
-    def snapshot(self, parts: Sequence[Mapping[str, float]], inflight: int) -> dict[str, float]:
+    def snapshot(
+        self,
+        parts: Sequence[Mapping[str, float]],
+        inflight: int,
+        paused_s: Callable[[], float] | None = None,
+    ) -> dict[str, float]:
         """Current metrics: the counters, the metrics of the server's ``parts`` (engine
-        first: its ``rollout/sync_pause_s`` counts as waiting), and recent means."""
-        elapsed = max(time.monotonic() - self.started, 1e-9)
+        first: its ``rollout/sync_pause_s`` counts as waiting), and recent means, all as of
+        one instant. ``paused_s``: the engine's pause clock, kept for the waits to come."""
+        if paused_s is not None:
+            self.paused_s = paused_s
+        now, paused = time.monotonic(), self.paused_s()
+        elapsed = max(now - self.started, 1e-9)
         out = dict(self.metrics)
         for part in parts:
             out.update(part)
+        # This snapshot's own clock: the change of a wait between two heartbeats over the
+        # change of this is its share of that time (the learner's records, which carry the
+        # last heartbeat, are not written when it was taken).
+        out["rollout/uptime_s"] = elapsed
         out["rollout/tokens_per_s"] = self.metrics["rollout/tokens"] / elapsed
         out["rollout/inflight"] = inflight
         if self.idle_since is not None:  # idle now: count the wait so far
-            out["rollout/task_wait_s"] += time.monotonic() - self.idle_since
-        for key, waited in self.after_generation.ongoing().items():
+            out["rollout/task_wait_s"] += _unpaused(self.idle_since, now, paused)
+        for key, waited in self.after_generation.ongoing(now, paused).items():
             out[key] += waited
         out["rollout/score_wait_fraction"] = min(1.0, out["rollout/score_wait_s"] / elapsed)
-        # A sync while idle counts in both; the fraction is capped at 1.
+        # A sync while idle is the sync's alone (the task wait leaves it out); capped at 1
+        # all the same, as the engine counts its pauses by a clock of its own.
         waited = out["rollout/task_wait_s"] + out.get("rollout/sync_pause_s", 0.0)
         out["rollout/wait_fraction"] = min(1.0, waited / elapsed)
         if self.rewards:

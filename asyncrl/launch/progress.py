@@ -76,6 +76,49 @@ def read_restarts(run_dir: Path) -> dict[str, int]:
     return counts
 
 
+def read_launches(run_dir: Path) -> list[float]:
+    """When each launch in the run directory began (the times of ``launch.jsonl``'s
+    ``launch`` events), oldest first; empty for a run started by hand."""
+    path = Path(run_dir) / "launch.jsonl"
+    if not path.exists():
+        return []
+    starts = []
+    for raw in path.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(raw)
+        except ValueError:  # a line being written
+            continue
+        if event.get("event") == "launch" and isinstance(event.get("time"), int | float):
+            starts.append(float(event["time"]))
+    return sorted(starts)
+
+
+def launch_records(
+    records: list[dict[str, float]], starts: list[float]
+) -> tuple[int, list[dict[str, float]]]:
+    """The records of the latest launch that wrote any, and its number (1 for the first of
+    ``starts``); (0, every record) without launches. A resumed run's earlier launches are
+    its curve, but their downtime is no role's time, and the servers' counters begin again
+    at each launch, so a summary over them mixes launches."""
+    ends = [*starts[1:], math.inf]
+    for k in range(len(starts), 0, -1):
+        mine = [r for r in records if starts[k - 1] <= r.get("time", -math.inf) < ends[k - 1]]
+        if mine:
+            return k, mine
+    return 0, records
+
+
+def launch_line(k: int, n: int, records: list[dict[str, float]]) -> str:
+    """Which launch of a run launched ``n`` times the summary below is of."""
+    steps = [r["step"] for r in records if "step" in r]
+    span = f"steps {min(steps):.0f}-{max(steps):.0f}" if steps else "no step"
+    latest = "the latest" if k == n else f"the latest with a step record; {n} wrote none"
+    return (
+        f"launch {k} of {n} ({latest}, {span}): the table and the time split are this "
+        "launch's; the accounting and the plots cover the whole run"
+    )
+
+
 def accounting_line(metrics: dict[str, float], kind: str = "train") -> str | None:
     """One line saying where every task of ``kind`` (``train``, ``val``) dealt so far is,
     from a record with ``accounting/<kind>/*`` keys; None without them. For example
@@ -273,7 +316,7 @@ def write_plots(run_dir: Path, records: list[dict[str, float]]) -> list[Path]:
     lags = lag_counts(records)
     axes[1][1].bar(list(lags), list(lags.values()))
     axes[1][1].set(xlabel="policy lag (versions)", ylabel="responses", title="lag of trained data")
-    axes[1][1].set_xticks(sorted(lags))
+    axes[1][1].set_xticks(list(lags), lag_labels(list(lags), records))
     if critic:
         for ax, key, title in (
             (axes[0][2], "critic/vf_loss", "critic value loss"),
@@ -289,16 +332,37 @@ def write_plots(run_dir: Path, records: list[dict[str, float]]) -> list[Path]:
     return [path]
 
 
+LAG_HIST = "lag/hist_"
+
+
+def _lag_bucket(key: str) -> tuple[int, bool] | None:
+    """(lag, whether the bucket holds that lag or more) of a ``lag/hist_*`` key:
+    ``lag/hist_3`` is (3, False), the histogram's last bucket ``lag/hist_ge8`` (8, True)."""
+    if not key.startswith(LAG_HIST):
+        return None
+    suffix = key[len(LAG_HIST) :]
+    open_ended = suffix.startswith("ge")
+    digits = suffix[2:] if open_ended else suffix
+    return (int(digits), open_ended) if digits.isdigit() else None
+
+
 def lag_counts(records: list[dict[str, float]]) -> dict[int, float]:
-    """Responses trained on, by policy lag, over the run (``lag/hist_<k>``); only the lags
-    that occurred, so the axis ends at the largest lag seen, not at the histogram's width."""
+    """Responses trained on, by policy lag, over the run (``lag/hist_<k>``; the last
+    bucket's, ``lag/hist_ge<k>``, at ``k``: :func:`lag_labels` names it "k+"); only the
+    lags that occurred, so the axis ends at the largest lag seen, not at the histogram's
+    width."""
     lags: dict[int, float] = {}
     for r in records:
-        for k, v in r.items():
-            if k.startswith("lag/hist_") and k[len("lag/hist_") :].isdigit():
-                lag = int(k[len("lag/hist_") :])
-                lags[lag] = lags.get(lag, 0) + v
+        for key, v in r.items():
+            if (bucket := _lag_bucket(key)) is not None:
+                lags[bucket[0]] = lags.get(bucket[0], 0) + v
     return {lag: n for lag, n in sorted(lags.items()) if n} or {0: 0.0}
+
+
+def lag_labels(lags: list[int], records: list[dict[str, float]]) -> list[str]:
+    """The bar labels of ``lags``: "8+" for the bucket of lags 8 and more."""
+    open_ended = {b[0] for r in records for key in r if (b := _lag_bucket(key)) and b[1]}
+    return [f"{lag}+" if lag in open_ended else str(lag) for lag in lags]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,18 +386,29 @@ def main(argv: list[str] | None = None) -> int:
             "<trainer.default_local_dir>/<trainer.project_name>/<trainer.experiment_name>\n"
         )
         return 2
-    recs, restarts_of = read_metrics(directory), read_restarts(directory)
+    recs = read_metrics(directory)
     if not recs:
         sys.stderr.write(
             f"{parser.prog}: no metrics in {directory} yet (the learner writes "
             "metrics.jsonl from its first step on)\n"
         )
         return 1
-    sys.stdout.write(summary_table(recs, restarts_of) + "\n")
-    for text in accounting_lines(recs) + reward_errors_line(recs) + time_split(recs):
+    for text in launch_summary(directory, recs):
         sys.stdout.write(text + "\n")
     sys.stdout.write(f"{write_plots(directory, recs)[0]}\n")
     return 0
+
+
+def launch_summary(run_dir: Path, records: list[dict[str, float]]) -> list[str]:
+    """The summary lines of a run's latest launch (as the launcher's own summary), led by
+    a line naming the launch when the run was launched more than once."""
+    starts = read_launches(run_dir)
+    k, mine = launch_records(records, starts)
+    # launch.jsonl's restarts are the latest launch's
+    restarts = read_restarts(run_dir) if k == len(starts) else {}
+    lines = [launch_line(k, len(starts), mine)] if len(starts) > 1 else []
+    lines.append(summary_table(mine, restarts))
+    return lines + accounting_lines(records) + reward_errors_line(mine) + time_split(mine)
 
 
 if __name__ == "__main__":

@@ -5,10 +5,16 @@ Read from the learner's step records (``timing/*``, and the servers' cumulative
 ``rollout/task_wait_s``, ``rollout/sync_pause_s``, ``rollout/score_wait_s`` and
 ``rollout/push_blocked_s``), over the window from the end of the first step to the end of
 the last (start-up is the start-up table's business).
+
+The servers' counters in a record are their last heartbeat's, taken up to a few seconds
+before the record: their changes are divided by the change of the servers' own clock in
+the same heartbeats (``rollout/uptime_s``, summed over servers like the waits), and by
+the time between the records only for runs whose servers do not report it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 # A side is the bottleneck when it is busy at least this share of the time while the other
@@ -16,14 +22,19 @@ from typing import Any
 BUSY, WAITING = 0.7, 0.1
 TASKS_WAIT, AGENTS_WAIT = "waiting for tasks", "waiting for the agents' requests"
 SCORER_WAIT, BUFFER_WAIT = "waiting for the scorer", "waiting for the buffer"
+PAUSED = "paused for weight syncs"
 #: The servers' cumulative waits, by the name the split gives them (the last two: time the
 #: engine had nothing to run, every response in flight waiting for the scorer or the buffer).
 SERVER_WAITS = {
     TASKS_WAIT: "rollout/task_wait_s",
-    "paused for weight syncs": "rollout/sync_pause_s",
+    PAUSED: "rollout/sync_pause_s",
     SCORER_WAIT: "rollout/score_wait_s",
     BUFFER_WAIT: "rollout/push_blocked_s",
 }
+#: Who keeps a second two waits both counted: servers before ``rollout/uptime_s`` counted
+#: a sync while idle as a wait for tasks too, and the sync is what held them then.
+PRECEDENCE = (PAUSED, TASKS_WAIT, SCORER_WAIT, BUFFER_WAIT)
+UPTIME, SERVERS = "rollout/uptime_s", "rollout/servers_reporting"
 #: Shown only when they are at least this share (most runs never wait on either).
 SHOWN_FROM = 0.005
 
@@ -48,6 +59,8 @@ def time_split(records: list[dict[str, Any]]) -> list[str]:
         "gathering and pushing weights": _total(window, "timing/gather_s"),
     }
     learner["other (validation, checkpoints, control)"] = max(0.0, wall - sum(learner.values()))
+    # A step's parts may reach past the window's start: the shares are of their sum then.
+    wall = max(wall, sum(learner.values()))
     lines = ["learner: " + _shares(learner, wall)]
     rollout = _rollout_split(steps)
     agents = _agents_only(records)
@@ -73,27 +86,59 @@ def _agents_only(records: list[dict[str, Any]]) -> bool:
 
 
 def _rollout_split(steps: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Shares of the servers' time between the first and last records that carry their
-    cumulative waits."""
+    """Shares of the servers' time, pooled over servers, between the first and last records
+    that carry their cumulative waits; they add up to 1 (the rest is generation)."""
     reported = [r for r in steps if "rollout/task_wait_s" in r and "rollout/sync_pause_s" in r]
-    if len(reported) < 2:
-        return None
-    first, last = reported[0], reported[-1]
-    span = (last["time"] - first["time"]) * max(
-        1.0, float(last.get("rollout/servers_reporting", 1))
-    )
+    span, waits = _pooled(reported)
     if span <= 0:
         return None
-    shares = {}
-    for name, key in SERVER_WAITS.items():
-        share = min(max((last.get(key, 0.0) - first.get(key, 0.0)) / span, 0.0), 1.0)
-        if name not in (SCORER_WAIT, BUFFER_WAIT) or share >= SHOWN_FROM:
-            shares[name] = share
-    return {"generating": max(0.0, 1.0 - sum(shares.values()))} | shares
+    shares, left = {}, 1.0
+    for name in PRECEDENCE:  # a second counted twice is the first one's, never 2 seconds
+        shares[name] = min(max(waits[name] / span, 0.0), left)
+        left -= shares[name]
+    shown = {
+        name: shares[name]
+        for name in SERVER_WAITS
+        if name not in (SCORER_WAIT, BUFFER_WAIT) or shares[name] >= SHOWN_FROM
+    }
+    return {"generating": max(0.0, 1.0 - sum(shown.values()))} | shown
+
+
+def _pooled(reported: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
+    """The servers' time and the changes of their waits over each pair of consecutive
+    records, summed. A pair is left out when a server joined, left or started over (its
+    counters began again, and the change of a total is not a time), or no heartbeat came
+    between the two."""
+    span, waits = 0.0, dict.fromkeys(SERVER_WAITS, 0.0)
+    for a, b in zip(reported, reported[1:], strict=False):
+        base = _servers_time(a, b)
+        changes = {name: b.get(key, 0.0) - a.get(key, 0.0) for name, key in SERVER_WAITS.items()}
+        if base <= 0 or a.get(SERVERS) != b.get(SERVERS) or min(changes.values()) < 0:
+            continue
+        span += base
+        for name, change in changes.items():
+            waits[name] += change
+    return span, waits
+
+
+def _servers_time(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """Server-seconds from record ``a`` to ``b``: the change of the servers' summed uptime,
+    read in the heartbeats their waits come from; for servers that do not report it, the
+    time between the records (whose heartbeats may be seconds older) times the servers."""
+    if UPTIME in a and UPTIME in b:
+        return float(b[UPTIME] - a[UPTIME])
+    return (b["time"] - a["time"]) * max(1.0, float(b.get(SERVERS, 1)))
 
 
 def _shares(parts: dict[str, float], total: float) -> str:
-    return ", ".join(f"{name} {value / total:.0%}" for name, value in parts.items())
+    """``name N%`` for each part, rounded so that the percents add up to the rounded total
+    (three thirds read 33%, 33%, 34%, not 33% three times; two 50.5% never read 101%)."""
+    exact = [100 * value / total for value in parts.values()]
+    percents = [math.floor(x) for x in exact]
+    short = round(sum(exact)) - sum(percents)
+    for i in sorted(range(len(exact)), key=lambda i: percents[i] - exact[i])[: max(short, 0)]:
+        percents[i] += 1
+    return ", ".join(f"{name} {p}%" for name, p in zip(parts, percents, strict=True))
 
 
 def _verdict(
