@@ -215,3 +215,16 @@ def test_the_config_switches_it_on_with_the_filter_only():
     assert state_from_config(plain, _rows(8), _rows(2, "test")).ledger.source.skip is None
     with pytest.raises(ConfigError, match="filter_groups.enable=true"):
         load_config("configs/cpu_demo.yaml", on[1:2])
+
+
+def test_tasks_that_never_get_a_verdict_are_forgotten_at_the_next_step():
+    """Found by a review: a task dealt with the filter on that never gets a verdict (its
+    prompt too long to generate, a copy trained or dropped for lag whose ack never came)
+    stayed among those awaiting one for the whole run, in memory and in every checkpoint."""
+    run = _run(skip=True)
+    task = run.st.grant("s", 1, 0.0).tasks[0]
+    assert task.filter and task.task_id in run.st.state_dict()["group_filter"]["judging"]
+    run.st.ack("s", [task.task_id], 0.0, filtered=True, prompt_too_long=True)  # no verdict
+    assert run.st.ledger.entries[task.task_id].state == "dropped/filtered"
+    run.st.on_step(1)
+    assert task.task_id not in run.st.state_dict()["group_filter"].get("judging", [])

@@ -119,6 +119,12 @@ class GroupFilter:
         self._judging.difference_update(out)
         return out
 
+    def keep_only(self, pending: Callable[[str], bool]) -> None:
+        """Forget the tasks awaiting a verdict that will never get one (trained, dropped or
+        given up without an ack of their server's): kept, they grew the set and every
+        checkpoint for the whole run."""
+        self._judging = {t for t in self._judging if pending(t)}
+
     def verdicts(self, task_ids: list[str], filtered: bool) -> None:
         """Acked tasks' groups were filtered, or pushed to be trained: their rows'
         streaks (only for groups the filter judged; ``row_of`` names a task's row)."""

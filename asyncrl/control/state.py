@@ -42,7 +42,7 @@ from asyncrl.control.messages import (
 from asyncrl.control.recovery import Recovery
 from asyncrl.control.registry import ServerRecord
 from asyncrl.control.syncs import SyncBook
-from asyncrl.control.task_states import is_external, kind_of
+from asyncrl.control.task_states import TERMINAL, is_external, kind_of
 from asyncrl.control.validation_schedule import ValidationProgress, ValidationSchedule
 from asyncrl.control.versions import Versions
 
@@ -396,6 +396,8 @@ class ControlState:
     def on_step(self, step: int) -> bool:
         """The learner finished ``step``; True when a validation round was started."""
         self.step = max(self.step, step)
+        entries = self.ledger.entries
+        self.group_filter.keep_only(lambda t: t in entries and entries[t].state not in TERMINAL)
         return self.validation.on_step(step)
 
     def start_validation(self, step: int) -> bool:
