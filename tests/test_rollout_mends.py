@@ -138,6 +138,29 @@ def test_a_pool_that_cannot_replace_a_worker_fails_every_call(tmp_path: Path) ->
                 pool.score("x", "fine", None)
 
 
+def test_a_replacement_too_slow_to_start_names_the_key_to_raise(tmp_path: Path) -> None:
+    """A worker replaced mid-run whose scorer's import takes longer than
+    ``reward.startup_timeout_s`` breaks the pool with the same line as at the pool's start,
+    naming the key and the fix (the replacement's line named neither)."""
+    path = tmp_path / "slow.py"
+    mark = tmp_path / "died"
+    path.write_text(
+        DYING_SCORER.format(mark=str(mark)).replace(
+            'raise RuntimeError("the scorer\'s data is gone")', "import time; time.sleep(5)"
+        )
+    )
+    with RewardPool(
+        num_workers=1, timeout_s=10, custom_path=str(path), startup_timeout_s=1.0
+    ) as pool:
+        assert pool.score("x", "kills its worker", None).error == "worker_died"
+        with pytest.raises(PoolBroken, match="could not replace a worker") as err:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                pool.score("x", "fine", None)
+                time.sleep(0.05)
+    assert "raise reward.startup_timeout_s" in str(err.value), err.value
+
+
 def test_a_server_whose_reward_workers_cannot_be_replaced_exits_4(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

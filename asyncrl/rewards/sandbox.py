@@ -29,7 +29,6 @@ from asyncrl.rewards.registry import (
 from asyncrl.sandbox.workers import (
     MAX_MESSAGE_CHARS,
     Handler,
-    StartTimeout,
     Worker,
     WorkerPool,
     check_pool_args,
@@ -108,14 +107,14 @@ def _load_scorer(
     return functools.partial(_run_job, scorer)
 
 
-def _startup_line(message: str, path: str | None) -> str:
-    """The pool's line for a worker that did not start in time, with its fix: the usual
-    cause is a scorer module that loads a model or data on import."""
+def _slow_start(path: str | None) -> str:
+    """What a scorer worker too slow to start adds to its error: the key and the fix (the
+    usual cause is a scorer module that loads a model or data on import)."""
     if path is None:  # the built-in scorers load at once: a machine too busy to start them
-        return f"{message} (reward.startup_timeout_s): raise reward.startup_timeout_s"
+        return " (reward.startup_timeout_s): raise reward.startup_timeout_s"
     return (
-        f"{message} (reward.startup_timeout_s) while importing {path}: move heavy loading "
-        "out of the module's import, or raise reward.startup_timeout_s"
+        f" (reward.startup_timeout_s) while importing {path}: move heavy loading out of the "
+        "module's import, or raise reward.startup_timeout_s"
     )
 
 
@@ -166,20 +165,18 @@ class RewardPool:
         """
         check_pool_args(num_workers, timeout_s)
         path = str(check_custom_path(custom_path)) if custom_path else None
-        try:
-            self._pool = WorkerPool(
-                _load_scorer,
-                (path, custom_name, dict(custom_kwargs or {})),
-                name="RewardPool",
-                role="reward",
-                explanations=_EXPLANATIONS,
-                num_workers=num_workers,
-                timeout_s=timeout_s,
-                startup_timeout_s=startup_timeout_s,
-                log=logger,
-            )
-        except StartTimeout as exc:
-            raise ValueError(_startup_line(str(exc), path)) from exc
+        self._pool = WorkerPool(
+            _load_scorer,
+            (path, custom_name, dict(custom_kwargs or {})),
+            name="RewardPool",
+            role="reward",
+            explanations=_EXPLANATIONS,
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            startup_timeout_s=startup_timeout_s,
+            slow_start=_slow_start(path),
+            log=logger,
+        )
         self.num_workers = num_workers
         self.timeout_s = self._pool.timeout_s
 

@@ -105,10 +105,6 @@ def _worker_main(conn: Connection, setup: Setup, setup_args: tuple[Any, ...]) ->
         conn.send(answer)
 
 
-class StartTimeout(ValueError):
-    """A worker whose setup (its scorer's or tool's import) did not finish in time."""
-
-
 class Worker:
     """The parent's handle on one worker process (:attr:`process`) and its pipe."""
 
@@ -125,11 +121,12 @@ class Worker:
         # Without closing our copy of the child's end, its death would never read as EOF.
         child_conn.close()
 
-    def wait_ready(self, timeout_s: float) -> None:
-        """Block until the worker's setup has run; raise ValueError if it cannot."""
+    def wait_ready(self, timeout_s: float, slow_start: str = "") -> None:
+        """Block until the worker's setup has run; raise ValueError if it cannot
+        (``slow_start``: what the message adds when the setup took too long, its fix)."""
         if not self.conn.poll(timeout_s):
             self.kill()
-            raise StartTimeout(f"{self.role} worker did not start within {timeout_s}s")
+            raise ValueError(f"{self.role} worker did not start within {timeout_s}s{slow_start}")
         try:
             status, message = self.conn.recv()
         except (EOFError, OSError):
@@ -209,6 +206,7 @@ class WorkerPool:
         num_workers: int = 2,
         timeout_s: float = 5.0,
         startup_timeout_s: float = 60.0,
+        slow_start: str = "",
         log: logging.Logger = logger,
     ) -> None:
         """Start the workers and wait until each has run ``setup``.
@@ -224,6 +222,8 @@ class WorkerPool:
             num_workers: Worker processes (jobs run at once).
             timeout_s: Longest a single job may take.
             startup_timeout_s: Longest a worker may take to start and run ``setup``.
+            slow_start: Added to the error of a worker that took longer (at the pool's
+                start or a replacement's): the key to raise and the fix, in the owner's words.
             log: Where failures are reported: the owner's logger, so its users can filter.
 
         Raises:
@@ -238,7 +238,7 @@ class WorkerPool:
         self._role = role
         self._log = log
         self._explanations = dict(explanations)
-        self._startup_timeout_s = startup_timeout_s
+        self._startup_timeout_s, self._slow_start = startup_timeout_s, slow_start
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._counters: dict[str, int] = dict.fromkeys(self._explanations, 0)
@@ -254,7 +254,7 @@ class WorkerPool:
         started = [self._start_worker() for _ in range(num_workers)]
         try:
             for worker in started:
-                worker.wait_ready(startup_timeout_s)
+                worker.wait_ready(startup_timeout_s, slow_start)
         except BaseException:
             self._finalizer()
             raise
@@ -391,7 +391,7 @@ class WorkerPool:
     def _respawn(self) -> None:
         try:
             worker = self._start_worker()
-            worker.wait_ready(self._startup_timeout_s)
+            worker.wait_ready(self._startup_timeout_s, self._slow_start)
         except Exception as exc:
             self._broken = f"{self.name} could not replace a worker: {exc}"
             self._log.error(self._broken)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncrl.rewards.registry import finite_number
-from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, StartTimeout, WorkerPool
+from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, WorkerPool
 from asyncrl.tools.config import ToolSpec, instantiate_tools, load_tool_config, schemas
 from asyncrl.tools.hermes import ToolCall
 
@@ -242,20 +242,24 @@ class ToolPool:
         self._required = {spec.name: _required(spec) for spec in specs}
         self.max_response_length = max_response_length
         self.truncate_side: TruncateSide = truncate_side
-        try:
-            self._pool = WorkerPool(
-                _load_tools,
-                (tuple(specs), max_response_length, truncate_side),
-                name="ToolPool",
-                role="tool",
-                explanations=_EXPLANATIONS,
-                num_workers=num_workers,
-                timeout_s=timeout_s,
-                startup_timeout_s=startup_timeout_s,
-                log=logger,
-            )
-        except StartTimeout as exc:
-            raise ValueError(_startup_line(str(exc), config_path)) from exc
+        # The usual cause of a slow start: a tool module that loads a model or an SDK on import
+        slow_start = (
+            f" (rollout.multi_turn.tool_startup_timeout_s) while importing the tools of "
+            f"{config_path}: move heavy loading out of the tool module's import, or raise "
+            "rollout.multi_turn.tool_startup_timeout_s"
+        )
+        self._pool = WorkerPool(
+            _load_tools,
+            (tuple(specs), max_response_length, truncate_side),
+            name="ToolPool",
+            role="tool",
+            explanations=_EXPLANATIONS,
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            startup_timeout_s=startup_timeout_s,
+            slow_start=slow_start,
+            log=logger,
+        )
         self.timeout_s = self._pool.timeout_s
         # One thread per worker runs the turns of call_many_async: turns waiting for a
         # worker queue here, holding no thread of the event loop's default executor.
@@ -362,16 +366,6 @@ class ToolPool:
         """An error message as the model reads it: cut as answers are, and valid UTF-8 (an
         exception's message may quote a tool's undecodable output)."""
         return valid_text(truncate_response(text, self.max_response_length, self.truncate_side))
-
-
-def _startup_line(message: str, config_path: str | Path) -> str:
-    """The pool's line for a worker that did not build its tools in time, with its fix: the
-    usual cause is a tool module that loads a model or an SDK on import."""
-    return (
-        f"{message} (rollout.multi_turn.tool_startup_timeout_s) while importing the tools of "
-        f"{config_path}: move heavy loading out of the tool module's import, or raise "
-        "rollout.multi_turn.tool_startup_timeout_s"
-    )
 
 
 def _required(spec: ToolSpec) -> list[str]:
