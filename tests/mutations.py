@@ -581,7 +581,7 @@ MUTATIONS = (
         "every data row checked at launch",
         "the launch check reads the first row only",
         "asyncrl/config/inputs.py",
-        "        if (problem := _rows_problem(file, path, prompt_key)) is not None:",
+        "        if (problem := _rows_problem(file, path, prompt_key, every_row)) is not None:",
         "        if False:",
         (
             "tests/test_input_rows.py::test_a_bad_row_past_the_first_is_refused_at_launch_as_the_learner_would",

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.config.inputs import DATA, input_problems
+from asyncrl.config.inputs import DATA, ROWS, input_problems
 from asyncrl.control.task_source import load_rows
 
 QUIET = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
@@ -36,7 +36,7 @@ def _write(path: Path, rows: list[dict[str, Any]], row_group_size: int | None = 
 
 def _launch_and_learner_lines(path: Path) -> tuple[list[str], str]:
     """What the launch check says of a training file, and the learner's read of it."""
-    problems = input_problems(load_config(None, [f"data.train_files={path}", *QUIET]), [DATA])
+    problems = input_problems(load_config(None, [f"data.train_files={path}", *QUIET]), [DATA, ROWS])
     with pytest.raises(ConfigError) as refused:
         load_rows([str(path)])
     return problems, refused.value.problems[0]
@@ -48,12 +48,12 @@ def test_validation_scheduled_with_no_validation_files_is_refused(tmp_path: Path
     train = _write(tmp_path / "train.parquet", [_row(i) for i in range(32)])
     base = [f"data.train_files={train}", "data.val_files=[]"]
     for scheduled in (["trainer.val_before_train=true"], ["trainer.test_freq=5"]):
-        (line,) = input_problems(load_config(None, [*base, *scheduled]), [DATA])
+        (line,) = input_problems(load_config(None, [*base, *scheduled]), [DATA, ROWS])
         assert line == (
             "data.val_files is empty, so validation would never report: add files, or set "
             "trainer.val_before_train=false trainer.test_freq=-1"
         )
-    assert input_problems(load_config(None, [*base, *QUIET]), [DATA]) == []
+    assert input_problems(load_config(None, [*base, *QUIET]), [DATA, ROWS]) == []
 
 
 @pytest.mark.parametrize(
@@ -78,6 +78,10 @@ def test_a_bad_row_past_the_first_is_refused_at_launch_as_the_learner_would(
     problems, learner = _launch_and_learner_lines(path)
     assert problems == [learner]
     assert learner.startswith(f"drop or mend row 40 of {path}: {what}")
+    # A learner's own start checks the first row only: it reads every row next (the line
+    # above), and would otherwise read the data twice.
+    cfg = load_config(None, [f"data.train_files={path}", *QUIET])
+    assert input_problems(cfg, [DATA]) == []
 
 
 def test_rows_are_numbered_as_the_learner_numbers_them_across_batches(tmp_path: Path) -> None:
@@ -99,7 +103,7 @@ def test_text_parts_and_tool_calls_stay_allowed(tmp_path: Path) -> None:
         row["prompt"] = [{"role": "user", "content": [{"type": "text", "text": f"{i}+1="}]}]
     parts = _write(tmp_path / "parts.parquet", rows)
     quiet = [f"data.train_files={parts}", *QUIET]
-    assert input_problems(load_config(None, quiet), [DATA]) == []
+    assert input_problems(load_config(None, quiet), [DATA, ROWS]) == []
     assert len(load_rows([str(parts)])) == 32
     call = {"role": "assistant", "content": None, "tool_calls": [{"id": "c0"}]}
     calls = [{**_row(i), "prompt": [_row(i)["prompt"][0], call]} for i in range(32)]

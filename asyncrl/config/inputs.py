@@ -28,6 +28,9 @@ MODEL, DATA, REWARD, RESUME = "model", "data", "reward", "resume"
 LOGGER = "logger"  # W&B, when trainer.logger names it: a key, or an offline mode
 # This machine: the cores launch.cpus pins roles to (the launcher), the learner's device.
 CORES, DEVICE = "cores", "device"
+# Every data row, not only the first (the launcher's check, before any role starts; a
+# learner reads every row itself at start, with the same lines, and does not read twice).
+ROWS = "rows"
 #: The file every complete learner checkpoint holds (``checkpoints/step_<n>/``); here, not in
 #: ``learner.checkpoint``, so the launcher checks a resume path without importing torch.
 STATE_FILE = "trainer_state.json"
@@ -148,7 +151,7 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                 elif not Path(f).expanduser().exists():
                     problems.append(f"data.{key}: {f} does not exist: {_data_hint(f)}")
         if not problems:
-            problems += _column_problems(cfg, validating)
+            problems += _column_problems(cfg, validating, every_row=ROWS in needs)
         if not problems:
             try:
                 steps = total_training_steps(cfg)
@@ -186,21 +189,22 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
     return problems
 
 
-def _column_problems(cfg: Config, validating: bool) -> list[str]:
+def _column_problems(cfg: Config, validating: bool, every_row: bool) -> list[str]:
     """The data files whose columns are not veRL's layout (read from their footers), or
-    holding a row that is not a task (as the learner's read would say), one line each."""
+    holding a row that is not a task (as the learner's read would say; the first row only
+    unless ``every_row``), one line each."""
     val = cfg.data.val_files if validating else []
     out = []
     for f in [*cfg.data.train_files, *val]:
-        if (problem := _file_problem(f, cfg.data.prompt_key, f in val)) is not None:
+        if (problem := _file_problem(f, cfg.data.prompt_key, f in val, every_row)) is not None:
             out.append(problem)
     return out
 
 
-def _file_problem(f: str, prompt_key: str, validation: bool) -> str | None:
-    """Why one data file cannot be read as tasks (None: it can). Every row is checked
-    here, not only the first: a bad row found by the learner fails the run after every
-    role has started, and one found by no one fails at a rollout server's tokenizer."""
+def _file_problem(f: str, prompt_key: str, validation: bool, every_row: bool) -> str | None:
+    """Why one data file cannot be read as tasks (None: it can). At launch (``every_row``)
+    every row is checked, not only the first: a bad row found by the learner fails the run
+    after every role has started."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -215,7 +219,7 @@ def _file_problem(f: str, prompt_key: str, validation: bool) -> str | None:
         return problem
     try:  # a footer that reads can still front damaged pages
         file = pq.ParquetFile(path)
-        if (problem := _rows_problem(file, path, prompt_key)) is not None:
+        if (problem := _rows_problem(file, path, prompt_key, every_row)) is not None:
             return problem
         media = _first_row_media(file)
     except (OSError, pa.ArrowException) as e:
@@ -242,19 +246,25 @@ _ROW_COLUMNS = ("reward_model", "extra_info")
 _ROWS_PER_BATCH = 4096
 
 
-def _rows_problem(file: ParquetFile, path: Path, prompt_key: str) -> str | None:
+def _rows_problem(
+    file: ParquetFile, path: Path, prompt_key: str, every_row: bool = True
+) -> str | None:
     """The first row of ``file`` that is not a task, in the line the learner's read of the
-    file (:func:`~asyncrl.tasks.parquet.read_rows`) gives for it; None when every row is."""
+    file (:func:`~asyncrl.tasks.parquet.read_rows`) gives for it; None when every row is
+    (with ``every_row`` off, when the first is)."""
     from asyncrl.tasks.parquet import row_problem
 
     names = file.schema_arrow.names
     columns = [c for c in dict.fromkeys((prompt_key, *_ROW_COLUMNS)) if c in names]
     number = 0
-    for batch in file.iter_batches(batch_size=_ROWS_PER_BATCH, columns=columns):
+    size = _ROWS_PER_BATCH if every_row else 1
+    for batch in file.iter_batches(batch_size=size, columns=columns):
         for row in batch.to_pylist():
             if (problem := row_problem(row, number, path, prompt_key)) is not None:
                 return problem
             number += 1
+        if not every_row:
+            break
     return None
 
 

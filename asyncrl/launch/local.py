@@ -41,6 +41,7 @@ from asyncrl.config.inputs import (
     MODEL,
     RESUME,
     REWARD,
+    ROWS,
     short_data_line,
     total_training_steps,
 )
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         needs=(
             MODEL,
             DATA,
+            ROWS,
             REWARD,
             RESUME,
             LOGGER,
