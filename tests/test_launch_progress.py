@@ -9,16 +9,15 @@ import io
 import json
 from types import SimpleNamespace
 
+from asyncrl.launch.plots import lag_counts, write_plots
 from asyncrl.launch.progress import (
     ProgressView,
     accounting_line,
     accounting_lines,
     eta_s,
-    lag_counts,
     main,
     read_restarts,
     summary_table,
-    write_plots,
 )
 
 

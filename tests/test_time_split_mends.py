@@ -141,11 +141,11 @@ def test_the_progress_command_summarizes_a_resumed_runs_latest_launch(tmp_path, 
 
 
 def test_the_lag_plot_has_a_bar_for_lags_of_8_or_more():
-    from asyncrl.launch import progress
+    from asyncrl.launch import plots
 
     records = [{"lag/hist_0": 10.0, "lag/hist_7": 2.0, "lag/hist_ge8": 50.0}]
-    assert progress.lag_counts(records) == {0: 10.0, 7: 2.0, 8: 50.0}
-    assert progress.lag_labels([0, 7, 8], records) == ["0", "7", "8+"]
+    assert plots.lag_counts(records) == {0: 10.0, 7: 2.0, 8: 50.0}
+    assert plots.lag_labels([0, 7, 8], records) == ["0", "7", "8+"]
     # However the last bucket is named: a histogram 12 wide ends at "12+".
     wide = [{"lag/hist_3": 1.0, "lag/hist_ge12": 4.0}]
-    assert progress.lag_labels(list(progress.lag_counts(wide)), wide) == ["3", "12+"]
+    assert plots.lag_labels(list(plots.lag_counts(wide)), wide) == ["3", "12+"]
