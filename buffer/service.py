@@ -15,8 +15,10 @@
 
 The buffer's contents live in memory: they survive a learner restart, not a buffer restart.
 
-Bad input of any kind is rejected, counted (``buffer/rejects/<socket>/<kind>``) and logged
-once per kind; the service keeps running. Run it as ``asyncrl-buffer CONFIG`` (see
+Bad input of any kind that reaches the buffer is rejected, counted
+(``buffer/rejects/<socket>/<kind>``) and logged once per kind; the service keeps running. A
+trajectory frame over ``buffer.max_message_mb`` never reaches it: zmq drops it with the
+sender's connection, uncounted (rollout servers check the size before they send). Run it as ``asyncrl-buffer CONFIG`` (see
 ``buffer/main.py``) or inside another process::
 
     service = BufferService.from_config(cfg).start()   # a thread; returns once bound
@@ -117,6 +119,7 @@ class BufferService:
             batches=config_endpoint(cfg.endpoints, "batches"),
             limits=limits,
             rollout_log=RolloutLog(directory / "rollouts") if b.log_rollouts else None,
+            rcvhwm=b.queued_messages,
             collect_every_s=collect_every_s,
         )
 
@@ -247,6 +250,7 @@ class BufferService:
                 gc.collect()
                 last_collect = time.monotonic()
                 self.stats.collected(last_collect - now)
+            self.stats.check_pause(now)
             if now - last_log >= self.log_every_s:
                 log.info("buffer: %s", summary(self.metrics()))
                 last_log = now

@@ -13,6 +13,8 @@ from asyncrl.wire import WireError
 log = logging.getLogger(__name__)
 
 RATE_WINDOW_S = 2.0
+#: A single pause this long is logged as a warning, then again at each doubling.
+PAUSE_WARN_S = 60.0
 
 
 class ServiceStats:
@@ -24,6 +26,7 @@ class ServiceStats:
         self._logged: set[str] = set()
         self._paused_since: float | None = None
         self._paused_s = 0.0
+        self._pause_warn_at = PAUSE_WARN_S  # the next warning, in seconds of one pause
         self.gc_runs, self.gc_s = 0, 0.0  # scheduled garbage collections, their seconds
         self._window = (0.0, 0.0, 0.0)  # (time, trajectories, MB) at the last rate update
 
@@ -54,11 +57,26 @@ class ServiceStats:
         if paused:
             self._paused_since = now
             # Debug only: under steady backpressure this flips at every batch; the periodic
-            # summary and buffer/paused_s say how long reading was paused.
+            # summary, buffer/paused_s and a long pause's warnings (check_pause) say more.
             log.debug("buffer full: not reading trajectories")
         elif self._paused_since is not None:
             self._paused_s += now - self._paused_since
             self._paused_since = None
+            self._pause_warn_at = PAUSE_WARN_S
+
+    def check_pause(self, now: float) -> None:
+        """Warn when one pause has lasted :data:`PAUSE_WARN_S`, and again each time its
+        length doubles: a full buffer that nobody empties (a learner that stopped pulling or
+        acknowledging) must not look like an idle one."""
+        if self._paused_since is None or now - self._paused_since < self._pause_warn_at:
+            return
+        log.warning(
+            "buffer full for %.0fs: trajectories wait in the rollout servers' queues until "
+            "the learner takes a batch (is the learner pulling and acknowledging? "
+            "buffer.capacity_groups bounds what the buffer holds)",
+            now - self._paused_since,
+        )
+        self._pause_warn_at *= 2
 
     def paused_s(self, now: float) -> float:
         """Seconds reading has been paused in all, the pause under way included."""
@@ -98,4 +116,6 @@ def summary(m: dict[str, float]) -> str:
     keys = ("size", "ready", "incomplete", "unacked_batches", "groups_in", "groups_out")
     drops = {k.split("/")[-1]: int(v) for k, v in m.items() if "/drops/" in k and v}
     text = " ".join(f"{k}={int(m.get(f'buffer/{k}', 0))}" for k in keys)
-    return f"{text} drops={drops} rejects={int(m.get('buffer/rejects/total', 0))}"
+    paused = m.get("buffer/paused_s", 0.0)
+    text += f" drops={drops} rejects={int(m.get('buffer/rejects/total', 0))}"
+    return text + (f" paused={paused:.0f}s" if paused >= 1 else "")

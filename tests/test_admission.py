@@ -161,7 +161,7 @@ def test_prompts_dropped_for_lag_are_dealt_again_under_new_ids_then_given_up():
     first, _ = ledger.deal("a", 2)
     ledger.ack([t.task_id for t in first])
     tid = first[0].task_id
-    assert ledger.dropped([DroppedTask(tid, "lag")]) == (1, 0)  # refunded, queued again
+    assert ledger.dropped([DroppedTask(tid, "lag")]) == (1, 0, 0)  # refunded, queued again
     _consume(ledger)  # the learner moved on
     again, reason = ledger.deal("a", 1)  # the retry comes before new prompts
     assert [t.task_id for t in again] == [f"{tid}/1"] and reason == ""
@@ -181,6 +181,28 @@ def test_prompts_dropped_for_lag_are_dealt_again_under_new_ids_then_given_up():
     assert _identity(ledger)["dropped/lag"] == 3
     with pytest.raises(KeyError):
         source.task_for_id(f"{tid}/0")
+
+
+def test_a_group_the_full_buffer_had_no_room_for_is_named_overflow_and_dealt_again():
+    """The buffer's ``overflow`` (more incomplete groups open than it holds) is the
+    buffer's limit, not the prompt's: named in the accounting as it is, and the prompt is
+    dealt again (it was read as ``expired`` and lost for the epoch)."""
+    from buffer.core import ReplayBuffer
+    from tests.test_accounting import _group
+
+    source = TaskSource(_rows(20), seed=3, n=2, lineage="")
+    ledger = TaskLedger(source, Budget(0, 2), lag_retries=1)
+    (t1, t2), _ = ledger.deal("a", 2)
+    ledger.ack([t1.task_id, t2.task_id])
+    buf = ReplayBuffer(batch_size=2, capacity_groups=1, max_policy_lag=1)
+    assert buf.add(_group(t1, 0).trajectories[0], 0.0) == "added"  # one group open
+    assert buf.add(_group(t2, 0).trajectories[0], 0.0) == "overflow"
+    drops = ledger.dropped(buf.take_dropped())
+    assert (drops.refunded, drops.overflowed) == (1, 1)
+    acct = _identity(ledger)
+    assert (acct["dropped/overflow"], acct["dropped/expired"]) == (1, 0)
+    assert list(ledger.redeal) == [f"{t2.task_id}/1"]
+    assert ledger.counts["overflow_retried"] == 1
 
 
 def test_validation_is_dealt_first_and_outside_the_budget():

@@ -75,7 +75,8 @@ class StalenessConfig(Section):
     lag_retries: int = Field(
         default=1,
         ge=0,
-        description="Times a training prompt dropped for lag is dealt again (0: drop it).",
+        description="Times a training prompt dropped for lag (or for a buffer full of "
+        "incomplete groups) is dealt again (0: drop it).",
     )
     controller: Literal["fixed", "adaptive"] = Field(
         default="fixed",
@@ -176,6 +177,13 @@ class BufferConfig(Section):
         gt=0,
         description="Largest trajectory message (one group) the buffer reads; a larger frame "
         "is never read (zmq drops the sender's connection).",
+    )
+    queued_messages: int = Field(
+        default=1000,
+        gt=0,
+        description="Trajectory messages queued per rollout server while the buffer is full "
+        "(zmq's receive high-water mark): beyond capacity_groups, the buffer's memory may hold "
+        "this many times max_message_mb per server; then the servers' sends wait.",
     )
 
 

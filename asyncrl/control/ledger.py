@@ -416,7 +416,7 @@ class TaskLedger:
         an earlier life of this lineage after the checkpoint, so that it is not dealt
         again); anything else (another lineage's, or a made-up id) is counted and ignored.
         """
-        refunded = given_up = 0
+        refunded = given_up = overflowed = 0
         for d in reports:
             reason = d.cause if d.cause in DROP_REASONS else "expired"
             e = self.entries.get(d.task_id)
@@ -432,24 +432,30 @@ class TaskLedger:
                 refunded += e.state in CHARGED and kind_of(d.task_id) == "train"
                 self.move(d.task_id, e, f"dropped/{reason}", reason)
             if reason == "lag" and kind_of(d.task_id) == "train":
-                given_up += self._retry(d.task_id)
+                given_up += self._retry(d.task_id, reason)
                 if self.pacer is not None and e is not None and e.server:
                     self.pacer.stale(e.server)
-        return Drops(refunded, given_up)
+            elif reason == "overflow" and kind_of(d.task_id) == "train":
+                # The buffer had no room for another incomplete group: not the prompt's
+                # fault, so it is dealt again (under the same bound as lag drops).
+                overflowed += 1
+                self._retry(d.task_id, reason)
+        return Drops(refunded, given_up, overflowed)
 
-    def _retry(self, task_id: str) -> bool:
-        """Queue a lag-dropped prompt again; True when it ran out of retries instead."""
+    def _retry(self, task_id: str, reason: str) -> bool:
+        """Queue a prompt dropped for ``reason`` (lag, overflow) again under a new id;
+        True when it ran out of ``lag_retries`` instead."""
         try:
             task, k = self.source.retry_of(task_id, self.budget.version)
         except KeyError:  # not one of this source's training ids
             return False
         if k > self.lag_retries:
-            self.counts["lag_given_up"] += 1
+            self.counts[f"{reason}_given_up"] += 1
             return True
         if task.task_id not in self.entries:
             self.track(task.task_id, QUEUED, task)
             self.redeal.append(task.task_id)
-            self.counts["lag_retried"] += 1
+            self.counts[f"{reason}_retried"] += 1
         return False
 
     # ------------------------------------------------------------------ lineage

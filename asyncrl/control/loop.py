@@ -317,6 +317,13 @@ def _poll_once(
             len(reply.dropped),
             drops.refunded,
         )
+    if drops.overflowed:
+        log.warning(
+            "the buffer had no room for %d more incomplete groups (more than "
+            "buffer.capacity_groups open at once) and dropped them; they are dealt again. "
+            "Raise buffer.capacity_groups",
+            drops.overflowed,
+        )
     if drops.given_up:
         log.warning(
             "%d training prompts given up after staleness.lag_retries retries (the "
@@ -365,7 +372,7 @@ def _apply_drops(state: ControlState, reports: list) -> Drops:
     that cannot be applied (a malformed report, a defect) is logged, counted in
     ``coordinator/buffer_reports_failed`` and skipped, and the others still refund their
     budget (handled as one list, the whole drain was lost with it)."""
-    refunded = given_up = 0
+    total = Drops(0, 0, 0)
     for report in reports:
         try:
             d = state.ledger.dropped([report])
@@ -373,5 +380,5 @@ def _apply_drops(state: ControlState, reports: list) -> Drops:
             state.counts["buffer_reports_failed"] += 1
             log.exception("the buffer's drop report %r could not be applied; skipped", report)
             continue
-        refunded, given_up = refunded + d.refunded, given_up + d.given_up
-    return Drops(refunded, given_up)
+        total = Drops(*(a + b for a, b in zip(total, d, strict=True)))
+    return total

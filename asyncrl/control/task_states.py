@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from asyncrl.control.task_source import TaskSource
 
 OUT, QUEUED, BUF, DONE, GIVEN_UP = "out", "queued", "in_buffer", "done", "given_up"
-DROP_REASONS = ("lag", "expired", "duplicate", "filtered", "oversize")
+DROP_REASONS = ("lag", "expired", "duplicate", "filtered", "oversize", "overflow")
 STATES = (OUT, QUEUED, BUF, DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS))
 TERMINAL = frozenset({DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS)})
 CHARGED = frozenset({OUT, BUF, DONE})
@@ -96,6 +96,7 @@ class Drops(NamedTuple):
 
     refunded: int  # training tasks that left the admission budget
     given_up: int  # training prompts out of lag retries (never dealt again)
+    overflowed: int = 0  # training groups the buffer had no room for (dealt again)
 
 
 @dataclass
