@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.config.recipes import DR_GRPO_AGG
+
 GRPO_EPS = 1e-6
 
 OUTCOME_ESTIMATORS = ("grpo", "dr_grpo", "rloo")
@@ -113,7 +115,7 @@ def outcome_advantages(
 def loss_agg_mode_for(estimator: str, configured: str) -> str:
     """The loss aggregation an estimator needs: Dr.GRPO is defined with a constant
     normaliser (``seq-mean-token-sum-norm``); the others use ``actor.loss_agg_mode``."""
-    return "seq-mean-token-sum-norm" if estimator == "dr_grpo" else configured
+    return DR_GRPO_AGG if estimator == "dr_grpo" else configured
 
 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

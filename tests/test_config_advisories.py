@@ -118,3 +118,29 @@ def test_the_group_filter_where_it_does_nothing_or_not_its_job_is_warned_about()
     [gae] = config_advisories(load_config(None, [on, "rollout.n=4", *GAE]))
     assert "adv_estimator=gae" in gae and "group-relative" in gae
     assert config_advisories(load_config(None, [on, "rollout.n=4"])) == []
+
+
+def test_keys_a_recipe_overrides_are_said_to_be_unused():
+    """GSPO has no dual clip (veRL's neither), and Dr. GRPO fixes its aggregation: a
+    ``clip_ratio_c`` or ``loss_agg_mode`` given with them loads and is named unused."""
+    gspo = "actor.policy_loss.loss_mode=gspo"
+    lines = config_advisories(load_config(None, [gspo, "actor.clip_ratio_c=10"]))
+    assert any("clip_ratio_c=10.0" in x and "unused" in x for x in lines)
+    assert not any("clip_ratio_c" in x for x in config_advisories(load_config(None, [gspo])))
+    dr = "algorithm.adv_estimator=dr_grpo"
+    [line] = config_advisories(load_config(None, [dr, "actor.loss_agg_mode=token-mean"]))
+    assert "always seq-mean-token-sum-norm" in line
+    assert config_advisories(load_config(None, [dr])) == []
+    assert config_advisories(load_config(None, ["actor.clip_ratio_c=10"])) == []
+
+
+@pytest.mark.parametrize("group", ["rollout", "ref"])
+def test_a_logprob_pass_with_no_size_is_refused_at_load(group):
+    """Sized by sequences with no count to give or inherit, the pass made every step
+    fail once the servers were up; veRL refuses it at its config check."""
+    null = "actor.ppo_micro_batch_size_per_gpu=null"
+    off = f"{group}.log_prob_use_dynamic_bsz=false"
+    with pytest.raises(ConfigError, match=f"give {group}.log_prob_micro_batch_size_per_gpu"):
+        load_config(None, [null, off])
+    load_config(None, [null, off, f"{group}.log_prob_micro_batch_size_per_gpu=4"])
+    load_config(None, [null])  # dynamic: sized by tokens

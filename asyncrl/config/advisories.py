@@ -6,7 +6,7 @@ business).
 
 from __future__ import annotations
 
-from asyncrl.config.recipes import GSPO_AGG
+from asyncrl.config.recipes import DR_GRPO_AGG, GSPO_AGG
 from asyncrl.config.schema import Config
 
 #: A clip range wider than this is a token-level one: GSPO's sequence ratio (a geometric
@@ -41,6 +41,24 @@ def config_advisories(cfg: Config) -> list[str]:
             f"actor.loss_agg_mode={actor.loss_agg_mode} with actor.policy_loss.loss_mode=gspo "
             f"aggregates the KL and entropy terms only: GSPO's policy term is always {GSPO_AGG}"
             " (as in veRL)"
+        )
+    if (
+        actor.policy_loss.loss_mode == "gspo"
+        and "clip_ratio_c" in given
+        and actor.clip_ratio_c != type(actor)().clip_ratio_c
+    ):
+        out.append(
+            f"actor.clip_ratio_c={actor.clip_ratio_c} with actor.policy_loss.loss_mode=gspo is "
+            "unused: GSPO has no dual clip (as in veRL); it applies to loss_mode=vanilla"
+        )
+    if (
+        cfg.algorithm.adv_estimator == "dr_grpo"
+        and "loss_agg_mode" in given
+        and actor.loss_agg_mode != DR_GRPO_AGG
+    ):
+        out.append(
+            f"actor.loss_agg_mode={actor.loss_agg_mode} with algorithm.adv_estimator=dr_grpo "
+            f"is unused: Dr. GRPO's loss is always {DR_GRPO_AGG}"
         )
     if (
         "ppo_micro_batch_size_per_gpu" in given

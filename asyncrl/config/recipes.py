@@ -23,6 +23,9 @@ GSPO_CLIP_LOW, GSPO_CLIP_HIGH = 3e-4, 4e-4
 # How GSPO's policy term is aggregated whatever actor.loss_agg_mode says (as in veRL, whose
 # GSPO loss fixes it); loss_agg_mode still aggregates the KL and entropy terms.
 GSPO_AGG = "seq-mean-token-mean"
+# Dr. GRPO's aggregation whatever actor.loss_agg_mode says: a sum over tokens divided by
+# the response length limit, not by each response's own length (its point).
+DR_GRPO_AGG = "seq-mean-token-sum-norm"
 
 
 class PolicyLossConfig(Section):

@@ -150,12 +150,35 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "actor.ppo_micro_batch_size_per_gpu is null and actor.use_dynamic_bsz is off: "
             "give one (sequences per micro-batch, or tokens with use_dynamic_bsz=true)"
         )
+    else:
+        problems += _logprob_pass_problems(cfg)
     problems += _critic_problems(cfg)
     problems += _reward_kl_problems(cfg)
     problems += _lora_problems(cfg)
     problems += _endpoint_problems(cfg)
     problems += _launch_problems(cfg)
     return problems
+
+
+def _logprob_pass_problems(cfg: Config) -> list[str]:
+    """A logprob pass (the proximal policy's, the reference's) sized by sequences, with no
+    count of its own and none to inherit: the learner plans every pass at every step, so
+    each step would fail once the servers are up (veRL refuses it at its config check)."""
+    actor, out = cfg.actor, []
+    for group, lp in (("rollout", cfg.rollout), ("ref", cfg.ref)):
+        seqs, tokens = lp.budget(
+            actor.ppo_micro_batch_size_per_gpu,
+            actor.use_dynamic_bsz,
+            actor.ppo_max_token_len_per_gpu,
+        )
+        if seqs is None and tokens is None:
+            out.append(
+                f"{group}.log_prob_use_dynamic_bsz=false with no "
+                f"{group}.log_prob_micro_batch_size_per_gpu (and actor.ppo_micro_batch_size_"
+                f"per_gpu null): give {group}.log_prob_micro_batch_size_per_gpu, or set "
+                f"{group}.log_prob_use_dynamic_bsz=true"
+            )
+    return out
 
 
 def capacity_needed(cfg: Config) -> int:
