@@ -144,3 +144,11 @@ def test_a_logprob_pass_with_no_size_is_refused_at_load(group):
         load_config(None, [null, off])
     load_config(None, [null, off, f"{group}.log_prob_micro_batch_size_per_gpu=4"])
     load_config(None, [null])  # dynamic: sized by tokens
+
+
+def test_sync_mode_abort_with_pushed_adapters_is_said_to_be_unused():
+    lora = ["model.lora_rank=4", "rollout.sync_mode=abort"]
+    lines = config_advisories(load_config(None, [*lora, "rollout.inline_engine=false"]))
+    assert any("rollout.sync_mode=abort with sync.lora=adapter is unused" in x for x in lines)
+    merged = [*lora, "rollout.inline_engine=false", "sync.lora=merged", "model.dtype=float32"]
+    assert not any("sync_mode" in x for x in config_advisories(load_config(None, merged)))

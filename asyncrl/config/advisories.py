@@ -82,6 +82,13 @@ def config_advisories(cfg: Config) -> list[str]:
             "sample from a policy behind the learner's; sync.lora=adapter sends the adapter "
             "itself"
         )
+    if cfg.model.lora_rank and cfg.sync.lora == "adapter" and cfg.rollout.sync_mode == "abort":
+        # Pushed adapters are served beside the ones in use: nothing is paused or aborted.
+        out.append(
+            "rollout.sync_mode=abort with sync.lora=adapter is unused: a request finishes on "
+            "the adapter it started with (no pause, no abort); set sync.lora=merged to abort "
+            "requests at a push"
+        )
     return out + _batch_advisories(cfg) + _filter_advisories(cfg)
 
 
