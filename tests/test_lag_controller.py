@@ -102,6 +102,14 @@ def test_a_fresh_controller_meeting_a_long_running_buffer_takes_its_counters_fir
     assert fresh.step(2, _metrics(0.95, 0.0, 508.0, lag_drops=102.0)) == 0  # 2 of 8 new
 
 
+def test_a_restarted_buffer_counting_from_zero_is_judged_on_its_own_counts():
+    """A buffer restart resets its counters: the step after it judges the new buffer's
+    groups (2 lag drops in its first 8), not a negative difference read as no drop."""
+    c = LagController(0, 2, min_ess=0.3, max_kl=0.1)
+    assert c.step(1, _metrics(0.95, 0.6, 500.0, lag_drops=0.0)) == 1  # healthy, waiting
+    assert c.step(2, _metrics(0.95, 0.0, 8.0, lag_drops=2.0)) == 0  # 25%: narrowed
+
+
 def test_the_coordinator_admits_by_the_lag_it_is_given():
     coord = start_coordinator(100, per_version=2)  # lag 1: 4 groups admitted
     client = CoordinatorClient(

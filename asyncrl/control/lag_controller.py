@@ -123,5 +123,8 @@ class LagController:
 
 
 def _since(now: float | None, before: float | None) -> float:
-    """How much a cumulative counter rose since ``before``; 0 while either is unknown."""
-    return now - before if now is not None and before is not None else 0.0
+    """How much a cumulative counter rose since ``before``; 0 while either is unknown. A
+    counter below ``before`` belongs to a restarted buffer, which counted from zero."""
+    if now is None or before is None:
+        return 0.0
+    return now - before if now >= before else now
