@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from itertools import accumulate, chain
 
 import torch
 
@@ -63,49 +64,68 @@ def collate(
     if not seq_ids:
         return _dummy(pad_id)
     seqs = [rollouts[i] for i in seq_ids]
-    full = [list(r.prompt_ids) + list(r.response_ids) for r in seqs]
-    t_max = max(len(r.response_ids) for r in seqs)
-    B = len(seqs)
-    gather = torch.zeros(B, t_max, dtype=torch.long)
-    targets = torch.full((B, t_max), pad_id, dtype=torch.long)
-    mask = torch.zeros(B, t_max, dtype=torch.bool)
-    behaviour = torch.zeros(B, t_max, dtype=torch.float32)
+    full = [[*r.prompt_ids, *r.response_ids] for r in seqs]
     row_len = max(len(f) for f in full)
-    offset = 0
-    for b, (r, ids) in enumerate(zip(seqs, full, strict=True)):
-        n_p, n_r = len(r.prompt_ids), len(r.response_ids)
-        # Logits at position j predict token j + 1: response token t comes from n_p - 1 + t.
-        start = offset if packed else b * row_len
-        gather[b, :n_r] = start + n_p - 1 + torch.arange(n_r)
-        targets[b, :n_r] = torch.as_tensor(list(r.response_ids), dtype=torch.long)
-        mask[b, :n_r] = True if r.loss_mask is None else torch.as_tensor(r.loss_mask) != 0
-        behaviour[b, :n_r] = torch.as_tensor(list(r.behaviour_logprobs), dtype=torch.float32)
-        offset += len(ids)
+    # Logits at position j predict token j + 1: response token t comes from n_p - 1 + t,
+    # counted from where the sequence starts in the flattened rows.
+    starts = list(accumulate((len(f) for f in full[:-1]), initial=0))
+    if not packed:
+        starts = [b * row_len for b in range(len(seqs))]
+    gather = [
+        [s + len(r.prompt_ids) - 1 + t for t in range(len(r.response_ids))]
+        for s, r in zip(starts, seqs, strict=True)
+    ]
     if packed:
-        input_ids = torch.tensor([sum(full, [])], dtype=torch.long)
-        position_ids = torch.cat([torch.arange(len(f)) for f in full])[None]
+        input_ids = torch.tensor([list(chain.from_iterable(full))], dtype=torch.long)
+        position_ids = torch.tensor([[p for f in full for p in range(len(f))]], dtype=torch.long)
         attention_mask = None
     else:
-        input_ids = torch.full((B, row_len), pad_id, dtype=torch.long)
-        attention_mask = torch.zeros(B, row_len, dtype=torch.long)
-        for b, ids in enumerate(full):
-            input_ids[b, : len(ids)] = torch.as_tensor(ids)
-            attention_mask[b, : len(ids)] = 1
+        input_ids = padded_tensor(full, row_len, pad_id, torch.long)
+        attention_mask = padded_tensor([[1] * len(f) for f in full], row_len, 0, torch.long)
         position_ids = None
-    temps = [temperature if r.temperature is None else float(r.temperature) for r in seqs]
     return MicroBatch(
         input_ids,
         position_ids,
         attention_mask,
-        gather,
-        targets,
-        mask,
-        behaviour,
+        padded_tensor(gather, max(len(g) for g in gather), 0, torch.long),
+        *response_tensors(seqs, pad_id),
         advantages[list(seq_ids)].to(torch.float32),
-        torch.tensor(temps, dtype=torch.float32),
+        temperatures(seqs, temperature),
         list(seq_ids),
-        offset,
+        sum(len(f) for f in full),
     )
+
+
+def padded_tensor(
+    rows: Sequence[Sequence[float]], width: int, fill: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``[len(rows), width]`` of ``dtype``: each row left-aligned, ``fill`` after it. Built
+    from Python lists in one call (a slice assignment per row costs more than the copy)."""
+    return torch.tensor([[*r, *([fill] * (width - len(r)))] for r in rows], dtype=dtype)
+
+
+def response_tensors(
+    seqs: Sequence[Rollout], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(targets, mask, behaviour)``, each ``[B, T]`` (T = the longest response): the
+    response tokens (``pad_id`` after them), where the loss trains (a multi-turn
+    ``loss_mask`` leaves tool output out), the behaviour logprobs (0 after them)."""
+    t_max = max(len(r.response_ids) for r in seqs)
+    masks = [
+        [True] * len(r.response_ids) if r.loss_mask is None else [x != 0 for x in r.loss_mask]
+        for r in seqs
+    ]
+    return (
+        padded_tensor([list(r.response_ids) for r in seqs], t_max, pad_id, torch.long),
+        padded_tensor(masks, t_max, False, torch.bool),
+        padded_tensor([list(r.behaviour_logprobs) for r in seqs], t_max, 0.0, torch.float32),
+    )
+
+
+def temperatures(seqs: Sequence[Rollout], default: float) -> torch.Tensor:
+    """``[B]``: each sequence's sampling temperature, ``default`` where it does not say."""
+    temps = [default if r.temperature is None else float(r.temperature) for r in seqs]
+    return torch.tensor(temps, dtype=torch.float32)
 
 
 def _dummy(pad_id: int) -> MicroBatch:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from learner.collate import MicroBatch, collate
+from learner.collate import MicroBatch, collate, padded_tensor, response_tensors, temperatures
 from learner.rollouts import Rollout
 
 
@@ -39,47 +39,58 @@ def collate_shared(
     """The :class:`MicroBatch` of ``seq_ids`` in shared rows (``input_ids`` and
     ``position_ids`` ``[U, L]``, ``attention_mask`` ``[U, 1, L, L]``, True where a token
     may attend); the padded one where sharing would not pay (see the module docstring)."""
-    mb = collate(
-        rollouts, advantages, seq_ids, packed=False, pad_id=pad_id, temperature=temperature
-    )
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for b, i in enumerate(seq_ids):
-        groups.setdefault(tuple(rollouts[i].prompt_ids), []).append(b)
     seqs = [rollouts[i] for i in seq_ids]
-    widths = [len(p) + sum(len(seqs[b].response_ids) - 1 for b in bs) for p, bs in groups.items()]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b, r in enumerate(seqs):
+        groups.setdefault(tuple(r.prompt_ids), []).append(b)
+    widths = [
+        len(p) + sum(max(len(seqs[b].response_ids) - 1, 0) for b in bs) for p, bs in groups.items()
+    ]
     L = max(widths, default=0)
-    if (
-        not seq_ids
-        or len(groups) == len(seqs)
-        or len(groups) * L * L > mb.input_ids.numel() * mb.input_ids.shape[1]
-    ):
-        return mb
-    U = len(groups)
-    input_ids = torch.full((U, L), pad_id, dtype=torch.long)
-    position_ids = torch.zeros(U, L, dtype=torch.long)
-    allowed = torch.eye(L, dtype=torch.bool).repeat(U, 1, 1)  # padding sees itself only
-    gather = torch.zeros_like(mb.gather_index)
+    padded_len = max((len(r.prompt_ids) + len(r.response_ids) for r in seqs), default=0)
+    if not seqs or len(groups) == len(seqs) or len(groups) * L * L > len(seqs) * padded_len**2:
+        return collate(
+            rollouts, advantages, seq_ids, packed=False, pad_id=pad_id, temperature=temperature
+        )
+    # Each row as lists: its tokens, their positions in their own sequences, and which
+    # part of the row each is (0: the prompt, j + 1: the j-th response in the row).
+    ids: list[list[int]] = []
+    pos: list[list[int]] = []
+    part: list[list[int]] = []
+    gather: list[list[int]] = [[] for _ in seqs]
     for u, (prompt, members) in enumerate(groups.items()):
         n = len(prompt)
-        input_ids[u, :n] = torch.as_tensor(prompt)
-        position_ids[u, :n] = torch.arange(n)
-        allowed[u, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
-        at = n
-        for b in members:
+        row, row_pos, row_part = list(prompt), list(range(n)), [0] * n
+        for j, b in enumerate(members):
             inputs = list(seqs[b].response_ids[:-1])  # the last token is never an input
-            k = len(inputs)
-            gather[b, 0] = u * L + n - 1  # the prompt's last token predicts token 0
-            if k:
-                input_ids[u, at : at + k] = torch.as_tensor(inputs)
-                position_ids[u, at : at + k] = n + torch.arange(k)
-                allowed[u, at : at + k, :n] = True
-                allowed[u, at : at + k, at : at + k] = torch.ones(k, k, dtype=torch.bool).tril()
-                gather[b, 1 : k + 1] = u * L + at + torch.arange(k)
-            at += k
-    mb.input_ids, mb.position_ids = input_ids, position_ids
-    mb.attention_mask = allowed[:, None]
-    mb.gather_index = gather
-    return mb
+            at, k = len(row), len(inputs)
+            # The prompt's last token predicts token 0, response token t - 1 token t.
+            gather[b] = [u * L + n - 1, *(u * L + at + t for t in range(k))]
+            row += inputs
+            row_pos += range(n, n + k)
+            row_part += [j + 1] * k
+        ids.append(row)
+        pos.append(row_pos)
+        part.append(row_part)
+    parts = padded_tensor(part, L, -1, torch.long)  # -1: padding
+    # A token sees earlier tokens of the prompt and of its own response; padding sees
+    # itself only.
+    see, by = parts[:, :, None], parts[:, None, :]
+    causal = torch.ones(L, L, dtype=torch.bool).tril()
+    allowed = causal & (see >= 0) & ((by == 0) | (by == see))
+    allowed |= torch.eye(L, dtype=torch.bool) & (see < 0)
+    t_max = max(len(r.response_ids) for r in seqs)
+    return MicroBatch(
+        padded_tensor(ids, L, pad_id, torch.long),
+        padded_tensor(pos, L, 0, torch.long),
+        allowed[:, None],
+        padded_tensor(gather, t_max, 0, torch.long),
+        *response_tensors(seqs, pad_id),
+        advantages[list(seq_ids)].to(torch.float32),
+        temperatures(seqs, temperature),
+        list(seq_ids),
+        sum(len(r.prompt_ids) + len(r.response_ids) for r in seqs),
+    )
 
 
 def sharing_works(forward: Callable[[MicroBatch], torch.Tensor], atol: float = 1e-3) -> bool:
