@@ -81,6 +81,7 @@ class RolloutEngine:
         self.partial = False  # a sync broke off mid-load: paused until a whole one
         self._synced = asyncio.Condition()  # notified when a sync ends, loaded or failed
         self._synced_through = 0  # the highest version a sync ended at, loaded or failed
+        # rollout/sync_pause_s: the pause clock (paused_s) as each sync ended
         self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
         self._paused_total = 0.0  # seconds generation was paused for syncs, ended pauses
         self._paused_since: float | None = None  # the pause in progress (held while partial)
@@ -374,7 +375,8 @@ class RolloutEngine:
             finally:  # counted however the resume went
                 marks.append(time.monotonic())
                 paused = marks[-1] - start
-                self.metrics["rollout/sync_pause_s"] += paused
+                # The pause clock: a hold on partly loaded weights is between two attempts
+                self.metrics["rollout/sync_pause_s"] = self.paused_s()
         steps = " ".join(f"{b - a:.3f}" for a, b in zip([start, *marks], marks, strict=False))
         log.info(
             "weights of version %d loaded in %.3fs (%s mode; pause/receive/label/resume %s)",
@@ -406,7 +408,7 @@ class RolloutEngine:
             if not self.stuck:
                 self._pause_ends()
             # Generation stood still: counted as the run summary's sync pause, as a full one
-            self.metrics["rollout/sync_pause_s"] += time.monotonic() - start
+            self.metrics["rollout/sync_pause_s"] = self.paused_s()
         received = time.monotonic()
         await self.adapters.activate(self.llm, version)
         await self.llm.update_weight_version(str(version))

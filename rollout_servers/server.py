@@ -25,7 +25,7 @@ import time
 
 from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
-from asyncrl.control.messages import SyncStart, Task
+from asyncrl.control.messages import WEIGHTS_PARTIAL, SyncStart, Task
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import CONFIG_ERROR
 from asyncrl.net.transport import RequestRefused
@@ -172,14 +172,17 @@ class RolloutServer:
             self.fatal = self.engine.stuck or "the vLLM engine died"
         return c.shutdown.is_set() or c.gone.is_set() or bool(self.fatal)
 
-    def _check_engine(self, error: BaseException, was_partial: bool = False) -> None:
+    def _check_engine(
+        self, error: BaseException, was_partial: bool = False, catchup: bool = False
+    ) -> None:
         """After a failure: is the engine itself dead (then nothing more can be done here)?
         Weights partly loaded by a broken-off sync hold generation until a catch-up loads
         them whole (one member's death mid-push does not restart every server); a catch-up
-        that fails on them too ends the server (``was_partial``: they were partial before)."""
+        (``catchup``) that fails on them too ends the server (``was_partial``: they were
+        partial before). A main round that fails on them does not: the catch-up follows."""
         if self.engine.errored:  # dead, or a worker stuck in a call (RolloutEngine.stuck)
             self.fatal = self.fatal or f"the vLLM engine died ({type(error).__name__}: {error})"
-        elif was_partial and self.engine.partial:
+        elif was_partial and catchup and self.engine.partial:
             self.fatal = f"its weights stay partly loaded after a failed catch-up ({error})"
 
     async def _task_loop(self) -> None:
@@ -347,8 +350,11 @@ class RolloutServer:
         except Exception as e:  # the coordinator drops us from the group; we catch up later
             self.generation = ("", "")
             log.warning("sync to version %d failed: %s", start.version, e)
-            self._check_engine(e, was_partial)
-            await self.lanes.sync(self.client.sync_done, start, False, f"{type(e).__name__}: {e}")
+            self._check_engine(e, was_partial, start.catchup)
+            error = f"{type(e).__name__}: {e}"
+            if self.engine.partial:  # said at a registration (a learner restart): a catch-up
+                error = f"{WEIGHTS_PARTIAL} ({error})"
+            await self.lanes.sync(self.client.sync_done, start, False, error)
             return
         self.generation = (start.session, start.generation)
         probe = await self._probe()

@@ -3,7 +3,8 @@ response lengths, tokens by policy version, the time it waited for tasks, and th
 engine had nothing to run because every response in flight waited for the scorer or the
 buffer; the snapshot rides on the server's heartbeat (``rollout/*``).
 
-A second paused for a weight sync is the sync's (``rollout/sync_pause_s``, the engine's):
+A second paused for a weight sync is the sync's (``rollout/sync_pause_s``: the engine's
+pause clock, which also runs while partly loaded weights hold generation until a catch-up):
 the waits counted here leave it out, so that the waits of one snapshot add up to its
 ``rollout/uptime_s`` at most."""
 
@@ -178,7 +179,8 @@ class ServerStats:
     ) -> dict[str, float]:
         """Current metrics: the counters, the metrics of the server's ``parts`` (engine
         first: its ``rollout/sync_pause_s`` counts as waiting), and recent means, all as of
-        one instant. ``paused_s``: the engine's pause clock, kept for the waits to come."""
+        one instant. ``paused_s``: the engine's pause clock, kept for the waits to come; the
+        snapshot's ``rollout/sync_pause_s`` is its reading (a pause in progress included)."""
         if paused_s is not None:
             self.paused_s = paused_s
         now, paused = time.monotonic(), self.paused_s()
@@ -186,6 +188,8 @@ class ServerStats:
         out = dict(self.metrics)
         for part in parts:
             out.update(part)
+        if self.paused_s is not _never_paused:  # the pause in progress (a hold) included
+            out["rollout/sync_pause_s"] = paused
         # This snapshot's own clock: the change of a wait between two heartbeats over the
         # change of this is its share of that time (the learner's records, which carry the
         # last heartbeat, are not written when it was taken).

@@ -270,6 +270,52 @@ def test_a_late_report_of_the_dead_learners_sync_is_not_taken_for_the_new_round_
     assert restarted.versions.finish_sync(True, now=1.3).ok == ["a"]
 
 
+def test_partly_loaded_weights_are_caught_up_whatever_version_they_report():
+    """A server whose sync broke off mid-load registers again (a learner restart) with the
+    version it last loaded whole, the coordinator's: it was trusted, dealt tasks its held
+    engine never ran, and never caught up. Not even the replay's rules trust it; a sync
+    that loads its weights whole does."""
+    st = _state()
+    st.versions.set_replay(0)  # restored at version 0: a server holding it is trusted
+    partial = m.Register(server_id="a", engine_world_size=1, weights_partial=True)
+    reg = st.register(partial, now=0.0)
+    assert reg.catchup and st.grant("a", 4, 0.1).reason == "catchup"
+    st.versions.set_replay(0)  # the buffer restarted: the replay's rules applied again
+    assert st.versions.pending_catchups(0.2) == ["a"]
+    rnd = st.versions.begin_catchup("a", PLAN)
+    st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=0, ok=True), 0.3)
+    st.versions.finish_sync(True, now=0.3)
+    assert len(st.grant("a", 4, 0.4).tasks) == 4
+    st.register(m.Register(server_id="b", engine_world_size=1), now=0.5)  # whole weights
+    assert st.grant("b", 4, 0.6).tasks
+
+
+def test_a_member_lost_before_the_group_forms_restarts_the_round_without_it():
+    """Lost before the learner's group formed, a member would hold the others in the
+    meeting until ``sync.timeout_s``: the round is begun again at once, at its version,
+    without it. Lost once the group formed, it only fails the round."""
+    st = _state()
+    for sid in ("a", "b", "c"):
+        st.register(m.Register(server_id=sid, engine_world_size=1), now=0.0)
+    rnd = st.versions.begin_sync(PLAN)
+    st.leave("b")
+    again = rnd.watch.successor
+    assert again is not None and rnd.watch.ended() == "b was lost (left)"
+    assert (again.version, again.ranks, again.new_group) == (1, {"a": 1, "c": 2}, True)
+    assert again.generation == f"main/{again.sync_id}" != rnd.generation
+    assert st.syncs.active is not None and st.syncs.active.round is again
+    assert not rnd.watch.form()  # the learner finds it given up
+    start = st.syncs.start_for("a")
+    assert start is not None and (start.sync_id, start.rank) == (again.sync_id, 1)
+    assert st.counts["syncs_restarted"] == 1
+    assert again.watch.form()  # formed: c's loss now fails the round
+    st.leave("c")
+    assert again.watch.successor is None and st.syncs.active.round is again
+    st.sync_done(m.SyncDone(server_id="a", sync_id=again.sync_id, version=1, ok=True), 0.1)
+    result = st.versions.finish_sync(True, now=0.2)
+    assert (result.ok, list(result.failed), st.version) == (["a"], ["c"], 1)
+
+
 def saved_limit(state: dict) -> int:
     budget = _state().ledger.budget
     budget.load_state_dict(state["ledger"]["budget"])

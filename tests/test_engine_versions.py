@@ -202,17 +202,101 @@ def test_a_server_holds_on_partial_weights_once_and_stops_if_a_catch_up_fails_on
 
     from rollout_servers.server import RolloutServer
 
-    def verdict(errored: bool, partial: bool, was_partial: bool) -> str:
+    def verdict(errored: bool, partial: bool, was_partial: bool, catchup: bool = True) -> str:
         server = object.__new__(RolloutServer)
         server.engine = SimpleNamespace(errored=errored, partial=partial)  # type: ignore[assignment]
         server.fatal = ""
-        server._check_engine(RuntimeError(f"{PARTLY_LOADED}: broke off"), was_partial)
+        server._check_engine(RuntimeError(f"{PARTLY_LOADED}: broke off"), was_partial, catchup)
         return server.fatal
 
     assert verdict(errored=False, partial=True, was_partial=False) == ""
     assert "stay partly loaded after a failed catch-up" in verdict(False, True, True)
     assert verdict(errored=False, partial=False, was_partial=True) == ""  # loaded whole
     assert "the vLLM engine died" in verdict(True, False, False)
+    # A main round (a push) that fails on them: the catch-up is still to come
+    assert verdict(errored=False, partial=True, was_partial=True, catchup=False) == ""
+
+
+def test_a_failed_sync_on_partial_weights_is_reported_as_such_and_a_push_is_not_fatal():
+    """The server's side of a failed sync: its report says the weights are partly loaded
+    (its client registers them as such after a learner restart, for a catch-up), and only
+    a failed catch-up on them ends the server, not a main round's push."""
+    from types import SimpleNamespace
+
+    from asyncrl.control import messages as m
+    from rollout_servers.server import RolloutServer
+
+    reports: list[tuple[int, bool, str]] = []
+
+    async def run_now(fn, *args):
+        return fn(*args)
+
+    async def run() -> None:
+        llm = GatedLLM()
+        llm.gate.set()
+        server = object.__new__(RolloutServer)
+        server.engine = RolloutEngine(llm)
+        server.fatal, server.generation = "", ("s", "main/1")
+        server.lanes = SimpleNamespace(sync=run_now)  # type: ignore[assignment]
+        server.client = SimpleNamespace(  # type: ignore[assignment]
+            sync_done=lambda start, ok, error: reports.append((start.sync_id, ok, error)),
+            registered=SimpleNamespace(sync_store_host="h", sync_store_port=1, sync_secret=""),
+        )
+
+        def start(sync_id: int, catchup: bool) -> m.SyncStart:
+            return m.SyncStart(
+                sync_id=sync_id,
+                version=1,
+                generation="main/1",
+                rank=1,
+                world_size=2,
+                plan=PLAN,
+                catchup=catchup,
+                session="s",
+            )
+
+        llm.fail = f"{PARTLY_LOADED}: the broadcast broke off"
+        await server._sync(start(1, catchup=False))
+        llm.fail = "no sender"
+        await server._sync(start(2, catchup=False))  # a push fails on them: held on
+        assert server.engine.partial and server.fatal == ""
+        await server._sync(start(3, catchup=True))  # a catch-up fails on them: exit
+        assert "after a failed catch-up" in server.fatal
+        assert [(sid, ok) for sid, ok, _ in reports] == [(1, False), (2, False), (3, False)]
+        assert all(error.startswith(m.WEIGHTS_PARTIAL) for _, _, error in reports)
+
+    asyncio.run(run())
+
+
+def test_the_hold_on_partial_weights_is_counted_as_sync_pause():
+    """Generation held on partly loaded weights until the catch-up is paused for a sync:
+    ``rollout/sync_pause_s`` counts it (the engine's pause clock), while the server's wait
+    for tasks leaves it out. Only each attempt's own length was counted, so the hold was
+    in no metric."""
+    from rollout_servers.server_stats import ServerStats
+
+    async def run() -> None:
+        llm = GatedLLM()
+        engine = RolloutEngine(llm)
+        stats = ServerStats(tok=None)  # type: ignore[arg-type]
+        stats.snapshot([engine.metrics], 0, engine.paused_s)  # idle, as the task loop is
+        llm.fail = f"{PARTLY_LOADED}: the broadcast broke off"
+        llm.gate.set()
+        with pytest.raises(RuntimeError):
+            await engine.sync_weights(1, PLAN, timeout_s=5.0)
+        await asyncio.sleep(0.5)  # held, waiting for the catch-up
+        held = stats.snapshot([engine.metrics], 0)
+        assert held["rollout/sync_pause_s"] == pytest.approx(engine.paused_s(), abs=0.05)
+        assert held["rollout/sync_pause_s"] >= 0.5
+        llm.fail = ""
+        await engine.sync_weights(1, PLAN, timeout_s=5.0)
+        assert engine.metrics["rollout/sync_pause_s"] == pytest.approx(engine.paused_s())
+        out = stats.snapshot([engine.metrics], 0)
+        assert out["rollout/sync_pause_s"] == pytest.approx(engine.paused_s(), abs=0.01)
+        assert out["rollout/task_wait_s"] < 0.1
+        assert out["rollout/wait_fraction"] == pytest.approx(1.0, abs=0.05)
+
+    asyncio.run(run())
 
 
 def test_an_episode_deadline_does_not_run_during_a_sync_in_progress():

@@ -4,6 +4,7 @@ processes, real gloo groups over a TCPStore on 127.0.0.1)."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -129,15 +130,71 @@ def test_forming_a_group_with_a_missing_member_times_out():
 
 
 def test_a_member_that_gave_up_is_not_counted_by_one_that_comes_late():
-    """A member that timed out takes its flag back: one arriving after it must not pass
-    the meeting on that flag and then wait for it in the first collective (under NCCL,
-    without a bound)."""
+    """A member that timed out gives the meeting up: one arriving after it must not pass
+    the meeting and then wait for it in the first collective (under NCCL, without a
+    bound). It fails at once, on the give-up."""
     port = free_port()
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=2)
     with pytest.raises(WeightSyncError, match=r"rank\(s\) \[1\] never joined"):
         form_group(store, "late", 0, 2, timeout_s=1)
-    with pytest.raises(WeightSyncError, match=r"rank\(s\) \[0\] never joined"):
-        form_group(store, "late", 1, 2, timeout_s=1)
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"not formed .*rank 0 gave up"):
+        form_group(store, "late", 1, 2, timeout_s=5)
+    assert time.monotonic() - start < 2
+
+
+def test_a_member_waiting_when_another_gives_up_is_told_who_never_joined():
+    """Rank 0 gives up on rank 2; rank 1, still waiting, stops with it and names rank 2
+    alone. Rank 0 used to take its own flag back as it gave up, so that a member looking
+    just after counted rank 0 among those that never joined."""
+    port = free_port()
+    store = open_store("127.0.0.1", port, is_host=True, timeout_s=2)
+    member = open_store("127.0.0.1", port, is_host=False, timeout_s=2)
+    errors: list[str] = []
+
+    def rank_1() -> None:
+        try:
+            form_group(member, "g", 1, 3, timeout_s=10)
+        except WeightSyncError as e:
+            errors.append(str(e))
+
+    waiting = threading.Thread(target=rank_1, daemon=True)
+    waiting.start()
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match=r"rank\(s\) \[2\] never joined"):
+        form_group(store, "g", 0, 3, timeout_s=1)
+    waiting.join(5)
+    assert time.monotonic() - start < 4  # not rank 1's own 10 s
+    (error,) = errors
+    assert "rank 0 gave up" in error and "rank(s) [2] never joined" in error
+
+
+def test_a_meeting_the_learner_abandons_stops_every_member_at_once():
+    """The coordinator lost a member before the group formed: the learner gives the
+    meeting up (``abandon``), and the members that came stop with it, well before their
+    timeout."""
+    port = free_port()
+    store = open_store("127.0.0.1", port, is_host=True, timeout_s=2)
+    member = open_store("127.0.0.1", port, is_host=False, timeout_s=2)
+    errors: list[str] = []
+
+    def rank_1() -> None:
+        try:
+            form_group(member, "g", 1, 3, timeout_s=30)
+        except WeightSyncError as e:
+            errors.append(str(e))
+
+    waiting = threading.Thread(target=rank_1, daemon=True)
+    waiting.start()
+    lost = threading.Timer(0.5, lambda: reasons.append("c was lost"))
+    reasons: list[str] = []
+    lost.start()
+    start = time.monotonic()
+    with pytest.raises(WeightSyncError, match="rank 0 abandoned it: c was lost"):
+        form_group(store, "g", 0, 3, timeout_s=30, abandon=lambda: "".join(reasons))
+    waiting.join(5)
+    assert time.monotonic() - start < 3
+    assert len(errors) == 1 and "rank 0 abandoned it: c was lost" in errors[0]
 
 
 def test_joining_a_store_nobody_hosts_fails_clearly():

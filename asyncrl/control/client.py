@@ -82,6 +82,7 @@ class CoordinatorClient:
         self.timeout_s = timeout_s
         self.patience_s = patience_s  # silence after which the coordinator counts as gone
         self.policy_version = policy_version  # the weights this server holds
+        self.weights_partial = False  # its last sync broke them off mid-load (sync_done)
         self.announced_version = policy_version  # the latest version announced to it
         self.registered: m.Registered | None = None
         self.metrics: dict[str, float] = {}  # sent with every heartbeat (the server sets it)
@@ -163,6 +164,7 @@ class CoordinatorClient:
             pid=_pid(),
             task_ids=self.held_tasks(),
             settings=self.settings,
+            weights_partial=self.weights_partial,
         )
         start = time.monotonic()
         while True:
@@ -314,12 +316,15 @@ class CoordinatorClient:
         probe: list[float] | None = None,
     ) -> bool:
         """Report the outcome of ``start``; on success this server now holds its version.
+        A failure whose ``error`` begins with :data:`~asyncrl.control.messages.WEIGHTS_PARTIAL`
+        left its weights partly loaded: a registration says so until a sync loads them.
 
         Retried on timeouts (a report is idempotent): until the coordinator has it, this
         server counts as busy in that sync and gets no catch-up. False if never answered.
         """
         if ok:
             self.policy_version = max(self.policy_version, start.version)
+        self.weights_partial = not ok and error.startswith(m.WEIGHTS_PARTIAL)
         msg = m.SyncDone(
             server_id=self.server_id,
             sync_id=start.sync_id,

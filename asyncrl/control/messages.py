@@ -53,6 +53,12 @@ TaskIds = Annotated[list[TaskId], msgspec.Meta(max_length=65536)]
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 
 
+#: How a failed sync's report (``SyncDone.error``) begins when the server's engine is left
+#: holding partly loaded weights: its client then registers them as such
+#: (``Register.weights_partial``).
+WEIGHTS_PARTIAL = "weights partly loaded"
+
+
 # ----------------------------------------------------------------------- payloads
 class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """One prompt to sample ``n`` responses for; every response carries ``task_id``.
@@ -179,6 +185,9 @@ class Register(Message, tag="register"):
     settings: Annotated[
         dict[Annotated[str, msgspec.Meta(max_length=128)], Text], msgspec.Meta(max_length=64)
     ] = {}
+    # Its engine's weights are partly loaded (a sync broke off mid-load; it holds
+    # generation): ``policy_version`` is its last whole load, not what it holds.
+    weights_partial: bool = False
 
 
 #: Metrics one heartbeat may carry (a client sends at most these; see ``Heartbeat``).

@@ -26,10 +26,23 @@ class ServerRecord:
     last_grant: tuple[int, TaskGrant] | None = None  # (request id, grant with tasks)
     last_slot: tuple[int, TaskGrant] | None = None  # the same for external slots
     metrics: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
-    # Its weights are known to be this learner's: it started from the initial checkpoint
-    # of a fresh run, or received a sync in this session. A server that registers after a
-    # learner restart may hold weights the restored learner never had (a version from
-    # after the checkpoint): it gets a catch-up whatever version it reports.
-    trusted: bool = False
     catchup_failures: int = 0  # consecutive failed catch-ups
     catchup_after: float = 0.0  # no catch-up is started before this time (backoff)
+    # It registered with weights partly loaded (a sync broke off mid-load): they are no
+    # version's, whatever it reports, until a sync of this session loads them whole.
+    weights_partial: bool = False
+    _trusted: bool = field(default=False, repr=False)
+
+    @property
+    def trusted(self) -> bool:
+        """Its weights are known to be this learner's: it started from the initial
+        checkpoint of a fresh run, or received a sync in this session. A server that
+        registers after a learner restart may hold weights the restored learner never had
+        (a version from after the checkpoint): it gets a catch-up whatever version it
+        reports. Partly loaded weights are never trusted, whatever the replay's rules set
+        (:meth:`~asyncrl.control.versions.Versions.set_replay`)."""
+        return self._trusted and not self.weights_partial
+
+    @trusted.setter
+    def trusted(self, value: bool) -> None:
+        self._trusted = value

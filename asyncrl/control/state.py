@@ -140,6 +140,7 @@ class ControlState:
         rec.trusted = (msg.policy_version == 0 and self.version == 0) or (
             replay is not None and msg.policy_version <= replay
         )
+        rec.weights_partial = msg.weights_partial  # untrusted, whatever the above: a catch-up
         self.servers[msg.server_id] = rec
         self.counts["registrations"] += 1
         if msg.task_ids:
@@ -174,8 +175,12 @@ class ControlState:
         return rec
 
     def sync_done(self, msg: SyncDone, now: float) -> None:
-        """A member reported on a sync round: a sign of life, then the versions' rules."""
-        self.versions.sync_done(msg, self.touch(msg.server_id, now))
+        """A member reported on a sync round: a sign of life, then the versions' rules. A
+        member that loaded the round's weights holds whole ones."""
+        rec = self.touch(msg.server_id, now)
+        self.versions.sync_done(msg, rec)
+        if rec is not None and self.syncs.loaded(msg):
+            rec.weights_partial = False
 
     def leave(self, server_id: str, pid: int = 0) -> bool:
         """A server left (or its launcher reaped it). A Leave naming another ``pid`` than
@@ -212,7 +217,11 @@ class ControlState:
     def _remove(self, server_id: str, cause: str, why: str) -> None:
         del self.servers[server_id]
         self.ledger.release(server_id, cause)
-        self.syncs.lose(server_id, why)
+        again = self.syncs.lose(server_id, why)
+        if again is not None:  # lost before its round's group formed: begun again without it
+            self.counts["syncs_restarted"] += 1
+            for member in again.members:
+                self.servers[member].syncing = again.sync_id
         self.counts[f"servers_{cause}"] += 1
 
     # ------------------------------------------------------------------ announcements

@@ -13,20 +13,61 @@ One round at a time (the learner runs them one after another):
 
 A member that reports failure, does not report, dies or leaves is dropped: the next main
 round forms a new generation without it, and it needs a catch-up (its weights are older
-than the current version). Sync ids go on from a checkpoint's (:attr:`SyncBook.counter` is
-saved), so they increase across restarts from that point; the ids a learner used after its
-last checkpoint are used again by its restart. Its sync store (with the session's secret in
-every group's prefix) is new, so no group name is used twice in one store, and each
-:class:`SyncStart` names the coordinator's session, which its member's report names back:
-a report of the dead learner's round, late, is not taken for the new round of that id.
+than the current version). One lost before the round's group formed (:class:`RoundWatch`)
+would hold the others in the meeting until ``sync.timeout_s``: the round is given up and a
+main round begun again at once, at the same version, without it (:meth:`SyncBook.lose`).
+
+Sync ids go on from a checkpoint's (:attr:`SyncBook.counter` is saved), so they increase
+across restarts from that point; the ids a learner used after its last checkpoint are used
+again by its restart. Its sync store (with the session's secret in every group's prefix) is
+new, so no group name is used twice in one store, and each :class:`SyncStart` names the
+coordinator's session, which its member's report names back: a report of the dead
+learner's round, late, is not taken for the new round of that id.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from asyncrl.control.messages import SyncDone, SyncStart
 from asyncrl.sync.plan import WeightPlan
+
+
+class RoundWatch:
+    """Where the coordinator's thread, which may lose a member of a round
+    (:meth:`SyncBook.lose`), and the learner's, which forms the round's group, settle
+    which came first. Lost before the group formed, the round is given up (:meth:`ended`
+    says why; the learner gives the meeting up for every member) and a main round has a
+    :attr:`successor`; lost after, the member only fails the round."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._formed = False
+        self._why = ""
+        self.successor: SyncRound | None = None  # the round begun again in this one's place
+
+    def ended(self) -> str:
+        """Why the round was given up before its group formed ("" while it was not)."""
+        return self._why
+
+    def form(self) -> bool:
+        """The learner's group formed: True unless the round was given up first (from now
+        on a loss only fails the round)."""
+        with self._lock:
+            self._formed = self._formed or not self._why
+            return self._formed
+
+    def end(self, why: str, begin_again: Callable[[], SyncRound | None]) -> SyncRound | None:
+        """Give the round up unless its group formed; ``begin_again``'s round (None: none)
+        is its successor, set before the learner can see :meth:`ended`."""
+        with self._lock:
+            if self._formed or self._why:
+                return None
+            self.successor = begin_again()
+            self._why = why
+            return self.successor
 
 
 @dataclass(frozen=True)
@@ -44,6 +85,8 @@ class SyncRound:
     ranks: dict[str, int]  # server id -> its first rank
     new_group: bool
     catchup: bool
+    # Shared with the coordinator: a member lost before the group formed ends the round.
+    watch: RoundWatch = field(default_factory=RoundWatch, compare=False, repr=False)
 
     @property
     def members(self) -> list[str]:
@@ -69,6 +112,7 @@ class _Active:
     round: SyncRound
     starts: dict[str, SyncStart]
     sizes: dict[str, int]  # member -> engine world size
+    plan: WeightPlan
     reports: dict[str, SyncDone] = field(default_factory=dict)
     lost: dict[str, str] = field(default_factory=dict)
 
@@ -127,7 +171,7 @@ class SyncBook:
             )
             for server_id, rank in ranks.items()
         }
-        self.active = _Active(rnd, starts, dict(members))
+        self.active = _Active(rnd, starts, dict(members), plan)
         if not catchup:
             self.generation, self.main_members, self.broken = generation, key, False
         return rnd
@@ -152,6 +196,11 @@ class SyncBook:
         a.reports[msg.server_id] = msg
         return True
 
+    def loaded(self, msg: SyncDone) -> bool:
+        """Whether ``msg`` is a member's report of loading the round in progress, taken."""
+        a = self.active
+        return msg.ok and a is not None and a.reports.get(msg.server_id) is msg
+
     def waiting_for(self) -> list[str]:
         """Members of the round in progress that have not reported yet."""
         a = self.active
@@ -159,14 +208,28 @@ class SyncBook:
             return []
         return [m for m in a.starts if m not in a.reports and m not in a.lost]
 
-    def lose(self, server_id: str, why: str) -> None:
+    def lose(self, server_id: str, why: str) -> SyncRound | None:
         """``server_id`` is gone (dead, left, re-registered): it fails the round in progress
-        and the main group must be re-formed without it."""
-        if self.active is not None and server_id in self.active.starts:
-            self.active.lost.setdefault(server_id, why)
+        and the main group must be re-formed without it. Lost before the round's group
+        formed, it would hold the others in the meeting until ``sync.timeout_s``: the round
+        is given up and, a main round, begun again (new id and generation, same version)
+        without it; that round is returned."""
         if any(m == server_id for m, _ in self.main_members):
             self.main_members = tuple(m for m in self.main_members if m[0] != server_id)
             self.broken = True
+        a = self.active
+        if a is None or server_id not in a.starts:
+            return None
+        a.lost.setdefault(server_id, why)
+        return a.round.watch.end(f"{server_id} was lost ({why})", lambda: self._again(a))
+
+    def _again(self, a: _Active) -> SyncRound | None:
+        """Round ``a`` begun again without its lost members (a catch-up is not: it fails)."""
+        if a.round.catchup:
+            return None
+        self.active = None
+        members = [(m, size) for m, size in a.sizes.items() if m not in a.lost]
+        return self.begin(members, a.round.version, a.plan)
 
     def finish(self, sent_ok: bool, send_error: str = "") -> SyncResult:
         """Close the round: members that reported ok (and the send succeeded) loaded the

@@ -110,20 +110,19 @@ class WeightPusher:
         plan: WeightPlan,
         on_sent: Callable[[], None] | None = None,
     ) -> SyncResult:
-        if not rnd.ranks:  # nobody to send to: the version still becomes current
-            return self.coordinator.finish_sync(rnd)
         error, group = "", None
-        try:
-            if rnd.catchup:  # a one-off group: the main group stays as it is
-                group = self._form(rnd)
-            else:
-                if rnd.new_group or rnd.generation != self._generation:
-                    self.forget()
-                    self._group, self._generation = self._form(rnd), rnd.generation
-                group = self._group
-            send_weights(group, tensors, plan, timeout_s=self.timeout_s, device=self.device)
-        except WeightSyncError as e:
-            error = str(e)
+        while rnd.ranks:
+            try:
+                group = self._group_for(rnd)
+                if group is None:  # a member was lost before the group formed
+                    rnd = self._successor(rnd)
+                    continue
+                send_weights(group, tensors, plan, timeout_s=self.timeout_s, device=self.device)
+            except WeightSyncError as e:
+                error = str(e)
+            break
+        else:  # nobody to send to: the version still becomes current
+            return self.coordinator.finish_sync(rnd)
         if not error and self.deal_at_send:
             self.coordinator.weights_sent(rnd)
         if on_sent is not None:
@@ -141,6 +140,43 @@ class WeightPusher:
         log.warning("sync %d failed: %s", rnd.sync_id, error)
         return self.coordinator.finish_sync(rnd, sent_ok=False, error=error)
 
+    def _group_for(self, rnd: SyncRound) -> Any:
+        """The group to send ``rnd`` on: formed, or the main group kept. None when the
+        coordinator lost a member before it formed (the members that came give the meeting
+        up with the learner): the round was begun again without it (``rnd.watch``)."""
+        try:
+            if rnd.catchup:  # a one-off group: the main group stays as it is
+                group = self._form(rnd)
+            else:
+                if rnd.new_group or rnd.generation != self._generation:
+                    self.forget()
+                    self._group, self._generation = self._form(rnd), rnd.generation
+                group = self._group
+        except WeightSyncError:
+            if rnd.watch.successor is None:
+                raise
+            return None
+        if rnd.watch.form():
+            return group
+        # Lost as the group formed: the members in it (or, kept, in its receive) are let go.
+        if rnd.catchup:
+            release_group(group)
+            raise WeightSyncError(f"catch-up {rnd.sync_id} given up: {rnd.watch.ended()}")
+        self.forget()
+        return None
+
+    def _successor(self, rnd: SyncRound) -> SyncRound:
+        again = rnd.watch.successor
+        assert again is not None  # set before the round ended (RoundWatch.end)
+        log.warning(
+            "sync %d given up before its group formed (%s): begun again as sync %d with %s",
+            rnd.sync_id,
+            rnd.watch.ended(),
+            again.sync_id,
+            again.members or "nobody",
+        )
+        return again
+
     def _form(self, rnd: SyncRound) -> Any:
         return form_group(
             self.store,
@@ -149,6 +185,7 @@ class WeightPusher:
             rnd.world_size,
             backend=self.backend,
             timeout_s=self.timeout_s,
+            abandon=rnd.watch.ended,
         )
 
     def forget(self) -> None:

@@ -27,11 +27,10 @@ and the next sync forms a new generation without the members that failed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -107,18 +106,21 @@ def form_group(
     *,
     backend: str = "gloo",
     timeout_s: float = 120.0,
+    abandon: Callable[[], str] | None = None,
 ):
     """Join group ``generation`` as ``rank`` of ``world_size``; blocks until all have joined.
 
     Every generation gets its own key space (a ``PrefixStore``), so a re-formed group never
     sees the keys of a broken one. ``backend`` is ``gloo`` (CPU tensors) or ``nccl``.
+    ``abandon`` (the learner's): asked while members are missing; a reason it returns gives
+    the group up for every member (see :func:`_wait_for_members`).
     """
     from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
     prefixed = PrefixStore(f"wsync/{generation}", store)
     timeout = timedelta(seconds=timeout_s)
     start = time.monotonic()
-    _wait_for_members(prefixed, generation, rank, world_size, timeout_s)
+    _wait_for_members(prefixed, generation, rank, world_size, timeout_s, abandon)
     try:
         if backend == "gloo":
             from torch.distributed import ProcessGroupGloo
@@ -149,30 +151,73 @@ def form_group(
     return pg
 
 
-def _wait_for_members(store, generation: str | int, rank: int, world_size: int, timeout_s: float):
+#: The longest a member waiting for the others goes without looking at the store, seconds
+#: (the first looks come sooner: members of a push usually meet within milliseconds).
+MEET_POLL_S = 0.1
+#: The key that settles a meeting: :data:`_FORMED`, or why it was given up.
+_VERDICT = "verdict"
+_FORMED = "formed"
+
+
+def _wait_for_members(
+    store,
+    generation: str | int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    abandon: Callable[[], str] | None = None,
+) -> None:
     """Every member says it joined, then waits (bounded) until all have. NCCL connects a
     group at its first collective, a wait that ignores the group's timeout: a member that
     died before joining would hold everyone there for good. Here that is a
-    :class:`WeightSyncError` naming the ranks missing."""
-    mine = f"joined/{rank}"
-    store.set(mine, b"1")
-    keys = [f"joined/{r}" for r in range(world_size)]
+    :class:`WeightSyncError` naming the ranks missing.
+
+    One verdict settles the meeting, first come (the store's compare-and-set): ``formed``,
+    set by a member that saw every member joined, or why a member gave up (its timeout, or
+    ``abandon``: the learner's coordinator lost a member). A member arriving after a give-up
+    fails at once on it instead of passing the meeting and waiting for the one that gave
+    up in the first collective; one that gives up after the group formed joins it after
+    all. The joined flags stay, so every error names only the ranks that never joined.
+    The store is looked at in slices (at most :data:`MEET_POLL_S`): a give-up reaches the
+    others within one (a timed-out ``store.wait`` also logs a warning each time)."""
     try:
-        store.wait(keys, timedelta(seconds=timeout_s))
-    except Exception as e:  # torch raises DistStoreError (a RuntimeError) on its timeout
-        # Taken back first: a member arriving late must not pass on the flag of one that
-        # gave up, then wait for it in the first collective.
-        with contextlib.suppress(Exception):  # the store is gone: nobody can pass on it
-            store.delete_key(mine)
-        try:
-            missing = [r for r, k in enumerate(keys) if r != rank and not store.check([k])]
-        except Exception:  # the store itself is gone: the ranks cannot be told apart
-            missing = []
+        store.set(f"joined/{rank}", b"1")
+        keys = [f"joined/{r}" for r in range(world_size)]
+        deadline = time.monotonic() + timeout_s
+        pause = 0.002
+        while True:
+            why = ""
+            if not store.check(keys):
+                if store.check([_VERDICT]) and store.get(_VERDICT).decode() != _FORMED:
+                    why = "given up"  # by another member: its reason is the verdict
+                elif abandon is not None and (reason := abandon()):
+                    why = f"rank {rank} abandoned it: {reason}"
+                elif time.monotonic() >= deadline:
+                    missing = [r for r in range(world_size) if not store.check([keys[r]])]
+                    why = f"rank {rank} gave up after {timeout_s:.0f}s: "
+                    why += f"rank(s) {missing} never joined"
+                else:
+                    time.sleep(pause)
+                    pause = min(2 * pause, MEET_POLL_S)
+                    continue
+            verdict = store.compare_set(_VERDICT, "", why or _FORMED).decode()
+            if verdict == _FORMED:
+                return
+            break
+    except Exception as e:  # torch's DistError (a RuntimeError): the store itself is gone
+        raise WeightSyncError(
+            f"sync group {generation}: rank {rank}/{world_size} lost the sync store while "
+            f"its members met ({e})"
+        ) from e
+    if verdict.startswith(f"rank {rank} gave up"):
         raise WeightSyncError(
             f"sync group {generation}: rank {rank}/{world_size} could not connect to its "
-            f"peers within {timeout_s:.0f}s: rank(s) {missing or '?'} never joined ({e}); a "
-            "member is missing or unreachable"
-        ) from e
+            f"peers within {timeout_s:.0f}s: {verdict.split(': ', 1)[-1]}; a member is missing "
+            "or unreachable"
+        )
+    raise WeightSyncError(
+        f"sync group {generation} not formed (rank {rank}/{world_size}): {verdict}"
+    )
 
 
 def release_group(pg: Any) -> None:

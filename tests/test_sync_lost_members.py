@@ -1,0 +1,172 @@
+"""Sync rounds whose members are lost, or hold partly loaded weights: the learner's real
+sender and coordinator (the stand-in learner), servers over the real control socket and real
+gloo groups on 127.0.0.1, each server a thread of this process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from asyncrl.control import messages as m
+from asyncrl.control.client import CoordinatorClient
+from asyncrl.sync.weights import form_group, open_store, receive_weights, store_prefix
+from asyncrl.tasks import make_row
+from tests.helpers import wait_until
+from tests.standins.learner import StandInLearner, loopback_config
+
+SYNC_TIMEOUT_S = 8.0  # what a round waited for a member lost before its group formed
+DEAD_AFTER_S = 1.0
+CONFIG = [
+    f"sync.timeout_s={SYNC_TIMEOUT_S:g}",
+    "control.heartbeat_s=0.2",
+    f"control.dead_after_s={DEAD_AFTER_S:g}",
+]
+
+
+def _rows(n: int) -> list[dict]:
+    return [make_row("arithmetic", f"{i}+2=", str(i + 2), split="train", index=i) for i in range(n)]
+
+
+class Member:
+    """A server's side of the syncs it is told to join: it forms each new group and
+    receives the weights; ``log`` has ``(outcome, sync id, version)`` per sync."""
+
+    def __init__(self, cfg, server_id: str) -> None:
+        self.client = CoordinatorClient.from_config(
+            cfg, server_id, engine_world_size=1, timeout_s=5.0
+        )
+        self.log: list[tuple[str, int, int]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._generation = ""
+        self._group = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Member:
+        self.client.register()
+        self.client.start_watching()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start = self.client.next_sync(0.1)
+            if start is None:
+                continue
+            try:
+                reg = self.client.registered
+                assert reg is not None
+                if start.generation != self._generation:
+                    store = open_store(
+                        reg.sync_store_host, reg.sync_store_port, is_host=False, timeout_s=5
+                    )
+                    prefix = store_prefix(reg.sync_secret, start.generation)
+                    self._group = form_group(
+                        store, prefix, start.rank, start.world_size, timeout_s=start.timeout_s
+                    )
+                    self._generation = start.generation
+                for _ in receive_weights(self._group, start.plan, timeout_s=start.timeout_s):
+                    pass
+            except Exception as e:
+                self._generation = ""
+                self.log.append(("failed", start.sync_id, start.version))
+                self.errors.append(str(e))
+                self.client.sync_done(start, ok=False, error=str(e))
+            else:
+                self.log.append(("ok", start.sync_id, start.version))
+                self.client.sync_done(start, ok=True)
+
+    def crash(self) -> None:
+        """Gone without a word: no heartbeat, no report, no Leave."""
+        self._stop.set()
+        self.client.close()
+
+    close = crash
+
+
+@pytest.mark.timeout(60)
+def test_a_member_lost_before_the_group_forms_does_not_hold_the_others(tmp_path) -> None:
+    """Server c crashed before joining the push's group: the coordinator declares it dead
+    after ``dead_after_s``, and the round is begun again at once without it (same version).
+    The meeting waited for c for the whole ``sync.timeout_s``, then failed for a too (a
+    catch-up more; a real server's engine is paused all that time)."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    a = c = None
+    try:
+        a = Member(cfg, "a").start()
+        c = Member(cfg, "c").start()
+        c.crash()
+        start = time.monotonic()
+        result = learner.push()
+        took = time.monotonic() - start
+        assert took < DEAD_AFTER_S + 2.5, f"the push took {took:.1f}s"
+        assert (result.version, result.ok, result.failed) == (1, ["a"], {})
+        coord = learner.coordinator
+        assert "c" not in coord.servers() and coord.pending_catchups() == []
+        assert coord.metrics()["coordinator/syncs_restarted"] == 1
+        # a gave the first round up with the learner, then loaded version 1 in the second
+        assert [(outcome, version) for outcome, _, version in a.log] == [
+            ("failed", 1),
+            ("ok", 1),
+        ]
+        assert "c was lost" in a.errors[0]
+        wait_until(lambda: coord.servers()["a"]["policy_version"] == 1, "a at version 1")
+        assert learner.push().ok == ["a"]  # the group formed without c is kept
+    finally:
+        for member in (a, c):
+            if member is not None:
+                member.close()
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_catch_up_of_a_server_lost_before_it_joins_ends_with_it(tmp_path) -> None:
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    learner.push()  # version 1, to nobody: a server that registers now holds version 0
+    client = CoordinatorClient.from_config(cfg, "c", engine_world_size=1, timeout_s=5.0)
+    try:
+        client.register()
+        client.start_watching()
+        client.close()  # crashed before it joined its catch-up
+        start = time.monotonic()
+        (result,) = learner.serve_catchups()
+        assert time.monotonic() - start < DEAD_AFTER_S + 2.5
+        assert list(result.failed) == ["c"] and "silent" in result.failed["c"]
+    finally:
+        client.close()
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_server_registering_with_partly_loaded_weights_is_caught_up_first(tmp_path) -> None:
+    """A sync that broke off mid-load leaves the engine holding generation on weights part
+    new, part old. Registering again (a learner restart) with the version it last loaded
+    whole, it was trusted: no catch-up, and tasks its held engine never ran."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    learner.coordinator.set_replay(0)  # restored at version 0: a server there is trusted
+    client = CoordinatorClient.from_config(cfg, "a", engine_world_size=1, timeout_s=5.0)
+    start = m.SyncStart(
+        sync_id=1,
+        version=1,
+        generation="main/1",
+        rank=1,
+        world_size=2,
+        plan=learner.pusher.plan_for(learner.tensors),
+    )
+    try:
+        # The server's report of the sync that broke off (to the learner before it died)
+        client.sync_done(start, False, f"{m.WEIGHTS_PARTIAL} (RuntimeError: broke off)")
+        assert client.weights_partial and client.policy_version == 0
+        reg = client.register()
+        assert reg.catchup and learner.coordinator.pending_catchups() == ["a"]
+        assert client.request_tasks().reason == "catchup"
+        client.sync_done(start, True)  # a sync that loaded them: whole again
+        assert not client.weights_partial and client.policy_version == 1
+    finally:
+        client.close()
+        learner.close()
