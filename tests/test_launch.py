@@ -188,7 +188,9 @@ logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
 run_dir, toy, spec = Path(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3])
 supervise.STOP_GRACE_S, supervise.POLL_S = spec.get("grace_s", 2.0), 0.1
 supervise.AFTER_LEARNER_S = 0.5  # stand-ins are not told that the run is over
-roles = [Role(name, [sys.executable, toy, str(run_dir), name, plan], restart_args=extra)
+supervise.EARLY_EXIT_GRACE_S = spec.get("early_grace_s", 0.5)
+roles = [Role(name, [sys.executable, toy, str(run_dir), name, plan], restart_args=extra,
+              server_id=name if name.startswith("rollout") else None)  # as plan_roles
          for name, plan, extra in spec["roles"]]
 sup = Supervisor(roles, run_dir, RestartPolicy(**spec["policy"]))
 try:
@@ -314,6 +316,41 @@ def test_the_supervisor_restarts_dead_roles_and_finishes_with_the_learner(tmp_pa
     ]
     assert len(every) == 6 * 5 and not [p for p in every if alive(p)]
     assert not processes_of_run(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_buffer_stopped_from_outside_mid_run_is_restarted(tmp_path, drive):
+    """`kill <buffer pid>`: the buffer exits 0 on SIGTERM, as when the learner ends the
+    run. A review's run hung: the launcher let it go for good and the learner waited for
+    batches for ever. With the learner still running after the grace, it is a crash."""
+    spec = {
+        "policy": {"max_restarts": 2, "window_s": 60.0, "backoff_s": 0.2},
+        "roles": [["buffer", "exit:0,run", []], ["learner", "wait:buffer.2.json", []]],
+    }
+    proc = drive(spec)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert re.search(r"buffer exited 0 \d+s ago while the learner still runs", out), out
+    assert "restarting buffer in 0.2s (it ended: exit code 0" in out
+    restarts = [(e["role"], e["exit_code"]) for e in _events(tmp_path) if e["event"] == "restart"]
+    assert restarts == [("buffer", 0)]
+    assert not processes_of_run(tmp_path)
+
+
+@pytest.mark.timeout(60)
+def test_a_buffer_stopped_by_the_ending_learner_is_not_restarted(tmp_path, drive):
+    """At a run's end the learner stops the buffer, then exits 0 itself: no restart."""
+    spec = {
+        "policy": {"max_restarts": 2, "window_s": 60.0, "backoff_s": 0.1},
+        "early_grace_s": 10.0,
+        "roles": [["buffer", "exit:0", []], ["learner", "wait:buffer.1.json", []]],
+    }
+    proc = drive(spec)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "restarting" not in out
+    assert not (tmp_path / "buffer.2.json").exists()
+    assert [e["event"] for e in _events(tmp_path) if e["role"] == "buffer"] == ["start", "exit"]
 
 
 @pytest.mark.timeout(60)

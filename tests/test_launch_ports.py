@@ -80,6 +80,25 @@ def test_ports_claimed_by_a_live_launch_are_not_taken_again(own_claims):
     assert list(json.loads(own_claims.read_text())) == [str(os.getpid())]
 
 
+def test_ipc_endpoints_claim_only_the_sync_stores_port(tmp_path):
+    """A review's ``endpoints.host=ipc://...`` launch died in a traceback (the claims bound
+    the ipc string as a host name), though every role serves ipc. Only the sync store
+    (on 127.0.0.1 then) is TCP: its taken default moves, the ipc endpoints stay."""
+    ipc = f"ipc://{tmp_path}/sockets"
+    cfg = load_config(None, [f"endpoints.host={ipc}"])
+    store = cfg.endpoints.sync_store
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            squatter.bind(("127.0.0.1", store))
+            squatter.listen()
+        except OSError:
+            pass  # taken already: by another run indeed
+        moved = ports.claim(cfg).endpoints
+    assert moved.sync_store != store and ports.bindable("127.0.0.1", moved.sync_store)
+    assert moved.model_copy(update={"sync_store": store}) == cfg.endpoints  # ipc kept
+
+
 def test_a_run_directory_is_held_by_one_launch(tmp_path):
     held = ports.hold_run_dir(tmp_path / "run")
     try:

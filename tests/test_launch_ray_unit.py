@@ -11,7 +11,7 @@ from pathlib import Path
 
 from asyncrl.config import load_config
 from asyncrl.launch.ray_agent import RoleAgent
-from asyncrl.launch.ray_launcher import Mirror
+from asyncrl.launch.ray_handles import Mirror
 from asyncrl.launch.ray_plan import (
     drop_local_pins,
     learner_roles,

@@ -10,8 +10,9 @@ plots.
 
 A role that dies is restarted (the learner from its last checkpoint) within the limits of
 ``launch.max_restarts``, ``launch.restart_window_s`` and ``launch.restart_backoff_s``, its
-whole process tree killed first; a role that exits 0 on its own (a rollout server sent
-SIGTERM to scale down: it leaves the run) is not. See :mod:`asyncrl.launch.supervise`.
+whole process tree killed first; a rollout server that exits 0 on its own (sent SIGTERM
+to scale down: it leaves the run) is not, while a buffer that exits 0 with the learner still
+running (30 s on) is, as after a crash. See :mod:`asyncrl.launch.supervise`.
 
 Exit: 0 when the learner finishes (the coordinator then ends the run and the other roles
 exit on their own); a role's exit code (128 + N for signal N), with its last log lines,
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("%s", complete_line(step, total_training_steps(cfg), spent))
         return 0
     if args.ray or cfg.launch.backend == "ray":
-        from asyncrl.launch.ray_launcher import main_ray
+        from asyncrl.launch.ray_main import main_ray
 
         return main_ray(cfg)
     if (shared := gpu_sharing_problem(cfg)) is not None:  # Ray places GPUs itself

@@ -11,7 +11,9 @@ role on this machine, so it claims them first (:func:`claim`):
   free ones; the resolved config in the run directory, which every role reads, says which;
 - a taken port the user chose is refused in one line naming its key;
 - a run directory in use by another live launch is refused in one line naming
-  ``trainer.experiment_name``.
+  ``trainer.experiment_name``;
+- with ``endpoints.host=ipc://<dir>`` only the weight-sync store's port is TCP (on
+  127.0.0.1), so only it is claimed; the ipc sockets stay as configured.
 
 Claims live in a small file in the system's temporary directory, changed under a file lock
 (launches started at the same instant are served one after the other; a lock held past
@@ -157,37 +159,43 @@ def claim(cfg: Config) -> Config:
     when a port the user chose is taken."""
     ep = cfg.endpoints
     defaults = EndpointsConfig()
+    host, keys = tcp_ports(ep)
     with _locked_claims() as claims:
         others = {p for ports in claims.values() for p in ports}
-        taken = [
-            k
-            for k in PORT_KEYS
-            if getattr(ep, k) in others or not bindable(ep.host, getattr(ep, k))
-        ]
+        taken = [k for k in keys if getattr(ep, k) in others or not bindable(host, getattr(ep, k))]
         chosen = [k for k in taken if getattr(ep, k) != getattr(defaults, k)]
         if chosen:
             raise ConfigError(
                 [
-                    f"endpoints.{k}={getattr(ep, k)} is taken on {ep.host} (another run?): "
+                    f"endpoints.{k}={getattr(ep, k)} is taken on {host} (another run?): "
                     "choose a free port, or leave it at its default to have one chosen"
                     for k in chosen
                 ]
             )
         if taken:
-            movable = [k for k in PORT_KEYS if getattr(ep, k) == getattr(defaults, k)]
-            keep = {getattr(ep, k) for k in PORT_KEYS if k not in movable}
-            ports = free_ports(ep.host, len(movable), others | keep)
+            movable = [k for k in keys if getattr(ep, k) == getattr(defaults, k)]
+            keep = {getattr(ep, k) for k in keys if k not in movable}
+            ports = free_ports(host, len(movable), others | keep)
             moved = dict(zip(movable, ports, strict=True))
             log.warning(
                 "endpoints %s taken on %s (another run on this machine?): this run uses %s",
                 ", ".join(f"{k}={getattr(ep, k)}" for k in taken),
-                ep.host,
+                host,
                 " ".join(f"endpoints.{k}={p}" for k, p in moved.items()),
             )
             ep = ep.model_copy(update=moved)
             cfg = cfg.model_copy(update={"endpoints": ep})
-        claims[str(os.getpid())] = [getattr(ep, k) for k in PORT_KEYS]
+        claims[str(os.getpid())] = [getattr(ep, k) for k in keys]
     return cfg
+
+
+def tcp_ports(ep: EndpointsConfig) -> tuple[str, tuple[str, ...]]:
+    """The host the run's TCP ports bind on and their ``endpoints.*`` keys. With
+    ``endpoints.host=ipc://<dir>`` the sockets are files named after their keys, and only
+    the weight-sync store is TCP, on loopback (``asyncrl.control.setup.store_host``)."""
+    if ep.host.startswith("ipc://"):
+        return "127.0.0.1", ("sync_store",)
+    return ep.host, PORT_KEYS
 
 
 def hold_run_dir(run_dir: Path) -> IO[str]:

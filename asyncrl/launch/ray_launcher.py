@@ -17,13 +17,19 @@ and command lines as the local launcher, placed on a Ray cluster.
   within ``launch.max_restarts``, the learner resuming from its checkpoint, the run ending
   with the learner's exit 0). A role whose agent dies with its node counts as killed
   (SIGKILL) and is restarted in the same bundle, which Ray places again on a node with room
-  (waiting up to ``launch.ray.start_timeout_s``). Ctrl-C stops every role on every node.
+  (waiting up to ``launch.ray.start_timeout_s``, at most ``launch.max_restarts`` times in a
+  row however long each wait: then the run ends). An agent that only answers slowly is
+  asked again; one given up is killed (:mod:`asyncrl.launch.ray_handles`). Bundle 0 placed
+  again on another node ends the run in one line (every role dials the lost node's
+  address); the same command resumes it from its last checkpoint. Ctrl-C stops every role
+  on every node.
 - **Records**: ``launch.jsonl`` and ``pids.json`` as locally, plus each role's node (IP, Ray
   node id, host name) in its ``start`` events. Where a node does not share the launcher's
   run directory, the learner's metrics and every role's log are copied back as they grow,
   so the progress line and the summary read as locally.
 
-This module imports ``ray`` only when a run starts, so ``--help`` answers at once.
+This module imports ``ray`` only when a run starts, so ``--help`` answers at once; the run
+starts in :mod:`asyncrl.launch.ray_main`.
 """
 
 from __future__ import annotations
@@ -31,71 +37,19 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import Config
-from asyncrl.launch.departures import Departures
-from asyncrl.launch.ray_plan import (
-    Placement,
-    drop_local_pins,
-    learner_roles,
-    plan_placement,
-    unshared_learner_problem,
-)
-from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor
+from asyncrl.launch.ray_handles import SLOW_POLLS, Agent, Mirror, slow_answer
+from asyncrl.launch.ray_plan import Placement, unshared_learner_problem
+from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, View
 
 log = logging.getLogger("asyncrl.launch")
 
 NODE_LOST = -9  # the exit reported for a role whose agent (or node) is gone: as SIGKILL
+ENDED = 1  # the launcher's exit when the run cannot go on on this cluster (see _fail)
 CALL_TIMEOUT_S = 30.0  # one call to a live agent
 MIRRORED = ("metrics.jsonl", "startup.jsonl")  # the learner's records the view reads
-
-
-def connect(address: str) -> None:
-    """Join the cluster at ``address``; ``auto`` with no cluster running starts a local
-    Ray instance for this run."""
-    import ray
-
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    except ConnectionError:
-        if address != "auto":
-            raise
-        log.info("no Ray cluster is running: starting a local Ray instance for this run")
-        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
-
-
-class Mirror:
-    """Copies files that grow on a role's node into the launcher's run directory: each
-    call appends what is new (``read(rel, offset) -> bytes`` reads the node's copy)."""
-
-    def __init__(self, run_dir: Path, files: tuple[str, ...]):
-        self.run_dir = run_dir
-        self.offsets = dict.fromkeys(files, 0)
-
-    def pull(self, read: Any) -> None:
-        for rel, offset in self.offsets.items():
-            data = read(rel, offset)
-            if data:
-                path = self.run_dir / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "ab") as f:
-                    f.write(data)
-                self.offsets[rel] = offset + len(data)
-
-
-@dataclass
-class _Agent:
-    """The launcher's view of one role's agent."""
-
-    handle: Any
-    pending: Any = None  # the ObjectRef of a start call not answered yet
-    since: float = 0.0  # when that call was made
-    pid: int | None = None  # the role's pid on its node while it runs
-    where: dict[str, Any] | None = None
-    mirror: Mirror | None = None  # None: the node shares the launcher's run directory
 
 
 class RaySupervisor(Supervisor):
@@ -118,10 +72,13 @@ class RaySupervisor(Supervisor):
         self.pg = pg
         self.files = files  # written on each role's node before it starts
         self.start_timeout_s = start_timeout_s
-        self.agents: dict[str, _Agent] = {}
+        self.agents: dict[str, Agent] = {}
+        self.host: str | None = None  # bundle 0's node IP: endpoints.host of every role
+        self.unplaced: dict[str, int] = {}  # starts in a row whose bundle found no node
+        self.fatal: str | None = None  # why the run must end now (see _fail)
 
     # ---------------------------------------------------------------- agents
-    def agent(self, role: Role) -> _Agent:
+    def agent(self, role: Role) -> Agent:
         """The role's agent, created in its bundle if it has none (a lost one is replaced)."""
         if role.name not in self.agents:
             import ray
@@ -139,23 +96,49 @@ class RaySupervisor(Supervisor):
                 max_restarts=0,
             )
             handle = remote.remote(str(self.run_dir), role.name, self.launch_id, os.getcwd())
-            self.agents[role.name] = _Agent(handle)
+            self.agents[role.name] = Agent(handle)
         return self.agents[role.name]
 
-    def _call(self, ag: _Agent, method: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+    def _call(self, ag: Agent, method: str, *args: Any, timeout_s: float = CALL_TIMEOUT_S) -> Any:
         """One call to the agent, waited for up to ``timeout_s``."""
         import ray
 
         return ray.get(getattr(ag.handle, method).remote(*args), timeout=timeout_s)
 
     def _lose(self, role: Role, why: str) -> int:
-        """The role's agent is gone (its node, most likely): forget it, report SIGKILL."""
+        """The role's agent is gone (its node, most likely): drop it, report SIGKILL."""
         log.warning("%s: its agent is gone (%s): counted as killed", role.name, why)
-        lost = self.agents.pop(role.name, None)
-        if lost is not None and lost.pid is not None:
-            role.last_pid = lost.pid
-        self._write_pids()
+        self._drop(role)
         return NODE_LOST
+
+    def _drop(self, role: Role) -> None:
+        """Forget the role's agent, killed should it live yet (see
+        :mod:`asyncrl.launch.ray_handles`)."""
+        import ray
+
+        lost = self.agents.pop(role.name, None)
+        if lost is not None:
+            if lost.pid is not None:
+                role.last_pid = lost.pid
+            try:
+                ray.kill(lost.handle, no_restart=True)
+            except Exception as e:  # dead already, or its node unreachable
+                log.debug("killing the lost agent of %s: %s", role.name, e)
+        self._write_pids()
+
+    def _fail(self, why: str) -> int:
+        """The run cannot go on on this cluster: :meth:`_end` ends it with ``why``."""
+        self.fatal = why
+        return ENDED
+
+    def _end(self, role: Role, code: int, view: View) -> int | None:
+        if self.fatal is None:
+            return super()._end(role, code, view)
+        log.error("%s", self.fatal)
+        self._event(role.name, "gave_up", exit_code=ENDED, why=self.fatal)
+        self.stop_all()
+        view.finish(ok=False)
+        return ENDED
 
     # ---------------------------------------------------------------- starting
     def begin(self) -> None:
@@ -180,7 +163,7 @@ class RaySupervisor(Supervisor):
     def bundle(self, role: Role) -> int:
         return self.placement.bundle_of[role.name]
 
-    def _started(self, role: Role, ag: _Agent) -> int | None:
+    def _started(self, role: Role, ag: Agent) -> int | None:
         """Collect a pending start: None while waiting (or started), an exit code if it
         failed."""
         import ray
@@ -189,6 +172,17 @@ class RaySupervisor(Supervisor):
         if not ready:
             waited = time.monotonic() - ag.since
             if waited > self.start_timeout_s:
+                # Counted apart from the restart window: each try lasts start_timeout_s,
+                # which may exceed launch.restart_window_s, and then it would try for ever.
+                tries = self.unplaced[role.name] = self.unplaced.get(role.name, 0) + 1
+                if tries > self.policy.max_restarts:
+                    self._drop(role)  # else the run's stop waits for it to be placed
+                    return self._fail(
+                        f"{role.name}: bundle {self.bundle(role)} "
+                        f"({self.placement.bundles[self.bundle(role)]}) found no node in "
+                        f"{tries} tries of launch.ray.start_timeout_s={self.start_timeout_s:.0f}"
+                        "s: add a node that offers it, then run the same command again"
+                    )
                 log.error(
                     "%s: no node with room for bundle %d (%s) after %.0fs "
                     "(launch.ray.start_timeout_s): add a node that offers it",
@@ -197,7 +191,6 @@ class RaySupervisor(Supervisor):
                     self.placement.bundles[self.bundle(role)],
                     waited,
                 )
-                ray.kill(ag.handle)
                 return self._lose(role, "never placed")
             return None
         ag.pending = None
@@ -207,6 +200,15 @@ class RaySupervisor(Supervisor):
         except Exception as e:  # the agent died before it answered
             return self._lose(role, f"{type(e).__name__}")
         assert ag.where is not None
+        self.unplaced.pop(role.name, None)
+        if self.bundle(role) == 0 and self.host is not None and ag.where["ip"] != self.host:
+            # The buffer and the coordinator listen there and every role dials endpoints.host:
+            # a moved bundle 0 would bind the lost node's address, and crash-loop.
+            return self._fail(
+                f"{role.name} started on {ag.where['ip']}, not on {self.host} (endpoints.host): "
+                "bundle 0's node was lost; run the same command again to resume from the "
+                "last checkpoint"
+            )
         problem = unshared_learner_problem(role.name, self.placement, ag.where["shared_run_dir"])
         if problem is not None:
             log.error("%s", problem)
@@ -256,7 +258,20 @@ class RaySupervisor(Supervisor):
         try:
             code = self._call(ag, "poll")
         except Exception as e:  # RayActorError and kin: the agent or its node died
-            return self._lose(role, type(e).__name__)
+            ag.slow += 1
+            if not slow_answer(e) or ag.slow >= SLOW_POLLS:
+                return self._lose(role, type(e).__name__)
+            log.warning(
+                "%s: its agent did not answer within %.0fs (%s), %d of %d times in a row "
+                "before it counts as lost",
+                role.name,
+                CALL_TIMEOUT_S,
+                type(e).__name__,
+                ag.slow,
+                SLOW_POLLS,
+            )
+            return None
+        ag.slow = 0
         if code is not None:
             self._track()  # the end of its log
             role.last_pid, ag.pid = ag.pid or 0, None
@@ -333,56 +348,3 @@ class RaySupervisor(Supervisor):
         tmp = self.run_dir / ".pids.json.tmp"
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.run_dir / "pids.json")
-
-
-def main_ray(cfg: Config) -> int:
-    """Run the job on the Ray cluster (see the module docstring); the launcher's exit code."""
-    import ray
-    from ray.exceptions import GetTimeoutError
-    from ray.util.placement_group import placement_group
-
-    from asyncrl.config import run_dir as run_dir_of
-    from asyncrl.config import write_resolved
-    from asyncrl.launch.roles import commands_text, drive, plan_roles
-    from asyncrl.net.security import exposure_problem
-
-    for line in drop_local_pins(cfg):
-        log.warning("%s", line)
-    # Absolute, so that every node resolves the run directory alike.
-    cfg.trainer.default_local_dir = str(Path(cfg.trainer.default_local_dir).resolve())
-    run_dir = run_dir_of(cfg)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    ray_cfg = cfg.launch.ray
-    connect(ray_cfg.address)
-    try:
-        names = learner_roles(cfg, plan_roles(cfg, run_dir / "config.yaml"), "")
-        placement = plan_placement(cfg, names)
-        pg = placement_group(placement.bundles, strategy=ray_cfg.strategy)
-        try:
-            ray.get(pg.ready(), timeout=ray_cfg.start_timeout_s)
-        except GetTimeoutError:
-            log.error(
-                "the cluster cannot hold the run's bundles %s after %.0fs (free now: %s): "
-                "add nodes, or lower launch.ray.*_cpus / launch.ray.resources",
-                placement.bundles,
-                ray_cfg.start_timeout_s,
-                ray.available_resources(),
-            )
-            return 1
-        policy = RestartPolicy.from_config(cfg.launch)
-        sup = RaySupervisor(names, run_dir, policy, placement, pg, {}, ray_cfg.start_timeout_s)
-        # Bundle 0's node is where the coordinator and the buffer listen.
-        host = sup._call(sup.agent(names[0]), "where", timeout_s=ray_cfg.start_timeout_s)["ip"]
-        cfg.endpoints.host = host
-        if (why := exposure_problem(cfg.endpoints)) is not None:  # now a network address
-            log.error("%s", why)
-            return 2
-        config_path = write_resolved(cfg)
-        sup.roles = learner_roles(cfg, plan_roles(cfg, config_path), host)
-        sup.departures = Departures.from_config(cfg)  # dials the coordinator at ``host``
-        sup.files = {str(config_path.relative_to(run_dir)): config_path.read_text()}
-        (run_dir / "commands.txt").write_text(commands_text(sup.roles, placement.bundle_of))
-        log.info("run directory %s; roles meet at %s; bundles %s", run_dir, host, placement.bundles)
-        return drive(sup, run_dir, cfg)
-    finally:
-        ray.shutdown()

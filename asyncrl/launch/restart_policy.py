@@ -9,8 +9,10 @@ role that ended is started again, when it fails the run, and how its exit reads.
 - A role that exits 2 (a bad config or a missing file, found before it started working)
   fails the run at once: a restart would fail the same way; so does a learner that exits 5
   (stopped by its health alarms, ``trainer.health.action: stop``).
-- A role that exits 0 on its own left for good (a rollout server scaled down with SIGTERM)
-  and is not restarted; the learner exiting 0 means the run is done.
+- A rollout server that exits 0 on its own left for good (scaled down with SIGTERM) and is
+  not restarted; the learner exiting 0 means the run is done. Any other role (the buffer,
+  learner-k) exiting 0 is let go only if the learner finishes soon after (it stops the
+  buffer as it ends); else it was stopped from outside and is restarted as after a crash.
 
 :class:`asyncrl.launch.supervise.Supervisor` applies them.
 """

@@ -20,9 +20,8 @@ import shlex
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.process_tree import (
@@ -46,6 +45,9 @@ from asyncrl.launch.restart_policy import (
     recent_restarts,
     restart_delay,
 )
+from asyncrl.launch.role_state import QuietView as QuietView
+from asyncrl.launch.role_state import Role as Role
+from asyncrl.launch.role_state import View, tail
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -53,55 +55,13 @@ POLL_S = 1.0  # how often the supervisor looks at its roles
 STOP_GRACE_S = 15.0  # how long roles get to exit after SIGTERM before SIGKILL
 REAP_WAIT_S = 30.0  # how long a SIGKILLed role gets to be reaped (more: stuck in the kernel)
 AFTER_LEARNER_S = 30.0  # how long the others get to exit once the learner is done
+# How long the learner gets to finish once the buffer (or learner-k) exited 0: the learner
+# stops the buffer moments before it exits, and learner-k's torchrun leaves the learner's at
+# its exit barrier. Past it, the exit 0 was a stop from outside (`kill <pid>`) and counts as
+# a crash: the learner would wait for its batches for ever.
+EARLY_EXIT_GRACE_S = 30.0
 EVENTS_FILE = "launch.jsonl"
 PIDS_FILE = "pids.json"
-
-
-@dataclass
-class Role:
-    """One process of the run (with its tree) and its supervision state."""
-
-    name: str
-    cmd: list[str]
-    env: dict[str, str] = field(default_factory=dict)
-    cpus: list[int] | None = None
-    restart_args: list[str] = field(default_factory=list)  # appended when restarted
-    unset: tuple[str, ...] = ()  # prefixes of variables it must not inherit
-    proc: subprocess.Popen | None = None
-    log_path: Path | None = None
-    attempt: int = 0  # how many times it was started
-    restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
-    restart_at: float | None = None  # a restart is due at this monotonic time
-    done: bool = False  # exited 0: not restarted
-    known: dict[int, int] = field(default_factory=dict)  # descendants seen: pid -> start
-    # The coordinator's id for it (a rollout server): told the coordinator when it dies.
-    server_id: str | None = None
-    last_pid: int = 0  # the pid of its process that exited last
-    nice: int = 0  # its CPU priority (launch.nice)
-
-    def command(self) -> list[str]:
-        return self.cmd + (self.restart_args if self.attempt > 0 else [])
-
-
-class View(Protocol):
-    def update(self) -> None: ...
-    def finish(self, ok: bool) -> None: ...
-
-
-class QuietView:
-    """A view that shows nothing (tests, or a launcher without a terminal)."""
-
-    def update(self) -> None:
-        pass
-
-    def finish(self, ok: bool) -> None:
-        pass
-
-
-def tail(path: Path | None, lines: int = 30) -> str:
-    if path is None or not path.exists():
-        return ""
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
 class Supervisor:
@@ -165,6 +125,8 @@ class Supervisor:
                 code = self._look_at(role)
                 if code is not None and (result := self._end(role, code, view)) is not None:
                     return result
+                if self._left_early(role) and (result := self._restart(role, 0, view)):
+                    return result
             time.sleep(POLL_S)
 
     def _track(self) -> None:
@@ -206,8 +168,11 @@ class Supervisor:
         if code != 0 and code not in FINAL_EXITS:
             self._tell_gone(role, code)
         if code == 0:
-            role.done = True
             self._event(role.name, "exit", exit_code=0)
+            if role.server_id is None and role is not self.roles[-1]:
+                role.left_at = time.monotonic()  # see _left_early
+                return None
+            role.done = True
             if role is self.roles[-1]:
                 return self._wind_down(view)
             log.info(
@@ -215,9 +180,29 @@ class Supervisor:
                 role.name,
             )
             return None
-        now = time.monotonic()
         if code in FINAL_EXITS:
             return self._give_up(role, code, view, FINAL_EXITS[code])
+        return self._restart(role, code, view)
+
+    def _left_early(self, role: Role) -> bool:
+        """Whether ``role`` exited 0 (only the rollout servers may leave a run) and the
+        learner is still running ``EARLY_EXIT_GRACE_S`` later: then it is restarted as
+        after a crash."""
+        if role.left_at is None or time.monotonic() - role.left_at < EARLY_EXIT_GRACE_S:
+            return False
+        log.warning(
+            "%s exited 0 %.0fs ago while the learner still runs (stopped from outside?): "
+            "restarting it as after a crash",
+            role.name,
+            time.monotonic() - role.left_at,
+        )
+        role.left_at = None
+        return True
+
+    def _restart(self, role: Role, code: int, view: View) -> int | None:
+        """Schedule the restart of ``role``, which ended with ``code``; or, its restarts
+        used up, end the run (returns the launcher's exit code)."""
+        now = time.monotonic()
         delay = restart_delay(self.policy, role.restarts, now)
         if delay is None:
             return self._give_up(
@@ -279,7 +264,7 @@ class Supervisor:
         )
         self.stop_all()
         view.finish(ok=False)
-        return exit_status(code)
+        return exit_status(code) or 1  # a buffer that kept exiting 0 failed the run all the same
 
     # ---------------------------------------------------------------- stopping
     def _wind_down(self, view: View) -> int:
