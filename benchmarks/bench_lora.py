@@ -6,15 +6,20 @@
    bytes, seconds and GB/s of each. From the adapter's measured GB/s, the projection for a
    7B model (Qwen2.5-7B's shapes) at rank 32 in bf16, against its whole weights.
 2. **Learner**: :class:`learner.trainer.Trainer` (one rank, gloo) on the ``small`` model,
-   full against LoRA rank ``r``, each in a process of its own: median step time over the
-   same synthetic batches, trainable parameters, optimizer state and the process's peak
-   resident memory.
+   full against LoRA rank ``r``, each in a process of its own that stays up (two warm-up
+   steps, then a sample of a few steps per request, the same synthetic batches on both
+   sides), sampled interleaved: step time, trainable parameters, optimizer state and the
+   process's peak resident memory.
 3. **Generation**: vLLM (this machine's build) on the ``small`` model with the adapter
    merged into the weights, against the base model with the adapter served by vLLM's LoRA
-   support (``LoRARequest``): tokens per second over the same seeded requests, each engine
-   in a process of its own.
+   support (``LoRARequest``): tokens per second over the same seeded requests, each sample
+   an engine in a fresh process (two engines at once would share one accelerator's
+   memory), interleaved.
 
-Writes ``bench_lora.json`` and ``.png``; prints each figure and the ratios.
+Every arm runs through ``benchmarks.common.interleaved_ratio`` (A, B, B, A over the same
+odd number of repetitions, 3 with ``--quick``): each ratio is per repetition, reported as
+median with min and max. Writes ``bench_lora.json`` and ``.png``; prints each figure and
+ratio; the last line is LoRA/full learner steps per second.
 """
 
 from __future__ import annotations
@@ -30,7 +35,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_weight_sync import TIMEOUT_S, _start, _timed, small_model_shapes  # noqa: E402
-from benchmarks.common import interleaved_ratio, parse_args, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    format_ratio,
+    headline,
+    interleaved_ratio,
+    parse_args,
+    write_results,
+)
 
 NAME = "bench_lora"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -98,6 +109,7 @@ def push(rank: int, reps: int) -> dict[str, Any]:
         side["median_s"] = statistics.median(side["seconds"])
         side["gb_per_s"] = side["bytes"] / side["median_s"] / 1e9
     out["speedup"] = stats.to_json()
+    out["_stats"] = stats  # for the printed line; not written
     proj = projected_7b(32)
     proj["adapter_s"] = proj["adapter_bytes"] / (out["adapter"]["gb_per_s"] * 1e9)
     proj["full_s"] = proj["full_bytes"] / (out["full"]["gb_per_s"] * 1e9)
@@ -126,6 +138,9 @@ def _batch(seed: int, groups: int = 4, n: int = 8) -> list[Any]:
 
 
 def _learner(model_dir: str, lora_rank: int, steps: int, conn: Any) -> None:
+    """A trainer that stays up: after two warm-up steps it sends its sizes, then answers
+    each request with the median time of ``steps`` steps, and ``None`` with its peak
+    memory. Both arms train the same sequence of batches."""
     import resource
 
     import torch
@@ -135,17 +150,22 @@ def _learner(model_dir: str, lora_rank: int, steps: int, conn: Any) -> None:
     from learner.trainer import Trainer
 
     torch.set_num_threads(2)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # torch documents dist.HashStore but re-exports it without marking it public
+    store = dist.HashStore()  # pyright: ignore[reportPrivateImportUsage]
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     overrides = [f"model.path={model_dir}", "actor.ppo_mini_batch_size=4"]
     if lora_rank:
         overrides += [f"model.lora_rank={lora_rank}", f"model.lora_alpha={2 * lora_rank}"]
     trainer = Trainer(load_config(None, overrides))
-    times = []
-    for i in range(steps + 2):
+    batches = iter(range(1 << 30))
+
+    def step() -> float:
         start = time.perf_counter()
-        trainer.train_step(_batch(i), 1.0)
-        if i >= 2:  # two warm-up steps
-            times.append(time.perf_counter() - start)
+        trainer.train_step(_batch(next(batches)), 1.0)
+        return time.perf_counter() - start
+
+    for _ in range(2):  # warm-up
+        step()
     trainable = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     optim = sum(
         t.numel() * t.element_size()
@@ -153,15 +173,70 @@ def _learner(model_dir: str, lora_rank: int, steps: int, conn: Any) -> None:
         for t in s.values()
         if isinstance(t, torch.Tensor)
     )
-    conn.send(
-        {
-            "step_s": statistics.median(times),
-            "trainable_params": trainable,
-            "optimizer_state_bytes": optim,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        }
-    )
+    conn.send({"trainable_params": trainable, "optimizer_state_bytes": optim})
+    while conn.recv() is not None:
+        conn.send(statistics.median(step() for _ in range(steps)))
+    conn.send({"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     dist.destroy_process_group()
+
+
+class Worker:
+    """``target(*args, conn)`` in a spawned process that stays up: its first message on
+    start (:attr:`info`), one answer per :meth:`ask`, its last on :meth:`close`."""
+
+    def __init__(self, target: Any, *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.name = target.__name__
+        self.proc = ctx.Process(target=target, args=(*args, child))
+        self.proc.start()
+        self.info: dict[str, Any] = self._recv()
+
+    def _recv(self) -> Any:
+        if not self.conn.poll(900):
+            self.proc.kill()
+            raise RuntimeError(f"{self.name} sent nothing in 900 s")
+        return self.conn.recv()
+
+    def ask(self) -> Any:
+        self.conn.send(True)
+        return self._recv()
+
+    def close(self) -> Any:
+        self.conn.send(None)
+        got = self._recv()
+        self.proc.join(60)
+        return got
+
+
+def learner_arms(base: str, rank: int, steps: int, reps: int) -> dict[str, Any]:
+    """Full and LoRA trainers, both up, sampled interleaved: each side's step times, sizes
+    and peak memory, and LoRA/full steps per second per repetition (``speedup``)."""
+    workers = {
+        "full": Worker(_learner, base, 0, steps),
+        "lora": Worker(_learner, base, rank, steps),
+    }
+    seconds: dict[str, list[float]] = {"full": [], "lora": []}
+
+    def rate(which: str):
+        def measure() -> float:
+            seconds[which].append(float(workers[which].ask()))
+            return 1.0 / seconds[which][-1]  # steps per second
+
+        return measure
+
+    stats = interleaved_ratio(rate("lora"), rate("full"), reps)
+    out: dict[str, Any] = {}
+    for which, worker in workers.items():
+        out[which] = {
+            **worker.info,
+            **worker.close(),
+            "step_s": statistics.median(seconds[which]),
+            "step_s_reps": seconds[which],
+        }
+    out["speedup"] = stats.to_json()
+    out["_stats"] = stats
+    return out
 
 
 def in_process(target, *args) -> dict[str, Any]:
@@ -184,6 +259,7 @@ def _generate(model_dir: str, adapter_dir: str | None, rank: int, n: int, tokens
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
     from vllm.lora.request import LoRARequest
 
     from rollout_servers.adapters import engine_lora_rank
@@ -195,7 +271,7 @@ def _generate(model_dir: str, adapter_dir: str | None, rank: int, n: int, tokens
               enforce_eager=True, seed=0, **kwargs)  # fmt: skip
     lora = LoRARequest("bench", 1, adapter_dir) if adapter_dir else None
     params = SamplingParams(max_tokens=tokens, temperature=1.0, ignore_eos=True, seed=1)
-    prompts = [{"prompt_token_ids": [258, 10 + i % 200, 20, 30]} for i in range(n)]
+    prompts = [TokensPrompt(prompt_token_ids=[258, 10 + i % 200, 20, 30]) for i in range(n)]
     llm.generate(prompts[:4], params, lora_request=lora, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params, lora_request=lora, use_tqdm=False)
@@ -229,6 +305,35 @@ def write_models(root: Path, rank: int) -> tuple[str, str, str]:
     return str(base), str(adapter), str(merged)
 
 
+def generation_arms(
+    base: str, adapter: str, merged: str, rank: int, n: int, tokens: int, reps: int
+) -> dict[str, Any]:
+    """Merged weights against the served adapter, an engine in a fresh process per sample,
+    interleaved: each side's samples and adapter/merged tokens per second per repetition."""
+    samples: dict[str, list[dict[str, Any]]] = {"merged": [], "adapter": []}
+    args = {"merged": (merged, None), "adapter": (base, adapter)}
+
+    def rate(which: str):
+        def measure() -> float:
+            got = in_process(_generate, *args[which], rank, n, tokens)
+            samples[which].append(got)
+            return got["tokens_per_s"]
+
+        return measure
+
+    stats = interleaved_ratio(rate("adapter"), rate("merged"), reps)
+    out: dict[str, Any] = {
+        which: {
+            "tokens_per_s": statistics.median(s["tokens_per_s"] for s in got),
+            "samples": got,
+        }
+        for which, got in samples.items()
+    }
+    out["ratio"] = stats.to_json()
+    out["_stats"] = stats
+    return out
+
+
 def plot(fig: Any, f: dict[str, Any]) -> None:
     ax = fig.add_subplot(1, 3, 1)
     ax.bar(["full", "adapter"], [f["push"]["full"]["median_s"], f["push"]["adapter"]["median_s"]])
@@ -247,39 +352,42 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--rank", type=int, default=16, help="LoRA rank (default 16)")
 
     args = parse_args(NAME, (__doc__ or "").split("\n")[0], argv, extra)
-    reps, steps, n, tokens = (3, 1, 16, 32) if args.quick else (7, 6, 64, 64)
+    # steps: learner steps per sample (a small-model step takes seconds on this CPU).
+    reps, steps, n, tokens = (3, 1, 16, 32) if args.quick else (7, 3, 64, 64)
     figures: dict[str, Any] = {"rank": args.rank}
     figures["push"] = p = push(args.rank, reps)
+    push_stats = p.pop("_stats")
     print(f"push: full {p['full']['bytes'] / 1e6:.1f} MB in {p['full']['median_s']:.3f} s, "
           f"adapter {p['adapter']['bytes'] / 1e6:.2f} MB in {p['adapter']['median_s']:.4f} s "
-          f"(adapter pushes per full push: {p['speedup']['median']:.1f})", flush=True)  # fmt: skip
+          f"(adapter pushes per full push: {format_ratio(push_stats)})", flush=True)  # fmt: skip
     proj = p["qwen2.5-7b_rank32_bf16"]
     print(f"Qwen2.5-7B rank 32 bf16, at these rates: full {proj['full_bytes'] / 1e9:.1f} GB in "
           f"{proj['full_s']:.1f} s, adapter {proj['adapter_bytes'] / 1e6:.0f} MB in "
           f"{proj['adapter_s']:.2f} s", flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         base, adapter, merged = write_models(Path(tmp), args.rank)
-        figures["learner"] = learner = {
-            "full": in_process(_learner, base, 0, steps),
-            "lora": in_process(_learner, base, args.rank, steps),
-        }
-        for k, v in learner.items():
-            print(f"learner {k}: {v['step_s']:.3f} s/step, {v['trainable_params'] / 1e6:.2f}M "
-                  f"trainable, optimizer {v['optimizer_state_bytes'] / 1e6:.1f} MB, peak RSS "
+        figures["learner"] = learner = learner_arms(base, args.rank, steps, reps)
+        learner_stats = learner.pop("_stats")
+        for k in ("full", "lora"):
+            v = learner[k]
+            print(f"learner {k}: {v['step_s']:.3f} s/step (median of {reps}), "
+                  f"{v['trainable_params'] / 1e6:.2f}M trainable, optimizer "
+                  f"{v['optimizer_state_bytes'] / 1e6:.1f} MB, peak RSS "
                   f"{v['peak_rss_mb']:.0f} MB", flush=True)  # fmt: skip
-        figures["generation"] = gen = {
-            "merged": in_process(_generate, merged, None, args.rank, n, tokens),
-            "adapter": in_process(_generate, base, adapter, args.rank, n, tokens),
-        }
-    ratio = gen["adapter"]["tokens_per_s"] / gen["merged"]["tokens_per_s"]
+        figures["generation"] = gen = generation_arms(
+            base, adapter, merged, args.rank, n, tokens, reps
+        )
+        gen_stats = gen.pop("_stats")
     print(f"generation: merged {gen['merged']['tokens_per_s']:.0f} tokens/s, adapter "
-          f"{gen['adapter']['tokens_per_s']:.0f} tokens/s (adapter/merged {ratio:.2f})")  # fmt: skip
-    figures["generation_ratio"] = ratio
+          f"{gen['adapter']['tokens_per_s']:.0f} tokens/s (adapter/merged "
+          f"{format_ratio(gen_stats)})", flush=True)  # fmt: skip
+    figures["generation_ratio"] = gen["ratio"]
     config = {"quick": args.quick, "reps": reps, "steps": steps, "requests": n, "tokens": tokens}
     paths = write_results(
         NAME, args.out, figures=figures, config=config, plot=lambda fig: plot(fig, figures)
     )
     print(f"wrote {paths[0]} and {paths[1]}")
+    headline(f"LoRA rank {args.rank}/full learner steps per s", learner_stats)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,16 @@
   interleaved (A, B, B, A, ...) an odd number of times, at least 3 with ``--quick``, through
   :func:`interleaved_ratio`; the headline is the median of the per-repetition ratios with
   their min and max, and the JSON keeps every repetition (:meth:`RatioStats.to_json`).
+  Sides that are whole runs rather than callables (a launch each) pair their repetitions
+  through :func:`paired_ratio`.
+- Exceptions to three ``--quick`` repetitions, where a repetition is a set of whole
+  launches that each start model engines: ``vs_trl.py`` (its quick mode is a
+  test, ``tests/test_bench_vs_trl.py``, at about 2 minutes a repetition: three would
+  triple it) and ``throughput.py`` (7 minutes with one repetition, about 15 with three).
+  They run one repetition with ``--quick`` (``--reps`` raises it), and their quick headline
+  says so:
+  ``<median> (min <min>, max <max>, 1 rep (quick: not a measurement))``
+  (:data:`QUICK_NOTE`).
 - Benchmarks never fail on an absolute time; goals are reported next to the measurement.
 """
 
@@ -34,7 +44,33 @@ from pathlib import Path
 from typing import Any
 
 RESULTS_ROOT = Path("results")
-PACKAGES = ("asyncrl", "numpy", "pyzmq", "msgspec", "msgpack", "pyarrow", "matplotlib")
+PACKAGES = (
+    "asyncrl",
+    "numpy",
+    "pyzmq",
+    "msgspec",
+    "msgpack",
+    "pyarrow",
+    "matplotlib",
+    # The model stack: a learner or engine figure moves with these. One not installed is
+    # recorded as null.
+    "torch",
+    "transformers",
+    "vllm",
+    "trl",
+    "peft",
+)
+QUICK_NOTE = "quick: not a measurement"
+
+
+def _affinity() -> list[int] | None:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
+# The cores this process was given, taken when a benchmark imports this module: before it
+# pins itself (bench_learner narrows its affinity per case), so that the record says what
+# the machine offered as well as what the measurement used.
+AFFINITY_AT_START = _affinity()
 
 
 def parse_args(
@@ -58,10 +94,18 @@ def parse_args(
 
 
 def hardware() -> dict[str, Any]:
-    """CPU model and core counts, memory, OS and Python: enough to compare runs."""
+    """CPU model and core counts, memory, OS and Python: enough to compare runs.
+
+    ``cpus_usable`` is the cores the process could use when it started
+    (:data:`AFFINITY_AT_START`), ``cpus_pinned`` those it is pinned to now, when the results
+    are written (fewer where the benchmark pinned itself for its measurement)."""
+    now = _affinity()
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
-        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "cpus_usable": len(AFFINITY_AT_START) if AFFINITY_AT_START is not None else None,
+        "cpus_pinned": len(now) if now is not None else None,
+        "affinity_at_start": AFFINITY_AT_START,
+        "affinity_pinned": now,
         "machine": platform.machine(),
         "system": f"{platform.system()} {platform.release()}",
         "python": sys.version.split()[0],
@@ -198,16 +242,33 @@ def interleaved_ratio(
     for i in range(reps):
         for side in ("real", "baseline") if i % 2 == 0 else ("baseline", "real"):
             value = float(sides[side]())
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(
-                    f"{side} measurement {value!r} of repetition {i} is not a positive rate; "
-                    "return items per second (1 / seconds for a time)"
-                )
+            _check_rate(side, i, value)
             got[side].append(value)
-    ratios = [r / b for r, b in zip(got["real"], got["baseline"], strict=True)]
+    return paired_ratio(got["real"], got["baseline"])
+
+
+def _check_rate(side: str, rep: int, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"{side} measurement {value!r} of repetition {rep} is not a positive rate; "
+            "return items per second (1 / seconds for a time)"
+        )
+
+
+def paired_ratio(real: Sequence[float], baseline: Sequence[float]) -> RatioStats:
+    """The :class:`RatioStats` of measurements already taken, ``real[i]`` and
+    ``baseline[i]`` in the same repetition (rates, as :func:`interleaved_ratio` takes):
+    for sides run by the benchmark itself, such as whole launches in a round-robin.
+    ValueError on unequal lengths, no repetition, or a value that is not a positive rate."""
+    if len(real) != len(baseline) or not real:
+        raise ValueError(f"need paired repetitions, got {len(real)} and {len(baseline)}")
+    for side, values in (("real", real), ("baseline", baseline)):
+        for i, value in enumerate(values):
+            _check_rate(side, i, float(value))
+    ratios = [r / b for r, b in zip(real, baseline, strict=True)]
     return RatioStats(
-        real=got["real"],
-        baseline=got["baseline"],
+        real=[float(r) for r in real],
+        baseline=[float(b) for b in baseline],
         ratios=ratios,
         median=statistics.median(ratios),
         min=min(ratios),
@@ -215,20 +276,29 @@ def interleaved_ratio(
     )
 
 
-def format_ratio(stats: RatioStats) -> str:
-    """``"<median> (min <min>, max <max>, <n> reps)"``, two decimals each."""
+def format_ratio(stats: RatioStats, note: str | None = None) -> str:
+    """``"<median> (min <min>, max <max>, <n> reps)"``, two decimals each; ``note`` follows
+    the count in parentheses (``1 rep (quick: not a measurement)``)."""
     reps = f"{stats.reps} rep{'' if stats.reps == 1 else 's'}"
+    if note:
+        reps += f" ({note})"
     return f"{stats.median:.2f} (min {stats.min:.2f}, max {stats.max:.2f}, {reps})"
 
 
-def headline(what: str, ratio: float | RatioStats) -> None:
+def quick_note(quick: bool, reps: int) -> str | None:
+    """:data:`QUICK_NOTE` for a quick run of fewer than three repetitions (the exceptions
+    in the module docstring), else None."""
+    return QUICK_NOTE if quick and reps < 3 else None
+
+
+def headline(what: str, ratio: float | RatioStats, note: str | None = None) -> None:
     """Print the headline ratio; call it last.
 
-    A :class:`RatioStats` prints as :func:`format_ratio` (median and spread); a bare float
-    (a single figure, such as a simulation's deterministic output) prints with three
-    decimals.
+    A :class:`RatioStats` prints as :func:`format_ratio` (median and spread, ``note`` after
+    the count); a bare float (a single figure, such as a simulation's deterministic output)
+    prints with three decimals.
     """
-    text = format_ratio(ratio) if isinstance(ratio, RatioStats) else f"{ratio:.3f}"
+    text = format_ratio(ratio, note) if isinstance(ratio, RatioStats) else f"{ratio:.3f}"
     print(f"{what}: {text}", flush=True)
 
 

@@ -5,13 +5,17 @@ and on, interleaved and repeated on this machine.
 
 Per run: trained samples/s, the learner's batch wait (mean ``timing/wait_batch_s`` over
 the steps after the warm-up, and the waiting share of that window: the first step's wait
-is the engines' start-up, 16-20 s on the demo, which swamps a steady step's 0.07 s), groups trained with zero variance (``batch/
-zero_variance_groups``), the share of groups filtered and prompts dealt per trained group,
-and the validation curve. Each arm's figures are summarised as median, min and max over
-its repetitions; the on/off ratios (trained samples/s, batch wait per step) are paired by
-repetition, as ``interleaved_ratio`` pairs them. Results in ``results/filter_groups/``
-(JSON, a plot of every run's validation curve against trained samples and seconds); the
-last line is on/off in trained samples/s. ``--quick``: one repetition of 15 steps.
+is the engines' start-up, 16-20 s on the demo, which swamps a steady step's 0.07 s), the
+learner's update per step (mean ``timing/update_s`` over the same steps: a filter that
+trains other groups may change it, and a longer update hides more of the wait), groups
+trained with zero variance (``batch/zero_variance_groups``), the share of groups filtered
+and prompts dealt per trained group, and the validation curve. Each arm's figures are
+summarised as median, min and max over its repetitions; the on/off ratios (trained
+samples/s, batch wait and update per step) are paired by repetition, as
+``interleaved_ratio`` pairs them. Results in ``results/filter_groups/`` (JSON, a plot of
+every run's validation curve against trained samples and seconds); the last line is on/off
+in trained samples/s. ``--quick``: three repetitions of 15 steps (``--reps`` as in a full
+run).
 """
 
 from __future__ import annotations
@@ -76,13 +80,14 @@ def figures(run: Path) -> dict[str, Any]:
     stats = run_stats(run)
     last = records[-1]
     mean = lambda key: statistics.fmean(r.get(key, 0.0) for r in steps)  # noqa: E731
+    steady = steps[WARMUP_STEPS:]
     return {
         "samples_per_s": stats["samples_per_s"],
         "learner_wait_frac": stats["learner_wait_frac"],
         # Steady steps only, as the rates (run_stats): step 1 waits for the engines.
-        "wait_batch_s_mean": statistics.fmean(
-            r["timing/wait_batch_s"] for r in steps[WARMUP_STEPS:]
-        ),
+        "wait_batch_s_mean": statistics.fmean(r["timing/wait_batch_s"] for r in steady),
+        # Over the same steps as the wait, so that the two add up to a steady step.
+        "update_s_mean": statistics.fmean(r["timing/update_s"] for r in steady),
         "zero_variance_groups_per_step": mean("batch/zero_variance_groups"),
         "filtered_frac_mean": mean("filter/filtered_frac"),
         "prompts_per_trained_group_mean": mean("filter/prompts_per_trained_group"),
@@ -118,6 +123,13 @@ def _plot(runs: dict[str, list[dict]]):
     return draw
 
 
+def paired(on: list[dict[str, Any]], off: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """On/off ratios of one figure, repetition ``i`` of one arm against repetition ``i``
+    of the other (run back to back), with their median, min and max."""
+    ratios = [a[key] / b[key] for a, b in zip(on, off, strict=True)]
+    return {"ratios": ratios, **spread(ratios)}
+
+
 def summary(reps: list[dict[str, Any]]) -> dict[str, Any]:
     """Median, min and max over one arm's repetitions of each scalar figure."""
     return {
@@ -131,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     args = parse_args(NAME, (__doc__ or "").split("\n")[0], argv, _extra)
     steps = args.steps or (15 if args.quick else 120)
-    reps = check_reps(1 if args.quick else args.reps)
+    reps = check_reps(args.reps)
     ensure_demo()
     common = [f"trainer.total_training_steps={steps}", "trainer.save_freq=-1"]
     on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=4"]
@@ -147,17 +159,16 @@ def main(argv: list[str] | None = None) -> None:
         return res["samples_per_s"]
 
     stats = interleaved_ratio(lambda: arm("filter_on", on), lambda: arm("filter_off", []), reps)
-    # the learner's batch wait, paired by repetition as the throughput ratio is
-    waits = [
-        a["wait_batch_s_mean"] / b["wait_batch_s_mean"]
-        for a, b in zip(runs["filter_on"], runs["filter_off"], strict=True)
-    ]
+    # the learner's batch wait and update, paired by repetition as the throughput ratio is
+    waits = paired(runs["filter_on"], runs["filter_off"], "wait_batch_s_mean")
+    updates = paired(runs["filter_on"], runs["filter_off"], "update_s_mean")
     json_path, png = write_results(
         NAME,
         args.out,
         figures={
             "samples_per_s_ratio": stats.to_json(),
-            "wait_batch_ratio": {"ratios": waits, "median": statistics.median(waits)},
+            "wait_batch_ratio": waits,
+            "update_ratio": updates,
             **{name: summary(r) for name, r in runs.items()},
             "runs": runs,
         },
@@ -166,11 +177,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     print(f"results: {json_path}, {png}")
     for name, r in runs.items():
-        w = summary(r)["wait_batch_s_mean"]
+        for label, key in (("batch wait", "wait_batch_s_mean"), ("update", "update_s_mean")):
+            w = summary(r)[key]
+            print(
+                f"{name}: {label} per step {w['median']:.3f} s "
+                f"(min {w['min']:.3f}, max {w['max']:.3f})"
+            )
+    for label, got in (("batch wait", waits), ("update", updates)):
         print(
-            f"{name}: batch wait per step {w['median']:.3f} s (min {w['min']:.3f}, max {w['max']:.3f})"
+            f"filter_groups on/off {label} per step: "
+            + ", ".join(f"{w:.2f}" for w in got["ratios"])
         )
-    print("filter_groups on/off batch wait per step: " + ", ".join(f"{w:.2f}" for w in waits))
     headline("filter_groups on/off trained samples per s", stats)
 
 

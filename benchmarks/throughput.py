@@ -1,6 +1,7 @@
 """Throughput of the real pipeline: synchronous against asynchronous, in one run.
 
-``python benchmarks/throughput.py CONFIG [--quick] [--models tiny,small] [--lags 0,1,2,4]``
+``python benchmarks/throughput.py CONFIG [--quick] [--models tiny,small] [--lags 0,1,2,4]
+[--reps 3]``
 
 For each model it
 
@@ -12,29 +13,49 @@ For each model it
    core 0 and both rollout servers on core 1 (``split``, the layout the scheduler model
    knows). The synchronous baseline also runs with every role on both cores (``shared``: its phases
    alternate, so each can use both), and the better of the two is its figure; the largest
-   lag gets the shared layout too;
+   lag gets the shared layout too. The modes run round-robin, ``--reps`` times (default 3),
+   in the listed order on even repetitions and reversed on odd ones (A, B, B, A), so that
+   drift in the machine's load falls on every mode alike;
 3. predicts each mode with the scheduler model (``benchmarks/sim_model.py``), calibrated
    only on the phases measured alone, and reports the prediction's error.
 
-Per mode: samples/s, generated and trained tokens/s, learner wait fraction, rollout wait
-fraction, sync seconds per version, time to a target validation score (``tiny``: the
-demo's warm-started model) and the ratio to the synchronous mode. Results in
-``results/throughput/`` (JSON, PNG, each run's directory); the last line is the ratio of
-the best asynchronous mode to the synchronous one on the first model.
+Per mode, the median over repetitions of: samples/s, generated and trained tokens/s,
+learner wait fraction, rollout wait fraction, sync seconds per version, time to a target
+validation score (``tiny``: the demo's warm-started model); and the ratio to the
+synchronous mode, taken per repetition against that repetition's better synchronous run
+(``lag0`` or ``lag0-shared``), as median with min and max. Results in
+``results/throughput/`` (JSON with every repetition, PNG, each run's directory); the last
+line is the ratio of the best asynchronous mode (by median) to the synchronous one on the
+first model. ``--quick`` runs one repetition unless ``--reps`` says otherwise: it takes
+about 7 minutes so, mostly two launches with their engine start-ups and validation rounds,
+and three repetitions would take about 15 (``benchmarks/common.py`` lists the exceptions);
+its headline says it is not a measurement.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import headline, parse_args, write_results  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    RatioStats,
+    check_reps,
+    format_ratio,
+    headline,
+    paired_ratio,
+    parse_args,
+    quick_note,
+    write_results,
+)
 from benchmarks.pipeline_stats import calibrate, predict, run_stats  # noqa: E402
 
 NAME = "throughput"
@@ -56,6 +77,9 @@ def _extra(p) -> None:
     p.add_argument("--models", default=None, help="comma-separated: tiny,small")
     p.add_argument("--lags", default=None, help="max_policy_lag sweep (default 0,1,2,4)")
     p.add_argument("--steps", type=int, default=None, help="learner steps per run")
+    p.add_argument(
+        "--reps", type=int, default=None, help="round-robin repetitions (odd; 3, quick 1)"
+    )
 
 
 def _ensure_model(name: str) -> str:
@@ -139,9 +163,55 @@ def run_pipeline(config: str, overrides: list[str], out_dir: Path) -> dict:
     return stats
 
 
-def sweep(config: str, model: str, lags: list[int], steps: int, quick: bool, out: Path) -> dict:
-    """Phases alone, then the pipeline at every lag (lag 0 also with shared cores), then the
-    model's predictions; one dict per mode."""
+def round_robin(names: list[str], rep: int) -> list[str]:
+    """The order of repetition ``rep``: as listed on even repetitions, reversed on odd ones
+    (A, B, B, A, ...), so that each mode runs as often early as late in the sweep."""
+    return list(names) if rep % 2 == 0 else list(reversed(names))
+
+
+def _median(values: list[float]) -> float:
+    """The median of the finite values; NaN if none (a run that never reached the target)."""
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else math.nan
+
+
+def summarise(per_rep: list[dict[str, dict]]) -> dict[str, dict]:
+    """Each mode over repetitions: the median of each figure, every repetition (``reps``),
+    and its samples/s ratio to the synchronous mode taken per repetition, against that
+    repetition's better synchronous run (``lag0*``): ``ratio_to_sync`` (the median) and
+    ``ratio_to_sync_stats`` (:meth:`RatioStats.to_json`)."""
+    names = list(per_rep[0])
+    sync_names = [n for n in names if n.startswith("lag0")]
+    if not sync_names:
+        raise ValueError(f"no synchronous (lag0) mode among {names}")
+    best_sync = [max(rep[n]["samples_per_s"] for n in sync_names) for rep in per_rep]
+    modes: dict[str, dict] = {}
+    for name in names:
+        reps = [rep[name] for rep in per_rep]
+        figures: dict[str, Any] = {
+            key: _median([float(r[key]) for r in reps])
+            for key, value in reps[0].items()
+            if isinstance(value, (int, float)) and not isinstance(value, bool)
+        }
+        stats = paired_ratio([r["samples_per_s"] for r in reps], best_sync)
+        figures["ratio_to_sync"] = stats.median
+        figures["ratio_to_sync_stats"] = stats.to_json()
+        figures["reps"] = reps
+        modes[name] = figures
+    return modes
+
+
+def ratio_stats(mode: dict) -> RatioStats:
+    """The :class:`RatioStats` of a mode that :func:`summarise` returned."""
+    got = mode["ratio_to_sync_stats"]
+    return paired_ratio(got["real"], got["baseline"])
+
+
+def sweep(
+    config: str, model: str, lags: list[int], steps: int, quick: bool, out: Path, reps: int
+) -> dict:
+    """Phases alone, then the pipeline at every lag (lag 0 also with shared cores),
+    round-robin over ``reps`` repetitions, then the model's predictions; one dict per mode."""
     from asyncrl.config import load_config
 
     path = _ensure_model(model)
@@ -158,30 +228,37 @@ def sweep(config: str, model: str, lags: list[int], steps: int, quick: bool, out
     cfg = load_config(config, base)
     phases = measure_phases(config, base, quick)
     params = calibrate(cfg, phases, servers_per_core=cfg.rollout.num_servers)
-    modes: dict[str, dict] = {}
     # Shared cores suit the synchronous baseline (its phases alternate); the best async lag
     # gets them too, so that neither side is handicapped by the pinning.
     shared = [] if quick else [(0, "shared"), (max(lags), "shared")]
-    layouts = [(lag, "split") for lag in lags] + shared
-    for lag, layout in layouts:
-        name = f"lag{lag}" + ("-shared" if layout == "shared" else "")
-        extra = [f"staleness.max_policy_lag={lag}"] + ([SHARED] if layout == "shared" else [SPLIT])
-        log.info("%s: pipeline run %s", model, name)
-        stats = run_pipeline(config, base + extra, out / "runs" / model / name)
+    layouts = {
+        f"lag{lag}" + ("-shared" if layout == "shared" else ""): (lag, layout)
+        for lag, layout in [(lag, "split") for lag in lags] + shared
+    }
+    per_rep: list[dict[str, dict]] = []
+    for rep in range(reps):
+        got: dict[str, dict] = {}
+        for name in round_robin(list(layouts), rep):
+            lag, layout = layouts[name]
+            extra = [f"staleness.max_policy_lag={lag}"]
+            extra.append(SHARED if layout == "shared" else SPLIT)
+            log.info("%s: pipeline run %s, repetition %d", model, name, rep)
+            got[name] = run_pipeline(config, base + extra, out / "runs" / model / name / f"{rep}")
+            log.info("%s %s rep %d: %s", model, name, rep, got[name])
+        per_rep.append({name: got[name] for name in layouts})  # listed order, not run order
+    modes = summarise(per_rep)
+    for name, (lag, layout) in layouts.items():
         if layout == "split":  # the model knows the split layout only
+            stats = modes[name]
             stats["predicted"] = predict(params, lag, steps)
             real, sim = stats["samples_per_s"], stats["predicted"]["samples_per_s"]
             stats["prediction_error"] = (sim - real) / real
-        modes[name] = stats
-        log.info("%s %s: %s", model, name, {k: v for k, v in stats.items() if k != "predicted"})
     sync_names = [n for n in modes if n.startswith("lag0")]
-    best_sync = max(sync_names, key=lambda n: modes[n]["samples_per_s"])
-    for stats in modes.values():
-        stats["ratio_to_sync"] = stats["samples_per_s"] / modes[best_sync]["samples_per_s"]
     return {
         "phases": phases,
         "modes": modes,
-        "best_sync": best_sync,
+        "reps": reps,
+        "best_sync": max(sync_names, key=lambda n: modes[n]["samples_per_s"]),
         "calibration": {k: v for k, v in vars(params).items() if k != "lengths"},
     }
 
@@ -210,6 +287,9 @@ def table(model: str, result: dict) -> str:
             v = stats.get(key)
             cells.append(f"{'-' if v is None or v != v else fmt.format(v):>14}")
         lines.append(f"{name:<14}" + "".join(cells))
+    for name, stats in result["modes"].items():
+        spread_of = format_ratio(ratio_stats(stats))
+        lines.append(f"{name}/sync samples per s (per repetition): {spread_of}")
     ph = result["phases"]
     for label, gen_key, train_key in (
         ("1 core", "generate@1", "train@0"),
@@ -252,13 +332,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    args = parse_args(NAME, __doc__.split("\n")[0], argv, _extra)
+    args = parse_args(NAME, (__doc__ or "").split("\n")[0], argv, _extra)
     models = (args.models or ("tiny" if args.quick else "tiny,small")).split(",")
     lags = [int(x) for x in (args.lags or ("0,2" if args.quick else "0,1,2,4")).split(",")]
+    # Quick: one repetition, the documented exception (module docstring).
+    reps = check_reps(args.reps if args.reps is not None else (1 if args.quick else 3))
     results = {}
     for model in models:
         steps = args.steps or (12 if args.quick else (50 if model == "tiny" else 12))
-        results[model] = sweep(args.config, model, lags, steps, args.quick, args.out)
+        results[model] = sweep(args.config, model, lags, steps, args.quick, args.out, reps)
         args.out.mkdir(parents=True, exist_ok=True)  # kept if a later model fails
         (args.out / f"partial_{model}.json").write_text(json.dumps(results[model], indent=1))
         print(table(model, results[model]), flush=True)
@@ -267,14 +349,24 @@ def main(argv: list[str] | None = None) -> None:
         args.out,
         figures=results,
         plot=_plot(results),
-        config={"config": args.config, "models": models, "lags": lags, "quick": args.quick},
+        config={
+            "config": args.config,
+            "models": models,
+            "lags": lags,
+            "quick": args.quick,
+            "reps": reps,
+        },
     )
     print(f"results: {json_path}, {png}")
     first = results[models[0]]["modes"]
     best = max(
-        (n for n in first if not n.startswith("lag0")), key=lambda n: first[n]["samples_per_s"]
+        (n for n in first if not n.startswith("lag0")), key=lambda n: first[n]["ratio_to_sync"]
     )
-    headline(f"throughput {models[0]} {best}/sync samples per s", first[best]["ratio_to_sync"])
+    headline(
+        f"throughput {models[0]} {best}/sync samples per s",
+        ratio_stats(first[best]),
+        quick_note(args.quick, reps),
+    )
 
 
 if __name__ == "__main__":

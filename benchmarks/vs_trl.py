@@ -17,7 +17,13 @@ Each repetition runs both sides of a shape back to back, alternating which goes 
 ratios are asyncrl / TRL within a repetition (this machine is shared and noisy), reported as
 median with min-max. Timed span: from the end of step 1 to the end of the last step, on
 both sides; start-up, from launch to the end of step 1, is reported beside it
-(``to_step1_s``).
+(``to_step1_s``). That span leaves out asyncrl's start-up (engines, a compiled model) and
+counts from a step 1 whose servers have already generated ahead, so an end-to-end figure
+is reported too: from the benchmark launching each side's process to its last step
+(``launch_to_end_s``, both clocks read by this script), as samples/s over every step
+(``end_to_end_samples_per_s``), its asyncrl/TRL ratio per repetition printed before the
+headline. ``--quick`` runs one repetition (its quick mode is a test; see
+``benchmarks/common.py``), and its headline says it is not a measurement.
 "Score" is the mean training reward over the last 20 steps (TRL has no validation rounds;
 asyncrl's are off here); "late mean" is the mean over the second half of the steps, a
 steadier reading of the same curve. Repetition ``i`` seeds both sides with ``i + 1`` (TRL's
@@ -43,11 +49,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import (  # noqa: E402
+    RatioStats,
     check_reps,
+    format_ratio,
     headline,
     launch_run,
+    paired_ratio,
     parse_args,
-    spread,
+    quick_note,
     write_results,
 )
 
@@ -142,6 +151,12 @@ def _span(ends: list[float], steps: int, rewards: list[float]) -> dict[str, Any]
     }
 
 
+def end_to_end(launched: float, last_end: float, steps: int) -> dict[str, float]:
+    """Launch to the last step's end, on one clock, and samples/s over every step in it."""
+    total = last_end - launched
+    return {"launch_to_end_s": total, "end_to_end_samples_per_s": steps * PROMPTS * N / total}
+
+
 def run_trl(shape: Shape, out: Path, seed: int) -> dict[str, Any]:
     cores = os.cpu_count() or 1
     cmd = [
@@ -159,6 +174,7 @@ def run_trl(shape: Shape, out: Path, seed: int) -> dict[str, Any]:
     got = json.loads(out.read_text())
     figures = _span(got["step_ends"], shape.steps, got["reward_mean"])
     figures["to_step1_s"] = got["start"] + got["step_ends"][0] - launched
+    figures.update(end_to_end(launched, got["start"] + got["step_ends"][-1], len(got["step_ends"])))
     figures["response_tokens_per_s"] = sum(got["response_tokens"][1:]) / figures["step1_to_end_s"]
     return figures
 
@@ -187,6 +203,9 @@ def run_asyncrl(shape: Shape, root: Path, name: str, seed: int) -> dict[str, Any
         overrides.append(f"staleness.max_policy_lag={shape.max_policy_lag}")
     if shape.reward_file:
         overrides.append(f"reward.custom_reward_function.path={shape.reward_file}")
+    # Read here, as the TRL side's clock is read before its process starts: both
+    # end-to-end spans then include the interpreter's start-up. Wall clock, as the metrics'.
+    launched_here = time.time()
     run = launch_run("configs/cpu_demo.yaml", overrides, root, name)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "timing/step_s" in r]
@@ -194,6 +213,7 @@ def run_asyncrl(shape: Shape, root: Path, name: str, seed: int) -> dict[str, Any
     events = [json.loads(line) for line in (run / "startup.jsonl").read_text().splitlines()]
     launched = next(e["t"] for e in events if e["event"] == "launch")
     figures["to_step1_s"] = steps[0]["time"] - launched  # both wall-clock seconds
+    figures.update(end_to_end(launched_here, steps[-1]["time"], len(steps)))
     figures["lag_max"] = max(r["lag/max"] for r in steps)  # in pushes, of what was trained
     figures["response_tokens_per_s"] = (
         sum(r["batch/response_tokens"] for r in steps[1:]) / figures["step1_to_end_s"]
@@ -201,8 +221,30 @@ def run_asyncrl(shape: Shape, root: Path, name: str, seed: int) -> dict[str, Any
     return figures
 
 
-def ratios(reps: list[dict[str, Any]], key: str) -> dict[str, float]:
-    return spread([r["asyncrl"][key] / r["trl"][key] for r in reps])
+def ratio_stats(reps: list[dict[str, Any]], key: str) -> RatioStats:
+    """asyncrl / TRL of ``key`` (a rate), paired by repetition."""
+    return paired_ratio([r["asyncrl"][key] for r in reps], [r["trl"][key] for r in reps])
+
+
+def summarise(shape: Shape, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One shape's figures from its repetitions (each ``{"seed", "trl", "asyncrl"}``)."""
+    sides = ("trl", "asyncrl")
+    return {
+        "steps": shape.steps,
+        "max_new_tokens": shape.max_new_tokens,
+        "runs": runs,
+        "samples_per_s_ratio": ratio_stats(runs, "samples_per_s").to_json(),
+        # Launch to last step: start-up and the servers' head start counted on both sides.
+        "end_to_end_samples_per_s_ratio": ratio_stats(runs, "end_to_end_samples_per_s").to_json(),
+        "score": {side: statistics.fmean(r[side]["score"] for r in runs) for side in sides},
+        "late_mean": {side: statistics.fmean(r[side]["late_mean"] for r in runs) for side in sides},
+        "to_step1_s": {
+            side: statistics.median(r[side]["to_step1_s"] for r in runs) for side in sides
+        },
+        "launch_to_end_s": {
+            side: statistics.median(r[side]["launch_to_end_s"] for r in runs) for side in sides
+        },
+    }
 
 
 def main() -> None:
@@ -223,35 +265,19 @@ def main() -> None:
             runs = []
             for rep in range(reps):
                 sides = ["trl", "asyncrl"] if rep % 2 == 0 else ["asyncrl", "trl"]
-                got: dict[str, Any] = {}
+                seed = rep + 1
+                got: dict[str, Any] = {"seed": seed}  # both sides' seed, kept with the run
                 for side in sides:
                     if side == "trl":
                         out = Path(tmp) / f"trl-{shape.name}-{rep}.json"
-                        got["trl"] = run_trl(shape, out, seed=rep + 1)
+                        got["trl"] = run_trl(shape, out, seed=seed)
                     else:
                         name = f"{shape.name}-{rep}"
-                        got["asyncrl"] = run_asyncrl(shape, Path(tmp), name, seed=rep + 1)
+                        got["asyncrl"] = run_asyncrl(shape, Path(tmp), name, seed=seed)
                     shown = {k: v for k, v in got[side].items() if k != "rewards"}
                     print(shape.name, rep, side, json.dumps(shown), flush=True)
                 runs.append(got)
-            results["shapes"][shape.name] = {
-                "steps": shape.steps,
-                "max_new_tokens": shape.max_new_tokens,
-                "runs": runs,
-                "samples_per_s_ratio": ratios(runs, "samples_per_s"),
-                "score": {
-                    side: statistics.fmean(r[side]["score"] for r in runs)
-                    for side in ("trl", "asyncrl")
-                },
-                "late_mean": {
-                    side: statistics.fmean(r[side]["late_mean"] for r in runs)
-                    for side in ("trl", "asyncrl")
-                },
-                "to_step1_s": {
-                    side: statistics.median(r[side]["to_step1_s"] for r in runs)
-                    for side in ("trl", "asyncrl")
-                },
-            }
+            results["shapes"][shape.name] = summarise(shape, runs)
     config = {"reps": reps, "prompts": PROMPTS, "n": N, "cores": os.cpu_count()}
     write_results(
         "vs_trl", args.out, figures=results, config=config, plot=lambda fig: _plot(fig, results)
@@ -265,8 +291,22 @@ def main() -> None:
             f"asyncrl {shape['late_mean']['asyncrl']:.3f}); launch to step 1 (median) TRL "
             f"{shape['to_step1_s']['trl']:.1f} s, asyncrl {shape['to_step1_s']['asyncrl']:.1f} s"
         )
-    worst = min(s["samples_per_s_ratio"]["median"] for s in results["shapes"].values())
-    headline("asyncrl / TRL samples/s, worst shape (goal >= 1.0)", worst)
+    note = quick_note(args.quick, reps)
+    for name, shape in results["shapes"].items():
+        e2e = ratio_stats(shape["runs"], "end_to_end_samples_per_s")
+        print(
+            f"{name}: asyncrl / TRL samples/s end to end (launch to last step): "
+            f"{format_ratio(e2e, note)}; launch to end (median) TRL "
+            f"{shape['launch_to_end_s']['trl']:.1f} s, asyncrl "
+            f"{shape['launch_to_end_s']['asyncrl']:.1f} s",
+            flush=True,
+        )
+    worst = min(results["shapes"].values(), key=lambda s: s["samples_per_s_ratio"]["median"])
+    headline(
+        "asyncrl / TRL samples/s, worst shape (goal >= 1.0)",
+        ratio_stats(worst["runs"], "samples_per_s"),
+        note,
+    )
 
 
 def _plot(fig: Any, results: dict[str, Any]) -> None:

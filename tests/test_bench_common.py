@@ -4,10 +4,21 @@ the median/min/max of per-repetition ratios against hand-computed values."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from benchmarks.common import RatioStats, format_ratio, headline, interleaved_ratio
+from benchmarks import common
+from benchmarks.common import (
+    RatioStats,
+    format_ratio,
+    hardware,
+    headline,
+    interleaved_ratio,
+    paired_ratio,
+    quick_note,
+    versions,
+)
 
 
 def _recorder(values: list[float], calls: list[str], side: str):
@@ -91,3 +102,46 @@ def test_format_and_headline_print_median_and_spread(capsys):
     ]
     one = format_ratio(interleaved_ratio(lambda: 1.0, lambda: 2.0, 1))
     assert one == "0.50 (min 0.50, max 0.50, 1 rep)"
+
+
+def test_paired_ratio_pairs_runs_already_taken():
+    stats = paired_ratio([10.0, 6.0, 9.0], [10.0, 12.0, 10.0])
+    assert (stats.ratios, stats.median, stats.min, stats.max) == ([1.0, 0.5, 0.9], 0.9, 0.5, 1.0)
+    with pytest.raises(ValueError, match="paired repetitions"):
+        paired_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="paired repetitions"):
+        paired_ratio([], [])
+    with pytest.raises(ValueError, match="real measurement 0.0 of repetition 1"):
+        paired_ratio([1.0, 0.0], [1.0, 1.0])
+
+
+def test_a_quick_single_repetition_says_it_is_not_a_measurement(capsys):
+    one = paired_ratio([1.5], [1.0])
+    assert quick_note(True, 1) == "quick: not a measurement"
+    assert quick_note(True, 3) is None and quick_note(False, 1) is None
+    headline("asyncrl / TRL samples/s", one, quick_note(True, 1))
+    assert capsys.readouterr().out == (
+        "asyncrl / TRL samples/s: 1.50 (min 1.50, max 1.50, 1 rep (quick: not a measurement))\n"
+    )
+
+
+def test_versions_cover_the_model_stack_and_record_a_missing_package_as_null():
+    for name in ("torch", "transformers", "vllm", "trl", "peft"):
+        assert name in common.PACKAGES
+    got = versions(("numpy", "no-such-package-asyncrl-bench"))
+    assert got["numpy"] and got["no-such-package-asyncrl-bench"] is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity here")
+def test_hardware_records_the_cores_at_start_as_well_as_the_pinned_ones():
+    start = os.sched_getaffinity(0)
+    at_import = common.AFFINITY_AT_START
+    assert at_import
+    one = {min(start)}
+    try:
+        os.sched_setaffinity(0, one)  # as bench_learner pins itself for a case
+        info = hardware()
+    finally:
+        os.sched_setaffinity(0, start)
+    assert info["cpus_usable"] == len(at_import) and info["affinity_at_start"] == at_import
+    assert info["cpus_pinned"] == 1 and info["affinity_pinned"] == sorted(one)
