@@ -5,32 +5,77 @@ its ``usage`` and ``logprobs``, and the chunks a streaming client reads. Pure.""
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.tools.hermes import parse_tool_calls
+from asyncrl.tools.hermes import CLOSE_TAG, OPEN_TAG, ToolCall, parse_block
 
 if TYPE_CHECKING:
     from rollout_servers.protocols import Tokenizer
+
+#: The name shown for a malformed block whose tool name cannot be read: no tool has it, so
+#: the agent answers the call with its error, in the call's place.
+MALFORMED_CALL = "malformed_tool_call"
+_BLOCK = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
+_NAME = re.compile(r'"name"\s*:\s*"([^"\\]+)"')  # a malformed block's readable tool name
 
 
 def assistant_reply(raw: str, tools: bool = True) -> tuple[dict[str, Any], str]:
     """The assistant message the agent is shown for the sampled text ``raw``, and the
     OpenAI finish reason: hermes ``<tool_call>`` blocks become ``tool_calls`` (``tools``
-    False, as ``tool_choice: none`` asks: the text stays the message's content)."""
-    parsed = parse_tool_calls(raw) if tools else None
-    if parsed is None or not parsed.calls:
+    False, as ``tool_choice: none`` asks: the text stays the message's content).
+
+    Every block is a call, in the order written, malformed ones too (their raw text as
+    ``arguments``, which the API lets be other than JSON): the agent answers the calls by
+    position and the model reads the answers by position, as the server's own agent loop
+    answers a malformed block with an error where it was
+    (:func:`asyncrl.tools.hermes.in_block_order`). Dropping one would put the next call's
+    answer in its place. Text with no readable call at all stays content."""
+    outside, bodies = _split_blocks(raw) if tools else ([raw], [])
+    calls = [_call(body) for body in bodies]
+    if not any(name for name, _ in calls):
         return {"role": "assistant", "content": raw}, "stop"
-    calls = [
+    shown = [
         {
             "id": f"call_{uuid.uuid4().hex[:24]}",
             "type": "function",
-            "function": {"name": c.name, "arguments": json.dumps(c.arguments)},
+            "function": {"name": name or MALFORMED_CALL, "arguments": arguments},
         }
-        for c in parsed.calls
+        for name, arguments in calls
     ]
-    return {"role": "assistant", "content": parsed.content, "tool_calls": calls}, "tool_calls"
+    # The text around the blocks, the first part (before any call) as written and what
+    # the model wrote between or after them where it said something.
+    content = outside[0] + "".join(t for t in outside[1:] if t.strip())
+    return {"role": "assistant", "content": content, "tool_calls": shown}, "tool_calls"
+
+
+def _split_blocks(raw: str) -> tuple[list[str], list[str]]:
+    """The text outside ``<tool_call>`` blocks (one part more than blocks) and the blocks'
+    insides, as :func:`asyncrl.tools.hermes.parse_tool_calls` finds them: a block left
+    open at the end (the response was cut off) is one too."""
+    outside, bodies, end = [], [], 0
+    for match in _BLOCK.finditer(raw):
+        outside.append(raw[end : match.start()])
+        bodies.append(match.group(1))
+        end = match.end()
+    if (left_open := raw.find(OPEN_TAG, end)) >= 0:
+        outside.append(raw[end:left_open])
+        bodies.append(raw[left_open + len(OPEN_TAG) :])
+        end = len(raw)
+    outside.append(raw[end:])
+    return outside, bodies
+
+
+def _call(body: str) -> tuple[str, str]:
+    """A block's tool name and ``arguments``: a well-formed call's JSON arguments, or a
+    malformed one's raw text with the name it reads as ("" when none is readable)."""
+    parsed = parse_block(body)
+    if isinstance(parsed, ToolCall):
+        return parsed.name, json.dumps(parsed.arguments)
+    named = _NAME.search(body)
+    return (named.group(1).strip() if named else ""), body.strip()
 
 
 def completion_body(

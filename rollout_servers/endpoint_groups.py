@@ -23,7 +23,9 @@ given back     its first request was refused or failed; ``POST     given back at
 A group closed with fewer rewarded members than a group-relative estimator needs for a
 baseline (2 for GRPO/RLOO/Dr. GRPO) is dropped and counted, never trained on raw rewards.
 A member refused from its first request may still post its reward: it counts toward the
-group's completion and trains nothing. The last closed groups are kept for ``GET
+group's completion and trains nothing, also when that request gave the group back (its
+members are kept for a mate's request to open it again, see
+:mod:`rollout_servers.member_rewards`). The last closed groups are kept for ``GET
 /rl/status`` (:meth:`EndpointGroups.status`). The names of groups that closed pushed,
 idle or abandoned are remembered for a while (:mod:`rollout_servers.closed_groups`): a
 request naming one is refused rather than opening a new group under that name, and a
@@ -45,6 +47,7 @@ from rollout_servers.agent import Episode, episode_samples, episode_trajectories
 from rollout_servers.closed_groups import CLOSED_IDLE_TIMES, ClosedNames
 from rollout_servers.groups import filtered_out, unknown_filter_metric
 from rollout_servers.lanes import Lanes
+from rollout_servers.member_rewards import RefusedMembers, again, reward_closed
 from rollout_servers.sessions import Group, RequestError, Session, split_key
 from rollout_servers.slot_wait import LEFT, SlotWaiter
 
@@ -92,6 +95,7 @@ class EndpointGroups:
         self.by_name: dict[str, Group] = {}
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self.closed = ClosedNames(CLOSED_IDLE_TIMES * self.idle_s)
+        self.refused = RefusedMembers(CLOSED_IDLE_TIMES * self.idle_s)
         self.on_pushed: Callable[[list[Sample], list[ScoreResult], Task], None] | None = None
         self.lanes = Lanes(scoring_threads=1)
         self._opening: dict[str, asyncio.Future[Group]] = {}
@@ -172,6 +176,9 @@ class EndpointGroups:
         self._opening[name] = future
         try:
             group = self.by_name[name] = Group(name, await self.slots.take(name, gone), self.size)
+            # Members refused before it was given back are back: counted dropped at the
+            # give-back, they are counted at this group's close instead.
+            self.metrics["rollout/openai/sessions_dropped"] -= self.refused.seed(group)
             self.metrics["rollout/openai/groups_opened"] += 1
             future.set_result(group)
             return group
@@ -214,6 +221,7 @@ class EndpointGroups:
             return
         self.metrics["rollout/openai/groups_unused"] += 1
         self.close(group, "given back: its first request was refused or failed")
+        self.refused.add(group)  # its members may still post their rewards
 
     # ----------------------------------------------------------------- rewards
     def reward(self, key: str, value: Callable[[], float]) -> dict[str, Any]:
@@ -221,15 +229,16 @@ class EndpointGroups:
         400 when it is not one). A reward is final: the same one posted again (a client
         that lost the answer) gets the first answer, another is a 409."""
         name, _ = split_key(key, self.size)
-        group = self.by_name.get(name)
+        group = self.by_name.get(name) or self.refused.get(name)  # open, or given back
         session = group.sessions.get(key) if group is not None else None
         if group is None or session is None:
-            return self._reward_closed(name, key, value)
+            return reward_closed(self.closed, name, key, value, self.metrics)
         if session.busy:
             raise RequestError(409, f"session {key!r} is sampling: reward it after")
         if session.reward is not None:
             where = f"{group.ended()} of {group.size} in group {name!r} rewarded"
-            return self._again(key, session.reward, session.reward_reply or {}, value(), where)
+            first, answer = session.reward, session.reward_reply or {}
+            return again(key, first, answer, value(), where, self.metrics)
         # A session without a turn (refused from its first request) is rewarded too: it
         # counts toward completion and, trained on nothing, in sessions_dropped at the close.
         session.reward = value()
@@ -237,31 +246,12 @@ class EndpointGroups:
         ended = group.ended()
         session.reward_reply = {"session": key, "group": name, "rewarded": ended}
         session.reward_reply |= {"size": group.size, "group_complete": ended >= group.size}
-        if ended >= group.size:
+        if ended >= group.size and group is not self.by_name.get(name):  # all refused
+            self.refused.forget(name)
+            self.closed.add(group, "every member was refused from its first request")
+        elif ended >= group.size:
             self.close(group, "every member rewarded")
         return session.reward_reply
-
-    def _reward_closed(self, name: str, key: str, value: Callable[[], float]) -> dict[str, Any]:
-        """The reward of a session no open group has: its first answer again when its
-        group closed lately with the same reward, else a 409 (closed) or a 404."""
-        closed = self.closed.get(name)
-        if closed is None:
-            raise RequestError(404, f"no open session {key!r} (closed, or never started)")
-        first = closed.rewards.get(key)
-        if first is None:
-            raise closed.refusal(name)
-        return self._again(key, *first, value(), f"group {name!r} closed ({closed.why})")
-
-    def _again(
-        self, key: str, first: float, answer: dict[str, Any], value: float, where: str
-    ) -> dict[str, Any]:
-        if value != first:
-            raise RequestError(
-                409,
-                f"session {key!r} has its reward already ({first:g}; {where}): a reward is final",
-            )
-        self.metrics["rollout/openai/retries_replayed"] += 1  # a client's retry answered again
-        return answer
 
     # ----------------------------------------------------------------- closing
     def abandon(self, name: str) -> dict[str, Any]:

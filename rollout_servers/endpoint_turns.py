@@ -12,6 +12,7 @@ Which request is served, and how it travels, is :mod:`rollout_servers.openai_api
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import TYPE_CHECKING, Any
 
 from rollout_servers.agent import turn_params
@@ -87,13 +88,20 @@ class EndpointTurns:
         session.busy = True
         running = asyncio.ensure_future(turn())
         self._running[session.key] = (fp, running)
-        try:
-            reply = await asyncio.shield(running)
-        finally:
-            session.busy = False
-            self._running.pop(session.key, None)
-        session.last = (fp, reply)
-        return reply
+        # The turn ends on its own even when the request awaiting it is cancelled (aiohttp
+        # cancels the handler of a client that left, with handler_cancellation): the session
+        # is busy until then, so a resend joins the turn instead of sampling it again.
+        running.add_done_callback(functools.partial(self._ended, session, fp))
+        return await asyncio.shield(running)
+
+    def _ended(self, session: Session, fp: str, running: asyncio.Future[dict[str, Any]]) -> None:
+        """The turn ``running`` of ``session`` (request fingerprint ``fp``) ended: its reply
+        is the one a resend marked as a retry gets."""
+        session.busy = False
+        if self._running.get(session.key, (None, None))[1] is running:
+            self._running.pop(session.key)
+        if not running.cancelled() and running.exception() is None:  # retrieved, too
+            session.last = (fp, running.result())
 
     async def chat(
         self, session: Session, messages: list[Any], body: dict[str, Any]

@@ -57,6 +57,7 @@ from rollout_servers.openai_http import (
     MAX_BODY,
     advertised_host,
     api_errors,
+    client_left,
     earlier_port,
     failed,
     read_json,
@@ -224,7 +225,9 @@ class OpenAIEndpoint:
             finally:
                 self.groups.touch(key)  # idle from the turn's end, not from its request
             if body.get("stream"):
-                return await stream_reply(request, reply, body)
+                return await stream_reply(request, reply, body, self.metrics)
+            if _left(request):  # aiohttp drops the reply quietly
+                client_left(self.metrics)
             return web.json_response(reply)
         except RequestError as e:
             self.groups.give_back_if_unused(key)

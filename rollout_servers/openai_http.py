@@ -27,19 +27,30 @@ MAX_BODY = 4 << 20
 
 
 async def stream_reply(
-    request: web.Request, reply: dict[str, Any], body: dict[str, Any]
+    request: web.Request, reply: dict[str, Any], body: dict[str, Any], metrics: Counter[str]
 ) -> web.StreamResponse:
     """``stream=true``: the finished turn as server-sent events, then ``[DONE]``."""
     options = body.get("stream_options")
     usage = isinstance(options, dict) and bool(options.get("include_usage"))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await response.prepare(request)
     chunks = text_chunks if reply["object"] == "text_completion" else completion_chunks
-    for chunk in chunks(reply, usage):
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
-    return response
+    try:
+        await response.prepare(request)
+        for chunk in chunks(reply, usage):
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+        client_left(metrics)
+    return response  # aiohttp ends it, and takes a closed connection in its stride
+
+
+def client_left(metrics: Counter[str]) -> None:
+    """The client left before its reply was written: it gave up waiting (its timeout),
+    and its resend gets the same turn (``EndpointTurns.once``). Not the server's failure:
+    counted, not a 500 with a traceback."""
+    metrics["rollout/openai/client_left"] += 1
+    log.info("OpenAI endpoint: a client left before its reply was written")
 
 
 def failed(metrics: Counter[str], e: Exception) -> web.Response:

@@ -22,7 +22,6 @@ chat template refuses) is a 400 naming the fix, never a 500 that clients would r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -176,9 +175,13 @@ def model_message(msg: Any) -> dict[str, Any]:
     for call in tool_calls_of(msg):
         fn = call["function"]
         args = fn.get("arguments", "{}")
-        with contextlib.suppress(json.JSONDecodeError):  # else written as sent
+        try:
             args = json.loads(args) if isinstance(args, str) else args
-        block = json.dumps({"name": fn.get("name", ""), "arguments": args})
+            block = json.dumps({"name": fn.get("name", ""), "arguments": args})
+        except (ValueError, RecursionError):
+            # Not JSON: a malformed block's raw text (chat_bodies.assistant_reply), written
+            # back as the model wrote it
+            block = args
         text += f"<tool_call>\n{block}\n</tool_call>"
     return {"role": "assistant", "content": text}
 

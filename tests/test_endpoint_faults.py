@@ -18,14 +18,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
+from aiohttp import web
 
 from asyncrl.config import ConfigError, load_config, run_dir
 from asyncrl.control.messages import TaskGrant
 from asyncrl.control.task_states import external_task
 from rollout_servers import endpoint_turns
 from rollout_servers.groups import SamplingSettings
-from rollout_servers.openai_api import OpenAIEndpoint
+from rollout_servers.openai_api import STOP_S, OpenAIEndpoint
 from rollout_servers.sessions import Session
 from tests.standins.chat import REPLY, CharTokenizer, ReplyEngine
 
@@ -113,12 +113,16 @@ def _serve(
     endpoint = OpenAIEndpoint(cfg, "r0", *parts)  # type: ignore[arg-type]
 
     async def main() -> None:
-        server = TestServer(endpoint.app(), host="127.0.0.1")
-        await server.start_server()
+        # Served as the endpoint serves itself (OpenAIEndpoint.start): aiohttp's test server
+        # cancels the handler of a client that left, which production never does.
+        runner = web.AppRunner(endpoint.app(), access_log=None, shutdown_timeout=STOP_S)
+        await runner.setup()
         try:
-            await scenario(Rig(endpoint, engine, str(server.make_url("")).rstrip("/")))
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+            await scenario(Rig(endpoint, engine, base))
         finally:
-            await server.close()
+            await runner.cleanup()
 
     asyncio.run(main())
 
