@@ -757,4 +757,28 @@ MUTATIONS = (
         "    allowed = causal & (see >= 0)",
         ("tests/test_shared_prefix.py",),
     ),
+    Mutation(
+        "a refused member of a group given back keeps its reward",
+        "the members of a group given back unused are forgotten (their rewards are 404s)",
+        "rollout_servers/endpoint_groups.py",
+        "        self.refused.add(group)  # its members may still post their rewards",
+        "        pass",
+        ("tests/test_endpoint_leavers.py",),
+    ),
+    Mutation(
+        "a malformed endpoint tool call keeps its place",
+        "malformed tool-call blocks are dropped from the calls the agent is shown",
+        "rollout_servers/chat_bodies.py",
+        "    calls = [_call(body) for body in bodies]",
+        "    calls = [_call(b) for b in bodies if isinstance(parse_block(b), ToolCall)]",
+        ("tests/test_endpoint_leavers.py",),
+    ),
+    Mutation(
+        "an endpoint client that left is not a 500",
+        "a client gone before its streamed reply fails the request (a 500 with a traceback)",
+        "rollout_servers/openai_http.py",
+        "    except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one",
+        "    except KeyError:",
+        ("tests/test_endpoint_leavers.py",),
+    ),
 )
