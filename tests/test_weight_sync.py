@@ -143,10 +143,9 @@ def test_a_member_that_gave_up_is_not_counted_by_one_that_comes_late():
     assert time.monotonic() - start < 2
 
 
-def test_a_member_waiting_when_another_gives_up_is_told_who_never_joined():
-    """Rank 0 gives up on rank 2; rank 1, still waiting, stops with it and names rank 2
-    alone. Rank 0 used to take its own flag back as it gave up, so that a member looking
-    just after counted rank 0 among those that never joined."""
+def _meeting_with_rank_1_waiting(timeout_s: float) -> tuple[object, threading.Thread, list[str]]:
+    """A store hosted here for a meeting of 3, and rank 1 waiting in it on a thread for up
+    to ``timeout_s``; the errors it stops with are appended to the list returned."""
     port = free_port()
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=2)
     member = open_store("127.0.0.1", port, is_host=False, timeout_s=2)
@@ -154,12 +153,20 @@ def test_a_member_waiting_when_another_gives_up_is_told_who_never_joined():
 
     def rank_1() -> None:
         try:
-            form_group(member, "g", 1, 3, timeout_s=10)
+            form_group(member, "g", 1, 3, timeout_s=timeout_s)
         except WeightSyncError as e:
             errors.append(str(e))
 
     waiting = threading.Thread(target=rank_1, daemon=True)
     waiting.start()
+    return store, waiting, errors
+
+
+def test_a_member_waiting_when_another_gives_up_is_told_who_never_joined():
+    """Rank 0 gives up on rank 2; rank 1, still waiting, stops with it and names rank 2
+    alone. Rank 0 used to take its own flag back as it gave up, so that a member looking
+    just after counted rank 0 among those that never joined."""
+    store, waiting, errors = _meeting_with_rank_1_waiting(timeout_s=10)
     start = time.monotonic()
     with pytest.raises(WeightSyncError, match=r"rank\(s\) \[2\] never joined"):
         form_group(store, "g", 0, 3, timeout_s=1)
@@ -173,19 +180,7 @@ def test_a_meeting_the_learner_abandons_stops_every_member_at_once():
     """The coordinator lost a member before the group formed: the learner gives the
     meeting up (``abandon``), and the members that came stop with it, well before their
     timeout."""
-    port = free_port()
-    store = open_store("127.0.0.1", port, is_host=True, timeout_s=2)
-    member = open_store("127.0.0.1", port, is_host=False, timeout_s=2)
-    errors: list[str] = []
-
-    def rank_1() -> None:
-        try:
-            form_group(member, "g", 1, 3, timeout_s=30)
-        except WeightSyncError as e:
-            errors.append(str(e))
-
-    waiting = threading.Thread(target=rank_1, daemon=True)
-    waiting.start()
+    store, waiting, errors = _meeting_with_rank_1_waiting(timeout_s=30)
     lost = threading.Timer(0.5, lambda: reasons.append("c was lost"))
     reasons: list[str] = []
     lost.start()
