@@ -213,7 +213,11 @@ def test_a_learner_killed_mid_push_resumes_above_the_version_the_buffer_saw() ->
     assert "liveness" not in out.invariants(), out.violations
 
 
-SLOT_SEEDS = (944, 1187, 1839, 3158)  # found by a sweep of 4000 of the simulation's draws
+# Found by a sweep of 4000 of the simulation's draws with the give-back reverted; the
+# control plane's rules shape each draw's schedule, so a change to them moves the seeds
+# (944 and 3158 until overflow drops were dealt again and lost sync members restarted a
+# round): sweep again when this test says so.
+SLOT_SEEDS = (1187, 1839, 3744)
 
 
 def test_a_slot_whose_reply_was_lost_is_given_back() -> None:
