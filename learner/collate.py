@@ -68,8 +68,9 @@ def collate(
     row_len = max(len(f) for f in full)
     # Logits at position j predict token j + 1: response token t comes from n_p - 1 + t,
     # counted from where the sequence starts in the flattened rows.
-    starts = list(accumulate((len(f) for f in full[:-1]), initial=0))
-    if not packed:
+    if packed:
+        starts = list(accumulate((len(f) for f in full[:-1]), initial=0))
+    else:
         starts = [b * row_len for b in range(len(seqs))]
     gather = [
         [s + len(r.prompt_ids) - 1 + t for t in range(len(r.response_ids))]
