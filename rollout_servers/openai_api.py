@@ -204,7 +204,7 @@ class OpenAIEndpoint:
         key = ""
         try:
             body = await read_json(request)
-            if (body.get("n") or 1) != 1:
+            if body.get("n") is not None and (body["n"] != 1 or isinstance(body["n"], bool)):
                 raise RequestError(400, "n must be 1: open one session per sample")
             if raw:
                 inputs: list[Any] = raw_prompt_ids(body, self.tok)

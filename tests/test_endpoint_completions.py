@@ -90,6 +90,7 @@ def test_a_resent_completion_gets_the_same_reply_and_a_stream_carries_it(monkeyp
     ("extra", "says"),
     [
         ({"n": 2}, "n must be 1"),
+        ({"n": 0}, "n must be 1"),
         ({"best_of": 3}, "best_of must be 1"),
         ({"echo": True}, "echo is not supported"),
         ({"suffix": "x"}, "suffix is not supported"),
