@@ -301,7 +301,7 @@ def write_models(root: Path, rank: int) -> tuple[str, str, str]:
     merged = root / "merged"
     from learner.export import export_hf
 
-    export_hf(merged, lora.merged(state, 2.0), base)
+    export_hf(merged, lora.merged(state, 2.0), base, step=0)
     return str(base), str(adapter), str(merged)
 
 

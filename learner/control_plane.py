@@ -288,10 +288,11 @@ class RankZero:
             "lag_controller": self.lag.state_dict() if self.lag is not None else None,
         }
 
-    def export(self, tensors: dict[str, Any], out: Path) -> None:
+    def export(self, tensors: dict[str, Any], out: Path, step: int) -> None:
         from learner.export import export_hf
 
-        export_hf(out, tensors, self.cfg.model.path)
+        m = self.cfg.model
+        export_hf(out, tensors, m.path, step=step, config_overrides=m.override_config)
         log.info("final policy exported to %s (HF format)", out)
 
     # ------------------------------------------------------------------ steps, the end

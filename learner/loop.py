@@ -39,13 +39,13 @@ from asyncrl.launch.restart_policy import HEALTH_STOP
 from learner import fsdp, lora
 from learner.control_peer import BatchRef, ControlPeer, NoControl
 from learner.control_plane import RankZero
+from learner.export import exported_step
 from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.metrics import reward_part_metrics
 from learner.restore import restore
 from learner.rollouts import Rollout
 
 ENDED_PROBE_S = 10.0  # how long a learner of an ended run asks for a buffer to tell
-ADAPTER_LAST = "adapter_config.json"  # the last file a peft adapter's export writes
 
 log = logging.getLogger(__name__)
 
@@ -297,15 +297,16 @@ class LearnerLoop:
         there (a run cut short in its ending); rank 0 looks, every rank gathers."""
         t = self.trainer
         final, adapter = self.run_dir / "final", self.run_dir / "final_adapter"
-        # final/ is written whole or not at all (export_hf); an adapter's config goes last.
-        if not (only_missing and _broadcast_int(int(final.is_dir()), t)):
-            self.control.export(t.export_state(), final)
+        # Each export's mark, written last, names its step: one of another step (an earlier
+        # run's, an abandoned branch's, one cut short) is not this run's and is made again.
+        if not (only_missing and _broadcast_int(int(exported_step(final) == t.step), t)):
+            self.control.export(t.export_state(), final, t.step)
         if not self.cfg.model.lora_rank:
             return
-        if not (only_missing and _broadcast_int(int((adapter / ADAPTER_LAST).is_file()), t)):
+        if not (only_missing and _broadcast_int(int(exported_step(adapter) == t.step), t)):
             state = fsdp.full_state(t.model, keep=t.rank == 0)  # a collective
             if t.rank == 0:
-                lora.export_adapter(state, self.cfg.model, adapter)
+                lora.export_adapter(state, self.cfg.model, adapter, step=t.step)
 
 
 def _buffer_answers(cfg: Config, wait_s: float) -> bool:

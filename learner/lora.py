@@ -146,8 +146,17 @@ def for_push(
     return {k: v if dtype is None else v.to(dtype) for k, v in state.items() if is_adapter_key(k)}
 
 
-def export_adapter(state: dict[str, torch.Tensor], model_cfg: Any, out: str | Path) -> Path:
+def export_adapter(
+    state: dict[str, torch.Tensor], model_cfg: Any, out: str | Path, step: int | None = None
+) -> Path:
     """Write the adapter of a gathered full ``state`` in peft's format to ``out`` (call it
-    on one rank)."""
+    on one rank); with ``step``, then the export's mark (:func:`learner.export.mark_export`),
+    taken away first so that a write cut short leaves none."""
+    from learner.export import EXPORT_MARK, mark_export
+
     m = model_cfg
-    return save_peft_adapter(out, state, rank=m.lora_rank, alpha=m.lora_alpha, base_model=m.path)
+    (Path(out) / EXPORT_MARK).unlink(missing_ok=True)
+    path = save_peft_adapter(out, state, rank=m.lora_rank, alpha=m.lora_alpha, base_model=m.path)
+    if step is not None:
+        mark_export(path, step)
+    return path

@@ -309,7 +309,7 @@ def test_export_loads_in_transformers(tiny_model, single_rank, tmp_path):
     trainer = Trainer(make_cfg(tiny_model))
     run(trainer, BATCHES[:1])
     state = trainer.full_state_for_push()
-    out = export_hf(tmp_path / "final", state, tiny_model)
+    out = export_hf(tmp_path / "final", state, tiny_model, step=1)
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     hf = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     for name, p in hf.named_parameters():

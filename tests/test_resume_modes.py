@@ -247,6 +247,7 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     ``complete.json``) gets the export and the final validation it missed."""
     from asyncrl.config.ending import COMPLETE_FILE, ended_at, mark_ended
     from learner.control_peer import NoControl
+    from learner.export import mark_export
 
     class Finished(LoadRecorder):
         step = 10
@@ -263,8 +264,10 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
             self.exported: list[Path] = []
             self.resumed: list[dict] = []
 
-        def export(self, tensors: dict, out: Path) -> None:
+        def export(self, tensors: dict, out: Path, step: int) -> None:
             self.exported.append(out)
+            out.mkdir(exist_ok=True)
+            mark_export(out, step)
 
         def resume(self, tensors: dict) -> None:
             self.resumed.append(tensors)
@@ -299,8 +302,13 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     assert control.ended == (10, False, False, True) and control.resumed == []
     # Killed between its last checkpoint and its export, the run had no final/: made now.
     assert control.exported == [run / "final"]
-    (run / "final").mkdir()
     assert start_again().exported == []
+    # A final/ of another step (the run before it was extended, a branch given up by a
+    # rewind, a new run in the same directory) or one cut short is not this ending's.
+    mark_export(run / "final", 6)
+    assert start_again().exported == [run / "final"]
+    (run / "final" / "export.json").unlink()
+    assert start_again().exported == [run / "final"]
     # Killed before its ending was recorded: the final validation runs now, on weights the
     # servers catch up to, and waits for its round; then the ending is recorded.
     (run / COMPLETE_FILE).unlink()
@@ -353,11 +361,12 @@ def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypat
     from asyncrl.config.ending import mark_ended
     from learner import loop as loop_module
     from learner.control_peer import NoControl
+    from learner.export import mark_export
 
     adapters: list[Path] = []
     monkeypatch.setattr(loop_module.fsdp, "full_state", lambda model, keep=True: {"w": 1})
     monkeypatch.setattr(
-        loop_module.lora, "export_adapter", lambda state, cfg, out: adapters.append(out)
+        loop_module.lora, "export_adapter", lambda state, cfg, out, step: adapters.append(out)
     )
 
     class Finished(LoadRecorder):
@@ -365,14 +374,17 @@ def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypat
 
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)
+    mark_export(run / "final", 10)
     mark_ended(run, 10)
     loop = _loop(run, "trainer.total_training_steps=10", "model.lora_rank=4")
     loop.trainer, loop.total, loop.control = Finished(), 10, NoControl()  # type: ignore[assignment]
     assert loop.run() == 0
     assert adapters == [run / "final_adapter"]
     (run / "final_adapter").mkdir()
-    (run / "final_adapter" / loop_module.ADAPTER_LAST).write_text("{}")
-    assert loop.run() == 0 and adapters == [run / "final_adapter"]
+    mark_export(run / "final_adapter", 9)  # an adapter of another step is made again
+    assert loop.run() == 0 and adapters == [run / "final_adapter"] * 2
+    mark_export(run / "final_adapter", 10)
+    assert loop.run() == 0 and adapters == [run / "final_adapter"] * 2
 
 
 def test_a_checkpoint_holds_its_own_steps_lag_decision(tmp_path, monkeypatch):

@@ -246,7 +246,7 @@ def vllm_rig(tiny_model, single_rank, tmp_path_factory):
 
     trainer = Trainer(make_cfg(tiny_model, ppo_mini_batch_size=4, use_kl_loss=False))
     export = tmp_path_factory.mktemp("export") / "policy"
-    export_hf(export, trainer.full_state_for_push(), tiny_model)
+    export_hf(export, trainer.full_state_for_push(), tiny_model, step=0)
     loop = LoopThread()
     engine = loop.run(RolloutEngine.start(engine_args(str(export), max_model_len=256)))
     yield trainer, loop, engine, export
