@@ -147,6 +147,11 @@ def test_references_and_values_in_the_corners(tmp_path, monkeypatch):
     own key resolves whole; oc.env defaults read as OmegaConf reads them."""
     cfg = load_config(None, ["trainer.experiment_name=0615", "trainer.project_name=12:30"])
     assert (cfg.trainer.experiment_name, cfg.trainer.project_name) == ("0615", "12:30")
+    # A number for a text key is the text typed: run 1.10 is not run 1.1 (whose folder
+    # auto would resume); a number key still reads a number.
+    for typed in ("1.10", "2.50", "100_000", "1e3"):
+        cfg = load_config(None, [f"trainer.experiment_name={typed}", "actor.optim.lr=1e-5"])
+        assert (cfg.trainer.experiment_name, cfg.actor.optim.lr) == (typed, 1e-5)
     monkeypatch.setenv("ASYNCRL_TEST_GPUS", "4")
     cfg = load_config(
         None,

@@ -14,6 +14,7 @@ import functools
 import logging
 import os
 import re
+import typing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,8 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> set[str]:
             given.difference_update({g for g in given if g == key or g.startswith(key + ".")})
             continue
         key, value = parse_override(item)
+        if _is_number(value) and _text_key(key):  # the text typed: 1.10 is not 1.1
+            value = item.split("=", 1)[1].strip()
         # A mapping merges into the group (set_dotted), so each of its leaves is what was
         # given: a leaf of the file's left beside them must not count as the command line's.
         set_here = _override_leaves(key, value)
@@ -96,6 +99,30 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> set[str]:
         set_dotted(raw, key, value)
         given.update(leaf for leaf, _ in set_here)
     return given
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _text_key(key: str) -> bool:
+    """Whether the schema types ``key`` (dotted, ours) as text, optional or not: a number
+    given for it is kept as typed (``trainer.experiment_name=1.10`` would otherwise name
+    the run ``1.1``, the folder of another run that ``auto`` would resume)."""
+    model: type[BaseModel] = Config
+    *groups, name = key.split(".")
+    for group in groups:
+        sub = model.model_fields.get(group)
+        if sub is None or not (
+            isinstance(sub.annotation, type) and issubclass(sub.annotation, BaseModel)
+        ):
+            return False
+        model = sub.annotation
+    field = model.model_fields.get(name)
+    if field is None:
+        return False
+    kinds = set(typing.get_args(field.annotation)) or {field.annotation}
+    return str in kinds and kinds <= {str, type(None)}
 
 
 def _override_leaves(key: str, value: Any) -> list[tuple[str, Any]]:
