@@ -217,3 +217,15 @@ def test_a_typo_in_verls_spelling_is_named_as_typed(tmp_path):
         "unknown key actor_rollout_ref.actor.optim.lrr; "
         "did you mean actor_rollout_ref.actor.optim.lr?"
     ]
+    # A misspelt group under veRL's prefix: named as typed (it was "unknown key
+    # actor_rollout_ref; did you mean rollout?", or in a file a top-level "acotr").
+    verl_file.write_text("actor_rollout_ref:\n  acotr:\n    optim:\n      lr: 1.0e-6\n")
+    for path, overrides in [(verl_file, []), (None, ["actor_rollout_ref.acotr.optim.lr=1"])]:
+        assert problems(path, overrides) == [
+            "unknown key actor_rollout_ref.acotr; did you mean actor_rollout_ref.actor?"
+        ]
+    assert problems(None, ["actor_rollout_ref.actor.optimm.lr=1"]) == [
+        "unknown key actor_rollout_ref.actor.optimm; did you mean actor_rollout_ref.actor.optim?"
+        " (given: actor_rollout_ref.actor.optimm.lr)"
+    ]
+    assert load_config(None, ["actor_rollout_ref.hybrid_engine=true"]) is not None

@@ -29,7 +29,7 @@ from asyncrl.config.overrides import our_dotted, parse_override
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import apply_verl_keys, default_gaps, pop_dotted, speaks_verl
-from asyncrl.config.verl_table import VERL_PREFIXES, lookup
+from asyncrl.config.verl_table import VERL_KEYS, VERL_PREFIXES, lookup
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         log.info("%s", note)
     if speaks_verl(loaded if path is not None else None, overrides):
         _warn_default_gaps(raw)
+    if problems := _unknown_verl_children(raw):
+        raise ConfigError(problems)
     try:
         return validate(raw)
     except ConfigError as e:  # an unknown key is named as the user wrote it
@@ -141,13 +143,44 @@ def _verl_spellings(loaded: dict[str, Any] | None, overrides: Iterable[str]) -> 
     return {our_dotted(k): k for k in keys if our_dotted(k) != k}
 
 
+def _unknown_verl_children(raw: dict[str, Any]) -> list[str]:
+    """One line per key of veRL's ``actor_rollout_ref`` that is none of its groups or keys
+    (those known have moved to ours by now), named as typed with the nearest veRL key:
+    ``actor_rollout_ref.acotr`` was reported as an unknown ``actor_rollout_ref``, or moved
+    to a top-level ``acotr`` the user never wrote."""
+    left = raw.get("actor_rollout_ref")
+    if not isinstance(left, dict):
+        return []
+    known = [p.split(".")[1] for p in VERL_PREFIXES if p.startswith("actor_rollout_ref.")]
+    known += [k.split(".")[1] for k in VERL_KEYS if k.startswith("actor_rollout_ref.")]
+    lines = []
+    for name in left:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+        hint = f"; did you mean actor_rollout_ref.{close[0]}?" if close else ""
+        lines.append(f"unknown key actor_rollout_ref.{name}{hint}")
+    return lines
+
+
 def _respelled(problem: str, spelled: dict[str, str]) -> str:
-    """``unknown key rollout.x; did you mean rollout.y?`` in the user's veRL spelling."""
+    """``unknown key rollout.x; did you mean rollout.y?`` in the user's veRL spelling; for
+    an unknown group, the spelling of a key given under it."""
     m = re.match(r"unknown key (\S+?); (did you mean (\S+)\?)?", problem)
-    if m is None or m.group(1) not in spelled:
+    if m is None:
         return problem
-    ours, theirs, close = m.group(1), spelled[m.group(1)], m.group(3)
+    ours = m.group(1)
+    theirs = spelled.get(ours) or next(
+        (t[: len(t) - len(o) + len(ours)] for o, t in spelled.items() if o.startswith(ours + ".")),
+        None,
+    )
+    if theirs is None:
+        return problem
+    close = m.group(3)
     out = problem.replace(f"unknown key {ours}", f"unknown key {theirs}", 1)
+    given = re.search(r"\(given: (\S+)\)", out)
+    if given and given.group(1) in spelled:
+        out = out.replace(given.group(0), f"(given: {spelled[given.group(1)]})")
     for old, new in VERL_PREFIXES.items():  # the suggestion with the user's prefix too
         if close and theirs.startswith(old) and close.startswith(new):
             return out.replace(f"did you mean {close}?", f"did you mean {old}{close[len(new) :]}?")
@@ -285,9 +318,9 @@ def _flatten_verl_groups(loaded: dict[str, Any]) -> dict[str, Any]:
     conflicts: list[str] = []
     for name, sub in _mapping(loaded.get("actor_rollout_ref"), "actor_rollout_ref").items():
         theirs = f"actor_rollout_ref.{name}"
-        if isinstance(sub, dict) or f"{theirs}." in VERL_PREFIXES:
+        if f"{theirs}." in VERL_PREFIXES:
             _merge_group(out, name, sub, theirs, conflicts)
-        else:  # hybrid_engine, nccl_timeout: veRL keys of the group itself
+        else:  # hybrid_engine, nccl_timeout (the group's own keys), or a misspelt group
             out.setdefault("actor_rollout_ref", {})[name] = sub
     if "custom_reward_function" in loaded:
         crf = _mapping(loaded["custom_reward_function"], "custom_reward_function")
