@@ -8,7 +8,6 @@ misspelt key, the nearest valid one.
 
 from __future__ import annotations
 
-import copy
 import difflib
 import functools
 import logging
@@ -29,7 +28,13 @@ from asyncrl.config.overrides import our_dotted, parse_override
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import apply_verl_keys, default_gaps, pop_dotted, speaks_verl
-from asyncrl.config.verl_table import VERL_KEYS, VERL_PREFIXES, lookup
+from asyncrl.config.verl_groups import (
+    flatten_verl_groups,
+    respelled,
+    unknown_verl_children,
+    verl_spellings,
+)
+from asyncrl.config.verl_table import lookup
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +59,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(
                 [f"{path} must hold a mapping of groups, not {type(loaded).__name__}"]
             )
-        raw = _flatten_verl_groups(loaded or {})
-    spelled = _verl_spellings(loaded, overrides)
+        raw = flatten_verl_groups(loaded or {})
+    spelled = verl_spellings(loaded, overrides)
     given = _apply_overrides(raw, overrides)
     try:
         resolve_references(raw, _defaults())
@@ -69,12 +74,12 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         log.info("%s", note)
     if speaks_verl(loaded if path is not None else None, overrides):
         _warn_default_gaps(raw)
-    if problems := _unknown_verl_children(raw):
+    if problems := unknown_verl_children(raw):
         raise ConfigError(problems)
     try:
         return validate(raw)
     except ConfigError as e:  # an unknown key is named as the user wrote it
-        raise ConfigError([_respelled(p, spelled) for p in e.problems]) from None
+        raise ConfigError([respelled(p, spelled) for p in e.problems]) from None
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> set[str]:
@@ -132,59 +137,6 @@ def _override_leaves(key: str, value: Any) -> list[tuple[str, Any]]:
     if not isinstance(value, dict) or not value:
         return [(key, value)]
     return [(".".join((key, *path)), group[name]) for group, name, path in leaves(value)]
-
-
-def _verl_spellings(loaded: dict[str, Any] | None, overrides: Iterable[str]) -> dict[str, str]:
-    """Our dotted key -> the veRL spelling the user gave it in (``actor_rollout_ref.*``,
-    ...): a typo there must be reported as typed, not as a key the user never wrote."""
-    keys = [o.strip().lstrip("~+").split("=", 1)[0] for o in overrides]
-    if isinstance(loaded, dict):
-        keys += [".".join(path) for _, _, path in leaves(loaded)]
-    return {our_dotted(k): k for k in keys if our_dotted(k) != k}
-
-
-def _unknown_verl_children(raw: dict[str, Any]) -> list[str]:
-    """One line per key of veRL's ``actor_rollout_ref`` that is none of its groups or keys
-    (those known have moved to ours by now), named as typed with the nearest veRL key:
-    ``actor_rollout_ref.acotr`` was reported as an unknown ``actor_rollout_ref``, or moved
-    to a top-level ``acotr`` the user never wrote."""
-    left = raw.get("actor_rollout_ref")
-    if not isinstance(left, dict):
-        return []
-    known = [p.split(".")[1] for p in VERL_PREFIXES if p.startswith("actor_rollout_ref.")]
-    known += [k.split(".")[1] for k in VERL_KEYS if k.startswith("actor_rollout_ref.")]
-    lines = []
-    for name in left:
-        if name in known:
-            continue
-        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
-        hint = f"; did you mean actor_rollout_ref.{close[0]}?" if close else ""
-        lines.append(f"unknown key actor_rollout_ref.{name}{hint}")
-    return lines
-
-
-def _respelled(problem: str, spelled: dict[str, str]) -> str:
-    """``unknown key rollout.x; did you mean rollout.y?`` in the user's veRL spelling; for
-    an unknown group, the spelling of a key given under it."""
-    m = re.match(r"unknown key (\S+?); (did you mean (\S+)\?)?", problem)
-    if m is None:
-        return problem
-    ours = m.group(1)
-    theirs = spelled.get(ours) or next(
-        (t[: len(t) - len(o) + len(ours)] for o, t in spelled.items() if o.startswith(ours + ".")),
-        None,
-    )
-    if theirs is None:
-        return problem
-    close = m.group(3)
-    out = problem.replace(f"unknown key {ours}", f"unknown key {theirs}", 1)
-    given = re.search(r"\(given: (\S+)\)", out)
-    if given and given.group(1) in spelled:
-        out = out.replace(given.group(0), f"(given: {spelled[given.group(1)]})")
-    for old, new in VERL_PREFIXES.items():  # the suggestion with the user's prefix too
-        if close and theirs.startswith(old) and close.startswith(new):
-            return out.replace(f"did you mean {close}?", f"did you mean {old}{close[len(new) :]}?")
-    return out
 
 
 def _warn_default_gaps(raw: dict[str, Any]) -> None:
@@ -302,104 +254,6 @@ def write_resolved(cfg: Config, directory: Path | None = None) -> Path:
     tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     tmp.replace(out)  # atomic: a role reading it never sees half a file
     return out
-
-
-def _flatten_verl_groups(loaded: dict[str, Any]) -> dict[str, Any]:
-    """Move ``actor_rollout_ref.{actor,rollout,model,ref}``, a top-level
-    ``custom_reward_function`` and veRL's overlong buffer to our groups, merged key by key
-    (as Hydra merges) into what the file gives in our spelling. One key given in both
-    spellings with two values is refused: which of the two was meant cannot be told."""
-    loaded = copy.deepcopy(loaded)  # the caller reads the file's own layout afterwards
-    out: dict[str, Any] = {}
-    for k, v in loaded.items():
-        if k not in ("actor_rollout_ref", "custom_reward_function"):
-            # A group whose keys are all commented out reads as null: it sets nothing.
-            out[k] = {} if v is None and k in Config.model_fields else v
-    conflicts: list[str] = []
-    for name, sub in _mapping(loaded.get("actor_rollout_ref"), "actor_rollout_ref").items():
-        theirs = f"actor_rollout_ref.{name}"
-        if f"{theirs}." in VERL_PREFIXES:
-            _merge_group(out, name, sub, theirs, conflicts)
-        else:  # hybrid_engine, nccl_timeout (the group's own keys), or a misspelt group
-            out.setdefault("actor_rollout_ref", {})[name] = sub
-    if "custom_reward_function" in loaded:
-        crf = _mapping(loaded["custom_reward_function"], "custom_reward_function")
-        if "overlong_buffer" in crf:  # DAPO's scripts put the overlong penalty here
-            buffer = crf.pop("overlong_buffer")
-            theirs = "custom_reward_function.overlong_buffer"
-            _merge_group(out, "reward.overlong_buffer", buffer, theirs, conflicts)
-        theirs = "custom_reward_function"
-        _merge_group(out, "reward.custom_reward_function", crf, theirs, conflicts)
-    _move_verl_overlong(out, conflicts)
-    if conflicts:
-        raise ConfigError(conflicts)
-    return out
-
-
-def _move_verl_overlong(out: dict[str, Any], conflicts: list[str]) -> None:
-    """``reward_model.overlong_buffer`` and ``reward_model.reward_kwargs.overlong_buffer_cfg``
-    (veRL's DAPO and GSPO recipes) -> ``reward.overlong_buffer``; a group this empties goes."""
-    verl_reward = out.get("reward_model")
-    if not isinstance(verl_reward, dict):
-        return
-    kwargs = verl_reward.get("reward_kwargs")
-    moved = False
-    if isinstance(kwargs, dict) and "overlong_buffer_cfg" in kwargs:
-        buffer, moved = kwargs.pop("overlong_buffer_cfg"), True
-        theirs = "reward_model.reward_kwargs.overlong_buffer_cfg"
-        _merge_group(out, "reward.overlong_buffer", buffer, theirs, conflicts)
-        if not kwargs:
-            del verl_reward["reward_kwargs"]
-    if "overlong_buffer" in verl_reward:
-        buffer, moved = verl_reward.pop("overlong_buffer"), True
-        _merge_group(
-            out, "reward.overlong_buffer", buffer, "reward_model.overlong_buffer", conflicts
-        )
-    if moved and not verl_reward:
-        del out["reward_model"]
-
-
-def _mapping(value: Any, name: str) -> dict[str, Any]:
-    """A group's keys: YAML's null (every key commented out) is none; a list or a value where
-    a group belongs is refused in one line, not a traceback from the merge."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise ConfigError([f"{name} must be a mapping of keys, not {type(value).__name__}"])
-    return value
-
-
-def _merge_group(
-    out: dict[str, Any], ours: str, src: Any, theirs: str, conflicts: list[str]
-) -> None:
-    """Merge the veRL group ``theirs`` (``src``) into our dotted group ``ours`` of ``out``,
-    creating it (or an empty one, null) where the file leaves it out."""
-    node = out
-    parts = ours.split(".")
-    for i, part in enumerate(parts):
-        node[part] = _mapping(node.get(part), ".".join(parts[: i + 1]))
-        node = node[part]
-    _merge_spellings(node, _mapping(src, theirs), ours, theirs, conflicts)
-
-
-def _merge_spellings(
-    dst: dict[str, Any], src: dict[str, Any], ours: str, theirs: str, conflicts: list[str]
-) -> None:
-    """Merge ``src`` (spelt ``theirs``) into ``dst`` (spelt ``ours``) recursively; one line in
-    ``conflicts`` per key the two give different values."""
-    group = (dict, type(None))  # null where a group is: an empty one
-    for k, v in src.items():
-        old = dst.get(k)
-        if k not in dst or old == v:
-            dst[k] = v
-        elif isinstance(old, group) and isinstance(v, group):
-            dst[k] = old if old is not None else {}
-            _merge_spellings(dst[k], v or {}, f"{ours}.{k}", f"{theirs}.{k}", conflicts)
-        else:
-            conflicts.append(
-                f"{ours}.{k}={old!r} and {theirs}.{k}={v!r} are one key in two spellings, "
-                "with different values: keep one of them"
-            )
 
 
 def _explain(err: ErrorDetails) -> str:
