@@ -6,6 +6,8 @@ generic killable pool (:mod:`asyncrl.sandbox.workers`): each worker is a ``spawn
 loads the scorer once, then answers :class:`ScoreJob` s with ``("ok", (score, parts))``,
 ``("exception", message)`` or ``("bad_return", message)``. A job that overruns
 ``timeout_s`` gets its worker killed and replaced; the caller gets score 0.0 at once.
+Scorers may be ``async def`` (run on the worker's own event loop), may start processes
+(``multiprocessing`` included: they are killed with the worker) and may fork.
 
 Code that creates a pool from a script needs the usual ``if __name__ == "__main__":`` guard,
 because ``spawn`` imports the main module in each worker.
@@ -13,7 +15,9 @@ because ``spawn`` imports the main module in each worker.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,13 +30,8 @@ from asyncrl.rewards.registry import (
     load_custom_scorer,
     normalize_score,
 )
-from asyncrl.sandbox.workers import (
-    MAX_MESSAGE_CHARS,
-    Handler,
-    Worker,
-    WorkerPool,
-    check_pool_args,
-)
+from asyncrl.sandbox.process import MAX_MESSAGE_CHARS, Handler, Worker
+from asyncrl.sandbox.workers import WorkerPool, check_pool_args
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +77,24 @@ class ScoreJob(NamedTuple):
 # ------------------------------------------------------------------------ worker process
 
 
+#: This worker's event loop for ``async def`` scorers, kept for the worker's life so that a
+#: client a scorer caches (an HTTP session to a sandbox service) stays bound to a live loop.
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def _resolve(value: Any) -> Any:
+    """``value``, or what it yields when awaited: veRL accepts ``async def compute_score``.
+
+    It runs to completion on this worker's loop, within the job's time like any scorer (the
+    pool kills a worker whose job overruns ``timeout_s``)."""
+    global _loop
+    if not inspect.isawaitable(value):
+        return value
+    if _loop is None or _loop.is_closed():
+        _loop = asyncio.new_event_loop()
+    return _loop.run_until_complete(value)
+
+
 def _run_job(scorer: ScoreFn, job: ScoreJob) -> tuple[str, Any]:
     """Score one job; a scorer that raises is reported by the pool as ``"exception"``."""
     data_source, solution_str, ground_truth, extra_info = job
@@ -87,6 +104,7 @@ def _run_job(scorer: ScoreFn, job: ScoreJob) -> tuple[str, Any]:
         ground_truth=ground_truth,
         extra_info=extra_info,
     )
+    value = _resolve(value)
     try:
         return "ok", normalize_score(value)
     except (TypeError, ValueError) as exc:
@@ -197,7 +215,8 @@ class RewardPool:
         """Score one response; returns within ``timeout_s`` once a worker is free.
 
         Raises:
-            RuntimeError: The pool is closed or can no longer start workers.
+            RuntimeError: The pool is closed (or closed while scoring: the sample has no
+                score, rather than 0.0), or can no longer start workers.
         """
         job = ScoreJob(data_source, solution_str, ground_truth, extra_info)
         status, payload = self._pool.run(job)

@@ -9,12 +9,8 @@ background; the caller gets ``("timeout", None)`` at once.
 
 The reward pool (scorers) and the tool pool (agent tools) are both thin layers on this one.
 
-Protocol (parent <-> its own child, plain picklable tuples):
-
-- child -> parent at start: ``("ready", None)`` or ``("startup_error", message)``
-- parent -> child: a job (anything picklable), or ``None`` to stop
-- child -> parent: the handler's ``(status, payload)``; ``("exception", message)`` if the
-  handler raised
+The worker processes themselves (their main loop, the protocol on their pipe, how they
+die with their parent) are :mod:`asyncrl.sandbox.process`.
 
 Code that creates a pool from a script needs the usual ``if __name__ == "__main__":`` guard,
 because ``spawn`` imports the main module in each worker.
@@ -22,36 +18,32 @@ because ``spawn`` imports the main module in each worker.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
+import multiprocessing.util
 import queue
-import signal
 import threading
-import weakref
+import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import Connection, wait
 from typing import Any, TypeVar
+
+from asyncrl.sandbox.process import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from asyncrl.sandbox.process import STOP_GRACE_S, Setup, Worker
+from asyncrl.sandbox.process import Handler as Handler  # the pools built on this one
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-#: What a worker does with one job: returns ``(status, payload)``, both picklable.
-Handler = Callable[[Any], tuple[str, Any]]
-#: Runs once in each worker and returns its handler; must be a module-level function.
-Setup = Callable[..., Handler]
 
 #: Statuses the pool itself produces, whatever the handler: the job overran its time,
 #: the worker process died under it, or the handler raised.
 POOL_STATUSES = ("timeout", "worker_died", "exception")
 
-MAX_MESSAGE_CHARS = 300  # an error message's longest form, so a huge repr cannot flood logs
 MAX_LOGGED = 20  # different failures logged in full; every one is counted
-_STOP_GRACE_S = 1.0  # how long a worker may take to exit before it is killed
 # How long a close waits for a replacement worker still starting: a stopping server must
-# end within the launcher's grace (15 s); workers are daemons, ended with their parent.
+# end within the launcher's grace (15 s); one that starts later is killed by its thread.
 CLOSE_WAIT_S = 3.0
 
 
@@ -59,11 +51,6 @@ class PoolBroken(RuntimeError):
     """A pool that lost a worker it could not replace: every call fails from then on, so
     its owner should stop and be restarted rather than fail each job (the message names
     the start-up error)."""
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``"Type: message"``, cut to :data:`MAX_MESSAGE_CHARS`; what the caller hears of a raise."""
-    return f"{type(exc).__name__}: {exc}"[:MAX_MESSAGE_CHARS]
 
 
 def check_pool_args(num_workers: int, timeout_s: float) -> None:
@@ -74,112 +61,22 @@ def check_pool_args(num_workers: int, timeout_s: float) -> None:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
 
 
-# ------------------------------------------------------------------------ worker process
-
-
-def _worker_main(conn: Connection, setup: Setup, setup_args: tuple[Any, ...]) -> None:
-    """Entry point of a worker process: run ``setup``, then serve jobs until told to stop.
-
-    Consumes jobs from its pipe; produces one answer per job. Waits on the pipe for the
-    next job; unblocked by a job, by ``None`` (stop) or by the parent going away (end of
-    file). A job that hangs is not its business: the parent kills it."""
-    # Ctrl-C reaches the whole process group; the parent decides when workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        handler = setup(*setup_args)
-    except Exception as exc:
-        conn.send(("startup_error", str(exc)))
-        return
-    conn.send(("ready", None))
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return  # the parent is gone: do not outlive it
-        if job is None:
-            return
-        try:
-            answer = handler(job)
-        except Exception as exc:
-            answer = ("exception", describe_exception(exc))
-        conn.send(answer)
-
-
-class Worker:
-    """The parent's handle on one worker process (:attr:`process`) and its pipe."""
-
-    def __init__(self, ctx: Any, setup: Setup, setup_args: tuple[Any, ...], role: str) -> None:
-        self.role = role
-        self.conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=_worker_main,
-            args=(child_conn, setup, setup_args),
-            name=f"asyncrl-{role}-worker",
-            daemon=True,  # multiprocessing terminates daemon children when the parent exits
-        )
-        self.process.start()
-        # Without closing our copy of the child's end, its death would never read as EOF.
-        child_conn.close()
-
-    def wait_ready(self, timeout_s: float, slow_start: str = "") -> None:
-        """Block until the worker's setup has run; raise ValueError if it cannot
-        (``slow_start``: what the message adds when the setup took too long, its fix)."""
-        if not self.conn.poll(timeout_s):
-            self.kill()
-            raise ValueError(f"{self.role} worker did not start within {timeout_s}s{slow_start}")
-        try:
-            status, message = self.conn.recv()
-        except (EOFError, OSError):
-            self.kill()
-            raise ValueError(
-                f"{self.role} worker exited during start (exit code {self.process.exitcode})"
-            ) from None
-        if status != "ready":
-            self.kill()
-            raise ValueError(message)
-
-    def run(self, job: Any, timeout_s: float) -> tuple[str, Any]:
-        """Send one job and wait for its answer; ``("timeout"|"worker_died", detail)`` if none,
-        ``("unsent", exit code)`` when the worker had died while idle (the job never ran)."""
-        try:
-            self.conn.send(job)
-        except (BrokenPipeError, ConnectionResetError):  # killed while idle (an OOM kill)
-            self.process.join(_STOP_GRACE_S)
-            return "unsent", self.process.exitcode
-        ready = wait([self.conn, self.process.sentinel], timeout_s)
-        if not ready:
-            return "timeout", None
-        if self.conn in ready:
-            try:
-                return self.conn.recv()
-            except (EOFError, OSError):
-                pass
-        self.process.join(_STOP_GRACE_S)
-        return "worker_died", self.process.exitcode
-
-    def kill(self) -> None:
-        """Terminate the process (SIGKILL if it lingers) and close the pipe."""
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(0.2)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(_STOP_GRACE_S)
-        self.conn.close()
-
-    def stop(self) -> None:
-        """Ask the worker to exit, and kill it if it does not do so promptly."""
-        with contextlib.suppress(OSError, ValueError):  # already gone or closed
-            self.conn.send(None)
-        self.process.join(_STOP_GRACE_S)
-        self.kill()
-
-
-def _stop_all(workers: set[Worker]) -> None:
-    """Stop every worker; shared by close() and the exit-time finalizer."""
-    for worker in list(workers):
-        worker.stop()
-    workers.clear()
+def _stop_all(workers: set[Worker], lock: threading.Lock, stopped: threading.Event) -> None:
+    """Stop every worker within one shared grace, so a close takes about
+    :data:`STOP_GRACE_S` however many are busy: ask all, wait on one deadline, kill the
+    rest. Shared by close() and the finalizer (at exit, before multiprocessing joins its
+    non-daemon children); after it, no new worker may join ``workers``."""
+    with lock:
+        stopped.set()
+        stopping = list(workers)
+        workers.clear()
+    for worker in stopping:
+        worker.request_stop()
+    deadline = time.monotonic() + STOP_GRACE_S
+    for worker in stopping:
+        worker.process.join(max(0.0, deadline - time.monotonic()))
+    for worker in stopping:
+        worker.kill()
 
 
 # --------------------------------------------------------------------------------- pool
@@ -249,7 +146,12 @@ class WorkerPool:
         # None in this queue means "the pool cannot serve": closed, or a respawn failed.
         self._idle: queue.Queue[Worker | None] = queue.Queue()
         self._workers: set[Worker] = set()
-        self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+        self._stopped = threading.Event()  # set by _stop_all: start no more workers
+        # multiprocessing's own finalizer (not weakref's): at exit it runs before
+        # multiprocessing joins non-daemon children, which would wait on idle workers.
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _stop_all, (self._workers, self._lock, self._stopped), exitpriority=10
+        )
         # Start all workers before waiting on any, so their start-up overlaps.
         started = [self._start_worker() for _ in range(num_workers)]
         try:
@@ -284,7 +186,9 @@ class WorkerPool:
             detail (``None``, the exit code, or the exception's message).
 
         Raises:
-            RuntimeError: The pool is closed.
+            RuntimeError: The pool is closed, or closed while the job ran (a job still
+                running after the close's grace is stopped; its caller should retry it
+                elsewhere, e.g. deal the task again, not score it 0).
             PoolBroken: The pool can no longer start workers.
         """
         for _ in range(self.num_workers + 1):  # every worker may have died while idle
@@ -296,8 +200,11 @@ class WorkerPool:
                 # is unknown, so replace it rather than reuse it.
                 self._replace(worker)
                 raise
-            if status == "unsent":  # the job never started: another worker takes it
+            if status in ("timeout", "worker_died", "unsent"):
                 self._replace(worker)
+                if self._closed:  # the close stopped it: not the user code's fault
+                    raise RuntimeError(f"{self.name} is closed: the job was stopped with it")
+            if status == "unsent":  # the job never started: another worker takes it
                 self._log.warning(
                     "%s: a %s worker had died while idle (exit code %s): replaced, and its "
                     "job given to another",
@@ -306,9 +213,7 @@ class WorkerPool:
                     payload,
                 )
                 continue
-            if status in ("timeout", "worker_died"):
-                self._replace(worker)
-            else:
+            if status not in ("timeout", "worker_died"):
                 self._idle.put(worker)
             return status, payload
         return "worker_died", None
@@ -356,8 +261,11 @@ class WorkerPool:
     def _start_worker(self) -> Worker:
         worker = Worker(self._ctx, self._setup, self._setup_args, self._role)
         with self._lock:
-            self._workers.add(worker)
-        return worker
+            if not self._stopped.is_set():
+                self._workers.add(worker)
+                return worker
+        worker.kill()  # the pool stopped while it started: nobody would stop it
+        raise RuntimeError(f"{self.name} is closed")
 
     def _acquire(self) -> Worker:
         if self._closed:
@@ -393,6 +301,8 @@ class WorkerPool:
             worker = self._start_worker()
             worker.wait_ready(self._startup_timeout_s, self._slow_start)
         except Exception as exc:
+            if self._stopped.is_set():  # the close ended it: nothing is broken
+                return
             self._broken = f"{self.name} could not replace a worker: {exc}"
             self._log.error(self._broken)
             self._idle.put(None)

@@ -1,0 +1,277 @@
+"""One worker process of a :class:`~asyncrl.sandbox.workers.WorkerPool`: what runs inside it
+(setup once, then one answer per job) and the parent's handle on it (:class:`Worker`: start,
+run a job within its time, kill).
+
+Protocol (parent <-> its own child, plain picklable tuples):
+
+- child -> parent at start: ``("ready", None)`` or ``("startup_error", message)``
+- parent -> child: ``(seq, job)`` (anything picklable), or ``None`` to stop
+- child -> parent: ``(seq, (status, payload))``, the handler's answer to job ``seq``;
+  ``("exception", message)`` if the handler raised (``SystemExit`` included). The parent
+  drops an answer whose ``seq`` is not the job's, so no job can take another's answer.
+
+Each worker is its own process group, so the pool's kill also ends what the user code
+started, and a signal to the caller's group (the launcher's stop) leaves the workers to
+the pool's own close. On Linux a worker dies with its parent (``PR_SET_PDEATHSIG``).
+Workers are not daemons: daemonic processes may not have children, and scorers that run
+code in a ``multiprocessing.Process`` (veRL's ``prime_code``) need them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: What a worker does with one job: returns ``(status, payload)``, both picklable.
+Handler = Callable[[Any], tuple[str, Any]]
+#: Runs once in each worker and returns its handler; must be a module-level function.
+Setup = Callable[..., Handler]
+
+MAX_MESSAGE_CHARS = 300  # an error message's longest form, so a huge repr cannot flood logs
+# How long workers may take to exit (all together, at a close) before they are killed.
+STOP_GRACE_S = 1.0
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``"Type: message"``, cut to :data:`MAX_MESSAGE_CHARS`; what the caller hears of a raise.
+
+    Never raises: an exception whose ``__str__`` raises must not end the worker."""
+    try:
+        if isinstance(exc, SystemExit):
+            text = f"SystemExit({exc.code!r}) (sys.exit() or exit() was called)"
+        else:
+            text = f"{type(exc).__name__}: {exc}"
+    except Exception:
+        text = f"{type(exc).__name__} (its message could not be read: str() raised)"
+    return text[:MAX_MESSAGE_CHARS]
+
+
+# ------------------------------------------------------------------------ worker process
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Take this worker out of the caller's process group and tie its life to the caller.
+
+    Its own group lets the pool kill whatever the user code started (``os.killpg``) and
+    keeps the launcher's stop signal, sent to the caller's group, off the workers: the
+    pool's close stops them. ``PR_SET_PDEATHSIG`` kills the worker when its parent dies,
+    even by SIGKILL and even mid-job (Linux only; elsewhere an idle worker sees EOF)."""
+    os.setpgrp()
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):  # no libc: keep the EOF rule
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl could watch it
+        os._exit(0)
+
+
+def _answer(handler: Handler, job: Any, pid: int) -> tuple[str, Any]:
+    """The handler's answer to ``job``. A process forked by user code that comes back here
+    (a child that returned or raised instead of calling ``os._exit``) exits at once: only
+    the worker itself may answer on the pipe."""
+    try:
+        answer = handler(job)
+    except BaseException as exc:  # SystemExit (sys.exit in user code) must not end the worker
+        if os.getpid() != pid:
+            code = exc.code if isinstance(exc, SystemExit) else 1
+            os._exit(code if isinstance(code, int) else int(code is not None))
+        return "exception", describe_exception(exc)
+    if os.getpid() != pid:
+        os._exit(0)
+    return answer
+
+
+def _worker_main(
+    conn: Connection, setup: Setup, setup_args: tuple[Any, ...], parent_pid: int
+) -> None:
+    """Entry point of a worker process: run ``setup``, then serve jobs until told to stop.
+
+    Consumes ``(seq, job)`` from its pipe; produces one ``(seq, answer)`` per job. Waits on
+    the pipe for the next job; unblocked by a job, by ``None`` (stop) or by the parent going
+    away (end of file, or SIGKILL from the kernel). A job that hangs is not its business:
+    the parent kills it."""
+    _die_with_parent(parent_pid)
+    # multiprocessing made the pool's "spawn" this process's default; user code gets the
+    # platform's, as in a plain process: a spawned child could not import a scorer's
+    # functions, which live in a module loaded by path.
+    mp.set_start_method(None, force=True)
+    # Ctrl-C reaches the whole process group; the parent decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        handler = setup(*setup_args)
+    except Exception as exc:
+        try:
+            message = str(exc)
+        except Exception:
+            message = describe_exception(exc)
+        conn.send(("startup_error", message))
+        return
+    conn.send(("ready", None))
+    pid = os.getpid()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone: do not outlive it
+        if message is None:
+            return
+        seq, job = message
+        answer = _answer(handler, job, pid)
+        try:
+            conn.send((seq, answer))
+        except (EOFError, OSError):
+            return
+        except Exception as exc:  # an answer that cannot be pickled
+            conn.send((seq, ("exception", f"unpicklable answer: {describe_exception(exc)}")))
+
+
+# Linux sends PR_SET_PDEATHSIG when the *thread* that started the child ends, not the
+# process: a worker started by a short-lived respawn thread would die with that thread.
+# So every worker is started by one thread that lives as long as this process.
+_spawner_lock = threading.Lock()
+_spawner: tuple[int, queue.Queue[tuple[Any, Future[None]]]] | None = None
+
+
+def _spawn_loop(jobs: queue.Queue[tuple[Any, Future[None]]]) -> None:
+    """The spawner thread: consumes processes to start, forever; waits on its queue."""
+    while True:
+        process, done = jobs.get()
+        try:
+            process.start()
+        except BaseException as exc:
+            done.set_exception(exc)
+        else:
+            done.set_result(None)
+
+
+def _start_process(process: Any) -> None:
+    """Start ``process`` from the spawner thread (created once per process); raise what
+    ``start`` raised."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():  # none yet, or we were forked
+            jobs: queue.Queue[tuple[Any, Future[None]]] = queue.Queue()
+            threading.Thread(
+                target=_spawn_loop, args=(jobs,), name="asyncrl-worker-spawner", daemon=True
+            ).start()
+            _spawner = (os.getpid(), jobs)
+        jobs = _spawner[1]
+    done: Future[None] = Future()
+    jobs.put((process, done))
+    done.result()
+
+
+def _kill_group(process: Any) -> None:
+    """SIGKILL the worker's process group: the worker and whatever its user code started."""
+    if process.pid is None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except OSError:  # no such group yet (not reached setpgrp) or no longer
+        with contextlib.suppress(OSError):
+            process.kill()
+
+
+class Worker:
+    """The parent's handle on one worker process (:attr:`process`) and its pipe."""
+
+    def __init__(self, ctx: Any, setup: Setup, setup_args: tuple[Any, ...], role: str) -> None:
+        self.role = role
+        self._send_lock = threading.Lock()  # a job and a close's stop never interleave
+        self._kill_lock = threading.Lock()  # a close and a caller may kill it at once
+        self._killed = False
+        self._seq = 0
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(
+            target=_worker_main,
+            args=(child_conn, setup, setup_args, os.getpid()),
+            name=f"asyncrl-{role}-worker",
+            daemon=False,  # see the module's docstring; the pool's finalizer stops it
+        )
+        _start_process(self.process)
+        # Without closing our copy of the child's end, its death would never read as EOF.
+        child_conn.close()
+
+    def wait_ready(self, timeout_s: float, slow_start: str = "") -> None:
+        """Block until the worker's setup has run; raise ValueError if it cannot
+        (``slow_start``: what the message adds when the setup took too long, its fix)."""
+        if not self.conn.poll(timeout_s):
+            self.kill()
+            raise ValueError(f"{self.role} worker did not start within {timeout_s}s{slow_start}")
+        try:
+            status, message = self.conn.recv()
+        except (EOFError, OSError):
+            self.kill()
+            raise ValueError(
+                f"{self.role} worker exited during start (exit code {self.process.exitcode})"
+            ) from None
+        if status != "ready":
+            self.kill()
+            raise ValueError(message)
+
+    def run(self, job: Any, timeout_s: float) -> tuple[str, Any]:
+        """Send one job and wait for its answer; ``("timeout"|"worker_died", detail)`` if none,
+        ``("unsent", exit code)`` when the worker had died while idle (the job never ran)."""
+        with self._send_lock:
+            self._seq += 1
+            seq = self._seq
+            try:
+                self.conn.send((seq, job))
+            except OSError:  # killed while idle (an OOM kill), or by a close
+                self.process.join(STOP_GRACE_S)
+                return "unsent", self.process.exitcode
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ready = wait([self.conn, self.process.sentinel], deadline - time.monotonic())
+            except (OSError, ValueError):  # the pipe was closed under us: a close killed it
+                break
+            if not ready:
+                return "timeout", None
+            if self.conn not in ready:
+                break
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                break
+            if isinstance(message, tuple) and len(message) == 2 and message[0] == seq:
+                return message[1]
+            logger.debug("%s worker: dropped an answer that is not job %d's", self.role, seq)
+        self.process.join(STOP_GRACE_S)
+        return "worker_died", self.process.exitcode
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group and close the pipe; idempotent, thread-safe."""
+        with self._kill_lock:
+            if self._killed:
+                return
+            self._killed = True
+            _kill_group(self.process)
+            self.process.join(STOP_GRACE_S)
+            self.conn.close()
+
+    def request_stop(self) -> None:
+        """Ask the worker to exit after its current job, without waiting."""
+        with self._send_lock, contextlib.suppress(OSError, ValueError):  # gone or closed
+            self.conn.send(None)
+
+    def stop(self) -> None:
+        """Ask the worker to exit, and kill it (and its group) if it does not promptly."""
+        self.request_stop()
+        self.process.join(STOP_GRACE_S)
+        self.kill()
