@@ -16,6 +16,8 @@ from pathlib import Path
 
 from asyncrl.config import Config, ConfigError, field_reference, load_config
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 log = logging.getLogger(__name__)
 
 
@@ -41,7 +43,13 @@ def role_parser(
     parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. rollout.n=8"
     )
-    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,  # logging's names, in any case (a bad one was a traceback)
+        choices=LOG_LEVELS,
+        help="logging level (default INFO)",
+    )
     if extra is not None:
         extra(parser)
     return parser

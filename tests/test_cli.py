@@ -58,6 +58,17 @@ def test_options_and_overrides_mix_in_any_order():
     ):
         args = parser.parse_intermixed_args(argv)
         assert (args.config, args.server_id, args.overrides) == ("c.yaml", "r0", ["a.b=1", "c=2"])
+    assert parser.parse_intermixed_args(["c.yaml", "--log-level", "debug"]).log_level == "DEBUG"
+
+
+def test_a_bad_log_level_is_one_line_not_a_traceback(capsys):
+    """``--log-level foo`` was a ``ValueError`` traceback from logging, after parsing."""
+    from asyncrl.cli import parse_role_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_role_args("asyncrl-buffer", "", None, ["c.yaml", "--log-level", "foo"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "invalid choice: 'FOO'" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("command", ROLES)
