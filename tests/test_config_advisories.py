@@ -95,6 +95,23 @@ def test_a_micro_batch_size_that_dynamic_batching_ignores_is_warned_about(tmp_pa
     # a role reading the launcher's resolved config.yaml (every key set) stays quiet
     cfg = load_config("configs/cpu_demo.yaml", [micro, f"trainer.default_local_dir={tmp_path}"])
     assert config_advisories(load_config(str(write_resolved(cfg)))) == []
+    # The critic's and the logprob passes' sizes inherit the actor's dynamic batching too
+    # (they went unused without a word): each is named with its own switch.
+    others = [
+        "critic.ppo_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+    ]
+    lines = config_advisories(load_config("configs/cpu_demo_ppo.yaml", others))
+    assert [line.split("=")[0] for line in lines] == [
+        "critic.ppo_micro_batch_size_per_gpu",
+        "rollout.log_prob_micro_batch_size_per_gpu",
+        "ref.log_prob_micro_batch_size_per_gpu",
+    ]
+    assert "set rollout.log_prob_use_dynamic_bsz=false" in lines[1]
+    own = [*others, "critic.use_dynamic_bsz=false", "rollout.log_prob_use_dynamic_bsz=false"]
+    own.append("ref.log_prob_use_dynamic_bsz=false")
+    assert config_advisories(load_config("configs/cpu_demo_ppo.yaml", own)) == []
 
 
 def test_merged_lora_pushes_in_16_bits_are_warned_about():

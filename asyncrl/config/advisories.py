@@ -60,18 +60,7 @@ def config_advisories(cfg: Config) -> list[str]:
             f"actor.loss_agg_mode={actor.loss_agg_mode} with algorithm.adv_estimator=dr_grpo "
             f"is unused: Dr. GRPO's loss is always {DR_GRPO_AGG}"
         )
-    if (
-        "ppo_micro_batch_size_per_gpu" in given
-        and "use_dynamic_bsz" not in given
-        and actor.use_dynamic_bsz
-    ):
-        out.append(
-            f"actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu} is "
-            "unused: actor.use_dynamic_bsz is on by default here (off in veRL), so "
-            f"micro-batches hold up to actor.ppo_max_token_len_per_gpu="
-            f"{actor.ppo_max_token_len_per_gpu} tokens; set actor.use_dynamic_bsz=false to "
-            "use the sequence count"
-        )
+    out += _unused_micro_batches(cfg)
     if cfg.model.lora_rank and cfg.sync.lora == "merged" and cfg.model.dtype != "float32":
         # The learner adds the adapter's full-precision update to the base weights; merged
         # and rounded to 16 bits, most of a small update rounds away (a review measured 42%
@@ -135,5 +124,42 @@ def _batch_advisories(cfg: Config) -> list[str]:
             f"critic.{', critic.'.join(given)} set, but algorithm.adv_estimator="
             f"{cfg.algorithm.adv_estimator} trains no critic: they are unused; set "
             "algorithm.adv_estimator=gae for PPO with a critic"
+        )
+    return out
+
+
+def _unused_micro_batches(cfg: Config) -> list[str]:
+    """veRL's micro-batch sizes in sequences, given while ``actor.use_dynamic_bsz`` is at
+    this project's default (on; off in veRL): the actor's, the critic's and the two logprob
+    passes' inherit it, so each is sized by tokens and its sequence count goes unused."""
+    actor = cfg.actor
+    if "use_dynamic_bsz" in actor.model_fields_set or not actor.use_dynamic_bsz:
+        return []
+    tokens = actor.ppo_max_token_len_per_gpu
+    passes = [
+        ("actor", actor, "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", tokens),
+        ("critic", cfg.critic, "ppo_micro_batch_size_per_gpu", "use_dynamic_bsz", tokens),
+        (
+            "rollout",
+            cfg.rollout,
+            "log_prob_micro_batch_size_per_gpu",
+            "log_prob_use_dynamic_bsz",
+            tokens,
+        ),
+        ("ref", cfg.ref, "log_prob_micro_batch_size_per_gpu", "log_prob_use_dynamic_bsz", tokens),
+    ]
+    out = []
+    for group, section, micro, flag, max_tokens in passes:
+        if micro not in section.model_fields_set or (
+            group != "actor" and getattr(section, flag) is not None
+        ):
+            continue
+        token_key = micro.replace("micro_batch_size", "max_token_len")
+        out.append(
+            f"{group}.{micro}={getattr(section, micro)} is unused: actor.use_dynamic_bsz is on "
+            f"by default here (off in veRL), so these micro-batches hold up to "
+            f"{getattr(section, token_key) or max_tokens} tokens ({group}.{token_key}); "
+            f"set {'actor.use_dynamic_bsz' if group == 'actor' else f'{group}.{flag}'}=false "
+            "to use the sequence count"
         )
     return out
