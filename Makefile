@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 EXTRA ?= cpu
 STAMP := $(VENV)/.installed-$(EXTRA)
 
-.PHONY: install test demo lora-demo ppo-demo agent-demo agent-artifacts endpoint-demo artifacts gpu-check lint format clean demo-artifacts
+.PHONY: install test demo lora-demo ppo-demo agent-demo agent-artifacts study-artifacts endpoint-demo artifacts gpu-check lint format clean demo-artifacts
 
 install: $(STAMP)
 
@@ -59,6 +59,13 @@ agent-artifacts: $(STAMP)
 		--task calculator --flatten --out artifacts/models/tiny-agent
 	test -f artifacts/data/calculator/train.parquet || $(BIN)/asyncrl-prepare data \
 		--task calculator --out artifacts/data/calculator --tokenizer artifacts/models/tiny-agent
+
+# The staleness study's task (configs/cpu_staleness_study.yaml; the study builds it too).
+study-artifacts: $(STAMP)
+	test -f artifacts/models/tiny-study/prepare_report.json || $(BIN)/asyncrl-prepare model --name tiny \
+		--flatten --sft-steps 1500 --max-operand 19 --n-val 200 --out artifacts/models/tiny-study
+	test -f artifacts/data/arithmetic19/val.parquet || $(BIN)/asyncrl-prepare data --task arithmetic \
+		--max-operand 19 --n-val 200 --out artifacts/data/arithmetic19 --tokenizer artifacts/models/tiny-study
 
 # The multi-turn demo: the tiny model learns to use a calculator tool better (add, mul).
 agent-demo: agent-artifacts

@@ -75,6 +75,13 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
         "data.train_files: ./artifacts/data/calculator/train.parquet does not exist: build it "
         "with `make agent-artifacts`",
     ]
+    # The staleness study's task too (it was told to build the plain tiny model and the
+    # demo's sums, 0..9 with 20 held out, where the study needs 0..19 and 200).
+    study = problems(
+        "model.path=artifacts/models/tiny-study",
+        "data.train_files=artifacts/data/arithmetic19/train.parquet",
+    )
+    assert all("`make study-artifacts`" in line for line in study) and len(study) == 2
     countdown = problems(f"model.path={model}", f"data.train_files={tmp_path}/countdown/t.parquet")
     assert f"--task countdown --out {tmp_path}/countdown`" in countdown[0]
     scorer = f"reward.custom_reward_function.path={tmp_path}/score.py"

@@ -68,6 +68,8 @@ MADE_BY = {
     "artifacts/models/tiny-agent": "make agent-artifacts",
     "artifacts/data/arithmetic": "make demo-artifacts",
     "artifacts/data/calculator": "make agent-artifacts",
+    "artifacts/models/tiny-study": "make study-artifacts",
+    "artifacts/data/arithmetic19": "make study-artifacts",
 }
 
 
