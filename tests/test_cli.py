@@ -108,6 +108,41 @@ def test_launch_refuses_missing_files_before_starting_any_role(tmp_path):
     assert not (tmp_path / "asyncrl").exists()
 
 
+def test_launch_refuses_what_only_its_machine_can_check(
+    tiny_model, arithmetic_data, tmp_path, capsys
+):
+    """Every role of a local launch runs here: CURVE keys missing from endpoints.keys_dir,
+    or a CUDA learner on a machine without CUDA, are refused before any role starts (each
+    role refused them itself, after the launch had started them all)."""
+    from asyncrl.launch.local import main
+
+    base = [
+        "configs/cpu_demo.yaml",
+        f"trainer.default_local_dir={tmp_path}",
+        f"model.path={tiny_model}",
+        f"data.train_files={arithmetic_data / 'train.parquet'}",
+        f"data.val_files={arithmetic_data / 'val.parquet'}",
+        *endpoint_overrides(),
+    ]
+    keys = ["endpoints.auth=curve", f"endpoints.keys_dir={tmp_path}/keys"]
+    assert main([*base, *keys]) == 2
+    assert "missing" in capsys.readouterr().err and not (tmp_path / "asyncrl").exists()
+    from asyncrl.config import load_config
+    from asyncrl.net.security import keys_problem, write_keys
+
+    endpoints = load_config(None, keys).endpoints
+    write_keys(tmp_path / "keys")  # what asyncrl-prepare keys writes will do
+    assert keys_problem(endpoints) is None
+    (tmp_path / "keys" / "buffer.key_secret").unlink()
+    assert "buffer.key_secret" in str(keys_problem(endpoints))
+    import torch
+
+    if not torch.cuda.is_available():
+        assert main([*base, "trainer.device=cuda"]) == 2
+        assert "finds no CUDA device" in capsys.readouterr().err
+        assert not (tmp_path / "asyncrl").exists()
+
+
 def test_launch_fails_fast_with_the_failing_roles_log(tmp_path):
     """A role that keeps failing at start ends the whole launch once its restarts are spent,
     with its last log lines shown; the resolved config and every role's command line are in

@@ -46,12 +46,13 @@ from asyncrl.config.inputs import (
     short_data_line,
     total_training_steps,
 )
-from asyncrl.config.machine import gpu_sharing_problem
+from asyncrl.config.machine import device_problem, gpu_sharing_problem
 from asyncrl.config.resumed import launch_line
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import claim, hold_run_dir
 from asyncrl.launch.roles import commands_text, drive, plan_roles
 from asyncrl.launch.supervise import RestartPolicy, Supervisor
+from asyncrl.net.security import keys_problem
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -90,8 +91,10 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.launch.ray_main import main_ray
 
         return main_ray(cfg)
-    if (shared := gpu_sharing_problem(cfg)) is not None:  # Ray places GPUs itself
-        sys.stderr.write(f"asyncrl-launch: {shared}\n")
+    # What only this machine can answer (Ray's nodes check their own): every role runs here.
+    here = [gpu_sharing_problem(cfg), device_problem(cfg), keys_problem(cfg.endpoints)]
+    if problems := [p for p in here if p is not None]:
+        sys.stderr.write(f"asyncrl-launch: {ConfigError(problems)}\n")
         return 2
     if cfg.launch.ray.learner_nodes > 1:
         sys.stderr.write(

@@ -125,6 +125,19 @@ class Keys:
         return cls(server_public, server_secret, client_public, client_secret, allowed)
 
 
+def keys_problem(endpoints: EndpointsConfig, roles: tuple[str, ...] = KEY_ROLES) -> str | None:
+    """Why ``roles`` could not all start from ``endpoints.keys_dir`` here (a launch on one
+    machine runs them all), in one line; None without CURVE or with every key there."""
+    if endpoints.auth != "curve" or endpoints.keys_dir is None:
+        return None
+    for role in roles:
+        try:
+            Keys.load(endpoints.keys_dir, role)
+        except FileNotFoundError as e:
+            return str(e)
+    return None
+
+
 @dataclass
 class _Settings:
     keys: Keys | None = None  # None: plain TCP
