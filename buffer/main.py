@@ -11,7 +11,7 @@ import signal
 
 from asyncrl.cli import parse_role_args
 
-GROUPS = ("data", "staleness", "buffer", "endpoints", "trainer")
+GROUPS = ("data", "staleness", "buffer", "control", "endpoints", "trainer")  # what it reads
 
 
 def main(argv: list[str] | None = None) -> int:

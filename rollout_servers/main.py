@@ -37,7 +37,21 @@ if TYPE_CHECKING:
     from asyncrl.rewards import RewardPool
     from rollout_servers.engine import RolloutEngine
 
-GROUPS = ("model", "data", "rollout", "reward", "control", "sync", "endpoints", "trainer")
+# The groups whose keys a server reads (its --help lists them): algorithm and staleness it
+# must share with the learner, buffer.max_message_mb bounds its pushes.
+GROUPS = (
+    "model",
+    "data",
+    "rollout",
+    "reward",
+    "algorithm",
+    "staleness",
+    "buffer",
+    "control",
+    "sync",
+    "endpoints",
+    "trainer",
+)
 STOP_LINGER_S = 2.0  # how long pushed groups may take to leave once the server stops
 
 log = logging.getLogger("rollout_servers")

@@ -45,6 +45,11 @@ def test_a_command_line_of_overrides_alone_needs_no_config_file():
 def test_help_lists_config_keys(command):
     out = subprocess.run([str(BIN / command), "--help"], capture_output=True, text=True).stdout
     assert "endpoints.host" in out  # every role talks to the others
+    if command == "asyncrl-rollout":  # keys a server must share with the learner
+        assert "staleness.max_policy_lag" in out and "algorithm.adv_estimator" in out
+        assert "buffer.max_message_mb" in out
+    if command == "asyncrl-buffer":
+        assert "control.max_message_mb" in out
     assert "override any as group.key=value" in out
 
 
