@@ -429,3 +429,13 @@ def test_reward_kwargs_reach_the_scoring_function(tmp_path):
         assert pool.score("any", "8", "8").score == 0.5
     with RewardPool(num_workers=1, custom_path=custom.path) as pool:
         assert pool.score("any", "8", "8").score == 1.0
+    # Without a custom scorer they are unused, as in veRL, and said so (every sample of the
+    # built-in scorers raised on the unexpected keyword, and scored 0).
+    from asyncrl.config.advisories import config_advisories
+
+    cfg = load_config("configs/cpu_demo.yaml", ["custom_reward_function.reward_kwargs.scale=0.5"])
+    [line] = config_advisories(cfg)
+    assert "reward_kwargs={'scale': 0.5} is unused" in line
+    with RewardPool(num_workers=1, custom_kwargs={"scale": 0.5}) as pool:
+        result = pool.score("arithmetic", "8", "8")
+        assert (result.score, result.error) == (1.0, None)

@@ -61,6 +61,13 @@ def config_advisories(cfg: Config) -> list[str]:
             f"is unused: Dr. GRPO's loss is always {DR_GRPO_AGG}"
         )
     out += _unused_micro_batches(cfg)
+    crf = cfg.reward.custom_reward_function
+    if crf.reward_kwargs and not crf.path:
+        out.append(
+            f"reward.custom_reward_function.reward_kwargs={crf.reward_kwargs} is unused: "
+            "they are given to a custom scorer (as in veRL), and custom_reward_function.path "
+            "is unset; set it to the file of the function that takes them"
+        )
     if cfg.model.lora_rank and cfg.sync.lora == "merged" and cfg.model.dtype != "float32":
         # The learner adds the adapter's full-precision update to the base weights; merged
         # and rounded to 16 bits, most of a small update rounds away (a review measured 42%

@@ -116,10 +116,9 @@ def _load_scorer(
 ) -> Handler:
     """Worker setup: load the scorer once (with ``kwargs`` bound, veRL's
     ``custom_reward_function.reward_kwargs``); the returned handler scores jobs with it."""
-    if custom_path:
-        scorer = load_custom_scorer(custom_path, custom_name, kwargs)
-    else:
-        scorer = default_compute_score
+    if not custom_path:  # veRL binds reward_kwargs to a custom scorer only
+        return functools.partial(_run_job, default_compute_score)
+    scorer = load_custom_scorer(custom_path, custom_name, kwargs)
     if kwargs:
         scorer = functools.partial(scorer, **kwargs)
     return functools.partial(_run_job, scorer)
