@@ -163,6 +163,15 @@ def test_a_logprob_pass_with_no_size_is_refused_at_load(group):
     load_config(None, [null])  # dynamic: sized by tokens
 
 
+def test_multi_turn_without_tools_is_warned_about():
+    """veRL's multi-turn switch with no tool config ran episodes whose every call got
+    "Error: no tools here", without a word at start."""
+    [line] = config_advisories(load_config(None, ["rollout.multi_turn.enable=true"]))
+    assert "episodes have no tools" in line and "tool_config_path" in line
+    tools = "rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml"
+    assert config_advisories(load_config(None, ["rollout.multi_turn.enable=true", tools])) == []
+
+
 def test_sync_mode_abort_with_pushed_adapters_is_said_to_be_unused():
     lora = ["model.lora_rank=4", "rollout.sync_mode=abort"]
     lines = config_advisories(load_config(None, [*lora, "rollout.inline_engine=false"]))

@@ -61,6 +61,13 @@ def config_advisories(cfg: Config) -> list[str]:
             f"is unused: Dr. GRPO's loss is always {DR_GRPO_AGG}"
         )
     out += _unused_micro_batches(cfg)
+    mt = cfg.rollout.multi_turn
+    if mt.enable and not mt.tool_config_path:
+        out.append(
+            "rollout.multi_turn.enable=true with no rollout.multi_turn.tool_config_path: "
+            "episodes have no tools (the prompt lists none, and every call is answered "
+            '"Error: no tools here"); set it to a tool config (configs/tools/calculator.yaml)'
+        )
     crf = cfg.reward.custom_reward_function
     if crf.reward_kwargs and not crf.path:
         out.append(
