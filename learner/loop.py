@@ -200,7 +200,8 @@ class LearnerLoop:
         metrics = t.train_step(rollouts, c.rollout.temperature)  # advances t.step
         self._mark("first_step")
         metrics.update(batch.metrics)  # the buffer's own counters (buffer/...)
-        metrics.update(reward_part_metrics([t.meta.reward_parts for t in batch.trajectories]))
+        parts = [tr.meta.reward_parts for tr in batch.trajectories]
+        metrics.update(reward_part_metrics(parts, rollouts, t.max_len))
         self._account(batch, rollouts)
         metrics["timing/wait_batch_s"] = waited
         metrics["timing/step_s"] = time.monotonic() - start

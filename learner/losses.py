@@ -286,11 +286,12 @@ def policy_loss(
         ref_kl = torch.where(valid, kl_t, 0).sum()
         if cfg.kl_coef > 0:
             loss = loss + cfg.kl_coef * kl_loss
-    if cfg.entropy_coeff > 0:
-        if entropy is None:
-            raise ValueError("entropy_coeff > 0 needs entropy")
+    if cfg.entropy_coeff > 0 and entropy is None:
+        raise ValueError("entropy_coeff > 0 needs entropy")
+    if entropy is not None:  # reported as loss/entropy even when it does not train
         ent_loss = aggregate(entropy, valid, **agg)
-        loss = loss - cfg.entropy_coeff * ent_loss
+        if cfg.entropy_coeff > 0:
+            loss = loss - cfg.entropy_coeff * ent_loss
 
     stats = _stats(valid, keep, raw_w, pg, proximal, behaviour, mask, cfg)
     ent = torch.where(valid, entropy, 0).sum() if entropy is not None else zero

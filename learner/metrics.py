@@ -13,15 +13,24 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 
 from learner.losses import STAT_MAXES, STAT_SUMS
-from learner.rollouts import Rollout
+from learner.rollouts import Rollout, drop_reason
 
 # Lags at or above this share the last histogram bin (``lag/hist_ge8``).
 LAG_BINS = 8
 
 
-def reward_part_metrics(parts: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def reward_part_metrics(
+    parts: Sequence[Mapping[str, float]],
+    rollouts: Sequence[Rollout] | None = None,
+    max_len: int | None = None,
+) -> dict[str, float]:
     """``reward/parts/<name>/mean``: the mean of each value the scorer returned beside the
-    score (a dict's other keys, the overlong penalty), over the trajectories carrying it."""
+    score (a dict's other keys, the overlong penalty), over the trajectories carrying it.
+    With ``rollouts`` (one per part), over those the trainer keeps
+    (:func:`~learner.rollouts.clean_rollouts` with ``max_len``), as ``reward/mean`` is."""
+    if rollouts is not None:
+        pairs = zip(parts, rollouts, strict=True)
+        parts = [p for p, r in pairs if drop_reason(r, max_len) is None]
     sums: dict[str, list[float]] = {}
     for trajectory in parts:
         for name, value in trajectory.items():

@@ -218,6 +218,12 @@ def test_kl_and_entropy_terms_enter_the_loss():
     close(stats["entropy_loss"], 3.0)
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(p, p, p, torch.tensor([0.0]), mask, cfg, entropy=ent)
+    # At coefficient 0 (the default) the term is still measured (loss/entropy read 0 on
+    # every step of the demo), and the loss does not move.
+    off = LossConfig(entropy_coeff=0.0)
+    loss, stats = policy_loss(p.clone(), p, p, torch.tensor([0.0]), mask, off, entropy=ent)
+    close(stats["entropy_loss"], 3.0)
+    close(loss, 0.0)
 
 
 def test_use_kl_loss_at_coefficient_0_measures_the_kl_and_adds_none():

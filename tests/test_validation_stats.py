@@ -129,6 +129,19 @@ def test_a_training_batch_reports_the_mean_of_each_part():
         "reward/parts/overlong_penalty/mean": -0.5,
     }
     assert reward_part_metrics([{}, {}]) == {}
+    # Given the rollouts, over those the trainer keeps, as reward/mean is: an empty response
+    # (dropped) scored acc 1 counted in the part's mean before.
+    from learner.rollouts import Rollout
+
+    def rollout(n: int) -> Rollout:
+        return Rollout([1, 2], [3] * n, [-0.5] * n, reward=1.0, group_id="g")
+
+    parts = [{"acc": 1.0}, {"acc": 0.0}, {"acc": 0.0}]
+    kept = reward_part_metrics(parts, [rollout(0), rollout(2), rollout(2)])
+    assert kept == {"reward/parts/acc/mean": 0.0}
+    assert reward_part_metrics(parts, [rollout(2), rollout(2), rollout(3)], max_len=4) == {
+        "reward/parts/acc/mean": 0.5  # the third is past max_len
+    }
 
 
 def test_a_round_says_the_step_whose_weights_it_measured_across_a_coordinator_restore():
