@@ -416,7 +416,7 @@ def test_a_checkpoint_holds_its_own_steps_lag_decision(tmp_path, monkeypatch):
             calls.append("after")
 
     class Training(LoadRecorder):
-        world_size = 1
+        world_size, max_len = 1, None
 
         def train_step(self, rollouts, temperature) -> dict:
             self.step += 1
