@@ -52,6 +52,22 @@ MISMATCH_STALE = (
 )
 
 
+def _mismatch_advice(m: dict[str, float]) -> str:
+    """The mismatch rule's fix: staleness when the batch is behind the learner's weights,
+    in pushes (``lag/mean``) or in updates since the last push (``sync_every`` > 1), else
+    the two stacks' numerics."""
+    lag, since = m.get("lag/mean", 0.0), m.get("lag/steps_since_push", 0.0)
+    if lag:
+        return MISMATCH_STALE.format(lag=lag)
+    if since:
+        return (
+            f"the batch is at lag 0 but {since:.0f} update(s) behind the learner "
+            "(staleness.sync_every > 1): the policy moved since it was generated; lower "
+            "staleness.sync_every or actor.optim.lr"
+        )
+    return MISMATCH
+
+
 @dataclass(frozen=True)
 class Alarm:
     """One crossed threshold of one step."""
@@ -141,7 +157,7 @@ class HealthMonitor:
                 "importance/mismatch_kl",
                 None,
                 c.max_mismatch_kl,
-                MISMATCH_STALE.format(lag=m["lag/mean"]) if m.get("lag/mean") else MISMATCH,
+                _mismatch_advice(m),
                 absolute=True,
             ),  # fmt: skip
         ]

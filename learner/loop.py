@@ -197,7 +197,11 @@ class LearnerLoop:
         waited = time.monotonic() - start
         self._mark("first_batch")
         rollouts = to_rollouts(batch)
+        # Lag counts pushes: with sync_every > 1 a batch at lag 0 is this many updates
+        # behind the weights it trains (a push follows every sync_every-th step).
+        since_push = t.step % c.staleness.sync_every
         metrics = t.train_step(rollouts, c.rollout.temperature)  # advances t.step
+        metrics["lag/steps_since_push"] = float(since_push)
         self._mark("first_step")
         metrics.update(batch.metrics)  # the buffer's own counters (buffer/...)
         parts = [tr.meta.reward_parts for tr in batch.trajectories]

@@ -80,6 +80,10 @@ def test_the_mismatch_line_blames_staleness_when_the_batch_has_lag():
     metrics["lag/mean"] = 0.0  # all from the current weights: the numerics' line
     (mismatch,) = [a for a in _health().check(metrics) if a.rule == "max_mismatch_kl"]
     assert "mean lag" not in mismatch.line(1) and "model.dtype" in mismatch.line(1)
+    # Lag 0 one update after a push (sync_every 2): the policy moved, not the numerics.
+    metrics["lag/steps_since_push"] = 1.0
+    (mismatch,) = [a for a in _health().check(metrics) if a.rule == "max_mismatch_kl"]
+    assert "1 update(s) behind" in mismatch.line(1) and "staleness.sync_every" in mismatch.line(1)
 
 
 def test_update_rules_fire_on_a_collapse_a_spike_and_a_skipped_update():
