@@ -45,7 +45,7 @@ from asyncrl.config.policy import GROUP_ESTIMATORS
 from asyncrl.rewards import ScoreResult
 from rollout_servers.agent import Episode, episode_samples, episode_trajectories
 from rollout_servers.closed_groups import CLOSED_IDLE_TIMES, ClosedNames
-from rollout_servers.groups import filtered_out, unknown_filter_metric
+from rollout_servers.groups import filtered_out, shape_overlong, unknown_filter_metric
 from rollout_servers.lanes import Lanes
 from rollout_servers.member_rewards import RefusedMembers, again, reward_closed
 from rollout_servers.sessions import Group, RequestError, Session, split_key
@@ -152,7 +152,7 @@ class EndpointGroups:
                     409,
                     f"group {name!r} has its {group.size} members already: use another GROUP",
                 )
-            episode = Episode(pieces=[], messages=[])
+            episode = Episode([], [], max_response_len=self.cfg.data.max_response_length)
             session = Session(key, len(group.sessions), group.task, episode)
             group.sessions[key] = session
         group.last_active = time.monotonic()
@@ -314,6 +314,10 @@ class EndpointGroups:
             await self.lanes.control(self.client.nack, [task.task_id], why)
             return
         scores = [ScoreResult(score=float(s.reward or 0.0)) for s in members]
+        if not task.validation:  # DAPO's overlong penalty, as on the server's own groups
+            lengths = [s.episode.budget_len() for s in members]
+            limit, overlong = self.cfg.data.max_response_length, self.cfg.reward.overlong_buffer
+            scores = shape_overlong(scores, lengths, limit, overlong)
         if (note := unknown_filter_metric(task, scores, self.filter_metric)) is not None:
             self.metrics["rollout/filter_metric_unknown"] += 1  # an agent's reward has no parts
             if self.metrics["rollout/filter_metric_unknown"] == 1:

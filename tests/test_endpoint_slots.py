@@ -26,7 +26,7 @@ from rollout_servers import endpoint_turns
 from rollout_servers.groups import SamplingSettings
 from rollout_servers.openai_api import OpenAIEndpoint
 from tests.helpers import start_coordinator
-from tests.standins.chat import CharTokenizer, ReplyEngine
+from tests.standins.chat import REPLY, CharTokenizer, ReplyEngine
 
 IDLE_S = 4.0  # rollout.openai_endpoint.group_idle_s: longer than the 9 chats before the sweep
 LIMIT = 8  # the budget: policy lag 1, 4 groups per version
@@ -300,6 +300,49 @@ def test_a_group_whose_rewards_are_alike_is_filtered_and_its_slot_frees(tmp_path
     assert len(pusher.groups) == 1 and [t.reward for t in pusher.groups[0]] == [1.0, 0.0]
     assert (ext["dropped/filtered"], ext["in_buffer"], ext["in_flight"]) == (1, 1, 0), ext
     assert ext["unaccounted"] == 0
+
+
+def test_the_overlong_penalty_shapes_the_endpoints_groups_too(tmp_path, monkeypatch):
+    """reward.overlong_buffer with agents: a session whose response ran to
+    data.max_response_length loses penalty_factor, as the server's own groups do (the
+    client's raw reward was trained); the filter still reads the unshaped rewards."""
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)  # no vLLM import
+    limit = len(REPLY)  # the stand-in's reply fills the whole budget
+    on = GroupFilter(enable=True, max_num_gen_batches=0, batch_size=4)
+    coordinator = start_coordinator(100, per_version=LIMIT // 2, group_filter=on)
+    overlong = ["enable=true", f"len={limit // 2}", "penalty_factor=1.0"]
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=2",
+            f"data.max_response_length={limit}",
+            "algorithm.filter_groups.enable=true",
+            *(f"reward.overlong_buffer.{kv}" for kv in overlong),
+            "rollout.openai_endpoint.host=127.0.0.1",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+    )
+    endpoint, client, pusher = _endpoint(cfg, coordinator)
+
+    async def scenario() -> None:
+        url = await endpoint.start()
+        try:
+            for name, rewards in (("same", (1.0, 1.0)), ("apart", (1.0, 0.0))):
+                for member, reward in zip("ab", rewards, strict=True):
+                    await _chat(url, f"{name}/{member}")
+                    await _post(url, "/rl/reward", f"{name}/{member}", {"reward": reward})
+                await asyncio.gather(*endpoint.groups._pushes)
+        finally:
+            await endpoint.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        client.close()
+        coordinator.stop()
+    [group] = pusher.groups  # "same" filtered on its unshaped 1 and 1
+    assert [t.reward for t in group] == [0.0, -1.0]
+    assert [t.meta.reward_parts for t in group] == [{"overlong_penalty": -1.0}] * 2
 
 
 def test_an_endpoint_only_run_refuses_validation_it_could_never_finish():
