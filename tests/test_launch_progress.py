@@ -186,6 +186,29 @@ def test_the_time_split_names_the_side_that_holds_the_run_back():
     assert split[2].startswith("bottleneck: the scorer") and "reward.num_workers" in split[2]
 
 
+def test_a_server_that_started_over_leaves_its_window_out_of_the_split():
+    """Server s1 restarted between two records while s0 ran on: the summed uptime still
+    rose (110 -> 205) and no wait went back, so the pair was pooled, and s1's lost counters
+    came off s0's waits (12.6% read where s0 waited 20%). Its registration marks it."""
+    from asyncrl.launch.time_split import _rollout_split
+
+    def record(uptime: float, task_wait: float, registrations: float) -> dict:
+        return {
+            "time": uptime,
+            "rollout/uptime_s": uptime,
+            "rollout/task_wait_s": task_wait,
+            "rollout/sync_pause_s": 0.0,
+            "rollout/servers_reporting": 2.0,
+            "coordinator/registrations": registrations,
+        }
+
+    before, after = record(110.0, 19.0, 2.0), record(205.0, 31.0, 3.0)
+    assert _rollout_split([before, after]) is None  # no window left to measure
+    steady = record(305.0, 51.0, 3.0)  # then 100 server-seconds, 20 of them waiting
+    split = _rollout_split([before, after, steady])
+    assert split is not None and abs(split["waiting for tasks"] - 0.2) < 1e-9
+
+
 def test_a_resumed_runs_summary_covers_this_launch_only(tmp_path):
     """A run resumed half an hour after it stopped: the summary's time and the split of
     the learner's time are this launch's (a walkthrough's read "step 1 to end 1852s",

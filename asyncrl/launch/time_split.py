@@ -35,6 +35,7 @@ SERVER_WAITS = {
 #: a sync while idle as a wait for tasks too, and the sync is what held them then.
 PRECEDENCE = (PAUSED, TASKS_WAIT, SCORER_WAIT, BUFFER_WAIT)
 UPTIME, SERVERS = "rollout/uptime_s", "rollout/servers_reporting"
+REGISTRATIONS = "coordinator/registrations"  # counts a server registering again too
 #: Shown only when they are at least this share (most runs never wait on either).
 SHOWN_FROM = 0.005
 
@@ -107,13 +108,15 @@ def _rollout_split(steps: list[dict[str, Any]]) -> dict[str, float] | None:
 def _pooled(reported: list[dict[str, Any]]) -> tuple[float, dict[str, float]]:
     """The servers' time and the changes of their waits over each pair of consecutive
     records, summed. A pair is left out when a server joined, left or started over (its
-    counters began again, and the change of a total is not a time), or no heartbeat came
-    between the two."""
+    counters began again, and the change of a total is not a time: its registration counts,
+    as its uptime's drop may hide under the others' rise), or no heartbeat came between the
+    two."""
     span, waits = 0.0, dict.fromkeys(SERVER_WAITS, 0.0)
     for a, b in zip(reported, reported[1:], strict=False):
         base = _servers_time(a, b)
         changes = {name: b.get(key, 0.0) - a.get(key, 0.0) for name, key in SERVER_WAITS.items()}
-        if base <= 0 or a.get(SERVERS) != b.get(SERVERS) or min(changes.values()) < 0:
+        restarted = a.get(REGISTRATIONS) != b.get(REGISTRATIONS)
+        if base <= 0 or a.get(SERVERS) != b.get(SERVERS) or min(changes.values()) < 0 or restarted:
             continue
         span += base
         for name, change in changes.items():
