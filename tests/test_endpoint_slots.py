@@ -86,6 +86,26 @@ async def _status(url: str) -> dict:
         return await response.json()
 
 
+def _rewarded_groups(endpoint: OpenAIEndpoint, groups: dict[str, tuple[float, float]]) -> dict:
+    """Serve ``endpoint`` while each group's members ``a`` and ``b`` chat once and post
+    their rewards, in order; the pushes done, return its status."""
+
+    async def scenario() -> dict:
+        url = await endpoint.start()
+        try:
+            for name, rewards in groups.items():
+                for member, reward in zip("ab", rewards, strict=True):
+                    await _chat(url, f"{name}/{member}")
+                    body = {"reward": reward}
+                    assert (await _post(url, "/rl/reward", f"{name}/{member}", body))[0] == 200
+                await asyncio.gather(*endpoint.groups._pushes)
+            return await _status(url)
+        finally:
+            await endpoint.stop()
+
+    return asyncio.run(scenario())
+
+
 def _external(coord: Any) -> dict[str, float]:
     acct = coord.accounting()
     return {k.split("/", 2)[2]: v for k, v in acct.items() if k.startswith("accounting/external")}
@@ -271,26 +291,8 @@ def test_a_group_whose_rewards_are_alike_is_filtered_and_its_slot_frees(tmp_path
         ],
     )
     endpoint, client, pusher = _endpoint(cfg, coordinator)
-
-    async def group(url: str, name: str, rewards: tuple[float, float]) -> None:
-        for member, reward in zip("ab", rewards, strict=True):
-            await _chat(url, f"{name}/{member}")
-            assert (await _post(url, "/rl/reward", f"{name}/{member}", {"reward": reward}))[
-                0
-            ] == 200
-        await asyncio.gather(*endpoint.groups._pushes)
-
-    async def scenario() -> dict:
-        url = await endpoint.start()
-        try:
-            await group(url, "same", (1.0, 1.0))
-            await group(url, "apart", (1.0, 0.0))
-            return await _status(url)
-        finally:
-            await endpoint.stop()
-
     try:
-        status = asyncio.run(scenario())
+        status = _rewarded_groups(endpoint, {"same": (1.0, 1.0), "apart": (1.0, 0.0)})
         ext = _external(coordinator)
     finally:
         client.close()
@@ -323,20 +325,8 @@ def test_the_overlong_penalty_shapes_the_endpoints_groups_too(tmp_path, monkeypa
         ],
     )
     endpoint, client, pusher = _endpoint(cfg, coordinator)
-
-    async def scenario() -> None:
-        url = await endpoint.start()
-        try:
-            for name, rewards in (("same", (1.0, 1.0)), ("apart", (1.0, 0.0))):
-                for member, reward in zip("ab", rewards, strict=True):
-                    await _chat(url, f"{name}/{member}")
-                    await _post(url, "/rl/reward", f"{name}/{member}", {"reward": reward})
-                await asyncio.gather(*endpoint.groups._pushes)
-        finally:
-            await endpoint.stop()
-
     try:
-        asyncio.run(scenario())
+        _rewarded_groups(endpoint, {"same": (1.0, 1.0), "apart": (1.0, 0.0)})
     finally:
         client.close()
         coordinator.stop()
