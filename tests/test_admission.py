@@ -250,10 +250,15 @@ def test_cursor_state_round_trip():
             source.state_dict()
         )
     assert "trainer.resume_mode=disable" in str(other.value)
+    # Another validation set: refused only while a round of the saved one is being dealt.
+    half = TaskSource(_rows(6), _rows(2, "test"), seed=2, lineage="")
+    half.start_validation()
+    half.next_val()
     with pytest.raises(ConfigError, match="validation rounds are over 2 rows; data.val_files"):
         TaskSource(_rows(6), _rows(1, "test"), seed=2, lineage="").load_state_dict(
-            source.state_dict()
+            half.state_dict()
         )
+    TaskSource(_rows(6), _rows(1, "test"), seed=2, lineage="").load_state_dict(source.state_dict())
     older = {k: v for k, v in source.state_dict().items() if k != "val_rows"}
     TaskSource(_rows(6), _rows(2, "test"), seed=2, lineage="").load_state_dict(older)
 

@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from asyncrl.config.section import Section
 
+#: The demo's files (``make artifacts`` writes them): the defaults of ``data.*_files``.
+DEMO_TRAIN_FILES = ("artifacts/data/arithmetic/train.parquet",)
+DEMO_VAL_FILES = ("artifacts/data/arithmetic/val.parquet",)
+
 
 class DataConfig(Section):
     train_files: list[str] = Field(
-        default_factory=lambda: ["artifacts/data/arithmetic/train.parquet"],
+        default_factory=lambda: list(DEMO_TRAIN_FILES),
         description="Training prompts: parquet files in veRL's schema (a path, a list, or a "
         "pattern of shards such as data/train-*.parquet).",
     )
     val_files: list[str] = Field(
-        default_factory=lambda: ["artifacts/data/arithmetic/val.parquet"],
+        default_factory=lambda: list(DEMO_VAL_FILES),
         description="Validation prompts: parquet files in veRL's schema (a path, a list, or "
         "a pattern of shards).",
     )
@@ -60,7 +66,6 @@ def _expand_patterns(files: list[Any]) -> list[Any]:
     """Each path with a glob pattern (``*``, ``?``, ``[``) replaced by the files it matches,
     sorted; a pattern that matches nothing stays, for the launch check to name."""
     import glob
-    import os
 
     out: list[Any] = []
     for f in files:
@@ -69,3 +74,26 @@ def _expand_patterns(files: list[Any]) -> list[Any]:
         else:
             out.append(f)
     return out
+
+
+def val_files_problem(data: DataConfig) -> str | None:
+    """Why ``data.val_files`` cannot serve the validation rounds scheduled (one line naming
+    the fix), or None. Empty: no round is dealt, nor reported. Left at the demo's while
+    training on other files: the scores would be of arithmetic, not of the task trained."""
+    off = "trainer.val_before_train=false trainer.test_freq=-1"
+    if not data.val_files:
+        return f"data.val_files is empty, so validation would never report: add files, or set {off}"
+    if _same_files(data.val_files, DEMO_VAL_FILES) and not _same_files(
+        data.train_files, DEMO_TRAIN_FILES
+    ):
+        return (
+            f"data.val_files is the demo's arithmetic set ({', '.join(DEMO_VAL_FILES)}) but "
+            f"data.train_files is not: set data.val_files, or {off}"
+        )
+    return None
+
+
+def _same_files(files: Sequence[str], others: Sequence[str]) -> bool:
+    """Whether two lists name the same files (``./a`` and ``a`` alike)."""
+    norm = os.path.normpath
+    return [norm(os.path.expanduser(f)) for f in files] == [norm(f) for f in others]

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from asyncrl.config.data import val_files_problem
 from asyncrl.config.load import ConfigError
 from asyncrl.config.machine import cores_problem, device_problem, model_problem
 from asyncrl.config.schema import Config
@@ -136,11 +137,8 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
         problems.append(problem)
     if DATA in needs:
         validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
-        if validating and not cfg.data.val_files:  # else no round is dealt, nor reported
-            problems.append(
-                "data.val_files is empty, so validation would never report: add files, or "
-                "set trainer.val_before_train=false trainer.test_freq=-1"
-            )
+        if validating and (problem := val_files_problem(cfg.data)) is not None:
+            problems.append(problem)
         for key in ("train_files", "val_files") if validating else ("train_files",):
             for f in getattr(cfg.data, key):
                 if "://" in f:  # hdfs://, s3://: veRL copies those to a local folder first
@@ -242,7 +240,7 @@ def _file_problem(f: str, prompt_key: str, validation: bool, every_row: bool) ->
 
 #: The columns :func:`~asyncrl.tasks.parquet.row_problem` reads besides the prompt: only
 #: these are read at launch, a batch at a time (the rest may be large and is not checked).
-_ROW_COLUMNS = ("reward_model", "extra_info")
+_ROW_COLUMNS = ("data_source", "reward_model", "extra_info", "agent_name")
 _ROWS_PER_BATCH = 4096
 
 
@@ -292,7 +290,7 @@ def _source_problems(cfg: Config) -> list[str]:
         except (OSError, pa.ArrowException, KeyError):  # named by the column check
             continue
         for source in table.column(0).unique().to_pylist():
-            if str(source) not in KNOWN_DATA_SOURCES:
+            if source is not None and str(source) not in KNOWN_DATA_SOURCES:  # null: a row
                 unknown.setdefault(str(source), f)
     if not unknown:
         return []

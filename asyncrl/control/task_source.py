@@ -23,6 +23,7 @@ checkpoint; the rows themselves are read from ``data.train_files``/``data.val_fi
 
 from __future__ import annotations
 
+import logging
 import random
 import secrets
 from collections import deque
@@ -31,16 +32,29 @@ from typing import Any
 
 import msgspec
 
+from asyncrl.config.errors import ConfigError
 from asyncrl.control.messages import Task
 
 _TRAIN, _VAL = "train", "val"
+log = logging.getLogger(__name__)
+
+_START_OVER = "start over here with trainer.resume_mode=disable (the checkpoints are kept aside)"
+_RESUME_FIX = f"put the files and settings back to resume, or {_START_OVER}"
+
+
+class OtherValidationSet(ConfigError, KeyError):
+    """A validation id of a round dealt over the validation set a resumed checkpoint had,
+    not this run's: a :class:`KeyError` to those who look ids up (not this source's), a
+    :class:`ConfigError` to the resume that restores it as outstanding."""
+
+    def __str__(self) -> str:  # KeyError's would quote the lines
+        return ValueError.__str__(self)
 
 
 def load_rows(paths: Sequence[str], prompt_key: str = "prompt") -> list[dict[str, Any]]:
     """The rows of several parquet files in veRL's layout, in order (needs pyarrow). A file
     that is not (a row of the wrong shape) is a :class:`~asyncrl.config.ConfigError`: a
     learner restarted would fail on it the same way."""
-    from asyncrl.config import ConfigError
     from asyncrl.tasks import read_rows
 
     rows: list[dict[str, Any]] = []
@@ -109,6 +123,9 @@ class TaskSource:
         self.val_rounds = 0  # rounds started so far
         self.val_queue: deque[int] = deque()  # rounds started and not fully dealt
         self.val_position = 0  # next row of val_queue[0]
+        # (rounds, rows): the rounds numbered below were dealt over a validation set of
+        # that many rows, not these (a resume that changed it; see load_state_dict).
+        self._other_val = (0, len(self.val_rows))
         self._orders: dict[int, list[int]] = {}  # epoch -> its order (two at most)
         # Asked before dealing each training row (its index, epoch, position): True passes
         # it over (algorithm.filter_groups.skip_uninformative; see GroupFilter.skip_row).
@@ -211,6 +228,11 @@ class TaskSource:
         if kind == _TRAIN and 0 <= index < len(self.train_rows):
             task = self._train_task(number, index, version)
             return msgspec.structs.replace(task, task_id=task_id) if retry else task
+        if kind == _VAL and number < self._other_val[0]:
+            # A ledger restoring it outstanding cannot deal it: a config error. Anyone
+            # else asking (a server or buffer naming it) learns it is not ours.
+            what = f"task {task_id} is outstanding"
+            raise OtherValidationSet([self._val_changed(what, self._other_val[1])])
         if kind == _VAL and 0 <= index < len(self.val_rows) and not retry:
             return self._task(self.val_rows[index], task_id, self.val_n, True, version)
         raise KeyError(f"{task_id!r} is not a task id of this source")
@@ -249,44 +271,68 @@ class TaskSource:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "lineage": self.lineage,
+            "other_val": list(self._other_val),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a cursor; refuses one saved over another dataset or order (a
-        :class:`ConfigError`: a restart would fail the same way). Task ids name rows by
-        index, so the tasks in flight and the validation rounds under way would point at
-        other prompts, or at none."""
-        from asyncrl.config import ConfigError
+        """Restore a cursor; refuses one saved over other training rows or another order (a
+        :class:`ConfigError`: a restart would fail the same way): task ids name rows by
+        index, so the tasks in flight would point at other prompts, or at none.
 
-        saved = (state["train_rows"], state["seed"], state["shuffle"])
-        now = (len(self.train_rows), self.seed, self.shuffle)
-        fix = (
-            "put the files and settings back to resume, or start over here with "
-            "trainer.resume_mode=disable (the checkpoints are kept aside)"
-        )
-        if saved != now:
-            raise ConfigError(
-                [
-                    f"the checkpoint's data cursor is for {saved[0]} training rows, seed "
-                    f"{saved[1]}, shuffle {saved[2]}; this run has {now[0]}, {now[1]}, "
-                    f"{now[2]} (data.train_files, data.seed or data.shuffle changed): {fix}"
-                ]
-            )
-        # Absent from checkpoints made before it was saved: not checked.
-        val_saved = state.get("val_rows", len(self.val_rows))
-        if val_saved != len(self.val_rows):
-            raise ConfigError(
-                [
-                    f"the checkpoint's validation rounds are over {val_saved} rows; "
-                    f"data.val_files now holds {len(self.val_rows)}: {fix}"
-                ]
-            )
+        The validation files and schedule may change, as a veRL resume allows: with no
+        round under way the rounds go on over this run's rows (none when validation is
+        off), numbered after the saved ones, whose ids then name no task of this source
+        (:meth:`task_for_id`). A round still being dealt is refused: its ids name rows of
+        the saved set, and the learner waits for all of them."""
+        if (problem := self._train_mismatch(state)) is not None:
+            raise ConfigError([problem])
+        # Absent from checkpoints made before it was saved: taken as unchanged.
+        val_saved = int(state.get("val_rows", len(self.val_rows)))
+        changed = val_saved != len(self.val_rows)
+        if changed and state["val_queue"]:
+            what = f"round {int(state['val_queue'][0])} is being dealt"
+            raise ConfigError([self._val_changed(what, val_saved)])
         self.lineage = str(state.get("lineage", ""))  # "": saved before lineages
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
         self.val_rounds = int(state["val_rounds"])
         self.val_queue = deque(int(r) for r in state["val_queue"])
         self.val_position = int(state["val_position"])
+        rounds, rows = state.get("other_val", (0, val_saved))  # absent: saved before it
+        self._other_val = (int(rounds), int(rows))
+        if changed:  # nothing of the saved set is dealt again: its rounds are done
+            self._other_val = (self.val_rounds, val_saved)
+            log.info(
+                "validation goes on over %d rows (the checkpoint's %d rounds were over %d)",
+                len(self.val_rows),
+                self.val_rounds,
+                val_saved,
+            )
+
+    def _train_mismatch(self, state: dict[str, Any]) -> str | None:
+        """Why the saved cursor cannot go on over these training rows (None: it can). The
+        seed orders the rows only when shuffling: without, it may change."""
+        saved = (state["train_rows"], state["seed"], state["shuffle"])
+        now = (len(self.train_rows), self.seed, self.shuffle)
+        if saved[0] == now[0] and saved[2] == now[2] and (saved[1] == now[1] or not now[2]):
+            return None
+        return (
+            f"the checkpoint's data cursor is for {saved[0]} training rows, seed {saved[1]}, "
+            f"shuffle {saved[2]}; this run has {now[0]}, {now[1]}, {now[2]} "
+            f"(data.train_files, data.seed or data.shuffle changed): {_RESUME_FIX}"
+        )
+
+    def _val_changed(self, what: str, val_saved: int) -> str:
+        """The line refusing a resume with validation work (``what``) outstanding over
+        another validation set. No rows here: validation is off (the launch check refuses
+        empty files when it is on)."""
+        n = len(self.val_rows)
+        now = f"now holds {n}" if n else "holds none now (validation is off)"
+        return (
+            f"the checkpoint's validation rounds are over {val_saved} rows; data.val_files "
+            f"{now}, and its {what}: resume with the validation files and settings it was "
+            f"saved with until that round's val/ record is logged, or {_START_OVER}"
+        )
 
     def metrics(self) -> dict[str, float]:
         return {

@@ -12,6 +12,7 @@ HuggingFace ``datasets`` or by pandas, keeping any extra fields they carry.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -124,7 +125,37 @@ def row_problem(row: dict[str, Any], number: int, path: str | Path, prompt_key: 
         )
     if (problem := _prompt_problem(row[prompt_key], number, path, prompt_key)) is not None:
         return problem
+    if "data_source" in row and row["data_source"] is None:  # it was dealt as 'None'
+        return f"drop or mend row {number} of {path}: its data_source is null"
+    if (problem := _agent_name_problem(row.get("agent_name"), number, path)) is not None:
+        return problem
     return _extra_info_problem(row.get("extra_info"), number, path)
+
+
+@functools.cache
+def agent_name_limit() -> int:
+    """The longest ``agent_name`` a task message carries (the wire's own limit: a longer
+    one fails to decode at the rollout server, which then stops)."""
+    import msgspec
+
+    from asyncrl.control.messages import Task
+
+    info = msgspec.inspect.type_info(Task)
+    assert isinstance(info, msgspec.inspect.StructType)
+    field = next(f for f in info.fields if f.name == "agent_name")
+    assert isinstance(field.type, msgspec.inspect.StrType) and field.type.max_length
+    return field.type.max_length
+
+
+def _agent_name_problem(agent: Any, number: int, path: str | Path) -> str | None:
+    """veRL's per-row agent (null: ``single_turn``) must be a name the task message
+    carries."""
+    if agent is None or (isinstance(agent, str) and len(agent) <= agent_name_limit()):
+        return None
+    return (
+        f"drop or mend row {number} of {path}: its agent_name {agent!r:.80} is not a name "
+        f"of at most {agent_name_limit()} characters ('single_turn', 'tool_agent')"
+    )
 
 
 def _prompt_problem(prompt: Any, number: int, path: str | Path, key: str) -> str | None:
@@ -246,7 +277,9 @@ def _bad_tool_entry(by_name: dict[str, Any]) -> tuple[str, Any] | None:
 
 
 def read_rows(path: str | Path, *, prompt_key: str = "prompt") -> list[dict[str, Any]]:
-    """Read a parquet file in veRL's layout into plain Python dicts and lists.
+    """Read a parquet file in veRL's layout into plain Python dicts and lists; a message
+    whose content is a list of text parts gets them as one string (see
+    :func:`_joined_text_parts`).
 
     Args:
         path: A parquet file written by :func:`write_rows`, veRL, ``datasets`` or pandas.
@@ -268,4 +301,18 @@ def read_rows(path: str | Path, *, prompt_key: str = "prompt") -> list[dict[str,
     for number, row in enumerate(rows):
         if (problem := row_problem(row, number, path, prompt_key)) is not None:
             raise ValueError(problem)
+        row[prompt_key] = _joined_text_parts(row[prompt_key])
     return rows
+
+
+def _joined_text_parts(prompt: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with content given as text parts (``[{'type': 'text', 'text': ...}]``,
+    OpenAI's form) made one string, the parts joined by newlines as vLLM's chat parser
+    joins them: a chat template that adds content to strings (Qwen's, this repository's)
+    fails on a list, and a tokenizer without one would read the list's repr."""
+    return [
+        {**m, "content": "\n".join(part["text"] for part in m["content"])}
+        if isinstance(m["content"], list)
+        else m
+        for m in prompt
+    ]

@@ -1,0 +1,109 @@
+"""A resumed cursor goes on under the config it is given, as veRL's resume does: only other
+training rows or another training order is refused, and a validation set or schedule that
+changed only while a round of the saved one is still under way (its ids name old rows)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from asyncrl.control.admission import Budget
+from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
+from asyncrl.control.setup import state_from_config
+from asyncrl.control.task_source import TaskSource
+from asyncrl.tasks.schema import make_row
+
+
+def _rows(n: int, split: str = "train") -> list[dict]:
+    return [make_row("arithmetic", f"{i}+1=", str(i + 1), split=split, index=i) for i in range(n)]
+
+
+def _source(n_val: int, **kw) -> TaskSource:
+    return TaskSource(_rows(6), _rows(n_val, "test"), seed=2, lineage="", **kw)
+
+
+def _dealt_round(n_val: int = 2) -> TaskSource:
+    """A cursor past 3 training tasks and one validation round, fully dealt."""
+    source = _source(n_val)
+    for _ in range(3):
+        source.next_train()
+    source.start_validation()
+    while source.next_val() is not None:
+        pass
+    return source
+
+
+@pytest.mark.parametrize("n_val", [0, 1, 5])  # switched off; shrunk; grown
+def test_validation_changes_resume_when_no_round_is_under_way(n_val: int) -> None:
+    saved = _dealt_round().state_dict()
+    fresh = _source(n_val)
+    fresh.load_state_dict(saved)  # refused before: "data.val_files now holds 0"
+    assert (fresh.epoch, fresh.position) == (0, 3)
+    assert fresh.next_val() is None  # the finished round is not dealt again
+    # Rounds go on after the saved ones (the learner reported round 0 already), over
+    # this run's rows; the old round's ids name no task here.
+    assert fresh.start_validation() == 1
+    dealt = [t.task_id for t in iter(fresh.next_val, None)]
+    assert dealt == [f"val/1/{r}" for r in range(n_val)]
+    with pytest.raises(KeyError):
+        fresh.task_for_id("val/0/0")
+    again = _source(n_val)  # and so after one more checkpoint
+    again.load_state_dict(fresh.state_dict())
+    with pytest.raises(KeyError):
+        again.task_for_id("val/0/0")
+
+
+def test_a_round_being_dealt_over_other_rows_is_refused_in_one_line() -> None:
+    source = _source(2)
+    source.start_validation()
+    source.next_val()  # round 0 half dealt
+    with pytest.raises(ConfigError) as refused:
+        _source(0).load_state_dict(source.state_dict())
+    (line,) = refused.value.problems
+    assert "round 0 is being dealt" in line and "validation is off" in line
+    assert "trainer.resume_mode=disable" in line and "now holds 0" not in line
+    same = _source(2)  # the same set: the round goes on where it was
+    same.load_state_dict(source.state_dict())
+    task = same.next_val()
+    assert task is not None and task.task_id == "val/0/1"
+
+
+def _ledger(n_val: int) -> TaskLedger:
+    return TaskLedger(_source(n_val), Budget(4, 4))
+
+
+def test_validation_tasks_outstanding_over_other_rows_are_refused() -> None:
+    ledger = _ledger(2)
+    ledger.source.start_validation()
+    tasks, _ = ledger.deal("a", 2)  # the whole round, out at a server
+    assert [t.task_id for t in tasks] == ["val/0/0", "val/0/1"]
+    saved = save_ledger(ledger)
+    with pytest.raises(ConfigError) as refused:
+        load_ledger(_ledger(0), saved)
+    (line,) = refused.value.problems
+    assert "task val/0/0 is outstanding" in line and "val/ record is logged" in line
+    load_ledger(_ledger(2), saved)  # the same set: the round is carried over
+    ledger.trained([t.task_id for t in tasks])  # scored: nothing of it outstanding
+    resumed = _ledger(0)
+    load_ledger(resumed, save_ledger(ledger))
+    assert resumed.deal("a", 1)[0][0].task_id.startswith("train/")
+
+
+def test_config_resume_with_validation_switched_off_or_on() -> None:
+    """The reviewer's case: nothing dealt, validation then switched off or on."""
+    base = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2"]
+    off = ["trainer.test_freq=-1", "trainer.val_before_train=false"]
+    rows, val = _rows(6), _rows(3, "test")
+    on_state = state_from_config(load_config(None, base), rows, val).state_dict()
+    state_from_config(load_config(None, base + off), rows, []).load_state_dict(on_state)
+    off_state = state_from_config(load_config(None, base + off), rows, []).state_dict()
+    state_from_config(load_config(None, base), rows, val).load_state_dict(off_state)
+
+
+def test_unshuffled_resume_does_not_compare_the_seed() -> None:
+    saved = _source(1, shuffle=False).state_dict()
+    TaskSource(_rows(6), _rows(1), seed=7, shuffle=False, lineage="").load_state_dict(saved)
+    shuffled = _source(1).state_dict()
+    with pytest.raises(ConfigError, match="seed 2, shuffle True; this run has 6, 7, True"):
+        TaskSource(_rows(6), _rows(1), seed=7, lineage="").load_state_dict(shuffled)
