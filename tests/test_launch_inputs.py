@@ -58,10 +58,15 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
     val = f"data.val_files={tmp_path}/val.parquet"
     assert problems(f"model.path={model}", val) == []
     assert problems(f"model.path={model}", val, "trainer.test_freq=5") == [
-        f"data.val_files: {tmp_path}/val.parquet does not exist: write a task's files with "
-        f"`asyncrl-prepare data --task arithmetic --out {tmp_path}` (or convert your data to "
-        "veRL's parquet schema)"
+        f"data.val_files: {tmp_path}/val.parquet does not exist: give an existing parquet "
+        "file in veRL's schema (data_source, prompt, reward_model.ground_truth), or write a "
+        "demo task's with asyncrl-prepare data"
     ]
+    # veRL's layout names its task's files: no demo task is offered in their place.
+    gsm8k = problems(f"model.path={model}", f"data.train_files={tmp_path}/gsm8k/test.parquet")
+    assert "give an existing parquet file" in gsm8k[0] and "--task" not in gsm8k[0]
+    arith = problems(f"model.path={model}", f"data.train_files={tmp_path}/arithmetic/train.parquet")
+    assert f"--task arithmetic --out {tmp_path}/arithmetic`" in arith[0]
     # The repository's own artifacts name the make target that builds them (a review was
     # told to build the demo's model without --flatten, the calculator data as arithmetic).
     monkeypatch.chdir(tmp_path)  # where no artifacts are built
@@ -82,7 +87,9 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
         "data.train_files=artifacts/data/arithmetic19/train.parquet",
     )
     assert all("`make study-artifacts`" in line for line in study) and len(study) == 2
-    countdown = problems(f"model.path={model}", f"data.train_files={tmp_path}/countdown/t.parquet")
+    countdown = problems(
+        f"model.path={model}", f"data.train_files={tmp_path}/countdown/train.parquet"
+    )
     assert f"--task countdown --out {tmp_path}/countdown`" in countdown[0]
     scorer = f"reward.custom_reward_function.path={tmp_path}/score.py"
     assert "score.py does not exist" in problems(f"model.path={model}", scorer)[0]

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 
 from asyncrl.config.data import val_files_problem
 from asyncrl.config.load import ConfigError
-from asyncrl.config.machine import cores_problem, device_problem, model_problem
+from asyncrl.config.machine import cores_problem, data_hint, device_problem, model_problem
 from asyncrl.config.schema import Config
 
 if TYPE_CHECKING:
@@ -105,25 +105,6 @@ def scan_checkpoints(root: Path) -> tuple[dict[int, Path], list[Path]]:
     return {**olds, **complete}, skipped
 
 
-def _data_hint(path: str) -> str:
-    """How to make a missing data file: the make target of the repository's own, else the
-    prepare command for the task its folder names (``.../countdown/train.parquet``)."""
-    from asyncrl.config.machine import make_target
-
-    if (target := make_target(path)) is not None:
-        return f"build it with {target}"
-    folder = Path(path).parent
-    task = next((t for t in PREPARED_TASKS if folder.name.startswith(t)), "arithmetic")
-    return (
-        f"write a task's files with `asyncrl-prepare data --task {task} --out {folder}` (or "
-        "convert your data to veRL's parquet schema)"
-    )
-
-
-#: The tasks ``asyncrl-prepare data --task`` writes.
-PREPARED_TASKS = ("arithmetic", "calculator", "countdown")
-
-
 def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
     """One line per file a role needs (``needs``: :data:`MODEL`, :data:`DATA`,
     :data:`REWARD`, :data:`RESUME`) that is not there; empty when everything is."""
@@ -147,7 +128,7 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                         "every role can read (the same path on every machine) and give that"
                     )
                 elif not Path(f).expanduser().exists():
-                    problems.append(f"data.{key}: {f} does not exist: {_data_hint(f)}")
+                    problems.append(f"data.{key}: {f} does not exist: {data_hint(f)}")
         if not problems:
             problems += _column_problems(cfg, validating, every_row=ROWS in needs)
         if not problems:

@@ -197,3 +197,27 @@ def _hub_problem(repo_id: str) -> str | None:
         f"reaches the hub (`huggingface-cli download {repo_id} --local-dir DIR`) and give "
         "model.path=DIR"
     )
+
+
+def data_hint(path: str) -> str:
+    """How to make a missing data file: the make target of the repository's own, the
+    prepare command for a file it writes in a folder naming its task
+    (``.../countdown/train.parquet``), else the schema to give (a veRL user's
+    ``~/data/gsm8k/test.parquet`` was told to write the arithmetic task there)."""
+    if (target := make_target(path)) is not None:
+        return f"build it with {target}"
+    folder = Path(path).parent
+    task = next((t for t in PREPARED_TASKS if folder.name.startswith(t)), None)
+    if task is None or Path(path).name not in ("train.parquet", "val.parquet"):
+        return (
+            "give an existing parquet file in veRL's schema (data_source, prompt, "
+            "reward_model.ground_truth), or write a demo task's with asyncrl-prepare data"
+        )
+    return (
+        f"write the task's files with `asyncrl-prepare data --task {task} --out {folder}` (or "
+        "convert your data to veRL's parquet schema)"
+    )
+
+
+#: The tasks ``asyncrl-prepare data --task`` writes.
+PREPARED_TASKS = ("arithmetic", "calculator", "countdown")
