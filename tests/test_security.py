@@ -118,6 +118,20 @@ def test_a_wildcard_or_ipv6_host_is_refused_in_one_line():
     assert _cfg("endpoints.host=learner.cluster", "endpoints.insecure=true").endpoints.insecure
 
 
+def test_prepare_keys_does_not_replace_keys_without_force(tmp_path, capsys):
+    """A second ``asyncrl-prepare keys`` on the same folder replaced the keys without a
+    word, and every node holding the old ones was refused."""
+    from asyncrl.prepare.main import main
+
+    assert main(["keys", "--out", str(tmp_path)]) == 0
+    first = (tmp_path / "server.key_secret").read_bytes()
+    assert main(["keys", "--out", str(tmp_path)]) == 2
+    assert "holds keys already" in capsys.readouterr().err
+    assert (tmp_path / "server.key_secret").read_bytes() == first
+    assert main(["keys", "--out", str(tmp_path), "--force"]) == 0
+    assert (tmp_path / "server.key_secret").read_bytes() != first
+
+
 def test_missing_keys_name_the_command_that_makes_them(tmp_path):
     endpoints = _cfg("endpoints.auth=curve", f"endpoints.keys_dir={tmp_path}").endpoints
     with pytest.raises(SystemExit) as e:

@@ -65,7 +65,7 @@ def node_files(role: str) -> list[str]:
 def write_keys(out: Path) -> list[Path]:
     """Create the run's key pairs in ``out`` (the server's and one per role), and in
     ``out/<role>/`` the files a node of that role needs (:func:`node_files`); returns the
-    files written. Existing keys are replaced."""
+    files written. Existing keys are replaced (``asyncrl-prepare keys`` asks for --force)."""
     import zmq.auth
 
     out.mkdir(parents=True, exist_ok=True)

@@ -132,6 +132,11 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--out", required=True, help="directory (give each node only its role's DIR/<role>/)"
     )
+    k.add_argument(
+        "--force",
+        action="store_true",
+        help="replace keys already there (nodes holding the old ones are then refused)",
+    )
     return p
 
 
@@ -139,6 +144,11 @@ def prepare_keys(args: argparse.Namespace) -> dict:
     from asyncrl.net.security import KEY_ROLES, write_keys
 
     out = Path(args.out)
+    if (out / "server.key").exists() and not args.force:
+        raise ValueError(
+            f"{out} holds keys already: nodes given them would be refused once replaced; "
+            "give another --out, or --force to replace them"
+        )
     files = write_keys(out)
     return {
         "keys_dir": str(out),
