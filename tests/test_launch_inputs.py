@@ -91,6 +91,11 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
         f"model.path={model}", f"data.train_files={tmp_path}/countdown/train.parquet"
     )
     assert f"--task countdown --out {tmp_path}/countdown`" in countdown[0]
+    tools = [
+        f"rollout.multi_turn.tool_config_path={tmp_path}/t.yaml",
+        "rollout.multi_turn.enable=1",
+    ]
+    assert "t.yaml does not exist" in problems(f"model.path={model}", *tools)[0]
     scorer = f"reward.custom_reward_function.path={tmp_path}/score.py"
     assert "score.py does not exist" in problems(f"model.path={model}", scorer)[0]
     assert problems(f"model.path={model}", scorer, needs=(MODEL, DATA)) == []

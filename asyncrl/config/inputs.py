@@ -153,6 +153,12 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                 f"reward.custom_reward_function.path={scorer} does not exist: give the "
                 "Python file that defines your scoring function"
             )
+        mt = cfg.rollout.multi_turn
+        if mt.enable and mt.tool_config_path and not Path(mt.tool_config_path).is_file():
+            problems.append(
+                f"rollout.multi_turn.tool_config_path={mt.tool_config_path} does not exist: "
+                "give the YAML naming the tools (configs/tools/calculator.yaml is one)"
+            )
         oe = cfg.rollout.openai_endpoint
         scored_here = not (oe.enable and not oe.take_tasks)  # else agents send the rewards
         if DATA in needs and scored_here and not scorer and not problems:
