@@ -20,7 +20,11 @@ limits, the response budget, or the episode's deadline (which does not count the
 engine was paused for weight syncs, during an engine turn or a tool call alike:
 :mod:`rollout_servers.deadlines`). A first prompt over ``data.max_prompt_length`` is cut as
 ``data.truncation`` says, or refused (:class:`~rollout_servers.groups.PromptTooLong`), as a
-single-turn prompt is.
+single-turn prompt is; a cut episode goes on as any other (its later samples leave out what
+the cut left out: :mod:`rollout_servers.episode_tokens`). An episode cut short by a limit
+says so in its last sample's ``finish_reason`` (:data:`CUT_FINISH`), and one that ran out of
+response budget counts as long as the budget for the overlong penalty
+(:func:`budget_lengths`).
 """
 
 from __future__ import annotations
@@ -60,6 +64,11 @@ log = logging.getLogger(__name__)
 
 #: Why an episode ended (counted as ``rollout/agent/episodes_ended/<why>``).
 END_REASONS = ("done", "max_turns", "length", "timeout", "prompt_too_long", "template_error")
+#: The ``finish_reason`` (vLLM's words) of the last sample of an episode that a limit cut
+#: short: ``length`` when the budget or the engine's context had no room for what came
+#: next (a tool answer thrown away), as a single-turn response cut at the limit;
+#: ``abort`` when its deadline stopped it. Other episodes keep their last turn's.
+CUT_FINISH = {"length": "length", "prompt_too_long": "length", "timeout": "abort"}
 
 
 @dataclass(frozen=True)
@@ -135,12 +144,14 @@ class AgentRunner:
         s = self.settings
         schemas = self.tools.schemas if self.tools is not None else None
         messages = list(task.prompt)
-        prompt = self._first_prompt(task, render(self.tok, messages, schemas, gen=True))
+        rendered = render(self.tok, messages, schemas, gen=True)
+        prompt = self._first_prompt(task, rendered)
         # The version now, as a split's sample starts: a first turn that times out samples
         # nothing, and its empty sample would date the whole group to version 0 (dropped
         # for lag).
-        first = Piece(prompt_ids=prompt, start_version=self.engine.version)
-        ep = Episode(pieces=[first], messages=messages)
+        uncut = None if prompt is rendered else rendered
+        first = Piece(prompt_ids=prompt, start_version=self.engine.version, uncut=uncut)
+        ep = Episode(pieces=[first], messages=messages, max_response_len=s.max_response_len)
         deadline = Deadline(s.episode_timeout_s, self.engine)
         while True:
             piece = ep.pieces[-1]
@@ -165,6 +176,8 @@ class AgentRunner:
             ep.ended = await ended
             if ep.ended:
                 break
+        if ep.ended in CUT_FINISH:
+            ep.pieces[-1].finish_reason = CUT_FINISH[ep.ended]
         self.metrics["rollout/agent/episodes"] += 1
         self.metrics[f"rollout/agent/episodes_ended/{ep.ended}"] += 1
         self.metrics["rollout/agent/turns"] += ep.turns
@@ -316,16 +329,17 @@ def episode_trajectories(
 ) -> list[Trajectory]:
     """Wire trajectories of a group of episodes: one per sample, numbered in order
     (``group_size`` is the number of samples); every sample carries its episode's index and
-    reward, its loss mask as masked spans."""
+    reward, its loss mask as masked spans (a split's prompt tokens over
+    ``data.max_prompt_length`` lead its response, masked: :meth:`Piece.wire`)."""
     common = group_fields(task, server_id=server_id, created_at=created_at)
-    pieces = [(i, p) for i, ep in enumerate(episodes) for p in ep.pieces]
+    pieces = [(i, p.wire(), p) for i, ep in enumerate(episodes) for p in ep.pieces]
     return [
         Trajectory.build(
-            prompt_ids=p.prompt_ids,
-            response_ids=p.token_ids,
-            logprobs=p.logprobs,
-            version_spans=p.version_spans or [(p.start_version, 0)],
-            masked_spans=p.masked_spans,
+            prompt_ids=prompt,
+            response_ids=response,
+            logprobs=logprobs,
+            version_spans=spans,
+            masked_spans=masked,
             episode=i,
             **scored(scores[i]),
             group_index=j,
@@ -334,15 +348,15 @@ def episode_trajectories(
             temperature=p.temperature,
             **common,
         )
-        for j, (i, p) in enumerate(pieces)
+        for j, (i, (prompt, response, logprobs, spans, masked), p) in enumerate(pieces)
     ]
 
 
 def budget_lengths(episodes: list[Episode]) -> list[int]:
     """Per episode, the response length ``data.max_response_length`` bounds (what the
     overlong penalty measures): all its samples together, with the tool answers that opened
-    a split's sample (:meth:`Episode.response_len`)."""
-    return [ep.response_len() for ep in episodes]
+    a split's sample; the whole budget for one that ran out of it (:meth:`Episode.budget_len`)."""
+    return [ep.budget_len() for ep in episodes]
 
 
 def episode_samples(episodes: list[Episode]) -> list[Sample]:

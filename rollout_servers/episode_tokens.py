@@ -6,6 +6,10 @@ The server never re-tokenizes what the model sampled: after new messages it rend
 conversation without and with them and appends the difference. Where the chat template
 does not keep the earlier tokens as a prefix (Qwen3 drops past ``<think>`` blocks), the
 episode's current sample closes and a new one starts from the re-rendered history.
+
+A first prompt that ``data.truncation`` cut is compared as rendered (:meth:`Piece.rendered`),
+and a split's history leaves out the very tokens of it that the cut left out
+(:func:`cut_alike`), so a cut episode goes on as any other.
 """
 
 from __future__ import annotations
@@ -34,31 +38,76 @@ def extend(
     Returns "" when appended, ``split`` when a new sample started (its ``start_version`` is
     the caller's to set), or why the episode cannot go on: ``length`` (no room left in the
     episode's ``max_response_len`` to answer, as veRL ends it) or ``prompt_too_long`` (the
-    re-rendered history does not fit).
+    re-rendered history and the budget left do not fit the engine's context).
     """
     piece = ep.pieces[-1]
-    used = ep.response_len()
     before = render(tok, ep.messages, schemas, gen=False)
     after = render(tok, ep.messages + new, schemas, gen=True)
-    tail = continuation(piece.prompt_ids + piece.token_ids, before, after)
-    if tail is not None:
-        if used + len(tail) >= max_response_len:
-            return "length"
+    tail = continuation(piece.rendered(), before, after)
+    if tail is None:
+        ended = split(ep, tok, (before, after), new, schemas, max_prompt_len, max_response_len)
+    elif ep.response_len() + len(tail) >= max_response_len:
+        ended = "length"
+    else:
         piece.add_inserted(tail)
         ended = ""
-    elif len(after) > max_prompt_len:
-        return "prompt_too_long"
-    else:
-        # The new sample's prompt ends with the new messages. They are the episode's
-        # response as appended ones are (counted, scored), though this sample trains none.
-        lead = inserted_len(tok, before, after, new, schemas)
-        if used + lead >= max_response_len:
-            return "length"
-        ep.splits += 1
-        ep.pieces.append(Piece(prompt_ids=after, lead=lead))
-        ended = "split"
-    ep.messages.extend(new)
+    if ended in ("", "split"):
+        ep.messages.extend(new)
     return ended
+
+
+def split(
+    ep: Episode,
+    tok: Tokenizer,
+    renders: tuple[list[int], list[int]],
+    new: list[dict[str, Any]],
+    schemas: list[dict] | None,
+    max_prompt_len: int,
+    max_response_len: int,
+) -> str:
+    """Start a new sample of the episode from the history rendered with the ``new``
+    messages (``renders``: the history without and with them); ``split``, or why the episode
+    ends (see :func:`extend`).
+
+    The new sample's prompt ends with the new messages: they are the episode's response as
+    appended ones are (counted, scored), though this sample trains none. The prompt may pass
+    ``max_prompt_len`` (the history grew there): the engine's context is the prompt limit
+    and the response limit together, and the response budget left shrinks as the history
+    grows, so a sample never asks the engine for more (vLLM refuses a longer one).
+    """
+    before, after = renders
+    used = ep.response_len()
+    lead = inserted_len(tok, before, after, new, schemas)
+    if used + lead >= max_response_len:
+        return "length"
+    prompt = cut_alike(ep.pieces[0], after)
+    left = max_response_len - used - lead
+    if len(prompt) + left > max_prompt_len + max_response_len:
+        return "prompt_too_long"
+    ep.splits += 1
+    uncut = None if prompt is after else after
+    overflow = max(0, len(prompt) - max_prompt_len)
+    ep.pieces.append(Piece(prompt_ids=prompt, lead=lead, uncut=uncut, overflow=overflow))
+    return "split"
+
+
+def cut_alike(first: Piece, history: list[int]) -> list[int]:
+    """``history`` (the re-rendered conversation) without the tokens ``data.truncation``
+    left out of the episode's first prompt, so the model reads the same start on every
+    sample; ``history`` itself when nothing was cut.
+
+    The first prompt kept its first ``kept`` tokens and its last ones (``left`` keeps none
+    of the first, ``right`` none of the last, ``middle`` some of each), whatever the mode.
+    Of the tokens cut, those the history renders alike leave it: all of them, but where the
+    template renders the first prompt's end otherwise in a history (a generation prompt
+    unlike a past assistant turn's header, which ``right`` cut) or its start (then nothing
+    leaves, and a history too long for the engine ends the episode)."""
+    if first.uncut is None:
+        return history
+    kept = shared_len(first.uncut, first.prompt_ids)
+    removed = len(first.uncut) - len(first.prompt_ids)
+    end = min(kept + removed, shared_len(first.uncut, history))
+    return history[:kept] + history[end:] if end > kept else history
 
 
 def shared_len(a: list[int], b: list[int]) -> int:

@@ -8,6 +8,12 @@ they were appended to a sample or opened a new sample after a split
 (:meth:`Episode.response_len`). So the samples of an episode that split together never
 exceed the limit, and the reward function reads the whole episode as the model saw it
 (:meth:`Episode.text`), whether or not the chat template rewrites history.
+
+A sample the engine runs is at most ``data.max_prompt_length + data.max_response_length``
+tokens (the engine's context), its prompt and the response budget it has left together. A
+split's prompt, the history re-rendered, may be longer than ``data.max_prompt_length``: on
+the wire its tokens past that limit lead the response, masked (:meth:`Piece.wire`), since
+the buffer holds prompts and responses to those limits.
 """
 
 from __future__ import annotations
@@ -30,6 +36,12 @@ class Piece:
     sampled token before them, so versions never go backwards. A sample that a split opened
     ends its prompt with the messages inserted there: its last ``lead`` prompt tokens, part of
     the episode's response (counted and scored) though not trained (they are prompt).
+
+    ``uncut`` is the prompt as the chat template rendered it when ``data.truncation`` cut it
+    to ``prompt_ids`` (None: not cut): the next messages' tokens are found against it, as
+    the model's context holds the same messages. ``overflow``: how many of the prompt's last
+    tokens are over ``data.max_prompt_length`` (a split's re-rendered history), sent on the
+    wire as the head of the response, masked.
     """
 
     prompt_ids: list[int]
@@ -41,6 +53,8 @@ class Piece:
     temperature: float | None = None
     start_version: int = 0
     lead: int = 0
+    uncut: list[int] | None = None
+    overflow: int = 0
 
     def add_sampled(self, sample: Sample) -> None:
         self.token_ids += sample.token_ids
@@ -66,6 +80,30 @@ class Piece:
         lead = self.prompt_ids[len(self.prompt_ids) - self.lead :] if self.lead else []
         return lead + self.token_ids
 
+    def rendered(self) -> list[int]:
+        """The sample's tokens as the chat template renders its conversation: the uncut
+        prompt, then its tokens (what the next messages' tokens are found against)."""
+        return (self.prompt_ids if self.uncut is None else self.uncut) + self.token_ids
+
+    def wire(self) -> tuple[list[int], list[int], list[float], list, list]:
+        """Prompt, response, logprobs, version spans and masked spans as the wire carries
+        the sample: the ``overflow`` prompt tokens lead the response, masked, dated as its
+        first sampled token (so the sample's lag is its sampled tokens')."""
+        spans = self.version_spans or [(self.start_version, 0)]
+        n = self.overflow
+        if not n:
+            return self.prompt_ids, self.token_ids, self.logprobs, spans, self.masked_spans
+        cut = len(self.prompt_ids) - n
+        version, first = spans[0]
+        moved = [(version, n + first), *spans[1:]]
+        masked = [(start + n, k) for start, k in self.masked_spans]
+        if masked and masked[0][0] == n:  # the response opens with inserted tokens: one run
+            masked[0] = (0, n + masked[0][1])
+        else:
+            masked.insert(0, (0, n))
+        response = self.prompt_ids[cut:] + self.token_ids
+        return self.prompt_ids[:cut], response, [0.0] * n + self.logprobs, moved, masked
+
     def _span(self, version: int, n: int) -> None:
         if self.version_spans and self.version_spans[-1][0] == version:
             self.version_spans[-1] = (version, self.version_spans[-1][1] + n)
@@ -84,6 +122,9 @@ class Episode:
     tool_calls: int = 0
     splits: int = 0
     ended: str = "done"
+    #: ``data.max_response_length`` the episode ran under (0: not told): one that ended
+    #: for want of room (``length``) counts as that long (:meth:`budget_len`).
+    max_response_len: int = 0
 
     def draft(self) -> Episode:
         """A copy to prepare a turn on, kept only if the turn succeeds (the OpenAI endpoint
@@ -105,6 +146,14 @@ class Episode:
         """Tokens of the episode's response so far, all samples together (see the module
         docstring): what ``data.max_response_length`` bounds."""
         return sum(p.lead + len(p.token_ids) for p in self.pieces)
+
+    def budget_len(self) -> int:
+        """The length the overlong penalty measures: :meth:`response_len`, or the whole
+        budget for an episode that ended because its next tokens did not fit, as a
+        single-turn response cut at the limit is that long."""
+        if self.ended == "length":
+            return max(self.response_len(), self.max_response_len)
+        return self.response_len()
 
     def text(self, tok: Tokenizer) -> str:
         """The response as the scorer sees it: every sample's response tokens decoded, the

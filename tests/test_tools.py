@@ -359,6 +359,34 @@ def test_a_tool_that_fails_to_import_fails_the_constructor(tmp_path: Path) -> No
     assert time.monotonic() - start < 20
 
 
+BAD_REWARDS = """
+from asyncrl.tools import BaseTool
+
+
+class Tool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        how = parameters["how"]
+        return "answer " + how, {"nan": float("nan"), "str": "0.5"}[how], {}
+"""
+
+
+def test_an_unreadable_step_reward_keeps_the_answer(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Step rewards are not used: a NaN or a string one is counted and read as 0, and the
+    # model still reads the tool's answer (it used to become an "invalid response" error).
+    from asyncrl.tools.pool import BAD_REWARD
+
+    (tmp_path / "bad_rewards.py").write_text(BAD_REWARDS)
+    config = write_config(tmp_path / "tools.yaml", [entry("bad_rewards.py:Tool", "t", ("how",))])
+    with ToolPool(config, num_workers=1) as small:
+        for how in ("nan", "str"):
+            assert small.call(ToolCall("t", {"how": how})) == ToolResult(f"answer {how}", None, 0.0)
+        assert small.counters[BAD_REWARD] == 2
+        assert small.counters["bad_return"] == 0
+    assert "step reward" in caplog.text and "reward is read as 0" in caplog.text
+
+
 def test_close_stops_the_pool(hostile_config: Path) -> None:
     small = ToolPool(hostile_config, num_workers=2)
     processes = [worker.process for worker in small._pool._workers]

@@ -7,7 +7,12 @@ is a config mistake.
 
 A tool lives in a tool worker process (see :class:`asyncrl.tools.ToolPool`): it is built
 once per worker, and each call is ``create`` -> ``execute`` -> ``release`` on a fresh
-instance id, so per-trajectory state belongs in a dict keyed by that id, as in veRL.
+instance id. So an instance lives for one call, not for a trajectory as in veRL (where
+``create`` runs once per trajectory and later calls reuse its id): the next call of the same
+episode gets a new id, perhaps in another worker. State kept in a dict keyed by the id (veRL's
+habit, which still works) lasts from ``create`` to ``release`` of that one call; nothing
+carries state from one call of an episode to the next, so a tool must read what it needs
+from its ``create_kwargs`` (the row's) and the call's arguments.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ class BaseTool:
         return self.tool_schema
 
     async def create(self, instance_id: str | None = None, **kwargs: Any) -> str:
-        """Start an instance of the tool for one trajectory; return its id.
+        """Start an instance of the tool for one call (see the module docstring); return its id.
 
         The trajectory's ``create_kwargs`` (veRL's
         ``extra_info.tools_kwargs[name]["create_kwargs"]``, e.g. a ground truth) come both

@@ -8,7 +8,8 @@ returns a :class:`ToolResult` whose text tells the model what went wrong, and wh
 ``error`` says whose fault it was (:data:`ENVIRONMENT_ERRORS` are not the model's).
 
 Worker protocol: job ``(name, arguments, create_kwargs)``; answer ``("ok", (text,
-reward))`` or ``("bad_return", message)`` (plus the pool's own statuses). The worker cuts
+reward, note))`` (``note``: None, or why the step reward was unreadable and read as 0) or
+``("bad_return", message)`` (plus the pool's own statuses). The worker cuts
 ``text`` to ``max_response_length`` and makes it valid UTF-8 before it answers, so a tool
 that prints hundreds of megabytes costs the server only the cut.
 """
@@ -30,7 +31,14 @@ from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, WorkerPool
 from asyncrl.tools.config import ToolSpec, instantiate_tools, load_tool_config, schemas
 from asyncrl.tools.hermes import ToolCall
 
-__all__ = ["ENVIRONMENT_ERRORS", "TOOL_ERROR_KINDS", "ToolCall", "ToolPool", "ToolResult"]
+__all__ = [
+    "BAD_REWARD",
+    "ENVIRONMENT_ERRORS",
+    "TOOL_ERROR_KINDS",
+    "ToolCall",
+    "ToolPool",
+    "ToolResult",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +55,10 @@ TOOL_ERROR_KINDS = (
 #: the first log line of each say. Only a label: the model still reads the error text, and
 #: its episode is scored and trained like any other (nothing masks or drops it).
 ENVIRONMENT_ERRORS = ("timeout", "worker_died")
+#: A call whose answer reached the model but whose step reward was not a finite number (NaN,
+#: a string): counted in :attr:`ToolPool.counters` under this name, the reward read as 0.
+#: Not a :data:`TOOL_ERROR_KINDS` member: step rewards are not used, so the answer is kept.
+BAD_REWARD = "bad_reward"
 
 TruncateSide = Literal["left", "middle", "right"]
 
@@ -65,6 +77,8 @@ _EXPLANATIONS = {
     "out of memory",
     "bad_return": "a tool returned {detail}; execute must return (text or {{'text': ...}}, "
     "reward or None, metrics)",
+    BAD_REWARD: "a tool returned {detail}; the model still gets the answer and the reward is "
+    "read as 0 (step rewards are not used); return a finite number or None as the reward",
 }
 
 
@@ -171,12 +185,14 @@ def _run_call(
     if text is None:
         return "bad_return", f"a response of type {type(result[0]).__name__} without text"
     # None is no step reward (veRL's SandboxFusionTool returns (response, None, None)); the
-    # metrics, None or not, are not read.
+    # metrics, None or not, are not read. Step rewards are not used either, so one that is
+    # not a number costs only a count, never the answer.
+    reward, note = 0.0, None
     try:  # numpy scalars and bools, 0-d arrays and tensors too, as for scores
         reward = 0.0 if result[1] is None else finite_number(result[1], "step reward ")
     except (TypeError, ValueError) as e:
-        return "bad_return", str(e)
-    return "ok", (valid_text(truncate_response(text, max_length, side)), reward)
+        note = str(e)
+    return "ok", (valid_text(truncate_response(text, max_length, side)), reward, note)
 
 
 def _load_tools(specs: tuple[ToolSpec, ...], max_length: int, side: TruncateSide) -> Handler:
@@ -267,7 +283,8 @@ class ToolPool:
 
     @property
     def counters(self) -> dict[str, int]:
-        """A snapshot of failed calls so far, by kind (see :data:`TOOL_ERROR_KINDS`)."""
+        """A snapshot of failed calls so far, by kind (see :data:`TOOL_ERROR_KINDS`), and of
+        answers whose step reward was unreadable (:data:`BAD_REWARD`)."""
         return self._pool.counters
 
     def call(self, call: ToolCall, create_kwargs: dict | None = None) -> ToolResult:
@@ -281,7 +298,9 @@ class ToolPool:
             return refusal
         status, payload = self._pool.run((call.name, call.arguments, dict(create_kwargs or {})))
         if status == "ok":  # cut and made valid in the worker
-            text, reward = payload
+            text, reward, note = payload
+            if note is not None:
+                self._pool.record(BAD_REWARD, note)
             return ToolResult(text, None, reward)
         self._pool.record(status, payload)
         return ToolResult(self._truncate(self._error_text(call.name, status, payload)), status)
