@@ -286,8 +286,9 @@ def context_exceeded(limit: int, detail: str) -> RequestError:
 ENDED = {
     "length": "the session has no room left in data.max_response_length for another "
     "turn: end the episode with POST /rl/reward",
-    "prompt_too_long": "the conversation no longer fits data.max_prompt_length: end the "
-    "episode with POST /rl/reward",
+    "prompt_too_long": "the conversation and the response room left no longer fit the "
+    "engine's context (data.max_prompt_length + data.max_response_length): end the episode "
+    "with POST /rl/reward",
 }
 
 
@@ -334,7 +335,7 @@ def prepare(
                 new.pieces[-1].start_version = version
                 draft.counted = "splits"
             elif why:
-                limit = max_response_len if why == "length" else max_prompt_len
+                limit = max_response_len if why == "length" else max_prompt_len + max_response_len
                 raise context_exceeded(limit, ENDED[why])
             draft.shown.extend(messages[len(draft.shown) :])
             return draft
