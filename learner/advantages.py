@@ -24,9 +24,18 @@ whitened over every response token of the batch:
   see the outcome too; veRL's loop restarts the sum there, which gives every turn but the
   last a return of 0 (equal to it on responses without holes);
 - ``reinforce_plus_plus_baseline``: ``score - group mean`` on every token of the response.
+
+Split episodes: a multi-turn episode can reach the learner as several samples (see
+:attr:`learner.rollouts.Rollout.episode`). GAE and REINFORCE++ take the rows of each
+episode (``episodes``: row indices, in the episode's order) and run over them laid end to
+end (:func:`join_index`), as over one response whose tool answers are masked out: an
+earlier sample's last token bootstraps from the next sample's first value.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeGuard
 
 import torch
 
@@ -136,6 +145,7 @@ def gae_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
     whiten: bool = True,
+    episodes: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over response tokens.
 
@@ -145,10 +155,17 @@ def gae_advantages(
         values: ``[B, T]`` critic values ``V(s_t)``.
         mask: ``[B, T]`` bool, True on response tokens. Masked positions are skipped: the
             value after the last real token is 0 (episode end).
+        episodes: the rows of each episode, in order, when some episode spans several
+            rows (a split episode); the rows of one run as one (module docstring).
     Returns:
         ``(advantages, returns)``, each ``[B, T]`` and zero outside the mask;
         returns are not whitened (they are the critic's targets).
     """
+    if any_split(episodes):
+        index = join_index(mask, episodes)
+        joined = [join_rows(x, index) for x in (token_rewards, values, mask)]
+        adv, ret = gae_advantages(*joined, gamma=gamma, lam=lam, whiten=whiten)
+        return split_rows(adv, index, mask.shape), split_rows(ret, index, mask.shape)
     B, T = token_rewards.shape
     adv = torch.zeros_like(token_rewards)
     next_value = torch.zeros(B, dtype=values.dtype)
@@ -179,11 +196,20 @@ def outcome_token_rewards(scores: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 
 def reinforce_pp_advantages(
-    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    episodes: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """REINFORCE++: ``[B, T]`` token rewards and bool mask -> ``[B, T]`` advantages, the
     discounted return from each token whitened over the batch's masked tokens (zero
-    outside the mask)."""
+    outside the mask). ``episodes``: as :func:`gae_advantages`'s."""
+    if any_split(episodes):
+        index = join_index(mask, episodes)
+        joined = reinforce_pp_advantages(
+            join_rows(token_rewards, index), join_rows(mask, index), gamma
+        )
+        return split_rows(joined, index, mask.shape)
     returns = torch.zeros_like(token_rewards)
     running = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
     for t in range(token_rewards.shape[1] - 1, -1, -1):
@@ -198,3 +224,45 @@ def reinforce_pp_baseline_advantages(centered: torch.Tensor, mask: torch.Tensor)
     every masked token and whitened over them, ``[B, T]``."""
     tiled = torch.where(mask, centered[:, None].to(torch.float32), 0.0)
     return masked_whiten(tiled, mask)
+
+
+def any_split(episodes: Sequence[Sequence[int]] | None) -> TypeGuard[Sequence[Sequence[int]]]:
+    """Whether some episode spans several rows. Unsplit batches keep the row layout (and
+    its exact sums): nothing to join."""
+    return episodes is not None and any(len(rows) > 1 for rows in episodes)
+
+
+def join_index(mask: torch.Tensor, episodes: Sequence[Sequence[int]]) -> torch.Tensor:
+    """Where each episode's tokens sit in ``mask`` ``[B, T]``: ``[E, W]`` long indices
+    into ``mask.flatten()``, each row of an episode up to its last True, the rows in the
+    episode's order (``episodes``: row indices; every row in exactly one episode); W the
+    longest episode, shorter ones filled with ``mask.numel()`` (a slot that reads 0)."""
+    B, T = mask.shape
+    # A row's tokens after its last True are padding or masked: left out, nothing lost.
+    ends = (T - mask.flip(1).to(torch.int8).argmax(dim=1)) * mask.any(dim=1)
+    flat = [
+        torch.cat(
+            [torch.arange(r * T, r * T + int(ends[r])) for r in rows]
+            or [torch.zeros(0, dtype=torch.long)]
+        )
+        for rows in episodes
+    ]
+    width = max((len(f) for f in flat), default=0)
+    index = torch.full((len(flat), width), B * T, dtype=torch.long)
+    for e, f in enumerate(flat):
+        index[e, : len(f)] = f
+    return index
+
+
+def join_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` -> ``[E, W]``: each episode's rows end to end (:func:`join_index`),
+    zero (False) in the fill."""
+    return torch.cat([x.flatten(), x.new_zeros(1)])[index]
+
+
+def split_rows(joined: torch.Tensor, index: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The inverse of :func:`join_rows`: ``[E, W]`` -> ``shape`` ``[B, T]``, zero where
+    no episode token sits (a row's tail after its last True)."""
+    out = joined.new_zeros(shape.numel() + 1)
+    out[index.flatten()] = joined.flatten()  # the fill all lands on the extra slot
+    return out[:-1].view(shape)

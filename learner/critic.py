@@ -12,7 +12,8 @@ One learner step, as :class:`learner.trainer.Trainer` drives it:
   (:mod:`learner.reward_kl`) and produces
   per-token advantages, returns and the values they came from for *every* sequence, the
   same on every rank (the values of each rank's share are gathered, so GAE's whitening is
-  over the whole batch as in veRL). A collective.
+  over the whole batch as in veRL); the samples of a split episode run end to end
+  (:func:`learner.advantages.gae_advantages`). A collective.
 - :meth:`Critic.update` trains on those returns: ``critic.ppo_epochs`` x mini-batches, one
   optimizer step each, the clipped value loss of :mod:`learner.values`. A collective. Its
   epochs and aggregation mode, unset, are the actor's (as veRL's critic config reads them).
@@ -41,7 +42,7 @@ from learner.collate import MicroBatch, collate, pad_rows
 from learner.losses import valid_token_mask
 from learner.plan import plan_step
 from learner.reductions import AggNorm
-from learner.rollouts import Rollout, response_mask
+from learner.rollouts import Rollout, episode_rows, response_mask
 from learner.values import (
     VALUE_STAT_SUMS,
     explained_variance,
@@ -189,7 +190,9 @@ class Critic:
         mask, lengths = response_mask(rollouts)
         width = mask.shape[1]
         v = pad_rows([values[i] for i in range(len(rollouts))], width)
-        adv, ret = gae_advantages(token_rewards, v, mask, gamma=alg.gamma, lam=alg.lam)
+        adv, ret = gae_advantages(
+            token_rewards, v, mask, gamma=alg.gamma, lam=alg.lam, episodes=episode_rows(rollouts)
+        )
         metrics = _batch_metrics(adv, ret, v, mask)
         rows = range(len(rollouts))
         out = Targets(
@@ -246,7 +249,7 @@ class Critic:
                 cliprange=self.cfg.critic.cliprange_value,
                 agg_mode=self.agg_mode,
                 norm_const=float(self.cfg.data.max_response_length),
-                norm=norm,
+                norm=norm.rows(mb.seq_ids),
             )
             finite &= bool(torch.isfinite(loss))
             # FSDP averages over ranks; the norms are global: scale back to the sum.

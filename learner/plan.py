@@ -16,7 +16,8 @@ loss normalisers are global, see :class:`learner.reductions.AggNorm`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from asyncrl.config.logprob import LogProbPass
 from asyncrl.config.policy import ActorConfig
 from learner.reductions import AggNorm
-from learner.rollouts import Rollout, group_indices
+from learner.rollouts import Rollout, episode_key, group_indices
 
 
 def plan_step(
@@ -50,7 +51,8 @@ def plan_step(
         plan = plan_minibatch(idx, lengths, world_size, padded=padded, **budget)
         mbs.append(plan[rank])
         tokens, seqs = norm_counts(rollouts, idx)
-        norms.append(AggNorm(num_tokens=max(tokens, 1), num_seqs=max(seqs, 1)))
+        split = episode_tokens(rollouts, idx)
+        norms.append(AggNorm(num_tokens=max(tokens, 1), num_seqs=max(seqs, 1), seq_tokens=split))
     return mbs, norms
 
 
@@ -236,14 +238,30 @@ def plan_minibatch(
 
 def norm_counts(rollouts: Sequence[Rollout], indices: Sequence[int]) -> tuple[int, int]:
     """``(valid tokens, sequences with a valid token)`` of a mini-batch: the global loss
-    normalisers. Valid = masked in, with a finite behaviour logprob (the rule of the loss)."""
-    tokens = seqs = 0
+    normalisers. Valid = masked in, with a finite behaviour logprob (the rule of the loss).
+    A sequence is an episode: the samples of a split one count once."""
+    per_episode = _episode_counts(rollouts, indices)
+    return sum(per_episode.values()), sum(n > 0 for n in per_episode.values())
+
+
+def episode_tokens(rollouts: Sequence[Rollout], indices: Sequence[int]) -> dict[int, float] | None:
+    """Each sequence's episode's valid tokens, by index, when ``indices`` (a mini-batch)
+    holds a split episode (:attr:`AggNorm.seq_tokens`); None when it holds none."""
+    samples = Counter(episode_key(rollouts[i]) for i in indices)
+    if all(n == 1 for n in samples.values()):
+        return None
+    per_episode = _episode_counts(rollouts, indices)
+    return {i: float(per_episode[episode_key(rollouts[i])]) for i in indices}
+
+
+def _episode_counts(rollouts: Sequence[Rollout], indices: Sequence[int]) -> dict[Hashable, int]:
+    counts: dict[Hashable, int] = {}
     for i in indices:
         r = rollouts[i]
         mask = r.loss_mask if r.loss_mask is not None else [1] * len(r.behaviour_logprobs)
         n = sum(
             1 for x, m in zip(r.behaviour_logprobs, mask, strict=True) if m and math.isfinite(x)
         )
-        tokens += n
-        seqs += n > 0
-    return tokens, seqs
+        key = episode_key(r)
+        counts[key] = counts.get(key, 0) + n
+    return counts

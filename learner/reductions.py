@@ -9,6 +9,7 @@ exactly to the mini-batch loss whatever the split. Tensors are ``[B, T]`` with a
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +27,27 @@ class AggNorm:
 
     ``num_tokens``: valid response tokens; ``num_seqs``: sequences with at least one valid
     token. ``None`` means "this call's own count" (a single, unsplit batch).
+
+    A multi-turn episode split into several samples is one sequence (``num_seqs`` counts
+    episodes). ``seq_tokens``: when the mini-batch holds such an episode, each sample's
+    episode's valid tokens, by sequence index (None: every sample is its own episode);
+    :meth:`rows` gives a micro-batch's rows theirs as ``row_tokens`` ``[B]``, the
+    ``seq-mean-token-mean`` divisor, so that a split episode's samples share one token
+    mean. None: each row's own count.
     """
 
     num_tokens: float | None = None
     num_seqs: float | None = None
+    seq_tokens: Mapping[int, float] | None = None
+    row_tokens: tuple[float, ...] | None = None
+
+    def rows(self, seq_ids: Sequence[int]) -> AggNorm:
+        """The normalisers of a micro-batch whose rows are the sequences ``seq_ids``."""
+        if self.seq_tokens is None or not seq_ids:  # no split episode, or a dummy batch
+            return self
+        return AggNorm(
+            self.num_tokens, self.num_seqs, row_tokens=tuple(self.seq_tokens[s] for s in seq_ids)
+        )
 
 
 def aggregate(
@@ -47,6 +65,8 @@ def aggregate(
     - ``seq-mean-token-sum``: mean over sequences of each sequence's token sum
     - ``seq-mean-token-sum-norm``: sum over tokens / (number of sequences * ``norm_const``)
       (Dr.GRPO: a constant instead of each response's length)
+
+    A sequence is an episode: a split one's rows (``norm.row_tokens``) share its token mean.
     """
     norm = norm or AggNorm()
     m = mask.to(loss_mat.dtype)
@@ -55,9 +75,16 @@ def aggregate(
         denom = norm.num_tokens if norm.num_tokens is not None else m.sum().clamp(min=1)
         return masked.sum() / denom
     seq_tokens = m.sum(dim=1)
-    n_seqs = norm.num_seqs if norm.num_seqs is not None else (seq_tokens > 0).sum().clamp(min=1)
+    if norm.row_tokens is None:
+        divisor = seq_tokens.clamp(min=1)
+        own_seqs = (seq_tokens > 0).sum().clamp(min=1)
+    else:  # each row its episode's count; its share of the episode counts as a sequence
+        divisor = torch.tensor(norm.row_tokens, dtype=m.dtype, device=m.device).clamp(min=1)
+        own_seqs = (seq_tokens / divisor).sum()
+        own_seqs = torch.where(own_seqs > 0, own_seqs, torch.ones_like(own_seqs))
+    n_seqs = norm.num_seqs if norm.num_seqs is not None else own_seqs
     if mode == "seq-mean-token-mean":
-        return (masked.sum(dim=1) / seq_tokens.clamp(min=1)).sum() / n_seqs
+        return (masked.sum(dim=1) / divisor).sum() / n_seqs
     if mode == "seq-mean-token-sum":
         return masked.sum() / n_seqs
     if mode == "seq-mean-token-sum-norm":

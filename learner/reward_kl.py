@@ -24,7 +24,7 @@ from asyncrl.config.policy import TOKEN_REWARD_ESTIMATORS
 from learner import fsdp
 from learner.checkpoint import REWARD_KL_KEY
 from learner.collate import pad_rows
-from learner.rollouts import Rollout, outcome_rewards, response_mask
+from learner.rollouts import Rollout, episode_rows, outcome_rewards, response_mask
 from learner.values import KLController, kl_in_reward
 
 
@@ -77,10 +77,17 @@ class RewardKL:
         logp = pad_rows([p[i] for i in rows], mask.shape[1])
         ref_lp = pad_rows([q[i] for i in rows], mask.shape[1])
         beta = self.ctrl.value
+        episodes = episode_rows(rollouts)  # the KL and the batch size count episodes
         rewards, kl = kl_in_reward(
-            outcome_rewards(rollouts), logp, ref_lp, mask, coef=beta, kind=self.kind
+            outcome_rewards(rollouts),
+            logp,
+            ref_lp,
+            mask,
+            coef=beta,
+            kind=self.kind,
+            episodes=episodes,
         )
-        self.ctrl.update(kl, len(rollouts))
+        self.ctrl.update(kl, len(episodes))
         return rewards, {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": beta}
 
     def saved(self, extra: dict | None) -> dict:

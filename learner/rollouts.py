@@ -35,8 +35,13 @@ class Rollout:
     ``loss_mask`` (multi-turn) is 1 on the response tokens the policy sampled, 0 on tool
     output and other inserted tokens (None: all 1); only masked-in tokens count in the loss,
     the importance weights, KL and entropy. ``episode`` names the episode within the group
-    when one episode became several samples; group statistics count each episode once
-    (None: the rollout is an episode of its own).
+    when one episode became several samples (None: the rollout is an episode of its own).
+    The samples of an episode come in a batch in the order the server produced them (its
+    ``group_index`` order, which the buffer keeps), and train as that episode sent as one
+    sample with its tool answers masked out: group statistics and the per-sequence loss
+    normalisers count it once, its outcome sits on its last sample
+    (:func:`outcome_rewards`), GAE and REINFORCE++ run over its samples end to end
+    (:func:`episode_rows`).
     """
 
     prompt_ids: Sequence[int]
@@ -119,11 +124,11 @@ def baseline_advantages(
     for r in rollouts:
         if not math.isfinite(float(r.reward)):
             continue
-        if episodes.setdefault(_episode(r), len(firsts)) == len(firsts):
+        if episodes.setdefault(episode_key(r), len(firsts)) == len(firsts):
             firsts.append(r)
     rewards = torch.tensor([float(r.reward) for r in firsts], dtype=torch.float32)
     adv = outcome_advantages(estimator, rewards, group_indices(firsts), norm_by_std=norm_by_std)
-    return adv[[episodes[_episode(r)] for r in kept]]
+    return adv[[episodes[episode_key(r)] for r in kept]]
 
 
 def response_mask(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, list[int]]:
@@ -138,10 +143,25 @@ def response_mask(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, list[int]]
 
 
 def outcome_rewards(rollouts: Sequence[Rollout]) -> torch.Tensor:
-    """Each rollout's score on its last response token, ``[B, T]`` float32 (no penalty)."""
+    """Each episode's score on its last trained response token, ``[B, T]`` float32 (no
+    penalty): a split episode's on its last sample with a trained token, paid once."""
     mask, _ = response_mask(rollouts)
-    scores = torch.tensor([float(r.reward) for r in rollouts], dtype=torch.float32)
+    last = {episode_key(r): i for i, r in enumerate(rollouts) if mask[i].any()}
+    scores = torch.tensor(
+        [float(r.reward) if last.get(episode_key(r)) == i else 0.0 for i, r in enumerate(rollouts)],
+        dtype=torch.float32,
+    )
     return outcome_token_rewards(scores, mask)
+
+
+def episode_rows(rollouts: Sequence[Rollout]) -> list[list[int]]:
+    """The indices into ``rollouts`` of each episode's samples, in order (a lone rollout
+    is an episode of one), episodes in order of first appearance: what
+    :func:`~learner.advantages.gae_advantages` and REINFORCE++ join."""
+    rows: dict[Hashable, list[int]] = {}
+    for i, r in enumerate(rollouts):
+        rows.setdefault(episode_key(r), []).append(i)
+    return list(rows.values())
 
 
 def token_advantages(
@@ -159,7 +179,7 @@ def token_advantages(
     mask, lengths = response_mask(kept)
     if estimator == "reinforce_plus_plus":
         rewards = outcome_rewards(kept) if token_rewards is None else token_rewards
-        adv = reinforce_pp_advantages(rewards, mask, gamma)
+        adv = reinforce_pp_advantages(rewards, mask, gamma, episode_rows(kept))
     elif estimator == "reinforce_plus_plus_baseline":
         centered = baseline_advantages(rollouts, kept, "grpo", norm_by_std=False)
         adv = reinforce_pp_baseline_advantages(centered, mask)
@@ -168,8 +188,10 @@ def token_advantages(
     return {i: adv[i, : lengths[i]] for i in range(len(kept))}
 
 
-def _episode(r: Rollout) -> Hashable:
-    # Kept rollouts are the same objects as in ``rollouts``: a lone one is keyed by identity.
+def episode_key(r: Rollout) -> Hashable:
+    """What the samples of ``r``'s episode share: ``(group_id, episode)``, or the rollout's
+    identity when it is an episode of its own (a kept rollout is the same object as in the
+    batch it was cleaned from, so the key holds across both)."""
     return id(r) if r.episode is None else (r.group_id, r.episode)
 
 

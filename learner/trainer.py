@@ -302,7 +302,7 @@ class Trainer:
             self.loss_cfg,
             entropy=ent,
             ref_logprobs=stored(ref),
-            norm=norm,
+            norm=norm.rows(mb.seq_ids),
         )
         return loss, stats, mb
 

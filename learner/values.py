@@ -15,10 +15,12 @@ Conventions follow veRL (docs/DESIGN.md section 9), so a veRL user reads the sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from learner.advantages import any_split, join_index, join_rows, split_rows
 from learner.reductions import AggNorm, aggregate, kl_penalty
 
 EXPLAINED_VAR_EPS = 1e-5
@@ -88,6 +90,7 @@ def kl_in_reward(
     *,
     coef: float,
     kind: str = "k1",
+    episodes: Sequence[Sequence[int]] | None = None,
 ) -> tuple[torch.Tensor, float]:
     """Token rewards with the KL penalty subtracted, and the batch's KL.
 
@@ -97,10 +100,18 @@ def kl_in_reward(
         logprobs, ref_logprobs: ``[B, T]`` the sampling policy's and the reference's.
         mask: ``[B, T]`` bool, response tokens.
         kind: the estimator (``k1``, ``k2``, ``k3``; veRL's ``algorithm.kl_penalty``).
+        episodes: the rows of each episode when some span several (a split episode):
+            ``kl`` then counts each episode as one sequence (see
+            :func:`learner.advantages.gae_advantages`).
     Returns:
         ``(rewards [B, T], kl)``: ``kl`` is the mean over sequences of each sequence's
         token-mean KL, what the adaptive controller steers.
     """
+    if any_split(episodes):
+        index = join_index(mask, episodes)
+        joined = [join_rows(x, index) for x in (token_scores, logprobs, ref_logprobs, mask)]
+        rewards, kl = kl_in_reward(*joined, coef=coef, kind=kind)
+        return split_rows(rewards, index, mask.shape), kl
     kl = torch.where(mask, kl_penalty(logprobs, ref_logprobs, kind), 0.0)
     rewards = token_scores - coef * kl
     per_seq = kl.sum(dim=1) / mask.sum(dim=1).clamp(min=1)
