@@ -80,6 +80,9 @@ class RankZero:
         )
         self.coordinator = coordinator_from_config(cfg, saved_state=restored.coordinator)
         self.lag: LagController | None = None  # staleness.controller: adaptive
+        # A validation round was in flight at the last after_step: the step that follows
+        # shares the servers with it (see steer_lag).
+        self._round_in_flight = False
         if cfg.staleness.controller == "adaptive":
             st, health = cfg.staleness, cfg.trainer.health
             self.lag = LagController(
@@ -339,6 +342,7 @@ class RankZero:
         self.pushes.serve_catchups()
         self.coordinator.on_step(step)
         self._poll_validation(step)
+        self._round_in_flight = self.validation.pending(self.coordinator.validation_progress())
 
     def steer_lag(self, step: int, metrics: dict[str, float]) -> None:
         """The adaptive controller's next admission lag (``staleness/lag_limit``), from
@@ -348,7 +352,11 @@ class RankZero:
         if self.lag is None:
             metrics["staleness/lag_limit"] = float(self.cfg.staleness.max_policy_lag)
             return
-        new = self.lag.step(step, metrics)
+        # A round in flight at the step's start or still now took server time that a wider
+        # lag cannot give back: the controller does not widen on that step's wait.
+        progress = self.coordinator.validation_progress()
+        validating = self._round_in_flight or self.validation.pending(progress)
+        new = self.lag.step(step, metrics, validating=validating)
         if new is not None:
             self.coordinator.set_admission_lag(new)
             log.info("admission lag %d (%s)", new, self.lag.last_reason)

@@ -4,12 +4,16 @@ steps, and the coordinator admitting by the lag it sets (real sockets on 127.0.0
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.control.client import CoordinatorClient
 from asyncrl.control.lag_controller import HOLD_STEPS, LagController, Signals, decide
+from asyncrl.control.validation_schedule import ValidationProgress
+from learner.control_plane import RankZero
+from learner.validation import ValidationTracker
 from tests.helpers import start_coordinator
 
 HEALTHY = Signals(ess=0.9, mismatch_kl=0.001, lag_drop_frac=0.0, learner_wait=0.5)
@@ -51,6 +55,56 @@ def test_the_controller_widens_once_per_hold_and_narrows_at_once():
     assert lag.step(9, _metrics(0.95, 0.0, 72.0, lag_drops=2.0)) == 1
     assert lag.step(10, _metrics(0.95, 0.0, 80.0, lag_drops=2.0)) is None
     assert lag.step(11, {"timing/wait_fraction": 0.9}) is None  # nothing measured
+
+
+def test_a_wait_while_a_validation_round_shares_the_servers_does_not_widen():
+    assert _decide(2, validating=True) == (
+        2,
+        "hold: the learner waited while a validation round shared the servers",
+    )
+    assert _decide(2, validating=True, ess=0.2)[0] == 1  # narrowing still acts at once
+    lag = LagController(0, 3, min_ess=0.3, max_kl=0.1)
+    assert lag.step(1, _metrics(0.95, 0.6, 8.0), validating=True) is None
+    assert lag.step(2, _metrics(0.95, 0.6, 16.0)) == 1  # the round is over: the wait counts
+
+
+class _Coordinator:
+    """What ``RankZero.steer_lag`` asks of the coordinator: the validation rounds
+    started, and the lag it sets."""
+
+    def __init__(self, rounds: int) -> None:
+        self.rounds, self.lags = rounds, []
+
+    def validation_progress(self) -> ValidationProgress:
+        return ValidationProgress(rounds_started=self.rounds, round_groups=4)
+
+    def set_admission_lag(self, lag: int) -> None:
+        self.lags.append(lag)
+
+    def on_step(self, step: int) -> None:
+        self.rounds += 1  # a round is due at every step here
+
+
+def test_the_learner_tells_the_controller_of_a_round_in_flight_since_the_last_step():
+    """A round started after step 1 (``after_step``) and reported during step 2 still
+    shared step 2's servers: step 2's wait does not widen the lag; step 3's does."""
+    plane = SimpleNamespace(
+        lag=LagController(0, 3, min_ess=0.3, max_kl=0.1),
+        coordinator=_Coordinator(rounds=0),
+        validation=ValidationTracker(),
+        pushes=SimpleNamespace(serve_catchups=lambda: None),
+        _poll_validation=lambda step: None,
+        _round_in_flight=False,
+    )
+    RankZero.after_step(plane, 1)  # type: ignore[arg-type]
+    assert plane._round_in_flight
+    plane.validation.load_state_dict({"reported": ["val/0"], "groups": {}})
+    metrics = _metrics(0.95, 0.6, 8.0)
+    RankZero.steer_lag(plane, 2, metrics)  # type: ignore[arg-type]
+    assert plane.coordinator.lags == [] and metrics["staleness/lag_limit"] == 0.0
+    plane._round_in_flight = False  # no round started after step 2
+    RankZero.steer_lag(plane, 3, _metrics(0.95, 0.6, 16.0))  # type: ignore[arg-type]
+    assert plane.coordinator.lags == [1]
 
 
 def test_a_restored_controller_goes_on_at_the_lag_it_had_earned():

@@ -13,7 +13,9 @@ measurements instead of a guess:
 - **widen** by one version when the correction is comfortably healthy (ESS at least twice its
   floor, mismatch KL at most half its ceiling) and the learner waited for data for at least
   :data:`WIDEN_WAIT` of its step, at most once per :data:`HOLD_STEPS` steps (a change needs a
-  few steps to show in the measurements);
+  few steps to show in the measurements), unless a validation round was being generated
+  during the step: the servers then spend time on the round that a wider lag cannot give
+  back, and widening on that wait would keep the wider lag for the rest of the run;
 - otherwise hold.
 
 It paces admission rather than dropping work: a narrower lag deals no new task until the
@@ -43,6 +45,7 @@ class Signals:
     mismatch_kl: float  # importance/mismatch_kl
     lag_drop_frac: float  # buffer lag drops / groups in, since the last step
     learner_wait: float  # timing/wait_fraction
+    validating: bool = False  # a validation round was in flight during the step
 
 
 def decide(
@@ -57,6 +60,8 @@ def decide(
         return max(low, lag - 1), f"narrow: {s.lag_drop_frac:.0%} of new groups dropped for lag"
     comfortable = s.ess >= min(1.0, 2 * min_ess) and abs(s.mismatch_kl) <= max_kl / 2
     if comfortable and s.learner_wait >= WIDEN_WAIT:
+        if s.validating:
+            return lag, "hold: the learner waited while a validation round shared the servers"
         return min(high, lag + 1), f"widen: healthy, the learner waited {s.learner_wait:.0%}"
     return lag, "hold"
 
@@ -96,8 +101,9 @@ class LagController:
         self.groups_in, self.lag_drops = state.get("groups_in"), state.get("lag_drops")
         self.last_reason = "restored"
 
-    def step(self, step: int, metrics: dict[str, float]) -> int | None:
-        """Take one step's metrics; the new lag when it changes, else None."""
+    def step(self, step: int, metrics: dict[str, float], validating: bool = False) -> int | None:
+        """Take one step's metrics; the new lag when it changes, else None. ``validating``:
+        a validation round was in flight during the step (its wait does not widen)."""
         groups_in = metrics.get("buffer/groups_in", self.groups_in)
         drops = metrics.get("buffer/drops/lag", self.lag_drops)
         new_in, new_drops = _since(groups_in, self.groups_in), _since(drops, self.lag_drops)
@@ -110,6 +116,7 @@ class LagController:
             mismatch_kl=kl,
             lag_drop_frac=new_drops / new_in if new_in > 0 else 0.0,
             learner_wait=metrics.get("timing/wait_fraction", 0.0),
+            validating=validating,
         )
         lag, reason = decide(self.lag, self.low, self.high, signals, self.min_ess, self.max_kl)
         if lag > self.lag and step - self.widened_at < HOLD_STEPS:
