@@ -69,6 +69,26 @@ def test_a_round_being_dealt_over_other_rows_is_refused_in_one_line() -> None:
     assert task is not None and task.task_id == "val/0/1"
 
 
+def test_a_validation_set_swapped_for_another_of_its_size_counts_as_changed() -> None:
+    """Same row count, other rows: a round under way is refused as for another size, and
+    with none under way the saved round's ids name no task of the new set."""
+    other = [make_row("arithmetic", f"{i}+2=", str(i + 2), split="test", index=i) for i in range(2)]
+    source = _source(2)
+    source.start_validation()
+    source.next_val()  # round 0 half dealt
+    with pytest.raises(ConfigError) as refused:
+        TaskSource(_rows(6), other, seed=2, lineage="").load_state_dict(source.state_dict())
+    (line,) = refused.value.problems
+    assert "over 2 rows; data.val_files now holds 2 other," in line
+    fresh = TaskSource(_rows(6), other, seed=2, lineage="")
+    fresh.load_state_dict(_dealt_round().state_dict())
+    with pytest.raises(KeyError):
+        fresh.task_for_id("val/0/0")
+    same = _source(2)  # the same rows: the saved round's ids still name them
+    same.load_state_dict(_dealt_round().state_dict())
+    assert same.task_for_id("val/0/1").prompt == _rows(2, "test")[1]["prompt"]
+
+
 def _ledger(n_val: int) -> TaskLedger:
     return TaskLedger(_source(n_val), Budget(4, 4))
 

@@ -23,6 +23,8 @@ checkpoint; the rows themselves are read from ``data.train_files``/``data.val_fi
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 import secrets
@@ -64,6 +66,15 @@ def load_rows(paths: Sequence[str], prompt_key: str = "prompt") -> list[dict[str
         except ValueError as e:
             raise ConfigError([str(e)]) from e
     return rows
+
+
+def rows_digest(rows: Sequence[dict[str, Any]]) -> str:
+    """A short fingerprint of ``rows`` (their content, in order): a validation set swapped for
+    another of the same size is told apart from the one a checkpoint's rounds were over."""
+    h = hashlib.sha256()
+    for row in rows:
+        h.update(json.dumps(row, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:16]
 
 
 def epoch_order(size: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
@@ -126,6 +137,7 @@ class TaskSource:
         # (rounds, rows): the rounds numbered below were dealt over a validation set of
         # that many rows, not these (a resume that changed it; see load_state_dict).
         self._other_val = (0, len(self.val_rows))
+        self.val_digest = rows_digest(self.val_rows)
         self._orders: dict[int, list[int]] = {}  # epoch -> its order (two at most)
         # Asked before dealing each training row (its index, epoch, position): True passes
         # it over (algorithm.filter_groups.skip_uninformative; see GroupFilter.skip_row).
@@ -268,6 +280,7 @@ class TaskSource:
             "val_position": self.val_position,
             "train_rows": len(self.train_rows),
             "val_rows": len(self.val_rows),
+            "val_digest": self.val_digest,
             "seed": self.seed,
             "shuffle": self.shuffle,
             "lineage": self.lineage,
@@ -288,7 +301,8 @@ class TaskSource:
             raise ConfigError([problem])
         # Absent from checkpoints made before it was saved: taken as unchanged.
         val_saved = int(state.get("val_rows", len(self.val_rows)))
-        changed = val_saved != len(self.val_rows)
+        digest = state.get("val_digest", self.val_digest)
+        changed = val_saved != len(self.val_rows) or digest != self.val_digest
         if changed and state["val_queue"]:
             what = f"round {int(state['val_queue'][0])} is being dealt"
             raise ConfigError([self._val_changed(what, val_saved)])
@@ -327,7 +341,8 @@ class TaskSource:
         another validation set. No rows here: validation is off (the launch check refuses
         empty files when it is on)."""
         n = len(self.val_rows)
-        now = f"now holds {n}" if n else "holds none now (validation is off)"
+        other = " other" if n == val_saved else ""  # the same size, other content
+        now = f"now holds {n}{other}" if n else "holds none now (validation is off)"
         return (
             f"the checkpoint's validation rounds are over {val_saved} rows; data.val_files "
             f"{now}, and its {what}: resume with the validation files and settings it was "
