@@ -67,7 +67,8 @@ class ValidationTracker:
             for task_id, group in by_round.get(key, {}).items():
                 have.setdefault(task_id, group)  # the same id scored twice counts once
             lost = [t for t in (given_up or {}).get(key, ()) if t not in have]
-            if progress.round_groups and len(have) + len(lost) >= progress.round_groups:
+            need = progress.groups_in(key)  # an earlier set's round: its own size
+            if need and len(have) + len(lost) >= need:
                 metrics = round_metrics(per_source(have.values()))
                 # Logged at the step the round completes: say which weights it measured
                 if (started := progress.start_step(key)) is not None:
@@ -76,11 +77,12 @@ class ValidationTracker:
                     metrics["val/groups_given_up"] = float(len(lost))
                     log.warning(
                         "validation round %s scored without %d of its %d prompts, given up "
-                        "after control.task_retries failures (their errors are in the "
-                        "servers' logs): val/score covers the rest",
+                        "(failed past control.task_retries, or lost with a buffer after a "
+                        "resume changed the validation set; the log says which): val/score "
+                        "covers the rest",
                         key,
                         len(lost),
-                        progress.round_groups,
+                        need,
                     )
                 out.append(metrics)
                 self.reported.add(key)

@@ -13,6 +13,8 @@ from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
 from asyncrl.control.setup import state_from_config
 from asyncrl.control.task_source import TaskSource
 from asyncrl.tasks.schema import make_row
+from asyncrl.wire.requests import ValidationGroup
+from learner.validation import ValidationTracker
 
 
 def _rows(n: int, split: str = "train") -> list[dict]:
@@ -87,6 +89,37 @@ def test_a_validation_set_swapped_for_another_of_its_size_counts_as_changed() ->
     same = _source(2)  # the same rows: the saved round's ids still name them
     same.load_state_dict(_dealt_round().state_dict())
     assert same.task_for_id("val/0/1").prompt == _rows(2, "test")[1]["prompt"]
+
+
+def test_a_round_over_the_replaced_set_completes_at_its_own_size() -> None:
+    """Found by a review: a round of the saved set, scored but not yet read by the learner
+    at the checkpoint, was awaited at the new set's size after a resume that changed it
+    (the run's end then waited launch.start_timeout_s for it); and its groups lost with a
+    buffer could not be dealt again over the new rows. Now the round completes at its own
+    size, and lost groups are given up and named."""
+    cfg = load_config(None, ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2"])
+    old = state_from_config(cfg, _rows(6), _rows(2, "test"))
+    old.start_validation(0)
+    tasks, _ = old.ledger.deal("a", 2)
+    ids = [t.task_id for t in tasks]
+    assert all(t.validation for t in tasks)
+    old.ledger.trained(ids)  # scored: the learner has read neither sum yet
+    other = [make_row("arithmetic", f"{i}+2=", str(i + 2), split="test", index=i) for i in range(3)]
+    new = state_from_config(cfg, _rows(6), other)
+    new.load_state_dict(old.state_dict())
+    progress = new.validation_progress()
+    key = progress.round_key(0)
+    assert progress.groups_in(key) == 2 and progress.round_groups == 3
+    assert new.round_states([key]) == {key: {ids[0]: "done", ids[1]: "done"}}
+    tracker = ValidationTracker()
+    group = ValidationGroup("arithmetic", 4, 2.0, 2.0, 12)
+    assert tracker.add({key: {ids[0]: group}}, progress) == []  # 1 of its 2
+    assert new.rescore([ids[1]]) == 0  # lost with a buffer: not dealt over the new rows
+    given_up = [t for t, st in new.round_states([key])[key].items() if st == "given_up"]
+    assert given_up == [ids[1]]
+    (report,) = tracker.add({}, progress, {key: given_up})
+    assert report["val/groups_given_up"] == 1.0 and report["val/responses"] == 4.0
+    assert new.metrics()["coordinator/tasks/val_lost_other_set"] == 1.0
 
 
 def _ledger(n_val: int) -> TaskLedger:

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.task_source import OtherValidationSet
 from asyncrl.control.task_states import (
     BUF,
     DONE,
@@ -126,19 +127,26 @@ def lost(ledger: TaskLedger, task_ids: Iterable[str], before: float) -> int:
     return n
 
 
-def rescore(ledger: TaskLedger, task_ids: Iterable[str]) -> int:
+def rescore(ledger: TaskLedger, task_ids: Iterable[str]) -> tuple[int, list[str]]:
     """Validation groups counted as scored whose sums the learner never read: the buffer
     that scored them died first, and its successor has not got them. Dealt again (their
-    entries are rebuilt from their ids: a scored entry kept no task). Returns how many."""
-    n = 0
+    entries are rebuilt from their ids: a scored entry kept no task). Returns how many, and
+    the ids given up instead: a round of the validation set a resume replaced, whose rows
+    are no longer read (its round is then reported without them, not waited for)."""
+    n, gone = 0, []
     for tid in task_ids:
         e = ledger.entries.get(tid)
         if e is None or e.state != DONE or kind_of(tid) != "val":
             continue
         try:
             e.task = ledger.source.task_for_id(tid, ledger.budget.version)
+        except OtherValidationSet:
+            ledger.move(tid, e, GIVEN_UP, "other_val_set")
+            ledger.counts["val_lost_other_set"] += 1
+            gone.append(tid)
+            continue
         except KeyError:  # another line's round: not ours to deal
             continue
         ledger.requeue(tid, e, "lost", front=True)
         n += 1
-    return n
+    return n, gone

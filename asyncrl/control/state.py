@@ -427,22 +427,31 @@ class ControlState:
     def round_states(self, keys: list[str]) -> dict[str, dict[str, str]]:
         """For each validation round key: the state of each of its ids this ledger knows
         (``done``: scored; ``given_up``: failed past ``control.task_retries``)."""
-        rows = len(self.ledger.source.val_rows)
+        progress = self.validation.progress()
         out: dict[str, dict[str, str]] = {}
         for key in keys:
-            ids = (f"{key}/{row}" for row in range(rows))
+            ids = (f"{key}/{row}" for row in range(progress.groups_in(key)))
             out[key] = {t: e.state for t in ids if (e := self.ledger.entries.get(t)) is not None}
         return out
 
     def rescore(self, task_ids: list[str]) -> int:
         """Scored validation groups the learner never read (the buffer died first): dealt
         again (:func:`ledger_recovery.rescore`)."""
-        n = ledger_recovery.rescore(self.ledger, task_ids)
+        n, gone = ledger_recovery.rescore(self.ledger, task_ids)
         if n:
             log.warning(
                 "%d validation groups were scored by a buffer that died before the learner "
                 "read them: dealt again",
                 n,
+            )
+        if gone:
+            log.warning(
+                "%d validation groups (%s...) of a round over the validation set this run "
+                "resumed from were lost with the buffer; this run's data.val_files holds "
+                "other rows, so they cannot be scored again: the round is reported without "
+                "them",
+                len(gone),
+                gone[0],
             )
         return n
 

@@ -234,6 +234,12 @@ class TaskSource:
         ]
 
     # ------------------------------------------------------------------ ids, state
+    @property
+    def other_val(self) -> tuple[int, int]:
+        """``(rounds, rows)``: the rounds numbered below ``rounds`` were dealt over a
+        validation set of ``rows`` rows that a resume changed (``(0, rows now)``: none)."""
+        return self._other_val
+
     def task_for_id(self, task_id: str, version: int = 0) -> Task:
         """Rebuild the task that ``task_id`` names (e.g. one outstanding at a restart)."""
         kind, number, index, retry = _parse_id(task_id, self.lineage)

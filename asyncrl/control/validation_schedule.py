@@ -25,9 +25,17 @@ class ValidationProgress(NamedTuple):
     round_groups: int  # groups in one round: one per validation row
     head: str = "val"  # round k's groups have ids ``<head>/<k>/<row>`` (its round key)
     started_at: dict[int, int] | None = None  # round number -> the step it started at
+    # (rounds, groups): the rounds numbered below were dealt over a validation set of that
+    # many rows, which a resume then changed (TaskSource.other_val)
+    earlier: tuple[int, int] = (0, 0)
 
     def round_key(self, number: int) -> str:
         return f"{self.head}/{number}"
+
+    def groups_in(self, key: str) -> int:
+        """How many groups make round ``key``: one per row of the set it was dealt over."""
+        number = int(key.rsplit("/", 1)[1])
+        return self.earlier[1] if number < self.earlier[0] else self.round_groups
 
     def start_step(self, key: str) -> int | None:
         """The learner step whose weights round ``key`` measures (None: not known, a round
@@ -74,5 +82,9 @@ class ValidationSchedule:
     def progress(self) -> ValidationProgress:
         source = self.source
         return ValidationProgress(
-            source.val_rounds, len(source.val_rows), source.val_head, dict(self.started_at)
+            source.val_rounds,
+            len(source.val_rows),
+            source.val_head,
+            dict(self.started_at),
+            source.other_val,
         )
