@@ -205,6 +205,15 @@ class RewardConfig(Section):
     custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig)
     timeout_s: float = Field(default=5.0, gt=0, description="A scorer running longer scores 0.")
     num_workers: int = Field(default=2, gt=0, description="Scorer processes per rollout server.")
+    max_memory_mb: int = Field(
+        default=8192,
+        ge=0,
+        description="Memory each scorer process may take, in MiB; 0: no cap. A sample whose "
+        "scorer runs out of memory under it scores 0 (a reward error) and its process is "
+        "replaced. It caps writable mappings (RLIMIT_DATA), which can exceed what is touched: "
+        "thread stacks, numpy's BLAS buffers (about 40 MB per core it uses: the default leaves "
+        "room for 128 cores). Processes a scorer starts get their own cap.",
+    )
     startup_timeout_s: float = Field(
         default=60.0,
         gt=0,

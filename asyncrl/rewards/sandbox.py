@@ -5,7 +5,9 @@ regex) holds the GIL and cannot be interrupted. :class:`RewardPool` runs scorers
 generic killable pool (:mod:`asyncrl.sandbox.workers`): each worker is a ``spawn``-ed process that
 loads the scorer once, then answers :class:`ScoreJob` s with ``("ok", (score, parts))``,
 ``("exception", message)`` or ``("bad_return", message)``. A job that overruns
-``timeout_s`` gets its worker killed and replaced; the caller gets score 0.0 at once.
+``timeout_s`` gets its worker killed and replaced; the caller gets score 0.0 at once. Each
+worker's memory is capped at ``max_memory_mb``: a scorer that runs out of memory under it
+scores 0.0 as ``"out_of_memory"`` and its worker is replaced.
 Scorers may be ``async def`` (run on the worker's own event loop), may start processes
 (``multiprocessing`` included: they are killed with the worker) and may fork.
 
@@ -30,13 +32,15 @@ from asyncrl.rewards.registry import (
     load_custom_scorer,
     normalize_score,
 )
-from asyncrl.sandbox.process import MAX_MESSAGE_CHARS, Handler, Worker
+from asyncrl.sandbox.process import MAX_MESSAGE_CHARS, Handler, MemoryCap, Worker
 from asyncrl.sandbox.workers import WorkerPool, check_pool_args
 
 logger = logging.getLogger(__name__)
 
 #: Why a sample scored 0.0 without its scorer's say.
-ERROR_KINDS = ("timeout", "exception", "bad_return", "worker_died")
+ERROR_KINDS = ("timeout", "exception", "bad_return", "worker_died", "out_of_memory")
+#: The key that caps each scorer worker's memory, named by the errors that hit the cap.
+MEMORY_KEY = "reward.max_memory_mb"
 
 _EXPLANATIONS = {
     "timeout": "reward function timed out after {timeout}s; make it faster or raise "
@@ -45,7 +49,9 @@ _EXPLANATIONS = {
     "bad_return": "reward function returned {detail}; return a finite float or a dict with "
     "a 'score' key",
     "worker_died": "reward worker process died while scoring (exit code {detail}); check the "
-    "scorer for crashes, os._exit or running out of memory",
+    f"scorer for crashes, os._exit or running out of memory ({MEMORY_KEY} caps each worker)",
+    "out_of_memory": "reward function ran out of memory ({detail}); such samples score 0.0 "
+    f"and its worker is replaced: make the scorer use less or raise {MEMORY_KEY} (0: no cap)",
 }
 
 
@@ -161,6 +167,7 @@ class RewardPool:
         *,
         custom_kwargs: dict[str, Any] | None = None,
         startup_timeout_s: float = 60.0,
+        max_memory_mb: int = 8192,
     ) -> None:
         """Start the workers and wait until each has loaded its scorer.
 
@@ -174,13 +181,15 @@ class RewardPool:
                 (``reward.custom_reward_function.reward_kwargs``).
             startup_timeout_s: Longest a worker may take to start and load the scorer
                 (``reward.startup_timeout_s``).
+            max_memory_mb: The memory each worker may take, in MiB (0: no cap;
+                ``reward.max_memory_mb``).
 
         Raises:
             ValueError: Bad arguments, a missing custom file or function, a file that
                 fails to import, or one that takes longer than ``startup_timeout_s`` to:
                 raised here, before any sample is scored.
         """
-        check_pool_args(num_workers, timeout_s)
+        check_pool_args(num_workers, timeout_s, max_memory_mb)
         path = str(check_custom_path(custom_path)) if custom_path else None
         self._pool = WorkerPool(
             _load_scorer,
@@ -192,10 +201,12 @@ class RewardPool:
             timeout_s=timeout_s,
             startup_timeout_s=startup_timeout_s,
             slow_start=_slow_start(path),
+            memory_cap=MemoryCap(max_memory_mb, MEMORY_KEY),
             log=logger,
         )
         self.num_workers = num_workers
         self.timeout_s = self._pool.timeout_s
+        self.max_memory_mb = max_memory_mb
 
     # ---------------------------------------------------------------- public API
 

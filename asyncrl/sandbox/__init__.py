@@ -1,13 +1,14 @@
 """Running user code that may hang or crash: reward functions and agent tools.
 
-- :mod:`~asyncrl.sandbox.workers`: killable worker processes with a per-job timeout
-  (:class:`~asyncrl.sandbox.workers.WorkerPool`), the base of both the reward pool
-  (:mod:`asyncrl.rewards`) and the tool pool (:mod:`asyncrl.tools`);
+- :mod:`~asyncrl.sandbox.workers`: killable worker processes with a per-job timeout and
+  an optional memory cap (:class:`~asyncrl.sandbox.workers.WorkerPool`), the base of both
+  the reward pool (:mod:`asyncrl.rewards`) and the tool pool (:mod:`asyncrl.tools`);
 - :mod:`~asyncrl.sandbox.pyfile`: importing a user's Python file by its path.
 
 Standard library only: it may import nothing else from the project.
 """
 
+from asyncrl.sandbox.process import MemoryCap
 from asyncrl.sandbox.workers import WorkerPool
 
-__all__ = ["WorkerPool"]
+__all__ = ["MemoryCap", "WorkerPool"]

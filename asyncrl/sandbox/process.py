@@ -7,8 +7,10 @@ Protocol (parent <-> its own child, plain picklable tuples):
 - child -> parent at start: ``("ready", None)`` or ``("startup_error", message)``
 - parent -> child: ``(seq, job)`` (anything picklable), or ``None`` to stop
 - child -> parent: ``(seq, (status, payload))``, the handler's answer to job ``seq``;
-  ``("exception", message)`` if the handler raised (``SystemExit`` included). The parent
-  drops an answer whose ``seq`` is not the job's, so no job can take another's answer.
+  ``("exception", message)`` if the handler raised (``SystemExit`` included),
+  ``("out_of_memory", detail)`` if it ran out of memory under the worker's cap
+  (:class:`MemoryCap`). The parent drops an answer whose ``seq`` is not the job's, so no
+  job can take another's answer.
 
 Each worker is its own process group, so the pool's kill also ends what the user code
 started, and a signal to the caller's group (the launcher's stop) leaves the workers to
@@ -25,6 +27,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import resource
 import signal
 import sys
 import threading
@@ -32,7 +35,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import Any, NamedTuple
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,22 @@ MAX_MESSAGE_CHARS = 300  # an error message's longest form, so a huge repr canno
 # How long workers may take to exit (all together, at a close) before they are killed.
 STOP_GRACE_S = 1.0
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_CAUSES_CHECKED = 5  # how deep a raise's causes are searched for a MemoryError
+
+
+class MemoryCap(NamedTuple):
+    """The memory each worker process may take: ``mb`` MiB (0: no cap), set by the config
+    ``key`` that a worker's out-of-memory messages name as the fix."""
+
+    mb: int = 0
+    key: str = ""
+
+    def hit(self) -> str:
+        """What a job that ran out of memory under the cap reports (one line)."""
+        return f"MemoryError under the {self.mb} MB cap of {self.key}"
+
+
+NO_CAP = MemoryCap()  # workers whose owner sets no cap (the tool pool)
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -80,7 +99,41 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(0)
 
 
-def _answer(handler: Handler, job: Any, pid: int) -> tuple[str, Any]:
+def _limit_memory(mb: int) -> None:
+    """Cap this process's memory at ``mb`` MiB (0: leave it as it is).
+
+    RLIMIT_DATA, not RLIMIT_AS: since Linux 4.7 it counts the heap and every private
+    writable mapping (what malloc, numpy and thread stacks get), but not address space
+    that is only reserved (glibc's 64 MB malloc arena per thread, PROT_NONE until used)
+    nor shared libraries' code. On this project's Linux a 600 MB RLIMIT_AS made
+    ``import torch`` (300 MB resident) raise MemoryError; the same RLIMIT_DATA did not.
+    Only the soft limit is lowered, and never raised: a guard against a runaway scorer,
+    not a security boundary. Processes the user code starts inherit it, each capped alone.
+    """
+    if mb <= 0:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    limit = mb << 20
+    for other in (soft, hard):  # keep a stricter limit set by whoever started us
+        if other != resource.RLIM_INFINITY:
+            limit = min(limit, other)
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
+
+
+def _from_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is a MemoryError or was raised while handling one (a scorer that
+    wraps its errors): the cap, not the user's logic, ended the job."""
+    seen: BaseException | None = exc
+    for _ in range(_CAUSES_CHECKED):
+        if seen is None:
+            return False
+        if isinstance(seen, MemoryError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _answer(handler: Handler, job: Any, pid: int, cap: MemoryCap) -> tuple[str, Any]:
     """The handler's answer to ``job``. A process forked by user code that comes back here
     (a child that returned or raised instead of calling ``os._exit``) exits at once: only
     the worker itself may answer on the pipe."""
@@ -90,14 +143,52 @@ def _answer(handler: Handler, job: Any, pid: int) -> tuple[str, Any]:
         if os.getpid() != pid:
             code = exc.code if isinstance(exc, SystemExit) else 1
             os._exit(code if isinstance(code, int) else int(code is not None))
+        if cap.mb > 0 and _from_memory(exc):
+            return "out_of_memory", cap.hit()
         return "exception", describe_exception(exc)
     if os.getpid() != pid:
         os._exit(0)
     return answer
 
 
+def _start(
+    conn: Connection, setup: Setup, setup_args: tuple[Any, ...], cap: MemoryCap
+) -> Handler | None:
+    """Cap the memory, run ``setup`` and tell the parent how it went; the handler, or None
+    (the worker should exit) when it failed."""
+    try:
+        # Before setup: importing the user's module is user code too, and a scorer that
+        # loads too much there fails at start, in one line, rather than on every sample.
+        _limit_memory(cap.mb)
+    except (OSError, ValueError) as exc:  # refused here: say so rather than run uncapped
+        message = f"cannot cap a worker's memory ({exc}): set {cap.key}=0 to run without a cap"
+        conn.send(("startup_error", message))
+        return None
+    try:
+        handler = setup(*setup_args)
+    except Exception as exc:
+        if cap.mb > 0 and _from_memory(exc):
+            message = (
+                f"a worker ran out of memory while starting ({cap.hit()}): load less when "
+                f"its module is imported, or raise {cap.key} (0: no cap)"
+            )
+        else:
+            try:
+                message = str(exc)
+            except Exception:
+                message = describe_exception(exc)
+        conn.send(("startup_error", message))
+        return None
+    conn.send(("ready", None))
+    return handler
+
+
 def _worker_main(
-    conn: Connection, setup: Setup, setup_args: tuple[Any, ...], parent_pid: int
+    conn: Connection,
+    setup: Setup,
+    setup_args: tuple[Any, ...],
+    parent_pid: int,
+    cap: MemoryCap = NO_CAP,
 ) -> None:
     """Entry point of a worker process: run ``setup``, then serve jobs until told to stop.
 
@@ -112,16 +203,9 @@ def _worker_main(
     mp.set_start_method(None, force=True)
     # Ctrl-C reaches the whole process group; the parent decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        handler = setup(*setup_args)
-    except Exception as exc:
-        try:
-            message = str(exc)
-        except Exception:
-            message = describe_exception(exc)
-        conn.send(("startup_error", message))
+    handler = _start(conn, setup, setup_args, cap)
+    if handler is None:
         return
-    conn.send(("ready", None))
     pid = os.getpid()
     while True:
         try:
@@ -131,7 +215,7 @@ def _worker_main(
         if message is None:
             return
         seq, job = message
-        answer = _answer(handler, job, pid)
+        answer = _answer(handler, job, pid, cap)
         try:
             conn.send((seq, answer))
         except (EOFError, OSError):
@@ -190,7 +274,14 @@ def _kill_group(process: Any) -> None:
 class Worker:
     """The parent's handle on one worker process (:attr:`process`) and its pipe."""
 
-    def __init__(self, ctx: Any, setup: Setup, setup_args: tuple[Any, ...], role: str) -> None:
+    def __init__(
+        self,
+        ctx: Any,
+        setup: Setup,
+        setup_args: tuple[Any, ...],
+        role: str,
+        cap: MemoryCap = NO_CAP,
+    ) -> None:
         self.role = role
         self._send_lock = threading.Lock()  # a job and a close's stop never interleave
         self._kill_lock = threading.Lock()  # a close and a caller may kill it at once
@@ -199,7 +290,7 @@ class Worker:
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
             target=_worker_main,
-            args=(child_conn, setup, setup_args, os.getpid()),
+            args=(child_conn, setup, setup_args, os.getpid(), cap),
             name=f"asyncrl-{role}-worker",
             daemon=False,  # see the module's docstring; the pool's finalizer stops it
         )

@@ -5,7 +5,9 @@ the GIL and cannot be interrupted. Each :class:`WorkerPool` worker is a ``spawn`
 process (safe while the caller runs threads or an event loop) that runs a *setup*
 function once, then answers jobs sent over its own pipe with the handler that setup
 returned. A job that overruns ``timeout_s`` gets its worker killed and replaced in the
-background; the caller gets ``("timeout", None)`` at once.
+background; the caller gets ``("timeout", None)`` at once. With a
+:class:`~asyncrl.sandbox.process.MemoryCap`, a job that runs out of memory under it gets
+``("out_of_memory", detail)`` and its worker is replaced the same way.
 
 The reward pool (scorers) and the tool pool (agent tools) are both thin layers on this one.
 
@@ -29,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from asyncrl.sandbox.process import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
-from asyncrl.sandbox.process import STOP_GRACE_S, Setup, Worker
+from asyncrl.sandbox.process import NO_CAP, STOP_GRACE_S, MemoryCap, Setup, Worker
 from asyncrl.sandbox.process import Handler as Handler  # the pools built on this one
 
 logger = logging.getLogger(__name__)
@@ -38,8 +40,9 @@ T = TypeVar("T")
 
 
 #: Statuses the pool itself produces, whatever the handler: the job overran its time,
-#: the worker process died under it, or the handler raised.
-POOL_STATUSES = ("timeout", "worker_died", "exception")
+#: the worker process died under it, the handler raised, or it ran out of memory under the
+#: pool's ``memory_cap`` (only a pool with one).
+POOL_STATUSES = ("timeout", "worker_died", "exception", "out_of_memory")
 
 MAX_LOGGED = 20  # different failures logged in full; every one is counted
 # How long a close waits for a replacement worker still starting: a stopping server must
@@ -53,12 +56,14 @@ class PoolBroken(RuntimeError):
     the start-up error)."""
 
 
-def check_pool_args(num_workers: int, timeout_s: float) -> None:
-    """Raise ValueError for a pool size or timeout that could never serve a job."""
+def check_pool_args(num_workers: int, timeout_s: float, max_memory_mb: int = 0) -> None:
+    """Raise ValueError for a pool size, timeout or memory cap that could never serve a job."""
     if num_workers < 1:
         raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if max_memory_mb < 0:
+        raise ValueError(f"max_memory_mb must be >= 0 (0: no cap), got {max_memory_mb}")
 
 
 def _stop_all(workers: set[Worker], lock: threading.Lock, stopped: threading.Event) -> None:
@@ -104,6 +109,7 @@ class WorkerPool:
         timeout_s: float = 5.0,
         startup_timeout_s: float = 60.0,
         slow_start: str = "",
+        memory_cap: MemoryCap = NO_CAP,
         log: logging.Logger = logger,
     ) -> None:
         """Start the workers and wait until each has run ``setup``.
@@ -121,12 +127,17 @@ class WorkerPool:
             startup_timeout_s: Longest a worker may take to start and run ``setup``.
             slow_start: Added to the error of a worker that took longer (at the pool's
                 start or a replacement's): the key to raise and the fix, in the owner's words.
+            memory_cap: The memory each worker may take (its ``mb``, 0: no cap) and the key
+                that sets it. A job that runs out of memory under it answers
+                ``("out_of_memory", detail)``, so ``explanations`` must then explain that kind.
             log: Where failures are reported: the owner's logger, so its users can filter.
 
         Raises:
             ValueError: Bad arguments, or ``setup`` failed in a worker (its message).
         """
-        check_pool_args(num_workers, timeout_s)
+        check_pool_args(num_workers, timeout_s, memory_cap.mb)
+        if memory_cap.mb and "out_of_memory" not in explanations:
+            raise ValueError("a pool with a memory cap needs an 'out_of_memory' explanation")
         self.name = name
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
@@ -136,6 +147,7 @@ class WorkerPool:
         self._log = log
         self._explanations = dict(explanations)
         self._startup_timeout_s, self._slow_start = startup_timeout_s, slow_start
+        self._memory_cap = memory_cap
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
         self._counters: dict[str, int] = dict.fromkeys(self._explanations, 0)
@@ -200,6 +212,11 @@ class WorkerPool:
                 # is unknown, so replace it rather than reuse it.
                 self._replace(worker)
                 raise
+            if status == "out_of_memory":
+                # The job answered, but its worker's heap may stay full (a scorer that leaks
+                # into its module, a fragmented heap): a fresh worker takes its place.
+                self._replace(worker)
+                return status, payload
             if status in ("timeout", "worker_died", "unsent"):
                 self._replace(worker)
                 if self._closed:  # the close stopped it: not the user code's fault
@@ -259,7 +276,7 @@ class WorkerPool:
     # ----------------------------------------------------------------- internals
 
     def _start_worker(self) -> Worker:
-        worker = Worker(self._ctx, self._setup, self._setup_args, self._role)
+        worker = Worker(self._ctx, self._setup, self._setup_args, self._role, self._memory_cap)
         with self._lock:
             if not self._stopped.is_set():
                 self._workers.add(worker)
