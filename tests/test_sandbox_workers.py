@@ -229,6 +229,26 @@ def test_workers_die_with_a_parent_killed_mid_job_even_after_a_respawn(scorer: P
     wait_until(lambda: not alive(worker), "the busy worker to die with its parent", 5)
 
 
+def test_what_a_scorer_left_running_dies_with_a_killed_server(scorer: Path, tmp_path: Path) -> None:
+    """Found by a review: the worker died with a SIGKILLed server, but a process its scorer
+    had started and left running lived on (only the pool's kill and close reach the
+    worker's group). Each worker's reaper now kills the group when the worker ends."""
+    pid_file = tmp_path / "children"
+    done = run_script(
+        f"""
+        import os, signal
+        from asyncrl.rewards import RewardPool
+        if __name__ == "__main__":
+            pool = RewardPool(num_workers=1, timeout_s=5.0, custom_path={str(scorer)!r})
+            assert pool.score("child_left_behind", "", {str(pid_file)!r}).score == 1.0
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    (left,) = pids_in(pid_file)
+    wait_until(lambda: not alive(left), "the scorer's child to die with the server", 5)
+
+
 # ------------------------------------------------------------------ 4. stopping a server
 
 
@@ -310,10 +330,12 @@ def test_a_forked_child_of_a_scorer_never_answers_for_the_worker(
     """A fork whose child returned (or raised) into the worker's loop answered on its pipe:
     a later sample got its score, and the child went on reading jobs."""
     worker = pool._workers[0].process.pid
+    reaper = live_children(worker)  # the worker's own (see the test above)
+    assert len(reaper) == 1
     for text in ("aa", "aaa", "aaaa"):
         assert pool.score(source, text, None) == ScoreResult(float(len(text)), {}, None)
         time.sleep(0.4)  # the child's answer would be waiting by now
-    assert live_children(worker) == []
+    assert live_children(worker) == reaper
 
 
 def test_an_answer_that_is_not_the_jobs_is_dropped(pool: RewardPool) -> None:

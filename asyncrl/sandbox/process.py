@@ -14,7 +14,10 @@ Protocol (parent <-> its own child, plain picklable tuples):
 
 Each worker is its own process group, so the pool's kill also ends what the user code
 started, and a signal to the caller's group (the launcher's stop) leaves the workers to
-the pool's own close. On Linux a worker dies with its parent (``PR_SET_PDEATHSIG``).
+the pool's own close. On Linux a worker dies with its parent (``PR_SET_PDEATHSIG``), and
+an idle *reaper* forked into its group kills the group when the worker ends, so nothing the
+user code left running outlives a killed caller. The reaper is the worker's one child of
+its own: user code that waits for *any* child (``os.waitpid(-1, 0)``) never sees it end.
 Workers are not daemons: daemonic processes may not have children, and scorers that run
 code in a ``multiprocessing.Process`` (veRL's ``prime_code``) need them.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -91,11 +95,55 @@ def _die_with_parent(parent_pid: int) -> None:
     pool's close stops them. ``PR_SET_PDEATHSIG`` kills the worker when its parent dies,
     even by SIGKILL and even mid-job (Linux only; elsewhere an idle worker sees EOF)."""
     os.setpgrp()
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):  # no libc: keep the EOF rule
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _set_parent_death_signal(signal.SIGKILL)  # False: keep the EOF rule
     if os.getppid() != parent_pid:  # the parent died before prctl could watch it
+        os._exit(0)
+        return
+    _start_reaper()
+
+
+@functools.cache
+def _libc() -> Any:
+    """The C library (loaded before the reaper's fork: never load it in a forked child)."""
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _set_parent_death_signal(sig: int) -> bool:
+    """Ask Linux to send ``sig`` to this process when its parent (thread) dies; False where
+    it cannot be asked (not Linux, no libc)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        return _libc().prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _start_reaper() -> None:
+    """Fork an idle process into the worker's group that kills the whole group when the
+    worker dies, however it dies.
+
+    The worker itself dies with the caller (its parent-death signal), but what a scorer
+    started, and left running, is not its child's business: a SIGKILLed rollout server
+    would leave those processes to run on, and the pool's kill or close, which reach the
+    group, never comes. The reaper's own parent-death signal fires when the worker ends;
+    idle in ``signal.pause``, its handler runs at once and kills the group, itself last.
+    Linux only: elsewhere the pool's kill and close are the only reach."""
+    if not sys.platform.startswith("linux"):
+        return
+    worker = os.getpid()
+    if os.fork() != 0:
+        return
+    try:  # the reaper: never returns to the worker's code
+        # The worker's pipe must reach end of file when the worker dies: no copy here.
+        os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+        if _set_parent_death_signal(signal.SIGTERM) and os.getppid() == worker:
+            while True:
+                signal.pause()
+        os.killpg(0, signal.SIGKILL)  # the worker is already gone (or cannot be watched)
+    finally:
         os._exit(0)
 
 
