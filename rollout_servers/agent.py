@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.tools.hermes import in_block_order, parse_tool_calls
+from asyncrl.tools.pool import BAD_REWARD
 from asyncrl.tools.tokens import render
 from asyncrl.wire import Trajectory
 from rollout_servers.deadlines import Deadline, within
@@ -247,6 +248,10 @@ class AgentRunner:
             for r in results:
                 if r.error:
                     self.metrics[f"rollout/agent/tool_errors/{r.error}"] += 1
+            # A step reward that is no number keeps its answer (no r.error): only the pool
+            # counts it, for the server's whole life, so its count is reported as it stands.
+            if bad := self.tools.counters[BAD_REWARD]:
+                self.metrics["rollout/agent/tool_bad_rewards"] = bad
             texts = [r.text for r in results]
         ep.tool_calls += len(calls)
         return self._append(ep, in_block_order(parsed, texts), schemas)

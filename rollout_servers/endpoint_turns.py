@@ -144,7 +144,8 @@ class EndpointTurns:
         """Sample a new piece of the session from a raw prompt and record it (committed
         only once the engine answered, as a chat turn)."""
         stops = stop_strings(body)
-        draft = raw_draft(session, prompt_ids, self.max_prompt_len, self.engine.version)
+        limits = (self.max_prompt_len, self.max_response_len)
+        draft = raw_draft(session, prompt_ids, *limits, self.engine.version)
         left = self.max_response_len - draft.episode.response_len()  # the session's, too
         budget = max_tokens_of(body, left, self.max_response_len)
         sample, raw, n = await self._sample(session, draft, budget, stops)

@@ -70,25 +70,47 @@ def split(
     ends (see :func:`extend`).
 
     The new sample's prompt ends with the new messages: they are the episode's response as
-    appended ones are (counted, scored), though this sample trains none. The prompt may pass
-    ``max_prompt_len`` (the history grew there): the engine's context is the prompt limit
-    and the response limit together, and the response budget left shrinks as the history
-    grows, so a sample never asks the engine for more (vLLM refuses a longer one).
+    appended ones are (counted, scored), though this sample trains none. Its prompt may pass
+    ``max_prompt_len`` as :func:`new_sample` allows.
     """
     before, after = renders
-    used = ep.response_len()
     lead = inserted_len(tok, before, after, new, schemas)
+    prompt = cut_alike(ep.pieces[0], after)
+    uncut = None if prompt is after else after
+    ended = new_sample(ep, prompt, lead, max_prompt_len, max_response_len, uncut)
+    if ended:
+        return ended
+    ep.splits += 1
+    return "split"
+
+
+def new_sample(
+    ep: Episode,
+    prompt: list[int],
+    lead: int,
+    max_prompt_len: int,
+    max_response_len: int,
+    uncut: list[int] | None = None,
+) -> str:
+    """Start a new sample of the episode from ``prompt`` (a history, re-rendered by a split
+    or rewritten by the OpenAI endpoint's agent), whose last ``lead`` tokens are the
+    episode's response; "" when started (its ``start_version`` is the caller's to set),
+    else why not: ``length`` or ``prompt_too_long`` (see :func:`extend`).
+
+    The prompt may pass ``max_prompt_len`` (the history grew there): the engine's context
+    is the prompt limit and the response limit together, and the response budget left
+    shrinks as the history grows, so a sample never asks the engine for more (vLLM refuses
+    a longer one). Its tokens past the limit are its ``overflow`` (:meth:`Piece.wire`).
+    """
+    used = ep.response_len()
     if used + lead >= max_response_len:
         return "length"
-    prompt = cut_alike(ep.pieces[0], after)
     left = max_response_len - used - lead
     if len(prompt) + left > max_prompt_len + max_response_len:
         return "prompt_too_long"
-    ep.splits += 1
-    uncut = None if prompt is after else after
     overflow = max(0, len(prompt) - max_prompt_len)
     ep.pieces.append(Piece(prompt_ids=prompt, lead=lead, uncut=uncut, overflow=overflow))
-    return "split"
+    return ""
 
 
 def cut_alike(first: Piece, history: list[int]) -> list[int]:

@@ -22,7 +22,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from rollout_servers.chat_bodies import usage
-from rollout_servers.sessions import Draft, RequestError, Session, first_piece
+from rollout_servers.sessions import Draft, RequestError, Session, next_piece
 
 if TYPE_CHECKING:
     from rollout_servers.protocols import Tokenizer
@@ -82,11 +82,26 @@ def _token_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
-def raw_draft(session: Session, prompt_ids: list[int], max_prompt_len: int, version: int) -> Draft:
-    """A draft whose new sample starts with ``prompt_ids`` (the session is not touched)."""
+def raw_draft(
+    session: Session,
+    prompt_ids: list[int],
+    max_prompt_len: int,
+    max_response_len: int,
+    version: int,
+) -> Draft:
+    """A draft whose new sample starts with ``prompt_ids`` (the session is not touched);
+    a later sample of the session may pass ``data.max_prompt_length`` as a rewritten chat
+    conversation may (:func:`~rollout_servers.sessions.next_piece`)."""
     ep = session.episode
     draft = Draft(ep.draft(), [RAW], None)
-    draft.episode.pieces.append(first_piece(prompt_ids, max_prompt_len, version))
+    next_piece(
+        draft.episode,
+        prompt_ids,
+        0,
+        max_prompt_len=max_prompt_len,
+        max_response_len=max_response_len,
+        version=version,
+    )
     draft.counted = "raw_samples"
     return draft
 

@@ -11,7 +11,8 @@ sampled, tool calls written inline, as the chat template renders them) in its
 :class:`~rollout_servers.episodes.Episode`, and the one the agent was shown (tool calls as
 OpenAI ``tool_calls``). A request whose messages extend the shown view by new messages
 appends only their tokens (:func:`rollout_servers.episode_tokens.extend`); a request that rewrites
-earlier messages starts a new sample from its own rendering.
+earlier messages starts a new sample from its own rendering, whose prompt may pass
+``data.max_prompt_length`` as an agent episode's split may (:func:`next_piece`).
 
 A turn is prepared on a :class:`Draft` (copies of what it changes) and committed only once
 the engine answered: a refused or failed completion leaves the session exactly as it was,
@@ -31,7 +32,7 @@ from jinja2 import TemplateError
 
 from asyncrl.control.messages import Task
 from asyncrl.tools.tokens import render
-from rollout_servers.episode_tokens import added_len, extend
+from rollout_servers.episode_tokens import added_len, extend, new_sample
 from rollout_servers.episodes import Episode, Piece
 
 if TYPE_CHECKING:
@@ -273,6 +274,30 @@ def first_piece(prompt_ids: list[int], max_prompt_len: int, version: int) -> Pie
     return Piece(prompt_ids=prompt_ids, start_version=version)
 
 
+def next_piece(
+    ep: Episode,
+    prompt_ids: list[int],
+    lead: int,
+    *,
+    max_prompt_len: int,
+    max_response_len: int,
+    version: int,
+) -> None:
+    """Start the episode's next sample from ``prompt_ids`` (its last ``lead`` tokens are the
+    session's response), or refuse it. A session's first prompt is held to
+    ``data.max_prompt_length`` (:func:`first_piece`); a later one (a rewritten conversation,
+    a raw completion) is a history that grew, taken as an agent episode's split takes one
+    (:func:`~rollout_servers.episode_tokens.new_sample`): past the limit while it and the
+    response budget left fit the engine's context."""
+    if not ep.pieces:
+        ep.pieces.append(first_piece(prompt_ids, max_prompt_len, version))
+        return
+    why = new_sample(ep, prompt_ids, lead, max_prompt_len, max_response_len)
+    if why:
+        raise out_of_room(why, max_prompt_len, max_response_len)
+    ep.pieces[-1].start_version = version
+
+
 def context_exceeded(limit: int, detail: str) -> RequestError:
     """A 400 that clients treat as the end of the context window, not as an error to
     retry: OpenAI's code and the opening LiteLLM (and so SWE-agent) match in the text."""
@@ -290,6 +315,13 @@ ENDED = {
     "engine's context (data.max_prompt_length + data.max_response_length): end the episode "
     "with POST /rl/reward",
 }
+
+
+def out_of_room(why: str, max_prompt_len: int, max_response_len: int) -> RequestError:
+    """The refusal of a turn that does not fit (``why``: a key of :data:`ENDED`), naming
+    the limit it hit."""
+    limit = max_response_len if why == "length" else max_prompt_len + max_response_len
+    return context_exceeded(limit, ENDED[why])
 
 
 @dataclass
@@ -335,8 +367,7 @@ def prepare(
                 new.pieces[-1].start_version = version
                 draft.counted = "splits"
             elif why:
-                limit = max_response_len if why == "length" else max_prompt_len + max_response_len
-                raise context_exceeded(limit, ENDED[why])
+                raise out_of_room(why, max_prompt_len, max_response_len)
             draft.shown.extend(messages[len(draft.shown) :])
             return draft
         draft.counted = "rewritten" if ep.pieces else ""
@@ -344,12 +375,17 @@ def prepare(
         prompt = render(tok, history, draft.tools, gen=True)
     except TemplateError as e:
         raise RequestError(400, f"the chat template refused the conversation: {e}") from e
-    piece = first_piece(prompt, max_prompt_len, version)
+    lead = 0
     if ep.pieces:  # rewritten: what the agent added since the model's turn is response
-        piece.lead = added_len(tok, prompt, history, first_new(session, messages), draft.tools)
-        if draft.episode.response_len() + piece.lead >= max_response_len:
-            raise context_exceeded(max_response_len, ENDED["length"])
-    draft.episode.pieces.append(piece)
+        lead = added_len(tok, prompt, history, first_new(session, messages), draft.tools)
+    next_piece(
+        draft.episode,
+        prompt,
+        lead,
+        max_prompt_len=max_prompt_len,
+        max_response_len=max_response_len,
+        version=version,
+    )
     draft.episode.messages[:] = history
     draft.shown[:] = list(messages)
     return draft

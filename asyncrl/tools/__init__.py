@@ -16,6 +16,7 @@ from asyncrl.tools.base import BaseTool
 from asyncrl.tools.config import ToolSpec, import_tool_class, load_tool_config, schemas
 from asyncrl.tools.hermes import ParsedToolCalls, ToolCall, parse_tool_calls
 from asyncrl.tools.pool import (
+    BAD_REWARD,
     ENVIRONMENT_ERRORS,
     TOOL_ERROR_KINDS,
     ToolPool,
@@ -24,6 +25,7 @@ from asyncrl.tools.pool import (
 )
 
 __all__ = [
+    "BAD_REWARD",
     "ENVIRONMENT_ERRORS",
     "TOOL_ERROR_KINDS",
     "BaseTool",
