@@ -347,6 +347,7 @@ def _tools(cfg: Config) -> Any:
         max_response_length=mt.max_tool_response_length,
         truncate_side=mt.tool_response_truncate_side,
         startup_timeout_s=mt.tool_startup_timeout_s,
+        max_memory_mb=mt.tool_max_memory_mb,
     )
 
 

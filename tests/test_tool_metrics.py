@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.tools import ToolPool
+from asyncrl.tools import ENVIRONMENT_ERRORS, ToolCall, ToolPool
 from rollout_servers import agent as agent_module
 from rollout_servers.server import RolloutServer
 from tests.helpers import wait_until_async
@@ -83,3 +83,42 @@ def test_tool_step_rewards_that_are_not_numbers_reach_the_heartbeat(
     # The answers were kept: no call failed.
     errors = {k: v for k, v in metrics.items() if k.startswith("rollout/agent/tool_errors/")}
     assert not any(errors.values()), errors
+
+
+HUNGRY_TOOL = """
+from asyncrl.tools import BaseTool
+
+
+class HungryTool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        size = int(parameters["mb"]) << 20
+        block = bytearray(size)
+        block[:: 1 << 12] = b"x" * len(block[:: 1 << 12])  # touched: really resident
+        return f"held {len(block) >> 20} MB", None, {}
+"""
+
+
+def test_a_tool_past_its_memory_cap_is_an_environment_error_and_the_next_call_runs(
+    tmp_path: Path,
+) -> None:
+    """The tool workers had no memory cap where the scorers have reward.max_memory_mb: a
+    tool that ran away grew without bound. A call past
+    rollout.multi_turn.tool_max_memory_mb now answers the model with an error, counted as
+    out_of_memory (an environment error), and a fresh worker takes the next call."""
+    (tmp_path / "hungry.py").write_text(HUNGRY_TOOL)
+    schema = {"type": "function", "function": {"name": "eat", "parameters": {}}}
+    tool = {"class_name": "hungry.py:HungryTool", "config": {}, "tool_schema": schema}
+    (tmp_path / "tools.yaml").write_text(json.dumps({"tools": [tool]}))
+    with ToolPool(
+        tmp_path / "tools.yaml", num_workers=1, timeout_s=30.0, max_memory_mb=300
+    ) as pool:
+        first = {w.process.pid for w in pool._pool._workers}
+        over = pool.call(ToolCall("eat", {"mb": 1024}))
+        assert over.error == "out_of_memory" and over.text == "Error: tool 'eat' ran out of memory"
+        assert "out_of_memory" in ENVIRONMENT_ERRORS
+        under = pool.call(ToolCall("eat", {"mb": 100}))
+        assert (under.text, under.error) == ("held 100 MB", None)
+        assert not first & {w.process.pid for w in pool._pool._workers}  # replaced
+        assert pool.counters["out_of_memory"] == 1
+    cfg = load_config(None, [])
+    assert cfg.rollout.multi_turn.tool_max_memory_mb == 8192

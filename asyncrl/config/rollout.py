@@ -41,6 +41,13 @@ class MultiTurnConfig(Section):
         default=10.0, gt=0, description="A tool call running longer is killed (an env error)."
     )
     tool_workers: int = Field(default=2, gt=0, description="Tool processes per rollout server.")
+    tool_max_memory_mb: int = Field(
+        default=8192,
+        ge=0,
+        description="Memory each tool process may take, in MiB; 0: no cap. A call that runs "
+        "out of memory under it is an out_of_memory error (the model reads it) and its "
+        "process is replaced; counted as reward.max_memory_mb counts.",
+    )
     tool_startup_timeout_s: float = Field(
         default=60.0,
         gt=0,

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncrl.rewards.registry import finite_number
+from asyncrl.sandbox.process import MemoryCap
 from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, WorkerPool
 from asyncrl.tools.config import ToolSpec, instantiate_tools, load_tool_config, schemas
 from asyncrl.tools.hermes import ToolCall
@@ -50,15 +51,18 @@ TOOL_ERROR_KINDS = (
     "bad_arguments",
     "worker_died",
     "bad_return",
+    "out_of_memory",
 )
 #: Failures that are not the model's fault (the tool's or the machine's), as the README and
 #: the first log line of each say. Only a label: the model still reads the error text, and
 #: its episode is scored and trained like any other (nothing masks or drops it).
-ENVIRONMENT_ERRORS = ("timeout", "worker_died")
+ENVIRONMENT_ERRORS = ("timeout", "worker_died", "out_of_memory")
 #: A call whose answer reached the model but whose step reward was not a finite number (NaN,
 #: a string): counted in :attr:`ToolPool.counters` under this name, the reward read as 0.
 #: Not a :data:`TOOL_ERROR_KINDS` member: step rewards are not used, so the answer is kept.
 BAD_REWARD = "bad_reward"
+#: The key that caps each tool worker's memory, named by the calls that hit the cap.
+MEMORY_KEY = "rollout.multi_turn.tool_max_memory_mb"
 
 TruncateSide = Literal["left", "middle", "right"]
 
@@ -75,6 +79,9 @@ _EXPLANATIONS = {
     "worker_died": "a tool worker process died during a call (exit code {detail}; an "
     "environment error, not the model's); check the tool for crashes, os._exit or running "
     "out of memory",
+    "out_of_memory": "a tool call ran out of memory ({detail}) and its worker was replaced "
+    "(an environment error, not the model's); make the tool use less or raise "
+    f"{MEMORY_KEY} (0: no cap)",
     "bad_return": "a tool returned {detail}; execute must return (text or {{'text': ...}}, "
     "reward or None, metrics)",
     BAD_REWARD: "a tool returned {detail}; the model still gets the answer and the reward is "
@@ -230,6 +237,7 @@ class ToolPool:
         max_response_length: int = 256,
         truncate_side: TruncateSide = "middle",
         startup_timeout_s: float = 60.0,
+        max_memory_mb: int = 8192,
     ) -> None:
         """Read the config, start the workers and wait until each has built its tools.
 
@@ -243,6 +251,9 @@ class ToolPool:
                 :func:`truncate_response`).
             startup_timeout_s: Longest a worker may take to start and build the tools
                 (``rollout.multi_turn.tool_startup_timeout_s``).
+            max_memory_mb: The memory each worker may take, in MiB (0: no cap;
+                ``rollout.multi_turn.tool_max_memory_mb``): a call past it is an
+                ``out_of_memory`` error and its worker is replaced.
 
         Raises:
             ValueError: A bad config or argument, or a tool that fails to import or to
@@ -274,6 +285,7 @@ class ToolPool:
             timeout_s=timeout_s,
             startup_timeout_s=startup_timeout_s,
             slow_start=slow_start,
+            memory_cap=MemoryCap(max_memory_mb, MEMORY_KEY),
             log=logger,
         )
         self.timeout_s = self._pool.timeout_s
@@ -377,6 +389,8 @@ class ToolPool:
             return f"Error: tool {name!r} timed out after {self.timeout_s:g}s"
         if kind == "worker_died":
             return f"Error: tool {name!r} crashed"
+        if kind == "out_of_memory":
+            return f"Error: tool {name!r} ran out of memory"
         if kind == "exception":
             return f"Error: tool {name!r} failed: {str(detail)[:MAX_MESSAGE_CHARS]}"
         return f"Error: tool {name!r} returned an invalid response"
