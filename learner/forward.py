@@ -1,11 +1,23 @@
 """The policy's forward pass on a micro-batch: logprobs (and entropy) of the response
-tokens, each row at the temperature it was sampled at."""
+tokens, each row at the temperature it was sampled at.
+
+Memory: the float32 log-softmax over the vocabulary is ``[tokens, V]``, 9.7 GB for 16k
+response tokens of a 152k vocabulary, and the backward keeps it (and, with an entropy
+bonus, two more of its size). So the tokens are taken :data:`CHUNK_BYTES` of log-softmax at
+a time, each chunk recomputed in the backward instead of kept
+(:func:`torch.utils.checkpoint.checkpoint`): the peak is one chunk's, the values and
+gradients the same. A vocabulary small enough for one chunk (the tiny demo models) takes
+the plain path, nothing recomputed."""
 
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from learner.collate import MicroBatch
+
+#: How much float32 log-softmax one chunk of tokens may hold: ``CHUNK_BYTES // (4 V)`` rows.
+CHUNK_BYTES = 256 * 2**20
 
 
 def response_logprobs(
@@ -26,12 +38,61 @@ def response_logprobs(
         attention_mask=mb.attention_mask,
         use_cache=False,
     )
-    logits = out.logits.reshape(-1, out.logits.shape[-1])[mb.gather_index]
-    # logits [B, T, V]: one temperature per row.
-    logp_all = torch.log_softmax(logits.float() / mb.temperature[:, None, None], dim=-1)
-    logp = logp_all.gather(-1, mb.targets[..., None]).squeeze(-1)
+    vocab = out.logits.shape[-1]
+    b, t = mb.targets.shape
+    # [B * T, V]: the response positions' logits, one row per token.
+    rows = out.logits.reshape(-1, vocab)[mb.gather_index.reshape(-1)]
+    temperature = mb.temperature[:, None].expand(b, t).reshape(-1)
+    targets = mb.targets.reshape(-1)
+    ent_grad = entropy and entropy_grad and torch.is_grad_enabled()
+    step = max(1, CHUNK_BYTES // (4 * vocab))
+    if rows.shape[0] <= step:
+        logp, ent = _token_terms(rows, targets, temperature, entropy, ent_grad)
+    else:
+        parts = [
+            _chunk(
+                rows[i : i + step],
+                targets[i : i + step],
+                temperature[i : i + step],
+                entropy,
+                ent_grad,
+            )
+            for i in range(0, rows.shape[0], step)
+        ]
+        logp = torch.cat([p[0] for p in parts])
+        ent = torch.cat([e for _, e in parts if e is not None]) if entropy else None
+    return logp.view(b, t), (ent.view(b, t) if ent is not None else None)
+
+
+def _chunk(
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`_token_terms` of one chunk; under a graph, recomputed in the backward rather
+    than keeping its ``[rows, V]`` float32 terms (only ``rows``, a view, is kept)."""
+    if not torch.is_grad_enabled():
+        return _token_terms(rows, targets, temperature, entropy, entropy_grad)
+    return checkpoint(
+        _token_terms, rows, targets, temperature, entropy, entropy_grad, use_reentrant=False
+    )
+
+
+def _token_terms(
+    rows: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: torch.Tensor,
+    entropy: bool,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of each row's target ``[N]`` and, if asked, its entropy ``[N]``, from logits
+    ``rows`` ``[N, V]`` (any float dtype; taken in float32) at ``temperature`` ``[N]``."""
+    logp_all = torch.log_softmax(rows.float() / temperature[:, None], dim=-1)
+    logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
     ent = None
     if entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        with torch.set_grad_enabled(entropy_grad):
             ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent
