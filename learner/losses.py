@@ -17,6 +17,10 @@ one, ``s = exp(mean_t(l - p))``, written per token as ``exp(l - sg(l) + sg(log s
 token's gradient is its own; it has no dual clip, and its clip range is the narrow one
 GSPO is run with (3e-4 / 4e-4 when the config leaves it unset).
 
+A multi-turn episode split into several samples takes both sequence-level means (GSPO's
+``s`` and the sequence-level ``w``) over all its samples (:mod:`learner.episode_means`,
+the ``episodes`` argument of :func:`policy_loss`).
+
 ``w`` is truncated at ``cap`` (``tis``), or the unit with ``w > cap`` is masked (``mis``),
 or left out entirely (``none``: ``w = 1``). ``level="sequence"`` replaces the per-token
 ``w`` by the geometric mean over the response, ``exp(mean_t(p - b))``. A masked unit (MIS)
@@ -42,6 +46,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from learner.episode_means import EpisodeMeans
 from learner.reductions import (
     AGG_MODES,
     KL_KINDS,
@@ -134,12 +139,15 @@ def importance_weights(
     mode: str,
     cap: float,
     level: str,
+    episodes: EpisodeMeans | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weights ``w = exp(p - b)`` as applied in the loss.
 
     Args:
         proximal, behaviour: ``[B, T]`` logprobs (no gradient needed).
         valid: ``[B, T]`` bool (:func:`valid_token_mask`).
+        episodes: at sequence level, the rows of split episodes take their episode's mean
+            (``log_w`` ``[B]``) in place of their own.
     Returns:
         ``(applied, keep, raw)``, each ``[B, T]``: ``applied`` is the weight the loss uses
         (truncated for tis, 1 for none, zero where masked), ``keep`` is False for units
@@ -149,7 +157,10 @@ def importance_weights(
     log_w = torch.where(valid, proximal - behaviour, torch.zeros_like(proximal)).detach()
     if level == "sequence":
         n = valid.sum(dim=1, keepdim=True).clamp(min=1)
-        log_w = (log_w.sum(dim=1, keepdim=True) / n).expand_as(log_w)
+        log_w = log_w.sum(dim=1, keepdim=True) / n
+        if episodes is not None:
+            log_w = torch.where(episodes.pooled[:, None], episodes.log_w[:, None], log_w)
+        log_w = log_w.expand_as(proximal)
     raw = torch.where(valid, log_w.clamp(max=LOG_RATIO_CLAMP).exp(), torch.ones_like(log_w))
     keep = valid.clone()
     if mode == "tis":
@@ -206,12 +217,16 @@ def _pg_terms(
     adv: torch.Tensor,
     valid: torch.Tensor,
     cfg: LossConfig,
+    episodes: EpisodeMeans | None = None,
 ) -> PgTerms:
-    """Clipped PPO with dual clip (``vanilla``), or GSPO's sequence ratio (``gspo``)."""
+    """Clipped PPO with dual clip (``vanilla``), or GSPO's sequence ratio (``gspo``; the
+    rows of split episodes take their episode's ``log s``, ``episodes.log_ratio`` ``[B]``)."""
     log_ratio = (logprobs - proximal).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     if cfg.loss_mode == "gspo":
         n = valid.sum(dim=1, keepdim=True).clamp(min=1)
         seq = (torch.where(valid, logprobs - proximal, 0).sum(dim=1, keepdim=True) / n).detach()
+        if episodes is not None:
+            seq = torch.where(episodes.pooled[:, None], episodes.log_ratio[:, None], seq)
         ratio = (logprobs - logprobs.detach() + seq).clamp(max=_GSPO_LOG_RATIO_MAX).exp()
     else:
         ratio = log_ratio.exp()
@@ -238,6 +253,7 @@ def policy_loss(
     entropy: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     norm: AggNorm | None = None,
+    episodes: EpisodeMeans | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The total loss of one (micro-)batch and its stats.
 
@@ -250,6 +266,9 @@ def policy_loss(
         entropy: ``[B, T]`` policy entropy; needed for ``entropy_coeff > 0`` and metrics.
         ref_logprobs: ``[B, T]`` reference logprobs; needed when ``cfg.kl_coef > 0``.
         norm: global normalisers when the batch is one part of a larger mini-batch.
+        episodes: the means of the split episodes among the rows (``[B]`` each, see
+            :mod:`learner.episode_means`), for GSPO and sequence-level weights; None: every
+            row is its own sequence.
     Returns:
         ``(loss, stats)``: scalar loss = pg - entropy_coeff * entropy + kl_coef * kl, each
         term aggregated with ``cfg.agg_mode`` (GSPO's pg term: :data:`GSPO_PG_AGG`); stats are detached scalar tensors keyed by
@@ -270,8 +289,9 @@ def policy_loss(
         mode=cfg.importance_mode,
         cap=cfg.importance_cap,
         level=cfg.importance_level,
+        episodes=episodes,
     )
-    pg = _pg_terms(lp, proximal, adv, valid, cfg)
+    pg = _pg_terms(lp, proximal, adv, valid, cfg, episodes)
     agg = {"mode": cfg.agg_mode, "norm_const": cfg.norm_const, "norm": norm}
     pg_agg = {**agg, "mode": GSPO_PG_AGG} if cfg.loss_mode == "gspo" else agg
     pg_loss = aggregate(w * pg.loss, valid, **pg_agg)

@@ -51,8 +51,14 @@ def plan_step(
         plan = plan_minibatch(idx, lengths, world_size, padded=padded, **budget)
         mbs.append(plan[rank])
         tokens, seqs = norm_counts(rollouts, idx)
-        split = episode_tokens(rollouts, idx)
-        norms.append(AggNorm(num_tokens=max(tokens, 1), num_seqs=max(seqs, 1), seq_tokens=split))
+        norms.append(
+            AggNorm(
+                num_tokens=max(tokens, 1),
+                num_seqs=max(seqs, 1),
+                seq_tokens=episode_tokens(rollouts, idx),
+                episodes=split_episodes(rollouts, idx),
+            )
+        )
     return mbs, norms
 
 
@@ -252,6 +258,20 @@ def episode_tokens(rollouts: Sequence[Rollout], indices: Sequence[int]) -> dict[
         return None
     per_episode = _episode_counts(rollouts, indices)
     return {i: float(per_episode[episode_key(rollouts[i])]) for i in indices}
+
+
+def split_episodes(rollouts: Sequence[Rollout], indices: Sequence[int]) -> dict[int, int] | None:
+    """The samples of the split episodes in ``indices`` (a mini-batch), by sequence index,
+    each with its episode's number, 0, 1, ... in order of first appearance
+    (:attr:`AggNorm.episodes`); None when no episode in it is split. Every rank computes
+    the same numbers from the global batch: its sums of an episode add up with the others'."""
+    keys = [episode_key(rollouts[i]) for i in indices]
+    samples = Counter(keys)
+    split = [k for k in dict.fromkeys(keys) if samples[k] > 1]  # dict: first appearance
+    if not split:
+        return None
+    number = {k: n for n, k in enumerate(split)}
+    return {i: number[k] for i, k in zip(indices, keys, strict=True) if k in number}
 
 
 def _episode_counts(rollouts: Sequence[Rollout], indices: Sequence[int]) -> dict[Hashable, int]:

@@ -33,13 +33,17 @@ class AggNorm:
     episode's valid tokens, by sequence index (None: every sample is its own episode);
     :meth:`rows` gives a micro-batch's rows theirs as ``row_tokens`` ``[B]``, the
     ``seq-mean-token-mean`` divisor, so that a split episode's samples share one token
-    mean. None: each row's own count.
+    mean. None: each row's own count. ``episodes``: likewise when the mini-batch holds a
+    split episode, each of its samples' episode number (0, 1, ... within the mini-batch) by
+    sequence index: the rows over which GSPO's ratio and the sequence-level importance
+    weight pool (:mod:`learner.episode_means`); a micro-batch's :meth:`rows` drop it.
     """
 
     num_tokens: float | None = None
     num_seqs: float | None = None
     seq_tokens: Mapping[int, float] | None = None
     row_tokens: tuple[float, ...] | None = None
+    episodes: Mapping[int, int] | None = None
 
     def rows(self, seq_ids: Sequence[int]) -> AggNorm:
         """The normalisers of a micro-batch whose rows are the sequences ``seq_ids``."""

@@ -20,7 +20,9 @@ proximal logprobs with the step's starting weights (no grad, each row's logits d
 the temperature it was sampled at);
 then ``actor.ppo_epochs`` x mini-batches of ``actor.ppo_mini_batch_size`` groups, each one
 optimizer step accumulated over micro-batches, each micro-batch's model inputs built by
-:mod:`learner.collate`. A mini-batch whose loss or gradient is not finite on any rank is
+:mod:`learner.collate` (a split episode's sequence-level means, GSPO's ratio and the
+sequence-level importance weight, are taken over all its samples before the mini-batch's
+first backward: :mod:`learner.episode_means`). A mini-batch whose loss or gradient is not finite on any rank is
 skipped on all ranks (counted, never applied).
 """
 
@@ -31,6 +33,7 @@ import math
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -40,11 +43,13 @@ from learner import fsdp, lora
 from learner.advantages import OUTCOME_ESTIMATORS, TOKEN_ESTIMATORS
 from learner.collate import MicroBatch, collate, pad_rows
 from learner.critic import Critic
+from learner.episode_means import episode_means, episode_sums, row_means
 from learner.forward import response_logprobs
 from learner.layout import resolve_layout
 from learner.losses import LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
 from learner.plan import StepPlan, plan_passes
+from learner.reductions import AggNorm
 from learner.reward_kl import RewardKL, token_rewards
 from learner.rollouts import (
     DROP_REASONS,
@@ -243,9 +248,14 @@ class Trainer:
 
         t0 = time.monotonic()
         stats, norms, skipped, tokens, fed = StatSum(), [], 0, 0, 0
+        fresh = True  # no update applied yet: the current policy is the proximal one
         for _ in range(self.cfg.actor.ppo_epochs):
             for micros, norm in zip(plan.minibatches, plan.norms, strict=True):
-                gnorm, ok, n_tok, n_fed = self._minibatch(plan, micros, norm, proximal, ref, stats)
+                means = self._episode_means(plan, micros, norm, proximal, fresh)
+                gnorm, ok, n_tok, n_fed = self._minibatch(
+                    plan, micros, norm, proximal, ref, stats, means
+                )
+                fresh &= not ok
                 norms.append(gnorm)
                 skipped += not ok
                 tokens += n_tok
@@ -274,8 +284,44 @@ class Trainer:
         metrics["timing/critic_s"] = time.monotonic() - t0
         return self.step + 1 < self.cfg.trainer.critic_warmup  # self.step: steps done
 
-    def _micro_loss(self, plan, micro, norm, proximal, ref):
-        """Loss and stats of one micro-batch (a dummy one when ``micro`` is empty)."""
+    def _episode_means(
+        self,
+        plan: StepPlan,
+        micros: list[list[int]],
+        norm: AggNorm,
+        proximal: dict[int, torch.Tensor] | None,
+        fresh: bool,
+    ) -> torch.Tensor | None:
+        """``[E, 2]`` on the device: the mean ``l - p`` and ``p - b`` of each split episode
+        of the mini-batch (this rank's ``micros``) over all its samples, on every rank (see
+        :mod:`learner.episode_means`); None when it has no split episode or the loss no
+        sequence-level mean. ``fresh``: no update since the proximal logprobs were taken."""
+        cfg = self.loss_cfg
+        gspo, seq_w = cfg.loss_mode == "gspo", cfg.importance_level == "sequence"
+        # While fresh the current policy is the proximal one: every mean of l - p, a row's
+        # own or its episode's, is 0, so GSPO alone needs nothing.
+        if norm.episodes is None or not (seq_w or (gspo and not fresh)):
+            return None
+        mine = [s for m in micros for s in m]
+        current: dict[int, torch.Tensor] = {}
+        if (gspo and not fresh) or proximal is None:  # l (or, on a single update, p)
+            # Only the split samples, at the weights the mini-batch trains at (no grad);
+            # every rank runs as many forwards (FSDP's collectives): an empty one a dummy.
+            subs = [[s for s in m if s in norm.episodes] for m in micros]
+            subs = [m for m in subs if m] if self.world_size == 1 else subs
+            sub_plan = replace(plan, pass_micros={"episodes": subs})
+            current = self._fixed_logprobs(self.model, sub_plan, "episodes")
+        p = current if proximal is None else proximal
+        lp = current if gspo and not fresh else p
+        sums = episode_sums(plan.rollouts, norm.episodes, mine, p, lp)
+        sums = sums.to(self.device)
+        if self.world_size > 1:  # each rank summed the samples it holds
+            dist.all_reduce(sums)
+        return episode_means(sums)
+
+    def _micro_loss(self, plan, micro, norm, proximal, ref, means):
+        """Loss and stats of one micro-batch (a dummy one when ``micro`` is empty);
+        ``means``: the split episodes' (:meth:`_episode_means`)."""
         mb = self._collate(plan, micro)
         # With entropy_coeff 0 the entropy is a metric only: no graph for it.
         metric_only = self.loss_cfg.entropy_coeff == 0
@@ -303,10 +349,11 @@ class Trainer:
             entropy=ent,
             ref_logprobs=stored(ref),
             norm=norm.rows(mb.seq_ids),
+            episodes=None if means is None else row_means(means, norm.episodes, mb.seq_ids),
         )
         return loss, stats, mb
 
-    def _minibatch(self, plan, micros, norm, proximal, ref, stats):
+    def _minibatch(self, plan, micros, norm, proximal, ref, stats, means):
         """Forward/backward every micro-batch of one mini-batch, then one optimizer step
         unless the loss or gradient is not finite on some rank. Returns
         ``(grad norm, applied, real tokens, token slots fed to the model)``."""
@@ -316,7 +363,7 @@ class Trainer:
         # skipping that until the last one kept every rank's whole gradient unsharded, in
         # float32, through the mini-batch (4 bytes a parameter per GPU, whatever the ranks).
         for micro in micros:
-            loss, st, mb = self._micro_loss(plan, micro, norm, proximal, ref)
+            loss, st, mb = self._micro_loss(plan, micro, norm, proximal, ref, means)
             finite &= bool(torch.isfinite(loss))
             # FSDP averages gradients over ranks; the normalisers are already global, so
             # scale back up to get the gradient of the global mini-batch loss.
