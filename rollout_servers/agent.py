@@ -248,6 +248,7 @@ class AgentRunner:
             for r in results:
                 if r.error:
                     self.metrics[f"rollout/agent/tool_errors/{r.error}"] += 1
+            ep.tool_rewards.extend(r.reward for r in results if r.reward is not None)
             # A step reward that is no number keeps its answer (no r.error): only the pool
             # counts it, for the server's whole life, so its count is reported as it stands.
             if bad := self.tools.counters[BAD_REWARD]:

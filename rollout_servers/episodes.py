@@ -120,6 +120,9 @@ class Episode:
     turns: int = 0  # assistant turns
     tool_turns: int = 0
     tool_calls: int = 0
+    #: The tools' step rewards in call order, None (no reward) left out, as veRL's tool
+    #: agent keeps them: the scorer reads them as ``extra_info["tool_rewards"]``.
+    tool_rewards: list[float] = field(default_factory=list)
     splits: int = 0
     ended: str = "done"
     #: ``data.max_response_length`` the episode ran under (0: not told): one that ended
@@ -140,7 +143,24 @@ class Episode:
                 version_spans=list(last.version_spans),
                 masked_spans=list(last.masked_spans),
             )
-        return dataclasses.replace(self, pieces=pieces, messages=list(self.messages))
+        return dataclasses.replace(
+            self, pieces=pieces, messages=list(self.messages), tool_rewards=list(self.tool_rewards)
+        )
+
+    def scorer_extra_info(self, extra_info: dict[str, Any]) -> dict[str, Any]:
+        """The row's ``extra_info`` as veRL's reward loop hands a multi-turn sample's scorer:
+        with ``num_turns`` (tool and assistant turns, plus one, as veRL's agent loop counts
+        them), ``tool_rewards`` (:attr:`tool_rewards`), and ``turn_scores`` and
+        ``rollout_reward_scores``, which veRL fills from interactions and its older
+        rollout's tool scores, neither of which is here (empty, so a scorer that reads
+        them finds them). The row's own keys of these names are replaced, as in veRL."""
+        return {
+            **extra_info,
+            "num_turns": self.turns + self.tool_turns + 1,
+            "tool_rewards": list(self.tool_rewards),
+            "turn_scores": [],
+            "rollout_reward_scores": {},
+        }
 
     def response_len(self) -> int:
         """Tokens of the episode's response so far, all samples together (see the module

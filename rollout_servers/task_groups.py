@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncrl.rewards import ScoreJob, ScoreResult
 from asyncrl.wire import Trajectory
@@ -135,16 +135,28 @@ class TaskGroups:
         episodes = await gather_or_cancel(*[agent.episode(task, i) for i in range(task.n)])
         texts = [ep.text(self.tok) for ep in episodes]
         samples = episode_samples(episodes)
-        scores = await self._score(task, texts, budget_lengths(episodes))
+        infos = [ep.scorer_extra_info(task.extra_info) for ep in episodes]
+        scores = await self._score(task, texts, budget_lengths(episodes), infos)
         group = episode_trajectories(
             task, episodes, scores, server_id=self.server_id, created_at=created
         )
         return group, samples, scores
 
-    async def _score(self, task: Task, texts: list[str], lengths: list[int]) -> list[ScoreResult]:
+    async def _score(
+        self,
+        task: Task,
+        texts: list[str],
+        lengths: list[int],
+        infos: list[dict[str, Any]] | None = None,
+    ) -> list[ScoreResult]:
         """The scorer's rewards; for training, with the overlong penalty of each
-        response's ``lengths[i]`` tokens (``reward.overlong_buffer``)."""
-        jobs = [ScoreJob(task.data_source, t, task.ground_truth, task.extra_info) for t in texts]
+        response's ``lengths[i]`` tokens (``reward.overlong_buffer``). ``infos``: each
+        text's ``extra_info`` (an episode's own), else the task's."""
+        infos = infos or [task.extra_info] * len(texts)
+        jobs = [
+            ScoreJob(task.data_source, t, task.ground_truth, info)
+            for t, info in zip(texts, infos, strict=True)
+        ]
         with self.stats.after_generation.phase("scoring", task.n):
             scores = await self.lanes.scoring(self.pool.score_many, jobs)
         # Each failure scored 0.0 and was logged once per kind; counted, a scorer that

@@ -200,7 +200,7 @@ def test_a_huge_answer_is_cut_in_the_worker_before_it_reaches_the_server(
 
 def test_a_none_step_reward_and_metrics_keep_the_answer(pool: ToolPool) -> None:
     before = pool.counters["bad_return"]
-    assert pool.call(ToolCall("noner", {})) == ToolResult("hello from the sandbox", None, 0.0)
+    assert pool.call(ToolCall("noner", {})) == ToolResult("hello from the sandbox", None, None)
     assert pool.counters["bad_return"] == before
 
 

@@ -145,3 +145,73 @@ def test_a_template_that_refuses_tool_turns_ends_the_episode_not_the_group(caplo
     assert runner.metrics["rollout/agent/episodes_ended/template_error"] == 2
     lines = [r.getMessage() for r in caplog.records if r.name == "rollout_servers.agent"]
     assert len(lines) == 1 and "takes 'tool' messages" in lines[0]
+
+
+STEP_REWARD_TOOL = """
+from asyncrl.tools import BaseTool
+
+CALLS = 0
+
+
+class NapTool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        global CALLS
+        CALLS += 1
+        return "rested", (0.25 if CALLS == 1 else None), {}  # then no step reward
+"""
+
+
+def test_a_multi_turn_scorer_gets_the_extra_info_verl_gives_it(tmp_path):
+    """veRL's reward loop hands a multi-turn sample's scorer ``extra_info["num_turns"]``
+    (tool and assistant turns, plus one), ``["tool_rewards"]`` (the tools' step rewards,
+    None left out), ``["turn_scores"]`` and ``["rollout_reward_scores"]``: a ported scorer
+    that read them raised KeyError here and scored 0 on every sample."""
+    import json
+
+    import msgspec
+
+    from asyncrl.config import load_config
+    from asyncrl.tools import ToolPool
+    from rollout_servers import task_groups
+    from rollout_servers.groups import SamplingSettings
+    from rollout_servers.lanes import Lanes
+    from rollout_servers.server_stats import ServerStats
+    from tests.standins.chat import CharTokenizer
+    from tests.standins.server_parts import (
+        N,
+        StandInScorer,
+        ToolCallingEngine,
+        agent_runner,
+        make_task,
+    )
+
+    class Recording(StandInScorer):
+        jobs: list = []
+
+        def score_many(self, items):
+            self.jobs.extend(items)
+            return super().score_many(items)
+
+    (tmp_path / "nap.py").write_text(STEP_REWARD_TOOL)
+    schema = {"type": "function", "function": {"name": "nap", "parameters": {}}}
+    tool = {"class_name": "nap.py:NapTool", "config": {}, "tool_schema": schema}
+    (tmp_path / "tools.yaml").write_text(json.dumps({"tools": [tool]}))
+    scorer = Recording()
+    with ToolPool(tmp_path / "tools.yaml", num_workers=1) as pool:
+        engine, cfg = ToolCallingEngine(), load_config(None, [f"rollout.n={N}"])
+        agent = agent_runner(engine, pool)  # two assistant turns, one tool turn each
+        sampling, tok = SamplingSettings.from_config(cfg), CharTokenizer()
+        groups = task_groups.TaskGroups(
+            cfg, "s", engine, tok, scorer, Lanes(), sampling, ServerStats(tok), agent
+        )
+        task = msgspec.structs.replace(
+            make_task("t"), agent_name="tool_agent", extra_info={"index": 7, "num_turns": 99}
+        )
+        group, _, _ = asyncio.run(groups.make(task, 0.0))
+    assert len(group) == N and len(scorer.jobs) == N
+    infos = sorted((job.extra_info for job in scorer.jobs), key=lambda i: i["tool_rewards"])
+    assert [i["tool_rewards"] for i in infos] == [[], [0.25]]
+    for info in infos:
+        assert info["index"] == 7 and info["num_turns"] == 2 + 1 + 1  # the row's replaced
+        assert info["turn_scores"] == [] and info["rollout_reward_scores"] == {}
+    assert task.extra_info == {"index": 7, "num_turns": 99}  # the task's own is untouched

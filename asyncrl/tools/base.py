@@ -62,7 +62,9 @@ class BaseTool:
         raise NotImplementedError(f"{type(self).__name__} must override BaseTool.execute")
 
     async def calc_reward(self, instance_id: str, **kwargs: Any) -> float:
-        """The instance's reward from its state (0.0 unless a tool keeps score)."""
+        """The instance's reward from its state (0.0 unless a tool keeps score). Not
+        called here: an instance lives for one call, so veRL's end-of-trajectory rewards
+        have no state to read; return the step reward from :meth:`execute` instead."""
         return 0.0
 
     async def release(self, instance_id: str, **kwargs: Any) -> None:

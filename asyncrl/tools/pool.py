@@ -59,7 +59,7 @@ TOOL_ERROR_KINDS = (
 ENVIRONMENT_ERRORS = ("timeout", "worker_died", "out_of_memory")
 #: A call whose answer reached the model but whose step reward was not a finite number (NaN,
 #: a string): counted in :attr:`ToolPool.counters` under this name, the reward read as 0.
-#: Not a :data:`TOOL_ERROR_KINDS` member: step rewards are not used, so the answer is kept.
+#: Not a :data:`TOOL_ERROR_KINDS` member: a bad step reward costs the answer nothing.
 BAD_REWARD = "bad_reward"
 #: The key that caps each tool worker's memory, named by the calls that hit the cap.
 MEMORY_KEY = "rollout.multi_turn.tool_max_memory_mb"
@@ -85,7 +85,7 @@ _EXPLANATIONS = {
     "bad_return": "a tool returned {detail}; execute must return (text or {{'text': ...}}, "
     "reward or None, metrics)",
     BAD_REWARD: "a tool returned {detail}; the model still gets the answer and the reward is "
-    "read as 0 (step rewards are not used); return a finite number or None as the reward",
+    "read as 0 (the scorer's extra_info['tool_rewards']); return a finite number or None",
 }
 
 
@@ -96,12 +96,13 @@ class ToolResult:
     Attributes:
         text: The tool message content for the model (already truncated).
         error: None, or one of :data:`TOOL_ERROR_KINDS`.
-        reward: The tool's step reward (0.0 on error).
+        reward: The tool's step reward: 0.0 on error or when it was no number, None when
+            the tool gave none (veRL's tool agent then records none).
     """
 
     text: str
     error: str | None = None
-    reward: float = 0.0
+    reward: float | None = 0.0
 
 
 def truncate_response(text: str, max_length: int, side: TruncateSide = "middle") -> str:
@@ -192,11 +193,13 @@ def _run_call(
     if text is None:
         return "bad_return", f"a response of type {type(result[0]).__name__} without text"
     # None is no step reward (veRL's SandboxFusionTool returns (response, None, None)); the
-    # metrics, None or not, are not read. Step rewards are not used either, so one that is
-    # not a number costs only a count, never the answer.
-    reward, note = 0.0, None
+    # metrics, None or not, are not read. A step reward that is not a number is read as 0
+    # (the scorer gets it in extra_info["tool_rewards"]): a count, never the answer.
+    reward: float | None = None if result[1] is None else 0.0
+    note = None
     try:  # numpy scalars and bools, 0-d arrays and tensors too, as for scores
-        reward = 0.0 if result[1] is None else finite_number(result[1], "step reward ")
+        if result[1] is not None:
+            reward = finite_number(result[1], "step reward ")
     except (TypeError, ValueError) as e:
         note = str(e)
     return "ok", (valid_text(truncate_response(text, max_length, side)), reward, note)
