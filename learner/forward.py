@@ -5,8 +5,9 @@ Memory: the float32 log-softmax over the vocabulary is ``[tokens, V]``, 9.7 GB f
 response tokens of a 152k vocabulary, and the backward keeps it (and, with an entropy
 bonus, two more of its size). So the tokens are taken :data:`CHUNK_BYTES` of log-softmax at
 a time, each chunk recomputed in the backward instead of kept
-(:func:`torch.utils.checkpoint.checkpoint`): the peak is one chunk's, the values and
-gradients the same. A vocabulary small enough for one chunk (the tiny demo models) takes
+(:func:`torch.utils.checkpoint.checkpoint`): beside the logits and their gradient (the
+model's dtype, whole), the float32 terms alive at once are one chunk's; the values and
+gradients are the same. A vocabulary small enough for one chunk (the tiny demo models) takes
 the plain path, nothing recomputed."""
 
 from __future__ import annotations
@@ -49,16 +50,10 @@ def response_logprobs(
     if rows.shape[0] <= step:
         logp, ent = _token_terms(rows, targets, temperature, entropy, ent_grad)
     else:
-        parts = [
-            _chunk(
-                rows[i : i + step],
-                targets[i : i + step],
-                temperature[i : i + step],
-                entropy,
-                ent_grad,
-            )
-            for i in range(0, rows.shape[0], step)
-        ]
+        # split, not slices: a slice's gradient is a zero-filled [tokens, V] that autograd
+        # then adds up chunk by chunk; split's backward is one cat of the chunks' gradients.
+        chunks = zip(rows.split(step), targets.split(step), temperature.split(step), strict=True)
+        parts = [_chunk(r, tg, tp, entropy, ent_grad) for r, tg, tp in chunks]
         logp = torch.cat([p[0] for p in parts])
         ent = torch.cat([e for _, e in parts if e is not None]) if entropy else None
     return logp.view(b, t), (ent.view(b, t) if ent is not None else None)
@@ -75,8 +70,15 @@ def _chunk(
     than keeping its ``[rows, V]`` float32 terms (only ``rows``, a view, is kept)."""
     if not torch.is_grad_enabled():
         return _token_terms(rows, targets, temperature, entropy, entropy_grad)
-    return checkpoint(
-        _token_terms, rows, targets, temperature, entropy, entropy_grad, use_reentrant=False
+    return checkpoint(  # nothing random inside: no RNG state to keep
+        _token_terms,
+        rows,
+        targets,
+        temperature,
+        entropy,
+        entropy_grad,
+        use_reentrant=False,
+        preserve_rng_state=False,
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
 from learner import forward
@@ -51,6 +52,19 @@ def _kept_log_softmax(model, mb, vocab: int) -> int:
     return kept
 
 
+class _FullSizeOps(TorchDispatchMode):
+    """Counts the ops that make a tensor of ``shape`` (run under it: a backward)."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        super().__init__()
+        self.shape, self.count = shape, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.count += isinstance(out, torch.Tensor) and tuple(out.shape) == self.shape
+        return out
+
+
 @pytest.mark.parametrize("entropy_grad", [True, False])
 def test_chunks_of_tokens_give_the_same_values_and_gradients_and_keep_one_chunk(
     tiny_model, monkeypatch, entropy_grad: bool
@@ -81,3 +95,10 @@ def test_chunks_of_tokens_give_the_same_values_and_gradients_and_keep_one_chunk(
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert plain > 0  # the whole [tokens, V] log-softmax, kept
     assert _kept_log_softmax(model, mb, vocab) == 0
+    # Found by a review: chunks sliced from the rows each sent back a zero-filled
+    # [tokens, V] gradient, added up one by one (quadratic in the tokens); split chunks'
+    # gradients are joined once.
+    logp, _ = response_logprobs(model, mb, entropy=False)
+    with _FullSizeOps((mb.targets.numel(), vocab)) as ops:
+        logp.sum().backward()
+    assert ops.count <= 2, ops.count  # the join, and the logits' gather
