@@ -41,6 +41,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             bytearray(1 << 30)
         except MemoryError as exc:
             raise ValueError("could not check the answer") from exc
+    if data_source == "mmap":  # an OSError(ENOMEM), not a MemoryError
+        import mmap
+        return float(len(mmap.mmap(-1, 1 << 30, flags=mmap.MAP_PRIVATE)))
+    if data_source == "torch":  # torch's allocator: a RuntimeError naming the want
+        import torch
+        return float(torch.empty(1 << 28).numel())
     if data_source == "small":  # well under the cap
         block = bytearray(int(solution_str) << 20)
         block[::4096] = b"x" * len(block[::4096])  # touch every page: really resident
@@ -91,7 +97,7 @@ def test_a_scorer_past_the_cap_scores_0_naming_the_key_and_the_next_scores(
     [record] = [r for r in caplog.records if "out of memory" in r.getMessage()]
     line = record.getMessage()
     assert "\n" not in line
-    assert f"under the {CAP_MB} MB cap" in line and "raise reward.max_memory_mb" in line
+    assert f"under the {CAP_MB} MiB cap" in line and "raise reward.max_memory_mb" in line
     _check_replaced(pool, old_pid)
 
 
@@ -109,6 +115,22 @@ def test_a_memory_error_the_scorer_wrapped_is_still_the_caps(pool: RewardPool) -
     old_pid = _pid(pool)
     assert pool.score("wrapped", "", None) == ScoreResult(0.0, {}, "out_of_memory")
     _check_replaced(pool, old_pid)
+
+
+@pytest.mark.parametrize("kind", ["mmap", "torch"])
+def test_out_of_memory_from_a_system_call_or_torch_is_the_caps_too(scorer: Path, kind: str) -> None:
+    """Found by a review: only a MemoryError counted. An ``mmap`` past the cap raises
+    OSError(ENOMEM) and torch's CPU allocator a RuntimeError: both were plain exceptions,
+    and a leaking torch scorer failed every later sample on the same full worker."""
+    # torch itself takes about 400 MiB once imported: a cap it fits under, 1 GiB past it
+    with RewardPool(
+        num_workers=1, timeout_s=60.0, custom_path=str(scorer), max_memory_mb=900
+    ) as pool:
+        old_pid = _pid(pool)
+        assert pool.score(kind, "", None) == ScoreResult(0.0, {}, "out_of_memory")
+        assert pool.counters["out_of_memory"] == 1 and pool.counters["exception"] == 0
+        wait_until(lambda: not alive(old_pid), "the worker that hit the cap to be killed", 10)
+        assert _pid(pool) != old_pid
 
 
 # ------------------------------------------------------------ 2. a scorer under the cap

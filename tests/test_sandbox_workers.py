@@ -68,6 +68,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     if data_source == "child_then_hang":  # a code runner whose program never ends
         _start_sleeper(ground_truth)
         time.sleep(300)
+    if data_source == "wait_all":  # fork once, then reap until no child is left
+        if os.fork() == 0:
+            os._exit(0)
+        while True:
+            try:
+                os.wait()
+            except ChildProcessError:
+                return 1.0
     if data_source == "child_left_behind":
         _start_sleeper(ground_truth)
         return 1.0
@@ -330,12 +338,18 @@ def test_a_forked_child_of_a_scorer_never_answers_for_the_worker(
     """A fork whose child returned (or raised) into the worker's loop answered on its pipe:
     a later sample got its score, and the child went on reading jobs."""
     worker = pool._workers[0].process.pid
-    reaper = live_children(worker)  # the worker's own (see the test above)
-    assert len(reaper) == 1
     for text in ("aa", "aaa", "aaaa"):
         assert pool.score(source, text, None) == ScoreResult(float(len(text)), {}, None)
         time.sleep(0.4)  # the child's answer would be waiting by now
-    assert live_children(worker) == reaper
+    assert live_children(worker) == []  # the reaper (see above) is no child of the worker
+
+
+def test_a_scorer_that_waits_for_all_its_children_is_not_held_by_the_reaper(
+    pool: RewardPool,
+) -> None:
+    """Found by a review: the reaper was the worker's child and never exited, so a scorer
+    that reaps until no child is left (``os.wait()`` until ChildProcessError) hung."""
+    assert pool.score("wait_all", "", None) == ScoreResult(1.0, {}, None)
 
 
 def test_an_answer_that_is_not_the_jobs_is_dropped(pool: RewardPool) -> None:

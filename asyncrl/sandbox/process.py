@@ -15,9 +15,8 @@ Protocol (parent <-> its own child, plain picklable tuples):
 Each worker is its own process group, so the pool's kill also ends what the user code
 started, and a signal to the caller's group (the launcher's stop) leaves the workers to
 the pool's own close. On Linux a worker dies with its parent (``PR_SET_PDEATHSIG``), and
-an idle *reaper* forked into its group kills the group when the worker ends, so nothing the
-user code left running outlives a killed caller. The reaper is the worker's one child of
-its own: user code that waits for *any* child (``os.waitpid(-1, 0)``) never sees it end.
+an idle *reaper* in its group (not its child) kills the group when the worker ends, so
+nothing the user code left running outlives a killed caller (:func:`_start_reaper`).
 Workers are not daemons: daemonic processes may not have children, and scorers that run
 code in a ``multiprocessing.Process`` (veRL's ``prime_code``) need them.
 """
@@ -26,12 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
+import errno
 import logging
 import multiprocessing as mp
 import os
 import queue
 import resource
+import select
 import signal
 import sys
 import threading
@@ -64,10 +64,10 @@ class MemoryCap(NamedTuple):
 
     def hit(self) -> str:
         """What a job that ran out of memory under the cap reports (one line)."""
-        return f"MemoryError under the {self.mb} MB cap of {self.key}"
+        return f"MemoryError under the {self.mb} MiB cap of {self.key}"
 
 
-NO_CAP = MemoryCap()  # workers whose owner sets no cap (the tool pool)
+NO_CAP = MemoryCap()  # workers whose owner sets no cap
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -102,47 +102,48 @@ def _die_with_parent(parent_pid: int) -> None:
     _start_reaper()
 
 
-@functools.cache
-def _libc() -> Any:
-    """The C library (loaded before the reaper's fork: never load it in a forked child)."""
-    return ctypes.CDLL(None, use_errno=True)
-
-
 def _set_parent_death_signal(sig: int) -> bool:
     """Ask Linux to send ``sig`` to this process when its parent (thread) dies; False where
     it cannot be asked (not Linux, no libc)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        return _libc().prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 
 
 def _start_reaper() -> None:
-    """Fork an idle process into the worker's group that kills the whole group when the
-    worker dies, however it dies.
+    """Start an idle process in the worker's group that kills the whole group when the
+    worker ends, however it ends.
 
     The worker itself dies with the caller (its parent-death signal), but what a scorer
     started, and left running, is not its child's business: a SIGKILLed rollout server
     would leave those processes to run on, and the pool's kill or close, which reach the
-    group, never comes. The reaper's own parent-death signal fires when the worker ends;
-    idle in ``signal.pause``, its handler runs at once and kills the group, itself last.
-    Linux only: elsewhere the pool's kill and close are the only reach."""
-    if not sys.platform.startswith("linux"):
+    group, never comes. The reaper waits on a pidfd of the worker (Linux 5.3+), opened
+    before the fork so that it names the worker whatever happens next, then kills the
+    group, itself last. It is forked twice, so it is not the worker's child: user code
+    that waits for *any* child (``os.wait()`` until none is left) never meets it. Where no
+    pidfd can be opened, no reaper: the pool's kill and close are then the only reach."""
+    try:
+        watch = os.pidfd_open(os.getpid())
+    except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
         return
-    worker = os.getpid()
-    if os.fork() != 0:
+    middle = os.fork()
+    if middle != 0:  # the worker: reap the middle process, which exits at once
+        os.close(watch)
+        os.waitpid(middle, 0)
         return
-    try:  # the reaper: never returns to the worker's code
+    try:  # the middle process, then the reaper: never back in the worker's code
+        if os.fork() != 0:
+            return
         # The worker's pipe must reach end of file when the worker dies: no copy here.
-        os.closerange(3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        os.closerange(3, watch)
+        os.closerange(watch + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
-        if _set_parent_death_signal(signal.SIGTERM) and os.getppid() == worker:
-            while True:
-                signal.pause()
-        os.killpg(0, signal.SIGKILL)  # the worker is already gone (or cannot be watched)
+        select.select([watch], [], [])  # readable once the worker has exited
+        os.killpg(0, signal.SIGKILL)
     finally:
         os._exit(0)
 
@@ -169,13 +170,19 @@ def _limit_memory(mb: int) -> None:
 
 
 def _from_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is a MemoryError or was raised while handling one (a scorer that
-    wraps its errors): the cap, not the user's logic, ended the job."""
+    """Whether ``exc`` says the memory ran out, or was raised while handling such an error
+    (a scorer that wraps its errors): the cap, not the user's logic, ended the job. Python
+    raises MemoryError; an ``mmap`` or other system call OSError(ENOMEM); torch's CPU
+    allocator a RuntimeError naming it ("can't allocate memory")."""
     seen: BaseException | None = exc
     for _ in range(_CAUSES_CHECKED):
         if seen is None:
             return False
         if isinstance(seen, MemoryError):
+            return True
+        if isinstance(seen, OSError) and seen.errno == errno.ENOMEM:
+            return True
+        if isinstance(seen, RuntimeError) and "can't allocate memory" in str(seen):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
