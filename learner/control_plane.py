@@ -342,7 +342,7 @@ class RankZero:
         self.pushes.serve_catchups()
         self.coordinator.on_step(step)
         self._poll_validation(step)
-        self._round_in_flight = self.validation.pending(self.coordinator.validation_progress())
+        self._round_in_flight = self.coordinator.validation_generating()
 
     def steer_lag(self, step: int, metrics: dict[str, float]) -> None:
         """The adaptive controller's next admission lag (``staleness/lag_limit``), from
@@ -352,10 +352,10 @@ class RankZero:
         if self.lag is None:
             metrics["staleness/lag_limit"] = float(self.cfg.staleness.max_policy_lag)
             return
-        # A round in flight at the step's start or still now took server time that a wider
-        # lag cannot give back: the controller does not widen on that step's wait.
-        progress = self.coordinator.validation_progress()
-        validating = self._round_in_flight or self.validation.pending(progress)
+        # A round being generated at the step's start or still now took server time that a
+        # wider lag cannot give back: the controller does not widen on that step's wait. A
+        # round scored but not yet read (or never complete) holds nothing.
+        validating = self._round_in_flight or self.coordinator.validation_generating()
         new = self.lag.step(step, metrics, validating=validating)
         if new is not None:
             self.coordinator.set_admission_lag(new)

@@ -135,7 +135,8 @@ def round_metrics(stats: dict[str, ValidationStats]) -> dict[str, float]:
         _add(resp, s.trajectories, s.reward_sum, s.reward_sq_sum)
         _add(prompt, s.groups, s.group_mean_sum, s.group_mean_sq_sum)
     n, total, _ = resp
-    out = {"val/score": total / max(n, 1), "val/responses": n}
+    # No response (every group given up): no score, rather than a 0 read as one.
+    out = {"val/score": total / n, "val/responses": n} if n else {"val/responses": 0.0}
     for key, acc in (("val/score_se", resp), ("val/score_se_prompt", prompt)):
         if acc[0] >= 2:
             out[key] = mean_standard_error(*acc)

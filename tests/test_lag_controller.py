@@ -11,9 +11,9 @@ import pytest
 from asyncrl.config import ConfigError, load_config
 from asyncrl.control.client import CoordinatorClient
 from asyncrl.control.lag_controller import HOLD_STEPS, LagController, Signals, decide
-from asyncrl.control.validation_schedule import ValidationProgress
+from asyncrl.control.setup import state_from_config
+from asyncrl.tasks.schema import make_row
 from learner.control_plane import RankZero
-from learner.validation import ValidationTracker
 from tests.helpers import start_coordinator
 
 HEALTHY = Signals(ess=0.9, mismatch_kl=0.001, lag_drop_frac=0.0, learner_wait=0.5)
@@ -69,42 +69,56 @@ def test_a_wait_while_a_validation_round_shares_the_servers_does_not_widen():
 
 
 class _Coordinator:
-    """What ``RankZero.steer_lag`` asks of the coordinator: the validation rounds
-    started, and the lag it sets."""
+    """What ``RankZero.after_step`` and ``steer_lag`` ask of the coordinator: whether a
+    validation round is being generated, and the lag it sets."""
 
-    def __init__(self, rounds: int) -> None:
-        self.rounds, self.lags = rounds, []
+    def __init__(self) -> None:
+        self.generating, self.lags = False, []
 
-    def validation_progress(self) -> ValidationProgress:
-        return ValidationProgress(rounds_started=self.rounds, round_groups=4)
+    def validation_generating(self) -> bool:
+        return self.generating
 
     def set_admission_lag(self, lag: int) -> None:
         self.lags.append(lag)
 
     def on_step(self, step: int) -> None:
-        self.rounds += 1  # a round is due at every step here
+        self.generating = True  # a round is due at every step here
 
 
-def test_the_learner_tells_the_controller_of_a_round_in_flight_since_the_last_step():
-    """A round started after step 1 (``after_step``) and reported during step 2 still
-    shared step 2's servers: step 2's wait does not widen the lag; step 3's does."""
+def test_the_learner_tells_the_controller_of_a_round_generated_since_the_last_step():
+    """A round started after step 1 (``after_step``) and generated during step 2 shared
+    step 2's servers: step 2's wait does not widen the lag; step 3's does. A round scored
+    but not yet read holds nothing (a review: one that never completed held the lag for
+    the rest of the run)."""
     plane = SimpleNamespace(
         lag=LagController(0, 3, min_ess=0.3, max_kl=0.1),
-        coordinator=_Coordinator(rounds=0),
-        validation=ValidationTracker(),
+        coordinator=_Coordinator(),
         pushes=SimpleNamespace(serve_catchups=lambda: None),
         _poll_validation=lambda step: None,
         _round_in_flight=False,
     )
     RankZero.after_step(plane, 1)  # type: ignore[arg-type]
     assert plane._round_in_flight
-    plane.validation.load_state_dict({"reported": ["val/0"], "groups": {}})
+    plane.coordinator.generating = False  # generated during step 2, scored since
     metrics = _metrics(0.95, 0.6, 8.0)
     RankZero.steer_lag(plane, 2, metrics)  # type: ignore[arg-type]
     assert plane.coordinator.lags == [] and metrics["staleness/lag_limit"] == 0.0
     plane._round_in_flight = False  # no round started after step 2
     RankZero.steer_lag(plane, 3, _metrics(0.95, 0.6, 16.0))  # type: ignore[arg-type]
     assert plane.coordinator.lags == [1]
+
+
+def test_the_coordinator_says_a_round_is_generated_until_its_tasks_are_scored():
+    cfg = load_config(None, ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2"])
+    rows = [make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(4)]
+    state = state_from_config(cfg, rows, rows[:2])
+    assert not state.validation_generating()
+    state.start_validation(0)
+    assert state.validation_generating()  # rows to deal
+    tasks, _ = state.ledger.deal("a", 2)
+    assert [t.validation for t in tasks] == [True, True] and state.validation_generating()
+    state.ledger.trained([t.task_id for t in tasks])  # scored (not yet read)
+    assert not state.validation_generating()
 
 
 def test_a_restored_controller_goes_on_at_the_lag_it_had_earned():

@@ -12,6 +12,7 @@ from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
 from asyncrl.control.setup import state_from_config
 from asyncrl.control.task_source import TaskSource
+from asyncrl.control.validation_schedule import ValidationSchedule
 from asyncrl.tasks.schema import make_row
 from asyncrl.wire.requests import ValidationGroup
 from learner.validation import ValidationTracker
@@ -120,6 +121,29 @@ def test_a_round_over_the_replaced_set_completes_at_its_own_size() -> None:
     (report,) = tracker.add({}, progress, {key: given_up})
     assert report["val/groups_given_up"] == 1.0 and report["val/responses"] == 4.0
     assert new.metrics()["coordinator/tasks/val_lost_other_set"] == 1.0
+
+
+def test_each_replaced_set_keeps_its_own_round_size_over_several_resumes() -> None:
+    """Found by a review: one (rounds, rows) pair was kept, so a second resume that changed
+    the set again overwrote the first's, and a round of the first set still pending was
+    awaited at the second set's size (never completing)."""
+    first = _dealt_round(2)  # round 0 over 2 rows
+    second = _source(3)
+    second.load_state_dict(first.state_dict())
+    assert second.start_validation() == 1
+    while second.next_val() is not None:  # round 1 over 3 rows
+        pass
+    third = _source(4)
+    third.load_state_dict(second.state_dict())
+    assert third.other_val == ((1, 2), (2, 3))
+    progress = ValidationSchedule(third).progress()
+    assert [progress.groups_in(f"val/{k}") for k in (0, 1, 2)] == [2, 3, 4]
+    with pytest.raises(KeyError):
+        third.task_for_id("val/1/0")
+    legacy = {**second.state_dict(), "other_val": [1, 2]}  # saved before pairs were kept
+    again = _source(3)
+    again.load_state_dict(legacy)
+    assert again.other_val == ((1, 2),)
 
 
 def _ledger(n_val: int) -> TaskLedger:

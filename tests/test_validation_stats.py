@@ -176,3 +176,14 @@ def test_a_round_says_the_step_whose_weights_it_measured_across_a_coordinator_re
     tracker = ValidationTracker()
     [record] = tracker.add({"val.x/0": _groups([[1, 0], [0, 0]], round_key="val.x/0")}, progress)
     assert record["val/step"] == 15
+
+
+def test_a_round_whose_every_group_was_given_up_reports_no_score():
+    """Found by a review: a round with no response logged val/score 0.0, read as a real
+    score of zero (more likely since groups of a replaced set lost with a buffer are given
+    up); it says how many were given up, and no score."""
+    tracker = ValidationTracker()
+    progress = ValidationProgress(rounds_started=1, round_groups=2)
+    (report,) = tracker.add({}, progress, {"val/0": ["val/0/0", "val/0/1"]})
+    assert "val/score" not in report
+    assert report["val/responses"] == 0.0 and report["val/groups_given_up"] == 2.0

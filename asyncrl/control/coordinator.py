@@ -311,6 +311,11 @@ class Coordinator:
         with self._lock:
             return self._state.validation_progress()
 
+    def validation_generating(self) -> bool:
+        """Whether the servers are generating a validation round (dealt or to deal)."""
+        with self._lock:
+            return self._state.validation_generating()
+
     def round_states(self, keys: list[str]) -> dict[str, dict[str, str]]:
         """The validation rounds ``keys``: each id's task state (``done``, ``given_up``, ...)."""
         with self._lock:

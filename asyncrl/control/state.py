@@ -42,7 +42,7 @@ from asyncrl.control.messages import (
 from asyncrl.control.recovery import Recovery
 from asyncrl.control.registry import ServerRecord
 from asyncrl.control.syncs import SyncBook
-from asyncrl.control.task_states import TERMINAL, is_external, kind_of
+from asyncrl.control.task_states import OUT, QUEUED, TERMINAL, is_external, kind_of
 from asyncrl.control.validation_schedule import ValidationProgress, ValidationSchedule
 from asyncrl.control.versions import Versions
 
@@ -423,6 +423,12 @@ class ControlState:
 
     def validation_progress(self) -> ValidationProgress:
         return self.validation.progress()
+
+    def validation_generating(self) -> bool:
+        """Whether the servers are generating a validation round: rows of it not dealt
+        yet, or its tasks out at servers or queued to be dealt again."""
+        val = self.ledger.tally["val"]
+        return bool(self.ledger.source.val_queue) or val[OUT] + val[QUEUED] > 0
 
     def round_states(self, keys: list[str]) -> dict[str, dict[str, str]]:
         """For each validation round key: the state of each of its ids this ledger knows

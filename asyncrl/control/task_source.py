@@ -77,6 +77,20 @@ def rows_digest(rows: Sequence[dict[str, Any]]) -> str:
     return h.hexdigest()[:16]
 
 
+def earlier_rows(earlier: Sequence[tuple[int, int]], number: int) -> int | None:
+    """The rows of the validation set that round ``number`` was dealt over, when it was
+    one a resume replaced (``earlier``: :attr:`TaskSource.other_val`); None: this run's."""
+    return next((rows for end, rows in earlier if number < end), None)
+
+
+def _earlier_sets(saved: Sequence[Any]) -> list[tuple[int, int]]:
+    """:attr:`TaskSource.other_val` from a checkpoint: pairs, or one ``[rounds, rows]``
+    as checkpoints saved before a second change was kept (``rounds`` 0: none)."""
+    if len(saved) == 2 and all(isinstance(x, int) for x in saved):
+        return [(int(saved[0]), int(saved[1]))] if saved[0] else []
+    return [(int(end), int(rows)) for end, rows in saved]
+
+
 def epoch_order(size: int, epoch: int, seed: int, shuffle: bool) -> list[int]:
     """Row indices in the order epoch ``epoch`` deals them."""
     order = list(range(size))
@@ -134,9 +148,10 @@ class TaskSource:
         self.val_rounds = 0  # rounds started so far
         self.val_queue: deque[int] = deque()  # rounds started and not fully dealt
         self.val_position = 0  # next row of val_queue[0]
-        # (rounds, rows): the rounds numbered below were dealt over a validation set of
-        # that many rows, not these (a resume that changed it; see load_state_dict).
-        self._other_val = (0, len(self.val_rows))
+        # [(end, rows)], ends rising: the rounds numbered below ``end`` (and from the
+        # previous end) were dealt over a validation set of ``rows`` rows, not these (one
+        # pair per resume that changed the set; see load_state_dict).
+        self._other_val: list[tuple[int, int]] = []
         self.val_digest = rows_digest(self.val_rows)
         self._orders: dict[int, list[int]] = {}  # epoch -> its order (two at most)
         # Asked before dealing each training row (its index, epoch, position): True passes
@@ -235,10 +250,11 @@ class TaskSource:
 
     # ------------------------------------------------------------------ ids, state
     @property
-    def other_val(self) -> tuple[int, int]:
-        """``(rounds, rows)``: the rounds numbered below ``rounds`` were dealt over a
-        validation set of ``rows`` rows that a resume changed (``(0, rows now)``: none)."""
-        return self._other_val
+    def other_val(self) -> tuple[tuple[int, int], ...]:
+        """``((end, rows), ...)``, ends rising: the rounds numbered below ``end`` (and
+        from the previous end) were dealt over a validation set of ``rows`` rows, which a
+        resume then replaced (empty: none was)."""
+        return tuple(self._other_val)
 
     def task_for_id(self, task_id: str, version: int = 0) -> Task:
         """Rebuild the task that ``task_id`` names (e.g. one outstanding at a restart)."""
@@ -246,11 +262,11 @@ class TaskSource:
         if kind == _TRAIN and 0 <= index < len(self.train_rows):
             task = self._train_task(number, index, version)
             return msgspec.structs.replace(task, task_id=task_id) if retry else task
-        if kind == _VAL and number < self._other_val[0]:
+        if kind == _VAL and (rows := earlier_rows(self.other_val, number)) is not None:
             # A ledger restoring it outstanding cannot deal it: a config error. Anyone
             # else asking (a server or buffer naming it) learns it is not ours.
             what = f"task {task_id} is outstanding"
-            raise OtherValidationSet([self._val_changed(what, self._other_val[1])])
+            raise OtherValidationSet([self._val_changed(what, rows)])
         if kind == _VAL and 0 <= index < len(self.val_rows) and not retry:
             return self._task(self.val_rows[index], task_id, self.val_n, True, version)
         raise KeyError(f"{task_id!r} is not a task id of this source")
@@ -290,7 +306,7 @@ class TaskSource:
             "seed": self.seed,
             "shuffle": self.shuffle,
             "lineage": self.lineage,
-            "other_val": list(self._other_val),
+            "other_val": [list(pair) for pair in self._other_val],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -318,10 +334,10 @@ class TaskSource:
         self.val_rounds = int(state["val_rounds"])
         self.val_queue = deque(int(r) for r in state["val_queue"])
         self.val_position = int(state["val_position"])
-        rounds, rows = state.get("other_val", (0, val_saved))  # absent: saved before it
-        self._other_val = (int(rounds), int(rows))
-        if changed:  # nothing of the saved set is dealt again: its rounds are done
-            self._other_val = (self.val_rounds, val_saved)
+        self._other_val = _earlier_sets(state.get("other_val", []))
+        ends = self._other_val[-1][0] if self._other_val else 0
+        if changed and self.val_rounds > ends:  # the saved set's rounds are all dealt
+            self._other_val.append((self.val_rounds, val_saved))
             log.info(
                 "validation goes on over %d rows (the checkpoint's %d rounds were over %d)",
                 len(self.val_rows),

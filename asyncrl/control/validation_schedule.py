@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import NamedTuple
 
-from asyncrl.control.task_source import TaskSource
+from asyncrl.control.task_source import TaskSource, earlier_rows
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +25,17 @@ class ValidationProgress(NamedTuple):
     round_groups: int  # groups in one round: one per validation row
     head: str = "val"  # round k's groups have ids ``<head>/<k>/<row>`` (its round key)
     started_at: dict[int, int] | None = None  # round number -> the step it started at
-    # (rounds, groups): the rounds numbered below were dealt over a validation set of that
-    # many rows, which a resume then changed (TaskSource.other_val)
-    earlier: tuple[int, int] = (0, 0)
+    # ((end, groups), ...): the rounds numbered below ``end`` were dealt over a validation
+    # set of that many rows, which a resume then replaced (TaskSource.other_val)
+    earlier: tuple[tuple[int, int], ...] = ()
 
     def round_key(self, number: int) -> str:
         return f"{self.head}/{number}"
 
     def groups_in(self, key: str) -> int:
         """How many groups make round ``key``: one per row of the set it was dealt over."""
-        number = int(key.rsplit("/", 1)[1])
-        return self.earlier[1] if number < self.earlier[0] else self.round_groups
+        rows = earlier_rows(self.earlier, int(key.rsplit("/", 1)[1]))
+        return self.round_groups if rows is None else rows
 
     def start_step(self, key: str) -> int | None:
         """The learner step whose weights round ``key`` measures (None: not known, a round
