@@ -58,11 +58,14 @@ def test_tokenizer_and_out_problems_are_one_line(
 
 
 def test_a_split_emptied_by_the_prompt_limit_is_warned_of(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    tiny_model: Path,
 ) -> None:
     out = tmp_path / "out"
     with caplog.at_level(logging.WARNING, logger="asyncrl.prepare"):
-        argv = ["--out", str(out), "--tokenizer", TINY, "--max-prompt-length", "1"]
+        argv = ["--out", str(out), "--tokenizer", str(tiny_model), "--max-prompt-length", "1"]
         assert main(["data", "--n-val", "4", "--n-train", "8", *argv]) == 0
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warned) == 2 and all("raise --max-prompt-length" in w for w in warned)

@@ -81,7 +81,9 @@ def test_an_agent_name_longer_than_the_wire_carries_is_refused_at_launch(
     assert "row 0" in _lines(number)[1]
 
 
-def test_text_parts_are_dealt_as_text_every_template_renders(tmp_path: Path) -> None:
+def test_text_parts_are_dealt_as_text_every_template_renders(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     from transformers import AutoTokenizer
 
     from asyncrl.prepare.tokenizer import prompt_text
@@ -91,7 +93,7 @@ def test_text_parts_are_dealt_as_text_every_template_renders(tmp_path: Path) -> 
     assert input_problems(load_config(None, [f"data.train_files={path}", *QUIET]), [DATA]) == []
     (task,) = _first(path)
     assert task.prompt == [{"role": "user", "content": "3+5\n="}]
-    tok = AutoTokenizer.from_pretrained("artifacts/models/tiny-demo")
+    tok = AutoTokenizer.from_pretrained(tiny_model)
     assert "<|im_start|>user\n3+5\n=<|im_end|>" in prompt_text(tok, task.prompt)
     tok.chat_template = None  # a base model: the messages' text
     assert prompt_text(tok, task.prompt) == "3+5\n="
