@@ -139,10 +139,14 @@ def _start_reaper() -> None:
         if os.fork() != 0:
             return
         # The worker's pipe must reach end of file when the worker dies: no copy here.
+        top = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        top = os.sysconf("SC_OPEN_MAX") if top == resource.RLIM_INFINITY else top
         os.closerange(3, watch)
-        os.closerange(watch + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        os.closerange(watch + 1, top)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        select.select([watch], [], [])  # readable once the worker has exited
+        waiter = select.poll()  # not select.select: it takes no fd past 1023
+        waiter.register(watch, select.POLLIN)
+        waiter.poll()  # readable once the worker has exited
         os.killpg(0, signal.SIGKILL)
     finally:
         os._exit(0)
