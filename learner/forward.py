@@ -12,6 +12,8 @@ the plain path, nothing recomputed."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -53,33 +55,14 @@ def response_logprobs(
         # split, not slices: a slice's gradient is a zero-filled [tokens, V] that autograd
         # then adds up chunk by chunk; split's backward is one cat of the chunks' gradients.
         chunks = zip(rows.split(step), targets.split(step), temperature.split(step), strict=True)
-        parts = [_chunk(r, tg, tp, entropy, ent_grad) for r, tg, tp in chunks]
+        # Under a graph each chunk is recomputed in the backward rather than keeping its
+        # [rows, V] float32 terms (only its rows, a view, are kept); nothing random inside.
+        keep = {"use_reentrant": False, "preserve_rng_state": False}
+        run = partial(checkpoint, _token_terms, **keep) if torch.is_grad_enabled() else _token_terms
+        parts = [run(r, tg, tp, entropy, ent_grad) for r, tg, tp in chunks]
         logp = torch.cat([p[0] for p in parts])
         ent = torch.cat([e for _, e in parts if e is not None]) if entropy else None
     return logp.view(b, t), (ent.view(b, t) if ent is not None else None)
-
-
-def _chunk(
-    rows: torch.Tensor,
-    targets: torch.Tensor,
-    temperature: torch.Tensor,
-    entropy: bool,
-    entropy_grad: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`_token_terms` of one chunk; under a graph, recomputed in the backward rather
-    than keeping its ``[rows, V]`` float32 terms (only ``rows``, a view, is kept)."""
-    if not torch.is_grad_enabled():
-        return _token_terms(rows, targets, temperature, entropy, entropy_grad)
-    return checkpoint(  # nothing random inside: no RNG state to keep
-        _token_terms,
-        rows,
-        targets,
-        temperature,
-        entropy,
-        entropy_grad,
-        use_reentrant=False,
-        preserve_rng_state=False,
-    )
 
 
 def _token_terms(
