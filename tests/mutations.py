@@ -897,7 +897,7 @@ MUTATIONS = (
         "scorer memory is capped",
         "a scorer process may grow without bound",
         "asyncrl/sandbox/process.py",
-        "        _limit_memory(cap.mb)",
+        "        limit_memory(cap.mb)",
         "        pass",
         ("tests/test_sandbox_memory.py",),
     ),

@@ -32,7 +32,8 @@ from asyncrl.rewards.registry import (
     load_custom_scorer,
     normalize_score,
 )
-from asyncrl.sandbox.process import MAX_MESSAGE_CHARS, Handler, MemoryCap, Worker
+from asyncrl.sandbox.memory import MemoryCap
+from asyncrl.sandbox.process import MAX_MESSAGE_CHARS, Handler, Worker
 from asyncrl.sandbox.workers import WorkerPool, check_pool_args
 
 logger = logging.getLogger(__name__)

@@ -3,12 +3,15 @@
 - :mod:`~asyncrl.sandbox.workers`: killable worker processes with a per-job timeout and
   an optional memory cap (:class:`~asyncrl.sandbox.workers.WorkerPool`), the base of both
   the reward pool (:mod:`asyncrl.rewards`) and the tool pool (:mod:`asyncrl.tools`);
+- :mod:`~asyncrl.sandbox.process`: one worker process, its protocol and its lifetime;
+- :mod:`~asyncrl.sandbox.memory`: a worker's memory cap;
 - :mod:`~asyncrl.sandbox.pyfile`: importing a user's Python file by its path.
 
-Standard library only: it may import nothing else from the project.
+Standard library only: it may import nothing else from the project (its modules import
+each other).
 """
 
-from asyncrl.sandbox.process import MemoryCap
+from asyncrl.sandbox.memory import MemoryCap
 from asyncrl.sandbox.workers import WorkerPool
 
 __all__ = ["MemoryCap", "WorkerPool"]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import errno
 import logging
 import multiprocessing as mp
 import os
@@ -39,7 +38,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection, wait
-from typing import Any, NamedTuple
+from typing import Any
+
+from asyncrl.sandbox.memory import NO_CAP, MemoryCap, from_memory, limit_memory
 
 logger = logging.getLogger(__name__)
 
@@ -52,22 +53,6 @@ MAX_MESSAGE_CHARS = 300  # an error message's longest form, so a huge repr canno
 # How long workers may take to exit (all together, at a close) before they are killed.
 STOP_GRACE_S = 1.0
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
-_CAUSES_CHECKED = 5  # how deep a raise's causes are searched for a MemoryError
-
-
-class MemoryCap(NamedTuple):
-    """The memory each worker process may take: ``mb`` MiB (0: no cap), set by the config
-    ``key`` that a worker's out-of-memory messages name as the fix."""
-
-    mb: int = 0
-    key: str = ""
-
-    def hit(self) -> str:
-        """What a job that ran out of memory under the cap reports (one line)."""
-        return f"MemoryError under the {self.mb} MiB cap of {self.key}"
-
-
-NO_CAP = MemoryCap()  # workers whose owner sets no cap
 
 
 def describe_exception(exc: BaseException) -> str:
@@ -152,46 +137,6 @@ def _start_reaper() -> None:
         os._exit(0)
 
 
-def _limit_memory(mb: int) -> None:
-    """Cap this process's memory at ``mb`` MiB (0: leave it as it is).
-
-    RLIMIT_DATA, not RLIMIT_AS: since Linux 4.7 it counts the heap and every private
-    writable mapping (what malloc, numpy and thread stacks get), but not address space
-    that is only reserved (glibc's 64 MB malloc arena per thread, PROT_NONE until used)
-    nor shared libraries' code. On this project's Linux a 600 MB RLIMIT_AS made
-    ``import torch`` (300 MB resident) raise MemoryError; the same RLIMIT_DATA did not.
-    Only the soft limit is lowered, and never raised: a guard against a runaway scorer,
-    not a security boundary. Processes the user code starts inherit it, each capped alone.
-    """
-    if mb <= 0:
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    limit = mb << 20
-    for other in (soft, hard):  # keep a stricter limit set by whoever started us
-        if other != resource.RLIM_INFINITY:
-            limit = min(limit, other)
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
-
-
-def _from_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` says the memory ran out, or was raised while handling such an error
-    (a scorer that wraps its errors): the cap, not the user's logic, ended the job. Python
-    raises MemoryError; an ``mmap`` or other system call OSError(ENOMEM); torch's CPU
-    allocator a RuntimeError naming it ("can't allocate memory")."""
-    seen: BaseException | None = exc
-    for _ in range(_CAUSES_CHECKED):
-        if seen is None:
-            return False
-        if isinstance(seen, MemoryError):
-            return True
-        if isinstance(seen, OSError) and seen.errno == errno.ENOMEM:
-            return True
-        if isinstance(seen, RuntimeError) and "can't allocate memory" in str(seen):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
 def _answer(handler: Handler, job: Any, pid: int, cap: MemoryCap) -> tuple[str, Any]:
     """The handler's answer to ``job``. A process forked by user code that comes back here
     (a child that returned or raised instead of calling ``os._exit``) exits at once: only
@@ -202,7 +147,7 @@ def _answer(handler: Handler, job: Any, pid: int, cap: MemoryCap) -> tuple[str, 
         if os.getpid() != pid:
             code = exc.code if isinstance(exc, SystemExit) else 1
             os._exit(code if isinstance(code, int) else int(code is not None))
-        if cap.mb > 0 and _from_memory(exc):
+        if cap.mb > 0 and from_memory(exc):
             return "out_of_memory", cap.hit()
         return "exception", describe_exception(exc)
     if os.getpid() != pid:
@@ -218,7 +163,7 @@ def _start(
     try:
         # Before setup: importing the user's module is user code too, and a scorer that
         # loads too much there fails at start, in one line, rather than on every sample.
-        _limit_memory(cap.mb)
+        limit_memory(cap.mb)
     except (OSError, ValueError) as exc:  # refused here: say so rather than run uncapped
         message = f"cannot cap a worker's memory ({exc}): set {cap.key}=0 to run without a cap"
         conn.send(("startup_error", message))
@@ -226,7 +171,7 @@ def _start(
     try:
         handler = setup(*setup_args)
     except Exception as exc:
-        if cap.mb > 0 and _from_memory(exc):
+        if cap.mb > 0 and from_memory(exc):
             message = (
                 f"a worker ran out of memory while starting ({cap.hit()}): load less when "
                 f"its module is imported, or raise {cap.key} (0: no cap)"

@@ -6,7 +6,7 @@ process (safe while the caller runs threads or an event loop) that runs a *setup
 function once, then answers jobs sent over its own pipe with the handler that setup
 returned. A job that overruns ``timeout_s`` gets its worker killed and replaced in the
 background; the caller gets ``("timeout", None)`` at once. With a
-:class:`~asyncrl.sandbox.process.MemoryCap`, a job that runs out of memory under it gets
+:class:`~asyncrl.sandbox.memory.MemoryCap`, a job that runs out of memory under it gets
 ``("out_of_memory", detail)`` and its worker is replaced the same way.
 
 The reward pool (scorers) and the tool pool (agent tools) are both thin layers on this one.
@@ -30,8 +30,9 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from asyncrl.sandbox.memory import NO_CAP, MemoryCap
 from asyncrl.sandbox.process import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
-from asyncrl.sandbox.process import NO_CAP, STOP_GRACE_S, MemoryCap, Setup, Worker
+from asyncrl.sandbox.process import STOP_GRACE_S, Setup, Worker
 from asyncrl.sandbox.process import Handler as Handler  # the pools built on this one
 
 logger = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from asyncrl.rewards.registry import finite_number
-from asyncrl.sandbox.process import MemoryCap
+from asyncrl.sandbox.memory import MemoryCap
 from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, WorkerPool
 from asyncrl.tools.config import ToolSpec, instantiate_tools, load_tool_config, schemas
 from asyncrl.tools.hermes import ToolCall
