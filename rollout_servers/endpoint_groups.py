@@ -233,8 +233,8 @@ class EndpointGroups:
         session = group.sessions.get(key) if group is not None else None
         if group is None or session is None:
             return reward_closed(self.closed, name, key, value, self.metrics)
-        if session.busy:
-            raise RequestError(409, f"session {key!r} is sampling: reward it after")
+        if session.busy:  # a turn started after the reward's wait for the last one
+            raise RequestError(409, f"session {key!r} is sampling: reward it after", retry=True)
         if session.reward is not None:
             where = f"{group.ended()} of {group.size} in group {name!r} rewarded"
             first, answer = session.reward, session.reward_reply or {}
@@ -242,6 +242,8 @@ class EndpointGroups:
         # A session without a turn (refused from its first request) is rewarded too: it
         # counts toward completion and, trained on nothing, in sessions_dropped at the close.
         session.reward = value()
+        if session.drop_unseen():  # the agent ended from what it was shown
+            self.metrics["rollout/openai/unseen_dropped"] += 1
         group.last_active = time.monotonic()
         ended = group.ended()
         session.reward_reply = {"session": key, "group": name, "rewarded": ended}

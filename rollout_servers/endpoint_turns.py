@@ -72,7 +72,11 @@ class EndpointTurns:
         to the episode, trained with its reward. So the same request (same messages, tools
         and limits) sent while its turn runs waits for that turn, and one sent again after
         it, marked as a retry (``resent``: ``x-stainless-retry-count``), gets the same
-        reply. A new request to a busy session is a 409 the client retries."""
+        reply. A new request to a busy session is a 409 the client retries.
+
+        A turn whose reply reached no client (each request for it left first) is the agent's
+        only once a reply is handed out (:meth:`seen`): the same request then replays it,
+        marked or not, and another request takes it back first."""
         fp = fingerprint(body)
         running = self._running.get(session.key)
         if session.busy:
@@ -82,9 +86,16 @@ class EndpointTurns:
                 )
             self.metrics["rollout/openai/retries_joined"] += 1
             return await asyncio.shield(running[1])
-        if resent and session.last is not None and session.last[0] == fp:
+        # Replayed: a marked resend of the last request, or the same request again while
+        # no client has its reply (an agent cannot re-ask about a reply it never read).
+        if (resent or session.unseen) and session.last is not None and session.last[0] == fp:
             self.metrics["rollout/openai/retries_replayed"] += 1
             return session.last[1]
+        if session.drop_unseen():  # the agent moved on from what it was shown
+            self.metrics["rollout/openai/unseen_dropped"] += 1
+        # A new turn: a marked resend now replays only this request's reply, never an
+        # older one (a re-ask whose first attempt failed would get the reply it re-asks).
+        session.last = None
         session.busy = True
         running = asyncio.ensure_future(turn())
         self._running[session.key] = (fp, running)
@@ -93,6 +104,18 @@ class EndpointTurns:
         # is busy until then, so a resend joins the turn instead of sampling it again.
         running.add_done_callback(functools.partial(self._ended, session, fp))
         return await asyncio.shield(running)
+
+    async def settled(self, key: str) -> None:
+        """Wait for the running turn of session ``key`` to end, if one runs (its own
+        outcome is its request's)."""
+        running = self._running.get(key)
+        if running is not None:
+            await asyncio.wait({running[1]})
+
+    @staticmethod
+    def seen(session: Session) -> None:
+        """The session's last reply was handed to a client that is still connected."""
+        session.unseen, session.before = False, None
 
     def _ended(self, session: Session, fp: str, running: asyncio.Future[dict[str, Any]]) -> None:
         """The turn ``running`` of ``session`` (request fingerprint ``fp``) ended: its reply

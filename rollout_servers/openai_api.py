@@ -224,10 +224,12 @@ class OpenAIEndpoint:
                 reply = await self.turns.once(session, body, turn, _resent(request))
             finally:
                 self.groups.touch(key)  # idle from the turn's end, not from its request
+            if _left(request):  # aiohttp drops the reply quietly: the turn stays unseen
+                client_left(self.metrics)
+                return web.json_response(reply)
+            self.turns.seen(session)
             if body.get("stream"):
                 return await stream_reply(request, reply, body, self.metrics)
-            if _left(request):  # aiohttp drops the reply quietly
-                client_left(self.metrics)
             return web.json_response(reply)
         except RequestError as e:
             self.groups.give_back_if_unused(key)
@@ -241,6 +243,9 @@ class OpenAIEndpoint:
         try:
             body = await read_json(request)
             key = session_key(request, body)
+            # An agent that gave up on a turn may post its reward while the turn still
+            # samples: the reward waits for it (an unseen turn is then taken back).
+            await self.turns.settled(key)
             reply = self.groups.reward(key, lambda: reward_of(body, self.reward_range))
             return web.json_response(reply)
         except RequestError as e:

@@ -90,9 +90,53 @@ def unconstrained(body: dict[str, Any]) -> None:
         )
 
 
+_TEMPLATE = (
+    "the model's own chat template renders every prompt, as it rendered the training data; "
+    "to change how prompts read, change the template in the model's tokenizer_config.json "
+    "for the whole run"
+)
+_CONSTRAINED = (
+    "constrained decoding would change the distribution training needs; ask for the format "
+    "in the prompt and parse the text"
+)
+
+#: vLLM's own chat fields that would change the prompt from the model's template rendering
+#: of the messages, or constrain sampling: (the value that changes nothing, why another is
+#: refused).
+VLLM_FIELDS: dict[str, tuple[Any, str]] = {
+    "continue_final_message": (False, "a trailing assistant message is closed, not continued"),
+    "add_generation_prompt": (True, "every turn opens with the template's generation prompt"),
+    "chat_template": (None, _TEMPLATE),
+    "chat_template_kwargs": (None, _TEMPLATE),
+    "documents": (None, _TEMPLATE),
+    "guided_json": (None, _CONSTRAINED),
+    "guided_regex": (None, _CONSTRAINED),
+    "guided_choice": (None, _CONSTRAINED),
+    "guided_grammar": (None, _CONSTRAINED),
+    "structured_outputs": (None, _CONSTRAINED),
+    "bad_words": (None, _CONSTRAINED),
+    "allowed_token_ids": (None, _CONSTRAINED),
+    "min_tokens": (0, "a turn ends where the policy ends it"),
+}
+
+
+def vllm_defaults(body: dict[str, Any]) -> None:
+    """Refuse vLLM's chat extensions (:data:`VLLM_FIELDS`) at other than their no-op
+    values: ignored, they would give the agent another prompt or another distribution than
+    it asked for without a word. Empty values count as unset."""
+    for name, (same, why) in VLLM_FIELDS.items():
+        value = body.get(name)
+        if value is None or value == same or (same is None and value in ({}, [], "")):
+            continue
+        shown = json.dumps(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise RequestError(400, f"{name}={shown} is not supported: {why}; leave it out")
+
+
 def chat_messages(body: dict[str, Any]) -> list[Any]:
     """A chat request's messages, once its sampling fields are checked; else a 400."""
     unconstrained(body)
+    vllm_defaults(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages must be a non-empty list")

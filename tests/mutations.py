@@ -965,4 +965,28 @@ MUTATIONS = (
         "                pass",
         ("tests/test_tool_metrics.py",),
     ),
+    Mutation(
+        "an endpoint turn no client received is replayed or taken back",
+        "an unseen turn stays in the episode, trained with the reward",
+        "rollout_servers/sessions.py",
+        "        if not self.unseen or self.before is None:\n            return False",
+        "        if True:\n            return False",
+        ("tests/test_endpoint_unseen.py",),
+    ),
+    Mutation(
+        "a marked resend replays only the latest request's turn",
+        "a failed re-ask's resend gets the reply it re-asks",
+        "rollout_servers/endpoint_turns.py",
+        "        session.last = None\n        session.busy = True",
+        "        session.busy = True",
+        ("tests/test_endpoint_unseen.py",),
+    ),
+    Mutation(
+        "vLLM's chat extensions are refused at the endpoint",
+        "continue_final_message and guided decoding are silently ignored",
+        "rollout_servers/request_fields.py",
+        "    unconstrained(body)\n    vllm_defaults(body)",
+        "    unconstrained(body)",
+        ("tests/test_endpoint_vllm_fields.py",),
+    ),
 )
