@@ -294,10 +294,9 @@ def lr_factor(
     raise ValueError(f"unknown lr_scheduler_type {kind!r}")
 
 
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig, total_steps: int | None
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """A ``LambdaLR`` stepped once per learner step (:func:`lr_factor`)."""
+def schedule_factor(optim_cfg: OptimConfig, total_steps: int | None) -> Callable[[int], float]:
+    """The multiplier of ``optim_cfg.lr`` at each schedule step (0-based; :func:`lr_factor`
+    with the config's warmup, kind and floor). Raises ValueError for a decay with no total."""
     lr_factor(0, warmup=0, total=total_steps, kind=optim_cfg.lr_scheduler_type)  # validate now
     warmup = optim_cfg.warmup_steps(total_steps)
 
@@ -310,7 +309,28 @@ def build_scheduler(
             min_ratio=optim_cfg.min_lr_ratio,
         )
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return factor
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig, total_steps: int | None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """A ``LambdaLR`` stepped once per learner step (:func:`schedule_factor`)."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_factor(optim_cfg, total_steps))
+
+
+def schedule_text(optim_cfg: OptimConfig, total_steps: int | None) -> str:
+    """What the schedule does, in words for a log line: ``warms up over 2 steps, then
+    decays (cosine) to 0 after step 12``."""
+    lr, kind = optim_cfg.lr, optim_cfg.lr_scheduler_type
+    warmup = optim_cfg.warmup_steps(total_steps)
+    if kind == "constant":
+        after = f"stays at {lr:.3g}"
+    else:
+        start = "" if warmup > 0 else f" from {lr:.3g}"
+        floor = lr * optim_cfg.min_lr_ratio
+        after = f"decays ({kind}){start} to {floor:.3g} after step {total_steps}"
+    return f"warms up over {warmup} steps, then {after}" if warmup > 0 else after
 
 
 def reapply_optim_config(
@@ -335,8 +355,12 @@ def reapply_optim_config(
                 changes.append(f"{prefix}.{key}={value} (the checkpoint's was {saved[key]})")
         scheduler.base_lrs[i] = group["initial_lr"] = optim_cfg.lr
         group["weight_decay"], group["betas"] = optim_cfg.weight_decay, betas
-        # The rate of the step the schedule is at, from the new base.
+        # The rate of the step the schedule is at, from the new base and under the new
+        # schedule (a raised trainer.total_training_steps moves a decay's rate here).
         group["lr"] = optim_cfg.lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+    # The rates a save keeps as the schedule's own (a resume compares them with its config's):
+    # these, not the checkpoint's, until the next step sets them.
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return changes
 
 

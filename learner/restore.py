@@ -5,20 +5,32 @@ must be this run's: a start that does not resume from the run directory's checkp
 (``disable``, or ``resume_path`` elsewhere) moves them aside first, and ``auto`` with none
 of this run's yet falls back to ``resume_from_path`` (the first start's weights, not the
 base model's). A ``resume_path`` to an earlier step of this run (a rewind) moves the steps
-after it aside, out of ``auto``'s reach.
+after it aside, out of ``auto``'s reach. A resume whose config moves the learning-rate
+schedule (a raised ``trainer.total_training_steps`` under a decay) says how, in one line.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.ending import COMPLETE_FILE, starts_new_run
-from asyncrl.config.inputs import resume_problem
-from asyncrl.config.resumed import changed_line, changed_settings
+from asyncrl.config.inputs import STATE_FILE, resume_problem, total_training_steps
+from asyncrl.config.resumed import (
+    changed_line,
+    changed_settings,
+    kept_schedule,
+    optim_of,
+    schedule_changes,
+    schedule_settings,
+    with_saved,
+)
 from learner.control_peer import Restored
 
 log = logging.getLogger(__name__)
@@ -86,6 +98,8 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
     changes = changed_settings(extra.get("settings"), cfg)
     if rank0 and (line := changed_line(changes, trainer.step, lora=cfg.model.lora_rank > 0)):
         log.warning("%s", line)
+    if rank0 and (line := schedule_line(cfg, Path(path), trainer.step, extra.get("settings"))):
+        log.warning("%s", line)
     session = str(extra.get("last_batch_session") or "")
     log.info(
         "resumed from %s at step %d, version %d (buffer session %r)",
@@ -142,3 +156,101 @@ def abandon_later(run_dir: Path, step: int) -> bool:
         moved,
     )
     return True
+
+
+def schedule_line(
+    cfg: Config, path: Path, step: int, saved: Mapping[str, Any] | None
+) -> str | None:
+    """One line for a resume at ``step`` whose learning-rate schedule moved since the
+    checkpoint at ``path`` (``saved``: the settings it kept), or None. A raised
+    ``trainer.total_training_steps`` (how a complete run trains on), a new warmup, kind or
+    floor: training goes on under the config's schedule, as veRL's resume does, but the
+    next step's rate can jump (a finished cosine decay starts again from half-way), so the
+    line gives that rate under both schedules, what the schedule does now, and the settings
+    that moved it."""
+    states = _saved_schedules(path)
+    optimizers = ["actor.optim"] + (
+        ["critic.optim"] if cfg.algorithm.adv_estimator == "gae" else []
+    )
+    keys: list[str] = []
+    clauses: list[str] = []
+    for optimizer in optimizers:
+        changes = schedule_changes(saved, cfg, optimizer)
+        kept = kept_schedule(saved, optimizer)
+        if kept and not changes:
+            continue  # the same schedule: no rate to compare
+        clause = _schedule_clause(cfg, optimizer, states.get(optimizer), step, saved, kept)
+        if clause is None:
+            continue  # a checkpoint without its schedule settings, at the same rate
+        keys += [c for c in changes if c not in keys]
+        clauses.append(clause)
+    if not clauses:
+        return None
+    why = "; ".join(keys) or "its checkpoint kept no schedule settings to name"
+    back = "put those settings back" if keys else "put back the settings it was saved with"
+    return (
+        f"resuming step {step} under a changed learning-rate schedule ({why}): "
+        f"{' '.join(clauses)} Training goes on under it; {back} to keep the checkpoint's"
+    )
+
+
+def _schedule_clause(
+    cfg: Config,
+    optimizer: str,
+    state: Mapping[str, Any] | None,
+    step: int,
+    saved: Mapping[str, Any] | None,
+    kept: bool,
+) -> str | None:
+    """``optimizer``'s part of :func:`schedule_line`: the next step's rate under the config
+    and under the checkpoint (``state``: its saved schedule, which holds the rate it was
+    at), and what the schedule does now. None when the checkpoint kept no schedule settings
+    (``kept`` False) and no rate, or the config's rate: nothing shows it moved."""
+    from learner import fsdp
+
+    if state is None and not kept:
+        return None  # neither the settings nor the rates to compare
+    optim = optim_of(cfg, optimizer)
+    total = total_training_steps(cfg)
+    now = f"it now {fsdp.schedule_text(optim, total)}."
+    if state is None:  # kept no rates: the settings alone say it moved
+        return f"{optimizer}: {now}"
+    position, old, base = state["last_epoch"], state["_last_lr"][0], state["base_lrs"][0]
+    factor = fsdp.schedule_factor(optim, total)(position)
+    if not kept and math.isclose(old / base, factor, rel_tol=1e-9, abs_tol=1e-12):
+        return None
+    new = optim.lr * factor
+    if math.isclose(new, old, rel_tol=1e-9, abs_tol=1e-12):
+        rates = f"{optimizer}.lr for step {step + 1} is {new:.3g} under both"
+    else:
+        rates = (
+            f"{optimizer}.lr for step {step + 1} is {new:.3g} under it, {old:.3g} under "
+            "the checkpoint's"
+        )
+    if kept and position > 0 and saved:
+        # The rate the checkpoint's last step trained at: the jump from there is the news.
+        before = with_saved(cfg, saved, schedule_settings(optimizer))
+        last = fsdp.schedule_factor(optim_of(before, optimizer), total_training_steps(before))
+        rates += f" (step {step} trained at {base * last(position - 1):.3g})"
+    return f"{rates}; {now}"
+
+
+def _saved_schedules(path: Path) -> dict[str, Mapping[str, Any]]:
+    """The schedules a checkpoint's state file kept (``LambdaLR`` state: its position,
+    base rate and the rate it was at), by optimizer; {} where it kept none readable."""
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+        found = {
+            "actor.optim": state.get("scheduler"),
+            "critic.optim": (state.get("critic") or {}).get("scheduler"),
+        }
+        return {
+            k: v
+            for k, v in found.items()
+            if isinstance(v, dict)
+            and isinstance(v.get("last_epoch"), int)
+            and v.get("_last_lr")
+            and v.get("base_lrs")
+        }
+    except (OSError, ValueError, AttributeError):
+        return {}

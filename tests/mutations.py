@@ -989,4 +989,12 @@ MUTATIONS = (
         "    unconstrained(body)",
         ("tests/test_endpoint_vllm_fields.py",),
     ),
+    Mutation(
+        "a schedule moved on resume is said",
+        "the schedule line is never logged",
+        "learner/restore.py",
+        '    if rank0 and (line := schedule_line(cfg, Path(path), trainer.step, extra.get("settings"))):',
+        "    if False:",
+        ("tests/test_resume_schedule.py",),
+    ),
 )

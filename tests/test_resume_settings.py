@@ -13,6 +13,7 @@ from asyncrl.config import load_config, run_dir
 from asyncrl.config.inputs import STATE_FILE
 from asyncrl.config.resumed import (
     COMPARED,
+    SCHEDULE,
     changed_line,
     changed_settings,
     launch_line,
@@ -30,7 +31,7 @@ def _save_state(cfg, step: int, settings: dict | None) -> None:
 def test_the_changed_settings_are_named_with_both_values(tmp_path):
     before = load_config(None, [f"trainer.default_local_dir={tmp_path}"])
     saved = json.loads(json.dumps(settings_of(before)))  # as the state file keeps them
-    assert set(saved) == set(COMPARED)
+    assert set(saved) == set(COMPARED) | set(SCHEDULE)  # the schedule's: tests/test_resume_schedule
     assert changed_settings(saved, before) == []
     after = load_config(
         None,
