@@ -53,6 +53,7 @@ def task_source_from_config(
         n=cfg.rollout.n,
         val_n=cfg.rollout.val_kwargs.n,
         prompt_key=d.prompt_key,
+        default_agent="tool_agent" if cfg.rollout.multi_turn.enable else "single_turn",
     )  # with a lineage of its own (a restored coordinator takes the checkpoint's back)
     # A training row too large for a grant is dropped when dealt (counted); a validation
     # row never dealt would leave every round short of it, and no val/ score ever.

@@ -131,6 +131,7 @@ class TaskSource:
         val_n: int = 1,
         prompt_key: str = "prompt",
         lineage: str | None = None,
+        default_agent: str = "single_turn",
     ):
         self.train_rows = list(train_rows)
         # None: a lineage of its own, so a new cursor never deals an id an earlier one
@@ -143,6 +144,10 @@ class TaskSource:
         self.n = n
         self.val_n = val_n
         self.prompt_key = prompt_key
+        # The agent of rows without an ``agent_name`` column: ``tool_agent`` when multi-turn
+        # episodes are on (veRL's multi-turn datasets name none: its rollout ran every row
+        # with the tools), ``single_turn`` otherwise.
+        self.default_agent = default_agent
         self.epoch = 0
         self.position = 0  # next position in the current epoch
         self.val_rounds = 0  # rounds started so far
@@ -286,7 +291,7 @@ class TaskSource:
             prompt=list(row[self.prompt_key]),
             ground_truth=row["reward_model"]["ground_truth"],
             extra_info=dict(row.get("extra_info") or {}),
-            agent_name=str(row.get("agent_name") or "single_turn"),
+            agent_name=str(row.get("agent_name") or self.default_agent),
             n=n,
             validation=val,
             dealt_version=version,
