@@ -997,4 +997,12 @@ MUTATIONS = (
         "    if False:",
         ("tests/test_resume_schedule.py",),
     ),
+    Mutation(
+        "rows without an agent run the tools when multi-turn is on",
+        "veRL's multi-turn rows run single-turn",
+        "asyncrl/control/setup.py",
+        '        default_agent="tool_agent" if cfg.rollout.multi_turn.enable else "single_turn",',
+        '        default_agent="single_turn",',
+        ("tests/test_agent_rows.py",),
+    ),
 )
