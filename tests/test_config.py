@@ -125,7 +125,7 @@ def test_verl_layout_in_yaml(tmp_path):
         ("rollout.n=abc", "rollout.n: input should be a valid integer"),
         ("rollout.n=0", "rollout.n: input should be greater than 0"),
         ("rollout.sync_mode=pause", "rollout.sync_mode: input should be 'keep' or 'abort'"),
-        ("trainer.logger=[console,tensorboard]", "trainer.logger.1: input should be"),
+        ("trainer.logger=[console,neptune]", "trainer.logger.1: input should be"),
         ("staleness.max_policy_lag=-1", "staleness.max_policy_lag: input should be greater"),
         ("data.train_files={a: 1}", "data.train_files: input should be a valid list"),
         # An empty name made the project's folder the run directory.

@@ -178,3 +178,44 @@ def test_sync_mode_abort_with_pushed_adapters_is_said_to_be_unused():
     assert any("rollout.sync_mode=abort with sync.lora=adapter is unused" in x for x in lines)
     merged = [*lora, "rollout.inline_engine=false", "sync.lora=merged", "model.dtype=float32"]
     assert not any("sync_mode" in x for x in config_advisories(load_config(None, merged)))
+
+
+def test_the_gpu_line_says_rollout_gpus_come_on_top_and_fits_the_machine():
+    """trainer.n_gpus_per_node counts the learner's GPUs alone here: a script written for
+    one 8-GPU node was offered launch.gpus ids up to 9 (15 with 8 servers) on that node."""
+    from asyncrl.config.machine import gpu_sharing_problem
+
+    node = ["trainer.device=cuda", "trainer.n_gpus_per_node=8", "rollout.num_servers=2"]
+    cfg = load_config(None, node)
+    line = gpu_sharing_problem(cfg, gpus_here=8) or ""
+    assert "rollout GPUs come on top of the learner's here" in line
+    assert "10 in all, and this machine has 8: lower trainer.n_gpus_per_node, or " in line
+    assert "launch.gpus={" not in line and "[8]" not in line  # no ids the machine lacks
+    roomy = gpu_sharing_problem(cfg, gpus_here=16) or ""
+    assert "launch.gpus={learner: [0, 1, 2, 3, 4, 5, 6, 7], rollout: [[8], [9]]}" in roomy
+    assert "rollout GPUs come on top of the learner's here" in roomy
+    # a count unknown (0: no CUDA seen) gives the mapping, as before
+    assert "rollout: [[8], [9]]" in (gpu_sharing_problem(cfg, gpus_here=0) or "")
+
+
+def test_a_kl_coefficient_no_penalty_reads_is_warned_about(tmp_path):
+    """TinyZero's PPO script gives algorithm.kl_ctrl.kl_coef=0.001 and no use_kl_in_reward:
+    its veRL put the KL in the reward whenever use_kl_loss was off; here the key decides
+    (off by default, as in today's veRL), and the coefficient did nothing, silently."""
+    tinyzero = [*GAE, "algorithm.kl_ctrl.kl_coef=0.001"]
+    [line] = config_advisories(load_config(None, tinyzero))
+    assert line.startswith("algorithm.kl_ctrl.kl_coef=0.001 has no effect")
+    assert "set algorithm.use_kl_in_reward=true" in line and "TinyZero-era veRL" in line
+    [grpo] = config_advisories(load_config(None, ["algorithm.kl_ctrl.kl_coef=0.01"]))
+    assert "set actor.use_kl_loss=true" in grpo  # grpo reads no token rewards
+    quiet = [
+        [*tinyzero, "algorithm.use_kl_in_reward=true"],
+        [*tinyzero, "actor.use_kl_loss=true"],
+        [*GAE, "algorithm.kl_ctrl.kl_coef=0.0"],  # DAPO's scripts: off, and said so
+        GAE,
+    ]
+    for overrides in quiet:
+        assert config_advisories(load_config(None, overrides)) == [], overrides
+    # a role reading the launcher's resolved config.yaml (every key set) stays quiet
+    cfg = load_config(None, [*tinyzero, f"trainer.default_local_dir={tmp_path}"])
+    assert config_advisories(load_config(str(write_resolved(cfg)))) == []

@@ -112,7 +112,8 @@ def test_a_verl_script_relying_on_verl_defaults_is_told_which_differ(caplog):
     (line,) = [r.getMessage() for r in caplog.records if "written for veRL" in r.getMessage()]
     assert "algorithm.adv_estimator='grpo' (veRL: 'gae')" in line and "rollout.n=8" in line
     assert "actor.optim.lr" not in line and "train_batch_size" not in line  # given
-    assert line.endswith("(e.g. algorithm.adv_estimator=gae)")
+    assert "trainer.device='cpu' (veRL: 'cuda')" in line  # the fix named first
+    assert line.endswith("(e.g. trainer.device=cuda)")
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="asyncrl.config.load"):
         load_config("configs/cpu_demo.yaml", script)

@@ -6,6 +6,9 @@ business).
 
 from __future__ import annotations
 
+from pydantic import BaseModel
+
+from asyncrl.config.policy import TOKEN_REWARD_ESTIMATORS
 from asyncrl.config.recipes import DR_GRPO_AGG, GSPO_AGG
 from asyncrl.config.schema import Config
 
@@ -92,7 +95,40 @@ def config_advisories(cfg: Config) -> list[str]:
             "the adapter it started with (no pause, no abort); set sync.lora=merged to abort "
             "requests at a push"
         )
-    return out + _batch_advisories(cfg) + _filter_advisories(cfg)
+    return out + _batch_advisories(cfg) + _filter_advisories(cfg) + _unused_kl_coef(cfg)
+
+
+def _written(section: BaseModel) -> set[str]:
+    """The keys of ``section`` the user's config gives; none for a resolved config.yaml,
+    which gives them all (a section written key by key in full reads the same way)."""
+    given = set(section.model_fields_set)
+    return set() if given >= set(type(section).model_fields) else given
+
+
+def _unused_kl_coef(cfg: Config) -> list[str]:
+    """``algorithm.kl_ctrl.kl_coef`` given, with no KL penalty on: TinyZero's PPO script
+    gives it and no ``use_kl_in_reward`` (its veRL put the KL in the reward whenever
+    ``actor.use_kl_loss`` was off); here that key decides, off by default as in veRL."""
+    alg = cfg.algorithm
+    if (
+        "kl_coef" not in _written(alg.kl_ctrl)
+        or not alg.kl_ctrl.kl_coef
+        or alg.use_kl_in_reward
+        or cfg.actor.use_kl_loss
+    ):
+        return []
+    fix = (
+        "set algorithm.use_kl_in_reward=true for the KL penalty in the reward (as TinyZero-era "
+        "veRL applied it whenever use_kl_loss was false)"
+        if alg.adv_estimator in TOKEN_REWARD_ESTIMATORS
+        else "set actor.use_kl_loss=true (with actor.kl_loss_coef) for a KL penalty with "
+        f"algorithm.adv_estimator={alg.adv_estimator}, whose advantages read no token rewards"
+    )
+    return [
+        f"algorithm.kl_ctrl.kl_coef={alg.kl_ctrl.kl_coef} has no effect: neither "
+        f"algorithm.use_kl_in_reward nor actor.use_kl_loss is on, so no KL penalty is applied; "
+        f"{fix}"
+    ]
 
 
 def _filter_advisories(cfg: Config) -> list[str]:

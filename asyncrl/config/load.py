@@ -27,8 +27,18 @@ from asyncrl.config.interpolate import InterpolationError, leaves, resolve_refer
 from asyncrl.config.overrides import our_dotted, parse_override
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
-from asyncrl.config.verl_compat import apply_verl_keys, default_gaps, pop_dotted, speaks_verl
+from asyncrl.config.verl_compat import (
+    apply_verl_keys,
+    default_gaps,
+    drop_verl_loggers,
+    dtype_line,
+    epochs_imply_steps,
+    null_filter_metric,
+    pop_dotted,
+    speaks_verl,
+)
 from asyncrl.config.verl_groups import (
+    drop_hydra_entries,
     flatten_verl_groups,
     respelled,
     unknown_verl_children,
@@ -47,6 +57,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     """Read ``path`` (or the built-in defaults when None), apply overrides, validate."""
     raw: dict[str, Any] = {}
     loaded: dict[str, Any] | None = None
+    hydra: str | None = None
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -59,6 +70,10 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
             raise ConfigError(
                 [f"{path} must hold a mapping of groups, not {type(loaded).__name__}"]
             )
+        if loaded:  # veRL's own layout: its Hydra entries configure Hydra, not a run
+            loaded, hydra = drop_hydra_entries(loaded)
+            if hydra:
+                log.info("%s", hydra)
         raw = flatten_verl_groups(loaded or {})
     spelled = verl_spellings(loaded, overrides)
     given = _apply_overrides(raw, overrides)
@@ -68,12 +83,16 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         raise ConfigError([str(e)]) from None
     _expand_home(raw)
     notes, problems = apply_verl_keys(raw, frozenset(given))
+    if metric_problem := null_filter_metric(raw):
+        problems.append(metric_problem)
     if problems:
         raise ConfigError(problems)
     for note in notes:
         log.info("%s", note)
-    if speaks_verl(loaded if path is not None else None, overrides):
-        _warn_default_gaps(raw)
+    if loggers := drop_verl_loggers(raw):
+        log.warning("%s", loggers)
+    if hydra or speaks_verl(loaded if path is not None else None, overrides):
+        _verl_defaults(raw)
     if problems := unknown_verl_children(raw):
         raise ConfigError(problems)
     try:
@@ -139,21 +158,33 @@ def _override_leaves(key: str, value: Any) -> list[tuple[str, Any]]:
     return [(".".join((key, *path)), group[name]) for group, name, path in leaves(value)]
 
 
-def _warn_default_gaps(raw: dict[str, Any]) -> None:
-    """A config written for veRL that leaves out a key whose default differs here gets
-    this project's default: say so, once, naming veRL's."""
+def _verl_defaults(raw: dict[str, Any]) -> None:
+    """A config written for veRL: its epochs without steps count the steps as veRL does,
+    and a key it leaves out whose default differs here gets this project's default: say
+    so, once, naming veRL's (and the dtype veRL generates in, on CUDA)."""
     from asyncrl.config.verl_doc import verl_leaves  # here: `python -m` runs that module
 
+    if note := epochs_imply_steps(raw):
+        log.info("%s", note)
     gaps = default_gaps(raw, _defaults(), verl_leaves())
     if gaps:
         key, _, theirs = gaps[0]
+        ranks = lookup(raw, "trainer.nproc")[1]
+        cpu_ranks = (
+            f"; on the CPU, trainer.n_gpus_per_node={ranks} is {ranks} CPU ranks"
+            if key == "trainer.device" and isinstance(ranks, int) and ranks > 1
+            else ""
+        )
         log.warning(
             "this config is written for veRL but leaves out keys whose default differs here: "
-            "%s; set them to run as veRL would (e.g. %s=%s)",
+            "%s; set them to run as veRL would (e.g. %s=%s)%s",
             ", ".join(f"{k}={ours!r} (veRL: {v!r})" for k, ours, v in gaps),
             key,
             "null" if theirs is None else theirs,
+            cpu_ranks,
         )
+    if line := dtype_line(raw, _defaults()):
+        log.warning("%s", line)
 
 
 @functools.cache

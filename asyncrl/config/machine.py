@@ -115,25 +115,20 @@ def device_problem(cfg: Config) -> str | None:
     )
 
 
-def gpu_sharing_problem(cfg: Config) -> str | None:
+def gpu_sharing_problem(cfg: Config, gpus_here: int | None = None) -> str | None:
     """Why the learner's CUDA ranks and a rollout server would share a GPU under this
     machine's launcher: the weight push is an NCCL broadcast, and NCCL puts no two ranks
     of one group on one GPU (the first push fails, "Duplicate GPU detected", and the
-    learner's restarts fail the same way). Unset ``launch.gpus`` starts every role on GPU 0."""
+    learner's restarts fail the same way). Unset ``launch.gpus`` starts every role on GPU 0.
+
+    ``gpus_here``: the GPUs this machine shows; None counts them (the launcher calls this
+    beside :func:`device_problem`, which loads torch too). A layout needing more is told
+    to shrink, not given GPU ids the machine lacks."""
     if cfg.trainer.device != "cuda":
         return None
     gpus = cfg.launch.gpus
     if gpus is None:
-        nproc, tp = cfg.trainer.nproc, cfg.rollout.tensor_model_parallel_size
-        servers = [
-            list(range(nproc + i * tp, nproc + (i + 1) * tp))
-            for i in range(cfg.rollout.num_servers)
-        ]
-        return (
-            "trainer.device=cuda with launch.gpus unset: every role would start on GPU 0, and "
-            "NCCL cannot push weights between two processes on one GPU; give each role its "
-            f"own: launch.gpus={{learner: {list(range(nproc))}, rollout: {servers}}}"
-        )
+        return _unset_gpus_line(cfg, _gpu_count() if gpus_here is None else gpus_here)
     # A role launch.gpus leaves out sees every GPU: the learner's rank r takes GPU r, a
     # server's tensor-parallel ranks take GPUs 0, 1, ...
     nproc, tp = cfg.trainer.nproc, cfg.rollout.tensor_model_parallel_size
@@ -153,6 +148,50 @@ def gpu_sharing_problem(cfg: Config) -> str | None:
                 )
             )
     return None
+
+
+def _unset_gpus_line(cfg: Config, gpus_here: int) -> str:
+    """The problem of ``launch.gpus`` left unset on CUDA: the mapping to write, when this
+    machine has the GPUs for it (or their count is unknown, 0); else what to shrink.
+    ``trainer.n_gpus_per_node`` (veRL's) counts the learner's GPUs alone here: the rollout
+    servers' come on top, where veRL's share the learner's."""
+    nproc, tp, n = (
+        cfg.trainer.nproc,
+        cfg.rollout.tensor_model_parallel_size,
+        cfg.rollout.num_servers,
+    )
+    needed = nproc + n * tp
+    head = (
+        "trainer.device=cuda with launch.gpus unset: every role would start on GPU 0, and "
+        "NCCL cannot push weights between two processes on one GPU; "
+    )
+    apart = (
+        f"rollout GPUs come on top of the learner's here: trainer.nproc={nproc} (veRL's "
+        "trainer.n_gpus_per_node) counts the learner's alone, and the rollout servers take "
+        f"rollout.num_servers x rollout.tensor_model_parallel_size = {n} x {tp} more, "
+        f"{needed} in all"
+    )
+    shrink = (
+        "lower trainer.n_gpus_per_node, or rollout.num_servers or "
+        "rollout.tensor_model_parallel_size"
+    )
+    if 0 < gpus_here < needed:
+        return (
+            f"{head}{apart}, and this machine has {gpus_here}: {shrink} to fit {gpus_here}, "
+            "then give each role its own in launch.gpus"
+        )
+    servers = [list(range(nproc + i * tp, nproc + (i + 1) * tp)) for i in range(n)]
+    return (
+        f"{head}give each role its own: launch.gpus={{learner: {list(range(nproc))}, "
+        f"rollout: {servers}}}; {apart} (for fewer, {shrink})"
+    )
+
+
+def _gpu_count() -> int:
+    """The CUDA devices torch sees here (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _hub_offline() -> str | None:

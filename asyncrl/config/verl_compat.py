@@ -12,6 +12,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key, refused_value
 
 log = logging.getLogger(__name__)
@@ -19,8 +21,11 @@ log = logging.getLogger(__name__)
 #: Keys whose default here differs from veRL's and changes what a run trains, or for how
 #: long: a veRL script that leaves one out relied on veRL's (TinyZero's PPO script never
 #: sets algorithm.adv_estimator, veRL's default being gae). veRL spelling; its defaults
-#: are read from ``verl_ppo_trainer_keys.yaml``.
+#: are read from ``verl_ppo_trainer_keys.yaml``. The device comes first: the warning's
+#: example names the first gap, and a run on the CPU is the gap that changes the most (a
+#: veRL script's trainer.n_gpus_per_node=8 would be 8 CPU ranks).
 RESULT_DEFAULTS = (
+    "trainer.device",
     "algorithm.adv_estimator",
     "actor_rollout_ref.rollout.n",
     "actor_rollout_ref.actor.clip_ratio_high",
@@ -93,6 +98,10 @@ def apply_verl_keys(
             popped.append((key, value))
     for key, value in popped:  # after popping all: a rule may read the rest of the config
         rule = VERL_KEYS[key]
+        if rule.per_rank and value is None:
+            # veRL's older global micro-batch at its unset value (veRL's own yaml and DAPO's
+            # scripts write it): veRL reads null as not given, so it sets nothing here.
+            continue
         if rule.kind == "refused":
             problem = refused_value(key, rule, value, raw)
             if problem:
@@ -157,3 +166,99 @@ def default_gaps(
         if found and here != verl[key]:
             out.append((mine, here, verl[key]))
     return out
+
+
+#: veRL's metric backends (its ``Tracking``) that are not built here. The run's metrics do
+#: not depend on them, and every metric is written to ``metrics.jsonl`` in the run directory
+#: whatever the logger, so a veRL script naming one runs, with a warning, rather than fails.
+VERL_ONLY_LOGGERS = (
+    "tensorboard",
+    "swanlab",
+    "mlflow",
+    "vemlp_wandb",
+    "clearml",
+    "trackio",
+    "file",
+    "localfile",
+)
+
+
+def drop_verl_loggers(raw: dict[str, Any]) -> str | None:
+    """Take veRL's logger backends that are not built here (:data:`VERL_ONLY_LOGGERS`) out
+    of ``trainer.logger``; the warning to give, or None. A name neither veRL nor this
+    project knows stays, for the schema to refuse with the accepted values."""
+    found, value = lookup(raw, "trainer.logger")
+    names = [value] if isinstance(value, str) else value
+    if not found or not isinstance(names, list):
+        return None
+    dropped = [n for n in names if isinstance(n, str) and n.lower() in VERL_ONLY_LOGGERS]
+    if not dropped:
+        return None
+    # Left with nothing, the console keeps the progress visible, as each veRL backend does.
+    kept = [n for n in names if n not in dropped] or ["console"]
+    _set(raw, "trainer.logger", kept)
+    return (
+        f"trainer.logger: {', '.join(dropped)} not supported here (the accepted loggers are "
+        f"console, jsonl and wandb), left out: logging with {kept}; every metric is written "
+        "to metrics.jsonl in the run directory either way"
+    )
+
+
+def null_filter_metric(raw: dict[str, Any]) -> str | None:
+    """``algorithm.filter_groups.metric: null`` (veRL's default, in its recipe yaml): with the
+    filter off it is unset (the key is taken out); with it on, the problem line, since veRL
+    then fails at its first batch (it reads the group's values under a metric named None)."""
+    found, metric = lookup(raw, "algorithm.filter_groups.metric")
+    if not found or metric is not None:
+        return None
+    _, enable = lookup(raw, "algorithm.filter_groups.enable")
+    try:
+        on = TypeAdapter(bool).validate_python(enable or False)
+    except ValidationError:  # not a boolean: the schema names it
+        on = False
+    if on:
+        return (
+            "algorithm.filter_groups.enable=true with algorithm.filter_groups.metric=null: the "
+            "filter needs a value to compare within a group (veRL fails here too); set "
+            "algorithm.filter_groups.metric=acc"
+        )
+    pop_dotted(raw, "algorithm.filter_groups.metric")
+    return None
+
+
+def epochs_imply_steps(raw: dict[str, Any]) -> str | None:
+    """A config written for veRL that gives ``trainer.total_epochs`` but no
+    ``trainer.total_training_steps`` means epochs: the steps are counted from them, as veRL
+    counts them (``total_training_steps: null``); the note to log, or None."""
+    epochs_given, epochs = lookup(raw, "trainer.total_epochs")
+    if not epochs_given or lookup(raw, "trainer.total_training_steps")[0]:
+        return None
+    _set(raw, "trainer.total_training_steps", None)
+    return (
+        f"trainer.total_epochs={epochs} given without trainer.total_training_steps: the run "
+        "lasts that many epochs, as in veRL (trainer.total_training_steps=null: the whole "
+        "batches in the training rows times the epochs)"
+    )
+
+
+def dtype_line(raw: dict[str, Any], ours: dict[str, Any]) -> str | None:
+    """A config written for veRL that runs on CUDA and leaves ``model.dtype`` at this
+    project's float32: what veRL does instead (its rollout samples in bfloat16), or None.
+
+    Here ``model.dtype`` is the dtype of the rollout servers' engines and of the weights
+    pushed to them and exported; the learner keeps float32 weights and computes in bfloat16
+    on CUDA (FSDP mixed precision) whatever it says, as veRL's actor does."""
+    if lookup(raw, "model.dtype")[0]:
+        return None
+    found, device = lookup(raw, "trainer.device")
+    device = device if found else lookup(ours, "trainer.device")[1]
+    dtype = lookup(ours, "model.dtype")[1]
+    if device != "cuda" or dtype != "float32":
+        return None
+    return (
+        "trainer.device=cuda with model.dtype left at float32: the rollout servers would "
+        "generate in float32 (slower, twice the memory); veRL generates in bfloat16 "
+        "(actor_rollout_ref.rollout.dtype) and its learner, like this one, keeps float32 "
+        "weights and computes in bfloat16 on the GPU; set model.dtype=bfloat16 to run as "
+        "veRL does"
+    )

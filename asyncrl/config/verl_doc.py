@@ -67,22 +67,32 @@ def verl_leaves(path: Path = KEYS_FILE) -> dict[str, Any]:
 
 def leaves_of(tree: dict[str, Any]) -> dict[str, Any]:
     """The leaves of a veRL config tree (``_target_`` left out) as ``{dotted: default}``,
-    each ``${key}`` / ``${oc.select:key,default}`` interpolation resolved."""
-    tree = copy.deepcopy(tree)
-    resolve_references(tree, {})
+    each ``${key}`` / ``${oc.select:key,default}`` interpolation resolved. A key the tree
+    writes as an interpolation is one leaf, whatever it resolves to: veRL's
+    ``rollout.profiler.tool_config: ${oc.select:actor_rollout_ref.actor.profiler.tool_config,
+    null}`` is one key (its default the actor's group), not the actor's keys again."""
+    resolved = copy.deepcopy(tree)
+    resolve_references(resolved, {})
     flat: dict[str, Any] = {}
 
-    def walk(node: dict[str, Any], prefix: str) -> None:
+    def walk(node: dict[str, Any], values: dict[str, Any], prefix: str) -> None:
         for k, v in node.items():
             if k == "_target_":
                 continue
             if isinstance(v, dict) and v:
-                walk(v, f"{prefix}{k}.")
+                walk(v, values[k], f"{prefix}{k}.")
             else:
-                flat[prefix + k] = v
+                flat[prefix + k] = _without_targets(values[k])
 
-    walk(tree, "")
+    walk(tree, resolved, "")
     return flat
+
+
+def _without_targets(value: Any) -> Any:
+    """``value`` with Hydra's ``_target_`` entries left out, at any depth."""
+    if not isinstance(value, dict):
+        return value
+    return {k: _without_targets(v) for k, v in value.items() if k != "_target_"}
 
 
 def main(argv: list[str]) -> int:
@@ -94,7 +104,8 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["leaves"] and len(argv) == 2:
         flat = leaves_of(yaml.safe_load(Path(argv[1]).read_text()))
         for key, value in flat.items():
-            sys.stdout.write(yaml.safe_dump({key: value}, default_flow_style=True)[1:-2] + "\n")
+            line = yaml.safe_dump({key: value}, default_flow_style=True, width=sys.maxsize)
+            sys.stdout.write(line[1:-2] + "\n")
         return 0
     sys.stderr.write("usage: python -m asyncrl.config.verl_doc markdown | leaves PATH\n")
     return 2

@@ -166,3 +166,38 @@ def _merge_spellings(
                 f"{ours}.{k}={old!r} and {theirs}.{k}={v!r} are one key in two spellings, "
                 "with different values: keep one of them"
             )
+
+
+#: Top-level keys of veRL's recipe files that configure Hydra itself: where to look for
+#: configs, and which to build on (``defaults: [ppo_trainer, _self_]``).
+HYDRA_GROUPS = ("hydra", "defaults")
+
+
+def drop_hydra_entries(loaded: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """``loaded`` without Hydra's own entries (veRL's ``_target_`` class names, at any
+    depth, and a recipe file's top-level ``hydra`` and ``defaults``), and the one note
+    saying what was dropped (None when nothing was). They name Python classes and config
+    files to build veRL's objects from; a key left out reads as this project's default,
+    which the loader warns about where it differs from veRL's."""
+    targets = 0
+
+    def strip(node: dict[str, Any]) -> dict[str, Any]:
+        nonlocal targets
+        out = {}
+        for k, v in node.items():
+            if k == "_target_":
+                targets += 1
+            else:
+                out[k] = strip(v) if isinstance(v, dict) else v
+        return out
+
+    top = [k for k in HYDRA_GROUPS if k in loaded]
+    cleaned = strip({k: v for k, v in loaded.items() if k not in top})
+    if not top and not targets:
+        return cleaned, None
+    what = [f"{k}:" for k in top] + ([f"{targets} _target_ entries"] if targets else [])
+    return cleaned, (
+        f"veRL's Hydra entries dropped ({', '.join(what)}): they tell Hydra which classes and "
+        "config files to build veRL from; keys this config leaves out take this project's "
+        "defaults"
+    )

@@ -172,6 +172,15 @@ TEMPLATE = (
     "asyncrl-prepare do; a different template would change what the model is trained on"
 )
 
+TEMPLATE_KWARGS = (
+    "prompts are rendered with the model's own chat template, called without extra "
+    "arguments (the rollout servers and asyncrl-prepare alike); to get what these arguments "
+    "give, edit the template in model.path's tokenizer_config.json (or chat_template.jinja) "
+    "to render that way (Qwen3's enable_thinking=false appends an empty "
+    "<think></think> block to the generation prompt), or write the prompts already rendered "
+    "with them: a prompt whose one message holds the template's markup is used as its text"
+)
+
 # ------------------------------------------------------------------ the table
 _ACTOR = "actor_rollout_ref.actor."
 _REF = "actor_rollout_ref.ref."
@@ -188,6 +197,26 @@ def _profiler(prefix: str, tool_config: bool) -> dict[str, VerlKey]:
     keys = ["tool", "enable", "all_ranks", "ranks", "save_path"]
     keys += [f"tool_config.{k}" for k in _TOOL_CONFIG.split()] if tool_config else ["tool_config"]
     return {f"{prefix}profiler.{k}": _none(PROFILER) for k in keys}
+
+
+#: veRL's top-level profiler group, which its roles' profiler keys read their defaults from.
+_GLOBAL_PROFILER = (
+    "tool steps profile_continuous_steps save_path global_tool_config.nsys.discrete "
+    + " ".join(
+        f"global_tool_config.nsys.{group}_nsight_options.{k}"
+        for group, keys in (
+            ("controller", "trace cuda-memory-usage cuda-graph-trace"),
+            (
+                "worker",
+                "trace cuda-memory-usage cuda-graph-trace capture-range capture-range-end kill",
+            ),
+        )
+        for k in keys.split()
+    )
+    + " global_tool_config.torch_memory.trace_alloc_max_entries "
+    "global_tool_config.torch_memory.stack_depth global_tool_config.torch_memory.context "
+    "global_tool_config.torch_memory.stacks global_tool_config.torch_memory.kw_args"
+)
 
 
 def _rows(prefix: str, names: str, rule: VerlKey) -> dict[str, VerlKey]:
@@ -562,7 +591,9 @@ VERL_KEYS: dict[str, VerlKey] = {
             "datagen.name",
         )
     },
-    "data.apply_chat_template_kwargs": _only(TEMPLATE, _falsy, bad={"enable_thinking": False}),
+    "data.apply_chat_template_kwargs": _only(
+        TEMPLATE_KWARGS, _falsy, bad={"enable_thinking": False}
+    ),
     # ---------------------------------------------------------------- critic
     "critic.rollout_n": _none("the critic sees every sample; the group size is rollout.n"),
     "critic.strategy": _only(STRATEGY, lambda v: v in ("fsdp", "fsdp2"), bad="megatron"),
@@ -705,6 +736,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     ),
     "algorithm.pf_ppo.reweight_method": _none("algorithm.use_pf_ppo must be false"),
     "algorithm.pf_ppo.weight_pow": _none("algorithm.use_pf_ppo must be false"),
+    **_rows("global_profiler.", _GLOBAL_PROFILER, _none(PROFILER)),
     # ---------------------------------------------------------------- trainer
     **_implemented(
         "trainer.",
