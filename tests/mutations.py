@@ -1005,4 +1005,20 @@ MUTATIONS = (
         '        default_agent="single_turn",',
         ("tests/test_agent_rows.py",),
     ),
+    Mutation(
+        "veRL's YAML layout loads",
+        "_target_ entries are kept and refused as unknown keys",
+        "asyncrl/config/verl_groups.py",
+        '            if k == "_target_":\n                targets += 1',
+        "            if False:\n                targets += 1",
+        ("tests/test_verl_scripts.py",),
+    ),
+    Mutation(
+        "veRL's epochs without steps count the steps",
+        "total_epochs alone stops at this project's 60 steps",
+        "asyncrl/config/verl_compat.py",
+        '    _set(raw, "trainer.total_training_steps", None)\n    return (',
+        "    return (",
+        ("tests/test_verl_scripts.py",),
+    ),
 )
