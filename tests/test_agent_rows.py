@@ -6,6 +6,7 @@ episode; a row that names its agent keeps it, and with multi-turn off the defaul
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -46,3 +47,18 @@ def test_rows_without_an_agent_run_the_tools_when_multi_turn_is_on(multi_turn, d
     source.start_validation()
     val = source.next_val()
     assert val is not None and val.agent_name == default
+
+
+def test_tool_agent_rows_with_multi_turn_off_are_said_to_run_single_turn(caplog):
+    cfg = load_config(None, ["data.shuffle=false"])
+    rows = [_row(0, "tool_agent"), _row(1), _row(2, "tool_agent")]
+    with caplog.at_level(logging.WARNING, logger="asyncrl.control.setup"):
+        task_source_from_config(cfg, rows, [])
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line.startswith("2 of 3 training rows name agent_name tool_agent"), line
+    assert "rollout.multi_turn.enable=true" in line
+    caplog.clear()
+    on = load_config(None, ["rollout.multi_turn.enable=true", "data.shuffle=false"])
+    with caplog.at_level(logging.WARNING, logger="asyncrl.control.setup"):
+        task_source_from_config(on, rows, [])
+    assert caplog.records == []

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource, load_rows
 from asyncrl.net.transport import mebibytes
+
+log = logging.getLogger(__name__)
 
 Rows = Sequence[dict[str, Any]]
 
@@ -55,6 +58,7 @@ def task_source_from_config(
         prompt_key=d.prompt_key,
         default_agent="tool_agent" if cfg.rollout.multi_turn.enable else "single_turn",
     )  # with a lineage of its own (a restored coordinator takes the checkpoint's back)
+    _warn_idle_agents(cfg, train_rows)
     # A training row too large for a grant is dropped when dealt (counted); a validation
     # row never dealt would leave every round short of it, and no val/ score ever.
     limit = mebibytes(cfg.control.max_message_mb)
@@ -68,6 +72,23 @@ def task_source_from_config(
             ]
         )
     return source
+
+
+def _warn_idle_agents(cfg: Config, rows: Rows) -> None:
+    """Rows that name ``tool_agent`` while multi-turn episodes are off run single-turn,
+    without their tools: say so once, with the key that runs them as episodes."""
+    if cfg.rollout.multi_turn.enable:
+        return
+    named = sum(row.get("agent_name") == "tool_agent" for row in rows)
+    if named:
+        log.warning(
+            "%d of %d training rows name agent_name tool_agent, but rollout.multi_turn.enable "
+            "is false: they run single-turn, without their tools; set "
+            "rollout.multi_turn.enable=true (and rollout.multi_turn.tool_config_path) to run "
+            "them as episodes",
+            named,
+            len(rows),
+        )
 
 
 def state_from_config(
