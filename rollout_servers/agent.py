@@ -253,6 +253,8 @@ class AgentRunner:
             # counts it, for the server's whole life, so its count is reported as it stands.
             if bad := self.tools.counters[BAD_REWARD]:
                 self.metrics["rollout/agent/tool_bad_rewards"] = bad
+            # Cumulative as the pool keeps it: seconds calls waited for a free worker.
+            self.metrics["rollout/agent/tool_queue_wait_s"] = self.tools.queue_wait["total_s"]
             texts = [r.text for r in results]
         ep.tool_calls += len(calls)
         return self._append(ep, in_block_order(parsed, texts), schemas)

@@ -329,6 +329,60 @@ def test_model_and_tool_errors_come_back_as_text(
     assert pool.call(ToolCall("add", {"a": 1, "b": 2})) == ToolResult("3")
 
 
+LOUD = """
+from asyncrl.tools import BaseTool
+
+
+class LoudTool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        raise RuntimeError("sandbox connection refused " + "x" * parameters["pad"])
+"""
+
+
+def test_error_lines_are_never_cut_only_what_the_tool_said(
+    hostile_config: Path, tmp_path: Path
+) -> None:
+    """A short max_tool_response_length cut the pool's own error lines like answers
+    ("Error: tool 'code_interpreter' f...(truncated)...rror: sandbox connection refused"):
+    the model could not read what had happened. veRL cuts only the tool's answer. The
+    line's head is whole now; a raise's message (the tool's words) is cut as answers are,
+    however long it was."""
+    (tmp_path / "loud.py").write_text(LOUD)
+    available = "available: echo, raise, bad_return, hang, loud"
+    hostile = hostile_config.parent / "hostile.py"
+    tools = [
+        entry(f"{hostile}:EchoTool", "echo", ("text",)),
+        entry(f"{hostile}:RaiseTool", "raise"),
+        entry(f"{hostile}:BadReturnTool", "bad_return"),
+        entry(f"{hostile}:HangTool", "hang"),
+        entry("loud.py:LoudTool", "loud"),
+    ]
+    config = write_config(tmp_path / "tools.yaml", tools)
+    expected = [
+        (ToolCall("raise", {}), "Error: tool 'raise' failed: Runt...(truncated)...boom"),
+        (
+            ToolCall("loud", {"pad": 30_000_000}),
+            "Error: tool 'loud' failed: Runt...(truncated)...xxxx",
+        ),
+        (ToolCall("bad_return", {}), "Error: tool 'bad_return' returned an invalid response"),
+        (ToolCall("echo", {}), "Error: tool 'echo' is missing required argument(s): text"),
+        (ToolCall("div", {}), f"Error: unknown tool 'div'; {available}"),
+        (ToolCall("hang", {}), f"Error: tool 'hang' timed out after {TIMEOUT_S:g}s"),
+    ]
+    with ToolPool(
+        config, num_workers=1, timeout_s=TIMEOUT_S, max_response_length=8, truncate_side="middle"
+    ) as small:
+        for call, text in expected:
+            assert small.call(call).text == text
+        # A name the model made up is quoted only so far: the line is never cut.
+        long_name = small.call(ToolCall("n" * 10_000, {}))
+        assert long_name.error == "unknown_tool" and len(long_name.text) < 200
+        assert long_name.text.endswith(f"...(truncated)'; {available}")
+        # Answers are cut as before.
+        echoed = small.call(ToolCall("echo", {"text": "ab", "times": 50}))
+        assert echoed.text == "abab...(truncated)...abab"
+
+
 @pytest.mark.parametrize(("name", "kind"), [("hang", "timeout"), ("die", "worker_died")])
 def test_environment_errors_kill_the_worker_and_the_pool_recovers(
     pool: ToolPool, name: str, kind: str

@@ -1,9 +1,12 @@
 """The base class of a tool, with veRL's method names and signatures.
 
-A veRL tool ports by changing its import to ``from asyncrl.tools import BaseTool``. Two
-differences: ``tool_schema`` is the plain dict from the config (veRL wraps it in a pydantic
-model), and :meth:`BaseTool.execute` has no useful default, since a tool that does nothing
-is a config mistake.
+A veRL tool ports by changing its imports from ``verl.tools.base_tool`` and
+``verl.tools.schemas`` to ``asyncrl.tools`` (``BaseTool``, ``OpenAIFunctionToolSchema``,
+``ToolResponse``). ``tool_schema`` is an :class:`~asyncrl.tools.OpenAIFunctionToolSchema`:
+read by attribute as veRL's pydantic model is (``self.tool_schema.function.name``) or as
+the config's dict (``self.tool_schema["function"]["name"]``). One difference:
+:meth:`BaseTool.execute` has no useful default, since a tool that does nothing is a config
+mistake.
 
 A tool lives in a tool worker process (see :class:`asyncrl.tools.ToolPool`): it is built
 once per worker, and each call is ``create`` -> ``execute`` -> ``release`` on a fresh
@@ -18,7 +21,10 @@ from its ``create_kwargs`` (the row's) and the call's arguments.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Mapping
 from typing import Any
+
+from asyncrl.tools.schema import OpenAIFunctionToolSchema, ToolResponse
 
 
 class BaseTool:
@@ -26,16 +32,22 @@ class BaseTool:
 
     Attributes:
         config: The ``config`` mapping of the tool's config entry.
-        tool_schema: The OpenAI function-calling schema (``{"type": "function", ...}``).
-        name: ``tool_schema["function"]["name"]``: what the model calls.
+        tool_schema: The OpenAI function-calling schema (``{"type": "function", ...}``), a
+            dict whose keys read as attributes too (see the module docstring).
+        name: ``tool_schema.function.name``: what the model calls.
     """
 
-    def __init__(self, config: dict, tool_schema: dict) -> None:
+    def __init__(
+        self, config: dict, tool_schema: OpenAIFunctionToolSchema | Mapping[str, Any]
+    ) -> None:
         self.config = config
-        self.tool_schema = tool_schema
-        self.name: str = tool_schema["function"]["name"]
+        # A plain dict (a test's, or an older tool's) reads by attribute too once wrapped.
+        self.tool_schema: OpenAIFunctionToolSchema = OpenAIFunctionToolSchema.model_validate(
+            tool_schema
+        )
+        self.name: str = self.tool_schema.function.name
 
-    def get_openai_tool_schema(self) -> dict:
+    def get_openai_tool_schema(self) -> OpenAIFunctionToolSchema:
         """The schema shown to the model (veRL's name for it)."""
         return self.tool_schema
 
@@ -51,12 +63,13 @@ class BaseTool:
 
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
-    ) -> tuple[str | dict, float, dict]:
+    ) -> tuple[str | dict | ToolResponse, float | None, dict | None]:
         """Run the tool on the model's arguments.
 
         Returns:
-            ``(response, step_reward, metrics)``: the response is the text the model sees
-            (or a dict with a ``"text"`` key); errors the model should fix are best
+            ``(response, step_reward, metrics)``: the response is the text the model sees,
+            a :class:`~asyncrl.tools.ToolResponse` or a dict with a ``"text"`` key (a text
+            of None is an empty answer, as in veRL); errors the model should fix are best
             returned as text too, so it can learn from them.
         """
         raise NotImplementedError(f"{type(self).__name__} must override BaseTool.execute")

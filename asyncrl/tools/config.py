@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from asyncrl.sandbox.pyfile import import_file
+from asyncrl.tools.schema import OpenAIFunctionToolSchema
 
 _CONFIG_KEY = "rollout.multi_turn.tool_config_path"
 
@@ -225,7 +226,9 @@ def _import_failed(class_name: str, exc: Exception) -> ValueError:
 
 
 def instantiate_tools(specs: list[ToolSpec]) -> dict[str, Any]:
-    """Import each spec's class and build the tool: ``cls(config, tool_schema)``, by name.
+    """Import each spec's class and build the tool: ``cls(config, tool_schema)``, by name;
+    ``tool_schema`` is an :class:`~asyncrl.tools.OpenAIFunctionToolSchema` (veRL's tools read
+    it by attribute, even those that do not pass it on to ``BaseTool.__init__``).
 
     Raises:
         ValueError: A class cannot be imported, or its constructor raised.
@@ -234,7 +237,8 @@ def instantiate_tools(specs: list[ToolSpec]) -> dict[str, Any]:
     for spec in specs:
         cls = import_tool_class(spec.class_name)
         try:
-            tools[spec.name] = cls(copy.deepcopy(spec.config), copy.deepcopy(spec.schema))
+            schema = OpenAIFunctionToolSchema.model_validate(spec.schema)  # a copy
+            tools[spec.name] = cls(copy.deepcopy(spec.config), schema)
         except Exception as exc:
             raise ValueError(
                 f"constructing tool {spec.name!r} ({spec.class_name}) failed: "

@@ -20,6 +20,8 @@ import asyncio
 import functools
 import inspect
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -63,6 +65,13 @@ ENVIRONMENT_ERRORS = ("timeout", "worker_died", "out_of_memory")
 BAD_REWARD = "bad_reward"
 #: The key that caps each tool worker's memory, named by the calls that hit the cap.
 MEMORY_KEY = "rollout.multi_turn.tool_max_memory_mb"
+#: The most characters of an unknown tool's name (the model's) that its error line quotes.
+MAX_NAME_CHARS = 64
+#: The key that sizes the pool, named when calls wait long for a free worker.
+WORKERS_KEY = "rollout.multi_turn.tool_workers"
+#: A call that waited this long for a free worker is said in the log (once per pool): the
+#: workers, not the tools, then bound how many calls run at once.
+LONG_WAIT_S = 1.0
 
 TruncateSide = Literal["left", "middle", "right"]
 
@@ -82,8 +91,8 @@ _EXPLANATIONS = {
     "out_of_memory": "a tool call ran out of memory ({detail}) and its worker was replaced "
     "(an environment error, not the model's); make the tool use less or raise "
     f"{MEMORY_KEY} (0: no cap)",
-    "bad_return": "a tool returned {detail}; execute must return (text or {{'text': ...}}, "
-    "reward or None, metrics)",
+    "bad_return": "a tool returned {detail}; execute must return (text, {{'text': ...}} or a "
+    "ToolResponse, reward or None, metrics)",
     BAD_REWARD: "a tool returned {detail}; the model still gets the answer and the reward is "
     "read as 0 (the scorer's extra_info['tool_rewards']); return a finite number or None",
 }
@@ -94,7 +103,9 @@ class ToolResult:
     """The outcome of one call.
 
     Attributes:
-        text: The tool message content for the model (already truncated).
+        text: The tool message content for the model: an answer cut to
+            ``max_response_length``; an error line whose head is never cut (see
+            :meth:`ToolPool._error_text`).
         error: None, or one of :data:`TOOL_ERROR_KINDS`.
         reward: The tool's step reward: 0.0 on error or when it was no number, None when
             the tool gave none (veRL's tool agent then records none).
@@ -132,15 +143,26 @@ def valid_text(text: str) -> str:
 # ------------------------------------------------------------------------ worker process
 
 
+_NO_TEXT = object()  # a response without a text field, as opposed to a text of None
+
+
 def _response_text(response: Any) -> str | None:
-    """The text of a tool response (a str, a dict's ``"text"``, or veRL's ``ToolResponse``
-    object's ``.text``); None when it has none to give."""
+    """The text of a tool response (a str, a dict's ``"text"``, or a
+    :class:`~asyncrl.tools.ToolResponse`'s ``.text``); None when it is no response.
+
+    A text of None is an empty answer, not an error: veRL's agent loop sends ``text or ""``
+    (its tools return ``ToolResponse()`` with nothing to say). A dict with no ``"text"`` key
+    and no image or video is a mistake (``{"result": ...}``) and stays one."""
     if isinstance(response, str):
         return response
-    fields = response if isinstance(response, dict) else getattr(response, "__dict__", {})
-    text = fields.get("text")
-    if text is None and (fields.get("image") or fields.get("video")):
-        return ""  # an image-only veRL response: this text-only pool passes on no text
+    if isinstance(response, dict):
+        text = response.get("text", _NO_TEXT)
+        media = response.get("image") or response.get("video")
+    else:
+        text = getattr(response, "text", _NO_TEXT)
+        media = getattr(response, "image", None) or getattr(response, "video", None)
+    if text is None or (text is _NO_TEXT and media):
+        return ""  # no text, or an image-only response: this text-only pool passes on none
     return text if isinstance(text, str) else None
 
 
@@ -219,11 +241,52 @@ def _load_tools(specs: tuple[ToolSpec, ...], max_length: int, side: TruncateSide
 # --------------------------------------------------------------------------------- pool
 
 
+class _QueueWaits:
+    """How long calls waited for a free worker: the total and the longest, thread-safe;
+    the first wait of :data:`LONG_WAIT_S` or more is logged with its fix."""
+
+    def __init__(self, num_workers: int) -> None:
+        self._num_workers = num_workers
+        self._lock = threading.Lock()
+        self._total_s = 0.0
+        self._max_s = 0.0
+        self._warned = False
+
+    def add(self, seconds: float) -> None:
+        """Count one call's wait."""
+        with self._lock:
+            self._total_s += seconds
+            self._max_s = max(self._max_s, seconds)
+            warn = seconds >= LONG_WAIT_S and not self._warned
+            self._warned = self._warned or warn
+        if warn:
+            # Async tools are the usual case: each worker runs one call at a time, so an
+            # I/O-bound call holds a worker while it waits on the network.
+            logger.warning(
+                "a tool call waited %.1fs for a free tool worker: the %d workers (%s) run one "
+                "call each at a time, async tools too, so concurrent episodes queue for them; "
+                "raise %s (time queued does not count toward "
+                "rollout.multi_turn.tool_timeout_s) (logged once; ToolPool.queue_wait "
+                "totals every wait)",
+                seconds,
+                self._num_workers,
+                WORKERS_KEY,
+                WORKERS_KEY,
+            )
+
+    def snapshot(self) -> dict[str, float]:
+        """``{"total_s": ..., "max_s": ...}`` so far."""
+        with self._lock:
+            return {"total_s": self._total_s, "max_s": self._max_s}
+
+
 class ToolPool:
     """Call tools from a veRL tool config in killable worker processes; thread-safe.
 
     Calls block until their answer (at most ``timeout_s`` once a worker is free); from an
-    event loop, await :meth:`call_many_async`, which waits in the pool's own threads.
+    event loop, await :meth:`call_many_async`, which waits in the pool's own threads. Each
+    worker runs one call at a time, async tools too: :attr:`queue_wait` says how long calls
+    waited for one.
 
     Example::
 
@@ -295,6 +358,11 @@ class ToolPool:
         # One thread per worker runs the turns of call_many_async: turns waiting for a
         # worker queue here, holding no thread of the event loop's default executor.
         self._turns = ThreadPoolExecutor(num_workers, thread_name_prefix="tool-turn")
+        # As many calls as workers pass at once, so that a call passing it finds a free
+        # worker: the time to pass is the time waited for one, whoever calls (the turns'
+        # and map's threads hold calls back too; a call's wait starts at its submission).
+        self._gate = threading.BoundedSemaphore(num_workers)
+        self._waits = _QueueWaits(num_workers)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -302,23 +370,38 @@ class ToolPool:
         answers whose step reward was unreadable (:data:`BAD_REWARD`)."""
         return self._pool.counters
 
+    @property
+    def queue_wait(self) -> dict[str, float]:
+        """Seconds calls have waited for a free worker so far: ``total_s`` over all calls,
+        ``max_s`` the longest wait of one. A call waits from its submission (its turn's,
+        for :meth:`call_many_async`) until it has a worker; the wait is not part of its
+        ``timeout_s``. Waiting for a replaced worker to start is not counted."""
+        return self._waits.snapshot()
+
     def call(self, call: ToolCall, create_kwargs: dict | None = None) -> ToolResult:
         """Run one call; returns within about ``timeout_s`` once a worker is free.
 
         Raises:
             RuntimeError: The pool is closed or can no longer start workers.
         """
+        return self._call(call, create_kwargs, time.monotonic())
+
+    def _call(self, call: ToolCall, create_kwargs: dict | None, since: float) -> ToolResult:
+        """:meth:`call`, submitted at ``since`` (``time.monotonic()``)."""
         refusal = self._check(call)
         if refusal is not None:
             return refusal
-        status, payload = self._pool.run((call.name, call.arguments, dict(create_kwargs or {})))
+        job = (call.name, call.arguments, dict(create_kwargs or {}))
+        with self._gate:
+            self._waits.add(time.monotonic() - since)
+            status, payload = self._pool.run(job)
         if status == "ok":  # cut and made valid in the worker
             text, reward, note = payload
             if note is not None:
                 self._pool.record(BAD_REWARD, note)
             return ToolResult(text, None, reward)
         self._pool.record(status, payload)
-        return ToolResult(self._truncate(self._error_text(call.name, status, payload)), status)
+        return ToolResult(valid_text(self._error_text(call.name, status, payload)), status)
 
     def call_many(
         self, calls: Sequence[ToolCall], create_kwargs: dict[str, dict] | None = None
@@ -330,8 +413,14 @@ class ToolPool:
             create_kwargs: Per tool name, the ``create_kwargs`` for its instances (veRL's
                 ``extra_info.tools_kwargs[name]["create_kwargs"]``).
         """
+        return self._call_many(calls, create_kwargs, time.monotonic())
+
+    def _call_many(
+        self, calls: Sequence[ToolCall], create_kwargs: dict[str, dict] | None, since: float
+    ) -> list[ToolResult]:
+        """:meth:`call_many`, submitted at ``since`` (``time.monotonic()``)."""
         by_name = create_kwargs or {}
-        return self._pool.map(lambda call: self.call(call, by_name.get(call.name)), calls)
+        return self._pool.map(lambda c: self._call(c, by_name.get(c.name), since), calls)
 
     async def call_many_async(
         self,
@@ -350,7 +439,7 @@ class ToolPool:
                 does the same: an episode whose deadline a weight sync moves on bounds
                 the wait itself (:func:`rollout_servers.deadlines.within`).
         """
-        turn = functools.partial(self.call_many, calls, create_kwargs)
+        turn = functools.partial(self._call_many, calls, create_kwargs, time.monotonic())
         future = asyncio.get_running_loop().run_in_executor(self._turns, turn)
         return await asyncio.wait_for(future, wait_s)
 
@@ -370,8 +459,9 @@ class ToolPool:
     def _check(self, call: ToolCall) -> ToolResult | None:
         """The model's own mistakes, caught before a worker is used: None if the call is fine."""
         if call.name not in self._required:
-            text = f"Error: unknown tool {call.name!r}; available: {', '.join(self.names)}"
-            return self._refuse("unknown_tool", repr(call.name), text)
+            shown = _shown_name(call.name)
+            text = f"Error: unknown tool {shown}; available: {', '.join(self.names)}"
+            return self._refuse("unknown_tool", shown, text)
         if not isinstance(call.arguments, dict):
             kind = type(call.arguments).__name__
             text = f"Error: the arguments of tool {call.name!r} must be a JSON object, not {kind}"
@@ -385,9 +475,13 @@ class ToolPool:
 
     def _refuse(self, kind: str, detail: str, text: str) -> ToolResult:
         self._pool.record(kind, detail)
-        return ToolResult(self._truncate(text), kind)
+        return ToolResult(valid_text(text), kind)  # the pool's own words: never cut
 
     def _error_text(self, name: str, kind: str, detail: Any) -> str:
+        """The line the model reads for a failed call. Its head, the pool's words saying
+        what happened, is never cut (a short ``max_tool_response_length`` cut it mid-word,
+        and the model could not tell a timeout from a crash); only what the tool itself
+        said (a raise's message) is bounded, see :meth:`_bounded`."""
         if kind == "timeout":
             return f"Error: tool {name!r} timed out after {self.timeout_s:g}s"
         if kind == "worker_died":
@@ -395,13 +489,21 @@ class ToolPool:
         if kind == "out_of_memory":
             return f"Error: tool {name!r} ran out of memory"
         if kind == "exception":
-            return f"Error: tool {name!r} failed: {str(detail)[:MAX_MESSAGE_CHARS]}"
+            return f"Error: tool {name!r} failed: {self._bounded(str(detail))}"
         return f"Error: tool {name!r} returned an invalid response"
 
-    def _truncate(self, text: str) -> str:
-        """An error message as the model reads it: cut as answers are, and valid UTF-8 (an
-        exception's message may quote a tool's undecodable output)."""
-        return valid_text(truncate_response(text, self.max_response_length, self.truncate_side))
+    def _bounded(self, told: str) -> str:
+        """Text a tool gave inside an error line: at most :data:`MAX_MESSAGE_CHARS` (the
+        worker sends no more of a raise, so a 30 MB message costs nothing), then cut to
+        ``max_tool_response_length`` on its side, as the tool's answers are."""
+        cut = told[:MAX_MESSAGE_CHARS]
+        return truncate_response(cut, self.max_response_length, self.truncate_side)
+
+
+def _shown_name(name: str) -> str:
+    """A name the model called, quoted for an error line, at most :data:`MAX_NAME_CHARS`
+    of it: the line is never cut, and a model may write a name of any length."""
+    return repr(truncate_response(name, MAX_NAME_CHARS, "left"))
 
 
 def _required(spec: ToolSpec) -> list[str]:
