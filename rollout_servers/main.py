@@ -214,6 +214,7 @@ def reward_pool(cfg: Config) -> RewardPool:
         custom_kwargs=custom.reward_kwargs,
         startup_timeout_s=r.startup_timeout_s,
         max_memory_mb=r.max_memory_mb,
+        reward_manager=r.reward_manager,
     )
 
 

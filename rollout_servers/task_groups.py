@@ -43,6 +43,19 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+#: ``extra_info["num_turns"]`` of a single-turn sample: veRL's single-turn agent loop counts
+#: two, the prompt's turn and the response's.
+SINGLE_TURN_NUM_TURNS = 2
+
+
+def single_turn_extra_info(extra_info: dict[str, Any]) -> dict[str, Any]:
+    """The row's ``extra_info`` as veRL's reward managers hand a single-turn sample's scorer:
+    with ``num_turns`` (:data:`SINGLE_TURN_NUM_TURNS`) and ``rollout_reward_scores`` (empty:
+    no tool scored the sample). veRL sets them after reading the row, so they replace the
+    row's own keys of these names, as a multi-turn sample's do
+    (:meth:`rollout_servers.episodes.Episode.scorer_extra_info`)."""
+    return {**extra_info, "num_turns": SINGLE_TURN_NUM_TURNS, "rollout_reward_scores": {}}
+
 
 async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
     """The results of ``aws`` in order; the first to raise cancels the others, and they have
@@ -151,8 +164,10 @@ class TaskGroups:
     ) -> list[ScoreResult]:
         """The scorer's rewards; for training, with the overlong penalty of each
         response's ``lengths[i]`` tokens (``reward.overlong_buffer``). ``infos``: each
-        text's ``extra_info`` (an episode's own), else the task's."""
-        infos = infos or [task.extra_info] * len(texts)
+        text's ``extra_info`` (an episode's own), else the task's as a single-turn sample's
+        (:func:`single_turn_extra_info`)."""
+        if infos is None:
+            infos = [single_turn_extra_info(task.extra_info) for _ in texts]
         jobs = [
             ScoreJob(task.data_source, t, task.ground_truth, info)
             for t, info in zip(texts, infos, strict=True)

@@ -34,6 +34,9 @@ def answer(equation: str) -> str:
 
 
 # ---------------------------------------------------------------------------- countdown
+# TinyZero's rule (tests/test_reward_countdown.py holds its table and the comparison with
+# it): 0 without an answer on the last line, 0.1 for any answer that is not correct, 1.0
+# for a correct one.
 
 
 @pytest.mark.parametrize(
@@ -45,32 +48,34 @@ def answer(equation: str) -> str:
         (answer("3 * 4"), 0.1),  # 2 unused
         (answer("2 + 3 + 4"), 0.1),  # uses all, misses the target
         (answer("4 * 3 - 2"), 0.1),
-        (answer("4 / 3 / 2"), 0.1),  # exact 2/3, not 24
+        (answer("4 / 3 / 2"), 0.1),  # 2/3, not 24
         ("no answer at all", 0.0),
-        ("<answer></answer>", 0.0),
+        ("<answer></answer>", 0.1),  # an empty answer is an answer
         ("<answer>2 * 3 * 4", 0.0),  # unterminated
-        (answer("__import__('os').system('echo hi')"), 0.0),
-        (answer("2**99999999"), 0.0),
-        (answer("9999999999**9999"), 0.0),
-        (answer("2 * 3 * 4 + 1000000 - 1000000"), 0.0),  # a 7-digit literal
-        (answer("(" * 150 + "2 * 3 * 4" + ")" * 150), 0.0),  # over 200 characters
-        (answer("2 ** 3 * 4 - 8"), 0.0),
-        (answer("4 // 2 * 3"), 0.0),
-        (answer("2.0 * 3 * 4"), 0.0),
-        (answer("2e0 * 3 * 4"), 0.0),
-        (answer("abs(2 * 3 * 4)"), 0.0),
-        (answer("2 * 3 * 4 = 24"), 0.0),
-        (answer("[2, 3, 4]"), 0.0),
-        (answer("2 @ 3 @ 4"), 0.0),
-        (answer("\uff12 * 3 * 4"), 0.0),  # a full-width digit
-        (answer("2 * 3 * 4 if 1 else 0"), 0.0),
+        (answer("__import__('os').system('echo hi')"), 0.1),  # never run
+        (answer("2**99999999"), 0.1),
+        (answer("9999999999**9999"), 0.1),
+        (answer("2 * 3 * 4 + 1000000 - 1000000"), 0.1),
+        (answer("2 ** 3 * 4 - 8"), 0.1),  # 8 is not given
+        (answer("4 // 2 * 3"), 0.1),  # floor division evaluates: 6
+        (answer("2.0 * 3 * 4"), 0.1),  # its 0 is a number not given
+        (answer("2e0 * 3 * 4"), 0.1),
+        (answer("abs(2 * 3 * 4)"), 0.1),
+        (answer("2 * 3 * 4 = 24"), 0.1),
+        (answer("[2, 3, 4]"), 0.1),
+        (answer("2 @ 3 @ 4"), 0.1),
+        (answer("\uff12 * 3 * 4"), 0.1),  # a full-width digit: no Python number
+        (answer("2 * 3 * 4 if 1 else 0"), 0.1),
+        (answer("08 * 3 * 4"), 0.1),  # Python refuses a leading zero
+        (answer("..."), 0.1),
+        (answer("(2)(3)(4)"), 0.1),  # a call: eval raises
     ],
 )
 def test_countdown_wrong_and_malformed(response: str, expected: float) -> None:
     assert countdown.compute_score(response, GT) == expected
 
 
-def test_countdown_division_by_zero_is_well_formed_but_wrong() -> None:
+def test_countdown_division_by_zero_is_an_answer_but_wrong() -> None:
     assert (
         countdown.compute_score(answer("5 / (2 - 2)"), {"target": 5, "numbers": [2, 2, 5]}) == 0.1
     )
@@ -81,12 +86,14 @@ def test_countdown_division_by_zero_is_well_formed_but_wrong() -> None:
     [
         ("2 * 3 * 4", [2, 3, 4], 24),
         ("((4 * (3)) * ((2)))", [4, 3, 2], 24),  # nested parentheses, any order of numbers
-        ("(" * 90 + "2 * 3 * 4" + ")" * 90, [2, 3, 4], 24),  # deep nesting within 200 chars
-        ("  8*3 \n*( 4/4 ) ", [3, 4, 4, 8], 24),  # whitespace, newlines, a repeated number
+        ("(" * 150 + "2 * 3 * 4" + ")" * 150, [2, 3, 4], 24),  # within Python's 200 levels
+        ("  8*3 \t*( 4/4 ) ", [3, 4, 4, 8], 24),  # whitespace, a repeated number
         ("-3 + 8 * 4 - 5", [3, 8, 4, 5], 24),  # unary minus
-        ("7 / 2 * 4 - -10", [7, 2, 4, 10], 24),  # exact fractions in between
-        ("08 * 3", [8, 3], 24),  # a leading zero reads as the number
-        ("1 / 3 * 3", [1, 3, 3], 1),  # exact: no float rounding
+        ("7 / 2 * 4 - -10", [7, 2, 4, 10], 24),  # fractions in between
+        ("1 / 3 * 3", [1, 3, 3], 1),  # within 1e-5
+        ("2 ** 3 * 3", [2, 3, 3], 24),  # powers evaluate, as eval does
+        ("4 // 3 * 24", [4, 3, 24], 24),
+        ("2.4 * 10", [2, 4, 10], 24),  # a decimal point joins two given numbers
     ],
 )
 def test_countdown_correct(equation: str, numbers: list[int], target: int) -> None:
@@ -94,16 +101,21 @@ def test_countdown_correct(equation: str, numbers: list[int], target: int) -> No
     assert countdown.compute_score(answer(equation), truth) == 1.0
 
 
-def test_countdown_extraction_follows_tinyzero() -> None:
-    # Text before "Assistant:" (the prompt, with its example answer) is ignored.
-    prompt = "User: ... in <answer> 2 * 3 * 4 </answer> tags. Assistant: "
-    assert countdown.compute_score(prompt + "I give up", GT) == 0.0
-    assert countdown.compute_score(prompt + answer("2 + 3 + 4"), GT) == 0.1
-    assert countdown.compute_score("<|im_start|>assistant\n" + answer("2 * 3 * 4"), GT) == 1.0
-    # The last answer counts.
+def test_countdown_reads_the_last_answer_on_the_last_line() -> None:
     assert countdown.compute_score(answer("2 * 3 * 4") + answer("2 + 3 + 4"), GT) == 0.1
     assert countdown.compute_score(answer("2 + 3 + 4") + "\n" + answer("2 * 3 * 4"), GT) == 1.0
+    assert countdown.compute_score(answer("2 * 3 * 4") + "\n" + answer("2 + 3 + 4"), GT) == 0.1
+    assert countdown.compute_score(answer("2 * 3 * 4") + "\nSo it is 24.", GT) == 0.0
+    assert countdown.compute_score(answer("2 * 3 * 4") + "\n", GT) == 0.0  # an empty last line
+    assert (
+        countdown.compute_score("<answer>8 *\n3</answer>", {"target": 24, "numbers": [8, 3]}) == 0.0
+    )
     assert countdown.compute_score("<answer>x</answer> <answer>4*3*2</answer>", GT) == 1.0
+    # An <answer> pairs with the first </answer> after it, as TinyZero's pattern pairs them.
+    assert countdown.compute_score("<answer>a<answer>4*3*2</answer>", GT) == 0.1
+    assert countdown.compute_score("<answer>4*3*2</answer></answer>", GT) == 1.0
+    # The response alone is scored: an assistant marker in it is text like any other.
+    assert countdown.compute_score(answer("2 * 3 * 4") + " Assistant: done", GT) == 1.0
     with pytest.raises(ValueError, match="ground_truth"):
         countdown.compute_score(answer("3"), {"numbers": [3]})
 

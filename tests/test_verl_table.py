@@ -150,6 +150,7 @@ CONVERTED: dict[str, tuple[Any, dict[str, Any]]] = {
     "trainer.n_gpus_per_node": (2, {"trainer.nproc": 2}),
     "trainer.nnodes": (2, {"launch.ray.learner_nodes": 2}),
     "trainer.rollout_data_dir": ("rollouts", {"buffer.log_rollouts": True}),
+    "reward_model.reward_manager": ("prime", {"reward.reward_manager": "prime"}),
 }
 # Implemented keys whose example is valid only beside other keys (our spelling).
 WITH = {

@@ -203,7 +203,25 @@ class CustomRewardConfig(Section):
 
 class RewardConfig(Section):
     custom_reward_function: CustomRewardConfig = Field(default_factory=CustomRewardConfig)
+    reward_manager: Literal["naive", "prime", "dapo"] = Field(
+        default="naive",
+        description="How the custom scorer is called (veRL's reward_model.reward_manager): "
+        "naive and dapo by keyword; prime by position, a tuple's or list's first element "
+        "being the score, as veRL's prime manager reads it.",
+    )
     timeout_s: float = Field(default=5.0, gt=0, description="A scorer running longer scores 0.")
+
+    @field_validator("reward_manager", mode="before")
+    @classmethod
+    def _per_sample(cls, v: object) -> object:
+        if v == "batch":  # veRL's batch manager hands the scorer lists
+            raise ValueError(
+                "batch-level managers are not built here: write a per-sample scorer "
+                "(compute_score(data_source, solution_str, ground_truth, extra_info=None)) "
+                "and use naive"
+            )
+        return v
+
     num_workers: int = Field(default=2, gt=0, description="Scorer processes per rollout server.")
     max_memory_mb: int = Field(
         default=8192,

@@ -664,12 +664,13 @@ VERL_KEYS: dict[str, VerlKey] = {
         _none(NO_RM),
     ),
     **_profiler("reward_model.", tool_config=False),
-    "reward_model.reward_manager": _only(
-        "rewards are computed per response by reward.custom_reward_function (veRL's naive, "
-        "prime and dapo managers do the same; DAPO's overlong penalty is "
-        "reward_model.overlong_buffer.*); batch-level managers are not built",
-        lambda v: v in ("naive", "prime", "dapo"),
-        bad="batch",
+    "reward_model.reward_manager": _map(
+        "reward.reward_manager",
+        "how the custom scorer is called: naive and dapo by keyword; prime by position, a "
+        "tuple's or list's first element being the score, as veRL's prime manager reads it "
+        "(DAPO's overlong penalty is reward_model.overlong_buffer.*); batch-level managers "
+        "are not built",
+        example="prime",
     ),
     "reward_model.launch_reward_fn_async": _none(
         "rewards are computed at the rollout servers as each group finishes, off the learner's path"

@@ -26,11 +26,14 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from asyncrl.rewards.registry import (
+    POSITIONAL_MANAGER,
     ScoreFn,
     check_custom_path,
+    check_reward_manager,
     default_compute_score,
     load_custom_scorer,
     normalize_score,
+    verl_import_hint,
 )
 from asyncrl.sandbox.memory import MemoryCap
 from asyncrl.sandbox.process import MAX_MESSAGE_CHARS, Handler, Worker
@@ -102,33 +105,48 @@ def _resolve(value: Any) -> Any:
     return _loop.run_until_complete(value)
 
 
-def _run_job(scorer: ScoreFn, job: ScoreJob) -> tuple[str, Any]:
-    """Score one job; a scorer that raises is reported by the pool as ``"exception"``."""
+def _run_job(scorer: ScoreFn, reward_manager: str, job: ScoreJob) -> tuple[str, Any]:
+    """Score one job as ``reward_manager`` calls a scorer (by keyword, or by position under
+    veRL's prime manager); a scorer that raises is reported by the pool as ``"exception"``."""
     data_source, solution_str, ground_truth, extra_info = job
-    value = scorer(
-        data_source=data_source,
-        solution_str=solution_str,
-        ground_truth=ground_truth,
-        extra_info=extra_info,
-    )
-    value = _resolve(value)
     try:
-        return "ok", normalize_score(value)
+        if reward_manager == POSITIONAL_MANAGER:
+            value = scorer(data_source, solution_str, ground_truth, extra_info)
+        else:
+            value = scorer(
+                data_source=data_source,
+                solution_str=solution_str,
+                ground_truth=ground_truth,
+                extra_info=extra_info,
+            )
+        value = _resolve(value)
+    except ModuleNotFoundError as exc:
+        # A scorer that imports veRL when called: name the fix, as loading one does.
+        hint = verl_import_hint(exc)
+        if hint is None:
+            raise
+        raise ModuleNotFoundError(f"the reward file {hint}") from None
+    try:
+        return "ok", normalize_score(value, reward_manager)
     except (TypeError, ValueError) as exc:
         return "bad_return", str(exc)[:MAX_MESSAGE_CHARS]
 
 
 def _load_scorer(
-    custom_path: str | None, custom_name: str, kwargs: dict[str, Any] | None = None
+    custom_path: str | None,
+    custom_name: str,
+    kwargs: dict[str, Any] | None = None,
+    reward_manager: str = "naive",
 ) -> Handler:
     """Worker setup: load the scorer once (with ``kwargs`` bound, veRL's
-    ``custom_reward_function.reward_kwargs``); the returned handler scores jobs with it."""
+    ``custom_reward_function.reward_kwargs``); the returned handler scores jobs with it, as
+    ``reward_manager`` calls a scorer."""
     if not custom_path:  # veRL binds reward_kwargs to a custom scorer only
-        return functools.partial(_run_job, default_compute_score)
-    scorer = load_custom_scorer(custom_path, custom_name, kwargs)
+        return functools.partial(_run_job, default_compute_score, "naive")
+    scorer = load_custom_scorer(custom_path, custom_name, kwargs, reward_manager)
     if kwargs:
         scorer = functools.partial(scorer, **kwargs)
-    return functools.partial(_run_job, scorer)
+    return functools.partial(_run_job, scorer, reward_manager)
 
 
 def _slow_start(path: str | None) -> str:
@@ -169,6 +187,7 @@ class RewardPool:
         custom_kwargs: dict[str, Any] | None = None,
         startup_timeout_s: float = 60.0,
         max_memory_mb: int = 8192,
+        reward_manager: str = "naive",
     ) -> None:
         """Start the workers and wait until each has loaded its scorer.
 
@@ -184,6 +203,10 @@ class RewardPool:
                 (``reward.startup_timeout_s``).
             max_memory_mb: The memory each worker may take, in MiB (0: no cap;
                 ``reward.max_memory_mb``).
+            reward_manager: How the custom scorer is called and its return read, as veRL's
+                ``reward_model.reward_manager`` of that name does: ``naive`` or ``dapo``
+                (by keyword) or ``prime`` (by position; a tuple or list scores its first
+                element).
 
         Raises:
             ValueError: Bad arguments, a missing custom file or function, a file that
@@ -191,10 +214,11 @@ class RewardPool:
                 raised here, before any sample is scored.
         """
         check_pool_args(num_workers, timeout_s, max_memory_mb)
+        check_reward_manager(reward_manager)
         path = str(check_custom_path(custom_path)) if custom_path else None
         self._pool = WorkerPool(
             _load_scorer,
-            (path, custom_name, dict(custom_kwargs or {})),
+            (path, custom_name, dict(custom_kwargs or {}), reward_manager),
             name="RewardPool",
             role="reward",
             explanations=_EXPLANATIONS,
@@ -208,6 +232,7 @@ class RewardPool:
         self.num_workers = num_workers
         self.timeout_s = self._pool.timeout_s
         self.max_memory_mb = max_memory_mb
+        self.reward_manager = reward_manager
 
     # ---------------------------------------------------------------- public API
 

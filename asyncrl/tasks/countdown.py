@@ -3,22 +3,35 @@
 Generation builds the target from a random expression over the drawn numbers, so every
 problem has at least one solution (kept in ``extra_info["solution"]``).
 
-Scoring follows TinyZero (0.0 no answer, 0.1 well-formed but wrong, 1.0 correct) with one
-deliberate difference: the equation is parsed with :mod:`ast` and only integers, ``+ - * /``,
-unary signs, parentheses and whitespace are accepted. Anything else, including ``**``,
-names, calls, floats, equations over ``MAX_EQUATION_CHARS`` characters and integer literals
-over ``MAX_LITERAL_DIGITS`` digits, is "not well-formed" and scores 0.0. That bound keeps
-scoring cheap whatever the model writes; nothing from the model is ever executed.
+Scoring is TinyZero's rule (``verl/utils/reward_score/countdown.py`` in TinyZero), so a run
+on TinyZero's files is rewarded as TinyZero rewards it:
+
+- the answer is the last ``<answer>...</answer>`` on the response's **last line** (TinyZero
+  cut the decoded prompt and response at the prompt's assistant marker, then took the last
+  line; the scorer here gets the response alone, which is the same text after that cut);
+  none scores 0;
+- one whose runs of digits are not exactly the given numbers, that holds anything but
+  digits, ``+ - * / ( ) .`` and whitespace, that Python cannot evaluate, or whose value is
+  not within 1e-5 of the target scores ``format_score`` (0.1): a malformed answer scores
+  the same as a wrong one, as in TinyZero;
+- a correct one scores ``score`` (1.0).
+
+TinyZero evaluates the answer with ``eval``. Nothing from the model is run here: the
+answer is compiled (so exactly what ``eval`` would refuse is refused) and its syntax tree
+evaluated with Python's own arithmetic, the same ints, floats and exceptions. The one
+difference: a power whose result would exceed :data:`MAX_POWER_BITS` bits counts as failing
+to evaluate, where ``eval`` would run for hours or run out of memory (``99**99**99``).
 """
 
 from __future__ import annotations
 
 import ast
 import logging
+import operator
 import random
 import re
-from collections import Counter
-from fractions import Fraction
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 from asyncrl.tasks.schema import TRAIN_SPLIT, VAL_SPLIT, make_row
@@ -39,26 +52,27 @@ PROMPT_TEMPLATE = (
 DEFAULT_N_TRAIN = 32_768
 DEFAULT_N_VAL = 1_024
 
-MAX_EQUATION_CHARS = 200
-MAX_LITERAL_DIGITS = 6
-TOLERANCE = Fraction(1, 100_000)
+#: TinyZero's scores: a correct answer, and one that is there but not correct.
+SCORE = 1.0
+FORMAT_SCORE = 0.1
+#: How close to the target a value must be (strictly), as in TinyZero.
+TOLERANCE = 1e-5
+#: The largest power (in bits of its result) computed; a larger one fails to evaluate.
+MAX_POWER_BITS = 1 << 16
 
-_ASSISTANT_MARKERS = ("Assistant:", "<|im_start|>assistant")
-_ALLOWED_CHARS = re.compile(r"[0-9+\-*/()\s]*", re.ASCII)
-_LEADING_ZEROS = re.compile(r"(?<![0-9])0+(?=[0-9])")
-_LONG_LITERAL = re.compile(rf"[0-9]{{{MAX_LITERAL_DIGITS + 1},}}")
-_ALLOWED_NODES = (
-    ast.Expression,
-    ast.BinOp,
-    ast.UnaryOp,
-    ast.Constant,
-    ast.Add,
-    ast.Sub,
-    ast.Mult,
-    ast.Div,
-    ast.UAdd,
-    ast.USub,
-)
+_OPEN, _CLOSE = "<answer>", "</answer>"
+# TinyZero's patterns, Unicode-aware as Python's re is by default: "\d" takes any digit
+# (int() reads them all), while the compiler accepts only ASCII ones, so an answer written
+# with other digits passes the number check and fails to evaluate, as it does there.
+_NUMBER = re.compile(r"\d+")
+_EQUATION_CHARS = re.compile(r"[\d+\-*/().\s]+")
+_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,  # "//" is made of allowed characters
+}
 
 # Expressions tried per draw of numbers, and draws per requested problem, before giving up.
 _EXPRESSIONS_PER_DRAW = 20
@@ -202,113 +216,136 @@ def generate(
 # ----------------------------------------------------------------------------- scoring
 
 
+class _TooLarge(ArithmeticError):
+    """A power over :data:`MAX_POWER_BITS` bits: not computed, the answer fails to evaluate."""
+
+
 def extract_equation(solution_str: str) -> str | None:
-    """Return the content of the last ``<answer>...</answer>`` pair, or None.
+    """The last ``<answer>...</answer>`` on the response's last line, stripped, or None.
 
-    As in TinyZero, text up to the first ``Assistant:`` (or ``<|im_start|>assistant``) is
-    dropped so an answer echoed in the prompt does not count. Unlike TinyZero, the answer may
-    sit on any line, not only the last one, and a response without the marker is searched
-    whole (our servers pass the response alone).
+    Pairs are matched left to right as TinyZero's non-greedy pattern matches them (an
+    ``<answer>`` pairs with the first ``</answer>`` after it), found with ``str.find`` so
+    the work stays linear in the line's length whatever tags the model writes.
     """
-    text = solution_str
-    for marker in _ASSISTANT_MARKERS:
-        if marker in text:
-            text = text.split(marker, 1)[1]
+    line = solution_str.split("\n")[-1]
+    found, start = None, 0
+    while (opened := line.find(_OPEN, start)) >= 0:
+        closed = line.find(_CLOSE, opened + len(_OPEN))
+        if closed < 0:  # no later <answer> has a closing tag either
             break
-    # rfind keeps this linear in the length of the text, whatever tags the model emits.
-    end = text.rfind("</answer>")
-    if end < 0:
-        return None
-    start = text.rfind("<answer>", 0, end)
-    if start < 0:
-        return None
-    return text[start + len("<answer>") : end].strip()
+        found, start = line[opened + len(_OPEN) : closed], closed + len(_CLOSE)
+    return None if found is None else found.strip()
 
 
-def parse_equation(equation: str) -> ast.Expression | None:
-    """Parse an equation restricted to integers, ``+ - * /``, parentheses and whitespace.
-
-    Returns None when the text is not such an equation or exceeds the size bounds.
-    """
-    if len(equation) > MAX_EQUATION_CHARS or not _ALLOWED_CHARS.fullmatch(equation):
-        return None
-    # Python rejects "07"; a person would read it as 7.
-    text = " ".join(_LEADING_ZEROS.sub("", equation).split())
-    if not text or _LONG_LITERAL.search(text):
-        return None
+def uses_numbers(equation: str, numbers: Any) -> bool:
+    """Whether the equation's runs of digits, read as integers, are exactly ``numbers``
+    (each once), as TinyZero checks them; any failure to compare is a no."""
     try:
-        tree = ast.parse(text, mode="eval")
+        return sorted(int(n) for n in _NUMBER.findall(equation)) == sorted(numbers)
+    except Exception:  # TinyZero treats every error here as "not the given numbers"
+        return False
+
+
+def evaluate_equation(equation: str) -> Any:
+    """The value ``eval`` gives ``equation`` (an int, float or complex), or None where
+    ``eval`` would raise, or the characters are not TinyZero's (see the module docstring)."""
+    if not _EQUATION_CHARS.fullmatch(equation):
+        return None
+    text = equation.lstrip(" \t")  # eval drops leading spaces and tabs
+    try:
+        # Compiled, never run: it fails exactly where eval would fail to compile. Its
+        # warnings ("'int' object is not callable" for "(2)(3)") are the model's, not ours.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            compile(text, "<answer>", "eval")
+            tree = ast.parse(text, mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
-    for node in ast.walk(tree):
-        if not isinstance(node, _ALLOWED_NODES):
-            return None
-        if isinstance(node, ast.Constant) and (
-            type(node.value) is not int  # also rejects True/False and floats
-        ):
-            return None
-    return tree
-
-
-def _literals(tree: ast.Expression) -> list[int]:
-    return [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and type(n.value) is int]
-
-
-def _evaluate(node: ast.AST) -> Fraction:
-    """Evaluate a tree accepted by :func:`parse_equation` exactly; may raise ZeroDivisionError."""
-    if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        return Fraction(node.value)
-    if isinstance(node, ast.UnaryOp):
-        value = _evaluate(node.operand)
-        return -value if isinstance(node.op, ast.USub) else value
-    if isinstance(node, ast.BinOp):
-        left, right = _evaluate(node.left), _evaluate(node.right)
-        if isinstance(node.op, ast.Add):
-            return left + right
-        if isinstance(node.op, ast.Sub):
-            return left - right
-        if isinstance(node.op, ast.Mult):
-            return left * right
-        return left / right
-    raise TypeError(f"unexpected node {type(node).__name__}")  # parse_equation forbids it
-
-
-def _read_ground_truth(ground_truth: Any) -> tuple[Fraction, list[int]]:
     try:
-        target = Fraction(ground_truth["target"])
-        numbers = [int(n) for n in ground_truth["numbers"]]
-    except (KeyError, TypeError, ValueError) as exc:
+        return _value(tree.body)
+    except (ArithmeticError, TypeError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def _value(node: ast.expr) -> Any:
+    """Evaluate a node as Python would. Only numbers, the operators ``+ - * / // **`` and
+    unary signs can make a number from the allowed characters; anything else (``...``,
+    ``()``, ``(2)(3)``) raises TypeError, as its evaluation does in Python."""
+    signs: list[ast.unaryop] = []
+    value: Any
+    while isinstance(node, ast.UnaryOp):  # a loop: the parser nests thousands of signs
+        signs.append(node.op)
+        node = node.operand
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        value = node.value
+    elif isinstance(node, ast.BinOp):
+        left, right = _value(node.left), _value(node.right)
+        if isinstance(node.op, ast.Pow):
+            value = _power(left, right)
+        elif type(node.op) in _BINARY:
+            value = _BINARY[type(node.op)](left, right)
+        else:
+            raise TypeError(f"operator {type(node.op).__name__}")
+    else:
+        raise TypeError(f"not a number: {type(node).__name__}")
+    for sign in reversed(signs):
+        if not isinstance(sign, (ast.USub, ast.UAdd)):
+            raise TypeError(f"operator {type(sign).__name__}")
+        value = -value if isinstance(sign, ast.USub) else +value
+    return value
+
+
+def _power(base: Any, exponent: Any) -> Any:
+    """``base ** exponent``, refusing an integer power of more than :data:`MAX_POWER_BITS`
+    bits (float and complex powers are cheap: they overflow or round instead)."""
+    # 0, 1 and -1 stay small whatever the exponent; a negative one gives a float.
+    if type(base) is int and type(exponent) is int and abs(base) > 1 and exponent > 0:
+        # |base| >= 2**(bit_length - 1), so the result has more bits than this
+        bits = exponent * (abs(base).bit_length() - 1)
+        if bits > MAX_POWER_BITS:
+            raise _TooLarge(f"{base}**{exponent}")
+    return base**exponent
+
+
+def _read_ground_truth(ground_truth: Any) -> tuple[Any, Any]:
+    """``(target, numbers)`` as the row holds them: compared as they are, as TinyZero does."""
+    try:
+        return ground_truth["target"], ground_truth["numbers"]
+    except (KeyError, TypeError, IndexError) as exc:
         raise ValueError(
             f"countdown ground_truth must be {{'target': int, 'numbers': [int, ...]}}, "
             f"got {ground_truth!r}"
         ) from exc
-    return target, numbers
 
 
 def compute_score(
-    solution_str: str, ground_truth: Any, *, format_score: float = 0.1, score: float = 1.0
+    solution_str: str,
+    ground_truth: Any,
+    *,
+    format_score: float = FORMAT_SCORE,
+    score: float = SCORE,
 ) -> float:
-    """Score a countdown response as TinyZero does, with a safe, bounded parser.
+    """Score a countdown response by TinyZero's rule (see the module docstring).
 
-    Returns ``score`` (1.0) when the last answer uses each given number exactly once and
-    equals the target within 1e-5; ``format_score`` (0.1) when it is a well-formed equation
-    that uses other numbers, misses the target or divides by zero; 0.0 when there is no
-    answer or it is not a well-formed equation.
+    Returns 0.0 without an answer on the last line; ``score`` when the answer uses each
+    given number exactly once and comes within 1e-5 of the target; ``format_score`` for
+    any other answer.
+
+    Raises:
+        ValueError: ``ground_truth`` lacks ``target`` or ``numbers``.
     """
     target, numbers = _read_ground_truth(ground_truth)
     equation = extract_equation(solution_str)
     if equation is None:
         return 0.0
-    tree = parse_equation(equation)
-    if tree is None:
-        return 0.0
-    # Checking the numbers first means we only ever evaluate the given, small literals.
-    if Counter(_literals(tree)) != Counter(numbers):
+    # The numbers are checked first, as TinyZero does: only then is the answer evaluated.
+    if not uses_numbers(equation, numbers):
+        return format_score
+    value = evaluate_equation(equation)
+    if value is None:
         return format_score
     try:
-        value = _evaluate(tree)
-    except ZeroDivisionError:
+        correct = bool(abs(value - target) < TOLERANCE)
+    except Exception:  # a target that is no number: TinyZero's comparison fails too
         return format_score
-    return score if abs(value - target) <= TOLERANCE else format_score
+    return score if correct else format_score
