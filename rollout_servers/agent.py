@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from collections import Counter
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -130,7 +130,8 @@ class AgentRunner:
     ) -> None:
         self.settings, self.sampling = settings, sampling
         self.engine, self.tok, self.tools = engine, tok, tools
-        self.metrics: Counter[str] = Counter()
+        # Counts, and seconds (the tool queue's wait): floats, so not a Counter.
+        self.metrics: defaultdict[str, float] = defaultdict(float)
         self._eos = getattr(tok, "eos_token_id", None)
         self._warned_kwargs = False  # a malformed tools_kwargs is logged once
 
