@@ -281,15 +281,20 @@ class EndpointGroups:
         self.metrics["rollout/openai/sessions_dropped"] += len(group.sessions) - len(members)
         if members and len(members) < self.min_rewarded:
             self.metrics["rollout/openai/groups_too_few_rewarded"] += 1
+            # Rewarded with no turn: refused from its first request, or its only turns
+            # reached no client and were taken back (Session.drop_unseen).
+            bare = group.ended() - len(members)
+            also = f" ({bare} more rewarded with no turn to train)" if bare else ""
             log.warning(
-                "external group %r closed with %d rewarded session(s): %s needs %d for a "
-                "baseline, so it is dropped rather than trained on raw rewards",
+                "external group %r closed with %d rewarded session(s) with turns%s: %s needs "
+                "%d for a baseline, so it is dropped rather than trained on raw rewards",
                 group.name,
                 len(members),
+                also,
                 self.cfg.algorithm.adv_estimator,
                 self.min_rewarded,
             )
-            why = f"dropped: {len(members)} of {group.size} sessions rewarded"
+            why = f"dropped: {len(members)} of {group.size} sessions rewarded with turns{also}"
             members = []
         elif train and not members and not why.startswith("given back"):
             why = f"{why}: no session was rewarded"

@@ -227,9 +227,10 @@ class OpenAIEndpoint:
             if _left(request):  # aiohttp drops the reply quietly: the turn stays unseen
                 client_left(self.metrics)
                 return web.json_response(reply)
-            self.turns.seen(session)
-            if body.get("stream"):
-                return await stream_reply(request, reply, body, self.metrics)
+            seen = functools.partial(self.turns.seen, session)
+            if body.get("stream"):  # seen once written whole: a client may leave during it
+                return await stream_reply(request, reply, body, self.metrics, seen)
+            seen()
             return web.json_response(reply)
         except RequestError as e:
             self.groups.give_back_if_unused(key)

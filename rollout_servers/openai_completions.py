@@ -22,6 +22,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from rollout_servers.chat_bodies import usage
+from rollout_servers.request_fields import raw_fields
 from rollout_servers.sessions import Draft, RequestError, Session, next_piece
 
 if TYPE_CHECKING:
@@ -36,6 +37,7 @@ RAW = {"role": "completion", "content": ""}
 
 def raw_prompt_ids(body: dict[str, Any], tok: Tokenizer) -> list[int]:
     """The request's prompt as token ids (see the module docstring); else a 400."""
+    raw_fields(body)
     for key, why in (
         ("echo", "the prompt's logprobs are not computed"),
         ("suffix", "there is no insertion mode"),

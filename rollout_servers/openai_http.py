@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,15 @@ MAX_BODY = 4 << 20
 
 
 async def stream_reply(
-    request: web.Request, reply: dict[str, Any], body: dict[str, Any], metrics: Counter[str]
+    request: web.Request,
+    reply: dict[str, Any],
+    body: dict[str, Any],
+    metrics: Counter[str],
+    delivered: Callable[[], None] = lambda: None,
 ) -> web.StreamResponse:
-    """``stream=true``: the finished turn as server-sent events, then ``[DONE]``."""
+    """``stream=true``: the finished turn as server-sent events, then ``[DONE]``;
+    ``delivered`` is called once the whole stream is written (not when the client left
+    during it)."""
     options = body.get("stream_options")
     usage = isinstance(options, dict) and bool(options.get("include_usage"))
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -40,6 +47,7 @@ async def stream_reply(
             await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
+        delivered()
     except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
         client_left(metrics)
     return response  # aiohttp ends it, and takes a closed connection in its stride

@@ -120,17 +120,41 @@ VLLM_FIELDS: dict[str, tuple[Any, str]] = {
 }
 
 
-def vllm_defaults(body: dict[str, Any]) -> None:
-    """Refuse vLLM's chat extensions (:data:`VLLM_FIELDS`) at other than their no-op
-    values: ignored, they would give the agent another prompt or another distribution than
-    it asked for without a word. Empty values count as unset."""
+def vllm_defaults(body: dict[str, Any], chat: bool = True) -> None:
+    """Refuse vLLM's extensions (:data:`VLLM_FIELDS`) at other than their no-op values:
+    ignored, they would give the agent another prompt or another distribution than it asked
+    for without a word. Empty values count as unset. ``chat`` False (``/v1/completions``):
+    only those that constrain sampling, as a raw prompt is rendered by no template."""
     for name, (same, why) in VLLM_FIELDS.items():
+        if not chat and name in TEMPLATE_FIELDS:
+            continue
         value = body.get(name)
         if value is None or value == same or (same is None and value in ({}, [], "")):
             continue
         shown = json.dumps(value)
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         raise RequestError(400, f"{name}={shown} is not supported: {why}; leave it out")
+
+
+#: :data:`VLLM_FIELDS` that shape a chat prompt from its messages (none in a raw prompt).
+TEMPLATE_FIELDS = frozenset(
+    {
+        "continue_final_message",
+        "add_generation_prompt",
+        "chat_template",
+        "chat_template_kwargs",
+        "documents",
+    }
+)
+
+
+def raw_fields(body: dict[str, Any]) -> None:
+    """Refuse what would constrain a raw completion's sampling (a JSON format, vLLM's
+    guided decoding, ``min_tokens``...), as a chat request's is refused."""
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        unconstrained({"response_format": fmt})
+    vllm_defaults(body, chat=False)
 
 
 def chat_messages(body: dict[str, Any]) -> list[Any]:

@@ -200,7 +200,7 @@ def test_rewards_are_checked_final_and_never_alone_in_a_baseline(monkeypatch):
         groups.close(groups.by_name["g"], "idle")  # as the reaper closes it: 1 of 2 rewarded
         await asyncio.gather(*groups._pushes)
         client = groups.client
-        assert client.nacked == [(["ext/1"], "dropped: 1 of 2 sessions rewarded")]  # type: ignore[attr-defined]
+        assert client.nacked == [(["ext/1"], "dropped: 1 of 2 sessions rewarded with turns")]  # type: ignore[attr-defined]
         assert rig.endpoint.metrics["rollout/openai/groups_too_few_rewarded"] == 1
         assert rig.endpoint.metrics["rollout/openai/groups_pushed"] == 0
 

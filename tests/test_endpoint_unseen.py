@@ -112,3 +112,23 @@ def test_a_marked_resend_of_a_failed_re_ask_samples_it(monkeypatch):
         assert rig.endpoint.metrics["rollout/openai/retries_replayed"] == 0
 
     _serve(monkeypatch, scenario)
+
+
+def test_a_group_whose_member_lost_its_only_turn_says_so_when_dropped(monkeypatch):
+    async def scenario(rig: Rig) -> None:
+        client = rig.endpoint.groups.client
+        await _unseen_turn(rig)
+        assert (await _reward(rig, "g/0", 0.0))[0] == 200  # takes the unseen turn back
+        assert (await _chat(rig, "g/1"))[0] == 200
+        status, _, body = await _reward(rig, "g/1", 1.0)
+        assert status == 200 and body["group_complete"], body
+        await asyncio.gather(*rig.endpoint.groups._pushes)
+        assert client.nacked == [  # type: ignore[attr-defined]
+            (
+                ["ext/1"],
+                "dropped: 1 of 2 sessions rewarded with turns (1 more rewarded with "
+                "no turn to train)",
+            )
+        ]
+
+    _serve(monkeypatch, scenario)
