@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,7 +22,7 @@ from asyncrl.config.inputs import STATE_FILE
 from asyncrl.config.resumed import COMPARED, SCHEDULE, schedule_changes, settings_of
 from learner import fsdp
 from learner.restore import restore, schedule_line
-from learner.rollouts import Rollout
+from tests.test_checkpoint import batch
 
 COSINE = ["actor.optim.lr_warmup_steps=2", "actor.optim.lr_scheduler_type=cosine"]
 
@@ -168,19 +167,6 @@ def test_a_resumed_schedule_keeps_its_new_rate_for_the_next_save():
     assert resumed.get_last_lr() == [resumed.optimizer.param_groups[0]["lr"]]
 
 
-def _batch(seed: int) -> list[Rollout]:
-    rng = random.Random(seed)
-    out = []
-    for g in range(2):
-        prompt = [rng.randrange(256) for _ in range(5)]
-        for _ in range(3):
-            k = rng.randint(2, 8)
-            tokens = [rng.randrange(256) for _ in range(k)]
-            logprobs = [rng.uniform(-6.0, -4.0) for _ in range(k)]
-            out.append(Rollout(prompt, tokens, logprobs, rng.random(), f"{seed}-{g}", [(seed, k)]))
-    return out
-
-
 def test_a_real_resume_trains_on_under_the_new_schedule_and_says_so(
     tiny_model, single_rank, tmp_path, caplog
 ):
@@ -193,7 +179,7 @@ def test_a_real_resume_trains_on_under_the_new_schedule_and_says_so(
     base.append(f"trainer.default_local_dir={tmp_path}")
     first_cfg = load_config(None, [*base, "trainer.total_training_steps=6"])
     first = Trainer(first_cfg)
-    lrs = [first.train_step(_batch(s), 0.8)["actor/lr"] for s in range(6)]
+    lrs = [first.train_step(batch(s), 0.8)["actor/lr"] for s in range(6)]
     assert lrs[-1] == pytest.approx(1.464e-4, rel=1e-3)
     path = first.save(run_dir(first_cfg), extra={"settings": settings_of(first_cfg)})
     cfg = load_config(None, [*base, "trainer.total_training_steps=12"])
@@ -202,4 +188,4 @@ def test_a_real_resume_trains_on_under_the_new_schedule_and_says_so(
     with caplog.at_level(logging.WARNING, logger="learner.restore"):
         restore(cfg, resumed, run_dir(cfg))
     assert "actor.optim.lr for step 7 is 0.000655 under it, 0 under the checkpoint's" in caplog.text
-    assert resumed.train_step(_batch(6), 0.8)["actor/lr"] == pytest.approx(6.545e-4, rel=1e-3)
+    assert resumed.train_step(batch(6), 0.8)["actor/lr"] == pytest.approx(6.545e-4, rel=1e-3)
