@@ -1024,7 +1024,7 @@ MUTATIONS = (
     Mutation(
         "a tool answer without text is an empty answer",
         "a ToolResponse with text None is an invalid response",
-        "asyncrl/tools/pool.py",
+        "asyncrl/tools/calls.py",
         "    if text is None or (text is _NO_TEXT and media):",
         "    if text is _NO_TEXT and media:",
         ("tests/test_tool_verl_ports.py",),

@@ -40,7 +40,7 @@ def test_a_tools_create_gets_the_create_kwargs_as_verl_passes_them():
     (a ported tool saw none of its ground truth: the keywords were only spread); a tool
     that names its parameters still gets them spread, as veRL's older rollouts did."""
     from asyncrl.tools.base import BaseTool
-    from asyncrl.tools.pool import _call_once
+    from asyncrl.tools.calls import call_once
 
     class VerlTool(BaseTool):
         async def create(self, instance_id=None, **kwargs):
@@ -60,9 +60,9 @@ def test_a_tools_create_gets_the_create_kwargs_as_verl_passes_them():
 
     schema = {"type": "function", "function": {"name": "t", "parameters": {}}}
     verl = VerlTool({}, schema)
-    got = asyncio.run(_call_once(verl, {}, {"ground_truth": "42"}))
+    got = asyncio.run(call_once(verl, {}, {"ground_truth": "42"}))
     assert got[0] == {"text": "42"}
-    named = asyncio.run(_call_once(NamedTool({}, schema), {}, {"prefix": "> ", "other": 1}))
+    named = asyncio.run(call_once(NamedTool({}, schema), {}, {"prefix": "> ", "other": 1}))
     assert named[0] == "> ok"
 
 

@@ -15,6 +15,7 @@ Importing this package loads no torch, vLLM or transformers.
 """
 
 from asyncrl.tools.base import BaseTool
+from asyncrl.tools.calls import truncate_response
 from asyncrl.tools.config import ToolSpec, import_tool_class, load_tool_config, schemas
 from asyncrl.tools.hermes import ParsedToolCalls, ToolCall, parse_tool_calls
 from asyncrl.tools.pool import (
@@ -23,7 +24,6 @@ from asyncrl.tools.pool import (
     TOOL_ERROR_KINDS,
     ToolPool,
     ToolResult,
-    truncate_response,
 )
 from asyncrl.tools.schema import OpenAIFunctionToolSchema, ToolResponse
 

@@ -11,14 +11,14 @@ Worker protocol: job ``(name, arguments, create_kwargs)``; answer ``("ok", (text
 reward, note))`` (``note``: None, or why the step reward was unreadable and read as 0) or
 ``("bad_return", message)`` (plus the pool's own statuses). The worker cuts
 ``text`` to ``max_response_length`` and makes it valid UTF-8 before it answers, so a tool
-that prints hundreds of megabytes costs the server only the cut.
+that prints hundreds of megabytes costs the server only the cut. What runs inside a
+worker is :mod:`asyncrl.tools.calls`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import logging
 import threading
 import time
@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from asyncrl.rewards.registry import finite_number
 from asyncrl.sandbox.memory import MemoryCap
-from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, Handler, WorkerPool
-from asyncrl.tools.config import ToolSpec, instantiate_tools, load_tool_config, schemas
+from asyncrl.sandbox.workers import MAX_MESSAGE_CHARS, WorkerPool
+from asyncrl.tools.calls import TruncateSide, load_tools, truncate_response, valid_text
+from asyncrl.tools.config import ToolSpec, load_tool_config, schemas
 from asyncrl.tools.hermes import ToolCall
 
 __all__ = [
@@ -73,8 +73,6 @@ WORKERS_KEY = "rollout.multi_turn.tool_workers"
 #: workers, not the tools, then bound how many calls run at once.
 LONG_WAIT_S = 1.0
 
-TruncateSide = Literal["left", "middle", "right"]
-
 _EXPLANATIONS = {
     "timeout": "a tool call timed out after {timeout}s and its worker was replaced (an "
     "environment error, not the model's); make the tool faster or raise "
@@ -114,128 +112,6 @@ class ToolResult:
     text: str
     error: str | None = None
     reward: float | None = 0.0
-
-
-def truncate_response(text: str, max_length: int, side: TruncateSide = "middle") -> str:
-    """Cut ``text`` to ``max_length`` characters, marking the cut as veRL's tool agent does.
-
-    ``"left"`` keeps the start (``...(truncated)`` appended), ``"right"`` keeps the end
-    (``(truncated)...`` prepended), ``"middle"`` keeps half of each around
-    ``...(truncated)...``. The marker is not counted in ``max_length``.
-    """
-    if len(text) <= max_length:
-        return text
-    if side == "left":
-        return text[:max_length] + "...(truncated)"
-    if side == "right":
-        return "(truncated)..." + text[len(text) - max_length :]
-    half = max_length // 2
-    return text[:half] + "...(truncated)..." + text[len(text) - half :]
-
-
-def valid_text(text: str) -> str:
-    """``text`` with what UTF-8 cannot hold (lone surrogates, from subprocess output decoded
-    with ``surrogateescape``) replaced by ``?``: a tokenizer refuses such text, and the
-    episode would end as if its chat template could not render tool answers."""
-    return text.encode("utf-8", "replace").decode("utf-8")
-
-
-# ------------------------------------------------------------------------ worker process
-
-
-_NO_TEXT = object()  # a response without a text field, as opposed to a text of None
-
-
-def _response_text(response: Any) -> str | None:
-    """The text of a tool response (a str, a dict's ``"text"``, or a
-    :class:`~asyncrl.tools.ToolResponse`'s ``.text``); None when it is no response.
-
-    A text of None is an empty answer, not an error: veRL's agent loop sends ``text or ""``
-    (its tools return ``ToolResponse()`` with nothing to say). A dict with no ``"text"`` key
-    and no image or video is a mistake (``{"result": ...}``) and stays one."""
-    if isinstance(response, str):
-        return response
-    if isinstance(response, dict):
-        text = response.get("text", _NO_TEXT)
-        media = response.get("image") or response.get("video")
-    else:
-        text = getattr(response, "text", _NO_TEXT)
-        media = getattr(response, "image", None) or getattr(response, "video", None)
-    if text is None or (text is _NO_TEXT and media):
-        return ""  # no text, or an image-only response: this text-only pool passes on none
-    return text if isinstance(text, str) else None
-
-
-def _create_arguments(create: Any, create_kwargs: dict) -> dict[str, Any]:
-    """The keywords a tool's ``create`` takes the trajectory's ``create_kwargs`` as. veRL's
-    agent loop passes them as one keyword (``create(create_kwargs=...)``, what its tools
-    read), its older rollouts spread them (``create(**create_kwargs)``): a ``create`` that
-    takes any keyword gets both, one that names its parameters gets those it names."""
-    params = inspect.signature(create).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return {**create_kwargs, "create_kwargs": create_kwargs}
-    named = {p.name for p in params}
-    out = {k: v for k, v in create_kwargs.items() if k in named}
-    if "create_kwargs" in named:
-        out["create_kwargs"] = create_kwargs
-    return out
-
-
-async def _call_once(tool: Any, arguments: dict[str, Any], create_kwargs: dict) -> Any:
-    created = await _maybe_await(tool.create(**_create_arguments(tool.create, create_kwargs)))
-    # Newer veRL tools return (instance_id, response) from create.
-    instance_id = created[0] if isinstance(created, tuple) else created
-    try:
-        return await _maybe_await(tool.execute(instance_id, arguments))
-    finally:
-        await _maybe_await(tool.release(instance_id))
-
-
-async def _maybe_await(value: Any) -> Any:
-    """A tool method's result: veRL's are coroutines, but a ported tool may define a plain
-    ``def execute`` (every call of it failed on the ``await`` before)."""
-    return await value if inspect.isawaitable(value) else value
-
-
-def _run_call(
-    tools: dict[str, Any],
-    loop: asyncio.AbstractEventLoop,
-    max_length: int,
-    side: TruncateSide,
-    job: tuple,
-) -> tuple[str, Any]:
-    """Run one call on its tool; a tool that raises is reported by the pool as exception.
-    The answer leaves the worker cut to ``max_length`` and valid UTF-8 (see the module
-    docstring)."""
-    name, arguments, create_kwargs = job
-    result = loop.run_until_complete(_call_once(tools[name], arguments, create_kwargs))
-    if not isinstance(result, tuple | list) or len(result) != 3:
-        return "bad_return", f"{type(result).__name__} {result!r:.80}, not a 3-tuple"
-    text = _response_text(result[0])
-    if text is None:
-        return "bad_return", f"a response of type {type(result[0]).__name__} without text"
-    # None is no step reward (veRL's SandboxFusionTool returns (response, None, None)); the
-    # metrics, None or not, are not read. A step reward that is not a number is read as 0
-    # (the scorer gets it in extra_info["tool_rewards"]): a count, never the answer.
-    reward: float | None = None if result[1] is None else 0.0
-    note = None
-    try:  # numpy scalars and bools, 0-d arrays and tensors too, as for scores
-        if result[1] is not None:
-            reward = finite_number(result[1], "step reward ")
-    except (TypeError, ValueError) as e:
-        note = str(e)
-    return "ok", (valid_text(truncate_response(text, max_length, side)), reward, note)
-
-
-def _load_tools(specs: tuple[ToolSpec, ...], max_length: int, side: TruncateSide) -> Handler:
-    """Worker setup: build every tool once; calls share one event loop for the worker's life,
-    so a tool may keep loop-bound state (a client session, a semaphore) between calls. Answers
-    are cut to ``max_length`` characters on ``side``'s terms (:func:`truncate_response`)."""
-    # The loop exists before the tools, so one that looks up the loop in __init__ gets it.
-    loop = asyncio.new_event_loop()
-    asyncio.set_event_loop(loop)
-    tools = instantiate_tools(list(specs))
-    return functools.partial(_run_call, tools, loop, max_length, side)
 
 
 # --------------------------------------------------------------------------------- pool
@@ -342,7 +218,7 @@ class ToolPool:
             "rollout.multi_turn.tool_startup_timeout_s"
         )
         self._pool = WorkerPool(
-            _load_tools,
+            load_tools,
             (tuple(specs), max_response_length, truncate_side),
             name="ToolPool",
             role="tool",
