@@ -83,8 +83,8 @@ class _SchemaObject(dict[str, Any]):
         return value
 
     def __getattr__(self, name: str) -> Any:
-        # Only called when normal lookup fails; dunders stay absent so that copy, pickle
-        # and the like see an ordinary dict.
+        # Only called when normal lookup fails; dunders stay absent so that copy and the
+        # serialization protocols see an ordinary dict.
         if name.startswith("__"):
             raise AttributeError(name)
         if name in self:
