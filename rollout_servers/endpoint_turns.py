@@ -115,7 +115,7 @@ class EndpointTurns:
     @staticmethod
     def seen(session: Session) -> None:
         """The session's last reply was handed to a client that is still connected."""
-        session.unseen, session.before = False, None
+        session.before = None
 
     def _ended(self, session: Session, fp: str, running: asyncio.Future[dict[str, Any]]) -> None:
         """The turn ``running`` of ``session`` (request fingerprint ``fp``) ended: its reply

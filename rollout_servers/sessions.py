@@ -85,21 +85,25 @@ class Session:
     busy: bool = False  # a completion is running (a session is sequential)
     # (fingerprint, reply) of its last turn: a client's retry of it gets the same reply
     last: tuple[str, dict[str, Any]] | None = None
-    # The last turn's reply reached no client (each request for it left first), and what the
-    # session was before it: the turn is the agent's only once a reply is handed out.
-    unseen: bool = False
+    # What the session was before its last turn, while that turn's reply has reached no
+    # client (each request for it left first): the turn is the agent's only once one has.
     before: tuple[Episode, list[dict[str, Any]], list[dict] | None] | None = None
     # the answer to its reward: a client's re-post of the same reward gets it again
     reward_reply: dict[str, Any] | None = None
+
+    @property
+    def unseen(self) -> bool:
+        """The last turn's reply has reached no client yet."""
+        return self.before is not None
 
     def drop_unseen(self) -> bool:
         """Take back the last turn if its reply reached no client: the agent goes on (or
         ends) from the conversation it was shown, so a turn it never read is not trained
         with its reward. True when a turn was taken back."""
-        if not self.unseen or self.before is None:
+        if self.before is None:
             return False
         self.episode, self.shown, self.tools = self.before
-        self.unseen, self.before, self.last = False, None, None
+        self.before, self.last = None, None
         return True
 
 
@@ -352,7 +356,6 @@ class Draft:
         reply, see :meth:`Session.drop_unseen`)."""
         session.before = (session.episode, session.shown, session.tools)
         session.episode, session.shown, session.tools = self.episode, self.shown, self.tools
-        session.unseen = True
 
 
 def prepare(

@@ -969,8 +969,8 @@ MUTATIONS = (
         "an endpoint turn no client received is replayed or taken back",
         "an unseen turn stays in the episode, trained with the reward",
         "rollout_servers/sessions.py",
-        "        if not self.unseen or self.before is None:\n            return False",
-        "        if True:\n            return False",
+        "        if self.before is None:\n            return False\n        self.episode",
+        "        if True:\n            return False\n        self.episode",
         ("tests/test_endpoint_unseen.py",),
     ),
     Mutation(
