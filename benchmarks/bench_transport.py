@@ -138,11 +138,15 @@ def relay_process(p: dict[str, int], endpoints: Any, events: tuple[Any, Any, Any
     pull.bind("tcp://127.0.0.1:*")
     push.bind("tcp://127.0.0.1:*")
     endpoints.put(tuple(s.getsockopt_string(zmq.LAST_ENDPOINT) for s in (pull, push)))
-    threading.Thread(target=cpu_between, args=events, daemon=True).start()
+    reporter = threading.Thread(target=cpu_between, args=events, daemon=True)
+    reporter.start()
     stop = events[1]
     while not stop.is_set():
         if pull.poll(100):
             push.send_multipart(pull.recv_multipart(copy=False), copy=False)
+    # The reporter wakes on the same event; without this join the process could end before
+    # it has put its CPU figure, and the consumer would wait for a result never sent.
+    reporter.join(60)
     pull.close(0)
     push.close(0)
     ctx.term()
