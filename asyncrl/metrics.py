@@ -63,6 +63,11 @@ class MetricsLogger:
                 id=_wandb_id(run_dir, fresh),
                 resume="allow",
             )
+            # A validation round is logged at the step it completes; its chart's x axis is
+            # the step it started at (the weights it measured), as in metrics.jsonl.
+            self._wandb.define_metric("val/step")
+            self._wandb.define_metric("val/*", step_metric="val/step")
+        self._wandb_step, self._wandb_keys = -1, set[str]()
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` at learner step ``step`` (non-numbers are dropped)."""
@@ -70,12 +75,26 @@ class MetricsLogger:
         if self._file is not None:
             self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         if self._wandb is not None:
-            self._wandb.log(clean, step=step)
+            self._wandb.log(clean, step=self._wandb_row(step, clean))
         if "console" in self.sinks:
             keys = self.console_keys or sorted(clean)
             shown = " ".join(f"{k}={clean[k]:.4g}" for k in keys if k in clean)
             if shown:  # a record of other keys only (say, the final accounting) stays quiet
                 log.info("step %d: %s", step, shown)
+
+    def _wandb_row(self, step: int, clean: Mapping[str, float]) -> int:
+        """The W&B step to log a record of learner step ``step`` at. W&B keeps one value per
+        key and step, the last logged: two records of one step sharing a key (two
+        validation rounds completing together, the final weight push after the last step's)
+        would keep only the second. Such a record goes to the next step there instead;
+        ``metrics.jsonl`` keeps every record at its own step."""
+        row = max(step, self._wandb_step)
+        if row == self._wandb_step and not self._wandb_keys.isdisjoint(clean):
+            row += 1
+        if row != self._wandb_step:
+            self._wandb_step, self._wandb_keys = row, set()
+        self._wandb_keys.update(clean)
+        return row
 
     def mark_resumed(self, step: int) -> None:
         """A learner resumed from its checkpoint at ``step``: when the file holds later

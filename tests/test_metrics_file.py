@@ -150,3 +150,59 @@ def test_a_new_run_keeps_the_earlier_runs_wandb_id_beside_its_records(tmp_path):
     new = _wandb_id(tmp_path, fresh=True)
     assert new != "oldrun01" and (tmp_path / WANDB_ID_FILE).read_text().strip() == new
     assert (tmp_path / f"{WANDB_ID_FILE}.1").read_text().strip() == "oldrun01"
+
+
+def _wandb_history(run_dir) -> list[dict[str, float]]:
+    """The history rows an offline W&B run wrote to its ``run-*.wandb`` file: W&B's own
+    record (a LevelDB-style log of 32 KiB blocks holding protobuf records), read back."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    data, pos, pending, rows = path.read_bytes(), 7, b"", []  # 7: the file's own header
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header: padding
+            pos += 32768 - pos % 32768
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind not in (1, 4):  # a first or middle piece: the record goes on
+            continue
+        record = pb.Record()  # pyright: ignore[reportAttributeAccessIssue]  (generated)
+        record.ParseFromString(pending)
+        if record.WhichOneof("record_type") == "history":
+            row = {
+                i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                for i in record.history.item
+            }
+            rows.append(row)
+    return rows
+
+
+def test_wandb_keeps_both_records_of_one_step_that_share_a_key(tmp_path, monkeypatch):
+    """W&B keeps one value per key and step: two validation rounds completing at step 2
+    (one started at step 1, one at 2) lost the first round's score there. The second goes
+    to the next W&B step; a record of other keys still joins its own step's row."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    logger = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=True)
+    logger.log(1, {"loss/pg": 1.0})
+    logger.log(2, {"loss/pg": 2.0})
+    logger.log(2, {"val/score": 0.25, "val/step": 1.0})
+    logger.log(2, {"val/score": 0.5, "val/step": 2.0})
+    logger.log(3, {"loss/pg": 3.0})
+    logger.close()
+    rows = [
+        {k: v for k, v in r.items() if k in ("_step", "loss/pg", "val/score", "val/step")}
+        for r in _wandb_history(run)
+    ]
+    assert rows == [
+        {"_step": 1, "loss/pg": 1.0},
+        {"_step": 2, "loss/pg": 2.0, "val/score": 0.25, "val/step": 1.0},
+        {"_step": 3, "val/score": 0.5, "val/step": 2.0, "loss/pg": 3.0},
+    ]
+    # metrics.jsonl keeps each record at its learner step
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 2, 2, 3]
