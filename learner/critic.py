@@ -224,14 +224,16 @@ class Critic:
             dist.all_reduce(total)
         s: dict[str, float] = dict(zip(VALUE_STAT_SUMS, total.tolist(), strict=True))
         tokens = max(s["vf_tokens"], 1.0)
-        return {
+        out = {
             "critic/vf_loss": s["vf_loss"] / max(updates, 1),
             "critic/vf_clipfrac": s["vf_clipped"] / tokens,
             "critic/vpred_mean": s["vpred_sum"] / tokens,
-            "critic/grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,
             "critic/lr": lr,
             "critic/skipped_updates": float(updates - len(grad_norms)),
         }
+        if grad_norms:  # no applied update, no norm (left out, not 0)
+            out["critic/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        return out
 
     def _minibatch(self, rollouts, targets: Targets, micros, norm, sums) -> tuple[float, bool]:
         """Forward/backward each micro-batch, then one optimizer step unless the loss or

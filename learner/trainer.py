@@ -400,7 +400,10 @@ class Trainer:
         self.step += 1
         metrics["actor/updates"] = float(updates)
         metrics["actor/skipped_updates"] = float(skipped)
-        metrics["actor/grad_norm"] = mean_of(n for n in norms if math.isfinite(n))
+        # A step with no applied update has no norm: left out, as metrics with no value
+        # are (a 0 read as a vanished gradient on a dashboard).
+        if applied := [n for n in norms if math.isfinite(n)]:
+            metrics["actor/grad_norm"] = mean_of(applied)
         if stats is not None:
             total = stats.all_reduce(device=self.device)
             metrics.update(summarize_stats(total, self.loss_cfg.importance_mode))

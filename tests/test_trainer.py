@@ -165,12 +165,13 @@ def test_non_finite_loss_skips_the_update(tiny_model, single_rank, monkeypatch):
     monkeypatch.setattr(trainer_mod, "policy_loss", poisoned)
     m = trainer.train_step(BATCHES[0], TEMPERATURE)
     assert m["actor/skipped_updates"] == 2 and trainer.step == 1
+    assert "actor/grad_norm" not in m  # no applied update: no norm (a 0 read as vanished)
     after = trainer.full_state_for_push()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert all(torch.isfinite(v).all() for v in after.values())
     monkeypatch.setattr(trainer_mod, "policy_loss", real)
     m = trainer.train_step(BATCHES[0], TEMPERATURE)
-    assert m["actor/skipped_updates"] == 0
+    assert m["actor/skipped_updates"] == 0 and m["actor/grad_norm"] > 0
     assert any(not torch.equal(before[k], v) for k, v in trainer.full_state_for_push().items())
 
 
