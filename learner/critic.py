@@ -39,6 +39,7 @@ from asyncrl.config import Config
 from learner import fsdp
 from learner.advantages import gae_advantages
 from learner.collate import MicroBatch, collate, pad_rows
+from learner.forward import evaluating
 from learner.losses import valid_token_mask
 from learner.plan import plan_step
 from learner.reductions import AggNorm
@@ -86,8 +87,8 @@ def load_value_model(
     model, info = AutoModelForTokenClassification.from_pretrained(
         path, config=config, dtype=torch.float32, output_loading_info=True, **kwargs
     )
-    head = model.score
-    if any(k.startswith("score.") for k in info["missing_keys"]):
+    name, head = value_head(model)
+    if any(k.startswith(f"{name}.") for k in info["missing_keys"]):
         with torch.no_grad():
             head.weight.zero_()
             if head.bias is not None:
@@ -95,6 +96,23 @@ def load_value_model(
         log.info("critic: fresh value head (zero) on the backbone of %s", path)
     return fsdp.shard_model(
         model, mesh, device=device, gradient_checkpointing=gradient_checkpointing, offload=offload
+    )
+
+
+#: Where transformers' token-classification models keep their output layer: ``score``
+#: (Llama, Qwen, Mistral, Gemma), ``classifier`` (GPT-2, GPT-NeoX, Falcon, Bloom, MPT).
+HEAD_NAMES = ("score", "classifier")
+
+
+def value_head(model: torch.nn.Module) -> tuple[str, torch.nn.Linear]:
+    """The value head of a token-classification model (``[hidden] -> [1]``), by name."""
+    for name in HEAD_NAMES:
+        if isinstance(head := getattr(model, name, None), torch.nn.Linear):
+            return name, head
+    raise ValueError(
+        f"critic: {type(model).__name__} has no linear value head named "
+        f"{' or '.join(HEAD_NAMES)}; give critic.model.path a model whose "
+        "AutoModelForTokenClassification class has one"
     )
 
 
@@ -171,11 +189,12 @@ class Critic:
         """Current values ``[T_i]`` of every sequence (global; a collective)."""
         mbs, _ = self._plan(rollouts)
         local: dict[int, torch.Tensor] = {}
-        for micro in (m for mini in mbs for m in mini):  # dummies too: FSDP's collectives
-            mb = self._collate(rollouts, micro)
-            v = self._forward(mb)
-            for b, sid in enumerate(mb.seq_ids):
-                local[sid] = v[b, : len(rollouts[sid].response_ids)].cpu()
+        with evaluating(self.model):  # dropout off: V and the clip's V_old not noisy
+            for micro in (m for mini in mbs for m in mini):  # dummies too: FSDP's collectives
+                mb = self._collate(rollouts, micro)
+                v = self._forward(mb)
+                for b, sid in enumerate(mb.seq_ids):
+                    local[sid] = v[b, : len(rollouts[sid].response_ids)].cpu()
         return fsdp.gather_sequences(local, self.world_size)
 
     def targets(

@@ -12,6 +12,8 @@ the plain path, nothing recomputed."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -81,3 +83,17 @@ def _token_terms(
         with torch.set_grad_enabled(entropy_grad):
             ent = -(logp_all.exp() * logp_all).sum(-1)
     return logp, ent
+
+
+@contextmanager
+def evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for a no-grad pass, then back in the mode it was in. With
+    dropout in the config, a pass in training mode drew a fresh mask each time: the
+    proximal logprobs and the critic's values (GAE's ``V`` and the clip's ``V_old``) came
+    out noisy; veRL computes both in eval mode too."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)

@@ -44,7 +44,7 @@ from learner.advantages import OUTCOME_ESTIMATORS, TOKEN_ESTIMATORS
 from learner.collate import MicroBatch, collate, pad_rows
 from learner.critic import Critic
 from learner.episode_means import episode_means, episode_sums, row_means
-from learner.forward import response_logprobs
+from learner.forward import evaluating, response_logprobs
 from learner.layout import resolve_layout
 from learner.losses import LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
@@ -153,17 +153,13 @@ class Trainer:
         :func:`learner.layout.resolve_layout`)."""
         # In eval mode: with dropout on, the two layouts' forwards drew different masks,
         # and the probe read that as a model refusing the layout.
-        training = self.model.training
-        self.model.eval()
-        try:
+        with evaluating(self.model):
             layout = resolve_layout(
                 self.cfg.actor.sequence_layout,
                 getattr(self.model.config, "_attn_implementation", None),
                 self.cfg.trainer.device,
                 forward=lambda mb: self._forward(self.model, mb)[0],
             )
-        finally:
-            self.model.train(training)
         fsdp.reshard(self.model)  # the probe's forwards had no backward
         return layout
 
@@ -193,11 +189,12 @@ class Trainer:
         """Per local sequence, logprobs ``[T_i]`` under ``model``, in the micro-batches of
         the no-grad pass ``which`` (proximal or ref)."""
         out: dict[int, torch.Tensor] = {}
-        for micro in plan.micros_for(which):
-            mb = self._collate(plan, micro)
-            logp, _ = self._forward(model, mb)
-            for b, sid in enumerate(mb.seq_ids):  # the whole response (the mask may have holes)
-                out[sid] = logp[b, : len(plan.rollouts[sid].response_ids)].cpu()
+        with evaluating(model):
+            for micro in plan.micros_for(which):
+                mb = self._collate(plan, micro)
+                logp, _ = self._forward(model, mb)
+                for b, sid in enumerate(mb.seq_ids):  # the whole response (mask may have holes)
+                    out[sid] = logp[b, : len(plan.rollouts[sid].response_ids)].cpu()
         fsdp.reshard(model)
         return out
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ import torch.distributed as dist
 from asyncrl.config import Config, load_config
 from learner import fsdp
 from learner.checkpoint import REWARD_KL_KEY, STATE_FILE
+from learner.critic import value_head
 from learner.trainer import Trainer
 from tests.helpers import free_port, join_ranks, rank_env, start_ranks
 from tests.trainer_helpers import (
@@ -223,3 +225,43 @@ def test_a_checkpoint_without_a_critic_is_refused_naming_the_estimator(
     (line,) = err.value.problems
     assert "does not fit this model (it holds no critic" in line, line
     assert "algorithm.adv_estimator grpo -> gae" in line and "damaged" not in line, line
+
+
+def test_values_and_proximal_logprobs_are_computed_without_dropout(tiny_model, single_rank):
+    """With dropout in the model's config, the no-grad passes (the critic's values, GAE's V
+    and the clip's V_old; the actor's proximal logprobs) ran in training mode and drew a
+    fresh mask each time: two passes on the same weights differed by up to 1.6 where the
+    values reach 2.7. They run in eval mode, as veRL's do; training goes on in train mode."""
+    trainer = Trainer(make_cfg(tiny_model, "model.override_config={attention_dropout: 0.5}"))
+    critic = trainer.critic
+    assert critic is not None and critic.model.config.attention_dropout == 0.5
+    with torch.no_grad():  # a head that reads the backbone (it starts at zero)
+        weight: Any = value_head(critic.model)[1].weight  # a DTensor
+        local = weight.to_local()
+        local.copy_(torch.randn(local.shape, generator=torch.Generator().manual_seed(0)))
+    kept = [r for r in BATCHES[0] if len(r.response_ids) == len(r.behaviour_logprobs)]
+    first, second = critic.values(kept), critic.values(kept)
+    assert all(torch.equal(first[i], second[i]) for i in first)
+    assert max(float(v.abs().max()) for v in first.values()) > 0.1
+    plan = trainer._plan(kept, torch.zeros(len(kept)), TEMPERATURE)
+    a, b = (trainer._fixed_logprobs(trainer.model, plan, "proximal") for _ in range(2))
+    assert a and all(torch.equal(a[i], b[i]) for i in a)
+    assert critic.model.training and trainer.model.training  # back in train mode
+
+
+def test_a_critic_on_a_model_whose_head_is_called_classifier(single_rank, tmp_path):
+    """GPT-2, GPT-NeoX (Pythia), Falcon, Bloom and MPT name their token-classification head
+    ``classifier``, not ``score``: the critic failed to load them (AttributeError) where
+    GRPO trained them. It loads, its head starts at zero, and a step trains."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=128)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path / "gpt2")
+    trainer = Trainer(make_cfg(tmp_path / "gpt2"))
+    assert trainer.critic is not None
+    name, head = value_head(trainer.critic.model)
+    weight: Any = head.weight  # a DTensor
+    assert name == "classifier" and weight.shape == (1, 32) and not weight.full_tensor().any()
+    m = trainer.train_step(BATCHES[0], TEMPERATURE)
+    assert m["actor/updates"] > 0 and m["critic/grad_norm"] > 0
