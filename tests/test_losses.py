@@ -197,7 +197,9 @@ def test_kl_abs_and_the_straight_through_kinds():
 def test_verl_kl_names_load():
     from asyncrl.config import load_config
 
-    for verl, ours in (("low_var_kl+", "k3+"), ("abs", "abs"), ("kl+", "k1+"), ("mse", "k2")):
+    # veRL takes "+" on any estimator; on k2 (mse), whose gradient "+" borrows, it is k2
+    names = [("low_var_kl+", "k3+"), ("abs", "abs"), ("kl+", "k1+"), ("mse", "k2")]
+    for verl, ours in [*names, ("mse+", "k2"), ("k2+", "k2")]:
         cfg = load_config(
             None, [f"actor_rollout_ref.actor.kl_loss_type={verl}", f"algorithm.kl_penalty={verl}"]
         )

@@ -19,7 +19,16 @@ from asyncrl.config.section import Section
 
 # --------------------------------------------------------------------------- actor
 # veRL's names of the KL estimators ("+": the value of the estimator, k2's gradient).
-VERL_KL_NAMES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3", "kl+": "k1+", "low_var_kl+": "k3+"}
+VERL_KL_NAMES = {
+    "kl": "k1",
+    "mse": "k2",
+    "low_var_kl": "k3",
+    "kl+": "k1+",
+    "low_var_kl+": "k3+",
+    # k2 is the estimator whose gradient "+" takes: its "+" is k2 itself
+    "mse+": "k2",
+    "k2+": "k2",
+}
 KlKind = Literal["k1", "k2", "k3", "abs", "k1+", "k3+", "abs+"]
 
 
