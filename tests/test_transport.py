@@ -249,3 +249,23 @@ def test_wire_and_transport_import_no_torch_or_vllm() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_close_that_drops_queued_messages_names_the_latest(caplog) -> None:
+    """A rollout server closing its pusher while the buffer does not read loses what is
+    queued; the warning said so without saying which. PUSH confirms nothing, so it names
+    the bound (the queue's size) and the latest task ids sent."""
+    ctx, pull, addr = _pull(hwm=1)
+    pusher = TrajectoryPusher(addr, hwm=1, linger_s=0.3)
+    sent = []
+    with pytest.raises(TimeoutError):
+        for i in range(1000):  # nobody reads: queues and kernel buffers fill, then it blocks
+            pusher.send([make_traj(f"g{i}", response_len=200_000)], timeout_s=0.3)
+            sent.append(f"g{i}")
+    with caplog.at_level("WARNING", logger="asyncrl.net.transport"):
+        pusher.close()
+    (line,) = [r.getMessage() for r in caplog.records if "at close were dropped" in r.message]
+    assert f"up to the last 1 sent (the queue holds 1; the latest: {sent[-1]}, {sent[-2]}" in line
+    assert "dealt again" in line
+    pull.close()
+    ctx.term()

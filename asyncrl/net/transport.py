@@ -21,6 +21,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -137,12 +138,16 @@ class TrajectoryPusher:
         self._closing = threading.Event()  # set by close(): a blocked send gives up
         self.total_wait_s = 0.0
         self.sent = 0
+        self.hwm = hwm
+        # The first task id of the latest sends: named when a close drops what is queued.
+        self._recent: deque[str] = deque(maxlen=3)
 
     def send(
         self, trajectories: Sequence[wire.Trajectory], timeout_s: float | None = None
     ) -> float:
         """Encode (validating) and push one message; returns the seconds spent blocked."""
-        return self.send_frames(wire.encode_trajectories(trajectories), timeout_s)
+        label = trajectories[0].task_id if trajectories else None
+        return self.send_frames(wire.encode_trajectories(trajectories), timeout_s, label=label)
 
     async def send_async(
         self, trajectories: Sequence[wire.Trajectory], timeout_s: float | None = None
@@ -151,7 +156,9 @@ class TrajectoryPusher:
         mark."""
         return await asyncio.to_thread(self.send, trajectories, timeout_s)
 
-    def send_frames(self, frames: Sequence[wire.Frame], timeout_s: float | None = None) -> float:
+    def send_frames(
+        self, frames: Sequence[wire.Frame], timeout_s: float | None = None, label: str | None = None
+    ) -> float:
         """Push pre-encoded frames (zero-copy for large ones).
 
         Waits for room as long as the buffer is not reading, up to ``timeout_s`` (None:
@@ -159,6 +166,7 @@ class TrajectoryPusher:
         :data:`WARN_EVERY_MAX_S`); raises ``TimeoutError`` past it. Unblocked by the buffer
         reading again, or by :meth:`close` (``ConnectionError``: the message is not sent).
         A message over ``max_message_bytes`` raises ``WireError("oversize")`` unsent.
+        ``label`` (its task id) names it if a close drops it queued.
         """
         check_size(frames, self.max_message_bytes, "buffer.max_message_mb")
         start = time.monotonic()
@@ -179,12 +187,17 @@ class TrajectoryPusher:
                     raise TimeoutError(f"push to {self.addr} blocked for {waited:.1f}s")
                 if waited >= warn_at:
                     log.warning(
-                        "push to %s blocked for %.0fs: buffer full or gone", self.addr, waited
+                        "push to %s blocked for %.0fs: the buffer is full (is the learner "
+                        "taking batches? the buffer's log says; buffer.capacity_groups) or gone",
+                        self.addr,
+                        waited,
                     )
                     warn_at = min(warn_at * 2, waited + WARN_EVERY_MAX_S)
                 poll_s = 1.0 if timeout_s is None else max(0.0, min(1.0, timeout_s - waited))
                 self._sock.poll(int(poll_s * 1000) + 1, zmq.POLLOUT)
             self.sent += 1
+            if label is not None:
+                self._recent.append(label)
         waited = time.monotonic() - start
         self.total_wait_s += waited
         return waited
@@ -211,10 +224,18 @@ class TrajectoryPusher:
             self._ctx.term()
             waited = time.monotonic() - start
             if self.linger_s and waited >= 0.99 * self.linger_s:
+                # PUSH confirms nothing: the lost ones are among the last sent, as many as the
+                # queue holds. Their groups are not lost to the run: the coordinator's audit
+                # finds the buffer never got them and deals them again.
                 log.warning(
-                    "push to %s: messages still queued after %.0fs at close were dropped",
+                    "push to %s: messages still queued after %.0fs at close were dropped: "
+                    "up to the last %d sent (the queue holds %d; the latest: %s); groups the "
+                    "coordinator dealt are dealt again once its audit finds them missing",
                     self.addr,
                     waited,
+                    min(self.sent, self.hwm),
+                    self.hwm,
+                    ", ".join(reversed(self._recent)) or "unnamed",
                 )
 
     def __enter__(self) -> TrajectoryPusher:
