@@ -186,16 +186,20 @@ class HealthMonitor:
                 f"a server holds other weights than the learner pushed: {PROBE_LOG}",
             )
         )
-        bad = m.get("actor/skipped_updates", 0.0) + m.get("importance/nonfinite_dropped", 0.0)
+        # The critic's skipped updates too: a critic that stops learning leaves GAE's
+        # advantages on stale values, with nothing else in the record to show it.
+        names = ("actor/skipped_updates", "importance/nonfinite_dropped", "critic/skipped_updates")
+        bad = sum(m.get(name, 0.0) for name in names)
         if bad > 0 and c.nonfinite:
             out.append(
                 Alarm(
                     "nonfinite",
-                    "actor/skipped_updates+importance/nonfinite_dropped",
+                    "+".join(name for name in names if name in m),
                     bad,
                     "== 0",
-                    "non-finite losses, gradients or logprobs: lower actor.optim.lr, check "
-                    "model.dtype (bf16 overflow) and the behaviour logprobs",
+                    "non-finite losses, gradients or logprobs: lower actor.optim.lr (or "
+                    "critic.optim.lr), check model.dtype (bf16 overflow) and the behaviour "
+                    "logprobs",
                 )
             )
         return out

@@ -121,6 +121,10 @@ def test_one_steps_excursion_is_noise_a_sustained_one_alarms():
     assert ess.steps == 3 and " for 3 steps (trainer.health.min_ess)" in ess.line(5)
     skipped = calm | {"actor/skipped_updates": 1.0}
     assert [a.rule for a in health.check(skipped)] == ["nonfinite"]  # at once
+    # a critic skipping its updates (GAE then reads values that stopped learning)
+    critic_skipped = calm | {"actor/skipped_updates": 0.0, "critic/skipped_updates": 2.0}
+    (alarm,) = health.check(critic_skipped)
+    assert alarm.rule == "nonfinite" and "critic/skipped_updates" in alarm.metric
 
 
 def test_a_slow_fall_of_the_entropy_is_learning_not_a_collapse():
