@@ -309,7 +309,8 @@ class LearnerLoop:
         if not self.cfg.model.lora_rank:
             return
         if not (only_missing and _broadcast_int(int(exported_step(adapter) == t.step), t)):
-            state = fsdp.full_state(t.model, keep=t.rank == 0)  # a collective
+            # The adapter's tensors only: the merged export above gathered the rest.
+            state = fsdp.full_state(t.model, keep=t.rank == 0, only=lora.is_adapter_key)
             if t.rank == 0:
                 lora.export_adapter(state, self.cfg.model, adapter, step=t.step)
 

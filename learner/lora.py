@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncrl.config import ConfigError
 from asyncrl.sync.adapter import is_adapter_key, save_peft_adapter
 
 log = logging.getLogger(__name__)
@@ -87,13 +88,15 @@ def inject(model: nn.Module, rank: int, alpha: float, target_modules: str | list
         else [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     )
     if not names or unmatched:
-        linear = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        )
-        raise ValueError(
-            f"model.target_modules={target_modules!r}: {unmatched or target_modules} match no "
-            f"linear layer of the model but its output head (never adapted); its linear layers "
-            f"are named {linear} (or use {ALL_LINEAR!r})"
+        linear = sorted({n.rsplit(".", 1)[-1] for n in targets(model, ALL_LINEAR)})
+        # A config error (exit 2): the launcher would restart a learner that fails the
+        # same way each time, reloading the model for nothing.
+        raise ConfigError(
+            [
+                f"model.target_modules={target_modules!r}: {unmatched or target_modules} match "
+                f"no linear layer of the model but its output head (never adapted); its "
+                f"linear layers are named {linear} (or use {ALL_LINEAR!r})"
+            ]
         )
     model.requires_grad_(False)
     for name in names:
@@ -156,7 +159,12 @@ def export_adapter(
 
     m = model_cfg
     (Path(out) / EXPORT_MARK).unlink(missing_ok=True)
-    path = save_peft_adapter(out, state, rank=m.lora_rank, alpha=m.lora_alpha, base_model=m.path)
+    # Targets named by a longer suffix (layers.0.self_attn.q_proj) adapt some layers of a
+    # short name only: the config then names each adapted layer whole.
+    full = m.target_modules != ALL_LINEAR and any("." in t for t in m.target_modules)
+    path = save_peft_adapter(
+        out, state, rank=m.lora_rank, alpha=m.lora_alpha, base_model=m.path, full_names=full
+    )
     if step is not None:
         mark_export(path, step)
     return path

@@ -65,8 +65,11 @@ def test_targets_by_name_and_a_clear_error_when_none_match(tiny_model):
         for i in range(model.config.num_hidden_layers)
         for p in ("q_proj", "v_proj")
     ]
-    with pytest.raises(ValueError, match=r"match no linear layer.*q_proj"):
+    # A config error: the learner exits 2 and the launcher does not restart it (a
+    # ValueError exited 1, and the model was loaded three more times to fail the same way).
+    with pytest.raises(ConfigError, match=r"match no linear layer.*q_proj") as err:
         lora.inject(model, 4, 8, ["query"])
+    assert "lm_head" not in str(err.value)  # the head, never adapted, is not offered
     # A review: a misspelt name beside a right one trained the right one only, silently;
     # the output head is never adapted (peft's all-linear leaves it out too).
     with pytest.raises(ValueError, match=r"\['v_prj'\] match no linear layer"):
@@ -147,6 +150,34 @@ def test_lora_keys_that_cannot_work_are_refused_naming_the_fix(tiny_model):
         load_config(
             None, [f"model.path={tiny_model}", "model.lora_rank=8", "model.target_modules=q_proj"]
         )
+    # peft's regex string: the list proposed was [.*proj], which matches no layer name
+    with pytest.raises(ConfigError, match=r"e\.g\. \[q_proj,v_proj\] \(a regex"):
+        load_config(None, [f"model.path={tiny_model}", "model.target_modules=.*proj"])
+    # peft's lora_dropout was met with "did you mean model.lora_rank?"
+    with pytest.raises(ConfigError, match="without dropout here") as err:
+        load_config(None, [f"model.path={tiny_model}", "model.lora_dropout=0.1"])
+    assert "did you mean" not in str(err.value)
+
+
+def test_an_adapter_on_some_layers_of_a_name_is_exported_with_their_whole_names(
+    tiny_model, tmp_path
+):
+    """Trained on layer 0's q_proj only, the export's config said ``q_proj``, and peft
+    wrapped every layer's q_proj (adapters the learner never trained: a user training on
+    or merging got them). A config of short names keeps short names (every such layer)."""
+    model = hf_model(tiny_model)
+    lora.inject(model, 4, 8, ["layers.0.self_attn.q_proj"])
+    state = dict(model.state_dict())
+    cfg = lora_cfg(tiny_model, "model.target_modules=[layers.0.self_attn.q_proj]").model
+    config = json.loads(
+        (lora.export_adapter(state, cfg, tmp_path / "a") / "adapter_config.json").read_text()
+    )
+    assert config["target_modules"] == ["model.layers.0.self_attn.q_proj"]
+    model = hf_model(tiny_model)
+    lora.inject(model, 4, 8, ["q_proj"])
+    cfg = lora_cfg(tiny_model, "model.target_modules=[q_proj]").model
+    out = lora.export_adapter(dict(model.state_dict()), cfg, tmp_path / "b")
+    assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["q_proj"]
 
 
 def test_vllm_serves_the_exported_adapter_as_the_merged_model(tiny_model, single_rank, tmp_path):

@@ -364,7 +364,13 @@ def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypat
     from learner.export import mark_export
 
     adapters: list[Path] = []
-    monkeypatch.setattr(loop_module.fsdp, "full_state", lambda model, keep=True: {"w": 1})
+    gathered: list[object] = []
+
+    def full_state(model, keep=True, only=None):
+        gathered.append(only)  # the adapter's tensors only: the merged export has the rest
+        return {"w": 1}
+
+    monkeypatch.setattr(loop_module.fsdp, "full_state", full_state)
     monkeypatch.setattr(
         loop_module.lora, "export_adapter", lambda state, cfg, out, step: adapters.append(out)
     )
@@ -379,7 +385,7 @@ def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypat
     loop = _loop(run, "trainer.total_training_steps=10", "model.lora_rank=4")
     loop.trainer, loop.total, loop.control = Finished(), 10, NoControl()  # type: ignore[assignment]
     assert loop.run() == 0
-    assert adapters == [run / "final_adapter"]
+    assert adapters == [run / "final_adapter"] and gathered == [loop_module.lora.is_adapter_key]
     (run / "final_adapter").mkdir()
     mark_export(run / "final_adapter", 9)  # an adapter of another step is made again
     assert loop.run() == 0 and adapters == [run / "final_adapter"] * 2

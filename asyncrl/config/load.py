@@ -306,6 +306,11 @@ def _explain(err: ErrorDetails) -> str:
                 "are read); give your scoring function's own arguments as "
                 "custom_reward_function.reward_kwargs"
             )
+        if key == "model.lora_dropout":  # peft's key: "did you mean lora_rank" misled
+            return (
+                "model.lora_dropout: adapters train without dropout here (peft's "
+                "lora_dropout is not built); leave the key out"
+            )
         if isinstance(given, dict):  # a whole unknown group: say which keys were under it
             names = [".".join((key, *path)) for _, _, path in leaves(given)][:4]
             under = f" (given: {', '.join(names)})"

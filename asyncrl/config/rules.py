@@ -220,9 +220,13 @@ def _lora_problems(cfg: Config) -> list[str]:
     """LoRA keys: targets are ``all-linear`` or a list of layer names."""
     m = cfg.model
     if isinstance(m.target_modules, str) and m.target_modules != "all-linear":
+        # peft reads a string as a regex; proposing it in a list would match nothing
+        pattern = any(c in m.target_modules for c in "*[]()|^$\\?+")
+        example = "[q_proj,v_proj]" if pattern else f"[{m.target_modules}]"
         return [
             f"model.target_modules={m.target_modules!r}: use all-linear or a list of layer "
-            f"names, e.g. [{m.target_modules}]"
+            f"names, e.g. {example}"
+            + (" (a regex, as peft reads a string, is not read here)" if pattern else "")
         ]
     if isinstance(m.target_modules, list) and not m.target_modules:
         return ["model.target_modules is an empty list: name layers or use all-linear"]

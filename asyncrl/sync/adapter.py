@@ -22,9 +22,11 @@ def is_adapter_key(name: str) -> bool:
     return name.endswith(LORA_SUFFIXES)
 
 
-def layer_names(tensors: Mapping[str, Any]) -> list[str]:
-    """The last name part of every adapted layer (``q_proj``, ``down_proj``), sorted."""
-    return sorted({k.rsplit(".", 2)[0].rsplit(".", 1)[-1] for k in tensors if is_adapter_key(k)})
+def layer_names(tensors: Mapping[str, Any], full: bool = False) -> list[str]:
+    """The last name part of every adapted layer (``q_proj``, ``down_proj``), sorted; with
+    ``full``, the layers' whole names (``model.layers.0.self_attn.q_proj``)."""
+    layers = {k.rsplit(".", 2)[0] for k in tensors if is_adapter_key(k)}
+    return sorted(layers if full else {name.rsplit(".", 1)[-1] for name in layers})
 
 
 def save_peft_adapter(
@@ -34,9 +36,13 @@ def save_peft_adapter(
     rank: int,
     alpha: float,
     base_model: str = "",
+    full_names: bool = False,
 ) -> Path:
     """Write ``out_dir/adapter_config.json`` and ``adapter_model.safetensors`` from the
-    adapter tensors of ``tensors`` (other names are left out). Returns ``out_dir``."""
+    adapter tensors of ``tensors`` (other names are left out). Returns ``out_dir``.
+    ``full_names``: the config's ``target_modules`` names each adapted layer whole, for
+    adapters on some layers of a name only (peft would otherwise wrap every layer of that
+    name, adding adapters the learner never trained)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -53,7 +59,7 @@ def save_peft_adapter(
         "task_type": "CAUSAL_LM",
         "r": rank,
         "lora_alpha": alpha,
-        "target_modules": layer_names(tensors),
+        "target_modules": layer_names(tensors, full=full_names),
         "lora_dropout": 0.0,
         "bias": "none",
         "fan_in_fan_out": False,
