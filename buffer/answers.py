@@ -5,11 +5,14 @@
   until a batch can be released for it (the lag filter for its version is applied at once,
   even if none can) or its ``wait_s`` runs out (:class:`~asyncrl.wire.NoBatch`). Every batch
   carries the service's metrics.
-- ``hello``: a consumer (re)started. Requests it left held are void, and its
-  unacknowledged batches are acknowledged or queued again
-  (:meth:`buffer.core.ReplayBuffer.restart`).
+- ``hello``: a consumer (re)started. Requests it left held are void (those of another
+  client under its id are answered ``superseded``), its unacknowledged batches are
+  acknowledged or queued again (:meth:`buffer.core.ReplayBuffer.restart`), and its client's
+  incarnation token becomes the only one whose batch requests and acks are served
+  (:mod:`buffer.consumers`).
 - ``ack``, ``stats``, ``dropped`` (read by cursor, from the start for another session's
-  cursors), ``inventory`` (or an audit of given ids), ``validation``: answered at once.
+  cursors), ``inventory`` (or an audit of given ids, ``paused`` as the service's
+  ``paused`` says), ``validation``: answered at once.
 - ``shutdown``: the service stops.
 
 A request that cannot be decoded or that its sender's role may not send never gets here:
@@ -26,6 +29,7 @@ import msgspec
 
 from asyncrl import wire
 from asyncrl.net.serving import Held, HeldRequests, RouterService
+from buffer.consumers import Incarnations
 from buffer.core import ReplayBuffer
 
 log = logging.getLogger(__name__)
@@ -36,7 +40,9 @@ class Answers:
     batch requests. Called from the service loop's thread only.
 
     ``metrics`` returns the service's metrics (stats replies and batches carry them);
-    ``on_shutdown`` stops the service (a ``shutdown`` request).
+    ``on_shutdown`` stops the service (a ``shutdown`` request); ``paused`` says whether
+    trajectories may still wait unread in the socket (an audit's ``paused``; default: the
+    buffer is full now).
     """
 
     def __init__(
@@ -45,16 +51,23 @@ class Answers:
         *,
         metrics: Callable[[], dict[str, float]],
         on_shutdown: Callable[[], None],
+        paused: Callable[[], bool] | None = None,
     ):
         self.buffer, self.session = buffer, buffer.session
         self.metrics, self.on_shutdown = metrics, on_shutdown
+        self.paused = paused or (lambda: not buffer.has_room())
         self.held: HeldRequests[wire.BatchRequest] = HeldRequests(_consumer)
+        self.incarnations = Incarnations()
 
     def on_request(
         self, router: RouterService[wire.Request], envelope: list[bytes], msg: wire.Request
     ) -> None:
         """Answer ``msg`` now, or hold it (a batch request)."""
         if isinstance(msg, wire.BatchRequest):
+            refused = self.incarnations.refusal(msg.consumer_id, msg.incarnation, msg.kind)
+            if refused is not None:  # its acks too: its batches may be another's now
+                router.reply(envelope, refused)
+                return
             # Acknowledgements carried on the request, applied first (those of another
             # buffer session are not: their ids name other batches here).
             if msg.ack:
@@ -63,6 +76,16 @@ class Answers:
             self.held.hold(envelope, msg, now, msg.wait_s)
             # Apply the lag filter for this version now, even if no batch can be released.
             self.held.serve(router, now, lambda held, now: self._answer_held(held, now, True))
+        elif isinstance(msg, wire.Hello):
+            # Requests held for another client under this id: tell it now that it is stale
+            # (dropped unanswered, it would only learn it at its next request).
+            left = self.held.take(msg.consumer_id)
+            router.reply(envelope, self.answer(msg))
+            for held in left:
+                m = held.msg
+                refused = self.incarnations.refusal(m.consumer_id, m.incarnation, m.kind)
+                if refused is not None:
+                    router.reply(held.envelope, refused)
         else:
             router.reply(envelope, self.answer(msg))
 
@@ -76,6 +99,9 @@ class Answers:
         if isinstance(msg, wire.Hello):
             return self._hello(msg)
         if isinstance(msg, wire.Ack):
+            refused = self.incarnations.refusal(msg.consumer_id, msg.incarnation, msg.kind)
+            if refused is not None:
+                return refused
             acked, unknown = self.buffer.ack(msg.batch_ids, msg.session)
             return wire.AckReply(acked=acked, unknown=unknown)
         if isinstance(msg, wire.StatsRequest):
@@ -100,7 +126,7 @@ class Answers:
                 dropped=[],
                 validated=[],
                 unknown=self.buffer.unknown(msg.ids),
-                paused=not self.buffer.has_room(),
+                paused=self.paused(),
             )
         if isinstance(msg, wire.InventoryRequest):
             held, dropped, validated = self.buffer.inventory()
@@ -118,6 +144,7 @@ class Answers:
         # Requests this consumer left held before it restarted must not take batches now:
         # nobody would receive them until its next restart.
         self.held.drop(msg.consumer_id)
+        self.incarnations.hello(msg.consumer_id, msg.incarnation)
         if msg.acked_through is not None and msg.resumed and not msg.session:
             log.warning(
                 "consumer %s holds batches through %d but names no buffer session: nothing "

@@ -8,7 +8,8 @@ a member, or any member after its group completed (``duplicate``); a member of a
 that expired (``late``); a member whose ``group_size`` disagrees with its group's
 (``inconsistent``); the first member of a new group while ``capacity_groups`` incomplete
 groups are open (``overflow``, reported as a drop). An incomplete group older than
-``group_timeout_s`` expires (reported).
+``group_timeout_s`` expires (reported). The group of a message the service refused
+(:meth:`GroupAssembly.reject`) is dropped and reported with the refusal's cause.
 
 It works on the buffer's own records (:class:`~buffer.state.State`: the incomplete groups
 and the ids closed, and the held groups, which it only reads), counters and reports.
@@ -132,6 +133,22 @@ class GroupAssembly:
             )
         )
         return ["completed"] * n
+
+    def reject(self, tid: str, cause: str, validation: bool) -> bool:
+        """A message naming task ``tid`` was refused (``cause``: ``oversize``, ``invalid``):
+        its group can never complete, so it is dropped now and reported, once, rather than
+        kept by the coordinator as "in buffer" until an audit deals it again (a group refused
+        every time would loop forever). An incomplete group goes with what it had; its later
+        members are late. A group already complete, expired or reported is left alone (a
+        refused duplicate of it changes nothing). True when reported."""
+        s = self.state
+        if tid in s.closed:
+            return False
+        s.partial.pop(tid, None)
+        s.closed[tid] = "expired"  # closed unused: its other members are late
+        self.counts["drops/rejected"] += 1
+        self.reports.drop(DroppedTask(tid, cause, validation))
+        return True
 
     def expire(self, now: float) -> list[str]:
         """Drop incomplete groups first seen more than ``group_timeout_s`` before ``now``."""

@@ -30,7 +30,8 @@ a new group then overflows, dropped and reported. Stale groups leave at the next
 incomplete ones at their timeout, which the service counts in reading time (a member
 waiting in the socket while the buffer is full does not age its group).
 
-Groups dropped unused (lag, expiry, a duplicate of a forgotten group, overflow) and
+Groups dropped unused (lag, expiry, a duplicate of a forgotten group, overflow, a message
+of theirs the service refused: ``oversize`` or ``invalid``) and
 validation groups scored are logged for the coordinator, which reads the logs by cursor
 (:mod:`buffer.reports`): a reply lost on the way is read again, never lost.
 
@@ -116,6 +117,11 @@ class ReplayBuffer:
     def expire(self, now: float) -> list[str]:
         """Drop incomplete groups first seen more than ``group_timeout_s`` before ``now``."""
         return self._assembly.expire(now)
+
+    def reject(self, task_id: str, cause: str, validation: bool = False) -> bool:
+        """A refused message named ``task_id``: drop and report its group
+        (:meth:`buffer.assembly.GroupAssembly.reject`); True when reported."""
+        return self._assembly.reject(task_id, cause, validation)
 
     def _complete(self, group: Group) -> None:
         """A group the assembly completed: validation to its stats, training to the pool."""

@@ -8,18 +8,24 @@
   can be released, while other clients (stats, shutdown) are still answered. There is one
   training consumer (learner rank 0, under the same consumer id across restarts): its
   ``hello`` starts a session, voids requests it left waiting, and queues the batches it
-  had not acknowledged again. Other clients (the coordinator draining dropped tasks,
-  observers) use the other requests; a ``hello`` of theirs leaves the learner's batches
-  alone. What each request is answered is :mod:`buffer.answers`'s; this module owns the
-  sockets, the loop and its thread.
+  had not acknowledged again; from then on the batch requests and acks of any other client
+  under its id (an old learner still alive) are refused ``superseded``
+  (``buffer/superseded_requests``, :mod:`buffer.consumers`). Other clients (the
+  coordinator draining dropped tasks, observers) use the other requests; a ``hello`` of
+  theirs leaves the learner's batches alone. What each request is answered is
+  :mod:`buffer.answers`'s; this module owns the sockets, the loop and its thread.
 
 The buffer's contents live in memory: they survive a learner restart, not a buffer restart.
 
 Bad input of any kind that reaches the buffer is rejected, counted
-(``buffer/rejects/<socket>/<kind>``) and logged once per kind; the service keeps running. A
+(``buffer/rejects/<socket>/<kind>``) and logged once per kind (a trajectory message's line
+names its server, a task and the config key to change); the service keeps running. The
+groups a refused trajectory message names are reported dropped (``oversize`` or
+``invalid``; ``buffer/drops/rejected``), so the coordinator does not deal them again. A
 trajectory frame over ``buffer.max_message_mb`` never reaches it: zmq drops it with the
-sender's connection, uncounted (rollout servers check the size before they send). Run it as ``asyncrl-buffer CONFIG`` (see
-``buffer/main.py``) or inside another process::
+sender's connection, uncounted (rollout servers check the size before they send).
+
+Run it as ``asyncrl-buffer CONFIG`` (see ``buffer/main.py``) or inside another process::
 
     service = BufferService.from_config(cfg).start()   # a thread; returns once bound
     ...                                                 # service.batches_endpoint, ...
@@ -71,12 +77,18 @@ class BufferService:
         rcvhwm: int = 1000,
         log_every_s: float = 30.0,
         collect_every_s: float | None = None,
+        audit_window_s: float = 20.0,
     ):
         self.buffer, self.limits, self.rollout_log = buffer, limits, rollout_log
         self.rcvhwm, self.log_every_s = rcvhwm, log_every_s
         # Run the cyclic garbage collector every so often (when its process turned the
         # automatic runs off: buffer/memory.py collect_on_schedule); None: leave it to Python.
         self.collect_every_s = collect_every_s
+        # An audit (the coordinator's, of groups acknowledged control.dead_after_s ago)
+        # reads "paused" while reading was paused within this long: a group pushed before
+        # a pause may still wait in a socket queue (a sender's, the kernel's) after it.
+        self.audit_window_s = audit_window_s
+        self._backlog = False  # the last read left messages in the socket
         self.trajectories_endpoint = trajectories  # the bound address once started
         self.batches_endpoint = batches
         self.stats = ServiceStats()
@@ -86,7 +98,9 @@ class BufferService:
         self._stop, self._ready = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._answers = Answers(buffer, metrics=self.metrics, on_shutdown=self.request_stop)
+        self._answers = Answers(
+            buffer, metrics=self.metrics, on_shutdown=self.request_stop, paused=self._unread
+        )
 
     @classmethod
     def from_config(
@@ -121,6 +135,7 @@ class BufferService:
             rollout_log=RolloutLog(directory / "rollouts") if b.log_rollouts else None,
             rcvhwm=b.queued_messages,
             collect_every_s=collect_every_s,
+            audit_window_s=cfg.control.dead_after_s,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -236,8 +251,8 @@ class BufferService:
             if events.get(router.sock):
                 for envelope, msg in router.receive(READ_BURST):
                     self._answers.on_request(router, envelope, msg)
-            if reading and events.get(pull):
-                self._read_trajectories(pull)
+            if reading:  # nothing to read (no event): nothing left unread either
+                self._backlog = bool(events.get(pull)) and not self._read_trajectories(pull)
             now = time.monotonic()
             self._answers.serve(router, now)
             if now - last_tick >= EXPIRE_EVERY_S:
@@ -262,22 +277,37 @@ class BufferService:
             timeout = min(timeout, max(0.0, deadline - time.monotonic()))
         return int(timeout * 1000)
 
-    def _read_trajectories(self, pull: zmq.Socket) -> None:
+    def _read_trajectories(self, pull: zmq.Socket) -> bool:
+        """Read up to :data:`READ_BURST` messages; True when the socket was drained."""
         for _ in range(READ_BURST):
             if not self.buffer.has_room():
-                return
+                return False
             try:
                 frames = pull.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return True
             # Zero-copy views of zmq's buffers; cheaper to size and decode than Frames.
             self._ingest([f.buffer for f in frames])
+        return False
+
+    def _unread(self) -> bool:
+        """Whether trajectories may wait unread (an audit's ``paused``): reading is paused
+        or was within :attr:`audit_window_s`, the buffer is full (an ack in this loop pass
+        may have made room: reading resumes only at the next), or the last read left
+        messages in the socket. Groups whose push returned long ago may sit in the queue
+        all that time; the coordinator must not deal them again."""
+        now = time.monotonic()
+        return (
+            not self.buffer.has_room()
+            or self.stats.paused_within(now, self.audit_window_s)
+            or self._backlog
+        )
 
     def _ingest(self, frames: list[memoryview]) -> None:
         try:
             packed = wire.decode_packed(frames, self.limits)
         except wire.WireError as e:
-            self.stats.reject("trajectories", e)
+            self._refused(frames, e)
             return
         outcomes = self.buffer.add_packed(packed, self.stats.reading_clock(time.monotonic()))
         if self.rollout_log is not None:
@@ -285,6 +315,16 @@ class BufferService:
                 self.rollout_log.append(t, outcome, time.time())
         self.stats.io["bytes_in"] += sum(f.nbytes for f in frames)
         self.stats.io["messages_in"] += 1
+
+    def _refused(self, frames: list[memoryview], err: wire.WireError) -> None:
+        """A trajectory message refused: counted, logged (naming its server, a task and
+        the config key) and, where its header names its tasks, each reported dropped
+        (``oversize``, else ``invalid``) so the coordinator neither keeps them "in buffer"
+        nor deals them again (a group refused every time would loop forever)."""
+        named = wire.named_tasks(frames[0]) if frames else []
+        cause = "oversize" if err.kind == "oversize" else "invalid"
+        dropped = [t.task_id for t in named if self.buffer.reject(t.task_id, cause, t.validation)]
+        self.stats.reject("trajectories", err, named, len(dropped))
 
     # ------------------------------------------------------------------ requests
     # What each request is answered: buffer/answers.py. Here, what the socket refuses.
@@ -302,6 +342,7 @@ class BufferService:
         """
         out = self.buffer.metrics() | self.stats.metrics(time.monotonic())
         out["buffer/pending_requests"] = float(len(self._answers.held))
+        out["buffer/superseded_requests"] = float(self._answers.incarnations.refused)
         if self.rollout_log is not None:
             out["buffer/rollout_log_lost"] = float(self.rollout_log.rows_lost)
         out |= {

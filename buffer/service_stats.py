@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
-from asyncrl.wire import WireError
+from asyncrl.wire import NamedTask, WireError
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ class ServiceStats:
         self.started = 0.0
         self._logged: set[str] = set()
         self._paused_since: float | None = None
+        self._resumed_at: float | None = None  # when the last pause ended
         self._paused_s = 0.0
         self._pause_warn_at = PAUSE_WARN_S  # the next warning, in seconds of one pause
         self.gc_runs, self.gc_s = 0, 0.0  # scheduled garbage collections, their seconds
@@ -34,18 +35,34 @@ class ServiceStats:
         self.started = now
         self._window = (now, 0.0, 0.0)
 
-    def reject(self, socket: str, err: WireError) -> None:
-        """Count a rejected message; the first of each kind is logged with its reason."""
+    def reject(
+        self, socket: str, err: WireError, named: list[NamedTask] | None = None, dropped: int = 0
+    ) -> None:
+        """Count a rejected message; the first of each kind is logged with its reason, the
+        server and a task its header ``named`` (if it could be read), the config key to
+        change, and how many of its groups were reported ``dropped``."""
         key = f"{socket}/{err.kind}"
         self.rejects[key] += 1
-        if key not in self._logged:
-            self._logged.add(key)
-            log.warning(
-                "rejected a %s message (%s); further ones are only counted in buffer/rejects/%s",
-                socket,
-                err,
-                key,
-            )
+        if key in self._logged:
+            return
+        self._logged.add(key)
+        sender = ""
+        if named:
+            servers = sorted({t.server_id for t in named if t.server_id})[:3]  # a line
+            more = f" and {len(named) - 1} more" if len(named) > 1 else ""
+            by = f"server {', '.join(servers)}" if servers else "a server (no server_id)"
+            sender = f" from {by}, task {named[0].task_id}{more}"
+        fix = f"; raise {err.key} in the config every role reads" if err.key else ""
+        told = f"; groups reported dropped to the coordinator: {dropped}" if dropped else ""
+        log.warning(
+            "rejected a %s message%s (%s)%s%s; further ones are only counted in buffer/rejects/%s",
+            socket,
+            sender,
+            err,
+            fix,
+            told,
+            key,
+        )
 
     def collected(self, seconds: float) -> None:
         """Count a scheduled garbage collection and its seconds (``buffer/gc_runs``,
@@ -62,6 +79,7 @@ class ServiceStats:
         elif self._paused_since is not None:
             self._paused_s += now - self._paused_since
             self._paused_since = None
+            self._resumed_at = now
             self._pause_warn_at = PAUSE_WARN_S
 
     def check_pause(self, now: float) -> None:
@@ -77,6 +95,12 @@ class ServiceStats:
             now - self._paused_since,
         )
         self._pause_warn_at *= 2
+
+    def paused_within(self, now: float, window_s: float) -> bool:
+        """Whether reading is paused, or was at any time in the last ``window_s``."""
+        if self._paused_since is not None:
+            return True
+        return self._resumed_at is not None and now - self._resumed_at < window_s
 
     def paused_s(self, now: float) -> float:
         """Seconds reading has been paused in all, the pause under way included."""

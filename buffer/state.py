@@ -34,6 +34,7 @@ COUNTERS = (
     "drops/duplicate_groups",  # groups that came again after their first copy was forgotten
     "drops/lag",  # groups
     "drops/expired",  # groups
+    "drops/rejected",  # groups a refused message named (oversize, invalid): reported
     "evicted",  # groups already trained on, removed to make room or because stale
 )
 

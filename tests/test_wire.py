@@ -354,3 +354,34 @@ def test_round_trip_property(shapes: list[tuple[int, int, float]]) -> None:
         assert g.meta == t.meta
         np.testing.assert_array_equal(g.response_ids, t.response_ids)
         np.testing.assert_array_equal(g.prompt_ids, t.prompt_ids)
+
+
+def test_a_refused_message_still_names_its_tasks_and_a_garbled_one_nobody() -> None:
+    """named_tasks reads only task, server and validation flag (what a receiver needs to
+    report a refused message's groups and name its sender), ignoring what made it invalid."""
+    bad = {**META, "group_index": 5, "server_id": "s1", "unknown_key": 1}
+    frames = plain_frames(bad)
+    with pytest.raises(wire.WireError):
+        wire.decode_packed(frames)
+    assert wire.named_tasks(frames[0]) == [wire.NamedTask("t-1", "s1", False)]
+    assert wire.named_tasks(b"\x93garbage") == []
+    assert wire.named_tasks(msgpack.packb({"trajectories": [{"task_id": 7}]})) == []
+    many = [{"task_id": f"t{i}"} for i in range(wire.DEFAULT_LIMITS.max_items + 1)]
+    assert wire.named_tasks(msgpack.packb({"trajectories": many})) == []  # bounded cost
+
+
+def test_an_oversize_meta_names_the_config_key() -> None:
+    limits = wire.Limits(max_response_len=1)
+    with pytest.raises(wire.WireError) as e:
+        wire.decode_packed(plain_frames(), limits)
+    assert e.value.kind == "oversize" and e.value.key == "data.max_response_length"
+
+
+def test_requests_of_a_peer_without_incarnation_tokens_decode() -> None:
+    """The incarnation fields are optional: an older client's messages stay valid."""
+    hello = msgpack.packb({"kind": "hello", "schema": 1, "consumer_id": "learner"})
+    msg = wire.decode_request([hello])
+    assert isinstance(msg, wire.Hello) and msg.incarnation == ""
+    ack = msgpack.packb({"kind": "ack", "schema": 1, "consumer_id": "l", "batch_ids": [1]})
+    decoded = wire.decode_request([ack])
+    assert isinstance(decoded, wire.Ack) and decoded.incarnation == ""

@@ -6,11 +6,18 @@ so a restarted buffer or learner replays or acknowledges the right ones); then
 :meth:`BufferClient.request_batch` long-polls for a batch and :meth:`BufferClient.ack`
 acknowledges it. The messages are :mod:`asyncrl.wire`'s; the serving side is
 ``buffer.service``.
+
+Each client object has its own random ``incarnation`` token, sent with its hello, batch
+requests and acks. Once another client says hello under the same consumer id (a restarted
+learner beside an old one still alive), the buffer refuses this one's batch requests and
+acks, and they raise :class:`Superseded`: the stale learner must stop, not retry (both would
+train each other's batches).
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections.abc import Sequence
 from typing import TypeVar
@@ -25,12 +32,18 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 
 
+class Superseded(RequestRefused):
+    """Another client said hello to the buffer under this client's consumer id: this one
+    is stale (a learner left alive beside its successor) and must stop."""
+
+
 class BufferClient(ReqClient):
     """The consumer's (learner's) side of the buffer's batch socket.
 
     Start with :meth:`hello`, then loop: :meth:`request_batch` with the current policy
     version, train, and :meth:`ack` batch ids once a checkpoint contains them. A refused
-    request raises :class:`RequestRefused`, a silent buffer ``TimeoutError``.
+    request raises :class:`RequestRefused` (:class:`Superseded` once another client said
+    hello under ``consumer_id``), a silent buffer ``TimeoutError``.
     """
 
     def __init__(
@@ -46,6 +59,9 @@ class BufferClient(ReqClient):
             addr, timeout_s=timeout_s, context=context, max_message_bytes=max_message_bytes
         )
         self.consumer_id = consumer_id
+        # Which client this is, for the buffer: it outlives timeouts (the same object goes on),
+        # not the object (a restarted learner is another client).
+        self.incarnation = secrets.token_hex(8)
         self.last_wait_s = 0.0  # how long the last request_batch waited
         # The last batch received, as (buffer session, batch id): sent with every batch
         # request, so a batch whose reply came after this client stopped waiting is sent
@@ -54,8 +70,15 @@ class BufferClient(ReqClient):
         # Where the next drop/validation report starts: (buffer session, drops, validated).
         self._reports_at: tuple[str, int, int] = ("", 0, 0)
 
+    def _decode(self, frames: list[zmq.Frame]) -> wire.Reply | wire.Batch:
+        """A reply; a ``superseded`` refusal raises :class:`Superseded` (no retry helps)."""
+        reply = wire.decode_reply(frames)
+        if isinstance(reply, wire.ErrorReply) and reply.error == "superseded":
+            raise Superseded(f"buffer at {self.addr}: {reply.detail}")
+        return reply
+
     def _ask(self, msg: wire.Request, expect: type[R], timeout_s: float | None = None) -> R:
-        reply = self.call(msg, wire.decode_reply, timeout_s)
+        reply = self.call(msg, self._decode, timeout_s)
         if not isinstance(reply, expect):
             raise RequestRefused(f"{msg.kind} answered by {type(reply).__name__}")
         return reply
@@ -88,6 +111,7 @@ class BufferClient(ReqClient):
             acked_through=acked_through,
             session=session,
             resumed=resumed,
+            incarnation=self.incarnation,
         )
         welcome = self._until_up(msg, wire.Welcome, wait_s)
         self.received = (session, acked_through)
@@ -114,9 +138,10 @@ class BufferClient(ReqClient):
             received_session=session,
             received_through=through,
             ack=list(ack),
+            incarnation=self.incarnation,
         )
         start = time.monotonic()
-        reply = self.call(msg, wire.decode_reply, timeout_s=wait_s + self.timeout_s)
+        reply = self.call(msg, self._decode, timeout_s=wait_s + self.timeout_s)
         self.last_wait_s = time.monotonic() - start
         if not isinstance(reply, wire.Batch):
             return None
@@ -127,7 +152,12 @@ class BufferClient(ReqClient):
     def ack(self, batch_ids: Sequence[int], session: str | None = None) -> wire.AckReply:
         """Tell the buffer these batches, numbered by buffer ``session`` (None: not said),
         are in a saved checkpoint."""
-        msg = wire.Ack(consumer_id=self.consumer_id, batch_ids=list(batch_ids), session=session)
+        msg = wire.Ack(
+            consumer_id=self.consumer_id,
+            batch_ids=list(batch_ids),
+            session=session,
+            incarnation=self.incarnation,
+        )
         return self._ask(msg, wire.AckReply)
 
     def stats(self) -> dict[str, float]:

@@ -180,7 +180,14 @@ class HeldRequests(Generic[M]):
 
     def drop(self, key: str) -> None:
         """Forget what ``key`` left waiting (it restarted, left or died)."""
-        self._held = [h for h in self._held if self.key(h.msg) != key]
+        self.take(key)
+
+    def take(self, key: str) -> list[Held[M]]:
+        """Forget what ``key`` left waiting and return it (for the caller to answer)."""
+        mine = [h for h in self._held if self.key(h.msg) == key]
+        if mine:
+            self._held = [h for h in self._held if self.key(h.msg) != key]
+        return mine
 
     def serve(
         self,

@@ -77,6 +77,7 @@ from asyncrl.wire.base import (
 from asyncrl.wire.codec import (
     DEFAULT_LIMITS,
     Limits,
+    NamedTask,
     decode_packed,
     decode_reply,
     decode_request,
@@ -86,6 +87,7 @@ from asyncrl.wire.codec import (
     encode_reply,
     encode_request,
     encode_trajectories,
+    named_tasks,
 )
 from asyncrl.wire.requests import (
     Ack,
@@ -143,6 +145,7 @@ __all__ = [
     "InventoryRequest",
     "Limits",
     "Message",
+    "NamedTask",
     "NoBatch",
     "Ok",
     "Packed",
@@ -169,5 +172,6 @@ __all__ = [
     "encode_reply",
     "encode_request",
     "encode_trajectories",
+    "named_tasks",
     "nbytes",
 ]

@@ -40,12 +40,15 @@ Frame = Any
 
 
 class WireError(ValueError):
-    """A message that cannot be accepted; ``kind`` is one of :data:`REJECT_KINDS`."""
+    """A message that cannot be accepted; ``kind`` is one of :data:`REJECT_KINDS`;
+    ``key``: the config key whose limit it broke, if one did (``data.max_response_length``),
+    for a receiver's log line to name."""
 
-    def __init__(self, kind: str, detail: str):
+    def __init__(self, kind: str, detail: str, key: str = ""):
         assert kind in REJECT_KINDS, kind
         self.kind = kind
         self.detail = detail
+        self.key = key
         super().__init__(f"{kind}: {detail}")
 
 
@@ -70,7 +73,9 @@ class Ok(Message, tag="ok"):
 
 class ErrorReply(Message, tag="error"):
     """The request was refused; ``error`` is one of :data:`REJECT_KINDS`, or
-    ``wrong_socket`` for a valid request sent to a socket that does not serve it."""
+    ``wrong_socket`` for a valid request sent to a socket that does not serve it,
+    ``forbidden`` for one its sender's role may not send, ``superseded`` for a consumer's
+    batch request or ack after another client said hello under its consumer id."""
 
     error: str
     detail: str

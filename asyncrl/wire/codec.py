@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 import numpy as np
@@ -25,6 +26,7 @@ from asyncrl.wire.types import (
     Batch,
     Group,
     Packed,
+    ShortStr,
     TrajectoriesHeader,
     Trajectory,
     TrajectoryMeta,
@@ -76,7 +78,9 @@ def decode_packed(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> P
         raise WireError("malformed", "empty message")
     sizes = [nbytes(f) for f in frames]
     if sum(sizes) > limits.max_message_bytes:
-        raise WireError("oversize", f"{sum(sizes)} bytes > {limits.max_message_bytes}")
+        raise WireError(
+            "oversize", f"{sum(sizes)} bytes > {limits.max_message_bytes}", "buffer.max_message_mb"
+        )
     header = decode(_traj_decoder, frames[0])
     metas = header.trajectories
     if not metas:
@@ -84,6 +88,39 @@ def decode_packed(frames: Sequence[Frame], limits: Limits = DEFAULT_LIMITS) -> P
     if len(metas) > limits.max_items:
         raise WireError("oversize", f"{len(metas)} trajectories > {limits.max_items}")
     return _packed(metas, frames, sizes, limits)
+
+
+class NamedTask(msgspec.Struct, frozen=True):
+    """What a trajectory's meta says of its task and sender, read from a message that was
+    refused (:func:`named_tasks`); other fields are not read."""
+
+    task_id: ShortStr
+    server_id: ShortStr = ""
+    validation: bool = False
+
+
+class _NamedHeader(msgspec.Struct):
+    # At most the default Limits.max_items: a header of millions of tiny metas must not
+    # cost more memory to name than to refuse.
+    trajectories: Annotated[list[NamedTask], msgspec.Meta(max_length=DEFAULT_LIMITS.max_items)]
+
+
+_named_decoder = msgspec.msgpack.Decoder(_NamedHeader)
+
+
+def named_tasks(header: Frame) -> list[NamedTask]:
+    """The tasks (first trajectory of each, in order) a trajectory message's ``header``
+    frame names, read leniently (other fields, and their errors, ignored) so that a
+    receiver that refused the message can say whose it was and report its groups; [] when
+    even that cannot be read."""
+    try:
+        metas = _named_decoder.decode(header).trajectories
+    except Exception:  # anything unreadable names nobody
+        return []
+    seen: dict[str, NamedTask] = {}
+    for m in metas:
+        seen.setdefault(m.task_id, m)
+    return list(seen.values())
 
 
 def decode_trajectories(
@@ -231,10 +268,16 @@ def _check_meta(m: TrajectoryMeta, limits: Limits) -> None:
     if m.temperature is not None and not math.isfinite(m.temperature):
         raise WireError("nonfinite", f"task {m.task_id}: infinite sampling temperature")
     if limits.max_prompt_len is not None and m.prompt_len > limits.max_prompt_len:
-        raise WireError("oversize", f"prompt of {m.prompt_len} tokens > {limits.max_prompt_len}")
+        raise WireError(
+            "oversize",
+            f"task {m.task_id}: prompt of {m.prompt_len} tokens > {limits.max_prompt_len}",
+            "data.max_prompt_length",
+        )
     if limits.max_response_len is not None and m.response_len > limits.max_response_len:
         raise WireError(
-            "oversize", f"response of {m.response_len} tokens > {limits.max_response_len}"
+            "oversize",
+            f"task {m.task_id}: response of {m.response_len} tokens > {limits.max_response_len}",
+            "data.max_response_length",
         )
 
 

@@ -122,6 +122,12 @@ class Hello(Message, tag="hello"):
     # False: the consumer starts without a checkpoint and replays nothing; the groups of
     # its unacknowledged batches go back to the pool (under the lag filter).
     resumed: bool = True
+    # A random token per client object (:class:`asyncrl.net.buffer_client.BufferClient`),
+    # sent with its batch requests and acks too: the buffer refuses those of any other
+    # token under this ``consumer_id`` (``ErrorReply("superseded")``), so a learner left
+    # alive beside its successor cannot take the successor's batches (trained twice).
+    # "" (an older client): matches only "".
+    incarnation: ShortStr = ""
 
 
 class BatchRequest(Message, tag="batch_request"):
@@ -134,6 +140,9 @@ class BatchRequest(Message, tag="batch_request"):
     ``ack`` acknowledges batches as an :class:`Ack` would, before the request is served: a
     consumer that acknowledges every batch once trained saves one round trip a batch. They
     are batches of ``received_session``: the buffer ignores them if that is not its own.
+
+    A request whose ``incarnation`` is not that of the last :class:`Hello` under its
+    ``consumer_id`` is refused (``ErrorReply("superseded")``), its acks unapplied.
     """
 
     consumer_id: ShortStr
@@ -142,6 +151,7 @@ class BatchRequest(Message, tag="batch_request"):
     received_session: ShortStr | None = None
     received_through: int | None = None
     ack: list[int] = msgspec.field(default_factory=list)
+    incarnation: ShortStr = ""  # the sender's, as in its :class:`Hello`
 
 
 class Ack(Message, tag="ack"):
@@ -155,6 +165,7 @@ class Ack(Message, tag="ack"):
     consumer_id: ShortStr
     batch_ids: list[int]
     session: ShortStr | None = None
+    incarnation: ShortStr = ""  # the sender's, as in its :class:`Hello`
 
 
 class StatsRequest(Message, tag="stats"):
@@ -255,7 +266,9 @@ class InventoryReply(Message, tag="inventory_reply"):
     dropped: list[DroppedTask]
     validated: list[str]
     unknown: list[str] = []  # of the ids asked about: never received in this session
-    paused: bool = False  # not reading trajectories (full): "unknown" may be in a queue
+    # Trajectories may wait unread: the buffer is full or was within control.dead_after_s,
+    # or its last read left messages queued; "unknown" may be in a queue (do not re-deal).
+    paused: bool = False
 
 
 class ValidationReply(Message, tag="validation_reply"):

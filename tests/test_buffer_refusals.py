@@ -1,0 +1,68 @@
+"""A trajectory message the buffer refuses (over ``data.max_response_length``, invalid) is
+reported to the coordinator as a drop of each task it names, once, and its warning names
+the server, the task and the key to change; so a group refused every time is not dealt
+again and again. Real :class:`BufferService`, :class:`TrajectoryPusher` and
+:class:`BufferClient` on loopback."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import msgspec
+import pytest
+
+from asyncrl import wire
+from asyncrl.net.buffer_client import BufferClient
+from asyncrl.net.transport import TrajectoryPusher
+from buffer.core import ReplayBuffer
+from buffer.service import BufferService
+from tests.helpers import wait_until
+from tests.standins.trajgen import make_group
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def svc() -> Iterator[BufferService]:
+    service = BufferService(
+        ReplayBuffer(batch_size=100, capacity_groups=100, max_policy_lag=100),
+        limits=wire.Limits(max_response_len=1000),
+    ).start()
+    yield service
+    service.stop()
+
+
+def test_refused_groups_are_reported_dropped_once_and_named_in_the_warning(svc, caplog) -> None:
+    too_long = make_group("toolong", 2, response_len=2000, server_id="srv-7")
+    # A member whose group_index is past its group_size: invalid, whatever the limits.
+    one = make_group("bad", 1)[0]
+    bad = [msgspec.structs.replace(one, meta=msgspec.structs.replace(one.meta, group_index=3))]
+    half = make_group("half", 2)  # member 0 fits; member 1 is over the limit
+    long_half = make_group("half", 2, response_len=2000)
+    with (
+        caplog.at_level(logging.WARNING, logger="buffer.service_stats"),
+        TrajectoryPusher(svc.trajectories_endpoint) as pusher,
+        BufferClient(svc.batches_endpoint, "coordinator") as coordinator,
+    ):
+        for message in ([*too_long], bad, half[:1], long_half[1:], [*too_long], half[1:]):
+            pusher.send_frames(wire.encode_trajectories(message, check=False))
+        pusher.send(make_group("ok", 2))
+        wait_until(lambda: coordinator.stats()["buffer/groups_in"] == 1, "the good group", 10)
+        dropped = coordinator.drain().dropped
+        audit = coordinator.inventory(["toolong", "bad", "half", "ok"])
+        stats = coordinator.stats()
+    assert sorted((d.task_id, d.cause) for d in dropped) == [
+        ("bad", "invalid"),
+        ("half", "oversize"),
+        ("toolong", "oversize"),  # once, though sent twice
+    ]
+    assert audit.unknown == []  # known: the audit does not deal them again either
+    assert stats["buffer/drops/rejected"] == 3
+    assert stats["buffer/drops/late"] == 1  # half's member 1 that fitted came after
+    assert stats["buffer/rejects/trajectories/oversize"] == 3
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    oversize = [w for w in warned if "oversize" in w]
+    assert len(oversize) == 1  # then only counted
+    for part in ("server srv-7", "task toolong", "data.max_response_length"):
+        assert part in oversize[0], oversize[0]
