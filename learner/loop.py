@@ -35,7 +35,8 @@ from asyncrl.config.inputs import total_training_steps
 from asyncrl.config.resumed import settings_of
 from asyncrl.control.admission import push_due
 from asyncrl.launch import startup
-from asyncrl.launch.restart_policy import HEALTH_STOP
+from asyncrl.launch.restart_policy import CONFIG_ERROR, HEALTH_STOP
+from asyncrl.net.buffer_client import Superseded
 from learner import fsdp, lora
 from learner.control_peer import BatchRef, ControlPeer, NoControl
 from learner.control_plane import RankZero
@@ -120,6 +121,10 @@ class LearnerLoop:
                 while self.trainer.step < self.total and self._one_step():
                     pass
             self._save(final=True)
+        except Superseded as e:  # another learner said hello under this run's consumer id
+            self.control.abandon()
+            log.error("%s: this learner ends without a restart (exit %d)", e, CONFIG_ERROR)
+            return CONFIG_ERROR  # restarted, it would take the batches back: both train them
         except Exception:
             # A failure (out of memory, a failed push or save) is restarted by the launcher
             # from the last checkpoint: the peers stay up for the next learner, as after a

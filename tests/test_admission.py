@@ -205,6 +205,23 @@ def test_a_group_the_full_buffer_had_no_room_for_is_named_overflow_and_dealt_aga
     assert ledger.counts["overflow_retried"] == 1
 
 
+def test_groups_the_buffer_refused_are_named_as_it_named_them_and_not_dealt_again():
+    """A message the buffer refuses (a response over data.max_response_length, an invalid
+    trajectory) has its groups reported ``oversize`` or ``invalid``: the accounting names
+    the cause (``invalid`` read as ``expired``), and neither is dealt again (the buffer
+    would refuse it the same way)."""
+    source = TaskSource(_rows(20), seed=3, n=2, lineage="")
+    ledger = TaskLedger(source, Budget(0, 2), lag_retries=1)
+    (t1, t2), _ = ledger.deal("a", 2)
+    ledger.ack([t1.task_id, t2.task_id])
+    drops = ledger.dropped(
+        [DroppedTask(t1.task_id, "oversize"), DroppedTask(t2.task_id, "invalid")]
+    )
+    assert drops.refunded == 2 and not ledger.redeal
+    acct = _identity(ledger)
+    assert (acct["dropped/oversize"], acct["dropped/invalid"], acct["dropped/expired"]) == (1, 1, 0)
+
+
 def test_validation_is_dealt_first_and_outside_the_budget():
     ledger = _ledger(lag=0, per_version=2, n_val=3)
     assert len(_drain(ledger)) == 2

@@ -158,6 +158,7 @@ def test_slots_are_held_only_by_live_groups(coordinator, tmp_path, monkeypatch):
         "dropped/filtered": 0.0,
         "dropped/oversize": 0.0,
         "dropped/overflow": 0.0,
+        "dropped/invalid": 0.0,
         "given_up": 10.0,
         "unaccounted": 0.0,
     }, ext
