@@ -1126,4 +1126,46 @@ MUTATIONS = (
         "                pass\n",
         ("tests/test_transport.py",),
     ),
+    Mutation(
+        "a stale learner's requests are refused",
+        "every client under a consumer id is served",
+        "buffer/consumers.py",
+        "        if latest is None or incarnation == latest:\n",
+        "        if True:\n",
+        ("tests/test_buffer_superseded.py",),
+    ),
+    Mutation(
+        "a superseded learner is not restarted",
+        "Superseded ends the learner as any failure (exit 1: restarted)",
+        "learner/loop.py",
+        "        except Superseded as e:",
+        "        except KeyError as e:",
+        ("tests/test_buffer_superseded.py",),
+    ),
+    Mutation(
+        "an audit does not call queued groups lost",
+        "an audit reads paused only while the buffer is full at that instant",
+        "buffer/service.py",
+        "            not self.buffer.has_room()\n"
+        "            or self.stats.paused_within(now, self.audit_window_s)\n"
+        "            or self._backlog\n",
+        "            not self.buffer.has_room()\n",
+        ("tests/test_buffer_audit.py",),
+    ),
+    Mutation(
+        "a refused message's groups are reported dropped",
+        "a refused message is counted only (its groups stay 'in buffer' until re-dealt)",
+        "buffer/service.py",
+        "        dropped = [t.task_id for t in named if self.buffer.reject(t.task_id, cause, t.validation)]",
+        "        dropped: list[str] = []",
+        ("tests/test_buffer_refusals.py",),
+    ),
+    Mutation(
+        "invalid is a drop reason of the accounting",
+        "an invalid drop is read as expired",
+        "asyncrl/control/task_states.py",
+        '"overflow", "invalid")',
+        '"overflow")',
+        ("tests/test_admission.py",),
+    ),
 )
