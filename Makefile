@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 
 # Local model and data for the demo and the tests (nothing is downloaded).
 artifacts: $(STAMP)
-	$(BIN)/asyncrl-prepare model --name tiny --out artifacts/models/tiny
+	test -f artifacts/models/tiny/config.json || $(BIN)/asyncrl-prepare model --name tiny --out artifacts/models/tiny
 	$(BIN)/asyncrl-prepare data --task arithmetic --out artifacts/data/arithmetic \
 		--tokenizer artifacts/models/tiny
 

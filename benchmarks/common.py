@@ -78,7 +78,11 @@ def parse_args(
 ) -> argparse.Namespace:
     """``--quick`` and ``--out`` for every benchmark; ``extra(parser)`` adds its own."""
     parser = argparse.ArgumentParser(prog=f"benchmarks/{name}.py", description=description)
-    parser.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a short run (seconds, or minutes where rollout engines start)",
+    )
     parser.add_argument(
         "--out",
         type=Path,

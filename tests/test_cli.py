@@ -286,6 +286,53 @@ def test_a_model_build_cut_short_leaves_no_model_folder(tmp_path, monkeypatch):
     assert (out / "prepare_report.json").is_file() and not (tmp_path / "tiny-demo.partial").exists()
 
 
+def test_a_model_build_over_a_built_model_is_refused_without_force(tmp_path, capsys):
+    """Building again into the demo's model folder with other flags (``--flatten`` left
+    out) replaced the model without a word, and ``make demo``, which looks for the folder
+    only, trained the wrong one. Now it is refused in one line naming what is there."""
+    from asyncrl.prepare import main as prepare
+
+    out = tmp_path / "tiny-demo"
+    assert prepare.main(["model", "--name", "tiny", "--warm-start", "off", "--out", str(out)]) == 0
+    built = (out / "prepare_report.json").read_text()
+    capsys.readouterr()
+    assert prepare.main(["model", "--name", "tiny", "--warm-start", "off", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds a model already (tiny, no warm start); give another --out, or --force" in err
+    assert (out / "prepare_report.json").read_text() == built
+    force = ["model", "--name", "tiny", "--warm-start", "off", "--seed", "1", "--force"]
+    assert prepare.main([*force, "--out", str(out)]) == 0
+
+
+def test_the_flattened_warm_starts_line_formats_with_the_default_steps(monkeypatch, caplog):
+    """The README's first build step printed a logging traceback: the line formatted
+    ``--sft-steps``, None unless given, as a number (the report used the default, 800)."""
+    import argparse
+
+    from asyncrl.prepare import main as prepare
+    from asyncrl.prepare import warmstart
+
+    monkeypatch.setattr(warmstart, "supervised", lambda *a, **k: 0.5)
+    monkeypatch.setattr(warmstart, "sampling_accuracy", lambda *a, **k: 0.25)
+    monkeypatch.setattr(warmstart, "flatten", lambda *a, **k: (2.5, 0.25))
+    args = argparse.Namespace(
+        data_seed=0, max_operand=9, ops="+", n_val=None, flatten=True, sft_steps=None,
+        seed=0, target_accuracy=None, max_accuracy=0.35,
+    )  # fmt: skip
+    with caplog.at_level("INFO", logger="asyncrl.prepare"):
+        report = prepare._warm_start(None, None, args)
+    (line,) = [r.getMessage() for r in caplog.records if "supervised steps" in r.msg]
+    assert line.startswith("warm start: 800 supervised steps") and report["steps"] == 800
+
+
+def test_prepare_refuses_an_unknown_log_level_as_a_usage_error(capsys):
+    from asyncrl.prepare import main as prepare
+
+    with pytest.raises(SystemExit) as exit_:
+        prepare.main(["--log-level", "foo", "keys", "--out", "unused"])
+    assert exit_.value.code == 2 and "invalid choice: 'foo'" in capsys.readouterr().err
+
+
 def test_launching_a_finished_run_again_says_so_and_starts_nothing(
     tiny_model, arithmetic_data, tmp_path
 ):

@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         help="tiny: ~0.3M parameters (tests, demo); small: ~24M (benchmarks)",
     )
     m.add_argument("--out", type=Path, required=True, help="output model directory")
+    m.add_argument("--force", action="store_true", help="replace a model already in --out")
     m.add_argument("--seed", type=int, default=0, help="weight initialisation seed")
     m.add_argument(
         "--warm-start",
@@ -124,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
         "--max-operand", type=int, default=None, help="arithmetic: largest operand (default 9)"
     )
     d.add_argument("--ops", default=None, help="arithmetic: operators, e.g. '+-*' (default +)")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     k = sub.add_parser(
         "keys",
         help="write the run's CURVE keys: a server pair, one pair per role, and one folder "
@@ -181,6 +182,12 @@ def prepare_model(args: argparse.Namespace) -> dict:
     from asyncrl.prepare.model import build_model, save_model
 
     out = Path(args.out)
+    if (out / "config.json").exists() and not args.force:
+        # A rebuild without the same flags (say, --flatten left out) replaced the demo's
+        # model without a word, and the demo, which only looks for the folder, trained it.
+        raise ValueError(
+            f"{out} holds a model already ({_built(out)}); give another --out, or --force to replace it"
+        )
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model, tok = build_model(args.name, partial, seed=args.seed)
@@ -197,6 +204,19 @@ def prepare_model(args: argparse.Namespace) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     return report
+
+
+def _built(out: Path) -> str:
+    """What ``out``'s ``prepare_report.json`` says was built, in a few words."""
+    try:
+        report = json.loads((out / "prepare_report.json").read_text())
+    except (OSError, ValueError):
+        return "not built by asyncrl-prepare"
+    name, warm = report.get("name", "?"), report.get("warm_start")
+    if not warm:
+        return f"{name}, no warm start"
+    shape = "flattened" if "logit_divisor" in warm else f"{warm.get('steps', '?')} warm-start steps"
+    return f"{name}, {warm.get('task', '?')} warm start, {shape}"
 
 
 def _warm_start(model, tok, args: argparse.Namespace) -> dict:
@@ -254,7 +274,7 @@ def _warm_start(model, tok, args: argparse.Namespace) -> dict:
     log.info(
         "warm start: %d supervised steps (loss %.4f, validation greedy accuracy %.3f), "
         "logits / %.2f: sampling accuracy %.3f on training prompts, %.3f on validation",
-        args.sft_steps,
+        args.sft_steps or 800,
         loss,
         greedy,
         tau,
