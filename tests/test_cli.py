@@ -325,12 +325,13 @@ def test_the_flattened_warm_starts_line_formats_with_the_default_steps(monkeypat
     assert line.startswith("warm start: 800 supervised steps") and report["steps"] == 800
 
 
-def test_prepare_refuses_an_unknown_log_level_as_a_usage_error(capsys):
+def test_prepare_refuses_an_unknown_log_level_as_a_usage_error(tmp_path, capsys):
     from asyncrl.prepare import main as prepare
 
     with pytest.raises(SystemExit) as exit_:
-        prepare.main(["--log-level", "foo", "keys", "--out", "unused"])
+        prepare.main(["--log-level", "foo", "keys", "--out", str(tmp_path / "keys")])
     assert exit_.value.code == 2 and "invalid choice: 'foo'" in capsys.readouterr().err
+    assert not (tmp_path / "keys").exists()
 
 
 def test_launching_a_finished_run_again_says_so_and_starts_nothing(
