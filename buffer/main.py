@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config import run_dir
     from asyncrl.launch import startup
     from asyncrl.net import security
+    from asyncrl.net.taken import endpoint_listens, exit_if_taken, exit_unless_free
     from buffer.memory import collect_on_schedule, reuse_freed_memory
     from buffer.service import BufferService  # after the config is known to be good
 
@@ -29,11 +30,15 @@ def main(argv: list[str] | None = None) -> int:
     security.configure(cfg.endpoints, "buffer")
 
     startup.mark(run_dir(cfg), "buffer", "started")
+    listens = endpoint_listens(cfg.endpoints, "trajectories", "batches")
+    # A failed bind of the batches socket leaves the service waiting on zmq for good.
+    exit_unless_free("buffer", listens)
     service = BufferService.from_config(cfg, collect_every_s=collect_every_s)
     startup.mark(run_dir(cfg), "buffer", "ready")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: service.request_stop())
-    service.run()
+    with exit_if_taken("buffer", listens):  # taken since the check above
+        service.run()  # binds both first
     return 0
 
 

@@ -30,17 +30,22 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config.advisories import config_advisories
     from asyncrl.launch import startup
     from asyncrl.net import security
+    from asyncrl.net.taken import endpoint_listens, exit_if_taken, exit_unless_free
 
     security.configure(cfg.endpoints, "learner")
 
+    # Rank 0 binds these for the weight-sync store and the coordinator as it starts.
+    listens = endpoint_listens(cfg.endpoints, "sync_store", "tasks", "control")
     if os.environ.get("RANK", "0") == "0":
         startup.mark(run_dir(cfg), "learner", "started")
         for line in config_advisories(cfg):
             log.warning("%s", line)
+        exit_unless_free("learner", listens)  # before the model loads
     from learner.loop import LearnerLoop
 
     try:
-        loop = LearnerLoop(cfg)
+        with exit_if_taken("learner", listens):
+            loop = LearnerLoop(cfg)
     except ConfigError as e:  # found at start-up (a resume path that is no checkpoint)
         log.error("cannot start: %s", "; ".join(e.problems))
         return CONFIG_ERROR  # the launcher does not restart it: it would fail the same way

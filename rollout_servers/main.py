@@ -31,6 +31,7 @@ from asyncrl.config.inputs import MODEL, REWARD
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import CONFIG_ERROR
 from asyncrl.net import security
+from asyncrl.net.taken import exit_if_taken
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -87,7 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     for sig in (signal.SIGTERM, signal.SIGINT):  # until serve() installs its own
         signal.signal(sig, _stop_while_starting)
-    return asyncio.run(serve(cfg, server_id))
+    oe = cfg.rollout.openai_endpoint  # the one port a server listens at, if configured
+    listens = {"rollout.openai_endpoint.port": (oe.host, oe.port)} if oe.enable and oe.port else {}
+    with exit_if_taken(server_id, listens):
+        return asyncio.run(serve(cfg, server_id))
 
 
 def _stop_while_starting(signum: int, frame: object) -> None:

@@ -136,3 +136,51 @@ def test_a_port_bound_by_another_process_is_not_chosen(monkeypatch):
         squatter.listen()
         (chosen,) = net_ports.free_ports("127.0.0.1", 1)
     assert chosen != port
+
+
+FOREIGN = "203.0.113.7"  # TEST-NET-3 (RFC 5737): no machine's address
+
+
+@pytest.mark.parametrize("host", [FOREIGN, "no-such-host.invalid"])
+@pytest.mark.parametrize("chosen", [False, True])
+def test_a_host_that_is_not_this_machines_is_refused_in_one_line(host, chosen):
+    """A review's ``endpoints.host=10.0.0.5`` (the README's address for roles started by
+    hand) crashed the launcher in a traceback: every port read as taken, and the free ones
+    were looked for on an address nothing here can bind. A port the user chose was refused
+    blaming "another run"."""
+    (port,) = free_ports(1)
+    overrides = [f"endpoints.host={host}", "endpoints.insecure=true"]
+    cfg = load_config(None, [*overrides, *([f"endpoints.tasks={port}"] * chosen)])
+    with pytest.raises(ports.Refusal) as refused:
+        ports.claim(cfg)
+    assert str(refused.value) == _not_here(host)
+
+
+def _not_here(host: str) -> str:
+    return (
+        f"endpoints.host={host} is not an address of this machine; asyncrl-launch runs every "
+        "role here: use 127.0.0.1 (or this machine's address), or start the roles by hand on "
+        "their machines, or use the Ray launcher (--ray)"
+    )
+
+
+def test_the_launcher_refuses_a_host_of_another_machine_with_exit_2(tmp_path, capsys):
+    from asyncrl.launch.local import main
+    from asyncrl.tasks import prepare_task_data
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)
+    args = [
+        "configs/cpu_demo.yaml",
+        f"model.path={tmp_path}/model",
+        f"data.train_files={tmp_path}/data/train.parquet",
+        f"data.val_files={tmp_path}/data/val.parquet",
+        f"trainer.default_local_dir={tmp_path}",
+        "launch.cpus=null",
+        f"endpoints.host={FOREIGN}",
+        "endpoints.insecure=true",
+    ]
+    assert main(args) == 2
+    assert capsys.readouterr().err == f"asyncrl-launch: {_not_here(FOREIGN)}\n"

@@ -58,7 +58,12 @@ def cluster(monkeypatch):
     """Two Ray nodes on this machine, on loopback only (Ray otherwise takes the machine's
     network address for its own services)."""
     monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
+
+    # Read by Ray at its import, which another test module may have done before this one
+    # (the cluster then waited minutes for a GCS on the machine's network address).
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", False)
 
     c = Cluster(
         initialize_head=True,

@@ -14,6 +14,7 @@ replaced), and the launch's checks before it joins Ray.
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 import time
@@ -115,6 +116,21 @@ def test_a_slow_agent_is_asked_again_and_a_lost_one_is_killed(sup):
     dead = FakeAgent(poll=RayActorError())
     sup.agents[role.name] = Agent(dead, pid=4343)
     assert sup._look_at(role) == NODE_LOST and dead.killed  # dead: at once
+
+
+def test_stopping_records_each_stopped_roles_exit(sup):
+    """A review's SIGTERM to the Ray launcher left no ``exit`` event in launch.jsonl for the
+    roles it stopped (the local launcher writes one per role): the agent's answer to
+    ``stop`` is its role's exit code; an agent that gives none counts as killed."""
+    answers = {"buffer": 0, "rollout-0": RayActorError(), "learner": -15}
+    for pid, (name, answer) in enumerate(answers.items(), 1):
+        sup.agents[name] = Agent(FakeAgent(stop=answer), pid=pid)
+    sup.agents["idle"] = Agent(FakeAgent(stop=None))  # no role running: no event
+    sup.stop_all(grace_s=0.1)
+    events = [json.loads(line) for line in (sup.run_dir / "launch.jsonl").read_text().splitlines()]
+    exits = {e["role"]: e["exit_code"] for e in events if e["event"] == "exit"}
+    assert exits == {"buffer": 0, "rollout-0": NODE_LOST, "learner": -15}, events
+    assert {e["stopped_by"] for e in events} == {"launcher"}
 
 
 def test_bundle_zero_started_on_another_node_ends_the_run_in_one_line(sup, monkeypatch, caplog):

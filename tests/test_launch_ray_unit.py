@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -117,7 +118,9 @@ def test_the_agent_runs_a_role_tree_without_rays_variables_and_stops_it(tmp_path
         return not Path(f"/proc/{p}").exists() or "Z" in Path(f"/proc/{p}/stat").read_text()
 
     assert not gone(grandchild)
-    agent.stop(grace_s=2.0)
+    # its exit code, for the launcher's exit event (a review found none recorded)
+    assert agent.stop(grace_s=2.0) == -signal.SIGTERM
+    assert agent.stop(grace_s=2.0) is None  # nothing running: nothing to record
     assert agent.poll() is None and agent.role is not None and agent.role.proc is None
     for p in tree | {pid}:
         assert gone(p), p

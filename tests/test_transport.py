@@ -269,3 +269,20 @@ def test_a_close_that_drops_queued_messages_names_the_latest(caplog) -> None:
     assert "dealt again" in line
     pull.close()
     ctx.term()
+
+
+def test_a_router_whose_bind_fails_leaves_its_context_free_to_end() -> None:
+    """A served socket whose port was taken stayed open behind the raised error (the
+    traceback holds it): terminating the context then waited for good, and a buffer
+    whose port was taken hung instead of saying so."""
+    holder_ctx, holder, addr = _pull()
+    ctx = zmq.Context()
+    with pytest.raises(zmq.ZMQError) as failed:
+        RouterService(ctx, addr, wire.decode_request, on_reject=lambda e: None, counts=Counter())
+    assert failed.value.errno == zmq.EADDRINUSE
+    ender = threading.Thread(target=ctx.term, daemon=True)
+    ender.start()
+    ender.join(5)
+    assert not ender.is_alive()
+    holder.close()
+    holder_ctx.term()

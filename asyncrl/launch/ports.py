@@ -12,6 +12,8 @@ role on this machine, so it claims them first (:func:`claim`):
 - a taken port the user chose is refused in one line naming its key;
 - a run directory in use by another live launch is refused in one line naming
   ``trainer.experiment_name``;
+- an ``endpoints.host`` that is not an address of this machine is refused in one line
+  (every role runs here, and binds it);
 - with ``endpoints.host=ipc://<dir>`` only the weight-sync store's port is TCP (on
   127.0.0.1), so only it is claimed; the ipc sockets stay as configured.
 
@@ -38,7 +40,7 @@ from typing import IO
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.schema import EndpointsConfig
-from asyncrl.net.ports import bindable, free_ports
+from asyncrl.net.ports import bindable, free_ports, local_address
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +54,17 @@ CLAIMS_LOCK_TIMEOUT_S = 30.0
 CLAIMS_LOCK_REPORT_S = 5.0
 
 
-class ClaimsLockTimeout(ConfigError):
-    """The port-claims lock stayed held past :data:`CLAIMS_LOCK_TIMEOUT_S`. A
-    :class:`ConfigError` so that the launcher refuses in one line before anything starts,
-    as for a run directory in use; ``str`` is that line (not "invalid config")."""
+class Refusal(ConfigError):
+    """A launch this machine cannot serve, not a bad key: a :class:`ConfigError` so that
+    the launcher refuses before anything starts, and ``str`` is its one line (not
+    "invalid config")."""
 
     def __str__(self) -> str:
         return self.problems[0]
+
+
+class ClaimsLockTimeout(Refusal):
+    """The port-claims lock stayed held past :data:`CLAIMS_LOCK_TIMEOUT_S`."""
 
 
 def claims_file() -> Path:
@@ -156,10 +162,19 @@ def _alive(pid: int) -> bool:
 def claim(cfg: Config) -> Config:
     """Claim the run's ports for this process (see the module docstring); returns the
     config with the ports it will use. Raises :class:`ConfigError` naming the key to change
-    when a port the user chose is taken."""
+    when a port the user chose is taken, :class:`Refusal` when ``endpoints.host`` is not
+    this machine's."""
     ep = cfg.endpoints
     defaults = EndpointsConfig()
     host, keys = tcp_ports(ep)
+    if not local_address(host):  # else every port reads as taken, and none is free
+        raise Refusal(
+            [
+                f"endpoints.host={host} is not an address of this machine; asyncrl-launch "
+                "runs every role here: use 127.0.0.1 (or this machine's address), or start "
+                "the roles by hand on their machines, or use the Ray launcher (--ray)"
+            ]
+        )
     with _locked_claims() as claims:
         others = {p for ports in claims.values() for p in ports}
         taken = [k for k in keys if getattr(ep, k) in others or not bindable(host, getattr(ep, k))]

@@ -31,10 +31,14 @@ RAY_ENV_PREFIXES = ("RAY_",)
 
 class _NodeSupervisor(Supervisor):
     """The local supervisor for one role on this node: its records (``launch.jsonl``,
-    ``pids.json``) are the launcher's to write, not this node's."""
+    ``pids.json``) are the launcher's to write, not this node's; the exit code of a role
+    it stopped is kept for the launcher to record (see :meth:`RoleAgent.stop`)."""
+
+    stopped_code: int | None = None
 
     def _event(self, role: str, event: str, **fields: Any) -> None:
-        pass
+        if event == "exit":
+            self.stopped_code = fields["exit_code"]
 
     def _write_pids(self) -> None:
         pass
@@ -109,9 +113,12 @@ class RoleAgent:
             return None
         return self.sup.reap(self.role)
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Stop the role gently, then firmly; kill whatever of the run is left on this node."""
+    def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+        """Stop the role gently, then firmly; kill whatever of the run is left on this node.
+        Returns the role's exit code (as ``Popen.returncode``), None if it was not running."""
+        self.sup.stopped_code = None
         self.sup.stop_all(grace_s)
+        return self.sup.stopped_code
 
     def tail(self, lines: int = 30) -> str:
         """The last lines of the role's log on this node."""

@@ -293,12 +293,22 @@ class RaySupervisor(Supervisor):
     # ---------------------------------------------------------------- stopping
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """Every agent stops its role (SIGTERM, then SIGKILL after ``grace_s``) and kills
-        what is left of the run on its node."""
+        what is left of the run on its node; each role stopped gets its ``exit`` event, as
+        under the local launcher (its exit code, or NODE_LOST where its agent did not say)."""
         import ray
 
-        refs = [ag.handle.stop.remote(grace_s) for ag in self.agents.values()]
+        running = {n for n, ag in self.agents.items() if ag.pid is not None or ag.pending}
+        refs = {name: ag.handle.stop.remote(grace_s) for name, ag in self.agents.items()}
         if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=grace_s + CALL_TIMEOUT_S)
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + CALL_TIMEOUT_S)
+        for name, ref in refs.items():
+            try:
+                code = ray.get(ref, timeout=0)
+            except Exception as e:  # not done in time, or the agent (its node) is gone
+                log.debug("%s: no exit code from its agent at stop: %s", name, e)
+                code = NODE_LOST if name in running else None
+            if code is not None:
+                self._event(name, "exit", exit_code=code, stopped_by="launcher")
         for ag in self.agents.values():
             ag.pid, ag.pending = None, None
         self._write_pids()

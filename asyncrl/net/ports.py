@@ -42,6 +42,18 @@ def bindable(host: str, port: int) -> bool:
     return True
 
 
+def local_address(host: str) -> bool:
+    """Whether ``host`` is an address (or a name of an address) of this machine: one a
+    socket can bind. On any other every port looks taken, and binding fails whatever the
+    port."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, 0))
+        except OSError:  # socket.gaierror (a name that does not resolve) among them
+            return False
+    return True
+
+
 def free_ports(host: str, n: int, avoid: Collection[int] = ()) -> list[int]:
     """``n`` different ports bindable on ``host`` now, none in ``avoid``, outside the
     kernel's ephemeral range where it leaves room (see the module docstring); ports the

@@ -75,7 +75,13 @@ class RouterService(Generic[M]):
         self.policy = policy
         self.sock = make_socket(ctx, zmq.ROUTER, rcvhwm=rcvhwm, max_message_bytes=max_message_bytes)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a departed peer raises
-        self.endpoint = bind(self.sock, addr)
+        try:
+            self.endpoint = bind(self.sock, addr)
+        except zmq.ZMQError:
+            # Left open, the socket holds its context: terminating it waited for good (a
+            # buffer whose port was taken hung instead of saying so).
+            self.sock.close(linger=0)
+            raise
         # Roles exist only where CURVE authenticated the peer (the ZAP handler named them).
         self.authenticated = bool(self.sock.getsockopt(zmq.CURVE_SERVER))
         self._warned: set[tuple[str, str]] = set()
