@@ -194,3 +194,22 @@ def start_coordinator(
     state.settings = dict(settings or {})
     coord = Coordinator(state, tasks_addr="tcp://127.0.0.1:*", control_addr="tcp://127.0.0.1:*")
     return coord.start()
+
+
+def launch_inputs(tmp_path: Path) -> list[str]:
+    """The demo config over a stand-in model folder and a few rows of data: it passes the
+    launcher's checks (for tests whose roles never start)."""
+    from asyncrl.tasks import prepare_task_data
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)
+    return [
+        "configs/cpu_demo.yaml",
+        f"model.path={tmp_path}/model",
+        f"data.train_files={tmp_path}/data/train.parquet",
+        f"data.val_files={tmp_path}/data/val.parquet",
+        f"trainer.default_local_dir={tmp_path}",
+        "launch.cpus=null",
+    ]

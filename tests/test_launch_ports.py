@@ -166,19 +166,10 @@ def _not_here(host: str) -> str:
 
 def test_the_launcher_refuses_a_host_of_another_machine_with_exit_2(tmp_path, capsys):
     from asyncrl.launch.local import main
-    from asyncrl.tasks import prepare_task_data
+    from tests.helpers import launch_inputs
 
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
-    prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)
     args = [
-        "configs/cpu_demo.yaml",
-        f"model.path={tmp_path}/model",
-        f"data.train_files={tmp_path}/data/train.parquet",
-        f"data.val_files={tmp_path}/data/val.parquet",
-        f"trainer.default_local_dir={tmp_path}",
-        "launch.cpus=null",
+        *launch_inputs(tmp_path),
         f"endpoints.host={FOREIGN}",
         "endpoints.insecure=true",
     ]

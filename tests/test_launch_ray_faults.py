@@ -34,7 +34,7 @@ from asyncrl.launch.ray_launcher import ENDED, NODE_LOST, RaySupervisor
 from asyncrl.launch.ray_main import cluster_problem
 from asyncrl.launch.ray_plan import Placement
 from asyncrl.launch.supervise import QuietView, RestartPolicy, Role
-from tests.helpers import free_port
+from tests.helpers import free_port, launch_inputs
 
 UNPLACED = object()  # the answer of a start whose bundle found no node
 
@@ -187,20 +187,7 @@ def test_a_bundle_that_never_finds_a_node_ends_the_run(sup, monkeypatch, caplog)
 @pytest.fixture
 def inputs(tmp_path) -> list[str]:
     """A config that passes the launcher's checks (the roles never start)."""
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
-    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
-    from asyncrl.tasks import prepare_task_data
-
-    prepare_task_data("arithmetic", tmp_path / "data", seed=0, n_train=8, n_val=2)
-    return [
-        "configs/cpu_demo.yaml",
-        f"model.path={tmp_path}/model",
-        f"data.train_files={tmp_path}/data/train.parquet",
-        f"data.val_files={tmp_path}/data/val.parquet",
-        f"trainer.default_local_dir={tmp_path}",
-        "launch.cpus=null",
-    ]
+    return launch_inputs(tmp_path)
 
 
 def _never(address: str) -> None:
