@@ -55,7 +55,7 @@ GOAL = 1.3
 PROMPTS, SAMPLES = 16, 8
 TEMPERATURE = 1.0
 # The demo's optimiser and loss settings (configs/cpu_demo.yaml).
-LR, CLIP_LOW, CLIP_HIGH, IS_CAP = 4e-4, 0.2, 0.28, 2.0
+LR, CLIP_LOW, CLIP_HIGH, IS_CAP = 6e-4, 0.2, 0.28, 2.0
 
 
 def synthetic_batch(model: str, vocab: int, seed: int = 0) -> list[Any]:

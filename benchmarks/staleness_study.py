@@ -130,15 +130,21 @@ def run_all(args, plan: dict[str, list[str]], task: list[str], seeds: list[int])
 
 
 def _plot(runs: dict[str, list[dict]], threshold: float):
+    lags = sorted({n.split("_", 1)[0] for n in runs if not n.startswith("adaptive")})
+
     def draw(fig) -> None:
         axes = fig.subplots(1, 2)
         for ax, axis, label in ((axes[0], 1, "trained samples"), (axes[1], 2, "seconds")):
-            for i, (name, cell) in enumerate(runs.items()):
+            for name, cell in runs.items():
                 if cell:
                     xs, ys = mean_curve(cell, axis)
                     style = {"linestyle": "--" if name.endswith("none") else "-"}
-                    # one colour per lag, tis solid and none dashed; adaptive in black
-                    style["color"] = "black" if name.startswith("adaptive") else f"C{i // 2}"
+                    # one colour per lag, tis solid and none dashed; adaptive in black (a
+                    # colour by position mixed lags up when the modes per lag were not 2)
+                    lag = name.split("_", 1)[0]
+                    style["color"] = (
+                        "black" if name.startswith("adaptive") else f"C{lags.index(lag)}"
+                    )
                     ax.plot(xs, ys, marker=".", label=name, **style)
             ax.axhline(threshold, color="grey", linewidth=0.5)
             ax.set_xlabel(label)

@@ -65,6 +65,7 @@ MODELS = {  # name -> (model dir, prepare command arguments)
     "tiny": ("artifacts/models/tiny-demo", ["--name", "tiny", "--flatten"]),
     "small": ("artifacts/models/small", ["--name", "small"]),
 }
+DATA = "artifacts/data/arithmetic"  # configs/cpu_demo.yaml's data.train_files and val_files
 SHARED = "launch.cpus={learner: [0, 1], rollout: [[0, 1], [0, 1]], buffer: [0, 1]}"
 # Both servers on core 1: the layout the scheduler model knows (the demo config now gives
 # each server a core).
@@ -83,10 +84,15 @@ def _extra(p) -> None:
 
 
 def _ensure_model(name: str) -> str:
+    """The model ``name`` and the demo config's data (``artifacts/data/arithmetic``, which
+    a fresh checkout lacks), built if missing, as ``make demo`` builds them."""
     path, args = MODELS[name]
+    prepare = str(Path(sys.executable).parent / "asyncrl-prepare")
     if not (Path(path) / "config.json").is_file():
         log.info("building the %s model in %s", name, path)
-        cmd = [str(Path(sys.executable).parent / "asyncrl-prepare"), "model", *args, "--out", path]
+        subprocess.run([prepare, "model", *args, "--out", path], check=True)
+    if not (Path(DATA) / "train.parquet").is_file():
+        cmd = [prepare, "data", "--task", "arithmetic", "--out", DATA, "--tokenizer", path]
         subprocess.run(cmd, check=True)
     return path
 

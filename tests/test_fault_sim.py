@@ -238,3 +238,14 @@ def test_reverting_the_slot_give_back_leaves_the_slot_charged(
     monkeypatch.setattr(Server, "_give_back_slot", lambda self, now: None)
     leaked = [seed for seed in SLOT_SEEDS if "budget_leak" in run(seed).invariants()]
     assert leaked == list(SLOT_SEEDS)
+
+
+def test_the_benchmark_exits_1_when_it_finds_violations(monkeypatch, tmp_path, capsys) -> None:
+    """The fault simulation's command exited 0 with 62 violations in its last line: a
+    script or CI step running it read success."""
+    from benchmarks import fault_sim
+
+    monkeypatch.setattr(fault_api, "LINEAGE", False)  # F1 reverted, as above
+    argv = ["--schedules", "10", "--workers", "1", "--out", str(tmp_path)]
+    assert fault_sim.main(argv) == 1
+    assert "violations by invariant: {'id_reuse'" in capsys.readouterr().out

@@ -121,3 +121,21 @@ def test_quick_study_learns_at_both_lags_and_writes_its_table(tmp_path):
     assert runs["lag0_tis"][0]["mean_lag"] == 0.0 and runs["lag4_tis"][0]["mean_lag"] > 1.0
     assert (out / "table.md").read_text().startswith("| cell | final score")
     assert (out / "staleness_study.png").stat().st_size > 0
+
+
+def test_the_plot_gives_each_lag_its_own_colour():
+    """The quick study's two curves (lag 0 and lag 4, one mode each) were drawn in the
+    same colour and style: the colour came from the curve's position, two modes a lag."""
+    from matplotlib.figure import Figure
+
+    from benchmarks import staleness_study
+
+    run = {"curve": [[0, 10.0, 1.0, 0.2], [1, 20.0, 2.0, 0.4]]}
+    fig = Figure()
+    staleness_study._plot({"lag0_tis": [run], "lag4_tis": [run]}, 0.5)(fig)
+    lines = {
+        ln.get_label(): ln.get_color()
+        for ln in fig.axes[0].get_lines()
+        if ln.get_label().startswith("lag")
+    }
+    assert lines["lag0_tis"] != lines["lag4_tis"]
