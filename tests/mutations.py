@@ -1208,4 +1208,12 @@ MUTATIONS = (
         "    if False:",
         ("tests/test_cli.py",),
     ),
+    Mutation(
+        "the fault simulation fails when it finds violations",
+        "it exits 0 whatever it found",
+        "benchmarks/fault_sim.py",
+        "    return 1 if failing else 0  # a run that found violations is not a success",
+        "    return 0",
+        ("tests/test_fault_sim.py",),
+    ),
 )
