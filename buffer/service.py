@@ -77,18 +77,17 @@ class BufferService:
         rcvhwm: int = 1000,
         log_every_s: float = 30.0,
         collect_every_s: float | None = None,
-        audit_window_s: float = 20.0,
     ):
         self.buffer, self.limits, self.rollout_log = buffer, limits, rollout_log
         self.rcvhwm, self.log_every_s = rcvhwm, log_every_s
         # Run the cyclic garbage collector every so often (when its process turned the
         # automatic runs off: buffer/memory.py collect_on_schedule); None: leave it to Python.
         self.collect_every_s = collect_every_s
-        # An audit (the coordinator's, of groups acknowledged control.dead_after_s ago)
-        # reads "paused" while reading was paused within this long: a group pushed before
-        # a pause may still wait in a socket queue (a sender's, the kernel's) after it.
-        self.audit_window_s = audit_window_s
-        self._backlog = False  # the last read left messages in the socket
+        # For an audit's "paused": whether the last read left messages in the socket, and
+        # when a read last found it empty (a group pushed before a pause may wait in the
+        # queue until the first read after it that drains it).
+        self._backlog = False
+        self._drained_at = 0.0
         self.trajectories_endpoint = trajectories  # the bound address once started
         self.batches_endpoint = batches
         self.stats = ServiceStats()
@@ -135,7 +134,6 @@ class BufferService:
             rollout_log=RolloutLog(directory / "rollouts") if b.log_rollouts else None,
             rcvhwm=b.queued_messages,
             collect_every_s=collect_every_s,
-            audit_window_s=cfg.control.dead_after_s,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -253,6 +251,8 @@ class BufferService:
                     self._answers.on_request(router, envelope, msg)
             if reading:  # nothing to read (no event): nothing left unread either
                 self._backlog = bool(events.get(pull)) and not self._read_trajectories(pull)
+                if not self._backlog:
+                    self._drained_at = time.monotonic()
             now = time.monotonic()
             self._answers.serve(router, now)
             if now - last_tick >= EXPIRE_EVERY_S:
@@ -291,16 +291,19 @@ class BufferService:
         return False
 
     def _unread(self) -> bool:
-        """Whether trajectories may wait unread (an audit's ``paused``): reading is paused
-        or was within :attr:`audit_window_s`, the buffer is full (an ack in this loop pass
-        may have made room: reading resumes only at the next), or the last read left
-        messages in the socket. Groups whose push returned long ago may sit in the queue
-        all that time; the coordinator must not deal them again."""
-        now = time.monotonic()
+        """Whether trajectories may wait unread (an audit's ``paused``): the buffer is full
+        or reading is paused (an ack in this loop pass may have made room: reading resumes
+        only at the next), the last read left messages in the socket, or no read has
+        emptied it since reading last resumed. Groups whose push returned long ago may sit
+        in the queue all that time; the coordinator must not deal them again. Under steady
+        backpressure, pauses come and go at every batch: each drain in between lets an
+        audit through (a window of time since the last pause never did)."""
+        resumed = self.stats.resumed_at
         return (
             not self.buffer.has_room()
-            or self.stats.paused_within(now, self.audit_window_s)
+            or self.stats.paused
             or self._backlog
+            or (resumed is not None and self._drained_at < resumed)
         )
 
     def _ingest(self, frames: list[memoryview]) -> None:

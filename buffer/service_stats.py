@@ -96,11 +96,15 @@ class ServiceStats:
         )
         self._pause_warn_at *= 2
 
-    def paused_within(self, now: float, window_s: float) -> bool:
-        """Whether reading is paused, or was at any time in the last ``window_s``."""
-        if self._paused_since is not None:
-            return True
-        return self._resumed_at is not None and now - self._resumed_at < window_s
+    @property
+    def paused(self) -> bool:
+        """Whether reading is paused now."""
+        return self._paused_since is not None
+
+    @property
+    def resumed_at(self) -> float | None:
+        """When the last pause ended (None: none has)."""
+        return self._resumed_at
 
     def paused_s(self, now: float) -> float:
         """Seconds reading has been paused in all, the pause under way included."""

@@ -1146,10 +1146,10 @@ MUTATIONS = (
         "an audit does not call queued groups lost",
         "an audit reads paused only while the buffer is full at that instant",
         "buffer/service.py",
-        "            not self.buffer.has_room()\n"
-        "            or self.stats.paused_within(now, self.audit_window_s)\n"
-        "            or self._backlog\n",
-        "            not self.buffer.has_room()\n",
+        "            or self.stats.paused\n"
+        "            or self._backlog\n"
+        "            or (resumed is not None and self._drained_at < resumed)\n",
+        "",
         ("tests/test_buffer_audit.py",),
     ),
     Mutation(
@@ -1215,5 +1215,13 @@ MUTATIONS = (
         "    return 1 if failing else 0  # a run that found violations is not a success",
         "    return 0",
         ("tests/test_fault_sim.py",),
+    ),
+    Mutation(
+        "an audit after the socket is drained is not paused",
+        "a drain is never recorded (the audit reads paused after any pause, for good)",
+        "buffer/service.py",
+        "                    self._drained_at = time.monotonic()\n",
+        "                    pass\n",
+        ("tests/test_buffer_audit.py",),
     ),
 )

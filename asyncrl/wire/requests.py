@@ -266,8 +266,8 @@ class InventoryReply(Message, tag="inventory_reply"):
     dropped: list[DroppedTask]
     validated: list[str]
     unknown: list[str] = []  # of the ids asked about: never received in this session
-    # Trajectories may wait unread: the buffer is full or was within control.dead_after_s,
-    # or its last read left messages queued; "unknown" may be in a queue (do not re-deal).
+    # Trajectories may wait unread: the buffer is full or paused, or no read has emptied
+    # its socket since reading resumed; "unknown" may be in a queue (do not re-deal).
     paused: bool = False
 
 
