@@ -122,9 +122,7 @@ class LearnerLoop:
                     pass
             self._save(final=True)
         except Superseded as e:  # another learner said hello under this run's consumer id
-            self.control.abandon()
-            log.error("%s: this learner ends without a restart (exit %d)", e, CONFIG_ERROR)
-            return CONFIG_ERROR  # restarted, it would take the batches back: both train them
+            return self._superseded(e)
         except Exception:
             # A failure (out of memory, a failed push or save) is restarted by the launcher
             # from the last checkpoint: the peers stay up for the next learner, as after a
@@ -136,7 +134,10 @@ class LearnerLoop:
             self.control.finish(self.trainer.step, validate=False, wait_rounds=False)
             raise
         done = self.stopped_by is None
-        self.control.finish(self.trainer.step, validate=done, complete=done)
+        try:
+            self.control.finish(self.trainer.step, validate=done, complete=done)
+        except Superseded as e:  # its last acknowledgement refused: another took over
+            return self._superseded(e)
         if self.stopped_by is not None:
             log.error(
                 "the run stopped at step %d on %s (trainer.health.action=stop); its "
@@ -146,6 +147,13 @@ class LearnerLoop:
             )
             return HEALTH_STOP
         return 0
+
+    def _superseded(self, e: Superseded) -> int:
+        """Another learner said hello under this run's consumer id: end without a restart
+        (restarted, this one would take the batches back, and both would train them)."""
+        self.control.abandon()
+        log.error("%s: this learner ends without a restart (exit %d)", e, CONFIG_ERROR)
+        return CONFIG_ERROR
 
     def _control_plane(self) -> ControlPeer:
         """Rank 0's control plane; a no-op stand-in on the other ranks. A run whose ending

@@ -11,7 +11,7 @@ import logging
 from asyncrl.cli import parse_role_args
 from asyncrl.config import ConfigError
 from asyncrl.config.inputs import DATA, DEVICE, LOGGER, MODEL, RESUME
-from asyncrl.launch.restart_policy import CONFIG_ERROR
+from asyncrl.launch.restart_policy import CONFIG_ERROR, FINAL_EXITS, mark_final_exit
 
 log = logging.getLogger("learner")
 
@@ -30,17 +30,31 @@ def main(argv: list[str] | None = None) -> int:
     from asyncrl.config.advisories import config_advisories
     from asyncrl.launch import startup
     from asyncrl.net import security
-    from asyncrl.net.taken import endpoint_listens, exit_if_taken, exit_unless_free
+    from asyncrl.net.taken import endpoint_listens, exit_unless_free
 
     security.configure(cfg.endpoints, "learner")
 
     # Rank 0 binds these for the weight-sync store and the coordinator as it starts.
     listens = endpoint_listens(cfg.endpoints, "sync_store", "tasks", "control")
-    if os.environ.get("RANK", "0") == "0":
-        startup.mark(run_dir(cfg), "learner", "started")
-        for line in config_advisories(cfg):
-            log.warning("%s", line)
-        exit_unless_free("learner", listens)  # before the model loads
+    try:
+        if os.environ.get("RANK", "0") == "0":
+            startup.mark(run_dir(cfg), "learner", "started")
+            for line in config_advisories(cfg):
+                log.warning("%s", line)
+            exit_unless_free("learner", listens)  # before the model loads
+        code = _run(cfg, listens)
+    except SystemExit as e:  # a taken port (asyncrl.net.taken): CONFIG_ERROR
+        if e.code not in FINAL_EXITS:
+            raise
+        code = int(e.code)  # pyright: ignore[reportArgumentType]  (in FINAL_EXITS: an int)
+    if code in FINAL_EXITS:  # said where the launcher looks: torchrun would turn it into 1
+        mark_final_exit(run_dir(cfg), code)
+    return code
+
+
+def _run(cfg, listens) -> int:
+    """The learner from its construction to its end: its exit code."""
+    from asyncrl.net.taken import exit_if_taken
     from learner.loop import LearnerLoop
 
     try:

@@ -31,7 +31,7 @@ from asyncrl.config.inputs import MODEL, REWARD
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import CONFIG_ERROR
 from asyncrl.net import security
-from asyncrl.net.taken import exit_if_taken
+from asyncrl.net.taken import exit_if_taken, exit_unless_free
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, _stop_while_starting)
     oe = cfg.rollout.openai_endpoint  # the one port a server listens at, if configured
     listens = {"rollout.openai_endpoint.port": (oe.host, oe.port)} if oe.enable and oe.port else {}
+    exit_unless_free(server_id, listens)  # before the engine loads (a predecessor may end)
     with exit_if_taken(server_id, listens):
         return asyncio.run(serve(cfg, server_id))
 

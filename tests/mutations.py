@@ -1224,4 +1224,20 @@ MUTATIONS = (
         "                    pass\n",
         ("tests/test_buffer_audit.py",),
     ),
+    Mutation(
+        "a torchrun learner's final exit is not restarted",
+        "the launcher ignores the learner's recorded final exit",
+        "asyncrl/launch/supervise.py",
+        "            code = take_final_exit(self.run_dir) or code  # torchrun's 1 hides the learner's\n",
+        "            pass\n",
+        ("tests/test_launch.py",),
+    ),
+    Mutation(
+        "a learner superseded at its end is not restarted",
+        "Superseded from the ending's acknowledgement escapes (exit 1)",
+        "learner/loop.py",
+        "        except Superseded as e:  # its last acknowledgement refused: another took over\n",
+        "        except KeyError as e:\n",
+        ("tests/test_buffer_superseded.py",),
+    ),
 )

@@ -161,3 +161,26 @@ def test_a_superseded_learner_ends_with_the_code_the_launcher_does_not_restart(t
         assert loop.run() == CONFIG_ERROR
     assert loop.control.abandoned  # type: ignore[attr-defined]
     assert "this learner ends without a restart" in caplog.text
+
+
+def test_a_learner_superseded_at_its_last_acknowledgement_ends_the_same_way(tmp_path):
+    """Its ending's acknowledgement (after the last step) refused: the error escaped as a
+    traceback and exit 1, and the restart said hello again, taking over from the live
+    learner."""
+    from asyncrl.launch.restart_policy import CONFIG_ERROR
+    from learner.control_peer import NoControl
+    from tests.test_resume_modes import _loop
+
+    class RefusedAtTheEnd(NoControl):
+        def finish(self, *args, **kwargs):
+            raise Superseded("buffer at tcp://127.0.0.1:1: another learner said hello")
+
+    loop = _loop(tmp_path / "run", "trainer.total_training_steps=10")
+    loop.total, loop.control = 10, RefusedAtTheEnd()  # type: ignore[assignment]
+    loop.trainer.full_state_for_push = dict  # type: ignore[attr-defined]
+    loop.stopped_by = None
+    loop.trainer.world_size = 1  # type: ignore[attr-defined]
+    loop._ended = lambda: False  # type: ignore[method-assign]
+    loop._one_step = lambda: False  # type: ignore[method-assign]  (the data ran out)
+    loop._save = lambda final: None  # type: ignore[method-assign]
+    assert loop.run() == CONFIG_ERROR

@@ -434,3 +434,27 @@ def test_nothing_outlives_a_launcher_killed_with_sigkill(tmp_path, drive):
     wait_until(lambda: not processes_of_run(tmp_path), "the watchdog", 15)
     hidden = [t["tree"][-1] for t in trees]  # the watchdog was told of them
     wait_until(lambda: not [p for p in hidden if alive(p)], "the hidden children", 5)
+
+
+@pytest.mark.timeout(60)
+def test_a_learner_under_torchrun_that_exits_final_is_not_restarted(tmp_path):
+    """torchrun (``trainer.nproc > 1``) exits 1 for a rank that exited 2 (a config error,
+    a taken port, a superseded learner) or 5 (stopped by its health alarms): the launcher
+    restarted it, and a superseded learner took the batches back. The learner records its
+    final exit in the run directory; the launcher reads it, gives up, and forgets it."""
+    from asyncrl.launch.restart_policy import FINAL_EXIT_FILE, mark_final_exit
+    from asyncrl.launch.role_state import QuietView
+
+    marks = f"from pathlib import Path; Path({str(tmp_path)!r}, {FINAL_EXIT_FILE!r})"
+    torchrun_like = f"{marks}.write_text('2'); raise SystemExit(1)"
+    learner = Role("learner", [sys.executable, "-c", torchrun_like])
+    mark_final_exit(tmp_path, 5)  # an earlier learner's: cleared when this one starts
+    sup = Supervisor([learner], tmp_path, RestartPolicy(backoff_s=0.1))
+    (tmp_path / "logs").mkdir()
+    sup.start(learner)
+    assert not (tmp_path / FINAL_EXIT_FILE).exists()
+    assert sup.run(QuietView()) == 2
+    assert learner.attempt == 1  # not restarted
+    assert not (tmp_path / FINAL_EXIT_FILE).exists()
+    events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e.get("role") == "learner"][-1] == "gave_up"

@@ -11,7 +11,7 @@ import pytest
 
 from asyncrl.config import load_config
 from asyncrl.config.inputs import DATA, MODEL, RESUME, STATE_FILE, input_problems
-from asyncrl.launch.restart_policy import CONFIG_ERROR
+from asyncrl.launch.restart_policy import CONFIG_ERROR, FINAL_EXIT_FILE
 
 
 def _checkpoint(root: Path, step: int) -> Path:
@@ -79,6 +79,8 @@ def test_the_learner_exits_2_on_a_fallback_that_is_no_checkpoint(
         ]
     )
     assert code == CONFIG_ERROR
+    # said where the launcher reads it too: under torchrun it sees 1, not 2
+    assert (run / FINAL_EXIT_FILE).read_text() == f"{CONFIG_ERROR}\n"
     assert f"point it at one of the checkpoints it holds, e.g. {earlier}" in caplog.text
     assert (earlier / STATE_FILE).is_file()
 

@@ -42,6 +42,7 @@ from typing import Any
 
 from asyncrl.launch.ray_handles import SLOW_POLLS, Agent, Mirror, slow_answer
 from asyncrl.launch.ray_plan import Placement, unshared_learner_problem
+from asyncrl.launch.restart_policy import clear_final_exit
 from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, View
 
 log = logging.getLogger("asyncrl.launch")
@@ -152,6 +153,8 @@ class RaySupervisor(Supervisor):
         ag = self.agent(role)
         role.attempt += 1
         role.restart_at = None
+        if role is self.roles[-1]:
+            clear_final_exit(self.run_dir)
         role.log_path = self.log_dir / f"{role.name}.log"
         ag.handle.write.remote(self.files)
         ag.pending = ag.handle.start.remote(role.command(), role.env, role.attempt, role.cpus)

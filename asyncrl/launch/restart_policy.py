@@ -23,6 +23,7 @@ import contextlib
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 CONFIG_ERROR = 2  # what a role exits with for a bad config or a missing file (never restarted)
@@ -33,6 +34,33 @@ FINAL_EXITS = {
     HEALTH_STOP: "stopped by its health alarms (trainer.health.action=stop), with a "
     "checkpoint: see its log for the alarm and the fix",
 }
+
+
+#: Where the learner writes its final exit code: under ``torchrun`` (``trainer.nproc > 1``,
+#: or several learner nodes) the launcher sees torchrun's code, 1 for any failed rank.
+FINAL_EXIT_FILE = "learner_final_exit"
+
+
+def mark_final_exit(run_dir: str | Path, code: int) -> None:
+    """Record a learner's final exit (one of :data:`FINAL_EXITS`) for the launcher."""
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / FINAL_EXIT_FILE).write_text(f"{code}\n")
+
+
+def take_final_exit(run_dir: str | Path) -> int | None:
+    """The final exit the learner recorded (then forgotten), or None."""
+    path = Path(run_dir) / FINAL_EXIT_FILE
+    try:
+        code = int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    path.unlink(missing_ok=True)
+    return code if code in FINAL_EXITS else None
+
+
+def clear_final_exit(run_dir: str | Path) -> None:
+    """Forget a recorded final exit (a learner starts: an earlier one's is not its own)."""
+    (Path(run_dir) / FINAL_EXIT_FILE).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

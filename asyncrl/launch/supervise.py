@@ -40,10 +40,12 @@ from asyncrl.launch.process_tree import (
 from asyncrl.launch.restart_policy import (
     FINAL_EXITS,
     RestartPolicy,
+    clear_final_exit,
     describe_exit,
     exit_status,
     recent_restarts,
     restart_delay,
+    take_final_exit,
 )
 from asyncrl.launch.role_state import QuietView as QuietView
 from asyncrl.launch.role_state import Role as Role
@@ -95,6 +97,8 @@ class Supervisor:
         role.log_path = self.log_dir / f"{role.name}.log"
         role.attempt += 1
         role.restart_at = None
+        if role is self.roles[-1]:
+            clear_final_exit(self.run_dir)
         marker = f"{self.launch_id} {role.name} {role.attempt}"
         with open(role.log_path, "a") as f:  # a restarted role appends to the same log
             f.write(f"---- {role.name} start {role.attempt} at {time.ctime()}: {shlex.join(cmd)}\n")
@@ -165,6 +169,8 @@ class Supervisor:
     def _end(self, role: Role, code: int, view: View) -> int | None:
         """Decide what a role's exit means: the end of the run (an exit code for the
         launcher) or a restart to schedule (None)."""
+        if role is self.roles[-1] and code != 0 and code not in FINAL_EXITS:
+            code = take_final_exit(self.run_dir) or code  # torchrun's 1 hides the learner's
         if code != 0 and code not in FINAL_EXITS:
             self._tell_gone(role, code)
         if code == 0:
