@@ -1138,7 +1138,7 @@ MUTATIONS = (
         "a superseded learner is not restarted",
         "Superseded ends the learner as any failure (exit 1: restarted)",
         "learner/loop.py",
-        "        except Superseded as e:",
+        "        except Superseded as e:  # another learner said hello under this run's consumer id",
         "        except KeyError as e:",
         ("tests/test_buffer_superseded.py",),
     ),
