@@ -41,8 +41,7 @@ class Answers:
 
     ``metrics`` returns the service's metrics (stats replies and batches carry them);
     ``on_shutdown`` stops the service (a ``shutdown`` request); ``paused`` says whether
-    trajectories may still wait unread in the socket (an audit's ``paused``; default: the
-    buffer is full now).
+    trajectories may still wait unread in the socket (an audit's ``paused``).
     """
 
     def __init__(
@@ -51,11 +50,11 @@ class Answers:
         *,
         metrics: Callable[[], dict[str, float]],
         on_shutdown: Callable[[], None],
-        paused: Callable[[], bool] | None = None,
+        paused: Callable[[], bool],
     ):
         self.buffer, self.session = buffer, buffer.session
         self.metrics, self.on_shutdown = metrics, on_shutdown
-        self.paused = paused or (lambda: not buffer.has_room())
+        self.paused = paused
         self.held: HeldRequests[wire.BatchRequest] = HeldRequests(_consumer)
         self.incarnations = Incarnations()
 
