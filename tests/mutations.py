@@ -1206,7 +1206,7 @@ MUTATIONS = (
         "asyncrl/prepare/main.py",
         '    if (out / "config.json").exists() and not args.force:',
         "    if False:",
-        ("tests/test_cli.py",),
+        ("tests/test_prepare_cli.py",),
     ),
     Mutation(
         "the fault simulation fails when it finds violations",

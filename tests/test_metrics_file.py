@@ -170,7 +170,7 @@ def _wandb_history(run_dir) -> list[dict[str, float]]:
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind not in (1, 4):  # a first or middle piece: the record goes on
             continue
-        record = pb.Record()  # pyright: ignore[reportAttributeAccessIssue]  (generated)
+        record = pb.Record()
         record.ParseFromString(pending)
         if record.WhichOneof("record_type") == "history":
             row = {
