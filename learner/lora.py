@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +55,34 @@ class LoRALinear(nn.Linear):
         self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=dev, dtype=dtype)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)
+        self.adapter_on = True  # off inside :func:`adapters_off` (the KL reference)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in]`` -> ``[..., out]``."""
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(x)) * self.scaling
+        base = F.linear(x, self.weight, self.bias)
+        if not self.adapter_on:
+            return base
+        return base + self.lora_B(self.lora_A(x)) * self.scaling
+
+
+def is_adapted(model: nn.Module) -> bool:
+    """Whether ``model`` holds LoRA layers."""
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its frozen base inside the block: every :class:`LoRALinear` skips
+    its adapter. The base never trains, so this is the model the run started from, the
+    KL reference, without a second copy of the base in memory (veRL does the same)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.adapter_on = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.adapter_on = True
 
 
 def targets(model: nn.Module, target_modules: str | list[str]) -> list[str]:

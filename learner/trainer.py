@@ -103,6 +103,11 @@ class Trainer:
         )
         self.loss_cfg = LossConfig.from_config(cfg)
         # The frozen reference for the KL penalty: the initial weights, sharded the same way.
+        # With LoRA the base never trains, so the policy with its adapters off is the
+        # reference (see _reference_logprobs), without a second copy of the base.
+        self.wants_ref = (
+            self.loss_cfg.kl_coef > 0 or self.loss_cfg.kl_track or cfg.algorithm.use_kl_in_reward
+        )
         self.ref_model = (
             fsdp.load_sharded_model(
                 self.model_path,
@@ -113,7 +118,7 @@ class Trainer:
                 offload=fsdp.offload_wanted(cfg),
                 config_overrides=cfg.model.override_config,
             )
-            if self.loss_cfg.kl_coef > 0 or self.loss_cfg.kl_track or cfg.algorithm.use_kl_in_reward
+            if self.wants_ref and not cfg.model.lora_rank
             else None
         )
         self.optimizer = fsdp.build_optimizer(self.model, cfg.actor.optim)
@@ -198,6 +203,14 @@ class Trainer:
         fsdp.reshard(model)
         return out
 
+    def _reference_logprobs(self, plan: StepPlan) -> dict[int, torch.Tensor]:
+        """Per local sequence, logprobs ``[T_i]`` under the KL reference: the separate
+        frozen model, or with LoRA the policy with its adapters off."""
+        if self.ref_model is not None:
+            return self._fixed_logprobs(self.ref_model, plan, "ref")
+        with lora.adapters_off(self.model):
+            return self._fixed_logprobs(self.model, plan, "ref")
+
     # ------------------------------------------------------------------ training
     def train_step(self, rollouts: Sequence[Rollout], temperature: float) -> dict[str, float]:
         """Train on one global batch (identical on every rank); returns metrics (the same
@@ -233,7 +246,7 @@ class Trainer:
         single = self.cfg.actor.ppo_epochs == 1 and len(plan.minibatches) == 1
         single &= not alg.use_kl_in_reward
         proximal = None if single else self._fixed_logprobs(self.model, plan, "proximal")
-        ref = self._fixed_logprobs(self.ref_model, plan, "ref") if self.ref_model else None
+        ref = self._reference_logprobs(plan) if self.wants_ref else None
         metrics["timing/proximal_s"] = time.monotonic() - t0
         rewards = token_rewards(alg.adv_estimator, kept, self.reward_kl, proximal, ref, metrics)
         if alg.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, no critic

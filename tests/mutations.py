@@ -1240,4 +1240,14 @@ MUTATIONS = (
         "        except KeyError as e:\n",
         ("tests/test_buffer_superseded.py",),
     ),
+    Mutation(
+        "the LoRA KL reference is the base",
+        "adapters stay on in the reference pass (the reference is the policy itself)",
+        "learner/lora.py",
+        "        m.adapter_on = False\n",
+        "        pass\n",
+        (
+            "tests/test_lora.py::test_the_kl_reference_is_the_base_with_adapters_off_not_a_second_copy",
+        ),
+    ),
 )

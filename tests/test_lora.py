@@ -269,3 +269,31 @@ def test_a_lora_resume_with_another_base_or_alpha_says_the_policy_changed(tiny_m
     assert "with the new model.lora_alpha the resumed policy is not the one saved" in line
     plain = changed_line(changed_settings(saved, now), 5, lora=False)
     assert plain is not None and "resumed policy" not in plain
+
+
+def test_the_kl_reference_is_the_base_with_adapters_off_not_a_second_copy(tiny_model, single_rank):
+    """With LoRA the base never trains, so the KL reference is the policy with its adapters
+    switched off (as veRL does): no second copy of the base is loaded, and its logprobs
+    are the base model's once the adapters have moved."""
+    kl = ("actor.use_kl_loss=true", "actor.kl_loss_coef=0.01")
+    # One mini-batch a step: step 1 runs at the initial weights.
+    trainer = Trainer(lora_cfg(tiny_model, *kl, "actor.ppo_mini_batch_size=4"))
+    assert trainer.ref_model is None
+    first, second = run(trainer, BATCHES[:2])
+    assert first["actor/ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert second["actor/ref_kl"] > 1e-4, second["actor/ref_kl"]
+
+    base = Trainer(load_config(None, [f"model.path={tiny_model}", *kl]))
+    assert base.ref_model is not None
+    rollouts = list(BATCHES[2])
+    plan = trainer._plan(rollouts, torch.zeros(len(rollouts)), 1.0)
+    ref = trainer._reference_logprobs(plan)
+    expected = base._fixed_logprobs(base.model, plan, "ref")
+    policy = trainer._fixed_logprobs(trainer.model, plan, "proximal")
+    assert ref.keys() == expected.keys() == policy.keys()
+    for sid in ref:  # the same operations on the same weights
+        torch.testing.assert_close(ref[sid], expected[sid], rtol=0, atol=1e-6)
+    # The adapters are back on after the reference pass (and had moved the policy).
+    assert max((policy[s] - ref[s]).abs().max().item() for s in ref) > 1e-3
+    again = trainer._fixed_logprobs(trainer.model, plan, "proximal")
+    assert all(torch.equal(again[s], policy[s]) for s in ref)
