@@ -1250,4 +1250,20 @@ MUTATIONS = (
             "tests/test_lora.py::test_the_kl_reference_is_the_base_with_adapters_off_not_a_second_copy",
         ),
     ),
+    Mutation(
+        "the window moves by what the pushed weights trained on",
+        "a push's end counts the groups trained after it began (the window opens a batch wider)",
+        "asyncrl/control/versions.py",
+        "            self.ledger.budget.consume(consumed)\n",
+        '            self.ledger.budget.consume(self.ledger.tally["train"][DONE])\n',
+        ("tests/test_admission_registry.py",),
+    ),
+    Mutation(
+        "the window opened at the send moves by what the pushed weights trained on",
+        "the send counts the groups trained after the push began",
+        "asyncrl/control/versions.py",
+        "        self.ledger.budget.sent(active.round.version, active.round.consumed)\n",
+        '        self.ledger.budget.sent(active.round.version, self.ledger.tally["train"][DONE])\n',
+        ("tests/test_admission_registry.py",),
+    ),
 )

@@ -118,6 +118,34 @@ def test_the_window_opens_at_the_send_and_its_deals_carry_the_version_being_load
     assert catchup_state.ledger.budget.deal_version == 0
 
 
+def test_the_window_moves_by_what_the_pushed_weights_trained_on_not_what_came_after():
+    """With ``sync.overlap_push`` the next step trains, and reports its groups, while the
+    push's reports are outstanding: those groups were trained on the weights before the
+    push, so the window must not count them. It did, and opened a batch wider than
+    ``max_policy_lag`` allows (its groups were then trained at lag 2 and dropped). The
+    same at the send (``staleness.deal_at_send``) and for a round begun again without a
+    lost member."""
+    for deal_at_send in (False, True):
+        st = _state()  # Budget(1, 4): the window is consumed + 8
+        for sid in ("a", "b"):
+            st.register(m.Register(server_id=sid, engine_world_size=1), now=0.0)
+        first = st.grant("a", 12, 0.1).tasks
+        assert len(first) == 8
+        st.ack("a", [t.task_id for t in first], 0.2)
+        st.trained([t.task_id for t in first[:4]])  # step 1, then its push begins
+        rnd = st.versions.begin_sync(PLAN)
+        st.leave("b")  # the round is begun again without b: it keeps the count
+        rnd = rnd.watch.successor
+        assert rnd is not None and rnd.consumed == 4
+        st.trained([t.task_id for t in first[4:]])  # step 2 trains during the push
+        if deal_at_send:
+            st.versions.weights_sent(rnd)
+        st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), 0.3)
+        st.versions.finish_sync(True, now=0.3)
+        assert (st.version, st.ledger.budget.consumed, st.ledger.budget.limit) == (1, 4, 12)
+        assert len(st.grant("a", 12, 0.4).tasks) == 4  # not 8: those would train at lag 2
+
+
 def test_dealing_starts_once_enough_servers_registered():
     st = _state(min_servers_to_start=2)
     st.register(m.Register(server_id="a", engine_world_size=1), now=0.0)

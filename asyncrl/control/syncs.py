@@ -85,6 +85,9 @@ class SyncRound:
     ranks: dict[str, int]  # server id -> its first rank
     new_group: bool
     catchup: bool
+    # Training groups the pushed weights were trained on (the ledger's count when the push
+    # began): the admission window moves by this once the round ends (Versions.finish_sync).
+    consumed: int = 0
     # Shared with the coordinator: a member lost before the group formed ends the round.
     watch: RoundWatch = field(default_factory=RoundWatch, compare=False, repr=False)
 
@@ -137,6 +140,7 @@ class SyncBook:
         plan: WeightPlan,
         *,
         catchup: bool = False,
+        consumed: int = 0,
     ) -> SyncRound:
         """Start a round with ``members`` (server id, engine world size), in rank order; each
         member's :class:`SyncStart` carries ``plan``."""
@@ -155,7 +159,7 @@ class SyncBook:
         for server_id, size in members:
             ranks[server_id] = next_rank
             next_rank += size
-        rnd = SyncRound(sid, version, generation, next_rank, ranks, new_group, catchup)
+        rnd = SyncRound(sid, version, generation, next_rank, ranks, new_group, catchup, consumed)
         starts = {
             server_id: SyncStart(
                 sync_id=sid,
@@ -229,7 +233,7 @@ class SyncBook:
             return None
         self.active = None
         members = [(m, size) for m, size in a.sizes.items() if m not in a.lost]
-        return self.begin(members, a.round.version, a.plan)
+        return self.begin(members, a.round.version, a.plan, consumed=a.round.consumed)
 
     def finish(self, sent_ok: bool, send_error: str = "") -> SyncResult:
         """Close the round: members that reported ok (and the send succeeded) loaded the

@@ -71,8 +71,14 @@ class Versions:
         members = sorted(
             (r for r in self.servers.values() if r.engine_world_size > 0), key=lambda r: r.order
         )
+        # What the pushed weights trained on is counted now: with sync.overlap_push the
+        # next step trains (and reports its groups) before this round ends, and counting
+        # those too opened the window a batch wider than max_policy_lag allows.
         rnd = self.syncs.begin(
-            [(r.server_id, r.engine_world_size) for r in members], self.version + 1, plan
+            [(r.server_id, r.engine_world_size) for r in members],
+            self.version + 1,
+            plan,
+            consumed=self.ledger.tally["train"][DONE],
         )
         for r in members:
             r.syncing = rnd.sync_id
@@ -178,21 +184,23 @@ class Versions:
         active = self.syncs.active
         if active is None or active.round is not rnd or rnd.catchup:
             return
-        self.ledger.budget.sent(active.round.version, self.ledger.tally["train"][DONE])
+        self.ledger.budget.sent(active.round.version, active.round.consumed)
 
     def finish_sync(self, sent_ok: bool, send_error: str = "", *, now: float) -> SyncResult:
         """Close the round; a main round makes its version current (the learner's weights
         moved on whoever received them). A failed catch-up backs its server off."""
-        catchup = self.syncs.active is not None and self.syncs.active.round.catchup
+        active = self.syncs.active
+        catchup = active is not None and active.round.catchup
+        consumed = active.round.consumed if active is not None else 0
         result = self.syncs.finish(sent_ok, send_error)
         for rec in self.servers.values():  # the round is over, reported or not: a member
             if rec.syncing == result.sync_id:  # whose report was lost may catch up now
                 rec.syncing = 0
         if not catchup:
-            # The pushed weights trained on every group reported so far: the window moves
-            # by what was consumed (a resume push consumed nothing new: it stays put), even
-            # when a registration raised the version past this round's meanwhile.
-            self.ledger.budget.consume(self.ledger.tally["train"][DONE])
+            # The window moves by what the pushed weights were trained on (a resume push
+            # consumed nothing new: it stays put), even when a registration raised the
+            # version past this round's meanwhile.
+            self.ledger.budget.consume(consumed)
             if result.version > self.version:
                 self.ledger.budget.advance(result.version)
         for server_id in result.failed if catchup else ():
