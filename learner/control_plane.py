@@ -21,7 +21,7 @@ import msgspec
 from asyncrl.config import Config
 from asyncrl.config.ending import mark_ended
 from asyncrl.config.inputs import total_training_steps
-from asyncrl.control.admission import replayed_version
+from asyncrl.control.admission import replayed_version, weights_step
 from asyncrl.control.lag_controller import LagController
 from asyncrl.launch.progress import accounting_lines
 from asyncrl.metrics import MetricsLogger
@@ -66,6 +66,8 @@ class RankZero:
         self.train_batch_size = cfg.data.train_batch_size
         self.validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
         self.final_wait_s = cfg.launch.start_timeout_s
+        self.start_step = restored.step if restored.path is not None else 0
+        self.total_steps = total_training_steps(cfg)  # reads the data when it is null
         self.validation = ValidationTracker()
         if restored.validation is not None:
             self.validation.load_state_dict(restored.validation)
@@ -121,7 +123,7 @@ class RankZero:
                 restored.step,
                 welcome.redelivering,
                 cfg.staleness.sync_every,
-                total_training_steps(cfg),
+                self.total_steps,
             )
             self.coordinator.set_replay(through)
             # A version the buffer measured lag against that the replay never reaches (the
@@ -278,7 +280,7 @@ class RankZero:
         # A validation round due at this step starts before the state is taken: a resume
         # from this checkpoint then deals it, rather than never validating this step and
         # starting a later round under this one's ids (after_step will not start it twice).
-        self.coordinator.on_step(step)
+        self.coordinator.on_step(step, self._weights_step(step))
         coordinator = self.coordinator.state_dict()
         # The buffer's scored groups, read after the coordinator's state: every validation
         # task that state holds as scored is then among the groups saved (a buffer that
@@ -340,9 +342,21 @@ class RankZero:
         save, and its servers score it while the checkpoint is written): catch-ups, the
         validation round due, and the scores of the rounds in flight."""
         self.pushes.serve_catchups()
-        self.coordinator.on_step(step)
+        test_freq = self.cfg.trainer.test_freq
+        if test_freq > 0 and step % test_freq == 0:
+            # The round is dealt at the version this step's push makes current: with
+            # sync.overlap_push that push may still be in flight, and the round was dealt
+            # partly before it (at the older weights) and partly after.
+            self.pushes.wait()
+        self.coordinator.on_step(step, self._weights_step(step))
         self._poll_validation(step)
         self._round_in_flight = self.coordinator.validation_generating()
+
+    def _weights_step(self, step: int) -> int:
+        """The step whose weights the servers hold after ``step``'s push (a validation
+        round started now measures them: ``val/step``)."""
+        every = self.cfg.staleness.sync_every
+        return weights_step(step, every, self.total_steps, self.start_step)
 
     def steer_lag(self, step: int, metrics: dict[str, float]) -> None:
         """The adaptive controller's next admission lag (``staleness/lag_limit``), from

@@ -81,7 +81,7 @@ class _Coordinator:
     def set_admission_lag(self, lag: int) -> None:
         self.lags.append(lag)
 
-    def on_step(self, step: int) -> None:
+    def on_step(self, step: int, weights_step: int | None = None) -> None:
         self.generating = True  # a round is due at every step here
 
 
@@ -94,6 +94,8 @@ def test_the_learner_tells_the_controller_of_a_round_generated_since_the_last_st
         lag=LagController(0, 3, min_ess=0.3, max_kl=0.1),
         coordinator=_Coordinator(),
         pushes=SimpleNamespace(serve_catchups=lambda: None),
+        cfg=SimpleNamespace(trainer=SimpleNamespace(test_freq=-1)),
+        _weights_step=lambda step: step,
         _poll_validation=lambda step: None,
         _round_in_flight=False,
     )

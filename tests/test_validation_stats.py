@@ -169,13 +169,45 @@ def test_a_round_says_the_step_whose_weights_it_measured_across_a_coordinator_re
 
     first = state()
     assert first.on_step(15)
+    assert first.on_step(30, weights_step=28)  # sync_every 4: the servers hold step 28's
     second = state()
     second.load_state_dict(first.state_dict())
     progress = second.validation_progress()
     assert progress.start_step(progress.round_key(0)) == 15
     tracker = ValidationTracker()
-    [record] = tracker.add({"val.x/0": _groups([[1, 0], [0, 0]], round_key="val.x/0")}, progress)
-    assert record["val/step"] == 15
+    rounds = {k: _groups([[1, 0], [0, 0]], round_key=k) for k in ("val.x/0", "val.x/1")}
+    assert [r["val/step"] for r in tracker.add(rounds, progress)] == [15, 28]
+
+
+def test_a_round_is_dealt_once_the_steps_push_ended_and_says_whose_weights_it_measured():
+    """A review found a round at a step whose push was still in flight (sync.overlap_push)
+    dealt partly at the weights before the push and partly after; and, with sync_every 2
+    and test_freq 15, val/step 15 on rounds that measured step 14's weights (step 15 does
+    not push). The learner now waits for the push before starting a round, and the round
+    says the step whose weights the servers hold."""
+    from types import SimpleNamespace
+
+    from asyncrl.control.admission import weights_step
+    from learner.control_plane import RankZero
+
+    assert [weights_step(s, 2, 100) for s in (14, 15, 16)] == [14, 14, 16]
+    assert weights_step(15, 2, 15) == 15  # the last step always pushes
+    assert weights_step(15, 4, 100, start=13) == 13  # resumed at 13: its weights are held
+    assert weights_step(17, 4, 100, start=13) == 16
+    calls: list[tuple] = []
+    plane = SimpleNamespace(
+        cfg=SimpleNamespace(trainer=SimpleNamespace(test_freq=15)),
+        pushes=SimpleNamespace(serve_catchups=lambda: None, wait=lambda: calls.append(("wait",))),
+        coordinator=SimpleNamespace(
+            on_step=lambda step, held: calls.append(("on_step", step, held)),
+            validation_generating=lambda: False,
+        ),
+        _weights_step=lambda step: weights_step(step, 2, 100),
+        _poll_validation=lambda step: None,
+    )
+    for step in (14, 15):
+        RankZero.after_step(plane, step)  # type: ignore[arg-type]
+    assert calls == [("on_step", 14, 14), ("wait",), ("on_step", 15, 14)]
 
 
 def test_a_round_whose_every_group_was_given_up_reports_no_score():

@@ -273,10 +273,11 @@ class Coordinator:
         with self._lock:
             return self._state.ledger.accounting()
 
-    def on_step(self, step: int) -> None:
-        """The learner finished ``step`` (starts validation rounds per ``test_freq``)."""
+    def on_step(self, step: int, weights_step: int | None = None) -> None:
+        """The learner finished ``step`` (starts validation rounds per ``test_freq``; the
+        servers hold the weights of ``weights_step``, default ``step``)."""
         with self._lock:
-            self._state.on_step(step)
+            self._state.on_step(step, weights_step)
 
     def servers(self) -> dict[str, dict[str, Any]]:
         """A snapshot of the registry: per server its version, engine size, tasks held and

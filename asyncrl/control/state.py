@@ -402,12 +402,13 @@ class ControlState:
         """Before the first training task: the validation round of ``val_before_train``."""
         self.validation.start_run(self.step)
 
-    def on_step(self, step: int) -> bool:
-        """The learner finished ``step``; True when a validation round was started."""
+    def on_step(self, step: int, weights_step: int | None = None) -> bool:
+        """The learner finished ``step`` (the servers hold the weights of ``weights_step``,
+        default ``step``); True when a validation round was started."""
         self.step = max(self.step, step)
         entries = self.ledger.entries
         self.group_filter.keep_only(lambda t: t in entries and entries[t].state not in TERMINAL)
-        return self.validation.on_step(step)
+        return self.validation.on_step(step, weights_step)
 
     def start_validation(self, step: int) -> bool:
         """Start a validation round now (:meth:`ValidationSchedule.start`); True if so."""

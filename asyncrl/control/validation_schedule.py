@@ -24,7 +24,7 @@ class ValidationProgress(NamedTuple):
     rounds_started: int  # validation rounds started so far (this run, resumes included)
     round_groups: int  # groups in one round: one per validation row
     head: str = "val"  # round k's groups have ids ``<head>/<k>/<row>`` (its round key)
-    started_at: dict[int, int] | None = None  # round number -> the step it started at
+    started_at: dict[int, int] | None = None  # round number -> the step of its weights
     # ((end, groups), ...): the rounds numbered below ``end`` were dealt over a validation
     # set of that many rows, which a resume then replaced (TaskSource.other_val)
     earlier: tuple[tuple[int, int], ...] = ()
@@ -54,29 +54,42 @@ class ValidationSchedule:
         self.test_freq = test_freq
         self.val_before_train = val_before_train
         self.last_val_step = -1  # the step the last round started at (-1: none yet)
-        self.started_at: dict[int, int] = {}  # round number -> the step it started at
+        # Round number -> the learner step whose weights it measures (its start step, or
+        # the last step before it that pushed: see admission.weights_step).
+        self.started_at: dict[int, int] = {}
 
     def start_run(self, step: int) -> None:
         """Before the first training task: the validation round of ``val_before_train``."""
         if self.val_before_train and step == 0 and self.source.val_rounds == 0:
             self.start(0)
 
-    def on_step(self, step: int) -> bool:
+    def on_step(self, step: int, weights_step: int | None = None) -> bool:
         """The learner finished ``step``; True when a validation round was started."""
         due = self.test_freq > 0 and step % self.test_freq == 0 and step > self.last_val_step
-        return due and self.start(step)
+        return due and self.start(step, weights_step)
 
-    def start(self, step: int) -> bool:
+    def start(self, step: int, weights_step: int | None = None) -> bool:
         """The one place a validation round starts (before training, every ``test_freq``
         steps, at the end): not when there are no validation rows, nor twice at one step
-        after the first. True when a round was started."""
+        after the first. ``weights_step``: the step whose weights the servers hold (default
+        ``step``), which the round's ``val/step`` reports. True when a round was started."""
         source = self.source
         if not source.val_rows or (self.last_val_step == step and step > 0):
             return False
         number = source.start_validation()
         self.last_val_step = step
-        self.started_at[number] = step
-        log.info("validation round %d started at step %d", number, step)
+        held = step if weights_step is None else weights_step
+        self.started_at[number] = held
+        if held == step:
+            log.info("validation round %d started at step %d", number, step)
+        else:
+            log.info(
+                "validation round %d started at step %d, on the weights of step %d (the last "
+                "pushed: staleness.sync_every does not divide trainer.test_freq)",
+                number,
+                step,
+                held,
+            )
         return True
 
     def progress(self) -> ValidationProgress:
