@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 from collections.abc import Iterable
@@ -250,11 +251,17 @@ def save_checkpoint(
         tmp.mkdir(parents=True)
     _barrier()
     # Before the collective save: rank 0 renames the folder only once every rank is past it.
-    torch.save(_rng_state(), tmp / RNG_FILE.format(rank=_rank()))
-    dcp_save(_dcp_state(model, optimizer, critic), checkpoint_id=str(tmp))
+    rng_file = tmp / RNG_FILE.format(rank=_rank())
+    torch.save(_rng_state(), rng_file)
+    _fsync(rng_file)
+    dcp_save(_dcp_state(model, optimizer, critic), checkpoint_id=str(tmp))  # fsyncs its files
     _forget(pristine, optimizer, critic)
     if _rank() == 0:
+        # On disk before the rename: after a node's crash (not a kill) a complete-looking
+        # step_N with empty files would be the one auto-resume picked, and refused.
         (tmp / STATE_FILE).write_text(state_json)
+        _fsync(tmp / STATE_FILE)
+        _fsync(tmp)
         if final.exists():
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
@@ -266,10 +273,23 @@ def save_checkpoint(
             # A re-save cut short between its renames left step N's previous copy, which
             # latest_checkpoint used while step N was missing: this one replaces it.
             shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
+        _fsync(final.parent)  # the rename, before older checkpoints are pruned
         log.info("checkpoint saved: %s (policy version %d)", final, policy_version)
         prune_checkpoints(final, keep)
     _barrier()
     return final
+
+
+def _fsync(path: Path) -> None:
+    """Flush ``path`` (a file, or a folder's entries) to disk. A file system that cannot
+    sync a folder (some network mounts) is let be: the rename still orders the writes."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        log.debug("could not fsync %s (%s)", path, e)
+    finally:
+        os.close(fd)
 
 
 def prune_checkpoints(newest: Path, keep: int | None) -> list[Path]:

@@ -200,6 +200,32 @@ def test_latest_ignores_incomplete_and_resave_replaces(tiny_model, single_rank, 
     assert latest_checkpoint(tmp_path).name == "step_3"
 
 
+def test_a_checkpoint_is_on_disk_before_its_rename_makes_it_complete(
+    tiny_model, single_rank, tmp_path, monkeypatch
+):
+    """A review: nothing was flushed, so after a node's crash (not a kill) a step_N could
+    exist with empty files, which auto-resume would pick and refuse. The rank's RNG file,
+    the state file and the folder are synced while it is still ``.tmp``, then the rename
+    itself, before older checkpoints are pruned."""
+    from learner import checkpoint as ckpt
+
+    synced: list[tuple[str, bool]] = []  # (name, whether step_2 exists yet)
+    final = tmp_path / "checkpoints" / "step_2"
+    real = ckpt._fsync
+    monkeypatch.setattr(
+        ckpt, "_fsync", lambda p: (synced.append((p.name, final.exists())), real(p))[1]
+    )
+    trainer = Trainer(make_cfg(tiny_model))
+    trainer.step = 2
+    trainer.save(tmp_path)
+    assert synced == [
+        ("rng_rank0.pt", False),
+        (STATE_FILE, False),
+        ("step_2.tmp", False),
+        ("checkpoints", True),
+    ], synced
+
+
 def test_a_resave_killed_between_its_renames_keeps_the_checkpoint(
     tiny_model, single_rank, tmp_path, monkeypatch, caplog
 ):
