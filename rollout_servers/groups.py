@@ -220,11 +220,16 @@ def fit_prompt(ids: list[int], limit: int, truncation: str) -> list[int]:
 
 def fit_task_prompt(ids: list[int], data: DataConfig, validation: bool) -> list[int] | None:
     """A task's prompt tokens within ``data.max_prompt_length``: None when it is longer and
-    ``data.filter_overlong_prompts`` drops it (training tasks only: a validation round
-    waits for all of its prompts, so theirs are cut at the left), else cut as
-    ``data.truncation`` says (:func:`fit_prompt`)."""
+    ``data.filter_overlong_prompts`` drops it, else cut as ``data.truncation`` says
+    (:func:`fit_prompt`). A validation prompt is never dropped here (its round waits for
+    it): with the filter on, the coordinator left the over-long validation rows out when
+    it loaded them, as veRL does; one still longer here (measured otherwise) is cut, at
+    the left where ``error`` would fail it."""
     if len(ids) <= data.max_prompt_length:
         return ids
-    if data.filter_overlong_prompts:
-        return ids[-data.max_prompt_length :] if validation else None
-    return fit_prompt(ids, data.max_prompt_length, data.truncation)
+    if data.filter_overlong_prompts and not validation:
+        return None
+    mode = data.truncation
+    if data.filter_overlong_prompts and mode == "error":
+        mode = "left"
+    return fit_prompt(ids, data.max_prompt_length, mode)

@@ -135,7 +135,7 @@ MUTATIONS = (
         "the window opens at the send",
         "deals wait for the members' reports again",
         "asyncrl/control/versions.py",
-        '        self.ledger.budget.sent(active.round.version, self.ledger.tally["train"][DONE])',
+        "        self.ledger.budget.sent(active.round.version, active.round.consumed)",
         "        return",
         ("tests/test_admission_registry.py",),
     ),
@@ -1265,5 +1265,45 @@ MUTATIONS = (
         "        self.ledger.budget.sent(active.round.version, active.round.consumed)\n",
         '        self.ledger.budget.sent(active.round.version, self.ledger.tally["train"][DONE])\n',
         ("tests/test_admission_registry.py",),
+    ),
+    Mutation(
+        "a veRL validation temperature needs do_sample",
+        "a veRL val_kwargs.temperature without do_sample loads (and samples)",
+        "asyncrl/config/verl_table.py",
+        '    if theirs is None or lookup(raw, "rollout.val_kwargs.do_sample")[0]:\n',
+        "    if True:\n",
+        (
+            "tests/test_verl_table.py::test_a_verl_validation_temperature_without_do_sample_is_refused",
+        ),
+    ),
+    Mutation(
+        "pictures anywhere in a data file are refused",
+        "only the first row's images/videos columns are checked",
+        "asyncrl/config/inputs.py",
+        "        if (problem := media_problem(file, f, media, every_row)) is not None:\n",
+        '        if (problem := media_problem(file, f, ("images", "videos"), False)) is not None:\n',
+        (
+            "tests/test_launch_inputs.py::test_pictures_past_the_first_row_or_under_another_column_are_refused_at_launch",
+        ),
+    ),
+    Mutation(
+        "over-long validation rows are left out with the filter on",
+        "no validation row is measured (over-long ones are kept and cut)",
+        "asyncrl/control/task_source.py",
+        "    long = set(overlong_rows(rows, tokenizer_path, prompt_key, limit))\n",
+        "    long: set[int] = set()\n",
+        (
+            "tests/test_task_source_val_filter.py::test_overlong_validation_rows_are_left_out_with_the_filter_on",
+        ),
+    ),
+    Mutation(
+        "extra_info values that would reach the scorer as text are refused",
+        "dates and decimals in extra_info load (the scorer gets strings)",
+        "asyncrl/tasks/parquet.py",
+        "        if (found := _textual_value(extra)) is not None:\n",
+        "        if (found := None) is not None:\n",
+        (
+            "tests/test_input_rows.py::test_extra_info_values_the_task_message_turns_to_text_are_refused",
+        ),
     ),
 )

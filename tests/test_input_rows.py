@@ -5,6 +5,8 @@ module that imports too slowly names the key that gives it longer."""
 
 from __future__ import annotations
 
+import datetime
+import decimal
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +140,37 @@ def test_a_scorer_module_slower_to_import_than_the_limit_names_the_key(tmp_path:
     )
     with reward_pool(load_config(None, [*base, "reward.startup_timeout_s=30"])) as pool:
         assert pool.score("arithmetic", "2", "2").score == 1.0
+
+
+@pytest.mark.parametrize(
+    ("value", "kind"),
+    [
+        (datetime.datetime(2024, 1, 2, 3, 4, 5), "datetime"),
+        (decimal.Decimal("1.25"), "Decimal"),
+        (datetime.date(2024, 1, 2), "date"),
+    ],
+    ids=["timestamp", "decimal", "date"],
+)
+def test_extra_info_values_the_task_message_turns_to_text_are_refused(
+    tmp_path: Path, value: Any, kind: str
+) -> None:
+    """A timestamp or decimal in ``extra_info`` reached the scorer as a string after the
+    task message's msgpack trip, where veRL's scorer gets the object: a scorer comparing
+    dates or prices went wrong without a word. Refused at launch and in the learner's read,
+    nested ones too; the same values written as text or numbers load."""
+    rows = [_row(i) for i in range(8)]
+    for row in rows:
+        row["extra_info"] = {"split": "train", "meta": {"tags": ["a"], "when": None}}
+    rows[5]["extra_info"]["meta"]["when"] = value
+    path = _write(tmp_path / "train.parquet", rows)
+    problems, learner = _launch_and_learner_lines(path)
+    assert problems == [learner]
+    assert learner.startswith(
+        f"drop or mend row 5 of {path}: its extra_info['meta']['when'] is a {kind} ("
+    )
+    assert "write it as text or a number" in learner
+    rows[5]["extra_info"]["meta"]["when"] = str(value)
+    fixed = _write(tmp_path / "fixed.parquet", rows)
+    cfg = load_config(None, [f"data.train_files={fixed}", *QUIET])
+    assert input_problems(cfg, [DATA, ROWS]) == []
+    assert load_rows([str(fixed)])[5]["extra_info"]["meta"]["when"] == str(value)

@@ -408,9 +408,52 @@ def test_a_multimodal_dataset_is_refused_rather_than_trained_without_its_images(
     pd.DataFrame(rows).to_parquet(mm)
     base = [f"data.train_files={mm}", "trainer.val_before_train=false", "trainer.test_freq=-1"]
     assert input_problems(load_config(None, base), [DATA]) == [
-        f"data files: {mm} holds images (column 'images'): prompts here are text only and "
-        "would train without them; use a text dataset, or drop the column to train on the "
-        "text alone"
+        f"data files: {mm} holds images (column 'images', data.image_key; first in row 0): "
+        "prompts here are text only and would train without them; use a text dataset, or "
+        "drop the column to train on the text alone"
     ]
     pd.DataFrame({**rows, "images": [[]]}).to_parquet(mm)
     assert input_problems(load_config(None, base), [DATA]) == []
+
+
+def test_pictures_past_the_first_row_or_under_another_column_are_refused_at_launch(tmp_path):
+    """The launch check reads every row's pictures, in the columns data.image_key and
+    data.video_key name: a file whose first row has ``images: []`` (geo3k's text-only
+    rows) or whose pictures sit in ``image`` trained on the text alone, without a word."""
+    from asyncrl.config.inputs import DATA, ROWS, input_problems
+
+    def frame(column: str, media: list) -> pd.DataFrame:
+        n = len(media)
+        return pd.DataFrame(
+            {
+                "data_source": ["arithmetic"] * n,
+                "prompt": [[{"role": "user", "content": "<image>What is 1+1?"}]] * n,
+                "reward_model": [{"ground_truth": "2"}] * n,
+                column: media,
+            }
+        )
+
+    png = [{"bytes": b"\x89PNG", "path": None}]
+    off = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
+    late = tmp_path / "late.parquet"
+    frame("images", [[], [], png, []]).to_parquet(late)
+    cfg = load_config(None, [f"data.train_files={late}", *off])
+    (line,) = input_problems(cfg, [DATA, ROWS])
+    assert line.startswith(
+        f"data files: {late} holds images (column 'images', data.image_key; first in row 2)"
+    )
+    # the learner's own check (no ROWS) reads the first row only, as before
+    assert input_problems(cfg, [DATA]) == []
+    named = tmp_path / "named.parquet"
+    frame("image", [png, png]).to_parquet(named)
+    plain = load_config(None, [f"data.train_files={named}", *off])
+    assert input_problems(plain, [DATA, ROWS]) == []  # "image" is no media column by default
+    keyed = load_config(None, [f"data.train_files={named}", "data.image_key=image", *off])
+    assert keyed.data.image_key == "image"
+    (line,) = input_problems(keyed, [DATA, ROWS])
+    assert "holds images (column 'image', data.image_key; first in row 0)" in line
+    videos = tmp_path / "videos.parquet"
+    frame("clip", [None, "/data/clip.mp4"]).to_parquet(videos)
+    verl = [f"data.train_files={videos}", "data.video_key=clip", *off]
+    (line,) = input_problems(load_config(None, verl), [DATA, ROWS])
+    assert "holds videos (column 'clip', data.video_key; first in row 1)" in line

@@ -156,6 +156,10 @@ CONVERTED: dict[str, tuple[Any, dict[str, Any]]] = {
 WITH = {
     "algorithm.use_kl_in_reward": ["algorithm.adv_estimator=gae"],
     "trainer.critic_warmup": ["algorithm.adv_estimator=gae"],
+    # veRL validates greedily unless do_sample is given: a sampled temperature needs it
+    "actor_rollout_ref.rollout.val_kwargs.temperature": [
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true"
+    ],
     **{
         f"{where}.enable": [
             "reward.overlong_buffer.len=4",
@@ -249,6 +253,37 @@ def test_refusals_that_read_the_rest_of_the_config():
                 "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
             ],
         )
+
+
+def test_a_verl_validation_temperature_without_do_sample_is_refused(tmp_path):
+    """veRL's val_kwargs.do_sample defaults to false, and veRL then validates greedily
+    whatever val_kwargs.temperature says: a veRL command line or file giving only the
+    temperature validated by sampling here, without a word."""
+    verl = ["actor_rollout_ref.rollout.val_kwargs.temperature=0.6"]
+    line = (
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.6 without "
+        "actor_rollout_ref.rollout.val_kwargs.do_sample (veRL's default: false) is not "
+        "supported here: veRL validates greedily when do_sample is false whatever the "
+        "temperature; here val_kwargs.temperature decides: set it to 0 (greedy) or "
+        "do_sample=true"
+    )
+    with pytest.raises(ConfigError) as refused:
+        load_config(None, [*verl, "actor_rollout_ref.rollout.val_kwargs.n=4"])
+    assert refused.value.problems == [line]
+    path = tmp_path / "verl.yaml"
+    path.write_text(
+        yaml.safe_dump({"actor_rollout_ref": {"rollout": {"val_kwargs": {"temperature": 0.6}}}})
+    )
+    with pytest.raises(ConfigError) as in_a_file:
+        load_config(path)
+    assert in_a_file.value.problems == [line]
+    sampled = load_config(None, [*verl, "actor_rollout_ref.rollout.val_kwargs.do_sample=true"])
+    assert sampled.rollout.val_kwargs.temperature == 0.6
+    greedy = load_config(None, ["actor_rollout_ref.rollout.val_kwargs.temperature=0"])
+    assert greedy.rollout.val_kwargs.temperature == 0
+    # Our spelling keeps our meaning: the temperature decides (the demo's files sample).
+    ours = load_config("configs/cpu_demo.yaml", ["rollout.val_kwargs.temperature=0.6"])
+    assert ours.rollout.val_kwargs.temperature == 0.6
 
 
 def test_a_yaml_file_in_verl_layout_loads(tmp_path):

@@ -27,6 +27,15 @@ class DataConfig(Section):
         "a pattern of shards).",
     )
     prompt_key: str = Field(default="prompt", description="Column holding the chat messages.")
+    image_key: str = Field(
+        default="images",
+        description="veRL's column of a row's pictures: prompts here are text, so a file "
+        "with pictures in this column in any row is refused at launch.",
+    )
+    video_key: str = Field(
+        default="videos",
+        description="veRL's column of a row's videos: refused at launch as data.image_key.",
+    )
     max_prompt_length: int = Field(
         default=64,
         gt=0,
@@ -43,8 +52,9 @@ class DataConfig(Section):
     seed: int = Field(default=1, description="Seed of the prompt order.")
     filter_overlong_prompts: bool = Field(
         default=False,
-        description="Drop a prompt longer than max_prompt_length at its rollout server "
-        "(counted as dropped/filtered) instead of applying data.truncation.",
+        description="Drop a training prompt longer than max_prompt_length at its rollout "
+        "server (counted as dropped/filtered) instead of applying data.truncation; leave such "
+        "validation rows out when they are loaded, as veRL does.",
     )
     truncation: Literal["left", "right", "middle", "error"] = Field(
         default="left",

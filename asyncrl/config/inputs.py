@@ -17,6 +17,7 @@ from urllib.parse import urlparse
 from asyncrl.config.data import val_files_problem
 from asyncrl.config.load import ConfigError
 from asyncrl.config.machine import cores_problem, data_hint, device_problem, model_problem
+from asyncrl.config.media import media_problem
 from asyncrl.config.schema import Config
 
 if TYPE_CHECKING:
@@ -178,18 +179,27 @@ def _column_problems(cfg: Config, validating: bool, every_row: bool) -> list[str
     """The data files whose columns are not veRL's layout (read from their footers), or
     holding a row that is not a task (as the learner's read would say; the first row only
     unless ``every_row``), one line each."""
-    val = cfg.data.val_files if validating else []
+    d = cfg.data
+    val = d.val_files if validating else []
+    media = (d.image_key, d.video_key)
     out = []
-    for f in [*cfg.data.train_files, *val]:
-        if (problem := _file_problem(f, cfg.data.prompt_key, f in val, every_row)) is not None:
+    for f in [*d.train_files, *val]:
+        if (problem := _file_problem(f, d.prompt_key, f in val, every_row, media)) is not None:
             out.append(problem)
     return out
 
 
-def _file_problem(f: str, prompt_key: str, validation: bool, every_row: bool) -> str | None:
+def _file_problem(
+    f: str,
+    prompt_key: str,
+    validation: bool,
+    every_row: bool,
+    media: tuple[str, ...] = ("images", "videos"),
+) -> str | None:
     """Why one data file cannot be read as tasks (None: it can). At launch (``every_row``)
     every row is checked, not only the first: a bad row found by the learner fails the run
-    after every role has started."""
+    after every role has started. ``media``: the columns of veRL's pictures and videos
+    (``data.image_key``, ``data.video_key``)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -206,17 +216,10 @@ def _file_problem(f: str, prompt_key: str, validation: bool, every_row: bool) ->
         file = pq.ParquetFile(path)
         if (problem := _rows_problem(file, path, prompt_key, every_row)) is not None:
             return problem
-        media = _first_row_media(file)
+        if (problem := media_problem(file, f, media, every_row)) is not None:
+            return problem
     except (OSError, pa.ArrowException) as e:
         return f"data files: {f} cannot be read ({e}): write it again"
-    if media:
-        # veRL's image_key / video_key defaults: a multi-modal dataset, whose pictures
-        # the text-only prompts here would drop without a word.
-        return (
-            f"data files: {f} holds {' and '.join(media)} (column {media[0]!r}): prompts "
-            "here are text only and would train without them; use a text dataset, or "
-            "drop the column to train on the text alone"
-        )
     if validation and file.metadata.num_rows == 0:
         return (
             f"data.val_files: {f} has no rows, so validation would never report: add "
@@ -251,14 +254,6 @@ def _rows_problem(
         if not every_row:
             break
     return None
-
-
-def _first_row_media(file: ParquetFile) -> list[str]:
-    """veRL's multi-modal columns (``images``, ``videos``) the first row fills."""
-    media = [k for k in ("images", "videos") if k in file.schema_arrow.names]
-    first = next(file.iter_batches(batch_size=1, columns=media), None) if media else None
-    row = first.to_pylist()[0] if first is not None and first.num_rows else {}
-    return [k for k in media if row.get(k)]
 
 
 def _source_problems(cfg: Config) -> list[str]:

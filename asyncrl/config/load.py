@@ -44,7 +44,7 @@ from asyncrl.config.verl_groups import (
     unknown_verl_children,
     verl_spellings,
 )
-from asyncrl.config.verl_table import lookup
+from asyncrl.config.verl_table import lookup, unsampled_validation
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,9 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     except InterpolationError as e:
         raise ConfigError([str(e)]) from None
     _expand_home(raw)
+    greedy = unsampled_validation(raw, spelled)  # before the table takes do_sample out
     notes, problems = apply_verl_keys(raw, frozenset(given))
+    problems += [greedy] if greedy else []
     if metric_problem := null_filter_metric(raw):
         problems.append(metric_problem)
     if problems:

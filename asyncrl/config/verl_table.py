@@ -138,6 +138,14 @@ ENTROPY_MEMORY = "a memory saver of the entropy; the learner computes it once pe
 MEMORY = "a memory saver of the learner (activations or loading), not of results"
 SHM = "models and data load from their paths; shared-memory staging only speeds loading"
 STRATEGY = "the learner is FSDP2 (fsdp and fsdp2 mean it); megatron is not built"
+MEDIA = (
+    "multi-modal prompts are not built: the prompt is text, so a data file with pictures or "
+    "videos in this column, in any row, is refused at launch"
+)
+VAL_GREEDY = (
+    "veRL validates greedily when do_sample is false whatever the temperature; here "
+    "val_kwargs.temperature decides: set it to 0 (greedy) or do_sample=true"
+)
 LORA_OFF = (
     "the critic has no LoRA (critic.model.lora_rank must be 0); the actor's is model.lora_rank"
 )
@@ -455,8 +463,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     _ROLLOUT + "engine_kwargs.sglang": _none("the rollout servers run vLLM (rollout.name)"),
     _ROLLOUT + "val_kwargs.do_sample": VerlKey(
         "refused",
-        "veRL validates greedily when do_sample is false whatever the temperature; here "
-        "val_kwargs.temperature decides: set it to 0 (greedy) or do_sample=true",
+        VAL_GREEDY,
         allowed=lambda v, raw: bool(v) or not _get(raw, "rollout.val_kwargs.temperature", 0),
         bad=False,
         bad_with=("rollout.val_kwargs.temperature=0.6",),
@@ -571,8 +578,8 @@ VERL_KEYS: dict[str, VerlKey] = {
     "data.dataloader_num_workers": _none("the coordinator reads the parquet files itself"),
     "data.validation_shuffle": _none("validation scores every prompt; the order is moot"),
     "data.filter_overlong_prompts_workers": _none("prompts are measured at the servers"),
-    "data.image_key": _none("multi-modal prompts are not built: the prompt is text"),
-    "data.video_key": _none("multi-modal prompts are not built: the prompt is text"),
+    "data.image_key": _impl(MEDIA, example="image"),
+    "data.video_key": _impl(MEDIA, example="video"),
     "data.return_multi_modal_inputs": _none("multi-modal prompts are not built"),
     "data.trust_remote_code": _only(REMOTE_CODE, _falsy, bad=True),
     **{
@@ -818,3 +825,24 @@ def refused_value(key: str, rule: VerlKey, value: Any, raw: dict[str, Any]) -> s
     if rule.kind != "refused" or (rule.allowed and rule.allowed(value, raw)):
         return None
     return f"{key}={value!r} is not supported here: {rule.reason}"
+
+
+def unsampled_validation(raw: dict[str, Any], spelled: dict[str, str]) -> str | None:
+    """The refusal of a non-zero validation temperature given in veRL's spelling
+    (``spelled``: our dotted key -> the user's) without ``val_kwargs.do_sample``, else None.
+    veRL's do_sample defaults to false, so veRL validates such a config greedily; the
+    explicit ``do_sample=false`` is its table row's. Read before the table's keys are
+    taken out of ``raw``."""
+    theirs = spelled.get("rollout.val_kwargs.temperature")
+    if theirs is None or lookup(raw, "rollout.val_kwargs.do_sample")[0]:
+        return None
+    temperature = _get(raw, "rollout.val_kwargs.temperature", 0)
+    try:
+        if float(temperature) == 0:
+            return None
+    except (TypeError, ValueError):  # not a number: the schema names it
+        return None
+    return (
+        f"{theirs}={temperature!r} without actor_rollout_ref.rollout.val_kwargs.do_sample "
+        f"(veRL's default: false) is not supported here: {VAL_GREEDY}"
+    )

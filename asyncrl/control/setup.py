@@ -18,7 +18,7 @@ from asyncrl.control.pacing import Pacer
 from asyncrl.control.prompt_skip import PromptSkip
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
-from asyncrl.control.task_source import TaskSource, load_rows
+from asyncrl.control.task_source import TaskSource, fitting_val_rows, load_rows
 from asyncrl.net.transport import mebibytes
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,8 @@ def task_source_from_config(
     if val_rows is None:
         validating = t.val_before_train or t.test_freq > 0
         val_rows = load_rows(d.val_files, d.prompt_key) if validating else []
+        if val_rows and d.filter_overlong_prompts:  # as veRL's loader leaves them out
+            val_rows = fitting_val_rows(val_rows, cfg.model.path, d.prompt_key, d.max_prompt_length)
     source = TaskSource(
         train_rows,
         val_rows,

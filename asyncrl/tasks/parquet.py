@@ -12,6 +12,8 @@ HuggingFace ``datasets`` or by pandas, keeping any extra fields they carry.
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import functools
 import logging
 import os
@@ -221,6 +223,14 @@ def _extra_info_problem(extra: Any, number: int, path: str | Path) -> str | None
     if isinstance(extra, list) and all(isinstance(p, tuple) and len(p) == 2 for p in extra):
         extra = dict(extra)
     if isinstance(extra, dict) and all(isinstance(k, str) for k in extra):
+        if (found := _textual_value(extra)) is not None:
+            where, value = found
+            return (
+                f"drop or mend row {number} of {path}: its extra_info{where} is a "
+                f"{type(value).__name__} ({value!r:.60}), which would reach the scorer as text "
+                "(the task message carries no such type); write it as text or a number "
+                "(an ISO date string, a Unix time, a float) when writing the file"
+            )
         return _tools_kwargs_problem(extra.get("tools_kwargs"), number, path)
     what = "a dict with keys that are not text" if isinstance(extra, dict) else type(extra).__name__
     return (
@@ -228,6 +238,29 @@ def _extra_info_problem(extra: Any, number: int, path: str | Path) -> str | None
         f"layout: {{'split': ..., 'index': ...}}), got {what} {extra!r:.120}; write it as a "
         "struct (json.loads a JSON string before writing the file)"
     )
+
+
+#: What parquet's timestamp, date, time, duration and decimal columns read as: the task
+#: message (msgpack) carries them as text, so a scorer written for veRL, which gets the
+#: objects themselves, would compare a string without a word.
+_TEXT_ON_THE_WIRE = (datetime.date, datetime.time, datetime.timedelta, decimal.Decimal)
+
+
+def _textual_value(value: Any, where: str = "") -> tuple[str, Any] | None:
+    """The first value under ``value`` (a row's ``extra_info``, nested structs, maps and
+    lists included) of a type in :data:`_TEXT_ON_THE_WIRE`, as ``(where, value)``."""
+    if isinstance(value, _TEXT_ON_THE_WIRE):
+        return where, value
+    if isinstance(value, dict):
+        items = [(f"[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for key, item in items:
+        if (found := _textual_value(item, where + key)) is not None:
+            return found
+    return None
 
 
 def _as_map(value: Any) -> dict[str, Any] | None:
