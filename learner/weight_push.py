@@ -72,9 +72,10 @@ class WeightPushes:
         self._push_thread.start()
         if not self.overlap_push:
             # Until every member has the weights (the servers pause for this), not for
-            # their reports: those come after each server's post-sync probe, which waits
-            # for an engine step among the running requests (0.1-0.3 s on the CPU long
-            # shape, against 0.02 s for the send). The next push collects them.
+            # their reports: those come after each server's post-sync probe, which runs in
+            # the engine slot kept for it, among the running requests (0.1-0.3 s on the
+            # CPU long shape, against 0.02 s for the send; bounded at 10 s or a quarter of
+            # sync.timeout_s). The next push collects them.
             # Set by the push thread however it ends; its waits are bounded.
             self._wait_logged(sent.wait, "sent")
         return {**done, "timing/push_wait_s": time.monotonic() - start}

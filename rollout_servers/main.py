@@ -147,7 +147,7 @@ async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     budget, seeded = None, True
     if cfg.trainer.device == "cpu":
-        budget = cpu_token_budget(ro.max_inflight, max_len)
+        budget = cpu_token_budget(ro.max_inflight + 1, max_len)
         seeded = budget is not None
         if not seeded:
             log.warning(
@@ -165,7 +165,9 @@ async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
         tensor_parallel_size=ro.tensor_model_parallel_size,
         gpu_memory_utilization=ro.gpu_memory_utilization,
         enforce_eager=eager_engine(cfg),
-        max_num_seqs=ro.max_inflight,
+        # One slot above the responses the server keeps in flight: the post-sync probe's
+        # (without it, the probe queued behind them until one finished).
+        max_num_seqs=ro.max_inflight + 1,
         hf_overrides=cfg.model.override_config,
         **_lora_args(cfg),
     )

@@ -63,6 +63,9 @@ LOG_EVERY_S = 30.0
 #: Longest wait of a task for the weights it was dealt under (RolloutEngine.reach): the
 #: wait normally ends within a sync's load (under 0.1 s on the CPU demo) or its failure.
 REACH_S = 5.0
+#: Longest wait for the post-sync probe's scores (at most a quarter of the sync's timeout):
+#: the sync's report waits for them, and so does the learner's next push.
+PROBE_S = 10.0
 
 
 class RolloutServer:
@@ -271,6 +274,8 @@ class RolloutServer:
             self.metrics["rollout/version_wait_s"] += await self.engine.reach(
                 task.dealt_version, REACH_S
             )
+            if self.engine.version < task.dealt_version:
+                self._missed_version(task)
             group, samples, scores = await self.task_groups.make(task, created)
             metric = self.cfg.algorithm.filter_groups.metric
             if (note := unknown_filter_metric(task, scores, metric)) is not None:
@@ -357,21 +362,50 @@ class RolloutServer:
             await self.lanes.sync(self.client.sync_done, start, False, error)
             return
         self.generation = (start.session, start.generation)
-        probe = await self._probe()
+        probe = await self._probe(min(PROBE_S, start.timeout_s / 4))
         report = functools.partial(self.client.sync_done, probe=probe)
         await self.lanes.sync(report, start, True, "", stats["seconds"])
 
-    async def _probe(self) -> list[float]:
-        """The post-sync probe under the weights just loaded (empty when it fails: the
-        learner then has nothing to compare, and the sync itself stands)."""
+    async def _probe(self, timeout_s: float) -> list[float]:
+        """The post-sync probe under the weights just loaded (empty when it fails or takes
+        over ``timeout_s``: the learner then has nothing to compare, and the sync itself
+        stands). The engine keeps a slot for it (``max_num_seqs`` is one above
+        ``rollout.max_inflight``); without one it queued behind the running requests until
+        one finished, and the sync's report with it."""
         if not self.cfg.trainer.health.probe:
             return []
         try:
-            probe = await self.engine.score(probe_ids())
+            probe = await asyncio.wait_for(self.engine.score(probe_ids()), timeout_s)
+        except asyncio.TimeoutError:  # TimeoutError from 3.11 on
+            self.metrics["rollout/probe_timeouts"] += 1
+            log.warning(
+                "post-sync probe not scored within %.1fs (the engine is busier than its "
+                "slots: validation groups of val_kwargs.n above rollout.n?); this sync is "
+                "reported without it",
+                timeout_s,
+            )
+            return []
         except Exception as e:
             log.warning("post-sync probe not scored: %s: %s", type(e).__name__, e)
             return []
         return probe if all(math.isfinite(x) for x in probe) else []
+
+    def _missed_version(self, task: Task) -> None:
+        """``task`` starts under older weights than it was dealt for: their sync failed, or
+        took over :data:`REACH_S`. The buffer's lag rule judges its group; said once in a
+        while, since a server that keeps missing versions looks like a slow load otherwise."""
+        self.metrics["rollout/version_wait_missed"] += 1
+        missed = self.metrics["rollout/version_wait_missed"]
+        if missed == 1 or missed % 50 == 0:
+            log.warning(
+                "task %s starts under version %d, not %d it was dealt for (the sync failed, or "
+                "took over %.0fs); %d such tasks so far (rollout/version_wait_missed)",
+                task.task_id,
+                self.engine.version,
+                task.dealt_version,
+                REACH_S,
+                int(missed),
+            )
 
     # ----------------------------------------------------------------- metrics
     def snapshot(self) -> dict[str, float]:

@@ -121,6 +121,8 @@ class ServerStats:
             "rollout/filter_metric_unknown": 0,  # filter_groups.metric no member carries
             "rollout/prompts_filtered_too_long": 0,  # data.filter_overlong_prompts
             "rollout/version_wait_s": 0.0,  # tasks waiting for the version they were dealt at
+            "rollout/version_wait_missed": 0,  # tasks started under older weights than dealt
+            "rollout/probe_timeouts": 0,  # post-sync probes not scored in time (sync stands)
         }
         self.groups_done = 0
         self.tokens_by_version: Counter[int] = Counter()

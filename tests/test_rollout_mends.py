@@ -432,3 +432,91 @@ def test_every_sibling_has_ended_when_the_failure_is_raised() -> None:
         assert set(asyncio.all_tasks()) <= before
 
     asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ the post-sync probe
+
+
+class SlowProbeEngine(StandInEngine):
+    """An engine whose probe queues behind requests that do not finish soon."""
+
+    async def score(self, sequences: list[list[int]]) -> list[float]:
+        await asyncio.sleep(60)
+        return []
+
+
+class ProbeReportClient(FailingClient):
+    def __init__(self) -> None:
+        super().__init__(tasks=0)
+        self.reports: list[tuple[bool, list[float] | None]] = []
+
+    def sync_done(self, start, ok, error="", seconds=0.0, *, probe=None) -> object:
+        self.reports.append((ok, probe))
+        return None
+
+
+def test_a_probe_that_cannot_be_scored_soon_does_not_hold_the_sync_report(monkeypatch) -> None:
+    """A review: the probe is an ordinary request, and with every engine slot taken it
+    waited for a running request to finish (0.66 s against 0.01 s idle on the tiny model;
+    minutes with long responses), and the sync's report, and the learner's next push, with
+    it; past ``sync.timeout_s`` a server that loaded its weights was dropped. The wait is
+    bounded: the sync is reported without the probe, and counted."""
+    from rollout_servers import server as server_module
+
+    monkeypatch.setattr(server_module, "PROBE_S", 0.2)
+
+    async def scenario() -> tuple[list, float, float]:
+        client = ProbeReportClient()
+        client.register()
+        srv = _server(client, SlowProbeEngine(), StandInScorer())
+        start = SyncStart(
+            sync_id=1, version=1, generation="main/1", rank=1, world_size=2, plan=WeightPlan()
+        )
+        began = time.monotonic()
+        await srv._sync(start)
+        took = time.monotonic() - began
+        srv.lanes.close()
+        return client.reports, took, srv.metrics["rollout/probe_timeouts"]
+
+    reports, took, timeouts = asyncio.run(scenario())
+    assert reports == [(True, [])] and took < 5.0 and timeouts == 1
+
+
+def test_the_engine_keeps_a_slot_for_the_probe(monkeypatch, tmp_path: Path) -> None:
+    """The server keeps ``rollout.max_inflight`` responses in flight: vLLM gets one more
+    sequence slot, the probe's, so it never queues behind them."""
+    from rollout_servers import vllm_check
+
+    seen = {}
+
+    async def start(cls, args, **kwargs):
+        seen["max_num_seqs"] = args.max_num_seqs
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(vllm_check, "require", lambda inline: None)
+    monkeypatch.setattr(RolloutEngine, "start", classmethod(start))
+    cfg = load_config(None, [f"model.path={tmp_path}", "rollout.max_inflight=12"])
+    with pytest.raises(RuntimeError, match="stop here"):
+        asyncio.run(rollout_main._start_engine(cfg))
+    assert seen == {"max_num_seqs": 13}
+
+
+def test_a_task_started_under_older_weights_than_dealt_is_counted_and_said(caplog) -> None:
+    """A review: a task that gave up waiting for its dealt version (a failed or slow sync)
+    left only a longer ``rollout/version_wait_s``, like a slow load."""
+
+    async def scenario() -> float:
+        client = StandInClient(tasks=0)
+        client.register()
+        engine = StandInEngine()
+        engine.gate.set()
+        srv = _server(client, engine, StandInScorer())
+        task = msgspec.structs.replace(make_task("t"), dealt_version=3)
+        srv.inflight += task.n
+        await srv._run_task(task)
+        srv.lanes.close()
+        return srv.metrics["rollout/version_wait_missed"]
+
+    with caplog.at_level(logging.WARNING):
+        assert asyncio.run(scenario()) == 1
+    assert "starts under version 0, not 3 it was dealt for" in caplog.text
