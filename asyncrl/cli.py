@@ -37,6 +37,7 @@ def role_parser(
     )
     parser.add_argument(
         "config",
+        nargs="?",  # required, but checked by hand: parse_intermixed_args names the wrong one
         help="run config YAML (e.g. configs/cpu_demo.yaml); left out, key=value overrides "
         "alone set the run, as a veRL command line does",
     )
@@ -68,7 +69,10 @@ def parse_role_args(
     a missing file (a supervisor does not restart a role that exited 2)."""
     from asyncrl.config.inputs import input_problems
 
-    args = role_parser(prog, description, groups, extra).parse_intermixed_args(argv)
+    parser = role_parser(prog, description, groups, extra)
+    args = parser.parse_intermixed_args(argv)
+    if args.config is None:
+        parser.error("give a config file (e.g. configs/cpu_demo.yaml) or key=value overrides")
     setup_logging(args.log_level)
     if "=" in args.config and not Path(args.config).is_file():  # no file: overrides only
         args.config, args.overrides = None, [args.config, *args.overrides]

@@ -92,9 +92,10 @@ def test_a_micro_batch_size_that_dynamic_batching_ignores_is_warned_about(tmp_pa
     for chosen in ("false", "true"):  # either way the user chose
         bsz = f"actor_rollout_ref.actor.use_dynamic_bsz={chosen}"
         assert config_advisories(load_config("configs/cpu_demo.yaml", [micro, bsz])) == []
-    # a role reading the launcher's resolved config.yaml (every key set) stays quiet
+    # a role reading the launcher's resolved config.yaml (every key set, and a list of
+    # those the user wrote) warns as the launcher does
     cfg = load_config("configs/cpu_demo.yaml", [micro, f"trainer.default_local_dir={tmp_path}"])
-    assert config_advisories(load_config(str(write_resolved(cfg)))) == []
+    assert config_advisories(load_config(str(write_resolved(cfg)))) == config_advisories(cfg)
     # The critic's and the logprob passes' sizes inherit the actor's dynamic batching too
     # (they went unused without a word): each is named with its own switch.
     others = [
@@ -216,6 +217,7 @@ def test_a_kl_coefficient_no_penalty_reads_is_warned_about(tmp_path):
     ]
     for overrides in quiet:
         assert config_advisories(load_config(None, overrides)) == [], overrides
-    # a role reading the launcher's resolved config.yaml (every key set) stays quiet
+    # a role reading the launcher's resolved config.yaml warns as the launcher does
     cfg = load_config(None, [*tinyzero, f"trainer.default_local_dir={tmp_path}"])
-    assert config_advisories(load_config(str(write_resolved(cfg)))) == []
+    assert config_advisories(load_config(str(write_resolved(cfg)))) == config_advisories(cfg)
+    assert config_advisories(cfg)

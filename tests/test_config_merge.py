@@ -200,8 +200,8 @@ def test_an_empty_reward_group_beside_custom_reward_function(tmp_path):
             "actor_rollout_ref.actor must be a mapping of keys, not int",
         ),
         (
-            "custom_reward_function:\n  overlong_buffer: on\n",
-            "custom_reward_function.overlong_buffer must be a mapping of keys, not bool",
+            "custom_reward_function:\n  overlong_buffer: on\n",  # `on` is text, as in Hydra
+            "custom_reward_function.overlong_buffer must be a mapping of keys, not str",
         ),
         (
             "reward: {custom_reward_function: x}\ncustom_reward_function: {name: a}\n",

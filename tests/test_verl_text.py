@@ -187,7 +187,7 @@ def test_verls_default_local_dir_is_the_run_directory_not_a_root(tmp_path):
     ]
     cfg = load_config(None, verl)
     assert run_dir(cfg) == tmp_path / "ckpt" / "GRPO" / "qwen_gsm8k"
-    assert load_config(write_resolved(cfg)) == cfg  # a restarted role finds the same folder
+    assert run_dir(load_config(write_resolved(cfg))) == run_dir(cfg)  # a restarted role too
     root = load_config(None, [*verl[:2], f"trainer.default_local_dir={tmp_path}/runs"])
     assert run_dir(root) == tmp_path / "runs" / "GRPO" / "qwen_gsm8k"
 

@@ -12,7 +12,6 @@ import difflib
 import functools
 import logging
 import os
-import re
 import typing
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,6 +24,13 @@ from pydantic_core import ErrorDetails
 from asyncrl.config.errors import ConfigError as ConfigError
 from asyncrl.config.interpolate import InterpolationError, leaves, resolve_references
 from asyncrl.config.overrides import our_dotted, parse_override
+from asyncrl.config.resolved import (
+    PATH_KEY,
+    WRITTEN,
+    absolute_paths,
+    restore_written,
+    written_keys,
+)
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import (
@@ -44,32 +50,26 @@ from asyncrl.config.verl_groups import (
     unknown_verl_children,
     verl_spellings,
 )
-from asyncrl.config.verl_table import lookup, unsampled_validation
+from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key, unsampled_validation
+from asyncrl.config.yaml_read import DuplicateKeyError, read_yaml
 
 log = logging.getLogger(__name__)
-
-#: Keys holding paths: a leading ``~`` is the user's home (veRL's defaults write
-#: ``~/data/...``, and no shell expands it inside a YAML file).
-_PATH_KEY = re.compile(r"(path|paths|files?|dir)$")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read ``path`` (or the built-in defaults when None), apply overrides, validate."""
     raw: dict[str, Any] = {}
     loaded: dict[str, Any] | None = None
+    recorded: list[str] | None = None  # the keys a resolved config.yaml says were written
     hydra: str | None = None
     if path is not None:
         path = Path(path)
-        if not path.is_file():
-            raise ConfigError([f"config file {path} not found; pass an existing YAML file"])
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except yaml.YAMLError as e:
-            raise ConfigError([f"{path} is not valid YAML: {e}"]) from None
+        loaded = _read_file(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(
                 [f"{path} must hold a mapping of groups, not {type(loaded).__name__}"]
             )
+        recorded = _recorded(path, loaded)
         if loaded:  # veRL's own layout: its Hydra entries configure Hydra, not a run
             loaded, hydra = drop_hydra_entries(loaded)
             if hydra:
@@ -98,9 +98,54 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if problems := unknown_verl_children(raw):
         raise ConfigError(problems)
     try:
-        return validate(raw)
+        cfg = validate(raw)
     except ConfigError as e:  # an unknown key is named as the user wrote it
         raise ConfigError([respelled(p, spelled) for p in e.problems]) from None
+    if recorded is not None:  # what the user wrote, not every key the file sets
+        mapped = [t for k, r in VERL_KEYS.items() if our_key(k) in given for t in r.target]
+        restore_written(cfg, [*recorded, *given, *mapped])
+    return cfg
+
+
+def _recorded(path: Path, loaded: dict[str, Any] | None) -> list[str] | None:
+    """Take :data:`WRITTEN` out of a resolved config (None for the user's own file)."""
+    if not loaded or WRITTEN not in loaded:
+        return None
+    keys = loaded.pop(WRITTEN)
+    if not (isinstance(keys, list) and all(isinstance(k, str) for k in keys)):
+        raise ConfigError([f"{path}: {WRITTEN} must list dotted keys (write_resolved writes it)"])
+    return keys
+
+
+def _read_file(path: Path) -> Any:
+    """The file's YAML, read as an override's value is (:mod:`asyncrl.config.yaml_read`);
+    a folder, a missing file, text that is not UTF-8, bad YAML and a key given twice are
+    refused in one line each."""
+    if path.is_dir():
+        some = ", ".join(str(p) for p in sorted(path.glob("*.yaml"))[:3])
+        return _refuse(
+            f"config {path} is a directory; pass a YAML file" + (f" ({some}, ...)" if some else "")
+        )
+    if not path.is_file():
+        return _refuse(f"config file {path} not found; pass an existing YAML file")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        return _refuse(
+            f"{path} is not UTF-8 text (line {line}: byte {data[e.start]:#04x}); save it as UTF-8"
+        )
+    try:
+        return read_yaml(text, lambda dotted: _text_key(our_key(dotted)))
+    except DuplicateKeyError as e:
+        return _refuse(f"{path} {e}")
+    except yaml.YAMLError as e:
+        return _refuse(f"{path} is not valid YAML: {e}")
+
+
+def _refuse(problem: str) -> Any:
+    raise ConfigError([problem])
 
 
 def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> set[str]:
@@ -109,8 +154,11 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> set[str]:
     given: set[str] = set()
     for item in overrides:
         if item.strip().startswith("~"):  # Hydra's "~key": remove it
-            key = our_dotted(item.strip()[1:].split("=", 1)[0])
-            pop_dotted(raw, key)
+            written = item.strip()[1:].split("=", 1)[0].strip()
+            key = our_dotted(written)
+            found, _ = pop_dotted(raw, key)
+            if not found and (problem := _not_deletable(written, key)):
+                raise ConfigError([problem])
             given.difference_update({g for g in given if g == key or g.startswith(key + ".")})
             continue
         key, value = parse_override(item)
@@ -127,6 +175,27 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> set[str]:
         set_dotted(raw, key, value)
         given.update(leaf for leaf, _ in set_here)
     return given
+
+
+def _not_deletable(written: str, key: str) -> str | None:
+    """Hydra's refusal of ``~key`` for a key that does not exist, with the nearest one; None
+    for a key of the schema or of veRL's table that the config leaves out (at its default,
+    deleting it changes nothing)."""
+    if written in VERL_KEYS or any(k.startswith(written + ".") for k in VERL_KEYS):
+        return None
+    model: type[BaseModel] = Config
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        field = model.model_fields.get(part)
+        if field is None:
+            close = difflib.get_close_matches(part, list(model.model_fields), n=1, cutoff=0.5)
+            hint = f"; did you mean ~{'.'.join([*parts[:i], *close])}?" if close else ""
+            return f"~{written}: could not delete {written}, it does not exist{hint}"
+        sub = field.annotation
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            return None  # a value, or a mapping of the user's own keys
+        model = sub
+    return None
 
 
 def _is_number(value: Any) -> bool:
@@ -201,7 +270,7 @@ def _expand_home(node: dict[str, Any]) -> None:
     for k, v in node.items():
         if isinstance(v, dict):
             _expand_home(v)
-        elif isinstance(k, str) and _PATH_KEY.search(k):
+        elif isinstance(k, str) and PATH_KEY.search(k):  # no shell expands ~ in a file
             if isinstance(v, str) and v.startswith("~"):
                 node[k] = os.path.expanduser(v)
             elif isinstance(v, list):
@@ -284,7 +353,10 @@ def write_resolved(cfg: Config, directory: Path | None = None) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     out = directory / "config.yaml"
     tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    data = cfg.model_dump(mode="json")
+    absolute_paths(data)  # a role restarted by hand elsewhere reads the same files
+    data[WRITTEN] = written_keys(cfg)  # its advisories then read as the launcher's
+    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
     tmp.replace(out)  # atomic: a role reading it never sees half a file
     return out
 

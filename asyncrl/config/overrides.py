@@ -1,51 +1,20 @@
 """One command-line override read as Hydra reads it: ``"a.b=1"`` -> ``("a.b", 1)``.
 
-Values are YAML with Hydra's readings: ``true``/``false`` the only booleans, no dates, no
-octal or base-60 numbers, ``1e-5`` a float, and ``{k:v}`` (no space after the colon) a
-mapping. A veRL spelling of the key (``actor_rollout_ref.actor.*``) becomes ours.
+Values are YAML with Hydra's readings (:mod:`asyncrl.config.yaml_read`, as a config file
+is read): ``true``/``false`` the only booleans, no dates, no octal or base-60 numbers, an
+unquoted ``1e-5`` a float, and ``{k:v}`` (no space after the colon) a mapping. A veRL
+spelling of the key (``actor_rollout_ref.actor.*``) becomes ours.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import yaml
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.verl_table import our_key
-
-_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-class _OverrideLoader(yaml.SafeLoader):
-    """YAML for one override value, read as Hydra reads it: ``true``/``false`` are the
-    only booleans (``on``, ``off``, ``yes``, ``no`` stay text) and nothing is a date
-    (``experiment_name=2025-01-20`` is text)."""
-
-
-_HYDRA_ONLY = (":bool", ":timestamp", ":int", ":float")  # YAML 1.1's readings these replace
-_OverrideLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if not tag.endswith(_HYDRA_ONLY)]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_OverrideLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|false)$", re.IGNORECASE), list("tTfF")
-)
-# Decimal numbers only: YAML 1.1 also reads 0615 (octal), 0x1f and 12:30 (base 60) as
-# numbers, which would rename trainer.experiment_name=0615 to 397 without a word.
-_OverrideLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:int", re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"), list("-+0123456789")
-)
-_OverrideLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"^(?:[-+]?(?:[0-9][0-9_]*)?\.[0-9]+(?:[eE][-+]?[0-9]+)?"
-        r"|[-+]?[0-9][0-9_]*\.(?:[eE][-+]?[0-9]+)?"
-        r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-    ),
-    list("-+0123456789."),
-)
+from asyncrl.config.yaml_read import DuplicateKeyError, read_yaml
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -58,28 +27,18 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError([f"override {item!r} has an empty key"])
     flow = _hydra_flow(text) if text.lstrip()[:1] in ("{", "[") else text
     try:
-        value = yaml.load(flow, Loader=_OverrideLoader) if text.strip() else ""
+        value = read_yaml(flow) if text.strip() else ""
+    except DuplicateKeyError as e:
+        raise ConfigError([f"override {item!r} gives {e.key} twice; give it once"]) from None
     except yaml.YAMLError:
         value = text  # a plain string such as a path with a colon
-    return our_dotted(key), _floats(value)
+    return our_dotted(key), value
 
 
 def our_dotted(key: str) -> str:
     """:func:`our_key`, for a whole veRL group too: ``actor_rollout_ref.actor={...}`` sets
     ``actor`` (the prefixes in VERL_PREFIXES end with a dot)."""
     return our_key(key + ".")[:-1]
-
-
-def _floats(value: Any) -> Any:
-    """``"1e-5"`` -> ``1e-5``, in a list or mapping too: YAML 1.1 reads an exponent without
-    a dot as a string, where Hydra reads a float."""
-    if isinstance(value, str) and _FLOAT.fullmatch(value):
-        return float(value)
-    if isinstance(value, list):
-        return [_floats(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _floats(v) for k, v in value.items()}
-    return value
 
 
 def _hydra_flow(text: str) -> str:

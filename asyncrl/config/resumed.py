@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncrl.config.critic import OptimConfig
 from asyncrl.config.inputs import STATE_FILE, total_training_steps
+from asyncrl.config.resolved import same_path
 from asyncrl.config.schema import Config
 
 #: The settings a resume compares with its checkpoint's: those that change what a step
@@ -139,7 +140,16 @@ def changed_settings(saved: Mapping[str, Any] | None, cfg: Config) -> list[str]:
     if not saved:
         return []
     now = settings_of(cfg)
-    return [f"{k} {saved[k]} -> {now[k]}" for k in COMPARED if k in saved and saved[k] != now[k]]
+    return [
+        f"{k} {saved[k]} -> {now[k]}"
+        for k in COMPARED
+        if k in saved and _moved(k, saved[k], now[k])
+    ]
+
+
+def _moved(key: str, saved: Any, now: Any) -> bool:
+    """Whether a compared setting changed: ``model.path`` as the folder it names."""
+    return not same_path(saved, now) if key == "model.path" else saved != now
 
 
 def changed_line(changes: list[str], step: int, lora: bool = False) -> str | None:

@@ -1,0 +1,148 @@
+"""Config files read as the command line reads its values (Hydra's YAML), and the refusals
+of a file or a ``~key`` that cannot be what the user meant: each through the real loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncrl.cli import parse_role_args
+from asyncrl.config import ConfigError, load_config
+
+
+def _file(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def _problems(path, overrides=()) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value.problems
+
+
+def test_file_reads_exponents_as_floats_like_the_command_line(tmp_path):
+    path = _file(
+        tmp_path,
+        "model:\n  override_config: {rope_theta: 1e6, rms_norm_eps: 1e-6}\n"
+        "actor:\n  optim:\n    lr: 5e-7\n"
+        "custom_reward_function:\n  reward_kwargs: {scale: 1e-3, tag: '1e-3'}\n",
+    )
+    cfg = load_config(path)
+    assert cfg.model.override_config == {"rope_theta": 1e6, "rms_norm_eps": 1e-6}
+    assert cfg.actor.optim.lr == 5e-7
+    assert cfg.reward.custom_reward_function.reward_kwargs == {"scale": 1e-3, "tag": "1e-3"}
+    line = load_config(None, ["model.override_config={rope_theta: 1e6, rms_norm_eps: 1e-6}"])
+    assert line.model.override_config == cfg.model.override_config
+
+
+@pytest.mark.parametrize("written", ["2025-01-20", "0615", "1.10", "off", "20250120"])
+def test_file_text_key_is_read_as_written(tmp_path, written):
+    """A date, a leading zero, a version, ``off``, a number: the run's name as typed, as the
+    command line reads it (YAML 1.1 reads a date, octal 397, 1.1 and false)."""
+    assert load_config(None, [f"trainer.experiment_name={written}"]).trainer.experiment_name == (
+        written
+    )
+    path = _file(tmp_path, f"trainer:\n  experiment_name: {written}\n")
+    assert load_config(path).trainer.experiment_name == written
+
+
+@pytest.mark.parametrize(("written", "read"), [("off", False), ("yes", True), ("True", True)])
+def test_file_boolean_key_reads_words_as_hydra_does(tmp_path, written, read):
+    path = _file(tmp_path, f"algorithm:\n  filter_groups:\n    enable: {written}\n")
+    assert load_config(path).algorithm.filter_groups.enable is read
+
+
+def test_file_integer_key_reads_decimal(tmp_path):
+    path = _file(tmp_path, "rollout:\n  n: 012\n")
+    assert load_config(path).rollout.n == 12  # not octal 10
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "line", "first"),
+    [
+        ("rollout:\n  n: 4\n  n: 2\n", "rollout.n", 3, 2),
+        ("rollout:\n  n: 4\ntrainer:\n  nproc: 1\nrollout:\n  temperature: 0.7\n", "rollout", 5, 1),
+    ],
+)
+def test_file_key_given_twice_is_refused(tmp_path, text, key, line, first):
+    """YAML keeps the last of two keys silently: a group written twice lost its first
+    block. Refused, as OmegaConf refuses it, in one line naming the key and both lines."""
+    path = _file(tmp_path, text)
+    (problem,) = _problems(path)
+    assert f"{path} line {line}: {key} is given twice (first at line {first})" in problem
+    assert "\n" not in problem
+
+
+def test_override_key_given_twice_is_refused():
+    (problem,) = _problems(None, ["actor.optim={lr: 1e-5, lr: 2e-5}"])
+    assert "gives lr twice" in problem
+
+
+@pytest.mark.parametrize(
+    ("override", "read"),
+    [
+        ('trainer.experiment_name="1e-5"', "1e-5"),
+        ("trainer.experiment_name='2e3'", "2e3"),
+        ("trainer.experiment_name=2e3", "2e3"),  # unquoted, for a text key: as typed
+    ],
+)
+def test_quoted_exponent_override_is_text(override, read):
+    assert load_config(None, [override]).trainer.experiment_name == read
+
+
+def test_quoted_exponent_in_a_mapping_is_text():
+    cfg = load_config(None, ["custom_reward_function.reward_kwargs={tag: '1e-3', scale: 1e-3}"])
+    assert cfg.reward.custom_reward_function.reward_kwargs == {"tag": "1e-3", "scale": 1e-3}
+
+
+@pytest.mark.parametrize(
+    ("override", "hint"),
+    [
+        ("~rollout.temprature", "did you mean ~rollout.temperature?"),
+        ("~trainer.loger", "did you mean ~trainer.logger?"),
+        ("~actor_rollout_ref.actor.optim.lrr", "did you mean ~actor.optim.lr?"),
+    ],
+)
+def test_delete_of_a_key_that_does_not_exist_is_refused(override, hint):
+    (problem,) = _problems(None, [override])
+    assert f"could not delete {override[1:]}, it does not exist; {hint}" in problem
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "~trainer.logger",
+        "~rollout.val_kwargs",
+        "~actor_rollout_ref.actor.optim.lr",
+        "~actor_rollout_ref.actor.fsdp_config.param_offload",
+        "~model.override_config.x",
+    ],
+)
+def test_delete_of_a_known_key_loads(override):
+    load_config(None, [override])
+
+
+def test_file_that_is_not_utf8_is_refused(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("trainer:\n  experiment_name: café\n".encode("latin-1"))
+    (problem,) = _problems(path)
+    assert problem == f"{path} is not UTF-8 text (line 2: byte 0xe9); save it as UTF-8"
+
+
+def test_directory_given_as_config_is_refused(tmp_path):
+    _file(tmp_path, "rollout:\n  n: 4\n", "a.yaml")
+    (problem,) = _problems(tmp_path)
+    assert problem.startswith(f"config {tmp_path} is a directory; pass a YAML file")
+    assert f"{tmp_path / 'a.yaml'}" in problem
+
+
+def test_no_arguments_asks_for_a_config(capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_role_args("asyncrl-launch", "", None, [])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "give a config file (e.g. configs/cpu_demo.yaml) or key=value overrides" in err
+    assert "arguments are required" not in err  # argparse named both, overrides too

@@ -1,0 +1,86 @@
+"""The resolved config.yaml a launcher writes and a role reads: the same advisories as the
+launcher's (it records which keys the user wrote), and local paths that read the same from
+any directory; a resume compares the model's folder, not its spelling."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl.config import load_config, run_dir, write_resolved
+from asyncrl.config.advisories import config_advisories
+from asyncrl.config.resumed import changed_settings, settings_of
+
+DEMO = "configs/cpu_demo.yaml"
+
+
+@pytest.mark.parametrize(
+    ("path", "overrides"),
+    [
+        (DEMO, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]),
+        (DEMO, ["actor.policy_loss.loss_mode=gspo"]),
+        (None, ["actor_rollout_ref.rollout.n=4", "algorithm.kl_ctrl.kl_coef=0.01"]),
+    ],
+)
+def test_resolved_config_gives_the_launchers_advisories(tmp_path, path, overrides):
+    launched = load_config(path, overrides)
+    assert config_advisories(launched)  # each case has one to lose or to gain
+    role = load_config(write_resolved(launched, tmp_path), [])
+    assert config_advisories(role) == config_advisories(launched)
+    again = load_config(write_resolved(role, tmp_path / "again"), [])  # the learner rewrites it
+    assert config_advisories(again) == config_advisories(launched)
+
+
+def test_resolved_config_counts_a_restarts_own_overrides(tmp_path):
+    written = write_resolved(load_config(DEMO), tmp_path)
+    assert config_advisories(load_config(written, [])) == []
+    role = load_config(written, ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    assert [a.split(" ")[0] for a in config_advisories(role)] == [
+        "actor.ppo_micro_batch_size_per_gpu=4"
+    ]
+
+
+def test_resolved_config_holds_absolute_local_paths(tmp_path, monkeypatch):
+    demo = Path(DEMO).resolve()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data/train.parquet").write_bytes(b"")
+    cfg = load_config(
+        demo,
+        [
+            "trainer.default_local_dir=runs_x",
+            "model.path=hub/Model-1B",
+            "data.train_files=[data/train.parquet]",
+        ],
+    )
+    written = write_resolved(cfg, tmp_path / "run")
+    saved = yaml.safe_load(written.read_text())
+    assert saved["trainer"]["default_local_dir"] == str(tmp_path / "runs_x")
+    assert saved["data"]["train_files"] == [str(tmp_path / "data/train.parquet")]
+    assert saved["model"]["path"] == "hub/Model-1B"  # not a folder here: a hub id, as written
+    monkeypatch.chdir(tmp_path / "run")  # a role restarted by hand from another directory
+    again = load_config(written, [])
+    assert again.data.train_files == [str(tmp_path / "data/train.parquet")]
+    assert run_dir(again) == tmp_path / "runs_x" / run_dir(cfg).relative_to("runs_x")
+
+
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        "artifacts/models/tiny-demo",
+        "./artifacts/models/tiny-demo/",
+        "{cwd}/artifacts/models/tiny-demo",
+    ],
+)
+def test_resume_reads_one_model_path_in_any_spelling(spelling):
+    saved = json.loads(json.dumps(settings_of(load_config(DEMO))))  # as the state file has it
+    now = load_config(DEMO, [f"model.path={spelling.format(cwd=os.getcwd())}"])
+    assert changed_settings(saved, now) == []
+    other = load_config(DEMO, ["model.path=artifacts/models/other"])
+    assert changed_settings(saved, other) == [
+        "model.path artifacts/models/tiny-demo -> artifacts/models/other"
+    ]
