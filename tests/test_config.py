@@ -138,6 +138,16 @@ def test_bad_keys_and_types_name_the_key(override, expected):
     assert any(expected in p for p in problems), problems
 
 
+def test_top_k_off_is_minus_one_or_zero_as_vllm_reads_them():
+    """A review: vLLM takes 0 as "off" as it takes -1, and refuses any value below -1 only
+    when it builds a request (every validation request then failed with a traceback)."""
+    assert load_config(None, ["rollout.top_k=0"]).rollout.top_k == 0
+    assert load_config(None, ["rollout.val_kwargs.top_k=0"]).rollout.val_kwargs.top_k == 0
+    assert any(
+        "rollout.val_kwargs.top_k" in p for p in _problems(None, ["rollout.val_kwargs.top_k=-5"])
+    )
+
+
 GAE = ["algorithm.adv_estimator=gae"]
 
 

@@ -113,7 +113,9 @@ class ValKwargs(Section):
         default=0.0, ge=0, description="Validation temperature (0 = greedy)."
     )
     top_p: float = Field(default=1.0, gt=0, le=1, description="Validation nucleus sampling.")
-    top_k: int = Field(default=-1, description="Validation top-k (-1 = off).")
+    top_k: int = Field(
+        default=-1, ge=-1, description="Validation top-k (-1 or 0 = off, as vLLM reads them)."
+    )
     n: int = Field(default=1, gt=0, description="Validation samples per prompt.")
 
 
@@ -129,7 +131,7 @@ class RolloutConfig(LogProbPass):
     top_p: float = Field(
         default=1.0, gt=0, le=1, description="Must stay 1 for training (see rules)."
     )
-    top_k: int = Field(default=-1, description="Must stay -1 for training (see rules).")
+    top_k: int = Field(default=-1, description="Must stay off (-1 or 0) for training (see rules).")
     max_inflight: int = Field(
         default=128, gt=0, description="Concurrent sequences per rollout server."
     )

@@ -28,7 +28,7 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "(the learner's logprobs would not match the behaviour policy); set "
             "rollout.top_p=1 and use rollout.val_kwargs.top_p for validation sampling"
         )
-    if ro.top_k != -1:
+    if ro.top_k not in (-1, 0):  # both mean off to vLLM
         problems.append(
             f"rollout.top_k={ro.top_k}: training rollouts must sample the full distribution; "
             "set rollout.top_k=-1 and use rollout.val_kwargs.top_k for validation sampling"
