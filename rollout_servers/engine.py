@@ -163,6 +163,8 @@ class RolloutEngine:
             logprobs = [sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
             sample.extend(ids, logprobs, version_spans_of(done, len(ids), version_before))
             interrupted = done.finish_reason == "abort" and self._aborts != aborts_before
+            if not interrupted:
+                _refuse_cut_short(done.finish_reason, rid)
             if not interrupted or len(sample.token_ids) >= max_tokens:
                 sample.finish_reason = done.finish_reason or "length"
                 if interrupted:
@@ -194,6 +196,7 @@ class RolloutEngine:
         if final is None:
             raise RuntimeError(f"vLLM returned no output for request {request_id}")
         done = final.outputs[0]
+        _refuse_cut_short(done.finish_reason, request_id)
         ids = list(done.token_ids)
         positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
         logprobs = [sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
@@ -424,3 +427,14 @@ class RolloutEngine:
             self.adapters.versions,
         )
         return {"seconds": took, **(stats[0] if stats else {})}
+
+
+def _refuse_cut_short(finish_reason: str | None, request_id: str) -> None:
+    """A response vLLM aborted (not by a sync of ours) or ended in error is not a sample:
+    scored and trained, its cut text would teach the policy as if it had stopped there.
+    Raised, it fails its group, which the coordinator deals again."""
+    if finish_reason in ("abort", "error"):
+        raise RuntimeError(
+            f"vLLM ended request {request_id} with finish_reason {finish_reason!r} (not a "
+            "weight sync's abort): its group fails and is dealt again"
+        )

@@ -1410,4 +1410,14 @@ MUTATIONS = (
             "tests/test_validation_stats.py::test_a_round_is_dealt_once_the_steps_push_ended_and_says_whose_weights_it_measured",
         ),
     ),
+    Mutation(
+        "a response vLLM aborted is not trained",
+        "an abort not of a sync comes back as a sample",
+        "rollout_servers/engine.py",
+        "                _refuse_cut_short(done.finish_reason, rid)\n",
+        "                pass\n",
+        (
+            "tests/test_engine_versions.py::test_a_response_vllm_aborted_or_ended_in_error_fails_instead_of_training",
+        ),
+    ),
 )

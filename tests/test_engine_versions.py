@@ -324,3 +324,36 @@ def test_an_episode_deadline_does_not_run_during_a_sync_in_progress():
         assert 0.0 < deadline.left() < 0.15 and engine.paused_s() > 0.8
 
     asyncio.run(run())
+
+
+class EndingLLM:
+    """Answers every request at once with two tokens and ``finish_reason``."""
+
+    def __init__(self, finish_reason: str) -> None:
+        self.finish_reason = finish_reason
+
+    async def generate(self, prompt, params, request_id, lora_request=None):
+        from types import SimpleNamespace
+
+        done = SimpleNamespace(token_ids=[5, 6], logprobs=None, finish_reason=self.finish_reason)
+        yield SimpleNamespace(outputs=[done])
+
+
+@pytest.mark.parametrize(("reason", "fails"), [("abort", True), ("error", True), ("stop", False)])
+def test_a_response_vllm_aborted_or_ended_in_error_fails_instead_of_training(reason, fails):
+    """A review: an abort that was not a sync's (or an error) came back as a normal sample,
+    its cut text scored and trained as if the policy had stopped there. It now fails the
+    request, and with it the group, which is dealt again."""
+    from vllm import SamplingParams
+
+    engine = RolloutEngine(llm=EndingLLM(reason))
+    params = SamplingParams(max_tokens=4, temperature=1.0)
+
+    async def run():
+        return await engine.generate([1, 2, 3], params, "r1")
+
+    if fails:
+        with pytest.raises(RuntimeError, match=f"finish_reason '{reason}'"):
+            asyncio.run(run())
+    else:
+        assert asyncio.run(run()).token_ids == [5, 6]
