@@ -213,3 +213,20 @@ def launch_inputs(tmp_path: Path) -> list[str]:
         f"trainer.default_local_dir={tmp_path}",
         "launch.cpus=null",
     ]
+
+
+def write_config(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    """A config file of ``text`` in ``tmp_path``."""
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def config_problems(path: Path | str | None, overrides: Any = ()) -> list[str]:
+    """The problems :func:`asyncrl.config.load_config` refuses ``path`` and ``overrides``
+    with (the test fails if it loads them)."""
+    from asyncrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return info.value.problems

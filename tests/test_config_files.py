@@ -3,28 +3,15 @@ of a file or a ``~key`` that cannot be what the user meant: each through the rea
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from asyncrl.cli import parse_role_args
-from asyncrl.config import ConfigError, load_config
-
-
-def _file(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
-
-
-def _problems(path, overrides=()) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    return info.value.problems
+from asyncrl.config import load_config
+from tests.helpers import config_problems, write_config
 
 
 def test_file_reads_exponents_as_floats_like_the_command_line(tmp_path):
-    path = _file(
+    path = write_config(
         tmp_path,
         "model:\n  override_config: {rope_theta: 1e6, rms_norm_eps: 1e-6}\n"
         "actor:\n  optim:\n    lr: 5e-7\n"
@@ -45,18 +32,18 @@ def test_file_text_key_is_read_as_written(tmp_path, written):
     assert load_config(None, [f"trainer.experiment_name={written}"]).trainer.experiment_name == (
         written
     )
-    path = _file(tmp_path, f"trainer:\n  experiment_name: {written}\n")
+    path = write_config(tmp_path, f"trainer:\n  experiment_name: {written}\n")
     assert load_config(path).trainer.experiment_name == written
 
 
 @pytest.mark.parametrize(("written", "read"), [("off", False), ("yes", True), ("True", True)])
 def test_file_boolean_key_reads_words_as_hydra_does(tmp_path, written, read):
-    path = _file(tmp_path, f"algorithm:\n  filter_groups:\n    enable: {written}\n")
+    path = write_config(tmp_path, f"algorithm:\n  filter_groups:\n    enable: {written}\n")
     assert load_config(path).algorithm.filter_groups.enable is read
 
 
 def test_file_integer_key_reads_decimal(tmp_path):
-    path = _file(tmp_path, "rollout:\n  n: 012\n")
+    path = write_config(tmp_path, "rollout:\n  n: 012\n")
     assert load_config(path).rollout.n == 12  # not octal 10
 
 
@@ -70,14 +57,14 @@ def test_file_integer_key_reads_decimal(tmp_path):
 def test_file_key_given_twice_is_refused(tmp_path, text, key, line, first):
     """YAML keeps the last of two keys silently: a group written twice lost its first
     block. Refused, as OmegaConf refuses it, in one line naming the key and both lines."""
-    path = _file(tmp_path, text)
-    (problem,) = _problems(path)
+    path = write_config(tmp_path, text)
+    (problem,) = config_problems(path)
     assert f"{path} line {line}: {key} is given twice (first at line {first})" in problem
     assert "\n" not in problem
 
 
 def test_override_key_given_twice_is_refused():
-    (problem,) = _problems(None, ["actor.optim={lr: 1e-5, lr: 2e-5}"])
+    (problem,) = config_problems(None, ["actor.optim={lr: 1e-5, lr: 2e-5}"])
     assert "gives lr twice" in problem
 
 
@@ -107,7 +94,7 @@ def test_quoted_exponent_in_a_mapping_is_text():
     ],
 )
 def test_delete_of_a_key_that_does_not_exist_is_refused(override, hint):
-    (problem,) = _problems(None, [override])
+    (problem,) = config_problems(None, [override])
     assert f"could not delete {override[1:]}, it does not exist; {hint}" in problem
 
 
@@ -128,13 +115,13 @@ def test_delete_of_a_known_key_loads(override):
 def test_file_that_is_not_utf8_is_refused(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("trainer:\n  experiment_name: café\n".encode("latin-1"))
-    (problem,) = _problems(path)
+    (problem,) = config_problems(path)
     assert problem == f"{path} is not UTF-8 text (line 2: byte 0xe9); save it as UTF-8"
 
 
 def test_directory_given_as_config_is_refused(tmp_path):
-    _file(tmp_path, "rollout:\n  n: 4\n", "a.yaml")
-    (problem,) = _problems(tmp_path)
+    write_config(tmp_path, "rollout:\n  n: 4\n", "a.yaml")
+    (problem,) = config_problems(tmp_path)
     assert problem.startswith(f"config {tmp_path} is a directory; pass a YAML file")
     assert f"{tmp_path / 'a.yaml'}" in problem
 

@@ -4,25 +4,12 @@ on the command line; Hydra's ``{k:v}``; empty and non-mapping groups."""
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import yaml
 
-from asyncrl.config import ConfigError, load_config, parse_override
-
-
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
-    return path
-
-
-def _problems(path, overrides=()) -> list[str]:
-    with pytest.raises(ConfigError) as info:
-        load_config(path, overrides)
-    return info.value.problems
-
+from asyncrl.config import load_config, parse_override
+from tests.helpers import config_problems, write_config
 
 # ---------------------------------------------------------------- 1. mappings merge
 
@@ -48,7 +35,7 @@ def test_override_mapping_merges_nested_groups():
 def test_mapping_on_the_command_line_wins_over_the_files_target(tmp_path, group):
     # Only the keys in the mapping were given on the command line: the file's
     # rollout.max_inflight beside them is the file's, so veRL's mapped key replaces it.
-    path = _write(tmp_path, "rollout:\n  max_inflight: 5\n  n: 4\n")
+    path = write_config(tmp_path, "rollout:\n  max_inflight: 5\n  n: 4\n")
     cfg = load_config(path, [f"{group}={{max_num_seqs: 6}}"])
     assert (cfg.rollout.max_inflight, cfg.rollout.n) == (6, 4)
 
@@ -75,7 +62,7 @@ actor_rollout_ref:
 
 
 def test_file_merges_verl_groups_into_ours_key_by_key(tmp_path):
-    cfg = load_config(_write(tmp_path, MIXED))
+    cfg = load_config(write_config(tmp_path, MIXED))
     assert cfg.actor.optim.lr == 1e-5  # given in both spellings, at one value
     assert (cfg.actor.optim.weight_decay, cfg.actor.optim.lr_warmup_steps) == (0.1, 10)
     assert cfg.actor.clip_ratio_c == 10.0
@@ -86,7 +73,7 @@ def test_file_merges_verl_groups_into_ours_key_by_key(tmp_path):
 def test_one_key_in_two_spellings_with_two_values_is_refused(tmp_path):
     text = MIXED.replace("lr: 1.0e-5}\n  rollout", "lr: 3.0e-6}\n  rollout")
     text = text.replace("{top_p: 0.9}", "{top_p: 0.9, n: 4}")
-    problems = _problems(_write(tmp_path, text))
+    problems = config_problems(write_config(tmp_path, text))
     assert problems == [
         "actor.optim.lr=1e-05 and actor_rollout_ref.actor.optim.lr=3e-06 are one key in two "
         "spellings, with different values: keep one of them",
@@ -106,7 +93,7 @@ def test_reward_groups_merge_across_spellings(tmp_path):
             "reward_model": {"overlong_buffer": {"penalty_factor": 1.0}},
         }
     )
-    reward = load_config(_write(tmp_path, text)).reward
+    reward = load_config(write_config(tmp_path, text)).reward
     assert (reward.custom_reward_function.path, reward.custom_reward_function.name) == (
         "score.py",
         "mine",
@@ -114,7 +101,7 @@ def test_reward_groups_merge_across_spellings(tmp_path):
     buffer = reward.overlong_buffer
     assert (buffer.enable, buffer.len, buffer.penalty_factor) == (True, 4, 1.0)
     clash = text.replace("penalty_factor: 1.0", "len: 8")
-    assert _problems(_write(tmp_path, clash)) == [
+    assert config_problems(write_config(tmp_path, clash)) == [
         "reward.overlong_buffer.len=4 and reward_model.overlong_buffer.len=8 are one key in "
         "two spellings, with different values: keep one of them"
     ]
@@ -171,11 +158,11 @@ def test_a_quoted_value_is_text():
     ],
 )
 def test_an_empty_group_is_an_empty_mapping(tmp_path, text, clip_ratio_c):
-    assert load_config(_write(tmp_path, text)).actor.clip_ratio_c == clip_ratio_c
+    assert load_config(write_config(tmp_path, text)).actor.clip_ratio_c == clip_ratio_c
 
 
 def test_an_empty_reward_group_beside_custom_reward_function(tmp_path):
-    path = _write(tmp_path, "reward:\ncustom_reward_function:\n  name: mine\n")
+    path = write_config(tmp_path, "reward:\ncustom_reward_function:\n  name: mine\n")
     assert load_config(path).reward.custom_reward_function.name == "mine"
 
 
@@ -210,7 +197,7 @@ def test_an_empty_reward_group_beside_custom_reward_function(tmp_path):
     ],
 )
 def test_a_non_mapping_group_is_refused_in_one_line(tmp_path, text, problem):
-    assert _problems(_write(tmp_path, text)) == [problem]
+    assert config_problems(write_config(tmp_path, text)) == [problem]
 
 
 # ------------------------------------------------ 4. words that YAML 1.1 reads as booleans
