@@ -120,6 +120,7 @@ class LearnerLoop:
             with startup.startup_heap_frozen():
                 while self.trainer.step < self.total and self._one_step():
                     pass
+            self._push_final()
             self._save(final=True)
         except Superseded as e:  # another learner said hello under this run's consumer id
             return self._superseded(e)
@@ -147,6 +148,16 @@ class LearnerLoop:
             )
             return HEALTH_STOP
         return 0
+
+    def _push_final(self) -> None:
+        """The data ran out after a step that did not push (``staleness.sync_every`` > 1):
+        push its weights, so that the final validation round measures the policy the run
+        ends with and exports. A collective: every rank gathers."""
+        t = self.trainer
+        started = self.restored.step if self.restored.path is not None else 0
+        if t.step > started and not push_due(t.step, self.cfg.staleness.sync_every, self.total):
+            log.info("data spent after step %d: its weights are pushed for the final round", t.step)
+            self._push()
 
     def _superseded(self, e: Superseded) -> int:
         """Another learner said hello under this run's consumer id: end without a restart

@@ -1420,4 +1420,22 @@ MUTATIONS = (
             "tests/test_engine_versions.py::test_a_response_vllm_aborted_or_ended_in_error_fails_instead_of_training",
         ),
     ),
+    Mutation(
+        "a resolved config reads back as written",
+        "config.yaml written by plain YAML ('1e5' bare)",
+        "asyncrl/config/load.py",
+        "    tmp.write_text(dump_yaml(data))  # text such as '1e5' quoted: it reads back as text\n",
+        "    tmp.write_text(yaml.safe_dump(data, sort_keys=False))\n",
+        ("tests/test_config_resolved.py::test_text_that_looks_like_a_number_reads_back_as_text",),
+    ),
+    Mutation(
+        "the final weights are pushed when the data runs out",
+        "data spent after a step that did not push leaves its weights unpushed",
+        "learner/loop.py",
+        "            self._push_final()\n",
+        "            pass\n",
+        (
+            "tests/test_validation_stats.py::test_the_final_round_measures_the_weights_the_run_ends_with_when_the_data_runs_out",
+        ),
+    ),
 )

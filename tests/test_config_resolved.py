@@ -84,3 +84,19 @@ def test_resume_reads_one_model_path_in_any_spelling(spelling):
     assert changed_settings(saved, other) == [
         "model.path artifacts/models/tiny-demo -> artifacts/models/other"
     ]
+
+
+def test_text_that_looks_like_a_number_reads_back_as_text(tmp_path):
+    """A review: the resolved config was written by plain YAML, which writes ``'1e5'``
+    bare, and read by the loader that reads a bare ``1e5`` as a float: a scorer's
+    ``reward_kwargs`` text reached every role as a number."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "reward:\n  custom_reward_function:\n    reward_kwargs: {tag: '1e5', flag: 'true'}\n"
+        "model:\n  override_config: {name: '2e3'}\n"
+    )
+    launched = load_config(path, [])
+    role = load_config(write_resolved(launched, tmp_path / "run"), [])
+    kwargs = role.reward.custom_reward_function.reward_kwargs
+    assert kwargs == {"tag": "1e5", "flag": "true"}
+    assert role.model.override_config == {"name": "2e3"}

@@ -219,3 +219,31 @@ def test_a_round_whose_every_group_was_given_up_reports_no_score():
     (report,) = tracker.add({}, progress, {"val/0": ["val/0/0", "val/0/1"]})
     assert "val/score" not in report
     assert report["val/responses"] == 0.0 and report["val/groups_given_up"] == 2.0
+
+
+def test_the_final_round_measures_the_weights_the_run_ends_with_when_the_data_runs_out():
+    """A review: with sync_every 2, data spent after step 15 (of 20) left step 15's weights
+    unpushed: the final round measured step 14's and reported them as step 15's. The
+    learner now pushes them first; a step that pushed, or a resume that trained nothing,
+    pushes nothing more."""
+    from types import SimpleNamespace
+
+    from learner.loop import LearnerLoop
+
+    def pushes(step: int, restored_at: int | None = None) -> int:
+        calls: list[int] = []
+        loop = SimpleNamespace(
+            trainer=SimpleNamespace(step=step),
+            restored=SimpleNamespace(
+                path=None if restored_at is None else "ckpt", step=restored_at
+            ),
+            cfg=SimpleNamespace(staleness=SimpleNamespace(sync_every=2)),
+            total=20,
+            _push=lambda: calls.append(step),
+        )
+        LearnerLoop._push_final(loop)  # type: ignore[arg-type]
+        return len(calls)
+
+    assert pushes(15) == 1
+    assert pushes(14) == 0 and pushes(20) == 0
+    assert pushes(15, restored_at=15) == 0 and pushes(17, restored_at=15) == 1

@@ -51,7 +51,7 @@ from asyncrl.config.verl_groups import (
     verl_spellings,
 )
 from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key, unsampled_validation
-from asyncrl.config.yaml_read import DuplicateKeyError, read_yaml
+from asyncrl.config.yaml_read import DuplicateKeyError, dump_yaml, read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -356,7 +356,7 @@ def write_resolved(cfg: Config, directory: Path | None = None) -> Path:
     data = cfg.model_dump(mode="json")
     absolute_paths(data)  # a role restarted by hand elsewhere reads the same files
     data[WRITTEN] = written_keys(cfg)  # its advisories then read as the launcher's
-    tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp.write_text(dump_yaml(data))  # text such as '1e5' quoted: it reads back as text
     tmp.replace(out)  # atomic: a role reading it never sees half a file
     return out
 

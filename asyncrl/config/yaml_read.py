@@ -53,6 +53,20 @@ HydraLoader.add_implicit_resolver(
 )
 
 
+class HydraDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper quoting text by the loader's readings (:class:`HydraLoader`):
+    text that :func:`read_yaml` would read as a number or a boolean (``'1e5'``, which plain
+    YAML writes bare) is written quoted, so a written config reads back as it was."""
+
+
+HydraDumper.yaml_implicit_resolvers = HydraLoader.yaml_implicit_resolvers
+
+
+def dump_yaml(data: Any) -> str:
+    """``data`` as YAML that :func:`read_yaml` reads back the same, in the given key order."""
+    return yaml.dump(data, Dumper=HydraDumper, sort_keys=False)
+
+
 class DuplicateKeyError(yaml.YAMLError):
     """One mapping gives ``key`` twice: ``str()`` is one line naming it and both lines."""
 
