@@ -1432,7 +1432,7 @@ MUTATIONS = (
         "the final weights are pushed when the data runs out",
         "data spent after a step that did not push leaves its weights unpushed",
         "learner/loop.py",
-        "            self._push_final()\n",
+        "            self._push()\n",
         "            pass\n",
         (
             "tests/test_validation_stats.py::test_the_final_round_measures_the_weights_the_run_ends_with_when_the_data_runs_out",
