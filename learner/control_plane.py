@@ -66,7 +66,6 @@ class RankZero:
         self.train_batch_size = cfg.data.train_batch_size
         self.validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
         self.final_wait_s = cfg.launch.start_timeout_s
-        self.start_step = restored.step if restored.path is not None else 0
         self.total_steps = total_training_steps(cfg)  # reads the data when it is null
         self.validation = ValidationTracker()
         if restored.validation is not None:
@@ -356,7 +355,7 @@ class RankZero:
         """The step whose weights the servers hold after ``step``'s push (a validation
         round started now measures them: ``val/step``)."""
         every = self.cfg.staleness.sync_every
-        return weights_step(step, every, self.total_steps, self.start_step)
+        return weights_step(step, every, self.total_steps)
 
     def steer_lag(self, step: int, metrics: dict[str, float]) -> None:
         """The adaptive controller's next admission lag (``staleness/lag_limit``), from

@@ -44,14 +44,15 @@ def push_due(step: int, sync_every: int, total: int) -> bool:
     return step % sync_every == 0 or step == total
 
 
-def weights_step(step: int, sync_every: int, total: int, start: int = 0) -> int:
+def weights_step(step: int, sync_every: int, total: int) -> int:
     """The learner step whose weights the servers hold once the pushes up to ``step`` have
     ended: ``step`` when it pushed, else the last step before it that did (``sync_every``
-    not dividing ``trainer.test_freq``), never before ``start``, the step the learner
-    started from (its weights are the ones held or caught up to)."""
+    not dividing ``trainer.test_freq``). After a learner restart from a checkpoint of a
+    step that did not push, the servers that lived on hold that last push's weights still
+    (under the version the checkpoint carries), so it is that step too."""
     if push_due(step, sync_every, total):
         return step
-    return max(start, step - step % sync_every)
+    return step - step % sync_every
 
 
 def replayed_version(version: int, step: int, redelivered: int, sync_every: int, total: int) -> int:
