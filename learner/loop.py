@@ -117,10 +117,11 @@ class LearnerLoop:
             # below the coordinator's.
             version = self.control.version(self.trainer.policy_version)
             self.trainer.policy_version = _broadcast_int(version, self.trainer)
+            started = self.trainer.step
             with startup.startup_heap_frozen():
                 while self.trainer.step < self.total and self._one_step():
                     pass
-            self._push_final()
+            self._push_final(started)
             self._save(final=True)
         except Superseded as e:  # another learner said hello under this run's consumer id
             return self._superseded(e)
@@ -149,12 +150,12 @@ class LearnerLoop:
             return HEALTH_STOP
         return 0
 
-    def _push_final(self) -> None:
+    def _push_final(self, started: int) -> None:
         """The data ran out after a step that did not push (``staleness.sync_every`` > 1):
         push its weights, so that the final validation round measures the policy the run
-        ends with and exports. A collective: every rank gathers."""
+        ends with and exports (``started``: the step this learner started at; a learner
+        that trained nothing pushes nothing). A collective: every rank gathers."""
         t = self.trainer
-        started = self.restored.step if self.restored.path is not None else 0
         if t.step > started and not push_due(t.step, self.cfg.staleness.sync_every, self.total):
             log.info("data spent after step %d: its weights are pushed for the final round", t.step)
             self._push()

@@ -230,20 +230,17 @@ def test_the_final_round_measures_the_weights_the_run_ends_with_when_the_data_ru
 
     from learner.loop import LearnerLoop
 
-    def pushes(step: int, restored_at: int | None = None) -> int:
+    def pushes(step: int, started: int = 0) -> int:
         calls: list[int] = []
         loop = SimpleNamespace(
             trainer=SimpleNamespace(step=step),
-            restored=SimpleNamespace(
-                path=None if restored_at is None else "ckpt", step=restored_at
-            ),
             cfg=SimpleNamespace(staleness=SimpleNamespace(sync_every=2)),
             total=20,
             _push=lambda: calls.append(step),
         )
-        LearnerLoop._push_final(loop)  # type: ignore[arg-type]
+        LearnerLoop._push_final(loop, started)  # type: ignore[arg-type]
         return len(calls)
 
     assert pushes(15) == 1
     assert pushes(14) == 0 and pushes(20) == 0
-    assert pushes(15, restored_at=15) == 0 and pushes(17, restored_at=15) == 1
+    assert pushes(15, started=15) == 0 and pushes(17, started=15) == 1
