@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 import pytest
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from asyncrl.rewards import default_compute_score
@@ -156,6 +156,9 @@ def equations(draw: st.DrawFn) -> str:
 def test_the_same_as_tinyzero_on_generated_equations(equation: str) -> None:
     """Each generated equation scores as TinyZero scores it, against its own value as the
     target (correct, when it is well-formed) and against another."""
+    # A noise "0" beside a number under a power (4 ** 3 ** 20) makes a number of billions of
+    # digits: this test's own eval (and TinyZero's rule) would run for hours.
+    assume("**" not in equation or not re.search(r"\d\d", equation))
     response = f"<think>...</think>\n<answer>{equation}</answer>"
     try:
         value = eval(equation, {"__builtins__": None}, {})  # noqa: S307 - digits and operators
