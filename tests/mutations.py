@@ -1289,7 +1289,7 @@ MUTATIONS = (
     Mutation(
         "over-long validation rows are left out with the filter on",
         "no validation row is measured (over-long ones are kept and cut)",
-        "asyncrl/control/task_source.py",
+        "asyncrl/tasks/lengths.py",
         "    long = set(overlong_rows(rows, tokenizer_path, prompt_key, limit))\n",
         "    long: set[int] = set()\n",
         (

@@ -42,7 +42,7 @@ def test_overlong_validation_rows_are_left_out_with_the_filter_on(tmp_path, capl
     files = _files(tmp_path, ["1+1=", LONG, "2+1=", LONG, "3+1="])
     base = [*files, f"model.path={tok_dir}", f"data.max_prompt_length={limit}"]
     on = load_config(None, [*base, "data.filter_overlong_prompts=true", "data.truncation=right"])
-    with caplog.at_level(logging.INFO, logger="asyncrl.control.task_source"):
+    with caplog.at_level(logging.INFO, logger="asyncrl.tasks.lengths"):
         source = task_source_from_config(on)
     source.start_validation()
     dealt = [t.prompt[0]["content"] for t in iter(source.next_val, None)]

@@ -18,8 +18,9 @@ from asyncrl.control.pacing import Pacer
 from asyncrl.control.prompt_skip import PromptSkip
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
-from asyncrl.control.task_source import TaskSource, fitting_val_rows, load_rows
+from asyncrl.control.task_source import TaskSource, load_rows
 from asyncrl.net.transport import mebibytes
+from asyncrl.tasks.lengths import fitting_val_rows
 
 log = logging.getLogger(__name__)
 

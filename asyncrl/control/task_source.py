@@ -68,40 +68,6 @@ def load_rows(paths: Sequence[str], prompt_key: str = "prompt") -> list[dict[str
     return rows
 
 
-def fitting_val_rows(
-    rows: Sequence[dict[str, Any]], tokenizer_path: str, prompt_key: str, limit: int
-) -> list[dict[str, Any]]:
-    """The validation rows with ``data.filter_overlong_prompts`` on: those whose prompt is
-    over ``limit`` tokens are left out, as veRL leaves them out of its validation set when
-    it loads it (said once, with the count); a set left empty is a
-    :class:`~asyncrl.config.ConfigError`, since validation would never report."""
-    from asyncrl.tasks.lengths import overlong_rows
-
-    long = set(overlong_rows(rows, tokenizer_path, prompt_key, limit))
-    if not long:
-        return list(rows)
-    if len(long) == len(rows):
-        raise ConfigError(
-            [
-                f"data.filter_overlong_prompts=true leaves out every one of the {len(rows)} "
-                f"rows of data.val_files (each over data.max_prompt_length={limit} tokens), "
-                "so validation would never report: raise data.max_prompt_length, or set "
-                "trainer.val_before_train=false trainer.test_freq=-1"
-            ]
-        )
-    log.info(
-        "data.filter_overlong_prompts: %d of %d validation rows are over "
-        "data.max_prompt_length=%d tokens and left out, as veRL leaves them out (first: "
-        "row %d); validation scores the other %d",
-        len(long),
-        len(rows),
-        limit,
-        min(long),
-        len(rows) - len(long),
-    )
-    return [row for i, row in enumerate(rows) if i not in long]
-
-
 def rows_digest(rows: Sequence[dict[str, Any]]) -> str:
     """A short fingerprint of ``rows`` (their content, in order): a validation set swapped for
     another of the same size is told apart from the one a checkpoint's rounds were over."""

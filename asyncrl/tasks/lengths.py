@@ -5,8 +5,13 @@ server cannot drop one, as it drops a training prompt)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
+
+from asyncrl.config.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 def overlong_rows(
@@ -22,3 +27,35 @@ def overlong_rows(
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
     return [i for i, row in enumerate(rows) if len(chat_prompt_ids(tok, row[prompt_key])) > limit]
+
+
+def fitting_val_rows(
+    rows: Sequence[dict[str, Any]], tokenizer_path: str, prompt_key: str, limit: int
+) -> list[dict[str, Any]]:
+    """The validation rows with ``data.filter_overlong_prompts`` on: those whose prompt is
+    over ``limit`` tokens are left out, as veRL leaves them out of its validation set when
+    it loads it (said once, with the count); a set left empty is a
+    :class:`~asyncrl.config.ConfigError`, since validation would never report."""
+    long = set(overlong_rows(rows, tokenizer_path, prompt_key, limit))
+    if not long:
+        return list(rows)
+    if len(long) == len(rows):
+        raise ConfigError(
+            [
+                f"data.filter_overlong_prompts=true leaves out every one of the {len(rows)} "
+                f"rows of data.val_files (each over data.max_prompt_length={limit} tokens), "
+                "so validation would never report: raise data.max_prompt_length, or set "
+                "trainer.val_before_train=false trainer.test_freq=-1"
+            ]
+        )
+    log.info(
+        "data.filter_overlong_prompts: %d of %d validation rows are over "
+        "data.max_prompt_length=%d tokens and left out, as veRL leaves them out (first: "
+        "row %d); validation scores the other %d",
+        len(long),
+        len(rows),
+        limit,
+        min(long),
+        len(rows) - len(long),
+    )
+    return [row for i, row in enumerate(rows) if i not in long]
