@@ -65,8 +65,9 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
     one that cannot be loaded."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from learner.checkpoint import latest_checkpoint, set_aside_checkpoints, unloadable_line
+    from learner.checkpoint import unloadable_line
     from learner.checkpoint_fit import CheckpointMisfit
+    from learner.checkpoint_folders import latest_checkpoint, set_aside_checkpoints
 
     t, mode = cfg.trainer, cfg.trainer.resume_mode
     path = None
@@ -145,7 +146,7 @@ def abandon_later(run_dir: Path, step: int) -> bool:
     restart would resume there. Whether any moved: then the new branch starts a new record
     (appended to the earlier branch's, and its W&B run, which drops steps that go back,
     it would be lost)."""
-    from learner.checkpoint import set_aside_later_checkpoints
+    from learner.checkpoint_folders import set_aside_later_checkpoints
 
     if (moved := set_aside_later_checkpoints(run_dir, step)) is None:
         return False

@@ -15,7 +15,8 @@ import torch
 
 from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.resumed import settings_of
-from learner.checkpoint import STATE_FILE, latest_checkpoint, prune_checkpoints
+from learner.checkpoint import STATE_FILE
+from learner.checkpoint_folders import latest_checkpoint, prune_checkpoints
 from learner.export import export_hf
 from learner.rollouts import Rollout
 from learner.trainer import Trainer
@@ -321,7 +322,7 @@ def test_pruning_keeps_all_at_zero_and_warns_when_a_deletion_fails(tmp_path, mon
     def refused(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("learner.checkpoint.shutil.rmtree", refused)
+    monkeypatch.setattr("learner.checkpoint_folders.shutil.rmtree", refused)
     with caplog.at_level("WARNING", logger="learner.checkpoint"):
         assert prune_checkpoints(root / "step_3", 1) == []
     assert "could not delete the old checkpoint" in caplog.text and "step_2" in caplog.text

@@ -20,7 +20,7 @@ import subprocess
 import pytest
 
 from asyncrl.metrics import read_metrics
-from learner.checkpoint import latest_checkpoint
+from learner.checkpoint_folders import latest_checkpoint
 from learner.health import RULES as HEALTH_RULES
 from tests.e2e_helpers import (
     RUN,

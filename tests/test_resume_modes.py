@@ -19,7 +19,8 @@ import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.metrics import METRICS_FILE, read_metrics
-from learner.checkpoint import STATE_FILE, latest_checkpoint
+from learner.checkpoint import STATE_FILE
+from learner.checkpoint_folders import latest_checkpoint
 from learner.control_peer import Restored
 from learner.control_plane import open_metrics
 from learner.loop import LearnerLoop
