@@ -10,8 +10,8 @@ server alive in the coordinator's eyes and delivers sync starts and the shutdown
 (:mod:`rollout_servers.openai_api`).
 
 This module owns the loops and a task's lifecycle (slots, push, acknowledgement, failure
-report) and the weight syncs; how a task's group is generated and scored is
-:mod:`rollout_servers.task_groups`.
+report); how a task's group is generated and scored is :mod:`rollout_servers.task_groups`,
+and the server's side of the learner's weight pushes :mod:`rollout_servers.server_syncs`.
 """
 
 from __future__ import annotations
@@ -20,21 +20,17 @@ import asyncio
 import contextlib
 import functools
 import logging
-import math
 import time
 
 from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
-from asyncrl.control.messages import WEIGHTS_PARTIAL, SyncStart, Task
+from asyncrl.control.messages import Task
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import CONFIG_ERROR
 from asyncrl.net.transport import RequestRefused
 from asyncrl.sandbox.workers import PoolBroken
-from asyncrl.sync.probe import probe_ids
-from asyncrl.sync.weights import store_prefix
 from asyncrl.wire.base import WireError
 from rollout_servers.agent import AgentRunner
-from rollout_servers.engine import SyncJoin
 from rollout_servers.groups import (
     PromptTooLong,
     SamplingSettings,
@@ -51,6 +47,7 @@ from rollout_servers.protocols import (
     Tokenizer,
 )
 from rollout_servers.server_stats import ServerStats
+from rollout_servers.server_syncs import WeightSyncs
 from rollout_servers.task_groups import TaskGroups
 
 log = logging.getLogger(__name__)
@@ -63,9 +60,6 @@ LOG_EVERY_S = 30.0
 #: Longest wait of a task for the weights it was dealt under (RolloutEngine.reach): the
 #: wait normally ends within a sync's load (under 0.1 s on the CPU demo) or its failure.
 REACH_S = 5.0
-#: Longest wait for the post-sync probe's scores (at most a quarter of the sync's timeout):
-#: the sync's report waits for them, and so does the learner's next push.
-PROBE_S = 10.0
 
 
 class RolloutServer:
@@ -110,9 +104,10 @@ class RolloutServer:
         if endpoint is not None:
             endpoint.groups.on_pushed, endpoint.groups.lanes = self.stats.count_group, self.lanes
         client.held_tasks = self._held_ids  # said at (re-)registration
-        # The sync group this engine's workers are in, with the coordinator session that
-        # formed it: a restarted learner numbers its groups from its checkpoint's sync ids.
-        self.generation: tuple[str, str] = ("", "")
+        probe = cfg.trainer.health.probe
+        self.syncs = WeightSyncs(
+            engine, client, self.lanes, self.metrics, probe, self._check_engine
+        )
         # Why this server cannot go on (its engine died, its reward or tool workers cannot
         # be replaced): it exits 4, to be restarted.
         self.fatal = ""
@@ -144,7 +139,7 @@ class RolloutServer:
         self.client.start_watching()
         startup.mark(run_dir(self.cfg), self.server_id, "registered")
         log.info("%s registered at version %d", self.server_id, reg.policy_version)
-        syncs = asyncio.create_task(self._sync_loop())
+        syncs = asyncio.create_task(self.syncs.loop(self._stopping))
         try:
             if self.endpoint is not None:
                 await self.endpoint.start()
@@ -317,78 +312,6 @@ class RolloutServer:
         finally:
             self.held.pop(task.task_id, None)
             self._free_slots(task.n)
-
-    # ----------------------------------------------------------------- weight syncs
-    async def _sync_loop(self) -> None:
-        """Consumes sync starts delivered by the heartbeat thread; produces sync reports.
-        Waits for a sync start (polling the client's queue every 0.2 s); a sync waits for
-        the learner's broadcast, bounded by the sync's timeout."""
-        while not self._stopping():
-            start = await self.lanes.sync(self.client.next_sync, 0.2)
-            if start is not None:
-                await self._sync(start)
-
-    def _join(self, start: SyncStart) -> SyncJoin | None:
-        """The group to join before receiving ``start``'s weights: None when this engine's
-        workers are in its group already."""
-        if (start.session, start.generation) == self.generation:
-            return None
-        reg = self.client.registered
-        if reg is None:  # sync starts come in heartbeat answers, after registration
-            raise RuntimeError(f"sync {start.sync_id} started before registration")
-        return SyncJoin(
-            host=reg.sync_store_host,
-            port=reg.sync_store_port,
-            generation=store_prefix(reg.sync_secret, start.generation),
-            rank_offset=start.rank,
-            world_size=start.world_size,
-            backend=start.backend,
-        )
-
-    async def _sync(self, start: SyncStart) -> None:
-        join = self._join(start)
-        was_partial = self.engine.partial
-        try:
-            stats = await self.engine.sync_weights(
-                start.version, start.plan, join=join, timeout_s=start.timeout_s
-            )
-        except Exception as e:  # the coordinator drops us from the group; we catch up later
-            self.generation = ("", "")
-            log.warning("sync to version %d failed: %s", start.version, e)
-            self._check_engine(e, was_partial, start.catchup)
-            error = f"{type(e).__name__}: {e}"
-            if self.engine.partial:  # said at a registration (a learner restart): a catch-up
-                error = f"{WEIGHTS_PARTIAL} ({error})"
-            await self.lanes.sync(self.client.sync_done, start, False, error)
-            return
-        self.generation = (start.session, start.generation)
-        probe = await self._probe(min(PROBE_S, start.timeout_s / 4))
-        report = functools.partial(self.client.sync_done, probe=probe)
-        await self.lanes.sync(report, start, True, "", stats["seconds"])
-
-    async def _probe(self, timeout_s: float) -> list[float]:
-        """The post-sync probe under the weights just loaded (empty when it fails or takes
-        over ``timeout_s``: the learner then has nothing to compare, and the sync itself
-        stands). The engine keeps a slot for it (``max_num_seqs`` is one above
-        ``rollout.max_inflight``); without one it queued behind the running requests until
-        one finished, and the sync's report with it."""
-        if not self.cfg.trainer.health.probe:
-            return []
-        try:
-            probe = await asyncio.wait_for(self.engine.score(probe_ids()), timeout_s)
-        except asyncio.TimeoutError:  # TimeoutError from 3.11 on
-            self.metrics["rollout/probe_timeouts"] += 1
-            log.warning(
-                "post-sync probe not scored within %.1fs (the engine is busier than its "
-                "slots: validation groups of val_kwargs.n above rollout.n?); this sync is "
-                "reported without it",
-                timeout_s,
-            )
-            return []
-        except Exception as e:
-            log.warning("post-sync probe not scored: %s: %s", type(e).__name__, e)
-            return []
-        return probe if all(math.isfinite(x) for x in probe) else []
 
     def _missed_version(self, task: Task) -> None:
         """``task`` starts under older weights than it was dealt for: their sync failed, or

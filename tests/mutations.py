@@ -368,7 +368,7 @@ MUTATIONS = (
     Mutation(
         "sync groups known by session",
         "a restarted learner's group of the same generation counts as joined",
-        "rollout_servers/server.py",
+        "rollout_servers/server_syncs.py",
         "        if (start.session, start.generation) == self.generation:",
         "        if start.generation == self.generation[1]:",
         ("tests/test_rollout_mends.py",),
@@ -1373,7 +1373,7 @@ MUTATIONS = (
     Mutation(
         "the post-sync probe's wait is bounded",
         "the sync report waits for the probe without bound",
-        "rollout_servers/server.py",
+        "rollout_servers/server_syncs.py",
         "            probe = await asyncio.wait_for(self.engine.score(probe_ids()), timeout_s)\n",
         "            probe = await self.engine.score(probe_ids())\n",
         (

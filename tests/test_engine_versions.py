@@ -14,6 +14,7 @@ import pytest
 
 from asyncrl.sync.plan import TensorSpec, plan_buckets
 from rollout_servers.engine import RolloutEngine
+from rollout_servers.server_syncs import WeightSyncs
 from rollout_servers.worker_ext import PARTLY_LOADED
 
 PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
@@ -236,12 +237,14 @@ def test_a_failed_sync_on_partial_weights_is_reported_as_such_and_a_push_is_not_
         llm.gate.set()
         server = object.__new__(RolloutServer)
         server.engine = RolloutEngine(llm)
-        server.fatal, server.generation = "", ("s", "main/1")
-        server.lanes = SimpleNamespace(sync=run_now)  # type: ignore[assignment]
-        server.client = SimpleNamespace(  # type: ignore[assignment]
+        server.fatal = ""
+        client = SimpleNamespace(
             sync_done=lambda start, ok, error: reports.append((start.sync_id, ok, error)),
             registered=SimpleNamespace(sync_store_host="h", sync_store_port=1, sync_secret=""),
         )
+        lanes = SimpleNamespace(sync=run_now)
+        syncs = WeightSyncs(server.engine, client, lanes, {}, False, server._check_engine)  # type: ignore[arg-type]
+        syncs.generation = ("s", "main/1")
 
         def start(sync_id: int, catchup: bool) -> m.SyncStart:
             return m.SyncStart(
@@ -256,11 +259,11 @@ def test_a_failed_sync_on_partial_weights_is_reported_as_such_and_a_push_is_not_
             )
 
         llm.fail = f"{PARTLY_LOADED}: the broadcast broke off"
-        await server._sync(start(1, catchup=False))
+        await syncs.sync(start(1, catchup=False))
         llm.fail = "no sender"
-        await server._sync(start(2, catchup=False))  # a push fails on them: held on
+        await syncs.sync(start(2, catchup=False))  # a push fails on them: held on
         assert server.engine.partial and server.fatal == ""
-        await server._sync(start(3, catchup=True))  # a catch-up fails on them: exit
+        await syncs.sync(start(3, catchup=True))  # a catch-up fails on them: exit
         assert "after a failed catch-up" in server.fatal
         assert [(sid, ok) for sid, ok, _ in reports] == [(1, False), (2, False), (3, False)]
         assert all(error.startswith(m.WEIGHTS_PARTIAL) for _, _, error in reports)

@@ -278,9 +278,9 @@ def test_a_restarted_learners_group_of_the_same_generation_is_joined() -> None:
         client.register()
         engine = JoinRecordingEngine()
         srv = _server(client, engine, StandInScorer())
-        await srv._sync(start("first", 1))
-        await srv._sync(start("first", 2))  # the same group again: no new join
-        await srv._sync(start("second", 1))  # the restarted learner's
+        await srv.syncs.sync(start("first", 1))
+        await srv.syncs.sync(start("first", 2))  # the same group again: no new join
+        await srv.syncs.sync(start("second", 1))  # the restarted learner's
         srv.lanes.close()
         return engine.joins
 
@@ -461,9 +461,9 @@ def test_a_probe_that_cannot_be_scored_soon_does_not_hold_the_sync_report(monkey
     minutes with long responses), and the sync's report, and the learner's next push, with
     it; past ``sync.timeout_s`` a server that loaded its weights was dropped. The wait is
     bounded: the sync is reported without the probe, and counted."""
-    from rollout_servers import server as server_module
+    from rollout_servers import server_syncs
 
-    monkeypatch.setattr(server_module, "PROBE_S", 0.2)
+    monkeypatch.setattr(server_syncs, "PROBE_S", 0.2)
 
     async def scenario() -> tuple[list, float, float]:
         client = ProbeReportClient()
@@ -473,7 +473,7 @@ def test_a_probe_that_cannot_be_scored_soon_does_not_hold_the_sync_report(monkey
             sync_id=1, version=1, generation="main/1", rank=1, world_size=2, plan=WeightPlan()
         )
         began = time.monotonic()
-        await srv._sync(start)
+        await srv.syncs.sync(start)
         took = time.monotonic() - began
         srv.lanes.close()
         return client.reports, took, srv.metrics["rollout/probe_timeouts"]
