@@ -1438,4 +1438,14 @@ MUTATIONS = (
             "tests/test_validation_stats.py::test_the_final_round_measures_the_weights_the_run_ends_with_when_the_data_runs_out",
         ),
     ),
+    Mutation(
+        "the final weights are pushed when the data runs out",
+        "the loop never calls the final push (the rule itself intact)",
+        "learner/loop.py",
+        "            self._push_final(started)\n",
+        "            pass\n",
+        (
+            "tests/test_validation_stats.py::test_a_run_whose_data_runs_out_after_a_step_that_did_not_push_pushes_before_it_ends",
+        ),
+    ),
 )

@@ -244,3 +244,46 @@ def test_the_final_round_measures_the_weights_the_run_ends_with_when_the_data_ru
     assert pushes(15) == 1
     assert pushes(14) == 0 and pushes(20) == 0
     assert pushes(15, started=15) == 0 and pushes(17, started=15) == 1
+
+
+def test_a_run_whose_data_runs_out_after_a_step_that_did_not_push_pushes_before_it_ends(
+    tmp_path,
+):
+    """The loop itself, not only the rule above: ``run()`` trains until the data is spent
+    (after step 3 here, ``sync_every`` 2, so step 3 did not push) and then pushes step 3's
+    weights before the final checkpoint and the final round. A learner restarted at the
+    step the data was spent at trains nothing and pushes nothing."""
+    from types import SimpleNamespace
+
+    from asyncrl.config import load_config
+    from learner.loop import LearnerLoop
+
+    cfg = load_config(None, ["staleness.sync_every=2", "trainer.total_training_steps=20"])
+
+    def run(start: int) -> list[tuple[str, int]]:
+        events: list[tuple[str, int]] = []
+        trainer = SimpleNamespace(rank=0, world_size=1, step=start, policy_version=1)
+        trainer.full_state_for_push = dict
+
+        def one_step() -> bool:
+            if trainer.step >= 3:
+                return False  # the data is spent
+            trainer.step += 1
+            return True
+
+        loop = object.__new__(LearnerLoop)
+        loop.cfg, loop.trainer, loop.total, loop.run_dir = cfg, trainer, 20, tmp_path
+        loop.stopped_by = None
+        loop.control = SimpleNamespace(
+            resume=lambda state: None,
+            version=lambda v: v,
+            finish=lambda step, **kw: events.append(("finish", step)),
+        )
+        loop._one_step = one_step  # type: ignore[method-assign]
+        loop._push = lambda: events.append(("push", trainer.step))  # type: ignore[method-assign]
+        loop._save = lambda final=False: events.append(("save", trainer.step))  # type: ignore[method-assign]
+        assert loop.run() == 0
+        return events
+
+    assert run(0) == [("push", 3), ("save", 3), ("finish", 3)]
+    assert run(3) == [("save", 3), ("finish", 3)]
