@@ -9,7 +9,8 @@ Run from the repository root (prints the table ``tests/README.md`` records; a fe
     .venv/bin/python -m tests.mutation_check lag dedup  # those whose name contains a word
 
 Exit status 1 when a mutation was not caught (or its line is gone: update the list), so a
-new feature's row can be added to :mod:`tests.mutations` and checked the same way. Not collected by pytest.
+new feature's row can be added to :mod:`tests.mutations` and checked the same way. Not collected
+by pytest.
 """
 
 from __future__ import annotations
