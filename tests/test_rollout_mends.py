@@ -4,7 +4,6 @@
   be restarted with fresh workers) instead of generating and failing every group forever;
 - at shutdown the Leave is sent even while pushes blocked by a buffer that does not read
   hold asyncio's default executor;
-- a learner restart reuses sync ids: a sync group is known by its session and generation;
 - a group whose one sample (or episode) fails cancels the others, not only reports failure;
 - an episode whose first turn times out is dated to the engine's version, not version 0;
 - timeouts of ``asyncio.wait_for`` are caught as Python 3.10 raises them.
@@ -28,21 +27,18 @@ import zmq
 
 from asyncrl import wire
 from asyncrl.config import load_config
-from asyncrl.control.messages import SyncStart
 from asyncrl.net.transport import TrajectoryPusher
 from asyncrl.rewards import RewardPool, ScoreResult
 from asyncrl.sandbox.workers import PoolBroken
-from asyncrl.sync.plan import WeightPlan
 from asyncrl.tools import ToolPool
 from rollout_servers import agent as agent_module
 from rollout_servers import main as rollout_main
 from rollout_servers import task_groups
 from rollout_servers.agent import AgentRunner, AgentSettings, episode_trajectories
-from rollout_servers.engine import RolloutEngine, SyncJoin
+from rollout_servers.engine import RolloutEngine
 from rollout_servers.groups import SamplingSettings
 from rollout_servers.lanes import Lanes
 from rollout_servers.samples import Sample
-from rollout_servers.server import RolloutServer
 from rollout_servers.server_stats import ServerStats
 from tests.helpers import wait_until_async
 from tests.standins.chat import CharTokenizer
@@ -57,6 +53,7 @@ from tests.standins.server_parts import (  # noqa: F401 (nap_tools: a fixture)
     agent_runner,
     make_task,
     nap_tools,
+    stand_in_server,
 )
 from tests.standins.trajgen import make_traj
 
@@ -86,11 +83,6 @@ class FailingClient(StandInClient):
 
     def close(self) -> None:
         pass
-
-
-def _server(client: StandInClient, engine: Any, pool: Any, pusher: Any = None) -> RolloutServer:
-    cfg = load_config(None, [f"rollout.n={N}", f"rollout.max_inflight={4 * N}"])
-    return RolloutServer(cfg, "s", engine, CharTokenizer(), pool, pusher or StandInPusher(), client)
 
 
 # ------------------------------------------------------------------ a broken scorer pool
@@ -172,7 +164,7 @@ def test_a_server_whose_reward_workers_cannot_be_replaced_exits_4(
         client = FailingClient(tasks=10_000)
         engine = StandInEngine()
         engine.gate.set()
-        srv = _server(client, engine, pool)
+        srv = stand_in_server(client, engine, pool)
         return await asyncio.wait_for(srv.run(), 30.0), client
 
     pool = RewardPool(num_workers=1, timeout_s=10, custom_path=_dying_scorer(tmp_path))
@@ -212,7 +204,7 @@ def test_the_leave_is_sent_while_pushes_blocked_by_the_buffer_fill_the_default_e
         client = FailingClient(tasks=4)  # 4 groups, 2 blocked in the executor, 2 queued
         engine = StandInEngine()
         engine.gate.set()
-        srv = _server(client, engine, StandInScorer(), pusher)
+        srv = stand_in_server(client, engine, StandInScorer(), pusher)
         run = asyncio.create_task(srv.run())
         await wait_until_async(
             lambda: srv.stats.after_generation.at["pushing"] == 4 * N,
@@ -238,57 +230,6 @@ def test_the_leave_is_sent_while_pushes_blocked_by_the_buffer_fill_the_default_e
 
 
 # ------------------------------------------------------------------ sync groups by session
-
-
-class JoinRecordingEngine(StandInEngine):
-    def __init__(self) -> None:
-        super().__init__()
-        self.joins: list[SyncJoin | None] = []
-
-    async def sync_weights(
-        self,
-        version: int,
-        plan: WeightPlan,
-        *,
-        join: SyncJoin | None = None,
-        timeout_s: float = 120.0,
-    ) -> dict[str, float]:
-        self.joins.append(join)
-        return {"seconds": 0.0}
-
-
-def test_a_restarted_learners_group_of_the_same_generation_is_joined() -> None:
-    """A learner restarted from a checkpoint numbers its syncs from the checkpoint's ids:
-    its ``main/<id>`` can be the one this engine is in with the dead learner. Taken for the
-    same group, the server received on a group nobody sends on."""
-
-    def start(session: str, sync_id: int) -> SyncStart:
-        return SyncStart(
-            sync_id=sync_id,
-            version=sync_id,
-            generation="main/1",
-            rank=1,
-            world_size=2,
-            plan=WeightPlan(),
-            session=session,
-        )
-
-    async def scenario() -> list[SyncJoin | None]:
-        client = FailingClient(tasks=0)
-        client.register()
-        engine = JoinRecordingEngine()
-        srv = _server(client, engine, StandInScorer())
-        await srv.syncs.sync(start("first", 1))
-        await srv.syncs.sync(start("first", 2))  # the same group again: no new join
-        await srv.syncs.sync(start("second", 1))  # the restarted learner's
-        srv.lanes.close()
-        return engine.joins
-
-    joins = asyncio.run(scenario())
-    assert [j is not None for j in joins] == [True, False, True]
-
-
-# ------------------------------------------------------------------ a failing sample
 
 
 class OneFailsEngine(StandInEngine):
@@ -434,73 +375,6 @@ def test_every_sibling_has_ended_when_the_failure_is_raised() -> None:
     asyncio.run(scenario())
 
 
-# ------------------------------------------------------------------ the post-sync probe
-
-
-class SlowProbeEngine(StandInEngine):
-    """An engine whose probe queues behind requests that do not finish soon."""
-
-    async def score(self, sequences: list[list[int]]) -> list[float]:
-        await asyncio.sleep(60)
-        return []
-
-
-class ProbeReportClient(FailingClient):
-    def __init__(self) -> None:
-        super().__init__(tasks=0)
-        self.reports: list[tuple[bool, list[float] | None]] = []
-
-    def sync_done(self, start, ok, error="", seconds=0.0, *, probe=None) -> object:
-        self.reports.append((ok, probe))
-        return None
-
-
-def test_a_probe_that_cannot_be_scored_soon_does_not_hold_the_sync_report(monkeypatch) -> None:
-    """A review: the probe is an ordinary request, and with every engine slot taken it
-    waited for a running request to finish (0.66 s against 0.01 s idle on the tiny model;
-    minutes with long responses), and the sync's report, and the learner's next push, with
-    it; past ``sync.timeout_s`` a server that loaded its weights was dropped. The wait is
-    bounded: the sync is reported without the probe, and counted."""
-    from rollout_servers import server_syncs
-
-    monkeypatch.setattr(server_syncs, "PROBE_S", 0.2)
-
-    async def scenario() -> tuple[list, float, float]:
-        client = ProbeReportClient()
-        client.register()
-        srv = _server(client, SlowProbeEngine(), StandInScorer())
-        start = SyncStart(
-            sync_id=1, version=1, generation="main/1", rank=1, world_size=2, plan=WeightPlan()
-        )
-        began = time.monotonic()
-        await srv.syncs.sync(start)
-        took = time.monotonic() - began
-        srv.lanes.close()
-        return client.reports, took, srv.metrics["rollout/probe_timeouts"]
-
-    reports, took, timeouts = asyncio.run(scenario())
-    assert reports == [(True, [])] and took < 5.0 and timeouts == 1
-
-
-def test_the_engine_keeps_a_slot_for_the_probe(monkeypatch, tmp_path: Path) -> None:
-    """The server keeps ``rollout.max_inflight`` responses in flight: vLLM gets one more
-    sequence slot, the probe's, so it never queues behind them."""
-    from rollout_servers import vllm_check
-
-    seen = {}
-
-    async def start(cls, args, **kwargs):
-        seen["max_num_seqs"] = args.max_num_seqs
-        raise RuntimeError("stop here")
-
-    monkeypatch.setattr(vllm_check, "require", lambda inline: None)
-    monkeypatch.setattr(RolloutEngine, "start", classmethod(start))
-    cfg = load_config(None, [f"model.path={tmp_path}", "rollout.max_inflight=12"])
-    with pytest.raises(RuntimeError, match="stop here"):
-        asyncio.run(rollout_main._start_engine(cfg))
-    assert seen == {"max_num_seqs": 13}
-
-
 def test_a_task_started_under_older_weights_than_dealt_is_counted_and_said(caplog) -> None:
     """A review: a task that gave up waiting for its dealt version (a failed or slow sync)
     left only a longer ``rollout/version_wait_s``, like a slow load."""
@@ -510,7 +384,7 @@ def test_a_task_started_under_older_weights_than_dealt_is_counted_and_said(caplo
         client.register()
         engine = StandInEngine()
         engine.gate.set()
-        srv = _server(client, engine, StandInScorer())
+        srv = stand_in_server(client, engine, StandInScorer())
         task = msgspec.structs.replace(make_task("t"), dealt_version=3)
         srv.inflight += task.n
         await srv._run_task(task)

@@ -83,7 +83,7 @@ ROWS = (
         "rollout_servers/server_syncs.py",
         "        if (start.session, start.generation) == self.generation:",
         "        if start.generation == self.generation[1]:",
-        ("tests/test_rollout_mends.py",),
+        ("tests/test_server_syncs.py",),
     ),
     Mutation(
         "a failed sample cancels its group",
@@ -321,7 +321,7 @@ ROWS = (
         "rollout_servers/main.py",
         "        max_num_seqs=ro.max_inflight + 1,\n",
         "        max_num_seqs=ro.max_inflight,\n",
-        ("tests/test_rollout_mends.py::test_the_engine_keeps_a_slot_for_the_probe",),
+        ("tests/test_server_syncs.py::test_the_engine_keeps_a_slot_for_the_probe",),
     ),
     Mutation(
         "the post-sync probe's wait is bounded",
@@ -330,7 +330,7 @@ ROWS = (
         "            probe = await asyncio.wait_for(self.engine.score(probe_ids()), timeout_s)\n",
         "            probe = await self.engine.score(probe_ids())\n",
         (
-            "tests/test_rollout_mends.py::test_a_probe_that_cannot_be_scored_soon_does_not_hold_the_sync_report",
+            "tests/test_server_syncs.py::test_a_probe_that_cannot_be_scored_soon_does_not_hold_the_sync_report",
         ),
     ),
     Mutation(

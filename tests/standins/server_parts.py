@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import pytest
@@ -34,6 +34,8 @@ from tests.standins.chat import EOT, CharTokenizer
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
+
+    from rollout_servers.server import RolloutServer
 
 N = 2  # responses per task
 RESPONSE = [7, 8, 9]
@@ -184,6 +186,17 @@ def make_task(task_id: str) -> Task:
         n=N,
         prompt_token_ids=[1, 2, 3],
     )
+
+
+def stand_in_server(
+    client: StandInClient, engine: Any, pool: Any, pusher: Any = None
+) -> RolloutServer:
+    """A rollout server of ``N`` responses a task and room for four tasks, on ``engine``,
+    the scorer ``pool`` and ``pusher`` (default: :class:`StandInPusher`)."""
+    from rollout_servers.server import RolloutServer
+
+    cfg = load_config(None, [f"rollout.n={N}", f"rollout.max_inflight={4 * N}"])
+    return RolloutServer(cfg, "s", engine, CharTokenizer(), pool, pusher or StandInPusher(), client)
 
 
 NAP_S = 0.5  # how long the slow tool takes
