@@ -151,8 +151,11 @@ class ControlClient(Protocol):
         """Start heartbeating in a thread."""
         ...
 
-    def request_tasks(self, max_tasks: int | None = None) -> TaskGrant:
-        """Up to ``max_tasks`` tasks, long-polled while none can be granted."""
+    def request_tasks(
+        self, max_tasks: int | None = None, wait_s: float | None = None, max_samples: int = 0
+    ) -> TaskGrant:
+        """Up to ``max_tasks`` tasks of at most ``max_samples`` responses past the first (0:
+        any), long-polled while none can be granted."""
         ...
 
     def request_slot(self) -> TaskGrant:

@@ -211,7 +211,10 @@ class RolloutServer:
                 continue
             want = max(1, min(self.client.tasks_per_request, self._free() // n))
             try:
-                grant = await self.lanes.control(self.client.request_tasks, want)
+                # The free slots, not want * n: a validation group may be larger (its
+                # val_kwargs.n), and the grant then holds fewer tasks.
+                request = functools.partial(self.client.request_tasks, max_samples=self._free())
+                grant = await self.lanes.control(request, want)
             except (WireError, RequestRefused) as e:
                 # The coordinator builds no grant past control.max_message_mb: a grant this
                 # server cannot read (or a request refused) comes from a config or version

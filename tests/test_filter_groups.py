@@ -246,8 +246,10 @@ class FilteringClient(StandInClient):
         self.filtered: list[str] = []
         self.too_long: list[str] = []
 
-    def request_tasks(self, max_tasks: int | None = None) -> m.TaskGrant:
-        grant = super().request_tasks(max_tasks)
+    def request_tasks(
+        self, max_tasks: int | None = None, wait_s: float | None = None, max_samples: int = 0
+    ) -> m.TaskGrant:
+        grant = super().request_tasks(max_tasks, wait_s, max_samples)
         name = "tool_agent" if self.agent else "single_turn"
         tasks = [msgspec.structs.replace(t, filter=self.on, agent_name=name) for t in grant.tasks]
         return m.TaskGrant(tasks=tasks, policy_version=0)

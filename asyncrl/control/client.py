@@ -369,11 +369,12 @@ class CoordinatorClient:
 
     # ------------------------------------------------------------------ tasks
     def request_tasks(
-        self, max_tasks: int | None = None, wait_s: float | None = None
+        self, max_tasks: int | None = None, wait_s: float | None = None, max_samples: int = 0
     ) -> m.TaskGrant:
-        """Ask for up to ``max_tasks`` (default ``tasks_per_request``) tasks; the
-        coordinator holds the request up to ``wait_s`` (default ``heartbeat_s``) while it
-        can grant none. An empty grant says why in ``reason`` (``timeout``: no answer)."""
+        """Ask for up to ``max_tasks`` (default ``tasks_per_request``) tasks, of at most
+        ``max_samples`` responses past the first task (0: any); the coordinator holds the
+        request up to ``wait_s`` (default ``heartbeat_s``) while it can grant none. An
+        empty grant says why in ``reason`` (``timeout``: no answer)."""
         wait_s = self.heartbeat_s if wait_s is None else wait_s
         session = self.session
         msg = m.TaskRequest(
@@ -381,6 +382,7 @@ class CoordinatorClient:
             max_tasks=max_tasks or self.tasks_per_request,
             wait_s=wait_s,
             request_id=self._task_ids.take(),
+            max_samples=max_samples,
         )
         try:
             grant = self._call("tasks", msg, wait_s + self.timeout_s)

@@ -7,7 +7,10 @@ already pass the 4 MiB default. A grant that cannot be read strands its tasks at
 (dealt, never generated) and ends the server's task loop; asked again, it gets the same.
 
 So a grant takes tasks while they fit, always its first one when that one fits on its own,
-and the rest wait, queued, for the next request (the grant says ``size``). A task too large
+and the rest wait, queued, for the next request (the grant says ``size``). The same holds
+for the responses the server has room for (its request's ``max_samples``): it asks for as
+many tasks as groups of ``rollout.n`` fit, and a validation group of ``val_kwargs.n`` may
+be larger (always the first task, though: the server then runs it alone). A task too large
 for any grant is dropped before it is dealt (``dropped/oversize`` in the accounting), with
 one line naming the key that fixes it: dealt, it could never be read; kept, it would head
 the queue for good.
@@ -48,26 +51,37 @@ def fits_alone(task: Task, max_bytes: int = 0) -> bool:
 
 
 class GrantRoom:
-    """The bytes one grant may still take, and the tasks too large for any grant.
+    """The bytes and responses one grant may still take, and the tasks too large for any
+    grant.
 
     ``max_bytes`` is the coordinator's ``control.max_message_mb`` in bytes (0: its default,
-    as the clients' decoders take 0)."""
+    as the clients' decoders take 0); ``max_samples`` the server's free response slots (0:
+    no bound)."""
 
-    def __init__(self, max_bytes: int = 0) -> None:
+    def __init__(self, max_bytes: int = 0, max_samples: int = 0) -> None:
         self.max_bytes = max_bytes or DEFAULT_MAX_MESSAGE_BYTES
         self.left = self.max_bytes - GRANT_OVERHEAD
+        self.samples_left = max_samples or None
+        self.taken = 0
         self.too_large: list[tuple[str, int]] = []  # (task id, its bytes), in deal order
 
     def admit(self, task: Task) -> str:
-        """:data:`TAKE` (its bytes are now spent), :data:`FULL` (not in this grant: the
-        next one has room) or :data:`TOO_LARGE` (in no grant ever: recorded)."""
+        """:data:`TAKE` (its bytes and responses are now spent), :data:`FULL` (not in this
+        grant: the next one has room) or :data:`TOO_LARGE` (in no grant ever: recorded). The
+        first task is never refused for its responses: a group larger than the server's
+        slots would otherwise never be dealt (the server runs it alone)."""
         size = task_bytes(task)
         if size > self.max_bytes - GRANT_OVERHEAD:
             self.too_large.append((task.task_id, size))
             return TOO_LARGE
         if size > self.left:
             return FULL
+        if self.samples_left is not None and self.taken and task.n > self.samples_left:
+            return FULL
         self.left -= size
+        if self.samples_left is not None:
+            self.samples_left -= task.n
+        self.taken += 1
         return TAKE
 
     def log_dropped(self) -> None:

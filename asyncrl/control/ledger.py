@@ -192,7 +192,8 @@ class TaskLedger:
         """Up to ``max_tasks`` tasks for ``server_id`` and, when fewer, why: ``budget``
         (admission refused), ``pace`` (the server holds its cap of training groups, see
         :mod:`asyncrl.control.pacing`), ``exhausted`` (no training data left) or ``size``
-        (the next would not fit in ``fit``'s bytes: it stays queued); ``""`` when all were
+        (the next would not fit in ``fit``'s bytes or the server's free slots: it stays
+        queued); ``""`` when all were
         granted. A task too large for any grant is dropped (:mod:`~.grant_size`)."""
         tasks: list[Task] = []
         reason = ""

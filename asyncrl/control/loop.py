@@ -208,7 +208,9 @@ class ControlLoop:
         by why it waits)."""
         msg = held.msg
         want = min(msg.max_tasks, self.max_grant)
-        grant = self.state.grant(msg.server_id, want, now, msg.request_id, self.max_message_bytes)
+        grant = self.state.grant(
+            msg.server_id, want, now, msg.request_id, self.max_message_bytes, msg.max_samples
+        )
         if not grant.tasks and grant.reason in WAIT_REASONS and not held.expired(now):
             if not held.reason:
                 self.io[f"waits/{grant.reason}"] += 1

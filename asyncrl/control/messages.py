@@ -120,6 +120,10 @@ class TaskRequest(Message, tag="task_request"):
     max_tasks: Annotated[int, msgspec.Meta(ge=1, le=4096)]
     wait_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0
     request_id: NonNeg = 0
+    #: The responses the server has room for (0: not said): tasks are dealt while their
+    #: ``n`` fit, and always the first (a validation group's ``val_kwargs.n`` may be above
+    #: ``rollout.n``, the size the server's request counted on).
+    max_samples: NonNeg = 0
 
 
 class SlotRequest(Message, tag="slot_request"):

@@ -268,9 +268,11 @@ class ControlState:
         now: float,
         request_id: int | None = None,
         max_bytes: int = 0,
+        max_samples: int = 0,
     ) -> TaskGrant:
         """Deal to ``server_id`` what the rules allow (maybe nothing, with the reason), in
-        a grant of at most ``max_bytes`` (``control.max_message_mb``; 0: its default).
+        a grant of at most ``max_bytes`` (``control.max_message_mb``; 0: its default) and,
+        past its first task, ``max_samples`` responses (the server's free slots; 0: any).
 
         A retry of the last request that got tasks (same ``request_id``) gets that grant
         again: its reply was lost, and its tasks are outstanding at this server.
@@ -283,7 +285,7 @@ class ControlState:
         reason = self._refusal(rec, now)
         if reason:
             return TaskGrant(tasks=[], policy_version=self.version, reason=reason)
-        fit = GrantRoom(max_bytes)
+        fit = GrantRoom(max_bytes, max_samples)
         tasks, reason = self.ledger.deal(server_id, max_tasks, now, fit)
         fit.log_dropped()
         if self.group_filter.active:

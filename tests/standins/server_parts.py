@@ -112,6 +112,7 @@ class StandInClient:
         self.gone = threading.Event()
         self.left = tasks
         self.requests: list[float] = []  # when each task request was made
+        self.max_samples: list[int] = []  # the free slots each request said
         self.acked: list[str] = []
 
     def register(self) -> Registered:
@@ -131,8 +132,11 @@ class StandInClient:
     def start_watching(self) -> object:
         return None
 
-    def request_tasks(self, max_tasks: int | None = None) -> TaskGrant:
+    def request_tasks(
+        self, max_tasks: int | None = None, wait_s: float | None = None, max_samples: int = 0
+    ) -> TaskGrant:
         self.requests.append(time.monotonic())
+        self.max_samples.append(max_samples)
         take = min(max_tasks or self.tasks_per_request, self.left)
         if not take:
             time.sleep(0.05)
@@ -261,8 +265,10 @@ class SyncingClient(StandInClient):
         self.sync_reported = threading.Event()
         self.polls_ended: list[float] = []  # when each next_sync call returned
 
-    def request_tasks(self, max_tasks: int | None = None) -> TaskGrant:
-        grant = super().request_tasks(max_tasks)
+    def request_tasks(
+        self, max_tasks: int | None = None, wait_s: float | None = None, max_samples: int = 0
+    ) -> TaskGrant:
+        grant = super().request_tasks(max_tasks, wait_s, max_samples)
         tasks = [msgspec.structs.replace(t, agent_name="tool_agent") for t in grant.tasks]
         return TaskGrant(tasks=tasks, policy_version=0)
 
