@@ -307,4 +307,14 @@ ROWS = (
         '        self.ledger.budget.sent(active.round.version, self.ledger.tally["train"][DONE])\n',
         ("tests/test_admission_registry.py",),
     ),
+    Mutation(
+        "a grant fits the server's free slots",
+        "a grant takes tasks whatever their responses",
+        "asyncrl/control/grant_size.py",
+        "        if self.samples_left is not None and self.taken and task.n > self.samples_left:\n",
+        "        if False:\n",
+        (
+            "tests/test_grant_slots.py::test_a_grant_of_validation_groups_fits_the_servers_free_slots",
+        ),
+    ),
 )

@@ -353,4 +353,12 @@ ROWS = (
             "tests/test_engine_versions.py::test_a_response_vllm_aborted_or_ended_in_error_fails_instead_of_training",
         ),
     ),
+    Mutation(
+        "a grant fits the server's free slots",
+        "the server's request does not say its free slots",
+        "rollout_servers/server.py",
+        "                request = functools.partial(self.client.request_tasks, max_samples=self._free())\n",
+        "                request = self.client.request_tasks\n",
+        ("tests/test_grant_slots.py::test_the_server_asks_with_its_free_slots",),
+    ),
 )
