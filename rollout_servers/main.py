@@ -134,6 +134,16 @@ def inline_engine(cfg: Config) -> bool:
     )
 
 
+def engine_sequences(cfg: Config) -> int:
+    """vLLM's ``max_num_seqs``: the responses the server keeps in flight, and one more, the
+    post-sync probe's (without it, the probe queued behind them until one finished). A
+    validation group larger than the free slots is dealt alone (``val_kwargs.n`` above
+    ``rollout.n``: the server asked for groups of ``rollout.n``), so the responses in
+    flight may pass ``rollout.max_inflight`` by the difference."""
+    ro = cfg.rollout
+    return ro.max_inflight + max(ro.val_kwargs.n - ro.n, 0) + 1
+
+
 async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
     """Start vLLM; returns the engine and whether requests may be seeded (on CPU only when
     a step's token budget holds every sequence whole)."""
@@ -145,9 +155,10 @@ async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
     require(inline=inline)  # an untested vLLM without the APIs used here: exit 2, naming the fix
     ro = cfg.rollout
     max_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+    seqs = engine_sequences(cfg)
     budget, seeded = None, True
     if cfg.trainer.device == "cpu":
-        budget = cpu_token_budget(ro.max_inflight + 1, max_len)
+        budget = cpu_token_budget(seqs, max_len)
         seeded = budget is not None
         if not seeded:
             log.warning(
@@ -165,9 +176,7 @@ async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
         tensor_parallel_size=ro.tensor_model_parallel_size,
         gpu_memory_utilization=ro.gpu_memory_utilization,
         enforce_eager=eager_engine(cfg),
-        # One slot above the responses the server keeps in flight: the post-sync probe's
-        # (without it, the probe queued behind them until one finished).
-        max_num_seqs=ro.max_inflight + 1,
+        max_num_seqs=seqs,
         hf_overrides=cfg.model.override_config,
         **_lora_args(cfg),
     )

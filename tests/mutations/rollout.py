@@ -319,8 +319,16 @@ ROWS = (
         "the engine keeps a slot for the post-sync probe",
         "max_num_seqs is rollout.max_inflight (the probe queues behind them)",
         "rollout_servers/main.py",
-        "        max_num_seqs=ro.max_inflight + 1,\n",
-        "        max_num_seqs=ro.max_inflight,\n",
+        "    return ro.max_inflight + max(ro.val_kwargs.n - ro.n, 0) + 1\n",
+        "    return ro.max_inflight + max(ro.val_kwargs.n - ro.n, 0)\n",
+        ("tests/test_server_syncs.py::test_the_engine_keeps_a_slot_for_the_probe",),
+    ),
+    Mutation(
+        "the engine keeps a slot for the post-sync probe",
+        "max_num_seqs leaves out a validation group dealt alone past the free slots",
+        "rollout_servers/main.py",
+        "    return ro.max_inflight + max(ro.val_kwargs.n - ro.n, 0) + 1\n",
+        "    return ro.max_inflight + 1\n",
         ("tests/test_server_syncs.py::test_the_engine_keeps_a_slot_for_the_probe",),
     ),
     Mutation(
