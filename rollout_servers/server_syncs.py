@@ -117,9 +117,9 @@ class WeightSyncs:
         except asyncio.TimeoutError:  # TimeoutError from 3.11 on
             self.metrics["rollout/probe_timeouts"] += 1
             log.warning(
-                "post-sync probe not scored within %.1fs (the engine is busier than its "
-                "slots: validation groups of val_kwargs.n above rollout.n?); this sync is "
-                "reported without it",
+                "post-sync probe not scored within %.1fs (the engine is slower than its "
+                "slots allow: a device shared with other work?); this sync is reported "
+                "without it",
                 timeout_s,
             )
             return []
