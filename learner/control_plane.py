@@ -80,18 +80,12 @@ class RankZero:
             timeout_s=cfg.sync.timeout_s,
         )
         self.coordinator = coordinator_from_config(cfg, saved_state=restored.coordinator)
-        self.lag: LagController | None = None  # staleness.controller: adaptive
+        self.lag = _lag_controller(cfg, restored)  # staleness.controller: adaptive
+        if self.lag is not None:
+            self.coordinator.set_admission_lag(self.lag.lag)
         # A validation round was in flight at the last after_step: the step that follows
         # shares the servers with it (see steer_lag).
         self._round_in_flight = False
-        if cfg.staleness.controller == "adaptive":
-            st, health = cfg.staleness, cfg.trainer.health
-            self.lag = LagController(
-                st.min_policy_lag, st.max_policy_lag, health.min_ess, health.max_mismatch_kl
-            )
-            if restored.lag_controller is not None:
-                self.lag.load_state_dict(restored.lag_controller)
-            self.coordinator.set_admission_lag(self.lag.lag)
         self.coordinator.start()
         pusher = WeightPusher(
             self.coordinator,
@@ -107,6 +101,17 @@ class RankZero:
             "learner",
             max_message_bytes=mebibytes(cfg.control.max_message_mb),
         )
+        self._meet_buffer(restored)
+        self.logger = open_metrics(cfg, run_dir, new_run)
+        if restored.path is not None and not new_run:
+            self.logger.mark_resumed(restored.step)
+
+    def _meet_buffer(self, restored: Restored) -> None:
+        """Say hello to the buffer (waiting up to ``launch.start_timeout_s``) and set the
+        coordinator's versions from its answer: above what it has seen on a fresh start,
+        through the versions the replay of its unacknowledged batches reproduces on a
+        resume."""
+        cfg = self.cfg
         welcome = self.buffer.hello(
             restored.last_batch_id,
             wait_s=cfg.launch.start_timeout_s,
@@ -116,22 +121,19 @@ class RankZero:
         log.info("buffer ready: %d unacknowledged batches come again first", welcome.redelivering)
         if restored.path is None:  # versions go on above what the buffer has seen
             self.coordinator.at_least(welcome.policy_version)
-        else:  # the replay of those batches reproduces versions
-            through = replayed_version(
-                restored.version,
-                restored.step,
-                welcome.redelivering,
-                cfg.staleness.sync_every,
-                self.total_steps,
-            )
-            self.coordinator.set_replay(through)
-            # A version the buffer measured lag against that the replay never reaches (the
-            # previous life died pushing it): go on above it, or every new group is stale.
-            if welcome.policy_version > through:
-                self.coordinator.at_least(welcome.policy_version)
-        self.logger = open_metrics(cfg, run_dir, new_run)
-        if restored.path is not None and not new_run:
-            self.logger.mark_resumed(restored.step)
+            return
+        through = replayed_version(
+            restored.version,
+            restored.step,
+            welcome.redelivering,
+            cfg.staleness.sync_every,
+            self.total_steps,
+        )
+        self.coordinator.set_replay(through)
+        # A version the buffer measured lag against that the replay never reaches (the
+        # previous life died pushing it): go on above it, or every new group is stale.
+        if welcome.policy_version > through:
+            self.coordinator.at_least(welcome.policy_version)
 
     # ------------------------------------------------------------------ batches
     def wait_batch(
@@ -449,6 +451,20 @@ class RankZero:
             if not accounting.get("accounting/val/in_buffer") or time.monotonic() >= end:
                 return accounting
             time.sleep(0.1)
+
+
+def _lag_controller(cfg: Config, restored: Restored) -> LagController | None:
+    """With ``staleness.controller: adaptive``, the controller of the admission window's
+    lag (from the checkpoint's state on a resume); None otherwise."""
+    if cfg.staleness.controller != "adaptive":
+        return None
+    st, health = cfg.staleness, cfg.trainer.health
+    lag = LagController(
+        st.min_policy_lag, st.max_policy_lag, health.min_ess, health.max_mismatch_kl
+    )
+    if restored.lag_controller is not None:
+        lag.load_state_dict(restored.lag_controller)
+    return lag
 
 
 def open_metrics(cfg: Config, run_dir: Path, new_run: bool) -> MetricsLogger:
