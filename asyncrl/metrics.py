@@ -23,6 +23,9 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"  # the W&B run a resumed learner logs into again
+#: The x axis of W&B's charts but validation's: the learner step of the record a value
+#: came in (W&B's own step may run ahead of it, see MetricsLogger._wandb_row).
+WANDB_AXIS = "train/step"
 
 
 class MetricsLogger:
@@ -67,7 +70,12 @@ class MetricsLogger:
             # the step it started at (the weights it measured), as in metrics.jsonl.
             self._wandb.define_metric("val/step")
             self._wandb.define_metric("val/*", step_metric="val/step")
+            # Every other namespace is charted against the learner step of its record
+            # (WANDB_AXIS, in every row): a record moved to a later W&B step (see
+            # _wandb_row) stays at its own step on the charts.
+            self._wandb.define_metric(WANDB_AXIS)
         self._wandb_step, self._wandb_keys = -1, set[str]()
+        self._wandb_charted = {"val", WANDB_AXIS.split("/")[0]}  # namespaces given an axis
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Record ``metrics`` at learner step ``step`` (non-numbers are dropped)."""
@@ -75,18 +83,32 @@ class MetricsLogger:
         if self._file is not None:
             self._file.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
         if self._wandb is not None:
-            self._wandb.log(clean, step=self._wandb_row(step, clean))
+            self._chart_namespaces(clean)
+            row = self._wandb_row(step, clean)
+            self._wandb.log({**clean, WANDB_AXIS: float(step)}, step=row)
         if "console" in self.sinks:
             keys = self.console_keys or sorted(clean)
             shown = " ".join(f"{k}={clean[k]:.4g}" for k in keys if k in clean)
             if shown:  # a record of other keys only (say, the final accounting) stays quiet
                 log.info("step %d: %s", step, shown)
 
+    def _chart_namespaces(self, clean: Mapping[str, float]) -> None:
+        """Chart each namespace seen for the first time (``loss/*``, ``rollout/*``, ...)
+        against :data:`WANDB_AXIS`: W&B's globs are prefixes, one per namespace."""
+        assert self._wandb is not None
+        for key in clean:
+            ns = key.split("/", 1)[0]
+            if "/" in key and ns not in self._wandb_charted:
+                self._wandb_charted.add(ns)
+                self._wandb.define_metric(f"{ns}/*", step_metric=WANDB_AXIS)
+
     def _wandb_row(self, step: int, clean: Mapping[str, float]) -> int:
         """The W&B step to log a record of learner step ``step`` at. W&B keeps one value per
         key and step, the last logged: two records of one step sharing a key (two
         validation rounds completing together, the final weight push after the last step's)
-        would keep only the second. Such a record goes to the next step there instead;
+        would keep only the second. Such a record goes to the next step there instead, and
+        W&B's steps only go up, so the records after it may follow it there; the charts
+        read each record's own step (:data:`WANDB_AXIS`, ``val/step`` for validation), and
         ``metrics.jsonl`` keeps every record at its own step."""
         row = max(step, self._wandb_step)
         if row == self._wandb_step and not self._wandb_keys.isdisjoint(clean):

@@ -153,14 +153,32 @@ def test_a_new_run_keeps_the_earlier_runs_wandb_id_beside_its_records(tmp_path):
 
 
 def _wandb_history(run_dir) -> list[dict[str, float]]:
-    """The history rows an offline W&B run wrote to its ``run-*.wandb`` file: W&B's own
-    record (a LevelDB-style log of 32 KiB blocks holding protobuf records), read back."""
+    """The history rows an offline W&B run wrote to its ``run-*.wandb`` file, once they
+    are all there: W&B's service process writes the file, and its ``finish()`` may return
+    before the last records are (an earlier run in the same process made that likely, and
+    the read found no row at all). Read again until the file has stopped growing for half
+    a second, within 20 s."""
+    import time
+
+    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    size, since, deadline = -1, time.monotonic(), time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if path.stat().st_size != size:
+            size, since = path.stat().st_size, time.monotonic()
+        elif time.monotonic() - since >= 0.5:
+            break
+        time.sleep(0.05)
+    return _history_rows(path.read_bytes())
+
+
+def _history_rows(data: bytes) -> list[dict[str, float]]:
+    """The history rows of a ``run-*.wandb`` file's bytes: W&B's own record (a
+    LevelDB-style log of 32 KiB blocks holding protobuf records), read back."""
     import struct
 
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
-    data, pos, pending, rows = path.read_bytes(), 7, b"", []  # 7: the file's own header
+    pos, pending, rows = 7, b"", []  # 7: the file's own header
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header: padding
             pos += 32768 - pos % 32768
@@ -206,3 +224,32 @@ def test_wandb_keeps_both_records_of_one_step_that_share_a_key(tmp_path, monkeyp
     ]
     # metrics.jsonl keeps each record at its learner step
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 2, 2, 3]
+
+
+def test_wandb_charts_each_record_at_its_learner_step_after_rounds_pile_up(tmp_path, monkeypatch):
+    """A review: three validation rounds read at one step took W&B steps 4, 5 and 6, and
+    W&B's steps only go up, so step 5's training record went to W&B step 6, and every one
+    after it a step late. Every row now carries its learner step (``train/step``) and
+    every namespace is charted against it."""
+    from wandb.proto import wandb_internal_pb2 as pb  # noqa: F401 (W&B is installed)
+
+    from asyncrl.metrics import WANDB_AXIS
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    logger = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=True)
+    logger.log(4, {"loss/pg": 4.0})
+    for started in (2, 4, 3):
+        logger.log(4, {"val/score": 0.1 * started, "val/step": float(started)})
+    for step in (5, 6, 7):
+        logger.log(step, {"loss/pg": float(step), "timing/step_s": 0.1})
+    logger.close()
+    rows = _wandb_history(run)
+    trained = [(r["loss/pg"], r[WANDB_AXIS]) for r in rows if "loss/pg" in r]
+    assert trained == [(4.0, 4.0), (5.0, 5.0), (6.0, 6.0), (7.0, 7.0)]
+    assert [r["val/step"] for r in rows if "val/score" in r] == [2.0, 4.0, 3.0]
+    # Each namespace is charted against that step: W&B's file holds its metric records.
+    (path,) = run.glob("wandb/offline-run-*/run-*.wandb")
+    data = path.read_bytes()
+    assert all(glob in data for glob in (b"loss/*", b"timing/*", WANDB_AXIS.encode()))
