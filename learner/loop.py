@@ -154,11 +154,13 @@ class LearnerLoop:
         """The data ran out after a step that did not push (``staleness.sync_every`` > 1):
         push its weights, so that the final validation round measures the policy the run
         ends with and exports (``started``: the step this learner started at; a learner
-        that trained nothing pushes nothing). A collective: every rank gathers."""
+        that trained nothing pushes nothing). A collective: every rank gathers. Its metrics
+        (the previous push's results among them, which no later push collects) are a
+        record of their own at that step."""
         t = self.trainer
         if t.step > started and not push_due(t.step, self.cfg.staleness.sync_every, self.total):
             log.info("data spent after step %d: its weights are pushed for the final round", t.step)
-            self._push()
+            self.control.log_step(t.step, self._push(), t.policy_version)
 
     def _superseded(self, e: Superseded) -> int:
         """Another learner said hello under this run's consumer id: end without a restart

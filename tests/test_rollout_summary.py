@@ -48,3 +48,16 @@ def test_counters_are_summed_fractions_averaged_and_agent_counters_kept():
     assert (out["rollout/resubmitted"], out["rollout/prompts_filtered_too_long"]) == (4.0, 0.0)
     assert not any(k.startswith("rollout/tokens_by_version") for k in out)
     assert rollout_summary({"r0": {}}) == {}
+
+
+def test_every_counter_a_server_keeps_reaches_the_step_record():
+    """A review: ``rollout/version_wait_missed`` and ``rollout/probe_timeouts`` were counted
+    by the servers and listed in METRICS.md as in every step's record, but the summary
+    left them out. Every counter of :class:`ServerStats` is now summed over the servers."""
+    from rollout_servers.server_stats import ServerStats
+
+    counters = ServerStats(tok=None).metrics  # type: ignore[arg-type]
+    servers = {f"r{i}": {key: float(i + 1) for key in counters} for i in range(2)}
+    out = rollout_summary(servers)
+    missing = [key for key in counters if out.get(key) != 3.0]
+    assert not missing, missing

@@ -233,10 +233,11 @@ def test_the_final_round_measures_the_weights_the_run_ends_with_when_the_data_ru
     def pushes(step: int, started: int = 0) -> int:
         calls: list[int] = []
         loop = SimpleNamespace(
-            trainer=SimpleNamespace(step=step),
+            trainer=SimpleNamespace(step=step, policy_version=1),
             cfg=SimpleNamespace(staleness=SimpleNamespace(sync_every=2)),
             total=20,
-            _push=lambda: calls.append(step),
+            _push=lambda: calls.append(step) or {},
+            control=SimpleNamespace(log_step=lambda step, metrics, version: None),
         )
         LearnerLoop._push_final(loop, started)  # type: ignore[arg-type]
         return len(calls)
@@ -251,7 +252,8 @@ def test_a_run_whose_data_runs_out_after_a_step_that_did_not_push_pushes_before_
 ):
     """The loop itself, not only the rule above: ``run()`` trains until the data is spent
     (after step 3 here, ``sync_every`` 2, so step 3 did not push) and then pushes step 3's
-    weights before the final checkpoint and the final round. A learner restarted at the
+    weights before the final checkpoint and the final round, and records what the push
+    returns (a review: it was dropped, the previous push's results with it). A learner restarted at the
     step the data was spent at trains nothing and pushes nothing."""
     from types import SimpleNamespace
 
@@ -278,12 +280,19 @@ def test_a_run_whose_data_runs_out_after_a_step_that_did_not_push_pushes_before_
             resume=lambda state: None,
             version=lambda v: v,
             finish=lambda step, **kw: events.append(("finish", step)),
+            log_step=lambda step, metrics, version: events.append((sorted(metrics)[0], step)),
         )
         loop._one_step = one_step  # type: ignore[method-assign]
-        loop._push = lambda: events.append(("push", trainer.step))  # type: ignore[method-assign]
+
+        def push() -> dict[str, float]:
+            events.append(("push", trainer.step))
+            return {"sync/probe_max_diff": 0.0}  # the previous push's results among them
+
+        loop._push = push  # type: ignore[method-assign]
         loop._save = lambda final=False: events.append(("save", trainer.step))  # type: ignore[method-assign]
         assert loop.run() == 0
         return events
 
-    assert run(0) == [("push", 3), ("save", 3), ("finish", 3)]
+    # The push's metrics are a record of their own (no later push collects them).
+    assert run(0) == [("push", 3), ("sync/probe_max_diff", 3), ("save", 3), ("finish", 3)]
     assert run(3) == [("save", 3), ("finish", 3)]

@@ -318,7 +318,7 @@ ROWS = (
         "the final weights are pushed when the data runs out",
         "data spent after a step that did not push leaves its weights unpushed",
         "learner/loop.py",
-        "            self._push()\n",
+        "            self.control.log_step(t.step, self._push(), t.policy_version)\n",
         "            pass\n",
         (
             "tests/test_validation_stats.py::test_the_final_round_measures_the_weights_the_run_ends_with_when_the_data_runs_out",
@@ -330,6 +330,16 @@ ROWS = (
         "learner/loop.py",
         "            self._push_final(started)\n",
         "            pass\n",
+        (
+            "tests/test_validation_stats.py::test_a_run_whose_data_runs_out_after_a_step_that_did_not_push_pushes_before_it_ends",
+        ),
+    ),
+    Mutation(
+        "the final weights are pushed when the data runs out",
+        "the final push's metrics (the previous push's results among them) are dropped",
+        "learner/loop.py",
+        "            self.control.log_step(t.step, self._push(), t.policy_version)\n",
+        "            self._push()\n",
         (
             "tests/test_validation_stats.py::test_a_run_whose_data_runs_out_after_a_step_that_did_not_push_pushes_before_it_ends",
         ),
