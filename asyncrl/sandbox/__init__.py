@@ -5,6 +5,7 @@
   the reward pool (:mod:`asyncrl.rewards`) and the tool pool (:mod:`asyncrl.tools`);
 - :mod:`~asyncrl.sandbox.process`: one worker process, its protocol and its lifetime;
 - :mod:`~asyncrl.sandbox.memory`: a worker's memory cap;
+- :mod:`~asyncrl.sandbox.output`: the bound on what a worker writes to stdout and stderr;
 - :mod:`~asyncrl.sandbox.pyfile`: importing a user's Python file by its path.
 
 Standard library only: it may import nothing else from the project (its modules import

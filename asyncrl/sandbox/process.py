@@ -19,6 +19,10 @@ an idle *reaper* in its group (not its child) kills the group when the worker en
 nothing the user code left running outlives a killed caller (:func:`_start_reaper`).
 Workers are not daemons: daemonic processes may not have children, and scorers that run
 code in a ``multiprocessing.Process`` (veRL's ``prime_code``) need them.
+
+A worker's stdout and stderr (fds 1 and 2) are pipes the parent drains within a per-job
+and a per-worker limit (:mod:`asyncrl.sandbox.output`), so user code that prints cannot
+fill the caller's log.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from asyncrl.sandbox.memory import NO_CAP, MemoryCap, from_memory, limit_memory
+from asyncrl.sandbox.output import OutputDrain, flush_std_streams, redirect_output
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +175,15 @@ def _start(
         return None
     try:
         handler = setup(*setup_args)
-    except Exception as exc:
-        if cap.mb > 0 and from_memory(exc):
+    # SystemExit too (sys.exit() in a module's import or a tool's __init__): uncaught, it
+    # ended the worker and the caller heard only an exit code, not the message.
+    except (Exception, SystemExit) as exc:
+        if isinstance(exc, SystemExit):
+            message = (
+                f"a worker's start-up raised {describe_exception(exc)}; take the exit out "
+                "of the module's import and its setup"
+            )
+        elif cap.mb > 0 and from_memory(exc):
             message = (
                 f"a worker ran out of memory while starting ({cap.hit()}): load less when "
                 f"its module is imported, or raise {cap.key} (0: no cap)"
@@ -193,14 +205,18 @@ def _worker_main(
     setup_args: tuple[Any, ...],
     parent_pid: int,
     cap: MemoryCap = NO_CAP,
+    outputs: tuple[Connection, Connection] | None = None,
 ) -> None:
     """Entry point of a worker process: run ``setup``, then serve jobs until told to stop.
 
     Consumes ``(seq, job)`` from its pipe; produces one ``(seq, answer)`` per job. Waits on
     the pipe for the next job; unblocked by a job, by ``None`` (stop) or by the parent going
     away (end of file, or SIGKILL from the kernel). A job that hangs is not its business:
-    the parent kills it."""
+    the parent kills it. ``outputs``: the write ends of the pipes its stdout and stderr
+    go to (None: the caller's own, unbounded)."""
     _die_with_parent(parent_pid)
+    if outputs is not None:  # before setup: importing user code may print too
+        redirect_output(*outputs)
     # multiprocessing made the pool's "spawn" this process's default; user code gets the
     # platform's, as in a plain process: a spawned child could not import a scorer's
     # functions, which live in a module loaded by path.
@@ -220,6 +236,7 @@ def _worker_main(
             return
         seq, job = message
         answer = _answer(handler, job, pid, cap)
+        flush_std_streams()
         try:
             conn.send((seq, answer))
         except (EOFError, OSError):
@@ -292,15 +309,27 @@ class Worker:
         self._killed = False
         self._seq = 0
         self.conn, child_conn = ctx.Pipe(duplex=True)
+        out_read, out_write = ctx.Pipe(duplex=False)
+        err_read, err_write = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
             target=_worker_main,
-            args=(child_conn, setup, setup_args, os.getpid(), cap),
+            args=(child_conn, setup, setup_args, os.getpid(), cap, (out_write, err_write)),
             name=f"asyncrl-{role}-worker",
             daemon=False,  # see the module's docstring; the pool's finalizer stops it
         )
-        _start_process(self.process)
+        try:
+            _start_process(self.process)
+        except BaseException:
+            for end in (out_read, out_write, err_read, err_write):
+                end.close()
+            raise
         # Without closing our copy of the child's end, its death would never read as EOF.
         child_conn.close()
+        out_write.close()
+        err_write.close()
+        self._output = OutputDrain(
+            (out_read, err_read), self.process.sentinel, f"{role} worker {self.process.pid}"
+        )
 
     def wait_ready(self, timeout_s: float, slow_start: str = "") -> None:
         """Block until the worker's setup has run; raise ValueError if it cannot
@@ -311,10 +340,12 @@ class Worker:
         try:
             status, message = self.conn.recv()
         except (EOFError, OSError):
+            # Its pipe closes a moment before it exits: wait for its own exit code, or our
+            # kill would be what is reported (-9).
+            self.process.join(STOP_GRACE_S)
+            code = self.process.exitcode
             self.kill()
-            raise ValueError(
-                f"{self.role} worker exited during start (exit code {self.process.exitcode})"
-            ) from None
+            raise ValueError(f"{self.role} worker exited during start (exit code {code})") from None
         if status != "ready":
             self.kill()
             raise ValueError(message)
@@ -325,6 +356,7 @@ class Worker:
         with self._send_lock:
             self._seq += 1
             seq = self._seq
+            self._output.next_job()
             try:
                 self.conn.send((seq, job))
             except OSError:  # killed while idle (an OOM kill), or by a close
@@ -359,6 +391,9 @@ class Worker:
             _kill_group(self.process)
             self.process.join(STOP_GRACE_S)
             self.conn.close()
+            # What it wrote last (a start-up traceback) reaches the log before the caller
+            # goes on (a server that stops on a start-up error would lose it).
+            self._output.join(STOP_GRACE_S)
 
     def request_stop(self) -> None:
         """Ask the worker to exit after its current job, without waiting."""

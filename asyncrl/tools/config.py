@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from asyncrl.sandbox.process import describe_exception
 from asyncrl.sandbox.pyfile import import_file
 from asyncrl.tools.schema import OpenAIFunctionToolSchema
 
@@ -202,7 +203,9 @@ def import_tool_class(class_name: str) -> type:
                 "the tool config or install the package that provides it"
             ) from exc
         raise _import_failed(class_name, exc) from exc
-    except Exception as exc:
+    # SystemExit too: a module that calls sys.exit() on import must name itself, not end
+    # the worker with nothing said.
+    except (Exception, SystemExit) as exc:
         raise _import_failed(class_name, exc) from exc
     cls = getattr(module, attr, None)
     if not isinstance(cls, type):
@@ -218,9 +221,9 @@ def import_tool_class(class_name: str) -> type:
     return cls
 
 
-def _import_failed(class_name: str, exc: Exception) -> ValueError:
+def _import_failed(class_name: str, exc: BaseException) -> ValueError:
     return ValueError(
-        f"importing tool class {class_name!r} failed: {type(exc).__name__}: {exc}; fix the "
+        f"importing tool class {class_name!r} failed: {describe_exception(exc)}; fix the "
         "tool's module (import it in a Python shell to see the full traceback)"
     )
 
@@ -231,7 +234,8 @@ def instantiate_tools(specs: list[ToolSpec]) -> dict[str, Any]:
     it by attribute, even those that do not pass it on to ``BaseTool.__init__``).
 
     Raises:
-        ValueError: A class cannot be imported, or its constructor raised.
+        ValueError: A class cannot be imported, or its constructor raised (``SystemExit``
+            included).
     """
     tools: dict[str, Any] = {}
     for spec in specs:
@@ -239,9 +243,9 @@ def instantiate_tools(specs: list[ToolSpec]) -> dict[str, Any]:
         try:
             schema = OpenAIFunctionToolSchema.model_validate(spec.schema)  # a copy
             tools[spec.name] = cls(copy.deepcopy(spec.config), schema)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:  # sys.exit() in __init__ too, named here
             raise ValueError(
                 f"constructing tool {spec.name!r} ({spec.class_name}) failed: "
-                f"{type(exc).__name__}: {exc}; fix the tool's __init__ or its config"
+                f"{describe_exception(exc)}; fix the tool's __init__ or its config"
             ) from exc
     return tools
