@@ -329,4 +329,14 @@ ROWS = (
         "    tmp.write_text(yaml.safe_dump(data, sort_keys=False))\n",
         ("tests/test_config_resolved.py::test_text_that_looks_like_a_number_reads_back_as_text",),
     ),
+    Mutation(
+        "W&B charts records at their learner step",
+        "W&B rows carry no learner step",
+        "asyncrl/metrics.py",
+        "            self._wandb.log({**clean, WANDB_AXIS: float(step)}, step=row)\n",
+        "            self._wandb.log(clean, step=row)\n",
+        (
+            "tests/test_metrics_file.py::test_wandb_charts_each_record_at_its_learner_step_after_rounds_pile_up",
+        ),
+    ),
 )

@@ -344,4 +344,14 @@ ROWS = (
             "tests/test_validation_stats.py::test_a_run_whose_data_runs_out_after_a_step_that_did_not_push_pushes_before_it_ends",
         ),
     ),
+    Mutation(
+        "every server counter reaches the step record",
+        "the probe timeouts are left out of the rollout summary",
+        "learner/metrics.py",
+        '        "probe_timeouts",\n',
+        "",
+        (
+            "tests/test_rollout_summary.py::test_every_counter_a_server_keeps_reaches_the_step_record",
+        ),
+    ),
 )

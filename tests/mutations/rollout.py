@@ -369,4 +369,42 @@ ROWS = (
         "                request = self.client.request_tasks\n",
         ("tests/test_grant_slots.py::test_the_server_asks_with_its_free_slots",),
     ),
+    Mutation(
+        "a worker's output is bounded",
+        "a worker writes to the caller's stdout and stderr unbounded",
+        "asyncrl/sandbox/process.py",
+        "        redirect_output(*outputs)\n",
+        "        pass\n",
+        (
+            "tests/test_sandbox_output.py::test_what_a_tool_writes_reaches_the_servers_output_only_up_to_the_cap",
+        ),
+    ),
+    Mutation(
+        "a tool that exits while starting is named",
+        "sys.exit() in a tool's __init__ ends the worker unnamed",
+        "asyncrl/tools/config.py",
+        "        except (Exception, SystemExit) as exc:  # sys.exit() in __init__ too, named here\n",
+        "        except Exception as exc:  # sys.exit() in __init__ too, named here\n",
+        ("tests/test_sandbox_output.py::test_a_tool_that_calls_sys_exit_while_starting_is_named",),
+    ),
+    Mutation(
+        "a tool that exits while starting is named",
+        "sys.exit() at a scorer's import ends the worker unnamed",
+        "asyncrl/sandbox/process.py",
+        "    except (Exception, SystemExit) as exc:\n",
+        "    except Exception as exc:\n",
+        (
+            "tests/test_sandbox_output.py::test_a_scorer_that_calls_sys_exit_on_import_is_reported_with_its_message",
+        ),
+    ),
+    Mutation(
+        "a tool that exits while starting is named",
+        "the worker is killed before its exit code is read (-9 reported)",
+        "asyncrl/sandbox/process.py",
+        "            self.process.join(STOP_GRACE_S)\n            code = self.process.exitcode\n",
+        "            self.kill()\n            code = self.process.exitcode\n",
+        (
+            "tests/test_sandbox_output.py::test_a_worker_that_exits_while_starting_reports_its_own_exit_code",
+        ),
+    ),
 )
