@@ -43,11 +43,11 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.config.policy import GROUP_ESTIMATORS
 from asyncrl.rewards import ScoreResult
-from rollout_servers.agent import Episode, episode_samples, episode_trajectories
+from rollout_servers.agent import episode_samples, episode_trajectories
 from rollout_servers.closed_groups import CLOSED_IDLE_TIMES, ClosedNames
 from rollout_servers.groups import filtered_out, shape_overlong, unknown_filter_metric
 from rollout_servers.lanes import Lanes
-from rollout_servers.member_rewards import RefusedMembers, again, reward_closed
+from rollout_servers.member_rewards import RefusedMembers, again, join, reward_closed
 from rollout_servers.sessions import Group, RequestError, Session, split_key
 from rollout_servers.slot_wait import LEFT, SlotWaiter
 
@@ -145,16 +145,7 @@ class EndpointGroups:
             # (its first request refused): it opens the group again.
             current = self.by_name.get(name)
             group = opened if current is opened else current
-        session = group.sessions.get(key)
-        if session is None:
-            if len(group.sessions) >= group.size:
-                raise RequestError(
-                    409,
-                    f"group {name!r} has its {group.size} members already: use another GROUP",
-                )
-            episode = Episode([], [], max_response_len=self.cfg.data.max_response_length)
-            session = Session(key, len(group.sessions), group.task, episode)
-            group.sessions[key] = session
+        session = join(group, key, self.cfg.data.max_response_length)
         group.last_active = time.monotonic()
         return session
 
@@ -207,6 +198,24 @@ class EndpointGroups:
             f"(rollout.openai_endpoint.group_idle_s={self.idle_s:g}), or at once with "
             "POST /rl/abandon."
         )
+
+    def refused_request(self, key: str) -> None:
+        """A request of session ``key`` was refused. Its member is kept, also when the
+        refusal came before its session existed (the body's checks run first), so its
+        reward counts toward its group's completion; a group the request opened unused
+        gives its slot back (:meth:`give_back_if_unused`)."""
+        try:
+            name, _ = split_key(key, self.size)
+        except RequestError:
+            return  # no member is named by it
+        group, max_len = self.by_name.get(name), self.cfg.data.max_response_length
+        if group is not None:
+            if key not in group.sessions and len(group.sessions) < group.size:
+                join(group, key, max_len)
+            self.give_back_if_unused(key)
+        elif self.closed.get(name) is None and self.refused.keep(name, key, self.size, max_len):
+            # as a given-back group's members are: uncounted when it rejoins (_open)
+            self.metrics["rollout/openai/sessions_dropped"] += 1
 
     def give_back_if_unused(self, key: str) -> None:
         """A group takes its slot for good with its first answered request: when no session

@@ -6,6 +6,9 @@ A chat request becomes one assistant turn (:meth:`EndpointTurns.chat`), a raw
 (:meth:`EndpointTurns.raw`, see :mod:`rollout_servers.openai_completions`). Either is
 prepared on a :class:`~rollout_servers.sessions.Draft` and committed only once the engine
 answered, and sampled once however often the client sends it (:meth:`EndpointTurns.once`).
+A prompt is rendered and tokenized in a thread of the turns' own (:data:`TOKEN_THREADS`): a
+body of a few MB takes seconds, which the server's loop (its syncs, its other sessions) must
+not wait. It happens within the turn, so a session's turns keep their order.
 Which request is served, and how it travels, is :mod:`rollout_servers.openai_api`'s.
 """
 
@@ -13,11 +16,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from rollout_servers.agent import turn_params
 from rollout_servers.chat_bodies import assistant_reply, completion_body, token_logprobs
-from rollout_servers.openai_completions import raw_draft, text_completion_body, text_logprobs
+from rollout_servers.openai_completions import (
+    prompt_ids,
+    raw_draft,
+    text_completion_body,
+    text_logprobs,
+)
 from rollout_servers.request_fields import (
     asked_tokens,
     fingerprint,
@@ -36,6 +45,14 @@ if TYPE_CHECKING:
     from rollout_servers.groups import SamplingSettings
     from rollout_servers.protocols import GenerationEngine, Tokenizer
     from rollout_servers.samples import Sample
+
+#: Threads that render and tokenize prompts. Not asyncio's default executor, which the
+#: server's pushes wait in (:mod:`rollout_servers.lanes`): a burst of large bodies queues
+#: here, behind each other, not ahead of a push.
+TOKEN_THREADS = 2
+#: What the session was before a request took back its unseen turn: episode, shown, tools,
+#: before and last (restored when that request is refused or fails).
+Held = tuple[Any, Any, Any, Any, Any]
 
 
 class EndpointTurns:
@@ -57,6 +74,16 @@ class EndpointTurns:
         self.metrics = metrics
         # session key -> (request fingerprint, its running turn): a resent request joins it
         self._running: dict[str, tuple[str, asyncio.Future[dict[str, Any]]]] = {}
+        self._tokens = ThreadPoolExecutor(TOKEN_THREADS, thread_name_prefix="endpoint-tokens")
+
+    def close(self) -> None:
+        """Take no more prompts to tokenize (the endpoint stops)."""
+        self._tokens.shutdown(wait=False, cancel_futures=True)
+
+    async def _off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` in a tokenizing thread (see the module docstring)."""
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._tokens, call)
 
     async def once(
         self,
@@ -76,7 +103,8 @@ class EndpointTurns:
 
         A turn whose reply reached no client (each request for it left first) is the agent's
         only once a reply is handed out (:meth:`seen`): the same request then replays it,
-        marked or not, and another request takes it back first."""
+        marked or not, and another request takes it back first, for good once it is answered:
+        refused or failed, it leaves the session as it was, the unseen turn kept."""
         fp = fingerprint(body)
         running = self._running.get(session.key)
         if session.busy:
@@ -91,8 +119,10 @@ class EndpointTurns:
         if (resent or session.unseen) and session.last is not None and session.last[0] == fp:
             self.metrics["rollout/openai/retries_replayed"] += 1
             return session.last[1]
-        if session.drop_unseen():  # the agent moved on from what it was shown
-            self.metrics["rollout/openai/unseen_dropped"] += 1
+        held: Held | None = None
+        if session.unseen:  # the agent moved on from what it was shown
+            held = (session.episode, session.shown, session.tools, session.before, session.last)
+            session.drop_unseen()
         # A new turn: a marked resend now replays only this request's reply, never an
         # older one (a re-ask whose first attempt failed would get the reply it re-asks).
         session.last = None
@@ -102,7 +132,7 @@ class EndpointTurns:
         # The turn ends on its own even when the request awaiting it is cancelled (aiohttp
         # cancels the handler of a client that left, with handler_cancellation): the session
         # is busy until then, so a resend joins the turn instead of sampling it again.
-        running.add_done_callback(functools.partial(self._ended, session, fp))
+        running.add_done_callback(functools.partial(self._ended, session, fp, held))
         return await asyncio.shield(running)
 
     async def settled(self, key: str) -> None:
@@ -117,14 +147,26 @@ class EndpointTurns:
         """The session's last reply was handed to a client that is still connected."""
         session.before = None
 
-    def _ended(self, session: Session, fp: str, running: asyncio.Future[dict[str, Any]]) -> None:
+    def _ended(
+        self,
+        session: Session,
+        fp: str,
+        held: Held | None,
+        running: asyncio.Future[dict[str, Any]],
+    ) -> None:
         """The turn ``running`` of ``session`` (request fingerprint ``fp``) ended: its reply
-        is the one a resend marked as a retry gets."""
+        is the one a resend marked as a retry gets. ``held``: the session before the turn
+        took back an unseen one, restored when the turn was refused or failed (its request
+        changed nothing: the same request as the unseen turn's still replays it)."""
         session.busy = False
         if self._running.get(session.key, (None, None))[1] is running:
             self._running.pop(session.key)
         if not running.cancelled() and running.exception() is None:  # retrieved, too
             session.last = (fp, running.result())
+            if held is not None:
+                self.metrics["rollout/openai/unseen_dropped"] += 1
+        elif held is not None:
+            session.episode, session.shown, session.tools, session.before, session.last = held
 
     async def chat(
         self, session: Session, messages: list[Any], body: dict[str, Any]
@@ -134,7 +176,8 @@ class EndpointTurns:
         :class:`~rollout_servers.sessions.Draft`)."""
         asked_tokens(body)  # a bad request is refused before any work
         stops, logprobs = stop_strings(body), wants_logprobs(body)
-        draft = prepare(
+        draft = await self._off_loop(
+            prepare,
             session,
             messages,
             body.get("tools"),
@@ -162,13 +205,16 @@ class EndpointTurns:
         return out
 
     async def raw(
-        self, session: Session, prompt_ids: list[int], body: dict[str, Any]
+        self, session: Session, prompt: str | list[int], body: dict[str, Any]
     ) -> dict[str, Any]:
-        """Sample a new piece of the session from a raw prompt and record it (committed
-        only once the engine answered, as a chat turn)."""
+        """Sample a new piece of the session from a raw prompt (a checked text or token
+        ids, :func:`~rollout_servers.openai_completions.raw_prompt`) and record it
+        (committed only once the engine answered, as a chat turn)."""
+        asked_tokens(body)  # a bad request is refused before any work
         stops = stop_strings(body)
+        tokens: list[int] = await self._off_loop(prompt_ids, prompt, self.tok)
         limits = (self.max_prompt_len, self.max_response_len)
-        draft = raw_draft(session, prompt_ids, *limits, self.engine.version)
+        draft = raw_draft(session, tokens, *limits, self.engine.version)
         left = self.max_response_len - draft.episode.response_len()  # the session's, too
         budget = max_tokens_of(body, left, self.max_response_len)
         sample, raw, n = await self._sample(session, draft, budget, stops)
@@ -176,7 +222,7 @@ class EndpointTurns:
         ids = self._commit(session, draft, sample)
         finish = "length" if sample.finish_reason == "length" else "stop"
         text = before_stop(raw, stops) if n else raw
-        out = text_completion_body(text, finish, self.model, len(prompt_ids), len(ids))
+        out = text_completion_body(text, finish, self.model, len(tokens), len(ids))
         if body.get("logprobs") is not None:  # 0: the behaviour logprobs of the sample
             out["choices"][0]["logprobs"] = text_logprobs(ids, sample.logprobs, self.tok)
         return out

@@ -12,6 +12,10 @@ starts with these members in it, already ended where they posted a reward. They 
 opens again within that gets the 404 of a session no group has. A server's restart
 forgets them.
 
+A member refused before its session existed (its body's checks, a slot it did not get) is
+kept the same way (:meth:`RefusedMembers.keep`): in a group that no request opened, which a
+mate's request opens later.
+
 A reward is final: the same one posted again (a client that lost the answer) gets the
 first answer (:func:`again`), also once its group closed (:func:`reward_closed`).
 """
@@ -22,8 +26,10 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.control.task_states import external_task
 from rollout_servers.closed_groups import CLOSED_MAX
-from rollout_servers.sessions import Group, RequestError
+from rollout_servers.episodes import Episode
+from rollout_servers.sessions import Group, RequestError, Session
 
 if TYPE_CHECKING:
     from collections import Counter
@@ -55,6 +61,19 @@ class RefusedMembers:
         kept = self._by_name.get(name)
         return kept[1] if kept is not None else None
 
+    def keep(self, name: str, key: str, size: int, max_response_len: int) -> bool:
+        """Member ``key`` of group ``name``, which no open group holds, was refused: kept as
+        a given-back group's members are. False when it was kept already, or its group
+        (``size`` members) has its members."""
+        group = self.get(name)
+        if group is None:  # no slot was taken: the group that opens later lends it its own
+            group = Group(name, external_task(f"{name}/refused", 0), size)
+        if key in group.sessions or len(group.sessions) >= size:
+            return False
+        join(group, key, max_response_len)
+        self.add(group)
+        return True
+
     def forget(self, name: str) -> None:
         self._by_name.pop(name, None)
 
@@ -70,6 +89,21 @@ class RefusedMembers:
             session.task = group.task  # a later turn of a member not rewarded samples here
             group.sessions[key] = session
         return len(kept.sessions)
+
+
+def join(group: Group, key: str, max_response_len: int) -> Session:
+    """Session ``key`` of ``group``, added as its next member when new; a 409 when the group
+    has its members already."""
+    session = group.sessions.get(key)
+    if session is None:
+        if len(group.sessions) >= group.size:
+            raise RequestError(
+                409,
+                f"group {group.name!r} has its {group.size} members already: use another GROUP",
+            )
+        episode = Episode([], [], max_response_len=max_response_len)
+        session = group.sessions[key] = Session(key, len(group.sessions), group.task, episode)
+    return session
 
 
 def reward_closed(

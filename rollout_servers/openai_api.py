@@ -52,7 +52,7 @@ from aiohttp import web
 
 from rollout_servers.endpoint_groups import EndpointGroups
 from rollout_servers.endpoint_turns import EndpointTurns
-from rollout_servers.openai_completions import raw_max_tokens, raw_prompt_ids
+from rollout_servers.openai_completions import raw_max_tokens, raw_prompt
 from rollout_servers.openai_http import (
     MAX_BODY,
     advertised_host,
@@ -164,6 +164,7 @@ class OpenAIEndpoint:
             await self._runner.cleanup()
             self._url_file().unlink(missing_ok=True)
         await self.groups.stop()
+        self.turns.close()
 
     def task_ids(self) -> list[str]:
         """The external slots this server holds (said at re-registration)."""
@@ -204,14 +205,14 @@ class OpenAIEndpoint:
         key = ""
         try:
             body = await read_json(request)
+            key = session_key(request, body)  # first: a refused member is kept by it
             if body.get("n") is not None and (body["n"] != 1 or isinstance(body["n"], bool)):
                 raise RequestError(400, "n must be 1: open one session per sample")
-            if raw:
-                inputs: list[Any] = raw_prompt_ids(body, self.tok)
+            if raw:  # a text prompt is tokenized in its turn, off the loop
+                inputs: Any = raw_prompt(body, self.tok)
                 body, make = raw_max_tokens(body), self.turns.raw
             else:
                 inputs, make = chat_messages(body), self.turns.chat
-            key = session_key(request, body)
             session = await self.groups.session(key, lambda: _left(request))
             if session.reward is not None:
                 raise RequestError(
@@ -233,7 +234,7 @@ class OpenAIEndpoint:
             seen()
             return web.json_response(reply)
         except RequestError as e:
-            self.groups.give_back_if_unused(key)
+            self.groups.refused_request(key)
             return refused(self.metrics, e)
         except Exception as e:  # the engine failed: say so in the API's shape, serve on
             self.groups.give_back_if_unused(key)

@@ -35,8 +35,10 @@ DEFAULT_MAX_TOKENS = 16
 RAW = {"role": "completion", "content": ""}
 
 
-def raw_prompt_ids(body: dict[str, Any], tok: Tokenizer) -> list[int]:
-    """The request's prompt as token ids (see the module docstring); else a 400."""
+def raw_prompt(body: dict[str, Any], tok: Tokenizer) -> str | list[int]:
+    """The request's prompt, checked: a text (tokenized by :func:`prompt_ids`, in its turn:
+    a large one takes seconds, not to be spent on the server's loop) or token ids (see the
+    module docstring); else a 400."""
     raw_fields(body)
     for key, why in (
         ("echo", "the prompt's logprobs are not computed"),
@@ -57,7 +59,7 @@ def raw_prompt_ids(body: dict[str, Any], tok: Tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str) and prompt:
-        return list(tok.encode(prompt, add_special_tokens=True))
+        return prompt
     if isinstance(prompt, list) and prompt and all(_token_id(t) for t in prompt):
         size = _vocab_size(tok)
         if size is not None and max(prompt) >= size:
@@ -69,6 +71,14 @@ def raw_prompt_ids(body: dict[str, Any], tok: Tokenizer) -> list[int]:
     raise RequestError(
         400, "prompt must be a non-empty string (or a list of one) or a list of token ids"
     )
+
+
+def prompt_ids(prompt: str | list[int], tok: Tokenizer) -> list[int]:
+    """The token ids of a checked prompt (:func:`raw_prompt`): a text tokenized with the
+    tokenizer's special tokens, as vLLM's completions API adds them."""
+    if isinstance(prompt, str):
+        return list(tok.encode(prompt, add_special_tokens=True))
+    return prompt
 
 
 def _vocab_size(tok: Any) -> int | None:

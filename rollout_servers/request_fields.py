@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any
+from typing import Any, TypeGuard
 
 from rollout_servers.sessions import RequestError, context_exceeded
 
@@ -181,8 +181,9 @@ def reward_of(body: Any, reward_range: tuple[float, float] | None = None) -> flo
     one is set (``rollout.openai_endpoint.reward_range``): one stray value would otherwise
     dominate its group's advantages."""
     value = body.get("reward") if isinstance(body, dict) else None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestError(400, f'/rl/reward needs {{"reward": <finite number>}}, got {value!r}')
+    if not _finite(value):
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        raise RequestError(400, f'/rl/reward needs {{"reward": <finite number>}}, got {shown}')
     if reward_range is not None and not reward_range[0] <= value <= reward_range[1]:
         low, high = reward_range
         raise RequestError(
@@ -191,3 +192,14 @@ def reward_of(body: Any, reward_range: tuple[float, float] | None = None) -> flo
             f"{high:g}]: send a reward in that range (or widen the range in the run's config)",
         )
     return float(value)
+
+
+def _finite(value: Any) -> TypeGuard[int | float]:
+    """``value`` is a number a float holds: JSON's integers have no bound, and one past a
+    float's range is as unusable a reward as inf (``math.isfinite`` raises on it)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False

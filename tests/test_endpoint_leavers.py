@@ -76,6 +76,7 @@ def test_a_group_whose_every_member_was_refused_completes_and_closes(monkeypatch
             status, _, body = await _reward(rig, key, 0.0)
             assert status == 200, body
         assert body["group_complete"] and body["rewarded"] == 2, body
+        await asyncio.gather(*rig.endpoint.groups._pushes)  # the give-backs, sent
         assert len(client.nacked) == 2 and client.acked == [] and pusher.groups == []
         status, _, body = await _chat(rig, "g/2")  # closed: no new group under its name
         assert status == 409 and "every member was refused" in body["error"]["message"], body

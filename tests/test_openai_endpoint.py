@@ -225,6 +225,7 @@ def _try_chat(rig: Rig, key: str):
 
 def test_bad_requests_get_one_line_errors_and_the_server_serves_on(rig):
     url, auth = rig.url, {"Authorization": "Bearer g9/a"}
+    unseen = {"Authorization": "Bearer g8/a"}  # a key that sent no request
     cases = [
         (httpx.post(f"{url}/chat/completions", content=b"{not json", headers=auth), 400, "JSON"),
         (httpx.post(f"{url}/chat/completions", json={"messages": []}, headers=auth), 400, "list"),
@@ -253,7 +254,9 @@ def test_bad_requests_get_one_line_errors_and_the_server_serves_on(rig):
             400,
             "GROUP/MEMBER",
         ),
-        (httpx.post(f"{url.removesuffix('/v1')}/rl/reward", json={}, headers=auth), 404, "g9/a"),
+        # g9/a was refused, so it is kept (its reward counts): a reward it lacks is a 400
+        (httpx.post(f"{url.removesuffix('/v1')}/rl/reward", json={}, headers=auth), 400, "finite"),
+        (httpx.post(f"{url.removesuffix('/v1')}/rl/reward", json={}, headers=unseen), 404, "g8/a"),
     ]
     for response, status, words in cases:
         assert response.status_code == status, response.text
