@@ -13,6 +13,7 @@ import yaml
 
 from asyncrl.config import load_config, run_dir, write_resolved
 from asyncrl.config.advisories import config_advisories
+from asyncrl.config.resolved import WRITTEN, written_keys
 from asyncrl.config.resumed import changed_settings, settings_of
 
 DEMO = "configs/cpu_demo.yaml"
@@ -42,6 +43,24 @@ def test_resolved_config_counts_a_restarts_own_overrides(tmp_path):
     assert [a.split(" ")[0] for a in config_advisories(role)] == [
         "actor.ppo_micro_batch_size_per_gpu=4"
     ]
+
+
+def test_a_key_a_role_deletes_is_no_longer_written(tmp_path):
+    """``~key`` given to a role put the key back to its default but left it in the
+    resolved config's record of written keys: its advisory said the default was chosen,
+    and the role's own config.yaml recorded it again."""
+    key = "actor.ppo_micro_batch_size_per_gpu"
+    launched = load_config(DEMO, [f"{key}=4"])
+    written = write_resolved(launched, tmp_path)
+    for deletion in (f"~{key}", "~actor"):
+        role = load_config(written, [deletion])
+        assert key not in written_keys(role), deletion
+        assert config_advisories(role) == []
+        again = yaml.safe_load(write_resolved(role, tmp_path / "again").read_text())
+        assert key not in again[WRITTEN]
+    # given again after the deletion, it is written
+    role = load_config(written, [f"~{key}", f"{key}=2"])
+    assert key in written_keys(role)
 
 
 def test_resolved_config_holds_absolute_local_paths(tmp_path, monkeypatch):

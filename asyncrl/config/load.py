@@ -8,7 +8,6 @@ misspelt key, the nearest valid one.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import logging
 import os
@@ -19,9 +18,9 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
 
 from asyncrl.config.errors import ConfigError as ConfigError
+from asyncrl.config.explain import explain, not_deletable
 from asyncrl.config.interpolate import InterpolationError, leaves, resolve_references
 from asyncrl.config.overrides import our_dotted, parse_override
 from asyncrl.config.resolved import (
@@ -34,12 +33,14 @@ from asyncrl.config.resolved import (
 from asyncrl.config.rules import capacity_needed, cross_field_problems
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import (
+    RENAMED,
     apply_verl_keys,
     default_gaps,
     drop_verl_loggers,
     dtype_line,
     epochs_imply_steps,
     null_filter_metric,
+    plan_verl_keys,
     pop_dotted,
     speaks_verl,
 )
@@ -48,6 +49,7 @@ from asyncrl.config.verl_groups import (
     flatten_verl_groups,
     respelled,
     unknown_verl_children,
+    unknown_verl_leaves,
     verl_spellings,
 )
 from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key, unsampled_validation
@@ -76,14 +78,17 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
                 log.info("%s", hydra)
         raw = flatten_verl_groups(loaded or {})
     spelled = verl_spellings(loaded, overrides)
-    given = _apply_overrides(raw, overrides)
+    given, deleted = _apply_overrides(raw, overrides)
+    # Which of our keys veRL's mapped keys set, before ${...} resolve: a reference reads the
+    # value the run will use (${data.max_response_length} reads veRL's response_length).
+    plan = plan_verl_keys(raw, frozenset(given))
     try:
-        resolve_references(raw, _defaults())
+        resolve_references(raw, _defaults(), plan, RENAMED)
     except InterpolationError as e:
         raise ConfigError([str(e)]) from None
     _expand_home(raw)
     greedy = unsampled_validation(raw, spelled)  # before the table takes do_sample out
-    notes, problems = apply_verl_keys(raw, frozenset(given))
+    notes, problems = apply_verl_keys(raw, plan)
     problems += [greedy] if greedy else []
     if metric_problem := null_filter_metric(raw):
         problems.append(metric_problem)
@@ -97,13 +102,17 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         _verl_defaults(raw)
     if problems := unknown_verl_children(raw):
         raise ConfigError(problems)
+    stray = unknown_verl_leaves(raw, spelled)  # taken out: the schema names the rest
     try:
         cfg = validate(raw)
     except ConfigError as e:  # an unknown key is named as the user wrote it
-        raise ConfigError([respelled(p, spelled) for p in e.problems]) from None
+        raise ConfigError(stray + [respelled(p, spelled) for p in e.problems]) from None
+    if stray:
+        raise ConfigError(stray)
     if recorded is not None:  # what the user wrote, not every key the file sets
         mapped = [t for k, r in VERL_KEYS.items() if our_key(k) in given for t in r.target]
-        restore_written(cfg, [*recorded, *given, *mapped])
+        kept = [k for k in recorded if not _under(k, deleted)]  # ~key: back to its default
+        restore_written(cfg, [*kept, *given, *mapped])
     return cfg
 
 
@@ -148,18 +157,20 @@ def _refuse(problem: str) -> Any:
     raise ConfigError([problem])
 
 
-def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> set[str]:
+def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> tuple[set[str], set[str]]:
     """Apply the command line to ``raw``; return the dotted leaves it set (they win over the
-    file's values when veRL keys are mapped)."""
+    file's values when veRL keys are mapped) and the keys it deleted (``~key``)."""
     given: set[str] = set()
+    deleted: set[str] = set()
     for item in overrides:
         if item.strip().startswith("~"):  # Hydra's "~key": remove it
             written = item.strip()[1:].split("=", 1)[0].strip()
             key = our_dotted(written)
             found, _ = pop_dotted(raw, key)
-            if not found and (problem := _not_deletable(written, key)):
+            if not found and (problem := not_deletable(written, key)):
                 raise ConfigError([problem])
-            given.difference_update({g for g in given if g == key or g.startswith(key + ".")})
+            given.difference_update({g for g in given if _under(g, {key})})
+            deleted.add(key)
             continue
         key, value = parse_override(item)
         if _is_number(value) and _text_key(key):  # the text typed: 1.10 is not 1.1
@@ -174,28 +185,12 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> set[str]:
                 )
         set_dotted(raw, key, value)
         given.update(leaf for leaf, _ in set_here)
-    return given
+    return given, deleted
 
 
-def _not_deletable(written: str, key: str) -> str | None:
-    """Hydra's refusal of ``~key`` for a key that does not exist, with the nearest one; None
-    for a key of the schema or of veRL's table that the config leaves out (at its default,
-    deleting it changes nothing)."""
-    if written in VERL_KEYS or any(k.startswith(written + ".") for k in VERL_KEYS):
-        return None
-    model: type[BaseModel] = Config
-    parts = key.split(".")
-    for i, part in enumerate(parts):
-        field = model.model_fields.get(part)
-        if field is None:
-            close = difflib.get_close_matches(part, list(model.model_fields), n=1, cutoff=0.5)
-            hint = f"; did you mean ~{'.'.join([*parts[:i], *close])}?" if close else ""
-            return f"~{written}: could not delete {written}, it does not exist{hint}"
-        sub = field.annotation
-        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
-            return None  # a value, or a mapping of the user's own keys
-        model = sub
-    return None
+def _under(key: str, groups: set[str]) -> bool:
+    """Whether dotted ``key`` is one of ``groups`` or inside one."""
+    return any(key == g or key.startswith(g + ".") for g in groups)
 
 
 def _is_number(value: Any) -> bool:
@@ -314,7 +309,7 @@ def validate(raw: dict[str, Any]) -> Config:
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError([_explain(err) for err in e.errors()]) from None
+        raise ConfigError([explain(err) for err in e.errors()]) from None
     needed = capacity_needed(cfg)
     if "capacity_groups" not in cfg.buffer.model_fields_set and cfg.buffer.capacity_groups < needed:
         # Left at its default, the buffer is sized for the run (a veRL script with
@@ -359,47 +354,3 @@ def write_resolved(cfg: Config, directory: Path | None = None) -> Path:
     tmp.write_text(dump_yaml(data))  # text such as '1e5' quoted: it reads back as text
     tmp.replace(out)  # atomic: a role reading it never sees half a file
     return out
-
-
-def _explain(err: ErrorDetails) -> str:
-    """One line per pydantic error: the dotted key, what is wrong, the nearest valid key."""
-    loc = [str(p) for p in err["loc"]]
-    key = ".".join(loc)
-    if err["type"] == "extra_forbidden":
-        valid = _valid_keys(loc[:-1])
-        close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
-        hint = f"did you mean {'.'.join(loc[:-1] + close)}?" if close else ""
-        group = ".".join(loc[:-1]) or "the top level"
-        given = err.get("input")
-        under = ""
-        if key == "reward_model" and isinstance(given, dict) and "reward_kwargs" in given:
-            names = [".".join((key, *path)) for _, _, path in leaves(given)][:4]
-            return (
-                f"{', '.join(names)}: veRL hands reward_model.reward_kwargs to its reward "
-                "manager, which is not built here (only overlong_buffer_cfg and max_resp_len "
-                "are read); give your scoring function's own arguments as "
-                "custom_reward_function.reward_kwargs"
-            )
-        if key == "model.lora_dropout":  # peft's key: "did you mean lora_rank" misled
-            return (
-                "model.lora_dropout: adapters train without dropout here (peft's "
-                "lora_dropout is not built); leave the key out"
-            )
-        if isinstance(given, dict):  # a whole unknown group: say which keys were under it
-            names = [".".join((key, *path)) for _, _, path in leaves(given)][:4]
-            under = f" (given: {', '.join(names)})"
-        fix = hint or f"valid keys in {group}: {', '.join(valid)}"
-        return f"unknown key {key}; {fix}{under}"
-    got = err.get("input")
-    shown = repr(got) if not isinstance(got, dict) else "a mapping"
-    return f"{key}: {err['msg'].lower()} (got {shown})"
-
-
-def _valid_keys(loc: list[str]) -> list[str]:
-    model: type[BaseModel] = Config
-    for part in loc:
-        annotation = model.model_fields[part].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return []
-        model = annotation
-    return list(model.model_fields)

@@ -1,8 +1,15 @@
-"""Reading veRL's keys: :func:`apply_verl_keys` takes every key of the table
-(:mod:`asyncrl.config.verl_table`) that is not ours out of a raw config, sets what it maps
-to, and says which have no effect here and which are refused.
+"""Reading veRL's keys: every key of the table (:mod:`asyncrl.config.verl_table`) that is
+not ours is taken out of a raw config, what a mapped one maps to is set, and which have no
+effect here and which are refused is said. In two steps, around the ``${...}`` references:
 
-It runs on the raw config (YAML and overrides, veRL's ``actor_rollout_ref.*`` prefixes
+- :func:`plan_verl_keys`, before they are resolved: which of our keys take a mapped veRL
+  key's value (the command line wins over the file, as any override does). A reference
+  then reads the value the run will use (:mod:`asyncrl.config.interpolate`):
+  ``${data.max_response_length}`` reads ``actor_rollout_ref.rollout.response_length``'s
+  value, ``${trainer.n_gpus_per_node}`` reads ``trainer.nproc`` (:data:`RENAMED`).
+- :func:`apply_verl_keys`, after: the values, converted and refused, once resolved.
+
+Both run on the raw config (YAML and overrides, veRL's ``actor_rollout_ref.*`` prefixes
 already moved to our groups) before validation; the keys veRL and this schema share need
 nothing: the schema takes them.
 """
@@ -10,11 +17,13 @@ nothing: the schema takes them.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key, refused_value
+from asyncrl.config.verl_table import VERL_KEYS, VerlKey, lookup, our_key, refused_value
 
 log = logging.getLogger(__name__)
 
@@ -75,32 +84,86 @@ def _given(dotted: str, given: frozenset[str]) -> bool:
     return any(".".join(parts[:i]) in given for i in range(1, len(parts) + 1))
 
 
-def apply_verl_keys(
-    raw: dict[str, Any], given: frozenset[str] = frozenset()
-) -> tuple[list[str], list[str]]:
-    """Take every veRL key that is not ours out of ``raw``: set what a mapped one maps to,
-    and return ``(notes, problems)``: one line per key mapped or accepted with no effect,
-    one per value refused.
+#: veRL's keys that are another name for one key of ours (our spelling of veRL's -> ours):
+#: a reference to one the config leaves out reads ours, as the run has it.
+RENAMED = {our_key(k): rule.renames for k, rule in VERL_KEYS.items() if rule.renames}
+
+
+@dataclass(frozen=True)
+class VerlMove:
+    """Mapped veRL key ``key`` (``source``: where the raw config holds it) gives one of our
+    keys its value (an :class:`~asyncrl.config.interpolate.Moved`)."""
+
+    key: str
+    source: str
+    rule: VerlKey
+
+    def value(self, given: Any, read: Callable[[str], Any]) -> Any:
+        """Our key's value from veRL's (``read``: another key's value, for the ranks)."""
+        assert self.rule.convert is not None
+        value = self.rule.convert(given)
+        if not self.rule.per_rank or isinstance(value, bool) or not isinstance(value, int):
+            return value
+        ranks = _count(read("trainer.nproc")) * _count(read("launch.ray.learner_nodes"))
+        return max(1, value // ranks)
+
+
+def plan_verl_keys(raw: dict[str, Any], given: frozenset[str] = frozenset()) -> dict[str, VerlMove]:
+    """Which of our keys take a mapped veRL key's value: our dotted key -> the move. Decided
+    before the references are resolved (so that they read the run's values), from which
+    keys are present, not from their values.
 
     ``given``: the dotted keys set on the command line (our spelling). When a mapped key and
     its target are both in ``raw``, the command line wins over the config file, as any
     override does (``actor_rollout_ref.rollout.response_length=16`` on the command line
-    replaces the file's ``data.max_response_length``); from the same source, ours wins."""
+    replaces the file's ``data.max_response_length``); from the same source, ours wins (of
+    two veRL keys mapped to one of ours, the first in the table)."""
+    plan: dict[str, VerlMove] = {}
+    for key, rule in VERL_KEYS.items():
+        if rule.kind != "mapped":
+            continue
+        source = our_key(key)
+        found, value = lookup(raw, source)
+        if not found or (rule.per_rank and value is None):
+            # veRL's older global micro-batch at its unset value (veRL's own yaml and DAPO's
+            # scripts write it): veRL reads null as not given, so it sets nothing here.
+            continue
+        from_cli = _given(source, given)
+        for target in rule.target:
+            present = target in plan or lookup(raw, target)[0]
+            if not present or (from_cli and not _given(target, given)):
+                plan[target] = VerlMove(key, source, rule)
+    return plan
+
+
+def apply_verl_keys(
+    raw: dict[str, Any], plan: Mapping[str, VerlMove]
+) -> tuple[list[str], list[str]]:
+    """Take every veRL key that is not ours out of ``raw`` (its references resolved): set
+    what :func:`plan_verl_keys` moved, and return ``(notes, problems)``: one line per key
+    mapped or accepted with no effect, one per value refused."""
     notes: list[str] = []
     problems: list[str] = []
     popped: list[tuple[str, Any]] = []
-    per_rank: list[tuple[str, Any]] = []  # global micro-batches set, to divide by the ranks
     for key, rule in VERL_KEYS.items():
         if rule.kind == "implemented":
             continue
         found, value = pop_dotted(raw, our_key(key))
         if found:
             popped.append((key, value))
+    values = {our_key(key): value for key, value in popped}
+    replaced: dict[str, tuple[bool, Any]] = {}  # a target's own value, before it was set
+    # The per-rank micro-batches last: trainer.n_gpus_per_node and nnodes set the rank count.
+    for target, move in sorted(plan.items(), key=lambda item: item[1].rule.per_rank):
+        if values[move.source] is None and move.rule.per_rank:
+            continue  # null once resolved: not given, as above
+        replaced[target] = lookup(raw, target)
+        _set(raw, target, move.value(values[move.source], lambda k: lookup(raw, k)[1]))
+    ranks = _count(lookup(raw, "trainer.nproc")[1])
+    ranks *= _count(lookup(raw, "launch.ray.learner_nodes")[1])
     for key, value in popped:  # after popping all: a rule may read the rest of the config
         rule = VERL_KEYS[key]
         if rule.per_rank and value is None:
-            # veRL's older global micro-batch at its unset value (veRL's own yaml and DAPO's
-            # scripts write it): veRL reads null as not given, so it sets nothing here.
             continue
         if rule.kind == "refused":
             problem = refused_value(key, rule, value, raw)
@@ -110,37 +173,33 @@ def apply_verl_keys(
                 notes.append(f"veRL's {key}={value!r} is accepted: it is what happens here")
         elif rule.kind == "mapped":
             assert rule.convert is not None
-            from_cli = _given(our_key(key), given)
             for target in rule.target:
-                found, old = lookup(raw, target)
-                if found and (_given(target, given) or not from_cli):
-                    line = f"veRL's {key}={value!r} not applied: {target} is given too"
+                move = plan.get(target)
+                if move is None or move.key != key:
+                    other = target if move is None else move.key
+                    line = f"veRL's {key}={value!r} not applied: {other} is given too"
+                    old = lookup(raw, target)[1]
                     if old != rule.convert(value):  # the user loses one of two values
                         log.warning("%s, and wins with %r (set one of the two)", line, old)
                     else:
                         notes.append(line)
                     continue
-                _set(raw, target, rule.convert(value))
-                if rule.per_rank:
-                    per_rank.append((target, value))
+                found, old = replaced[target]
                 over = f"; from the command line, over the config file's {old!r}" if found else ""
                 notes.append(f"veRL's {key}={value!r} -> {target} ({rule.reason}){over}")
+                if rule.per_rank and isinstance(value, int) and ranks > 1:
+                    now = lookup(raw, target)[1]
+                    notes.append(f"{target}={now}: {value} over {ranks} learner ranks")
         else:
             notes.append(f"veRL's {key}={value!r} has no effect here: {rule.reason}")
-    # After every key: trainer.n_gpus_per_node and nnodes may have just set the rank count.
-    ranks = _int(raw, "trainer.nproc") * _int(raw, "launch.ray.learner_nodes")
-    for target, value in per_rank:
-        if isinstance(value, int) and ranks > 1:
-            _set(raw, target, max(1, value // ranks))
-            notes.append(f"{target}={max(1, value // ranks)}: {value} over {ranks} learner ranks")
     return notes, problems
 
 
-def _int(raw: dict[str, Any], dotted: str) -> int:
-    found, value = lookup(raw, dotted)
-    if found and isinstance(value, str) and value.isdigit():  # from ${oc.env:...}
+def _count(value: Any) -> int:
+    """A rank count as given (``${oc.env:...}`` gives text); 1 when unset or not one."""
+    if isinstance(value, str) and value.isdigit():
         value = int(value)
-    return value if found and isinstance(value, int) and value > 0 else 1
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
 
 
 def speaks_verl(loaded: dict[str, Any] | None, overrides: list[str] | tuple[str, ...]) -> bool:

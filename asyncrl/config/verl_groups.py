@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import re
 from collections.abc import Iterable
 from typing import Any
+
+from pydantic import BaseModel
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.config.interpolate import leaves
 from asyncrl.config.overrides import our_dotted
 from asyncrl.config.schema import Config
-from asyncrl.config.verl_table import VERL_KEYS, VERL_PREFIXES
+from asyncrl.config.verl_compat import pop_dotted
+from asyncrl.config.verl_table import VERL_KEYS, VERL_PREFIXES, our_key
 
 
 def verl_spellings(loaded: dict[str, Any] | None, overrides: Iterable[str]) -> dict[str, str]:
@@ -44,6 +48,69 @@ def unknown_verl_children(raw: dict[str, Any]) -> list[str]:
         hint = f"; did you mean actor_rollout_ref.{close[0]}?" if close else ""
         lines.append(f"unknown key actor_rollout_ref.{name}{hint}")
     return lines
+
+
+#: veRL's groups whose keys are the user's own (handed on as keyword arguments): a key
+#: under one is not misspelt, and the schema's line says where such arguments go here.
+OPEN_GROUPS = ("reward_model.reward_kwargs",)
+
+
+def unknown_verl_leaves(raw: dict[str, Any], spelled: dict[str, str]) -> list[str]:
+    """One line per key left under a group of veRL's that is none of ours, once the table's
+    keys are taken out (so it is none of veRL's either), named as typed with the nearest
+    key of that group; each is taken out of ``raw``, for the schema to name the rest. The
+    schema named the group instead, with our keys beside it (``actor_rollout_ref.actor.
+    checkpoint.x``: "unknown key actor_rollout_ref.actor.checkpoint; valid keys in actor:
+    ..."; ``reward_model.x``: "unknown key reward_model; did you mean reward?")."""
+    groups = _verl_only_groups()
+    lines = []
+    for _, _, path in list(leaves(raw)):
+        first = next((i for i in range(1, len(path)) if not _ours(path[:i])), None)
+        if first is None or ".".join(path[:first]) not in groups:
+            continue  # a key of ours, or an unknown group the schema names
+        key = ".".join(path)
+        if any(key.startswith(g + ".") for g in OPEN_GROUPS):
+            continue
+        depth = max(i for i in range(first, len(path)) if ".".join(path[:i]) in groups)
+        group, name = ".".join(path[:depth]), path[depth]
+        theirs = spelled.get(key, key)
+        theirs_group = theirs[: len(theirs) - len(key) + len(group)]  # the user's prefix
+        names = sorted(groups[group] - {name})
+        close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+        fix = (
+            f"did you mean {theirs_group}.{close[0]}?"
+            if close
+            else f"veRL's {theirs_group} holds {', '.join(names)}"
+        )
+        lines.append(f"unknown key {theirs}; {fix}")
+        pop_dotted(raw, key)
+    return lines
+
+
+@functools.cache
+def _verl_only_groups() -> dict[str, set[str]]:
+    """Each group of veRL's table that is none of ours (our spelling) -> the names in it."""
+    groups: dict[str, set[str]] = {}
+    for verl_key in VERL_KEYS:
+        parts = tuple(our_key(verl_key).split("."))
+        for i in range(1, len(parts)):
+            if not _ours(parts[:i]):
+                groups.setdefault(".".join(parts[:i]), set()).add(parts[i])
+    return groups
+
+
+def _ours(path: tuple[str, ...]) -> bool:
+    """Whether ``path`` is a key or group of the schema (or inside a mapping of ours)."""
+    model: type[BaseModel] = Config
+    for part in path:
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        sub = field.annotation
+        if not (isinstance(sub, type) and issubclass(sub, BaseModel)):
+            return True  # a value, or a mapping of the user's own keys
+        model = sub
+    return True
 
 
 def respelled(problem: str, spelled: dict[str, str]) -> str:

@@ -64,6 +64,18 @@ class VerlKey:
     example: Any = ...  # a value the table's test sets instead of veRL's default
     per_rank: bool = False  # mapped: a global count, divided by the learner's ranks
 
+    @property
+    def renames(self) -> str | None:
+        """The one key of ours this mapped key is another name for (the same value, not
+        divided by the ranks), else None: a reference to the veRL key reads it."""
+        same = self.kind == "mapped" and self.convert is _same and not self.per_rank
+        return self.target[0] if same and len(self.target) == 1 else None
+
+
+def _same(value: Any) -> Any:
+    """A mapped key's value as given (the units are ours)."""
+    return value
+
 
 def _impl(note: str = "", example: Any = ..., reads_as=None) -> VerlKey:
     """Our key of the same name; ``reads_as``: how the schema reads veRL's spelling."""
@@ -72,7 +84,7 @@ def _impl(note: str = "", example: Any = ..., reads_as=None) -> VerlKey:
 
 def _map(target: str | tuple[str, ...], reason: str, convert=None, example: Any = ...):
     targets = (target,) if isinstance(target, str) else target
-    return VerlKey("mapped", reason, targets, convert or (lambda v: v), example=example)
+    return VerlKey("mapped", reason, targets, convert or _same, example=example)
 
 
 #: veRL's older global micro-batch keys: veRL divides them by the data-parallel size.
