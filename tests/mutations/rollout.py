@@ -407,4 +407,38 @@ ROWS = (
             "tests/test_sandbox_output.py::test_a_worker_that_exits_while_starting_reports_its_own_exit_code",
         ),
     ),
+    Mutation(
+        "a refused member's reward counts",
+        "a member refused by its body's checks is not kept",
+        "rollout_servers/openai_api.py",
+        "            self.groups.refused_request(key)\n",
+        "            self.groups.give_back_if_unused(key)\n",
+        (
+            "tests/test_endpoint_refusals.py::test_a_member_refused_by_its_bodys_checks_still_counts",
+        ),
+    ),
+    Mutation(
+        "prompts are tokenized off the server's loop",
+        "a large body is tokenized on the loop",
+        "rollout_servers/endpoint_turns.py",
+        "        return await asyncio.get_running_loop().run_in_executor(self._tokens, call)\n",
+        "        return call()\n",
+        ("tests/test_endpoint_refusals.py::test_a_large_body_is_tokenized_off_the_servers_loop",),
+    ),
+    Mutation(
+        "a reward too large for a float is a 400",
+        "OverflowError escapes as a retried 500",
+        "rollout_servers/request_fields.py",
+        "    except OverflowError:\n        return False\n",
+        "    except ZeroDivisionError:\n        return False\n",
+        ("tests/test_endpoint_refusals.py::test_a_reward_too_large_for_a_float_is_a_400",),
+    ),
+    Mutation(
+        "a refused request leaves the session as it was",
+        "a refused request drops a kept unseen turn",
+        "rollout_servers/endpoint_turns.py",
+        "            session.episode, session.shown, session.tools, session.before, session.last = held\n",
+        "            pass\n",
+        ("tests/test_endpoint_refusals.py::test_a_refused_request_keeps_an_unseen_turn",),
+    ),
 )
