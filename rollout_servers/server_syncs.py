@@ -107,9 +107,9 @@ class WeightSyncs:
     async def _probe(self, timeout_s: float) -> list[float]:
         """The post-sync probe under the weights just loaded (empty when it fails or takes
         over ``timeout_s``: the learner then has nothing to compare, and the sync itself
-        stands). The engine keeps a slot for it (``max_num_seqs`` is one above
-        ``rollout.max_inflight``); without one it queued behind the running requests until
-        one finished, and the sync's report with it."""
+        stands). The engine keeps a slot for it (``max_num_seqs``, see
+        :func:`rollout_servers.main.engine_sequences`); without one it queued behind the
+        running requests until one finished, and the sync's report with it."""
         if not self.probe:
             return []
         try:

@@ -251,7 +251,7 @@ def test_a_resave_killed_between_its_renames_keeps_the_checkpoint(
     monkeypatch.setattr(Path, "rename", rename)
     root = tmp_path / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step_2", "step_4.old", "step_4.tmp"]
-    with caplog.at_level("WARNING", logger="learner.checkpoint"):
+    with caplog.at_level("WARNING", logger="learner.checkpoint_folders"):
         found = latest_checkpoint(tmp_path)
     assert found == root / "step_4.old"
     assert "resuming from" in caplog.text and f"skipped {root / 'step_4.tmp'}" in caplog.text
@@ -323,7 +323,7 @@ def test_pruning_keeps_all_at_zero_and_warns_when_a_deletion_fails(tmp_path, mon
         raise PermissionError(13, "Permission denied", str(path))
 
     monkeypatch.setattr("learner.checkpoint_folders.shutil.rmtree", refused)
-    with caplog.at_level("WARNING", logger="learner.checkpoint"):
+    with caplog.at_level("WARNING", logger="learner.checkpoint_folders"):
         assert prune_checkpoints(root / "step_3", 1) == []
     assert "could not delete the old checkpoint" in caplog.text and "step_2" in caplog.text
     assert latest_checkpoint(tmp_path) == root / "step_3"

@@ -140,3 +140,26 @@ def test_an_empty_resolver_default_is_the_empty_text(monkeypatch):
     ]:
         cfg = load_config(None, [f"trainer.resume_from_path={text}"])
         assert cfg.trainer.resume_from_path == want, text
+
+
+def test_a_null_or_text_global_micro_batch_reads_as_the_run_has_it(monkeypatch):
+    """A review of the references' fix: veRL's global micro-batch at null sets nothing, so
+    a reference to ours reads our own value (it read None), and one given as text (an
+    environment variable) is divided over the ranks as a number is (it was not)."""
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size=${oc.select:nope,null}",
+            "trainer.experiment_name=m${actor.ppo_micro_batch_size_per_gpu}",
+        ],
+    )
+    assert cfg.trainer.experiment_name == f"m{cfg.actor.ppo_micro_batch_size_per_gpu}"
+    monkeypatch.setenv("ASYNCRL_TEST_MB", "32")
+    cfg = load_config(
+        None,
+        [
+            "actor_rollout_ref.actor.ppo_micro_batch_size=${oc.env:ASYNCRL_TEST_MB}",
+            "trainer.n_gpus_per_node=4",
+        ],
+    )
+    assert cfg.actor.ppo_micro_batch_size_per_gpu == 8

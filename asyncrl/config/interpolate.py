@@ -51,6 +51,11 @@ class Moved(Protocol):
     @property
     def source(self) -> str: ...
 
+    @property
+    def null_is_unset(self) -> bool:
+        """A null source sets nothing (the key keeps its own value)."""
+        ...
+
     def value(self, given: Any, read: Callable[[str], Any]) -> Any:
         """This key's value from ``source``'s resolved one (``read``: another key's)."""
         ...
@@ -154,7 +159,9 @@ class _Resolver:
         for spelling in spellings:
             moved = self.moved.get(spelling)
             if moved is not None and moved.source not in self.active:
-                return self._moved(moved, depth)
+                value = self._moved(moved, depth)
+                if value is not _UNSET:
+                    return value
             ours = self.aliases.get(spelling)
             # Read through ours already: from our key's own value (veRL's n_gpus_per_node
             # lost to it, and it refers to it), the veRL key as written.
@@ -174,11 +181,19 @@ class _Resolver:
         )
 
     def _moved(self, moved: Moved, depth: int) -> Any:
-        """The value a moved key takes: its source's, resolved with the source active."""
+        """The value a moved key takes: its source's, resolved with the source active;
+        :data:`_UNSET` when the source resolves to null and that sets nothing
+        (``null_is_unset``: the key keeps its own value, which the caller reads)."""
         source = moved.source
         with _holding(self.active, source):
             given = self.resolved(source, lookup(self.raw, source)[1], depth + 1)
+            if given is None and moved.null_is_unset:
+                return _UNSET
             return moved.value(given, lambda dotted: self._lookup(source, dotted, depth + 1))
+
+
+#: What :meth:`_Resolver._moved` gives for a source that sets nothing.
+_UNSET = object()
 
 
 def _default(text: str) -> Any:

@@ -98,10 +98,17 @@ class VerlMove:
     source: str
     rule: VerlKey
 
+    @property
+    def null_is_unset(self) -> bool:
+        """veRL's older global micro-batch at null sets nothing (see apply_verl_keys)."""
+        return self.rule.per_rank
+
     def value(self, given: Any, read: Callable[[str], Any]) -> Any:
         """Our key's value from veRL's (``read``: another key's value, for the ranks)."""
         assert self.rule.convert is not None
         value = self.rule.convert(given)
+        if self.rule.per_rank and isinstance(value, str) and value.isdigit():
+            value = int(value)  # ${oc.env:...} gives text: a count all the same
         if not self.rule.per_rank or isinstance(value, bool) or not isinstance(value, int):
             return value
         ranks = _count(read("trainer.nproc")) * _count(read("launch.ray.learner_nodes"))
