@@ -187,10 +187,6 @@ class EndpointTurns:
             version=self.engine.version,
         )
         piece = draft.episode.pieces[-1]
-        if len(draft.episode.pieces) > len(session.episode.pieces):
-            # A new sample starts under the weights the engine holds now: a sync may have
-            # landed while the prompt was tokenized (seconds, for a body of a few MB).
-            piece.start_version = self.engine.version
         # What the session has left: its samples together, as an agent episode's budget.
         left = self.max_response_len - draft.episode.response_len()
         budget = max_tokens_of(body, left, self.max_response_len)
