@@ -402,4 +402,24 @@ ROWS = (
         "        kept = recorded\n",
         ("tests/test_config_resolved.py::test_a_key_a_role_deletes_is_no_longer_written",),
     ),
+    Mutation(
+        "a reference reads the value the run uses",
+        "a reference to a key a null veRL global micro-batch sets nothing of reads None",
+        "asyncrl/config/interpolate.py",
+        "            if given is None and moved.null_is_unset:\n",
+        "            if False:\n",
+        (
+            "tests/test_config_references.py::test_a_null_or_text_global_micro_batch_reads_as_the_run_has_it",
+        ),
+    ),
+    Mutation(
+        "a reference reads the value the run uses",
+        "a global micro-batch given as text is not divided over the ranks",
+        "asyncrl/config/verl_compat.py",
+        "        if self.rule.per_rank and isinstance(value, str) and value.isdigit():\n",
+        "        if False:\n",
+        (
+            "tests/test_config_references.py::test_a_null_or_text_global_micro_batch_reads_as_the_run_has_it",
+        ),
+    ),
 )
