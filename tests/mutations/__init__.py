@@ -5,7 +5,7 @@ in its file)."""
 
 from __future__ import annotations
 
-from tests.mutations import buffer, config, control, learner, rollout
+from tests.mutations import buffer, config, control, launch, learner, rollout, sandbox
 from tests.mutations.row import Mutation
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -13,7 +13,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     *buffer.ROWS,
     *learner.ROWS,
     *rollout.ROWS,
+    *sandbox.ROWS,
     *config.ROWS,
+    *launch.ROWS,
 )
 
 __all__ = ["MUTATIONS", "Mutation"]

@@ -1,4 +1,4 @@
-"""Mutation rows for configs, veRL keys, data, the launchers and the metrics files (see :mod:`tests.mutations`)."""
+"""Mutation rows for configs and veRL keys (see :mod:`tests.mutations`)."""
 
 from __future__ import annotations
 
@@ -6,36 +6,12 @@ from tests.mutations.row import Mutation
 
 ROWS = (
     Mutation(
-        "a launch claims its ports",
-        "a taken default port is used anyway",
-        "asyncrl/launch/ports.py",
-        "        if taken:",
-        "        if False:",
-        ("tests/test_launch_ports.py",),
-    ),
-    Mutation(
-        "a new run's launch sets the old records aside",
-        "the launcher leaves an earlier run's metrics on view",
-        "asyncrl/launch/roles.py",
-        "    if new_run(cfg):  # the learner would too, but one that fails first left them on view",
-        "    if False:",
-        ("tests/test_launch_progress.py",),
-    ),
-    Mutation(
         "buffer capacity counts sync_every",
         "the least capacity leaves sync_every out of the admission window",
         "asyncrl/config/rules.py",
         "    window = (cfg.staleness.max_policy_lag + 1) * cfg.staleness.sync_every",
         "    window = cfg.staleness.max_policy_lag + 1",
         ("tests/test_capacity_rule.py",),
-    ),
-    Mutation(
-        "the port-claims lock is waited for with a bound",
-        "a launch waits for the claims lock without a bound or a word",
-        "asyncrl/launch/ports.py",
-        "            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)",
-        "            fcntl.flock(f, fcntl.LOCK_EX)",
-        ("tests/test_port_claims_lock.py",),
     ),
     Mutation(
         "mappings merge as Hydra merges them",
@@ -56,80 +32,6 @@ ROWS = (
         ),
     ),
     Mutation(
-        "server waits over the servers' own uptime",
-        "the time split divides by the records' times",
-        "asyncrl/launch/time_split.py",
-        "    if UPTIME in a and UPTIME in b:",
-        "    if False:",
-        (
-            "tests/test_time_split_mends.py::test_the_servers_waits_are_shares_of_their_own_clock_not_the_records",
-        ),
-    ),
-    Mutation(
-        "a buffer stopped from outside is restarted",
-        "a buffer's exit 0 lets it go for good, mid-run too",
-        "asyncrl/launch/supervise.py",
-        "            if role.server_id is None and role is not self.roles[-1]:",
-        "            if False:",
-        ("tests/test_launch.py::test_a_buffer_stopped_from_outside_mid_run_is_restarted",),
-    ),
-    Mutation(
-        "a lost Ray agent is killed",
-        "an agent given up on keeps running its role beside the restarted one",
-        "asyncrl/launch/ray_launcher.py",
-        "                ray.kill(lost.handle, no_restart=True)",
-        "                pass",
-        (
-            "tests/test_launch_ray_faults.py::test_a_slow_agent_is_asked_again_and_a_lost_one_is_killed",
-        ),
-    ),
-    Mutation(
-        "a slow Ray agent is asked again",
-        "one late answer replaces the agent",
-        "asyncrl/launch/ray_launcher.py",
-        "            if not slow_answer(e) or ag.slow >= SLOW_POLLS:",
-        "            if True:",
-        (
-            "tests/test_launch_ray_faults.py::test_a_slow_agent_is_asked_again_and_a_lost_one_is_killed",
-        ),
-    ),
-    Mutation(
-        "bundle 0 moved ends a Ray run",
-        "bundle 0 restarted on another node binds the lost node's address",
-        "asyncrl/launch/ray_launcher.py",
-        '        if self.bundle(role) == 0 and self.host is not None and ag.where["ip"] != self.host:',
-        "        if False:",
-        (
-            "tests/test_launch_ray_faults.py::test_bundle_zero_started_on_another_node_ends_the_run_in_one_line",
-        ),
-    ),
-    Mutation(
-        "an unplaceable bundle ends a Ray run",
-        "a bundle that finds no node is tried for ever",
-        "asyncrl/launch/ray_launcher.py",
-        "                if tries > self.policy.max_restarts:",
-        "                if False:",
-        ("tests/test_launch_ray_faults.py::test_a_bundle_that_never_finds_a_node_ends_the_run",),
-    ),
-    Mutation(
-        "a Ray launch holds its run directory",
-        "a second --ray launch writes into a run directory in use",
-        "asyncrl/launch/ray_main.py",
-        "        held = hold_run_dir(run_dir)  # noqa: F841 - locked while this launcher lives",
-        "        held = None  # noqa: F841",
-        (
-            "tests/test_launch_ray_faults.py::test_a_ray_launch_refuses_a_run_directory_another_launch_holds",
-        ),
-    ),
-    Mutation(
-        "an ipc run claims only its TCP port",
-        "the ipc endpoints are claimed as TCP ports on the ipc string",
-        "asyncrl/launch/ports.py",
-        '    if ep.host.startswith("ipc://"):',
-        "    if False:",
-        ("tests/test_launch_ports.py::test_ipc_endpoints_claim_only_the_sync_stores_port",),
-    ),
-    Mutation(
         "a logprob pass with no size is refused at load",
         "a pass sized by sequences with no count loads and fails every step",
         "asyncrl/config/rules.py",
@@ -144,14 +46,6 @@ ROWS = (
         "        if _is_number(value) and _text_key(key):  # the text typed: 1.10 is not 1.1",
         "        if False:",
         ("tests/test_verl_text.py",),
-    ),
-    Mutation(
-        "a restarted server's window leaves the time split",
-        "a server that registered again is pooled with its counters started over",
-        "asyncrl/launch/time_split.py",
-        "        restarted = a.get(REGISTRATIONS) != b.get(REGISTRATIONS)",
-        "        restarted = False",
-        ("tests/test_launch_progress.py",),
     ),
     Mutation(
         "veRL's YAML layout loads",
@@ -170,60 +64,12 @@ ROWS = (
         ("tests/test_verl_scripts.py",),
     ),
     Mutation(
-        "W&B keeps both records of one step that share a key",
-        "a record sharing a key with its step's earlier one is logged at the same W&B step",
-        "asyncrl/metrics.py",
-        "            row += 1\n",
-        "            pass\n",
-        ("tests/test_metrics_file.py",),
-    ),
-    Mutation(
         "veRL's mse+ loads as k2",
         "mse+ is refused",
         "asyncrl/config/policy.py",
         '    "mse+": "k2",\n',
         "",
         ("tests/test_losses.py",),
-    ),
-    Mutation(
-        "a host of another machine is refused in one line",
-        "endpoints.host is not checked before the ports are claimed",
-        "asyncrl/launch/ports.py",
-        "    if not local_address(host):  # else every port reads as taken, and none is free",
-        "    if False:",
-        ("tests/test_launch_ports.py",),
-    ),
-    Mutation(
-        "the Ray launcher records the exit of each role it stops",
-        "stopping writes no exit event",
-        "asyncrl/launch/ray_launcher.py",
-        '                self._event(name, "exit", exit_code=code, stopped_by="launcher")',
-        "                pass",
-        ("tests/test_launch_ray_faults.py",),
-    ),
-    Mutation(
-        "a built model is not replaced without --force",
-        "a rebuild replaces the model in --out",
-        "asyncrl/prepare/main.py",
-        '    if (out / "config.json").exists() and not args.force:',
-        "    if False:",
-        ("tests/test_prepare_cli.py",),
-    ),
-    Mutation(
-        "the fault simulation fails when it finds violations",
-        "it exits 0 whatever it found",
-        "benchmarks/fault_sim.py",
-        "    return 1 if failing else 0  # a run that found violations is not a success",
-        "    return 0",
-        ("tests/test_fault_sim.py",),
-    ),
-    Mutation(
-        "a torchrun learner's final exit is not restarted",
-        "the launcher ignores the learner's recorded final exit",
-        "asyncrl/launch/supervise.py",
-        "            code = take_final_exit(self.run_dir) or code  # torchrun's 1 hides the learner's\n",
-        "            pass\n",
-        ("tests/test_launch.py",),
     ),
     Mutation(
         "a veRL validation temperature needs do_sample",
@@ -243,26 +89,6 @@ ROWS = (
         '        if (problem := media_problem(file, f, ("images", "videos"), False)) is not None:\n',
         (
             "tests/test_launch_inputs.py::test_pictures_past_the_first_row_or_under_another_column_are_refused_at_launch",
-        ),
-    ),
-    Mutation(
-        "over-long validation rows are left out with the filter on",
-        "no validation row is measured (over-long ones are kept and cut)",
-        "asyncrl/tasks/lengths.py",
-        "    long = set(overlong_rows(rows, tokenizer_path, prompt_key, limit))\n",
-        "    long: set[int] = set()\n",
-        (
-            "tests/test_task_source_val_filter.py::test_overlong_validation_rows_are_left_out_with_the_filter_on",
-        ),
-    ),
-    Mutation(
-        "extra_info values that would reach the scorer as text are refused",
-        "dates and decimals in extra_info load (the scorer gets strings)",
-        "asyncrl/tasks/parquet.py",
-        "        if (found := _textual_value(extra)) is not None:\n",
-        "        if (found := None) is not None:\n",
-        (
-            "tests/test_input_rows.py::test_extra_info_values_the_task_message_turns_to_text_are_refused",
         ),
     ),
     Mutation(
@@ -328,16 +154,6 @@ ROWS = (
         "    tmp.write_text(dump_yaml(data))  # text such as '1e5' quoted: it reads back as text\n",
         "    tmp.write_text(yaml.safe_dump(data, sort_keys=False))\n",
         ("tests/test_config_resolved.py::test_text_that_looks_like_a_number_reads_back_as_text",),
-    ),
-    Mutation(
-        "W&B charts records at their learner step",
-        "W&B rows carry no learner step",
-        "asyncrl/metrics.py",
-        "            self._wandb.log({**clean, WANDB_AXIS: float(step)}, step=row)\n",
-        "            self._wandb.log(clean, step=row)\n",
-        (
-            "tests/test_metrics_file.py::test_wandb_charts_each_record_at_its_learner_step_after_rounds_pile_up",
-        ),
     ),
     Mutation(
         "a reference reads the value the run uses",

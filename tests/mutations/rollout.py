@@ -1,4 +1,5 @@
-"""Mutation rows for the rollout servers (engine, groups, agents, the OpenAI endpoint) and the tool sandbox (see :mod:`tests.mutations`)."""
+"""Mutation rows for the rollout servers: engine, groups, agents, the OpenAI endpoint (see
+:mod:`tests.mutations`)."""
 
 from __future__ import annotations
 
@@ -172,22 +173,6 @@ ROWS = (
         ("tests/test_endpoint_leavers.py",),
     ),
     Mutation(
-        "scorers may start processes",
-        "reward workers are daemons (multiprocessing in a scorer fails)",
-        "asyncrl/sandbox/process.py",
-        "            daemon=False,  # see the module's docstring; the pool's finalizer stops it",
-        "            daemon=True,",
-        ("tests/test_sandbox_workers.py",),
-    ),
-    Mutation(
-        "a worker's answer is its job's",
-        "an answer is taken whatever job it names",
-        "asyncrl/sandbox/process.py",
-        "            if isinstance(message, tuple) and len(message) == 2 and message[0] == seq:",
-        "            if isinstance(message, tuple) and len(message) == 2:",
-        ("tests/test_sandbox_workers.py",),
-    ),
-    Mutation(
         "the overlong penalty shapes endpoint groups",
         "the endpoint trains the client's raw reward",
         "rollout_servers/endpoint_groups.py",
@@ -212,36 +197,12 @@ ROWS = (
         ("tests/test_agent_limits.py",),
     ),
     Mutation(
-        "scorer memory is capped",
-        "a scorer process may grow without bound",
-        "asyncrl/sandbox/process.py",
-        "        limit_memory(cap.mb)",
-        "        pass",
-        ("tests/test_sandbox_memory.py",),
-    ),
-    Mutation(
-        "what a scorer left running dies with a killed server",
-        "a scorer's child outlives a SIGKILLed rollout server",
-        "asyncrl/sandbox/process.py",
-        "    _start_reaper()\n",
-        "    pass\n",
-        ("tests/test_sandbox_workers.py",),
-    ),
-    Mutation(
         "multi-turn scorers get veRL's extra_info",
         "a multi-turn scorer gets the row's extra_info alone",
         "rollout_servers/task_groups.py",
         "        scores = await self._score(task, texts, budget_lengths(episodes), infos)",
         "        scores = await self._score(task, texts, budget_lengths(episodes))",
         ("tests/test_agent_verl.py",),
-    ),
-    Mutation(
-        "tool memory is capped",
-        "a tool process may grow without bound",
-        "asyncrl/tools/pool.py",
-        "            memory_cap=MemoryCap(max_memory_mb, MEMORY_KEY),",
-        "            memory_cap=MemoryCap(0, MEMORY_KEY),",
-        ("tests/test_tool_metrics.py",),
     ),
     Mutation(
         "an endpoint session's later sample may pass the prompt limit",
@@ -282,22 +243,6 @@ ROWS = (
         "    unconstrained(body)\n    vllm_defaults(body)",
         "    unconstrained(body)",
         ("tests/test_endpoint_vllm_fields.py",),
-    ),
-    Mutation(
-        "a tool answer without text is an empty answer",
-        "a ToolResponse with text None is an invalid response",
-        "asyncrl/tools/calls.py",
-        "    if text is None or (text is _NO_TEXT and media):",
-        "    if text is _NO_TEXT and media:",
-        ("tests/test_tool_verl_ports.py",),
-    ),
-    Mutation(
-        "tool calls' wait for a worker is measured",
-        "queue waits are never counted",
-        "asyncrl/tools/pool.py",
-        "            self._total_s += seconds\n",
-        "            pass\n",
-        ("tests/test_tool_queue.py",),
     ),
     Mutation(
         "single-turn scorers get veRL's extra_info keys",
@@ -368,44 +313,6 @@ ROWS = (
         "                request = functools.partial(self.client.request_tasks, max_samples=self._free())\n",
         "                request = self.client.request_tasks\n",
         ("tests/test_grant_slots.py::test_the_server_asks_with_its_free_slots",),
-    ),
-    Mutation(
-        "a worker's output is bounded",
-        "a worker writes to the caller's stdout and stderr unbounded",
-        "asyncrl/sandbox/process.py",
-        "        redirect_output(*outputs)\n",
-        "        pass\n",
-        (
-            "tests/test_sandbox_output.py::test_what_a_tool_writes_reaches_the_servers_output_only_up_to_the_cap",
-        ),
-    ),
-    Mutation(
-        "a tool that exits while starting is named",
-        "sys.exit() in a tool's __init__ ends the worker unnamed",
-        "asyncrl/tools/config.py",
-        "        except (Exception, SystemExit) as exc:  # sys.exit() in __init__ too, named here\n",
-        "        except Exception as exc:  # sys.exit() in __init__ too, named here\n",
-        ("tests/test_sandbox_output.py::test_a_tool_that_calls_sys_exit_while_starting_is_named",),
-    ),
-    Mutation(
-        "a tool that exits while starting is named",
-        "sys.exit() at a scorer's import ends the worker unnamed",
-        "asyncrl/sandbox/process.py",
-        "    except (Exception, SystemExit) as exc:\n",
-        "    except Exception as exc:\n",
-        (
-            "tests/test_sandbox_output.py::test_a_scorer_that_calls_sys_exit_on_import_is_reported_with_its_message",
-        ),
-    ),
-    Mutation(
-        "a tool that exits while starting is named",
-        "the worker is killed before its exit code is read (-9 reported)",
-        "asyncrl/sandbox/process.py",
-        "            self.process.join(STOP_GRACE_S)\n            code = self.process.exitcode\n",
-        "            self.kill()\n            code = self.process.exitcode\n",
-        (
-            "tests/test_sandbox_output.py::test_a_worker_that_exits_while_starting_reports_its_own_exit_code",
-        ),
     ),
     Mutation(
         "a refused member's reward counts",

@@ -1,0 +1,102 @@
+"""Mutation rows for the sandboxed workers (reward and tool pools) and the tools (see :mod:`tests.mutations`)."""
+
+from __future__ import annotations
+
+from tests.mutations.row import Mutation
+
+ROWS = (
+    Mutation(
+        "scorers may start processes",
+        "reward workers are daemons (multiprocessing in a scorer fails)",
+        "asyncrl/sandbox/process.py",
+        "            daemon=False,  # see the module's docstring; the pool's finalizer stops it",
+        "            daemon=True,",
+        ("tests/test_sandbox_workers.py",),
+    ),
+    Mutation(
+        "a worker's answer is its job's",
+        "an answer is taken whatever job it names",
+        "asyncrl/sandbox/process.py",
+        "            if isinstance(message, tuple) and len(message) == 2 and message[0] == seq:",
+        "            if isinstance(message, tuple) and len(message) == 2:",
+        ("tests/test_sandbox_workers.py",),
+    ),
+    Mutation(
+        "scorer memory is capped",
+        "a scorer process may grow without bound",
+        "asyncrl/sandbox/process.py",
+        "        limit_memory(cap.mb)",
+        "        pass",
+        ("tests/test_sandbox_memory.py",),
+    ),
+    Mutation(
+        "what a scorer left running dies with a killed server",
+        "a scorer's child outlives a SIGKILLed rollout server",
+        "asyncrl/sandbox/process.py",
+        "    _start_reaper()\n",
+        "    pass\n",
+        ("tests/test_sandbox_workers.py",),
+    ),
+    Mutation(
+        "tool memory is capped",
+        "a tool process may grow without bound",
+        "asyncrl/tools/pool.py",
+        "            memory_cap=MemoryCap(max_memory_mb, MEMORY_KEY),",
+        "            memory_cap=MemoryCap(0, MEMORY_KEY),",
+        ("tests/test_tool_metrics.py",),
+    ),
+    Mutation(
+        "a tool answer without text is an empty answer",
+        "a ToolResponse with text None is an invalid response",
+        "asyncrl/tools/calls.py",
+        "    if text is None or (text is _NO_TEXT and media):",
+        "    if text is _NO_TEXT and media:",
+        ("tests/test_tool_verl_ports.py",),
+    ),
+    Mutation(
+        "tool calls' wait for a worker is measured",
+        "queue waits are never counted",
+        "asyncrl/tools/pool.py",
+        "            self._total_s += seconds\n",
+        "            pass\n",
+        ("tests/test_tool_queue.py",),
+    ),
+    Mutation(
+        "a worker's output is bounded",
+        "a worker writes to the caller's stdout and stderr unbounded",
+        "asyncrl/sandbox/process.py",
+        "        redirect_output(*outputs)\n",
+        "        pass\n",
+        (
+            "tests/test_sandbox_output.py::test_what_a_tool_writes_reaches_the_servers_output_only_up_to_the_cap",
+        ),
+    ),
+    Mutation(
+        "a tool that exits while starting is named",
+        "sys.exit() in a tool's __init__ ends the worker unnamed",
+        "asyncrl/tools/config.py",
+        "        except (Exception, SystemExit) as exc:  # sys.exit() in __init__ too, named here\n",
+        "        except Exception as exc:  # sys.exit() in __init__ too, named here\n",
+        ("tests/test_sandbox_output.py::test_a_tool_that_calls_sys_exit_while_starting_is_named",),
+    ),
+    Mutation(
+        "a tool that exits while starting is named",
+        "sys.exit() at a scorer's import ends the worker unnamed",
+        "asyncrl/sandbox/process.py",
+        "    except (Exception, SystemExit) as exc:\n",
+        "    except Exception as exc:\n",
+        (
+            "tests/test_sandbox_output.py::test_a_scorer_that_calls_sys_exit_on_import_is_reported_with_its_message",
+        ),
+    ),
+    Mutation(
+        "a tool that exits while starting is named",
+        "the worker is killed before its exit code is read (-9 reported)",
+        "asyncrl/sandbox/process.py",
+        "            self.process.join(STOP_GRACE_S)\n            code = self.process.exitcode\n",
+        "            self.kill()\n            code = self.process.exitcode\n",
+        (
+            "tests/test_sandbox_output.py::test_a_worker_that_exits_while_starting_reports_its_own_exit_code",
+        ),
+    ),
+)
