@@ -35,8 +35,9 @@ from asyncrl.rewards.registry import (
     normalize_score,
     verl_import_hint,
 )
+from asyncrl.sandbox.child import MAX_MESSAGE_CHARS, Handler
 from asyncrl.sandbox.memory import MemoryCap
-from asyncrl.sandbox.process import MAX_MESSAGE_CHARS, Handler, Worker
+from asyncrl.sandbox.process import Worker
 from asyncrl.sandbox.workers import WorkerPool, check_pool_args
 
 logger = logging.getLogger(__name__)

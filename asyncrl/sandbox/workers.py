@@ -30,10 +30,11 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from asyncrl.sandbox.child import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
+from asyncrl.sandbox.child import Handler as Handler  # the pools built on this one
+from asyncrl.sandbox.child import Setup
 from asyncrl.sandbox.memory import NO_CAP, MemoryCap
-from asyncrl.sandbox.process import MAX_MESSAGE_CHARS as MAX_MESSAGE_CHARS
-from asyncrl.sandbox.process import STOP_GRACE_S, Setup, Worker
-from asyncrl.sandbox.process import Handler as Handler  # the pools built on this one
+from asyncrl.sandbox.process import STOP_GRACE_S, Worker
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from asyncrl.sandbox.process import describe_exception
+from asyncrl.sandbox.child import describe_exception
 from asyncrl.sandbox.pyfile import import_file
 from asyncrl.tools.schema import OpenAIFunctionToolSchema
 

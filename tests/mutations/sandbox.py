@@ -24,7 +24,7 @@ ROWS = (
     Mutation(
         "scorer memory is capped",
         "a scorer process may grow without bound",
-        "asyncrl/sandbox/process.py",
+        "asyncrl/sandbox/child.py",
         "        limit_memory(cap.mb)",
         "        pass",
         ("tests/test_sandbox_memory.py",),
@@ -32,8 +32,8 @@ ROWS = (
     Mutation(
         "what a scorer left running dies with a killed server",
         "a scorer's child outlives a SIGKILLed rollout server",
-        "asyncrl/sandbox/process.py",
-        "    _start_reaper()\n",
+        "asyncrl/sandbox/child.py",
+        "    start_reaper()\n",
         "    pass\n",
         ("tests/test_sandbox_workers.py",),
     ),
@@ -64,7 +64,7 @@ ROWS = (
     Mutation(
         "a worker's output is bounded",
         "a worker writes to the caller's stdout and stderr unbounded",
-        "asyncrl/sandbox/process.py",
+        "asyncrl/sandbox/child.py",
         "        redirect_output(*outputs)\n",
         "        pass\n",
         (
@@ -82,7 +82,7 @@ ROWS = (
     Mutation(
         "a tool that exits while starting is named",
         "sys.exit() at a scorer's import ends the worker unnamed",
-        "asyncrl/sandbox/process.py",
+        "asyncrl/sandbox/child.py",
         "    except (Exception, SystemExit) as exc:\n",
         "    except Exception as exc:\n",
         (
