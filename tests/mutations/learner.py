@@ -161,7 +161,7 @@ ROWS = (
         "learner/loop.py",
         "        if not (only_missing and _broadcast_int(int(exported_step(final) == t.step), t)):",
         "        if not (only_missing and _broadcast_int(int(final.is_dir()), t)):",
-        ("tests/test_resume_modes.py",),
+        ("tests/test_resume_ended.py",),
     ),
     Mutation(
         "reward parts average over trained rollouts",
