@@ -1,5 +1,5 @@
-"""Tool configs, hermes tool-call parsing, and the ToolPool on well-behaved and misbehaving
-tools, with real worker processes."""
+"""Tool configs and the ToolPool on well-behaved and misbehaving tools, with real worker
+processes (the text between a model and its tools: tests/test_tool_text.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,7 @@ from asyncrl.tools import (
     ToolResult,
     import_tool_class,
     load_tool_config,
-    parse_tool_calls,
     schemas,
-    truncate_response,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -189,73 +187,7 @@ def test_classes_that_cannot_be_imported(tmp_path: Path) -> None:
         import_tool_class(f"{broken}:Tool")
 
 
-# ------------------------------------------------------------------------------- hermes
-
-
-def call_block(body: str) -> str:
-    return f"<tool_call>\n{body}\n</tool_call>"
-
-
-def test_hermes_one_and_several_calls() -> None:
-    text = "Let me add.\n" + call_block('{"name": "add", "arguments": {"a": 1, "b": "2"}}')
-    parsed = parse_tool_calls(text)
-    assert parsed.content == "Let me add.\n"
-    assert parsed.calls == [ToolCall("add", {"a": 1, "b": "2"})]
-    assert parsed.errors == []
-    several = (
-        call_block('{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}')
-        + "\n"
-        + call_block('{"name": "mul", "arguments": {"a": 3, "b": 4}}')
-        + call_block('{"name": "now"}')
-    )
-    parsed = parse_tool_calls(several)
-    assert parsed.content == ""
-    assert parsed.calls == [
-        ToolCall("add", {"a": 1, "b": 2}),
-        ToolCall("mul", {"a": 3, "b": 4}),
-        ToolCall("now", {}),
-    ]
-    no_call = parse_tool_calls("The answer is 7.")
-    assert (no_call.content, no_call.calls, no_call.errors) == ("The answer is 7.", [], [])
-
-
-def test_hermes_malformed_blocks_are_reported_in_order() -> None:
-    text = "".join(
-        [
-            call_block('{"name": "add", "arguments": {"a": 1}'),  # unbalanced
-            call_block('{"arguments": {"a": 1}}'),
-            call_block('{"name": "add", "arguments": [1, 2]}'),
-            call_block('{"name": "add", "arguments": "{not json"}'),
-            call_block('["add"]'),
-            call_block('{"name": "ok", "arguments": {}}'),
-            "<tool_call>\n{'name': 'cut off",
-        ]
-    )
-    parsed = parse_tool_calls(text)
-    assert parsed.calls == [ToolCall("ok", {})]
-    assert len(parsed.errors) == 6
-    expected = [
-        "tool call 1: not valid JSON",
-        "tool call 2: missing 'name'",
-        "tool call 3: 'arguments' must be a JSON object, got list",
-        "tool call 4: 'arguments' is a string but not valid JSON",
-        "tool call 5: expected a JSON object",
-        "tool call 7: <tool_call> without </tool_call>",
-    ]
-    for error, start in zip(parsed.errors, expected, strict=True):
-        assert error.startswith(start), error
-
-
 # ----------------------------------------------------------------------------- ToolPool
-
-
-def test_truncate_response_each_side() -> None:
-    text = "abcdefghij"
-    assert truncate_response(text, 10, "left") == text
-    assert truncate_response(text, 4, "left") == "abcd...(truncated)"
-    assert truncate_response(text, 4, "right") == "(truncated)...ghij"
-    assert truncate_response(text, 4, "middle") == "ab...(truncated)...ij"
-    assert truncate_response(text, 1, "middle") == "...(truncated)..."
 
 
 def test_calculator_through_the_pool(pool: ToolPool) -> None:
