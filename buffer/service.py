@@ -87,6 +87,7 @@ class BufferService:
         # when a read last found it empty (a group pushed before a pause may wait in the
         # queue until the first read after it that drains it).
         self._backlog = False
+        self._request_errors = 0  # requests that raised (buffer/request_errors)
         self._drained_at = 0.0
         self.trajectories_endpoint = trajectories  # the bound address once started
         self.batches_endpoint = batches
@@ -248,7 +249,7 @@ class BufferService:
             events = dict(poller.poll(self._poll_ms()))
             if events.get(router.sock):
                 for envelope, msg in router.receive(READ_BURST):
-                    self._answers.on_request(router, envelope, msg)
+                    self._on_request(router, envelope, msg)
             if reading:  # nothing to read (no event): nothing left unread either
                 self._backlog = bool(events.get(pull)) and not self._read_trajectories(pull)
                 if not self._backlog:
@@ -337,6 +338,19 @@ class BufferService:
     def _reject(self, err: wire.WireError) -> None:
         self.stats.reject("requests", err)
 
+    def _on_request(
+        self, router: RouterService[wire.Request], envelope: list[bytes], msg: wire.Request
+    ) -> None:
+        """Answer ``msg``; a request that raises is answered ``ErrorReply("internal")`` and
+        counted (``buffer/request_errors``): the groups the buffer holds outlive it."""
+        try:
+            self._answers.on_request(router, envelope, msg)
+        except Exception as e:
+            self._request_errors += 1
+            log.exception("a %s request failed (buffer/request_errors); serving on", msg.kind)
+            detail = f"the buffer failed on this {msg.kind} request: {type(e).__name__}: {e}"
+            router.reply(envelope, wire.ErrorReply(error="internal", detail=detail[:500]))
+
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
         """Buffer metrics plus the service's: rejects, throughput, time paused.
@@ -346,6 +360,7 @@ class BufferService:
         out = self.buffer.metrics() | self.stats.metrics(time.monotonic())
         out["buffer/pending_requests"] = float(len(self._answers.held))
         out["buffer/superseded_requests"] = float(self._answers.incarnations.refused)
+        out["buffer/request_errors"] = float(self._request_errors)
         if self.rollout_log is not None:
             out["buffer/rollout_log_lost"] = float(self.rollout_log.rows_lost)
         out |= {

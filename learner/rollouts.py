@@ -10,12 +10,12 @@ micro-batch into model inputs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from asyncrl.wire.types import usable_reward
 from learner.advantages import (
     outcome_advantages,
     outcome_token_rewards,
@@ -78,7 +78,7 @@ def drop_reason(r: Rollout, max_len: int | None = None) -> str | None:
         return "empty_response"
     if len(r.prompt_ids) == 0:
         return "empty_prompt"  # the first response token would have no context
-    if not math.isfinite(float(r.reward)):
+    if not usable_reward(float(r.reward)):  # float32 holds it: 1e39 would be inf there
         return "nonfinite_reward"
     if max_len is not None and len(r.prompt_ids) + len(r.response_ids) > max_len:
         return "too_long"
@@ -122,7 +122,7 @@ def baseline_advantages(
     episodes: dict[Hashable, int] = {}  # episode key -> row among the episodes
     firsts: list[Rollout] = []
     for r in rollouts:
-        if not math.isfinite(float(r.reward)):
+        if not usable_reward(float(r.reward)):
             continue
         if episodes.setdefault(episode_key(r), len(firsts)) == len(firsts):
             firsts.append(r)

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import Config
+from asyncrl.wire.types import usable_reward
 from learner import fsdp, lora
 from learner.advantages import OUTCOME_ESTIMATORS, TOKEN_ESTIMATORS
 from learner.collate import MicroBatch, collate, pad_rows
@@ -233,7 +234,7 @@ class Trainer:
             else torch.zeros(len(kept))
         )
         plan = self._plan(kept, adv, temperature)
-        scored = [r for r in rollouts if math.isfinite(float(r.reward))]
+        scored = [r for r in rollouts if usable_reward(float(r.reward))]
         metrics["batch/zero_variance_groups"] = float(
             zero_variance_groups(
                 torch.tensor([float(r.reward) for r in scored]), group_indices(scored)

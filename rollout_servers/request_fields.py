@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from typing import Any, TypeGuard
 
+from asyncrl.wire.types import usable_reward
 from rollout_servers.sessions import RequestError, context_exceeded
 
 
@@ -195,11 +195,12 @@ def reward_of(body: Any, reward_range: tuple[float, float] | None = None) -> flo
 
 
 def _finite(value: Any) -> TypeGuard[int | float]:
-    """``value`` is a number a float holds: JSON's integers have no bound, and one past a
-    float's range is as unusable a reward as inf (``math.isfinite`` raises on it)."""
+    """``value`` is a number the learner's float32 holds: JSON's integers have no bound,
+    and one past float32's range is as unusable a reward as inf (``float`` raises on an
+    int past float64's)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     try:
-        return math.isfinite(value)
+        return usable_reward(float(value))
     except OverflowError:
         return False

@@ -123,12 +123,14 @@ def test_cleaned_members_still_count_in_their_group_baseline():
         Rollout([1, 2], [4], [-0.2], 0.0, "g1"),
         Rollout([1], [5], [-0.3], 2.0, "g2"),
         Rollout([1], [5], [-0.3], nan, "g2"),  # no reward: in no baseline
+        Rollout([1], [5], [-0.3], 1e39, "g2"),  # inf in float32: no reward either
         Rollout([1], [6], [-0.3], 0.0, "g2"),
         Rollout([1], [7] * 20, [-0.3] * 20, 4.0, "g2"),  # too long: cleaned away
     ]
     kept, dropped = clean_rollouts(batch, max_len=8)
-    assert [batch.index(r) for r in kept] == [0, 2, 3, 4, 6]
-    assert dropped["empty_response"] == dropped["nonfinite_reward"] == dropped["too_long"] == 1
+    assert [batch.index(r) for r in kept] == [0, 2, 3, 4, 7]
+    assert dropped["nonfinite_reward"] == 2
+    assert dropped["empty_response"] == dropped["too_long"] == 1
     eps, s2 = 1e-6, 2**-0.5
     # g0: scores 1, 0 -> mean 0.5, unbiased std sqrt(2 * 0.25) = 1/sqrt(2): +0.5 * sqrt(2).
     # g1: the same two scores, both kept. g2: scores 2, 0, 4 -> mean 2, unbiased std 2.

@@ -14,7 +14,7 @@ import pytest
 
 from asyncrl import wire
 from asyncrl.net.buffer_client import BufferClient
-from asyncrl.net.transport import TrajectoryPusher
+from asyncrl.net.transport import RequestRefused, TrajectoryPusher
 from buffer.core import ReplayBuffer
 from buffer.service import BufferService
 from tests.helpers import wait_until
@@ -66,3 +66,54 @@ def test_refused_groups_are_reported_dropped_once_and_named_in_the_warning(svc, 
     assert len(oversize) == 1  # then only counted
     for part in ("server srv-7", "task toolong", "data.max_response_length"):
         assert part in oversize[0], oversize[0]
+
+
+def test_a_version_no_lag_can_be_measured_against_is_refused_and_the_buffer_serves_on():
+    """A member whose version is near 2**64 decoded, and the lag of its group against the
+    learner's version crashed the buffer's thread when a batch encoded it (every group
+    it held lost). Versions are bounded on the wire: refused as ``invalid``, counted, and
+    a learner asking at such a version is refused the same way."""
+    huge = wire.Trajectory.build(
+        task_id="huge", prompt_ids=[1, 2], response_ids=[3], logprobs=[-0.5],
+        policy_version=2**64 - 1, group_size=1, group_index=0,
+    )  # fmt: skip
+    svc = BufferService(ReplayBuffer(batch_size=1, capacity_groups=10, max_policy_lag=4)).start()
+    try:
+        with (
+            TrajectoryPusher(svc.trajectories_endpoint) as pusher,
+            BufferClient(svc.batches_endpoint, "learner", timeout_s=5) as learner,
+        ):
+            pusher.send_frames(wire.encode_trajectories([huge], check=False))
+            pusher.send(make_group("ok", 1))
+            learner.hello(wait_s=5)
+            with pytest.raises(RequestRefused, match="invalid"):
+                learner.request_batch(2**63, wait_s=0.5)
+            batch = learner.request_batch(0, wait_s=5)
+            stats = learner.stats()
+    finally:
+        svc.stop()
+    assert batch is not None and batch.task_ids == ["ok"]
+    assert stats["buffer/rejects/trajectories/invalid"] == 1
+    assert stats["buffer/rejects/requests/invalid"] == 1
+
+
+def test_a_request_the_buffer_fails_on_is_answered_and_counted(svc, monkeypatch, caplog):
+    """A bug on one request's path is answered ``internal`` and logged with its traceback;
+    the service, and the groups it holds, carry on."""
+
+    def broken() -> None:
+        raise RuntimeError("a bug on the inventory's path")
+
+    monkeypatch.setattr(svc.buffer, "inventory", broken)
+    with (
+        caplog.at_level(logging.ERROR, logger="buffer.service"),
+        TrajectoryPusher(svc.trajectories_endpoint) as pusher,
+        BufferClient(svc.batches_endpoint, "coordinator", timeout_s=5) as coordinator,
+    ):
+        pusher.send(make_group("kept", 1))
+        wait_until(lambda: coordinator.stats()["buffer/groups_in"] == 1, "the group", 10)
+        with pytest.raises(RequestRefused, match="internal.*RuntimeError: a bug"):
+            coordinator.inventory()
+        assert coordinator.inventory(["kept", "other"]).unknown == ["other"]
+        assert coordinator.stats()["buffer/request_errors"] == 1
+    assert any("a inventory request failed" in r.getMessage() for r in caplog.records)

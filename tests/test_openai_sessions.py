@@ -90,7 +90,8 @@ def test_token_budget_and_reward_are_checked():
     with pytest.raises(RequestError, match="positive integer"):
         max_tokens_of({"max_tokens": -1}, 50, 512)
     assert reward_of({"reward": 1}) == 1.0
-    for bad in ({"reward": float("nan")}, {"reward": True}, {"reward": "1"}, {}, []):
+    bad_rewards = ({"reward": float("nan")}, {"reward": 1e39}, {"reward": True}, {"reward": "1"})
+    for bad in (*bad_rewards, {}, []):  # 1e39: inf in the learner's float32
         with pytest.raises(RequestError, match="finite number"):
             reward_of(bad)
 

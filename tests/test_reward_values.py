@@ -35,6 +35,7 @@ VALUES = {
     "array_0d_str": np.array("1.0"),
     "np_nan": np.float64("nan"),
     "huge_int": 10**400,
+    "past_float32": 1e39,  # a float64, but inf in the learner's float32
     "str": "1.0",
     "dict_bad_score": {"score": np.array([1.0]), "acc": 1.0},
 }
@@ -85,7 +86,7 @@ def test_values_verl_accepts_are_scored(
 
 @pytest.mark.parametrize(
     "data_source",
-    ["array_1d", "array_0d_str", "np_nan", "huge_int", "str", "dict_bad_score"],
+    ["array_1d", "array_0d_str", "np_nan", "huge_int", "past_float32", "str", "dict_bad_score"],
 )
 def test_values_that_are_not_one_finite_number_are_bad_returns(
     pool: RewardPool, data_source: str

@@ -7,6 +7,7 @@ import contextlib
 import math
 
 import msgpack
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -261,6 +262,12 @@ BAD_TRAJECTORIES = {
     "negative temperature": ("invalid", _with({"temperature": -0.5})),
     "inf temperature": ("nonfinite", _with({"temperature": math.inf})),
     "inf reward part": ("nonfinite", _with({"reward_parts": {"a": math.inf}})),
+    # A float64 the learner's float32 makes inf: its group's advantages would be NaN.
+    "reward past float32": ("nonfinite", _with({"reward": 1e39})),
+    "reward part past float32": ("nonfinite", _with({"reward_parts": {"a": -1e39}})),
+    # A lag against it would not fit msgpack (a uint64 version crashed the buffer).
+    "version past the bound": ("invalid", _with({"version_spans": [[wire.MAX_VERSION + 1, 2]]})),
+    "version of 2**64 - 1": ("invalid", _with({"version_spans": [[2**64 - 1, 2]]})),
 }
 
 
@@ -283,6 +290,17 @@ def test_limits_reject_oversize() -> None:
         wire.decode_trajectories(frames, wire.Limits(max_items=2))
     with pytest.raises(wire.WireError, match="oversize"):
         wire.decode_request([b"\x00" * 100], wire.Limits(max_request_bytes=10))
+
+
+def test_the_bounds_themselves_pass() -> None:
+    """The largest version and the largest float32 reward are trajectories like any."""
+    t = make_traj("edge", response_len=2)
+    meta = msgspec.structs.replace(
+        t.meta, version_spans=[(wire.MAX_VERSION, 2)], reward=-wire.MAX_ABS_REWARD
+    )
+    edge = wire.Trajectory(meta, t.prompt_ids, t.response_ids, t.logprobs)
+    (back,) = wire.decode_trajectories(as_bytes(wire.encode_trajectories([edge])))
+    assert back.oldest_version == wire.MAX_VERSION and back.reward == -wire.MAX_ABS_REWARD
 
 
 def test_encode_checks_what_the_receiver_would() -> None:
@@ -312,6 +330,10 @@ def test_encode_checks_what_the_receiver_would() -> None:
         ),
         ([wire.encode_request(wire.StatsRequest(schema=1))] * 2, "malformed"),
         ([], "malformed"),
+        (
+            [msgpack.packb({"kind": "batch_request", "consumer_id": "c", "policy_version": 2**63})],
+            "invalid",
+        ),
     ],
 )
 def test_bad_requests_are_rejected_by_kind(frames: list[bytes], kind: str) -> None:

@@ -38,6 +38,7 @@ from asyncrl.sync.plan import WeightPlan
 from asyncrl.wire.base import SCHEMA_VERSION as SCHEMA_VERSION  # re-exported
 from asyncrl.wire.base import ErrorReply, Message, Ok, check_size, decode
 from asyncrl.wire.base import encode as encode  # re-exported
+from asyncrl.wire.types import Version
 
 NonNeg = Annotated[int, msgspec.Meta(ge=0)]
 ServerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -77,7 +78,7 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     extra_info: dict[str, Any] = {}
     prompt_token_ids: list[int] | None = None  # set when the dealer tokenizes
     attempt: NonNeg = 0  # 0: first deal; k: re-dealt k times
-    dealt_version: NonNeg = 0  # the policy version when it was (last) dealt
+    dealt_version: Version = 0  # the policy version when it was (last) dealt
     # veRL's per-row agent: single_turn, or tool_agent (a multi-turn episode with tools
     # when rollout.multi_turn.enable; tools_kwargs and interaction_kwargs in extra_info).
     agent_name: Annotated[str, msgspec.Meta(max_length=64)] = "single_turn"
@@ -94,7 +95,7 @@ class SyncStart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     sync_id: NonNeg  # increases with every sync the coordinator starts
-    version: NonNeg
+    version: Version
     generation: str
     rank: Annotated[int, msgspec.Meta(ge=1)]
     world_size: Annotated[int, msgspec.Meta(ge=2)]
@@ -179,7 +180,7 @@ class Register(Message, tag="register"):
     server_id: ServerId
     address: Text = ""  # where the server can be reached (informational: logs, metrics)
     engine_world_size: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 1
-    policy_version: NonNeg = 0  # the version of the weights it holds now
+    policy_version: Version = 0  # the version of the weights it holds now
     pid: int = 0
     # Tasks it is still generating (a registration after the coordinator restarted): they
     # stay its own instead of being dealt a second time.
@@ -203,8 +204,8 @@ class Heartbeat(Message, tag="heartbeat"):
 
     server_id: ServerId
     session: Annotated[str, msgspec.Meta(max_length=64)]  # the session it registered with
-    policy_version: NonNeg  # weights it holds
-    seen_version: NonNeg  # latest announced version it has seen
+    policy_version: Version  # weights it holds
+    seen_version: Version  # latest announced version it has seen
     seen_sync: NonNeg  # latest sync_id it has seen (0: none)
     wait_s: Annotated[float, msgspec.Meta(ge=0, le=600)] = 0.0
     # The server's own (e.g. rollout/tokens_per_s), for logs.
@@ -219,7 +220,7 @@ class SyncDone(Message, tag="sync_done"):
 
     server_id: ServerId
     sync_id: NonNeg
-    version: NonNeg
+    version: Version
     ok: bool
     error: Text = ""
     seconds: float = 0.0
@@ -256,7 +257,7 @@ class TaskGrant(Message, tag="task_grant"):
     waits for the next request)."""
 
     tasks: list[Task]
-    policy_version: NonNeg
+    policy_version: Version
     reason: str = ""
     detail: Text = ""  # a refused slot request: who holds the budget (one line)
 
@@ -271,7 +272,7 @@ class Registered(Message, tag="registered"):
 
     server_id: ServerId
     session: str
-    policy_version: NonNeg
+    policy_version: Version
     sync_store_host: str
     sync_store_port: int
     generation: str  # current main group generation ("" before the first sync)
@@ -287,7 +288,7 @@ class Announcement(Message, tag="announcement"):
     """Answer to a heartbeat: the version announcement, a sync to join, or shutdown."""
 
     registered: bool  # False: unknown here (declared dead, or a new session): register
-    policy_version: NonNeg
+    policy_version: Version
     sync: SyncStart | None = None
     shutdown: bool = False
 

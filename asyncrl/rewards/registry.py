@@ -24,6 +24,7 @@ from typing import Any
 
 from asyncrl.sandbox.pyfile import import_file
 from asyncrl.tasks import arithmetic, calculator, countdown, gsm8k
+from asyncrl.wire.types import MAX_ABS_REWARD, usable_reward
 
 logger = logging.getLogger(__name__)
 
@@ -244,7 +245,7 @@ def finite_number(value: Any, what: str = "") -> float:
 
     Raises:
         TypeError: Not a single number.
-        ValueError: NaN, infinite, or an int too large for a float.
+        ValueError: NaN, infinite, or too large for float32 (the learner's rewards).
     """
     if isinstance(value, (str, bytes)):
         raise TypeError(f"{what}{_describe(value)}, not a number")
@@ -262,6 +263,8 @@ def finite_number(value: Any, what: str = "") -> float:
         raise TypeError(f"{what}{_describe(value)}, not a number") from None
     if not math.isfinite(result):
         raise ValueError(f"{what}{result}, not a finite number")
+    if not usable_reward(result):  # the learner holds rewards in float32
+        raise ValueError(f"{what}{result:g}, beyond float32's range (+-{MAX_ABS_REWARD:.4g})")
     return result
 
 

@@ -114,6 +114,8 @@ from asyncrl.wire.requests import (
 )
 from asyncrl.wire.types import (
     LOGPROB_DTYPE,
+    MAX_ABS_REWARD,
+    MAX_VERSION,
     TOKEN_DTYPE,
     Batch,
     Group,
@@ -126,6 +128,8 @@ from asyncrl.wire.types import (
 __all__ = [
     "DEFAULT_LIMITS",
     "LOGPROB_DTYPE",
+    "MAX_ABS_REWARD",
+    "MAX_VERSION",
     "REJECT_KINDS",
     "SCHEMA_VERSION",
     "TOKEN_DTYPE",

@@ -75,7 +75,8 @@ class ErrorReply(Message, tag="error"):
     """The request was refused; ``error`` is one of :data:`REJECT_KINDS`, or
     ``wrong_socket`` for a valid request sent to a socket that does not serve it,
     ``forbidden`` for one its sender's role may not send, ``superseded`` for a consumer's
-    batch request or ack after another client said hello under its consumer id."""
+    batch request or ack after another client said hello under its consumer id,
+    ``internal`` for a request the service failed on (a bug: it logged the traceback)."""
 
     error: str
     detail: str

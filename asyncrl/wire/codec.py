@@ -30,6 +30,7 @@ from asyncrl.wire.types import (
     TrajectoriesHeader,
     Trajectory,
     TrajectoryMeta,
+    usable_reward,
 )
 
 _traj_decoder = msgspec.msgpack.Decoder(TrajectoriesHeader)
@@ -261,10 +262,13 @@ def _check_meta(m: TrajectoryMeta, limits: Limits) -> None:
         end = start + n
     if m.episode is not None and m.episode >= m.group_size:
         raise WireError("invalid", f"task {m.task_id}: episode {m.episode} >= {m.group_size}")
-    if not math.isfinite(m.reward) or (
-        m.reward_parts and not all(math.isfinite(x) for x in m.reward_parts.values())
+    if not usable_reward(m.reward) or (
+        m.reward_parts and not all(usable_reward(x) for x in m.reward_parts.values())
     ):
-        raise WireError("nonfinite", f"task {m.task_id}: NaN or inf reward")
+        raise WireError(
+            "nonfinite",
+            f"task {m.task_id}: NaN or inf reward (in float32, as the learner holds it)",
+        )
     if m.temperature is not None and not math.isfinite(m.temperature):
         raise WireError("nonfinite", f"task {m.task_id}: infinite sampling temperature")
     if limits.max_prompt_len is not None and m.prompt_len > limits.max_prompt_len:

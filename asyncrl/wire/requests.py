@@ -13,7 +13,7 @@ from typing import Annotated
 import msgspec
 
 from asyncrl.wire.base import ErrorReply, Message, Ok
-from asyncrl.wire.types import NonNegInt, ShortStr, TrajectoryMeta
+from asyncrl.wire.types import NonNegInt, ShortStr, TrajectoryMeta, Version
 
 
 # ----------------------------------------------------------------------- reply payloads
@@ -146,7 +146,7 @@ class BatchRequest(Message, tag="batch_request"):
     """
 
     consumer_id: ShortStr
-    policy_version: NonNegInt  # the learner's current version: the lag filter uses it
+    policy_version: Version  # the learner's current version: the lag filter uses it
     wait_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 0.0
     received_session: ShortStr | None = None
     received_through: int | None = None

@@ -14,6 +14,7 @@ msgpack-encoded themselves. See :mod:`asyncrl.wire` for the frame layout.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Annotated, Any, TypeVar
 
@@ -25,6 +26,23 @@ TOKEN_DTYPE = np.dtype("<i4")
 LOGPROB_DTYPE = np.dtype("<f4")
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+#: The largest policy version a message may carry. Versions count weight pushes (a push a
+#: second runs 68 years before it); the bound keeps any difference of two versions, a lag,
+#: an integer msgpack can encode (a version near 2**64 passed the decoder and crashed the
+#: buffer when it encoded that group's lag in a batch).
+MAX_VERSION = 2**31 - 1
+Version = Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)]
+#: The largest reward magnitude the learner can train on: it holds rewards in float32,
+#: where a larger float64 is inf (and its group's advantages NaN, which skips the update
+#: of every group in the mini-batch).
+MAX_ABS_REWARD = float(np.finfo(np.float32).max)
+
+
+def usable_reward(x: float) -> bool:
+    """Whether ``x`` is a reward the learner can train on: finite, and finite in float32."""
+    return math.isfinite(x) and abs(x) <= MAX_ABS_REWARD
+
+
 # A task id is printed in logs and written to parquet: keep it a short, non-empty string.
 TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
 ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
@@ -48,7 +66,7 @@ class TrajectoryMeta(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     group_size: Annotated[int, msgspec.Meta(ge=1, le=65536)]
     prompt_len: NonNegInt  # tokens in the prompt frame
     response_len: NonNegInt  # tokens in the response and logprob frames
-    version_spans: Annotated[list[tuple[NonNegInt, NonNegInt]], msgspec.Meta(min_length=1)]
+    version_spans: Annotated[list[tuple[Version, NonNegInt]], msgspec.Meta(min_length=1)]
     reward: float
     reward_parts: dict[ShortStr, float] = {}
     finish_reason: ShortStr = "stop"  # vLLM's: stop, length, abort

@@ -131,4 +131,28 @@ ROWS = (
         "                    pass\n",
         ("tests/test_buffer_audit.py",),
     ),
+    Mutation(
+        "policy versions are bounded on the wire",
+        "any uint64 version decodes (its lag crashed the buffer when a batch encoded it)",
+        "asyncrl/wire/types.py",
+        "Version = Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)]",
+        "Version = NonNegInt",
+        ("tests/test_buffer_refusals.py",),
+    ),
+    Mutation(
+        "the wire refuses a reward float32 cannot hold",
+        "a 1e39 reward decodes (its group's advantages NaN in the learner)",
+        "asyncrl/wire/codec.py",
+        "    if not usable_reward(m.reward) or (",
+        "    if not math.isfinite(m.reward) or (",
+        ("tests/test_wire.py",),
+    ),
+    Mutation(
+        "a request the buffer fails on is answered and counted",
+        "the exception ends the buffer's thread (every group it holds lost)",
+        "buffer/service.py",
+        "                    self._on_request(router, envelope, msg)",
+        "                    self._answers.on_request(router, envelope, msg)",
+        ("tests/test_buffer_refusals.py",),
+    ),
 )

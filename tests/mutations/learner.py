@@ -354,4 +354,20 @@ ROWS = (
             "tests/test_rollout_summary.py::test_every_counter_a_server_keeps_reaches_the_step_record",
         ),
     ),
+    Mutation(
+        "a reward float32 cannot hold is dropped",
+        "a 1e39 reward is trained (inf in float32)",
+        "learner/rollouts.py",
+        "    if not usable_reward(float(r.reward)):  # float32 holds it: 1e39 would be inf there",
+        "    if r.reward != r.reward or abs(r.reward) == float('inf'):",
+        ("tests/test_advantages.py",),
+    ),
+    Mutation(
+        "a reward float32 cannot hold is in no baseline",
+        "a 1e39 reward enters its group's statistics",
+        "learner/rollouts.py",
+        "        if not usable_reward(float(r.reward)):",
+        "        if r.reward != r.reward or abs(r.reward) == float('inf'):",
+        ("tests/test_advantages.py",),
+    ),
 )

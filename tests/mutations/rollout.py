@@ -348,4 +348,20 @@ ROWS = (
         "            pass\n",
         ("tests/test_endpoint_refusals.py::test_a_refused_request_keeps_an_unseen_turn",),
     ),
+    Mutation(
+        "a scorer's reward past float32 is a bad return",
+        "a 1e39 score is pushed (the buffer refuses the whole group)",
+        "asyncrl/rewards/registry.py",
+        "    if not usable_reward(result):  # the learner holds rewards in float32",
+        "    if False:",
+        ("tests/test_reward_values.py",),
+    ),
+    Mutation(
+        "an endpoint reward past float32 is a 400",
+        "a 1e39 reward is kept (the buffer refuses the whole group)",
+        "rollout_servers/request_fields.py",
+        "        return usable_reward(float(value))",
+        "        return float(value) not in (float('inf'), float('-inf')) and value == value",
+        ("tests/test_openai_sessions.py",),
+    ),
 )
