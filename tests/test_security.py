@@ -5,7 +5,10 @@ not (refused, counted), and a network address without authentication is refused 
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import zmq
@@ -14,6 +17,8 @@ from asyncrl.config import ConfigError, load_config
 from asyncrl.net import security
 from asyncrl.net.transport import bind, connect
 from tests.helpers import wait_until
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -137,6 +142,68 @@ def test_missing_keys_name_the_command_that_makes_them(tmp_path):
     with pytest.raises(SystemExit) as e:
         security.configure(endpoints, "rollout")
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("damage", ["public over secret", "empty", "cut"])
+def test_a_key_file_that_is_no_key_is_named_in_one_line(keys, damage, capsys):
+    """A secret key file that is there but unusable (a public key copied over it, an
+    empty or cut one) raised a traceback and exit 1, which a launcher restarts; it is a
+    config problem like a missing file: one line naming it, exit 2."""
+    secret = keys / "buffer" / "buffer.key_secret"
+    whole = secret.read_bytes()
+    secret.write_bytes(
+        {"public over secret": (keys / "buffer.key").read_bytes(), "empty": b"", "cut": whole[:60]}[
+            damage
+        ]
+    )
+    endpoints = _cfg("endpoints.auth=curve", f"endpoints.keys_dir={keys / 'buffer'}").endpoints
+    line = security.keys_problem(endpoints, ("buffer",))
+    assert line is not None and str(secret) in line and "asyncrl-prepare keys" in line
+    assert "\n" not in line
+    with pytest.raises(SystemExit) as e:
+        security.configure(endpoints, "buffer")
+    assert e.value.code == 2 and str(secret) in capsys.readouterr().err
+
+
+def test_no_secret_key_is_ever_readable_by_others(tmp_path, monkeypatch):
+    """Each secret is written into a folder only its owner may enter and made 0600 before
+    it moves into the keys folder: written there under a umask of 022, it was readable by
+    anyone on the machine until its chmod (a reader who opened it then keeps it)."""
+    import stat
+
+    import zmq.auth
+
+    create = zmq.auth.create_certificates
+    folders: list[int] = []
+
+    def recorded(folder: str, name: str):
+        folders.append(stat.S_IMODE(os.stat(folder).st_mode))
+        return create(folder, name)
+
+    monkeypatch.setattr(zmq.auth, "create_certificates", recorded)
+    umask = os.umask(0o022)
+    try:
+        written = security.write_keys(tmp_path / "keys")
+    finally:
+        os.umask(umask)
+    assert folders and all(mode == 0o700 for mode in folders)
+    for path in written:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        assert mode == (0o600 if path.name.endswith("_secret") else 0o644), (path, oct(mode))
+    assert sorted(p.name for p in (tmp_path / "keys").iterdir() if p.is_dir()) == [
+        "buffer",
+        "learner",
+        "rollout",
+    ]  # fmt: skip  (no staging folder left)
+
+
+def test_keys_made_in_the_repository_are_never_committed():
+    """The README's ``asyncrl-prepare keys --out keys/`` in a checkout: git ignores them."""
+    for path in ("keys/server.key_secret", "keys/rollout/rollout.key_secret", "x.key_secret"):
+        check = subprocess.run(
+            ["git", "check-ignore", "-q", "--no-index", path], cwd=ROOT, check=False
+        )
+        assert check.returncode == 0, path
 
 
 def test_a_frame_over_the_limit_is_never_read_and_the_service_goes_on():

@@ -31,6 +31,7 @@ import ipaddress
 import logging
 import shutil
 import sys
+import tempfile
 import threading
 import weakref
 from collections import Counter
@@ -70,10 +71,18 @@ def write_keys(out: Path) -> list[Path]:
 
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in ("server", *KEY_ROLES):
-        public, secret = zmq.auth.create_certificates(str(out), name)
-        Path(secret).chmod(0o600)
-        written += [Path(public), Path(secret)]
+    # Made in a folder only we may enter (mkdtemp: 0700), made 0600 there, then moved in:
+    # written straight into ``out`` under the umask, a secret was readable by anyone on
+    # the machine until its chmod, and a reader who opened it then keeps it.
+    staging = Path(tempfile.mkdtemp(prefix=".keys-", dir=out))
+    try:
+        for name in ("server", *KEY_ROLES):
+            public, secret = map(Path, zmq.auth.create_certificates(str(staging), name))
+            secret.chmod(0o600)
+            public.chmod(0o644)
+            written += [public.replace(out / public.name), secret.replace(out / secret.name)]
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     for role in KEY_ROLES:
         node = out / role
         node.mkdir(exist_ok=True)
@@ -99,8 +108,6 @@ class Keys:
         """Read ``role``'s keys from ``keys_dir``: the full set or a node's folder. Needs
         the server's public key and the role's own pair; a serving role also the server's
         secret and every role's public key (whom to let in)."""
-        import zmq.auth
-
         d = Path(keys_dir)
         needed = ["server.key", f"{role}.key_secret"]
         if role in SERVING_ROLES:
@@ -111,18 +118,38 @@ class Keys:
                 f"endpoints.keys_dir={keys_dir}: missing {', '.join(missing)} (create them "
                 f"with: asyncrl-prepare keys --out DIR, then give this node DIR/{role}/)"
             )
-        server_public, _ = zmq.auth.load_certificate(str(d / "server.key"))
+        server_public, _ = _read_key(d / "server.key")
         server_secret = None
         if (d / "server.key_secret").is_file():
-            _, server_secret = zmq.auth.load_certificate(str(d / "server.key_secret"))
-        client_public, client_secret = zmq.auth.load_certificate(str(d / f"{role}.key_secret"))
-        assert client_secret is not None  # a .key_secret file holds both halves
-        allowed = {
-            zmq.auth.load_certificate(str(d / f"{r}.key"))[0]: r
-            for r in KEY_ROLES
-            if (d / f"{r}.key").is_file()
-        }
+            _, server_secret = _read_key(d / "server.key_secret", secret=True)
+        client_public, client_secret = _read_key(d / f"{role}.key_secret", secret=True)
+        assert client_secret is not None  # _read_key(secret=True) refuses a file without it
+        allowed = {_read_key(d / f"{r}.key")[0]: r for r in KEY_ROLES if (d / f"{r}.key").is_file()}
         return cls(server_public, server_secret, client_public, client_secret, allowed)
+
+
+class KeyFileError(ValueError):
+    """A key file is there but is no key of the kind its name says."""
+
+
+def _read_key(path: Path, secret: bool = False) -> tuple[bytes, bytes | None]:
+    """``(public, secret)`` z85 keys of a certificate file; a file that is not one (empty,
+    cut, a public key copied over a secret one) is a :class:`KeyFileError` in one line."""
+    import zmq.auth
+
+    try:
+        public, private = zmq.auth.load_certificate(str(path))
+    except (ValueError, OSError) as e:
+        public, private, why = b"", None, str(e)
+    else:
+        why = "it holds no secret key (a public key file?)" if secret and private is None else ""
+    if why:
+        raise KeyFileError(
+            f"endpoints.keys_dir: {path} is not a usable key file ({why}); copy it again from "
+            "the folder asyncrl-prepare keys wrote, or make the run's keys anew with "
+            "asyncrl-prepare keys --out DIR --force and give every node its folder"
+        )
+    return public, private
 
 
 def keys_problem(endpoints: EndpointsConfig, roles: tuple[str, ...] = KEY_ROLES) -> str | None:
@@ -133,7 +160,7 @@ def keys_problem(endpoints: EndpointsConfig, roles: tuple[str, ...] = KEY_ROLES)
     for role in roles:
         try:
             Keys.load(endpoints.keys_dir, role)
-        except FileNotFoundError as e:
+        except (FileNotFoundError, KeyFileError) as e:
             return str(e)
     return None
 
@@ -158,7 +185,7 @@ def configure(endpoints: EndpointsConfig, role: str) -> None:
         assert endpoints.keys_dir is not None  # the config rules require it
         try:
             keys = Keys.load(endpoints.keys_dir, role)
-        except FileNotFoundError as e:  # a config problem: exit 2, never restarted
+        except (FileNotFoundError, KeyFileError) as e:  # a config problem: exit 2, not restarted
             sys.stderr.write(f"{e}\n")
             raise SystemExit(2) from None
         _SETTINGS.keys = keys

@@ -189,4 +189,20 @@ ROWS = (
             "tests/test_metrics_file.py::test_wandb_charts_each_record_at_its_learner_step_after_rounds_pile_up",
         ),
     ),
+    Mutation(
+        "an unusable key file stops its role in one line, exit 2",
+        "a public key over a secret one is a traceback and exit 1 (restarted)",
+        "asyncrl/net/security.py",
+        "        except (FileNotFoundError, KeyFileError) as e:  # a config problem: exit 2, not restarted",
+        "        except FileNotFoundError as e:",
+        ("tests/test_security.py",),
+    ),
+    Mutation(
+        "secret keys are 0600 when they reach the keys folder",
+        "a secret keeps the umask's mode",
+        "asyncrl/net/security.py",
+        "            secret.chmod(0o600)",
+        "            pass",
+        ("tests/test_security.py",),
+    ),
 )
