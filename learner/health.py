@@ -293,10 +293,10 @@ def check_probe(
     server whose probe is further than ``max_probe_diff`` from the learner's (named)."""
     from asyncrl.sync.probe import compare, probe_metrics
 
-    if not mine or not cfg.enable:
+    if not mine:
         return {}
     for server, diff in sorted(compare(mine, theirs).items()):
-        if diff > cfg.max_probe_diff:
+        if cfg.enable and diff > cfg.max_probe_diff:  # off: measured, and recorded only
             log.warning(
                 "health: probe after version %d: %s scores it %.3g nats per token from the "
                 "learner (trainer.health.max_probe_diff=%g): its weights arrived corrupted, "

@@ -375,6 +375,10 @@ def summarize_stats(stats: dict[str, float], importance_mode: str) -> dict[str, 
 
     over_cap = ratio("w_over_cap", "w_units")
     w_sq = stats["w_sq_sum"]
+    # No valid token (every behaviour logprob dropped): nothing measured. NaN says so to the
+    # health rules and the adaptive lag (which widened on ESS 1 and KL 0 as on-policy).
+    measured, nan = stats["w_units"] > 0, float("nan")
+    ess = stats["w_sum"] ** 2 / (stats["w_units"] * w_sq) if w_sq > 0 else 1.0
     return {
         "actor/pg_clipfrac": (stats["clipped_low"] + stats["clipped_high"])
         / max(stats["tokens"], 1.0),
@@ -384,16 +388,16 @@ def summarize_stats(stats: dict[str, float], importance_mode: str) -> dict[str, 
         "actor/ppo_kl": ratio("ppo_kl", "tokens"),
         "actor/entropy": ratio("entropy", "tokens"),
         "actor/ref_kl": ratio("ref_kl", "tokens"),
-        "importance/w_mean": ratio("w_sum", "w_units"),
+        "importance/w_mean": ratio("w_sum", "w_units") if measured else nan,
         "importance/w_max": stats["w_max"],
         # Normalised effective sample size (sum w)^2 / (n * sum w^2), in (0, 1].
-        "importance/ess": stats["w_sum"] ** 2 / (stats["w_units"] * w_sq) if w_sq > 0 else 1.0,
+        "importance/ess": ess if measured else nan,
         # E[w^2] - 1: 0 when every weight is 1 (on-policy).
-        "importance/chi2": w_sq / stats["w_units"] - 1.0 if stats["w_units"] > 0 else 0.0,
+        "importance/chi2": w_sq / stats["w_units"] - 1.0 if measured else nan,
         "importance/truncated_frac": over_cap if importance_mode == "tis" else 0.0,
         "importance/masked_frac": over_cap if importance_mode == "mis" else 0.0,
-        "importance/mismatch_kl": ratio("mismatch", "tokens"),
-        "importance/log_w_abs_mean": ratio("abs_log_w", "tokens"),
+        "importance/mismatch_kl": ratio("mismatch", "tokens") if measured else nan,
+        "importance/log_w_abs_mean": ratio("abs_log_w", "tokens") if measured else nan,
         "importance/log_w_abs_max": stats["abs_log_w_max"],
         "importance/nonfinite_dropped": stats["nonfinite"],
     }

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from asyncrl.config import load_config
+from asyncrl.config import ConfigError, load_config
 from learner.health import RULES, HealthMonitor
 from learner.losses import LossConfig, policy_loss, summarize_stats
 
@@ -161,3 +162,29 @@ def test_a_collapse_and_a_streak_that_span_a_learner_restart_still_alarm():
     empty = HealthMonitor(load_config(None, []).trainer.health)
     empty.load_state_dict({})  # a checkpoint from before it kept them
     assert empty.state_dict()["entropies"] == []
+
+
+def test_the_probe_is_recorded_with_the_alarms_off(caplog):
+    """With ``trainer.health.enable=false`` the servers still score the post-sync probe
+    (``sync.probe`` is its own switch): its ``sync/probe_*`` metrics are recorded, only the
+    per-server warning is the health rule's (they were dropped with it)."""
+    from learner.health import check_probe
+
+    mine, theirs = [-1.0, -2.0], {"s0": [-1.0, -2.0], "s1": [-3.0, -4.0]}
+    off = load_config(None, ["trainer.health.enable=false"]).trainer.health
+    with caplog.at_level("WARNING", logger="learner.health"):
+        metrics = check_probe(mine, theirs, 3, off)
+    assert metrics["sync/probe_servers"] == 2 and metrics["sync/probe_mean_abs_diff"] > 0.5
+    assert not caplog.records
+    on = load_config(None, []).trainer.health
+    with caplog.at_level("WARNING", logger="learner.health"):
+        assert check_probe(mine, theirs, 3, on) == metrics
+    assert [r.getMessage().split(" scores")[0] for r in caplog.records] == [
+        "health: probe after version 3: s1"
+    ]
+
+
+def test_a_reversed_weight_range_is_refused():
+    """``w_mean_range=[2, 0.5]`` alarmed on every step, at a mean weight of 1 too."""
+    with pytest.raises(ConfigError, match=r"w_mean_range.*reversed; give it as \[low, high\]"):
+        load_config(None, ["trainer.health.w_mean_range=[2.0,0.5]"])

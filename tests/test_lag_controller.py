@@ -4,6 +4,8 @@ steps, and the coordinator admitting by the lag it sets (real sockets on 127.0.0
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -55,6 +57,27 @@ def test_the_controller_widens_once_per_hold_and_narrows_at_once():
     assert lag.step(9, _metrics(0.95, 0.0, 72.0, lag_drops=2.0)) == 1
     assert lag.step(10, _metrics(0.95, 0.0, 80.0, lag_drops=2.0)) is None
     assert lag.step(11, {"timing/wait_fraction": 0.9}) is None  # nothing measured
+
+
+@pytest.mark.parametrize("min_ess", [0.3, 0.5, 0.6, 0.9])
+def test_a_high_ess_floor_still_leaves_room_to_widen(min_ess):
+    """The comfort level was twice the floor, capped at 1: from min_ess 0.5 up, only an
+    ESS of exactly 1 (every weight equal) was comfortable, and the run never widened."""
+    assert decide(1, 0, 4, replace(HEALTHY, ess=0.99), min_ess, 0.1)[0] == 2
+    assert decide(1, 0, 4, replace(HEALTHY, ess=min_ess + 0.001), min_ess, 0.1)[0] == 1
+
+
+def test_a_step_with_no_valid_importance_token_is_no_measurement():
+    """Every behaviour logprob dropped: no weight was measured, and the step reads as
+    such (NaN), not as on-policy (ESS 1, KL 0), on which the controller widened."""
+    from learner.losses import STAT_MAXES, STAT_SUMS, summarize_stats
+
+    stats = summarize_stats(dict.fromkeys(STAT_SUMS + STAT_MAXES, 0.0), "tis")
+    for key in ("w_mean", "ess", "chi2", "mismatch_kl", "log_w_abs_mean"):
+        assert math.isnan(stats[f"importance/{key}"]), key
+    lag = LagController(0, 3, min_ess=0.3, max_kl=0.1)
+    assert lag.step(5, {**stats, "timing/wait_fraction": 0.9, "buffer/groups_in": 8.0}) is None
+    assert lag.lag == 0
 
 
 def test_a_wait_while_a_validation_round_shares_the_servers_does_not_widen():

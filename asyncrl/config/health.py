@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from asyncrl.config.section import Section
 
@@ -32,6 +32,14 @@ class HealthConfig(Section):
     min_ess: float = Field(
         default=0.3, ge=0, le=1, description="Normalised effective sample size of the weights."
     )
+
+    @field_validator("w_mean_range")
+    @classmethod
+    def _low_then_high(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if v[0] > v[1]:  # reversed, every step is outside it: an alarm at 1.0 too
+            raise ValueError(f"[{v[0]:g}, {v[1]:g}] is reversed; give it as [low, high]")
+        return v
+
     max_chi2: float = Field(default=1.0, ge=0, description="chi^2 of the weights, E[w^2] - 1.")
     max_truncated_frac: float = Field(
         default=0.1, ge=0, le=1, description="Share of weights above the TIS cap."

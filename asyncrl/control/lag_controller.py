@@ -11,7 +11,8 @@ measurements instead of a guess:
   ``trainer.health.max_mismatch_kl``, or more than :data:`LAG_DROP_FRAC` of the groups the
   buffer took since the last step dropped for lag;
 - **widen** by one version when the correction is comfortably healthy (ESS at least twice its
-  floor, mismatch KL at most half its ceiling) and the learner waited for data for at least
+  floor, or halfway from the floor to 1 when that is less; mismatch KL at most half its
+  ceiling) and the learner waited for data for at least
   :data:`WIDEN_WAIT` of its step, at most once per :data:`HOLD_STEPS` steps (a change needs a
   few steps to show in the measurements), unless a validation round was being generated
   during the step: the servers then spend time on the round that a wider lag cannot give
@@ -58,7 +59,10 @@ def decide(
         return max(low, lag - 1), f"narrow: mismatch KL {s.mismatch_kl:.4f} beyond {max_kl:g}"
     if s.lag_drop_frac > LAG_DROP_FRAC:
         return max(low, lag - 1), f"narrow: {s.lag_drop_frac:.0%} of new groups dropped for lag"
-    comfortable = s.ess >= min(1.0, 2 * min_ess) and abs(s.mismatch_kl) <= max_kl / 2
+    # Twice the floor, or halfway from it to 1 where twice is out of reach (min_ess 0.5
+    # asked for an ESS of exactly 1: every weight equal, so the lag never widened).
+    comfortable_ess = min(2 * min_ess, (1 + min_ess) / 2)
+    comfortable = s.ess >= comfortable_ess and abs(s.mismatch_kl) <= max_kl / 2
     if comfortable and s.learner_wait >= WIDEN_WAIT:
         if s.validating:
             return lag, "hold: the learner waited while a validation round shared the servers"
