@@ -238,4 +238,12 @@ ROWS = (
             "tests/test_config_references.py::test_a_null_or_text_global_micro_batch_reads_as_the_run_has_it",
         ),
     ),
+    Mutation(
+        "a reversed w_mean_range is refused",
+        "[2, 0.5] loads, and w_mean alarms on every step",
+        "asyncrl/config/health.py",
+        "        if v[0] > v[1]:  # reversed, every step is outside it: an alarm at 1.0 too",
+        "        if False:",
+        ("tests/test_health.py",),
+    ),
 )

@@ -317,4 +317,12 @@ ROWS = (
             "tests/test_grant_slots.py::test_a_grant_of_validation_groups_fits_the_servers_free_slots",
         ),
     ),
+    Mutation(
+        "the adaptive lag can widen under a high ESS floor",
+        "min_ess 0.5 and up asks for an ESS of exactly 1 to widen",
+        "asyncrl/control/lag_controller.py",
+        "    comfortable_ess = min(2 * min_ess, (1 + min_ess) / 2)",
+        "    comfortable_ess = min(1.0, 2 * min_ess)",
+        ("tests/test_lag_controller.py",),
+    ),
 )

@@ -370,4 +370,20 @@ ROWS = (
         "        if r.reward != r.reward or abs(r.reward) == float('inf'):",
         ("tests/test_advantages.py",),
     ),
+    Mutation(
+        "a step with no valid importance token measures nothing",
+        "its ESS reads 1 (on-policy), and the adaptive lag widens on it",
+        "learner/losses.py",
+        '        "importance/ess": ess if measured else nan,',
+        '        "importance/ess": ess,',
+        ("tests/test_lag_controller.py",),
+    ),
+    Mutation(
+        "the probe is recorded with the health alarms off",
+        "trainer.health.enable=false drops sync/probe_*",
+        "learner/health.py",
+        "    if not mine:",
+        "    if not mine or not cfg.enable:",
+        ("tests/test_health.py",),
+    ),
 )
