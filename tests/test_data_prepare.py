@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl.prepare.main import main
+from asyncrl.tasks import calculator
 
 TINY = "artifacts/models/tiny-demo"
 
@@ -71,3 +72,23 @@ def test_a_split_emptied_by_the_prompt_limit_is_warned_of(
     assert len(warned) == 2 and all("raise --max-prompt-length" in w for w in warned)
     assert str(out / "val.parquet") in warned[1]
     capsys.readouterr()
+
+
+@pytest.mark.timeout(60)  # it drew forever for the products that were not there
+def test_calculator_refuses_more_rows_than_it_has_distinct_problems(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """calculator rows alternate sums and products, and there are only 8,100 distinct
+    products: one row more than 16,201 in all looped forever. Now refused in one line
+    naming the flags and the most rows it gives, as arithmetic and countdown refuse; the
+    most itself is generated, every problem distinct."""
+    most = calculator.max_rows()
+    assert most == 16201
+    out = tmp_path / "out"
+    argv = ["--task", "calculator", "--out", str(out), "--n-val", "32"]
+    line = _refused(capsys, *argv, "--n-train", str(most - 32 + 1))
+    assert line.startswith("asyncrl-prepare data: calculator has 8100 distinct products")
+    assert line.rstrip().endswith(f"--n-train plus --n-val at most {most}.")
+    assert not (out / "train.parquet").exists()
+    train, val = calculator.generate(n_train=most - 32, n_val=32)
+    assert len({row["prompt"][0]["content"] for row in train + val}) == most

@@ -174,3 +174,44 @@ def test_extra_info_values_the_task_message_turns_to_text_are_refused(
     cfg = load_config(None, [f"data.train_files={fixed}", *QUIET])
     assert input_problems(cfg, [DATA, ROWS]) == []
     assert load_rows([str(fixed)])[5]["extra_info"]["meta"]["when"] == str(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "where", "kind"),
+    [
+        (decimal.Decimal("0.25"), "", "Decimal"),
+        (datetime.date(2024, 1, 2), "", "date"),
+        (datetime.time(3, 4, 5), "", "time"),
+        (datetime.datetime(2024, 1, 2, 3, 4, 5), "", "datetime"),
+        (datetime.timedelta(seconds=90), "", "timedelta"),
+        ({"price": decimal.Decimal("1.25"), "name": "x"}, "['price']", "Decimal"),
+    ],
+    ids=["decimal", "date", "time", "timestamp", "duration", "nested"],
+)
+def test_ground_truths_the_task_message_turns_to_text_are_refused(
+    tmp_path: Path, value: Any, where: str, kind: str
+) -> None:
+    """A decimal, date, time, timestamp or duration ground truth passed the row check and
+    reached the scorer as a string (the task message carries no such type), while the same
+    value in ``extra_info`` was refused. Now refused alike, at launch and in the learner's
+    read, in one line naming the row and the fix; the value written as text loads."""
+    rows = [_row(i) for i in range(8)]
+    for row in rows:
+        row["reward_model"]["ground_truth"] = value
+    path = _write(tmp_path / "train.parquet", rows)
+    problems, learner = _launch_and_learner_lines(path)
+    assert problems == [learner]
+    assert learner.startswith(
+        f"drop or mend row 0 of {path}: its reward_model['ground_truth']{where} is a {kind} ("
+    )
+    assert learner.endswith(
+        "write it as text or a number (an ISO date string, a Unix time, a float) when "
+        "writing the file"
+    )
+    for row in rows:
+        row["reward_model"]["ground_truth"] = str(value)
+    fixed = _write(tmp_path / "fixed.parquet", rows)
+    assert (
+        input_problems(load_config(None, [f"data.train_files={fixed}", *QUIET]), [DATA, ROWS]) == []
+    )
+    assert load_rows([str(fixed)])[3]["reward_model"]["ground_truth"] == str(value)

@@ -4,6 +4,13 @@ changed only while a round of the saved one is still under way (its ids name old
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.config import ConfigError, load_config
@@ -11,7 +18,7 @@ from asyncrl.control.admission import Budget
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
 from asyncrl.control.setup import state_from_config
-from asyncrl.control.task_source import TaskSource
+from asyncrl.control.task_source import TaskSource, load_rows
 from asyncrl.control.validation_schedule import ValidationSchedule
 from asyncrl.tasks.schema import make_row
 from asyncrl.wire.requests import ValidationGroup
@@ -184,3 +191,61 @@ def test_unshuffled_resume_does_not_compare_the_seed() -> None:
     shuffled = _source(1).state_dict()
     with pytest.raises(ConfigError, match="seed 2, shuffle True; this run has 6, 7, True"):
         TaskSource(_rows(6), _rows(1), seed=7, lineage="").load_state_dict(shuffled)
+
+
+def _write_train(path: Path, tags: list[str]) -> str:
+    rows = [
+        make_row("arithmetic", f"{t}+1=", f"{t}1", split="train", index=i)
+        for i, t in enumerate(tags)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_training_rows_edited_in_place_go_on_with_a_warning(tmp_path: Path, caplog) -> None:
+    """A cursor restored over other training rows of the same count (or the same rows in
+    another order) goes on from its position, as veRL's resume does, but no longer without
+    a word: its ids name rows by index, so the tasks in flight are rebuilt from the rows
+    now there. The rows' digest is saved and compared, the same in another process (no
+    salted ``hash()``); a checkpoint without it, or over the same rows, says nothing."""
+    first = _write_train(tmp_path / "a.parquet", ["1", "2", "3", "4"])
+    source = TaskSource(load_rows([first]), seed=2, lineage="")
+    in_flight = [source.next_train().task_id for _ in range(2)]  # type: ignore[union-attr]
+    saved = source.state_dict()
+    older = {k: v for k, v in saved.items() if k != "train_digest"}
+    for name, tags in (
+        ("other.parquet", ["5", "6", "7", "8"]),
+        ("order.parquet", ["4", "3", "2", "1"]),
+    ):
+        swapped = TaskSource(load_rows([_write_train(tmp_path / name, tags)]), seed=2)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="asyncrl.control.task_source"):
+            swapped.load_state_dict(saved)
+            assert swapped.position == source.position
+            (line,) = [r.getMessage() for r in caplog.records]
+            assert line.startswith("data.train_files changed since the checkpoint (the same 4")
+            caplog.clear()
+            swapped.load_state_dict(older)  # saved before the digest was: taken as unchanged
+            assert not caplog.records
+    again = TaskSource(load_rows([first]), seed=2)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="asyncrl.control.task_source"):
+        again.load_state_dict(saved)
+    assert not caplog.records
+    assert [again.task_for_id(t).prompt for t in in_flight] == [
+        source.task_for_id(t).prompt for t in in_flight
+    ]
+    code = (
+        "from asyncrl.control.task_source import TaskSource, load_rows; "
+        f"print(TaskSource(load_rows([{first!r}])).state_dict()['train_digest'])"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "random"}
+    other_process = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+        timeout=120,
+    )
+    assert other_process.stdout.strip() == saved["train_digest"]

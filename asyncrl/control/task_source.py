@@ -23,8 +23,6 @@ checkpoint; the rows themselves are read from ``data.train_files``/``data.val_fi
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import random
 import secrets
@@ -36,6 +34,7 @@ import msgspec
 
 from asyncrl.config.errors import ConfigError
 from asyncrl.control.messages import Task
+from asyncrl.tasks.digest import rows_digest, train_digest
 
 _TRAIN, _VAL = "train", "val"
 log = logging.getLogger(__name__)
@@ -66,15 +65,6 @@ def load_rows(paths: Sequence[str], prompt_key: str = "prompt") -> list[dict[str
         except ValueError as e:
             raise ConfigError([str(e)]) from e
     return rows
-
-
-def rows_digest(rows: Sequence[dict[str, Any]]) -> str:
-    """A short fingerprint of ``rows`` (their content, in order): a validation set swapped for
-    another of the same size is told apart from the one a checkpoint's rounds were over."""
-    h = hashlib.sha256()
-    for row in rows:
-        h.update(json.dumps(row, sort_keys=True, default=str).encode())
-    return h.hexdigest()[:16]
 
 
 def earlier_rows(earlier: Sequence[tuple[int, int]], number: int) -> int | None:
@@ -158,6 +148,8 @@ class TaskSource:
         # pair per resume that changed the set; see load_state_dict).
         self._other_val: list[tuple[int, int]] = []
         self.val_digest = rows_digest(self.val_rows)
+        # Once here, not at each checkpoint: a training set may hold millions of rows.
+        self.train_digest = train_digest(self.train_rows, prompt_key)
         self._orders: dict[int, list[int]] = {}  # epoch -> its order (two at most)
         # Asked before dealing each training row (its index, epoch, position): True passes
         # it over (algorithm.filter_groups.skip_uninformative; see GroupFilter.skip_row).
@@ -306,6 +298,7 @@ class TaskSource:
             "val_queue": list(self.val_queue),
             "val_position": self.val_position,
             "train_rows": len(self.train_rows),
+            "train_digest": self.train_digest,
             "val_rows": len(self.val_rows),
             "val_digest": self.val_digest,
             "seed": self.seed,
@@ -315,9 +308,10 @@ class TaskSource:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a cursor; refuses one saved over other training rows or another order (a
-        :class:`ConfigError`: a restart would fail the same way): task ids name rows by
-        index, so the tasks in flight would point at other prompts, or at none.
+        """Restore a cursor; refuses one saved over another number of training rows or another
+        order (a :class:`ConfigError`: a restart would fail the same way): task ids name rows
+        by index, so the tasks in flight would point at other prompts, or at none. Rows
+        edited in place (as many, other content) go on with a warning, as veRL's resume.
 
         The validation files and schedule may change, as a veRL resume allows: with no
         round under way the rounds go on over this run's rows (none when validation is
@@ -356,6 +350,15 @@ class TaskSource:
         saved = (state["train_rows"], state["seed"], state["shuffle"])
         now = (len(self.train_rows), self.seed, self.shuffle)
         if saved[0] == now[0] and saved[2] == now[2] and (saved[1] == now[1] or not now[2]):
+            if state.get("train_digest", self.train_digest) != self.train_digest:
+                # Files edited in place go on, as veRL's resume does; said once here, since
+                # the tasks in flight are rebuilt from the rows their indices name now.
+                log.warning(
+                    "data.train_files changed since the checkpoint (the same %d rows in "
+                    "number, not in content or order): going on from the saved position; "
+                    "tasks in flight are rebuilt from the rows now at their indices",
+                    now[0],
+                )
             return None
         return (
             f"the checkpoint's data cursor is for {saved[0]} training rows, seed {saved[1]}, "

@@ -17,6 +17,7 @@ The reward is exact match of the episode's last line with the result.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from typing import Any
 
@@ -28,6 +29,21 @@ TOOL_NAMES = {"+": "add", "*": "mul"}
 OPERANDS = {"*": (10, 99), "+": (100, 999)}  # each op's operand range
 
 Problem = tuple[int, str, int]
+
+logger = logging.getLogger(__name__)
+
+
+def _distinct(op: str) -> int:
+    """How many distinct problems ``op`` has over its operand range."""
+    lo, hi = OPERANDS[op]
+    return (hi - lo + 1) ** 2
+
+
+def max_rows() -> int:
+    """The most rows (training and validation together) :func:`generate` can give. Rows
+    alternate sum, product, sum, ..., so ``n`` rows need ``ceil(n/2)`` distinct sums and
+    ``floor(n/2)`` distinct products; asking for more drew forever for the missing ones."""
+    return min(2 * _distinct("+"), 2 * _distinct("*") + 1)
 
 
 def answer(problem: Problem) -> int:
@@ -68,11 +84,18 @@ def generate(
     """Train and validation rows with disjoint problems (products and sums, half each).
 
     Defaults: 2,000 training and 32 validation rows. Raises ValueError on negative
-    counts."""
+    counts, or on more rows than :func:`max_rows` (the problems would run out)."""
     n_train = 2000 if n_train is None else n_train
     n_val = 32 if n_val is None else n_val
     if n_train < 0 or n_val < 0:
         raise ValueError(f"row counts must be >= 0, got n_train={n_train}, n_val={n_val}")
+    if n_train + n_val > max_rows():
+        raise ValueError(
+            f"calculator has {_distinct('*')} distinct products and {_distinct('+')} sums, "
+            f"dealt in turn, so at most {max_rows()} distinct problems; cannot split them "
+            f"into n_train={n_train} and n_val={n_val}. Ask for fewer rows: --n-train plus "
+            f"--n-val at most {max_rows()}."
+        )
     rng = random.Random(seed)
     seen: set[Problem] = set()
     problems: list[Problem] = []
@@ -83,6 +106,7 @@ def generate(
         if p not in seen:
             seen.add(p)
             problems.append(p)
+    logger.debug("calculator: %d train and %d val rows", n_train, n_val)
     return _rows(problems[n_val:], TRAIN_SPLIT), _rows(problems[:n_val], VAL_SPLIT)
 
 

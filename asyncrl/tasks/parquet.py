@@ -125,6 +125,8 @@ def row_problem(row: dict[str, Any], number: int, path: str | Path, prompt_key: 
             f"{path}: row {number}: reward_model must be a struct with 'ground_truth' "
             f"(veRL's layout: {{'ground_truth': ..., 'style': 'rule'}}), got {reward_model!r:.200}"
         )
+    if (found := _textual_value(reward_model["ground_truth"])) is not None:
+        return _textual_problem("reward_model['ground_truth']", found, number, path)
     if (problem := _prompt_problem(row[prompt_key], number, path, prompt_key)) is not None:
         return problem
     if "data_source" in row and row["data_source"] is None:  # it was dealt as 'None'
@@ -224,13 +226,7 @@ def _extra_info_problem(extra: Any, number: int, path: str | Path) -> str | None
         extra = dict(extra)
     if isinstance(extra, dict) and all(isinstance(k, str) for k in extra):
         if (found := _textual_value(extra)) is not None:
-            where, value = found
-            return (
-                f"drop or mend row {number} of {path}: its extra_info{where} is a "
-                f"{type(value).__name__} ({value!r:.60}), which would reach the scorer as text "
-                "(the task message carries no such type); write it as text or a number "
-                "(an ISO date string, a Unix time, a float) when writing the file"
-            )
+            return _textual_problem("extra_info", found, number, path)
         return _tools_kwargs_problem(extra.get("tools_kwargs"), number, path)
     what = "a dict with keys that are not text" if isinstance(extra, dict) else type(extra).__name__
     return (
@@ -247,8 +243,9 @@ _TEXT_ON_THE_WIRE = (datetime.date, datetime.time, datetime.timedelta, decimal.D
 
 
 def _textual_value(value: Any, where: str = "") -> tuple[str, Any] | None:
-    """The first value under ``value`` (a row's ``extra_info``, nested structs, maps and
-    lists included) of a type in :data:`_TEXT_ON_THE_WIRE`, as ``(where, value)``."""
+    """The first value under ``value`` (a row's ground truth or ``extra_info``, nested
+    structs, maps and lists included) of a type in :data:`_TEXT_ON_THE_WIRE`, as
+    ``(where, value)``."""
     if isinstance(value, _TEXT_ON_THE_WIRE):
         return where, value
     if isinstance(value, dict):
@@ -261,6 +258,19 @@ def _textual_value(value: Any, where: str = "") -> tuple[str, Any] | None:
         if (found := _textual_value(item, where + key)) is not None:
             return found
     return None
+
+
+def _textual_problem(column: str, found: tuple[str, Any], number: int, path: str | Path) -> str:
+    """The line refusing row ``number`` for a value of ``column`` (at ``found``'s place
+    under it) that the task message would turn into text: the ground truth and
+    ``extra_info`` reach a scorer written for veRL, which expects the objects."""
+    where, value = found
+    return (
+        f"drop or mend row {number} of {path}: its {column}{where} is a "
+        f"{type(value).__name__} ({value!r:.60}), which would reach the scorer as text "
+        "(the task message carries no such type); write it as text or a number "
+        "(an ISO date string, a Unix time, a float) when writing the file"
+    )
 
 
 def _as_map(value: Any) -> dict[str, Any] | None:

@@ -325,4 +325,14 @@ ROWS = (
         "    comfortable_ess = min(1.0, 2 * min_ess)",
         ("tests/test_lag_controller.py",),
     ),
+    Mutation(
+        "training rows edited in place are named at a resume",
+        "other rows of the same count go on without a word",
+        "asyncrl/control/task_source.py",
+        '            if state.get("train_digest", self.train_digest) != self.train_digest:',
+        "            if False:",
+        (
+            "tests/test_task_source_resume.py::test_training_rows_edited_in_place_go_on_with_a_warning",
+        ),
+    ),
 )

@@ -205,4 +205,24 @@ ROWS = (
         "            pass",
         ("tests/test_security.py",),
     ),
+    Mutation(
+        "calculator data refuses more rows than it has distinct problems",
+        "asking for more rows than there are products loops forever",
+        "asyncrl/tasks/calculator.py",
+        "    if n_train + n_val > max_rows():",
+        "    if False:",
+        (
+            "tests/test_data_prepare.py::test_calculator_refuses_more_rows_than_it_has_distinct_problems",
+        ),
+    ),
+    Mutation(
+        "ground truths that would reach the scorer as text are refused",
+        "a decimal or date ground truth reaches the scorer as a string",
+        "asyncrl/tasks/parquet.py",
+        '    if (found := _textual_value(reward_model["ground_truth"])) is not None:',
+        "    if (found := None) is not None:",
+        (
+            "tests/test_input_rows.py::test_ground_truths_the_task_message_turns_to_text_are_refused",
+        ),
+    ),
 )
