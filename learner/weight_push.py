@@ -115,7 +115,8 @@ class WeightPushes:
             self._push_thread = None
         if self._push_error is not None:
             error, self._push_error = self._push_error, None
-            raise RuntimeError(f"weight push failed: {error}") from error
+            # Named with its type: a KeyError's text alone is the bare key.
+            raise RuntimeError(f"weight push failed: {type(error).__name__}: {error}") from error
 
     def _wait_logged(self, wait: Callable[[float], bool], what: str) -> None:
         """``wait(seconds)`` (true once it ended) in rounds of :data:`WAIT_LOG_S`, saying how

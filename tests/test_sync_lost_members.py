@@ -39,6 +39,9 @@ class Member:
         )
         self.log: list[tuple[str, int, int]] = []
         self.errors: list[str] = []
+        self.starts: list[int] = []  # the sync ids it was told to join, in order
+        self.received: list[int] = []  # the sync ids whose weights it received
+        self.hold: threading.Event | None = None  # set: it may report (a slow member)
         self._stop = threading.Event()
         self._generation = ""
         self._group = None
@@ -55,6 +58,7 @@ class Member:
             start = self.client.next_sync(0.1)
             if start is None:
                 continue
+            self.starts.append(start.sync_id)
             try:
                 reg = self.client.registered
                 assert reg is not None
@@ -75,6 +79,10 @@ class Member:
                 self.errors.append(str(e))
                 self.client.sync_done(start, ok=False, error=str(e))
             else:
+                self.received.append(start.sync_id)
+                while self.hold is not None and not self.hold.wait(0.05):
+                    if self._stop.is_set():
+                        return  # crashed before it reported
                 self.log.append(("ok", start.sync_id, start.version))
                 self.client.sync_done(start, ok=True)
 
@@ -169,4 +177,106 @@ def test_a_server_registering_with_partly_loaded_weights_is_caught_up_first(tmp_
         assert not client.weights_partial and client.policy_version == 1
     finally:
         client.close()
+        learner.close()
+
+
+@pytest.mark.timeout(90)
+def test_a_member_restarted_during_a_formed_round_is_not_sent_into_its_group(tmp_path) -> None:
+    """Server a received push 2's weights and crashed before reporting; its restart
+    registered under the same id while b had not reported yet. The coordinator counts a
+    lost from that round, yet its new registration (it has seen no sync) was told to join
+    it: it waited to connect to a group formed without it (gloo tries for 30 s), missed
+    push 3's meeting, and push 3 failed for b too."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    members: list[Member] = []
+    try:
+        a, b = Member(cfg, "a").start(), Member(cfg, "b").start()
+        members += [a, b]
+        assert learner.push().ok == ["a", "b"]
+        a.hold, b.hold = threading.Event(), threading.Event()
+        pushed = {}
+        push = threading.Thread(target=lambda: pushed.setdefault("r", learner.push()))
+        push.start()
+        wait_until(lambda: 2 in a.received and 2 in b.received, "both received sync 2")
+        a.crash()
+        restarted = Member(cfg, "a").start()
+        members.append(restarted)
+        time.sleep(1.0)  # five heartbeats: each would have been told of sync 2
+        assert restarted.starts == []
+        b.hold.set()
+        push.join(SYNC_TIMEOUT_S + 5)
+        result = pushed["r"]
+        assert (result.ok, result.failed) == (["b"], {"a": "re-registered (restarted)"})
+        start = time.monotonic()
+        result = learner.push()
+        took = time.monotonic() - start
+        assert (result.ok, result.failed) == (["b", "a"], {}), f"after {took:.1f}s"
+        assert restarted.starts == [3] and restarted.log == [("ok", 3, 3)]
+    finally:
+        for member in members:
+            member.close()
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_main_members_caught_up_join_a_new_main_group(tmp_path) -> None:
+    """A registration during a resume's replay raised the version past the main group's
+    weights: its members got catch-ups, each a group of its own (a server holds one group
+    at a time). The coordinator kept the main group as formed, and the next push reused it:
+    it failed for every member (a missing peer, after sync.timeout_s)."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    coord = learner.coordinator
+    coord.set_replay(3)  # a resumed learner whose replay reaches version 3
+    members: list[Member] = []
+    client = CoordinatorClient.from_config(cfg, "c", engine_world_size=1, timeout_s=5.0)
+    try:
+        members += [Member(cfg, "a").start(), Member(cfg, "b").start()]
+        first = learner.push()
+        assert learner.push().generation == first.generation  # the main group is kept
+        client.policy_version = 7  # it outlived the learner, with weights above the replay
+        client.register()
+        client.leave("gone again")
+        wait_until(lambda: "c" not in coord.servers(), "c left")
+        assert [r.ok for r in learner.serve_catchups()] == [["a"], ["b"]]
+        start = time.monotonic()
+        result = learner.push()
+        took = time.monotonic() - start
+        assert (result.version, result.ok, result.failed) == (8, ["a", "b"], {}), took
+        assert result.generation not in (first.generation, "")
+    finally:
+        client.close()
+        for member in members:
+            member.close()
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_push_the_learners_own_error_ends_is_closed_at_once(tmp_path) -> None:
+    """Tensors off the plan fail in the learner's packing, neither a member's failure nor
+    a collective's: the round stayed open (every later push: "still in progress") and the
+    members waited in the kept group's receive until sync.timeout_s. It is closed, its
+    group let go (the member fails at once), the error raised; the next push forms anew."""
+    import torch
+
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    a = None
+    try:
+        a = Member(cfg, "a").start()
+        first = learner.push()
+        assert first.ok == ["a"]
+        bad = dict(learner.tensors, **{"head.bias": torch.zeros(8)})  # planned: 7
+        start = time.monotonic()
+        with pytest.raises(ValueError, match="head.bias: shape"):
+            learner.pusher.push(bad)
+        assert time.monotonic() - start < SYNC_TIMEOUT_S / 2
+        assert a.log[-1][:2] == ("failed", 2)
+        result = learner.push()
+        assert (result.ok, result.failed) == (["a"], {})
+        assert result.generation != first.generation
+    finally:
+        if a is not None:
+            a.close()
         learner.close()

@@ -83,3 +83,19 @@ def test_catch_ups_are_served_one_a_call_so_the_other_ranks_hear_between_them():
     for _ in range(4):
         pushes.serve_catchups()
     assert calls == [["s0"], ["s1"], ["s2"]]
+
+
+def test_a_push_that_fails_on_the_learners_side_is_raised_in_the_loop_naming_its_cause():
+    """The pusher closes such a round and raises its error (asyncrl.sync.sender): the
+    loop's next wait raises it, with its type (a KeyError's text is the bare key)."""
+    cfg = load_config("configs/cpu_demo.yaml", [])
+
+    class Failing(SlowPusher):
+        def complete(self, rnd, tensors: dict, on_sent) -> SimpleNamespace:
+            raise KeyError("layers.0.proj.weight")
+
+    pushes = WeightPushes(cfg, Coordinator(), Failing())
+    pushes.push({"w": 0}, target=7)
+    with pytest.raises(RuntimeError, match="weight push failed: KeyError: 'layers.0.proj"):
+        pushes.wait()
+    pushes.wait()  # raised once: the next push may begin

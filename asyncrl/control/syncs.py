@@ -9,7 +9,9 @@ One round at a time (the learner runs them one after another):
   the group unusable); otherwise the learner and the servers keep their group.
 - A *catch-up* round (``catchup/<server>/<sync_id>``) gives one server the current weights
   through a one-off group with the learner: a server that joined late or failed a sync.
-  It joins the main group at the next main round.
+  It joins the main group at the next main round. A member of the main group that gets
+  one leaves that group for it (a server holds one group at a time): the next main round
+  forms a new generation.
 
 A member that reports failure, does not report, dies or leaves is dropped: the next main
 round forms a new generation without it, and it needs a catch-up (its weights are older
@@ -150,6 +152,9 @@ class SyncBook:
         sid = self.counter
         key = tuple(members)
         if catchup:
+            # Its worker leaves the main group to join this one: kept, the main group
+            # would be reused by the next main round and fail for every member.
+            self._leave_main(members[0][0])
             generation, new_group = f"catchup/{members[0][0]}/{sid}", True
         elif key == self.main_members and not self.broken and self.generation:
             generation, new_group = self.generation, False
@@ -181,10 +186,15 @@ class SyncBook:
         return rnd
 
     def start_for(self, server_id: str) -> SyncStart | None:
-        """The sync ``server_id`` must join now, if any."""
-        if self.active is None or server_id in self.active.reports:
+        """The sync ``server_id`` must join now, if any. None for a member lost from the
+        round (:meth:`lose`): restarted, it registers under the same id and asks for the
+        syncs it has not seen, and joining a group formed without it would keep it from the
+        next round's meeting (that round then fails for everyone). It gets a catch-up or
+        the next main round instead."""
+        a = self.active
+        if a is None or server_id in a.reports or server_id in a.lost:
             return None
-        return self.active.starts.get(server_id)
+        return a.starts.get(server_id)
 
     def other_session(self, msg: SyncDone) -> bool:
         """Whether ``msg`` reports on a round another coordinator session started (a
@@ -218,14 +228,19 @@ class SyncBook:
         formed, it would hold the others in the meeting until ``sync.timeout_s``: the round
         is given up and, a main round, begun again (new id and generation, same version)
         without it; that round is returned."""
-        if any(m == server_id for m, _ in self.main_members):
-            self.main_members = tuple(m for m in self.main_members if m[0] != server_id)
-            self.broken = True
+        self._leave_main(server_id)
         a = self.active
         if a is None or server_id not in a.starts:
             return None
         a.lost.setdefault(server_id, why)
         return a.round.watch.end(f"{server_id} was lost ({why})", lambda: self._again(a))
+
+    def _leave_main(self, server_id: str) -> None:
+        """``server_id`` no longer holds the main group: the group is re-formed without it
+        before it is used again (the others' groups still count it)."""
+        if any(m == server_id for m, _ in self.main_members):
+            self.main_members = tuple(m for m in self.main_members if m[0] != server_id)
+            self.broken = True
 
     def _again(self, a: _Active) -> SyncRound | None:
         """Round ``a`` begun again without its lost members (a catch-up is not: it fails)."""

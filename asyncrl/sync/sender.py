@@ -3,8 +3,11 @@
 :class:`WeightPusher` runs a sync round the coordinator planned: it forms (or reuses) the
 group of the round's generation as rank 0 and broadcasts the tensors; the coordinator then
 collects every member's report. Catch-up rounds (a server that joined late or failed a
-sync) get a one-off group and leave the main group as it is. Used by the learner and by
-the stand-in learner of the tests, so both run the same protocol.
+sync) get a one-off group; the learner keeps its main group, which the coordinator has
+re-formed at the next main round if the server was in it (it left that group for the
+catch-up's). An error of the learner's own in a round (tensors off the plan, out of
+memory) closes the round as failed, then is raised. Used by the learner and by the
+stand-in learner of the tests, so both run the same protocol.
 
 The pusher owns the :class:`~asyncrl.sync.plan.WeightPlan`: it builds it from the first
 tensors it pushes (their names, shapes and dtypes never change within a run) and hands the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -110,7 +114,7 @@ class WeightPusher:
         plan: WeightPlan,
         on_sent: Callable[[], None] | None = None,
     ) -> SyncResult:
-        error, group = "", None
+        error, group, fault = "", None, None
         while rnd.ranks:
             try:
                 group = self._group_for(rnd)
@@ -120,6 +124,10 @@ class WeightPusher:
                 send_weights(group, tensors, plan, timeout_s=self.timeout_s, device=self.device)
             except WeightSyncError as e:
                 error = str(e)
+            except Exception as e:  # the learner's own (tensors off the plan, out of memory)
+                # The round is closed as failed all the same, then the error raised: left
+                # open, it kept every later round from beginning ("still in progress").
+                error, fault = f"{type(e).__name__}: {e}", e
             break
         else:  # nobody to send to: the version still becomes current
             return self.coordinator.finish_sync(rnd)
@@ -136,9 +144,17 @@ class WeightPusher:
         group = None
         if not rnd.catchup:
             self._group, self._generation = None, ""
+        if fault is not None:  # its frames hold the group (send_weights' pg): drop them
+            traceback.clear_frames(fault.__traceback__)
         gc.collect()
-        log.warning("sync %d failed: %s", rnd.sync_id, error)
-        return self.coordinator.finish_sync(rnd, sent_ok=False, error=error)
+        if fault is None:
+            log.warning("sync %d failed: %s", rnd.sync_id, error)
+            return self.coordinator.finish_sync(rnd, sent_ok=False, error=error)
+        log.error("sync %d failed on the learner's side, not a member's: %s", rnd.sync_id, error)
+        self.coordinator.finish_sync(rnd, sent_ok=False, error=error)
+        # Not a member's failure: the same tensors fail every push and catch-up, so the
+        # learner stops (and is restarted) rather than train on with servers left behind.
+        raise fault
 
     def _group_for(self, rnd: SyncRound) -> Any:
         """The group to send ``rnd`` on: formed, or the main group kept. None when the

@@ -335,4 +335,28 @@ ROWS = (
             "tests/test_task_source_resume.py::test_training_rows_edited_in_place_go_on_with_a_warning",
         ),
     ),
+    Mutation(
+        "no stale sync start after a re-registration",
+        "a member lost from a round is sent that round's start again",
+        "asyncrl/control/syncs.py",
+        "        if a is None or server_id in a.reports or server_id in a.lost:",
+        "        if a is None or server_id in a.reports:",
+        ("tests/test_sync_rounds.py",),
+    ),
+    Mutation(
+        "a catch-up of a main-group member re-forms the main group",
+        "the next main round reuses a group its caught-up member left",
+        "asyncrl/control/syncs.py",
+        "            self._leave_main(members[0][0])",
+        "            pass",
+        ("tests/test_sync_rounds.py",),
+    ),
+    Mutation(
+        "a push the learner's own error ends is closed",
+        "the error escapes with the round left open (no later push begins)",
+        "asyncrl/sync/sender.py",
+        '                error, fault = f"{type(e).__name__}: {e}", e',
+        "                raise",
+        ("tests/test_sync_rounds.py",),
+    ),
 )

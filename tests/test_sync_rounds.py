@@ -1,0 +1,177 @@
+"""The bookkeeping of sync rounds (:class:`asyncrl.control.syncs.SyncBook`, driven directly
+or through the control state) and the learner's side of a round that its own error ends
+(:class:`asyncrl.sync.sender.WeightPusher` with a stand-in group). No sockets."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import pytest
+
+from asyncrl.control import messages as m
+from asyncrl.control.admission import Budget
+from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.state import ControlState
+from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
+from asyncrl.control.task_source import TaskSource
+from asyncrl.sync import sender
+from asyncrl.sync.plan import TensorSpec, WeightPlan, plan_buckets
+from asyncrl.tasks import make_row
+
+PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
+
+
+def _state() -> ControlState:
+    rows = [make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(8)]
+    source = TaskSource(rows, [], seed=1, n=2, lineage="")
+    return ControlState(
+        TaskLedger(source, Budget(1, 4)),
+        SyncBook(),
+        heartbeat_s=0.5,
+        dead_after_s=2.0,
+        store_host="127.0.0.1",
+        store_port=1,
+    )
+
+
+def _loaded(book: SyncBook, rnd: SyncRound) -> SyncResult:
+    """Every member of ``rnd`` reports it loaded; the round closes."""
+    for member in rnd.members:
+        book.report(m.SyncDone(server_id=member, sync_id=rnd.sync_id, version=rnd.version, ok=True))
+    return book.finish(True)
+
+
+def test_a_member_lost_from_a_formed_round_is_not_sent_that_round_again():
+    """A restarted server registers under its id while a round it was a member of is
+    still open (another member has not reported), and asks for every sync (it has seen
+    none). Its old start sent it into a group formed without it: it missed the next
+    round's meeting, and that round failed for every member."""
+    st = _state()
+    for sid in ("a", "b"):
+        st.register(m.Register(server_id=sid, engine_world_size=1), now=0.0)
+    rnd = st.versions.begin_sync(PLAN)
+    assert rnd.watch.form()  # the group formed: a loss now fails the round, no restart
+    reg = st.register(m.Register(server_id="a", engine_world_size=1), now=0.1)  # restarted
+    assert st.syncs.start_for("a") is None
+    hb = m.Heartbeat(
+        server_id="a", session=reg.session, policy_version=0, seen_version=0, seen_sync=0
+    )
+    news = st.news(hb)
+    assert news is None or news.sync is None
+    assert st.idle_announcement("a").sync is None
+    start_b = st.syncs.start_for("b")
+    assert start_b is not None and start_b.sync_id == rnd.sync_id  # the others keep theirs
+    assert st.syncs.waiting_for() == ["b"]
+    st.sync_done(m.SyncDone(server_id="b", sync_id=rnd.sync_id, version=1, ok=True), 0.2)
+    result = st.versions.finish_sync(True, now=0.3)
+    assert (result.ok, result.failed) == (["b"], {"a": "re-registered (restarted)"})
+    # It catches up instead, then joins a main group formed anew.
+    assert st.versions.pending_catchups(0.4) == ["a"]
+    catchup = st.versions.begin_catchup("a", PLAN)
+    assert st.syncs.start_for("a") is not None
+    st.sync_done(m.SyncDone(server_id="a", sync_id=catchup.sync_id, version=1, ok=True), 0.5)
+    st.versions.finish_sync(True, now=0.5)
+    again = st.versions.begin_sync(PLAN)
+    assert again.new_group and again.ranks == {"b": 1, "a": 2}
+    news = st.news(msgspec.structs.replace(hb, seen_sync=catchup.sync_id))
+    assert news is not None and news.sync is not None and news.sync.sync_id == again.sync_id
+
+
+def test_a_catch_up_of_a_main_member_makes_the_next_main_round_form_a_new_group():
+    """A member of the main group gets a catch-up (a registration raised the version past
+    its weights): its worker leaves the main group to join the catch-up's. Kept as formed,
+    the main group was reused by the next main round, which then failed for everyone."""
+    book = SyncBook()
+    members = [("a", 1), ("b", 1)]
+    first = book.begin(members, 1, PLAN)
+    assert _loaded(book, first).ok == ["a", "b"]
+    kept = book.begin(members, 2, PLAN)
+    assert not kept.new_group and kept.generation == first.generation  # nothing changed
+    _loaded(book, kept)
+    assert _loaded(book, book.begin([("a", 1)], 7, PLAN, catchup=True)).ok == ["a"]
+    after = book.begin(members, 8, PLAN)
+    assert after.new_group and after.generation == f"main/{after.sync_id}" != first.generation
+    _loaded(book, after)
+    assert not book.begin(members, 9, PLAN).new_group  # the new group is kept in turn
+
+
+def test_a_catch_up_of_a_server_outside_the_main_group_leaves_that_group_as_it_is():
+    book = SyncBook()
+    first = book.begin([("a", 1)], 1, PLAN)
+    _loaded(book, first)
+    _loaded(book, book.begin([("late", 1)], 1, PLAN, catchup=True))
+    assert book.begin([("a", 1)], 2, PLAN).generation == first.generation
+
+
+class _Group:
+    """A sync group the push never reaches the wire on: its abort is recorded."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class _Coordinator:
+    """The coordinator's side of the rounds: a real :class:`SyncBook`, one member "a"."""
+
+    sync_secret = ""
+
+    def __init__(self) -> None:
+        self.book = SyncBook()
+        self.errors: list[str] = []
+
+    def begin_sync(self, plan: WeightPlan) -> SyncRound:
+        return self.book.begin([("a", 1)], self.book.counter + 1, plan)
+
+    def weights_sent(self, rnd: SyncRound) -> None:
+        pass
+
+    def finish_sync(self, rnd: SyncRound, sent_ok: bool = True, error: str = "") -> SyncResult:
+        self.errors.append(error)
+        return self.book.finish(sent_ok, error)
+
+
+def test_a_push_the_learners_own_error_ends_is_closed_and_the_error_raised(monkeypatch, caplog):
+    """Tensors off the plan (a shape mismatch in the packing, a missing name) are neither
+    a member's failure nor a collective's: the error escaped the pusher with the round
+    open, and every later round raised "still in progress" until the learner restarted.
+    The round is closed as failed and its group let go; the error is raised (the same
+    tensors fail every push: the learner stops, and is restarted, as after any push of
+    its own that fails)."""
+    import torch
+
+    groups: list[_Group] = []
+
+    def form(*args: Any, **kwargs: Any) -> _Group:
+        groups.append(_Group())
+        return groups[-1]
+
+    monkeypatch.setattr(sender, "form_group", form)
+    coordinator = _Coordinator()
+    pusher = sender.WeightPusher(
+        coordinator,  # type: ignore[arg-type]
+        None,
+        backend="gloo",
+        timeout_s=1.0,
+        bucket_bytes=1 << 20,
+    )
+    pusher.plan_for({"w": torch.zeros(2, 3)})
+    mismatch = r"w: shape \(3, 2\) != planned \(2, 3\)"
+    with (
+        caplog.at_level(logging.ERROR, logger="asyncrl.sync.sender"),
+        pytest.raises(ValueError, match=mismatch),
+    ):
+        pusher.push({"w": torch.zeros(3, 2)})
+    assert coordinator.book.active is None  # closed: the next round can begin
+    assert coordinator.errors == ["ValueError: w: shape (3, 2) != planned (2, 3)"]
+    assert groups[0].aborted and pusher._group is None
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "asyncrl.sync.sender"]
+    assert "sync 1 failed on the learner's side" in line and "ValueError" in line
+    with pytest.raises(KeyError):
+        pusher.push({})  # a name the plan has, missing
+    again = coordinator.begin_sync(PLAN)
+    assert again.sync_id == 3 and again.new_group  # the failed group is not reused
