@@ -126,4 +126,13 @@ class WeightSyncs:
         except Exception as e:
             log.warning("post-sync probe not scored: %s: %s", type(e).__name__, e)
             return []
-        return probe if all(math.isfinite(x) for x in probe) else []
+        if not all(math.isfinite(x) for x in probe):
+            # Reported as scored: the learner names this server (an infinite difference);
+            # left out, the worst case the probe is there for passed without a word.
+            log.warning(
+                "post-sync probe scored NaN or inf with the weights just loaded (%d of %d "
+                "values): they arrived broken; reported for the learner to name",
+                sum(not math.isfinite(x) for x in probe),
+                len(probe),
+            )
+        return probe

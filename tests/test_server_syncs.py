@@ -129,6 +129,43 @@ def test_a_probe_that_cannot_be_scored_soon_does_not_hold_the_sync_report(monkey
     assert reports == [(True, [])] and took < 5.0 and timeouts == 1
 
 
+class BrokenWeightsEngine(StandInEngine):
+    """An engine whose loaded weights score the probe NaN (and one token -inf)."""
+
+    async def score(self, sequences: list[list[int]]) -> list[float]:
+        return [float("nan"), float("-inf"), -1.0]
+
+
+def test_a_probe_scored_nan_by_broken_weights_is_reported_and_named(caplog) -> None:
+    """A server whose weights score the probe NaN or inf reported no probe at all, so the
+    worst case the probe is for passed unseen (``sync/probe_servers`` left it out). It is
+    reported as scored, with a warning, and the learner's comparison names the server."""
+    from asyncrl.sync.probe import compare, probe_metrics
+
+    async def scenario() -> list:
+        client = ProbeReportClient()
+        client.register()
+        srv = stand_in_server(client, BrokenWeightsEngine(), StandInScorer())
+        start = SyncStart(
+            sync_id=1, version=1, generation="main/1", rank=1, world_size=2, plan=WeightPlan()
+        )
+        await srv.syncs.sync(start)
+        srv.lanes.close()
+        return client.reports
+
+    with caplog.at_level("WARNING", logger="rollout_servers.server_syncs"):
+        ((ok, probe),) = asyncio.run(scenario())
+    assert ok and probe is not None and len(probe) == 3 and probe[2] == -1.0
+    assert any("scored NaN or inf" in r.getMessage() for r in caplog.records)
+    mine = [-1.0, -2.0, -1.0]
+    assert compare(mine, {"s0": mine, "broken": probe}) == {"s0": 0.0, "broken": float("inf")}
+    metrics = probe_metrics(mine, {"s0": mine, "broken": probe})
+    assert metrics["sync/probe_servers"] == 2 and metrics["sync/probe_mean_abs_diff"] == float(
+        "inf"
+    )
+    assert metrics["sync/probe_max_abs_diff"] == metrics["sync/probe_kl"] == float("inf")
+
+
 def test_the_engine_keeps_a_slot_for_the_probe(monkeypatch, tmp_path: Path) -> None:
     """The server keeps ``rollout.max_inflight`` responses in flight: vLLM gets one more
     sequence slot, the probe's, so it never queues behind them."""

@@ -16,6 +16,7 @@ them). Pure: no torch.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping, Sequence
 
@@ -35,15 +36,22 @@ def probe_ids(seed: int = 0) -> list[list[int]]:
     ]
 
 
+def _scored(mine: Sequence[float], values: Sequence[float]) -> bool:
+    """Whether ``values`` can be set against ``mine``: as many, every one finite (a NaN or
+    inf comes from weights that arrived broken, the worst case the probe is there for)."""
+    return len(values) == len(mine) and all(math.isfinite(v) for v in values)
+
+
 def compare(mine: Sequence[float], theirs: Mapping[str, Sequence[float]]) -> dict[str, float]:
     """Per server, the mean absolute difference between the learner's probe logprobs
     (``mine``) and the server's; a server that reported none is left out, one that reported
-    a probe of another length gets ``inf`` (it cannot have scored these tokens)."""
+    a probe of another length or with a NaN or inf gets ``inf`` (it cannot have scored
+    these tokens with these weights)."""
     out: dict[str, float] = {}
     for server, values in theirs.items():
         if not values:
             continue
-        if len(values) != len(mine):
+        if not _scored(mine, values):
             out[server] = float("inf")
             continue
         out[server] = sum(abs(a - b) for a, b in zip(mine, values, strict=True)) / len(mine)
@@ -60,17 +68,20 @@ def probe_metrics(mine: Sequence[float], theirs: Mapping[str, Sequence[float]]) 
         return {}
     worst = max(diffs, key=lambda s: diffs[s])
     values = theirs[worst]
-    same = len(values) == len(mine)
     largest = max(
         (
             max((abs(a - b) for a, b in zip(mine, v, strict=True)), default=0.0)
-            if len(v) == len(mine)
+            if _scored(mine, v)
             else float("inf")
         )
         for v in theirs.values()
         if v
     )
-    kl = sum(a - b for a, b in zip(mine, values, strict=True)) / len(mine) if same else float("inf")
+    kl = (
+        sum(a - b for a, b in zip(mine, values, strict=True)) / len(mine)
+        if _scored(mine, values)
+        else float("inf")
+    )
     return {
         "sync/probe_mean_abs_diff": diffs[worst],
         "sync/probe_max_abs_diff": largest,

@@ -364,4 +364,20 @@ ROWS = (
         "        return float(value) not in (float('inf'), float('-inf')) and value == value",
         ("tests/test_openai_sessions.py",),
     ),
+    Mutation(
+        "a probe scored NaN by broken weights is named",
+        "a probe with a NaN or inf compares as NaN (no alarm)",
+        "asyncrl/sync/probe.py",
+        "    return len(values) == len(mine) and all(math.isfinite(v) for v in values)",
+        "    return len(values) == len(mine)",
+        ("tests/test_server_syncs.py",),
+    ),
+    Mutation(
+        "a server reports a probe its weights scored NaN",
+        "the server drops it, and the worst case passes unseen",
+        "rollout_servers/server_syncs.py",
+        "        return probe\n",
+        "        return probe if all(math.isfinite(x) for x in probe) else []\n",
+        ("tests/test_server_syncs.py",),
+    ),
 )
