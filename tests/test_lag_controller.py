@@ -12,7 +12,13 @@ import pytest
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.control.client import CoordinatorClient
-from asyncrl.control.lag_controller import HOLD_STEPS, LagController, Signals, decide
+from asyncrl.control.lag_controller import (
+    BACKOFF_STEPS,
+    HOLD_STEPS,
+    LagController,
+    Signals,
+    decide,
+)
 from asyncrl.control.setup import state_from_config
 from asyncrl.tasks.schema import make_row
 from learner.control_plane import RankZero
@@ -144,6 +150,47 @@ def test_the_coordinator_says_a_round_is_generated_until_its_tasks_are_scored():
     assert [t.validation for t in tasks] == [True, True] and state.validation_generating()
     state.ledger.trained([t.task_id for t in tasks])  # scored (not yet read)
     assert not state.validation_generating()
+
+
+def _plant_run(lag: LagController, steps: int, stale_at: int = 2, delay: int = 2) -> list:
+    """A run whose batches were dealt under the lag in force ``delay`` steps earlier: from
+    lag ``stale_at`` on the data is stale (ESS 0.2, under the floor 0.3 but not half of it);
+    below, healthy but the learner waits (40%). The lag changes, as (step, lag)."""
+    history, changes = {}, []
+    for step in range(1, steps + 1):
+        history[step] = lag.lag
+        stale = history.get(step - delay, 0) >= stale_at
+        metrics = _metrics(0.2 if stale else 0.9, 0.0 if stale else 0.4, 64.0 * step)
+        if (new := lag.step(step, metrics)) is not None:
+            changes.append((step, new))
+    return changes
+
+
+def test_the_controller_settles_rather_than_cycling_into_a_lag_that_failed():
+    """A review's plant: the hold applied to widenings only, so a narrowing was followed by
+    another on the batches dealt before it (2 -> 1 -> 0), and the controller widened back
+    into the lag that had just failed every few steps: 18 changes in 40 steps, about 2 steps
+    in 9 on stale data. A narrowing now holds like a widening, and a lag it was narrowed
+    from is tried again only after a backoff that doubles at each failure."""
+    changes = _plant_run(LagController(0, 3, min_ess=0.3, max_kl=0.1), 80)
+    assert changes[:3] == [(1, 1), (4, 2), (7, 1)]  # never below the healthy lag 1
+    retries = [step for step, lag in changes if lag == 2]
+    assert retries[1] - changes[2][0] >= BACKOFF_STEPS  # lag 2 again after its backoff
+    assert retries[2] - retries[1] >= 2 * BACKOFF_STEPS  # and later still after its second
+    assert min(lag for _, lag in changes) == 1 and len(changes) <= 8
+
+
+def test_a_severe_degradation_narrows_within_the_hold():
+    """The hold after a narrowing waits for the batches of the narrower lag, unless the
+    correction is past twice its threshold: then it narrows again at once."""
+    lag = LagController(0, 3, min_ess=0.3, max_kl=0.1)
+    lag.load_state_dict({"lag": 3, "widened_at": 0, "groups_in": None, "lag_drops": None})
+    assert lag.step(10, _metrics(0.2, 0.0, 8.0)) == 2
+    assert lag.step(11, _metrics(0.2, 0.0, 16.0)) is None  # held: dealt before the narrowing
+    assert lag.step(12, _metrics(0.1, 0.0, 24.0)) == 1  # ESS under half its floor: at once
+    again = LagController(0, 3, min_ess=0.3, max_kl=0.1)
+    again.load_state_dict(lag.state_dict())  # the failures and the hold come back
+    assert (again.narrowed_at, again.failed) == (12, {3: (10, 1), 2: (12, 1)})
 
 
 def test_a_restored_controller_goes_on_at_the_lag_it_had_earned():

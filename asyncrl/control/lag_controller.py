@@ -6,7 +6,9 @@ Lag buys throughput (the servers generate while the learner trains) and costs co
 quality (older data, weights further from 1). The controller trades one for the other on
 measurements instead of a guess:
 
-- **narrow** at once, by one version, when the correction degrades: the importance weights'
+- **narrow** at once, by one version (then not again for :data:`HOLD_STEPS` steps, whose
+  batches were dealt before it, unless the degradation is :func:`severe`), when the
+  correction degrades: the importance weights'
   ESS under ``trainer.health.min_ess``, the mismatch KL over
   ``trainer.health.max_mismatch_kl``, or more than :data:`LAG_DROP_FRAC` of the groups the
   buffer took since the last step dropped for lag;
@@ -14,7 +16,8 @@ measurements instead of a guess:
   floor, or halfway from the floor to 1 when that is less; mismatch KL at most half its
   ceiling) and the learner waited for data for at least
   :data:`WIDEN_WAIT` of its step, at most once per :data:`HOLD_STEPS` steps (a change needs a
-  few steps to show in the measurements), unless a validation round was being generated
+  few steps to show in the measurements), and into a lag it was narrowed from only after
+  :data:`BACKOFF_STEPS` (doubled at each failure of that lag), unless a validation round was being generated
   during the step: the servers then spend time on the round that a wider lag cannot give
   back, and widening on that wait would keep the wider lag for the rest of the run;
 - otherwise hold.
@@ -32,8 +35,14 @@ from typing import Any
 
 #: Share of a step the learner must have waited for data before the lag widens.
 WIDEN_WAIT = 0.2
-#: Steps between two widenings.
+#: Steps between two widenings, and between two narrowings: a change shows in the
+#: measurements only once the batches dealt under it are trained.
 HOLD_STEPS = 3
+#: Steps before the lag widens again into one it was narrowed from, doubled each time that
+#: lag fails again (at most :data:`MAX_BACKOFF_STEPS`): without it the controller cycled
+#: back into the failed lag every few steps, training on its stale data each time.
+BACKOFF_STEPS = 4 * HOLD_STEPS
+MAX_BACKOFF_STEPS = 16 * BACKOFF_STEPS
 #: Share of the groups taken since the last step that the buffer may drop for lag.
 LAG_DROP_FRAC = 0.05
 
@@ -70,6 +79,17 @@ def decide(
     return lag, "hold"
 
 
+def severe(s: Signals, min_ess: float, max_kl: float) -> bool:
+    """A degradation past twice its threshold (ESS under half its floor, mismatch KL over
+    twice its ceiling, lag drops over twice their share): it narrows even within the hold
+    after a narrowing."""
+    return (
+        s.ess < min_ess / 2
+        or abs(s.mismatch_kl) > 2 * max_kl
+        or s.lag_drop_frac > 2 * LAG_DROP_FRAC
+    )
+
+
 class LagController:
     """The controller's state: the current lag and when it last widened."""
 
@@ -79,6 +99,9 @@ class LagController:
         self.low, self.high, self.min_ess, self.max_kl = low, high, min_ess, max_kl
         self.lag = low  # start synchronous-ish: widen only on evidence
         self.widened_at = -HOLD_STEPS
+        self.narrowed_at = -HOLD_STEPS
+        # lag -> (the step it was last narrowed from, how many times it has been)
+        self.failed: dict[int, tuple[int, int]] = {}
         # The buffer's counters (cumulative) at the last step: lag drops are judged on what
         # came in since. None until a step reports them: a learner that starts without a
         # checkpoint may meet a buffer that has run for hours (its counters are the whole
@@ -87,7 +110,7 @@ class LagController:
         self.lag_drops: float | None = None
         self.last_reason = "start"
 
-    def state_dict(self) -> dict[str, float | None]:
+    def state_dict(self) -> dict[str, Any]:
         """The lag reached, when it last widened, and the buffer counters last seen (saved
         in learner checkpoints: a resumed run goes on at the lag it had earned, not back at
         ``low``, and judges its first step's drops on the groups since the checkpoint, not
@@ -95,6 +118,8 @@ class LagController:
         return {
             "lag": self.lag,
             "widened_at": self.widened_at,
+            "narrowed_at": self.narrowed_at,
+            "failed": {str(k): list(v) for k, v in self.failed.items()},
             "groups_in": self.groups_in,
             "lag_drops": self.lag_drops,
         }
@@ -102,6 +127,9 @@ class LagController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lag = min(max(int(state["lag"]), self.low), self.high)  # the bounds may change
         self.widened_at = int(state["widened_at"])
+        # Absent from checkpoints saved before the narrowing hold: no failure remembered.
+        self.narrowed_at = int(state.get("narrowed_at", -HOLD_STEPS))
+        self.failed = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("failed", {}).items()}
         self.groups_in, self.lag_drops = state.get("groups_in"), state.get("lag_drops")
         self.last_reason = "restored"
 
@@ -123,14 +151,28 @@ class LagController:
             validating=validating,
         )
         lag, reason = decide(self.lag, self.low, self.high, signals, self.min_ess, self.max_kl)
-        if lag > self.lag and step - self.widened_at < HOLD_STEPS:
-            return None  # too soon after the last widening to judge it
-        if lag == self.lag:
+        if lag == self.lag or self._held(step, lag, severe(signals, self.min_ess, self.max_kl)):
             return None
         if lag > self.lag:
             self.widened_at = step
+        else:
+            self.narrowed_at = step
+            _, times = self.failed.get(self.lag, (step, 0))
+            self.failed[self.lag] = (step, times + 1)
         self.lag, self.last_reason = lag, reason
         return lag
+
+    def _held(self, step: int, lag: int, severe: bool) -> bool:
+        """Whether the move to ``lag`` waits: too soon after the last move the same way
+        to judge it (the batches since were dealt before it; a severe degradation narrows
+        all the same), or a widening into a lag that failed within its backoff."""
+        if lag < self.lag:
+            return not severe and step - self.narrowed_at < HOLD_STEPS
+        if step - self.widened_at < HOLD_STEPS:
+            return True
+        failed_at, times = self.failed.get(lag, (0, 0))
+        backoff = min(BACKOFF_STEPS * 2 ** (times - 1), MAX_BACKOFF_STEPS) if times else 0
+        return step - failed_at < backoff
 
 
 def _since(now: float | None, before: float | None) -> float:

@@ -359,4 +359,20 @@ ROWS = (
         "                raise",
         ("tests/test_sync_rounds.py",),
     ),
+    Mutation(
+        "a narrowing holds for the batches dealt before it",
+        "the lag narrows again on them, past the healthy lag",
+        "asyncrl/control/lag_controller.py",
+        "            return not severe and step - self.narrowed_at < HOLD_STEPS",
+        "            return False",
+        ("tests/test_lag_controller.py",),
+    ),
+    Mutation(
+        "a lag that failed is tried again only after its backoff",
+        "the controller widens back into a failed lag every few steps",
+        "asyncrl/control/lag_controller.py",
+        "        return step - failed_at < backoff",
+        "        return False",
+        ("tests/test_lag_controller.py",),
+    ),
 )
