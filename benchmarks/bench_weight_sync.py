@@ -78,7 +78,8 @@ def _receiver(conn, port: int, rank: int, world: int) -> None:
     receives one broadcast each and answers ``"done"``; ``None`` ends it."""
     import torch
 
-    from asyncrl.sync.weights import form_group, open_store, receive_weights
+    from asyncrl.sync.groups import form_group, open_store
+    from asyncrl.sync.weights import receive_weights
 
     store = open_store("127.0.0.1", port, is_host=False, timeout_s=TIMEOUT_S)
     pg = form_group(store, "bench", rank, world, timeout_s=TIMEOUT_S)
@@ -115,7 +116,7 @@ def _timed(pg, conns, command, send) -> float:
 def _start(receivers: int) -> tuple[Any, list[Any], list[Any]]:
     """Spawn the receivers and form the group with them: (group, pipes, processes)."""
     from asyncrl.net.ports import free_ports
-    from asyncrl.sync.weights import form_group, open_store
+    from asyncrl.sync.groups import form_group, open_store
 
     port = free_ports("127.0.0.1", 1)[0]  # a free port for the sync store
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=TIMEOUT_S)

@@ -381,9 +381,10 @@ def _push(tensors: dict[str, Any], model: Path, receiver_device: str, backend: s
     import torch
 
     from asyncrl.net.ports import free_ports
+    from asyncrl.sync.groups import form_group, open_store, store_prefix
     from asyncrl.sync.plan import plan_buckets, specs_of
     from asyncrl.sync.sender import pack_device
-    from asyncrl.sync.weights import form_group, open_store, send_weights, store_prefix
+    from asyncrl.sync.weights import send_weights
 
     port = free_ports("127.0.0.1", 1)[0]  # a free port for the sync store
     store = open_store("127.0.0.1", port, is_host=True, timeout_s=120)
@@ -423,7 +424,8 @@ def _receiver(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.sync.weights import form_group, open_store, receive_weights, store_prefix
+    from asyncrl.sync.groups import form_group, open_store, store_prefix
+    from asyncrl.sync.weights import receive_weights
 
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))

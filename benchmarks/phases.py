@@ -178,8 +178,9 @@ async def _sync(cfg: Config, reps: int, receivers: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from asyncrl.net.ports import free_ports
+    from asyncrl.sync.groups import form_group, open_store
     from asyncrl.sync.plan import plan_buckets, specs_of
-    from asyncrl.sync.weights import form_group, open_store, send_weights
+    from asyncrl.sync.weights import send_weights
     from rollout_servers.engine import RolloutEngine
 
     engines = [await RolloutEngine.start(_engine_args(cfg)) for _ in range(receivers)]

@@ -58,8 +58,8 @@ class RankZero:
         from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
         from asyncrl.net.buffer_client import BufferClient
         from asyncrl.net.transport import config_endpoint, mebibytes
+        from asyncrl.sync.groups import open_store
         from asyncrl.sync.sender import WeightPusher
-        from asyncrl.sync.weights import open_store
 
         self.cfg = cfg
         self.run_dir = run_dir

@@ -16,8 +16,8 @@ import math
 from collections.abc import Callable
 
 from asyncrl.control.messages import WEIGHTS_PARTIAL, SyncStart
+from asyncrl.sync.groups import store_prefix
 from asyncrl.sync.probe import probe_ids
-from asyncrl.sync.weights import store_prefix
 from rollout_servers.engine import SyncJoin
 from rollout_servers.lanes import Lanes
 from rollout_servers.protocols import ControlClient, GenerationEngine

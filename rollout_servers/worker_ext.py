@@ -3,7 +3,8 @@
 vLLM adds these methods to each of its workers (``worker_extension_cls``); the rollout
 server calls them with ``AsyncLLM.collective_rpc("wsync_...")``. The names carry a
 ``wsync_`` prefix because the worker has methods of its own (``update_weights``,
-``reload_weights``, ...). The transfer itself is :mod:`asyncrl.sync.weights`, the same code
+``reload_weights``, ...). The groups and the transfer are :mod:`asyncrl.sync.groups` and
+:mod:`asyncrl.sync.weights`, the same code
 the learner sends with; loading uses the model runner's in-place ``reload_weights``
 (``model.load_weights`` after start-up fails on the CPU build).
 """
@@ -18,8 +19,9 @@ from typing import Any
 import msgspec
 
 from asyncrl.sync.adapter import save_peft_adapter
+from asyncrl.sync.groups import form_group, open_store, release_group
 from asyncrl.sync.plan import WeightPlan
-from asyncrl.sync.weights import form_group, open_store, receive_weights, release_group
+from asyncrl.sync.weights import receive_weights
 
 #: Starts the error of a sync that failed after the engine's weights were partly replaced:
 #: the engine cannot generate any more and its server must be restarted.

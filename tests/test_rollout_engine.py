@@ -314,8 +314,9 @@ def test_a_push_broken_off_mid_load_holds_generation_until_a_whole_load(rig):
     sync group than the rig's sender."""
     import threading
 
+    from asyncrl.sync.groups import form_group
     from asyncrl.sync.plan import WeightPlan, plan_buckets, specs_of
-    from asyncrl.sync.weights import form_group, send_weights
+    from asyncrl.sync.weights import send_weights
     from rollout_servers.engine import SyncJoin
     from rollout_servers.worker_ext import PARTLY_LOADED
 

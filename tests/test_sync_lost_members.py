@@ -11,7 +11,8 @@ import pytest
 
 from asyncrl.control import messages as m
 from asyncrl.control.client import CoordinatorClient
-from asyncrl.sync.weights import form_group, open_store, receive_weights, store_prefix
+from asyncrl.sync.groups import form_group, open_store, store_prefix
+from asyncrl.sync.weights import receive_weights
 from asyncrl.tasks import make_row
 from tests.helpers import wait_until
 from tests.standins.learner import StandInLearner, loopback_config

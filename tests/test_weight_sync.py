@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.sync.groups import WeightSyncError, form_group, open_store
 from asyncrl.sync.plan import Bucket, TensorSpec, plan_buckets, specs_of
-from asyncrl.sync.weights import WeightSyncError, form_group, open_store, send_weights
+from asyncrl.sync.weights import send_weights
 from rollout_servers.worker_ext import RELOAD_LOGGER, ExpectedReloadGaps
 from tests.helpers import free_port
 from tests.standins.weights import StandInReceiver

@@ -22,14 +22,9 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.sync.groups import WeightSyncError, form_group, release_group, store_prefix
 from asyncrl.sync.plan import WeightPlan, plan_buckets, specs_of
-from asyncrl.sync.weights import (
-    WeightSyncError,
-    form_group,
-    release_group,
-    send_weights,
-    store_prefix,
-)
+from asyncrl.sync.weights import send_weights
 
 if TYPE_CHECKING:
     from asyncrl.control.coordinator import Coordinator

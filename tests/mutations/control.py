@@ -105,8 +105,8 @@ ROWS = (
         "adaptive staleness narrows at once",
         "a degraded correction waits out the hold like a widening",
         "asyncrl/control/lag_controller.py",
-        "        if lag > self.lag and step - self.widened_at < HOLD_STEPS:",
-        "        if step - self.widened_at < HOLD_STEPS:",
+        "            return not severe and step - self.narrowed_at < HOLD_STEPS",
+        "            return step - self.widened_at < HOLD_STEPS",
         ("tests/test_lag_controller.py",),
     ),
     Mutation(
@@ -136,7 +136,7 @@ ROWS = (
     Mutation(
         "the sync store listens at endpoints.host only",
         "the store's server listens on every interface (torch's own)",
-        "asyncrl/sync/weights.py",
+        "asyncrl/sync/groups.py",
         "        fd = _listening_fd(host, port) if is_host else None",
         "        fd = None",
         ("tests/test_weight_sync.py::test_the_sync_store_listens_at_the_configured_host_only",),
@@ -160,7 +160,7 @@ ROWS = (
     Mutation(
         "failed sync groups aborted",
         "a failed or replaced sync group is only dropped",
-        "asyncrl/sync/weights.py",
+        "asyncrl/sync/groups.py",
         "        pg.abort()",
         "        pass",
         ("tests/test_weight_sync.py",),
@@ -168,7 +168,7 @@ ROWS = (
     Mutation(
         "sync group members meet before the first collective",
         "a member that never joins is met only by the backend's own connect",
-        "asyncrl/sync/weights.py",
+        "asyncrl/sync/groups.py",
         "    _wait_for_members(prefixed, generation, rank, world_size, timeout_s, abandon)",
         "    pass",
         ("tests/test_weight_sync.py",),
@@ -216,7 +216,7 @@ ROWS = (
     Mutation(
         "a member that gives up a sync meeting ends it for all",
         "members still waiting wait out their own timeout",
-        "asyncrl/sync/weights.py",
+        "asyncrl/sync/groups.py",
         "                if store.check([_VERDICT]) and store.get(_VERDICT).decode() != _FORMED:",
         "                if False:",
         (

@@ -30,9 +30,9 @@ from typing import Any
 from asyncrl.config import Config
 from asyncrl.control.setup import coordinator_from_config, store_host, sync_backend
 from asyncrl.control.syncs import SyncResult
+from asyncrl.sync.groups import open_store
 from asyncrl.sync.plan import specs_of
 from asyncrl.sync.sender import WeightPusher
-from asyncrl.sync.weights import open_store
 from tests.helpers import endpoint_overrides
 
 log = logging.getLogger("tests.standins.learner")

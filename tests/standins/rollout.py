@@ -212,7 +212,8 @@ class StandInRollout:
 
     def _sync(self, start: SyncStart) -> None:
         """Join the sync group (reused while the generation is unchanged) and receive."""
-        from asyncrl.sync.weights import form_group, open_store, receive_weights, store_prefix
+        from asyncrl.sync.groups import form_group, open_store, store_prefix
+        from asyncrl.sync.weights import receive_weights
         from tests.standins.weights import digest
 
         t0 = time.monotonic()

@@ -2,7 +2,7 @@
 and loads what the learner broadcasts, driven over a pipe by its parent.
 
 The real receiver is the rollout server's vLLM worker extension; this one runs the same
-:mod:`asyncrl.sync.weights` calls, so the sync protocol is tested without an engine.
+:mod:`asyncrl.sync.groups` and :mod:`asyncrl.sync.weights` calls, so the sync protocol is tested without an engine.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import multiprocessing as mp
 import os
 from typing import Any
 
+from asyncrl.sync.groups import form_group, open_store
 from asyncrl.sync.plan import WeightPlan
-from asyncrl.sync.weights import form_group, open_store, receive_weights
+from asyncrl.sync.weights import receive_weights
 
 
 def _receiver_loop(conn, host: str, port: int, model_dir: str | None, timeout_s: float) -> None:
@@ -154,7 +155,7 @@ class EngineSender:
     first push, and broadcasts tensors while the engine receives them."""
 
     def __init__(self):
-        from asyncrl.sync.weights import open_store
+        from asyncrl.sync.groups import open_store
         from tests.helpers import free_port
 
         self.port = free_port()
@@ -165,8 +166,9 @@ class EngineSender:
         """Push ``tensors`` as ``version``; returns the engine's sync stats."""
         import threading
 
+        from asyncrl.sync.groups import form_group
         from asyncrl.sync.plan import plan_buckets, specs_of
-        from asyncrl.sync.weights import form_group, send_weights
+        from asyncrl.sync.weights import send_weights
         from rollout_servers.engine import SyncJoin
 
         plan = plan_buckets(specs_of(tensors), 1 << 20)
