@@ -11,29 +11,12 @@ import msgspec
 import pytest
 
 from asyncrl.control import messages as m
-from asyncrl.control.admission import Budget
-from asyncrl.control.ledger import TaskLedger
-from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
-from asyncrl.control.task_source import TaskSource
 from asyncrl.sync import sender
 from asyncrl.sync.plan import TensorSpec, WeightPlan, plan_buckets
-from asyncrl.tasks import make_row
+from tests.test_admission_registry import _state
 
 PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
-
-
-def _state() -> ControlState:
-    rows = [make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(8)]
-    source = TaskSource(rows, [], seed=1, n=2, lineage="")
-    return ControlState(
-        TaskLedger(source, Budget(1, 4)),
-        SyncBook(),
-        heartbeat_s=0.5,
-        dead_after_s=2.0,
-        store_host="127.0.0.1",
-        store_port=1,
-    )
 
 
 def _loaded(book: SyncBook, rnd: SyncRound) -> SyncResult:
