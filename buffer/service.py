@@ -45,7 +45,7 @@ import zmq
 
 from asyncrl import wire
 from asyncrl.net import authority, security
-from asyncrl.net.serving import RouterService
+from asyncrl.net.serving import RouterService, internal_error
 from asyncrl.net.transport import bind, config_endpoint, make_socket, mebibytes
 from buffer.answers import Answers
 from buffer.core import ReplayBuffer
@@ -87,7 +87,6 @@ class BufferService:
         # when a read last found it empty (a group pushed before a pause may wait in the
         # queue until the first read after it that drains it).
         self._backlog = False
-        self._request_errors = 0  # requests that raised (buffer/request_errors)
         self._drained_at = 0.0
         self.trajectories_endpoint = trajectories  # the bound address once started
         self.batches_endpoint = batches
@@ -342,14 +341,14 @@ class BufferService:
         self, router: RouterService[wire.Request], envelope: list[bytes], msg: wire.Request
     ) -> None:
         """Answer ``msg``; a request that raises is answered ``ErrorReply("internal")`` and
-        counted (``buffer/request_errors``): the groups the buffer holds outlive it."""
+        counted (``buffer/request_errors``): the groups the buffer holds outlive it. A batch
+        request that raised is no longer held (it would raise at every pass of the loop)."""
         try:
             self._answers.on_request(router, envelope, msg)
         except Exception as e:
-            self._request_errors += 1
-            log.exception("a %s request failed (buffer/request_errors); serving on", msg.kind)
-            detail = f"the buffer failed on this {msg.kind} request: {type(e).__name__}: {e}"
-            router.reply(envelope, wire.ErrorReply(error="internal", detail=detail[:500]))
+            if isinstance(msg, wire.BatchRequest):
+                self._answers.held.drop(msg.consumer_id)
+            router.reply(envelope, internal_error(router, msg, e))
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> dict[str, float]:
@@ -360,7 +359,7 @@ class BufferService:
         out = self.buffer.metrics() | self.stats.metrics(time.monotonic())
         out["buffer/pending_requests"] = float(len(self._answers.held))
         out["buffer/superseded_requests"] = float(self._answers.incarnations.refused)
-        out["buffer/request_errors"] = float(self._request_errors)
+        out.setdefault("buffer/request_errors", 0.0)  # from stats.io once one raised
         if self.rollout_log is not None:
             out["buffer/rollout_log_lost"] = float(self.rollout_log.rows_lost)
         out |= {

@@ -196,8 +196,8 @@ def reward_of(body: Any, reward_range: tuple[float, float] | None = None) -> flo
 
 def _finite(value: Any) -> TypeGuard[int | float]:
     """``value`` is a number the learner's float32 holds: JSON's integers have no bound,
-    and one past float32's range is as unusable a reward as inf (``float`` raises on an
-    int past float64's)."""
+    and one past :data:`~asyncrl.wire.types.MAX_ABS_REWARD` is as unusable a reward as inf
+    (``float`` raises on an int past float64's)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return False
     try:

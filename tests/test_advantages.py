@@ -143,6 +143,20 @@ def test_cleaned_members_still_count_in_their_group_baseline():
     assert baseline_advantages(batch, [], "grpo").shape == (0,)
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo", "rloo"])
+def test_rewards_at_the_bound_give_finite_advantages(estimator):
+    """The wire and the learner take rewards up to MAX_ABS_REWARD: a group of them keeps
+    finite advantages in float32 (at float32's own limit RLOO's n/(n-1) * (r - mean) of
+    +-3e38 was inf); past the bound a reward is no reward."""
+    from asyncrl.wire.types import MAX_ABS_REWARD, usable_reward
+    from learner.rollouts import Rollout, baseline_advantages
+
+    for rewards in ([MAX_ABS_REWARD, -MAX_ABS_REWARD], [MAX_ABS_REWARD, -MAX_ABS_REWARD] * 4):
+        batch = [Rollout([1], [2], [-0.1], r, "g") for r in rewards]
+        assert torch.isfinite(baseline_advantages(batch, batch, estimator)).all(), rewards
+    assert not usable_reward(MAX_ABS_REWARD * 1.01)
+
+
 # --------------------------------------------------------------- GAE against veRL
 def verl_gae(rewards, values, mask, gamma, lam):
     """veRL's ``compute_gae_advantage_return`` written out from its definition: the

@@ -7,6 +7,7 @@ again and again. Real :class:`BufferService`, :class:`TrajectoryPusher` and
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 
 import msgspec
@@ -116,4 +117,34 @@ def test_a_request_the_buffer_fails_on_is_answered_and_counted(svc, monkeypatch,
             coordinator.inventory()
         assert coordinator.inventory(["kept", "other"]).unknown == ["other"]
         assert coordinator.stats()["buffer/request_errors"] == 1
-    assert any("a inventory request failed" in r.getMessage() for r in caplog.records)
+    assert any("a inventory request on" in r.getMessage() for r in caplog.records)
+
+
+def test_a_batch_request_the_buffer_fails_on_is_let_go_and_the_buffer_serves_on(monkeypatch):
+    """A batch request is held, and served again at every pass of the loop: one whose
+    release raised was answered ``internal``, stayed held, raised again outside the guard
+    and ended the buffer's thread. It is answered, counted and let go; once the defect is
+    gone the same learner gets its batch."""
+    svc = BufferService(ReplayBuffer(batch_size=1, capacity_groups=10, max_policy_lag=4)).start()
+    release = svc.buffer.release
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a bug on the release path")
+
+    monkeypatch.setattr(svc.buffer, "release", broken)
+    try:
+        with (
+            TrajectoryPusher(svc.trajectories_endpoint) as pusher,
+            BufferClient(svc.batches_endpoint, "learner", timeout_s=5) as learner,
+        ):
+            pusher.send(make_group("g", 1))
+            learner.hello(wait_s=5)
+            with pytest.raises(RequestRefused, match="internal.*a bug on the release path"):
+                learner.request_batch(0, wait_s=1)
+            time.sleep(0.3)  # several passes of the loop
+            assert learner.stats()["buffer/request_errors"] == 1
+            monkeypatch.setattr(svc.buffer, "release", release)
+            batch = learner.request_batch(0, wait_s=5)
+    finally:
+        svc.stop()
+    assert batch is not None and batch.task_ids == ["g"]

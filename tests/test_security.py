@@ -144,18 +144,21 @@ def test_missing_keys_name_the_command_that_makes_them(tmp_path):
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize("damage", ["public over secret", "empty", "cut"])
+@pytest.mark.parametrize("damage", ["public over secret", "empty", "cut", "cut in its key"])
 def test_a_key_file_that_is_no_key_is_named_in_one_line(keys, damage, capsys):
     """A secret key file that is there but unusable (a public key copied over it, an
     empty or cut one) raised a traceback and exit 1, which a launcher restarts; it is a
     config problem like a missing file: one line naming it, exit 2."""
     secret = keys / "buffer" / "buffer.key_secret"
     whole = secret.read_bytes()
-    secret.write_bytes(
-        {"public over secret": (keys / "buffer.key").read_bytes(), "empty": b"", "cut": whole[:60]}[
-            damage
-        ]
-    )
+    cut_key = whole[: whole.index(b'secret-key = "') + 34]  # 20 of its 40 characters
+    damaged = {
+        "public over secret": (keys / "buffer.key").read_bytes(),
+        "empty": b"",
+        "cut": whole[:60],
+        "cut in its key": cut_key + b'"\n',
+    }
+    secret.write_bytes(damaged[damage])
     endpoints = _cfg("endpoints.auth=curve", f"endpoints.keys_dir={keys / 'buffer'}").endpoints
     line = security.keys_problem(endpoints, ("buffer",))
     assert line is not None and str(secret) in line and "asyncrl-prepare keys" in line

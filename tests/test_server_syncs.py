@@ -160,9 +160,8 @@ def test_a_probe_scored_nan_by_broken_weights_is_reported_and_named(caplog) -> N
     mine = [-1.0, -2.0, -1.0]
     assert compare(mine, {"s0": mine, "broken": probe}) == {"s0": 0.0, "broken": float("inf")}
     metrics = probe_metrics(mine, {"s0": mine, "broken": probe})
-    assert metrics["sync/probe_servers"] == 2 and metrics["sync/probe_mean_abs_diff"] == float(
-        "inf"
-    )
+    assert metrics["sync/probe_servers"] == 2 and metrics["sync/probe_broken_servers"] == 1
+    assert metrics["sync/probe_mean_abs_diff"] == float("inf")
     assert metrics["sync/probe_max_abs_diff"] == metrics["sync/probe_kl"] == float("inf")
 
 

@@ -52,6 +52,7 @@ KEY_ROLES = ("learner", "buffer", "rollout")  # client key pairs: one per role
 SERVING_ROLES = ("learner", "buffer")  # they bind sockets: they hold the server's secret
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 ZAP_DOMAIN = b"asyncrl"
+Z85_KEY_CHARS = 40  # a CURVE key is 32 bytes, 40 characters in z85
 
 
 def node_files(role: str) -> list[str]:
@@ -143,6 +144,8 @@ def _read_key(path: Path, secret: bool = False) -> tuple[bytes, bytes | None]:
         public, private, why = b"", None, str(e)
     else:
         why = "it holds no secret key (a public key file?)" if secret and private is None else ""
+        if any(k is not None and len(k) != Z85_KEY_CHARS for k in (public, private)):
+            why = f"a key in it is not {Z85_KEY_CHARS} z85 characters (a cut copy?)"
     if why:
         raise KeyFileError(
             f"endpoints.keys_dir: {path} is not a usable key file ({why}); copy it again from "

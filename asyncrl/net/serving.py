@@ -203,10 +203,15 @@ class HeldRequests(Generic[M]):
     ) -> None:
         """Ask ``answer(held, now)`` for each held request, oldest first, and send what it
         returns (a message, or the frames of one); None keeps the request held (``answer``
-        must not return None once :meth:`Held.expired`)."""
+        must not return None once :meth:`Held.expired`). A request whose answer raises (a
+        defect) is answered ``internal``, counted (``request_errors``) and let go: held on,
+        it raised again at every pass and ended the service's thread."""
         still: list[Held[M]] = []
         for held in self._held:
-            reply = answer(held, now)
+            try:
+                reply = answer(held, now)
+            except Exception as e:
+                reply = internal_error(service, held.msg, e)
             if reply is None:
                 still.append(held)
             elif isinstance(reply, wire.Message):
@@ -221,3 +226,13 @@ class HeldRequests(Generic[M]):
 
     def __len__(self) -> int:
         return len(self._held)
+
+
+def internal_error(service: RouterService[Any], msg: Any, e: Exception) -> wire.ErrorReply:
+    """The reply to a request ``service`` failed on (a defect: logged with its traceback,
+    counted as ``request_errors``); the service goes on."""
+    service.counts["request_errors"] += 1
+    kind = getattr(msg, "kind", type(msg).__name__)
+    log.exception("a %s request on %s failed; answered 'internal'", kind, service.endpoint)
+    detail = f"the service failed on this {kind} request: {type(e).__name__}: {e}"
+    return wire.ErrorReply(error="internal", detail=detail[:500])

@@ -264,7 +264,7 @@ def finite_number(value: Any, what: str = "") -> float:
     if not math.isfinite(result):
         raise ValueError(f"{what}{result}, not a finite number")
     if not usable_reward(result):  # the learner holds rewards in float32
-        raise ValueError(f"{what}{result:g}, beyond float32's range (+-{MAX_ABS_REWARD:.4g})")
+        raise ValueError(f"{what}{result:g}, beyond the learner's float32 (+-{MAX_ABS_REWARD:.4g})")
     return result
 
 

@@ -87,4 +87,6 @@ def probe_metrics(mine: Sequence[float], theirs: Mapping[str, Sequence[float]]) 
         "sync/probe_max_abs_diff": largest,
         "sync/probe_kl": kl,
         "sync/probe_servers": float(len(diffs)),
+        # Infinite differences are left out of the metrics record: this says they were there.
+        "sync/probe_broken_servers": float(sum(d == float("inf") for d in diffs.values())),
     }

@@ -34,12 +34,14 @@ MAX_VERSION = 2**31 - 1
 Version = Annotated[int, msgspec.Meta(ge=0, le=MAX_VERSION)]
 #: The largest reward magnitude the learner can train on: it holds rewards in float32,
 #: where a larger float64 is inf (and its group's advantages NaN, which skips the update
-#: of every group in the mini-batch).
-MAX_ABS_REWARD = float(np.finfo(np.float32).max)
+#: of every group in the mini-batch). A quarter of float32's range, so that a group's
+#: differences stay finite too (RLOO's n/(n-1) * (r - mean) reaches twice a reward).
+MAX_ABS_REWARD = float(np.finfo(np.float32).max) / 4
 
 
 def usable_reward(x: float) -> bool:
-    """Whether ``x`` is a reward the learner can train on: finite, and finite in float32."""
+    """Whether ``x`` is a reward the learner can train on: finite, within
+    :data:`MAX_ABS_REWARD`."""
     return math.isfinite(x) and abs(x) <= MAX_ABS_REWARD
 
 

@@ -155,4 +155,12 @@ ROWS = (
         "                    self._answers.on_request(router, envelope, msg)",
         ("tests/test_buffer_refusals.py",),
     ),
+    Mutation(
+        "a held request whose answer raises is answered and let go",
+        "it stays held, raises at every pass and ends the buffer's thread",
+        "asyncrl/net/serving.py",
+        "                reply = internal_error(service, held.msg, e)",
+        "                raise",
+        ("tests/test_buffer_refusals.py",),
+    ),
 )

@@ -225,4 +225,12 @@ ROWS = (
             "tests/test_input_rows.py::test_ground_truths_the_task_message_turns_to_text_are_refused",
         ),
     ),
+    Mutation(
+        "a key file cut inside its key is refused in one line",
+        "a 20-character key loads and the role dies at its first bind",
+        "asyncrl/net/security.py",
+        "        if any(k is not None and len(k) != Z85_KEY_CHARS for k in (public, private)):",
+        "        if False:",
+        ("tests/test_security.py",),
+    ),
 )

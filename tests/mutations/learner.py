@@ -386,4 +386,12 @@ ROWS = (
         "    if not mine or not cfg.enable:",
         ("tests/test_health.py",),
     ),
+    Mutation(
+        "rewards at the bound keep a group's advantages finite",
+        "the bound is float32's own range (RLOO's differences overflow)",
+        "asyncrl/wire/types.py",
+        "MAX_ABS_REWARD = float(np.finfo(np.float32).max) / 4",
+        "MAX_ABS_REWARD = float(np.finfo(np.float32).max)",
+        ("tests/test_advantages.py",),
+    ),
 )
