@@ -7,6 +7,7 @@ again and again. Real :class:`BufferService`, :class:`TrajectoryPusher` and
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -126,21 +127,26 @@ def test_a_batch_request_the_buffer_fails_on_is_let_go_and_the_buffer_serves_on(
     and ended the buffer's thread. It is answered, counted and let go; once the defect is
     gone the same learner gets its batch."""
     svc = BufferService(ReplayBuffer(batch_size=1, capacity_groups=10, max_policy_lag=4)).start()
-    release = svc.buffer.release
+    release, calls = svc.buffer.release, []
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("a bug on the release path")
+    def broken_after_the_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # on arrival: nothing to release yet, the request is held
+            return release(*args, **kwargs)
+        raise RuntimeError("a bug on the release path")  # at a later pass of the loop
 
-    monkeypatch.setattr(svc.buffer, "release", broken)
+    monkeypatch.setattr(svc.buffer, "release", broken_after_the_first)
     try:
         with (
             TrajectoryPusher(svc.trajectories_endpoint) as pusher,
             BufferClient(svc.batches_endpoint, "learner", timeout_s=5) as learner,
         ):
-            pusher.send(make_group("g", 1))
             learner.hello(wait_s=5)
+            pushed = threading.Timer(0.5, pusher.send, [make_group("g", 1)])
+            pushed.start()  # while the request is held: the loop's own pass releases
             with pytest.raises(RequestRefused, match="internal.*a bug on the release path"):
-                learner.request_batch(0, wait_s=1)
+                learner.request_batch(0, wait_s=3)
+            pushed.join()
             time.sleep(0.3)  # several passes of the loop
             assert learner.stats()["buffer/request_errors"] == 1
             monkeypatch.setattr(svc.buffer, "release", release)
