@@ -27,6 +27,7 @@ def _refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     [
         (["--n-train", "-5"], "--n-train must be >= 0"),
         (["--n-val", "-1"], "--n-val must be >= 0"),
+        (["--n-train", "0", "--n-val", "0"], "--n-train 0 and --n-val 0 write no rows"),
         (["--task", "countdown", "--ops", "*"], "--ops applies to --task arithmetic only"),
         (["--task", "calculator", "--max-operand", "3", "--ops", "+"], "--max-operand and --ops"),
         (["--max-operand", "-3"], "--max-operand must be >= 0"),

@@ -52,6 +52,8 @@ def _task_options(args: argparse.Namespace) -> dict:
     for flag, value in (("--n-train", args.n_train), ("--n-val", args.n_val)):
         if value is not None and value < 0:
             raise ValueError(f"{flag} must be >= 0 (rows to write), got {value}")
+    if args.n_train == 0 and args.n_val == 0:  # parquet's own words named an internal argument
+        raise ValueError("--n-train 0 and --n-val 0 write no rows: ask for at least one")
     if args.max_prompt_length is not None and args.max_prompt_length < 1:
         raise ValueError(f"--max-prompt-length must be >= 1 token, got {args.max_prompt_length}")
     arithmetic = {"max_operand": args.max_operand, "ops": args.ops}
