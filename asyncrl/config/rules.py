@@ -18,9 +18,24 @@ MAX_TRAIN_TEMPERATURE = 2.0
 
 def cross_field_problems(cfg: Config) -> list[str]:
     """Return one line per broken rule (empty when the config is consistent)."""
-    problems: list[str] = []
-    ro, data, actor = cfg.rollout, cfg.data, cfg.actor
+    return [
+        *_sampling_problems(cfg),
+        *_group_problems(cfg),
+        *_overlong_problems(cfg),
+        *_batch_problems(cfg),
+        *_control_problems(cfg),
+        *_critic_problems(cfg),
+        *_reward_kl_problems(cfg),
+        *_lora_problems(cfg),
+        *placement_problems(cfg),
+    ]
 
+
+def _sampling_problems(cfg: Config) -> list[str]:
+    """How training and validation requests sample: what vLLM does with them must be what the
+    learner recomputes."""
+    problems: list[str] = []
+    ro = cfg.rollout
     # The learner recomputes logprobs of the full distribution after temperature; a
     # truncated sampling distribution would bias every importance weight.
     if ro.top_p < 1.0:
@@ -56,23 +71,38 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"temperatures above {MAX_TRAIN_TEMPERATURE:g}, so every validation request would "
             f"fail; set it to 0 (greedy) or at most {MAX_TRAIN_TEMPERATURE:g}"
         )
-    reward_range = ro.openai_endpoint.reward_range
-    if reward_range is not None and not reward_range[0] <= reward_range[1]:
-        problems.append(
-            f"rollout.openai_endpoint.reward_range={list(reward_range)}: its low end is above "
-            "its high end; write it as [low, high]"
-        )
     if ro.inline_engine is True and ro.sync_mode != "keep":
         problems.append(
             f"rollout.inline_engine=true with rollout.sync_mode={ro.sync_mode}: the inline "
             "engine keeps requests in flight at a push; set rollout.sync_mode=keep or "
             "rollout.inline_engine=false"
         )
-    st = cfg.staleness
-    if st.min_policy_lag > st.max_policy_lag:
+    return problems
+
+
+def _group_problems(cfg: Config) -> list[str]:
+    """Groups of samples of one prompt (or one endpoint group): what makes their advantages
+    and the groups themselves possible."""
+    problems: list[str] = []
+    ro, grouped = cfg.rollout, cfg.algorithm.adv_estimator in GROUP_ESTIMATORS
+    if grouped and ro.n < 2:
         problems.append(
-            f"staleness.min_policy_lag={st.min_policy_lag} is above staleness.max_policy_lag="
-            f"{st.max_policy_lag}: the adaptive controller's range is [min, max]"
+            f"rollout.n={ro.n}: {cfg.algorithm.adv_estimator} compares samples of the same "
+            "prompt, so every advantage would be 0; set rollout.n>=2 (or "
+            "algorithm.adv_estimator=gae)"
+        )
+    size = ro.openai_endpoint.group_size
+    if ro.openai_endpoint.enable and grouped and size is not None and size < 2:
+        problems.append(
+            f"rollout.openai_endpoint.group_size={size}: {cfg.algorithm.adv_estimator} "
+            "compares the sessions of a group, so every endpoint group would train with "
+            "advantage 0; set group_size>=2 (or leave it unset for rollout.n)"
+        )
+    reward_range = ro.openai_endpoint.reward_range
+    if reward_range is not None and not reward_range[0] <= reward_range[1]:
+        problems.append(
+            f"rollout.openai_endpoint.reward_range={list(reward_range)}: its low end is above "
+            "its high end; write it as [low, high]"
         )
     validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
     if ro.openai_endpoint.enable and not ro.openai_endpoint.take_tasks and validating:
@@ -82,21 +112,6 @@ def cross_field_problems(cfg: Config) -> list[str]:
             "validation tasks, so a validation round would never end; set "
             "trainer.val_before_train=false trainer.test_freq=-1 (or take_tasks=true)"
         )
-    if cfg.algorithm.adv_estimator in GROUP_ESTIMATORS and ro.n < 2:
-        problems.append(
-            f"rollout.n={ro.n}: {cfg.algorithm.adv_estimator} compares samples of the same "
-            "prompt, so every advantage would be 0; set rollout.n>=2 (or "
-            "algorithm.adv_estimator=gae)"
-        )
-    size = ro.openai_endpoint.group_size
-    grouped = cfg.algorithm.adv_estimator in GROUP_ESTIMATORS
-    if ro.openai_endpoint.enable and grouped and size is not None and size < 2:
-        problems.append(
-            f"rollout.openai_endpoint.group_size={size}: {cfg.algorithm.adv_estimator} "
-            "compares the sessions of a group, so every endpoint group would train with "
-            "advantage 0; set group_size>=2 (or leave it unset for rollout.n)"
-        )
-    problems += _overlong_problems(cfg)
     fg = cfg.algorithm.filter_groups
     if fg.skip_uninformative and not fg.enable:
         problems.append(
@@ -109,30 +124,22 @@ def cross_field_problems(cfg: Config) -> list[str]:
             f"rollout.max_inflight={ro.max_inflight} is below rollout.n={ro.n}: a group could "
             "never run at once; raise rollout.max_inflight"
         )
+    return problems
+
+
+def _batch_problems(cfg: Config) -> list[str]:
+    """Batches, their mini- and micro-batches, and the buffer that holds them."""
+    problems: list[str] = []
+    actor, data = cfg.actor, cfg.data
     if actor.ppo_mini_batch_size > data.train_batch_size:  # veRL's own check
         problems.append(
             f"actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} exceeds "
             f"data.train_batch_size={data.train_batch_size} (both count prompts); lower it"
         )
-    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
-        problems.append(
-            "trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>"
-        )
     if cfg.buffer.max_reuse > 1 and cfg.buffer.policy == "fifo":
         problems.append(
             f"buffer.max_reuse={cfg.buffer.max_reuse} needs buffer.policy=uniform "
             "(fifo uses each group once)"
-        )
-    if cfg.control.min_servers_to_start > ro.num_servers:
-        problems.append(
-            f"control.min_servers_to_start={cfg.control.min_servers_to_start} exceeds "
-            f"rollout.num_servers={ro.num_servers}: no task would ever be dealt; lower it to "
-            f"<= {ro.num_servers}"
-        )
-    if cfg.control.dead_after_s <= cfg.control.heartbeat_s:
-        problems.append(
-            f"control.dead_after_s={cfg.control.dead_after_s} must exceed "
-            f"control.heartbeat_s={cfg.control.heartbeat_s}, or live servers are declared dead"
         )
     needed = capacity_needed(cfg)
     if cfg.buffer.capacity_groups < needed:
@@ -153,10 +160,34 @@ def cross_field_problems(cfg: Config) -> list[str]:
         )
     else:
         problems += _logprob_pass_problems(cfg)
-    problems += _critic_problems(cfg)
-    problems += _reward_kl_problems(cfg)
-    problems += _lora_problems(cfg)
-    problems += placement_problems(cfg)
+    return problems
+
+
+def _control_problems(cfg: Config) -> list[str]:
+    """The admission window, the coordinator's servers and a resume."""
+    problems: list[str] = []
+    ro = cfg.rollout
+    st = cfg.staleness
+    if st.min_policy_lag > st.max_policy_lag:
+        problems.append(
+            f"staleness.min_policy_lag={st.min_policy_lag} is above staleness.max_policy_lag="
+            f"{st.max_policy_lag}: the adaptive controller's range is [min, max]"
+        )
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        problems.append(
+            "trainer.resume_mode=resume_path needs trainer.resume_from_path=<checkpoint dir>"
+        )
+    if cfg.control.min_servers_to_start > ro.num_servers:
+        problems.append(
+            f"control.min_servers_to_start={cfg.control.min_servers_to_start} exceeds "
+            f"rollout.num_servers={ro.num_servers}: no task would ever be dealt; lower it to "
+            f"<= {ro.num_servers}"
+        )
+    if cfg.control.dead_after_s <= cfg.control.heartbeat_s:
+        problems.append(
+            f"control.dead_after_s={cfg.control.dead_after_s} must exceed "
+            f"control.heartbeat_s={cfg.control.heartbeat_s}, or live servers are declared dead"
+        )
     return problems
 
 
