@@ -82,6 +82,38 @@ def _fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str)
     dist.destroy_process_group()
 
 
+def _first_update_worker(
+    rank: int, world: int, port: int, model_dir: str, out_dir: str, mode: str
+) -> None:
+    rank_env(rank, world, port)
+    torch.set_num_threads(1)
+    trainer = Trainer(make_cfg(model_dir, loss_agg_mode=mode))
+    grads = record_gradients(trainer)
+    trainer.train_step(BATCHES[0], TEMPERATURE)
+    if rank == 0:
+        torch.save(grads[0], Path(out_dir) / "first_grads.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "mode", ["seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_every_aggregation_mode_gives_two_ranks_the_gradient_of_one(
+    tiny_model, single_rank, tmp_path, mode
+):
+    """The first update's gradient of a global mini-batch, with its dropped rows, NaN
+    behaviour token and micro-batches of unequal token counts, does not depend on how
+    many ranks hold it, for every veRL aggregation (the test above checks token-mean):
+    each mode's normaliser is the mini-batch's, not a rank's or a micro-batch's."""
+    ctx = start_ranks(_first_update_worker, 2, free_port(), str(tiny_model), str(tmp_path), mode)
+    one = Trainer(make_cfg(tiny_model, loss_agg_mode=mode))
+    grads = record_gradients(one)
+    one.train_step(BATCHES[0], TEMPERATURE)
+    join_ranks(ctx)
+    two = torch.load(tmp_path / "first_grads.pt")
+    assert_gradients_match(two, grads[0], float32_tolerance(one, BATCHES[0]))
+
+
 def test_two_ranks_match_one_rank(tiny_model, single_rank, tmp_path):
     ctx = start_ranks(_fsdp_worker, 2, free_port(), str(tiny_model), str(tmp_path))
     # Meanwhile, the same global batches on one rank in this process.

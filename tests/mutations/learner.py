@@ -394,4 +394,12 @@ ROWS = (
         "MAX_ABS_REWARD = float(np.finfo(np.float32).max)",
         ("tests/test_advantages.py",),
     ),
+    Mutation(
+        "every aggregation's normaliser is the mini-batch's, across ranks",
+        "each rank normalises by its own rows' tokens and sequences",
+        "learner/plan.py",
+        "        tokens, seqs = norm_counts(rollouts, idx)",
+        "        tokens, seqs = norm_counts(rollouts, [i for mb in plan[rank] for i in mb])",
+        ("tests/test_trainer.py::test_every_aggregation_mode_gives_two_ranks_the_gradient_of_one",),
+    ),
 )
