@@ -177,6 +177,50 @@ def test_req_client_times_out_and_recovers() -> None:
     ctx.term()
 
 
+class _StalePoll:
+    """A socket whose poll saw a connection that is gone by the send (a handshake refused
+    or a server going away in between): it says writable, the socket has no pipe."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+
+    def poll(self, timeout: int, flags: int) -> int:
+        return flags if flags == zmq.POLLOUT else self.sock.poll(timeout, flags)
+
+    def __getattr__(self, name: str):
+        return getattr(self.sock, name)
+
+
+def test_a_connection_gone_between_poll_and_send_times_out_instead_of_blocking() -> None:
+    """The request client polled for room, then sent blocking: a connection gone in
+    between left a rogue client registering as a run ended blocked in its send for good
+    (a test sat there until its own timeout). It times out as a silent server does."""
+    ctx = zmq.Context()
+    client = ReqClient("tcp://127.0.0.1:1", timeout_s=0.3, context=ctx)
+    client._sock.close(0)
+    sock = ctx.socket(zmq.REQ)
+    sock.setsockopt(zmq.IMMEDIATE, 1)  # no pipe until a connection is made: none will be
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect("tcp://127.0.0.1:1")
+    client._sock = _StalePoll(sock)  # type: ignore[assignment]
+    outcome: list[BaseException | None] = []
+
+    def request() -> None:
+        try:
+            client.request_frames([b"hello"])
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - the test reads what it was
+            outcome.append(e)
+
+    worker = threading.Thread(target=request, daemon=True)
+    worker.start()
+    worker.join(5)
+    assert outcome and isinstance(outcome[0], TimeoutError), outcome or "blocked in the send"
+    assert "cannot send to tcp://127.0.0.1:1 within 0.3s" in str(outcome[0])
+    sock.close(0)
+    ctx.term()
+
+
 def _serve_until(service: RouterService, done: threading.Event) -> None:
     """Answer every valid request with empty stats until ``done``."""
     while not done.is_set():

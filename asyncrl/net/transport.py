@@ -284,14 +284,29 @@ class ReqClient:
         for a request over ``max_message_bytes``."""
         check_size(frames, self.max_message_bytes, "control.max_message_mb")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        # The send can block too: with no usable connection (a handshake refused, say for
-        # a wrong key) a REQ socket has nowhere to queue the request.
-        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLOUT):
-            raise TimeoutError(f"cannot send to {self.addr} within {timeout_s:.1f}s")
-        self._sock.send_multipart(frames, copy=False)
+        self._send(frames, timeout_s)
         if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             raise TimeoutError(f"no reply from {self.addr} within {timeout_s:.1f}s")
         return self._sock.recv_multipart(copy=False)
+
+    def _send(self, frames: Sequence[wire.Frame], timeout_s: float) -> None:
+        """Send within ``timeout_s``, else ``TimeoutError``. The send can block too: with
+        no usable connection (a handshake refused, say for a wrong key, or a server going
+        away) a REQ socket has nowhere to queue the request; and the connection a poll saw
+        can be gone by the send, which then blocked for good (a client registering as the
+        run ended). So it does not block, and tries again until the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if self._sock.poll(left_ms, zmq.POLLOUT):
+                try:
+                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:  # the connection went between the poll and the send
+                    pass
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"cannot send to {self.addr} within {timeout_s:.1f}s")
+            time.sleep(0.01)  # a connection that comes and goes: do not spin on it
 
     def call(
         self,

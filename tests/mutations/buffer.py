@@ -163,4 +163,12 @@ ROWS = (
         "                raise",
         ("tests/test_buffer_refusals.py",),
     ),
+    Mutation(
+        "a request whose connection goes before the send times out",
+        "the send blocks for good (the poll saw a connection gone by then)",
+        "asyncrl/net/transport.py",
+        "                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)",
+        "                    self._sock.send_multipart(frames, copy=False)",
+        ("tests/test_transport.py",),
+    ),
 )
