@@ -300,7 +300,7 @@ class ReqClient:
             left_ms = max(0, int((deadline - time.monotonic()) * 1000))
             if self._sock.poll(left_ms, zmq.POLLOUT):
                 try:
-                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+                    self._sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)
                     return
                 except zmq.Again:  # the connection went between the poll and the send
                     pass

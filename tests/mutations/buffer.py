@@ -167,7 +167,7 @@ ROWS = (
         "a request whose connection goes before the send times out",
         "the send blocks for good (the poll saw a connection gone by then)",
         "asyncrl/net/transport.py",
-        "                    self._sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)",
+        "                    self._sock.send_multipart(frames, flags=zmq.DONTWAIT, copy=False)",
         "                    self._sock.send_multipart(frames, copy=False)",
         ("tests/test_transport.py",),
     ),
