@@ -23,6 +23,7 @@ checkpoint; the rows themselves are read from ``data.train_files``/``data.val_fi
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import secrets
@@ -148,12 +149,17 @@ class TaskSource:
         # pair per resume that changed the set; see load_state_dict).
         self._other_val: list[tuple[int, int]] = []
         self.val_digest = rows_digest(self.val_rows)
-        # Once here, not at each checkpoint: a training set may hold millions of rows.
-        self.train_digest = train_digest(self.train_rows, prompt_key)
         self._orders: dict[int, list[int]] = {}  # epoch -> its order (two at most)
         # Asked before dealing each training row (its index, epoch, position): True passes
         # it over (algorithm.filter_groups.skip_uninformative; see GroupFilter.skip_row).
         self.skip: Callable[[int, int, int], bool] | None = None
+
+    @functools.cached_property
+    def train_digest(self) -> str:
+        """The training rows' fingerprint (:func:`asyncrl.tasks.digest.train_digest`), taken
+        once, at the first checkpoint or resume: about 5 s a million rows, which a start
+        that never saves nor resumes does not pay."""
+        return train_digest(self.train_rows, self.prompt_key)
 
     # ------------------------------------------------------------------ training
     @property
