@@ -17,11 +17,14 @@ through :meth:`RoleAgent.tail` and :meth:`RoleAgent.read`. This module never imp
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
 
 from asyncrl.launch.process_tree import has_exited
+from asyncrl.launch.ray_handles import NotOnNode
+from asyncrl.launch.restart_policy import take_final_exit
 from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, tail
 
 # Not inherited by a role: a role (vLLM above all) must not join the Ray instance its agent
@@ -51,8 +54,10 @@ class RoleAgent:
     """
 
     def __init__(self, run_dir: str, name: str, launch_id: str, cwd: str):
-        # Relative paths of the config resolve as at the launcher (same layout per node).
-        if Path(cwd).is_dir():
+        # Relative paths of the config resolve as at the launcher (same layout per node);
+        # a node without that directory is told at the start (see _missing).
+        self.missing_cwd = None if Path(cwd).is_dir() else cwd
+        if self.missing_cwd is None:
             os.chdir(cwd)
         self.run_dir = Path(run_dir)
         self.name = name
@@ -89,13 +94,41 @@ class RoleAgent:
         self, cmd: list[str], env: dict[str, str], attempt: int, cpus: list[int] | None = None
     ) -> int:
         """Start the role (attempt ``attempt``, 1 for the first; pinned to ``cpus`` of this
-        node if given); returns its pid."""
+        node if given); returns its pid. Raises :class:`NotOnNode` if its command or the
+        launcher's working directory does not exist on this node."""
+        if (missing := self._missing(cmd, env)) is not None:
+            raise NotOnNode(missing)
         self.role = Role(self.name, cmd, env=env, cpus=cpus, unset=RAY_ENV_PREFIXES)
         self.role.attempt = attempt - 1  # Supervisor.start counts this start
         self.sup.roles = [self.role]
-        self.sup.start(self.role)
+        try:
+            self.sup.start(self.role)
+        except FileNotFoundError as e:  # gone since _missing looked
+            raise NotOnNode(self._not_here("command", e.filename or cmd[0])) from e
         assert self.role.proc is not None
         return self.role.proc.pid
+
+    def _missing(self, cmd: list[str], env: dict[str, str]) -> str | None:
+        """Why ``cmd`` cannot start on this node (one line naming the node and the path
+        missing here), else None."""
+        if self.missing_cwd is not None:
+            return self._not_here("working directory", self.missing_cwd)
+        path = env.get("PATH", os.environ.get("PATH", os.defpath))
+        exe = cmd[0] if cmd else ""
+        found = os.access(exe, os.X_OK) if os.sep in exe else shutil.which(exe, path=path)
+        return None if found else self._not_here("command", exe)
+
+    def _not_here(self, what: str, path: str) -> str:
+        try:
+            import ray
+
+            node = f"{socket.gethostname()} ({ray.util.get_node_ip_address()})"
+        except Exception:  # outside Ray (tests)
+            node = socket.gethostname()
+        return (
+            f"{self.name} cannot start on node {node}: its {what} {path} does not exist "
+            "there (every node needs the launcher's interpreter path and working directory)"
+        )
 
     def poll(self) -> int | None:
         """The role's exit code once it exited (its tree then killed and reaped), else None."""
@@ -132,6 +165,11 @@ class RoleAgent:
         with open(path, "rb") as f:
             f.seek(offset)
             return f.read(limit)
+
+    def take_final_exit(self) -> int | None:
+        """The learner's final exit recorded on this node (then forgotten), or None: under
+        torchrun the launcher sees 1 for it (see :mod:`asyncrl.launch.restart_policy`)."""
+        return take_final_exit(self.run_dir)
 
     def close(self) -> None:
         self.sup.close()

@@ -26,9 +26,25 @@ def slow_answer(error: BaseException) -> bool:
     return isinstance(error, GetTimeoutError | ActorUnavailableError)
 
 
+class NotOnNode(Exception):
+    """Raised by an agent's ``start``: the role's command or working directory does not
+    exist on its node (every node needs the launcher's interpreter path and checkout)."""
+
+
+def not_on_node(error: BaseException) -> str | None:
+    """The agent's one line if ``error`` is its :class:`NotOnNode` (as Ray raises it: a
+    task error whose ``cause`` it is), else None."""
+    for e in (getattr(error, "cause", None), error):
+        if isinstance(e, NotOnNode):
+            return str(e.args[0]) if e.args else type(e).__name__
+    return None
+
+
 class Mirror:
     """Copies files that grow on a role's node into the launcher's run directory: each
-    call appends what is new (``read(rel, offset) -> bytes`` reads the node's copy)."""
+    call appends what is new (``read(rel, offset) -> bytes`` reads the node's copy). The
+    launcher keeps one per role and node, so that a replaced agent on the same node goes
+    on where the last one stopped instead of copying the files again."""
 
     def __init__(self, run_dir: Path, files: tuple[str, ...]):
         self.run_dir = run_dir

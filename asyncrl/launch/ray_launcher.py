@@ -25,8 +25,11 @@ and command lines as the local launcher, placed on a Ray cluster.
   on every node.
 - **Records**: ``launch.jsonl`` and ``pids.json`` as locally, plus each role's node (IP, Ray
   node id, host name) in its ``start`` events. Where a node does not share the launcher's
-  run directory, the learner's metrics and every role's log are copied back as they grow,
-  so the progress line and the summary read as locally.
+  run directory, the learner's metrics and every role's log are copied back as they grow
+  (and once more as a role is seen to exit or is stopped; a replaced agent on the same node
+  goes on from what was copied), so the progress line and the summary read as locally; the
+  learner's final exit is read on its node. A node without the role's command or the
+  launcher's working directory fails the run in one line, exit 2 (a config problem).
 
 This module imports ``ray`` only when a run starts, so ``--help`` answers at once; the run
 starts in :mod:`asyncrl.launch.ray_main`.
@@ -40,9 +43,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.launch.ray_handles import SLOW_POLLS, Agent, Mirror, slow_answer
+from asyncrl.launch.ray_handles import SLOW_POLLS, Agent, Mirror, not_on_node, slow_answer
 from asyncrl.launch.ray_plan import Placement, unshared_learner_problem
-from asyncrl.launch.restart_policy import clear_final_exit
+from asyncrl.launch.restart_policy import CONFIG_ERROR, FINAL_EXITS, clear_final_exit
 from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, View
 
 log = logging.getLogger("asyncrl.launch")
@@ -77,6 +80,8 @@ class RaySupervisor(Supervisor):
         self.host: str | None = None  # bundle 0's node IP: endpoints.host of every role
         self.unplaced: dict[str, int] = {}  # starts in a row whose bundle found no node
         self.fatal: str | None = None  # why the run must end now (see _fail)
+        # What was copied back from each (role, node id): a replaced agent goes on from there.
+        self.mirrors: dict[tuple[str, str], Mirror] = {}
 
     # ---------------------------------------------------------------- agents
     def agent(self, role: Role) -> Agent:
@@ -134,6 +139,8 @@ class RaySupervisor(Supervisor):
 
     def _end(self, role: Role, code: int, view: View) -> int | None:
         if self.fatal is None:
+            if role is self.roles[-1] and code not in (0, *FINAL_EXITS):
+                code = self._final_exit(role) or code  # torchrun's 1 hides the learner's
             return super()._end(role, code, view)
         log.error("%s", self.fatal)
         self._event(role.name, "gave_up", exit_code=ENDED, why=self.fatal)
@@ -200,7 +207,10 @@ class RaySupervisor(Supervisor):
         try:
             ag.pid = ray.get(ready[0])
             ag.where = self._call(ag, "where")
-        except Exception as e:  # the agent died before it answered
+        except Exception as e:  # the agent died before it answered, or could not start it
+            if (missing := not_on_node(e)) is not None:
+                log.error("%s", missing)  # a config problem: not restarted, the run stops
+                return CONFIG_ERROR
             return self._lose(role, f"{type(e).__name__}")
         assert ag.where is not None
         self.unplaced.pop(role.name, None)
@@ -218,7 +228,8 @@ class RaySupervisor(Supervisor):
             return 2  # a config problem: not restarted, the run stops
         if not ag.where["shared_run_dir"] and ag.mirror is None:
             files = (f"logs/{role.name}.log",) + (MIRRORED if role.name == "learner" else ())
-            ag.mirror = Mirror(self.run_dir, files)
+            key = (role.name, ag.where["node_id"])
+            ag.mirror = self.mirrors.setdefault(key, Mirror(self.run_dir, files))
         log.info(
             "started %s (pid %d on %s, node %s)",
             role.name,
@@ -242,11 +253,17 @@ class RaySupervisor(Supervisor):
     def _track(self) -> None:
         """Copy back what grew on nodes that do not share the run directory."""
         for ag in self.agents.values():
-            if ag.mirror is not None and ag.pid is not None:
-                try:
-                    ag.mirror.pull(lambda rel, off, a=ag: self._call(a, "read", rel, off))
-                except Exception as e:  # a lost node is noticed by _look_at
-                    log.debug("mirroring: %s", e)
+            if ag.pid is not None:
+                self._pull(ag)
+
+    def _pull(self, ag: Agent) -> None:
+        """Copy back what grew in the files of ``ag``'s role, if its node does not share
+        the run directory."""
+        if ag.mirror is not None:
+            try:
+                ag.mirror.pull(lambda rel, off: self._call(ag, "read", rel, off))
+            except Exception as e:  # a lost node is noticed by _look_at
+                log.debug("mirroring: %s", e)
 
     def _look_at(self, role: Role) -> int | None:
         if role.done:
@@ -276,7 +293,7 @@ class RaySupervisor(Supervisor):
             return None
         ag.slow = 0
         if code is not None:
-            self._track()  # the end of its log
+            self._pull(ag)  # the end of its log
             role.last_pid, ag.pid = ag.pid or 0, None
             self._write_pids()
         return code
@@ -289,9 +306,22 @@ class RaySupervisor(Supervisor):
             code = self._call(ag, "poll")
         except Exception:
             return False
-        if code is not None:
-            ag.pid = None
+        if code is not None:  # it exited by itself as the run winds down
+            self._pull(ag)  # its last lines
+            self._event(role.name, "exit", exit_code=code)
+            role.last_pid, ag.pid = ag.pid, None
         return code is None
+
+    def _final_exit(self, role: Role) -> int | None:
+        """The final exit the learner recorded on its node, where that node does not share
+        the run directory (read and forgotten there); else None: the base class reads it."""
+        ag = self.agents.get(role.name)
+        if ag is not None and ag.where is not None and not ag.where["shared_run_dir"]:
+            try:
+                return self._call(ag, "take_final_exit")
+            except Exception as e:  # its node is gone: nothing to read
+                log.warning("%s: its final exit could not be read: %s", role.name, e)
+        return None
 
     # ---------------------------------------------------------------- stopping
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
@@ -307,6 +337,7 @@ class RaySupervisor(Supervisor):
         for name, ref in refs.items():
             try:
                 code = ray.get(ref, timeout=0)
+                self._pull(self.agents[name])  # what its role wrote as it stopped
             except Exception as e:  # not done in time, or the agent (its node) is gone
                 log.debug("%s: no exit code from its agent at stop: %s", name, e)
                 code = NODE_LOST if name in running else None
