@@ -36,7 +36,6 @@ from asyncrl.config import run_dir as run_dir_of
 from asyncrl.config.advisories import config_advisories
 from asyncrl.config.ending import complete_line, data_spent_at, finished_step, resumed_step
 from asyncrl.config.inputs import (
-    CORES,
     DATA,
     LOGGER,
     MODEL,
@@ -46,7 +45,7 @@ from asyncrl.config.inputs import (
     short_data_line,
     total_training_steps,
 )
-from asyncrl.config.machine import device_problem, gpu_sharing_problem
+from asyncrl.config.machine import cores_problem, device_problem, gpu_sharing_problem
 from asyncrl.config.resumed import launch_line
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import claim, hold_run_dir
@@ -80,7 +79,6 @@ def main(argv: list[str] | None = None) -> int:
             REWARD,
             RESUME,
             LOGGER,
-            CORES,
         ),  # found missing here, before any role starts
     )
     if (step := finished_step(cfg)) is not None:  # what auto would resume is the end
@@ -91,8 +89,14 @@ def main(argv: list[str] | None = None) -> int:
         from asyncrl.launch.ray_main import main_ray
 
         return main_ray(cfg)
-    # What only this machine can answer (Ray's nodes check their own): every role runs here.
-    here = [gpu_sharing_problem(cfg), device_problem(cfg), keys_problem(cfg.endpoints)]
+    # What only this machine can answer (Ray's nodes check their own, and Ray drops the
+    # launch.cpus / launch.gpus pins): every role runs here.
+    here = [
+        cores_problem(cfg),
+        gpu_sharing_problem(cfg),
+        device_problem(cfg),
+        keys_problem(cfg.endpoints),
+    ]
     if problems := [p for p in here if p is not None]:
         sys.stderr.write(f"asyncrl-launch: {ConfigError(problems)}\n")
         return 2

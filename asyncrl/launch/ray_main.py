@@ -1,6 +1,8 @@
 """The start of ``asyncrl-launch --ray`` (:func:`main_ray`; what it does is described in
 :mod:`asyncrl.launch.ray_launcher`): hold the run directory, join the cluster at
-``launch.ray.address``, reserve the run's bundles, find bundle 0's node, then drive the
+``launch.ray.address``, reserve the run's bundles (:mod:`asyncrl.launch.ray_reserve`:
+exit 130 / 143 on Ctrl-C / SIGTERM meanwhile), find bundle 0's node, hand every role the
+launcher's variables of :mod:`asyncrl.launch.ray_env`, then drive the
 :class:`~asyncrl.launch.ray_launcher.RaySupervisor` to the run's end.
 
 A run directory held by another live launch is refused in one line, before anything is
@@ -12,16 +14,18 @@ own warnings; ``auto`` with no cluster running starts a local Ray instance for t
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.ports import hold_run_dir
+from asyncrl.launch.ray_env import forward_env
 from asyncrl.launch.ray_launcher import RaySupervisor
-from asyncrl.launch.ray_plan import Placement, drop_local_pins, learner_roles, plan_placement
+from asyncrl.launch.ray_plan import drop_local_pins, learner_roles, plan_placement
+from asyncrl.launch.ray_reserve import Stopped, reserve
 from asyncrl.launch.supervise import RestartPolicy
 
 log = logging.getLogger("asyncrl.launch")
@@ -62,28 +66,6 @@ def connect(address: str) -> None:
         ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
 
 
-def reserve(placement: Placement, strategy: str, timeout_s: float) -> Any:
-    """The run's placement group once Ray has placed every bundle; None, with one line,
-    when the cluster cannot hold them within ``timeout_s``."""
-    import ray
-    from ray.exceptions import GetTimeoutError
-    from ray.util.placement_group import placement_group
-
-    pg = placement_group(placement.bundles, strategy=strategy)
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-    except GetTimeoutError:
-        log.error(
-            "the cluster cannot hold the run's bundles %s after %.0fs (free now: %s): "
-            "add nodes, or lower launch.ray.*_cpus / launch.ray.resources",
-            placement.bundles,
-            timeout_s,
-            ray.available_resources(),
-        )
-        return None
-    return pg
-
-
 def main_ray(cfg: Config) -> int:
     """Run the job on the Ray cluster (see the module docstring); the launcher's exit code."""
     import ray
@@ -113,7 +95,10 @@ def main_ray(cfg: Config) -> int:
     try:
         names = learner_roles(cfg, plan_roles(cfg, run_dir / "config.yaml"), "")
         placement = plan_placement(cfg, names)
-        pg = reserve(placement, ray_cfg.strategy, ray_cfg.start_timeout_s)
+        try:
+            pg = reserve(placement, ray_cfg.strategy, ray_cfg.start_timeout_s)
+        except Stopped as e:  # Ctrl-C / SIGTERM while waiting: the group is removed
+            return e.code
         if pg is None:
             return 1
         policy = RestartPolicy.from_config(cfg.launch)
@@ -129,6 +114,9 @@ def main_ray(cfg: Config) -> int:
         sup.departures = Departures.from_config(cfg)  # dials the coordinator at ``host``
         sup.files = {str(config_path.relative_to(run_dir)): config_path.read_text()}
         (run_dir / "commands.txt").write_text(commands_text(sup.roles, placement.bundle_of))
+        # After commands.txt, which must not hold the keys among them.
+        if forwarded := forward_env(sup.roles, os.environ):
+            log.info("the roles get the launcher's %s", " ".join(forwarded))
         log.info("run directory %s; roles meet at %s; bundles %s", run_dir, host, placement.bundles)
         return drive(sup, run_dir, cfg)
     finally:
