@@ -32,11 +32,7 @@ from asyncrl.launch.ray_launcher import NODE_LOST, RaySupervisor
 from asyncrl.launch.ray_plan import Placement
 from asyncrl.launch.restart_policy import FINAL_EXIT_FILE
 from asyncrl.launch.supervise import QuietView, RestartPolicy, Role
-
-
-class Ref:
-    def __init__(self, answer: Any):
-        self.answer = answer
+from tests.test_launch_ray_faults import Ref, _get
 
 
 class NodeAgent:
@@ -61,12 +57,6 @@ class NodeAgent:
             return Ref(answer(*args) if callable(answer) else answer)
 
         return SimpleNamespace(remote=remote)
-
-
-def _get(ref: Ref, timeout: float | None = None) -> Any:
-    if isinstance(ref.answer, BaseException):
-        raise ref.answer
-    return ref.answer
 
 
 def _wait(refs: list[Ref], **_: Any) -> tuple[list[Ref], list[Ref]]:
