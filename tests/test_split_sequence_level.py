@@ -6,6 +6,8 @@ runs it over micro-batches and ranks, then the trainer itself on the tiny model.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -189,7 +191,8 @@ def _split_worker(rank: int, world: int, port: int, model_dir: str, out: str) ->
     trainer.train_step(trainer_batch(split=True), 1.0)
     if rank == 0:
         torch.save(grads, out)
-    dist.destroy_process_group()
+    dist.barrier()  # both ranks are past every collective of the step
+    os._exit(0)  # without torch's teardown: gloo's can abort a rank leaving after the other
 
 
 def test_two_ranks_pool_the_episode_across_ranks(tiny_model, single_rank, tmp_path):
