@@ -18,6 +18,13 @@ class Placement:
     bundle_of: dict[str, int]
     gpus_of: dict[str, float]
 
+    @property
+    def kinds(self) -> list[str]:
+        """Each bundle's kind, ``learner`` (the buffer's and the learner nodes') or
+        ``rollout``: the ``launch.ray.*`` keys that sized it."""
+        learner = {b for r, b in self.bundle_of.items() if r == "buffer" or r.startswith("learner")}
+        return ["learner" if i in learner else "rollout" for i in range(len(self.bundles))]
+
 
 def drop_local_pins(cfg: Config) -> list[str]:
     """Clear ``launch.cpus`` and ``launch.gpus`` in ``cfg``, one line each for those set:

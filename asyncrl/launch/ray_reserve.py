@@ -62,14 +62,6 @@ def _signals_ignored() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def _kinds(placement: Placement) -> list[str]:
-    """Each bundle's kind (``learner`` or ``rollout``), by the roles placed in it."""
-    learner = {
-        b for r, b in placement.bundle_of.items() if r == "buffer" or r.startswith("learner")
-    }
-    return ["learner" if i in learner else "rollout" for i in range(len(placement.bundles))]
-
-
 def _key(resource: str, kinds: set[str]) -> str:
     """The config key(s) that make bundles of ``kinds`` ask for ``resource``."""
     if resource == "CPU":
@@ -90,7 +82,7 @@ def shortfall(
     cluster has free (``free``, of ``total``), with the config key asking for it; failing
     those, one per bundle no single node (``nodes``: each live node's resources) holds.
     Empty when neither explains the wait (the strategy, or nodes still joining)."""
-    kinds = _kinds(placement)
+    kinds = placement.kinds
     need: dict[str, float] = {}
     asked_by: dict[str, set[str]] = {}
     for bundle, kind in zip(placement.bundles, kinds, strict=True):
