@@ -45,7 +45,7 @@ from typing import Any
 
 from asyncrl.launch.ray_handles import SLOW_POLLS, Agent, Mirror, not_on_node, slow_answer
 from asyncrl.launch.ray_plan import Placement, unshared_learner_problem
-from asyncrl.launch.restart_policy import CONFIG_ERROR, FINAL_EXITS, clear_final_exit
+from asyncrl.launch.restart_policy import CONFIG_ERROR, clear_final_exit
 from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, View
 
 log = logging.getLogger("asyncrl.launch")
@@ -139,8 +139,6 @@ class RaySupervisor(Supervisor):
 
     def _end(self, role: Role, code: int, view: View) -> int | None:
         if self.fatal is None:
-            if role is self.roles[-1] and code not in (0, *FINAL_EXITS):
-                code = self._final_exit(role) or code  # torchrun's 1 hides the learner's
             return super()._end(role, code, view)
         log.error("%s", self.fatal)
         self._event(role.name, "gave_up", exit_code=ENDED, why=self.fatal)
@@ -313,15 +311,16 @@ class RaySupervisor(Supervisor):
         return code is None
 
     def _final_exit(self, role: Role) -> int | None:
-        """The final exit the learner recorded on its node, where that node does not share
-        the run directory (read and forgotten there); else None: the base class reads it."""
+        """The final exit the learner recorded, read (and forgotten) on its node where that
+        node does not share the run directory."""
         ag = self.agents.get(role.name)
         if ag is not None and ag.where is not None and not ag.where["shared_run_dir"]:
             try:
                 return self._call(ag, "take_final_exit")
             except Exception as e:  # its node is gone: nothing to read
                 log.warning("%s: its final exit could not be read: %s", role.name, e)
-        return None
+                return None
+        return super()._final_exit(role)
 
     # ---------------------------------------------------------------- stopping
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:

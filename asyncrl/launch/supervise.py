@@ -166,11 +166,15 @@ class Supervisor:
             return None
         return self.reap(role)
 
+    def _final_exit(self, role: Role) -> int | None:
+        """The final exit the learner ``role`` recorded (read and forgotten), or None."""
+        return take_final_exit(self.run_dir)
+
     def _end(self, role: Role, code: int, view: View) -> int | None:
         """Decide what a role's exit means: the end of the run (an exit code for the
         launcher) or a restart to schedule (None)."""
         if role is self.roles[-1] and code != 0 and code not in FINAL_EXITS:
-            code = take_final_exit(self.run_dir) or code  # torchrun's 1 hides the learner's
+            code = self._final_exit(role) or code  # torchrun's 1 hides the learner's
         if code != 0 and code not in FINAL_EXITS:
             self._tell_gone(role, code)
         if code == 0:

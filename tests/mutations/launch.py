@@ -155,7 +155,7 @@ ROWS = (
         "a torchrun learner's final exit is not restarted",
         "the launcher ignores the learner's recorded final exit",
         "asyncrl/launch/supervise.py",
-        "            code = take_final_exit(self.run_dir) or code  # torchrun's 1 hides the learner's\n",
+        "            code = self._final_exit(role) or code  # torchrun's 1 hides the learner's\n",
         "            pass\n",
         ("tests/test_launch.py",),
     ),
