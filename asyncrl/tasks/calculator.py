@@ -17,7 +17,6 @@ The reward is exact match of the episode's last line with the result.
 from __future__ import annotations
 
 import json
-import logging
 import random
 from typing import Any
 
@@ -29,8 +28,6 @@ TOOL_NAMES = {"+": "add", "*": "mul"}
 OPERANDS = {"*": (10, 99), "+": (100, 999)}  # each op's operand range
 
 Problem = tuple[int, str, int]
-
-logger = logging.getLogger(__name__)
 
 
 def _distinct(op: str) -> int:
@@ -106,7 +103,6 @@ def generate(
         if p not in seen:
             seen.add(p)
             problems.append(p)
-    logger.debug("calculator: %d train and %d val rows", n_train, n_val)
     return _rows(problems[n_val:], TRAIN_SPLIT), _rows(problems[:n_val], VAL_SPLIT)
 
 

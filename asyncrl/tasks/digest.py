@@ -24,7 +24,7 @@ def train_digest(rows: Sequence[dict[str, Any]], prompt_key: str = "prompt") -> 
     """A short fingerprint of each row's data source, prompt and ground truth, in order:
     what a training task rebuilt from its id carries to the scorer. Cheaper than
     :func:`rows_digest` (no sorted keys, no extra columns), as a training set may hold
-    millions of rows and the source is built at every coordinator start."""
+    millions of rows."""
     h = hashlib.sha256()
     for row in rows:
         reward = row.get("reward_model")
