@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import pytest
 
@@ -159,6 +159,19 @@ def start_ranks(worker: Callable[..., None], world: int, *args: Any):
     return mp.start_processes(
         worker, args=(world, *args), nprocs=world, join=False, start_method="spawn"
     )
+
+
+def leave_ranks() -> NoReturn:
+    """End a spawned learner rank once every rank is here, without torch's teardown.
+
+    Call it after the rank has written its results: the barrier makes every rank past each
+    collective of its own, and ``os._exit`` skips ``destroy_process_group``, whose gloo
+    teardown aborted a rank leaving a moment after the other (SIGABRT, "terminate called
+    without an active exception": once in a fresh-clone run, once in five of a harness)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    os._exit(0)
 
 
 def join_ranks(ctx) -> None:

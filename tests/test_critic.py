@@ -10,14 +10,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from asyncrl.config import Config, load_config
 from learner import fsdp
 from learner.checkpoint import REWARD_KL_KEY, STATE_FILE
 from learner.critic import value_head
 from learner.trainer import Trainer
-from tests.helpers import free_port, join_ranks, rank_env, start_ranks
+from tests.helpers import free_port, join_ranks, leave_ranks, rank_env, start_ranks
 from tests.trainer_helpers import (
     assert_gradients_match,
     float32_tolerance,
@@ -81,7 +80,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
             "critic_grads": cgrads[1],
         }
         torch.save(result, Path(out_dir) / "result.pt")
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def test_two_ranks_match_one_rank(tiny_model, single_rank, tmp_path):

@@ -16,7 +16,7 @@ from asyncrl import wire
 from learner.broadcast import share_batch, share_waiting
 from learner.fsdp import init_distributed, process_group_backend
 from learner.loop import _broadcast_int
-from tests.helpers import free_port, rank_env
+from tests.helpers import free_port, leave_ranks, rank_env
 from tests.standins.trajgen import make_group
 
 
@@ -59,7 +59,7 @@ def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     got = share_batch(_batch() if rank == 0 else None, rank, 2)
     Path(out, f"rank{rank}.json").write_bytes(msgspec.json.encode(_summary(got)))
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def test_rank_one_receives_rank_zeros_batch(tmp_path):
@@ -79,7 +79,7 @@ def _waiting_worker(rank: int, port: int, out: str) -> None:
     got = share_batch(_batch() if rank == 0 else None, rank, 2)
     end = share_batch(None, rank, 2)  # the end of training still reads as None
     Path(out, f"rank{rank}.json").write_bytes(msgspec.json.encode([_summary(got), end]))
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def test_ranks_wait_through_rank_zeros_keepalive_rounds(tmp_path):
@@ -113,7 +113,7 @@ def _learner_rank(rank: int, port: int, out: str) -> None:
         "default": dist.get_backend_config(),
     }
     Path(out, f"rank{rank}.json").write_bytes(msgspec.json.encode(result))
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def test_the_learners_own_group_carries_its_cpu_collectives(tmp_path):

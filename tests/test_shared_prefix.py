@@ -14,7 +14,7 @@ from learner.collate import collate
 from learner.rollouts import Rollout
 from learner.shared_prefix import collate_shared
 from learner.trainer import Trainer
-from tests.helpers import free_port, join_ranks, rank_env, start_ranks
+from tests.helpers import free_port, join_ranks, leave_ranks, rank_env, start_ranks
 from tests.trainer_helpers import float32_tolerance
 
 
@@ -104,12 +104,11 @@ def test_shared_rows_give_the_padded_logprobs_and_gradients(tiny_model, single_r
 
 
 def _rank(rank: int, world: int, port: int, model: str, out: str) -> None:
-    import torch.distributed as dist
 
     rank_env(rank, world, port)
     torch.set_num_threads(1)
     _compare(model, f"{out}/{rank}.pt")  # every rank: shared == padded, sharded the same way
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def test_shared_rows_through_fsdp2_on_two_ranks(tiny_model, tmp_path):

@@ -6,8 +6,6 @@ runs it over micro-batches and ranks, then the trainer itself on the tiny model.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from learner.losses import LossConfig, policy_loss
 from learner.plan import plan_step
 from learner.rollouts import Rollout, baseline_advantages, response_mask
 from learner.trainer import Trainer
-from tests.helpers import free_port, join_ranks, rank_env, start_ranks
+from tests.helpers import free_port, join_ranks, leave_ranks, rank_env, start_ranks
 from tests.test_split_episodes import N_TRAINED, batch, rows, stream, trained
 from tests.trainer_helpers import assert_gradients_match, float32_tolerance, record_gradients
 
@@ -182,7 +180,6 @@ def test_the_trainer_trains_a_split_episode_as_one(
 
 
 def _split_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
-    import torch.distributed as dist
 
     rank_env(rank, world, port)
     torch.set_num_threads(1)
@@ -191,8 +188,7 @@ def _split_worker(rank: int, world: int, port: int, model_dir: str, out: str) ->
     trainer.train_step(trainer_batch(split=True), 1.0)
     if rank == 0:
         torch.save(grads, out)
-    dist.barrier()  # both ranks are past every collective of the step
-    os._exit(0)  # without torch's teardown: gloo's can abort a rank leaving after the other
+    leave_ranks()
 
 
 def test_two_ranks_pool_the_episode_across_ranks(tiny_model, single_rank, tmp_path):

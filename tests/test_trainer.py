@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import threading
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from asyncrl.config import Config, load_config
 from learner import fsdp
 from learner.rollouts import Rollout
 from learner.trainer import Trainer
-from tests.helpers import free_port, join_ranks, rank_env, start_ranks
+from tests.helpers import free_port, join_ranks, leave_ranks, rank_env, start_ranks
 from tests.trainer_helpers import (
     assert_gradients_match,
     float32_tolerance,
@@ -80,7 +79,7 @@ def _fsdp_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str)
     if rank == 0:
         result = {"losses": losses, "state": pushed, "first_grads": grads[0]}
         torch.save(result, Path(out_dir) / "result.pt")
-    dist.destroy_process_group()
+    leave_ranks()
 
 
 def _first_update_worker(
@@ -93,11 +92,7 @@ def _first_update_worker(
     trainer.train_step(BATCHES[0], TEMPERATURE)
     if rank == 0:
         torch.save(grads[0], Path(out_dir) / "first_grads.pt")
-    dist.barrier()  # both ranks are past every collective of the step
-    # Then leave without torch's teardown: gloo's aborted one rank that left a moment
-    # after the other (SIGABRT, "terminate called without an active exception", once in a
-    # fresh-clone run), after the results were written.
-    os._exit(0)
+    leave_ranks()
 
 
 @pytest.mark.parametrize(
