@@ -1,5 +1,6 @@
-"""Wire codec: round trips, a plain-msgpack producer and every kind of bad frame (the ZeroMQ
-helpers are in test_transport.py)."""
+"""Wire codec of trajectories: round trips, a plain-msgpack producer, every kind of bad
+frame, and any bytes on any socket (requests and replies are in test_wire_requests.py, the
+ZeroMQ helpers in test_transport.py)."""
 
 from __future__ import annotations
 
@@ -151,66 +152,6 @@ def test_group_and_packed_views() -> None:
     np.testing.assert_array_equal(group.trajectories[2].response_ids, trajs[2].response_ids)
 
 
-def test_batch_reply_round_trip() -> None:
-    groups = [
-        wire.Group.from_trajectories(tid, make_group(tid, size, response_len=size))
-        for tid, size in (("a", 2), ("b", 3))
-    ]
-    batch = wire.Batch(
-        batch_id=7,
-        policy_version=3,
-        groups=groups,
-        lag_histogram={0: 1, 2: 1},
-        metrics={"buffer/size": 4.0},
-        redelivered=True,
-    )
-    got = wire.decode_reply(as_bytes(wire.encode_batch(batch)))
-    assert isinstance(got, wire.Batch)
-    assert (got.batch_id, got.policy_version, got.redelivered) == (7, 3, True)
-    assert got.task_ids == ["a", "b"] and got.lag_histogram == {0: 1, 2: 1}
-    assert got.metrics == {"buffer/size": 4.0}
-    for g, want in zip(got.groups, groups, strict=True):
-        assert g.metas == want.metas
-        for t, w in zip(g.trajectories, want.trajectories, strict=True):
-            np.testing.assert_array_equal(t.response_ids, w.response_ids)
-            np.testing.assert_array_equal(t.prompt_ids, w.prompt_ids)
-
-
-@pytest.mark.parametrize(
-    "msg",
-    [
-        wire.Hello(schema=1, consumer_id="learner", acked_through=4),
-        wire.BatchRequest(schema=1, consumer_id="learner", policy_version=3, wait_s=1.5),
-        wire.Ack(schema=1, consumer_id="learner", batch_ids=[1, 2]),
-        wire.StatsRequest(schema=1),
-        wire.DroppedRequest(schema=1),
-        wire.ValidationRequest(schema=1),
-        wire.ValidationRequest(schema=1, rounds=["val.x/0"]),
-        wire.Shutdown(schema=1),
-    ],
-)
-def test_requests_round_trip(msg: wire.Request) -> None:
-    assert wire.decode_request([wire.encode_request(msg)]) == msg
-
-
-def test_replies_round_trip() -> None:
-    replies = [
-        wire.Welcome(schema=1, redelivering=2, next_batch_id=5, acked=1),
-        wire.NoBatch(schema=1, ready=3, needed=16),
-        wire.AckReply(schema=1, acked=[1], unknown=[9]),
-        wire.StatsReply(schema=1, metrics={"buffer/size": 1.0}),
-        wire.DroppedReply(schema=1, dropped=[wire.DroppedTask("t", "lag", False)]),
-        wire.ValidationReply(
-            schema=1,
-            by_round={"val.x/0": {"val.x/0/3": wire.ValidationGroup.of("gsm8k", [1.0, 0.0], 7)}},
-        ),
-        wire.Ok(schema=1),
-        wire.ErrorReply(schema=1, error="invalid", detail="x"),
-    ]
-    for r in replies:
-        assert wire.decode_reply(wire.encode_reply(r)) == r
-
-
 # ----------------------------------------------------------------------- bad input
 def _with(meta_change: dict | None = None, drop: str | None = None, **frame_change: bytes):
     meta = {**META, **(meta_change or {})}
@@ -316,38 +257,6 @@ def test_encode_checks_what_the_receiver_would() -> None:
     wire.encode_trajectories([bad], check=False)  # the producer may opt out
 
 
-@pytest.mark.parametrize(
-    ("frames", "kind"),
-    [
-        ([msgpack.packb([1, 2])], "invalid"),  # msgpack, but an array
-        ([b"\xc1"], "malformed"),
-        ([msgpack.packb({"kind": "stats", "schema": 1, "x": 0})], "invalid"),  # unknown field
-        ([msgpack.packb({"kind": "stats", "schema": 9})], "schema"),
-        ([msgpack.packb({"kind": "launch", "schema": 1})], "invalid"),
-        (
-            [msgpack.packb({"kind": "ack", "schema": 1, "consumer_id": "c", "batch_ids": ["x"]})],
-            "invalid",
-        ),
-        ([wire.encode_request(wire.StatsRequest(schema=1))] * 2, "malformed"),
-        ([], "malformed"),
-        (
-            [msgpack.packb({"kind": "batch_request", "consumer_id": "c", "policy_version": 2**63})],
-            "invalid",
-        ),
-    ],
-)
-def test_bad_requests_are_rejected_by_kind(frames: list[bytes], kind: str) -> None:
-    with pytest.raises(wire.WireError) as err:
-        wire.decode_request(frames)
-    assert err.value.kind == kind
-
-
-def test_a_request_without_schema_is_of_the_current_version() -> None:
-    # Every request/reply message shares one base whose schema defaults to this side's.
-    assert wire.decode_request([msgpack.packb({"kind": "stats"})]) == wire.StatsRequest()
-    assert wire.StatsRequest().schema == wire.SCHEMA_VERSION
-
-
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
 @given(st.binary(max_size=200), st.integers(0, 3))
 def test_any_bytes_decode_or_raise_wire_error(header: bytes, n_arrays: int) -> None:
@@ -397,13 +306,3 @@ def test_an_oversize_meta_names_the_config_key() -> None:
     with pytest.raises(wire.WireError) as e:
         wire.decode_packed(plain_frames(), limits)
     assert e.value.kind == "oversize" and e.value.key == "data.max_response_length"
-
-
-def test_requests_of_a_peer_without_incarnation_tokens_decode() -> None:
-    """The incarnation fields are optional: an older client's messages stay valid."""
-    hello = msgpack.packb({"kind": "hello", "schema": 1, "consumer_id": "learner"})
-    msg = wire.decode_request([hello])
-    assert isinstance(msg, wire.Hello) and msg.incarnation == ""
-    ack = msgpack.packb({"kind": "ack", "schema": 1, "consumer_id": "l", "batch_ids": [1]})
-    decoded = wire.decode_request([ack])
-    assert isinstance(decoded, wire.Ack) and decoded.incarnation == ""
