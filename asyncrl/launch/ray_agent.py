@@ -30,6 +30,7 @@ from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervis
 # Not inherited by a role: a role (vLLM above all) must not join the Ray instance its agent
 # runs in, nor start one of its own (vLLM picks its Ray executor where it finds Ray).
 RAY_ENV_PREFIXES = ("RAY_",)
+LEARNER = "learner"  # the role whose start clears a recorded final exit (learner-k's do not)
 
 
 class _NodeSupervisor(Supervisor):
@@ -45,6 +46,12 @@ class _NodeSupervisor(Supervisor):
 
     def _write_pids(self) -> None:
         pass
+
+    def _is_learner(self, role: Role) -> bool:
+        """By its name: here the role is the only one, so always the last. The buffer
+        shares the learner's node (bundle 0), and its restart there must not clear the
+        final exit the learner has just written."""
+        return role.name == LEARNER
 
 
 class RoleAgent:

@@ -26,10 +26,11 @@ and command lines as the local launcher, placed on a Ray cluster.
 - **Records**: ``launch.jsonl`` and ``pids.json`` as locally, plus each role's node (IP, Ray
   node id, host name) in its ``start`` events. Where a node does not share the launcher's
   run directory, the learner's metrics and every role's log are copied back as they grow
-  (and once more as a role is seen to exit or is stopped; a replaced agent on the same node
-  goes on from what was copied), so the progress line and the summary read as locally; the
-  learner's final exit is read on its node. A node without the role's command or the
-  launcher's working directory fails the run in one line, exit 2 (a config problem).
+  (and once more as a role is seen to exit or is stopped; a replaced agent on the same node,
+  or the next launch of the run, goes on from what was copied), so the progress line and
+  the summary read as locally; the learner's final exit is read on its node. A node without
+  the role's command or the launcher's working directory fails the run in one line, exit 2
+  (a config problem).
 
 This module imports ``ray`` only when a run starts, so ``--help`` answers at once; the run
 starts in :mod:`asyncrl.launch.ray_main`.
@@ -43,7 +44,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.launch.ray_handles import SLOW_POLLS, Agent, Mirror, not_on_node, slow_answer
+from asyncrl.launch.ray_handles import (
+    SLOW_POLLS,
+    Agent,
+    Mirror,
+    not_on_node,
+    read_record,
+    slow_answer,
+    write_record,
+)
 from asyncrl.launch.ray_plan import Placement, unshared_learner_problem
 from asyncrl.launch.restart_policy import CONFIG_ERROR, clear_final_exit
 from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, View
@@ -54,6 +63,7 @@ NODE_LOST = -9  # the exit reported for a role whose agent (or node) is gone: as
 ENDED = 1  # the launcher's exit when the run cannot go on on this cluster (see _fail)
 CALL_TIMEOUT_S = 30.0  # one call to a live agent
 MIRRORED = ("metrics.jsonl", "startup.jsonl")  # the learner's records the view reads
+PER_LAUNCH = ("startup.jsonl",)  # begun afresh by every launch (asyncrl.launch.startup)
 
 
 class RaySupervisor(Supervisor):
@@ -80,8 +90,10 @@ class RaySupervisor(Supervisor):
         self.host: str | None = None  # bundle 0's node IP: endpoints.host of every role
         self.unplaced: dict[str, int] = {}  # starts in a row whose bundle found no node
         self.fatal: str | None = None  # why the run must end now (see _fail)
-        # What was copied back from each (role, node id): a replaced agent goes on from there.
-        self.mirrors: dict[tuple[str, str], Mirror] = {}
+        # What was copied back from each role's node, by "<role>@<host name>": a replaced
+        # agent there goes on from it, and so does the next launch (see _mirror).
+        self.mirrors: dict[str, Mirror] = {}
+        self.copied = read_record(self.run_dir)  # what earlier launches copied
 
     # ---------------------------------------------------------------- agents
     def agent(self, role: Role) -> Agent:
@@ -158,7 +170,7 @@ class RaySupervisor(Supervisor):
         ag = self.agent(role)
         role.attempt += 1
         role.restart_at = None
-        if role is self.roles[-1]:
+        if self._is_learner(role):
             clear_final_exit(self.run_dir)
         role.log_path = self.log_dir / f"{role.name}.log"
         ag.handle.write.remote(self.files)
@@ -225,9 +237,7 @@ class RaySupervisor(Supervisor):
             log.error("%s", problem)
             return 2  # a config problem: not restarted, the run stops
         if not ag.where["shared_run_dir"] and ag.mirror is None:
-            files = (f"logs/{role.name}.log",) + (MIRRORED if role.name == "learner" else ())
-            key = (role.name, ag.where["node_id"])
-            ag.mirror = self.mirrors.setdefault(key, Mirror(self.run_dir, files))
+            ag.mirror = self._mirror(role.name, ag.where["hostname"])
         log.info(
             "started %s (pid %d on %s, node %s)",
             role.name,
@@ -247,6 +257,18 @@ class RaySupervisor(Supervisor):
         self._write_pids()
         return None
 
+    def _mirror(self, name: str, host: str) -> Mirror:
+        """What copies back ``name``'s files on the node ``host``: the one an earlier
+        agent there used, else a new one going on from what an earlier launch of the run
+        copied (a resumed run's node files hold its earlier launches' records too)."""
+        key = f"{name}@{host}"
+        if key not in self.mirrors:
+            files = (f"logs/{name}.log",) + (MIRRORED if name == "learner" else ())
+            mirror = Mirror(self.run_dir, files)
+            mirror.resume(self.copied.get(key, {}), PER_LAUNCH)
+            self.mirrors[key] = mirror
+        return self.mirrors[key]
+
     # ---------------------------------------------------------------- watching
     def _track(self) -> None:
         """Copy back what grew on nodes that do not share the run directory."""
@@ -257,11 +279,16 @@ class RaySupervisor(Supervisor):
     def _pull(self, ag: Agent) -> None:
         """Copy back what grew in the files of ``ag``'s role, if its node does not share
         the run directory."""
-        if ag.mirror is not None:
-            try:
-                ag.mirror.pull(lambda rel, off: self._call(ag, "read", rel, off))
-            except Exception as e:  # a lost node is noticed by _look_at
-                log.debug("mirroring: %s", e)
+        if ag.mirror is None:
+            return
+        before = ag.mirror.record()
+        try:
+            ag.mirror.pull(lambda rel, off: self._call(ag, "read", rel, off))
+        except Exception as e:  # a lost node is noticed by _look_at
+            log.debug("mirroring: %s", e)
+        if ag.mirror.record() != before:  # kept for the next launch of the run
+            self.copied.update({key: m.record() for key, m in self.mirrors.items()})
+            write_record(self.run_dir, self.copied)
 
     def _look_at(self, role: Role) -> int | None:
         if role.done:

@@ -97,7 +97,7 @@ class Supervisor:
         role.log_path = self.log_dir / f"{role.name}.log"
         role.attempt += 1
         role.restart_at = None
-        if role is self.roles[-1]:
+        if self._is_learner(role):
             clear_final_exit(self.run_dir)
         marker = f"{self.launch_id} {role.name} {role.attempt}"
         with open(role.log_path, "a") as f:  # a restarted role appends to the same log
@@ -109,6 +109,12 @@ class Supervisor:
         log.info("started %s (pid %d)", role.name, role.proc.pid)
         self._event(role.name, "start", pid=role.proc.pid, attempt=role.attempt)
         self._write_pids()
+
+    def _is_learner(self, role: Role) -> bool:
+        """Whether ``role`` is the learner (the last role): only its own start clears the
+        final exit an earlier learner recorded; any other role's must leave it for the
+        launcher to read as the learner exits."""
+        return role is self.roles[-1]
 
     def start_all(self) -> None:
         for role in self.roles:
