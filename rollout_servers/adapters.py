@@ -77,12 +77,19 @@ class AdapterVersions:
 
     async def activate(self, llm: Any, version: int) -> None:
         """Load the adapter written to :meth:`path_for` ``(version)`` into vLLM and make it
-        current for new requests; release adapters nobody needs any more."""
+        current for new requests; release adapters nobody needs any more. When vLLM refuses
+        the adapter, its files are deleted and the error raised."""
         from vllm.lora.request import LoRARequest
 
         key, path = self._next_id, self.path_for(version)
         request = LoRARequest(f"policy-v{version}-{key}", key, str(path))
-        await llm.add_lora(request)
+        try:
+            await llm.add_lora(request)
+        except Exception:  # a cancel leaves the engine core loading it: kept
+            # Never loaded, so never pruned: its files would stay on disk until the server
+            # exits, one folder (the adapter's size) per failed load of a new version.
+            shutil.rmtree(path, ignore_errors=True)
+            raise
         self._next_id += 1
         self._loaded[key] = _Loaded(version, request, path)
         self.current = key

@@ -71,6 +71,16 @@ class RoundWatch:
             self._why = why
             return self.successor
 
+    def fail(self, why: str) -> SyncRound | None:
+        """The learner's meeting failed on its own (its timeout, the store gone): the round
+        ends here, unless a loss ended it first; that loss's :attr:`successor` (None: none).
+        Settled under the lock, so a loss coming after only fails the round. Unsettled, a
+        loss between the meeting's failure and the round's close began a successor nobody
+        sent: the learner's close took that round for its own, and its members waited
+        ``sync.timeout_s`` more in a meeting the learner never came to."""
+        self.end(why, lambda: None)
+        return self.successor
+
 
 @dataclass(frozen=True)
 class SyncRound:

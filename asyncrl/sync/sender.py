@@ -163,8 +163,8 @@ class WeightPusher:
                     self.forget()
                     self._group, self._generation = self._form(rnd), rnd.generation
                 group = self._group
-        except WeightSyncError:
-            if rnd.watch.successor is None:
+        except WeightSyncError as e:
+            if rnd.watch.fail(str(e)) is None:  # settled: a later loss begins no round
                 raise
             return None
         if rnd.watch.form():

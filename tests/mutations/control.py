@@ -375,4 +375,12 @@ ROWS = (
         "        return False",
         ("tests/test_lag_controller.py",),
     ),
+    Mutation(
+        "a member lost as the learner's meeting gives up",
+        "the loss begins a round nobody sends, closed in the failed round's place",
+        "asyncrl/sync/sender.py",
+        "            if rnd.watch.fail(str(e)) is None:  # settled: a later loss begins no round",
+        "            if rnd.watch.successor is None:",
+        ("tests/test_sync_leftovers.py",),
+    ),
 )

@@ -380,4 +380,12 @@ ROWS = (
         "        return probe if all(math.isfinite(x) for x in probe) else []\n",
         ("tests/test_server_syncs.py",),
     ),
+    Mutation(
+        "files of a refused adapter",
+        "an adapter vLLM refused leaves its folder on disk",
+        "rollout_servers/adapters.py",
+        "            shutil.rmtree(path, ignore_errors=True)",
+        "            pass",
+        ("tests/test_sync_leftovers.py",),
+    ),
 )
