@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rollout_servers.samples import Sample, piece_params, sampled_logprob, version_spans_of
+from rollout_servers.sync_progress import ProgressWatch, WorkerStuck, unless_stuck
 from rollout_servers.worker_ext import PARTLY_LOADED
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class RolloutEngine:
         self._paused_total = 0.0  # seconds generation was paused for syncs, ended pauses
         self._paused_since: float | None = None  # the pause in progress (held while partial)
         self.stuck = ""  # a worker call that never ended: the engine is of no more use
+        self.progress: ProgressWatch | None = None  # where workers record their receives
 
     @classmethod
     async def start(
@@ -111,7 +113,14 @@ class RolloutEngine:
             llm = AsyncLLM.from_engine_args(args)
         engine = cls(llm, sync_mode, version, adapters)
         await llm.update_weight_version(str(version))
+        await engine.watch_workers()
         return engine
+
+    async def watch_workers(self) -> None:
+        """Have the workers record how far each receive has got, so that a slow push is
+        told from a stuck worker (:mod:`rollout_servers.sync_progress`)."""
+        self.progress = ProgressWatch()
+        await self.llm.collective_rpc("wsync_record_progress", args=(self.progress.folder,))
 
     def shutdown(self) -> None:
         """Stop vLLM's engine core and workers, and free the engine now.
@@ -121,6 +130,8 @@ class RolloutEngine:
         ``TypeError`` traceback as the server exits; freed here, it finds nothing left to do.
         """
         llm, self.llm = self.llm, None
+        if self.progress is not None:
+            self.progress.close()
         if llm is None:  # shut down before
             return
         llm.shutdown()
@@ -256,29 +267,34 @@ class RolloutEngine:
     async def _receive(
         self, plan: WeightPlan, join: SyncJoin | None, timeout_s: float, method: str, *args: Any
     ) -> list[dict[str, float]]:
-        """Join (with ``join``) and receive on every worker, bounded as a whole. Each wait
-        in a worker is bounded by ``timeout_s`` (three to join: the store, the members'
-        meeting, the group; one per bucket), so a call still running after
-        ``timeout_s * (4 + buckets)`` has a worker stuck in it: every later call would queue
-        behind it, so the engine counts as dead (:attr:`errored`: the server exits 4 and is
-        restarted) and generation is not resumed."""
+        """Join (with ``join``) and receive on every worker. Each wait in a worker is
+        bounded by ``timeout_s``, so a join still running after four (three waits: the
+        store, the members' meeting, the group), or a receive whose slowest worker has
+        received no bucket for two (:mod:`rollout_servers.sync_progress`; without its
+        records, after ``timeout_s * (4 + buckets)``), has a worker stuck in it: every later
+        call would queue behind it, so the engine counts as dead (:attr:`errored`: the
+        server exits 4 and is restarted) and generation is not resumed."""
+        if join is not None:
+            await self._unless_stuck("wsync_join", (*join, timeout_s), timeout_s, 4 * timeout_s)
         bound = timeout_s * (4 + len(plan.buckets))
-        start = time.monotonic()
+        return await self._unless_stuck(
+            method, (plan, timeout_s, *args), timeout_s, bound, self.progress
+        )
 
-        async def calls() -> list[dict[str, float]]:
-            if join is not None:
-                await self.llm.collective_rpc("wsync_join", args=(*join, timeout_s))
-            return await self.llm.collective_rpc(method, args=(plan, timeout_s, *args))
-
+    async def _unless_stuck(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        timeout_s: float,
+        bound_s: float,
+        progress: ProgressWatch | None = None,
+    ) -> Any:
+        """The workers' ``method``, counting the engine dead once a worker is stuck in it."""
+        call = self.llm.collective_rpc(method, args=args)
         try:
-            return await asyncio.wait_for(calls(), bound)
-        except asyncio.TimeoutError:  # not builtin TimeoutError on 3.10
-            if time.monotonic() - start < bound:
-                raise  # a worker's own timeout, raised through the call
-            self.stuck = (
-                f"the workers' {method} did not end within {bound:.0f}s (sync.timeout_s per "
-                "wait): a worker is stuck in it"
-            )
+            return await unless_stuck(call, timeout_s, bound_s, progress)
+        except WorkerStuck as e:
+            self.stuck = f"the workers' {method} {e}: a worker is stuck in it"
             raise RuntimeError(self.stuck) from None
 
     async def _resume(self) -> None:

@@ -22,6 +22,7 @@ from asyncrl.sync.adapter import save_peft_adapter
 from asyncrl.sync.groups import form_group, open_store, release_group
 from asyncrl.sync.plan import WeightPlan
 from asyncrl.sync.weights import receive_weights
+from rollout_servers.sync_progress import WorkerProgress
 
 #: Starts the error of a sync that failed after the engine's weights were partly replaced:
 #: the engine cannot generate any more and its server must be restarted.
@@ -95,6 +96,19 @@ class WeightSyncExtension:
         self._wsync_generation = generation
         return rank
 
+    def wsync_record_progress(self, folder: str) -> None:
+        """Record from now on how many buckets each receive has got, in ``folder``: the
+        engine tells a slow push from a stuck worker by it (:mod:`rollout_servers.sync_progress`)."""
+        self._wsync_progress = WorkerProgress(folder, self.rank)
+
+    def _wsync_stream(self, group: Any, plan: WeightPlan, timeout_s: float) -> Any:
+        """The received tensors (:func:`receive_weights`), each bucket recorded as it arrives."""
+        progress = getattr(self, "_wsync_progress", None)
+        if progress is not None:
+            progress(0)  # the receive has begun
+        device = self._wsync_device()
+        return receive_weights(group, plan, timeout_s=timeout_s, device=device, on_bucket=progress)
+
     def wsync_receive(
         self, plan: WeightPlan | dict[str, Any], timeout_s: float
     ) -> dict[str, float]:
@@ -114,8 +128,7 @@ class WeightSyncExtension:
 
         def weights():
             nonlocal count
-            stream = receive_weights(group, plan, timeout_s=timeout_s, device=self._wsync_device())
-            for name, tensor in stream:
+            for name, tensor in self._wsync_stream(group, plan, timeout_s):
                 count += 1
                 yield name, tensor
 
@@ -150,7 +163,7 @@ class WeightSyncExtension:
         if not isinstance(plan, WeightPlan):
             plan = msgspec.convert(plan, WeightPlan)
         start = time.monotonic()
-        stream = receive_weights(group, plan, timeout_s=timeout_s, device=self._wsync_device())
+        stream = self._wsync_stream(group, plan, timeout_s)
         # Copies: the received tensors are views of a bucket the next receive reuses.
         tensors = {name: tensor.to("cpu", copy=True) for name, tensor in stream}
         if self.rank == 0:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -192,13 +192,20 @@ def _pack(
 
 
 def receive_weights(
-    pg, plan: WeightPlan, *, timeout_s: float = 120.0, device: str = "cpu"
+    pg,
+    plan: WeightPlan,
+    *,
+    timeout_s: float = 120.0,
+    device: str = "cpu",
+    on_bucket: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """Receive the broadcast of :func:`send_weights`; yield ``(name, tensor)`` per tensor.
 
     Tensors are views into their bucket (no copy). The receive of bucket ``i + 1`` is
     posted before bucket ``i``'s tensors are handed out, so the caller's loading overlaps
     the transfer; memory holds two buckets at most plus what the caller keeps.
+    ``on_bucket`` is told the number of buckets received as each arrives: a push of many
+    buckets that still moves is told from a stuck one by it.
     """
     import torch
 
@@ -215,6 +222,8 @@ def receive_weights(
     for i, bucket in enumerate(buckets):
         work, flat = pending
         _wait(work, timeout_s, f"weight receive of bucket {i}")
+        if on_bucket is not None:
+            on_bucket(i + 1)
         if i + 1 < len(buckets):
             pending = post(i + 1)
         for e in bucket.entries:

@@ -388,4 +388,12 @@ ROWS = (
         "            pass",
         ("tests/test_sync_leftovers.py",),
     ),
+    Mutation(
+        "a stuck weight receive is told by its progress",
+        "a stuck worker is declared only after timeout_s x (4 + buckets), and a slow moving push is declared stuck",
+        "rollout_servers/engine.py",
+        "            method, (plan, timeout_s, *args), timeout_s, bound, self.progress",
+        "            method, (plan, timeout_s, *args), timeout_s, bound, None",
+        ("tests/test_stuck_worker.py",),
+    ),
 )

@@ -1,0 +1,119 @@
+"""How far each vLLM worker has got in a weight receive: what tells a slow push from a
+worker stuck in it.
+
+Every wait in a worker's receive is bounded by ``sync.timeout_s``, one per bucket, so a
+bound on the whole call grows with the model: a 7B bf16 model in 32 MB buckets (142 of
+them) at 120 s a wait had 4.9 hours, long after the learner had dropped the server, which
+stayed paused meanwhile. Instead each worker records the buckets it has received in a
+file of its own, in a folder the engine made and told it at start (the workers are
+processes of this host, or threads of this process: a file reaches both); the engine
+reads them every few seconds and counts a worker stuck once the slowest has received no
+bucket for :data:`STALL_WAITS` waits (one wait, plus loading the bucket before). Where no
+worker ever records (a worker on another host), the bound on the whole call stays as the
+safety net.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Awaitable
+from pathlib import Path
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+
+#: Waits of ``sync.timeout_s`` without a new bucket after which a worker counts as stuck:
+#: one for the bucket's broadcast, one for loading the bucket before.
+STALL_WAITS = 2
+#: The longest time between two looks at the workers' progress.
+POLL_S = 2.0
+
+T = TypeVar("T")
+
+
+class WorkerStuck(Exception):
+    """A worker's call neither ended nor moved within its bounds (the message says which)."""
+
+
+class WorkerProgress:
+    """Worker side: records the buckets this worker has received, as a file named after
+    its rank in the engine's folder. Never raises: a lost record only leaves the engine
+    to its safety net."""
+
+    def __init__(self, folder: str, rank: int) -> None:
+        self.path = Path(folder) / str(rank)
+
+    def __call__(self, buckets: int) -> None:
+        # Written aside and renamed, so the engine never reads a half-written number.
+        part = self.path.with_name(f".{self.path.name}.part")
+        try:
+            part.write_text(str(buckets))
+            os.replace(part, self.path)
+        except OSError as e:
+            log.debug("recording weight receive progress in %s: %s", self.path, e)
+
+
+class ProgressWatch:
+    """Engine side: the folder its workers record their progress in, and the reading of it."""
+
+    def __init__(self) -> None:
+        self.folder = tempfile.mkdtemp(prefix="asyncrl-wsync-progress-")
+
+    def reset(self) -> None:
+        """Forget the receive before: every worker records 0 as its next one starts."""
+        for path in Path(self.folder).iterdir():
+            path.unlink(missing_ok=True)
+
+    def slowest(self) -> int | None:
+        """The fewest buckets any worker has recorded, or None while none has."""
+        counts = []
+        for path in Path(self.folder).iterdir():
+            if path.name.startswith("."):
+                continue
+            try:
+                counts.append(int(path.read_text()))
+            except (OSError, ValueError):  # removed or rewritten meanwhile
+                continue
+        return min(counts, default=None)
+
+    def close(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+async def unless_stuck(
+    call: Awaitable[T], timeout_s: float, bound_s: float, progress: ProgressWatch | None = None
+) -> T:
+    """Await the workers' ``call`` (each of its waits bounded by ``timeout_s``); raise
+    :class:`WorkerStuck` (and cancel it) once a worker is stuck in it: with ``progress``
+    recorded, when the slowest worker has received no bucket for :data:`STALL_WAITS`
+    waits, however long the push as a whole; before any is recorded, past ``bound_s``.
+    An error of the call itself (a worker's own timeout) is raised as it is."""
+    if progress is not None:
+        progress.reset()
+    task = asyncio.ensure_future(call)
+    start = moved = time.monotonic()
+    seen: int | None = None
+    stall_s = STALL_WAITS * timeout_s
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=min(POLL_S, timeout_s / 2))
+            if done:
+                return task.result()
+            now = time.monotonic()
+            slowest = progress.slowest() if progress is not None else None
+            if slowest is not None and (seen is None or slowest > seen):
+                seen, moved = slowest, now
+            if seen is not None and now - moved > stall_s:
+                raise WorkerStuck(
+                    f"received no bucket for {now - moved:.0f}s (after {seen}; sync.timeout_s "
+                    f"{timeout_s:g}s per wait)"
+                )
+            if seen is None and now - start > bound_s:
+                raise WorkerStuck(f"did not end within {bound_s:.0f}s (sync.timeout_s per wait)")
+    finally:
+        task.cancel()  # a no-op once it ended
