@@ -107,6 +107,7 @@ def test_departures_send_the_pid_and_collect_the_answer():
         "server_id": "rollout-0",
         "pid": 4242,
         "ok": True,
+        "tries": 1,
         "launch/leaves/sent": 1.0,
     }
 
@@ -116,7 +117,7 @@ def test_an_absent_coordinator_costs_a_counted_failure_and_no_wait():
         probe = ctx.socket(zmq.REP)
         port = probe.bind_to_random_port("tcp://127.0.0.1")
         probe.close(0)
-    dep = Departures(f"tcp://127.0.0.1:{port}", timeout_s=2.0)
+    dep = Departures(f"tcp://127.0.0.1:{port}", timeout_s=2.0, give_up_s=0.0)  # one try
     try:
         start = time.monotonic()
         dep.send("rollout-1", 7, "exit code 4")
@@ -126,7 +127,7 @@ def test_an_absent_coordinator_costs_a_counted_failure_and_no_wait():
         outcome = _wait_outcome(dep)
     finally:
         dep.close()
-    assert not outcome["ok"] and "no reply" in outcome["why"]
+    assert not outcome["ok"] and "no reply" in outcome["why"] and outcome["tries"] == 1
     assert outcome["launch/leaves/failed"] == 1.0 and dep.counts == {"failed": 1}
 
 

@@ -353,4 +353,26 @@ ROWS = (
         "    pass",
         ("tests/test_launch_ray_leftovers.py",),
     ),
+    Mutation(
+        "an unanswered Leave is sent again",
+        "a Leave unanswered within one try is given up (lost while the learner restarts)",
+        "asyncrl/launch/departures.py",
+        "                self._try(p)",
+        '                self._done(p, ok=False, why="no reply")',
+        (
+            "tests/test_departures_retry.py::"
+            "test_a_leave_sent_while_the_coordinator_is_down_reaches_it_when_it_comes_back",
+        ),
+    ),
+    Mutation(
+        "an unanswered Leave is given up after a bound",
+        "an unanswered Leave is sent again forever",
+        "asyncrl/launch/departures.py",
+        "                if now - p.first >= self.give_up_s:",
+        "                if False:",
+        (
+            "tests/test_departures_retry.py::"
+            "test_an_unanswered_leave_is_given_up_after_the_bound_and_never_sent_after",
+        ),
+    ),
 )

@@ -1,0 +1,120 @@
+"""A ``Leave`` the coordinator cannot answer yet (the learner, whose coordinator it is, is
+restarting) is sent again until the coordinator answers: a rollout server that died during
+the restart then stops holding the resumed coordinator's dealing at once, instead of after
+``control.dead_after_s``. A late one about an earlier incarnation leaves the restarted
+server registered. One never answered is given up after ``give_up_s``, and nothing is sent
+after that. Every try and wait goes without blocking the supervisor that polls."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from asyncrl.control import Coordinator
+from asyncrl.control import messages as m
+from asyncrl.control.admission import Budget
+from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.state import ControlState
+from asyncrl.control.syncs import SyncBook
+from asyncrl.control.task_source import TaskSource
+from asyncrl.launch.departures import Departures
+from asyncrl.tasks import make_row
+from tests.helpers import free_port, wait_until
+
+TRY_S = 1.0  # one try's wait for the reply: the coordinator comes back after a few
+
+
+def _resumed_state() -> ControlState:
+    """A coordinator's state restored from a checkpoint that knew rollout-0 and rollout-1:
+    it deals nothing until both registered again or left (or ``dead_after_s``, 60 s)."""
+    rows = [
+        make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(20)
+    ]
+    st = ControlState(
+        TaskLedger(TaskSource(rows, [], seed=1, n=2), Budget(1, 4)),
+        SyncBook(),
+        heartbeat_s=0.5,
+        dead_after_s=60.0,
+        store_host="127.0.0.1",
+        store_port=1,
+    )
+    st.recovery.restored(["rollout-0", "rollout-1"], with_buffer=False)
+    return st
+
+
+def _polled(dep: Departures, seconds: float) -> tuple[list[dict], float]:
+    """Poll as the supervisor does for ``seconds``: the outcomes and the longest poll."""
+    out: list[dict] = []
+    longest, end = 0.0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = time.monotonic()
+        out.extend(dep.poll())
+        longest = max(longest, time.monotonic() - start)
+        time.sleep(0.05)
+    return out, longest
+
+
+@pytest.mark.parametrize("restarted_first", [False, True])
+def test_a_leave_sent_while_the_coordinator_is_down_reaches_it_when_it_comes_back(
+    restarted_first: bool,
+):
+    """rollout-0 (pid 4242) died while the learner restarted. ``restarted_first``: its next
+    incarnation (pid 4243) registered with the resumed coordinator before the Leave came."""
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    dep = Departures(addr, timeout_s=TRY_S)
+    coord = None
+    try:
+        dep.send("rollout-0", 4242, "killed by SIGKILL")
+        early, longest = _polled(dep, 2.5 * TRY_S)  # the coordinator is down: no answer
+        assert early == []  # given up after one try before the mend
+        assert longest < 0.5  # a try or a retry never holds the supervisor up
+        st = _resumed_state()
+        now = time.monotonic()
+        st.register(m.Register(server_id="rollout-1", pid=7), now)
+        if restarted_first:
+            st.register(m.Register(server_id="rollout-0", pid=4243), now)
+        else:
+            assert st.grant("rollout-1", 4, now).reason == "starting"  # held for rollout-0
+        coord = Coordinator(st, tasks_addr="tcp://127.0.0.1:*", control_addr=addr).start()
+        out: list[dict] = []
+        wait_until(lambda: out.extend(dep.poll()) or out, "the Leave's answer", 10.0)
+    finally:
+        dep.close()
+        if coord is not None:
+            coord.stop()
+    [outcome] = out
+    assert outcome["server_id"] == "rollout-0" and outcome["pid"] == 4242
+    assert outcome["ok"] and outcome["tries"] >= 2 and "why" not in outcome
+    assert dep.counts == {"sent": 1}
+    if restarted_first:  # about the dead incarnation: ignored
+        assert st.servers["rollout-0"].pid == 4243
+    else:  # the resume waits no longer for it, and deals
+        assert "rollout-0" not in st.servers and not st.recovery.awaiting
+        assert st.grant("rollout-1", 4, time.monotonic()).tasks
+
+
+def test_an_unanswered_leave_is_given_up_after_the_bound_and_never_sent_after():
+    port = free_port()
+    give_up_s = 2.5 * TRY_S
+    dep = Departures(f"tcp://127.0.0.1:{port}", timeout_s=TRY_S, give_up_s=give_up_s)
+    ctx = zmq.Context()
+    late = ctx.socket(zmq.REP)
+    try:
+        start = time.monotonic()
+        dep.send("rollout-1", 7, "exit code 4")
+        out, longest = _polled(dep, give_up_s + 2 * TRY_S)
+        assert longest < 0.5  # a try or a retry never holds the supervisor up
+        [outcome] = out
+        assert not outcome["ok"] and "no reply" in outcome["why"]
+        assert 2 <= outcome["tries"] <= 3, outcome  # one per TRY_S until give_up_s
+        assert outcome["launch/leaves/failed"] == 1.0 and dep.counts == {"failed": 1}
+        assert time.monotonic() - start >= give_up_s
+        late.bind(f"tcp://127.0.0.1:{port}")  # a coordinator that comes back afterwards
+        after, _ = _polled(dep, 1.5 * TRY_S)
+        assert after == [] and not late.poll(0)  # nothing more was sent
+    finally:
+        dep.close()
+        late.close(0)
+        ctx.term()
