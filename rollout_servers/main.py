@@ -309,14 +309,14 @@ async def serve(cfg: Config, server_id: str) -> int:
 
 
 async def _leave_and_close(client: Any, pusher: Any) -> None:
-    """Tell the coordinator this server leaves (unless it is gone), then close the client
-    and the pusher.
+    """Tell the coordinator this server leaves (unless it is gone, or the server never
+    registered: nothing to leave), then close the client and the pusher.
 
     The leave runs on a thread of its own: pushes blocked by a buffer that does not read
     hold asyncio's default executor, and free its threads only when the pusher closes, so a
     leave queued behind them would wait for good (the server hung until killed, its Leave
     never sent)."""
-    if not client.gone.is_set():
+    if client.registered is not None and not client.gone.is_set():
         with ThreadPoolExecutor(1, thread_name_prefix="leave") as own:
             await asyncio.get_running_loop().run_in_executor(own, client.leave, "stopped")
     client.close()

@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -169,7 +170,7 @@ class CoordinatorClient:
         start = time.monotonic()
         while True:
             try:
-                reply = self._call("control", msg, min(self.timeout_s, wait_s))
+                reply = self._register_once(msg, min(self.timeout_s, wait_s))
                 break
             except TimeoutError:
                 waited = time.monotonic() - start
@@ -191,6 +192,25 @@ class CoordinatorClient:
             ", catch-up first" if reply.catchup else "",
         )
         return reply
+
+    def _register_once(self, msg: m.Register, timeout_s: float) -> m.Reply:
+        """One registration request, given up at once (TimeoutError) when :attr:`shutdown`
+        is set meanwhile: a server stopped (SIGTERM) while the coordinator is gone heard it
+        only after each attempt, and overran the launcher's grace. The request then runs
+        out on its own thread, holding the control socket up to ``timeout_s``."""
+        reply: futures.Future[m.Reply] = futures.Future()
+
+        def call() -> None:
+            try:
+                reply.set_result(self._call("control", msg, timeout_s))
+            except BaseException as e:  # handed to the caller
+                reply.set_exception(e)
+
+        threading.Thread(target=call, name="register", daemon=True).start()
+        while not futures.wait([reply], 0.1).done:
+            if self.shutdown.is_set():
+                raise TimeoutError("stopping")
+        return reply.result()
 
     def _reregister(self, stale_session: str) -> None:
         """Register again unless another thread already did since ``stale_session``."""

@@ -75,6 +75,11 @@ def read(run_dir: Path) -> list[dict]:
     return events
 
 
+def marked_since(run_dir: Path, role: str, event: str, since: float) -> bool:
+    """Whether ``role`` marked ``event`` at or after ``since`` (wall-clock seconds)."""
+    return any(e["role"] == role and e["event"] == event and e["t"] >= since for e in read(run_dir))
+
+
 def first_times(events: list[dict]) -> dict[tuple[str, str], float]:
     """``(role, event) -> seconds since launch`` of each phase's first time (since the
     first event when there is no ``launch`` line: roles started by hand)."""

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.launch import startup
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.process_tree import (
     adopted,
@@ -82,6 +83,7 @@ class Supervisor:
         # Tells the coordinator at once about a rollout server that died (None: it finds
         # out from the missing heartbeats).
         self.departures: Departures | None = None
+        self._started_at: dict[str, float] = {}  # wall-clock start of each role's attempt
 
     # ---------------------------------------------------------------- starting
     def begin(self) -> None:
@@ -102,6 +104,7 @@ class Supervisor:
         marker = f"{self.launch_id} {role.name} {role.attempt}"
         with open(role.log_path, "a") as f:  # a restarted role appends to the same log
             f.write(f"---- {role.name} start {role.attempt} at {time.ctime()}: {shlex.join(cmd)}\n")
+        self._started_at[role.name] = time.time()
         role.proc = spawn(cmd, role.env, role.log_path, role.cpus, marker, role.unset, role.nice)
         role.known = {}
         if self._watchdog_fd is not None:
@@ -284,13 +287,28 @@ class Supervisor:
 
     # ---------------------------------------------------------------- stopping
     def _wind_down(self, view: View) -> int:
-        """The learner is done and told the others to stop: give them time, then make sure."""
+        """The learner is done and told the others to stop: give them time, then make sure.
+        A rollout server that never registered (restarted late) has nothing to finish and no
+        coordinator left to stop it: it is stopped at once (waited for, it ended the run
+        30 s late)."""
+        for role in filter(self._never_registered, self._running()):
+            assert role.proc is not None  # _never_registered lists started roles only
+            log.info("%s never registered with the coordinator: stopping it", role.name)
+            signal_group(role.proc.pid, signal.SIGTERM)
         late = self._wait_exited(self._running(), AFTER_LEARNER_S)
         for role in late:
             log.warning("%s still running after the learner finished: stopping it", role.name)
         self.stop_all(grace_s=5.0)
         view.finish(ok=True)
         return 0
+
+    def _never_registered(self, role: Role) -> bool:
+        """Whether ``role`` is a rollout server started here whose current attempt has not
+        marked ``registered`` (:mod:`asyncrl.launch.startup`)."""
+        if role.server_id is None or role.proc is None:
+            return False
+        since = self._started_at[role.name]
+        return not startup.marked_since(self.run_dir, role.server_id, "registered", since)
 
     def _alive(self, role: Role) -> bool:
         """Started and not exited (an exited role is left unreaped)."""
