@@ -127,6 +127,9 @@ class RolloutServer:
         try:
             reg = await self.lanes.control(self.client.register)
         except CoordinatorGone as e:
+            if self.client.shutdown.is_set():  # stopped while it waited: not a fault
+                log.info("%s stopped while registering", self.server_id)
+                return 0
             log.error("%s; check endpoints.host/endpoints.control and that the learner is up", e)
             return 3
         except RequestRefused as e:  # another config than the learner's: a restart cannot help

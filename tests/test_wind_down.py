@@ -131,6 +131,60 @@ def test_a_server_that_never_registered_sends_no_leave():
         silent.close()
 
 
+@pytest.mark.timeout(30)
+def test_a_registration_the_coordinator_answers_after_the_sigterm_is_left_again():
+    """The stand-in coordinator registers the server but answers after its SIGTERM: the
+    server gives the registration up (it never registered, so it sends no Leave), and the
+    registration's own thread, reading the late ``Registered``, tells the coordinator the
+    server left. Before, the coordinator kept a ghost until ``control.dead_after_s``."""
+    from asyncrl.control import messages as m
+
+    ctx = zmq.Context.instance()
+    coordinator = ctx.socket(zmq.ROUTER)
+    coordinator.setsockopt(zmq.LINGER, 0)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    coordinator.bind(addr)
+    client = CoordinatorClient(addr, addr, "rollout-0", engine_world_size=0, timeout_s=5.0)
+    threading.Timer(0.3, client.shutdown.set).start()  # SIGTERM while the reply is due
+    got: list[object] = []
+
+    def serve() -> None:
+        while coordinator.poll(5000):
+            *route, frame = coordinator.recv_multipart()
+            request = m.decode_request(frame)
+            got.append(request)
+            if isinstance(request, m.Register):
+                time.sleep(1.0)  # busy: the reply comes after the SIGTERM
+                reply = m.Registered(
+                    server_id=request.server_id,
+                    session="s1",
+                    policy_version=0,
+                    sync_store_host="",
+                    sync_store_port=0,
+                    generation="",
+                    heartbeat_s=0.2,
+                    dead_after_s=3,
+                    catchup=False,
+                )
+            else:
+                reply = m.Ok()
+            coordinator.send_multipart([*route, m.encode(reply)])
+            if isinstance(request, m.Leave):
+                return
+
+    server = threading.Thread(target=serve, daemon=True)
+    server.start()
+    try:
+        with pytest.raises(CoordinatorGone):
+            client.register()
+        assert client.registered is None  # the server believes it never registered
+        server.join(10)
+        assert [type(r).__name__ for r in got] == ["Register", "Leave"]
+    finally:
+        client.close()
+        coordinator.close()
+
+
 def test_marked_since_ignores_an_earlier_attempts_mark(tmp_path: Path):
     startup.mark(tmp_path, "rollout-0", "registered")
     now = time.time()

@@ -197,19 +197,35 @@ class CoordinatorClient:
         """One registration request, given up at once (TimeoutError) when :attr:`shutdown`
         is set meanwhile: a server stopped (SIGTERM) while the coordinator is gone heard it
         only after each attempt, and overran the launcher's grace. The request then runs
-        out on its own thread, holding the control socket up to ``timeout_s``."""
+        out on its own thread, holding the control socket up to ``timeout_s``; should the
+        coordinator register the server after all, that thread tells it the server left
+        (the server, stopping, believes it never registered: it would leave a ghost)."""
+        if self.shutdown.is_set():
+            raise TimeoutError("stopping")
         reply: futures.Future[m.Reply] = futures.Future()
+        settle = threading.Lock()  # the reply and the giving up: one of them comes first
+        gave_up = False
 
         def call() -> None:
             try:
-                reply.set_result(self._call("control", msg, timeout_s))
+                got = self._call("control", msg, timeout_s)
             except BaseException as e:  # handed to the caller
-                reply.set_exception(e)
+                with settle:
+                    reply.set_exception(e)
+                return
+            with settle:
+                reply.set_result(got)
+                late = gave_up
+            if late and isinstance(got, m.Registered):
+                self.leave("stopped while registering")
 
         threading.Thread(target=call, name="register", daemon=True).start()
         while not futures.wait([reply], 0.1).done:
             if self.shutdown.is_set():
-                raise TimeoutError("stopping")
+                with settle:
+                    if not reply.done():
+                        gave_up = True
+                        raise TimeoutError("stopping")
         return reply.result()
 
     def _reregister(self, stale_session: str) -> None:
