@@ -269,8 +269,8 @@ class RolloutEngine:
     ) -> list[dict[str, float]]:
         """Join (with ``join``) and receive on every worker. Each wait in a worker is
         bounded by ``timeout_s``, so a join still running after four (three waits: the
-        store, the members' meeting, the group), or a receive whose slowest worker has
-        received no bucket for two (:mod:`rollout_servers.sync_progress`; without its
+        store, the members' meeting, the group), or a receive in which no worker has
+        received a bucket for two (:mod:`rollout_servers.sync_progress`; without their
         records, after ``timeout_s * (4 + buckets)``), has a worker stuck in it: every later
         call would queue behind it, so the engine counts as dead (:attr:`errored`: the
         server exits 4 and is restarted) and generation is not resumed."""

@@ -7,8 +7,8 @@ them) at 120 s a wait had 4.9 hours, long after the learner had dropped the serv
 stayed paused meanwhile. Instead each worker records the buckets it has received in a
 file of its own, in a folder the engine made and told it at start (the workers are
 processes of this host, or threads of this process: a file reaches both); the engine
-reads them every few seconds and counts a worker stuck once the slowest has received no
-bucket for :data:`STALL_WAITS` waits (one wait, plus loading the bucket before). Where no
+reads them every few seconds and counts a worker stuck once no worker's record has moved
+for :data:`STALL_WAITS` waits (one wait, plus loading the bucket before). Where no
 worker ever records (a worker on another host), the bound on the whole call stays as the
 safety net.
 """
@@ -65,21 +65,27 @@ class ProgressWatch:
         self.folder = tempfile.mkdtemp(prefix="asyncrl-wsync-progress-")
 
     def reset(self) -> None:
-        """Forget the receive before: every worker records 0 as its next one starts."""
-        for path in Path(self.folder).iterdir():
+        """Forget the receive before: every worker records 0 as its next one starts. The
+        folder is made again if it went (a cleaner of temporary files)."""
+        folder = Path(self.folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        for path in folder.iterdir():
             path.unlink(missing_ok=True)
 
-    def slowest(self) -> int | None:
-        """The fewest buckets any worker has recorded, or None while none has."""
-        counts = []
-        for path in Path(self.folder).iterdir():
-            if path.name.startswith("."):
-                continue
+    def counts(self) -> dict[str, int]:
+        """Buckets recorded so far by each worker (by rank); {} while none has, or when
+        the folder cannot be read (the bound on the whole call then stands)."""
+        counts: dict[str, int] = {}
+        try:
+            paths = [p for p in Path(self.folder).iterdir() if not p.name.startswith(".")]
+        except OSError:
+            return counts
+        for path in paths:
             try:
-                counts.append(int(path.read_text()))
+                counts[path.name] = int(path.read_text())
             except (OSError, ValueError):  # removed or rewritten meanwhile
                 continue
-        return min(counts, default=None)
+        return counts
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -90,14 +96,19 @@ async def unless_stuck(
 ) -> T:
     """Await the workers' ``call`` (each of its waits bounded by ``timeout_s``); raise
     :class:`WorkerStuck` (and cancel it) once a worker is stuck in it: with ``progress``
-    recorded, when the slowest worker has received no bucket for :data:`STALL_WAITS`
-    waits, however long the push as a whole; before any is recorded, past ``bound_s``.
+    recorded, when no worker's record has moved for :data:`STALL_WAITS` waits (those not
+    stuck then wait for the stuck one, or have ended), however long the push as a whole;
+    before any is recorded, past ``bound_s``.
     An error of the call itself (a worker's own timeout) is raised as it is."""
+    task = asyncio.ensure_future(call)  # scheduled, so awaited (cancelled) whatever comes
     if progress is not None:
-        progress.reset()
-    task = asyncio.ensure_future(call)
+        try:
+            progress.reset()
+        except OSError as e:  # no records this time: the bound on the whole call stands
+            log.warning("weight receive progress not readable (%s): %s", progress.folder, e)
+            progress = None
     start = moved = time.monotonic()
-    seen: int | None = None
+    seen: dict[str, int] = {}
     stall_s = STALL_WAITS * timeout_s
     try:
         while True:
@@ -105,15 +116,17 @@ async def unless_stuck(
             if done:
                 return task.result()
             now = time.monotonic()
-            slowest = progress.slowest() if progress is not None else None
-            if slowest is not None and (seen is None or slowest > seen):
-                seen, moved = slowest, now
-            if seen is not None and now - moved > stall_s:
+            counts = progress.counts() if progress is not None else {}
+            # Any worker's record changing is movement: the slowest's count may also drop
+            # (a worker's first record landing after another's higher one).
+            if counts and counts != seen:
+                seen, moved = counts, now
+            if seen and now - moved > stall_s:
                 raise WorkerStuck(
-                    f"received no bucket for {now - moved:.0f}s (after {seen}; sync.timeout_s "
-                    f"{timeout_s:g}s per wait)"
+                    f"received no bucket for {now - moved:.1f}s (the slowest worker after "
+                    f"{min(seen.values())} buckets; sync.timeout_s {timeout_s:g}s per wait)"
                 )
-            if seen is None and now - start > bound_s:
+            if not seen and now - start > bound_s:
                 raise WorkerStuck(f"did not end within {bound_s:.0f}s (sync.timeout_s per wait)")
     finally:
         task.cancel()  # a no-op once it ended

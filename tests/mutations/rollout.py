@@ -396,4 +396,20 @@ ROWS = (
         "            method, (plan, timeout_s, *args), timeout_s, bound, None",
         ("tests/test_stuck_worker.py",),
     ),
+    Mutation(
+        "any worker's record moving is movement",
+        "a moving receive whose slowest count dropped is declared stuck",
+        "rollout_servers/sync_progress.py",
+        "            if counts and counts != seen:",
+        "            if counts and (not seen or min(counts.values()) > min(seen.values())):",
+        ("tests/test_stuck_worker.py",),
+    ),
+    Mutation(
+        "a removed progress folder is made again",
+        "every sync fails with FileNotFoundError once the folder went",
+        "rollout_servers/sync_progress.py",
+        "        folder.mkdir(parents=True, exist_ok=True)",
+        "        pass",
+        ("tests/test_stuck_worker.py",),
+    ),
 )
