@@ -119,6 +119,19 @@ def test_a_second_launch_copies_only_what_its_nodes_wrote_since_the_first(tmp_pa
     assert times == [200.0, 201.0]
 
 
+def test_a_record_that_cannot_be_written_leaves_the_copies_going(tmp_path, node, caplog):
+    """A full disk or a read-only run directory costs the next launch a second copy of
+    these lines, never the launcher (the record's write raised out of its supervision)."""
+    run = tmp_path / "run"
+    (run / ".mirrored.json.tmp").mkdir()  # where the record is written first: unwritable
+    _append(node / "metrics.jsonl", '{"step": 1}\n')
+    sup = _launch(run, node, "node-1")
+    _append(node / "metrics.jsonl", '{"step": 2}\n')
+    sup._track()
+    assert _steps(run / "metrics.jsonl") == [1, 2]
+    assert sum("copied back is not written" in r.message for r in caplog.records) == 1
+
+
 def test_a_local_copy_set_aside_since_is_copied_whole_again(tmp_path, node):
     """The launcher set its ``metrics.jsonl`` aside (it sees no checkpoint of a learner on
     another node): the new copy holds the node's whole record again, not only its end."""

@@ -92,7 +92,7 @@ class Mirror:
                 self.offsets[rel] = offset
 
 
-#: What the mirrors of a launch copied from each role's node, by ``<role>@<host name>``
+#: What the mirrors of a launch copied from each role's node, by ``<role>@<host name>/<ip>``
 #: (:meth:`Mirror.record`), for the next launch of the run (a node's disk outlives its Ray
 #: node id: a cluster started again gives the node a new one).
 RECORD_FILE = ".mirrored.json"

@@ -90,10 +90,11 @@ class RaySupervisor(Supervisor):
         self.host: str | None = None  # bundle 0's node IP: endpoints.host of every role
         self.unplaced: dict[str, int] = {}  # starts in a row whose bundle found no node
         self.fatal: str | None = None  # why the run must end now (see _fail)
-        # What was copied back from each role's node, by "<role>@<host name>": a replaced
+        # What was copied back from each role's node, by "<role>@<host name>/<ip>": a replaced
         # agent there goes on from it, and so does the next launch (see _mirror).
         self.mirrors: dict[str, Mirror] = {}
         self.copied = read_record(self.run_dir)  # what earlier launches copied
+        self.record_failed = False  # said once: its file could not be written
 
     # ---------------------------------------------------------------- agents
     def agent(self, role: Role) -> Agent:
@@ -237,7 +238,8 @@ class RaySupervisor(Supervisor):
             log.error("%s", problem)
             return 2  # a config problem: not restarted, the run stops
         if not ag.where["shared_run_dir"] and ag.mirror is None:
-            ag.mirror = self._mirror(role.name, ag.where["hostname"])
+            # Host name and address: either alone may be shared by two nodes (containers).
+            ag.mirror = self._mirror(role.name, f"{ag.where['hostname']}/{ag.where['ip']}")
         log.info(
             "started %s (pid %d on %s, node %s)",
             role.name,
@@ -288,7 +290,12 @@ class RaySupervisor(Supervisor):
             log.debug("mirroring: %s", e)
         if ag.mirror.record() != before:  # kept for the next launch of the run
             self.copied.update({key: m.record() for key, m in self.mirrors.items()})
-            write_record(self.run_dir, self.copied)
+            try:
+                write_record(self.run_dir, self.copied)
+            except OSError as e:  # the next launch copies these lines again: never fatal
+                if not self.record_failed:
+                    log.warning("the record of what was copied back is not written: %s", e)
+                self.record_failed = True
 
     def _look_at(self, role: Role) -> int | None:
         if role.done:

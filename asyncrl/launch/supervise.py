@@ -304,7 +304,9 @@ class Supervisor:
 
     def _never_registered(self, role: Role) -> bool:
         """Whether ``role`` is a rollout server started here whose current attempt has not
-        marked ``registered`` (:mod:`asyncrl.launch.startup`)."""
+        marked ``registered`` (:mod:`asyncrl.launch.startup`). Never under Ray: its roles
+        have no process here, and their marks stay on nodes that may not share the run
+        directory (such a server is waited for, as before)."""
         if role.server_id is None or role.proc is None:
             return False
         since = self._started_at[role.name]
