@@ -25,6 +25,7 @@ class Role:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     attempt: int = 0  # how many times it was started
+    started_wall: float = 0.0  # wall-clock time of its latest start (as start-up marks)
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
     restart_at: float | None = None  # a restart is due at this monotonic time
     done: bool = False  # exited 0: not restarted

@@ -83,7 +83,6 @@ class Supervisor:
         # Tells the coordinator at once about a rollout server that died (None: it finds
         # out from the missing heartbeats).
         self.departures: Departures | None = None
-        self._started_at: dict[str, float] = {}  # wall-clock start of each role's attempt
 
     # ---------------------------------------------------------------- starting
     def begin(self) -> None:
@@ -104,7 +103,7 @@ class Supervisor:
         marker = f"{self.launch_id} {role.name} {role.attempt}"
         with open(role.log_path, "a") as f:  # a restarted role appends to the same log
             f.write(f"---- {role.name} start {role.attempt} at {time.ctime()}: {shlex.join(cmd)}\n")
-        self._started_at[role.name] = time.time()
+        role.started_wall = time.time()
         role.proc = spawn(cmd, role.env, role.log_path, role.cpus, marker, role.unset, role.nice)
         role.known = {}
         if self._watchdog_fd is not None:
@@ -182,17 +181,17 @@ class Supervisor:
     def _end(self, role: Role, code: int, view: View) -> int | None:
         """Decide what a role's exit means: the end of the run (an exit code for the
         launcher) or a restart to schedule (None)."""
-        if role is self.roles[-1] and code != 0 and code not in FINAL_EXITS:
+        if self._is_learner(role) and code != 0 and code not in FINAL_EXITS:
             code = self._final_exit(role) or code  # torchrun's 1 hides the learner's
         if code != 0 and code not in FINAL_EXITS:
             self._tell_gone(role, code)
         if code == 0:
             self._event(role.name, "exit", exit_code=0)
-            if role.server_id is None and role is not self.roles[-1]:
+            if role.server_id is None and not self._is_learner(role):
                 role.left_at = time.monotonic()  # see _left_early
                 return None
             role.done = True
-            if role is self.roles[-1]:
+            if self._is_learner(role):
                 return self._wind_down(view)
             log.info(
                 "%s exited 0: its part is done (the run is ending, or it was told to leave)",
@@ -309,7 +308,7 @@ class Supervisor:
         directory (such a server is waited for, as before)."""
         if role.server_id is None or role.proc is None:
             return False
-        since = self._started_at[role.name]
+        since = role.started_wall
         return not startup.marked_since(self.run_dir, role.server_id, "registered", since)
 
     def _alive(self, role: Role) -> bool:
