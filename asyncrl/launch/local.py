@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import shutil
 import sys
 
 from asyncrl.cli import parse_role_args
@@ -114,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         sys.stderr.write(f"asyncrl-launch: {e}\n")
         return 2
-    # Endpoint URLs of an earlier launch of this run point at servers that are gone.
-    shutil.rmtree(run_dir / "openai_endpoints", ignore_errors=True)
     for line in config_advisories(cfg):  # the learner logs them too, in its own log
         log.warning("%s", line)
     if (short := short_data_line(cfg)) is not None:

@@ -32,6 +32,7 @@ import fcntl
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Iterator
@@ -214,8 +215,9 @@ def tcp_ports(ep: EndpointsConfig) -> tuple[str, tuple[str, ...]]:
 
 
 def hold_run_dir(run_dir: Path) -> IO[str]:
-    """Lock ``run_dir`` for this launch (keep the returned file open while the run lasts);
-    raises :class:`ConfigError` when another live launch holds it, or it cannot be made."""
+    """Lock ``run_dir`` for this launch (keep the returned file open while the run lasts)
+    and clear what an earlier launch left that would mislead this one; raises
+    :class:`ConfigError` when another live launch holds it, or it cannot be made."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         f = open(run_dir / "launch.lock", "a+")  # noqa: SIM115 - held for the run's life
@@ -242,4 +244,7 @@ def hold_run_dir(run_dir: Path) -> IO[str]:
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
+    # The run directory is this launch's now: endpoint URLs an earlier launch's servers
+    # wrote point at servers that are gone (each server writes its own as it serves).
+    shutil.rmtree(run_dir / "openai_endpoints", ignore_errors=True)
     return f

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import sys
 from pathlib import Path
@@ -91,8 +90,6 @@ def main_ray(cfg: Config) -> int:
     if (missing := cluster_problem(ray_cfg.address)) is not None:
         sys.stderr.write(f"asyncrl-launch: {missing}\n")
         return 2
-    # Endpoint URLs of an earlier launch of this run point at servers that are gone.
-    shutil.rmtree(run_dir / "openai_endpoints", ignore_errors=True)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     connect(ray_cfg.address)
     try:

@@ -346,9 +346,9 @@ ROWS = (
         ("tests/test_launch_ray_leftovers.py",),
     ),
     Mutation(
-        "a Ray launch deletes an earlier launch's endpoint URLs",
+        "a launch deletes an earlier launch's endpoint URLs",
         "clients read the address of a dead server",
-        "asyncrl/launch/ray_main.py",
+        "asyncrl/launch/ports.py",
         '    shutil.rmtree(run_dir / "openai_endpoints", ignore_errors=True)',
         "    pass",
         ("tests/test_launch_ray_leftovers.py",),
