@@ -391,4 +391,12 @@ ROWS = (
         "            if False:",
         ("tests/test_wind_down.py",),
     ),
+    Mutation(
+        "a late Leave for an earlier incarnation leaves a resume waiting",
+        "a retried Leave for a dead incarnation ends the resume's wait for the saved newer one",
+        "asyncrl/control/recovery.py",
+        "        if pid and saved and pid != saved:",
+        "        if False:",
+        ("tests/test_launch_leave.py",),
+    ),
 )
