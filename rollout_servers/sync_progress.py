@@ -10,7 +10,8 @@ processes of this host, or threads of this process: a file reaches both); the en
 reads them every few seconds and counts a worker stuck once no worker's record has moved
 for :data:`STALL_WAITS` waits (one wait, plus loading the bucket before). Where no
 worker ever records (a worker on another host), the bound on the whole call stays as the
-safety net.
+safety net. The folder carries its server's pid; a server killed with SIGKILL cannot remove
+its own, so the next server to start on the host removes those of dead pids.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 STALL_WAITS = 2
 #: The longest time between two looks at the workers' progress.
 POLL_S = 2.0
+#: The folders' name: the prefix, then the pid of the server that made it.
+PREFIX = "asyncrl-wsync-progress-"
 
 T = TypeVar("T")
 
@@ -62,7 +65,8 @@ class ProgressWatch:
     """Engine side: the folder its workers record their progress in, and the reading of it."""
 
     def __init__(self) -> None:
-        self.folder = tempfile.mkdtemp(prefix="asyncrl-wsync-progress-")
+        remove_orphans()
+        self.folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-")
 
     def reset(self) -> None:
         """Forget the receive before: every worker records 0 as its next one starts. The
@@ -89,6 +93,31 @@ class ProgressWatch:
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def remove_orphans(parent: str | None = None) -> list[str]:
+    """Remove the progress folders left by servers that died without closing theirs (a
+    SIGKILL); the names of those removed. A folder whose pid is alive is kept, whoever
+    runs it now (a reused pid leaves a few bytes until that process exits)."""
+    removed = []
+    for path in Path(parent or tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
+        pid = path.name[len(PREFIX) :].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path.name)
+    if removed:
+        log.info("removed %d weight receive progress folders of dead servers", len(removed))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 async def unless_stuck(

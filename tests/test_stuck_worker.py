@@ -15,6 +15,9 @@ import asyncio
 import contextlib
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -236,3 +239,29 @@ def test_a_progress_folder_removed_meanwhile_is_made_again():
             assert sorted(os.listdir(engine.progress.folder)) == ["0", "1"]
 
     asyncio.run(run())
+
+
+def test_a_dead_servers_progress_folder_is_removed_by_the_next_server(tmp_path, monkeypatch):
+    """A server killed with SIGKILL leaves its folder behind: the next server's watch
+    removes it. A folder whose server is alive, and anything else there, are kept."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead = tmp_path / f"asyncrl-wsync-progress-{int(gone.stdout)}-abc"
+    alive = tmp_path / f"asyncrl-wsync-progress-{os.getppid()}-def"
+    other = tmp_path / "asyncrl-wsync-progress-xyz"  # not one of ours: no pid
+    for folder in (dead, alive, other):
+        folder.mkdir()
+        (folder / "0").write_text("3")
+    watch = ProgressWatch()
+    try:
+        left = sorted(p.name for p in tmp_path.iterdir())
+        assert dead.name not in left and {alive.name, other.name} <= set(left)
+        assert Path(watch.folder).parent == tmp_path
+        assert Path(watch.folder).name.startswith(f"asyncrl-wsync-progress-{os.getpid()}-")
+    finally:
+        watch.close()

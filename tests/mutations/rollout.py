@@ -412,4 +412,12 @@ ROWS = (
         "        pass",
         ("tests/test_stuck_worker.py",),
     ),
+    Mutation(
+        "a dead server's progress folder is removed",
+        "a server killed with SIGKILL leaves its progress folder in the temporary directory for good",
+        "rollout_servers/sync_progress.py",
+        "        if pid.isdigit() and not _alive(int(pid)):",
+        "        if False:",
+        ("tests/test_stuck_worker.py",),
+    ),
 )
