@@ -59,8 +59,9 @@ def role_logs(run: Path) -> str:
 
 
 def trained_steps(records: list[dict]) -> list[dict]:
-    """The learner's per-step records (the ones with a policy-gradient loss)."""
-    return [r for r in records if "loss/pg" in r]
+    """The learner's per-step records: those with a policy-gradient loss, and the steps
+    of ``trainer.critic_warmup`` (the critic trains alone: a value loss, no policy one)."""
+    return [r for r in records if "loss/pg" in r or "critic/vf_loss" in r]
 
 
 def rollout_wait_fraction(records: list[dict], skip: int = 1) -> float:
