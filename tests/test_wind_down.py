@@ -71,11 +71,13 @@ def test_a_server_that_never_registered_is_stopped_at_once_at_the_end(tmp_path, 
     finally:
         sup.close()
     exits = {
-        e["role"]: e["exit_code"]
+        e["role"]: (e["exit_code"], e.get("stopped_by"))
         for e in map(json.loads, (tmp_path / "launch.jsonl").read_text().splitlines())
         if e["event"] == "exit"
     }
-    assert exits == {"rollout-0": -15, "rollout-1": 0, "learner": 0}  # SIGTERM; finished
+    # rollout-0 stopped by the launcher's SIGTERM; rollout-1 finished on its own, and its
+    # exit, recorded as the launcher reaps it, says so (it said "stopped_by: launcher").
+    assert exits == {"rollout-0": (-15, "launcher"), "rollout-1": (0, None), "learner": (0, None)}
     assert took < 10.0, f"the run ended {took:.1f}s after its start"
 
 

@@ -29,6 +29,7 @@ class Role:
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
     restart_at: float | None = None  # a restart is due at this monotonic time
     done: bool = False  # exited 0: not restarted
+    stopped: bool = False  # the launcher signalled this attempt to stop (its exit says so)
     # Exited 0 at this monotonic time, though only the learner's end lets it go (the
     # buffer, learner-k): restarted as after a crash unless the learner finishes soon.
     left_at: float | None = None

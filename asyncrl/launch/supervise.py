@@ -98,6 +98,7 @@ class Supervisor:
         role.log_path = self.log_dir / f"{role.name}.log"
         role.attempt += 1
         role.restart_at = None
+        role.stopped = False
         if self._is_learner(role):
             clear_final_exit(self.run_dir)
         marker = f"{self.launch_id} {role.name} {role.attempt}"
@@ -294,6 +295,7 @@ class Supervisor:
             assert role.proc is not None  # _never_registered lists started roles only
             log.info("%s never registered with the coordinator: stopping it", role.name)
             signal_group(role.proc.pid, signal.SIGTERM)
+            role.stopped = True
         late = self._wait_exited(self._running(), AFTER_LEARNER_S)
         for role in late:
             log.warning("%s still running after the learner finished: stopping it", role.name)
@@ -341,6 +343,7 @@ class Supervisor:
             for role in wave:
                 assert role.proc is not None  # _running lists started roles only
                 signal_group(role.proc.pid, signal.SIGTERM)
+                role.stopped = True
             if wave is servers and servers:
                 self._wait_exited(servers, grace_s / 2)
         for role in self._wait_exited(running, max(0.0, deadline - time.monotonic())):
@@ -348,7 +351,10 @@ class Supervisor:
         for role in self.roles:
             if role.proc is not None:
                 code = self.reap(role)
-                self._event(role.name, "exit", exit_code=code, stopped_by="launcher")
+                # A role that ended on its own before the stop (a server the coordinator
+                # told to) is not recorded as stopped by the launcher.
+                by = {"stopped_by": "launcher"} if role.stopped else {}
+                self._event(role.name, "exit", exit_code=code, **by)
         self.sweep()
 
     def reap(self, role: Role) -> int:

@@ -423,4 +423,12 @@ ROWS = (
         "            except ZeroDivisionError as e:",
         ("tests/test_launch_ray_leftovers.py",),
     ),
+    Mutation(
+        "an exit on its own is not recorded as stopped by the launcher",
+        "a server that exited when the coordinator told it is recorded with stopped_by: launcher",
+        "asyncrl/launch/supervise.py",
+        '                by = {"stopped_by": "launcher"} if role.stopped else {}',
+        '                by = {"stopped_by": "launcher"}',
+        ("tests/test_wind_down.py",),
+    ),
 )
