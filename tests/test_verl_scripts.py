@@ -228,5 +228,48 @@ def test_verls_epochs_without_steps_count_the_steps_from_the_epochs(tmp_path, ca
     path = tmp_path / "verl.yaml"
     path.write_text("actor_rollout_ref:\n  rollout:\n    n: 4\ntrainer:\n  total_epochs: 3\n")
     assert load_config(path).trainer.total_training_steps is None
-    # our spelling keeps our meaning: total_epochs caps the default 60 steps
-    assert load_config(None, ["trainer.total_epochs=15"]).trainer.total_training_steps == 60
+    # our spelling keeps our meaning: total_epochs caps the default 60 steps, said so
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="asyncrl.config.load"):
+        assert load_config(None, ["trainer.total_epochs=15"]).trainer.total_training_steps == 60
+    assert (
+        "trainer.total_epochs=15 caps the run at the default trainer.total_training_steps"
+        "=60; set trainer.total_training_steps=null to train 15 epochs" in caplog.messages
+    )
+
+
+def test_a_verl_layout_file_with_its_actor_on_the_command_line_is_read_as_veRL(tmp_path, caplog):
+    """A user's own veRL-layout file without an actor_rollout_ref group (its actor's keys
+    come on the command line) was read as this project's: its total_epochs capped the
+    default 60 steps and veRL's defaults went unmentioned. A file of this project's groups
+    with a veRL override stays this project's."""
+    path = tmp_path / "verl.yaml"
+    path.write_text("algorithm:\n  adv_estimator: grpo\ntrainer:\n  total_epochs: 3\n")
+    with caplog.at_level(logging.INFO, logger="asyncrl.config.load"):
+        cfg = load_config(path, SCRIPT[1:])
+    assert cfg.trainer.total_training_steps is None and cfg.trainer.total_epochs == 3
+    assert [m for m in caplog.messages if "written for veRL" in m]
+    ours = tmp_path / "ours.yaml"
+    ours.write_text("rollout:\n  n: 4\ntrainer:\n  total_epochs: 3\n")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="asyncrl.config.load"):
+        mine = load_config(ours, SCRIPT[1:])
+    assert mine.trainer.total_training_steps == 60
+    assert not [m for m in caplog.messages if "written for veRL" in m]
+
+
+def test_the_verl_defaults_warning_names_the_clip_range_gspo_runs_with(caplog):
+    """veRL's GSPO switch alone: the range here is GSPO's (3e-4/4e-4), and the warning of
+    veRL's defaults names both ends of it against veRL's 0.2/0.2 (it named 0.28, which did
+    not run, and left the lower end out)."""
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config.load"):
+        cfg = load_config(None, [*SCRIPT, "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"])
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (3e-4, 4e-4)
+    (line,) = [m for m in _warnings(caplog) if "written for veRL" in m]
+    assert "actor.clip_ratio_low=0.0003 (veRL: 0.2)" in line
+    assert "actor.clip_ratio_high=0.0004 (veRL: 0.2)" in line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="asyncrl.config.load"):
+        load_config(None, SCRIPT)  # without GSPO: the low end is veRL's, the high one not
+    (line,) = [m for m in _warnings(caplog) if "written for veRL" in m]
+    assert "clip_ratio_low" not in line and "actor.clip_ratio_high=0.28 (veRL: 0.2)" in line

@@ -156,6 +156,8 @@ CONVERTED: dict[str, tuple[Any, dict[str, Any]]] = {
 WITH = {
     "algorithm.use_kl_in_reward": ["algorithm.adv_estimator=gae"],
     "trainer.critic_warmup": ["algorithm.adv_estimator=gae"],
+    # alone, in this project's spelling, the epochs cap the default steps, said in a note
+    "trainer.total_epochs": ["trainer.total_training_steps=60"],
     # veRL validates greedily unless do_sample is given: a sampled temperature needs it
     "actor_rollout_ref.rollout.val_kwargs.temperature": [
         "actor_rollout_ref.rollout.val_kwargs.do_sample=true"

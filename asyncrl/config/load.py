@@ -8,6 +8,7 @@ misspelt key, the nearest valid one.
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import os
@@ -23,6 +24,7 @@ from asyncrl.config.errors import ConfigError as ConfigError
 from asyncrl.config.explain import explain, not_deletable
 from asyncrl.config.interpolate import InterpolationError, leaves, resolve_references
 from asyncrl.config.overrides import our_dotted, parse_override
+from asyncrl.config.recipes import gspo_defaults
 from asyncrl.config.resolved import (
     PATH_KEY,
     WRITTEN,
@@ -100,6 +102,8 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
         log.warning("%s", loggers)
     if hydra or speaks_verl(loaded if path is not None else None, overrides):
         _verl_defaults(raw)
+    elif note := epochs_cap_steps(raw):
+        log.info("%s", note)
     if problems := unknown_verl_children(raw):
         raise ConfigError(problems)
     stray = unknown_verl_leaves(raw, spelled)  # taken out: the schema names the rest
@@ -232,7 +236,7 @@ def _verl_defaults(raw: dict[str, Any]) -> None:
 
     if note := epochs_imply_steps(raw):
         log.info("%s", note)
-    gaps = default_gaps(raw, _defaults(), verl_leaves())
+    gaps = default_gaps(raw, _defaults_for(raw), verl_leaves())
     if gaps:
         key, _, theirs = gaps[0]
         ranks = lookup(raw, "trainer.nproc")[1]
@@ -251,6 +255,36 @@ def _verl_defaults(raw: dict[str, Any]) -> None:
         )
     if line := dtype_line(raw, _defaults()):
         log.warning("%s", line)
+
+
+def epochs_cap_steps(raw: dict[str, Any]) -> str | None:
+    """In this project's layout ``trainer.total_epochs`` caps the steps: given without
+    ``trainer.total_training_steps`` it caps the default, which a user who meant epochs
+    (as veRL counts them) should hear; the note to log, or None."""
+    epochs_given, epochs = lookup(raw, "trainer.total_epochs")
+    if not epochs_given or lookup(raw, "trainer.total_training_steps")[0]:
+        return None
+    steps = lookup(_defaults(), "trainer.total_training_steps")[1]
+    return (
+        f"trainer.total_epochs={epochs} caps the run at the default trainer."
+        f"total_training_steps={steps}; set trainer.total_training_steps=null to train "
+        f"{epochs} epochs"
+    )
+
+
+def _defaults_for(raw: dict[str, Any]) -> dict[str, Any]:
+    """Every key at the default it takes under ``raw``: with GSPO, the clip range is GSPO's
+    (:func:`~asyncrl.config.recipes.gspo_defaults`), not the plain default (the warning of
+    veRL's defaults named 0.28 where 4e-4 ran)."""
+    actor = raw.get("actor")
+    if not isinstance(actor, dict):
+        return _defaults()
+    filled = {k: v for k, v in gspo_defaults(actor).items() if k not in actor}
+    if not filled:
+        return _defaults()
+    ours = copy.deepcopy(_defaults())
+    ours["actor"].update(filled)
+    return ours
 
 
 @functools.cache

@@ -37,6 +37,7 @@ RESULT_DEFAULTS = (
     "trainer.device",
     "algorithm.adv_estimator",
     "actor_rollout_ref.rollout.n",
+    "actor_rollout_ref.actor.clip_ratio_low",  # differs under GSPO (its own range)
     "actor_rollout_ref.actor.clip_ratio_high",
     "actor_rollout_ref.actor.optim.lr",
     "actor_rollout_ref.actor.optim.weight_decay",
@@ -211,10 +212,18 @@ def _count(value: Any) -> int:
 
 def speaks_verl(loaded: dict[str, Any] | None, overrides: list[str] | tuple[str, ...]) -> bool:
     """Whether a config is written for veRL from the ground up: a file in veRL's layout
-    (an ``actor_rollout_ref`` group), or no file and veRL's spelling on the command line."""
-    if loaded is not None:
-        return "actor_rollout_ref" in loaded
-    return any(o.lstrip("+~").startswith("actor_rollout_ref.") for o in overrides)
+    (an ``actor_rollout_ref`` group); or veRL's spelling on the command line over no file,
+    or over a file of only groups veRL has too (a user's own veRL-layout file, its actor's
+    keys given on the command line: it counted as this project's, and its
+    ``trainer.total_epochs`` and veRL's defaults were silently not veRL's)."""
+    from asyncrl.config.verl_doc import verl_leaves  # here: `python -m` runs that module
+
+    if loaded is not None and "actor_rollout_ref" in loaded:
+        return True
+    on_cli = any(o.lstrip("+~").startswith("actor_rollout_ref.") for o in overrides)
+    if not loaded or not on_cli:
+        return on_cli
+    return set(loaded) <= {key.split(".")[0] for key in verl_leaves()}
 
 
 def default_gaps(

@@ -246,4 +246,28 @@ ROWS = (
         "        if False:",
         ("tests/test_health.py",),
     ),
+    Mutation(
+        "a veRL-layout file with its actor on the command line is veRL's",
+        "a file of veRL's groups without actor_rollout_ref, its actor given on the command line, is read as this project's (its epochs cap 60 steps)",
+        "asyncrl/config/verl_compat.py",
+        '    return set(loaded) <= {key.split(".")[0] for key in verl_leaves()}',
+        "    return False",
+        ("tests/test_verl_scripts.py",),
+    ),
+    Mutation(
+        "epochs that cap the default steps are said",
+        "total_epochs alone, in this project's spelling, caps the default 60 steps without a word",
+        "asyncrl/config/load.py",
+        "    elif note := epochs_cap_steps(raw):",
+        "    elif note := None:",
+        ("tests/test_verl_scripts.py",),
+    ),
+    Mutation(
+        "the veRL defaults warning names GSPO's clip range",
+        "under GSPO the warning names the plain default 0.28, which does not run, and leaves the lower end out",
+        "asyncrl/config/load.py",
+        "    gaps = default_gaps(raw, _defaults_for(raw), verl_leaves())",
+        "    gaps = default_gaps(raw, _defaults(), verl_leaves())",
+        ("tests/test_verl_scripts.py",),
+    ),
 )
