@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from asyncrl.config.policy import TOKEN_REWARD_ESTIMATORS
 from asyncrl.config.recipes import DR_GRPO_AGG, GSPO_AGG
 from asyncrl.config.schema import Config
 
@@ -119,10 +118,8 @@ def _unused_kl_coef(cfg: Config) -> list[str]:
         return []
     fix = (
         "set algorithm.use_kl_in_reward=true for the KL penalty in the reward (as TinyZero-era "
-        "veRL applied it whenever use_kl_loss was false)"
-        if alg.adv_estimator in TOKEN_REWARD_ESTIMATORS
-        else "set actor.use_kl_loss=true (with actor.kl_loss_coef) for a KL penalty with "
-        f"algorithm.adv_estimator={alg.adv_estimator}, whose advantages read no token rewards"
+        "veRL applied it whenever use_kl_loss was false; with any algorithm.adv_estimator), "
+        "or set actor.use_kl_loss=true (with actor.kl_loss_coef) for a KL term in the loss"
     )
     return [
         f"algorithm.kl_ctrl.kl_coef={alg.kl_ctrl.kl_coef} has no effect: neither "

@@ -12,6 +12,7 @@ from pydantic_core import ErrorDetails
 
 from asyncrl.config.interpolate import leaves
 from asyncrl.config.schema import Config
+from asyncrl.config.verl_elsewhere import elsewhere_fix
 from asyncrl.config.verl_table import VERL_KEYS
 
 
@@ -20,6 +21,8 @@ def explain(err: ErrorDetails) -> str:
     loc = [str(p) for p in err["loc"]]
     key = ".".join(loc)
     if err["type"] == "extra_forbidden":
+        if fix := elsewhere_fix(key):  # another veRL version's key: its own fix
+            return f"unknown key {key}; {fix}"
         valid = _valid_keys(loc[:-1])
         close = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
         hint = f"did you mean {'.'.join(loc[:-1] + close)}?" if close else ""
@@ -46,7 +49,15 @@ def explain(err: ErrorDetails) -> str:
         return f"unknown key {key}; {fix}{under}"
     got = err.get("input")
     shown = repr(got) if not isinstance(got, dict) else "a mapping"
-    return f"{key}: {err['msg'].lower()} (got {shown})"
+    return f"{key}: {_worded(err['msg'])} (got {shown})"
+
+
+def _worded(msg: str) -> str:
+    """pydantic's message, its first letter lower-cased as the line goes on, and the
+    "Value error, " it puts before a validator's own words left out (lower-casing the
+    whole message turned a validator's ``None`` into ``none``)."""
+    msg = msg.removeprefix("Value error, ")
+    return msg[:1].lower() + msg[1:]
 
 
 def _valid_keys(loc: list[str]) -> list[str]:

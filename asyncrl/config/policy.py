@@ -97,8 +97,10 @@ class ActorConfig(Section):
 # --------------------------------------------------------------------------- algorithm
 #: Estimators whose baseline is the other samples of the prompt: they need groups (n >= 2).
 GROUP_ESTIMATORS = ("grpo", "rloo", "dr_grpo", "reinforce_plus_plus_baseline")
-#: Estimators that read rewards per token, so that ``use_kl_in_reward``'s penalty counts (as
-#: veRL's ``apply_kl_penalty``); the others read one score per response.
+#: Estimators that read rewards per token (their returns run over them); the others read one
+#: score per response. ``use_kl_in_reward``'s penalty (veRL's ``apply_kl_penalty``) reaches
+#: both: the others' score is then the response's summed token rewards, as veRL's
+#: ``token_level_rewards.sum(-1)``.
 TOKEN_REWARD_ESTIMATORS = ("gae", "reinforce_plus_plus")
 
 
@@ -125,7 +127,9 @@ class AlgorithmConfig(Section):
     lam: float = Field(default=1.0, ge=0, le=1, description="GAE lambda.")
     use_kl_in_reward: bool = Field(
         default=False,
-        description="Subtract a KL-to-reference penalty from token rewards (gae, reinforce_plus_plus).",
+        description="Subtract a KL-to-reference penalty from token rewards (every "
+        "adv_estimator; grpo, rloo, dr_grpo, reinforce_plus_plus_baseline: from each "
+        "response's summed rewards, as veRL).",
     )
     kl_penalty: KlKind = Field(
         default="k1",

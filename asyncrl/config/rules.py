@@ -7,7 +7,7 @@ a config in one pass instead of one error per launch.
 from __future__ import annotations
 
 from asyncrl.config.placement_rules import placement_problems
-from asyncrl.config.policy import GROUP_ESTIMATORS, TOKEN_REWARD_ESTIMATORS
+from asyncrl.config.policy import GROUP_ESTIMATORS
 from asyncrl.config.schema import Config
 
 # The training temperatures vLLM samples at as asked (vllm.sampling_params: _MAX_TEMP is the
@@ -302,16 +302,11 @@ def _critic_problems(cfg: Config) -> list[str]:
 
 
 def _reward_kl_problems(cfg: Config) -> list[str]:
-    """``algorithm.use_kl_in_reward``: an estimator that reads token rewards, a coefficient."""
+    """``algorithm.use_kl_in_reward``: a coefficient. Every estimator takes the penalty, as in
+    veRL (the group estimators through each response's summed token rewards)."""
     alg, out = cfg.algorithm, []
     if not alg.use_kl_in_reward:
         return out
-    if alg.adv_estimator not in TOKEN_REWARD_ESTIMATORS:
-        out.append(
-            f"algorithm.use_kl_in_reward=true works with algorithm.adv_estimator "
-            f"{' or '.join(TOKEN_REWARD_ESTIMATORS)} here (not {alg.adv_estimator}); for a KL "
-            "penalty with it use actor.use_kl_loss=true"
-        )
     if alg.kl_ctrl.kl_coef == 0:
         out.append(
             "algorithm.use_kl_in_reward=true with algorithm.kl_ctrl.kl_coef=0 penalises "

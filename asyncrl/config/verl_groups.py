@@ -18,6 +18,7 @@ from asyncrl.config.interpolate import leaves
 from asyncrl.config.overrides import our_dotted
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import pop_dotted
+from asyncrl.config.verl_elsewhere import elsewhere_fix
 from asyncrl.config.verl_table import VERL_KEYS, VERL_PREFIXES, our_key
 
 
@@ -27,7 +28,12 @@ def verl_spellings(loaded: dict[str, Any] | None, overrides: Iterable[str]) -> d
     keys = [o.strip().lstrip("~+").split("=", 1)[0] for o in overrides]
     if isinstance(loaded, dict):
         keys += [".".join(path) for _, _, path in leaves(loaded)]
-    return {our_dotted(k): k for k in keys if our_dotted(k) != k}
+    spelled = {our_dotted(k): k for k in keys if our_dotted(k) != k}
+    for k in keys:  # a mapped key's value is checked under its one target: named as given
+        rule = VERL_KEYS.get(k)
+        if rule is not None and rule.kind == "mapped" and len(rule.target) == 1:
+            spelled.setdefault(rule.target[0], k)
+    return spelled
 
 
 def unknown_verl_children(raw: dict[str, Any]) -> list[str]:
@@ -77,7 +83,7 @@ def unknown_verl_leaves(raw: dict[str, Any], spelled: dict[str, str]) -> list[st
         theirs_group = theirs[: len(theirs) - len(key) + len(group)]  # the user's prefix
         names = sorted(groups[group] - {name})
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-        fix = (
+        fix = elsewhere_fix(key) or (
             f"did you mean {theirs_group}.{close[0]}?"
             if close
             else f"veRL's {theirs_group} holds {', '.join(names)}"
@@ -115,10 +121,11 @@ def _ours(path: tuple[str, ...]) -> bool:
 
 def respelled(problem: str, spelled: dict[str, str]) -> str:
     """``unknown key rollout.x; did you mean rollout.y?`` in the user's veRL spelling; for
-    an unknown group, the spelling of a key given under it."""
+    an unknown group, the spelling of a key given under it; and a wrong value's key."""
     m = re.match(r"unknown key (\S+?); (did you mean (\S+)\?)?", problem)
-    if m is None:
-        return problem
+    if m is None:  # "key: what is wrong (got ...)": the key as the user wrote it
+        key, sep, rest = problem.partition(": ")
+        return f"{spelled[key]}: {rest}" if sep and key in spelled else problem
     ours = m.group(1)
     theirs = spelled.get(ours) or next(
         (t[: len(t) - len(o) + len(ours)] for o, t in spelled.items() if o.startswith(ours + ".")),
