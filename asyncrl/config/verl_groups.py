@@ -18,7 +18,6 @@ from asyncrl.config.interpolate import leaves
 from asyncrl.config.overrides import our_dotted
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import pop_dotted
-from asyncrl.config.verl_elsewhere import elsewhere_fix
 from asyncrl.config.verl_table import VERL_KEYS, VERL_PREFIXES, our_key
 
 
@@ -83,7 +82,7 @@ def unknown_verl_leaves(raw: dict[str, Any], spelled: dict[str, str]) -> list[st
         theirs_group = theirs[: len(theirs) - len(key) + len(group)]  # the user's prefix
         names = sorted(groups[group] - {name})
         close = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
-        fix = elsewhere_fix(key) or (
+        fix = (
             f"did you mean {theirs_group}.{close[0]}?"
             if close
             else f"veRL's {theirs_group} holds {', '.join(names)}"

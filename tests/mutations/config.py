@@ -279,14 +279,6 @@ ROWS = (
         ("tests/test_verl_elsewhere.py",),
     ),
     Mutation(
-        "another veRL version's key gets its own fix (veRL groups)",
-        "a key of another version under a veRL-only group is pointed at difflib's nearest key",
-        "asyncrl/config/verl_groups.py",
-        "        fix = elsewhere_fix(key) or (",
-        "        fix = None or (",
-        ("tests/test_verl_elsewhere.py",),
-    ),
-    Mutation(
         "a validator's message keeps its case",
         "a validator's None is written none",
         "asyncrl/config/explain.py",
