@@ -110,6 +110,21 @@ def _filtering_run(max_num_gen_batches: int) -> Run:
     return run
 
 
+def test_the_bound_counts_generation_batches_of_data_gen_batch_size_as_veRL():
+    """DAPO's recipe sets data.gen_batch_size (3 times the batch): the bound counts its
+    batches, as veRL's does (it counted batches of data.train_batch_size, a third of
+    veRL's search, while the key was taken as one with no effect)."""
+    from asyncrl.control.setup import state_from_config
+    from tests.test_pacing import _rows
+
+    on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"]
+    dapo = load_config("configs/cpu_demo.yaml", [*on, "data.gen_batch_size=48"])
+    state = state_from_config(dapo, _rows(8), _rows(2, "test"))
+    assert state.group_filter.bound == 2 * 48
+    plain = state_from_config(load_config("configs/cpu_demo.yaml", on), _rows(8), _rows(2, "test"))
+    assert plain.group_filter.bound == 2 * 16  # unset: batches of data.train_batch_size
+
+
 def _serve(run: Run, alike: set[int]) -> tuple[int, int]:
     """The server takes what is granted; a task whose position is in ``alike`` has a
     group that scores alike and is filtered (if dealt with the filter on). Returns

@@ -48,6 +48,13 @@ class DataConfig(Section):
     train_batch_size: int = Field(
         default=16, gt=0, description="Prompts (GRPO groups) per learner step, as in veRL."
     )
+    gen_batch_size: int | None = Field(
+        default=None,
+        gt=0,
+        description="DAPO's generation batch (veRL's key): here only the unit of "
+        "algorithm.filter_groups.max_num_gen_batches, as in veRL (prompts are dealt "
+        "continuously, not in batches); null: data.train_batch_size.",
+    )
     shuffle: bool = Field(default=True, description="Shuffle the training prompts each epoch.")
     seed: int = Field(default=1, description="Seed of the prompt order.")
     filter_overlong_prompts: bool = Field(

@@ -68,8 +68,8 @@ class FilterGroupsConfig(Section):
         default=0,
         ge=0,
         description="Filtered groups allowed per trained batch, in batches of "
-        "data.train_batch_size; past it, tasks are dealt unfiltered until the next step "
-        "(0: no bound).",
+        "data.gen_batch_size (else data.train_batch_size), as veRL counts them; past it, "
+        "tasks are dealt unfiltered until the next step (0: no bound).",
     )
     skip_uninformative: bool = Field(
         default=False,

@@ -567,11 +567,9 @@ VERL_KEYS: dict[str, VerlKey] = {
     "data.train_files": _impl(example="artifacts/data/other/train.parquet"),
     "data.val_files": _impl(example="artifacts/data/other/val.parquet"),
     "data.train_batch_size": _impl(example=32),
-    "data.gen_batch_size": _none(  # DAPO's recipe key
-        "prompts are dealt continuously (within the staleness budget) and a filtered group's "
-        "budget is refunded at once, so no generation batch is sized in advance",
-        example=48,
-    ),
+    # DAPO's recipe key: the unit of filter_groups.max_num_gen_batches (prompts are dealt
+    # continuously, so no generation batch is sized in advance)
+    "data.gen_batch_size": _impl(example=48),
     "data.tokenizer": _only(
         "the tokenizer is model.path's (the engine's and the learner's must agree)",
         lambda v: v is None,

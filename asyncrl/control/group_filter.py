@@ -7,10 +7,13 @@ admission budget is free at once, so the next task request gets a fresh prompt a
 learner's batch fills with groups that carry a signal.
 
 This object decides whether a task is dealt with the filter on, and keeps the counts.
-``max_num_gen_batches`` bounds the filtered groups per trained batch (veRL counts
-generation batches of ``data.train_batch_size`` prompts): past ``max_num_gen_batches *
-train_batch_size`` filtered groups since the last trained step, tasks are dealt unfiltered
-until the learner trains again, and the run says so in one line. Without a bound (0, veRL's
+``max_num_gen_batches`` bounds the filtered groups per trained batch, in veRL's unit:
+generation batches of ``data.gen_batch_size`` prompts (``data.train_batch_size`` when
+unset). Past ``max_num_gen_batches * gen_batch_size`` filtered groups since the last
+trained step, tasks are dealt unfiltered until the learner trains again, and the run says
+so in one line. veRL counts kept and filtered prompts together and raises at the bound;
+here the batch's own groups come on top (at most one batch more than veRL generates), and
+the run goes on. Without a bound (0, veRL's
 default) a run where nearly everything is filtered keeps dealing, and says so every
 ``NOTE_EVERY_BATCHES`` batches' worth of filtered groups.
 
@@ -47,6 +50,7 @@ class GroupFilter:
         batch_size: int,
         skip: PromptSkip | None = None,
     ):
+        """``batch_size``: prompts in a generation batch, the bound's unit."""
         self.enable = enable
         self.skip = skip if enable else None
         self._judging: set[str] = set()  # dealt with the filter on, not yet acked

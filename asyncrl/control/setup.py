@@ -130,7 +130,7 @@ def state_from_config(
         group_filter=GroupFilter(
             enable=fg.enable,
             max_num_gen_batches=fg.max_num_gen_batches,
-            batch_size=cfg.data.train_batch_size,
+            batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size,
             skip=PromptSkip(
                 explore=fg.skip_explore, explore_min=fg.skip_explore_min, seed=cfg.data.seed
             )

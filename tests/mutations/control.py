@@ -399,4 +399,12 @@ ROWS = (
         "        if False:",
         ("tests/test_launch_leave.py",),
     ),
+    Mutation(
+        "max_num_gen_batches counts batches of data.gen_batch_size",
+        "the bound counts batches of data.train_batch_size whatever data.gen_batch_size says (a third of veRL's search under DAPO's recipe)",
+        "asyncrl/control/setup.py",
+        "            batch_size=cfg.data.gen_batch_size or cfg.data.train_batch_size,",
+        "            batch_size=cfg.data.train_batch_size,",
+        ("tests/test_filter_groups.py",),
+    ),
 )
