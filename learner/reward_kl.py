@@ -1,8 +1,11 @@
 """The KL penalty in the reward (``algorithm.use_kl_in_reward``), as veRL's
 ``apply_kl_penalty``: every response token's reward loses ``beta * KL_t`` between the
 proximal policy (the weights at the step's start) and the frozen reference, and the
-outcome score stays on the last token. The token rewards feed the estimators that read
-rewards per token: GAE (:mod:`learner.critic`) and REINFORCE++ (:mod:`learner.advantages`).
+outcome score stays on the last token. Every estimator reads them, as in veRL: GAE
+(:mod:`learner.critic`) and REINFORCE++ (:mod:`learner.advantages`) per token, the group
+estimators (GRPO, Dr.GRPO, RLOO, REINFORCE++ with a baseline) each response's sum, its
+score less ``beta`` times its summed KL, before the group statistics
+(:func:`learner.rollouts.baseline_advantages`).
 
 ``beta`` is ``algorithm.kl_ctrl.kl_coef``; with ``kl_ctrl.type: adaptive`` it moves after
 each batch towards ``kl_ctrl.target_kl`` (:class:`learner.values.KLController`), and is
@@ -36,14 +39,13 @@ def token_rewards(
     ref: dict[int, torch.Tensor] | None,
     metrics: dict[str, float],
 ) -> torch.Tensor | None:
-    """The token rewards ``[B, T]`` of the cleaned batch for ``estimator``s that read them
-    (:data:`TOKEN_REWARD_ESTIMATORS`), with the penalty when ``reward_kl`` is on (its
-    metrics into ``metrics``); None for the others. ``proximal``/``ref`` as
-    :meth:`RewardKL.token_rewards` takes them."""
-    if estimator not in TOKEN_REWARD_ESTIMATORS:
-        return None
+    """The token rewards ``[B, T]`` of the cleaned batch: with the penalty when
+    ``reward_kl`` is on, for every estimator (its metrics into ``metrics``); without it the
+    outcome rewards for ``estimator``s that read rewards per token
+    (:data:`TOKEN_REWARD_ESTIMATORS`), None for the others (they read the scores).
+    ``proximal``/``ref`` as :meth:`RewardKL.token_rewards` takes them."""
     if reward_kl is None:
-        return outcome_rewards(rollouts)
+        return outcome_rewards(rollouts) if estimator in TOKEN_REWARD_ESTIMATORS else None
     if proximal is None or ref is None:
         raise ValueError("the KL in the reward needs the proximal and reference logprobs")
     rewards, kl_metrics = reward_kl.token_rewards(rollouts, proximal, ref)

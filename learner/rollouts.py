@@ -106,6 +106,7 @@ def baseline_advantages(
     estimator: str,
     *,
     norm_by_std: bool = True,
+    token_rewards: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Outcome advantages ``[len(kept)]`` of the ``kept`` rollouts (a sub-list of
     ``rollouts``, as :func:`clean_rollouts` returns it).
@@ -116,6 +117,12 @@ def baseline_advantages(
     sampled response). Computed over the survivors only, a group that lost a member would
     give its lone survivor its raw score as advantage. The samples of one episode (see
     :attr:`Rollout.episode`) share its reward and count once; each gets its advantage.
+
+    ``token_rewards`` ``[len(kept), T]``: the kept rows' rewards with the KL penalty in
+    them (``algorithm.use_kl_in_reward``, :mod:`learner.reward_kl`). Each episode's score is
+    then what veRL's outcome estimators read, ``token_level_rewards.sum(-1)``: its reward
+    less ``beta`` times the KL summed over its trained tokens (all its kept samples). A
+    member cleaned away had no forward pass, so no KL: it keeps its reward.
     """
     if not kept:
         return torch.zeros(0, dtype=torch.float32)
@@ -126,9 +133,24 @@ def baseline_advantages(
             continue
         if episodes.setdefault(episode_key(r), len(firsts)) == len(firsts):
             firsts.append(r)
+    rows = [episodes[episode_key(r)] for r in kept]
     rewards = torch.tensor([float(r.reward) for r in firsts], dtype=torch.float32)
+    if token_rewards is not None:
+        rewards = rewards - kl_paid(kept, token_rewards, rows, len(firsts))
     adv = outcome_advantages(estimator, rewards, group_indices(firsts), norm_by_std=norm_by_std)
-    return adv[[episodes[episode_key(r)] for r in kept]]
+    return adv[rows]
+
+
+def kl_paid(
+    kept: Sequence[Rollout], token_rewards: torch.Tensor, rows: Sequence[int], n: int
+) -> torch.Tensor:
+    """What the KL penalty took from each of ``n`` episodes' scores, ``[n]`` float32:
+    ``beta * sum KL_t`` over every trained token of its kept samples (0 for an episode with
+    none kept), from the token rewards ``[len(kept), T]`` (the outcome rewards less the
+    penalty); ``rows[i]``: the episode of ``kept[i]``."""
+    paid = (outcome_rewards(kept) - token_rewards).sum(dim=1)
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    return torch.zeros(n, dtype=paid.dtype).index_add_(0, index, paid)
 
 
 def response_mask(rollouts: Sequence[Rollout]) -> tuple[torch.Tensor, list[int]]:
@@ -174,14 +196,17 @@ def token_advantages(
     """REINFORCE++'s token advantages of ``kept`` (see :mod:`learner.advantages`): ``[T_i]``
     per index into ``kept``, whitened over the kept tokens; the baseline variant's group
     means are over every scored member, as :func:`baseline_advantages`'s are.
-    ``token_rewards`` ``[B, T]``: ``reinforce_plus_plus``'s rewards when they are more than
-    the outcome on the last token (the KL in the reward, :mod:`learner.reward_kl`)."""
+    ``token_rewards`` ``[B, T]``: the rewards when they are more than the outcome on the
+    last token (the KL in the reward, :mod:`learner.reward_kl`): ``reinforce_plus_plus``
+    runs its returns over them, the baseline variant centres each response's sum."""
     mask, lengths = response_mask(kept)
     if estimator == "reinforce_plus_plus":
         rewards = outcome_rewards(kept) if token_rewards is None else token_rewards
         adv = reinforce_pp_advantages(rewards, mask, gamma, episode_rows(kept))
     elif estimator == "reinforce_plus_plus_baseline":
-        centered = baseline_advantages(rollouts, kept, "grpo", norm_by_std=False)
+        centered = baseline_advantages(
+            rollouts, kept, "grpo", norm_by_std=False, token_rewards=token_rewards
+        )
         adv = reinforce_pp_baseline_advantages(centered, mask)
     else:
         raise ValueError(f"{estimator!r} has no token advantages without a critic")

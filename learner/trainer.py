@@ -13,7 +13,9 @@ batches, hosts the coordinator and pushes weights):
 - :meth:`Trainer.save` / :meth:`Trainer.load` wrap :mod:`learner.checkpoint`.
 
 One step: clean the batch (bad rollouts counted and dropped); advantages over whole groups
-(dropped members included: they were sampled and scored) (both :mod:`learner.rollouts`),
+(dropped members included: they were sampled and scored) (both :mod:`learner.rollouts`;
+with ``algorithm.use_kl_in_reward`` after the reference pass below, each score less its
+KL penalty, :mod:`learner.reward_kl`),
 or with ``adv_estimator: gae`` per-token advantages from :class:`learner.critic.Critic`,
 which then trains on the batch; this rank's mini- and micro-batches (:mod:`learner.plan`);
 proximal logprobs with the step's starting weights (no grad, each row's logits divided by
@@ -226,11 +228,14 @@ class Trainer:
             return self._finish_step(metrics, start, updates=0, skipped=0)
         # Group baselines over every scored member, trainable or not (see baseline_advantages).
         alg = self.cfg.algorithm
+        outcome = alg.adv_estimator in OUTCOME_ESTIMATORS
+        # With the KL in the reward the scores wait for the reference's logprobs (below).
+        kl_scores = outcome and self.reward_kl is not None
         adv = (  # GAE's per-token advantages come from the critic below
             baseline_advantages(
                 rollouts, kept, alg.adv_estimator, norm_by_std=alg.norm_adv_by_std_in_grpo
             )
-            if alg.adv_estimator in OUTCOME_ESTIMATORS
+            if outcome and not kl_scores
             else torch.zeros(len(kept))
         )
         plan = self._plan(kept, adv, temperature)
@@ -250,6 +255,14 @@ class Trainer:
         ref = self._reference_logprobs(plan) if self.wants_ref else None
         metrics["timing/proximal_s"] = time.monotonic() - t0
         rewards = token_rewards(alg.adv_estimator, kept, self.reward_kl, proximal, ref, metrics)
+        if kl_scores:  # veRL's apply_kl_penalty, then the estimator on the summed rewards
+            plan.advantages = baseline_advantages(
+                rollouts,
+                kept,
+                alg.adv_estimator,
+                norm_by_std=alg.norm_adv_by_std_in_grpo,
+                token_rewards=rewards,
+            )
         if alg.adv_estimator in TOKEN_ESTIMATORS:  # REINFORCE++: per token, no critic
             plan.token_advantages = token_advantages(
                 rollouts, kept, alg.adv_estimator, alg.gamma, rewards

@@ -177,14 +177,6 @@ GAE = ["algorithm.adv_estimator=gae"]
         (["model.dtype=bfloat16"], "set model.dtype=float32"),
         (["rollout.inline_engine=true", "rollout.sync_mode=abort"], "set rollout.sync_mode=keep"),
         (["trainer.critic_warmup=2"], "set trainer.critic_warmup=0"),
-        (["algorithm.use_kl_in_reward=true"], "use actor.use_kl_loss=true"),
-        (
-            [
-                "algorithm.adv_estimator=reinforce_plus_plus_baseline",
-                "algorithm.use_kl_in_reward=true",
-            ],
-            "works with algorithm.adv_estimator gae or reinforce_plus_plus here",
-        ),
         (GAE + ["critic.ppo_mini_batch_size=64"], "critic.ppo_mini_batch_size=64 exceeds"),
         (GAE + ["trainer.critic_warmup=181"], "lower trainer.critic_warmup"),
         (

@@ -208,7 +208,7 @@ def test_a_kl_coefficient_no_penalty_reads_is_warned_about(tmp_path):
     assert line.startswith("algorithm.kl_ctrl.kl_coef=0.001 has no effect")
     assert "set algorithm.use_kl_in_reward=true" in line and "TinyZero-era veRL" in line
     [grpo] = config_advisories(load_config(None, ["algorithm.kl_ctrl.kl_coef=0.01"]))
-    assert "set actor.use_kl_loss=true" in grpo  # grpo reads no token rewards
+    assert "set actor.use_kl_loss=true" in grpo  # or the KL in the loss
     quiet = [
         [*tinyzero, "algorithm.use_kl_in_reward=true"],
         [*tinyzero, "actor.use_kl_loss=true"],

@@ -302,4 +302,20 @@ ROWS = (
         "            pass",
         ("tests/test_verl_elsewhere.py",),
     ),
+    Mutation(
+        "KL in the reward with group estimators: config",
+        "grpo/rloo/dr_grpo/rpp_baseline with use_kl_in_reward refused again",
+        "asyncrl/config/rules.py",
+        "    if alg.kl_ctrl.kl_coef == 0:",
+        "    if alg.kl_ctrl.kl_coef == 0 or alg.adv_estimator in GROUP_ESTIMATORS:",
+        ("tests/test_kl_in_reward_outcome.py",),
+    ),
+    Mutation(
+        "KL in the reward: advisory",
+        "the advice says grpo reads no token rewards",
+        "asyncrl/config/advisories.py",
+        '        "veRL applied it whenever use_kl_loss was false; with any algorithm.adv_estimator), "',
+        '        "veRL applied it whenever use_kl_loss was false); grpo reads no token rewards, "',
+        ("tests/test_kl_in_reward_outcome.py",),
+    ),
 )
