@@ -230,3 +230,31 @@ def test_a_tool_built_from_a_plain_dict_reads_its_schema_both_ways() -> None:
     tool = BaseTool({}, {"type": "function", "function": {"name": "f", "parameters": {}}})
     assert tool.name == "f" == tool.tool_schema["function"]["name"]
     assert tool.get_openai_tool_schema().function.parameters.required == []
+
+
+def test_a_tool_config_a_server_would_refuse_is_named_before_any_role_starts(tmp_path):
+    """veRL's own tool config names ``verl.workers.tool...``: it passed every launch check
+    and each rollout server then failed at its start. The launcher now names it (and a
+    config the servers cannot read) in one line with the fix, importing nothing."""
+    from asyncrl.config import load_config
+    from asyncrl.config.inputs import REWARD, input_problems
+
+    schema = {"type": "function", "function": {"name": "calc_gsm8k_reward", "parameters": {}}}
+    entry = {"class_name": "verl.workers.tool.gsm8k_tool.Gsm8kTool", "config": {}}
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml.safe_dump({"tools": [{**entry, "tool_schema": schema}]}))
+    on = ["rollout.multi_turn.enable=true", f"rollout.multi_turn.tool_config_path={path}"]
+
+    def problems() -> list[str]:
+        return input_problems(load_config(None, on), [REWARD])
+
+    (line,) = problems()
+    assert "tool class 'verl.workers.tool.gsm8k_tool.Gsm8kTool': no module named 'verl'" in line
+    assert "change its imports from verl.tools.* to asyncrl.tools" in line
+    path.write_text("tools: []\n")
+    assert problems() == [f"tool config {path} needs a non-empty 'tools:' list at the top level"]
+    ported = tmp_path / "gsm8k_tool.py"
+    ported.write_text(GSM8K_TOOL)
+    entry["class_name"] = f"{ported}:Gsm8kTool"
+    path.write_text(yaml.safe_dump({"tools": [{**entry, "tool_schema": schema}]}))
+    assert problems() == []

@@ -160,6 +160,10 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
                 f"rollout.multi_turn.tool_config_path={mt.tool_config_path} does not exist: "
                 "give the YAML naming the tools (configs/tools/calculator.yaml is one)"
             )
+        elif mt.enable and mt.tool_config_path:  # a server would refuse it at its start
+            from asyncrl.tools.config import launch_problems
+
+            problems += launch_problems(mt.tool_config_path)
         oe = cfg.rollout.openai_endpoint
         scored_here = not (oe.enable and not oe.take_tasks)  # else agents send the rewards
         if DATA in needs and scored_here and not scorer and not problems:

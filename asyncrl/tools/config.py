@@ -168,6 +168,37 @@ def load_tool_config(path: str | Path) -> list[ToolSpec]:
     return specs
 
 
+#: The fix for a veRL tool (``verl.workers.tool...``): veRL is not a dependency here.
+VERL_TOOL_FIX = (
+    "veRL's own tools need veRL, which is not installed here: copy the tool's file, change "
+    "its imports from verl.tools.* to asyncrl.tools, and point class_name at it "
+    "(path/to/tool.py:ClassName)"
+)
+
+
+def launch_problems(path: str | Path) -> list[str]:
+    """What a rollout server's start would refuse in the tool config at ``path``, found
+    before any role starts, one line each: the config's own errors, and a tool whose
+    top-level package is not installed (looked up without importing anything: a tool's
+    module may do work on import). Other import errors still show at the server's start."""
+    try:
+        specs = load_tool_config(path)
+    except ValueError as e:
+        return [str(e)]
+    out = []
+    for spec in specs:
+        if ":" in spec.class_name:  # a file: load_tool_config found it
+            continue
+        top = spec.class_name.split(".")[0]
+        if importlib.util.find_spec(top) is None:
+            fix = VERL_TOOL_FIX if top == "verl" else "install the package that provides it"
+            out.append(
+                f"tool config {path}: tool class {spec.class_name!r}: no module named "
+                f"{top!r}; {fix}, or fix class_name"
+            )
+    return out
+
+
 def schemas(specs: list[ToolSpec]) -> list[dict[str, Any]]:
     """The tools' schemas, in config order: what a chat template's ``tools=`` argument takes."""
     return [copy.deepcopy(spec.schema) for spec in specs]

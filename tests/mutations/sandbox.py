@@ -99,4 +99,20 @@ ROWS = (
             "tests/test_sandbox_output.py::test_a_worker_that_exits_while_starting_reports_its_own_exit_code",
         ),
     ),
+    Mutation(
+        "a tool config a server would refuse is named at launch",
+        "a veRL tool config (or an unreadable one) passes the launch checks and each server fails at its start",
+        "asyncrl/config/inputs.py",
+        "            problems += launch_problems(mt.tool_config_path)",
+        "            pass",
+        ("tests/test_tool_verl_ports.py",),
+    ),
+    Mutation(
+        "a tool whose package is missing is named at launch",
+        "a tool class of a package not installed (veRL's) passes the launch checks",
+        "asyncrl/tools/config.py",
+        "        if importlib.util.find_spec(top) is None:",
+        "        if False:",
+        ("tests/test_tool_verl_ports.py",),
+    ),
 )
