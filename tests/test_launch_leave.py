@@ -217,23 +217,3 @@ def test_a_stopped_launch_stops_its_rollout_servers_first(tmp_path: Path):
         "rollout-0": 0,
         "learner": 0,
     }
-
-
-def test_a_late_leave_for_an_earlier_incarnation_does_not_end_a_resumes_wait():
-    """The checkpoint saw rollout-0's newer incarnation (pid 101); the launcher's retried
-    Leave for the dead one (pid 100) reaches the resumed coordinator before 101 registers
-    again. 101 may still hold tasks, so the resume keeps waiting for it; a Leave for 101
-    itself (or one naming no pid) ends the wait."""
-    saved = _state()
-    saved.register(m.Register(server_id="rollout-0", pid=101), now=0.0)
-    saved.register(m.Register(server_id="rollout-1", pid=200), now=0.0)
-    st = _state()
-    st.load_state_dict(saved.state_dict())
-    st.recovery.reconciled()  # the buffer's inventory came
-    assert st.recovery.awaiting == {"rollout-0", "rollout-1"}
-    st.register(m.Register(server_id="rollout-1", pid=200), now=1.0)
-    assert st.leave("rollout-0", pid=100)  # answered, but about the dead incarnation
-    assert st.recovery.awaiting == {"rollout-0"}
-    assert st.grant("rollout-1", 4, 1.1).reason == "starting"  # still held for 101
-    assert st.leave("rollout-0", pid=101)
-    assert not st.recovery.awaiting and st.grant("rollout-1", 4, 1.2).tasks

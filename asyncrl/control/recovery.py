@@ -44,7 +44,6 @@ class Recovery:
         self.settle_s = settle_s
         self.resuming = False
         self.awaiting: set[str] = set()  # servers of the saved registry not yet back
-        self.saved_pids: dict[str, int] = {}  # their pids when saved (checkpoints since)
         self.deadline: float | None = None
         self.needs_inventory = False  # a restored ledger waits for the buffer's inventory
         self.buffer_session = ""
@@ -67,34 +66,19 @@ class Recovery:
         self.next_audit = now + AUDIT_EVERY_S
         return now - self.dead_after_s
 
-    def restored(
-        self, server_ids: list[str], with_buffer: bool = True, pids: dict[str, int] | None = None
-    ) -> None:
-        """The ledger was restored from a checkpoint that knew these servers (and, in
-        checkpoints that saved them, their pids)."""
+    def restored(self, server_ids: list[str], with_buffer: bool = True) -> None:
+        """The ledger was restored from a checkpoint that knew these servers."""
         self.resuming = True
         self.awaiting = set(server_ids)
-        self.saved_pids = dict(pids or {})
         self.needs_inventory = with_buffer
         self.replay_through = None
 
     def registered(self, server_id: str) -> None:
         self.awaiting.discard(server_id)
 
-    def left(self, server_id: str, pid: int = 0) -> None:
+    def left(self, server_id: str) -> None:
         """A server of the saved registry was reaped before it registered again: it holds
-        no task any more (a restarted process holds none), so it is not waited for. A Leave
-        naming another pid than the saved one is about an earlier incarnation (a launcher
-        retries a Leave for minutes): the saved one may still come back with its tasks."""
-        saved = self.saved_pids.get(server_id, 0)
-        if pid and saved and pid != saved:
-            log.info(
-                "resume: a Leave for %s pid %d, not the saved pid %d: still waited for",
-                server_id,
-                pid,
-                saved,
-            )
-            return
+        no task any more (a restarted process holds none), so it is not waited for."""
         if server_id in self.awaiting:
             self.awaiting.discard(server_id)
             log.info("resume: %s left before registering again; not waited for", server_id)

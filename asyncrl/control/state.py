@@ -192,7 +192,7 @@ class ControlState:
         if rec is not None:
             self._remove(server_id, "left", "left")
         else:  # a resume need not wait for it to register again: it is dead
-            self.recovery.left(server_id, pid)
+            self.recovery.left(server_id)
         return True
 
     def reap(self, now: float) -> list[str]:
@@ -481,7 +481,6 @@ class ControlState:
             "last_val_step": self.validation.last_val_step,
             "val_started_at": {str(k): v for k, v in self.validation.started_at.items()},
             "servers": sorted(self.servers),
-            "server_pids": {s: r.pid for s, r in sorted(self.servers.items())},
             "group_filter": self.group_filter.state_dict(),
             "counts": dict(self.counts),  # coordinator/<event> totals of the run
         }
@@ -495,8 +494,7 @@ class ControlState:
         self.validation.last_val_step = int(state["last_val_step"])
         started = state.get("val_started_at", {})  # saved before it: rounds' steps unknown
         self.validation.started_at = {int(k): int(v) for k, v in started.items()}
-        pids = {str(k): int(v) for k, v in state.get("server_pids", {}).items()}
-        self.recovery.restored(list(state.get("servers", [])), pids=pids)
+        self.recovery.restored(list(state.get("servers", [])))
         if "group_filter" in state:  # saved before it: counts start again
             self.group_filter.load_state_dict(state["group_filter"])
         self.counts.update({k: int(v) for k, v in state.get("counts", {}).items()})

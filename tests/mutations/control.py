@@ -392,14 +392,6 @@ ROWS = (
         ("tests/test_wind_down.py",),
     ),
     Mutation(
-        "a late Leave for an earlier incarnation leaves a resume waiting",
-        "a retried Leave for a dead incarnation ends the resume's wait for the saved newer one",
-        "asyncrl/control/recovery.py",
-        "        if pid and saved and pid != saved:",
-        "        if False:",
-        ("tests/test_launch_leave.py",),
-    ),
-    Mutation(
         "max_num_gen_batches counts batches of data.gen_batch_size",
         "the bound counts batches of data.train_batch_size whatever data.gen_batch_size says (a third of veRL's search under DAPO's recipe)",
         "asyncrl/control/setup.py",
