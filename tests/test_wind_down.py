@@ -193,3 +193,33 @@ def test_marked_since_ignores_an_earlier_attempts_mark(tmp_path: Path):
     assert startup.marked_since(tmp_path, "rollout-0", "registered", now - 60)
     assert not startup.marked_since(tmp_path, "rollout-0", "registered", now + 1)
     assert not startup.marked_since(tmp_path, "rollout-1", "registered", now - 60)
+
+
+SLOW_TO_STOP = (
+    "import signal, time\nsignal.signal(signal.SIGTERM, lambda *a: None)\ntime.sleep(1.5)\n"
+)
+
+
+@pytest.mark.timeout(60)
+def test_a_role_that_ends_while_the_servers_stop_is_not_recorded_as_stopped(tmp_path):
+    """The stop takes the learner and the buffer as they are once the servers' wait is
+    over: a buffer that ended on its own meanwhile is neither signalled nor recorded as
+    stopped by the launcher (it was, from the list taken before that wait)."""
+    (tmp_path / "logs").mkdir()
+    roles = [
+        Role("rollout-0", [sys.executable, "-c", SLOW_TO_STOP], server_id="rollout-0"),
+        Role("buffer", [sys.executable, "-c", "import time; time.sleep(0.7)"]),
+    ]
+    sup = Supervisor(roles, tmp_path, RestartPolicy())
+    try:
+        sup.start_all()
+        time.sleep(0.3)  # both running
+        sup.stop_all(grace_s=6.0)
+    finally:
+        sup.close()
+    exits = {
+        e["role"]: (e["exit_code"], e.get("stopped_by"))
+        for e in map(json.loads, (tmp_path / "launch.jsonl").read_text().splitlines())
+        if e["event"] == "exit"
+    }
+    assert exits == {"rollout-0": (0, "launcher"), "buffer": (0, None)}

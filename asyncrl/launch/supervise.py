@@ -337,16 +337,20 @@ class Supervisor:
         overran the grace), wait up to ``grace_s`` in all, then kill and reap what is left
         of every role's tree, and every other process of the run."""
         deadline = time.monotonic() + grace_s
-        running = self._running()
-        servers = [r for r in running if r.name.startswith("rollout")]
-        for wave in (servers, [r for r in running if r not in servers]):
-            for role in wave:
-                assert role.proc is not None  # _running lists started roles only
-                signal_group(role.proc.pid, signal.SIGTERM)
-                role.stopped = True
-            if wave is servers and servers:
-                self._wait_exited(servers, grace_s / 2)
-        for role in self._wait_exited(running, max(0.0, deadline - time.monotonic())):
+        servers = [r for r in self._running() if r.name.startswith("rollout")]
+        for role in servers:
+            assert role.proc is not None  # _running lists started roles only
+            signal_group(role.proc.pid, signal.SIGTERM)
+            role.stopped = True
+        if servers:
+            self._wait_exited(servers, grace_s / 2)
+        # The others as they are now: one that ended meanwhile was not stopped by us.
+        others = [r for r in self._running() if not r.name.startswith("rollout")]
+        for role in others:
+            assert role.proc is not None
+            signal_group(role.proc.pid, signal.SIGTERM)
+            role.stopped = True
+        for role in self._wait_exited(servers + others, max(0.0, deadline - time.monotonic())):
             log.warning("%s did not stop within %.0fs: killing it", role.name, grace_s)
         for role in self.roles:
             if role.proc is not None:

@@ -431,4 +431,12 @@ ROWS = (
         '                by = {"stopped_by": "launcher"}',
         ("tests/test_wind_down.py",),
     ),
+    Mutation(
+        "the stop's second wave is taken after the servers' wait",
+        "a buffer that ended while the servers stopped is signalled and recorded as stopped by the launcher",
+        "asyncrl/launch/supervise.py",
+        '        others = [r for r in self._running() if not r.name.startswith("rollout")]',
+        '        others = [r for r in self.roles if r.proc is not None and not r.name.startswith("rollout")]',
+        ("tests/test_wind_down.py",),
+    ),
 )
