@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -100,22 +101,34 @@ def remove_orphans(parent: str | None = None) -> list[str]:
     SIGKILL); the names of those removed. A folder whose pid is alive is kept, whoever
     runs it now (a reused pid leaves a few bytes until that process exits)."""
     removed = []
-    for path in Path(parent or tempfile.gettempdir()).glob(f"{PREFIX}*-*"):
-        pid = path.name[len(PREFIX) :].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
+    try:
+        found = list(Path(parent or tempfile.gettempdir()).glob(f"{PREFIX}*-*"))
+    except OSError as e:  # best effort: a server starts whatever is left here
+        log.debug("looking for progress folders of dead servers: %s", e)
+        return removed
+    for path in found:
+        pid = _PID.match(path.name[len(PREFIX) :])
+        if pid is None or _alive(int(pid.group(1))):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():  # another user's folder may not be ours to remove
             removed.append(path.name)
     if removed:
         log.info("removed %d weight receive progress folders of dead servers", len(removed))
     return removed
 
 
+#: A folder's pid: ASCII digits, no more than a pid has (``str.isdigit`` took "²" too).
+_PID = re.compile(r"([0-9]{1,10})-")
+
+
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` may be a live process (unknown counts as alive: kept)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
+    except (OSError, OverflowError):  # another user's process, or no such pid number
         return True
     return True
 

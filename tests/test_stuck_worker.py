@@ -254,14 +254,35 @@ def test_a_dead_servers_progress_folder_is_removed_by_the_next_server(tmp_path, 
     dead = tmp_path / f"asyncrl-wsync-progress-{int(gone.stdout)}-abc"
     alive = tmp_path / f"asyncrl-wsync-progress-{os.getppid()}-def"
     other = tmp_path / "asyncrl-wsync-progress-xyz"  # not one of ours: no pid
-    for folder in (dead, alive, other):
+    # Names anyone may make in /tmp that are no pid: every server start failed on them
+    odd = [tmp_path / f"asyncrl-wsync-progress-{n}-x" for n in ("9" * 20, "\u00b2", "12a")]
+    for folder in (dead, alive, other, *odd):
         folder.mkdir()
         (folder / "0").write_text("3")
     watch = ProgressWatch()
     try:
         left = sorted(p.name for p in tmp_path.iterdir())
         assert dead.name not in left and {alive.name, other.name} <= set(left)
+        assert {p.name for p in odd} <= set(left)
         assert Path(watch.folder).parent == tmp_path
         assert Path(watch.folder).name.startswith(f"asyncrl-wsync-progress-{os.getpid()}-")
     finally:
         watch.close()
+
+
+def test_a_folder_that_could_not_be_removed_is_not_said_removed(tmp_path, monkeypatch):
+    """Another user's folder in a shared /tmp cannot be removed: it is left, and not
+    logged as removed at every server start."""
+    from rollout_servers import sync_progress
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (tmp_path / f"asyncrl-wsync-progress-{int(gone.stdout)}-abc").mkdir()
+    monkeypatch.setattr(sync_progress.shutil, "rmtree", lambda *a, **k: None)  # not ours
+    assert sync_progress.remove_orphans(str(tmp_path)) == []
+    monkeypatch.undo()
+    assert len(sync_progress.remove_orphans(str(tmp_path))) == 1

@@ -416,8 +416,16 @@ ROWS = (
         "a dead server's progress folder is removed",
         "a server killed with SIGKILL leaves its progress folder in the temporary directory for good",
         "rollout_servers/sync_progress.py",
-        "        if pid.isdigit() and not _alive(int(pid)):",
-        "        if False:",
+        "        if pid is None or _alive(int(pid.group(1))):",
+        "        if True:",
+        ("tests/test_stuck_worker.py",),
+    ),
+    Mutation(
+        "a folder not removed is not said removed",
+        "another user's folder that cannot be removed is logged as removed at every start",
+        "rollout_servers/sync_progress.py",
+        "        if not path.exists():  # another user's folder may not be ours to remove",
+        "        if True:",
         ("tests/test_stuck_worker.py",),
     ),
 )
