@@ -221,3 +221,17 @@ def test_a_kl_coefficient_no_penalty_reads_is_warned_about(tmp_path):
     cfg = load_config(None, [*tinyzero, f"trainer.default_local_dir={tmp_path}"])
     assert config_advisories(load_config(str(write_resolved(cfg)))) == config_advisories(cfg)
     assert config_advisories(cfg)
+
+
+def test_the_filters_own_keys_where_they_do_nothing_or_differ_from_veRL():
+    """data.gen_batch_size is only the filter bound's unit: without the filter it does
+    nothing (it was logged so while it had no effect at all). veRL's seq_final_reward has
+    the KL in the reward in it; the servers filter before the learner computes the KL."""
+    (line,) = config_advisories(load_config(None, ["data.gen_batch_size=48"]))
+    assert line.startswith("data.gen_batch_size=48 has no effect with algorithm.filter_groups")
+    on = ["algorithm.filter_groups.enable=true", "data.gen_batch_size=48"]
+    assert config_advisories(load_config(None, on)) == []
+    kl = [*on, "algorithm.use_kl_in_reward=true", "algorithm.filter_groups.metric="]
+    (line,) = config_advisories(load_config(None, [*kl[:-1], f"{kl[-1]}seq_final_reward"]))
+    assert "a rollout server filters before the learner computes the penalty" in line
+    assert config_advisories(load_config(None, [*kl[:-1], f"{kl[-1]}seq_reward"])) == []

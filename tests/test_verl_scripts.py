@@ -228,14 +228,15 @@ def test_verls_epochs_without_steps_count_the_steps_from_the_epochs(tmp_path, ca
     path = tmp_path / "verl.yaml"
     path.write_text("actor_rollout_ref:\n  rollout:\n    n: 4\ntrainer:\n  total_epochs: 3\n")
     assert load_config(path).trainer.total_training_steps is None
-    # our spelling keeps our meaning: total_epochs caps the default 60 steps, said so
+    # our spelling keeps our meaning: the default 60 steps (total_epochs ends it sooner), said so
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="asyncrl.config.load"):
         assert load_config(None, ["trainer.total_epochs=15"]).trainer.total_training_steps == 60
     assert (
-        "trainer.total_epochs=15 caps the run at the default trainer.total_training_steps"
-        "=60; set trainer.total_training_steps=null to train 15 epochs" in caplog.messages
-    )
+        "trainer.total_epochs=15 without trainer.total_training_steps: the run lasts the "
+        "default 60 steps, or less where 15 epochs of the data end sooner; set "
+        "trainer.total_training_steps=null to train 15 epochs"
+    ) in caplog.messages
 
 
 def test_a_verl_layout_file_with_its_actor_on_the_command_line_is_read_as_veRL(tmp_path, caplog):

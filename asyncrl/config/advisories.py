@@ -130,8 +130,22 @@ def _unused_kl_coef(cfg: Config) -> list[str]:
 
 def _filter_advisories(cfg: Config) -> list[str]:
     """DAPO's group filter where it does nothing, or not what it is for."""
-    if not cfg.algorithm.filter_groups.enable:
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        if cfg.data.gen_batch_size is not None:
+            return [
+                f"data.gen_batch_size={cfg.data.gen_batch_size} has no effect with "
+                "algorithm.filter_groups.enable off: it is only the unit of "
+                "filter_groups.max_num_gen_batches here (prompts are dealt continuously)"
+            ]
         return []
+    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        return [
+            "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward: "
+            "veRL's seq_final_reward has the KL penalty in it, but a rollout server filters "
+            "before the learner computes the penalty, so the score without it decides here; "
+            "metric=seq_reward says so"
+        ]
     if cfg.rollout.n < 2:
         return [
             "algorithm.filter_groups.enable with rollout.n=1: a group of one sample is never "

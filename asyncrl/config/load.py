@@ -258,17 +258,17 @@ def _verl_defaults(raw: dict[str, Any]) -> None:
 
 
 def epochs_cap_steps(raw: dict[str, Any]) -> str | None:
-    """In this project's layout ``trainer.total_epochs`` caps the steps: given without
-    ``trainer.total_training_steps`` it caps the default, which a user who meant epochs
-    (as veRL counts them) should hear; the note to log, or None."""
+    """In this project's layout ``trainer.total_epochs`` only ends a run sooner: given
+    without ``trainer.total_training_steps`` the default step count still holds, which a
+    user who meant epochs (as veRL counts them) should hear; the note to log, or None."""
     epochs_given, epochs = lookup(raw, "trainer.total_epochs")
     if not epochs_given or lookup(raw, "trainer.total_training_steps")[0]:
         return None
     steps = lookup(_defaults(), "trainer.total_training_steps")[1]
     return (
-        f"trainer.total_epochs={epochs} caps the run at the default trainer."
-        f"total_training_steps={steps}; set trainer.total_training_steps=null to train "
-        f"{epochs} epochs"
+        f"trainer.total_epochs={epochs} without trainer.total_training_steps: the run lasts "
+        f"the default {steps} steps, or less where {epochs} epochs of the data end sooner; "
+        f"set trainer.total_training_steps=null to train {epochs} epochs"
     )
 
 

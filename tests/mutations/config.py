@@ -318,4 +318,20 @@ ROWS = (
         '        "veRL applied it whenever use_kl_loss was false); grpo reads no token rewards, "',
         ("tests/test_kl_in_reward_outcome.py",),
     ),
+    Mutation(
+        "data.gen_batch_size without the filter is said to do nothing",
+        "data.gen_batch_size with the filter off is accepted without a word",
+        "asyncrl/config/advisories.py",
+        "        if cfg.data.gen_batch_size is not None:",
+        "        if False:",
+        ("tests/test_config_advisories.py",),
+    ),
+    Mutation(
+        "seq_final_reward with the KL in the reward is said to differ from veRL",
+        "the filter decides on the score without the KL penalty where veRL's metric has it, without a word",
+        "asyncrl/config/advisories.py",
+        '    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:',
+        "    if False:",
+        ("tests/test_config_advisories.py",),
+    ),
 )
