@@ -3,7 +3,9 @@ restarting) is sent again until the coordinator answers: a rollout server that d
 the restart then stops holding the resumed coordinator's dealing at once, instead of after
 ``control.dead_after_s``. A late one about an earlier incarnation leaves the restarted
 server registered. One never answered is given up after ``give_up_s``, and nothing is sent
-after that. Every try and wait goes without blocking the supervisor that polls."""
+after that. Every try and wait goes without blocking the supervisor that polls. And a
+coordinator that itself did not run (its learner paused) does not count the servers'
+silence over that gap against them."""
 
 from __future__ import annotations
 
@@ -118,3 +120,34 @@ def test_an_unanswered_leave_is_given_up_after_the_bound_and_never_sent_after():
         dep.close()
         late.close(0)
         ctx.term()
+
+
+def test_a_coordinator_that_did_not_run_does_not_declare_live_servers_dead():
+    """The coordinator's process paused (a stopped or starved learner) for longer than
+    control.dead_after_s: the servers' heartbeats queued meanwhile may land after its first
+    reap, and both live servers were declared dead, their whole window dealt again. Its
+    silence is its own: counted from the end of the gap, a server is dead only after
+    dead_after_s of silence while the coordinator listens."""
+    rows = [make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(4)]
+    st = ControlState(
+        TaskLedger(TaskSource(rows, [], seed=1, n=2), Budget(1, 4)),
+        SyncBook(),
+        heartbeat_s=0.2,
+        dead_after_s=1.0,
+        store_host="127.0.0.1",
+        store_port=1,
+    )
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    coord = Coordinator(st, tasks_addr="tcp://127.0.0.1:*", control_addr=addr).start()
+    try:
+        with coord._cond:  # the loop cannot run while this is held
+            st.register(m.Register(server_id="rollout-0", pid=7), time.monotonic())
+            time.sleep(2.5)  # longer than dead_after_s, and no heartbeat: paused
+        time.sleep(0.3)  # a few passes of the loop after the gap
+        with coord._cond:
+            assert "rollout-0" in st.servers  # not declared dead for the coordinator's gap
+            assert coord._loop.io["paused"] == 1
+        # silence while it listens still counts: dead after dead_after_s
+        wait_until(lambda: "rollout-0" not in st.servers, "the dead verdict", 5.0)
+    finally:
+        coord.stop()

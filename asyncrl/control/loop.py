@@ -41,6 +41,9 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # longest poll: bounds how late a version, a sync start or a death is acted on
 REAP_EVERY_S = 0.1
+#: A gap between two passes of the loop longer than this means the coordinator itself did
+#: not run (its process paused or starved): the servers' silence over it is not theirs.
+PAUSED_AFTER_S = 1.0
 WAIT_REASONS = ("budget", "catchup", "exhausted", "pace", "starting")
 
 
@@ -122,10 +125,14 @@ class ControlLoop:
         poller.register(tasks.sock, zmq.POLLIN)
         poller.register(control.sock, zmq.POLLIN)
         last_reap = 0.0
+        last_pass = time.monotonic()
         while not stop.is_set():
             events = dict(poller.poll(int(POLL_S * 1000)))
             with self.cond:
                 now = time.monotonic()
+                if now - last_pass > PAUSED_AFTER_S:
+                    self._paused(now - last_pass)
+                last_pass = now
                 for service, handler in (
                     (tasks, self._on_task_message),
                     (control, self._on_control_message),
@@ -227,6 +234,19 @@ class ControlLoop:
         if news is None and held.expired(now):
             news = self.state.idle_announcement(held.msg.server_id)
         return news
+
+    def _paused(self, gap_s: float) -> None:
+        """The loop did not run for ``gap_s``: every server's silence is counted from now
+        on, not over the gap. Its heartbeats queued meanwhile may land after the first reap
+        (a timed-out request's socket is replaced): after a 25 s pause both live servers
+        were declared dead, their whole window re-dealt and a push failed for both."""
+        self.state.forgive_silence(gap_s)
+        self.io["paused"] += 1
+        log.warning(
+            "the coordinator did not run for %.1fs (its process was paused or starved): the "
+            "servers' silence over that time is not counted against control.dead_after_s",
+            gap_s,
+        )
 
     def _reap(self, now: float) -> None:
         for server_id in self.state.reap(now):

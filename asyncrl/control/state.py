@@ -195,6 +195,12 @@ class ControlState:
             self.recovery.left(server_id)
         return True
 
+    def forgive_silence(self, gap_s: float) -> None:
+        """The coordinator did not run for ``gap_s``: move every server's last sign of
+        life on by it, so that only silence while it listens counts as death."""
+        for rec in self.servers.values():
+            rec.last_seen += gap_s
+
     def reap(self, now: float) -> list[str]:
         """Declare dead every server silent for more than ``dead_after_s``."""
         dead = [s for s, r in self.servers.items() if now - r.last_seen > self.dead_after_s]

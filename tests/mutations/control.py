@@ -399,4 +399,12 @@ ROWS = (
         "            batch_size=cfg.data.train_batch_size,",
         ("tests/test_filter_groups.py",),
     ),
+    Mutation(
+        "a coordinator's own pause is not the servers' silence",
+        "after the coordinator's process paused past control.dead_after_s, live servers are declared dead",
+        "asyncrl/control/loop.py",
+        "                if now - last_pass > PAUSED_AFTER_S:",
+        "                if False:",
+        ("tests/test_departures_retry.py",),
+    ),
 )
