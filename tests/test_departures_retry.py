@@ -17,6 +17,7 @@ import zmq
 from asyncrl.control import Coordinator
 from asyncrl.control import messages as m
 from asyncrl.control.admission import Budget
+from asyncrl.control.client import CoordinatorClient
 from asyncrl.control.ledger import TaskLedger
 from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
@@ -150,4 +151,37 @@ def test_a_coordinator_that_did_not_run_does_not_declare_live_servers_dead():
         # silence while it listens still counts: dead after dead_after_s
         wait_until(lambda: "rollout-0" not in st.servers, "the dead verdict", 5.0)
     finally:
+        coord.stop()
+
+
+def test_two_threads_told_unregistered_together_register_once():
+    """Declared dead, a server's heartbeat thread and its task thread are both told
+    "unregistered". Registering again keeps the coordinator's session, so the check on the
+    session let both register: the second counted as a restart (its tasks taken back, a
+    death counted with no line said). The registration each request was sent under tells."""
+    rows = [make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(4)]
+    st = ControlState(
+        TaskLedger(TaskSource(rows, [], seed=1, n=2), Budget(1, 4)),
+        SyncBook(),
+        heartbeat_s=0.5,
+        dead_after_s=60.0,
+        store_host="127.0.0.1",
+        store_port=1,
+    )
+    tasks = f"tcp://127.0.0.1:{free_port()}"
+    control = f"tcp://127.0.0.1:{free_port()}"
+    coord = Coordinator(st, tasks_addr=tasks, control_addr=control).start()
+    client = CoordinatorClient(tasks, control, "rollout-0", engine_world_size=0, timeout_s=5.0)
+    try:
+        client.register()
+        seen = client._registration()  # what both threads' requests were sent under
+        with coord._cond:
+            st.leave("rollout-0")  # the coordinator forgot it (declared dead)
+        assert client.request_tasks(max_tasks=1, wait_s=0.1).reason == "unregistered"
+        client._reregister(seen)  # the heartbeat thread, told the same, comes second
+        with coord._cond:
+            assert st.counts["registrations"] == 2 and st.counts["servers_dead"] == 0
+            assert "rollout-0" in st.servers
+    finally:
+        client.close()
         coord.stop()

@@ -23,7 +23,7 @@ if this server dies.
 Three REQ sockets, each behind its own lock (:mod:`asyncrl.control.client_sockets`), so any
 thread may call any method. A server that
 the coordinator no longer knows (it was declared dead, or the coordinator restarted) is
-registered again automatically, once per stale session whichever thread notices first.
+registered again automatically, once per stale registration whichever thread notices first.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class CoordinatorClient:
         self.held_tasks: Callable[[], list[str]] = list
         self.settings: dict[str, str] = {}  # what it must share with the learner (register)
         self.session = ""
+        self.registrations = 0  # answered registrations: which one a reply was about
         self.seen_sync = 0
         # Each call takes its own id (concurrent calls never share a grant); an unanswered
         # one is asked again by the next call, which gets the grant whose reply was lost.
@@ -181,6 +182,7 @@ class CoordinatorClient:
                 log.info("waiting for the coordinator at %s (%.0fs)", self.control_addr, waited)
         assert isinstance(reply, m.Registered), reply
         self.registered, self.session, self.seen_sync = reply, reply.session, 0
+        self.registrations += 1
         self.announced_version = max(self.announced_version, reply.policy_version)
         if self.engine_world_size == 0:  # no weights to load: adopt the version
             self.policy_version = self.announced_version
@@ -231,10 +233,17 @@ class CoordinatorClient:
                         raise TimeoutError("stopping")
         return reply.result()
 
-    def _reregister(self, stale_session: str) -> None:
-        """Register again unless another thread already did since ``stale_session``."""
+    def _registration(self) -> tuple[str, int]:
+        """Which registration a request is sent under (read before sending it)."""
+        return self.session, self.registrations
+
+    def _reregister(self, stale: tuple[str, int]) -> None:
+        """Register again unless another thread already did since ``stale`` (a
+        :meth:`_registration`). The session alone did not tell: registering again with the
+        same coordinator keeps it, so the heartbeat and the task threads, told
+        "unregistered" together, both registered, and the second counted as a restart."""
         with self._register_lock:
-            if self.session == stale_session and not self._closed.is_set():
+            if self._registration() == stale and not self._closed.is_set():
                 log.warning(
                     "%s is not registered with the coordinator: registering", self.server_id
                 )
@@ -253,10 +262,10 @@ class CoordinatorClient:
         server or after about ``wait_s`` (default ``heartbeat_s``); None if it stayed
         silent. Announcements are applied (version, sync queue, shutdown)."""
         wait_s = self.heartbeat_s if wait_s is None else wait_s
-        session = self.session
+        seen = self._registration()
         msg = m.Heartbeat(
             server_id=self.server_id,
-            session=session,
+            session=seen[0],
             policy_version=self.policy_version,
             seen_version=self.announced_version,
             seen_sync=self.seen_sync,
@@ -269,7 +278,7 @@ class CoordinatorClient:
         except TimeoutError:
             return None
         assert isinstance(ann, m.Announcement), ann
-        self._apply(ann, session)
+        self._apply(ann, seen)
         return ann
 
     def _heartbeat_metrics(self) -> dict[str, float]:
@@ -288,12 +297,12 @@ class CoordinatorClient:
             )
         return dict(sorted(metrics.items())[: m.HEARTBEAT_METRICS_MAX])
 
-    def _apply(self, ann: m.Announcement, session: str) -> None:
+    def _apply(self, ann: m.Announcement, seen: tuple[str, int]) -> None:
         if ann.shutdown:
             self.shutdown.set()
             return
         if not ann.registered:
-            self._reregister(session)
+            self._reregister(seen)
             return
         if ann.policy_version > self.announced_version:
             self.announced_version = ann.policy_version
@@ -415,7 +424,7 @@ class CoordinatorClient:
         request up to ``wait_s`` (default ``heartbeat_s``) while it can grant none. An
         empty grant says why in ``reason`` (``timeout``: no answer)."""
         wait_s = self.heartbeat_s if wait_s is None else wait_s
-        session = self.session
+        seen = self._registration()
         msg = m.TaskRequest(
             server_id=self.server_id,
             max_tasks=max_tasks or self.tasks_per_request,
@@ -430,7 +439,7 @@ class CoordinatorClient:
             return m.TaskGrant(tasks=[], policy_version=self.announced_version, reason="timeout")
         assert isinstance(grant, m.TaskGrant), grant
         if grant.reason == "unregistered":
-            self._reregister(session)
+            self._reregister(seen)
         elif grant.reason == "shutdown":
             self.shutdown.set()
         return grant
@@ -441,14 +450,14 @@ class CoordinatorClient:
         answered). Its retries repeat its request id, so a lost reply costs no second
         slot; concurrent calls never share one."""
         msg = m.SlotRequest(server_id=self.server_id, request_id=self._slot_ids.take())
-        session = self.session
+        seen = self._registration()
         grant = self._control_retried(msg, attempts)
         if grant is None:
             self._slot_ids.unanswered(msg.request_id)
             return m.TaskGrant(tasks=[], policy_version=self.announced_version, reason="timeout")
         assert isinstance(grant, m.TaskGrant), grant
         if grant.reason == "unregistered":
-            self._reregister(session)
+            self._reregister(seen)
         return grant
 
     def give_back_unanswered_slots(self, older_than_s: float) -> int:

@@ -407,4 +407,12 @@ ROWS = (
         "                if False:",
         ("tests/test_departures_retry.py",),
     ),
+    Mutation(
+        "two threads told unregistered register once",
+        "the heartbeat and task threads both register again; the second counts as a restart",
+        "asyncrl/control/client.py",
+        "            if self._registration() == stale and not self._closed.is_set():",
+        "            if self.session == stale[0] and not self._closed.is_set():",
+        ("tests/test_departures_retry.py",),
+    ),
 )
