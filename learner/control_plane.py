@@ -155,10 +155,11 @@ class RankZero:
                 # Carried acknowledgements name batches of the session of the last batch
                 # received, which the request names too: the buffer checks it.
                 ack = [batch_id for _, batch_id in self._ack_next]
+                sent = time.monotonic()  # silent since the first unanswered send, not its timeout
                 batch = self.buffer.request_batch(version, wait_s=1.0, ack=ack)
                 silent_since, self._ack_next = None, []
             except TimeoutError:  # the buffer died or restarts: keep asking, say so
-                batch, silent_since = None, silent_since or time.monotonic()
+                batch, silent_since = None, silent_since or sent
             batch = self._untrained(batch)
             if batch is not None:
                 return batch

@@ -52,3 +52,35 @@ def test_an_acknowledgement_that_got_no_answer_is_sent_again(
         assert sent == [([3, 4], session), ([3, 4], session)]  # sent again, answered
         rank0.acknowledge([])
         assert len(sent) == 2  # answered once: not sent a third time
+
+
+@pytest.mark.timeout(60)
+def test_a_silent_buffer_is_said_silent_since_the_first_unanswered_request(
+    tmp_path: Path, arithmetic_data: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """Found by a hang hunt: the wait's line counted the buffer's silence from the first
+    request's timeout, not its send: 22 s said for a buffer silent for 33. Every request
+    here goes unanswered, so the buffer has been silent for the whole wait."""
+    import re
+    import time
+
+    with validating_rank_zero(tmp_path, arithmetic_data) as rig:
+        rank0 = rig.rank0
+
+        def silent(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(2.0)  # each request waits its reply timeout, then gives up
+            raise TimeoutError("no reply")
+
+        monkeypatch.setattr(rank0.buffer, "request_batch", silent)
+        monkeypatch.setattr(control_plane, "WAIT_LOG_S", 4.5)
+        monkeypatch.setattr(control_plane, "KEEPALIVE_S", 6.5)  # after the line
+
+        def keepalive() -> None:
+            raise Stop
+
+        with caplog.at_level("INFO", logger="learner.control_plane"), pytest.raises(Stop):
+            rank0.wait_batch(0, 0, keepalive=keepalive)
+    (line,) = [r.getMessage() for r in caplog.records if "silent for" in r.getMessage()]
+    waited = int(re.search(r"waiting for a batch for (\d+)s", line).group(1))
+    silent_s = int(re.search(r"silent for (\d+)s", line).group(1))
+    assert waited - silent_s <= 1, line  # it said one 2 s request less

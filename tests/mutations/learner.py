@@ -434,4 +434,12 @@ ROWS = (
         "        if False:",
         ("tests/test_kl_in_reward_outcome.py",),
     ),
+    Mutation(
+        "a silent buffer is said silent since the first unanswered send",
+        "the wait's line counts the buffer's silence from the first timeout, one request short",
+        "learner/control_plane.py",
+        "                batch, silent_since = None, silent_since or sent",
+        "                batch, silent_since = None, silent_since or time.monotonic()",
+        ("tests/test_acknowledgements.py",),
+    ),
 )
