@@ -100,6 +100,10 @@ class InlineLLM:
                         break
                     commands, self._commands = self._commands, []
                 for call, done in commands:
+                    # A caller that gave up (cancelled: a timeout, a shutdown) is not run for:
+                    # setting its result raised, and read as the engine's death (exit 4).
+                    if not done.set_running_or_notify_cancel():
+                        continue
                     try:
                         done.set_result(call())
                     except BaseException as exc:  # the caller re-raises it
@@ -126,7 +130,8 @@ class InlineLLM:
             commands, self._commands = self._commands, []
             self._stopping = True
         for _, done in commands:
-            done.set_exception(error)
+            if done.set_running_or_notify_cancel():  # else its caller gave up already
+                done.set_exception(error)
         self._to_loop(self._fail_waiting, error)
 
     def _to_loop(self, fn: Callable[..., None], *args: Any) -> None:

@@ -146,3 +146,28 @@ def test_shutdown_ends_waiting_requests():
         assert not llm.errored  # a shutdown is not an error
 
     asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_a_command_its_caller_gave_up_on_is_skipped_not_the_engines_death():
+    """Found by fault hunts: a command cancelled by its caller (a timeout, a shutdown)
+    before the engine thread ran it made setting its result raise, which the thread read as
+    the engine's death ("inline vLLM engine failed; the server exits 4")."""
+
+    async def run() -> None:
+        engine = StandInEngine(steps_needed=10**9)
+        llm = InlineLLM(engine)
+        ran: list[str] = []
+        gate = threading.Event()
+        # The engine thread is held in a first command while the second is cancelled.
+        first = llm._submit(lambda: gate.wait(5) and ran.append("first"))
+        second = llm._submit(lambda: ran.append("second"))
+        await asyncio.sleep(0.1)
+        second.cancel()
+        await asyncio.sleep(0.05)  # the cancel reaches the command's future
+        gate.set()
+        await first
+        await llm.update_weight_version("3")  # the thread goes on taking commands
+        assert ran == ["first"] and engine.version == "3" and not llm.errored
+        llm.shutdown()
+
+    asyncio.run(asyncio.wait_for(run(), 30))

@@ -428,4 +428,12 @@ ROWS = (
         "        if True:",
         ("tests/test_stuck_worker.py",),
     ),
+    Mutation(
+        "a command its caller gave up on is skipped",
+        "a cancelled command's result is set anyway: the engine thread dies and the server exits 4",
+        "rollout_servers/inline_llm.py",
+        "                    if not done.set_running_or_notify_cancel():",
+        "                    if False:",
+        ("tests/test_inline_llm.py",),
+    ),
 )
