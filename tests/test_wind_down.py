@@ -223,3 +223,82 @@ def test_a_role_that_ends_while_the_servers_stop_is_not_recorded_as_stopped(tmp_
         if e["event"] == "exit"
     }
     assert exits == {"rollout-0": (0, "launcher"), "buffer": (0, None)}
+
+
+# A hung learner: its coordinator came up, then its process stopped answering. Its second
+# start ends the run once the restarted server is back.
+HUNG_LEARNER = r"""
+import sys, time
+from pathlib import Path
+from asyncrl.launch import startup
+run = Path(sys.argv[1])
+if not (run / "learner.1").exists():
+    (run / "learner.1").touch()
+    startup.mark(run, "learner", "coordinator_up")
+    time.sleep(60)  # hung: nothing answers
+while not (run / "rollout-0.2").exists():
+    time.sleep(0.05)
+"""
+# A server that registered, then heard nothing for its patience: exit 3 (coordinator gone).
+GAVE_UP = r"""
+import sys, time
+from pathlib import Path
+from asyncrl.launch import startup
+run = Path(sys.argv[1])
+startup.mark(run, "rollout-0", "registered")
+if not (run / "rollout-0.1").exists():
+    (run / "rollout-0.1").touch()
+    while not (run / "learner.1").exists():
+        time.sleep(0.05)
+    sys.exit(3)
+(run / "rollout-0.2").touch()
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_learner_is_named_and_restarted_when_a_server_gives_up_on_it(tmp_path, monkeypatch):
+    """Found by a hang hunt: a learner that stopped answering was never named; the servers
+    that gave up on its coordinator (exit 3) were restarted until their restarts ran out,
+    and the run failed naming a server. Now a registered server's exit 3 while the learner,
+    its coordinator up, still runs, kills the learner for a restart."""
+    monkeypatch.setattr(supervise, "AFTER_LEARNER_S", 1.0)
+    monkeypatch.setattr(supervise, "POLL_S", 0.1)
+    (tmp_path / "logs").mkdir()
+    roles = [
+        Role("rollout-0", [sys.executable, "-c", GAVE_UP, str(tmp_path)], server_id="rollout-0"),
+        Role("learner", [sys.executable, "-c", HUNG_LEARNER, str(tmp_path)]),
+    ]
+    sup = Supervisor(roles, tmp_path, RestartPolicy(backoff_s=0.1))
+    try:
+        sup.start_all()
+        assert sup.run(QuietView()) == 0
+    finally:
+        sup.close()
+    events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+    hung = [e for e in events if e["event"] == "hung"]
+    assert len(hung) == 1 and hung[0]["role"] == "learner" and hung[0]["told_by"] == "rollout-0"
+    starts = [e["role"] for e in events if e["event"] == "start"]
+    assert starts.count("learner") == 2 and starts.count("rollout-0") == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_learner_still_loading_or_a_server_that_never_registered_is_left_alone(tmp_path):
+    """A server's exit 3 also comes from a coordinator it never reached (a wrong address),
+    and from a learner still loading a big model past the server's patience: neither is
+    a hung learner, and the learner keeps running."""
+    (tmp_path / "logs").mkdir()
+    server = Role("rollout-0", [sys.executable, "-c", "pass"], server_id="rollout-0")
+    learner = Role("learner", [sys.executable, "-c", "import time; time.sleep(30)"])
+    sup = Supervisor([server, learner], tmp_path, RestartPolicy())
+    try:
+        sup.start_all()
+        sup._learner_hung(server)  # neither mark: left alone
+        startup.mark(tmp_path, "rollout-0", "registered")
+        sup._learner_hung(server)  # the learner's coordinator never came up: still loading
+        assert learner.proc is not None and learner.proc.poll() is None
+        startup.mark(tmp_path, "learner", "coordinator_up")
+        sup._learner_hung(server)
+        assert learner.proc.wait(10) == -9  # hung: killed for a restart
+    finally:
+        sup.close()

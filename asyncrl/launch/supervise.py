@@ -58,6 +58,7 @@ POLL_S = 1.0  # how often the supervisor looks at its roles
 STOP_GRACE_S = 15.0  # how long roles get to exit after SIGTERM before SIGKILL
 REAP_WAIT_S = 30.0  # how long a SIGKILLed role gets to be reaped (more: stuck in the kernel)
 AFTER_LEARNER_S = 30.0  # how long the others get to exit once the learner is done
+COORDINATOR_GONE = 3  # a rollout server's exit: the coordinator went silent (or never came)
 # How long the learner gets to finish once the buffer (or learner-k) exited 0: the learner
 # stops the buffer moments before it exits, and learner-k's torchrun leaves the learner's at
 # its exit barrier. Past it, the exit 0 was a stop from outside (`kill <pid>`) and counts as
@@ -186,6 +187,8 @@ class Supervisor:
             code = self._final_exit(role) or code  # torchrun's 1 hides the learner's
         if code != 0 and code not in FINAL_EXITS:
             self._tell_gone(role, code)
+        if code == COORDINATOR_GONE and role.server_id is not None:
+            self._learner_hung(role)
         if code == 0:
             self._event(role.name, "exit", exit_code=0)
             if role.server_id is None and not self._is_learner(role):
@@ -202,6 +205,34 @@ class Supervisor:
         if code in FINAL_EXITS:
             return self._give_up(role, code, view, FINAL_EXITS[code])
         return self._restart(role, code, view)
+
+    def _learner_hung(self, server: Role) -> None:
+        """A rollout server that had registered gave up on the coordinator (exit 3) while
+        the learner, whose coordinator came up in its current start, still runs: the
+        learner is hung (a process that runs its coordinator's thread answers). It is
+        killed, to restart from its last checkpoint; left, the servers' restarts ran out
+        and the run failed naming a server, after minutes of restarts that could not help.
+        A learner still loading (no ``coordinator_up`` yet) or a server that never reached
+        the coordinator (a wrong address) is left alone. Local launcher only."""
+        learner = next((r for r in self.roles if self._is_learner(r)), None)
+        if learner is None or learner.proc is None or not self._alive(learner):
+            return
+        assert server.server_id is not None
+        marks = (
+            (server.server_id, "registered", server.started_wall),
+            ("learner", "coordinator_up", learner.started_wall),
+        )
+        if not all(startup.marked_since(self.run_dir, *m) for m in marks):
+            return
+        log.error(
+            "%s lost the coordinator (exit 3) while the learner (pid %d) runs: the learner is "
+            "hung, its coordinator silent for launch.start_timeout_s; killing it to restart "
+            "from its last checkpoint",
+            server.name,
+            learner.proc.pid,
+        )
+        self._event(learner.name, "hung", pid=learner.proc.pid, told_by=server.name)
+        signal_group(learner.proc.pid, signal.SIGKILL)
 
     def _left_early(self, role: Role) -> bool:
         """Whether ``role`` exited 0 (only the rollout servers may leave a run) and the

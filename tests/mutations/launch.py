@@ -439,4 +439,24 @@ ROWS = (
         '        others = [r for r in self.roles if r.proc is not None and not r.name.startswith("rollout")]',
         ("tests/test_wind_down.py",),
     ),
+    Mutation(
+        "a hung learner is killed when a registered server gives up on it",
+        "a learner that stopped answering is never named; the servers' restarts run out and the run fails naming a server",
+        "asyncrl/launch/supervise.py",
+        "        if code == COORDINATOR_GONE and role.server_id is not None:",
+        "        if False:",
+        (
+            "tests/test_wind_down.py::test_a_hung_learner_is_named_and_restarted_when_a_server_gives_up_on_it",
+        ),
+    ),
+    Mutation(
+        "a loading learner is not taken for a hung one",
+        "a learner still loading, or a server that never reached the coordinator, gets the learner killed",
+        "asyncrl/launch/supervise.py",
+        "        if not all(startup.marked_since(self.run_dir, *m) for m in marks):",
+        "        if False:",
+        (
+            "tests/test_wind_down.py::test_a_learner_still_loading_or_a_server_that_never_registered_is_left_alone",
+        ),
+    ),
 )
