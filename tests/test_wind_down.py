@@ -296,7 +296,9 @@ def test_a_learner_still_loading_or_a_server_that_never_registered_is_left_alone
         sup._learner_hung(server)  # neither mark: left alone
         startup.mark(tmp_path, "rollout-0", "registered")
         sup._learner_hung(server)  # the learner's coordinator never came up: still loading
+        time.sleep(0.5)  # a kill would have landed by now
         assert learner.proc is not None and learner.proc.poll() is None
+        assert '"hung"' not in (tmp_path / "launch.jsonl").read_text()
         startup.mark(tmp_path, "learner", "coordinator_up")
         sup._learner_hung(server)
         assert learner.proc.wait(10) == -9  # hung: killed for a restart
