@@ -29,20 +29,25 @@ from tests.helpers import free_port, wait_until
 TRY_S = 1.0  # one try's wait for the reply: the coordinator comes back after a few
 
 
-def _resumed_state() -> ControlState:
-    """A coordinator's state restored from a checkpoint that knew rollout-0 and rollout-1:
-    it deals nothing until both registered again or left (or ``dead_after_s``, 60 s)."""
+def _state(heartbeat_s: float = 0.5, dead_after_s: float = 60.0) -> ControlState:
+    """A fresh coordinator's state over 20 sums."""
     rows = [
         make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(20)
     ]
-    st = ControlState(
+    return ControlState(
         TaskLedger(TaskSource(rows, [], seed=1, n=2), Budget(1, 4)),
         SyncBook(),
-        heartbeat_s=0.5,
-        dead_after_s=60.0,
+        heartbeat_s=heartbeat_s,
+        dead_after_s=dead_after_s,
         store_host="127.0.0.1",
         store_port=1,
     )
+
+
+def _resumed_state() -> ControlState:
+    """A coordinator's state restored from a checkpoint that knew rollout-0 and rollout-1:
+    it deals nothing until both registered again or left (or ``dead_after_s``, 60 s)."""
+    st = _state()
     st.recovery.restored(["rollout-0", "rollout-1"], with_buffer=False)
     return st
 
@@ -129,15 +134,7 @@ def test_a_coordinator_that_did_not_run_does_not_declare_live_servers_dead():
     reap, and both live servers were declared dead, their whole window dealt again. Its
     silence is its own: counted from the end of the gap, a server is dead only after
     dead_after_s of silence while the coordinator listens."""
-    rows = [make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(4)]
-    st = ControlState(
-        TaskLedger(TaskSource(rows, [], seed=1, n=2), Budget(1, 4)),
-        SyncBook(),
-        heartbeat_s=0.2,
-        dead_after_s=1.0,
-        store_host="127.0.0.1",
-        store_port=1,
-    )
+    st = _state(heartbeat_s=0.2, dead_after_s=1.0)
     addr = f"tcp://127.0.0.1:{free_port()}"
     coord = Coordinator(st, tasks_addr="tcp://127.0.0.1:*", control_addr=addr).start()
     try:
@@ -159,15 +156,7 @@ def test_two_threads_told_unregistered_together_register_once():
     "unregistered". Registering again keeps the coordinator's session, so the check on the
     session let both register: the second counted as a restart (its tasks taken back, a
     death counted with no line said). The registration each request was sent under tells."""
-    rows = [make_row("arithmetic", f"{i}+1=", str(i + 1), split="train", index=i) for i in range(4)]
-    st = ControlState(
-        TaskLedger(TaskSource(rows, [], seed=1, n=2), Budget(1, 4)),
-        SyncBook(),
-        heartbeat_s=0.5,
-        dead_after_s=60.0,
-        store_host="127.0.0.1",
-        store_port=1,
-    )
+    st = _state()
     tasks = f"tcp://127.0.0.1:{free_port()}"
     control = f"tcp://127.0.0.1:{free_port()}"
     coord = Coordinator(st, tasks_addr=tasks, control_addr=control).start()

@@ -45,6 +45,15 @@ while not (run / "rollout-1.up").exists():
 """
 
 
+def _exits(run: Path) -> dict[str, tuple[int, str | None]]:
+    """Each role's exit in ``launch.jsonl``: (exit code, who stopped it)."""
+    return {
+        e["role"]: (e["exit_code"], e.get("stopped_by"))
+        for e in map(json.loads, (run / "launch.jsonl").read_text().splitlines())
+        if e["event"] == "exit"
+    }
+
+
 @pytest.mark.timeout(60)
 def test_a_server_that_never_registered_is_stopped_at_once_at_the_end(tmp_path, monkeypatch):
     """The learner exits 0: rollout-0 (whose only ``registered`` mark is an earlier
@@ -70,11 +79,7 @@ def test_a_server_that_never_registered_is_stopped_at_once_at_the_end(tmp_path, 
         took = time.monotonic() - start
     finally:
         sup.close()
-    exits = {
-        e["role"]: (e["exit_code"], e.get("stopped_by"))
-        for e in map(json.loads, (tmp_path / "launch.jsonl").read_text().splitlines())
-        if e["event"] == "exit"
-    }
+    exits = _exits(tmp_path)
     # rollout-0 stopped by the launcher's SIGTERM; rollout-1 finished on its own, and its
     # exit, recorded as the launcher reaps it, says so (it said "stopped_by: launcher").
     assert exits == {"rollout-0": (-15, "launcher"), "rollout-1": (0, None), "learner": (0, None)}
@@ -217,11 +222,7 @@ def test_a_role_that_ends_while_the_servers_stop_is_not_recorded_as_stopped(tmp_
         sup.stop_all(grace_s=6.0)
     finally:
         sup.close()
-    exits = {
-        e["role"]: (e["exit_code"], e.get("stopped_by"))
-        for e in map(json.loads, (tmp_path / "launch.jsonl").read_text().splitlines())
-        if e["event"] == "exit"
-    }
+    exits = _exits(tmp_path)
     assert exits == {"rollout-0": (0, "launcher"), "buffer": (0, None)}
 
 
