@@ -144,7 +144,7 @@ def test_a_coordinator_that_did_not_run_does_not_declare_live_servers_dead():
         time.sleep(0.3)  # a few passes of the loop after the gap
         with coord._cond:
             assert "rollout-0" in st.servers  # not declared dead for the coordinator's gap
-            assert coord._loop.io["paused"] == 1
+            assert coord.metrics()["coordinator/paused"] == 1
         # silence while it listens still counts: dead after dead_after_s
         wait_until(lambda: "rollout-0" not in st.servers, "the dead verdict", 5.0)
     finally:
