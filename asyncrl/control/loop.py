@@ -41,8 +41,7 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.02  # longest poll: bounds how late a version, a sync start or a death is acted on
 REAP_EVERY_S = 0.1
-#: A gap between two passes of the loop longer than this means the coordinator itself did
-#: not run (its process paused or starved): the servers' silence over it is not theirs.
+#: A longer gap between two passes means the coordinator itself did not run (paused, starved)
 PAUSED_AFTER_S = 1.0
 WAIT_REASONS = ("budget", "catchup", "exhausted", "pace", "starting")
 
@@ -236,10 +235,8 @@ class ControlLoop:
         return news
 
     def _paused(self, gap_s: float) -> None:
-        """The loop did not run for ``gap_s``: every server's silence is counted from now
-        on, not over the gap. Its heartbeats queued meanwhile may land after the first reap
-        (a timed-out request's socket is replaced): after a 25 s pause both live servers
-        were declared dead, their whole window re-dealt and a push failed for both."""
+        """The loop did not run for ``gap_s``: the servers' heartbeats queued meanwhile may
+        land after the next reap, so their silence counts from now, not over the gap."""
         self.state.forgive_silence(gap_s)
         self.io["paused"] += 1
         log.warning(
