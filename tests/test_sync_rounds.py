@@ -88,6 +88,35 @@ def test_a_catch_up_of_a_server_outside_the_main_group_leaves_that_group_as_it_i
     assert book.begin([("a", 1)], 2, PLAN).generation == first.generation
 
 
+def test_a_member_lost_mid_send_gives_the_send_up_and_one_that_loaded_keeps_its_version():
+    """After the group formed, losing a member that is still receiving tells the learner's
+    send to give up (a member that stopped reading holds gloo's broadcast until its
+    timeout); losing one that already reported does not. A member that reported ok before
+    the send failed loaded the version: it was counted failed with the send, and the group
+    the failed send broke must still be formed anew."""
+    book = SyncBook()
+    members = [("a", 1), ("b", 1), ("c", 1)]
+    _loaded(book, book.begin(members, 1, PLAN))
+    rnd = book.begin(members, 2, PLAN)
+    assert not rnd.new_group and rnd.watch.form()
+    book.report(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=2, ok=True))
+    assert book.lose("a", "left") is None and rnd.watch.lost_in_send() == ""
+    assert book.lose("b", "silent for more than 1s") is None  # formed: no successor
+    assert rnd.watch.lost_in_send() == "b was lost (silent for more than 1s)"
+    book.report(m.SyncDone(server_id="c", sync_id=rnd.sync_id, version=2, ok=True))
+    result = book.finish(False, "gave up")
+    assert result.ok == ["c"]
+    assert result.failed == {"a": "left", "b": "silent for more than 1s"}
+    assert book.main_members == (("c", 1),) and book.begin([("c", 1)], 3, PLAN).new_group
+    book.report(m.SyncDone(server_id="c", sync_id=book.counter, version=3, ok=True))
+    sent = book.finish(False, "send broke")  # every member loaded it: the group is still broken
+    assert (sent.ok, sent.failed) == (["c"], {})
+    quiet = book.begin([("c", 1), ("d", 1)], 4, PLAN)  # c reports; d never does
+    assert quiet.new_group
+    book.report(m.SyncDone(server_id="c", sync_id=quiet.sync_id, version=4, ok=True))
+    assert book.finish(False, "send broke").failed == {"d": "the learner's send failed: send broke"}
+
+
 class _Group:
     """A sync group the push never reaches the wire on: its abort is recorded."""
 

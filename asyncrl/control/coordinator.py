@@ -46,6 +46,11 @@ from asyncrl.sync.plan import WeightPlan
 log = logging.getLogger(__name__)
 
 LEAVE_GRACE_S = 2.0  # at shutdown, how long told servers get to say they leave
+#: After the learner's send of a round failed, how long its close waits for the members'
+#: reports, seconds: those that received every bucket report after their post-sync probe
+#: (a server bounds it at 10 s); one still waiting for a bucket that will not come fails
+#: only at its own timeout (``sync.timeout_s``), which the learner need not wait out.
+AFTER_FAILED_SEND_S = 15.0
 
 
 class Coordinator:
@@ -217,10 +222,13 @@ class Coordinator:
         self, rnd: SyncRound, sent_ok: bool = True, error: str = "", timeout_s: float | None = None
     ) -> SyncResult:
         """Wait for every member's ``sync_done`` (up to ``timeout_s``, default
-        ``sync.timeout_s``), then close the round: members that failed or stayed silent are
-        dropped from the group and will need a catch-up; a main round's version is current.
+        ``sync.timeout_s``; after a failed send, :data:`AFTER_FAILED_SEND_S` at most), then
+        close the round: members that failed or stayed silent are dropped from the group
+        and will need a catch-up; a main round's version is current.
         """
         timeout_s = self._state.syncs.timeout_s if timeout_s is None else timeout_s
+        if not sent_ok:
+            timeout_s = min(timeout_s, AFTER_FAILED_SEND_S)
         start = time.monotonic()
         with self._cond:
             self._cond.wait_for(

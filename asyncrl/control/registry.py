@@ -28,6 +28,9 @@ class ServerRecord:
     metrics: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
     catchup_failures: int = 0  # consecutive failed catch-ups
     catchup_after: float = 0.0  # no catch-up is started before this time (backoff)
+    # A round whose send failed closed before its report: it may still wait in that
+    # round's receive (until its own sync.timeout_s). No catch-up before its report or then.
+    receiving_until: float = 0.0
     # It registered with weights partly loaded (a sync broke off mid-load): they are no
     # version's, whatever it reports, until a sync of this session loads them whole.
     weights_partial: bool = False

@@ -42,12 +42,15 @@ class RoundWatch:
     (:meth:`SyncBook.lose`), and the learner's, which forms the round's group, settle
     which came first. Lost before the group formed, the round is given up (:meth:`ended`
     says why; the learner gives the meeting up for every member) and a main round has a
-    :attr:`successor`; lost after, the member only fails the round."""
+    :attr:`successor`; lost after, the member fails the round, and the learner gives up
+    the broadcast it may be in (:meth:`lost_in_send`): a member that stopped reading holds
+    the sender's collective until ``sync.timeout_s``."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._formed = False
         self._why = ""
+        self._lost = ""  # why a member was lost after the group formed
         self.successor: SyncRound | None = None  # the round begun again in this one's place
 
     def ended(self) -> str:
@@ -61,11 +64,20 @@ class RoundWatch:
             self._formed = self._formed or not self._why
             return self._formed
 
+    def lost_in_send(self) -> str:
+        """Why a member still receiving was lost after the group formed ("" while none
+        was): the learner's send gives up on it."""
+        return self._lost
+
     def end(self, why: str, begin_again: Callable[[], SyncRound | None]) -> SyncRound | None:
-        """Give the round up unless its group formed; ``begin_again``'s round (None: none)
-        is its successor, set before the learner can see :meth:`ended`."""
+        """Give the round up unless its group formed (then ``why`` is :meth:`lost_in_send`'s
+        answer); ``begin_again``'s round (None: none) is its successor, set before the
+        learner can see :meth:`ended`."""
         with self._lock:
-            if self._formed or self._why:
+            if self._formed:
+                self._lost = self._lost or why
+                return None
+            if self._why:
                 return None
             self.successor = begin_again()
             self._why = why
@@ -78,8 +90,10 @@ class RoundWatch:
         loss between the meeting's failure and the round's close began a successor nobody
         sent: the learner's close took that round for its own, and its members waited
         ``sync.timeout_s`` more in a meeting the learner never came to."""
-        self.end(why, lambda: None)
-        return self.successor
+        with self._lock:
+            if not self._formed and not self._why:
+                self._why = why
+            return self.successor
 
 
 @dataclass(frozen=True)
@@ -243,6 +257,8 @@ class SyncBook:
         if a is None or server_id not in a.starts:
             return None
         a.lost.setdefault(server_id, why)
+        if server_id in a.reports:  # its receive ended: it holds no collective up
+            return None
         return a.round.watch.end(f"{server_id} was lost ({why})", lambda: self._again(a))
 
     def _leave_main(self, server_id: str) -> None:
@@ -261,8 +277,10 @@ class SyncBook:
         return self.begin(members, a.round.version, a.plan, consumed=a.round.consumed)
 
     def finish(self, sent_ok: bool, send_error: str = "") -> SyncResult:
-        """Close the round: members that reported ok (and the send succeeded) loaded the
-        version; every other member failed and leaves the main group."""
+        """Close the round: members that reported ok loaded the version (a member reports
+        ok only once every bucket arrived, so a send that failed after that, on another
+        member, does not undo it); every other member failed and leaves the main group,
+        which a failed send breaks for all."""
         a = self.active
         if a is None:
             raise RuntimeError("no sync in progress")
@@ -272,15 +290,15 @@ class SyncBook:
             rep = a.reports.get(member)
             if member in a.lost:
                 failed[member] = a.lost[member]
+            elif rep is None and not sent_ok:
+                failed[member] = f"the learner's send failed: {send_error}"
             elif rep is None:
                 failed[member] = "no answer before the sync timed out"
             elif not rep.ok:
                 failed[member] = rep.error or "failed"
-            elif not sent_ok:
-                failed[member] = f"the learner's send failed: {send_error}"
             else:
                 ok.append(member)
-        if failed and not a.round.catchup:
+        if (failed or not sent_ok) and not a.round.catchup:
             self.main_members = tuple((m, a.sizes[m]) for m in ok)
             self.broken = True
         r = a.round

@@ -97,7 +97,9 @@ class Versions:
         """Whether ``server_id`` is registered and can start a catch-up now (it needs one,
         is in no sync, and is not backing off after a failed one)."""
         r = self.servers.get(server_id)
-        return r is not None and self.needs_catchup(r) and not r.syncing and now >= r.catchup_after
+        if r is None or not self.needs_catchup(r) or r.syncing:
+            return False
+        return now >= max(r.catchup_after, r.receiving_until)
 
     def begin_catchup(self, server_id: str, plan: WeightPlan) -> SyncRound:
         """A one-off group between the learner and ``server_id`` for the current weights."""
@@ -169,6 +171,8 @@ class Versions:
             return
         if rec is not None and rec.syncing and msg.sync_id >= rec.syncing:
             rec.syncing = 0
+        if rec is not None:  # out of its receive, whichever round it reports on
+            rec.receiving_until = 0.0
         if not self.syncs.report(msg):
             self.counts["sync_reports_stale"] += 1
             return
@@ -192,7 +196,11 @@ class Versions:
         active = self.syncs.active
         catchup = active is not None and active.round.catchup
         consumed = active.round.consumed if active is not None else 0
+        unreported = self.syncs.waiting_for()
         result = self.syncs.finish(sent_ok, send_error)
+        for server_id in unreported if not sent_ok else ():
+            if (rec := self.servers.get(server_id)) is not None:
+                rec.receiving_until = now + self.syncs.timeout_s
         for rec in self.servers.values():  # the round is over, reported or not: a member
             if rec.syncing == result.sync_id:  # whose report was lost may catch up now
                 rec.syncing = 0

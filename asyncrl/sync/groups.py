@@ -13,6 +13,7 @@ import here; torch is imported lazily.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -201,16 +202,32 @@ def _wait_for_members(
     )
 
 
-def release_group(pg: Any) -> None:
+def release_group(pg: Any, busy_s: float = 0.0) -> None:
     """Let go of a sync group that failed or is replaced: abort it. Under NCCL a
     communicator that is only dropped can stay in a collective that never completes (a
     member died mid-broadcast), holding its GPU buffers and its watchdog's attention until
     the process ends; an abort ends those operations. Callers then drop the group: under
     gloo that closes its connections, and a member still waiting on it fails at once
-    (checked: about 1 s, against its ``sync.timeout_s``)."""
+    (checked: about 1 s, against its ``sync.timeout_s``).
+
+    ``busy_s``: how long a collective the caller gave up on may still run in it. Gloo's
+    abort does not end one (checked on torch 2.13: a broadcast to a member that stopped
+    reading ran to its timeout after ``abort()``), and dropping the group joins gloo's
+    threads, so the thread that dropped it last would wait that long: a thread of its own
+    holds the group that long, then drops it (closing its connections then)."""
     if pg is None:
         return
     try:
         pg.abort()
     except Exception as e:  # a group already broken can fail its abort: it is let go anyway
         log.debug("sync group abort failed (%s); dropping it", e)
+    if busy_s > 0:
+        threading.Thread(
+            target=_hold, args=([pg], busy_s), name="sync-group-release", daemon=True
+        ).start()
+
+
+def _hold(box: list[Any], seconds: float) -> None:
+    """Keep a released group alive ``seconds``, then drop it (on this thread)."""
+    time.sleep(seconds)
+    box.clear()

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.sync.groups import WeightSyncError, form_group, release_group, store_prefix
 from asyncrl.sync.plan import WeightPlan, plan_buckets, specs_of
-from asyncrl.sync.weights import send_weights
+from asyncrl.sync.weights import BroadcastAbandoned, send_weights
 
 if TYPE_CHECKING:
     from asyncrl.control.coordinator import Coordinator
@@ -109,16 +109,25 @@ class WeightPusher:
         plan: WeightPlan,
         on_sent: Callable[[], None] | None = None,
     ) -> SyncResult:
-        error, group, fault = "", None, None
+        error, group, fault, busy_s = "", None, None, 0.0
         while rnd.ranks:
             try:
                 group = self._group_for(rnd)
                 if group is None:  # a member was lost before the group formed
                     rnd = self._successor(rnd)
                     continue
-                send_weights(group, tensors, plan, timeout_s=self.timeout_s, device=self.device)
+                send_weights(
+                    group,
+                    tensors,
+                    plan,
+                    timeout_s=self.timeout_s,
+                    device=self.device,
+                    abandon=rnd.watch.lost_in_send,
+                )
             except WeightSyncError as e:
                 error = str(e)
+                if isinstance(e, BroadcastAbandoned):  # its collective runs to its timeout
+                    busy_s = self.timeout_s
             except Exception as e:  # the learner's own (tensors off the plan, out of memory)
                 # The round is closed as failed all the same, then the error raised: left
                 # open, it kept every later round from beginning ("still in progress").
@@ -134,8 +143,9 @@ class WeightPusher:
             return self.coordinator.finish_sync(rnd)
         # Let go of the failed group before waiting for the members' reports: closing its
         # connections makes the members still waiting in the broadcast fail at once
-        # instead of after sync.timeout_s.
-        release_group(group)
+        # instead of after sync.timeout_s. A broadcast given up on a lost member may still
+        # run (to its timeout): the group is then held aside that long, not dropped here.
+        release_group(group, busy_s=busy_s)
         group = None
         if not rnd.catchup:
             self._group, self._generation = None, ""

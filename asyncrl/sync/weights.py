@@ -66,15 +66,52 @@ def on_device(tensor_device: Any, device: str) -> bool:
     return want.index is None or tensor_device.index == want.index
 
 
-def _wait(work, timeout_s: float, what: str) -> None:
+#: How often a sender waiting for a bucket asks whether to give the send up, seconds.
+ABANDON_POLL_S = 0.05
+
+
+class BroadcastAbandoned(WeightSyncError):
+    """The sender gave a broadcast up (a member was lost while it ran); the collective
+    itself may run on in the backend until its timeout."""
+
+
+def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None = None) -> None:
+    """Wait for ``work`` up to ``timeout_s``. ``abandon`` (the sender's) is asked while it
+    runs: a reason it returns ends the wait at once with a :class:`WeightSyncError`. A
+    member that stopped reading (frozen, or dead with its sockets held open) would otherwise
+    hold the sender here for the whole timeout after the coordinator had lost it."""
     start = time.monotonic()
+    if abandon is not None and (why := _until_done(work, timeout_s, abandon)):
+        raise BroadcastAbandoned(
+            f"{what} given up after {time.monotonic() - start:.1f}s: {why}; the group is "
+            "dropped and the next round forms a new generation without that member"
+        )
     try:
-        work.wait(timedelta(seconds=timeout_s))
+        work.wait(timedelta(seconds=max(0.001, timeout_s - (time.monotonic() - start))))
     except Exception as e:
         raise WeightSyncError(
             f"{what} failed after {time.monotonic() - start:.1f}s ({e}); a member died or "
             "stopped answering: drop it and form a new group generation"
         ) from e
+
+
+def _until_done(work, timeout_s: float, abandon: Callable[[], str]) -> str:
+    """Wait until ``work`` ends or ``timeout_s`` passes (""), or until ``abandon`` gives a
+    reason (returned). Where the backend's future says when the transfer ended (gloo), a
+    callback wakes this wait at once; under NCCL the future ends when the broadcast is
+    queued on its stream, so this returns at once and the wait is ``work.wait``'s."""
+    done = threading.Event()
+    try:
+        work.get_future().add_done_callback(lambda _future: done.set())
+    except (AttributeError, RuntimeError):  # a work without a future: the plain wait
+        return ""
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(min(ABANDON_POLL_S, max(0.0, deadline - time.monotonic()))):
+        if why := abandon():
+            return why
+        if time.monotonic() >= deadline:
+            return ""
+    return ""
 
 
 class _SendBuffers:
@@ -119,6 +156,7 @@ def send_weights(
     *,
     timeout_s: float = 120.0,
     device: str = "cpu",
+    abandon: Callable[[], str] | None = None,
 ) -> dict[str, float]:
     """Broadcast ``tensors`` (name -> full tensor) from rank 0 bucket by bucket.
 
@@ -127,7 +165,10 @@ def send_weights(
     buffers are reused from push to push (:class:`_SendBuffers`); a second send running
     at the same time in this process packs into buffers of its own.
     Returns ``{"bytes", "seconds", "buckets"}``. Raises :class:`WeightSyncError` when a
-    collective fails or times out.
+    collective fails or times out, or when ``abandon`` gives a reason while one runs (the
+    coordinator lost a member that was still receiving: :func:`_wait`). A collective given
+    up that way may still run in the backend until its timeout: drop the group with
+    :func:`~asyncrl.sync.groups.release_group` and its ``busy_s``.
     """
     start, sent = time.monotonic(), 0
     timeout = timedelta(seconds=timeout_s)
@@ -138,11 +179,13 @@ def send_weights(
         for i, bucket in enumerate(plan.buckets):
             flat = _pack(bucket, tensors, buffers, i % 2, device)
             if in_flight is not None:
-                _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}")
+                _wait(
+                    in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}", abandon
+                )
             in_flight = (_broadcast(pg, flat, timeout, f"weight broadcast of bucket {i}"), i, flat)
             sent += bucket.nbytes
         if in_flight is not None:
-            _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}")
+            _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}", abandon)
     except BaseException:
         buffers.clear()  # a failed broadcast may still be reading its buffer: never reuse it
         raise

@@ -1,0 +1,163 @@
+"""A member lost while the learner's broadcast runs: the learner's real sender and
+coordinator (the stand-in learner), servers over the real control socket and real gloo
+groups on 127.0.0.1, each server a thread of this process.
+
+A member that joined the group and then stopped reading (a frozen process, or one whose
+sockets outlive it) holds the learner's broadcast: gloo's root waits for every peer, and
+neither ``abort()`` nor anything else ends that wait before the collective's timeout."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from asyncrl.sync.groups import form_group, open_store, store_prefix
+from tests.helpers import wait_until
+from tests.standins.learner import StandInLearner, loopback_config
+from tests.test_sync_lost_members import Member, _rows
+
+SYNC_TIMEOUT_S = 30.0  # what the learner's broadcast waited for the frozen member
+DEAD_AFTER_S = 1.0
+CONFIG = [
+    f"sync.timeout_s={SYNC_TIMEOUT_S:g}",
+    "control.heartbeat_s=0.2",
+    f"control.dead_after_s={DEAD_AFTER_S:g}",
+]
+
+
+def _big_weights() -> dict:
+    """One 16 MB tensor: more than loopback's socket buffers hold, so a broadcast to a
+    member that does not read cannot complete (a bucket of its own: one bucket)."""
+    import torch
+
+    return {"embed.weight": torch.randn(4096, 1024, generator=torch.Generator().manual_seed(0))}
+
+
+class FrozenMember:
+    """Joins the next sync's group, then stops: it reads nothing and its heartbeats end
+    (the coordinator declares it dead after ``control.dead_after_s``); the group stays
+    open, as a frozen process's does, until :meth:`close`."""
+
+    def __init__(self, cfg, server_id: str) -> None:
+        self.member = Member(cfg, server_id)
+        self.client = self.member.client
+        self.joined = threading.Event()
+        self._stop = threading.Event()
+        self._group = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> FrozenMember:
+        self.client.register()
+        self.client.start_watching()
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        start = None
+        while start is None and not self._stop.is_set():
+            start = self.client.next_sync(0.1)
+        if start is None:
+            return
+        reg = self.client.registered
+        assert reg is not None
+        store = open_store(reg.sync_store_host, reg.sync_store_port, is_host=False, timeout_s=5)
+        prefix = store_prefix(reg.sync_secret, start.generation)
+        self._group = form_group(
+            store, prefix, start.rank, start.world_size, timeout_s=start.timeout_s
+        )
+        self.client.close()  # frozen: no heartbeat, no report
+        self.joined.set()
+        self._stop.wait()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.client.close()
+        self._thread.join(5)
+        self._group = None  # nothing posted on it: its connections close at once
+
+
+@pytest.mark.timeout(120)
+def test_a_member_lost_mid_broadcast_does_not_hold_the_learner(tmp_path) -> None:
+    """Server f joined push 1's group and froze before reading. The coordinator declared it
+    dead after ``dead_after_s``, but the learner's broadcast waited for it until
+    ``sync.timeout_s`` (30 s here, 120 s by default): the next push and every catch-up
+    waited with it. Now the broadcast is given up when the member is lost; a, which had
+    received every bucket, counts as loaded, and the next push forms a group without f."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[], tensors=_big_weights())
+    learner.start()
+    a = f = None
+    try:
+        a = Member(cfg, "a").start()
+        f = FrozenMember(cfg, "f").start()
+        start = time.monotonic()
+        result = learner.push()
+        took = time.monotonic() - start
+        assert f.joined.is_set()
+        assert took < SYNC_TIMEOUT_S / 2, f"the push took {took:.1f}s"
+        assert (result.version, result.ok, list(result.failed)) == (1, ["a"], ["f"])
+        assert "silent" in result.failed["f"], result.failed
+        assert [(outcome, version) for outcome, _, version in a.log] == [("ok", 1)]
+        coord = learner.coordinator
+        assert "f" not in coord.servers() and coord.pending_catchups() == []
+        start = time.monotonic()
+        again = learner.push()  # a new group, without f, formed at once
+        assert (again.version, again.ok, again.failed) == (2, ["a"], {})
+        assert again.generation != result.generation
+        assert time.monotonic() - start < SYNC_TIMEOUT_S / 2
+    finally:
+        for member in (a, f):
+            if member is not None:
+                member.close()
+        learner.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_member_still_receiving_when_the_send_is_given_up_catches_up(
+    tmp_path, monkeypatch
+) -> None:
+    """Two buckets: f froze in the first, so a received the first and waits for a second
+    that will not come, until its own ``sync.timeout_s``. The learner gives the send up
+    when f is lost and waits for the members' reports only
+    :data:`~asyncrl.control.coordinator.AFTER_FAILED_SEND_S`, not ``sync.timeout_s``; a,
+    failed, reports so at its timeout and is caught up then, not before (a catch-up's
+    meeting would wait for a member still in a receive)."""
+    import torch
+
+    from asyncrl.control import coordinator
+
+    timeout_s = 12.0
+    monkeypatch.setattr(coordinator, "AFTER_FAILED_SEND_S", 2.0)
+    cfg, _ = loopback_config(
+        tmp_path, [f"sync.timeout_s={timeout_s:g}", *CONFIG[1:], "sync.bucket_mb=16"]
+    )
+    g = torch.Generator().manual_seed(1)
+    tensors = {f"layers.{i}.weight": torch.randn(4096, 1024, generator=g) for i in range(2)}
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[], tensors=tensors)
+    learner.start()
+    assert len(learner.pusher.plan_for(tensors).buckets) == 2
+    a = f = None
+    try:
+        a = Member(cfg, "a").start()
+        f = FrozenMember(cfg, "f").start()
+        start = time.monotonic()
+        result = learner.push()
+        took = time.monotonic() - start
+        assert took < timeout_s - 4, f"the push took {took:.1f}s"
+        assert result.ok == [] and sorted(result.failed) == ["a", "f"]
+        assert result.failed["a"].startswith("the learner's send failed: weight broadcast")
+        coord = learner.coordinator
+        # Still in its receive: a catch-up now would hold the learner in a meeting a
+        # cannot come to before its receive fails.
+        assert coord.pending_catchups() == []
+        wait_until(lambda: a.log == [("failed", 1, 1)], "a's receive fails", timeout_s + 10)
+        wait_until(lambda: coord.pending_catchups() == ["a"], "a is due a catch-up")
+        (caught,) = learner.serve_catchups()
+        assert (caught.version, caught.ok, caught.failed) == (1, ["a"], {})
+    finally:
+        for member in (a, f):
+            if member is not None:
+                member.close()
+        learner.close()
