@@ -5,11 +5,13 @@ in its file)."""
 
 from __future__ import annotations
 
-from tests.mutations import buffer, config, control, launch, learner, rollout, sandbox
+from tests.mutations import buffer, config, control, launch, learner, net, rollout, sandbox, sync
 from tests.mutations.row import Mutation
 
 MUTATIONS: tuple[Mutation, ...] = (
     *control.ROWS,
+    *sync.ROWS,
+    *net.ROWS,
     *buffer.ROWS,
     *learner.ROWS,
     *rollout.ROWS,

@@ -1,0 +1,40 @@
+"""Mutation rows for the transport: sockets, serving, taken requests (see :mod:`tests.mutations`)."""
+
+from __future__ import annotations
+
+from tests.mutations.row import Mutation
+
+ROWS = (
+    Mutation(
+        "per-role authority (S1)",
+        "every role may send every request",
+        "asyncrl/net/serving.py",
+        "            if self.policy is not None and not self.policy.permits(role, msg.kind):",
+        "            if False:",
+        ("tests/test_authority.py",),
+    ),
+    Mutation(
+        "a pusher's close names the messages it drops",
+        "the close warning names no task id",
+        "asyncrl/net/transport.py",
+        "                self._recent.append(label)\n",
+        "                pass\n",
+        ("tests/test_transport.py",),
+    ),
+    Mutation(
+        "a role whose port is taken exits 2 in one line",
+        "a taken port is not checked before the role starts",
+        "asyncrl/net/taken.py",
+        "    taken = {k: v for k, v in listens.items() if not bindable(*v)}\n",
+        "    taken: dict = {}\n",
+        ("tests/test_launch_taken.py",),
+    ),
+    Mutation(
+        "a served socket whose bind fails is closed",
+        "the socket stays open behind the error",
+        "asyncrl/net/serving.py",
+        "            self.sock.close(linger=0)\n",
+        "",
+        ("tests/test_transport.py",),
+    ),
+)

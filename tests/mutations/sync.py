@@ -1,0 +1,66 @@
+"""Mutation rows for the weight transfer: sync groups, the learner's sender, the broadcast (see :mod:`tests.mutations`)."""
+
+from __future__ import annotations
+
+from tests.mutations.row import Mutation
+
+ROWS = (
+    Mutation(
+        "staleness.deal_at_send reaches the coordinator",
+        "the pusher never opens the window at the send",
+        "asyncrl/sync/sender.py",
+        "        if not error and self.deal_at_send:",
+        "        if False:",
+        ("tests/test_weight_sync.py",),
+    ),
+    Mutation(
+        "the sync store listens at endpoints.host only",
+        "the store's server listens on every interface (torch's own)",
+        "asyncrl/sync/groups.py",
+        "        fd = _listening_fd(host, port) if is_host else None",
+        "        fd = None",
+        ("tests/test_weight_sync.py::test_the_sync_store_listens_at_the_configured_host_only",),
+    ),
+    Mutation(
+        "failed sync groups aborted",
+        "a failed or replaced sync group is only dropped",
+        "asyncrl/sync/groups.py",
+        "        pg.abort()",
+        "        pass",
+        ("tests/test_weight_sync.py",),
+    ),
+    Mutation(
+        "sync group members meet before the first collective",
+        "a member that never joins is met only by the backend's own connect",
+        "asyncrl/sync/groups.py",
+        "    _wait_for_members(prefixed, generation, rank, world_size, timeout_s, abandon)",
+        "    pass",
+        ("tests/test_weight_sync.py",),
+    ),
+    Mutation(
+        "a member that gives up a sync meeting ends it for all",
+        "members still waiting wait out their own timeout",
+        "asyncrl/sync/groups.py",
+        "                if store.check([_VERDICT]) and store.get(_VERDICT).decode() != _FORMED:",
+        "                if False:",
+        (
+            "tests/test_weight_sync.py::test_a_member_waiting_when_another_gives_up_is_told_who_never_joined",
+        ),
+    ),
+    Mutation(
+        "a push the learner's own error ends is closed",
+        "the error escapes with the round left open (no later push begins)",
+        "asyncrl/sync/sender.py",
+        '                error, fault = f"{type(e).__name__}: {e}", e',
+        "                raise",
+        ("tests/test_sync_rounds.py",),
+    ),
+    Mutation(
+        "a member lost as the learner's meeting gives up",
+        "the loss begins a round nobody sends, closed in the failed round's place",
+        "asyncrl/sync/sender.py",
+        "            if rnd.watch.fail(str(e)) is None:  # settled: a later loss begins no round",
+        "            if rnd.watch.successor is None:",
+        ("tests/test_sync_leftovers.py",),
+    ),
+)
