@@ -63,4 +63,22 @@ ROWS = (
         "            if rnd.watch.successor is None:",
         ("tests/test_sync_leftovers.py",),
     ),
+    Mutation(
+        "a member lost mid-send ends the learner's broadcast",
+        "the send waits for a member the coordinator lost until sync.timeout_s",
+        "asyncrl/sync/sender.py",
+        "                    abandon=rnd.watch.lost_in_send,",
+        "                    abandon=None,",
+        ("tests/test_sync_lost_mid_send.py",),
+    ),
+    Mutation(
+        "a group given up mid-send is dropped when its broadcast has ended",
+        "the push thread drops it at once and waits out the collective gloo's abort leaves running",
+        "asyncrl/sync/groups.py",
+        "    if busy_s > 0:",
+        "    if False:",
+        (
+            "tests/test_sync_lost_mid_send.py::test_a_member_lost_mid_broadcast_does_not_hold_the_learner",
+        ),
+    ),
 )
