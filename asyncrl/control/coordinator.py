@@ -19,7 +19,8 @@ The learner's side of a sync::
     if rnd.ranks:
         if rnd.new_group:
             group = form_group(store, rnd.generation, 0, rnd.world_size, ...)
-        send_weights(group, tensors, plan, ...)      # on error: finish_sync(rnd, False, ...)
+        send_weights(group, tensors, plan, abandon=rnd.watch.lost_in_send, ...)
+                                                     # on error: finish_sync(rnd, False, ...)
         coord.weights_sent(rnd)                      # staleness.deal_at_send: the window moves
     result = coord.finish_sync(rnd)                  # waits for every member's sync_done
     for server_id in coord.pending_catchups():       # late joiners, failed members
@@ -46,10 +47,9 @@ from asyncrl.sync.plan import WeightPlan
 log = logging.getLogger(__name__)
 
 LEAVE_GRACE_S = 2.0  # at shutdown, how long told servers get to say they leave
-#: After the learner's send of a round failed, how long its close waits for the members'
-#: reports, seconds: those that received every bucket report after their post-sync probe
-#: (a server bounds it at 10 s); one still waiting for a bucket that will not come fails
-#: only at its own timeout (``sync.timeout_s``), which the learner need not wait out.
+#: After a failed send, how long the round's close waits for reports, seconds: a member that
+#: received every bucket reports after its probe (10 s at most); one still waiting for a
+#: bucket fails only at its own ``sync.timeout_s``, which the learner need not wait out.
 AFTER_FAILED_SEND_S = 15.0
 
 
