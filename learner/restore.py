@@ -31,6 +31,7 @@ from asyncrl.config.resumed import (
     schedule_settings,
     with_saved,
 )
+from asyncrl.config.verl_checkpoints import auto_line, latest_verl_step
 from learner.control_peer import Restored
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
     path = None
     if mode == "auto":
         path = latest_checkpoint(run_dir) or t.resume_from_path
+        verl = latest_verl_step(run_dir) if path is None else None
+        if verl is not None and trainer.rank == 0:  # veRL's run directory, veRL's default
+            log.warning("%s", auto_line(run_dir, verl))
     elif mode == "resume_path":
         path = t.resume_from_path
     if path is not None and (problem := resume_problem(str(path))) is not None:

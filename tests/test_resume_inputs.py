@@ -94,3 +94,34 @@ def test_a_learner_started_with_a_bad_resume_path_exits_2_at_once(tmp_path, caps
         main(["configs/cpu_demo.yaml", *bad])
     assert e.value.code == CONFIG_ERROR
     assert f"trainer.resume_from_path={tmp_path} is not a checkpoint" in capsys.readouterr().err
+
+
+def _verl_checkpoint(run: Path, step: int) -> Path:
+    """veRL's layout: ``global_step_<n>/actor/`` with FSDP shards and a huggingface folder."""
+    actor = run / f"global_step_{step}" / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    (actor / "model_world_size_1_rank_0.pt").write_bytes(b"")
+    (run / "latest_checkpointed_iteration.txt").write_text(str(step))
+    return actor.parent
+
+
+def test_a_verl_checkpoint_given_to_resume_from_is_named_with_veRLs_conversion(tmp_path):
+    """A veRL user's resume_from_path names a veRL checkpoint (its step, its actor folder,
+    or the run folder holding them): it was "not a checkpoint", with a fix pointing at
+    checkpoints/step_N, which a veRL run does not have."""
+    run = tmp_path / "verl_run"
+    _verl_checkpoint(run, 5)
+    latest = _verl_checkpoint(run, 40)
+    for given in (latest, latest / "actor", latest / "actor" / "model_world_size_1_rank_0.pt", run):
+        (line,) = _problems(given)
+        assert line.startswith(
+            f"trainer.resume_from_path={given} is a veRL checkpoint (global_step_40), whose "
+            "sharded format this project cannot resume: merge its actor into a Hugging Face "
+            "model with veRL's model merger (python -m verl.model_merger merge --backend fsdp "
+            f"--local_dir {latest.resolve() / 'actor'} --target_dir"
+        ), line
+        assert "actor_rollout_ref.model.path=" in line
+    # This project's checkpoints beside veRL's: those are named, as before.
+    ours = _checkpoint(run / "checkpoints", 3)
+    (line,) = _problems(run)
+    assert line.endswith(f"e.g. {ours}")

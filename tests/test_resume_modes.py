@@ -293,3 +293,27 @@ def test_a_checkpoint_that_cannot_be_loaded_names_the_one_before_it(tmp_path):
         "it is damaged, or of another model or config; resume from an earlier one "
         f"(trainer.resume_mode=resume_path trainer.resume_from_path={three}), or move it aside"
     )
+
+
+def test_auto_over_a_verl_run_directory_says_it_starts_over(tmp_path, caplog):
+    """veRL's default_local_dir is the run directory here too: resume_mode=auto (veRL's
+    default) found none of this project's checkpoints beside veRL's global_step_N and
+    started from model.path without a word."""
+    run = tmp_path / "run"
+    (run / "global_step_20" / "actor").mkdir(parents=True)
+    (run / "global_step_100" / "actor").mkdir(parents=True)
+    with caplog.at_level("WARNING", logger="learner.restore"):
+        trainer, restored = _restore(run)
+    assert trainer.loaded == [] and restored == Restored(None, None, None)
+    (line,) = [r.getMessage() for r in caplog.records if "veRL" in r.getMessage()]
+    assert line.startswith(
+        f"{run} holds veRL checkpoints (latest global_step_100) and none of this project's "
+        "(checkpoints/step_N): the run starts from actor_rollout_ref.model.path"
+    )
+    assert f"--local_dir {run / 'global_step_100' / 'actor'}" in line
+    caplog.clear()
+    _checkpoint(run / "checkpoints", 7)  # one of its own: resumed, nothing said
+    with caplog.at_level("WARNING", logger="learner.restore"):
+        trainer, _ = _restore(run)
+    assert trainer.loaded == [run / "checkpoints" / "step_7"]
+    assert not [r for r in caplog.records if "veRL" in r.getMessage()]

@@ -19,6 +19,7 @@ from asyncrl.config.load import ConfigError
 from asyncrl.config.machine import cores_problem, data_hint, device_problem, model_problem
 from asyncrl.config.media import media_problem
 from asyncrl.config.schema import Config
+from asyncrl.config.verl_checkpoints import latest_verl_step, resume_path_line, verl_step
 
 if TYPE_CHECKING:
     from pyarrow.parquet import ParquetFile
@@ -66,6 +67,8 @@ def resume_problem(path: str) -> str | None:
     }
     if steps:
         fix = f"point it at one of the checkpoints it holds, e.g. {steps[max(steps)]}"
+    elif (step := verl_step(local.resolve()) or latest_verl_step(local)) is not None:
+        return resume_path_line(path, step)
     return f"trainer.resume_from_path={path} is not a checkpoint (no {STATE_FILE}): {fix}"
 
 
