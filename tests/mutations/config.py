@@ -334,4 +334,14 @@ ROWS = (
         "    if False:",
         ("tests/test_config_advisories.py",),
     ),
+    Mutation(
+        "a veRL checkpoint given to resume from is named with veRL's conversion",
+        "it is 'not a checkpoint', pointed at checkpoints/step_N",
+        "asyncrl/config/inputs.py",
+        "    elif (step := verl_step(local.resolve()) or latest_verl_step(local)) is not None:",
+        "    elif (step := None) is not None:",
+        (
+            "tests/test_resume_inputs.py::test_a_verl_checkpoint_given_to_resume_from_is_named_with_veRLs_conversion",
+        ),
+    ),
 )

@@ -442,4 +442,12 @@ ROWS = (
         "                batch, silent_since = None, silent_since or time.monotonic()",
         ("tests/test_acknowledgements.py",),
     ),
+    Mutation(
+        "auto over a veRL run directory says it starts over",
+        "the run starts from model.path beside veRL's checkpoints without a word",
+        "learner/restore.py",
+        "        if verl is not None and trainer.rank == 0:  # veRL's run directory, veRL's default",
+        "        if False:",
+        ("tests/test_resume_modes.py::test_auto_over_a_verl_run_directory_says_it_starts_over",),
+    ),
 )
