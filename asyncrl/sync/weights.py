@@ -98,8 +98,9 @@ def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None =
 def _until_done(work, timeout_s: float, abandon: Callable[[], str]) -> str:
     """Wait until ``work`` ends or ``timeout_s`` passes (""), or until ``abandon`` gives a
     reason (returned). Where the backend's future says when the transfer ended (gloo), a
-    callback wakes this wait at once; under NCCL the future ends when the broadcast is
-    queued on its stream, so this returns at once and the wait is ``work.wait``'s."""
+    callback wakes this wait at once. Under NCCL a work's future is done once the broadcast
+    is ordered on its CUDA stream, not when it ended (PyTorch's CUDA futures), so this
+    returns at once and a member lost mid-send is not given up there (not run on a GPU)."""
     done = threading.Event()
     try:
         work.get_future().add_done_callback(lambda _future: done.set())
