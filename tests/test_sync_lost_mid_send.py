@@ -8,8 +8,11 @@ neither ``abort()`` nor anything else ends that wait before the collective's tim
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -78,16 +81,13 @@ class FrozenMember:
         self._group = None  # nothing posted on it: its connections close at once
 
 
-@pytest.mark.timeout(120)
-def test_a_member_lost_mid_broadcast_does_not_hold_the_learner(tmp_path) -> None:
-    """Server f joined push 1's group and froze before reading. The coordinator declared it
-    dead after ``dead_after_s``, but the learner's broadcast waited for it until
-    ``sync.timeout_s`` (30 s here, 120 s by default): the next push and every catch-up
-    waited with it. Now the broadcast is given up when the member is lost; a, which had
-    received every bucket, counts as loaded, and the next push forms a group without f."""
-    cfg, _ = loopback_config(tmp_path, CONFIG)
-    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[], tensors=_big_weights())
-    learner.start()
+@contextlib.contextmanager
+def _pushed_with_f_frozen(
+    cfg, tensors: dict
+) -> Iterator[tuple[StandInLearner, Member, Any, float]]:
+    """The stand-in learner pushes ``tensors`` (version 1) to server a and to f, which
+    freezes once in the group: yields the learner, a, the push's result and its seconds."""
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[], tensors=tensors).start()
     a = f = None
     try:
         a = Member(cfg, "a").start()
@@ -96,6 +96,23 @@ def test_a_member_lost_mid_broadcast_does_not_hold_the_learner(tmp_path) -> None
         result = learner.push()
         took = time.monotonic() - start
         assert f.joined.is_set()
+        yield learner, a, result, took
+    finally:
+        for member in (a, f):
+            if member is not None:
+                member.close()
+        learner.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_member_lost_mid_broadcast_does_not_hold_the_learner(tmp_path) -> None:
+    """Server f joined push 1's group and froze before reading. The coordinator declared it
+    dead after ``dead_after_s``, but the learner's broadcast waited for it until
+    ``sync.timeout_s`` (30 s here, 120 s by default): the next push and every catch-up
+    waited with it. Now the broadcast is given up when the member is lost; a, which had
+    received every bucket, counts as loaded, and the next push forms a group without f."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    with _pushed_with_f_frozen(cfg, _big_weights()) as (learner, a, result, took):
         assert took < SYNC_TIMEOUT_S / 2, f"the push took {took:.1f}s"
         assert (result.version, result.ok, list(result.failed)) == (1, ["a"], ["f"])
         assert "silent" in result.failed["f"], result.failed
@@ -107,11 +124,6 @@ def test_a_member_lost_mid_broadcast_does_not_hold_the_learner(tmp_path) -> None
         assert (again.version, again.ok, again.failed) == (2, ["a"], {})
         assert again.generation != result.generation
         assert time.monotonic() - start < SYNC_TIMEOUT_S / 2
-    finally:
-        for member in (a, f):
-            if member is not None:
-                member.close()
-        learner.close()
 
 
 @pytest.mark.timeout(120)
@@ -135,16 +147,8 @@ def test_a_member_still_receiving_when_the_send_is_given_up_catches_up(
     )
     g = torch.Generator().manual_seed(1)
     tensors = {f"layers.{i}.weight": torch.randn(4096, 1024, generator=g) for i in range(2)}
-    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[], tensors=tensors)
-    learner.start()
-    assert len(learner.pusher.plan_for(tensors).buckets) == 2
-    a = f = None
-    try:
-        a = Member(cfg, "a").start()
-        f = FrozenMember(cfg, "f").start()
-        start = time.monotonic()
-        result = learner.push()
-        took = time.monotonic() - start
+    with _pushed_with_f_frozen(cfg, tensors) as (learner, a, result, took):
+        assert len(learner.pusher.plan_for(tensors).buckets) == 2
         assert took < timeout_s - 4, f"the push took {took:.1f}s"
         assert result.ok == [] and sorted(result.failed) == ["a", "f"]
         assert result.failed["a"].startswith("the learner's send failed: weight broadcast")
@@ -156,8 +160,3 @@ def test_a_member_still_receiving_when_the_send_is_given_up_catches_up(
         wait_until(lambda: coord.pending_catchups() == ["a"], "a is due a catch-up")
         (caught,) = learner.serve_catchups()
         assert (caught.version, caught.ok, caught.failed) == (1, ["a"], {})
-    finally:
-        for member in (a, f):
-            if member is not None:
-                member.close()
-        learner.close()
