@@ -121,16 +121,29 @@ def test_a_slow_agent_is_asked_again_and_a_lost_one_is_killed(sup):
 def test_stopping_records_each_stopped_roles_exit(sup):
     """A review's SIGTERM to the Ray launcher left no ``exit`` event in launch.jsonl for the
     roles it stopped (the local launcher writes one per role): the agent's answer to
-    ``stop`` is its role's exit code; an agent that gives none counts as killed."""
-    answers = {"buffer": 0, "rollout-0": RayActorError(), "learner": -15}
+    ``stop`` is its role's exit code and whether it signalled the role; an agent that gives
+    none counts as killed. A role that ended on its own just before the stop (a server the
+    coordinator told to) was recorded as stopped by the launcher all the same."""
+    answers = {
+        "buffer": (0, True),
+        "rollout-0": RayActorError(),
+        "rollout-1": (0, False),  # it had ended on its own
+        "learner": (-15, True),
+    }
     for pid, (name, answer) in enumerate(answers.items(), 1):
         sup.agents[name] = Agent(FakeAgent(stop=answer), pid=pid)
-    sup.agents["idle"] = Agent(FakeAgent(stop=None))  # no role running: no event
+    sup.agents["idle"] = Agent(FakeAgent(stop=(None, False)))  # no role running: no event
     sup.stop_all(grace_s=0.1)
     events = [json.loads(line) for line in (sup.run_dir / "launch.jsonl").read_text().splitlines()]
-    exits = {e["role"]: e["exit_code"] for e in events if e["event"] == "exit"}
-    assert exits == {"buffer": 0, "rollout-0": NODE_LOST, "learner": -15}, events
-    assert {e["stopped_by"] for e in events} == {"launcher"}
+    exits = {
+        e["role"]: (e["exit_code"], e.get("stopped_by")) for e in events if e["event"] == "exit"
+    }
+    assert exits == {
+        "buffer": (0, "launcher"),
+        "rollout-0": (NODE_LOST, "launcher"),
+        "rollout-1": (0, None),
+        "learner": (-15, "launcher"),
+    }, events
 
 
 def test_bundle_zero_started_on_another_node_ends_the_run_in_one_line(sup, monkeypatch, caplog):

@@ -44,7 +44,7 @@ class NodeAgent:
     def __init__(self, node: Path, node_id: str = "node-1", **answers: Any):
         self.node = node
         where = {"ip": "10.0.0.2", "node_id": node_id, "hostname": "gen", "shared_run_dir": False}
-        self.answers = {"where": where, **answers}
+        self.answers = {"where": where, "stop": (None, False), **answers}  # stop: nothing ran
         self.calls: list[str] = []
         self.killed = False
 
@@ -119,7 +119,7 @@ def _wind_down(sup: RaySupervisor, node: Path) -> None:
     buffer, learner = sup.roles
     log = node / "logs" / "buffer.log"
     log.write_text("buffer up\n")
-    _started(sup, buffer, NodeAgent(node, start=8, poll=None, stop=None))
+    _started(sup, buffer, NodeAgent(node, start=8, poll=None))
     _started(sup, learner, NodeAgent(node, "node-0", start=9, poll=0))
     sup._track()
 
@@ -159,10 +159,10 @@ def test_the_lines_a_role_writes_as_it_is_stopped_are_copied(sup, node):
     log = node / "logs" / "buffer.log"
     log.write_text("serving\n")
 
-    def stop(grace_s: float) -> int:
+    def stop(grace_s: float) -> tuple[int, bool]:
         with open(log, "a") as f:
             f.write("LEFT: 3 tasks handed back\n")
-        return 0
+        return 0, True
 
     _started(sup, buffer, NodeAgent(node, start=8, poll=None, stop=stop))
     sup._track()

@@ -119,11 +119,21 @@ def test_the_agent_runs_a_role_tree_without_rays_variables_and_stops_it(tmp_path
 
     assert not gone(grandchild)
     # its exit code, for the launcher's exit event (a review found none recorded)
-    assert agent.stop(grace_s=2.0) == -signal.SIGTERM
-    assert agent.stop(grace_s=2.0) is None  # nothing running: nothing to record
+    assert agent.stop(grace_s=2.0) == (-signal.SIGTERM, True)
+    assert agent.stop(grace_s=2.0) == (None, False)  # nothing running: nothing to record
     assert agent.poll() is None and agent.role is not None and agent.role.proc is None
     for p in tree | {pid}:
         assert gone(p), p
+    agent.close()
+
+
+def test_the_agent_says_a_role_that_ended_on_its_own_was_not_stopped(tmp_path):
+    """A role that exited just before the launcher's stop (a server the coordinator told
+    to end) was recorded ``stopped_by: launcher``: the agent returned only its exit code."""
+    agent = RoleAgent(str(tmp_path), "rollout-1", "launch-1", os.getcwd())
+    pid = agent.start([sys.executable, "-c", "pass"], {}, attempt=1)
+    wait_until(lambda: "Z" in Path(f"/proc/{pid}/stat").read_text(), "the role ended", 20)
+    assert agent.stop(grace_s=2.0) == (0, False)
     agent.close()
 
 

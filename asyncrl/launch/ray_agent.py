@@ -36,13 +36,16 @@ LEARNER = "learner"  # the role whose start clears a recorded final exit (learne
 class _NodeSupervisor(Supervisor):
     """The local supervisor for one role on this node: its records (``launch.jsonl``,
     ``pids.json``) are the launcher's to write, not this node's; the exit code of a role
-    it stopped is kept for the launcher to record (see :meth:`RoleAgent.stop`)."""
+    it stopped is kept for the launcher to record (see :meth:`RoleAgent.stop`), with
+    whether it was signalled (a role that ended on its own just before is not)."""
 
     stopped_code: int | None = None
+    signalled: bool = False
 
     def _event(self, role: str, event: str, **fields: Any) -> None:
         if event == "exit":
             self.stopped_code = fields["exit_code"]
+            self.signalled = "stopped_by" in fields
 
     def _write_pids(self) -> None:
         pass
@@ -153,12 +156,13 @@ class RoleAgent:
             return None
         return self.sup.reap(self.role)
 
-    def stop(self, grace_s: float = STOP_GRACE_S) -> int | None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> tuple[int | None, bool]:
         """Stop the role gently, then firmly; kill whatever of the run is left on this node.
-        Returns the role's exit code (as ``Popen.returncode``), None if it was not running."""
-        self.sup.stopped_code = None
+        Returns the role's exit code (as ``Popen.returncode``; None if it was not running)
+        and whether this stop signalled it (False: it had ended on its own)."""
+        self.sup.stopped_code, self.sup.signalled = None, False
         self.sup.stop_all(grace_s)
-        return self.sup.stopped_code
+        return self.sup.stopped_code, self.sup.signalled
 
     def tail(self, lines: int = 30) -> str:
         """The last lines of the role's log on this node."""

@@ -360,7 +360,8 @@ class RaySupervisor(Supervisor):
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """Every agent stops its role (SIGTERM, then SIGKILL after ``grace_s``) and kills
         what is left of the run on its node; each role stopped gets its ``exit`` event, as
-        under the local launcher (its exit code, or NODE_LOST where its agent did not say)."""
+        under the local launcher (its exit code, or NODE_LOST where its agent did not say;
+        ``stopped_by`` only where the agent signalled it)."""
         import ray
 
         running = {n for n, ag in self.agents.items() if ag.pid is not None or ag.pending}
@@ -369,13 +370,15 @@ class RaySupervisor(Supervisor):
             ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + CALL_TIMEOUT_S)
         for name, ref in refs.items():
             try:
-                code = ray.get(ref, timeout=0)
+                code, signalled = ray.get(ref, timeout=0)
                 self._pull(self.agents[name])  # what its role wrote as it stopped
             except Exception as e:  # not done in time, or the agent (its node) is gone
                 log.debug("%s: no exit code from its agent at stop: %s", name, e)
-                code = NODE_LOST if name in running else None
+                code, signalled = (NODE_LOST if name in running else None), True
+            # A role that ended on its own just before the stop is not recorded as stopped.
+            by = {"stopped_by": "launcher"} if signalled else {}
             if code is not None:
-                self._event(name, "exit", exit_code=code, stopped_by="launcher")
+                self._event(name, "exit", exit_code=code, **by)
         for ag in self.agents.values():
             ag.pid, ag.pending = None, None
         self._write_pids()
