@@ -459,4 +459,22 @@ ROWS = (
             "tests/test_wind_down.py::test_a_learner_still_loading_or_a_server_that_never_registered_is_left_alone",
         ),
     ),
+    Mutation(
+        "a role that ended before a Ray stop is not recorded as stopped",
+        "the Ray launcher labels every role it reaps at a stop stopped_by launcher",
+        "asyncrl/launch/ray_launcher.py",
+        '            by = {"stopped_by": "launcher"} if signalled else {}',
+        '            by = {"stopped_by": "launcher"}',
+        ("tests/test_launch_ray_faults.py::test_stopping_records_each_stopped_roles_exit",),
+    ),
+    Mutation(
+        "a Ray agent says whether its stop signalled the role",
+        "the agent says it signalled a role that had ended on its own",
+        "asyncrl/launch/ray_agent.py",
+        '            self.signalled = "stopped_by" in fields',
+        "            self.signalled = True",
+        (
+            "tests/test_launch_ray_unit.py::test_the_agent_says_a_role_that_ended_on_its_own_was_not_stopped",
+        ),
+    ),
 )
