@@ -131,7 +131,7 @@ ROWS = (
         "the Ray launcher records the exit of each role it stops",
         "stopping writes no exit event",
         "asyncrl/launch/ray_launcher.py",
-        '                self._event(name, "exit", exit_code=code, stopped_by="launcher")',
+        '                self._event(name, "exit", exit_code=code, **by)',
         "                pass",
         ("tests/test_launch_ray_faults.py",),
     ),
