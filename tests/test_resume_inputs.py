@@ -125,3 +125,20 @@ def test_a_verl_checkpoint_given_to_resume_from_is_named_with_veRLs_conversion(t
     ours = _checkpoint(run / "checkpoints", 3)
     (line,) = _problems(run)
     assert line.endswith(f"e.g. {ours}")
+
+
+def test_only_a_global_step_folder_holding_an_actor_reads_as_veRLs(tmp_path):
+    """A folder merely named global_step_N, or this project's checkpoint somewhere under
+    one, is not a veRL checkpoint; a Megatron one is merged with veRL's Megatron backend."""
+    unrelated = tmp_path / "global_step_3" / "exports"
+    unrelated.mkdir(parents=True)
+    (line,) = _problems(unrelated)
+    assert "veRL" not in line and line.endswith(f"which holds {STATE_FILE}")
+    ours = tmp_path / "global_step_7" / "myrun" / "checkpoints" / "step_2"  # a save cut short
+    ours.mkdir(parents=True)
+    (line,) = _problems(ours)
+    assert "veRL" not in line, line
+    megatron = tmp_path / "mg" / "global_step_50"
+    (megatron / "actor" / "dist_ckpt").mkdir(parents=True)
+    (line,) = _problems(megatron)
+    assert f"--backend megatron --local_dir {megatron.resolve() / 'actor'}" in line, line

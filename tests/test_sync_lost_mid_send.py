@@ -134,8 +134,9 @@ def test_a_member_still_receiving_when_the_send_is_given_up_catches_up(
     that will not come, until its own ``sync.timeout_s``. The learner gives the send up
     when f is lost and waits for the members' reports only
     :data:`~asyncrl.control.coordinator.AFTER_FAILED_SEND_S`, not ``sync.timeout_s``; a,
-    failed, reports so at its timeout and is caught up then, not before (a catch-up's
-    meeting would wait for a member still in a receive)."""
+    failed, reports so at its timeout and is caught up then, not before, and the next push
+    goes on without it meanwhile (a catch-up's or a push's meeting would wait for a member
+    still in a receive)."""
     import torch
 
     from asyncrl.control import coordinator
@@ -153,10 +154,15 @@ def test_a_member_still_receiving_when_the_send_is_given_up_catches_up(
         assert result.ok == [] and sorted(result.failed) == ["a", "f"]
         assert result.failed["a"].startswith("the learner's send failed: weight broadcast")
         coord = learner.coordinator
-        # Still in its receive: a catch-up now would hold the learner in a meeting a
-        # cannot come to before its receive fails.
+        # Still in its receive: a catch-up now, or the next push's meeting, would hold the
+        # learner until its receive fails; the next push goes on without it.
         assert coord.pending_catchups() == []
+        start = time.monotonic()
+        again = learner.push()
+        assert (again.version, again.ok, again.failed) == (2, [], {})
+        assert time.monotonic() - start < timeout_s / 2
         wait_until(lambda: a.log == [("failed", 1, 1)], "a's receive fails", timeout_s + 10)
         wait_until(lambda: coord.pending_catchups() == ["a"], "a is due a catch-up")
         (caught,) = learner.serve_catchups()
-        assert (caught.version, caught.ok, caught.failed) == (1, ["a"], {})
+        assert (caught.version, caught.ok, caught.failed) == (2, ["a"], {})
+        assert learner.push().ok == ["a"]  # and it is back in the main round

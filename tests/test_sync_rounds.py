@@ -119,6 +119,19 @@ def test_a_member_lost_mid_send_gives_the_send_up_and_one_that_loaded_keeps_its_
     assert book.finish(False, "send broke").failed == {"d": "the learner's send failed: send broke"}
 
 
+def test_a_member_that_failed_before_the_group_formed_and_is_lost_begins_the_round_again():
+    """A server whose engine died reports its failure at once, without coming to the
+    meeting, then exits: losing it must still give the meeting up and begin the round again
+    without it (a check for members that had reported skipped that, and the learner waited
+    out sync.timeout_s in the meeting)."""
+    book = SyncBook()
+    rnd = book.begin([("a", 1), ("b", 1)], 1, PLAN)
+    book.report(m.SyncDone(server_id="b", sync_id=rnd.sync_id, version=1, ok=False, error="x"))
+    again = book.lose("b", "left")
+    assert again is not None and again.members == ["a"] and again.version == 1
+    assert rnd.watch.ended() == "b was lost (left)" and rnd.watch.lost_in_send() == ""
+
+
 class _Group:
     """A sync group the push never reaches the wire on: its abort is recorded."""
 

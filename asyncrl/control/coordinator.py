@@ -48,9 +48,9 @@ log = logging.getLogger(__name__)
 
 LEAVE_GRACE_S = 2.0  # at shutdown, how long told servers get to say they leave
 #: After a failed send, how long the round's close waits for reports, seconds: a member that
-#: received every bucket reports after its probe (10 s at most); one still waiting for a
-#: bucket fails only at its own ``sync.timeout_s``, which the learner need not wait out.
-AFTER_FAILED_SEND_S = 15.0
+#: received every bucket loads it, resumes and reports after its probe (a server bounds the
+#: probe at 10 s); one still waiting for a bucket fails only at its own ``sync.timeout_s``.
+AFTER_FAILED_SEND_S = 30.0
 
 
 class Coordinator:
@@ -182,7 +182,7 @@ class Coordinator:
     def begin_sync(self, plan: WeightPlan) -> SyncRound:
         """Start pushing the next version (``version + 1``) with bucket plan ``plan``."""
         with self._lock:
-            rnd = self._state.versions.begin_sync(plan)
+            rnd = self._state.versions.begin_sync(plan, time.monotonic())
         log.info(
             "sync %d: version %d to %s (generation %s%s)",
             rnd.sync_id,

@@ -69,13 +69,16 @@ class RoundWatch:
         was): the learner's send gives up on it."""
         return self._lost
 
-    def end(self, why: str, begin_again: Callable[[], SyncRound | None]) -> SyncRound | None:
-        """Give the round up unless its group formed (then ``why`` is :meth:`lost_in_send`'s
-        answer); ``begin_again``'s round (None: none) is its successor, set before the
-        learner can see :meth:`ended`."""
+    def end(
+        self, why: str, begin_again: Callable[[], SyncRound | None], receiving: bool = True
+    ) -> SyncRound | None:
+        """Give the round up unless its group formed (then, for a member still
+        ``receiving``, ``why`` is :meth:`lost_in_send`'s answer); ``begin_again``'s round
+        (None: none) is its successor, set before the learner can see :meth:`ended`."""
         with self._lock:
             if self._formed:
-                self._lost = self._lost or why
+                if receiving:
+                    self._lost = self._lost or why
                 return None
             if self._why:
                 return None
@@ -257,9 +260,13 @@ class SyncBook:
         if a is None or server_id not in a.starts:
             return None
         a.lost.setdefault(server_id, why)
-        if server_id in a.reports:  # its receive ended: it holds no collective up
-            return None
-        return a.round.watch.end(f"{server_id} was lost ({why})", lambda: self._again(a))
+        # One that reported has no receive to hold the send up (before the group formed,
+        # a member that failed at once and is gone still holds the meeting up).
+        return a.round.watch.end(
+            f"{server_id} was lost ({why})",
+            lambda: self._again(a),
+            receiving=server_id not in a.reports,
+        )
 
     def _leave_main(self, server_id: str) -> None:
         """``server_id`` no longer holds the main group: the group is re-formed without it

@@ -66,10 +66,17 @@ class Versions:
         stale = rec.policy_version < self.version or not rec.trusted
         return rec.engine_world_size > 0 and stale
 
-    def begin_sync(self, plan: WeightPlan) -> SyncRound:
-        """Start pushing version ``current + 1`` to every live server with engine ranks."""
+    def begin_sync(self, plan: WeightPlan, now: float = 0.0) -> SyncRound:
+        """Start pushing version ``current + 1`` to every live server with engine ranks,
+        but one that may still wait in a failed send's receive (``receiving_until``): its
+        meeting would hold this round's until then. It catches up afterwards."""
         members = sorted(
-            (r for r in self.servers.values() if r.engine_world_size > 0), key=lambda r: r.order
+            (
+                r
+                for r in self.servers.values()
+                if r.engine_world_size > 0 and r.receiving_until <= now
+            ),
+            key=lambda r: r.order,
         )
         # What the pushed weights trained on is counted now: with sync.overlap_push the
         # next step trains (and reports its groups) before this round ends, and counting

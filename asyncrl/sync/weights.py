@@ -84,7 +84,8 @@ def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None =
     if abandon is not None and (why := _until_done(work, timeout_s, abandon)):
         raise BroadcastAbandoned(
             f"{what} given up after {time.monotonic() - start:.1f}s: {why}; the group is "
-            "dropped and the next round forms a new generation without that member"
+            "held aside until its collective times out, and the next round forms a new "
+            "generation without that member"
         )
     try:
         work.wait(timedelta(seconds=max(0.001, timeout_s - (time.monotonic() - start))))
