@@ -344,4 +344,24 @@ ROWS = (
             "tests/test_resume_inputs.py::test_a_verl_checkpoint_given_to_resume_from_is_named_with_veRLs_conversion",
         ),
     ),
+    Mutation(
+        "only a global_step folder holding an actor reads as veRL's",
+        "any folder named global_step_N (and this project's checkpoints under one) is called veRL's",
+        "asyncrl/config/verl_checkpoints.py",
+        '    return bool(_STEP.match(p.name)) and (p / "actor").is_dir()',
+        "    return bool(_STEP.match(p.name))",
+        (
+            "tests/test_resume_inputs.py::test_only_a_global_step_folder_holding_an_actor_reads_as_veRLs",
+        ),
+    ),
+    Mutation(
+        "a Megatron veRL checkpoint is given the Megatron merger",
+        "every veRL checkpoint is told --backend fsdp",
+        "asyncrl/config/verl_checkpoints.py",
+        '    backend = "megatron" if (step / "actor" / "dist_ckpt").is_dir() else "fsdp"',
+        '    backend = "fsdp"',
+        (
+            "tests/test_resume_inputs.py::test_only_a_global_step_folder_holding_an_actor_reads_as_veRLs",
+        ),
+    ),
 )

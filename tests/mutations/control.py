@@ -157,8 +157,8 @@ ROWS = (
         "a sync member lost before its group forms",
         "the round waits for the lost member until sync.timeout_s, and fails for everyone",
         "asyncrl/control/syncs.py",
-        '        return a.round.watch.end(f"{server_id} was lost ({why})", lambda: self._again(a))',
-        "        return None",
+        "        return a.round.watch.end(",
+        "        return None and a.round.watch.end(",
         (
             "tests/test_sync_lost_members.py::test_a_member_lost_before_the_group_forms_does_not_hold_the_others",
         ),
@@ -364,5 +364,31 @@ ROWS = (
         "                rec.receiving_until = now + self.syncs.timeout_s",
         "                pass",
         ("tests/test_sync_lost_mid_send.py",),
+    ),
+    Mutation(
+        "a member lost after it reported holds no send up",
+        "losing a member that had reported gives the send up all the same",
+        "asyncrl/control/syncs.py",
+        "            receiving=server_id not in a.reports,",
+        "            receiving=True,",
+        ("tests/test_sync_rounds.py",),
+    ),
+    Mutation(
+        "a member that failed before the group formed and is lost begins the round again",
+        "the meeting waits sync.timeout_s for a member that reported its failure and left",
+        "asyncrl/control/syncs.py",
+        "        a.lost.setdefault(server_id, why)",
+        "        if a.lost.setdefault(server_id, why) and server_id in a.reports: return None",
+        ("tests/test_sync_rounds.py",),
+    ),
+    Mutation(
+        "a member still in a failed send's receive is left out of the next push",
+        "the next push's meeting waits for it until its receive times out",
+        "asyncrl/control/versions.py",
+        "                if r.engine_world_size > 0 and r.receiving_until <= now",
+        "                if r.engine_world_size > 0",
+        (
+            "tests/test_sync_lost_mid_send.py::test_a_member_still_receiving_when_the_send_is_given_up_catches_up",
+        ),
     ),
 )
