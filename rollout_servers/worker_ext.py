@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 
 from asyncrl.sync.adapter import save_peft_adapter
-from asyncrl.sync.groups import form_group, open_store, release_group
+from asyncrl.sync.groups import form_group, given_up, open_store, release_group
 from asyncrl.sync.plan import WeightPlan
-from asyncrl.sync.weights import receive_weights
+from asyncrl.sync.weights import BroadcastAbandoned, receive_weights
 from rollout_servers.sync_progress import WorkerProgress
 
 #: Starts the error of a sync that failed after the engine's weights were partly replaced:
@@ -102,12 +102,24 @@ class WeightSyncExtension:
         self._wsync_progress = WorkerProgress(folder, self.rank)
 
     def _wsync_stream(self, group: Any, plan: WeightPlan, timeout_s: float) -> Any:
-        """The received tensors (:func:`receive_weights`), each bucket recorded as it arrives."""
+        """The received tensors (:func:`receive_weights`), each bucket recorded as it arrives.
+        A wait ends at once when the learner gives the send up (a member was lost mid-send):
+        the group is then held aside, not dropped, since dropping it would wait here for the
+        receive still posted on it until its timeout."""
         progress = getattr(self, "_wsync_progress", None)
         if progress is not None:
             progress(0)  # the receive has begun
         device = self._wsync_device()
-        return receive_weights(group, plan, timeout_s=timeout_s, device=device, on_bucket=progress)
+        assert self._wsync_generation is not None  # joined: the group is its
+        abandon = given_up(self._wsync_store, self._wsync_generation)
+        try:
+            yield from receive_weights(
+                group, plan, timeout_s=timeout_s, device=device, on_bucket=progress, abandon=abandon
+            )
+        except BroadcastAbandoned:
+            release_group(group, busy_s=timeout_s)
+            self._wsync_group = self._wsync_generation = None
+            raise
 
     def wsync_receive(
         self, plan: WeightPlan | dict[str, Any], timeout_s: float

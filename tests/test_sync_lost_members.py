@@ -11,8 +11,8 @@ import pytest
 
 from asyncrl.control import messages as m
 from asyncrl.control.client import CoordinatorClient
-from asyncrl.sync.groups import form_group, open_store, store_prefix
-from asyncrl.sync.weights import receive_weights
+from asyncrl.sync.groups import form_group, given_up, open_store, release_group, store_prefix
+from asyncrl.sync.weights import BroadcastAbandoned, receive_weights
 from asyncrl.tasks import make_row
 from tests.helpers import wait_until
 from tests.standins.learner import StandInLearner, loopback_config
@@ -46,6 +46,7 @@ class Member:
         self._stop = threading.Event()
         self._generation = ""
         self._group = None
+        self._given_up = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def start(self) -> Member:
@@ -71,11 +72,17 @@ class Member:
                     self._group = form_group(
                         store, prefix, start.rank, start.world_size, timeout_s=start.timeout_s
                     )
-                    self._generation = start.generation
-                for _ in receive_weights(self._group, start.plan, timeout_s=start.timeout_s):
+                    self._generation, self._given_up = start.generation, given_up(store, prefix)
+                received = receive_weights(
+                    self._group, start.plan, timeout_s=start.timeout_s, abandon=self._given_up
+                )
+                for _ in received:
                     pass
             except Exception as e:
                 self._generation = ""
+                if isinstance(e, BroadcastAbandoned):  # as a server's worker does
+                    release_group(self._group, busy_s=start.timeout_s)
+                    self._group = None
                 self.log.append(("failed", start.sync_id, start.version))
                 self.errors.append(str(e))
                 self.client.sync_done(start, ok=False, error=str(e))

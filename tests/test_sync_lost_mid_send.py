@@ -127,42 +127,34 @@ def test_a_member_lost_mid_broadcast_does_not_hold_the_learner(tmp_path) -> None
 
 
 @pytest.mark.timeout(120)
-def test_a_member_still_receiving_when_the_send_is_given_up_catches_up(
-    tmp_path, monkeypatch
+def test_a_member_still_receiving_when_the_send_is_given_up_is_told_and_caught_up(
+    tmp_path,
 ) -> None:
-    """Two buckets: f froze in the first, so a received the first and waits for a second
-    that will not come, until its own ``sync.timeout_s``. The learner gives the send up
-    when f is lost and waits for the members' reports only
-    :data:`~asyncrl.control.coordinator.AFTER_FAILED_SEND_S`, not ``sync.timeout_s``; a,
-    failed, reports so at its timeout and is caught up then, not before, and the next push
-    goes on without it meanwhile (a catch-up's or a push's meeting would wait for a member
-    still in a receive)."""
+    """Two buckets: f froze in the first, so a received the first and waited for a second
+    that would not come. With the send given up and its group held aside, a waited until
+    its own ``sync.timeout_s``, paused (65 s of a real run's learner starved, in a review
+    of real runs, against 15 s before the give-up). The learner now tells the group's
+    members through the sync store: a stops at once, reports, and is caught up."""
     import torch
 
-    from asyncrl.control import coordinator
-
-    timeout_s = 12.0
-    monkeypatch.setattr(coordinator, "AFTER_FAILED_SEND_S", 2.0)
+    timeout_s = 30.0
     cfg, _ = loopback_config(
         tmp_path, [f"sync.timeout_s={timeout_s:g}", *CONFIG[1:], "sync.bucket_mb=16"]
     )
     g = torch.Generator().manual_seed(1)
     tensors = {f"layers.{i}.weight": torch.randn(4096, 1024, generator=g) for i in range(2)}
     with _pushed_with_f_frozen(cfg, tensors) as (learner, a, result, took):
+        began = time.monotonic() - took
         assert len(learner.pusher.plan_for(tensors).buckets) == 2
-        assert took < timeout_s - 4, f"the push took {took:.1f}s"
+        assert took < timeout_s / 2, f"the push took {took:.1f}s"
         assert result.ok == [] and sorted(result.failed) == ["a", "f"]
-        assert result.failed["a"].startswith("the learner's send failed: weight broadcast")
+        assert "given up" in result.failed["a"], result.failed
+        wait_until(lambda: a.log == [("failed", 1, 1)], "a's receive given up", timeout_s)
+        assert time.monotonic() - began < timeout_s / 2, "a waited out its timeout"
+        assert "weight receive of bucket 1 given up" in a.errors[0], a.errors
+        assert "the learner gave the send up (f was lost" in a.errors[0], a.errors
         coord = learner.coordinator
-        # Still in its receive: a catch-up now, or the next push's meeting, would hold the
-        # learner until its receive fails; the next push goes on without it.
-        assert coord.pending_catchups() == []
-        start = time.monotonic()
-        again = learner.push()
-        assert (again.version, again.ok, again.failed) == (2, [], {})
-        assert time.monotonic() - start < timeout_s / 2
-        wait_until(lambda: a.log == [("failed", 1, 1)], "a's receive fails", timeout_s + 10)
         wait_until(lambda: coord.pending_catchups() == ["a"], "a is due a catch-up")
         (caught,) = learner.serve_catchups()
-        assert (caught.version, caught.ok, caught.failed) == (2, ["a"], {})
+        assert (caught.version, caught.ok, caught.failed) == (1, ["a"], {})
         assert learner.push().ok == ["a"]  # and it is back in the main round

@@ -132,6 +132,28 @@ def test_a_member_that_failed_before_the_group_formed_and_is_lost_begins_the_rou
     assert rnd.watch.ended() == "b was lost (left)" and rnd.watch.lost_in_send() == ""
 
 
+def test_a_member_that_may_still_be_receiving_is_left_out_until_its_report():
+    """A round whose send failed closed before b reported: b may still wait in that round's
+    receive (until its own sync.timeout_s), and a meeting with it would wait as long. The
+    next push and any catch-up go on without it until it reports or that time passed."""
+    st = _state()
+    for sid in ("a", "b"):
+        st.register(m.Register(server_id=sid, engine_world_size=1), now=0.0)
+    rnd = st.versions.begin_sync(PLAN, now=1.0)
+    st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=1, ok=True), 1.1)
+    st.versions.finish_sync(False, "given up", now=2.0)
+    timeout_s = st.syncs.timeout_s
+    second = st.versions.begin_sync(PLAN, now=3.0)
+    assert second.members == ["a"]
+    st.sync_done(m.SyncDone(server_id="a", sync_id=second.sync_id, version=2, ok=True), 3.05)
+    st.versions.finish_sync(True, now=3.1)
+    assert st.versions.pending_catchups(3.2) == []
+    assert st.versions.pending_catchups(2.0 + timeout_s) == ["b"]  # its timeout passed
+    late = m.SyncDone(server_id="b", sync_id=rnd.sync_id, version=1, ok=False, error="gone")
+    st.sync_done(late, 3.3)  # its report, late: out of its receive
+    assert st.versions.pending_catchups(3.4) == ["b"]
+
+
 class _Group:
     """A sync group the push never reaches the wire on: its abort is recorded."""
 

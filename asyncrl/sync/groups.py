@@ -202,6 +202,41 @@ def _wait_for_members(
     )
 
 
+#: The key by which the learner tells a group's members it gave its broadcast up.
+_GIVEN_UP = "given_up"
+
+
+def give_up_send(store, generation: str, why: str) -> None:
+    """The learner gave up its broadcast on group ``generation`` (:func:`store_prefix`'s
+    key space): its members still waiting for a bucket stop at once (:func:`given_up`)
+    instead of at their timeout. Best effort: a store gone says it to no one."""
+    from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
+
+    try:
+        PrefixStore(f"wsync/{generation}", store).set(_GIVEN_UP, why or "given up")
+    except Exception as e:  # torch's DistError: the members then wait out their timeout
+        log.warning("could not tell sync group %s's members it was given up: %s", generation, e)
+
+
+def given_up(store, generation: str) -> Callable[[], str]:
+    """A member's question for its waits in group ``generation``: why the learner gave the
+    broadcast up ("" while it did not; "" too when the store cannot be asked: the wait's
+    own timeout and the collective's errors still hold)."""
+    from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
+
+    prefixed = PrefixStore(f"wsync/{generation}", store)
+
+    def ask() -> str:
+        try:
+            if not prefixed.check([_GIVEN_UP]):
+                return ""
+            return f"the learner gave the send up ({prefixed.get(_GIVEN_UP).decode()})"
+        except Exception:
+            return ""
+
+    return ask
+
+
 def release_group(pg: Any, busy_s: float = 0.0) -> None:
     """Let go of a sync group that failed or is replaced: abort it. Under NCCL a
     communicator that is only dropped can stay in a collective that never completes (a

@@ -22,7 +22,13 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.sync.groups import WeightSyncError, form_group, release_group, store_prefix
+from asyncrl.sync.groups import (
+    WeightSyncError,
+    form_group,
+    give_up_send,
+    release_group,
+    store_prefix,
+)
 from asyncrl.sync.plan import WeightPlan, plan_buckets, specs_of
 from asyncrl.sync.weights import BroadcastAbandoned, send_weights
 
@@ -128,6 +134,8 @@ class WeightPusher:
                 error = str(e)
                 if isinstance(e, BroadcastAbandoned):  # its collective runs to its timeout
                     busy_s = self.timeout_s
+                    prefix = store_prefix(self.coordinator.sync_secret, rnd.generation)
+                    give_up_send(self.store, prefix, rnd.watch.lost_in_send())
             except Exception as e:  # the learner's own (tensors off the plan, out of memory)
                 # The round is closed as failed all the same, then the error raised: left
                 # open, it kept every later round from beginning ("still in progress").

@@ -71,8 +71,9 @@ ABANDON_POLL_S = 0.05
 
 
 class BroadcastAbandoned(WeightSyncError):
-    """The sender gave a broadcast up (a member was lost while it ran); the collective
-    itself may run on in the backend until its timeout."""
+    """A broadcast given up before it ended: by the sender (a member was lost while it ran),
+    or by a member the sender told so. The collective itself may run on in the backend
+    until its timeout."""
 
 
 def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None = None) -> None:
@@ -85,7 +86,7 @@ def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None =
         raise BroadcastAbandoned(
             f"{what} given up after {time.monotonic() - start:.1f}s: {why}; the group is "
             "held aside until its collective times out, and the next round forms a new "
-            "generation without that member"
+            "generation"
         )
     try:
         work.wait(timedelta(seconds=max(0.001, timeout_s - (time.monotonic() - start))))
@@ -243,6 +244,7 @@ def receive_weights(
     timeout_s: float = 120.0,
     device: str = "cpu",
     on_bucket: Callable[[int], None] | None = None,
+    abandon: Callable[[], str] | None = None,
 ) -> Iterator[tuple[str, Any]]:
     """Receive the broadcast of :func:`send_weights`; yield ``(name, tensor)`` per tensor.
 
@@ -250,7 +252,11 @@ def receive_weights(
     posted before bucket ``i``'s tensors are handed out, so the caller's loading overlaps
     the transfer; memory holds two buckets at most plus what the caller keeps.
     ``on_bucket`` is told the number of buckets received as each arrives: a push of many
-    buckets that still moves is told from a stuck one by it.
+    buckets that still moves is told from a stuck one by it. ``abandon``
+    (:func:`~asyncrl.sync.groups.given_up`): a reason it gives ends a wait at once with
+    :class:`BroadcastAbandoned` (the learner gave the send up: the next bucket never comes;
+    the receive stays posted until the group goes, so drop it with ``release_group``'s
+    ``busy_s``).
     """
     import torch
 
@@ -266,7 +272,7 @@ def receive_weights(
     pending = post(0)
     for i, bucket in enumerate(buckets):
         work, flat = pending
-        _wait(work, timeout_s, f"weight receive of bucket {i}")
+        _wait(work, timeout_s, f"weight receive of bucket {i}", abandon)
         if on_bucket is not None:
             on_bucket(i + 1)
         if i + 1 < len(buckets):
