@@ -158,3 +158,37 @@ def test_a_member_still_receiving_when_the_send_is_given_up_is_told_and_caught_u
         (caught,) = learner.serve_catchups()
         assert (caught.version, caught.ok, caught.failed) == (1, ["a"], {})
         assert learner.push().ok == ["a"]  # and it is back in the main round
+
+
+@pytest.mark.timeout(120)
+def test_the_close_of_a_failed_send_waits_for_reports_a_short_while(tmp_path, monkeypatch) -> None:
+    """After a given-up send the round's close waits for the members' reports at most
+    :data:`~asyncrl.control.coordinator.AFTER_FAILED_SEND_S`, not ``sync.timeout_s``: a
+    member that received everything but reports late (its probe) is counted failed, and
+    its heartbeats then say it holds the version."""
+    from asyncrl.control import coordinator
+
+    monkeypatch.setattr(coordinator, "AFTER_FAILED_SEND_S", 2.0)
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[], tensors=_big_weights())
+    learner.start()
+    a = f = None
+    try:
+        a = Member(cfg, "a").start()
+        a.hold = threading.Event()  # it reports only when let
+        f = FrozenMember(cfg, "f").start()
+        start = time.monotonic()
+        result = learner.push()
+        took = time.monotonic() - start
+        assert took < SYNC_TIMEOUT_S / 2, f"the push took {took:.1f}s"
+        assert result.failed["a"].startswith("the learner's send failed"), result.failed
+        a.hold.set()  # it loaded version 1: its heartbeats say so, and no catch-up is due
+        coord = learner.coordinator
+        wait_until(lambda: coord.servers()["a"]["policy_version"] == 1, "a holds version 1")
+        assert coord.pending_catchups() == []
+        assert learner.push().ok == ["a"]
+    finally:
+        for member in (a, f):
+            if member is not None:
+                member.close()
+        learner.close()
