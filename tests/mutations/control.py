@@ -355,7 +355,9 @@ ROWS = (
         "asyncrl/control/coordinator.py",
         "            timeout_s = min(timeout_s, AFTER_FAILED_SEND_S)",
         "            pass",
-        ("tests/test_sync_lost_mid_send.py",),
+        (
+            "tests/test_sync_lost_mid_send.py::test_the_close_of_a_failed_send_waits_for_reports_a_short_while",
+        ),
     ),
     Mutation(
         "no catch-up for a member still in a failed send's receive",
@@ -363,7 +365,9 @@ ROWS = (
         "asyncrl/control/versions.py",
         "                rec.receiving_until = now + self.syncs.timeout_s",
         "                pass",
-        ("tests/test_sync_lost_mid_send.py",),
+        (
+            "tests/test_sync_rounds.py::test_a_member_that_may_still_be_receiving_is_left_out_until_its_report",
+        ),
     ),
     Mutation(
         "a member lost after it reported holds no send up",
@@ -388,7 +392,7 @@ ROWS = (
         "                if r.engine_world_size > 0 and r.receiving_until <= now",
         "                if r.engine_world_size > 0",
         (
-            "tests/test_sync_lost_mid_send.py::test_a_member_still_receiving_when_the_send_is_given_up_catches_up",
+            "tests/test_sync_rounds.py::test_a_member_that_may_still_be_receiving_is_left_out_until_its_report",
         ),
     ),
 )

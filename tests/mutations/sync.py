@@ -81,4 +81,24 @@ ROWS = (
             "tests/test_sync_lost_mid_send.py::test_a_member_lost_mid_broadcast_does_not_hold_the_learner",
         ),
     ),
+    Mutation(
+        "the learner tells the members it gave its send up",
+        "a member waits for a bucket that will not come until its own sync.timeout_s",
+        "asyncrl/sync/sender.py",
+        "                    give_up_send(self.store, prefix, rnd.watch.lost_in_send())",
+        "                    pass",
+        (
+            "tests/test_sync_lost_mid_send.py::test_a_member_still_receiving_when_the_send_is_given_up_is_told_and_caught_up",
+        ),
+    ),
+    Mutation(
+        "a member's receive asks whether the send was given up",
+        "the receive's waits never ask",
+        "asyncrl/sync/weights.py",
+        '        _wait(work, timeout_s, f"weight receive of bucket {i}", abandon)',
+        '        _wait(work, timeout_s, f"weight receive of bucket {i}")',
+        (
+            "tests/test_sync_lost_mid_send.py::test_a_member_still_receiving_when_the_send_is_given_up_is_told_and_caught_up",
+        ),
+    ),
 )
