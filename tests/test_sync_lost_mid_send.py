@@ -83,14 +83,16 @@ class FrozenMember:
 
 @contextlib.contextmanager
 def _pushed_with_f_frozen(
-    cfg, tensors: dict
+    cfg, tensors: dict, hold_a: threading.Event | None = None
 ) -> Iterator[tuple[StandInLearner, Member, Any, float]]:
     """The stand-in learner pushes ``tensors`` (version 1) to server a and to f, which
-    freezes once in the group: yields the learner, a, the push's result and its seconds."""
+    freezes once in the group: yields the learner, a, the push's result and its seconds.
+    ``hold_a``: a reports only once it is set (a slow member)."""
     learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[], tensors=tensors).start()
     a = f = None
     try:
         a = Member(cfg, "a").start()
+        a.hold = hold_a
         f = FrozenMember(cfg, "f").start()
         start = time.monotonic()
         result = learner.push()
@@ -170,25 +172,12 @@ def test_the_close_of_a_failed_send_waits_for_reports_a_short_while(tmp_path, mo
 
     monkeypatch.setattr(coordinator, "AFTER_FAILED_SEND_S", 2.0)
     cfg, _ = loopback_config(tmp_path, CONFIG)
-    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[], tensors=_big_weights())
-    learner.start()
-    a = f = None
-    try:
-        a = Member(cfg, "a").start()
-        a.hold = threading.Event()  # it reports only when let
-        f = FrozenMember(cfg, "f").start()
-        start = time.monotonic()
-        result = learner.push()
-        took = time.monotonic() - start
+    hold = threading.Event()
+    with _pushed_with_f_frozen(cfg, _big_weights(), hold) as (learner, a, result, took):
         assert took < SYNC_TIMEOUT_S / 2, f"the push took {took:.1f}s"
         assert result.failed["a"].startswith("the learner's send failed"), result.failed
-        a.hold.set()  # it loaded version 1: its heartbeats say so, and no catch-up is due
+        hold.set()  # it loaded version 1: its heartbeats say so, and no catch-up is due
         coord = learner.coordinator
         wait_until(lambda: coord.servers()["a"]["policy_version"] == 1, "a holds version 1")
         assert coord.pending_catchups() == []
         assert learner.push().ok == ["a"]
-    finally:
-        for member in (a, f):
-            if member is not None:
-                member.close()
-        learner.close()
