@@ -99,21 +99,23 @@ def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None =
 
 def _until_done(work, timeout_s: float, abandon: Callable[[], str]) -> str:
     """Wait until ``work`` ends or ``timeout_s`` passes (""), or until ``abandon`` gives a
-    reason (returned). Where the backend's future says when the transfer ended (gloo), a
-    callback wakes this wait at once. Under NCCL a work's future is done once the broadcast
-    is ordered on its CUDA stream, not when it ended (PyTorch's CUDA futures), so this
-    returns at once and a member lost mid-send is not given up there (not run on a GPU)."""
-    done = threading.Event()
-    try:
-        work.get_future().add_done_callback(lambda _future: done.set())
-    except (AttributeError, RuntimeError):  # a work without a future: the plain wait
-        return ""
+    reason (returned), asking it between waits of at most :data:`ABANDON_POLL_S`. A wait
+    that times out leaves gloo's collective running (checked on torch 2.13: a later wait
+    sees it end), and returns the moment it ends. No callback on the work's future: one
+    runs Python on gloo's thread, and a collective that failed as the process exited
+    (its peer killed then) took the process down with SIGABRT in a review of real runs.
+    Under NCCL a wait returns once the broadcast is ordered on the current CUDA stream,
+    not when it ended, so a member lost mid-send is not given up there (not run on a GPU)."""
     deadline = time.monotonic() + timeout_s
-    while not done.wait(min(ABANDON_POLL_S, max(0.0, deadline - time.monotonic()))):
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            work.wait(timedelta(seconds=min(ABANDON_POLL_S, left)))
+            return ""
+        except Exception:
+            if work.is_completed():  # its own error: raised again by the caller's wait
+                return ""
         if why := abandon():
             return why
-        if time.monotonic() >= deadline:
-            return ""
     return ""
 
 
