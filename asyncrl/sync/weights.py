@@ -66,7 +66,7 @@ def on_device(tensor_device: Any, device: str) -> bool:
     return want.index is None or tensor_device.index == want.index
 
 
-#: How often a sender waiting for a bucket asks whether to give the send up, seconds.
+#: How often a wait for a bucket asks whether to give the broadcast up, seconds.
 ABANDON_POLL_S = 0.05
 
 
@@ -77,10 +77,11 @@ class BroadcastAbandoned(WeightSyncError):
 
 
 def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None = None) -> None:
-    """Wait for ``work`` up to ``timeout_s``. ``abandon`` (the sender's) is asked while it
-    runs: a reason it returns ends the wait at once with a :class:`WeightSyncError`. A
-    member that stopped reading (frozen, or dead with its sockets held open) would otherwise
-    hold the sender here for the whole timeout after the coordinator had lost it."""
+    """Wait for ``work`` up to ``timeout_s``. ``abandon`` is asked while it runs: a reason
+    it returns ends the wait at once with :class:`BroadcastAbandoned`. The sender's asks
+    whether the coordinator lost a member still receiving (one that stopped reading holds
+    the sender here until the timeout); a member's, whether the sender gave up (its next
+    bucket would never come)."""
     start = time.monotonic()
     if abandon is not None and (why := _until_done(work, timeout_s, abandon)):
         raise BroadcastAbandoned(
