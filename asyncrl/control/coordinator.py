@@ -19,8 +19,7 @@ The learner's side of a sync::
     if rnd.ranks:
         if rnd.new_group:
             group = form_group(store, rnd.generation, 0, rnd.world_size, ...)
-        send_weights(group, tensors, plan, abandon=rnd.watch.lost_in_send, ...)
-                                                     # on error: finish_sync(rnd, False, ...)
+        send_weights(group, ..., abandon=rnd.watch.lost_in_send)  # error: finish_sync(rnd, False)
         coord.weights_sent(rnd)                      # staleness.deal_at_send: the window moves
     result = coord.finish_sync(rnd)                  # waits for every member's sync_done
     for server_id in coord.pending_catchups():       # late joiners, failed members
@@ -47,9 +46,8 @@ from asyncrl.sync.plan import WeightPlan
 log = logging.getLogger(__name__)
 
 LEAVE_GRACE_S = 2.0  # at shutdown, how long told servers get to say they leave
-#: After a failed send, how long the round's close waits for reports, seconds: a member that
-#: received every bucket loads it, resumes and reports after its probe (a server bounds the
-#: probe at 10 s); one still waiting for a bucket fails only at its own ``sync.timeout_s``.
+#: After a failed send, the round's close waits this long for reports, seconds: a member
+#: with every bucket loads, resumes and reports after its probe (at most 10 s on a server).
 AFTER_FAILED_SEND_S = 30.0
 
 
@@ -221,14 +219,12 @@ class Coordinator:
     def finish_sync(
         self, rnd: SyncRound, sent_ok: bool = True, error: str = "", timeout_s: float | None = None
     ) -> SyncResult:
-        """Wait for every member's ``sync_done`` (up to ``timeout_s``, default
-        ``sync.timeout_s``; after a failed send, :data:`AFTER_FAILED_SEND_S` at most), then
-        close the round: members that failed or stayed silent are dropped from the group
-        and will need a catch-up; a main round's version is current.
-        """
+        """Wait for every member's ``sync_done`` (up to ``timeout_s``, default ``sync.timeout_s``;
+        :data:`AFTER_FAILED_SEND_S` after a failed send), then close the round: members that
+        failed or stayed silent are dropped from the group and will need a catch-up; a main
+        round's version is current."""
         timeout_s = self._state.syncs.timeout_s if timeout_s is None else timeout_s
-        if not sent_ok:
-            timeout_s = min(timeout_s, AFTER_FAILED_SEND_S)
+        timeout_s = timeout_s if sent_ok else min(timeout_s, AFTER_FAILED_SEND_S)
         start = time.monotonic()
         with self._cond:
             self._cond.wait_for(

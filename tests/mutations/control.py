@@ -353,8 +353,8 @@ ROWS = (
         "the close of a failed send waits for reports a short while",
         "it waits sync.timeout_s for a member still in a receive that will not end",
         "asyncrl/control/coordinator.py",
-        "            timeout_s = min(timeout_s, AFTER_FAILED_SEND_S)",
-        "            pass",
+        "        timeout_s = timeout_s if sent_ok else min(timeout_s, AFTER_FAILED_SEND_S)",
+        "        timeout_s = timeout_s",
         (
             "tests/test_sync_lost_mid_send.py::test_the_close_of_a_failed_send_waits_for_reports_a_short_while",
         ),
