@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from asyncrl.control.client import CoordinatorClient
 from asyncrl.sync.groups import form_group, open_store, store_prefix
 from tests.helpers import wait_until
 from tests.standins.learner import StandInLearner, loopback_config
@@ -44,8 +45,9 @@ class FrozenMember:
     open, as a frozen process's does, until :meth:`close`."""
 
     def __init__(self, cfg, server_id: str) -> None:
-        self.member = Member(cfg, server_id)
-        self.client = self.member.client
+        self.client = CoordinatorClient.from_config(
+            cfg, server_id, engine_world_size=1, timeout_s=5.0
+        )
         self.joined = threading.Event()
         self._stop = threading.Event()
         self._group = None
