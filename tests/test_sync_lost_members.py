@@ -11,6 +11,7 @@ import pytest
 
 from asyncrl.control import messages as m
 from asyncrl.control.client import CoordinatorClient
+from asyncrl.sync import groups
 from asyncrl.sync.groups import form_group, given_up, open_store, release_group, store_prefix
 from asyncrl.sync.weights import BroadcastAbandoned, receive_weights
 from asyncrl.tasks import make_row
@@ -79,6 +80,8 @@ class Member:
                 for _ in received:
                     pass
             except Exception as e:
+                if self._stop.is_set():
+                    return  # crashed meanwhile: gone without a word
                 self._generation = ""
                 if isinstance(e, BroadcastAbandoned):  # as a server's worker does
                     release_group(self._group, busy_s=start.timeout_s)
@@ -132,6 +135,51 @@ def test_a_member_lost_before_the_group_forms_does_not_hold_the_others(tmp_path)
         wait_until(lambda: coord.servers()["a"]["policy_version"] == 1, "a at version 1")
         assert learner.push().ok == ["a"]  # the group formed without c is kept
     finally:
+        for member in (a, c):
+            if member is not None:
+                member.close()
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_member_lost_between_the_meeting_and_the_connect_does_not_hold_the_others(
+    tmp_path, monkeypatch
+) -> None:
+    """Server c met the others, then died before gloo connected the group (its address
+    never reaches the store). Gloo's constructor waited for it ``sync.timeout_s`` on the
+    learner and on a (600 s in a chaos run): the coordinator's loss of c now gives the
+    group up there too, for every member, and the round is begun again without c."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    build, released = groups._build, threading.Event()
+    a = c = None
+
+    def c_dies_connecting(store, rank, world_size, backend, timeout_s):
+        if (rank, world_size) != (2, 3):  # c is rank 2 of the first round's 3
+            return build(store, rank, world_size, backend, timeout_s)
+        assert c is not None
+        c.crash()
+        released.wait(30)
+        raise RuntimeError("c died")
+
+    monkeypatch.setattr(groups, "_build", c_dies_connecting)
+    try:
+        a = Member(cfg, "a").start()
+        c = Member(cfg, "c").start()
+        start = time.monotonic()
+        result = learner.push()
+        took = time.monotonic() - start
+        assert took < DEAD_AFTER_S + 2.5, f"the push took {took:.1f}s"
+        assert (result.version, result.ok, result.failed) == (1, ["a"], {})
+        assert learner.coordinator.metrics()["coordinator/syncs_restarted"] == 1
+        assert [(outcome, version) for outcome, _, version in a.log] == [
+            ("failed", 1),
+            ("ok", 1),
+        ]
+        assert "given up while its members connected" in a.errors[0], a.errors
+        assert "c was lost" in a.errors[0], a.errors
+    finally:
+        released.set()
         for member in (a, c):
             if member is not None:
                 member.close()

@@ -100,29 +100,9 @@ def form_group(
     from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
     prefixed = PrefixStore(f"wsync/{generation}", store)
-    timeout = timedelta(seconds=timeout_s)
     start = time.monotonic()
     _wait_for_members(prefixed, generation, rank, world_size, timeout_s, abandon)
-    try:
-        if backend == "gloo":
-            from torch.distributed import ProcessGroupGloo
-
-            pg = ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        elif backend == "nccl":
-            from torch.distributed import ProcessGroupNCCL
-
-            opts = ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = ProcessGroupNCCL(prefixed, rank, world_size, opts)
-        else:
-            raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
-    except ValueError:
-        raise
-    except Exception as e:
-        raise WeightSyncError(
-            f"sync group {generation}: rank {rank}/{world_size} could not connect to its "
-            f"peers within {timeout_s:.0f}s ({e}); a member is missing or unreachable"
-        ) from e
+    pg = _connect(prefixed, generation, rank, world_size, backend, timeout_s, abandon)
     log.debug(
         "sync group %s formed (rank %d of %d) in %.2fs",
         generation,
@@ -131,6 +111,102 @@ def form_group(
         time.monotonic() - start,
     )
     return pg
+
+
+def _build(store, rank: int, world_size: int, backend: str, timeout_s: float):
+    """Torch's process group of ``backend`` over ``store``: gloo connects every pair of
+    members here, NCCL at its first collective."""
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        return ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return ProcessGroupNCCL(store, rank, world_size, opts)
+    raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+
+
+class _Connecting:
+    """A group's constructor running on a thread of its own, which the caller can stop
+    waiting for. A group built after the caller left is let go on that thread."""
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        self.pg: Any = None
+        self.error: BaseException | None = None
+        self._left = False
+        self._build = build
+        threading.Thread(target=self._run, name="sync-group-connect", daemon=True).start()
+
+    def _run(self) -> None:
+        pg, error = None, None
+        try:
+            pg = self._build()
+        except BaseException as e:  # handed to the caller, who raises it
+            error = e
+        with self._lock:
+            left = self._left
+            self.pg, self.error = (None, None) if left else (pg, error)
+        self.done.set()
+        if left:
+            release_group(pg)
+            log.debug("sync group built after its caller gave it up: released (%s)", error)
+
+    def leave(self) -> Any:
+        """Stop waiting; the group if it was built meanwhile (the caller's, then)."""
+        with self._lock:
+            self._left = not self.done.is_set()
+            return self.pg
+
+
+def _connect(
+    prefixed,
+    generation: str | int,
+    rank: int,
+    world_size: int,
+    backend: str,
+    timeout_s: float,
+    abandon: Callable[[], str] | None,
+):
+    """Build the group once its members met. Gloo's constructor waits in the store for
+    every member's address (up to ``timeout_s``): a member that died after the meeting
+    held every other one there that long (600 s in one run). So the constructor runs on a
+    thread, over a store client of its own (a client's operations are serialized, and the
+    constructor's wait would hold the questions below), and the caller asks every
+    :data:`MEET_POLL_S` whether the round was given up: ``abandon`` (the learner's, which
+    then tells the members by the store's :data:`_GIVEN_UP` key) or that key (a member's).
+    A group the caller left is released by its thread, whenever its constructor ends."""
+    own_client = prefixed.clone()
+    connecting = _Connecting(lambda: _build(own_client, rank, world_size, backend, timeout_s))
+    why = ""
+    while not connecting.done.wait(MEET_POLL_S):
+        why = _sent_up(prefixed)
+        if not why and abandon is not None and (reason := abandon()):
+            why = f"rank {rank} abandoned it: {reason}"
+            _tell_given_up(prefixed, generation, why)
+        if why:
+            pg = connecting.leave()
+            if pg is None:
+                raise WeightSyncError(
+                    f"sync group {generation} given up while its members connected "
+                    f"(rank {rank}/{world_size}): {why}"
+                )
+            release_group(pg)  # built just now: still given up for the others
+            raise WeightSyncError(f"sync group {generation} given up as it formed: {why}")
+    if isinstance(connecting.error, ValueError):
+        raise connecting.error
+    if connecting.error is not None:
+        raise WeightSyncError(
+            f"sync group {generation}: rank {rank}/{world_size} could not connect to its "
+            f"peers within {timeout_s:.0f}s ({connecting.error}); a member is missing or "
+            "unreachable"
+        ) from connecting.error
+    return connecting.pg
 
 
 #: The longest a member waiting for the others goes without looking at the store, seconds
@@ -212,10 +288,7 @@ def give_up_send(store, generation: str, why: str) -> None:
     instead of at their timeout. Best effort: a store gone says it to no one."""
     from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
-    try:
-        PrefixStore(f"wsync/{generation}", store).set(_GIVEN_UP, why or "given up")
-    except Exception as e:  # torch's DistError: the members then wait out their timeout
-        log.warning("could not tell sync group %s's members it was given up: %s", generation, e)
+    _tell_given_up(PrefixStore(f"wsync/{generation}", store), generation, why)
 
 
 def given_up(store, generation: str) -> Callable[[], str]:
@@ -225,16 +298,24 @@ def given_up(store, generation: str) -> Callable[[], str]:
     from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
     prefixed = PrefixStore(f"wsync/{generation}", store)
+    return lambda: _sent_up(prefixed)
 
-    def ask() -> str:
-        try:
-            if not prefixed.check([_GIVEN_UP]):
-                return ""
-            return f"the learner gave the send up ({prefixed.get(_GIVEN_UP).decode()})"
-        except Exception:
+
+def _tell_given_up(prefixed, generation: str | int, why: str) -> None:
+    try:
+        prefixed.set(_GIVEN_UP, why or "given up")
+    except Exception as e:  # torch's DistError: the members then wait out their timeout
+        log.warning("could not tell sync group %s's members it was given up: %s", generation, e)
+
+
+def _sent_up(prefixed) -> str:
+    """Why the learner gave the group in ``prefixed`` up, or ""."""
+    try:
+        if not prefixed.check([_GIVEN_UP]):
             return ""
-
-    return ask
+        return f"the learner gave the send up ({prefixed.get(_GIVEN_UP).decode()})"
+    except Exception:
+        return ""
 
 
 def release_group(pg: Any, busy_s: float = 0.0) -> None:

@@ -101,4 +101,34 @@ ROWS = (
             "tests/test_sync_lost_mid_send.py::test_a_member_still_receiving_when_the_send_is_given_up_is_told_and_caught_up",
         ),
     ),
+    Mutation(
+        "a member lost as its group connects gives the group up for the learner",
+        "the learner waits in gloo's connect for the dead member until sync.timeout_s",
+        "asyncrl/sync/groups.py",
+        "        if not why and abandon is not None and (reason := abandon()):",
+        "        if False:",
+        (
+            "tests/test_sync_lost_members.py::test_a_member_lost_between_the_meeting_and_the_connect_does_not_hold_the_others",
+        ),
+    ),
+    Mutation(
+        "the learner tells the members it gave a connecting group up",
+        "the members wait in gloo's connect for the dead member until sync.timeout_s",
+        "asyncrl/sync/groups.py",
+        "            _tell_given_up(prefixed, generation, why)",
+        "            pass",
+        (
+            "tests/test_sync_lost_members.py::test_a_member_lost_between_the_meeting_and_the_connect_does_not_hold_the_others",
+        ),
+    ),
+    Mutation(
+        "a connecting member asks whether the group was given up",
+        "a member never asks and waits in gloo's connect until sync.timeout_s",
+        "asyncrl/sync/groups.py",
+        "        why = _sent_up(prefixed)",
+        '        why = ""',
+        (
+            "tests/test_sync_lost_members.py::test_a_member_lost_between_the_meeting_and_the_connect_does_not_hold_the_others",
+        ),
+    ),
 )
