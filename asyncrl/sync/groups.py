@@ -130,40 +130,6 @@ def _build(store, rank: int, world_size: int, backend: str, timeout_s: float):
     raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
 
 
-class _Connecting:
-    """A group's constructor running on a thread of its own, which the caller can stop
-    waiting for. A group built after the caller left is let go on that thread."""
-
-    def __init__(self, build: Callable[[], Any]) -> None:
-        self._lock = threading.Lock()
-        self.done = threading.Event()
-        self.pg: Any = None
-        self.error: BaseException | None = None
-        self._left = False
-        self._build = build
-        threading.Thread(target=self._run, name="sync-group-connect", daemon=True).start()
-
-    def _run(self) -> None:
-        pg, error = None, None
-        try:
-            pg = self._build()
-        except BaseException as e:  # handed to the caller, who raises it
-            error = e
-        with self._lock:
-            left = self._left
-            self.pg, self.error = (None, None) if left else (pg, error)
-        self.done.set()
-        if left:
-            release_group(pg)
-            log.debug("sync group built after its caller gave it up: released (%s)", error)
-
-    def leave(self) -> Any:
-        """Stop waiting; the group if it was built meanwhile (the caller's, then)."""
-        with self._lock:
-            self._left = not self.done.is_set()
-            return self.pg
-
-
 def _connect(
     prefixed,
     generation: str | int,
@@ -175,38 +141,39 @@ def _connect(
 ):
     """Build the group once its members met. Gloo's constructor waits in the store for
     every member's address (up to ``timeout_s``): a member that died after the meeting
-    held every other one there that long (600 s in one run). So the constructor runs on a
-    thread, over a store client of its own (a client's operations are serialized, and the
-    constructor's wait would hold the questions below), and the caller asks every
-    :data:`MEET_POLL_S` whether the round was given up: ``abandon`` (the learner's, which
-    then tells the members by the store's :data:`_GIVEN_UP` key) or that key (a member's).
-    A group the caller left is released by its thread, whenever its constructor ends."""
-    own_client = prefixed.clone()
-    connecting = _Connecting(lambda: _build(own_client, rank, world_size, backend, timeout_s))
-    why = ""
-    while not connecting.done.wait(MEET_POLL_S):
+    held every other one there that long. Its waits ask meanwhile whether the round was
+    given up (:class:`~asyncrl.sync.asking_store.AskingStore`): ``abandon`` (the
+    learner's, which then tells the members by the store's :data:`_GIVEN_UP` key) or that
+    key (a member's). NCCL's constructor does not connect (its first collective does,
+    after the meeting), so it gets the store as it is."""
+
+    def stop() -> str:
         why = _sent_up(prefixed)
         if not why and abandon is not None and (reason := abandon()):
             why = f"rank {rank} abandoned it: {reason}"
             _tell_given_up(prefixed, generation, why)
+        return why
+
+    store = prefixed
+    if backend == "gloo":
+        from asyncrl.sync.asking_store import AskingStore
+
+        store = AskingStore(prefixed, stop, timeout_s)
+    try:
+        return _build(store, rank, world_size, backend, timeout_s)
+    except ValueError:
+        raise
+    except Exception as e:
+        why = getattr(store, "why", "")
         if why:
-            pg = connecting.leave()
-            if pg is None:
-                raise WeightSyncError(
-                    f"sync group {generation} given up while its members connected "
-                    f"(rank {rank}/{world_size}): {why}"
-                )
-            release_group(pg)  # built just now: still given up for the others
-            raise WeightSyncError(f"sync group {generation} given up as it formed: {why}")
-    if isinstance(connecting.error, ValueError):
-        raise connecting.error
-    if connecting.error is not None:
+            raise WeightSyncError(
+                f"sync group {generation} given up while its members connected "
+                f"(rank {rank}/{world_size}): {why}"
+            ) from e
         raise WeightSyncError(
             f"sync group {generation}: rank {rank}/{world_size} could not connect to its "
-            f"peers within {timeout_s:.0f}s ({connecting.error}); a member is missing or "
-            "unreachable"
-        ) from connecting.error
-    return connecting.pg
+            f"peers within {timeout_s:.0f}s ({e}); a member is missing or unreachable"
+        ) from e
 
 
 #: The longest a member waiting for the others goes without looking at the store, seconds

@@ -1,0 +1,72 @@
+"""A store whose blocking waits ask, between short looks, whether to stop: the store gloo's
+group constructor is given (:func:`asyncrl.sync.groups.form_group`).
+
+Gloo connects every pair of a group's members in its constructor, waiting in the store for
+each member's address up to the group's timeout. A member that died after the members met
+held every other one there that long (600 s in one run), and a ``TCPStore`` wait cannot be
+interrupted. Torch lets a Python class stand for a store: gloo's waits then run here, in
+the caller's thread, and end as soon as ``stop`` gives a reason (the learner lost the member,
+or told the members so). Imported only where torch is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+from torch.distributed import Store  # pyright: ignore[reportPrivateImportUsage]
+
+#: The longest a wait goes without asking ``stop``, seconds (the first looks come sooner:
+#: a group's members post their addresses within milliseconds of each other).
+ASK_EVERY_S = 0.1
+
+
+class StoreWaitStopped(RuntimeError):
+    """A wait ended because ``stop`` gave a reason (the message)."""
+
+
+class AskingStore(Store):
+    """``inner`` with waits that look at it in slices and ask ``stop`` between them; a
+    reason ends the wait with :class:`StoreWaitStopped`, the timeout with a
+    ``TimeoutError``. Every other operation is ``inner``'s."""
+
+    def __init__(self, inner: Store, stop: Callable[[], str], timeout_s: float) -> None:
+        super().__init__()
+        self._inner = inner
+        self._stop = stop
+        self._timeout_s = timeout_s
+        self.why = ""  # the reason a wait stopped on, kept for the caller's message
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = self._timeout_s if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        pause = 0.002
+        while not self._inner.check(keys):
+            self.why = self.why or self._stop()
+            if self.why:
+                raise StoreWaitStopped(self.why)
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"keys {keys} not set within {limit:.0f}s")
+            time.sleep(pause)
+            pause = min(2 * pause, ASK_EVERY_S)
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._inner.get(key)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        # gloo hands bytes (its addresses); torch's stub says str, and both are taken
+        self._inner.set(key, value)  # pyright: ignore[reportArgumentType]
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
