@@ -398,8 +398,19 @@ def _push(tensors: dict[str, Any], model: Path, receiver_device: str, backend: s
     proc.start()
     try:
         group = form_group(store, store_prefix("", "gpu-check"), 0, 2, backend=backend)
+        # The receiver's first receive is posted by now; a server's is older than the
+        # waits' 50 ms slices too (it is told of the push first). The waits then ask
+        # whether to give up, as every push's do (here: never).
+        time.sleep(0.5)
         # As WeightPusher calls it (packing where the backend can broadcast from).
-        stats = send_weights(group, tensors, plan, timeout_s=120, device=pack_device(backend))
+        stats = send_weights(
+            group,
+            tensors,
+            plan,
+            timeout_s=120,
+            device=pack_device(backend),
+            abandon=lambda: "",
+        )
         proc.join(180)
     finally:
         if proc.is_alive():
@@ -424,7 +435,7 @@ def _receiver(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from asyncrl.sync.groups import form_group, open_store, store_prefix
+    from asyncrl.sync.groups import form_group, given_up, open_store, store_prefix
     from asyncrl.sync.weights import receive_weights
 
     if device.startswith("cuda"):
@@ -432,8 +443,10 @@ def _receiver(
     hf: Any = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     hf.to(device)
     store = open_store("127.0.0.1", port, is_host=False, timeout_s=120)
-    group = form_group(store, store_prefix("", generation), 1, 2, backend=backend)
-    received = {n: t.clone() for n, t in receive_weights(group, plan, device=device)}
+    prefix = store_prefix("", generation)
+    group = form_group(store, prefix, 1, 2, backend=backend)
+    asks = given_up(store, prefix)  # as the vLLM worker extension's receive asks
+    received = {n: t.clone() for n, t in receive_weights(group, plan, device=device, abandon=asks)}
     hf.to(next(iter(received.values())).dtype)
     hf.load_state_dict(received, strict=False)
     held = hf.state_dict()

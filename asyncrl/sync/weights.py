@@ -66,8 +66,11 @@ def on_device(tensor_device: Any, device: str) -> bool:
     return want.index is None or tensor_device.index == want.index
 
 
-#: How often a wait for a bucket asks whether to give the broadcast up, seconds.
+#: How often a wait for a bucket asks whether to give the broadcast up, seconds (a
+#: member's question is a round trip to the sync store).
 ABANDON_POLL_S = 0.05
+#: The longest a wait for a bucket goes without looking whether it ended, seconds.
+DONE_POLL_S = 0.005
 
 
 class BroadcastAbandoned(WeightSyncError):
@@ -100,23 +103,29 @@ def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None =
 
 def _until_done(work, timeout_s: float, abandon: Callable[[], str]) -> str:
     """Wait until ``work`` ends or ``timeout_s`` passes (""), or until ``abandon`` gives a
-    reason (returned), asking it between waits of at most :data:`ABANDON_POLL_S`. A wait
-    that times out leaves gloo's collective running (checked on torch 2.13: a later wait
-    sees it end), and returns the moment it ends. No callback on the work's future: one
-    runs Python on gloo's thread, and a collective that failed as the process exited
-    (its peer killed then) took the process down with SIGABRT in a review of real runs.
-    Under NCCL a wait returns once the broadcast is ordered on the current CUDA stream,
-    not when it ended, so a member lost mid-send is not given up there (not run on a GPU)."""
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            work.wait(timedelta(seconds=min(ABANDON_POLL_S, left)))
+    reason (returned), asking it every :data:`ABANDON_POLL_S`.
+
+    It looks at ``work.is_completed()`` (every :data:`DONE_POLL_S` at most), never waits
+    on the work with a short timeout: NCCL takes a wait whose timeout, counted from the
+    work's start, runs out for the collective's failure, and aborts the communicator (read
+    in torch's ``WorkNCCL::wait``; not run on a GPU here). Slices of 50 ms would have failed
+    every NCCL bucket slower than that, and every receive posted before the learner sent.
+    ``is_completed`` only asks (gloo: the work's flag; NCCL: the CUDA event of its end).
+    No callback on the work's future either: one runs Python on gloo's thread, and a
+    collective that failed as the process exited (its peer killed then) took the process
+    down with SIGABRT in a review of real runs."""
+    now = time.monotonic()
+    deadline, ask_at, pause = now + timeout_s, now + ABANDON_POLL_S, 0.0005
+    while not work.is_completed():
+        now = time.monotonic()
+        if now >= deadline:
             return ""
-        except Exception:
-            if work.is_completed():  # its own error: raised again by the caller's wait
-                return ""
-        if why := abandon():
-            return why
+        if now >= ask_at:
+            if why := abandon():
+                return why
+            ask_at = now + ABANDON_POLL_S
+        time.sleep(min(pause, deadline - now))
+        pause = min(2 * pause, DONE_POLL_S)
     return ""
 
 

@@ -141,4 +141,12 @@ ROWS = (
             "tests/test_sync_lost_members.py::test_a_member_lost_between_the_meeting_and_the_connect_does_not_hold_the_others",
         ),
     ),
+    Mutation(
+        "the waits that ask to give up never time a running work",
+        "the waits wait in 50 ms slices (under NCCL each slice fails the collective)",
+        "asyncrl/sync/weights.py",
+        "        time.sleep(min(pause, deadline - now))",
+        "        work.wait(timedelta(seconds=min(ABANDON_POLL_S, deadline - now)))",
+        ("tests/test_sync_waits.py::test_waits_that_ask_to_give_up_never_time_a_running_work",),
+    ),
 )

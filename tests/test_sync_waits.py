@@ -1,0 +1,125 @@
+"""The waits of a weight transfer under a backend whose timed wait ends the collective.
+
+NCCL's ``work.wait(timeout)`` blocks until the work ends and, once the work is older than
+``timeout``, fails it and aborts the communicator (torch's ``WorkNCCL::wait``). A wait
+that asks, between short timed waits, whether to give the broadcast up would fail every
+NCCL bucket slower than one slice, and every receive posted before the learner sent. No
+GPU here: the twin below is a real gloo group on 127.0.0.1 whose works take a timed wait
+as NCCL does, so the waits of :mod:`asyncrl.sync.weights` run against that rule.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from asyncrl.sync.groups import WeightSyncError, form_group, open_store
+from asyncrl.sync.plan import plan_buckets, specs_of
+from asyncrl.sync.weights import receive_weights, send_weights
+from tests.helpers import free_port
+
+TIMEOUT_S = 20.0
+
+
+class _TimedWaitEndsIt:
+    """A gloo work whose timed wait behaves as NCCL's: it blocks until the work ends, and
+    if the work is older than the timeout first, the work fails for good (NCCL aborts
+    the communicator): it counts as completed, and every wait raises."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+        self._born = time.monotonic()
+        self.failed = ""
+
+    def is_completed(self) -> bool:
+        return bool(self.failed) or self._work.is_completed()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if timeout is not None:
+            while not self.is_completed():
+                age = time.monotonic() - self._born
+                if age >= timeout.total_seconds():
+                    self.failed = f"timed out after {age:.2f}s (a timed wait of {timeout})"
+                    break
+                time.sleep(0.001)
+        if self.failed:
+            raise RuntimeError(self.failed)
+        return self._work.wait()
+
+
+class _Twin:
+    """A gloo group whose broadcasts return :class:`_TimedWaitEndsIt` works."""
+
+    def __init__(self, pg) -> None:
+        self._pg = pg
+        self.works: list[_TimedWaitEndsIt] = []
+
+    def broadcast(self, tensors, root: int, timeout: timedelta):
+        work = _TimedWaitEndsIt(self._pg.broadcast(tensors, root, timeout))
+        self.works.append(work)
+        return work
+
+
+def _groups(n: int) -> list:
+    """``n`` members of one gloo group, formed on threads of this process."""
+    port = free_port()
+    stores = [open_store("127.0.0.1", port, is_host=r == 0, timeout_s=10) for r in range(n)]
+    groups: list = [None] * n
+
+    def join(rank: int) -> None:
+        groups[rank] = form_group(stores[rank], "twin", rank, n, timeout_s=10)
+
+    threads = [threading.Thread(target=join, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert all(g is not None for g in groups)
+    return groups
+
+
+@pytest.mark.timeout(60)
+def test_waits_that_ask_to_give_up_never_time_a_running_work() -> None:
+    """The receive is posted 0.3 s before the learner sends (as a server's is: it is told
+    of the push first), and the sender's buckets take a while each; both sides ask
+    ``abandon`` all along. Nothing may fail: a wait that ends a running work's collective
+    has no place in a wait that only asks."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"layer.{i}": torch.randn(256, 1024, generator=g) for i in range(6)}
+    plan = plan_buckets(specs_of(tensors), 1024 * 1024)  # one bucket per tensor
+    sender_pg, receiver_pg = (_Twin(pg) for pg in _groups(2))
+    asked = {"sender": 0, "receiver": 0}
+
+    def ask(side: str):
+        def abandon() -> str:
+            asked[side] += 1
+            return ""
+
+        return abandon
+
+    received: dict[str, torch.Tensor] = {}
+    errors: list[str] = []
+
+    def receive() -> None:
+        try:
+            for name, t in receive_weights(
+                receiver_pg, plan, timeout_s=TIMEOUT_S, abandon=ask("receiver")
+            ):
+                received[name] = t.clone()
+        except WeightSyncError as e:
+            errors.append(str(e))
+
+    receiver = threading.Thread(target=receive)
+    receiver.start()
+    time.sleep(0.3)
+    send_weights(sender_pg, tensors, plan, timeout_s=TIMEOUT_S, abandon=ask("sender"))
+    receiver.join(TIMEOUT_S)
+    assert errors == []
+    assert [w.failed for w in sender_pg.works + receiver_pg.works if w.failed] == []
+    assert set(received) == set(tensors)
+    assert all(torch.equal(received[k], tensors[k]) for k in tensors)
+    assert asked["receiver"] >= 3  # the 0.3 s before the send were spent asking
