@@ -51,6 +51,35 @@ def kill_after(role: str, step: int) -> Action:
     return act
 
 
+CHECKPOINT_SAVED = re.compile(r"checkpoint saved: .* \(policy version (\d+)\)")
+PUSH_DONE = re.compile(r"sync \d+ \(version (\d+)\) done in .*: ok \[([^\]]*)\]")
+
+
+def kill_learner_ahead_of_its_checkpoint(step: int) -> Action:
+    """Kill the learner once its latest step is ``step`` or later and both servers loaded
+    a version above its last checkpoint's (its log says so): the restart's replay then
+    has a push to skip (check_replayed). A kill after the step alone once landed while
+    the first push past the checkpoint still ran: the servers held the checkpoint's
+    version, and nothing was replayed."""
+
+    def act(run: ChaosRun) -> bool:
+        run.every_s = 0.05
+        if run.last_step() < step or run.pid("learner") is None:
+            return False
+        life = learner_lives(run.run)[-1]
+        saved = [int(v) for v in CHECKPOINT_SAVED.findall(life)]
+        loaded = [
+            int(v) for v, ok in PUSH_DONE.findall(life) if "rollout-0" in ok and "rollout-1" in ok
+        ]
+        if not saved or not loaded or max(loaded) <= saved[-1]:
+            return False
+        run.kill("learner")
+        run.every_s = 0.5
+        return True
+
+    return act
+
+
 def overrides(tmp_path: Path, demo_model, data, steps: int = STEPS, *extra: str) -> list[str]:
     return [
         *run_overrides(tmp_path, demo_model, data, steps),
@@ -166,7 +195,10 @@ def test_a_run_survives_kill_9_of_a_role(tmp_path, demo_model, arithmetic_data, 
     step = TARGETS[role]
     steps = STEPS
     chaos = ChaosRun(tmp_path, overrides(tmp_path, demo_model, arithmetic_data, steps))
-    code = chaos.drive([kill_after(role, step)], timeout_s=780)
+    kill = (
+        kill_learner_ahead_of_its_checkpoint(step) if role == "learner" else kill_after(role, step)
+    )
+    code = chaos.drive([kill], timeout_s=780)
     records = check_end(chaos, code, steps)
     acct = final_accounting(records, steps)
     check_lag(acct, records)
@@ -223,7 +255,9 @@ def test_a_run_survives_the_buffer_then_the_learner(tmp_path, demo_model, arithm
     """The buffer dies (a new buffer session), then the learner (checkpoint at 10): the
     batches after the checkpoint come from the new buffer session."""
     chaos = ChaosRun(tmp_path, overrides(tmp_path, demo_model, arithmetic_data))
-    code = chaos.drive([kill_after("buffer", 5), kill_after("learner", 13)], timeout_s=780)
+    code = chaos.drive(
+        [kill_after("buffer", 5), kill_learner_ahead_of_its_checkpoint(13)], timeout_s=780
+    )
     records = check_end(chaos, code)
     acct = final_accounting(records)
     check_lag(acct, records)
