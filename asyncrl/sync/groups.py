@@ -5,7 +5,8 @@ A group is torch's own process-group class (``ProcessGroupGloo`` on CPU,
 ``ProcessGroupNCCL`` on GPU) over a ``PrefixStore`` of the run's ``TCPStore``, beside
 vLLM's and FSDP's own groups (not torch.distributed's default group). Its members meet
 first, bounded by ``timeout_s``, so a member that never comes fails the others at once
-instead of holding them in the first collective; a group that failed is let go with
+instead of holding them in the first collective, and gloo's connect that follows asks,
+as it waits, whether the group was given up; a group that failed is let go with
 :func:`release_group`. What moves through a group is :mod:`asyncrl.sync.weights`. No vLLM
 import here; torch is imported lazily.
 """
@@ -94,8 +95,9 @@ def form_group(
 
     Every generation gets its own key space (a ``PrefixStore``), so a re-formed group never
     sees the keys of a broken one. ``backend`` is ``gloo`` (CPU tensors) or ``nccl``.
-    ``abandon`` (the learner's): asked while members are missing; a reason it returns gives
-    the group up for every member (see :func:`_wait_for_members`).
+    ``abandon`` (the learner's): asked while members are missing, then while gloo connects
+    them; a reason it returns gives the group up for every member (see
+    :func:`_wait_for_members` and :func:`_connect`).
     """
     from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
