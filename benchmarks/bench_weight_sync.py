@@ -7,7 +7,8 @@ dtype-grouped buckets, one broadcast per bucket) for each bucket size of a sweep
 baseline is one broadcast of one pre-allocated flat buffer of the same total size, with no
 packing. Both end with a barrier, so each time covers delivery to every receiver.
 Receivers iterate over the received tensors without copying them (loading them into a
-model is the engine's cost, not the transport's).
+model is the engine's cost, not the transport's). Both ends' waits ask whether to give the
+push up, as a run's do (the sender its round's watch, a receiver the sync store).
 
 Per bucket size, one untimed push of each side first (the sender's reused pack buffers are
 allocated then, as in a run's first push), then the two sides interleaved for an odd number
@@ -78,11 +79,12 @@ def _receiver(conn, port: int, rank: int, world: int) -> None:
     receives one broadcast each and answers ``"done"``; ``None`` ends it."""
     import torch
 
-    from asyncrl.sync.groups import form_group, open_store
+    from asyncrl.sync.groups import form_group, given_up, open_store
     from asyncrl.sync.weights import receive_weights
 
     store = open_store("127.0.0.1", port, is_host=False, timeout_s=TIMEOUT_S)
     pg = form_group(store, "bench", rank, world, timeout_s=TIMEOUT_S)
+    asks = given_up(store, "bench")  # as a server's worker asks, every 50 ms of a wait
     conn.send("ready")
     # The baseline's buffer, kept between repetitions: a fresh one in each was allocated and
     # page-faulted inside the timed window (about 36 ms of ~97 MB on a busy machine), and
@@ -91,7 +93,7 @@ def _receiver(conn, port: int, rank: int, world: int) -> None:
     while (cmd := conn.recv()) is not None:
         kind, arg = cmd
         if kind == "plan":
-            for _name, _tensor in receive_weights(pg, arg, timeout_s=TIMEOUT_S):
+            for _name, _tensor in receive_weights(pg, arg, timeout_s=TIMEOUT_S, abandon=asks):
                 pass
         else:
             if arg not in flats:
@@ -160,7 +162,8 @@ def run(
 
         def real_gb_s(plan=plan) -> float:
             def send() -> None:
-                send_weights(pg, tensors, plan, timeout_s=TIMEOUT_S)
+                # as the learner's pusher asks (its round's watch: here never)
+                send_weights(pg, tensors, plan, timeout_s=TIMEOUT_S, abandon=lambda: "")
 
             return nbytes / _timed(pg, conns, ("plan", plan), send) / 1e9
 

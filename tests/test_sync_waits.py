@@ -5,7 +5,8 @@ NCCL's ``work.wait(timeout)`` blocks until the work ends and, once the work is o
 that asks, between short timed waits, whether to give the broadcast up would fail every
 NCCL bucket slower than one slice, and every receive posted before the learner sent. No
 GPU here: the twin below is a real gloo group on 127.0.0.1 whose works take a timed wait
-as NCCL does, so the waits of :mod:`asyncrl.sync.weights` run against that rule.
+as NCCL does, so the waits of :mod:`asyncrl.sync.weights` run against that rule (they wait
+in timed slices only on a gloo group itself, whose timed wait leaves the collective be).
 """
 
 from __future__ import annotations

@@ -69,8 +69,9 @@ def on_device(tensor_device: Any, device: str) -> bool:
 #: How often a wait for a bucket asks whether to give the broadcast up, seconds (a
 #: member's question is a round trip to the sync store).
 ABANDON_POLL_S = 0.05
-#: The longest a wait for a bucket goes without looking whether it ended, seconds.
-DONE_POLL_S = 0.005
+#: The longest a wait for a bucket goes without looking whether it ended, seconds (where
+#: it only looks: :func:`takes_timed_waits`).
+DONE_POLL_S = 0.001
 
 
 class BroadcastAbandoned(WeightSyncError):
@@ -79,14 +80,20 @@ class BroadcastAbandoned(WeightSyncError):
     until its timeout."""
 
 
-def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None = None) -> None:
+def _wait(
+    work,
+    timeout_s: float,
+    what: str,
+    abandon: Callable[[], str] | None = None,
+    timed_waits: bool = False,
+) -> None:
     """Wait for ``work`` up to ``timeout_s``. ``abandon`` is asked while it runs: a reason
     it returns ends the wait at once with :class:`BroadcastAbandoned`. The sender's asks
     whether the coordinator lost a member still receiving (one that stopped reading holds
     the sender here until the timeout); a member's, whether the sender gave up (its next
-    bucket would never come)."""
+    bucket would never come). ``timed_waits``: :func:`takes_timed_waits` of its group."""
     start = time.monotonic()
-    if abandon is not None and (why := _until_done(work, timeout_s, abandon)):
+    if abandon is not None and (why := _until_done(work, timeout_s, abandon, timed_waits)):
         raise BroadcastAbandoned(
             f"{what} given up after {time.monotonic() - start:.1f}s: {why}; the group is "
             "held aside until its collective times out, and the next round forms a new "
@@ -101,32 +108,49 @@ def _wait(work, timeout_s: float, what: str, abandon: Callable[[], str] | None =
         ) from e
 
 
-def _until_done(work, timeout_s: float, abandon: Callable[[], str]) -> str:
-    """Wait until ``work`` ends or ``timeout_s`` passes (""), or until ``abandon`` gives a
-    reason (returned), asking it every :data:`ABANDON_POLL_S`.
+def takes_timed_waits(pg) -> bool:
+    """Whether a wait on ``pg``'s work that times out leaves its collective running:
+    gloo's does (checked on torch 2.13: a later wait sees it end). NCCL's does not: it
+    fails a work older than the wait's timeout, counted from the work's start, and aborts
+    the communicator (read in torch's ``WorkNCCL::wait``; not run on a GPU here). Any
+    group but gloo's is only looked at."""
+    from torch.distributed import ProcessGroupGloo
 
-    It looks at ``work.is_completed()`` (every :data:`DONE_POLL_S` at most), never waits
-    on the work with a short timeout: NCCL takes a wait whose timeout, counted from the
-    work's start, runs out for the collective's failure, and aborts the communicator (read
-    in torch's ``WorkNCCL::wait``; not run on a GPU here). Slices of 50 ms would have failed
-    every NCCL bucket slower than that, and every receive posted before the learner sent.
-    ``is_completed`` only asks (gloo: the work's flag; NCCL: the CUDA event of its end).
-    No callback on the work's future either: one runs Python on gloo's thread, and a
-    collective that failed as the process exited (its peer killed then) took the process
-    down with SIGABRT in a review of real runs."""
-    now = time.monotonic()
-    deadline, ask_at, pause = now + timeout_s, now + ABANDON_POLL_S, 0.0005
-    while not work.is_completed():
-        now = time.monotonic()
-        if now >= deadline:
+    return isinstance(pg, ProcessGroupGloo)
+
+
+def _until_done(work, timeout_s: float, abandon: Callable[[], str], timed_waits: bool) -> str:
+    """Wait until ``work`` ends or ``timeout_s`` passes (""), or until ``abandon`` gives a
+    reason (returned), asking it every :data:`ABANDON_POLL_S`. No callback on the work's
+    future: one runs Python on gloo's thread, and a collective that failed as the process
+    exited (its peer killed then) took the process down with SIGABRT in a review of real
+    runs."""
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        if _ended_within(work, min(ABANDON_POLL_S, left), timed_waits):
             return ""
-        if now >= ask_at:
-            if why := abandon():
-                return why
-            ask_at = now + ABANDON_POLL_S
-        time.sleep(min(pause, deadline - now))
-        pause = min(2 * pause, DONE_POLL_S)
+        if why := abandon():
+            return why
     return ""
+
+
+def _ended_within(work, seconds: float, timed_waits: bool) -> bool:
+    """Whether ``work`` ended (its own error included) within ``seconds``: a timed wait
+    (it returns the moment the work ends), or looks at ``work.is_completed()`` (gloo's
+    flag, the CUDA event of NCCL's end) every :data:`DONE_POLL_S` at most."""
+    if timed_waits:
+        try:
+            work.wait(timedelta(seconds=seconds))
+            return True
+        except Exception:
+            return work.is_completed()
+    end, pause = time.monotonic() + seconds, 0.0001
+    while not work.is_completed():
+        if (left := end - time.monotonic()) <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, DONE_POLL_S)
+    return True
 
 
 class _SendBuffers:
@@ -190,17 +214,18 @@ def send_weights(
     shared = _SEND_BUFFERS.lock.acquire(blocking=False)
     buffers = _SEND_BUFFERS if shared else _SendBuffers()
     in_flight = None  # (work, bucket index, flat buffer kept alive until done)
+    timed_waits = takes_timed_waits(pg)
     try:
         for i, bucket in enumerate(plan.buckets):
             flat = _pack(bucket, tensors, buffers, i % 2, device)
             if in_flight is not None:
-                _wait(
-                    in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}", abandon
-                )
+                what = f"weight broadcast of bucket {in_flight[1]}"
+                _wait(in_flight[0], timeout_s, what, abandon, timed_waits)
             in_flight = (_broadcast(pg, flat, timeout, f"weight broadcast of bucket {i}"), i, flat)
             sent += bucket.nbytes
         if in_flight is not None:
-            _wait(in_flight[0], timeout_s, f"weight broadcast of bucket {in_flight[1]}", abandon)
+            what = f"weight broadcast of bucket {in_flight[1]}"
+            _wait(in_flight[0], timeout_s, what, abandon, timed_waits)
     except BaseException:
         buffers.clear()  # a failed broadcast may still be reading its buffer: never reuse it
         raise
@@ -281,10 +306,11 @@ def receive_weights(
 
     if not buckets:
         return
+    timed_waits = takes_timed_waits(pg)
     pending = post(0)
     for i, bucket in enumerate(buckets):
         work, flat = pending
-        _wait(work, timeout_s, f"weight receive of bucket {i}", abandon)
+        _wait(work, timeout_s, f"weight receive of bucket {i}", abandon, timed_waits)
         if on_bucket is not None:
             on_bucket(i + 1)
         if i + 1 < len(buckets):

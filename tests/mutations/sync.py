@@ -142,11 +142,19 @@ ROWS = (
         ),
     ),
     Mutation(
-        "the waits that ask to give up never time a running work",
-        "the waits wait in 50 ms slices (under NCCL each slice fails the collective)",
+        "the waits that ask to give up never time a running work outside gloo",
+        "every backend's waits wait in 50 ms slices (under NCCL each slice fails the collective)",
         "asyncrl/sync/weights.py",
-        "        time.sleep(min(pause, deadline - now))",
-        "        work.wait(timedelta(seconds=min(ABANDON_POLL_S, deadline - now)))",
+        "    return isinstance(pg, ProcessGroupGloo)",
+        "    return True",
+        ("tests/test_sync_waits.py::test_waits_that_ask_to_give_up_never_time_a_running_work",),
+    ),
+    Mutation(
+        "a wait that only looks at its work never times it",
+        "the looking wait sleeps in a timed wait on the work",
+        "asyncrl/sync/weights.py",
+        "        time.sleep(min(pause, left))",
+        "        work.wait(timedelta(seconds=left))",
         ("tests/test_sync_waits.py::test_waits_that_ask_to_give_up_never_time_a_running_work",),
     ),
 )
