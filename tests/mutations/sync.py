@@ -95,8 +95,8 @@ ROWS = (
         "a member's receive asks whether the send was given up",
         "the receive's waits never ask",
         "asyncrl/sync/weights.py",
-        '        _wait(work, timeout_s, f"weight receive of bucket {i}", abandon)',
-        '        _wait(work, timeout_s, f"weight receive of bucket {i}")',
+        '        _wait(work, timeout_s, f"weight receive of bucket {i}", abandon, timed_waits)',
+        '        _wait(work, timeout_s, f"weight receive of bucket {i}", None, timed_waits)',
         (
             "tests/test_sync_lost_mid_send.py::test_a_member_still_receiving_when_the_send_is_given_up_is_told_and_caught_up",
         ),
