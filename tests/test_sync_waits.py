@@ -1,4 +1,10 @@
-"""The waits of a weight transfer under a backend whose timed wait ends the collective.
+"""The waits of a weight sync against its backends' rules: a process that exits while a
+thread waits in gloo's connect, and a backend whose timed wait ends the collective.
+
+Gloo's constructor waits through a Python store (:mod:`asyncrl.sync.asking_store`), so a
+daemon thread still there when the interpreter finalizes took the GIL back in it and
+crashed the process (SIGSEGV); the exit now lets those threads out first.
+
 
 NCCL's ``work.wait(timeout)`` blocks until the work ends and, once the work is older than
 ``timeout``, fails it and aborts the communicator (torch's ``WorkNCCL::wait``). A wait
@@ -11,9 +17,12 @@ in timed slices only on a gloo group itself, whose timed wait leaves the collect
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +31,8 @@ from asyncrl.sync.groups import WeightSyncError, form_group, open_store
 from asyncrl.sync.plan import plan_buckets, specs_of
 from asyncrl.sync.weights import receive_weights, send_weights
 from tests.helpers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TIMEOUT_S = 20.0
 
@@ -124,3 +135,44 @@ def test_waits_that_ask_to_give_up_never_time_a_running_work() -> None:
     assert set(received) == set(tensors)
     assert all(torch.equal(received[k], tensors[k]) for k in tensors)
     assert asked["receiver"] >= 3  # the 0.3 s before the send were spent asking
+
+
+# Ranks 0 and 1 of 3 connect on daemon threads; rank 2 met them and never connects (its
+# address never comes); the main thread exits while they wait.
+_EXIT_WHILE_CONNECTING = """
+import threading, time
+from asyncrl.sync.groups import WeightSyncError, form_group, open_store
+from torch.distributed import PrefixStore
+from tests.helpers import free_port
+
+port = free_port()
+host = open_store("127.0.0.1", port, is_host=True, timeout_s=30)
+member = open_store("127.0.0.1", port, is_host=False, timeout_s=30)
+PrefixStore("wsync/g", host).set("joined/2", b"1")
+
+def join(rank, store):
+    try:
+        form_group(store, "g", rank, 3, timeout_s=30, abandon=(lambda: "") if rank == 0 else None)
+    except WeightSyncError as e:
+        print(e, flush=True)
+
+for rank, store in ((0, host), (1, member)):
+    threading.Thread(target=join, args=(rank, store), daemon=True).start()
+time.sleep(1.5)
+print("main exits", flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_process_exits_cleanly_while_threads_wait_in_gloos_connect() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _EXIT_WHILE_CONNECTING],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert proc.returncode == 0, (proc.returncode, proc.stdout, proc.stderr[-3000:])
+    assert "main exits" in proc.stdout
+    assert proc.stdout.count("given up while its members connected") == 2, proc.stdout
+    assert proc.stdout.count("the process is exiting") == 2, proc.stdout

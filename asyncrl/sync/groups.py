@@ -156,18 +156,16 @@ def _connect(
             _tell_given_up(prefixed, generation, why)
         return why
 
-    store = prefixed
-    if backend == "gloo":
-        from asyncrl.sync.asking_store import AskingStore
+    from asyncrl.sync.asking_store import AskingStore, inside_constructor
 
-        store = AskingStore(prefixed, stop, timeout_s)
+    store = AskingStore(prefixed, stop, timeout_s) if backend == "gloo" else None
     try:
-        return _build(store, rank, world_size, backend, timeout_s)
+        with inside_constructor():
+            return _build(store or prefixed, rank, world_size, backend, timeout_s)
     except ValueError:
         raise
     except Exception as e:
-        why = getattr(store, "why", "")
-        if why:
+        if store is not None and (why := store.why):
             raise WeightSyncError(
                 f"sync group {generation} given up while its members connected "
                 f"(rank {rank}/{world_size}): {why}"

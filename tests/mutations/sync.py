@@ -157,4 +157,14 @@ ROWS = (
         "        work.wait(timedelta(seconds=left))",
         ("tests/test_sync_waits.py::test_waits_that_ask_to_give_up_never_time_a_running_work",),
     ),
+    Mutation(
+        "the exit lets threads out of gloo's connect first",
+        "a daemon thread left in gloo's connect at exit takes the GIL back there (SIGSEGV)",
+        "asyncrl/sync/asking_store.py",
+        "atexit.register(_let_constructors_out)",
+        "pass",
+        (
+            "tests/test_sync_waits.py::test_a_process_exits_cleanly_while_threads_wait_in_gloos_connect",
+        ),
+    ),
 )
