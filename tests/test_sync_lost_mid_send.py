@@ -156,7 +156,7 @@ def test_a_member_still_receiving_when_the_send_is_given_up_is_told_and_caught_u
         wait_until(lambda: a.log == [("failed", 1, 1)], "a's receive given up", timeout_s)
         assert time.monotonic() - began < timeout_s / 2, "a waited out its timeout"
         assert "weight receive of bucket 1 given up" in a.errors[0], a.errors
-        assert "the learner gave the send up (f was lost" in a.errors[0], a.errors
+        assert "the learner gave the sync up (f was lost" in a.errors[0], a.errors
         coord = learner.coordinator
         wait_until(lambda: coord.pending_catchups() == ["a"], "a is due a catch-up")
         (caught,) = learner.serve_catchups()

@@ -116,8 +116,8 @@ def form_group(
 
 
 def _build(store, rank: int, world_size: int, backend: str, timeout_s: float):
-    """Torch's process group of ``backend`` over ``store``: gloo connects every pair of
-    members here, NCCL at its first collective."""
+    """Torch's process group of ``backend`` over ``store``: gloo's waits here for every
+    member's address in the store, NCCL's connects at its first collective."""
     timeout = timedelta(seconds=timeout_s)
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
@@ -280,7 +280,7 @@ def _sent_up(prefixed) -> str:
     try:
         if not prefixed.check([_GIVEN_UP]):
             return ""
-        return f"the learner gave the send up ({prefixed.get(_GIVEN_UP).decode()})"
+        return f"the learner gave the sync up ({prefixed.get(_GIVEN_UP).decode()})"
     except Exception:
         return ""
 

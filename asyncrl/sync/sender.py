@@ -187,7 +187,10 @@ class WeightPusher:
             return None
         if rnd.watch.form():
             return group
-        # Lost as the group formed: the members in it (or, kept, in its receive) are let go.
+        # Lost as the group formed: the members in it (or, kept, in its receive) are told
+        # through the store, and let go.
+        prefix = store_prefix(self.coordinator.sync_secret, rnd.generation)
+        give_up_send(self.store, prefix, rnd.watch.ended())
         if rnd.catchup:
             release_group(group)
             raise WeightSyncError(f"catch-up {rnd.sync_id} given up: {rnd.watch.ended()}")
