@@ -398,19 +398,11 @@ def _push(tensors: dict[str, Any], model: Path, receiver_device: str, backend: s
     proc.start()
     try:
         group = form_group(store, store_prefix("", "gpu-check"), 0, 2, backend=backend)
-        # The receiver's first receive is posted by now; a server's is older than the
-        # waits' 50 ms slices too (it is told of the push first). The waits then ask
-        # whether to give up, as every push's do (here: never).
-        time.sleep(0.5)
-        # As WeightPusher calls it (packing where the backend can broadcast from).
-        stats = send_weights(
-            group,
-            tensors,
-            plan,
-            timeout_s=120,
-            device=pack_device(backend),
-            abandon=lambda: "",
-        )
+        time.sleep(0.5)  # the receive posted first, as a server's is (told of the push)
+        # As WeightPusher calls it: packing where the backend broadcasts from, asking
+        # whether to give up (here: never).
+        device = pack_device(backend)
+        stats = send_weights(group, tensors, plan, timeout_s=120, device=device, abandon=lambda: "")
         proc.join(180)
     finally:
         if proc.is_alive():

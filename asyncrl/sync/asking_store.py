@@ -69,7 +69,8 @@ class StoreWaitStopped(RuntimeError):
 class AskingStore(Store):
     """``inner`` with waits that look at it in slices and ask ``stop`` between them; a
     reason ends the wait with :class:`StoreWaitStopped`, the timeout with a
-    ``TimeoutError``. Every other operation is ``inner``'s."""
+    ``TimeoutError``. Only what gloo's constructor calls (``set``, ``get``, ``wait``, logged
+    on torch 2.13: a Python store offers gloo no extended operations) is written."""
 
     def __init__(self, inner: Store, stop: Callable[[], str], timeout_s: float) -> None:
         super().__init__()
@@ -100,15 +101,3 @@ class AskingStore(Store):
     def set(self, key: str, value: str | bytes) -> None:
         # gloo hands bytes (its addresses); torch's stub says str, and both are taken
         self._inner.set(key, value)  # pyright: ignore[reportArgumentType]
-
-    def check(self, keys: list[str]) -> bool:
-        return self._inner.check(keys)
-
-    def add(self, key: str, amount: int) -> int:
-        return self._inner.add(key, amount)
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._inner.compare_set(key, expected, desired)
-
-    def delete_key(self, key: str) -> bool:
-        return self._inner.delete_key(key)

@@ -156,12 +156,15 @@ def _connect(
             _tell_given_up(prefixed, generation, why)
         return why
 
-    from asyncrl.sync.asking_store import AskingStore, inside_constructor
-
-    store = AskingStore(prefixed, stop, timeout_s) if backend == "gloo" else None
+    store = None
     try:
+        if backend != "gloo":
+            return _build(prefixed, rank, world_size, backend, timeout_s)
+        from asyncrl.sync.asking_store import AskingStore, inside_constructor
+
+        store = AskingStore(prefixed, stop, timeout_s)
         with inside_constructor():
-            return _build(store or prefixed, rank, world_size, backend, timeout_s)
+            return _build(store, rank, world_size, backend, timeout_s)
     except ValueError:
         raise
     except Exception as e:

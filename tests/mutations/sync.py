@@ -135,8 +135,8 @@ ROWS = (
         "gloo's connect waits in a store that asks whether to stop",
         "gloo's constructor gets the plain store: its waits ask nothing",
         "asyncrl/sync/groups.py",
-        "        store = AskingStore(prefixed, stop, timeout_s)",
-        "        pass",
+        "            return _build(store, rank, world_size, backend, timeout_s)",
+        "            return _build(prefixed, rank, world_size, backend, timeout_s)",
         (
             "tests/test_sync_lost_members.py::test_a_member_lost_between_the_meeting_and_the_connect_does_not_hold_the_others",
         ),
