@@ -14,8 +14,8 @@ Per cell (mean and 95% t-interval over seeds): the final held-out score and its 
 from lag 0 paired by seed, samples and seconds to ``--threshold``, trained samples/s, lag
 drops, mean importance-weight ESS and mismatch KL, and the mean admission lag. The cell
 ``adaptive_tis`` runs ``staleness.controller=adaptive`` between lag 0 and the largest lag.
-``--quick``: one seed, lags 0 and 4 with the correction on, 20 steps (``make test`` runs
-it). Results in ``results/staleness_study/``: JSON, a plot (score against samples and
+``--quick``: one seed, lags 0 and 4 with the correction on, 20 steps (``make bench-check``
+runs it). Results in ``results/staleness_study/``: JSON, a plot (score against samples and
 against seconds, one line per cell) and ``table.md`` (the README's table); each run's
 directory under ``runs/bench/``. The last line is lag 4 (tis) against lag 0 in final score.
 """

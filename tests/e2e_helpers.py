@@ -67,11 +67,13 @@ def trained_steps(records: list[dict]) -> list[dict]:
 def rollout_wait_fraction(records: list[dict], skip: int = 1) -> float:
     """Share of the servers' time spent idle waiting for tasks or paused for a sync, between
     the end of step ``skip`` and the last step (from their cumulative totals; the engines'
-    start-up is outside the window)."""
+    start-up is outside the window). The servers' own uptime is the denominator: it is
+    taken in the same heartbeat as their waits, where a record's time is not (a record may
+    repeat an older heartbeat's totals, and a late heartbeat would count as busy time)."""
     steps = trained_steps(records)
     a, b = steps[skip - 1], steps[-1]
     waited = sum(b[k] - a[k] for k in ("rollout/task_wait_s", "rollout/sync_pause_s"))
-    return waited / (b["rollout/servers_reporting"] * (b["time"] - a["time"]))
+    return waited / (b["rollout/uptime_s"] - a["rollout/uptime_s"])
 
 
 def validation(records: list[dict]) -> list[tuple[int, float, float]]:

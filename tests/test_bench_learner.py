@@ -8,7 +8,11 @@ import re
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
+@pytest.mark.bench
 def test_quick_mode_prints_the_ratio_and_writes_results(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/bench_learner.py", "--quick", "--out", str(tmp_path)],

@@ -17,6 +17,7 @@ from benchmarks.vs_trl import Shape, end_to_end, summarise
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_quick_mode_runs_both_sides_of_both_shapes(tmp_path):
     proc = subprocess.run(
         [sys.executable, "benchmarks/vs_trl.py", "--quick", "--out", str(tmp_path)],

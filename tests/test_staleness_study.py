@@ -100,6 +100,7 @@ def test_paired_difference_matches_seeds_and_the_table_shows_it():
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 def test_quick_study_learns_at_both_lags_and_writes_its_table(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
