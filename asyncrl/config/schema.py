@@ -224,7 +224,11 @@ class TrainerConfig(Section):
         description="Keep the newest N checkpoints (each holds the critic too), deleting "
         "older ones after each save; null (or <= 0, as in veRL): keep all.",
     )
-    test_freq: int = Field(default=10, description="Validate every N learner steps (-1: never).")
+    test_freq: int = Field(
+        default=10,
+        description="Validate every N learner steps (-1: not during training). With validation on "
+        "(this > 0 or val_before_train) the final policy is validated as the run ends.",
+    )
     val_before_train: bool = Field(default=True, description="Validate before the first step.")
     logger: list[Literal["console", "jsonl", "wandb"]] = Field(
         default_factory=lambda: ["console", "jsonl"],

@@ -759,14 +759,18 @@ VERL_KEYS: dict[str, VerlKey] = {
     **_implemented(
         "trainer.",
         "total_epochs total_training_steps project_name experiment_name logger save_freq "
-        "resume_mode resume_from_path val_before_train test_freq critic_warmup "
-        "default_local_dir device",
+        "resume_mode resume_from_path val_before_train critic_warmup default_local_dir device",
         {
             "resume_mode": "disable",
             "resume_from_path": "checkpoints/step_1",
             "val_before_train": False,
             "critic_warmup": 2,
         },
+    ),
+    "trainer.test_freq": _impl(
+        "one more round here: a run with validation on (val_before_train or test_freq > 0) "
+        "also validates its final policy when it ends; veRL's last-step round needs "
+        "test_freq > 0. Set val_before_train=false test_freq=-1 for no validation at all",
     ),
     "trainer.logger": _impl(example=["console"]),
     "trainer.device": _impl(example="cuda"),
