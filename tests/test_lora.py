@@ -180,6 +180,7 @@ def test_an_adapter_on_some_layers_of_a_name_is_exported_with_their_whole_names(
     assert json.loads((out / "adapter_config.json").read_text())["target_modules"] == ["q_proj"]
 
 
+@pytest.mark.slow
 def test_vllm_serves_the_exported_adapter_as_the_merged_model(tiny_model, single_rank, tmp_path):
     """The adapter written in peft's format loads in vLLM's CPU build (0.32) through
     ``LoRARequest``, and its logprobs equal those of the merged weights in transformers."""
