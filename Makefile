@@ -35,8 +35,8 @@ test: $(STAMP)
 	$(BIN)/pyright
 	$(BIN)/python -m pytest -v -rs --durations=40 -m "not bench"
 
-# The benchmarks' quick modes, end to end (about 10 minutes; kept out of make test to hold
-# it near 40 minutes on two cores).
+# The benchmarks' quick modes, end to end (about 10 minutes on two cores; kept out of make
+# test to shorten it).
 bench-check: $(STAMP)
 	$(BIN)/python -m pytest -v -rs -m bench
 
