@@ -147,7 +147,8 @@ def shape_overlong(
 ) -> list[ScoreResult]:
     """Each member's score plus DAPO's soft overlong penalty for its ``lengths[i]``
     generated tokens (``reward.overlong_buffer``); the penalty is kept as the part
-    ``overlong_penalty`` so the unshaped score stays known. Unchanged when it is off."""
+    ``overlong_penalty``, and the scorer's score as ``unshaped`` (what the group filter's
+    ``score`` and ``acc`` compare). Unchanged when it is off."""
     from asyncrl.rewards import ScoreResult
     from asyncrl.rewards.shaping import OVERLONG_PART, overlong_penalty
 
@@ -157,19 +158,20 @@ def shape_overlong(
     for score, n in zip(scores, lengths, strict=True):
         penalty = overlong_penalty(n, max_len, cfg.len, cfg.penalty_factor)
         parts = {**score.parts, OVERLONG_PART: penalty}
-        out.append(ScoreResult(score=score.score + penalty, parts=parts, error=score.error))
+        shaped = score.score + penalty
+        out.append(ScoreResult(shaped, parts, score.error, unshaped=score.score))
     return out
 
 
 def filtered_out(task: Task, scores: list[ScoreResult], metric: str) -> bool:
     """Whether the group filter drops this group: its task was dealt with the filter on
     and every member's ``metric`` (``algorithm.filter_groups.metric``) is the same."""
-    from asyncrl.rewards.shaping import OVERLONG_PART, has_signal, metric_value
+    from asyncrl.rewards.shaping import has_signal, metric_value
 
     if not task.filter or task.validation:
         return False
     values = [
-        metric_value(metric, s.score - s.parts.get(OVERLONG_PART, 0.0), s.score, s.parts)
+        metric_value(metric, s.score if s.unshaped is None else s.unshaped, s.score, s.parts)
         for s in scores
     ]
     return not has_signal(values)

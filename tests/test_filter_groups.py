@@ -62,11 +62,12 @@ def test_overlong_penalty_at_the_limit_and_before_the_buffer():
     assert overlong_penalty(20, 20, 0, 1.0) == 0.0  # len 0: off
 
 
-def test_shaping_keeps_the_unshaped_score_as_a_part():
+def test_shaping_keeps_the_penalty_as_a_part_and_the_unshaped_score():
     cfg = OverlongBufferConfig(enable=True, len=4, penalty_factor=1.0)
     shaped = shape_overlong([ScoreResult(1.0), ScoreResult(0.0, {"acc": 0.0})], [20, 10], 20, cfg)
     assert [s.score for s in shaped] == [0.0, 0.0]
     assert shaped[0].parts["overlong_penalty"] == -1.0 and shaped[1].parts["acc"] == 0.0
+    assert [s.unshaped for s in shaped] == [1.0, 0.0]
     off = OverlongBufferConfig(enable=False, len=4, penalty_factor=1.0)
     assert shape_overlong([ScoreResult(1.0)], [20], 20, off)[0].score == 1.0
 
@@ -93,6 +94,20 @@ def test_the_filter_compares_the_chosen_metric():
     assert not filtered_out(task, scores, "acc")  # dealt without the filter
     val = m.Task(**{**_fields(task), "filter": True, "validation": True, "task_id": "val/0/0"})
     assert not filtered_out(val, scores, "acc")
+
+
+def test_a_group_all_wrong_with_one_penalised_member_is_filtered():
+    """Every member scored -1.0 and one ran into the overlong buffer (len 1000 of 8192):
+    the scores are alike and the group is dropped. Read back as the shaped score minus the
+    penalty, that member's score was -0.9999999999999999, and the group was kept."""
+    task = m.Task(task_id="train/0/0", data_source="a", prompt=[], ground_truth="1", n=4)
+    on = m.Task(**{**_fields(task), "filter": True})
+    cfg = OverlongBufferConfig(enable=True, len=1000, penalty_factor=1.0)
+    raw = [ScoreResult(-1.0) for _ in range(4)]
+    scores = shape_overlong(raw, [100, 200, 7193, 300], 8192, cfg)
+    assert scores[2].score - scores[2].parts["overlong_penalty"] != -1.0  # the round trip
+    assert filtered_out(on, scores, "acc") and filtered_out(on, scores, "score")
+    assert not filtered_out(on, scores, "seq_reward")  # the shaped rewards do differ
 
 
 def _fields(task: m.Task) -> dict:

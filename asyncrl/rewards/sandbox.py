@@ -68,11 +68,15 @@ class ScoreResult:
         score: The reward (0.0 when ``error`` is set).
         parts: Extra numeric entries of a dict-returning scorer.
         error: None, or one of :data:`ERROR_KINDS`.
+        unshaped: The scorer's own score when the server shaped ``score`` (DAPO's overlong
+            penalty added), else None. Kept as given: the shaped score minus the penalty
+            is not always it again in floating point (-1.0 - 0.001 + 0.001 is not -1.0).
     """
 
     score: float
     parts: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    unshaped: float | None = None
 
 
 class ScoreJob(NamedTuple):

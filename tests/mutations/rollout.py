@@ -47,6 +47,14 @@ ROWS = (
         ("tests/test_filter_groups.py",),
     ),
     Mutation(
+        "the filter compares the scorer's own scores",
+        "the unshaped score is read back as the shaped one minus the overlong penalty",
+        "rollout_servers/groups.py",
+        "metric_value(metric, s.score if s.unshaped is None else s.unshaped, s.score, s.parts)",
+        'metric_value(metric, s.score - s.parts.get("overlong_penalty", 0.0), s.score, s.parts)',
+        ("tests/test_filter_groups.py",),
+    ),
+    Mutation(
         "held endpoint requests keep max_groups",
         "slot requests in flight do not count against max_groups",
         "rollout_servers/slot_wait.py",
