@@ -4,7 +4,8 @@ A launcher restarts a learner with ``trainer.resume_mode=auto``, so what ``auto`
 must be this run's: a start that does not resume from the run directory's checkpoints
 (``disable``, or ``resume_path`` elsewhere) moves them aside first, and ``auto`` with none
 of this run's yet falls back to ``resume_from_path`` (the first start's weights, not the
-base model's). A ``resume_path`` to an earlier step of this run (a rewind) moves the steps
+base model's; a restart of a start under ``disable``, which loaded nothing, clears it:
+:func:`asyncrl.launch.roles.learner_restart_args`). A ``resume_path`` to an earlier step of this run (a rewind) moves the steps
 after it aside, out of ``auto``'s reach. A resume whose config moves the learning-rate
 schedule (a raised ``trainer.total_training_steps`` under a decay) says how, in one line.
 """

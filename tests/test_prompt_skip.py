@@ -201,6 +201,22 @@ def test_a_task_taken_back_after_a_restart_still_gives_its_row_a_verdict():
     assert row not in second.st.group_filter.skip.streak  # type: ignore[union-attr]
 
 
+def test_a_group_trained_before_its_servers_ack_ends_its_rows_streak():
+    """Found by a review: the learner trained a judged group before its server's ack came
+    (the ack then unknown). The group was pushed, so it carried a signal; its row kept its
+    streak and went on being passed over."""
+    run = _run(skip=True)
+    task = run.st.grant("s", 1, 0.0).tasks[0]
+    row = run.st.ledger.source.row_of(task.task_id)
+    assert task.filter and row is not None
+    run.st.group_filter.skip.streak[row] = 3  # type: ignore[union-attr]
+    run.buf.add_packed(_group(task, run.st.version), 0.0)  # pushed; its ack not yet in
+    run.st.trained([task.task_id])
+    assert row not in run.st.group_filter.skip.streak  # type: ignore[union-attr]
+    assert run.st.ack("s", [task.task_id], 1.0).unknown == [task.task_id]
+    assert row not in run.st.group_filter.skip.streak  # type: ignore[union-attr]
+
+
 def test_the_config_switches_it_on_with_the_filter_only():
     on = [
         "algorithm.filter_groups.enable=true",

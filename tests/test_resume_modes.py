@@ -98,6 +98,32 @@ def test_auto_before_the_first_checkpoint_resumes_where_the_first_start_did(tmp_
     assert trainer.loaded == [given]
 
 
+def _restarted(first: list[str]) -> list[str]:
+    """The overrides of a learner the launcher restarts after a start under ``first``."""
+    from asyncrl.launch.roles import learner_restart_args
+
+    return [*first, *learner_restart_args(load_config(None, first))]
+
+
+def test_a_restart_before_the_first_checkpoint_loads_what_the_first_start_did(tmp_path):
+    """Found by a review: a start under ``disable`` with a ``resume_from_path`` left in
+    its config (veRL reads it only under ``resume_path``) trained from the base model, and
+    its restart, under ``auto`` and before any checkpoint (``save_freq=-1`` never writes
+    one), loaded that other checkpoint: another run's weights, step and data cursor,
+    logged on as this run's."""
+    run, given = tmp_path / "run", _checkpoint(tmp_path / "elsewhere", 7)
+    first = ["trainer.resume_mode=disable", f"trainer.resume_from_path={given}"]
+    trainer, _ = _restore(run, *first)
+    assert trainer.loaded == []
+    trainer, restored = _restore(run, *_restarted(first))
+    assert trainer.loaded == [] and restored.path is None  # type: ignore[attr-defined]
+    # Under resume_path (and auto, which found it) the restart loads the given one again.
+    for mode in ("resume_path", "auto"):
+        first = [f"trainer.resume_mode={mode}", f"trainer.resume_from_path={given}"]
+        trainer, _ = _restore(run, *_restarted(first))
+        assert trainer.loaded == [given], mode
+
+
 @pytest.mark.parametrize("mode", ["auto", "resume_path"])
 def test_resuming_from_the_run_directory_moves_nothing(tmp_path, mode):
     run = tmp_path / "run"

@@ -380,11 +380,15 @@ class ControlState:
         """The learner trained on these tasks' groups (validation: the buffer scored them)."""
         self.ledger.trained(task_ids)
         self.group_filter.trained(sum(kind_of(t) == "train" for t in task_ids))
+        # A group the filter judged was pushed, so it carried a signal: its row's verdict,
+        # even when its server's ack comes later (then unknown) or never.
+        self.group_filter.verdicts(task_ids, filtered=False)
 
     def reconcile_buffer(self, held: list[str], dropped: list[Any]) -> int:
         """The buffer's inventory came: adopt what it holds, deal again what it lost."""
         lost = ledger_recovery.reconcile(self.ledger, held, dropped, self.recovery.cutoff)
         self.recovery.reconciled()
+        self.group_filter.verdicts(list(held), filtered=False)  # pushed: see trained()
         if lost:
             log.warning("%d groups the buffer lost (it restarted) are dealt again", lost)
         return lost

@@ -87,11 +87,24 @@ def plan_roles(cfg: Config, config_path: Path) -> list[Role]:
             learner,
             env=env,
             cpus=_ids(cpus, "learner"),
-            restart_args=["trainer.resume_mode=auto"],
+            restart_args=learner_restart_args(cfg),
             nice=_nice(cfg, "learner"),
         )
     )
     return roles
+
+
+def learner_restart_args(cfg: Config) -> list[str]:
+    """What a restarted learner adds to its command: ``resume_mode=auto``, so it continues
+    from the run's last checkpoint, or before the first one from what its first start
+    loaded (``auto`` falls back to ``resume_from_path``). A first start under ``disable``
+    loaded nothing: its restart must not load a ``resume_from_path`` left in the config
+    (veRL reads that key only under ``resume_path``), which would swap the run for
+    another one's weights, step and data cursor."""
+    args = ["trainer.resume_mode=auto"]
+    if cfg.trainer.resume_mode == "disable":
+        args.append("trainer.resume_from_path=null")
+    return args
 
 
 def _ids(

@@ -118,6 +118,14 @@ ROWS = (
         ("tests/test_prompt_skip.py",),
     ),
     Mutation(
+        "a judged group trained before its ack is a verdict",
+        "a group trained before its server's ack leaves its row's streak",
+        "asyncrl/control/state.py",
+        "        self.group_filter.verdicts(task_ids, filtered=False)",
+        "        pass",
+        ("tests/test_prompt_skip.py",),
+    ),
+    Mutation(
         "event totals survive a resume",
         "the ledger's counters restart at 0",
         "asyncrl/control/ledger_checkpoint.py",

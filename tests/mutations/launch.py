@@ -40,6 +40,14 @@ ROWS = (
         ),
     ),
     Mutation(
+        "a restarted learner loads only what its first start did",
+        "a restart after a start under disable loads resume_from_path",
+        "asyncrl/launch/roles.py",
+        '        args.append("trainer.resume_from_path=null")',
+        "        pass",
+        ("tests/test_resume_modes.py",),
+    ),
+    Mutation(
         "a buffer stopped from outside is restarted",
         "a buffer's exit 0 lets it go for good, mid-run too",
         "asyncrl/launch/supervise.py",
