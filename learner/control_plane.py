@@ -83,10 +83,11 @@ class RankZero:
         self.lag = _lag_controller(cfg, restored)  # staleness.controller: adaptive
         if self.lag is not None:
             self.coordinator.set_admission_lag(self.lag.lag)
-        # A validation round was in flight at the last after_step: the step that follows
-        # shares the servers with it (see steer_lag).
-        self._round_in_flight = False
         self.coordinator.start()
+        # A validation round was in flight at the last after_step: the step that follows
+        # shares the servers with it (see steer_lag). At a start, the round before training
+        # or, on a resume, the one the checkpoint's step started (its tasks restored).
+        self._round_in_flight = self.coordinator.validation_generating()
         pusher = WeightPusher(
             self.coordinator,
             store,
