@@ -130,7 +130,11 @@ class Answers:
         if isinstance(msg, wire.InventoryRequest):
             held, dropped, validated = self.buffer.inventory()
             return wire.InventoryReply(
-                session=self.session, held=held, dropped=dropped, validated=validated
+                session=self.session,
+                held=held,
+                dropped=dropped,
+                validated=validated,
+                paused=self.paused(),
             )
         if isinstance(msg, wire.ValidationRequest):
             by_round = self.buffer.reports.results_for(msg.rounds)

@@ -225,6 +225,21 @@ def test_restarts_do_not_widen_the_admission_window(how):
     run.acct()
 
 
+def test_an_inventory_from_a_buffer_not_reading_deals_nothing_again():
+    """A restored coordinator's inventory came from a full buffer: the groups it lacks may
+    wait in its socket, so none is dealt again (review); the audit asks once it reads."""
+    run = Run(1)
+    run.generate()
+    assert run.step()
+    assert run.st.ledger.accounting()["accounting/train/in_buffer"] == 4
+    run.st.recovery.needs_inventory = True  # as a coordinator restored from a checkpoint
+    assert run.st.recovery.buffer_contact("session", now=20.0)  # the inventory is due
+    assert run.st.reconcile_buffer([], [], paused=True) == 0
+    assert run.st.ledger.accounting()["accounting/train/in_buffer"] == 4
+    assert run.st.ledger.counts["requeued/lost"] == 0
+    assert run.st.reconcile_buffer([], [], paused=False) == 4  # reading: they are lost
+
+
 def test_after_a_buffer_restart_its_untrained_groups_are_dealt_again():
     run = Run(1)
     run.generate()

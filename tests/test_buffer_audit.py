@@ -118,3 +118,13 @@ def test_once_the_socket_is_drained_an_audit_is_not_paused(full) -> None:
 
         audit = wait_until(settled, "an audit that is not paused", 3)
     assert audit is not None and audit.unknown == ["never-sent"]
+
+
+def test_the_full_inventory_of_a_full_buffer_says_it_is_not_reading(full) -> None:
+    """Found by a review: after a learner restart the coordinator reconciles its restored
+    ledger with the buffer's whole inventory, which did not say the buffer was full. The
+    groups still in its socket queue (g2..g11) looked lost and were generated again."""
+    svc, _ = full
+    with BufferClient(svc.batches_endpoint, "observer") as observer:
+        whole = observer.inventory()
+    assert sorted(whole.held) == ["g0", "g1"] and whole.paused

@@ -355,7 +355,9 @@ def _poll_once(
     if due:
         inventory = client.inventory()
         with lock:
-            state.reconcile_buffer(list(inventory.held), list(inventory.dropped))
+            state.reconcile_buffer(
+                list(inventory.held), list(inventory.dropped), paused=inventory.paused
+            )
             state.trained(list(inventory.validated))
     with lock:
         audit = state.audit_request(time.monotonic())

@@ -19,6 +19,7 @@ Registry rules:
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 from collections import Counter
 from typing import Any
@@ -384,9 +385,17 @@ class ControlState:
         # even when its server's ack comes later (then unknown) or never.
         self.group_filter.verdicts(task_ids, filtered=False)
 
-    def reconcile_buffer(self, held: list[str], dropped: list[Any]) -> int:
-        """The buffer's inventory came: adopt what it holds, deal again what it lost."""
-        lost = ledger_recovery.reconcile(self.ledger, held, dropped, self.recovery.cutoff)
+    def reconcile_buffer(self, held: list[str], dropped: list[Any], paused: bool = False) -> int:
+        """The buffer's inventory came: adopt what it holds, deal again what it lost. A
+        buffer not reading (``paused``: full) may have groups it lacks waiting in its
+        socket: none is taken as lost now; the audit asks about them once it reads."""
+        cutoff = -math.inf if paused else self.recovery.cutoff
+        if paused:
+            log.info(
+                "the buffer's inventory came while it is not reading (full): groups it "
+                "lacks are checked by the next audit, not dealt again now"
+            )
+        lost = ledger_recovery.reconcile(self.ledger, held, dropped, cutoff)
         self.recovery.reconciled()
         self.group_filter.verdicts(list(held), filtered=False)  # pushed: see trained()
         if lost:

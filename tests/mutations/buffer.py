@@ -116,6 +116,22 @@ ROWS = (
         ("tests/test_buffer_audit.py",),
     ),
     Mutation(
+        "the whole inventory says when the buffer is not reading",
+        "the inventory a restored coordinator reconciles never says paused",
+        "buffer/answers.py",
+        "                paused=self.paused(),\n            )\n        if isinstance(msg, wire.ValidationRequest):",
+        "            )\n        if isinstance(msg, wire.ValidationRequest):",
+        ("tests/test_buffer_audit.py",),
+    ),
+    Mutation(
+        "a paused buffer's inventory deals nothing again",
+        "groups a full buffer has not read are dealt again at a learner restart",
+        "asyncrl/control/state.py",
+        "        cutoff = -math.inf if paused else self.recovery.cutoff",
+        "        cutoff = self.recovery.cutoff",
+        ("tests/test_accounting.py",),
+    ),
+    Mutation(
         "a refused message's groups are reported dropped",
         "a refused message is counted only (its groups stay 'in buffer' until re-dealt)",
         "buffer/service.py",
