@@ -51,8 +51,15 @@ class ClosedNames:
             for s in group.sessions.values()
             if s.reward is not None and s.reward_reply is not None
         }
-        self._by_name[group.name] = Closed(why, time.monotonic(), rewards)
-        self._by_name.move_to_end(group.name)
+        self.add_name(group.name, why, rewards)
+
+    def add_name(
+        self, name: str, why: str, rewards: dict[str, tuple[float, dict[str, Any]]] | None = None
+    ) -> None:
+        """Group ``name`` closed (``rewards``: its members' rewards and replies, by key);
+        also a name that never held a slot (abandoned before it had one)."""
+        self._by_name[name] = Closed(why, time.monotonic(), rewards or {})
+        self._by_name.move_to_end(name)
         while len(self._by_name) > self.most:
             self._by_name.popitem(last=False)
 

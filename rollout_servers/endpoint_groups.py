@@ -123,8 +123,11 @@ class EndpointGroups:
             await self.lanes.control(self.client.nack, open_ids, "server stopped")
 
     def task_ids(self) -> list[str]:
-        """The external slots this server holds (said at re-registration)."""
-        return [g.task.task_id for g in self.by_name.values()]
+        """The external slots this server holds (said at re-registration). Read from the
+        client's heartbeat thread while the loop opens and closes groups: ``list()`` copies
+        the values at once (a comprehension over the live view raised "dictionary changed
+        size during iteration", and the watch thread took that for the coordinator gone)."""
+        return [g.task.task_id for g in list(self.by_name.values())]
 
     # ----------------------------------------------------------------- opening
     async def session(self, key: str, gone: Callable[[], bool] = lambda: False) -> Session:
@@ -268,8 +271,14 @@ class EndpointGroups:
     def abandon(self, name: str) -> dict[str, Any]:
         """``POST /rl/abandon``: give group ``name`` up now (nothing of it trains)."""
         group = self.by_name.get(name)
-        if group is None and name in self._opening:  # still waiting for its slot
-            self.slots.abandoned.add(name)
+        unused = group is None and self.refused.get(name) is not None  # given back unused
+        if group is None and (name in self._opening or unused):  # holds no slot
+            if name in self._opening:  # still waiting for its slot
+                self.slots.abandoned.add(name)
+            # Its later members are refused as a closed group's (their requests opened it
+            # again on a slot of its own, and its rewarded members trained).
+            self.refused.forget(name)
+            self.closed.add_name(name, "abandoned by its agent")
             self.metrics["rollout/openai/groups_abandoned"] += 1
             return {"group": name, "slot": None, "abandoned": True}
         if group is None:

@@ -39,14 +39,28 @@ def max_tokens_of(body: dict[str, Any], budget: int, limit: int) -> int:
     return min(asked or budget, budget)
 
 
+#: Stop strings one request may give, and the longest one: each is searched for in the
+#: turn's text on the server's event loop (OpenAI allows 4; a body of 100,000 short ones
+#: held the loop for seconds per check, other sessions and weight syncs with it).
+MAX_STOPS, MAX_STOP_CHARS = 32, 512
+
+
 def stop_strings(body: dict[str, Any]) -> list[str]:
-    """The request's ``stop``: none, a string, or a list of strings; else a 400."""
+    """The request's ``stop``: none, a string, or a list of at most :data:`MAX_STOPS`
+    strings of at most :data:`MAX_STOP_CHARS` characters; else a 400."""
     stop = body.get("stop")
     if stop is None:
         return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-        raise RequestError(400, f"stop must be a non-empty string or a list of them, not {stop!r}")
+        shown = repr(stop) if len(repr(stop)) <= 200 else repr(stop)[:200] + "..."
+        raise RequestError(400, f"stop must be a non-empty string or a list of them, not {shown}")
+    if len(stops) > MAX_STOPS or max(map(len, stops), default=0) > MAX_STOP_CHARS:
+        raise RequestError(
+            400,
+            f"stop takes at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters "
+            f"(got {len(stops)}, the longest {max(map(len, stops))})",
+        )
     return stops
 
 

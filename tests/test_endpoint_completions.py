@@ -100,6 +100,8 @@ def test_a_resent_completion_gets_the_same_reply_and_a_stream_carries_it(monkeyp
         ({"prompt": ["a", "b"]}, "prompt must be a non-empty string"),
         ({"prompt": "x" * 600}, "exceeds data.max_prompt_length=512"),
         ({"prompt": [1, 10**9]}, "not in the tokenizer's vocabulary of 1114112"),
+        ({"stop": ["x"] * 33}, "stop takes at most 32 strings of at most 512 characters"),
+        ({"stop": "x" * 513}, "(got 1, the longest 513)"),
     ],
 )
 def test_what_a_completion_cannot_serve_is_a_400_naming_why(monkeypatch, extra, says):

@@ -125,6 +125,11 @@ def test_a_group_abandoned_while_it_waits_takes_no_slot(monkeypatch):
         status, body = await held
         assert status == 409 and "abandoned while it waited" in body["error"]["message"]
         assert client.granted == [] and not endpoint.groups.by_name
+        # A member coming later is refused as a closed group's: it opened the group again
+        # on a slot of its own, and its rewarded members trained (review).
+        status, body = await _chat(base, "g/1")
+        assert status == 409 and "abandoned by its agent" in body["error"]["message"], body
+        assert client.granted == [] and not endpoint.groups.by_name
 
     _hold(monkeypatch, scenario)
 
