@@ -55,6 +55,22 @@ ROWS = (
         ("tests/test_filter_groups.py",),
     ),
     Mutation(
+        "an abandoned group refuses its later members",
+        "a group abandoned while it waited for its slot opens again on a later member",
+        "rollout_servers/endpoint_groups.py",
+        '            self.closed.add_name(name, "abandoned by its agent")',
+        "            pass",
+        ("tests/test_endpoint_hold.py::test_a_group_abandoned_while_it_waits_takes_no_slot",),
+    ),
+    Mutation(
+        "stop strings are bounded",
+        "any number of stop strings of any length is taken",
+        "rollout_servers/request_fields.py",
+        "    if len(stops) > MAX_STOPS or max(map(len, stops), default=0) > MAX_STOP_CHARS:",
+        "    if False:",
+        ("tests/test_endpoint_completions.py",),
+    ),
+    Mutation(
         "held endpoint requests keep max_groups",
         "slot requests in flight do not count against max_groups",
         "rollout_servers/slot_wait.py",
