@@ -159,10 +159,12 @@ class LearnerProc(Endpoint):
         st = self.state
         assert st is not None
         rec = st.servers.get(server_id)
-        before_grants = (rec.last_grant, rec.last_slot) if rec is not None else (None, None)
+        kept: list[m.TaskGrant] = []  # the grants a retried request gets again
+        if rec is not None:
+            kept = [*([rec.last_grant[1]] if rec.last_grant else []), *rec.slot_grants.values()]
         before = {tid: e.state for tid, e in st.ledger.entries.items()}
         out: m.TaskGrant = grant()
-        resent = any(g is not None and g[1] is out for g in before_grants)
+        resent = any(g is out for g in kept)
         if out.tasks and not resent:
             self.world.checker.dealt(self.family, [t.task_id for t in out.tasks], before)
         return out

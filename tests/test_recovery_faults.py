@@ -421,3 +421,16 @@ def test_a_replayed_version_no_server_holds_is_pushed_not_adopted() -> None:
     assert not st.versions.adopt(9)
     assert st.versions.begin_sync(WeightPlan()).version == 9
     assert st.counts["replay_not_held"] == 1
+
+
+def test_a_retry_of_an_older_slot_request_gets_its_own_slot() -> None:
+    """Found by a review: the coordinator kept one slot grant per server. The endpoint's
+    groups ask at once, and its reaper asks again under an id whose reply was lost; when
+    another id was granted in between, the retry got a fresh slot (given back), and the
+    lost one stayed charged for as long as the server lived (external slots are not
+    reclaimed by the task timeout)."""
+    st = _state(session="s1")
+    lost = st.grant_slot("s", 0.0, request_id=5).tasks[0].task_id  # its reply was lost
+    other = st.grant_slot("s", 0.0, request_id=6).tasks[0].task_id
+    assert st.grant_slot("s", 1.0, request_id=5).tasks[0].task_id == lost != other
+    assert st.ledger.counts["external_dealt"] == 2, st.ledger.counts

@@ -7,9 +7,14 @@ One :class:`ServerRecord` per live server, kept by :class:`~asyncrl.control.stat
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from asyncrl.control.messages import TaskGrant
+
+#: Slot grants a server's record keeps by request id, for a retry of any of them (the
+#: endpoint's groups ask at once, and its reaper asks again under an old id meanwhile).
+SLOT_GRANTS_KEPT = 256
 
 
 @dataclass
@@ -24,7 +29,9 @@ class ServerRecord:
     told_shutdown: bool = False
     syncing: int = 0  # sync id it was asked to join and has not reported on (0: none)
     last_grant: tuple[int, TaskGrant] | None = None  # (request id, grant with tasks)
-    last_slot: tuple[int, TaskGrant] | None = None  # the same for external slots
+    # The same for external slots, by request id: several are asked at once, and one
+    # kept grant let a retry of an older id get a fresh slot, its lost one held for good.
+    slot_grants: OrderedDict[int, TaskGrant] = field(default_factory=OrderedDict)
     metrics: dict[str, float] = field(default_factory=dict)  # its last heartbeat's
     catchup_failures: int = 0  # consecutive failed catch-ups
     catchup_after: float = 0.0  # no catch-up is started before this time (backoff)

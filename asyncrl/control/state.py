@@ -41,7 +41,7 @@ from asyncrl.control.messages import (
     TaskGrant,
 )
 from asyncrl.control.recovery import Recovery
-from asyncrl.control.registry import ServerRecord
+from asyncrl.control.registry import SLOT_GRANTS_KEPT, ServerRecord
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_states import OUT, QUEUED, TERMINAL, is_external, kind_of
 from asyncrl.control.validation_schedule import ValidationProgress, ValidationSchedule
@@ -305,11 +305,11 @@ class ControlState:
 
     def grant_slot(self, server_id: str, now: float, request_id: int | None = None) -> TaskGrant:
         """One external slot for ``server_id`` (its OpenAI endpoint opens a group), or
-        none with the reason; a retry of the last slot request gets the same slot."""
+        none with the reason; a retry of a slot request gets the slot it was granted (one of
+        the last :data:`~asyncrl.control.registry.SLOT_GRANTS_KEPT`)."""
         rec = self.touch(server_id, now)
-        last = rec.last_slot if rec is not None else None
-        if last is not None and request_id is not None and last[0] == request_id:
-            return last[1]
+        if rec is not None and request_id is not None and request_id in rec.slot_grants:
+            return rec.slot_grants[request_id]
         reason = self._refusal(rec, now)
         task = None
         if not reason:
@@ -320,8 +320,10 @@ class ControlState:
         grant = TaskGrant(
             tasks=[task] if task else [], policy_version=self.version, reason=reason, detail=detail
         )
-        if task is not None and request_id is not None:
-            rec.last_slot = (request_id, grant)  # type: ignore[union-attr]
+        if task is not None and request_id is not None and rec is not None:
+            rec.slot_grants[request_id] = grant
+            while len(rec.slot_grants) > SLOT_GRANTS_KEPT:
+                rec.slot_grants.popitem(last=False)
         return grant
 
     def _refusal(self, rec: ServerRecord | None, now: float) -> str:

@@ -110,6 +110,14 @@ ROWS = (
         ("tests/test_filter_groups.py",),
     ),
     Mutation(
+        "a retried slot request gets its own slot",
+        "only the last slot grant is kept (an older id's retry gets a fresh slot)",
+        "asyncrl/control/state.py",
+        "            return rec.slot_grants[request_id]",
+        "            pass",
+        ("tests/test_recovery_faults.py::test_a_retry_of_an_older_slot_request_gets_its_own_slot",),
+    ),
+    Mutation(
         "skipped prompts come back",
         "a prompt's filtered streak is never reset when its group trains",
         "asyncrl/control/prompt_skip.py",
