@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -66,6 +67,49 @@ def test_turns_waiting_for_a_worker_are_measured_and_said_once(
     assert asyncio.run(three_turns()) == [[RESTED]] * 3
     assert one_worker.queue_wait["total_s"] >= 2 * waits["total_s"] - 0.2
     assert sum("free tool worker" in r.getMessage() for r in caplog.records) == 1
+
+
+MARK_TOOL = """
+import asyncio
+from pathlib import Path
+
+from asyncrl.tools import BaseTool
+
+
+class MarkTool(BaseTool):
+    async def execute(self, instance_id, parameters, **kwargs):
+        Path(parameters["mark"]).touch()  # it ran
+        await asyncio.sleep(float(parameters["s"]))
+        return "marked", None, {}
+"""
+
+
+def test_a_turn_given_up_while_it_waits_for_a_worker_runs_none_of_its_calls(
+    tmp_path: Path,
+) -> None:
+    """Found by a review: an episode whose turn was cancelled (its deadline passed, a
+    sibling failed the group) still had every call of the turn run through a worker, each
+    up to tool_timeout_s, while live episodes waited for that worker."""
+    (tmp_path / "mark.py").write_text(MARK_TOOL)
+    schema = {"type": "function", "function": {"name": "mark", "parameters": {}}}
+    tool = {"class_name": "mark.py:MarkTool", "config": {}, "tool_schema": schema}
+    (tmp_path / "tools.yaml").write_text(json.dumps({"tools": [tool]}))
+
+    def call(name: str) -> ToolCall:
+        return ToolCall("mark", {"s": NAP_S, "mark": str(tmp_path / name)})
+
+    async def given_up(pool: ToolPool) -> None:
+        # One worker: the turn's first call runs, the other two wait for it.
+        turn = [call("first"), call("late-a"), call("late-b")]
+        with pytest.raises(TimeoutError):  # given up while two calls still wait
+            await pool.call_many_async(turn, wait_s=0.2)
+
+    with ToolPool(tmp_path / "tools.yaml", num_workers=1, timeout_s=5.0) as pool:
+        asyncio.run(given_up(pool))
+        time.sleep(3 * NAP_S)  # the waiting calls would have run by now
+        live = asyncio.run(pool.call_many_async([call("after")]))  # the worker is free
+    assert live == [ToolResult("marked", None, None)]
+    assert sorted(p.name for p in tmp_path.iterdir() if "." not in p.name) == ["after", "first"]
 
 
 def test_calls_from_threads_are_measured_too(one_worker: ToolPool) -> None:

@@ -63,6 +63,10 @@ ENVIRONMENT_ERRORS = ("timeout", "worker_died", "out_of_memory")
 #: a string): counted in :attr:`ToolPool.counters` under this name, the reward read as 0.
 #: Not a :data:`TOOL_ERROR_KINDS` member: a bad step reward costs the answer nothing.
 BAD_REWARD = "bad_reward"
+#: The result of a call of a turn given up before the call reached a worker (never run,
+#: never read: its episode ended or timed out meanwhile). Not a :data:`TOOL_ERROR_KINDS`
+#: member: no model reads it.
+DROPPED = "dropped"
 #: The key that caps each tool worker's memory, named by the calls that hit the cap.
 MEMORY_KEY = "rollout.multi_turn.tool_max_memory_mb"
 #: The most characters of an unknown tool's name (the model's) that its error line quotes.
@@ -262,13 +266,22 @@ class ToolPool:
         """
         return self._call(call, create_kwargs, time.monotonic())
 
-    def _call(self, call: ToolCall, create_kwargs: dict | None, since: float) -> ToolResult:
-        """:meth:`call`, submitted at ``since`` (``time.monotonic()``)."""
+    def _call(
+        self,
+        call: ToolCall,
+        create_kwargs: dict | None,
+        since: float,
+        dropped: threading.Event | None = None,
+    ) -> ToolResult:
+        """:meth:`call`, submitted at ``since`` (``time.monotonic()``); not run once
+        ``dropped`` is set (nobody waits for its answer)."""
         refusal = self._check(call)
         if refusal is not None:
             return refusal
         job = (call.name, call.arguments, dict(create_kwargs or {}))
         with self._gate:
+            if dropped is not None and dropped.is_set():  # its turn was given up meanwhile
+                return ToolResult("", DROPPED, None)
             self._waits.add(time.monotonic() - since)
             status, payload = self._pool.run(job)
         if status == "ok":  # cut and made valid in the worker
@@ -292,11 +305,16 @@ class ToolPool:
         return self._call_many(calls, create_kwargs, time.monotonic())
 
     def _call_many(
-        self, calls: Sequence[ToolCall], create_kwargs: dict[str, dict] | None, since: float
+        self,
+        calls: Sequence[ToolCall],
+        create_kwargs: dict[str, dict] | None,
+        since: float,
+        dropped: threading.Event | None = None,
     ) -> list[ToolResult]:
-        """:meth:`call_many`, submitted at ``since`` (``time.monotonic()``)."""
+        """:meth:`call_many`, submitted at ``since`` (``time.monotonic()``); calls that
+        have not reached a worker when ``dropped`` is set are not run."""
         by_name = create_kwargs or {}
-        return self._pool.map(lambda c: self._call(c, by_name.get(c.name), since), calls)
+        return self._pool.map(lambda c: self._call(c, by_name.get(c.name), since, dropped), calls)
 
     async def call_many_async(
         self,
@@ -309,15 +327,21 @@ class ToolPool:
         blocking calls need (a rollout server's sync reports and acknowledgements).
 
         Raises:
-            TimeoutError: No answer within ``wait_s`` (None: no bound). A turn still
-                queued is dropped; one already running finishes in its worker (within
-                ``timeout_s`` a call) and its answer is discarded. Cancelling the await
+            TimeoutError: No answer within ``wait_s`` (None: no bound). The turn's calls
+                still waiting for a worker are dropped, never run (they held workers that
+                live episodes waited for); a call already running finishes in its worker
+                (within ``timeout_s``) and its answer is discarded. Cancelling the await
                 does the same: an episode whose deadline a weight sync moves on bounds
                 the wait itself (:func:`rollout_servers.deadlines.within`).
         """
-        turn = functools.partial(self._call_many, calls, create_kwargs, time.monotonic())
+        dropped = threading.Event()
+        turn = functools.partial(self._call_many, calls, create_kwargs, time.monotonic(), dropped)
         future = asyncio.get_running_loop().run_in_executor(self._turns, turn)
-        return await asyncio.wait_for(future, wait_s)
+        try:
+            return await asyncio.wait_for(future, wait_s)
+        except BaseException:  # timed out or cancelled: nobody reads this turn's answers
+            dropped.set()
+            raise
 
     def close(self) -> None:
         """Stop all workers; idempotent. Calls waiting for a worker raise RuntimeError."""

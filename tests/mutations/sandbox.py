@@ -115,4 +115,12 @@ ROWS = (
         "        if False:",
         ("tests/test_tool_verl_ports.py",),
     ),
+    Mutation(
+        "a given-up turn's waiting calls are not run",
+        "a turn given up while its calls wait for a worker still runs them all",
+        "asyncrl/tools/pool.py",
+        "            if dropped is not None and dropped.is_set():  # its turn was given up meanwhile",
+        "            if False:",
+        ("tests/test_tool_queue.py",),
+    ),
 )
