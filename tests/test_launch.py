@@ -109,11 +109,28 @@ def test_restart_delay_doubles_and_runs_out_within_the_window():
     assert restart_delay(policy, [950.0], now=1000.0) == 4.0
     assert restart_delay(policy, [950.0, 990.0], now=1000.0) == 8.0
     assert restart_delay(policy, [950.0, 960.0, 990.0], now=1000.0) is None  # used up
-    # Restarts older than the window no longer count.
+    # A restarted process that ran the window through starts the row over.
     assert restart_delay(policy, [800.0, 850.0, 990.0], now=1000.0) == 4.0
     assert restart_delay(policy, [800.0, 850.0, 899.0], now=1000.0) == 2.0
     # max_restarts 0: the first death ends the run (the launcher's old behaviour).
     assert restart_delay(RestartPolicy(0, 100.0, 2.0), [], now=0.0) is None
+
+
+def test_a_role_that_dies_the_same_way_after_minutes_runs_out_of_restarts():
+    """Found by a review: restarts were counted within the window, so a role living 200 s
+    before each crash (a model that loads for minutes, then fails alike) never had three in
+    600 s and was restarted for ever; so was one with a backoff near the window."""
+    policy = RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=2.0)
+    starts, died = [], 0.0
+    for _ in range(3):  # each restarted process runs 200 s
+        delay = restart_delay(policy, starts, now=died)
+        assert delay is not None
+        starts.append(died + delay)
+        died = starts[-1] + 200.0
+    assert restart_delay(policy, starts, now=died) is None
+    slow = RestartPolicy(max_restarts=3, window_s=600.0, backoff_s=500.0)
+    assert restart_delay(slow, [], now=0.0) == 300.0  # at most half the window
+    assert restart_delay(slow, [300.0, 601.0, 902.0], now=903.0) is None
 
 
 def test_exit_status_reads_like_a_shell():
@@ -136,7 +153,7 @@ def test_the_learner_restarts_from_its_last_checkpoint():
 # environment (as vLLM's renamed engine core shows it), records the pids of the five, then
 # follows its plan for this
 # attempt ("run": sleep; "exit:N": exit N; "kill": SIGKILL itself; "wait:NAME": exit 0 once
-# the file NAME exists). Plans are comma-separated, one per attempt, the last one repeated;
+# the file NAME exists; "end:S": record the run's ending as a learner does, exit 0 S s later). Plans are comma-separated, one per attempt, the last one repeated;
 # arguments after the plan (a restarted role's extra arguments) are recorded too, and so are
 # the processes of its previous attempt still alive when it started.
 TOY_ROLE = r"""
@@ -172,6 +189,10 @@ if plan.startswith("exit:"):
     sys.exit(int(plan[5:]))
 if plan == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if plan.startswith("end:"):
+    (state / "complete.json").write_text('{"step": 1}\n')
+    time.sleep(float(plan[4:]))
+    sys.exit(0)
 while plan == "run" or not (state / plan[5:]).exists():
     time.sleep(0.05)
 """
@@ -354,6 +375,22 @@ def test_a_buffer_stopped_by_the_ending_learner_is_not_restarted(tmp_path, drive
 
 
 @pytest.mark.timeout(60)
+def test_a_buffer_let_go_while_the_learner_ends_the_run_is_not_restarted(tmp_path, drive):
+    """Found by a review: the learner records the run's ending, stops the buffer, then
+    closes its metrics (a W&B upload) and its process group. Past the grace, the buffer
+    was restarted as after a crash; with its restarts used up, the complete run failed."""
+    spec = {
+        "policy": {"max_restarts": 0, "window_s": 60.0, "backoff_s": 0.1},
+        "roles": [["buffer", "wait:complete.json", []], ["learner", "end:2", []]],
+    }
+    proc = drive(spec)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "restarting" not in out and "giving up" not in out, out
+    assert [e["event"] for e in _events(tmp_path) if e["role"] == "buffer"] == ["start", "exit"]
+
+
+@pytest.mark.timeout(60)
 def test_a_role_out_of_restarts_fails_the_run_with_its_code_and_log(tmp_path, drive):
     spec = {
         "policy": {"max_restarts": 2, "window_s": 60.0, "backoff_s": 0.1},
@@ -364,7 +401,9 @@ def test_a_role_out_of_restarts_fails_the_run_with_its_code_and_log(tmp_path, dr
     out, _ = proc.communicate(timeout=45)
     assert proc.returncode == 4, out
     assert time.monotonic() - start > 0.1 + 0.2  # the backoff doubled
-    assert "buffer ended (exit code 4, after 2 restarts within 60s): giving up" in out
+    assert (
+        "buffer ended (exit code 4, after 2 restarts in a row, none running 60s): giving up" in out
+    )
     assert "buffer attempt 3: exit:4" in out  # its last log lines
     events = _events(tmp_path)
     assert [e["event"] for e in events if e["role"] == "buffer"] == [

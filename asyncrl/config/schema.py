@@ -336,13 +336,20 @@ class LaunchConfig(Section):
     max_restarts: int = Field(
         default=3,
         ge=0,
-        description="Restarts per role within restart_window_s before the run fails.",
+        description="Restarts per role in a row (none running restart_window_s) before the run "
+        "fails.",
     )
     restart_window_s: float = Field(
-        default=600.0, gt=0, description="Window in which a role's restarts are counted."
+        default=600.0,
+        gt=0,
+        description="A restarted role that runs this long before dying again starts its count "
+        "of restarts over.",
     )
     restart_backoff_s: float = Field(
-        default=2.0, ge=0, description="First wait before a restart; doubles per recent restart."
+        default=2.0,
+        ge=0,
+        description="First wait before a restart; doubles per restart in a row, at most half "
+        "of restart_window_s.",
     )
 
 

@@ -2,10 +2,12 @@
 role that ended is started again, when it fails the run, and how its exit reads.
 
 - A role that dies (any exit code but 0) is restarted after ``launch.restart_backoff_s``,
-  doubled for each of its restarts within ``launch.restart_window_s``; the learner gets
-  ``trainer.resume_mode=auto`` so it continues from its last checkpoint. A role that dies
-  when it has had ``launch.max_restarts`` restarts within the window fails the run, with its
-  last log lines, and the launcher exits with its code (128 + N for signal N).
+  doubled for each of its restarts in a row; the learner gets ``trainer.resume_mode=auto``
+  so it continues from its last checkpoint. Restarts are in a row while none of them ran
+  ``launch.restart_window_s`` before dying again: a role that dies once more after
+  ``launch.max_restarts`` such restarts fails the run, with its last log lines, and the
+  launcher exits with its code (128 + N for signal N). A role that runs the window through
+  has its count start over.
 - A role that exits 2 (a bad config or a missing file, found before it started working)
   fails the run at once: a restart would fail the same way; so does a learner that exits 5
   (stopped by its health alarms, ``trainer.health.action: stop``).
@@ -65,8 +67,9 @@ def clear_final_exit(run_dir: str | Path) -> None:
 
 @dataclass(frozen=True)
 class RestartPolicy:
-    """``launch.max_restarts`` per role within ``launch.restart_window_s``, the first after
-    ``launch.restart_backoff_s``, doubling per restart within the window."""
+    """``launch.max_restarts`` restarts in a row per role (none ran ``launch.restart_window_s``
+    before it died again), the first after ``launch.restart_backoff_s``, doubling per
+    restart in the row."""
 
     max_restarts: int = 3
     window_s: float = 600.0
@@ -78,17 +81,26 @@ class RestartPolicy:
 
 
 def recent_restarts(policy: RestartPolicy, restarts: Sequence[float], now: float) -> int:
-    """How many of the restarts (their times) fall within the window before ``now``."""
-    return sum(1 for t in restarts if now - t < policy.window_s)
+    """How many of a role's restarts (the times its restarted processes started) came in a
+    row before its death at ``now``: the latest ones, none of which ran ``window_s``. Counted
+    in a window of time instead, a role that lived 200 s before each crash (a model that
+    loads for minutes, then fails the same way) was restarted for ever."""
+    row, died = 0, now
+    for started in reversed(restarts):
+        if died - started >= policy.window_s:  # it ran the window through: a new row
+            break
+        row, died = row + 1, started
+    return row
 
 
 def restart_delay(policy: RestartPolicy, restarts: Sequence[float], now: float) -> float | None:
-    """Seconds to wait before restarting a role that died at ``now``, given the times of its
-    earlier restarts; None when it has used up its restarts within the window."""
+    """Seconds to wait before restarting a role that died at ``now``, given the start times
+    of its earlier restarts; None when it has used up its restarts in a row. The wait is at
+    most half the window, so the waits alone never make a row look like a new one."""
     recent = recent_restarts(policy, restarts, now)
     if recent >= policy.max_restarts:
         return None
-    return policy.backoff_s * 2**recent
+    return min(policy.backoff_s * 2**recent, policy.window_s / 2)
 
 
 def exit_status(returncode: int) -> int:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.ending import COMPLETE_FILE
 from asyncrl.launch import startup
 from asyncrl.launch.departures import Departures
 from asyncrl.launch.process_tree import (
@@ -77,6 +78,7 @@ class Supervisor:
         self.run_dir = Path(run_dir)
         self.log_dir = self.run_dir / "logs"
         self.policy = policy
+        self.launched_wall = time.time()  # a run's ending recorded since is this launch's
         self.launch_id = f"{os.getpid()}.{scan()[os.getpid()].start}"
         self.watchdog: subprocess.Popen | None = None
         self._watchdog_fd: int | None = None
@@ -240,6 +242,8 @@ class Supervisor:
         after a crash."""
         if role.left_at is None or time.monotonic() - role.left_at < EARLY_EXIT_GRACE_S:
             return False
+        if self._ending_recorded():
+            return False  # the learner is ending the run: its teardown may outlast the grace
         log.warning(
             "%s exited 0 %.0fs ago while the learner still runs (stopped from outside?): "
             "restarting it as after a crash",
@@ -248,6 +252,16 @@ class Supervisor:
         )
         role.left_at = None
         return True
+
+    def _ending_recorded(self) -> bool:
+        """Whether the learner recorded the run's ending (``complete.json``) during this
+        launch. It stops the buffer right after, then closes its metrics (a W&B upload)
+        and its process group: a buffer let go then is not restarted, however long that
+        takes (it was, 30 s on, and with its restarts used up that failed a complete run)."""
+        try:
+            return (self.run_dir / COMPLETE_FILE).stat().st_mtime >= self.launched_wall
+        except OSError:
+            return False
 
     def _restart(self, role: Role, code: int, view: View) -> int | None:
         """Schedule the restart of ``role``, which ended with ``code``; or, its restarts
@@ -260,19 +274,19 @@ class Supervisor:
                 code,
                 view,
                 (
-                    f"after {recent_restarts(self.policy, role.restarts, now)} restarts within "
-                    f"{self.policy.window_s:.0f}s"
+                    f"after {recent_restarts(self.policy, role.restarts, now)} restarts in a "
+                    f"row, none running {self.policy.window_s:.0f}s"
                 ),
             )
-        role.restarts.append(now)
+        role.restarts.append(now + delay)  # when the restarted process starts
         role.restart_at = now + delay
         log.warning(
-            "restarting %s in %.1fs (it ended: %s; restart %d of %d within %.0fs); "
-            "last lines of %s:\n%s",
+            "restarting %s in %.1fs (it ended: %s; restart %d of %d in a row, each that "
+            "runs %.0fs starting the row over); last lines of %s:\n%s",
             role.name,
             delay,
             describe_exit(code),
-            recent_restarts(self.policy, role.restarts, now),
+            recent_restarts(self.policy, role.restarts, now + delay),
             self.policy.max_restarts,
             self.policy.window_s,
             role.log_path,

@@ -48,6 +48,36 @@ ROWS = (
         ("tests/test_resume_modes.py",),
     ),
     Mutation(
+        "restarts are counted in a row",
+        "restarts are counted within a window of time (a role crashing every 200 s is restarted for ever)",
+        "asyncrl/launch/restart_policy.py",
+        "        if died - started >= policy.window_s:  # it ran the window through: a new row",
+        "        if now - started >= policy.window_s:",
+        (
+            "tests/test_launch.py::test_a_role_that_dies_the_same_way_after_minutes_runs_out_of_restarts",
+        ),
+    ),
+    Mutation(
+        "the restart wait is at most half the window",
+        "the doubling wait has no cap (a long backoff starts a new row at each restart)",
+        "asyncrl/launch/restart_policy.py",
+        "    return min(policy.backoff_s * 2**recent, policy.window_s / 2)",
+        "    return policy.backoff_s * 2**recent",
+        (
+            "tests/test_launch.py::test_a_role_that_dies_the_same_way_after_minutes_runs_out_of_restarts",
+        ),
+    ),
+    Mutation(
+        "a buffer let go while the learner ends the run stays down",
+        "the buffer the ending learner stopped is restarted during the learner's teardown",
+        "asyncrl/launch/supervise.py",
+        "        if self._ending_recorded():",
+        "        if False:",
+        (
+            "tests/test_launch.py::test_a_buffer_let_go_while_the_learner_ends_the_run_is_not_restarted",
+        ),
+    ),
+    Mutation(
         "a buffer stopped from outside is restarted",
         "a buffer's exit 0 lets it go for good, mid-run too",
         "asyncrl/launch/supervise.py",
