@@ -428,7 +428,10 @@ def test_a_role_with_a_config_error_is_not_restarted(tmp_path, drive):
     proc = drive(spec)
     out, _ = proc.communicate(timeout=45)
     assert proc.returncode == 2, out
-    assert "rollout-0 ended (exit code 2, a bad config or a missing file" in out
+    assert (
+        "rollout-0 ended (exit code 2, a bad config, a missing file, or a conflict its log names"
+        in out
+    )
     assert [e["event"] for e in _events(tmp_path) if e["role"] == "rollout-0"] == [
         "start",
         "gave_up",

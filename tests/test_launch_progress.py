@@ -238,6 +238,12 @@ def test_an_interrupted_run_says_what_the_same_command_resumes(tmp_path):
 
     cfg = load_config(None, [])
     assert "starts the run over" in _resume_hint(tmp_path, cfg)
+    # auto falls back to resume_from_path before the run's first checkpoint (review: the
+    # line said the run starts over)
+    given = load_config(None, ["trainer.resume_from_path=/ckpt/step_7"])
+    assert _resume_hint(tmp_path, given).endswith(
+        "starts again from trainer.resume_from_path=/ckpt/step_7"
+    )
     for step in (20, 40):
         (tmp_path / "checkpoints" / f"step_{step}").mkdir(parents=True)
         (tmp_path / "checkpoints" / f"step_{step}" / "trainer_state.json").write_text("{}")

@@ -16,7 +16,7 @@ running (30 s on) is, as after a crash. See :mod:`asyncrl.launch.supervise`.
 
 Exit: 0 when the learner finishes (the coordinator then ends the run and the other roles
 exit on their own); a role's exit code (128 + N for signal N), with its last log lines,
-when it dies once more after its restarts are used up; 130 on Ctrl-C / SIGTERM after
+when it dies once more after its restarts are used up; 130 on Ctrl-C, 143 on SIGTERM, after
 stopping only the processes it started, gently (SIGTERM) then firmly (SIGKILL); 2 before
 anything starts when the config cannot run, or another live launch holds this run's
 directory or a port the user chose (:mod:`asyncrl.launch.ports`: a default port that is

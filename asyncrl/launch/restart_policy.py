@@ -32,7 +32,8 @@ CONFIG_ERROR = 2  # what a role exits with for a bad config or a missing file (n
 HEALTH_STOP = 5  # the learner stopped by its health alarms (trainer.health.action=stop)
 #: Exits that fail the run at once (a restart would end the same way), and why.
 FINAL_EXITS = {
-    CONFIG_ERROR: "a bad config or a missing file: a restart would fail the same way",
+    CONFIG_ERROR: "a bad config, a missing file, or a conflict its log names (a port taken, "
+    "another learner on this run): a restart would fail the same way",
     HEALTH_STOP: "stopped by its health alarms (trainer.health.action=stop), with a "
     "checkpoint: see its log for the alarm and the fix",
 }

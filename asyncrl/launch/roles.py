@@ -182,6 +182,11 @@ def _resume_hint(run_dir: Path, cfg: Config) -> str:
         return "stopped; trainer.resume_mode is not auto, so a new launch does not resume here"
     if found and ended_whole(cfg, run_dir, step := max(found)):  # stopped in its wind-down
         return f"stopped; the run had ended whole at step {step}: the same command starts nothing"
+    if not found and cfg.trainer.resume_from_path:  # auto falls back to it (learner.restore)
+        return (
+            "stopped before the first checkpoint: the same command starts again from "
+            f"trainer.resume_from_path={cfg.trainer.resume_from_path}"
+        )
     if not found:
         return (
             "stopped before the first checkpoint: the same command starts the run over "
