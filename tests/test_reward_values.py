@@ -121,3 +121,24 @@ def test_a_dropped_part_is_logged_once_per_key_and_type(caplog: pytest.LogCaptur
     lines = [r.getMessage() for r in caplog.records]
     assert sum("'dropped_once'" in line for line in lines) == 1, lines
     assert not any("'pred'" in line for line in lines), lines
+
+
+def test_a_part_whose_name_no_trajectory_carries_is_left_out_and_the_group_is_sent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Found by a review: a part named in more characters than a trajectory's keys take
+    (256) scored normally, then every group holding it failed to encode at the server, was
+    dealt again, failed the same way and was given up, with only a traceback to say why."""
+    from asyncrl.wire import Trajectory, encode_trajectories
+
+    long_key = "k" * 300
+    with caplog.at_level(logging.WARNING, logger="asyncrl.rewards.registry"):
+        score, parts = normalize_score({"score": 1.0, long_key: 0.5, "acc": 1.0})
+    assert (score, parts) == (1.0, {"acc": 1.0})
+    [line] = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert "its name has 300 characters" in line and "at most 256" in line, line
+    t = Trajectory.build(
+        task_id="t/0/0", group_index=0, group_size=1, prompt_ids=[1, 2], response_ids=[3],
+        logprobs=[-0.5], version_spans=[(0, 1)], reward=score, reward_parts=parts,
+    )  # fmt: skip
+    assert encode_trajectories([t])

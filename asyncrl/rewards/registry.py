@@ -24,7 +24,7 @@ from typing import Any
 
 from asyncrl.sandbox.pyfile import import_file
 from asyncrl.tasks import arithmetic, calculator, countdown, gsm8k
-from asyncrl.wire.types import MAX_ABS_REWARD, usable_reward
+from asyncrl.wire.types import MAX_ABS_REWARD, MAX_SHORT_STR, usable_reward
 
 logger = logging.getLogger(__name__)
 
@@ -268,7 +268,9 @@ def finite_number(value: Any, what: str = "") -> float:
     return result
 
 
-def _drop_part(key: str, part: Any, reason: str) -> None:
+def _drop_part(
+    key: str, part: Any, reason: str, fix: str = "return a finite number for it to be logged"
+) -> None:
     """Log a reward part that is left out, once per key and type: a part the user meant as
     a metric (DAPO's ``filter_groups.metric=acc``) must not vanish without a word."""
     variant = (key, type(part).__name__)
@@ -276,10 +278,7 @@ def _drop_part(key: str, part: Any, reason: str) -> None:
         return
     _logged_parts.add(variant)
     logger.warning(
-        "reward part %r left out: %s; return a finite number for it to be logged "
-        "(logged once per key and type)",
-        key,
-        reason,
+        "reward part %r left out: %s; %s (logged once per key and type)", key, reason, fix
     )
 
 
@@ -318,9 +317,15 @@ def normalize_score(value: Any, reward_manager: str = "naive") -> tuple[float, d
         for key, part in value.items():
             if key == "score" or part is None or isinstance(part, (str, bytes)):
                 continue
+            name = str(key)
+            if len(name) > MAX_SHORT_STR:  # a trajectory could not carry it: its group was lost
+                shown = name[:64] + "..."
+                why = f"its name has {len(name)} characters"
+                _drop_part(shown, part, why, f"name it in at most {MAX_SHORT_STR}")
+                continue
             try:
-                parts[str(key)] = finite_number(part)
+                parts[name] = finite_number(part)
             except Exception as exc:
-                _drop_part(str(key), part, str(exc))
+                _drop_part(name, part, str(exc))
         return score, parts
     return finite_number(value), {}

@@ -47,7 +47,9 @@ def usable_reward(x: float) -> bool:
 
 # A task id is printed in logs and written to parquet: keep it a short, non-empty string.
 TaskId = Annotated[str, msgspec.Meta(min_length=1, max_length=512)]
-ShortStr = Annotated[str, msgspec.Meta(max_length=256)]
+#: The longest name, label or reward-part key a message carries.
+MAX_SHORT_STR = 256
+ShortStr = Annotated[str, msgspec.Meta(max_length=MAX_SHORT_STR)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 #: Most masked runs one response may carry (a turn adds one: far more than any episode has).
 MAX_MASKED_SPANS = 4096

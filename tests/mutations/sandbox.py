@@ -123,4 +123,12 @@ ROWS = (
         "            if False:",
         ("tests/test_tool_queue.py",),
     ),
+    Mutation(
+        "a reward part no trajectory can carry is left out",
+        "a part named in over 256 characters is kept (its group cannot be sent, dealt again and given up)",
+        "asyncrl/rewards/registry.py",
+        "            if len(name) > MAX_SHORT_STR:  # a trajectory could not carry it: its group was lost",
+        "            if False:",
+        ("tests/test_reward_values.py",),
+    ),
 )
