@@ -50,6 +50,7 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         if fresh:  # a new run in an old directory: keep the old records, apart
             set_aside(run_dir / METRICS_FILE)
+        _end_whole(run_dir / METRICS_FILE)
         self._file = open(run_dir / METRICS_FILE, "a", buffering=1)  # noqa: SIM115
         if "wandb" in self.sinks:
             import wandb  # only when asked for: it is slow to import
@@ -74,7 +75,11 @@ class MetricsLogger:
             # (WANDB_AXIS, in every row): a record moved to a later W&B step (see
             # _wandb_row) stays at its own step on the charts.
             self._wandb.define_metric(WANDB_AXIS)
-        self._wandb_step, self._wandb_keys = -1, set[str]()
+        # W&B's steps only go up, across a resume too: a resumed W&B run goes on from its
+        # next step (which records moved ahead, see _wandb_row, may have pushed past the
+        # learner's), else it dropped the resumed learner's first records without a word.
+        start = int(getattr(self._wandb, "starting_step", 0) or 0)
+        self._wandb_step, self._wandb_keys = start if start > 0 else -1, set[str]()
         self._wandb_charted = {"val", WANDB_AXIS.split("/")[0]}  # namespaces given an axis
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -121,7 +126,7 @@ class MetricsLogger:
     def mark_resumed(self, step: int) -> None:
         """A learner resumed from its checkpoint at ``step``: when the file holds later
         steps (trained, then lost with the learner that died), a record saying so, by
-        which :func:`read_metrics` drops them (W&B drops the steps it sees again itself)."""
+        which :func:`read_metrics` drops them (W&B charts both lives at their ``train/step``)."""
         if self._file is None:
             return
         reached = max((r.get("step", 0) for r in read_metrics(self.run_dir)), default=0)
@@ -130,9 +135,9 @@ class MetricsLogger:
             self._file.write(json.dumps(record) + "\n")
             if self._wandb is not None:  # W&B takes no step twice: said, not left to guess
                 log.warning(
-                    "W&B keeps steps %d-%d as the learner lost with its checkpoint logged "
-                    "them (it drops steps that go back); this run's %s holds the steps "
-                    "trained again",
+                    "W&B charts steps %d-%d twice (at their train/step): as the learner lost "
+                    "with its checkpoint logged them, and as they are trained again; this "
+                    "run's %s keeps only the steps trained again",
                     step + 1,
                     reached,
                     METRICS_FILE,
@@ -145,6 +150,28 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _end_whole(path: Path) -> None:
+    """Cut a record the previous writer left half written (it died mid-line) from the end of
+    ``path``: appended to, the next record (a resume's marker) joined it into one line that
+    no reader can parse."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            back = min(size, 1 << 20)  # a record is far shorter than this
+            f.seek(size - back)
+            tail = f.read(back)
+            cut = tail.rfind(b"\n")
+            f.truncate(size - back + cut + 1 if cut >= 0 else size - back)
+    except FileNotFoundError:
+        return
+    log.warning("%s ended in a half-written record (its writer died mid-line): cut", path.name)
 
 
 def _wandb_id(run_dir: Path, fresh: bool) -> str:

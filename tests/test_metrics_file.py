@@ -77,11 +77,12 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
     assert run_id(fresh=True) != first
 
 
-def test_a_resume_that_trains_steps_again_says_wandb_keeps_the_lost_ones(
+def test_a_resume_that_trains_steps_again_says_wandb_charts_them_twice(
     tmp_path, monkeypatch, caplog
 ):
-    """W&B drops a step that goes back: after a resume from step 1 of a learner that had
-    logged step 3, it keeps the lost steps 2-3, and the learner says so once."""
+    """After a resume from step 1 of a learner that had logged step 3, W&B holds the lost
+    steps 2-3 and the ones trained again (its steps only go up), and the learner says so
+    once."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
@@ -96,8 +97,65 @@ def test_a_resume_that_trains_steps_again_says_wandb_keeps_the_lost_ones(
     logger.close()
     lines = [r.getMessage() for r in caplog.records if r.name == "asyncrl.metrics"]
     assert lines == [
-        "W&B keeps steps 2-3 as the learner lost with its checkpoint logged them (it drops "
-        "steps that go back); this run's metrics.jsonl holds the steps trained again"
+        "W&B charts steps 2-3 twice (at their train/step): as the learner lost with its "
+        "checkpoint logged them, and as they are trained again; this run's metrics.jsonl "
+        "keeps only the steps trained again"
+    ]
+
+
+class _ResumedWandbRun:
+    """What the logger uses of a W&B run resumed online, whose next step is 10 (records
+    moved ahead by piled-up rounds, or a learner that logged past its checkpoint)."""
+
+    starting_step, resumed, id = 10, True, "r"
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def define_metric(self, *args, **kwargs) -> None:
+        pass
+
+    def log(self, row: dict, step: int) -> None:
+        assert not self.steps or step >= self.steps[-1], "W&B drops a step that goes back"
+        self.steps.append(step)
+
+    def finish(self) -> None:
+        pass
+
+
+def test_a_resumed_wandb_run_goes_on_from_its_next_step(tmp_path, monkeypatch):
+    """Found by a review: the logger started its W&B steps over at every start, so a
+    resumed run whose W&B steps were ahead of the learner's dropped the learner's first
+    records after the resume, without a word."""
+    import wandb
+
+    fake = _ResumedWandbRun()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: fake)
+    logger = MetricsLogger(tmp_path / "run", ["wandb"], project="p", experiment="e")
+    for step in (6, 7, 12):
+        logger.log(step, {"loss/pg": float(step)})
+    logger.close()
+    assert fake.steps == [10, 11, 12]  # steps 6 and 7 at W&B steps 10 and 11, never below
+
+
+def test_a_half_written_last_record_is_cut_before_the_resume_appends(tmp_path):
+    """Found by a review: a learner that died mid-line left a record without its newline;
+    the resume's marker, appended, joined it into one line no reader parses, and the lost
+    steps' records showed beside the ones trained again."""
+    run = tmp_path / "run"
+    for step in (1, 2, 3, 4):
+        _write(run, step, fresh=step == 1)
+    with open(run / METRICS_FILE, "a") as f:
+        f.write('{"step": 5, "time": 1.0, "loss/p')
+    logger = MetricsLogger(run, ["jsonl"], fresh=False)
+    logger.mark_resumed(2)
+    logger.log(3, {"loss/pg": 30.0})
+    logger.close()
+    assert [(r["step"], r.get("loss/pg")) for r in read_metrics(run)] == [
+        (1, 1.0),
+        (2, 2.0),
+        (2, None),
+        (3, 30.0),
     ]
 
 
