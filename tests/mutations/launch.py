@@ -150,6 +150,24 @@ ROWS = (
         ("tests/test_launch_progress.py",),
     ),
     Mutation(
+        "a resumed W&B run goes on from its next step",
+        "the logger starts its W&B steps over at a resume (W&B drops the first records)",
+        "asyncrl/metrics.py",
+        "        self._wandb_step, self._wandb_keys = start if start > 0 else -1, set[str]()",
+        "        self._wandb_step, self._wandb_keys = -1, set[str]()",
+        ("tests/test_metrics_file.py::test_a_resumed_wandb_run_goes_on_from_its_next_step",),
+    ),
+    Mutation(
+        "a half-written record is cut before a resume appends",
+        "the resume's marker joins a dead learner's half-written line",
+        "asyncrl/metrics.py",
+        "        _end_whole(run_dir / METRICS_FILE)",
+        "        pass",
+        (
+            "tests/test_metrics_file.py::test_a_half_written_last_record_is_cut_before_the_resume_appends",
+        ),
+    ),
+    Mutation(
         "W&B keeps both records of one step that share a key",
         "a record sharing a key with its step's earlier one is logged at the same W&B step",
         "asyncrl/metrics.py",
