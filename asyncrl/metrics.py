@@ -225,7 +225,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 def _is_number(v: Any) -> bool:
+    """A finite number a record can hold (a value too large for a float is none: its
+    ``float()`` raised, and the record with it)."""
     try:
-        return not isinstance(v, bool | str) and math.isfinite(float(v))
-    except (TypeError, ValueError):
+        return not isinstance(v, bool | str | bytes) and math.isfinite(float(v))
+    except (TypeError, ValueError, OverflowError):
         return False

@@ -8,7 +8,10 @@ from asyncrl.metrics import METRICS_FILE, MetricsLogger, read_metrics
 
 def _write(run, step: int, fresh: bool) -> None:
     logger = MetricsLogger(run, ["jsonl"], fresh=fresh)
-    logger.log(step, {"loss/pg": float(step), "note": "dropped: not a number"})
+    # Not numbers a record holds, dropped: text, bytes, and an int too large for a float
+    # (its float() raised OverflowError, and the whole record with it).
+    odd = {"note": "dropped: not a number", "raw": b"1.5", "huge": 10**400}
+    logger.log(step, {"loss/pg": float(step), **odd})
     logger.close()
 
 
@@ -17,7 +20,7 @@ def test_resumed_run_appends_and_new_run_sets_old_records_aside(tmp_path):
     _write(run, 1, fresh=True)  # nothing to set aside yet
     _write(run, 2, fresh=False)  # a resumed run continues the same file
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
-    assert "note" not in read_metrics(run)[0]
+    assert not {"note", "raw", "huge"} & set(read_metrics(run)[0])
     _write(run, 1, fresh=True)  # a new run: the old records move to metrics.1.jsonl
     _write(run, 1, fresh=True)  # and the next new run's to metrics.2.jsonl
     assert [r["step"] for r in read_metrics(run)] == [1]
