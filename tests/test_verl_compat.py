@@ -289,6 +289,36 @@ def test_a_mapped_key_on_the_command_line_wins_over_the_file(tmp_path):
     assert load_config(verl_file).data.max_response_length == 8
 
 
+@pytest.mark.parametrize("value", ["null", "half", "[0.5]"])
+def test_a_refused_key_whose_value_its_check_cannot_read_is_refused_in_one_line(value):
+    """Found by a review: a non-number num_cycles raised a TypeError or ValueError out of
+    the table's check, a traceback instead of the refusal's one line."""
+    with pytest.raises(ConfigError, match="num_cycles=.* is not supported here"):
+        load_config(None, [f"actor_rollout_ref.actor.optim.num_cycles={value}"])
+
+
+def test_a_target_verl_writes_at_null_takes_the_mapped_keys_value(tmp_path):
+    """Found by a review: veRL's own yaml writes ``ppo_micro_batch_size_per_gpu: null``
+    beside ``ppo_micro_batch_size: 8`` (and the clip range's ends at null beside
+    ``clip_ratio``), and reads the null as not given. The null won here: the global
+    micro-batch was dropped, and with dynamic batching off the config was refused."""
+    path = tmp_path / "v.yaml"
+    path.write_text(
+        "actor_rollout_ref:\n"
+        "  actor: {ppo_micro_batch_size: 8, ppo_micro_batch_size_per_gpu: null,\n"
+        "          use_dynamic_bsz: false, clip_ratio: 0.3, clip_ratio_low: 0.2,\n"
+        "          clip_ratio_high: null}\n"
+        "  ref: {log_prob_micro_batch_size: 8, log_prob_micro_batch_size_per_gpu: null}\n"
+        "  rollout: {name: vllm, log_prob_micro_batch_size: 8,\n"
+        "            log_prob_micro_batch_size_per_gpu: null}\n"
+        "trainer: {n_gpus_per_node: 2}\n"
+    )
+    cfg = load_config(path)
+    assert cfg.trainer.nproc == 2 and cfg.actor.ppo_micro_batch_size_per_gpu == 4  # 8 / 2
+    # veRL: clip_ratio_low if not None else clip_ratio, each end on its own
+    assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.2, 0.3)
+
+
 @pytest.mark.parametrize(
     ("mode", "expected"),
     [("left", [3, 4, 5, 6]), ("right", [1, 2, 3, 4]), ("middle", [1, 2, 5, 6])],

@@ -138,7 +138,10 @@ def plan_verl_keys(raw: dict[str, Any], given: frozenset[str] = frozenset()) -> 
             continue
         from_cli = _given(source, given)
         for target in rule.target:
-            present = target in plan or lookup(raw, target)[0]
+            found, now = lookup(raw, target)
+            # A target at null is not given where veRL reads null as unset (its own yaml
+            # writes ppo_micro_batch_size_per_gpu: null beside ppo_micro_batch_size: 8).
+            present = target in plan or (found and not (now is None and rule.target_null_is_unset))
             if not present or (from_cli and not _given(target, given)):
                 plan[target] = VerlMove(key, source, rule)
     return plan

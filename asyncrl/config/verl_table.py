@@ -63,6 +63,13 @@ class VerlKey:
     bad_with: tuple[str, ...] = ()  # refused: the overrides that make ``bad`` refused
     example: Any = ...  # a value the table's test sets instead of veRL's default
     per_rank: bool = False  # mapped: a global count, divided by the learner's ranks
+    # mapped: a target at null is unset (veRL's yaml writes the per-GPU micro-batches and
+    # the clip range's ends at null, and reads this key's value then)
+    null_target_unset: bool = False
+
+    @property
+    def target_null_is_unset(self) -> bool:
+        return self.per_rank or self.null_target_unset
 
     @property
     def renames(self) -> str | None:
@@ -82,9 +89,22 @@ def _impl(note: str = "", example: Any = ..., reads_as=None) -> VerlKey:
     return VerlKey("implemented", note, convert=reads_as, example=example)
 
 
-def _map(target: str | tuple[str, ...], reason: str, convert=None, example: Any = ...):
+def _map(
+    target: str | tuple[str, ...],
+    reason: str,
+    convert=None,
+    example: Any = ...,
+    null_target_unset: bool = False,
+):
     targets = (target,) if isinstance(target, str) else target
-    return VerlKey("mapped", reason, targets, convert or _same, example=example)
+    return VerlKey(
+        "mapped",
+        reason,
+        targets,
+        convert or _same,
+        example=example,
+        null_target_unset=null_target_unset,
+    )
 
 
 #: veRL's older global micro-batch keys: veRL divides them by the data-parallel size.
@@ -325,6 +345,7 @@ VERL_KEYS: dict[str, VerlKey] = {
         ("actor.clip_ratio_low", "actor.clip_ratio_high"),
         "both ends of the clip range, unless clip_ratio_low / clip_ratio_high are given",
         example=0.3,
+        null_target_unset=True,  # veRL: clip_ratio_low if not None else clip_ratio
     ),
     **_rows(
         _ACTOR + "policy_loss.",
@@ -835,9 +856,15 @@ VERL_KEYS: dict[str, VerlKey] = {
 
 
 def refused_value(key: str, rule: VerlKey, value: Any, raw: dict[str, Any]) -> str | None:
-    """The one-line problem when ``rule`` refuses ``value`` in ``raw``, else None."""
-    if rule.kind != "refused" or (rule.allowed and rule.allowed(value, raw)):
+    """The one-line problem when ``rule`` refuses ``value`` in ``raw``, else None. A value
+    its check cannot read (``num_cycles=half``) is refused in the same line, not raised."""
+    if rule.kind != "refused":
         return None
+    try:
+        if rule.allowed and rule.allowed(value, raw):
+            return None
+    except (TypeError, ValueError, ArithmeticError):
+        pass
     return f"{key}={value!r} is not supported here: {rule.reason}"
 
 
