@@ -364,4 +364,24 @@ ROWS = (
             "tests/test_resume_inputs.py::test_only_a_global_step_folder_holding_an_actor_reads_as_veRLs",
         ),
     ),
+    Mutation(
+        "a target veRL writes at null takes the mapped key's value",
+        "a null per-GPU micro-batch (or clip end) counts as given and wins",
+        "asyncrl/config/verl_compat.py",
+        "            present = target in plan or (found and not (now is None and rule.target_null_is_unset))",
+        "            present = target in plan or found",
+        (
+            "tests/test_verl_compat.py::test_a_target_verl_writes_at_null_takes_the_mapped_keys_value",
+        ),
+    ),
+    Mutation(
+        "a value a refused key's check cannot read is refused in one line",
+        "the check's TypeError escapes as a traceback",
+        "asyncrl/config/verl_table.py",
+        "    except (TypeError, ValueError, ArithmeticError):",
+        "    except ZeroDivisionError:",
+        (
+            "tests/test_verl_compat.py::test_a_refused_key_whose_value_its_check_cannot_read_is_refused_in_one_line",
+        ),
+    ),
 )
