@@ -297,6 +297,19 @@ def test_a_refused_key_whose_value_its_check_cannot_read_is_refused_in_one_line(
         load_config(None, [f"actor_rollout_ref.actor.optim.num_cycles={value}"])
 
 
+def test_an_error_names_the_key_whose_value_was_taken():
+    """Found by a review: ``trainer.nproc=0`` won over ``trainer.n_gpus_per_node=2``, and
+    the refusal named n_gpus_per_node, whose value was never used. A veRL key whose value
+    its target took is still named as typed."""
+    both = ["trainer.n_gpus_per_node=2", "trainer.nproc=0"]
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/cpu_demo.yaml", both)
+    assert e.value.problems == ["trainer.nproc: input should be greater than 0 (got 0)"]
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/cpu_demo.yaml", ["actor_rollout_ref.rollout.max_num_seqs=0"])
+    assert e.value.problems[0].startswith("actor_rollout_ref.rollout.max_num_seqs: ")
+
+
 def test_a_target_verl_writes_at_null_takes_the_mapped_keys_value(tmp_path):
     """Found by a review: veRL's own yaml writes ``ppo_micro_batch_size_per_gpu: null``
     beside ``ppo_micro_batch_size: 8`` (and the clip range's ends at null beside

@@ -47,6 +47,7 @@ from asyncrl.config.verl_compat import (
     speaks_verl,
 )
 from asyncrl.config.verl_groups import (
+    applied_spellings,
     drop_hydra_entries,
     flatten_verl_groups,
     respelled,
@@ -84,6 +85,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     # Which of our keys veRL's mapped keys set, before ${...} resolve: a reference reads the
     # value the run will use (${data.max_response_length} reads veRL's response_length).
     plan = plan_verl_keys(raw, frozenset(given))
+    spelled = applied_spellings(spelled, plan)
     try:
         resolve_references(raw, _defaults(), plan, RENAMED)
     except InterpolationError as e:

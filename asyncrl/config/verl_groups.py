@@ -35,6 +35,22 @@ def verl_spellings(loaded: dict[str, Any] | None, overrides: Iterable[str]) -> d
     return spelled
 
 
+def applied_spellings(spelled: dict[str, str], plan: dict[str, Any]) -> dict[str, str]:
+    """``spelled`` without a mapped veRL key whose value its target did not take (``plan``:
+    :func:`~asyncrl.config.verl_compat.plan_verl_keys`): an error about that target is
+    about the value the user gave it under our name, and must name that key (it named
+    ``trainer.n_gpus_per_node`` for a ``trainer.nproc=0`` that won over it)."""
+    out = {}
+    for ours, typed in spelled.items():
+        rule = VERL_KEYS.get(typed)
+        if rule is not None and rule.kind == "mapped":
+            move = plan.get(ours)
+            if move is None or move.key != typed:
+                continue
+        out[ours] = typed
+    return out
+
+
 def unknown_verl_children(raw: dict[str, Any]) -> list[str]:
     """One line per key of veRL's ``actor_rollout_ref`` that is none of its groups or keys
     (those known have moved to ours by now), named as typed with the nearest veRL key:

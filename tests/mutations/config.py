@@ -384,4 +384,12 @@ ROWS = (
             "tests/test_verl_compat.py::test_a_refused_key_whose_value_its_check_cannot_read_is_refused_in_one_line",
         ),
     ),
+    Mutation(
+        "an error names the key whose value was taken",
+        "a refusal names a veRL key whose value its target did not take",
+        "asyncrl/config/load.py",
+        "    spelled = applied_spellings(spelled, plan)",
+        "    pass",
+        ("tests/test_verl_compat.py::test_an_error_names_the_key_whose_value_was_taken",),
+    ),
 )
