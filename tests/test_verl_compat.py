@@ -297,6 +297,18 @@ def test_a_refused_key_whose_value_its_check_cannot_read_is_refused_in_one_line(
         load_config(None, [f"actor_rollout_ref.actor.optim.num_cycles={value}"])
 
 
+def test_dapos_max_resp_len_at_the_default_response_length_is_accepted():
+    """Found by a review: with data.max_response_length left at its default, the same
+    value for reward_kwargs.max_resp_len was refused (it was compared with nothing)."""
+    from asyncrl.config.data import DataConfig
+
+    default = DataConfig.model_fields["max_response_length"].default
+    cfg = load_config(None, [f"+reward_model.reward_kwargs.max_resp_len={default}"])
+    assert cfg.data.max_response_length == default
+    with pytest.raises(ConfigError, match="max_resp_len=99 is not supported here"):
+        load_config(None, ["+reward_model.reward_kwargs.max_resp_len=99"])
+
+
 def test_an_error_names_the_key_whose_value_was_taken():
     """Found by a review: ``trainer.nproc=0`` won over ``trainer.n_gpus_per_node=2``, and
     the refusal named n_gpus_per_node, whose value was never used. A veRL key whose value

@@ -146,6 +146,15 @@ def _get(raw: dict[str, Any], dotted: str, default: Any = None) -> Any:
     return value if found else default
 
 
+def _response_length(raw: dict[str, Any]) -> Any:
+    """``data.max_response_length`` as the run will have it: given, else its default."""
+    from asyncrl.config.data import DataConfig
+
+    return _get(
+        raw, "data.max_response_length", DataConfig.model_fields["max_response_length"].default
+    )
+
+
 # ------------------------------------------------------------------ the reasons, once
 KL_NAMES_NOTE = (
     "veRL's kl, mse and low_var_kl are read as k1, k2 and k3 (and kl+, low_var_kl+ as k1+, k3+)"
@@ -737,7 +746,7 @@ VERL_KEYS: dict[str, VerlKey] = {
         "refused",
         "DAPO's overlong penalty counts from data.max_response_length here: give "
         "data.max_response_length the same value (or remove max_resp_len)",
-        allowed=lambda v, raw: v is None or v == _get(raw, "data.max_response_length"),
+        allowed=lambda v, raw: v is None or v == _response_length(raw),
         bad=12345,
     ),
     **_implemented(
