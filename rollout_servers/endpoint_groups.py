@@ -125,8 +125,9 @@ class EndpointGroups:
     def task_ids(self) -> list[str]:
         """The external slots this server holds (said at re-registration). Read from the
         client's heartbeat thread while the loop opens and closes groups: ``list()`` copies
-        the values at once (a comprehension over the live view raised "dictionary changed
-        size during iteration", and the watch thread took that for the coordinator gone)."""
+        the values at once (a comprehension over the live view can raise "dictionary
+        changed size during iteration", which the watch thread takes for the coordinator
+        gone; found by reading, not seen)."""
         return [g.task.task_id for g in list(self.by_name.values())]
 
     # ----------------------------------------------------------------- opening
