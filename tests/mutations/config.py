@@ -392,4 +392,14 @@ ROWS = (
         "    pass",
         ("tests/test_verl_compat.py::test_an_error_names_the_key_whose_value_was_taken",),
     ),
+    Mutation(
+        "DAPO's max_resp_len is compared with the run's response length",
+        "max_resp_len is compared with data.max_response_length only when the config gives it",
+        "asyncrl/config/verl_table.py",
+        "        allowed=lambda v, raw: v is None or v == _response_length(raw),",
+        '        allowed=lambda v, raw: v is None or v == _get(raw, "data.max_response_length"),',
+        (
+            "tests/test_verl_compat.py::test_dapos_max_resp_len_at_the_default_response_length_is_accepted",
+        ),
+    ),
 )

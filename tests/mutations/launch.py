@@ -168,6 +168,16 @@ ROWS = (
         ),
     ),
     Mutation(
+        "a number past float's range is dropped from a record",
+        "an int too large for a float raises and loses its whole record",
+        "asyncrl/metrics.py",
+        "    except (TypeError, ValueError, OverflowError):",
+        "    except (TypeError, ValueError):",
+        (
+            "tests/test_metrics_file.py::test_resumed_run_appends_and_new_run_sets_old_records_aside",
+        ),
+    ),
+    Mutation(
         "W&B keeps both records of one step that share a key",
         "a record sharing a key with its step's earlier one is logged at the same W&B step",
         "asyncrl/metrics.py",
