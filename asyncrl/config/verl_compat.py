@@ -141,7 +141,7 @@ def plan_verl_keys(raw: dict[str, Any], given: frozenset[str] = frozenset()) -> 
             found, now = lookup(raw, target)
             # A target at null is not given where veRL reads null as unset (its own yaml
             # writes ppo_micro_batch_size_per_gpu: null beside ppo_micro_batch_size: 8).
-            present = target in plan or (found and not (now is None and rule.target_null_is_unset))
+            present = target in plan or (found and not (now is None and rule.null_target_unset))
             if not present or (from_cli and not _given(target, given)):
                 plan[target] = VerlMove(key, source, rule)
     return plan

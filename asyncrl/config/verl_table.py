@@ -68,10 +68,6 @@ class VerlKey:
     null_target_unset: bool = False
 
     @property
-    def target_null_is_unset(self) -> bool:
-        return self.per_rank or self.null_target_unset
-
-    @property
     def renames(self) -> str | None:
         """The one key of ours this mapped key is another name for (the same value, not
         divided by the ranks), else None: a reference to the veRL key reads it."""
@@ -115,7 +111,15 @@ GLOBAL_MICRO = (
 
 
 def _global_micro(target: str) -> VerlKey:
-    return VerlKey("mapped", GLOBAL_MICRO, (target,), lambda v: v, example=8, per_rank=True)
+    return VerlKey(
+        "mapped",
+        GLOBAL_MICRO,
+        (target,),
+        lambda v: v,
+        example=8,
+        per_rank=True,
+        null_target_unset=True,
+    )
 
 
 def _none(reason: str, example: Any = ...) -> VerlKey:

@@ -368,7 +368,7 @@ ROWS = (
         "a target veRL writes at null takes the mapped key's value",
         "a null per-GPU micro-batch (or clip end) counts as given and wins",
         "asyncrl/config/verl_compat.py",
-        "            present = target in plan or (found and not (now is None and rule.target_null_is_unset))",
+        "            present = target in plan or (found and not (now is None and rule.null_target_unset))",
         "            present = target in plan or found",
         (
             "tests/test_verl_compat.py::test_a_target_verl_writes_at_null_takes_the_mapped_keys_value",
