@@ -1,7 +1,7 @@
 """DAPO's dynamic sampling on the demo: the same run with ``algorithm.filter_groups`` off
 and on, interleaved and repeated on this machine.
 
-``python benchmarks/filter_groups.py [--quick] [--steps 120] [--reps 3]``
+``python benchmarks/filter_groups.py [--quick] [--steps 120] [--reps 3] [--set KEY=VALUE]``
 
 Per run: trained samples/s, the learner's batch wait (mean ``timing/wait_batch_s`` over
 the steps after the warm-up, and the waiting share of that window: the first step's wait
@@ -56,6 +56,14 @@ def _extra(p) -> None:
         action="store_true",
         help="the filter-on arm also skips prompts it keeps dropping "
         "(algorithm.filter_groups.skip_uninformative)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted config override for both arms (repeatable), e.g. "
+        "staleness.controller=adaptive",
     )
 
 
@@ -145,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (15 if args.quick else 120)
     reps = check_reps(args.reps)
     ensure_demo()
-    common = [f"trainer.total_training_steps={steps}", "trainer.save_freq=-1"]
+    common = [f"trainer.total_training_steps={steps}", "trainer.save_freq=-1", *args.set]
     on = ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=4"]
     if args.skip:
         on.append("algorithm.filter_groups.skip_uninformative=true")
@@ -173,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
             "runs": runs,
         },
         plot=_plot(runs),
-        config={"config": CONFIG, "steps": steps, "on": on, "reps": reps},
+        config={"config": CONFIG, "steps": steps, "on": on, "both": args.set, "reps": reps},
     )
     print(f"results: {json_path}, {png}")
     for name, r in runs.items():
