@@ -21,6 +21,7 @@ checkpoint, and the learner exits 5 (the launcher does not restart it).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
@@ -43,7 +44,7 @@ from learner.control_plane import RankZero
 from learner.export import exported_step
 from learner.health import Alarm, HealthMonitor, learner_probe
 from learner.metrics import reward_part_metrics
-from learner.restore import restore
+from learner.restore import clear_the_way, restore
 from learner.rollouts import Rollout
 
 ENDED_PROBE_S = 10.0  # how long a learner of an ended run asks for a buffer to tell
@@ -85,8 +86,11 @@ class LearnerLoop:
         self._marked: set[str] = set()  # start-up phases already marked
         self.run_dir = run_dir_of(cfg)
         self.total = total_training_steps(cfg)
+        # Before the model loads: a start that dies while it loads is restarted under
+        # auto, which must find this start's checkpoint (torchrun's RANK: no group yet).
+        cleared = clear_the_way(cfg, self.run_dir, int(os.environ.get("RANK", "0")))
         self.trainer = Trainer(cfg, total_steps=self.total)
-        start = restore(cfg, self.trainer, self.run_dir)
+        start = restore(cfg, self.trainer, self.run_dir, cleared)
         self.restored = start.restored
         self.new_run = start.new_run  # whether this start begins a new run here
         self._mark("model_ready")

@@ -1,8 +1,9 @@
 """Which checkpoint a learner start resumes from, and what it moves out of the way.
 
 A launcher restarts a learner with ``trainer.resume_mode=auto``, so what ``auto`` finds
-must be this run's: a start that does not resume from the run directory's checkpoints
-(``disable``, or ``resume_path`` elsewhere) moves them aside first, and ``auto`` with none
+must be this run's, even for a start that dies while its model loads: before the model
+loads (:func:`clear_the_way`), a start that does not resume from the run directory's
+checkpoints (``disable``, or ``resume_path`` elsewhere) moves them aside, and ``auto`` with none
 of this run's yet falls back to ``resume_from_path`` (the first start's weights, not the
 base model's; a restart of a start under ``disable``, which loaded nothing, clears it:
 :func:`asyncrl.launch.roles.learner_restart_args`). A ``resume_path`` to an earlier step of this run (a rewind) moves the steps
@@ -15,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.ending import COMPLETE_FILE, starts_new_run
-from asyncrl.config.inputs import STATE_FILE, resume_problem, total_training_steps
+from asyncrl.config.inputs import STATE_FILE, STEP_ENTRY, resume_problem, total_training_steps
 from asyncrl.config.resumed import (
     changed_line,
     changed_settings,
@@ -33,9 +35,18 @@ from asyncrl.config.resumed import (
     with_saved,
 )
 from asyncrl.config.verl_checkpoints import auto_line, latest_verl_step
+from learner.checkpoint_folders import latest_checkpoint, set_aside_checkpoints
 from learner.control_peer import Restored
+from learner.export import EXPORT_MARK
 
 log = logging.getLogger(__name__)
+
+#: Said when a rewind's checkpoint did not load after the steps after it were moved.
+REWOUND_BUT_FAILED = (
+    "the rewind did not load, but its later steps were already moved aside (under "
+    "{run}/checkpoints/abandoned_after_step_*): move them back into checkpoints/ to go on "
+    "with that branch"
+)
 
 
 class Loads(Protocol):
@@ -60,35 +71,77 @@ class Start:
     health: dict[str, Any] = field(default_factory=dict)
 
 
-def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
-    """Load the latest checkpoint (``resume_mode=auto``) or a given one, if any, into
-    ``trainer`` (a :class:`learner.trainer.Trainer`; every rank calls this). Raises
-    :class:`ConfigError` for a path that is no checkpoint, before anything moves, and for
-    one that cannot be loaded."""
-    from torch.distributed.checkpoint.api import CheckpointException
+@dataclass(frozen=True)
+class Cleared:
+    """What :func:`clear_the_way` decided: the checkpoint to load (None: none), whether
+    the start begins a new run or branch here, and whether a rewind moved later steps."""
 
-    from learner.checkpoint import unloadable_line
-    from learner.checkpoint_fit import CheckpointMisfit
-    from learner.checkpoint_folders import latest_checkpoint, set_aside_checkpoints
+    path: str | Path | None
+    new_run: bool
+    rewound: bool = False
 
+
+def clear_the_way(cfg: Config, run_dir: Path, rank: int) -> Cleared:
+    """Choose the checkpoint a start under ``cfg`` resumes and, on rank 0, move what a
+    restart must not find: an earlier run's checkpoints (a new run here), the steps after a
+    rewind's, an earlier ending (``complete.json``) and the final exports' marks. Done
+    before the model loads: a learner that dies while it loads is restarted with ``auto``
+    (:func:`asyncrl.launch.roles.learner_restart_args`), which must find this start's
+    checkpoint, not the one it was told to leave. Raises :class:`ConfigError` for a path
+    that is no checkpoint, before anything moves. Filesystem only; every rank calls it
+    (rank 0 moves, and ``auto``, whose choice a move could change, moves nothing)."""
     t, mode = cfg.trainer, cfg.trainer.resume_mode
     path = None
     if mode == "auto":
         path = latest_checkpoint(run_dir) or t.resume_from_path
         verl = latest_verl_step(run_dir) if path is None else None
-        if verl is not None and trainer.rank == 0:  # veRL's run directory, veRL's default
+        if verl is not None and rank == 0:  # veRL's run directory, veRL's default
             log.warning("%s", auto_line(run_dir, verl))
     elif mode == "resume_path":
         path = t.resume_from_path
     if path is not None and (problem := resume_problem(str(path))) is not None:
         raise ConfigError([problem])
     new_run = starts_new_run(mode, path, run_dir)
-    rank0 = trainer.rank == 0
-    if rank0 and new_run and mode != "auto" and (old := set_aside_checkpoints(run_dir)):
+    if rank != 0:
+        return Cleared(path, new_run)
+    if new_run and mode != "auto" and (old := set_aside_checkpoints(run_dir)):
         log.info("checkpoints of an earlier run (not resumed) moved to %s", old.name)
-    if rank0 and (new_run or mode == "resume_path"):
-        # A new run here, or a branch of this one: an earlier ending is not its own.
+    if new_run or mode == "resume_path":
+        # A new run here, or a branch of this one: an earlier ending, and the exports it
+        # marked with its steps, are not its own (a mark of the same step would keep them).
         (run_dir / COMPLETE_FILE).unlink(missing_ok=True)
+        for folder in ("final", "final_adapter"):
+            (run_dir / folder / EXPORT_MARK).unlink(missing_ok=True)
+    rewound = False
+    if mode == "resume_path" and not new_run and path is not None:  # a rewind
+        rewound = abandon_later(run_dir, checkpoint_step(Path(path)))
+    return Cleared(path, new_run, rewound)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The learner step a checkpoint folder holds: its state file's (the folder may be a
+    link, or renamed), else the number in its name."""
+    try:
+        return int(json.loads((path / STATE_FILE).read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        if (m := STEP_ENTRY.match(path.name)) is None:
+            raise ConfigError([f"{path}: no step in its {STATE_FILE} nor in its name"]) from None
+        return int(m.group(1))
+
+
+def restore(cfg: Config, trainer: Loads, run_dir: Path, cleared: Cleared | None = None) -> Start:
+    """Load the checkpoint :func:`clear_the_way` chose (``cleared``, or chosen now), if
+    any, into ``trainer`` (a :class:`learner.trainer.Trainer`; every rank calls this).
+    Raises :class:`ConfigError` for a path that is no checkpoint and for one that cannot be
+    loaded."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from learner.checkpoint import unloadable_line
+    from learner.checkpoint_fit import CheckpointMisfit
+
+    if cleared is None:
+        cleared = clear_the_way(cfg, run_dir, trainer.rank)
+    path, new_run = cleared.path, cleared.new_run or cleared.rewound
     if path is None:
         return Start(Restored(None, None, None), new_run)
     try:
@@ -99,8 +152,10 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path) -> Start:
     # CheckpointException, which is no Exception.
     except (Exception, CheckpointException) as e:
         raise ConfigError([unloadable_line(Path(path), e)]) from e
-    if mode == "resume_path" and not new_run and rank0:  # a rewind
-        new_run = abandon_later(run_dir, trainer.step)
+    finally:
+        if cleared.rewound and sys.exc_info()[0] is not None:  # moved for a failed rewind
+            log.warning("%s", REWOUND_BUT_FAILED.format(run=run_dir))
+    rank0 = trainer.rank == 0
     changes = changed_settings(extra.get("settings"), cfg)
     if rank0 and (line := changed_line(changes, trainer.step, lora=cfg.model.lora_rank > 0)):
         log.warning("%s", line)

@@ -124,6 +124,70 @@ def test_a_restart_before_the_first_checkpoint_loads_what_the_first_start_did(tm
         assert trainer.loaded == [given], mode
 
 
+@pytest.mark.parametrize("kind", ["disable", "elsewhere", "rewind"])
+def test_a_start_that_dies_while_its_model_loads_is_restarted_on_what_it_chose(
+    tmp_path, monkeypatch, kind
+):
+    """Found by a review: the moves that keep ``auto`` off an earlier run's checkpoints (or
+    off a rewind's abandoned branch) were made after the model loaded. A learner killed
+    while it loaded (host memory, a failed process group) was restarted under ``auto``, which
+    found the earlier run's step 100, or the abandoned branch's (and with that run's
+    ``complete.json`` still there, ended at once as complete). The launcher's restart now
+    finds what the first start chose: the moves come before the model loads."""
+    import learner.trainer
+
+    run, given = tmp_path / "runs/p/e", _checkpoint(tmp_path / "elsewhere", 7)
+    sixty, _ = _checkpoint(run / "checkpoints", 60), _checkpoint(run / "checkpoints", 100)
+    first, want = {
+        "disable": (["trainer.resume_mode=disable"], []),
+        "elsewhere": (
+            ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={given}"],
+            [given],
+        ),
+        "rewind": (
+            ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={sixty}"],
+            [sixty],
+        ),
+    }[kind]
+    first += [
+        f"trainer.default_local_dir={tmp_path / 'runs'}",
+        "trainer.project_name=p",
+        "trainer.experiment_name=e",
+    ]
+
+    def dies_loading(*args, **kwargs):
+        raise MemoryError("killed while the model loads")
+
+    monkeypatch.setattr(learner.trainer, "Trainer", dies_loading)
+    with pytest.raises(MemoryError):
+        LearnerLoop(load_config(None, first))
+    trainer, _ = _restore(run, *_restarted(first))  # the launcher's restart
+    assert trainer.loaded == want
+
+
+def test_a_new_run_or_branch_does_not_keep_an_earlier_runs_final_export(tmp_path):
+    """Found by a review: ``final/`` is made again at the end unless its mark names the
+    run's last step. A new run (or a rewind) over a run that exported its step 100 would
+    keep that export when it was itself cut short in its ending at step 100."""
+    from learner.export import exported_step, mark_export
+
+    run = tmp_path / "run"
+    for folder in ("final", "final_adapter"):
+        (run / folder).mkdir(parents=True)
+    sixty = _checkpoint(run / "checkpoints", 60)
+    _checkpoint(run / "checkpoints", 100)
+    for start in (
+        ["trainer.resume_mode=auto"],
+        ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={sixty}"],
+        ["trainer.resume_mode=disable"],
+    ):
+        for folder in ("final", "final_adapter"):
+            mark_export(run / folder, 100)
+        _restore(run, *start)
+        kept = [exported_step(run / folder) for folder in ("final", "final_adapter")]
+        assert kept == ([100, 100] if start[0].endswith("auto") else [None, None]), start
+
+
 @pytest.mark.parametrize("mode", ["auto", "resume_path"])
 def test_resuming_from_the_run_directory_moves_nothing(tmp_path, mode):
     run = tmp_path / "run"
