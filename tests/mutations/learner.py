@@ -446,8 +446,30 @@ ROWS = (
         "auto over a veRL run directory says it starts over",
         "the run starts from model.path beside veRL's checkpoints without a word",
         "learner/restore.py",
-        "        if verl is not None and trainer.rank == 0:  # veRL's run directory, veRL's default",
+        "        if verl is not None and rank == 0:  # veRL's run directory, veRL's default",
         "        if False:",
         ("tests/test_resume_modes.py::test_auto_over_a_verl_run_directory_says_it_starts_over",),
+    ),
+    Mutation(
+        "a start that dies while its model loads is restarted on what it chose",
+        "the moves that keep auto off an earlier run's checkpoints come after the model loads",
+        "learner/loop.py",
+        '        cleared = clear_the_way(cfg, self.run_dir, int(os.environ.get("RANK", "0")))',
+        "        cleared = None",
+        (
+            "tests/test_resume_modes.py::"
+            "test_a_start_that_dies_while_its_model_loads_is_restarted_on_what_it_chose",
+        ),
+    ),
+    Mutation(
+        "a new run or branch does not keep an earlier run's final export",
+        "a new run cut short in its ending at the earlier run's last step keeps its final/",
+        "learner/restore.py",
+        '        for folder in ("final", "final_adapter"):\n            (run_dir / folder / EXPORT_MARK)',
+        "        for folder in ():\n            (run_dir / folder / EXPORT_MARK)",
+        (
+            "tests/test_resume_modes.py::"
+            "test_a_new_run_or_branch_does_not_keep_an_earlier_runs_final_export",
+        ),
     ),
 )
