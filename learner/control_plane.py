@@ -28,7 +28,7 @@ from asyncrl.metrics import MetricsLogger
 from learner.broadcast import KEEPALIVE_S
 from learner.control_peer import BatchRef, Restored
 from learner.metrics import rollout_summary
-from learner.validation import ValidationTracker
+from learner.validation import ValidationTracker, never_coming
 from learner.weight_push import WeightPushes
 
 log = logging.getLogger(__name__)
@@ -322,10 +322,7 @@ class RankZero:
         # one this poll saw may not have reached it yet. Said here too, a group the
         # learner counted is never dealt again when the buffer dies before that report.
         self.coordinator.trained([tid for groups in reply.by_round.values() for tid in groups])
-        given_up = {
-            k: [t for t, st in ids.items() if st == "given_up"] for k, ids in states.items()
-        }
-        for done in self.validation.add(reply.by_round, progress, given_up):
+        for done in self.validation.add(reply.by_round, progress, never_coming(states)):
             self.logger.log(step, done)
         scored = {k: [t for t, st in ids.items() if st == "done"] for k, ids in states.items()}
         if lost := self.validation.lacking(scored):
@@ -384,7 +381,8 @@ class RankZero:
     ) -> None:
         """Validate the final policy (when training completed and validation is on), then
         end the run for everyone. Waits for the push in flight, then (``wait_rounds``) for
-        the rounds in flight up to ``launch.start_timeout_s``. ``complete``: the run ended
+        the rounds in flight while their groups come in, at most ``launch.start_timeout_s``
+        without one. ``complete``: the run ended
         whole; recorded (:func:`mark_ended`) before the peers are told, so that a learner
         killed after telling them is not started again into an ending that needs them."""
         try:
@@ -396,17 +394,22 @@ class RankZero:
             self.coordinator.start_validation(step)
         start = time.monotonic()
         deadline, said = start + (self.final_wait_s if wait_rounds else 0.0), start
+        seen = self.validation.collected()
         while time.monotonic() < deadline and self.validation.pending(
             self.coordinator.validation_progress()
         ):
             self.pushes.serve_catchups()  # a server (re)started now validates these weights
             self._poll_validation(step)
+            if wait_rounds and (now := self.validation.collected()) != seen:
+                # Bounded without progress, not in all: a large final round (long answers,
+                # val_kwargs.n of 32) outlasts any fixed wait while its groups come in.
+                seen, deadline = now, time.monotonic() + self.final_wait_s
             time.sleep(0.5)
             if time.monotonic() - said >= KEEPALIVE_S / 2:  # every 30 s: what it waits for
                 said = time.monotonic()
                 log.info(
                     "ending: waiting %.0fs so far for validation rounds %s (at most "
-                    "launch.start_timeout_s=%gs)",
+                    "launch.start_timeout_s=%gs without a group scored)",
                     said - start,
                     ", ".join(self.validation.missing(self.coordinator.validation_progress())),
                     self.final_wait_s,
@@ -414,8 +417,9 @@ class RankZero:
         missing = self.validation.missing(self.coordinator.validation_progress())
         if missing and wait_rounds:
             log.warning(
-                "validation rounds %s incomplete after launch.start_timeout_s=%gs: ending "
-                "without their scores (a server or the buffer lost their groups)",
+                "validation rounds %s incomplete after launch.start_timeout_s=%gs without a "
+                "group scored: ending without their scores (a server or the buffer lost "
+                "their groups)",
                 ", ".join(missing),
                 self.final_wait_s,
             )

@@ -45,6 +45,10 @@ class ValidationTracker:
         keys = map(progress.round_key, range(progress.rounds_started))
         return [key for key in keys if key not in self.reported]
 
+    def collected(self) -> tuple[int, int]:
+        """Rounds reported and groups held for the others: grows as a round comes in."""
+        return len(self.reported), sum(map(len, self.groups.values()))
+
     def pending(self, progress: ValidationProgress) -> bool:
         """Whether a started round is not reported yet."""
         return bool(self.missing(progress))
@@ -77,9 +81,9 @@ class ValidationTracker:
                     metrics["val/groups_given_up"] = float(len(lost))
                     log.warning(
                         "validation round %s scored without %d of its %d prompts, given up "
-                        "(failed past control.task_retries, or lost with a buffer after a "
-                        "resume changed the validation set; the log says which): val/score "
-                        "covers the rest",
+                        "(failed past control.task_retries, dropped by the buffer, or lost "
+                        "with a buffer after a resume changed the validation set; the log "
+                        "says which): val/score covers the rest",
                         key,
                         len(lost),
                         need,
@@ -113,6 +117,17 @@ class ValidationTracker:
             key: {i: msgspec.convert(g, ValidationGroup) for i, g in by_id.items()}
             for key, by_id in state.get("groups", {}).items()
         }
+
+
+def never_coming(states: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]]:
+    """Of the coordinator's states of unreported rounds' ids (round key -> id -> state),
+    per round, those never to be scored: given up (failed past ``control.task_retries``)
+    or dropped by the buffer (``dropped/<cause>``: refused, too large, expired; a
+    validation group is not dealt again). Without them a round waits for ever."""
+    return {
+        key: [t for t, st in ids.items() if st == "given_up" or st.startswith("dropped/")]
+        for key, ids in states.items()
+    }
 
 
 def per_source(groups: Iterable[ValidationGroup]) -> dict[str, ValidationStats]:

@@ -156,3 +156,27 @@ def test_a_round_with_a_prompt_given_up_is_reported_without_it(
     assert record["val/groups_given_up"] == 1
     assert record["val/responses"] == (groups - 1) * rig.cfg.rollout.val_kwargs.n
     assert coordinator.accounting()["accounting/val/given_up"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_the_final_round_is_waited_for_while_its_groups_come_in(
+    tmp_path: Path, arithmetic_data: Path
+) -> None:
+    """Found by a review: the run's ending waited ``launch.start_timeout_s`` for its last
+    validation round in all, however fast its groups came in: a round of long answers
+    (val_kwargs.n of 32, a large model) lost the run's headline score, and ``complete.json``
+    kept a rerun from measuring it. The wait is now bounded without progress."""
+    overrides = ["launch.start_timeout_s=2"]
+    with validating_rank_zero(tmp_path, arithmetic_data, overrides) as rig:
+        rank0, coordinator = rig.rank0, rig.rank0.coordinator
+        groups = coordinator.validation_progress().round_groups
+        assert groups * 0.4 > 3 * 2  # the round outlasts the wait three times over
+        server = StandInRollout(rig.cfg, "s0", task_delay_s=0.4)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        try:
+            rank0.finish(0, validate=False)
+        finally:
+            server.stop.set()
+    (record,) = [r for r in read_metrics(run_dir(rig.cfg)) if "val/score" in r]
+    assert record["val/responses"] == groups * rig.cfg.rollout.val_kwargs.n

@@ -296,3 +296,50 @@ def test_a_run_whose_data_runs_out_after_a_step_that_did_not_push_pushes_before_
     # The push's metrics are a record of their own (no later push collects them).
     assert run(0) == [("push", 3), ("sync/probe_max_diff", 3), ("save", 3), ("finish", 3)]
     assert run(3) == [("save", 3), ("finish", 3)]
+
+
+def test_a_validation_group_the_buffer_dropped_does_not_hold_its_round_for_ever():
+    """Found by a review: a validation group the buffer refused (too large for it, or a
+    server whose config differs) is dropped for good, not dealt again, and only groups
+    given up counted as never coming. Its round was never reported, and the run's ending
+    waited out ``launch.start_timeout_s`` for it."""
+    from asyncrl.control import Budget, ControlState, TaskSource
+    from asyncrl.control.ledger import TaskLedger
+    from asyncrl.control.messages import Register
+    from asyncrl.control.syncs import SyncBook
+    from asyncrl.tasks import make_row
+    from asyncrl.wire import DroppedTask
+    from learner.validation import never_coming
+
+    def rows(split: str, k: int) -> list[dict]:
+        return [
+            make_row("arithmetic", f"{i}+{k}=", str(i + k), split=split, index=i)
+            for i in range(8 // k)
+        ]
+
+    source = TaskSource(rows("train", 1), rows("test", 4), n=2, lineage="")
+    st = ControlState(
+        TaskLedger(source, Budget(1, 4)),
+        SyncBook(),
+        heartbeat_s=1.0,
+        dead_after_s=60.0,
+        store_host="h",
+        store_port=0,
+        test_freq=5,
+        val_before_train=True,
+    )
+    st.start_run()
+    st.register(Register(server_id="s0"), 0.0)
+    ids = [t.task_id for t in st.grant("s0", 4, 0.0).tasks if t.validation]
+    assert len(ids) == 2
+    st.ack("s0", ids, 1.0)
+    st.trained([ids[0]])  # scored; the other refused by the buffer
+    st.ledger.dropped([DroppedTask(ids[1], "invalid", True)])
+    tracker, progress = ValidationTracker(), st.validation_progress()
+    states = st.round_states(tracker.missing(progress))
+    scored = {
+        (key := next(iter(states))): {ids[0]: ValidationGroup.of("arithmetic", [1.0, 0.0], 10)}
+    }
+    (report,) = tracker.add(scored, progress, never_coming(states))
+    assert report["val/groups_given_up"] == 1.0 and report["val/score"] == 0.5
+    assert not tracker.pending(progress) and key in tracker.reported
