@@ -472,4 +472,26 @@ ROWS = (
             "test_a_new_run_or_branch_does_not_keep_an_earlier_runs_final_export",
         ),
     ),
+    Mutation(
+        "a validation group the buffer dropped does not hold its round",
+        "only groups given up count as never coming; a refused one holds its round for ever",
+        "learner/validation.py",
+        '        key: [t for t, st in ids.items() if st == "given_up" or st.startswith("dropped/")]',
+        '        key: [t for t, st in ids.items() if st == "given_up"]',
+        (
+            "tests/test_validation_stats.py::"
+            "test_a_validation_group_the_buffer_dropped_does_not_hold_its_round_for_ever",
+        ),
+    ),
+    Mutation(
+        "the final round is waited for while its groups come in",
+        "the ending waits launch.start_timeout_s in all for its last round",
+        "learner/control_plane.py",
+        "                seen, deadline = now, time.monotonic() + self.final_wait_s",
+        "                seen = now",
+        (
+            "tests/test_validation_restarts.py::"
+            "test_the_final_round_is_waited_for_while_its_groups_come_in",
+        ),
+    ),
 )
