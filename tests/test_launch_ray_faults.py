@@ -241,3 +241,20 @@ def test_only_a_cluster_address_is_probed():
         assert cluster_problem(f"ray://127.0.0.1:{port}") is None
     assert cluster_problem(f"ray://127.0.0.1:{port}", timeout_s=1.0) is not None
     assert cluster_problem("auto") is None and cluster_problem("local") is None
+
+
+def test_auto_never_joins_another_launchs_private_ray_instance(monkeypatch):
+    """Found by a review: Ray's own ``address="auto"`` joins any Ray instance it finds
+    running, another launch's private one included, and that launch's end
+    (``ray.shutdown()``) took this run's actors with it. ``auto`` now gives Ray no address:
+    ``RAY_ADDRESS``, the last ``ray start`` cluster, else a new local instance."""
+    import ray
+
+    from asyncrl.launch.ray_main import connect
+
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    connect("auto")
+    connect("10.1.2.3:6379")
+    assert calls[0].get("address") is None
+    assert calls[1]["address"] == "10.1.2.3:6379"

@@ -276,8 +276,8 @@ class TrainerConfig(Section):
 class RayLaunchConfig(Section):
     address: str = Field(
         default="auto",
-        description="Ray cluster to join (ray.init address); auto: the running cluster, "
-        "else a local Ray instance started for the run.",
+        description="Ray cluster to join (ray.init address); auto: RAY_ADDRESS's, or the "
+        "one `ray start` started here, else a local Ray instance started for the run.",
     )
     strategy: Literal["PACK", "SPREAD"] = Field(
         default="PACK", description="Placement group strategy for the run's bundles."

@@ -53,17 +53,20 @@ def cluster_problem(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | N
 
 
 def connect(address: str) -> None:
-    """Join the cluster at ``address``; ``auto`` with no cluster running starts a local
-    Ray instance for this run."""
+    """Join the cluster at ``address``. ``auto``: the cluster ``ray start`` started on this
+    machine (or ``RAY_ADDRESS``'s), and with none a local Ray instance for this run. Not
+    any Ray instance found running: Ray's own ``auto`` falls back to one, which may be
+    another launch's private instance, whose end (``ray.shutdown()``) would take this run's
+    actors with it."""
     import ray
 
-    try:
-        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
-    except ConnectionError:
-        if address != "auto":
-            raise
-        log.info("no Ray cluster is running: starting a local Ray instance for this run")
-        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    quiet: dict = {"log_to_driver": False, "logging_level": logging.WARNING}
+    if address != "auto":
+        ray.init(address=address, **quiet)
+        return
+    # Ray's default address (none given): RAY_ADDRESS, else the last `ray start`'s
+    # cluster, else a new local instance; never another driver's, which "auto" would join.
+    ray.init(include_dashboard=False, **quiet)
 
 
 def main_ray(cfg: Config) -> int:
