@@ -36,8 +36,8 @@ from tests.test_launch_ray_faults import Ref, _get
 
 
 class NodeAgent:
-    """An agent's actor handle on a node whose run directory is ``node``: ``read`` and
-    ``take_final_exit`` are the real agent's on that folder; any other method answers
+    """An agent's actor handle on a node whose run directory is ``node``: ``read``,
+    ``take_final_exit`` and ``ended_since`` are the real agent's on that folder; any other method answers
     ``answers[method]`` (called with the call's arguments if callable; an exception is
     raised by ``ray.get``)."""
 
@@ -51,7 +51,7 @@ class NodeAgent:
     def __getattr__(self, method: str) -> SimpleNamespace:
         def remote(*args: Any) -> Ref:
             self.calls.append(method)
-            if method in ("read", "take_final_exit"):
+            if method in ("read", "take_final_exit", "ended_since"):
                 return Ref(getattr(RoleAgent, method)(SimpleNamespace(run_dir=self.node), *args))
             answer = self.answers.get(method)
             return Ref(answer(*args) if callable(answer) else answer)
@@ -222,3 +222,25 @@ def test_the_agent_refuses_a_command_or_directory_its_node_lacks(tmp_path):
             agent.start(["no-such-tool-here"], {}, attempt=1)
     finally:
         agent.close()
+
+
+def test_a_buffer_let_go_after_the_ending_recorded_on_an_unshared_node_is_not_restarted(sup, node):
+    """Found by a review: the learner records the run's ending (``complete.json``) on its
+    own node, then stops the buffer. Where that node does not share the run directory, the
+    launcher looked for the file in its own copy, found none, and 30 s on restarted the
+    buffer as after a crash (with its restarts used up, failing a complete run)."""
+    import json
+    import time
+
+    from asyncrl.config.ending import COMPLETE_FILE
+    from asyncrl.launch.supervise import EARLY_EXIT_GRACE_S
+
+    buffer, learner = sup.roles
+    _started(sup, buffer, NodeAgent(node, start=8, poll=0))
+    _started(sup, learner, NodeAgent(node, "node-0", start=9, poll=None))
+    buffer.left_at = time.monotonic() - EARLY_EXIT_GRACE_S - 1
+    assert sup._left_early(buffer)  # no ending recorded: restarted as after a crash
+    buffer.left_at = time.monotonic() - EARLY_EXIT_GRACE_S - 1
+    (node / COMPLETE_FILE).write_text(json.dumps({"step": 6}) + "\n")
+    assert not (sup.run_dir / COMPLETE_FILE).exists()  # written on the learner's node only
+    assert not sup._left_early(buffer)

@@ -22,6 +22,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config.ending import COMPLETE_FILE
 from asyncrl.launch.process_tree import has_exited
 from asyncrl.launch.ray_handles import NotOnNode
 from asyncrl.launch.restart_policy import take_final_exit
@@ -181,6 +182,14 @@ class RoleAgent:
         """The learner's final exit recorded on this node (then forgotten), or None: under
         torchrun the launcher sees 1 for it (see :mod:`asyncrl.launch.restart_policy`)."""
         return take_final_exit(self.run_dir)
+
+    def ended_since(self, wall: float) -> bool:
+        """Whether the run's ending (``complete.json``) was recorded on this node at or
+        after ``wall`` (the launch's start, by the launcher's clock)."""
+        try:
+            return (self.run_dir / COMPLETE_FILE).stat().st_mtime >= wall
+        except OSError:
+            return False
 
     def close(self) -> None:
         self.sup.close()

@@ -356,6 +356,18 @@ class RaySupervisor(Supervisor):
                 return None
         return super()._final_exit(role)
 
+    def _ending_recorded(self) -> bool:
+        """As the base class's, read on the learner's node where that node does not share
+        the run directory (``complete.json`` is written there and never copied back)."""
+        ag = self.agents.get("learner")
+        if ag is not None and ag.where is not None and not ag.where["shared_run_dir"]:
+            try:
+                return bool(self._call(ag, "ended_since", self.launched_wall))
+            except Exception as e:  # its node is gone: the learner's own loss says so
+                log.debug("learner: its ending could not be read: %s", e)
+                return False
+        return super()._ending_recorded()
+
     # ---------------------------------------------------------------- stopping
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
         """Every agent stops its role (SIGTERM, then SIGKILL after ``grace_s``) and kills
