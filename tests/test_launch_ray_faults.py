@@ -258,3 +258,31 @@ def test_auto_never_joins_another_launchs_private_ray_instance(monkeypatch):
     connect("10.1.2.3:6379")
     assert calls[0].get("address") is None
     assert calls[1]["address"] == "10.1.2.3:6379"
+
+
+def test_the_rollout_servers_are_stopped_first_as_under_the_local_launcher(sup, monkeypatch):
+    """Found by a review: the Ray launcher stopped every role at once, so a server's leave
+    and its last groups met a coordinator and a buffer already going; the local launcher
+    stops the servers first, for up to half the grace."""
+    order: list[str] = []
+
+    class Ordered(FakeAgent):
+        def __init__(self, name: str) -> None:
+            super().__init__(stop=(0, True))
+            self.name = name
+
+        def __getattr__(self, method: str) -> SimpleNamespace:
+            if method == "stop":
+                order.append(self.name)
+            return super().__getattr__(method)
+
+    def waits(refs: list[Ref], **kw: Any) -> tuple[list[Ref], list[Ref]]:
+        order.append(f"wait {kw.get('timeout')}")
+        return _wait(refs)
+
+    monkeypatch.setattr(ray, "wait", waits)
+    for pid, name in enumerate(("buffer", "rollout-0", "learner", "rollout-1"), 1):
+        sup.agents[name] = Agent(Ordered(name), pid=pid)
+    sup.stop_all(grace_s=10.0)
+    assert order[:3] == ["rollout-0", "rollout-1", "wait 5.0"], order
+    assert sorted(order[3:5]) == ["buffer", "learner"] and order[5].startswith("wait "), order

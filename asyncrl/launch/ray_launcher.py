@@ -370,16 +370,28 @@ class RaySupervisor(Supervisor):
 
     # ---------------------------------------------------------------- stopping
     def stop_all(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Every agent stops its role (SIGTERM, then SIGKILL after ``grace_s``) and kills
+        """Every agent stops its role (SIGTERM, then SIGKILL after ``grace_s``; the rollout
+        servers' first, as under the local launcher) and kills
         what is left of the run on its node; each role stopped gets its ``exit`` event, as
         under the local launcher (its exit code, or NODE_LOST where its agent did not say;
         ``stopped_by`` only where the agent signalled it)."""
         import ray
 
         running = {n for n, ag in self.agents.items() if ag.pid is not None or ag.pending}
-        refs = {name: ag.handle.stop.remote(grace_s) for name, ag in self.agents.items()}
+        deadline = time.monotonic() + grace_s
+        # The rollout servers first, as the local launcher stops them (for up to half of
+        # grace_s): the coordinator and the buffer still answer their leave and take their
+        # last groups.
+        servers = {n: ag for n, ag in self.agents.items() if n.startswith("rollout")}
+        refs = {name: ag.handle.stop.remote(grace_s) for name, ag in servers.items()}
         if refs:
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s + CALL_TIMEOUT_S)
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=grace_s / 2)
+        left = max(0.0, deadline - time.monotonic())
+        for name, ag in self.agents.items():
+            if name not in servers:
+                refs[name] = ag.handle.stop.remote(left)
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=left + CALL_TIMEOUT_S)
         for name, ref in refs.items():
             try:
                 code, signalled = ray.get(ref, timeout=0)
