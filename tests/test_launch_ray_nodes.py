@@ -203,6 +203,14 @@ def test_a_start_on_a_node_without_the_command_is_a_config_error(sup, node, capl
     sup.agents["learner"] = Agent(dead)
     sup.start(learner)
     assert sup._look_at(learner) == NODE_LOST and dead.killed
+    # Any other failure of the start is a loss too, its cause said (a review found only its
+    # type's name in the log: the node's log was never made, so nothing else said why).
+    denied = PermissionError("[Errno 13] Permission denied: '/runs/x/logs'")
+    sup.agents["learner"] = Agent(NodeAgent(node, start=RayTaskError("start", "tb", denied)))
+    sup.start(learner)
+    with caplog.at_level(logging.WARNING, logger="asyncrl.launch"):
+        assert sup._look_at(learner) == NODE_LOST
+    assert "Permission denied: '/runs/x/logs'" in caplog.text
 
 
 def test_the_agent_refuses_a_command_or_directory_its_node_lacks(tmp_path):

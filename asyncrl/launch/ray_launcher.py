@@ -222,7 +222,7 @@ class RaySupervisor(Supervisor):
             if (missing := not_on_node(e)) is not None:
                 log.error("%s", missing)  # a config problem: not restarted, the run stops
                 return CONFIG_ERROR
-            return self._lose(role, f"{type(e).__name__}")
+            return self._lose(role, _said(e))
         assert ag.where is not None
         self.unplaced.pop(role.name, None)
         if self.bundle(role) == 0 and self.host is not None and ag.where["ip"] != self.host:
@@ -452,3 +452,13 @@ class RaySupervisor(Supervisor):
         tmp = self.run_dir / ".pids.json.tmp"
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self.run_dir / "pids.json")
+
+
+def _said(e: BaseException) -> str:
+    """An agent's failure in one line: its type and the last line of its message, for a
+    task that raised on its node its cause's (the task error's message is the traceback)."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException):
+        e = cause
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return f"{type(e).__name__}: {lines[-1][:300]}" if lines else type(e).__name__
