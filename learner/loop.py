@@ -335,15 +335,19 @@ class LearnerLoop:
         final, adapter = self.run_dir / "final", self.run_dir / "final_adapter"
         # Each export's mark, written last, names its step: one of another step (an earlier
         # run's, an abandoned branch's, one cut short) is not this run's and is made again.
-        if not (only_missing and _broadcast_int(int(exported_step(final) == t.step), t)):
+        merged = not (only_missing and _broadcast_int(int(exported_step(final) == t.step), t))
+        alone = bool(self.cfg.model.lora_rank) and not (
+            only_missing and _broadcast_int(int(exported_step(adapter) == t.step), t)
+        )
+        # Every gather before rank 0 writes: the other ranks wait in the next collective,
+        # and a long write (a large model, a slow disk) would outlast its timeout.
+        state = (
+            fsdp.full_state(t.model, keep=t.rank == 0, only=lora.is_adapter_key) if alone else None
+        )
+        if merged:
             self.control.export(t.export_state(), final, t.step)
-        if not self.cfg.model.lora_rank:
-            return
-        if not (only_missing and _broadcast_int(int(exported_step(adapter) == t.step), t)):
-            # The adapter's tensors only: the merged export above gathered the rest.
-            state = fsdp.full_state(t.model, keep=t.rank == 0, only=lora.is_adapter_key)
-            if t.rank == 0:
-                lora.export_adapter(state, self.cfg.model, adapter, step=t.step)
+        if state is not None and t.rank == 0:  # the adapter's tensors alone, in peft's format
+            lora.export_adapter(state, self.cfg.model, adapter, step=t.step)
 
 
 def _buffer_answers(cfg: Config, wait_s: float) -> bool:

@@ -195,3 +195,27 @@ def test_a_lora_run_cut_short_in_its_ending_gets_its_adapter(tmp_path, monkeypat
     assert loop.run() == 0 and adapters == [run / "final_adapter"] * 2
     mark_export(run / "final_adapter", 10)
     assert loop.run() == 0 and adapters == [run / "final_adapter"] * 2
+
+
+def test_every_gather_of_the_ending_comes_before_rank_0_writes_the_export(tmp_path, monkeypatch):
+    """Found by a review: with LoRA, rank 0 wrote the merged model, and only then did
+    every rank gather the adapter. The other ranks waited in that gather the whole write
+    long, and a large model on a slow disk outlasts the collective's timeout."""
+    from types import SimpleNamespace
+
+    from learner import loop as loop_module
+
+    order: list[str] = []
+    monkeypatch.setattr(
+        loop_module.fsdp, "full_state", lambda model, keep, only: order.append("gather") or {}
+    )
+    monkeypatch.setattr(
+        loop_module.lora, "export_adapter", lambda *a, **kw: order.append("write adapter")
+    )
+    loop = _loop(tmp_path / "run", "model.lora_rank=4")
+    loop.trainer = SimpleNamespace(  # type: ignore[assignment]
+        rank=0, step=3, model=None, export_state=lambda: order.append("gather merged") or {}
+    )
+    loop.control = SimpleNamespace(export=lambda *a: order.append("write merged"))  # type: ignore[assignment]
+    loop._export()
+    assert order == ["gather", "gather merged", "write merged", "write adapter"]
