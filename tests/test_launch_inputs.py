@@ -54,6 +54,16 @@ def test_missing_inputs_are_named_with_the_fix(tmp_path, monkeypatch):
         "holding config.json and the weights)"
     )
     assert problems(f"model.path={tmp_path}/none", needs=(DATA,)) == []
+    # A review: a critic's missing model was found after the actor loaded, as a traceback,
+    # and the learner restarted until its restarts ran out. Checked only where it is used.
+    ppo = ["algorithm.adv_estimator=gae", f"critic.model.path={tmp_path}/nocritic"]
+    assert problems(f"model.path={model}", *ppo) == [
+        f"critic.model.path={tmp_path}/nocritic does not exist: build a model there with "
+        f"`asyncrl-prepare model --name tiny --out {tmp_path}/nocritic`, or give an existing "
+        "HF model directory"
+    ]
+    assert problems(f"model.path={model}", ppo[1]) == []  # GRPO: no critic to load
+    assert problems(f"model.path={model}", ppo[0], f"critic.model.path={model}") == []
     # Validation files only when validation runs; the scorer file only where it is loaded.
     val = f"data.val_files={tmp_path}/val.parquet"
     assert problems(f"model.path={model}", val) == []

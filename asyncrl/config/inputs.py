@@ -120,6 +120,9 @@ def input_problems(cfg: Config, needs: Iterable[str]) -> list[str]:
         problems.append(problem)
     if MODEL in needs and (problem := model_problem(cfg.model.path)) is not None:
         problems.append(problem)
+    critic = cfg.critic.model.path if cfg.algorithm.adv_estimator == "gae" else None
+    if MODEL in needs and critic and (problem := model_problem(critic, "critic.model.path")):
+        problems.append(problem)  # else found after the actor loaded, and restarted for ever
     if DATA in needs:
         validating = cfg.trainer.val_before_train or cfg.trainer.test_freq > 0
         if validating and (problem := val_files_problem(cfg.data)) is not None:

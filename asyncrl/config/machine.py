@@ -29,33 +29,33 @@ def looks_like_hub_id(path: str) -> bool:
     return not path.startswith(("/", ".", "~")) and path.count("/") <= 1
 
 
-def model_problem(path: str) -> str | None:
-    """Why ``path`` cannot be loaded as a local HF model directory (None if it can, or if
-    it names a hub model)."""
+def model_problem(path: str, key: str = "model.path") -> str | None:
+    """Why ``path`` (the value of config ``key``) cannot be loaded as a local HF model
+    directory (None if it can, or if it names a hub model)."""
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
             return (
-                f"model.path={path} is a directory without config.json: point it at an HF "
+                f"{key}={path} is a directory without config.json: point it at an HF "
                 "model directory (asyncrl-prepare model --out DIR builds a small one)"
             )
         if not any(next(local.glob(pattern), None) for pattern in WEIGHT_FILES):
             return (
-                f"model.path={path} holds no weights (no *.safetensors, pytorch_model*.bin or "
+                f"{key}={path} holds no weights (no *.safetensors, pytorch_model*.bin or "
                 "their index): copy the model's weight files there, or point it at a complete "
                 "HF model directory"
             )
         return None
     if local.exists():
         return (
-            f"model.path={path} is a file: point it at the HF model directory (the folder "
+            f"{key}={path} is a file: point it at the HF model directory (the folder "
             "holding config.json and the weights)"
         )
     if looks_like_hub_id(path):
-        return _hub_problem(path)
+        return _hub_problem(path, key)
     build = make_target(path) or f"`asyncrl-prepare model --name tiny --out {path}`"
     return (
-        f"model.path={path} does not exist: build a model there with {build}, or give an "
+        f"{key}={path} does not exist: build a model there with {build}, or give an "
         "existing HF model directory"
     )
 
@@ -213,7 +213,7 @@ def _hub_cache() -> Path:
     return Path(home).expanduser() / "hub"
 
 
-def _hub_problem(repo_id: str) -> str | None:
+def _hub_problem(repo_id: str, key: str = "model.path") -> str | None:
     """Why hub model ``repo_id`` cannot load on this machine: offline with no cached copy.
     Online, or cached, it is left to the roles (no network call here)."""
     offline = _hub_offline()
@@ -223,18 +223,19 @@ def _hub_problem(repo_id: str) -> str | None:
         return None
     if offline is None:  # the roles download it: said, as a mistyped folder reads alike
         log.warning(
-            "model.path=%s is no folder here and not in the HF cache: read as a hub id, which "
+            "%s=%s is no folder here and not in the HF cache: read as a hub id, which "
             "every role downloads at its start. A local folder is written ./%s; a machine "
             "without network needs HF_HUB_OFFLINE=1 and a downloaded copy",
+            key,
             repo_id,
             repo_id,
         )
         return None
     return (
-        f"model.path={repo_id} is no local directory and not in the HF cache ({_hub_cache()}),"
+        f"{key}={repo_id} is no local directory and not in the HF cache ({_hub_cache()}),"
         f" and {offline} is set, so no role can download it: download it on a machine that "
         f"reaches the hub (`huggingface-cli download {repo_id} --local-dir DIR`) and give "
-        "model.path=DIR"
+        f"{key}=DIR"
     )
 
 
