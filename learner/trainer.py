@@ -225,7 +225,12 @@ class Trainer:
         metrics.update(rollout_metrics(kept, self.policy_version))
         if not kept:
             log.warning("step %d: no trainable rollout in a batch of %d", self.step, len(rollouts))
-            return self._finish_step(metrics, start, updates=0, skipped=0)
+            if self.critic is not None:  # both schedules count learner steps, trained or not
+                _step_unapplied(self.critic.scheduler)
+            warming = self.critic is not None and self._warming()
+            return self._finish_step(
+                metrics, start, updates=0, skipped=0, actor_schedule=not warming
+            )
         # Group baselines over every scored member, trainable or not (see baseline_advantages).
         alg = self.cfg.algorithm
         outcome = alg.adv_estimator in OUTCOME_ESTIMATORS
@@ -306,6 +311,10 @@ class Trainer:
         metrics.update(batch_metrics)
         metrics.update(self.critic.update(plan.rollouts, targets))
         metrics["timing/critic_s"] = time.monotonic() - t0
+        return self._warming()
+
+    def _warming(self) -> bool:
+        """Whether this step is one of ``trainer.critic_warmup``'s (the actor held back)."""
         return self.step + 1 < self.cfg.trainer.critic_warmup  # self.step: steps done
 
     def _episode_means(
@@ -415,12 +424,8 @@ class Trainer:
         """Step the schedule (not during critic warmup, where the actor has not started),
         count the step, reduce stats across ranks into metrics."""
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]  # the rate this step used
-        with warnings.catch_warnings():
-            # After a skipped update torch warns that the optimizer has not stepped; the
-            # schedule counts learner steps, skipped or not, so that warning does not apply.
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            if actor_schedule:
-                self.scheduler.step()
+        if actor_schedule:
+            _step_unapplied(self.scheduler)
         self.step += 1
         metrics["actor/updates"] = float(updates)
         metrics["actor/skipped_updates"] = float(skipped)
@@ -529,3 +534,12 @@ class Trainer:
 
 def _trainable(r: Rollout, max_len: int | None) -> bool:
     return drop_reason(r, max_len) is None
+
+
+def _step_unapplied(scheduler: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """Step a learning-rate schedule, whose optimizer may not have stepped: after a skipped
+    update torch warns that it has not; the schedule counts learner steps, skipped or not,
+    so that warning does not apply."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+        scheduler.step()

@@ -164,6 +164,22 @@ def test_only_the_actor_is_pushed_and_warmup_holds_it(tiny_model, single_rank):
     assert m["actor/updates"] == 2
 
 
+def test_a_step_with_nothing_to_train_keeps_both_schedules_in_step(tiny_model, single_rank):
+    """Found by a review: a step whose whole batch was dropped (every reward NaN) moved
+    the actor's schedule during the critic's warmup, and never the critic's."""
+    import dataclasses
+
+    trainer = Trainer(make_cfg(tiny_model, "trainer.critic_warmup=3"))
+    assert trainer.critic is not None
+    nothing = [dataclasses.replace(r, reward=float("nan")) for r in BATCHES[0]]
+    m = trainer.train_step(nothing, TEMPERATURE)
+    assert m["actor/updates"] == 0 and m["batch/dropped_nonfinite_reward"] >= len(nothing) - 1
+    assert (trainer.scheduler.last_epoch, trainer.critic.scheduler.last_epoch) == (0, 1)
+    trainer.train_step(BATCHES[1], TEMPERATURE)  # warmup's second step: the critic alone
+    trainer.train_step(nothing, TEMPERATURE)  # past the warmup: both move
+    assert (trainer.scheduler.last_epoch, trainer.critic.scheduler.last_epoch) == (1, 3)
+
+
 def test_the_critic_takes_the_actors_epochs_and_aggregation_unless_set(
     tiny_model, single_rank, monkeypatch
 ):
