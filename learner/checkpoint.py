@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 # step_<n>, and what a save leaves beside it: .tmp (being written), .old (being replaced).
 #: The key of ``extra`` holding the KL-in-reward coefficient (:mod:`learner.reward_kl`).
 REWARD_KL_KEY = "reward_kl_coef"
+#: The KL-in-reward controller's kind (fixed, adaptive) beside it: only an adaptive one moved.
+REWARD_KL_KIND = "reward_kl_type"
 
 
 @dataclass

@@ -25,7 +25,7 @@ import torch
 from asyncrl.config import Config
 from asyncrl.config.policy import TOKEN_REWARD_ESTIMATORS
 from learner import fsdp
-from learner.checkpoint import REWARD_KL_KEY
+from learner.checkpoint import REWARD_KL_KEY, REWARD_KL_KIND
 from learner.collate import pad_rows
 from learner.rollouts import Rollout, episode_rows, outcome_rewards, response_mask
 from learner.values import KLController, kl_in_reward
@@ -94,7 +94,7 @@ class RewardKL:
 
     def saved(self, extra: dict | None) -> dict:
         """A checkpoint's ``extra`` with the coefficient (adaptive: it moved in the run)."""
-        return {**(extra or {}), REWARD_KL_KEY: self.ctrl.value}
+        return {**(extra or {}), REWARD_KL_KEY: self.ctrl.value, REWARD_KL_KIND: self.ctrl.kind}
 
     def restore(self, extra: dict) -> str | None:
         """The adaptive coefficient from a checkpoint's ``extra``, where it had moved; a
@@ -102,6 +102,8 @@ class RewardKL:
         the new value, as with any fixed setting). Returns a line for the log when the
         config's starting value is not the one resumed."""
         if REWARD_KL_KEY not in extra or self.ctrl.kind != "adaptive":
+            return None
+        if extra.get(REWARD_KL_KIND, "adaptive") != "adaptive":  # saved fixed: it never moved
             return None
         saved, start = float(extra[REWARD_KL_KEY]), self.ctrl.value
         self.ctrl.value = saved

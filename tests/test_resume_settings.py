@@ -114,3 +114,11 @@ def test_a_fixed_kl_coefficient_is_the_configs_after_a_resume():
     assert adaptive.ctrl.value == 0.0513
     assert said is not None and "resumes at 0.0513" in said and "kl_coef=0.2" in said
     assert reward_kl("algorithm.kl_ctrl.type=adaptive").restore({}) is None  # none saved
+    # A review: a run saved under a fixed coefficient, resumed adaptive, started the
+    # controller at the old fixed value and said the run had moved it. It had not.
+    saved = reward_kl("algorithm.kl_ctrl.kl_coef=0.001").saved({})
+    switched = reward_kl("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.05")
+    assert switched.restore(saved) is None and switched.ctrl.value == 0.05
+    moved = adaptive.saved({})
+    again = reward_kl("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.2")
+    assert again.restore(moved) is not None and again.ctrl.value == 0.0513
