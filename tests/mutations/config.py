@@ -402,4 +402,12 @@ ROWS = (
             "tests/test_verl_compat.py::test_dapos_max_resp_len_at_the_default_response_length_is_accepted",
         ),
     ),
+    Mutation(
+        "a PPO run's critic model is checked at launch",
+        "a missing critic.model.path is found after the actor loads, and restarted for ever",
+        "asyncrl/config/inputs.py",
+        '    critic = cfg.critic.model.path if cfg.algorithm.adv_estimator == "gae" else None',
+        "    critic = None",
+        ("tests/test_launch_inputs.py",),
+    ),
 )

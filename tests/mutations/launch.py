@@ -303,8 +303,9 @@ ROWS = (
         "a learner's final exit is read on its unshared node",
         "a learner's final exit written on its node is retried",
         "asyncrl/launch/ray_launcher.py",
-        '        if ag is not None and ag.where is not None and not ag.where["shared_run_dir"]:',
-        "        if False:",
+        '        if ag is not None and ag.where is not None and not ag.where["shared_run_dir"]:\n'
+        '            try:\n                return self._call(ag, "take_final_exit")',
+        '        if False:\n            try:\n                return self._call(ag, "take_final_exit")',
         ("tests/test_launch_ray_nodes.py",),
     ),
     Mutation(
@@ -541,6 +542,49 @@ ROWS = (
         "            self.signalled = True",
         (
             "tests/test_launch_ray_unit.py::test_the_agent_says_a_role_that_ended_on_its_own_was_not_stopped",
+        ),
+    ),
+    Mutation(
+        "auto never joins another launch's private Ray instance",
+        "launch.ray.address=auto joins any Ray instance running, another launch's included",
+        "asyncrl/launch/ray_main.py",
+        "    ray.init(include_dashboard=False, **quiet)",
+        '    ray.init(address="auto", **quiet)',
+        (
+            "tests/test_launch_ray_faults.py::test_auto_never_joins_another_launchs_private_ray_instance",
+        ),
+    ),
+    Mutation(
+        "the ending recorded on an unshared learner node is read there",
+        "the launcher looks for complete.json in its own copy only",
+        "asyncrl/launch/ray_launcher.py",
+        '        if ag is not None and ag.where is not None and not ag.where["shared_run_dir"]:\n            try:\n                return bool(',
+        "        if False:\n            try:\n                return bool(",
+        (
+            "tests/test_launch_ray_nodes.py::"
+            "test_a_buffer_let_go_after_the_ending_recorded_on_an_unshared_node_is_not_restarted",
+        ),
+    ),
+    Mutation(
+        "Ray stops the rollout servers first",
+        "every role is stopped at once",
+        "asyncrl/launch/ray_launcher.py",
+        '        servers = {n: ag for n, ag in self.agents.items() if n.startswith("rollout")}',
+        "        servers = {}",
+        (
+            "tests/test_launch_ray_faults.py::"
+            "test_the_rollout_servers_are_stopped_first_as_under_the_local_launcher",
+        ),
+    ),
+    Mutation(
+        "an agent's failed start names its cause",
+        "only the failure's type is logged",
+        "asyncrl/launch/ray_launcher.py",
+        "            return self._lose(role, _said(e))",
+        "            return self._lose(role, type(e).__name__)",
+        (
+            "tests/test_launch_ray_nodes.py::"
+            "test_a_start_on_a_node_without_the_command_is_a_config_error",
         ),
     ),
 )

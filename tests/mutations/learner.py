@@ -159,8 +159,8 @@ ROWS = (
         "a cut-short ending exports a final/ of another step again",
         "any final/ directory counts as this run's export",
         "learner/loop.py",
-        "        if not (only_missing and _broadcast_int(int(exported_step(final) == t.step), t)):",
-        "        if not (only_missing and _broadcast_int(int(final.is_dir()), t)):",
+        "        merged = not (only_missing and _broadcast_int(int(exported_step(final) == t.step), t))",
+        "        merged = not (only_missing and _broadcast_int(int(final.is_dir()), t))",
         ("tests/test_resume_ended.py",),
     ),
     Mutation(
@@ -492,6 +492,36 @@ ROWS = (
         (
             "tests/test_validation_restarts.py::"
             "test_the_final_round_is_waited_for_while_its_groups_come_in",
+        ),
+    ),
+    Mutation(
+        "every gather of the ending comes before rank 0 writes",
+        "the adapter is gathered after rank 0 wrote the merged export",
+        "learner/loop.py",
+        "        if merged:\n            self.control.export(t.export_state(), final, t.step)",
+        "        if merged:\n            self.control.export(t.export_state(), final, t.step)\n"
+        "        if alone:\n            state = fsdp.full_state(t.model, keep=t.rank == 0, only=lora.is_adapter_key)",
+        (
+            "tests/test_resume_ended.py::"
+            "test_every_gather_of_the_ending_comes_before_rank_0_writes_the_export",
+        ),
+    ),
+    Mutation(
+        "a step with nothing to train keeps both schedules in step",
+        "an all-dropped batch moves the actor's schedule in the critic's warmup, never the critic's",
+        "learner/trainer.py",
+        "            if self.critic is not None:  # both schedules count learner steps, trained or not",
+        "            if False:",
+        ("tests/test_critic.py::test_a_step_with_nothing_to_train_keeps_both_schedules_in_step",),
+    ),
+    Mutation(
+        "a fixed KL coefficient saved is not resumed as an adaptive one",
+        "a switch to adaptive starts at the old fixed coefficient",
+        "learner/reward_kl.py",
+        '        if extra.get(REWARD_KL_KIND, "adaptive") != "adaptive":',
+        "        if False:",
+        (
+            "tests/test_resume_settings.py::test_a_fixed_kl_coefficient_is_the_configs_after_a_resume",
         ),
     ),
 )
