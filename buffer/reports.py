@@ -34,11 +34,13 @@ class Reports:
         # Count episodes: the samples of a split episode share its reward.
         rewards = {m.episode_index: m.reward for m in group.metas}
         parts = {m.episode_index: m.reward_parts for m in group.metas}
+        versions = [v for m in group.metas for v, n in m.version_spans if n > 0]
         scored = ValidationGroup.of(
             group.data_source,
             list(rewards.values()),
             int(group.response_lens.sum()),
             list(parts.values()),
+            (min(versions), max(versions)) if versions else (-1, -1),
         )
         self.results.setdefault(round_key(group.task_id), {})[group.task_id] = scored
         self.validated.append(group.task_id)

@@ -77,6 +77,7 @@ class ValidationTracker:
                 # Logged at the step the round completes: say which weights it measured
                 if (started := progress.start_step(key)) is not None:
                     metrics["val/step"] = float(started)
+                metrics.update(version_range(have.values()))
                 if lost:
                     metrics["val/groups_given_up"] = float(len(lost))
                     log.warning(
@@ -127,6 +128,19 @@ def never_coming(states: Mapping[str, Mapping[str, str]]) -> dict[str, list[str]
     return {
         key: [t for t, st in ids.items() if st == "given_up" or st.startswith("dropped/")]
         for key, ids in states.items()
+    }
+
+
+def version_range(groups: Iterable[ValidationGroup]) -> dict[str, float]:
+    """``val/version_min`` and ``val/version_max``: the oldest and newest policy versions a
+    round's responses came from (pushes go on while it is generated); none when no group
+    says (groups scored before they said)."""
+    known = [(g.version_min, g.version_max) for g in groups if g.version_min >= 0]
+    if not known:
+        return {}
+    return {
+        "val/version_min": float(min(lo for lo, _ in known)),
+        "val/version_max": float(max(hi for _, hi in known)),
     }
 
 

@@ -128,6 +128,8 @@ def test_scores_the_coordinator_saw_but_the_learner_never_read_are_scored_again(
     assert coordinator.metrics()["coordinator/tasks/requeued/lost"] >= groups
     (record,) = [r for r in read_metrics(run_dir(rig.cfg)) if "val/score" in r]
     assert record["val/responses"] == groups * rig.cfg.rollout.val_kwargs.n
+    # The versions its responses came from, as the buffer read them (no push meanwhile).
+    assert (record["val/version_min"], record["val/version_max"]) == (0, 0)
 
 
 @pytest.mark.timeout(120)

@@ -343,3 +343,21 @@ def test_a_validation_group_the_buffer_dropped_does_not_hold_its_round_for_ever(
     (report,) = tracker.add(scored, progress, never_coming(states))
     assert report["val/groups_given_up"] == 1.0 and report["val/score"] == 0.5
     assert not tracker.pending(progress) and key in tracker.reported
+
+
+def test_a_round_says_which_policy_versions_its_responses_came_from():
+    """Found by a review: pushes go on while a round is generated, so its responses come
+    from several versions, and ``val/step`` alone said the round measured one step."""
+    tracker = ValidationTracker()
+    progress = ValidationProgress(rounds_started=1, round_groups=3)
+    groups = {
+        "val/0/0": ValidationGroup.of("a", [1.0], 3, versions=(3, 4)),
+        "val/0/1": ValidationGroup.of("a", [0.0], 3, versions=(2, 3)),
+        "val/0/2": ValidationGroup.of("a", [1.0], 3),  # said nothing (an older buffer's)
+    }
+    (report,) = tracker.add({"val/0": groups}, progress)
+    assert (report["val/version_min"], report["val/version_max"]) == (2.0, 4.0)
+    old = ValidationTracker()  # groups that never said: no range, rather than a wrong one
+    one = ValidationProgress(rounds_started=1, round_groups=1)
+    (report,) = old.add({"val/0": {"val/0/0": ValidationGroup.of("a", [1.0], 3)}}, one)
+    assert "val/version_min" not in report

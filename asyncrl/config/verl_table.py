@@ -793,13 +793,14 @@ VERL_KEYS: dict[str, VerlKey] = {
     **_implemented(
         "trainer.",
         "total_epochs total_training_steps project_name experiment_name logger save_freq "
-        "resume_mode resume_from_path val_before_train critic_warmup default_local_dir device",
-        {
-            "resume_mode": "disable",
-            "resume_from_path": "checkpoints/step_1",
-            "val_before_train": False,
-            "critic_warmup": 2,
-        },
+        "resume_mode resume_from_path critic_warmup default_local_dir device",
+        {"resume_mode": "disable", "resume_from_path": "checkpoints/step_1", "critic_warmup": 2},
+    ),
+    "trainer.val_before_train": _impl(
+        "before a new run's first step only: a resumed run does not validate again at its "
+        "start (veRL validates on every start, resumes included; its rounds are kept in "
+        "the checkpoint here, and the next one comes at test_freq)",
+        example=False,
     ),
     "trainer.test_freq": _impl(
         "one more round here: a run with validation on (val_before_train or test_freq > 0) "
