@@ -524,4 +524,14 @@ ROWS = (
             "tests/test_resume_settings.py::test_a_fixed_kl_coefficient_is_the_configs_after_a_resume",
         ),
     ),
+    Mutation(
+        "a round says which policy versions its responses came from",
+        "a round's versions are not reported",
+        "learner/validation.py",
+        "                metrics.update(version_range(have.values()))",
+        "                pass",
+        (
+            "tests/test_validation_stats.py::test_a_round_says_which_policy_versions_its_responses_came_from",
+        ),
+    ),
 )
