@@ -8,13 +8,19 @@ version and its behaviour logprobs describe one policy. A version is released (u
 from vLLM, its files deleted) once it is neither current nor among the ``keep`` newest and
 no request uses it any more; ``keep`` is ``max_policy_lag + 1`` by default, the versions a
 request may still be sampling from while it is fresh enough to train.
+
+A request still running on a version that falls out of the ``keep`` newest is moved: it is
+aborted and goes on, from the tokens it has, on the current adapter (its tokens keep the
+versions they were sampled under). Left running, such requests held vLLM's ``max_loras``
+places in a batch with adapters whose groups are too stale to train, and a new version's
+requests (and the post-sync probe) waited until they ended.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +47,7 @@ class _Loaded:
     version: int
     request: Any  # vllm.lora.request.LoRARequest
     path: Path
-    users: int = 0
+    users: set[str] = field(default_factory=set)  # the vLLM request ids running on it
 
 
 class AdapterVersions:
@@ -60,6 +66,7 @@ class AdapterVersions:
         self.current: int | None = None  # a key of _loaded
         self._loaded: dict[int, _Loaded] = {}
         self._next_id = 1  # vLLM's LoRA ids start at 1
+        self._moved: set[str] = set()  # request ids aborted to go on on the current adapter
 
     def path_for(self, version: int) -> Path:
         """Where the next adapter's files go (the worker writes them there)."""
@@ -93,22 +100,47 @@ class AdapterVersions:
         self._next_id += 1
         self._loaded[key] = _Loaded(version, request, path)
         self.current = key
+        await self.move_stale(llm)
         await self.prune(llm)
 
-    def acquire(self) -> tuple[int, int, Any] | None:
+    async def move_stale(self, llm: Any) -> int:
+        """Abort the requests running on adapters outside the ``keep`` newest (their
+        :meth:`moved` says so, and they go on on the current adapter); how many."""
+        newest = set(sorted(self._loaded, reverse=True)[: self.keep])
+        stale = [
+            rid
+            for key, a in self._loaded.items()
+            if key not in newest and key != self.current
+            for rid in a.users - self._moved
+        ]
+        if stale:
+            self._moved.update(stale)
+            await llm.abort(stale)
+        return len(stale)
+
+    def moved(self, request_id: str) -> bool:
+        """Whether request ``request_id`` was aborted by :meth:`move_stale` (asked once,
+        when it has ended)."""
+        if request_id in self._moved:
+            self._moved.discard(request_id)
+            return True
+        return False
+
+    def acquire(self, request_id: str) -> tuple[int, int, Any] | None:
         """``(key, version, LoRARequest)`` for a new request, counted as a user until
         :meth:`release` ``(key)``; None before the first adapter (the base model serves)."""
         if self.current is None:
             return None
         a = self._loaded[self.current]
-        a.users += 1
+        a.users.add(request_id)
         return self.current, a.version, a.request
 
-    def release(self, key: int) -> None:
-        """A request on adapter ``key`` finished (unloading waits for the next activation)."""
+    def release(self, key: int, request_id: str) -> None:
+        """Request ``request_id`` on adapter ``key`` ended (unloading waits for the next
+        activation)."""
         a = self._loaded.get(key)
         if a is not None:
-            a.users -= 1
+            a.users.discard(request_id)
 
     def current_request(self) -> Any | None:
         """The current adapter's ``LoRARequest`` (None before the first adapter)."""
@@ -119,7 +151,7 @@ class AdapterVersions:
         newest = sorted(self._loaded, reverse=True)[: self.keep]
         for key in sorted(self._loaded):
             a = self._loaded[key]
-            if key in newest or key == self.current or a.users > 0:
+            if key in newest or key == self.current or a.users:
                 continue
             del self._loaded[key]
             try:

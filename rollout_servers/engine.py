@@ -83,7 +83,11 @@ class RolloutEngine:
         self._synced = asyncio.Condition()  # notified when a sync ends, loaded or failed
         self._synced_through = 0  # the highest version a sync ended at, loaded or failed
         # rollout/sync_pause_s: the pause clock (paused_s) as each sync ended
-        self.metrics: dict[str, float] = {"rollout/sync_pause_s": 0.0, "rollout/resubmitted": 0}
+        self.metrics: dict[str, float] = {
+            "rollout/sync_pause_s": 0.0,
+            "rollout/resubmitted": 0,
+            "rollout/moved_off_stale_adapters": 0,  # sync.lora adapter: see adapters.py
+        }
         self._paused_total = 0.0  # seconds generation was paused for syncs, ended pauses
         self._paused_since: float | None = None  # the pause in progress (held while partial)
         self.stuck = ""  # a worker call that never ended: the engine is of no more use
@@ -187,33 +191,51 @@ class RolloutEngine:
     async def _generate_on_adapter(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str
     ) -> Sample:
-        """:meth:`generate` with pushed adapters: the request runs start to end on the
-        current adapter (no pause, no re-submission), so every token has its version."""
+        """:meth:`generate` with pushed adapters: the request runs on the adapter current at
+        its start (no pause), so every token has its version. One whose adapter falls out
+        of the newest kept is moved (:meth:`AdapterVersions.move_stale`): it goes on from
+        its tokens on the current adapter, as a new piece."""
         assert self.adapters is not None
-        held = self.adapters.acquire()
-        key, version, lora = held if held is not None else (None, self.version, None)
-        sample = Sample(start_version=version, temperature=float(params.temperature))
-        self._serial += 1
-        final = None
-        try:
-            prompt = {"prompt_token_ids": prompt_ids}
-            async for out in self.llm.generate(
-                prompt, params, request_id=request_id, lora_request=lora
-            ):
-                final = out
-        finally:
-            if key is not None:
-                self.adapters.release(key)
-        if final is None:
-            raise RuntimeError(f"vLLM returned no output for request {request_id}")
-        done = final.outputs[0]
-        _refuse_cut_short(done.finish_reason, request_id)
-        ids = list(done.token_ids)
-        positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
-        logprobs = [sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
-        sample.extend(ids, logprobs, [(version, len(ids))])
-        sample.finish_reason = done.finish_reason or "length"
-        return sample
+        max_tokens = params.max_tokens
+        if max_tokens is None:  # a moved request needs to know what is left of the budget
+            raise ValueError("RolloutEngine.generate needs params.max_tokens")
+        sample: Sample | None = None
+        while True:
+            pieces = sample.resubmissions if sample is not None else 0
+            rid = f"{request_id}#{pieces}" if pieces else request_id
+            held = self.adapters.acquire(rid)
+            key, version, lora = held if held is not None else (None, self.version, None)
+            if sample is None:
+                sample = Sample(start_version=version, temperature=float(params.temperature))
+            piece = piece_params(params, pieces, max_tokens - len(sample.token_ids))
+            self._serial += 1
+            final = None
+            try:
+                prompt = {"prompt_token_ids": prompt_ids + sample.token_ids}
+                async for out in self.llm.generate(
+                    prompt, piece, request_id=rid, lora_request=lora
+                ):
+                    final = out
+            finally:
+                if key is not None:
+                    self.adapters.release(key, rid)
+            moved = self.adapters.moved(rid)
+            if final is None:
+                raise RuntimeError(f"vLLM returned no output for request {rid}")
+            done = final.outputs[0]
+            ids = list(done.token_ids)
+            positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
+            logprobs = [sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
+            sample.extend(ids, logprobs, [(version, len(ids))] if ids else [])
+            interrupted = moved and done.finish_reason == "abort"
+            if not interrupted:
+                _refuse_cut_short(done.finish_reason, rid)
+            if not interrupted or len(sample.token_ids) >= max_tokens:
+                sample.finish_reason = "length" if interrupted else done.finish_reason or "length"
+                return sample
+            sample.resubmissions += 1
+            self.metrics["rollout/resubmitted"] += 1
+            self.metrics["rollout/moved_off_stale_adapters"] += 1
 
     async def score(self, sequences: list[list[int]]) -> list[float]:
         """Teacher-forced logprobs of each sequence's tokens after its first, under the

@@ -160,3 +160,32 @@ def test_pushed_adapters_serve_the_learner_s_policy_version_by_version(rig):
     trainer.train_step(BATCHES[2], TEMPERATURE)
     pusher.push(loop, engine, trainer.full_state_for_push(), version=3)
     assert engine.adapters.versions == [2, 3]
+
+
+@pytest.mark.slow  # starts a vLLM engine with LoRA
+def test_requests_on_an_adapter_past_the_kept_ones_move_and_free_the_batch(rig):
+    """Found by a review: a request kept its adapter however many pushes came after it.
+    With requests still on three versions (vLLM's ``max_loras`` here), a new version's
+    requests, and the post-sync probe, waited until they ended, for groups too stale to
+    train. Those past the ``keep`` newest now go on on the current adapter."""
+    loop, engine, trainer, pusher, path = rig
+    state = trainer.full_state_for_push()
+    first = (engine.adapters.version or 0) + 1
+    running, moved_before = {}, engine.metrics["rollout/moved_off_stale_adapters"]
+    for v in range(first, first + 3):  # long requests on three successive versions
+        pusher.push(loop, engine, state, version=v)
+        running[v] = start_requests(loop, engine, range(6), max_tokens=480, tag=f"m{v}")
+    pusher.push(loop, engine, state, version=first + 3)
+    short = gather(loop, [engine.generate(PROMPT, params(8, 0), f"m{first + 3}-short")])
+    assert short[0].version_spans == [(first + 3, 8)]
+    # The oldest requests still ran: without the move, the short one waited for them.
+    assert not all(t.done() for t in running[first]), "the short request waited for the oldest"
+    done = {v: gather(loop, tasks) for v, tasks in running.items()}
+    # Each request past the kept versions went on where it stopped: 480 tokens, its first
+    # piece under its own version, the rest under the current one; the kept ones stayed.
+    for v in (first, first + 1):
+        for s in done[v]:
+            assert len(s.token_ids) == 480 and s.version_spans[0][0] == v, s.version_spans
+            assert len(s.version_spans) > 1 and s.resubmissions >= 1, s.version_spans
+    assert all(s.version_spans == [(first + 2, 480)] for s in done[first + 2])
+    assert engine.metrics["rollout/moved_off_stale_adapters"] - moved_before == 12
