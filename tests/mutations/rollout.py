@@ -460,4 +460,14 @@ ROWS = (
         "                    if False:",
         ("tests/test_inline_llm.py",),
     ),
+    Mutation(
+        "requests on an adapter past the kept ones move",
+        "a request keeps its adapter however stale, and a new version's requests wait for it",
+        "rollout_servers/adapters.py",
+        "        await self.move_stale(llm)\n",
+        "",
+        (
+            "tests/test_lora_serving.py::test_requests_on_an_adapter_past_the_kept_ones_move_and_free_the_batch",
+        ),
+    ),
 )
