@@ -243,6 +243,10 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) 
     state = _dcp_state(model, optimizer, critic)
     if (misfit := model_misfit(path, state["model"])) is not None:
         raise CheckpointMisfit(misfit)
+    if critic is not None and (
+        misfit := model_misfit(path, state["critic_model"], "critic_model.")
+    ):
+        raise CheckpointMisfit(f"its critic: {misfit}")  # a changed critic.model.path
     dcp_load(state, checkpoint_id=str(path))
     # What the checkpoint leaves out (a tied head under LoRA) keeps its loaded value.
     model_sd = _dcp_state(model, optimizer, trained_only=False)["model"] | state["model"]

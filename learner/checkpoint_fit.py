@@ -21,19 +21,20 @@ class CheckpointMisfit(ValueError):
     another model)."""
 
 
-def model_misfit(path: Path, model_sd: dict[str, Any]) -> str | None:
+def model_misfit(path: Path, model_sd: dict[str, Any], prefix: str = "model.") -> str | None:
     """How the trained weights saved in ``path`` differ from ``model_sd`` (this model's, as
     a load asks for them), or None when they fit. Read from the checkpoint's metadata
     before the load: torch's loader fails on a missing or reshaped tensor with an exception
     that is no ``Exception``, and ignores a saved one the model no longer has (a narrowed
-    ``model.target_modules`` would drop trained adapters without a word)."""
+    ``model.target_modules`` would drop trained adapters without a word). ``prefix``: the
+    saved model's keys (``critic_model.`` for the critic's)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     meta = FileSystemReader(str(path)).read_metadata().state_dict_metadata
     saved = {
-        k.removeprefix("model."): tuple(getattr(v, "size", ()))
+        k.removeprefix(prefix): tuple(getattr(v, "size", ()))
         for k, v in meta.items()
-        if k.startswith("model.")
+        if k.startswith(prefix)
     }
     here = {k: tuple(v.shape) for k, v in model_sd.items() if hasattr(v, "shape")}
     parts = []

@@ -191,7 +191,7 @@ def misfit_line(path: Path, misfit: str, cfg: Config) -> str:
     changes = [
         c
         for c in changed_settings(saved_settings(path), cfg)
-        if c.startswith(("model.", "algorithm.adv_estimator"))
+        if c.startswith(("model.", "critic.model.", "algorithm.adv_estimator"))
     ]
     since = f"; changed since it was saved: {'; '.join(changes)}" if changes else ""
     return (

@@ -242,6 +242,42 @@ def test_a_checkpoint_without_a_critic_is_refused_naming_the_estimator(
     assert "algorithm.adv_estimator grpo -> gae" in line and "damaged" not in line, line
 
 
+def test_a_checkpoint_of_another_critic_is_refused_naming_its_path(
+    tiny_model, single_rank, tmp_path
+):
+    """Found by a review: a resume with a ``critic.model.path`` of another shape failed in
+    torch's loader, and the line called the checkpoint damaged and named an earlier one to
+    resume, which holds the same critic. The critic is fitted as the actor is."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.config import ConfigError
+    from asyncrl.config.resumed import settings_of
+    from learner.restore import restore
+
+    shallow = tmp_path / "shallow"  # the tiny model with one layer fewer
+    config = AutoConfig.from_pretrained(tiny_model)
+    config.num_hidden_layers -= 1
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[: config.num_hidden_layers]
+    AutoModelForCausalLM.from_config(config).save_pretrained(shallow)
+    for f in tiny_model.iterdir():
+        if "token" in f.name:
+            shutil.copy(f, shallow / f.name)
+    first_cfg = make_cfg(tiny_model)
+    first = Trainer(first_cfg)
+    first.train_step(BATCHES[0], TEMPERATURE)
+    run = tmp_path / "run"
+    first.save(run, extra={"settings": settings_of(first_cfg)})
+    cfg = make_cfg(tiny_model, "trainer.resume_mode=auto", f"critic.model.path={shallow}")
+    with pytest.raises(ConfigError) as err:
+        restore(cfg, Trainer(cfg), run)
+    (line,) = err.value.problems
+    assert "its critic: " in line and "damaged" not in line, line
+    assert f"critic.model.path None -> {shallow}" in line, line
+
+
 def test_values_and_proximal_logprobs_are_computed_without_dropout(tiny_model, single_rank):
     """With dropout in the model's config, the no-grad passes (the critic's values, GAE's V
     and the clip's V_old; the actor's proximal logprobs) ran in training mode and drew a

@@ -30,6 +30,7 @@ from asyncrl.config.schema import Config
 #: trains on or how (the model, the batch and group sizes, the update, the estimator).
 COMPARED = (
     "model.path",
+    "critic.model.path",
     "model.lora_rank",
     "model.lora_alpha",
     "model.target_modules",
@@ -148,8 +149,10 @@ def changed_settings(saved: Mapping[str, Any] | None, cfg: Config) -> list[str]:
 
 
 def _moved(key: str, saved: Any, now: Any) -> bool:
-    """Whether a compared setting changed: ``model.path`` as the folder it names."""
-    return not same_path(saved, now) if key == "model.path" else saved != now
+    """Whether a compared setting changed: a model path as the folder it names."""
+    if key in ("model.path", "critic.model.path") and saved is not None and now is not None:
+        return not same_path(saved, now)
+    return saved != now
 
 
 def changed_line(changes: list[str], step: int, lora: bool = False) -> str | None:
