@@ -534,4 +534,12 @@ ROWS = (
             "tests/test_validation_stats.py::test_a_round_says_which_policy_versions_its_responses_came_from",
         ),
     ),
+    Mutation(
+        "a checkpoint of another critic is refused",
+        "a critic.model.path of another shape loads in part without a word",
+        "learner/checkpoint.py",
+        '    if critic is not None and (misfit := model_misfit(path, state["critic_model"], "critic_model.")):',
+        "    if False:",
+        ("tests/test_critic.py::test_a_checkpoint_of_another_critic_is_refused_naming_its_path",),
+    ),
 )
