@@ -144,7 +144,7 @@ ROWS = (
         "model.path is compared as text on resume",
         "asyncrl/config/resumed.py",
         "        return not same_path(saved, now)\n",
-        "    return saved != now\n",
+        "        return saved != now\n",
         ("tests/test_config_resolved.py::test_resume_reads_one_model_path_in_any_spelling",),
     ),
     Mutation(
