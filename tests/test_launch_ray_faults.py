@@ -286,3 +286,13 @@ def test_the_rollout_servers_are_stopped_first_as_under_the_local_launcher(sup, 
     sup.stop_all(grace_s=10.0)
     assert order[:3] == ["rollout-0", "rollout-1", "wait 5.0"], order
     assert sorted(order[3:5]) == ["buffer", "learner"] and order[5].startswith("wait "), order
+
+
+def test_ray_by_the_flag_reads_every_rule_as_the_backend_does(inputs, capsys):
+    """Found by a review: ``launch.nice`` is refused under ``launch.backend=ray`` (Ray's
+    roles get cores of their own), but ``--ray`` over the local backend passed it, and the
+    roles ran without it while ``commands.txt`` said ``# nice``."""
+    with pytest.raises(SystemExit) as ended:
+        main([*inputs, "--ray", "launch.nice.learner=10"])
+    assert ended.value.code == 2
+    assert "launch.nice applies to the local launcher" in capsys.readouterr().err

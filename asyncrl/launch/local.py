@@ -64,6 +64,9 @@ def _launch_options(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--ray" in argv:  # launch.backend=ray, so that every config rule reads it so
+        argv.append("launch.backend=ray")
     cfg, args = parse_role_args(
         "asyncrl-launch",
         "Start the buffer, the rollout servers and the learner of one run on this machine "
