@@ -34,6 +34,15 @@ def share_waiting(world_size: int) -> None:
     dist.broadcast(torch.tensor([_WAITING], dtype=torch.long), 0)
 
 
+def hold_ranks(rank: int, world_size: int) -> None:
+    """The run's end. Rank 0 ends it alone (its export's write, the final validation, the
+    peers told), then calls this; the other ranks wait here until it does, taking its
+    :func:`share_waiting` rounds. Returned at once, they would exit first: torchrun stops
+    every rank when one exits with a failure (a health stop's 5), and a launcher restarts a
+    learner node whose ranks ended early, either of which cut rank 0's ending short."""
+    share_batch(None, rank, world_size)
+
+
 def share_batch(batch: Any, rank: int, world_size: int) -> Any:
     """Rank 0 passes its ``wire.Batch`` (or None: training ends); every rank returns an
     equal one (or None). The other ranks also take rank 0's :func:`share_waiting` rounds."""

@@ -16,6 +16,10 @@ from typing import Any, NamedTuple, Protocol
 BatchRef = tuple[str, int]
 
 
+def _nothing() -> None:
+    """The default ``keepalive`` of :meth:`ControlPeer.finish`: no other rank waits."""
+
+
 class Restored(NamedTuple):
     """What a checkpoint brought back for the control plane (all None on a fresh start)."""
 
@@ -49,7 +53,12 @@ class ControlPeer(Protocol):
     def log_step(self, step: int, metrics: dict[str, float], version: int) -> None: ...
     def after_step(self, step: int) -> None: ...
     def finish(
-        self, step: int, validate: bool, wait_rounds: bool = True, complete: bool = False
+        self,
+        step: int,
+        validate: bool,
+        wait_rounds: bool = True,
+        complete: bool = False,
+        keepalive: Callable[[], None] = _nothing,
     ) -> None: ...
     def abandon(self) -> None: ...
 
@@ -98,7 +107,12 @@ class NoControl:
         pass
 
     def finish(
-        self, step: int, validate: bool, wait_rounds: bool = True, complete: bool = False
+        self,
+        step: int,
+        validate: bool,
+        wait_rounds: bool = True,
+        complete: bool = False,
+        keepalive: Callable[[], None] = _nothing,
     ) -> None:
         pass
 

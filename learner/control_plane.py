@@ -377,14 +377,21 @@ class RankZero:
         metrics["staleness/lag_limit"] = float(self.lag.lag)
 
     def finish(
-        self, step: int, validate: bool, wait_rounds: bool = True, complete: bool = False
+        self,
+        step: int,
+        validate: bool,
+        wait_rounds: bool = True,
+        complete: bool = False,
+        keepalive: Callable[[], None] = lambda: None,
     ) -> None:
         """Validate the final policy (when training completed and validation is on), then
         end the run for everyone. Waits for the push in flight, then (``wait_rounds``) for
         the rounds in flight while their groups come in, at most ``launch.start_timeout_s``
         without one. ``complete``: the run ended
         whole; recorded (:func:`mark_ended`) before the peers are told, so that a learner
-        killed after telling them is not started again into an ending that needs them."""
+        killed after telling them is not started again into an ending that needs them.
+        ``keepalive``: called every 30 s while the rounds are waited for (the other ranks
+        wait in a collective for this ending: :func:`learner.broadcast.hold_ranks`)."""
         try:
             self.pushes.wait()
         except RuntimeError as e:  # the run ends all the same: tell everyone
@@ -407,6 +414,7 @@ class RankZero:
             time.sleep(0.5)
             if time.monotonic() - said >= KEEPALIVE_S / 2:  # every 30 s: what it waits for
                 said = time.monotonic()
+                keepalive()
                 log.info(
                     "ending: waiting %.0fs so far for validation rounds %s (at most "
                     "launch.start_timeout_s=%gs without a group scored)",

@@ -141,7 +141,7 @@ class LearnerLoop:
             raise
         done = self.stopped_by is None
         try:
-            self.control.finish(self.trainer.step, validate=done, complete=done)
+            self._finish(validate=done, complete=done)
         except Superseded as e:  # its last acknowledgement refused: another took over
             return self._superseded(e)
         if self.stopped_by is not None:
@@ -215,8 +215,19 @@ class LearnerLoop:
         self._export(only_missing=True)
         if not ended:
             self.control.resume(t.full_state_for_push())  # what servers catch up to
-        self.control.finish(t.step, validate=not ended, wait_rounds=not ended, complete=True)
+        self._finish(validate=not ended, wait_rounds=not ended, complete=True)
         return 0
+
+    def _finish(self, **how: bool) -> None:
+        """Rank 0 ends the run (:meth:`ControlPeer.finish` ``**how``); every other rank
+        waits until it has (:func:`learner.broadcast.hold_ranks`), even when it fails."""
+        from learner.broadcast import hold_ranks, share_waiting
+
+        t = self.trainer
+        try:
+            self.control.finish(t.step, keepalive=lambda: share_waiting(t.world_size), **how)
+        finally:
+            hold_ranks(t.rank, t.world_size)
 
     def _one_step(self) -> bool:
         """One learner step; False when the data is spent and no batch will come."""

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import msgspec
 import numpy as np
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -142,3 +143,45 @@ def test_the_cuda_group_has_a_cpu_backend_beside_nccl():
         backend = dist.Backend(process_group_backend(device))
         devices = dist.BackendConfig(backend).get_device_backend_map()
         assert {d: devices[d] for d in expected} == expected, (device, devices)
+
+
+def _ending_worker(rank: int, port: int, out: str) -> None:
+    """Rank 0 ends the run alone for a while (keep-alive rounds between); rank 1's part of
+    the ending does nothing. Each writes when its ending returned."""
+    import time
+
+    from learner.control_peer import NoControl
+    from learner.loop import LearnerLoop
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    # Short: without the wait, rank 0's keep-alive meets rank 1's exit barrier, a mismatch
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=10)
+    )
+
+    class Ending:
+        def finish(self, step, keepalive, **how):
+            for _ in range(3):  # the final validation's wait, with its keep-alive rounds
+                time.sleep(0.5)
+                keepalive()
+            Path(out, "rank0_ended").write_text(repr(time.monotonic()))
+
+    loop = object.__new__(LearnerLoop)
+    loop.trainer = SimpleNamespace(rank=rank, world_size=2, step=3)  # type: ignore[assignment]
+    loop.control = Ending() if rank == 0 else NoControl()  # type: ignore[assignment]
+    loop._finish(validate=True, complete=True)
+    Path(out, f"rank{rank}_returned").write_text(repr(time.monotonic()))
+    leave_ranks()
+
+
+@pytest.mark.timeout(120)
+def test_the_other_ranks_wait_for_rank_zeros_ending(tmp_path):
+    """Found by a review: the other ranks returned as soon as their own (empty) part of the
+    ending was done, while rank 0 still wrote the export and waited for the final round.
+    Exiting first, they cut it short: torchrun stops every rank when one exits with a
+    failure (a health stop's 5), and a launcher restarts a learner node ended early."""
+    mp.start_processes(
+        _ending_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn"
+    )
+    ended = float((tmp_path / "rank0_ended").read_text())
+    assert float((tmp_path / "rank1_returned").read_text()) >= ended
