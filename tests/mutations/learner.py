@@ -542,4 +542,12 @@ ROWS = (
         "        misfit := None",
         ("tests/test_critic.py::test_a_checkpoint_of_another_critic_is_refused_naming_its_path",),
     ),
+    Mutation(
+        "the other ranks wait for rank 0's ending",
+        "the other ranks return while rank 0 still ends the run",
+        "learner/loop.py",
+        "            hold_ranks(t.rank, t.world_size)",
+        "            pass",
+        ("tests/test_share_batch.py::test_the_other_ranks_wait_for_rank_zeros_ending",),
+    ),
 )
