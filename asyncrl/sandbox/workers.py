@@ -46,7 +46,7 @@ T = TypeVar("T")
 #: pool's ``memory_cap`` (only a pool with one).
 POOL_STATUSES = ("timeout", "worker_died", "exception", "out_of_memory")
 
-MAX_LOGGED = 20  # different failures logged in full; every one is counted
+MAX_LOGGED = 20  # different failures of a kind logged in full; every one is counted
 # How long a close waits for a replacement worker still starting: a stopping server must
 # end within the launcher's grace (15 s); one that starts later is killed by its thread.
 CLOSE_WAIT_S = 3.0
@@ -250,12 +250,16 @@ class WorkerPool:
         """Count a failure of ``kind``; log its explanation the first time that kind occurs
         with that first word of ``detail`` (an exception's or a returned value's type: a
         scorer that returns None and one that returns a dict without its score are two
-        mistakes), for at most :data:`MAX_LOGGED` different ones."""
+        mistakes), for at most :data:`MAX_LOGGED` different ones of each kind: the first of
+        a kind is always logged (a model's twenty made-up tool names must not hide the
+        first timeout or crash)."""
         variant = (kind, str(detail).split(" ", 1)[0][:40] if detail else "")
         with self._lock:
             self._counters[kind] += 1
-            first = variant not in self._logged and len(self._logged) < MAX_LOGGED
-            self._logged.add(variant)
+            of_kind = sum(k == kind for k, _ in self._logged)
+            first = variant not in self._logged and of_kind < MAX_LOGGED
+            if first:
+                self._logged.add(variant)
         if first:
             message = self._explanations[kind].format(timeout=self.timeout_s, detail=detail)
             self._log.warning(
