@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.tools.hermes import CLOSE_TAG, OPEN_TAG, ToolCall, parse_block
+from asyncrl.tools.hermes import OPEN_TAG, ToolCall, blocks, parse_block
 
 if TYPE_CHECKING:
     from rollout_servers.protocols import Tokenizer
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
 #: The name shown for a malformed block whose tool name cannot be read: no tool has it, so
 #: the agent answers the call with its error, in the call's place.
 MALFORMED_CALL = "malformed_tool_call"
-_BLOCK = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
 _NAME = re.compile(r'"name"\s*:\s*"([^"\\]+)"')  # a malformed block's readable tool name
 
 
@@ -56,10 +55,10 @@ def _split_blocks(raw: str) -> tuple[list[str], list[str]]:
     insides, as :func:`asyncrl.tools.hermes.parse_tool_calls` finds them: a block left
     open at the end (the response was cut off) is one too."""
     outside, bodies, end = [], [], 0
-    for match in _BLOCK.finditer(raw):
-        outside.append(raw[end : match.start()])
-        bodies.append(match.group(1))
-        end = match.end()
+    for start, block_end, inside in blocks(raw):
+        outside.append(raw[end:start])
+        bodies.append(inside)
+        end = block_end
     if (left_open := raw.find(OPEN_TAG, end)) >= 0:
         outside.append(raw[end:left_open])
         bodies.append(raw[left_open + len(OPEN_TAG) :])

@@ -13,13 +13,26 @@ decides what a malformed block costs the model (usually an error message in the 
 from __future__ import annotations
 
 import json
-import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
-_BLOCK = re.compile(re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG), re.DOTALL)
+
+
+def blocks(text: str) -> Iterator[tuple[int, int, str]]:
+    """Each closed ``<tool_call>`` block of ``text`` in order: its start, its end and its
+    inside (from an open tag to the first close tag after it). One pass over ``text``: a
+    regular expression's lazy match scanned to the end from every open tag never closed,
+    seconds on the server's event loop for a response that repeats the tag."""
+    pos = 0
+    while (start := text.find(OPEN_TAG, pos)) >= 0:
+        inside = start + len(OPEN_TAG)
+        if (close := text.find(CLOSE_TAG, inside)) < 0:
+            return  # no later open tag is closed either
+        pos = close + len(CLOSE_TAG)
+        yield start, pos, text[inside:close]
 
 
 @dataclass(frozen=True)
@@ -101,14 +114,14 @@ def parse_tool_calls(text: str) -> ParsedToolCalls:
     errors: list[str] = []
     order: list[bool] = []
     end = 0
-    for number, match in enumerate(_BLOCK.finditer(text), start=1):
-        parsed = parse_block(match.group(1))
+    for number, (_, block_end, inside) in enumerate(blocks(text), start=1):
+        parsed = parse_block(inside)
         if isinstance(parsed, ToolCall):
             calls.append(parsed)
         else:
             errors.append(f"tool call {number}: {parsed}")
         order.append(isinstance(parsed, ToolCall))
-        end = match.end()
+        end = block_end
     if OPEN_TAG in text[end:]:
         errors.append(f"tool call {len(calls) + len(errors) + 1}: {OPEN_TAG} without {CLOSE_TAG}")
         order.append(False)
