@@ -50,6 +50,15 @@ def limit_memory(mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
 
 
+def _text(exc: BaseException) -> str:
+    """``str(exc)``, or "" where the user's exception cannot say it (its ``__str__``
+    raises): the worker answers its job, not dies of the question."""
+    try:
+        return str(exc)
+    except Exception:
+        return ""
+
+
 def from_memory(exc: BaseException) -> bool:
     """Whether ``exc`` says the memory ran out, or was raised while handling such an error
     (a scorer that wraps its errors): the cap, not the user's logic, ended the job. Python
@@ -63,7 +72,7 @@ def from_memory(exc: BaseException) -> bool:
             return True
         if isinstance(seen, OSError) and seen.errno == errno.ENOMEM:
             return True
-        if isinstance(seen, RuntimeError) and "can't allocate memory" in str(seen):
+        if isinstance(seen, RuntimeError) and "can't allocate memory" in _text(seen):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
