@@ -131,4 +131,39 @@ ROWS = (
         "            if False:",
         ("tests/test_reward_values.py",),
     ),
+    Mutation(
+        "the first failure of each kind is logged",
+        "twenty failures of one kind hide the first of every other kind",
+        "asyncrl/sandbox/workers.py",
+        "            first = variant not in self._logged and of_kind < MAX_LOGGED",
+        "            first = variant not in self._logged and len(self._logged) < MAX_LOGGED",
+        (
+            "tests/test_sandbox_workers.py::"
+            "test_the_first_failure_of_each_kind_is_logged_however_many_others_came",
+        ),
+    ),
+    Mutation(
+        "an unreadable RuntimeError does not kill a capped worker",
+        "the memory cap's check reads str() of the user's exception unguarded",
+        "asyncrl/sandbox/memory.py",
+        '    try:\n        return str(exc)\n    except Exception:\n        return ""',
+        "    return str(exc)",
+        (
+            "tests/test_sandbox_workers.py::test_sys_exit_and_unprintable_exceptions_do_not_end_the_worker",
+        ),
+    ),
+    Mutation(
+        "tool call blocks are found in one pass",
+        "the blocks are found by a lazy regular expression, which rescans from every open tag",
+        "asyncrl/tools/hermes.py",
+        "    pos = 0\n    while (start := text.find(OPEN_TAG, pos)) >= 0:",
+        "    import re\n\n"
+        "    lazy = re.escape(OPEN_TAG) + r\"(.*?)\" + re.escape(CLOSE_TAG)\n"
+        "    for m in re.finditer(lazy, text, re.DOTALL):\n"
+        "        yield m.start(), m.end(), m.group(1)\n"
+        "    pos = len(text)\n"
+        "    while (start := text.find(OPEN_TAG, pos)) >= 0:",
+        ("tests/test_tool_text.py::test_tool_call_blocks_are_found_in_one_pass_as_the_lazy_match_found_them",),
+    ),
+    ),
 )
