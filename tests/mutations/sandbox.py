@@ -158,12 +158,13 @@ ROWS = (
         "asyncrl/tools/hermes.py",
         "    pos = 0\n    while (start := text.find(OPEN_TAG, pos)) >= 0:",
         "    import re\n\n"
-        "    lazy = re.escape(OPEN_TAG) + r\"(.*?)\" + re.escape(CLOSE_TAG)\n"
+        '    lazy = re.escape(OPEN_TAG) + r"(.*?)" + re.escape(CLOSE_TAG)\n'
         "    for m in re.finditer(lazy, text, re.DOTALL):\n"
         "        yield m.start(), m.end(), m.group(1)\n"
         "    pos = len(text)\n"
         "    while (start := text.find(OPEN_TAG, pos)) >= 0:",
-        ("tests/test_tool_text.py::test_tool_call_blocks_are_found_in_one_pass_as_the_lazy_match_found_them",),
-    ),
+        (
+            "tests/test_tool_text.py::test_tool_call_blocks_are_found_in_one_pass_as_the_lazy_match_found_them",
+        ),
     ),
 )
