@@ -168,11 +168,11 @@ class RankZero:
             if left is not None and left < self.train_batch_size:
                 log.warning(
                     "the training data is spent after step %d: %d groups left, fewer than "
-                    "data.train_batch_size=%d (raise trainer.total_epochs, or set "
-                    "trainer.total_training_steps: null to stop where the data ends)",
+                    "data.train_batch_size=%d (%s)",
                     step,
                     left,
                     self.train_batch_size,
+                    _spent_fix(self.cfg),
                 )
                 return None
             self.pushes.serve_catchups()
@@ -479,6 +479,20 @@ def _lag_controller(cfg: Config, restored: Restored) -> LagController | None:
     if restored.lag_controller is not None:
         lag.load_state_dict(restored.lag_controller)
     return lag
+
+
+def _spent_fix(cfg: Config) -> str:
+    """What to change when the data ran out before ``trainer.total_training_steps``."""
+    if cfg.trainer.total_training_steps is not None:
+        return (
+            "raise trainer.total_epochs, or set trainer.total_training_steps: null to stop "
+            "where the data ends"
+        )
+    # Derived from the rows in the files: those dropped at a server never train.
+    return (
+        "raise trainer.total_epochs; the total derived from the data counts every row, "
+        "and rows dropped as too long (data.filter_overlong_prompts) or given up did not train"
+    )
 
 
 def open_metrics(cfg: Config, run_dir: Path, new_run: bool) -> MetricsLogger:
