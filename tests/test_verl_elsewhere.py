@@ -41,6 +41,11 @@ BASE = ["actor_rollout_ref.actor.ppo_mini_batch_size=8"]
             "name of actor_rollout_ref.actor.grad_clip",
             "valid keys in",
         ),
+        (  # a review: at veRL's default it read "did you mean data.train_files?"
+            "data.train_max_samples=-1",
+            "remove the key (at its default, -1, veRL reads every row, as here)",
+            "did you mean",
+        ),
     ],
 )
 def test_another_verl_versions_key_is_refused_with_its_own_fix(given, fix, not_said):

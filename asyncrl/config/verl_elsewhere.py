@@ -29,6 +29,14 @@ _FIXES = {
         "newer veRL's constant divisor of seq-mean-token-sum-norm is not built here (the "
         "divisor is data.max_response_length, as veRL's without it): remove the key"
     ),
+    **{
+        f"data.{split}_max_samples": (
+            f"newer veRL's cap on the {split} rows read is not read here: remove the key (at "
+            "its default, -1, veRL reads every row, as here), or write the rows to use to a "
+            f"smaller parquet file for data.{split}_files"
+        )
+        for split in ("train", "val")
+    },
 }
 ELSEWHERE = {our_key(k): fix for k, fix in _FIXES.items()}
 
