@@ -65,3 +65,31 @@ def test_overlong_validation_rows_are_left_out_with_the_filter_on(tmp_path, capl
     cfg = load_config(None, [*every, "data.filter_overlong_prompts=true"])
     with pytest.raises(ConfigError, match="leaves out every one of the 2 rows of data.val_files"):
         task_source_from_config(cfg)
+
+
+def test_an_episodes_prompt_is_measured_with_its_tools_as_its_server_renders_it(tmp_path):
+    """Found by a review: with multi-turn on, validation rows were measured without the
+    tools' schemas, which the server renders into an episode's first prompt (25 tokens
+    against 50 here), so a row over the limit was kept and cut at the server, its tools
+    line with it."""
+    from asyncrl.tools.config import load_tool_config, schemas
+    from asyncrl.tools.tokens import render
+
+    tok_dir = tmp_path / "tok"
+    tok = build_tokenizer(tok_dir)
+    tools = schemas(load_tool_config("configs/tools/calculator.yaml"))
+    messages = [{"role": "user", "content": "1+1="}]
+    bare, with_tools = len(chat_prompt_ids(tok, messages)), len(render(tok, messages, tools, True))
+    assert with_tools > bare
+    files = _files(tmp_path, ["1+1=", "2+1="])
+    base = [*files, f"model.path={tok_dir}", "data.filter_overlong_prompts=true"]
+    multi = [
+        "rollout.multi_turn.enable=true",
+        "rollout.multi_turn.tool_config_path=configs/tools/calculator.yaml",
+    ]
+    between = f"data.max_prompt_length={bare + 2}"  # fits bare, not with the tools
+    with pytest.raises(ConfigError, match="leaves out every one of the 2 rows"):
+        task_source_from_config(load_config(None, [*base, *multi, between]))
+    assert len(task_source_from_config(load_config(None, [*base, between])).val_rows) == 2
+    enough = f"data.max_prompt_length={with_tools + 2}"
+    assert len(task_source_from_config(load_config(None, [*base, *multi, enough])).val_rows) == 2

@@ -20,7 +20,7 @@ from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource, load_rows
 from asyncrl.net.transport import mebibytes
-from asyncrl.tasks.lengths import fitting_val_rows
+from asyncrl.tasks.lengths import Episodes, fitting_val_rows
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,23 @@ def sync_backend(device: str) -> str:
     return "nccl" if device == "cuda" else "gloo"
 
 
+def episodes_of(cfg: Config) -> Episodes | None:
+    """How the servers render episodes' first prompts (None: multi-turn off), for the
+    validation rows' length filter; a tool config that does not read is a ConfigError."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None
+    tools = None
+    if mt.tool_config_path:
+        from asyncrl.tools.config import load_tool_config, schemas
+
+        try:
+            tools = schemas(load_tool_config(mt.tool_config_path))
+        except ValueError as e:
+            raise ConfigError([str(e)]) from e
+    return Episodes("tool_agent", tools)
+
+
 def task_source_from_config(
     cfg: Config, train_rows: Rows | None = None, val_rows: Rows | None = None
 ) -> TaskSource:
@@ -49,7 +66,9 @@ def task_source_from_config(
         validating = t.val_before_train or t.test_freq > 0
         val_rows = load_rows(d.val_files, d.prompt_key) if validating else []
         if val_rows and d.filter_overlong_prompts:  # as veRL's loader leaves them out
-            val_rows = fitting_val_rows(val_rows, cfg.model.path, d.prompt_key, d.max_prompt_length)
+            val_rows = fitting_val_rows(
+                val_rows, cfg.model.path, d.prompt_key, d.max_prompt_length, episodes_of(cfg)
+            )
     source = TaskSource(
         train_rows,
         val_rows,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.config.errors import ConfigError
@@ -14,29 +15,57 @@ from asyncrl.config.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Episodes:
+    """How a multi-turn server renders its episodes' first prompts: the rows it plays as
+    episodes (``agent_name`` ``tool_agent``, or rows without one when that is the default)
+    under the chat template with the tools' schemas (None: no tools)."""
+
+    default_agent: str
+    tools: list[dict[str, Any]] | None
+
+
 def overlong_rows(
-    rows: Sequence[dict[str, Any]], tokenizer_path: str, prompt_key: str, limit: int
+    rows: Sequence[dict[str, Any]],
+    tokenizer_path: str,
+    prompt_key: str,
+    limit: int,
+    episodes: Episodes | None = None,
 ) -> list[int]:
-    """The indices of ``rows`` whose prompt, rendered as a single-turn rollout server
-    renders it (the chat template with the generation prompt, ``chat_prompt_ids``), is
-    longer than ``limit`` tokens. Loads transformers and the tokenizer at
-    ``tokenizer_path`` (``model.path``, the servers' own)."""
+    """The indices of ``rows`` whose prompt, rendered as a rollout server renders it, is
+    longer than ``limit`` tokens: a single-turn one under the chat template with the
+    generation prompt (``chat_prompt_ids``), an episode's (``episodes``: multi-turn on)
+    with the tools' schemas too, which add hundreds of tokens under some templates. Loads
+    transformers and the tokenizer at ``tokenizer_path`` (``model.path``, the servers')."""
     from transformers import AutoTokenizer
 
     from asyncrl.prepare.tokenizer import chat_prompt_ids
+    from asyncrl.tools.tokens import render
 
     tok = AutoTokenizer.from_pretrained(tokenizer_path)
-    return [i for i, row in enumerate(rows) if len(chat_prompt_ids(tok, row[prompt_key])) > limit]
+
+    def length(row: dict[str, Any]) -> int:
+        prompt: Any = row[prompt_key]
+        agent = row.get("agent_name") or (episodes.default_agent if episodes else "")
+        if episodes is not None and agent == "tool_agent" and not isinstance(prompt, str):
+            return len(render(tok, list(prompt), episodes.tools, gen=True))
+        return len(chat_prompt_ids(tok, row[prompt_key]))
+
+    return [i for i, row in enumerate(rows) if length(row) > limit]
 
 
 def fitting_val_rows(
-    rows: Sequence[dict[str, Any]], tokenizer_path: str, prompt_key: str, limit: int
+    rows: Sequence[dict[str, Any]],
+    tokenizer_path: str,
+    prompt_key: str,
+    limit: int,
+    episodes: Episodes | None = None,
 ) -> list[dict[str, Any]]:
     """The validation rows with ``data.filter_overlong_prompts`` on: those whose prompt is
     over ``limit`` tokens are left out, as veRL leaves them out of its validation set when
     it loads it (said once, with the count); a set left empty is a
     :class:`~asyncrl.config.ConfigError`, since validation would never report."""
-    long = set(overlong_rows(rows, tokenizer_path, prompt_key, limit))
+    long = set(overlong_rows(rows, tokenizer_path, prompt_key, limit, episodes))
     if not long:
         return list(rows)
     if len(long) == len(rows):
