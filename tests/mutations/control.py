@@ -411,4 +411,15 @@ ROWS = (
             "tests/test_sync_rounds.py::test_a_member_that_may_still_be_receiving_is_left_out_until_its_report",
         ),
     ),
+    Mutation(
+        "an episode's validation prompt is measured with its tools",
+        "multi-turn validation rows are measured without the tools' schemas the server renders",
+        "asyncrl/control/setup.py",
+        "                val_rows, cfg.model.path, d.prompt_key, d.max_prompt_length, episodes_of(cfg)",
+        "                val_rows, cfg.model.path, d.prompt_key, d.max_prompt_length, None",
+        (
+            "tests/test_task_source_val_filter.py::"
+            "test_an_episodes_prompt_is_measured_with_its_tools_as_its_server_renders_it",
+        ),
+    ),
 )
