@@ -229,7 +229,7 @@ ROWS = (
         "over-long validation rows are left out with the filter on",
         "no validation row is measured (over-long ones are kept and cut)",
         "asyncrl/tasks/lengths.py",
-        "    long = set(overlong_rows(rows, tokenizer_path, prompt_key, limit))\n",
+        "    long = set(overlong_rows(rows, tokenizer_path, prompt_key, limit, episodes))\n",
         "    long: set[int] = set()\n",
         (
             "tests/test_task_source_val_filter.py::test_overlong_validation_rows_are_left_out_with_the_filter_on",
