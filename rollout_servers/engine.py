@@ -170,12 +170,7 @@ class RolloutEngine:
             prompt = {"prompt_token_ids": prompt_ids + sample.token_ids}
             async for out in self.llm.generate(prompt, piece, request_id=rid):
                 final = out
-            if final is None:
-                raise RuntimeError(f"vLLM returned no output for request {rid}")
-            done = final.outputs[0]
-            ids = list(done.token_ids)
-            positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
-            logprobs = [sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
+            done, ids, logprobs = _piece(final, rid)
             sample.extend(ids, logprobs, version_spans_of(done, len(ids), version_before))
             interrupted = done.finish_reason == "abort" and self._aborts != aborts_before
             if not interrupted:
@@ -220,12 +215,7 @@ class RolloutEngine:
                 if key is not None:
                     self.adapters.release(key, rid)
             moved = self.adapters.moved(rid)
-            if final is None:
-                raise RuntimeError(f"vLLM returned no output for request {rid}")
-            done = final.outputs[0]
-            ids = list(done.token_ids)
-            positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
-            logprobs = [sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
+            done, ids, logprobs = _piece(final, rid)
             sample.extend(ids, logprobs, [(version, len(ids))] if ids else [])
             interrupted = moved and done.finish_reason == "abort"
             if not interrupted:
@@ -465,6 +455,17 @@ class RolloutEngine:
             self.adapters.versions,
         )
         return {"seconds": took, **(stats[0] if stats else {})}
+
+
+def _piece(final: Any, request_id: str) -> tuple[Any, list[int], list[float]]:
+    """A finished request's output (vLLM's last ``RequestOutput``, None if it gave none),
+    its sampled token ids and their behaviour logprobs (NaN where vLLM gave none)."""
+    if final is None:
+        raise RuntimeError(f"vLLM returned no output for request {request_id}")
+    done = final.outputs[0]
+    ids = list(done.token_ids)
+    positions = done.logprobs if done.logprobs is not None else [None] * len(ids)
+    return done, ids, [sampled_logprob(d, t) for d, t in zip(positions, ids, strict=True)]
 
 
 def _refuse_cut_short(finish_reason: str | None, request_id: str) -> None:
