@@ -4,7 +4,7 @@ Each push of the learner's adapters becomes a vLLM LoRA adapter of its own, name
 the policy version (``policy-v<version>-<n>``, vLLM id ``n``, the count of adapters loaded), read
 from a peft directory the engine's worker wrote. New requests take the current version; a
 request keeps the adapter it started with until it finishes, so its tokens all carry that
-version and its behaviour logprobs describe one policy. A version is released (unloaded
+version and its behaviour logprobs describe one policy (unless it is moved, below). A version is released (unloaded
 from vLLM, its files deleted) once it is neither current nor among the ``keep`` newest and
 no request uses it any more; ``keep`` is ``max_policy_lag + 1`` by default, the versions a
 request may still be sampling from while it is fresh enough to train.

@@ -17,7 +17,8 @@ and workers in child processes), or on CPU an :class:`~rollout_servers.inline_ll
   response.
 - With pushed LoRA adapters (``sync.lora: adapter``) a sync does not pause at all: the
   adapter loads as a new vLLM adapter (:mod:`rollout_servers.adapters`), new requests take
-  it, and a request in flight finishes on the adapter it started with.
+  it, and a request in flight finishes on the adapter it started with (or, once that one
+  falls out of the newest kept, on the current one).
 """
 
 from __future__ import annotations
@@ -424,7 +425,7 @@ class RolloutEngine:
         """:meth:`sync_weights` of a pushed LoRA adapter: requests are not paused (no KV
         cache dropped). The workers receive the broadcast and write the adapter's files,
         vLLM loads it, new requests take it; requests in flight finish on the adapter they
-        started with. The receive is a call into the engine, run between its steps: the
+        started with, those on one that falls out of the newest kept on the new one. The receive is a call into the engine, run between its steps: the
         engine steps no request while it lasts."""
         assert self.adapters is not None
         start = time.monotonic()

@@ -91,8 +91,8 @@ def config_advisories(cfg: Config) -> list[str]:
         # Pushed adapters are served beside the ones in use: nothing is paused or aborted.
         out.append(
             "rollout.sync_mode=abort with sync.lora=adapter is unused: a request finishes on "
-            "the adapter it started with (no pause, no abort); set sync.lora=merged to abort "
-            "requests at a push"
+            "the adapter it started with while that one is among the newest kept (no pause, "
+            "no abort); set sync.lora=merged to abort requests at a push"
         )
     return out + _batch_advisories(cfg) + _filter_advisories(cfg) + _unused_kl_coef(cfg)
 

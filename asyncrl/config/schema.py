@@ -127,7 +127,9 @@ class SyncConfig(Section):
         default="adapter",
         description="With model.lora_rank > 0: adapter pushes the adapters only and the "
         "servers serve each version with vLLM's LoRA support (a request finishes on the "
-        "adapter it started with); merged pushes the whole model with the adapters merged.",
+        "adapter it started with, or, once that one is older than max_policy_lag + 1 "
+        "versions, on the current one); merged pushes the whole model with the adapters "
+        "merged.",
     )
 
 
