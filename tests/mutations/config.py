@@ -410,4 +410,12 @@ ROWS = (
         "    critic = None",
         ("tests/test_launch_inputs.py",),
     ),
+    Mutation(
+        "newer veRL's max_samples keys are named with their fix",
+        "data.train_max_samples is pointed at data.train_files",
+        "asyncrl/config/verl_elsewhere.py",
+        '        for split in ("train", "val")',
+        "        for split in ()",
+        ("tests/test_verl_elsewhere.py",),
+    ),
 )

@@ -587,4 +587,14 @@ ROWS = (
             "test_a_start_on_a_node_without_the_command_is_a_config_error",
         ),
     ),
+    Mutation(
+        "--ray is read as launch.backend=ray by every rule",
+        "--ray over the local backend passes launch.nice, which Ray ignores",
+        "asyncrl/launch/local.py",
+        '        argv.append("launch.backend=ray")',
+        "        pass",
+        (
+            "tests/test_launch_ray_faults.py::test_ray_by_the_flag_reads_every_rule_as_the_backend_does",
+        ),
+    ),
 )
