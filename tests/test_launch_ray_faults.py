@@ -288,10 +288,13 @@ def test_the_rollout_servers_are_stopped_first_as_under_the_local_launcher(sup, 
     assert sorted(order[3:5]) == ["buffer", "learner"] and order[5].startswith("wait "), order
 
 
-def test_ray_by_the_flag_reads_every_rule_as_the_backend_does(inputs, capsys):
+def test_ray_by_the_flag_reads_every_rule_as_the_backend_does(inputs, capsys, monkeypatch):
     """Found by a review: ``launch.nice`` is refused under ``launch.backend=ray`` (Ray's
     roles get cores of their own), but ``--ray`` over the local backend passed it, and the
     roles ran without it while ``commands.txt`` said ``# nice``."""
+    from asyncrl.launch import ray_main
+
+    monkeypatch.setattr(ray_main, "main_ray", lambda cfg: 0)  # passed: no cluster started
     with pytest.raises(SystemExit) as ended:
         main([*inputs, "--ray", "launch.nice.learner=10"])
     assert ended.value.code == 2
