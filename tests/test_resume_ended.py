@@ -77,7 +77,12 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
             self.resumed.append(tensors)
 
         def finish(
-            self, step: int, validate: bool, wait_rounds: bool = True, complete: bool = False
+            self,
+            step: int,
+            validate: bool,
+            wait_rounds: bool = True,
+            complete: bool = False,
+            keepalive=None,
         ) -> None:
             self.ended = (step, validate, wait_rounds, complete)
 
