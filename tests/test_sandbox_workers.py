@@ -382,15 +382,18 @@ def test_sys_exit_and_unprintable_exceptions_do_not_end_the_worker(
 
 
 def test_the_first_failure_of_each_kind_is_logged_however_many_others_came(
-    pool: RewardPool, caplog: pytest.LogCaptureFixture
+    scorer: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Found by a review: the 20 failures logged in full were one budget for every kind,
     so twenty different mistakes of one kind (a model's made-up tool names, a scorer's
     exception types) hid the first timeout or crash for the rest of the run."""
-    with caplog.at_level(logging.WARNING):
-        for i in range(30):
-            pool._pool.record("exception", f"Error{i}: raised")
-        pool._pool.record("timeout", None)
+    # A pool of its own: the module's pool has logged other tests' failures already.
+    with RewardPool(num_workers=1, timeout_s=10.0, custom_path=str(scorer)) as pool:
+        with caplog.at_level(logging.WARNING):
+            for i in range(30):
+                pool._pool.record("exception", f"Error{i}: raised")
+            pool._pool.record("timeout", None)
+        counters = dict(pool.counters)
     assert sum("Error" in m for m in caplog.messages) == 20  # still bounded per kind
     assert any("counters['timeout']" in m for m in caplog.messages), caplog.messages[-3:]
-    assert pool.counters["exception"] == 30 and pool.counters["timeout"] == 1
+    assert counters["exception"] == 30 and counters["timeout"] == 1
