@@ -4,8 +4,8 @@ Each push of the learner's adapters becomes a vLLM LoRA adapter of its own, name
 the policy version (``policy-v<version>-<n>``, vLLM id ``n``, the count of adapters loaded), read
 from a peft directory the engine's worker wrote. New requests take the current version; a
 request keeps the adapter it started with until it finishes, so its tokens all carry that
-version and its behaviour logprobs describe one policy (unless it is moved, below). A version is released (unloaded
-from vLLM, its files deleted) once it is neither current nor among the ``keep`` newest and
+version and its behaviour logprobs describe one policy (unless it is moved, below). A
+version is released (unloaded from vLLM, its files deleted) once it is neither current nor among the ``keep`` newest and
 no request uses it any more; ``keep`` is ``max_policy_lag + 1`` by default, the versions a
 request may still be sampling from while it is fresh enough to train.
 
@@ -103,20 +103,18 @@ class AdapterVersions:
         await self.move_stale(llm)
         await self.prune(llm)
 
-    async def move_stale(self, llm: Any) -> int:
-        """Abort the requests running on adapters outside the ``keep`` newest (their
-        :meth:`moved` says so, and they go on on the current adapter); how many."""
-        newest = set(sorted(self._loaded, reverse=True)[: self.keep])
-        stale = [
-            rid
-            for key, a in self._loaded.items()
-            if key not in newest and key != self.current
-            for rid in a.users - self._moved
-        ]
-        if stale:
+    def _past_kept(self) -> list[int]:
+        """The adapters, oldest first, neither current nor among the ``keep`` newest."""
+        newest = sorted(self._loaded, reverse=True)[: self.keep]
+        return [k for k in sorted(self._loaded) if k not in newest and k != self.current]
+
+    async def move_stale(self, llm: Any) -> None:
+        """Abort the requests running on adapters past the kept ones (their :meth:`moved`
+        says so, and they go on on the current adapter)."""
+        running = (rid for key in self._past_kept() for rid in self._loaded[key].users)
+        if stale := [rid for rid in running if rid not in self._moved]:
             self._moved.update(stale)
             await llm.abort(stale)
-        return len(stale)
 
     def moved(self, request_id: str) -> bool:
         """Whether request ``request_id`` was aborted by :meth:`move_stale` (asked once,
@@ -127,8 +125,8 @@ class AdapterVersions:
         return False
 
     def acquire(self, request_id: str) -> tuple[int, int, Any] | None:
-        """``(key, version, LoRARequest)`` for a new request, counted as a user until
-        :meth:`release` ``(key)``; None before the first adapter (the base model serves)."""
+        """``(key, version, LoRARequest)`` for request ``request_id``, counted as a user until
+        :meth:`release` ``(key, request_id)``; None before the first adapter (the base model serves)."""
         if self.current is None:
             return None
         a = self._loaded[self.current]
@@ -148,10 +146,9 @@ class AdapterVersions:
 
     async def prune(self, llm: Any) -> None:
         """Unload adapters older than the ``keep`` newest that no request uses."""
-        newest = sorted(self._loaded, reverse=True)[: self.keep]
-        for key in sorted(self._loaded):
+        for key in self._past_kept():
             a = self._loaded[key]
-            if key in newest or key == self.current or a.users:
+            if a.users:
                 continue
             del self._loaded[key]
             try:
