@@ -51,7 +51,7 @@ def episodes_of(cfg: Config) -> Episodes | None:
             tools = schemas(load_tool_config(mt.tool_config_path))
         except ValueError as e:
             raise ConfigError([str(e)]) from e
-    return Episodes("tool_agent", tools)
+    return Episodes(tools)
 
 
 def task_source_from_config(

@@ -18,10 +18,9 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Episodes:
     """How a multi-turn server renders its episodes' first prompts: the rows it plays as
-    episodes (``agent_name`` ``tool_agent``, or rows without one when that is the default)
-    under the chat template with the tools' schemas (None: no tools)."""
+    episodes (``agent_name`` ``tool_agent``, the default with multi-turn on, so also rows
+    without one) under the chat template with the tools' schemas (None: no tools)."""
 
-    default_agent: str
     tools: list[dict[str, Any]] | None
 
 
@@ -46,8 +45,8 @@ def overlong_rows(
 
     def length(row: dict[str, Any]) -> int:
         prompt: Any = row[prompt_key]
-        agent = row.get("agent_name") or (episodes.default_agent if episodes else "")
-        if episodes is not None and agent == "tool_agent" and not isinstance(prompt, str):
+        episode = (row.get("agent_name") or "tool_agent") == "tool_agent"
+        if episodes is not None and episode and not isinstance(prompt, str):
             return len(render(tok, list(prompt), episodes.tools, gen=True))
         return len(chat_prompt_ids(tok, row[prompt_key]))
 
