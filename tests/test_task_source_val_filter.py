@@ -93,3 +93,31 @@ def test_an_episodes_prompt_is_measured_with_its_tools_as_its_server_renders_it(
     assert len(task_source_from_config(load_config(None, [*base, between])).val_rows) == 2
     enough = f"data.max_prompt_length={with_tools + 2}"
     assert len(task_source_from_config(load_config(None, [*base, *multi, enough])).val_rows) == 2
+
+
+def test_an_overlong_validation_row_under_truncation_error_is_refused_at_start(tmp_path):
+    """Found by a review: with data.truncation=error and the filter off, a validation row
+    over the limit was loaded, failed at its server in every round and was given up, so
+    every round scored without it and said so only in val/groups_given_up."""
+    tok_dir = tmp_path / "tok"
+    tok = build_tokenizer(tok_dir)
+    limit = len(chat_prompt_ids(tok, [{"role": "user", "content": "1+1="}])) + 8
+    files = _files(tmp_path, ["1+1=", LONG, "2+1="])
+    base = [*files, f"model.path={tok_dir}", f"data.max_prompt_length={limit}"]
+    with pytest.raises(ConfigError, match=r"data.truncation=error: 1 of the 3 rows .*row 1\)"):
+        task_source_from_config(load_config(None, [*base, "data.truncation=error"]))
+    # Cut, or left out by the filter, or no validation at all: the run starts.
+    assert len(task_source_from_config(load_config(None, base)).val_rows) == 3
+    on = [*base, "data.truncation=error", "data.filter_overlong_prompts=true"]
+    assert len(task_source_from_config(load_config(None, on)).val_rows) == 2
+    off = [*base, "data.truncation=error", "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    assert task_source_from_config(load_config(None, off)).val_rows == []
+    # Within the limit, an error mode loads every row.
+    fits = _files(tmp_path, ["1+1=", "2+1="])
+    ok = [
+        *fits,
+        f"model.path={tok_dir}",
+        f"data.max_prompt_length={limit}",
+        "data.truncation=error",
+    ]
+    assert len(task_source_from_config(load_config(None, ok)).val_rows) == 2

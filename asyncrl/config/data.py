@@ -67,7 +67,8 @@ class DataConfig(Section):
         default="left",
         description="A prompt over max_prompt_length: keep its end (left, the chat header "
         "the model answers after), its start (right), both ends (middle), or fail the task "
-        "with an error naming the fix (error, veRL's default).",
+        "with an error naming the fix (error, veRL's default; a validation row over the limit is "
+        "then refused at start).",
     )
 
     @field_validator("train_files", "val_files", mode="before")

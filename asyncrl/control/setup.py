@@ -20,7 +20,7 @@ from asyncrl.control.state import ControlState
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_source import TaskSource, load_rows
 from asyncrl.net.transport import mebibytes
-from asyncrl.tasks.lengths import Episodes, fitting_val_rows
+from asyncrl.tasks.lengths import Episodes, fitting_val_rows, refuse_overlong_val_rows
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +65,11 @@ def task_source_from_config(
     if val_rows is None:
         validating = t.val_before_train or t.test_freq > 0
         val_rows = load_rows(d.val_files, d.prompt_key) if validating else []
+        measure = (cfg.model.path, d.prompt_key, d.max_prompt_length)
         if val_rows and d.filter_overlong_prompts:  # as veRL's loader leaves them out
-            val_rows = fitting_val_rows(
-                val_rows, cfg.model.path, d.prompt_key, d.max_prompt_length, episodes_of(cfg)
-            )
+            val_rows = fitting_val_rows(val_rows, *measure, episodes_of(cfg))
+        elif val_rows and d.truncation == "error":  # veRL's dataset fails on them too
+            refuse_overlong_val_rows(val_rows, *measure, episodes_of(cfg))
     source = TaskSource(
         train_rows,
         val_rows,

@@ -1,7 +1,9 @@
 """Prompt lengths as the rollout servers measure them, for ``data.filter_overlong_prompts``
 on validation rows: veRL leaves an over-long prompt out of its validation set when it loads
 it, and the coordinator does the same here (a round waits for every row it deals, so a
-server cannot drop one, as it drops a training prompt)."""
+server cannot drop one, as it drops a training prompt). With the filter off and
+``data.truncation=error``, such a row is refused when it is loaded (veRL's dataset fails on
+it when it reads it), not failed at every round."""
 
 from __future__ import annotations
 
@@ -87,3 +89,27 @@ def fitting_val_rows(
         len(rows) - len(long),
     )
     return [row for i, row in enumerate(rows) if i not in long]
+
+
+def refuse_overlong_val_rows(
+    rows: Sequence[dict[str, Any]],
+    tokenizer_path: str,
+    prompt_key: str,
+    limit: int,
+    episodes: Episodes | None = None,
+) -> None:
+    """With ``data.truncation=error`` and the filter off: a validation row over ``limit``
+    tokens is a :class:`~asyncrl.config.ConfigError` when it is loaded. Its task would fail
+    at its server in every round, and be given up (``val/groups_given_up``), so that every
+    round scored without it."""
+    long = overlong_rows(rows, tokenizer_path, prompt_key, limit, episodes)
+    if long:
+        raise ConfigError(
+            [
+                f"data.truncation=error: {len(long)} of the {len(rows)} rows of "
+                f"data.val_files (first: row {long[0]}) are over data.max_prompt_length="
+                f"{limit} tokens, and would fail at every validation round: set "
+                "data.filter_overlong_prompts=true to leave them out (as veRL does), "
+                "data.truncation=left to cut them, or raise data.max_prompt_length"
+            ]
+        )

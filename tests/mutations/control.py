@@ -415,11 +415,22 @@ ROWS = (
         "an episode's validation prompt is measured with its tools",
         "multi-turn validation rows are measured without the tools' schemas the server renders",
         "asyncrl/control/setup.py",
-        "                val_rows, cfg.model.path, d.prompt_key, d.max_prompt_length, episodes_of(cfg)",
-        "                val_rows, cfg.model.path, d.prompt_key, d.max_prompt_length, None",
+        "            val_rows = fitting_val_rows(val_rows, *measure, episodes_of(cfg))",
+        "            val_rows = fitting_val_rows(val_rows, *measure, None)",
         (
             "tests/test_task_source_val_filter.py::"
             "test_an_episodes_prompt_is_measured_with_its_tools_as_its_server_renders_it",
+        ),
+    ),
+    Mutation(
+        "an over-long validation row under truncation=error is refused at start",
+        "such a row is loaded, fails at every round and is given up",
+        "asyncrl/control/setup.py",
+        '        elif val_rows and d.truncation == "error":  # veRL\'s dataset fails on them too',
+        "        elif False:",
+        (
+            "tests/test_task_source_val_filter.py::"
+            "test_an_overlong_validation_row_under_truncation_error_is_refused_at_start",
         ),
     ),
 )
