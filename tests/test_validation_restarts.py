@@ -136,9 +136,10 @@ def test_scores_the_coordinator_saw_but_the_learner_never_read_are_scored_again(
 def test_a_round_with_a_prompt_given_up_is_reported_without_it(
     tmp_path: Path, arithmetic_data: Path
 ) -> None:
-    """Found by a review: a validation prompt that fails every time (too long under
-    data.truncation=error, a malformed row) is given up after control.task_retries, and
-    its round waited for it for good: no validation score for the rest of the run."""
+    """Found by a review: a validation prompt that fails every time (a malformed row; too
+    long under data.truncation=error, now refused at start) is given up after
+    control.task_retries, and its round waited for it for good: no validation score for
+    the rest of the run."""
     with validating_rank_zero(tmp_path, arithmetic_data, ["control.task_retries=1"]) as rig:
         rank0, coordinator = rig.rank0, rig.rank0.coordinator
         server = StandInRollout(rig.cfg, "s0", fail_val_rows=(1,))
