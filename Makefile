@@ -44,7 +44,7 @@ bench-check: $(STAMP)
 demo-artifacts: $(STAMP)
 	test -f artifacts/models/tiny-demo/prepare_report.json || $(BIN)/asyncrl-prepare model --name tiny \
 		--flatten --out artifacts/models/tiny-demo
-	test -f artifacts/data/arithmetic/train.parquet || $(BIN)/asyncrl-prepare data --task arithmetic \
+	test -f artifacts/data/arithmetic/val.parquet || $(BIN)/asyncrl-prepare data --task arithmetic \
 		--out artifacts/data/arithmetic --tokenizer artifacts/models/tiny-demo
 
 demo: demo-artifacts
@@ -62,7 +62,7 @@ ppo-demo: demo-artifacts
 agent-artifacts: $(STAMP)
 	test -f artifacts/models/tiny-agent/prepare_report.json || $(BIN)/asyncrl-prepare model --name tiny \
 		--task calculator --flatten --out artifacts/models/tiny-agent
-	test -f artifacts/data/calculator/train.parquet || $(BIN)/asyncrl-prepare data \
+	test -f artifacts/data/calculator/val.parquet || $(BIN)/asyncrl-prepare data \
 		--task calculator --out artifacts/data/calculator --tokenizer artifacts/models/tiny-agent
 
 # The staleness study's task (configs/cpu_staleness_study.yaml; the study builds it too).

@@ -74,7 +74,7 @@ def ensure_demo() -> None:
         subprocess.run(
             [prepare, "model", "--name", "tiny", "--flatten", "--out", MODEL], check=True
         )
-    if not (Path(DATA) / "train.parquet").is_file():
+    if not (Path(DATA) / "val.parquet").is_file():
         cmd = [prepare, "data", "--task", "arithmetic", "--out", DATA, "--tokenizer", MODEL]
         subprocess.run(cmd, check=True)
 

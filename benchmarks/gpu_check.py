@@ -142,7 +142,7 @@ def end_to_end(env: dict[str, Any], out: Path) -> list[dict[str, str]]:
     if n < 2:
         return [item(name, "skipped", "one GPU: the learner and the server need one each")]
     prepare_model(MODEL)
-    if not (DATA / "train.parquet").exists():
+    if not (DATA / "val.parquet").exists():
         subprocess.check_call(
             [str(BIN / "asyncrl-prepare"), "data", "--task", "arithmetic", "--out", str(DATA),
              "--tokenizer", str(MODEL)]

@@ -91,7 +91,7 @@ def _ensure_model(name: str) -> str:
     if not (Path(path) / "config.json").is_file():
         log.info("building the %s model in %s", name, path)
         subprocess.run([prepare, "model", *args, "--out", path], check=True)
-    if not (Path(DATA) / "train.parquet").is_file():
+    if not (Path(DATA) / "val.parquet").is_file():
         cmd = [prepare, "data", "--task", "arithmetic", "--out", DATA, "--tokenizer", path]
         subprocess.run(cmd, check=True)
     return path

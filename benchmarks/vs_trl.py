@@ -132,7 +132,7 @@ def build_artifacts() -> None:
         out = "artifacts/models/tiny-untrained"
         cmd = [*prep, "model", "--name", "tiny", "--warm-start", "off", "--out", out]
         subprocess.run(cmd, check=True)
-    if not (ROOT / "artifacts/data/arithmetic/train.parquet").is_file():
+    if not (ROOT / "artifacts/data/arithmetic/val.parquet").is_file():
         cmd = [*prep, "data", "--task", "arithmetic", "--out", "artifacts/data/arithmetic"]
         subprocess.run([*cmd, "--tokenizer", "artifacts/models/tiny-demo"], check=True)
 

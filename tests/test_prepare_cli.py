@@ -115,3 +115,87 @@ def test_prepare_refuses_an_unknown_log_level_as_a_usage_error(tmp_path, capsys)
         prepare.main(["--log-level", "foo", "keys", "--out", str(tmp_path / "keys")])
     assert exit_.value.code == 2 and "invalid choice: 'foo'" in capsys.readouterr().err
     assert not (tmp_path / "keys").exists()
+
+
+def test_a_model_build_into_a_folder_of_other_files_is_refused_and_keeps_them(tmp_path, capsys):
+    """Found by a review: ``--out artifacts/models`` (a folder the model goes *into*, as
+    ``data --out`` is) passed the check for a model already there, and the build then
+    replaced the whole folder, deleting the models and checkpoints in it. Now refused,
+    with or without ``--force``."""
+    from asyncrl.prepare import main as prepare
+
+    models = tmp_path / "models"
+    (models / "tiny-demo").mkdir(parents=True)
+    (models / "tiny-demo" / "model.safetensors").write_text("weights")
+    for force in ([], ["--force"]):
+        argv = ["model", "--warm-start", "off", *force, "--out", str(models)]
+        assert prepare.main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--out {models} holds files and no model" in err
+        assert f"give an empty or new folder (say, {models / 'tiny'})" in err
+    assert (models / "tiny-demo" / "model.safetensors").read_text() == "weights"
+    assert not (tmp_path / "models.partial").exists()  # refused before anything was built
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert prepare.main(["model", "--warm-start", "off", "--out", str(empty)]) == 0
+    assert (empty / "config.json").is_file()
+
+
+def test_the_calculator_warm_start_refuses_arithmetic_flags_and_holds_out_n_val(tmp_path, capsys):
+    """Found by a review: the calculator warm start ignored ``--n-val``, ``--max-operand``
+    and ``--ops`` without a word. With ``--n-val 100`` given to both commands, as their
+    help asks, the model trained on 68 of the data's 100 validation problems."""
+    from asyncrl.prepare import main as prepare
+    from asyncrl.tasks import calculator
+
+    base = ["model", "--task", "calculator", "--warm-start", "on", "--sft-steps", "1"]
+    for flags, named in (
+        (["--ops", "+"], "--ops apply"),
+        (["--max-operand", "0", "--ops", "*"], "--max-operand and --ops apply"),
+    ):
+        assert prepare.main([*base, *flags, "--out", str(tmp_path / "refused")]) == 2
+        assert f"{named} to the arithmetic warm start only" in capsys.readouterr().err
+    assert not (tmp_path / "refused.partial").exists()
+    out = tmp_path / "agent"
+    assert prepare.main([*base, "--n-val", "6", "--out", str(out)]) == 0
+    report = json.loads((out / "prepare_report.json").read_text())["warm_start"]
+    assert report["n_val"] == 6 and report["steps"] == 1
+    zero = [*base[:-1], "0", "--out", str(tmp_path / "zero")]
+    assert prepare.main(zero) == 2  # 0 steps was read as the default, 800
+    assert "--sft-steps must be >= 1, got 0" in capsys.readouterr().err
+    # The rows it held out are the data command's validation rows for the same flags.
+    assert len(calculator.generate(seed=0, n_val=6)[1]) == 6
+
+
+def test_an_arithmetic_split_does_not_depend_on_the_order_the_operators_are_given():
+    """Found by a review: problems were listed in the order ``--ops`` gave them, so a model
+    warm started on ``+-`` trained on validation rows of data built with ``-+``."""
+    from asyncrl.tasks import arithmetic
+
+    assert arithmetic.generate(ops="+-") == arithmetic.generate(ops="-+")
+    assert arithmetic.generate(ops=("*", "+", "*")) == arithmetic.generate(ops="+*")
+    with pytest.raises(ValueError, match="ops must be a non-empty subset"):
+        arithmetic.generate(ops="+/")
+
+
+def test_both_data_files_appear_together(tmp_path, monkeypatch):
+    """Found by a review: ``make`` and the benchmarks take ``train.parquet`` for a complete
+    build, but it was written before ``val.parquet``: a build cut short between them left
+    a new train file beside none, or beside an older build's validation rows."""
+    from asyncrl.tasks import parquet, prepare_task_data
+
+    out = tmp_path / "data"
+    prepare_task_data("arithmetic", out, seed=0)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert sorted(before) == ["train.parquet", "val.parquet"]
+    real = parquet.write_rows
+
+    def cut_at_val(rows, path, **kwargs):
+        if "val" in path.name:
+            raise KeyboardInterrupt
+        return real(rows, path, **kwargs)
+
+    monkeypatch.setattr(parquet, "write_rows", cut_at_val)
+    with pytest.raises(KeyboardInterrupt):
+        prepare_task_data("arithmetic", out, seed=1)
+    assert {p.name: p.read_bytes() for p in out.glob("*.parquet")} == before

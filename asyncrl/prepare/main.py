@@ -89,17 +89,19 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--max-operand",
         type=int,
-        default=9,
-        help="arithmetic warm start: largest operand (match `data --max-operand`)",
+        default=None,
+        help="arithmetic warm start: largest operand, default 9 (match `data --max-operand`)",
     )
     m.add_argument(
-        "--ops", default="+", help="arithmetic warm start: operators (match `data --ops`)"
+        "--ops",
+        default=None,
+        help="arithmetic warm start: operators, default + (match `data --ops`)",
     )
     m.add_argument(
         "--n-val",
         type=int,
         default=None,
-        help="arithmetic warm start: held-out rows (match `data --n-val`)",
+        help="held-out rows the warm start never trains on (match `data --n-val`)",
     )
     d = sub.add_parser("data", help="write train/val parquet in veRL's schema")
     d.add_argument(
@@ -182,6 +184,14 @@ def prepare_model(args: argparse.Namespace) -> dict:
     from asyncrl.prepare.model import build_model, save_model
 
     out = Path(args.out)
+    _warm_start_options(args)
+    if out.is_dir() and not (out / "config.json").exists() and any(out.iterdir()):
+        # The build replaces --out whole: a folder of models or checkpoints given as the
+        # place to put one (as ``data --out`` is) was deleted without a word.
+        raise ValueError(
+            f"--out {out} holds files and no model: the build replaces the folder whole, "
+            f"so give an empty or new folder (say, {out / args.name})"
+        )
     if (out / "config.json").exists() and not args.force:
         # A rebuild without the same flags (say, --flatten left out) replaced the demo's
         # model without a word, and the demo, which only looks for the folder, trained it.
@@ -204,6 +214,24 @@ def prepare_model(args: argparse.Namespace) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)
     return report
+
+
+def _warm_start_options(args: argparse.Namespace) -> None:
+    """Resolve the warm start's data flags in ``args``, refusing those its task does not
+    read: the calculator's ignored ``--max-operand`` and ``--ops`` without a word, and its
+    ``--n-val`` too, so that ``data --n-val 100`` held out rows the model trained on."""
+    if args.sft_steps is not None and args.sft_steps < 1:  # 0 was read as the default, 800
+        raise ValueError(f"--sft-steps must be >= 1, got {args.sft_steps}")
+    if args.task == "calculator":
+        flags = (("--max-operand", args.max_operand), ("--ops", args.ops))
+        if given := [flag for flag, value in flags if value is not None]:
+            raise ValueError(
+                f"{' and '.join(given)} apply to the arithmetic warm start only: leave "
+                "them out with --task calculator"
+            )
+        return
+    args.max_operand = 9 if args.max_operand is None else args.max_operand
+    args.ops = "+" if args.ops is None else args.ops
 
 
 def _built(out: Path) -> str:
@@ -256,25 +284,27 @@ def _warm_start(model, tok, args: argparse.Namespace) -> dict:
             "data_seed": args.data_seed,
             "max_operand": args.max_operand,
             "ops": args.ops,
+            "n_val": len(val),
             "steps": result.steps,
             "val_sampling_accuracy": result.val_accuracy,
             "history": result.history,
         }
     # Fixed budget, then the logit divisor is calibrated on training prompts: the
     # validation prompts are only measured, so the demo's validation stays held out.
-    loss = supervised(model, tok, tr, steps=args.sft_steps or 800, seed=args.seed)
+    steps = 800 if args.sft_steps is None else args.sft_steps
+    loss = supervised(model, tok, tr, steps=steps, seed=args.seed)
     greedy = sampling_accuracy(model, tok, va, score, temperature=0)
     tau, train_accuracy = flatten(
         model,
         lambda: sampling_accuracy(model, tok, tr, score, seed=args.seed),
-        target_accuracy=args.target_accuracy or 0.25,
+        target_accuracy=0.25 if args.target_accuracy is None else args.target_accuracy,
         max_accuracy=args.max_accuracy,
     )
     accuracy = sampling_accuracy(model, tok, va, score, seed=args.seed + 1)
     log.info(
         "warm start: %d supervised steps (loss %.4f, validation greedy accuracy %.3f), "
         "logits / %.2f: sampling accuracy %.3f on training prompts, %.3f on validation",
-        args.sft_steps or 800,
+        steps,
         loss,
         greedy,
         tau,
@@ -286,7 +316,8 @@ def _warm_start(model, tok, args: argparse.Namespace) -> dict:
         "data_seed": args.data_seed,
         "max_operand": args.max_operand,
         "ops": args.ops,
-        "steps": args.sft_steps or 800,
+        "n_val": len(val),
+        "steps": steps,
         "sft_loss": loss,
         "val_greedy_accuracy": greedy,
         "logit_divisor": tau,
@@ -303,23 +334,24 @@ def _agent_warm_start(model, tok, args: argparse.Namespace) -> dict:
     from asyncrl.prepare.warmstart import flatten, supervised
     from asyncrl.tasks import calculator
 
-    train, val = calculator.generate(seed=args.data_seed)
+    train, val = calculator.generate(seed=args.data_seed, n_val=args.n_val)
     tr, va = (
         [calculator.problem_of(r["prompt"][0]["content"]) for r in rows] for rows in (train, val)
     )
-    steps = args.sft_steps or 800
+    steps = 800 if args.sft_steps is None else args.sft_steps
     loss = supervised(
         model, tok, tr, steps=steps, batch_size=64, make_batch=episode_batch, seed=args.seed
     )
     greedy = episode_accuracy(model, tok, va, temperature=0)
-    report = {"task": "calculator", "data_seed": args.data_seed, "steps": steps, "sft_loss": loss}
+    report = {"task": "calculator", "data_seed": args.data_seed, "n_val": len(val)}
+    report.update(steps=steps, sft_loss=loss)
     report["val_greedy_accuracy"] = greedy
     if args.flatten:
         probe = tr[:64]
         report["logit_divisor"], report["train_sampling_accuracy"] = flatten(
             model,
             lambda: episode_accuracy(model, tok, probe, samples_per_prompt=4, seed=args.seed),
-            target_accuracy=args.target_accuracy or 0.25,
+            target_accuracy=0.25 if args.target_accuracy is None else args.target_accuracy,
             max_accuracy=args.max_accuracy,
         )
     report["val_sampling_accuracy"] = episode_accuracy(model, tok, va, seed=args.seed + 1)

@@ -14,6 +14,7 @@ reward workers that import the scorers stay light.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,9 +130,11 @@ def prepare_task_data(
     report: dict[str, Any] = {"task": task, "seed": seed, "max_prompt_length": max_prompt_length}
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    built = []
     for name, rows in (("train", train), ("val", val)):
         kept, filtered = _filter_long(rows, count_prompt_tokens, max_prompt_length)
-        path = write_rows(kept, out_dir / f"{name}.parquet", schema=schema)
+        path = out_dir / f"{name}.parquet"
+        built.append((write_rows(kept, out_dir / f".{name}.parquet.new", schema=schema), path))
         report[name] = {"path": str(path), "written": len(kept), "filtered": filtered}
         logger.info(
             "%s %s: wrote %d rows to %s (%d longer than max_prompt_length=%s dropped)",
@@ -142,4 +145,8 @@ def prepare_task_data(
             filtered,
             max_prompt_length,
         )
+    # Both files appear together, val last (what ``make`` and the benchmarks look for): a
+    # build cut short between them left a new train.parquet beside an older val.parquet.
+    for new, path in built:
+        os.replace(new, path)
     return report

@@ -45,8 +45,10 @@ Problem = tuple[int, str, int]
 def _check_params(max_operand: int, ops: Sequence[str], val_fraction: float) -> tuple[str, ...]:
     if max_operand < 0:
         raise ValueError(f"max_operand must be >= 0, got {max_operand}")
-    unique_ops = tuple(dict.fromkeys(ops))
-    unknown = [op for op in unique_ops if op not in SUPPORTED_OPS]
+    unknown = [op for op in ops if op not in SUPPORTED_OPS]
+    # One order however they were typed: the shuffled split follows it, and a model warm
+    # started on ``--ops "+-"`` trained on the validation rows of data built with "-+".
+    unique_ops = tuple(op for op in SUPPORTED_OPS if op in ops)
     if not unique_ops or unknown:
         raise ValueError(f"ops must be a non-empty subset of {tuple(SUPPORTED_OPS)}, got {ops!r}")
     if not 0.0 <= val_fraction < 1.0:

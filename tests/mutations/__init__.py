@@ -5,7 +5,18 @@ in its file)."""
 
 from __future__ import annotations
 
-from tests.mutations import buffer, config, control, launch, learner, net, rollout, sandbox, sync
+from tests.mutations import (
+    buffer,
+    config,
+    control,
+    launch,
+    learner,
+    net,
+    prepare,
+    rollout,
+    sandbox,
+    sync,
+)
 from tests.mutations.row import Mutation
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -18,6 +29,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     *sandbox.ROWS,
     *config.ROWS,
     *launch.ROWS,
+    *prepare.ROWS,
 )
 
 __all__ = ["MUTATIONS", "Mutation"]
