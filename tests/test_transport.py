@@ -177,6 +177,40 @@ def test_req_client_times_out_and_recovers() -> None:
     ctx.term()
 
 
+def test_a_late_reply_to_a_timed_out_request_does_not_lift_the_next_ones_timeout() -> None:
+    """Found by a review: a late reply to a timed-out request made the poll say readable,
+    and the receive, which drops that reply (REQ_CORRELATE), then blocked for this
+    request's reply with no bound: for good where the server restarted meanwhile (the
+    learner's batch request, the coordinator's buffer poll)."""
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.bind("tcp://127.0.0.1:*")
+    client = ReqClient(server.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=0.2)
+    with pytest.raises(TimeoutError):
+        client.request_frames([b"first"])
+    *envelope, _ = server.recv_multipart()
+    outcome: list[BaseException | None] = []
+
+    def second() -> None:
+        try:
+            client.request_frames([b"second"], timeout_s=1.0)
+            outcome.append(None)
+        except BaseException as e:  # recorded for the assertion below
+            outcome.append(e)
+
+    thread = threading.Thread(target=second, daemon=True)
+    start = time.monotonic()
+    thread.start()
+    assert server.recv_multipart()[-1] == b"second"  # read, never answered
+    server.send_multipart([*envelope, b"late"])  # the answer to the first, too late
+    thread.join(5.0)
+    assert not thread.is_alive(), "the second request waited past its timeout"
+    assert isinstance(outcome[0], TimeoutError) and time.monotonic() - start < 3.0
+    client.close()
+    server.close(0)
+    ctx.term()
+
+
 class _StalePoll:
     """A socket whose poll saw a connection that is gone by the send (a handshake refused
     or a server going away in between): it says writable, the socket has no pipe."""

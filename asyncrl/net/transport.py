@@ -285,9 +285,18 @@ class ReqClient:
         check_size(frames, self.max_message_bytes, "control.max_message_mb")
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         self._send(frames, timeout_s)
-        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise TimeoutError(f"no reply from {self.addr} within {timeout_s:.1f}s")
-        return self._sock.recv_multipart(copy=False)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self._sock.poll(left_ms, zmq.POLLIN):
+                raise TimeoutError(f"no reply from {self.addr} within {timeout_s:.1f}s")
+            try:
+                return self._sock.recv_multipart(zmq.DONTWAIT, copy=False)
+            except zmq.Again:
+                # The poll saw a late reply to a request that timed out, which REQ_CORRELATE
+                # drops at the receive: a blocking receive then waited for this request's
+                # reply without a bound, for good where its server restarted meanwhile.
+                continue
 
     def _send(self, frames: Sequence[wire.Frame], timeout_s: float) -> None:
         """Send within ``timeout_s``, else ``TimeoutError``. The send can block too: with
