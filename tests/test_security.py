@@ -323,3 +323,28 @@ def test_a_node_with_another_runs_keys_is_told_so(tmp_path, keys, caplog):
             )
         assert "this node's keys are not the run's" in caplog.text, caplog.text
         assert _received(pull, 0.5) == []
+
+
+def test_closed_curve_sockets_end_their_handshake_watchers(keys):
+    """Found by a review: each CURVE socket's handshake watcher waited for a stop event its
+    monitor was never asked for, so the thread and its monitor socket lived as long as
+    the context. The launcher opens a fresh socket for each try of a Leave, in one
+    context: under a learner's outage its context ran out of sockets, and the error ended
+    the launcher. Now each closed socket's watcher ends with it."""
+    import threading
+
+    security.configure(
+        _cfg("endpoints.auth=curve", f"endpoints.keys_dir={keys}").endpoints, "rollout"
+    )
+    ctx = zmq.Context()
+    ctx.MAX_SOCKETS = 32  # the limit is 1023 sockets: reached in a few hundred tries
+    watchers = lambda: [t for t in threading.enumerate() if t.name == "client-handshakes"]  # noqa: E731
+    try:
+        for _ in range(100):  # three times what the context holds
+            sock = ctx.socket(zmq.REQ)
+            security.secure_client(sock)
+            sock.connect("tcp://127.0.0.1:9")  # nothing listens: a Leave to a learner down
+            sock.close(0)
+        wait_until(lambda: not watchers(), "the closed sockets' watchers to end", 10)
+    finally:
+        ctx.term()

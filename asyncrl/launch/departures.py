@@ -115,12 +115,14 @@ class Departures:
         from asyncrl.net.transport import connect, make_socket
 
         p.tries += 1
-        sock = make_socket(self._ctx, zmq.REQ)  # linger 0: closing drops what is unsent
+        sock = None
         try:
+            sock = make_socket(self._ctx, zmq.REQ)  # linger 0: closing drops what is unsent
             connect(sock, self.addr)
             sock.send(p.payload, zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            sock.close()
+        except zmq.ZMQError as e:  # a failed socket, too, is this Leave's failure only
+            if sock is not None:
+                sock.close()
             self._done(p, ok=False, why=f"cannot send: {e}")
             return
         p.sock, p.deadline = sock, time.monotonic() + self.timeout_s

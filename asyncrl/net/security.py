@@ -28,6 +28,7 @@ model-driven tools and user reward code, never holds another role's secret.
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import logging
 import shutil
 import sys
@@ -232,6 +233,8 @@ def secure_server(sock: zmq.Socket) -> None:
     _watch_handshakes(sock)
 
 
+_MONITORS = itertools.count()
+
 HANDSHAKE_FAILURES = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -246,7 +249,11 @@ def _on_handshake_failures(
     in a thread of its own that ends when the socket closes."""
     from zmq.utils.monitor import recv_monitor_message
 
-    monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES)
+    # STOPPED in the mask, or libzmq says nothing at the close and the thread and its
+    # socket lived as long as the context: a launcher's fresh socket per Leave try ran its
+    # context out of sockets. A name of its own: pyzmq's default reuses closed fds' names.
+    events = HANDSHAKE_FAILURES | zmq.EVENT_MONITOR_STOPPED
+    monitor = sock.get_monitor_socket(events, f"inproc://asyncrl-monitor-{next(_MONITORS)}")
 
     def watch() -> None:
         """Consumes the socket's handshake-failure events until the socket closes."""

@@ -48,4 +48,12 @@ ROWS = (
             "test_a_late_reply_to_a_timed_out_request_does_not_lift_the_next_ones_timeout",
         ),
     ),
+    Mutation(
+        "a closed CURVE socket's handshake watcher ends",
+        "the watcher waits for a stop event its monitor never gets, as long as the context",
+        "asyncrl/net/security.py",
+        "    events = HANDSHAKE_FAILURES | zmq.EVENT_MONITOR_STOPPED",
+        "    events = HANDSHAKE_FAILURES",
+        ("tests/test_security.py::test_closed_curve_sockets_end_their_handshake_watchers",),
+    ),
 )
