@@ -342,9 +342,11 @@ def test_closed_curve_sockets_end_their_handshake_watchers(keys):
     try:
         for _ in range(100):  # three times what the context holds
             sock = ctx.socket(zmq.REQ)
-            security.secure_client(sock)
-            sock.connect("tcp://127.0.0.1:9")  # nothing listens: a Leave to a learner down
-            sock.close(0)
+            try:  # closed whatever happens: an open socket would hold the term() below
+                security.secure_client(sock)
+                sock.connect("tcp://127.0.0.1:9")  # nothing listens: a learner down
+            finally:
+                sock.close(0)
         wait_until(lambda: not watchers(), "the closed sockets' watchers to end", 10)
     finally:
         ctx.term()
