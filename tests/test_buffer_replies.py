@@ -189,3 +189,54 @@ def test_id_chunks_keep_order_and_size() -> None:
     assert all(sum(len(t) + 5 for t in p) <= 40 for p in parts)
     assert id_chunks(["x" * 100], 10) == [["x" * 100]]  # one id per request at least
     assert id_chunks([], 10) == []
+
+
+def test_a_batch_slower_to_arrive_than_the_wait_is_waited_for_longer() -> None:
+    """Found by a review: a reply counts only once all of it has come, so a batch that took
+    longer to cross the link than the learner's wait (a large batch, a slow link) came
+    late every time: each request was given up, the late copy dropped, training stalled
+    and the buffer queued one more copy for each request. The wait now doubles once a
+    reply comes late, up to a bound."""
+    import zmq
+
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind("tcp://127.0.0.1:*")
+    stop = threading.Event()
+
+    def slow_link() -> None:  # every reply takes 0.5 s to "arrive"
+        while not stop.is_set():
+            if server.poll(50):
+                *envelope, _ = server.recv_multipart()
+                time.sleep(0.5)
+                server.send_multipart(
+                    [*envelope, *wire.encode_reply(wire.NoBatch(ready=0, needed=1))]
+                )
+
+    thread = threading.Thread(target=slow_link, daemon=True)
+    thread.start()
+    client = BufferClient(server.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=0.15)
+    timeouts = 0
+    try:
+        for _ in range(12):  # the copies queue behind each other, as on a link
+            try:
+                client.request_batch(0, wait_s=0.0)
+                break
+            except TimeoutError:
+                timeouts += 1
+        else:
+            pytest.fail(f"every batch request timed out (waits of {client.batch_timeout_s}s)")
+        assert timeouts >= 2 and 0.5 < client.batch_timeout_s <= 16 * 0.15
+        bound = 16 * 0.15  # MAX_BATCH_TIMEOUTS times timeout_s
+        client.late_replies += 10  # more late replies never take the wait past its bound
+        for _ in range(10):
+            client.late_replies += 1
+            client._fit_batch_timeout()
+        assert client.batch_timeout_s == pytest.approx(bound)
+    finally:
+        stop.set()
+        thread.join(5)
+        client.close()
+        server.close(0)
+        ctx.term()

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
+#: The longest wait for a batch's reply, in ``timeout_s``: it grows to fit the slowest batch.
+MAX_BATCH_TIMEOUTS = 16
+
 
 class Superseded(RequestRefused):
     """Another client said hello to the buffer under this client's consumer id: this one
@@ -63,6 +66,10 @@ class BufferClient(ReqClient):
         # not the object (a restarted learner is another client).
         self.incarnation = secrets.token_hex(8)
         self.last_wait_s = 0.0  # how long the last request_batch waited
+        # How long a batch's reply is waited for beyond its long-poll: doubled when a reply
+        # came after its request was given up (see _fit_batch_timeout).
+        self.batch_timeout_s = timeout_s
+        self._late_seen = 0
         # The last batch received, as (buffer session, batch id): sent with every batch
         # request, so a batch whose reply came after this client stopped waiting is sent
         # again instead of being lost. None until hello: no tracking.
@@ -141,13 +148,36 @@ class BufferClient(ReqClient):
             incarnation=self.incarnation,
         )
         start = time.monotonic()
-        reply = self.call(msg, self._decode, timeout_s=wait_s + self.timeout_s)
+        try:
+            reply = self.call(msg, self._decode, timeout_s=wait_s + self.batch_timeout_s)
+        finally:
+            self._fit_batch_timeout()
         self.last_wait_s = time.monotonic() - start
         if not isinstance(reply, wire.Batch):
             return None
         if self.received is not None:
             self.received = (reply.session, reply.batch_id)
         return reply
+
+    def _fit_batch_timeout(self) -> None:
+        """Double the wait for a batch's reply, up to :data:`MAX_BATCH_TIMEOUTS` times
+        ``timeout_s``, once a reply came after its request was given up. A reply counts as
+        received only when all of it has come: a batch that takes longer than the wait to
+        cross the link (a large one, a slow link) came late every time, training stalled,
+        and the buffer queued one more copy of it for each request."""
+        if self.late_replies == self._late_seen:
+            return
+        self._late_seen = self.late_replies
+        longer = min(2 * self.batch_timeout_s, MAX_BATCH_TIMEOUTS * self.timeout_s)
+        if longer > self.batch_timeout_s:
+            self.batch_timeout_s = longer
+            log.warning(
+                "a reply from the buffer at %s came after the learner stopped waiting for "
+                "it (a large batch, a slow link): batches are now waited for %.3gs longer "
+                "than their long-poll",
+                self.addr,
+                longer,
+            )
 
     def ack(self, batch_ids: Sequence[int], session: str | None = None) -> wire.AckReply:
         """Tell the buffer these batches, numbered by buffer ``session`` (None: not said),

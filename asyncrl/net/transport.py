@@ -275,6 +275,7 @@ class ReqClient:
         self._sock.setsockopt(zmq.REQ_RELAXED, 1)
         self._sock.setsockopt(zmq.REQ_CORRELATE, 1)
         connect(self._sock, addr)
+        self.late_replies = 0  # replies that came after their request was given up
 
     def request_frames(
         self, frames: Sequence[wire.Frame], timeout_s: float | None = None
@@ -293,6 +294,7 @@ class ReqClient:
             try:
                 return self._sock.recv_multipart(zmq.DONTWAIT, copy=False)
             except zmq.Again:
+                self.late_replies += 1
                 # The poll saw a late reply to a request that timed out, which REQ_CORRELATE
                 # drops at the receive: a blocking receive then waited for this request's
                 # reply without a bound, for good where its server restarted meanwhile.

@@ -56,4 +56,15 @@ ROWS = (
         "    events = HANDSHAKE_FAILURES",
         ("tests/test_security.py::test_closed_curve_sockets_end_their_handshake_watchers",),
     ),
+    Mutation(
+        "a batch slower to arrive than the wait is waited for longer",
+        "a batch that takes longer than the wait to arrive comes late every time",
+        "asyncrl/net/buffer_client.py",
+        "            self.batch_timeout_s = longer",
+        "            longer = self.batch_timeout_s",
+        (
+            "tests/test_buffer_replies.py::"
+            "test_a_batch_slower_to_arrive_than_the_wait_is_waited_for_longer",
+        ),
+    ),
 )
