@@ -147,6 +147,7 @@ def rollout_summary(servers: Mapping[str, Mapping[str, float]]) -> dict[str, flo
         "prompts_filtered_too_long",
         "push_wait_s",
         "resubmitted",
+        "moved_off_stale_adapters",
         "version_wait_missed",
         "probe_timeouts",
         "inflight",  # now, not cumulative: responses in flight over the servers

@@ -34,6 +34,13 @@ from rollout_servers.samples import Sample, piece_params, sampled_logprob, versi
 from rollout_servers.sync_progress import ProgressWatch, WorkerStuck, unless_stuck
 from rollout_servers.worker_ext import PARTLY_LOADED
 
+#: What an engine counts, sent in its server's heartbeats and summed in every step's record.
+ENGINE_METRICS = (
+    "rollout/sync_pause_s",
+    "rollout/resubmitted",
+    "rollout/moved_off_stale_adapters",  # sync.lora adapter: see adapters.py
+)
+
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -84,11 +91,7 @@ class RolloutEngine:
         self._synced = asyncio.Condition()  # notified when a sync ends, loaded or failed
         self._synced_through = 0  # the highest version a sync ended at, loaded or failed
         # rollout/sync_pause_s: the pause clock (paused_s) as each sync ended
-        self.metrics: dict[str, float] = {
-            "rollout/sync_pause_s": 0.0,
-            "rollout/resubmitted": 0,
-            "rollout/moved_off_stale_adapters": 0,  # sync.lora adapter: see adapters.py
-        }
+        self.metrics: dict[str, float] = dict.fromkeys(ENGINE_METRICS, 0.0)
         self._paused_total = 0.0  # seconds generation was paused for syncs, ended pauses
         self._paused_since: float | None = None  # the pause in progress (held while partial)
         self.stuck = ""  # a worker call that never ended: the engine is of no more use

@@ -550,4 +550,15 @@ ROWS = (
         "            pass",
         ("tests/test_share_batch.py::test_the_other_ranks_wait_for_rank_zeros_ending",),
     ),
+    Mutation(
+        "the engine's counters reach the step record",
+        "rollout/moved_off_stale_adapters is counted by the servers and never summed",
+        "learner/metrics.py",
+        '        "moved_off_stale_adapters",\n',
+        "",
+        (
+            "tests/test_rollout_summary.py::"
+            "test_every_counter_a_server_keeps_reaches_the_step_record",
+        ),
+    ),
 )
