@@ -52,6 +52,8 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Literal
 
+import msgspec
+
 from asyncrl.wire import Batch, DroppedTask, Group, Packed, Trajectory
 from buffer.assembly import GroupAssembly, Outcome
 from buffer.deliveries import Deliveries, Received
@@ -163,11 +165,11 @@ class ReplayBuffer:
         again = self.deliveries.resend(consumer, received)
         if again is not None:
             self.counts["batches_resent"] += 1
-            return again
+            return self._metrics_now(again)
         again = self.deliveries.redelivery(consumer)
         if again is not None:
             self.counts["batches_redelivered"] += 1
-            return again
+            return self._metrics_now(again)
         if len(s.pool) < self.batch_size:
             return None
         if self.policy == "fifo":
@@ -335,6 +337,12 @@ class ReplayBuffer:
             out["buffer/lag_mean"] = sum(k * v for k, v in self._lag_hist.items()) / n
             out |= {f"buffer/lag_hist/{k}": v for k, v in sorted(self._lag_hist.items())}
         return {k: float(v) for k, v in out.items()}
+
+    def _metrics_now(self, batch: Batch) -> Batch:
+        """``batch`` (its groups unchanged) with the buffer's metrics as they are now: the
+        step that trains it records them, and those of its first release said nothing of
+        the replay under way (``buffer/redeliver_pending`` read 0 on every step)."""
+        return msgspec.structs.replace(batch, metrics=self.metrics())
 
     def _drop_stale(self, version: int) -> None:
         s = self._s

@@ -249,6 +249,11 @@ def test_unacked_batches_are_released_again_in_order_after_a_restart() -> None:
     assert (again2.batch_id, again2.task_ids) == (2, ["c"])
     assert (new.batch_id, new.task_ids, new.redelivered) == (3, ["d"], False)
     assert again1.groups[0] is b1.groups[0]  # the same group object
+    # With the buffer's metrics as they are now (a review: those of its first release,
+    # so buffer/redeliver_pending read 0 on every step of a replay).
+    assert b1.metrics["buffer/redeliver_pending"] == 0.0
+    assert again1.metrics["buffer/redeliver_pending"] == 1.0
+    assert again1.metrics["buffer/batches_redelivered"] == 1.0
 
 
 def test_restart_acknowledges_what_the_checkpoint_contains() -> None:

@@ -187,4 +187,15 @@ ROWS = (
         "                    self._sock.send_multipart(frames, copy=False)",
         ("tests/test_transport.py",),
     ),
+    Mutation(
+        "a batch released again carries the buffer's metrics as they are now",
+        "a redelivered batch carries the metrics of its first release",
+        "buffer/core.py",
+        "        return msgspec.structs.replace(batch, metrics=self.metrics())",
+        "        return batch",
+        (
+            "tests/test_buffer_core.py::"
+            "test_unacked_batches_are_released_again_in_order_after_a_restart",
+        ),
+    ),
 )
