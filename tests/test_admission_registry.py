@@ -318,6 +318,28 @@ def test_partly_loaded_weights_are_caught_up_whatever_version_they_report():
     assert st.grant("b", 4, 0.6).tasks
 
 
+def test_a_partly_loaded_server_registered_before_the_replay_is_known_moves_no_version():
+    """Found by a review: a server whose last load broke off registered with a restored
+    learner before the replay's reach was known, at a version within it. Untrusted for its
+    partial weights, it moved the version past the checkpoint's with no training behind
+    it: the replay pushed again the versions the other servers held, and the pool's groups
+    were dropped for lag. Only a version past the replay moves it, as at registration."""
+    st = _state()
+    st.ledger.budget.load_state_dict({"version": 10, "consumed": 20})
+    st.recovery.restored(["a", "b"])
+    st.register(m.Register(server_id="b", engine_world_size=1, policy_version=12), now=0.0)
+    partial = m.Register(
+        server_id="a", engine_world_size=1, policy_version=12, weights_partial=True
+    )
+    st.register(partial, now=0.0)
+    st.versions.set_replay(14)  # the buffer redelivers four batches: versions 11 to 14
+    assert st.version == 10
+    assert st.versions.adopt(11)  # b holds it: no push
+    assert "a" in st.versions.pending_catchups(0.1)  # a's partial weights are still mended
+    st.register(m.Register(server_id="c", engine_world_size=1, policy_version=16), now=0.2)
+    assert st.version == 16  # weights no replay makes: the version moves past them
+
+
 def test_a_member_lost_before_the_group_forms_restarts_the_round_without_it():
     """Lost before the learner's group formed, a member would hold the others in the
     meeting until ``sync.timeout_s``: the round is begun again at once, at its version,

@@ -132,7 +132,9 @@ class Versions:
         self.recovery.replay_through = through
         for rec in self.servers.values():
             rec.trusted = rec.policy_version <= through
-            if rec.policy_version > self.version and not rec.trusted:
+            # Past the replay only, as register() says: one within it with partly loaded
+            # weights (untrusted) moved the version too, with no training behind it.
+            if rec.policy_version > max(self.version, through):
                 self.ledger.budget.advance(rec.policy_version)
         log.info("resumed: the learner's replay reaches version %d", through)
 

@@ -433,4 +433,15 @@ ROWS = (
             "test_an_overlong_validation_row_under_truncation_error_is_refused_at_start",
         ),
     ),
+    Mutation(
+        "a partly loaded server within the replay moves no version",
+        "an untrusted server within the replay's reach moves the version past the checkpoint",
+        "asyncrl/control/versions.py",
+        "            if rec.policy_version > max(self.version, through):",
+        "            if rec.policy_version > self.version and not rec.trusted:",
+        (
+            "tests/test_admission_registry.py::"
+            "test_a_partly_loaded_server_registered_before_the_replay_is_known_moves_no_version",
+        ),
+    ),
 )
