@@ -30,12 +30,16 @@ def _write_run(path: Path, scores: list[float], *, lag_drops: float = 0.0) -> Pa
             rec.update({"loss/pg": 0.1, "lag/mean": 1.0, "importance/ess": 0.9})
             rec["importance/mismatch_kl"] = 0.01
             rec["accounting/train/dropped/lag"] = lag_drops * step / 100
-            rec["health/min_ess"] = 1.0 if step == 5 else 0.0
+            rec["health/min_ess"] = 1.0 if step >= 5 else 0.0  # counted so far, as the learner
         lines.append(json.dumps(rec))
         if step % 10 == 0:
             val = {"step": step, "time": 100.0 + 2.0 * step + 1.0}
             val.update({"val/score": scores[step // 10], "val/score_se": 0.008})
             lines.append(json.dumps(val))
+    last = 10 * (len(scores) - 1)  # the run's closing record: its accounting, no step metrics
+    lines.append(
+        json.dumps({"step": last, "time": 100.0 + 2.0 * last + 2.0, "accounting/dealt": 1})
+    )
     (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     return path
 
@@ -52,7 +56,8 @@ def test_run_figures_read_the_curve_threshold_and_rates(tmp_path):
     # 30 steps, 2 s apart: 29 steps' samples over 58 s
     assert f["samples_per_s"] == pytest.approx(29 * 128 / 58)
     assert f["lag_drops"] == pytest.approx(3.0) and f["mean_ess"] == pytest.approx(0.9)
-    assert f["health_alarms"] == 0.0  # the last record's counters
+    # The last step's counters (a review: the closing record's, which carries none, read 0).
+    assert f["health_alarms"] == 1.0
     never = run_figures(run, samples_per_step=128, threshold=0.9)
     assert never["samples_to_threshold"] is None and never["seconds_to_threshold"] is None
 
@@ -72,6 +77,11 @@ def test_mean_ci_is_the_t_interval():
     assert mean_ci([0.4]) == {"mean": 0.4, "ci95": None, "n": 1}
     assert mean_ci([]) == {"mean": None, "ci95": None, "n": 0}
     assert mean_ci([0.1, math.nan, 0.3])["n"] == 2
+    # A review: from 12 values the interval took the normal's 1.96, 6-11% too narrow.
+    from benchmarks.staleness_stats import t95
+
+    assert [t95(df) for df in (10, 11, 15, 20, 30)] == [2.228, 2.201, 2.131, 2.086, 2.042]
+    assert t95(45) == 2.021 and t95(119) == 2.000 and t95(500) == 1.96
 
 
 def test_paired_difference_matches_seeds_and_the_table_shows_it():

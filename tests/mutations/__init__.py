@@ -6,6 +6,7 @@ in its file)."""
 from __future__ import annotations
 
 from tests.mutations import (
+    benchmarks,
     buffer,
     config,
     control,
@@ -30,6 +31,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     *config.ROWS,
     *launch.ROWS,
     *prepare.ROWS,
+    *benchmarks.ROWS,
 )
 
 __all__ = ["MUTATIONS", "Mutation"]

@@ -202,14 +202,6 @@ ROWS = (
         ("tests/test_launch_ray_faults.py",),
     ),
     Mutation(
-        "the fault simulation fails when it finds violations",
-        "it exits 0 whatever it found",
-        "benchmarks/fault_sim.py",
-        "    return 1 if failing else 0  # a run that found violations is not a success",
-        "    return 0",
-        ("tests/test_fault_sim.py",),
-    ),
-    Mutation(
         "a torchrun learner's final exit is not restarted",
         "the launcher ignores the learner's recorded final exit",
         "asyncrl/launch/supervise.py",

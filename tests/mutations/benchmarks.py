@@ -1,0 +1,32 @@
+"""Mutation rows for the benchmarks' own figures (see :mod:`tests.mutations`)."""
+
+from __future__ import annotations
+
+from tests.mutations.row import Mutation
+
+ROWS = (
+    Mutation(
+        "the fault simulation fails when it finds violations",
+        "it exits 0 whatever it found",
+        "benchmarks/fault_sim.py",
+        "    return 1 if failing else 0  # a run that found violations is not a success",
+        "    return 0",
+        ("tests/test_fault_sim.py",),
+    ),
+    Mutation(
+        "a run's health alarms are the last step's counters",
+        "they are read from the run's closing record, which carries none",
+        "benchmarks/staleness_stats.py",
+        '        "health_alarms": sum(v for k, v in steps[-1].items() if k.startswith("health/")),',
+        '        "health_alarms": sum(v for k, v in records[-1].items() if k.startswith("health/")),',
+        ("tests/test_staleness_study.py::test_run_figures_read_the_curve_threshold_and_rates",),
+    ),
+    Mutation(
+        "the t interval is t's past 10 degrees of freedom",
+        "from 11 degrees of freedom the normal's 1.96 is taken",
+        "benchmarks/staleness_stats.py",
+        "    if df > max(_T95):",
+        "    if df > 10:",
+        ("tests/test_staleness_study.py::test_mean_ci_is_the_t_interval",),
+    ),
+)
