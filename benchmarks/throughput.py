@@ -226,6 +226,9 @@ def sweep(
         f"trainer.total_training_steps={steps}",
         "trainer.project_name=throughput",
         "trainer.experiment_name=run",
+        # One version per step: with the demo's push every second step, lag 0 still
+        # generated a step's groups while the step before trained, and was not synchronous.
+        "staleness.sync_every=1",
     ]
     if model == "tiny":  # time to a validation score: a round every 10 steps
         base += ["trainer.test_freq=10", "trainer.val_before_train=true", "rollout.val_kwargs.n=4"]

@@ -143,11 +143,16 @@ def test_throughput_runs_modes_round_robin_and_heads_with_the_spread(monkeypatch
     directory, and a headline of per-repetition ratios marked as quick."""
     from types import SimpleNamespace
 
+    from asyncrl.config import load_config
+
     rates = iter([10.0, 15.0, 12.0, 6.0, 10.0, 14.0])  # lag0, lag2; lag2, lag0; lag0, lag2
     launched: list[str] = []
 
     def fake_run(_config: str, overrides: list[str], out_dir: Path) -> dict[str, float]:
         launched.append(str(out_dir.relative_to(tmp_path)))
+        # One version per step (a review: at the demo's push every second step, lag 0
+        # generated while the step before trained, and was called synchronous).
+        assert load_config(_config, overrides).staleness.sync_every == 1
         return {"samples_per_s": next(rates), "time_to_target_s": float("nan")}
 
     phases = {

@@ -29,4 +29,15 @@ ROWS = (
         "    if df > 10:",
         ("tests/test_staleness_study.py::test_mean_ci_is_the_t_interval",),
     ),
+    Mutation(
+        "the throughput sweep's lag 0 is synchronous",
+        "the sweep keeps the config's push every second step, so lag 0 overlaps",
+        "benchmarks/throughput.py",
+        '        "staleness.sync_every=1",\n',
+        "",
+        (
+            "tests/test_bench_repeats.py::"
+            "test_throughput_runs_modes_round_robin_and_heads_with_the_spread",
+        ),
+    ),
 )
