@@ -2,7 +2,8 @@
 
 Both sides train the same model on the same prompts with the same reward, batch (16
 prompts x 8 samples), learning rate, warmup, clip range (0.2 / 0.28), token-mean loss and
-steps, on every core of the machine: TRL in one process (torch threads = cores), asyncrl
+steps, on the same two cores (the first two this process may use; on a larger machine
+the others stay idle): TRL in one process pinned to them (torch threads = 2), asyncrl
 with one rollout server per core and the learner beside server 0, where server 0 runs at
 the lowest CPU priority for long responses (the learner is the bottleneck there), the
 learner waits for each weight push there, and the servers' model is compiled there. Two
@@ -157,18 +158,34 @@ def end_to_end(launched: float, last_end: float, steps: int) -> dict[str, float]
     return {"launch_to_end_s": total, "end_to_end_samples_per_s": steps * PROMPTS * N / total}
 
 
+def two_cores() -> list[int]:
+    """The two cores both sides run on: asyncrl's layout is one rollout server per core, and
+    TRL given more (every core of a larger machine) compared unequal hardware."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    if len(cores) < 2:
+        raise SystemExit(f"vs_trl needs two cores this process may use; it has {cores}")
+    return cores
+
+
 def run_trl(shape: Shape, out: Path, seed: int) -> dict[str, Any]:
-    cores = os.cpu_count() or 1
+    cores = two_cores()
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "trl_side.py"),
         "--model", shape.model, "--data", "artifacts/data/arithmetic/train.parquet",
         "--steps", str(shape.steps), "--max-new-tokens", str(shape.max_new_tokens),
-        "--threads", str(cores), "--seed", str(seed), "--out", str(out),
+        "--threads", str(len(cores)), "--seed", str(seed), "--out", str(out),
     ]  # fmt: skip
     if shape.reward_file:
         cmd += ["--reward-file", shape.reward_file]
     launched = time.monotonic()  # the same clock as the child's (CLOCK_MONOTONIC)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, cwd=ROOT)
+    proc = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        cwd=ROOT,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"TRL side failed:\n{proc.stderr[-3000:]}")
     got = json.loads(out.read_text())
@@ -180,6 +197,7 @@ def run_trl(shape: Shape, out: Path, seed: int) -> dict[str, Any]:
 
 
 def run_asyncrl(shape: Shape, root: Path, name: str, seed: int) -> dict[str, Any]:
+    a, b = two_cores()
     overrides = [
         f"model.path={shape.model}",
         f"trainer.total_training_steps={shape.steps}",
@@ -189,7 +207,7 @@ def run_asyncrl(shape: Shape, root: Path, name: str, seed: int) -> dict[str, Any
         "trainer.save_freq=-1",
         # One server per core, the learner beside server 0 (the demo config's layout),
         # server 0's priority sized to the shape.
-        "launch.cpus={learner: [0], rollout: [[0], [1]], buffer: [0]}",
+        f"launch.cpus={{learner: [{a}], rollout: [[{a}], [{b}]], buffer: [{a}]}}",
         f"launch.nice={{rollout: {shape.rollout_nice}}}",
         f"sync.overlap_push={str(shape.overlap_push).lower()}",
         f"rollout.enforce_eager={str(shape.enforce_eager).lower()}",
@@ -279,6 +297,7 @@ def main() -> None:
                 runs.append(got)
             results["shapes"][shape.name] = summarise(shape, runs)
     config = {"reps": reps, "prompts": PROMPTS, "n": N, "cores": os.cpu_count()}
+    config["cores_used"] = two_cores()  # by each side: asyncrl's layout, TRL's affinity
     write_results(
         "vs_trl", args.out, figures=results, config=config, plot=lambda fig: _plot(fig, results)
     )

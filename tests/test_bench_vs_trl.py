@@ -143,3 +143,43 @@ def test_quick_main_prints_end_to_end_then_a_headline_marked_not_a_measurement(
     )
     [run] = json.loads((tmp_path / "vs_trl.json").read_text())["figures"]["shapes"]["demo"]["runs"]
     assert run["seed"] == run["trl"]["seed_seen"] == run["asyncrl"]["seed_seen"] == 1
+
+
+def test_both_sides_run_on_the_same_two_cores(monkeypatch, tmp_path):
+    """Found by a review: TRL took every core of the machine (torch threads = cores, not
+    pinned) while asyncrl was pinned to cores 0 and 1, so on a larger machine the ratio
+    compared unequal hardware; on one whose affinity left out core 0 or 1 the pinning
+    failed. Both sides now run on the first two cores this process may use."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(vs_trl.os, "sched_getaffinity", lambda _pid: {9, 3, 5, 12})
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_subprocess_run(cmd, **kwargs):
+        seen["threads"] = cmd[cmd.index("--threads") + 1]
+        seen["preexec"] = kwargs["preexec_fn"]
+        raise Stop
+
+    def fake_launch(_config, overrides, *_args):
+        seen["cpus"] = next(o for o in overrides if o.startswith("launch.cpus="))
+        raise Stop
+
+    monkeypatch.setattr(vs_trl.subprocess, "run", fake_subprocess_run)
+    monkeypatch.setattr(vs_trl, "launch_run", fake_launch)
+    shape = SimpleNamespace(
+        model="m", steps=3, max_new_tokens=4, reward_file=None, rollout_nice=0,
+        overlap_push=False, enforce_eager=True, max_policy_lag=None,
+    )  # fmt: skip
+    with pytest.raises(Stop):
+        vs_trl.run_trl(shape, tmp_path / "t.json", seed=1)  # type: ignore[arg-type]
+    with pytest.raises(Stop):
+        vs_trl.run_asyncrl(shape, tmp_path, "x", seed=1)  # type: ignore[arg-type]
+    assert seen["threads"] == "2"
+    assert seen["cpus"] == "launch.cpus={learner: [3], rollout: [[3], [5]], buffer: [3]}"
+    pinned: list = []
+    monkeypatch.setattr(vs_trl.os, "sched_setaffinity", lambda pid, cores: pinned.append(cores))
+    seen["preexec"]()
+    assert pinned == [[3, 5]]

@@ -40,4 +40,12 @@ ROWS = (
             "test_throughput_runs_modes_round_robin_and_heads_with_the_spread",
         ),
     ),
+    Mutation(
+        "both sides of the TRL comparison run on the same two cores",
+        "TRL runs unpinned with a thread per core of the machine",
+        "benchmarks/vs_trl.py",
+        '        "--threads", str(len(cores)), "--seed", str(seed), "--out", str(out),',
+        '        "--threads", str(os.cpu_count()), "--seed", str(seed), "--out", str(out),',
+        ("tests/test_bench_vs_trl.py::test_both_sides_run_on_the_same_two_cores",),
+    ),
 )
