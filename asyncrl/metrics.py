@@ -215,13 +215,52 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
     out: list[dict[str, float]] = []
     for line in path.read_text().splitlines():
         try:
-            record = json.loads(line)
+            out = _resumed(out, json.loads(line))
         except json.JSONDecodeError:
             continue
-        if RESUMED_FROM in record:
-            out = [r for r in out if r.get("step", 0) <= record[RESUMED_FROM]]
-        out.append(record)
     return out
+
+
+def _resumed(out: list[dict[str, float]], record: dict[str, float]) -> list[dict[str, float]]:
+    """``out`` with ``record`` after it, less the steps a resume record drops."""
+    if RESUMED_FROM in record:
+        out = [r for r in out if r.get("step", 0) <= record[RESUMED_FROM]]
+    out.append(record)
+    return out
+
+
+class MetricsTail:
+    """:func:`read_metrics` for a reader that asks every second (the launcher's live line):
+    each :meth:`read` parses only the lines appended since the last, and starts over when
+    the file was replaced (a new run set the old one aside) or cut. Reading the whole file
+    each time cost the launcher a core by a few thousand steps (a record holds some 200
+    values), its loop, which also restarts roles, slowing as the run went on."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / METRICS_FILE
+        self._records: list[dict[str, float]] = []
+        self._offset, self._inode = 0, -1
+
+    def read(self) -> list[dict[str, float]]:
+        """The records as :func:`read_metrics` returns them (the list is this reader's)."""
+        try:
+            stat = self.path.stat()
+        except FileNotFoundError:
+            self._records, self._offset, self._inode = [], 0, -1
+            return self._records
+        if stat.st_ino != self._inode or stat.st_size < self._offset:
+            self._records, self._offset, self._inode = [], 0, stat.st_ino
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            new = f.read()
+        whole = new.rfind(b"\n") + 1  # a line still being written is read next time
+        for line in new[:whole].splitlines():
+            try:
+                self._records = _resumed(self._records, json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        self._offset += whole
+        return self._records
 
 
 def _is_number(v: Any) -> bool:

@@ -131,9 +131,13 @@ def test_plots_name_the_run_show_only_lags_seen_and_a_critic(tmp_path):
 
 def test_the_eta_goes_by_the_pace_of_steps_not_start_up():
     records = [{"step": 0, "time": 0.0}]  # the launch; engines load for 100 s
-    records += [{"step": s, "time": 100.0 + 2.0 * s, "loss/pg": 0.0} for s in (1, 2, 3)]
+    records += [{"step": s, "time": 100.0 + 2.0 * s, "timing/step_s": 2.0} for s in (1, 2, 3)]
     assert eta_s(records[:2], 10) != eta_s(records[:2], 10)  # NaN: one step says no pace
     assert eta_s(records, 10) == 14.0  # 7 steps left at 2 s each
+    # A critic's warmup steps train no actor and carry no loss/*: their pace counts (a
+    # review: the ETA read "-" through trainer.critic_warmup); a validation record does not.
+    assert not any("loss/pg" in r for r in records)
+    assert eta_s([*records, {"step": 3, "time": 500.0, "val/score": 0.5}], 10) == 14.0
 
 
 def _records(

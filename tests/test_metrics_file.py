@@ -314,3 +314,42 @@ def test_wandb_charts_each_record_at_its_learner_step_after_rounds_pile_up(tmp_p
     (path,) = run.glob("wandb/offline-run-*/run-*.wandb")
     data = path.read_bytes()
     assert all(glob in data for glob in (b"loss/*", b"timing/*", WANDB_AXIS.encode()))
+
+
+def test_the_live_reader_parses_only_what_was_appended_and_reads_as_the_whole_file(
+    tmp_path, monkeypatch
+):
+    """Found by a review: the launcher's live line read and parsed the whole metrics file
+    every second, which cost it a core by a few thousand steps. :class:`MetricsTail`
+    parses only the lines appended since, and reads as :func:`read_metrics` does: across
+    a resume's marker, a torn last line, and a new run's file in the old one's place."""
+    from asyncrl import metrics
+
+    run = tmp_path / "run"
+    tail = metrics.MetricsTail(run)
+    assert tail.read() == []  # no file yet
+    for step in (1, 2, 3):
+        _write(run, step, fresh=step == 1)
+    assert tail.read() == read_metrics(run)
+    parsed = []
+    real = json.loads
+
+    def loads(line):  # the reader's lines are bytes (the logger reads the file as text)
+        if isinstance(line, bytes):
+            parsed.append(line)
+        return real(line)
+
+    monkeypatch.setattr(metrics.json, "loads", loads)
+    logger = MetricsLogger(run, ["jsonl"], fresh=False)
+    logger.mark_resumed(1)  # steps 2 and 3 are trained again
+    logger.log(2, {"loss/pg": 20.0})
+    logger.close()
+    with (run / METRICS_FILE).open("a") as f:
+        f.write('{"step": 3, "loss')  # a record being written
+    assert [r["step"] for r in tail.read()] == [1, 1, 2] and len(parsed) == 2  # the new lines
+    assert tail.read() == read_metrics(run) and len(parsed) == 2  # nothing new: none parsed
+    with (run / METRICS_FILE).open("a") as f:
+        f.write('/pg": 30.0}\n')
+    assert tail.read()[-1] == {"step": 3, "loss/pg": 30.0} and len(parsed) == 3
+    _write(run, 7, fresh=True)  # a new run: the file is set aside and started again
+    assert [r["step"] for r in tail.read()] == [7] and tail.read() == read_metrics(run)

@@ -20,7 +20,7 @@ from asyncrl.config.inputs import total_training_steps
 from asyncrl.launch import startup
 from asyncrl.launch.plots import write_plots
 from asyncrl.launch.time_split import time_split
-from asyncrl.metrics import REACHED, read_metrics
+from asyncrl.metrics import REACHED, MetricsTail, read_metrics
 
 # (label, metric, format) of the live line and the summary.
 LIVE = [
@@ -188,10 +188,12 @@ def reward_errors_line(records: list[dict[str, float]]) -> list[str]:
 
 def eta_s(records: list[dict[str, float]], total: int | None) -> float:
     """Seconds to step ``total`` at the pace of the steps trained so far (NaN before two
-    steps): start-up (engines loading, a first validation) is not a step's pace."""
+    steps): start-up (engines loading, a first validation) is not a step's pace. A step's
+    record is the one with its time: a critic's warmup step or one with nothing to train
+    has no ``loss/*`` (the ETA read "-" through ``trainer.critic_warmup``)."""
     steps = {}
     for r in records:
-        if "loss/pg" in r and "time" in r:
+        if "timing/step_s" in r and "time" in r:
             steps.setdefault(r["step"], r["time"])
     if len(steps) < 2 or not total:
         return float("nan")
@@ -213,6 +215,7 @@ class ProgressView:
         self.tty = self.stream.isatty()
         self._last_line = ""
         self._last_print = 0.0
+        self._records = MetricsTail(self.run_dir)
 
     def line(self, records: list[dict[str, float]], restarts: dict[str, int] | None = None) -> str:
         step = last_value(records, "step") or 0
@@ -236,7 +239,7 @@ class ProgressView:
         return " | ".join(parts)
 
     def update(self) -> None:
-        line = self.line(read_metrics(self.run_dir), read_restarts(self.run_dir))
+        line = self.line(self._records.read(), read_restarts(self.run_dir))
         now = time.monotonic()
         if self.tty:
             self.stream.write("\r" + line[:200].ljust(len(self._last_line)))

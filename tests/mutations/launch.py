@@ -541,4 +541,23 @@ ROWS = (
             "tests/test_launch_ray_faults.py::test_ray_by_the_flag_reads_every_rule_as_the_backend_does",
         ),
     ),
+    Mutation(
+        "the ETA goes by every step's pace, a critic's warmup too",
+        "only steps with an actor loss count, and the ETA is blank through the warmup",
+        "asyncrl/launch/progress.py",
+        '        if "timing/step_s" in r and "time" in r:',
+        '        if "loss/pg" in r and "time" in r:',
+        ("tests/test_launch_progress.py::test_the_eta_goes_by_the_pace_of_steps_not_start_up",),
+    ),
+    Mutation(
+        "the live reader parses only what was appended",
+        "each read starts from the file's start",
+        "asyncrl/metrics.py",
+        "            f.seek(self._offset)",
+        "            f.seek(0)",
+        (
+            "tests/test_metrics_file.py::"
+            "test_the_live_reader_parses_only_what_was_appended_and_reads_as_the_whole_file",
+        ),
+    ),
 )
