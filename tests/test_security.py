@@ -350,3 +350,38 @@ def test_closed_curve_sockets_end_their_handshake_watchers(keys):
         wait_until(lambda: not watchers(), "the closed sockets' watchers to end", 10)
     finally:
         ctx.term()
+
+
+def test_a_curve_node_dialling_a_plain_server_is_told_auth_may_differ(keys, caplog):
+    """Found by a review: a node with ``endpoints.auth=curve`` dialling a server without it
+    was told only that its keys were not the run's, and sent to copy keys that were right.
+    The line now names ``endpoints.auth`` too. Its keys' secrets never show in a repr."""
+    import logging
+
+    security.reset()  # the server: plain TCP
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    addr = bind(pull, "tcp://127.0.0.1:*")
+    security.configure(
+        _cfg("endpoints.auth=curve", f"endpoints.keys_dir={keys}").endpoints, "rollout"
+    )
+    push = ctx.socket(zmq.PUSH)
+    try:
+        with caplog.at_level(logging.ERROR, logger=security.__name__):
+            connect(push, addr)
+            with contextlib.suppress(zmq.Again):
+                push.send(b"never read", flags=zmq.NOBLOCK)
+            wait_until(
+                lambda: "endpoints.auth must be the same on every node" in caplog.text,
+                "the client to say auth may differ",
+                10,
+            )
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+    loaded = security.Keys.load(keys, "buffer")
+    assert loaded.server_secret is not None
+    shown = repr(loaded)
+    assert loaded.server_secret.decode() not in shown and loaded.client_secret.decode() not in shown
+    assert loaded.server_public.decode() in shown

@@ -100,9 +100,9 @@ class Keys:
     secret), its own client pair, and the client public keys the run accepts."""
 
     server_public: bytes
-    server_secret: bytes | None
+    server_secret: bytes | None = field(repr=False)  # never in a log line or a traceback
     client_public: bytes
-    client_secret: bytes
+    client_secret: bytes = field(repr=False)
     allowed: dict[bytes, str]  # client public key -> role name
 
     @classmethod
@@ -225,7 +225,7 @@ def secure_server(sock: zmq.Socket) -> None:
     with _SETTINGS.lock:
         ctx = sock.context
         if ctx not in _SETTINGS.handlers:
-            _SETTINGS.handlers[ctx] = ZapHandler(ctx, keys.allowed, _SETTINGS.counts)
+            _SETTINGS.handlers[ctx] = ZapHandler(ctx, keys.allowed)
     sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
     sock.curve_secretkey = keys.server_secret
     sock.curve_publickey = keys.server_public
@@ -323,7 +323,8 @@ def _watch_client_handshakes(sock: zmq.Socket) -> None:
         why = (
             "it does not know this node's key"
             if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            else "its key is not the server key this node has"
+            else "its key is not the server key this node has, or it does not use CURVE: "
+            "endpoints.auth must be the same on every node"
         )
         log.error(
             "the CURVE handshake with %s failed (%s): this node's keys are not the run's; "
@@ -341,9 +342,8 @@ class ZapHandler:
     library's questions on ``inproc://zeromq.zap.01``. Accepts a CURVE peer whose public
     key is one of the run's; refuses anything else, counted and logged once per address."""
 
-    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str], counts: Counter[str]):
+    def __init__(self, ctx: zmq.Context, allowed: dict[bytes, str]):
         self.allowed = allowed
-        self.counts = counts
         self.warned: set[str] = set()
         self.sock = ctx.socket(zmq.REP)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -370,9 +370,9 @@ class ZapHandler:
         if mechanism == b"CURVE" and len(frames) > 6:
             role = self.allowed.get(z85.encode(frames[6]))
         if role is not None:
-            self.counts["accepted_connections"] += 1
+            count("accepted_connections")  # under the lock: other threads count too
             return [version, request_id, b"200", b"OK", role.encode(), b""]
-        self.counts["rejected_connections"] += 1
+        count("rejected_connections")
         if address not in self.warned:
             self.warned.add(address)
             log.warning(
