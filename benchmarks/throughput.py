@@ -199,6 +199,9 @@ def summarise(per_rep: list[dict[str, dict]]) -> dict[str, dict]:
             for key, value in reps[0].items()
             if isinstance(value, (int, float)) and not isinstance(value, bool)
         }
+        # The median above is over the runs that reached the target: how many did.
+        reached = [r for r in reps if math.isfinite(float(r.get("time_to_target_s", math.nan)))]
+        figures["time_to_target_reached"] = len(reached)
         stats = paired_ratio([r["samples_per_s"] for r in reps], best_sync)
         figures["ratio_to_sync"] = stats.median
         figures["ratio_to_sync_stats"] = stats.to_json()
@@ -294,7 +297,11 @@ def table(model: str, result: dict) -> str:
         cells = []
         for _, key, fmt in COLUMNS:
             v = stats.get(key)
-            cells.append(f"{'-' if v is None or v != v else fmt.format(v):>14}")
+            cell = "-" if v is None or v != v else fmt.format(v)
+            runs, reached = len(stats["reps"]), stats.get("time_to_target_reached")
+            if key == "time_to_target_s" and reached is not None and reached < runs:
+                cell += f" ({reached}/{runs})"  # the others never reached it
+            cells.append(f"{cell:>14}")
         lines.append(f"{name:<14}" + "".join(cells))
     for name, stats in result["modes"].items():
         spread_of = format_ratio(ratio_stats(stats))

@@ -40,6 +40,25 @@ def test_ratio_to_sync_is_per_repetition_against_that_repetitions_best_sync():
     assert len(lag2["reps"]) == 3
 
 
+def test_the_time_to_the_target_says_how_many_runs_reached_it():
+    """Found by a review: the median time to the target is over the runs that reached it,
+    and the table showed one run's time as the mode's when two of three never did."""
+    nan = float("nan")
+    times = {"lag0": [30.0, 34.0, 32.0], "lag2": [nan, 20.0, nan]}
+    per_rep = [
+        {name: {"samples_per_s": 10.0, "time_to_target_s": t[i]} for name, t in times.items()}
+        for i in range(3)
+    ]
+    modes = throughput.summarise(per_rep)
+    assert modes["lag2"]["time_to_target_reached"] == 1
+    assert modes["lag2"]["time_to_target_s"] == 20.0
+    rows = throughput.table(
+        "tiny", {"modes": modes, "phases": {"sync@1": {"sync_s": 0.1, "bytes": 1e6}}}
+    )
+    lag0, lag2 = rows.splitlines()[1:3]
+    assert "20 (1/3)" in lag2 and "32" in lag0 and "/3)" not in lag0
+
+
 def test_the_better_sync_layout_of_each_repetition_is_the_baseline():
     per_rep = [
         {"lag0": {"samples_per_s": 10.0}, "lag0-shared": {"samples_per_s": 4.0}},

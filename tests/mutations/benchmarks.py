@@ -48,4 +48,12 @@ ROWS = (
         '        "--threads", str(os.cpu_count()), "--seed", str(seed), "--out", str(out),',
         ("tests/test_bench_vs_trl.py::test_both_sides_run_on_the_same_two_cores",),
     ),
+    Mutation(
+        "the time to the target says how many runs reached it",
+        "the median of the runs that reached it reads as the mode's",
+        "benchmarks/throughput.py",
+        '            if key == "time_to_target_s" and reached is not None and reached < runs:',
+        "            if False:",
+        ("tests/test_bench_repeats.py::test_the_time_to_the_target_says_how_many_runs_reached_it",),
+    ),
 )
