@@ -153,6 +153,7 @@ def test_both_sides_run_on_the_same_two_cores(monkeypatch, tmp_path):
     from types import SimpleNamespace
 
     monkeypatch.setattr(vs_trl.os, "sched_getaffinity", lambda _pid: {9, 3, 5, 12})
+    monkeypatch.setattr(vs_trl.os, "cpu_count", lambda: 16)  # a larger machine
     seen: dict = {}
 
     class Stop(Exception):
