@@ -219,7 +219,8 @@ def test_a_watch_that_fails_leaves_instead_of_dying_unseen(caplog):
         with caplog.at_level(logging.ERROR):
             client.start_watching()
             assert client.gone.wait(15), "the watch thread ended without telling the server"
-        assert "the coordinator watch failed (CoordinatorGone" in caplog.text
+        # Said where the registration gave up (it raised into the watch before).
+        assert "s0: no coordinator at" in caplog.text and ": leaving" in caplog.text
     finally:
         client.close()
         fake.close(0)
@@ -246,3 +247,33 @@ def test_a_slot_whose_request_was_never_answered_nor_repeated_is_given_back(serv
 
 def _metrics(state: Counts) -> dict[str, float]:
     return state._coord.metrics()
+
+
+def test_a_registration_again_to_a_silent_coordinator_leaves_as_gone(caplog):
+    """Found by a review: a task request answered "unregistered" registers again on the
+    task thread; a coordinator silent past patience_s then raised there, uncaught, and the
+    server ended with a traceback, exit 1, not 3 (coordinator gone) as the watch ends it."""
+    import logging
+    import time
+
+    import zmq
+
+    from tests.helpers import free_port
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # takes requests, never answers: the learner is down
+    port = free_port()
+    silent.bind(f"tcp://127.0.0.1:{port}")
+    addr = f"tcp://127.0.0.1:{port}"
+    client = CoordinatorClient(
+        addr, addr, "rollout-0", engine_world_size=0, timeout_s=0.3, patience_s=1.0
+    )
+    try:
+        start = time.monotonic()
+        with caplog.at_level(logging.ERROR, logger="asyncrl.control.client"):
+            client._reregister(client._registration())  # told "unregistered"
+        assert client.gone.is_set() and time.monotonic() - start < 10
+        assert "rollout-0: " in caplog.text and ": leaving" in caplog.text
+    finally:
+        client.close()
+        silent.close(0)

@@ -249,9 +249,12 @@ class CoordinatorClient:
                 )
                 try:
                     self.register()
-                except CoordinatorGone:
-                    if not self.shutdown.is_set():
-                        raise  # else: stopping, no need to register any more
+                except CoordinatorGone as e:
+                    if not self.shutdown.is_set():  # else: stopping, no need to register
+                        # Said as the watch says it: raised here, the task thread's call
+                        # ended the server with a traceback, exit 1, not 3 (gone).
+                        log.error("%s: %s: leaving", self.server_id, e)
+                        self.gone.set()
                 except RequestRefused as e:  # a learner restarted with another config
                     log.error("%s: registration refused (%s): leaving", self.server_id, e)
                     self.gone.set()  # the server exits; its restart says why, and stops

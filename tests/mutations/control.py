@@ -444,4 +444,15 @@ ROWS = (
             "test_a_partly_loaded_server_registered_before_the_replay_is_known_moves_no_version",
         ),
     ),
+    Mutation(
+        "a registration again to a silent coordinator leaves as gone",
+        "the task thread's registration raises, and the server ends with a traceback, exit 1",
+        "asyncrl/control/client.py",
+        "                        self.gone.set()\n                except RequestRefused",
+        "                        raise\n                except RequestRefused",
+        (
+            "tests/test_client_requests.py::"
+            "test_a_registration_again_to_a_silent_coordinator_leaves_as_gone",
+        ),
+    ),
 )
