@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -87,17 +88,39 @@ def packing_works(forward: Callable[[MicroBatch], torch.Tensor], atol: float = 1
     return bool(torch.allclose(packed[mask], padded[mask], atol=atol))
 
 
+def sliding_window(config: Any) -> int | None:
+    """The window some of a model's attention layers slide over (HF config ``config``), or
+    None where every layer attends over the whole sequence: ``sliding_window`` unless
+    ``use_sliding_window`` is off (Qwen2) or no layer is a ``sliding_attention`` one."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
 def resolve_layout(
     requested: str,
     attn_implementation: str | None,
     device: str,
     *,
     forward: Callable[[MicroBatch], torch.Tensor],
+    window: int | None = None,
 ) -> str:
     """:func:`choose_layout`, checked on the model (``forward``: micro-batch -> logprobs
     ``[B, T]``): a model that cannot take packed rows, or shared rows (a 4D mask), gets
-    padded rows. Logged once."""
+    padded rows, and so does one whose layers slide over a ``window``
+    (:func:`sliding_window`) where shared rows are asked for. Logged once."""
     layout, why = choose_layout(requested, attn_implementation, device)
+    if layout == "shared" and window is not None:
+        # transformers takes a 4D mask as it is given and applies no window on top, so
+        # past the window every layer attended over the whole context, unlike vLLM; the
+        # probe's short sequences fit in any real window and could not tell.
+        layout = "padded"
+        why = f"the model's attention slides over {window} tokens, which shared rows do not"
+        log.warning("%s; using padded micro-batches", why)
     works = {"packed": packing_works, "shared": sharing_works}.get(layout)
     if works is not None and not works(forward, probe_atol(device)):
         layout, why = "padded", f"the model does not support the {layout} layout"

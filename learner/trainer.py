@@ -48,7 +48,7 @@ from learner.collate import MicroBatch, collate, pad_rows
 from learner.critic import Critic
 from learner.episode_means import episode_means, episode_sums, row_means
 from learner.forward import evaluating, response_logprobs
-from learner.layout import resolve_layout
+from learner.layout import resolve_layout, sliding_window
 from learner.losses import LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
 from learner.plan import StepPlan, plan_passes
@@ -167,6 +167,7 @@ class Trainer:
                 getattr(self.model.config, "_attn_implementation", None),
                 self.cfg.trainer.device,
                 forward=lambda mb: self._forward(self.model, mb)[0],
+                window=sliding_window(self.model.config),
             )
         fsdp.reshard(self.model)  # the probe's forwards had no backward
         return layout

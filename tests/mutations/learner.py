@@ -561,4 +561,15 @@ ROWS = (
             "test_every_counter_a_server_keeps_reaches_the_step_record",
         ),
     ),
+    Mutation(
+        "a model whose attention slides gets padded rows, not shared ones",
+        "shared rows are kept for a sliding-window model, whose window the 4D mask drops",
+        "learner/layout.py",
+        '    if layout == "shared" and window is not None:',
+        "    if False:",
+        (
+            "tests/test_layout_probe.py::"
+            "test_a_model_whose_attention_slides_gets_padded_rows_not_shared_ones",
+        ),
+    ),
 )
