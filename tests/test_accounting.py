@@ -225,6 +225,26 @@ def test_restarts_do_not_widen_the_admission_window(how):
     run.acct()
 
 
+def test_a_checkpoint_from_before_per_id_states_resumes_within_the_window():
+    """Found by a review: a checkpoint written before per-id states restores every id it
+    owed as queued, so nothing counts as trained, while the budget restored ``consumed``
+    as its version's (version x groups): the resumed window dealt that many groups at
+    once, generated only to be dropped for lag."""
+    from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
+
+    source = TaskSource(_rows(2000), seed=1, n=2, lineage="")
+    old = TaskLedger(source, Budget(1, 8))
+    old.deal("a", 4)
+    state = save_ledger(old)
+    state["budget"].update(version=100, consumed=800)  # 100 versions of 8 groups trained
+    del state["entries"]  # the old schema: what was owed, not every id's state
+    state["outstanding"], state["redeal"] = list(state["redeal"]), []
+    resumed = TaskLedger(TaskSource(_rows(2000), seed=1, n=2, lineage=""), Budget(1, 8))
+    load_ledger(resumed, state)
+    dealt, _ = resumed.deal("a", 1000)
+    assert len(dealt) <= (1 + 1) * 8  # one window of groups, not 800 more
+
+
 def test_an_inventory_from_a_buffer_not_reading_deals_nothing_again():
     """A restored coordinator's inventory came from a full buffer: the groups it lacks may
     wait in its socket, so none is dealt again (review); the audit asks once it reads."""

@@ -161,7 +161,7 @@ def test_prompts_dropped_for_lag_are_dealt_again_under_new_ids_then_given_up():
     first, _ = ledger.deal("a", 2)
     ledger.ack([t.task_id for t in first])
     tid = first[0].task_id
-    assert ledger.dropped([DroppedTask(tid, "lag")]) == (1, 0, 0)  # refunded, queued again
+    assert ledger.dropped([DroppedTask(tid, "lag")]) == (1, 0, 0, 0)  # refunded, queued again
     _consume(ledger)  # the learner moved on
     again, reason = ledger.deal("a", 1)  # the retry comes before new prompts
     assert [t.task_id for t in again] == [f"{tid}/1"] and reason == ""
@@ -203,6 +203,12 @@ def test_a_group_the_full_buffer_had_no_room_for_is_named_overflow_and_dealt_aga
     assert (acct["dropped/overflow"], acct["dropped/expired"]) == (1, 0)
     assert list(ledger.redeal) == [f"{t2.task_id}/1"]
     assert ledger.counts["overflow_retried"] == 1
+    # Out of retries (a review: it was still said "dealt again", and counted as such).
+    (again,), _ = ledger.deal("a", 1)
+    ledger.ack([again.task_id])
+    drops = ledger.dropped([DroppedTask(again.task_id, "overflow")])
+    assert (drops.overflowed, drops.overflow_given_up) == (0, 1) and not ledger.redeal
+    assert ledger.counts["overflow_given_up"] == 1
 
 
 def test_groups_the_buffer_refused_are_named_as_it_named_them_and_not_dealt_again():

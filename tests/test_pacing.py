@@ -119,6 +119,23 @@ def test_a_server_whose_groups_go_stale_is_dealt_fewer_and_the_fast_one_is_not()
     assert restored.pacer.state_dict() == ledger.pacer.state_dict()
 
 
+def test_a_late_group_is_charged_to_the_server_that_delivered_it():
+    """Found by a review: an ack did not say who delivered the group, so the pacer blamed
+    the task's last holder. A slow server's task timed out and was dealt to a fast one;
+    the slow one's late group, dropped for lag, narrowed the fast server."""
+    source = TaskSource(_rows(200), seed=3, n=2, lineage="")
+    ledger = TaskLedger(source, Budget(1, 100), pacer=Pacer(4), task_timeout_s=10.0)
+    (task,), _ = ledger.deal("slow", 1)
+    assert ledger.reclaim(now=60.0) == [task.task_id]  # timed out: dealt again
+    (again,), _ = ledger.deal("fast", 1)
+    assert again.task_id == task.task_id
+    ledger.ack([task.task_id], now=61.0, server_id="slow")  # the slow copy arrives first
+    ledger.dropped([DroppedTask(task.task_id, "lag", False)])
+    assert ledger.pacer is not None
+    recent = ledger.pacer.state_dict()["recent"]  # per server: stale and fresh tallies
+    assert "fast" not in recent and recent["slow"][0] == 1.0, recent
+
+
 def test_a_paced_server_still_gets_validation_and_a_restart_starts_it_afresh():
     ledger = _ledger(ceiling=3, n_val=2)
     fast, _ = ledger.deal("fast", 3)

@@ -297,12 +297,16 @@ class TaskLedger:
         return task.task_id, ""
 
     # ------------------------------------------------------------------ outcomes
-    def ack(self, task_ids: Iterable[str], now: float = 0.0) -> tuple[list[str], list[str]]:
-        """Groups handed to the buffer; returns (acknowledged, unknown) ids.
+    def ack(
+        self, task_ids: Iterable[str], now: float = 0.0, server_id: str = ""
+    ) -> tuple[list[str], list[str]]:
+        """Groups ``server_id`` handed to the buffer; returns (acknowledged, unknown) ids.
 
         An ack counts whoever sends it: a server declared dead too early that still
-        finishes a task it lost has delivered it all the same. An id already in the buffer
-        or beyond is "unknown" (its first delivery counted).
+        finishes a task it lost has delivered it all the same, and it is the one the pacer
+        then credits or blames (the task's last holder was, a fast server blamed for a
+        slow one's late group). An id already in the buffer or beyond is "unknown" (its
+        first delivery counted).
         """
         acked, unknown = [], []
         for tid in task_ids:
@@ -312,6 +316,7 @@ class TaskLedger:
                 continue
             self.move(tid, e, BUF)
             e.since = now
+            e.server = server_id or e.server  # after the move: it left its holder's tasks
             acked.append(tid)
             self.counts[f"{kind_of(tid)}_acked"] += 1
         self.counts["acks_unknown"] += len(unknown)
@@ -417,7 +422,7 @@ class TaskLedger:
         an earlier life of this lineage after the checkpoint, so that it is not dealt
         again); anything else (another lineage's, or a made-up id) is counted and ignored.
         """
-        refunded = given_up = overflowed = 0
+        refunded = given_up = overflowed = overflow_given_up = 0
         for d in reports:
             reason = d.cause if d.cause in DROP_REASONS else "expired"
             e = self.entries.get(d.task_id)
@@ -438,10 +443,13 @@ class TaskLedger:
                     self.pacer.stale(e.server)
             elif reason == "overflow" and kind_of(d.task_id) == "train":
                 # The buffer had no room for another incomplete group: not the prompt's
-                # fault, so it is dealt again (under the same bound as lag drops).
-                overflowed += 1
-                self._retry(d.task_id, reason)
-        return Drops(refunded, given_up, overflowed)
+                # fault, so it is dealt again (under the same bound as lag drops), and
+                # past it given up, said as lag drops' are (not "dealt again").
+                if self._retry(d.task_id, reason):
+                    overflow_given_up += 1
+                else:
+                    overflowed += 1
+        return Drops(refunded, given_up, overflowed, overflow_given_up)
 
     def _retry(self, task_id: str, reason: str) -> bool:
         """Queue a prompt dropped for ``reason`` (lag, overflow) again under a new id;

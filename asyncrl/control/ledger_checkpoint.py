@@ -56,6 +56,9 @@ def load_ledger(ledger: TaskLedger, state: dict[str, Any]) -> None:
     saved = state.get("entries")
     if saved is None:  # a checkpoint from before per-id states: what was still owed
         saved = {t: [QUEUED, 0, 1] for t in [*state["outstanding"], *state["redeal"]]}
+        # Nothing restored counts as trained, so consumption counts from the resume too:
+        # against the version's own (version x groups), the window opened that many at once.
+        ledger.budget.consumed = 0
     order = {tid: i for i, tid in enumerate(state.get("redeal", []))}
     ledger.external_serial = int(state.get("external_serial", 0))
     sessions = state.get("sessions")  # absent or None: a checkpoint that did not record them

@@ -343,6 +343,13 @@ def _poll_once(
             "Raise buffer.capacity_groups",
             drops.overflowed,
         )
+    if drops.overflow_given_up:
+        log.warning(
+            "the buffer had no room for %d more incomplete groups whose prompts had been "
+            "dealt staleness.lag_retries times already: given up (the accounting line "
+            "counts them among its overflow drops). Raise buffer.capacity_groups",
+            drops.overflow_given_up,
+        )
     if drops.given_up:
         log.warning(
             "%d training prompts given up after staleness.lag_retries retries (the "
@@ -393,7 +400,7 @@ def _apply_drops(state: ControlState, reports: list) -> Drops:
     that cannot be applied (a malformed report, a defect) is logged, counted in
     ``coordinator/buffer_reports_failed`` and skipped, and the others still refund their
     budget (handled as one list, the whole drain was lost with it)."""
-    total = Drops(0, 0, 0)
+    total = Drops(0, 0, 0, 0)
     for report in reports:
         try:
             d = state.ledger.dropped([report])

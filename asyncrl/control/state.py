@@ -353,7 +353,7 @@ class ControlState:
                 self.group_filter.filtered(len(done), self.step)
                 self.group_filter.verdicts(done, filtered=True)
             return TaskAckReply(acked=done, unknown=[t for t in task_ids if t not in done])
-        acked, unknown = self.ledger.ack(task_ids, now)
+        acked, unknown = self.ledger.ack(task_ids, now, server_id)
         # Only a group dealt with the filter on was judged: one dealt past the bound is
         # pushed whatever it scored, and says nothing about its prompt.
         self.group_filter.verdicts(acked, filtered=False)

@@ -97,6 +97,7 @@ class Drops(NamedTuple):
     refunded: int  # training tasks that left the admission budget
     given_up: int  # training prompts out of lag retries (never dealt again)
     overflowed: int = 0  # training groups the buffer had no room for (dealt again)
+    overflow_given_up: int = 0  # the same, out of retries (never dealt again)
 
 
 @dataclass

@@ -455,4 +455,34 @@ ROWS = (
             "test_a_registration_again_to_a_silent_coordinator_leaves_as_gone",
         ),
     ),
+    Mutation(
+        "a checkpoint from before per-id states resumes within the window",
+        "consumption restored at the version's own, with nothing restored as trained",
+        "asyncrl/control/ledger_checkpoint.py",
+        "        ledger.budget.consumed = 0",
+        "        pass",
+        (
+            "tests/test_accounting.py::"
+            "test_a_checkpoint_from_before_per_id_states_resumes_within_the_window",
+        ),
+    ),
+    Mutation(
+        "a late group is charged to the server that delivered it",
+        "the pacer blames the task's last holder for another server's late group",
+        "asyncrl/control/ledger.py",
+        "            e.server = server_id or e.server  # after the move: it left its holder's tasks",
+        "            pass",
+        ("tests/test_pacing.py::test_a_late_group_is_charged_to_the_server_that_delivered_it",),
+    ),
+    Mutation(
+        "an overflow past the retries is given up, not said dealt again",
+        "an overflow out of retries is counted and said as dealt again",
+        "asyncrl/control/ledger.py",
+        "                    overflow_given_up += 1",
+        "                    overflowed += 1",
+        (
+            "tests/test_admission.py::"
+            "test_a_group_the_full_buffer_had_no_room_for_is_named_overflow_and_dealt_again",
+        ),
+    ),
 )
