@@ -178,8 +178,9 @@ class ControlClient(Protocol):
         group filter)."""
         ...
 
-    def nack(self, task_ids: list[str], reason: str) -> object:
-        """Report tasks that failed before their group was pushed (dealt again)."""
+    def nack(self, task_ids: list[str], reason: str, dealt: list[int] | None = None) -> object:
+        """Report tasks that failed before their group was pushed (dealt again); ``dealt``:
+        each one's attempt as this server got it."""
         ...
 
     def next_sync(self, timeout_s: float = 0.0) -> SyncStart | None:

@@ -313,7 +313,7 @@ class RolloutServer:
                 log.exception("task %s failed", task.task_id)
             if not pushed:  # its group never left: the coordinator deals it again
                 reason = f"{type(e).__name__}: {e}"
-                await self.lanes.control(self.client.nack, [task.task_id], reason)
+                await self.lanes.control(self.client.nack, [task.task_id], reason, [task.attempt])
             self._check_engine(e)
         finally:
             self.held.pop(task.task_id, None)

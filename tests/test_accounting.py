@@ -151,6 +151,29 @@ def test_a_task_failing_on_a_live_server_is_dealt_again_and_the_run_goes_on(lag)
     assert a["accounting/train/given_up"] == 0
 
 
+def test_a_failure_report_sent_again_does_not_fail_the_tasks_next_deal():
+    """Found by a review: a failure report is sent again when its reply is lost, but the
+    first had been applied: the task was queued, and dealt to the same server again. The
+    second report then failed that new deal: the task was generated twice, its failures
+    counted twice (given up early), and the group of the new deal came back "unknown".
+    A report now names the deal it is about, and one of an earlier deal is ignored."""
+    source = TaskSource(_rows(20), seed=3, n=2, lineage="")
+    ledger = TaskLedger(source, Budget(0, 2), task_retries=1)
+    (task,), _ = ledger.deal("a", 1)
+    assert ledger.nack("a", [task.task_id], attempts=[task.attempt]) == 1  # dealt again
+    (again,), _ = ledger.deal("a", 1)
+    assert again.task_id == task.task_id and again.attempt == task.attempt + 1
+    assert ledger.nack("a", [task.task_id], attempts=[task.attempt]) == 0  # the resend
+    assert (
+        ledger.entries[task.task_id].state == "out" and ledger.entries[task.task_id].failures == 1
+    )
+    assert ledger.counts["nacks_of_earlier_deals"] == 1
+    assert ledger.ack([again.task_id], server_id="a") == ([again.task_id], [])  # it trains
+    # A report that does not say (an older server) is applied as before.
+    (other,), _ = ledger.deal("b", 1)
+    assert ledger.nack("b", [other.task_id]) == 1
+
+
 def test_a_task_failing_every_time_is_given_up_and_counted():
     run = Run(0)
     st = run.st

@@ -44,7 +44,7 @@ class OneSlotClient:
     def give_back_unanswered_slots(self, older_than_s: float) -> int:
         return 0
 
-    def nack(self, task_ids: list[str], reason: str) -> None:
+    def nack(self, task_ids: list[str], reason: str, dealt: list[int] | None = None) -> None:
         self.nacked.append((task_ids, reason))
 
 

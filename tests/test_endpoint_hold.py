@@ -47,7 +47,7 @@ class BudgetClient:
         self.granted.append(task_id)
         return TaskGrant(tasks=[external_task(task_id, 0)], policy_version=0)
 
-    def nack(self, task_ids: list[str], reason: str) -> None:
+    def nack(self, task_ids: list[str], reason: str, dealt: list[int] | None = None) -> None:
         self.nacked += task_ids
 
     def give_back_unanswered_slots(self, older_than_s: float) -> int:

@@ -507,12 +507,17 @@ class CoordinatorClient:
         assert isinstance(reply, m.TaskAckReply), reply
         return reply
 
-    def nack(self, task_ids: list[str], reason: str, attempts: int = 3) -> bool:
+    def nack(
+        self, task_ids: list[str], reason: str, dealt: list[int] | None = None, tries: int = 3
+    ) -> bool:
         """Report tasks that failed here before their group was pushed, so the coordinator
-        deals them again at once; retried on timeouts. False if never answered (then its
-        ``control.task_timeout_s`` takes them back)."""
-        msg = m.TaskNack(server_id=self.server_id, task_ids=list(task_ids), reason=reason[:4000])
-        return self._send_retried(msg, attempts, f"the failure report of {len(task_ids)} tasks")
+        deals them again at once; retried on timeouts. ``dealt``: each task's attempt as
+        this server got it (a retried report then cannot fail a later deal of it). False
+        if never answered (then its ``control.task_timeout_s`` takes them back)."""
+        msg = m.TaskNack(
+            server_id=self.server_id, task_ids=list(task_ids), reason=reason[:4000], attempts=dealt
+        )
+        return self._send_retried(msg, tries, f"the failure report of {len(task_ids)} tasks")
 
     # ------------------------------------------------------------------ the end
     def leave(self, reason: str = "", timeout_s: float = 2.0) -> bool:

@@ -29,7 +29,7 @@ and audits): :mod:`asyncrl.control.ledger_recovery`, over :meth:`TaskLedger.move
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -339,14 +339,27 @@ class TaskLedger:
             done.append(tid)
         return done
 
-    def nack(self, server_id: str, task_ids: Iterable[str], cause: str = "failed") -> int:
+    def nack(
+        self,
+        server_id: str,
+        task_ids: Sequence[str],
+        cause: str = "failed",
+        attempts: Sequence[int] | None = None,
+    ) -> int:
         """Tasks that failed at ``server_id`` (a negative ack): dealt again, or given up
-        after ``task_retries`` failures; returns how many go back to the queue."""
+        after ``task_retries`` failures; returns how many go back to the queue. With
+        ``attempts`` (each task's attempt as dealt there), a report of an earlier deal is
+        ignored: one sent again after a lost reply, while the task was dealt to the same
+        server again, failed that new deal too (generated twice, given up early)."""
         back = 0
-        for tid in task_ids:
+        said = attempts if attempts is not None and len(attempts) == len(task_ids) else None
+        for i, tid in enumerate(task_ids):
             e = self.entries.get(tid)
             if e is None or e.state != OUT or e.server != server_id:
                 self.counts["nacks_unknown"] += 1
+                continue
+            if said is not None and e.task is not None and e.task.attempt != said[i]:
+                self.counts["nacks_of_earlier_deals"] += 1
                 continue
             back += self._fail(tid, e, cause)
         return back

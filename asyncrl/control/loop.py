@@ -158,7 +158,7 @@ class ControlLoop:
                 msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long
             )
         if isinstance(msg, m.TaskNack):
-            self.state.nack(msg.server_id, msg.task_ids, msg.reason, now)
+            self.state.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts)
             return m.Ok()
         return m.ErrorReply(error="wrong_socket", detail=f"{msg.kind} goes to the control socket")
 
@@ -195,7 +195,7 @@ class ControlLoop:
         if isinstance(msg, m.TaskAck):  # acks come here so a held task request cannot delay them
             return st.ack(msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long)
         if isinstance(msg, m.TaskNack):
-            st.nack(msg.server_id, msg.task_ids, msg.reason, now)
+            st.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts)
             return m.Ok()
         if isinstance(msg, m.Leave):
             if not st.leave(msg.server_id, msg.pid):

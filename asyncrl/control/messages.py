@@ -167,6 +167,9 @@ class TaskNack(Message, tag="task_nack"):
     server_id: ServerId
     task_ids: TaskIds
     reason: Text = ""
+    # Each task's attempt as this server was dealt it (Task.attempt); None: not said. A
+    # report sent again after a lost reply must not fail the task's next deal here.
+    attempts: list[int] | None = None
 
 
 class Register(Message, tag="register"):

@@ -359,11 +359,19 @@ class ControlState:
         self.group_filter.verdicts(acked, filtered=False)
         return TaskAckReply(acked=acked, unknown=unknown)
 
-    def nack(self, server_id: str, task_ids: list[str], reason: str, now: float) -> int:
-        """Tasks that failed at a live server: dealt again (or given up); how many."""
+    def nack(
+        self,
+        server_id: str,
+        task_ids: list[str],
+        reason: str,
+        now: float,
+        attempts: list[int] | None = None,
+    ) -> int:
+        """Tasks that failed at a live server (``attempts``: each one's attempt as it was
+        dealt there): dealt again (or given up); how many."""
         self.touch(server_id, now)
         self.group_filter.forget(task_ids)  # dealt again (maybe unfiltered) or given up
-        back = self.ledger.nack(server_id, task_ids)
+        back = self.ledger.nack(server_id, task_ids, attempts=attempts)
         given = [t for t in task_ids if is_external(t)]
         if given:  # an endpoint group that will not train: routine, its slot frees
             log.info("%s gave back endpoint slots %s (%s)", server_id, given, reason)

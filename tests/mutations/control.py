@@ -485,4 +485,15 @@ ROWS = (
             "test_a_group_the_full_buffer_had_no_room_for_is_named_overflow_and_dealt_again",
         ),
     ),
+    Mutation(
+        "a failure report sent again does not fail the task's next deal",
+        "a report of an earlier deal fails the task's new deal at the same server",
+        "asyncrl/control/ledger.py",
+        "            if said is not None and e.task is not None and e.task.attempt != said[i]:",
+        "            if False:",
+        (
+            "tests/test_accounting.py::"
+            "test_a_failure_report_sent_again_does_not_fail_the_tasks_next_deal",
+        ),
+    ),
 )

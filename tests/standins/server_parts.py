@@ -162,7 +162,7 @@ class StandInClient:
         self.acked += task_ids
         return None
 
-    def nack(self, task_ids: list[str], reason: str) -> object:
+    def nack(self, task_ids: list[str], reason: str, dealt: list[int] | None = None) -> object:
         raise AssertionError(f"no task should fail here: {reason}")
 
     def next_sync(self, timeout_s: float = 0.0) -> SyncStart | None:
