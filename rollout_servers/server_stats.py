@@ -157,8 +157,9 @@ class ServerStats:
             self.metrics["rollout/tokens"] += len(s.token_ids)
             for version, n in s.version_spans:
                 self.tokens_by_version[version] += n
-            self.rewards.append(score.score)
-            self.lengths.append(len(s.token_ids))
+            if not task.validation:  # a round's scores (val/*) made the training curve jump
+                self.rewards.append(score.score)
+                self.lengths.append(len(s.token_ids))
         # The newest versions only: every entry rides on each heartbeat, whose metrics are
         # bounded (a run of a thousand pushes had its heartbeats refused).
         while len(self.tokens_by_version) > TOKENS_BY_VERSION_KEPT:

@@ -128,6 +128,14 @@ def test_recent_windows_are_bounded() -> None:
     assert len(srv.stats.rewards) == len(srv.stats.lengths) == RECENT
     assert srv.snapshot()["rollout/reward_mean"] == 1.0  # only the latest RECENT responses
     assert srv.snapshot()["rollout/response_length_mean"] == len(RESPONSE)
+    # Validation groups are not training's (a review: a round scored 1 moved the training
+    # reward from 0 to 0.6 in the check); val/* measure them.
+    short = Sample([7], [-0.5], [(0, 1)], "stop")
+    for i in range(RECENT):
+        val = msgspec.structs.replace(make_task(f"val/0/{i}"), validation=True)
+        srv.stats.count_group([short], [ScoreResult(0.0)], val)
+    assert srv.snapshot()["rollout/reward_mean"] == 1.0
+    assert srv.snapshot()["rollout/response_length_mean"] == len(RESPONSE)
 
 
 def test_a_weight_sync_is_not_delayed_by_queued_tool_calls(monkeypatch, nap_tools):  # noqa: F811
