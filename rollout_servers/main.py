@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -337,13 +336,6 @@ def _endpoint(
     oe = cfg.rollout.openai_endpoint
     if not oe.enable:
         return None
-    if not (security.loopback(oe.host) or cfg.endpoints.insecure):  # a config problem: exit 2
-        sys.stderr.write(
-            f"rollout.openai_endpoint.host={oe.host} serves a network without authentication: "
-            "anyone who reaches it adds training data. Keep it on 127.0.0.1 behind an "
-            "authenticating proxy, or on a private network you trust set endpoints.insecure=true\n"
-        )
-        raise SystemExit(2)
     settings = SamplingSettings.from_config(cfg, seeded=seeded)
     return OpenAIEndpoint(cfg, server_id, engine, tok, client, pusher, settings)
 

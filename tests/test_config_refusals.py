@@ -70,3 +70,17 @@ def test_a_boolean_for_a_number_is_refused(override):
 def test_a_number_for_a_switch_and_text_for_a_number_still_read():
     cfg = load_config(None, ["data.shuffle=0", "rollout.n=4", "trainer.total_training_steps=null"])
     assert (cfg.data.shuffle, cfg.rollout.n, cfg.trainer.total_training_steps) == (False, 4, None)
+
+
+def test_an_endpoint_serving_a_network_without_authentication_is_refused_at_load():
+    """Found by a review: ``rollout.openai_endpoint.host`` off loopback without
+    ``endpoints.insecure`` was refused by the rollout server after its engine had loaded
+    (minutes on a GPU), and the engine and reward workers were left to the exit. It is
+    refused with the config now, as ``endpoints.host`` is."""
+    base = ["rollout.openai_endpoint.enable=true", "rollout.openai_endpoint.host=0.0.0.0"]
+    with pytest.raises(ConfigError, match="rollout.openai_endpoint.host=0.0.0.0 serves a network"):
+        load_config(None, base)
+    assert load_config(None, [*base, "endpoints.insecure=true"]).endpoints.insecure
+    local = ["rollout.openai_endpoint.enable=true", "rollout.openai_endpoint.host=127.0.0.1"]
+    assert load_config(None, local).rollout.openai_endpoint.enable
+    assert load_config(None, ["rollout.openai_endpoint.host=0.0.0.0"])  # off: not served

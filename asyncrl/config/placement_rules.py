@@ -16,7 +16,7 @@ def placement_problems(cfg: Config) -> list[str]:
 
 
 def _endpoint_problems(cfg: Config) -> list[str]:
-    from asyncrl.net.security import exposure_problem
+    from asyncrl.net.security import exposure_problem, loopback
 
     ports = cfg.endpoints.model_dump(include={"tasks", "trajectories", "batches", "control"})
     ports["sync_store"] = cfg.endpoints.sync_store
@@ -26,6 +26,15 @@ def _endpoint_problems(cfg: Config) -> list[str]:
         why := exposure_problem(cfg.endpoints)
     ) is not None:
         out.append(why)
+    oe = cfg.rollout.openai_endpoint
+    if oe.enable and not (loopback(oe.host) or cfg.endpoints.insecure):
+        # Here, not at the server: there it was found after the engine had loaded.
+        out.append(
+            f"rollout.openai_endpoint.host={oe.host} serves a network without "
+            "authentication: anyone who reaches it adds training data. Keep it on 127.0.0.1 "
+            "behind an authenticating proxy, or on a private network you trust set "
+            "endpoints.insecure=true"
+        )
     if cfg.endpoints.auth == "curve" and not cfg.endpoints.keys_dir:
         out.append(
             "endpoints.auth=curve needs endpoints.keys_dir: create the keys with "

@@ -418,4 +418,15 @@ ROWS = (
         "        for split in ()",
         ("tests/test_verl_elsewhere.py",),
     ),
+    Mutation(
+        "an endpoint serving a network without authentication is refused at load",
+        "it is found by the rollout server after its engine loaded",
+        "asyncrl/config/placement_rules.py",
+        "    if oe.enable and not (loopback(oe.host) or cfg.endpoints.insecure):",
+        "    if False:",
+        (
+            "tests/test_config_refusals.py::"
+            "test_an_endpoint_serving_a_network_without_authentication_is_refused_at_load",
+        ),
+    ),
 )
