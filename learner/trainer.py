@@ -184,6 +184,7 @@ class Trainer:
             world_size=self.world_size,
             rank=self.rank,
             padded=not self.packed,
+            shared=self.layout == "shared",
         )
         return StepPlan(rollouts, adv, temperature, mbs, norms, pass_micros=passes)
 

@@ -572,4 +572,26 @@ ROWS = (
             "test_a_model_whose_attention_slides_gets_padded_rows_not_shared_ones",
         ),
     ),
+    Mutation(
+        "the shared layout keeps a prompt's samples in one micro-batch",
+        "the shared layout is planned by length alone, scattering each prompt's samples",
+        "learner/plan.py",
+        "    groups = index.tolist() if shared else None",
+        "    groups = None",
+        (
+            "tests/test_batching.py::"
+            "test_the_shared_layout_keeps_a_prompts_samples_in_one_micro_batch",
+        ),
+    ),
+    Mutation(
+        "a padded micro-batch's budget counts its longest row",
+        "the budget counts the first row, which by groups may not be the longest",
+        "learner/plan.py",
+        "        wider = max(width, lengths[k])  # by groups, a later row may be the longer one",
+        "        wider = width or lengths[k]",
+        (
+            "tests/test_batching.py::"
+            "test_the_shared_layout_keeps_a_prompts_samples_in_one_micro_batch",
+        ),
+    ),
 )
