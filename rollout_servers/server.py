@@ -143,6 +143,7 @@ class RolloutServer:
         startup.mark(run_dir(self.cfg), self.server_id, "registered")
         log.info("%s registered at version %d", self.server_id, reg.policy_version)
         syncs = asyncio.create_task(self.syncs.loop(self._stopping))
+        syncs.add_done_callback(self._syncs_ended)
         try:
             if self.endpoint is not None:
                 await self.endpoint.start()
@@ -161,6 +162,15 @@ class RolloutServer:
             log.error("%s stops: %s (its supervisor restarts it)", self.server_id, self.fatal)
             return 4
         return 3 if self.client.gone.is_set() else 0
+
+    def _syncs_ended(self, task: asyncio.Task) -> None:
+        """The sync loop ended: at the server's stop, or failed. Failed, the server would
+        generate on with weights no sync would load again (and, held for a catch-up,
+        never be dealt a task), so it stops, to be restarted."""
+        if task.cancelled() or (e := task.exception()) is None:
+            return
+        self.fatal = self.fatal or f"its weight-sync loop failed ({type(e).__name__}: {e})"
+        self._slots_freed.set()  # a task loop waiting for slots sees it now
 
     def _held_ids(self) -> list[str]:
         ext = self.endpoint.task_ids() if self.endpoint is not None else []

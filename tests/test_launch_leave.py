@@ -217,3 +217,22 @@ def test_a_stopped_launch_stops_its_rollout_servers_first(tmp_path: Path):
         "rollout-0": 0,
         "learner": 0,
     }
+
+
+def test_a_servers_own_leave_names_its_process():
+    """Found by a review: a rollout server's own Leave named no process, so a late one
+    (its reply lost, the server restarted meanwhile under the same id) removed the
+    restarted server's record; the launcher's Leaves already named theirs."""
+    from asyncrl.control.client import CoordinatorClient
+
+    ctx = zmq.Context()
+    got: list[m.Leave] = []
+    addr, thread = _coordinator(ctx, got)
+    client = CoordinatorClient(addr, addr, "rollout-0", engine_world_size=0, context=ctx)
+    try:
+        assert client.leave("stopped", timeout_s=5.0)
+    finally:
+        client.close()
+        thread.join(5)
+        ctx.term()
+    assert got[0].pid == os.getpid() and got[0].server_id == "rollout-0"

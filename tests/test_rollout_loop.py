@@ -261,3 +261,25 @@ def test_time_the_engine_idles_on_the_scorer_or_the_buffer_is_not_generation() -
     assert 0.25 <= m["rollout/score_wait_s"] < 2.0, m
     assert 0.15 <= m["rollout/push_blocked_s"] < 2.0, m
     assert 0.0 < m["rollout/score_wait_fraction"] <= 1.0  # the live line's "scorer wait"
+
+
+def test_a_failed_sync_loop_stops_the_server_to_be_restarted(caplog) -> None:
+    """Found by a review: the weight-sync loop ran as a task nobody watched; had it failed
+    (a refused report, a socket error), the server would generate on with weights no sync
+    would load again, or, held for a catch-up, sit refused for good. It now stops the
+    server with exit 4, which its supervisor restarts."""
+    import logging
+
+    srv, _ = _server(StandInClient(tasks=0), max_inflight=N)
+
+    async def broken(stopping) -> None:
+        raise RuntimeError("the coordinator refused the sync report")
+
+    srv.syncs.loop = broken  # type: ignore[method-assign]
+
+    async def main() -> int:
+        return await asyncio.wait_for(srv.run(), 10)
+
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(main()) == 4
+    assert "its weight-sync loop failed (RuntimeError: the coordinator refused" in caplog.text

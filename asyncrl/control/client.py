@@ -523,7 +523,9 @@ class CoordinatorClient:
     def leave(self, reason: str = "", timeout_s: float = 2.0) -> bool:
         """Tell the coordinator this server stops (its unacknowledged tasks are re-dealt at
         once). Best effort: False when it did not answer."""
-        leave = m.Leave(server_id=self.server_id, reason=reason)
+        # Its pid, as registered: a late Leave of this process then cannot remove a
+        # restarted server of the same id (the launcher's Leaves name theirs too).
+        leave = m.Leave(server_id=self.server_id, reason=reason, pid=_pid())
         try:  # the send and the reply get half the time each, as the socket's wait does
             self._call("control", leave, timeout_s / 2, lock_wait_s=timeout_s / 2)
             return True

@@ -496,4 +496,12 @@ ROWS = (
             "test_a_failure_report_sent_again_does_not_fail_the_tasks_next_deal",
         ),
     ),
+    Mutation(
+        "a server's own Leave names its process",
+        "a server's Leave names no process, and a late one removes its restarted successor",
+        "asyncrl/control/client.py",
+        "        leave = m.Leave(server_id=self.server_id, reason=reason, pid=_pid())",
+        "        leave = m.Leave(server_id=self.server_id, reason=reason)",
+        ("tests/test_launch_leave.py::test_a_servers_own_leave_names_its_process",),
+    ),
 )

@@ -479,4 +479,12 @@ ROWS = (
         "            if True:",
         ("tests/test_rollout_loop.py::test_recent_windows_are_bounded",),
     ),
+    Mutation(
+        "a failed sync loop stops the server to be restarted",
+        "the sync loop fails unseen and the server generates on",
+        "rollout_servers/server.py",
+        "        syncs.add_done_callback(self._syncs_ended)",
+        "        pass",
+        ("tests/test_rollout_loop.py::test_a_failed_sync_loop_stops_the_server_to_be_restarted",),
+    ),
 )
