@@ -131,8 +131,16 @@ def test_the_group_filter_where_it_does_nothing_or_not_its_job_is_warned_about()
     and with GAE it drops groups whose advantages are not zero; both were accepted without a
     word."""
     on = "algorithm.filter_groups.enable=true"
-    [one] = config_advisories(load_config(None, [on, "rollout.n=1", *GAE]))
-    assert "rollout.n=1" in one and "nothing is filtered" in one
+    # Both that apply are said (a review: the first alone was).
+    [one, both] = config_advisories(load_config(None, [on, "rollout.n=1", *GAE]))
+    assert "rollout.n=1" in one and "nothing is filtered" in one and "group-relative" in both
+    # An endpoint's groups have their own size, and are filtered (a review: the line said
+    # nothing was filtered).
+    endpoint = ["rollout.openai_endpoint.enable=true", "rollout.openai_endpoint.group_size=4"]
+    rpp = "algorithm.adv_estimator=reinforce_plus_plus"  # one sample a prompt, no critic
+    assert config_advisories(load_config(None, [on, "rollout.n=1", rpp, *endpoint])) == []
+    [alone] = config_advisories(load_config(None, [on, "rollout.n=1", rpp]))
+    assert "nothing is filtered" in alone
     [gae] = config_advisories(load_config(None, [on, "rollout.n=4", *GAE]))
     assert "adv_estimator=gae" in gae and "group-relative" in gae
     assert config_advisories(load_config(None, [on, "rollout.n=4"])) == []

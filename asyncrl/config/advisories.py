@@ -139,25 +139,29 @@ def _filter_advisories(cfg: Config) -> list[str]:
                 "filter_groups.max_num_gen_batches here (prompts are dealt continuously)"
             ]
         return []
+    out = []  # every one that applies (the first alone was said)
     if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
-        return [
+        out.append(
             "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward: "
             "veRL's seq_final_reward has the KL penalty in it, but a rollout server filters "
             "before the learner computes the penalty, so the score without it decides here; "
             "metric=seq_reward says so"
-        ]
-    if cfg.rollout.n < 2:
-        return [
+        )
+    oe = cfg.rollout.openai_endpoint
+    # An endpoint's groups have their own size, and are filtered alike.
+    endpoint_groups = oe.enable and (oe.group_size or cfg.rollout.n) >= 2
+    if cfg.rollout.n < 2 and not endpoint_groups:
+        out.append(
             "algorithm.filter_groups.enable with rollout.n=1: a group of one sample is never "
             "uniform, so nothing is filtered; the filter needs rollout.n >= 2"
-        ]
+        )
     if cfg.algorithm.adv_estimator == "gae":
-        return [
+        out.append(
             "algorithm.filter_groups.enable with algorithm.adv_estimator=gae: the filter drops "
             "groups whose samples scored alike, whose GAE advantages are not zero (the critic "
             "never learns their values); it is meant for group-relative estimators (grpo)"
-        ]
-    return []
+        )
+    return out
 
 
 def _batch_advisories(cfg: Config) -> list[str]:

@@ -429,4 +429,15 @@ ROWS = (
             "test_an_endpoint_serving_a_network_without_authentication_is_refused_at_load",
         ),
     ),
+    Mutation(
+        "an endpoint's groups are filtered whatever rollout.n",
+        "the filter is said to do nothing at rollout.n=1 though the endpoint's groups are larger",
+        "asyncrl/config/advisories.py",
+        "    if cfg.rollout.n < 2 and not endpoint_groups:",
+        "    if cfg.rollout.n < 2:",
+        (
+            "tests/test_config_advisories.py::"
+            "test_the_group_filter_where_it_does_nothing_or_not_its_job_is_warned_about",
+        ),
+    ),
 )
