@@ -105,6 +105,29 @@ def test_resume_reads_one_model_path_in_any_spelling(spelling):
     ]
 
 
+def test_a_resume_names_a_changed_push_schedule_and_importance_correction():
+    """Found by a review: a resume that changed staleness.sync_every (how versions are
+    counted, also by the replay), the lag controller or the importance correction went on
+    without a word, though each changes how a step trains as much as loss_mode does."""
+    saved = json.loads(json.dumps(settings_of(load_config(DEMO))))
+    now = load_config(
+        DEMO,
+        [
+            "staleness.sync_every=1",
+            "staleness.controller=adaptive",
+            "algorithm.importance.mode=mis",
+            "algorithm.importance.cap=3.0",
+        ],
+    )
+    changed = {line.split()[0] for line in changed_settings(saved, now)}
+    assert changed == {
+        "staleness.sync_every",
+        "staleness.controller",
+        "algorithm.importance.mode",
+        "algorithm.importance.cap",
+    }
+
+
 def test_text_that_looks_like_a_number_reads_back_as_text(tmp_path):
     """A review: the resolved config was written by plain YAML, which writes ``'1e5'``
     bare, and read by the loader that reads a bare ``1e5`` as a float: a scorer's

@@ -43,7 +43,13 @@ COMPARED = (
     "actor.loss_agg_mode",
     "actor.policy_loss.loss_mode",
     "algorithm.adv_estimator",
+    "algorithm.importance.mode",
+    "algorithm.importance.cap",
+    "algorithm.importance.level",
     "staleness.max_policy_lag",
+    "staleness.sync_every",  # a replay after a change counts versions by the new one
+    "staleness.controller",
+    "staleness.min_policy_lag",
 )
 
 

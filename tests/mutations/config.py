@@ -440,4 +440,15 @@ ROWS = (
             "test_the_group_filter_where_it_does_nothing_or_not_its_job_is_warned_about",
         ),
     ),
+    Mutation(
+        "a resume names a changed push schedule and importance correction",
+        "a resume changes staleness.sync_every without a word",
+        "asyncrl/config/resumed.py",
+        '    "staleness.sync_every",  # a replay after a change counts versions by the new one\n',
+        "",
+        (
+            "tests/test_config_resolved.py::"
+            "test_a_resume_names_a_changed_push_schedule_and_importance_correction",
+        ),
+    ),
 )
