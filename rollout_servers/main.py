@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from rollout_servers.engine import RolloutEngine
 
 # The groups whose keys a server reads (its --help lists them): algorithm and staleness it
-# must share with the learner, buffer.max_message_mb bounds its pushes.
+# must share with the learner, buffer.max_message_mb bounds its pushes, and
+# launch.start_timeout_s how long it waits for the coordinator.
 GROUPS = (
     "model",
     "data",
@@ -51,6 +52,7 @@ GROUPS = (
     "sync",
     "endpoints",
     "trainer",
+    "launch",
 )
 STOP_LINGER_S = 2.0  # how long pushed groups may take to leave once the server stops
 

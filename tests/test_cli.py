@@ -47,6 +47,7 @@ def test_help_lists_config_keys(command):
     if command == "asyncrl-rollout":  # keys a server must share with the learner
         assert "staleness.max_policy_lag" in out and "algorithm.adv_estimator" in out
         assert "buffer.max_message_mb" in out
+        assert "launch.start_timeout_s" in out  # how long it waits for the coordinator
     if command == "asyncrl-buffer":
         assert "control.max_message_mb" in out
     assert "override any as group.key=value" in out
