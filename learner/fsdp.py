@@ -221,9 +221,12 @@ def full_state(
     dtype: torch.dtype | None = None,
     only: Callable[[str], bool] | None = None,
     keep: bool = True,
+    transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Full (unsharded) tensors of every parameter, named as the HF checkpoint names them
     (``only``: of the parameters whose names it accepts; every rank passes the same).
+    ``transform(name, tensor)``, on the keeping rank, changes each one as it is gathered,
+    before the cast (a LoRA merge in float32, one tensor at a time).
     ``keep=False``: this rank takes part in each gather and drops the result at once, and
     gets ``{}``: the ranks that neither push nor write hold one full parameter at a time,
     not the whole model (a 7B model's full bf16 copy is 14 GB on every GPU otherwise).
@@ -248,6 +251,8 @@ def full_state(
         if not keep:
             continue  # the gather is a collective: every rank joins it, one rank keeps it
         t = t.detach()
+        if transform is not None:
+            t = transform(name, t)
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
         elif t.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():

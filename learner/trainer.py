@@ -487,11 +487,20 @@ class Trainer:
         if not m.lora_rank:
             return fsdp.full_state(self.model, dtype, keep=keep)
         scaling = m.lora_alpha / m.lora_rank
-        # The adapter alone: its tensors gathered, not the base model's (a full float32 copy
-        # on every rank, for a push of a few percent of it).
-        only = lora.is_adapter_key if adapter_only else None
-        state = fsdp.full_state(self.model, only=only, keep=keep)
-        return lora.for_push(state, scaling, dtype, adapter_only)
+        # The adapter first: alone, all a push of it needs (a few percent of the model).
+        adapters = fsdp.full_state(self.model, only=lora.is_adapter_key, keep=keep)
+        if adapter_only:
+            return lora.for_push(adapters, scaling, dtype, adapter_only=True)
+        # Merged into each base tensor as it is gathered, then cast: the whole model held
+        # in float32 beside its merged copy ran the final export out of GPU memory where a
+        # full fine-tune's fits.
+        return fsdp.full_state(
+            self.model,
+            dtype,
+            only=lambda name: not lora.is_adapter_key(name),
+            keep=keep,
+            transform=lora.merger(adapters, scaling),
+        )
 
     def save(self, run_dir, extra: dict | None = None):
         """Checkpoint into ``<run_dir>/checkpoints/step_<step>/`` (every rank calls it)."""

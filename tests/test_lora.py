@@ -118,6 +118,35 @@ def test_a_lora_step_moves_adapters_only_and_exports_merged_weights(tiny_model, 
     torch.testing.assert_close(pushed[w], before[w] + 2.0 * (b @ a))
 
 
+def test_the_merged_export_merges_each_tensor_as_it_is_gathered(
+    tiny_model, single_rank, monkeypatch
+):
+    """Found by a review: the merged export (and merged pushes) gathered the whole model
+    in float32 on rank 0, then built the merged copy beside it: 6 bytes a parameter at the
+    peak against a full fine-tune's 2, so the final export of a model a full fine-tune
+    could export ran out of GPU memory. Each base tensor is now merged and cast as it is
+    gathered, and nothing but the adapter is held in float32 at once."""
+    from learner import fsdp
+
+    trainer = Trainer(lora_cfg(tiny_model))
+    run(trainer, BATCHES[:1])
+    expected = lora.merged(full_state(trainer.model), 2.0)
+    calls: list[tuple[bool, bool]] = []  # (gathers a base tensor, merges as it gathers)
+    real = fsdp.full_state
+
+    def recorded(model, dtype=None, only=None, keep=True, transform=None):
+        names = [n for n, _ in model.named_parameters() if only is None or only(n)]
+        calls.append((any(not lora.is_adapter_key(n) for n in names), transform is not None))
+        return real(model, dtype, only=only, keep=keep, transform=transform)
+
+    monkeypatch.setattr(fsdp, "full_state", recorded)
+    got = trainer.export_state()
+    assert all(merges for base, merges in calls if base), calls
+    assert set(got) == set(expected)
+    for k, v in got.items():
+        torch.testing.assert_close(v, expected[k], rtol=0, atol=1e-7)
+
+
 def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model, single_rank, tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 

@@ -594,4 +594,12 @@ ROWS = (
             "test_the_shared_layout_keeps_a_prompts_samples_in_one_micro_batch",
         ),
     ),
+    Mutation(
+        "the merged export merges each tensor as it is gathered",
+        "the whole model is gathered in float32 before the merge",
+        "learner/trainer.py",
+        "            transform=lora.merger(adapters, scaling),",
+        "            transform=None,",
+        ("tests/test_lora.py::test_the_merged_export_merges_each_tensor_as_it_is_gathered",),
+    ),
 )
