@@ -139,6 +139,12 @@ class HealthMonitor:
     def _importance(self, m: dict[str, float]) -> list[Alarm | None]:
         c = self.cfg
         low, high = c.w_mean_range
+        # The share over the cap: truncated under tis, masked out of the gradient under mis
+        # (the other reads 0; under mis a third of the tokens were dropped without a word).
+        capped = max(
+            ("importance/truncated_frac", "importance/masked_frac"),
+            key=lambda k: m.get(k, 0.0) if not math.isnan(m.get(k, 0.0)) else 0.0,
+        )
         return [
             _outside(m, "w_mean", "importance/w_mean", low, high, STALE),
             _outside(m, "min_ess", "importance/ess", c.min_ess, None, STALE),
@@ -146,7 +152,7 @@ class HealthMonitor:
             _outside(
                 m,
                 "max_truncated_frac",
-                "importance/truncated_frac",
+                capped,
                 None,
                 c.max_truncated_frac,
                 f"many weights exceed algorithm.importance.cap: {STALE}",

@@ -60,6 +60,18 @@ def test_stale_weights_fire_the_importance_rules():
     assert health.metrics()["health/min_ess"] == 1
 
 
+def test_the_share_over_the_cap_alarms_under_mis_as_under_tis():
+    """Found by a review: under algorithm.importance.mode=mis the share of tokens over the
+    cap is masked out of the gradient and reported as importance/masked_frac, which no rule
+    read: 30% of a batch was dropped without an alarm that tis raised on the same data."""
+    for mode, key in (("tis", "importance/truncated_frac"), ("mis", "importance/masked_frac")):
+        health = _health()
+        other = "importance/masked_frac" if mode == "tis" else "importance/truncated_frac"
+        alarms = [health.check({key: 0.3, other: 0.0}) for _ in range(3)][-1]
+        (capped,) = [a for a in alarms if a.rule == "max_truncated_frac"]
+        assert capped.metric == key and capped.value == 0.3, (mode, capped)
+
+
 def test_a_systematic_mismatch_fires_the_mismatch_rule():
     health = _health()
     alarms = health.check(_step_metrics(torch.full((B, T), -0.3)))  # b above p everywhere

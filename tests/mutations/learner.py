@@ -602,4 +602,12 @@ ROWS = (
         "            transform=None,",
         ("tests/test_lora.py::test_the_merged_export_merges_each_tensor_as_it_is_gathered",),
     ),
+    Mutation(
+        "the share over the cap alarms under mis as under tis",
+        "the rule reads the truncated share only, 0 under mis",
+        "learner/health.py",
+        '            ("importance/truncated_frac", "importance/masked_frac"),',
+        '            ("importance/truncated_frac",),',
+        ("tests/test_health.py::test_the_share_over_the_cap_alarms_under_mis_as_under_tis",),
+    ),
 )
