@@ -474,7 +474,11 @@ def _lag_controller(cfg: Config, restored: Restored) -> LagController | None:
         return None
     st, health = cfg.staleness, cfg.trainer.health
     lag = LagController(
-        st.min_policy_lag, st.max_policy_lag, health.min_ess, health.max_mismatch_kl
+        st.min_policy_lag,
+        st.max_policy_lag,
+        health.min_ess,
+        health.max_mismatch_kl,
+        sync_every=st.sync_every,
     )
     if restored.lag_controller is not None:
         lag.load_state_dict(restored.lag_controller)

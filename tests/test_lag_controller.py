@@ -65,6 +65,24 @@ def test_the_controller_widens_once_per_hold_and_narrows_at_once():
     assert lag.step(11, {"timing/wait_fraction": 0.9}) is None  # nothing measured
 
 
+def test_a_narrowing_holds_until_the_batches_dealt_after_it_are_trained():
+    """Found by a review: the hold was 3 steps whatever the lag and the push schedule, but
+    the first batch dealt after a narrowing from lag L is trained L * sync_every + 1 steps
+    later. With pushes every second step from lag 4, one dip narrowed at steps 10, 13, 16
+    and 19, all on batches dealt under lag 4, down to the floor."""
+    lag = LagController(0, 4, min_ess=0.3, max_kl=0.1, sync_every=2)
+    lag.lag = 4
+    dipped = [lag.step(s, _metrics(0.25, 0.0, 8.0 * s)) for s in range(10, 21)]
+    assert [(s, v) for s, v in zip(range(10, 21), dipped, strict=True) if v is not None] == [
+        (10, 3),
+        (19, 2),  # 4 * 2 + 1 steps after the first
+    ]
+    assert lag.hold_after(1) == HOLD_STEPS  # short lags keep the floor of the hold
+    restored = LagController(0, 4, min_ess=0.3, max_kl=0.1, sync_every=2)
+    restored.load_state_dict(lag.state_dict())
+    assert restored.narrow_hold == lag.narrow_hold == 3 * 2 + 1
+
+
 @pytest.mark.parametrize("min_ess", [0.3, 0.5, 0.6, 0.9])
 def test_a_high_ess_floor_still_leaves_room_to_widen(min_ess):
     """The comfort level was twice the floor, capped at 1: from min_ess 0.5 up, only an

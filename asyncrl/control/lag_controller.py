@@ -6,8 +6,8 @@ Lag buys throughput (the servers generate while the learner trains) and costs co
 quality (older data, weights further from 1). The controller trades one for the other on
 measurements instead of a guess:
 
-- **narrow** at once, by one version (then not again for :data:`HOLD_STEPS` steps, whose
-  batches were dealt before it, unless the degradation is :func:`severe`), when the
+- **narrow** at once, by one version (then not again until the batches dealt after it are
+  trained, :meth:`LagController.hold_after`, unless the degradation is :func:`severe`), when the
   correction degrades: the importance weights'
   ESS under ``trainer.health.min_ess``, the mismatch KL over
   ``trainer.health.max_mismatch_kl``, or more than :data:`LAG_DROP_FRAC` of the groups the
@@ -93,13 +93,18 @@ def severe(s: Signals, min_ess: float, max_kl: float) -> bool:
 class LagController:
     """The controller's state: the current lag and when it last widened."""
 
-    def __init__(self, low: int, high: int, min_ess: float, max_kl: float) -> None:
+    def __init__(
+        self, low: int, high: int, min_ess: float, max_kl: float, sync_every: int = 1
+    ) -> None:
         if not 0 <= low <= high:
             raise ValueError(f"lag bounds [{low}, {high}] are not a range")
         self.low, self.high, self.min_ess, self.max_kl = low, high, min_ess, max_kl
+        self.sync_every = sync_every
         self.lag = low  # start synchronous-ish: widen only on evidence
         self.widened_at = -HOLD_STEPS
         self.narrowed_at = -HOLD_STEPS
+        # How long each way's last move holds (see hold_after).
+        self.widen_hold = self.narrow_hold = HOLD_STEPS
         # lag -> (the step it was last narrowed from, how many times it has been)
         self.failed: dict[int, tuple[int, int]] = {}
         # The buffer's counters (cumulative) at the last step: lag drops are judged on what
@@ -119,6 +124,8 @@ class LagController:
             "lag": self.lag,
             "widened_at": self.widened_at,
             "narrowed_at": self.narrowed_at,
+            "widen_hold": self.widen_hold,
+            "narrow_hold": self.narrow_hold,
             "failed": {str(k): list(v) for k, v in self.failed.items()},
             "groups_in": self.groups_in,
             "lag_drops": self.lag_drops,
@@ -129,6 +136,8 @@ class LagController:
         self.widened_at = int(state["widened_at"])
         # Absent from checkpoints saved before the narrowing hold: no failure remembered.
         self.narrowed_at = int(state.get("narrowed_at", -HOLD_STEPS))
+        self.widen_hold = int(state.get("widen_hold", HOLD_STEPS))
+        self.narrow_hold = int(state.get("narrow_hold", HOLD_STEPS))
         self.failed = {int(k): (int(v[0]), int(v[1])) for k, v in state.get("failed", {}).items()}
         self.groups_in, self.lag_drops = state.get("groups_in"), state.get("lag_drops")
         self.last_reason = "restored"
@@ -154,9 +163,9 @@ class LagController:
         if lag == self.lag or self._held(step, lag, severe(signals, self.min_ess, self.max_kl)):
             return None
         if lag > self.lag:
-            self.widened_at = step
+            self.widened_at, self.widen_hold = step, self.hold_after(self.lag)
         else:
-            self.narrowed_at = step
+            self.narrowed_at, self.narrow_hold = step, self.hold_after(self.lag)
             _, times = self.failed.get(self.lag, (step, 0))
             self.failed[self.lag] = (step, times + 1)
         self.lag, self.last_reason = lag, reason
@@ -167,12 +176,20 @@ class LagController:
         to judge it (the batches since were dealt before it; a severe degradation narrows
         all the same), or a widening into a lag that failed within its backoff."""
         if lag < self.lag:
-            return not severe and step - self.narrowed_at < HOLD_STEPS
-        if step - self.widened_at < HOLD_STEPS:
+            return not severe and step - self.narrowed_at < self.narrow_hold
+        if step - self.widened_at < self.widen_hold:
             return True
         failed_at, times = self.failed.get(lag, (0, 0))
         backoff = min(BACKOFF_STEPS * 2 ** (times - 1), MAX_BACKOFF_STEPS) if times else 0
         return step - failed_at < backoff
+
+    def hold_after(self, lag: int) -> int:
+        """Steps a move from ``lag`` holds before the next the same way: until the first
+        batch dealt after it is trained, ``lag * sync_every + 1`` steps later (the window
+        moves only at a push), and at least :data:`HOLD_STEPS`. At a fixed 3, a push every
+        second step or a lag of 3 or more narrowed again on batches all dealt before the
+        first narrowing, down to ``min_policy_lag`` on one dip."""
+        return max(HOLD_STEPS, lag * self.sync_every + 1)
 
 
 def _since(now: float | None, before: float | None) -> float:

@@ -504,4 +504,15 @@ ROWS = (
         "        leave = m.Leave(server_id=self.server_id, reason=reason)",
         ("tests/test_launch_leave.py::test_a_servers_own_leave_names_its_process",),
     ),
+    Mutation(
+        "a narrowing holds until the batches dealt after it are trained",
+        "every move holds 3 steps, whatever the lag and the push schedule",
+        "asyncrl/control/lag_controller.py",
+        "        return max(HOLD_STEPS, lag * self.sync_every + 1)",
+        "        return HOLD_STEPS",
+        (
+            "tests/test_lag_controller.py::"
+            "test_a_narrowing_holds_until_the_batches_dealt_after_it_are_trained",
+        ),
+    ),
 )
