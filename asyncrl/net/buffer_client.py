@@ -153,6 +153,13 @@ class BufferClient(ReqClient):
         finally:
             self._fit_batch_timeout()
         self.last_wait_s = time.monotonic() - start
+        # Back towards timeout_s while replies come fast (beyond their long-poll, in under a
+        # quarter of the wait): a wait grown once would otherwise delay, for the rest of
+        # the run, every request lost to a buffer restart by that much.
+        if self.batch_timeout_s > self.timeout_s and (
+            self.last_wait_s - wait_s < self.batch_timeout_s / 4
+        ):
+            self.batch_timeout_s = max(self.timeout_s, self.batch_timeout_s / 2)
         if not isinstance(reply, wire.Batch):
             return None
         if self.received is not None:

@@ -78,4 +78,15 @@ ROWS = (
             "test_a_curve_node_dialling_a_plain_server_is_told_auth_may_differ",
         ),
     ),
+    Mutation(
+        "a grown batch wait comes back while replies are fast",
+        "a wait grown once stays, delaying every request a buffer restart loses",
+        "asyncrl/net/buffer_client.py",
+        "            self.batch_timeout_s = max(self.timeout_s, self.batch_timeout_s / 2)",
+        "            pass",
+        (
+            "tests/test_buffer_replies.py::"
+            "test_a_batch_slower_to_arrive_than_the_wait_is_waited_for_longer",
+        ),
+    ),
 )
