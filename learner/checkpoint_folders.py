@@ -54,6 +54,16 @@ def _first_free(candidates: Iterable[Path]) -> Path:
     return next(p for p in candidates if not p.exists())
 
 
+def set_aside(folder: Path) -> Path | None:
+    """Rename ``folder`` to the first free ``<name>.<k>``; the new name, or None when there
+    is no such folder. Nothing is deleted."""
+    if not folder.is_dir():
+        return None
+    old = _first_free(folder.with_name(f"{folder.name}.{k}") for k in count(1))
+    folder.rename(old)
+    return old
+
+
 def set_aside_checkpoints(run_dir: str | Path) -> Path | None:
     """Rename ``run_dir``'s checkpoints (of an earlier run) to the first free
     ``checkpoints.<k>``; the new name, or None when there were none. Nothing is deleted."""

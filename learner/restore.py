@@ -35,7 +35,7 @@ from asyncrl.config.resumed import (
     with_saved,
 )
 from asyncrl.config.verl_checkpoints import auto_line, latest_verl_step
-from learner.checkpoint_folders import latest_checkpoint, set_aside_checkpoints
+from learner.checkpoint_folders import latest_checkpoint, set_aside, set_aside_checkpoints
 from learner.control_peer import Restored
 from learner.export import EXPORT_MARK
 
@@ -112,6 +112,9 @@ def clear_the_way(cfg: Config, run_dir: Path, rank: int) -> Cleared:
         (run_dir / COMPLETE_FILE).unlink(missing_ok=True)
         for folder in ("final", "final_adapter"):
             (run_dir / folder / EXPORT_MARK).unlink(missing_ok=True)
+    if new_run and not cfg.model.lora_rank and (old := set_aside(run_dir / "final_adapter")):
+        # A run without LoRA exports no adapter: an earlier run's stayed beside its final/.
+        log.info("the final adapter of an earlier run (this one has none) moved to %s", old.name)
     rewound = False
     if mode == "resume_path" and not new_run and path is not None:  # a rewind
         rewound = abandon_later(run_dir, checkpoint_step(Path(path)))

@@ -186,6 +186,9 @@ def test_a_new_run_or_branch_does_not_keep_an_earlier_runs_final_export(tmp_path
         _restore(run, *start)
         kept = [exported_step(run / folder) for folder in ("final", "final_adapter")]
         assert kept == ([100, 100] if start[0].endswith("auto") else [None, None]), start
+    # A new run without LoRA exports no adapter: the earlier run's is moved aside, not left
+    # beside the new final/ (a review), and nothing is deleted.
+    assert not (run / "final_adapter").exists() and (run / "final_adapter.1").is_dir()
 
 
 @pytest.mark.parametrize("mode", ["auto", "resume_path"])

@@ -610,4 +610,15 @@ ROWS = (
         '            ("importance/truncated_frac",),',
         ("tests/test_health.py::test_the_share_over_the_cap_alarms_under_mis_as_under_tis",),
     ),
+    Mutation(
+        "a new run without LoRA sets an earlier run's adapter export aside",
+        "an earlier LoRA run's final_adapter stays beside the new run's final",
+        "learner/restore.py",
+        '    if new_run and not cfg.model.lora_rank and (old := set_aside(run_dir / "final_adapter")):',
+        "    if False:",
+        (
+            "tests/test_resume_modes.py::"
+            "test_a_new_run_or_branch_does_not_keep_an_earlier_runs_final_export",
+        ),
+    ),
 )
