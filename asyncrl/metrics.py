@@ -123,17 +123,24 @@ class MetricsLogger:
         self._wandb_keys.update(clean)
         return row
 
-    def mark_resumed(self, step: int) -> None:
-        """A learner resumed from its checkpoint at ``step``: when the file holds later
-        steps (trained, then lost with the learner that died), a record saying so, by
-        which :func:`read_metrics` drops them (W&B charts both lives at their ``train/step``)."""
+    def mark_resumed(self, step: int, saved_at: float | None = None) -> None:
+        """A learner resumed from its checkpoint at ``step`` (its state taken at wall time
+        ``saved_at``, where the checkpoint says): when the file holds later steps, or
+        records written after ``saved_at`` (trained or reported, then lost with the learner
+        that died: a validation round read while it waited for its next batch), a record
+        saying so, by which :func:`read_metrics` drops them (W&B charts both lives at their
+        ``train/step``)."""
         if self._file is None:
             return
-        reached = max((r.get("step", 0) for r in read_metrics(self.run_dir)), default=0)
-        if reached > step:
+        records = read_metrics(self.run_dir)
+        reached = max((r.get("step", 0) for r in records), default=0)
+        after = saved_at is not None and any(r.get("time", 0) > saved_at for r in records)
+        if reached > step or after:
             record = {"step": step, "time": time.time(), RESUMED_FROM: step, REACHED: reached}
+            if saved_at is not None:
+                record[SAVED_AT] = saved_at
             self._file.write(json.dumps(record) + "\n")
-            if self._wandb is not None:  # W&B takes no step twice: said, not left to guess
+            if self._wandb is not None and reached > step:  # W&B takes no step twice
                 log.warning(
                     "W&B charts steps %d-%d twice (at their train/step): as the learner lost "
                     "with its checkpoint logged them, and as they are trained again; this "
@@ -202,6 +209,8 @@ def set_aside(path: Path) -> None:
 
 #: A resume's record: the checkpoint's step, and the highest step the file held then.
 RESUMED_FROM, REACHED = "learner/resumed_from_step", "learner/steps_reached"
+#: A resume's record: the wall time its checkpoint's state was taken (records after it go).
+SAVED_AT = "learner/resumed_saved_at"
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:
@@ -222,9 +231,15 @@ def read_metrics(run_dir: Path) -> list[dict[str, float]]:
 
 
 def _resumed(out: list[dict[str, float]], record: dict[str, float]) -> list[dict[str, float]]:
-    """``out`` with ``record`` after it, less the steps a resume record drops."""
+    """``out`` with ``record`` after it, less the steps a resume record drops (and the
+    records written after its checkpoint, where it says when that was)."""
     if RESUMED_FROM in record:
-        out = [r for r in out if r.get("step", 0) <= record[RESUMED_FROM]]
+        saved_at = record.get(SAVED_AT, math.inf)
+        out = [
+            r
+            for r in out
+            if r.get("step", 0) <= record[RESUMED_FROM] and r.get("time", 0) <= saved_at
+        ]
     out.append(record)
     return out
 

@@ -31,6 +31,7 @@ class Restored(NamedTuple):
     last_batch_session: str = ""  # the buffer session that numbered last_batch_id
     validation: dict[str, Any] | None = None  # the validation rounds reported
     lag_controller: dict[str, Any] | None = None  # the adaptive lag reached
+    saved_at: float | None = None  # wall time the control plane's state was taken
 
 
 class ControlPeer(Protocol):

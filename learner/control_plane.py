@@ -105,7 +105,7 @@ class RankZero:
         self._meet_buffer(restored)
         self.logger = open_metrics(cfg, run_dir, new_run)
         if restored.path is not None and not new_run:
-            self.logger.mark_resumed(restored.step)
+            self.logger.mark_resumed(restored.step, restored.saved_at)
 
     def _meet_buffer(self, restored: Restored) -> None:
         """Say hello to the buffer (waiting up to ``launch.start_timeout_s``) and set the
@@ -294,6 +294,9 @@ class RankZero:
             "coordinator": coordinator,
             "validation": self.validation.state_dict(),  # rounds reported, groups of the rest
             "lag_controller": self.lag.state_dict() if self.lag is not None else None,
+            # A round reported after this (by a learner that then died) is reported again
+            # by the resumed one: the records' readers drop what came after it.
+            "saved_at": time.time(),
         }
 
     def export(self, tensors: dict[str, Any], out: Path, step: int) -> None:

@@ -181,6 +181,7 @@ def restore(cfg: Config, trainer: Loads, run_dir: Path, cleared: Cleared | None 
         session,
         extra.get("validation"),
         extra.get("lag_controller"),
+        extra.get("saved_at"),
     )
     return Start(restored, new_run, extra.get("health") or {})
 

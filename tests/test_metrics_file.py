@@ -353,3 +353,33 @@ def test_the_live_reader_parses_only_what_was_appended_and_reads_as_the_whole_fi
     assert tail.read()[-1] == {"step": 3, "loss/pg": 30.0} and len(parsed) == 3
     _write(run, 7, fresh=True)  # a new run: the file is set aside and started again
     assert [r["step"] for r in tail.read()] == [7] and tail.read() == read_metrics(run)
+
+
+def test_a_round_reported_after_the_checkpoint_is_read_once_after_a_resume(tmp_path):
+    """Found by a review: a validation round read after step 2's checkpoint (while the
+    learner waited for its next batch) was logged at step 2; the learner died, and the
+    resumed one, whose checkpoint did not hold the round as reported, reported it again:
+    two records of one round in the plots and summaries. The resume's record now names
+    when its checkpoint's state was taken, and what the lost learner wrote after it goes."""
+    import time
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        _write(run, step, fresh=step == 1)
+    saved_at = time.time()  # step 2's checkpoint
+    time.sleep(0.01)
+    logger = MetricsLogger(run, ["jsonl"], fresh=False)
+    logger.log(2, {"val/score": 0.5, "val/step": 2.0})  # then the learner dies
+    logger.close()
+    again = MetricsLogger(run, ["jsonl"], fresh=False)
+    again.mark_resumed(2, saved_at)  # no later step: the round alone made the mark
+    again.log(2, {"val/score": 0.5, "val/step": 2.0})  # reported again
+    again.close()
+    records = read_metrics(run)
+    assert [r["val/score"] for r in records if "val/score" in r] == [0.5]
+    assert [r["step"] for r in records if "loss/pg" in r] == [1, 2]
+    # Without a saved time (a checkpoint from before it was kept), steps alone decide.
+    quiet = MetricsLogger(run, ["jsonl"], fresh=False)
+    quiet.mark_resumed(2)
+    quiet.close()
+    assert read_metrics(run) == records

@@ -560,4 +560,15 @@ ROWS = (
             "test_the_live_reader_parses_only_what_was_appended_and_reads_as_the_whole_file",
         ),
     ),
+    Mutation(
+        "a round reported after the checkpoint is read once after a resume",
+        "a resume drops later steps only, and a round the lost learner reported stays twice",
+        "asyncrl/metrics.py",
+        '            if r.get("step", 0) <= record[RESUMED_FROM] and r.get("time", 0) <= saved_at',
+        '            if r.get("step", 0) <= record[RESUMED_FROM]',
+        (
+            "tests/test_metrics_file.py::"
+            "test_a_round_reported_after_the_checkpoint_is_read_once_after_a_resume",
+        ),
+    ),
 )
