@@ -141,10 +141,8 @@ class HealthMonitor:
         low, high = c.w_mean_range
         # The share over the cap: truncated under tis, masked out of the gradient under mis
         # (the other reads 0; under mis a third of the tokens were dropped without a word).
-        capped = max(
-            ("importance/truncated_frac", "importance/masked_frac"),
-            key=lambda k: m.get(k, 0.0) if not math.isnan(m.get(k, 0.0)) else 0.0,
-        )
+        masked = m.get("importance/masked_frac", 0.0) > 0
+        capped = "importance/masked_frac" if masked else "importance/truncated_frac"
         return [
             _outside(m, "w_mean", "importance/w_mean", low, high, STALE),
             _outside(m, "min_ess", "importance/ess", c.min_ess, None, STALE),

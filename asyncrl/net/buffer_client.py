@@ -153,25 +153,26 @@ class BufferClient(ReqClient):
         finally:
             self._fit_batch_timeout()
         self.last_wait_s = time.monotonic() - start
-        # Back towards timeout_s while replies come fast (beyond their long-poll, in under a
-        # quarter of the wait): a wait grown once would otherwise delay, for the rest of
-        # the run, every request lost to a buffer restart by that much.
-        if self.batch_timeout_s > self.timeout_s and (
-            self.last_wait_s - wait_s < self.batch_timeout_s / 4
-        ):
-            self.batch_timeout_s = max(self.timeout_s, self.batch_timeout_s / 2)
+        self._fit_batch_timeout(took_s=self.last_wait_s - wait_s)
         if not isinstance(reply, wire.Batch):
             return None
         if self.received is not None:
             self.received = (reply.session, reply.batch_id)
         return reply
 
-    def _fit_batch_timeout(self) -> None:
+    def _fit_batch_timeout(self, took_s: float | None = None) -> None:
         """Double the wait for a batch's reply, up to :data:`MAX_BATCH_TIMEOUTS` times
         ``timeout_s``, once a reply came after its request was given up. A reply counts as
         received only when all of it has come: a batch that takes longer than the wait to
         cross the link (a large one, a slow link) came late every time, training stalled,
-        and the buffer queued one more copy of it for each request."""
+        and the buffer queued one more copy of it for each request. Halve it back towards
+        ``timeout_s`` after a reply that ``took_s`` under a quarter of it beyond its
+        long-poll: a wait grown once would otherwise delay, for the rest of the run, every
+        request a buffer restart loses."""
+        if took_s is not None:
+            if self.batch_timeout_s > self.timeout_s and took_s < self.batch_timeout_s / 4:
+                self.batch_timeout_s = max(self.timeout_s, self.batch_timeout_s / 2)
+            return
         if self.late_replies == self._late_seen:
             return
         self._late_seen = self.late_replies

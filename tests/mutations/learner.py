@@ -606,8 +606,8 @@ ROWS = (
         "the share over the cap alarms under mis as under tis",
         "the rule reads the truncated share only, 0 under mis",
         "learner/health.py",
-        '            ("importance/truncated_frac", "importance/masked_frac"),',
-        '            ("importance/truncated_frac",),',
+        '        masked = m.get("importance/masked_frac", 0.0) > 0',
+        "        masked = False",
         ("tests/test_health.py::test_the_share_over_the_cap_alarms_under_mis_as_under_tis",),
     ),
     Mutation(

@@ -82,8 +82,8 @@ ROWS = (
         "a grown batch wait comes back while replies are fast",
         "a wait grown once stays, delaying every request a buffer restart loses",
         "asyncrl/net/buffer_client.py",
-        "            self.batch_timeout_s = max(self.timeout_s, self.batch_timeout_s / 2)",
-        "            pass",
+        "                self.batch_timeout_s = max(self.timeout_s, self.batch_timeout_s / 2)",
+        "                pass",
         (
             "tests/test_buffer_replies.py::"
             "test_a_batch_slower_to_arrive_than_the_wait_is_waited_for_longer",
