@@ -51,7 +51,7 @@ ROWS = (
     Mutation(
         "a closed CURVE socket's handshake watcher ends",
         "the watcher waits for a stop event its monitor never gets, as long as the context",
-        "asyncrl/net/security.py",
+        "asyncrl/net/handshakes.py",
         "    events = HANDSHAKE_FAILURES | zmq.EVENT_MONITOR_STOPPED",
         "    events = HANDSHAKE_FAILURES",
         ("tests/test_security.py::test_closed_curve_sockets_end_their_handshake_watchers",),
@@ -70,7 +70,7 @@ ROWS = (
     Mutation(
         "a CURVE node dialling a plain server is told auth may differ",
         "the client's line names only its keys",
-        "asyncrl/net/security.py",
+        "asyncrl/net/handshakes.py",
         '            "endpoints.auth must be the same on every node"',
         '            "copy the keys"',
         (
