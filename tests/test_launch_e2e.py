@@ -19,7 +19,7 @@ import subprocess
 
 import pytest
 
-from asyncrl.metrics import read_metrics
+from asyncrl.metrics import RESUMED_FROM, read_metrics
 from learner.checkpoint_folders import latest_checkpoint
 from learner.health import RULES as HEALTH_RULES
 from tests.e2e_helpers import (
@@ -125,10 +125,16 @@ def test_synchronous_run_is_on_policy(tmp_path, demo_model, arithmetic_data):
     shutil.rmtree(run / "final")
     code, out = _launch([*overrides, *same])
     assert code == 0, out[-3000:] + role_logs(run)
-    again = read_metrics(run)[len(records) :]
+    # The resumed learner's records follow its resume record; what the first learner wrote
+    # after the checkpoint it resumed (its final round's scores) is dropped by the reader,
+    # so the step's round is read once, from the second launch.
+    after = read_metrics(run)
+    resumed = max(i for i, r in enumerate(after) if RESUMED_FROM in r)
+    again = after[resumed + 1 :]
     assert trained_steps(again) == [] and [r["step"] for r in again if "val/score" in r] == [
         steps_n
     ], again
+    assert [r["step"] for r in after if "val/score" in r].count(steps_n) == 1
     assert (run / "final" / "config.json").is_file() and (run / "complete.json").is_file()
     # Now ended, the same command starts nothing.
     code, out = _launch([*overrides, *same])

@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.sync import groups
 from asyncrl.sync.groups import WeightSyncError, form_group, open_store
 from asyncrl.sync.plan import plan_buckets, specs_of
 from asyncrl.sync.weights import receive_weights, send_weights
@@ -176,3 +177,55 @@ def test_a_process_exits_cleanly_while_threads_wait_in_gloos_connect() -> None:
     assert "main exits" in proc.stdout
     assert proc.stdout.count("given up while its members connected") == 2, proc.stdout
     assert proc.stdout.count("the process is exiting") == 2, proc.stdout
+
+
+class _Group:
+    """What a constructor returns here; ``aborted`` once it is let go."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("why", ["abandoned", "timeout", "in_time", "error"])
+def test_a_constructor_that_asks_nothing_is_given_up_on_time(why: str) -> None:
+    """Gloo's pairwise connect, after its store waits, asks nothing and outlasts the timeout
+    it is given (25 s for 5 s on torch 2.13, a member that posted its address and died: a
+    learner push held some 600 s in a chaos run). The constructor runs apart, and the
+    waiting thread gives it up when ``stop`` says so or at the group's timeout; a group it
+    makes after that is let go, one made in time is returned, an error is raised."""
+    release, group, asked = threading.Event(), _Group(), []
+    timeout_s = 1.0 if why == "timeout" else 30.0
+
+    def build():
+        release.wait(30 if why in ("abandoned", "timeout") else 0.3)
+        if why == "error":
+            raise RuntimeError("Connect timeout")
+        return group
+
+    def stop() -> str:
+        asked.append(time.monotonic())
+        return "lost" if why == "abandoned" and len(asked) > 3 else ""
+
+    start = time.monotonic()
+    try:
+        if why == "in_time":  # made within its timeout: returned, not let go
+            assert groups._build_watched(build, stop, timeout_s) is group
+            assert not group.aborted.is_set()
+            return
+        if why == "error":
+            with pytest.raises(RuntimeError, match="Connect timeout"):
+                groups._build_watched(build, stop, timeout_s)
+            return
+        with pytest.raises(groups.ConnectGivenUp) as e:
+            groups._build_watched(build, stop, timeout_s)
+        took = time.monotonic() - start
+        assert took < (timeout_s + 1.0 if why == "timeout" else 2.0), took
+        assert ("lost" if why == "abandoned" else "not connected within 1s") in str(e.value)
+        release.set()  # the constructor ends after all: its group is let go on its thread
+        assert group.aborted.wait(5)
+    finally:
+        release.set()

@@ -146,8 +146,10 @@ def _connect(
     held every other one there that long. Its waits ask meanwhile whether the round was
     given up (:class:`~asyncrl.sync.asking_store.AskingStore`): ``abandon`` (the
     learner's, which then tells the members by the store's :data:`_GIVEN_UP` key) or that
-    key (a member's). NCCL's constructor does not connect (its first collective does,
-    after the meeting), so it gets the store as it is."""
+    key (a member's). Its pairwise connect that follows asks nothing: the constructor
+    runs on a thread of its own, and this one gives it up (:func:`_build_watched`). NCCL's
+    constructor does not connect (its first collective does, after the meeting), so it
+    gets the store as it is."""
 
     def stop() -> str:
         why = _sent_up(prefixed)
@@ -160,13 +162,19 @@ def _connect(
     try:
         if backend != "gloo":
             return _build(prefixed, rank, world_size, backend, timeout_s)
-        from asyncrl.sync.asking_store import AskingStore, inside_constructor
+        from asyncrl.sync.asking_store import AskingStore
 
         store = AskingStore(prefixed, stop, timeout_s)
-        with inside_constructor():
-            return _build(store, rank, world_size, backend, timeout_s)
+        return _build_watched(
+            lambda: _build(store, rank, world_size, backend, timeout_s), stop, timeout_s
+        )
     except ValueError:
         raise
+    except ConnectGivenUp as e:
+        raise WeightSyncError(
+            f"sync group {generation} given up while its members connected "
+            f"(rank {rank}/{world_size}): {e}"
+        ) from e
     except Exception as e:
         if store is not None and (why := store.why):
             raise WeightSyncError(
@@ -177,6 +185,58 @@ def _connect(
             f"sync group {generation}: rank {rank}/{world_size} could not connect to its "
             f"peers within {timeout_s:.0f}s ({e}); a member is missing or unreachable"
         ) from e
+
+
+class ConnectGivenUp(RuntimeError):
+    """Gloo's constructor was left to itself: given up (the message says why) or past the
+    group's timeout."""
+
+
+#: How often the thread waiting for gloo's constructor asks whether to give it up, seconds.
+CONNECT_POLL_S = 0.1
+
+
+def _build_watched(build: Callable[[], Any], stop: Callable[[], str], timeout_s: float) -> Any:
+    """``build()`` (gloo's constructor) on a thread of its own, waited for here at most
+    ``timeout_s``, asking ``stop`` every :data:`CONNECT_POLL_S`. After the store waits
+    (which ask ``stop`` themselves) gloo connects the members pairwise and asks nothing;
+    that wait outlasts the timeout it is given (checked on torch 2.13: 25 s for a timeout
+    of 5 s, a member that posted its address but never connected), so a server killed
+    there held a learner's push some 600 s under ``sync.timeout_s=120``. Given up, the
+    constructor is left to end on its thread: a group it still makes is let go there."""
+    from asyncrl.sync.asking_store import inside_constructor
+
+    lock, box = threading.Lock(), {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            with inside_constructor():
+                result = build()
+        except BaseException as e:  # handed to the waiting thread
+            result, box["error"] = None, e
+        with lock:
+            if box.get("left"):  # given up meanwhile: nobody takes the group
+                release_group(result)
+                return
+            box["pg"] = result
+            done.set()
+
+    threading.Thread(target=run, name="sync-group-connect", daemon=True).start()
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(CONNECT_POLL_S):
+        why = stop()
+        if not why and time.monotonic() >= deadline:
+            why = f"not connected within {timeout_s:.0f}s (gloo's own wait runs longer)"
+        if why:
+            with lock:
+                if not done.is_set():
+                    box["left"] = True
+                    raise ConnectGivenUp(why)
+            break  # it ended as the give-up was decided: its result stands
+    if "error" in box:
+        raise box["error"]
+    return box["pg"]
 
 
 #: The longest a member waiting for the others goes without looking at the store, seconds
