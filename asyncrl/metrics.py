@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_run_id"  # the W&B run a resumed learner logs into again
+#: "<W&B run id> <last W&B step>": where a resumed learner's W&B steps go on from when W&B
+#: does not say (offline, its ``starting_step`` is 0: the steps logged again below the
+#: run's were dropped at ``wandb sync``).
+WANDB_STEP_FILE = "wandb_step"
 #: The x axis of W&B's charts but validation's: the learner step of the record a value
 #: came in (W&B's own step may run ahead of it, see MetricsLogger._wandb_row).
 WANDB_AXIS = "train/step"
@@ -79,6 +83,8 @@ class MetricsLogger:
         # next step (which records moved ahead, see _wandb_row, may have pushed past the
         # learner's), else it dropped the resumed learner's first records without a word.
         start = int(getattr(self._wandb, "starting_step", 0) or 0)
+        if self._wandb is not None:
+            start = max(start, _saved_wandb_step(run_dir, self._wandb.id) + 1)
         self._wandb_step, self._wandb_keys = start if start > 0 else -1, set[str]()
         self._wandb_charted = {"val", WANDB_AXIS.split("/")[0]}  # namespaces given an axis
 
@@ -120,6 +126,8 @@ class MetricsLogger:
             row += 1
         if row != self._wandb_step:
             self._wandb_step, self._wandb_keys = row, set()
+            assert self._wandb is not None
+            (self.run_dir / WANDB_STEP_FILE).write_text(f"{self._wandb.id} {row}\n")
         self._wandb_keys.update(clean)
         return row
 
@@ -193,6 +201,16 @@ def _wandb_id(run_dir: Path, fresh: bool) -> str:
     run_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(new + "\n")
     return new
+
+
+def _saved_wandb_step(run_dir: Path, run_id: str) -> int:
+    """The last W&B step a learner logged W&B run ``run_id`` at from ``run_dir``
+    (:data:`WANDB_STEP_FILE`), or -1."""
+    try:
+        saved_id, step = (run_dir / WANDB_STEP_FILE).read_text().split()
+        return int(step) if saved_id == run_id else -1
+    except (OSError, ValueError):  # none yet, another run's, or a torn write
+        return -1
 
 
 def set_aside(path: Path) -> None:

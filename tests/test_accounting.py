@@ -248,6 +248,31 @@ def test_restarts_do_not_widen_the_admission_window(how):
     run.acct()
 
 
+def test_a_task_adopted_after_a_learner_restart_takes_its_servers_failure_report():
+    """Found by a review: a restored ledger queues a task its checkpoint saw out (its
+    attempt moved on by one); the server that still held it named it at its registration
+    and got it back, but its failure report then named its own deal's attempt and was
+    ignored as one of an earlier deal: the task stayed charged until
+    control.task_timeout_s (30 min; at lag 0 the learner's whole batch waited)."""
+    from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
+    from asyncrl.control.ledger_recovery import adopt
+
+    old = TaskLedger(TaskSource(_rows(20), seed=3, n=2, lineage=""), Budget(0, 2))
+    (task,), _ = old.deal("a", 1)
+    resumed = TaskLedger(TaskSource(_rows(20), seed=3, n=2, lineage=""), Budget(0, 2))
+    load_ledger(resumed, save_ledger(old))
+    assert adopt(resumed, "a", [task.task_id], now=1.0) == 1
+    assert resumed.nack("a", [task.task_id], attempts=[task.attempt]) == 1
+    e = resumed.entries[task.task_id]
+    assert (e.state, e.failures, resumed.committed) == ("queued", 1, 0)
+    assert resumed.counts["nacks_of_earlier_deals"] == 0
+    # Dealt again here, the attempt check holds again: a resent report is ignored.
+    (again,), _ = resumed.deal("a", 1)
+    assert again.task_id == task.task_id
+    assert resumed.nack("a", [task.task_id], attempts=[task.attempt]) == 0
+    assert resumed.counts["nacks_of_earlier_deals"] == 1
+
+
 def test_a_checkpoint_from_before_per_id_states_resumes_within_the_window():
     """Found by a review: a checkpoint written before per-id states restores every id it
     owed as queued, so nothing counts as trained, while the budget restored ``consumed``

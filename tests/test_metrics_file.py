@@ -214,14 +214,15 @@ def test_a_new_run_keeps_the_earlier_runs_wandb_id_beside_its_records(tmp_path):
 
 
 def _wandb_history(run_dir) -> list[dict[str, float]]:
-    """The history rows an offline W&B run wrote to its ``run-*.wandb`` file, once they
+    """The history rows an offline W&B run wrote to its ``run-*.wandb`` file (``run_dir``:
+    the run directory holding one, or that offline run's own folder), once they
     are all there: W&B's service process writes the file, and its ``finish()`` may return
     before the last records are (an earlier run in the same process made that likely, and
     the read found no row at all). Read again until the file has stopped growing for half
     a second, within 20 s."""
     import time
 
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    (path,) = list(run_dir.glob("run-*.wandb")) or run_dir.glob("wandb/offline-run-*/run-*.wandb")
     size, since, deadline = -1, time.monotonic(), time.monotonic() + 20
     while time.monotonic() < deadline:
         if path.stat().st_size != size:
@@ -285,6 +286,30 @@ def test_wandb_keeps_both_records_of_one_step_that_share_a_key(tmp_path, monkeyp
     ]
     # metrics.jsonl keeps each record at its learner step
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 2, 2, 3]
+
+
+def test_an_offline_wandb_run_resumed_goes_on_past_its_last_step(tmp_path, monkeypatch):
+    """Found by a review: offline, W&B gives a resumed run no ``starting_step`` (0), so
+    the resumed learner logged its steps trained again below the steps the W&B run already
+    held, and ``wandb sync`` dropped them. The last W&B step is kept beside the run's id."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run = tmp_path / "run"
+    first = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=True)
+    for step in (1, 2, 3):
+        first.log(step, {"loss/pg": float(step)})
+    first.close()
+    again = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=False)
+    again.mark_resumed(1)
+    again.log(2, {"loss/pg": 20.0})
+    again.close()
+    second = max(run.glob("wandb/offline-run-*"), key=lambda p: p.stat().st_mtime)
+    rows = [r for r in _wandb_history(second) if "loss/pg" in r]
+    assert [(r["_step"], r["loss/pg"], r["train/step"]) for r in rows] == [(4, 20.0, 2.0)]
+    # A fresh run in the same directory starts its own W&B run at its own steps.
+    fresh = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=True)
+    assert fresh._wandb_step == -1
+    fresh.close()
 
 
 def test_wandb_charts_each_record_at_its_learner_step_after_rounds_pile_up(tmp_path, monkeypatch):

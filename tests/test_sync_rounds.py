@@ -14,7 +14,7 @@ from asyncrl.control import messages as m
 from asyncrl.control.syncs import SyncBook, SyncResult, SyncRound
 from asyncrl.sync import sender
 from asyncrl.sync.plan import TensorSpec, WeightPlan, plan_buckets
-from tests.test_admission_registry import _state
+from tests.test_admission_registry import _push, _state
 
 PLAN = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
 
@@ -224,3 +224,24 @@ def test_a_push_the_learners_own_error_ends_is_closed_and_the_error_raised(monke
         pusher.push({})  # a name the plan has, missing
     again = coordinator.begin_sync(PLAN)
     assert again.sync_id == 3 and again.new_group  # the failed group is not reused
+
+
+def test_a_server_restarted_during_its_catch_up_is_not_backed_off_for_it():
+    """Found by a review: a server that died in its catch-up and registered again before
+    the round closed had the failed catch-up's back-off put on its new record: its first
+    catch-up waited ``catchup_backoff_s`` and its first real failure counted as a second."""
+    st = _state()
+    _push(st)  # version 1 before c came: c needs a catch-up
+    st.register(m.Register(server_id="c", engine_world_size=1), now=1.0)
+    assert st.versions.pending_catchups(1.1) == ["c"]
+    catchup = st.versions.begin_catchup("c", PLAN)
+    st.register(m.Register(server_id="c", engine_world_size=1), now=1.5)  # restarted
+    result = st.versions.finish_sync(False, "c was lost", now=1.6)
+    assert (result.sync_id, list(result.failed)) == (catchup.sync_id, ["c"])
+    assert st.servers["c"].catchup_failures == 0
+    assert st.versions.pending_catchups(1.7) == ["c"]
+    assert st.versions.counts["catchup_backoffs"] == 0
+    # A catch-up of its own that fails backs it off as before.
+    st.versions.begin_catchup("c", PLAN)
+    st.versions.finish_sync(False, "no report", now=2.0)
+    assert st.servers["c"].catchup_failures == 1 and st.versions.pending_catchups(2.1) == []

@@ -229,3 +229,23 @@ def test_a_constructor_that_asks_nothing_is_given_up_on_time(why: str) -> None:
         assert group.aborted.wait(5)
     finally:
         release.set()
+
+
+@pytest.mark.timeout(60)
+def test_the_learner_out_of_time_in_gloos_connect_tells_the_members() -> None:
+    """Found by a review: the learner that gave its connect up at the group's timeout told
+    nobody (only a lost member's give-up was written): a member whose own connect
+    completed then waited in its receive for another ``sync.timeout_s``."""
+    from torch.distributed import HashStore, PrefixStore  # pyright: ignore[reportPrivateImportUsage]
+
+    store, release = HashStore(), threading.Event()
+    PrefixStore("wsync/g", store).set("joined/1", b"1")
+    build = groups._build
+    try:
+        groups._build = lambda *args: release.wait(30)
+        with pytest.raises(WeightSyncError, match="not connected within 1s"):
+            form_group(store, "g", 0, 2, timeout_s=1.0, abandon=lambda: "")
+    finally:
+        groups._build = build
+        release.set()
+    assert "not connected within 1s" in groups.given_up(store, "g")()

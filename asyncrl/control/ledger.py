@@ -248,7 +248,7 @@ class TaskLedger:
         """Mark queued ``tid`` outstanding at ``server_id``; its task as dealt now."""
         e = self.entries[tid]
         self.move(tid, e, OUT)
-        e.server, e.since = server_id, now
+        e.server, e.since, e.adopted = server_id, now, False
         self._serial += 1
         e.serial = self._serial
         self.owned.setdefault(server_id, set()).add(tid)
@@ -358,7 +358,7 @@ class TaskLedger:
             if e is None or e.state != OUT or e.server != server_id:
                 self.counts["nacks_unknown"] += 1
                 continue
-            if said is not None and e.task is not None and e.task.attempt != said[i]:
+            if said is not None and not e.adopted and e.task and e.task.attempt != said[i]:
                 self.counts["nacks_of_earlier_deals"] += 1
                 continue
             back += self._fail(tid, e, cause)

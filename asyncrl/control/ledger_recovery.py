@@ -50,7 +50,7 @@ def adopt(ledger: TaskLedger, server_id: str, task_ids: Iterable[str], now: floa
             ledger.move(tid, e, OUT)
         else:
             continue
-        e.server, e.since = server_id, now
+        e.server, e.since, e.adopted = server_id, now, True
         ledger.owned.setdefault(server_id, set()).add(tid)
         n += 1
     ledger.counts["adopted"] += n

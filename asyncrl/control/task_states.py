@@ -108,6 +108,10 @@ class Entry:
     since: float = 0.0  # when dealt (OUT) or acknowledged (BUF)
     failures: int = 0  # failed or timed-out deals so far
     serial: int = 0  # order of the last deal
+    # Held by a server that named it at a registration (an earlier coordinator session's
+    # deal, or one since given up on it): its attempt there is the server's, not this
+    # entry's, so its failure report is taken whatever attempt it names.
+    adopted: bool = False
 
 
 def restored(

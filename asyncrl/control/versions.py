@@ -201,11 +201,15 @@ class Versions:
 
     def finish_sync(self, sent_ok: bool, send_error: str = "", *, now: float) -> SyncResult:
         """Close the round; a main round makes its version current (the learner's weights
-        moved on whoever received them). A failed catch-up backs its server off."""
+        moved on whoever received them). A failed catch-up backs its server off (not one
+        lost from it, whose record now is a restarted incarnation's)."""
         active = self.syncs.active
         catchup = active is not None and active.round.catchup
         consumed = active.round.consumed if active is not None else 0
         unreported = self.syncs.waiting_for()
+        # A member lost from the round and registered again since is a new incarnation:
+        # the round's failure is not its own, so it backs nothing off.
+        lost = set(active.lost) if active is not None else set()
         result = self.syncs.finish(sent_ok, send_error)
         for server_id in unreported if not sent_ok else ():
             if (rec := self.servers.get(server_id)) is not None:
@@ -221,7 +225,8 @@ class Versions:
             if result.version > self.version:
                 self.ledger.budget.advance(result.version)
         for server_id in result.failed if catchup else ():
-            self._back_off(server_id, now)
+            if server_id not in lost:
+                self._back_off(server_id, now)
         self.counts["syncs_catchup" if catchup else "syncs"] += 1
         self.counts["sync_failures"] += len(result.failed)
         return result

@@ -171,6 +171,8 @@ def _connect(
     except ValueError:
         raise
     except ConnectGivenUp as e:
+        if abandon is not None:  # the learner: members already connected stop waiting too
+            _tell_given_up(prefixed, generation, str(e))
         raise WeightSyncError(
             f"sync group {generation} given up while its members connected "
             f"(rank {rank}/{world_size}): {e}"

@@ -515,4 +515,26 @@ ROWS = (
             "test_a_narrowing_holds_until_the_batches_dealt_after_it_are_trained",
         ),
     ),
+    Mutation(
+        "a server restarted in its catch-up is not backed off for it",
+        "the failed catch-up's back-off falls on the restarted server's new record",
+        "asyncrl/control/versions.py",
+        "            if server_id not in lost:",
+        "            if True:",
+        (
+            "tests/test_sync_rounds.py::"
+            "test_a_server_restarted_during_its_catch_up_is_not_backed_off_for_it",
+        ),
+    ),
+    Mutation(
+        "an adopted task takes its server's failure report",
+        "the report names the server's own attempt and is ignored as an earlier deal's",
+        "asyncrl/control/ledger_recovery.py",
+        "        e.server, e.since, e.adopted = server_id, now, True",
+        "        e.server, e.since = server_id, now",
+        (
+            "tests/test_accounting.py::"
+            "test_a_task_adopted_after_a_learner_restart_takes_its_servers_failure_report",
+        ),
+    ),
 )

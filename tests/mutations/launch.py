@@ -571,4 +571,14 @@ ROWS = (
             "test_a_round_reported_after_the_checkpoint_is_read_once_after_a_resume",
         ),
     ),
+    Mutation(
+        "an offline W&B run resumed goes on past its last step",
+        "offline, a resumed learner logs below the W&B run's steps (dropped at sync)",
+        "asyncrl/metrics.py",
+        "            start = max(start, _saved_wandb_step(run_dir, self._wandb.id) + 1)",
+        "            pass",
+        (
+            "tests/test_metrics_file.py::test_an_offline_wandb_run_resumed_goes_on_past_its_last_step",
+        ),
+    ),
 )

@@ -191,4 +191,14 @@ ROWS = (
             "tests/test_sync_waits.py::test_a_process_exits_cleanly_while_threads_wait_in_gloos_connect",
         ),
     ),
+    Mutation(
+        "the learner out of time in gloo's connect tells the members",
+        "members whose connect completed wait in their receive another sync.timeout_s",
+        "asyncrl/sync/groups.py",
+        "            _tell_given_up(prefixed, generation, str(e))",
+        "            pass",
+        (
+            "tests/test_sync_waits.py::test_the_learner_out_of_time_in_gloos_connect_tells_the_members",
+        ),
+    ),
 )
