@@ -489,7 +489,7 @@ ROWS = (
         "a failure report sent again does not fail the task's next deal",
         "a report of an earlier deal fails the task's new deal at the same server",
         "asyncrl/control/ledger.py",
-        "            if said is not None and e.task is not None and e.task.attempt != said[i]:",
+        "            if said is not None and not e.adopted and e.task and e.task.attempt != said[i]:",
         "            if False:",
         (
             "tests/test_accounting.py::"
