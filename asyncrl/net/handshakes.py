@@ -92,16 +92,18 @@ def watch_client(sock: zmq.Socket, count: Callable[[str], None]) -> None:
         if said:
             return
         said = True
-        why = (
-            "it does not know this node's key"
-            if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
-            else "its key is not the server key this node has, or it does not use CURVE: "
-            "endpoints.auth must be the same on every node"
-        )
+        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            why = "it does not know this node's key: this node's keys are not the run's"
+        else:  # no detail: a wrong server key looks the same as a peer gone mid-handshake
+            why = (
+                "its key is not the server key this node has, it does not use CURVE "
+                "(endpoints.auth must be the same on every node), or it went away "
+                "mid-handshake (restarting, stopped): if this repeats while it runs, this "
+                "node's keys are not the run's"
+            )
         log.error(
-            "the CURVE handshake with %s failed (%s): this node's keys are not the run's; "
-            "copy endpoints.keys_dir from the node that made them (asyncrl-prepare keys), "
-            "then start this role again",
+            "the CURVE handshake with %s failed (%s); copy endpoints.keys_dir from the node "
+            "that made them (asyncrl-prepare keys), then start this role again",
             _endpoint(event),
             why,
         )
