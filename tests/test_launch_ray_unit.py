@@ -9,6 +9,7 @@ import re
 import signal
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from asyncrl.config import load_config
 from asyncrl.launch.ray_agent import RoleAgent
@@ -20,6 +21,7 @@ from asyncrl.launch.ray_plan import (
     unshared_learner_problem,
 )
 from asyncrl.launch.roles import commands_text, plan_roles
+from asyncrl.metrics import read_metrics
 from tests.helpers import wait_until
 
 
@@ -71,9 +73,8 @@ def test_a_mirror_appends_only_what_grew(tmp_path):
     (node / "logs").mkdir(parents=True)
     here = tmp_path / "here"
 
-    def read(rel: str, offset: int) -> bytes:
-        path = node / rel
-        return path.read_bytes()[offset:] if path.exists() else b""
+    def read(rel: str, offset: int, inode: int) -> tuple[int, int, bytes]:
+        return RoleAgent.read(SimpleNamespace(run_dir=node), rel, offset, inode)
 
     mirror = Mirror(here, ("metrics.jsonl", "logs/learner.log"))
     mirror.pull(read)  # nothing there yet
@@ -86,6 +87,37 @@ def test_a_mirror_appends_only_what_grew(tmp_path):
     mirror.pull(read)
     assert (here / "metrics.jsonl").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert (here / "logs/learner.log").read_text() == "hello\n"
+
+
+def test_a_mirror_follows_a_node_file_set_aside_or_cut(tmp_path):
+    """Found by a review: a learner that begins its run afresh within a launch sets
+    ``metrics.jsonl`` aside on its node, and one resumed cuts a half-written last line;
+    the mirror went on at its offset, so the launcher's copy kept the old run's records,
+    lost the new file's first ones and took the rest from the middle of a line."""
+    node, here = tmp_path / "node", tmp_path / "here"
+    node.mkdir()
+
+    def read(rel: str, offset: int, inode: int) -> tuple[int, int, bytes]:
+        return RoleAgent.read(SimpleNamespace(run_dir=node), rel, offset, inode)
+
+    mirror = Mirror(here, ("metrics.jsonl",))
+    records = "".join(f'{{"step": {i}, "loss": 0.5}}\n' for i in (1, 2, 3))
+    (node / "metrics.jsonl").write_text(records)
+    mirror.pull(read)
+    (node / "metrics.jsonl").rename(node / "metrics.1.jsonl")  # the learner sets it aside
+    (node / "metrics.jsonl").write_text('{"step": 1}\n')
+    mirror.pull(read)
+    with open(node / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2}\n{"step": 3, "half')  # then its writer dies mid-line
+    mirror.pull(read)
+    with open(node / "metrics.jsonl", "r+") as f:  # the resumed learner cuts the half line
+        f.truncate(len('{"step": 1}\n{"step": 2}\n'))
+    with open(node / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3}\n')
+    mirror.pull(read)
+    assert (here / "metrics.jsonl").read_text() == (node / "metrics.jsonl").read_text()
+    assert (here / "metrics.1.jsonl").read_text() == records
+    assert [r["step"] for r in read_metrics(here)] == [1, 2, 3]
 
 
 def test_the_agent_runs_a_role_tree_without_rays_variables_and_stops_it(tmp_path, monkeypatch):

@@ -169,14 +169,27 @@ class RoleAgent:
         """The last lines of the role's log on this node."""
         return tail(self.run_dir / "logs" / f"{self.name}.log", lines)
 
-    def read(self, rel: str, offset: int = 0, limit: int = 1 << 20) -> bytes:
-        """Up to ``limit`` bytes of ``<run dir>/<rel>`` from ``offset`` (b"" if absent)."""
-        path = self.run_dir / rel
-        if not path.exists():
-            return b""
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read(limit)
+    def read(
+        self, rel: str, offset: int = 0, inode: int = 0, limit: int = 1 << 20
+    ) -> tuple[int, int, bytes]:
+        """``(inode, start, data)``: up to ``limit`` bytes of ``<run dir>/<rel>`` from
+        ``start``, which is ``offset`` unless the file is not the one read before
+        (``inode``, 0: not known) or is shorter: replaced (a learner that set it aside),
+        it is read from 0; cut (a half-written last line), from its end. Absent: nothing,
+        from ``offset``."""
+        try:
+            f = open(self.run_dir / rel, "rb")  # noqa: SIM115 (closed below)
+        except OSError:
+            return inode, offset, b""
+        with f:
+            st = os.fstat(f.fileno())  # of the file opened, even if it is replaced now
+            start = offset
+            if (inode and st.st_ino != inode) or (not inode and st.st_size < offset):
+                start = 0
+            elif st.st_size < offset:
+                start = st.st_size
+            f.seek(start)
+            return st.st_ino, start, f.read(limit)
 
     def take_final_exit(self) -> int | None:
         """The learner's final exit recorded on this node (then forgotten), or None: under

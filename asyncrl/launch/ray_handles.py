@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.metrics import set_aside
+
 log = logging.getLogger("asyncrl.launch")
 
 SLOW_POLLS = 3  # unanswered polls in a row (each up to CALL_TIMEOUT_S) before it is lost
@@ -59,17 +61,37 @@ class Mirror:
         self.offsets = dict.fromkeys(files, 0)
         # Each local copy's size right after this mirror's last copy into it (see resume).
         self.sizes = dict.fromkeys(files, 0)
+        self.inodes = dict.fromkeys(files, 0)  # of each node file read (0: not yet)
 
     def pull(self, read: Any) -> None:
-        for rel, offset in self.offsets.items():
-            data = read(rel, offset)
+        """Append what each node file gained (``read(rel, offset, inode) -> (inode, start,
+        data)``, :meth:`~asyncrl.launch.ray_agent.RoleAgent.read`). A node file replaced
+        since (the learner set ``metrics.jsonl`` aside for a run begun afresh) sets the
+        local copy aside too, and is copied whole; records (``.jsonl``) are copied whole
+        lines only, since a resumed learner cuts a half-written last one (a file cut
+        shorter all the same is cut here by as much). Appended blindly, the local copy mixed
+        two runs' records and took the new file's bytes from the middle of a line."""
+        for rel, offset in list(self.offsets.items()):
+            inode, start, data = read(rel, offset, self.inodes[rel])
+            path = self.run_dir / rel
+            if start < offset:
+                if start == 0 and inode != self.inodes[rel]:
+                    set_aside(path)
+                    log.info("%s was begun afresh on its node: copied again from its start", rel)
+                    self.sizes[rel] = 0
+                elif path.exists():
+                    self.sizes[rel] = max(0, self.sizes[rel] - (offset - start))
+                    os.truncate(path, min(self.sizes[rel], path.stat().st_size))
+                self.offsets[rel] = start
+            self.inodes[rel] = inode or self.inodes[rel]
+            if rel.endswith(".jsonl"):  # whole records only: a half-written one may be cut
+                data = data[: data.rfind(b"\n") + 1]
             if data:
-                path = self.run_dir / rel
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with open(path, "ab") as f:
                     f.write(data)
                     self.sizes[rel] = f.tell()
-                self.offsets[rel] = offset + len(data)
+                self.offsets[rel] = start + len(data)
 
     def record(self) -> dict[str, list[int]]:
         """How far each file was copied: ``rel -> [bytes read on the node, local size]``."""

@@ -285,7 +285,7 @@ class RaySupervisor(Supervisor):
             return
         before = ag.mirror.record()
         try:
-            ag.mirror.pull(lambda rel, off: self._call(ag, "read", rel, off))
+            ag.mirror.pull(lambda rel, off, ino: self._call(ag, "read", rel, off, ino))
         except Exception as e:  # a lost node is noticed by _look_at
             log.debug("mirroring: %s", e)
         if ag.mirror.record() != before:  # kept for the next launch of the run

@@ -581,4 +581,20 @@ ROWS = (
             "tests/test_metrics_file.py::test_an_offline_wandb_run_resumed_goes_on_past_its_last_step",
         ),
     ),
+    Mutation(
+        "a node file begun afresh is mirrored afresh",
+        "the launcher's copy goes on at its offset: two runs mixed, a record torn",
+        "asyncrl/launch/ray_handles.py",
+        "                if start == 0 and inode != self.inodes[rel]:",
+        "                if False:",
+        ("tests/test_launch_ray_unit.py::test_a_mirror_follows_a_node_file_set_aside_or_cut",),
+    ),
+    Mutation(
+        "records are mirrored whole lines only",
+        "a half-written record copied, then cut on the node, stays torn in the copy",
+        "asyncrl/launch/ray_handles.py",
+        '                data = data[: data.rfind(b"\\n") + 1]',
+        "                pass",
+        ("tests/test_launch_ray_unit.py::test_a_mirror_follows_a_node_file_set_aside_or_cut",),
+    ),
 )
