@@ -142,6 +142,7 @@ class ControlClient(Protocol):
     tasks_per_request: int
     shutdown: threading.Event
     gone: threading.Event
+    refused: str  # why, when gone although the coordinator answered ("": it was silent)
 
     def register(self) -> Registered:
         """Register, waiting for the coordinator; raises ``CoordinatorGone`` if it stays away."""

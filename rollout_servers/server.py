@@ -122,8 +122,10 @@ class RolloutServer:
         ``control.heartbeat_s``) when the admission budget is closed, and for free
         in-flight slots. Unblocked by grants, finished groups, syncs, :meth:`stop`, shutdown
         or the coordinator going away.
-        Returns 0 at shutdown, 3 if the coordinator is gone, 2 if its task requests fail
-        (a grant it cannot read, a refusal: another config or version)."""
+        Returns 0 at shutdown, 3 if the coordinator is gone (silent), 4 on a fatal error
+        here or a coordinator that answered but refused it (restarted: not a hung learner),
+        2 if its task requests fail (a grant it cannot read, a refusal: another config or
+        version)."""
         try:
             reg = await self.lanes.control(self.client.register)
         except CoordinatorGone as e:
@@ -158,6 +160,8 @@ class RolloutServer:
         if self.config_error:
             log.error("%s stops: %s", self.server_id, self.config_error)
             return CONFIG_ERROR
+        if self.client.gone.is_set() and self.client.refused:  # answered: not a hung learner
+            self.fatal = self.fatal or f"the coordinator answered, but {self.client.refused}"
         if self.fatal:
             log.error("%s stops: %s (its supervisor restarts it)", self.server_id, self.fatal)
             return 4

@@ -221,6 +221,54 @@ def test_a_watch_that_fails_leaves_instead_of_dying_unseen(caplog):
             assert client.gone.wait(15), "the watch thread ended without telling the server"
         # Said where the registration gave up (it raised into the watch before).
         assert "s0: no coordinator at" in caplog.text and ": leaving" in caplog.text
+        assert client.refused == ""  # silence: the server's exit (3) says the learner hangs
+    finally:
+        client.close()
+        fake.close(0)
+        thread.join(5)
+
+
+@pytest.mark.parametrize("answer", ["refused registration", "failed heartbeat"])
+def test_a_coordinator_that_answers_but_refuses_is_not_taken_for_silent(answer):
+    """Found by a review: a server whose re-registration was refused (a learner restarted
+    with an edited config), or whose heartbeat got an error reply, exited 3, which says
+    its coordinator was silent: the launcher then killed the answering learner as hung.
+    The client now says it was refused, and the server exits 4 (restarted alone)."""
+    import zmq
+
+    from asyncrl.wire.base import ErrorReply
+    from tests.helpers import free_port
+
+    ctx = zmq.Context.instance()
+    fake = ctx.socket(zmq.ROUTER)
+    addr = f"tcp://127.0.0.1:{free_port()}"
+    fake.bind(addr)
+    registered = m.Registered(
+        server_id="s0", session="s1", policy_version=0, sync_store_host="", sync_store_port=0,
+        generation="", heartbeat_s=0.2, dead_after_s=3, catchup=False,
+    )  # fmt: skip
+    refusal = ErrorReply(error="config_mismatch", detail="data.max_prompt_length differs")
+    if answer == "refused registration":
+        answers = [registered, m.Announcement(registered=False, policy_version=0), refusal]
+    else:
+        answers = [registered, ErrorReply(error="internal", detail="a bug")]
+
+    def coordinator() -> None:
+        while answers and fake.poll(10_000):
+            *envelope, _ = fake.recv_multipart()
+            fake.send_multipart([*envelope, m.encode(answers.pop(0))])
+
+    thread = threading.Thread(target=coordinator, daemon=True)
+    thread.start()
+    client = CoordinatorClient(
+        addr, addr, "s0", engine_world_size=0, heartbeat_s=0.2, timeout_s=0.5, patience_s=2.0
+    )
+    try:
+        client.register()
+        client.start_watching()
+        assert client.gone.wait(15), "the client never left"
+        expected = "config_mismatch" if answer == "refused registration" else "internal"
+        assert expected in client.refused, client.refused
     finally:
         client.close()
         fake.close(0)

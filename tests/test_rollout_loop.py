@@ -283,3 +283,24 @@ def test_a_failed_sync_loop_stops_the_server_to_be_restarted(caplog) -> None:
     with caplog.at_level(logging.ERROR):
         assert asyncio.run(main()) == 4
     assert "its weight-sync loop failed (RuntimeError: the coordinator refused" in caplog.text
+
+
+def test_a_server_refused_by_an_answering_coordinator_exits_4_not_3(caplog) -> None:
+    """Exit 3 tells the launcher the coordinator was silent (a hung learner, which it
+    kills); a server whose coordinator answered but refused it exits 4 (restarted alone)."""
+    import logging
+
+    client = StandInClient(tasks=0)
+    srv, _ = _server(client, max_inflight=N)
+    client.refused = "its registration was refused (config_mismatch)"
+    client.gone.set()
+
+    async def main() -> int:
+        return await asyncio.wait_for(srv.run(), 10)
+
+    with caplog.at_level(logging.ERROR):
+        assert asyncio.run(main()) == 4
+    assert "the coordinator answered, but its registration was refused" in caplog.text
+    client.refused = ""  # silent: 3, as before
+    srv2, _ = _server(client, max_inflight=N)
+    assert asyncio.run(asyncio.wait_for(srv2.run(), 10)) == 3

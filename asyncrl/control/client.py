@@ -101,6 +101,10 @@ class CoordinatorClient:
         self.syncs: queue.Queue[m.SyncStart] = queue.Queue()
         self.shutdown = threading.Event()  # the coordinator said the run is over
         self.gone = threading.Event()  # the coordinator was silent past patience_s
+        # Set with gone when the coordinator answered but this server cannot go on with it
+        # (a registration refused, a reply it cannot read): not silence, so not a learner
+        # that hangs (its exit code says which, for the launcher).
+        self.refused = ""
         self.last_heard = time.monotonic()
         self.max_message_bytes = max_message_bytes  # control.max_message_mb, both ways
         self._sockets = ClientSockets(
@@ -257,7 +261,8 @@ class CoordinatorClient:
                         self.gone.set()
                 except RequestRefused as e:  # a learner restarted with another config
                     log.error("%s: registration refused (%s): leaving", self.server_id, e)
-                    self.gone.set()  # the server exits; its restart says why, and stops
+                    self.refused = f"its registration was refused ({e})"
+                    self.gone.set()  # the server exits; its restart reads the config again
 
     # ------------------------------------------------------------------ heartbeat / watch
     def heartbeat(self, wait_s: float | None = None) -> m.Announcement | None:
@@ -331,14 +336,17 @@ class CoordinatorClient:
             try:
                 news = self.heartbeat()
             except Exception as e:  # a dead watch would leave the server up, unheard
-                # A coordinator gone during a registration, a refused heartbeat, a reply it
-                # cannot read: nothing this server can mend; it exits (3) and restarts.
+                # A coordinator gone during a registration (silence: exit 3), a refused
+                # heartbeat, a reply it cannot read (answered: exit 4): nothing this
+                # server can mend; it exits and restarts.
                 log.error(
                     "%s: the coordinator watch failed (%s: %s): leaving",
                     self.server_id,
                     type(e).__name__,
                     e,
                 )
+                if not isinstance(e, CoordinatorGone):
+                    self.refused = self.refused or f"its watch failed ({type(e).__name__}: {e})"
                 self.gone.set()
                 return
             if news is None:

@@ -537,4 +537,15 @@ ROWS = (
             "test_a_task_adopted_after_a_learner_restart_takes_its_servers_failure_report",
         ),
     ),
+    Mutation(
+        "a refused re-registration is told apart from silence",
+        "the client leaves as if the coordinator were silent",
+        "asyncrl/control/client.py",
+        '                    self.refused = f"its registration was refused ({e})"',
+        "                    pass",
+        (
+            "tests/test_client_requests.py::"
+            "test_a_coordinator_that_answers_but_refuses_is_not_taken_for_silent",
+        ),
+    ),
 )

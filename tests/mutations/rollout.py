@@ -487,4 +487,14 @@ ROWS = (
         "        pass",
         ("tests/test_rollout_loop.py::test_a_failed_sync_loop_stops_the_server_to_be_restarted",),
     ),
+    Mutation(
+        "a server refused by an answering coordinator exits 4, not 3",
+        "it exits 3, and the launcher kills the answering learner as hung",
+        "rollout_servers/server.py",
+        "        if self.client.gone.is_set() and self.client.refused:  # answered: not a hung learner",
+        "        if False:",
+        (
+            "tests/test_rollout_loop.py::test_a_server_refused_by_an_answering_coordinator_exits_4_not_3",
+        ),
+    ),
 )

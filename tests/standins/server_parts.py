@@ -110,6 +110,7 @@ class StandInClient:
         self.tasks_per_request = 4
         self.shutdown = threading.Event()
         self.gone = threading.Event()
+        self.refused = ""
         self.left = tasks
         self.requests: list[float] = []  # when each task request was made
         self.max_samples: list[int] = []  # the free slots each request said
