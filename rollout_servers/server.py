@@ -24,7 +24,7 @@ import time
 
 from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
-from asyncrl.control.messages import Task
+from asyncrl.control.messages import Task, TaskGrant
 from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import CONFIG_ERROR
 from asyncrl.net.transport import RequestRefused
@@ -227,20 +227,8 @@ class RolloutServer:
                 await self._wait_for_slots(max(next_report, 0.0))
                 continue
             want = max(1, min(self.client.tasks_per_request, self._free() // n))
-            try:
-                # The free slots, not want * n: a validation group may be larger (its
-                # val_kwargs.n), and the grant then holds fewer tasks.
-                request = functools.partial(self.client.request_tasks, max_samples=self._free())
-                grant = await self.lanes.control(request, want)
-            except (WireError, RequestRefused) as e:
-                # The coordinator builds no grant past control.max_message_mb: a grant this
-                # server cannot read (or a request refused) comes from a config or version
-                # other than the learner's, and a restart would get the same (the grant's
-                # tasks go back to the coordinator when this server leaves).
-                self.config_error = (
-                    f"its task request failed ({type(e).__name__}: {e}); start it with the "
-                    "learner's config and asyncrl version"
-                )
+            grant = await self._request_grant(want)
+            if grant is None:
                 return
             if not grant.tasks:
                 continue
@@ -251,6 +239,31 @@ class RolloutServer:
                 t = asyncio.create_task(self._run_task(task))
                 self.tasks.add(t)
                 t.add_done_callback(self.tasks.discard)
+
+    async def _request_grant(self, want: int) -> TaskGrant | None:
+        """Ask for up to ``want`` tasks within the free slots; None when this server must
+        stop: a refusal or a grant it cannot read comes from a config or version other than
+        the learner's (:attr:`config_error`: a restart would get the same), a request the
+        coordinator failed on is its fault (:attr:`fatal`: restarted)."""
+        try:
+            # The free slots, not want * n: a validation group may be larger (its
+            # val_kwargs.n), and the grant then holds fewer tasks.
+            request = functools.partial(self.client.request_tasks, max_samples=self._free())
+            return await self.lanes.control(request, want)
+        except RequestRefused as e:
+            if e.error == "internal":
+                self.fatal = f"its task request failed on the coordinator ({e})"
+            else:
+                self.config_error = (
+                    f"its task request was refused ({e}); start it with the learner's "
+                    "config and asyncrl version"
+                )
+        except WireError as e:  # no grant is built past control.max_message_mb
+            self.config_error = (
+                f"its task grant could not be read ({e}); start it with the learner's "
+                "config and asyncrl version"
+            )
+        return None
 
     def _free(self) -> int:
         return self.max_inflight - self.inflight

@@ -304,3 +304,18 @@ def test_a_server_refused_by_an_answering_coordinator_exits_4_not_3(caplog) -> N
     client.refused = ""  # silent: 3, as before
     srv2, _ = _server(client, max_inflight=N)
     assert asyncio.run(asyncio.wait_for(srv2.run(), 10)) == 3
+
+
+@pytest.mark.parametrize(("error", "code"), [("internal", 4), ("config_mismatch", 2)])
+def test_a_task_request_the_coordinator_failed_on_restarts_the_server(error, code) -> None:
+    """Found by a review: any refused task request ended the run as a config error (exit
+    2, final), telling the operator to start the server with the learner's config, even
+    one the coordinator failed on itself (``internal``): that one is restarted (exit 4)."""
+    from asyncrl.net.transport import RequestRefused
+
+    class Refusing(StandInClient):
+        def request_tasks(self, max_tasks=None, wait_s=None, max_samples=0):
+            raise RequestRefused(f"refused task_request: {error}: x", error)
+
+    srv, _ = _server(Refusing(tasks=4), max_inflight=N)
+    assert asyncio.run(asyncio.wait_for(srv.run(), 10)) == code

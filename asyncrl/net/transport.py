@@ -247,7 +247,12 @@ class TrajectoryPusher:
 
 # ----------------------------------------------------------------------- request/reply
 class RequestRefused(RuntimeError):
-    """A service answered a request with an :class:`asyncrl.wire.ErrorReply`."""
+    """A service answered a request with an :class:`asyncrl.wire.ErrorReply`; ``error`` is
+    its kind (``internal``: the service failed on it, not the request)."""
+
+    def __init__(self, message: str, error: str = "") -> None:
+        super().__init__(message)
+        self.error = error
 
 
 class ReqClient:
@@ -329,7 +334,9 @@ class ReqClient:
         raises :class:`RequestRefused`, silence ``TimeoutError``."""
         reply = decode(self.request_frames([encode(msg)], timeout_s))
         if isinstance(reply, wire.ErrorReply):
-            raise RequestRefused(f"{self.addr} refused {msg.kind}: {reply.error}: {reply.detail}")
+            raise RequestRefused(
+                f"{self.addr} refused {msg.kind}: {reply.error}: {reply.detail}", reply.error
+            )
         return reply
 
     def close(self) -> None:

@@ -497,4 +497,15 @@ ROWS = (
             "tests/test_rollout_loop.py::test_a_server_refused_by_an_answering_coordinator_exits_4_not_3",
         ),
     ),
+    Mutation(
+        "a task request the coordinator failed on restarts the server",
+        "it ends the run as a config error (exit 2), naming the config",
+        "rollout_servers/server.py",
+        '            if e.error == "internal":',
+        "            if False:",
+        (
+            "tests/test_rollout_loop.py::"
+            "test_a_task_request_the_coordinator_failed_on_restarts_the_server",
+        ),
+    ),
 )
