@@ -335,8 +335,8 @@ ROWS = (
         "a grant fits the server's free slots",
         "the server's request does not say its free slots",
         "rollout_servers/server.py",
-        "                request = functools.partial(self.client.request_tasks, max_samples=self._free())\n",
-        "                request = self.client.request_tasks\n",
+        "            request = functools.partial(self.client.request_tasks, max_samples=self._free())\n",
+        "            request = self.client.request_tasks\n",
         ("tests/test_grant_slots.py::test_the_server_asks_with_its_free_slots",),
     ),
     Mutation(
