@@ -83,7 +83,17 @@ class WeightSyncs:
         )
 
     async def sync(self, start: SyncStart) -> None:
-        """Load ``start``'s weights and report how it went (with the probe's scores)."""
+        """Load ``start``'s weights and report how it went (with the probe's scores). A
+        start of an earlier coordinator session (queued before this server registered
+        again with a restarted learner) is skipped: joined under the new registration's
+        store, it met in an empty or, its sync id reused, another round's meeting."""
+        reg = self.client.registered
+        if reg is not None and start.session and start.session != reg.session:
+            log.info(
+                "sync %d of an earlier coordinator session skipped (registered again since)",
+                start.sync_id,
+            )
+            return
         join = self._join(start)
         was_partial = self.engine.partial
         try:

@@ -240,7 +240,9 @@ def test_a_failed_sync_on_partial_weights_is_reported_as_such_and_a_push_is_not_
         server.fatal = ""
         client = SimpleNamespace(
             sync_done=lambda start, ok, error: reports.append((start.sync_id, ok, error)),
-            registered=SimpleNamespace(sync_store_host="h", sync_store_port=1, sync_secret=""),
+            registered=SimpleNamespace(
+                sync_store_host="h", sync_store_port=1, sync_secret="", session="s"
+            ),
         )
         lanes = SimpleNamespace(sync=run_now)
         syncs = WeightSyncs(server.engine, client, lanes, {}, False, server._check_engine)  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import asyncio
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from asyncrl.config import load_config
@@ -68,14 +69,43 @@ def test_a_restarted_learners_group_of_the_same_generation_is_joined() -> None:
         client.register()
         engine = JoinRecordingEngine()
         srv = stand_in_server(client, engine, StandInScorer())
+        assert client.registered is not None
+        client.registered = msgspec.structs.replace(client.registered, session="first")
         await srv.syncs.sync(start("first", 1))
         await srv.syncs.sync(start("first", 2))  # the same group again: no new join
+        client.registered = msgspec.structs.replace(client.registered, session="second")
         await srv.syncs.sync(start("second", 1))  # the restarted learner's
         srv.lanes.close()
         return engine.joins
 
     joins = asyncio.run(scenario())
     assert [j is not None for j in joins] == [True, False, True]
+
+
+def test_a_sync_start_of_an_earlier_session_is_skipped() -> None:
+    """Found by a review: a sync start queued before the server registered again (with a
+    restarted learner) was joined under the new registration's store and secret: an empty
+    meeting held the server ``sync.timeout_s`` (its real catch-up queued behind it), or,
+    the sync id reused, it joined another round's meeting as a rank it is not."""
+
+    async def scenario() -> tuple[list[SyncJoin | None], list]:
+        client = ProbeReportClient()
+        client.register()
+        engine = JoinRecordingEngine()
+        srv = stand_in_server(client, engine, StandInScorer())
+        assert client.registered is not None
+        old = SyncStart(
+            sync_id=3, version=3, generation="main/3", rank=1, world_size=2,
+            plan=WeightPlan(), session="earlier",
+        )  # fmt: skip
+        await srv.syncs.sync(old)
+        await srv.syncs.sync(msgspec.structs.replace(old, session=client.registered.session))
+        srv.lanes.close()
+        return engine.joins, client.reports
+
+    joins, reports = asyncio.run(scenario())
+    assert len(joins) == 1 and joins[0] is not None  # only the current session's start
+    assert len(reports) == 1
 
 
 # ------------------------------------------------------------------ a failing sample

@@ -508,4 +508,12 @@ ROWS = (
             "test_a_task_request_the_coordinator_failed_on_restarts_the_server",
         ),
     ),
+    Mutation(
+        "a sync start of an earlier coordinator session is skipped",
+        "it is joined under the new registration's store and secret",
+        "rollout_servers/server_syncs.py",
+        "        if reg is not None and start.session and start.session != reg.session:",
+        "        if False:",
+        ("tests/test_server_syncs.py::test_a_sync_start_of_an_earlier_session_is_skipped",),
+    ),
 )
