@@ -305,3 +305,39 @@ def test_a_learner_still_loading_or_a_server_that_never_registered_is_left_alone
         assert learner.proc.wait(10) == -9  # hung: killed for a restart
     finally:
         sup.close()
+
+
+# A server that registered, then gave up on the coordinator (exit 3), at once, every start.
+GIVES_UP = r"""
+import sys
+from pathlib import Path
+from asyncrl.launch import startup
+startup.mark(Path(sys.argv[1]), "rollout-0", "registered")
+sys.exit(3)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_servers_that_give_up_on_a_loading_learner_are_not_out_of_restarts(tmp_path, monkeypatch):
+    """Found by a review: a learner loading past the servers' patience (its coordinator
+    not up in its current start) had them exit 3 again and again, each exit counted among
+    their restarts in a row, and the run failed naming a server after max_restarts, while
+    the learner only loaded. Those restarts are not counted now."""
+    monkeypatch.setattr(supervise, "POLL_S", 0.1)
+    (tmp_path / "logs").mkdir()
+    loading = "import time; time.sleep(3)"  # never marks coordinator_up, then ends 0
+    roles = [
+        Role("rollout-0", [sys.executable, "-c", GIVES_UP, str(tmp_path)], server_id="rollout-0"),
+        Role("learner", [sys.executable, "-c", loading]),
+    ]
+    sup = Supervisor(roles, tmp_path, RestartPolicy(max_restarts=1, backoff_s=0.1))
+    try:
+        sup.start_all()
+        assert sup.run(QuietView()) == 0
+    finally:
+        sup.close()
+    events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "gave_up"]
+    restarts = [e for e in events if e["event"] == "restart" and e["role"] == "rollout-0"]
+    assert len(restarts) >= 3 and all(e.get("learner_loading") for e in restarts)
+    assert not [e for e in events if e["event"] == "hung"]

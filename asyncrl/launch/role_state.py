@@ -27,6 +27,7 @@ class Role:
     attempt: int = 0  # how many times it was started
     started_wall: float = 0.0  # wall-clock time of its latest start (as start-up marks)
     restarts: list[float] = field(default_factory=list)  # monotonic times of its restarts
+    waits: int = 0  # restarts after giving up on a learner still loading (not counted)
     restart_at: float | None = None  # a restart is due at this monotonic time
     done: bool = False  # exited 0: not restarted
     stopped: bool = False  # the launcher signalled this attempt to stop (its exit says so)

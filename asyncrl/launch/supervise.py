@@ -190,6 +190,8 @@ class Supervisor:
         if code != 0 and code not in FINAL_EXITS:
             self._tell_gone(role, code)
         if code == COORDINATOR_GONE and role.server_id is not None:
+            if self._learner_loading():
+                return self._restart_uncounted(role)
             self._learner_hung(role)
         if code == 0:
             self._event(role.name, "exit", exit_code=0)
@@ -207,6 +209,37 @@ class Supervisor:
         if code in FINAL_EXITS:
             return self._give_up(role, code, view, FINAL_EXITS[code])
         return self._restart(role, code, view)
+
+    def _learner_loading(self) -> bool:
+        """Whether the learner runs but its coordinator has not come up in its current
+        start (a big checkpoint or model loading): a server that gave up on it meanwhile
+        (exit 3, ``launch.start_timeout_s``) did not fail. Local launcher only."""
+        learner = next((r for r in self.roles if self._is_learner(r)), None)
+        if learner is None or learner.proc is None or not self._alive(learner):
+            return False
+        return not startup.marked_since(
+            self.run_dir, "learner", "coordinator_up", learner.started_wall
+        )
+
+    def _restart_uncounted(self, server: Role) -> None:
+        """Restart ``server``, which gave up on a learner still loading, without counting it
+        among its restarts in a row: counted, a learner loading for longer than the
+        servers' patience used their restarts up, and the run failed naming a server."""
+        server.restart_at = time.monotonic() + self.policy.backoff_s
+        log.warning(
+            "%s gave up waiting for the coordinator while the learner is still loading: "
+            "restarting it in %.1fs (not counted among its restarts)",
+            server.name,
+            self.policy.backoff_s,
+        )
+        server.waits += 1
+        self._event(
+            server.name,
+            "restart",
+            exit_code=COORDINATOR_GONE,
+            learner_loading=True,
+            **{f"launch/restarts/{server.name}": len(server.restarts) + server.waits},
+        )
 
     def _learner_hung(self, server: Role) -> None:
         """A rollout server that had registered gave up on the coordinator (exit 3) while
@@ -297,7 +330,7 @@ class Supervisor:
             "restart",
             exit_code=exit_status(code),
             delay_s=delay,
-            **{f"launch/restarts/{role.name}": len(role.restarts)},
+            **{f"launch/restarts/{role.name}": len(role.restarts) + role.waits},
         )
         return None
 

@@ -597,4 +597,15 @@ ROWS = (
         "                pass",
         ("tests/test_launch_ray_unit.py::test_a_mirror_follows_a_node_file_set_aside_or_cut",),
     ),
+    Mutation(
+        "servers giving up on a loading learner keep their restarts",
+        "each exit 3 while the learner loads counts: the run fails naming a server",
+        "asyncrl/launch/supervise.py",
+        "            if self._learner_loading():",
+        "            if False:",
+        (
+            "tests/test_wind_down.py::"
+            "test_servers_that_give_up_on_a_loading_learner_are_not_out_of_restarts",
+        ),
+    ),
 )
