@@ -103,6 +103,10 @@ class EndpointGroups:
             cfg, client, self.lanes, metrics, lambda: len(self.by_name), self.holders
         )
         self._pushes: set[asyncio.Task] = set()
+        # Give-backs (a failure report, a filtered ack) the coordinator never answered:
+        # retried by the reaper, since nothing else frees an endpoint slot the server no
+        # longer holds (its group closed, no registration names it).
+        self._unanswered: list[Callable[[], object]] = []
         self._reaper: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -337,7 +341,7 @@ class EndpointGroups:
         task = group.task
         if not members:
             self._record(group, "given back", why, 0)
-            await self.lanes.control(self.client.nack, [task.task_id], why)
+            await self._give_back(functools.partial(self.client.nack, [task.task_id], why))
             return
         scores = [ScoreResult(score=float(s.reward or 0.0)) for s in members]
         if not task.validation:  # DAPO's overlong penalty, as on the server's own groups
@@ -350,9 +354,7 @@ class EndpointGroups:
                 log.warning("endpoint groups: %s", note)
         if filtered_out(task, scores, self.filter_metric):  # alike rewards: no signal
             self._record(group, "filtered", f"{why}: every member scored alike", len(members))
-            await self.lanes.control(
-                functools.partial(self.client.ack, filtered=True), [task.task_id]
-            )
+            await self._give_back(functools.partial(self.client.ack, [task.task_id], filtered=True))
             self.metrics["rollout/openai/groups_filtered"] += 1
             return
         episodes = [s.episode for s in members]
@@ -364,7 +366,8 @@ class EndpointGroups:
         except Exception as e:
             log.warning("external group %s was not pushed: %s", task.task_id, e)
             self._record(group, "given back", f"push failed: {e}", len(members))
-            await self.lanes.control(self.client.nack, [task.task_id], f"push failed: {e}")
+            failed = f"push failed: {e}"
+            await self._give_back(functools.partial(self.client.nack, [task.task_id], failed))
             return
         await self.lanes.control(self.client.ack, [task.task_id])
         self.metrics["rollout/openai/groups_pushed"] += 1
@@ -372,9 +375,23 @@ class EndpointGroups:
         if self.on_pushed is not None:
             self.on_pushed(episode_samples(episodes), scores, task)
 
+    async def _give_back(self, report: Callable[[], object]) -> None:
+        """Send ``report`` (it answers falsy when the coordinator never answered); kept
+        for the reaper to send again until answered."""
+        if not await self.lanes.control(report):
+            self._unanswered.append(report)
+
+    async def _give_back_again(self) -> None:
+        """Send again the give-backs never answered (:meth:`_give_back`)."""
+        for report in list(self._unanswered):
+            if await self.lanes.control(report):
+                self._unanswered.remove(report)
+                self.metrics["rollout/openai/give_backs_resent"] += 1
+
     async def _reap_loop(self) -> None:
-        """Consumes nothing; closes groups idle past ``group_idle_s`` and gives back the
-        slots of slot requests left unanswered (:meth:`SlotWaiter.give_back_unanswered`).
+        """Consumes nothing; closes groups idle past ``group_idle_s``, gives back the
+        slots of slot requests left unanswered (:meth:`SlotWaiter.give_back_unanswered`)
+        and sends again the give-backs never answered (:meth:`_give_back_again`).
         Wakes every quarter of ``group_idle_s`` (at most 5 s); ends when :meth:`stop`
         cancels it."""
         every = min(5.0, self.idle_s / 4)
@@ -382,6 +399,7 @@ class EndpointGroups:
             await asyncio.sleep(every)
             try:
                 await self.slots.give_back_unanswered(older_than_s=every)
+                await self._give_back_again()
             except Exception as e:  # a defect: the reaping must go on
                 log.warning("giving back unanswered slots failed (%s: %s)", type(e).__name__, e)
             now = time.monotonic()

@@ -225,6 +225,57 @@ async def _rewarded_and_abandoned(url: str, endpoint: OpenAIEndpoint, coord: Any
     assert outcomes["agent"] == "pushed" and outcomes["quit"] == "given back"
 
 
+def test_a_give_back_the_coordinator_never_answered_is_sent_again(
+    coordinator, tmp_path, monkeypatch
+):
+    """Found by a review: a closed group's give-back (here an abandon's failure report)
+    was sent once; never answered, its slot stayed charged for the server's life (no
+    registration names a closed group, and the coordinator's reclaim leaves endpoint
+    slots alone). The reaper now sends it again."""
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)  # no vLLM import
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=2",
+            "rollout.openai_endpoint.host=127.0.0.1",
+            "rollout.openai_endpoint.group_idle_s=2",  # the reaper wakes every 0.5 s
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+    )
+    endpoint, client, _ = _endpoint(cfg, coordinator)
+    nack, lost = client.nack, []
+
+    def nack_lost_once(*args, **kwargs) -> bool:
+        if not lost:  # the coordinator never hears the first
+            lost.append(args)
+            return False
+        return nack(*args, **kwargs)
+
+    monkeypatch.setattr(client, "nack", nack_lost_once)
+
+    async def scenario() -> None:
+        url = await endpoint.start()
+        try:
+            await _chat(url, "quit/a")
+            assert _external(coordinator)["in_flight"] == 1
+            assert (await _post(url, "/rl/abandon", "quit/a", {}))[0] == 200
+            await asyncio.gather(*endpoint.groups._pushes)
+            assert lost and _external(coordinator)["in_flight"] == 1  # still charged
+            deadline = time.monotonic() + 10
+            while _external(coordinator)["in_flight"] and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+        finally:
+            await endpoint.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        client.close()
+    ext = _external(coordinator)
+    assert (ext["in_flight"], ext["given_up"]) == (0.0, 1.0), ext
+    assert endpoint.metrics["rollout/openai/give_backs_resent"] == 1
+
+
 def test_a_request_is_held_while_the_budget_is_full_then_answered_or_refused(
     coordinator, tmp_path, monkeypatch
 ):

@@ -516,4 +516,15 @@ ROWS = (
         "        if False:",
         ("tests/test_server_syncs.py::test_a_sync_start_of_an_earlier_session_is_skipped",),
     ),
+    Mutation(
+        "an endpoint give-back never answered is sent again",
+        "it is sent once: unanswered, its slot stays charged for the server's life",
+        "rollout_servers/endpoint_groups.py",
+        "                await self._give_back_again()",
+        "                pass",
+        (
+            "tests/test_endpoint_slots.py::"
+            "test_a_give_back_the_coordinator_never_answered_is_sent_again",
+        ),
+    ),
 )
