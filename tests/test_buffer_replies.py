@@ -252,3 +252,48 @@ def test_a_batch_slower_to_arrive_than_the_wait_is_waited_for_longer() -> None:
         client.close()
         server.close(0)
         ctx.term()
+
+
+def test_a_late_answer_to_another_request_does_not_grow_the_batch_wait() -> None:
+    """Found by a review: a late reply to any request (a validation poll the buffer was
+    slow to answer) doubled the wait for every batch, with a warning about large batches
+    and slow links. Only a batch request given up grows it now. (Whether zmq shows the
+    client a late reply to drain depends on timing: the drain's count is set here.)"""
+    import zmq
+
+    ctx = zmq.Context()
+    server = ctx.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind("tcp://127.0.0.1:*")
+    stop, slow = threading.Event(), threading.Event()
+
+    def buffer() -> None:  # answers late while ``slow`` is set
+        while not stop.is_set():
+            if server.poll(50):
+                *envelope, _ = server.recv_multipart()
+                time.sleep(0.4 if slow.is_set() else 0.0)
+                server.send_multipart(
+                    [*envelope, *wire.encode_reply(wire.NoBatch(ready=0, needed=1))]
+                )
+
+    thread = threading.Thread(target=buffer, daemon=True)
+    thread.start()
+    client = BufferClient(server.getsockopt_string(zmq.LAST_ENDPOINT), timeout_s=0.2)
+    try:
+        slow.set()
+        with pytest.raises(TimeoutError):
+            client.validation()  # a validation poll given up
+        client.late_replies += 1  # its answer came late
+        client._fit_batch_timeout()
+        assert client.batch_timeout_s == 0.2
+        with pytest.raises(TimeoutError):
+            client.request_batch(0, wait_s=0.0)  # a batch request given up
+        client.late_replies += 1
+        client._fit_batch_timeout()
+        assert client.batch_timeout_s == 0.4
+    finally:
+        stop.set()
+        thread.join(5)
+        client.close()
+        server.close(0)
+        ctx.term()

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import zmq
@@ -70,6 +70,9 @@ class BufferClient(ReqClient):
         # came after its request was given up (see _fit_batch_timeout).
         self.batch_timeout_s = timeout_s
         self._late_seen = 0
+        # Whether the last request given up was a batch request: a late reply counted next
+        # belongs to it (a late answer to a validation poll says nothing of batch sizes).
+        self._batch_given_up = False
         # The last batch received, as (buffer session, batch id): sent with every batch
         # request, so a batch whose reply came after this client stopped waiting is sent
         # again instead of being lost. None until hello: no tracking.
@@ -83,6 +86,19 @@ class BufferClient(ReqClient):
         if isinstance(reply, wire.ErrorReply) and reply.error == "superseded":
             raise Superseded(f"buffer at {self.addr}: {reply.detail}")
         return reply
+
+    def call(
+        self,
+        msg: wire.Message,
+        decode: Callable[[list[zmq.Frame]], R],
+        timeout_s: float | None = None,
+    ) -> R:
+        """:meth:`ReqClient.call`, noting whether a request given up was a batch request."""
+        try:
+            return super().call(msg, decode, timeout_s)
+        except TimeoutError:
+            self._batch_given_up = isinstance(msg, wire.BatchRequest)
+            raise
 
     def _ask(self, msg: wire.Request, expect: type[R], timeout_s: float | None = None) -> R:
         reply = self.call(msg, self._decode, timeout_s)
@@ -176,6 +192,8 @@ class BufferClient(ReqClient):
         if self.late_replies == self._late_seen:
             return
         self._late_seen = self.late_replies
+        if not self._batch_given_up:  # a late reply to another request (a validation poll)
+            return
         longer = min(2 * self.batch_timeout_s, MAX_BATCH_TIMEOUTS * self.timeout_s)
         if longer > self.batch_timeout_s:
             self.batch_timeout_s = longer

@@ -89,4 +89,15 @@ ROWS = (
             "test_a_batch_slower_to_arrive_than_the_wait_is_waited_for_longer",
         ),
     ),
+    Mutation(
+        "only a batch request given up grows the batch wait",
+        "a late answer to a validation poll doubles every batch's wait",
+        "asyncrl/net/buffer_client.py",
+        "        if not self._batch_given_up:  # a late reply to another request (a validation poll)",
+        "        if False:",
+        (
+            "tests/test_buffer_replies.py::"
+            "test_a_late_answer_to_another_request_does_not_grow_the_batch_wait",
+        ),
+    ),
 )
