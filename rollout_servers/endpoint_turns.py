@@ -15,6 +15,7 @@ Which request is served, and how it travels, is :mod:`rollout_servers.openai_api
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -39,7 +40,7 @@ from rollout_servers.stops import before_stop, cut, first_stop
 
 if TYPE_CHECKING:
     from collections import Counter
-    from collections.abc import Awaitable, Callable
+    from collections.abc import Awaitable, Callable, Iterator
 
     from asyncrl.config import Config
     from rollout_servers.groups import SamplingSettings
@@ -176,16 +177,17 @@ class EndpointTurns:
         :class:`~rollout_servers.sessions.Draft`)."""
         asked_tokens(body)  # a bad request is refused before any work
         stops, logprobs = stop_strings(body), wants_logprobs(body)
-        draft = await self._off_loop(
-            prepare,
-            session,
-            messages,
-            body.get("tools"),
-            self.tok,
-            max_prompt_len=self.max_prompt_len,
-            max_response_len=self.max_response_len,
-            version=self.engine.version,
-        )
+        with ran_out_of_room(session):
+            draft = await self._off_loop(
+                prepare,
+                session,
+                messages,
+                body.get("tools"),
+                self.tok,
+                max_prompt_len=self.max_prompt_len,
+                max_response_len=self.max_response_len,
+                version=self.engine.version,
+            )
         piece = draft.episode.pieces[-1]
         # What the session has left: its samples together, as an agent episode's budget.
         left = self.max_response_len - draft.episode.response_len()
@@ -214,7 +216,8 @@ class EndpointTurns:
         stops = stop_strings(body)
         tokens: list[int] = await self._off_loop(prompt_ids, prompt, self.tok)
         limits = (self.max_prompt_len, self.max_response_len)
-        draft = raw_draft(session, tokens, *limits, self.engine.version)
+        with ran_out_of_room(session):
+            draft = raw_draft(session, tokens, *limits, self.engine.version)
         left = self.max_response_len - draft.episode.response_len()  # the session's, too
         budget = max_tokens_of(body, left, self.max_response_len)
         sample, raw, n = await self._sample(session, draft, budget, stops)
@@ -256,3 +259,16 @@ class EndpointTurns:
         self.metrics["rollout/openai/completions"] += 1
         self.metrics["rollout/openai/tokens"] += len(sample.token_ids)
         return sample.token_ids
+
+
+@contextlib.contextmanager
+def ran_out_of_room(session: Session) -> Iterator[None]:
+    """A turn refused for want of room (its context or the response budget) ends the
+    session's episode as such (``ended``), as an agent episode of the server's own ends:
+    the overlong penalty then measures it at the whole budget, as a response cut there."""
+    try:
+        yield
+    except RequestError as e:
+        if e.ended:
+            session.episode.ended = e.ended
+        raise

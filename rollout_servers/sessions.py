@@ -63,6 +63,7 @@ class RequestError(Exception):
         self.status, self.message, self.code = status, message, code
         self.retry = status in (429, 503) if retry is None else retry
         self.api_code = api_code or str(status)  # the API's error.code is a string
+        self.ended = ""  # a key of ENDED: the session ran out of room (see out_of_room)
 
     def body(self) -> dict[str, Any]:
         """The error body, shaped as the OpenAI API shapes its errors (``type``, and a
@@ -339,7 +340,9 @@ def out_of_room(why: str, max_prompt_len: int, max_response_len: int) -> Request
     """The refusal of a turn that does not fit (``why``: a key of :data:`ENDED`), naming
     the limit it hit."""
     limit = max_response_len if why == "length" else max_prompt_len + max_response_len
-    return context_exceeded(limit, ENDED[why])
+    error = context_exceeded(limit, ENDED[why])
+    error.ended = why
+    return error
 
 
 @dataclass

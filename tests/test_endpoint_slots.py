@@ -387,6 +387,53 @@ def test_the_overlong_penalty_shapes_the_endpoints_groups_too(tmp_path, monkeypa
     assert [t.meta.reward_parts for t in group] == [{"overlong_penalty": -1.0}] * 2
 
 
+def test_a_session_refused_for_want_of_room_is_penalised_at_the_whole_budget(tmp_path, monkeypatch):
+    """Found by a review: a session whose next turn did not fit its response budget (a
+    400 ``context_length_exceeded``) ended there, but the overlong penalty measured only
+    the tokens it had used, where the server's own episodes that run out of room count the
+    whole limit (as a single response cut there)."""
+    monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)  # no vLLM import
+    limit = 4 * len(REPLY)
+    overlong = ["enable=true", f"len={limit}", "penalty_factor=1.0"]
+    coordinator = start_coordinator(100, per_version=LIMIT // 2)
+    cfg = load_config(
+        None,
+        [
+            "rollout.n=2",
+            f"data.max_response_length={limit}",
+            *(f"reward.overlong_buffer.{kv}" for kv in overlong),
+            "rollout.openai_endpoint.host=127.0.0.1",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+    )
+    endpoint, client, pusher = _endpoint(cfg, coordinator)
+
+    async def scenario() -> None:
+        url = await endpoint.start()
+        try:
+            first = await _chat(url, "g/a")
+            history = [*USER, {"role": "assistant", "content": first.choices[0].message.content}]
+            history.append({"role": "user", "content": "x" * (2 * limit)})  # no room left
+            with pytest.raises(openai.BadRequestError, match="maximum context length"):
+                await _chat(url, "g/a", history)
+            await _chat(url, "g/b")
+            for member in "ab":
+                assert (await _post(url, "/rl/reward", f"g/{member}", {"reward": 1.0}))[0] == 200
+            await asyncio.gather(*endpoint.groups._pushes)
+        finally:
+            await endpoint.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        client.close()
+        coordinator.stop()
+    [group] = pusher.groups
+    penalties = [t.meta.reward_parts.get("overlong_penalty", 0.0) for t in group]
+    assert penalties[0] == -1.0, penalties  # measured at the whole budget: the most
+    assert -1.0 < penalties[1] <= 0.0, penalties  # b used a quarter of it
+
+
 def test_an_endpoint_only_run_refuses_validation_it_could_never_finish():
     only = ["rollout.openai_endpoint.enable=true", "rollout.openai_endpoint.take_tasks=false"]
     with pytest.raises(ConfigError, match="trainer.val_before_train=false trainer.test_freq=-1"):

@@ -527,4 +527,15 @@ ROWS = (
             "test_a_give_back_the_coordinator_never_answered_is_sent_again",
         ),
     ),
+    Mutation(
+        "an endpoint session out of room is penalised at the whole budget",
+        "the overlong penalty measures only the tokens it used",
+        "rollout_servers/endpoint_turns.py",
+        "            session.episode.ended = e.ended",
+        "            pass",
+        (
+            "tests/test_endpoint_slots.py::"
+            "test_a_session_refused_for_want_of_room_is_penalised_at_the_whole_budget",
+        ),
+    ),
 )
