@@ -60,6 +60,25 @@ def test_a_null_data_source_names_the_row_not_a_scorer(tmp_path: Path) -> None:
     assert launch == [learner] == [f"drop or mend row 1 of {path}: its data_source is null"]
 
 
+def test_a_data_source_longer_than_a_trajectory_carries_is_refused_at_launch(
+    tmp_path: Path,
+) -> None:
+    """Found by a review: a data_source over the trajectory's 256 characters passed every
+    check, then each of the row's groups was generated and scored and failed to push, was
+    dealt again, and was given up after task_retries (four generations, four tracebacks)."""
+    from asyncrl.wire.types import MAX_SHORT_STR
+
+    ok = _write(tmp_path / "ok.parquet", [_row(0, data_source="s" * MAX_SHORT_STR)])
+    assert input_problems(load_config(None, [f"data.train_files={ok}", *QUIET]), [DATA, ROWS]) == []
+    bad = _write(
+        tmp_path / "bad.parquet", [_row(0), _row(1, data_source="s" * (MAX_SHORT_STR + 1))]
+    )
+    launch, learner = _lines(bad)
+    assert launch == [learner]
+    assert learner.startswith(f"drop or mend row 1 of {bad}: its data_source 'sss")
+    assert f"over {MAX_SHORT_STR} characters" in learner
+
+
 def test_an_agent_name_longer_than_the_wire_carries_is_refused_at_launch(
     tmp_path: Path,
 ) -> None:

@@ -131,6 +131,13 @@ def row_problem(row: dict[str, Any], number: int, path: str | Path, prompt_key: 
         return problem
     if "data_source" in row and row["data_source"] is None:  # it was dealt as 'None'
         return f"drop or mend row {number} of {path}: its data_source is null"
+    from asyncrl.wire.types import MAX_SHORT_STR  # a trajectory's limit: each push failed
+
+    if len(str(row.get("data_source", ""))) > MAX_SHORT_STR:
+        return (
+            f"drop or mend row {number} of {path}: its data_source "
+            f"{str(row['data_source'])!r:.60}... is over {MAX_SHORT_STR} characters"
+        )
     if (problem := _agent_name_problem(row.get("agent_name"), number, path)) is not None:
         return problem
     return _extra_info_problem(row.get("extra_info"), number, path)
