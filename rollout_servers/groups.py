@@ -165,10 +165,13 @@ def shape_overlong(
 
 def filtered_out(task: Task, scores: list[ScoreResult], metric: str) -> bool:
     """Whether the group filter drops this group: its task was dealt with the filter on
-    and every member's ``metric`` (``algorithm.filter_groups.metric``) is the same."""
+    and every member's ``metric`` (``algorithm.filter_groups.metric``) is the same. Not a
+    group whose every member the scorer failed on: alike only by its failures, it is kept,
+    so that a scorer failing everywhere shows in the step records' ``rollout/reward_errors``
+    (filtered, no step ever came, and the coordinator blamed the prompts)."""
     from asyncrl.rewards.shaping import has_signal, metric_value
 
-    if not task.filter or task.validation:
+    if not task.filter or task.validation or all(s.error for s in scores):
         return False
     values = [
         metric_value(metric, s.score if s.unshaped is None else s.unshaped, s.score, s.parts)

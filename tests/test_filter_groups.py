@@ -96,6 +96,19 @@ def test_the_filter_compares_the_chosen_metric():
     assert not filtered_out(val, scores, "acc")
 
 
+def test_a_group_the_scorer_failed_on_throughout_is_kept():
+    """Found by a review: a scorer failing on every sample (a missing import, a key absent
+    from extra_info) scored each 0.0, so every group was alike and filtered: the run
+    generated on and never trained a step, no step record showed rollout/reward_errors,
+    and the coordinator's line blamed the prompts. Such a group is kept (one member the
+    scorer did not fail on makes it an ordinary group again)."""
+    task = m.Task(task_id="train/0/0", data_source="a", prompt=[], ground_truth="1", n=4)
+    on = m.Task(**{**_fields(task), "filter": True})
+    failed = [ScoreResult(0.0, {}, "exception") for _ in range(4)]
+    assert not filtered_out(on, failed, "acc") and not filtered_out(on, failed, "score")
+    assert filtered_out(on, [*failed[:3], ScoreResult(0.0)], "acc")
+
+
 def test_a_group_all_wrong_with_one_penalised_member_is_filtered():
     """Every member scored -1.0 and one ran into the overlong buffer (len 1000 of 8192):
     the scores are alike and the group is dropped. Read back as the shaped score minus the

@@ -548,4 +548,12 @@ ROWS = (
             "test_a_coordinator_that_answers_but_refuses_is_not_taken_for_silent",
         ),
     ),
+    Mutation(
+        "a group the scorer failed on throughout is kept",
+        "it is filtered as alike: a scorer failing everywhere filters for ever",
+        "rollout_servers/groups.py",
+        "    if not task.filter or task.validation or all(s.error for s in scores):",
+        "    if not task.filter or task.validation:",
+        ("tests/test_filter_groups.py::test_a_group_the_scorer_failed_on_throughout_is_kept",),
+    ),
 )
