@@ -496,9 +496,12 @@ def _spent_fix(cfg: Config) -> str:
             "where the data ends"
         )
     # Derived from the rows in the files: those dropped at a server never train.
+    why = "rows dropped as too long (data.filter_overlong_prompts) or given up"
+    if cfg.algorithm.filter_groups.enable:
+        why += ", groups dropped by algorithm.filter_groups (and rows it passes over)"
     return (
         "raise trainer.total_epochs; the total derived from the data counts every row, "
-        "and rows dropped as too long (data.filter_overlong_prompts) or given up did not train"
+        f"and {why} did not train"
     )
 
 

@@ -440,3 +440,14 @@ def test_overlong_shaping_measures_a_split_episode_by_its_whole_response(monkeyp
     pusher = _run_server(client, shaping, agent)
     rewards = {t.reward for group in pusher.groups for t in group}
     assert len(pusher.groups) == 4 and rewards == {0.5}, rewards
+
+
+def test_the_data_spent_line_names_the_group_filter_when_it_is_on():
+    """A review: with the step total derived from the data, a filtered run ends short of it
+    (filtered groups never train), and the line named only rows dropped as too long."""
+    from learner.control_plane import _spent_fix
+
+    derived = ["trainer.total_training_steps=null"]
+    off = _spent_fix(load_config(None, derived))
+    on = _spent_fix(load_config(None, [*derived, "algorithm.filter_groups.enable=true"]))
+    assert "filter_groups" not in off and "groups dropped by algorithm.filter_groups" in on
