@@ -171,6 +171,7 @@ class Answers:
             next_batch_id=self.buffer.next_batch_id,
             acked=acked,
             policy_version=self.buffer.learner_version,
+            session=self.session,
         )
 
     def _answer_held(

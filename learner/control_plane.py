@@ -130,7 +130,7 @@ class RankZero:
             cfg.staleness.sync_every,
             self.total_steps,
         )
-        self.coordinator.set_replay(through)
+        self.coordinator.set_replay(through, welcome.session)
         # A version the buffer measured lag against that the replay never reaches (the
         # previous life died pushing it): go on above it, or every new group is stale.
         if welcome.policy_version > through:

@@ -140,6 +140,7 @@ def test_a_restart_naming_no_session_gets_its_batches_again_and_is_told_why(capl
         with caplog.at_level("WARNING", logger="buffer.answers"):
             named = client.hello(1, wait_s=5, session=session)
         assert named.redelivering == 1 and "names no buffer session" not in caplog.text
+        assert named.session == session  # what a replay counts on (the coordinator keeps it)
 
 
 def test_an_audit_larger_than_the_buffer_reads_is_sent_in_parts() -> None:

@@ -407,6 +407,33 @@ def test_a_buffer_restart_ends_a_replay_under_way() -> None:
     assert st.recovery.replay_through == 6
 
 
+def test_a_buffer_restarted_before_the_first_drain_ends_the_replay_too() -> None:
+    """Found by a review: the buffer that welcomed the resumed learner (its redelivery the
+    replay counts on) died before the coordinator's first drain, so the first session the
+    coordinator saw was the new buffer's: no change of session, the replay stood, and
+    pushes were skipped for versions no batch reproduced. The welcome's session tells."""
+    st = _state()
+    st.ledger.budget.advance(5)
+    st.recovery.restored(["s0"])
+    st.register(m.Register(server_id="s0", engine_world_size=1, policy_version=9), 0.0)
+    st.versions.set_replay(9)
+    st.recovery.replay_session = "b1"  # as Coordinator.set_replay(9, welcome.session)
+    drained = SimpleNamespace(dropped=[], validated=[], session="b2")  # b1 is gone
+    answer = SimpleNamespace(held=[], dropped=[], validated=[], unknown=[], paused=False)
+    client = SimpleNamespace(drain=lambda: drained, inventory=lambda *ids: answer)
+    control_loop._poll_once(client, st, threading.RLock())
+    assert st.recovery.replay_through == 5 and not st.versions.adopt(6)
+    assert not st.servers["s0"].trusted
+    # The welcoming buffer answering the first drain: the replay stands.
+    st2 = _state()
+    st2.ledger.budget.advance(5)
+    st2.versions.set_replay(9)
+    st2.recovery.replay_session = "b1"
+    drained.session = "b1"
+    control_loop._poll_once(client, st2, threading.RLock())
+    assert st2.recovery.replay_through == 9
+
+
 def test_a_replayed_version_no_server_holds_is_pushed_not_adopted() -> None:
     """The replay counted 4 redelivered batches, but the previous life died training the
     4th: the servers hold 8, not 9. Adopting 9 would leave every server a version behind

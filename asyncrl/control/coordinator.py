@@ -249,11 +249,13 @@ class Coordinator:
         with self._lock:
             self._state.versions.at_least(version)
 
-    def set_replay(self, through: int) -> None:
+    def set_replay(self, through: int, session: str = "") -> None:
         """After a learner restart: its replay of the redelivered batches reaches version
-        ``through`` (servers holding versions up to it keep their weights)."""
+        ``through`` (servers holding versions up to it keep their weights), batches the
+        buffer of ``session`` (its welcome's) redelivers."""
         with self._lock:
             self._state.versions.set_replay(through)
+            self._state.recovery.replay_session = session
 
     def adopt(self, version: int) -> bool:
         """The learner replayed its way to ``version``: make it current without a push.

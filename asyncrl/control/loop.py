@@ -328,7 +328,9 @@ def _poll_once(
             )
         known = state.recovery.buffer_session
         due = state.recovery.buffer_contact(reply.session, time.monotonic())
-        if known and state.recovery.buffer_session != known:  # a new buffer
+        new_buffer = bool(known) and state.recovery.buffer_session != known
+        lost = state.recovery.replay_lost(reply.session)  # asked once: the first drain
+        if new_buffer or lost:  # (lost: restarted before a first drain told its session)
             state.versions.end_replay()
     if reply.dropped:
         log.info(

@@ -52,6 +52,8 @@ class Recovery:
         # Versions a replay reproduces (see the module docstring): -1 on a fresh start (none
         # after version 0), None while a restored coordinator waits for the learner to say.
         self.replay_through: int | None = -1
+        # The buffer session whose redelivery the replay counts on ("": not said).
+        self.replay_session = ""
         self.next_audit = 0.0
 
     def audit_due(self, now: float) -> float | None:
@@ -102,6 +104,14 @@ class Recovery:
         else:
             log.info("resumed: every server registered again and the buffer's inventory came")
         return False
+
+    def replay_lost(self, session: str) -> bool:
+        """Whether a drain answered from ``session`` finds the buffer whose redelivery the
+        learner's replay counts on (:attr:`replay_session`) gone: restarted between the
+        learner's hello and the coordinator's first drain, which then knew no session to
+        tell a new one by. Asked once; later restarts are told by the session change."""
+        expected, self.replay_session = self.replay_session, ""
+        return bool(expected and session and session != expected)
 
     def buffer_contact(self, session: str, now: float) -> bool:
         """The buffer answered from ``session``; True when an inventory is due now."""

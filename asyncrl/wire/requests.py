@@ -219,6 +219,9 @@ class Welcome(Message, tag="welcome"):
     # The highest learner version the buffer has measured lag against: a learner that
     # starts without a checkpoint numbers its versions above it (they never go back).
     policy_version: int = 0
+    # The buffer's session: the redelivery a resumed learner's replay counts on lives in
+    # it (a buffer restarted before the coordinator heard from it took the replay along).
+    session: str = ""
 
 
 class BatchHeader(Message, tag="batch"):

@@ -556,4 +556,15 @@ ROWS = (
         "    if not task.filter or task.validation:",
         ("tests/test_filter_groups.py::test_a_group_the_scorer_failed_on_throughout_is_kept",),
     ),
+    Mutation(
+        "a buffer restarted before the first drain ends the replay",
+        "the replay stands on a redelivery that died with the welcoming buffer",
+        "asyncrl/control/recovery.py",
+        "        return bool(expected and session and session != expected)",
+        "        return False",
+        (
+            "tests/test_recovery_faults.py::"
+            "test_a_buffer_restarted_before_the_first_drain_ends_the_replay_too",
+        ),
+    ),
 )
