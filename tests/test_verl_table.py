@@ -242,10 +242,28 @@ def test_a_mapped_key_gives_way_to_ours():
     assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high) == (0.3, 0.28)
 
 
+def test_verls_bfloat16_rollout_dtype_loads_on_the_cpu_with_a_note(caplog):
+    """Found by a review: veRL's rollout.dtype=bfloat16 (in every veRL-layout YAML) was
+    refused on the CPU with "set model.dtype instead", and model.dtype=bfloat16 is refused
+    on the CPU: a circle. On the CPU, which runs float32, it now has no effect, said so."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="asyncrl.config"):
+        cfg = load_config(None, ["actor_rollout_ref.rollout.dtype=bfloat16"])
+    assert cfg.model.dtype == "float32"
+    assert "rollout.dtype='bfloat16' is accepted: no effect on the CPU" in caplog.text
+    with pytest.raises(ConfigError, match="set model.dtype instead"):  # it contradicts
+        load_config(None, ["actor_rollout_ref.rollout.dtype=bfloat16", "model.dtype=float32"])
+
+
 def test_refusals_that_read_the_rest_of_the_config():
     load_config(None, ["actor_rollout_ref.rollout.dtype=float32"])  # model.dtype's default
     with pytest.raises(ConfigError, match="set model.dtype instead"):
-        load_config(None, ["actor_rollout_ref.rollout.dtype=bfloat16"])
+        load_config(None, ["actor_rollout_ref.rollout.dtype=bfloat16", "trainer.device=cuda"])
+    cuda = ["trainer.device=cuda", "model.dtype=bfloat16"]  # the fix, on CUDA
+    assert load_config(None, ["actor_rollout_ref.rollout.dtype=bfloat16", *cuda]).model.dtype == (
+        "bfloat16"
+    )
     # veRL validates greedily with do_sample=false; here the temperature decides
     load_config(None, ["actor_rollout_ref.rollout.val_kwargs.do_sample=false"])
     with pytest.raises(ConfigError, match="val_kwargs.temperature decides"):

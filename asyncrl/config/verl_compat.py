@@ -181,7 +181,8 @@ def apply_verl_keys(
             if problem:
                 problems.append(problem)
             else:
-                notes.append(f"veRL's {key}={value!r} is accepted: it is what happens here")
+                does = rule.accepted(value, raw) if rule.accepted else "it is what happens here"
+                notes.append(f"veRL's {key}={value!r} is accepted: {does}")
         elif rule.kind == "mapped":
             assert rule.convert is not None
             for target in rule.target:

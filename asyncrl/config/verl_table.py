@@ -59,6 +59,8 @@ class VerlKey:
     target: tuple[str, ...] = ()  # mapped: our dotted keys it sets
     convert: Callable[[Any], Any] | None = None  # mapped: veRL's value -> ours
     allowed: Callable[[Any, dict[str, Any]], bool] | None = None  # refused unless this holds
+    # refused, yet allowed: what the accepted value does here (default: what veRL does)
+    accepted: Callable[[Any, dict[str, Any]], str] | None = None
     bad: Any = None  # refused: a value that is refused (the table's test sets it)
     bad_with: tuple[str, ...] = ()  # refused: the overrides that make ``bad`` refused
     example: Any = ...  # a value the table's test sets instead of veRL's default
@@ -148,6 +150,21 @@ def lookup(raw: dict[str, Any], dotted: str) -> tuple[bool, Any]:
 def _get(raw: dict[str, Any], dotted: str, default: Any = None) -> Any:
     found, value = lookup(raw, dotted)
     return value if found else default
+
+
+def _rollout_dtype_allowed(value: Any, raw: dict[str, Any]) -> bool:
+    """veRL's ``rollout.dtype`` is model.dtype's (the engine's) when it says the same, or,
+    model.dtype not given, on the CPU, which runs float32 whatever it says (veRL's own
+    YAML carries bfloat16: refused there, the fix, model.dtype=bfloat16, was refused too)."""
+    if value == _get(raw, "model.dtype", "float32"):
+        return True
+    return not lookup(raw, "model.dtype")[0] and _get(raw, "trainer.device", "cpu") != "cuda"
+
+
+def _rollout_dtype_accepted(value: Any, raw: dict[str, Any]) -> str:
+    if value == _get(raw, "model.dtype", "float32"):
+        return "it is what happens here"
+    return "no effect on the CPU, whose engine and learner run float32 (model.dtype)"
 
 
 def _response_length(raw: dict[str, Any]) -> Any:
@@ -473,9 +490,12 @@ VERL_KEYS: dict[str, VerlKey] = {
     _ROLLOUT + "dtype": VerlKey(
         "refused",
         "the engine runs model.dtype, as the learner does (one dtype keeps their logprobs "
-        "comparable): set model.dtype instead",
-        allowed=lambda v, raw: v == _get(raw, "model.dtype", "float32"),
+        "comparable): set model.dtype instead (on the CPU, which runs float32, it has no "
+        "effect unless model.dtype is given)",
+        allowed=_rollout_dtype_allowed,
+        accepted=_rollout_dtype_accepted,
         bad="float16",
+        bad_with=("trainer.device=cuda",),
         example="float32",
     ),
     _ROLLOUT + "ignore_eos": _only(

@@ -451,4 +451,14 @@ ROWS = (
             "test_a_resume_names_a_changed_push_schedule_and_importance_correction",
         ),
     ),
+    Mutation(
+        "veRL's bfloat16 rollout dtype loads on the CPU",
+        "it is refused there, and the fix it names (model.dtype) is refused on the CPU too",
+        "asyncrl/config/verl_table.py",
+        '    return not lookup(raw, "model.dtype")[0] and _get(raw, "trainer.device", "cpu") != "cuda"',
+        "    return False",
+        (
+            "tests/test_verl_table.py::test_verls_bfloat16_rollout_dtype_loads_on_the_cpu_with_a_note",
+        ),
+    ),
 )
