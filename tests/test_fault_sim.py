@@ -186,7 +186,9 @@ def test_reverting_fresh_hello_trains_stale_batches(monkeypatch: pytest.MonkeyPa
     """A learner started without a checkpoint was redelivered the previous life's batches
     as a replay, with no lag filter."""
     monkeypatch.setattr(fault_api, "RESUMED", False)
-    assert _first_with(range(20, 40), "lag") is not None
+    # Seeds 86 and 89 break it (26 too, before a failed catch-up's back-off stopped
+    # falling on a server restarted meanwhile, which moved the schedules).
+    assert _first_with(range(20, 100), "lag") is not None
 
 
 def test_reverting_the_audit_leaves_late_acks_charged(monkeypatch: pytest.MonkeyPatch) -> None:
