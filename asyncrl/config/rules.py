@@ -88,8 +88,8 @@ def _group_problems(cfg: Config) -> list[str]:
     if grouped and ro.n < 2:
         problems.append(
             f"rollout.n={ro.n}: {cfg.algorithm.adv_estimator} compares samples of the same "
-            "prompt, so every advantage would be 0; set rollout.n>=2 (or "
-            "algorithm.adv_estimator=gae)"
+            "prompt, and a group of one has nothing to compare with (veRL would train on its "
+            "raw score as its advantage); set rollout.n>=2 (or algorithm.adv_estimator=gae)"
         )
     size = ro.openai_endpoint.group_size
     if ro.openai_endpoint.enable and grouped and size is not None and size < 2:

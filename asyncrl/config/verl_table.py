@@ -212,8 +212,9 @@ LORA_OFF = (
     "the critic has no LoRA (critic.model.lora_rank must be 0); the actor's is model.lora_rank"
 )
 REMOTE_CODE = (
-    "models and tokenizers load without remote code; a model that needs it fails to load "
-    "with transformers' own message"
+    "models and tokenizers load without remote code: a model that needs it fails to load "
+    "with transformers' own message (nothing changes silently; many scripts set it for "
+    "models that need none)"
 )
 LOSS_MODES = (
     "a parameter of the clip_cov / kl_cov / geo_mean loss modes, which are not built "
@@ -330,7 +331,7 @@ def _shared_model(prefix: str) -> dict[str, VerlKey]:
             _falsy,
             bad="my_models",
         ),
-        prefix + "trust_remote_code": _only(REMOTE_CODE, _falsy, bad=True),
+        prefix + "trust_remote_code": _none(REMOTE_CODE, example=True),
         prefix + "use_shm": _none(SHM),
         prefix + "enable_activation_offload": _none(MEMORY),
     }
@@ -645,7 +646,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     "data.image_key": _impl(MEDIA, example="image"),
     "data.video_key": _impl(MEDIA, example="video"),
     "data.return_multi_modal_inputs": _none("multi-modal prompts are not built"),
-    "data.trust_remote_code": _only(REMOTE_CODE, _falsy, bad=True),
+    "data.trust_remote_code": _none(REMOTE_CODE, example=True),
     **{
         f"data.{k}": _only(
             "custom dataset, sampler and data-generation classes are not loaded: prompts "
