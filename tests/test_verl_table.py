@@ -430,3 +430,11 @@ def test_override_config_reaches_the_learner_and_the_engine(tiny_model, single_r
     assert model.config.attention_dropout == 0.25 and model.config.resid_pdrop == 0.0
     assert engine_args(str(tiny_model), hf_overrides=overrides).hf_overrides == overrides
     assert engine_args(str(tiny_model)).hf_overrides == {}
+
+
+def test_verls_vectorised_estimators_read_as_the_plain_ones():
+    """A review: veRL's grpo_vectorized and rloo_vectorized (the same formulas, computed
+    without a loop) were refused as unknown estimators."""
+    for theirs, ours in (("grpo_vectorized", "grpo"), ("rloo_vectorized", "rloo")):
+        cfg = load_config(None, [f"algorithm.adv_estimator={theirs}"])
+        assert cfg.algorithm.adv_estimator == ours

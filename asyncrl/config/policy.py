@@ -116,6 +116,10 @@ class ImportanceConfig(Section):
     )
 
 
+#: veRL's vectorised estimators: the same formulas as these.
+VERL_VECTORIZED = {"grpo_vectorized": "grpo", "rloo_vectorized": "rloo"}
+
+
 class AlgorithmConfig(Section):
     adv_estimator: Literal[
         "grpo", "rloo", "dr_grpo", "gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
@@ -142,5 +146,11 @@ class AlgorithmConfig(Section):
     @classmethod
     def _verl_kl_names(cls, v: object) -> object:
         return VERL_KL_NAMES.get(v, v)  # type: ignore[arg-type]
+
+    @field_validator("adv_estimator", mode="before")
+    @classmethod
+    def _verl_vectorized(cls, v: object) -> object:
+        """veRL's vectorised spellings compute the same advantages as the plain ones."""
+        return VERL_VECTORIZED.get(v, v)  # type: ignore[arg-type]
 
     importance: ImportanceConfig = Field(default_factory=ImportanceConfig)
