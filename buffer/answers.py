@@ -156,16 +156,26 @@ class Answers:
                 msg.consumer_id,
                 msg.acked_through,
             )
+        returned = self.buffer.counts["batches_returned"]
         redelivering, acked = self.buffer.restart(
             msg.acked_through, msg.consumer_id, msg.session, msg.resumed
         )
-        log.info(
-            "consumer %s started (acked through %s): %d batches acknowledged, %d to release again",
-            msg.consumer_id,
-            msg.acked_through,
-            acked,
-            redelivering,
-        )
+        if not msg.resumed:  # a learner without a checkpoint: it replays nothing
+            log.info(
+                "consumer %s started afresh: the groups of its %d unacknowledged batches are "
+                "back in the pool (released again under the lag filter)",
+                msg.consumer_id,
+                self.buffer.counts["batches_returned"] - returned,
+            )
+        else:
+            log.info(
+                "consumer %s started (acked through %s): %d batches acknowledged, %d to "
+                "release again",
+                msg.consumer_id,
+                msg.acked_through,
+                acked,
+                redelivering,
+            )
         return wire.Welcome(
             redelivering=redelivering,
             next_batch_id=self.buffer.next_batch_id,

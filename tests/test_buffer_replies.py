@@ -298,3 +298,19 @@ def test_a_late_answer_to_another_request_does_not_grow_the_batch_wait() -> None
         client.close()
         server.close(0)
         ctx.term()
+
+
+def test_a_fresh_consumers_hello_says_how_many_batches_went_back(caplog) -> None:
+    """A review: a consumer started without a checkpoint had its unacknowledged batches'
+    groups put back in the pool, and the buffer logged "0 batches acknowledged, 0 to
+    release again". It now says how many batches went back."""
+    rb = ReplayBuffer(batch_size=2, capacity_groups=64, max_policy_lag=5)
+    for i in range(4):
+        rb.add_packed(Packed.pack(make_group(f"g{i}", 2)), 0.0)
+    with BufferService(rb) as svc, BufferClient(svc.batches_endpoint, timeout_s=5) as client:
+        client.hello(None, wait_s=5)
+        assert client.request_batch(0, wait_s=2.0) is not None
+        assert client.request_batch(0, wait_s=2.0) is not None
+        with caplog.at_level("INFO", logger="buffer.answers"):
+            client.hello(None, wait_s=5, resumed=False)
+    assert "the groups of its 2 unacknowledged batches are back in the pool" in caplog.text
