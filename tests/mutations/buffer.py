@@ -198,4 +198,14 @@ ROWS = (
             "test_unacked_batches_are_released_again_in_order_after_a_restart",
         ),
     ),
+    Mutation(
+        "a fresh consumer's hello says how many batches went back",
+        "it logs 0 acknowledged, 0 to release again",
+        "buffer/answers.py",
+        "        if not msg.resumed:  # a learner without a checkpoint: it replays nothing",
+        "        if False:",
+        (
+            "tests/test_buffer_replies.py::test_a_fresh_consumers_hello_says_how_many_batches_went_back",
+        ),
+    ),
 )

@@ -461,4 +461,33 @@ ROWS = (
             "tests/test_verl_table.py::test_verls_bfloat16_rollout_dtype_loads_on_the_cpu_with_a_note",
         ),
     ),
+    Mutation(
+        "a data_source over a trajectory's limit is refused at launch",
+        "the row passes every check and each push of its groups fails",
+        "asyncrl/tasks/parquet.py",
+        '    if len(str(row.get("data_source", ""))) > MAX_SHORT_STR:',
+        "    if False:",
+        (
+            "tests/test_data_rows.py::"
+            "test_a_data_source_longer_than_a_trajectory_carries_is_refused_at_launch",
+        ),
+    ),
+    Mutation(
+        "veRL's vectorised estimators read as the plain ones",
+        "grpo_vectorized and rloo_vectorized are refused as unknown estimators",
+        "asyncrl/config/policy.py",
+        "        return VERL_VECTORIZED.get(v, v)  # type: ignore[arg-type]",
+        "        return v",
+        ("tests/test_verl_table.py::test_verls_vectorised_estimators_read_as_the_plain_ones",),
+    ),
+    Mutation(
+        "the data-spent line names the group filter",
+        "a filtered run that ends short names only rows dropped as too long",
+        "learner/control_plane.py",
+        "    if cfg.algorithm.filter_groups.enable:",
+        "    if False:",
+        (
+            "tests/test_filter_groups.py::test_the_data_spent_line_names_the_group_filter_when_it_is_on",
+        ),
+    ),
 )
