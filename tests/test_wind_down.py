@@ -341,3 +341,28 @@ def test_servers_that_give_up_on_a_loading_learner_are_not_out_of_restarts(tmp_p
     restarts = [e for e in events if e["event"] == "restart" and e["role"] == "rollout-0"]
     assert len(restarts) >= 3 and all(e.get("learner_loading") for e in restarts)
     assert not [e for e in events if e["event"] == "hung"]
+
+
+def test_a_learner_that_exited_or_awaits_its_restart_is_not_serving(tmp_path):
+    """Seen in CI: the learner ended while a server gave up on it (exit 3), and that exit,
+    looked at before the learner's, used the server's last restart. A learner that has
+    exited (its exit not yet looked at) or waits for its restart does not serve either;
+    one whose coordinator came up in its current start does."""
+    (tmp_path / "logs").mkdir()
+    learner = Role("learner", [sys.executable, "-c", "import time; time.sleep(30)"])
+    sup = Supervisor([learner], tmp_path, RestartPolicy())
+    try:
+        assert not sup._learner_loading()  # never started, no restart due
+        sup.start(learner)
+        assert sup._learner_loading()  # loading: no coordinator_up yet
+        startup.mark(tmp_path, "learner", "coordinator_up")
+        assert not sup._learner_loading()
+        assert learner.proc is not None
+        learner.proc.kill()
+        learner.proc.wait(10)
+        assert sup._learner_loading()  # exited, not yet reaped here
+        sup.reap(learner)
+        learner.restart_at = time.monotonic() + 60
+        assert sup._learner_loading()  # waiting for its restart
+    finally:
+        sup.close()

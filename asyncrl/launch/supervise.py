@@ -211,23 +211,29 @@ class Supervisor:
         return self._restart(role, code, view)
 
     def _learner_loading(self) -> bool:
-        """Whether the learner runs but its coordinator has not come up in its current
-        start (a big checkpoint or model loading): a server that gave up on it meanwhile
-        (exit 3, ``launch.start_timeout_s``) did not fail. Local launcher only."""
+        """Whether the learner's coordinator is not serving in its current start: it loads
+        (a big checkpoint or model), has just exited (not yet looked at) or waits for its
+        restart. A server that gave up on it meanwhile (exit 3, ``launch.start_timeout_s``)
+        did not fail: the learner's own exit decides the run. Seen in CI: the learner
+        ended as a server gave up, and that exit used the server's last restart."""
         learner = next((r for r in self.roles if self._is_learner(r)), None)
-        if learner is None or learner.proc is None or not self._alive(learner):
+        if learner is None:
             return False
+        if learner.proc is None:  # waiting for its restart (under Ray: always None)
+            return learner.restart_at is not None
+        if not self._alive(learner):
+            return True  # it exited, its exit not yet looked at: that decides the run
         return not startup.marked_since(
             self.run_dir, "learner", "coordinator_up", learner.started_wall
         )
 
     def _restart_uncounted(self, server: Role) -> None:
-        """Restart ``server``, which gave up on a learner still loading, without counting it
+        """Restart ``server``, which gave up on a learner loading or restarting, without counting it
         among its restarts in a row: counted, a learner loading for longer than the
         servers' patience used their restarts up, and the run failed naming a server."""
         server.restart_at = time.monotonic() + self.policy.backoff_s
         log.warning(
-            "%s gave up waiting for the coordinator while the learner is still loading: "
+            "%s gave up waiting for the coordinator while the learner loads or restarts: "
             "restarting it in %.1fs (not counted among its restarts)",
             server.name,
             self.policy.backoff_s,

@@ -608,4 +608,12 @@ ROWS = (
             "test_servers_that_give_up_on_a_loading_learner_are_not_out_of_restarts",
         ),
     ),
+    Mutation(
+        "a learner that exited or awaits its restart is not serving",
+        "a server giving up as the learner ends uses its last restart: the run fails naming it",
+        "asyncrl/launch/supervise.py",
+        "            return True  # it exited, its exit not yet looked at: that decides the run",
+        "            return False",
+        ("tests/test_wind_down.py::test_a_learner_that_exited_or_awaits_its_restart_is_not_serving",),
+    ),
 )
