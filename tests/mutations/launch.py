@@ -614,6 +614,8 @@ ROWS = (
         "asyncrl/launch/supervise.py",
         "            return True  # it exited, its exit not yet looked at: that decides the run",
         "            return False",
-        ("tests/test_wind_down.py::test_a_learner_that_exited_or_awaits_its_restart_is_not_serving",),
+        (
+            "tests/test_wind_down.py::test_a_learner_that_exited_or_awaits_its_restart_is_not_serving",
+        ),
     ),
 )
