@@ -34,6 +34,7 @@ class Reports:
         # Count episodes: the samples of a split episode share its reward.
         rewards = {m.episode_index: m.reward for m in group.metas}
         parts = {m.episode_index: m.reward_parts for m in group.metas}
+        failed = {m.episode_index for m in group.metas if m.reward_error}
         versions = [v for m in group.metas for v, n in m.version_spans if n > 0]
         scored = ValidationGroup.of(
             group.data_source,
@@ -41,6 +42,7 @@ class Reports:
             int(group.response_lens.sum()),
             list(parts.values()),
             (min(versions), max(versions)) if versions else (-1, -1),
+            len(failed),
         )
         self.results.setdefault(round_key(group.task_id), {})[group.task_id] = scored
         self.validated.append(group.task_id)

@@ -78,6 +78,15 @@ class ValidationTracker:
                 if (started := progress.start_step(key)) is not None:
                     metrics["val/step"] = float(started)
                 metrics.update(version_range(have.values()))
+                if errors := int(metrics["val/reward_errors"]):
+                    log.warning(
+                        "validation round %s: the scorer failed on %d of its %d responses, "
+                        "each scored 0.0 in val/score; the rollout servers' logs say why "
+                        "(fix the reward function or reward.* and the next round counts them)",
+                        key,
+                        errors,
+                        int(metrics["val/responses"]),
+                    )
                 if lost:
                     metrics["val/groups_given_up"] = float(len(lost))
                     log.warning(
@@ -157,6 +166,7 @@ def round_metrics(stats: dict[str, ValidationStats]) -> dict[str, float]:
     responses), ``val/score_se`` (its standard error over responses),
     ``val/score_se_prompt`` (over prompts' mean rewards: larger when prompts differ in
     difficulty, since a prompt's samples are not independent), ``val/responses``,
+    ``val/reward_errors`` (responses the scorer failed on, each scored 0.0),
     ``val/<data_source>/score`` and the mean of each other value the scorer returned,
     ``val/<data_source>/<name>/mean``."""
     resp, prompt = [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]
@@ -169,6 +179,8 @@ def round_metrics(stats: dict[str, ValidationStats]) -> dict[str, float]:
     for key, acc in (("val/score_se", resp), ("val/score_se_prompt", prompt)):
         if acc[0] >= 2:
             out[key] = mean_standard_error(*acc)
+    # Each failure scored 0.0 and is inside val/score: counted, a broken scorer shows here.
+    out["val/reward_errors"] = float(sum(s.reward_errors for s in stats.values()))
     for source, s in stats.items():
         out[f"val/{source}/score"] = s.reward_sum / max(s.trajectories, 1)
         for name, (total, n) in s.parts.items():  # veRL: val-aux/<source>/<name>/mean@N

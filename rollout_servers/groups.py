@@ -135,11 +135,15 @@ def group_fields(task: Task, *, server_id: str, created_at: float) -> dict[str, 
 
 
 def scored(score: ScoreResult) -> dict[str, Any]:
-    """A member's reward fields from its score."""
-    return {
+    """A member's reward fields from its score (``reward_error`` only when the scorer
+    failed on it: omitted, the field is false)."""
+    fields: dict[str, Any] = {
         "reward": float(score.score),
         "reward_parts": {k: float(v) for k, v in score.parts.items()},
     }
+    if score.error is not None:
+        fields["reward_error"] = True
+    return fields
 
 
 def shape_overlong(

@@ -212,12 +212,16 @@ def test_samples_the_scorer_fails_on_are_counted(tmp_path) -> None:
         cfg = load_config(None, [f"rollout.n={N}", f"rollout.max_inflight={2 * N}"])
         engine = StandInEngine()
         engine.gate.set()
-        srv = RolloutServer(cfg, "s", engine, CharTokenizer(), pool, StandInPusher(), client)
+        pusher = StandInPusher()
+        srv = RolloutServer(cfg, "s", engine, CharTokenizer(), pool, pusher, client)
         run = asyncio.create_task(srv.run())
         await wait_until_async(lambda: len(client.acked) == 2, "both groups", 20)
         srv.stop()
         assert await asyncio.wait_for(run, 5.0) == 0
         assert srv.metrics["rollout/reward_errors"] == 2 * N
+        # Each pushed response says so, for validation rounds to count (val/reward_errors)
+        pushed = [t for group in pusher.groups for t in group]
+        assert len(pushed) == 2 * N and all(t.meta.reward_error for t in pushed)
 
     pool = RewardPool(num_workers=1, timeout_s=10, custom_path=str(scorer))
     try:

@@ -7,7 +7,7 @@ import math
 import statistics
 
 from asyncrl.control.state import ValidationProgress
-from asyncrl.wire import ValidationGroup
+from asyncrl.wire import Trajectory, ValidationGroup
 from learner.validation import ValidationTracker, mean_standard_error
 
 
@@ -361,3 +361,47 @@ def test_a_round_says_which_policy_versions_its_responses_came_from():
     one = ValidationProgress(rounds_started=1, round_groups=1)
     (report,) = old.add({"val/0": {"val/0/0": ValidationGroup.of("a", [1.0], 3)}}, one)
     assert "val/version_min" not in report
+
+
+def test_responses_the_scorer_failed_on_are_counted_in_their_round(caplog):
+    """Found by a review: a scorer failing on validation responses scored them 0.0 inside
+    ``val/score``, and the round's record did not say so. Each failed response now carries
+    ``reward_error`` over the wire; the buffer counts a group's failed episodes and the
+    round reports ``val/reward_errors``, with a warning."""
+    import numpy as np
+
+    from asyncrl.rewards import ScoreResult
+    from asyncrl.wire import Group
+    from asyncrl.wire.codec import decode_trajectories, encode_trajectories
+    from buffer.reports import Reports
+    from rollout_servers.groups import scored
+
+    reports = Reports()
+    outcomes = [[1.0, None, 0.0, None], [None, None, None, None], [1.0, 1.0, 0.0, 1.0]]
+    for row, members in enumerate(outcomes):
+        task_id = f"val.x/0/{row}"
+        sent = [
+            Trajectory.build(
+                task_id=task_id,
+                prompt_ids=np.arange(3),
+                response_ids=np.arange(2),
+                logprobs=np.zeros(2),
+                group_index=i,
+                group_size=len(members),
+                validation=True,
+                data_source="s",
+                **scored(ScoreResult(0.0, error="exception") if r is None else ScoreResult(r)),
+            )
+            for i, r in enumerate(members)
+        ]
+        got = decode_trajectories(encode_trajectories(sent))
+        reports.scored(Group.from_trajectories(task_id, got))
+    progress = ValidationProgress(rounds_started=1, round_groups=3, head="val.x")
+    with caplog.at_level("WARNING", logger="learner.validation"):
+        [out] = ValidationTracker().add(reports.results_for([]), progress)
+    assert out["val/reward_errors"] == 6.0 and out["val/responses"] == 12
+    assert math.isclose(out["val/score"], 4 / 12)  # the failures are in it, as 0.0
+    assert "the scorer failed on 6 of its 12 responses" in caplog.text
+    one = ValidationProgress(rounds_started=1, round_groups=1, head="val.x")
+    [clean] = ValidationTracker().add({"val.x/0": _groups([[1.0, 0.0]])}, one)
+    assert clean["val/reward_errors"] == 0.0

@@ -93,6 +93,10 @@ class TrajectoryMeta(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     # became several samples (a chat template rewrote the history); group statistics count
     # episodes. None: the sample is its own episode, ``group_index``.
     episode: NonNegInt | None = None
+    # The scorer failed on this response (raised, timed out, returned nothing usable):
+    # ``reward`` is the 0.0 it was scored instead. Validation rounds count these
+    # (``val/reward_errors``), so a score pulled down by a broken scorer says so.
+    reward_error: bool = False
 
     @property
     def episode_index(self) -> int:
