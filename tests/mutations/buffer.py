@@ -208,4 +208,15 @@ ROWS = (
             "tests/test_buffer_replies.py::test_a_fresh_consumers_hello_says_how_many_batches_went_back",
         ),
     ),
+    Mutation(
+        "the buffer counts a validation group's failed episodes",
+        "a round reports 0 reward errors whatever the scorer did",
+        "buffer/reports.py",
+        "        failed = {m.episode_index for m in group.metas if m.reward_error}",
+        "        failed = set()",
+        (
+            "tests/test_validation_stats.py::"
+            "test_responses_the_scorer_failed_on_are_counted_in_their_round",
+        ),
+    ),
 )

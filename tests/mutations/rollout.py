@@ -538,4 +538,16 @@ ROWS = (
             "test_a_session_refused_for_want_of_room_is_penalised_at_the_whole_budget",
         ),
     ),
+    Mutation(
+        "a response the scorer failed on says so on the wire",
+        "validation rounds count no scorer failure: val/score drops to 0 with nothing said",
+        "rollout_servers/groups.py",
+        '        fields["reward_error"] = True',
+        "        pass",
+        (
+            "tests/test_rollout_loop.py::test_samples_the_scorer_fails_on_are_counted",
+            "tests/test_validation_stats.py::"
+            "test_responses_the_scorer_failed_on_are_counted_in_their_round",
+        ),
+    ),
 )
