@@ -156,6 +156,7 @@ def test_slots_are_held_only_by_live_groups(coordinator, tmp_path, monkeypatch):
         "dropped/expired": 0.0,
         "dropped/duplicate": 0.0,
         "dropped/filtered": 0.0,
+        "dropped/prompt_too_long": 0.0,
         "dropped/oversize": 0.0,
         "dropped/overflow": 0.0,
         "dropped/invalid": 0.0,

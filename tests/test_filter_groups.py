@@ -402,7 +402,8 @@ def test_a_prompt_over_the_limit_is_dropped_at_the_server(monkeypatch):
 def test_a_prompt_dropped_as_too_long_is_no_verdict_of_the_group_filter():
     """A review: prompts dropped by data.filter_overlong_prompts were acknowledged as the
     group filter's drops, so they counted toward max_num_gen_batches (switching the filter
-    off early) and raised the prompts' skip streaks. Accounted alike, judged not."""
+    off early) and raised the prompts' skip streaks. Judged not, and accounted under their
+    own reason: the accounting line read "dropped (filtered)" in a run without the filter."""
     run = _filtering_run(1)
     grant = run.st.grant("s", 2, 0.0)
     (long, alike) = [t.task_id for t in grant.tasks]
@@ -411,7 +412,10 @@ def test_a_prompt_dropped_as_too_long_is_no_verdict_of_the_group_filter():
     assert (gf.since_step, gf.total) == (0, 0) and gf.active
     run.st.ack("s", [alike], 0.0, filtered=True)
     assert (gf.since_step, gf.total) == (1, 1)
-    assert run.acct()["accounting/train/dropped/filtered"] == 2
+    acct = run.acct()
+    assert acct["accounting/train/dropped/filtered"] == 1
+    assert acct["accounting/train/dropped/prompt_too_long"] == 1
+    assert acct["accounting/train/unaccounted"] == 0
 
 
 def test_overlong_shaping_measures_a_split_episode_by_its_whole_response(monkeypatch, nap_tools):  # noqa: F811

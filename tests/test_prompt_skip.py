@@ -241,6 +241,6 @@ def test_tasks_that_never_get_a_verdict_are_forgotten_at_the_next_step():
     task = run.st.grant("s", 1, 0.0).tasks[0]
     assert task.filter and task.task_id in run.st.state_dict()["group_filter"]["judging"]
     run.st.ack("s", [task.task_id], 0.0, filtered=True, prompt_too_long=True)  # no verdict
-    assert run.st.ledger.entries[task.task_id].state == "dropped/filtered"
+    assert run.st.ledger.entries[task.task_id].state == "dropped/prompt_too_long"
     run.st.on_step(1)
     assert task.task_id not in run.st.state_dict()["group_filter"].get("judging", [])

@@ -60,7 +60,7 @@ class DataConfig(Section):
     filter_overlong_prompts: bool = Field(
         default=False,
         description="Drop a training prompt longer than max_prompt_length at its rollout "
-        "server (counted as dropped/filtered) instead of applying data.truncation; leave such "
+        "server (accounted dropped/prompt_too_long) instead of applying data.truncation; leave such "
         "validation rows out when they are loaded, as veRL does.",
     )
     truncation: Literal["left", "right", "middle", "error"] = Field(

@@ -322,10 +322,14 @@ class TaskLedger:
         self.counts["acks_unknown"] += len(unknown)
         return acked, unknown
 
-    def filtered(self, server_id: str, task_ids: Iterable[str]) -> list[str]:
-        """Training groups ``server_id`` dropped by the group filter: terminal
-        (``dropped/filtered``), out of the budget at once; returns the ids taken. A report
-        of a task dealt again to another server since is ignored (that one's group counts)."""
+    def filtered(
+        self, server_id: str, task_ids: Iterable[str], reason: str = "filtered"
+    ) -> list[str]:
+        """Training groups ``server_id`` dropped before the push: terminal
+        (``dropped/<reason>``: ``filtered`` by the group filter, ``prompt_too_long`` by
+        ``data.filter_overlong_prompts``), out of the budget at once; returns the ids taken.
+        A report of a task dealt again to another server since is ignored (that one's group
+        counts)."""
         done = []
         for tid in task_ids:
             e = self.entries.get(tid)
@@ -335,7 +339,7 @@ class TaskLedger:
             if e is None or not holder or kind_of(tid) != "train":
                 self.counts["filtered_unknown"] += 1
                 continue
-            self.move(tid, e, "dropped/filtered", "filtered")
+            self.move(tid, e, f"dropped/{reason}", reason)
             done.append(tid)
         return done
 

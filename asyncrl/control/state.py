@@ -348,7 +348,8 @@ class ControlState:
     ) -> TaskAckReply:
         self.touch(server_id, now)
         if filtered:  # dropped at the server by algorithm.filter_groups (or, too long, before)
-            done = self.ledger.filtered(server_id, task_ids)
+            reason = "prompt_too_long" if prompt_too_long else "filtered"
+            done = self.ledger.filtered(server_id, task_ids, reason)
             if not prompt_too_long:  # a prompt never generated says nothing of its groups
                 self.group_filter.filtered(len(done), self.step)
                 self.group_filter.verdicts(done, filtered=True)

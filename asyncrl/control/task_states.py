@@ -39,7 +39,16 @@ if TYPE_CHECKING:
     from asyncrl.control.task_source import TaskSource
 
 OUT, QUEUED, BUF, DONE, GIVEN_UP = "out", "queued", "in_buffer", "done", "given_up"
-DROP_REASONS = ("lag", "expired", "duplicate", "filtered", "oversize", "overflow", "invalid")
+DROP_REASONS = (
+    "lag",
+    "expired",
+    "duplicate",
+    "filtered",
+    "prompt_too_long",
+    "oversize",
+    "overflow",
+    "invalid",
+)
 STATES = (OUT, QUEUED, BUF, DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS))
 TERMINAL = frozenset({DONE, GIVEN_UP, *(f"dropped/{r}" for r in DROP_REASONS)})
 CHARGED = frozenset({OUT, BUF, DONE})
