@@ -567,4 +567,15 @@ ROWS = (
             "test_a_buffer_restarted_before_the_first_drain_ends_the_replay_too",
         ),
     ),
+    Mutation(
+        "a prompt dropped as too long is accounted under its own reason",
+        "the accounting line says the group filter dropped it, in a run without the filter",
+        "asyncrl/control/state.py",
+        '            reason = "prompt_too_long" if prompt_too_long else "filtered"',
+        '            reason = "filtered"',
+        (
+            "tests/test_filter_groups.py::"
+            "test_a_prompt_dropped_as_too_long_is_no_verdict_of_the_group_filter",
+        ),
+    ),
 )
