@@ -337,7 +337,8 @@ class RankZero:
         again and writes a second record, which the readers supersede)."""
         metrics["actor/policy_version"] = version
         metrics.update(self.coordinator.metrics())
-        metrics.update(rollout_summary(self.coordinator.server_metrics()))
+        servers = self.coordinator.server_metrics()
+        metrics.update(rollout_summary(servers, self.coordinator.server_totals()))
         self.logger.log(step, metrics)
 
     def after_step(self, step: int) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
+from asyncrl.control.server_totals import COUNTER_PREFIXES, COUNTERS, is_counter
 from learner.losses import STAT_MAXES, STAT_SUMS
 from learner.rollouts import Rollout, drop_reason
 
@@ -120,45 +121,29 @@ def mean_of(values: Iterable[float]) -> float:
     return statistics.fmean(vals) if vals else 0.0
 
 
-def rollout_summary(servers: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """``rollout/...`` of a step's record: the rollout servers' heartbeat metrics (server id
-    -> metrics), summed (rates, counters) or averaged (fractions)."""
+def rollout_summary(
+    servers: Mapping[str, Mapping[str, float]], totals: Mapping[str, float] | None = None
+) -> dict[str, float]:
+    """``rollout/...`` of a step's record from the rollout servers' heartbeat metrics
+    (server id -> metrics): the counters (:data:`~asyncrl.control.server_totals.COUNTERS`,
+    the agents' and the endpoint's) from ``totals``, the coordinator's run totals over
+    every server process (summed over the live servers without it: they fall when one
+    restarts); rates and ``inflight`` summed, fractions averaged, over the live servers."""
     reports = [m for m in servers.values() if m]
-    if not reports:
-        return {}
-    out = {"rollout/tokens_per_s": sum(m.get("rollout/tokens_per_s", 0.0) for m in reports)}
-    # Totals over the servers, cumulative but for ``inflight``: rates and waits over any
-    # window come from their differences (the benchmarks' steady-state figures).
-    totals = (
-        "tokens",
-        "task_wait_s",
-        "sync_pause_s",
-        "uptime_s",  # the time base of the waits above (asyncrl/launch/time_split.py)
-        "version_wait_s",
-        "score_wait_s",
-        "push_blocked_s",
-        "gc_s",
-        "groups_filtered",
-        "filter_metric_unknown",
-        "reward_errors",
-        "prompts_truncated",
-        "groups",
-        "task_errors",
-        "prompts_filtered_too_long",
-        "push_wait_s",
-        "resubmitted",
-        "moved_off_stale_adapters",
-        "version_wait_missed",
-        "probe_timeouts",
-        "inflight",  # now, not cumulative: responses in flight over the servers
-    )
-    for key in (f"rollout/{k}" for k in totals):
-        out[key] = sum(m.get(key, 0.0) for m in reports)
-    # The multi-turn agents' and the OpenAI endpoint's counters, all cumulative: summed.
-    for m in reports:
-        for key, value in m.items():
-            if key.startswith(("rollout/agent/", "rollout/openai/")):
-                out[key] = out.get(key, 0.0) + value
+    out: dict[str, float] = {}
+    if totals is not None:  # cumulative: rates and waits over any window are differences
+        out.update({k: v for k, v in totals.items() if is_counter(k)})
+    if not reports:  # no server reports now (all restarting, or the learner just started)
+        return out | ({"rollout/servers_reporting": 0.0} if totals is not None else {})
+    out["rollout/tokens_per_s"] = sum(m.get("rollout/tokens_per_s", 0.0) for m in reports)
+    out["rollout/inflight"] = sum(m.get("rollout/inflight", 0.0) for m in reports)  # now
+    if totals is None:
+        for key in COUNTERS:
+            out[key] = sum(m.get(key, 0.0) for m in reports)
+        for m in reports:
+            for key, value in m.items():
+                if key.startswith(COUNTER_PREFIXES):
+                    out[key] = out.get(key, 0.0) + value
     out["rollout/servers_reporting"] = len(reports)
     # 0 when any server's loop does not run with its start-up heap frozen.
     out["rollout/gc_frozen_objects_min"] = min(

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from collections import Counter, deque
 from typing import TYPE_CHECKING
 
+from asyncrl.control.server_totals import INCARNATION
 from asyncrl.launch.startup import collector_metrics
 
 if TYPE_CHECKING:
@@ -123,6 +125,9 @@ class ServerStats:
             "rollout/version_wait_s": 0.0,  # tasks waiting for the version they were dealt at
             "rollout/version_wait_missed": 0,  # tasks started under older weights than dealt
             "rollout/probe_timeouts": 0,  # post-sync probes not scored in time (sync stands)
+            # This process's own number: the coordinator's run totals tell a restarted
+            # server's counts (from 0 again) from the same process's (server_totals).
+            INCARNATION: float(secrets.randbits(52)),
         }
         self.groups_done = 0
         self.tokens_by_version: Counter[int] = Counter()

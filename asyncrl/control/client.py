@@ -41,6 +41,7 @@ import zmq
 from asyncrl.control import messages as m
 from asyncrl.control.client_sockets import ClientSockets, Socket
 from asyncrl.control.request_ids import RequestIds
+from asyncrl.control.server_totals import COUNTER_PREFIXES
 from asyncrl.net.transport import RequestRefused
 from asyncrl.wire.base import single
 
@@ -303,7 +304,11 @@ class CoordinatorClient:
                 len(metrics),
                 m.HEARTBEAT_METRICS_MAX,
             )
-        return dict(sorted(metrics.items())[: m.HEARTBEAT_METRICS_MAX])
+        # The server's own counters first: those named as they arise (per agent, endpoint
+        # or version) are the ones left out.
+        open_ended = (*COUNTER_PREFIXES, "rollout/tokens_by_version/")
+        kept = sorted(metrics.items(), key=lambda kv: (kv[0].startswith(open_ended), kv[0]))
+        return dict(kept[: m.HEARTBEAT_METRICS_MAX])
 
     def _apply(self, ann: m.Announcement, seen: tuple[str, int]) -> None:
         if ann.shutdown:

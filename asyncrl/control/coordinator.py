@@ -338,6 +338,12 @@ class Coordinator:
         with self._lock:
             return {sid: dict(r.metrics) for sid, r in self._state.servers.items()}
 
+    def server_totals(self) -> dict[str, float]:
+        """The servers' counters summed over the run: every process of every server id,
+        live or gone (:mod:`~asyncrl.control.server_totals`)."""
+        with self._lock:
+            return self._state.server_totals.totals()
+
     def state_dict(self) -> dict[str, Any]:
         """Cursor, budget, owed tasks, sync counter: save it with the learner's checkpoint."""
         with self._lock:

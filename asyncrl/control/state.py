@@ -42,6 +42,7 @@ from asyncrl.control.messages import (
 )
 from asyncrl.control.recovery import Recovery
 from asyncrl.control.registry import SLOT_GRANTS_KEPT, ServerRecord
+from asyncrl.control.server_totals import ServerTotals
 from asyncrl.control.syncs import SyncBook
 from asyncrl.control.task_states import OUT, QUEUED, TERMINAL, is_external, kind_of
 from asyncrl.control.validation_schedule import ValidationProgress, ValidationSchedule
@@ -97,6 +98,8 @@ class ControlState:
             enable=False, max_num_gen_batches=0, batch_size=1
         )
         self.group_filter.attach(ledger.source)
+        # The servers' counters over the run (their restarts and the learner's included)
+        self.server_totals = ServerTotals()
         # The version, the syncs and the catch-ups: their own rules over the same records.
         self.versions = Versions(
             self.servers,
@@ -239,6 +242,7 @@ class ControlState:
         if rec is not None:
             rec.policy_version = max(rec.policy_version, msg.policy_version)
             rec.metrics = msg.metrics
+            self.server_totals.observe(msg.server_id, msg.metrics)
         return rec
 
     def news(self, msg: Heartbeat) -> Announcement | None:
@@ -513,6 +517,7 @@ class ControlState:
             "servers": sorted(self.servers),
             "group_filter": self.group_filter.state_dict(),
             "counts": dict(self.counts),  # coordinator/<event> totals of the run
+            "server_totals": self.server_totals.state_dict(),  # rollout/<counter> of the run
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -528,6 +533,8 @@ class ControlState:
         if "group_filter" in state:  # saved before it: counts start again
             self.group_filter.load_state_dict(state["group_filter"])
         self.counts.update({k: int(v) for k, v in state.get("counts", {}).items()})
+        # Saved before it: the totals start from the live servers' counts
+        self.server_totals.load_state_dict(state.get("server_totals", {}))
         # Dealing had started in the saved session: min_servers_to_start is a start-up rule,
         # and after a scale-down it may never be met again.
         self.started = True

@@ -99,8 +99,9 @@ def launch_records(
 ) -> tuple[int, list[dict[str, float]]]:
     """The records of the latest launch that wrote any, and its number (1 for the first of
     ``starts``); (0, every record) without launches. A resumed run's earlier launches are
-    its curve, but their downtime is no role's time, and the servers' counters begin again
-    at each launch, so a summary over them mixes launches."""
+    its curve, but their downtime is no role's time (and a launch that resumed no
+    checkpoint counts the servers' counters from 0 again), so a summary over them mixes
+    launches."""
     ends = [*starts[1:], math.inf]
     for k in range(len(starts), 0, -1):
         mine = [r for r in records if starts[k - 1] <= r.get("time", -math.inf) < ends[k - 1]]
