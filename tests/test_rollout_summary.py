@@ -54,12 +54,12 @@ def test_every_counter_a_server_keeps_reaches_the_step_record():
     """A review: ``rollout/version_wait_missed`` and ``rollout/probe_timeouts`` were counted
     by the servers and listed in METRICS.md as in every step's record, but the summary
     left them out. Every counter of :class:`ServerStats` is now summed over the servers."""
+    from asyncrl.control.server_totals import INCARNATION
     from rollout_servers.engine import ENGINE_METRICS
     from rollout_servers.server_stats import ServerStats
 
-    # The engine's too (a review: rollout/moved_off_stale_adapters was left out).
-    from asyncrl.control.server_totals import INCARNATION
-
+    # The engine's too (a review: rollout/moved_off_stale_adapters was left out); not the
+    # process's incarnation, a number of its own.
     stats = ServerStats(tok=None).metrics  # type: ignore[arg-type]
     counters = [*(k for k in stats if k != INCARNATION), *ENGINE_METRICS]
     servers = {f"r{i}": {key: float(i + 1) for key in counters} for i in range(2)}

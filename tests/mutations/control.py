@@ -578,4 +578,45 @@ ROWS = (
             "test_a_prompt_dropped_as_too_long_is_no_verdict_of_the_group_filter",
         ),
     ),
+    Mutation(
+        "a restarted server's counts add to its earlier processes'",
+        "a server restarted under its id: its earlier process's counts vanish, the records fall",
+        "asyncrl/control/server_totals.py",
+        "                s.base[k] = s.base.get(k, 0.0) + v",
+        "                pass",
+        (
+            "tests/test_server_totals.py::"
+            "test_a_restarted_or_departed_servers_counts_stay_in_the_run_totals",
+        ),
+    ),
+    Mutation(
+        "the same server process is told apart by its incarnation",
+        "a reaped server coming back as the same process is counted twice",
+        "asyncrl/control/server_totals.py",
+        "            return incarnation != self.incarnation",
+        "            return True",
+        (
+            "tests/test_server_totals.py::"
+            "test_a_reaped_server_that_comes_back_as_the_same_process_is_counted_once",
+        ),
+    ),
+    Mutation(
+        "the servers' run totals are in the coordinator's checkpoint",
+        "a learner restart loses the counts of every server process gone before it",
+        "asyncrl/control/state.py",
+        '        self.server_totals.load_state_dict(state.get("server_totals", {}))',
+        "        pass",
+        (
+            "tests/test_server_totals.py::"
+            "test_a_learner_restarted_from_its_checkpoint_keeps_the_totals",
+        ),
+    ),
+    Mutation(
+        "a cut heartbeat keeps the server's own counters",
+        "the agents' counters, first by name, crowd out rollout/tokens and the incarnation",
+        "asyncrl/control/client.py",
+        "        kept = sorted(metrics.items(), key=lambda kv: (kv[0].startswith(open_ended), kv[0]))",
+        "        kept = sorted(metrics.items())",
+        ("tests/test_server_totals.py::test_a_cut_heartbeat_keeps_the_servers_own_counters",),
+    ),
 )

@@ -347,7 +347,7 @@ ROWS = (
     Mutation(
         "every server counter reaches the step record",
         "the probe timeouts are left out of the rollout summary",
-        "learner/metrics.py",
+        "asyncrl/control/server_totals.py",
         '        "probe_timeouts",\n',
         "",
         (
@@ -553,7 +553,7 @@ ROWS = (
     Mutation(
         "the engine's counters reach the step record",
         "rollout/moved_off_stale_adapters is counted by the servers and never summed",
-        "learner/metrics.py",
+        "asyncrl/control/server_totals.py",
         '        "moved_off_stale_adapters",\n',
         "",
         (
@@ -620,5 +620,13 @@ ROWS = (
             "tests/test_resume_modes.py::"
             "test_a_new_run_or_branch_does_not_keep_an_earlier_runs_final_export",
         ),
+    ),
+    Mutation(
+        "the step record's counters are the coordinator's run totals",
+        "counters are summed over the live servers: they fall when one restarts",
+        "learner/control_plane.py",
+        "        metrics.update(rollout_summary(servers, self.coordinator.server_totals()))",
+        "        metrics.update(rollout_summary(servers))",
+        ("tests/test_server_totals.py::test_the_step_record_carries_the_run_totals",),
     ),
 )
