@@ -181,6 +181,29 @@ def test_validation_schedule():
     assert st.ledger.source.val_rounds == 3
 
 
+def test_the_end_validates_weights_a_round_at_its_step_did_not_measure():
+    """Found by a review: with ``staleness.sync_every=2`` and ``test_freq=5``, step 5's
+    round started on step 4's weights; the data ran out after step 5, the end pushed step
+    5's weights and its round was refused (one already at step 5), so the weights the run
+    ended with were never validated. A round at one step on the same weights still is."""
+    st = _state(test_freq=5)
+    assert st.on_step(5, weights_step=4)
+    assert st.start_validation(5)  # the end, on step 5's weights
+    assert st.validation.progress().started_at == {0: 4, 1: 5}
+    assert not st.start_validation(5)  # those weights have their round
+    assert st.on_step(10) and not st.start_validation(10)  # a test_freq round at the end
+
+
+def test_a_run_with_no_batch_validates_its_weights_once():
+    """Found by a review: ``val_before_train`` started a round at step 0, and the end of a
+    run with no batch to train started another on the same weights."""
+    st = _state(test_freq=5, val_before_train=True)
+    st.start_run()
+    assert st.ledger.source.val_rounds == 1
+    assert not st.start_validation(0)
+    assert st.ledger.source.val_rounds == 1
+
+
 def test_heartbeat_news_is_level_triggered():
     st = _state()
     reg = st.register(m.Register(server_id="a", engine_world_size=0), now=0.0)

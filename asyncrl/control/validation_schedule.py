@@ -70,15 +70,23 @@ class ValidationSchedule:
 
     def start(self, step: int, weights_step: int | None = None) -> bool:
         """The one place a validation round starts (before training, every ``test_freq``
-        steps, at the end): not when there are no validation rows, nor twice at one step
-        after the first. ``weights_step``: the step whose weights the servers hold (default
-        ``step``), which the round's ``val/step`` reports. True when a round was started."""
+        steps, at the end): not when there are no validation rows, nor twice on the same
+        weights at one step. ``weights_step``: the step whose weights the servers hold
+        (default ``step``), which the round's ``val/step`` reports. True when a round was
+        started.
+
+        Found by a review: the end's round was refused at a step whose ``test_freq`` round
+        had started on an earlier step's weights (``staleness.sync_every`` not dividing it),
+        so the weights the run ends with (pushed at the end) were never validated; and two
+        rounds started at step 0 on the same weights (``val_before_train`` then the end of
+        a run with no batch to train)."""
         source = self.source
-        if not source.val_rows or (self.last_val_step == step and step > 0):
+        held = step if weights_step is None else weights_step
+        last = self.started_at.get(source.val_rounds - 1, held)  # not recorded: the same
+        if not source.val_rows or (self.last_val_step == step and last == held):
             return False
         number = source.start_validation()
         self.last_val_step = step
-        held = step if weights_step is None else weights_step
         self.started_at[number] = held
         if held == step:
             log.info("validation round %d started at step %d", number, step)
