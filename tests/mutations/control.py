@@ -619,4 +619,23 @@ ROWS = (
         "        kept = sorted(metrics.items())",
         ("tests/test_server_totals.py::test_a_cut_heartbeat_keeps_the_servers_own_counters",),
     ),
+    Mutation(
+        "the end validates weights the round at its step did not measure",
+        "one round a step whatever its weights: the final weights go unvalidated",
+        "asyncrl/control/validation_schedule.py",
+        "        if not source.val_rows or (self.last_val_step == step and last == held):",
+        "        if not source.val_rows or self.last_val_step == step:",
+        (
+            "tests/test_admission_registry.py::"
+            "test_the_end_validates_weights_a_round_at_its_step_did_not_measure",
+        ),
+    ),
+    Mutation(
+        "no second round at step 0 on the same weights",
+        "a run with no batch validates its weights twice at step 0",
+        "asyncrl/control/validation_schedule.py",
+        "        if not source.val_rows or (self.last_val_step == step and last == held):",
+        "        if not source.val_rows or (self.last_val_step == step and last == held and step):",
+        ("tests/test_admission_registry.py::test_a_run_with_no_batch_validates_its_weights_once",),
+    ),
 )
