@@ -1,5 +1,6 @@
 """When validation rounds start: before training (``trainer.val_before_train``), every
-``trainer.test_freq`` steps, and at the end of training, never twice at one step.
+``trainer.test_freq`` steps, and at the end of training, never twice on the same weights
+at one step.
 
 :class:`ValidationSchedule` holds these rules; :class:`~asyncrl.control.state.ControlState`
 owns one (as it owns a :class:`~asyncrl.control.versions.Versions`), passes it the learner's
