@@ -33,6 +33,17 @@ class Restored(NamedTuple):
     lag_controller: dict[str, Any] | None = None  # the adaptive lag reached
     saved_at: float | None = None  # wall time the control plane's state was taken
 
+    def records_lost_after(self, run: Path) -> float | None:
+        """The wall time after which the run's records were lost with the learner that
+        wrote them (:meth:`~asyncrl.metrics.MetricsLogger.mark_resumed`): ``saved_at``;
+        None for the checkpoint a run ended whole at (:func:`~asyncrl.config.ending.ended_at`),
+        whose later records are its ending (the final validation, the accounting) and are
+        never written again. Found by a review: a run extended past its end lost its final
+        round's record from every reader."""
+        from asyncrl.config.ending import ended_at
+
+        return None if ended_at(run) == self.step else self.saved_at
+
 
 class ControlPeer(Protocol):
     """The loop's view of the control plane; every method is a no-op off rank 0."""

@@ -105,7 +105,7 @@ class RankZero:
         self._meet_buffer(restored)
         self.logger = open_metrics(cfg, run_dir, new_run)
         if restored.path is not None and not new_run:
-            self.logger.mark_resumed(restored.step, restored.saved_at)
+            self.logger.mark_resumed(restored.step, restored.records_lost_after(run_dir))
 
     def _meet_buffer(self, restored: Restored) -> None:
         """Say hello to the buffer (waiting up to ``launch.start_timeout_s``) and set the

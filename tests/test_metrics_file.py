@@ -408,3 +408,37 @@ def test_a_round_reported_after_the_checkpoint_is_read_once_after_a_resume(tmp_p
     quiet.mark_resumed(2)
     quiet.close()
     assert read_metrics(run) == records
+
+
+def test_a_run_extended_past_its_end_keeps_its_final_rounds_record(tmp_path):
+    """Found by a review: a run ended whole at step 2 (its checkpoint saved, then its final
+    validation round and accounting logged) and extended with a larger total: the resume
+    record dropped every record written after the checkpoint, the final round's among
+    them, though nothing writes it again. A run that died after its checkpoint still
+    drops what it wrote after it."""
+    import time
+
+    from asyncrl.config.ending import mark_ended
+    from learner.control_peer import Restored
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        _write(run, step, fresh=step == 1)
+    saved = Restored(run / "ckpt", None, None, step=2, saved_at=time.time())
+    time.sleep(0.01)
+    logger = MetricsLogger(run, ["jsonl"], fresh=False)
+    logger.log(2, {"val/score": 0.75})  # the final round, after the checkpoint
+    logger.close()
+    lost = saved.records_lost_after(run)  # not ended: the round was lost with the learner
+    assert lost == saved.saved_at
+    mark_ended(run, 2)
+    assert saved.records_lost_after(run) is None
+    extended = MetricsLogger(run, ["jsonl"], fresh=False)
+    extended.mark_resumed(2, saved.records_lost_after(run))
+    extended.close()
+    assert [r.get("val/score") for r in read_metrics(run)] == [None, None, 0.75]
+    dying = MetricsLogger(run, ["jsonl"], fresh=False)  # as before the run had ended
+    dying.mark_resumed(2, lost)
+    dying.close()
+    assert [r.get("val/score") for r in read_metrics(run)][-1] is None
+    assert 0.75 not in [r.get("val/score") for r in read_metrics(run)]
