@@ -629,4 +629,15 @@ ROWS = (
         "        metrics.update(rollout_summary(servers))",
         ("tests/test_server_totals.py::test_the_step_record_carries_the_run_totals",),
     ),
+    Mutation(
+        "an ended run's final records survive its extension",
+        "a run extended past its end loses its final round's record from every reader",
+        "learner/control_peer.py",
+        "        return None if ended_at(run) == self.step else self.saved_at",
+        "        return self.saved_at",
+        (
+            "tests/test_metrics_file.py::"
+            "test_a_run_extended_past_its_end_keeps_its_final_rounds_record",
+        ),
+    ),
 )
