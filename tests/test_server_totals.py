@@ -133,14 +133,23 @@ def test_the_step_record_carries_the_run_totals(tmp_path, arithmetic_data):
     """Rank 0's step record, written by its control plane: the counts of a server that
     left are still in it."""
     from asyncrl.config import run_dir
+    from asyncrl.control.client import CoordinatorClient
     from asyncrl.metrics import read_metrics
     from tests.standins.rank_zero import validating_rank_zero
 
     with validating_rank_zero(tmp_path, arithmetic_data) as rig:
         coordinator = rig.rank0.coordinator
-        with coordinator._lock:
-            _beat(coordinator._state, "a", 1.0, 40.0)
-            coordinator._state.leave("a")
+        client = CoordinatorClient(
+            coordinator.tasks_addr, coordinator.control_addr, "a", engine_world_size=0
+        )
+        try:
+            client.register(wait_s=10.0)
+            client.metrics = {ERR: 40.0, TOK: 4000.0, INCARNATION: 1.0}
+            client.heartbeat(wait_s=10.0)
+            assert client.leave("done", timeout_s=10.0)
+        finally:
+            client.close()
+        assert coordinator.servers() == {}
         rig.rank0.log_step(1, {"loss/total": 0.5}, 0)
     [record] = [r for r in read_metrics(run_dir(rig.cfg)) if r["step"] == 1]
     assert record[ERR] == 40.0 and record["rollout/servers_reporting"] == 0

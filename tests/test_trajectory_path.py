@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from asyncrl import wire
+from asyncrl.rewards.sandbox import ScoreResult
 from buffer.core import ReplayBuffer
 from learner.collate import collate
 from learner.loop import to_rollouts
@@ -28,8 +29,8 @@ def _task(task_id: str = "train/0/0") -> SimpleNamespace:
     return SimpleNamespace(task_id=task_id, validation=False, data_source="arith")
 
 
-def _scores(*values: float) -> list[SimpleNamespace]:
-    return [SimpleNamespace(score=v, parts={}) for v in values]
+def _scores(*values: float) -> list[ScoreResult]:
+    return [ScoreResult(score=v) for v in values]
 
 
 def through_the_buffer(frames: list) -> wire.Batch:
