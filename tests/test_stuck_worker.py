@@ -151,7 +151,8 @@ def test_a_join_that_never_ends_is_declared_stuck_whatever_the_bucket_count():
             start = loop.time()
             with pytest.raises(RuntimeError, match="wsync_join did not end .* stuck"):
                 await engine.sync_weights(1, plan_of(50), join=join, timeout_s=TIMEOUT_S)
-            assert 4 * TIMEOUT_S < loop.time() - start < 4 * TIMEOUT_S + 0.5
+            # Fifty buckets' waits would be 10 s: the bound leaves a loaded machine 2 s of slack.
+            assert 4 * TIMEOUT_S < loop.time() - start < 4 * TIMEOUT_S + 2.0
             assert engine.errored
 
     asyncio.run(run())

@@ -152,7 +152,6 @@ def test_a_registration_the_coordinator_answers_after_the_sigterm_is_left_again(
     addr = f"tcp://127.0.0.1:{free_port()}"
     coordinator.bind(addr)
     client = CoordinatorClient(addr, addr, "rollout-0", engine_world_size=0, timeout_s=5.0)
-    threading.Timer(0.3, client.shutdown.set).start()  # SIGTERM while the reply is due
     got: list[object] = []
 
     def serve() -> None:
@@ -161,6 +160,7 @@ def test_a_registration_the_coordinator_answers_after_the_sigterm_is_left_again(
             request = m.decode_request(frame)
             got.append(request)
             if isinstance(request, m.Register):
+                client.shutdown.set()  # SIGTERM while the reply is due
                 time.sleep(1.0)  # busy: the reply comes after the SIGTERM
                 reply = m.Registered(
                     server_id=request.server_id,
@@ -200,9 +200,22 @@ def test_marked_since_ignores_an_earlier_attempts_mark(tmp_path: Path):
     assert not startup.marked_since(tmp_path, "rollout-1", "registered", now - 60)
 
 
-SLOW_TO_STOP = (
-    "import signal, time\nsignal.signal(signal.SIGTERM, lambda *a: None)\ntime.sleep(1.5)\n"
-)
+# A server that hears SIGTERM but ends 1.5 s later; it says so once its handler is in.
+SLOW_TO_STOP = r"""
+import signal, sys, time
+from pathlib import Path
+signal.signal(signal.SIGTERM, lambda *a: None)
+(Path(sys.argv[1]) / "handler.up").touch()
+time.sleep(1.5)
+"""
+# A buffer that ends on its own 0.7 s after the server's handler is in.
+ENDS_SOON = r"""
+import sys, time
+from pathlib import Path
+while not (Path(sys.argv[1]) / "handler.up").exists():
+    time.sleep(0.02)
+time.sleep(0.7)
+"""
 
 
 @pytest.mark.timeout(60)
@@ -212,13 +225,17 @@ def test_a_role_that_ends_while_the_servers_stop_is_not_recorded_as_stopped(tmp_
     stopped by the launcher (it was, from the list taken before that wait)."""
     (tmp_path / "logs").mkdir()
     roles = [
-        Role("rollout-0", [sys.executable, "-c", SLOW_TO_STOP], server_id="rollout-0"),
-        Role("buffer", [sys.executable, "-c", "import time; time.sleep(0.7)"]),
+        Role(
+            "rollout-0", [sys.executable, "-c", SLOW_TO_STOP, str(tmp_path)], server_id="rollout-0"
+        ),
+        Role("buffer", [sys.executable, "-c", ENDS_SOON, str(tmp_path)]),
     ]
     sup = Supervisor(roles, tmp_path, RestartPolicy())
     try:
         sup.start_all()
-        time.sleep(0.3)  # both running
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "handler.up").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)  # both running, the server's SIGTERM handler in
         sup.stop_all(grace_s=6.0)
     finally:
         sup.close()
@@ -234,8 +251,8 @@ from pathlib import Path
 from asyncrl.launch import startup
 run = Path(sys.argv[1])
 if not (run / "learner.1").exists():
+    startup.mark(run, "learner", "coordinator_up")  # before the server may give up
     (run / "learner.1").touch()
-    startup.mark(run, "learner", "coordinator_up")
     time.sleep(60)  # hung: nothing answers
 while not (run / "rollout-0.2").exists():
     time.sleep(0.05)
@@ -312,8 +329,23 @@ GIVES_UP = r"""
 import sys
 from pathlib import Path
 from asyncrl.launch import startup
-startup.mark(Path(sys.argv[1]), "rollout-0", "registered")
+run = Path(sys.argv[1])
+startup.mark(run, "rollout-0", "registered")
+with open(run / "gave_up", "a") as f:
+    f.write("x")
 sys.exit(3)
+"""
+# A learner that loads (never marks coordinator_up) until the server gave up four times
+# (three restarts, more than max_restarts), then ends 0.
+LOADING = r"""
+import sys, time
+from pathlib import Path
+gave_up = Path(sys.argv[1]) / "gave_up"
+deadline = time.monotonic() + 40
+while time.monotonic() < deadline:
+    if gave_up.exists() and len(gave_up.read_text()) >= 4:
+        break
+    time.sleep(0.05)
 """
 
 
@@ -325,10 +357,9 @@ def test_servers_that_give_up_on_a_loading_learner_are_not_out_of_restarts(tmp_p
     the learner only loaded. Those restarts are not counted now."""
     monkeypatch.setattr(supervise, "POLL_S", 0.1)
     (tmp_path / "logs").mkdir()
-    loading = "import time; time.sleep(3)"  # never marks coordinator_up, then ends 0
     roles = [
         Role("rollout-0", [sys.executable, "-c", GIVES_UP, str(tmp_path)], server_id="rollout-0"),
-        Role("learner", [sys.executable, "-c", loading]),
+        Role("learner", [sys.executable, "-c", LOADING, str(tmp_path)]),
     ]
     sup = Supervisor(roles, tmp_path, RestartPolicy(max_restarts=1, backoff_s=0.1))
     try:
