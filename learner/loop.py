@@ -14,8 +14,8 @@ checkpoint: each batch is acknowledged once trained). At the end: final checkpoi
 that vLLM loads, and the coordinator ends the run (servers and buffer exit). When the data
 is spent (every epoch dealt, fewer than a batch of groups left) training ends early there.
 Each step's metrics pass the health alarms (:mod:`learner.health`); with
-``trainer.health.action: stop`` the first alarm ends the run the same way, with a
-checkpoint, and the learner exits 5 (the launcher does not restart it).
+``trainer.health.action: stop`` the first alarm ends the run with a checkpoint but no
+export or final validation, and the learner exits 5 (the launcher does not restart it).
 """
 
 from __future__ import annotations
@@ -125,8 +125,13 @@ class LearnerLoop:
             with startup.startup_heap_frozen():
                 while self.trainer.step < self.total and self._one_step():
                     pass
-            self._push_final(started)
-            self._save(final=True)
+            # A run its health alarms stopped saves its checkpoint only: its weights are
+            # the ones that alarmed, and an export would replace the final/ of an earlier
+            # end (an extended run's) with them. Its ending comes when a launch resumes it.
+            done = self.stopped_by is None
+            if done:
+                self._push_final(started)
+            self._save(final=done)
         except Superseded as e:  # another learner said hello under this run's consumer id
             return self._superseded(e)
         except Exception:
@@ -139,7 +144,6 @@ class LearnerLoop:
             # without the validation rounds in flight (nobody reads their scores)
             self.control.finish(self.trainer.step, validate=False, wait_rounds=False)
             raise
-        done = self.stopped_by is None
         try:
             self._finish(validate=done, complete=done)
         except Superseded as e:  # its last acknowledgement refused: another took over

@@ -220,6 +220,8 @@ def test_a_health_alarm_with_action_stop_ends_the_run_with_a_checkpoint(tmp_path
     steps = [r for r in read_metrics(run) if "loss/pg" in r]
     assert [r["step"] for r in steps] == [1] and steps[0]["health/w_mean"] == 1
     assert (run / "checkpoints" / "step_1").is_dir()
+    # The weights that alarmed are not exported: no final/ a user would take as the result.
+    assert not (run / "final").exists()
 
 
 @pytest.mark.timeout(600)

@@ -640,4 +640,15 @@ ROWS = (
             "test_a_run_extended_past_its_end_keeps_its_final_rounds_record",
         ),
     ),
+    Mutation(
+        "a health stop exports nothing",
+        "the weights that alarmed are exported to final/ (an extended run's good final/ replaced)",
+        "learner/loop.py",
+        "            self._save(final=done)",
+        "            self._save(final=True)",
+        (
+            "tests/test_learner_loop.py::"
+            "test_a_health_alarm_with_action_stop_ends_the_run_with_a_checkpoint",
+        ),
+    ),
 )
