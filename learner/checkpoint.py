@@ -190,15 +190,15 @@ def save_checkpoint(
     # Before the collective save: rank 0 renames the folder only once every rank is past it.
     rng_file = tmp / RNG_FILE.format(rank=_rank())
     torch.save(_rng_state(), rng_file)
-    _fsync(rng_file)
+    fsync_path(rng_file)
     dcp_save(_dcp_state(model, optimizer, critic), checkpoint_id=str(tmp))  # fsyncs its files
     _forget(pristine, optimizer, critic)
     if _rank() == 0:
         # On disk before the rename: after a node's crash (not a kill) a complete-looking
         # step_N with empty files would be the one auto-resume picked, and refused.
         (tmp / STATE_FILE).write_text(state_json)
-        _fsync(tmp / STATE_FILE)
-        _fsync(tmp)
+        fsync_path(tmp / STATE_FILE)
+        fsync_path(tmp)
         if final.exists():
             old = final.with_name(final.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
@@ -210,14 +210,14 @@ def save_checkpoint(
             # A re-save cut short between its renames left step N's previous copy, which
             # latest_checkpoint used while step N was missing: this one replaces it.
             shutil.rmtree(final.with_name(final.name + ".old"), ignore_errors=True)
-        _fsync(final.parent)  # the rename, before older checkpoints are pruned
+        fsync_path(final.parent)  # the rename, before older checkpoints are pruned
         log.info("checkpoint saved: %s (policy version %d)", final, policy_version)
         prune_checkpoints(final, keep)
     _barrier()
     return final
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush ``path`` (a file, or a folder's entries) to disk. A file system that cannot
     sync a folder (some network mounts) is let be: the rename still orders the writes."""
     fd = os.open(path, os.O_RDONLY)
@@ -227,6 +227,15 @@ def _fsync(path: Path) -> None:
         log.debug("could not fsync %s (%s)", path, e)
     finally:
         os.close(fd)
+
+
+def fsync_tree(folder: Path) -> None:
+    """Flush every file under ``folder``, then its folders' entries: call it before the
+    rename that publishes ``folder``, so that after a node's crash the published name
+    never holds empty files."""
+    for path in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):  # files first
+        fsync_path(path)
+    fsync_path(folder)
 
 
 def load_checkpoint(path: str | Path, model, optimizer, scheduler, critic=None) -> CheckpointMeta:

@@ -68,6 +68,8 @@ def export_hf(
     from safetensors.torch import save_file
     from transformers import AutoConfig
 
+    from learner.checkpoint import fsync_path, fsync_tree
+
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     out = Path(out_dir)
@@ -87,12 +89,14 @@ def export_hf(
     config.save_pretrained(str(tmp))
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     mark_export(tmp, step)
+    fsync_tree(tmp)  # on disk before it is published: a node's crash leaves no empty files
     # Swapped in by renames: a kill between them leaves no final/ (or one without its mark),
     # which the next start exports again.
     shutil.rmtree(old, ignore_errors=True)
     if out.exists():
         out.rename(old)
     tmp.rename(out)
+    fsync_path(out.parent)
     shutil.rmtree(old, ignore_errors=True)
     log.info("exported HF model of step %d to %s (%d tensors)", step, out, len(tensors))
     return out

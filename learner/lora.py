@@ -199,6 +199,7 @@ def export_adapter(
     """Write the adapter of a gathered full ``state`` in peft's format to ``out`` (call it
     on one rank); with ``step``, then the export's mark (:func:`learner.export.mark_export`),
     taken away first so that a write cut short leaves none."""
+    from learner.checkpoint import fsync_path, fsync_tree
     from learner.export import EXPORT_MARK, mark_export
 
     m = model_cfg
@@ -210,5 +211,7 @@ def export_adapter(
         out, state, rank=m.lora_rank, alpha=m.lora_alpha, base_model=m.path, full_names=full
     )
     if step is not None:
+        fsync_tree(Path(path))  # the adapter on disk before the mark that vouches for it
         mark_export(path, step)
+        fsync_path(Path(path) / EXPORT_MARK)
     return path

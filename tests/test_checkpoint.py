@@ -212,9 +212,9 @@ def test_a_checkpoint_is_on_disk_before_its_rename_makes_it_complete(
 
     synced: list[tuple[str, bool]] = []  # (name, whether step_2 exists yet)
     final = tmp_path / "checkpoints" / "step_2"
-    real = ckpt._fsync
+    real = ckpt.fsync_path
     monkeypatch.setattr(
-        ckpt, "_fsync", lambda p: (synced.append((p.name, final.exists())), real(p))[1]
+        ckpt, "fsync_path", lambda p: (synced.append((p.name, final.exists())), real(p))[1]
     )
     trainer = Trainer(make_cfg(tiny_model))
     trainer.step = 2

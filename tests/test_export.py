@@ -88,3 +88,35 @@ def test_a_hub_id_exports_from_the_cache_it_loaded(tiny_model, tmp_path):
     AutoModelForCausalLM.from_pretrained(str(out))
     assert AutoTokenizer.from_pretrained(str(out)).encode("3+4=") == [18, 10, 19, 28]
     assert json.loads((out / EXPORT_MARK).read_text()) == {"step": 2}
+
+
+def test_every_exported_file_is_on_disk_before_the_export_is_published(
+    tiny_model, tmp_path, monkeypatch
+):
+    """After a node's crash (not a kill: the page cache is lost), a renamed ``final/``
+    whose files were never flushed can hold empty ones under a valid-looking mark. Each
+    file, the mark among them, and the folder are flushed before the rename publishes it,
+    and the rename itself after."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_rename = os.fsync, Path.rename
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(self: Path, target):
+        events.append(("rename", str(self)))
+        return real_rename(self, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Path, "rename", rename)
+    export_hf(tmp_path / "final", _state(tiny_model, torch.float32), tiny_model, step=2)
+    tmp = str(tmp_path / "final.tmp")
+    published = events.index(("rename", tmp))
+    flushed = {path for kind, path in events[:published] if kind == "fsync"}
+    written = {str(tmp_path / "final.tmp" / p.name) for p in (tmp_path / "final").iterdir()}
+    assert EXPORT_MARK in {Path(p).name for p in written} and "model.safetensors" in {
+        Path(p).name for p in written
+    }
+    assert written | {tmp} <= flushed, sorted(written | {tmp} - flushed)
+    assert ("fsync", str(tmp_path)) in events[published:]

@@ -8,6 +8,7 @@ one cut short in its ending is finished by the learner.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,10 @@ def mark_ended(run: Path, step: int, data_spent_at_epochs: int | None = None) ->
     if data_spent_at_epochs is not None:
         record["data_spent_at_epochs"] = data_spent_at_epochs
     tmp = run / f"{COMPLETE_FILE}.tmp"
-    tmp.write_text(json.dumps(record) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())  # after a node's crash, an empty mark would read as no end
     tmp.replace(run / COMPLETE_FILE)
 
 

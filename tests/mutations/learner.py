@@ -298,7 +298,7 @@ ROWS = (
         "a checkpoint is on disk before its rename",
         "the state file is not flushed before the rename",
         "learner/checkpoint.py",
-        "        _fsync(tmp / STATE_FILE)\n",
+        "        fsync_path(tmp / STATE_FILE)\n",
         "        pass\n",
         (
             "tests/test_checkpoint.py::test_a_checkpoint_is_on_disk_before_its_rename_makes_it_complete",
@@ -649,6 +649,17 @@ ROWS = (
         (
             "tests/test_learner_loop.py::"
             "test_a_health_alarm_with_action_stop_ends_the_run_with_a_checkpoint",
+        ),
+    ),
+    Mutation(
+        "an export is on disk before it is published",
+        "final/ is renamed in with its files unflushed: a node's crash leaves empty ones",
+        "learner/export.py",
+        "    fsync_tree(tmp)  # on disk before it is published: a node's crash leaves no empty files",
+        "    pass",
+        (
+            "tests/test_export.py::"
+            "test_every_exported_file_is_on_disk_before_the_export_is_published",
         ),
     ),
 )
