@@ -343,8 +343,43 @@ class EndpointGroups:
             self._record(group, "given back", why, 0)
             await self._give_back(functools.partial(self.client.nack, [task.task_id], why))
             return
+        episodes = [s.episode for s in members]
+        try:
+            scores = self._scores(task, members)
+            keep = not filtered_out(task, scores, self.filter_metric)  # alike: no signal
+            trajectories = (
+                episode_trajectories(
+                    task, episodes, scores, server_id=self.server_id, created_at=group.created
+                )
+                if keep
+                else None
+            )
+        except Exception as e:  # a bug, not the agent's: the slot must not stay charged
+            log.exception("external group %s: its trajectories were not built", task.task_id)
+            await self._not_pushed(group, len(members), f"its trajectories were not built: {e!r}")
+            return
+        if trajectories is None:
+            self._record(group, "filtered", f"{why}: every member scored alike", len(members))
+            await self._give_back(functools.partial(self.client.ack, [task.task_id], filtered=True))
+            self.metrics["rollout/openai/groups_filtered"] += 1
+            return
+        try:
+            await self.pusher.send_async(trajectories)
+        except Exception as e:
+            log.warning("external group %s was not pushed: %s", task.task_id, e)
+            await self._not_pushed(group, len(members), f"push failed: {e}")
+            return
+        await self.lanes.control(self.client.ack, [task.task_id])
+        self.metrics["rollout/openai/groups_pushed"] += 1
+        self._record(group, "pushed", f"{why}: trains in a coming step", len(members))
+        if self.on_pushed is not None:
+            self.on_pushed(episode_samples(episodes), scores, task)
+
+    def _scores(self, task: Task, members: list[Session]) -> list[ScoreResult]:
+        """The members' rewards as scores, shaped by DAPO's overlong penalty as the server's
+        own groups are (training groups only)."""
         scores = [ScoreResult(score=float(s.reward or 0.0)) for s in members]
-        if not task.validation:  # DAPO's overlong penalty, as on the server's own groups
+        if not task.validation:
             lengths = [s.episode.budget_len() for s in members]
             limit, overlong = self.cfg.data.max_response_length, self.cfg.reward.overlong_buffer
             scores = shape_overlong(scores, lengths, limit, overlong)
@@ -352,28 +387,13 @@ class EndpointGroups:
             self.metrics["rollout/filter_metric_unknown"] += 1  # an agent's reward has no parts
             if self.metrics["rollout/filter_metric_unknown"] == 1:
                 log.warning("endpoint groups: %s", note)
-        if filtered_out(task, scores, self.filter_metric):  # alike rewards: no signal
-            self._record(group, "filtered", f"{why}: every member scored alike", len(members))
-            await self._give_back(functools.partial(self.client.ack, [task.task_id], filtered=True))
-            self.metrics["rollout/openai/groups_filtered"] += 1
-            return
-        episodes = [s.episode for s in members]
-        trajectories = episode_trajectories(
-            task, episodes, scores, server_id=self.server_id, created_at=group.created
-        )
-        try:
-            await self.pusher.send_async(trajectories)
-        except Exception as e:
-            log.warning("external group %s was not pushed: %s", task.task_id, e)
-            self._record(group, "given back", f"push failed: {e}", len(members))
-            failed = f"push failed: {e}"
-            await self._give_back(functools.partial(self.client.nack, [task.task_id], failed))
-            return
-        await self.lanes.control(self.client.ack, [task.task_id])
-        self.metrics["rollout/openai/groups_pushed"] += 1
-        self._record(group, "pushed", f"{why}: trains in a coming step", len(members))
-        if self.on_pushed is not None:
-            self.on_pushed(episode_samples(episodes), scores, task)
+        return scores
+
+    async def _not_pushed(self, group: Group, members: int, why: str) -> None:
+        """``group`` was not pushed: given back to the coordinator (a failed task, dealt
+        again or given up there), so that its slot frees."""
+        self._record(group, "given back", why, members)
+        await self._give_back(functools.partial(self.client.nack, [group.task.task_id], why))
 
     async def _give_back(self, report: Callable[[], object]) -> None:
         """Send ``report`` (it answers falsy when the coordinator never answered); kept

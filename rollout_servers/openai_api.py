@@ -66,8 +66,14 @@ from rollout_servers.openai_http import (
     stream_reply,
     write_url,
 )
-from rollout_servers.request_fields import chat_messages, reward_of
-from rollout_servers.sessions import RequestError
+from rollout_servers.request_fields import (
+    asked_tokens,
+    chat_messages,
+    reward_of,
+    stop_strings,
+    wants_logprobs,
+)
+from rollout_servers.sessions import RequestError, check_conversation
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -202,10 +208,12 @@ class OpenAIEndpoint:
     async def _serve(self, request: web.Request, raw: bool) -> web.StreamResponse:
         """One request of a session: its turn (chat) or its new sample (``raw``)."""
         self.metrics["rollout/openai/requests"] += 1
-        key = ""
+        # First, from the headers: a body that cannot be read still names its member, which
+        # its refusal keeps (the member's reward then counts toward its group).
+        key = session_key(request, {})
         try:
             body = await read_json(request)
-            key = session_key(request, body)  # first: a refused member is kept by it
+            key = session_key(request, body)  # the body's ``session`` comes before the key
             if body.get("n") is not None and (body["n"] != 1 or isinstance(body["n"], bool)):
                 raise RequestError(400, "n must be 1: open one session per sample")
             if raw:  # a text prompt is tokenized in its turn, off the loop
@@ -213,6 +221,12 @@ class OpenAIEndpoint:
                 body, make = raw_max_tokens(body), self.turns.raw
             else:
                 inputs, make = chat_messages(body), self.turns.chat
+                check_conversation(inputs, body.get("tools"))
+                wants_logprobs(body)
+            # Every check of the body before a slot is taken: a malformed request waiting
+            # for a full budget was answered 429 (retry) instead of its 400.
+            asked_tokens(body)
+            stop_strings(body)
             session = await self.groups.session(key, lambda: _left(request))
             if session.reward is not None:
                 raise RequestError(

@@ -243,6 +243,15 @@ def tools_of(tools: Any) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+def check_conversation(messages: list[Any], tools: Any) -> None:
+    """A chat request's ``messages`` and ``tools`` read as :func:`prepare` reads them (a
+    400 for a role, content or tool call it would refuse), before the request's session
+    takes a slot of the staleness budget."""
+    tools_of(tools)
+    for msg in messages:
+        model_message(msg)
+
+
 def _same(shown: dict[str, Any], sent: Any) -> bool:
     if not isinstance(sent, dict) or sent.get("role") != shown["role"]:
         return False

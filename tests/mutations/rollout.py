@@ -550,4 +550,48 @@ ROWS = (
             "test_responses_the_scorer_failed_on_are_counted_in_their_round",
         ),
     ),
+    Mutation(
+        "a malformed conversation is refused before its slot",
+        "a bad role or tool call waits for a slot of a full budget, then gets a 429 to retry",
+        "rollout_servers/openai_api.py",
+        '                check_conversation(inputs, body.get("tools"))',
+        "                pass",
+        (
+            "tests/test_endpoint_before_slot.py::"
+            "test_a_malformed_request_is_refused_at_once_when_the_budget_is_full",
+        ),
+    ),
+    Mutation(
+        "bad sampling fields are refused before the slot",
+        "max_tokens 0 or a bad stop waits for a slot of a full budget, then gets a 429",
+        "rollout_servers/openai_api.py",
+        "            asked_tokens(body)\n            stop_strings(body)\n",
+        "",
+        (
+            "tests/test_endpoint_before_slot.py::"
+            "test_a_malformed_request_is_refused_at_once_when_the_budget_is_full",
+        ),
+    ),
+    Mutation(
+        "an unreadable body keeps the member its key names",
+        "a member whose body was not JSON is lost: its reward is a 404",
+        "rollout_servers/openai_api.py",
+        "        key = session_key(request, {})",
+        '        key = ""',
+        (
+            "tests/test_endpoint_before_slot.py::"
+            "test_an_unreadable_body_keeps_the_member_its_key_names",
+        ),
+    ),
+    Mutation(
+        "a group whose trajectories fail is given back",
+        "the group's task stays in flight and its slot charged for the server's lifetime",
+        "rollout_servers/endpoint_groups.py",
+        "        except Exception as e:  # a bug, not the agent's: the slot must not stay charged",
+        "        except ZeroDivisionError as e:",
+        (
+            "tests/test_endpoint_before_slot.py::"
+            "test_a_group_whose_trajectories_cannot_be_built_gives_its_slot_back",
+        ),
+    ),
 )
