@@ -21,6 +21,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 log = logging.getLogger(__name__)
 
 
+#: Hydra's flags that name the config to load (veRL's recipe scripts pass them).
+HYDRA_CONFIG_FLAGS = ("--config-path", "--config-name", "--config-dir", "-cp", "-cn", "-cd")
+
+
 def role_parser(
     prog: str,
     description: str,
@@ -70,12 +74,19 @@ def parse_role_args(
     from asyncrl.config.inputs import input_problems
 
     parser = role_parser(prog, description, groups, extra)
-    args = parser.parse_intermixed_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if hydra := [a for a in given if a.split("=", 1)[0] in HYDRA_CONFIG_FLAGS]:
+        parser.error(
+            f"{hydra[0]}: Hydra's config search is not used here; pass the recipe's YAML "
+            "as the first argument instead (CONFIG_PATH/CONFIG_NAME.yaml key=value ...)"
+        )
+    args = parser.parse_intermixed_args(given)
     if args.config is None:
         parser.error("give a config file (e.g. configs/cpu_demo.yaml) or key=value overrides")
     setup_logging(args.log_level)
-    if "=" in args.config and not Path(args.config).is_file():  # no file: overrides only
-        args.config, args.overrides = None, [args.config, *args.overrides]
+    first = args.config
+    if ("=" in first or first.startswith("~")) and not Path(first).is_file():  # overrides only
+        args.config, args.overrides = None, [first, *args.overrides]
     try:
         cfg = load_config(args.config, args.overrides)
         if problems := input_problems(cfg, needs):

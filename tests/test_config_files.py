@@ -133,3 +133,33 @@ def test_no_arguments_asks_for_a_config(capsys):
     err = capsys.readouterr().err
     assert "give a config file (e.g. configs/cpu_demo.yaml) or key=value overrides" in err
     assert "arguments are required" not in err  # argparse named both, overrides too
+
+
+def test_delete_with_a_value_deletes_only_that_value(tmp_path):
+    """Hydra's ``~key=value`` deletes the key only when it holds that value, else refuses:
+    it deleted the key whatever the value, and a stale recipe line went unnoticed."""
+    path = write_config(tmp_path, "actor_rollout_ref:\n  actor:\n    clip_ratio_high: 0.31\n")
+    key = "actor_rollout_ref.actor.clip_ratio_high"
+    default = load_config(None, []).actor.clip_ratio_high
+    assert load_config(path, [f"~{key}=0.31"]).actor.clip_ratio_high == default != 0.31
+    (problem,) = config_problems(path, [f"~{key}=0.3"])
+    assert f"~{key}=0.3: {key} is 0.31, not 0.3; write ~{key} to delete it" in problem
+
+
+def test_a_command_line_may_start_with_a_delete(tmp_path):
+    """``~key`` first on a command line of overrides alone is an override, not the config
+    file (it was: "config file ~trainer.logger not found")."""
+    cfg, args = parse_role_args("asyncrl-launch", "", None, ["~trainer.logger", "rollout.n=4"])
+    assert args.config is None and cfg.rollout.n == 4
+
+
+def test_hydras_config_flags_say_to_pass_the_yaml(capsys):
+    """veRL's recipe scripts pass ``--config-path``/``--config-name``: one line says what to
+    do instead of argparse's "unrecognized arguments"."""
+    with pytest.raises(SystemExit) as info:
+        parse_role_args(
+            "asyncrl-launch", "", None, ["--config-path=config", "--config-name=ppo", "rollout.n=4"]
+        )
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Hydra's config search is not used here; pass the recipe's YAML" in err, err

@@ -170,11 +170,19 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> tuple[set
     deleted: set[str] = set()
     for item in overrides:
         if item.strip().startswith("~"):  # Hydra's "~key": remove it
-            written = item.strip()[1:].split("=", 1)[0].strip()
+            written, eq, expected = item.strip()[1:].partition("=")
+            written = written.strip()
             key = our_dotted(written)
-            found, _ = pop_dotted(raw, key)
+            found, old = pop_dotted(raw, key)
             if not found and (problem := not_deletable(written, key)):
                 raise ConfigError([problem])
+            if found and eq and (want := parse_override(f"{key}={expected}")[1]) != old:
+                raise ConfigError(  # Hydra's rule: ~key=value deletes only that value
+                    [
+                        f"{item.strip()}: {written} is {old!r}, not {want!r}; write "
+                        f"~{written} to delete it whatever its value"
+                    ]
+                )
             given.difference_update({g for g in given if _under(g, {key})})
             deleted.add(key)
             continue

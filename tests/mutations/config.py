@@ -490,4 +490,28 @@ ROWS = (
             "tests/test_filter_groups.py::test_the_data_spent_line_names_the_group_filter_when_it_is_on",
         ),
     ),
+    Mutation(
+        "~key=value deletes only that value",
+        "~key=value deletes the key whatever it holds: a stale recipe line goes unnoticed",
+        "asyncrl/config/load.py",
+        '            if found and eq and (want := parse_override(f"{key}={expected}")[1]) != old:',
+        "            if False and (want := None):",
+        ("tests/test_config_files.py::test_delete_with_a_value_deletes_only_that_value",),
+    ),
+    Mutation(
+        "a command line of overrides may start with ~key",
+        "a leading ~key is read as the config file, which is not found",
+        "asyncrl/cli.py",
+        '    if ("=" in first or first.startswith("~")) and not Path(first).is_file():  # overrides only',
+        '    if "=" in first and not Path(first).is_file():',
+        ("tests/test_config_files.py::test_a_command_line_may_start_with_a_delete",),
+    ),
+    Mutation(
+        "Hydra's config flags get one line naming the fix",
+        "--config-path/--config-name get argparse's unrecognized-arguments error",
+        "asyncrl/cli.py",
+        '    if hydra := [a for a in given if a.split("=", 1)[0] in HYDRA_CONFIG_FLAGS]:',
+        "    if hydra := []:",
+        ("tests/test_config_files.py::test_hydras_config_flags_say_to_pass_the_yaml",),
+    ),
 )
