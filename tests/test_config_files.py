@@ -163,3 +163,14 @@ def test_hydras_config_flags_say_to_pass_the_yaml(capsys):
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert "Hydra's config search is not used here; pass the recipe's YAML" in err, err
+
+
+def test_a_whole_verl_group_on_the_command_line_is_read_as_in_a_file(tmp_path):
+    """``actor_rollout_ref={rollout: {n: 4}}`` merges as Hydra merges it, as the file's
+    group does (it was refused: "unknown key actor_rollout_ref.rollout.n"); a misspelt
+    group inside it is still named."""
+    path = write_config(tmp_path, "actor_rollout_ref:\n  actor:\n    optim:\n      lr: 2.0e-6\n")
+    cfg = load_config(path, ["actor_rollout_ref={rollout: {n: 4}, actor: {ppo_epochs: 2}}"])
+    assert (cfg.rollout.n, cfg.actor.ppo_epochs, cfg.actor.optim.lr) == (4, 2, 2e-6)
+    (problem,) = config_problems(None, ["actor_rollout_ref={rollot: {n: 4}}"])
+    assert "did you mean actor_rollout_ref.rollout?" in problem, problem

@@ -189,17 +189,30 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> tuple[set
         key, value = parse_override(item)
         if _is_number(value) and _text_key(key):  # the text typed: 1.10 is not 1.1
             value = item.split("=", 1)[1].strip()
-        # A mapping merges into the group (set_dotted), so each of its leaves is what was
-        # given: a leaf of the file's left beside them must not count as the command line's.
-        set_here = _override_leaves(key, value)
-        for leaf, leaf_value in set_here:
-            if leaf in given and lookup(raw, leaf)[1] != leaf_value:
-                log.warning(
-                    "%s is given twice on the command line: the last, %r, wins", leaf, leaf_value
-                )
-        set_dotted(raw, key, value)
-        given.update(leaf for leaf, _ in set_here)
+        for group, sub in _verl_group_items(key, value):
+            # A mapping merges into the group (set_dotted), so each of its leaves is what was
+            # given: a leaf of the file's left beside them must not count as the command
+            # line's.
+            set_here = _override_leaves(group, sub)
+            for leaf, leaf_value in set_here:
+                if leaf in given and lookup(raw, leaf)[1] != leaf_value:
+                    log.warning(
+                        "%s is given twice on the command line: the last, %r, wins",
+                        leaf,
+                        leaf_value,
+                    )
+            set_dotted(raw, group, sub)
+            given.update(leaf for leaf, _ in set_here)
     return given, deleted
+
+
+def _verl_group_items(key: str, value: Any) -> list[tuple[str, Any]]:
+    """An override as (group, value) pairs of our layout: a whole veRL group given on the
+    command line (``actor_rollout_ref={rollout: {n: 4}}``, as Hydra merges it) moves to our
+    groups as a file's does; any other override is itself."""
+    if key in ("actor_rollout_ref", "custom_reward_function") and isinstance(value, dict):
+        return list(flatten_verl_groups({key: value}).items())
+    return [(key, value)]
 
 
 def _under(key: str, groups: set[str]) -> bool:

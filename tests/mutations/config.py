@@ -514,4 +514,15 @@ ROWS = (
         "    if hydra := []:",
         ("tests/test_config_files.py::test_hydras_config_flags_say_to_pass_the_yaml",),
     ),
+    Mutation(
+        "a whole veRL group on the command line merges as a file's",
+        "actor_rollout_ref={rollout: {n: 4}} is refused as an unknown key",
+        "asyncrl/config/load.py",
+        '    if key in ("actor_rollout_ref", "custom_reward_function") and isinstance(value, dict):',
+        "    if False:",
+        (
+            "tests/test_config_files.py::"
+            "test_a_whole_verl_group_on_the_command_line_is_read_as_in_a_file",
+        ),
+    ),
 )
