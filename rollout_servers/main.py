@@ -15,13 +15,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.cli import parse_role_args
@@ -145,7 +148,7 @@ def engine_sequences(cfg: Config) -> int:
     return ro.max_inflight + max(ro.val_kwargs.n - ro.n, 0) + 1
 
 
-async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
+async def _start_engine(cfg: Config, server_id: str) -> tuple[RolloutEngine, bool]:
     """Start vLLM; returns the engine and whether requests may be seeded (on CPU only when
     a step's token budget holds every sequence whole)."""
     from rollout_servers.engine import RolloutEngine
@@ -181,7 +184,7 @@ async def _start_engine(cfg: Config) -> tuple[RolloutEngine, bool]:
         hf_overrides=cfg.model.override_config,
         **_lora_args(cfg),
     )
-    adapters = _adapters(cfg)
+    adapters = _adapters(cfg, server_id)
     engine = await RolloutEngine.start(
         args, sync_mode=ro.sync_mode, adapters=adapters, inline=inline
     )
@@ -202,18 +205,30 @@ def _lora_args(cfg: Config) -> dict[str, int]:
     }
 
 
-def _adapters(cfg: Config) -> Any:
+def _adapters(cfg: Config, server_id: str) -> Any:
     """The adapter versions of a server with pushed adapters (None otherwise); their files
-    in a temporary directory of this process."""
+    in a temporary folder of this run's server (:func:`adapter_folder`)."""
     from rollout_servers.adapters import AdapterVersions
 
     if not (cfg.model.lora_rank and cfg.sync.lora == "adapter"):
         return None
-    root = tempfile.mkdtemp(prefix="asyncrl-adapters-")
+    root = adapter_folder(cfg, server_id)
     m = cfg.model
     return AdapterVersions(
         root, keep=cfg.staleness.max_policy_lag + 1, rank=m.lora_rank, alpha=m.lora_alpha
     )
+
+
+def adapter_folder(cfg: Config, server_id: str) -> str:
+    """The folder of the pushed adapters of ``server_id`` in this run, emptied: named by the
+    run and the server, so that a server killed uncleanly (its folder left behind, up to
+    ``max_policy_lag + 1`` adapters) has it emptied by its restart, not one more left."""
+    run = hashlib.sha256(str(run_dir(cfg).resolve()).encode()).hexdigest()[:12]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", server_id)
+    root = Path(tempfile.gettempdir()) / f"asyncrl-adapters-{run}-{name}"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    return str(root)
 
 
 def reward_pool(cfg: Config) -> RewardPool:
@@ -256,7 +271,7 @@ async def serve(cfg: Config, server_id: str) -> int:
         log.error("cannot start: %s", e)
         return CONFIG_ERROR
     try:
-        engine, seeded = await _start_engine(cfg)
+        engine, seeded = await _start_engine(cfg, server_id)
     except BaseException:
         pool.close()
         if tools is not None:
@@ -302,9 +317,11 @@ async def serve(cfg: Config, server_id: str) -> int:
         pool.close()
         if tools is not None:
             tools.close()
-        engine.shutdown()
-        if engine.adapters is not None:
-            shutil.rmtree(engine.adapters.root, ignore_errors=True)
+        try:
+            engine.shutdown()
+        finally:  # also when the engine's shutdown fails
+            if engine.adapters is not None:
+                shutil.rmtree(engine.adapters.root, ignore_errors=True)
     log.info("%s exits %d: %s", server_id, code, server.snapshot())
     return code
 

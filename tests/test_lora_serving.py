@@ -189,3 +189,29 @@ def test_requests_on_an_adapter_past_the_kept_ones_move_and_free_the_batch(rig):
             assert len(s.version_spans) > 1 and s.resubmissions >= 1, s.version_spans
     assert all(s.version_spans == [(first + 2, 480)] for s in done[first + 2])
     assert engine.metrics["rollout/moved_off_stale_adapters"] - moved_before == 12
+
+
+def test_a_restarted_server_empties_its_adapter_folder(tmp_path):
+    """A server killed uncleanly leaves its pushed adapters behind; its restart (the same
+    server id in the same run) empties that folder instead of taking a new one, and
+    another server or run has its own."""
+    import shutil
+    from pathlib import Path
+
+    from rollout_servers.main import adapter_folder
+
+    cfg = load_config(None, [f"trainer.default_local_dir={tmp_path}"])
+    other_run = load_config(None, [f"trainer.default_local_dir={tmp_path / 'b'}"])
+    folders = [
+        Path(adapter_folder(c, sid))
+        for c, sid in ((cfg, "rollout-0"), (cfg, "rollout-1"), (other_run, "rollout-0"))
+    ]
+    try:
+        assert len(set(folders)) == 3
+        (folders[0] / "v3").mkdir()
+        (folders[0] / "v3" / "adapter_model.safetensors").write_bytes(b"x" * 1024)
+        assert Path(adapter_folder(cfg, "rollout-0")) == folders[0]  # the restart's
+        assert list(folders[0].iterdir()) == []
+    finally:
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)

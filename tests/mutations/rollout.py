@@ -594,4 +594,12 @@ ROWS = (
             "test_a_group_whose_trajectories_cannot_be_built_gives_its_slot_back",
         ),
     ),
+    Mutation(
+        "a restarted server empties its adapter folder",
+        "each start takes a new temporary folder: a killed server's adapters stay on disk",
+        "rollout_servers/main.py",
+        "    shutil.rmtree(root, ignore_errors=True)\n    root.mkdir(parents=True)\n",
+        '    root = Path(tempfile.mkdtemp(prefix=f"asyncrl-adapters-{run}-"))\n',
+        ("tests/test_lora_serving.py::test_a_restarted_server_empties_its_adapter_folder",),
+    ),
 )
