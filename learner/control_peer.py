@@ -130,3 +130,17 @@ class NoControl:
 
     def abandon(self) -> None:
         pass
+
+
+class EndedAlone(NoControl):
+    """Rank 0 of a run whose ending is done, started again with no buffer answering: no
+    peer to tell, but a ``final/`` found missing is still exported (with a plain
+    :class:`NoControl` it was not, while ``final_adapter/`` was)."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def export(self, tensors: dict[str, Any], out: Path, step: int) -> None:
+        from learner.export import export_final
+
+        export_final(self.cfg, tensors, out, step)

@@ -300,11 +300,9 @@ class RankZero:
         }
 
     def export(self, tensors: dict[str, Any], out: Path, step: int) -> None:
-        from learner.export import export_hf
+        from learner.export import export_final
 
-        m = self.cfg.model
-        export_hf(out, tensors, m.path, step=step, config_overrides=m.override_config)
-        log.info("final policy exported to %s (HF format)", out)
+        export_final(self.cfg, tensors, out, step)
 
     # ------------------------------------------------------------------ steps, the end
     def _poll_validation(self, step: int) -> None:

@@ -100,3 +100,12 @@ def export_hf(
     shutil.rmtree(old, ignore_errors=True)
     log.info("exported HF model of step %d to %s (%d tensors)", step, out, len(tensors))
     return out
+
+
+def export_final(cfg: Any, tensors: dict[str, torch.Tensor], out: Path, step: int) -> None:
+    """The run's final policy (``tensors``, gathered on every rank) exported to ``out`` in
+    HF format from ``cfg.model``'s files and overrides, marked with ``step`` (rank 0
+    writes)."""
+    m = cfg.model
+    export_hf(out, tensors, m.path, step=step, config_overrides=m.override_config)
+    log.info("final policy exported to %s (HF format)", out)

@@ -39,7 +39,7 @@ from asyncrl.launch import startup
 from asyncrl.launch.restart_policy import CONFIG_ERROR, HEALTH_STOP
 from asyncrl.net.buffer_client import Superseded
 from learner import fsdp, lora
-from learner.control_peer import BatchRef, ControlPeer, NoControl
+from learner.control_peer import BatchRef, ControlPeer, EndedAlone, NoControl
 from learner.control_plane import RankZero
 from learner.export import exported_step
 from learner.health import Alarm, HealthMonitor, learner_probe
@@ -189,7 +189,7 @@ class LearnerLoop:
             log.info(
                 "no buffer answered within %gs: no peer to tell the run is over", ENDED_PROBE_S
             )
-            return NoControl()
+            return EndedAlone(self.cfg)
         return RankZero(self.cfg, self.run_dir, self.restored, new_run=self.new_run)
 
     def _ended(self) -> bool:

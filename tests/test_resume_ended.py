@@ -133,7 +133,7 @@ def test_a_complete_run_resumed_says_so_and_ends_at_once(tmp_path, caplog):
     assert ended_at(run) is None
 
 
-def test_an_ended_run_with_no_buffer_to_tell_needs_none(tmp_path, monkeypatch):
+def test_an_ended_run_with_no_buffer_to_tell_needs_none(tmp_path, monkeypatch, tiny_model):
     """A learner killed after its run's ending was recorded and the peers were told (they
     exited for good) is started again by the launcher: it asks for the buffer only
     briefly, then ends without it (it waited launch.start_timeout_s for it, failed, and was
@@ -150,15 +150,30 @@ def test_an_ended_run_with_no_buffer_to_tell_needs_none(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
     port = free_ports("127.0.0.1", 1)[0]  # no buffer there
-    loop = _loop(run, "trainer.total_training_steps=10", f"endpoints.batches={port}")
+    loop = _loop(
+        run,
+        "trainer.total_training_steps=10",
+        f"endpoints.batches={port}",
+        f"model.path={tiny_model}",
+    )
     loop.trainer, loop.total = Finished(), 10  # type: ignore[assignment]
     loop.restored, loop.new_run = Restored(None, None, None), False
     built: list[str] = []
     monkeypatch.setattr(loop_module, "RankZero", lambda *a, **k: built.append("rank0"))
     mark_ended(run, 10)
     start = time.monotonic()
-    assert isinstance(loop._control_plane(), NoControl) and built == []
+    alone = loop._control_plane()
+    assert isinstance(alone, NoControl) and built == []
     assert time.monotonic() - start < 5
+    # Its final/ found missing is still exported (a plain no-op wrote nothing, and the
+    # learner said the run complete with no final/).
+    from transformers import AutoModelForCausalLM
+
+    from learner.export import exported_step
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model))
+    alone.export(dict(model.named_parameters()), run / "final", 10)
+    assert exported_step(run / "final") == 10
     (run / "complete.json").unlink()  # its ending cut short: it needs its peers
     loop._control_plane()
     assert built == ["rank0"]

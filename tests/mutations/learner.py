@@ -662,4 +662,12 @@ ROWS = (
             "test_every_exported_file_is_on_disk_before_the_export_is_published",
         ),
     ),
+    Mutation(
+        "an ended run alone still exports a missing final/",
+        "a learner started with no buffer on an ended run whose final/ is gone writes none",
+        "learner/loop.py",
+        "            return EndedAlone(self.cfg)",
+        "            return NoControl()",
+        ("tests/test_resume_ended.py::test_an_ended_run_with_no_buffer_to_tell_needs_none",),
+    ),
 )
