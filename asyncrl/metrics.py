@@ -86,6 +86,10 @@ class MetricsLogger:
         if self._wandb is not None:
             start = max(start, _saved_wandb_step(run_dir, self._wandb.id) + 1)
         self._wandb_step, self._wandb_keys = start if start > 0 else -1, set[str]()
+        # The highest W&B step written to WANDB_STEP_FILE: a resumed learner's first row is
+        # its start, which the file does not hold yet (a crash before its next row made
+        # the learner after it log that step again, and offline sync dropped it).
+        self._wandb_saved = start - 1
         self._wandb_charted = {"val", WANDB_AXIS.split("/")[0]}  # namespaces given an axis
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -126,8 +130,10 @@ class MetricsLogger:
             row += 1
         if row != self._wandb_step:
             self._wandb_step, self._wandb_keys = row, set()
+        if row > self._wandb_saved:
             assert self._wandb is not None
             (self.run_dir / WANDB_STEP_FILE).write_text(f"{self._wandb.id} {row}\n")
+            self._wandb_saved = row
         self._wandb_keys.update(clean)
         return row
 
@@ -229,6 +235,18 @@ def set_aside(path: Path) -> None:
 RESUMED_FROM, REACHED = "learner/resumed_from_step", "learner/steps_reached"
 #: A resume's record: the wall time its checkpoint's state was taken (records after it go).
 SAVED_AT = "learner/resumed_saved_at"
+
+
+def val_step(record: Mapping[str, float]) -> int:
+    """The learner step whose weights a validation record measured (``val/step``; a round
+    is recorded at the step it completed, later)."""
+    return int(record.get("val/step", record["step"]))
+
+
+def validation_rounds(records: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The validation rounds of ``records`` in the order of the weights they measured
+    (:func:`val_step`): rounds complete, and are recorded, out of that order."""
+    return sorted((r for r in records if "val/score" in r), key=val_step)
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, float]]:

@@ -140,6 +140,24 @@ def versions(packages: Sequence[str] = PACKAGES) -> dict[str, str | None]:
     return out
 
 
+def json_safe(value: Any) -> Any:
+    """``value`` with every NaN or infinity (a target never reached, a mean of nothing) as
+    None: ``json.dumps`` writes them as bare ``NaN``, which strict JSON readers (jq,
+    JavaScript) refuse."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def json_text(value: Any, indent: int | None = None) -> str:
+    """``value`` as strict JSON (:func:`json_safe`)."""
+    return json.dumps(json_safe(value), indent=indent, allow_nan=False)
+
+
 def write_results(
     name: str,
     out_dir: Path,
@@ -165,7 +183,7 @@ def write_results(
         "versions": versions(),
     }
     json_path = out_dir / f"{name}.json"
-    json_path.write_text(json.dumps(record, indent=2) + "\n")
+    json_path.write_text(json_text(record, indent=2) + "\n")
     fig = plt.figure(figsize=(8, 4.5))
     plot(fig)
     fig.tight_layout()

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from asyncrl.metrics import read_metrics  # noqa: E402
+from asyncrl.metrics import read_metrics, val_step, validation_rounds  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     check_reps,
     headline,
@@ -83,7 +83,7 @@ def figures(run: Path) -> dict[str, Any]:
     """One run's figures from its metrics."""
     records = read_metrics(run)
     steps = [r for r in records if "loss/pg" in r]
-    vals = [r for r in records if "val/score" in r]
+    vals = validation_rounds(records)  # by the weights measured, not the step recorded at
     per_step = steps[0]["batch/sequences"] if steps else 0.0
     stats = run_stats(run)
     last = records[-1]
@@ -107,7 +107,7 @@ def figures(run: Path) -> dict[str, Any]:
         "dropped_filtered": last.get("accounting/train/dropped/filtered", 0.0),
         "unaccounted": last.get("accounting/train/unaccounted", 0.0),
         "val_curve": [
-            [int(r["step"]), int(r["step"]) * per_step, r["time"] - vals[0]["time"], r["val/score"]]
+            [val_step(r), val_step(r) * per_step, r["time"] - vals[0]["time"], r["val/score"]]
             for r in vals
         ],
         "val_final": vals[-1]["val/score"] if vals else None,

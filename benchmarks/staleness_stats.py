@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.metrics import read_metrics
+from asyncrl.metrics import read_metrics, val_step, validation_rounds
 
 # Two-sided 95% quantiles of Student's t by degrees of freedom (scipy is not a dependency).
 # Student's t, 95% two-sided, by degrees of freedom; between two entries the lower one's
@@ -74,13 +74,12 @@ def run_figures(run: Path, *, samples_per_step: int, threshold: float) -> dict[s
     """
     records = read_metrics(run)
     steps = [r for r in records if "loss/pg" in r]
-    vals = [r for r in records if "val/score" in r]
+    vals = validation_rounds(records)  # by the weights measured, not the step recorded at
     if not steps or not vals:
         raise ValueError(f"{run}: no training steps or no validation rounds in its metrics")
     t0 = vals[0]["time"]
     curve = [
-        [int(r["step"]), int(r["step"]) * samples_per_step, r["time"] - t0, r["val/score"]]
-        for r in vals
+        [val_step(r), val_step(r) * samples_per_step, r["time"] - t0, r["val/score"]] for r in vals
     ]
     reached = next((c for c in curve if c[3] >= threshold), None)
     span = steps[-1]["time"] - steps[0]["time"]
@@ -89,7 +88,7 @@ def run_figures(run: Path, *, samples_per_step: int, threshold: float) -> dict[s
         "curve": curve,
         "start": vals[0]["val/score"],
         "final": vals[-1]["val/score"],
-        "final_step": int(vals[-1]["step"]),
+        "final_step": val_step(vals[-1]),
         "late": late_score(curve),
         "peak_drop": peak_drop(curve),
         "final_se": vals[-1].get("val/score_se"),

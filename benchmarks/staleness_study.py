@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import headline, launch_run, parse_args, write_results  # noqa: E402
+from benchmarks.common import headline, json_text, launch_run, parse_args, write_results  # noqa: E402
 from benchmarks.staleness_stats import (  # noqa: E402
     cell_summary,
     late_score,
@@ -123,7 +123,7 @@ def run_all(args, plan: dict[str, list[str]], task: list[str], seeds: list[int])
                     run, samples_per_step=SAMPLES_PER_STEP, threshold=args.threshold
                 )
                 figures["seed"] = seed
-                saved.write_text(json.dumps(figures, indent=1))
+                saved.write_text(json_text(figures, indent=1))
             log.info("%s: final %.3f (start %.3f)", run_name, figures["final"], figures["start"])
             runs[name].append(figures)
     return runs

@@ -51,6 +51,7 @@ from benchmarks.common import (  # noqa: E402
     check_reps,
     format_ratio,
     headline,
+    json_text,
     paired_ratio,
     parse_args,
     quick_note,
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
         steps = args.steps or (12 if args.quick else (50 if model == "tiny" else 12))
         results[model] = sweep(args.config, model, lags, steps, args.quick, args.out, reps)
         args.out.mkdir(parents=True, exist_ok=True)  # kept if a later model fails
-        (args.out / f"partial_{model}.json").write_text(json.dumps(results[model], indent=1))
+        (args.out / f"partial_{model}.json").write_text(json_text(results[model], indent=1))
         print(table(model, results[model]), flush=True)
     json_path, png = write_results(
         NAME,

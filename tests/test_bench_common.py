@@ -145,3 +145,27 @@ def test_hardware_records_the_cores_at_start_as_well_as_the_pinned_ones():
         os.sched_setaffinity(0, start)
     assert info["cpus_usable"] == len(at_import) and info["affinity_at_start"] == at_import
     assert info["cpus_pinned"] == 1 and info["affinity_pinned"] == sorted(one)
+
+
+def _strict(text: str) -> object:
+    def refuse(name: str) -> None:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_results_are_strict_json_when_a_figure_is_not_a_number(tmp_path):
+    """A target never reached (``time_to_target_s``), a mean of nothing: NaN was written as
+    a bare ``NaN`` that jq and JavaScript refuse. It is null now, in the results and in a
+    partial dump."""
+    from benchmarks.throughput import summarise
+
+    figures = {"time_to_target_s": float("nan"), "peak": float("inf"), "rates": [1.0, -1e999]}
+    json_path, _ = common.write_results(
+        "nan_check", tmp_path, figures=figures, config={}, plot=lambda fig: None
+    )
+    saved = _strict(json_path.read_text())
+    assert saved["figures"] == {"time_to_target_s": None, "peak": None, "rates": [1.0, None]}
+    rep = {"samples_per_s": 2.0, "time_to_target_s": float("nan")}
+    summary = summarise([{"lag0": rep, "lag1": rep}])
+    assert _strict(common.json_text(summary))["lag1"]["time_to_target_s"] is None

@@ -327,3 +327,50 @@ def test_which_starts_begin_a_new_run(tmp_path):
     path_mode = [*base, "trainer.resume_mode=resume_path"]
     assert not new_run(load_config(None, [*path_mode, f"trainer.resume_from_path={own}"]))
     assert new_run(load_config(None, [*path_mode, f"trainer.resume_from_path={elsewhere}"]))
+
+
+def test_the_live_line_shows_no_server_rates_while_no_server_reports(tmp_path):
+    """Records written while every server is down or restarting leave the servers' rates
+    out (``rollout/servers_reporting`` 0): the line said the last ones of an older record
+    (``gen tok/s 2000 | rollout wait 20%``) with no server generating."""
+    cfg = SimpleNamespace(trainer=SimpleNamespace(total_training_steps=10))
+    view = ProgressView(tmp_path, cfg, stream=io.StringIO())
+    up = {"step": 1.0, "rollout/servers_reporting": 2.0, "rollout/tokens_per_s": 2000.0}
+    up |= {"rollout/wait_fraction": 0.2, "rollout/score_wait_fraction": 0.5}
+    down = [{"step": s, "rollout/servers_reporting": 0.0} for s in (2.0, 3.0)]
+    assert " | gen tok/s 2000 | " in view.line([up]) and "scorer wait 50%" in view.line([up])
+    line = view.line([up, *down])
+    assert " | gen tok/s - | " in line and " | rollout wait - | " in line, line
+    assert "scorer" not in line
+    back = {"step": 4.0, "rollout/servers_reporting": 1.0, "rollout/tokens_per_s": 900.0}
+    assert " | gen tok/s 900 | " in view.line([up, *down, back])
+
+
+def test_validation_rounds_read_at_the_weights_they_measured(tmp_path, monkeypatch):
+    """Rounds that started at steps 2, 4 and 3 completed together at step 4 (recorded
+    there, in that order): the plot put all three at x=4 in completion order, and the
+    live line and the summary's end showed step 3's round, not step 4's."""
+    from asyncrl.launch import plots
+
+    records = [{"step": 1.0, "time": 1.0, "val/score": 0.1, "val/step": 0.0}]
+    records += [{"step": 4.0, "time": 9.0, "val/score": v, "val/step": s} for s, v in VAL_OUT]
+    drawn: list[tuple[list, list]] = []
+    import matplotlib.axes
+
+    real = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, **kwargs):
+        if kwargs.get("label") == "validation score" and self.get_title() == "":
+            drawn.append((list(args[0]), list(args[1])))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    plots.write_plots(tmp_path, records)
+    assert drawn[0] == ([0, 2, 3, 4], [0.1, 0.4, 0.3, 0.5])
+    cfg = SimpleNamespace(trainer=SimpleNamespace(total_training_steps=10))
+    assert " | val 0.500 | " in ProgressView(tmp_path, cfg, io.StringIO()).line(records)
+    val_row = [r for r in summary_table(records).splitlines() if r.startswith("val ")]
+    assert val_row[0].split()[1:] == ["0.100", "0.500"]
+
+
+VAL_OUT = [(2.0, 0.4), (4.0, 0.5), (3.0, 0.3)]  # (val/step, score) in completion order

@@ -306,6 +306,11 @@ def test_an_offline_wandb_run_resumed_goes_on_past_its_last_step(tmp_path, monke
     second = max(run.glob("wandb/offline-run-*"), key=lambda p: p.stat().st_mtime)
     rows = [r for r in _wandb_history(second) if "loss/pg" in r]
     assert [(r["_step"], r["loss/pg"], r["train/step"]) for r in rows] == [(4, 20.0, 2.0)]
+    # A learner that resumes after one that logged a single row goes on past that row (its
+    # first, which the step file did not hold: the next learner logged W&B step 4 again).
+    third = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=False)
+    assert third._wandb_step == 5
+    third.close()
     # A fresh run in the same directory starts its own W&B run at its own steps.
     fresh = MetricsLogger(run, ["wandb"], project="p", experiment="e", fresh=True)
     assert fresh._wandb_step == -1

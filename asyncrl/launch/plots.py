@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from asyncrl.metrics import val_step, validation_rounds
+
 
 def write_plots(run_dir: Path, records: list[dict[str, float]]) -> list[Path]:
     """``progress.png``, titled with the run: reward and validation score vs step and vs
@@ -21,8 +23,10 @@ def write_plots(run_dir: Path, records: list[dict[str, float]]) -> list[Path]:
     fig, axes = plt.subplots(2, 3 if critic else 2, figsize=(16 if critic else 11, 7))
     run = Path(run_dir).resolve()
     fig.suptitle(f"{run.parent.name}/{run.name}")
+    rounds = validation_rounds(records)  # at the step of the weights each measured
     for key, label in (("reward/mean", "reward"), ("val/score", "validation score")):
-        pts = [(r["step"], r.get("time", t0) - t0, r[key]) for r in records if key in r]
+        shown = rounds if key == "val/score" else [r for r in records if key in r]
+        pts = [(val_step(r), r.get("time", t0) - t0, r[key]) for r in shown]
         if pts:
             axes[0][0].plot([p[0] for p in pts], [p[2] for p in pts], "o-", ms=3, label=label)
             axes[0][1].plot([p[1] for p in pts], [p[2] for p in pts], "o-", ms=3, label=label)

@@ -20,7 +20,7 @@ from asyncrl.config.inputs import total_training_steps
 from asyncrl.launch import startup
 from asyncrl.launch.plots import write_plots
 from asyncrl.launch.time_split import time_split
-from asyncrl.metrics import REACHED, MetricsTail, read_metrics
+from asyncrl.metrics import REACHED, MetricsTail, read_metrics, validation_rounds
 
 # (label, metric, format) of the live line and the summary.
 LIVE = [
@@ -53,6 +53,24 @@ def last_value(records: list[dict[str, float]], key: str) -> float | None:
         if key in r:
             return r[key]
     return None
+
+
+#: The servers' figures of now (rates and shares), not counts: while no server reports they
+#: are unknown, not the last ones an older record holds.
+SERVER_RATES = ("rollout/tokens_per_s", "rollout/wait_fraction", "rollout/score_wait_fraction")
+
+
+def _live_value(records: list[dict[str, float]], key: str) -> float | None:
+    """``key``'s latest value for the live line: the score of the round of the newest
+    weights (rounds complete out of order); None for :data:`SERVER_RATES` while the latest
+    record to say so has ``rollout/servers_reporting`` 0 (every server down or restarting:
+    those records leave the rates out)."""
+    if key in SERVER_RATES and last_value(records, "rollout/servers_reporting") == 0:
+        return None
+    if key == "val/score":  # the round of the newest weights, whenever it completed
+        rounds = validation_rounds(records)
+        return rounds[-1][key] if rounds else None
+    return last_value(records, key)
 
 
 def read_restarts(run_dir: Path) -> dict[str, int]:
@@ -227,10 +245,10 @@ class ProgressView:
         reached = max((r.get(REACHED, 0) for r in records), default=0)
         if step < reached:  # a learner restarted from a checkpoint trains these steps again
             parts[0] += f" (again after a restart: {reached:.0f} reached)"
-        parts += [f"{label} {_fmt(fmt, last_value(records, key))}" for label, key, fmt in LIVE[1:]]
+        parts += [f"{label} {_fmt(fmt, _live_value(records, key))}" for label, key, fmt in LIVE[1:]]
         if total := sum((restarts or {}).values()):
             parts.append(f"restarts {total}")
-        scorer = last_value(records, "rollout/score_wait_fraction") or 0.0
+        scorer = _live_value(records, "rollout/score_wait_fraction") or 0.0
         if scorer >= SCORER_SHOWN:  # a slow reward function, which is not generation
             parts.append(f"scorer wait {scorer:.0%}")
         for label, key in (("reward errors", "rollout/reward_errors"), ("prompts cut", CUT)):
@@ -277,8 +295,9 @@ def summary_table(records: list[dict[str, float]], restarts: dict[str, int] | No
     """A small table: first and last value of the headline metrics, and the restarts of
     every role the launcher started (the waits are :func:`time_split`'s, over the run)."""
     rows = [("metric", "start", "end")]
+    rounds = validation_rounds(records)  # first and last by the weights each measured
     for label, key, fmt in SUMMARY:
-        values = [r[key] for r in records if key in r]
+        values = [r[key] for r in (rounds if key == "val/score" else records) if key in r]
         if values:
             rows.append((label, _fmt(fmt, values[0]), _fmt(fmt, values[-1])))
     t0, t1 = (records[0].get("time"), records[-1].get("time")) if records else (None, None)

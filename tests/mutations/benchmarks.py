@@ -56,4 +56,12 @@ ROWS = (
         "            if False:",
         ("tests/test_bench_repeats.py::test_the_time_to_the_target_says_how_many_runs_reached_it",),
     ),
+    Mutation(
+        "benchmark results are strict JSON",
+        "a target never reached is written as a bare NaN that strict readers refuse",
+        "benchmarks/common.py",
+        "    if isinstance(value, float) and not math.isfinite(value):\n        return None\n",
+        "",
+        ("tests/test_bench_common.py::test_results_are_strict_json_when_a_figure_is_not_a_number",),
+    ),
 )

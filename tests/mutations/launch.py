@@ -618,4 +618,44 @@ ROWS = (
             "tests/test_wind_down.py::test_a_learner_that_exited_or_awaits_its_restart_is_not_serving",
         ),
     ),
+    Mutation(
+        "the live line shows no server rates while none reports",
+        "an older record's gen tok/s and rollout wait shown with every server down",
+        "asyncrl/launch/progress.py",
+        '    if key in SERVER_RATES and last_value(records, "rollout/servers_reporting") == 0:',
+        "    if False:",
+        (
+            "tests/test_launch_progress.py::test_the_live_line_shows_no_server_rates_while_no_server_reports",
+        ),
+    ),
+    Mutation(
+        "the plot puts a round at the weights it measured",
+        "rounds drawn at the step they completed, in completion order",
+        "asyncrl/launch/plots.py",
+        "    rounds = validation_rounds(records)  # at the step of the weights each measured",
+        '    rounds = [r for r in records if "val/score" in r]',
+        (
+            "tests/test_launch_progress.py::test_validation_rounds_read_at_the_weights_they_measured",
+        ),
+    ),
+    Mutation(
+        "the live line's val is the newest weights' round",
+        "an older round completing last is shown as the run's validation score",
+        "asyncrl/launch/progress.py",
+        "        rounds = validation_rounds(records)\n",
+        '        rounds = [r for r in records if "val/score" in r]\n',
+        (
+            "tests/test_launch_progress.py::test_validation_rounds_read_at_the_weights_they_measured",
+        ),
+    ),
+    Mutation(
+        "a resumed learner's first W&B row is saved",
+        "a crash after one row: the next learner logs that W&B step again (offline sync drops it)",
+        "asyncrl/metrics.py",
+        "        self._wandb_saved = start - 1",
+        "        self._wandb_saved = start",
+        (
+            "tests/test_metrics_file.py::test_an_offline_wandb_run_resumed_goes_on_past_its_last_step",
+        ),
+    ),
 )
