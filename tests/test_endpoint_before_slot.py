@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import pytest
 
 from asyncrl.config import load_config
 from rollout_servers import endpoint_groups, endpoint_turns
-from tests.helpers import start_coordinator
+from tests import test_endpoint_slots
 from tests.test_endpoint_slots import LIMIT, _chat, _endpoint, _external, _post, _status
 
 BAD_BODIES = [
@@ -33,13 +31,7 @@ BAD_BODIES = [
 ]
 
 
-@pytest.fixture
-def coordinator() -> Iterator[Any]:
-    coord = start_coordinator(100, per_version=LIMIT // 2)
-    try:
-        yield coord
-    finally:
-        coord.stop()
+coordinator = test_endpoint_slots.coordinator  # the same real coordinator, per test
 
 
 def _cfg(tmp_path: Any, *more: str) -> Any:
