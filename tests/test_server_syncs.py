@@ -210,12 +210,12 @@ def test_the_engine_keeps_a_slot_for_the_probe(monkeypatch, tmp_path: Path) -> N
     monkeypatch.setattr(RolloutEngine, "start", classmethod(start))
     cfg = load_config(None, [f"model.path={tmp_path}", "rollout.max_inflight=12"])
     with pytest.raises(RuntimeError, match="stop here"):
-        asyncio.run(rollout_main._start_engine(cfg))
+        asyncio.run(rollout_main._start_engine(cfg, "rollout-0"))
     assert seen == {"max_num_seqs": 13}
     # A validation group of 8 where the server asks for groups of 2 may be dealt into the
     # last 2 free slots (alone): 6 responses over rollout.max_inflight, and the probe's.
     bigger = ["rollout.n=2", "rollout.val_kwargs.n=8"]
     cfg = load_config(None, [f"model.path={tmp_path}", "rollout.max_inflight=12", *bigger])
     with pytest.raises(RuntimeError, match="stop here"):
-        asyncio.run(rollout_main._start_engine(cfg))
+        asyncio.run(rollout_main._start_engine(cfg, "rollout-0"))
     assert seen == {"max_num_seqs": 19}

@@ -180,7 +180,7 @@ def test_the_rollout_server_runs_the_check_before_its_engine_starts(monkeypatch,
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm("0.33.0", AsyncLLM="collective_rpc"))
     cfg = load_config(None, [f"model.path={tmp_path}"])
     with pytest.raises(SystemExit) as stop:
-        asyncio.run(rollout_main._start_engine(cfg))
+        asyncio.run(rollout_main._start_engine(cfg, "rollout-0"))
     assert stop.value.code == 2
 
 
