@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.config.ending import mark_ended
 from asyncrl.config.inputs import total_training_steps
 from asyncrl.control.admission import replayed_version, weights_step
@@ -95,6 +95,7 @@ class RankZero:
             timeout_s=cfg.sync.timeout_s,
             bucket_bytes=int(cfg.sync.bucket_mb * 2**20),
             deal_at_send=cfg.staleness.deal_at_send,
+            max_message_bytes=mebibytes(cfg.control.max_message_mb),
         )
         self.pushes = WeightPushes(cfg, self.coordinator, pusher)
         self.buffer = BufferClient(
@@ -263,7 +264,13 @@ class RankZero:
         """The weights at start (restored, or initial): what a server that does not hold
         them catches up to before the first push (one older than the checkpoint, or one
         that outlived a learner restarted without a checkpoint). Not pushed: servers that
-        hold newer versions hold what the replay reproduces (recovery.py)."""
+        hold newer versions hold what the replay reproduces (recovery.py). The plan of
+        every push is built from them now: one the servers could not read stops the run
+        here, not at its first push, as a config error (a restart would fail the same way)."""
+        try:
+            self.pushes.pusher.plan_for(tensors)
+        except ValueError as e:  # over control.max_message_mb, or a dtype no sync carries
+            raise ConfigError([str(e)]) from None
         self.pushes.pushed = tensors
 
     def push(

@@ -60,10 +60,11 @@ def _run(cfg, listens) -> int:
     try:
         with exit_if_taken("learner", listens):
             loop = LearnerLoop(cfg)
-    except ConfigError as e:  # found at start-up (a resume path that is no checkpoint)
+        return loop.run()
+    except ConfigError as e:  # found at start-up (a resume path that is no checkpoint, a
+        # weight sync the servers could not read)
         log.error("cannot start: %s", "; ".join(e.problems))
         return CONFIG_ERROR  # the launcher does not restart it: it would fail the same way
-    return loop.run()
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ read messages of at most ``control.max_message_mb`` (:func:`decode_request`,
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any
 
 import msgspec
@@ -323,6 +324,43 @@ def decode_reply(frame: Any, max_bytes: int = 0) -> Reply:
     """A validated reply of any kind, at most ``max_bytes`` (0: the default bound); raises
     :class:`~asyncrl.wire.base.WireError`."""
     return decode(_reply_decoder, frame, within(frame, max_bytes))
+
+
+#: Room :func:`check_sync_start` leaves for a sync's group and session names (a catch-up's
+#: group is ``catchup/<server id of up to 128 characters>/<n>``).
+_NAME_ROOM = 256
+
+
+def check_sync_start(plan: WeightPlan, max_bytes: int = 0) -> int:
+    """The bytes of the heartbeat reply that announces a sync of ``plan`` (at most: names
+    at their longest); raises ValueError, naming the key that fixes it, when that reply is
+    over ``max_bytes`` (0: the default bound).
+
+    Why before the first push: a server's socket drops a reply over the bound unread, so it
+    would hear nothing, give the coordinator up as silent, restart and be sent the same
+    catch-up again, while the learner's syncs time out. A plan lists every tensor by name,
+    about 65 bytes each: a mixture of experts of ~70k expert matrices passes 4 MiB."""
+    limit = max_bytes or DEFAULT_MAX_MESSAGE_BYTES
+    start = SyncStart(
+        sync_id=1 << 62,
+        version=1 << 62,
+        generation="g" * _NAME_ROOM,
+        rank=1,
+        world_size=2,
+        plan=plan,
+        session="s" * _NAME_ROOM,
+        catchup=True,
+    )
+    size = len(encode(Announcement(registered=True, policy_version=1 << 62, sync=start)))
+    if size > limit:
+        tensors = sum(len(b.entries) for b in plan.buckets)
+        raise ValueError(
+            f"announcing a weight sync of {tensors} tensors takes {size / 2**20:.3g} MiB, "
+            f"more than control.max_message_mb={limit / 2**20:.3g} allows: set "
+            f"control.max_message_mb={math.ceil(size * 1.25 / 2**20 * 10) / 10:g} or more in "
+            "the config every role reads"
+        )
+    return size
 
 
 def within(frame: Any, max_bytes: int) -> int:

@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from asyncrl.control.messages import check_sync_start
 from asyncrl.sync.groups import (
     WeightSyncError,
     form_group,
@@ -58,8 +59,12 @@ class WeightPusher:
         bucket_bytes: int,
         device: str | None = None,
         deal_at_send: bool = False,
+        max_message_bytes: int = 0,
     ):
+        """``max_message_bytes``: the coordinator's ``control.max_message_mb`` in bytes (0:
+        its default), the bound the announcement of a sync must fit."""
         self.coordinator = coordinator
+        self.max_message_bytes = max_message_bytes
         # staleness.deal_at_send: the admission window moves when the broadcast ends
         self.deal_at_send = deal_at_send
         self.store = store
@@ -74,7 +79,9 @@ class WeightPusher:
     def plan_for(self, tensors: dict[str, Any]) -> WeightPlan:
         """The plan of these tensors: built the first time, the same one afterwards."""
         if self.plan is None:
-            self.plan = plan_buckets(specs_of(tensors), self.bucket_bytes)
+            plan = plan_buckets(specs_of(tensors), self.bucket_bytes)
+            check_sync_start(plan, self.max_message_bytes)  # a server could not read it
+            self.plan = plan
         return self.plan
 
     def push(self, tensors: dict[str, Any]) -> SyncResult:

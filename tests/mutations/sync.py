@@ -201,4 +201,34 @@ ROWS = (
             "tests/test_sync_waits.py::test_the_learner_out_of_time_in_gloos_connect_tells_the_members",
         ),
     ),
+    Mutation(
+        "a sync's announcement is checked against the control bound",
+        "a plan over control.max_message_mb is announced: the server's socket drops it unread",
+        "asyncrl/sync/sender.py",
+        "            check_sync_start(plan, self.max_message_bytes)  # a server could not read it",
+        "            pass",
+        (
+            "tests/test_sync_start_size.py::test_the_pusher_refuses_a_plan_before_any_round_and_a_fitting_one_reaches_the_server",
+        ),
+    ),
+    Mutation(
+        "the learner builds its sync plan at start",
+        "a plan the servers cannot read stops the run only at its first push",
+        "learner/control_plane.py",
+        "            self.pushes.pusher.plan_for(tensors)",
+        "            pass",
+        (
+            "tests/test_sync_start_size.py::test_the_learner_stops_at_start_when_its_syncs_could_not_be_announced",
+        ),
+    ),
+    Mutation(
+        "a learner config error found in its run exits CONFIG_ERROR",
+        "the launcher restarts a learner that will fail the same way",
+        "learner/main.py",
+        "            loop = LearnerLoop(cfg)\n        return loop.run()\n    except ConfigError as e:",
+        '            loop = LearnerLoop(cfg)\n    except ConfigError as e:\n        log.error("cannot start: %s", "; ".join(e.problems))\n        return CONFIG_ERROR\n    return loop.run()\n    try:\n        pass\n    except ConfigError as e:',
+        (
+            "tests/test_sync_start_size.py::test_the_learner_stops_at_start_when_its_syncs_could_not_be_announced",
+        ),
+    ),
 )
