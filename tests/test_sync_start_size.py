@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from asyncrl.control import coordinator_from_config
+from asyncrl.control import Coordinator, coordinator_from_config
 from asyncrl.control import messages as m
 from asyncrl.control.client import CoordinatorClient
 from asyncrl.launch.restart_policy import CONFIG_ERROR
@@ -37,6 +37,18 @@ def _experts(n: int) -> dict[str, torch.Tensor]:
         f"model.layers.{i // 384}.mlp.experts.{i % 384}.down_proj.weight": torch.zeros(2, 3)
         for i in range(n)
     }
+
+
+def _pusher(coord: Coordinator, mb: float) -> WeightPusher:
+    """The learner's pusher of ``coord``'s rounds, announcing under ``mb`` MiB."""
+    return WeightPusher(
+        coord,
+        None,
+        backend="gloo",
+        timeout_s=5.0,
+        bucket_bytes=1 << 20,
+        max_message_bytes=mebibytes(mb),
+    )
 
 
 def _suggested_mb(err: pytest.ExceptionInfo[ValueError]) -> float:
@@ -67,14 +79,7 @@ def test_the_pusher_refuses_a_plan_before_any_round_and_a_fitting_one_reaches_th
     small = 0.1
     cfg, _ = loopback_config(tmp_path, [*BASE, f"control.max_message_mb={small}"])
     with coordinator_from_config(cfg, train_rows=[], val_rows=[], buffer=False) as coord:
-        pusher = WeightPusher(
-            coord,
-            None,
-            backend="gloo",
-            timeout_s=5.0,
-            bucket_bytes=1 << 20,
-            max_message_bytes=mebibytes(small),
-        )
+        pusher = _pusher(coord, small)
         with pytest.raises(ValueError, match="control.max_message_mb") as err:
             pusher.plan_for(tensors)
         assert pusher.plan is None and coord.version == 0
@@ -82,14 +87,7 @@ def test_the_pusher_refuses_a_plan_before_any_round_and_a_fitting_one_reaches_th
     fits = _suggested_mb(err)
     cfg, _ = loopback_config(tmp_path, [*BASE, f"control.max_message_mb={fits}"])
     with coordinator_from_config(cfg, train_rows=[], val_rows=[], buffer=False) as coord:
-        pusher = WeightPusher(
-            coord,
-            None,
-            backend="gloo",
-            timeout_s=5.0,
-            bucket_bytes=1 << 20,
-            max_message_bytes=mebibytes(fits),
-        )
+        pusher = _pusher(coord, fits)
         plan = pusher.plan_for(tensors)
         client = CoordinatorClient.from_config(cfg, "rollout-0", engine_world_size=1)
         try:
