@@ -67,8 +67,13 @@ class EndpointTurns:
         tok: Tokenizer,
         sampling: SamplingSettings,
         metrics: Counter[str],
+        on_end: Callable[[str], None] = lambda key: None,
     ) -> None:
+        """``on_end(session key)``: called as each turn ends, in the same callback that
+        clears the session's ``busy`` (the groups' idle clock starts there: a reaper that
+        ran between the two would see a turn longer than ``group_idle_s`` as idle)."""
         self.engine, self.tok, self.sampling = engine, tok, sampling
+        self.on_end = on_end
         self.max_prompt_len = cfg.data.max_prompt_length
         self.max_response_len = cfg.data.max_response_length
         self.model = cfg.model.path
@@ -160,6 +165,7 @@ class EndpointTurns:
         took back an unseen one, restored when the turn was refused or failed (its request
         changed nothing: the same request as the unseen turn's still replays it)."""
         session.busy = False
+        self.on_end(session.key)  # idle from now: also when no request awaits the turn
         if self._running.get(session.key, (None, None))[1] is running:
             self._running.pop(session.key)
         if not running.cancelled() and running.exception() is None:  # retrieved, too

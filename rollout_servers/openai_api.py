@@ -104,7 +104,9 @@ class OpenAIEndpoint:
         self.created = int(time.time())  # the model card's ``created``
         self.metrics: Counter[str] = Counter()
         self.groups = EndpointGroups(cfg, server_id, client, pusher, self.metrics)
-        self.turns = EndpointTurns(cfg, engine, tok, sampling, self.metrics)
+        self.turns = EndpointTurns(
+            cfg, engine, tok, sampling, self.metrics, on_end=self.groups.touch
+        )
         self.url = ""
         self._runner: web.AppRunner | None = None
 

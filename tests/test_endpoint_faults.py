@@ -102,8 +102,11 @@ def _serve(
     monkeypatch: pytest.MonkeyPatch,
     scenario: Callable[[Rig], Awaitable[None]],
     overrides: tuple[str, ...] = (),
+    cancel_handlers: bool = False,
 ) -> None:
-    """Run ``scenario`` against a fresh endpoint (group size 2) served on 127.0.0.1."""
+    """Run ``scenario`` against a fresh endpoint (group size 2) served on 127.0.0.1
+    (``cancel_handlers``: a handler is cancelled when its client leaves, as aiohttp's
+    ``handler_cancellation`` does)."""
     # Sampling parameters are the engine's business; importing vLLM for them takes seconds.
     monkeypatch.setattr(endpoint_turns, "turn_params", lambda *args: None)
     cfg = endpoint_config(*overrides)
@@ -115,7 +118,12 @@ def _serve(
     async def main() -> None:
         # Served as the endpoint serves itself (OpenAIEndpoint.start): aiohttp's test server
         # cancels the handler of a client that left, which production never does.
-        runner = web.AppRunner(endpoint.app(), access_log=None, shutdown_timeout=STOP_S)
+        runner = web.AppRunner(
+            endpoint.app(),
+            access_log=None,
+            shutdown_timeout=STOP_S,
+            handler_cancellation=cancel_handlers,
+        )
         await runner.setup()
         try:
             await web.TCPSite(runner, "127.0.0.1", 0).start()

@@ -2,7 +2,8 @@
 127.0.0.1 (a character tokenizer and a stand-in engine, no vLLM).
 
 - A turn longer than ``group_idle_s`` does not leave its group to be closed right after
-  its answer: the group is idle from the turn's end.
+  its answer: the group is idle from the turn's end, also when the turn outlives the
+  request that started it.
 - A request naming a group that closed lately (rewarded whole, idle, abandoned) is a
   final 409, not a new group under the same name.
 - A member refused from its first request may post its reward: it counts toward the
@@ -91,6 +92,40 @@ def test_a_turn_longer_than_group_idle_s_keeps_its_group_for_its_reward(monkeypa
         assert rig.endpoint.metrics["rollout/openai/groups_timed_out"] == 0
 
     _serve(monkeypatch, scenario, ("rollout.openai_endpoint.group_idle_s=1",))
+
+
+def test_a_turn_that_outlives_its_request_keeps_its_group_idle_from_its_end(monkeypatch):
+    """The client leaves 0.3 s into a 1.8 s turn and its handler is cancelled; the turn runs
+    on. Its group is idle from the turn's end, not from the request's: the agent's resend
+    0.4 s after the end (under ``group_idle_s=1``) gets the reply, and its reward trains.
+    Timed from the request, the reaper closed the group as the turn ended."""
+
+    async def scenario(rig: Rig) -> None:
+        rig.endpoint.groups.start()  # the idle reaper, every 0.25 s
+        rig.endpoint.turns.engine = SlowEngine(1.8)  # type: ignore[assignment]
+        body = {"model": "m", "messages": [USER]}
+        left = aiohttp.ClientTimeout(total=0.3)
+        async with aiohttp.ClientSession(timeout=left) as http:
+            with pytest.raises(asyncio.TimeoutError):
+                await http.post(
+                    f"{rig.base}/v1/chat/completions",
+                    json=body,
+                    headers={"Authorization": "Bearer g/0"},
+                )
+        await asyncio.sleep(1.5 + 0.4)  # past the turn's end, by less than group_idle_s
+        status, _, reply = await _chat(rig)
+        assert status == 200, reply
+        assert rig.endpoint.metrics["rollout/openai/retries_replayed"] == 1
+        status, _, answer = await _reward(rig, "g/0", 1.0)
+        assert status == 200 and answer["rewarded"] == 1, answer
+        assert rig.endpoint.metrics["rollout/openai/groups_timed_out"] == 0
+
+    _serve(
+        monkeypatch,
+        scenario,
+        ("rollout.openai_endpoint.group_idle_s=1",),
+        cancel_handlers=True,
+    )
 
 
 def test_a_request_naming_a_closed_group_is_a_final_409_not_a_new_group(monkeypatch):

@@ -602,4 +602,14 @@ ROWS = (
         '    root = Path(tempfile.mkdtemp(prefix=f"asyncrl-adapters-{run}-"))\n',
         ("tests/test_lora_serving.py::test_a_restarted_server_empties_its_adapter_folder",),
     ),
+    Mutation(
+        "an endpoint turn's end starts its group's idle clock",
+        "a turn that outlives its request leaves its group idle from the request: closed at its end",
+        "rollout_servers/endpoint_turns.py",
+        "        self.on_end(session.key)  # idle from now: also when no request awaits the turn",
+        "        pass",
+        (
+            "tests/test_endpoint_mends.py::test_a_turn_that_outlives_its_request_keeps_its_group_idle_from_its_end",
+        ),
+    ),
 )
