@@ -1,6 +1,7 @@
 """The bookkeeping of sync rounds (:class:`asyncrl.control.syncs.SyncBook`, driven directly
 or through the control state) and the learner's side of a round that its own error ends
-(:class:`asyncrl.sync.sender.WeightPusher` with a stand-in group). No sockets."""
+(:class:`asyncrl.sync.sender.WeightPusher` with a stand-in group). No sockets but one
+store on 127.0.0.1, where the learner tells a failed round's members to stop waiting."""
 
 from __future__ import annotations
 
@@ -245,3 +246,37 @@ def test_a_server_restarted_during_its_catch_up_is_not_backed_off_for_it():
     st.versions.begin_catchup("c", PLAN)
     st.versions.finish_sync(False, "no report", now=2.0)
     assert st.servers["c"].catchup_failures == 1 and st.versions.pending_catchups(2.1) == []
+
+
+def test_a_send_that_fails_tells_the_members_to_stop_waiting(monkeypatch):
+    """Found in a chaos run: a server killed in the middle of the first broadcast broke the
+    learner's send within 0.2 s, and the other member, waiting in the same group, was not
+    told (only a send given up on a lost member was): it waited on past sync.timeout_s
+    while the admission window stayed shut behind the failed push (the learner waited 33 s
+    for a batch). Every failed send now sets the key the members' waits ask, with why."""
+    import torch
+
+    from asyncrl.sync.groups import WeightSyncError, given_up, open_store, store_prefix
+    from tests.helpers import free_port
+
+    def broken_send(*args: Any, **kwargs: Any) -> None:
+        raise WeightSyncError("weight broadcast of bucket 0 failed after 0.2s (reset by peer)")
+
+    monkeypatch.setattr(sender, "form_group", lambda *args, **kwargs: _Group())
+    monkeypatch.setattr(sender, "send_weights", broken_send)
+    store = open_store("127.0.0.1", free_port(), is_host=True, timeout_s=5.0)
+    coordinator = _Coordinator()
+    pusher = sender.WeightPusher(
+        coordinator,  # type: ignore[arg-type]
+        store,
+        backend="gloo",
+        timeout_s=1.0,
+        bucket_bytes=1 << 20,
+    )
+    pusher.plan_for({"w": torch.zeros(2, 3)})
+    rnd = coordinator.begin_sync(PLAN)
+    asked = given_up(store, store_prefix(coordinator.sync_secret, rnd.generation))
+    assert asked() == ""  # nothing said before the send
+    result = pusher.complete(rnd, {"w": torch.zeros(2, 3)})
+    assert not result.ok and "reset by peer" in coordinator.errors[0]
+    assert "the learner gave the sync up" in asked() and "reset by peer" in asked()

@@ -320,7 +320,12 @@ def give_up_send(store, generation: str, why: str) -> None:
     instead of at their timeout. Best effort: a store gone says it to no one."""
     from torch.distributed import PrefixStore  # pyright: ignore[reportPrivateImportUsage]
 
-    _tell_given_up(PrefixStore(f"wsync/{generation}", store), generation, why)
+    try:
+        prefixed = PrefixStore(f"wsync/{generation}", store)
+    except Exception as e:  # no store (a sender without one): nobody to tell
+        log.warning("could not tell sync group %s's members it was given up: %s", generation, e)
+        return
+    _tell_given_up(prefixed, generation, why)
 
 
 def given_up(store, generation: str) -> Callable[[], str]:

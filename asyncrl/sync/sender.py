@@ -141,8 +141,12 @@ class WeightPusher:
                 error = str(e)
                 if isinstance(e, BroadcastAbandoned):  # its collective runs to its timeout
                     busy_s = self.timeout_s
-                    prefix = store_prefix(self.coordinator.sync_secret, rnd.generation)
-                    give_up_send(self.store, prefix, rnd.watch.lost_in_send())
+                # Every member still waiting (in its connect or its receive) stops at once:
+                # a member killed mid-broadcast broke the learner's send in 0.2 s while
+                # another waited in the group for sync.timeout_s and more, the admission
+                # window shut behind the failed push all that time.
+                prefix = store_prefix(self.coordinator.sync_secret, rnd.generation)
+                give_up_send(self.store, prefix, rnd.watch.lost_in_send() or error)
             except Exception as e:  # the learner's own (tensors off the plan, out of memory)
                 # The round is closed as failed all the same, then the error raised: left
                 # open, it kept every later round from beginning ("still in progress").

@@ -231,4 +231,12 @@ ROWS = (
             "tests/test_sync_start_size.py::test_the_learner_stops_at_start_when_its_syncs_could_not_be_announced",
         ),
     ),
+    Mutation(
+        "a failed send tells the members to stop waiting",
+        "a member waiting in a group whose send broke (a peer killed mid-broadcast) is not told: it waits out its timeout",
+        "asyncrl/sync/sender.py",
+        "                give_up_send(self.store, prefix, rnd.watch.lost_in_send() or error)",
+        "                if isinstance(e, BroadcastAbandoned):\n                    give_up_send(self.store, prefix, rnd.watch.lost_in_send())",
+        ("tests/test_sync_rounds.py::test_a_send_that_fails_tells_the_members_to_stop_waiting",),
+    ),
 )
