@@ -79,6 +79,8 @@ def test_concurrent_slot_requests_each_get_their_own_slot(served):
     assert len(ids) == THREADS * CALLS, [g.reason for g in grants if not g.tasks]
     assert len(set(ids)) == len(ids), "two slot requests were answered with one slot"
     assert state["tasks/external_dealt"] == len(ids)
+    client.ack(ids)  # their groups pushed: counted as the deals were, apart from train's
+    assert state["tasks/external_acked"] == len(ids) and state["tasks/train_acked"] == 0
 
 
 def test_concurrent_task_requests_never_get_the_same_task(served):

@@ -318,7 +318,8 @@ class TaskLedger:
             e.since = now
             e.server = server_id or e.server  # after the move: it left its holder's tasks
             acked.append(tid)
-            self.counts[f"{kind_of(tid)}_acked"] += 1
+            # As the deals are counted: an endpoint slot apart from the training tasks.
+            self.counts["external_acked" if is_external(tid) else f"{kind_of(tid)}_acked"] += 1
         self.counts["acks_unknown"] += len(unknown)
         return acked, unknown
 

@@ -638,4 +638,12 @@ ROWS = (
         "        if not source.val_rows or (self.last_val_step == step and last == held and step):",
         ("tests/test_admission_registry.py::test_a_run_with_no_batch_validates_its_weights_once",),
     ),
+    Mutation(
+        "an endpoint slot's ack counts as external, as its deal does",
+        "an endpoint slot's ack was counted as train_acked while its deal was external_dealt",
+        "asyncrl/control/ledger.py",
+        'self.counts["external_acked" if is_external(tid) else f"{kind_of(tid)}_acked"] += 1',
+        'self.counts[f"{kind_of(tid)}_acked"] += 1',
+        ("tests/test_client_requests.py::test_concurrent_slot_requests_each_get_their_own_slot",),
+    ),
 )
