@@ -21,6 +21,7 @@ import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 
 from asyncrl.config import Config, run_dir
 from asyncrl.control.client import CoordinatorGone
@@ -60,6 +61,9 @@ LOG_EVERY_S = 30.0
 #: Longest wait of a task for the weights it was dealt under (RolloutEngine.reach): the
 #: wait normally ends within a sync's load (under 0.1 s on the CPU demo) or its failure.
 REACH_S = 5.0
+#: How long a server waits before it sends again the acknowledgement of a group it dropped
+#: (filtered) that the coordinator did not answer (each send already tries three times).
+ACK_AGAIN_S = 5.0
 
 
 class RolloutServer:
@@ -313,7 +317,7 @@ class RolloutServer:
             if not group or filtered_out(task, scores, metric):
                 # never pushed: the coordinator frees its budget and deals a fresh prompt
                 ack = functools.partial(self.client.ack, filtered=True, prompt_too_long=not group)
-                await self.lanes.control(ack, [task.task_id])
+                await self._report_dropped(ack, task.task_id)
                 self.metrics["rollout/groups_filtered"] += bool(group)
                 pushed = True  # reported: not a failure to deal again
                 return
@@ -345,6 +349,19 @@ class RolloutServer:
         finally:
             self.held.pop(task.task_id, None)
             self._free_slots(task.n)
+
+    async def _report_dropped(self, ack: Callable[[list[str]], object], task_id: str) -> None:
+        """Acknowledge a group dropped here (filtered, or its prompt too long), again every
+        :data:`ACK_AGAIN_S` until the coordinator answers or this server stops. Nothing
+        else frees its admission budget: a pushed group's lost ack heals when its group
+        trains, a dropped one's only at ``control.task_timeout_s`` (30 min by default),
+        and under a filter that drops most groups one stall of the coordinator held much
+        of the window that long."""
+        while await self.lanes.control(ack, [task_id]) is None:
+            if self._stopping():
+                return
+            await asyncio.sleep(ACK_AGAIN_S)
+            self.metrics["rollout/dropped_acks_resent"] += 1
 
     def _missed_version(self, task: Task) -> None:
         """``task`` starts under older weights than it was dealt for: their sync failed, or

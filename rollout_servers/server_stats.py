@@ -120,6 +120,7 @@ class ServerStats:
             "rollout/reward_errors": 0,  # samples the scorer failed on (scored 0.0)
             "rollout/push_wait_s": 0.0,
             "rollout/groups_filtered": 0,  # algorithm.filter_groups: dropped here, unpushed
+            "rollout/dropped_acks_resent": 0,  # a dropped group's ack, unanswered, sent again
             "rollout/filter_metric_unknown": 0,  # filter_groups.metric no member carries
             "rollout/prompts_filtered_too_long": 0,  # data.filter_overlong_prompts
             "rollout/version_wait_s": 0.0,  # tasks waiting for the version they were dealt at

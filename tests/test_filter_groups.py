@@ -20,6 +20,7 @@ from asyncrl.control.group_filter import GroupFilter
 from asyncrl.rewards import ScoreResult
 from asyncrl.rewards.shaping import has_signal, metric_value, overlong_penalty
 from rollout_servers import agent as agent_module
+from rollout_servers import server as server_module
 from rollout_servers import task_groups
 from rollout_servers.groups import filtered_out, shape_overlong, unknown_filter_metric
 from rollout_servers.server import RolloutServer
@@ -312,7 +313,11 @@ class FilteringClient(StandInClient):
 
 
 def _run_server(
-    client: StandInClient, overrides: list[str], agent=None, counters: dict | None = None
+    client: StandInClient,
+    overrides: list[str],
+    agent=None,
+    counters: dict | None = None,
+    acks: int = 4,
 ) -> StandInPusher:
     cfg = load_config(None, [f"rollout.n={N}", "rollout.max_inflight=8", *overrides])
     engine = ToolCallingEngine() if agent is not None else StandInEngine()
@@ -324,7 +329,7 @@ def _run_server(
 
     async def scenario() -> None:
         run = asyncio.create_task(srv.run())
-        await wait_until_async(lambda: len(client.acked) == 4, "every group reported", 20)
+        await wait_until_async(lambda: len(client.acked) == acks, "every group reported", 20)
         srv.stop()
         assert await asyncio.wait_for(run, 5.0) == 0
 
@@ -344,6 +349,40 @@ def test_the_server_filters_alike_groups_without_pushing(monkeypatch, nap_tools,
     agent = agent_runner(ToolCallingEngine(), nap_tools) if episodes else None
     pusher = _run_server(client, ["algorithm.filter_groups.enable=true"], agent)
     assert len(client.filtered) == 4 and pusher.groups == []
+
+
+class StallingClient(FilteringClient):
+    """A coordinator that stalls: the first ``stalled`` filtered acknowledgements go
+    unanswered (the client's retries spent), as ``CoordinatorClient.ack`` returns None."""
+
+    def __init__(self, tasks: int, stalled: int) -> None:
+        super().__init__(tasks, agent=False)
+        self.stalled = stalled
+
+    def ack(self, task_ids: list[str], attempts: int = 3, **flags: bool) -> object:
+        reply = super().ack(task_ids, attempts, **flags)
+        if flags.get("filtered") and self.stalled > 0:
+            self.stalled -= 1
+            return None
+        return reply
+
+
+def test_a_filtered_groups_unanswered_ack_is_sent_again(monkeypatch):
+    """Found by a review: a filtered group's acknowledgement that the coordinator never
+    answered was not sent again, and nothing else frees the group's admission budget but
+    ``control.task_timeout_s`` (30 min): a stall under a filter that drops most groups shut
+    the window that long. Unanswered, it is sent again until answered."""
+    monkeypatch.setattr(task_groups, "sampling_params", lambda settings, task, index: None)
+    monkeypatch.setattr(server_module, "ACK_AGAIN_S", 0.05)
+    client = StallingClient(tasks=4, stalled=3)
+    counters: dict = {}
+    pusher = _run_server(
+        client, ["algorithm.filter_groups.enable=true"], counters=counters, acks=4 + 3
+    )
+    assert pusher.groups == [] and client.stalled == 0
+    assert sorted(set(client.filtered)) == sorted(set(client.acked)) and len(client.acked) == 4 + 3
+    assert len(client.filtered) == 4 + 3  # each unanswered one was sent once more
+    assert counters["rollout/dropped_acks_resent"] == 3
 
 
 def test_a_filter_metric_the_scorer_does_not_return_is_counted_and_named(monkeypatch, caplog):

@@ -34,6 +34,7 @@ COUNTERS: tuple[str, ...] = tuple(
         "gc_s",
         "groups_filtered",
         "filter_metric_unknown",
+        "dropped_acks_resent",
         "reward_errors",
         "prompts_truncated",
         "groups",

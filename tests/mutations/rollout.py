@@ -612,4 +612,12 @@ ROWS = (
             "tests/test_endpoint_mends.py::test_a_turn_that_outlives_its_request_keeps_its_group_idle_from_its_end",
         ),
     ),
+    Mutation(
+        "a dropped group's unanswered ack is sent again",
+        "a filtered group's ack the coordinator never answered held its budget until task_timeout_s",
+        "rollout_servers/server.py",
+        "                await self._report_dropped(ack, task.task_id)",
+        "                await self.lanes.control(ack, [task.task_id])",
+        ("tests/test_filter_groups.py::test_a_filtered_groups_unanswered_ack_is_sent_again",),
+    ),
 )

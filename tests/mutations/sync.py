@@ -109,8 +109,8 @@ ROWS = (
         "the learner tells the members it gave its send up",
         "a member waits for a bucket that will not come until its own sync.timeout_s",
         "asyncrl/sync/sender.py",
-        "                    give_up_send(self.store, prefix, rnd.watch.lost_in_send())",
-        "                    pass",
+        "                give_up_send(self.store, prefix, rnd.watch.lost_in_send() or error)",
+        "                pass",
         (
             "tests/test_sync_lost_mid_send.py::test_a_member_still_receiving_when_the_send_is_given_up_is_told_and_caught_up",
         ),

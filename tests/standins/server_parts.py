@@ -21,7 +21,7 @@ import msgspec
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.control.messages import Registered, SyncStart, Task, TaskGrant
+from asyncrl.control.messages import Registered, SyncStart, Task, TaskAckReply, TaskGrant
 from asyncrl.rewards import ScoreJob, ScoreResult
 from asyncrl.sync.plan import WeightPlan
 from asyncrl.tools import ToolPool
@@ -161,7 +161,7 @@ class StandInClient:
     ) -> object:
         assert not filtered, "no task is dealt with the filter here"
         self.acked += task_ids
-        return None
+        return TaskAckReply(acked=list(task_ids), unknown=[])  # as the coordinator answers
 
     def nack(self, task_ids: list[str], reason: str, dealt: list[int] | None = None) -> object:
         raise AssertionError(f"no task should fail here: {reason}")
