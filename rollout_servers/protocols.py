@@ -174,9 +174,10 @@ class ControlClient(Protocol):
         attempts: int = 3,
         filtered: bool = False,
         prompt_too_long: bool = False,
+        dealt: list[int] | None = None,
     ) -> object:
         """Report tasks whose groups were pushed whole (``filtered``: dropped here by the
-        group filter)."""
+        group filter; ``dealt``: each one's attempt as this server got it)."""
         ...
 
     def nack(self, task_ids: list[str], reason: str, dealt: list[int] | None = None) -> object:

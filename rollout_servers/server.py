@@ -316,7 +316,9 @@ class RolloutServer:
                     log.warning("%s", note)
             if not group or filtered_out(task, scores, metric):
                 # never pushed: the coordinator frees its budget and deals a fresh prompt
-                ack = functools.partial(self.client.ack, filtered=True, prompt_too_long=not group)
+                ack = functools.partial(
+                    self.client.ack, filtered=True, prompt_too_long=not group, dealt=[task.attempt]
+                )
                 await self._report_dropped(ack, task.task_id)
                 self.metrics["rollout/groups_filtered"] += bool(group)
                 pushed = True  # reported: not a failure to deal again

@@ -189,6 +189,31 @@ def test_filtered_groups_free_their_budget_at_once_and_are_accounted():
     assert run.st.ledger.refunded["filtered"] == filtered
 
 
+def _dealt_twice(run: Run) -> tuple[m.Task, m.Task]:
+    """A task dealt to server "s" with the filter on, failed there, and dealt to it again."""
+    (task,) = run.st.grant("s", 1, 0.0).tasks
+    assert task.filter and run.st.nack("s", [task.task_id], "boom", 0.0, [task.attempt]) == 1
+    again = next(t for t in run.st.grant("s", 64, 0.0).tasks if t.task_id == task.task_id)
+    assert again.attempt == task.attempt + 1 and again.filter
+    return task, again
+
+
+def test_a_filtered_report_sent_again_does_not_end_the_tasks_next_deal():
+    """Found by a review: an acknowledgement of a filtered group named no deal, so one of
+    an earlier deal (sent again after a lost reply, while the task was dealt to the same
+    server again) ended the new deal as filtered, whose own group then came back
+    "unknown". It names its deal now, as a failure report does."""
+    run = _filtering_run(0)
+    task, again = _dealt_twice(run)
+    late = run.st.ack("s", [task.task_id], 0.0, filtered=True, attempts=[task.attempt])
+    assert late.acked == [] and late.unknown == [task.task_id]
+    assert run.st.ledger.is_out(task.task_id)
+    assert run.st.ledger.counts["filtered_of_earlier_deals"] == 1
+    now = run.st.ack("s", [again.task_id], 0.0, filtered=True, attempts=[again.attempt])
+    assert now.acked == [again.task_id]
+    assert run.acct()["accounting/train/dropped/filtered"] == 1
+
+
 def test_past_the_bound_tasks_are_dealt_unfiltered_and_it_says_so_once(caplog):
     """Every group scores alike: after max_num_gen_batches batches' worth are filtered the
     tasks come unfiltered, the learner trains them, and the filter is on again."""
@@ -289,6 +314,7 @@ class FilteringClient(StandInClient):
         self.agent, self.on = agent, on
         self.filtered: list[str] = []
         self.too_long: list[str] = []
+        self.dealt: list[int] = []  # the attempts the filtered reports named
 
     def request_tasks(
         self, max_tasks: int | None = None, wait_s: float | None = None, max_samples: int = 0
@@ -304,9 +330,11 @@ class FilteringClient(StandInClient):
         attempts: int = 3,
         filtered: bool = False,
         prompt_too_long: bool = False,
+        dealt: list[int] | None = None,
     ) -> object:
         if filtered:
             self.filtered += task_ids
+            self.dealt += dealt or []
         if prompt_too_long:
             self.too_long += task_ids
         return super().ack(task_ids)
@@ -349,6 +377,7 @@ def test_the_server_filters_alike_groups_without_pushing(monkeypatch, nap_tools,
     agent = agent_runner(ToolCallingEngine(), nap_tools) if episodes else None
     pusher = _run_server(client, ["algorithm.filter_groups.enable=true"], agent)
     assert len(client.filtered) == 4 and pusher.groups == []
+    assert client.dealt == [0] * 4  # each report names its deal (a resend cannot end the next)
 
 
 class StallingClient(FilteringClient):

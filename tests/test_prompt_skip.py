@@ -16,6 +16,7 @@ from asyncrl.control.prompt_skip import PromptSkip
 from asyncrl.control.setup import state_from_config
 from asyncrl.control.task_source import TaskSource
 from tests.test_accounting import B, Run, _group
+from tests.test_filter_groups import _dealt_twice
 from tests.test_pacing import _rows
 
 ROWS = 8
@@ -244,3 +245,15 @@ def test_tasks_that_never_get_a_verdict_are_forgotten_at_the_next_step():
     assert run.st.ledger.entries[task.task_id].state == "dropped/prompt_too_long"
     run.st.on_step(1)
     assert task.task_id not in run.st.state_dict()["group_filter"].get("judging", [])
+
+
+def test_a_failure_report_of_an_earlier_deal_leaves_the_next_deal_awaiting_its_verdict():
+    """Found by a review: the filter forgot the tasks of a failure report before the
+    ledger judged it, so a report of an earlier deal (ignored there) took the task's live
+    deal out of those awaiting a verdict: its group then never moved its prompt's skip
+    streak. Only the tasks the report did fail are forgotten."""
+    run = _run(skip=True)
+    task, _ = _dealt_twice(run)
+    run.st.nack("s", [task.task_id], "boom", 0.0, [task.attempt])  # the resend
+    assert run.st.ledger.counts["nacks_of_earlier_deals"] == 1
+    assert run.st.group_filter.forget([task.task_id]) == [task.task_id]  # still judged

@@ -501,16 +501,18 @@ class CoordinatorClient:
         attempts: int = 3,
         filtered: bool = False,
         prompt_too_long: bool = False,
+        dealt: list[int] | None = None,
     ) -> m.TaskAckReply | None:
         """Acknowledge tasks whose groups were pushed whole (``filtered``: whose groups the
         group filter dropped here; with ``prompt_too_long``, whose prompts were dropped
-        before generation); retried on timeouts (an ack is idempotent). None if the
-        coordinator never answered."""
+        before generation; ``dealt``: each one's attempt as this server got it); retried on
+        timeouts (an ack is idempotent). None if the coordinator never answered."""
         msg = m.TaskAck(
             server_id=self.server_id,
             task_ids=list(task_ids),
             filtered=filtered,
             prompt_too_long=prompt_too_long,
+            attempts=dealt,
         )
         reply = self._control_retried(msg, attempts)
         if reply is None:

@@ -71,6 +71,12 @@ def _tallies(tid: str, kind: str) -> tuple[str, ...]:
     return (kind, "external") if is_external(tid) else (kind,)
 
 
+def _earlier_deal(e: Entry, attempt: int) -> bool:
+    """Whether a server's report naming ``attempt`` is of an earlier deal than ``e``'s
+    current one (an adopted entry's attempt is the server's own: taken as current)."""
+    return not e.adopted and e.task is not None and e.task.attempt != attempt
+
+
 class TaskLedger:
     """Every task id's state, the re-deal queue and the budget; one owner calls it."""
 
@@ -324,21 +330,30 @@ class TaskLedger:
         return acked, unknown
 
     def filtered(
-        self, server_id: str, task_ids: Iterable[str], reason: str = "filtered"
+        self,
+        server_id: str,
+        task_ids: Sequence[str],
+        reason: str = "filtered",
+        attempts: Sequence[int] | None = None,
     ) -> list[str]:
         """Training groups ``server_id`` dropped before the push: terminal
         (``dropped/<reason>``: ``filtered`` by the group filter, ``prompt_too_long`` by
         ``data.filter_overlong_prompts``), out of the budget at once; returns the ids taken.
         A report of a task dealt again to another server since is ignored (that one's group
-        counts)."""
+        counts), and so, with ``attempts``, is one of an earlier deal at the same server (a
+        report sent again after a lost reply): the later deal's group is judged itself."""
+        said = attempts if attempts is not None and len(attempts) == len(task_ids) else None
         done = []
-        for tid in task_ids:
+        for i, tid in enumerate(task_ids):
             e = self.entries.get(tid)
             holder = e is not None and (
                 e.state == QUEUED or (e.state == OUT and e.server == server_id)
             )
             if e is None or not holder or kind_of(tid) != "train":
                 self.counts["filtered_unknown"] += 1
+                continue
+            if said is not None and e.state == OUT and _earlier_deal(e, said[i]):
+                self.counts["filtered_of_earlier_deals"] += 1
                 continue
             self.move(tid, e, f"dropped/{reason}", reason)
             done.append(tid)
@@ -363,7 +378,7 @@ class TaskLedger:
             if e is None or e.state != OUT or e.server != server_id:
                 self.counts["nacks_unknown"] += 1
                 continue
-            if said is not None and not e.adopted and e.task and e.task.attempt != said[i]:
+            if said is not None and _earlier_deal(e, said[i]):
                 self.counts["nacks_of_earlier_deals"] += 1
                 continue
             back += self._fail(tid, e, cause)
@@ -424,6 +439,11 @@ class TaskLedger:
                 if self.pacer is not None and e.server and kind_of(tid) == "train":
                     self.pacer.fresh(e.server)
                 self.move(tid, e, DONE)
+
+    def is_out(self, tid: str) -> bool:
+        """Whether ``tid`` is dealt and at a server now."""
+        e = self.entries.get(tid)
+        return e is not None and e.state == OUT
 
     def already_trained(self, task_ids: Iterable[str]) -> set[str]:
         """Those of ``task_ids`` whose groups were trained on (since the checkpoint this

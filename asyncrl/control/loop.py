@@ -155,7 +155,7 @@ class ControlLoop:
             return None  # answered by _grant, in arrival order
         if isinstance(msg, m.TaskAck):
             return self.state.ack(
-                msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long
+                msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long, msg.attempts
             )
         if isinstance(msg, m.TaskNack):
             self.state.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts)
@@ -193,7 +193,9 @@ class ControlLoop:
             st.sync_done(msg, now)
             return m.Ok()
         if isinstance(msg, m.TaskAck):  # acks come here so a held task request cannot delay them
-            return st.ack(msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long)
+            return st.ack(
+                msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long, msg.attempts
+            )
         if isinstance(msg, m.TaskNack):
             st.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts)
             return m.Ok()

@@ -156,6 +156,10 @@ class TaskAck(Message, tag="task_ack"):
     task_ids: TaskIds
     filtered: bool = False
     prompt_too_long: bool = False
+    # With ``filtered``, each task's attempt as this server was dealt it (Task.attempt);
+    # None: not said. A report sent again after a lost reply must not end the task's next
+    # deal here (that deal's group is judged on its own).
+    attempts: list[int] | None = None
 
 
 class TaskNack(Message, tag="task_nack"):

@@ -349,11 +349,12 @@ class ControlState:
         now: float,
         filtered: bool = False,
         prompt_too_long: bool = False,
+        attempts: list[int] | None = None,
     ) -> TaskAckReply:
         self.touch(server_id, now)
         if filtered:  # dropped at the server by algorithm.filter_groups (or, too long, before)
             reason = "prompt_too_long" if prompt_too_long else "filtered"
-            done = self.ledger.filtered(server_id, task_ids, reason)
+            done = self.ledger.filtered(server_id, task_ids, reason, attempts)
             if not prompt_too_long:  # a prompt never generated says nothing of its groups
                 self.group_filter.filtered(len(done), self.step)
                 self.group_filter.verdicts(done, filtered=True)
@@ -375,8 +376,10 @@ class ControlState:
         """Tasks that failed at a live server (``attempts``: each one's attempt as it was
         dealt there): dealt again (or given up); how many."""
         self.touch(server_id, now)
-        self.group_filter.forget(task_ids)  # dealt again (maybe unfiltered) or given up
         back = self.ledger.nack(server_id, task_ids, attempts=attempts)
+        # Dealt again (maybe unfiltered) or given up; not a report the ledger ignored (of an
+        # earlier deal, or of a task since dealt elsewhere): that deal still awaits its verdict.
+        self.group_filter.forget(t for t in task_ids if not self.ledger.is_out(t))
         given = [t for t in task_ids if is_external(t)]
         if given:  # an endpoint group that will not train: routine, its slot frees
             log.info("%s gave back endpoint slots %s (%s)", server_id, given, reason)

@@ -489,7 +489,7 @@ ROWS = (
         "a failure report sent again does not fail the task's next deal",
         "a report of an earlier deal fails the task's new deal at the same server",
         "asyncrl/control/ledger.py",
-        "            if said is not None and not e.adopted and e.task and e.task.attempt != said[i]:",
+        "            if said is not None and _earlier_deal(e, said[i]):",
         "            if False:",
         (
             "tests/test_accounting.py::"
@@ -645,5 +645,35 @@ ROWS = (
         'self.counts["external_acked" if is_external(tid) else f"{kind_of(tid)}_acked"] += 1',
         'self.counts[f"{kind_of(tid)}_acked"] += 1',
         ("tests/test_client_requests.py::test_concurrent_slot_requests_each_get_their_own_slot",),
+    ),
+    Mutation(
+        "a filtered report sent again does not end the task's next deal",
+        "a filtered group's report of an earlier deal ends the task's new deal at the same server",
+        "asyncrl/control/ledger.py",
+        "            if said is not None and e.state == OUT and _earlier_deal(e, said[i]):",
+        "            if False:",
+        (
+            "tests/test_filter_groups.py::test_a_filtered_report_sent_again_does_not_end_the_tasks_next_deal",
+        ),
+    ),
+    Mutation(
+        "the coordinator passes a filtered report's deal to the ledger",
+        "the deal a filtered report names is dropped before the ledger",
+        "asyncrl/control/state.py",
+        "            done = self.ledger.filtered(server_id, task_ids, reason, attempts)",
+        "            done = self.ledger.filtered(server_id, task_ids, reason)",
+        (
+            "tests/test_filter_groups.py::test_a_filtered_report_sent_again_does_not_end_the_tasks_next_deal",
+        ),
+    ),
+    Mutation(
+        "a failure report the ledger ignored leaves its task awaiting a verdict",
+        "a report of an earlier deal takes the live deal out of those the filter judges",
+        "asyncrl/control/state.py",
+        "        self.group_filter.forget(t for t in task_ids if not self.ledger.is_out(t))",
+        "        self.group_filter.forget(task_ids)",
+        (
+            "tests/test_prompt_skip.py::test_a_failure_report_of_an_earlier_deal_leaves_the_next_deal_awaiting_its_verdict",
+        ),
     ),
 )

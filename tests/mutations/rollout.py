@@ -620,4 +620,12 @@ ROWS = (
         "                await self.lanes.control(ack, [task.task_id])",
         ("tests/test_filter_groups.py::test_a_filtered_groups_unanswered_ack_is_sent_again",),
     ),
+    Mutation(
+        "a server's filtered report names its deal",
+        "a filtered report names no attempt: one sent again can end the task's next deal",
+        "rollout_servers/server.py",
+        "                    self.client.ack, filtered=True, prompt_too_long=not group, dealt=[task.attempt]",
+        "                    self.client.ack, filtered=True, prompt_too_long=not group",
+        ("tests/test_filter_groups.py::test_the_server_filters_alike_groups_without_pushing",),
+    ),
 )

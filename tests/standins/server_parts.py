@@ -158,6 +158,7 @@ class StandInClient:
         attempts: int = 3,
         filtered: bool = False,
         prompt_too_long: bool = False,
+        dealt: list[int] | None = None,
     ) -> object:
         assert not filtered, "no task is dealt with the filter here"
         self.acked += task_ids
