@@ -185,6 +185,13 @@ class _Coordinator:
         return self.book.finish(sent_ok, error)
 
 
+def _pusher(coordinator: Any, store: Any) -> sender.WeightPusher:
+    """A pusher over gloo that gives a sync up after 1 s."""
+    return sender.WeightPusher(
+        coordinator, store, backend="gloo", timeout_s=1.0, bucket_bytes=1 << 20
+    )
+
+
 def test_a_push_the_learners_own_error_ends_is_closed_and_the_error_raised(monkeypatch, caplog):
     """Tensors off the plan (a shape mismatch in the packing, a missing name) are neither
     a member's failure nor a collective's: the error escaped the pusher with the round
@@ -202,13 +209,7 @@ def test_a_push_the_learners_own_error_ends_is_closed_and_the_error_raised(monke
 
     monkeypatch.setattr(sender, "form_group", form)
     coordinator = _Coordinator()
-    pusher = sender.WeightPusher(
-        coordinator,  # type: ignore[arg-type]
-        None,
-        backend="gloo",
-        timeout_s=1.0,
-        bucket_bytes=1 << 20,
-    )
+    pusher = _pusher(coordinator, None)
     pusher.plan_for({"w": torch.zeros(2, 3)})
     mismatch = r"w: shape \(3, 2\) != planned \(2, 3\)"
     with (
@@ -266,13 +267,7 @@ def test_a_send_that_fails_tells_the_members_to_stop_waiting(monkeypatch):
     monkeypatch.setattr(sender, "send_weights", broken_send)
     store = open_store("127.0.0.1", free_port(), is_host=True, timeout_s=5.0)
     coordinator = _Coordinator()
-    pusher = sender.WeightPusher(
-        coordinator,  # type: ignore[arg-type]
-        store,
-        backend="gloo",
-        timeout_s=1.0,
-        bucket_bytes=1 << 20,
-    )
+    pusher = _pusher(coordinator, store)
     pusher.plan_for({"w": torch.zeros(2, 3)})
     rnd = coordinator.begin_sync(PLAN)
     asked = given_up(store, store_prefix(coordinator.sync_secret, rnd.generation))
