@@ -319,6 +319,11 @@ class RolloutServer:
                 ack = functools.partial(
                     self.client.ack, filtered=True, prompt_too_long=not group, dealt=[task.attempt]
                 )
+                # No longer held (its slots are, until the report is answered): a
+                # registration meanwhile (a restarted coordinator) would name it, and the
+                # new coordinator adopt it as out here after answering this report
+                # "unknown", to wait for task_timeout_s on a group that is gone.
+                self.held.pop(task.task_id, None)
                 await self._report_dropped(ack, task.task_id)
                 self.metrics["rollout/groups_filtered"] += bool(group)
                 pushed = True  # reported: not a failure to deal again
@@ -353,8 +358,9 @@ class RolloutServer:
             self._free_slots(task.n)
 
     async def _report_dropped(self, ack: Callable[[list[str]], object], task_id: str) -> None:
-        """Acknowledge a group dropped here (filtered, or its prompt too long), again every
-        :data:`ACK_AGAIN_S` until the coordinator answers or this server stops. Nothing
+        """Acknowledge a group dropped here (filtered, or its prompt too long), again
+        :data:`ACK_AGAIN_S` after each unanswered report (itself three tries, each to the
+        client's timeout) until the coordinator answers or this server stops. Nothing
         else frees its admission budget: a pushed group's lost ack heals when its group
         trains, a dropped one's only at ``control.task_timeout_s`` (30 min by default),
         and under a filter that drops most groups one stall of the coordinator held much

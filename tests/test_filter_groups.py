@@ -387,11 +387,14 @@ class StallingClient(FilteringClient):
     def __init__(self, tasks: int, stalled: int) -> None:
         super().__init__(tasks, agent=False)
         self.stalled = stalled
+        self.named: list[str] = []
 
     def ack(self, task_ids: list[str], attempts: int = 3, **flags: bool) -> object:
         reply = super().ack(task_ids, attempts, **flags)
         if flags.get("filtered") and self.stalled > 0:
             self.stalled -= 1
+            # Of the unanswered ones, those a registration now would name.
+            self.named += [t for t in task_ids if t in self.held_tasks()]
             return None
         return reply
 
@@ -412,6 +415,9 @@ def test_a_filtered_groups_unanswered_ack_is_sent_again(monkeypatch):
     assert sorted(set(client.filtered)) == sorted(set(client.acked)) and len(client.acked) == 4 + 3
     assert len(client.filtered) == 4 + 3  # each unanswered one was sent once more
     assert counters["rollout/dropped_acks_resent"] == 3
+    # Meanwhile a registration (a restarted coordinator) would not name them: adopted
+    # after this report was answered "unknown", they would wait out task_timeout_s.
+    assert client.named == []
 
 
 def test_a_filter_metric_the_scorer_does_not_return_is_counted_and_named(monkeypatch, caplog):

@@ -628,4 +628,12 @@ ROWS = (
         "                    self.client.ack, filtered=True, prompt_too_long=not group",
         ("tests/test_filter_groups.py::test_the_server_filters_alike_groups_without_pushing",),
     ),
+    Mutation(
+        "a dropped group awaiting its report's answer is no longer held",
+        "a registration during the report names the dropped task: a new coordinator adopts it after answering the report unknown",
+        "rollout_servers/server.py",
+        "                self.held.pop(task.task_id, None)\n                await self._report_dropped(",
+        "                await self._report_dropped(",
+        ("tests/test_filter_groups.py::test_a_filtered_groups_unanswered_ack_is_sent_again",),
+    ),
 )
