@@ -301,7 +301,6 @@ class EndpointGroups:
         if not why.startswith("given back"):  # unused, it may open again (a client's retry)
             self.closed.add(group, why)
         members = group.rewarded() if train else []
-        self.metrics["rollout/openai/sessions_dropped"] += len(group.sessions) - len(members)
         if members and len(members) < self.min_rewarded:
             self.metrics["rollout/openai/groups_too_few_rewarded"] += 1
             # Rewarded with no turn: refused from its first request, or its only turns
@@ -321,6 +320,8 @@ class EndpointGroups:
             members = []
         elif train and not members and not why.startswith("given back"):
             why = f"{why}: no session was rewarded"
+        # After the baseline check: a group too few rewarded drops its rewarded ones too.
+        self.metrics["rollout/openai/sessions_dropped"] += len(group.sessions) - len(members)
         t = asyncio.create_task(self._push(group, members, why))
         self._pushes.add(t)  # held until done: the loop keeps only weak references
         t.add_done_callback(self._pushes.discard)

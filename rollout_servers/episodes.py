@@ -169,9 +169,11 @@ class Episode:
 
     def budget_len(self) -> int:
         """The length the overlong penalty measures: :meth:`response_len`, or the whole
-        budget for an episode that ended because its next tokens did not fit, as a
-        single-turn response cut at the limit is that long."""
-        if self.ended == "length":
+        budget for an episode that ended because its next tokens did not fit (the
+        response budget, ``length``, or the context, ``prompt_too_long``: both end on a
+        sample cut with ``finish_reason`` ``length``), as a single-turn response cut at
+        the limit is that long."""
+        if self.ended in ("length", "prompt_too_long"):
             return max(self.response_len(), self.max_response_len)
         return self.response_len()
 

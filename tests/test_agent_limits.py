@@ -181,6 +181,9 @@ def test_a_split_that_does_not_fit_the_engines_context_ends_the_episode() -> Non
     for prompt, max_tokens in engine.requests:
         assert len(prompt) + max_tokens <= 64 + 300
     assert ep.pieces[-1].finish_reason == "length"
+    # Found by a review: cut as one at the response limit is, and penalised alike (it was
+    # measured by the tokens it had used, and escaped the overlong penalty).
+    assert ep.response_len() < 300 and budget_lengths([ep]) == [300]
 
 
 def test_an_episode_cut_by_its_budget_is_marked_and_penalised_as_truncated() -> None:

@@ -211,6 +211,8 @@ def test_rewards_are_checked_final_and_never_alone_in_a_baseline(monkeypatch):
         assert client.nacked == [(["ext/1"], "dropped: 1 of 2 sessions rewarded with turns")]  # type: ignore[attr-defined]
         assert rig.endpoint.metrics["rollout/openai/groups_too_few_rewarded"] == 1
         assert rig.endpoint.metrics["rollout/openai/groups_pushed"] == 0
+        # Found by a review: the rewarded session dropped with its group is counted too.
+        assert rig.endpoint.metrics["rollout/openai/sessions_dropped"] == 1
 
     _serve(monkeypatch, scenario, ("rollout.openai_endpoint.reward_range=[-1,1]",))
 

@@ -636,4 +636,25 @@ ROWS = (
         "                await self._report_dropped(",
         ("tests/test_filter_groups.py::test_a_filtered_groups_unanswered_ack_is_sent_again",),
     ),
+    Mutation(
+        "an episode out of context is penalised at the whole budget",
+        "an episode ended prompt_too_long is measured by the tokens it used: it escapes the overlong penalty",
+        "rollout_servers/episodes.py",
+        '        if self.ended in ("length", "prompt_too_long"):',
+        '        if self.ended == "length":',
+        (
+            "tests/test_agent_limits.py::test_a_split_that_does_not_fit_the_engines_context_ends_the_episode",
+        ),
+    ),
+    Mutation(
+        "a group too few rewarded counts its rewarded sessions dropped",
+        "the rewarded sessions of a group dropped for want of a baseline are not in sessions_dropped",
+        "rollout_servers/endpoint_groups.py",
+        '        self.metrics["rollout/openai/sessions_dropped"] += len(group.sessions) - len(members)\n',
+        '        self.metrics["rollout/openai/sessions_dropped"] += len(group.sessions) - len(\n'
+        "            group.rewarded() if train else []\n        )\n",
+        (
+            "tests/test_endpoint_faults.py::test_rewards_are_checked_final_and_never_alone_in_a_baseline",
+        ),
+    ),
 )
