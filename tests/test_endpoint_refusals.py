@@ -60,7 +60,10 @@ def test_a_member_refused_by_its_bodys_checks_still_counts(monkeypatch, case):
         status, _, body = await _reward(rig, "h/1", 1.0)
         assert status == 200 and body["group_complete"] and body["rewarded"] == 2, body
         await asyncio.gather(*groups._pushes)
-        assert metrics["rollout/openai/sessions_dropped"] == 2  # each refused member once
+        # Each group has one member with turns, no baseline for GRPO: both are dropped
+        # whole, each refused member counted once among their sessions.
+        assert metrics["rollout/openai/groups_too_few_rewarded"] == 2
+        assert metrics["rollout/openai/sessions_dropped"] == 4
 
     _serve(monkeypatch, scenario)
 

@@ -24,9 +24,16 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def squatter() -> Iterator[socket.socket]:
-    """Another process's listening socket, as far as the roles can tell."""
+    """Another process's listening socket, as far as the roles can tell. A port free when
+    chosen may be taken before the bind (another run on the machine): choose again."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", free_port()))
+        for attempt in range(20):
+            try:
+                s.bind(("127.0.0.1", free_port()))
+                break
+            except OSError:
+                if attempt == 19:
+                    raise
         s.listen()
         yield s
 
