@@ -393,3 +393,32 @@ def saved_limit(state: dict) -> int:
     budget = _state().ledger.budget
     budget.load_state_dict(state["ledger"]["budget"])
     return budget.limit
+
+
+def test_a_catch_up_to_an_older_checkpoint_brings_the_servers_record_down():
+    """Found by a review: a learner restored at version 10, its servers registered at 12
+    with partly loaded weights, a replay through 14. Their catch-up loads the learner's
+    weights, version 10, but the record (and heartbeats) kept the higher version: trusted
+    at 12, it made the replay adopt versions 11 and 12 no server held (no push, the
+    servers generating on version 10 labelled 12). The record is the version loaded."""
+    st = _state()
+    st.ledger.budget.load_state_dict({"version": 10, "consumed": 20})
+    st.recovery.restored(["a"])
+    partial = m.Register(
+        server_id="a", engine_world_size=1, policy_version=12, weights_partial=True
+    )
+    reg = st.register(partial, now=0.0)
+    st.versions.set_replay(14)
+    rnd = st.versions.begin_catchup("a", PLAN)
+    assert rnd.version == 10
+    st.sync_done(m.SyncDone(server_id="a", sync_id=rnd.sync_id, version=10, ok=True), 0.1)
+    st.versions.finish_sync(True, now=0.1)
+    # A heartbeat built before the catch-up, arriving after its report, changes nothing.
+    hb = m.Heartbeat(
+        server_id="a", session=reg.session, policy_version=12, seen_version=10, seen_sync=0
+    )
+    st.beat(hb, now=0.2)
+    rec = st.servers["a"]
+    assert (rec.policy_version, rec.trusted) == (10, True)
+    assert not st.versions.adopt(11)  # nobody holds it: pushed
+    assert st.versions.counts["replay_not_held"] == 1

@@ -406,3 +406,29 @@ def test_a_push_the_learners_own_error_ends_is_closed_at_once(tmp_path) -> None:
         if a is not None:
             a.close()
         learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_catch_up_to_an_older_version_is_the_version_the_server_holds(tmp_path) -> None:
+    """Found by a review: a server that held version 12 and was caught up to a restarted
+    learner's version 10 kept saying 12 (in registrations and heartbeats), the higher of
+    the two, though its engine now holds 10."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    client = CoordinatorClient.from_config(
+        cfg, "a", engine_world_size=1, policy_version=12, timeout_s=5.0
+    )
+    start = m.SyncStart(
+        sync_id=1,
+        version=10,
+        generation="catchup/1",
+        rank=1,
+        world_size=2,
+        plan=learner.pusher.plan_for(learner.tensors),
+    )
+    try:
+        client.sync_done(start, True)
+        assert client.policy_version == 10
+    finally:
+        client.close()
+        learner.close()

@@ -386,8 +386,8 @@ class CoordinatorClient:
         Retried on timeouts (a report is idempotent): until the coordinator has it, this
         server counts as busy in that sync and gets no catch-up. False if never answered.
         """
-        if ok:
-            self.policy_version = max(self.policy_version, start.version)
+        if ok:  # what it loaded, older than before after a catch-up from a restarted learner
+            self.policy_version = start.version
         self.weights_partial = not ok and error.startswith(m.WEIGHTS_PARTIAL)
         msg = m.SyncDone(
             server_id=self.server_id,

@@ -240,7 +240,11 @@ class ControlState:
         this session: after a coordinator restart every server registers again)."""
         rec = self.touch(msg.server_id, now) if msg.session == self.session else None
         if rec is not None:
-            rec.policy_version = max(rec.policy_version, msg.policy_version)
+            # It says a version whose report came after its round closed. Never one above
+            # the coordinator's: that heartbeat was built before a catch-up from a restarted
+            # learner brought the server down, and arrived after its report (another socket).
+            if msg.policy_version <= self.version:
+                rec.policy_version = max(rec.policy_version, msg.policy_version)
             rec.metrics = msg.metrics
             self.server_totals.observe(msg.server_id, msg.metrics)
         return rec

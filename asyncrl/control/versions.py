@@ -12,7 +12,8 @@ generations, outcomes).
   failure up to ``catchup_backoff_max_s``. A successful sync clears the count.
 - ``policy_version`` never goes backwards; a server registering with a version above the
   coordinator's (the learner restarted from an older checkpoint) raises it, so the next
-  push is above anything a server holds.
+  push is above anything a server holds. A server's *record* holds the version its last
+  sync loaded, which a catch-up from such a learner brings below its registration's.
 - After a learner restart, versions the replay reproduces are adopted, not pushed: the
   servers that hold them keep them (:mod:`asyncrl.control.recovery`).
 """
@@ -186,7 +187,9 @@ class Versions:
             self.counts["sync_reports_stale"] += 1
             return
         if msg.ok and rec is not None:
-            rec.policy_version = max(rec.policy_version, msg.version)
+            # Exactly the version it loaded: a catch-up after a learner restarted from an
+            # older checkpoint brings a server's weights (and so its record) down.
+            rec.policy_version = msg.version
             rec.trusted = True
             rec.catchup_failures, rec.catchup_after = 0, 0.0
 

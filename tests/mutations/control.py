@@ -676,4 +676,34 @@ ROWS = (
             "tests/test_prompt_skip.py::test_a_failure_report_of_an_earlier_deal_leaves_the_next_deal_awaiting_its_verdict",
         ),
     ),
+    Mutation(
+        "a sync report sets the record to the version loaded",
+        "an ok report keeps the record's higher version after a catch-up to an older one",
+        "asyncrl/control/versions.py",
+        "            rec.policy_version = msg.version\n",
+        "            rec.policy_version = max(rec.policy_version, msg.version)\n",
+        (
+            "tests/test_admission_registry.py::test_a_catch_up_to_an_older_checkpoint_brings_the_servers_record_down",
+        ),
+    ),
+    Mutation(
+        "a heartbeat never raises a record above the coordinator's version",
+        "a heartbeat built before a catch-up that lowered the server raises its record back",
+        "asyncrl/control/state.py",
+        "            if msg.policy_version <= self.version:\n",
+        "            if True:\n",
+        (
+            "tests/test_admission_registry.py::test_a_catch_up_to_an_older_checkpoint_brings_the_servers_record_down",
+        ),
+    ),
+    Mutation(
+        "the client holds the version its sync loaded",
+        "a server caught up to an older version goes on saying the newer one",
+        "asyncrl/control/client.py",
+        "            self.policy_version = start.version\n",
+        "            self.policy_version = max(self.policy_version, start.version)\n",
+        (
+            "tests/test_sync_lost_members.py::test_a_catch_up_to_an_older_version_is_the_version_the_server_holds",
+        ),
+    ),
 )
