@@ -478,3 +478,32 @@ def test_a_resumed_run_does_not_wait_for_min_servers_to_start_again():
     restarted.recovery.needs_inventory = False  # no buffer in this test
     restarted.register(m.Register(server_id="a", engine_world_size=0), now=1.0)
     assert restarted.grant("a", 1, 1.1).tasks
+
+
+def test_validation_groups_a_new_buffer_scored_are_not_counted_lost():
+    """Found by a review: the inventory of a buffer that restarted was reconciled before
+    the validation groups it scored were marked done. Not held (scored groups are not
+    kept), they were counted ``requeued/lost`` and put back to be dealt again."""
+    val = [make_row("arithmetic", f"{i}+2=", str(i + 2), split="test", index=i) for i in range(3)]
+    source = TaskSource(_rows(50), val, shuffle=False, n=N, lineage="")
+    st = ControlState(
+        TaskLedger(source, Budget(1, B)), SyncBook(), heartbeat_s=0.5, dead_after_s=2.0,
+        store_host="h", store_port=1,
+    )  # fmt: skip
+    st.register(m.Register(server_id="s", engine_world_size=0), now=0.0)
+    assert st.start_validation(0)
+    tasks = st.grant("s", 64, 0.0).tasks
+    for t in tasks:
+        st.ack("s", [t.task_id], 0.0)  # pushed to the buffer that dies
+    st.recovery.buffer_session = "old"
+    assert not st.recovery.buffer_contact("new", now=10.0)
+    assert st.recovery.buffer_contact("new", now=13.0)
+    new = ReplayBuffer(batch_size=B, capacity_groups=10**6, max_policy_lag=1)
+    for t in tasks:  # their pushes waited in the socket and reached the new buffer
+        new.add_packed(_group(t, 0), 13.0)
+    held, dropped, validated = new.inventory()
+    assert len(validated) == 3
+    assert st.reconcile_buffer(held, dropped, validated=validated) == 0
+    assert st.ledger.counts["requeued/lost"] == 0
+    a = st.ledger.accounting()
+    assert a["accounting/val/scored"] == 3 and a["accounting/train/unaccounted"] == 0

@@ -367,9 +367,11 @@ def _poll_once(
         inventory = client.inventory()
         with lock:
             state.reconcile_buffer(
-                list(inventory.held), list(inventory.dropped), paused=inventory.paused
+                list(inventory.held),
+                list(inventory.dropped),
+                paused=inventory.paused,
+                validated=list(inventory.validated),
             )
-            state.trained(list(inventory.validated))
     with lock:
         audit = state.audit_request(time.monotonic())
     if audit is not None:

@@ -22,6 +22,7 @@ import logging
 import math
 import secrets
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -407,10 +408,19 @@ class ControlState:
         # even when its server's ack comes later (then unknown) or never.
         self.group_filter.verdicts(task_ids, filtered=False)
 
-    def reconcile_buffer(self, held: list[str], dropped: list[Any], paused: bool = False) -> int:
+    def reconcile_buffer(
+        self,
+        held: list[str],
+        dropped: list[Any],
+        paused: bool = False,
+        validated: Sequence[str] = (),
+    ) -> int:
         """The buffer's inventory came: adopt what it holds, deal again what it lost. A
         buffer not reading (``paused``: full) may have groups it lacks waiting in its
-        socket: none is taken as lost now; the audit asks about them once it reads."""
+        socket: none is taken as lost now; the audit asks about them once it reads.
+        ``validated``, the validation groups it scored, are done first: not held, they
+        would be counted lost and dealt again."""
+        self.trained(list(validated))
         cutoff = -math.inf if paused else self.recovery.cutoff
         if paused:
             log.info(

@@ -706,4 +706,14 @@ ROWS = (
             "tests/test_sync_lost_members.py::test_a_catch_up_to_an_older_version_is_the_version_the_server_holds",
         ),
     ),
+    Mutation(
+        "an inventory's scored validation groups are done before its reconciling",
+        "the validation groups a new buffer scored are reconciled as lost",
+        "asyncrl/control/state.py",
+        "        self.trained(list(validated))\n",
+        "        pass\n",
+        (
+            "tests/test_accounting.py::test_validation_groups_a_new_buffer_scored_are_not_counted_lost",
+        ),
+    ),
 )
