@@ -485,3 +485,24 @@ def test_every_default_that_differs_from_verls_is_warned_or_harmless():
             silent.append(f"{key}: {here!r} here, {verl[key]!r} in veRL")
     assert silent == [], silent
     assert not set(NOT_RESULTS) & set(RESULT_DEFAULTS)
+
+
+def test_defaults_switches_and_sizes_read_as_the_keys_they_set(monkeypatch):
+    """Found by a review: a resolver's default was read by plain YAML (``0615`` octal 397,
+    ``off`` a boolean), veRL's global micro-batch of 0 or below became 1 unrefused, and a
+    mapped veRL switch read by Python's truth (the text ``off`` turned token-level loss on)."""
+    monkeypatch.delenv("ASYNCRL_TEST_UNSET", raising=False)
+    for default in ("0615", "off", "8"):
+        override = f"trainer.experiment_name=${{oc.env:ASYNCRL_TEST_UNSET,{default}}}"
+        assert load_config(None, [override]).trainer.experiment_name == default
+    select = "trainer.experiment_name=${oc.select:trainer.nope,0615}"
+    assert load_config(None, [select]).trainer.experiment_name == "0615"
+    for size in (0, -4):
+        with pytest.raises(ConfigError, match="ppo_micro_batch_size"):
+            load_config(None, [f"actor_rollout_ref.actor.ppo_micro_batch_size={size}"])
+    token_level = "actor_rollout_ref.actor.use_token_level_loss"
+    for text, mode in (("off", "seq-mean-token-mean"), ("yes", "token-mean")):
+        cfg = load_config(None, [f"{token_level}={text}"])
+        assert cfg.actor.loss_agg_mode == mode, text
+    with pytest.raises(ConfigError, match="use_token_level_loss: .*'maybe'"):
+        load_config(None, [f"{token_level}=maybe"])

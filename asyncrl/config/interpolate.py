@@ -33,9 +33,8 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-import yaml
-
 from asyncrl.config.verl_table import lookup, our_key
+from asyncrl.config.yaml_read import read_yaml
 
 _REF = re.compile(r"\$\{([^${}]*)\}")
 _MAX_DEPTH = 16  # references of references; deeper means a cycle
@@ -144,7 +143,10 @@ class _Resolver:
                 f"{key}: ${{{ref}}} reads environment variable {name}, which is not set; set it "
                 "or give a default (${oc.env:NAME,default})"
             )
-        return found if found is not None else fallback
+        if found is not None:
+            return found
+        # OmegaConf gives an environment default as text (str(default)), as a value found.
+        return None if fallback is None else str(fallback)
 
     def _lookup(self, key: str, ref: str, depth: int) -> Any:
         """Key ``ref`` (absolute, or relative to ``key``'s group with leading dots) resolved,
@@ -198,10 +200,11 @@ _UNSET = object()
 
 def _default(text: str) -> Any:
     """A resolver's default as OmegaConf reads it: quoted, the text inside (``'1'`` is
-    text); nothing (``${oc.env:NAME,}``), the empty text; else YAML (``null``, ``8``)."""
+    text); nothing (``${oc.env:NAME,}``), the empty text; else as a config value is read
+    (``null``, ``8``; ``0615`` and ``off`` stay text, as in Hydra's grammar)."""
     if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
         return text[1:-1]
-    return yaml.safe_load(text) if text else ""
+    return read_yaml(text) if text else ""
 
 
 @contextlib.contextmanager

@@ -112,6 +112,8 @@ class VerlMove:
             value = int(value)  # ${oc.env:...} gives text: a count all the same
         if not self.rule.per_rank or isinstance(value, bool) or not isinstance(value, int):
             return value
+        if value <= 0:  # not a size: passed on for the schema to refuse under our key
+            return value
         ranks = _count(read("trainer.nproc")) * _count(read("launch.ray.learner_nodes"))
         return max(1, value // ranks)
 

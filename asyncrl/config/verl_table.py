@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pydantic import TypeAdapter, ValidationError
+
 from asyncrl.config.policy import VERL_KL_NAMES
 
 Kind = Literal["implemented", "mapped", "no_effect", "refused"]
@@ -80,6 +82,27 @@ class VerlKey:
 def _same(value: Any) -> Any:
     """A mapped key's value as given (the units are ours)."""
     return value
+
+
+def _flag(value: Any) -> Any:
+    """A veRL switch as our boolean keys read it (``off``, ``no``, ``0`` are false; null is
+    off), or the value itself when it is no switch, for the target's schema to refuse."""
+    if value is None:
+        return False
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        return value
+
+
+def _switch(on: Any, off: Any) -> Callable[[Any], Any]:
+    """A mapped switch's converter: ``on`` or ``off`` as :func:`_flag` reads the value."""
+
+    def convert(value: Any) -> Any:
+        flag = _flag(value)
+        return flag if not isinstance(flag, bool) else on if flag else off
+
+    return convert
 
 
 def _impl(note: str = "", example: Any = ..., reads_as=None) -> VerlKey:
@@ -369,7 +392,7 @@ VERL_KEYS: dict[str, VerlKey] = {
     _ACTOR + "use_token_level_loss": _map(  # veRL's older switch, still in DAPO's scripts
         "actor.loss_agg_mode",
         "token-level loss: token-mean; otherwise seq-mean-token-mean",
-        lambda v: "token-mean" if v else "seq-mean-token-mean",
+        _switch("token-mean", "seq-mean-token-mean"),
         example=False,
     ),
     _ACTOR + "clip_ratio": _map(
@@ -420,7 +443,7 @@ VERL_KEYS: dict[str, VerlKey] = {
         "actor.sequence_layout",
         "packed sequences: auto packs where a varlen attention kernel makes it exact and "
         "fast (flash attention on CUDA), padded otherwise",
-        lambda v: "auto" if v else "padded",
+        _switch("auto", "padded"),
     ),
     # ---------------------------------------------------------------- reference
     _REF + "strategy": _only(STRATEGY, lambda v: v in ("fsdp", "fsdp2"), bad="megatron"),
@@ -531,7 +554,9 @@ VERL_KEYS: dict[str, VerlKey] = {
     _ROLLOUT + "val_kwargs.do_sample": VerlKey(
         "refused",
         VAL_GREEDY,
-        allowed=lambda v, raw: bool(v) or not _get(raw, "rollout.val_kwargs.temperature", 0),
+        allowed=lambda v, raw: (
+            _flag(v) is True or not _get(raw, "rollout.val_kwargs.temperature", 0)
+        ),
         bad=False,
         bad_with=("rollout.val_kwargs.temperature=0.6",),
         example=True,
@@ -594,7 +619,7 @@ VERL_KEYS: dict[str, VerlKey] = {
         "actor.sequence_layout",
         "packed sequences: auto packs where a varlen attention kernel makes it exact and "
         "fast (flash attention on CUDA), padded otherwise",
-        lambda v: "auto" if v else "padded",
+        _switch("auto", "padded"),
     ),
     _MODEL + "lora_rank": _impl(
         "adapters trained on the learner; the servers get the adapters alone (sync.lora: "
