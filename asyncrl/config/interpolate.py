@@ -143,10 +143,7 @@ class _Resolver:
                 f"{key}: ${{{ref}}} reads environment variable {name}, which is not set; set it "
                 "or give a default (${oc.env:NAME,default})"
             )
-        if found is not None:
-            return found
-        # OmegaConf gives an environment default as text (str(default)), as a value found.
-        return None if fallback is None else str(fallback)
+        return found if found is not None else fallback
 
     def _lookup(self, key: str, ref: str, depth: int) -> Any:
         """Key ``ref`` (absolute, or relative to ``key``'s group with leading dots) resolved,

@@ -534,14 +534,6 @@ ROWS = (
         ("tests/test_verl_compat.py::test_defaults_switches_and_sizes_read_as_the_keys_they_set",),
     ),
     Mutation(
-        "an environment default is text, as OmegaConf gives it",
-        "an unset variable's default 8 is a number for a text key",
-        "asyncrl/config/interpolate.py",
-        "        return None if fallback is None else str(fallback)\n",
-        "        return fallback\n",
-        ("tests/test_verl_compat.py::test_defaults_switches_and_sizes_read_as_the_keys_they_set",),
-    ),
-    Mutation(
         "veRL's global micro-batch of 0 or below is refused",
         "a micro-batch of 0 becomes 1 per rank",
         "asyncrl/config/verl_compat.py",
