@@ -139,6 +139,7 @@ class ControlClient(Protocol):
     registered: Registered | None
     metrics: dict[str, float]  # sent with every heartbeat
     held_tasks: Callable[[], list[str]]  # said at (re-)registration
+    on_registered: Callable[[Any], None]  # called after each answered registration
     tasks_per_request: int
     shutdown: threading.Event
     gone: threading.Event

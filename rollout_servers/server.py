@@ -147,6 +147,12 @@ class RolloutServer:
             return CONFIG_ERROR
         self.client.start_watching()
         startup.mark(run_dir(self.cfg), self.server_id, "registered")
+        # Each registration again (a restarted learner's coordinator) too: the launcher
+        # tells a learner hung since this server registered with it from one restarted
+        # since (supervise.py, _learner_hung).
+        self.client.on_registered = lambda reply: startup.mark(
+            run_dir(self.cfg), self.server_id, "registered"
+        )
         log.info("%s registered at version %d", self.server_id, reg.policy_version)
         syncs = asyncio.create_task(self.syncs.loop(self._stopping))
         syncs.add_done_callback(self._syncs_ended)

@@ -432,3 +432,22 @@ def test_a_catch_up_to_an_older_version_is_the_version_the_server_holds(tmp_path
     finally:
         client.close()
         learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_every_registration_is_told_to_the_server(tmp_path) -> None:
+    """A server marks each registration where its launcher looks, a registration again
+    (a restarted coordinator's) too: the launcher tells a learner hung since a server
+    registered with it from one restarted since (supervise.py)."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    client = CoordinatorClient.from_config(cfg, "a", engine_world_size=1, timeout_s=5.0)
+    told: list[str] = []
+    client.on_registered = lambda reply: told.append(reply.session)
+    try:
+        client.register()
+        client.register()  # as after the coordinator forgot it
+        assert len(told) == 2 and told[0] == told[1] == client.session
+    finally:
+        client.close()
+        learner.close()

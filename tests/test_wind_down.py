@@ -263,11 +263,11 @@ import sys, time
 from pathlib import Path
 from asyncrl.launch import startup
 run = Path(sys.argv[1])
+while not (run / "learner.1").exists():  # it registers once the coordinator is up
+    time.sleep(0.05)
 startup.mark(run, "rollout-0", "registered")
 if not (run / "rollout-0.1").exists():
     (run / "rollout-0.1").touch()
-    while not (run / "learner.1").exists():
-        time.sleep(0.05)
     sys.exit(3)
 (run / "rollout-0.2").touch()
 time.sleep(60)
@@ -397,3 +397,136 @@ def test_a_learner_that_exited_or_awaits_its_restart_is_not_serving(tmp_path):
         assert sup._learner_loading()  # waiting for its restart
     finally:
         sup.close()
+
+
+# A learner whose first start crashes once a server registered with it; its second start
+# comes up and ends the run once the server is back.
+CRASHES_ONCE = r"""
+import sys, time
+from pathlib import Path
+from asyncrl.launch import startup
+run = Path(sys.argv[1])
+startup.mark(run, "learner", "coordinator_up")
+if not (run / "learner.1").exists():
+    (run / "learner.1").touch()
+    while not (run / "rollout-0.1").exists():
+        time.sleep(0.05)
+    sys.exit(1)
+(run / "learner.2").touch()
+while not (run / "rollout-0.2").exists():
+    time.sleep(0.05)
+"""
+# A server registered with the first learner that gives up on it (exit 3) through its
+# restart, its exit reaching the launcher after the second learner's coordinator came up.
+OUTLASTED = r"""
+import sys, time
+from pathlib import Path
+from asyncrl.launch import startup
+run = Path(sys.argv[1])
+if not (run / "rollout-0.1").exists():
+    while not (run / "learner.1").exists():
+        time.sleep(0.05)
+    startup.mark(run, "rollout-0", "registered")
+    (run / "rollout-0.1").touch()
+    while not (run / "learner.2").exists():
+        time.sleep(0.05)
+    time.sleep(0.3)
+    sys.exit(3)
+startup.mark(run, "rollout-0", "registered")
+(run / "rollout-0.2").touch()
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_gave_up_through_a_learner_restart_does_not_get_the_new_one_killed(
+    tmp_path, monkeypatch
+):
+    """Found by a review: a server registered with a learner that crashed gave up on it
+    (exit 3) through its restart and load, and its exit reached the launcher just after
+    the new learner's coordinator came up. Both marks the hang check reads were there (the
+    server's registration, with the old learner), so the new, healthy learner was killed
+    as hung. Only a registration with the learner running now tells of a hang; the
+    server's restart is not counted."""
+    monkeypatch.setattr(supervise, "AFTER_LEARNER_S", 1.0)
+    monkeypatch.setattr(supervise, "POLL_S", 0.1)
+    (tmp_path / "logs").mkdir()
+    roles = [
+        Role("rollout-0", [sys.executable, "-c", OUTLASTED, str(tmp_path)], server_id="rollout-0"),
+        Role("learner", [sys.executable, "-c", CRASHES_ONCE, str(tmp_path)]),
+    ]
+    sup = Supervisor(roles, tmp_path, RestartPolicy(backoff_s=0.1))
+    try:
+        sup.start_all()
+        assert sup.run(QuietView()) == 0
+    finally:
+        sup.close()
+    events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "hung"]
+    starts = [e["role"] for e in events if e["event"] == "start"]
+    assert starts.count("learner") == 2 and starts.count("rollout-0") == 2
+    (restart,) = [e for e in events if e["event"] == "restart" and e["role"] == "rollout-0"]
+    assert restart["exit_code"] == 3 and restart.get("learner_loading")
+
+
+# A learner that records the run's ending, then closes its metrics (a W&B upload) until
+# the server's crash in its teardown is past.
+ENDS_SLOWLY = r"""
+import sys, time
+from pathlib import Path
+from asyncrl.config.ending import mark_ended
+run = Path(sys.argv[1])
+while not (run / "rollout-0.2").exists():
+    time.sleep(0.05)
+mark_ended(run, 10)
+while not (run / "rollout-0.crashed").exists():
+    time.sleep(0.05)
+time.sleep(1.0)
+"""
+# A server that crashes early (its one restart used), then in its teardown at the end.
+CRASHES_AT_THE_END = r"""
+import sys, time
+from pathlib import Path
+run = Path(sys.argv[1])
+if not (run / "rollout-0.1").exists():
+    (run / "rollout-0.1").touch()
+    sys.exit(1)
+(run / "rollout-0.2").touch()
+while not (run / "complete.json").exists():
+    time.sleep(0.05)
+(run / "rollout-0.crashed").touch()
+sys.exit(1)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_server_crashing_after_the_ending_is_recorded_does_not_fail_the_run(
+    tmp_path, monkeypatch
+):
+    """Found by a review: a rollout server that crashed in its teardown after the learner
+    recorded the run's ending, its restarts used up, failed the complete run (exit 1) and
+    had the learner stopped in its metrics' close; with restarts left, it was restarted
+    into a run that ends. It is let go, as a buffer is: the learner's exit decides."""
+    monkeypatch.setattr(supervise, "AFTER_LEARNER_S", 1.0)
+    monkeypatch.setattr(supervise, "POLL_S", 0.1)
+    (tmp_path / "logs").mkdir()
+    roles = [
+        Role(
+            "rollout-0",
+            [sys.executable, "-c", CRASHES_AT_THE_END, str(tmp_path)],
+            server_id="rollout-0",
+        ),
+        Role("learner", [sys.executable, "-c", ENDS_SLOWLY, str(tmp_path)]),
+    ]
+    sup = Supervisor(roles, tmp_path, RestartPolicy(max_restarts=1, backoff_s=0.1))
+    try:
+        sup.start_all()
+        assert sup.run(QuietView()) == 0
+    finally:
+        sup.close()
+    events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+    assert not [e for e in events if e["event"] == "gave_up"]
+    assert [e["role"] for e in events if e["event"] == "start"].count("rollout-0") == 2
+    assert [e for e in events if e.get("after_ending")][0]["exit_code"] == 1
+    learner_exit = [e for e in events if e["event"] == "exit" and e["role"] == "learner"]
+    assert learner_exit and learner_exit[0]["exit_code"] == 0

@@ -93,6 +93,9 @@ class CoordinatorClient:
         # says them, so a restarted coordinator lets it keep them.
         self.held_tasks: Callable[[], list[str]] = list
         self.settings: dict[str, str] = {}  # what it must share with the learner (register)
+        # Called after each answered registration, the first and those again (a restarted
+        # coordinator): the server marks it where its launcher looks.
+        self.on_registered: Callable[[m.Registered], None] = lambda reply: None
         self.session = ""
         self.registrations = 0  # answered registrations: which one a reply was about
         self.seen_sync = 0
@@ -198,6 +201,7 @@ class CoordinatorClient:
             reply.policy_version,
             ", catch-up first" if reply.catchup else "",
         )
+        self.on_registered(reply)
         return reply
 
     def _register_once(self, msg: m.Register, timeout_s: float) -> m.Reply:

@@ -189,8 +189,10 @@ class Supervisor:
             code = self._final_exit(role) or code  # torchrun's 1 hides the learner's
         if code != 0 and code not in FINAL_EXITS:
             self._tell_gone(role, code)
+        if code != 0 and not self._is_learner(role) and self._ending_recorded():
+            return self._let_go(role, code)
         if code == COORDINATOR_GONE and role.server_id is not None:
-            if self._learner_loading():
+            if self._learner_loading() or self._waited_through_learner_restart(role):
                 return self._restart_uncounted(role)
             self._learner_hung(role)
         if code == 0:
@@ -210,6 +212,20 @@ class Supervisor:
             return self._give_up(role, code, view, FINAL_EXITS[code])
         return self._restart(role, code, view)
 
+    def _let_go(self, role: Role, code: int) -> None:
+        """``role`` failed after the learner recorded the run's ending (a server's engine
+        teardown, say): the learner's exit decides the run. Restarted, it joined a run
+        that ends; with its restarts used up, it failed a complete run and stopped the
+        learner in its metrics' close."""
+        log.warning(
+            "%s exited %d after the run's ending was recorded: not restarted, the learner's "
+            "exit decides the run",
+            role.name,
+            code,
+        )
+        self._event(role.name, "exit", exit_code=code, after_ending=True)
+        role.done = True
+
     def _learner_loading(self) -> bool:
         """Whether the learner's coordinator is not serving in its current start: it loads
         (a big checkpoint or model), has just exited (not yet looked at) or waits for its
@@ -226,6 +242,18 @@ class Supervisor:
         return not startup.marked_since(
             self.run_dir, "learner", "coordinator_up", learner.started_wall
         )
+
+    def _waited_through_learner_restart(self, server: Role) -> bool:
+        """Whether ``server`` registered in its current start, but not with the learner
+        running now: it gave up on the learner before, through that one's restart and
+        load (its exit can reach the launcher after the new coordinator came up). Not a
+        failure of its own, and no sign the new learner hangs."""
+        learner = self.roles[-1]
+        sid = server.server_id
+        assert sid is not None
+        return startup.marked_since(
+            self.run_dir, sid, "registered", server.started_wall
+        ) and not startup.marked_since(self.run_dir, sid, "registered", learner.started_wall)
 
     def _restart_uncounted(self, server: Role) -> None:
         """Restart ``server``, which gave up on a learner loading or restarting, without counting it
@@ -259,8 +287,11 @@ class Supervisor:
         if learner is None or learner.proc is None or not self._alive(learner):
             return
         assert server.server_id is not None
+        # Registered with this learner (a registration again marks too): one registered
+        # with the learner before it, which exited 3 as this one came up, says nothing of it.
+        since = max(server.started_wall, learner.started_wall)
         marks = (
-            (server.server_id, "registered", server.started_wall),
+            (server.server_id, "registered", since),
             ("learner", "coordinator_up", learner.started_wall),
         )
         if not all(startup.marked_since(self.run_dir, *m) for m in marks):

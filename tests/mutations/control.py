@@ -716,4 +716,12 @@ ROWS = (
             "tests/test_accounting.py::test_validation_groups_a_new_buffer_scored_are_not_counted_lost",
         ),
     ),
+    Mutation(
+        "every registration is told to the server",
+        "a registration again (a restarted coordinator's) leaves no mark for the launcher",
+        "asyncrl/control/client.py",
+        "        self.on_registered(reply)\n",
+        "        pass\n",
+        ("tests/test_sync_lost_members.py::test_every_registration_is_told_to_the_server",),
+    ),
 )

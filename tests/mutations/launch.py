@@ -601,8 +601,8 @@ ROWS = (
         "servers giving up on a loading learner keep their restarts",
         "each exit 3 while the learner loads counts: the run fails naming a server",
         "asyncrl/launch/supervise.py",
-        "            if self._learner_loading():",
-        "            if False:",
+        "            if self._learner_loading() or self._waited_through_learner_restart(role):",
+        "            if self._waited_through_learner_restart(role):",
         (
             "tests/test_wind_down.py::"
             "test_servers_that_give_up_on_a_loading_learner_are_not_out_of_restarts",
@@ -656,6 +656,36 @@ ROWS = (
         "        self._wandb_saved = start",
         (
             "tests/test_metrics_file.py::test_an_offline_wandb_run_resumed_goes_on_past_its_last_step",
+        ),
+    ),
+    Mutation(
+        "a server that gave up through a learner restart does not get the new learner killed",
+        "the hang check reads a registration with the learner before the one running",
+        "asyncrl/launch/supervise.py",
+        "        since = max(server.started_wall, learner.started_wall)\n",
+        "        since = server.started_wall\n",
+        (
+            "tests/test_wind_down.py::test_a_server_that_gave_up_through_a_learner_restart_does_not_get_the_new_one_killed",
+        ),
+    ),
+    Mutation(
+        "a server that gave up through a learner restart is restarted uncounted",
+        "its exit 3 counts among its restarts in a row",
+        "asyncrl/launch/supervise.py",
+        "            if self._learner_loading() or self._waited_through_learner_restart(role):\n",
+        "            if self._learner_loading():\n",
+        (
+            "tests/test_wind_down.py::test_a_server_that_gave_up_through_a_learner_restart_does_not_get_the_new_one_killed",
+        ),
+    ),
+    Mutation(
+        "a role failing after the run's ending is let go",
+        "a server's crash in its teardown after the ending fails the complete run",
+        "asyncrl/launch/supervise.py",
+        "            return self._let_go(role, code)\n",
+        "            pass\n",
+        (
+            "tests/test_wind_down.py::test_a_server_crashing_after_the_ending_is_recorded_does_not_fail_the_run",
         ),
     ),
 )
