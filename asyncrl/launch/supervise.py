@@ -287,11 +287,10 @@ class Supervisor:
         if learner is None or learner.proc is None or not self._alive(learner):
             return
         assert server.server_id is not None
-        # Registered with this learner (a registration again marks too): one registered
-        # with the learner before it, which exited 3 as this one came up, says nothing of it.
-        since = max(server.started_wall, learner.started_wall)
+        # A server registered with an earlier learner only is not asked here (_end:
+        # _waited_through_learner_restart): its exit says nothing of this one.
         marks = (
-            (server.server_id, "registered", since),
+            (server.server_id, "registered", server.started_wall),
             ("learner", "coordinator_up", learner.started_wall),
         )
         if not all(startup.marked_since(self.run_dir, *m) for m in marks):

@@ -659,16 +659,6 @@ ROWS = (
         ),
     ),
     Mutation(
-        "a server that gave up through a learner restart does not get the new learner killed",
-        "the hang check reads a registration with the learner before the one running",
-        "asyncrl/launch/supervise.py",
-        "        since = max(server.started_wall, learner.started_wall)\n",
-        "        since = server.started_wall\n",
-        (
-            "tests/test_wind_down.py::test_a_server_that_gave_up_through_a_learner_restart_does_not_get_the_new_one_killed",
-        ),
-    ),
-    Mutation(
         "a server that gave up through a learner restart is restarted uncounted",
         "its exit 3 counts among its restarts in a row",
         "asyncrl/launch/supervise.py",
