@@ -13,7 +13,8 @@ interface that :class:`~rollout_servers.engine.RolloutEngine` and
 :mod:`rollout_servers.adapters` call, with the same meaning, so the rest of the server does
 not know which one it drives. The limits: ``generate`` yields only a request's final
 output (the server asks for no other), and a pause keeps requests in flight (``keep``);
-``abort`` mode needs ``AsyncLLM`` (config validation says so).
+``abort`` mode needs ``AsyncLLM`` (config validation says so). :meth:`InlineLLM.abort` ends
+chosen requests as ``AsyncLLM``'s does (a move off a stale adapter uses it).
 
 The engine thread's loop:
 - consumes commands (add a request, abort, pause, load weights, ...), queued by the event
@@ -33,7 +34,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -232,6 +233,32 @@ class InlineLLM:
     async def update_weight_version(self, new_version: str) -> None:
         """Label the tokens generated from now on ``new_version``."""
         await self._submit(lambda: self._engine.set_weight_version(new_version))
+
+    async def abort(self, request_ids: str | Iterable[str]) -> None:
+        """End these requests now: each waiter gets the request's output so far, with
+        ``finish_reason`` ``abort``, as ``AsyncLLM``'s abort gives it (a request moved off
+        a stale adapter goes on from its tokens). ``LLMEngine.abort_request`` makes no
+        output, so it is made here first. Requests already finished are left alone."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+
+        def abort() -> None:
+            from vllm.v1.engine import FinishReason
+
+            processor = self._engine.output_processor
+            outputs = []
+            for rid in ids:
+                for internal in list(processor.external_req_ids.get(rid, ())):
+                    state = processor.request_states.get(internal)
+                    if state is None:
+                        continue
+                    out = state.make_request_output([], None, FinishReason.ABORT, None)
+                    if out is not None:
+                        outputs.append((rid, out))
+            self._engine.abort_request(ids)
+            for rid, out in outputs:
+                self._to_loop(self._deliver, rid, out)
+
+        await self._submit(abort)
 
     async def add_lora(self, lora_request: Any) -> bool:
         return await self._submit(lambda: self._engine.add_lora(lora_request))

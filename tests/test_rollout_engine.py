@@ -348,3 +348,38 @@ def test_a_push_broken_off_mid_load_holds_generation_until_a_whole_load(rig):
     for s in after:
         assert s.version_spans == [(caught_up, len(s.token_ids))]
         assert _gap_per_version(s, models)[caught_up] < 1e-4
+
+
+@pytest.mark.slow  # starts a vLLM engine
+def test_an_aborted_request_ends_with_its_tokens_so_far(rig):
+    """Found by a review: the inline engine (the CPU default) had no ``abort``, so a move
+    off a stale adapter (LoRA pushes, rollout_servers/adapters.py) failed the push. Both
+    engines end an aborted request with the tokens and logprobs it sampled so far and
+    ``finish_reason`` ``abort``, the output the move goes on from."""
+    loop, engine, *_ = rig
+    llm = engine.llm
+    outs: list = []
+
+    async def run() -> None:
+        async def consume() -> None:
+            prompt = {"prompt_token_ids": PROMPT}
+            params = _params(480, 7, ignore_eos=True)
+            async for out in llm.generate(prompt, params, request_id="aborted"):
+                outs.append(out)
+
+        task = asyncio.ensure_future(consume())
+        if hasattr(llm, "steps"):  # inline: only the final output comes
+            await _until(lambda: llm.in_flight >= 1)
+            steps = llm.steps
+            await _until(lambda: llm.steps >= steps + 4)
+        else:
+            await _until(lambda: bool(outs))
+        assert not task.done(), "the request finished before the abort; lengthen it"
+        await llm.abort(["aborted"])
+        await asyncio.wait_for(task, 30)
+
+    loop.run(run())
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "abort"
+    assert 0 < len(final.token_ids) < 480
+    assert final.logprobs is not None and len(final.logprobs) == len(final.token_ids)

@@ -657,4 +657,12 @@ ROWS = (
             "tests/test_endpoint_faults.py::test_rewards_are_checked_final_and_never_alone_in_a_baseline",
         ),
     ),
+    Mutation(
+        "the inline engine's abort ends a request with its tokens so far",
+        "an aborted request's waiter never gets its output",
+        "rollout_servers/inline_llm.py",
+        "                self._to_loop(self._deliver, rid, out)\n",
+        "                pass\n",
+        ("tests/test_rollout_engine.py::test_an_aborted_request_ends_with_its_tokens_so_far",),
+    ),
 )
