@@ -500,3 +500,70 @@ def test_a_learner_under_torchrun_that_exits_final_is_not_restarted(tmp_path):
     assert not (tmp_path / FINAL_EXIT_FILE).exists()
     events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events if e.get("role") == "learner"][-1] == "gave_up"
+
+
+# A supervisor (a subreaper: in a process of its own) with role b alive, whose helper (a
+# double fork, as the sandbox's reaper) was adopted by the launcher after the supervisor's
+# last look at b's tree; role a dies and is reaped. Prints whether b's helper lived.
+REAP_ONE_OF_TWO = r"""
+import json, os, sys, time
+from pathlib import Path
+from asyncrl.launch.process_tree import find_tree, scan
+from asyncrl.launch.supervise import RestartPolicy, Role, Supervisor
+run = Path(sys.argv[1])
+b_code = '''
+import os, time
+if os.fork() == 0:
+    if os.fork() == 0:
+        time.sleep(60); os._exit(0)
+    os._exit(0)
+time.sleep(60)
+'''
+roles = [
+    Role("a", [sys.executable, "-c", "import time; time.sleep(1.0)"]),
+    Role("b", [sys.executable, "-c", b_code]),
+    Role("learner", [sys.executable, "-c", "import time; time.sleep(60)"]),
+]
+sup = Supervisor(roles, run, RestartPolicy())
+sup.begin()
+try:
+    sup.start(roles[0])
+    sup._track()  # its last look: before b starts its helper
+    sup.start(roles[1])
+    sup.start(roles[2])
+    deadline = time.monotonic() + 20
+    helper = []
+    while not helper and time.monotonic() < deadline:
+        time.sleep(0.1)
+        procs = scan()
+        helper = [p for p in find_tree(procs, [roles[1].proc.pid]) if p != roles[1].proc.pid]
+        helper = [p for p in helper if procs[p].ppid == os.getpid()]
+    while roles[0].proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sup.reap(roles[0])
+    time.sleep(0.2)
+    procs = scan()
+    alive = [p for p in helper if p in procs and procs[p].state != "Z"]
+    print(json.dumps({"helper": helper, "alive": alive}))
+finally:
+    sup.close()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_reaping_a_role_spares_a_live_roles_helper_the_launcher_adopted(tmp_path):
+    """Found by a review: the orphans reaped with a dead role were every process the
+    launcher had adopted but those other roles were known to own, so a live role's helper
+    adopted since the supervisor last looked at its tree (a double fork) was killed with
+    the dead role's leftovers. A live role's session and marker are its own."""
+    (tmp_path / "logs").mkdir()
+    out = subprocess.run(
+        [sys.executable, "-c", REAP_ONE_OF_TWO, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["helper"], "b's helper was not adopted by the launcher"
+    assert seen["alive"] == seen["helper"]

@@ -512,8 +512,15 @@ class Supervisor:
         session of its own that it started just before it died."""
         if keep is None:
             return set()
-        others = {pid for r in self._running() if r is not role for pid in r.known}
-        return adopted(scan(), keep) - others
+        procs = scan()
+        others: set[int] = set()
+        for r in self._running():
+            if r is not role and r.proc is not None:
+                # A live role's helper adopted before _track saw it (a double fork, as the
+                # sandbox's reaper) is in its session, or carries its marker.
+                marker = f"{self.launch_id} {r.name} {r.attempt}"
+                others |= find_tree(procs, [r.proc.pid], marker.__eq__, r.known)
+        return adopted(procs, keep) - others
 
     def _reap_keep(self) -> set[int] | None:
         """As a subreaper, the children that are not orphans (roles and the watchdog, which

@@ -678,4 +678,14 @@ ROWS = (
             "tests/test_wind_down.py::test_a_server_crashing_after_the_ending_is_recorded_does_not_fail_the_run",
         ),
     ),
+    Mutation(
+        "reaping a role spares a live role's adopted helper",
+        "a live role's helper adopted since the last look is killed with a dead role's leftovers",
+        "asyncrl/launch/supervise.py",
+        "                others |= find_tree(procs, [r.proc.pid], marker.__eq__, r.known)\n",
+        "                others |= set(r.known)\n",
+        (
+            "tests/test_launch.py::test_reaping_a_role_spares_a_live_roles_helper_the_launcher_adopted",
+        ),
+    ),
 )
