@@ -4,8 +4,12 @@ gloo groups on 127.0.0.1, each server a thread of this process."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from torch.distributed import Store  # pyright: ignore[reportPrivateImportUsage]
@@ -408,30 +412,39 @@ def test_a_push_the_learners_own_error_ends_is_closed_at_once(tmp_path) -> None:
         learner.close()
 
 
+@contextlib.contextmanager
+def _learner_and_client(
+    tmp_path: Path, **client_kw: Any
+) -> Iterator[tuple[StandInLearner, CoordinatorClient]]:
+    """A stand-in learner and server ``a``'s client (one engine rank), closed after."""
+    cfg, _ = loopback_config(tmp_path, CONFIG)
+    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
+    client = CoordinatorClient.from_config(
+        cfg, "a", engine_world_size=1, timeout_s=5.0, **client_kw
+    )
+    try:
+        yield learner, client
+    finally:
+        client.close()
+        learner.close()
+
+
 @pytest.mark.timeout(60)
 def test_a_catch_up_to_an_older_version_is_the_version_the_server_holds(tmp_path) -> None:
     """Found by a review: a server that held version 12 and was caught up to a restarted
     learner's version 10 kept saying 12 (in registrations and heartbeats), the higher of
     the two, though its engine now holds 10."""
-    cfg, _ = loopback_config(tmp_path, CONFIG)
-    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
-    client = CoordinatorClient.from_config(
-        cfg, "a", engine_world_size=1, policy_version=12, timeout_s=5.0
-    )
-    start = m.SyncStart(
-        sync_id=1,
-        version=10,
-        generation="catchup/1",
-        rank=1,
-        world_size=2,
-        plan=learner.pusher.plan_for(learner.tensors),
-    )
-    try:
+    with _learner_and_client(tmp_path, policy_version=12) as (learner, client):
+        start = m.SyncStart(
+            sync_id=1,
+            version=10,
+            generation="catchup/1",
+            rank=1,
+            world_size=2,
+            plan=learner.pusher.plan_for(learner.tensors),
+        )
         client.sync_done(start, True)
         assert client.policy_version == 10
-    finally:
-        client.close()
-        learner.close()
 
 
 @pytest.mark.timeout(60)
@@ -439,15 +452,9 @@ def test_every_registration_is_told_to_the_server(tmp_path) -> None:
     """A server marks each registration where its launcher looks, a registration again
     (a restarted coordinator's) too: the launcher tells a learner hung since a server
     registered with it from one restarted since (supervise.py)."""
-    cfg, _ = loopback_config(tmp_path, CONFIG)
-    learner = StandInLearner(cfg, train_rows=_rows(40), val_rows=[]).start()
-    client = CoordinatorClient.from_config(cfg, "a", engine_world_size=1, timeout_s=5.0)
-    told: list[str] = []
-    client.on_registered = lambda reply: told.append(reply.session)
-    try:
+    with _learner_and_client(tmp_path) as (_, client):
+        told: list[str] = []
+        client.on_registered = lambda reply: told.append(reply.session)
         client.register()
         client.register()  # as after the coordinator forgot it
         assert len(told) == 2 and told[0] == told[1] == client.session
-    finally:
-        client.close()
-        learner.close()

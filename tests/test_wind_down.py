@@ -243,6 +243,27 @@ def test_a_role_that_ends_while_the_servers_stop_is_not_recorded_as_stopped(tmp_
     assert exits == {"rollout-0": (0, "launcher"), "buffer": (0, None)}
 
 
+def _server_and_learner(
+    tmp_path: Path, monkeypatch, server: str, learner: str, policy: RestartPolicy
+) -> list[dict]:
+    """Supervise rollout-0 and the learner, each running a script given the run directory,
+    to the run's end (which must be 0); the launch's events."""
+    monkeypatch.setattr(supervise, "AFTER_LEARNER_S", 1.0)
+    monkeypatch.setattr(supervise, "POLL_S", 0.1)
+    (tmp_path / "logs").mkdir()
+    roles = [
+        Role("rollout-0", [sys.executable, "-c", server, str(tmp_path)], server_id="rollout-0"),
+        Role("learner", [sys.executable, "-c", learner, str(tmp_path)]),
+    ]
+    sup = Supervisor(roles, tmp_path, policy)
+    try:
+        sup.start_all()
+        assert sup.run(QuietView()) == 0
+    finally:
+        sup.close()
+    return [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+
+
 # A hung learner: its coordinator came up, then its process stopped answering. Its second
 # start ends the run once the restarted server is back.
 HUNG_LEARNER = r"""
@@ -280,20 +301,8 @@ def test_a_hung_learner_is_named_and_restarted_when_a_server_gives_up_on_it(tmp_
     that gave up on its coordinator (exit 3) were restarted until their restarts ran out,
     and the run failed naming a server. Now a registered server's exit 3 while the learner,
     its coordinator up, still runs, kills the learner for a restart."""
-    monkeypatch.setattr(supervise, "AFTER_LEARNER_S", 1.0)
-    monkeypatch.setattr(supervise, "POLL_S", 0.1)
-    (tmp_path / "logs").mkdir()
-    roles = [
-        Role("rollout-0", [sys.executable, "-c", GAVE_UP, str(tmp_path)], server_id="rollout-0"),
-        Role("learner", [sys.executable, "-c", HUNG_LEARNER, str(tmp_path)]),
-    ]
-    sup = Supervisor(roles, tmp_path, RestartPolicy(backoff_s=0.1))
-    try:
-        sup.start_all()
-        assert sup.run(QuietView()) == 0
-    finally:
-        sup.close()
-    events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+    policy = RestartPolicy(backoff_s=0.1)
+    events = _server_and_learner(tmp_path, monkeypatch, GAVE_UP, HUNG_LEARNER, policy)
     hung = [e for e in events if e["event"] == "hung"]
     assert len(hung) == 1 and hung[0]["role"] == "learner" and hung[0]["told_by"] == "rollout-0"
     starts = [e["role"] for e in events if e["event"] == "start"]
@@ -448,20 +457,8 @@ def test_a_server_that_gave_up_through_a_learner_restart_does_not_get_the_new_on
     server's registration, with the old learner), so the new, healthy learner was killed
     as hung. Only a registration with the learner running now tells of a hang; the
     server's restart is not counted."""
-    monkeypatch.setattr(supervise, "AFTER_LEARNER_S", 1.0)
-    monkeypatch.setattr(supervise, "POLL_S", 0.1)
-    (tmp_path / "logs").mkdir()
-    roles = [
-        Role("rollout-0", [sys.executable, "-c", OUTLASTED, str(tmp_path)], server_id="rollout-0"),
-        Role("learner", [sys.executable, "-c", CRASHES_ONCE, str(tmp_path)]),
-    ]
-    sup = Supervisor(roles, tmp_path, RestartPolicy(backoff_s=0.1))
-    try:
-        sup.start_all()
-        assert sup.run(QuietView()) == 0
-    finally:
-        sup.close()
-    events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+    policy = RestartPolicy(backoff_s=0.1)
+    events = _server_and_learner(tmp_path, monkeypatch, OUTLASTED, CRASHES_ONCE, policy)
     assert not [e for e in events if e["event"] == "hung"]
     starts = [e["role"] for e in events if e["event"] == "start"]
     assert starts.count("learner") == 2 and starts.count("rollout-0") == 2
@@ -507,24 +504,8 @@ def test_a_server_crashing_after_the_ending_is_recorded_does_not_fail_the_run(
     recorded the run's ending, its restarts used up, failed the complete run (exit 1) and
     had the learner stopped in its metrics' close; with restarts left, it was restarted
     into a run that ends. It is let go, as a buffer is: the learner's exit decides."""
-    monkeypatch.setattr(supervise, "AFTER_LEARNER_S", 1.0)
-    monkeypatch.setattr(supervise, "POLL_S", 0.1)
-    (tmp_path / "logs").mkdir()
-    roles = [
-        Role(
-            "rollout-0",
-            [sys.executable, "-c", CRASHES_AT_THE_END, str(tmp_path)],
-            server_id="rollout-0",
-        ),
-        Role("learner", [sys.executable, "-c", ENDS_SLOWLY, str(tmp_path)]),
-    ]
-    sup = Supervisor(roles, tmp_path, RestartPolicy(max_restarts=1, backoff_s=0.1))
-    try:
-        sup.start_all()
-        assert sup.run(QuietView()) == 0
-    finally:
-        sup.close()
-    events = [json.loads(line) for line in (tmp_path / "launch.jsonl").read_text().splitlines()]
+    policy = RestartPolicy(max_restarts=1, backoff_s=0.1)
+    events = _server_and_learner(tmp_path, monkeypatch, CRASHES_AT_THE_END, ENDS_SLOWLY, policy)
     assert not [e for e in events if e["event"] == "gave_up"]
     assert [e["role"] for e in events if e["event"] == "start"].count("rollout-0") == 2
     assert [e for e in events if e.get("after_ending")][0]["exit_code"] == 1
