@@ -383,3 +383,28 @@ def test_a_tool_whose_execute_is_a_plain_function_answers(pool: ToolPool) -> Non
     """Found while mending the others: a tool defining ``def execute`` (not ``async``)
     failed every call on the ``await``."""
     assert pool.call(ToolCall("plain", {})) == ToolResult("plain answer", None, 0.0)
+
+
+def test_a_call_the_parser_reads_but_too_deep_for_the_workers_pipe_is_malformed() -> None:
+    """Found by a review: arguments nested about 500 to 980 levels deep parse, but
+    pickling them for the sandbox's worker recursed too deeply. The error escaped the
+    pool: the worker was replaced, the group cancelled and dealt again, and nothing was
+    counted as a malformed call. Past 64 levels a call is the model's malformed one."""
+    nested = '{"a": ' + "[" * 600 + "]" * 600 + "}"
+    block = '<tool_call>{"name": "echo", "arguments": ' + nested + "}</tool_call>"
+    parsed = parse_tool_calls(block)
+    assert not parsed.calls and "nested too deeply" in parsed.errors[0]
+    shallow = '{"a": ' + "[" * 60 + "]" * 60 + "}"
+    ok = parse_tool_calls('<tool_call>{"name": "echo", "arguments": ' + shallow + "}</tool_call>")
+    assert len(ok.calls) == 1 and not ok.errors
+
+    engine = Scripted([block, "done"])
+    runner = _runner(engine, None, overrides=("data.max_response_length=16384",))
+    task = msgspec.structs.replace(_task(), n=2)
+
+    async def group() -> list[Episode]:
+        return await gather_or_cancel(*[runner.episode(task, i) for i in range(task.n)])
+
+    episodes = asyncio.run(group())
+    assert [ep.ended for ep in episodes] == ["done"] * 2
+    assert any("nested too deeply" in a for ep in episodes for a in _tool_answers(ep))

@@ -61,18 +61,45 @@ class ParsedToolCalls:
     order: list[bool] = field(default_factory=list)
 
 
+#: The deepest call a tool gets: JSON the parser reads a few hundred levels deep still
+#: fails to pickle on its way to the sandbox's worker (twice the recursion per level).
+MAX_JSON_DEPTH = 64
+
+
 def _json_problem(text: str) -> tuple[Any, str | None]:
     """``text`` parsed as JSON, or None and what is wrong with it. Beyond bad syntax, a
-    sampled text can nest too deeply for the parser (RecursionError) or hold a number too
-    long to convert (ValueError): the model's malformed call, not the episode's end."""
+    sampled text can nest too deeply for the parser (RecursionError) or for the worker's
+    pipe (past :data:`MAX_JSON_DEPTH`), or hold a number too long to convert
+    (ValueError): the model's malformed call, not the episode's end."""
     try:
-        return json.loads(text), None
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         return None, f"{exc.msg} at line {exc.lineno} column {exc.colno}"
     except RecursionError:
         return None, "nested too deeply"
     except ValueError as exc:
         return None, str(exc)[:120]
+    if _deeper_than(data, MAX_JSON_DEPTH):
+        return None, f"nested too deeply (more than {MAX_JSON_DEPTH} levels)"
+    return data, None
+
+
+def _deeper_than(value: Any, limit: int) -> bool:
+    """Whether JSON ``value`` nests objects and arrays more than ``limit`` levels deep
+    (walked without recursion: it may be deeper than Python's stack)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _decode_arguments(raw: Any) -> dict[str, Any] | str:

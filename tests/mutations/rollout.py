@@ -665,4 +665,14 @@ ROWS = (
         "                pass\n",
         ("tests/test_rollout_engine.py::test_an_aborted_request_ends_with_its_tokens_so_far",),
     ),
+    Mutation(
+        "a tool call too deep for the sandbox's pipe is a malformed call",
+        "arguments 600 levels deep fail the pickle to the worker and the group",
+        "asyncrl/tools/hermes.py",
+        "    if _deeper_than(data, MAX_JSON_DEPTH):\n",
+        "    if False:\n",
+        (
+            "tests/test_agent_mends.py::test_a_call_the_parser_reads_but_too_deep_for_the_workers_pipe_is_malformed",
+        ),
+    ),
 )
