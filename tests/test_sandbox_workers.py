@@ -397,3 +397,35 @@ def test_the_first_failure_of_each_kind_is_logged_however_many_others_came(
     assert sum("Error" in m for m in caplog.messages) == 20  # still bounded per kind
     assert any("counters['timeout']" in m for m in caplog.messages), caplog.messages[-3:]
     assert counters["exception"] == 30 and counters["timeout"] == 1
+
+
+IN_ITS_OWN_SESSION = """
+import subprocess, sys, time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True
+    )
+    with open(ground_truth, "a") as f:
+        f.write(f"{child.pid}\\n")
+    time.sleep(300)
+"""
+
+
+def test_what_a_scorer_started_in_a_session_of_its_own_dies_with_its_timeout(
+    tmp_path: Path,
+) -> None:
+    """Found by a review: a code runner starts its program in a session of its own (to
+    time it out itself); the worker's group kill at the timeout never reached it, and it
+    ran on after the pool closed. The worker's descendants are killed with it."""
+    scorer, pid_file = tmp_path / "session.py", tmp_path / "children"
+    scorer.write_text(IN_ITS_OWN_SESSION)
+    with RewardPool(num_workers=1, timeout_s=1.0, custom_path=str(scorer)) as pool:
+        assert pool.score("x", "", str(pid_file)).error == "timeout"
+        wait_until(lambda: len(pids_in(pid_file)) == 1, "the scorer's child to start", 5)
+        child = pids_in(pid_file)[0]
+        try:
+            wait_until(lambda: not alive(child), "the child in its own session to die", 5)
+        finally:
+            if alive(child):
+                os.kill(child, signal.SIGKILL)

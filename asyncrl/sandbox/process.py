@@ -86,14 +86,23 @@ def _start_process(process: Any) -> None:
 
 
 def _kill_group(process: Any) -> None:
-    """SIGKILL the worker's process group: the worker and whatever its user code started."""
+    """SIGKILL the worker's process group: the worker and whatever its user code started,
+    its descendants in sessions of their own too (a tool that runs code starts its
+    children with ``start_new_session`` to time them out itself), found while the worker
+    still links them (killed first, it leaves them to init)."""
     if process.pid is None:
         return
+    from asyncrl.launch.process_tree import find_tree, scan
+
+    escaped = find_tree(scan(), [process.pid]) - {process.pid}
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except OSError:  # no such group yet (not reached setpgrp) or no longer
         with contextlib.suppress(OSError):
             process.kill()
+    for pid in escaped:  # the group's own are gone already: no error for them
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 class Worker:
