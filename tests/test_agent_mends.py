@@ -408,3 +408,48 @@ def test_a_call_the_parser_reads_but_too_deep_for_the_workers_pipe_is_malformed(
     episodes = asyncio.run(group())
     assert [ep.ended for ep in episodes] == ["done"] * 2
     assert any("nested too deeply" in a for ep in episodes for a in _tool_answers(ep))
+
+
+OWN_LOOP_TOOLS = """
+import asyncio
+
+from asyncrl.tools import BaseTool
+
+
+async def _fetch(text):
+    await asyncio.sleep(0)
+    return "fetched " + text
+
+
+class SyncWrapperTool(BaseTool):  # a plain def over an async client, as ported tools are
+    def create(self, instance_id=None, **kwargs):
+        return asyncio.run(asyncio.sleep(0, result="id"))
+
+    def execute(self, instance_id, parameters, **kwargs):
+        return asyncio.run(_fetch(parameters.get("q", ""))), 0.0, {}
+
+    def release(self, instance_id, **kwargs):
+        asyncio.run(asyncio.sleep(0))
+
+
+class AsyncTool(BaseTool):  # veRL's: coroutines on the worker's loop, which lasts
+    async def execute(self, instance_id, parameters, **kwargs):
+        loop = asyncio.get_running_loop()
+        same = getattr(AsyncTool, "loop", loop) is loop
+        AsyncTool.loop = loop
+        return f"same loop: {same}", 0.0, {}
+"""
+
+
+def test_a_plain_tool_method_may_run_an_event_loop_of_its_own(tmp_path: Path) -> None:
+    """Found by a review: plain ``def`` tool methods were called inside the worker's
+    running loop, so one that ran its own (``asyncio.run`` over an async client) failed
+    every call as an exception. They run with no loop running now; async methods still
+    share the worker's one loop."""
+    names = {"wrapped": "SyncWrapperTool", "native": "AsyncTool"}
+    config = _write_tools(tmp_path, OWN_LOOP_TOOLS, names)
+    with ToolPool(config, num_workers=1, timeout_s=5.0) as tools:
+        assert tools.call(ToolCall("wrapped", {"q": "x"})) == ToolResult("fetched x", None, 0.0)
+        for _ in range(2):
+            assert tools.call(ToolCall("native", {})).text == "same loop: True"
+        assert tools.counters["exception"] == 0

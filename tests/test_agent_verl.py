@@ -60,10 +60,14 @@ def test_a_tools_create_gets_the_create_kwargs_as_verl_passes_them():
 
     schema = {"type": "function", "function": {"name": "t", "parameters": {}}}
     verl = VerlTool({}, schema)
-    got = asyncio.run(call_once(verl, {}, {"ground_truth": "42"}))
-    assert got[0] == {"text": "42"}
-    named = asyncio.run(call_once(NamedTool({}, schema), {}, {"prefix": "> ", "other": 1}))
-    assert named[0] == "> ok"
+    loop = asyncio.new_event_loop()
+    try:
+        got = call_once(verl, {}, {"ground_truth": "42"}, loop)
+        assert got[0] == {"text": "42"}
+        named = call_once(NamedTool({}, schema), {}, {"prefix": "> ", "other": 1}, loop)
+        assert named[0] == "> ok"
+    finally:
+        loop.close()
 
 
 def test_an_episode_prompt_over_the_limit_is_dropped_when_long_prompts_are_filtered():

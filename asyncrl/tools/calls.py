@@ -80,20 +80,26 @@ def create_arguments(create: Any, create_kwargs: dict) -> dict[str, Any]:
     return out
 
 
-async def call_once(tool: Any, arguments: dict[str, Any], create_kwargs: dict) -> Any:
-    created = await maybe_await(tool.create(**create_arguments(tool.create, create_kwargs)))
+def call_once(
+    tool: Any, arguments: dict[str, Any], create_kwargs: dict, loop: asyncio.AbstractEventLoop
+) -> Any:
+    """One call: ``create``, ``execute``, ``release`` (:func:`_step` each, on ``loop``)."""
+    created = _step(loop, tool.create, **create_arguments(tool.create, create_kwargs))
     # Newer veRL tools return (instance_id, response) from create.
     instance_id = created[0] if isinstance(created, tuple) else created
     try:
-        return await maybe_await(tool.execute(instance_id, arguments))
+        return _step(loop, tool.execute, instance_id, arguments)
     finally:
-        await maybe_await(tool.release(instance_id))
+        _step(loop, tool.release, instance_id)
 
 
-async def maybe_await(value: Any) -> Any:
-    """A tool method's result: veRL's are coroutines, but a ported tool may define a plain
-    ``def execute`` (every call of it failed on the ``await`` before)."""
-    return await value if inspect.isawaitable(value) else value
+def _step(loop: asyncio.AbstractEventLoop, method: Any, *args: Any, **kwargs: Any) -> Any:
+    """A tool method's result. veRL's are coroutines, run to their end on ``loop`` (the
+    worker's, which outlives calls: a client a tool opened stays usable); a ported tool
+    may define a plain ``def``, called with no loop running, so that it may run one of its
+    own (``asyncio.run``: inside the worker's loop every such call failed)."""
+    value = method(*args, **kwargs)
+    return loop.run_until_complete(value) if inspect.isawaitable(value) else value
 
 
 def run_call(
@@ -107,7 +113,7 @@ def run_call(
     The answer leaves the worker cut to ``max_length`` and valid UTF-8 (see the module
     docstring)."""
     name, arguments, create_kwargs = job
-    result = loop.run_until_complete(call_once(tools[name], arguments, create_kwargs))
+    result = call_once(tools[name], arguments, create_kwargs, loop)
     if not isinstance(result, tuple | list) or len(result) != 3:
         return "bad_return", f"{type(result).__name__} {result!r:.80}, not a 3-tuple"
     text = response_text(result[0])

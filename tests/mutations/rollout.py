@@ -685,4 +685,12 @@ ROWS = (
             "tests/test_sandbox_workers.py::test_what_a_scorer_started_in_a_session_of_its_own_dies_with_its_timeout",
         ),
     ),
+    Mutation(
+        "a plain tool method may run an event loop of its own",
+        "plain methods are called inside the worker's running loop: asyncio.run fails every call",
+        "asyncrl/tools/calls.py",
+        "    value = method(*args, **kwargs)\n",
+        "    value = (f := loop.create_future(), loop.call_soon(lambda: f.set_result(method(*args, **kwargs))), loop.run_until_complete(f))[2]\n",
+        ("tests/test_agent_mends.py::test_a_plain_tool_method_may_run_an_event_loop_of_its_own",),
+    ),
 )
