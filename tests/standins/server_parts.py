@@ -107,6 +107,7 @@ class StandInClient:
         self.registered: Registered | None = None
         self.metrics: dict[str, float] = {}
         self.held_tasks: Callable[[], list[str]] = list
+        self.on_registered: Callable[[Registered], None] = lambda reply: None
         self.tasks_per_request = 4
         self.shutdown = threading.Event()
         self.gone = threading.Event()
