@@ -225,9 +225,16 @@ sys.exit(code)
 
 
 def _tree(state: Path, name: str, attempt: int) -> dict:
+    """The tree the toy role wrote, once written whole (seen in CI: read while empty)."""
     path = state / f"{name}.{attempt}.json"
-    wait_until(path.exists, f"{name} attempt {attempt}")
-    return json.loads(path.read_text())
+
+    def whole() -> dict | None:
+        try:
+            return json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    return wait_until(whole, f"{name} attempt {attempt}")
 
 
 @pytest.fixture
