@@ -62,7 +62,7 @@ class ParsedToolCalls:
 
 
 #: The deepest call a tool gets: JSON the parser reads a few hundred levels deep still
-#: fails to pickle on its way to the sandbox's worker (twice the recursion per level).
+#: fails on its way to the sandbox's worker, whose pipe's encoder recurses twice per level.
 MAX_JSON_DEPTH = 64
 
 
