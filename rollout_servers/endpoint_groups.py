@@ -109,6 +109,15 @@ class EndpointGroups:
         self._unanswered: list[Callable[[], object]] = []
         self._reaper: asyncio.Task | None = None
 
+    def join_server(
+        self, on_pushed: Callable[[list[Sample], list[ScoreResult], Task], None], lanes: Lanes
+    ) -> None:
+        """Serve inside a rollout server: its pushed groups are counted by ``on_pushed``,
+        and the coordinator calls, the slot waiter's too, run in the server's ``lanes``,
+        which its stop closes (the ones made for an endpoint on its own are closed now)."""
+        self.lanes.close()
+        self.on_pushed, self.lanes, self.slots.lanes = on_pushed, lanes, lanes
+
     def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap_loop())
 

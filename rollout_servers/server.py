@@ -106,7 +106,7 @@ class RolloutServer:
         self.held: dict[str, Task] = {}  # tasks being generated, by id
         self.endpoint = endpoint  # serves outside agents (None: rollout.openai_endpoint off)
         if endpoint is not None:
-            endpoint.groups.on_pushed, endpoint.groups.lanes = self.stats.count_group, self.lanes
+            endpoint.groups.join_server(self.stats.count_group, self.lanes)
         client.held_tasks = self._held_ids  # said at (re-)registration
         probe = cfg.trainer.health.probe
         self.syncs = WeightSyncs(
@@ -130,6 +130,12 @@ class RolloutServer:
         here or a coordinator that answered but refused it (restarted: not a hung learner),
         2 if its task requests fail (a grant it cannot read, a refusal: another config or
         version)."""
+        # Marked at each registration, the first and those with a restarted learner's
+        # coordinator: the launcher tells a learner hung since this server registered
+        # with it from one restarted since (supervise.py, _learner_hung).
+        self.client.on_registered = lambda reply: startup.mark(
+            run_dir(self.cfg), self.server_id, "registered"
+        )
         try:
             reg = await self.lanes.control(self.client.register)
         except CoordinatorGone as e:
@@ -146,13 +152,6 @@ class RolloutServer:
             )
             return CONFIG_ERROR
         self.client.start_watching()
-        startup.mark(run_dir(self.cfg), self.server_id, "registered")
-        # Each registration again (a restarted learner's coordinator) too: the launcher
-        # tells a learner hung since this server registered with it from one restarted
-        # since (supervise.py, _learner_hung).
-        self.client.on_registered = lambda reply: startup.mark(
-            run_dir(self.cfg), self.server_id, "registered"
-        )
         log.info("%s registered at version %d", self.server_id, reg.policy_version)
         syncs = asyncio.create_task(self.syncs.loop(self._stopping))
         syncs.add_done_callback(self._syncs_ended)

@@ -447,3 +447,24 @@ def test_an_endpoint_only_run_refuses_validation_it_could_never_finish():
         load_config(None, only)
     off = ["trainer.val_before_train=false", "trainer.test_freq=-1"]
     assert not load_config(None, [*only, *off]).rollout.openai_endpoint.take_tasks
+
+
+def test_the_endpoint_of_a_server_asks_for_slots_in_the_servers_lanes(coordinator, tmp_path):
+    """Inside a rollout server, the endpoint's slot requests and give-backs run in the
+    server's control threads, which the server's stop closes; the threads the endpoint
+    made for itself are closed at once (left, they were a second pool nothing closed)."""
+    from rollout_servers.server import RolloutServer
+    from tests.standins.server_parts import StandInEngine, StandInScorer
+
+    cfg = load_config(
+        None,
+        ["rollout.openai_endpoint.host=127.0.0.1", f"trainer.default_local_dir={tmp_path}"],
+    )
+    endpoint, client, pusher = _endpoint(cfg, coordinator)
+    own = endpoint.groups.lanes
+    parts = (StandInEngine(), CharTokenizer(), StandInScorer(), pusher, client)
+    server = RolloutServer(cfg, "r0", *parts, endpoint=endpoint)  # type: ignore[arg-type]
+    assert endpoint.groups.lanes is server.lanes
+    assert endpoint.groups.slots.lanes is server.lanes
+    with pytest.raises(RuntimeError):  # closed: it takes no more calls
+        own._control.submit(time.monotonic)
