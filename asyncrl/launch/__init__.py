@@ -8,7 +8,8 @@ cluster, and what the user sees meanwhile:
   launchers share are in :mod:`~asyncrl.launch.roles`;
 - :mod:`~asyncrl.launch.ray_launcher`, :mod:`~asyncrl.launch.ray_main`,
   :mod:`~asyncrl.launch.ray_plan`, :mod:`~asyncrl.launch.ray_handles`,
-  :mod:`~asyncrl.launch.ray_agent`: ``asyncrl-launch --ray``, the same roles on Ray nodes;
+  :mod:`~asyncrl.launch.ray_copies`, :mod:`~asyncrl.launch.ray_agent`: ``asyncrl-launch
+  --ray``, the same roles on Ray nodes;
 - :mod:`~asyncrl.launch.supervise`: the supervisor loop both launchers drive (what happens
   when a role dies) over :mod:`~asyncrl.launch.role_state`, with its rules in
   :mod:`~asyncrl.launch.restart_policy`;

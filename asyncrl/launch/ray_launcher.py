@@ -27,8 +27,9 @@ and command lines as the local launcher, placed on a Ray cluster.
   node id, host name) in its ``start`` events. Where a node does not share the launcher's
   run directory, the learner's metrics and every role's log are copied back as they grow
   (and once more as a role is seen to exit or is stopped; a replaced agent on the same node,
-  or the next launch of the run, goes on from what was copied), so the progress line and
-  the summary read as locally; the learner's final exit is read on its node. A node without
+  or the next launch of the run, goes on from what was copied:
+  :mod:`asyncrl.launch.ray_copies`), so the progress line and the summary read as locally;
+  the learner's final exit is read on its node. A node without
   the role's command or the launcher's working directory fails the run in one line, exit 2
   (a config problem).
 
@@ -44,15 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from asyncrl.launch.ray_handles import (
-    SLOW_POLLS,
-    Agent,
-    Mirror,
-    not_on_node,
-    read_record,
-    slow_answer,
-    write_record,
-)
+from asyncrl.launch.ray_copies import NodeCopies
+from asyncrl.launch.ray_handles import SLOW_POLLS, Agent, not_on_node, slow_answer
 from asyncrl.launch.ray_plan import Placement, unshared_learner_problem
 from asyncrl.launch.restart_policy import CONFIG_ERROR, clear_final_exit
 from asyncrl.launch.supervise import STOP_GRACE_S, RestartPolicy, Role, Supervisor, View
@@ -62,8 +56,6 @@ log = logging.getLogger("asyncrl.launch")
 NODE_LOST = -9  # the exit reported for a role whose agent (or node) is gone: as SIGKILL
 ENDED = 1  # the launcher's exit when the run cannot go on on this cluster (see _fail)
 CALL_TIMEOUT_S = 30.0  # one call to a live agent
-MIRRORED = ("metrics.jsonl", "startup.jsonl")  # the learner's records the view reads
-PER_LAUNCH = ("startup.jsonl",)  # begun afresh by every launch (asyncrl.launch.startup)
 
 
 class RaySupervisor(Supervisor):
@@ -90,11 +82,8 @@ class RaySupervisor(Supervisor):
         self.host: str | None = None  # bundle 0's node IP: endpoints.host of every role
         self.unplaced: dict[str, int] = {}  # starts in a row whose bundle found no node
         self.fatal: str | None = None  # why the run must end now (see _fail)
-        # What was copied back from each role's node, by "<role>@<host name>/<ip>": a replaced
-        # agent there goes on from it, and so does the next launch (see _mirror).
-        self.mirrors: dict[str, Mirror] = {}
-        self.copied = read_record(self.run_dir)  # what earlier launches copied
-        self.record_failed = False  # said once: its file could not be written
+        # What was copied back from nodes that do not share the run directory.
+        self.copies = NodeCopies(self.run_dir)
 
     # ---------------------------------------------------------------- agents
     def agent(self, role: Role) -> Agent:
@@ -239,7 +228,7 @@ class RaySupervisor(Supervisor):
             return 2  # a config problem: not restarted, the run stops
         if not ag.where["shared_run_dir"] and ag.mirror is None:
             # Host name and address: either alone may be shared by two nodes (containers).
-            ag.mirror = self._mirror(role.name, f"{ag.where['hostname']}/{ag.where['ip']}")
+            ag.mirror = self.copies.mirror(role.name, f"{ag.where['hostname']}/{ag.where['ip']}")
         log.info(
             "started %s (pid %d on %s, node %s)",
             role.name,
@@ -259,18 +248,6 @@ class RaySupervisor(Supervisor):
         self._write_pids()
         return None
 
-    def _mirror(self, name: str, host: str) -> Mirror:
-        """What copies back ``name``'s files on the node ``host``: the one an earlier
-        agent there used, else a new one going on from what an earlier launch of the run
-        copied (a resumed run's node files hold its earlier launches' records too)."""
-        key = f"{name}@{host}"
-        if key not in self.mirrors:
-            files = (f"logs/{name}.log",) + (MIRRORED if name == "learner" else ())
-            mirror = Mirror(self.run_dir, files)
-            mirror.resume(self.copied.get(key, {}), PER_LAUNCH)
-            self.mirrors[key] = mirror
-        return self.mirrors[key]
-
     # ---------------------------------------------------------------- watching
     def _track(self) -> None:
         """Copy back what grew on nodes that do not share the run directory."""
@@ -283,19 +260,7 @@ class RaySupervisor(Supervisor):
         the run directory."""
         if ag.mirror is None:
             return
-        before = ag.mirror.record()
-        try:
-            ag.mirror.pull(lambda rel, off, ino: self._call(ag, "read", rel, off, ino))
-        except Exception as e:  # a lost node is noticed by _look_at
-            log.debug("mirroring: %s", e)
-        if ag.mirror.record() != before:  # kept for the next launch of the run
-            self.copied.update({key: m.record() for key, m in self.mirrors.items()})
-            try:
-                write_record(self.run_dir, self.copied)
-            except OSError as e:  # the next launch copies these lines again: never fatal
-                if not self.record_failed:
-                    log.warning("the record of what was copied back is not written: %s", e)
-                self.record_failed = True
+        self.copies.pull(ag.mirror, lambda rel, off, ino: self._call(ag, "read", rel, off, ino))
 
     def _look_at(self, role: Role) -> int | None:
         if role.done:

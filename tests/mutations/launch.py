@@ -279,9 +279,9 @@ ROWS = (
     Mutation(
         "a replaced agent's copy goes on from what was copied",
         "metrics and log lines copied twice",
-        "asyncrl/launch/ray_launcher.py",
+        "asyncrl/launch/ray_copies.py",
         '        key = f"{name}@{host}"',
-        '        key = f"{name}@{host}@{time.monotonic()}"',
+        '        key = f"{name}@{host}@{len(self.mirrors)}"',
         ("tests/test_launch_ray_nodes.py",),
     ),
     Mutation(
@@ -343,7 +343,7 @@ ROWS = (
     Mutation(
         "a second launch copies only what its nodes wrote since",
         "a relaunch copies node metrics and logs again from their start",
-        "asyncrl/launch/ray_launcher.py",
+        "asyncrl/launch/ray_copies.py",
         "            mirror.resume(self.copied.get(key, {}), PER_LAUNCH)",
         "            pass",
         ("tests/test_launch_ray_leftovers.py",),
@@ -429,7 +429,7 @@ ROWS = (
     Mutation(
         "an unwritable copy record is never fatal",
         "the launcher dies when the record of what was copied back cannot be written",
-        "asyncrl/launch/ray_launcher.py",
+        "asyncrl/launch/ray_copies.py",
         "            except OSError as e:  # the next launch copies these lines again: never fatal",
         "            except ZeroDivisionError as e:",
         ("tests/test_launch_ray_leftovers.py",),
