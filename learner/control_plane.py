@@ -6,6 +6,9 @@ tracker and the metrics logger, behind the loop's view of them
 
 The coordinator owns the policy version; :meth:`ControlPeer.version` reports it and the
 loop copies it into the trainer (for its checkpoints and lag metrics) in one place.
+
+What the plane sets up once as it starts (the buffer's hello, the adaptive lag controller,
+the metrics logger) is :mod:`learner.control_start`'s.
 """
 
 from __future__ import annotations
@@ -21,12 +24,11 @@ import msgspec
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.ending import mark_ended
 from asyncrl.config.inputs import total_training_steps
-from asyncrl.control.admission import replayed_version, weights_step
-from asyncrl.control.lag_controller import LagController
+from asyncrl.control.admission import weights_step
 from asyncrl.launch.progress import accounting_lines
-from asyncrl.metrics import MetricsLogger
 from learner.broadcast import KEEPALIVE_S
 from learner.control_peer import BatchRef, Restored
+from learner.control_start import lag_controller, meet_buffer, open_metrics
 from learner.metrics import rollout_summary
 from learner.validation import ValidationTracker, never_coming
 from learner.weight_push import WeightPushes
@@ -35,23 +37,13 @@ log = logging.getLogger(__name__)
 
 WAIT_LOG_S = 30.0  # how often a long wait for a batch is reported
 
-CONSOLE_KEYS = (
-    "reward/mean",
-    "val/score",
-    "loss/pg",
-    "importance/w_mean",
-    "lag/mean",
-    "actor/policy_version",
-    "timing/step_s",
-    "timing/wait_fraction",
-)
-
 
 class RankZero:
     """Rank 0's control plane, started at construction (from a checkpoint's state when
     ``restored`` holds one): the coordinator serves servers from here on, and the buffer
     has answered (it resends the batches after ``restored.last_batch_id``). ``new_run``:
-    this start begins a new run in ``run_dir`` (see :func:`open_metrics`)."""
+    this start begins a new run in ``run_dir`` (see
+    :func:`learner.control_start.open_metrics`)."""
 
     def __init__(self, cfg: Config, run_dir: Path, restored: Restored, *, new_run: bool):
         from asyncrl.config import write_resolved
@@ -80,7 +72,7 @@ class RankZero:
             timeout_s=cfg.sync.timeout_s,
         )
         self.coordinator = coordinator_from_config(cfg, saved_state=restored.coordinator)
-        self.lag = _lag_controller(cfg, restored)  # staleness.controller: adaptive
+        self.lag = lag_controller(cfg, restored)  # staleness.controller: adaptive
         if self.lag is not None:
             self.coordinator.set_admission_lag(self.lag.lag)
         self.coordinator.start()
@@ -103,39 +95,10 @@ class RankZero:
             "learner",
             max_message_bytes=mebibytes(cfg.control.max_message_mb),
         )
-        self._meet_buffer(restored)
+        meet_buffer(cfg, self.buffer, self.coordinator, restored, self.total_steps)
         self.logger = open_metrics(cfg, run_dir, new_run)
         if restored.path is not None and not new_run:
             self.logger.mark_resumed(restored.step, restored.records_lost_after(run_dir))
-
-    def _meet_buffer(self, restored: Restored) -> None:
-        """Say hello to the buffer (waiting up to ``launch.start_timeout_s``) and set the
-        coordinator's versions from its answer: above what it has seen on a fresh start,
-        through the versions the replay of its unacknowledged batches reproduces on a
-        resume."""
-        cfg = self.cfg
-        welcome = self.buffer.hello(
-            restored.last_batch_id,
-            wait_s=cfg.launch.start_timeout_s,
-            session=restored.last_batch_session,
-            resumed=restored.path is not None,
-        )
-        log.info("buffer ready: %d unacknowledged batches come again first", welcome.redelivering)
-        if restored.path is None:  # versions go on above what the buffer has seen
-            self.coordinator.at_least(welcome.policy_version)
-            return
-        through = replayed_version(
-            restored.version,
-            restored.step,
-            welcome.redelivering,
-            cfg.staleness.sync_every,
-            self.total_steps,
-        )
-        self.coordinator.set_replay(through, welcome.session)
-        # A version the buffer measured lag against that the replay never reaches (the
-        # previous life died pushing it): go on above it, or every new group is stale.
-        if welcome.policy_version > through:
-            self.coordinator.at_least(welcome.policy_version)
 
     # ------------------------------------------------------------------ batches
     def wait_batch(
@@ -476,24 +439,6 @@ class RankZero:
             time.sleep(0.1)
 
 
-def _lag_controller(cfg: Config, restored: Restored) -> LagController | None:
-    """With ``staleness.controller: adaptive``, the controller of the admission window's
-    lag (from the checkpoint's state on a resume); None otherwise."""
-    if cfg.staleness.controller != "adaptive":
-        return None
-    st, health = cfg.staleness, cfg.trainer.health
-    lag = LagController(
-        st.min_policy_lag,
-        st.max_policy_lag,
-        health.min_ess,
-        health.max_mismatch_kl,
-        sync_every=st.sync_every,
-    )
-    if restored.lag_controller is not None:
-        lag.load_state_dict(restored.lag_controller)
-    return lag
-
-
 def _spent_fix(cfg: Config) -> str:
     """What to change when the data ran out before ``trainer.total_training_steps``."""
     if cfg.trainer.total_training_steps is not None:
@@ -508,22 +453,6 @@ def _spent_fix(cfg: Config) -> str:
     return (
         "raise trainer.total_epochs; the total derived from the data counts every row, "
         f"and {why} did not train"
-    )
-
-
-def open_metrics(cfg: Config, run_dir: Path, new_run: bool) -> MetricsLogger:
-    """The run's metrics logger. A new run in ``run_dir`` (no checkpoint resumed, or one
-    from elsewhere: the run directory's own were moved aside) sets an earlier run's
-    ``metrics.jsonl`` aside and opens a new W&B run, so its steps are not appended to the
-    earlier run's records (which W&B would drop as going back in time)."""
-    return MetricsLogger(
-        run_dir,
-        cfg.trainer.logger,
-        project=cfg.trainer.project_name,
-        experiment=cfg.trainer.experiment_name,
-        config=cfg.model_dump(mode="json"),
-        console_keys=CONSOLE_KEYS,
-        fresh=new_run,
     )
 
 

@@ -9,7 +9,8 @@ batches, hosts the coordinator and pushes weights):
   and produces metrics. It waits for nothing but the other
   ranks (FSDP's collectives inside forward/backward, one all-reduce of metrics).
 - :meth:`Trainer.full_state_for_push` produces the full weights for the weight-sync module
-  (a collective: every rank calls it).
+  (a collective: every rank calls it), gathered by :mod:`learner.policy_weights`, which
+  also loads the policy and its KL reference sharded.
 - :meth:`Trainer.save` / :meth:`Trainer.load` wrap :mod:`learner.checkpoint`.
 
 One step: clean the batch (bad rollouts counted and dropped); advantages over whole groups
@@ -52,6 +53,7 @@ from learner.layout import resolve_layout, sliding_window
 from learner.losses import LossConfig, policy_loss, summarize_stats
 from learner.metrics import StatSum, mean_of, rollout_metrics, zero_variance_groups
 from learner.plan import StepPlan, plan_passes
+from learner.policy_weights import gathered_state, load_policy, load_reference
 from learner.reductions import AggNorm
 from learner.reward_kl import RewardKL, token_rewards
 from learner.rollouts import (
@@ -66,8 +68,6 @@ from learner.rollouts import (
 from learner.shared_prefix import collate_shared
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Trainer:
@@ -93,17 +93,7 @@ class Trainer:
         self.mesh = fsdp.init_distributed(cfg.trainer.device)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.model_path = model_path or cfg.model.path
-        device = cfg.trainer.device
-        self.model = fsdp.load_sharded_model(
-            self.model_path,
-            self.mesh,
-            device=device,
-            gradient_checkpointing=cfg.model.enable_gradient_checkpointing,
-            attn_implementation=cfg.model.attn_implementation,
-            offload=fsdp.offload_wanted(cfg),
-            config_overrides=cfg.model.override_config,
-            lora=lora.spec(cfg.model),
-        )
+        self.model = load_policy(cfg, self.mesh, self.model_path)
         self.loss_cfg = LossConfig.from_config(cfg)
         # The frozen reference for the KL penalty: the initial weights, sharded the same way.
         # With LoRA the base never trains, so the policy with its adapters off is the
@@ -112,15 +102,7 @@ class Trainer:
             self.loss_cfg.kl_coef > 0 or self.loss_cfg.kl_track or cfg.algorithm.use_kl_in_reward
         )
         self.ref_model = (
-            fsdp.load_sharded_model(
-                self.model_path,
-                self.mesh,
-                device=device,
-                trainable=False,
-                attn_implementation=cfg.model.attn_implementation,
-                offload=fsdp.offload_wanted(cfg),
-                config_overrides=cfg.model.override_config,
-            )
+            load_reference(cfg, self.mesh, self.model_path)
             if self.wants_ref and not cfg.model.lora_rank
             else None
         )
@@ -474,33 +456,15 @@ class Trainer:
         ``model.dtype``: the full weights, or with LoRA the adapters alone
         (``sync.lora: adapter``) or merged into the weights. A collective: call it on every
         rank; only rank 0, which pushes, gets them, the others ``{}``."""
-        return self._state_for(adapter_only=self.cfg.sync.lora == "adapter")
+        adapter_only = self.cfg.sync.lora == "adapter"
+        return gathered_state(
+            self.model, self.cfg.model, adapter_only=adapter_only, keep=self.rank == 0
+        )
 
     def export_state(self) -> dict[str, torch.Tensor]:
         """The whole model for the final HF export (with LoRA: merged in float32), cast to
         ``model.dtype``. A collective; only rank 0, which writes it, gets it."""
-        return self._state_for(adapter_only=False)
-
-    def _state_for(self, adapter_only: bool) -> dict[str, torch.Tensor]:
-        m, dtype = self.cfg.model, _DTYPES[self.cfg.model.dtype]
-        keep = self.rank == 0
-        if not m.lora_rank:
-            return fsdp.full_state(self.model, dtype, keep=keep)
-        scaling = m.lora_alpha / m.lora_rank
-        # The adapter first: alone, all a push of it needs (a few percent of the model).
-        adapters = fsdp.full_state(self.model, only=lora.is_adapter_key, keep=keep)
-        if adapter_only:
-            return lora.for_push(adapters, scaling, dtype, adapter_only=True)
-        # Merged into each base tensor as it is gathered, then cast: the whole model held
-        # in float32 beside its merged copy ran the final export out of GPU memory where a
-        # full fine-tune's fits.
-        return fsdp.full_state(
-            self.model,
-            dtype,
-            only=lambda name: not lora.is_adapter_key(name),
-            keep=keep,
-            transform=lora.merger(adapters, scaling),
-        )
+        return gathered_state(self.model, self.cfg.model, adapter_only=False, keep=self.rank == 0)
 
     def save(self, run_dir, extra: dict | None = None):
         """Checkpoint into ``<run_dir>/checkpoints/step_<step>/`` (every rank calls it)."""

@@ -21,7 +21,7 @@ from asyncrl.metrics import METRICS_FILE, read_metrics
 from learner.checkpoint import STATE_FILE
 from learner.checkpoint_folders import latest_checkpoint
 from learner.control_peer import Restored
-from learner.control_plane import open_metrics
+from learner.control_start import open_metrics
 from learner.loop import LearnerLoop
 from learner.restore import restore
 

@@ -597,9 +597,9 @@ ROWS = (
     Mutation(
         "the merged export merges each tensor as it is gathered",
         "the whole model is gathered in float32 before the merge",
-        "learner/trainer.py",
-        "            transform=lora.merger(adapters, scaling),",
-        "            transform=None,",
+        "learner/policy_weights.py",
+        "        transform=lora.merger(adapters, scaling),",
+        "        transform=None,",
         ("tests/test_lora.py::test_the_merged_export_merges_each_tensor_as_it_is_gathered",),
     ),
     Mutation(
