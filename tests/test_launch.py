@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.launch.process_tree import find_tree, has_exited, scan, signal_group
+from asyncrl.launch.process_tree import find_tree, has_exited, signal_group
 from asyncrl.launch.progress import read_restarts
 from asyncrl.launch.supervise import RestartPolicy, Role, Supervisor, exit_status, restart_delay
+from asyncrl.sandbox.proc_table import scan
 from tests.helpers import alive, endpoint_overrides, wait_until
 
 
@@ -515,7 +516,8 @@ def test_a_learner_under_torchrun_that_exits_final_is_not_restarted(tmp_path):
 REAP_ONE_OF_TWO = r"""
 import json, os, sys, time
 from pathlib import Path
-from asyncrl.launch.process_tree import find_tree, scan
+from asyncrl.launch.process_tree import find_tree
+from asyncrl.sandbox.proc_table import scan
 from asyncrl.launch.supervise import RestartPolicy, Role, Supervisor
 run = Path(sys.argv[1])
 b_code = '''

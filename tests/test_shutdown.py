@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from asyncrl.control import CoordinatorClient
-from asyncrl.launch.process_tree import scan
 from asyncrl.net.buffer_client import BufferClient
 from asyncrl.net.transport import config_endpoint
+from asyncrl.sandbox.proc_table import scan
 from asyncrl.tasks import make_row
 from buffer.service import BufferService
 from tests.helpers import wait_until

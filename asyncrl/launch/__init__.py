@@ -22,6 +22,7 @@ cluster, and what the user sees meanwhile:
   launcher reads.
 
 May import :mod:`asyncrl.config`, :mod:`asyncrl.net`, :mod:`asyncrl.control` (messages
-only) and :mod:`asyncrl.metrics`; never a role package (``learner``, ``buffer``,
-``rollout_servers``), and no torch or vLLM: the launcher stays a light process.
+only), :mod:`asyncrl.metrics` and :mod:`asyncrl.sandbox` (the process table); never a role
+package (``learner``, ``buffer``, ``rollout_servers``), and no torch or vLLM: the launcher
+stays a light process.
 """

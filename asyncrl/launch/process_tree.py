@@ -36,10 +36,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from asyncrl.sandbox.proc_table import Proc, descendants, scan
 
 log = logging.getLogger("asyncrl.launch")
 
@@ -47,37 +48,6 @@ MARKER = "ASYNCRL_LAUNCH"  # environment variable every process of a run inherit
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 _libc: ctypes.CDLL | None = None
-
-
-@dataclass(frozen=True)
-class Proc:
-    """One line of the process table (``/proc/<pid>/stat``)."""
-
-    pid: int
-    ppid: int
-    pgid: int
-    sid: int
-    state: str  # R, S, D, Z (zombie: exited, not yet reaped), ...
-    start: int  # clock ticks after boot
-
-
-def scan() -> dict[int, Proc]:
-    """The process table as this process sees it."""
-    out: dict[int, Proc] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                data = f.read()
-        except OSError:  # gone meanwhile
-            continue
-        # "pid (comm) state ppid pgrp session ...": comm may hold spaces and parentheses.
-        rest = data[data.rindex(b")") + 2 :].split()
-        out[int(name)] = Proc(
-            int(name), int(rest[1]), int(rest[2]), int(rest[3]), rest[0].decode(), int(rest[19])
-        )
-    return out
 
 
 def marker_of(pid: int) -> str | None:
@@ -113,16 +83,7 @@ def find_tree(
         pid for pid, start in (known or {}).items() if pid in procs and procs[pid].start == start
     }
     seeds |= {pid for pid in extra if pid in procs}
-    children: dict[int, list[int]] = defaultdict(list)
-    for p in procs.values():
-        children[p.ppid].append(p.pid)
-    tree: set[int] = set()
-    stack = list(seeds)
-    while stack:
-        pid = stack.pop()
-        if pid not in tree:
-            tree.add(pid)
-            stack.extend(children[pid])
+    tree = descendants(procs, seeds)
     tree.discard(os.getpid())
     return {pid for pid in tree if procs[pid].state not in ("Z", "X")}
 

@@ -42,6 +42,7 @@ from typing import Any
 from asyncrl.sandbox.child import Setup, worker_main
 from asyncrl.sandbox.memory import NO_CAP, MemoryCap
 from asyncrl.sandbox.output import OutputDrain
+from asyncrl.sandbox.proc_table import descendants, scan
 
 logger = logging.getLogger(__name__)
 
@@ -92,9 +93,9 @@ def _kill_group(process: Any) -> None:
     still links them (killed first, it leaves them to init)."""
     if process.pid is None:
         return
-    from asyncrl.launch.process_tree import find_tree, scan
-
-    escaped = find_tree(scan(), [process.pid]) - {process.pid}
+    procs = scan()
+    group = {p.pid for p in procs.values() if p.pgid == process.pid} | {process.pid}
+    escaped = descendants(procs, group) - group
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except OSError:  # no such group yet (not reached setpgrp) or no longer

@@ -679,7 +679,7 @@ ROWS = (
         "what a scorer started in a session of its own dies with its timeout",
         "the timeout kills the worker's group only: a code runner's program runs on",
         "asyncrl/sandbox/process.py",
-        "    escaped = find_tree(scan(), [process.pid]) - {process.pid}\n",
+        "    escaped = descendants(procs, group) - group\n",
         "    escaped: set[int] = set()\n",
         (
             "tests/test_sandbox_workers.py::test_what_a_scorer_started_in_a_session_of_its_own_dies_with_its_timeout",
