@@ -470,7 +470,8 @@ def test_every_default_that_differs_from_verls_is_warned_or_harmless():
     from asyncrl.config.load import _defaults
     from asyncrl.config.verl_compat import RESULT_DEFAULTS
     from asyncrl.config.verl_doc import verl_leaves
-    from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key
+    from asyncrl.config.verl_key import lookup, our_key
+    from asyncrl.config.verl_table import VERL_KEYS
 
     verl, ours, silent = verl_leaves(), _defaults(), []
     for key, rule in VERL_KEYS.items():

@@ -13,7 +13,8 @@ import yaml
 
 from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.config.verl_doc import leaves_of, markdown, verl_leaves
-from asyncrl.config.verl_table import VERL_KEYS, our_key
+from asyncrl.config.verl_key import our_key
+from asyncrl.config.verl_table import VERL_KEYS
 from learner.plan import plan_step
 from learner.trainer import Trainer
 from tests.trainer_helpers import synthetic_batch

@@ -33,7 +33,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
-from asyncrl.config.verl_table import lookup, our_key
+from asyncrl.config.verl_key import lookup, our_key
 from asyncrl.config.yaml_read import read_yaml
 
 _REF = re.compile(r"\$\{([^${}]*)\}")

@@ -55,7 +55,8 @@ from asyncrl.config.verl_groups import (
     unknown_verl_leaves,
     verl_spellings,
 )
-from asyncrl.config.verl_table import VERL_KEYS, lookup, our_key, unsampled_validation
+from asyncrl.config.verl_key import lookup, our_key
+from asyncrl.config.verl_table import VERL_KEYS, unsampled_validation
 from asyncrl.config.yaml_read import DuplicateKeyError, dump_yaml, read_yaml
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from asyncrl.config.errors import ConfigError
-from asyncrl.config.verl_table import our_key
+from asyncrl.config.verl_key import our_key
 from asyncrl.config.yaml_read import DuplicateKeyError, read_yaml
 
 

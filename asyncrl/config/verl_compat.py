@@ -23,7 +23,8 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from asyncrl.config.verl_table import VERL_KEYS, VerlKey, lookup, our_key, refused_value
+from asyncrl.config.verl_key import VerlKey, lookup, our_key, refused_value
+from asyncrl.config.verl_table import VERL_KEYS
 
 log = logging.getLogger(__name__)
 

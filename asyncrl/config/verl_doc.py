@@ -16,7 +16,8 @@ from typing import Any
 import yaml
 
 from asyncrl.config.interpolate import resolve_references
-from asyncrl.config.verl_table import VERL_KEYS, VerlKey, our_key
+from asyncrl.config.verl_key import VerlKey, our_key
+from asyncrl.config.verl_table import VERL_KEYS
 
 KEYS_FILE = Path(__file__).with_name("verl_ppo_trainer_keys.yaml")
 

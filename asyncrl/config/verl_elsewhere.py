@@ -2,13 +2,13 @@
 with the fix each one needs. Unknown to the table, such a key was refused with difflib's
 nearest name, which for these pointed at a key of another meaning (``multi_turn.max_turns``
 at ``max_user_turns``, where it is the cap on the assistant's turns; ``tis_imp_ratio_cap``
-at ``clip_ratio_c``). Keyed by the key as read here (:func:`~asyncrl.config.verl_table.
+at ``clip_ratio_c``). Keyed by the key as read here (:func:`~asyncrl.config.verl_key.
 our_key` of veRL's spelling); the fixes name veRL's spelling, as the user typed it.
 """
 
 from __future__ import annotations
 
-from asyncrl.config.verl_table import our_key
+from asyncrl.config.verl_key import our_key
 
 _ROLLOUT = "actor_rollout_ref.rollout"
 _ACTOR = "actor_rollout_ref.actor"

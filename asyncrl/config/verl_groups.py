@@ -18,7 +18,8 @@ from asyncrl.config.interpolate import leaves
 from asyncrl.config.overrides import our_dotted
 from asyncrl.config.schema import Config
 from asyncrl.config.verl_compat import pop_dotted
-from asyncrl.config.verl_table import VERL_KEYS, VERL_PREFIXES, our_key
+from asyncrl.config.verl_key import VERL_PREFIXES, our_key
+from asyncrl.config.verl_table import VERL_KEYS
 
 
 def verl_spellings(loaded: dict[str, Any] | None, overrides: Iterable[str]) -> dict[str, str]:

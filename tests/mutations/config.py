@@ -377,7 +377,7 @@ ROWS = (
     Mutation(
         "a value a refused key's check cannot read is refused in one line",
         "the check's TypeError escapes as a traceback",
-        "asyncrl/config/verl_table.py",
+        "asyncrl/config/verl_key.py",
         "    except (TypeError, ValueError, ArithmeticError):",
         "    except ZeroDivisionError:",
         (
