@@ -60,6 +60,9 @@ STOP_GRACE_S = 15.0  # how long roles get to exit after SIGTERM before SIGKILL
 REAP_WAIT_S = 30.0  # how long a SIGKILLed role gets to be reaped (more: stuck in the kernel)
 AFTER_LEARNER_S = 30.0  # how long the others get to exit once the learner is done
 COORDINATOR_GONE = 3  # a rollout server's exit: the coordinator went silent (or never came)
+# What a restart that could not start its process reads as (the shell's "cannot execute"):
+# its command gone, no process or memory to spare. Restarted as any failure.
+START_FAILED = 127
 # How long the learner gets to finish once the buffer (or learner-k) exited 0: the learner
 # stops the buffer moments before it exits, and learner-k's torchrun leaves the learner's at
 # its exit barrier. Past it, the exit 0 was a stop from outside (`kill <pid>`) and counts as
@@ -172,11 +175,23 @@ class Supervisor:
             return None
         if role.proc is None:
             if role.restart_at is not None and time.monotonic() >= role.restart_at:
-                self.start(role)
+                return self._start_again(role)
             return None
         if not has_exited(role.proc.pid):
             return None
         return self.reap(role)
+
+    def _start_again(self, role: Role) -> int | None:
+        """Restart ``role``; a start that fails reads as its exit :data:`START_FAILED`,
+        restarted or given up on as any other (raised, it ended the launcher with a
+        traceback and left the other roles unwatched)."""
+        try:
+            self.start(role)
+        except OSError as e:
+            log.error("%s could not be started again: %s", role.name, e)
+            self._event(role.name, "start_failed", error=str(e))
+            return START_FAILED
+        return None
 
     def _final_exit(self, role: Role) -> int | None:
         """The final exit the learner ``role`` recorded (read and forgotten), or None."""

@@ -688,4 +688,14 @@ ROWS = (
             "tests/test_launch.py::test_reaping_a_role_spares_a_live_roles_helper_the_launcher_adopted",
         ),
     ),
+    Mutation(
+        "a restart that cannot start its process counts as a failure",
+        "a restart whose command is gone ends the launcher with a traceback, the roles unwatched",
+        "asyncrl/launch/supervise.py",
+        "            return START_FAILED\n",
+        "            raise\n",
+        (
+            "tests/test_launch_start_failed.py::test_a_restart_whose_command_is_gone_is_counted_and_given_up_on",
+        ),
+    ),
 )
