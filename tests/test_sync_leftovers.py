@@ -132,3 +132,39 @@ def test_the_files_of_an_adapter_vllm_refuses_are_deleted(tmp_path: Path) -> Non
     asyncio.run(pushes(range(6, 10)))
     assert adapters.versions == [8, 9]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v8-3", "v9-4"]
+
+
+class FailingAbort(RefusingLoRA):
+    """Loads every adapter; its abort fails (the engine busy or going down)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse = False
+        self.aborts = 0
+
+    async def abort(self, request_ids: Any) -> None:
+        self.aborts += 1
+        raise RuntimeError("engine core busy")
+
+
+def test_a_failed_move_off_a_stale_adapter_fails_no_push(tmp_path: Path) -> None:
+    """The new adapter is loaded and current when the requests on one past the kept ones
+    are aborted to move: an abort that fails leaves them where they are, asked again at
+    the next adapter, and the push that brought the new one counts as done (it failed
+    the sync, and the server was sent its weights again)."""
+    from rollout_servers.adapters import AdapterVersions
+
+    adapters = AdapterVersions(tmp_path, keep=1, rank=8, alpha=16)
+    llm = FailingAbort()
+
+    async def activations() -> None:
+        for version in (1, 2, 3):
+            adapters.path_for(version).mkdir()
+            await adapters.activate(llm, version)
+            if version == 1:
+                assert adapters.acquire("r1") is not None
+
+    asyncio.run(activations())
+    assert adapters.version == 3
+    assert llm.aborts == 2  # at version 2, and again at version 3
+    assert not adapters.moved("r1")  # not aborted: it ends on its own adapter

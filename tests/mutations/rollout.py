@@ -693,4 +693,12 @@ ROWS = (
         "    value = (f := loop.create_future(), loop.call_soon(lambda: f.set_result(method(*args, **kwargs))), loop.run_until_complete(f))[2]\n",
         ("tests/test_agent_mends.py::test_a_plain_tool_method_may_run_an_event_loop_of_its_own",),
     ),
+    Mutation(
+        "a failed move off a stale adapter fails no push",
+        "an abort that fails while requests move off a stale adapter fails the sync that loaded the new one",
+        "rollout_servers/adapters.py",
+        "                self._moved.difference_update(stale)\n",
+        "                raise\n",
+        ("tests/test_sync_leftovers.py::test_a_failed_move_off_a_stale_adapter_fails_no_push",),
+    ),
 )
