@@ -59,7 +59,9 @@ class Deliveries:
             return None
         bid = self.redeliver.popleft()
         self.owner[bid] = consumer
-        return msgspec.structs.replace(self.unacked[bid], redelivered=True)
+        # Kept marked: sent again (its reply lost), it is still a replay.
+        self.unacked[bid] = msgspec.structs.replace(self.unacked[bid], redelivered=True)
+        return self.unacked[bid]
 
     def ack(self, batch_ids: Iterable[int]) -> tuple[list[Batch], list[int]]:
         """Forget these batches; returns (the acknowledged batches, unknown ids)."""

@@ -256,6 +256,19 @@ def test_unacked_batches_are_released_again_in_order_after_a_restart() -> None:
     assert again1.metrics["buffer/batches_redelivered"] == 1.0
 
 
+def test_a_redelivered_batch_sent_again_is_still_marked_redelivered() -> None:
+    """A replayed batch whose reply the learner never received comes again, as every
+    batch does, and still as a replay (it came unmarked, as new)."""
+    b = buf(batch_size=1)
+    add_group(b, "a")
+    assert b.release(0, "learner", (b.session, None)).batch_id == 0
+    b.restart(None, "learner")
+    assert b.release(0, "learner", (b.session, None)).redelivered  # its reply is lost
+    again = b.release(0, "learner", (b.session, None))
+    assert (again.batch_id, again.redelivered) == (0, True)
+    assert b.metrics()["buffer/batches_resent"] == 1.0
+
+
 def test_restart_acknowledges_what_the_checkpoint_contains() -> None:
     b = buf(batch_size=1)
     for tid in "abc":
