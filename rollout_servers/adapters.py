@@ -67,6 +67,7 @@ class AdapterVersions:
         self._loaded: dict[int, _Loaded] = {}
         self._next_id = 1  # vLLM's LoRA ids start at 1
         self._moved: set[str] = set()  # request ids aborted to go on on the current adapter
+        self._abort_failed: set[str] = set()  # of those, the ones whose abort raised
 
     def path_for(self, version: int) -> Path:
         """Where the next adapter's files go (the worker writes them there)."""
@@ -110,19 +111,22 @@ class AdapterVersions:
 
     async def move_stale(self, llm: Any) -> None:
         """Abort the requests running on adapters past the kept ones (their :meth:`moved`
-        says so, and they go on on the current adapter). An abort that fails leaves them
-        on their adapter, asked again at the next activation: the new adapter serves all
-        the same, so the push that brought it has not failed."""
-        running = (rid for key in self._past_kept() for rid in self._loaded[key].users)
-        if stale := [rid for rid in running if rid not in self._moved]:
+        says so, and they go on on the current adapter). An abort that raises fails no
+        push: the new adapter serves all the same. vLLM ends the requests before it tells
+        the engine core (the step that raises), so they still read as moved; any that
+        still run are aborted again at the next adapter."""
+        running = [rid for key in self._past_kept() for rid in self._loaded[key].users]
+        stale = [rid for rid in running if rid not in self._moved or rid in self._abort_failed]
+        if stale:
             self._moved.update(stale)
+            self._abort_failed.difference_update(stale)
             try:
                 await llm.abort(stale)
             except Exception as e:
-                self._moved.difference_update(stale)
+                self._abort_failed.update(stale)
                 log.warning(
-                    "%d request(s) stay on an adapter past the kept ones (their abort "
-                    "failed: %s); moved at the next adapter, else they end on it",
+                    "aborting %d request(s) on an adapter past the kept ones failed (%s): "
+                    "those still running are aborted again at the next adapter",
                     len(stale),
                     e,
                 )
@@ -130,6 +134,7 @@ class AdapterVersions:
     def moved(self, request_id: str) -> bool:
         """Whether request ``request_id`` was aborted by :meth:`move_stale` (asked once,
         when it has ended)."""
+        self._abort_failed.discard(request_id)
         if request_id in self._moved:
             self._moved.discard(request_id)
             return True
