@@ -6,7 +6,8 @@ tree is killed and reaped; nothing the run started outlives it.
 
 What a test or an operator can read: ``<run dir>/pids.json`` (the launcher's pid, the run's
 marker and each role's current pid), ``<run dir>/launch.jsonl`` (one event per line:
-``launch``, ``start``, ``restart`` with ``launch/restarts/<role>``, ``exit``, ``gave_up``),
+``launch``, ``start``, ``start_failed`` (a restart that could not start its process),
+``restart`` with ``launch/restarts/<role>``, ``exit``, ``gave_up``),
 and the launcher's log lines ``started <role> (pid N)`` and ``restarting <role> ...``.
 """
 
@@ -187,8 +188,13 @@ class Supervisor:
         traceback and left the other roles unwatched)."""
         try:
             self.start(role)
-        except OSError as e:
+        except (OSError, subprocess.SubprocessError) as e:  # the latter: setting it up failed
+            if role.proc is not None:  # it runs: what failed came after, in its records
+                raise
             log.error("%s could not be started again: %s", role.name, e)
+            if role.log_path is not None:
+                with contextlib.suppress(OSError), open(role.log_path, "a") as f:
+                    f.write(f"---- not started: {e}\n")
             self._event(role.name, "start_failed", error=str(e))
             return START_FAILED
         return None
@@ -202,7 +208,7 @@ class Supervisor:
         launcher) or a restart to schedule (None)."""
         if self._is_learner(role) and code != 0 and code not in FINAL_EXITS:
             code = self._final_exit(role) or code  # torchrun's 1 hides the learner's
-        if code != 0 and code not in FINAL_EXITS:
+        if code != 0 and code not in FINAL_EXITS and code != START_FAILED:  # told at its exit
             self._tell_gone(role, code)
         if code != 0 and not self._is_learner(role) and self._ending_recorded():
             return self._let_go(role, code)
