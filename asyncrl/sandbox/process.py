@@ -94,14 +94,16 @@ def _kill_group(process: Any) -> None:
     if process.pid is None:
         return
     procs = scan()
-    group = {p.pid for p in procs.values() if p.pgid == process.pid} | {process.pid}
+    group = {p.pid for p in procs.values() if p.pgid == process.pid}
+    if (me := procs.get(process.pid)) is not None and me.ppid == os.getpid():
+        group.add(process.pid)  # not in its group yet (setpgrp); never a reaped one's pid
     escaped = descendants(procs, group) - group
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except OSError:  # no such group yet (not reached setpgrp) or no longer
         with contextlib.suppress(OSError):
             process.kill()
-    for pid in escaped:  # the group's own are gone already: no error for them
+    for pid in escaped:  # each may have exited meanwhile: no error for it
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
 
