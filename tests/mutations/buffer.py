@@ -219,4 +219,14 @@ ROWS = (
             "test_responses_the_scorer_failed_on_are_counted_in_their_round",
         ),
     ),
+    Mutation(
+        "a redelivered batch sent again is still marked redelivered",
+        "a replayed batch whose reply was lost comes again unmarked, as a new batch",
+        "buffer/deliveries.py",
+        "        self.unacked[bid] = msgspec.structs.replace(self.unacked[bid], redelivered=True)\n        return self.unacked[bid]\n",
+        "        return msgspec.structs.replace(self.unacked[bid], redelivered=True)\n",
+        (
+            "tests/test_buffer_core.py::test_a_redelivered_batch_sent_again_is_still_marked_redelivered",
+        ),
+    ),
 )

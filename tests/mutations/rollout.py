@@ -697,8 +697,18 @@ ROWS = (
         "a failed move off a stale adapter fails no push",
         "an abort that fails while requests move off a stale adapter fails the sync that loaded the new one",
         "rollout_servers/adapters.py",
-        "                self._moved.difference_update(stale)\n",
+        "                self._abort_failed.update(stale)\n",
         "                raise\n",
         ("tests/test_sync_leftovers.py::test_a_failed_move_off_a_stale_adapter_fails_no_push",),
+    ),
+    Mutation(
+        "the endpoint of a server asks for slots in the server's lanes",
+        "the endpoint's slot requests run in a pool of its own that nothing closes",
+        "rollout_servers/endpoint_groups.py",
+        "        self.on_pushed, self.lanes, self.slots.lanes = on_pushed, lanes, lanes\n",
+        "        self.on_pushed, self.lanes = on_pushed, lanes\n",
+        (
+            "tests/test_endpoint_slots.py::test_the_endpoint_of_a_server_asks_for_slots_in_the_servers_lanes",
+        ),
     ),
 )

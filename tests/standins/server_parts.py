@@ -129,6 +129,7 @@ class StandInClient:
             dead_after_s=2.0,
             catchup=False,
         )
+        self.on_registered(self.registered)  # as the real client, after each answer
         return self.registered
 
     def start_watching(self) -> object:
