@@ -376,6 +376,7 @@ def episode_samples(episodes: list[Episode]) -> list[Sample]:
         Sample(
             token_ids=[t for p in ep.pieces for t in p.token_ids],
             version_spans=[s for p in ep.pieces for s in p.version_spans],
+            dated_down=any(p.dated_down for p in ep.pieces),
         )
         for ep in episodes
     ]

@@ -22,6 +22,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rollout_servers.samples import add_span
+
 if TYPE_CHECKING:
     from rollout_servers.protocols import Tokenizer
     from rollout_servers.samples import Sample
@@ -55,10 +57,12 @@ class Piece:
     lead: int = 0
     uncut: list[int] | None = None
     overflow: int = 0
+    dated_down: bool = False  # see samples.add_span
 
     def add_sampled(self, sample: Sample) -> None:
         self.token_ids += sample.token_ids
         self.logprobs += sample.logprobs
+        self.dated_down |= sample.dated_down
         for version, n in sample.version_spans:
             self._span(version, n)
         self.finish_reason = sample.finish_reason
@@ -105,10 +109,8 @@ class Piece:
         return self.prompt_ids[:cut], response, [0.0] * n + self.logprobs, moved, masked
 
     def _span(self, version: int, n: int) -> None:
-        if self.version_spans and self.version_spans[-1][0] == version:
-            self.version_spans[-1] = (version, self.version_spans[-1][1] + n)
-        elif n:
-            self.version_spans.append((version, n))
+        # A later turn under a catch-up down dates the earlier turns' tokens down too.
+        self.dated_down |= add_span(self.version_spans, version, n)
 
 
 @dataclass

@@ -22,6 +22,7 @@ class Sample:
     order; ``logprobs[i]`` is the behaviour logprob of ``token_ids[i]`` (after temperature).
     ``temperature`` is the one vLLM sampled at (its ``SamplingParams`` may have adjusted
     the requested value): the learner divides this response's logits by it.
+    ``dated_down``: some tokens were dated down to a later, lower version (:func:`add_span`).
     """
 
     token_ids: list[int] = field(default_factory=list)
@@ -31,6 +32,7 @@ class Sample:
     resubmissions: int = 0
     start_version: int = 0  # the version when the request started (empty responses)
     temperature: float | None = None
+    dated_down: bool = False
 
     def extend(
         self, token_ids: list[int], logprobs: list[float], spans: list[tuple[int, int]]
@@ -39,10 +41,30 @@ class Sample:
         self.token_ids += token_ids
         self.logprobs += logprobs
         for version, n in spans:
-            if self.version_spans and self.version_spans[-1][0] == version:
-                self.version_spans[-1] = (version, self.version_spans[-1][1] + n)
-            elif n:
-                self.version_spans.append((version, n))
+            self.dated_down |= add_span(self.version_spans, version, n)
+
+
+def add_span(spans: list[tuple[int, int]], version: int, n: int) -> bool:
+    """Append ``n`` tokens of policy ``version`` to the ``(version, n_tokens)`` runs
+    ``spans`` (in place; merged with the last run of the same version). Returns whether
+    earlier tokens were dated down.
+
+    Versions on the wire never go backwards (the codec refuses a sample whose do). They
+    would here after a catch-up *down*: a learner restarted from an older checkpoint sends
+    its weights labelled below the ones this server held (:mod:`asyncrl.control.versions`),
+    and a response in flight goes on under them. Its earlier tokens came from weights the
+    restarted run no longer descends from; they are dated as the new version, which makes
+    the sample look older to the lag rule, never fresher. Their behaviour logprobs stay as
+    drawn, so the importance weights still describe how they were sampled."""
+    dated = False
+    if spans and spans[-1][0] > version:
+        spans[:] = [(version, sum(k for _, k in spans))]
+        dated = True
+    if spans and spans[-1][0] == version:
+        spans[-1] = (version, spans[-1][1] + n)
+    elif n:
+        spans.append((version, n))
+    return dated
 
 
 def piece_params(params: SamplingParams, piece: int, max_tokens: int) -> SamplingParams:

@@ -126,6 +126,7 @@ class ServerStats:
             "rollout/version_wait_s": 0.0,  # tasks waiting for the version they were dealt at
             "rollout/version_wait_missed": 0,  # tasks started under older weights than dealt
             "rollout/probe_timeouts": 0,  # post-sync probes not scored in time (sync stands)
+            "rollout/samples_dated_down": 0,  # spanned a catch-up down (samples.add_span)
             # This process's own number: the coordinator's run totals tell a restarted
             # server's counts (from 0 again) from the same process's (server_totals).
             INCARNATION: float(secrets.randbits(52)),
@@ -161,6 +162,7 @@ class ServerStats:
         self.metrics["rollout/groups"] += 1
         for s, score in zip(samples, scores, strict=True):
             self.metrics["rollout/tokens"] += len(s.token_ids)
+            self.metrics["rollout/samples_dated_down"] += s.dated_down
             for version, n in s.version_spans:
                 self.tokens_by_version[version] += n
             if not task.validation:  # a round's scores (val/*) made the training curve jump

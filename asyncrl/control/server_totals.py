@@ -45,6 +45,7 @@ COUNTERS: tuple[str, ...] = tuple(
         "moved_off_stale_adapters",
         "version_wait_missed",
         "probe_timeouts",
+        "samples_dated_down",
     )
 )
 # The multi-turn agents' and the OpenAI endpoint's counters: named as they arise, all
