@@ -711,4 +711,14 @@ ROWS = (
             "tests/test_endpoint_slots.py::test_the_endpoint_of_a_server_asks_for_slots_in_the_servers_lanes",
         ),
     ),
+    Mutation(
+        "a response across a catch-up down is dated down",
+        "a response in flight across a catch-up down keeps versions that go backwards, and its group fails to encode",
+        "rollout_servers/samples.py",
+        "    if spans and spans[-1][0] > version:\n",
+        "    if False:\n",
+        (
+            "tests/test_spans_dated_down.py::test_a_response_across_a_catch_up_down_reaches_the_learner_dated_down",
+        ),
+    ),
 )
