@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
+#: Longest wait of a dealt group for the weights it was dealt under (``Task.dealt_version``,
+#: :meth:`~rollout_servers.engine.RolloutEngine.reach`): the wait normally ends within a
+#: sync's load (under 0.1 s on the CPU demo) or its failure.
+REACH_S = 5.0
+
 
 class Deadline:
     """``timeout_s`` from now, moved on by the time ``engine`` spends paused for syncs from

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from rollout_servers.agent import turn_params
 from rollout_servers.chat_bodies import assistant_reply, completion_body, token_logprobs
+from rollout_servers.deadlines import REACH_S
 from rollout_servers.openai_completions import (
     prompt_ids,
     raw_draft,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable, Iterator
 
     from asyncrl.config import Config
+    from asyncrl.control.messages import Task
     from rollout_servers.groups import SamplingSettings
     from rollout_servers.protocols import GenerationEngine, Tokenizer
     from rollout_servers.samples import Sample
@@ -247,6 +249,8 @@ class EndpointTurns:
         piece = ep.pieces[-1]
         params = turn_params(self.sampling, task, session.index, ep.turns, budget)
         rid = f"{task.task_id}/{session.index}/t{ep.turns}"
+        if not ep.turns:
+            await self._reach(task)
         sample = await self.engine.generate(piece.prompt_ids + piece.token_ids, params, rid)
         if n := first_stop(sample.token_ids, self.tok.decode, stops):
             sample = cut(sample, n)  # the draw a stop would have ended (see stops.py)
@@ -256,6 +260,17 @@ class EndpointTurns:
         ids = sample.token_ids
         eos = getattr(self.tok, "eos_token_id", None)
         return sample, str(self.tok.decode(ids[:-1] if ids and ids[-1] == eos else ids)), n
+
+    async def _reach(self, task: Task) -> None:
+        """A member's first turn waits, as a dealt task does, for the weights its group was
+        dealt under (the admission window may open at the learner's send, before this
+        engine loaded them): started under the weights before, the group would come out a
+        version staler than it was admitted as. Counted; past :data:`REACH_S` it starts
+        under what is loaded and the buffer's lag rule judges it."""
+        waited = await self.engine.reach(task.dealt_version, REACH_S)
+        self.metrics["rollout/openai/version_wait_ms"] += round(1000 * waited)
+        if self.engine.version < task.dealt_version:
+            self.metrics["rollout/openai/version_wait_missed"] += 1
 
     def _commit(self, session: Session, draft: Draft, sample: Sample) -> list[int]:
         """The session takes the drafted turn, counted; the sampled ids."""

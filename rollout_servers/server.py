@@ -32,6 +32,7 @@ from asyncrl.net.transport import RequestRefused
 from asyncrl.sandbox.workers import PoolBroken
 from asyncrl.wire.base import WireError
 from rollout_servers.agent import AgentRunner
+from rollout_servers.deadlines import REACH_S
 from rollout_servers.groups import (
     PromptTooLong,
     SamplingSettings,
@@ -58,9 +59,6 @@ log = logging.getLogger(__name__)
 REPORT_EVERY_S = 1.0
 #: How often the task loop logs a progress line.
 LOG_EVERY_S = 30.0
-#: Longest wait of a task for the weights it was dealt under (RolloutEngine.reach): the
-#: wait normally ends within a sync's load (under 0.1 s on the CPU demo) or its failure.
-REACH_S = 5.0
 #: How long a server waits before it sends again the acknowledgement of a group it dropped
 #: (filtered) that the coordinator did not answer (each send already tries three times).
 ACK_AGAIN_S = 5.0
