@@ -721,4 +721,14 @@ ROWS = (
             "tests/test_spans_dated_down.py::test_a_response_across_a_catch_up_down_reaches_the_learner_dated_down",
         ),
     ),
+    Mutation(
+        "an endpoint group's first turn waits for its dealt version",
+        "an endpoint group dealt at the learner's send starts under the weights before, a version staler than admitted",
+        "rollout_servers/endpoint_turns.py",
+        "        if not ep.turns:\n            await self._reach(task)\n",
+        "",
+        (
+            "tests/test_endpoint_version_wait.py::test_a_new_groups_first_turn_waits_for_the_version_it_was_dealt_at",
+        ),
+    ),
 )
