@@ -176,14 +176,18 @@ class ControlClient(Protocol):
         filtered: bool = False,
         prompt_too_long: bool = False,
         dealt: list[int] | None = None,
+        session: str = "",
     ) -> object:
         """Report tasks whose groups were pushed whole (``filtered``: dropped here by the
-        group filter; ``dealt``: each one's attempt as this server got it)."""
+        group filter; ``dealt``: each one's attempt as this server got it, ``session`` the
+        coordinator session that dealt them, ``Task.dealt_session``)."""
         ...
 
-    def nack(self, task_ids: list[str], reason: str, dealt: list[int] | None = None) -> object:
-        """Report tasks that failed before their group was pushed (dealt again); ``dealt``:
-        each one's attempt as this server got it."""
+    def nack(
+        self, task_ids: list[str], reason: str, dealt: list[int] | None = None, session: str = ""
+    ) -> object:
+        """Report tasks that failed before their group was pushed (dealt again); ``dealt``
+        and ``session`` as for :meth:`ack`."""
         ...
 
     def next_sync(self, timeout_s: float = 0.0) -> SyncStart | None:

@@ -320,7 +320,11 @@ class RolloutServer:
             if not group or filtered_out(task, scores, metric):
                 # never pushed: the coordinator frees its budget and deals a fresh prompt
                 ack = functools.partial(
-                    self.client.ack, filtered=True, prompt_too_long=not group, dealt=[task.attempt]
+                    self.client.ack,
+                    filtered=True,
+                    prompt_too_long=not group,
+                    dealt=[task.attempt],
+                    session=task.dealt_session,
                 )
                 # No longer held (its slots are, until the report is answered): a
                 # registration meanwhile (a restarted coordinator) would name it, and the
@@ -354,7 +358,8 @@ class RolloutServer:
                 log.exception("task %s failed", task.task_id)
             if not pushed:  # its group never left: the coordinator deals it again
                 reason = f"{type(e).__name__}: {e}"
-                await self.lanes.control(self.client.nack, [task.task_id], reason, [task.attempt])
+                nack = functools.partial(self.client.nack, session=task.dealt_session)
+                await self.lanes.control(nack, [task.task_id], reason, [task.attempt])
             self._check_engine(e)
         finally:
             self.held.pop(task.task_id, None)

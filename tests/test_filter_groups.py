@@ -315,13 +315,17 @@ class FilteringClient(StandInClient):
         self.filtered: list[str] = []
         self.too_long: list[str] = []
         self.dealt: list[int] = []  # the attempts the filtered reports named
+        self.sessions: list[str] = []  # and the coordinator sessions that dealt them
 
     def request_tasks(
         self, max_tasks: int | None = None, wait_s: float | None = None, max_samples: int = 0
     ) -> m.TaskGrant:
         grant = super().request_tasks(max_tasks, wait_s, max_samples)
         name = "tool_agent" if self.agent else "single_turn"
-        tasks = [msgspec.structs.replace(t, filter=self.on, agent_name=name) for t in grant.tasks]
+        tasks = [
+            msgspec.structs.replace(t, filter=self.on, agent_name=name, dealt_session="c1")
+            for t in grant.tasks
+        ]
         return m.TaskGrant(tasks=tasks, policy_version=0)
 
     def ack(
@@ -331,10 +335,12 @@ class FilteringClient(StandInClient):
         filtered: bool = False,
         prompt_too_long: bool = False,
         dealt: list[int] | None = None,
+        session: str = "",
     ) -> object:
         if filtered:
             self.filtered += task_ids
             self.dealt += dealt or []
+            self.sessions.append(session)
         if prompt_too_long:
             self.too_long += task_ids
         return super().ack(task_ids)
@@ -378,6 +384,7 @@ def test_the_server_filters_alike_groups_without_pushing(monkeypatch, nap_tools,
     pusher = _run_server(client, ["algorithm.filter_groups.enable=true"], agent)
     assert len(client.filtered) == 4 and pusher.groups == []
     assert client.dealt == [0] * 4  # each report names its deal (a resend cannot end the next)
+    assert client.sessions == ["c1"] * 4  # ... and the coordinator that dealt it
 
 
 class StallingClient(FilteringClient):

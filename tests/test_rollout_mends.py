@@ -73,7 +73,9 @@ class FailingClient(StandInClient):
         self.nacked: list[str] = []
         self.left_at = 0.0
 
-    def nack(self, task_ids: list[str], reason: str, dealt: list[int] | None = None) -> object:
+    def nack(
+        self, task_ids: list[str], reason: str, dealt: list[int] | None = None, session: str = ""
+    ) -> object:
         self.nacked += task_ids
         return None
 

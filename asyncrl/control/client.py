@@ -506,17 +506,20 @@ class CoordinatorClient:
         filtered: bool = False,
         prompt_too_long: bool = False,
         dealt: list[int] | None = None,
+        session: str = "",
     ) -> m.TaskAckReply | None:
         """Acknowledge tasks whose groups were pushed whole (``filtered``: whose groups the
         group filter dropped here; with ``prompt_too_long``, whose prompts were dropped
-        before generation; ``dealt``: each one's attempt as this server got it); retried on
-        timeouts (an ack is idempotent). None if the coordinator never answered."""
+        before generation; ``dealt``: each one's attempt as this server got it, ``session``
+        the coordinator session that dealt them); retried on timeouts (an ack is
+        idempotent). None if the coordinator never answered."""
         msg = m.TaskAck(
             server_id=self.server_id,
             task_ids=list(task_ids),
             filtered=filtered,
             prompt_too_long=prompt_too_long,
             attempts=dealt,
+            session=session,
         )
         reply = self._control_retried(msg, attempts)
         if reply is None:
@@ -527,14 +530,24 @@ class CoordinatorClient:
         return reply
 
     def nack(
-        self, task_ids: list[str], reason: str, dealt: list[int] | None = None, tries: int = 3
+        self,
+        task_ids: list[str],
+        reason: str,
+        dealt: list[int] | None = None,
+        session: str = "",
+        tries: int = 3,
     ) -> bool:
         """Report tasks that failed here before their group was pushed, so the coordinator
         deals them again at once; retried on timeouts. ``dealt``: each task's attempt as
-        this server got it (a retried report then cannot fail a later deal of it). False
-        if never answered (then its ``control.task_timeout_s`` takes them back)."""
+        this server got it, ``session`` the coordinator session that dealt them (a retried
+        report then cannot fail a later deal of it). False if never answered (then its
+        ``control.task_timeout_s`` takes them back)."""
         msg = m.TaskNack(
-            server_id=self.server_id, task_ids=list(task_ids), reason=reason[:4000], attempts=dealt
+            server_id=self.server_id,
+            task_ids=list(task_ids),
+            reason=reason[:4000],
+            attempts=dealt,
+            session=session,
         )
         return self._send_retried(msg, tries, f"the failure report of {len(task_ids)} tasks")
 

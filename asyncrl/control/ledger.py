@@ -71,10 +71,16 @@ def _tallies(tid: str, kind: str) -> tuple[str, ...]:
     return (kind, "external") if is_external(tid) else (kind,)
 
 
-def _earlier_deal(e: Entry, attempt: int) -> bool:
-    """Whether a server's report naming ``attempt`` is of an earlier deal than ``e``'s
-    current one (an adopted entry's attempt is the server's own: taken as current)."""
-    return not e.adopted and e.task is not None and e.task.attempt != attempt
+def _earlier_deal(e: Entry, attempt: int, session: str = "") -> bool:
+    """Whether a server's report naming ``attempt`` (of a deal by coordinator ``session``,
+    "" not said) is of an earlier deal than ``e``'s current one. An adopted entry's attempt
+    is the server's own: taken as current. A learner restart starts attempts over, so an
+    old coordinator's deal is told by its session: a report it never answered, sent again
+    to the restored one, must not end that one's deal of the same id."""
+    if e.adopted or e.task is None:
+        return False
+    dealt_by = e.task.dealt_session
+    return e.task.attempt != attempt or bool(session and dealt_by and session != dealt_by)
 
 
 class TaskLedger:
@@ -259,7 +265,9 @@ class TaskLedger:
         e.serial = self._serial
         self.owned.setdefault(server_id, set()).add(tid)
         assert e.task is not None
-        e.task = msgspec.structs.replace(e.task, dealt_version=self.budget.deal_version)
+        e.task = msgspec.structs.replace(
+            e.task, dealt_version=self.budget.deal_version, dealt_session=self.session
+        )
         return e.task
 
     def _pace_room(self, server_id: str, wanted: int) -> int:
@@ -335,6 +343,7 @@ class TaskLedger:
         task_ids: Sequence[str],
         reason: str = "filtered",
         attempts: Sequence[int] | None = None,
+        session: str = "",
     ) -> list[str]:
         """Training groups ``server_id`` dropped before the push: terminal
         (``dropped/<reason>``: ``filtered`` by the group filter, ``prompt_too_long`` by
@@ -352,7 +361,7 @@ class TaskLedger:
             if e is None or not holder or kind_of(tid) != "train":
                 self.counts["filtered_unknown"] += 1
                 continue
-            if said is not None and e.state == OUT and _earlier_deal(e, said[i]):
+            if said is not None and e.state == OUT and _earlier_deal(e, said[i], session):
                 self.counts["filtered_of_earlier_deals"] += 1
                 continue
             self.move(tid, e, f"dropped/{reason}", reason)
@@ -365,6 +374,7 @@ class TaskLedger:
         task_ids: Sequence[str],
         cause: str = "failed",
         attempts: Sequence[int] | None = None,
+        session: str = "",
     ) -> int:
         """Tasks that failed at ``server_id`` (a negative ack): dealt again, or given up
         after ``task_retries`` failures; returns how many go back to the queue. With
@@ -378,7 +388,7 @@ class TaskLedger:
             if e is None or e.state != OUT or e.server != server_id:
                 self.counts["nacks_unknown"] += 1
                 continue
-            if said is not None and _earlier_deal(e, said[i]):
+            if said is not None and _earlier_deal(e, said[i], session):
                 self.counts["nacks_of_earlier_deals"] += 1
                 continue
             back += self._fail(tid, e, cause)

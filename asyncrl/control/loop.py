@@ -155,10 +155,16 @@ class ControlLoop:
             return None  # answered by _grant, in arrival order
         if isinstance(msg, m.TaskAck):
             return self.state.ack(
-                msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long, msg.attempts
+                msg.server_id,
+                msg.task_ids,
+                now,
+                msg.filtered,
+                msg.prompt_too_long,
+                msg.attempts,
+                msg.session,
             )
         if isinstance(msg, m.TaskNack):
-            self.state.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts)
+            self.state.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts, msg.session)
             return m.Ok()
         return m.ErrorReply(error="wrong_socket", detail=f"{msg.kind} goes to the control socket")
 
@@ -194,10 +200,16 @@ class ControlLoop:
             return m.Ok()
         if isinstance(msg, m.TaskAck):  # acks come here so a held task request cannot delay them
             return st.ack(
-                msg.server_id, msg.task_ids, now, msg.filtered, msg.prompt_too_long, msg.attempts
+                msg.server_id,
+                msg.task_ids,
+                now,
+                msg.filtered,
+                msg.prompt_too_long,
+                msg.attempts,
+                msg.session,
             )
         if isinstance(msg, m.TaskNack):
-            st.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts)
+            st.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts, msg.session)
             return m.Ok()
         if isinstance(msg, m.Leave):
             if not st.leave(msg.server_id, msg.pid):

@@ -80,6 +80,10 @@ class Task(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_token_ids: list[int] | None = None  # set when the dealer tokenizes
     attempt: NonNeg = 0  # 0: first deal; k: re-dealt k times
     dealt_version: Version = 0  # the policy version when it was (last) dealt
+    # The session of the coordinator that dealt it ("": not said): a server's report names
+    # it, so that a report sent again across a learner restart cannot end the new
+    # coordinator's own deal of the same id (``TaskAck.session``).
+    dealt_session: Annotated[str, msgspec.Meta(max_length=64)] = ""
     # veRL's per-row agent: single_turn, or tool_agent (a multi-turn episode with tools
     # when rollout.multi_turn.enable; tools_kwargs and interaction_kwargs in extra_info).
     agent_name: Annotated[str, msgspec.Meta(max_length=64)] = "single_turn"
@@ -160,6 +164,10 @@ class TaskAck(Message, tag="task_ack"):
     # None: not said. A report sent again after a lost reply must not end the task's next
     # deal here (that deal's group is judged on its own).
     attempts: list[int] | None = None
+    # With ``attempts``, the coordinator session that dealt the tasks (Task.dealt_session;
+    # "": not said): after a learner restart, attempts start over, and a report of the old
+    # coordinator's deal would match the new one's.
+    session: Annotated[str, msgspec.Meta(max_length=64)] = ""
 
 
 class TaskNack(Message, tag="task_nack"):
@@ -175,6 +183,7 @@ class TaskNack(Message, tag="task_nack"):
     # Each task's attempt as this server was dealt it (Task.attempt); None: not said. A
     # report sent again after a lost reply must not fail the task's next deal here.
     attempts: list[int] | None = None
+    session: Annotated[str, msgspec.Meta(max_length=64)] = ""  # as in TaskAck
 
 
 class Register(Message, tag="register"):

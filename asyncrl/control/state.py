@@ -355,11 +355,12 @@ class ControlState:
         filtered: bool = False,
         prompt_too_long: bool = False,
         attempts: list[int] | None = None,
+        session: str = "",
     ) -> TaskAckReply:
         self.touch(server_id, now)
         if filtered:  # dropped at the server by algorithm.filter_groups (or, too long, before)
             reason = "prompt_too_long" if prompt_too_long else "filtered"
-            done = self.ledger.filtered(server_id, task_ids, reason, attempts)
+            done = self.ledger.filtered(server_id, task_ids, reason, attempts, session)
             if not prompt_too_long:  # a prompt never generated says nothing of its groups
                 self.group_filter.filtered(len(done), self.step)
                 self.group_filter.verdicts(done, filtered=True)
@@ -377,11 +378,13 @@ class ControlState:
         reason: str,
         now: float,
         attempts: list[int] | None = None,
+        session: str = "",
     ) -> int:
         """Tasks that failed at a live server (``attempts``: each one's attempt as it was
-        dealt there): dealt again (or given up); how many."""
+        dealt there, ``session`` the coordinator session that dealt them): dealt again (or
+        given up); how many."""
         self.touch(server_id, now)
-        back = self.ledger.nack(server_id, task_ids, attempts=attempts)
+        back = self.ledger.nack(server_id, task_ids, attempts=attempts, session=session)
         # Dealt again (maybe unfiltered) or given up; not a report the ledger ignored (of an
         # earlier deal, or of a task since dealt elsewhere): that deal still awaits its verdict.
         self.group_filter.forget(t for t in task_ids if not self.ledger.is_out(t))

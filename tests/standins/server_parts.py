@@ -161,12 +161,15 @@ class StandInClient:
         filtered: bool = False,
         prompt_too_long: bool = False,
         dealt: list[int] | None = None,
+        session: str = "",
     ) -> object:
         assert not filtered, "no task is dealt with the filter here"
         self.acked += task_ids
         return TaskAckReply(acked=list(task_ids), unknown=[])  # as the coordinator answers
 
-    def nack(self, task_ids: list[str], reason: str, dealt: list[int] | None = None) -> object:
+    def nack(
+        self, task_ids: list[str], reason: str, dealt: list[int] | None = None, session: str = ""
+    ) -> object:
         raise AssertionError(f"no task should fail here: {reason}")
 
     def next_sync(self, timeout_s: float = 0.0) -> SyncStart | None:

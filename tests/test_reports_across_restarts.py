@@ -1,0 +1,64 @@
+"""A server's report of a deal by the coordinator's previous life (a learner restarted from
+its checkpoint), sent again because that life never answered it, must not end the restored
+coordinator's own deal of the same task id: attempts start over after a restore, so the
+report names the session that dealt it (``Task.dealt_session``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.control.admission import Budget
+from asyncrl.control.ledger import TaskLedger
+from asyncrl.control.ledger_checkpoint import load_ledger, save_ledger
+from asyncrl.control.ledger_recovery import adopt
+from asyncrl.control.task_source import TaskSource
+from tests.test_accounting import _rows
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _lives() -> tuple[TaskLedger, TaskLedger]:
+    """The old coordinator (session ``old``) saved its checkpoint, then dealt one task to
+    server ``a``; the restored one (session ``new``) starts from that checkpoint."""
+    old = TaskLedger(TaskSource(_rows(20), seed=3, n=2, lineage=""), Budget(0, 2), session="old")
+    saved = save_ledger(old)
+    new = TaskLedger(TaskSource(_rows(20), seed=3, n=2, lineage=""), Budget(0, 2), session="new")
+    load_ledger(new, saved)
+    return old, new
+
+
+def test_a_filtered_report_of_the_old_coordinators_deal_leaves_the_new_deal_alone():
+    old, new = _lives()
+    (first,), _ = old.deal("a", 1)
+    assert first.dealt_session == "old"
+    (again,), _ = new.deal("a", 1)  # the same prompt, dealt afresh: the same attempt
+    assert (again.task_id, again.attempt, again.dealt_session) == (first.task_id, 0, "new")
+
+    stale = new.filtered("a", [first.task_id], attempts=[first.attempt], session="old")
+    assert stale == [] and new.counts["filtered_of_earlier_deals"] == 1
+    assert new.entries[again.task_id].state == "out" and new.committed == 1
+    # The new deal's own report ends it.
+    assert new.filtered("a", [again.task_id], attempts=[again.attempt], session="new") == [
+        again.task_id
+    ]
+    assert new.committed == 0
+
+
+def test_a_failure_report_of_the_old_coordinators_deal_leaves_the_new_deal_alone():
+    old, new = _lives()
+    (first,), _ = old.deal("a", 1)
+    (again,), _ = new.deal("a", 1)
+    assert new.nack("a", [first.task_id], attempts=[first.attempt], session="old") == 0
+    assert new.counts["nacks_of_earlier_deals"] == 1
+    assert new.entries[again.task_id].failures == 0
+    assert new.nack("a", [again.task_id], attempts=[again.attempt], session="new") == 1
+
+
+def test_a_report_of_a_task_the_server_held_through_the_restart_is_taken():
+    """A task the server still held when it registered again is adopted: its report names
+    the old coordinator's deal, which is the one the new coordinator tracks."""
+    old, new = _lives()
+    (first,), _ = old.deal("a", 1)
+    assert adopt(new, "a", [first.task_id], now=1.0) == 1
+    done = new.filtered("a", [first.task_id], attempts=[first.attempt], session="old")
+    assert done == [first.task_id] and new.committed == 0
