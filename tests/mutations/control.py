@@ -724,4 +724,22 @@ ROWS = (
         "        pass\n",
         ("tests/test_sync_lost_members.py::test_every_registration_is_told_to_the_server",),
     ),
+    Mutation(
+        "a report of the previous coordinator's deal leaves the new deal alone",
+        "a filtered report the old coordinator never answered ends the restored one's deal of the same id",
+        "asyncrl/control/ledger.py",
+        "    return e.task.attempt != attempt or bool(session and dealt_by and session != dealt_by)\n",
+        "    return e.task.attempt != attempt\n",
+        (
+            "tests/test_reports_across_restarts.py::test_a_filtered_report_of_the_old_coordinators_deal_leaves_the_new_deal_alone",
+        ),
+    ),
+    Mutation(
+        "a server's filtered report names the session that dealt the task",
+        "the server's filtered report names no session, so a resend across a learner restart cannot be told apart",
+        "rollout_servers/server.py",
+        "                    session=task.dealt_session,\n",
+        "",
+        ("tests/test_filter_groups.py::test_the_server_filters_alike_groups_without_pushing",),
+    ),
 )
