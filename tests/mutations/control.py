@@ -489,7 +489,7 @@ ROWS = (
         "a failure report sent again does not fail the task's next deal",
         "a report of an earlier deal fails the task's new deal at the same server",
         "asyncrl/control/ledger.py",
-        "            if said is not None and _earlier_deal(e, said[i]):",
+        "            if said is not None and _earlier_deal(e, said[i], session):",
         "            if False:",
         (
             "tests/test_accounting.py::"
@@ -650,7 +650,7 @@ ROWS = (
         "a filtered report sent again does not end the task's next deal",
         "a filtered group's report of an earlier deal ends the task's new deal at the same server",
         "asyncrl/control/ledger.py",
-        "            if said is not None and e.state == OUT and _earlier_deal(e, said[i]):",
+        "            if said is not None and e.state == OUT and _earlier_deal(e, said[i], session):",
         "            if False:",
         (
             "tests/test_filter_groups.py::test_a_filtered_report_sent_again_does_not_end_the_tasks_next_deal",
@@ -660,7 +660,7 @@ ROWS = (
         "the coordinator passes a filtered report's deal to the ledger",
         "the deal a filtered report names is dropped before the ledger",
         "asyncrl/control/state.py",
-        "            done = self.ledger.filtered(server_id, task_ids, reason, attempts)",
+        "            done = self.ledger.filtered(server_id, task_ids, reason, attempts, session)",
         "            done = self.ledger.filtered(server_id, task_ids, reason)",
         (
             "tests/test_filter_groups.py::test_a_filtered_report_sent_again_does_not_end_the_tasks_next_deal",
