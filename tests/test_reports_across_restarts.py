@@ -62,3 +62,27 @@ def test_a_report_of_a_task_the_server_held_through_the_restart_is_taken():
     assert adopt(new, "a", [first.task_id], now=1.0) == 1
     done = new.filtered("a", [first.task_id], attempts=[first.attempt], session="old")
     assert done == [first.task_id] and new.committed == 0
+
+
+def test_the_restored_coordinator_ignores_the_old_ones_filtered_report_end_to_end():
+    """Through the control state, as the coordinator's loop hands it a TaskAck: the old
+    life's report (its session) is answered unknown, the new life's own is taken."""
+    from asyncrl.control import messages as m
+    from tests.test_accounting import _state
+
+    old = _state(0)
+    old.register(m.Register(server_id="s", engine_world_size=0), now=0.0)
+    saved = old.state_dict()
+    (first,) = old.grant("s", 1, 0.0).tasks
+    new = _state(0)
+    new.load_state_dict(saved)
+    new.register(m.Register(server_id="s", engine_world_size=0), now=1.0)
+    new.reconcile_buffer(held=[], dropped=[])
+    new.versions.set_replay(0)
+    (again,) = new.grant("s", 1, 1.0).tasks
+    assert again.task_id == first.task_id and again.dealt_session == new.session != old.session
+
+    stale = new.ack("s", [first.task_id], 2.0, True, False, [first.attempt], old.session)
+    assert (stale.acked, stale.unknown) == ([], [first.task_id])
+    own = new.ack("s", [again.task_id], 2.0, True, False, [again.attempt], again.dealt_session)
+    assert own.acked == [again.task_id]
