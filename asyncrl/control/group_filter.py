@@ -11,9 +11,10 @@ This object decides whether a task is dealt with the filter on, and keeps the co
 generation batches of ``data.gen_batch_size`` prompts (``data.train_batch_size`` when
 unset). Past ``max_num_gen_batches * gen_batch_size`` filtered groups since the last
 trained step, tasks are dealt unfiltered until the learner trains again, and the run says
-so in one line. veRL counts kept and filtered prompts together and raises at the bound;
-here the batch's own groups come on top (at most one batch more than veRL generates), and
-the run goes on. Without a bound (0, veRL's
+so in one line. Tasks already out with the filter on are still judged, so the filtered
+groups of one batch can pass the bound by those in flight when it is reached (at most the
+admission window). veRL counts kept and filtered prompts together and raises at the bound;
+here the batch's own groups come on top, and the run goes on. Without a bound (0, veRL's
 default) a run where nearly everything is filtered keeps dealing, and says so every
 ``NOTE_EVERY_BATCHES`` batches' worth of filtered groups.
 
