@@ -369,14 +369,16 @@ def budget_lengths(episodes: list[Episode]) -> list[int]:
 
 
 def episode_samples(episodes: list[Episode]) -> list[Sample]:
-    """Each episode as one sample of all its tokens (what a server counts in its metrics)."""
-    from rollout_servers.samples import Sample
+    """Each episode as one sample of all its tokens (what a server counts in its metrics);
+    dated down when a piece was, or a later piece ran under a catch-up down."""
+    from rollout_servers.samples import Sample, add_span
 
-    return [
-        Sample(
-            token_ids=[t for p in ep.pieces for t in p.token_ids],
-            version_spans=[s for p in ep.pieces for s in p.version_spans],
-            dated_down=any(p.dated_down for p in ep.pieces),
-        )
-        for ep in episodes
-    ]
+    out = []
+    for ep in episodes:
+        spans: list[tuple[int, int]] = []
+        dated = any(p.dated_down for p in ep.pieces)
+        for version, n in (s for p in ep.pieces for s in p.version_spans):
+            dated |= add_span(spans, version, n)
+        tokens = [t for p in ep.pieces for t in p.token_ids]
+        out.append(Sample(token_ids=tokens, version_spans=spans, dated_down=dated))
+    return out

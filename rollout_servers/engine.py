@@ -276,7 +276,11 @@ class RolloutEngine:
                 await self._leave_group(min(10.0, max(1.0, timeout_s)))
             raise
         finally:
-            self._synced_through = max(self._synced_through, version)
+            # A load below the versions synced before (a catch-up down: a learner restarted
+            # from an older checkpoint) starts the count again there: a task dealt for a
+            # version above it must wait for that version's load, not pass at once.
+            loaded = self.version == version and not self.partial
+            self._synced_through = version if loaded else max(self._synced_through, version)
             async with self._synced:
                 self._synced.notify_all()
 

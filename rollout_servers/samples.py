@@ -55,16 +55,18 @@ def add_span(spans: list[tuple[int, int]], version: int, n: int) -> bool:
     and a response in flight goes on under them. Its earlier tokens came from weights the
     restarted run no longer descends from; they are dated as the new version, which makes
     the sample look older to the lag rule, never fresher. Their behaviour logprobs stay as
-    drawn, so the importance weights still describe how they were sampled."""
-    dated = False
-    if spans and spans[-1][0] > version:
-        spans[:] = [(version, sum(k for _, k in spans))]
-        dated = True
+    drawn, so the importance weights still describe how they were sampled. Only the runs
+    above ``version`` are dated: older ones keep their versions (dated up, they would make
+    the sample look fresher)."""
+    above = 0
+    while spans and spans[-1][0] > version:
+        above += spans.pop()[1]
+    n += above
     if spans and spans[-1][0] == version:
         spans[-1] = (version, spans[-1][1] + n)
     elif n:
         spans.append((version, n))
-    return dated
+    return bool(above)
 
 
 def piece_params(params: SamplingParams, piece: int, max_tokens: int) -> SamplingParams:

@@ -6,6 +6,7 @@ group reaches the learner instead of failing as a task error (rollout_servers/sa
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -41,6 +42,8 @@ def _task(task_id: str = "train/0/0") -> SimpleNamespace:
         ([(11, 1), (12, 3)], 10, 2, [(10, 6)], True),
         ([(11, 1), (12, 3)], 11, 2, [(11, 6)], True),  # down to an earlier run's version
         ([(12, 3)], 10, 0, [(10, 3)], True),  # no new token: still dated (next ones are 10)
+        ([(9, 2), (11, 3)], 10, 1, [(9, 2), (10, 4)], True),  # older runs keep their date
+        ([(9, 2), (10, 1), (11, 3)], 10, 1, [(9, 2), (10, 5)], True),
     ],
 )
 def test_add_span_keeps_versions_from_going_backwards(before, version, n, after, dated):
@@ -97,3 +100,67 @@ def test_an_episode_whose_later_turn_ran_after_a_catch_up_down_is_dated_down():
     assert [tuple(s) for s in t.meta.version_spans] == [(10, 5)]
     [whole] = episode_samples([ep])
     assert whole.dated_down
+
+
+def test_an_episode_split_across_a_catch_up_down_counts_once_in_order():
+    """Pieces of one split episode are trajectories of their own (each in order); the
+    server's count of the whole episode folds their runs in order and counts it."""
+    a = Piece(prompt_ids=list(PROMPT), start_version=12)
+    a.add_sampled(Sample(token_ids=[5, 6], logprobs=[-1.0] * 2, version_spans=[(12, 2)]))
+    b = Piece(prompt_ids=[*PROMPT, 5, 6, 40], start_version=10, lead=1)
+    b.add_sampled(Sample(token_ids=[7], logprobs=[-1.0], version_spans=[(10, 1)]))
+    assert not a.dated_down and not b.dated_down
+    [whole] = episode_samples([Episode(pieces=[a, b], messages=[])])
+    assert whole.version_spans == [(10, 3)] and whole.dated_down
+
+
+class _SyncingLLM:
+    """Just enough of vLLM's engine for RolloutEngine.sync_weights: each load waits for
+    :attr:`gate`."""
+
+    def __init__(self) -> None:
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def pause_generation(self, mode: str, clear_cache: bool) -> None:
+        pass
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list[dict]:
+        await self.gate.wait()
+        return [{}]
+
+    async def reset_prefix_cache(self) -> None:
+        pass
+
+    async def update_weight_version(self, version: str) -> None:
+        pass
+
+    async def resume_generation(self) -> None:
+        pass
+
+
+def test_after_a_catch_up_down_a_task_waits_for_the_version_it_was_dealt():
+    """The engine synced v12 (the old learner), then caught up down to v10 (the restored
+    one), whose push of v11 is on its way: a task dealt for v11 at the send waits for its
+    load. The highest version synced before ended such waits at once."""
+    from asyncrl.sync.plan import TensorSpec, plan_buckets
+    from rollout_servers.engine import RolloutEngine
+
+    plan = plan_buckets([TensorSpec("w", (2, 3), "float32")], bucket_bytes=1 << 20)
+
+    async def scenario() -> tuple[float, int]:
+        llm = _SyncingLLM()
+        engine = RolloutEngine(llm, version=11)  # type: ignore[arg-type]
+        await engine.sync_weights(12, plan, timeout_s=5)
+        await engine.sync_weights(10, plan, timeout_s=5)
+        llm.gate.clear()
+        push = asyncio.create_task(engine.sync_weights(11, plan, timeout_s=5))
+        await asyncio.sleep(0.05)
+        asyncio.get_running_loop().call_later(0.3, llm.gate.set)
+        waited = await engine.reach(11, 5.0)
+        llm.gate.set()
+        await push
+        return waited, engine.version
+
+    waited, version = asyncio.run(scenario())
+    assert version == 11 and waited >= 0.2
