@@ -731,4 +731,22 @@ ROWS = (
             "tests/test_endpoint_version_wait.py::test_a_new_groups_first_turn_waits_for_the_version_it_was_dealt_at",
         ),
     ),
+    Mutation(
+        "dating down leaves older runs their versions",
+        "a catch-up down dates every earlier run, the older ones up, and the lag rule trains a group it should drop",
+        "rollout_servers/samples.py",
+        "    while spans and spans[-1][0] > version:\n        above += spans.pop()[1]\n",
+        "    if spans and spans[-1][0] > version:\n        above, spans[:] = sum(k for _, k in spans), []\n",
+        ("tests/test_spans_dated_down.py::test_add_span_keeps_versions_from_going_backwards",),
+    ),
+    Mutation(
+        "a catch-up down restarts the synced-through count",
+        "after a catch-up down, a task dealt for a version between the two passes its wait at once and runs a version staler",
+        "rollout_servers/engine.py",
+        "            self._synced_through = version if loaded else max(self._synced_through, version)\n",
+        "            self._synced_through = max(self._synced_through, version)\n",
+        (
+            "tests/test_spans_dated_down.py::test_after_a_catch_up_down_a_task_waits_for_the_version_it_was_dealt",
+        ),
+    ),
 )
