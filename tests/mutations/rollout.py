@@ -715,8 +715,8 @@ ROWS = (
         "a response across a catch-up down is dated down",
         "a response in flight across a catch-up down keeps versions that go backwards, and its group fails to encode",
         "rollout_servers/samples.py",
-        "    if spans and spans[-1][0] > version:\n",
-        "    if False:\n",
+        "    while spans and spans[-1][0] > version:\n",
+        "    while False:\n",
         (
             "tests/test_spans_dated_down.py::test_a_response_across_a_catch_up_down_reaches_the_learner_dated_down",
         ),
