@@ -153,8 +153,15 @@ class ControlLoop:
             # One task socket per server: a new request means it gave up on a held one.
             self.requests.hold(envelope, msg, now, min(msg.wait_s, self.state.dead_after_s / 2))
             return None  # answered by _grant, in arrival order
+        if isinstance(msg, (m.TaskAck, m.TaskNack)):
+            return self._on_report(msg, now)
+        return m.ErrorReply(error="wrong_socket", detail=f"{msg.kind} goes to the control socket")
+
+    def _on_report(self, msg: m.TaskAck | m.TaskNack, now: float) -> m.Reply:
+        """A server's report of its tasks: pushed or filtered (ack), or failed (nack)."""
+        st = self.state
         if isinstance(msg, m.TaskAck):
-            return self.state.ack(
+            return st.ack(
                 msg.server_id,
                 msg.task_ids,
                 now,
@@ -163,10 +170,8 @@ class ControlLoop:
                 msg.attempts,
                 msg.session,
             )
-        if isinstance(msg, m.TaskNack):
-            self.state.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts, msg.session)
-            return m.Ok()
-        return m.ErrorReply(error="wrong_socket", detail=f"{msg.kind} goes to the control socket")
+        st.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts, msg.session)
+        return m.Ok()
 
     def _on_control_message(
         self, msg: m.Request, envelope: list[bytes], now: float
@@ -198,19 +203,8 @@ class ControlLoop:
         if isinstance(msg, m.SyncDone):
             st.sync_done(msg, now)
             return m.Ok()
-        if isinstance(msg, m.TaskAck):  # acks come here so a held task request cannot delay them
-            return st.ack(
-                msg.server_id,
-                msg.task_ids,
-                now,
-                msg.filtered,
-                msg.prompt_too_long,
-                msg.attempts,
-                msg.session,
-            )
-        if isinstance(msg, m.TaskNack):
-            st.nack(msg.server_id, msg.task_ids, msg.reason, now, msg.attempts, msg.session)
-            return m.Ok()
+        if isinstance(msg, (m.TaskAck, m.TaskNack)):
+            return self._on_report(msg, now)  # here too, so a held task request cannot delay it
         if isinstance(msg, m.Leave):
             if not st.leave(msg.server_id, msg.pid):
                 log.info("leave of %s pid %d ignored: it restarted", msg.server_id, msg.pid)
