@@ -139,9 +139,12 @@ class LearnerProc(Endpoint):
                 body.server_id, lambda: st.grant_slot(body.server_id, now, body.request_id)
             )
         if isinstance(body, m.TaskAck):
-            return st.ack(body.server_id, body.task_ids, now, body.filtered)
+            b = body
+            return st.ack(
+                b.server_id, b.task_ids, now, b.filtered, b.prompt_too_long, b.attempts, b.session
+            )
         if isinstance(body, m.TaskNack):
-            st.nack(body.server_id, body.task_ids, body.reason, now)
+            st.nack(body.server_id, body.task_ids, body.reason, now, body.attempts, body.session)
             return "ok"
         if isinstance(body, m.Register):
             return st.register(body, now)

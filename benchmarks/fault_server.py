@@ -237,14 +237,18 @@ class Server(Endpoint):
         tid = h.task.task_id
         if self.world.chance("fail", tid, h.task.attempt, self.name) < 0.04:
             del self.held[tid]
-            self.outbox.append((m.TaskNack(server_id=self.name, task_ids=[tid]), ACK_ATTEMPTS))
+            # Naming its deal, as a server does: a resend cannot fail a later deal of it.
+            deal = {"attempts": [h.task.attempt], "session": h.task.dealt_session}
+            nack = m.TaskNack(server_id=self.name, task_ids=[tid], **deal)
+            self.outbox.append((nack, ACK_ATTEMPTS))
             return
         h.pushed = True
         if h.task.filter and self.world.chance("alike", tid, h.task.attempt, self.name) < (
             self._alike_chance(h.task)
         ):
             # every member scored alike: never pushed, reported filtered
-            msg = m.TaskAck(server_id=self.name, task_ids=[tid], filtered=True)
+            deal = {"attempts": [h.task.attempt], "session": h.task.dealt_session}
+            msg = m.TaskAck(server_id=self.name, task_ids=[tid], filtered=True, **deal)
             self.outbox.append((msg, ACK_ATTEMPTS))
             return
         for part in _group(h, self.world.chance("split", tid, self.name) < 0.15, self.name):

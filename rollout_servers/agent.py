@@ -369,16 +369,18 @@ def budget_lengths(episodes: list[Episode]) -> list[int]:
 
 
 def episode_samples(episodes: list[Episode]) -> list[Sample]:
-    """Each episode as one sample of all its tokens (what a server counts in its metrics);
+    """Each episode as one sample of all its tokens (what a server counts in its metrics):
+    its pieces' runs as they went on the wire, each piece a trajectory of its own; counted
     dated down when a piece was, or a later piece ran under a catch-up down."""
     from rollout_servers.samples import Sample, add_span
 
     out = []
     for ep in episodes:
-        spans: list[tuple[int, int]] = []
+        runs = [s for p in ep.pieces for s in p.version_spans]
+        folded: list[tuple[int, int]] = []
         dated = any(p.dated_down for p in ep.pieces)
-        for version, n in (s for p in ep.pieces for s in p.version_spans):
-            dated |= add_span(spans, version, n)
+        for version, n in runs:
+            dated |= add_span(folded, version, n)
         tokens = [t for p in ep.pieces for t in p.token_ids]
-        out.append(Sample(token_ids=tokens, version_spans=spans, dated_down=dated))
+        out.append(Sample(token_ids=tokens, version_spans=runs, dated_down=dated))
     return out

@@ -86,3 +86,50 @@ def test_the_restored_coordinator_ignores_the_old_ones_filtered_report_end_to_en
     assert (stale.acked, stale.unknown) == ([], [first.task_id])
     own = new.ack("s", [again.task_id], 2.0, True, False, [again.attempt], again.dealt_session)
     assert own.acked == [again.task_id]
+
+
+@pytest.mark.timeout(60)
+def test_reports_naming_another_coordinators_deal_are_ignored_over_the_wire(tmp_path):
+    """A real coordinator and client on loopback: the session a report names travels from
+    the client through the coordinator's loop to the ledger, for filtered and failure
+    reports alike; the same reports naming the deal's own session are taken."""
+    from asyncrl.control.client import CoordinatorClient
+    from tests.standins.learner import StandInLearner, loopback_config
+    from tests.test_accounting import _rows
+
+    cfg, _ = loopback_config(
+        tmp_path,
+        [
+            "data.train_batch_size=2",
+            "actor.ppo_mini_batch_size=2",
+            "rollout.n=2",
+            "staleness.max_policy_lag=0",
+            "trainer.val_before_train=false",
+            "trainer.test_freq=-1",
+            "control.heartbeat_s=0.2",
+            "control.dead_after_s=3",
+        ],
+    )
+    learner = StandInLearner(cfg, train_rows=_rows(20), val_rows=[]).start()
+    client = CoordinatorClient.from_config(cfg, "s", engine_world_size=0)
+    try:
+        client.register()
+        a, b = client.request_tasks(2).tasks
+        assert a.dealt_session and a.dealt_session == b.dealt_session
+        old = "0ldc0de"  # a coordinator before the learner's restart
+        reply = client.ack([a.task_id], filtered=True, dealt=[a.attempt], session=old)
+        assert reply is not None and (reply.acked, reply.unknown) == ([], [a.task_id])
+        assert client.nack([b.task_id], "RuntimeError: boom", [b.attempt], session=old)
+        assert client.request_tasks(1, wait_s=0.2).reason == "budget"  # neither was taken
+        metrics = learner.coordinator.metrics()
+        assert metrics["coordinator/tasks/filtered_of_earlier_deals"] == 1
+        assert metrics["coordinator/tasks/nacks_of_earlier_deals"] == 1
+
+        reply = client.ack([a.task_id], filtered=True, dealt=[a.attempt], session=a.dealt_session)
+        assert reply is not None and reply.acked == [a.task_id]
+        assert client.nack([b.task_id], "RuntimeError: boom", [b.attempt], session=b.dealt_session)
+        again = client.request_tasks(2).tasks
+        assert b.task_id in [t.task_id for t in again]
+    finally:
+        client.close()
+        learner.close()

@@ -44,6 +44,7 @@ from tests.helpers import wait_until_async
 from tests.standins.chat import CharTokenizer
 from tests.standins.server_parts import (  # noqa: F401 (nap_tools: a fixture)
     NAP_S,
+    SESSION,
     N,
     StandInClient,
     StandInEngine,
@@ -71,12 +72,14 @@ class FailingClient(StandInClient):
     def __init__(self, tasks: int) -> None:
         super().__init__(tasks)
         self.nacked: list[str] = []
+        self.sessions: set[str] = set()  # the coordinator sessions the reports named
         self.left_at = 0.0
 
     def nack(
         self, task_ids: list[str], reason: str, dealt: list[int] | None = None, session: str = ""
     ) -> object:
         self.nacked += task_ids
+        self.sessions.add(session)
         return None
 
     def leave(self, reason: str = "", timeout_s: float = 2.0) -> bool:
@@ -176,6 +179,7 @@ def test_a_server_whose_reward_workers_cannot_be_replaced_exits_4(
         pool.close()
     assert code == 4
     assert 1 <= len(client.nacked) <= 4 * N, client.nacked  # dealt again, and no more tasks
+    assert client.sessions == {SESSION}  # each report names the coordinator that dealt it
     stops = [r.getMessage() for r in caplog.records if " stops: " in r.getMessage()]
     assert len(stops) == 1 and "RewardPool could not replace a worker" in stops[0], stops
     tracebacks = [r for r in caplog.records if r.exc_info and r.name.startswith("rollout")]

@@ -103,15 +103,16 @@ def test_an_episode_whose_later_turn_ran_after_a_catch_up_down_is_dated_down():
 
 
 def test_an_episode_split_across_a_catch_up_down_counts_once_in_order():
-    """Pieces of one split episode are trajectories of their own (each in order); the
-    server's count of the whole episode folds their runs in order and counts it."""
+    """Pieces of one split episode are trajectories of their own, each in order and each
+    keeping its versions on the wire; the server counts the episode as dated down once and
+    its tokens under the versions they went out with."""
     a = Piece(prompt_ids=list(PROMPT), start_version=12)
     a.add_sampled(Sample(token_ids=[5, 6], logprobs=[-1.0] * 2, version_spans=[(12, 2)]))
     b = Piece(prompt_ids=[*PROMPT, 5, 6, 40], start_version=10, lead=1)
     b.add_sampled(Sample(token_ids=[7], logprobs=[-1.0], version_spans=[(10, 1)]))
     assert not a.dated_down and not b.dated_down
     [whole] = episode_samples([Episode(pieces=[a, b], messages=[])])
-    assert whole.version_spans == [(10, 3)] and whole.dated_down
+    assert whole.version_spans == [(12, 2), (10, 1)] and whole.dated_down
 
 
 class _SyncingLLM:

@@ -188,6 +188,10 @@ class StandInClient:
         return None
 
 
+#: The coordinator session the stand-in client's tasks were dealt under (Task.dealt_session).
+SESSION = "c0ffee"
+
+
 def make_task(task_id: str) -> Task:
     return Task(
         task_id=task_id,
@@ -196,6 +200,7 @@ def make_task(task_id: str) -> Task:
         ground_truth="2",
         n=N,
         prompt_token_ids=[1, 2, 3],
+        dealt_session=SESSION,
     )
 
 
