@@ -742,4 +742,34 @@ ROWS = (
         "",
         ("tests/test_filter_groups.py::test_the_server_filters_alike_groups_without_pushing",),
     ),
+    Mutation(
+        "the coordinator's loop passes a report's session to the control state",
+        "a filtered report's session is dropped in the coordinator's loop, so an old coordinator's report ends the new deal",
+        "asyncrl/control/loop.py",
+        "                msg.attempts,\n                msg.session,\n",
+        "                msg.attempts,\n",
+        (
+            "tests/test_reports_across_restarts.py::test_reports_naming_another_coordinators_deal_are_ignored_over_the_wire",
+        ),
+    ),
+    Mutation(
+        "the client's filtered report carries its session",
+        "the client builds the filtered report without the session it was given",
+        "asyncrl/control/client.py",
+        "            attempts=dealt,\n            session=session,\n        )\n        reply = self._control_retried(msg, attempts)\n",
+        "            attempts=dealt,\n        )\n        reply = self._control_retried(msg, attempts)\n",
+        (
+            "tests/test_reports_across_restarts.py::test_reports_naming_another_coordinators_deal_are_ignored_over_the_wire",
+        ),
+    ),
+    Mutation(
+        "the control state passes a failure report's session to the ledger",
+        "a failure report of an old coordinator's deal fails the restored one's deal of the same id",
+        "asyncrl/control/state.py",
+        "        back = self.ledger.nack(server_id, task_ids, attempts=attempts, session=session)\n",
+        "        back = self.ledger.nack(server_id, task_ids, attempts=attempts)\n",
+        (
+            "tests/test_reports_across_restarts.py::test_reports_naming_another_coordinators_deal_are_ignored_over_the_wire",
+        ),
+    ),
 )

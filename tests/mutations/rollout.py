@@ -713,7 +713,7 @@ ROWS = (
     ),
     Mutation(
         "a response across a catch-up down is dated down",
-        "a response in flight across a catch-up down keeps versions that go backwards, and its group fails to encode",
+        "a response in flight across a catch-up down keeps versions that go backwards (its group would fail to encode)",
         "rollout_servers/samples.py",
         "    while spans and spans[-1][0] > version:\n",
         "    while False:\n",
@@ -747,6 +747,16 @@ ROWS = (
         "            self._synced_through = max(self._synced_through, version)\n",
         (
             "tests/test_spans_dated_down.py::test_after_a_catch_up_down_a_task_waits_for_the_version_it_was_dealt",
+        ),
+    ),
+    Mutation(
+        "a server's failure report names the session that dealt the task",
+        "the server's failure report names no session, so a resend across a learner restart cannot be told apart",
+        "rollout_servers/server.py",
+        "                nack = functools.partial(self.client.nack, session=task.dealt_session)\n",
+        "                nack = self.client.nack\n",
+        (
+            "tests/test_rollout_mends.py::test_a_server_whose_reward_workers_cannot_be_replaced_exits_4",
         ),
     ),
 )
