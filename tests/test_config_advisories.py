@@ -243,3 +243,17 @@ def test_the_filters_own_keys_where_they_do_nothing_or_differ_from_veRL():
     (line,) = config_advisories(load_config(None, [*kl[:-1], f"{kl[-1]}seq_final_reward"]))
     assert "a rollout server filters before the learner computes the penalty" in line
     assert config_advisories(load_config(None, [*kl[:-1], f"{kl[-1]}seq_reward"])) == []
+
+
+def test_a_16_bit_lora_runs_merged_export_says_what_it_lacks():
+    """A review: ``final/`` of a bf16 LoRA run stores the merge rounded to bf16 (much of a
+    small update lost), while the servers served the base with the adapter beside it."""
+    from learner.export import merged_export_note
+
+    cuda = ["trainer.device=cuda", "launch.gpus={learner: [0], rollout: [[1], [2]]}"]
+    bf16 = [*cuda, "model.dtype=bfloat16", "model.lora_rank=8"]
+    note = merged_export_note(load_config(None, bf16))
+    assert note is not None and "final_adapter/" in note and "bfloat16" in note
+    assert merged_export_note(load_config(None, [*bf16, "sync.lora=merged"])) is None
+    assert merged_export_note(load_config(None, ["model.lora_rank=8"])) is None  # float32
+    assert merged_export_note(load_config(None, cuda + ["model.dtype=bfloat16"])) is None
