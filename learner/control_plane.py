@@ -127,6 +127,7 @@ class RankZero:
                 batch, silent_since = None, silent_since or sent
             batch = self._untrained(batch)
             if batch is not None:
+                self.coordinator.training([g.task_id for g in batch.groups])
                 return batch
             left = self.coordinator.training_left()
             if left is not None and left < self.train_batch_size:

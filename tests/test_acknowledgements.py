@@ -84,3 +84,28 @@ def test_a_silent_buffer_is_said_silent_since_the_first_unanswered_request(
     waited = int(re.search(r"waiting for a batch for (\d+)s", line).group(1))
     silent_s = int(re.search(r"silent for (\d+)s", line).group(1))
     assert waited - silent_s <= 1, line  # it said one 2 s request less
+
+
+@pytest.mark.timeout(60)
+def test_the_batch_the_learner_takes_is_named_to_its_coordinator(
+    tmp_path: Path, arithmetic_data: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A buffer that restarts while the learner trains a batch does not hold it: the
+    coordinator must know the batch is in training, or it deals it again as lost
+    (tests/test_reports_across_restarts.py has the coordinator's side)."""
+    from types import SimpleNamespace
+
+    with validating_rank_zero(tmp_path, arithmetic_data) as rig:
+        rank0 = rig.rank0
+        ids = ["train/0/0", "train/0/1"]
+        batch = SimpleNamespace(
+            batch_id=1,
+            session=rig.buffer.session,
+            task_ids=ids,
+            groups=[SimpleNamespace(task_id=t) for t in ids],
+        )
+        monkeypatch.setattr(rank0.buffer, "request_batch", lambda *a, **kw: batch)
+        assert rank0.wait_batch(0, 0) is batch
+        assert rank0.coordinator._state.in_training == set(ids)
+        rank0.trained(ids)
+        assert rank0.coordinator._state.in_training == set()

@@ -133,3 +133,39 @@ def test_reports_naming_another_coordinators_deal_are_ignored_over_the_wire(tmp_
     finally:
         client.close()
         learner.close()
+
+
+def test_a_buffer_restart_while_the_learner_trains_a_batch_does_not_deal_it_again():
+    """Found by a review: the batch the learner took from the old buffer is not in the new
+    buffer's inventory, and was dealt again as lost (generated twice; with buffer.max_reuse
+    above 1 trained twice). The learner names the batch it trains; the rest is still lost."""
+    from asyncrl.control import messages as m
+    from buffer.core import ReplayBuffer
+    from tests.test_accounting import B, _group, _state
+
+    st = _state(1)
+    st.register(m.Register(server_id="s", engine_world_size=0), now=0.0)
+    old = ReplayBuffer(batch_size=B, capacity_groups=100, max_policy_lag=1)
+    tasks = st.grant("s", 2 * B, 0.0).tasks
+    for t in tasks:
+        old.add_packed(_group(t, 0), 0.0)
+        st.ack("s", [t.task_id], 0.0)
+    st.recovery.buffer_contact(old.session, 0.5)
+    batch = old.release(0, "learner")
+    assert batch is not None
+    training = [g.task_id for g in batch.groups]
+    st.training(training)  # as the learner's control plane does when it takes the batch
+    audit = st.audit_request(1e9)
+    assert audit is not None and len(audit[0]) == B  # the rest are still audited...
+    assert not set(training) & set(audit[0])  # ...not the batch in training
+
+    new = ReplayBuffer(batch_size=B, capacity_groups=100, max_policy_lag=1)
+    st.recovery.buffer_contact(new.session, 10.0)
+    st.recovery.buffer_contact(new.session, 12.0)
+    held, drops, validated = new.inventory()
+    assert st.reconcile_buffer(held, drops, validated=validated) == B  # the other batch
+    again = {t.task_id for t in st.grant("s", 2 * B, 12.0).tasks}
+    assert again == {t.task_id for t in tasks} - set(training)
+    st.trained(training)
+    assert {st.ledger.entries[t].state for t in training} == {"done"}
+    assert st.in_training == set()

@@ -268,6 +268,12 @@ class Coordinator:
         with self._lock:
             return self._state.ledger.already_trained(task_ids)
 
+    def training(self, task_ids: list[str]) -> None:
+        """The learner took a batch of these tasks' groups to train (a buffer restart
+        meanwhile does not count them lost)."""
+        with self._lock:
+            self._state.training(task_ids)
+
     def trained(self, task_ids: list[str]) -> None:
         """The learner trained on the groups of these tasks (call before the push that
         follows: the admission window moves by what the pushed weights consumed)."""

@@ -95,6 +95,9 @@ class ControlState:
         self.min_servers_to_start = min_servers_to_start
         self.started = min_servers_to_start <= 1
         self.recovery = Recovery(dead_after_s)
+        # The groups of the batch the learner trains now (released, not trained yet): a
+        # buffer restarted meanwhile does not hold them, and they are not lost.
+        self.in_training: set[str] = set()
         self.group_filter = group_filter or GroupFilter(
             enable=False, max_num_gen_batches=0, batch_size=1
         )
@@ -403,8 +406,14 @@ class ControlState:
         )
         return back
 
+    def training(self, task_ids: list[str]) -> None:
+        """The learner took a batch of these tasks' groups to train (until :meth:`trained`):
+        a buffer restarted while it trains them has not lost them."""
+        self.in_training = set(task_ids)
+
     def trained(self, task_ids: list[str]) -> None:
         """The learner trained on these tasks' groups (validation: the buffer scored them)."""
+        self.in_training.difference_update(task_ids)
         self.ledger.trained(task_ids)
         self.group_filter.trained(sum(kind_of(t) == "train" for t in task_ids))
         # A group the filter judged was pushed, so it carried a signal: its row's verdict,
@@ -430,7 +439,9 @@ class ControlState:
                 "the buffer's inventory came while it is not reading (full): groups it "
                 "lacks are checked by the next audit, not dealt again now"
             )
-        lost = ledger_recovery.reconcile(self.ledger, held, dropped, cutoff)
+        # The batch in training left the old buffer: not held by the new one, not lost.
+        training = sorted(self.in_training - set(held))
+        lost = ledger_recovery.reconcile(self.ledger, [*held, *training], dropped, cutoff)
         self.recovery.reconciled()
         self.group_filter.verdicts(list(held), filtered=False)  # pushed: see trained()
         if lost:
@@ -442,6 +453,7 @@ class ControlState:
         when no audit is due (:meth:`Recovery.audit_due`)."""
         before = self.recovery.audit_due(now)
         ids = ledger_recovery.acked_before(self.ledger, before) if before is not None else []
+        ids = [t for t in ids if t not in self.in_training]  # released to the learner
         return (ids, before) if ids and before is not None else None
 
     def audited(self, unknown: list[str], paused: bool, before: float) -> int:
