@@ -772,4 +772,34 @@ ROWS = (
             "tests/test_reports_across_restarts.py::test_reports_naming_another_coordinators_deal_are_ignored_over_the_wire",
         ),
     ),
+    Mutation(
+        "the batch in training is not lost with a restarted buffer",
+        "a buffer restart while the learner trains a batch deals the batch again as lost",
+        "asyncrl/control/state.py",
+        "        lost = ledger_recovery.reconcile(self.ledger, [*held, *training], dropped, cutoff)\n",
+        "        lost = ledger_recovery.reconcile(self.ledger, held, dropped, cutoff)\n",
+        (
+            "tests/test_reports_across_restarts.py::test_a_buffer_restart_while_the_learner_trains_a_batch_does_not_deal_it_again",
+        ),
+    ),
+    Mutation(
+        "the batch in training is not audited",
+        "the audit asks a restarted buffer about the batch the learner trains, and deals it again",
+        "asyncrl/control/state.py",
+        "        ids = [t for t in ids if t not in self.in_training]  # released to the learner\n",
+        "",
+        (
+            "tests/test_reports_across_restarts.py::test_a_buffer_restart_while_the_learner_trains_a_batch_does_not_deal_it_again",
+        ),
+    ),
+    Mutation(
+        "the learner names the batch it trains to its coordinator",
+        "the learner takes a batch without telling its coordinator, which deals it again at a buffer restart",
+        "learner/control_plane.py",
+        "                self.coordinator.training([g.task_id for g in batch.groups])\n",
+        "",
+        (
+            "tests/test_acknowledgements.py::test_the_batch_the_learner_takes_is_named_to_its_coordinator",
+        ),
+    ),
 )
