@@ -1,9 +1,13 @@
-"""A server's report of a deal by the coordinator's previous life (a learner restarted from
-its checkpoint), sent again because that life never answered it, must not end the restored
-coordinator's own deal of the same task id: attempts start over after a restore, so the
-report names the session that dealt it (``Task.dealt_session``)."""
+"""What the coordinator's records must survive across restarts of the learner and of the
+buffer: a server's report of the previous coordinator's deal, sent again because that life
+never answered it (attempts start over after a restore, so a report names the session that
+dealt it, ``Task.dealt_session``); the batch the learner trains when the buffer restarts;
+and a replay after a buffer restart since the checkpoint.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +173,52 @@ def test_a_buffer_restart_while_the_learner_trains_a_batch_does_not_deal_it_agai
     st.trained(training)
     assert {st.ledger.entries[t].state for t in training} == {"done"}
     assert st.in_training == set()
+
+
+class _Welcoming:
+    """A buffer client whose hello answers from buffer session ``session``."""
+
+    def __init__(self, session: str) -> None:
+        self.session = session
+
+    def hello(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        from asyncrl import wire
+
+        return wire.Welcome(
+            redelivering=1, next_batch_id=1, acked=0, policy_version=11, session=self.session
+        )
+
+
+class _Replaying:
+    """The coordinator's side of a resume: what the replay is said to reproduce."""
+
+    def __init__(self) -> None:
+        self.through = -1
+        self.floor = 0
+
+    def set_replay(self, through: int, session: str) -> None:
+        self.through = through
+
+    def at_least(self, version: int) -> None:
+        self.floor = max(self.floor, version)
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["same_buffer", "buffer_restarted"])
+def test_a_replay_trusts_no_pushed_version_when_the_buffer_restarted_since_the_checkpoint(
+    restarted: bool,
+) -> None:
+    """Found by a review: checkpoint at v10 (buffer session S1); the previous life trained
+    S1's batch 11 and pushed v11; the buffer restarted (S2) and released its batch 0; the
+    learner died. The new buffer's one batch to redeliver is not the one v11 came from, yet
+    the replay took v11 as reproduced: servers holding it were trusted without a catch-up."""
+    from asyncrl.config import load_config
+    from learner.control_peer import Restored
+    from learner.control_start import meet_buffer
+
+    cfg = load_config(None, ["staleness.sync_every=1"])
+    restored = Restored(Path("ckpt"), 10, {}, step=10, version=10, last_batch_session="S1")
+    coordinator = _Replaying()
+    buffer = _Welcoming("S2" if restarted else "S1")
+    meet_buffer(cfg, buffer, coordinator, restored, total_steps=100)  # type: ignore[arg-type]
+    assert coordinator.through == (10 if restarted else 11)
+    assert coordinator.floor == (11 if restarted else 0)  # then pushes go on above v11
