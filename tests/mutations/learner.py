@@ -670,4 +670,14 @@ ROWS = (
         "            return NoControl()",
         ("tests/test_resume_ended.py::test_an_ended_run_with_no_buffer_to_tell_needs_none",),
     ),
+    Mutation(
+        "a replay after a buffer restart since the checkpoint trusts no pushed version",
+        "the replay counts a restarted buffer's redelivery as the previous life's batches and trusts weights it does not reproduce",
+        "learner/control_start.py",
+        "        redelivered = 0\n",
+        "        pass\n",
+        (
+            "tests/test_reports_across_restarts.py::test_a_replay_trusts_no_pushed_version_when_the_buffer_restarted_since_the_checkpoint",
+        ),
+    ),
 )
