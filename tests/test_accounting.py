@@ -10,6 +10,7 @@ and the accounting identity against counts kept by the harness itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -427,10 +428,9 @@ def test_a_learner_restart_loses_nothing_and_repeats_nothing(replay):
     )
 
 
-@pytest.mark.timeout(60)
-def test_a_failure_report_over_the_wire_gets_the_task_dealt_again(tmp_path):
-    """A real coordinator and client on loopback: the negative ack travels and the task
-    comes back under its id at the next request, the budget open for it again."""
+def loopback_coordinator(tmp_path: Any) -> tuple[Any, Any]:
+    """A stand-in learner's real coordinator on 127.0.0.1 (batches of 2 groups of 2, lag 0,
+    no validation) and a registered-to-be client of server ``s``: (learner, client)."""
     from asyncrl.control.client import CoordinatorClient
     from tests.standins.learner import StandInLearner, loopback_config
 
@@ -448,7 +448,14 @@ def test_a_failure_report_over_the_wire_gets_the_task_dealt_again(tmp_path):
         ],
     )
     learner = StandInLearner(cfg, train_rows=_rows(20), val_rows=[]).start()
-    client = CoordinatorClient.from_config(cfg, "s", engine_world_size=0)
+    return learner, CoordinatorClient.from_config(cfg, "s", engine_world_size=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_report_over_the_wire_gets_the_task_dealt_again(tmp_path):
+    """A real coordinator and client on loopback: the negative ack travels and the task
+    comes back under its id at the next request, the budget open for it again."""
+    learner, client = loopback_coordinator(tmp_path)
     try:
         client.register()
         first = client.request_tasks(2).tasks

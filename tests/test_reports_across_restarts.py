@@ -97,25 +97,9 @@ def test_reports_naming_another_coordinators_deal_are_ignored_over_the_wire(tmp_
     """A real coordinator and client on loopback: the session a report names travels from
     the client through the coordinator's loop to the ledger, for filtered and failure
     reports alike; the same reports naming the deal's own session are taken."""
-    from asyncrl.control.client import CoordinatorClient
-    from tests.standins.learner import StandInLearner, loopback_config
-    from tests.test_accounting import _rows
+    from tests.test_accounting import loopback_coordinator
 
-    cfg, _ = loopback_config(
-        tmp_path,
-        [
-            "data.train_batch_size=2",
-            "actor.ppo_mini_batch_size=2",
-            "rollout.n=2",
-            "staleness.max_policy_lag=0",
-            "trainer.val_before_train=false",
-            "trainer.test_freq=-1",
-            "control.heartbeat_s=0.2",
-            "control.dead_after_s=3",
-        ],
-    )
-    learner = StandInLearner(cfg, train_rows=_rows(20), val_rows=[]).start()
-    client = CoordinatorClient.from_config(cfg, "s", engine_world_size=0)
+    learner, client = loopback_coordinator(tmp_path)
     try:
         client.register()
         a, b = client.request_tasks(2).tasks
