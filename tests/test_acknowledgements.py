@@ -106,6 +106,6 @@ def test_the_batch_the_learner_takes_is_named_to_its_coordinator(
         )
         monkeypatch.setattr(rank0.buffer, "request_batch", lambda *a, **kw: batch)
         assert rank0.wait_batch(0, 0) is batch
-        assert rank0.coordinator._state.in_training == set(ids)
+        assert rank0.coordinator.in_training() == set(ids)
         rank0.trained(ids)
-        assert rank0.coordinator._state.in_training == set()
+        assert rank0.coordinator.in_training() == set()

@@ -274,6 +274,11 @@ class Coordinator:
         with self._lock:
             self._state.training(task_ids)
 
+    def in_training(self) -> set[str]:
+        """The task ids of the batch the learner trains now (named by :meth:`training`)."""
+        with self._lock:
+            return set(self._state.in_training)
+
     def trained(self, task_ids: list[str]) -> None:
         """The learner trained on the groups of these tasks (call before the push that
         follows: the admission window moves by what the pushed weights consumed)."""
